@@ -1,0 +1,1 @@
+"""splitserve.engine: model, weights, paged KV cache, scheduler, runner, sampler."""

@@ -1,0 +1,104 @@
+"""Per-request sampling and stopping parameters.
+
+``SamplingParams`` is frozen and validated on construction: an invalid value raises
+``InvalidRequestError`` naming the field (OpenAI ``param``), so no bad request reaches a worker.
+Semantics follow vLLM/OpenAI: ``temperature == 0`` is greedy; ``top_k <= 0`` disables top-k;
+``repetition_penalty`` applies to prompt and output tokens, ``frequency_penalty`` and
+``presence_penalty`` to output tokens only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from splitserve.engine.errors import InvalidRequestError
+
+MAX_LOGPROBS = 20
+"""Largest number of top alternatives a request may ask for per token."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each next token and when to stop."""
+
+    max_tokens: int = 16
+    """Most tokens to generate (the completion length cap)."""
+    temperature: float = 1.0
+    """0 selects greedy decoding; otherwise logits are divided by it before sampling."""
+    top_p: float = 1.0
+    """Nucleus sampling mass in (0, 1]."""
+    top_k: int = 0
+    """Keep only the k most likely tokens; 0 or -1 disables."""
+    min_p: float = 0.0
+    """Drop tokens whose probability is below ``min_p`` times the top token's, in [0, 1]."""
+    seed: int | None = None
+    """Per-request seed: the same seed and prompt give the same tokens, whatever the batch."""
+    repetition_penalty: float = 1.0
+    """> 1 discourages tokens already in prompt or output (HF/CTRL semantics)."""
+    frequency_penalty: float = 0.0
+    """Subtracted once per previous occurrence in the output, in [-2, 2]."""
+    presence_penalty: float = 0.0
+    """Subtracted once if the token occurred in the output, in [-2, 2]."""
+    stop: tuple[str, ...] = ()
+    """Stop strings: generation ends before the first occurrence; it is not in the text."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Extra token ids that end generation (the token is not emitted as text)."""
+    ignore_eos: bool = False
+    """Keep generating past the model's end-of-sequence tokens."""
+    min_tokens: int = 0
+    """EOS and stop token ids are suppressed until this many tokens were generated."""
+    logprobs: int | None = None
+    """Return the sampled token's logprob and this many top alternatives (0..MAX_LOGPROBS)."""
+    skip_special_tokens: bool = True
+    """Leave special tokens out of the detokenized text."""
+
+    def __post_init__(self) -> None:
+        self._validate()
+
+    def _validate(self) -> None:
+        _check(self.max_tokens >= 1, "max_tokens must be at least 1", "max_tokens")
+        _check(0.0 <= self.temperature <= 100.0, "temperature must be in [0, 100]", "temperature")
+        _check(0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]", "top_p")
+        _check(self.top_k >= -1, "top_k must be -1, 0 (disabled) or positive", "top_k")
+        _check(0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]", "min_p")
+        _check(
+            0.0 < self.repetition_penalty <= 10.0,
+            "repetition_penalty must be in (0, 10]",
+            "repetition_penalty",
+        )
+        for name in ("frequency_penalty", "presence_penalty"):
+            _check(-2.0 <= getattr(self, name) <= 2.0, f"{name} must be in [-2, 2]", name)
+        _check(self.min_tokens >= 0, "min_tokens must be non-negative", "min_tokens")
+        _check(
+            self.min_tokens <= self.max_tokens,
+            "min_tokens must not exceed max_tokens",
+            "min_tokens",
+        )
+        if self.logprobs is not None:
+            _check(
+                0 <= self.logprobs <= MAX_LOGPROBS,
+                f"logprobs must be in [0, {MAX_LOGPROBS}]",
+                "logprobs",
+            )
+        _check(
+            all(isinstance(s, str) and s for s in self.stop),
+            "stop strings must be non-empty",
+            "stop",
+        )
+        _check(
+            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids must be non-negative integers",
+            "stop_token_ids",
+        )
+        if self.seed is not None:
+            _check(isinstance(self.seed, int), "seed must be an integer", "seed")
+
+    @property
+    def greedy(self) -> bool:
+        """True when the next token is the argmax of the (penalized) logits."""
+        return self.temperature == 0.0
+
+
+def _check(condition: bool, message: str, param: str) -> None:
+    if not condition:
+        raise InvalidRequestError(message, param=param)

@@ -1,0 +1,1 @@
+"""splitserve.kernels: Triton kernels with torch references (see issue: kernels and the GPU path)."""
