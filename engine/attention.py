@@ -1,0 +1,219 @@
+"""Attention over a paged KV cache: the backend interface and the torch reference backend.
+
+A step's packed batch holds ``num_decode`` single-token sequences first (tokens
+``[0, num_decode)``) and then the multi-token sequences (prefill chunks), each a contiguous
+span of the packed tokens. Every sequence's query tokens sit at the end of its context: query
+``i`` of a sequence with ``query_len`` tokens and ``context_len`` cached-plus-new tokens is at
+position ``context_len - query_len + i`` and attends keys ``0..that position``.
+
+Cache layout, one tensor per worker: ``[layers, 2 (k, v), num_blocks, block_size, kv_heads,
+head_dim]``. A layer's key cache is ``kv[layer, 0]``; slot ``s`` is block ``s // block_size``,
+offset ``s % block_size``. Whole blocks of one layer are contiguous, so a request's KV for a
+layer can be gathered or scattered by block id (what the KV transfer needs).
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class SequenceSpan:
+    """Python-side description of one sequence in the step (input to ``prepare``)."""
+
+    query_len: int
+    context_len: int
+    """Tokens in the cache after this step's tokens are written (>= query_len)."""
+    block_table: Sequence[int]
+
+
+@dataclass
+class TorchAttentionMetadata:
+    """Tensors the torch backend needs, built once per step and shared by all layers."""
+
+    slot_mapping: torch.Tensor  # [tokens] int64: cache slot of each new token
+    num_decode: int
+    decode_block_tables: torch.Tensor  # [num_decode, max_blocks] int64
+    decode_mask: torch.Tensor  # [num_decode, 1, 1, max_blocks * block_size] bool
+    prefill_spans: list[tuple[int, int, int, torch.Tensor]]
+    """(query_start, query_len, context_len, block_ids [blocks] int64) per multi-token seq."""
+
+
+class AttentionBackend(abc.ABC):
+    """Computes attention for one layer and writes the new KV into the paged cache."""
+
+    name: str
+
+    @abc.abstractmethod
+    def prepare(
+        self, spans: Sequence[SequenceSpan], num_decode: int, block_size: int, device: torch.device
+    ) -> object:
+        """Build the per-step metadata; ``spans[:num_decode]`` have ``query_len == 1``."""
+
+    @abc.abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,  # [tokens, heads, head_dim]
+        key: torch.Tensor,  # [tokens, kv_heads, head_dim]
+        value: torch.Tensor,  # [tokens, kv_heads, head_dim]
+        key_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
+        value_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
+        metadata: object,
+        scale: float,
+    ) -> torch.Tensor:
+        """Write ``key``/``value`` into the cache, return attention output [tokens, heads*dim]."""
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """Reference backend: gathers each sequence's blocks and calls torch SDPA."""
+
+    name = "torch"
+
+    def prepare(
+        self, spans: Sequence[SequenceSpan], num_decode: int, block_size: int, device: torch.device
+    ) -> TorchAttentionMetadata:
+        slots: list[int] = []
+        for span in spans:
+            start = span.context_len - span.query_len
+            table = span.block_table
+            slots.extend(
+                table[pos // block_size] * block_size + pos % block_size
+                for pos in range(start, span.context_len)
+            )
+        decode_spans = spans[:num_decode]
+        max_blocks = max((-(-s.context_len // block_size) for s in decode_spans), default=0)
+        tables = [list(s.block_table[:max_blocks]) for s in decode_spans]
+        tables = [t + [0] * (max_blocks - len(t)) for t in tables]
+        lens = torch.tensor([s.context_len for s in decode_spans], dtype=torch.int64)
+        key_positions = torch.arange(max_blocks * block_size)
+        mask = (key_positions[None, :] < lens[:, None]).view(num_decode, 1, 1, -1)
+        prefill_spans = []
+        query_start = num_decode
+        for span in spans[num_decode:]:
+            needed = -(-span.context_len // block_size)
+            block_ids = torch.tensor(span.block_table[:needed], dtype=torch.int64, device=device)
+            prefill_spans.append((query_start, span.query_len, span.context_len, block_ids))
+            query_start += span.query_len
+        return TorchAttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            num_decode=num_decode,
+            decode_block_tables=torch.tensor(tables, dtype=torch.int64, device=device).view(
+                num_decode, max_blocks
+            ),
+            decode_mask=mask.to(device),
+            prefill_spans=prefill_spans,
+        )
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        metadata: object,
+        scale: float,
+    ) -> torch.Tensor:
+        assert isinstance(metadata, TorchAttentionMetadata)
+        num_tokens, num_heads, head_dim = query.shape
+        num_kv_heads = key.shape[1]
+        write_kv(key, value, key_cache, value_cache, metadata.slot_mapping)
+        output = query.new_empty(num_tokens, num_heads, head_dim)
+        if metadata.num_decode:
+            nd = metadata.num_decode
+            output[:nd] = decode_attention(
+                query[:nd],
+                key_cache,
+                value_cache,
+                metadata.decode_block_tables,
+                metadata.decode_mask,
+                scale,
+            )
+        for start, query_len, context_len, block_ids in metadata.prefill_spans:
+            end = start + query_len
+            if context_len == query_len:  # no cached prefix: attend the fresh keys directly
+                seq_key, seq_value = key[start:end], value[start:end]
+            else:
+                seq_key = gather_blocks(key_cache, block_ids)[:context_len]
+                seq_value = gather_blocks(value_cache, block_ids)[:context_len]
+            output[start:end] = prefill_attention(
+                query[start:end], seq_key, seq_value, num_kv_heads, scale
+            )
+        return output.view(num_tokens, num_heads * head_dim)
+
+
+def write_kv(
+    key: torch.Tensor,  # [tokens, kv_heads, head_dim]
+    value: torch.Tensor,  # [tokens, kv_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [tokens] int64
+) -> None:
+    """Store each token's key and value in its cache slot."""
+    kv_heads, head_dim = key.shape[1], key.shape[2]
+    key_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, key)
+    value_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+
+
+def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """Concatenate ``[blocks, block_size, kv_heads, dim]`` into ``[tokens, kv_heads, dim]``."""
+    gathered = cache.index_select(0, block_ids)  # [blocks, block_size, kv_heads, dim]
+    return gathered.flatten(0, 1)
+
+
+def decode_attention(
+    query: torch.Tensor,  # [batch, heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [batch, max_blocks] int64
+    mask: torch.Tensor,  # [batch, 1, 1, max_blocks * block_size] bool
+    scale: float,
+) -> torch.Tensor:
+    """One query token per sequence over its paged context; returns ``[batch, heads, head_dim]``.
+
+    GQA without copying KV per query head: the query heads sharing a KV head are treated as
+    ``group`` query rows of that KV head.
+    """
+    batch, num_heads, head_dim = query.shape
+    num_kv_heads = key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    keys = key_cache[block_tables].flatten(1, 2).transpose(1, 2)  # [batch, kv_heads, ctx, dim]
+    values = value_cache[block_tables].flatten(1, 2).transpose(1, 2)
+    grouped_query = query.view(batch, num_kv_heads, group, head_dim)
+    out = F.scaled_dot_product_attention(grouped_query, keys, values, attn_mask=mask, scale=scale)
+    return out.reshape(batch, num_heads, head_dim)
+
+
+def prefill_attention(
+    query: torch.Tensor,  # [query_len, heads, head_dim]
+    key: torch.Tensor,  # [context_len, kv_heads, head_dim]
+    value: torch.Tensor,  # [context_len, kv_heads, head_dim]
+    num_kv_heads: int,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of the last ``query_len`` positions of a context.
+
+    Returns ``[query_len, heads, dim]``.
+    """
+    query_len, num_heads, _ = query.shape
+    context_len = key.shape[0]
+    q = query.transpose(0, 1)  # [heads, query_len, dim]
+    k = key.transpose(0, 1)  # [kv_heads, context_len, dim]
+    v = value.transpose(0, 1)
+    if num_kv_heads != num_heads:
+        repeat = num_heads // num_kv_heads
+        k = k.repeat_interleave(repeat, dim=0)  # [heads, context_len, dim]
+        v = v.repeat_interleave(repeat, dim=0)
+    if context_len == query_len:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    else:
+        offset = context_len - query_len
+        rows = torch.arange(query_len, device=query.device)[:, None] + offset
+        mask = torch.arange(context_len, device=query.device)[None, :] <= rows
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return out.transpose(0, 1)

@@ -1,0 +1,114 @@
+"""Pool of fixed-size KV-cache blocks: reference counts, an LRU free list, a prefix-hash index.
+
+Torch-free: this module only hands out block ids; the tensors live with the model runner.
+
+Invariants:
+- Every block id in ``[0, num_blocks)`` is either referenced (``ref_count > 0``) or in the free
+  queue, never both. ``num_free_blocks == len(free queue)``.
+- A free block may still hold a cached prefix (it has a hash). It stays reusable by a prefix hit
+  until ``allocate`` hands it out again, which evicts the hash (least recently freed first).
+- ``allocate``, ``free`` of one block, ``touch`` of one block and ``lookup`` are O(1).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+
+BlockHash = bytes
+"""Digest identifying a full block by its tokens and all tokens before it."""
+
+
+class NoFreeBlocksError(RuntimeError):
+    """``allocate`` was asked for more blocks than are free (callers check first)."""
+
+
+class BlockPool:
+    """Hands out block ids with reference counting and a prefix-cache index."""
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self._ref_counts: list[int] = [0] * num_blocks
+        self._hash_of_block: list[BlockHash | None] = [None] * num_blocks
+        self._block_of_hash: dict[BlockHash, int] = {}
+        # Insertion order is eviction order: the front is the least recently freed block.
+        self._free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that ``allocate`` can hand out now (including evictable cached ones)."""
+        return len(self._free_queue)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks currently registered in the prefix index (referenced or free)."""
+        return len(self._block_of_hash)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks referenced by some request, in [0, 1]."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def ref_count(self, block_id: int) -> int:
+        return self._ref_counts[block_id]
+
+    def allocate(self, count: int) -> list[int]:
+        """Take ``count`` free blocks (ref count 1 each), evicting their cached hashes."""
+        if count > len(self._free_queue):
+            raise NoFreeBlocksError(f"asked for {count} blocks, {len(self._free_queue)} free")
+        blocks: list[int] = []
+        for _ in range(count):
+            block_id, _ = self._free_queue.popitem(last=False)
+            self._evict_hash(block_id)
+            self._ref_counts[block_id] = 1
+            blocks.append(block_id)
+        return blocks
+
+    def touch(self, block_ids: Iterable[int]) -> None:
+        """Add a reference to each block (a prefix-cache hit), reviving free cached blocks."""
+        for block_id in block_ids:
+            if self._ref_counts[block_id] == 0:
+                del self._free_queue[block_id]
+            self._ref_counts[block_id] += 1
+
+    def free(self, block_ids: Sequence[int]) -> None:
+        """Drop one reference from each block.
+
+        Blocks reaching zero join the free queue in the given order, so pass a request's
+        blocks tail first: its last blocks are then evicted before its shared prefix.
+        """
+        for block_id in block_ids:
+            count = self._ref_counts[block_id]
+            if count <= 0:
+                raise RuntimeError(f"block {block_id} freed more often than referenced")
+            self._ref_counts[block_id] = count - 1
+            if count == 1:
+                self._free_queue[block_id] = None
+
+    def lookup(self, block_hash: BlockHash) -> int | None:
+        """The block holding the prefix with this hash, if it is still cached."""
+        return self._block_of_hash.get(block_hash)
+
+    def register(self, block_id: int, block_hash: BlockHash) -> None:
+        """Record that ``block_id`` now holds the full block identified by ``block_hash``.
+
+        If another block already holds the same content, the first one stays the canonical
+        entry and this block simply remains uncached.
+        """
+        if self._hash_of_block[block_id] is not None or block_hash in self._block_of_hash:
+            return
+        self._hash_of_block[block_id] = block_hash
+        self._block_of_hash[block_hash] = block_id
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached hash (blocks and references are untouched)."""
+        self._block_of_hash.clear()
+        self._hash_of_block = [None] * self.num_blocks
+
+    def _evict_hash(self, block_id: int) -> None:
+        block_hash = self._hash_of_block[block_id]
+        if block_hash is not None:
+            self._hash_of_block[block_id] = None
+            del self._block_of_hash[block_hash]

@@ -1,0 +1,102 @@
+"""Engine configuration: one frozen dataclass per component, composed into ``EngineConfig``.
+
+Every field has a docstring and is validated in ``__post_init__`` (``InvalidRequestError`` with
+the field name as ``param``). CLI flags and ``SPLITSERVE_*`` environment variables are read in
+one place (``engine/cli_args.py``), never here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from splitserve.engine.errors import InvalidRequestError
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which weights to load and how."""
+
+    model: str = "default"
+    """Path to a GGUF file or a HF folder (config.json + safetensors), or "default"."""
+    dtype: str = "auto"
+    """Compute dtype: "auto" picks bfloat16 where the CPU has native bf16, else float32."""
+    max_model_len: int | None = None
+    """Context window override in tokens (at most the model's own); None keeps the model's."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise InvalidRequestError(f"dtype must be one of {DTYPES}", param="dtype")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise InvalidRequestError("max_model_len must be at least 2", param="max_model_len")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Size and behaviour of the paged KV cache."""
+
+    block_size: int = 16
+    """Tokens per KV block."""
+    num_blocks: int | None = None
+    """Number of KV blocks; when None it is derived from ``kv_cache_gib``."""
+    kv_cache_gib: float = 1.0
+    """KV cache size in GiB, used when ``num_blocks`` is None."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV of full blocks shared with earlier prompts."""
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise InvalidRequestError("block_size must be a power of two", param="block_size")
+        if self.num_blocks is not None and self.num_blocks <= 0:
+            raise InvalidRequestError("num_blocks must be positive", param="num_blocks")
+        if self.kv_cache_gib <= 0:
+            raise InvalidRequestError("kv_cache_gib must be positive", param="kv_cache_gib")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Per-step token budget and concurrency."""
+
+    max_num_batched_tokens: int = 2048
+    """Token budget of one step: decode tokens plus prefill chunk tokens."""
+    max_num_seqs: int = 256
+    """Most requests in the running batch."""
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens <= 0:
+            raise InvalidRequestError(
+                "max_num_batched_tokens must be positive", param="max_num_batched_tokens"
+            )
+        if self.max_num_seqs <= 0:
+            raise InvalidRequestError("max_num_seqs must be positive", param="max_num_seqs")
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    """How the model runs on this process."""
+
+    num_threads: int | None = None
+    """torch intra-op threads; None leaves torch's default."""
+    attention_backend: str = "auto"
+    """"torch" (reference, CPU default), "triton" (CUDA) or "auto"."""
+    device: str = "cpu"
+    """torch device of weights and KV cache."""
+
+    def __post_init__(self) -> None:
+        if self.num_threads is not None and self.num_threads <= 0:
+            raise InvalidRequestError("num_threads must be positive", param="num_threads")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise InvalidRequestError(
+                "attention_backend must be auto, torch or triton", param="attention_backend"
+            )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Root configuration of one engine (one worker's model, cache, scheduler, runner)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    runner: RunnerConfig = field(default_factory=RunnerConfig)

@@ -1,0 +1,134 @@
+"""One worker's engine: a synchronous loop of schedule -> execute -> update.
+
+``EngineCore`` owns the model runner, the KV cache manager and the scheduler. It works on token
+ids only (text lives with the caller's detokenizer) and is driven by one thread: callers either
+call ``step()`` themselves (offline, tests) or use ``EngineThread`` which runs it off the
+asyncio event loop.
+
+Invariant: when ``has_unfinished`` is False, every KV block is back in the pool.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from splitserve.engine.attention import AttentionBackend, TorchAttentionBackend
+from splitserve.engine.checkpoint import LoadedCheckpoint, load_checkpoint, resolve_model_path
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.device import resolve_dtype
+from splitserve.engine.errors import InvalidRequestError
+from splitserve.engine.kv_cache_manager import KVCacheManager
+from splitserve.engine.model import LlamaModel
+from splitserve.engine.model_runner import ModelRunner, kv_cache_bytes_per_block
+from splitserve.engine.request import Request, RequestStatus
+from splitserve.engine.sampler import TokenLogprob
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.scheduler import RequestUpdate, Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """One request's progress in one step."""
+
+    update: RequestUpdate
+    logprobs: tuple[TokenLogprob, ...] = ()
+
+
+class EngineCore:
+    """Loads the model and runs requests to completion on one device."""
+
+    def __init__(self, config: EngineConfig, checkpoint: LoadedCheckpoint | None = None) -> None:
+        self.config = config
+        if config.runner.num_threads is not None:
+            torch.set_num_threads(config.runner.num_threads)
+        device = torch.device(config.runner.device)
+        self.dtype = resolve_dtype(config.model.dtype, device)
+        if checkpoint is None:
+            checkpoint = load_checkpoint(resolve_model_path(config.model.model), self.dtype)
+        self.checkpoint = checkpoint
+        self.model_config = checkpoint.config
+        self.tokenizer = checkpoint.tokenizer
+        self.max_model_len = self.model_config.max_position_embeddings
+        if config.model.max_model_len is not None:
+            self.max_model_len = min(self.max_model_len, config.model.max_model_len)
+        self.num_blocks = self._num_blocks()
+        model = LlamaModel(
+            checkpoint.config, checkpoint.weights, self.dtype, device, self.max_model_len
+        )
+        self.runner = ModelRunner(model, self.num_blocks, config.cache.block_size, _backend(config))
+        self.kv_cache = KVCacheManager(
+            self.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len)
+        self.eos_token_ids = frozenset(checkpoint.config.eos_token_ids)
+        logger.info(
+            "engine ready: %s dtype=%s blocks=%d x %d tokens, max_model_len=%d",
+            checkpoint.config.name,
+            self.dtype,
+            self.num_blocks,
+            config.cache.block_size,
+            self.max_model_len,
+        )
+
+    def _num_blocks(self) -> int:
+        cache = self.config.cache
+        if cache.num_blocks is not None:
+            return cache.num_blocks
+        cfg = self.model_config
+        per_block = kv_cache_bytes_per_block(
+            cfg.num_hidden_layers,
+            cache.block_size,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            self.dtype,
+        )
+        return max(1, int(cache.kv_cache_gib * (1 << 30)) // per_block)
+
+    # ---- requests --------------------------------------------------------------------------
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> None:
+        """Queue a request; raises ``InvalidRequestError`` for input it can never serve."""
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= token < vocab for token in prompt_token_ids):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
+        request = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids)
+        self.scheduler.add_request(request)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Abort and free a request; False if it was unknown or already finished."""
+        return self.scheduler.abort_request(request_id) is not None
+
+    def finish_request(self, request_id: str) -> None:
+        """End a request as stopped (a stop string matched downstream) and free its blocks."""
+        self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # ---- the step --------------------------------------------------------------------------
+
+    def step(self) -> list[StepOutput]:
+        """Schedule -> execute -> update; returns the progress of every request that sampled."""
+        scheduled = self.scheduler.schedule()
+        executed = self.runner.execute(scheduled)
+        updates = self.scheduler.update(scheduled, executed.sampled_token_ids)
+        return [StepOutput(u, _logprobs_of(executed.logprobs.get(u.request_id))) for u in updates]
+
+
+def _logprobs_of(logprob: TokenLogprob | None) -> tuple[TokenLogprob, ...]:
+    return () if logprob is None else (logprob,)
+
+
+def _backend(config: EngineConfig) -> AttentionBackend:
+    name = config.runner.attention_backend
+    if name == "triton" or (name == "auto" and config.runner.device.startswith("cuda")):
+        raise NotImplementedError("the Triton attention backend is not built yet")
+    return TorchAttentionBackend()

@@ -1,0 +1,126 @@
+"""Per-request block tables over a ``BlockPool``, with prefix caching.
+
+Torch-free. A request's block table maps its token positions to block ids: token ``p`` lives
+in block ``table[p // block_size]`` at offset ``p % block_size``.
+
+Prefix caching: a block that is full of computed tokens is identified by a chained digest
+``hash_i = H(hash_{i-1}, tokens of block i)``, so equal digests mean equal whole prefixes.
+A new request reuses the longest run of cached full blocks of its prompt, but always leaves at
+least one prompt token to compute (the model must produce logits for the last one), so cached
+blocks are never written.
+
+Invariant: after ``free(request_id)`` the request holds no reference on any block.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Sequence
+
+from splitserve.engine.block_pool import BlockHash, BlockPool
+
+_ROOT_HASH: BlockHash = b"splitserve-prefix-root"
+
+
+def hash_block(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
+    """Digest of a full block chained with the digest of everything before it."""
+    digest = hashlib.blake2b(parent or _ROOT_HASH, digest_size=16)
+    digest.update(array("q", token_ids).tobytes())
+    return digest.digest()
+
+
+class KVCacheManager:
+    """Allocates, caches and frees the blocks of each request."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks)
+        self._tables: dict[str, list[int]] = {}
+        self._hashes: dict[str, list[BlockHash]] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    def block_table(self, request_id: str) -> list[int]:
+        """The request's blocks in position order (empty if it holds none)."""
+        return self._tables.get(request_id, [])
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def find_cached_prefix(self, token_ids: Sequence[int]) -> list[int]:
+        """Blocks holding the longest cached prefix of ``token_ids`` (not yet referenced).
+
+        At most ``(len(token_ids) - 1) // block_size`` blocks, so one token is left to compute.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        max_blocks = (len(token_ids) - 1) // self.block_size
+        blocks: list[int] = []
+        parent: BlockHash | None = None
+        for index in range(max_blocks):
+            start = index * self.block_size
+            parent = hash_block(parent, token_ids[start : start + self.block_size])
+            block_id = self.pool.lookup(parent)
+            if block_id is None:
+                break
+            blocks.append(block_id)
+        return blocks
+
+    def allocate(
+        self, request_id: str, num_total_tokens: int, cached_blocks: Sequence[int] = ()
+    ) -> bool:
+        """Grow the request's table to cover ``num_total_tokens`` positions.
+
+        ``cached_blocks`` (from ``find_cached_prefix``, only for a request holding no blocks)
+        become the head of its table. Returns False, changing nothing, if the pool is short.
+        """
+        table = self._tables.get(request_id)
+        if table is None:
+            table = []
+        elif cached_blocks:
+            raise ValueError("cached prefix blocks can only start an empty table")
+        have = len(table) + len(cached_blocks)
+        needed = self.blocks_needed(num_total_tokens) - have
+        # Cached blocks that sit in the free queue stop being allocatable once touched.
+        revived = sum(1 for b in cached_blocks if self.pool.ref_count(b) == 0)
+        if needed + revived > self.pool.num_free_blocks:
+            return False
+        if cached_blocks:
+            self.pool.touch(cached_blocks)
+            table.extend(cached_blocks)
+        if needed > 0:
+            table.extend(self.pool.allocate(needed))
+        self._tables[request_id] = table
+        return True
+
+    def cache_full_blocks(
+        self, request_id: str, token_ids: Sequence[int], num_computed: int
+    ) -> None:
+        """Register the request's blocks that are now full of computed tokens."""
+        if not self.enable_prefix_caching:
+            return
+        table = self._tables.get(request_id, [])
+        hashes = self._hashes.setdefault(request_id, [])
+        num_full = min(num_computed // self.block_size, len(table))
+        for index in range(len(hashes), num_full):
+            start = index * self.block_size
+            parent = hashes[-1] if hashes else None
+            block_hash = hash_block(parent, token_ids[start : start + self.block_size])
+            hashes.append(block_hash)
+            self.pool.register(table[index], block_hash)
+
+    def free(self, request_id: str) -> None:
+        """Release every block of the request (tail first, so its prefix is evicted last)."""
+        table = self._tables.pop(request_id, [])
+        self._hashes.pop(request_id, None)
+        self.pool.free(table[::-1])

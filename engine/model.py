@@ -1,0 +1,145 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM) over a paged KV cache.
+
+Weights are kept as plain tensors with fused projections (``qkv`` and ``gate_up``) so a layer is
+a handful of large matmuls. Numerics mirror HF ``transformers``: RMSNorm in float32 then cast,
+RoPE tables in the model dtype, logits cast to float32.
+
+``forward`` takes a packed batch (all sequences' new tokens concatenated) and returns logits
+only for the tokens listed in ``logits_indices`` (the last token of each sampling sequence).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from splitserve.engine.attention import AttentionBackend
+from splitserve.engine.errors import ModelLoadError
+from splitserve.engine.model_config import ModelArchConfig
+from splitserve.engine.rotary import apply_rotary, cos_sin_table
+
+
+@dataclass
+class DecoderLayerWeights:
+    """One decoder layer's tensors (model dtype, on the model device)."""
+
+    input_norm: torch.Tensor  # [hidden]
+    qkv: torch.Tensor  # [q_size + 2 * kv_size, hidden]
+    qkv_bias: torch.Tensor | None  # [q_size + 2 * kv_size]
+    o_proj: torch.Tensor  # [hidden, q_size]
+    post_norm: torch.Tensor  # [hidden]
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    down: torch.Tensor  # [hidden, intermediate]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF-exact RMSNorm: normalize in float32, cast back, then scale."""
+    x32 = x.float()
+    variance = x32.pow(2).mean(-1, keepdim=True)
+    return weight * (x32 * torch.rsqrt(variance + eps)).to(x.dtype)
+
+
+class LlamaModel:
+    """The decoder stack plus embedding and LM head; stateless apart from its weights."""
+
+    def __init__(
+        self,
+        config: ModelArchConfig,
+        weights: Mapping[str, torch.Tensor],
+        dtype: torch.dtype,
+        device: torch.device,
+        max_positions: int,
+    ) -> None:
+        self.config = config
+        self.dtype = dtype
+        self.device = device
+        take = _WeightTaker(weights, dtype, device)
+        self.embed_tokens = take("model.embed_tokens.weight")  # [vocab, hidden]
+        self.layers = [self._layer(take, i) for i in range(config.num_hidden_layers)]
+        self.norm = take("model.norm.weight")  # [hidden]
+        if config.tie_word_embeddings:
+            self.lm_head = self.embed_tokens
+        else:
+            self.lm_head = take("lm_head.weight")  # [vocab, hidden]
+        self.cos, self.sin = cos_sin_table(
+            config.head_dim, config.rope_theta, config.rope_scaling, max_positions, dtype, device
+        )  # [positions, head_dim] each
+        self.scale = config.head_dim**-0.5
+
+    def _layer(self, take: _WeightTaker, index: int) -> DecoderLayerWeights:
+        prefix = f"model.layers.{index}."
+        attn, mlp = prefix + "self_attn.", prefix + "mlp."
+        qkv_names = [attn + f"{p}_proj.weight" for p in "qkv"]
+        qkv_bias = None
+        if self.config.attention_bias:
+            qkv_bias = torch.cat([take(attn + f"{p}_proj.bias") for p in "qkv"])
+        return DecoderLayerWeights(
+            input_norm=take(prefix + "input_layernorm.weight"),
+            qkv=torch.cat([take(name) for name in qkv_names]),
+            qkv_bias=qkv_bias,
+            o_proj=take(attn + "o_proj.weight"),
+            post_norm=take(prefix + "post_attention_layernorm.weight"),
+            gate_up=torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")]),
+            down=take(mlp + "down_proj.weight"),
+        )
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [tokens] int64
+        positions: torch.Tensor,  # [tokens] int64
+        kv_cache: torch.Tensor,  # [layers, 2, blocks, block_size, kv_heads, head_dim]
+        backend: AttentionBackend,
+        attn_metadata: object,
+        logits_indices: torch.Tensor,  # [samples] int64
+    ) -> torch.Tensor:
+        """Run the packed batch; returns float32 logits ``[samples, vocab]``."""
+        cfg = self.config
+        hidden = F.embedding(input_ids, self.embed_tokens)  # [tokens, hidden]
+        cos, sin = self.cos[positions], self.sin[positions]  # [tokens, head_dim]
+        num_tokens = input_ids.shape[0]
+        q_heads, kv_heads, head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        for index, layer in enumerate(self.layers):
+            normed = rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps)
+            qkv = F.linear(normed, layer.qkv, layer.qkv_bias)  # [tokens, q + 2 kv]
+            query_key = qkv[:, : cfg.q_size + cfg.kv_size].view(
+                num_tokens, q_heads + kv_heads, head_dim
+            )
+            query_key = apply_rotary(query_key, cos, sin)  # [tokens, q_heads + kv_heads, dim]
+            value = qkv[:, cfg.q_size + cfg.kv_size :].view(num_tokens, kv_heads, head_dim)
+            attn = backend.forward(
+                query_key[:, :q_heads],
+                query_key[:, q_heads:],
+                value,
+                kv_cache[index, 0],
+                kv_cache[index, 1],
+                attn_metadata,
+                self.scale,
+            )  # [tokens, q_size]
+            hidden = hidden + F.linear(attn, layer.o_proj)
+            normed = rms_norm(hidden, layer.post_norm, cfg.rms_norm_eps)
+            gate, up = F.linear(normed, layer.gate_up).chunk(2, dim=-1)
+            hidden = hidden + F.linear(F.silu(gate) * up, layer.down)
+        last = hidden.index_select(0, logits_indices)  # [samples, hidden]
+        last = rms_norm(last, self.norm, cfg.rms_norm_eps)
+        return F.linear(last, self.lm_head).float()  # [samples, vocab]
+
+
+class _WeightTaker:
+    """Fetches a named weight, checks it exists, casts it to the model dtype and device."""
+
+    def __init__(
+        self, weights: Mapping[str, torch.Tensor], dtype: torch.dtype, device: torch.device
+    ) -> None:
+        self._weights = weights
+        self._dtype = dtype
+        self._device = device
+
+    def __call__(self, name: str) -> torch.Tensor:
+        tensor = self._weights.get(name)
+        if tensor is None:
+            raise ModelLoadError(f"checkpoint lacks tensor {name!r}")
+        return tensor.to(device=self._device, dtype=self._dtype).contiguous()

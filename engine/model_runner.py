@@ -1,0 +1,132 @@
+"""Executes one scheduled step: packs the batch, runs the model over the paged KV cache, samples.
+
+Contract: ``execute(SchedulerOutput) -> RunnerOutput`` with exactly one sampled token for every
+chunk whose ``samples`` flag is set. The runner owns the KV cache tensor
+``[layers, 2, num_blocks, block_size, kv_heads, head_dim]`` and the per-request random
+generators; it never decides which blocks a request uses (the scheduler's block tables do).
+It is not thread-safe: one thread (the engine thread) calls it, never the asyncio loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from splitserve.engine.attention import AttentionBackend, SequenceSpan
+from splitserve.engine.model import LlamaModel
+from splitserve.engine.sampler import Sampler, SamplingRow, TokenLogprob
+from splitserve.engine.scheduler import ScheduledChunk, SchedulerOutput
+
+
+@dataclass(frozen=True)
+class RunnerOutput:
+    """Tokens sampled in one step, keyed by request id."""
+
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+    """Only for requests that asked for logprobs."""
+
+
+def kv_cache_bytes_per_block(
+    num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> int:
+    """Bytes one block occupies across all layers, keys and values."""
+    element_size = torch.empty((), dtype=dtype).element_size()
+    return num_layers * 2 * block_size * num_kv_heads * head_dim * element_size
+
+
+class ModelRunner:
+    """Runs ``LlamaModel`` steps over its own paged KV cache."""
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        num_blocks: int,
+        block_size: int,
+        backend: AttentionBackend,
+    ) -> None:
+        cfg = model.config
+        self.model = model
+        self.block_size = block_size
+        self.backend = backend
+        self.device = model.device
+        self.kv_cache = torch.zeros(
+            (
+                cfg.num_hidden_layers,
+                2,
+                num_blocks,
+                block_size,
+                cfg.num_key_value_heads,
+                cfg.head_dim,
+            ),
+            dtype=model.dtype,
+            device=model.device,
+        )  # [layers, 2, blocks, block_size, kv_heads, head_dim]
+        self.sampler = Sampler()
+        self._generators: dict[str, torch.Generator] = {}
+
+    def execute(self, step: SchedulerOutput) -> RunnerOutput:
+        for request_id in step.finished_request_ids:
+            self._generators.pop(request_id, None)
+        if not step.chunks:
+            return RunnerOutput()
+        # Single-token sequences first: the attention backend batches them as decodes.
+        chunks = sorted(step.chunks, key=lambda chunk: chunk.num_tokens != 1)
+        num_decode = sum(1 for chunk in chunks if chunk.num_tokens == 1)
+        input_ids, positions, logits_rows = self._pack(chunks)
+        spans = [
+            SequenceSpan(chunk.num_tokens, chunk.context_length, chunk.block_table)
+            for chunk in chunks
+        ]
+        metadata = self.backend.prepare(spans, num_decode, self.block_size, self.device)
+        sampling_chunks = [chunk for chunk in chunks if chunk.samples]
+        logits = self.model.forward(
+            torch.tensor(input_ids, dtype=torch.int64, device=self.device),
+            torch.tensor(positions, dtype=torch.int64, device=self.device),
+            self.kv_cache,
+            self.backend,
+            metadata,
+            torch.tensor(logits_rows, dtype=torch.int64, device=self.device),
+        )  # [samples, vocab]
+        if not sampling_chunks:
+            return RunnerOutput()
+        rows = [self._sampling_row(chunk) for chunk in sampling_chunks]
+        sampled = self.sampler(logits, rows)
+        output = RunnerOutput()
+        for chunk, token_id, logprob in zip(
+            sampling_chunks, sampled.token_ids, sampled.logprobs, strict=True
+        ):
+            output.sampled_token_ids[chunk.request_id] = token_id
+            if logprob is not None:
+                output.logprobs[chunk.request_id] = logprob
+        return output
+
+    @staticmethod
+    def _pack(chunks: list[ScheduledChunk]) -> tuple[list[int], list[int], list[int]]:
+        """Concatenate token ids and positions; index of each sampling chunk's last token."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        logits_rows: list[int] = []
+        for chunk in chunks:
+            input_ids.extend(chunk.token_ids)
+            positions.extend(range(chunk.start_position, chunk.context_length))
+            if chunk.samples:
+                logits_rows.append(len(input_ids) - 1)
+        return input_ids, positions, logits_rows
+
+    def _sampling_row(self, chunk: ScheduledChunk) -> SamplingRow:
+        generator = None
+        if chunk.params.seed is not None:
+            generator = self._generators.get(chunk.request_id)
+            if generator is None:
+                generator = torch.Generator(device=self.device)
+                generator.manual_seed(chunk.params.seed)
+                self._generators[chunk.request_id] = generator
+        return SamplingRow(
+            params=chunk.params,
+            generator=generator,
+            prompt_token_ids=chunk.prompt_token_ids,
+            output_token_ids=chunk.output_token_ids,
+            eos_token_ids=chunk.eos_token_ids,
+        )

@@ -1,0 +1,105 @@
+"""A generation request as the scheduler sees it, and its lifecycle.
+
+Lifecycle (``RequestStatus``)::
+
+    WAITING --schedule--> RUNNING --finish--> FINISHED_STOPPED | FINISHED_LENGTH
+       ^                     |                FINISHED_ABORTED (from any state)
+       +----- PREEMPTED <----+   (blocks ran out: KV freed, recomputed from prompt + output)
+
+Queues: the scheduler keeps ``waiting`` (WAITING and PREEMPTED, preempted ones in front) and
+``running`` (RUNNING, oldest first). A finished request is in neither and holds no block.
+
+Invariant: ``all_token_ids == prompt_token_ids + output_token_ids`` and
+``0 <= num_computed_tokens <= len(all_token_ids)``; the KV of the first
+``num_computed_tokens`` tokens is in the request's blocks.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from splitserve.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is in its lifecycle."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISHED
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return _FINISH_REASON.get(self)
+
+
+class FinishReason(enum.Enum):
+    """Why generation ended, as reported to clients (OpenAI ``finish_reason``)."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+_FINISHED = frozenset(
+    {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED}
+)
+_FINISH_REASON = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+}
+
+
+@dataclass(eq=False)
+class Request:
+    """Mutable scheduler-side state of one request (owned by one scheduler)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(init=False)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache at first admission."""
+    num_preemptions: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    stop_token_id: int | None = None
+    """The eos/stop token that ended the request, if any."""
+    first_scheduled_time: float | None = None
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens."""
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)

@@ -1,0 +1,361 @@
+"""Batched next-token sampling with per-request penalties, filters, seeds and logprobs.
+
+One ``Sampler.__call__`` turns a step's logits ``[batch, vocab]`` (any float dtype) and one
+``SamplingRow`` per row into one token id per row (plus logprobs where asked for).
+
+Order of operations (vLLM / OpenAI semantics), all in float32:
+
+1. **min_tokens**: while a row has generated fewer than ``params.min_tokens`` tokens, its
+   ``eos_token_ids`` and ``params.stop_token_ids`` are set to ``-inf``.
+2. **repetition penalty** (tokens in prompt or output): a positive logit is divided by the
+   penalty, a negative one multiplied by it.
+3. **frequency / presence penalties** (output tokens only): minus ``frequency_penalty`` times
+   the token's count, minus ``presence_penalty`` if the count is positive.
+4. ``temperature == 0``: argmax of the penalized logits. Otherwise divide by the temperature,
+   then **top-k** (keep the k largest), **top-p** (keep the smallest most-likely set whose mass
+   reaches ``top_p``; the top token is always kept), **min-p** (drop tokens whose probability
+   is below ``min_p`` times the top token's), then sample from what is left.
+
+Steps 1-3 are ``apply_penalties`` and step 4's filters are ``apply_filters``; both are public so
+their exact effect can be checked on hand-made logits. Logprobs are computed from the *raw*
+logits (``log_softmax`` before penalties and temperature), like vLLM's default and OpenAI.
+
+Reproducibility contract: sampling uses the exponential race (``argmax(p / E)`` with
+``E ~ Exp(1)``, computed as ``argmax(logits - log E)``), and a row's noise ``E`` is drawn from
+that row's own ``generator`` (exactly ``vocab`` draws per step, nothing else consumes it).
+Every other operation is row-wise, and rows that do not need top-k/top-p never enter that
+path. So a seeded request given the same logits yields the same tokens whatever else is in
+the batch and whatever its row index. Rows with ``generator=None`` share one module-level
+generator per device, seeded from OS entropy. (Bitwise-equal *logits* across batch shapes are
+the model's concern, not the sampler's.)
+
+Hot path: when every row is greedy and needs no penalty, the batch is one ``argmax`` on the
+logits as given, with no per-row tensor work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch.nn.utils.rnn import pad_sequence
+
+from splitserve.engine.sampling_params import SamplingParams
+
+_NEG_INF = float("-inf")
+_TINY = torch.finfo(torch.float32).tiny
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """Logprob information for one generated position (from the raw model logits)."""
+
+    token_id: int
+    """The sampled token."""
+    logprob: float
+    """Its log-probability under ``log_softmax(raw logits)``."""
+    rank: int
+    """1 + number of tokens strictly more likely than it (1 = most likely)."""
+    top: tuple[tuple[int, float], ...]
+    """The ``params.logprobs`` most likely ``(token_id, logprob)``, most likely first."""
+
+
+@dataclass
+class SamplingRow:
+    """One request's row in this step's batch."""
+
+    params: SamplingParams
+    generator: torch.Generator | None
+    """Per-request generator created from ``params.seed`` by the engine; None = unseeded."""
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    """Tokens generated so far (before this step)."""
+    eos_token_ids: frozenset[int]
+    """Suppressed (with ``params.stop_token_ids``) until ``params.min_tokens`` are generated."""
+
+
+@dataclass(frozen=True)
+class SamplerOutput:
+    """One sampled token per row, and its logprobs (None where the row did not ask)."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]
+
+
+class Sampler:
+    """Stateless batched sampler; see the module docstring for semantics."""
+
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+        """Pick one token per row of ``logits`` ``[batch, vocab]`` (``len(rows) == batch``)."""
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(
+                f"logits must be [batch={len(rows)}, vocab], got {tuple(logits.shape)}"
+            )
+        if not rows:
+            return SamplerOutput(token_ids=[], logprobs=[])
+        if all(row.params.greedy and not _needs_penalties(row) for row in rows):
+            token_ids = logits.argmax(dim=-1)  # [batch]
+        else:
+            token_ids = _sample(logits, rows)  # [batch]
+        return SamplerOutput(
+            token_ids=token_ids.tolist(),
+            logprobs=compute_logprobs(logits, token_ids, rows),
+        )
+
+
+def _sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """General path: penalties, then argmax for greedy rows and filtered sampling for others."""
+    processed = apply_penalties(logits, rows)  # [batch, vocab] float32
+    token_ids = processed.argmax(dim=-1)  # [batch]
+    sampled = [i for i, row in enumerate(rows) if not row.params.greedy]
+    if not sampled:
+        return token_ids
+    device = logits.device
+    index = torch.tensor(sampled, device=device)  # [n]
+    sampled_params = [rows[i].params for i in sampled]
+    temperatures = _row_values(sampled_params, "temperature", torch.float32, device)  # [n]
+    scaled = processed[index] / temperatures[:, None]  # [n, vocab]
+    filtered = apply_filters(scaled, sampled_params)  # [n, vocab]
+    noise = _exponential_noise([rows[i].generator for i in sampled], scaled.shape[1], device)
+    token_ids[index] = (filtered - noise.log()).argmax(dim=-1)
+    return token_ids
+
+
+# --------------------------------------------------------------------------- penalties
+
+
+def _needs_penalties(row: SamplingRow) -> bool:
+    """True when ``apply_penalties`` would change this row's logits."""
+    params = row.params
+    return (
+        params.repetition_penalty != 1.0
+        or params.frequency_penalty != 0.0
+        or params.presence_penalty != 0.0
+        or (
+            len(row.output_token_ids) < params.min_tokens
+            and bool(row.eos_token_ids or params.stop_token_ids)
+        )
+    )
+
+
+def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Return float32 logits ``[batch, vocab]`` after min_tokens suppression and penalties.
+
+    The input is not modified. Tensors are built only for the rows that need each step.
+    """
+    processed = logits.to(torch.float32, copy=True)  # [batch, vocab]
+    _suppress_stop_tokens(processed, rows)
+    _apply_repetition_penalty(processed, rows)
+    _apply_frequency_presence_penalties(processed, rows)
+    return processed
+
+
+def _suppress_stop_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    """Set eos and stop token ids to -inf (in place) for rows still below ``min_tokens``."""
+    vocab = logits.shape[1]
+    row_index: list[int] = []
+    token_index: list[int] = []
+    for i, row in enumerate(rows):
+        if len(row.output_token_ids) >= row.params.min_tokens:
+            continue
+        for token_id in row.eos_token_ids.union(row.params.stop_token_ids):
+            if token_id < vocab:
+                row_index.append(i)
+                token_index.append(token_id)
+    if row_index:
+        logits[row_index, token_index] = _NEG_INF
+
+
+def _apply_repetition_penalty(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    """Penalize (in place) tokens seen in prompt or output: x > 0 -> x / p, else x * p."""
+    selected = [i for i, row in enumerate(rows) if row.params.repetition_penalty != 1.0]
+    if not selected:
+        return
+    device = logits.device
+    seen_ids = [
+        _concat_ids(rows[i].prompt_token_ids, rows[i].output_token_ids, device) for i in selected
+    ]
+    seen = _token_mask(seen_ids, logits.shape[1])  # [n, vocab] bool
+    index = torch.tensor(selected, device=device)  # [n]
+    penalty = _row_values(
+        [rows[i].params for i in selected], "repetition_penalty", torch.float32, device
+    )[:, None]  # [n, 1]
+    current = logits[index]  # [n, vocab]
+    penalized = torch.where(current > 0, current / penalty, current * penalty)
+    logits[index] = torch.where(seen, penalized, current)
+
+
+def _apply_frequency_presence_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    """Subtract (in place) ``f * count + p * (count > 0)`` over each row's output tokens."""
+    selected = [
+        i
+        for i, row in enumerate(rows)
+        if row.params.frequency_penalty != 0.0 or row.params.presence_penalty != 0.0
+    ]
+    if not selected:
+        return
+    device = logits.device
+    output_ids = [
+        torch.as_tensor(rows[i].output_token_ids, dtype=torch.long).to(device) for i in selected
+    ]
+    counts = _token_counts(output_ids, logits.shape[1])  # [n, vocab] float32
+    params = [rows[i].params for i in selected]
+    frequency = _row_values(params, "frequency_penalty", torch.float32, device)[:, None]
+    presence = _row_values(params, "presence_penalty", torch.float32, device)[:, None]
+    index = torch.tensor(selected, device=device)  # [n]
+    logits[index] -= frequency * counts + presence * (counts > 0).to(torch.float32)
+
+
+def _concat_ids(first: Sequence[int], second: Sequence[int], device: torch.device) -> torch.Tensor:
+    """Both id sequences as one int64 tensor ``[len(first) + len(second)]`` on ``device``."""
+    both = torch.cat(
+        [torch.as_tensor(first, dtype=torch.long), torch.as_tensor(second, dtype=torch.long)]
+    )
+    return both.to(device)
+
+
+def _padded(ids: list[torch.Tensor], vocab: int) -> torch.Tensor:
+    """Right-pad id tensors with ``vocab`` (a scratch column) into ``[n, max_len]``."""
+    return pad_sequence(ids, batch_first=True, padding_value=vocab)
+
+
+def _token_mask(ids: list[torch.Tensor], vocab: int) -> torch.Tensor:
+    """``[n, vocab]`` bool: True where row i's ids contain the token."""
+    padded = _padded(ids, vocab)  # [n, max_len]
+    mask = torch.zeros(len(ids), vocab + 1, dtype=torch.bool, device=padded.device)
+    mask.scatter_(1, padded, True)
+    return mask[:, :vocab]
+
+
+def _token_counts(ids: list[torch.Tensor], vocab: int) -> torch.Tensor:
+    """``[n, vocab]`` float32: how often each token occurs in row i's ids."""
+    padded = _padded(ids, vocab)  # [n, max_len]
+    counts = torch.zeros(len(ids), vocab + 1, dtype=torch.float32, device=padded.device)
+    counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float32))
+    return counts[:, :vocab]
+
+
+def _row_values(
+    params: Sequence[SamplingParams], field: str, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """One parameter per row as a tensor ``[n]``."""
+    return torch.tensor([getattr(p, field) for p in params], dtype=dtype, device=device)
+
+
+# --------------------------------------------------------------------------- filters
+
+
+def apply_filters(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Mask (to -inf) what top-k, top-p and min-p drop; ``logits`` ``[n, vocab]`` is scaled.
+
+    Returns a new tensor. The most likely token of each row is never dropped. Rows without
+    top-k/top-p skip the sort entirely, so a row's result never depends on its neighbours.
+    """
+    filtered = logits.clone()  # [n, vocab]
+    vocab = logits.shape[1]
+    nucleus_rows = [i for i, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1.0]
+    if nucleus_rows:
+        index = torch.tensor(nucleus_rows, device=logits.device)  # [m]
+        subset = [params[i] for i in nucleus_rows]
+        filtered[index] = _top_k_top_p(filtered[index], subset)
+    min_p_rows = [i for i, p in enumerate(params) if p.min_p > 0.0]
+    if min_p_rows:
+        index = torch.tensor(min_p_rows, device=logits.device)  # [m]
+        subset = [params[i] for i in min_p_rows]
+        filtered[index] = _min_p(filtered[index], subset)
+    return filtered
+
+
+def _top_k_top_p(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Top-k then top-p on ``[m, vocab]`` logits, in sorted space."""
+    device = logits.device
+    vocab = logits.shape[1]
+    sorted_logits, sorted_index = logits.sort(dim=-1, descending=True)  # [m, vocab] each
+    top_k = torch.tensor(
+        [p.top_k if p.top_k > 0 else vocab for p in params], dtype=torch.long, device=device
+    )  # [m]
+    positions = torch.arange(vocab, device=device)  # [vocab]
+    keep = positions[None, :] < top_k[:, None]  # [m, vocab], sorted order
+    probs = sorted_logits.masked_fill(~keep, _NEG_INF).softmax(dim=-1)  # [m, vocab]
+    mass_before = probs.cumsum(dim=-1) - probs  # [m, vocab]
+    top_p = _row_values(params, "top_p", torch.float32, device)[:, None]  # [m, 1]
+    keep &= (mass_before < top_p) | (top_p >= 1.0)
+    keep[:, 0] = True
+    keep_unsorted = torch.zeros_like(keep).scatter_(1, sorted_index, keep)  # [m, vocab]
+    return logits.masked_fill(~keep_unsorted, _NEG_INF)
+
+
+def _min_p(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Drop tokens with ``p < min_p * p_max``, i.e. ``logit < max_logit + log(min_p)``."""
+    min_p = _row_values(params, "min_p", torch.float32, logits.device)  # [m]
+    threshold = logits.max(dim=-1, keepdim=True).values + min_p.log()[:, None]  # [m, 1]
+    return logits.masked_fill(logits < threshold, _NEG_INF)
+
+
+# --------------------------------------------------------------------------- randomness
+
+_DEFAULT_GENERATORS: dict[torch.device, torch.Generator] = {}
+
+
+def _default_generator(device: torch.device) -> torch.Generator:
+    """The shared generator for unseeded rows on ``device`` (seeded from OS entropy)."""
+    generator = _DEFAULT_GENERATORS.get(device)
+    if generator is None:
+        generator = torch.Generator(device=device)
+        generator.seed()
+        _DEFAULT_GENERATORS[device] = generator
+    return generator
+
+
+def _exponential_noise(
+    generators: Sequence[torch.Generator | None], vocab: int, device: torch.device
+) -> torch.Tensor:
+    """Exp(1) noise ``[n, vocab]``; row i comes from ``generators[i]`` (None: shared one)."""
+    noise = torch.empty(len(generators), vocab, dtype=torch.float32, device=device)
+    unseeded = [i for i, generator in enumerate(generators) if generator is None]
+    if unseeded:
+        shared = torch.empty(len(unseeded), vocab, dtype=torch.float32, device=device)
+        noise[unseeded] = shared.exponential_(generator=_default_generator(device))
+    for i, generator in enumerate(generators):
+        if generator is not None:
+            row_noise = torch.empty(vocab, dtype=torch.float32, device=generator.device)
+            noise[i] = row_noise.exponential_(generator=generator).to(device)
+    return noise.clamp_min_(_TINY)  # exponential_ may return exactly 0
+
+
+# --------------------------------------------------------------------------- logprobs
+
+
+def compute_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, rows: Sequence[SamplingRow]
+) -> list[TokenLogprob | None]:
+    """Logprobs of ``token_ids`` ``[batch]`` under ``log_softmax(logits)`` (raw logits).
+
+    Only rows with ``params.logprobs is not None`` are computed; the others get None.
+    """
+    wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+    result: list[TokenLogprob | None] = [None] * len(rows)
+    if not wanted:
+        return result
+    index = torch.tensor(wanted, device=logits.device)  # [n]
+    logprobs = torch.log_softmax(logits[index].to(torch.float32), dim=-1)  # [n, vocab]
+    chosen = token_ids[index].to(torch.long)  # [n]
+    chosen_logprobs = logprobs.gather(1, chosen[:, None])  # [n, 1]
+    ranks = (logprobs > chosen_logprobs).sum(dim=-1) + 1  # [n]
+    num_top = min(max(rows[i].params.logprobs or 0 for i in wanted), logprobs.shape[1])
+    top_logprobs, top_ids = logprobs.topk(num_top, dim=-1)  # [n, num_top] each
+    chosen_list = chosen.tolist()
+    chosen_lp_list = chosen_logprobs[:, 0].tolist()
+    rank_list = ranks.tolist()
+    top_lp_list = top_logprobs.tolist()
+    top_id_list = top_ids.tolist()
+    for j, i in enumerate(wanted):
+        count = rows[i].params.logprobs or 0
+        result[i] = TokenLogprob(
+            token_id=chosen_list[j],
+            logprob=chosen_lp_list[j],
+            rank=rank_list[j],
+            top=tuple(zip(top_id_list[j][:count], top_lp_list[j][:count], strict=True)),
+        )
+    return result

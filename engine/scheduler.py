@@ -1,0 +1,291 @@
+"""Token-budget scheduler: one per worker, no separate prefill and decode phases.
+
+Torch-free. Each ``schedule()`` call fills one step's token budget:
+
+1. Running requests, oldest first, each get the tokens they still miss (1 for a decoding
+   request, the next chunk of the prompt for a request still prefilling), capped by the
+   remaining budget. When the KV pool cannot cover a running request, the newest running
+   request is preempted (blocks freed, put back at the front of the waiting queue, recomputed
+   later from prompt + output) until the request fits or is itself preempted.
+2. If nothing was preempted, waiting requests (FCFS) are admitted while budget, sequence slots
+   and blocks last, starting from their longest cached prefix. Long prompts are chunked.
+
+``update()`` applies the runner's sampled tokens, advances the computed-token counts, registers
+full blocks in the prefix cache and finishes requests that hit a stop condition; every
+finished request has freed all its blocks before ``update`` returns.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from splitserve.engine.config import SchedulerConfig
+from splitserve.engine.errors import ContextLengthExceededError, InvalidRequestError
+from splitserve.engine.kv_cache_manager import KVCacheManager
+from splitserve.engine.request import FinishReason, Request, RequestStatus
+from splitserve.engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """One request's share of a step: compute these tokens, maybe sample the next one."""
+
+    request_id: str
+    token_ids: Sequence[int]
+    """Tokens whose KV is computed this step (positions ``start_position`` onwards)."""
+    start_position: int
+    """Position of ``token_ids[0]``; equals the tokens already in the KV cache."""
+    block_table: Sequence[int]
+    """The request's blocks, covering at least ``start_position + len(token_ids)`` slots."""
+    samples: bool
+    """True when this chunk reaches the end of the known tokens: sample one new token."""
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    """Generated so far (read-only view for penalties)."""
+    eos_token_ids: frozenset[int]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def context_length(self) -> int:
+        """Tokens in the KV cache once this chunk is written."""
+        return self.start_position + len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """What the runner executes in one step."""
+
+    chunks: tuple[ScheduledChunk, ...]
+    finished_request_ids: frozenset[str] = frozenset()
+    """Requests finished since the previous step: the runner drops their per-request state."""
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(chunk.num_tokens for chunk in self.chunks)
+
+
+@dataclass(frozen=True)
+class RequestUpdate:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_output_tokens: int
+    stop_token_id: int | None = None
+
+
+@dataclass
+class SchedulerStats:
+    """Counters for metrics; monotonically increasing."""
+
+    num_preemptions: int = 0
+    prefix_query_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    extra: dict[str, int] = field(default_factory=dict)
+
+
+class Scheduler:
+    """Owns the waiting/running queues and the KV cache manager of one worker."""
+
+    def __init__(
+        self, config: SchedulerConfig, kv_cache: KVCacheManager, max_model_len: int
+    ) -> None:
+        self.config = config
+        self.kv_cache = kv_cache
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.stats = SchedulerStats()
+        self._finished_since_last_step: set[str] = set()
+
+    # ---- admission -------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request; raises ``InvalidRequestError`` if it can never run here."""
+        if request.request_id in self.requests:
+            raise InvalidRequestError(f"duplicate request id {request.request_id!r}", "request_id")
+        self.check_fits(request.num_prompt_tokens, request.params)
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        """Raise if a prompt of this length can never be served by this worker."""
+        if num_prompt_tokens == 0:
+            raise InvalidRequestError("prompt must contain at least one token", "prompt")
+        if num_prompt_tokens >= self.max_model_len:
+            raise ContextLengthExceededError(
+                f"prompt has {num_prompt_tokens} tokens; the model's context is "
+                f"{self.max_model_len} tokens, leaving no room to generate",
+                "prompt",
+            )
+        max_len = min(num_prompt_tokens + params.max_tokens, self.max_model_len)
+        if self.kv_cache.blocks_needed(max_len) > self.kv_cache.num_blocks:
+            raise ContextLengthExceededError(
+                f"request needs up to {max_len} tokens of KV cache; this worker holds "
+                f"{self.kv_cache.num_blocks * self.kv_cache.block_size}",
+                "max_tokens",
+            )
+
+    def abort_request(self, request_id: str) -> Request | None:
+        """Finish a request as aborted and free its blocks; None if it is unknown."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        self._finish(request, RequestStatus.FINISHED_ABORTED)
+        return request
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> None:
+        """Finish a request from outside (e.g. a stop string matched in detokenization)."""
+        request = self.requests.get(request_id)
+        if request is not None:
+            self._finish(request, status)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- schedule --------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Plan one step within the token budget (see the module docstring)."""
+        budget = self.config.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        preemptions_before = self.stats.num_preemptions
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._allocate_or_preempt(request, num_new):
+                break
+            chunks.append(self._chunk(request, num_new))
+            budget -= num_new
+            index += 1
+        if self.stats.num_preemptions == preemptions_before:
+            self._admit_waiting(budget, chunks)
+        finished = frozenset(self._finished_since_last_step)
+        self._finished_since_last_step.clear()
+        return SchedulerOutput(tuple(chunks), finished)
+
+    def _allocate_or_preempt(self, request: Request, num_new: int) -> bool:
+        """Make room for ``request``; False if it had to preempt itself."""
+        needed = request.num_computed_tokens + num_new
+        while not self.kv_cache.allocate(request.request_id, needed):
+            victim = self.running.pop()
+            self._preempt(victim)
+            if victim is request:
+                return False
+        return True
+
+    def _admit_waiting(self, budget: int, chunks: list[ScheduledChunk]) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            cached = self.kv_cache.find_cached_prefix(request.all_token_ids)
+            num_computed = len(cached) * self.kv_cache.block_size
+            num_new = min(request.num_tokens - num_computed, budget)
+            if not self.kv_cache.allocate(request.request_id, num_computed + num_new, cached):
+                break
+            self.waiting.popleft()
+            if request.status is RequestStatus.WAITING:
+                request.num_cached_tokens = num_computed
+                self.stats.prefix_query_tokens += request.num_tokens
+                self.stats.prefix_hit_tokens += num_computed
+            request.num_computed_tokens = num_computed
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            chunks.append(self._chunk(request, num_new))
+            budget -= num_new
+
+    def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
+        start = request.num_computed_tokens
+        return ScheduledChunk(
+            request_id=request.request_id,
+            token_ids=request.all_token_ids[start : start + num_new],
+            start_position=start,
+            block_table=self.kv_cache.block_table(request.request_id),
+            samples=start + num_new == request.num_tokens,
+            params=request.params,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=request.output_token_ids,
+            eos_token_ids=request.eos_token_ids,
+        )
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache.free(request.request_id)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.PREEMPTED
+        self.stats.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    # ---- update ----------------------------------------------------------------------------
+
+    def update(
+        self, output: SchedulerOutput, sampled_token_ids: Mapping[str, int]
+    ) -> list[RequestUpdate]:
+        """Apply one executed step; returns an update for each request that sampled."""
+        updates: list[RequestUpdate] = []
+        for chunk in output.chunks:
+            request = self.requests.get(chunk.request_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue
+            request.num_computed_tokens += chunk.num_tokens
+            self.kv_cache.cache_full_blocks(
+                request.request_id, request.all_token_ids, request.num_computed_tokens
+            )
+            if not chunk.samples:
+                continue
+            token_id = sampled_token_ids[chunk.request_id]
+            request.append_output_token(token_id)
+            status = self._stop_status(request, token_id)
+            if status is not None:
+                self._finish(request, status)
+            updates.append(self._update_of(request, (token_id,)))
+        return updates
+
+    def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
+        params = request.params
+        if request.num_output_tokens >= params.min_tokens:
+            is_eos = token_id in request.eos_token_ids and not params.ignore_eos
+            if is_eos or token_id in params.stop_token_ids:
+                request.stop_token_id = token_id
+                return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    @staticmethod
+    def _update_of(request: Request, new_token_ids: tuple[int, ...]) -> RequestUpdate:
+        return RequestUpdate(
+            request_id=request.request_id,
+            new_token_ids=new_token_ids,
+            finish_reason=request.status.finish_reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=request.num_cached_tokens,
+            num_output_tokens=request.num_output_tokens,
+            stop_token_id=request.stop_token_id,
+        )
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        if request.is_finished:
+            return
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        request.status = status
+        self.kv_cache.free(request.request_id)
+        del self.requests[request.request_id]
+        self._finished_since_last_step.add(request.request_id)

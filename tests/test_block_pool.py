@@ -1,0 +1,106 @@
+"""Block pool and KV cache manager: ref counts, free list order, prefix hashing, eviction."""
+
+from __future__ import annotations
+
+import pytest
+
+from splitserve.engine.block_pool import BlockPool, NoFreeBlocksError
+from splitserve.engine.kv_cache_manager import KVCacheManager, hash_block
+
+
+def test_allocate_and_free_return_every_block() -> None:
+    pool = BlockPool(8)
+    blocks = pool.allocate(5)
+    assert len(set(blocks)) == 5 and pool.num_free_blocks == 3
+    pool.free(blocks)
+    assert pool.num_free_blocks == 8
+    with pytest.raises(NoFreeBlocksError):
+        pool.allocate(9)
+
+
+def test_double_free_is_an_error() -> None:
+    pool = BlockPool(2)
+    [block] = pool.allocate(1)
+    pool.free([block])
+    with pytest.raises(RuntimeError):
+        pool.free([block])
+
+
+def test_shared_block_is_free_only_after_last_reference() -> None:
+    pool = BlockPool(4)
+    [block] = pool.allocate(1)
+    pool.touch([block])
+    pool.free([block])
+    assert pool.ref_count(block) == 1 and pool.num_free_blocks == 3
+    pool.free([block])
+    assert pool.num_free_blocks == 4
+
+
+def test_free_cached_block_is_revived_by_touch_and_evicted_lru_first() -> None:
+    pool = BlockPool(3)
+    a, b, c = pool.allocate(3)
+    pool.register(a, b"hash-a")
+    pool.register(b, b"hash-b")
+    pool.free([a, b, c])  # a is least recently freed
+    assert pool.lookup(b"hash-a") == a
+    pool.touch([b])  # revive b from the free queue
+    assert pool.num_free_blocks == 2
+    [first] = pool.allocate(1)
+    assert first == a and pool.lookup(b"hash-a") is None  # evicted
+    assert pool.lookup(b"hash-b") == b  # still referenced, still cached
+
+
+def test_duplicate_hash_keeps_first_block() -> None:
+    pool = BlockPool(2)
+    a, b = pool.allocate(2)
+    pool.register(a, b"same")
+    pool.register(b, b"same")
+    assert pool.lookup(b"same") == a
+
+
+def test_hash_chain_depends_on_prefix() -> None:
+    first = hash_block(None, [1, 2])
+    assert hash_block(first, [3, 4]) != hash_block(hash_block(None, [9, 9]), [3, 4])
+    assert hash_block(None, [1, 2]) == first
+
+
+def test_manager_reuses_cached_prefix_but_leaves_one_token() -> None:
+    manager = KVCacheManager(num_blocks=16, block_size=4, enable_prefix_caching=True)
+    prompt = list(range(12))  # exactly 3 full blocks
+    assert manager.allocate("a", len(prompt))
+    manager.cache_full_blocks("a", prompt, num_computed=12)
+    cached = manager.find_cached_prefix(prompt)
+    assert cached == manager.block_table("a")[:2]  # 3rd block left so one token is computed
+    longer = prompt + [99, 98]
+    assert manager.find_cached_prefix(longer) == manager.block_table("a")
+    manager.free("a")
+    assert manager.num_free_blocks == 16
+    # Freed but still cached: a new request revives the blocks.
+    cached = manager.find_cached_prefix(longer)
+    assert len(cached) == 3
+    assert manager.allocate("b", len(longer), cached)
+    assert manager.block_table("b")[:3] == cached
+    assert manager.num_free_blocks == 16 - 4
+    manager.free("b")
+    assert manager.num_free_blocks == 16
+
+
+def test_manager_allocate_fails_without_side_effects() -> None:
+    manager = KVCacheManager(num_blocks=4, block_size=4, enable_prefix_caching=False)
+    assert manager.allocate("a", 12)
+    assert not manager.allocate("b", 8)
+    assert manager.block_table("b") == [] and manager.num_free_blocks == 1
+    assert manager.find_cached_prefix(list(range(12))) == []  # caching off
+
+
+def test_revived_free_blocks_count_against_capacity() -> None:
+    manager = KVCacheManager(num_blocks=4, block_size=2, enable_prefix_caching=True)
+    prompt = [1, 2, 3, 4, 5]
+    assert manager.allocate("a", 5)
+    manager.cache_full_blocks("a", prompt, 5)
+    manager.free("a")
+    cached = manager.find_cached_prefix(prompt)
+    assert len(cached) == 2
+    # needs 3 new blocks + 2 revived = 5 > 4 free: must refuse and leave refs untouched
+    assert not manager.allocate("b", 10, cached)
+    assert manager.num_free_blocks == 4

