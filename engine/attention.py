@@ -91,7 +91,7 @@ class TorchAttentionBackend(AttentionBackend):
         tables = [t + [0] * (max_blocks - len(t)) for t in tables]
         lens = torch.tensor([s.context_len for s in decode_spans], dtype=torch.int64)
         key_positions = torch.arange(max_blocks * block_size)
-        mask = (key_positions[None, :] < lens[:, None]).view(num_decode, 1, 1, -1)
+        mask = (key_positions[None, :] < lens[:, None]).view(num_decode, 1, 1, len(key_positions))
         prefill_spans = []
         query_start = num_decode
         for span in spans[num_decode:]:

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from splitserve.engine.attention import AttentionBackend
 from splitserve.engine.errors import ModelLoadError
+from splitserve.engine.linear import Linear
 from splitserve.engine.model_config import ModelArchConfig
 from splitserve.engine.rotary import apply_rotary, cos_sin_table
 
@@ -27,12 +28,11 @@ class DecoderLayerWeights:
     """One decoder layer's tensors (model dtype, on the model device)."""
 
     input_norm: torch.Tensor  # [hidden]
-    qkv: torch.Tensor  # [q_size + 2 * kv_size, hidden]
-    qkv_bias: torch.Tensor | None  # [q_size + 2 * kv_size]
-    o_proj: torch.Tensor  # [hidden, q_size]
+    qkv: Linear  # hidden -> q_size + 2 * kv_size (bias for Qwen2)
+    o_proj: Linear  # q_size -> hidden
     post_norm: torch.Tensor  # [hidden]
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
-    down: torch.Tensor  # [hidden, intermediate]
+    gate_up: Linear  # hidden -> 2 * intermediate
+    down: Linear  # intermediate -> hidden
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -60,10 +60,8 @@ class LlamaModel:
         self.embed_tokens = take("model.embed_tokens.weight")  # [vocab, hidden]
         self.layers = [self._layer(take, i) for i in range(config.num_hidden_layers)]
         self.norm = take("model.norm.weight")  # [hidden]
-        if config.tie_word_embeddings:
-            self.lm_head = self.embed_tokens
-        else:
-            self.lm_head = take("lm_head.weight")  # [vocab, hidden]
+        lm_head = self.embed_tokens if config.tie_word_embeddings else take("lm_head.weight")
+        self.lm_head = Linear(lm_head)  # hidden -> vocab
         self.cos, self.sin = cos_sin_table(
             config.head_dim, config.rope_theta, config.rope_scaling, max_positions, dtype, device
         )  # [positions, head_dim] each
@@ -78,12 +76,13 @@ class LlamaModel:
             qkv_bias = torch.cat([take(attn + f"{p}_proj.bias") for p in "qkv"])
         return DecoderLayerWeights(
             input_norm=take(prefix + "input_layernorm.weight"),
-            qkv=torch.cat([take(name) for name in qkv_names]),
-            qkv_bias=qkv_bias,
-            o_proj=take(attn + "o_proj.weight"),
+            qkv=Linear(torch.cat([take(name) for name in qkv_names]), qkv_bias),
+            o_proj=Linear(take(attn + "o_proj.weight")),
             post_norm=take(prefix + "post_attention_layernorm.weight"),
-            gate_up=torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")]),
-            down=take(mlp + "down_proj.weight"),
+            gate_up=Linear(
+                torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")])
+            ),
+            down=Linear(take(mlp + "down_proj.weight")),
         )
 
     @torch.inference_mode()
@@ -104,7 +103,7 @@ class LlamaModel:
         q_heads, kv_heads, head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         for index, layer in enumerate(self.layers):
             normed = rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps)
-            qkv = F.linear(normed, layer.qkv, layer.qkv_bias)  # [tokens, q + 2 kv]
+            qkv = layer.qkv(normed)  # [tokens, q + 2 kv]
             query_key = qkv[:, : cfg.q_size + cfg.kv_size].view(
                 num_tokens, q_heads + kv_heads, head_dim
             )
@@ -119,13 +118,13 @@ class LlamaModel:
                 attn_metadata,
                 self.scale,
             )  # [tokens, q_size]
-            hidden = hidden + F.linear(attn, layer.o_proj)
+            hidden = hidden + layer.o_proj(attn)
             normed = rms_norm(hidden, layer.post_norm, cfg.rms_norm_eps)
-            gate, up = F.linear(normed, layer.gate_up).chunk(2, dim=-1)
-            hidden = hidden + F.linear(F.silu(gate) * up, layer.down)
+            gate, up = layer.gate_up(normed).chunk(2, dim=-1)
+            hidden = hidden + layer.down(F.silu(gate) * up)
         last = hidden.index_select(0, logits_indices)  # [samples, hidden]
         last = rms_norm(last, self.norm, cfg.rms_norm_eps)
-        return F.linear(last, self.lm_head).float()  # [samples, vocab]
+        return self.lm_head(last).float()  # [samples, vocab]
 
 
 class _WeightTaker:

@@ -14,20 +14,22 @@ Order of operations (vLLM / OpenAI semantics), all in float32:
 4. ``temperature == 0``: argmax of the penalized logits. Otherwise divide by the temperature,
    then **top-k** (keep the k largest), **top-p** (keep the smallest most-likely set whose mass
    reaches ``top_p``; the top token is always kept), **min-p** (drop tokens whose probability
-   is below ``min_p`` times the top token's), then sample from what is left.
+   is below ``min_p`` times the top token's), then sample from what is left. Cut-offs are logit
+   values: tokens tied with the last kept one are kept too.
 
 Steps 1-3 are ``apply_penalties`` and step 4's filters are ``apply_filters``; both are public so
 their exact effect can be checked on hand-made logits. Logprobs are computed from the *raw*
 logits (``log_softmax`` before penalties and temperature), like vLLM's default and OpenAI.
 
-Reproducibility contract: sampling uses the exponential race (``argmax(p / E)`` with
-``E ~ Exp(1)``, computed as ``argmax(logits - log E)``), and a row's noise ``E`` is drawn from
-that row's own ``generator`` (exactly ``vocab`` draws per step, nothing else consumes it).
-Every other operation is row-wise, and rows that do not need top-k/top-p never enter that
-path. So a seeded request given the same logits yields the same tokens whatever else is in
-the batch and whatever its row index. Rows with ``generator=None`` share one module-level
-generator per device, seeded from OS entropy. (Bitwise-equal *logits* across batch shapes are
-the model's concern, not the sampler's.)
+Reproducibility contract: sampling uses the exponential race: ``argmax(p / E)`` with
+``E = -log(U) ~ Exp(1)``, computed as ``argmax(logits - log E)``. A row's ``U`` comes from that
+row's own ``generator`` (exactly ``vocab`` draws of ``torch.rand`` per sampled step; greedy
+steps and logprobs draw nothing). Every other operation is row-wise, and whether a row takes
+the top-k/top-p path (or its full-sort fallback) depends on that row alone. So a seeded
+request given the same logits yields the same tokens whatever else is in the batch and
+whatever its row index. Rows with ``generator=None`` share one module-level generator per
+device, seeded from OS entropy. (Bitwise-equal *logits* across batch shapes are the model's
+concern, not the sampler's.)
 
 Hot path: when every row is greedy and needs no penalty, the batch is one ``argmax`` on the
 logits as given, with no per-row tensor work.
@@ -35,7 +37,7 @@ logits as given, with no per-row tensor work.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -44,7 +46,6 @@ from torch.nn.utils.rnn import pad_sequence
 from splitserve.engine.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
-_TINY = torch.finfo(torch.float32).tiny
 
 
 @dataclass(frozen=True)
@@ -115,10 +116,13 @@ def _sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     index = torch.tensor(sampled, device=device)  # [n]
     sampled_params = [rows[i].params for i in sampled]
     temperatures = _row_values(sampled_params, "temperature", torch.float32, device)  # [n]
-    scaled = processed[index] / temperatures[:, None]  # [n, vocab]
-    filtered = apply_filters(scaled, sampled_params)  # [n, vocab]
-    noise = _exponential_noise([rows[i].generator for i in sampled], scaled.shape[1], device)
-    token_ids[index] = (filtered - noise.log()).argmax(dim=-1)
+    # Work in place on `processed` (a private copy) when every row samples.
+    scores = processed if len(sampled) == len(rows) else processed[index]  # [n, vocab]
+    scores.div_(temperatures[:, None])
+    _filter_in_place(scores, sampled_params)
+    vocab = scores.shape[1]
+    scores.sub_(_exponential_log_noise([rows[i].generator for i in sampled], vocab, device))
+    token_ids[index] = scores.argmax(dim=-1)  # argmax(p / E)
     return token_ids
 
 
@@ -173,10 +177,8 @@ def _apply_repetition_penalty(logits: torch.Tensor, rows: Sequence[SamplingRow])
     if not selected:
         return
     device = logits.device
-    seen_ids = [
-        _concat_ids(rows[i].prompt_token_ids, rows[i].output_token_ids, device) for i in selected
-    ]
-    seen = _token_mask(seen_ids, logits.shape[1])  # [n, vocab] bool
+    seen_ids = [[*rows[i].prompt_token_ids, *rows[i].output_token_ids] for i in selected]
+    seen = _token_counts(seen_ids, logits.shape[1], device) > 0  # [n, vocab]
     index = torch.tensor(selected, device=device)  # [n]
     penalty = _row_values(
         [rows[i].params for i in selected], "repetition_penalty", torch.float32, device
@@ -196,10 +198,8 @@ def _apply_frequency_presence_penalties(logits: torch.Tensor, rows: Sequence[Sam
     if not selected:
         return
     device = logits.device
-    output_ids = [
-        torch.as_tensor(rows[i].output_token_ids, dtype=torch.long).to(device) for i in selected
-    ]
-    counts = _token_counts(output_ids, logits.shape[1])  # [n, vocab] float32
+    output_ids = [list(rows[i].output_token_ids) for i in selected]
+    counts = _token_counts(output_ids, logits.shape[1], device)  # [n, vocab]
     params = [rows[i].params for i in selected]
     frequency = _row_values(params, "frequency_penalty", torch.float32, device)[:, None]
     presence = _row_values(params, "presence_penalty", torch.float32, device)[:, None]
@@ -207,33 +207,13 @@ def _apply_frequency_presence_penalties(logits: torch.Tensor, rows: Sequence[Sam
     logits[index] -= frequency * counts + presence * (counts > 0).to(torch.float32)
 
 
-def _concat_ids(first: Sequence[int], second: Sequence[int], device: torch.device) -> torch.Tensor:
-    """Both id sequences as one int64 tensor ``[len(first) + len(second)]`` on ``device``."""
-    both = torch.cat(
-        [torch.as_tensor(first, dtype=torch.long), torch.as_tensor(second, dtype=torch.long)]
-    )
-    return both.to(device)
-
-
-def _padded(ids: list[torch.Tensor], vocab: int) -> torch.Tensor:
-    """Right-pad id tensors with ``vocab`` (a scratch column) into ``[n, max_len]``."""
-    return pad_sequence(ids, batch_first=True, padding_value=vocab)
-
-
-def _token_mask(ids: list[torch.Tensor], vocab: int) -> torch.Tensor:
-    """``[n, vocab]`` bool: True where row i's ids contain the token."""
-    padded = _padded(ids, vocab)  # [n, max_len]
-    mask = torch.zeros(len(ids), vocab + 1, dtype=torch.bool, device=padded.device)
-    mask.scatter_(1, padded, True)
-    return mask[:, :vocab]
-
-
-def _token_counts(ids: list[torch.Tensor], vocab: int) -> torch.Tensor:
-    """``[n, vocab]`` float32: how often each token occurs in row i's ids."""
-    padded = _padded(ids, vocab)  # [n, max_len]
-    counts = torch.zeros(len(ids), vocab + 1, dtype=torch.float32, device=padded.device)
+def _token_counts(ids: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """``[n, vocab]`` float32: how often each token occurs in ``ids[i]``."""
+    rows = [torch.as_tensor(row_ids, dtype=torch.long) for row_ids in ids]
+    padded = pad_sequence(rows, batch_first=True, padding_value=vocab).to(device)  # [n, len]
+    counts = torch.zeros(len(ids), vocab + 1, dtype=torch.float32, device=device)
     counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float32))
-    return counts[:, :vocab]
+    return counts[:, :vocab]  # column `vocab` only absorbed the padding
 
 
 def _row_values(
@@ -246,44 +226,94 @@ def _row_values(
 # --------------------------------------------------------------------------- filters
 
 
+_NUCLEUS_CANDIDATES = 256
+"""Top-k/top-p first look only at this many most likely tokens per row. A row whose cut-off
+lies beyond them (top_k larger than this, or a very flat distribution) is redone over its fully
+sorted vocabulary; which path a row takes depends on that row alone."""
+
+
 def apply_filters(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """Mask (to -inf) what top-k, top-p and min-p drop; ``logits`` ``[n, vocab]`` is scaled.
 
-    Returns a new tensor. The most likely token of each row is never dropped. Rows without
-    top-k/top-p skip the sort entirely, so a row's result never depends on its neighbours.
+    Returns a new tensor. The most likely token of each row is never dropped. Cut-offs are
+    logit values, so tokens tied with the last kept one are kept too (no arbitrary tie
+    order). Rows without top-k/top-p skip that work, so a row's result never depends on its
+    neighbours.
     """
     filtered = logits.clone()  # [n, vocab]
-    vocab = logits.shape[1]
-    nucleus_rows = [i for i, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1.0]
-    if nucleus_rows:
-        index = torch.tensor(nucleus_rows, device=logits.device)  # [m]
-        subset = [params[i] for i in nucleus_rows]
-        filtered[index] = _top_k_top_p(filtered[index], subset)
-    min_p_rows = [i for i, p in enumerate(params) if p.min_p > 0.0]
-    if min_p_rows:
-        index = torch.tensor(min_p_rows, device=logits.device)  # [m]
-        subset = [params[i] for i in min_p_rows]
-        filtered[index] = _min_p(filtered[index], subset)
+    _filter_in_place(filtered, params)
     return filtered
 
 
+def _filter_in_place(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:
+    """``apply_filters`` on ``logits`` ``[n, vocab]`` itself."""
+    vocab = logits.shape[1]
+    nucleus_rows = [i for i, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1.0]
+    _on_rows(logits, nucleus_rows, params, _top_k_top_p)
+    min_p_rows = [i for i, p in enumerate(params) if p.min_p > 0.0]
+    _on_rows(logits, min_p_rows, params, _min_p)
+
+
+def _on_rows(
+    logits: torch.Tensor,
+    selected: list[int],
+    params: Sequence[SamplingParams],
+    transform: Callable[[torch.Tensor, Sequence[SamplingParams]], torch.Tensor],
+) -> None:
+    """Replace rows ``selected`` of ``logits`` by ``transform(those rows, their params)``."""
+    if not selected:
+        return
+    if len(selected) == logits.shape[0]:
+        logits.copy_(transform(logits, params))
+        return
+    index = torch.tensor(selected, device=logits.device)  # [m]
+    logits[index] = transform(logits[index], [params[i] for i in selected])
+
+
 def _top_k_top_p(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """Top-k then top-p on ``[m, vocab]`` logits, in sorted space."""
+    """Top-k then top-p on ``[m, vocab]`` logits, without sorting the vocabulary if possible."""
     device = logits.device
     vocab = logits.shape[1]
-    sorted_logits, sorted_index = logits.sort(dim=-1, descending=True)  # [m, vocab] each
     top_k = torch.tensor(
-        [p.top_k if p.top_k > 0 else vocab for p in params], dtype=torch.long, device=device
-    )  # [m]
-    positions = torch.arange(vocab, device=device)  # [vocab]
-    keep = positions[None, :] < top_k[:, None]  # [m, vocab], sorted order
-    probs = sorted_logits.masked_fill(~keep, _NEG_INF).softmax(dim=-1)  # [m, vocab]
-    mass_before = probs.cumsum(dim=-1) - probs  # [m, vocab]
-    top_p = _row_values(params, "top_p", torch.float32, device)[:, None]  # [m, 1]
-    keep &= (mass_before < top_p) | (top_p >= 1.0)
-    keep[:, 0] = True
-    keep_unsorted = torch.zeros_like(keep).scatter_(1, sorted_index, keep)  # [m, vocab]
-    return logits.masked_fill(~keep_unsorted, _NEG_INF)
+        [p.top_k if 0 < p.top_k < vocab else vocab for p in params],
+        dtype=torch.long,
+        device=device,
+    )  # [m], vocab = disabled
+    top_p = _row_values(params, "top_p", torch.float32, device)  # [m]
+    candidates = logits.topk(min(_NUCLEUS_CANDIDATES, vocab), dim=-1).values  # [m, c]
+    threshold, complete = _cutoff(logits, candidates, top_k, top_p)  # [m] each
+    if not bool(complete.all()):
+        redo = torch.nonzero(~complete).flatten()  # [r]
+        everything = logits[redo].sort(dim=-1, descending=True).values  # [r, vocab]
+        threshold[redo] = _cutoff(logits[redo], everything, top_k[redo], top_p[redo])[0]
+    return logits.masked_fill(logits < threshold[:, None], _NEG_INF)
+
+
+def _cutoff(
+    logits: torch.Tensor, candidates: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lowest logit each row keeps under top-k then top-p, and whether ``candidates`` sufficed.
+
+    ``logits`` ``[m, vocab]``; ``candidates`` ``[m, c]`` the c largest logits, descending;
+    ``top_k`` ``[m]`` (vocab = disabled); ``top_p`` ``[m]``. Top-p keeps the smallest prefix
+    whose probability (renormalized after top-k) reaches ``top_p``, at least one token.
+    """
+    vocab = logits.shape[1]
+    num_candidates = candidates.shape[1]
+    kth = candidates.gather(1, (top_k.clamp(max=num_candidates) - 1)[:, None])  # [m, 1]
+    k_active = top_k < vocab  # [m]
+    kth = kth.masked_fill(~k_active[:, None], _NEG_INF)
+    k_complete = (top_k <= num_candidates) | (top_k >= vocab)  # [m]
+    # (Masking with kth = -inf changes nothing, so skipping it cannot change a row's result.)
+    top_k_masked = logits.masked_fill(logits < kth, _NEG_INF) if bool(k_active.any()) else logits
+    log_norm = top_k_masked.logsumexp(dim=-1, keepdim=True)  # [m, 1]
+    probs = (candidates.masked_fill(candidates < kth, _NEG_INF) - log_norm).exp()  # [m, c]
+    cumulative = probs.cumsum(dim=-1)  # [m, c]
+    num_kept = ((cumulative - probs) < top_p[:, None]).sum(dim=-1).clamp(min=1)  # [m]
+    pth = candidates.gather(1, (num_kept - 1)[:, None])  # [m, 1]
+    pth = pth.masked_fill(top_p[:, None] >= 1.0, _NEG_INF)
+    p_complete = (top_p >= 1.0) | (cumulative[:, -1] >= top_p) | (num_candidates >= vocab)
+    return torch.maximum(kth, pth)[:, 0], k_complete & p_complete
 
 
 def _min_p(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
@@ -308,20 +338,24 @@ def _default_generator(device: torch.device) -> torch.Generator:
     return generator
 
 
-def _exponential_noise(
+def _exponential_log_noise(
     generators: Sequence[torch.Generator | None], vocab: int, device: torch.device
 ) -> torch.Tensor:
-    """Exp(1) noise ``[n, vocab]``; row i comes from ``generators[i]`` (None: shared one)."""
-    noise = torch.empty(len(generators), vocab, dtype=torch.float32, device=device)
+    """``log E`` with ``E = -log(U) ~ Exp(1)``, ``[n, vocab]``; row i from ``generators[i]``.
+
+    ``U ~ Uniform[0, 1)`` (``torch.rand`` is several times faster than ``exponential_``);
+    ``U = 0`` gives ``E = inf``, which can only lose the race.
+    """
+    uniform = torch.empty(len(generators), vocab, dtype=torch.float32, device=device)
     unseeded = [i for i, generator in enumerate(generators) if generator is None]
     if unseeded:
-        shared = torch.empty(len(unseeded), vocab, dtype=torch.float32, device=device)
-        noise[unseeded] = shared.exponential_(generator=_default_generator(device))
+        shared = _default_generator(device)
+        uniform[unseeded] = torch.rand(len(unseeded), vocab, generator=shared, device=device)
     for i, generator in enumerate(generators):
         if generator is not None:
-            row_noise = torch.empty(vocab, dtype=torch.float32, device=generator.device)
-            noise[i] = row_noise.exponential_(generator=generator).to(device)
-    return noise.clamp_min_(_TINY)  # exponential_ may return exactly 0
+            row = torch.rand(vocab, generator=generator, device=generator.device)
+            uniform[i] = row.to(device)
+    return uniform.log_().neg_().log_()
 
 
 # --------------------------------------------------------------------------- logprobs

@@ -234,7 +234,10 @@ def smollm2_tokenizer():
 
 
 def test_real_tokenizer_incremental_equals_full_decode(smollm2_tokenizer) -> None:
-    text = "Héllo wörld! 😀🎉 日本語のテキスト, naïve café — Ünïcödé ✓ 👩‍👩‍👧 Ελληνικά 한국어.<|im_end|>"
+    text = (
+        "Héllo wörld! 😀🎉 日本語のテキスト, naïve café — Ünïcödé ✓ "
+        "👩\u200d👩\u200d👧 Ελληνικά 한국어.<|im_end|>"
+    )
     output_ids = smollm2_tokenizer.encode(text, add_special_tokens=False)
     prompt_ids = smollm2_tokenizer.encode("<|im_start|>user\nSay it.<|im_end|>\n<|im_start|>")
     decoder = HFDecoder(smollm2_tokenizer)

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import pytest
 import torch
 
+from splitserve.engine import sampler as sampler_module
 from splitserve.engine.sampler import (
     Sampler,
     SamplingRow,
@@ -96,7 +97,7 @@ def test_top_k_only_yields_the_k_best() -> None:
 
 @pytest.mark.parametrize(
     ("top_p", "expected"),
-    [(0.3, {0}), (0.5, {0}), (0.75, {0, 1}), (0.85, {0, 1, 2}), (0.99, {0, 1, 2, 3})],
+    [(0.3, {0}), (0.45, {0}), (0.75, {0, 1}), (0.85, {0, 1, 2}), (0.99, {0, 1, 2, 3})],
 )
 def test_top_p_keeps_smallest_nucleus(top_p: float, expected: set[int]) -> None:
     filtered = apply_filters(log_probs_row(PROBS), [SamplingParams(top_p=top_p)])
@@ -115,6 +116,41 @@ def test_top_k_then_top_p() -> None:
     # top_k=2 renormalizes to (0.625, 0.375); top_p=0.6 then keeps token 0 only.
     filtered = apply_filters(log_probs_row(PROBS), [SamplingParams(top_k=2, top_p=0.6)])
     assert kept_tokens(filtered) == {0}
+
+
+def reference_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> set[int]:
+    """Straightforward one-row top-k then top-p by a full sort (no ties in ``logits``)."""
+    order = logits.argsort(descending=True).tolist()
+    kept = order[:top_k] if top_k > 0 else order
+    probs = torch.softmax(logits[kept].double(), dim=-1).tolist()
+    nucleus, mass = [], 0.0
+    for token, prob in zip(kept, probs, strict=True):
+        if nucleus and mass >= top_p:
+            break
+        nucleus.append(token)
+        mass += prob
+    return set(nucleus)
+
+
+@pytest.mark.parametrize("num_candidates", [256, 8])
+def test_top_k_top_p_matches_full_sort_reference(
+    monkeypatch: pytest.MonkeyPatch, num_candidates: int
+) -> None:
+    # 8 candidates forces the full-sort fallback for most rows; results must not change.
+    monkeypatch.setattr(sampler_module, "_NUCLEUS_CANDIDATES", num_candidates)
+    generator = torch.Generator().manual_seed(11)
+    settings = [(0, 0.9), (5, 1.0), (50, 0.8), (300, 0.95), (0, 0.3), (20, 0.999), (0, 0.99)]
+    logits = torch.randn(len(settings), 1000, generator=generator) * 3  # [rows, vocab]
+    params = [SamplingParams(top_k=k, top_p=p) for k, p in settings]
+    filtered = apply_filters(logits, params)
+    for i, (top_k, top_p) in enumerate(settings):
+        expected = reference_top_k_top_p(logits[i], top_k, top_p)
+        assert kept_tokens(filtered[i : i + 1]) == expected, (top_k, top_p)
+
+
+def test_ties_at_the_cut_off_are_kept() -> None:
+    logits = torch.tensor([[2.0, 1.0, 1.0, 0.0]])
+    assert kept_tokens(apply_filters(logits, [SamplingParams(top_k=2)])) == {0, 1, 2}
 
 
 @pytest.mark.parametrize(
