@@ -1,1 +1,1 @@
-"""splitserve.kernels: Triton kernels with torch references (see issue: kernels and the GPU path)."""
+"""splitserve.kernels: Triton kernels, each with a torch reference (the GPU-path issue)."""
