@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
@@ -34,7 +35,7 @@ if TYPE_CHECKING:
     import gguf
 
 # llama.cpp token types (gguf.TokenType).
-_NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED = 1, 2, 3, 4
 
 # Pre-tokenizer split patterns of the byte-level BPE families we support.
 _LLAMA3_SPLIT = (
@@ -45,10 +46,39 @@ _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-_GPT2_FAMILY = ("default", "gpt2")
-_DIGITS_FAMILY = ("smollm", "starcoder", "refact")
-_LLAMA3_FAMILY = ("llama-bpe", "llama3", "llama-v3", "smaug-bpe")
-_QWEN2_FAMILY = ("qwen2", "deepseek-r1-qwen")
+
+
+@dataclass(frozen=True)
+class _PreTokenizerRule:
+    """How one ``tokenizer.ggml.pre`` family cuts text before byte-level BPE."""
+
+    split: str | None = None
+    """Regex whose matches become pre-tokens; ``None``: GPT-2's own regex."""
+    digits_first: bool = False
+    """Isolate every digit before the regex runs (llama.cpp applies its regexes in turn)."""
+    ignore_merges: bool = False
+    """Take a pre-token found whole in the vocabulary without merging (Llama 3)."""
+    nfc: bool = False
+    """NFC-normalize the text first (Qwen2)."""
+
+
+_GPT2_RULE = _PreTokenizerRule()
+_DIGITS_RULE = _PreTokenizerRule(digits_first=True)
+_LLAMA3_RULE = _PreTokenizerRule(split=_LLAMA3_SPLIT, ignore_merges=True)
+_QWEN2_RULE = _PreTokenizerRule(split=_QWEN2_SPLIT, nfc=True)
+PRE_TOKENIZER_RULES = {
+    "default": _GPT2_RULE,
+    "gpt2": _GPT2_RULE,
+    "smollm": _DIGITS_RULE,
+    "starcoder": _DIGITS_RULE,
+    "refact": _DIGITS_RULE,
+    "llama-bpe": _LLAMA3_RULE,
+    "llama3": _LLAMA3_RULE,
+    "llama-v3": _LLAMA3_RULE,
+    "smaug-bpe": _LLAMA3_RULE,
+    "qwen2": _QWEN2_RULE,
+    "deepseek-r1-qwen": _QWEN2_RULE,
+}
 _SPIECE_SPACE = "\u2581"
 
 
@@ -132,26 +162,14 @@ class Tokenizer:
         """
         kind = _gguf_field(reader, "tokenizer.ggml.model")
         tokens = _gguf_field(reader, "tokenizer.ggml.tokens")
-        if not kind or not tokens:
+        if not kind or not isinstance(tokens, list) or not tokens:
             raise ModelLoadError("GGUF file carries no tokenizer (tokenizer.ggml.model/tokens)")
-        token_types = _gguf_field(reader, "tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
-        if kind == "gpt2":
-            merges = _gguf_field(reader, "tokenizer.ggml.merges") or []
-            pre = _gguf_field(reader, "tokenizer.ggml.pre") or "default"
-            backend = _byte_level_backend(tokens, merges, pre)
-        elif kind == "llama":
-            scores = _gguf_field(reader, "tokenizer.ggml.scores") or [0.0] * len(tokens)
-            unk_id = _gguf_field(reader, "tokenizer.ggml.unknown_token_id")
-            space_prefix = _gguf_field(reader, "tokenizer.ggml.add_space_prefix")
-            backend = _sentencepiece_backend(
-                tokens, scores, token_types, unk_id, space_prefix is not False
-            )
-        else:
-            raise ModelLoadError(
-                f"unsupported GGUF tokenizer model {kind!r} (supported: 'gpt2' byte-level BPE, "
-                "'llama' SentencePiece BPE)"
-            )
-        _register_added_tokens(backend, tokens, token_types, byte_level=kind == "gpt2")
+        try:
+            backend = _gguf_backend(reader, str(kind), tokens)
+        except ModelLoadError:
+            raise
+        except Exception as exc:  # tokenizers rejects the vocabulary (e.g. merges out of vocab)
+            raise ModelLoadError(f"GGUF tokenizer is inconsistent: {exc}") from exc
         add_bos = _gguf_field(reader, "tokenizer.ggml.add_bos_token")
         add_eos = _gguf_field(reader, "tokenizer.ggml.add_eos_token")
         return cls(
@@ -192,7 +210,8 @@ class Tokenizer:
                 eos_token=self._eos_token or "",
             )
         except jinja2.TemplateError as exc:
-            raise InvalidRequestError(f"chat template rejected the messages: {exc}", "messages")
+            message = f"chat template rejected the messages: {exc}"
+            raise InvalidRequestError(message, "messages") from exc
 
     @property
     def vocab_size(self) -> int:
@@ -209,7 +228,7 @@ class Tokenizer:
 
     @property
     def all_special_ids(self) -> frozenset[int]:
-        """Ids that ``decode(skip_special_tokens=True)`` removes (special added tokens, BOS, EOS)."""
+        """Ids ``decode(skip_special_tokens=True)`` drops: special added tokens, BOS, EOS."""
         return self._special_ids
 
     @property
@@ -242,36 +261,53 @@ class Tokenizer:
 # GGUF vocabularies -> tokenizers backends
 
 
+def _gguf_backend(reader: gguf.GGUFReader, kind: str, tokens: list[str]) -> tokenizers.Tokenizer:
+    """The fast tokenizer for ``tokenizer.ggml.model`` ``kind``, added tokens registered."""
+    token_types = _gguf_field(reader, "tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
+    if len(token_types) != len(tokens):
+        raise ModelLoadError("GGUF tokenizer: token_type and tokens differ in length")
+    if kind == "gpt2":
+        merges = _gguf_field(reader, "tokenizer.ggml.merges") or []
+        pre = _gguf_field(reader, "tokenizer.ggml.pre") or "default"
+        backend = _byte_level_backend(tokens, merges, str(pre))
+    elif kind == "llama":
+        scores = _gguf_field(reader, "tokenizer.ggml.scores") or [0.0] * len(tokens)
+        if len(scores) != len(tokens):
+            raise ModelLoadError("GGUF tokenizer: scores and tokens differ in length")
+        unk_id = _gguf_field(reader, "tokenizer.ggml.unknown_token_id")
+        space_prefix = _gguf_field(reader, "tokenizer.ggml.add_space_prefix")
+        backend = _sentencepiece_backend(
+            tokens, scores, token_types, unk_id, space_prefix is not False
+        )
+    else:
+        raise ModelLoadError(
+            f"unsupported GGUF tokenizer model {kind!r} (supported: 'gpt2' byte-level BPE, "
+            "'llama' SentencePiece BPE)"
+        )
+    _register_added_tokens(backend, tokens, token_types, byte_level=kind == "gpt2")
+    return backend
+
+
 def _byte_level_backend(tokens: list[str], merges: list[str], pre: str) -> tokenizers.Tokenizer:
     """GPT-2 style byte-level BPE with the split rules named by ``tokenizer.ggml.pre``."""
-    vocab = _vocab_dict(tokens)
-    pairs = [_merge_pair(merge) for merge in merges]
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    if pre in _GPT2_FAMILY:
-        pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    elif pre in _DIGITS_FAMILY:
-        pre_tokenizer = pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Digits(individual_digits=True),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-            ]
-        )
-    elif pre in _LLAMA3_FAMILY or pre in _QWEN2_FAMILY:
-        pattern = _LLAMA3_SPLIT if pre in _LLAMA3_FAMILY else _QWEN2_SPLIT
-        split = pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False)
-        pre_tokenizer = pre_tokenizers.Sequence([split, byte_level])
-    else:
-        supported = _GPT2_FAMILY + _DIGITS_FAMILY + _LLAMA3_FAMILY + _QWEN2_FAMILY
+    rule = PRE_TOKENIZER_RULES.get(pre)
+    if rule is None:
         raise ModelLoadError(
             f"unsupported GGUF pre-tokenizer {pre!r} (tokenizer.ggml.pre); supported: "
-            + ", ".join(supported)
+            + ", ".join(PRE_TOKENIZER_RULES)
         )
-    # Llama 3 takes a whole pre-token straight from the vocabulary before merging.
-    model = models.BPE(vocab=vocab, merges=pairs, ignore_merges=pre in _LLAMA3_FAMILY)
+    pairs = [_merge_pair(merge) for merge in merges]
+    model = models.BPE(vocab=_vocab_dict(tokens), merges=pairs, ignore_merges=rule.ignore_merges)
     backend = tokenizers.Tokenizer(model)
-    if pre in _QWEN2_FAMILY:
+    steps: list[pre_tokenizers.PreTokenizer] = []
+    if rule.digits_first:
+        steps.append(pre_tokenizers.Digits(individual_digits=True))
+    if rule.split is not None:
+        steps.append(pre_tokenizers.Split(Regex(rule.split), behavior="isolated", invert=False))
+    steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=rule.split is None))
+    backend.pre_tokenizer = pre_tokenizers.Sequence(steps)
+    if rule.nfc:
         backend.normalizer = normalizers.NFC()
-    backend.pre_tokenizer = pre_tokenizer
     backend.decoder = decoders.ByteLevel()
     return backend
 
@@ -315,16 +351,17 @@ def _sentencepiece_backend(
 def _register_added_tokens(
     backend: tokenizers.Tokenizer, tokens: list[str], token_types: list[int], byte_level: bool
 ) -> None:
-    """Control tokens -> special added tokens; user-defined tokens -> plain added tokens.
+    """Control and unknown tokens -> special added tokens; user-defined -> plain added tokens.
 
-    Both are then matched whole in raw text. In a byte-level vocabulary a control token spelled
+    All are then matched whole in raw text. In a byte-level vocabulary a control token spelled
     with characters outside the byte alphabet (e.g. a real newline) is a labelling slip of the
     converter and could never be decoded correctly, so it is left as an ordinary entry.
     """
     alphabet = _byte_alphabet() if byte_level else None
     special, plain = [], []
     for token, token_type in zip(tokens, token_types, strict=True):
-        if token_type == _CONTROL and (alphabet is None or set(token) <= alphabet):
+        is_special = token_type in (_CONTROL, _UNKNOWN)
+        if is_special and (alphabet is None or set(token) <= alphabet):
             special.append(AddedToken(token, special=True, normalized=False))
         elif token_type == _USER_DEFINED:
             plain.append(AddedToken(token, special=False, normalized=False))

@@ -237,8 +237,9 @@ def test_folder_without_tokenizer_json(tmp_path: Path) -> None:
         Tokenizer.from_tokenizer_json(tmp_path)
 
 
-def test_load_tokenizer_reads_only_metadata(ours: Tokenizer) -> None:
-    assert load_tokenizer("default").encode("Hello world") == ours.encode("Hello world")
+def test_load_tokenizer_reads_only_metadata(sentencepiece_gguf: Path, saved_folder: Path) -> None:
+    assert load_tokenizer(sentencepiece_gguf).encode("hello") == [1, 260]
+    assert load_tokenizer(saved_folder).encode("Hello world") == [19556, 905]
 
 
 # ---------------------------------------------------------------------------------------------
