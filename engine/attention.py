@@ -70,13 +70,24 @@ class AttentionBackend(abc.ABC):
 
 
 class TorchAttentionBackend(AttentionBackend):
-    """Reference backend: gathers each sequence's blocks and calls torch SDPA."""
+    """Reference backend: gathers each sequence's blocks and calls torch SDPA.
+
+    With ``batch_invariant`` every sequence, decodes included, is attended on its own over its
+    exact context length (no padding to the longest sequence, no mask for a single query), so
+    a request's float32 result is independent of the batch around it and matches a
+    single-sequence HF run. Otherwise decodes are batched into one padded, masked SDPA call.
+    """
 
     name = "torch"
+
+    def __init__(self, batch_invariant: bool = False) -> None:
+        self.batch_invariant = batch_invariant
 
     def prepare(
         self, spans: Sequence[SequenceSpan], num_decode: int, block_size: int, device: torch.device
     ) -> TorchAttentionMetadata:
+        if self.batch_invariant:
+            num_decode = 0
         slots: list[int] = []
         for span in spans:
             start = span.context_len - span.query_len
@@ -121,7 +132,6 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         assert isinstance(metadata, TorchAttentionMetadata)
         num_tokens, num_heads, head_dim = query.shape
-        num_kv_heads = key.shape[1]
         write_kv(key, value, key_cache, value_cache, metadata.slot_mapping)
         output = query.new_empty(num_tokens, num_heads, head_dim)
         if metadata.num_decode:
@@ -141,9 +151,7 @@ class TorchAttentionBackend(AttentionBackend):
             else:
                 seq_key = gather_blocks(key_cache, block_ids)[:context_len]
                 seq_value = gather_blocks(value_cache, block_ids)[:context_len]
-            output[start:end] = prefill_attention(
-                query[start:end], seq_key, seq_value, num_kv_heads, scale
-            )
+            output[start:end] = prefill_attention(query[start:end], seq_key, seq_value, scale)
         return output.view(num_tokens, num_heads * head_dim)
 
 
@@ -176,44 +184,41 @@ def decode_attention(
 ) -> torch.Tensor:
     """One query token per sequence over its paged context; returns ``[batch, heads, head_dim]``.
 
-    GQA without copying KV per query head: the query heads sharing a KV head are treated as
-    ``group`` query rows of that KV head.
+    GQA through SDPA's ``enable_gqa`` (no KV copy per query head), one query row per head:
+    the same kernel shapes as a single-sequence HF decode, so float32 results match it.
     """
-    batch, num_heads, head_dim = query.shape
-    num_kv_heads = key_cache.shape[2]
-    group = num_heads // num_kv_heads
     keys = key_cache[block_tables].flatten(1, 2).transpose(1, 2)  # [batch, kv_heads, ctx, dim]
     values = value_cache[block_tables].flatten(1, 2).transpose(1, 2)
-    grouped_query = query.view(batch, num_kv_heads, group, head_dim)
-    out = F.scaled_dot_product_attention(grouped_query, keys, values, attn_mask=mask, scale=scale)
-    return out.reshape(batch, num_heads, head_dim)
+    out = F.scaled_dot_product_attention(
+        query.unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=True
+    )  # [batch, heads, 1, dim]
+    return out.squeeze(2)
 
 
 def prefill_attention(
     query: torch.Tensor,  # [query_len, heads, head_dim]
     key: torch.Tensor,  # [context_len, kv_heads, head_dim]
     value: torch.Tensor,  # [context_len, kv_heads, head_dim]
-    num_kv_heads: int,
     scale: float,
 ) -> torch.Tensor:
     """Causal attention of the last ``query_len`` positions of a context.
 
     Returns ``[query_len, heads, dim]``.
     """
-    query_len, num_heads, _ = query.shape
+    query_len = query.shape[0]
     context_len = key.shape[0]
-    q = query.transpose(0, 1)  # [heads, query_len, dim]
-    k = key.transpose(0, 1)  # [kv_heads, context_len, dim]
-    v = value.transpose(0, 1)
-    if num_kv_heads != num_heads:
-        repeat = num_heads // num_kv_heads
-        k = k.repeat_interleave(repeat, dim=0)  # [heads, context_len, dim]
-        v = v.repeat_interleave(repeat, dim=0)
-    if context_len == query_len:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    q = query.transpose(0, 1).unsqueeze(0)  # [1, heads, query_len, dim]
+    k = key.transpose(0, 1).unsqueeze(0)  # [1, kv_heads, context_len, dim]
+    v = value.transpose(0, 1).unsqueeze(0)
+    if context_len == query_len or query_len == 1:  # causal from the top left, or all keys
+        out = F.scaled_dot_product_attention(
+            q, k, v, is_causal=query_len > 1, scale=scale, enable_gqa=True
+        )
     else:
         offset = context_len - query_len
         rows = torch.arange(query_len, device=query.device)[:, None] + offset
         mask = torch.arange(context_len, device=query.device)[None, :] <= rows
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    return out.transpose(0, 1)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=scale, enable_gqa=True
+        )  # [1, heads, query_len, dim]
+    return out[0].transpose(0, 1)

@@ -60,7 +60,8 @@ class EngineCore:
         model = LlamaModel(
             checkpoint.config, checkpoint.weights, self.dtype, device, self.max_model_len
         )
-        self.runner = ModelRunner(model, self.num_blocks, config.cache.block_size, _backend(config))
+        backend = _backend(config, batch_invariant=self.dtype == torch.float32)
+        self.runner = ModelRunner(model, self.num_blocks, config.cache.block_size, backend)
         self.kv_cache = KVCacheManager(
             self.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
         )
@@ -127,8 +128,8 @@ def _logprobs_of(logprob: TokenLogprob | None) -> tuple[TokenLogprob, ...]:
     return () if logprob is None else (logprob,)
 
 
-def _backend(config: EngineConfig) -> AttentionBackend:
+def _backend(config: EngineConfig, batch_invariant: bool) -> AttentionBackend:
     name = config.runner.attention_backend
     if name == "triton" or (name == "auto" and config.runner.device.startswith("cuda")):
         raise NotImplementedError("the Triton attention backend is not built yet")
-    return TorchAttentionBackend()
+    return TorchAttentionBackend(batch_invariant=batch_invariant)

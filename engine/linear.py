@@ -3,14 +3,23 @@
 ``Linear(weight, bias)`` computes ``x @ weight.T + bias`` for ``x`` ``[tokens, in]``. On CPU in
 bfloat16 it stores the weight in oneDNN's blocked layout once at load time; that avoids the
 per-call reorder that ``F.linear`` pays and reads weights closer to memory bandwidth (measured
-here: 22 GB/s vs 15 GB/s over a SmolLM2-sized decode step). Everywhere else (float32 for
-bit-exact comparison with HF, CUDA) it is plain ``F.linear``.
+here: 22 GB/s vs 15 GB/s over a SmolLM2-sized decode step). Everywhere else (float32, CUDA) it
+is plain ``F.linear``.
+
+Batch invariance in float32 on CPU: the BLAS picks a different kernel (and so a different
+summation order) for 1, for 2-4 and for 5 or more rows, so a request's logits would depend on
+how many other requests share its step, and greedy output can flip on the model's narrower
+margins. Inputs with fewer than ``MIN_GEMM_ROWS`` rows are padded with zero rows, so every row
+always goes through the same kernel: float32 results are identical whatever the batch.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+MIN_GEMM_ROWS = 8
+"""Float32 CPU inputs are padded to at least this many rows (see the module docstring)."""
 
 
 def _prepacking_available() -> bool:
@@ -35,8 +44,14 @@ class Linear:
         )
         if self.prepacked:
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        self.pad_rows = weight.device.type == "cpu" and weight.dtype == torch.float32
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.prepacked:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        rows = x.shape[0]
+        if self.pad_rows and rows < MIN_GEMM_ROWS:
+            padded = x.new_zeros(MIN_GEMM_ROWS, x.shape[1])  # [MIN_GEMM_ROWS, in]
+            padded[:rows] = x
+            return F.linear(padded, self.weight, self.bias)[:rows]
         return F.linear(x, self.weight, self.bias)

@@ -1,0 +1,53 @@
+"""Shared fixtures: the default model loaded once per session, in float32 for exact checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from splitserve.engine.checkpoint import LoadedCheckpoint, default_model_path, load_checkpoint
+from splitserve.engine.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    RunnerConfig,
+    SchedulerConfig,
+)
+from splitserve.engine.llm import LLM
+
+
+@pytest.fixture(scope="session")
+def default_checkpoint_fp32() -> LoadedCheckpoint:
+    """SmolLM2-135M-Instruct (the GGUF of the default model package) dequantized to float32."""
+    return load_checkpoint(default_model_path(), torch.float32)
+
+
+def make_llm(
+    checkpoint: LoadedCheckpoint,
+    *,
+    num_blocks: int | None = 512,
+    block_size: int = 16,
+    prefix_caching: bool = True,
+    max_num_batched_tokens: int = 2048,
+    max_num_seqs: int = 64,
+    dtype: str = "float32",
+) -> LLM:
+    """An offline engine over an already loaded checkpoint, float32 by default."""
+    config = EngineConfig(
+        model=ModelConfig(dtype=dtype),
+        cache=CacheConfig(
+            block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=prefix_caching
+        ),
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs
+        ),
+        runner=RunnerConfig(num_threads=2),
+    )
+    return LLM(config=config, checkpoint=checkpoint)
+
+
+def assert_no_leaks(llm: LLM) -> None:
+    """Every KV block is back in the pool and no request is left."""
+    engine = llm.engine
+    assert not engine.has_unfinished
+    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks

@@ -1,0 +1,125 @@
+"""Greedy output equals HF ``transformers`` token for token (float32, same weights).
+
+Eight prompts from 5 to 1,000+ tokens run as one concurrent batch, 64 new tokens each, under
+four engine configurations: prefix caching on (run twice, so the second run hits the cache)
+and off, a prefill chunk small enough to chunk every long prompt, and a KV pool small enough
+to force preemption. Every run must end with every block back in the pool.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from splitserve.engine.checkpoint import LoadedCheckpoint, default_model_path
+from splitserve.engine.sampling_params import SamplingParams
+from tests.conftest import assert_no_leaks, make_llm
+
+transformers = pytest.importorskip("transformers")
+
+NEW_TOKENS = 64
+# min_tokens suppresses EOS exactly like HF min_new_tokens, so both generate 64 tokens.
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, temperature=0.0)
+
+_STORY = (
+    "The lighthouse keeper climbed the spiral stairs each evening, counting the steps as his "
+    "father had taught him. Below, the harbour emptied of boats, and the gulls settled on the "
+    "breakwater. He trimmed the wick, polished the great lens, and watched the beam sweep over "
+    "the dark water, marking the rocks that had claimed so many ships before the light was built. "
+)
+_CODE = (
+    "def merge_sort(items):\n    if len(items) <= 1:\n        return items\n"
+    "    middle = len(items) // 2\n    left = merge_sort(items[:middle])\n"
+)
+
+
+def _prompts(tokenizer) -> list[list[int]]:
+    """Eight prompts of 5 to 1,000+ tokens; two share a long prefix."""
+    long_text = " ".join(f"Chapter {i}. {_STORY}" for i in range(14))
+    texts = [
+        "The capital of France is",
+        "Write a haiku about the sea.",
+        _CODE,
+        _STORY,
+        _STORY * 3 + "Summarize the story above in one sentence:",
+        long_text[: len(long_text) // 2] + " What happened next?",
+        long_text + " Question: what did the keeper do each evening? Answer:",
+        long_text + " Translate the first sentence into French:",
+    ]
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": texts[1]}])
+    prompts = [tokenizer.encode(text) for text in texts]
+    prompts[1] = tokenizer.encode(chat)
+    return prompts
+
+
+@pytest.fixture(scope="module")
+def prompts(default_checkpoint_fp32: LoadedCheckpoint) -> list[list[int]]:
+    prompts = _prompts(default_checkpoint_fp32.tokenizer)
+    lengths = sorted(len(p) for p in prompts)
+    assert lengths[0] <= 8 and lengths[-1] >= 1000, lengths
+    return prompts
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(prompts: list[list[int]]) -> list[list[int]]:
+    """HF transformers greedy continuations, one prompt at a time (no padding effects)."""
+    path = default_model_path()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    )
+    model.eval()
+    outputs = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            generated = model.generate(
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.int64),
+                max_new_tokens=NEW_TOKENS,
+                min_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                pad_token_id=0,
+            )
+            outputs.append(generated[0, len(prompt) :].tolist())
+    return outputs
+
+
+def _run(llm, prompts) -> list[list[int]]:
+    results = llm.generate(prompts, GREEDY)
+    assert_no_leaks(llm)
+    return [result.token_ids for result in results]
+
+
+def _assert_equal(actual: list[list[int]], expected: list[list[int]]) -> None:
+    for index, (got, want) in enumerate(zip(actual, expected, strict=True)):
+        assert got == want, f"prompt {index}: first difference at token " + str(
+            next(i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b)
+            if got[: len(want)] != want
+            else len(want)
+        )
+
+
+def test_prefix_caching_on(default_checkpoint_fp32, prompts, hf_greedy) -> None:
+    llm = make_llm(default_checkpoint_fp32, prefix_caching=True)
+    _assert_equal(_run(llm, prompts), hf_greedy)
+    hits_before = llm.engine.scheduler.stats.prefix_hit_tokens
+    _assert_equal(_run(llm, prompts), hf_greedy)  # second run is served from the prefix cache
+    assert llm.engine.scheduler.stats.prefix_hit_tokens - hits_before > 1000
+
+
+def test_prefix_caching_off(default_checkpoint_fp32, prompts, hf_greedy) -> None:
+    llm = make_llm(default_checkpoint_fp32, prefix_caching=False)
+    _assert_equal(_run(llm, prompts), hf_greedy)
+    assert llm.engine.scheduler.stats.prefix_hit_tokens == 0
+
+
+def test_chunked_prefill(default_checkpoint_fp32, prompts, hf_greedy) -> None:
+    llm = make_llm(default_checkpoint_fp32, max_num_batched_tokens=96, prefix_caching=False)
+    _assert_equal(_run(llm, prompts), hf_greedy)
+
+
+def test_preemption_and_recompute(default_checkpoint_fp32, prompts, hf_greedy) -> None:
+    # Enough blocks for the longest request alone, far too few for all eight at once.
+    longest = max(len(p) for p in prompts) + NEW_TOKENS
+    llm = make_llm(default_checkpoint_fp32, num_blocks=longest // 16 + 8, prefix_caching=True)
+    _assert_equal(_run(llm, prompts), hf_greedy)
+    assert llm.engine.scheduler.stats.num_preemptions > 0
