@@ -1,0 +1,110 @@
+"""``splitserve`` command line: offline generation and an interactive chat with one engine.
+
+    splitserve generate "The capital of France is" --max-tokens 32 --temperature 0
+    splitserve generate --chat "Write a haiku about the sea" --stream
+    splitserve chat                      # interactive; reads one user turn per line
+
+Errors a user can cause (bad flags, a missing model, an over-long prompt) print one clear line
+and exit with status 2; nothing else is lost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+
+from splitserve.engine.cli_args import (
+    add_engine_args,
+    add_sampling_args,
+    engine_config_from_args,
+    sampling_params_from_args,
+)
+from splitserve.engine.errors import SplitserveError
+from splitserve.engine.llm import LLM
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="splitserve", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    generate = commands.add_parser("generate", help="complete prompts and print the results")
+    generate.add_argument("prompts", nargs="+", help="prompt texts (one request each)")
+    generate.add_argument("--chat", action="store_true", help="apply the chat template")
+    generate.add_argument("--stream", action="store_true", help="print text as it is generated")
+    generate.add_argument("--json", action="store_true", help="print one JSON object per result")
+    chat = commands.add_parser("chat", help="interactive chat with the model")
+    chat.add_argument("--system", default=None, help="system prompt")
+    for sub in (generate, chat):
+        add_engine_args(sub)
+        add_sampling_args(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        params = sampling_params_from_args(args)
+        llm = LLM(config=engine_config_from_args(args))
+        if args.command == "generate":
+            return _generate(llm, args, params)
+        return _chat(llm, args, params)
+    except SplitserveError as error:
+        print(f"splitserve: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def _generate(llm: LLM, args: argparse.Namespace, params) -> int:
+    prompts = list(args.prompts)
+    if args.chat:
+        prompts = llm.render_chats([[{"role": "user", "content": p}] for p in prompts])
+    if args.stream and len(prompts) == 1:
+        for chunk in llm.stream(prompts, params):
+            print(chunk.text, end="", flush=True)
+        print()
+        return 0
+    for result in llm.generate(prompts, params):
+        if args.json:
+            record = {
+                "text": result.text,
+                "token_ids": result.token_ids,
+                "finish_reason": result.finish_reason.value,
+                "num_prompt_tokens": len(result.prompt_token_ids),
+            }
+            print(json.dumps(record))
+        else:
+            print(result.text)
+    return 0
+
+
+def _chat(llm: LLM, args: argparse.Namespace, params) -> int:
+    messages: list[dict[str, str]] = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print("splitserve chat: type a message, Ctrl-D to quit.", file=sys.stderr)
+    while True:
+        if interactive:
+            print("> ", end="", flush=True, file=sys.stderr)
+        line = sys.stdin.readline()
+        if not line:
+            return 0
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line.rstrip("\n")})
+        [prompt] = llm.render_chats([messages])
+        reply = []
+        for chunk in llm.stream([prompt], params):
+            reply.append(chunk.text)
+            print(chunk.text, end="", flush=True)
+        print(flush=True)
+        messages.append({"role": "assistant", "content": "".join(reply)})
+
+
+if __name__ == "__main__":
+    sys.exit(main())

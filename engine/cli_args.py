@@ -1,0 +1,128 @@
+"""The one place where command-line flags and ``SPLITSERVE_*`` environment variables become config.
+
+Every engine flag has an environment twin (``--kv-cache-gib`` <-> ``SPLITSERVE_KV_CACHE_GIB``);
+a flag given on the command line wins over the environment, which wins over the default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable, Mapping
+
+from splitserve.engine.config import (
+    DTYPES,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    RunnerConfig,
+    SchedulerConfig,
+)
+from splitserve.engine.sampling_params import SamplingParams
+
+
+def _env_name(flag: str) -> str:
+    return "SPLITSERVE_" + flag.lstrip("-").replace("-", "_").upper()
+
+
+def _env_default(
+    flag: str, default: object, convert: Callable[[str], object], env: Mapping[str, str]
+) -> object:
+    raw = env.get(_env_name(flag))
+    return default if raw is None else convert(raw)
+
+
+def _truthy(raw: str) -> bool:
+    return raw.strip().lower() in ("1", "true", "yes", "on")
+
+
+def add_engine_args(parser: argparse.ArgumentParser, env: Mapping[str, str] = os.environ) -> None:
+    """Flags of ``EngineConfig``; defaults come from ``SPLITSERVE_*`` variables when set."""
+    defaults = EngineConfig()
+    group = parser.add_argument_group("engine")
+
+    def flag(name: str, default: object, convert: Callable[[str], object], help_text: str) -> None:
+        group.add_argument(
+            name,
+            type=convert,
+            default=_env_default(name, default, convert, env),
+            help=f"{help_text} (env {_env_name(name)})",
+        )
+
+    flag("--model", defaults.model.model, str, "GGUF file, HF folder, or 'default'")
+    group.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default=_env_default("--dtype", defaults.model.dtype, str, env),
+        help="compute dtype; auto = bf16 where the CPU has it (env SPLITSERVE_DTYPE)",
+    )
+    flag("--max-model-len", None, int, "context window cap in tokens")
+    flag("--block-size", defaults.cache.block_size, int, "tokens per KV block")
+    flag("--kv-cache-gib", defaults.cache.kv_cache_gib, float, "KV cache size in GiB")
+    flag("--num-blocks", None, int, "KV cache size in blocks (overrides --kv-cache-gib)")
+    group.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        default=_env_default("--no-prefix-caching", False, _truthy, env),
+        help="disable prefix caching (env SPLITSERVE_NO_PREFIX_CACHING=1)",
+    )
+    flag(
+        "--max-num-batched-tokens",
+        defaults.scheduler.max_num_batched_tokens,
+        int,
+        "token budget per step (prefill chunk size)",
+    )
+    flag("--max-num-seqs", defaults.scheduler.max_num_seqs, int, "most running requests")
+    flag("--threads", None, int, "torch intra-op threads")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """Build the validated root config from parsed flags."""
+    return EngineConfig(
+        model=ModelConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len),
+        cache=CacheConfig(
+            block_size=args.block_size,
+            num_blocks=args.num_blocks,
+            kv_cache_gib=args.kv_cache_gib,
+            enable_prefix_caching=not args.no_prefix_caching,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs
+        ),
+        runner=RunnerConfig(num_threads=args.threads),
+    )
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``SamplingParams`` (validated when the params are built)."""
+    group = parser.add_argument_group("sampling")
+    defaults = SamplingParams()
+    group.add_argument("--max-tokens", type=int, default=256)
+    group.add_argument("--temperature", type=float, default=0.7)
+    group.add_argument("--top-p", type=float, default=defaults.top_p)
+    group.add_argument("--top-k", type=int, default=defaults.top_k)
+    group.add_argument("--min-p", type=float, default=defaults.min_p)
+    group.add_argument("--seed", type=int, default=None)
+    group.add_argument("--repetition-penalty", type=float, default=defaults.repetition_penalty)
+    group.add_argument("--frequency-penalty", type=float, default=defaults.frequency_penalty)
+    group.add_argument("--presence-penalty", type=float, default=defaults.presence_penalty)
+    group.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    group.add_argument("--ignore-eos", action="store_true")
+    group.add_argument("--logprobs", type=int, default=None)
+
+
+def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        seed=args.seed,
+        repetition_penalty=args.repetition_penalty,
+        frequency_penalty=args.frequency_penalty,
+        presence_penalty=args.presence_penalty,
+        stop=tuple(args.stop),
+        ignore_eos=args.ignore_eos,
+        logprobs=args.logprobs,
+    )

@@ -1,0 +1,116 @@
+"""Offline API on the default model: streaming, stop strings, seeds, logprobs, bad input, leaks."""
+
+from __future__ import annotations
+
+import pytest
+
+from splitserve.engine.checkpoint import LoadedCheckpoint
+from splitserve.engine.config import EngineConfig, ModelConfig
+from splitserve.engine.errors import (
+    ContextLengthExceededError,
+    InvalidRequestError,
+    ModelLoadError,
+)
+from splitserve.engine.llm import LLM
+from splitserve.engine.request import FinishReason
+from splitserve.engine.sampling_params import SamplingParams
+from tests.conftest import assert_no_leaks, make_llm
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def llm(default_checkpoint_fp32: LoadedCheckpoint) -> LLM:
+    return make_llm(default_checkpoint_fp32, num_blocks=256)
+
+
+def test_chat_answers_and_stops_at_eos(llm: LLM) -> None:
+    [result] = llm.chat([{"role": "user", "content": "What is the capital of France?"}], GREEDY)
+    assert "Paris" in result.text
+    assert result.finish_reason is FinishReason.STOP
+    assert result.stop_reason in llm.engine.eos_token_ids
+    assert "<|im_end|>" not in result.text
+    assert_no_leaks(llm)
+
+
+def test_stream_deltas_concatenate_to_the_final_text(llm: LLM) -> None:
+    prompt = "Once upon a time"
+    chunks = list(llm.stream([prompt], GREEDY))
+    [result] = llm.generate([prompt], GREEDY)
+    assert len(chunks) == len(result.token_ids)
+    assert "".join(c.text for c in chunks) == result.text
+    assert [t for c in chunks for t in c.new_token_ids] == result.token_ids
+    assert chunks[-1].finish_reason is FinishReason.LENGTH
+    assert all(c.finish_reason is None for c in chunks[:-1])
+
+
+def test_closing_a_stream_early_aborts_and_frees_blocks(llm: LLM) -> None:
+    stream = llm.stream(["Count from one to fifty:", "List the planets:"], GREEDY)
+    next(stream)
+    stream.close()
+    assert_no_leaks(llm)
+
+
+def test_stop_string_is_excluded_and_frees_blocks(llm: LLM) -> None:
+    prompt = "The capital of France is"
+    [free_run] = llm.generate([prompt], GREEDY)
+    word = free_run.text.split()[0]  # the first word the model writes, e.g. "Paris."
+    [stopped] = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0, stop=(word,)))
+    assert stopped.finish_reason is FinishReason.STOP
+    assert stopped.stop_reason == word
+    assert word not in stopped.text
+    assert free_run.text.startswith(stopped.text)
+    assert_no_leaks(llm)
+
+
+def test_seed_reproducible_whatever_the_batch(llm: LLM) -> None:
+    seeded = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=1234)
+    other = SamplingParams(max_tokens=16, temperature=1.0)
+    [alone] = llm.generate(["Tell me about cats."], seeded)
+    batch = llm.generate(["Write a poem.", "Tell me about cats.", "Hello"], [other, seeded, other])
+    assert batch[1].token_ids == alone.token_ids
+    [different] = llm.generate(
+        ["Tell me about cats."], SamplingParams(max_tokens=16, temperature=1.0, seed=99)
+    )
+    assert different.token_ids != alone.token_ids
+
+
+def test_logprobs_are_returned_per_token(llm: LLM) -> None:
+    params = SamplingParams(max_tokens=5, temperature=0.0, logprobs=3)
+    [result] = llm.generate(["The sky is"], params)
+    assert len(result.logprobs) == len(result.token_ids)
+    for token_id, logprob in zip(result.token_ids, result.logprobs, strict=True):
+        assert logprob.token_id == token_id and logprob.rank == 1  # greedy picks the top token
+        assert len(logprob.top) == 3 and logprob.top[0][0] == token_id
+        assert logprob.logprob <= 0.0
+
+
+def test_bad_input_is_rejected_and_loses_nothing(llm: LLM) -> None:
+    context = llm.engine.max_model_len
+    with pytest.raises(InvalidRequestError, match="empty"):
+        llm.generate(["fine prompt", ""], GREEDY)
+    with pytest.raises(InvalidRequestError):
+        llm.generate([[]], GREEDY)
+    with pytest.raises(ContextLengthExceededError):
+        llm.generate(["fine prompt", [5] * (context + 1)], GREEDY)
+    with pytest.raises(InvalidRequestError, match="token ids"):
+        llm.generate([[llm.engine.model_config.vocab_size + 5]], GREEDY)
+    for bad in ({"temperature": -1}, {"top_p": 0}, {"max_tokens": 0}, {"logprobs": 99}):
+        with pytest.raises(InvalidRequestError) as error:
+            SamplingParams(**bad)
+        assert error.value.param == next(iter(bad))
+    assert_no_leaks(llm)  # none of the good prompts of a rejected call was queued
+    [result] = llm.generate(["The capital of France is"], GREEDY)
+    assert result.token_ids
+
+
+def test_unknown_model_path_is_a_clear_error() -> None:
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        LLM(config=EngineConfig(model=ModelConfig(model="/no/such/model.gguf")))
+
+
+def test_bfloat16_engine_generates(default_checkpoint_fp32: LoadedCheckpoint) -> None:
+    llm = make_llm(default_checkpoint_fp32, num_blocks=64, dtype="bfloat16")
+    [result] = llm.chat([{"role": "user", "content": "What is the capital of France?"}], GREEDY)
+    assert "Paris" in result.text
+    assert_no_leaks(llm)
