@@ -3,8 +3,8 @@
 ``Tokenizer`` wraps a ``tokenizers.Tokenizer`` (the Rust fast tokenizer) together with the
 model's special tokens and its Jinja chat template. It is built either from a HF folder
 (``tokenizer.json`` + ``tokenizer_config.json``) or from the vocabulary a GGUF file carries in
-its metadata; both give the same object, and ``save`` writes a GGUF-derived tokenizer back out
-as a HF folder.
+its metadata (the backend itself is rebuilt by ``splitserve.engine.gguf_vocab``); both give the
+same object, and ``save`` writes a GGUF-derived tokenizer back out as a HF folder.
 
 Contracts:
 - ``encode`` adds BOS/EOS only when the model asks for it (``add_bos_token``/``add_eos_token``)
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
@@ -27,59 +26,13 @@ from typing import TYPE_CHECKING, NoReturn
 import jinja2
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
+from tokenizers import processors
 
 from splitserve.engine.errors import InvalidRequestError, ModelLoadError
+from splitserve.engine.gguf_vocab import gguf_backend, gguf_field, token_at
 
 if TYPE_CHECKING:
     import gguf
-
-# llama.cpp token types (gguf.TokenType).
-_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED = 1, 2, 3, 4
-
-# Pre-tokenizer split patterns of the byte-level BPE families we support.
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-
-
-@dataclass(frozen=True)
-class _PreTokenizerRule:
-    """How one ``tokenizer.ggml.pre`` family cuts text before byte-level BPE."""
-
-    split: str | None = None
-    """Regex whose matches become pre-tokens; ``None``: GPT-2's own regex."""
-    digits_first: bool = False
-    """Isolate every digit before the regex runs (llama.cpp applies its regexes in turn)."""
-    ignore_merges: bool = False
-    """Take a pre-token found whole in the vocabulary without merging (Llama 3)."""
-    nfc: bool = False
-    """NFC-normalize the text first (Qwen2)."""
-
-
-_GPT2_RULE = _PreTokenizerRule()
-_DIGITS_RULE = _PreTokenizerRule(digits_first=True)
-_LLAMA3_RULE = _PreTokenizerRule(split=_LLAMA3_SPLIT, ignore_merges=True)
-_QWEN2_RULE = _PreTokenizerRule(split=_QWEN2_SPLIT, nfc=True)
-PRE_TOKENIZER_RULES = {
-    "default": _GPT2_RULE,
-    "gpt2": _GPT2_RULE,
-    "smollm": _DIGITS_RULE,
-    "starcoder": _DIGITS_RULE,
-    "refact": _DIGITS_RULE,
-    "llama-bpe": _LLAMA3_RULE,
-    "llama3": _LLAMA3_RULE,
-    "llama-v3": _LLAMA3_RULE,
-    "smaug-bpe": _LLAMA3_RULE,
-    "qwen2": _QWEN2_RULE,
-    "deepseek-r1-qwen": _QWEN2_RULE,
-}
-_SPIECE_SPACE = "\u2581"
 
 
 class Tokenizer:
@@ -160,23 +113,23 @@ class Tokenizer:
         fallback). Control tokens become special added tokens, user-defined tokens plain added
         tokens. Raises ``ModelLoadError`` for anything else.
         """
-        kind = _gguf_field(reader, "tokenizer.ggml.model")
-        tokens = _gguf_field(reader, "tokenizer.ggml.tokens")
+        kind = gguf_field(reader, "tokenizer.ggml.model")
+        tokens = gguf_field(reader, "tokenizer.ggml.tokens")
         if not kind or not isinstance(tokens, list) or not tokens:
             raise ModelLoadError("GGUF file carries no tokenizer (tokenizer.ggml.model/tokens)")
         try:
-            backend = _gguf_backend(reader, str(kind), tokens)
+            backend = gguf_backend(reader, str(kind), tokens)
         except ModelLoadError:
             raise
         except Exception as exc:  # tokenizers rejects the vocabulary (e.g. merges out of vocab)
             raise ModelLoadError(f"GGUF tokenizer is inconsistent: {exc}") from exc
-        add_bos = _gguf_field(reader, "tokenizer.ggml.add_bos_token")
-        add_eos = _gguf_field(reader, "tokenizer.ggml.add_eos_token")
+        add_bos = gguf_field(reader, "tokenizer.ggml.add_bos_token")
+        add_eos = gguf_field(reader, "tokenizer.ggml.add_eos_token")
         return cls(
             backend,
-            chat_template=_gguf_field(reader, "tokenizer.chat_template"),
-            bos_token=_token_at(tokens, _gguf_field(reader, "tokenizer.ggml.bos_token_id")),
-            eos_token=_token_at(tokens, _gguf_field(reader, "tokenizer.ggml.eos_token_id")),
+            chat_template=gguf_field(reader, "tokenizer.chat_template"),
+            bos_token=token_at(tokens, gguf_field(reader, "tokenizer.ggml.bos_token_id")),
+            eos_token=token_at(tokens, gguf_field(reader, "tokenizer.ggml.eos_token_id")),
             # llama.cpp's defaults when a file does not say: BOS for SentencePiece vocabularies.
             add_bos_token=bool(add_bos) if add_bos is not None else kind == "llama",
             add_eos_token=bool(add_eos),
@@ -255,157 +208,6 @@ class Tokenizer:
         }
         text = json.dumps(config, indent=2, ensure_ascii=False)
         (folder / "tokenizer_config.json").write_text(text + "\n", encoding="utf-8")
-
-
-# --------------------------------------------------------------------------------------------
-# GGUF vocabularies -> tokenizers backends
-
-
-def _gguf_backend(reader: gguf.GGUFReader, kind: str, tokens: list[str]) -> tokenizers.Tokenizer:
-    """The fast tokenizer for ``tokenizer.ggml.model`` ``kind``, added tokens registered."""
-    token_types = _gguf_field(reader, "tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
-    if len(token_types) != len(tokens):
-        raise ModelLoadError("GGUF tokenizer: token_type and tokens differ in length")
-    if kind == "gpt2":
-        merges = _gguf_field(reader, "tokenizer.ggml.merges") or []
-        pre = _gguf_field(reader, "tokenizer.ggml.pre") or "default"
-        backend = _byte_level_backend(tokens, merges, str(pre))
-    elif kind == "llama":
-        scores = _gguf_field(reader, "tokenizer.ggml.scores") or [0.0] * len(tokens)
-        if len(scores) != len(tokens):
-            raise ModelLoadError("GGUF tokenizer: scores and tokens differ in length")
-        unk_id = _gguf_field(reader, "tokenizer.ggml.unknown_token_id")
-        space_prefix = _gguf_field(reader, "tokenizer.ggml.add_space_prefix")
-        backend = _sentencepiece_backend(
-            tokens, scores, token_types, unk_id, space_prefix is not False
-        )
-    else:
-        raise ModelLoadError(
-            f"unsupported GGUF tokenizer model {kind!r} (supported: 'gpt2' byte-level BPE, "
-            "'llama' SentencePiece BPE)"
-        )
-    _register_added_tokens(backend, tokens, token_types, byte_level=kind == "gpt2")
-    return backend
-
-
-def _byte_level_backend(tokens: list[str], merges: list[str], pre: str) -> tokenizers.Tokenizer:
-    """GPT-2 style byte-level BPE with the split rules named by ``tokenizer.ggml.pre``."""
-    rule = PRE_TOKENIZER_RULES.get(pre)
-    if rule is None:
-        raise ModelLoadError(
-            f"unsupported GGUF pre-tokenizer {pre!r} (tokenizer.ggml.pre); supported: "
-            + ", ".join(PRE_TOKENIZER_RULES)
-        )
-    pairs = [_merge_pair(merge) for merge in merges]
-    model = models.BPE(vocab=_vocab_dict(tokens), merges=pairs, ignore_merges=rule.ignore_merges)
-    backend = tokenizers.Tokenizer(model)
-    steps: list[pre_tokenizers.PreTokenizer] = []
-    if rule.digits_first:
-        steps.append(pre_tokenizers.Digits(individual_digits=True))
-    if rule.split is not None:
-        steps.append(pre_tokenizers.Split(Regex(rule.split), behavior="isolated", invert=False))
-    steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=rule.split is None))
-    backend.pre_tokenizer = pre_tokenizers.Sequence(steps)
-    if rule.nfc:
-        backend.normalizer = normalizers.NFC()
-    backend.decoder = decoders.ByteLevel()
-    return backend
-
-
-def _sentencepiece_backend(
-    tokens: list[str],
-    scores: list[float],
-    token_types: list[int],
-    unk_id: int | None,
-    add_space_prefix: bool,
-) -> tokenizers.Tokenizer:
-    """SentencePiece BPE (Llama 2, Mistral): merges recovered from the scores, byte fallback."""
-    vocab = _vocab_dict(tokens)
-    ranked = []
-    for token, score, token_type in zip(tokens, scores, token_types, strict=True):
-        if token_type not in (_NORMAL, _USER_DEFINED):
-            continue
-        for cut in range(1, len(token)):
-            left, right = token[:cut], token[cut:]
-            if left in vocab and right in vocab:
-                ranked.append((-score, vocab[left], vocab[right], left, right))
-    ranked.sort()
-    merges = [(left, right) for *_, left, right in ranked]
-    unk = _token_at(tokens, unk_id)
-    model = models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True, byte_fallback=True)
-    backend = tokenizers.Tokenizer(model)
-    steps: list[normalizers.Normalizer] = [normalizers.Replace(" ", _SPIECE_SPACE)]
-    pieces: list[decoders.Decoder] = [
-        decoders.Replace(_SPIECE_SPACE, " "),
-        decoders.ByteFallback(),
-        decoders.Fuse(),
-    ]
-    if add_space_prefix:
-        steps.insert(0, normalizers.Prepend(_SPIECE_SPACE))
-        pieces.append(decoders.Strip(content=" ", left=1, right=0))
-    backend.normalizer = normalizers.Sequence(steps)
-    backend.decoder = decoders.Sequence(pieces)
-    return backend
-
-
-def _register_added_tokens(
-    backend: tokenizers.Tokenizer, tokens: list[str], token_types: list[int], byte_level: bool
-) -> None:
-    """Control and unknown tokens -> special added tokens; user-defined -> plain added tokens.
-
-    All are then matched whole in raw text. In a byte-level vocabulary a control token spelled
-    with characters outside the byte alphabet (e.g. a real newline) is a labelling slip of the
-    converter and could never be decoded correctly, so it is left as an ordinary entry.
-    """
-    alphabet = _byte_alphabet() if byte_level else None
-    special, plain = [], []
-    for token, token_type in zip(tokens, token_types, strict=True):
-        is_special = token_type in (_CONTROL, _UNKNOWN)
-        if is_special and (alphabet is None or set(token) <= alphabet):
-            special.append(AddedToken(token, special=True, normalized=False))
-        elif token_type == _USER_DEFINED:
-            plain.append(AddedToken(token, special=False, normalized=False))
-    backend.add_special_tokens(special)
-    backend.add_tokens(plain)
-
-
-def _byte_alphabet() -> set[str]:
-    """The 256 characters GPT-2's byte-level BPE spells bytes with."""
-    return set(pre_tokenizers.ByteLevel.alphabet())
-
-
-def _vocab_dict(tokens: list[str]) -> dict[str, int]:
-    """token -> id; a duplicated spelling keeps its first id (later copies are unreachable)."""
-    vocab: dict[str, int] = {}
-    for token_id, token in enumerate(tokens):
-        vocab.setdefault(token, token_id)
-    return vocab
-
-
-def _merge_pair(merge: str) -> tuple[str, str]:
-    left, sep, right = merge.partition(" ")
-    if not sep:
-        raise ModelLoadError(f"malformed BPE merge {merge!r} in GGUF tokenizer")
-    return left, right
-
-
-def _token_at(tokens: list[str], token_id: int | None) -> str | None:
-    if token_id is None:
-        return None
-    if not 0 <= token_id < len(tokens):
-        raise ModelLoadError(f"special token id {token_id} outside the vocabulary")
-    return tokens[token_id]
-
-
-def _gguf_field(reader: gguf.GGUFReader, key: str) -> object:
-    """Value of metadata ``key`` (str, number, bool or list), ``None`` when absent."""
-    field = reader.get_field(key)
-    if field is None:
-        return None
-    try:
-        return field.contents()
-    except Exception as exc:
-        raise ModelLoadError(f"GGUF metadata {key} is unreadable: {exc}") from exc
 
 
 # --------------------------------------------------------------------------------------------
