@@ -187,8 +187,12 @@ def decode_attention(
     GQA through SDPA's ``enable_gqa`` (no KV copy per query head), one query row per head:
     the same kernel shapes as a single-sequence HF decode, so float32 results match it.
     """
-    keys = key_cache[block_tables].flatten(1, 2).transpose(1, 2)  # [batch, kv_heads, ctx, dim]
-    values = value_cache[block_tables].flatten(1, 2).transpose(1, 2)
+    batch = block_tables.shape[0]
+    flat_tables = block_tables.flatten()  # [batch * max_blocks]
+    kv_shape = (batch, -1, key_cache.shape[2], key_cache.shape[3])
+    keys = key_cache.index_select(0, flat_tables).view(kv_shape).transpose(1, 2)
+    values = value_cache.index_select(0, flat_tables).view(kv_shape).transpose(1, 2)
+    # keys, values: [batch, kv_heads, max_blocks * block_size, dim]
     out = F.scaled_dot_product_attention(
         query.unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=True
     )  # [batch, heads, 1, dim]
