@@ -79,6 +79,7 @@ class Request:
     stop_token_id: int | None = None
     """The eos/stop token that ended the request, if any."""
     first_scheduled_time: float | None = None
+    """When the request first left the waiting queue (``time.monotonic``); queue-time metric."""
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)

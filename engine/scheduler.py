@@ -17,9 +17,10 @@ finished request has freed all its blocks before ``update`` returns.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from splitserve.engine.config import SchedulerConfig
 from splitserve.engine.errors import ContextLengthExceededError, InvalidRequestError
@@ -90,7 +91,6 @@ class SchedulerStats:
     num_preemptions: int = 0
     prefix_query_tokens: int = 0
     prefix_hit_tokens: int = 0
-    extra: dict[str, int] = field(default_factory=dict)
 
 
 class Scheduler:
@@ -197,6 +197,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             if request.status is RequestStatus.WAITING:
+                request.first_scheduled_time = time.monotonic()
                 request.num_cached_tokens = num_computed
                 self.stats.prefix_query_tokens += request.num_tokens
                 self.stats.prefix_hit_tokens += num_computed
