@@ -20,8 +20,15 @@ GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
 
 
 @pytest.fixture(scope="module")
-def llm(default_checkpoint_fp32: LoadedCheckpoint) -> LLM:
+def shared_llm(default_checkpoint_fp32: LoadedCheckpoint) -> LLM:
     return make_llm(default_checkpoint_fp32, num_blocks=256)
+
+
+@pytest.fixture
+def llm(shared_llm: LLM):
+    """The module's engine; every test must leave every KV block free."""
+    yield shared_llm
+    assert_no_leaks(shared_llm)
 
 
 def test_chat_answers_and_stops_at_eos(llm: LLM) -> None:

@@ -1,0 +1,21 @@
+"""The scheduler side of the engine (block pool, KV manager, scheduler, requests) is torch-free."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+TORCH_FREE_MODULES = (
+    "splitserve.engine.block_pool",
+    "splitserve.engine.kv_cache_manager",
+    "splitserve.engine.scheduler",
+    "splitserve.engine.request",
+    "splitserve.engine.sampling_params",
+    "splitserve.engine.config",
+)
+
+
+def test_scheduling_modules_do_not_import_torch() -> None:
+    imports = "; ".join(f"import {name}" for name in TORCH_FREE_MODULES)
+    check = f"{imports}; import sys; assert 'torch' not in sys.modules, 'torch was imported'"
+    subprocess.run([sys.executable, "-c", check], check=True)
