@@ -29,6 +29,12 @@ run's CPU share (process CPU time / (wall * threads)); a share below 0.8 marks a
 Each level reports medians over all reps and over its uncontended reps; the table and the
 ratios use the latter where there are any. Nothing is asserted: the bench only measures.
 
+Modules (siblings of this script, imported as top-level modules since the script's folder is
+on ``sys.path``): ``timing_stats`` (TTFT/TPOT/throughput, medians, CPU share, waiting for a
+quiet machine), ``splitserve_runner`` (a burst through ``EngineCore``), ``hf_baseline`` (a
+static batch through ``model.generate``) and ``bandwidth_floor`` (bytes per decode step and
+read bandwidth). This script parses arguments, runs the levels and writes the report.
+
 Usage: ``python bench/bench_engine.py [--levels 1,16,64] [--reps N] [--hf-reps N] [--skip-hf]``
 """
 
@@ -40,148 +46,26 @@ import json
 import os
 import platform
 import random
-import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
-import numpy as np
 import torch
+from bandwidth_floor import floor_of, read_bandwidth_gbps, weight_read_bytes
+from hf_baseline import greedy_agreement, load_hf_model, run_hf_batch
+from splitserve_runner import build_engine, num_preemptions, run_burst
+from timing_stats import Json, RunMetrics, RunResult, headline, summarize, wait_for_quiet
 
 from splitserve.engine.checkpoint import default_model_path
-from splitserve.engine.config import (
-    CacheConfig,
-    EngineConfig,
-    ModelConfig,
-    RunnerConfig,
-    SchedulerConfig,
-)
-from splitserve.engine.engine_core import EngineCore
-from splitserve.engine.sampling_params import SamplingParams
 
 PROMPT_TOKEN_RANGE = (1000, 40000)
 DEFAULT_REPS = {"splitserve": {1: 5, 16: 3, 64: 2}, "hf_transformers": {1: 3, 16: 2, 64: 1}}
 SYSTEMS = tuple(DEFAULT_REPS)
-BANDWIDTH_BYTES = 1 << 30
-BANDWIDTH_REPEATS = 5
-QUIET_BUSY_FRACTION = 0.1
-CONTENDED_CPU_SHARE = 0.8
-
-Json = dict[str, Any]
 
 
 def log(message: str) -> None:
     print(f"[bench] {message}", file=sys.stderr, flush=True)
-
-
-# ---- timings and their statistics -------------------------------------------------------------
-
-
-@dataclass
-class RequestTiming:
-    """When one request was submitted, and when each of its output tokens came back."""
-
-    submit_time: float
-    token_times: list[float] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class RunMetrics:
-    """One repetition at one concurrency level (times in ms, throughput in tokens/s)."""
-
-    output_tokens_per_s: float
-    tpot_p50_ms: float
-    tpot_p99_ms: float
-    ttft_p50_ms: float
-    ttft_p99_ms: float
-    wall_s: float
-    cpu_share: float
-    """Process CPU time / (wall * torch threads): well below 1 means other processes competed."""
-
-
-@dataclass(frozen=True)
-class RunResult:
-    """One repetition: its metrics, request 0's output tokens and system-specific checks."""
-
-    metrics: RunMetrics
-    first_output: list[int]
-    checks: Json
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    return float(np.percentile(np.asarray(values, dtype=np.float64), q))
-
-
-def run_metrics(
-    timings: Sequence[RequestTiming], start: float, end: float, cpu_seconds: float
-) -> RunMetrics:
-    """Throughput, TPOT and TTFT percentiles of one burst of requests."""
-    done = [t for t in timings if t.token_times]
-    ttfts = [(t.token_times[0] - t.submit_time) * 1e3 for t in done]
-    tpots = [
-        (t.token_times[-1] - t.token_times[0]) * 1e3 / (len(t.token_times) - 1)
-        for t in done
-        if len(t.token_times) > 1
-    ]
-    wall = end - start
-    return RunMetrics(
-        output_tokens_per_s=sum(len(t.token_times) for t in timings) / wall,
-        tpot_p50_ms=percentile(tpots, 50),
-        tpot_p99_ms=percentile(tpots, 99),
-        ttft_p50_ms=percentile(ttfts, 50),
-        ttft_p99_ms=percentile(ttfts, 99),
-        wall_s=wall,
-        cpu_share=cpu_seconds / (wall * torch.get_num_threads()),
-    )
-
-
-def medians(runs: Sequence[RunMetrics]) -> Json:
-    values = {name: statistics.median(getattr(r, name) for r in runs) for name in asdict(runs[0])}
-    return {name: round(value, 3) for name, value in values.items()} | {"reps": len(runs)}
-
-
-def summarize(runs: Sequence[RunMetrics]) -> Json:
-    """Medians over all repetitions, and over the uncontended ones alone (None if none was)."""
-    clean = [r for r in runs if r.cpu_share >= CONTENDED_CPU_SHARE]
-    return medians(runs) | {"uncontended": medians(clean) if clean else None}
-
-
-def headline(row: Json) -> Json:
-    """The figures a level is judged by: uncontended medians where there are any."""
-    return row["uncontended"] or row
-
-
-def machine_busy_fraction(sample_s: float = 1.0) -> float | None:
-    """Fraction of all CPUs busy over ``sample_s`` (from /proc/stat); None where unreadable."""
-
-    def ticks() -> tuple[int, int]:
-        values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
-        return sum(values), values[3] + values[4]  # total, idle + iowait
-
-    try:
-        total_before, idle_before = ticks()
-        time.sleep(sample_s)
-        total_after, idle_after = ticks()
-    except (OSError, ValueError, IndexError):
-        return None
-    total = total_after - total_before
-    return 1.0 - (idle_after - idle_before) / total if total else None
-
-
-def wait_for_quiet(max_wait_s: float) -> float | None:
-    """While idle, wait up to ``max_wait_s`` for other processes to leave the CPUs idle.
-
-    Returns the last busy fraction seen (None where /proc/stat is unreadable).
-    """
-    deadline = time.monotonic() + max_wait_s
-    busy = machine_busy_fraction() if max_wait_s > 0 else None
-    while busy is not None and busy > QUIET_BUSY_FRACTION and time.monotonic() < deadline:
-        busy = machine_busy_fraction()
-    return busy
 
 
 # ---- the level loop, shared by both systems -------------------------------------------------
@@ -244,45 +128,6 @@ def rep_record(result: RunResult, busy_before: float | None) -> Json:
 # ---- splitserve -------------------------------------------------------------------------------
 
 
-def build_engine(threads: int, kv_cache_gib: float) -> EngineCore:
-    return EngineCore(
-        EngineConfig(
-            model=ModelConfig(model="default", dtype="auto"),
-            runner=RunnerConfig(num_threads=threads),
-            cache=CacheConfig(kv_cache_gib=kv_cache_gib),
-            scheduler=SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=256),
-        )
-    )
-
-
-def run_burst(core: EngineCore, prompts: list[list[int]], max_tokens: int, tag: str) -> RunResult:
-    """Submit every prompt at once, step until all finish, then check the KV pool is whole."""
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    timings: dict[str, RequestTiming] = {}
-    cached_tokens = 0
-    cpu_start, start = time.process_time(), time.perf_counter()
-    for index, prompt in enumerate(prompts):
-        timings[f"{tag}-{index}"] = RequestTiming(submit_time=time.perf_counter())
-        core.add_request(f"{tag}-{index}", prompt, params)
-    while core.has_unfinished:
-        outputs = core.step()
-        now = time.perf_counter()
-        for out in outputs:
-            timing = timings[out.update.request_id]
-            if not timing.token_times:
-                cached_tokens += out.update.num_cached_tokens
-            timing.token_times.extend(now for _ in out.update.new_token_ids)
-            timing.token_ids.extend(out.update.new_token_ids)
-    end, cpu_seconds = time.perf_counter(), time.process_time() - cpu_start
-    requests = list(timings.values())
-    checks = {
-        "kv_blocks_freed": core.kv_cache.num_free_blocks == core.kv_cache.num_blocks,
-        "prefix_cache_hit_tokens": cached_tokens,
-        "requests_with_wrong_output_len": sum(len(t.token_ids) != max_tokens for t in requests),
-    }
-    return RunResult(run_metrics(requests, start, end, cpu_seconds), requests[0].token_ids, checks)
-
-
 def bench_splitserve(args: argparse.Namespace) -> tuple[Json, Json, list[int]]:
     """Load the engine, warm up, run every level; returns (results, weight bytes, ref tokens)."""
     load_start = time.perf_counter()
@@ -309,61 +154,7 @@ def bench_splitserve(args: argparse.Namespace) -> tuple[Json, Json, list[int]]:
     return results, weights, first_output
 
 
-def num_preemptions(core: EngineCore) -> int:
-    return getattr(getattr(core.scheduler, "stats", None), "num_preemptions", 0)
-
-
 # ---- HF transformers --------------------------------------------------------------------------
-
-
-def load_hf_model() -> Any:
-    """The default GGUF, dequantized into a dense bf16 ``LlamaForCausalLM`` (no packed kernels)."""
-    from transformers import AutoModelForCausalLM, GgufConfig
-
-    path = default_model_path()
-    model = AutoModelForCausalLM.from_pretrained(
-        str(path.parent),
-        gguf_file=path.name,
-        dtype=torch.bfloat16,
-        quantization_config=GgufConfig(dequantize=True),
-    )
-    return model.eval()
-
-
-def make_step_timer(stamps: list[float]) -> Any:
-    """A ``StoppingCriteria`` that never stops and records when each generated token exists."""
-    from transformers import StoppingCriteria
-
-    class StepTimer(StoppingCriteria):
-        def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
-            stamps.append(time.perf_counter())
-            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
-
-    return StepTimer()
-
-
-def run_hf_batch(model: Any, prompts: list[list[int]], max_tokens: int) -> RunResult:
-    """One static batch through ``model.generate``; every row shares the step timestamps."""
-    from transformers import StoppingCriteriaList
-
-    input_ids = torch.tensor(prompts, dtype=torch.long)  # [batch, prompt_len]
-    stamps: list[float] = []
-    cpu_start, start = time.process_time(), time.perf_counter()
-    with torch.inference_mode():
-        output = model.generate(
-            input_ids,
-            attention_mask=torch.ones_like(input_ids),
-            do_sample=False,
-            max_new_tokens=max_tokens,
-            min_new_tokens=max_tokens,
-            pad_token_id=model.config.eos_token_id,
-            stopping_criteria=StoppingCriteriaList([make_step_timer(stamps)]),
-        )
-    end, cpu_seconds = time.perf_counter(), time.process_time() - cpu_start
-    new_tokens = output[:, input_ids.shape[1] :]  # [batch, generated]
-    timings = [RequestTiming(start, list(stamps)) for _ in prompts]
-    checks = {"requests_with_wrong_output_len": len(prompts) * (len(stamps) != max_tokens)}
-    return RunResult(run_metrics(timings, start, end, cpu_seconds), new_tokens[0].tolist(), checks)
 
 
 def bench_hf(args: argparse.Namespace, reference_tokens: list[int]) -> Json:
@@ -379,61 +170,6 @@ def bench_hf(args: argparse.Namespace, reference_tokens: list[int]) -> Json:
     levels, first_output = bench_levels("hf_transformers", run_once, args)
     agreement = greedy_agreement(reference_tokens, first_output)
     return {"model_class": type(model).__name__, "greedy_agreement": agreement, **levels}
-
-
-def greedy_agreement(ours: list[int], theirs: list[int]) -> Json:
-    """How many leading output tokens of the first measured request match HF's (bf16 noise)."""
-    matching = 0
-    for a, b in zip(ours, theirs, strict=False):
-        if a != b:
-            break
-        matching += 1
-    return {"matching_prefix_tokens": matching, "compared_tokens": min(len(ours), len(theirs))}
-
-
-# ---- bandwidth floor --------------------------------------------------------------------------
-
-
-def weight_read_bytes(weights: dict[str, torch.Tensor], tied: bool) -> Json:
-    """Bytes of weight matrices one decode step reads: decoder layer matrices + LM head once."""
-    layer_bytes = sum(
-        t.numel() * t.element_size()
-        for name, t in weights.items()
-        if name.startswith("model.layers.") and t.dim() == 2
-    )
-    head = weights["model.embed_tokens.weight" if tied else "lm_head.weight"]
-    head_bytes = head.numel() * head.element_size()
-    return {
-        "decoder_layer_matrix_bytes": layer_bytes,
-        "lm_head_bytes": head_bytes,
-        "bytes_per_decode_step": layer_bytes + head_bytes,
-        "weight_dtype": str(head.dtype).removeprefix("torch."),
-    }
-
-
-def read_bandwidth_gbps() -> float:
-    """Read bandwidth of ``.sum()`` over a 1 GiB float32 tensor, median of 5, in GB/s."""
-    data = torch.ones(BANDWIDTH_BYTES // 4, dtype=torch.float32)
-    data.sum()  # warm-up
-    seconds = []
-    for _ in range(BANDWIDTH_REPEATS):
-        start = time.perf_counter()
-        data.sum()
-        seconds.append(time.perf_counter() - start)
-    return BANDWIDTH_BYTES / statistics.median(seconds) / 1e9
-
-
-def floor_of(weights: Json, bandwidths_gbps: Sequence[float]) -> Json:
-    """The floor uses the best of the measurements: contention only lowers bandwidth."""
-    bandwidth = max(bandwidths_gbps)
-    floor_ms = weights["bytes_per_decode_step"] / (bandwidth * 1e9) * 1e3
-    return weights | {
-        "read_bandwidth_gbps": round(bandwidth, 2),
-        "read_bandwidth_gbps_at_start_and_end": [round(b, 2) for b in bandwidths_gbps],
-        "bandwidth_method": "torch.sum over a 1 GiB float32 tensor, median of 5, "
-        "measured at the start and the end of the bench; the higher one is used",
-        "floor_tpot_ms": round(floor_ms, 3),
-    }
 
 
 # ---- report -----------------------------------------------------------------------------------

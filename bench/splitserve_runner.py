@@ -1,0 +1,67 @@
+"""splitserve's side of the bench: one burst of requests through an ``EngineCore``.
+
+Every prompt is submitted at once and the core is driven by ``step()`` until all finish; each
+token is stamped with ``time.perf_counter()`` when the step that produced it returns, and TTFT,
+TPOT and throughput come from ``timing_stats.run_metrics``. Each burst also checks that every
+KV block came back to the pool, counts prefix-cache hit tokens and requests whose output length
+is wrong; ``num_preemptions`` reads the scheduler's preemption count.
+"""
+
+from __future__ import annotations
+
+import time
+
+from timing_stats import RequestTiming, RunResult, run_metrics
+
+from splitserve.engine.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    RunnerConfig,
+    SchedulerConfig,
+)
+from splitserve.engine.engine_core import EngineCore
+from splitserve.engine.sampling_params import SamplingParams
+
+
+def build_engine(threads: int, kv_cache_gib: float) -> EngineCore:
+    return EngineCore(
+        EngineConfig(
+            model=ModelConfig(model="default", dtype="auto"),
+            runner=RunnerConfig(num_threads=threads),
+            cache=CacheConfig(kv_cache_gib=kv_cache_gib),
+            scheduler=SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=256),
+        )
+    )
+
+
+def run_burst(core: EngineCore, prompts: list[list[int]], max_tokens: int, tag: str) -> RunResult:
+    """Submit every prompt at once, step until all finish, then check the KV pool is whole."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    timings: dict[str, RequestTiming] = {}
+    cached_tokens = 0
+    cpu_start, start = time.process_time(), time.perf_counter()
+    for index, prompt in enumerate(prompts):
+        timings[f"{tag}-{index}"] = RequestTiming(submit_time=time.perf_counter())
+        core.add_request(f"{tag}-{index}", prompt, params)
+    while core.has_unfinished:
+        outputs = core.step()
+        now = time.perf_counter()
+        for out in outputs:
+            timing = timings[out.update.request_id]
+            if not timing.token_times:
+                cached_tokens += out.update.num_cached_tokens
+            timing.token_times.extend(now for _ in out.update.new_token_ids)
+            timing.token_ids.extend(out.update.new_token_ids)
+    end, cpu_seconds = time.perf_counter(), time.process_time() - cpu_start
+    requests = list(timings.values())
+    checks = {
+        "kv_blocks_freed": core.kv_cache.num_free_blocks == core.kv_cache.num_blocks,
+        "prefix_cache_hit_tokens": cached_tokens,
+        "requests_with_wrong_output_len": sum(len(t.token_ids) != max_tokens for t in requests),
+    }
+    return RunResult(run_metrics(requests, start, end, cpu_seconds), requests[0].token_ids, checks)
+
+
+def num_preemptions(core: EngineCore) -> int:
+    return getattr(getattr(core.scheduler, "stats", None), "num_preemptions", 0)
