@@ -6,9 +6,12 @@ submit and abort through a command queue that the engine thread drains between s
 come back through ``loop.call_soon_threadsafe`` into one ``asyncio.Queue`` per request.
 
 Contract: ``generate`` raises the engine's ``InvalidRequestError`` for a request it refuses
-(nothing is queued); cancelling the consuming task, or leaving ``generate``'s iterator early,
-aborts the request and frees its blocks. If a step fails, every running request receives the
-exception and the engine keeps serving new ones.
+(nothing is queued); cancelling the consuming task (also while the request is being accepted),
+or leaving ``generate``'s iterator early, aborts the request and frees its blocks. ``abort`` and
+``finish`` from elsewhere end the request's stream with a final output whose finish reason is
+ABORT / STOP. If a step fails, every running request receives the exception and the engine keeps
+serving new ones; a failing command or a caller whose event loop is gone never stops the engine
+thread. After ``shutdown`` every open stream receives ``EngineStoppedError``.
 """
 
 from __future__ import annotations
@@ -21,7 +24,15 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from splitserve.engine.engine_core import EngineCore, StepOutput
+from splitserve.engine.errors import SplitserveError
+from splitserve.engine.request import FinishReason
 from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.scheduler import RequestUpdate
+
+
+class EngineStoppedError(SplitserveError):
+    """The engine was shut down; the request did not complete."""
+
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +73,11 @@ class AsyncEngine:
             loop.call_soon_threadsafe(_settle, accepted, None)
 
         self._submit(add)
-        await accepted
+        try:
+            await accepted
+        except asyncio.CancelledError:
+            self.abort(request_id)  # commands run in order: this lands after the add
+            raise
         finished = False
         try:
             while True:
@@ -79,37 +94,47 @@ class AsyncEngine:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        """Abort a request (idempotent; unknown ids are ignored)."""
-
-        def abort() -> None:
-            self._streams.pop(request_id, None)
-            self.core.abort_request(request_id)
-
-        self._submit(abort)
+        """Abort a request (idempotent; unknown ids are ignored); its stream ends with ABORT."""
+        self._submit(lambda: self._end(request_id, FinishReason.ABORT))
 
     def finish(self, request_id: str) -> None:
-        """End a request as stopped (a stop string matched downstream)."""
-
-        def finish() -> None:
-            self._streams.pop(request_id, None)
-            self.core.finish_request(request_id)
-
-        self._submit(finish)
-
-    def run_in_engine_thread(self, function: Callable[[], None]) -> None:
-        """Run ``function`` on the engine thread between steps (for state reads/writes)."""
-        self._submit(function)
+        """End a request as stopped (a stop string matched downstream); its stream ends."""
+        self._submit(lambda: self._end(request_id, FinishReason.STOP))
 
     def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the engine thread; open streams receive ``EngineStoppedError``."""
         self._stopping = True
         self._wakeup.set()
         self._thread.join(timeout)
+        self._fail_all(EngineStoppedError("the engine was shut down"))
 
     # ---- engine thread ---------------------------------------------------------------------
 
     def _submit(self, command: Callable[[], None]) -> None:
+        if self._stopping:
+            raise EngineStoppedError("the engine was shut down")
         self._commands.put(command)
         self._wakeup.set()
+
+    def _end(self, request_id: str, reason: FinishReason) -> None:
+        """Engine thread: finish a request in the core and close its stream."""
+        request = self.core.scheduler.requests.get(request_id)
+        if reason is FinishReason.ABORT:
+            self.core.abort_request(request_id)
+        else:
+            self.core.finish_request(request_id)
+        stream = self._streams.pop(request_id, None)
+        if stream is None:
+            return
+        final = RequestUpdate(
+            request_id=request_id,
+            new_token_ids=(),
+            finish_reason=reason,
+            num_prompt_tokens=request.num_prompt_tokens if request else 0,
+            num_cached_tokens=request.num_cached_tokens if request else 0,
+            num_output_tokens=request.num_output_tokens if request else 0,
+        )
+        self._post(request_id, stream, StepOutput(final))
 
     def _loop(self) -> None:
         while not self._stopping:
@@ -133,7 +158,10 @@ class AsyncEngine:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
-            command()
+            try:
+                command()
+            except Exception:  # one bad command must not stop the engine thread
+                logger.exception("engine command failed")
 
     def _deliver(self, output: StepOutput) -> None:
         request_id = output.update.request_id
@@ -142,12 +170,20 @@ class AsyncEngine:
             return
         if output.update.finish_reason is not None:
             del self._streams[request_id]
-        stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, output)
+        self._post(request_id, stream, output)
+
+    def _post(self, request_id: str, stream: _Stream, item: StepOutput | BaseException) -> None:
+        """Hand an item to the caller's loop; a caller whose loop is gone loses its request."""
+        try:
+            stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, item)
+        except RuntimeError:  # the event loop was closed
+            self._streams.pop(request_id, None)
+            self.core.abort_request(request_id)
 
     def _fail_all(self, error: BaseException) -> None:
         for request_id, stream in list(self._streams.items()):
             self.core.abort_request(request_id)
-            stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, error)
+            self._post(request_id, stream, error)
         self._streams.clear()
 
 

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from splitserve.engine.kv_cache_manager import blocks_for_tokens
+
 
 @dataclass(frozen=True)
 class SequenceSpan:
@@ -118,7 +120,9 @@ class TorchAttentionBackend(AttentionBackend):
                 for pos in range(start, span.context_len)
             )
         decode_spans = spans[:num_decode]
-        max_blocks = max((-(-s.context_len // block_size) for s in decode_spans), default=0)
+        max_blocks = max(
+            (blocks_for_tokens(s.context_len, block_size) for s in decode_spans), default=0
+        )
         tables = [list(s.block_table[:max_blocks]) for s in decode_spans]
         tables = [t + [0] * (max_blocks - len(t)) for t in tables]
         lens = torch.tensor([s.context_len for s in decode_spans], dtype=torch.int64)
@@ -127,7 +131,7 @@ class TorchAttentionBackend(AttentionBackend):
         prefill_spans = []
         query_start = num_decode
         for span in spans[num_decode:]:
-            needed = -(-span.context_len // block_size)
+            needed = blocks_for_tokens(span.context_len, block_size)
             block_ids = torch.tensor(span.block_table[:needed], dtype=torch.int64, device=device)
             prefill_spans.append((query_start, span.query_len, span.context_len, block_ids))
             query_start += span.query_len

@@ -52,6 +52,7 @@ class BlockPool:
         return 1.0 - self.num_free_blocks / self.num_blocks
 
     def ref_count(self, block_id: int) -> int:
+        """References held on ``block_id`` (0 = free)."""
         return self._ref_counts[block_id]
 
     def allocate(self, count: int) -> list[int]:
@@ -101,11 +102,6 @@ class BlockPool:
             return
         self._hash_of_block[block_id] = block_hash
         self._block_of_hash[block_hash] = block_id
-
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached hash (blocks and references are untouched)."""
-        self._block_of_hash.clear()
-        self._hash_of_block = [None] * self.num_blocks
 
     def _evict_hash(self, block_id: int) -> None:
         block_hash = self._hash_of_block[block_id]

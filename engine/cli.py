@@ -22,8 +22,9 @@ from splitserve.engine.cli_args import (
     engine_config_from_args,
     sampling_params_from_args,
 )
-from splitserve.engine.errors import SplitserveError
+from splitserve.engine.errors import InvalidRequestError, SplitserveError
 from splitserve.engine.llm import LLM
+from splitserve.engine.sampling_params import SamplingParams
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,7 +45,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    args = build_parser().parse_args(argv)
+    try:
+        parser = build_parser()
+    except ValueError as error:  # a SPLITSERVE_* variable that does not parse
+        print(f"splitserve: error: bad SPLITSERVE_* environment value: {error}", file=sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
     try:
         params = sampling_params_from_args(args)
         llm = LLM(config=engine_config_from_args(args))
@@ -58,11 +64,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
-def _generate(llm: LLM, args: argparse.Namespace, params) -> int:
+def _generate(llm: LLM, args: argparse.Namespace, params: SamplingParams) -> int:
     prompts = list(args.prompts)
     if args.chat:
         prompts = llm.render_chats([[{"role": "user", "content": p}] for p in prompts])
-    if args.stream and len(prompts) == 1:
+    if args.stream and len(prompts) > 1:
+        raise InvalidRequestError("--stream takes one prompt", "stream")
+    if args.stream:
         for chunk in llm.stream(prompts, params):
             print(chunk.text, end="", flush=True)
         print()
@@ -81,7 +89,7 @@ def _generate(llm: LLM, args: argparse.Namespace, params) -> int:
     return 0
 
 
-def _chat(llm: LLM, args: argparse.Namespace, params) -> int:
+def _chat(llm: LLM, args: argparse.Namespace, params: SamplingParams) -> int:
     messages: list[dict[str, str]] = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
@@ -97,13 +105,23 @@ def _chat(llm: LLM, args: argparse.Namespace, params) -> int:
         if not line.strip():
             continue
         messages.append({"role": "user", "content": line.rstrip("\n")})
-        [prompt] = llm.render_chats([messages])
-        reply = []
-        for chunk in llm.stream([prompt], params):
-            reply.append(chunk.text)
-            print(chunk.text, end="", flush=True)
-        print(flush=True)
-        messages.append({"role": "assistant", "content": "".join(reply)})
+        try:
+            reply = _stream_reply(llm, messages, params)
+        except InvalidRequestError as error:  # e.g. the conversation outgrew the context
+            messages.pop()
+            print(f"splitserve: {error.message} (message dropped)", file=sys.stderr)
+            continue
+        messages.append({"role": "assistant", "content": reply})
+
+
+def _stream_reply(llm: LLM, messages: list[dict[str, str]], params: SamplingParams) -> str:
+    [prompt] = llm.render_chats([messages])
+    reply = []
+    for chunk in llm.stream([prompt], params):
+        reply.append(chunk.text)
+        print(chunk.text, end="", flush=True)
+    print(flush=True)
+    return "".join(reply)
 
 
 if __name__ == "__main__":

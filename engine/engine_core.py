@@ -11,6 +11,7 @@ Invariant: when ``has_unfinished`` is False, every KV block is back in the pool.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -92,13 +93,20 @@ class EngineCore:
 
     # ---- requests --------------------------------------------------------------------------
 
-    def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
-    ) -> None:
-        """Queue a request; raises ``InvalidRequestError`` for input it can never serve."""
+    def validate_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        """Raise ``InvalidRequestError`` if this request could never be served; changes nothing."""
         vocab = self.model_config.vocab_size
+        if any(not (isinstance(t, int) and not isinstance(t, bool)) for t in prompt_token_ids):
+            raise InvalidRequestError("prompt token ids must be integers", "prompt")
         if any(not 0 <= token < vocab for token in prompt_token_ids):
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
+        self.scheduler.check_fits(len(prompt_token_ids), params)
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+    ) -> None:
+        """Queue a request; raises ``InvalidRequestError`` for input it can never serve."""
+        self.validate_request(prompt_token_ids, params)
         request = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids)
         self.scheduler.add_request(request)
 

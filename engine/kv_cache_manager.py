@@ -23,6 +23,11 @@ from splitserve.engine.block_pool import BlockHash, BlockPool
 _ROOT_HASH: BlockHash = b"splitserve-prefix-root"
 
 
+def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
+    """Blocks needed to hold ``num_tokens`` positions (ceiling division)."""
+    return -(-num_tokens // block_size)
+
+
 def hash_block(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
     """Digest of a full block chained with the digest of everything before it."""
     digest = hashlib.blake2b(parent or _ROOT_HASH, digest_size=16)
@@ -55,7 +60,8 @@ class KVCacheManager:
         return self._tables.get(request_id, [])
 
     def blocks_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        """Blocks a request of ``num_tokens`` positions holds."""
+        return blocks_for_tokens(num_tokens, self.block_size)
 
     def find_cached_prefix(self, token_ids: Sequence[int]) -> list[int]:
         """Blocks holding the longest cached prefix of ``token_ids`` (not yet referenced).

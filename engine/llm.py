@@ -40,6 +40,8 @@ class LLM:
     ) -> None:
         self.engine = EngineCore(config or EngineConfig(model=ModelConfig(model=model)), checkpoint)
         self._ids = itertools.count()
+        self._active = False
+        """True while a generate/stream call drives the engine (one at a time)."""
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -74,7 +76,10 @@ class LLM:
         yield from self._run(trackers)
 
     def render_chats(self, conversations: ChatMessages | Sequence[ChatMessages]) -> list[str]:
-        if conversations and isinstance(conversations[0], dict):
+        """Prompt texts for one conversation or a list of them (chat template applied)."""
+        if not conversations:
+            raise InvalidRequestError("messages must not be empty", "messages")
+        if isinstance(conversations[0], dict):
             conversations = [conversations]  # type: ignore[list-item]
         return [self.tokenizer.apply_chat_template(list(c)) for c in conversations]
 
@@ -84,7 +89,7 @@ class LLM:
             if not prompt:
                 raise InvalidRequestError("prompt must not be empty", "prompt")
             return self.tokenizer.encode(prompt)
-        return [int(token) for token in prompt]
+        return list(prompt)
 
     # ---- internals -------------------------------------------------------------------------
 
@@ -94,9 +99,13 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None,
     ) -> list[RequestTracker]:
         params_list = _as_params_list(params, len(prompts))
+        if self._active:
+            raise InvalidRequestError(
+                "another generate/stream call of this LLM is still running; finish or close it"
+            )
         encoded = [self.encode_prompt(prompt) for prompt in prompts]
         for token_ids, sampling in zip(encoded, params_list, strict=True):
-            self.engine.scheduler.check_fits(len(token_ids), sampling)
+            self.engine.validate_request(token_ids, sampling)
         trackers = []
         for token_ids, sampling in zip(encoded, params_list, strict=True):
             request_id = f"offline-{next(self._ids)}"
@@ -106,6 +115,7 @@ class LLM:
 
     def _run(self, trackers: list[RequestTracker]) -> Iterator[StreamChunk]:
         by_id = {tracker.request_id: tracker for tracker in trackers}
+        self._active = True
         try:
             while any(not tracker.finished for tracker in trackers):
                 for step_output in self.engine.step():
@@ -115,6 +125,7 @@ class LLM:
                         self.engine.finish_request(tracker.request_id)  # stop string matched
                     yield chunk
         finally:
+            self._active = False
             for tracker in trackers:
                 if not tracker.finished:
                     self.engine.abort_request(tracker.request_id)

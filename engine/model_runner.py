@@ -67,6 +67,7 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}
 
     def execute(self, step: SchedulerOutput) -> RunnerOutput:
+        """Run one step: write every chunk's KV, sample one token per sampling chunk."""
         for request_id in step.finished_request_ids:
             self._generators.pop(request_id, None)
         if not step.chunks:

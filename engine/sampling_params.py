@@ -9,6 +9,7 @@ Semantics follow vLLM/OpenAI: ``temperature == 0`` is greedy; ``top_k <= 0`` dis
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from splitserve.engine.errors import InvalidRequestError
@@ -40,7 +41,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     """Subtracted once if the token occurred in the output, in [-2, 2]."""
     stop: tuple[str, ...] = ()
-    """Stop strings: generation ends before the first occurrence; it is not in the text."""
+    """Stop strings: generation ends before the first occurrence; it is not in the text.
+
+    A single string or a list is accepted and stored as a tuple."""
     stop_token_ids: tuple[int, ...] = ()
     """Extra token ids that end generation (the token is not emitted as text)."""
     ignore_eos: bool = False
@@ -53,7 +56,33 @@ class SamplingParams:
     """Leave special tokens out of the detokenized text."""
 
     def __post_init__(self) -> None:
+        self._check_types()
+        # OpenAI clients send a single stop string as a plain string, and lists for sequences.
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        object.__setattr__(self, "stop", stop)
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         self._validate()
+
+    def _check_types(self) -> None:
+        for name in _INT_FIELDS:
+            value = getattr(self, name)
+            _check(_is_int(value), f"{name} must be an integer", name)
+        for name in _OPTIONAL_INT_FIELDS:
+            value = getattr(self, name)
+            _check(value is None or _is_int(value), f"{name} must be an integer or null", name)
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            _check(
+                _is_int(value) or isinstance(value, float) and math.isfinite(value),
+                f"{name} must be a finite number",
+                name,
+            )
+        for name in ("stop", "stop_token_ids"):
+            _check(
+                isinstance(getattr(self, name), str | list | tuple),
+                f"{name} must be a string or a list",
+                name,
+            )
 
     def _validate(self) -> None:
         _check(self.max_tokens >= 1, "max_tokens must be at least 1", "max_tokens")
@@ -91,12 +120,28 @@ class SamplingParams:
             "stop_token_ids",
         )
         if self.seed is not None:
-            _check(isinstance(self.seed, int), "seed must be an integer", "seed")
+            _check(0 <= self.seed < 2**63, "seed must be in [0, 2**63)", "seed")
 
     @property
     def greedy(self) -> bool:
         """True when the next token is the argmax of the (penalized) logits."""
         return self.temperature == 0.0
+
+
+_INT_FIELDS = ("max_tokens", "top_k", "min_tokens")
+_OPTIONAL_INT_FIELDS = ("seed", "logprobs")
+_FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "frequency_penalty",
+    "presence_penalty",
+)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _check(condition: bool, message: str, param: str) -> None:

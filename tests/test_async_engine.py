@@ -9,6 +9,7 @@ import pytest
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.engine.checkpoint import LoadedCheckpoint
 from splitserve.engine.errors import InvalidRequestError
+from splitserve.engine.request import FinishReason
 from splitserve.engine.sampling_params import SamplingParams
 from tests.conftest import assert_no_leaks, make_llm
 
@@ -87,3 +88,61 @@ async def _wait_idle(llm, timeout: float = 10.0) -> bool:
             return True
         await asyncio.sleep(0.01)
     return False
+
+
+def test_outside_abort_ends_the_stream_and_a_failed_step_fails_only_running_requests(
+    default_checkpoint_fp32: LoadedCheckpoint,
+) -> None:
+    llm = make_llm(default_checkpoint_fp32, num_blocks=128)
+    engine = AsyncEngine(llm.engine)
+    long_run = SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True)
+    prompt = llm.encode_prompt("Count to a thousand:")
+
+    async def aborted_from_outside() -> list:
+        outputs = []
+        async for output in engine.generate("victim", prompt, long_run):
+            outputs.append(output)
+            if len(outputs) == 2:
+                engine.abort("victim")  # e.g. a deadline handler in another task
+        return outputs
+
+    async def failing_step() -> None:
+        real_step = llm.engine.step
+
+        def broken_step():
+            llm.engine.step = real_step  # fail exactly once
+            raise RuntimeError("simulated kernel failure")
+
+        llm.engine.step = broken_step
+        with pytest.raises(RuntimeError, match="simulated"):
+            await _collect(engine, "unlucky", prompt)
+        assert await _collect(engine, "next", llm.encode_prompt("Hi"))
+
+    try:
+        outputs = asyncio.run(asyncio.wait_for(aborted_from_outside(), timeout=60))
+        assert outputs[-1].update.finish_reason is FinishReason.ABORT
+        asyncio.run(asyncio.wait_for(failing_step(), timeout=60))
+    finally:
+        engine.shutdown()
+    assert_no_leaks(llm)
+
+
+def test_cancel_while_being_accepted_aborts(default_checkpoint_fp32: LoadedCheckpoint) -> None:
+    llm = make_llm(default_checkpoint_fp32, num_blocks=128)
+    engine = AsyncEngine(llm.engine)
+
+    async def scenario() -> None:
+        task = asyncio.create_task(
+            _collect(engine, "cancelled", llm.encode_prompt("Count to a thousand:"))
+        )
+        await asyncio.sleep(0)  # the add command is queued, not yet accepted
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    try:
+        asyncio.run(scenario())
+        assert asyncio.run(_wait_idle(llm))
+    finally:
+        engine.shutdown()
+    assert_no_leaks(llm)

@@ -101,8 +101,21 @@ def test_bad_input_is_rejected_and_loses_nothing(llm: LLM) -> None:
     with pytest.raises(ContextLengthExceededError):
         llm.generate(["fine prompt", [5] * (context + 1)], GREEDY)
     with pytest.raises(InvalidRequestError, match="token ids"):
-        llm.generate([[llm.engine.model_config.vocab_size + 5]], GREEDY)
-    for bad in ({"temperature": -1}, {"top_p": 0}, {"max_tokens": 0}, {"logprobs": 99}):
+        llm.generate([[5, 6, 7], [llm.engine.model_config.vocab_size + 5]], GREEDY)
+    with pytest.raises(InvalidRequestError, match="integers"):
+        llm.generate([[5, 6.5]], GREEDY)
+    with pytest.raises(InvalidRequestError, match="messages"):
+        llm.chat([], GREEDY)
+    bad_params = (
+        {"temperature": -1},
+        {"temperature": "hot"},
+        {"top_p": 0},
+        {"max_tokens": 0},
+        {"max_tokens": None},
+        {"logprobs": 99},
+        {"seed": 2**64},
+    )
+    for bad in bad_params:
         with pytest.raises(InvalidRequestError) as error:
             SamplingParams(**bad)
         assert error.value.param == next(iter(bad))
@@ -121,3 +134,16 @@ def test_bfloat16_engine_generates(default_checkpoint_fp32: LoadedCheckpoint) ->
     [result] = llm.chat([{"role": "user", "content": "What is the capital of France?"}], GREEDY)
     assert "Paris" in result.text
     assert_no_leaks(llm)
+
+
+def test_stop_given_as_one_string_is_one_stop_string() -> None:
+    assert SamplingParams(stop="END").stop == ("END",)
+    assert SamplingParams(stop=["a", "b"], stop_token_ids=[7]).stop_token_ids == (7,)
+
+
+def test_only_one_call_drives_the_engine_at_a_time(llm: LLM) -> None:
+    first = llm.stream(["Count to ten:"], GREEDY)
+    next(first)
+    with pytest.raises(InvalidRequestError, match="still running"):
+        llm.generate(["Hello"], GREEDY)
+    first.close()
