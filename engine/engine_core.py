@@ -11,7 +11,7 @@ Invariant: when ``has_unfinished`` is False, every KV block is back in the pool.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -27,9 +27,12 @@ from splitserve.engine.model_runner import ModelRunner, kv_cache_bytes_per_block
 from splitserve.engine.request import Request, RequestStatus
 from splitserve.engine.sampler import TokenLogprob
 from splitserve.engine.sampling_params import SamplingParams
-from splitserve.engine.scheduler import RequestUpdate, Scheduler
+from splitserve.engine.scheduler import RequestUpdate, Scheduler, SchedulerOutput
 
 logger = logging.getLogger(__name__)
+
+LayerHook = Callable[[int, SchedulerOutput], None]
+"""Called with (layer index, the step's scheduled chunks) once a layer's KV is written."""
 
 
 @dataclass(frozen=True)
@@ -124,10 +127,35 @@ class EngineCore:
 
     # ---- the step --------------------------------------------------------------------------
 
-    def step(self) -> list[StepOutput]:
-        """Schedule -> execute -> update; returns the progress of every request that sampled."""
+    def reserve_remote_prefill(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+    ) -> Sequence[int]:
+        """Reserve blocks for a prompt prefilled elsewhere; returns its block table.
+
+        Raises ``InvalidRequestError`` for bad input and ``CapacityError`` when full now.
+        """
+        self.validate_request(prompt_token_ids, params)
+        request = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids)
+        return self.scheduler.reserve_for_remote_prefill(request)
+
+    def complete_remote_prefill(self, request_id: str, first_token_id: int) -> StepOutput:
+        """The reserved request's KV has landed; it decodes from the next step on."""
+        return StepOutput(self.scheduler.complete_remote_prefill(request_id, first_token_id))
+
+    def step(self, on_layer_kv_written: LayerHook | None = None) -> list[StepOutput]:
+        """Schedule -> execute -> update; returns the progress of every request that sampled.
+
+        ``on_layer_kv_written(layer, scheduled)`` fires as each layer's KV is written, with the
+        step's scheduled chunks (their block tables say where the KV is).
+        """
         scheduled = self.scheduler.schedule()
-        executed = self.runner.execute(scheduled)
+        hook = None
+        if on_layer_kv_written is not None:
+
+            def hook(layer: int) -> None:
+                on_layer_kv_written(layer, scheduled)
+
+        executed = self.runner.execute(scheduled, hook)
         updates = self.scheduler.update(scheduled, executed.sampled_token_ids)
         return [StepOutput(u, _logprobs_of(executed.logprobs.get(u.request_id))) for u in updates]
 

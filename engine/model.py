@@ -10,7 +10,7 @@ only for the tokens listed in ``logits_indices`` (the last token of each samplin
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -100,8 +100,13 @@ class LlamaModel:
         backend: AttentionBackend,
         attn_metadata: object,
         logits_indices: torch.Tensor,  # [samples] int64
+        on_layer_kv_written: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
-        """Run the packed batch; returns float32 logits ``[samples, vocab]``."""
+        """Run the packed batch; returns float32 logits ``[samples, vocab]``.
+
+        ``on_layer_kv_written(layer)`` is called as soon as a layer's new KV is in the cache
+        (before its MLP runs), so a KV push can overlap the rest of the forward pass.
+        """
         cfg = self.config
         hidden = F.embedding(input_ids, self.embed_tokens)  # [tokens, hidden]
         cos, sin = self.cos[positions], self.sin[positions]  # [tokens, head_dim]
@@ -124,6 +129,8 @@ class LlamaModel:
                 attn_metadata,
                 self.scale,
             )  # [tokens, q_size]
+            if on_layer_kv_written is not None:
+                on_layer_kv_written(index)
             hidden = hidden + layer.o_proj(attn)
             normed = rms_norm(hidden, layer.post_norm, cfg.rms_norm_eps)
             gate, up = layer.gate_up(normed).chunk(2, dim=-1)

@@ -9,6 +9,7 @@ It is not thread-safe: one thread (the engine thread) calls it, never the asynci
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -66,8 +67,13 @@ class ModelRunner:
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}
 
-    def execute(self, step: SchedulerOutput) -> RunnerOutput:
-        """Run one step: write every chunk's KV, sample one token per sampling chunk."""
+    def execute(
+        self, step: SchedulerOutput, on_layer_kv_written: Callable[[int], None] | None = None
+    ) -> RunnerOutput:
+        """Run one step: write every chunk's KV, sample one token per sampling chunk.
+
+        ``on_layer_kv_written(layer)`` fires once per layer as soon as its KV is written.
+        """
         for request_id in step.finished_request_ids:
             self._generators.pop(request_id, None)
         if not step.chunks:
@@ -89,6 +95,7 @@ class ModelRunner:
             self.backend,
             metadata,
             torch.tensor(logits_rows, dtype=torch.int64, device=self.device),
+            on_layer_kv_written,
         )  # [samples, vocab]
         if not sampling_chunks:
             return RunnerOutput()
@@ -102,6 +109,16 @@ class ModelRunner:
             if logprob is not None:
                 output.logprobs[chunk.request_id] = logprob
         return output
+
+    def read_kv_blocks(self, layer: int, block_ids: Sequence[int]) -> torch.Tensor:
+        """Copy of one layer's K and V in these blocks: ``[2, blocks, block, kv_heads, dim]``."""
+        index = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        return self.kv_cache[layer].index_select(1, index)
+
+    def write_kv_blocks(self, layer: int, block_ids: Sequence[int], kv: torch.Tensor) -> None:
+        """Store ``kv`` (as ``read_kv_blocks`` returns it) into these blocks of one layer."""
+        index = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        self.kv_cache[layer].index_copy_(1, index, kv.to(self.kv_cache.dtype))
 
     @staticmethod
     def _pack(chunks: list[ScheduledChunk]) -> tuple[list[int], list[int], list[int]]:

@@ -6,6 +6,9 @@ Lifecycle (``RequestStatus``)::
        ^                     |                FINISHED_ABORTED (from any state)
        +----- PREEMPTED <----+   (blocks ran out: KV freed, recomputed from prompt + output)
 
+A request whose prompt KV another worker computes (disaggregated prefill) instead starts in
+WAITING_FOR_REMOTE_KV holding reserved blocks, and joins RUNNING when its KV has landed.
+
 Queues: the scheduler keeps ``waiting`` (WAITING and PREEMPTED, preempted ones in front) and
 ``running`` (RUNNING, oldest first). A finished request is in neither and holds no block.
 
@@ -29,6 +32,7 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"
     FINISHED_STOPPED = "finished_stopped"
     FINISHED_LENGTH = "finished_length"
     FINISHED_ABORTED = "finished_aborted"

@@ -23,7 +23,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from splitserve.engine.config import SchedulerConfig
-from splitserve.engine.errors import ContextLengthExceededError, InvalidRequestError
+from splitserve.engine.errors import (
+    CapacityError,
+    ContextLengthExceededError,
+    InvalidRequestError,
+)
 from splitserve.engine.kv_cache_manager import KVCacheManager
 from splitserve.engine.request import FinishReason, Request, RequestStatus
 from splitserve.engine.sampling_params import SamplingParams
@@ -153,7 +157,48 @@ class Scheduler:
 
     @property
     def has_unfinished(self) -> bool:
+        """True while some request has work to schedule (reserved ones wait for their KV)."""
         return bool(self.waiting or self.running)
+
+    # ---- remote prefill (disaggregation) ----------------------------------------------------
+
+    def reserve_for_remote_prefill(self, request: Request) -> Sequence[int]:
+        """Hold blocks for a prompt whose KV another worker computes; returns the block table.
+
+        The request is never scheduled until ``complete_remote_prefill``; aborting it frees the
+        blocks. Raises ``CapacityError`` (nothing held) when the pool cannot take the prompt now.
+        """
+        if request.request_id in self.requests:
+            raise InvalidRequestError(f"duplicate request id {request.request_id!r}", "request_id")
+        self.check_fits(request.num_prompt_tokens, request.params)
+        if not self.kv_cache.allocate(request.request_id, request.num_prompt_tokens):
+            raise CapacityError(
+                f"no room for {request.num_prompt_tokens} prompt tokens of KV "
+                f"({self.kv_cache.num_free_blocks} blocks free)"
+            )
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self.requests[request.request_id] = request
+        return self.kv_cache.block_table(request.request_id)
+
+    def complete_remote_prefill(self, request_id: str, first_token_id: int) -> RequestUpdate:
+        """The prompt's KV landed in the reserved blocks and ``first_token_id`` was sampled.
+
+        The request joins the running batch (or finishes at once if that token ends it).
+        """
+        request = self.requests.get(request_id)
+        if request is None or request.status is not RequestStatus.WAITING_FOR_REMOTE_KV:
+            raise InvalidRequestError(f"request {request_id!r} is not waiting for remote KV")
+        request.num_computed_tokens = request.num_prompt_tokens
+        request.first_scheduled_time = time.monotonic()
+        self.kv_cache.cache_full_blocks(request_id, request.all_token_ids, request.num_tokens)
+        request.append_output_token(first_token_id)
+        status = self._stop_status(request, first_token_id)
+        if status is None:
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+        else:
+            self._finish(request, status)
+        return self._update_of(request, (first_token_id,))
 
     # ---- schedule --------------------------------------------------------------------------
 

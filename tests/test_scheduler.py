@@ -172,3 +172,36 @@ def test_max_num_seqs_limits_running_batch() -> None:
     output, _ = run_step(scheduler)
     assert [c.request_id for c in output.chunks] == ["a", "b"]
     assert drain(scheduler) == {name: FinishReason.LENGTH for name in "abc"}
+
+
+def test_remote_prefill_reservation_lifecycle() -> None:
+    scheduler = make_scheduler(num_blocks=8, block_size=4)
+    table = scheduler.reserve_for_remote_prefill(make_request("remote", prompt_len=10))
+    assert len(table) == 3 and scheduler.kv_cache.num_free_blocks == 5
+    assert not scheduler.has_unfinished  # nothing to schedule until the KV lands
+    assert scheduler.schedule().chunks == ()
+    update = scheduler.complete_remote_prefill("remote", 100)
+    assert update.new_token_ids == (100,) and update.finish_reason is None
+    output, _ = run_step(scheduler)
+    [chunk] = output.chunks
+    assert (chunk.start_position, chunk.num_tokens) == (10, 1)  # decodes, no recompute
+    drain(scheduler)
+    assert scheduler.kv_cache.num_free_blocks == 8
+
+
+def test_remote_prefill_abort_eos_and_capacity() -> None:
+    from splitserve.engine.errors import CapacityError
+
+    scheduler = make_scheduler(num_blocks=4, block_size=4)
+    scheduler.reserve_for_remote_prefill(make_request("aborted", prompt_len=8))
+    with pytest.raises(CapacityError):  # 2 blocks free, 3 needed: nothing is held
+        scheduler.reserve_for_remote_prefill(make_request("full", prompt_len=12, max_tokens=1))
+    assert scheduler.kv_cache.num_free_blocks == 2
+    assert scheduler.abort_request("aborted") is not None
+    assert scheduler.kv_cache.num_free_blocks == 4
+    scheduler.reserve_for_remote_prefill(make_request("eos", prompt_len=8))
+    update = scheduler.complete_remote_prefill("eos", EOS)
+    assert update.finish_reason is FinishReason.STOP
+    assert scheduler.kv_cache.num_free_blocks == 4
+    with pytest.raises(InvalidRequestError):
+        scheduler.complete_remote_prefill("eos", 5)

@@ -1,0 +1,58 @@
+"""Disaggregation inside one process: one engine prefills, pushes each layer's KV into blocks
+another engine reserved, and the second one decodes. Output equals a single engine's, token for
+token (float32, batch invariant), and both engines end with every block free."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from splitserve.engine.checkpoint import LoadedCheckpoint
+from splitserve.engine.kv_cache_manager import blocks_for_tokens
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.scheduler import SchedulerOutput
+from tests.conftest import assert_no_leaks, make_llm
+
+GREEDY = SamplingParams(max_tokens=16, min_tokens=16, temperature=0.0)
+
+
+def test_layerwise_push_into_reserved_blocks_matches_colocated(
+    default_checkpoint_fp32: LoadedCheckpoint,
+) -> None:
+    colocated = make_llm(default_checkpoint_fp32, num_blocks=128)
+    prefill = make_llm(default_checkpoint_fp32, num_blocks=64, max_num_batched_tokens=48)
+    decode = make_llm(default_checkpoint_fp32, num_blocks=64)
+    texts = ["The capital of France is", "Write a short poem about rain. " * 6, "def add(a, b):"]
+    prompts = [colocated.encode_prompt(text) for text in texts]
+    expected = [result.token_ids for result in colocated.generate(prompts, GREEDY)]
+
+    reserved = {
+        f"r{i}": decode.engine.reserve_remote_prefill(f"r{i}", prompt, GREEDY)
+        for i, prompt in enumerate(prompts)
+    }
+
+    block_size = prefill.engine.config.cache.block_size
+
+    def push_layer(layer: int, scheduled: SchedulerOutput) -> None:
+        for chunk in scheduled.chunks:  # every block written so far, partial last block too
+            num_blocks = blocks_for_tokens(chunk.context_length, block_size)
+            kv = prefill.engine.runner.read_kv_blocks(layer, chunk.block_table[:num_blocks])
+            target = reserved[chunk.request_id][:num_blocks]
+            decode.engine.runner.write_kv_blocks(layer, target, kv)
+
+    first_only = dataclasses.replace(GREEDY, max_tokens=1, min_tokens=1)
+    for request_id, prompt in zip(reserved, prompts, strict=True):
+        prefill.engine.add_request(request_id, prompt, first_only)
+    first_tokens = {}
+    while prefill.engine.has_unfinished:  # prompts are chunked: 48 tokens per step
+        for output in prefill.engine.step(on_layer_kv_written=push_layer):
+            first_tokens[output.update.request_id] = output.update.new_token_ids[0]
+    assert_no_leaks(prefill)
+
+    generated = {request_id: [token] for request_id, token in first_tokens.items()}
+    for request_id, token in first_tokens.items():
+        decode.engine.complete_remote_prefill(request_id, token)
+    while decode.engine.has_unfinished:
+        for output in decode.engine.step():
+            generated[output.update.request_id].extend(output.update.new_token_ids)
+    assert [generated[request_id] for request_id in reserved] == expected
+    assert_no_leaks(decode)
