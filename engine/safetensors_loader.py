@@ -9,7 +9,6 @@ it, sliding-window attention equals full attention, so outputs stay exact.
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from safetensors import safe_open
 
 from splitserve.engine.checkpoint import LoadedCheckpoint, check_weights
 from splitserve.engine.errors import ModelLoadError
+from splitserve.engine.json_files import read_json_object
 from splitserve.engine.model_config import ModelArchConfig, RopeScaling
 from splitserve.engine.tokenizer import Tokenizer
 
@@ -39,8 +39,8 @@ def load_safetensors_folder(path: Path, dtype: torch.dtype) -> LoadedCheckpoint:
     missing, unexpected or misshapen tensors.
     """
     path = Path(path)
-    raw = _read_json(path / "config.json", required=True)
-    generation = _read_json(path / "generation_config.json", required=False)
+    raw = read_json_object(path / "config.json", required=True)
+    generation = read_json_object(path / "generation_config.json", required=False)
     tokenizer = Tokenizer.from_tokenizer_json(path)
     config = hf_model_config(raw, generation, tokenizer, path)
     weights = _read_tensors(path, dtype)
@@ -178,7 +178,7 @@ def _read_tensors(path: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
 def _shard_files(path: Path) -> list[Path]:
     index_file = path / "model.safetensors.index.json"
     if index_file.is_file():
-        weight_map = _read_json(index_file, required=True).get("weight_map")
+        weight_map = read_json_object(index_file, required=True).get("weight_map")
         if not isinstance(weight_map, dict):
             raise ModelLoadError(f"{index_file} has no weight_map")
         files = [path / name for name in sorted(set(weight_map.values()))]
@@ -190,20 +190,6 @@ def _shard_files(path: Path) -> list[Path]:
     if not files:
         raise ModelLoadError(f"{path} has config.json but no *.safetensors weights")
     return files
-
-
-def _read_json(path: Path, required: bool) -> dict[str, object]:
-    if not path.is_file():
-        if required:
-            raise ModelLoadError(f"{path} does not exist")
-        return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"cannot read {path}: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ModelLoadError(f"{path} does not hold a JSON object")
-    return data
 
 
 class _Fields:

@@ -30,6 +30,7 @@ from tokenizers import processors
 
 from splitserve.engine.errors import InvalidRequestError, ModelLoadError
 from splitserve.engine.gguf_vocab import gguf_backend, gguf_field, token_at
+from splitserve.engine.json_files import read_json_object
 
 if TYPE_CHECKING:
     import gguf
@@ -92,7 +93,7 @@ class Tokenizer:
             backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
         except Exception as exc:
             raise ModelLoadError(f"cannot read {tokenizer_file}: {exc}") from exc
-        config = _read_json(folder / "tokenizer_config.json")
+        config = read_json_object(folder / "tokenizer_config.json")
         flags = {key: config.get(key) for key in ("add_bos_token", "add_eos_token")}
         has_flags = any(isinstance(value, bool) for value in flags.values())
         return cls(
@@ -236,18 +237,6 @@ def _template_processor(
     return processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
 
 
-def _read_json(path: Path) -> dict[str, object]:
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"cannot read {path}: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ModelLoadError(f"{path} does not hold a JSON object")
-    return data
-
-
 def _token_content(value: object) -> str | None:
     """A special token as tokenizer_config.json writes it: a string or an AddedToken dict."""
     if isinstance(value, dict):
@@ -259,7 +248,7 @@ def _find_chat_template(folder: Path, config: dict[str, object]) -> str | None:
     jinja_file = folder / "chat_template.jinja"
     if jinja_file.is_file():
         return jinja_file.read_text(encoding="utf-8")
-    template = _read_json(folder / "chat_template.json").get("chat_template")
+    template = read_json_object(folder / "chat_template.json").get("chat_template")
     if template is None:
         template = config.get("chat_template")
     if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
