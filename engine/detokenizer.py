@@ -85,12 +85,21 @@ class IncrementalDetokenizer:
         """True once a stop string matched or ``finish()`` was called."""
         return self._done
 
-    def add_tokens(self, token_ids: Sequence[int]) -> DetokenizedDelta:
-        """Feed newly generated tokens; return the text that may be emitted now."""
+    def add_tokens(self, token_ids: Sequence[int], check_stops: bool = True) -> DetokenizedDelta:
+        """Feed newly generated tokens; return the text that may be emitted now.
+
+        With ``check_stops`` False (a request still below its ``min_tokens``), stop strings are
+        neither matched nor held back in this call's text.
+        """
         if self._done:
             raise RuntimeError("add_tokens after the detokenizer stopped or finished")
         self._token_ids.extend(token_ids)
-        delta = self._apply_stops(self._held_text + self._decode_new())
+        text = self._held_text + self._decode_new()
+        if not check_stops:
+            self._held_text = ""
+            self._emitted.append(text)
+            return DetokenizedDelta(text=text, stop_string=None)
+        delta = self._apply_stops(text)
         self._emitted.append(delta.text)
         return delta
 

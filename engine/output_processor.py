@@ -7,6 +7,7 @@ When a stop string matches, ``process`` reports ``FinishReason.STOP`` and the ca
 finish the request in the engine (``EngineCore.finish_request``) so its blocks are freed.
 
 Stop tokens (EOS or ``stop_token_ids``) are kept in ``token_ids`` but never rendered as text.
+Stop strings, like stop tokens, are ignored until ``min_tokens`` tokens were generated.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ class RequestTracker:
         self.detokenizer = IncrementalDetokenizer(
             decoder, prompt_token_ids, params.stop, params.skip_special_tokens
         )
+        self.min_tokens = params.min_tokens
         self.token_ids: list[int] = []
         self.logprobs: list[TokenLogprob] = []
         self.finish_reason: FinishReason | None = None
@@ -87,7 +89,9 @@ class RequestTracker:
             self.stop_reason = update.stop_token_id
         self.token_ids.extend(new_ids)
         self.logprobs.extend(logprobs)
-        delta = self.detokenizer.add_tokens(renderable)
+        # Like stop tokens, stop strings only count once min_tokens have been generated.
+        check_stops = len(self.token_ids) >= self.min_tokens
+        delta = self.detokenizer.add_tokens(renderable, check_stops)
         text = delta.text
         finish_reason = update.finish_reason
         if delta.stop_string is not None:

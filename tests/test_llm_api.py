@@ -147,3 +147,13 @@ def test_only_one_call_drives_the_engine_at_a_time(llm: LLM) -> None:
     with pytest.raises(InvalidRequestError, match="still running"):
         llm.generate(["Hello"], GREEDY)
     first.close()
+
+
+def test_stop_strings_wait_for_min_tokens(llm: LLM) -> None:
+    prompt = "The capital of France is"
+    [free_run] = llm.generate([prompt], GREEDY)
+    word = free_run.text.split()[0]
+    params = SamplingParams(max_tokens=24, temperature=0, stop=(word,), min_tokens=6)
+    [result] = llm.generate([prompt], params)
+    assert len(result.token_ids) >= 6
+    assert result.text.startswith(free_run.text.split(word)[0] + word)  # not stopped early
