@@ -14,6 +14,17 @@ from splitserve.engine.sampling_params import SamplingParams
 from tests.conftest import assert_no_leaks, make_llm
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+LONG_RUN = SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture
+def served(default_checkpoint_fp32: LoadedCheckpoint):
+    """An offline engine and an AsyncEngine over it; shut down and leak-checked afterwards."""
+    llm = make_llm(default_checkpoint_fp32, num_blocks=128)
+    engine = AsyncEngine(llm.engine)
+    yield llm, engine
+    engine.shutdown()
+    assert_no_leaks(llm)
 
 
 async def _collect(engine: AsyncEngine, request_id: str, prompt: list[int]) -> list[int]:
@@ -23,13 +34,10 @@ async def _collect(engine: AsyncEngine, request_id: str, prompt: list[int]) -> l
     return tokens
 
 
-def test_concurrent_streams_match_offline_and_loop_stays_responsive(
-    default_checkpoint_fp32: LoadedCheckpoint,
-) -> None:
-    llm = make_llm(default_checkpoint_fp32, num_blocks=128)
+def test_concurrent_streams_match_offline_and_loop_stays_responsive(served) -> None:
+    llm, engine = served
     prompts = [llm.encode_prompt(text) for text in ("Hello there", "The sky is", "1, 2, 3,")]
     expected = [result.token_ids for result in llm.generate(prompts, GREEDY)]
-    engine = AsyncEngine(llm.engine)
 
     async def scenario() -> tuple[list[list[int]], int]:
         ticks = 0
@@ -49,37 +57,26 @@ def test_concurrent_streams_match_offline_and_loop_stays_responsive(
         await ticking
         return list(results), ticks
 
-    try:
-        results, ticks = asyncio.run(scenario())
-        assert results == expected
-        assert ticks > 5  # the event loop kept running while the model worked
-    finally:
-        engine.shutdown()
-    assert_no_leaks(llm)
+    results, ticks = asyncio.run(scenario())
+    assert results == expected
+    assert ticks > 5  # the event loop kept running while the model worked
 
 
-def test_cancel_and_invalid_request(default_checkpoint_fp32: LoadedCheckpoint) -> None:
-    llm = make_llm(default_checkpoint_fp32, num_blocks=128)
-    engine = AsyncEngine(llm.engine)
-    long_run = SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True)
+def test_cancel_and_invalid_request(served) -> None:
+    llm, engine = served
 
     async def scenario() -> None:
         with pytest.raises(InvalidRequestError):
             async for _ in engine.generate("bad", [], GREEDY):
                 pass
-        stream = engine.generate("long", llm.encode_prompt("Count to a thousand:"), long_run)
+        stream = engine.generate("long", llm.encode_prompt("Count to a thousand:"), LONG_RUN)
         await anext(stream)
         await stream.aclose()  # leaving early aborts the request
         # The engine keeps serving after both.
         assert await _collect(engine, "after", llm.encode_prompt("Hi"))
 
-    try:
-        asyncio.run(scenario())
-        done = asyncio.run(_wait_idle(llm))
-        assert done
-    finally:
-        engine.shutdown()
-    assert_no_leaks(llm)
+    asyncio.run(scenario())
+    assert asyncio.run(_wait_idle(llm))
 
 
 async def _wait_idle(llm, timeout: float = 10.0) -> bool:
@@ -91,16 +88,14 @@ async def _wait_idle(llm, timeout: float = 10.0) -> bool:
 
 
 def test_outside_abort_ends_the_stream_and_a_failed_step_fails_only_running_requests(
-    default_checkpoint_fp32: LoadedCheckpoint,
+    served,
 ) -> None:
-    llm = make_llm(default_checkpoint_fp32, num_blocks=128)
-    engine = AsyncEngine(llm.engine)
-    long_run = SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True)
+    llm, engine = served
     prompt = llm.encode_prompt("Count to a thousand:")
 
     async def aborted_from_outside() -> list:
         outputs = []
-        async for output in engine.generate("victim", prompt, long_run):
+        async for output in engine.generate("victim", prompt, LONG_RUN):
             outputs.append(output)
             if len(outputs) == 2:
                 engine.abort("victim")  # e.g. a deadline handler in another task
@@ -118,18 +113,13 @@ def test_outside_abort_ends_the_stream_and_a_failed_step_fails_only_running_requ
             await _collect(engine, "unlucky", prompt)
         assert await _collect(engine, "next", llm.encode_prompt("Hi"))
 
-    try:
-        outputs = asyncio.run(asyncio.wait_for(aborted_from_outside(), timeout=60))
-        assert outputs[-1].update.finish_reason is FinishReason.ABORT
-        asyncio.run(asyncio.wait_for(failing_step(), timeout=60))
-    finally:
-        engine.shutdown()
-    assert_no_leaks(llm)
+    outputs = asyncio.run(asyncio.wait_for(aborted_from_outside(), timeout=60))
+    assert outputs[-1].update.finish_reason is FinishReason.ABORT
+    asyncio.run(asyncio.wait_for(failing_step(), timeout=60))
 
 
-def test_cancel_while_being_accepted_aborts(default_checkpoint_fp32: LoadedCheckpoint) -> None:
-    llm = make_llm(default_checkpoint_fp32, num_blocks=128)
-    engine = AsyncEngine(llm.engine)
+def test_cancel_while_being_accepted_aborts(served) -> None:
+    llm, engine = served
 
     async def scenario() -> None:
         task = asyncio.create_task(
@@ -140,9 +130,5 @@ def test_cancel_while_being_accepted_aborts(default_checkpoint_fp32: LoadedCheck
         with pytest.raises(asyncio.CancelledError):
             await task
 
-    try:
-        asyncio.run(scenario())
-        assert asyncio.run(_wait_idle(llm))
-    finally:
-        engine.shutdown()
-    assert_no_leaks(llm)
+    asyncio.run(scenario())
+    assert asyncio.run(_wait_idle(llm))
