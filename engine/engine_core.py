@@ -2,8 +2,8 @@
 
 ``EngineCore`` owns the model runner, the KV cache manager and the scheduler. It works on token
 ids only (text lives with the caller's detokenizer) and is driven by one thread: callers either
-call ``step()`` themselves (offline, tests) or use ``EngineThread`` which runs it off the
-asyncio event loop.
+call ``step()`` themselves (offline, tests) or use ``AsyncEngine`` (``async_engine.py``), which
+runs it off the asyncio event loop.
 
 Invariant: when ``has_unfinished`` is False, every KV block is back in the pool.
 """
@@ -109,9 +109,13 @@ class EngineCore:
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
     ) -> None:
         """Queue a request; raises ``InvalidRequestError`` for input it can never serve."""
+        self.scheduler.add_request(self._new_request(request_id, prompt_token_ids, params))
+
+    def _new_request(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+    ) -> Request:
         self.validate_request(prompt_token_ids, params)
-        request = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids)
-        self.scheduler.add_request(request)
+        return Request(request_id, list(prompt_token_ids), params, self.eos_token_ids)
 
     def abort_request(self, request_id: str) -> bool:
         """Abort and free a request; False if it was unknown or already finished."""
@@ -134,8 +138,7 @@ class EngineCore:
 
         Raises ``InvalidRequestError`` for bad input and ``CapacityError`` when full now.
         """
-        self.validate_request(prompt_token_ids, params)
-        request = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids)
+        request = self._new_request(request_id, prompt_token_ids, params)
         return self.scheduler.reserve_for_remote_prefill(request)
 
     def complete_remote_prefill(self, request_id: str, first_token_id: int) -> StepOutput:
