@@ -1,0 +1,7 @@
+"""Moving KV blocks between workers.
+
+``layout`` says what a worker's KV looks like and whether two workers may exchange it;
+``transport`` is the byte-moving contract (tagged sends to a peer address, tagged receives on
+the local worker) with a UCX backend (``ucx``) and an in-process one (``inprocess``);
+``layer_channel`` pushes / receives one request's KV layer by layer on top of a transport.
+"""
