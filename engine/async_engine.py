@@ -5,6 +5,11 @@ schedule -> execute -> update while work exists, and sleeps otherwise. Callers o
 submit and abort through a command queue that the engine thread drains between steps; outputs
 come back through ``loop.call_soon_threadsafe`` into one ``asyncio.Queue`` per request.
 
+Besides plain requests (``generate`` / ``submit``), a decode worker reserves blocks for KV
+computed elsewhere (``submit(..., reserve_remote_prefill=True)``) and later calls
+``complete_remote_prefill``; ``call`` runs any function on the engine thread (load figures);
+the optional layer hook is passed to every step (a prefill worker pushes KV from it).
+
 Contract: ``generate`` raises the engine's ``InvalidRequestError`` for a request it refuses
 (nothing is queued); cancelling the consuming task (also while the request is being accepted),
 or leaving ``generate``'s iterator early, aborts the request and frees its blocks. ``abort`` and
@@ -20,10 +25,11 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
-from splitserve.engine.engine_core import EngineCore, StepOutput
+from splitserve.engine.engine_core import EngineCore, LayerHook, StepOutput
 from splitserve.engine.errors import SplitserveError
 from splitserve.engine.request import FinishReason
 from splitserve.engine.sampling_params import SamplingParams
@@ -35,6 +41,7 @@ class EngineStoppedError(SplitserveError):
 
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass
@@ -46,8 +53,9 @@ class _Stream:
 class AsyncEngine:
     """Thread-hosted engine with an asyncio front."""
 
-    def __init__(self, core: EngineCore) -> None:
+    def __init__(self, core: EngineCore, on_layer_kv_written: LayerHook | None = None) -> None:
         self.core = core
+        self._layer_hook = on_layer_kv_written
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._wakeup = threading.Event()
@@ -59,39 +67,69 @@ class AsyncEngine:
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[StepOutput]:
         """Submit a request and yield its step outputs until it finishes."""
+        stream = await self.submit(request_id, prompt_token_ids, params)
+        async for output in stream:
+            yield output
+
+    async def submit(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        reserve_remote_prefill: bool = False,
+    ) -> RequestStream:
+        """Queue a request (or, with ``reserve_remote_prefill``, reserve blocks for KV computed
+        elsewhere) and return its stream of outputs; raises what the core raises on refusal."""
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, asyncio.Queue())
-        accepted: asyncio.Future[None] = loop.create_future()
+        accepted: asyncio.Future[Sequence[int] | None] = loop.create_future()
 
         def add() -> None:
             try:
-                self.core.add_request(request_id, prompt_token_ids, params)
+                block_table = None
+                if reserve_remote_prefill:
+                    block_table = self.core.reserve_remote_prefill(
+                        request_id, prompt_token_ids, params
+                    )
+                else:
+                    self.core.add_request(request_id, prompt_token_ids, params)
             except BaseException as error:  # reported to the caller, engine goes on
-                loop.call_soon_threadsafe(_settle, accepted, error)
+                loop.call_soon_threadsafe(_settle, accepted, error, None)
                 return
             self._streams[request_id] = stream
-            loop.call_soon_threadsafe(_settle, accepted, None)
+            loop.call_soon_threadsafe(_settle, accepted, None, block_table)
 
         self._submit(add)
         try:
-            await accepted
+            block_table = await accepted
         except asyncio.CancelledError:
             self.abort(request_id)  # commands run in order: this lands after the add
             raise
-        finished = False
-        try:
-            while True:
-                item = await stream.outputs.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.update.finish_reason is not None
-                yield item
-                if finished:
-                    return
-        finally:
-            if not finished:
-                self.abort(request_id)
+        return RequestStream(self, request_id, stream, block_table)
+
+    async def call(self, function: Callable[[EngineCore], T]) -> T:
+        """Run ``function(core)`` on the engine thread between steps; returns its result."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[T] = loop.create_future()
+
+        def run() -> None:
+            try:
+                result = function(self.core)
+            except BaseException as error:
+                loop.call_soon_threadsafe(_settle, done, error, None)
+            else:
+                loop.call_soon_threadsafe(_settle, done, None, result)
+
+        self._submit(run)
+        return await done
+
+    async def complete_remote_prefill(self, request_id: str, first_token_id: int) -> None:
+        """The reserved request's KV landed; it joins the batch and its stream gets the token."""
+
+        def complete(core: EngineCore) -> None:
+            self._deliver(core.complete_remote_prefill(request_id, first_token_id))
+
+        await self.call(complete)
 
     def abort(self, request_id: str) -> None:
         """Abort a request (idempotent; unknown ids are ignored); its stream ends with ABORT."""
@@ -144,7 +182,7 @@ class AsyncEngine:
                 self._wakeup.clear()
                 continue
             try:
-                outputs = self.core.step()
+                outputs = self.core.step(self._layer_hook)
             except Exception as error:  # a bug or OOM in a step must not kill the server
                 logger.exception("engine step failed; failing its running requests")
                 self._fail_all(error)
@@ -187,10 +225,46 @@ class AsyncEngine:
         self._streams.clear()
 
 
-def _settle(future: asyncio.Future[None], error: BaseException | None) -> None:
+class RequestStream:
+    """Outputs of one submitted request; iterate until the final output (finish reason set).
+
+    Leaving the iteration early (break, exception, cancellation) aborts the request.
+    ``block_table`` holds the reserved blocks of a remote-prefill request, else None.
+    """
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        request_id: str,
+        stream: _Stream,
+        block_table: Sequence[int] | None,
+    ) -> None:
+        self.request_id = request_id
+        self.block_table = block_table
+        self._engine = engine
+        self._stream = stream
+
+    async def __aiter__(self) -> AsyncIterator[StepOutput]:
+        finished = False
+        try:
+            while True:
+                item = await self._stream.outputs.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.update.finish_reason is not None
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self._engine.abort(self.request_id)
+
+
+def _settle(future: asyncio.Future[T], error: BaseException | None, result: T) -> None:
     if future.done():
         return
     if error is None:
-        future.set_result(None)
+        future.set_result(result)
     else:
         future.set_exception(error)

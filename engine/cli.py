@@ -1,4 +1,7 @@
-"""``splitserve`` command line: offline generation and an interactive chat with one engine.
+"""``splitserve`` command line: the serving roles, offline generation and a local chat.
+
+    splitserve up                        # coordinator + prefill + decode worker on localhost
+    splitserve coordinator|prefill|decode --help   # one role per process
 
     splitserve generate "The capital of France is" --max-tokens 32 --temperature 0
     splitserve generate --chat "Write a haiku about the sea" --stream
@@ -11,6 +14,7 @@ and exit with status 2; nothing else is lost.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import sys
@@ -30,6 +34,8 @@ from splitserve.engine.sampling_params import SamplingParams
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitserve", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
+    for role in ROLE_COMMANDS:
+        commands.add_parser(role, help=f"run the {role} role (see `splitserve {role} --help`)")
     generate = commands.add_parser("generate", help="complete prompts and print the results")
     generate.add_argument("prompts", nargs="+", help="prompt texts (one request each)")
     generate.add_argument("--chat", action="store_true", help="apply the chat template")
@@ -43,7 +49,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+ROLE_COMMANDS = {
+    "coordinator": "splitserve.coordinator.main",
+    "prefill": "splitserve.prefill.main",
+    "decode": "splitserve.decode.main",
+    "up": "splitserve.coordinator.local_cluster",
+}
+"""Serving roles, each a process with its own flags (``splitserve <role> --help``)."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ROLE_COMMANDS:
+        return importlib.import_module(ROLE_COMMANDS[argv[0]]).main(argv[1:])
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     try:
         parser = build_parser()

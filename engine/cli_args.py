@@ -21,18 +21,18 @@ from splitserve.engine.config import (
 from splitserve.engine.sampling_params import SamplingParams
 
 
-def _env_name(flag: str) -> str:
+def env_name(flag: str) -> str:
     return "SPLITSERVE_" + flag.lstrip("-").replace("-", "_").upper()
 
 
-def _env_default(
+def env_default(
     flag: str, default: object, convert: Callable[[str], object], env: Mapping[str, str]
 ) -> object:
-    raw = env.get(_env_name(flag))
+    raw = env.get(env_name(flag))
     return default if raw is None else convert(raw)
 
 
-def _truthy(raw: str) -> bool:
+def truthy(raw: str) -> bool:
     return raw.strip().lower() in ("1", "true", "yes", "on")
 
 
@@ -45,15 +45,15 @@ def add_engine_args(parser: argparse.ArgumentParser, env: Mapping[str, str] = os
         group.add_argument(
             name,
             type=convert,
-            default=_env_default(name, default, convert, env),
-            help=f"{help_text} (env {_env_name(name)})",
+            default=env_default(name, default, convert, env),
+            help=f"{help_text} (env {env_name(name)})",
         )
 
     flag("--model", defaults.model.model, str, "GGUF file, HF folder, or 'default'")
     group.add_argument(
         "--dtype",
         choices=DTYPES,
-        default=_env_default("--dtype", defaults.model.dtype, str, env),
+        default=env_default("--dtype", defaults.model.dtype, str, env),
         help="compute dtype; auto = bf16 where the CPU has it (env SPLITSERVE_DTYPE)",
     )
     flag("--max-model-len", None, int, "context window cap in tokens")
@@ -63,7 +63,7 @@ def add_engine_args(parser: argparse.ArgumentParser, env: Mapping[str, str] = os
     group.add_argument(
         "--no-prefix-caching",
         action="store_true",
-        default=_env_default("--no-prefix-caching", False, _truthy, env),
+        default=env_default("--no-prefix-caching", False, truthy, env),
         help="disable prefix caching (env SPLITSERVE_NO_PREFIX_CACHING=1)",
     )
     flag(

@@ -22,10 +22,10 @@ from splitserve.engine.config import EngineConfig
 from splitserve.engine.device import resolve_dtype
 from splitserve.engine.errors import InvalidRequestError
 from splitserve.engine.kv_cache_manager import KVCacheManager
+from splitserve.engine.logprobs import TokenLogprob
 from splitserve.engine.model import LlamaModel
 from splitserve.engine.model_runner import ModelRunner, kv_cache_bytes_per_block
 from splitserve.engine.request import Request, RequestStatus
-from splitserve.engine.sampler import TokenLogprob
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.scheduler import RequestUpdate, Scheduler, SchedulerOutput
 
@@ -33,6 +33,21 @@ logger = logging.getLogger(__name__)
 
 LayerHook = Callable[[int, SchedulerOutput], None]
 """Called with (layer index, the step's scheduled chunks) once a layer's KV is written."""
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """A snapshot of one engine's load (read on the engine thread)."""
+
+    num_total_blocks: int
+    num_used_blocks: int
+    """Blocks held by requests; idle prefix-cache blocks count as free."""
+    num_running_requests: int
+    num_waiting_requests: int
+    num_reserved_requests: int
+    """Requests holding blocks for KV that another worker is computing."""
+    num_running_tokens: int
+    num_pending_prefill_tokens: int
 
 
 @dataclass(frozen=True)
@@ -128,6 +143,25 @@ class EngineCore:
     @property
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
+
+    def load(self) -> EngineLoad:
+        """Current load figures; call on the thread that steps the engine."""
+        scheduler = self.scheduler
+        pending_prefill = sum(
+            max(0, r.num_prompt_tokens - r.num_computed_tokens)
+            for r in (*scheduler.waiting, *scheduler.running)
+        )
+        return EngineLoad(
+            num_total_blocks=self.num_blocks,
+            num_used_blocks=self.num_blocks - self.kv_cache.num_free_blocks,
+            num_running_requests=len(scheduler.running),
+            num_waiting_requests=len(scheduler.waiting),
+            num_reserved_requests=sum(
+                r.status is RequestStatus.WAITING_FOR_REMOTE_KV for r in scheduler.requests.values()
+            ),
+            num_running_tokens=sum(r.num_tokens for r in scheduler.running),
+            num_pending_prefill_tokens=pending_prefill,
+        )
 
     # ---- the step --------------------------------------------------------------------------
 

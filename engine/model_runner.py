@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 import torch
 
 from splitserve.engine.attention import AttentionBackend, SequenceSpan
+from splitserve.engine.logprobs import TokenLogprob
 from splitserve.engine.model import LlamaModel
-from splitserve.engine.sampler import Sampler, SamplingRow, TokenLogprob
+from splitserve.engine.sampler import Sampler, SamplingRow
 from splitserve.engine.scheduler import ScheduledChunk, SchedulerOutput
 
 

@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from splitserve.engine.detokenizer import IncrementalDetokenizer, TokenDecoder
+from splitserve.engine.logprobs import TokenLogprob
 from splitserve.engine.request import FinishReason
-from splitserve.engine.sampler import TokenLogprob
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.scheduler import RequestUpdate
 

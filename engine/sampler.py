@@ -43,23 +43,10 @@ from dataclasses import dataclass
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
+from splitserve.engine.logprobs import TokenLogprob
 from splitserve.engine.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """Logprob information for one generated position (from the raw model logits)."""
-
-    token_id: int
-    """The sampled token."""
-    logprob: float
-    """Its log-probability under ``log_softmax(raw logits)``."""
-    rank: int
-    """1 + number of tokens strictly more likely than it (1 = most likely)."""
-    top: tuple[tuple[int, float], ...]
-    """The ``params.logprobs`` most likely ``(token_id, logprob)``, most likely first."""
 
 
 @dataclass

@@ -1,0 +1,177 @@
+"""``splitserve up``: coordinator + prefill + decode workers on localhost, as child processes.
+
+Starts the coordinator, then the workers (registered with it), waits until each printed its
+ready line and the coordinator's health is SERVING, prints
+``splitserve ready at <host:port>``, forwards every child's output with a role prefix, and
+stops all children on Ctrl-C / SIGTERM (SIGTERM, then SIGKILL after a grace period). If any
+child exits on its own, the others are stopped and ``up`` exits with status 1.
+
+Cores are split evenly among the workers (``--cpu-affinity`` of each) when the machine has at
+least one core per worker, so co-located workers do not fight over cores; ``--no-pin`` turns
+that off. Flags after ``--`` go to every worker (e.g. ``-- --dtype float32``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from splitserve.proto.server import wait_for_health
+
+GRACE_S = 10.0
+READY_TIMEOUT_S = 300.0
+
+
+@dataclass
+class _Child:
+    name: str
+    process: asyncio.subprocess.Process
+    ready: asyncio.Event
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="splitserve up", description=__doc__.splitlines()[0])
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=50051, help="coordinator gRPC port")
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--prefill", type=int, default=1, help="prefill workers")
+    parser.add_argument("--decode", type=int, default=1, help="decode workers")
+    parser.add_argument("--no-pin", action="store_true", help="do not pin workers to cores")
+    parser.add_argument(
+        "--local-prefill-max-tokens", type=int, default=None, help="passed to the coordinator"
+    )
+    return parser
+
+
+def worker_core_sets(num_workers: int, cpus: Sequence[int]) -> list[str | None]:
+    """Disjoint core lists, one per worker, or None each when cores are too few."""
+    if num_workers == 0 or len(cpus) < num_workers:
+        return [None] * num_workers
+    share = len(cpus) // num_workers
+    return [",".join(str(c) for c in cpus[i * share : (i + 1) * share]) for i in range(num_workers)]
+
+
+async def _spawn(name: str, argv: list[str]) -> _Child:
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        *argv,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+        start_new_session=True,  # Ctrl-C reaches only us; we stop the children in order
+    )
+    child = _Child(name, process, asyncio.Event())
+    asyncio.create_task(_forward(child))
+    return child
+
+
+async def _forward(child: _Child) -> None:
+    assert child.process.stdout is not None
+    async for raw in child.process.stdout:
+        line = raw.decode(errors="replace").rstrip()
+        if " ready at " in line:
+            child.ready.set()
+        print(f"[{child.name}] {line}", flush=True)
+
+
+async def _stop_all(children: list[_Child]) -> None:
+    for child in reversed(children):
+        if child.process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                child.process.send_signal(signal.SIGTERM)
+    for child in reversed(children):
+        try:
+            await asyncio.wait_for(child.process.wait(), GRACE_S)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                child.process.kill()
+            await child.process.wait()
+
+
+async def _run(args: argparse.Namespace, worker_args: list[str]) -> int:
+    address = f"{args.host}:{args.port}"
+    coordinator_argv = [
+        "splitserve.coordinator.main",
+        f"--host={args.host}",
+        f"--port={args.port}",
+        f"--model={args.model}",
+    ]
+    if args.local_prefill_max_tokens is not None:
+        coordinator_argv.append(f"--local-prefill-max-tokens={args.local_prefill_max_tokens}")
+    children = [await _spawn("coordinator", coordinator_argv)]
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await _wait_ready(children[0], stop)
+        roles = ["prefill"] * args.prefill + ["decode"] * args.decode
+        cpus = sorted(os.sched_getaffinity(0))
+        cores = [None] * len(roles) if args.no_pin else worker_core_sets(len(roles), cpus)
+        for index, (role, core_list) in enumerate(zip(roles, cores, strict=True)):
+            argv = [f"splitserve.{role}.main", f"--coordinator={address}", f"--model={args.model}"]
+            argv += [f"--host={args.host}", f"--worker-id={role}-{index}"]
+            if core_list is not None:
+                argv.append(f"--cpu-affinity={core_list}")
+            children.append(await _spawn(f"{role}-{index}", argv + worker_args))
+        for child in children[1:]:
+            await _wait_ready(child, stop)
+        await wait_for_health(address, READY_TIMEOUT_S)
+        print(f"splitserve ready at {address}", flush=True)
+        exited = [asyncio.create_task(c.process.wait()) for c in children]
+        stopped = asyncio.create_task(stop.wait())
+        await asyncio.wait([stopped, *exited], return_when=asyncio.FIRST_COMPLETED)
+        status = 0 if stop.is_set() else 1
+    except _Stopped:
+        status = 0
+    except (TimeoutError, _ChildDied) as error:
+        print(f"splitserve up: {error}", file=sys.stderr, flush=True)
+        status = 1
+    await _stop_all(children)
+    return status
+
+
+class _Stopped(Exception):
+    pass
+
+
+class _ChildDied(Exception):
+    pass
+
+
+async def _wait_ready(child: _Child, stop: asyncio.Event) -> None:
+    ready = asyncio.create_task(child.ready.wait())
+    died = asyncio.create_task(child.process.wait())
+    stopped = asyncio.create_task(stop.wait())
+    done, pending = await asyncio.wait(
+        [ready, died, stopped], timeout=READY_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED
+    )
+    for task in pending:
+        task.cancel()
+    if stopped in done:
+        raise _Stopped()
+    if ready in done:
+        return
+    if died in done:
+        raise _ChildDied(f"{child.name} exited with status {child.process.returncode}")
+    raise TimeoutError(f"{child.name} was not ready within {READY_TIMEOUT_S:.0f}s")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    worker_args: list[str] = []
+    if "--" in argv:
+        split = argv.index("--")
+        argv, worker_args = argv[:split], argv[split + 1 :]
+    args = build_parser().parse_args(argv)
+    return asyncio.run(_run(args, worker_args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,111 @@
+"""``splitserve coordinator``: the coordinator process.
+
+Serves the public ``Coordinator`` API, health (SERVING once a decode worker is registered)
+and reflection; drops workers that stop heartbeating. Prints
+``splitserve coordinator ready at <host:port>`` once listening.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+from splitserve.coordinator.flow import FlowConfig
+from splitserve.coordinator.registry import Role
+from splitserve.coordinator.router import RoutingConfig
+from splitserve.coordinator.service import Coordinator, CoordinatorConfig
+from splitserve.coordinator.servicer import CoordinatorServicer
+from splitserve.engine.checkpoint import load_tokenizer, resolve_model_path
+from splitserve.engine.cli_args import env_default
+from splitserve.proto.server import serve_forever, start_server
+from splitserve.proto.splitserve.v1 import coordinator_pb2, coordinator_pb2_grpc
+
+logger = logging.getLogger(__name__)
+SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="splitserve coordinator", description=__doc__)
+
+    def flag(name: str, default: object, convert: type, help_text: str) -> None:
+        parser.add_argument(
+            name,
+            type=convert,
+            default=env_default(name, default, convert, os.environ),
+            help=f"{help_text} (env SPLITSERVE_{name[2:].replace('-', '_').upper()})",
+        )
+
+    flag("--host", "127.0.0.1", str, "address the gRPC server binds")
+    flag("--port", 50051, int, "gRPC port; 0 picks a free one")
+    flag("--model", "default", str, "model whose tokenizer and chat template to use")
+    flag("--max-inflight", 1024, int, "requests admitted at once (then RESOURCE_EXHAUSTED)")
+    flag(
+        "--local-prefill-max-tokens",
+        0,
+        int,
+        "prompts with at most this many uncached tokens are prefilled on the decode worker",
+    )
+    flag("--prefill-timeout", 300.0, float, "seconds a prefill (compute + KV push) may take")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s coordinator %(levelname)s %(message)s"
+    )
+    model_path = resolve_model_path(args.model)
+    config = CoordinatorConfig(
+        model_name=model_path.stem if model_path.is_file() else model_path.name,
+        max_inflight=args.max_inflight,
+        routing=RoutingConfig(local_prefill_max_tokens=args.local_prefill_max_tokens),
+        flow=FlowConfig(prefill_timeout_s=args.prefill_timeout),
+    )
+    coordinator = Coordinator(config, load_tokenizer(model_path))
+
+    async def run(stop: asyncio.Event) -> None:
+        server = await start_server(
+            args.host,
+            args.port,
+            lambda s: (
+                coordinator_pb2_grpc.add_CoordinatorServicer_to_server(
+                    CoordinatorServicer(coordinator), s
+                ),
+                [SERVICE_NAME],
+            )[1],
+        )
+        print(f"splitserve coordinator ready at {args.host}:{server.port}", flush=True)
+        watcher = asyncio.create_task(_watch_workers(coordinator, server, stop))
+        await stop.wait()
+        await server.set_serving(False)
+        await server.server.stop(5.0)
+        watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watcher
+        await coordinator.clients.close()
+
+    serve_forever(run)
+    return 0
+
+
+async def _watch_workers(coordinator: Coordinator, server, stop: asyncio.Event) -> None:  # noqa: ANN001
+    """Expire silent workers and keep health in step with having a decode worker."""
+    serving = False
+    while not stop.is_set():
+        for record in coordinator.registry.expire():
+            logger.warning("worker %s (%s) stopped heartbeating", record.worker_id, record.address)
+            await coordinator.clients.forget(record.address)
+        ready = bool(coordinator.registry.workers(Role.DECODE))
+        if ready != serving:
+            await server.set_serving(ready)
+            serving = ready
+        await asyncio.sleep(0.25)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,135 @@
+"""Routing (torch-free): which decode worker runs a request, which prefill worker (if any)
+computes its prompt.
+
+Decode: among healthy decode workers whose context fits the request, the one with the most
+free KV blocks after the request, penalised by the tokens it already decodes per step (its
+running batch's KV read) and by requests dispatched since its last heartbeat.
+
+Prefill: only workers whose KV layout hash equals the decode worker's; the one with the
+fewest pending prefill tokens after subtracting the prompt tokens it likely has cached (a
+bounded record of the chained block hashes of prompts routed to it). Prompts whose uncached
+part is at most ``local_prefill_max_tokens`` stay on the decode worker (conditional
+disaggregation), as do all prompts when no compatible prefill worker exists.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from splitserve.coordinator.registry import Role, WorkerRecord, WorkerRegistry
+from splitserve.engine.kv_cache_manager import BlockHash, hash_block
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    local_prefill_max_tokens: int = 0
+    """Prompts with at most this many uncached tokens are prefilled on the decode worker."""
+    prefix_memory_blocks: int = 100_000
+    """Block hashes remembered per prefill worker for the prefix-overlap estimate."""
+
+
+@dataclass(frozen=True)
+class Route:
+    decode: WorkerRecord
+    prefill: WorkerRecord | None
+    """None: the decode worker prefills the prompt itself."""
+
+
+class PrefixMemory:
+    """A bounded LRU set of block hashes, one per prefill worker."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._hashes: collections.OrderedDict[BlockHash, None] = collections.OrderedDict()
+
+    def overlap_blocks(self, hashes: Sequence[BlockHash]) -> int:
+        count = 0
+        for block_hash in hashes:
+            if block_hash not in self._hashes:
+                break
+            count += 1
+        return count
+
+    def remember(self, hashes: Sequence[BlockHash]) -> None:
+        for block_hash in hashes:
+            self._hashes[block_hash] = None
+            self._hashes.move_to_end(block_hash)
+        while len(self._hashes) > self.capacity:
+            self._hashes.popitem(last=False)
+
+
+def prompt_block_hashes(token_ids: Sequence[int], block_size: int) -> list[BlockHash]:
+    """Chained hashes of the prompt's full blocks (as the workers' prefix caches key them)."""
+    hashes: list[BlockHash] = []
+    parent = None
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block(parent, token_ids[start : start + block_size])
+        hashes.append(parent)
+    return hashes
+
+
+class Router:
+    def __init__(self, registry: WorkerRegistry, config: RoutingConfig) -> None:
+        self.registry = registry
+        self.config = config
+        self._prefix: dict[str, PrefixMemory] = {}
+
+    def route(
+        self, prompt_token_ids: Sequence[int], max_tokens: int, exclude: Sequence[str] = ()
+    ) -> Route | None:
+        """A route for the request, or None when no decode worker can take it."""
+        decode = self.pick_decode(len(prompt_token_ids) + max_tokens, exclude)
+        if decode is None:
+            return None
+        return Route(decode, self.pick_prefill(decode, prompt_token_ids))
+
+    def pick_decode(self, num_tokens: int, exclude: Sequence[str] = ()) -> WorkerRecord | None:
+        candidates = [
+            w
+            for w in self.registry.workers(Role.DECODE)
+            if w.worker_id not in exclude and w.max_model_len >= num_tokens
+        ]
+        if not candidates:
+            return None
+
+        def score(worker: WorkerRecord) -> float:
+            load = worker.load
+            blocks_needed = -(-num_tokens // max(worker.block_size, 1))
+            free_after = load.num_free_blocks - blocks_needed * (1 + worker.pending_requests)
+            busy = load.num_running_tokens / max(worker.block_size, 1)
+            return free_after - busy - 4 * load.num_waiting_requests
+
+        return max(candidates, key=score)
+
+    def pick_prefill(
+        self, decode: WorkerRecord, prompt_token_ids: Sequence[int]
+    ) -> WorkerRecord | None:
+        candidates = [
+            w
+            for w in self.registry.workers(Role.PREFILL)
+            if w.compat_hash == decode.compat_hash and w.max_model_len >= len(prompt_token_ids)
+        ]
+        if not candidates or len(prompt_token_ids) <= self.config.local_prefill_max_tokens:
+            return None
+        hashes = prompt_block_hashes(prompt_token_ids, decode.block_size)
+
+        def cost(worker: WorkerRecord) -> float:
+            memory = self._memory(worker.worker_id)
+            cached_tokens = memory.overlap_blocks(hashes) * worker.block_size
+            pending = worker.load.num_pending_prefill_tokens + worker.pending_prefill_tokens
+            return pending + len(prompt_token_ids) - cached_tokens
+
+        best = min(candidates, key=cost)
+        cached = self._memory(best.worker_id).overlap_blocks(hashes) * best.block_size
+        if len(prompt_token_ids) - cached <= self.config.local_prefill_max_tokens:
+            return None
+        self._memory(best.worker_id).remember(hashes)
+        return best
+
+    def _memory(self, worker_id: str) -> PrefixMemory:
+        memory = self._prefix.get(worker_id)
+        if memory is None:
+            memory = self._prefix[worker_id] = PrefixMemory(self.config.prefix_memory_blocks)
+        return memory

@@ -1,0 +1,123 @@
+"""The coordinator's domain: admission, tokenization, the worker registry and request flows.
+
+``Coordinator.generate`` validates and tokenizes a request (text, chat messages rendered with
+the model's template, or token ids), admits it (at most ``max_inflight`` requests; beyond that
+``OverloadedError`` with a retry hint) and runs its ``RequestFlow``. ``abort`` cancels a
+running flow by id, which ends its worker calls and frees its blocks.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+from splitserve.coordinator.flow import FlowConfig, RequestFlow
+from splitserve.coordinator.registry import Role, WorkerRegistry
+from splitserve.coordinator.router import Router, RoutingConfig
+from splitserve.coordinator.worker_clients import WorkerClients
+from splitserve.engine.errors import ContextLengthExceededError, InvalidRequestError
+from splitserve.engine.output_processor import StreamChunk
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.tokenizer import Tokenizer
+from splitserve.proto.status import OverloadedError, WorkerUnavailableError
+
+Prompt = str | list[dict[str, str]] | list[int]
+"""Text, chat messages ({"role", "content"}), or token ids."""
+
+
+@dataclass(frozen=True)
+class CoordinatorConfig:
+    model_name: str
+    max_inflight: int = 1024
+    """Requests admitted at once; more get RESOURCE_EXHAUSTED with a retry hint."""
+    routing: RoutingConfig = RoutingConfig()
+    flow: FlowConfig = FlowConfig()
+
+
+class Coordinator:
+    def __init__(self, config: CoordinatorConfig, tokenizer: Tokenizer) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.registry = WorkerRegistry()
+        self.router = Router(self.registry, config.routing)
+        self.clients = WorkerClients()
+        self._flows: dict[str, RequestFlow] = {}
+        self._special_ids = frozenset(tokenizer.all_special_ids)
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        """Token ids of a prompt; raises ``InvalidRequestError`` for empty or malformed input."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt must not be empty", "prompt")
+            return self.tokenizer.encode(prompt)
+        if prompt and isinstance(prompt[0], dict):
+            return self.tokenizer.encode(self.tokenizer.apply_chat_template(list(prompt)))
+        if not prompt:
+            raise InvalidRequestError("prompt must not be empty", "prompt")
+        vocab = self.tokenizer.vocab_size
+        if any(not 0 <= token < vocab for token in prompt):  # type: ignore[operator]
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
+        return list(prompt)  # type: ignore[arg-type]
+
+    @property
+    def max_model_len(self) -> int:
+        lengths = [w.max_model_len for w in self.registry.workers(Role.DECODE)]
+        return max(lengths, default=0)
+
+    @property
+    def ready(self) -> bool:
+        return bool(self.registry.workers(Role.DECODE))
+
+    def _check_length(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        limit = self.max_model_len
+        if limit and num_prompt_tokens + params.max_tokens > limit:
+            raise ContextLengthExceededError(
+                f"this model's context is {limit} tokens; the prompt has {num_prompt_tokens} "
+                f"and max_tokens is {params.max_tokens}",
+                "max_tokens" if num_prompt_tokens < limit else "prompt",
+            )
+
+    async def generate(
+        self, request_id: str, prompt: Prompt, params: SamplingParams
+    ) -> AsyncIterator[tuple[RequestFlow, StreamChunk]]:
+        """Stream a request's chunks (with its flow, for usage figures)."""
+        request_id = request_id or f"req-{uuid.uuid4().hex}"
+        if request_id in self._flows:
+            raise InvalidRequestError(f"request id {request_id!r} is already running", "request_id")
+        prompt_ids = self.encode(prompt)
+        if not self.ready:
+            raise WorkerUnavailableError("no decode worker is registered yet")
+        self._check_length(len(prompt_ids), params)
+        if len(self._flows) >= self.config.max_inflight:
+            raise OverloadedError(
+                f"{len(self._flows)} requests in flight (limit {self.config.max_inflight})"
+            )
+        flow = RequestFlow(
+            request_id,
+            prompt_ids,
+            params,
+            self.tokenizer,
+            self._special_ids,
+            self.registry,
+            self.router,
+            self.clients,
+            self.config.flow,
+        )
+        self._flows[request_id] = flow
+        try:
+            async for chunk in flow.run():
+                yield flow, chunk
+        finally:
+            self._flows.pop(request_id, None)
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a running request (its stream ends); False when unknown."""
+        flow = self._flows.get(request_id)
+        if flow is None:
+            return False
+        flow.abort()
+        return True
+
+    def running_request_ids(self) -> Sequence[str]:
+        return list(self._flows)

@@ -1,0 +1,183 @@
+"""The decode worker's domain: run requests on the local engine, receive pushed KV.
+
+A request arrives either for local prefill (colocated mode, fallback, resume) or with
+``remote=True``: then blocks are reserved at once, a ``LayerReceiver`` is posted for the
+prompt's layers, and the caller gets a ``Reservation`` (the transfer descriptor) before any
+token. The prefill worker pushes the layers and calls ``complete_kv``, which waits until the
+last layer landed and lets the request join the running batch.
+
+Invariant: a reserved request's blocks are freed only after its receiver stopped (no scatter
+can write into blocks that were handed to another request), on every exit path: stream closed
+by the caller, ``abort``, transfer failure, engine shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import random
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+from splitserve.engine.async_engine import AsyncEngine, RequestStream
+from splitserve.engine.engine_core import EngineCore, EngineLoad, StepOutput
+from splitserve.engine.errors import CapacityError, InvalidRequestError
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.transfer.layer_channel import LayerReceiver, TransferState
+from splitserve.transfer.layout import KvLayout
+from splitserve.transfer.transport import MAX_TRANSFER_ID, KvTransport
+from splitserve.worker.identity import WorkerIdentity
+from splitserve.worker.kv_io import kv_layout_of, scatter_into
+
+RESERVATION_RETRY_S = 0.01
+"""Poll interval of a reservation waiting for free blocks."""
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """Where a prefill worker must push a request's KV."""
+
+    transfer_id: int
+    num_blocks: int
+    num_tokens: int
+    compat_hash: str
+
+
+@dataclass
+class _Incoming:
+    request_id: str
+    receiver: LayerReceiver
+
+
+class DecodeWorker:
+    """Owns the engine, the KV receivers and the transfer ids of one decode worker."""
+
+    def __init__(
+        self,
+        core: EngineCore,
+        transport: KvTransport,
+        identity: WorkerIdentity,
+        transfer_timeout_s: float,
+    ) -> None:
+        self.core = core
+        self.identity = identity
+        self.engine = AsyncEngine(core)
+        self.transport = transport
+        self.layout: KvLayout = kv_layout_of(core)
+        self.transfer_timeout_s = transfer_timeout_s
+        self._incoming: dict[int, _Incoming] = {}
+        self._transfer_of: dict[str, int] = {}
+        # Random start: ids stay unique across restarts of this worker at the same address.
+        self._transfer_ids = itertools.count(random.randrange(1, MAX_TRANSFER_ID >> 8))
+        self._scatter_pool = concurrent.futures.ThreadPoolExecutor(1, "kv-scatter")
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        remote_prefill: bool,
+    ) -> AsyncIterator[Reservation | StepOutput]:
+        """Run one request; with ``remote_prefill`` first yield its ``Reservation``.
+
+        Closing the iterator early aborts the request and frees its blocks.
+        """
+        stream = await self._submit(request_id, prompt_token_ids, params, remote_prefill)
+        try:
+            if stream.block_table is not None:
+                yield self._expect_kv(request_id, stream.block_table, len(prompt_token_ids))
+            async for output in stream:
+                yield output
+        finally:
+            await self._stop_receiving(request_id)
+            self.engine.abort(request_id)  # no-op when the request already finished
+
+    async def _submit(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        remote_prefill: bool,
+    ) -> RequestStream:
+        """Queue the request; a reservation that does not fit now waits until blocks free up
+        (requests that can never fit are refused by the engine at once)."""
+        while True:
+            try:
+                return await self.engine.submit(
+                    request_id, prompt_token_ids, params, reserve_remote_prefill=remote_prefill
+                )
+            except CapacityError:
+                await asyncio.sleep(RESERVATION_RETRY_S)
+
+    def _expect_kv(
+        self, request_id: str, block_table: Sequence[int], num_tokens: int
+    ) -> Reservation:
+        transfer_id = next(self._transfer_ids)
+        block_ids = list(block_table)
+        receiver = LayerReceiver(
+            self.transport,
+            transfer_id,
+            self.layout.num_layers,
+            self.layout.layer_bytes(len(block_ids)),
+            scatter_into(self.core, block_ids),
+            self._scatter_pool,
+        )
+        self._incoming[transfer_id] = _Incoming(request_id, receiver)
+        self._transfer_of[request_id] = transfer_id
+        return Reservation(transfer_id, len(block_ids), num_tokens, self.layout.compat_hash)
+
+    async def complete_kv(self, transfer_id: int, request_id: str, first_token_id: int) -> None:
+        """Wait for every layer of the transfer, then start decoding the request.
+
+        Raises ``InvalidRequestError`` for an unknown transfer, ``TransferError`` subclasses
+        when the KV does not arrive in time (the request is then aborted).
+        """
+        incoming = self._incoming.get(transfer_id)
+        if incoming is None or incoming.request_id != request_id:
+            raise InvalidRequestError(
+                f"no KV reservation {transfer_id} for request {request_id!r}", "transfer_id"
+            )
+        try:
+            await incoming.receiver.wait(self.transfer_timeout_s)
+        except BaseException:
+            await self.abort(request_id)
+            raise
+        self._forget(request_id)
+        await self.engine.complete_remote_prefill(request_id, first_token_id)
+
+    async def abort(self, request_id: str, as_stopped: bool = False) -> bool:
+        """End a request (ABORT, or STOP when a stop string matched); False if unknown."""
+        await self._stop_receiving(request_id)
+        known = await self.engine.call(lambda core: request_id in core.scheduler.requests)
+        if as_stopped:
+            self.engine.finish(request_id)
+        else:
+            self.engine.abort(request_id)
+        return known
+
+    async def _stop_receiving(self, request_id: str) -> None:
+        transfer_id = self._transfer_of.get(request_id)
+        if transfer_id is None:
+            return
+        receiver = self._incoming[transfer_id].receiver
+        if receiver.state is not TransferState.DONE:
+            await receiver.abort()
+        self._forget(request_id)
+
+    def _forget(self, request_id: str) -> None:
+        transfer_id = self._transfer_of.pop(request_id, None)
+        if transfer_id is not None:
+            self._incoming.pop(transfer_id, None)
+
+    async def load(self) -> EngineLoad:
+        return await self.engine.call(lambda core: core.load())
+
+    def handshake(self, peer: KvLayout) -> KvLayout:
+        """Raise ``IncompatibleKvLayoutError`` unless ``peer`` may push KV here."""
+        self.layout.check_compatible(peer)
+        return self.layout
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+        self._scatter_pool.shutdown(wait=True)

@@ -1,0 +1,126 @@
+"""gRPC server plumbing shared by every role: options, health, reflection, uvloop, shutdown.
+
+Every role's process calls ``serve_forever(build)``: it installs uvloop, creates the
+``grpc.aio`` server with raised message limits, registers ``grpc.health.v1`` (all services
+NOT_SERVING until the role calls ``set_serving``) and reflection, binds the port, starts, then
+runs the role's ``build`` coroutine and waits until SIGINT/SIGTERM, when it stops accepting
+calls, lets running ones finish for a grace period and runs the role's cleanup.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import Awaitable, Callable, Sequence
+
+import grpc
+import uvloop
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+logger = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 64 << 20
+"""Message size limit: long prompts' token ids and KV metadata exceed gRPC's 4 MiB default."""
+
+CHANNEL_OPTIONS = (
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+)
+SERVER_OPTIONS = (
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    ("grpc.so_reuseport", 0),
+)
+
+
+def insecure_channel(address: str) -> grpc.aio.Channel:
+    """A channel to another role with the shared options."""
+    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+
+
+class RoleServer:
+    """A started gRPC server and its health state."""
+
+    def __init__(self, server: grpc.aio.Server, health: HealthServicer, port: int) -> None:
+        self.server = server
+        self.health = health
+        self.port = port
+        self.service_names: tuple[str, ...] = ()
+
+    async def set_serving(self, serving: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in ("", *self.service_names):
+            await self.health.set(name, status)
+
+
+async def start_server(
+    host: str,
+    port: int,
+    register: Callable[[grpc.aio.Server], Sequence[str]],
+) -> RoleServer:
+    """Create, register (``register`` adds servicers, returns full service names), bind, start."""
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    names = tuple(register(server))
+    health = HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    reflection.enable_server_reflection(
+        (
+            *names,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        ),
+        server,
+    )
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind gRPC server to {host}:{port}")
+    await server.start()
+    role_server = RoleServer(server, health, bound)
+    role_server.service_names = names
+    await role_server.set_serving(False)
+    return role_server
+
+
+def serve_forever(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
+    """Run ``main(stop_event)`` on uvloop; SIGINT/SIGTERM set ``stop_event``."""
+
+    async def runner() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError):
+                loop.add_signal_handler(sig, stop.set)
+        await main(stop)
+
+    uvloop.run(runner())
+
+
+async def wait_for_health(address: str, timeout_s: float, service: str = "") -> None:
+    """Poll ``grpc.health.v1`` at ``address`` until SERVING; ``TimeoutError`` after timeout."""
+    async with insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        async with asyncio.timeout(timeout_s):
+            while True:
+                try:
+                    reply = await stub.Check(
+                        health_pb2.HealthCheckRequest(service=service), timeout=1
+                    )
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.aio.AioRpcError:
+                    pass
+                await asyncio.sleep(0.1)

@@ -1,0 +1,82 @@
+"""Worker process set-up: flags (with ``SPLITSERVE_*`` twins), CPU affinity, engine loading.
+
+Two workers can share a machine without fighting: ``--cpu-affinity`` pins the process to
+cores before torch starts its thread pool, and the torch thread count defaults to the number
+of cores the process may use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+from collections.abc import Mapping
+
+from splitserve.engine.cli_args import add_engine_args, env_default
+from splitserve.engine.cli_args import truthy as _truthy
+from splitserve.transfer.ucx import UcxSettings
+
+
+def parse_cpu_list(text: str) -> set[int]:
+    """ "0,2-3" -> {0, 2, 3}; raises ValueError for malformed lists."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        low, _, high = part.partition("-")
+        cpus.update(range(int(low), int(high or low) + 1))
+    if not cpus:
+        raise ValueError(f"empty CPU list {text!r}")
+    return cpus
+
+
+def add_worker_args(parser: argparse.ArgumentParser, env: Mapping[str, str] = os.environ) -> None:
+    """Flags every worker role takes, besides the engine's."""
+    group = parser.add_argument_group("worker")
+
+    def flag(name: str, default: object, convert: type, help_text: str) -> None:
+        group.add_argument(
+            name,
+            type=convert,
+            default=env_default(name, default, convert, env),
+            help=f"{help_text} (env SPLITSERVE_{name[2:].replace('-', '_').upper()})",
+        )
+
+    flag("--host", "127.0.0.1", str, "address the gRPC server binds")
+    flag("--port", 0, int, "gRPC port; 0 picks a free one (printed when ready)")
+    flag("--advertise-host", None, str, "host the coordinator and peers should dial")
+    flag("--coordinator", None, str, "coordinator host:port to register with")
+    flag("--worker-id", None, str, "unique worker name (default: role-host-pid)")
+    flag("--cpu-affinity", None, str, "pin the process to these cores, e.g. '0' or '0-3'")
+    flag("--ucx-tls", None, str, "UCX transports (UCX_TLS), e.g. 'sm,self' or 'tcp'")
+    group.add_argument(
+        "--ucx-error-handling",
+        action="store_true",
+        default=env_default("--ucx-error-handling", False, _truthy, env),
+        help="UCX peer-failure detection (forces TCP on one host; env "
+        "SPLITSERVE_UCX_ERROR_HANDLING=1)",
+    )
+    flag("--transfer-timeout", 30.0, float, "seconds a KV transfer may take before it fails")
+    add_engine_args(parser, env)
+
+
+def apply_cpu_affinity(args: argparse.Namespace) -> None:
+    """Pin the process (call before torch creates its threads) and size torch's pool."""
+    if args.cpu_affinity:
+        cpus = parse_cpu_list(args.cpu_affinity)
+        os.sched_setaffinity(0, cpus)
+        if args.threads is None:
+            args.threads = len(cpus)
+
+
+def worker_id_of(args: argparse.Namespace, role: str) -> str:
+    return args.worker_id or f"{role}-{socket.gethostname()}-{os.getpid()}"
+
+
+def advertised_address(args: argparse.Namespace, port: int) -> str:
+    return f"{args.advertise_host or args.host}:{port}"
+
+
+def ucx_settings_of(args: argparse.Namespace) -> UcxSettings:
+    return UcxSettings(tls=args.ucx_tls, error_handling=args.ucx_error_handling)

@@ -1,0 +1,117 @@
+"""The life of a worker process, for either role.
+
+``run_worker`` starts the gRPC server first (health NOT_SERVING, so orchestrators can probe
+it while the model loads), loads the engine off the event loop, creates the UCX transport on
+the loop, warms the engine up with a short request, flips health to SERVING, prints
+``splitserve <role> ready at <address>``, registers with the coordinator and heartbeats until
+SIGINT/SIGTERM; then it reports NOT_SERVING, lets running calls finish for a grace period and
+stops the engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import grpc
+
+from splitserve.engine.async_engine import AsyncEngine
+from splitserve.engine.cli_args import engine_config_from_args
+from splitserve.engine.engine_core import EngineCore, EngineLoad
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.proto.convert import layout_to_proto
+from splitserve.proto.server import start_server
+from splitserve.proto.splitserve.v1 import worker_pb2
+from splitserve.transfer.layout import KvLayout
+from splitserve.transfer.transport import KvTransport
+from splitserve.transfer.ucx import UcxTransport
+from splitserve.worker.identity import WorkerIdentity
+from splitserve.worker.process import advertised_address, ucx_settings_of, worker_id_of
+from splitserve.worker.registration import CoordinatorLink
+from splitserve.worker.servicer_base import WorkerServicerBase, load_to_proto
+
+logger = logging.getLogger(__name__)
+
+SHUTDOWN_GRACE_S = 5.0
+
+
+class WorkerDomain(Protocol):
+    engine: AsyncEngine
+    layout: KvLayout
+
+    async def load(self) -> EngineLoad: ...
+
+
+@dataclass(frozen=True)
+class WorkerRole:
+    """What differs between the prefill and the decode worker process."""
+
+    name: str
+    role: int
+    """``worker_pb2.WorkerRole`` value."""
+    service_name: str
+    make_servicer: Callable[[], WorkerServicerBase]
+    """The servicer, not yet bound to a domain."""
+    add_servicer: Callable[[WorkerServicerBase, grpc.aio.Server], None]
+    make_domain: Callable[[EngineCore, KvTransport, WorkerIdentity, float], WorkerDomain]
+    """(engine core, transport, identity, transfer timeout) -> the domain object."""
+    close_domain: Callable[[WorkerDomain], Awaitable[None]]
+
+
+async def run_worker(args: argparse.Namespace, role: WorkerRole, stop: asyncio.Event) -> None:
+    servicer = role.make_servicer()
+
+    def register(server: grpc.aio.Server) -> list[str]:
+        role.add_servicer(servicer, server)
+        return [role.service_name]
+
+    server = await start_server(args.host, args.port, register)
+    identity = WorkerIdentity(worker_id_of(args, role.name), advertised_address(args, server.port))
+    worker_id, address = identity.worker_id, identity.address
+    core = await asyncio.to_thread(EngineCore, engine_config_from_args(args))
+    transport = UcxTransport(ucx_settings_of(args))
+    domain = role.make_domain(core, transport, identity, args.transfer_timeout)
+    await _warm_up(domain.engine)
+    servicer.bind(domain)
+    await server.set_serving(True)
+    print(f"splitserve {role.name} ready at {address}", flush=True)
+
+    link_task = None
+    if args.coordinator:
+
+        async def load() -> worker_pb2.WorkerLoad:
+            return load_to_proto(await domain.load())
+
+        info = worker_pb2.WorkerInfo(
+            worker_id=worker_id,
+            role=role.role,
+            address=address,
+            kv_layout=layout_to_proto(domain.layout),
+            num_blocks=core.num_blocks,
+            max_model_len=core.max_model_len,
+        )
+        link_task = asyncio.create_task(CoordinatorLink(args.coordinator, info, load).run(stop))
+    await stop.wait()
+    logger.info("%s %s stopping", role.name, worker_id)
+    await server.set_serving(False)
+    await server.server.stop(SHUTDOWN_GRACE_S)
+    if link_task is not None:
+        link_task.cancel()
+        with contextlib.suppress(BaseException):
+            await link_task
+    await role.close_domain(domain)
+    await transport.close()
+
+
+async def _warm_up(engine: AsyncEngine) -> None:
+    """One short request through the whole path (first-call costs: packing, allocations)."""
+    vocab = engine.core.model_config.vocab_size
+    prompt = [i % vocab for i in range(1, 40)]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    async for _ in engine.generate("warmup", prompt, params):
+        pass
