@@ -33,12 +33,16 @@ class _Child:
     name: str
     process: asyncio.subprocess.Process
     ready: asyncio.Event
+    address: str = ""
+    """host:port from the child's ready line."""
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitserve up", description=__doc__.splitlines()[0])
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=50051, help="coordinator gRPC port")
+    parser.add_argument(
+        "--port", type=int, default=50051, help="coordinator gRPC port (0: any free port)"
+    )
     parser.add_argument("--model", default="default")
     parser.add_argument("--prefill", type=int, default=1, help="prefill workers")
     parser.add_argument("--decode", type=int, default=1, help="decode workers")
@@ -75,7 +79,8 @@ async def _forward(child: _Child) -> None:
     assert child.process.stdout is not None
     async for raw in child.process.stdout:
         line = raw.decode(errors="replace").rstrip()
-        if " ready at " in line:
+        if " ready at " in line and not child.ready.is_set():
+            child.address = line.rsplit(" ready at ", 1)[1].strip()
             child.ready.set()
         print(f"[{child.name}] {line}", flush=True)
 
@@ -95,7 +100,6 @@ async def _stop_all(children: list[_Child]) -> None:
 
 
 async def _run(args: argparse.Namespace, worker_args: list[str]) -> int:
-    address = f"{args.host}:{args.port}"
     coordinator_argv = [
         "splitserve.coordinator.main",
         f"--host={args.host}",
@@ -111,6 +115,7 @@ async def _run(args: argparse.Namespace, worker_args: list[str]) -> int:
         loop.add_signal_handler(sig, stop.set)
     try:
         await _wait_ready(children[0], stop)
+        address = children[0].address  # the real port when --port 0
         roles = ["prefill"] * args.prefill + ["decode"] * args.decode
         cpus = sorted(os.sched_getaffinity(0))
         cores = [None] * len(roles) if args.no_pin else worker_core_sets(len(roles), cpus)

@@ -48,6 +48,8 @@ class EngineLoad:
     """Requests holding blocks for KV that another worker is computing."""
     num_running_tokens: int
     num_pending_prefill_tokens: int
+    num_finished_requests: int
+    """Cumulative count of requests that ended on this engine."""
 
 
 @dataclass(frozen=True)
@@ -161,6 +163,7 @@ class EngineCore:
             ),
             num_running_tokens=sum(r.num_tokens for r in scheduler.running),
             num_pending_prefill_tokens=pending_prefill,
+            num_finished_requests=scheduler.stats.num_finished_requests,
         )
 
     # ---- the step --------------------------------------------------------------------------

@@ -93,6 +93,8 @@ class SchedulerStats:
     """Counters for metrics; monotonically increasing."""
 
     num_preemptions: int = 0
+    num_finished_requests: int = 0
+    """Requests that ended (any reason, aborts included)."""
     prefix_query_tokens: int = 0
     prefix_hit_tokens: int = 0
 
@@ -335,3 +337,4 @@ class Scheduler:
         self.kv_cache.free(request.request_id)
         del self.requests[request.request_id]
         self._finished_since_last_step.add(request.request_id)
+        self.stats.num_finished_requests += 1

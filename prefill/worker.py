@@ -107,8 +107,8 @@ class PrefillWorker:
         target: KvTarget,
     ) -> PrefillResult:
         """Compute, push, confirm; see the module docstring. Cancelling aborts everything."""
+        peer = await self._peer(target.decode_address)  # the handshake checks KV layouts
         self._check_target(prompt_token_ids, target)
-        peer = await self._peer(target.decode_address)
         loop = asyncio.get_running_loop()
         sender = LayerSender(peer.endpoint, target.transfer_id, self.layout.num_layers, loop)
         self._outgoing[request_id] = _Outgoing(sender, target.num_blocks)

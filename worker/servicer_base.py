@@ -38,5 +38,6 @@ def load_to_proto(load: EngineLoad, ready: bool = True) -> worker_pb2.WorkerLoad
         num_reserved_requests=load.num_reserved_requests,
         num_running_tokens=load.num_running_tokens,
         num_pending_prefill_tokens=load.num_pending_prefill_tokens,
+        num_finished_requests=load.num_finished_requests,
         ready=ready,
     )

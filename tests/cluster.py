@@ -1,0 +1,106 @@
+"""Real serving processes for integration tests: ``splitserve up`` and single roles.
+
+``running(argv, ready_marker)`` starts ``python -m <argv>``, drains its output on a thread
+(kept for failure messages), waits for the line containing ``ready_marker`` and yields the
+address printed after "ready at"; on exit it sends SIGTERM and waits (SIGKILL after 20 s).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+import grpc
+
+from splitserve.proto.splitserve.v1 import (
+    coordinator_pb2,
+    coordinator_pb2_grpc,
+    worker_pb2,
+    worker_pb2_grpc,
+)
+
+START_TIMEOUT_S = 240.0
+
+
+class _Output:
+    def __init__(self, process: subprocess.Popen[str]) -> None:
+        self.lines: list[str] = []
+        self._process = process
+        self._thread = threading.Thread(target=self._drain, daemon=True)
+        self._thread.start()
+
+    def _drain(self) -> None:
+        assert self._process.stdout is not None
+        for line in self._process.stdout:
+            self.lines.append(line.rstrip())
+
+    def tail(self, count: int = 40) -> str:
+        return "\n".join(line for line in self.lines[-count:] if "UCX  WARN" not in line)
+
+
+@contextlib.contextmanager
+def running(argv: list[str], ready_marker: str = "splitserve ready at") -> Iterator[str]:
+    process = subprocess.Popen(
+        [sys.executable, "-m", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    output = _Output(process)
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        address = None
+        while address is None:
+            for line in list(output.lines):
+                if ready_marker in line:
+                    address = line.rsplit(" ready at ", 1)[1].strip()
+            if process.poll() is not None:
+                raise RuntimeError(f"{argv[0]} exited early:\n{output.tail()}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{argv[0]} not ready:\n{output.tail()}")
+            time.sleep(0.1)
+        yield address
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def cluster(
+    num_prefill: int, num_decode: int, *worker_flags: str
+) -> contextlib.AbstractContextManager[str]:
+    """``splitserve up`` on a free port; yields the coordinator address."""
+    argv = [
+        "splitserve.coordinator.local_cluster",
+        "--port=0",
+        f"--prefill={num_prefill}",
+        f"--decode={num_decode}",
+        "--",
+        *worker_flags,
+    ]
+    return running(argv)
+
+
+def worker_loads(coordinator_address: str) -> dict[str, worker_pb2.WorkerLoad]:
+    """Each registered worker's own load figures (GetLoad on the worker), by worker id."""
+    with grpc.insecure_channel(coordinator_address) as channel:
+        listing = coordinator_pb2_grpc.CoordinatorStub(channel).ListWorkers(
+            coordinator_pb2.ListWorkersRequest(), timeout=10
+        )
+    loads = {}
+    for status in listing.workers:
+        with grpc.insecure_channel(status.worker.address) as channel:
+            if status.worker.role == worker_pb2.WORKER_ROLE_DECODE:
+                stub = worker_pb2_grpc.DecodeWorkerStub(channel)
+            else:
+                stub = worker_pb2_grpc.PrefillWorkerStub(channel)
+            loads[status.worker.worker_id] = stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=30)
+    return loads

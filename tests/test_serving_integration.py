@@ -1,0 +1,226 @@
+"""End to end with real processes on loopback: real gRPC, real UCX, the default model.
+
+float32 workers are batch invariant, so a disaggregated cluster (1 prefill + 1 decode worker,
+KV pushed layer by layer over UCX) must produce exactly the tokens of a colocated one (1
+decode worker prefilling locally). Every block on every worker must be free afterwards, as
+the workers themselves report it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+
+from splitserve.proto.splitserve.v1 import (
+    common_pb2,
+    coordinator_pb2,
+    coordinator_pb2_grpc,
+    worker_pb2,
+    worker_pb2_grpc,
+)
+from tests.cluster import cluster, running, worker_loads
+
+WORKER_FLAGS = ("--dtype=float32", "--num-blocks=400", "--threads=1")
+PROMPTS = [
+    "The capital of France is",
+    "Write a haiku about the sea.",
+    "def fibonacci(n):",
+    "List three colors:",
+    "Once upon a time, in a land far away, " * 8,
+    "Explain photosynthesis in one sentence.",
+    "1, 2, 3, 4,",
+    "Translate 'good morning' into Spanish:",
+]
+pytestmark = pytest.mark.timeout(600)
+
+
+def _greedy(max_tokens: int, **extra: object) -> common_pb2.SamplingParams:
+    return common_pb2.SamplingParams(
+        max_tokens=max_tokens, min_tokens=max_tokens, temperature=0.0, **extra
+    )
+
+
+async def _generate(
+    stub: coordinator_pb2_grpc.CoordinatorStub, request: coordinator_pb2.GenerateRequest
+) -> tuple[list[int], coordinator_pb2.GenerateResponse]:
+    tokens: list[int] = []
+    last = None
+    async for response in stub.Generate(request, timeout=300):
+        if response.HasField("chunk"):
+            tokens.extend(response.chunk.token_ids)
+        last = response
+    assert last is not None and last.HasField("completion"), last
+    return tokens, last
+
+
+async def _generate_all(address: str, requests: list[coordinator_pb2.GenerateRequest]) -> list:
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+        return await asyncio.gather(*(_generate(stub, r) for r in requests))
+
+
+def _wait_all_free(address: str, expected_workers: int) -> dict[str, worker_pb2.WorkerLoad]:
+    """Worker loads once every worker is idle (requests end asynchronously on the workers)."""
+    deadline = time.monotonic() + 30
+    while True:
+        loads = worker_loads(address)
+        idle = all(
+            load.num_used_blocks == 0
+            and load.num_running_requests == 0
+            and load.num_waiting_requests == 0
+            and load.num_reserved_requests == 0
+            for load in loads.values()
+        )
+        if (idle and len(loads) == expected_workers) or time.monotonic() > deadline:
+            return loads
+        time.sleep(0.2)
+
+
+def _assert_all_free(loads: dict[str, worker_pb2.WorkerLoad]) -> None:
+    for worker_id, load in loads.items():
+        assert load.num_total_blocks > 0, worker_id
+        assert load.num_used_blocks == 0, (worker_id, load)
+        assert load.num_reserved_requests == 0, (worker_id, load)
+        assert load.num_running_requests == load.num_waiting_requests == 0, (worker_id, load)
+
+
+def test_disaggregated_equals_colocated_and_frees_every_block() -> None:
+    requests = [
+        coordinator_pb2.GenerateRequest(request_id=f"p{i}", text=text, sampling=_greedy(24))
+        for i, text in enumerate(PROMPTS)
+    ]
+    with cluster(0, 1, *WORKER_FLAGS) as colocated:
+        expected = [tokens for tokens, _ in asyncio.run(_generate_all(colocated, requests))]
+        _assert_all_free(_wait_all_free(colocated, 1))
+
+    with cluster(1, 1, *WORKER_FLAGS) as disaggregated:
+        results = asyncio.run(_generate_all(disaggregated, requests))
+        assert [tokens for tokens, _ in results] == expected
+        for (tokens, last), prompt in zip(results, PROMPTS, strict=True):
+            assert len(tokens) == 24 and last.usage.completion_tokens == 24, prompt
+            assert last.completion.finish_reason == common_pb2.FINISH_REASON_LENGTH
+
+        loads = _wait_all_free(disaggregated, 2)
+        _assert_all_free(loads)
+        prefill = loads["prefill-0"]
+        assert prefill.num_finished_requests >= len(PROMPTS)  # the prompts went through it
+
+        streams = [
+            coordinator_pb2.GenerateRequest(
+                text=f"Request {i}: tell me about the number {i * 7}.",
+                sampling=common_pb2.SamplingParams(max_tokens=12, ignore_eos=True),
+            )
+            for i in range(32)
+        ]
+        results = asyncio.run(_generate_all(disaggregated, streams))
+        assert all(len(tokens) == 12 for tokens, _ in results)
+        assert all(
+            last.completion.finish_reason == common_pb2.FINISH_REASON_LENGTH for _, last in results
+        )
+        _assert_all_free(_wait_all_free(disaggregated, 2))
+
+        asyncio.run(_cancel_mid_stream(disaggregated))
+        asyncio.run(_bad_requests_do_not_disturb_others(disaggregated))
+        _assert_all_free(_wait_all_free(disaggregated, 2))
+
+
+async def _cancel_mid_stream(address: str) -> None:
+    """A client that goes away mid-stream: its request ends on every worker."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+        call = stub.Generate(
+            coordinator_pb2.GenerateRequest(
+                text="Count from one to one thousand:",
+                sampling=common_pb2.SamplingParams(max_tokens=2000, ignore_eos=True),
+            ),
+            timeout=120,
+        )
+        received = 0
+        async for response in call:
+            received += len(response.chunk.token_ids)
+            if received >= 5:
+                call.cancel()
+                break
+    assert received >= 5
+
+
+async def _bad_requests_do_not_disturb_others(address: str) -> None:
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+        healthy = asyncio.create_task(
+            _generate(
+                stub,
+                coordinator_pb2.GenerateRequest(text="Hello there", sampling=_greedy(16)),
+            )
+        )
+        bad = [
+            coordinator_pb2.GenerateRequest(text="", sampling=_greedy(4)),
+            coordinator_pb2.GenerateRequest(text="hi", sampling=_greedy(10**6)),
+            coordinator_pb2.GenerateRequest(
+                token_ids=coordinator_pb2.TokenIds(ids=[10**7]), sampling=_greedy(4)
+            ),
+            coordinator_pb2.GenerateRequest(
+                text="hi", sampling=common_pb2.SamplingParams(temperature=-1.0)
+            ),
+        ]
+        for request in bad:
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                await _generate(stub, request)
+            assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT, error.value
+            assert error.value.details()
+        tokens, last = await healthy
+        assert len(tokens) == 16
+
+
+def test_mismatched_kv_layout_is_refused_at_handshake() -> None:
+    decode_argv = ["splitserve.decode.main", "--port=0", *WORKER_FLAGS, "--block-size=16"]
+    prefill_argv = ["splitserve.prefill.main", "--port=0", "--num-blocks=100", "--threads=1"]
+    prefill_argv += ["--block-size=32", "--dtype=bfloat16"]
+    with (
+        running(decode_argv, "splitserve decode ready at") as decode_address,
+        running(prefill_argv, "splitserve prefill ready at") as prefill_address,
+    ):
+        details = asyncio.run(_try_mismatched_push(decode_address, prefill_address))
+        assert "incompatible" in details.lower()
+        assert "block_size: local=16 peer=32" in details
+        assert "dtype: local='float32' peer='bfloat16'" in details
+
+
+async def _try_mismatched_push(decode_address: str, prefill_address: str) -> str:
+    async with (
+        grpc.aio.insecure_channel(decode_address) as decode_channel,
+        grpc.aio.insecure_channel(prefill_address) as prefill_channel,
+    ):
+        decode = worker_pb2_grpc.DecodeWorkerStub(decode_channel)
+        prefill = worker_pb2_grpc.PrefillWorkerStub(prefill_channel)
+        prompt = list(range(1000, 1040))
+        call = decode.Generate(
+            worker_pb2.WorkerGenerateRequest(
+                request_id="r", prompt_token_ids=prompt, sampling=_greedy(4), remote_prefill=True
+            ),
+            timeout=60,
+        )
+        first = await call.read()
+        assert first.HasField("reservation")
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await prefill.Prefill(
+                worker_pb2.PrefillRequest(
+                    request_id="r",
+                    prompt_token_ids=prompt,
+                    sampling=_greedy(4),
+                    target=first.reservation,
+                ),
+                timeout=60,
+            )
+        assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        call.cancel()  # the reservation is released
+        deadline = time.monotonic() + 10
+        while (
+            load := await decode.GetLoad(worker_pb2.GetLoadRequest(), timeout=10)
+        ).num_used_blocks:
+            assert time.monotonic() < deadline, load
+            await asyncio.sleep(0.1)
+        return error.value.details()
