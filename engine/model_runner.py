@@ -134,6 +134,15 @@ class ModelRunner:
                 logits_rows.append(len(input_ids) - 1)
         return input_ids, positions, logits_rows
 
+    def _skip_draws(self, generator: torch.Generator, chunk: ScheduledChunk) -> None:
+        """A request that arrives with tokens already sampled elsewhere (its first token came
+        from a prefill worker) continues the seeded stream where that worker left it: one
+        sampled step draws ``vocab`` uniforms (see the sampler's reproducibility contract)."""
+        num_sampled = len(chunk.output_token_ids)
+        if num_sampled and chunk.params.temperature > 0:
+            vocab = self.model.config.vocab_size
+            torch.rand(num_sampled, vocab, generator=generator, device=self.device)
+
     def _sampling_row(self, chunk: ScheduledChunk) -> SamplingRow:
         generator = None
         if chunk.params.seed is not None:
@@ -141,6 +150,7 @@ class ModelRunner:
             if generator is None:
                 generator = torch.Generator(device=self.device)
                 generator.manual_seed(chunk.params.seed)
+                self._skip_draws(generator, chunk)
                 self._generators[chunk.request_id] = generator
         return SamplingRow(
             params=chunk.params,

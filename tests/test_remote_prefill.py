@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
 from splitserve.engine.checkpoint import LoadedCheckpoint
 from splitserve.engine.kv_cache_manager import blocks_for_tokens
 from splitserve.engine.sampling_params import SamplingParams
@@ -13,20 +15,24 @@ from splitserve.engine.scheduler import SchedulerOutput
 from tests.conftest import assert_no_leaks, make_llm
 
 GREEDY = SamplingParams(max_tokens=16, min_tokens=16, temperature=0.0)
+SEEDED = SamplingParams(max_tokens=16, min_tokens=16, temperature=0.9, top_p=0.95, seed=1234)
 
 
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 def test_layerwise_push_into_reserved_blocks_matches_colocated(
-    default_checkpoint_fp32: LoadedCheckpoint,
+    default_checkpoint_fp32: LoadedCheckpoint, params: SamplingParams
 ) -> None:
+    """Seeded sampling too: the decode side continues the seed's random stream after the
+    token the prefill side sampled."""
     colocated = make_llm(default_checkpoint_fp32, num_blocks=128)
     prefill = make_llm(default_checkpoint_fp32, num_blocks=64, max_num_batched_tokens=48)
     decode = make_llm(default_checkpoint_fp32, num_blocks=64)
     texts = ["The capital of France is", "Write a short poem about rain. " * 6, "def add(a, b):"]
     prompts = [colocated.encode_prompt(text) for text in texts]
-    expected = [result.token_ids for result in colocated.generate(prompts, GREEDY)]
+    expected = [result.token_ids for result in colocated.generate(prompts, params)]
 
     reserved = {
-        f"r{i}": decode.engine.reserve_remote_prefill(f"r{i}", prompt, GREEDY)
+        f"r{i}": decode.engine.reserve_remote_prefill(f"r{i}", prompt, params)
         for i, prompt in enumerate(prompts)
     }
 
@@ -39,7 +45,7 @@ def test_layerwise_push_into_reserved_blocks_matches_colocated(
             target = reserved[chunk.request_id][:num_blocks]
             decode.engine.runner.write_kv_blocks(layer, target, kv)
 
-    first_only = dataclasses.replace(GREEDY, max_tokens=1, min_tokens=1)
+    first_only = dataclasses.replace(params, max_tokens=1, min_tokens=1)
     for request_id, prompt in zip(reserved, prompts, strict=True):
         prefill.engine.add_request(request_id, prompt, first_only)
     first_tokens = {}
