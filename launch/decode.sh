@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# One decode worker: reserves KV blocks, receives pushed KV, batches decoding, streams tokens.
+#   launch/decode.sh --coordinator coord-host:50051 --host 0.0.0.0 --advertise-host $(hostname) \
+#       --model /models/llama.gguf --kv-cache-gib 32 [--ucx-tls ...] [--ucx-error-handling]
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+exec "$SPLITSERVE" decode "$@"

@@ -1,0 +1,91 @@
+"""Worker registry and routing on plain objects (torch-free)."""
+
+from __future__ import annotations
+
+import time
+
+from splitserve.coordinator.registry import LoadFigures, Role, WorkerRecord, WorkerRegistry
+from splitserve.coordinator.router import Router, RoutingConfig, prompt_block_hashes
+
+
+def _worker(
+    worker_id: str,
+    role: Role,
+    free_blocks: int = 100,
+    running_tokens: int = 0,
+    pending_prefill: int = 0,
+    compat_hash: str = "h",
+) -> WorkerRecord:
+    return WorkerRecord(
+        worker_id=worker_id,
+        role=role,
+        address=f"{worker_id}:1",
+        compat_hash=compat_hash,
+        block_size=16,
+        dtype="bfloat16",
+        num_blocks=100,
+        max_model_len=4096,
+        load=LoadFigures(
+            num_total_blocks=100,
+            num_used_blocks=100 - free_blocks,
+            num_running_tokens=running_tokens,
+            num_pending_prefill_tokens=pending_prefill,
+        ),
+    )
+
+
+def _router(*workers: WorkerRecord, local_max: int = 0) -> Router:
+    registry = WorkerRegistry(expiry_s=1.0)
+    for worker in workers:
+        registry.register(worker)
+    return Router(registry, RoutingConfig(local_prefill_max_tokens=local_max))
+
+
+def test_decode_goes_to_the_worker_with_room_and_a_light_batch() -> None:
+    router = _router(
+        _worker("busy", Role.DECODE, free_blocks=90, running_tokens=3000),
+        _worker("idle", Role.DECODE, free_blocks=80),
+    )
+    assert router.pick_decode(100).worker_id == "idle"
+    assert router.pick_decode(100, exclude=["idle"]).worker_id == "busy"
+    assert router.pick_decode(10_000) is None  # longer than any worker's context
+
+
+def test_dispatched_requests_count_until_the_next_heartbeat() -> None:
+    a, b = _worker("a", Role.DECODE), _worker("b", Role.DECODE)
+    router = _router(a, b)
+    first = router.pick_decode(320)
+    first.pending_requests += 1
+    assert router.pick_decode(320) is not first
+
+
+def test_prefill_prefers_cached_prefixes_and_matching_layouts() -> None:
+    decode = _worker("d", Role.DECODE)
+    warm = _worker("warm", Role.PREFILL, pending_prefill=200)
+    cold = _worker("cold", Role.PREFILL, pending_prefill=100)
+    other = _worker("other", Role.PREFILL, compat_hash="different")
+    router = _router(decode, warm, cold, other)
+    prompt = list(range(1000))
+    router._memory("warm").remember(prompt_block_hashes(prompt, 16))
+    route = router.route(prompt, 16)
+    assert route is not None and route.decode is decode
+    assert route.prefill is warm  # 200 pending - 992 cached beats 100 pending
+    assert router.route(list(range(5000, 5100)), 16).prefill is cold
+
+
+def test_short_prompts_and_missing_prefill_workers_stay_local() -> None:
+    router = _router(_worker("d", Role.DECODE), _worker("p", Role.PREFILL), local_max=64)
+    assert router.route(list(range(64)), 8).prefill is None
+    assert router.route(list(range(65)), 8).prefill is not None
+    assert _router(_worker("d", Role.DECODE)).route(list(range(500)), 8).prefill is None
+
+
+def test_registry_expires_silent_workers_and_marks_failures() -> None:
+    registry = WorkerRegistry(expiry_s=1.0)
+    registry.register(_worker("w", Role.DECODE))
+    registry.mark_failed("w")
+    assert registry.workers(Role.DECODE) == []
+    assert registry.heartbeat("w", LoadFigures(num_total_blocks=100))
+    assert [w.worker_id for w in registry.workers(Role.DECODE)] == ["w"]
+    assert registry.expire(now=time.monotonic() + 5) and registry.get("w") is None
+    assert not registry.heartbeat("w", LoadFigures())  # unknown: it must register again
