@@ -98,8 +98,9 @@ async def _watch_workers(coordinator: Coordinator, server, stop: asyncio.Event) 
     serving = False
     while not stop.is_set():
         for record in coordinator.registry.expire():
+            # Not routed to any more; its open streams end by themselves if it is really gone
+            # (gRPC keepalive), and a worker that was only busy registers again.
             logger.warning("worker %s (%s) stopped heartbeating", record.worker_id, record.address)
-            await coordinator.clients.forget(record.address)
         ready = bool(coordinator.registry.workers(Role.DECODE))
         if ready != serving:
             await server.set_serving(ready)

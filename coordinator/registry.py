@@ -58,7 +58,7 @@ class WorkerRecord:
 class WorkerRegistry:
     """Registered workers by id."""
 
-    def __init__(self, expiry_s: float = 3.0) -> None:
+    def __init__(self, expiry_s: float = 10.0) -> None:
         self.expiry_s = expiry_s
         self._workers: dict[str, WorkerRecord] = {}
 

@@ -171,7 +171,8 @@ class DecodeWorker:
             self._incoming.pop(transfer_id, None)
 
     async def load(self) -> EngineLoad:
-        return await self.engine.call(lambda core: core.load())
+        """The engine's latest load figures (answers at once, also during a long step)."""
+        return self.engine.latest_load
 
     def handshake(self, peer: KvLayout) -> KvLayout:
         """Raise ``IncompatibleKvLayoutError`` unless ``peer`` may push KV here."""

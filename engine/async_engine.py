@@ -29,7 +29,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-from splitserve.engine.engine_core import EngineCore, LayerHook, StepOutput
+from splitserve.engine.engine_core import EngineCore, EngineLoad, LayerHook, StepOutput
 from splitserve.engine.errors import SplitserveError
 from splitserve.engine.request import FinishReason
 from splitserve.engine.sampling_params import SamplingParams
@@ -56,6 +56,8 @@ class AsyncEngine:
     def __init__(self, core: EngineCore, on_layer_kv_written: LayerHook | None = None) -> None:
         self.core = core
         self._layer_hook = on_layer_kv_written
+        self.latest_load: EngineLoad = core.load()
+        """Load figures as of the last step (refreshed on the engine thread; never waits)."""
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._wakeup = threading.Event()
@@ -189,12 +191,14 @@ class AsyncEngine:
                 continue
             for output in outputs:
                 self._deliver(output)
+            self.latest_load = self.core.load()
 
     def _drain_commands(self) -> None:
         while True:
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
+                self.latest_load = self.core.load()
                 return
             try:
                 command()

@@ -213,7 +213,8 @@ class PrefillWorker:
         self._peers.pop(address, None)
 
     async def load(self) -> EngineLoad:
-        return await self.engine.call(lambda core: core.load())
+        """The engine's latest load figures (answers at once, also during a long step)."""
+        return self.engine.latest_load
 
     async def close(self) -> None:
         self.engine.shutdown()

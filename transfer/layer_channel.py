@@ -112,6 +112,10 @@ class LayerSender:
             self._stop(TransferState.FAILED)
             raise
         except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if self.state is TransferState.ABORTED and task is not None and not task.cancelling():
+                # abort() cancelled the sends we were gathering; the caller was not cancelled
+                raise TransferAbortedError(f"transfer {self.transfer_id} was aborted") from None
             self._stop(TransferState.ABORTED)
             raise
         self.state = TransferState.DONE
