@@ -202,9 +202,11 @@ class LayerReceiver:
             if self._task.cancelled() or self.state is TransferState.ABORTED:
                 raise TransferAbortedError(f"transfer {self.transfer_id} was aborted") from None
             raise
-        except TransferError:
+        except Exception as error:  # transport or scatter failure: end FAILED, never ACTIVE
             await self._stop(TransferState.FAILED)
-            raise
+            if isinstance(error, TransferError):
+                raise
+            raise TransferError(f"transfer {self.transfer_id} failed: {error}") from error
 
     async def abort(self) -> None:
         """Stop receiving; on return no scatter is running and none will start."""
