@@ -1,6 +1,7 @@
 """A ``splitserve up`` cluster as a child process, and who used the CPUs while it ran.
 
-``LocalCluster`` starts ``splitserve up --port P <flags>`` with its output in a log file,
+``LocalCluster`` starts ``splitserve up --port P <flags>`` (optionally with extra environment
+variables, which the coordinator and workers inherit) with its output in a log file,
 waits for the ``splitserve ready at`` line (raising ``ClusterError`` with the log's tail if
 the process exits or the line does not come in time) and stops it with SIGTERM (SIGKILL of
 its process group after a grace period); it is a context manager doing both.
@@ -50,6 +51,7 @@ class LocalCluster:
         log_path: Path,
         ready_timeout_s: float = 300.0,
         stop_grace_s: float = 30.0,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
@@ -57,6 +59,8 @@ class LocalCluster:
         self.log_path = log_path
         self.ready_timeout_s = ready_timeout_s
         self.stop_grace_s = stop_grace_s
+        self.env = env or {}
+        """Extra environment variables of ``up`` (its children inherit them)."""
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
@@ -64,7 +68,11 @@ class LocalCluster:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("wb") as log:
             self.process = subprocess.Popen(
-                self.argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                self.argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env=os.environ | self.env,
             )
         deadline = time.monotonic() + self.ready_timeout_s
         while READY_LINE not in self.log_path.read_text(errors="replace"):

@@ -45,7 +45,9 @@ class UcxTransport(KvTransport):
         import ucxx
 
         options = {"TLS": settings.tls} if settings.tls else {}
-        ucxx.init(options=options)
+        # Python futures: a pending receive then waits on an event instead of busy-polling the
+        # event loop (which took a whole core from a decode worker while KV was awaited).
+        ucxx.init(options=options, enable_python_future=True)
         self._ucxx = ucxx
         self._settings = settings
         self._address = ucxx.get_worker_address().tobytes()
