@@ -13,27 +13,12 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from splitserve.engine.load import EngineLoad
+
 
 class Role(enum.Enum):
     PREFILL = "prefill"
     DECODE = "decode"
-
-
-@dataclass(frozen=True)
-class LoadFigures:
-    """What a worker reports about itself (see ``WorkerLoad`` in worker.proto)."""
-
-    num_total_blocks: int = 0
-    num_used_blocks: int = 0
-    num_running_requests: int = 0
-    num_waiting_requests: int = 0
-    num_reserved_requests: int = 0
-    num_running_tokens: int = 0
-    num_pending_prefill_tokens: int = 0
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.num_total_blocks - self.num_used_blocks
 
 
 @dataclass
@@ -46,7 +31,7 @@ class WorkerRecord:
     dtype: str
     num_blocks: int
     max_model_len: int
-    load: LoadFigures = field(default_factory=LoadFigures)
+    load: EngineLoad = field(default_factory=EngineLoad)
     last_seen: float = field(default_factory=time.monotonic)
     healthy: bool = True
     pending_requests: int = 0
@@ -70,7 +55,7 @@ class WorkerRegistry:
             record.pending_prefill_tokens = previous.pending_prefill_tokens
         self._workers[record.worker_id] = record
 
-    def heartbeat(self, worker_id: str, load: LoadFigures) -> bool:
+    def heartbeat(self, worker_id: str, load: EngineLoad) -> bool:
         """Record a heartbeat; False when the worker is unknown (it must register again)."""
         record = self._workers.get(worker_id)
         if record is None:

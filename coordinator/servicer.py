@@ -13,9 +13,10 @@ from collections.abc import AsyncIterator
 import grpc
 
 from splitserve.coordinator.flow import RequestFlow
-from splitserve.coordinator.registry import LoadFigures, Role, WorkerRecord
+from splitserve.coordinator.registry import Role, WorkerRecord
 from splitserve.coordinator.service import Coordinator, Prompt
 from splitserve.engine.errors import InvalidRequestError, SplitserveError
+from splitserve.engine.load import EngineLoad
 from splitserve.engine.output_processor import StreamChunk
 from splitserve.proto import convert
 from splitserve.proto.splitserve.v1 import (
@@ -28,6 +29,7 @@ from splitserve.proto.status import abort_with, status_of
 
 HEARTBEAT_INTERVAL_MS = 500
 _ROLES = {worker_pb2.WORKER_ROLE_PREFILL: Role.PREFILL, worker_pb2.WORKER_ROLE_DECODE: Role.DECODE}
+_ROLE_TO_PROTO = {role: value for value, role in _ROLES.items()}
 
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
@@ -132,7 +134,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 dtype=info.kv_layout.dtype,
                 num_blocks=info.num_blocks,
                 max_model_len=info.max_model_len,
-                load=LoadFigures(num_total_blocks=info.num_blocks),
+                load=EngineLoad(num_total_blocks=info.num_blocks),
             )
         )
         return coordinator_pb2.RegisterWorkerResponse(heartbeat_interval_ms=HEARTBEAT_INTERVAL_MS)
@@ -140,18 +142,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     async def Heartbeat(
         self, request: coordinator_pb2.HeartbeatRequest, context: grpc.aio.ServicerContext
     ) -> coordinator_pb2.HeartbeatResponse:
-        load = request.load
         known = self._coordinator.registry.heartbeat(
-            request.worker_id,
-            LoadFigures(
-                num_total_blocks=load.num_total_blocks,
-                num_used_blocks=load.num_used_blocks,
-                num_running_requests=load.num_running_requests,
-                num_waiting_requests=load.num_waiting_requests,
-                num_reserved_requests=load.num_reserved_requests,
-                num_running_tokens=load.num_running_tokens,
-                num_pending_prefill_tokens=load.num_pending_prefill_tokens,
-            ),
+            request.worker_id, convert.load_from_proto(request.load)
         )
         return coordinator_pb2.HeartbeatResponse(known=known)
 
@@ -176,25 +168,14 @@ def _prompt_of(request: coordinator_pb2.GenerateRequest) -> Prompt:
 
 
 def _status(record: WorkerRecord) -> coordinator_pb2.WorkerStatus:
-    role = {v: k for k, v in _ROLES.items()}[record.role]
-    load = record.load
     return coordinator_pb2.WorkerStatus(
         worker=worker_pb2.WorkerInfo(
             worker_id=record.worker_id,
-            role=role,
+            role=_ROLE_TO_PROTO[record.role],
             address=record.address,
             num_blocks=record.num_blocks,
             max_model_len=record.max_model_len,
         ),
-        load=worker_pb2.WorkerLoad(
-            num_total_blocks=load.num_total_blocks,
-            num_used_blocks=load.num_used_blocks,
-            num_running_requests=load.num_running_requests,
-            num_waiting_requests=load.num_waiting_requests,
-            num_reserved_requests=load.num_reserved_requests,
-            num_running_tokens=load.num_running_tokens,
-            num_pending_prefill_tokens=load.num_pending_prefill_tokens,
-            ready=record.healthy,
-        ),
+        load=convert.load_to_proto(record.load, ready=record.healthy),
         ms_since_heartbeat=int((time.monotonic() - record.last_seen) * 1000),
     )

@@ -12,7 +12,7 @@ from splitserve.engine.errors import SplitserveError
 from splitserve.proto import convert
 from splitserve.proto.splitserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from splitserve.proto.status import abort_with
-from splitserve.worker.servicer_base import WorkerServicerBase, load_to_proto
+from splitserve.worker.servicer_base import WorkerServicerBase
 
 
 class DecodeServicer(WorkerServicerBase[DecodeWorker], worker_pb2_grpc.DecodeWorkerServicer):
@@ -78,7 +78,7 @@ class DecodeServicer(WorkerServicerBase[DecodeWorker], worker_pb2_grpc.DecodeWor
         self, request: worker_pb2.GetLoadRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.WorkerLoad:
         worker = await self.ready(context)
-        return load_to_proto(await worker.load())
+        return convert.load_to_proto(await worker.load())
 
 
 def _reservation(worker: DecodeWorker, reservation: Reservation) -> worker_pb2.KvReservation:

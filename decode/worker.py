@@ -21,8 +21,9 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 from splitserve.engine.async_engine import AsyncEngine, RequestStream
-from splitserve.engine.engine_core import EngineCore, EngineLoad, StepOutput
+from splitserve.engine.engine_core import EngineCore, StepOutput
 from splitserve.engine.errors import CapacityError, InvalidRequestError
+from splitserve.engine.load import EngineLoad
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.transfer.layer_channel import LayerReceiver, TransferState
 from splitserve.transfer.layout import KvLayout

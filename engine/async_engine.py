@@ -29,8 +29,9 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-from splitserve.engine.engine_core import EngineCore, EngineLoad, LayerHook, StepOutput
+from splitserve.engine.engine_core import EngineCore, LayerHook, StepOutput
 from splitserve.engine.errors import SplitserveError
+from splitserve.engine.load import EngineLoad
 from splitserve.engine.request import FinishReason
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.scheduler import RequestUpdate

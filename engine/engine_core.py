@@ -22,6 +22,7 @@ from splitserve.engine.config import EngineConfig
 from splitserve.engine.device import resolve_dtype
 from splitserve.engine.errors import InvalidRequestError
 from splitserve.engine.kv_cache_manager import KVCacheManager
+from splitserve.engine.load import EngineLoad
 from splitserve.engine.logprobs import TokenLogprob
 from splitserve.engine.model import LlamaModel
 from splitserve.engine.model_runner import ModelRunner, kv_cache_bytes_per_block
@@ -33,23 +34,6 @@ logger = logging.getLogger(__name__)
 
 LayerHook = Callable[[int, SchedulerOutput], None]
 """Called with (layer index, the step's scheduled chunks) once a layer's KV is written."""
-
-
-@dataclass(frozen=True)
-class EngineLoad:
-    """A snapshot of one engine's load (read on the engine thread)."""
-
-    num_total_blocks: int
-    num_used_blocks: int
-    """Blocks held by requests; idle prefix-cache blocks count as free."""
-    num_running_requests: int
-    num_waiting_requests: int
-    num_reserved_requests: int
-    """Requests holding blocks for KV that another worker is computing."""
-    num_running_tokens: int
-    num_pending_prefill_tokens: int
-    num_finished_requests: int
-    """Cumulative count of requests that ended on this engine."""
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from splitserve.prefill.worker import KvTarget, PrefillWorker
 from splitserve.proto import convert
 from splitserve.proto.splitserve.v1 import worker_pb2, worker_pb2_grpc
 from splitserve.proto.status import abort_with
-from splitserve.worker.servicer_base import WorkerServicerBase, load_to_proto
+from splitserve.worker.servicer_base import WorkerServicerBase
 
 
 class PrefillServicer(WorkerServicerBase[PrefillWorker], worker_pb2_grpc.PrefillWorkerServicer):
@@ -55,4 +55,4 @@ class PrefillServicer(WorkerServicerBase[PrefillWorker], worker_pb2_grpc.Prefill
         self, request: worker_pb2.GetLoadRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.WorkerLoad:
         worker = await self.ready(context)
-        return load_to_proto(await worker.load())
+        return convert.load_to_proto(await worker.load())

@@ -24,9 +24,10 @@ from dataclasses import dataclass
 import grpc
 
 from splitserve.engine.async_engine import AsyncEngine
-from splitserve.engine.engine_core import EngineCore, EngineLoad
+from splitserve.engine.engine_core import EngineCore
 from splitserve.engine.errors import InvalidRequestError
 from splitserve.engine.kv_cache_manager import blocks_for_tokens
+from splitserve.engine.load import EngineLoad
 from splitserve.engine.logprobs import TokenLogprob
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.scheduler import SchedulerOutput

@@ -7,9 +7,9 @@ raises ``InvalidRequestError`` naming the field).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable, Sequence
 
+from splitserve.engine.load import EngineLoad
 from splitserve.engine.logprobs import TokenLogprob
 from splitserve.engine.request import FinishReason
 from splitserve.engine.sampling_params import SamplingParams
@@ -73,13 +73,6 @@ def sampling_to_proto(
     return message
 
 
-def with_max_tokens(params: SamplingParams, max_tokens: int) -> SamplingParams:
-    """``params`` generating at most ``max_tokens`` (min_tokens capped to match)."""
-    return dataclasses.replace(
-        params, max_tokens=max_tokens, min_tokens=min(params.min_tokens, max_tokens)
-    )
-
-
 def logprob_to_proto(
     logprob: TokenLogprob, texts: dict[int, str] | None = None
 ) -> common_pb2.TokenLogprob:
@@ -132,6 +125,19 @@ def layout_from_proto(message: worker_pb2.KvLayout) -> KvLayout:
         head_dim=message.head_dim,
         layout=message.layout,
     )
+
+
+_LOAD_FIELDS = tuple(EngineLoad.__dataclass_fields__)
+
+
+def load_to_proto(load: EngineLoad, ready: bool = True) -> worker_pb2.WorkerLoad:
+    return worker_pb2.WorkerLoad(
+        ready=ready, **{name: getattr(load, name) for name in _LOAD_FIELDS}
+    )
+
+
+def load_from_proto(message: worker_pb2.WorkerLoad) -> EngineLoad:
+    return EngineLoad(**{name: getattr(message, name) for name in _LOAD_FIELDS})
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> common_pb2.Usage:

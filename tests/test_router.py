@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import time
 
-from splitserve.coordinator.registry import LoadFigures, Role, WorkerRecord, WorkerRegistry
+from splitserve.coordinator.registry import Role, WorkerRecord, WorkerRegistry
 from splitserve.coordinator.router import Router, RoutingConfig, prompt_block_hashes
+from splitserve.engine.load import EngineLoad
 
 
 def _worker(
@@ -25,7 +26,7 @@ def _worker(
         dtype="bfloat16",
         num_blocks=100,
         max_model_len=4096,
-        load=LoadFigures(
+        load=EngineLoad(
             num_total_blocks=100,
             num_used_blocks=100 - free_blocks,
             num_running_tokens=running_tokens,
@@ -85,7 +86,7 @@ def test_registry_expires_silent_workers_and_marks_failures() -> None:
     registry.register(_worker("w", Role.DECODE))
     registry.mark_failed("w")
     assert registry.workers(Role.DECODE) == []
-    assert registry.heartbeat("w", LoadFigures(num_total_blocks=100))
+    assert registry.heartbeat("w", EngineLoad(num_total_blocks=100))
     assert [w.worker_id for w in registry.workers(Role.DECODE)] == ["w"]
     assert registry.expire(now=time.monotonic() + 5) and registry.get("w") is None
-    assert not registry.heartbeat("w", LoadFigures())  # unknown: it must register again
+    assert not registry.heartbeat("w", EngineLoad())  # unknown: it must register again

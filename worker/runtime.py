@@ -22,9 +22,10 @@ import grpc
 
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.engine.cli_args import engine_config_from_args
-from splitserve.engine.engine_core import EngineCore, EngineLoad
+from splitserve.engine.engine_core import EngineCore
+from splitserve.engine.load import EngineLoad
 from splitserve.engine.sampling_params import SamplingParams
-from splitserve.proto.convert import layout_to_proto
+from splitserve.proto.convert import layout_to_proto, load_to_proto
 from splitserve.proto.server import start_server
 from splitserve.proto.splitserve.v1 import worker_pb2
 from splitserve.transfer.layout import KvLayout
@@ -33,7 +34,7 @@ from splitserve.transfer.ucx import UcxTransport
 from splitserve.worker.identity import WorkerIdentity
 from splitserve.worker.process import advertised_address, ucx_settings_of, worker_id_of
 from splitserve.worker.registration import CoordinatorLink
-from splitserve.worker.servicer_base import WorkerServicerBase, load_to_proto
+from splitserve.worker.servicer_base import WorkerServicerBase
 
 logger = logging.getLogger(__name__)
 

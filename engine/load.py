@@ -1,0 +1,26 @@
+"""A worker's load figures (torch-free): what an engine reports and the coordinator routes on."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """A snapshot of one engine's load (taken on the engine thread)."""
+
+    num_total_blocks: int = 0
+    num_used_blocks: int = 0
+    """Blocks held by requests; idle prefix-cache blocks count as free."""
+    num_running_requests: int = 0
+    num_waiting_requests: int = 0
+    num_reserved_requests: int = 0
+    """Requests holding blocks for KV that another worker is computing."""
+    num_running_tokens: int = 0
+    num_pending_prefill_tokens: int = 0
+    num_finished_requests: int = 0
+    """Cumulative count of requests that ended on this engine."""
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.num_total_blocks - self.num_used_blocks
