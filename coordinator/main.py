@@ -11,7 +11,6 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import os
 import sys
 from collections.abc import Sequence
 
@@ -21,7 +20,7 @@ from splitserve.coordinator.router import RoutingConfig
 from splitserve.coordinator.service import Coordinator, CoordinatorConfig
 from splitserve.coordinator.servicer import CoordinatorServicer
 from splitserve.engine.checkpoint import load_tokenizer, resolve_model_path
-from splitserve.engine.cli_args import env_default
+from splitserve.engine.cli_args import add_env_flag
 from splitserve.proto.server import serve_forever, start_server
 from splitserve.proto.splitserve.v1 import coordinator_pb2, coordinator_pb2_grpc
 
@@ -33,12 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitserve coordinator", description=__doc__)
 
     def flag(name: str, default: object, convert: type, help_text: str) -> None:
-        parser.add_argument(
-            name,
-            type=convert,
-            default=env_default(name, default, convert, os.environ),
-            help=f"{help_text} (env SPLITSERVE_{name[2:].replace('-', '_').upper()})",
-        )
+        add_env_flag(parser, name, default, convert, help_text)
 
     flag("--host", "127.0.0.1", str, "address the gRPC server binds")
     flag("--port", 50051, int, "gRPC port; 0 picks a free one")

@@ -24,12 +24,6 @@ class WorkerClients:
     def prefill(self, address: str) -> worker_pb2_grpc.PrefillWorkerStub:
         return worker_pb2_grpc.PrefillWorkerStub(self._channel(address))
 
-    async def forget(self, address: str) -> None:
-        """Close the channel to a worker that went away."""
-        channel = self._channels.pop(address, None)
-        if channel is not None:
-            await channel.close()
-
     async def close(self) -> None:
         for channel in self._channels.values():
             await channel.close()

@@ -180,6 +180,6 @@ class DecodeWorker:
         self.layout.check_compatible(peer)
         return self.layout
 
-    def shutdown(self) -> None:
+    async def close(self) -> None:
         self.engine.shutdown()
         self._scatter_pool.shutdown(wait=True)

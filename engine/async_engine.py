@@ -195,12 +195,15 @@ class AsyncEngine:
             self.latest_load = self.core.load()
 
     def _drain_commands(self) -> None:
+        ran_any = False
         while True:
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
-                self.latest_load = self.core.load()
+                if ran_any:  # commands add, reserve and end requests
+                    self.latest_load = self.core.load()
                 return
+            ran_any = True
             try:
                 command()
             except Exception:  # one bad command must not stop the engine thread

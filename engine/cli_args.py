@@ -36,18 +36,30 @@ def truthy(raw: str) -> bool:
     return raw.strip().lower() in ("1", "true", "yes", "on")
 
 
+def add_env_flag(
+    group: argparse._ActionsContainer,
+    name: str,
+    default: object,
+    convert: Callable[[str], object],
+    help_text: str,
+    env: Mapping[str, str] = os.environ,
+) -> None:
+    """A ``--flag`` whose default comes from its ``SPLITSERVE_*`` twin when that is set."""
+    group.add_argument(
+        name,
+        type=convert,
+        default=env_default(name, default, convert, env),
+        help=f"{help_text} (env {env_name(name)})",
+    )
+
+
 def add_engine_args(parser: argparse.ArgumentParser, env: Mapping[str, str] = os.environ) -> None:
     """Flags of ``EngineConfig``; defaults come from ``SPLITSERVE_*`` variables when set."""
     defaults = EngineConfig()
     group = parser.add_argument_group("engine")
 
     def flag(name: str, default: object, convert: Callable[[str], object], help_text: str) -> None:
-        group.add_argument(
-            name,
-            type=convert,
-            default=env_default(name, default, convert, env),
-            help=f"{help_text} (env {env_name(name)})",
-        )
+        add_env_flag(group, name, default, convert, help_text, env)
 
     flag("--model", defaults.model.model, str, "GGUF file, HF folder, or 'default'")
     group.add_argument(

@@ -77,6 +77,8 @@ class _Outgoing:
 class _Peer:
     stub: worker_pb2_grpc.DecodeWorkerStub
     endpoint: KvEndpoint
+    transfer_address: bytes
+    """The decode worker's transport address (from the handshake)."""
 
 
 class PrefillWorker:
@@ -205,13 +207,15 @@ class PrefillWorker:
                     f"this prefill worker over {self.transport.name!r}"
                 )
             endpoint = await self.transport.connect(reply.ucx_address)
-            peer = _Peer(stub, endpoint)
+            peer = _Peer(stub, endpoint, reply.ucx_address)
             self._peers[address] = peer
             return peer
 
     def _forget_peer(self, address: str) -> None:
         """After a failed transfer: handshake and reconnect on next use (it may have restarted)."""
-        self._peers.pop(address, None)
+        peer = self._peers.pop(address, None)
+        if peer is not None:
+            self.transport.forget(peer.transfer_address)
 
     async def load(self) -> EngineLoad:
         """The engine's latest load figures (answers at once, also during a long step)."""

@@ -58,5 +58,9 @@ class KvTransport(ABC):
     async def recv(self, tag: int, buffer: torch.Tensor) -> None:
         """Receive the message tagged ``tag`` into ``buffer`` (its size must match)."""
 
+    def forget(self, address: bytes) -> None:  # noqa: B027 - optional hook
+        """Drop the cached endpoint to ``address`` (after a failure): the next ``connect``
+        creates a fresh one."""
+
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Release transport resources (endpoints, worker)."""

@@ -76,7 +76,6 @@ class UcxTransport(KvTransport):
             return endpoint
 
     def forget(self, address: bytes) -> None:
-        """Drop the cached endpoint to a peer (after a failure), so the next use reconnects."""
         endpoint = self._endpoints.pop(address, None)
         if endpoint is not None:
             endpoint.abort()

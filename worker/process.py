@@ -12,7 +12,7 @@ import os
 import socket
 from collections.abc import Mapping
 
-from splitserve.engine.cli_args import add_engine_args, env_default
+from splitserve.engine.cli_args import add_engine_args, add_env_flag, env_default
 from splitserve.engine.cli_args import truthy as _truthy
 from splitserve.transfer.ucx import UcxSettings
 
@@ -36,12 +36,7 @@ def add_worker_args(parser: argparse.ArgumentParser, env: Mapping[str, str] = os
     group = parser.add_argument_group("worker")
 
     def flag(name: str, default: object, convert: type, help_text: str) -> None:
-        group.add_argument(
-            name,
-            type=convert,
-            default=env_default(name, default, convert, env),
-            help=f"{help_text} (env SPLITSERVE_{name[2:].replace('-', '_').upper()})",
-        )
+        add_env_flag(group, name, default, convert, help_text, env)
 
     flag("--host", "127.0.0.1", str, "address the gRPC server binds")
     flag("--port", 0, int, "gRPC port; 0 picks a free one (printed when ready)")

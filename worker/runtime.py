@@ -14,7 +14,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -26,13 +26,19 @@ from splitserve.engine.engine_core import EngineCore
 from splitserve.engine.load import EngineLoad
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.proto.convert import layout_to_proto, load_to_proto
-from splitserve.proto.server import start_server
+from splitserve.proto.server import serve_forever, start_server
 from splitserve.proto.splitserve.v1 import worker_pb2
 from splitserve.transfer.layout import KvLayout
 from splitserve.transfer.transport import KvTransport
 from splitserve.transfer.ucx import UcxTransport
 from splitserve.worker.identity import WorkerIdentity
-from splitserve.worker.process import advertised_address, ucx_settings_of, worker_id_of
+from splitserve.worker.process import (
+    add_worker_args,
+    advertised_address,
+    apply_cpu_affinity,
+    ucx_settings_of,
+    worker_id_of,
+)
 from splitserve.worker.registration import CoordinatorLink
 from splitserve.worker.servicer_base import WorkerServicerBase
 
@@ -46,6 +52,8 @@ class WorkerDomain(Protocol):
     layout: KvLayout
 
     async def load(self) -> EngineLoad: ...
+
+    async def close(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -61,7 +69,6 @@ class WorkerRole:
     add_servicer: Callable[[WorkerServicerBase, grpc.aio.Server], None]
     make_domain: Callable[[EngineCore, KvTransport, WorkerIdentity, float], WorkerDomain]
     """(engine core, transport, identity, transfer timeout) -> the domain object."""
-    close_domain: Callable[[WorkerDomain], Awaitable[None]]
 
 
 async def run_worker(args: argparse.Namespace, role: WorkerRole, stop: asyncio.Event) -> None:
@@ -105,8 +112,25 @@ async def run_worker(args: argparse.Namespace, role: WorkerRole, stop: asyncio.E
         link_task.cancel()
         with contextlib.suppress(BaseException):
             await link_task
-    await role.close_domain(domain)
+    await domain.close()
     await transport.close()
+
+
+def worker_main(role: WorkerRole, argv: Sequence[str] | None, description: str) -> int:
+    """Entry point of a worker process: flags, logging, CPU pinning, then ``run_worker``."""
+    parser = argparse.ArgumentParser(prog=f"splitserve {role.name}", description=description)
+    add_worker_args(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO, format=f"%(asctime)s {role.name} %(levelname)s %(message)s"
+    )
+    apply_cpu_affinity(args)
+
+    async def run(stop: asyncio.Event) -> None:
+        await run_worker(args, role, stop)
+
+    serve_forever(run)
+    return 0
 
 
 async def _warm_up(engine: AsyncEngine) -> None:
