@@ -4,7 +4,8 @@ Starts the coordinator, then the workers (registered with it), waits until each 
 ready line and the coordinator's health is SERVING, prints
 ``splitserve ready at <host:port>``, forwards every child's output with a role prefix, and
 stops all children on Ctrl-C / SIGTERM (SIGTERM, then SIGKILL after a grace period). If any
-child exits on its own, the others are stopped and ``up`` exits with status 1.
+child exits on its own, the others are stopped and ``up`` exits with status 1; so it does
+when a child had to be killed because it ignored SIGTERM.
 
 Cores are split evenly among the workers (``--cpu-affinity`` of each) when the machine has at
 least one core per worker, so co-located workers do not fight over cores; ``--no-pin`` turns
@@ -85,18 +86,24 @@ async def _forward(child: _Child) -> None:
         print(f"[{child.name}] {line}", flush=True)
 
 
-async def _stop_all(children: list[_Child]) -> None:
+async def _stop_all(children: list[_Child]) -> bool:
+    """SIGTERM every child, SIGKILL those still running after the grace period; False when
+    some child had to be killed."""
     for child in reversed(children):
         if child.process.returncode is None:
             with contextlib.suppress(ProcessLookupError):
                 child.process.send_signal(signal.SIGTERM)
+    clean = True
     for child in reversed(children):
         try:
             await asyncio.wait_for(child.process.wait(), GRACE_S)
         except TimeoutError:
+            print(f"splitserve up: {child.name} ignored SIGTERM; killing it", flush=True)
+            clean = False
             with contextlib.suppress(ProcessLookupError):
                 child.process.kill()
             await child.process.wait()
+    return clean
 
 
 async def _run(args: argparse.Namespace, worker_args: list[str]) -> int:
@@ -138,7 +145,8 @@ async def _run(args: argparse.Namespace, worker_args: list[str]) -> int:
     except (TimeoutError, _ChildDied) as error:
         print(f"splitserve up: {error}", file=sys.stderr, flush=True)
         status = 1
-    await _stop_all(children)
+    if not await _stop_all(children):
+        status = status or 1
     return status
 
 

@@ -2,7 +2,8 @@
 
 ``running(argv, ready_marker)`` starts ``python -m <argv>``, drains its output on a thread
 (kept for failure messages), waits for the line containing ``ready_marker`` and yields the
-address printed after "ready at"; on exit it sends SIGTERM and waits (SIGKILL after 20 s).
+address printed after "ready at"; on exit it sends SIGTERM and fails the test unless the
+process stops cleanly (status 0) within 30 s (``up`` reports children it had to kill).
 """
 
 from __future__ import annotations
@@ -68,10 +69,14 @@ def running(argv: list[str], ready_marker: str = "splitserve ready at") -> Itera
     finally:
         process.send_signal(signal.SIGTERM)
         try:
-            process.wait(timeout=20)
+            process.wait(timeout=30)
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+            raise AssertionError(f"{argv[0]} did not stop on SIGTERM:\n{output.tail()}") from None
+    if process.returncode != 0:
+        status = process.returncode
+        raise AssertionError(f"{argv[0]} stopped with status {status}:\n{output.tail()}")
 
 
 def cluster(

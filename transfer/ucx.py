@@ -92,6 +92,9 @@ class UcxTransport(KvTransport):
         for endpoint in self._endpoints.values():
             endpoint.abort()
         self._endpoints.clear()
+        # The notifier thread behind Python futures is not a daemon: stop it or the process
+        # never exits.
+        self._ucxx.stop_notifier_thread()
 
 
 class _UcxEndpoint(KvEndpoint):
