@@ -1,0 +1,1 @@
+"""splitserve.client: typed Python client (sync and asyncio) over the coordinator's gRPC stubs."""
