@@ -1,1 +1,37 @@
-"""splitserve.client: typed Python client (sync and asyncio) over the coordinator's gRPC stubs."""
+"""splitserve.client: typed Python client (sync and asyncio) over the coordinator's gRPC stubs.
+
+``Client`` (blocking) and ``AsyncClient`` (asyncio) offer ``stream`` / ``generate`` / ``abort``
+/ ``model_info`` / ``wait_ready`` with deadlines, safe retries and cancellation; every failure
+is a ``ClientError``. Torch-free: a client machine needs no torch (nor a GPU).
+"""
+
+from splitserve.client.async_client import AsyncClient
+from splitserve.client.errors import ClientError, RetryPolicy
+from splitserve.client.sync_client import Client
+from splitserve.client.types import (
+    ChatMessage,
+    Chunk,
+    Finish,
+    Generation,
+    ModelInfo,
+    Sampling,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
+
+__all__ = [
+    "AsyncClient",
+    "ChatMessage",
+    "Chunk",
+    "Client",
+    "ClientError",
+    "Finish",
+    "Generation",
+    "ModelInfo",
+    "RetryPolicy",
+    "Sampling",
+    "TokenLogprob",
+    "TopLogprob",
+    "Usage",
+]

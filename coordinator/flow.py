@@ -25,6 +25,7 @@ import contextlib
 import dataclasses
 import enum
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -108,6 +109,11 @@ class RequestFlow:
         self._local_prefill_only = False
         self._aborted = False
         self._events: asyncio.Queue[tuple[str, object]] | None = None
+        self.stage_seconds: list[tuple[str, float]] = []
+        """(stage, seconds) as they completed: reserve (decode worker reserved blocks),
+        prefill (reservation -> first token, KV pushed), local_prefill (no prefill worker)."""
+        self.recoveries: list[str] = []
+        """prefill_fallback / decode_resume, each time a worker failed this request."""
 
     def abort(self) -> None:
         """End the request as aborted: its stream gets a final ABORT chunk, workers free it."""
@@ -138,7 +144,9 @@ class RequestFlow:
                 return
             except _PrefillFailed:
                 self._local_prefill_only = True
+                self.recoveries.append("prefill_fallback")
             except _DecodeFailed:
+                self.recoveries.append("decode_resume")
                 excluded.append(route.decode.worker_id)
                 self._registry.mark_failed(route.decode.worker_id)
             self.state = FlowState.RESUMING
@@ -179,20 +187,26 @@ class RequestFlow:
         reader = asyncio.create_task(_pump(call, events))
         prefill_task: asyncio.Task[None] | None = None
         decode.pending_requests += 1
+        started = reserved = time.monotonic()
         try:
             while True:
                 kind, item = await events.get()
                 if kind == "reservation":
                     assert prefill is not None
+                    reserved = time.monotonic()
+                    self.stage_seconds.append(("reserve", reserved - started))
                     reservation = item  # type: ignore[assignment]
                     prefill_task = asyncio.create_task(
                         self._prefill(prefill, prompt, worker_params, reservation, events)
                     )
                 elif kind == "first":
+                    self.stage_seconds.append(("prefill", time.monotonic() - reserved))
                     chunk = self._first_token(item)  # type: ignore[arg-type]
                     if chunk is not None:
                         yield chunk
                 elif kind == "tokens":
+                    if prefill is None and self.num_completion_tokens == already:
+                        self.stage_seconds.append(("local_prefill", time.monotonic() - started))
                     chunk = self._decoded(item, already)  # type: ignore[arg-type]
                     if chunk is not None:
                         yield chunk

@@ -1,7 +1,8 @@
 """``splitserve up``: coordinator + prefill + decode workers on localhost, as child processes.
 
 Starts the coordinator, then the workers (registered with it), waits until each printed its
-ready line and the coordinator's health is SERVING, prints
+ready line and the coordinator's health is SERVING, starts the OpenAI-compatible gateway
+(``--http-port``, default 8000; ``--no-gateway`` leaves it out), prints
 ``splitserve ready at <host:port>``, forwards every child's output with a role prefix, and
 stops all children on Ctrl-C / SIGTERM (SIGTERM, then SIGKILL after a grace period). If any
 child exits on its own, the others are stopped and ``up`` exits with status 1; so it does
@@ -51,7 +52,23 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--local-prefill-max-tokens", type=int, default=None, help="passed to the coordinator"
     )
+    parser.add_argument("--max-inflight", type=int, default=None, help="passed to the coordinator")
+    parser.add_argument(
+        "--http-port", type=int, default=8000, help="OpenAI-compatible gateway port (0: any free)"
+    )
+    parser.add_argument("--no-gateway", action="store_true", help="do not start the gateway")
+    parser.add_argument(
+        "--metrics-port-base",
+        type=int,
+        default=9400,
+        help="Prometheus /metrics ports: coordinator at the base, worker i at base + 1 + i "
+        "(0: any free port each, printed at start)",
+    )
     return parser
+
+
+def _metrics_port(base: int, index: int) -> int:
+    return 0 if base == 0 else base + index
 
 
 def worker_core_sets(num_workers: int, cpus: Sequence[int]) -> list[str | None]:
@@ -113,6 +130,9 @@ async def _run(args: argparse.Namespace, worker_args: list[str]) -> int:
         f"--port={args.port}",
         f"--model={args.model}",
     ]
+    coordinator_argv.append(f"--metrics-port={_metrics_port(args.metrics_port_base, 0)}")
+    if args.max_inflight is not None:
+        coordinator_argv.append(f"--max-inflight={args.max_inflight}")
     if args.local_prefill_max_tokens is not None:
         coordinator_argv.append(f"--local-prefill-max-tokens={args.local_prefill_max_tokens}")
     children = [await _spawn("coordinator", coordinator_argv)]
@@ -129,12 +149,22 @@ async def _run(args: argparse.Namespace, worker_args: list[str]) -> int:
         for index, (role, core_list) in enumerate(zip(roles, cores, strict=True)):
             argv = [f"splitserve.{role}.main", f"--coordinator={address}", f"--model={args.model}"]
             argv += [f"--host={args.host}", f"--worker-id={role}-{index}"]
+            argv.append(f"--metrics-port={_metrics_port(args.metrics_port_base, 1 + index)}")
             if core_list is not None:
                 argv.append(f"--cpu-affinity={core_list}")
             children.append(await _spawn(f"{role}-{index}", argv + worker_args))
         for child in children[1:]:
             await _wait_ready(child, stop)
         await wait_for_health(address, READY_TIMEOUT_S)
+        if not args.no_gateway:
+            gateway_argv = [
+                "splitserve.gateway.main",
+                f"--coordinator={address}",
+                f"--host={args.host}",
+                f"--port={args.http_port}",
+            ]
+            children.append(await _spawn("gateway", gateway_argv))
+            await _wait_ready(children[-1], stop)
         print(f"splitserve ready at {address}", flush=True)
         exited = [asyncio.create_task(c.process.wait()) for c in children]
         stopped = asyncio.create_task(stop.wait())

@@ -14,13 +14,17 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from prometheus_client import CollectorRegistry
+
 from splitserve.coordinator.flow import FlowConfig
+from splitserve.coordinator.metrics import CoordinatorMetrics
 from splitserve.coordinator.registry import Role
 from splitserve.coordinator.router import RoutingConfig
 from splitserve.coordinator.service import Coordinator, CoordinatorConfig
 from splitserve.coordinator.servicer import CoordinatorServicer
-from splitserve.engine.checkpoint import load_tokenizer, resolve_model_path
+from splitserve.engine.checkpoint import load_tokenizer, model_name_of, resolve_model_path
 from splitserve.engine.cli_args import add_env_flag
+from splitserve.engine.metrics import serve_metrics
 from splitserve.proto.server import serve_forever, start_server
 from splitserve.proto.splitserve.v1 import coordinator_pb2, coordinator_pb2_grpc
 
@@ -45,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
         "prompts with at most this many uncached tokens are prefilled on the decode worker",
     )
     flag("--prefill-timeout", 300.0, float, "seconds a prefill (compute + KV push) may take")
+    flag("--metrics-port", 0, int, "Prometheus /metrics port (0: any free port, -1: off)")
     return parser
 
 
@@ -55,12 +60,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     model_path = resolve_model_path(args.model)
     config = CoordinatorConfig(
-        model_name=model_path.stem if model_path.is_file() else model_path.name,
+        model_name=model_name_of(model_path),
         max_inflight=args.max_inflight,
         routing=RoutingConfig(local_prefill_max_tokens=args.local_prefill_max_tokens),
         flow=FlowConfig(prefill_timeout_s=args.prefill_timeout),
     )
     coordinator = Coordinator(config, load_tokenizer(model_path))
+    registry = CollectorRegistry()
+    metrics = CoordinatorMetrics(registry, config.model_name, coordinator.registry)
 
     async def run(stop: asyncio.Event) -> None:
         server = await start_server(
@@ -68,11 +75,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.port,
             lambda s: (
                 coordinator_pb2_grpc.add_CoordinatorServicer_to_server(
-                    CoordinatorServicer(coordinator), s
+                    CoordinatorServicer(coordinator, metrics), s
                 ),
                 [SERVICE_NAME],
             )[1],
         )
+        if args.metrics_port >= 0:
+            port = serve_metrics(registry, args.host, args.metrics_port)
+            print(f"coordinator metrics at http://{args.host}:{port}/metrics", flush=True)
         print(f"splitserve coordinator ready at {args.host}:{server.port}", flush=True)
         watcher = asyncio.create_task(_watch_workers(coordinator, server, stop))
         await stop.wait()

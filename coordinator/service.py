@@ -8,6 +8,7 @@ running flow by id, which ends its worker calls and frees its blocks.
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -79,15 +80,24 @@ class Coordinator:
             )
 
     async def generate(
-        self, request_id: str, prompt: Prompt, params: SamplingParams
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: SamplingParams,
+        fill_context: bool = False,
     ) -> AsyncIterator[tuple[RequestFlow, StreamChunk]]:
-        """Stream a request's chunks (with its flow, for usage figures)."""
+        """Stream a request's chunks (with its flow, for usage figures).
+
+        ``fill_context``: the caller set no ``max_tokens``; generate up to the context window.
+        """
         request_id = request_id or f"req-{uuid.uuid4().hex}"
         if request_id in self._flows:
             raise InvalidRequestError(f"request id {request_id!r} is already running", "request_id")
         prompt_ids = self.encode(prompt)
         if not self.ready:
             raise WorkerUnavailableError("no decode worker is registered yet")
+        if fill_context and self.max_model_len > len(prompt_ids):
+            params = dataclasses.replace(params, max_tokens=self.max_model_len - len(prompt_ids))
         self._check_length(len(prompt_ids), params)
         if len(self._flows) >= self.config.max_inflight:
             raise OverloadedError(

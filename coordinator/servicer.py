@@ -11,8 +11,10 @@ import time
 from collections.abc import AsyncIterator
 
 import grpc
+from prometheus_client import CollectorRegistry
 
 from splitserve.coordinator.flow import RequestFlow
+from splitserve.coordinator.metrics import CoordinatorMetrics
 from splitserve.coordinator.registry import Role, WorkerRecord
 from splitserve.coordinator.service import Coordinator, Prompt
 from splitserve.engine.errors import InvalidRequestError, SplitserveError
@@ -33,21 +35,39 @@ _ROLE_TO_PROTO = {role: value for value, role in _ROLES.items()}
 
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
-    def __init__(self, coordinator: Coordinator) -> None:
+    def __init__(self, coordinator: Coordinator, metrics: CoordinatorMetrics | None = None) -> None:
         self._coordinator = coordinator
+        self._metrics = metrics or CoordinatorMetrics(
+            CollectorRegistry(), coordinator.config.model_name, coordinator.registry
+        )
 
     async def Generate(
         self, request: coordinator_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[coordinator_pb2.GenerateResponse]:
         sent_any = False
+        timer = self._metrics.requests.start()
+        flow: RequestFlow | None = None
         try:
             params = convert.sampling_from_proto(request.sampling)
-            stream = self._coordinator.generate(request.request_id, _prompt_of(request), params)
+            stream = self._coordinator.generate(
+                request.request_id,
+                _prompt_of(request),
+                params,
+                fill_context=not request.sampling.HasField("max_tokens"),
+            )
             async for flow, chunk in stream:
+                timer.tokens(len(chunk.new_token_ids))
+                if chunk.finish_reason is not None:
+                    timer.finish(
+                        chunk.finish_reason.value,
+                        len(flow.prompt_token_ids),
+                        flow.num_completion_tokens,
+                    )
                 for response in self._responses(flow, chunk):
                     sent_any = True
                     yield response
         except (SplitserveError, grpc.aio.AioRpcError) as error:
+            timer.finish("error", 0, 0)
             if not sent_any:
                 await abort_with(context, error)
             code, message, param = status_of(error)
@@ -55,6 +75,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 request_id=request.request_id,
                 error=common_pb2.Error(code=code.value[0], message=message, param=param),
             )
+        finally:
+            timer.finish("abort", 0, 0)  # no-op unless the client cancelled the call
+            if flow is not None:
+                self._metrics.record_flow(flow)
 
     def _responses(
         self, flow: RequestFlow, chunk: StreamChunk

@@ -67,8 +67,11 @@ class DecodeServicer(WorkerServicerBase[DecodeWorker], worker_pb2_grpc.DecodeWor
     ) -> worker_pb2.CompleteKvResponse:
         worker = await self.ready(context)
         try:
+            first_logprob = None
+            if request.HasField("first_logprob"):
+                (first_logprob,) = convert.logprobs_from_proto([request.first_logprob])
             await worker.complete_kv(
-                request.transfer_id, request.request_id, request.first_token_id
+                request.transfer_id, request.request_id, request.first_token_id, first_logprob
             )
         except SplitserveError as error:
             await abort_with(context, error)

@@ -17,19 +17,22 @@ import asyncio
 import concurrent.futures
 import itertools
 import random
+import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from splitserve.engine.async_engine import AsyncEngine, RequestStream
 from splitserve.engine.engine_core import EngineCore, StepOutput
 from splitserve.engine.errors import CapacityError, InvalidRequestError
 from splitserve.engine.load import EngineLoad
+from splitserve.engine.logprobs import TokenLogprob
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.transfer.layer_channel import LayerReceiver, TransferState
 from splitserve.transfer.layout import KvLayout
 from splitserve.transfer.transport import MAX_TRANSFER_ID, KvTransport
 from splitserve.worker.identity import WorkerIdentity
 from splitserve.worker.kv_io import kv_layout_of, scatter_into
+from splitserve.worker.metrics import TransferMetrics
 
 RESERVATION_RETRY_S = 0.01
 """Poll interval of a reservation waiting for free blocks."""
@@ -49,6 +52,8 @@ class Reservation:
 class _Incoming:
     request_id: str
     receiver: LayerReceiver
+    num_bytes: int
+    reserved_at: float = field(default_factory=time.monotonic)
 
 
 class DecodeWorker:
@@ -72,6 +77,7 @@ class DecodeWorker:
         # Random start: ids stay unique across restarts of this worker at the same address.
         self._transfer_ids = itertools.count(random.randrange(1, MAX_TRANSFER_ID >> 8))
         self._scatter_pool = concurrent.futures.ThreadPoolExecutor(1, "kv-scatter")
+        self.transfer_metrics = TransferMetrics()
 
     async def generate(
         self,
@@ -103,13 +109,18 @@ class DecodeWorker:
     ) -> RequestStream:
         """Queue the request; a reservation that does not fit now waits until blocks free up
         (requests that can never fit are refused by the engine at once)."""
+        started = time.monotonic()
         while True:
             try:
-                return await self.engine.submit(
+                stream = await self.engine.submit(
                     request_id, prompt_token_ids, params, reserve_remote_prefill=remote_prefill
                 )
             except CapacityError:
                 await asyncio.sleep(RESERVATION_RETRY_S)
+                continue
+            if remote_prefill:
+                self.transfer_metrics.reservation_wait.observe(time.monotonic() - started)
+            return stream
 
     def _expect_kv(
         self, request_id: str, block_table: Sequence[int], num_tokens: int
@@ -124,11 +135,18 @@ class DecodeWorker:
             scatter_into(self.core, block_ids),
             self._scatter_pool,
         )
-        self._incoming[transfer_id] = _Incoming(request_id, receiver)
+        num_bytes = self.layout.layer_bytes(len(block_ids)) * self.layout.num_layers
+        self._incoming[transfer_id] = _Incoming(request_id, receiver, num_bytes)
         self._transfer_of[request_id] = transfer_id
         return Reservation(transfer_id, len(block_ids), num_tokens, self.layout.compat_hash)
 
-    async def complete_kv(self, transfer_id: int, request_id: str, first_token_id: int) -> None:
+    async def complete_kv(
+        self,
+        transfer_id: int,
+        request_id: str,
+        first_token_id: int,
+        first_logprob: TokenLogprob | None = None,
+    ) -> None:
         """Wait for every layer of the transfer, then start decoding the request.
 
         Raises ``InvalidRequestError`` for an unknown transfer, ``TransferError`` subclasses
@@ -141,11 +159,15 @@ class DecodeWorker:
             )
         try:
             await incoming.receiver.wait(self.transfer_timeout_s)
-        except BaseException:
+        except BaseException as error:
+            self.transfer_metrics.failed("receive", error)
             await self.abort(request_id)
             raise
+        self.transfer_metrics.completed(
+            "receive", incoming.num_bytes, time.monotonic() - incoming.reserved_at
+        )
         self._forget(request_id)
-        await self.engine.complete_remote_prefill(request_id, first_token_id)
+        await self.engine.complete_remote_prefill(request_id, first_token_id, first_logprob)
 
     async def abort(self, request_id: str, as_stopped: bool = False) -> bool:
         """End a request (ABORT, or STOP when a stop string matched); False if unknown."""

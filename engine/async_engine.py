@@ -32,6 +32,7 @@ from typing import TypeVar
 from splitserve.engine.engine_core import EngineCore, LayerHook, StepOutput
 from splitserve.engine.errors import SplitserveError
 from splitserve.engine.load import EngineLoad
+from splitserve.engine.logprobs import TokenLogprob
 from splitserve.engine.request import FinishReason
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.scheduler import RequestUpdate
@@ -126,11 +127,14 @@ class AsyncEngine:
         self._submit(run)
         return await done
 
-    async def complete_remote_prefill(self, request_id: str, first_token_id: int) -> None:
-        """The reserved request's KV landed; it joins the batch and its stream gets the token."""
+    async def complete_remote_prefill(
+        self, request_id: str, first_token_id: int, first_logprob: TokenLogprob | None = None
+    ) -> None:
+        """The reserved request's KV landed; it joins the batch and its stream gets the token
+        (with its logprobs, sampled by the prefill worker, when given)."""
 
         def complete(core: EngineCore) -> None:
-            self._deliver(core.complete_remote_prefill(request_id, first_token_id))
+            self._deliver(core.complete_remote_prefill(request_id, first_token_id, first_logprob))
 
         await self.call(complete)
 

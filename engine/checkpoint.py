@@ -59,6 +59,11 @@ def default_model_path() -> Path:
     )
 
 
+def model_name_of(path: Path) -> str:
+    """The name a model is served under: a GGUF file's stem or an HF folder's name."""
+    return path.stem if path.is_file() else path.name
+
+
 def resolve_model_path(name_or_path: str | Path | None) -> Path:
     """``None`` or ``"default"`` -> ``default_model_path()``; anything else -> that path."""
     if name_or_path is None or str(name_or_path) == "default":

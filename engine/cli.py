@@ -1,7 +1,7 @@
 """``splitserve`` command line: the serving roles, offline generation and a local chat.
 
-    splitserve up                        # coordinator + prefill + decode worker on localhost
-    splitserve coordinator|prefill|decode --help   # one role per process
+    splitserve up                        # coordinator + prefill + decode + gateway on localhost
+    splitserve coordinator|prefill|decode|gateway --help   # one role per process
 
     splitserve generate "The capital of France is" --max-tokens 32 --temperature 0
     splitserve generate --chat "Write a haiku about the sea" --stream
@@ -53,6 +53,7 @@ ROLE_COMMANDS = {
     "coordinator": "splitserve.coordinator.main",
     "prefill": "splitserve.prefill.main",
     "decode": "splitserve.decode.main",
+    "gateway": "splitserve.gateway.main",
     "up": "splitserve.coordinator.local_cluster",
 }
 """Serving roles, each a process with its own flags (``splitserve <role> --help``)."""

@@ -10,6 +10,7 @@ Invariant: when ``has_unfinished`` is False, every KV block is back in the pool.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -162,9 +163,12 @@ class EngineCore:
         request = self._new_request(request_id, prompt_token_ids, params)
         return self.scheduler.reserve_for_remote_prefill(request)
 
-    def complete_remote_prefill(self, request_id: str, first_token_id: int) -> StepOutput:
+    def complete_remote_prefill(
+        self, request_id: str, first_token_id: int, first_logprob: TokenLogprob | None = None
+    ) -> StepOutput:
         """The reserved request's KV has landed; it decodes from the next step on."""
-        return StepOutput(self.scheduler.complete_remote_prefill(request_id, first_token_id))
+        update = self.scheduler.complete_remote_prefill(request_id, first_token_id)
+        return StepOutput(update, _logprobs_of(first_logprob))
 
     def step(self, on_layer_kv_written: LayerHook | None = None) -> list[StepOutput]:
         """Schedule -> execute -> update; returns the progress of every request that sampled.
@@ -189,7 +193,11 @@ def _logprobs_of(logprob: TokenLogprob | None) -> tuple[TokenLogprob, ...]:
 
 
 def _backend(config: EngineConfig, batch_invariant: bool) -> AttentionBackend:
+    """ "auto": Triton on a CUDA device when triton is installed, else the torch reference."""
     name = config.runner.attention_backend
-    if name == "triton" or (name == "auto" and config.runner.device.startswith("cuda")):
-        raise NotImplementedError("the Triton attention backend is not built yet")
+    on_cuda = config.runner.device.startswith("cuda")
+    if name == "triton" or (name == "auto" and on_cuda and importlib.util.find_spec("triton")):
+        from splitserve.kernels.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend(batch_invariant=batch_invariant)
     return TorchAttentionBackend(batch_invariant=batch_invariant)

@@ -84,6 +84,9 @@ class Request:
     """The eos/stop token that ended the request, if any."""
     first_scheduled_time: float | None = None
     """When the request first left the waiting queue (``time.monotonic``); queue-time metric."""
+    first_token_time: float | None = None
+    """When its first output token was sampled (end of prefill)."""
+    finished_time: float | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
@@ -106,5 +109,7 @@ class Request:
         return self.status.is_finished
 
     def append_output_token(self, token_id: int) -> None:
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from splitserve.engine.config import SchedulerConfig
@@ -97,6 +97,10 @@ class SchedulerStats:
     """Requests that ended (any reason, aborts included)."""
     prefix_query_tokens: int = 0
     prefix_hit_tokens: int = 0
+    num_prompt_tokens_computed: int = 0
+    """Prompt tokens run through the model (cached and remote-prefilled ones excluded)."""
+    num_generation_tokens: int = 0
+    """Tokens sampled on this engine."""
 
 
 class Scheduler:
@@ -112,6 +116,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
+        self.on_request_finished: Callable[[Request], None] | None = None
+        """Called on the engine thread with each request that ended (metrics); must not raise."""
         self._finished_since_last_step: set[str] = set()
 
     # ---- admission -------------------------------------------------------------------------
@@ -287,6 +293,8 @@ class Scheduler:
             request = self.requests.get(chunk.request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue
+            prompt_left = max(0, request.num_prompt_tokens - request.num_computed_tokens)
+            self.stats.num_prompt_tokens_computed += min(prompt_left, chunk.num_tokens)
             request.num_computed_tokens += chunk.num_tokens
             self.kv_cache.cache_full_blocks(
                 request.request_id, request.all_token_ids, request.num_computed_tokens
@@ -295,6 +303,7 @@ class Scheduler:
                 continue
             token_id = sampled_token_ids[chunk.request_id]
             request.append_output_token(token_id)
+            self.stats.num_generation_tokens += 1
             status = self._stop_status(request, token_id)
             if status is not None:
                 self._finish(request, status)
@@ -338,3 +347,6 @@ class Scheduler:
         del self.requests[request.request_id]
         self._finished_since_last_step.add(request.request_id)
         self.stats.num_finished_requests += 1
+        request.finished_time = time.monotonic()
+        if self.on_request_finished is not None:
+            self.on_request_finished(request)

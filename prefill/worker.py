@@ -44,6 +44,7 @@ from splitserve.transfer.layout import KvLayout
 from splitserve.transfer.transport import KvEndpoint, KvTransport
 from splitserve.worker.identity import WorkerIdentity
 from splitserve.worker.kv_io import gather_layer, kv_layout_of
+from splitserve.worker.metrics import TransferMetrics
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,7 @@ class PrefillWorker:
         self._peers: dict[str, _Peer] = {}
         self._channels: list[grpc.aio.Channel] = []
         self._peer_locks: dict[str, asyncio.Lock] = {}
+        self.transfer_metrics = TransferMetrics()
 
     async def prefill(
         self,
@@ -128,17 +130,22 @@ class PrefillWorker:
             if last is None or not last.update.new_token_ids:
                 raise TransferAbortedError(f"request {request_id!r} was aborted during prefill")
             computed = time.perf_counter()
-            bytes_sent = await sender.finish(self.transfer_timeout_s)
+            try:
+                bytes_sent = await sender.finish(self.transfer_timeout_s)
+            except BaseException as error:
+                self.transfer_metrics.failed("send", error)
+                raise
+            self.transfer_metrics.completed("send", bytes_sent, time.perf_counter() - computed)
             first_token_id = last.update.new_token_ids[0]
-            await peer.stub.CompleteKv(
-                worker_pb2.CompleteKvRequest(
-                    transfer_id=target.transfer_id,
-                    request_id=request_id,
-                    first_token_id=first_token_id,
-                    num_layers_sent=self.layout.num_layers,
-                ),
-                timeout=self.transfer_timeout_s,
+            complete = worker_pb2.CompleteKvRequest(
+                transfer_id=target.transfer_id,
+                request_id=request_id,
+                first_token_id=first_token_id,
+                num_layers_sent=self.layout.num_layers,
             )
+            if last.logprobs:
+                complete.first_logprob.CopyFrom(convert.logprob_to_proto(last.logprobs[0]))
+            await peer.stub.CompleteKv(complete, timeout=self.transfer_timeout_s)
         except TransferError:
             self._forget_peer(target.decode_address)
             raise

@@ -9,6 +9,7 @@ process stops cleanly (status 0) within 30 s (``up`` reports children it had to 
 from __future__ import annotations
 
 import contextlib
+import re
 import signal
 import subprocess
 import sys
@@ -26,6 +27,7 @@ from splitserve.proto.splitserve.v1 import (
 )
 
 START_TIMEOUT_S = 240.0
+_ANNOUNCEMENT = re.compile(r"(?:\] )?(?P<what>[\w -]+ (?:ready|metrics)) at (?P<where>\S+)$")
 
 
 class _Output:
@@ -45,7 +47,14 @@ class _Output:
 
 
 @contextlib.contextmanager
-def running(argv: list[str], ready_marker: str = "splitserve ready at") -> Iterator[str]:
+def running(
+    argv: list[str],
+    ready_marker: str = "splitserve ready at",
+    ready_lines: dict[str, str] | None = None,
+) -> Iterator[str]:
+    """See the module docstring; ``ready_lines``, when given, receives every "<what> ready at
+    <address>" and "<what> metrics at <url>" line printed before readiness, as {what: address}
+    (e.g. "splitserve gateway ready", "decode metrics")."""
     process = subprocess.Popen(
         [sys.executable, "-m", *argv],
         stdout=subprocess.PIPE,
@@ -60,6 +69,9 @@ def running(argv: list[str], ready_marker: str = "splitserve ready at") -> Itera
             for line in list(output.lines):
                 if ready_marker in line:
                     address = line.rsplit(" ready at ", 1)[1].strip()
+                announced = _ANNOUNCEMENT.search(line)
+                if ready_lines is not None and announced:
+                    ready_lines[announced["what"]] = announced["where"]
             if process.poll() is not None:
                 raise RuntimeError(f"{argv[0]} exited early:\n{output.tail()}")
             if time.monotonic() > deadline:
@@ -80,18 +92,27 @@ def running(argv: list[str], ready_marker: str = "splitserve ready at") -> Itera
 
 
 def cluster(
-    num_prefill: int, num_decode: int, *worker_flags: str
+    num_prefill: int,
+    num_decode: int,
+    *worker_flags: str,
+    ready_lines: dict[str, str] | None = None,
+    up_flags: tuple[str, ...] = (),
 ) -> contextlib.AbstractContextManager[str]:
-    """``splitserve up`` on a free port; yields the coordinator address."""
+    """``splitserve up`` on free ports; yields the coordinator address. The gateway starts
+    only when ``ready_lines`` is given (its URL is then ``ready_lines["splitserve gateway"]``;
+    metrics URLs are printed as "<role> metrics at <url>")."""
     argv = [
         "splitserve.coordinator.local_cluster",
         "--port=0",
+        "--http-port=0",
+        "--metrics-port-base=0",
         f"--prefill={num_prefill}",
         f"--decode={num_decode}",
-        "--",
-        *worker_flags,
+        *up_flags,
     ]
-    return running(argv)
+    if ready_lines is None:
+        argv.append("--no-gateway")
+    return running([*argv, "--", *worker_flags], ready_lines=ready_lines)
 
 
 def worker_loads(coordinator_address: str) -> dict[str, worker_pb2.WorkerLoad]:

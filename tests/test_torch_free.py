@@ -17,6 +17,13 @@ TORCH_FREE_MODULES = (
     "splitserve.transfer.layout",
     "splitserve.coordinator.registry",
     "splitserve.coordinator.router",
+    "splitserve.client",
+    "splitserve.client.types",
+    "splitserve.client.errors",
+    "splitserve.client.retry",
+    "splitserve.client.wire",
+    "splitserve.client.async_client",
+    "splitserve.client.sync_client",
 )
 
 

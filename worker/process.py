@@ -53,6 +53,7 @@ def add_worker_args(parser: argparse.ArgumentParser, env: Mapping[str, str] = os
         "SPLITSERVE_UCX_ERROR_HANDLING=1)",
     )
     flag("--transfer-timeout", 30.0, float, "seconds a KV transfer may take before it fails")
+    flag("--metrics-port", 0, int, "Prometheus /metrics port (0: any free port, -1: off)")
     add_engine_args(parser, env)
 
 

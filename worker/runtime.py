@@ -19,11 +19,14 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import grpc
+from prometheus_client import CollectorRegistry
 
 from splitserve.engine.async_engine import AsyncEngine
+from splitserve.engine.checkpoint import model_name_of, resolve_model_path
 from splitserve.engine.cli_args import engine_config_from_args
 from splitserve.engine.engine_core import EngineCore
 from splitserve.engine.load import EngineLoad
+from splitserve.engine.metrics import serve_metrics
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.proto.convert import layout_to_proto, load_to_proto
 from splitserve.proto.server import serve_forever, start_server
@@ -32,6 +35,7 @@ from splitserve.transfer.layout import KvLayout
 from splitserve.transfer.transport import KvTransport
 from splitserve.transfer.ucx import UcxTransport
 from splitserve.worker.identity import WorkerIdentity
+from splitserve.worker.metrics import TransferMetrics, install_engine_metrics
 from splitserve.worker.process import (
     add_worker_args,
     advertised_address,
@@ -50,6 +54,7 @@ SHUTDOWN_GRACE_S = 5.0
 class WorkerDomain(Protocol):
     engine: AsyncEngine
     layout: KvLayout
+    transfer_metrics: TransferMetrics
 
     async def load(self) -> EngineLoad: ...
 
@@ -85,6 +90,13 @@ async def run_worker(args: argparse.Namespace, role: WorkerRole, stop: asyncio.E
     transport = UcxTransport(ucx_settings_of(args))
     domain = role.make_domain(core, transport, identity, args.transfer_timeout)
     await _warm_up(domain.engine)
+    if args.metrics_port >= 0:
+        registry = CollectorRegistry()
+        model_name = model_name_of(resolve_model_path(args.model))
+        install_engine_metrics(registry, domain.engine, model_name, role.name)
+        domain.transfer_metrics = TransferMetrics(registry, model_name, role.name)
+        port = serve_metrics(registry, args.host, args.metrics_port)
+        print(f"{role.name} metrics at http://{args.host}:{port}/metrics", flush=True)
     servicer.bind(domain)
     await server.set_serving(True)
     print(f"splitserve {role.name} ready at {address}", flush=True)

@@ -158,16 +158,18 @@ class KvHandshakeResponse(_message.Message):
     def __init__(self, layout: _Optional[_Union[KvLayout, _Mapping]] = ..., ucx_address: _Optional[bytes] = ..., transport: _Optional[str] = ...) -> None: ...
 
 class CompleteKvRequest(_message.Message):
-    __slots__ = ("transfer_id", "request_id", "first_token_id", "num_layers_sent")
+    __slots__ = ("transfer_id", "request_id", "first_token_id", "num_layers_sent", "first_logprob")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_SENT_FIELD_NUMBER: _ClassVar[int]
+    FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     transfer_id: int
     request_id: str
     first_token_id: int
     num_layers_sent: int
-    def __init__(self, transfer_id: _Optional[int] = ..., request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., num_layers_sent: _Optional[int] = ...) -> None: ...
+    first_logprob: _common_pb2.TokenLogprob
+    def __init__(self, transfer_id: _Optional[int] = ..., request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., num_layers_sent: _Optional[int] = ..., first_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ...) -> None: ...
 
 class CompleteKvResponse(_message.Message):
     __slots__ = ()

@@ -1,0 +1,226 @@
+"""``AsyncClient``: the coordinator's public API for asyncio callers (the HTTP gateway).
+
+Contracts, for every method:
+
+- Deadline: each call gets ``timeout_s`` (the method's own argument, else the client's;
+  None = no deadline). It covers all attempts and the waits between them; running out
+  surfaces as ``ClientError`` with DEADLINE_EXCEEDED.
+- Errors: every failure is a ``ClientError`` (status ``code``, ``message``, ``param`` from the
+  trailing metadata ``splitserve-param`` or the in-stream ``Error.param``, ``retry_after_s``
+  from ``retry-after-ms``).
+- Retries (``RetryPolicy``, rules in ``splitserve.client.retry``): UNAVAILABLE, and
+  RESOURCE_EXHAUSTED when ``retry_overloaded`` (waiting the server's hint when given), with
+  exponential backoff, at most ``max_attempts`` attempts; a stream is never retried once a
+  ``Chunk`` was delivered. Other codes are raised at once. A retried stream reuses its
+  ``request_id`` (a uuid4 hex when the caller gives none), so ``abort()`` can name it.
+- Cancellation: when the consumer of ``stream()`` stops early (``break``, ``aclose()``, the
+  task cancelled, the generator garbage collected) the gRPC call is cancelled and the
+  coordinator aborts the request on every worker. For prompt release on ``break`` close the
+  generator explicitly, e.g. ``async with contextlib.aclosing(client.stream(...)) as items``;
+  an abandoned one is closed when garbage collected (asyncio then schedules its ``aclose()``).
+
+The channel is created on first use, inside the running event loop, unless one is passed in
+(then the caller owns it and ``close()`` leaves it open).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from types import EllipsisType, TracebackType
+from typing import TypeVar
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from splitserve.client import wire
+from splitserve.client.errors import DEFAULT_RETRY, ClientError, RetryPolicy
+from splitserve.client.retry import Attempts, Deadline, resolve_timeout
+from splitserve.client.types import Chunk, Finish, Generation, ModelInfo, Sampling
+from splitserve.proto.server import CHANNEL_OPTIONS
+from splitserve.proto.splitserve.v1 import coordinator_pb2, coordinator_pb2_grpc
+
+Reply = TypeVar("Reply")
+HEALTH_POLL_S = 0.1
+
+
+class AsyncClient:
+    """Typed asyncio client of a splitserve coordinator at ``target`` ("host:port")."""
+
+    def __init__(
+        self,
+        target: str = "127.0.0.1:50051",
+        *,
+        timeout_s: float | None = 600.0,
+        retry: RetryPolicy = DEFAULT_RETRY,
+        channel: grpc.aio.Channel | None = None,
+    ) -> None:
+        self.target = target
+        self.timeout_s = timeout_s
+        self.retry = retry
+        self._channel = channel
+        self._owns_channel = channel is None
+        self._closed = False
+
+    def _get_channel(self) -> grpc.aio.Channel:
+        if self._closed:
+            raise RuntimeError("the client is closed")
+        if self._channel is None:
+            self._channel = grpc.aio.insecure_channel(self.target, options=CHANNEL_OPTIONS)
+        return self._channel
+
+    def _stub(self) -> coordinator_pb2_grpc.CoordinatorStub:
+        return coordinator_pb2_grpc.CoordinatorStub(self._get_channel())
+
+    async def stream(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: Sequence[wire.MessageLike] | None = None,
+        token_ids: Sequence[int] | None = None,
+        sampling: Sampling | None = None,
+        request_id: str | None = None,
+        timeout_s: float | None | EllipsisType = ...,
+    ) -> AsyncGenerator[Chunk | Finish, None]:
+        """Stream a completion of exactly one of ``prompt`` (raw text), ``messages`` (chat,
+        rendered with the model's template) or ``token_ids``: ``Chunk``s, then exactly one
+        ``Finish``; raises ``ClientError``.
+
+        An async generator: nothing happens until iteration starts, where wrong arguments
+        raise ``ValueError`` / ``TypeError`` (not exactly one prompt, a malformed message) or
+        ``ClientError`` INVALID_ARGUMENT (a sampling value the wire cannot carry).
+        """
+        request_id = request_id or wire.new_request_id()
+        request = wire.generate_request(prompt, messages, token_ids, sampling, request_id)
+        stub = self._stub()
+        attempts = Attempts(self.retry, resolve_timeout(timeout_s, self.timeout_s))
+        streamed = False
+        while True:
+            call = stub.Generate(request, timeout=attempts.start())
+            cause: BaseException | None = None
+            try:
+                finish = None
+                async for response in call:
+                    item = wire.stream_item(response, request.request_id)
+                    if isinstance(item, Finish):
+                        finish = item  # delivered once the call ended with OK
+                    elif finish is None:
+                        streamed = True
+                        yield item
+                if finish is None:
+                    raise ClientError(
+                        grpc.StatusCode.INTERNAL,
+                        "the stream ended without a completion",
+                        request_id=request.request_id,
+                    )
+                yield finish
+                return
+            except grpc.aio.AioRpcError as rpc_error:
+                error, cause = ClientError.from_call(rpc_error, request.request_id), rpc_error
+            except ClientError as in_stream:
+                error = in_stream
+            finally:
+                call.cancel()  # no-op when the call is over; else the server aborts the request
+            delay = attempts.delay_after(error, streamed=streamed)
+            if delay is None:
+                raise error from cause
+            await asyncio.sleep(delay)
+
+    async def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: Sequence[wire.MessageLike] | None = None,
+        token_ids: Sequence[int] | None = None,
+        sampling: Sampling | None = None,
+        request_id: str | None = None,
+        timeout_s: float | None | EllipsisType = ...,
+    ) -> Generation:
+        """The whole completion of ``stream()`` with the same arguments, joined."""
+        chunks: list[Chunk] = []
+        items = self.stream(
+            prompt,
+            messages=messages,
+            token_ids=token_ids,
+            sampling=sampling,
+            request_id=request_id,
+            timeout_s=timeout_s,
+        )
+        async with contextlib.aclosing(items):
+            async for item in items:
+                if isinstance(item, Finish):
+                    return Generation.of(chunks, item)
+                chunks.append(item)
+        raise AssertionError("unreachable: stream() ends with a Finish or raises")
+
+    async def abort(self, request_id: str, *, timeout_s: float | None | EllipsisType = ...) -> bool:
+        """Abort a running request by id (idempotent): its stream ends with finish_reason
+        "abort". False when no such request is running."""
+        reply = await self._unary(
+            self._stub().Abort, coordinator_pb2.AbortRequest(request_id=request_id), timeout_s
+        )
+        return reply.aborted
+
+    async def model_info(self, *, timeout_s: float | None | EllipsisType = ...) -> ModelInfo:
+        """The served model: name, context window, vocabulary, EOS ids, dtype."""
+        reply = await self._unary(
+            self._stub().GetModelInfo, coordinator_pb2.GetModelInfoRequest(), timeout_s
+        )
+        return wire.model_info(reply)
+
+    async def _unary(
+        self,
+        method: Callable[..., Awaitable[Reply]],
+        request: object,
+        timeout_s: float | None | EllipsisType,
+    ) -> Reply:
+        attempts = Attempts(self.retry, resolve_timeout(timeout_s, self.timeout_s))
+        while True:
+            try:
+                return await method(request, timeout=attempts.start())
+            except grpc.aio.AioRpcError as rpc_error:
+                error = ClientError.from_call(rpc_error)
+                delay = attempts.delay_after(error, streamed=False)
+                if delay is None:
+                    raise error from rpc_error
+            await asyncio.sleep(delay)
+
+    async def wait_ready(self, timeout_s: float = 60.0) -> None:
+        """Wait until the coordinator's ``grpc.health.v1`` status is SERVING (it is once a
+        decode worker registered); ``ClientError`` DEADLINE_EXCEEDED after ``timeout_s``."""
+        health = health_pb2_grpc.HealthStub(self._get_channel())
+        check = health_pb2.HealthCheckRequest(service=wire.COORDINATOR_SERVICE)
+        deadline = Deadline(timeout_s)
+        last = "no answer"
+        while (remaining := deadline.remaining() or 0.0) > 0:
+            try:
+                reply = await health.Check(check, timeout=min(1.0, remaining))
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+                last = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+            except grpc.aio.AioRpcError as error:
+                last = f"{error.code().name}: {error.details()}"
+            await asyncio.sleep(min(HEALTH_POLL_S, deadline.remaining() or 0.0))
+        raise ClientError(
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            f"coordinator at {self.target} not serving after {timeout_s} s (last: {last})",
+        )
+
+    async def close(self) -> None:
+        """Close the channel (if this client created it); running calls are cancelled."""
+        self._closed = True
+        if self._owns_channel and self._channel is not None:
+            await self._channel.close()
+        self._channel = None
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        await self.close()

@@ -1,0 +1,204 @@
+"""``Client``: the coordinator's public API for blocking callers (scripts, notebooks).
+
+The same methods and contracts as ``AsyncClient``, over a sync gRPC channel:
+
+- Deadline: each call gets ``timeout_s`` (the method's, else the client's; None = none),
+  covering all attempts; running out raises ``ClientError`` DEADLINE_EXCEEDED.
+- Errors: every failure is a ``ClientError`` with ``code``, ``message``, ``param`` and
+  ``retry_after_s``.
+- Retries: UNAVAILABLE, and RESOURCE_EXHAUSTED when ``retry.retry_overloaded`` (the server's
+  ``retry-after-ms`` hint honoured), never once a stream delivered a ``Chunk``, at most
+  ``retry.max_attempts`` attempts, with the same ``request_id`` (uuid4 hex when not given).
+- Cancellation: ``stream()`` returns a generator; when the caller stops early (the generator
+  is closed or garbage collected) the gRPC call is cancelled and the coordinator aborts the
+  request on every worker. ``with contextlib.closing(client.stream(...)) as items`` makes that
+  immediate after a ``break``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Generator, Sequence
+from types import EllipsisType, TracebackType
+from typing import TypeVar
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from splitserve.client import wire
+from splitserve.client.errors import DEFAULT_RETRY, ClientError, RetryPolicy
+from splitserve.client.retry import Attempts, Deadline, resolve_timeout
+from splitserve.client.types import Chunk, Finish, Generation, ModelInfo, Sampling
+from splitserve.proto.server import CHANNEL_OPTIONS
+from splitserve.proto.splitserve.v1 import coordinator_pb2, coordinator_pb2_grpc
+
+Reply = TypeVar("Reply")
+HEALTH_POLL_S = 0.1
+
+
+class Client:
+    """Typed blocking client of a splitserve coordinator at ``target`` ("host:port").
+
+    ``channel``: use this one instead of creating an insecure channel (the caller owns it;
+    ``close()`` leaves it open).
+    """
+
+    def __init__(
+        self,
+        target: str = "127.0.0.1:50051",
+        *,
+        timeout_s: float | None = 600.0,
+        retry: RetryPolicy = DEFAULT_RETRY,
+        channel: grpc.Channel | None = None,
+    ) -> None:
+        self.target = target
+        self.timeout_s = timeout_s
+        self.retry = retry
+        self._owns_channel = channel is None
+        self._channel = channel or grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+        self._coordinator = coordinator_pb2_grpc.CoordinatorStub(self._channel)
+
+    def stream(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: Sequence[wire.MessageLike] | None = None,
+        token_ids: Sequence[int] | None = None,
+        sampling: Sampling | None = None,
+        request_id: str | None = None,
+        timeout_s: float | None | EllipsisType = ...,
+    ) -> Generator[Chunk | Finish, None, None]:
+        """Stream a completion of exactly one of ``prompt``, ``messages`` or ``token_ids``:
+        ``Chunk``s, then exactly one ``Finish``; raises ``ClientError``.
+
+        A generator: nothing happens until iteration starts, where wrong arguments raise
+        ``ValueError`` / ``TypeError`` or ``ClientError`` INVALID_ARGUMENT (see ``AsyncClient``).
+        """
+        request_id = request_id or wire.new_request_id()
+        request = wire.generate_request(prompt, messages, token_ids, sampling, request_id)
+        attempts = Attempts(self.retry, resolve_timeout(timeout_s, self.timeout_s))
+        streamed = False
+        while True:
+            call = self._coordinator.Generate(request, timeout=attempts.start())
+            cause: BaseException | None = None
+            try:
+                finish = None
+                for response in call:
+                    item = wire.stream_item(response, request.request_id)
+                    if isinstance(item, Finish):
+                        finish = item  # delivered once the call ended with OK
+                    elif finish is None:
+                        streamed = True
+                        yield item
+                if finish is None:
+                    raise ClientError(
+                        grpc.StatusCode.INTERNAL,
+                        "the stream ended without a completion",
+                        request_id=request.request_id,
+                    )
+                yield finish
+                return
+            except grpc.RpcError as rpc_error:
+                error = ClientError.from_call(rpc_error, request.request_id)  # type: ignore[arg-type]
+                cause = rpc_error
+            except ClientError as in_stream:
+                error = in_stream
+            finally:
+                call.cancel()  # no-op when the call is over; else the server aborts the request
+            delay = attempts.delay_after(error, streamed=streamed)
+            if delay is None:
+                raise error from cause
+            time.sleep(delay)
+
+    def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: Sequence[wire.MessageLike] | None = None,
+        token_ids: Sequence[int] | None = None,
+        sampling: Sampling | None = None,
+        request_id: str | None = None,
+        timeout_s: float | None | EllipsisType = ...,
+    ) -> Generation:
+        """The whole completion of ``stream()`` with the same arguments, joined."""
+        chunks: list[Chunk] = []
+        items = self.stream(
+            prompt,
+            messages=messages,
+            token_ids=token_ids,
+            sampling=sampling,
+            request_id=request_id,
+            timeout_s=timeout_s,
+        )
+        with contextlib.closing(items):
+            for item in items:
+                if isinstance(item, Finish):
+                    return Generation.of(chunks, item)
+                chunks.append(item)
+        raise AssertionError("unreachable: stream() ends with a Finish or raises")
+
+    def abort(self, request_id: str, *, timeout_s: float | None | EllipsisType = ...) -> bool:
+        """Abort a running request by id (idempotent): its stream ends with finish_reason
+        "abort". False when no such request is running."""
+        request = coordinator_pb2.AbortRequest(request_id=request_id)
+        return self._unary(self._coordinator.Abort, request, timeout_s).aborted
+
+    def model_info(self, *, timeout_s: float | None | EllipsisType = ...) -> ModelInfo:
+        """The served model: name, context window, vocabulary, EOS ids, dtype."""
+        request = coordinator_pb2.GetModelInfoRequest()
+        return wire.model_info(self._unary(self._coordinator.GetModelInfo, request, timeout_s))
+
+    def _unary(
+        self,
+        method: Callable[..., Reply],
+        request: object,
+        timeout_s: float | None | EllipsisType,
+    ) -> Reply:
+        attempts = Attempts(self.retry, resolve_timeout(timeout_s, self.timeout_s))
+        while True:
+            try:
+                return method(request, timeout=attempts.start())
+            except grpc.RpcError as rpc_error:
+                error = ClientError.from_call(rpc_error)  # type: ignore[arg-type]
+                delay = attempts.delay_after(error, streamed=False)
+                if delay is None:
+                    raise error from rpc_error
+            time.sleep(delay)
+
+    def wait_ready(self, timeout_s: float = 60.0) -> None:
+        """Wait until the coordinator's ``grpc.health.v1`` status is SERVING (it is once a
+        decode worker registered); ``ClientError`` DEADLINE_EXCEEDED after ``timeout_s``."""
+        health = health_pb2_grpc.HealthStub(self._channel)
+        check = health_pb2.HealthCheckRequest(service=wire.COORDINATOR_SERVICE)
+        deadline = Deadline(timeout_s)
+        last = "no answer"
+        while (remaining := deadline.remaining() or 0.0) > 0:
+            try:
+                reply = health.Check(check, timeout=min(1.0, remaining))
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+                last = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+            except grpc.RpcError as error:
+                last = f"{error.code().name}: {error.details()}"  # type: ignore[attr-defined]
+            time.sleep(min(HEALTH_POLL_S, deadline.remaining() or 0.0))
+        raise ClientError(
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            f"coordinator at {self.target} not serving after {timeout_s} s (last: {last})",
+        )
+
+    def close(self) -> None:
+        """Close the channel (if this client created it); running calls are cancelled."""
+        if self._owns_channel:
+            self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()

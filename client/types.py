@@ -1,0 +1,164 @@
+"""The client's values: what goes into a request and what comes out of a stream (torch-free).
+
+Frozen dataclasses, independent of the generated proto classes except for
+``Sampling.to_proto``; ``splitserve.client.wire`` converts responses into them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+
+import grpc
+
+from splitserve.client.errors import ClientError
+from splitserve.proto.splitserve.v1 import common_pb2
+
+_REPEATED_SAMPLING_FIELDS = ("stop", "stop_token_ids")
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How to pick each token and when to stop; mirrors ``common_pb2.SamplingParams``.
+
+    Every field left at None takes the server's default (vLLM / OpenAI semantics); values are
+    validated by the server, which answers INVALID_ARGUMENT naming the field.
+    """
+
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    repetition_penalty: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int | None = None
+    logprobs: int | None = None
+    """Return each sampled token's logprob and this many top alternatives (0..20)."""
+    skip_special_tokens: bool | None = None
+
+    def to_proto(self) -> common_pb2.SamplingParams:
+        """The wire message, unset fields left unset.
+
+        Raises ``ClientError`` (INVALID_ARGUMENT, ``param`` = the field) for a value the wire
+        cannot carry (e.g. a negative ``max_tokens`` or ``seed``, which are unsigned there).
+        """
+        message = common_pb2.SamplingParams(ignore_eos=self.ignore_eos)
+        for field in fields(self):
+            value = getattr(self, field.name)
+            if value is None or field.name == "ignore_eos":
+                continue
+            try:
+                if field.name in _REPEATED_SAMPLING_FIELDS:
+                    getattr(message, field.name).extend(value)
+                else:
+                    setattr(message, field.name, value)
+            except (TypeError, ValueError) as error:
+                raise ClientError(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"invalid {field.name} {value!r}: {error}",
+                    param=field.name,
+                ) from error
+        return message
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    """One chat turn; the API also accepts plain ``{"role": ..., "content": ...}`` dicts."""
+
+    role: str
+    content: str
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Token counts of a request so far (cumulative on every chunk)."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    """Prompt tokens served from a prefix cache."""
+
+
+@dataclass(frozen=True)
+class TopLogprob:
+    token_id: int
+    logprob: float
+    text: str
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """Logprob information of one generated position."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    """1 + the number of tokens strictly more likely than the sampled one."""
+    text: str
+    top: tuple[TopLogprob, ...]
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A piece of the stream: new tokens and their text delta (never broken UTF-8, never a
+    partial stop string; ``text`` may be empty while tokens are held back)."""
+
+    request_id: str
+    text: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...]
+    usage: Usage
+
+
+@dataclass(frozen=True)
+class Finish:
+    """The end of a stream. ``finish_reason``: "stop" (EOS, stop token or stop string),
+    "length" (max_tokens or context window) or "abort" (cancelled by ``abort()`` or an
+    operator); ``stop_reason``: the stop string (str) or stop token id (int) that matched."""
+
+    request_id: str
+    finish_reason: str
+    stop_reason: str | int | None
+    usage: Usage
+
+
+@dataclass(frozen=True)
+class Generation:
+    """A whole completion: every chunk of a stream joined, and how it finished."""
+
+    request_id: str
+    text: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...]
+    finish_reason: str
+    stop_reason: str | int | None
+    usage: Usage
+
+    @classmethod
+    def of(cls, chunks: Sequence[Chunk], finish: Finish) -> Generation:
+        return cls(
+            request_id=finish.request_id,
+            text="".join(chunk.text for chunk in chunks),
+            token_ids=tuple(token for chunk in chunks for token in chunk.token_ids),
+            logprobs=tuple(logprob for chunk in chunks for logprob in chunk.logprobs),
+            finish_reason=finish.finish_reason,
+            stop_reason=finish.stop_reason,
+            usage=finish.usage,
+        )
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the cluster serves; ``dtype`` is empty until a decode worker registered."""
+
+    model: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    dtype: str

@@ -1,0 +1,143 @@
+"""Client values <-> coordinator proto messages: the only module of the client that reads or
+builds ``coordinator_pb2`` messages (torch-free)."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping, Sequence
+
+import grpc
+
+from splitserve.client.errors import ClientError
+from splitserve.client.types import (
+    ChatMessage,
+    Chunk,
+    Finish,
+    ModelInfo,
+    Sampling,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
+from splitserve.proto.splitserve.v1 import common_pb2, coordinator_pb2
+
+MessageLike = ChatMessage | Mapping[str, str]
+"""A chat turn: a ``ChatMessage`` or a ``{"role": ..., "content": ...}`` dict."""
+
+COORDINATOR_SERVICE = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name
+"""The full service name, as the coordinator reports it in ``grpc.health.v1``."""
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+def generate_request(
+    prompt: str | None,
+    messages: Sequence[MessageLike] | None,
+    token_ids: Sequence[int] | None,
+    sampling: Sampling | None,
+    request_id: str,
+) -> coordinator_pb2.GenerateRequest:
+    """The request for exactly one of ``prompt``, ``messages`` or ``token_ids``.
+
+    Raises ``ValueError`` unless exactly one is given, ``TypeError`` for a malformed message and
+    ``ClientError`` (INVALID_ARGUMENT) for sampling values the wire cannot carry.
+    """
+    candidates = (("prompt", prompt), ("messages", messages), ("token_ids", token_ids))
+    given = [name for name, value in candidates if value is not None]
+    if len(given) != 1:
+        raise ValueError(f"give exactly one of prompt, messages, token_ids (got {given or 'none'})")
+    request = coordinator_pb2.GenerateRequest(request_id=request_id)
+    if sampling is not None:
+        request.sampling.CopyFrom(sampling.to_proto())
+    if prompt is not None:
+        request.text = prompt
+    elif messages is not None:
+        request.chat.CopyFrom(coordinator_pb2.ChatPrompt(messages=[_message(m) for m in messages]))
+    else:
+        assert token_ids is not None
+        request.token_ids.CopyFrom(coordinator_pb2.TokenIds(ids=list(token_ids)))
+    return request
+
+
+def _message(message: MessageLike) -> coordinator_pb2.ChatMessage:
+    if isinstance(message, ChatMessage):
+        return coordinator_pb2.ChatMessage(role=message.role, content=message.content)
+    try:
+        role, content = message["role"], message.get("content")
+    except (KeyError, TypeError, AttributeError) as error:
+        raise TypeError(f"a chat message needs a role and content, got {message!r}") from error
+    if not isinstance(role, str) or not isinstance(content, str | None):
+        raise TypeError(f"chat message role and content must be strings, got {message!r}")
+    return coordinator_pb2.ChatMessage(role=role, content=content or "")
+
+
+def stream_item(response: coordinator_pb2.GenerateResponse, request_id: str) -> Chunk | Finish:
+    """A ``Chunk`` or ``Finish`` of one streamed response; raises ``ClientError`` for an
+    in-stream error message (and for a response with no payload, which a server never sends).
+    """
+    request_id = response.request_id or request_id
+    kind = response.WhichOneof("payload")
+    if kind == "chunk":
+        chunk = response.chunk
+        return Chunk(
+            request_id=request_id,
+            text=chunk.text,
+            token_ids=tuple(chunk.token_ids),
+            logprobs=tuple(_logprob(lp) for lp in chunk.logprobs),
+            usage=usage(response.usage),
+        )
+    if kind == "completion":
+        completion = response.completion
+        return Finish(
+            request_id=request_id,
+            finish_reason=finish_reason(completion.finish_reason),
+            stop_reason=_stop_reason(completion),
+            usage=usage(response.usage),
+        )
+    if kind == "error":
+        raise ClientError.from_message(response.error, request_id)
+    raise ClientError(grpc.StatusCode.INTERNAL, "response without payload", request_id=request_id)
+
+
+def finish_reason(value: int) -> str:
+    """``FINISH_REASON_STOP`` -> "stop", "length", "abort" (and "unspecified")."""
+    return common_pb2.FinishReason.Name(value).removeprefix("FINISH_REASON_").lower()
+
+
+def _stop_reason(completion: coordinator_pb2.Completion) -> str | int | None:
+    kind = completion.WhichOneof("stop_reason")
+    if kind == "stop_string":
+        return completion.stop_string
+    if kind == "stop_token_id":
+        return completion.stop_token_id
+    return None
+
+
+def usage(message: common_pb2.Usage) -> Usage:
+    return Usage(
+        prompt_tokens=message.prompt_tokens,
+        completion_tokens=message.completion_tokens,
+        cached_tokens=message.cached_tokens,
+    )
+
+
+def _logprob(message: common_pb2.TokenLogprob) -> TokenLogprob:
+    return TokenLogprob(
+        token_id=message.token_id,
+        logprob=message.logprob,
+        rank=message.rank,
+        text=message.text,
+        top=tuple(TopLogprob(t.token_id, t.logprob, t.text) for t in message.top),
+    )
+
+
+def model_info(message: coordinator_pb2.ModelInfo) -> ModelInfo:
+    return ModelInfo(
+        model=message.model,
+        max_model_len=message.max_model_len,
+        vocab_size=message.vocab_size,
+        eos_token_ids=tuple(message.eos_token_ids),
+        dtype=message.dtype,
+    )

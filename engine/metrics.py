@@ -1,0 +1,171 @@
+"""Prometheus metrics shared by every role (torch-free): buckets, request-level latencies.
+
+Names are prefixed ``splitserve_`` and mean what vLLM's metric of the same suffix means, with
+the same histogram buckets, so existing dashboards carry over by renaming ``vllm:`` to
+``splitserve_``. Labels are low-cardinality only: ``model_name`` and ``role`` (gateway,
+coordinator, prefill, decode), plus a small fixed set where noted (``finished_reason``,
+``direction``, ``stage``, ``reason``).
+
+``RequestMetrics`` is what an entry point (gateway, coordinator) records per request:
+TTFT, inter-token latency, per-request time per output token, end-to-end latency, finished
+requests by reason, prompt and generation length. Engine and disaggregation figures live in
+``splitserve.worker.metrics``; ``serve_metrics`` exposes a registry over HTTP.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+# Bucket boundaries equal to vLLM's defaults for the same quantities.
+TIME_TO_FIRST_TOKEN_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+    10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+INTER_TOKEN_LATENCY_BUCKETS = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0,
+)  # fmt: skip
+REQUEST_LATENCY_BUCKETS = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+    240.0, 480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
+KV_TRANSFER_BUCKETS = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+    30.0, 60.0,
+)  # fmt: skip
+"""Seconds for one request's KV handoff: sub-millisecond (small prompt, GPU link) to a minute."""
+
+
+def request_token_buckets(max_model_len: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to ``max_model_len`` (vLLM's token-count buckets)."""
+    buckets: list[int] = []
+    exponent = 0
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10**exponent
+            if value > max_model_len:
+                return tuple(buckets)
+            buckets.append(value)
+        exponent += 1
+
+
+FINISHED_REASONS = ("stop", "length", "abort", "error")
+
+
+class RequestMetrics:
+    """Request-level latencies of one entry point; thread-safe (prometheus_client locks).
+
+    Semantics (as vLLM): TTFT = first token streamed - request received; inter-token latency
+    = time between consecutive streamed token chunks, one observation per token after the
+    first (a chunk of k tokens after a gap g is k observations of g / k); time per output
+    token = (last token - first token) / (generated - 1) once per request; e2e = finish -
+    received.
+    """
+
+    def __init__(
+        self, registry: CollectorRegistry, model_name: str, role: str, max_model_len: int = 8192
+    ) -> None:
+        labels = ["model_name", "role"]
+        values = (model_name, role)
+        token_buckets = request_token_buckets(max_model_len)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            metric = Histogram(name, doc, labels, registry=registry, buckets=buckets)
+            return metric.labels(*values)
+
+        self.ttft = histogram(
+            "splitserve_time_to_first_token_seconds",
+            "Time to first token.",
+            TIME_TO_FIRST_TOKEN_BUCKETS,
+        )
+        self.itl = histogram(
+            "splitserve_inter_token_latency_seconds",
+            "Time between consecutive output tokens.",
+            INTER_TOKEN_LATENCY_BUCKETS,
+        )
+        self.tpot = histogram(
+            "splitserve_request_time_per_output_token_seconds",
+            "Per request: decode time divided by output tokens after the first.",
+            INTER_TOKEN_LATENCY_BUCKETS,
+        )
+        self.e2e = histogram(
+            "splitserve_e2e_request_latency_seconds",
+            "End-to-end request latency.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.prompt_tokens = histogram(
+            "splitserve_request_prompt_tokens", "Prompt length of finished requests.", token_buckets
+        )
+        self.generation_tokens = histogram(
+            "splitserve_request_generation_tokens",
+            "Generated tokens of finished requests.",
+            token_buckets,
+        )
+        success = Counter(
+            "splitserve_request_success",
+            "Finished requests by finish reason (error: ended by a failure).",
+            [*labels, "finished_reason"],
+            registry=registry,
+        )
+        self.success = {reason: success.labels(*values, reason) for reason in FINISHED_REASONS}
+        self.in_flight = Gauge(
+            "splitserve_num_requests_in_flight",
+            "Requests received and not finished at this entry point.",
+            labels,
+            registry=registry,
+        ).labels(*values)
+
+    def start(self) -> RequestTimer:
+        return RequestTimer(self)
+
+
+class RequestTimer:
+    """Timestamps of one request; call ``tokens`` for every streamed chunk, then ``finish``."""
+
+    def __init__(self, metrics: RequestMetrics) -> None:
+        self._metrics = metrics
+        self.received = time.monotonic()
+        self.first_token: float | None = None
+        self.last_token: float | None = None
+        self.num_tokens = 0
+        self._finished = False
+        metrics.in_flight.inc()
+
+    def tokens(self, count: int) -> None:
+        if count <= 0:
+            return
+        now = time.monotonic()
+        if self.first_token is None:
+            self.first_token = now
+            self._metrics.ttft.observe(now - self.received)
+        elif self.last_token is not None:
+            gap = (now - self.last_token) / count
+            for _ in range(count):
+                self._metrics.itl.observe(gap)
+        self.num_tokens += count
+        self.last_token = now
+
+    def finish(self, reason: str, prompt_tokens: int, generation_tokens: int) -> None:
+        """Record the end once (later calls are ignored); ``reason`` in FINISHED_REASONS."""
+        if self._finished:
+            return
+        self._finished = True
+        metrics = self._metrics
+        metrics.in_flight.dec()
+        metrics.success[reason if reason in metrics.success else "error"].inc()
+        if reason == "error":
+            return
+        metrics.e2e.observe(time.monotonic() - self.received)
+        metrics.prompt_tokens.observe(prompt_tokens)
+        metrics.generation_tokens.observe(generation_tokens)
+        if self.first_token is not None and self.last_token is not None and self.num_tokens > 1:
+            metrics.tpot.observe((self.last_token - self.first_token) / (self.num_tokens - 1))
+
+
+def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> int:
+    """Serve ``registry`` at ``http://host:port/metrics`` on a daemon thread; returns the port
+    (a free one when ``port`` is 0). Raises ``OSError`` when the port is taken."""
+    server, _thread = start_http_server(port, addr=host, registry=registry)
+    return server.server_port

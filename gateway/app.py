@@ -1,0 +1,379 @@
+"""The OpenAI-compatible ASGI app over the coordinator's gRPC API.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streamed as SSE
+``data: {json}\\n\\n`` ... ``data: [DONE]`` when ``stream`` is true), ``GET /v1/models``,
+``GET /health`` (200 once the coordinator is SERVING, i.e. has a decode worker; else 503),
+``GET /metrics`` (Prometheus text).
+
+Contracts:
+- Errors are OpenAI-shaped JSON with the matching status (``gateway/errors.py``). A request
+  that fails before its first token gets that status even when streamed (the SSE response
+  starts only with the first token); a failure after tokens were streamed ends the stream
+  with a ``data: {"error": ...}`` event and ``data: [DONE]``.
+- ``x-request-id`` names the request on every worker (generated when absent) and is echoed.
+- A client that disconnects aborts its request (``gateway/disconnect.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from splitserve.client import AsyncClient, Chunk, ClientError, Finish, RetryPolicy
+from splitserve.engine.metrics import RequestMetrics, RequestTimer
+from splitserve.gateway import schemas
+from splitserve.gateway.disconnect import (
+    ClientDisconnected,
+    EventStreamResponse,
+    unless_disconnected,
+)
+from splitserve.gateway.errors import ApiError, from_client_error, from_validation_error
+from splitserve.gateway.responses import ChatBuilder, CompletionBuilder
+from splitserve.gateway.sampling import (
+    PromptArgs,
+    chat_prompt,
+    chat_sampling,
+    completion_prompt,
+    completion_sampling,
+)
+
+_ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    status: {"model": schemas.ErrorResponse} for status in (400, 404, 429, 500, 503, 504)
+}
+_DONE = b"data: [DONE]\n\n"
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    coordinator: str = "127.0.0.1:50051"
+    served_model_names: tuple[str, ...] = ()
+    """Names clients may send as ``model``; empty: the coordinator's model name."""
+    request_timeout_s: float = 3600.0
+
+
+def _sse(payload: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+class Gateway:
+    """Per-process state: the coordinator client, model names, metrics."""
+
+    def __init__(self, config: GatewayConfig) -> None:
+        self.config = config
+        # Overload is the caller's to retry (HTTP 429 + Retry-After); lost workers are retried.
+        self.client = AsyncClient(
+            config.coordinator,
+            timeout_s=config.request_timeout_s,
+            retry=RetryPolicy(retry_overloaded=False),
+        )
+        self.registry = CollectorRegistry()
+        self.http_requests = Counter(
+            "splitserve_http_requests",
+            "HTTP requests by route and status code.",
+            ["route", "status"],
+            registry=self.registry,
+        )
+        self._model_names: tuple[str, ...] = config.served_model_names
+        self._max_model_len = 0
+        self.metrics: RequestMetrics | None = None
+        self._health_channel = grpc.aio.insecure_channel(config.coordinator)
+
+    async def model_names(self) -> tuple[str, ...]:
+        """Served names; asks the coordinator once (it answers as soon as it is up)."""
+        if not self._max_model_len:
+            try:
+                info = await self.client.model_info()
+            except ClientError as error:
+                raise from_client_error(error) from error
+            self._max_model_len = info.max_model_len
+            if not self._model_names:
+                self._model_names = (info.model,)
+            if self.metrics is None:
+                self.metrics = RequestMetrics(
+                    self.registry, self._model_names[0], "gateway", info.max_model_len or 8192
+                )
+        return self._model_names
+
+    async def check_model(self, model: str | None) -> str:
+        names = await self.model_names()
+        if model is None or model in names:
+            return model or names[0]
+        raise ApiError(
+            404,
+            f"The model `{model}` does not exist.",
+            type="NotFoundError",
+            param="model",
+            code="model_not_found",
+        )
+
+    async def ready(self) -> bool:
+        stub = health_pb2_grpc.HealthStub(self._health_channel)
+        try:
+            reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=2.0)
+        except grpc.aio.AioRpcError:
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    async def close(self) -> None:
+        await self.client.close()
+        await self._health_channel.close(None)
+
+    def cards(self) -> list[dict[str, Any]]:
+        return [
+            {
+                "id": name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "splitserve",
+                "max_model_len": self._max_model_len,
+            }
+            for name in self._model_names
+        ]
+
+
+def create_app(config: GatewayConfig) -> FastAPI:
+    """The app; its ``Gateway`` (gRPC channels) is made on startup, on the serving loop."""
+    gateway: Gateway
+
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        nonlocal gateway
+        gateway = app.state.gateway = Gateway(config)
+        yield
+        await gateway.close()
+
+    app = FastAPI(
+        title="splitserve OpenAI-compatible API",
+        version="1",
+        description="Completions and chat completions over splitserve's coordinator.",
+        lifespan=lifespan,
+    )
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, error: ApiError) -> JSONResponse:
+        return error.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
+        return from_validation_error(error).response()
+
+    app.add_middleware(_CountRequests)
+
+    @app.get("/health", responses={503: {"description": "Not ready"}})
+    async def health() -> Response:
+        if await gateway.ready():
+            return Response(status_code=200)
+        return JSONResponse(
+            ApiError(503, "no decode worker is ready", type="service_unavailable").body(),
+            status_code=503,
+        )
+
+    @app.get("/metrics", response_class=Response)
+    async def metrics() -> Response:
+        return Response(generate_latest(gateway.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", response_model=schemas.ModelList, responses=_ERROR_RESPONSES)
+    async def models() -> dict[str, Any]:
+        await gateway.model_names()
+        return {"object": "list", "data": gateway.cards()}
+
+    @app.post(
+        "/v1/completions",
+        response_model=schemas.CompletionResponse,
+        responses={
+            **_ERROR_RESPONSES,
+            200: {
+                "description": "A completion, or with `stream` an SSE stream of "
+                "`data: <CompletionResponse chunk>` events ending in `data: [DONE]`.",
+                "content": {"text/event-stream": {}},
+            },
+        },
+    )
+    async def completions(body: schemas.CompletionRequest, request: Request) -> Response:
+        model = await gateway.check_model(body.model)
+        request_id = _request_id(request)
+        builder = CompletionBuilder(f"cmpl-{request_id}", model, body.logprobs is not None)
+        return await _respond(
+            gateway,
+            request,
+            request_id,
+            completion_prompt(body),
+            completion_sampling(body),
+            builder,
+            body.stream,
+            bool(body.stream_options and body.stream_options.include_usage),
+        )
+
+    @app.post(
+        "/v1/chat/completions",
+        response_model=schemas.ChatCompletionResponse,
+        responses={
+            **_ERROR_RESPONSES,
+            200: {
+                "description": "A chat completion, or with `stream` an SSE stream of "
+                "`data: <ChatCompletionChunk>` events ending in `data: [DONE]`.",
+                "content": {"text/event-stream": {}},
+            },
+        },
+    )
+    async def chat_completions(body: schemas.ChatCompletionRequest, request: Request) -> Response:
+        model = await gateway.check_model(body.model)
+        request_id = _request_id(request)
+        builder = ChatBuilder(f"chatcmpl-{request_id}", model, body.logprobs)
+        return await _respond(
+            gateway,
+            request,
+            request_id,
+            chat_prompt(body),
+            chat_sampling(body),
+            builder,
+            body.stream,
+            bool(body.stream_options and body.stream_options.include_usage),
+        )
+
+    return app
+
+
+class _CountRequests:
+    """ASGI middleware counting responses by route and status (no body buffering, so SSE
+    streams and disconnect detection pass through untouched)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def counting_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                gateway: Gateway | None = getattr(scope["app"].state, "gateway", None)
+                route = getattr(scope.get("route"), "path", "unmatched")
+                if gateway is not None:
+                    gateway.http_requests.labels(route, str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counting_send)
+
+
+def _request_id(request: Request) -> str:
+    given = request.headers.get("x-request-id", "").strip()
+    if len(given) > 256:
+        raise ApiError(400, "x-request-id must be at most 256 characters", param="x-request-id")
+    return given or uuid.uuid4().hex
+
+
+async def _respond(
+    gateway: Gateway,
+    request: Request,
+    request_id: str,
+    prompt: PromptArgs,
+    sampling: Any,
+    builder: CompletionBuilder | ChatBuilder,
+    stream: bool,
+    include_usage: bool,
+) -> Response:
+    assert gateway.metrics is not None  # set by check_model
+    timer = gateway.metrics.start()
+    events = gateway.client.stream(
+        prompt.prompt,
+        messages=prompt.messages,
+        token_ids=prompt.token_ids,
+        sampling=sampling,
+        request_id=request_id,
+    )
+    headers = {"x-request-id": request_id}
+    try:
+        first = await unless_disconnected(request.receive, anext(events))
+    except ClientError as error:
+        timer.finish("error", 0, 0)
+        raise from_client_error(error) from error
+    except ClientDisconnected:
+        timer.finish("abort", 0, 0)
+        await events.aclose()
+        return Response(status_code=499)
+    except BaseException:
+        timer.finish("error", 0, 0)
+        await events.aclose()
+        raise
+    if stream:
+        frames = _stream_frames(builder, first, events, timer, include_usage)
+        return EventStreamResponse(frames, headers)
+    try:
+        await unless_disconnected(request.receive, _fold(builder, first, events, timer))
+    except ClientError as error:
+        timer.finish("error", 0, 0)
+        raise from_client_error(error) from error
+    except ClientDisconnected:
+        timer.finish("abort", 0, 0)
+        return Response(status_code=499)
+    finally:
+        await events.aclose()
+    return JSONResponse(builder.whole(), headers=headers)
+
+
+def _record(timer: RequestTimer, item: Chunk | Finish) -> None:
+    if isinstance(item, Chunk):
+        timer.tokens(len(item.token_ids))
+    else:
+        timer.finish(item.finish_reason, item.usage.prompt_tokens, item.usage.completion_tokens)
+
+
+async def _fold(
+    builder: CompletionBuilder | ChatBuilder,
+    first: Chunk | Finish,
+    events: AsyncIterator[Chunk | Finish],
+    timer: RequestTimer,
+) -> None:
+    item: Chunk | Finish | None = first
+    while item is not None:
+        _record(timer, item)
+        if isinstance(item, Finish):
+            builder.finish(item)
+            return
+        builder.add(item)
+        item = await anext(events, None)
+    raise ClientError(grpc.StatusCode.INTERNAL, "the stream ended without a finish message")
+
+
+async def _stream_frames(
+    builder: CompletionBuilder | ChatBuilder,
+    first: Chunk | Finish,
+    events: AsyncIterator[Chunk | Finish],
+    timer: RequestTimer,
+    include_usage: bool,
+) -> AsyncIterator[bytes]:
+    """SSE frames; the builder's chunks in order, the usage chunk if asked, then [DONE]."""
+    try:
+        if isinstance(builder, ChatBuilder):
+            yield _sse(builder.role_chunk())
+        item: Chunk | Finish | None = first
+        while item is not None:
+            _record(timer, item)
+            if isinstance(item, Finish):
+                yield _sse(builder.finish(item))
+                break
+            yield _sse(builder.add(item))
+            item = await anext(events, None)
+        if include_usage:
+            yield _sse(builder.usage_chunk())
+    except ClientError as error:
+        timer.finish("error", 0, 0)
+        yield _sse(from_client_error(error).body())
+    except BaseException:
+        timer.finish("abort", 0, 0)  # the client went away (cancelled) mid-stream
+        raise
+    finally:
+        await events.aclose()  # type: ignore[attr-defined]
+    yield _DONE

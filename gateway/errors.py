@@ -1,0 +1,91 @@
+"""HTTP errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
+
+``ApiError`` is what handlers raise; ``from_client_error`` maps a coordinator status to the
+HTTP status a user of the OpenAI API expects (INVALID_ARGUMENT -> 400, RESOURCE_EXHAUSTED ->
+429 with ``Retry-After``, UNAVAILABLE -> 503, DEADLINE_EXCEEDED -> 504, anything else 500).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import grpc
+from fastapi.exceptions import RequestValidationError
+from starlette.responses import JSONResponse
+
+from splitserve.client import ClientError
+
+
+class ApiError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",  # noqa: A002 - OpenAI's field name
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def invalid(message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param)
+
+
+def from_client_error(error: ClientError) -> ApiError:
+    code, message, param = error.code, error.message, error.param
+    if code is grpc.StatusCode.INVALID_ARGUMENT:
+        return ApiError(400, message, param=param)
+    if code is grpc.StatusCode.NOT_FOUND:
+        return ApiError(404, message, param=param, code="not_found")
+    if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
+        retry_after = max(1, math.ceil(error.retry_after_s or 1.0))
+        return ApiError(
+            429,
+            message,
+            type="rate_limit_error",
+            code="rate_limit_exceeded",
+            headers={"Retry-After": str(retry_after)},
+        )
+    if code is grpc.StatusCode.UNAVAILABLE:
+        return ApiError(503, message, type="service_unavailable", code="unavailable")
+    if code is grpc.StatusCode.DEADLINE_EXCEEDED:
+        return ApiError(504, message, type="timeout", code="deadline_exceeded")
+    return ApiError(500, message, type="server_error", code=code.name.lower())
+
+
+def from_validation_error(error: RequestValidationError) -> ApiError:
+    """A 400 naming the first offending field (``messages.0.role``) or the malformed JSON."""
+    first = error.errors()[0] if error.errors() else {}
+    location = [str(part) for part in first.get("loc", ()) if part != "body"]
+    if first.get("type") == "json_invalid":
+        return ApiError(400, f"malformed JSON body: {first.get('msg', '')}", code="invalid_json")
+    # pydantic names the union member a value failed against ("str", "list[str]"): drop those
+    location = [part for part in location if not part.startswith(("str", "list[", "int"))]
+    param = ".".join(location) or None
+    message = first.get("msg", "invalid request")
+    if param:
+        message = f"{param}: {message}"
+    return ApiError(400, message, param=param)

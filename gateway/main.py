@@ -1,0 +1,81 @@
+"""``splitserve gateway``: the OpenAI-compatible HTTP server (uvicorn, uvloop, httptools).
+
+Talks to the coordinator at ``--coordinator``; prints
+``splitserve gateway ready at http://<host>:<port>`` once listening. SIGINT / SIGTERM stop
+it (uvicorn's graceful shutdown: open streams are cancelled, which aborts their requests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from collections.abc import Sequence
+
+import uvicorn
+import uvloop
+
+from splitserve.engine.cli_args import add_env_flag
+from splitserve.gateway.app import GatewayConfig, create_app
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="splitserve gateway", description=__doc__)
+
+    def flag(name: str, default: object, convert: type, help_text: str) -> None:
+        add_env_flag(parser, name, default, convert, help_text)
+
+    flag("--host", "127.0.0.1", str, "address the HTTP server binds")
+    flag("--port", 8000, int, "HTTP port; 0 picks a free one")
+    flag("--coordinator", "127.0.0.1:50051", str, "coordinator gRPC address")
+    flag(
+        "--served-model-name",
+        "",
+        str,
+        "comma-separated model names clients may use (default: the coordinator's model)",
+    )
+    flag("--request-timeout", 3600.0, float, "deadline of each request's gRPC call, seconds")
+    flag("--log-level", "warning", str, "uvicorn log level (info logs every request)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s gateway %(levelname)s %(message)s")
+    names = tuple(name.strip() for name in args.served_model_name.split(",") if name.strip())
+    config = GatewayConfig(
+        coordinator=args.coordinator,
+        served_model_names=names,
+        request_timeout_s=args.request_timeout,
+    )
+    server = uvicorn.Server(
+        uvicorn.Config(
+            create_app(config),
+            host=args.host,
+            port=args.port,
+            loop="uvloop",
+            http="httptools",
+            log_level=args.log_level,
+            timeout_graceful_shutdown=5,
+            backlog=4096,
+        )
+    )
+
+    async def serve() -> None:
+        task = asyncio.create_task(server.serve())
+        while not server.started:
+            if task.done():
+                await task  # startup failed (port taken): raises or returns
+                return
+            await asyncio.sleep(0.05)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        print(f"splitserve gateway ready at http://{args.host}:{port}", flush=True)
+        await task
+
+    uvloop.run(serve())
+    return 0 if server.started else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,217 @@
+"""Client chunks -> OpenAI response dicts (completions and chat; whole and streamed).
+
+Plain dicts on purpose: this runs for every streamed token, and ``json.dumps`` of a dict is
+several times cheaper than validating a pydantic model. ``gateway/schemas.py`` describes the
+same shapes for the OpenAPI schema; tests validate these dicts against those models.
+
+Each builder is per request: it accumulates text, logprobs and usage as chunks arrive, so a
+non-streamed response is the fold of the streamed chunks.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from splitserve.client import Chunk, Finish, TokenLogprob, Usage
+
+
+def usage_dict(usage: Usage) -> dict[str, Any]:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+    }
+
+
+def _token_bytes(text: str) -> list[int]:
+    return list(text.encode("utf-8", errors="replace"))
+
+
+class _ResponseBase:
+    object_name: str
+    chunk_object_name: str
+
+    def __init__(self, response_id: str, model: str) -> None:
+        self.response_id = response_id
+        self.model = model
+        self.created = int(time.time())
+        self.usage: Usage | None = None
+
+    def _envelope(self, object_name: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "id": self.response_id,
+            "object": object_name,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+
+    def usage_chunk(self) -> dict[str, Any]:
+        """The ``include_usage`` chunk: no choices, the request's usage."""
+        body = self._envelope(self.chunk_object_name, [])
+        body["usage"] = usage_dict(self.usage or Usage(0, 0, 0))
+        return body
+
+
+class CompletionBuilder(_ResponseBase):
+    """``text_completion`` objects; logprobs in the legacy completions shape."""
+
+    object_name = chunk_object_name = "text_completion"
+
+    def __init__(self, response_id: str, model: str, want_logprobs: bool) -> None:
+        super().__init__(response_id, model)
+        self.want_logprobs = want_logprobs
+        self.text_parts: list[str] = []
+        self.text_length = 0
+        self.logprobs: dict[str, list[Any]] = {
+            "tokens": [],
+            "token_logprobs": [],
+            "top_logprobs": [],
+            "text_offset": [],
+        }
+
+    def _logprobs_of(self, logprobs: tuple[TokenLogprob, ...], offset: int) -> dict[str, Any]:
+        out: dict[str, list[Any]] = {
+            "tokens": [],
+            "token_logprobs": [],
+            "top_logprobs": [],
+            "text_offset": [],
+        }
+        for entry in logprobs:
+            out["tokens"].append(entry.text)
+            out["token_logprobs"].append(entry.logprob)
+            out["top_logprobs"].append({top.text: top.logprob for top in entry.top})
+            out["text_offset"].append(offset)
+            offset += len(entry.text)
+        return out
+
+    def add(self, chunk: Chunk) -> dict[str, Any]:
+        """Fold a chunk in; returns its streamed form."""
+        self.usage = chunk.usage
+        choice: dict[str, Any] = {
+            "index": 0,
+            "text": chunk.text,
+            "logprobs": None,
+            "finish_reason": None,
+            "stop_reason": None,
+        }
+        if self.want_logprobs:
+            part = self._logprobs_of(chunk.logprobs, self.text_length)
+            for key, values in part.items():
+                self.logprobs[key].extend(values)
+            choice["logprobs"] = part
+        self.text_parts.append(chunk.text)
+        self.text_length += len(chunk.text)
+        return self._envelope(self.chunk_object_name, [choice])
+
+    def finish(self, end: Finish) -> dict[str, Any]:
+        """The streamed chunk that carries the finish reason."""
+        self.usage = end.usage
+        choice = {
+            "index": 0,
+            "text": "",
+            "logprobs": None,
+            "finish_reason": end.finish_reason,
+            "stop_reason": end.stop_reason,
+        }
+        self.finish_reason, self.stop_reason = end.finish_reason, end.stop_reason
+        return self._envelope(self.chunk_object_name, [choice])
+
+    def whole(self) -> dict[str, Any]:
+        body = self._envelope(
+            self.object_name,
+            [
+                {
+                    "index": 0,
+                    "text": "".join(self.text_parts),
+                    "logprobs": self.logprobs if self.want_logprobs else None,
+                    "finish_reason": self.finish_reason,
+                    "stop_reason": self.stop_reason,
+                }
+            ],
+        )
+        body["usage"] = usage_dict(self.usage or Usage(0, 0, 0))
+        return body
+
+
+class ChatBuilder(_ResponseBase):
+    """``chat.completion`` / ``chat.completion.chunk`` objects."""
+
+    object_name = "chat.completion"
+    chunk_object_name = "chat.completion.chunk"
+
+    def __init__(self, response_id: str, model: str, want_logprobs: bool) -> None:
+        super().__init__(response_id, model)
+        self.want_logprobs = want_logprobs
+        self.text_parts: list[str] = []
+        self.content_logprobs: list[dict[str, Any]] = []
+
+    @staticmethod
+    def _content_logprobs(logprobs: tuple[TokenLogprob, ...]) -> list[dict[str, Any]]:
+        return [
+            {
+                "token": entry.text,
+                "logprob": entry.logprob,
+                "bytes": _token_bytes(entry.text),
+                "top_logprobs": [
+                    {"token": top.text, "logprob": top.logprob, "bytes": _token_bytes(top.text)}
+                    for top in entry.top
+                ],
+            }
+            for entry in logprobs
+        ]
+
+    def role_chunk(self) -> dict[str, Any]:
+        """The first streamed chunk: the assistant role, empty content."""
+        choice = {
+            "index": 0,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
+        return self._envelope(self.chunk_object_name, [choice])
+
+    def add(self, chunk: Chunk) -> dict[str, Any]:
+        self.usage = chunk.usage
+        choice: dict[str, Any] = {
+            "index": 0,
+            "delta": {"content": chunk.text},
+            "logprobs": None,
+            "finish_reason": None,
+        }
+        if self.want_logprobs:
+            part = self._content_logprobs(chunk.logprobs)
+            self.content_logprobs.extend(part)
+            choice["logprobs"] = {"content": part}
+        self.text_parts.append(chunk.text)
+        return self._envelope(self.chunk_object_name, [choice])
+
+    def finish(self, end: Finish) -> dict[str, Any]:
+        self.usage = end.usage
+        self.finish_reason, self.stop_reason = end.finish_reason, end.stop_reason
+        choice = {
+            "index": 0,
+            "delta": {},
+            "logprobs": None,
+            "finish_reason": end.finish_reason,
+            "stop_reason": end.stop_reason,
+        }
+        return self._envelope(self.chunk_object_name, [choice])
+
+    def whole(self) -> dict[str, Any]:
+        body = self._envelope(
+            self.object_name,
+            [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": "".join(self.text_parts)},
+                    "logprobs": {"content": self.content_logprobs} if self.want_logprobs else None,
+                    "finish_reason": self.finish_reason,
+                    "stop_reason": self.stop_reason,
+                }
+            ],
+        )
+        body["usage"] = usage_dict(self.usage or Usage(0, 0, 0))
+        return body

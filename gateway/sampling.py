@@ -1,0 +1,116 @@
+"""OpenAI request bodies -> the coordinator's prompt and sampling parameters.
+
+Contract: everything a request asks for is either honoured or refused with a 400 naming the
+field; nothing is dropped silently. Defaults follow vLLM's OpenAI server: a completion without
+``max_tokens`` gets 16 tokens, a chat completion without it may fill the context window.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from splitserve.client import ChatMessage, Sampling
+from splitserve.gateway.errors import invalid
+from splitserve.gateway.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    _SamplingFields,
+)
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class PromptArgs:
+    """Exactly one of the three is set (the client's ``stream`` keyword arguments)."""
+
+    prompt: str | None = None
+    messages: tuple[ChatMessage, ...] | None = None
+    token_ids: tuple[int, ...] | None = None
+
+
+def completion_prompt(body: CompletionRequest) -> PromptArgs:
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        return PromptArgs(prompt=prompt)
+    if prompt and all(isinstance(item, int) for item in prompt):
+        return PromptArgs(token_ids=tuple(prompt))  # type: ignore[arg-type]
+    if len(prompt) == 1:  # one prompt in a list: ["text"] or [[ids]]
+        (only,) = prompt
+        if isinstance(only, str):
+            return PromptArgs(prompt=only)
+        return PromptArgs(token_ids=tuple(only))  # type: ignore[arg-type]
+    if not prompt:
+        raise invalid("prompt must not be empty", "prompt")
+    raise invalid("several prompts in one request are not supported; send one each", "prompt")
+
+
+def chat_prompt(body: ChatCompletionRequest) -> PromptArgs:
+    messages = []
+    for index, message in enumerate(body.messages):
+        content = message.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise invalid(
+                        "only text content parts are supported", f"messages.{index}.content"
+                    )
+                texts.append(part["text"])
+            content = "".join(texts)
+        messages.append(ChatMessage(role=message.role, content=content or ""))
+    return PromptArgs(messages=tuple(messages))
+
+
+def completion_sampling(body: CompletionRequest) -> Sampling:
+    if body.echo:
+        raise invalid("echo is not supported", "echo")
+    if body.suffix:
+        raise invalid("suffix is not supported", "suffix")
+    if body.best_of not in (None, 1):
+        raise invalid("best_of must be 1", "best_of")
+    max_tokens = body.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS
+    return _sampling(body, max_tokens, body.logprobs)
+
+
+def chat_sampling(body: ChatCompletionRequest) -> Sampling:
+    if body.tools:
+        raise invalid("tools are not supported", "tools")
+    if body.top_logprobs and not body.logprobs:
+        raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
+    both = body.max_tokens and body.max_completion_tokens
+    if both and body.max_tokens != body.max_completion_tokens:
+        raise invalid(
+            "max_tokens and max_completion_tokens differ; send one", "max_completion_tokens"
+        )
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    return _sampling(body, max_tokens, logprobs)
+
+
+def _sampling(body: _SamplingFields, max_tokens: int | None, logprobs: int | None) -> Sampling:
+    if body.n != 1:
+        raise invalid("only n=1 is supported", "n")
+    if body.logit_bias:
+        raise invalid("logit_bias is not supported", "logit_bias")
+    stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+    top_k = body.top_k
+    if top_k is not None and top_k <= 0:  # vLLM: -1 (or 0) disables top-k
+        top_k = None
+    return Sampling(
+        max_tokens=max_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=top_k,
+        min_p=body.min_p,
+        seed=None if body.seed is None else body.seed % 2**64,  # OpenAI seeds may be < 0
+        repetition_penalty=body.repetition_penalty,
+        frequency_penalty=body.frequency_penalty,
+        presence_penalty=body.presence_penalty,
+        stop=tuple(s for s in stop if s),
+        stop_token_ids=tuple(body.stop_token_ids or ()),
+        ignore_eos=body.ignore_eos,
+        min_tokens=body.min_tokens,
+        logprobs=logprobs,
+        skip_special_tokens=body.skip_special_tokens,
+    )

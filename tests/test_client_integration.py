@@ -1,0 +1,106 @@
+"""``splitserve.client`` against a real cluster: ``splitserve up`` with one prefill and one decode
+worker and the default model, started once for the module (no HTTP gateway)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Iterator
+
+import grpc
+import pytest
+
+from splitserve.client import AsyncClient, Chunk, Client, ClientError, Finish, Sampling
+from splitserve.coordinator.local_cluster import build_parser
+from tests.cluster import running, worker_loads
+
+pytestmark = pytest.mark.timeout(300)
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+GREEDY = Sampling(max_tokens=32, temperature=0)
+ANSWER = "The capital of France is Paris."
+LONG = Sampling(max_tokens=2000, ignore_eos=True)
+
+
+def _up_argv() -> list[str]:
+    """``splitserve up`` on free ports, gateway and fixed metrics ports left out where the
+    launcher has them (other test runs may hold the default ports)."""
+    argv = ["splitserve.coordinator.local_cluster", "--port=0", "--prefill=1", "--decode=1"]
+    optional = ["--no-gateway", "--metrics-port-base=0"]
+    _, unknown = build_parser().parse_known_args(optional)
+    argv += [flag for flag in optional if flag not in unknown]
+    return [*argv, "--", "--num-blocks=256", "--threads=1"]
+
+
+@pytest.fixture(scope="module")
+def address() -> Iterator[str]:
+    with running(_up_argv()) as coordinator_address:
+        yield coordinator_address
+
+
+def test_sync_stream_generate_and_model_info(address: str) -> None:
+    with Client(address, timeout_s=60) as client:
+        client.wait_ready(timeout_s=30)
+        items = list(client.stream(messages=QUESTION, sampling=GREEDY))
+        chunks = [item for item in items if isinstance(item, Chunk)]
+        finish = items[-1]
+        assert isinstance(finish, Finish) and finish.finish_reason == "stop"
+        assert len(chunks) == len(items) - 1
+        assert "".join(chunk.text for chunk in chunks) == ANSWER
+        assert finish.usage.completion_tokens == sum(len(chunk.token_ids) for chunk in chunks)
+
+        generation = client.generate(messages=QUESTION, sampling=GREEDY)
+        assert generation.text == ANSWER and generation.finish_reason == "stop"
+        assert generation.usage.prompt_tokens == finish.usage.prompt_tokens > 0
+
+        info = client.model_info()
+        assert info.max_model_len > 0 and info.vocab_size > 0 and info.eos_token_ids
+        assert info.model and info.dtype
+
+
+def test_bad_request_is_invalid_argument_naming_the_field(address: str) -> None:
+    with Client(address, timeout_s=60) as client, pytest.raises(ClientError) as error:
+        client.generate("hi", sampling=Sampling(temperature=-1))
+    assert error.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert error.value.param == "temperature" and error.value.message
+
+
+def test_async_stream_generate_abort_and_cancel(address: str) -> None:
+    asyncio.run(_async_checks(address))
+    deadline = time.monotonic() + 15  # the cancelled stream's request ends on every worker
+    while any(load.num_running_requests or load.num_used_blocks for load in _loads(address)):
+        assert time.monotonic() < deadline, worker_loads(address)
+        time.sleep(0.2)
+
+
+def _loads(address: str) -> list:
+    return list(worker_loads(address).values())
+
+
+async def _async_checks(address: str) -> None:
+    async with AsyncClient(address, timeout_s=60) as client:
+        await client.wait_ready(timeout_s=30)
+        items = [item async for item in client.stream(messages=QUESTION, sampling=GREEDY)]
+        assert isinstance(items[-1], Finish) and items[-1].finish_reason == "stop"
+        assert "".join(item.text for item in items if isinstance(item, Chunk)) == ANSWER
+        assert (await client.generate(messages=QUESTION, sampling=GREEDY)).text == ANSWER
+
+        finish = None
+        async for item in client.stream("Count to a thousand:", sampling=LONG, request_id="a1"):
+            if isinstance(item, Chunk) and finish is None:
+                assert await client.abort("a1") is True
+                finish = "asked"
+            elif isinstance(item, Finish):
+                finish = item
+        assert isinstance(finish, Finish) and finish.finish_reason == "abort"
+        assert finish.usage.completion_tokens < 2000
+        assert await client.abort("a1") is False  # gone: idempotent
+
+        received = 0
+        async with contextlib.aclosing(client.stream("Count:", sampling=LONG)) as items:
+            async for item in items:
+                received += len(item.token_ids) if isinstance(item, Chunk) else 0
+                if received >= 3:
+                    break
+        assert received >= 3

@@ -1,0 +1,301 @@
+"""The OpenAI-compatible gateway against a real cluster (``splitserve up``: coordinator,
+1 prefill + 1 decode worker, gateway), driven by the official ``openai`` SDK and raw HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from splitserve.client import Client, Sampling
+from tests.cluster import cluster, worker_loads
+
+MAX_INFLIGHT = 12
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+class Cluster:
+    def __init__(self, coordinator: str, lines: dict[str, str]) -> None:
+        self.coordinator = coordinator
+        self.url = lines["splitserve gateway ready"]
+        self.metrics_urls = {
+            what.split()[0]: url for what, url in lines.items() if "metrics" in what
+        }
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[Cluster]:
+    lines: dict[str, str] = {}
+    with cluster(
+        1, 1, ready_lines=lines, up_flags=(f"--max-inflight={MAX_INFLIGHT}",)
+    ) as coordinator:
+        yield Cluster(coordinator, lines)
+
+
+@pytest.fixture(scope="module")
+def sdk(served: Cluster) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0)
+
+
+def _model(sdk: openai.OpenAI) -> str:
+    return sdk.models.list().data[0].id
+
+
+def _samples(url: str) -> dict[str, float]:
+    """name{labels} -> value of every sample at a /metrics URL (parsing must succeed)."""
+    text = httpx.get(url, timeout=10).text
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            samples[f"{sample.name}{{{labels}}}"] = sample.value
+    return samples
+
+
+def _total(samples: dict[str, float], name: str) -> float:
+    return sum(value for key, value in samples.items() if key.startswith(name + "{"))
+
+
+def test_models_health_and_openapi(served: Cluster, sdk: openai.OpenAI) -> None:
+    models = sdk.models.list().data
+    assert len(models) == 1 and models[0].id.lower().startswith("smollm2")
+    assert httpx.get(f"{served.url}/health", timeout=10).status_code == 200
+    schema = httpx.get(f"{served.url}/openapi.json", timeout=10).json()
+    completions = schema["paths"]["/v1/completions"]["post"]
+    body_ref = completions["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+    assert body_ref.endswith("/CompletionRequest")
+    ok_ref = completions["responses"]["200"]["content"]["application/json"]["schema"]["$ref"]
+    assert ok_ref.endswith("/CompletionResponse")
+    assert "429" in completions["responses"]
+    chat_fields = schema["components"]["schemas"]["ChatCompletionRequest"]["properties"]
+    assert {"messages", "max_completion_tokens", "stream_options", "logprobs"} <= set(chat_fields)
+
+
+def test_chat_streamed_equals_whole_and_grpc_client(served: Cluster, sdk: openai.OpenAI) -> None:
+    model = _model(sdk)
+    whole = sdk.chat.completions.create(
+        model=model, messages=QUESTION, max_tokens=32, temperature=0
+    )
+    text = whole.choices[0].message.content
+    assert "Paris" in text
+    assert whole.choices[0].finish_reason == "stop"
+    usage = whole.usage
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    assert usage.completion_tokens > 0
+
+    chunks = list(
+        sdk.chat.completions.create(
+            model=model,
+            messages=QUESTION,
+            max_completion_tokens=32,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == text
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == "stop" and all(f is None for f in finishes[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == usage.prompt_tokens
+
+    with Client(served.coordinator) as client:
+        direct = client.generate(messages=QUESTION, sampling=Sampling(max_tokens=32, temperature=0))
+    assert direct.text == text
+
+
+def test_completions_with_logprobs_stop_and_seed(served: Cluster, sdk: openai.OpenAI) -> None:
+    model = _model(sdk)
+    prompt = "The capital of France is"
+    whole = sdk.completions.create(
+        model=model, prompt=prompt, max_tokens=12, temperature=0, logprobs=2
+    )
+    choice = whole.choices[0]
+    assert choice.finish_reason == "length" and whole.usage.completion_tokens == 12
+    assert "".join(choice.logprobs.tokens) == choice.text
+    assert len(choice.logprobs.token_logprobs) == 12
+    assert all(len(top) >= 1 for top in choice.logprobs.top_logprobs)
+    assert all(lp <= 0.0 for lp in choice.logprobs.token_logprobs)
+
+    streamed = sdk.completions.create(
+        model=model, prompt=prompt, max_tokens=12, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == choice.text
+
+    stop_word = choice.text.split()[1] if len(choice.text.split()) > 1 else choice.text.strip()
+    stopped = sdk.completions.create(
+        model=model, prompt=prompt, max_tokens=12, temperature=0, stop=[stop_word]
+    )
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stop_word not in stopped.choices[0].text
+
+    seeded = [
+        sdk.completions.create(
+            model=model, prompt=prompt, max_tokens=10, temperature=1.0, seed=1234
+        )
+        .choices[0]
+        .text
+        for _ in range(2)
+    ]
+    assert seeded[0] == seeded[1]
+
+    tokens = sdk.completions.create(
+        model=model,
+        prompt=[1, 2, 3, 4],
+        max_tokens=5,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert tokens.usage.prompt_tokens == 4 and tokens.usage.completion_tokens == 5
+
+
+def _error(response: httpx.Response, status: int) -> dict[str, object]:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    return error
+
+
+def test_bad_requests_get_openai_errors(served: Cluster, sdk: openai.OpenAI) -> None:
+    model = _model(sdk)
+    url = f"{served.url}/v1"
+    with httpx.Client(timeout=30) as http:
+        bad_json = http.post(
+            f"{url}/chat/completions",
+            content=b'{"model": "x", "messages": [',
+            headers={"content-type": "application/json"},
+        )
+        assert _error(bad_json, 400)["code"] == "invalid_json"
+        wrong_type = http.post(
+            f"{url}/completions", json={"model": model, "prompt": "hi", "max_tokens": "ten"}
+        )
+        assert _error(wrong_type, 400)["param"] == "max_tokens"
+        missing = http.post(f"{url}/chat/completions", json={"model": model})
+        assert _error(missing, 400)["param"] == "messages"
+        unknown = http.post(
+            f"{url}/chat/completions", json={"model": "gpt-17", "messages": QUESTION}
+        )
+        error = _error(unknown, 404)
+        assert error["code"] == "model_not_found" and error["param"] == "model"
+        oversize = http.post(
+            f"{url}/completions",
+            json={"model": model, "prompt": "word " * 9000, "max_tokens": 4},
+        )
+        assert "context" in str(_error(oversize, 400)["message"])
+        for field, value in (("n", 2), ("temperature", -1), ("logit_bias", {"5": 1.0})):
+            response = http.post(
+                f"{url}/completions", json={"model": model, "prompt": "hi", field: value}
+            )
+            assert _error(response, 400)["param"] == field
+        streamed_bad = http.post(
+            f"{url}/completions",
+            json={"model": model, "prompt": [10**7], "max_tokens": 4, "stream": True},
+        )
+        assert _error(streamed_bad, 400)["param"] == "prompt"
+    with pytest.raises(openai.BadRequestError):
+        sdk.chat.completions.create(model=model, messages=QUESTION, top_p=5.0)
+    # the server is fine afterwards
+    again = sdk.completions.create(model=model, prompt="Hello", max_tokens=3, temperature=0)
+    assert again.usage.completion_tokens == 3
+
+
+def _all_free(served: Cluster, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        loads = worker_loads(served.coordinator)
+        busy = {
+            name: load
+            for name, load in loads.items()
+            if load.num_used_blocks or load.num_running_requests or load.num_reserved_requests
+        }
+        if len(loads) == 2 and not busy:
+            return
+        assert time.monotonic() < deadline, f"blocks still held: {busy}"
+        time.sleep(0.2)
+
+
+def test_disconnect_mid_stream_aborts_and_frees_blocks(served: Cluster, sdk: openai.OpenAI) -> None:
+    model = _model(sdk)
+    body = {
+        "model": model,
+        "prompt": "Once upon a time " * 40,
+        "max_tokens": 3000,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with (
+        httpx.Client(timeout=60) as http,
+        http.stream(
+            "POST", f"{served.url}/v1/completions", json=body, headers={"x-request-id": "gone-1"}
+        ) as response,
+    ):
+        assert response.headers["x-request-id"] == "gone-1"
+        events = 0
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                events += 1
+            if events == 5:
+                break
+        decode = [load for load in worker_loads(served.coordinator).values()]
+        assert any(load.num_used_blocks > 0 for load in decode)  # it really holds blocks
+        # leaving the block closed the connection mid-stream
+    _all_free(served)
+
+
+async def _overload(url: str, model: str, count: int) -> list[httpx.Response]:
+    body = {"model": model, "prompt": "Tell me a story", "max_tokens": 48, "ignore_eos": True}
+    async with httpx.AsyncClient(timeout=300) as http:
+        return await asyncio.gather(
+            *(http.post(f"{url}/v1/completions", json=body) for _ in range(count))
+        )
+
+
+def test_overload_is_429_with_retry_after_and_metrics_move(
+    served: Cluster, sdk: openai.OpenAI
+) -> None:
+    model = _model(sdk)
+    gateway_before = _samples(f"{served.url}/metrics")
+    decode_before = _samples(served.metrics_urls["decode"])
+    responses = asyncio.run(_overload(served.url, model, 2 * MAX_INFLIGHT))
+    statuses = sorted(r.status_code for r in responses)
+    assert set(statuses) == {200, 429}, statuses
+    refused = [r for r in responses if r.status_code == 429]
+    assert all(int(r.headers["retry-after"]) >= 1 for r in refused)
+    assert _error(refused[0], 429)["type"] == "rate_limit_error"
+    served_ok = [r.json() for r in responses if r.status_code == 200]
+    assert all(r["usage"]["completion_tokens"] == 48 for r in served_ok)
+    _all_free(served)
+
+    gateway_after = _samples(f"{served.url}/metrics")
+    ttft = "splitserve_time_to_first_token_seconds_count"
+    assert _total(gateway_after, ttft) - _total(gateway_before, ttft) == len(served_ok)
+    itl = "splitserve_inter_token_latency_seconds_count"
+    assert _total(gateway_after, itl) - _total(gateway_before, itl) == 47 * len(served_ok)
+    http_429 = "splitserve_http_requests_total{route=/v1/completions,status=429}"
+    assert gateway_after[http_429] - gateway_before.get(http_429, 0) == len(refused)
+
+    decode_after = _samples(served.metrics_urls["decode"])
+    generated = _total(decode_after, "splitserve_generation_tokens_total") - _total(
+        decode_before, "splitserve_generation_tokens_total"
+    )
+    assert generated == 47 * len(served_ok)  # the prefill worker sampled each first token
+    received = _total(decode_after, "splitserve_kv_transfer_bytes_total") - _total(
+        decode_before, "splitserve_kv_transfer_bytes_total"
+    )
+    assert received > 0
+    assert _total(decode_after, "splitserve_kv_cache_usage_perc") == 0.0
+    coordinator = _samples(served.metrics_urls["coordinator"])
+    assert _total(coordinator, "splitserve_request_stage_seconds_count") > 0
+    prefill = _samples(served.metrics_urls["prefill"])
+    assert _total(prefill, "splitserve_prompt_tokens_total") > 0
+    assert json.dumps(served_ok[0])  # bodies are plain JSON

@@ -1,0 +1,180 @@
+"""A worker's Prometheus metrics: engine figures (vLLM semantics) and KV-transfer figures.
+
+Engine gauges and counters are read at scrape time from the engine's own figures (the load
+snapshot refreshed after every step and the scheduler's monotonic counters), so stepping
+costs nothing extra; request phase times are observed when a request ends, on the engine
+thread. Transfer figures are recorded by the prefill and decode domain objects.
+
+Names (prefix ``splitserve_``; labels ``model_name``, ``role``):
+- ``num_requests_running`` / ``num_requests_waiting`` (gauges), ``num_requests_reserved``
+  (requests holding blocks for KV being pushed), ``kv_cache_usage_perc`` (0..1);
+- ``prefix_cache_queries_total`` / ``prefix_cache_hits_total`` (tokens),
+  ``num_preemptions_total``, ``prompt_tokens_total`` (prompt tokens computed here),
+  ``generation_tokens_total`` (tokens sampled here);
+- ``request_queue_time_seconds``, ``request_prefill_time_seconds``,
+  ``request_decode_time_seconds``, ``request_inference_time_seconds`` (histograms);
+- ``kv_transfer_bytes_total``, ``kv_transfer_seconds``, ``kv_transfer_failures_total``
+  (label ``direction``: send | receive; failures also ``reason``: timeout | aborted | error),
+  ``kv_reservation_wait_seconds`` (decode: waiting for free blocks for a pushed prompt).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from splitserve.engine.async_engine import AsyncEngine
+from splitserve.engine.metrics import KV_TRANSFER_BUCKETS, REQUEST_LATENCY_BUCKETS
+from splitserve.engine.request import Request
+from splitserve.transfer.errors import TransferAbortedError, TransferTimeoutError
+
+_LABELS = ("model_name", "role")
+
+
+class TransferMetrics:
+    """KV handoff figures of one worker. Without a registry they are recorded but not exported
+    (a private registry), so domain objects can always record."""
+
+    def __init__(
+        self, registry: CollectorRegistry | None = None, model_name: str = "", role: str = ""
+    ) -> None:
+        registry = registry or CollectorRegistry()
+        values = (model_name, role)
+        self._bytes = Counter(
+            "splitserve_kv_transfer_bytes",
+            "KV bytes pushed (send) or landed (receive).",
+            [*_LABELS, "direction"],
+            registry=registry,
+        )
+        self._seconds = Histogram(
+            "splitserve_kv_transfer_seconds",
+            "One request's KV handoff: send = last layer computed -> all layers confirmed sent; "
+            "receive = blocks reserved -> last layer landed.",
+            [*_LABELS, "direction"],
+            buckets=KV_TRANSFER_BUCKETS,
+            registry=registry,
+        )
+        self._failures = Counter(
+            "splitserve_kv_transfer_failures",
+            "KV transfers that did not complete.",
+            [*_LABELS, "direction", "reason"],
+            registry=registry,
+        )
+        self.reservation_wait = Histogram(
+            "splitserve_kv_reservation_wait_seconds",
+            "Time a pushed prompt waited for free KV blocks on the decode worker.",
+            _LABELS,
+            buckets=KV_TRANSFER_BUCKETS,
+            registry=registry,
+        ).labels(*values)
+        self._values = values
+
+    def completed(self, direction: str, num_bytes: int, seconds: float) -> None:
+        self._bytes.labels(*self._values, direction).inc(num_bytes)
+        self._seconds.labels(*self._values, direction).observe(seconds)
+
+    def failed(self, direction: str, error: BaseException) -> None:
+        if isinstance(error, TransferTimeoutError):
+            reason = "timeout"
+        elif isinstance(error, TransferAbortedError | GeneratorExit | asyncio.CancelledError):
+            reason = "aborted"
+        else:
+            reason = "error"
+        self._failures.labels(*self._values, direction, reason).inc()
+
+
+class _EngineCollector(Collector):
+    """Gauges and counters read from the engine at scrape time."""
+
+    def __init__(self, engine: AsyncEngine, model_name: str, role: str) -> None:
+        self._engine = engine
+        self._values = [model_name, role]
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        load = self._engine.latest_load
+        stats = self._engine.core.scheduler.stats
+        usage = load.num_used_blocks / load.num_total_blocks if load.num_total_blocks else 0.0
+        gauges = (
+            ("num_requests_running", "Requests in the running batch.", load.num_running_requests),
+            (
+                "num_requests_waiting",
+                "Requests waiting to be scheduled.",
+                load.num_waiting_requests,
+            ),
+            (
+                "num_requests_reserved",
+                "Requests holding blocks for KV another worker is pushing.",
+                load.num_reserved_requests,
+            ),
+            ("kv_cache_usage_perc", "KV-cache usage; 1 means 100 percent.", usage),
+        )
+        for name, doc, value in gauges:
+            family = GaugeMetricFamily(f"splitserve_{name}", doc, labels=_LABELS)
+            family.add_metric(self._values, value)
+            yield family
+        counters = (
+            ("prefix_cache_queries", "Prefix-cache queries, in tokens.", stats.prefix_query_tokens),
+            ("prefix_cache_hits", "Prefix-cache hits, in tokens.", stats.prefix_hit_tokens),
+            ("num_preemptions", "Cumulative preemptions.", stats.num_preemptions),
+            (
+                "prompt_tokens",
+                "Prompt tokens computed on this worker.",
+                stats.num_prompt_tokens_computed,
+            ),
+            ("generation_tokens", "Tokens sampled on this worker.", stats.num_generation_tokens),
+        )
+        for name, doc, value in counters:
+            family = CounterMetricFamily(f"splitserve_{name}", doc, labels=_LABELS)
+            family.add_metric(self._values, value)
+            yield family
+
+
+class _RequestPhaseMetrics:
+    """Phase times of requests that ended on this engine (observed on the engine thread)."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str, role: str) -> None:
+        def histogram(name: str, doc: str) -> Histogram:
+            metric = Histogram(
+                name, doc, _LABELS, buckets=REQUEST_LATENCY_BUCKETS, registry=registry
+            )
+            return metric.labels(model_name, role)
+
+        self.queue = histogram(
+            "splitserve_request_queue_time_seconds", "Arrival -> first scheduled."
+        )
+        self.prefill = histogram(
+            "splitserve_request_prefill_time_seconds", "First scheduled -> first token."
+        )
+        self.decode = histogram(
+            "splitserve_request_decode_time_seconds", "First token -> last token."
+        )
+        self.inference = histogram(
+            "splitserve_request_inference_time_seconds", "First scheduled -> finished."
+        )
+
+    def observe(self, request: Request) -> None:
+        scheduled, first, end = (
+            request.first_scheduled_time,
+            request.first_token_time,
+            request.finished_time,
+        )
+        if scheduled is None or end is None:
+            return  # aborted while waiting: no phases to report
+        self.queue.observe(scheduled - request.arrival_time)
+        self.inference.observe(end - scheduled)
+        if first is not None:
+            self.prefill.observe(max(0.0, first - scheduled))
+            self.decode.observe(end - first)
+
+
+def install_engine_metrics(
+    registry: CollectorRegistry, engine: AsyncEngine, model_name: str, role: str
+) -> None:
+    """Export ``engine``'s figures into ``registry`` (call before the engine serves)."""
+    registry.register(_EngineCollector(engine, model_name, role))
+    phases = _RequestPhaseMetrics(registry, model_name, role)
+    engine.core.scheduler.on_request_finished = phases.observe
