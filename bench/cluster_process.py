@@ -1,10 +1,11 @@
 """A ``splitserve up`` cluster as a child process, and who used the CPUs while it ran.
 
-``LocalCluster`` starts ``splitserve up --port P <flags>`` (optionally with extra environment
-variables, which the coordinator and workers inherit) with its output in a log file,
-waits for the ``splitserve ready at`` line (raising ``ClusterError`` with the log's tail if
-the process exits or the line does not come in time) and stops it with SIGTERM (SIGKILL of
-its process group after a grace period); it is a context manager doing both.
+``LocalCluster`` starts ``splitserve up --port P --http-port H <flags>`` on free ports
+(optionally with extra environment variables, which the coordinator and workers inherit)
+with its output in a log file, waits for the ``splitserve ready at`` line (raising
+``ClusterError`` with the log's tail if the process exits or the line does not come in
+time) and stops it with SIGTERM (SIGKILL of its process group after a grace period); it is
+a context manager doing both.
 
 ``CpuMeter`` splits the machine's busy CPU time over an interval (``/proc/stat``) into the
 cluster's (``up`` and its child processes: coordinator and workers), this process's (the load
@@ -55,7 +56,20 @@ class LocalCluster:
     ) -> None:
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
-        self.argv = [str(splitserve), "up", "--port", str(self.port), *up_flags]
+        self.http_port = free_port()
+        self.http_url = f"http://127.0.0.1:{self.http_port}"
+        """The OpenAI-compatible gateway's base URL."""
+        self.argv = [
+            str(splitserve),
+            "up",
+            "--port",
+            str(self.port),
+            "--http-port",
+            str(self.http_port),
+            "--metrics-port-base",
+            "0",
+            *up_flags,
+        ]
         self.log_path = log_path
         self.ready_timeout_s = ready_timeout_s
         self.stop_grace_s = stop_grace_s

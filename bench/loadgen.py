@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from serving_stats import RequestRecord, ServingSummary, Slo, format_summary, summarize
-from targets import GrpcTarget, Target
+from targets import GrpcTarget, OpenAITarget, Target
 from timing_stats import Json
 from workload import LengthDist, RequestSpec, WorkloadConfig, build_workload
 
@@ -144,6 +144,12 @@ def report(config: LoadConfig, target_name: str, result: LoadResult) -> Json:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--address", default="127.0.0.1:50051", help="coordinator host:port")
+    parser.add_argument(
+        "--openai-url",
+        default=None,
+        help="drive an OpenAI-compatible server (e.g. http://127.0.0.1:8000) instead of gRPC",
+    )
+    parser.add_argument("--model", default=None, help="model name for --openai-url")
     parser.add_argument("--num-requests", type=int, default=100)
     parser.add_argument("--rate", type=float, default=math.inf, help="req/s; inf = all at once")
     parser.add_argument("--arrivals", choices=("poisson", "fixed"), default="poisson")
@@ -178,6 +184,13 @@ def config_from_args(args: argparse.Namespace) -> LoadConfig:
     )
 
 
+def _served_model(base_url: str) -> str:
+    """The first model an OpenAI-compatible server lists."""
+    import httpx
+
+    return httpx.get(f"{base_url.rstrip('/')}/v1/models", timeout=30).json()["data"][0]["id"]
+
+
 def main(argv: Sequence[str] | None = None) -> Json:
     """Run the load described by ``argv``; print the summary and return the JSON report."""
     args = build_parser().parse_args(argv)
@@ -185,7 +198,12 @@ def main(argv: Sequence[str] | None = None) -> Json:
         config = config_from_args(args)
     except ValueError as error:
         raise SystemExit(f"loadgen: {error}") from error
-    target = GrpcTarget(args.address, timeout_s=args.timeout)
+    target: Target
+    if args.openai_url:
+        model = args.model or _served_model(args.openai_url)
+        target = OpenAITarget(args.openai_url, model, timeout_s=args.timeout)
+    else:
+        target = GrpcTarget(args.address, timeout_s=args.timeout)
     result = asyncio.run(run_against(target, config))
     print(format_summary(result.summary), flush=True)
     document = report(config, target.name, result)

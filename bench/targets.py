@@ -8,17 +8,21 @@ it reports it as a final event with ``error`` set, so one failed request never s
 
 ``GrpcTarget`` speaks ``splitserve.v1.Coordinator.Generate`` with the prompt as token ids and
 ``max_tokens = min_tokens = output_len``, ``ignore_eos``, greedy: every request generates
-exactly its output length. Another API (e.g. OpenAI-compatible HTTP) is another class with
-the same three methods.
+exactly its output length. ``OpenAITarget`` sends the same request to any OpenAI-compatible
+server's streamed ``/v1/completions`` (splitserve's gateway, vLLM, SGLang, ...), counting
+tokens from the per-chunk usage (``continuous_usage_stats``, a vLLM extension splitserve's
+gateway also speaks) or, without it, one token per non-empty chunk.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol
 
 import grpc
+import httpx
 from workload import RequestSpec
 
 from splitserve.proto.splitserve.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
@@ -111,3 +115,73 @@ class GrpcTarget:
             yield StreamEvent(error=f"{error.code().name}: {error.details()}")
             return
         yield StreamEvent(error="stream ended without a completion")
+
+
+class OpenAITarget:
+    """A streamed ``POST {base_url}/v1/completions`` per request, over one HTTP client."""
+
+    def __init__(self, base_url: str, model: str, timeout_s: float = 600.0) -> None:
+        self.name = base_url
+        self.base_url = base_url.rstrip("/")
+        self.model = model
+        self.timeout_s = timeout_s
+        self._http: httpx.AsyncClient | None = None
+
+    async def open(self) -> None:
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        self._http = httpx.AsyncClient(timeout=self.timeout_s, limits=limits)
+
+    async def close(self) -> None:
+        if self._http is not None:
+            await self._http.aclose()
+        self._http = None
+
+    async def stream(self, request: RequestSpec) -> AsyncIterator[StreamEvent]:
+        assert self._http is not None, "open() the target first"
+        body = {
+            "model": self.model,
+            "prompt": list(request.prompt_token_ids),
+            "max_tokens": request.output_len,
+            "min_tokens": request.output_len,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        }
+        url = f"{self.base_url}/v1/completions"
+        finish: str | None = None
+        try:
+            async with self._http.stream("POST", url, json=body) as response:
+                if response.status_code != 200:
+                    text = (await response.aread()).decode(errors="replace")[:300]
+                    yield StreamEvent(error=f"HTTP {response.status_code}: {text}")
+                    return
+                seen = 0
+                async for line in response.aiter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    data = line[6:]
+                    if data == "[DONE]":
+                        break
+                    message = json.loads(data)
+                    if "error" in message:
+                        yield StreamEvent(error=f"in-stream error: {message['error']}")
+                        return
+                    choices = message.get("choices") or []
+                    usage = message.get("usage")
+                    if usage is not None:
+                        count = usage["completion_tokens"] - seen
+                    else:
+                        count = 1 if choices and choices[0].get("text") else 0
+                    if count > 0 and choices:
+                        seen += count
+                        yield StreamEvent(num_tokens=count)
+                    if choices and choices[0].get("finish_reason"):
+                        finish = choices[0]["finish_reason"]
+        except httpx.HTTPError as error:
+            yield StreamEvent(error=f"{type(error).__name__}: {error}")
+            return
+        if finish is None:
+            yield StreamEvent(error="stream ended without a finish reason")
+        else:
+            yield StreamEvent(finish_reason=finish)

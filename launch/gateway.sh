@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# The OpenAI-compatible HTTP gateway in front of a coordinator.
+#   launch/gateway.sh --host 0.0.0.0 --port 8000 --coordinator coordinator-host:50051
+# Every flag has a SPLITSERVE_* twin (SPLITSERVE_COORDINATOR, SPLITSERVE_PORT, ...): see --help.
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+exec "$SPLITSERVE" gateway "$@"
