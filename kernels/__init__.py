@@ -1,1 +1,13 @@
-"""splitserve.kernels: Triton kernels, each with a torch reference (the GPU-path issue)."""
+"""splitserve.kernels: Triton kernels, each with an input-checking wrapper and a torch reference.
+
+- ``decode_attention``: paged decode attention (GQA-grouped, split-K flash-decoding);
+- ``prefill_attention``: causal attention of packed variable-length chunks over the paged
+  cache (cached prefixes included), and ``store_kv``: new keys/values into their slots;
+- ``kv_pack``: a request's blocks of some layers <-> one contiguous transfer buffer;
+- ``rms_norm`` (+ residual add), ``rotary`` (in place), ``activation`` (SiLU-and-mul);
+- ``triton_backend``: the engine's ``AttentionBackend`` on these kernels (chosen on CUDA).
+
+Every module imports without Triton (``triton_utils``); launching a kernel then raises
+``TritonUnavailableError``. Compiled kernels need CUDA tensors; ``interpret`` explains how to
+run them on CPU in Triton's interpreter (the tests do).
+"""
