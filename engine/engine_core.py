@@ -193,7 +193,7 @@ def _logprobs_of(logprob: TokenLogprob | None) -> tuple[TokenLogprob, ...]:
 
 
 def _backend(config: EngineConfig, batch_invariant: bool) -> AttentionBackend:
-    """ "triton" when asked, or "auto" on CUDA with triton installed; else the torch backend."""
+    """Triton when asked, or on "auto" with CUDA and triton installed; else the torch backend."""
     name = config.runner.attention_backend
     on_cuda = config.runner.device.startswith("cuda")
     if name == "triton" or (name == "auto" and on_cuda and importlib.util.find_spec("triton")):
