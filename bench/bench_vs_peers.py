@@ -4,8 +4,9 @@ Each server is started alone (they would fight over the 2 cores otherwise), warm
 driven through its OpenAI ``/v1/completions`` endpoint by the load generator
 (``bench/loadgen.py``, ``OpenAITarget``): ``--num-requests`` requests of ``--input-len`` random
 token ids and exactly ``--output-len`` output tokens (``ignore_eos``, greedy), all sent at
-once with ``--concurrency`` in flight, ``--repeats`` times. Prints one row per server (medians
-over the repeats) and writes the JSON.
+once with ``--concurrency`` in flight, ``--repeats`` times (each repeat with new prompts, so
+no server's prefix cache helps; every server sees the same prompts). Prints one row per
+server (medians over the repeats) and writes the JSON.
 
 Servers: ``splitserve-1p1d`` (``splitserve up``: 1 prefill + 1 decode worker, one core each),
 ``splitserve-colocated`` (one decode worker on both cores, no prefill worker), ``vllm``
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import glob
 import json
 import os
@@ -95,8 +97,11 @@ def vllm_server(python: str, model: Path, log: Path, ready_timeout_s: float = 60
 def _measure(url: str, config: LoadConfig, repeats: int) -> Json:
     model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
     runs = []
-    for _ in range(repeats):
-        result = asyncio.run(run_against(OpenAITarget(url, model), config))
+    for repeat in range(repeats):
+        # A new seed per repeat: the same prompts again would be served from the prefix cache.
+        workload = dataclasses.replace(config.workload, seed=config.workload.seed + repeat)
+        run_config = dataclasses.replace(config, workload=workload)
+        result = asyncio.run(run_against(OpenAITarget(url, model), run_config))
         summary = result.summary.to_json()
         runs.append(summary)
         print(f"  {url}: {_row_figures(summary)}", flush=True)
