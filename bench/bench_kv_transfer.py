@@ -23,17 +23,23 @@ GB/s = bytes / duration / 1e9, median over ``--reps`` repetitions after one warm
 
 UCX configurations: error handling off with UCX's default transports (shared memory / CMA on
 one machine), error handling on (UCX then excludes transports that cannot detect a dead peer,
-so traffic goes over TCP), and ``UCX_TLS=tcp``. Baseline, measured in the same run in this
-process: ``dst.copy_(src)`` of the same total bytes (one copy, median of ``--reps``), and the
-ratio transfer / memcpy. A transfer moves the bytes at least twice (into the receive buffer,
-then the scatter), so a ratio near 0.5 is as good as it gets.
+so traffic goes over TCP), and ``UCX_TLS=tcp``. Receive buffers (``--receive-buffers``):
+"pooled", the production path (the receiver's process ``BufferPool``: buffers reused across
+transfers, already faulted in and registered), and/or "fresh" (a pool that retains nothing:
+every transfer receives into newly allocated memory, as before the pool existed); each mode is
+a separate receiver child per UCX configuration, named "<configuration>, fresh buffers".
+Baseline, measured in the same run in this process: ``dst.copy_(src)`` of the same total bytes
+(one copy, median of ``--reps``), and the ratio transfer / memcpy. A transfer moves the bytes
+at least twice (into the receive buffer, then the scatter), so a ratio near 0.5 is as good as
+it gets.
 
 The machine is shared and small: before the memcpy baseline and before each UCX
 configuration, the bench waits (up to ``--wait-quiet-s``) for the CPUs to go idle and records
 the busy fraction it saw (above ~0.1: the numbers next to it were contended). Both processes
 run torch with ``--threads`` threads (default 1: two processes on two cores).
 
-Usage: ``python bench/bench_kv_transfer.py [--reps 7] [--out [PATH]] [--skip-tcp]``; prints
+Usage: ``python bench/bench_kv_transfer.py [--reps 7] [--out [PATH]] [--skip-tcp]
+[--receive-buffers fresh pooled]``; prints
 a table to stderr and the JSON report to stdout; ``--out`` also writes the report
 (default ``bench/results/kv-transfer-<date>.json``).
 """
@@ -62,6 +68,7 @@ import torch
 import ucxx
 from timing_stats import Json, wait_for_quiet
 
+from splitserve.transfer.buffer_pool import BufferPool
 from splitserve.transfer.layer_channel import LayerReceiver, LayerSender
 from splitserve.transfer.layout import KvLayout
 from splitserve.transfer.ucx import UcxSettings, UcxTransport
@@ -98,6 +105,8 @@ class Workload:
 class UcxConfig:
     name: str
     settings: UcxSettings
+    pooled: bool = True
+    """Receive into the process's buffer pool (production); False: fresh buffers each time."""
 
 
 def workloads() -> list[Workload]:
@@ -114,14 +123,19 @@ def workloads() -> list[Workload]:
     return [*prompts, Workload("message-64MiB", 1, BIG_MESSAGE_BYTES)]
 
 
-def ucx_configs(skip_tcp: bool) -> list[UcxConfig]:
-    configs = [
-        UcxConfig("ucx error_handling=off", UcxSettings()),
-        UcxConfig("ucx error_handling=on", UcxSettings(error_handling=True)),
+def ucx_configs(skip_tcp: bool, receive_buffers: Sequence[str]) -> list[UcxConfig]:
+    """Each UCX configuration once per receive-buffer mode ("pooled" keeps the plain name)."""
+    settings = [
+        ("ucx error_handling=off", UcxSettings()),
+        ("ucx error_handling=on", UcxSettings(error_handling=True)),
     ]
     if not skip_tcp:
-        configs.append(UcxConfig("ucx tls=tcp", UcxSettings(tls="tcp")))
-    return configs
+        settings.append(("ucx tls=tcp", UcxSettings(tls="tcp")))
+    return [
+        UcxConfig(name if mode == "pooled" else f"{name}, {mode} buffers", ucx, mode == "pooled")
+        for name, ucx in settings
+        for mode in receive_buffers
+    ]
 
 
 def monotonic() -> float:
@@ -144,18 +158,20 @@ def recv_within(conn: Connection, timeout_s: float = CONTROL_TIMEOUT_S) -> objec
 
 
 def receiver_main(
-    conn: Connection, settings: UcxSettings, threads: int, num_buffers: int | None
+    conn: Connection, config: UcxConfig, threads: int, num_buffers: int | None
 ) -> None:
     """Child process entry: the decode side, serving transfers until told to stop."""
     torch.set_num_threads(threads)
     try:
-        asyncio.run(_serve_receives(conn, settings, num_buffers))
+        asyncio.run(_serve_receives(conn, config, num_buffers))
     finally:
         conn.close()
 
 
-async def _serve_receives(conn: Connection, settings: UcxSettings, num_buffers: int | None) -> None:
-    transport = UcxTransport(settings)
+async def _serve_receives(conn: Connection, config: UcxConfig, num_buffers: int | None) -> None:
+    transport = UcxTransport(config.settings)
+    # None: the process pool, as in production; a pool retaining nothing frees every buffer
+    pool = None if config.pooled else BufferPool(max_retained_bytes=0)
     executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="scatter")
     destinations: dict[Workload, torch.Tensor] = {}
     conn.send(transport.address)
@@ -182,6 +198,7 @@ async def _serve_receives(conn: Connection, settings: UcxSettings, num_buffers: 
                 scatter,
                 executor,
                 **({} if num_buffers is None else {"num_buffers": num_buffers}),
+                pool=pool,
             )
             await asyncio.sleep(0.005)  # let the receiver post its first receives
             conn.send("ready")
@@ -244,7 +261,7 @@ def bench_config(config: UcxConfig, work: Sequence[Workload], args: argparse.Nam
     parent_conn, child_conn = context.Pipe()
     child = context.Process(
         target=receiver_main,
-        args=(child_conn, config.settings, args.threads, args.num_buffers),
+        args=(child_conn, config, args.threads, args.num_buffers),
         daemon=True,
     )
     child.start()
@@ -307,6 +324,7 @@ def run(args: argparse.Namespace) -> Json:
     report["setup"] = {
         "torch_threads_per_process": args.threads,
         "receiver_num_buffers": args.num_buffers or "LayerReceiver default",
+        "receive_buffers": args.receive_buffers,
         "scatter": "dst[layer].copy_(received) on a one-thread executor",
         "timing": "sender CLOCK_MONOTONIC before the first offer -> receiver CLOCK_MONOTONIC "
         "when LayerReceiver.wait returns (all layers landed and scattered)",
@@ -319,9 +337,9 @@ def run(args: argparse.Namespace) -> Json:
     }
     report["memcpy"] = memcpy
     report["transfers"] = {}
-    for config in ucx_configs(args.skip_tcp):
+    for config in ucx_configs(args.skip_tcp, args.receive_buffers):
         log(f"{config.name} ...")
-        entry: Json = {"settings": asdict(config.settings)}
+        entry: Json = {"settings": asdict(config.settings), "pooled": config.pooled}
         entry["busy_fraction_before"] = wait_for_quiet(args.wait_quiet_s)
         try:
             timings = bench_config(config, work, args)
@@ -385,6 +403,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="receive buffers per transfer (default: LayerReceiver's, as in production)",
     )
     parser.add_argument("--skip-tcp", action="store_true", help="skip the UCX_TLS=tcp runs")
+    parser.add_argument(
+        "--receive-buffers",
+        nargs="+",
+        choices=("pooled", "fresh"),
+        default=["pooled"],
+        help="receive-buffer modes to run, each per UCX configuration (default: pooled)",
+    )
     parser.add_argument(
         "--wait-quiet-s",
         type=float,

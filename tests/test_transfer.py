@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from splitserve.transfer.buffer_pool import PAGE_BYTES, BufferPool, size_class
 from splitserve.transfer.errors import (
     IncompatibleKvLayoutError,
     TransferAbortedError,
@@ -30,7 +31,12 @@ from splitserve.transfer.errors import (
     TransferTimeoutError,
 )
 from splitserve.transfer.inprocess import InProcessTransport
-from splitserve.transfer.layer_channel import LayerReceiver, LayerSender, TransferState
+from splitserve.transfer.layer_channel import (
+    LayerReceiver,
+    LayerSender,
+    TransferState,
+    ring_size,
+)
 from splitserve.transfer.layout import KvLayout
 from splitserve.transfer.transport import (
     LAYER_BITS,
@@ -406,3 +412,235 @@ def test_layer_bytes() -> None:
     fp32 = dataclasses.replace(SMOLLM2_BF16, dtype="float32")
     assert fp32.layer_bytes(8) == 2 * SMOLLM2_BF16.layer_bytes(8)
     assert SMOLLM2_BF16.layer_bytes(0) == 0
+
+
+# ----------------------------------------------------------------------------- buffer pool
+
+
+def test_size_class_rounds_to_pages_then_to_quarter_powers_of_two() -> None:
+    page = PAGE_BYTES
+    assert [size_class(n) for n in (0, 1, page, page + 1, 4 * page)] == [
+        page,
+        page,
+        page,
+        2 * page,
+        4 * page,
+    ]
+    assert size_class(4 * page + 1) == 5 * page  # a quarter of 4 pages
+    mib = 1 << 20
+    assert size_class(mib + 1) == mib + mib // 4
+    assert size_class(3 * mib) == 3 * mib  # 4k-token layers of the default model fit exactly
+    assert size_class(3 * mib + 1) == 3 * mib + mib // 2
+    for nbytes in [*range(1, 70_000, 997), *(SMOLLM2_BF16.layer_bytes(b) for b in range(1, 300))]:
+        capacity = size_class(nbytes)
+        assert capacity >= nbytes and capacity % page == 0
+        assert capacity <= max(nbytes * 1.25, page) or capacity - nbytes < page
+
+
+def test_pool_lends_exact_views_and_reuses_released_memory() -> None:
+    pool = BufferPool()
+    first = pool.acquire(1000)
+    assert first.shape == (1000,) and first.dtype == torch.uint8 and first.is_contiguous()
+    address = first.data_ptr()
+    pool.release(first)
+    second = pool.acquire(900)  # same size class: the same memory
+    assert second.shape == (900,) and second.data_ptr() == address
+    other = pool.acquire(5 * PAGE_BYTES)  # another class: new memory
+    assert other.data_ptr() != address
+    stats = pool.stats()
+    assert (stats.hits, stats.misses, stats.leased_buffers, stats.idle_buffers) == (1, 2, 2, 0)
+    pool.release(second)
+    pool.release(other)
+    assert pool.stats().retained_bytes == 6 * PAGE_BYTES
+
+
+def test_pool_bound_frees_the_least_recently_released() -> None:
+    pool = BufferPool(max_retained_bytes=2 * PAGE_BYTES)
+    views = [pool.acquire(PAGE_BYTES) for _ in range(3)]
+    addresses = [view.data_ptr() for view in views]
+    for view in views:
+        pool.release(view)
+    stats = pool.stats()
+    assert (stats.retained_bytes, stats.idle_buffers, stats.freed) == (2 * PAGE_BYTES, 2, 1)
+    again = [pool.acquire(PAGE_BYTES) for _ in range(2)]
+    assert [view.data_ptr() for view in again] == [addresses[2], addresses[1]]  # newest first
+    assert pool.stats().hits == 2
+
+
+def test_pool_frees_a_buffer_larger_than_its_bound() -> None:
+    pool = BufferPool(max_retained_bytes=0)
+    pool.release(pool.acquire(10))
+    stats = pool.stats()
+    assert (stats.retained_bytes, stats.idle_buffers, stats.freed, stats.leased_buffers) == (
+        0,
+        0,
+        1,
+        0,
+    )
+
+
+def test_pool_refuses_foreign_and_double_releases() -> None:
+    pool = BufferPool()
+    view = pool.acquire(64)
+    pool.release(view)
+    with pytest.raises(ValueError, match="not leased"):
+        pool.release(view)
+    with pytest.raises(ValueError, match="not leased"):
+        pool.release(torch.empty(64, dtype=torch.uint8))
+
+
+def test_pool_pretouch_lends_usable_buffers() -> None:
+    pool = BufferPool(pretouch=True)
+    view = pool.acquire(3 * PAGE_BYTES + 5)
+    view.fill_(7)
+    assert int(view.sum()) == 7 * view.numel()
+    pool.release(view)
+
+
+def test_pool_is_consistent_under_concurrent_threads() -> None:
+    pool = BufferPool(max_retained_bytes=8 * PAGE_BYTES)
+
+    def churn(seed: int) -> None:
+        for step in range(300):
+            view = pool.acquire(((seed + step) % 5 + 1) * PAGE_BYTES)
+            view[0] = seed  # a lent buffer belongs to one holder at a time
+            assert int(view[0]) == seed
+            pool.release(view)
+
+    with concurrent.futures.ThreadPoolExecutor(4) as executor:
+        list(executor.map(churn, range(4)))
+    stats = pool.stats()
+    assert stats.leased_buffers == 0 and stats.retained_bytes <= 8 * PAGE_BYTES
+    assert stats.hits + stats.misses == 4 * 300
+
+
+def test_ring_size_covers_the_receive_window() -> None:
+    mib = 1 << 20
+    assert ring_size(30, 3 * mib, window_bytes=16 * mib) == 6
+    assert ring_size(30, SMOLLM2_BF16.layer_bytes(8), window_bytes=16 * mib) == 30
+    assert ring_size(30, 64 * mib, window_bytes=16 * mib) == 2  # never fewer than two
+    assert ring_size(1, 64 * mib) == 1 and ring_size(0, mib) == 0
+
+
+# ----------------------------------------------------------------------------- receive buffers
+
+
+def make_pooled_receiver(
+    link: Link, pool: BufferPool, num_blocks: int, scatter: RecordingScatter
+) -> tuple[LayerSender, LayerReceiver]:
+    """Like ``make_pair``, with a ring of two buffers from ``pool``."""
+    transfer_id = next(_transfer_ids)
+    receiver = LayerReceiver(
+        link.receiver,
+        transfer_id,
+        NUM_LAYERS,
+        SMOLLM2_BF16.layer_bytes(num_blocks),
+        scatter,
+        link.executor,
+        num_buffers=2,
+        pool=pool,
+    )
+    sender = LayerSender(link.endpoint, transfer_id, NUM_LAYERS, asyncio.get_running_loop())
+    return sender, receiver
+
+
+class RecordingPool(BufferPool):
+    """A pool that records the address of every buffer it lends."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lent: list[int] = []
+
+    def acquire(self, nbytes: int) -> torch.Tensor:
+        view = super().acquire(nbytes)
+        self.lent.append(view.data_ptr())
+        return view
+
+
+class AddressScatter(RecordingScatter):
+    """Also records the address of each buffer a layer was scattered from."""
+
+    def __init__(self, destination: torch.Tensor) -> None:
+        super().__init__(destination)
+        self.addresses: set[int] = set()
+
+    def __call__(self, layer: int, data: torch.Tensor) -> None:
+        self.addresses.add(data.data_ptr())
+        super().__call__(layer, data)
+
+
+def test_receiver_returns_its_buffers_after_done_and_the_next_reuses_them(
+    transport_kind: str,
+) -> None:
+    async def body() -> None:
+        async with open_link(transport_kind) as link:
+            pool = BufferPool()
+            kv = random_kv(num_blocks=4)
+            rounds = []
+            for _ in range(2):
+                scatter = AddressScatter(torch.zeros_like(kv))
+                sender, receiver = make_pooled_receiver(link, pool, 4, scatter)
+                assert pool.stats().leased_buffers == 2
+                await asyncio.to_thread(offer_from_thread, sender, kv, range(NUM_LAYERS))
+                await sender.finish(WAIT_S)
+                await receiver.wait(WAIT_S)
+                assert torch.equal(as_bytes(scatter.destination), as_bytes(kv))
+                stats = pool.stats()
+                assert (stats.leased_buffers, stats.idle_buffers) == (0, 2)
+                rounds.append(scatter.addresses)
+            assert len(rounds[0]) == 2 and rounds[1] == rounds[0]
+            assert (pool.stats().misses, pool.stats().hits) == (2, 2)
+
+    asyncio.run(body())
+
+
+@pytest.mark.parametrize("ending", ["abort", "timeout"])
+def test_buffer_of_a_pending_receive_is_reused_only_after_it_lands(
+    transport_kind: str, ending: str
+) -> None:
+    async def body() -> None:
+        async with open_link(transport_kind) as link:
+            pool = RecordingPool()
+            kv = random_kv(num_blocks=2)
+            scatter = RecordingScatter(torch.zeros_like(kv))
+            _, receiver = make_pooled_receiver(link, pool, 2, scatter)
+            ring = set(pool.lent)
+            await asyncio.sleep(0.05)  # the receives of layers 0 and 1 are posted
+            if ending == "abort":
+                await receiver.abort()
+            else:
+                with pytest.raises(TransferTimeoutError):
+                    await receiver.wait(0.2)
+            assert pool.stats().leased_buffers == 2  # a late message may still land there
+            other = pool.acquire(SMOLLM2_BF16.layer_bytes(2))
+            assert other.data_ptr() not in ring
+            pool.release(other)
+
+            for layer in range(2):  # the late messages land in the ring buffers
+                tag = layer_tag(receiver.transfer_id, layer)
+                await link.endpoint.send(tag, as_bytes(kv[layer]))
+            async with asyncio.timeout(WAIT_S):
+                while pool.stats().leased_buffers:
+                    await asyncio.sleep(0.01)
+            assert pool.stats().idle_buffers == 3
+            again = [pool.acquire(SMOLLM2_BF16.layer_bytes(2)) for _ in range(3)]
+            assert ring <= {view.data_ptr() for view in again}
+            assert scatter.layers == []  # landed after the end: never scattered
+
+    asyncio.run(body())
+
+
+def test_buffer_of_a_receive_cancelled_under_the_receiver_is_never_reused() -> None:
+    pool = BufferPool()
+
+    async def body() -> None:
+        transport = InProcessTransport()
+        executor = concurrent.futures.ThreadPoolExecutor(1)
+        scatter = RecordingScatter(torch.zeros_like(random_kv(1)))
+        LayerReceiver(transport, next(_transfer_ids), NUM_LAYERS, 64, scatter, executor, 2, pool)
+        await asyncio.sleep(0.05)
+        executor.shutdown()
+        # asyncio.run now cancels the receiver's task and its posted receives
+
+    asyncio.run(body())
+    assert pool.stats().leased_buffers == 2 and pool.stats().idle_buffers == 0
