@@ -164,7 +164,8 @@ async def _drive(cluster: LocalCluster, args: argparse.Namespace) -> Json:
 
 
 def run_config(name: str, args: argparse.Namespace, log_dir: Path) -> Json:
-    flags = CONFIGS[name] + (["--", *shlex.split(args.worker_args)] if args.worker_args else [])
+    flags = ["--no-gateway", *CONFIGS[name]]  # gRPC load: no HTTP gateway process
+    flags += ["--", *shlex.split(args.worker_args)] if args.worker_args else []
     busy = wait_for_quiet(args.wait_quiet_s)
     log(f"{name}: splitserve up {' '.join(flags)} (machine busy before: {busy})")
     env = dict(item.split("=", 1) for item in args.cluster_env)

@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--no-gateway", action="store_true", help="do not start the gateway")
     parser.add_argument(
+        "--served-model-name", default=None, help="model names the gateway answers to (comma-sep.)"
+    )
+    parser.add_argument(
         "--metrics-port-base",
         type=int,
         default=9400,
@@ -163,6 +166,8 @@ async def _run(args: argparse.Namespace, worker_args: list[str]) -> int:
                 f"--host={args.host}",
                 f"--port={args.http_port}",
             ]
+            if args.served_model_name:
+                gateway_argv.append(f"--served-model-name={args.served_model_name}")
             children.append(await _spawn("gateway", gateway_argv))
             await _wait_ready(children[-1], stop)
         print(f"splitserve ready at {address}", flush=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 from splitserve.coordinator.flow import FlowConfig, RequestFlow
@@ -45,6 +45,8 @@ class Coordinator:
         self.clients = WorkerClients()
         self._flows: dict[str, RequestFlow] = {}
         self._special_ids = frozenset(tokenizer.all_special_ids)
+        self.flow_observer: Callable[[RequestFlow], None] | None = None
+        """Called with each flow when it ends (metrics); must not raise."""
 
     def encode(self, prompt: Prompt) -> list[int]:
         """Token ids of a prompt; raises ``InvalidRequestError`` for empty or malformed input."""
@@ -65,6 +67,16 @@ class Coordinator:
     def max_model_len(self) -> int:
         lengths = [w.max_model_len for w in self.registry.workers(Role.DECODE)]
         return max(lengths, default=0)
+
+    @property
+    def fill_limit(self) -> int:
+        """Tokens (prompt + output) every decode worker can hold: its context window capped by
+        its KV capacity; what a request without ``max_tokens`` may grow to."""
+        limits = [
+            min(w.max_model_len, w.num_blocks * w.block_size)
+            for w in self.registry.workers(Role.DECODE)
+        ]
+        return min(limits, default=0)
 
     @property
     def ready(self) -> bool:
@@ -88,7 +100,8 @@ class Coordinator:
     ) -> AsyncIterator[tuple[RequestFlow, StreamChunk]]:
         """Stream a request's chunks (with its flow, for usage figures).
 
-        ``fill_context``: the caller set no ``max_tokens``; generate up to the context window.
+        ``fill_context``: the caller set no ``max_tokens``; generate up to ``fill_limit``.
+        Every flow, also one that fails, is passed to ``flow_observer`` when it ends.
         """
         request_id = request_id or f"req-{uuid.uuid4().hex}"
         if request_id in self._flows:
@@ -96,8 +109,8 @@ class Coordinator:
         prompt_ids = self.encode(prompt)
         if not self.ready:
             raise WorkerUnavailableError("no decode worker is registered yet")
-        if fill_context and self.max_model_len > len(prompt_ids):
-            params = dataclasses.replace(params, max_tokens=self.max_model_len - len(prompt_ids))
+        if fill_context and self.fill_limit > len(prompt_ids):
+            params = dataclasses.replace(params, max_tokens=self.fill_limit - len(prompt_ids))
         self._check_length(len(prompt_ids), params)
         if len(self._flows) >= self.config.max_inflight:
             raise OverloadedError(
@@ -120,6 +133,8 @@ class Coordinator:
                 yield flow, chunk
         finally:
             self._flows.pop(request_id, None)
+            if self.flow_observer is not None:
+                self.flow_observer(flow)
 
     def abort(self, request_id: str) -> bool:
         """Cancel a running request (its stream ends); False when unknown."""

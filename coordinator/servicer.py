@@ -40,20 +40,23 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self._metrics = metrics or CoordinatorMetrics(
             CollectorRegistry(), coordinator.config.model_name, coordinator.registry
         )
+        coordinator.flow_observer = self._metrics.record_flow
 
     async def Generate(
         self, request: coordinator_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[coordinator_pb2.GenerateResponse]:
         sent_any = False
         timer = self._metrics.requests.start()
-        flow: RequestFlow | None = None
         try:
-            params = convert.sampling_from_proto(request.sampling)
+            sampling = request.sampling
+            fill_context = not sampling.HasField("max_tokens")
+            if fill_context:  # provisional, valid with min_tokens; replaced by the fill
+                sampling = common_pb2.SamplingParams()
+                sampling.CopyFrom(request.sampling)
+                sampling.max_tokens = max(16, sampling.min_tokens)
+            params = convert.sampling_from_proto(sampling)
             stream = self._coordinator.generate(
-                request.request_id,
-                _prompt_of(request),
-                params,
-                fill_context=not request.sampling.HasField("max_tokens"),
+                request.request_id, _prompt_of(request), params, fill_context=fill_context
             )
             async for flow, chunk in stream:
                 timer.tokens(len(chunk.new_token_ids))
@@ -67,7 +70,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                     sent_any = True
                     yield response
         except (SplitserveError, grpc.aio.AioRpcError) as error:
-            timer.finish("error", 0, 0)
+            timer.finish("error")
             if not sent_any:
                 await abort_with(context, error)
             code, message, param = status_of(error)
@@ -76,9 +79,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 error=common_pb2.Error(code=code.value[0], message=message, param=param),
             )
         finally:
-            timer.finish("abort", 0, 0)  # no-op unless the client cancelled the call
-            if flow is not None:
-                self._metrics.record_flow(flow)
+            timer.finish("abort")  # no-op unless the client cancelled the call
 
     def _responses(
         self, flow: RequestFlow, chunk: StreamChunk

@@ -156,8 +156,16 @@ class RequestTimer:
         self.num_tokens += count
         self.last_token = now
 
-    def finish(self, reason: str, prompt_tokens: int, generation_tokens: int) -> None:
-        """Record the end once (later calls are ignored); ``reason`` in FINISHED_REASONS."""
+    def finish(
+        self,
+        reason: str,
+        prompt_tokens: int | None = None,
+        generation_tokens: int | None = None,
+    ) -> None:
+        """Record the end once (later calls are ignored); ``reason`` in FINISHED_REASONS.
+
+        Token counts are observed only when known (a request that ended by a failure or a
+        disconnect is counted by reason, not in the length histograms)."""
         if self._finished:
             return
         self._finished = True
@@ -167,8 +175,10 @@ class RequestTimer:
         if reason == "error":
             return
         metrics.e2e.observe(time.monotonic() - self.received)
-        metrics.prompt_tokens.observe(prompt_tokens)
-        metrics.generation_tokens.observe(generation_tokens)
+        if prompt_tokens is not None:
+            metrics.prompt_tokens.observe(prompt_tokens)
+        if generation_tokens is not None:
+            metrics.generation_tokens.observe(generation_tokens)
         if self.first_token is not None and self.last_token is not None and self.num_tokens > 1:
             metrics.tpot.observe((self.last_token - self.first_token) / (self.num_tokens - 1))
 

@@ -16,7 +16,9 @@ Contracts:
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -52,6 +54,7 @@ _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     status: {"model": schemas.ErrorResponse} for status in (400, 404, 429, 500, 503, 504)
 }
 _DONE = b"data: [DONE]\n\n"
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -112,7 +115,6 @@ class Gateway:
         raise ApiError(
             404,
             f"The model `{model}` does not exist.",
-            type="NotFoundError",
             param="model",
             code="model_not_found",
         )
@@ -146,6 +148,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     """The app; its ``Gateway`` (gRPC channels) is made on startup, on the serving loop."""
     gateway: Gateway
 
+    @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         nonlocal gateway
         gateway = app.state.gateway = Gateway(config)
@@ -162,6 +165,13 @@ def create_app(config: GatewayConfig) -> FastAPI:
     @app.exception_handler(ApiError)
     async def api_error(request: Request, error: ApiError) -> JSONResponse:
         return error.response()
+
+    @app.exception_handler(Exception)
+    async def unexpected_error(request: Request, error: Exception) -> JSONResponse:
+        logger.exception("unexpected error serving %s", request.url.path)
+        return ApiError(
+            500, f"internal error: {type(error).__name__}", type="server_error"
+        ).response()
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
@@ -210,7 +220,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
             completion_prompt(body),
             completion_sampling(body),
             builder,
-            body.stream,
+            bool(body.stream),
             body.stream_options,
         )
 
@@ -229,7 +239,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     async def chat_completions(body: schemas.ChatCompletionRequest, request: Request) -> Response:
         model = await gateway.check_model(body.model)
         request_id = _request_id(request)
-        builder = ChatBuilder(f"chatcmpl-{request_id}", model, body.logprobs)
+        builder = ChatBuilder(f"chatcmpl-{request_id}", model, bool(body.logprobs))
         return await _respond(
             gateway,
             request,
@@ -237,7 +247,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
             chat_prompt(body),
             chat_sampling(body),
             builder,
-            body.stream,
+            bool(body.stream),
             body.stream_options,
         )
 
@@ -297,14 +307,14 @@ async def _respond(
     try:
         first = await unless_disconnected(request.receive, anext(events))
     except ClientError as error:
-        timer.finish("error", 0, 0)
+        timer.finish("error")
         raise from_client_error(error) from error
     except ClientDisconnected:
-        timer.finish("abort", 0, 0)
+        timer.finish("abort")
         await events.aclose()
         return Response(status_code=499)
     except BaseException:
-        timer.finish("error", 0, 0)
+        timer.finish("error")
         await events.aclose()
         raise
     if stream:
@@ -313,10 +323,10 @@ async def _respond(
     try:
         await unless_disconnected(request.receive, _fold(builder, first, events, timer))
     except ClientError as error:
-        timer.finish("error", 0, 0)
+        timer.finish("error")
         raise from_client_error(error) from error
     except ClientDisconnected:
-        timer.finish("abort", 0, 0)
+        timer.finish("abort")
         return Response(status_code=499)
     finally:
         await events.aclose()
@@ -372,10 +382,10 @@ async def _stream_frames(
         if options and options.include_usage:
             yield _sse(builder.usage_chunk())
     except ClientError as error:
-        timer.finish("error", 0, 0)
+        timer.finish("error")
         yield _sse(from_client_error(error).body())
     except BaseException:
-        timer.finish("abort", 0, 0)  # the client went away (cancelled) mid-stream
+        timer.finish("abort")  # the client went away (cancelled) mid-stream
         raise
     finally:
         await events.aclose()  # type: ignore[attr-defined]

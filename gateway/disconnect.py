@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator, Awaitable, Mapping
 from typing import Any, TypeVar
 
@@ -17,6 +18,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 
 class ClientDisconnected(Exception):
@@ -40,13 +42,14 @@ async def unless_disconnected(receive: Receive, work: Awaitable[T]) -> T:
     watcher = asyncio.ensure_future(_wait_for_disconnect(receive))
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
+    finally:  # also when this handler itself is cancelled (server shutdown)
         watcher.cancel()
         if not task.done():
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
-            raise ClientDisconnected()
+    if not task.done() or task.cancelled():
+        raise ClientDisconnected()
     return task.result()
 
 
@@ -85,8 +88,12 @@ class EventStreamResponse(Response):
         finally:
             for task in (pump, watcher):
                 task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
+            try:
                 await pump
+            except asyncio.CancelledError:
+                pass
+            except Exception:  # the response already started: all we can do is log it
+                logger.exception("event stream failed")
             with contextlib.suppress(Exception):
                 await self._events.aclose()  # type: ignore[attr-defined]
 

@@ -73,6 +73,8 @@ def from_client_error(error: ClientError) -> ApiError:
         return ApiError(503, message, type="service_unavailable", code="unavailable")
     if code is grpc.StatusCode.DEADLINE_EXCEEDED:
         return ApiError(504, message, type="timeout", code="deadline_exceeded")
+    if code in (grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED):
+        return ApiError(503, message, type="service_unavailable", code=code.name.lower())
     return ApiError(500, message, type="server_error", code=code.name.lower())
 
 
@@ -83,7 +85,11 @@ def from_validation_error(error: RequestValidationError) -> ApiError:
     if first.get("type") == "json_invalid":
         return ApiError(400, f"malformed JSON body: {first.get('msg', '')}", code="invalid_json")
     # pydantic names the union member a value failed against ("str", "list[str]"): drop those
-    location = [part for part in location if not part.startswith(("str", "list[", "int"))]
+    location = [
+        part
+        for part in location
+        if part not in ("str", "int", "bool", "float") and not part.startswith(("list[", "dict["))
+    ]
     param = ".".join(location) or None
     message = first.get("msg", "invalid request")
     if param:

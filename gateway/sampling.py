@@ -31,6 +31,8 @@ class PromptArgs:
 
 def completion_prompt(body: CompletionRequest) -> PromptArgs:
     prompt = body.prompt
+    if any(not 0 <= token < 2**31 for token in _token_ids_in(prompt)):
+        raise invalid("prompt token ids must be in [0, 2^31)", "prompt")
     if isinstance(prompt, str):
         return PromptArgs(prompt=prompt)
     if prompt and all(isinstance(item, int) for item in prompt):
@@ -43,6 +45,19 @@ def completion_prompt(body: CompletionRequest) -> PromptArgs:
     if not prompt:
         raise invalid("prompt must not be empty", "prompt")
     raise invalid("several prompts in one request are not supported; send one each", "prompt")
+
+
+def _token_ids_in(prompt: str | list[str] | list[int] | list[list[int]]) -> list[int]:
+    """Every token id in a completions prompt (none for text)."""
+    if isinstance(prompt, str):
+        return []
+    ids: list[int] = []
+    for item in prompt:
+        if isinstance(item, int):
+            ids.append(item)
+        elif isinstance(item, list):
+            ids.extend(item)
+    return ids
 
 
 def chat_prompt(body: ChatCompletionRequest) -> PromptArgs:
@@ -76,6 +91,10 @@ def completion_sampling(body: CompletionRequest) -> Sampling:
 def chat_sampling(body: ChatCompletionRequest) -> Sampling:
     if body.tools:
         raise invalid("tools are not supported", "tools")
+    if body.tool_choice not in (None, "none", "auto"):
+        raise invalid("tool_choice is not supported", "tool_choice")
+    if body.response_format and body.response_format.get("type") not in (None, "text"):
+        raise invalid("only response_format type 'text' is supported", "response_format")
     if body.top_logprobs and not body.logprobs:
         raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
     both = body.max_tokens and body.max_completion_tokens
@@ -89,7 +108,7 @@ def chat_sampling(body: ChatCompletionRequest) -> Sampling:
 
 
 def _sampling(body: _SamplingFields, max_tokens: int | None, logprobs: int | None) -> Sampling:
-    if body.n != 1:
+    if body.n not in (None, 1):
         raise invalid("only n=1 is supported", "n")
     if body.logit_bias:
         raise invalid("logit_bias is not supported", "logit_bias")
@@ -103,13 +122,13 @@ def _sampling(body: _SamplingFields, max_tokens: int | None, logprobs: int | Non
         top_p=body.top_p,
         top_k=top_k,
         min_p=body.min_p,
-        seed=None if body.seed is None else body.seed % 2**64,  # OpenAI seeds may be < 0
+        seed=None if body.seed is None else body.seed % 2**63,  # OpenAI seeds may be < 0
         repetition_penalty=body.repetition_penalty,
         frequency_penalty=body.frequency_penalty,
         presence_penalty=body.presence_penalty,
         stop=tuple(s for s in stop if s),
         stop_token_ids=tuple(body.stop_token_ids or ()),
-        ignore_eos=body.ignore_eos,
+        ignore_eos=bool(body.ignore_eos),
         min_tokens=body.min_tokens,
         logprobs=logprobs,
         skip_special_tokens=body.skip_special_tokens,

@@ -3,7 +3,8 @@
 Requests accept the OpenAI fields splitserve implements plus vLLM's common extensions
 (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``min_tokens``,
 ``stop_token_ids``, ``skip_special_tokens``). Unknown fields are ignored, as OpenAI-compatible
-servers do, so that clients sending e.g. ``user`` keep working; fields whose meaning would be
+servers do, so that clients sending e.g. ``user`` keep working (explicit ``null`` means the
+default); fields whose meaning would be
 silently dropped (``n > 1``, ``best_of > 1``, ``echo``, ``suffix``, ``logit_bias``, tools) are
 refused with a 400 by ``gateway/sampling.py``.
 
@@ -21,9 +22,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
-    """Send a final chunk with ``choices: []`` and the request's ``usage``."""
-    continuous_usage_stats: bool = False
+    include_usage: bool | None = True
+    """Send a final chunk with ``choices: []`` and the request's ``usage`` (default on once
+    ``stream_options`` is given, as in vLLM)."""
+    continuous_usage_stats: bool | None = False
     """vLLM extension: every chunk also carries the usage so far."""
 
 
@@ -33,14 +35,14 @@ class _SamplingFields(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str | None = Field(None, description="Served model name (see GET /v1/models).")
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     seed: int | None = None
     stop: str | list[str] | None = None
-    n: int = Field(1, ge=1, description="Only 1 is supported.")
+    n: int | None = Field(1, ge=1, description="Only 1 is supported.")
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = Field(None, description="Not supported when non-empty.")
@@ -49,7 +51,7 @@ class _SamplingFields(BaseModel):
     top_k: int | None = Field(None, description="-1 or 0 disables.")
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, gt=0.0)
-    ignore_eos: bool = False
+    ignore_eos: bool | None = False
     min_tokens: int | None = Field(None, ge=0)
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
@@ -64,7 +66,7 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = Field(
         None, ge=0, le=20, description="Return this many top alternatives per token."
     )
-    echo: bool = False
+    echo: bool | None = False
     suffix: str | None = None
     best_of: int | None = None
 
@@ -83,9 +85,11 @@ class ChatCompletionRequest(_SamplingFields):
 
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, description="Alias of max_tokens.")
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = Field(None, description="Not supported.")
+    tool_choice: str | dict[str, Any] | None = Field(None, description="Only none / auto.")
+    response_format: dict[str, Any] | None = Field(None, description="Only {'type': 'text'}.")
 
 
 # ---- responses ----------------------------------------------------------------------------

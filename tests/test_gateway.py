@@ -158,6 +158,40 @@ def test_completions_with_logprobs_stop_and_seed(served: Cluster, sdk: openai.Op
     assert tokens.usage.prompt_tokens == 4 and tokens.usage.completion_tokens == 5
 
 
+def test_nulls_defaults_and_vllm_extensions(served: Cluster, sdk: openai.OpenAI) -> None:
+    model = _model(sdk)
+    with httpx.Client(timeout=60) as http:
+        nulls = http.post(
+            f"{served.url}/v1/chat/completions",
+            json={
+                "model": model,
+                "messages": QUESTION,
+                "max_tokens": 4,
+                "stream": None,
+                "n": None,
+                "logprobs": None,
+                "ignore_eos": None,
+                "stop": None,
+                "user": "someone",
+            },
+        )
+        assert nulls.status_code == 200, nulls.text
+        assert nulls.json()["usage"]["completion_tokens"] <= 4
+        # no max_tokens and min_tokens above the default of 16: accepted (was refused)
+        long = http.post(
+            f"{served.url}/v1/chat/completions",
+            json={"model": model, "messages": QUESTION, "min_tokens": 20, "stop": ["\n"]},
+        )
+        assert long.status_code == 200, long.text
+    seeded = [
+        sdk.completions.create(model=model, prompt="Hello", max_tokens=6, temperature=1.0, seed=-7)
+        .choices[0]
+        .text
+        for _ in range(2)
+    ]
+    assert seeded[0] == seeded[1]
+
+
 def _error(response: httpx.Response, status: int) -> dict[str, object]:
     assert response.status_code == status, response.text
     error = response.json()["error"]
@@ -197,6 +231,16 @@ def test_bad_requests_get_openai_errors(served: Cluster, sdk: openai.OpenAI) -> 
                 f"{url}/completions", json={"model": model, "prompt": "hi", field: value}
             )
             assert _error(response, 400)["param"] == field
+        for field, value in (("stream", "maybe"), ("response_format", {"type": "json_object"})):
+            response = http.post(
+                f"{url}/chat/completions",
+                json={"model": model, "messages": QUESTION, field: value},
+            )
+            assert _error(response, 400)["param"] == field
+        too_big_id = http.post(
+            f"{url}/completions", json={"model": model, "prompt": [2**32], "max_tokens": 2}
+        )
+        assert _error(too_big_id, 400)["param"] == "prompt"
         streamed_bad = http.post(
             f"{url}/completions",
             json={"model": model, "prompt": [10**7], "max_tokens": 4, "stream": True},
