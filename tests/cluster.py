@@ -51,10 +51,12 @@ def running(
     argv: list[str],
     ready_marker: str = "splitserve ready at",
     ready_lines: dict[str, str] | None = None,
+    processes: list[subprocess.Popen[str]] | None = None,
 ) -> Iterator[str]:
     """See the module docstring; ``ready_lines``, when given, receives every "<what> ready at
     <address>" and "<what> metrics at <url>" line printed before readiness, as {what: address}
-    (e.g. "splitserve gateway ready", "decode metrics")."""
+    (e.g. "splitserve gateway ready", "decode metrics"). ``processes``, when given, receives
+    the process; a test that kills it on purpose is not failed for its exit status."""
     process = subprocess.Popen(
         [sys.executable, "-m", *argv],
         stdout=subprocess.PIPE,
@@ -62,6 +64,8 @@ def running(
         text=True,
     )
     output = _Output(process)
+    if processes is not None:
+        processes.append(process)
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
         address = None
@@ -79,14 +83,18 @@ def running(
             time.sleep(0.1)
         yield address
     finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-            raise AssertionError(f"{argv[0]} did not stop on SIGTERM:\n{output.tail()}") from None
-    if process.returncode != 0:
+        killed_on_purpose = process.poll() == -signal.SIGKILL
+        if not killed_on_purpose:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+                raise AssertionError(
+                    f"{argv[0]} did not stop on SIGTERM:\n{output.tail()}"
+                ) from None
+    if process.returncode != 0 and not killed_on_purpose:
         status = process.returncode
         raise AssertionError(f"{argv[0]} stopped with status {status}:\n{output.tail()}")
 
@@ -115,14 +123,19 @@ def cluster(
     return running([*argv, "--", *worker_flags], ready_lines=ready_lines)
 
 
-def worker_loads(coordinator_address: str) -> dict[str, worker_pb2.WorkerLoad]:
-    """Each registered worker's own load figures (GetLoad on the worker), by worker id."""
+def worker_loads(
+    coordinator_address: str, only: set[str] | None = None
+) -> dict[str, worker_pb2.WorkerLoad]:
+    """Each registered worker's own load figures (GetLoad on the worker), by worker id; with
+    ``only``, just those workers (e.g. to skip one that was killed)."""
     with grpc.insecure_channel(coordinator_address) as channel:
         listing = coordinator_pb2_grpc.CoordinatorStub(channel).ListWorkers(
             coordinator_pb2.ListWorkersRequest(), timeout=10
         )
     loads = {}
     for status in listing.workers:
+        if only is not None and status.worker.worker_id not in only:
+            continue
         with grpc.insecure_channel(status.worker.address) as channel:
             if status.worker.role == worker_pb2.WORKER_ROLE_DECODE:
                 stub = worker_pb2_grpc.DecodeWorkerStub(channel)

@@ -1,0 +1,106 @@
+"""No request is lost when a worker dies: real processes, one of them SIGKILLed mid-stream.
+
+Coordinator + 1 prefill + 2 decode workers (float32, so greedy output is exact). Reference
+outputs come from the healthy cluster; then a decode worker is killed while every request is
+streaming (its requests resume on the other decode worker from prompt + streamed tokens), and
+then the prefill worker is killed (prompts are prefilled on the decode worker instead). Every
+request must finish with exactly the reference tokens, and the survivors must hold no blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import time
+
+from splitserve.client import AsyncClient, Chunk, Finish, Sampling
+from tests.cluster import running, worker_loads
+
+WORKER_FLAGS = ("--dtype=float32", "--num-blocks=400", "--threads=1", "--metrics-port=-1")
+PROMPTS = [
+    "The history of the Roman Empire begins with",
+    "A recipe for bread: first, take",
+    "def quicksort(items):",
+    "The three laws of motion are",
+]
+SAMPLING = Sampling(max_tokens=40, temperature=0.0, ignore_eos=True)
+
+
+async def _reference(address: str) -> list[tuple[int, ...]]:
+    async with AsyncClient(address) as client:
+        results = [await client.generate(p, sampling=SAMPLING) for p in PROMPTS]
+    return [r.token_ids for r in results]
+
+
+async def _stream_and_kill(address: str, victim: subprocess.Popen[str]) -> list[tuple[int, ...]]:
+    """Stream every prompt; SIGKILL ``victim`` once each stream has a few tokens."""
+    tokens: list[list[int]] = [[] for _ in PROMPTS]
+    finishes: list[str] = ["" for _ in PROMPTS]
+
+    async def consume(client: AsyncClient, index: int) -> None:
+        async for item in client.stream(PROMPTS[index], sampling=SAMPLING):
+            if isinstance(item, Chunk):
+                tokens[index].extend(item.token_ids)
+            elif isinstance(item, Finish):
+                finishes[index] = item.finish_reason
+
+    async with AsyncClient(address) as client:
+        tasks = [asyncio.create_task(consume(client, i)) for i in range(len(PROMPTS))]
+        deadline = time.monotonic() + 120
+        while min(len(t) for t in tokens) < 4:
+            assert time.monotonic() < deadline, "streams did not start"
+            assert not any(task.done() for task in tasks), "a stream ended early"
+            await asyncio.sleep(0.02)
+        assert max(len(t) for t in tokens) < SAMPLING.max_tokens  # killed mid-stream
+        running_there = worker_loads(address, {"decode-0"})["decode-0"].num_running_requests
+        assert running_there > 0  # the victim really holds some of the streams
+        os.kill(victim.pid, signal.SIGKILL)
+        await asyncio.wait_for(asyncio.gather(*tasks), timeout=300)
+    assert finishes == ["length"] * len(PROMPTS)
+    return [tuple(t) for t in tokens]
+
+
+def _wait_for_workers(address: str, count: int) -> None:
+    deadline = time.monotonic() + 120
+    while len(worker_loads(address)) < count:
+        assert time.monotonic() < deadline, "workers did not register"
+        time.sleep(0.2)
+
+
+def test_requests_survive_a_dead_decode_worker_and_a_dead_prefill_worker() -> None:
+    processes: list[subprocess.Popen[str]] = []
+    coordinator_argv = ["splitserve.coordinator.main", "--port=0", "--metrics-port=-1"]
+    with (
+        running(coordinator_argv, "splitserve coordinator ready at") as address,
+        contextlib.ExitStack() as workers,
+    ):
+        for role, name in (("prefill", "prefill-0"), ("decode", "decode-0")):
+            argv = [f"splitserve.{role}.main", "--port=0", f"--coordinator={address}"]
+            argv += [f"--worker-id={name}", *WORKER_FLAGS]
+            workers.enter_context(running(argv, f"splitserve {role} ready at", None, processes))
+        argv = ["splitserve.decode.main", "--port=0", f"--coordinator={address}"]
+        argv += ["--worker-id=decode-1", *WORKER_FLAGS]
+        workers.enter_context(running(argv, "splitserve decode ready at"))
+        _wait_for_workers(address, 3)
+        prefill, decode_0 = processes
+
+        expected = asyncio.run(_reference(address))
+        assert asyncio.run(_stream_and_kill(address, decode_0)) == expected
+
+        assert (
+            worker_loads(address, {"prefill-0"})["prefill-0"].num_finished_requests > 0
+        )  # it served
+        prefill.send_signal(signal.SIGKILL)
+        prefill.wait()
+        assert asyncio.run(_reference(address)) == expected
+
+        deadline = time.monotonic() + 30
+        while True:
+            survivor = worker_loads(address, {"decode-1"}).get("decode-1")
+            if survivor is not None and not survivor.num_used_blocks:
+                break
+            assert time.monotonic() < deadline, f"decode-1 still holds blocks: {survivor}"
+            time.sleep(0.2)
