@@ -185,6 +185,13 @@ class RequestTimer:
 
 def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> int:
     """Serve ``registry`` at ``http://host:port/metrics`` on a daemon thread; returns the port
-    (a free one when ``port`` is 0). Raises ``OSError`` when the port is taken."""
-    server, _thread = start_http_server(port, addr=host, registry=registry)
+    (a free one when ``port`` is 0). Exits the process with a clear message when the port is
+    taken (another cluster on this host: give it other ports or 0)."""
+    try:
+        server, _thread = start_http_server(port, addr=host, registry=registry)
+    except OSError as error:
+        raise SystemExit(
+            f"cannot serve metrics on {host}:{port} ({error.strerror}); pass another "
+            "--metrics-port (0 picks a free one, -1 turns metrics off)"
+        ) from error
     return server.server_port
