@@ -20,6 +20,7 @@ import torch
 from splitserve.kernels.triton_utils import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
+    LOG2E,
     cdiv,
     check_last_dim_contiguous,
     check_launch,
@@ -33,7 +34,6 @@ from splitserve.kernels.triton_utils import (
     upcast_dot,
 )
 
-LOG2E = 1.4426950408889634
 MIN_TOKENS_PER_SPLIT = 256
 """The default split count keeps at least this many tokens per split."""
 

@@ -22,6 +22,7 @@ from splitserve.kernels.store_kv import store_kv
 from splitserve.kernels.triton_utils import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
+    LOG2E,
     cdiv,
     check_last_dim_contiguous,
     check_launch,
@@ -34,8 +35,6 @@ from splitserve.kernels.triton_utils import (
     tl,
     upcast_dot,
 )
-
-LOG2E = 1.4426950408889634
 
 
 @jit

@@ -30,6 +30,8 @@ except ImportError:  # CPU installs: kernels import, launching one raises
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
+LOG2E = 1.4426950408889634
+"""log2(e): the attention kernels fold it into the softmax scale and use exp2."""
 
 
 class TritonUnavailableError(RuntimeError):
