@@ -1,10 +1,11 @@
 """No request is lost when a worker dies: real processes, one of them SIGKILLed mid-stream.
 
-Coordinator + 1 prefill + 2 decode workers (float32, so greedy output is exact). Reference
-outputs come from the healthy cluster; then a decode worker is killed while every request is
-streaming (its requests resume on the other decode worker from prompt + streamed tokens), and
-then the prefill worker is killed (prompts are prefilled on the decode worker instead). Every
-request must finish with exactly the reference tokens, and the survivors must hold no blocks.
+Coordinator + 1 prefill + 2 decode workers (float32: greedy output is exact and independent
+of the batch around it). Reference outputs come from the healthy cluster; then a decode worker
+is killed while every request is streaming (its requests resume on the other decode worker
+from prompt + streamed tokens), and then the prefill worker is killed (prompts are prefilled on
+the decode worker instead). Every request must finish with exactly the reference tokens, and
+the survivor must hold no blocks.
 """
 
 from __future__ import annotations
@@ -26,12 +27,13 @@ PROMPTS = [
     "def quicksort(items):",
     "The three laws of motion are",
 ]
-SAMPLING = Sampling(max_tokens=40, temperature=0.0, ignore_eos=True)
+SAMPLING = Sampling(max_tokens=96, temperature=0.0, ignore_eos=True)
+"""Long enough that no stream can finish before the last one has started, even on slow CI."""
 
 
 async def _reference(address: str) -> list[tuple[int, ...]]:
-    async with AsyncClient(address) as client:
-        results = [await client.generate(p, sampling=SAMPLING) for p in PROMPTS]
+    async with AsyncClient(address) as client:  # float32 output is batch invariant
+        results = await asyncio.gather(*(client.generate(p, sampling=SAMPLING) for p in PROMPTS))
     return [r.token_ids for r in results]
 
 
