@@ -37,8 +37,11 @@ async def _reference(address: str) -> list[tuple[int, ...]]:
     return [r.token_ids for r in results]
 
 
-async def _stream_and_kill(address: str, victim: subprocess.Popen[str]) -> list[tuple[int, ...]]:
-    """Stream every prompt; SIGKILL ``victim`` once each stream has a few tokens."""
+async def _stream_and_kill(
+    address: str, decode_workers: dict[str, subprocess.Popen[str]]
+) -> tuple[list[tuple[int, ...]], str]:
+    """Stream every prompt; once each stream has a few tokens, SIGKILL the decode worker that
+    runs the most of them. Returns the streams' tokens and the killed worker's id."""
     tokens: list[list[int]] = [[] for _ in PROMPTS]
     finishes: list[str] = ["" for _ in PROMPTS]
 
@@ -57,12 +60,13 @@ async def _stream_and_kill(address: str, victim: subprocess.Popen[str]) -> list[
             assert not any(task.done() for task in tasks), "a stream ended early"
             await asyncio.sleep(0.02)
         assert max(len(t) for t in tokens) < SAMPLING.max_tokens  # killed mid-stream
-        running_there = worker_loads(address, {"decode-0"})["decode-0"].num_running_requests
-        assert running_there > 0  # the victim really holds some of the streams
-        os.kill(victim.pid, signal.SIGKILL)
+        loads = worker_loads(address, set(decode_workers))
+        victim = max(loads, key=lambda name: loads[name].num_running_requests)
+        assert loads[victim].num_running_requests > 0  # it really holds some of the streams
+        os.kill(decode_workers[victim].pid, signal.SIGKILL)
         await asyncio.wait_for(asyncio.gather(*tasks), timeout=300)
     assert finishes == ["length"] * len(PROMPTS)
-    return [tuple(t) for t in tokens]
+    return [tuple(t) for t in tokens], victim
 
 
 def _wait_for_workers(address: str, count: int) -> None:
@@ -79,30 +83,33 @@ def test_requests_survive_a_dead_decode_worker_and_a_dead_prefill_worker() -> No
         running(coordinator_argv, "splitserve coordinator ready at") as address,
         contextlib.ExitStack() as workers,
     ):
-        for role, name in (("prefill", "prefill-0"), ("decode", "decode-0")):
+        for role, name in (
+            ("prefill", "prefill-0"),
+            ("decode", "decode-0"),
+            ("decode", "decode-1"),
+        ):
             argv = [f"splitserve.{role}.main", "--port=0", f"--coordinator={address}"]
             argv += [f"--worker-id={name}", *WORKER_FLAGS]
             workers.enter_context(running(argv, f"splitserve {role} ready at", None, processes))
-        argv = ["splitserve.decode.main", "--port=0", f"--coordinator={address}"]
-        argv += ["--worker-id=decode-1", *WORKER_FLAGS]
-        workers.enter_context(running(argv, "splitserve decode ready at"))
         _wait_for_workers(address, 3)
-        prefill, decode_0 = processes
+        prefill, decode_0, decode_1 = processes
 
         expected = asyncio.run(_reference(address))
-        assert asyncio.run(_stream_and_kill(address, decode_0)) == expected
+        decode_workers = {"decode-0": decode_0, "decode-1": decode_1}
+        streamed, killed = asyncio.run(_stream_and_kill(address, decode_workers))
+        assert streamed == expected
+        (survivor_id,) = set(decode_workers) - {killed}
 
-        assert (
-            worker_loads(address, {"prefill-0"})["prefill-0"].num_finished_requests > 0
-        )  # it served
+        served = worker_loads(address, {"prefill-0"})["prefill-0"].num_finished_requests
+        assert served > 0  # the prefill worker really prefilled the streams
         prefill.send_signal(signal.SIGKILL)
         prefill.wait()
         assert asyncio.run(_reference(address)) == expected
 
         deadline = time.monotonic() + 30
         while True:
-            survivor = worker_loads(address, {"decode-1"}).get("decode-1")
+            survivor = worker_loads(address, {survivor_id}).get(survivor_id)
             if survivor is not None and not survivor.num_used_blocks:
                 break
-            assert time.monotonic() < deadline, f"decode-1 still holds blocks: {survivor}"
+            assert time.monotonic() < deadline, f"{survivor_id} still holds blocks: {survivor}"
             time.sleep(0.2)
