@@ -143,3 +143,36 @@ def worker_loads(
                 stub = worker_pb2_grpc.PrefillWorkerStub(channel)
             loads[status.worker.worker_id] = stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=30)
     return loads
+
+
+def wait_until_idle(
+    coordinator_address: str,
+    expected_workers: int,
+    only: set[str] | None = None,
+    timeout_s: float = 30.0,
+) -> dict[str, worker_pb2.WorkerLoad]:
+    """Worker loads (``worker_loads``) once every worker is idle, or the last ones seen after
+    ``timeout_s`` (requests end asynchronously on the workers); check with ``assert_all_free``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        loads = worker_loads(coordinator_address, only)
+        idle = all(
+            load.num_used_blocks == 0
+            and load.num_running_requests == 0
+            and load.num_waiting_requests == 0
+            and load.num_reserved_requests == 0
+            for load in loads.values()
+        )
+        if (idle and len(loads) == expected_workers) or time.monotonic() > deadline:
+            return loads
+        time.sleep(0.2)
+
+
+def assert_all_free(loads: dict[str, worker_pb2.WorkerLoad], expected_workers: int) -> None:
+    """Every worker reports all its blocks free and no request running, waiting or reserved."""
+    assert len(loads) == expected_workers, sorted(loads)
+    for worker_id, load in loads.items():
+        assert load.num_total_blocks > 0, worker_id
+        assert load.num_used_blocks == 0, (worker_id, load)
+        assert load.num_reserved_requests == 0, (worker_id, load)
+        assert load.num_running_requests == load.num_waiting_requests == 0, (worker_id, load)

@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import Iterator
 
 import grpc
 import pytest
 
 from splitserve.client import AsyncClient, Chunk, Client, ClientError, Finish, Sampling
-from splitserve.coordinator.local_cluster import build_parser
-from tests.cluster import running, worker_loads
+from tests.cluster import assert_all_free, cluster, wait_until_idle
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -23,19 +21,9 @@ ANSWER = "The capital of France is Paris."
 LONG = Sampling(max_tokens=2000, ignore_eos=True)
 
 
-def _up_argv() -> list[str]:
-    """``splitserve up`` on free ports, gateway and fixed metrics ports left out where the
-    launcher has them (other test runs may hold the default ports)."""
-    argv = ["splitserve.coordinator.local_cluster", "--port=0", "--prefill=1", "--decode=1"]
-    optional = ["--no-gateway", "--metrics-port-base=0"]
-    _, unknown = build_parser().parse_known_args(optional)
-    argv += [flag for flag in optional if flag not in unknown]
-    return [*argv, "--", "--num-blocks=256", "--threads=1"]
-
-
 @pytest.fixture(scope="module")
 def address() -> Iterator[str]:
-    with running(_up_argv()) as coordinator_address:
+    with cluster(1, 1, "--num-blocks=256", "--threads=1") as coordinator_address:
         yield coordinator_address
 
 
@@ -68,14 +56,8 @@ def test_bad_request_is_invalid_argument_naming_the_field(address: str) -> None:
 
 def test_async_stream_generate_abort_and_cancel(address: str) -> None:
     asyncio.run(_async_checks(address))
-    deadline = time.monotonic() + 15  # the cancelled stream's request ends on every worker
-    while any(load.num_running_requests or load.num_used_blocks for load in _loads(address)):
-        assert time.monotonic() < deadline, worker_loads(address)
-        time.sleep(0.2)
-
-
-def _loads(address: str) -> list:
-    return list(worker_loads(address).values())
+    # the cancelled stream's request ends on every worker
+    assert_all_free(wait_until_idle(address, 2), 2)
 
 
 async def _async_checks(address: str) -> None:

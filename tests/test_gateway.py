@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections.abc import Iterator
 
 import httpx
@@ -14,7 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from splitserve.client import Client, Sampling
-from tests.cluster import cluster, worker_loads
+from tests.cluster import assert_all_free, cluster, wait_until_idle, worker_loads
 
 MAX_INFLIGHT = 12
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -253,21 +252,6 @@ def test_bad_requests_get_openai_errors(served: Cluster, sdk: openai.OpenAI) -> 
     assert again.usage.completion_tokens == 3
 
 
-def _all_free(served: Cluster, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        loads = worker_loads(served.coordinator)
-        busy = {
-            name: load
-            for name, load in loads.items()
-            if load.num_used_blocks or load.num_running_requests or load.num_reserved_requests
-        }
-        if len(loads) == 2 and not busy:
-            return
-        assert time.monotonic() < deadline, f"blocks still held: {busy}"
-        time.sleep(0.2)
-
-
 def test_disconnect_mid_stream_aborts_and_frees_blocks(served: Cluster, sdk: openai.OpenAI) -> None:
     model = _model(sdk)
     body = {
@@ -293,7 +277,7 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(served: Cluster, sdk: ope
         decode = [load for load in worker_loads(served.coordinator).values()]
         assert any(load.num_used_blocks > 0 for load in decode)  # it really holds blocks
         # leaving the block closed the connection mid-stream
-    _all_free(served)
+    assert_all_free(wait_until_idle(served.coordinator, 2), 2)
 
 
 async def _overload(url: str, model: str, count: int) -> list[httpx.Response]:
@@ -318,7 +302,7 @@ def test_overload_is_429_with_retry_after_and_metrics_move(
     assert _error(refused[0], 429)["type"] == "rate_limit_error"
     served_ok = [r.json() for r in responses if r.status_code == 200]
     assert all(r["usage"]["completion_tokens"] == 48 for r in served_ok)
-    _all_free(served)
+    assert_all_free(wait_until_idle(served.coordinator, 2), 2)
 
     gateway_after = _samples(f"{served.url}/metrics")
     ttft = "splitserve_time_to_first_token_seconds_count"

@@ -21,7 +21,7 @@ from splitserve.proto.splitserve.v1 import (
     worker_pb2,
     worker_pb2_grpc,
 )
-from tests.cluster import cluster, running, worker_loads
+from tests.cluster import assert_all_free, cluster, running, wait_until_idle
 
 WORKER_FLAGS = ("--dtype=float32", "--num-blocks=400", "--threads=1")
 PROMPTS = [
@@ -62,31 +62,6 @@ async def _generate_all(address: str, requests: list[coordinator_pb2.GenerateReq
         return await asyncio.gather(*(_generate(stub, r) for r in requests))
 
 
-def _wait_all_free(address: str, expected_workers: int) -> dict[str, worker_pb2.WorkerLoad]:
-    """Worker loads once every worker is idle (requests end asynchronously on the workers)."""
-    deadline = time.monotonic() + 30
-    while True:
-        loads = worker_loads(address)
-        idle = all(
-            load.num_used_blocks == 0
-            and load.num_running_requests == 0
-            and load.num_waiting_requests == 0
-            and load.num_reserved_requests == 0
-            for load in loads.values()
-        )
-        if (idle and len(loads) == expected_workers) or time.monotonic() > deadline:
-            return loads
-        time.sleep(0.2)
-
-
-def _assert_all_free(loads: dict[str, worker_pb2.WorkerLoad]) -> None:
-    for worker_id, load in loads.items():
-        assert load.num_total_blocks > 0, worker_id
-        assert load.num_used_blocks == 0, (worker_id, load)
-        assert load.num_reserved_requests == 0, (worker_id, load)
-        assert load.num_running_requests == load.num_waiting_requests == 0, (worker_id, load)
-
-
 def test_disaggregated_equals_colocated_and_frees_every_block() -> None:
     requests = [
         coordinator_pb2.GenerateRequest(request_id=f"p{i}", text=text, sampling=_greedy(24))
@@ -94,7 +69,7 @@ def test_disaggregated_equals_colocated_and_frees_every_block() -> None:
     ]
     with cluster(0, 1, *WORKER_FLAGS) as colocated:
         expected = [tokens for tokens, _ in asyncio.run(_generate_all(colocated, requests))]
-        _assert_all_free(_wait_all_free(colocated, 1))
+        assert_all_free(wait_until_idle(colocated, 1), 1)
 
     with cluster(1, 1, *WORKER_FLAGS) as disaggregated:
         results = asyncio.run(_generate_all(disaggregated, requests))
@@ -103,8 +78,8 @@ def test_disaggregated_equals_colocated_and_frees_every_block() -> None:
             assert len(tokens) == 24 and last.usage.completion_tokens == 24, prompt
             assert last.completion.finish_reason == common_pb2.FINISH_REASON_LENGTH
 
-        loads = _wait_all_free(disaggregated, 2)
-        _assert_all_free(loads)
+        loads = wait_until_idle(disaggregated, 2)
+        assert_all_free(loads, 2)
         prefill = loads["prefill-0"]
         assert prefill.num_finished_requests >= len(PROMPTS)  # the prompts went through it
 
@@ -120,11 +95,11 @@ def test_disaggregated_equals_colocated_and_frees_every_block() -> None:
         assert all(
             last.completion.finish_reason == common_pb2.FINISH_REASON_LENGTH for _, last in results
         )
-        _assert_all_free(_wait_all_free(disaggregated, 2))
+        assert_all_free(wait_until_idle(disaggregated, 2), 2)
 
         asyncio.run(_cancel_mid_stream(disaggregated))
         asyncio.run(_bad_requests_do_not_disturb_others(disaggregated))
-        _assert_all_free(_wait_all_free(disaggregated, 2))
+        assert_all_free(wait_until_idle(disaggregated, 2), 2)
 
 
 async def _cancel_mid_stream(address: str) -> None:

@@ -18,7 +18,7 @@ import subprocess
 import time
 
 from splitserve.client import AsyncClient, Chunk, Finish, Sampling
-from tests.cluster import running, worker_loads
+from tests.cluster import assert_all_free, running, wait_until_idle, worker_loads
 
 WORKER_FLAGS = ("--dtype=float32", "--num-blocks=400", "--threads=1", "--metrics-port=-1")
 PROMPTS = [
@@ -106,10 +106,4 @@ def test_requests_survive_a_dead_decode_worker_and_a_dead_prefill_worker() -> No
         prefill.wait()
         assert asyncio.run(_reference(address)) == expected
 
-        deadline = time.monotonic() + 30
-        while True:
-            survivor = worker_loads(address, {survivor_id}).get(survivor_id)
-            if survivor is not None and not survivor.num_used_blocks:
-                break
-            assert time.monotonic() < deadline, f"{survivor_id} still holds blocks: {survivor}"
-            time.sleep(0.2)
+        assert_all_free(wait_until_idle(address, 1, only={survivor_id}), 1)
