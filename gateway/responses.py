@@ -29,6 +29,11 @@ def _token_bytes(text: str) -> list[int]:
     return list(text.encode("utf-8", errors="replace"))
 
 
+def _empty_completion_logprobs() -> dict[str, list[Any]]:
+    """The legacy completions logprobs object, with no tokens yet."""
+    return {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+
+
 class _ResponseBase:
     object_name: str
     chunk_object_name: str
@@ -65,20 +70,10 @@ class CompletionBuilder(_ResponseBase):
         self.want_logprobs = want_logprobs
         self.text_parts: list[str] = []
         self.text_length = 0
-        self.logprobs: dict[str, list[Any]] = {
-            "tokens": [],
-            "token_logprobs": [],
-            "top_logprobs": [],
-            "text_offset": [],
-        }
+        self.logprobs = _empty_completion_logprobs()
 
     def _logprobs_of(self, logprobs: tuple[TokenLogprob, ...], offset: int) -> dict[str, Any]:
-        out: dict[str, list[Any]] = {
-            "tokens": [],
-            "token_logprobs": [],
-            "top_logprobs": [],
-            "text_offset": [],
-        }
+        out = _empty_completion_logprobs()
         for entry in logprobs:
             out["tokens"].append(entry.text)
             out["token_logprobs"].append(entry.logprob)
