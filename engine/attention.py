@@ -41,6 +41,7 @@ class TorchAttentionMetadata:
     slot_mapping: torch.Tensor  # [tokens] int64: cache slot of each new token
     num_decode: int
     decode_block_tables: torch.Tensor  # [num_decode, max_blocks] int64
+    decode_context_lens: torch.Tensor  # [num_decode] int64
     decode_mask: torch.Tensor  # [num_decode, 1, 1, max_blocks * block_size] bool
     prefill_spans: list[tuple[int, int, int, torch.Tensor]]
     """(query_start, query_len, context_len, block_ids [blocks] int64) per multi-token seq."""
@@ -141,6 +142,7 @@ class TorchAttentionBackend(AttentionBackend):
             decode_block_tables=torch.tensor(tables, dtype=torch.int64, device=device).view(
                 num_decode, max_blocks
             ),
+            decode_context_lens=lens.to(device),
             decode_mask=mask.to(device),
             prefill_spans=prefill_spans,
         )
@@ -160,17 +162,8 @@ class TorchAttentionBackend(AttentionBackend):
         write_kv(key, value, key_cache, value_cache, metadata.slot_mapping)
         output = query.new_empty(num_tokens, num_heads, head_dim)
         if metadata.num_decode:
-            nd = metadata.num_decode
-            tables = metadata.decode_block_tables
-            output[:nd] = decode_attention(
-                query[:nd],
-                key_cache,
-                value_cache,
-                tables,
-                metadata.decode_mask,
-                scale,
-                self._decode_buffers(key_cache, tables.numel()),
-            )
+            decodes = output[: metadata.num_decode]
+            self._decode(decodes, query, key_cache, value_cache, metadata, scale)
         for start, query_len, context_len, block_ids in metadata.prefill_spans:
             end = start + query_len
             if context_len == query_len:  # no cached prefix: attend the fresh keys directly
@@ -180,6 +173,29 @@ class TorchAttentionBackend(AttentionBackend):
                 seq_value = gather_blocks(value_cache, block_ids)[:context_len]
             output[start:end] = prefill_attention(query[start:end], seq_key, seq_value, scale)
         return output.view(num_tokens, num_heads * head_dim)
+
+    def _decode(
+        self,
+        out: torch.Tensor,  # [num_decode, heads, head_dim], written
+        query: torch.Tensor,  # [tokens, heads, head_dim]; the decodes are its first rows
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        metadata: TorchAttentionMetadata,
+        scale: float,
+    ) -> None:
+        """Attention of the step's single-token sequences (one padded, masked SDPA call)."""
+        tables = metadata.decode_block_tables
+        out.copy_(
+            decode_attention(
+                query[: metadata.num_decode],
+                key_cache,
+                value_cache,
+                tables,
+                metadata.decode_mask,
+                scale,
+                self._decode_buffers(key_cache, tables.numel()),
+            )
+        )
 
 
 def write_kv(

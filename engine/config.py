@@ -79,16 +79,17 @@ class RunnerConfig:
     num_threads: int | None = None
     """torch intra-op threads; None leaves torch's default."""
     attention_backend: str = "auto"
-    """"torch" (reference, CPU default), "triton" (CUDA) or "auto"."""
+    """"torch" (reference), "cpu" (C++ decode kernel), "triton" (CUDA) or "auto" (triton on
+    CUDA, cpu for bf16 on CPU, torch otherwise)."""
     device: str = "cpu"
     """torch device of weights and KV cache."""
 
     def __post_init__(self) -> None:
         if self.num_threads is not None and self.num_threads <= 0:
             raise InvalidRequestError("num_threads must be positive", param="num_threads")
-        if self.attention_backend not in ("auto", "torch", "triton"):
+        if self.attention_backend not in ("auto", "torch", "cpu", "triton"):
             raise InvalidRequestError(
-                "attention_backend must be auto, torch or triton", param="attention_backend"
+                "attention_backend must be auto, torch, cpu or triton", param="attention_backend"
             )
 
 

@@ -66,7 +66,7 @@ class EngineCore:
         model = LlamaModel(
             checkpoint.config, checkpoint.weights, self.dtype, device, self.max_model_len
         )
-        backend = _backend(config, batch_invariant=self.dtype == torch.float32)
+        backend = _backend(config, self.dtype, self.num_blocks)
         self.runner = ModelRunner(model, self.num_blocks, config.cache.block_size, backend)
         self.kv_cache = KVCacheManager(
             self.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
@@ -192,12 +192,31 @@ def _logprobs_of(logprob: TokenLogprob | None) -> tuple[TokenLogprob, ...]:
     return () if logprob is None else (logprob,)
 
 
-def _backend(config: EngineConfig, batch_invariant: bool) -> AttentionBackend:
-    """Triton when asked, or on "auto" with CUDA and triton installed; else the torch backend."""
+def _backend(config: EngineConfig, dtype: torch.dtype, num_blocks: int) -> AttentionBackend:
+    """The attention backend ``config.runner.attention_backend`` names; "auto" picks Triton on
+    CUDA (when installed), the C++ CPU kernel on CPU for bf16, and the torch reference backend
+    otherwise (float32 on CPU: the reference, batch-invariant path that matches HF exactly)."""
     name = config.runner.attention_backend
     on_cuda = config.runner.device.startswith("cuda")
+    batch_invariant = dtype == torch.float32
     if name == "triton" or (name == "auto" and on_cuda and importlib.util.find_spec("triton")):
         from splitserve.kernels.triton_backend import TritonAttentionBackend
 
         return TritonAttentionBackend(batch_invariant=batch_invariant)
+    if name == "cpu" or (name == "auto" and not on_cuda and dtype == torch.bfloat16):
+        from splitserve.kernels.cpu_attention import load_cpu_decode_attention
+        from splitserve.kernels.cpu_backend import CpuAttentionBackend
+
+        if on_cuda:
+            raise InvalidRequestError(
+                "attention_backend cpu runs on the CPU only", param="attention_backend"
+            )
+        kernel = load_cpu_decode_attention()
+        if kernel is not None and dtype in kernel.dtypes:
+            return CpuAttentionBackend(kernel, num_blocks)
+        if name == "cpu":
+            raise InvalidRequestError(
+                f"attention_backend cpu is unavailable here for {dtype} (see the log)",
+                param="attention_backend",
+            )
     return TorchAttentionBackend(batch_invariant=batch_invariant)

@@ -31,6 +31,7 @@ def make_llm(
     max_num_batched_tokens: int = 2048,
     max_num_seqs: int = 64,
     dtype: str = "float32",
+    attention_backend: str = "auto",
 ) -> LLM:
     """An offline engine over an already loaded checkpoint, float32 by default."""
     config = EngineConfig(
@@ -41,7 +42,7 @@ def make_llm(
         scheduler=SchedulerConfig(
             max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs
         ),
-        runner=RunnerConfig(num_threads=2),
+        runner=RunnerConfig(num_threads=2, attention_backend=attention_backend),
     )
     return LLM(config=config, checkpoint=checkpoint)
 

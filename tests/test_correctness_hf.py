@@ -1,9 +1,10 @@
 """Greedy output equals HF ``transformers`` token for token (float32, same weights).
 
 Eight prompts from 5 to 1,000+ tokens run as one concurrent batch, 64 new tokens each, under
-four engine configurations: prefix caching on (run twice, so the second run hits the cache)
-and off, a prefill chunk small enough to chunk every long prompt, and a KV pool small enough
-to force preemption. Every run must end with every block back in the pool.
+five engine configurations: prefix caching on (run twice, so the second run hits the cache)
+and off, a prefill chunk small enough to chunk every long prompt, a KV pool small enough to
+force preemption, and decodes on the C++ CPU attention kernel. Every run must end with every
+block back in the pool.
 """
 
 from __future__ import annotations
@@ -123,3 +124,9 @@ def test_preemption_and_recompute(default_checkpoint_fp32, prompts, hf_greedy) -
     llm = make_llm(default_checkpoint_fp32, num_blocks=longest // 16 + 8, prefix_caching=True)
     _assert_equal(_run(llm, prompts), hf_greedy)
     assert llm.engine.scheduler.stats.num_preemptions > 0
+
+
+def test_cpu_decode_kernel(default_checkpoint_fp32, prompts, hf_greedy) -> None:
+    llm = make_llm(default_checkpoint_fp32, attention_backend="cpu", prefix_caching=False)
+    assert llm.engine.runner.backend.name == "cpu"
+    _assert_equal(_run(llm, prompts), hf_greedy)

@@ -1,0 +1,291 @@
+// Paged decode attention on the CPU: one query token per sequence over its paged KV context,
+// reading the cache blocks in place (no gather), GQA query heads of one KV head together.
+//
+// Built by splitserve/kernels/cpu_build.py (g++ -O3 -march=native -fopenmp) into a small shared
+// library with a C ABI and called through ctypes; no torch headers, so it compiles in about a
+// second. OpenMP: torch's CPU wheel ships libgomp.so.1, the soname this library links, so at run
+// time both share one OpenMP runtime and thread pool.
+//
+// Contract of splitserve_paged_decode_attention_{bf16,f32} (all tensors row-major):
+//   out          [num_seqs, num_heads, head_dim]                    written
+//   query        [num_seqs, num_heads, head_dim], sequence stride query_stride (elements)
+//   key_cache    [num_blocks, block_size, num_kv_heads, head_dim]   contiguous
+//   value_cache  same shape as key_cache
+//   block_tables [num_seqs, table_stride] int64: block ids of each sequence, in order
+//   context_lens [num_seqs] int64: tokens of each sequence's context, >= 1
+// num_heads is a multiple of num_kv_heads; query head q uses KV head q / (num_heads/num_kv_heads).
+// Every sequence is computed on its own, in an order that does not depend on the batch, so a
+// sequence's result is independent of the others (batch invariant). Math in float32: scores,
+// an exact (two-pass) softmax, the weighted sum of values; bf16 output is rounded to nearest
+// even. Returns 0, or a negative code for unsupported arguments (nothing written then).
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int kLanes = 16;  // one AVX-512 register of floats; loops below vectorize by lanes
+
+inline float bf16_to_float(uint16_t value) {
+  uint32_t bits = static_cast<uint32_t>(value) << 16;
+  float result;
+  std::memcpy(&result, &bits, sizeof(result));
+  return result;
+}
+
+inline uint16_t float_to_bf16(float value) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof(bits));
+  if ((bits & 0x7f800000u) == 0x7f800000u && (bits & 0x007fffffu) != 0) {
+    return static_cast<uint16_t>((bits >> 16) | 0x40);  // NaN stays a quiet NaN
+  }
+  bits += 0x7fffu + ((bits >> 16) & 1u);  // round to nearest even
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+inline void load_row(const uint16_t* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_float(src[i]);
+}
+inline void load_row(const float* src, float* dst, int64_t n) {
+  std::memcpy(dst, src, n * sizeof(float));
+}
+inline void store_row(const float* src, uint16_t* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = float_to_bf16(src[i]);
+}
+inline void store_row(const float* src, float* dst, int64_t n) {
+  std::memcpy(dst, src, n * sizeof(float));
+}
+
+// exp(x) for x <= 0 (softmax arguments after subtracting the max); relative error below 1e-7.
+// x = k*ln2 + r with k = round(x/ln2), |r| <= ln2/2; exp(r) by its degree-7 Taylor polynomial
+// in f = r/ln2 (2^f, truncation error ~5e-9); 2^k built in the exponent bits. Branch-free, so
+// loops over it vectorize.
+inline float exp_nonpositive(float x) {
+  constexpr float kLog2e = 1.4426950408889634f;
+  constexpr float kRoundMagic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  x = x < -87.0f ? -87.0f : x;                 // keeps 2^k normal; exp(-87) ~ 1.6e-38
+  float t = x * kLog2e;
+  float shifted = t + kRoundMagic;
+  float k = shifted - kRoundMagic;
+  int32_t k_int;
+  std::memcpy(&k_int, &shifted, sizeof(k_int));
+  k_int -= 0x4b400000;  // the integer sits in the low mantissa bits of `shifted`
+  float f = t - k;      // in [-0.5, 0.5]
+  float p = 1.525273380405984e-05f;
+  p = p * f + 1.5403530393381608e-04f;
+  p = p * f + 1.3333558146428443e-03f;
+  p = p * f + 9.6181291076284772e-03f;
+  p = p * f + 5.5504108664821580e-02f;
+  p = p * f + 2.4022650695910071e-01f;
+  p = p * f + 6.9314718055994531e-01f;
+  p = p * f + 1.0f;
+  int32_t scale_bits = (k_int + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &scale_bits, sizeof(scale));
+  return p * scale;
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float lanes[kLanes] = {0};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int j = 0; j < kLanes; ++j) lanes[j] += a[i + j] * b[i + j];
+  }
+  float total = 0.0f;
+  for (; i < n; ++i) total += a[i] * b[i];
+  for (int j = 0; j < kLanes; ++j) total += lanes[j];
+  return total;
+}
+
+// Softmax weights of `scores` in place (unnormalised); returns their sum.
+inline float softmax_weights(float* scores, int64_t n) {
+  float lanes[kLanes];
+  for (int j = 0; j < kLanes; ++j) lanes[j] = scores[0];
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int j = 0; j < kLanes; ++j) {
+      lanes[j] = scores[i + j] > lanes[j] ? scores[i + j] : lanes[j];
+    }
+  }
+  float max_score = scores[0];
+  for (; i < n; ++i) max_score = scores[i] > max_score ? scores[i] : max_score;
+  for (int j = 0; j < kLanes; ++j) max_score = lanes[j] > max_score ? lanes[j] : max_score;
+  for (i = 0; i < n; ++i) scores[i] = exp_nonpositive(scores[i] - max_score);
+  for (int j = 0; j < kLanes; ++j) lanes[j] = 0.0f;
+  for (i = 0; i + kLanes <= n; i += kLanes) {
+    for (int j = 0; j < kLanes; ++j) lanes[j] += scores[i + j];
+  }
+  float total = 0.0f;
+  for (; i < n; ++i) total += scores[i];
+  for (int j = 0; j < kLanes; ++j) total += lanes[j];
+  return total;
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#define SPLITSERVE_AVX512 1
+
+// AVX-512 row primitives; head_dim is a multiple of 32 (checked by the caller).
+inline __m512 bf16x16_to_float(const uint16_t* src) {
+  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16(const uint16_t* src) { return bf16x16_to_float(src); }
+inline __m512 load16(const float* src) { return _mm512_loadu_ps(src); }
+
+// q . k over head_dim: bf16 pairs straight into float32 lanes (vdpbf16ps).
+inline float dot_row(const uint16_t* q, const uint16_t* k, int64_t head_dim) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t d = 0; d < head_dim; d += 32) {
+    __m512bh qv = (__m512bh)_mm512_loadu_si512(q + d);
+    __m512bh kv = (__m512bh)_mm512_loadu_si512(k + d);
+    acc = _mm512_dpbf16_ps(acc, qv, kv);
+  }
+  return _mm512_reduce_add_ps(acc);
+}
+inline float dot_row(const float* q, const float* k, int64_t head_dim) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t d = 0; d < head_dim; d += 16) {
+    acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), _mm512_loadu_ps(k + d), acc);
+  }
+  return _mm512_reduce_add_ps(acc);
+}
+// acc[0:head_dim] += weight * row
+template <typename T>
+inline void axpy_row(float* acc, float weight, const T* row, int64_t head_dim) {
+  const __m512 w = _mm512_set1_ps(weight);
+  for (int64_t d = 0; d < head_dim; d += 16) {
+    _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(w, load16(row + d), _mm512_loadu_ps(acc + d)));
+  }
+}
+#endif
+
+template <typename T>
+int paged_decode_attention(T* out, const T* query, int64_t query_stride, const T* key_cache,
+                           const T* value_cache, const int64_t* block_tables,
+                           int64_t table_stride, const int64_t* context_lens, int64_t num_seqs,
+                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                           int64_t block_size, float scale, int num_threads) {
+  if (num_seqs < 0 || num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || head_dim <= 0 ||
+      block_size <= 0 || num_threads <= 0) {
+    return -1;
+  }
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    if (context_lens[s] <= 0 || context_lens[s] > table_stride * block_size) return -2;
+  }
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t token_stride = num_kv_heads * head_dim;  // elements between cache tokens
+#ifdef SPLITSERVE_AVX512
+  const bool vectorized = head_dim % 32 == 0;
+#else
+  const bool vectorized = false;
+#endif
+
+  // One work item per sequence: its cache rows (all KV heads of a token are adjacent) are
+  // read front to back, once for the keys and once for the values.
+#pragma omp parallel num_threads(num_threads)
+  {
+    std::vector<float> queries(num_heads * head_dim);  // [heads, head_dim], pre-scaled (scalar)
+    std::vector<float> row(token_stride);              // one cache token, as float (scalar)
+    std::vector<float> accum(num_heads * head_dim);    // [heads, head_dim]
+    std::vector<float> scores;                         // [heads, context]
+    std::vector<float> totals(num_heads);
+
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t seq = 0; seq < num_seqs; ++seq) {
+      const int64_t context = context_lens[seq];
+      const int64_t* table = block_tables + seq * table_stride;
+      const T* seq_query = query + seq * query_stride;
+      scores.resize(num_heads * context);
+
+      // scores[h, t] = scale * q_h . k_t (k of query head h's KV head)
+      if (vectorized) {
+#ifdef SPLITSERVE_AVX512
+        for (int64_t t = 0; t < context; ++t) {
+          const int64_t slot = table[t / block_size] * block_size + t % block_size;
+          const T* key = key_cache + slot * token_stride;
+          for (int64_t h = 0; h < num_heads; ++h) {
+            scores[h * context + t] =
+                scale * dot_row(seq_query + h * head_dim, key + (h / group) * head_dim, head_dim);
+          }
+        }
+#endif
+      } else {
+        load_row(seq_query, queries.data(), num_heads * head_dim);
+        for (int64_t i = 0; i < num_heads * head_dim; ++i) queries[i] *= scale;
+        for (int64_t t = 0; t < context; ++t) {
+          const int64_t slot = table[t / block_size] * block_size + t % block_size;
+          load_row(key_cache + slot * token_stride, row.data(), token_stride);
+          for (int64_t h = 0; h < num_heads; ++h) {
+            scores[h * context + t] =
+                dot(queries.data() + h * head_dim, row.data() + (h / group) * head_dim, head_dim);
+          }
+        }
+      }
+      for (int64_t h = 0; h < num_heads; ++h) {
+        totals[h] = softmax_weights(scores.data() + h * context, context);
+      }
+
+      // accum[h] = sum_t weight[h, t] * v_t
+      std::fill(accum.begin(), accum.end(), 0.0f);
+      for (int64_t t = 0; t < context; ++t) {
+        const int64_t slot = table[t / block_size] * block_size + t % block_size;
+        const T* value = value_cache + slot * token_stride;
+        if (vectorized) {
+#ifdef SPLITSERVE_AVX512
+          for (int64_t h = 0; h < num_heads; ++h) {
+            axpy_row(accum.data() + h * head_dim, scores[h * context + t],
+                     value + (h / group) * head_dim, head_dim);
+          }
+#endif
+        } else {
+          load_row(value, row.data(), token_stride);
+          for (int64_t h = 0; h < num_heads; ++h) {
+            const float weight = scores[h * context + t];
+            const float* v = row.data() + (h / group) * head_dim;
+            float* acc = accum.data() + h * head_dim;
+            for (int64_t d = 0; d < head_dim; ++d) acc[d] += weight * v[d];
+          }
+        }
+      }
+      T* seq_out = out + seq * num_heads * head_dim;
+      for (int64_t h = 0; h < num_heads; ++h) {
+        float* acc = accum.data() + h * head_dim;
+        const float inverse = 1.0f / totals[h];
+        for (int64_t d = 0; d < head_dim; ++d) acc[d] *= inverse;
+        store_row(acc, seq_out + h * head_dim, head_dim);
+      }
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+int splitserve_paged_decode_attention_bf16(
+    uint16_t* out, const uint16_t* query, int64_t query_stride, const uint16_t* key_cache,
+    const uint16_t* value_cache, const int64_t* block_tables, int64_t table_stride,
+    const int64_t* context_lens, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+    int64_t head_dim, int64_t block_size, float scale, int num_threads) {
+  return paged_decode_attention(out, query, query_stride, key_cache, value_cache, block_tables,
+                                table_stride, context_lens, num_seqs, num_heads, num_kv_heads,
+                                head_dim, block_size, scale, num_threads);
+}
+
+int splitserve_paged_decode_attention_f32(
+    float* out, const float* query, int64_t query_stride, const float* key_cache,
+    const float* value_cache, const int64_t* block_tables, int64_t table_stride,
+    const int64_t* context_lens, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+    int64_t head_dim, int64_t block_size, float scale, int num_threads) {
+  return paged_decode_attention(out, query, query_stride, key_cache, value_cache, block_tables,
+                                table_stride, context_lens, num_seqs, num_heads, num_kv_heads,
+                                head_dim, block_size, scale, num_threads);
+}
+
+}  // extern "C"

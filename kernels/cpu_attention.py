@@ -1,0 +1,165 @@
+"""Paged decode attention on the CPU through the C++ kernel (``cpu/paged_decode_attention.cpp``).
+
+``CpuDecodeAttention`` wraps the compiled library (``cpu_build``) behind a tensor API and
+checks every argument the C side trusts (dtypes, shapes, contiguity, context lengths within the
+block tables), so a wrong call raises ``ValueError`` instead of reading out of bounds.
+``load_cpu_decode_attention`` returns None (logging why) when the library cannot be built, or
+when ``SPLITSERVE_CPU_KERNELS=0``; callers then keep the torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+
+import torch
+
+from splitserve.kernels.cpu_build import NATIVE_FLAGS, CpuKernelBuildError, build_library
+
+logger = logging.getLogger(__name__)
+
+_ARGTYPES = [
+    ctypes.c_void_p,  # out
+    ctypes.c_void_p,  # query
+    ctypes.c_int64,  # query_stride
+    ctypes.c_void_p,  # key_cache
+    ctypes.c_void_p,  # value_cache
+    ctypes.c_void_p,  # block_tables
+    ctypes.c_int64,  # table_stride
+    ctypes.c_void_p,  # context_lens
+    ctypes.c_int64,  # num_seqs
+    ctypes.c_int64,  # num_heads
+    ctypes.c_int64,  # num_kv_heads
+    ctypes.c_int64,  # head_dim
+    ctypes.c_int64,  # block_size
+    ctypes.c_float,  # scale
+    ctypes.c_int,  # num_threads
+]
+_SYMBOLS = {
+    torch.bfloat16: "splitserve_paged_decode_attention_bf16",
+    torch.float32: "splitserve_paged_decode_attention_f32",
+}
+
+
+class CpuDecodeAttention:
+    """One query token per sequence over its paged context, on the CPU (see the C++ contract).
+
+    ctypes releases the GIL for the call; the kernel uses torch's intra-op thread count.
+    """
+
+    def __init__(self, library_path: str | os.PathLike[str]) -> None:
+        library = ctypes.CDLL(os.fspath(library_path))
+        self._functions = {}
+        for dtype, symbol in _SYMBOLS.items():
+            function = getattr(library, symbol)
+            function.argtypes = _ARGTYPES
+            function.restype = ctypes.c_int
+            self._functions[dtype] = function
+
+    @staticmethod
+    def check_tables(
+        block_tables: torch.Tensor,  # [seqs, max_blocks] int64
+        context_lens: torch.Tensor,  # [seqs] int64
+        num_blocks: int,
+        block_size: int,
+    ) -> None:
+        """Raise ``ValueError`` unless the tables are what the kernel may trust: contiguous
+        int64, every context in 1..(its table's capacity), every block id in the cache."""
+        if (
+            block_tables.dtype != torch.int64
+            or context_lens.dtype != torch.int64
+            or block_tables.dim() != 2
+            or not block_tables.is_contiguous()
+            or not context_lens.is_contiguous()
+            or context_lens.shape != (block_tables.shape[0],)
+        ):
+            raise ValueError("decode attention: tables must be contiguous int64, one per context")
+        if context_lens.numel() == 0:
+            return
+        if int(context_lens.min()) < 1 or int(context_lens.max()) > (
+            block_tables.shape[1] * block_size
+        ):
+            raise ValueError("decode attention: a context is empty or longer than its block table")
+        if block_tables.numel() and not (
+            int(block_tables.min()) >= 0 and int(block_tables.max()) < num_blocks
+        ):
+            raise ValueError("decode attention: block id out of range")
+
+    @property
+    def dtypes(self) -> tuple[torch.dtype, ...]:
+        return tuple(self._functions)
+
+    def __call__(
+        self,
+        out: torch.Tensor,  # [seqs, heads, head_dim]
+        query: torch.Tensor,  # [seqs, heads, head_dim]
+        key_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
+        value_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
+        block_tables: torch.Tensor,  # [seqs, max_blocks] int64
+        context_lens: torch.Tensor,  # [seqs] int64
+        scale: float,
+        tables_checked: bool = False,
+    ) -> torch.Tensor:
+        """Write attention of each ``query`` row over its context into ``out``; returns it.
+
+        ``tables_checked``: the caller already ran ``check_tables`` on these tables (once per
+        step instead of once per layer).
+        """
+        function = self._functions.get(query.dtype)
+        if function is None:
+            raise ValueError(f"no CPU decode kernel for {query.dtype}")
+        num_seqs, num_heads, head_dim = query.shape
+        num_blocks, block_size, num_kv_heads, cache_dim = key_cache.shape
+        if (
+            out.shape != query.shape
+            or value_cache.shape != key_cache.shape
+            or cache_dim != head_dim
+            or {out.dtype, key_cache.dtype, value_cache.dtype} != {query.dtype}
+            or num_heads % num_kv_heads
+        ):
+            raise ValueError("decode attention: mismatched shapes or dtypes")
+        if not (out.is_contiguous() and key_cache.is_contiguous() and value_cache.is_contiguous()):
+            raise ValueError("decode attention: out and the caches must be contiguous")
+        if query.stride(2) != 1 or query.stride(1) != head_dim:
+            query = query.contiguous()
+        if not tables_checked:
+            self.check_tables(block_tables, context_lens, num_blocks, block_size)
+        if block_tables.shape[0] != num_seqs:
+            raise ValueError("decode attention: one block table per query row")
+        if num_seqs == 0:
+            return out
+        status = function(
+            out.data_ptr(),
+            query.data_ptr(),
+            query.stride(0),
+            key_cache.data_ptr(),
+            value_cache.data_ptr(),
+            block_tables.data_ptr(),
+            block_tables.shape[1],
+            context_lens.data_ptr(),
+            num_seqs,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            block_size,
+            scale,
+            torch.get_num_threads(),
+        )
+        if status != 0:
+            raise ValueError(f"decode attention kernel refused its arguments (code {status})")
+        return out
+
+
+@functools.cache
+def load_cpu_decode_attention(flags: tuple[str, ...] = NATIVE_FLAGS) -> CpuDecodeAttention | None:
+    """The compiled kernel, or None (logged) if disabled or it cannot be built here."""
+    if os.environ.get("SPLITSERVE_CPU_KERNELS", "1") == "0":
+        logger.info("CPU kernels disabled by SPLITSERVE_CPU_KERNELS=0")
+        return None
+    try:
+        return CpuDecodeAttention(build_library("paged_decode_attention", flags))
+    except (CpuKernelBuildError, OSError) as error:
+        logger.warning("CPU attention kernel unavailable, using the torch path: %s", error)
+        return None
