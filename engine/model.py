@@ -2,7 +2,8 @@
 
 Weights are kept as plain tensors with fused projections (``qkv`` and ``gate_up``) so a layer is
 a handful of large matmuls. Numerics mirror HF ``transformers``: RMSNorm in float32 then cast,
-RoPE tables in the model dtype, logits cast to float32.
+RoPE tables in the model dtype, logits cast to float32. In bf16 on CPU the residual add and the
+RMSNorm after it run as one C++ kernel (``kernels/cpu_fused_ops.py``); float32 keeps HF's ops.
 
 ``forward`` takes a packed batch (all sequences' new tokens concatenated) and returns logits
 only for the tokens listed in ``logits_indices`` (the last token of each sampling sequence).
@@ -21,6 +22,7 @@ from splitserve.engine.errors import ModelLoadError
 from splitserve.engine.linear import Linear
 from splitserve.engine.model_config import ModelArchConfig
 from splitserve.engine.rotary import apply_rotary, cos_sin_table
+from splitserve.kernels.cpu_fused_ops import CpuFusedOps, load_cpu_fused_ops
 
 
 @dataclass
@@ -71,6 +73,7 @@ class LlamaModel:
             config.head_dim, config.rope_theta, config.rope_scaling, max_positions, dtype, device
         )  # [positions, head_dim] each
         self.scale = config.head_dim**-0.5
+        self._fused_ops = _fused_ops_for(dtype, device)
 
     def _layer(self, take: _WeightTaker, index: int) -> DecoderLayerWeights:
         prefix = f"model.layers.{index}."
@@ -111,8 +114,9 @@ class LlamaModel:
         cos, sin = self.cos[positions], self.sin[positions]  # [tokens, head_dim]
         num_tokens = input_ids.shape[0]
         q_heads, kv_heads, head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        delta = None  # [tokens, hidden]: the MLP output still to be added to ``hidden``
         for index, layer in enumerate(self.layers):
-            normed = rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps)
+            hidden, normed = self._add_and_norm(hidden, delta, layer.input_norm)
             qkv = layer.qkv(normed)  # [tokens, q + 2 kv]
             query_key = qkv[:, : cfg.q_size + cfg.kv_size].view(
                 num_tokens, q_heads + kv_heads, head_dim
@@ -130,13 +134,36 @@ class LlamaModel:
             )  # [tokens, q_size]
             if on_layer_kv_written is not None:
                 on_layer_kv_written(index)
-            hidden = hidden + layer.o_proj(attn)
-            normed = rms_norm(hidden, layer.post_norm, cfg.rms_norm_eps)
+            hidden, normed = self._add_and_norm(hidden, layer.o_proj(attn), layer.post_norm)
             gate, up = layer.gate_up(normed).chunk(2, dim=-1)
-            hidden = hidden + layer.down(F.silu(gate) * up)
+            delta = layer.down(F.silu(gate) * up)
+        if delta is not None:
+            hidden = hidden + delta
         last = hidden.index_select(0, logits_indices)  # [samples, hidden]
         last = rms_norm(last, self.norm, cfg.rms_norm_eps)
         return self.lm_head(last).float()  # [samples, vocab]
+
+    def _add_and_norm(
+        self,
+        hidden: torch.Tensor,  # [tokens, hidden]
+        delta: torch.Tensor | None,  # [tokens, hidden]
+        weight: torch.Tensor,  # [hidden]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(hidden + delta, rms_norm(hidden + delta) * weight)``; no add when ``delta`` is
+        None. With the fused CPU kernel (bf16) ``hidden`` is updated in place."""
+        if self._fused_ops is not None:
+            normed = self._fused_ops.add_rms_norm(hidden, delta, weight, self.config.rms_norm_eps)
+            return hidden, normed
+        if delta is not None:
+            hidden = hidden + delta
+        return hidden, rms_norm(hidden, weight, self.config.rms_norm_eps)
+
+
+def _fused_ops_for(dtype: torch.dtype, device: torch.device) -> CpuFusedOps | None:
+    """The fused CPU kernels where they apply (bf16 on CPU) and can be built, else None."""
+    if device.type != "cpu" or dtype != torch.bfloat16:
+        return None
+    return load_cpu_fused_ops()
 
 
 class _WeightTaker:

@@ -7,7 +7,8 @@ The sources include no torch headers, so one ``g++`` call takes about a second. 
 wheel loads a ``libgomp.so.1`` first, the soname this library links, so both share one runtime.
 
 Cache: ``$SPLITSERVE_KERNEL_CACHE`` or ``~/.cache/splitserve/kernels``, one file per digest of
-(source, flags, compiler version, CPU flags); a changed source or another CPU builds anew.
+(source, the shared headers, flags, compiler version, CPU flags); a changed source or another
+CPU builds anew.
 Concurrent builders (several workers starting at once) each compile to a private temporary file
 and ``os.replace`` it into place, so a reader never sees a partial library.
 """
@@ -70,7 +71,8 @@ def build_library(name: str, flags: tuple[str, ...] = NATIVE_FLAGS) -> Path:
     except (OSError, subprocess.CalledProcessError) as error:
         raise CpuKernelBuildError(f"{compiler} --version failed: {error}") from error
     digest = hashlib.blake2b(digest_size=12)
-    for part in (source.read_bytes(), " ".join(flags).encode(), version.encode()):
+    headers = [path.read_bytes() for path in sorted(SOURCE_DIR.glob("*.h"))]
+    for part in (source.read_bytes(), *headers, " ".join(flags).encode(), version.encode()):
         digest.update(part)
     digest.update(_cpu_signature().encode())
     target = cache_dir() / f"{name}-{digest.hexdigest()}.so"

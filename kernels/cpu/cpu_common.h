@@ -1,0 +1,71 @@
+// Helpers shared by the CPU kernels (see cpu_build.py): bf16 <-> float32 and a vectorizable
+// exp. Header-only; every function is inline.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+namespace splitserve_cpu {
+
+constexpr int kLanes = 16;  // one AVX-512 register of floats; loops below vectorize by lanes
+
+inline float bf16_to_float(uint16_t value) {
+  uint32_t bits = static_cast<uint32_t>(value) << 16;
+  float result;
+  std::memcpy(&result, &bits, sizeof(result));
+  return result;
+}
+
+inline uint16_t float_to_bf16(float value) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof(bits));
+  if ((bits & 0x7f800000u) == 0x7f800000u && (bits & 0x007fffffu) != 0) {
+    return static_cast<uint16_t>((bits >> 16) | 0x40);  // NaN stays a quiet NaN
+  }
+  bits += 0x7fffu + ((bits >> 16) & 1u);  // round to nearest even
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+inline void load_row(const uint16_t* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_float(src[i]);
+}
+inline void load_row(const float* src, float* dst, int64_t n) {
+  std::memcpy(dst, src, n * sizeof(float));
+}
+inline void store_row(const float* src, uint16_t* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = float_to_bf16(src[i]);
+}
+inline void store_row(const float* src, float* dst, int64_t n) {
+  std::memcpy(dst, src, n * sizeof(float));
+}
+
+// exp(x) for x <= 0 (softmax arguments after subtracting the max); relative error below 1e-7.
+// x = k*ln2 + r with k = round(x/ln2), |r| <= ln2/2; exp(r) by its degree-7 Taylor polynomial
+// in f = r/ln2 (2^f, truncation error ~5e-9); 2^k built in the exponent bits. Branch-free, so
+// loops over it vectorize.
+inline float exp_nonpositive(float x) {
+  constexpr float kLog2e = 1.4426950408889634f;
+  constexpr float kRoundMagic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  x = x < -87.0f ? -87.0f : x;                 // keeps 2^k normal; exp(-87) ~ 1.6e-38
+  float t = x * kLog2e;
+  float shifted = t + kRoundMagic;
+  float k = shifted - kRoundMagic;
+  int32_t k_int;
+  std::memcpy(&k_int, &shifted, sizeof(k_int));
+  k_int -= 0x4b400000;  // the integer sits in the low mantissa bits of `shifted`
+  float f = t - k;      // in [-0.5, 0.5]
+  float p = 1.525273380405984e-05f;
+  p = p * f + 1.5403530393381608e-04f;
+  p = p * f + 1.3333558146428443e-03f;
+  p = p * f + 9.6181291076284772e-03f;
+  p = p * f + 5.5504108664821580e-02f;
+  p = p * f + 2.4022650695910071e-01f;
+  p = p * f + 6.9314718055994531e-01f;
+  p = p * f + 1.0f;
+  int32_t scale_bits = (k_int + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &scale_bits, sizeof(scale));
+  return p * scale;
+}
+
+}  // namespace splitserve_cpu
