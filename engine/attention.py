@@ -171,8 +171,18 @@ class TorchAttentionBackend(AttentionBackend):
             else:
                 seq_key = gather_blocks(key_cache, block_ids)[:context_len]
                 seq_value = gather_blocks(value_cache, block_ids)[:context_len]
-            output[start:end] = prefill_attention(query[start:end], seq_key, seq_value, scale)
+            output[start:end] = self._prefill(query[start:end], seq_key, seq_value, scale)
         return output.view(num_tokens, num_heads * head_dim)
+
+    def _prefill(
+        self,
+        query: torch.Tensor,  # [query_len, heads, head_dim]
+        key: torch.Tensor,  # [context_len, kv_heads, head_dim]
+        value: torch.Tensor,  # [context_len, kv_heads, head_dim]
+        scale: float,
+    ) -> torch.Tensor:
+        """Causal attention of one multi-token sequence; ``[query_len, heads, head_dim]``."""
+        return prefill_attention(query, key, value, scale)
 
     def _decode(
         self,

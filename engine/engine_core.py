@@ -204,7 +204,10 @@ def _backend(config: EngineConfig, dtype: torch.dtype, num_blocks: int) -> Atten
 
         return TritonAttentionBackend(batch_invariant=batch_invariant)
     if name == "cpu" or (name == "auto" and not on_cuda and dtype == torch.bfloat16):
-        from splitserve.kernels.cpu_attention import load_cpu_decode_attention
+        from splitserve.kernels.cpu_attention import (
+            load_cpu_decode_attention,
+            load_cpu_prefill_attention,
+        )
         from splitserve.kernels.cpu_backend import CpuAttentionBackend
 
         if on_cuda:
@@ -213,7 +216,7 @@ def _backend(config: EngineConfig, dtype: torch.dtype, num_blocks: int) -> Atten
             )
         kernel = load_cpu_decode_attention()
         if kernel is not None and dtype in kernel.dtypes:
-            return CpuAttentionBackend(kernel, num_blocks)
+            return CpuAttentionBackend(kernel, num_blocks, load_cpu_prefill_attention())
         if name == "cpu":
             raise InvalidRequestError(
                 f"attention_backend cpu is unavailable here for {dtype} (see the log)",

@@ -152,6 +152,119 @@ class CpuDecodeAttention:
         return out
 
 
+_PREFILL_ARGTYPES = [
+    ctypes.c_void_p,  # out
+    ctypes.c_void_p,  # query
+    ctypes.c_int64,  # query_stride
+    ctypes.c_void_p,  # key
+    ctypes.c_int64,  # key_stride
+    ctypes.c_void_p,  # value
+    ctypes.c_int64,  # value_stride
+    ctypes.c_int64,  # num_queries
+    ctypes.c_int64,  # context
+    ctypes.c_int64,  # num_heads
+    ctypes.c_int64,  # num_kv_heads
+    ctypes.c_int64,  # head_dim
+    ctypes.c_float,  # scale
+    ctypes.c_int,  # threads
+]
+PREFILL_UNSUPPORTED = -2
+"""What the prefill kernel returns when built without AVX-512 BF16 (callers use torch)."""
+
+
+def _rows_dense(tensor: torch.Tensor) -> bool:
+    """Heads contiguous within a row and head_dim within a head (rows may be strided)."""
+    return tensor.stride(2) == 1 and tensor.stride(1) == tensor.shape[2]
+
+
+class CpuPrefillAttention:
+    """Causal bf16 attention of one sequence's query rows over its context (C++ contract in
+    ``cpu/prefill_attention.cpp``); needs AVX-512 BF16, see ``available``."""
+
+    def __init__(self, library_path: str | os.PathLike[str]) -> None:
+        function = ctypes.CDLL(os.fspath(library_path)).splitserve_prefill_attention_bf16
+        function.argtypes = _PREFILL_ARGTYPES
+        function.restype = ctypes.c_int
+        self._function = function
+        probe = torch.zeros(1, 1, 32, dtype=torch.bfloat16)
+        self.available = self._run(probe.clone(), probe, probe, probe, 1.0) != PREFILL_UNSUPPORTED
+        """False when this CPU build has no AVX-512 BF16 path."""
+
+    def _run(self, out, query, key, value, scale: float) -> int:
+        return self._function(
+            out.data_ptr(),
+            query.data_ptr(),
+            query.stride(0),
+            key.data_ptr(),
+            key.stride(0),
+            value.data_ptr(),
+            value.stride(0),
+            query.shape[0],
+            key.shape[0],
+            query.shape[1],
+            key.shape[1],
+            query.shape[2],
+            scale,
+            torch.get_num_threads(),
+        )
+
+    def supports(self, query: torch.Tensor, key: torch.Tensor) -> bool:
+        """Whether ``__call__`` takes these (else use the torch path)."""
+        return (
+            self.available
+            and query.dtype == torch.bfloat16
+            and query.shape[2] % 32 == 0
+            and query.shape[2] <= 256
+        )
+
+    def __call__(
+        self,
+        query: torch.Tensor,  # [query_len, heads, head_dim] bf16
+        key: torch.Tensor,  # [context_len, kv_heads, head_dim] bf16
+        value: torch.Tensor,  # [context_len, kv_heads, head_dim] bf16
+        scale: float,
+    ) -> torch.Tensor:
+        """Query row ``i`` attends keys ``0 .. context_len - query_len + i``; returns
+        ``[query_len, heads, head_dim]``. Raises ``ValueError`` for arguments it cannot take."""
+        query_len, num_heads, head_dim = query.shape
+        context_len, num_kv_heads, key_dim = key.shape
+        if (
+            not self.supports(query, key)
+            or {key.dtype, value.dtype} != {torch.bfloat16}
+            or value.shape != key.shape
+            or key_dim != head_dim
+            or num_heads % num_kv_heads
+            or not 0 < query_len <= context_len
+        ):
+            raise ValueError("prefill attention: unsupported shapes, dtypes or lengths")
+        if not _rows_dense(query):
+            query = query.contiguous()
+        if not _rows_dense(key):
+            key = key.contiguous()
+        if not _rows_dense(value):
+            value = value.contiguous()
+        out = query.new_empty(query_len, num_heads, head_dim)
+        status = self._run(out, query, key, value, scale)
+        if status != 0:
+            raise ValueError(f"prefill attention kernel refused its arguments (code {status})")
+        return out
+
+
+@functools.cache
+def load_cpu_prefill_attention(
+    flags: tuple[str, ...] = NATIVE_FLAGS,
+) -> CpuPrefillAttention | None:
+    """The compiled prefill kernel if it has its AVX-512 BF16 path here, else None."""
+    if os.environ.get("SPLITSERVE_CPU_KERNELS", "1") == "0":
+        return None
+    try:
+        kernel = CpuPrefillAttention(build_library("prefill_attention", flags))
+    except (CpuKernelBuildError, OSError) as error:
+        logger.warning("CPU prefill attention kernel unavailable, using torch: %s", error)
+        return None
+    return kernel if kernel.available else None
+
+
 @functools.cache
 def load_cpu_decode_attention(flags: tuple[str, ...] = NATIVE_FLAGS) -> CpuDecodeAttention | None:
     """The compiled kernel, or None (logged) if disabled or it cannot be built here."""

@@ -1,8 +1,9 @@
 """The CPU attention backend: the torch backend with decodes on the C++ paged kernel.
 
 Decodes read their KV blocks in place (``cpu_attention.CpuDecodeAttention``) instead of
-gathering every sequence's blocks into a padded copy for one masked SDPA call; prefill chunks
-keep the torch path. The kernel computes each sequence on its own, so decodes are batch
+gathering every sequence's blocks into a padded copy for one masked SDPA call; bf16 prefill
+chunks run the C++ causal kernel (``CpuPrefillAttention``, AVX-512 BF16) when there is one,
+torch SDPA otherwise. The kernel computes each sequence on its own, so decodes are batch
 invariant without running them one by one.
 """
 
@@ -13,7 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from splitserve.engine.attention import SequenceSpan, TorchAttentionBackend, TorchAttentionMetadata
-from splitserve.kernels.cpu_attention import CpuDecodeAttention
+from splitserve.kernels.cpu_attention import CpuDecodeAttention, CpuPrefillAttention
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
@@ -21,11 +22,18 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     name = "cpu"
 
-    def __init__(self, kernel: CpuDecodeAttention, num_blocks: int) -> None:
+    def __init__(
+        self,
+        kernel: CpuDecodeAttention,
+        num_blocks: int,
+        prefill_kernel: CpuPrefillAttention | None = None,
+    ) -> None:
         """``num_blocks``: blocks in the KV cache this backend will read (block ids of every
-        step's tables are checked against it once per step, not once per layer)."""
+        step's tables are checked against it once per step, not once per layer).
+        ``prefill_kernel``: bf16 prefill chunks run on it when given (else torch SDPA)."""
         super().__init__(batch_invariant=False)  # the kernel is batch invariant by itself
         self._kernel = kernel
+        self._prefill_kernel = prefill_kernel
         self._num_blocks = num_blocks
 
     def prepare(
@@ -60,3 +68,15 @@ class CpuAttentionBackend(TorchAttentionBackend):
             scale,
             tables_checked=key_cache.shape[0] == self._num_blocks,
         )
+
+    def _prefill(
+        self,
+        query: torch.Tensor,  # [query_len, heads, head_dim]
+        key: torch.Tensor,  # [context_len, kv_heads, head_dim]
+        value: torch.Tensor,  # [context_len, kv_heads, head_dim]
+        scale: float,
+    ) -> torch.Tensor:
+        kernel = self._prefill_kernel
+        if kernel is not None and kernel.supports(query, key):
+            return kernel(query, key, value, scale)
+        return super()._prefill(query, key, value, scale)

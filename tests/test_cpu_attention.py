@@ -1,9 +1,10 @@
-"""The C++ CPU decode-attention kernel and the "cpu" attention backend built on it.
+"""The C++ CPU attention kernels and the "cpu" attention backend built on them.
 
-The kernel is checked against dense attention over the same (randomly scattered) blocks, for
-both its AVX-512 build (``-march=native``; its vector paths where this CPU has AVX-512 BF16)
-and its portable build, in float32 and bf16; bad arguments raise instead of reading out of
-bounds; the backend matches the torch backend on a mixed decode + prefill step.
+The decode kernel is checked against dense attention over the same (randomly scattered)
+blocks, for both its AVX-512 build (``-march=native``; its vector paths where this CPU has
+AVX-512 BF16) and its portable build, in float32 and bf16; the bf16 causal prefill kernel
+(AVX-512 BF16 only) against dense causal attention; bad arguments raise instead of reading
+out of bounds; the backend matches the torch backend on a mixed decode + prefill step.
 """
 
 from __future__ import annotations
@@ -12,7 +13,12 @@ import pytest
 import torch
 
 from splitserve.engine.attention import SequenceSpan, TorchAttentionBackend
-from splitserve.kernels.cpu_attention import CpuDecodeAttention, load_cpu_decode_attention
+from splitserve.kernels.cpu_attention import (
+    CpuDecodeAttention,
+    CpuPrefillAttention,
+    load_cpu_decode_attention,
+    load_cpu_prefill_attention,
+)
 from splitserve.kernels.cpu_backend import CpuAttentionBackend
 from splitserve.kernels.cpu_build import NATIVE_FLAGS, PORTABLE_FLAGS
 
@@ -139,9 +145,63 @@ def test_backend_matches_torch_backend_on_a_mixed_step(dtype) -> None:
     value = torch.randn(tokens, kv_heads, dim, generator=generator).to(dtype)
     spans = [SequenceSpan(q, c, t) for (q, c), t in zip(shapes, tables, strict=True)]
     outputs = []
-    for backend in (TorchAttentionBackend(), CpuAttentionBackend(kernel, num_blocks)):
+    cpu_backend = CpuAttentionBackend(kernel, num_blocks, load_cpu_prefill_attention())
+    for backend in (TorchAttentionBackend(), cpu_backend):
         caches = (key_cache.clone(), value_cache.clone())
         metadata = backend.prepare(spans, 3, BLOCK, torch.device("cpu"))
         outputs.append(backend.forward(query, key, value, *caches, metadata, dim**-0.5))
         assert torch.equal(caches[0][21, 7], key[-1])  # the chunk's last key landed
     torch.testing.assert_close(outputs[1], outputs[0], atol=TOLERANCE[dtype], rtol=0.0)
+
+
+def _prefill_kernel() -> CpuPrefillAttention:
+    kernel = load_cpu_prefill_attention()
+    if kernel is None:
+        pytest.skip("no C++ compiler or no AVX-512 BF16 here")
+    return kernel
+
+
+def _dense_causal(query, keys, values, scale):
+    """query [q, heads, dim] at the end of keys/values [ctx, kv_heads, dim] -> float64."""
+    query_len, context_len = query.shape[0], keys.shape[0]
+    group = query.shape[1] // keys.shape[1]
+    k = keys.double().repeat_interleave(group, dim=1)
+    v = values.double().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", query.double(), k) * scale
+    positions = torch.arange(context_len - query_len, context_len)[:, None]
+    scores = scores.masked_fill(torch.arange(context_len)[None, :] > positions, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+@pytest.mark.parametrize(
+    ("query_len", "context_len"),
+    [(1, 1), (1, 40), (5, 5), (16, 16), (37, 37), (100, 300), (256, 256)],
+)
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 4, 32), (8, 2, 128)])
+def test_prefill_kernel_matches_dense_causal_attention(
+    query_len, context_len, heads, kv_heads, dim
+) -> None:
+    kernel = _prefill_kernel()
+    generator = torch.Generator().manual_seed(query_len * 1000 + context_len)
+    # keys and values as strided views of one fused projection, as the model passes them
+    fused = torch.randn(context_len, heads + 2 * kv_heads, dim, generator=generator).bfloat16()
+    keys, values = fused[:, heads : heads + kv_heads], fused[:, heads + kv_heads :]
+    query = torch.randn(query_len, heads, dim, generator=generator).bfloat16()
+    out = kernel(query, keys, values, dim**-0.5)
+    expected = _dense_causal(query, keys, values, dim**-0.5)
+    torch.testing.assert_close(out.double(), expected, atol=2e-2, rtol=2e-2)
+
+
+def test_prefill_kernel_rejects_what_it_cannot_take() -> None:
+    kernel = _prefill_kernel()
+    keys = torch.zeros(8, 2, 32, dtype=torch.bfloat16)
+    query = torch.zeros(4, 4, 32, dtype=torch.bfloat16)
+    for bad in (
+        (torch.zeros(9, 4, 32, dtype=torch.bfloat16), keys, keys),  # more queries than context
+        (query, keys, torch.zeros(7, 2, 32, dtype=torch.bfloat16)),  # value length differs
+        (torch.zeros(4, 3, 32, dtype=torch.bfloat16), keys, keys),  # 3 heads over 2 KV heads
+        (query.float(), keys.float(), keys.float()),  # float32 is not supported
+        (torch.zeros(4, 4, 48, dtype=torch.bfloat16),) + (torch.zeros(8, 2, 48).bfloat16(),) * 2,
+    ):
+        with pytest.raises(ValueError):
+            kernel(*bad, 1.0)

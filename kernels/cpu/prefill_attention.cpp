@@ -1,0 +1,204 @@
+// Causal prefill attention on the CPU for bf16 (AVX-512 BF16), one sequence per call: the
+// query rows are the last `num_queries` positions of a `context`-token sequence, query row i
+// (position context - num_queries + i) attends keys 0 .. context - num_queries + i.
+//
+//   splitserve_prefill_attention_bf16(out, query, query_stride, key, key_stride, value,
+//       value_stride, num_queries, context, num_heads, num_kv_heads, head_dim, scale, threads)
+//   out    [num_queries, num_heads, head_dim] contiguous, written
+//   query  [num_queries, num_heads, head_dim], row stride query_stride (elements)
+//   key    [context, num_kv_heads, head_dim], row stride key_stride; value likewise
+// Heads are contiguous within a row and head_dim within a head. Query head q uses KV head
+// q / (num_heads / num_kv_heads). head_dim must be a multiple of 32, at most 256.
+//
+// Method: each KV head's keys and values are first repacked, 16 keys at a time, into the pair
+// layout vdpbf16ps consumes (keys: [pair of dims][key][2], values: [pair of keys][dim][2]),
+// then every query head runs, four query rows at a time, an online softmax over 16-key blocks:
+// scores of 16 keys by head_dim/2 vdpbf16ps, the probabilities rounded to bf16 for the value
+// product (as GPU flash attention does), float32 everywhere else. Returns 0; -1 for unsupported arguments
+// (nothing written); -2 when this build has no AVX-512 BF16 (the caller uses torch).
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define SPLITSERVE_AVX512 1
+#endif
+
+namespace {
+
+constexpr int64_t kBlock = 16;  // keys per block: one zmm of float32 scores
+
+#ifdef SPLITSERVE_AVX512
+// exp of 16 floats, each <= 0 (as exp_nonpositive in cpu_common.h, vectorised by hand).
+inline __m512 exp_nonpositive16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
+  const __m512 k = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, k);
+  __m512 p = _mm512_set1_ps(1.525273380405984e-05f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530393381608e-04f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-03f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-03f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-02f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-01f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-01f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  const __m512i exponent = _mm512_slli_epi32(
+      _mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(exponent));
+}
+
+// One KV head, packed: keys [blocks][head_dim/2][16][2], values [blocks][8][head_dim][2]
+// (uint16 bf16 bits), zero beyond the context.
+struct PackedHead {
+  std::vector<uint16_t> keys;
+  std::vector<uint16_t> values;
+};
+
+void pack_head(const uint16_t* key, int64_t key_stride, const uint16_t* value,
+               int64_t value_stride, int64_t context, int64_t head_dim, PackedHead& packed) {
+  const int64_t blocks = (context + kBlock - 1) / kBlock;
+  packed.keys.assign(blocks * kBlock * head_dim, 0);
+  packed.values.assign(blocks * kBlock * head_dim, 0);
+  for (int64_t t = 0; t < context; ++t) {
+    const int64_t block = t / kBlock, slot = t % kBlock;
+    const uint16_t* k = key + t * key_stride;
+    const uint16_t* v = value + t * value_stride;
+    uint16_t* kb = packed.keys.data() + block * kBlock * head_dim;
+    uint16_t* vb = packed.values.data() + block * kBlock * head_dim;
+    for (int64_t d = 0; d < head_dim; ++d) {
+      kb[((d / 2) * kBlock + slot) * 2 + d % 2] = k[d];
+      vb[((slot / 2) * head_dim + d) * 2 + slot % 2] = v[d];
+    }
+  }
+}
+
+constexpr int kTileRows = 4;  // query rows of one head attended together (independent chains)
+
+// Query rows row0 .. row0 + rows - 1 (rows <= kTileRows) of one head; row r attends keys
+// [0, first_limit + r). Sharing each loaded key/value block between the rows keeps the
+// vdpbf16ps chains of different rows independent (the FMA latency is hidden).
+void attend_rows(const uint16_t* query, int64_t query_stride, int rows, const PackedHead& packed,
+                 int64_t first_limit, int64_t head_dim, float scale, uint16_t* out,
+                 int64_t out_stride) {
+  const int64_t pairs = head_dim / 2;
+  const int64_t chunks = head_dim / 16;  // zmm of float32 outputs
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  __m512 acc[kTileRows][16];
+  float running_max[kTileRows], running_sum[kTileRows];
+  const uint32_t* q_pairs[kTileRows];
+  for (int r = 0; r < kTileRows; ++r) {
+    for (int64_t c = 0; c < chunks; ++c) acc[r][c] = _mm512_setzero_ps();
+    running_max[r] = neg_inf;
+    running_sum[r] = 0.0f;
+    q_pairs[r] = reinterpret_cast<const uint32_t*>(query + std::min(r, rows - 1) * query_stride);
+  }
+  const __m512 scale_v = _mm512_set1_ps(scale);
+  const int64_t last_limit = first_limit + rows - 1;
+  const int64_t blocks = (last_limit + kBlock - 1) / kBlock;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint16_t* kb = packed.keys.data() + b * kBlock * head_dim;
+    __m512 scores[kTileRows];
+    for (int r = 0; r < kTileRows; ++r) scores[r] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < pairs; ++p) {
+      const __m512bh k = (__m512bh)_mm512_loadu_si512(kb + p * kBlock * 2);
+      for (int r = 0; r < kTileRows; ++r) {
+        const __m512bh qp = (__m512bh)_mm512_set1_epi32(static_cast<int>(q_pairs[r][p]));
+        scores[r] = _mm512_dpbf16_ps(scores[r], k, qp);
+      }
+    }
+    alignas(64) uint32_t prob_pairs[kTileRows][kBlock / 2];
+    for (int r = 0; r < kTileRows; ++r) {
+      const int64_t valid = std::clamp<int64_t>(first_limit + r - b * kBlock, 0, kBlock);
+      const __mmask16 live = static_cast<__mmask16>((1u << valid) - 1u);
+      const __m512 s = _mm512_mask_blend_ps(live, _mm512_set1_ps(neg_inf),
+                                            _mm512_mul_ps(scores[r], scale_v));
+      const float new_max = valid == 0 ? running_max[r]
+                                       : std::max(running_max[r], _mm512_reduce_max_ps(s));
+      float correction = 1.0f;
+      if (new_max != running_max[r]) {
+        correction = running_max[r] == neg_inf
+                         ? 0.0f
+                         : exp_nonpositive16(_mm512_set1_ps(running_max[r] - new_max))[0];
+      }
+      const __m512 probs = _mm512_maskz_mov_ps(
+          live, exp_nonpositive16(_mm512_sub_ps(s, _mm512_set1_ps(new_max))));
+      running_sum[r] = running_sum[r] * correction + _mm512_reduce_add_ps(probs);
+      running_max[r] = new_max;
+      if (correction != 1.0f) {
+        const __m512 correction_v = _mm512_set1_ps(correction);
+        for (int64_t c = 0; c < chunks; ++c) acc[r][c] = _mm512_mul_ps(acc[r][c], correction_v);
+      }
+      // probabilities as bf16 pairs (key 2j, key 2j+1) for the value product
+      _mm256_store_si256(reinterpret_cast<__m256i*>(prob_pairs[r]),
+                         (__m256i)_mm512_cvtneps_pbh(probs));
+    }
+    const uint16_t* vb = packed.values.data() + b * kBlock * head_dim;
+    for (int64_t j = 0; j < kBlock / 2; ++j) {
+      const uint16_t* vrow = vb + j * head_dim * 2;
+      for (int64_t c = 0; c < chunks; ++c) {
+        const __m512bh v = (__m512bh)_mm512_loadu_si512(vrow + c * 32);
+        for (int r = 0; r < kTileRows; ++r) {
+          const __m512bh pj = (__m512bh)_mm512_set1_epi32(static_cast<int>(prob_pairs[r][j]));
+          acc[r][c] = _mm512_dpbf16_ps(acc[r][c], v, pj);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < rows; ++r) {
+    const __m512 inverse = _mm512_set1_ps(1.0f / running_sum[r]);
+    for (int64_t c = 0; c < chunks; ++c) {
+      const __m256bh rounded = _mm512_cvtneps_pbh(_mm512_mul_ps(acc[r][c], inverse));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * out_stride + c * 16),
+                          (__m256i)rounded);
+    }
+  }
+}
+#endif
+
+}  // namespace
+
+extern "C" int splitserve_prefill_attention_bf16(
+    uint16_t* out, const uint16_t* query, int64_t query_stride, const uint16_t* key,
+    int64_t key_stride, const uint16_t* value, int64_t value_stride, int64_t num_queries,
+    int64_t context, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale,
+    int threads) {
+#ifndef SPLITSERVE_AVX512
+  return -2;
+#else
+  if (num_queries <= 0 || context < num_queries || num_kv_heads <= 0 ||
+      num_heads % num_kv_heads != 0 || head_dim % 32 != 0 || head_dim > 256 || threads <= 0) {
+    return -1;
+  }
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t offset = context - num_queries;  // position of query row 0
+  std::vector<PackedHead> packed(num_kv_heads);
+  constexpr int64_t kRowsPerItem = 16;
+  const int64_t row_chunks = (num_queries + kRowsPerItem - 1) / kRowsPerItem;
+#pragma omp parallel num_threads(threads)
+  {
+#pragma omp for schedule(static)
+    for (int64_t h = 0; h < num_kv_heads; ++h) {
+      pack_head(key + h * head_dim, key_stride, value + h * head_dim, value_stride, context,
+                head_dim, packed[h]);
+    }
+    // Later row chunks attend more keys: hand them out first, dynamically.
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < num_heads * row_chunks; ++item) {
+      const int64_t chunk = row_chunks - 1 - item / num_heads;
+      const int64_t head = item % num_heads;
+      const int64_t end = std::min(num_queries, (chunk + 1) * kRowsPerItem);
+      for (int64_t row = chunk * kRowsPerItem; row < end; row += kTileRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kTileRows, end - row));
+        attend_rows(query + row * query_stride + head * head_dim, query_stride, rows,
+                    packed[head / group], offset + row + 1, head_dim, scale,
+                    out + (row * num_heads + head) * head_dim, num_heads * head_dim);
+      }
+    }
+  }
+  return 0;
+#endif
+}
