@@ -1,14 +1,18 @@
-"""Triton is optional: the kernel modules import without it, and the engine picks the torch
-attention backend on CPU."""
+"""Triton is optional: the kernel modules import without it, and on CPU the engine picks the
+torch backend (float32, or when asked) or the C++ kernels' backend (bf16, where they build)."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 
+import torch
+
 from splitserve.engine.attention import TorchAttentionBackend
-from splitserve.engine.config import EngineConfig
+from splitserve.engine.config import EngineConfig, RunnerConfig
 from splitserve.engine.engine_core import _backend
+from splitserve.kernels.cpu_attention import load_cpu_decode_attention
+from splitserve.kernels.cpu_backend import CpuAttentionBackend
 
 WITHOUT_TRITON = """
 import sys
@@ -43,5 +47,11 @@ def test_kernel_modules_import_without_triton() -> None:
     assert result.stdout.strip() == "ok"
 
 
-def test_engine_picks_torch_backend_on_cpu() -> None:
-    assert isinstance(_backend(EngineConfig(), batch_invariant=False), TorchAttentionBackend)
+def test_engine_picks_the_cpu_backends_on_cpu() -> None:
+    # float32: the torch reference backend (bit-exact with HF), never Triton on a CPU
+    assert type(_backend(EngineConfig(), torch.float32, 16)) is TorchAttentionBackend
+    forced = EngineConfig(runner=RunnerConfig(attention_backend="torch"))
+    assert type(_backend(forced, torch.bfloat16, 16)) is TorchAttentionBackend
+    # bf16: the C++ kernels where they build, the torch backend otherwise
+    expected = CpuAttentionBackend if load_cpu_decode_attention() else TorchAttentionBackend
+    assert type(_backend(EngineConfig(), torch.bfloat16, 16)) is expected
