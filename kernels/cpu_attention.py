@@ -1,24 +1,20 @@
-"""Paged decode attention on the CPU through the C++ kernel (``cpu/paged_decode_attention.cpp``).
+"""Decode and causal prefill attention on the CPU through the C++ kernels (``cpu/*.cpp``).
 
 ``CpuDecodeAttention`` wraps the compiled library (``cpu_build``) behind a tensor API and
 checks every argument the C side trusts (dtypes, shapes, contiguity, context lengths within the
 block tables), so a wrong call raises ``ValueError`` instead of reading out of bounds.
 ``load_cpu_decode_attention`` returns None (logging why) when the library cannot be built, or
-when ``SPLITSERVE_CPU_KERNELS=0``; callers then keep the torch path.
+when ``SPLITSERVE_CPU_KERNELS=0``; callers then keep the torch path (``cpu_build.load_library``).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import logging
-import os
 
 import torch
 
-from splitserve.kernels.cpu_build import NATIVE_FLAGS, CpuKernelBuildError, build_library
-
-logger = logging.getLogger(__name__)
+from splitserve.kernels.cpu_build import NATIVE_FLAGS, load_library
 
 _ARGTYPES = [
     ctypes.c_void_p,  # out
@@ -49,8 +45,7 @@ class CpuDecodeAttention:
     ctypes releases the GIL for the call; the kernel uses torch's intra-op thread count.
     """
 
-    def __init__(self, library_path: str | os.PathLike[str]) -> None:
-        library = ctypes.CDLL(os.fspath(library_path))
+    def __init__(self, library: ctypes.CDLL) -> None:
         self._functions = {}
         for dtype, symbol in _SYMBOLS.items():
             function = getattr(library, symbol)
@@ -181,8 +176,8 @@ class CpuPrefillAttention:
     """Causal bf16 attention of one sequence's query rows over its context (C++ contract in
     ``cpu/prefill_attention.cpp``); needs AVX-512 BF16, see ``available``."""
 
-    def __init__(self, library_path: str | os.PathLike[str]) -> None:
-        function = ctypes.CDLL(os.fspath(library_path)).splitserve_prefill_attention_bf16
+    def __init__(self, library: ctypes.CDLL) -> None:
+        function = library.splitserve_prefill_attention_bf16
         function.argtypes = _PREFILL_ARGTYPES
         function.restype = ctypes.c_int
         self._function = function
@@ -255,24 +250,15 @@ def load_cpu_prefill_attention(
     flags: tuple[str, ...] = NATIVE_FLAGS,
 ) -> CpuPrefillAttention | None:
     """The compiled prefill kernel if it has its AVX-512 BF16 path here, else None."""
-    if os.environ.get("SPLITSERVE_CPU_KERNELS", "1") == "0":
+    library = load_library("prefill_attention", flags)
+    if library is None:
         return None
-    try:
-        kernel = CpuPrefillAttention(build_library("prefill_attention", flags))
-    except (CpuKernelBuildError, OSError) as error:
-        logger.warning("CPU prefill attention kernel unavailable, using torch: %s", error)
-        return None
+    kernel = CpuPrefillAttention(library)
     return kernel if kernel.available else None
 
 
 @functools.cache
 def load_cpu_decode_attention(flags: tuple[str, ...] = NATIVE_FLAGS) -> CpuDecodeAttention | None:
     """The compiled kernel, or None (logged) if disabled or it cannot be built here."""
-    if os.environ.get("SPLITSERVE_CPU_KERNELS", "1") == "0":
-        logger.info("CPU kernels disabled by SPLITSERVE_CPU_KERNELS=0")
-        return None
-    try:
-        return CpuDecodeAttention(build_library("paged_decode_attention", flags))
-    except (CpuKernelBuildError, OSError) as error:
-        logger.warning("CPU attention kernel unavailable, using the torch path: %s", error)
-        return None
+    library = load_library("paged_decode_attention", flags)
+    return None if library is None else CpuDecodeAttention(library)

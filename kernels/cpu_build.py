@@ -15,12 +15,16 @@ and ``os.replace`` it into place, so a reader never sees a partial library.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
+import logging
 import os
 import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).resolve().parent / "cpu"
 NATIVE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
@@ -94,6 +98,19 @@ def build_library(name: str, flags: tuple[str, ...] = NATIVE_FLAGS) -> Path:
         if os.path.exists(partial):
             os.unlink(partial)
     return target
+
+
+def load_library(name: str, flags: tuple[str, ...] = NATIVE_FLAGS) -> ctypes.CDLL | None:
+    """The loaded ``kernels/cpu/<name>.cpp`` library, or None (logged) when
+    ``SPLITSERVE_CPU_KERNELS=0`` or it cannot be built or loaded here (callers keep torch)."""
+    if os.environ.get("SPLITSERVE_CPU_KERNELS", "1") == "0":
+        logger.info("CPU kernel %s disabled by SPLITSERVE_CPU_KERNELS=0", name)
+        return None
+    try:
+        return ctypes.CDLL(os.fspath(build_library(name, flags)))
+    except (CpuKernelBuildError, OSError) as error:
+        logger.warning("CPU kernel %s unavailable, using the torch path: %s", name, error)
+        return None
 
 
 if __name__ == "__main__":  # `python -m splitserve.kernels.cpu_build`: warm the cache

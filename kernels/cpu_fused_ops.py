@@ -11,14 +11,10 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
-import os
 
 import torch
 
-from splitserve.kernels.cpu_build import NATIVE_FLAGS, CpuKernelBuildError, build_library
-
-logger = logging.getLogger(__name__)
+from splitserve.kernels.cpu_build import NATIVE_FLAGS, load_library
 
 _P, _I, _F, _T = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {
@@ -38,8 +34,7 @@ def _is_bf16_matrix(tensor: torch.Tensor) -> bool:
 class CpuFusedOps:
     """The fused kernels as tensor functions (bf16, CPU, torch's intra-op thread count)."""
 
-    def __init__(self, library_path: str | os.PathLike[str]) -> None:
-        library = ctypes.CDLL(os.fspath(library_path))
+    def __init__(self, library: ctypes.CDLL) -> None:
         for symbol, argtypes in _SIGNATURES.items():
             function = getattr(library, symbol)
             function.argtypes = argtypes
@@ -82,10 +77,5 @@ class CpuFusedOps:
 @functools.cache
 def load_cpu_fused_ops(flags: tuple[str, ...] = NATIVE_FLAGS) -> CpuFusedOps | None:
     """The compiled fused ops, or None (logged) if disabled or they cannot be built here."""
-    if os.environ.get("SPLITSERVE_CPU_KERNELS", "1") == "0":
-        return None
-    try:
-        return CpuFusedOps(build_library("fused_ops", flags))
-    except (CpuKernelBuildError, OSError) as error:
-        logger.warning("CPU fused ops unavailable, using torch ops: %s", error)
-        return None
+    library = load_library("fused_ops", flags)
+    return None if library is None else CpuFusedOps(library)

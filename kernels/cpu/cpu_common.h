@@ -43,10 +43,17 @@ inline void store_row(const float* src, float* dst, int64_t n) {
 // x = k*ln2 + r with k = round(x/ln2), |r| <= ln2/2; exp(r) by its degree-7 Taylor polynomial
 // in f = r/ln2 (2^f, truncation error ~5e-9); 2^k built in the exponent bits. Branch-free, so
 // loops over it vectorize.
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kExpFloor = -87.0f;  // keeps 2^k normal; exp(-87) ~ 1.6e-38
+// 2^f = sum_i kExp2Taylor[i] * f^(7-i): (ln 2)^n / n!, highest degree first.
+constexpr float kExp2Taylor[8] = {1.525273380405984e-05f,  1.5403530393381608e-04f,
+                                  1.3333558146428443e-03f, 9.6181291076284772e-03f,
+                                  5.5504108664821580e-02f, 2.4022650695910071e-01f,
+                                  6.9314718055994531e-01f, 1.0f};
+
 inline float exp_nonpositive(float x) {
-  constexpr float kLog2e = 1.4426950408889634f;
   constexpr float kRoundMagic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  x = x < -87.0f ? -87.0f : x;                 // keeps 2^k normal; exp(-87) ~ 1.6e-38
+  x = x < kExpFloor ? kExpFloor : x;
   float t = x * kLog2e;
   float shifted = t + kRoundMagic;
   float k = shifted - kRoundMagic;
@@ -54,14 +61,8 @@ inline float exp_nonpositive(float x) {
   std::memcpy(&k_int, &shifted, sizeof(k_int));
   k_int -= 0x4b400000;  // the integer sits in the low mantissa bits of `shifted`
   float f = t - k;      // in [-0.5, 0.5]
-  float p = 1.525273380405984e-05f;
-  p = p * f + 1.5403530393381608e-04f;
-  p = p * f + 1.3333558146428443e-03f;
-  p = p * f + 9.6181291076284772e-03f;
-  p = p * f + 5.5504108664821580e-02f;
-  p = p * f + 2.4022650695910071e-01f;
-  p = p * f + 6.9314718055994531e-01f;
-  p = p * f + 1.0f;
+  float p = kExp2Taylor[0];
+  for (int i = 1; i < 8; ++i) p = p * f + kExp2Taylor[i];
   int32_t scale_bits = (k_int + 127) << 23;
   float scale;
   std::memcpy(&scale, &scale_bits, sizeof(scale));
