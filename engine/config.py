@@ -79,7 +79,7 @@ class RunnerConfig:
     num_threads: int | None = None
     """torch intra-op threads; None leaves torch's default."""
     attention_backend: str = "auto"
-    """"torch" (reference), "cpu" (C++ decode kernel), "triton" (CUDA) or "auto" (triton on
+    """"torch" (reference), "cpu" (C++ CPU kernels), "triton" (CUDA) or "auto" (triton on
     CUDA, cpu for bf16 on CPU, torch otherwise)."""
     device: str = "cpu"
     """torch device of weights and KV cache."""
