@@ -2,44 +2,43 @@
 
 Two processes on this machine, each with its own asyncio loop and its own ``UcxTransport``
 (same ``UcxSettings`` on both): this one plays the prefill worker (``LayerSender``), a child
-started with multiprocessing "spawn" plays the decode worker (``LayerReceiver``, the
-production receive path: a ring of two receive buffers, each landed layer scattered by a
-function on a one-thread executor, here a ``copy_`` into a preallocated destination tensor as
-the decode worker writes its reserved blocks). The child's UCX worker address and all control
-messages go through a ``multiprocessing.Pipe``; the control traffic is outside the timed part.
+started with multiprocessing "spawn" plays the decode worker (``LayerReceiver``, the production
+receive path: every message received straight into its place in a KV cache tensor allocated as
+the decode worker allocates its own (``zeros_huge_pages``), as it receives into its reserved
+blocks; the regions come from ``kv_io.receive_destinations``). The child's UCX worker address
+and all control messages go through a ``multiprocessing.Pipe``; the control traffic is outside
+the timed part.
 
 Workloads: the KV of a 128, 1024 and 4096 token prompt of the default model (SmolLM2-135M: 30
-layers, 3 KV heads, head_dim 64, block_size 16, bf16), one message per layer of ``2 * blocks *
-16 * 3 * 64 * 2`` bytes, and one 64 MiB message (a single "layer").
+layers, 3 KV heads, head_dim 64, block_size 16, bf16: 6 KiB per block for K and as much for V)
+received into consecutive blocks (one run: per layer one K and one V message), the 1024-token
+prompt received into blocks in 4 runs (a fragmented cache: 8 messages per layer), and a 64 MiB
+"layer" (one 32 MiB K and one 32 MiB V message). The sender's source is already in the plan's
+block order, gathered layer by layer into a staging buffer as the prefill worker's engine thread
+does (``kv_io.staging_buffer``: huge pages), outside the transfer.
 
-One repetition: the child zeroes its destination, posts its receiver and answers "ready". The
-sender then reads ``CLOCK_MONOTONIC`` (start), offers every layer at once (the transport's
-bandwidth, not the engine's pace) and awaits ``finish``. The child reads ``CLOCK_MONOTONIC``
-(end) when ``LayerReceiver.wait`` returns, i.e. when every layer has landed *and* been
-scattered into the destination, and sends it back. Duration = end - start: both processes
-read the same system-wide clock, so no pipe latency is in it. Then the child sends the CRC32
-of its destination, which must equal the source's (checked every repetition, untimed).
-GB/s = bytes / duration / 1e9, median over ``--reps`` repetitions after one warm-up.
+One repetition: the child zeroes its cache, posts its receiver and answers "ready". The sender
+then reads ``CLOCK_MONOTONIC`` (start), offers every layer at once (the transport's bandwidth,
+not the engine's pace) and awaits ``finish``. The child reads ``CLOCK_MONOTONIC`` (end) when
+``LayerReceiver.wait`` returns, i.e. when every message has landed in the cache, and sends it
+back. Duration = end - start: both processes read the same system-wide clock, so no pipe
+latency is in it. Then the child sends the CRC32 of the reserved blocks (gathered in block-table
+order), which must equal the source's (checked every repetition, untimed). GB/s = bytes /
+duration / 1e9, median over ``--reps`` repetitions after one warm-up.
 
 UCX configurations: error handling off with UCX's default transports (shared memory / CMA on
 one machine), error handling on (UCX then excludes transports that cannot detect a dead peer,
-so traffic goes over TCP), and ``UCX_TLS=tcp``. Receive buffers (``--receive-buffers``):
-"pooled", the production path (the receiver's process ``BufferPool``: buffers reused across
-transfers, already faulted in and registered), and/or "fresh" (a pool that retains nothing:
-every transfer receives into newly allocated memory, as before the pool existed); each mode is
-a separate receiver child per UCX configuration, named "<configuration>, fresh buffers".
-Baseline, measured in the same run in this process: ``dst.copy_(src)`` of the same total bytes
-(one copy, median of ``--reps``), and the ratio transfer / memcpy. A transfer moves the bytes
-at least twice (into the receive buffer, then the scatter), so a ratio near 0.5 is as good as
-it gets.
+so traffic goes over TCP), and ``UCX_TLS=tcp``. Baseline, measured in the same run in this
+process: libc ``memcpy`` of the same total bytes into another buffer (one copy, median of
+``--reps``; the fastest of torch ``copy_``, numpy ``copyto`` and libc ``memcpy`` on this
+machine), and the ratio transfer / memcpy.
 
 The machine is shared and small: before the memcpy baseline and before each UCX
 configuration, the bench waits (up to ``--wait-quiet-s``) for the CPUs to go idle and records
 the busy fraction it saw (above ~0.1: the numbers next to it were contended). Both processes
 run torch with ``--threads`` threads (default 1: two processes on two cores).
 
-Usage: ``python bench/bench_kv_transfer.py [--reps 7] [--out [PATH]] [--skip-tcp]
-[--receive-buffers fresh pooled]``; prints
+Usage: ``python bench/bench_kv_transfer.py [--reps 7] [--out [PATH]] [--skip-tcp]``; prints
 a table to stderr and the JSON report to stdout; ``--out`` also writes the report
 (default ``bench/results/kv-transfer-<date>.json``).
 """
@@ -48,8 +47,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import concurrent.futures
 import contextlib
+import ctypes
 import datetime
 import json
 import multiprocessing
@@ -68,20 +67,18 @@ import torch
 import ucxx
 from timing_stats import Json, wait_for_quiet
 
-from splitserve.transfer.buffer_pool import BufferPool
+from splitserve.engine.host_memory import empty_huge_pages, zeros_huge_pages
 from splitserve.transfer.layer_channel import LayerReceiver, LayerSender
-from splitserve.transfer.layout import KvLayout
+from splitserve.transfer.plan import TransferPlan
 from splitserve.transfer.ucx import UcxSettings, UcxTransport
+from splitserve.worker.kv_io import receive_destinations
 
-DEFAULT_LAYOUT = KvLayout(
-    model="SmolLM2-135M-Instruct",
-    dtype="bfloat16",
-    block_size=16,
-    num_layers=30,
-    num_kv_heads=3,
-    head_dim=64,
-)
+SMOLLM2_LAYERS = 30
+SMOLLM2_HALF_BLOCK_BYTES = 16 * 3 * 64 * 2
+"""K (or V) bytes of one block of the default model in bf16: block_size x kv_heads x dim x 2."""
+BLOCK_SIZE = 16
 PROMPT_TOKENS = (128, 1024, 4096)
+FRAGMENTED_RUNS = 4
 BIG_MESSAGE_BYTES = 64 << 20
 CONTROL_TIMEOUT_S = 60.0
 """Bound on every wait for the other process (a crashed child fails the bench, never hangs)."""
@@ -90,52 +87,82 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 @dataclass(frozen=True)
 class Workload:
-    """One transfer: ``num_layers`` messages of ``layer_bytes`` each."""
+    """One transfer of ``num_layers`` layers into ``block_ids`` of a cache of ``uint8
+    [num_layers, 2, cache_blocks, half_block_bytes]``."""
 
     name: str
     num_layers: int
-    layer_bytes: int
+    half_block_bytes: int
+    block_ids: tuple[int, ...]
+
+    @property
+    def cache_blocks(self) -> int:
+        return max(self.block_ids) + 1
+
+    @property
+    def layer_bytes(self) -> int:
+        return 2 * len(self.block_ids) * self.half_block_bytes
 
     @property
     def total_bytes(self) -> int:
         return self.num_layers * self.layer_bytes
+
+    @property
+    def plan(self) -> TransferPlan:
+        return TransferPlan.for_destination(self.block_ids)
+
+
+def fragmented(num_blocks: int, runs: int) -> tuple[int, ...]:
+    """``num_blocks`` ids in ``runs`` runs with a free block between runs, last run first."""
+    per_run = -(-num_blocks // runs)
+    starts = [run * (per_run + 1) for run in range(runs)]
+    chunks = [
+        list(range(start, start + min(per_run, num_blocks - run * per_run)))
+        for run, start in enumerate(starts)
+    ]
+    return tuple(block for chunk in reversed(chunks) for block in chunk)
+
+
+def workloads() -> list[Workload]:
+    """The default model's KV of each prompt length, a fragmented one, and 64 MiB."""
+    work = []
+    for tokens in PROMPT_TOKENS:
+        blocks = -(-tokens // BLOCK_SIZE)
+        work.append(
+            Workload(
+                f"prompt-{tokens}",
+                SMOLLM2_LAYERS,
+                SMOLLM2_HALF_BLOCK_BYTES,
+                tuple(range(blocks)),
+            )
+        )
+        if tokens == 1024:
+            work.append(
+                Workload(
+                    f"prompt-{tokens}-{FRAGMENTED_RUNS}runs",
+                    SMOLLM2_LAYERS,
+                    SMOLLM2_HALF_BLOCK_BYTES,
+                    fragmented(blocks, FRAGMENTED_RUNS),
+                )
+            )
+    work.append(Workload("message-64MiB", 1, BIG_MESSAGE_BYTES // 2, (0,)))
+    return work
 
 
 @dataclass(frozen=True)
 class UcxConfig:
     name: str
     settings: UcxSettings
-    pooled: bool = True
-    """Receive into the process's buffer pool (production); False: fresh buffers each time."""
 
 
-def workloads() -> list[Workload]:
-    """The default model's KV of each prompt length, and one 64 MiB message."""
-    layout = DEFAULT_LAYOUT
-    prompts = [
-        Workload(
-            f"prompt-{tokens}",
-            layout.num_layers,
-            layout.layer_bytes(-(-tokens // layout.block_size)),
-        )
-        for tokens in PROMPT_TOKENS
-    ]
-    return [*prompts, Workload("message-64MiB", 1, BIG_MESSAGE_BYTES)]
-
-
-def ucx_configs(skip_tcp: bool, receive_buffers: Sequence[str]) -> list[UcxConfig]:
-    """Each UCX configuration once per receive-buffer mode ("pooled" keeps the plain name)."""
-    settings = [
-        ("ucx error_handling=off", UcxSettings()),
-        ("ucx error_handling=on", UcxSettings(error_handling=True)),
+def ucx_configs(skip_tcp: bool) -> list[UcxConfig]:
+    configs = [
+        UcxConfig("ucx error_handling=off", UcxSettings()),
+        UcxConfig("ucx error_handling=on", UcxSettings(error_handling=True)),
     ]
     if not skip_tcp:
-        settings.append(("ucx tls=tcp", UcxSettings(tls="tcp")))
-    return [
-        UcxConfig(name if mode == "pooled" else f"{name}, {mode} buffers", ucx, mode == "pooled")
-        for name, ucx in settings
-        for mode in receive_buffers
-    ]
+        configs.append(UcxConfig("ucx tls=tcp", UcxSettings(tls="tcp")))
+    return configs
 
 
 def monotonic() -> float:
@@ -157,56 +184,36 @@ def recv_within(conn: Connection, timeout_s: float = CONTROL_TIMEOUT_S) -> objec
 # ----------------------------------------------------------------------------- receiver (child)
 
 
-def receiver_main(
-    conn: Connection, config: UcxConfig, threads: int, num_buffers: int | None
-) -> None:
+def receiver_main(conn: Connection, config: UcxConfig, threads: int) -> None:
     """Child process entry: the decode side, serving transfers until told to stop."""
     torch.set_num_threads(threads)
     try:
-        asyncio.run(_serve_receives(conn, config, num_buffers))
+        asyncio.run(_serve_receives(conn, config))
     finally:
         conn.close()
 
 
-async def _serve_receives(conn: Connection, config: UcxConfig, num_buffers: int | None) -> None:
+async def _serve_receives(conn: Connection, config: UcxConfig) -> None:
     transport = UcxTransport(config.settings)
-    # None: the process pool, as in production; a pool retaining nothing frees every buffer
-    pool = None if config.pooled else BufferPool(max_retained_bytes=0)
-    executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="scatter")
-    destinations: dict[Workload, torch.Tensor] = {}
+    caches: dict[Workload, torch.Tensor] = {}
     conn.send(transport.address)
     try:
         while isinstance(command := await asyncio.to_thread(recv_within, conn), tuple):
             workload, transfer_id = command
-            # [layers, layer_bytes]: where the scatter writes, preallocated like KV blocks
-            destination = destinations.get(workload)
-            if destination is None:
-                destination = torch.empty(
-                    workload.num_layers, workload.layer_bytes, dtype=torch.uint8
-                )
-                destinations[workload] = destination
-            destination.zero_()
-
-            def scatter(layer: int, data: torch.Tensor, dst: torch.Tensor = destination) -> None:
-                dst[layer].copy_(data)
-
-            receiver = LayerReceiver(
-                transport,
-                transfer_id,
-                workload.num_layers,
-                workload.layer_bytes,
-                scatter,
-                executor,
-                **({} if num_buffers is None else {"num_buffers": num_buffers}),
-                pool=pool,
-            )
-            await asyncio.sleep(0.005)  # let the receiver post its first receives
+            cache = caches.get(workload)
+            if cache is None:  # [layers, 2, blocks, half_block_bytes], allocated as a KV cache
+                shape = (workload.num_layers, 2, workload.cache_blocks, workload.half_block_bytes)
+                cache = zeros_huge_pages(shape, torch.uint8, "cpu")
+                caches[workload] = cache
+            cache.zero_()
+            plan, destinations = receive_destinations(cache, workload.block_ids)
+            receiver = LayerReceiver(transport, transfer_id, plan, destinations)
+            await asyncio.sleep(0.005)  # let the receiver post its receives
             conn.send("ready")
             await receiver.wait(CONTROL_TIMEOUT_S)
             conn.send(monotonic())
-            conn.send(crc32(destination))
+            conn.send(crc32(cache[:, :, list(workload.block_ids)].contiguous()))
     finally:
-        executor.shutdown()
         await transport.close()
 
 
@@ -226,20 +233,30 @@ async def _time_transfers(
         endpoint = await transport.connect(peer)
         transfer_ids = iter(range(1, 1 << 20))
         for workload in work:
-            # [layers, layer_bytes] of random bytes, one row per layer message
+            plan = workload.plan  # in production it comes with the reservation
+            # [layers, 2, blocks, half_block_bytes] random bytes, blocks in block-table order
             source = torch.randint(
-                0, 256, (workload.num_layers, workload.layer_bytes), dtype=torch.uint8
+                0,
+                256,
+                (workload.num_layers, 2, len(workload.block_ids), workload.half_block_bytes),
+                dtype=torch.uint8,
             )
             expected_crc = crc32(source)
+            # what the engine thread hands the sender: each layer gathered in plan order into
+            # a staging buffer allocated as the prefill worker's (kv_io.staging_buffer)
+            order = torch.tensor(plan.block_order)
+            ordered = empty_huge_pages(tuple(source.shape), torch.uint8, "cpu")
+            for layer in range(workload.num_layers):
+                torch.index_select(source[layer], 1, order, out=ordered[layer])
             seconds = []
             for rep in range(1 + reps):
                 transfer_id = next(transfer_ids)
                 conn.send((workload, transfer_id))
                 assert await asyncio.to_thread(recv_within, conn) == "ready"
-                sender = LayerSender(endpoint, transfer_id, workload.num_layers, loop)
+                sender = LayerSender(endpoint, transfer_id, workload.num_layers, plan, loop)
                 start = monotonic()
                 for layer in range(workload.num_layers):
-                    sender.offer(layer, source[layer])
+                    sender.offer(layer, ordered[layer])
                 await sender.finish(CONTROL_TIMEOUT_S)
                 end = await asyncio.to_thread(recv_within, conn)
                 assert isinstance(end, float)
@@ -261,7 +278,7 @@ def bench_config(config: UcxConfig, work: Sequence[Workload], args: argparse.Nam
     parent_conn, child_conn = context.Pipe()
     child = context.Process(
         target=receiver_main,
-        args=(child_conn, config, args.threads, args.num_buffers),
+        args=(child_conn, config, args.threads),
         daemon=True,
     )
     child.start()
@@ -278,15 +295,20 @@ def bench_config(config: UcxConfig, work: Sequence[Workload], args: argparse.Nam
 
 
 def memcpy_seconds(total_bytes: int, reps: int) -> list[float]:
-    """``dst.copy_(src)`` of ``total_bytes`` in this process, after one warm-up copy."""
+    """libc ``memcpy`` of ``total_bytes`` between two buffers of this process, after one
+    warm-up copy."""
+    memcpy = ctypes.CDLL(None).memcpy
+    memcpy.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
     source = torch.randint(0, 256, (total_bytes,), dtype=torch.uint8)
     destination = torch.empty_like(source)
     destination.copy_(source)
     seconds = []
     for _ in range(reps):
         start = time.perf_counter()
-        destination.copy_(source)
+        memcpy(destination.data_ptr(), source.data_ptr(), total_bytes)
         seconds.append(time.perf_counter() - start)
+    if not torch.equal(destination, source):
+        raise RuntimeError("memcpy baseline did not copy")
     return seconds
 
 
@@ -323,23 +345,32 @@ def run(args: argparse.Namespace) -> Json:
     report["machine"]["busy_fraction_before"] = wait_for_quiet(args.wait_quiet_s)
     report["setup"] = {
         "torch_threads_per_process": args.threads,
-        "receiver_num_buffers": args.num_buffers or "LayerReceiver default",
-        "receive_buffers": args.receive_buffers,
-        "scatter": "dst[layer].copy_(received) on a one-thread executor",
+        "receive": "straight into the reserved blocks of a cache tensor (no staging copy)",
+        "memcpy": "libc memcpy, one thread",
         "timing": "sender CLOCK_MONOTONIC before the first offer -> receiver CLOCK_MONOTONIC "
-        "when LayerReceiver.wait returns (all layers landed and scattered)",
+        "when LayerReceiver.wait returns (every message landed in the cache)",
         "reps": args.reps,
         "warmup_reps": 1,
     }
-    report["workloads"] = {w.name: asdict(w) | {"total_bytes": w.total_bytes} for w in work}
+    report["workloads"] = {
+        w.name: {
+            "num_layers": w.num_layers,
+            "num_blocks": len(w.block_ids),
+            "runs": w.plan.num_runs,
+            "messages": w.num_layers * w.plan.messages_per_layer,
+            "message_bytes": w.half_block_bytes * len(w.block_ids) // w.plan.num_runs,
+            "total_bytes": w.total_bytes,
+        }
+        for w in work
+    }
     memcpy = {
         w.name: bandwidth(w.total_bytes, memcpy_seconds(w.total_bytes, args.reps)) for w in work
     }
     report["memcpy"] = memcpy
     report["transfers"] = {}
-    for config in ucx_configs(args.skip_tcp, args.receive_buffers):
+    for config in ucx_configs(args.skip_tcp):
         log(f"{config.name} ...")
-        entry: Json = {"settings": asdict(config.settings), "pooled": config.pooled}
+        entry: Json = {"settings": asdict(config.settings)}
         entry["busy_fraction_before"] = wait_for_quiet(args.wait_quiet_s)
         try:
             timings = bench_config(config, work, args)
@@ -397,19 +428,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=7, help="timed repetitions (after a warm-up)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
-    parser.add_argument(
-        "--num-buffers",
-        type=int,
-        help="receive buffers per transfer (default: LayerReceiver's, as in production)",
-    )
     parser.add_argument("--skip-tcp", action="store_true", help="skip the UCX_TLS=tcp runs")
-    parser.add_argument(
-        "--receive-buffers",
-        nargs="+",
-        choices=("pooled", "fresh"),
-        default=["pooled"],
-        help="receive-buffer modes to run, each per UCX configuration (default: pooled)",
-    )
     parser.add_argument(
         "--wait-quiet-s",
         type=float,

@@ -92,6 +92,8 @@ def _reservation(worker: DecodeWorker, reservation: Reservation) -> worker_pb2.K
         num_blocks=reservation.num_blocks,
         num_tokens=reservation.num_tokens,
         compat_hash=reservation.compat_hash,
+        block_order=reservation.plan.block_order,
+        run_lengths=reservation.plan.run_lengths,
     )
 
 

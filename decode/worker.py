@@ -6,16 +6,20 @@ prompt's layers, and the caller gets a ``Reservation`` (the transfer descriptor)
 token. The prefill worker pushes the layers and calls ``complete_kv``, which waits until the
 last layer landed and lets the request join the running batch.
 
-Invariant: a reserved request's blocks are freed only after its receiver stopped (no scatter
-can write into blocks that were handed to another request), on every exit path: stream closed
-by the caller, ``abort``, transfer failure, engine shutdown.
+The KV lands straight in the reserved blocks (``kv_io.receive_destinations``).
+
+Invariant: a reserved block goes back to the pool only once its receiver settled (no message
+can land in blocks that were handed to another request), on every exit path: stream closed by
+the caller, ``abort``, transfer failure. The request itself ends at once; an extra reference
+holds the blocks of a receiver still settling and is dropped when it settled. Blocks of a
+receiver that never settles are quarantined: referenced for the worker's life, never reused.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import itertools
+import logging
 import random
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -27,12 +31,15 @@ from splitserve.engine.errors import CapacityError, InvalidRequestError
 from splitserve.engine.load import EngineLoad
 from splitserve.engine.logprobs import TokenLogprob
 from splitserve.engine.sampling_params import SamplingParams
-from splitserve.transfer.layer_channel import LayerReceiver, TransferState
+from splitserve.transfer.layer_channel import LayerReceiver
 from splitserve.transfer.layout import KvLayout
-from splitserve.transfer.transport import MAX_TRANSFER_ID, KvTransport
+from splitserve.transfer.plan import MAX_TRANSFER_ID, TransferPlan
+from splitserve.transfer.transport import KvTransport
 from splitserve.worker.identity import WorkerIdentity
-from splitserve.worker.kv_io import kv_layout_of, scatter_into
+from splitserve.worker.kv_io import kv_layout_of, receive_destinations
 from splitserve.worker.metrics import TransferMetrics
+
+logger = logging.getLogger(__name__)
 
 RESERVATION_RETRY_S = 0.01
 """Poll interval of a reservation waiting for free blocks."""
@@ -46,12 +53,15 @@ class Reservation:
     num_blocks: int
     num_tokens: int
     compat_hash: str
+    plan: TransferPlan
+    """How the prefill worker must cut the KV into messages."""
 
 
 @dataclass
 class _Incoming:
     request_id: str
     receiver: LayerReceiver
+    block_ids: list[int]
     num_bytes: int
     reserved_at: float = field(default_factory=time.monotonic)
 
@@ -74,9 +84,9 @@ class DecodeWorker:
         self.transfer_timeout_s = transfer_timeout_s
         self._incoming: dict[int, _Incoming] = {}
         self._transfer_of: dict[str, int] = {}
+        self._settling: set[asyncio.Task[None]] = set()  # stopped receivers holding blocks
         # Random start: ids stay unique across restarts of this worker at the same address.
         self._transfer_ids = itertools.count(random.randrange(1, MAX_TRANSFER_ID >> 8))
-        self._scatter_pool = concurrent.futures.ThreadPoolExecutor(1, "kv-scatter")
         self.transfer_metrics = TransferMetrics()
 
     async def generate(
@@ -97,7 +107,7 @@ class DecodeWorker:
             async for output in stream:
                 yield output
         finally:
-            await self._stop_receiving(request_id)
+            self._stop_receiving(request_id)
             self.engine.abort(request_id)  # no-op when the request already finished
 
     async def _submit(
@@ -127,18 +137,12 @@ class DecodeWorker:
     ) -> Reservation:
         transfer_id = next(self._transfer_ids)
         block_ids = list(block_table)
-        receiver = LayerReceiver(
-            self.transport,
-            transfer_id,
-            self.layout.num_layers,
-            self.layout.layer_bytes(len(block_ids)),
-            scatter_into(self.core, block_ids),
-            self._scatter_pool,
-        )
+        plan, destinations = receive_destinations(self.core.runner.kv_cache, block_ids)
+        receiver = LayerReceiver(self.transport, transfer_id, plan, destinations)
         num_bytes = self.layout.layer_bytes(len(block_ids)) * self.layout.num_layers
-        self._incoming[transfer_id] = _Incoming(request_id, receiver, num_bytes)
+        self._incoming[transfer_id] = _Incoming(request_id, receiver, block_ids, num_bytes)
         self._transfer_of[request_id] = transfer_id
-        return Reservation(transfer_id, len(block_ids), num_tokens, self.layout.compat_hash)
+        return Reservation(transfer_id, len(block_ids), num_tokens, self.layout.compat_hash, plan)
 
     async def complete_kv(
         self,
@@ -171,7 +175,7 @@ class DecodeWorker:
 
     async def abort(self, request_id: str, as_stopped: bool = False) -> bool:
         """End a request (ABORT, or STOP when a stop string matched); False if unknown."""
-        await self._stop_receiving(request_id)
+        self._stop_receiving(request_id)
         known = await self.engine.call(lambda core: request_id in core.scheduler.requests)
         if as_stopped:
             self.engine.finish(request_id)
@@ -179,14 +183,40 @@ class DecodeWorker:
             self.engine.abort(request_id)
         return known
 
-    async def _stop_receiving(self, request_id: str) -> None:
+    def _stop_receiving(self, request_id: str) -> None:
+        """Stop the request's transfer, if any, before the caller ends the request.
+
+        Synchronous, so that the caller's ``engine.abort`` follows at once: a retry of the same
+        request id may arrive right after, and must not be hit by a late abort. Blocks a
+        stopped receiver may still be written into outlive the request: an extra reference
+        is queued ahead of the caller's abort and dropped once the receiver settled.
+        """
         transfer_id = self._transfer_of.get(request_id)
         if transfer_id is None:
             return
-        receiver = self._incoming[transfer_id].receiver
-        if receiver.state is not TransferState.DONE:
-            await receiver.abort()
+        incoming = self._incoming[transfer_id]
         self._forget(request_id)
+        if incoming.receiver.settled:
+            return
+        block_ids = incoming.block_ids
+        self.engine.post(lambda core: core.kv_cache.pool.touch(block_ids))
+        task = asyncio.get_running_loop().create_task(self._release_when_settled(incoming))
+        self._settling.add(task)
+        task.add_done_callback(self._settling.discard)
+
+    async def _release_when_settled(self, incoming: _Incoming) -> None:
+        """Stop the receiver; free its blocks once no message can land in them. Blocks of a
+        receiver that never settles stay referenced (quarantined) for the worker's life."""
+        await incoming.receiver.abort()
+        block_ids = incoming.block_ids
+        if incoming.receiver.settled:
+            self.engine.post(lambda core: core.kv_cache.pool.free(block_ids[::-1]))
+        else:
+            logger.error(
+                "transfer %d never settled: quarantining its %d KV blocks",
+                incoming.receiver.transfer_id,
+                len(block_ids),
+            )
 
     def _forget(self, request_id: str) -> None:
         transfer_id = self._transfer_of.pop(request_id, None)
@@ -204,4 +234,3 @@ class DecodeWorker:
 
     async def close(self) -> None:
         self.engine.shutdown()
-        self._scatter_pool.shutdown(wait=True)

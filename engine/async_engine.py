@@ -138,6 +138,19 @@ class AsyncEngine:
 
         await self.call(complete)
 
+    def post(self, function: Callable[[EngineCore], None]) -> None:
+        """Queue ``function(core)`` to run on the engine thread between steps, in order with
+        the other commands (``submit``, ``call``, ``abort``, ``finish``); nothing is returned
+        and an error it raises is logged."""
+
+        def run() -> None:
+            try:
+                function(self.core)
+            except Exception:
+                logger.exception("an engine command failed")
+
+        self._submit(run)
+
     def abort(self, request_id: str) -> None:
         """Abort a request (idempotent; unknown ids are ignored); its stream ends with ABORT."""
         self._submit(lambda: self._end(request_id, FinishReason.ABORT))

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from splitserve.engine.attention import AttentionBackend, SequenceSpan
+from splitserve.engine.host_memory import zeros_huge_pages
 from splitserve.engine.logprobs import TokenLogprob
 from splitserve.engine.model import LlamaModel
 from splitserve.engine.sampler import Sampler, SamplingRow
@@ -53,7 +54,7 @@ class ModelRunner:
         self.block_size = block_size
         self.backend = backend
         self.device = model.device
-        self.kv_cache = torch.zeros(
+        self.kv_cache = zeros_huge_pages(
             (
                 cfg.num_hidden_layers,
                 2,
@@ -111,10 +112,15 @@ class ModelRunner:
                 output.logprobs[chunk.request_id] = logprob
         return output
 
-    def read_kv_blocks(self, layer: int, block_ids: Sequence[int]) -> torch.Tensor:
-        """Copy of one layer's K and V in these blocks: ``[2, blocks, block, kv_heads, dim]``."""
+    def read_kv_blocks(
+        self, layer: int, block_ids: Sequence[int], out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Copy of one layer's K and V in these blocks: ``[2, blocks, block, kv_heads, dim]``
+        (into ``out`` when given: that shape, the cache's dtype and device, contiguous)."""
         index = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
-        return self.kv_cache[layer].index_select(1, index)
+        if out is None:
+            return self.kv_cache[layer].index_select(1, index)
+        return torch.index_select(self.kv_cache[layer], 1, index, out=out)
 
     def write_kv_blocks(self, layer: int, block_ids: Sequence[int], kv: torch.Tensor) -> None:
         """Store ``kv`` (as ``read_kv_blocks`` returns it) into these blocks of one layer."""

@@ -29,6 +29,7 @@ class PrefillServicer(WorkerServicerBase[PrefillWorker], worker_pb2_grpc.Prefill
                     num_blocks=target.num_blocks,
                     num_tokens=target.num_tokens,
                     compat_hash=target.compat_hash,
+                    plan=convert.plan_from_proto(target),
                 ),
             )
         except (SplitserveError, grpc.aio.AioRpcError) as error:

@@ -4,13 +4,14 @@
 address), registers a ``LayerSender`` for the request and submits it to the engine with
 ``max_tokens=1``. The engine batches it with other prompts under its token budget and chunks
 long ones; from the step that computes the prompt's last chunk, the layer hook copies each
-layer's KV of the request (all its blocks, cached prefix included) as soon as that layer is
-written and hands it to the sender, so the push overlaps the rest of the forward pass. Then
-it waits for the sends and calls the decode worker's ``CompleteKv``; once that returns (the
-KV landed) the staged copies are dropped and the first token is returned.
+layer's KV of the request (all its blocks, cached prefix included, in the order of the decode
+worker's ``TransferPlan``) into the request's staging buffer as soon as that layer is written
+and hands it to the sender, so the push overlaps the rest of the forward pass. Then it waits
+for the sends and calls the decode worker's ``CompleteKv``; once that returns (the KV landed)
+the staging buffer is dropped and the first token is returned.
 
 The engine's own blocks go back to its pool (and prefix cache) when the request finishes:
-only the staged per-layer copies wait for the decode worker's confirmation.
+only the staging buffer waits for the decode worker's confirmation.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import grpc
+import torch
 
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.engine.engine_core import EngineCore
@@ -41,9 +43,10 @@ from splitserve.transfer.errors import (
 )
 from splitserve.transfer.layer_channel import LayerSender
 from splitserve.transfer.layout import KvLayout
+from splitserve.transfer.plan import TransferPlan
 from splitserve.transfer.transport import KvEndpoint, KvTransport
 from splitserve.worker.identity import WorkerIdentity
-from splitserve.worker.kv_io import gather_layer, kv_layout_of
+from splitserve.worker.kv_io import gather_layer, kv_layout_of, staging_buffer
 from splitserve.worker.metrics import TransferMetrics
 
 
@@ -56,6 +59,8 @@ class KvTarget:
     num_blocks: int
     num_tokens: int
     compat_hash: str
+    plan: TransferPlan
+    """How the decode worker receives the KV: message order and runs of its blocks."""
 
 
 @dataclass(frozen=True)
@@ -72,6 +77,11 @@ class PrefillResult:
 class _Outgoing:
     sender: LayerSender
     num_blocks: int
+    staging: torch.Tensor
+    """[layers, 2, num_blocks, block, kv_heads, dim]: the gathered KV the sends read from."""
+    gathered: set[int] = dataclasses.field(default_factory=set)
+    """Layers already gathered (engine thread only): a layer is never rewritten while its
+    messages may be in flight."""
 
 
 @dataclass
@@ -115,8 +125,11 @@ class PrefillWorker:
         peer = await self._peer(target.decode_address)  # the handshake checks KV layouts
         self._check_target(prompt_token_ids, target)
         loop = asyncio.get_running_loop()
-        sender = LayerSender(peer.endpoint, target.transfer_id, self.layout.num_layers, loop)
-        self._outgoing[request_id] = _Outgoing(sender, target.num_blocks)
+        sender = LayerSender(
+            peer.endpoint, target.transfer_id, self.layout.num_layers, target.plan, loop
+        )
+        staging = staging_buffer(self.core, target.num_blocks)
+        self._outgoing[request_id] = _Outgoing(sender, target.num_blocks, staging)
         first_only = dataclasses.replace(
             params, max_tokens=1, min_tokens=min(params.min_tokens, 1), stop=()
         )
@@ -168,10 +181,15 @@ class PrefillWorker:
                 f"({target.compat_hash} != {self.layout.compat_hash})"
             )
         expected = blocks_for_tokens(len(prompt_token_ids), self.layout.block_size)
-        if target.num_tokens != len(prompt_token_ids) or target.num_blocks != expected:
+        if (
+            target.num_tokens != len(prompt_token_ids)
+            or target.num_blocks != expected
+            or target.plan.num_blocks != expected
+        ):
             raise InvalidRequestError(
                 f"reservation covers {target.num_tokens} tokens / {target.num_blocks} blocks, "
-                f"prompt has {len(prompt_token_ids)} tokens / {expected} blocks",
+                f"its plan {target.plan.num_blocks} blocks, prompt has "
+                f"{len(prompt_token_ids)} tokens / {expected} blocks",
                 "target",
             )
 
@@ -181,10 +199,13 @@ class PrefillWorker:
             if not chunk.samples:
                 continue  # an earlier chunk: the layer's KV is not complete yet
             outgoing = self._outgoing.get(chunk.request_id)
-            if outgoing is None:
+            if outgoing is None or layer in outgoing.gathered:
                 continue
+            outgoing.gathered.add(layer)
             block_ids = chunk.block_table[: outgoing.num_blocks]
-            outgoing.sender.offer(layer, gather_layer(self.core, layer, block_ids))
+            plan = outgoing.sender.plan
+            kv = gather_layer(self.core, layer, block_ids, plan, outgoing.staging[layer])
+            outgoing.sender.offer(layer, kv)
 
     async def _peer(self, address: str) -> _Peer:
         """The handshaken link to a decode worker (created once per address)."""

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from splitserve.engine.errors import InvalidRequestError
 from splitserve.engine.load import EngineLoad
 from splitserve.engine.logprobs import TokenLogprob
 from splitserve.engine.request import FinishReason
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.proto.splitserve.v1 import common_pb2, worker_pb2
 from splitserve.transfer.layout import KvLayout
+from splitserve.transfer.plan import InvalidTransferPlanError, TransferPlan
 
 _OPTIONAL_SAMPLING_FIELDS = (
     "max_tokens",
@@ -128,6 +130,15 @@ def layout_from_proto(message: worker_pb2.KvLayout) -> KvLayout:
 
 
 _LOAD_FIELDS = tuple(EngineLoad.__dataclass_fields__)
+
+
+def plan_from_proto(reservation: worker_pb2.KvReservation) -> TransferPlan:
+    """The transfer plan of a reservation; ``InvalidRequestError`` (param "target") if it does
+    not describe the reserved blocks."""
+    try:
+        return TransferPlan(tuple(reservation.block_order), tuple(reservation.run_lengths))
+    except InvalidTransferPlanError as error:
+        raise InvalidRequestError(f"bad transfer plan: {error}", "target") from None
 
 
 def load_to_proto(load: EngineLoad, ready: bool = True) -> worker_pb2.WorkerLoad:

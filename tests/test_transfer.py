@@ -1,17 +1,21 @@
-"""KV transfer: layer-wise sender/receiver over the in-process and the UCX transport, the tag
-packing, and the KV layout compatibility check.
+"""KV transfer: layer-wise sender/receiver over the in-process and the UCX transport, straight
+into the receiver's KV-cache blocks; the transports' ``withdraw``; the KV layout compatibility
+check.
 
 Every transport test runs for both backends. UCX runs inside this one process: the transport
 sends to its own worker address. ``ucxx`` allows one application context per process, so the
 ``transport_kind`` fixture resets it after each UCX test; every test body runs in its own
 ``asyncio.run`` and creates its transport on that loop. No test may hang: each carries a
 timeout, and every wait in the code under test is bounded.
+
+The receiving side is a fake paged KV cache ``[layers, 2, blocks, block_size, kv_heads,
+head_dim]`` of zeros: a transfer must write exactly the reserved blocks, bit for bit, and a
+receiver that stopped (``settled``) must never let a late message land there.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import dataclasses
 import itertools
@@ -23,7 +27,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from splitserve.transfer.buffer_pool import PAGE_BYTES, BufferPool, size_class
+import splitserve.transfer.layer_channel as layer_channel
 from splitserve.transfer.errors import (
     IncompatibleKvLayoutError,
     TransferAbortedError,
@@ -35,20 +39,21 @@ from splitserve.transfer.layer_channel import (
     LayerReceiver,
     LayerSender,
     TransferState,
-    ring_size,
+    layer_messages,
 )
 from splitserve.transfer.layout import KvLayout
-from splitserve.transfer.transport import (
-    LAYER_BITS,
-    MAX_TRANSFER_ID,
-    KvEndpoint,
-    KvTransport,
-    layer_tag,
-)
+from splitserve.transfer.plan import TransferPlan, message_tag
+from splitserve.transfer.transport import KvEndpoint, KvTransport
+from splitserve.worker.kv_io import receive_destinations
 
 pytestmark = pytest.mark.timeout(60)
 
 NUM_LAYERS = 6
+CACHE_BLOCKS = 24
+"""Blocks of the fake decode-side KV cache; a transfer reserves some of them."""
+SCATTERED = [9, 10, 11, 3, 4, 20, 19, 0]
+"""A block table in allocation order: sorted it is four runs (0; 3-4; 9-11; 19-20), two of
+them reversed or split in the table."""
 SMOLLM2_BF16 = KvLayout(
     model="SmolLM2-135M-Instruct",
     dtype="bfloat16",
@@ -60,6 +65,8 @@ SMOLLM2_BF16 = KvLayout(
 """The default model's KV layout; tests send ``NUM_LAYERS`` layers of it."""
 WAIT_S = 10.0
 """Bound on waits that are expected to succeed (a hang turns into a failure, not a stall)."""
+LATE_S = 0.3
+"""Room for a late message to land, which must not."""
 
 _transfer_ids = itertools.count(1)
 
@@ -78,16 +85,15 @@ def transport_kind(request: pytest.FixtureRequest) -> Iterator[str]:
 
 @dataclass
 class Link:
-    """A one-way path: ``endpoint`` sends to ``receiver``; ``executor`` runs scatters."""
+    """A one-way path: ``endpoint`` sends to ``receiver``."""
 
     receiver: KvTransport
     endpoint: KvEndpoint
-    executor: concurrent.futures.Executor
 
 
 @contextlib.asynccontextmanager
 async def open_link(kind: str) -> AsyncIterator[Link]:
-    """Transports for ``kind`` on the running loop; closed (and the executor shut) on exit."""
+    """Transports for ``kind`` on the running loop; closed on exit."""
     transports: list[KvTransport]
     if kind == "ucx":
         from splitserve.transfer.ucx import UcxTransport
@@ -96,23 +102,31 @@ async def open_link(kind: str) -> AsyncIterator[Link]:
     else:
         transports = [InProcessTransport(), InProcessTransport()]
     sender_side, receiver_side = transports[0], transports[-1]
-    executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="scatter")
     try:
         endpoint = await sender_side.connect(receiver_side.address)
-        yield Link(receiver_side, endpoint, executor)
+        yield Link(receiver_side, endpoint)
     finally:
-        executor.shutdown(wait=True)
         for transport in transports:
             await transport.close()
+
+
+def kv_shape(num_blocks: int) -> tuple[int, ...]:
+    layout = SMOLLM2_BF16
+    return (2, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
 
 
 def random_kv(num_blocks: int) -> torch.Tensor:
     """Random bytes viewed as ``NUM_LAYERS`` layers of bf16 KV:
     ``[layers, 2, blocks, block_size, kv_heads, head_dim]``."""
-    layout = SMOLLM2_BF16
-    raw = torch.randint(0, 256, (NUM_LAYERS, layout.layer_bytes(num_blocks)), dtype=torch.uint8)
-    shape = (2, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
-    return raw.view(torch.bfloat16).view(NUM_LAYERS, *shape)
+    raw = torch.randint(
+        0, 256, (NUM_LAYERS, SMOLLM2_BF16.layer_bytes(num_blocks)), dtype=torch.uint8
+    )
+    return raw.view(torch.bfloat16).view(NUM_LAYERS, *kv_shape(num_blocks))
+
+
+def new_cache() -> torch.Tensor:
+    """The decode worker's KV cache, all zero: ``[layers, 2, CACHE_BLOCKS, ...]``."""
+    return torch.zeros(NUM_LAYERS, *kv_shape(CACHE_BLOCKS), dtype=torch.bfloat16)
 
 
 def as_bytes(kv: torch.Tensor) -> torch.Tensor:
@@ -120,51 +134,63 @@ def as_bytes(kv: torch.Tensor) -> torch.Tensor:
     return kv.reshape(-1).view(torch.uint8)
 
 
-class RecordingScatter:
-    """A scatter that copies each landed layer into ``destination`` (as the decode worker
-    writes into its reserved blocks) and records calls; optionally slow, to race with abort."""
-
-    def __init__(self, destination: torch.Tensor, delay_s: float = 0.0) -> None:
-        self.destination = destination
-        self.delay_s = delay_s
-        self.layers: list[int] = []
-        self.running = 0
-        self.started = threading.Event()
-        self._lock = threading.Lock()
-
-    def __call__(self, layer: int, data: torch.Tensor) -> None:
-        with self._lock:
-            self.running += 1
-            self.layers.append(layer)
-        self.started.set()
-        try:
-            time.sleep(self.delay_s)
-            as_bytes(self.destination[layer]).copy_(data)
-        finally:
-            with self._lock:
-                self.running -= 1
+def assert_bit_equal(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    assert actual.shape == expected.shape
+    assert torch.equal(as_bytes(actual), as_bytes(expected))
 
 
-def make_pair(
-    link: Link, num_blocks: int, scatter: RecordingScatter
-) -> tuple[LayerSender, LayerReceiver]:
-    """A receiver posted before its sender, as the decode worker reserves before the push."""
+def assert_zero(kv: torch.Tensor) -> None:
+    assert not as_bytes(kv).any()
+
+
+def unreserved(block_ids: Sequence[int]) -> list[int]:
+    return [block for block in range(CACHE_BLOCKS) if block not in set(block_ids)]
+
+
+@dataclass
+class Transfer:
+    """One request's transfer into ``block_ids`` of ``cache``; ``kv`` is the prompt's KV in
+    block-table order (what must arrive)."""
+
+    block_ids: list[int]
+    cache: torch.Tensor
+    kv: torch.Tensor
+    plan: TransferPlan
+    sender: LayerSender
+    receiver: LayerReceiver
+
+    def landed(self) -> torch.Tensor:
+        """The reserved blocks of the cache, in block-table order."""
+        return self.cache[:, :, self.block_ids]
+
+    def assert_untouched_elsewhere(self) -> None:
+        assert_zero(self.cache[:, :, unreserved(self.block_ids)])
+
+
+def make_transfer(
+    link: Link, block_ids: Sequence[int], cache: torch.Tensor | None = None
+) -> Transfer:
+    """A receiver posted into ``block_ids`` of a zero cache before its sender, as the decode
+    worker reserves before the push."""
+    block_ids = list(block_ids)
+    cache = new_cache() if cache is None else cache
+    plan, destinations = receive_destinations(cache, block_ids)
     transfer_id = next(_transfer_ids)
-    layer_nbytes = SMOLLM2_BF16.layer_bytes(num_blocks)
-    receiver = LayerReceiver(
-        link.receiver, transfer_id, NUM_LAYERS, layer_nbytes, scatter, link.executor
-    )
-    sender = LayerSender(link.endpoint, transfer_id, NUM_LAYERS, asyncio.get_running_loop())
-    return sender, receiver
+    receiver = LayerReceiver(link.receiver, transfer_id, plan, destinations)
+    sender = LayerSender(link.endpoint, transfer_id, NUM_LAYERS, plan, asyncio.get_running_loop())
+    kv = random_kv(len(block_ids))
+    return Transfer(block_ids, cache, kv, plan, sender, receiver)
 
 
-def offer_from_thread(sender: LayerSender, kv: torch.Tensor, order: Sequence[int]) -> None:
-    """Offer ``kv[layer]`` for each layer of ``order`` from another thread (the engine's)."""
+def offer_from_thread(transfer: Transfer, order: Sequence[int]) -> None:
+    """Offer each layer of ``order`` from another thread (the engine's), its blocks gathered
+    in the plan's order as ``kv_io.gather_layer`` does."""
+    ordered = list(transfer.plan.block_order)
 
     def engine_thread() -> None:
         for layer in order:
             time.sleep(0.001)  # the engine computes the next layer
-            sender.offer(layer, kv[layer])
+            transfer.sender.offer(layer, transfer.kv[layer][:, ordered])
 
     thread = threading.Thread(target=engine_thread, name="engine")
     thread.start()
@@ -172,58 +198,131 @@ def offer_from_thread(sender: LayerSender, kv: torch.Tensor, order: Sequence[int
     assert not thread.is_alive()
 
 
-@pytest.mark.parametrize("num_blocks", [1, 64])
-def test_layers_offered_from_engine_thread_arrive_bit_exact(
-    transport_kind: str, num_blocks: int
+async def offer(transfer: Transfer, order: Sequence[int]) -> None:
+    await asyncio.to_thread(offer_from_thread, transfer, order)
+
+
+async def until(condition: object, timeout_s: float = WAIT_S) -> None:
+    """Poll ``condition()`` on the loop until it holds (bounded)."""
+    async with asyncio.timeout(timeout_s):
+        while not condition():  # type: ignore[operator]
+            await asyncio.sleep(0.005)
+
+
+async def let_late_sends_run(sender: LayerSender) -> None:
+    """Give a sender's messages (to withdrawn tags) time to arrive, then stop it. Its sends
+    may never complete (UCX rendezvous with no receive), so this never waits on them."""
+    finish = asyncio.ensure_future(sender.finish(LATE_S))
+    await asyncio.wait([finish], timeout=LATE_S + 1.0)
+    sender.abort()
+    with contextlib.suppress(TransferError):
+        await finish
+
+
+# ----------------------------------------------------------------------------- arrival
+
+
+@pytest.mark.parametrize(
+    "block_ids",
+    [[5], list(range(8)), SCATTERED],
+    ids=["one-block", "contiguous", "scattered"],
+)
+def test_layers_offered_from_engine_thread_land_bit_exact_in_the_reserved_blocks(
+    transport_kind: str, block_ids: list[int]
 ) -> None:
     async def body() -> None:
         async with open_link(transport_kind) as link:
-            kv = random_kv(num_blocks)
-            scatter = RecordingScatter(torch.zeros_like(kv))
-            sender, receiver = make_pair(link, num_blocks, scatter)
-            await asyncio.to_thread(offer_from_thread, sender, kv, range(NUM_LAYERS))
-            sent = await sender.finish(WAIT_S)
-            await receiver.wait(WAIT_S)
+            transfer = make_transfer(link, block_ids)
+            await offer(transfer, range(NUM_LAYERS))
+            sent = await transfer.sender.finish(WAIT_S)
+            await transfer.receiver.wait(WAIT_S)
 
-            assert torch.equal(as_bytes(scatter.destination), as_bytes(kv))
-            assert sent == NUM_LAYERS * SMOLLM2_BF16.layer_bytes(num_blocks) == kv.numel() * 2
-            assert scatter.layers == list(range(NUM_LAYERS))
-            assert sender.state is receiver.state is TransferState.DONE
-            assert receiver.layers_received == NUM_LAYERS
+            assert_bit_equal(transfer.landed(), transfer.kv)
+            transfer.assert_untouched_elsewhere()
+            num_blocks = len(block_ids)
+            assert sent == NUM_LAYERS * SMOLLM2_BF16.layer_bytes(num_blocks)
+            assert sent == transfer.kv.numel() * 2
+            receiver = transfer.receiver
+            assert transfer.sender.state is receiver.state is TransferState.DONE
+            assert receiver.layers_received == NUM_LAYERS and receiver.settled
+            await receiver.abort()  # a terminal transfer stays as it is
+            assert receiver.state is TransferState.DONE and receiver.settled
 
     asyncio.run(body())
 
 
-def test_layers_offered_out_of_order_and_twice_arrive_bit_exact(transport_kind: str) -> None:
+def test_scattered_table_is_cut_into_runs() -> None:
+    plan = TransferPlan.for_destination(SCATTERED)
+    assert plan.run_lengths == (1, 2, 3, 2)
+    assert [SCATTERED[position] for position in plan.block_order] == sorted(SCATTERED)
+
+
+def test_layers_offered_out_of_order_and_twice_land_bit_exact(transport_kind: str) -> None:
     async def body() -> None:
         async with open_link(transport_kind) as link:
-            kv = random_kv(num_blocks=8)
-            scatter = RecordingScatter(torch.zeros_like(kv))
-            sender, receiver = make_pair(link, 8, scatter)
+            transfer = make_transfer(link, SCATTERED)
             order = [5, 2, 0, 4, 4, 1, 3, 0]  # a repeated offer of a layer is ignored
-            await asyncio.to_thread(offer_from_thread, sender, kv, order)
-            sent = await sender.finish(WAIT_S)
-            await receiver.wait(WAIT_S)
+            await offer(transfer, order)
+            sent = await transfer.sender.finish(WAIT_S)
+            await transfer.receiver.wait(WAIT_S)
 
-            assert torch.equal(as_bytes(scatter.destination), as_bytes(kv))
-            assert sent == NUM_LAYERS * SMOLLM2_BF16.layer_bytes(8)
-            assert scatter.layers == list(range(NUM_LAYERS))  # scattered in layer order
-            assert sender.state is receiver.state is TransferState.DONE
+            assert_bit_equal(transfer.landed(), transfer.kv)
+            transfer.assert_untouched_elsewhere()
+            assert sent == NUM_LAYERS * SMOLLM2_BF16.layer_bytes(len(SCATTERED))
+            assert transfer.sender.state is transfer.receiver.state is TransferState.DONE
+            assert transfer.receiver.layers_received == NUM_LAYERS
+            assert transfer.receiver.settled
 
     asyncio.run(body())
 
 
-def test_receiver_without_sender_times_out_and_fails(transport_kind: str) -> None:
+def test_concurrent_transfers_into_one_cache_land_in_their_own_blocks(
+    transport_kind: str,
+) -> None:
     async def body() -> None:
         async with open_link(transport_kind) as link:
-            scatter = RecordingScatter(torch.zeros_like(random_kv(2)))
-            _, receiver = make_pair(link, 2, scatter)
+            cache = new_cache()
+            first = make_transfer(link, [7, 1, 2, 14, 20], cache)
+            second = make_transfer(link, [3, 0, 15, 16, 8], cache)
+            assert first.plan.messages_per_layer == second.plan.messages_per_layer  # same tags
+            await asyncio.gather(offer(second, [0, 1, 2]), offer(first, range(NUM_LAYERS)))
+            await offer(second, [3, 4, 5])
+            await asyncio.gather(first.sender.finish(WAIT_S), second.sender.finish(WAIT_S))
+            await asyncio.gather(first.receiver.wait(WAIT_S), second.receiver.wait(WAIT_S))
+
+            assert_bit_equal(first.landed(), first.kv)
+            assert_bit_equal(second.landed(), second.kv)
+            assert_zero(cache[:, :, unreserved(first.block_ids + second.block_ids)])
+
+    asyncio.run(body())
+
+
+# ----------------------------------------------------------------------------- ending early
+
+
+def test_receiver_without_sender_times_out_and_a_late_message_never_lands(
+    transport_kind: str,
+) -> None:
+    async def body() -> None:
+        async with open_link(transport_kind) as link:
+            transfer = make_transfer(link, SCATTERED)
+            receiver = transfer.receiver
             started = time.monotonic()
             with pytest.raises(TransferTimeoutError, match="0/6 layers"):
                 await receiver.wait(0.3)
             assert time.monotonic() - started < 5.0
             assert receiver.state is TransferState.FAILED
-            assert scatter.layers == [] and scatter.running == 0
+            assert receiver.layers_received == 0
+            assert receiver.settled  # every receive was withdrawn
+            with pytest.raises(TransferError, match="had failed") as again:
+                await receiver.wait(WAIT_S)  # a second wait reports the failure, not an abort
+            assert not isinstance(again.value, TransferAbortedError)
+
+            # The sender never heard of the failure: its messages come late, to withdrawn tags.
+            await offer(transfer, range(NUM_LAYERS))
+            await let_late_sends_run(transfer.sender)
+            assert_zero(transfer.cache)
+            assert receiver.state is TransferState.FAILED
 
     asyncio.run(body())
 
@@ -231,43 +330,50 @@ def test_receiver_without_sender_times_out_and_fails(transport_kind: str) -> Non
 def test_sender_finish_times_out_when_layers_are_missing(transport_kind: str) -> None:
     async def body() -> None:
         async with open_link(transport_kind) as link:
-            kv = random_kv(num_blocks=4)
-            scatter = RecordingScatter(torch.zeros_like(kv))
-            sender, receiver = make_pair(link, 4, scatter)
-            await asyncio.to_thread(offer_from_thread, sender, kv, [0, 1, 2])
+            transfer = make_transfer(link, SCATTERED)
+            sender, receiver = transfer.sender, transfer.receiver
+            await offer(transfer, [0, 1, 2])
             with pytest.raises(TransferTimeoutError, match="3/6 layers offered"):
                 await sender.finish(0.3)
             assert sender.state is TransferState.FAILED
-            sender.offer(3, kv[3])  # too late: a terminal transfer sends nothing more
+            await offer(transfer, [3])  # too late: a terminal transfer sends nothing more
             with pytest.raises(TransferTimeoutError, match="3/6 layers arrived"):
                 await receiver.wait(0.3)
-            assert receiver.state is TransferState.FAILED
-            assert torch.equal(as_bytes(scatter.destination[:3]), as_bytes(kv[:3]))
+            assert receiver.state is TransferState.FAILED and receiver.settled
+            landed = transfer.landed()
+            assert_bit_equal(landed[:3], transfer.kv[:3])
+            assert_zero(landed[3:])
+            transfer.assert_untouched_elsewhere()
 
     asyncio.run(body())
 
 
-def test_receiver_abort_stops_wait_and_scatter(transport_kind: str) -> None:
+def test_receiver_abort_mid_transfer_settles_and_later_layers_never_land(
+    transport_kind: str,
+) -> None:
     async def body() -> None:
         async with open_link(transport_kind) as link:
-            kv = random_kv(num_blocks=4)
-            scatter = RecordingScatter(torch.zeros_like(kv), delay_s=0.1)
-            sender, receiver = make_pair(link, 4, scatter)
+            transfer = make_transfer(link, SCATTERED)
+            receiver = transfer.receiver
             pending_wait = asyncio.ensure_future(receiver.wait(WAIT_S))
-            await asyncio.to_thread(offer_from_thread, sender, kv, range(NUM_LAYERS))
-            assert await asyncio.to_thread(scatter.started.wait, WAIT_S)
+            await offer(transfer, [0, 1, 2])
+            await until(lambda: receiver.layers_received == 3)
 
             await receiver.abort()
-            assert scatter.running == 0  # the scatter in flight has returned
-            scattered = len(scatter.layers)
+            assert receiver.settled  # on return: nothing can land any more
+            assert receiver.state is TransferState.ABORTED
             with pytest.raises(TransferAbortedError):
                 await pending_wait
             with pytest.raises(TransferAbortedError):
                 await receiver.wait(WAIT_S)
-            await asyncio.sleep(0.3)  # room for a late scatter, which must not come
-            assert len(scatter.layers) == scattered < NUM_LAYERS and scatter.running == 0
-            assert receiver.state is TransferState.ABORTED
-            sender.abort()
+
+            await offer(transfer, [3, 4, 5])  # the sender did not hear of the abort
+            await let_late_sends_run(transfer.sender)
+            landed = transfer.landed()
+            assert_bit_equal(landed[:3], transfer.kv[:3])
+            assert_zero(landed[3:])
+            transfer.assert_untouched_elsewhere()
+            assert receiver.state is TransferState.ABORTED and receiver.layers_received == 3
 
     asyncio.run(body())
 
@@ -275,14 +381,18 @@ def test_receiver_abort_stops_wait_and_scatter(transport_kind: str) -> None:
 def test_receiver_abort_before_any_layer(transport_kind: str) -> None:
     async def body() -> None:
         async with open_link(transport_kind) as link:
-            scatter = RecordingScatter(torch.zeros_like(random_kv(2)))
-            _, receiver = make_pair(link, 2, scatter)
+            transfer = make_transfer(link, SCATTERED)
+            receiver = transfer.receiver
             pending_wait = asyncio.ensure_future(receiver.wait(WAIT_S))
             await asyncio.sleep(0.05)
             await receiver.abort()
             with pytest.raises(TransferAbortedError):
                 await pending_wait
-            assert receiver.state is TransferState.ABORTED and scatter.layers == []
+            assert receiver.state is TransferState.ABORTED and receiver.settled
+            assert receiver.layers_received == 0
+            await offer(transfer, range(NUM_LAYERS))
+            await let_late_sends_run(transfer.sender)
+            assert_zero(transfer.cache)
 
     asyncio.run(body())
 
@@ -290,9 +400,9 @@ def test_receiver_abort_before_any_layer(transport_kind: str) -> None:
 def test_sender_abort_before_all_layers_fails_finish(transport_kind: str) -> None:
     async def body() -> None:
         async with open_link(transport_kind) as link:
-            kv = random_kv(num_blocks=4)
-            sender, receiver = make_pair(link, 4, RecordingScatter(torch.zeros_like(kv)))
-            await asyncio.to_thread(offer_from_thread, sender, kv, [0, 1])
+            transfer = make_transfer(link, SCATTERED)
+            sender = transfer.sender
+            await offer(transfer, [0, 1])
             pending_finish = asyncio.ensure_future(sender.finish(WAIT_S))
             await asyncio.sleep(0.05)
             sender.abort()
@@ -301,7 +411,8 @@ def test_sender_abort_before_all_layers_fails_finish(transport_kind: str) -> Non
             with pytest.raises(TransferAbortedError):
                 await sender.finish(WAIT_S)
             assert sender.state is TransferState.ABORTED
-            await receiver.abort()
+            await transfer.receiver.abort()
+            assert transfer.receiver.settled
 
     asyncio.run(body())
 
@@ -315,12 +426,15 @@ class _StalledEndpoint(KvEndpoint):
 
 def test_sender_abort_with_sends_in_flight_fails_finish() -> None:
     async def body() -> None:
-        sender = LayerSender(_StalledEndpoint(), 1, NUM_LAYERS, asyncio.get_running_loop())
+        plan = TransferPlan.for_destination([4, 2])  # two runs: four messages per layer
+        loop = asyncio.get_running_loop()
+        sender = LayerSender(_StalledEndpoint(), 1, NUM_LAYERS, plan, loop)
         for layer in range(NUM_LAYERS):
-            sender.offer(layer, torch.zeros(16, dtype=torch.uint8))
+            sender.offer(layer, torch.zeros(2, 2, 16, dtype=torch.uint8))
         pending_finish = asyncio.ensure_future(sender.finish(WAIT_S))
         await asyncio.sleep(0.05)
         assert sender.state is TransferState.ACTIVE and not pending_finish.done()
+        assert sender.bytes_sent == NUM_LAYERS * 2 * 2 * 16
         sender.abort()
         with pytest.raises(TransferAbortedError):
             await pending_finish
@@ -329,11 +443,123 @@ def test_sender_abort_with_sends_in_flight_fails_finish() -> None:
     asyncio.run(body())
 
 
+def test_sender_finish_times_out_when_sends_stall() -> None:
+    async def body() -> None:
+        plan = TransferPlan.for_destination([0])
+        loop = asyncio.get_running_loop()
+        sender = LayerSender(_StalledEndpoint(), 1, NUM_LAYERS, plan, loop)
+        for layer in range(NUM_LAYERS):
+            sender.offer(layer, torch.zeros(2, 1, 8, dtype=torch.uint8))
+        with pytest.raises(TransferTimeoutError, match="6/6 layers offered"):
+            await sender.finish(0.2)
+        assert sender.state is TransferState.FAILED
+
+    asyncio.run(body())
+
+
+# ----------------------------------------------------------------------------- settling
+
+
+class _StuckTransport(KvTransport):
+    """A transport whose receives never complete and whose ``withdraw`` has no effect: a
+    message matched a receive but its data never came."""
+
+    name = "stuck"
+
+    def __init__(self) -> None:
+        self.withdrawn: list[int] = []
+
+    @property
+    def address(self) -> bytes:
+        return b"stuck"
+
+    async def connect(self, address: bytes) -> KvEndpoint:
+        return _StalledEndpoint()
+
+    async def recv(self, tag: int, buffer: torch.Tensor) -> None:
+        await asyncio.Event().wait()
+
+    async def withdraw(self, tag: int) -> None:
+        self.withdrawn.append(tag)
+
+
+def test_receiver_whose_receives_never_settle_is_not_settled(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(layer_channel, "SETTLE_TIMEOUT_S", 0.2)
+
+    async def body() -> None:
+        transport = _StuckTransport()
+        plan, destinations = receive_destinations(new_cache(), SCATTERED)
+        transfer_id = next(_transfer_ids)
+        receiver = LayerReceiver(transport, transfer_id, plan, destinations)
+        await asyncio.sleep(0.02)
+        started = time.monotonic()
+        await receiver.abort()
+        assert time.monotonic() - started < 2.0  # bounded by SETTLE_TIMEOUT_S
+        assert receiver.state is TransferState.ABORTED
+        assert not receiver.settled  # the owner must quarantine the blocks
+        expected = {
+            message_tag(transfer_id, index) for index in range(NUM_LAYERS * plan.messages_per_layer)
+        }
+        assert set(transport.withdrawn) == expected  # every receive was withdrawn
+        assert "must never be reused" in caplog.text
+        # asyncio.run cancels the stuck receives
+
+    asyncio.run(body())
+
+
+def test_withdraw_completes_a_posted_receive_without_writing(transport_kind: str) -> None:
+    async def body() -> None:
+        async with open_link(transport_kind) as link:
+            tag = message_tag(next(_transfer_ids), 3)
+            buffer = torch.full((4096,), 0xA5, dtype=torch.uint8)
+            receive = asyncio.ensure_future(link.receiver.recv(tag, buffer))
+            await asyncio.sleep(0.05)  # posted
+            assert not receive.done()
+            await link.receiver.withdraw(tag)
+            await asyncio.wait_for(receive, WAIT_S)
+            assert bool((buffer == 0xA5).all())
+
+            # a real message of the withdrawn tag, coming late, is not received
+            message = torch.ones(4096, dtype=torch.uint8)
+            late = asyncio.ensure_future(link.endpoint.send(tag, message))
+            await asyncio.wait([late], timeout=LATE_S)
+            late.cancel()
+            assert bool((buffer == 0xA5).all())
+
+    asyncio.run(body())
+
+
+def test_withdraw_before_the_receive_makes_it_complete_empty(transport_kind: str) -> None:
+    async def body() -> None:
+        async with open_link(transport_kind) as link:
+            tag = message_tag(next(_transfer_ids), 0)
+            other_tag = message_tag(next(_transfer_ids), 0)
+            await link.receiver.withdraw(tag)
+            buffer = torch.full((4096,), 0x5A, dtype=torch.uint8)
+            await asyncio.wait_for(link.receiver.recv(tag, buffer), WAIT_S)
+            assert bool((buffer == 0x5A).all())
+
+            # the withdrawal was of that tag only: another receive still gets its message
+            message = torch.arange(4096, dtype=torch.int32).to(torch.uint8)
+            receive = asyncio.ensure_future(link.receiver.recv(other_tag, buffer))
+            await asyncio.sleep(0.01)
+            await asyncio.wait_for(link.endpoint.send(other_tag, message), WAIT_S)
+            await asyncio.wait_for(receive, WAIT_S)
+            assert torch.equal(buffer, message)
+
+    asyncio.run(body())
+
+
+# ----------------------------------------------------------------------------- messages
+
+
 @pytest.mark.parametrize("receive_first", [True, False])
 def test_inprocess_size_mismatch_is_a_transfer_error(receive_first: bool) -> None:
     async def body() -> None:
         async with open_link("inprocess") as link:
-            tag = layer_tag(next(_transfer_ids), 0)
+            tag = message_tag(next(_transfer_ids), 0)
             buffer = torch.empty(64, dtype=torch.uint8)
             message = torch.zeros(65, dtype=torch.uint8)
             if receive_first:
@@ -349,36 +575,121 @@ def test_inprocess_size_mismatch_is_a_transfer_error(receive_first: bool) -> Non
     asyncio.run(body())
 
 
-def test_inprocess_size_mismatch_fails_the_layer_receiver() -> None:
+async def receive_with_mismatched_sender(
+    link: Link, cache: torch.Tensor, block_ids: list[int], sender_blocks: int
+) -> tuple[LayerSender, LayerReceiver]:
+    """A receiver into ``block_ids`` and a sender of the same transfer whose plan is one run of
+    ``sender_blocks`` blocks (as many messages per layer, of another size); layer 0 offered."""
+    plan, destinations = receive_destinations(cache, block_ids)
+    assert plan.num_runs == 1
+    transfer_id = next(_transfer_ids)
+    receiver = LayerReceiver(link.receiver, transfer_id, plan, destinations)
+    other = TransferPlan.for_destination(range(sender_blocks))
+    loop = asyncio.get_running_loop()
+    sender = LayerSender(link.endpoint, transfer_id, NUM_LAYERS, other, loop)
+    sender.offer(0, random_kv(sender_blocks)[0])
+    return sender, receiver
+
+
+@pytest.mark.parametrize(
+    ("block_ids", "sender_blocks"), [([6, 7], 1), ([6], 2)], ids=["shorter", "longer"]
+)
+def test_inprocess_size_mismatch_fails_the_layer_receiver(
+    block_ids: list[int], sender_blocks: int
+) -> None:
+    """In-process only: UCX completes a receive with a shorter message (as it must for the
+    zero-byte message of ``withdraw``); a longer one fails it ("Message truncated"), but ucxx
+    then keeps the failed request, and with it the context, so ``ucxx.reset`` would fail."""
+
     async def body() -> None:
         async with open_link("inprocess") as link:
-            kv = random_kv(num_blocks=2)
-            scatter = RecordingScatter(torch.zeros_like(kv))
-            sender, receiver = make_pair(link, 2, scatter)
-            sender.offer(0, kv[0, :, :1])  # one block where the receiver reserved two
-            with pytest.raises(TransferError):
+            cache = new_cache()
+            sender, receiver = await receive_with_mismatched_sender(
+                link, cache, block_ids, sender_blocks
+            )
+            with pytest.raises(TransferError, match="receive buffer"):
                 await receiver.wait(WAIT_S)
-            assert receiver.state is TransferState.FAILED and scatter.layers == []
+            assert receiver.state is TransferState.FAILED and receiver.settled
+            assert receiver.layers_received == 0
+            assert_zero(cache)
             sender.abort()
 
     asyncio.run(body())
 
 
-def test_layer_tag_packs_transfer_and_layer() -> None:
-    assert layer_tag(0, 0) == 0
-    assert layer_tag(1, 2) == (1 << LAYER_BITS) | 2
-    assert layer_tag(MAX_TRANSFER_ID, (1 << LAYER_BITS) - 1) == (1 << 64) - 1
-    tags = {layer_tag(transfer, layer) for transfer in range(4) for layer in range(40)}
-    assert len(tags) == 4 * 40
+def test_offering_a_layer_of_the_wrong_block_count_is_refused() -> None:
+    async def body() -> None:
+        plan = TransferPlan.for_destination(SCATTERED)
+        loop = asyncio.get_running_loop()
+        sender = LayerSender(_StalledEndpoint(), 1, NUM_LAYERS, plan, loop)
+        with pytest.raises(ValueError, match=r"expected \[2, 8, \.\.\.\] KV"):
+            sender.offer(0, random_kv(7)[0])
+        with pytest.raises(ValueError, match="expected"):
+            layer_messages(plan, random_kv(9)[0])
+        with pytest.raises(ValueError, match="expected"):
+            layer_messages(plan, random_kv(8)[0, 0])  # K only
+        with pytest.raises(ValueError, match="expected"):
+            layer_messages(plan, torch.zeros(8, dtype=torch.uint8))
+        await asyncio.sleep(0)
+        assert sender.state is TransferState.PENDING and sender.bytes_sent == 0
+
+    asyncio.run(body())
 
 
-@pytest.mark.parametrize(
-    ("transfer_id", "layer"),
-    [(-1, 0), (MAX_TRANSFER_ID + 1, 0), (0, -1), (0, 1 << LAYER_BITS)],
-)
-def test_layer_tag_rejects_out_of_range(transfer_id: int, layer: int) -> None:
-    with pytest.raises(ValueError, match="tag out of range"):
-        layer_tag(transfer_id, layer)
+def test_layer_messages_are_k_runs_then_v_runs_without_copies() -> None:
+    plan = TransferPlan.for_destination(SCATTERED)  # runs of 1, 2, 3, 2 blocks
+    layer = random_kv(len(SCATTERED))[0]
+    messages = layer_messages(plan, layer)
+    assert len(messages) == plan.messages_per_layer == 8
+    block = SMOLLM2_BF16.layer_bytes(1) // 2  # K (or V) of one block
+    assert [message.numel() for message in messages] == [block * n for n in (1, 2, 3, 2)] * 2
+    offsets = plan.run_offsets()
+    for half in range(2):
+        for run, (offset, length) in enumerate(zip(offsets, plan.run_lengths, strict=True)):
+            message = messages[half * plan.num_runs + run]
+            assert message.dtype == torch.uint8 and message.is_contiguous()
+            assert torch.equal(message, as_bytes(layer[half, offset : offset + length]))
+            assert message.untyped_storage().data_ptr() == layer.untyped_storage().data_ptr()
+
+
+def test_receive_destinations_are_views_of_the_reserved_runs() -> None:
+    cache = new_cache()
+    plan, destinations = receive_destinations(cache, SCATTERED)
+    assert plan == TransferPlan.for_destination(SCATTERED)
+    assert len(destinations) == NUM_LAYERS
+    block = SMOLLM2_BF16.layer_bytes(1) // 2
+    first_blocks = [0, 3, 9, 19]  # sorted runs: 0; 3-4; 9-11; 19-20
+    for layer, buffers in enumerate(destinations):
+        assert len(buffers) == plan.messages_per_layer
+        for index, buffer in enumerate(buffers):
+            half, run = divmod(index, plan.num_runs)
+            expected = cache[layer, half, first_blocks[run]]
+            assert buffer.dtype == torch.uint8 and buffer.is_contiguous()
+            assert buffer.numel() == block * plan.run_lengths[run]
+            assert buffer.data_ptr() == expected.data_ptr()  # no staging: the cache itself
+    with pytest.raises(ValueError, match="contiguous"):
+        receive_destinations(cache.transpose(0, 1), SCATTERED)
+
+
+def test_receiver_rejects_destinations_that_do_not_match_the_plan() -> None:
+    async def body() -> None:
+        transport = InProcessTransport()
+        try:
+            plan, destinations = receive_destinations(new_cache(), SCATTERED)
+            short = [list(buffers) for buffers in destinations]
+            short[2] = short[2][:-1]
+            with pytest.raises(ValueError, match="layer 2 has 7 destinations, the plan 8"):
+                LayerReceiver(transport, next(_transfer_ids), plan, short)
+            other_plan = TransferPlan.for_destination(range(8))  # one run: two messages
+            with pytest.raises(ValueError, match="the plan 2 messages"):
+                LayerReceiver(transport, next(_transfer_ids), other_plan, destinations)
+        finally:
+            await transport.close()
+
+    asyncio.run(body())
+
+
+# ----------------------------------------------------------------------------- layout
 
 
 def test_equal_layouts_are_compatible() -> None:
@@ -412,235 +723,3 @@ def test_layer_bytes() -> None:
     fp32 = dataclasses.replace(SMOLLM2_BF16, dtype="float32")
     assert fp32.layer_bytes(8) == 2 * SMOLLM2_BF16.layer_bytes(8)
     assert SMOLLM2_BF16.layer_bytes(0) == 0
-
-
-# ----------------------------------------------------------------------------- buffer pool
-
-
-def test_size_class_rounds_to_pages_then_to_quarter_powers_of_two() -> None:
-    page = PAGE_BYTES
-    assert [size_class(n) for n in (0, 1, page, page + 1, 4 * page)] == [
-        page,
-        page,
-        page,
-        2 * page,
-        4 * page,
-    ]
-    assert size_class(4 * page + 1) == 5 * page  # a quarter of 4 pages
-    mib = 1 << 20
-    assert size_class(mib + 1) == mib + mib // 4
-    assert size_class(3 * mib) == 3 * mib  # 4k-token layers of the default model fit exactly
-    assert size_class(3 * mib + 1) == 3 * mib + mib // 2
-    for nbytes in [*range(1, 70_000, 997), *(SMOLLM2_BF16.layer_bytes(b) for b in range(1, 300))]:
-        capacity = size_class(nbytes)
-        assert capacity >= nbytes and capacity % page == 0
-        assert capacity <= max(nbytes * 1.25, page) or capacity - nbytes < page
-
-
-def test_pool_lends_exact_views_and_reuses_released_memory() -> None:
-    pool = BufferPool()
-    first = pool.acquire(1000)
-    assert first.shape == (1000,) and first.dtype == torch.uint8 and first.is_contiguous()
-    address = first.data_ptr()
-    pool.release(first)
-    second = pool.acquire(900)  # same size class: the same memory
-    assert second.shape == (900,) and second.data_ptr() == address
-    other = pool.acquire(5 * PAGE_BYTES)  # another class: new memory
-    assert other.data_ptr() != address
-    stats = pool.stats()
-    assert (stats.hits, stats.misses, stats.leased_buffers, stats.idle_buffers) == (1, 2, 2, 0)
-    pool.release(second)
-    pool.release(other)
-    assert pool.stats().retained_bytes == 6 * PAGE_BYTES
-
-
-def test_pool_bound_frees_the_least_recently_released() -> None:
-    pool = BufferPool(max_retained_bytes=2 * PAGE_BYTES)
-    views = [pool.acquire(PAGE_BYTES) for _ in range(3)]
-    addresses = [view.data_ptr() for view in views]
-    for view in views:
-        pool.release(view)
-    stats = pool.stats()
-    assert (stats.retained_bytes, stats.idle_buffers, stats.freed) == (2 * PAGE_BYTES, 2, 1)
-    again = [pool.acquire(PAGE_BYTES) for _ in range(2)]
-    assert [view.data_ptr() for view in again] == [addresses[2], addresses[1]]  # newest first
-    assert pool.stats().hits == 2
-
-
-def test_pool_frees_a_buffer_larger_than_its_bound() -> None:
-    pool = BufferPool(max_retained_bytes=0)
-    pool.release(pool.acquire(10))
-    stats = pool.stats()
-    assert (stats.retained_bytes, stats.idle_buffers, stats.freed, stats.leased_buffers) == (
-        0,
-        0,
-        1,
-        0,
-    )
-
-
-def test_pool_refuses_foreign_and_double_releases() -> None:
-    pool = BufferPool()
-    view = pool.acquire(64)
-    pool.release(view)
-    with pytest.raises(ValueError, match="not leased"):
-        pool.release(view)
-    with pytest.raises(ValueError, match="not leased"):
-        pool.release(torch.empty(64, dtype=torch.uint8))
-
-
-def test_pool_pretouch_lends_usable_buffers() -> None:
-    pool = BufferPool(pretouch=True)
-    view = pool.acquire(3 * PAGE_BYTES + 5)
-    view.fill_(7)
-    assert int(view.sum()) == 7 * view.numel()
-    pool.release(view)
-
-
-def test_pool_is_consistent_under_concurrent_threads() -> None:
-    pool = BufferPool(max_retained_bytes=8 * PAGE_BYTES)
-
-    def churn(seed: int) -> None:
-        for step in range(300):
-            view = pool.acquire(((seed + step) % 5 + 1) * PAGE_BYTES)
-            view[0] = seed  # a lent buffer belongs to one holder at a time
-            assert int(view[0]) == seed
-            pool.release(view)
-
-    with concurrent.futures.ThreadPoolExecutor(4) as executor:
-        list(executor.map(churn, range(4)))
-    stats = pool.stats()
-    assert stats.leased_buffers == 0 and stats.retained_bytes <= 8 * PAGE_BYTES
-    assert stats.hits + stats.misses == 4 * 300
-
-
-def test_ring_size_covers_the_receive_window() -> None:
-    mib = 1 << 20
-    assert ring_size(30, 3 * mib, window_bytes=16 * mib) == 6
-    assert ring_size(30, SMOLLM2_BF16.layer_bytes(8), window_bytes=16 * mib) == 30
-    assert ring_size(30, 64 * mib, window_bytes=16 * mib) == 2  # never fewer than two
-    assert ring_size(1, 64 * mib) == 1 and ring_size(0, mib) == 0
-
-
-# ----------------------------------------------------------------------------- receive buffers
-
-
-def make_pooled_receiver(
-    link: Link, pool: BufferPool, num_blocks: int, scatter: RecordingScatter
-) -> tuple[LayerSender, LayerReceiver]:
-    """Like ``make_pair``, with a ring of two buffers from ``pool``."""
-    transfer_id = next(_transfer_ids)
-    receiver = LayerReceiver(
-        link.receiver,
-        transfer_id,
-        NUM_LAYERS,
-        SMOLLM2_BF16.layer_bytes(num_blocks),
-        scatter,
-        link.executor,
-        num_buffers=2,
-        pool=pool,
-    )
-    sender = LayerSender(link.endpoint, transfer_id, NUM_LAYERS, asyncio.get_running_loop())
-    return sender, receiver
-
-
-class RecordingPool(BufferPool):
-    """A pool that records the address of every buffer it lends."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lent: list[int] = []
-
-    def acquire(self, nbytes: int) -> torch.Tensor:
-        view = super().acquire(nbytes)
-        self.lent.append(view.data_ptr())
-        return view
-
-
-class AddressScatter(RecordingScatter):
-    """Also records the address of each buffer a layer was scattered from."""
-
-    def __init__(self, destination: torch.Tensor) -> None:
-        super().__init__(destination)
-        self.addresses: set[int] = set()
-
-    def __call__(self, layer: int, data: torch.Tensor) -> None:
-        self.addresses.add(data.data_ptr())
-        super().__call__(layer, data)
-
-
-def test_receiver_returns_its_buffers_after_done_and_the_next_reuses_them(
-    transport_kind: str,
-) -> None:
-    async def body() -> None:
-        async with open_link(transport_kind) as link:
-            pool = BufferPool()
-            kv = random_kv(num_blocks=4)
-            rounds = []
-            for _ in range(2):
-                scatter = AddressScatter(torch.zeros_like(kv))
-                sender, receiver = make_pooled_receiver(link, pool, 4, scatter)
-                assert pool.stats().leased_buffers == 2
-                await asyncio.to_thread(offer_from_thread, sender, kv, range(NUM_LAYERS))
-                await sender.finish(WAIT_S)
-                await receiver.wait(WAIT_S)
-                assert torch.equal(as_bytes(scatter.destination), as_bytes(kv))
-                stats = pool.stats()
-                assert (stats.leased_buffers, stats.idle_buffers) == (0, 2)
-                rounds.append(scatter.addresses)
-            assert len(rounds[0]) == 2 and rounds[1] == rounds[0]
-            assert (pool.stats().misses, pool.stats().hits) == (2, 2)
-
-    asyncio.run(body())
-
-
-@pytest.mark.parametrize("ending", ["abort", "timeout"])
-def test_buffer_of_a_pending_receive_is_reused_only_after_it_lands(
-    transport_kind: str, ending: str
-) -> None:
-    async def body() -> None:
-        async with open_link(transport_kind) as link:
-            pool = RecordingPool()
-            kv = random_kv(num_blocks=2)
-            scatter = RecordingScatter(torch.zeros_like(kv))
-            _, receiver = make_pooled_receiver(link, pool, 2, scatter)
-            ring = set(pool.lent)
-            await asyncio.sleep(0.05)  # the receives of layers 0 and 1 are posted
-            if ending == "abort":
-                await receiver.abort()
-            else:
-                with pytest.raises(TransferTimeoutError):
-                    await receiver.wait(0.2)
-            assert pool.stats().leased_buffers == 2  # a late message may still land there
-            other = pool.acquire(SMOLLM2_BF16.layer_bytes(2))
-            assert other.data_ptr() not in ring
-            pool.release(other)
-
-            for layer in range(2):  # the late messages land in the ring buffers
-                tag = layer_tag(receiver.transfer_id, layer)
-                await link.endpoint.send(tag, as_bytes(kv[layer]))
-            async with asyncio.timeout(WAIT_S):
-                while pool.stats().leased_buffers:
-                    await asyncio.sleep(0.01)
-            assert pool.stats().idle_buffers == 3
-            again = [pool.acquire(SMOLLM2_BF16.layer_bytes(2)) for _ in range(3)]
-            assert ring <= {view.data_ptr() for view in again}
-            assert scatter.layers == []  # landed after the end: never scattered
-
-    asyncio.run(body())
-
-
-def test_buffer_of_a_receive_cancelled_under_the_receiver_is_never_reused() -> None:
-    pool = BufferPool()
-
-    async def body() -> None:
-        transport = InProcessTransport()
-        executor = concurrent.futures.ThreadPoolExecutor(1)
-        scatter = RecordingScatter(torch.zeros_like(random_kv(1)))
-        LayerReceiver(transport, next(_transfer_ids), NUM_LAYERS, 64, scatter, executor, 2, pool)
-        await asyncio.sleep(0.05)
-        executor.shutdown()
-        # asyncio.run now cancels the receiver's task and its posted receives
-
-    asyncio.run(body())
-    assert pool.stats().leased_buffers == 2 and pool.stats().idle_buffers == 0

@@ -2,6 +2,8 @@
 
 All transports must live on one asyncio loop. A send to a tag nobody receives yet is kept as
 an unexpected message (copied) until a matching receive is posted, like UCX's eager protocol.
+A message must fill its receive buffer exactly, except the zero-byte message of ``withdraw``,
+which completes a receive without writing (as UCX does).
 """
 
 from __future__ import annotations
@@ -65,6 +67,9 @@ class InProcessTransport(KvTransport):
         finally:
             self._mailbox.posted.pop(tag, None)
 
+    async def withdraw(self, tag: int) -> None:
+        self.deliver(tag, torch.empty(0, dtype=torch.uint8))
+
     def deliver(self, tag: int, message: torch.Tensor) -> None:
         """Peer side of a send: complete a posted receive or keep the message."""
         posted = self._mailbox.posted.pop(tag, None)
@@ -94,6 +99,8 @@ class _InProcessEndpoint(KvEndpoint):
 
 
 def _copy_message(message: torch.Tensor, buffer: torch.Tensor, tag: int) -> None:
+    if message.numel() == 0:
+        return  # a withdrawal
     if message.numel() != buffer.numel():
         raise TransferError(
             f"message tagged {tag:#x} has {message.numel()} bytes, receive buffer {buffer.numel()}"

@@ -13,8 +13,9 @@ from dataclasses import dataclass
 
 from splitserve.transfer.errors import IncompatibleKvLayoutError
 
-LAYER_UNIT_LAYOUT = "kv,blocks,block_size,kv_heads,head_dim"
-"""Memory order of the unit sent per layer: K and V of the request's blocks, contiguous."""
+LAYER_UNIT_LAYOUT = "K runs, V runs per layer; run=blocks,block_size,kv_heads,head_dim"
+"""What a message holds (``plan.TransferPlan``): the K or the V of one run of blocks of one
+layer, blocks in memory order. Peers built with another message format are refused."""
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,7 @@ class KvLayout:
         return {"float32": 4, "bfloat16": 2, "float16": 2}[self.dtype]
 
     def layer_bytes(self, num_blocks: int) -> int:
-        """Bytes of one layer's K and V over ``num_blocks`` blocks (one tagged message)."""
+        """Bytes of one layer's K and V over ``num_blocks`` blocks (all its messages)."""
         return (
             2 * num_blocks * self.block_size * self.num_kv_heads * self.head_dim
         ) * self.element_size

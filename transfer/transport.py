@@ -8,8 +8,15 @@ backend supports it). A send or receive either completes, raises ``TransferError
 cancelled by its caller; callers bound every wait with a timeout because a dead peer is not
 always detected by the transport (see ``ucx.py``).
 
-Tags: ``layer_tag(transfer_id, layer)`` packs a per-transfer id and a layer index into the
-64-bit tag space, so concurrent transfers never match each other's messages.
+Tags: ``plan.message_tag(transfer_id, index)`` packs a per-transfer id and a message index into
+the 64-bit tag space, so concurrent transfers never match each other's messages. Tags are never
+reused.
+
+A receive posted into memory cannot be taken back (UCX has no per-request cancel in ucxx), so a
+receiver that gives up *withdraws* its receives: ``withdraw(tag)`` completes a still-unmatched
+receive of ``tag`` without writing into its buffer. Once every receive into a region has
+settled (completed, failed or withdrawn), no message can land in that region any more, and its
+owner may hand the memory to someone else.
 """
 
 from __future__ import annotations
@@ -17,17 +24,6 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 import torch
-
-LAYER_BITS = 12
-"""Layer index bits of a tag (up to 4096 layers); the transfer id takes the upper 52."""
-MAX_TRANSFER_ID = (1 << (64 - LAYER_BITS)) - 1
-
-
-def layer_tag(transfer_id: int, layer: int) -> int:
-    """The 64-bit tag of one layer's message of one transfer."""
-    if not 0 <= transfer_id <= MAX_TRANSFER_ID or not 0 <= layer < (1 << LAYER_BITS):
-        raise ValueError(f"tag out of range: transfer {transfer_id}, layer {layer}")
-    return (transfer_id << LAYER_BITS) | layer
 
 
 class KvEndpoint(ABC):
@@ -56,7 +52,19 @@ class KvTransport(ABC):
 
     @abstractmethod
     async def recv(self, tag: int, buffer: torch.Tensor) -> None:
-        """Receive the message tagged ``tag`` into ``buffer`` (its size must match)."""
+        """Receive the message tagged ``tag`` into ``buffer`` (its size must match).
+
+        The receive is posted when the coroutine first runs; cancelling the awaiting task does
+        not withdraw it (use ``withdraw``)."""
+
+    @abstractmethod
+    async def withdraw(self, tag: int) -> None:
+        """Make this transport's receive of ``tag`` complete without writing into its buffer,
+        unless a message already matched it (that receive then completes or fails on its own).
+
+        Implemented as a zero-byte message to ``tag`` from this transport to itself: if no
+        receive of ``tag`` is posted yet, the next one posted completes empty. A real message
+        of ``tag`` arriving after the withdrawal is never received (tags are not reused)."""
 
     def forget(self, address: bytes) -> None:  # noqa: B027 - optional hook
         """Drop the cached endpoint to ``address`` (after a failure): the next ``connect``

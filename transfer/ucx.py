@@ -88,6 +88,10 @@ class UcxTransport(KvTransport):
         except Exception as error:
             raise TransferError(f"UCX receive of tag {tag:#x} failed: {error}") from error
 
+    async def withdraw(self, tag: int) -> None:
+        own = await self.connect(self._address)  # cached like any peer's endpoint
+        await own.send(tag, _EMPTY)
+
     async def close(self) -> None:
         for endpoint in self._endpoints.values():
             endpoint.abort()
@@ -95,6 +99,10 @@ class UcxTransport(KvTransport):
         # The notifier thread behind Python futures is not a daemon: stop it or the process
         # never exits.
         self._ucxx.stop_notifier_thread()
+
+
+_EMPTY = torch.empty(0, dtype=torch.uint8)
+"""The zero-byte message that withdraws a receive (UCX completes it without writing)."""
 
 
 class _UcxEndpoint(KvEndpoint):

@@ -1,5 +1,5 @@
-"""Reading and writing one request's KV of one layer in an engine's paged cache, as the
-transfer layer's contiguous unit ``[2, num_blocks, block_size, kv_heads, head_dim]``."""
+"""Where one request's KV comes from and lands in an engine's paged cache
+``[layers, 2, blocks, block_size, kv_heads, head_dim]``, cut as a ``TransferPlan`` says."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ from collections.abc import Sequence
 import torch
 
 from splitserve.engine.engine_core import EngineCore
-from splitserve.transfer.layer_channel import ScatterFn
+from splitserve.engine.host_memory import empty_huge_pages
 from splitserve.transfer.layout import KvLayout
+from splitserve.transfer.plan import TransferPlan
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -27,22 +28,50 @@ def kv_layout_of(core: EngineCore) -> KvLayout:
     )
 
 
-def gather_layer(core: EngineCore, layer: int, block_ids: Sequence[int]) -> torch.Tensor:
-    """A contiguous copy of ``layer``'s K and V in these blocks (engine thread)."""
-    return core.runner.read_kv_blocks(layer, block_ids)  # [2, blocks, block, kv_heads, dim]
-
-
-def scatter_into(core: EngineCore, block_ids: Sequence[int]) -> ScatterFn:
-    """A scatter function storing received layers into ``block_ids`` (the reserved blocks).
-
-    Safe off the engine thread: reserved blocks are not read or written by the engine until
-    the request's remote prefill completes.
-    """
+def staging_buffer(core: EngineCore, num_blocks: int) -> torch.Tensor:
+    """Uninitialized room for one request's KV of every layer, ``[layers, 2, num_blocks,
+    block, kv_heads, dim]``, for ``gather_layer`` to fill; on CPU backed by huge pages, which
+    UCX copies out of markedly faster than 4 KiB pages (see ``engine.host_memory``)."""
     cache = core.runner.kv_cache  # [layers, 2, blocks, block, kv_heads, dim]
-    shape = (2, len(block_ids), *cache.shape[3:])
-    dtype = cache.dtype
+    shape = (cache.shape[0], 2, num_blocks, *cache.shape[3:])
+    return empty_huge_pages(shape, cache.dtype, cache.device)
 
-    def scatter(layer: int, data: torch.Tensor) -> None:
-        core.runner.write_kv_blocks(layer, block_ids, data.view(dtype).view(shape))
 
-    return scatter
+def gather_layer(
+    core: EngineCore,
+    layer: int,
+    block_ids: Sequence[int],
+    plan: TransferPlan,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """A contiguous copy of ``layer``'s K and V in these blocks (the prompt's, in block-table
+    order), reordered as ``plan.block_order`` says (engine thread): ``[2, blocks, block,
+    kv_heads, dim]``, written into ``out`` (e.g. ``staging_buffer(...)[layer]``) when given."""
+    ordered = [block_ids[position] for position in plan.block_order]
+    return core.runner.read_kv_blocks(layer, ordered, out)
+
+
+def receive_destinations(
+    cache: torch.Tensor, block_ids: Sequence[int]
+) -> tuple[TransferPlan, list[list[torch.Tensor]]]:
+    """The plan for receiving into ``block_ids`` (reserved blocks, block-table order) of
+    ``cache`` (``[layers, 2, blocks, block, kv_heads, dim]``, contiguous) and, per layer, the
+    cache regions its messages land in (uint8 views, plan order).
+
+    The engine neither reads nor writes reserved blocks until the request's remote prefill
+    completes, so receiving into them off the engine thread is safe.
+    """
+    if not cache.is_contiguous():
+        raise ValueError("the KV cache must be contiguous to receive into it")
+    plan = TransferPlan.for_destination(block_ids)
+    first_blocks = [block_ids[plan.block_order[offset]] for offset in plan.run_offsets()]
+    runs = list(zip(first_blocks, plan.run_lengths, strict=True))
+    destinations = [
+        [
+            cache[layer, half, first : first + length].view(-1).view(torch.uint8)
+            for half in range(2)
+            for first, length in runs
+        ]
+        for layer in range(cache.shape[0])
+    ]
+    return plan, destinations

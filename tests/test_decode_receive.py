@@ -1,0 +1,135 @@
+"""The decode worker's side of a transfer, in one process over the in-process transport:
+reserved blocks go back to the pool only once no message can land in them, a retry of the same
+request id is not hit by the first attempt's teardown, and blocks whose receives never settle
+stay out of the pool."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+import torch
+
+from splitserve.decode.worker import DecodeWorker, Reservation
+from splitserve.engine.checkpoint import LoadedCheckpoint
+from splitserve.engine.engine_core import StepOutput
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.transfer import layer_channel
+from splitserve.transfer.inprocess import InProcessTransport
+from splitserve.transfer.plan import message_tag
+from splitserve.worker.identity import WorkerIdentity
+from tests.conftest import make_llm
+
+pytestmark = pytest.mark.timeout(120)
+
+NUM_BLOCKS = 32
+PROMPT = list(range(100, 140))  # 40 tokens: 3 blocks
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
+
+
+def free_blocks(worker: DecodeWorker) -> int:
+    return worker.core.kv_cache.num_free_blocks
+
+
+async def wait_for_free(worker: DecodeWorker, expected: int, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while free_blocks(worker) != expected:
+        assert time.monotonic() < deadline, f"{free_blocks(worker)} blocks free, not {expected}"
+        await asyncio.sleep(0.01)
+
+
+@contextlib.asynccontextmanager
+async def decode_worker(
+    checkpoint: LoadedCheckpoint, transport: InProcessTransport
+) -> AsyncIterator[DecodeWorker]:
+    """A decode worker on its own engine and ``transport``; both closed on exit."""
+    core = make_llm(checkpoint, num_blocks=NUM_BLOCKS).engine
+    worker = DecodeWorker(core, transport, WorkerIdentity("decode-0", "127.0.0.1:1"), 5.0)
+    try:
+        yield worker
+    finally:
+        await worker.close()
+        await transport.close()
+
+
+async def reserve(worker: DecodeWorker, request_id: str) -> tuple[object, Reservation]:
+    stream = worker.generate(request_id, PROMPT, GREEDY, remote_prefill=True)
+    reservation = await anext(stream)
+    assert isinstance(reservation, Reservation)
+    return stream, reservation
+
+
+def test_aborted_reservation_frees_its_blocks_and_a_late_message_never_lands(
+    default_checkpoint_fp32: LoadedCheckpoint,
+) -> None:
+    async def body() -> None:
+        transport = InProcessTransport()
+        async with decode_worker(default_checkpoint_fp32, transport) as worker:
+            stream, reservation = await reserve(worker, "r0")
+            assert free_blocks(worker) == NUM_BLOCKS - reservation.num_blocks
+            await stream.aclose()  # the caller went away before any KV arrived
+            await wait_for_free(worker, NUM_BLOCKS)
+
+            # A message of the stale transfer arriving now is never received into the cache.
+            cache = worker.core.runner.kv_cache
+            before = cache.clone()
+            k_bytes = reservation.num_blocks * 16 * 3 * 64 * 4  # float32 K of one run
+            message = torch.full((k_bytes,), 255, dtype=torch.uint8)
+            endpoint = await transport.connect(transport.address)
+            await endpoint.send(message_tag(reservation.transfer_id, 0), message)
+            assert torch.equal(cache.view(torch.uint8), before.view(torch.uint8))
+
+    asyncio.run(body())
+
+
+def test_a_retry_of_the_same_request_id_survives_the_first_attempts_teardown(
+    default_checkpoint_fp32: LoadedCheckpoint,
+) -> None:
+    async def body() -> None:
+        transport = InProcessTransport()
+        async with decode_worker(default_checkpoint_fp32, transport) as worker:
+            stream, _ = await reserve(worker, "r0")
+            # The coordinator cancels the attempt (its prefill worker failed) and at once
+            # retries with local prefill: the retry arrives while the teardown is under way.
+            teardown = asyncio.create_task(stream.aclose())
+            await asyncio.sleep(0)  # the teardown starts and runs to its first suspension
+            retry = worker.generate("r0", PROMPT, GREEDY, remote_prefill=False)
+            outputs = [output async for output in retry]
+            await teardown
+            assert all(isinstance(output, StepOutput) for output in outputs)
+            final = outputs[-1].update
+            assert final.finish_reason is not None and final.finish_reason.value == "length"
+            assert sum(len(output.update.new_token_ids) for output in outputs) == 4
+            await wait_for_free(worker, NUM_BLOCKS)
+
+    asyncio.run(body())
+
+
+class _NeverSettling(InProcessTransport):
+    """Receives that never complete, withdrawals that do nothing: a peer stuck mid-message."""
+
+    async def recv(self, tag: int, buffer: torch.Tensor) -> None:
+        await asyncio.Event().wait()
+
+    async def withdraw(self, tag: int) -> None:
+        return None
+
+
+def test_blocks_of_a_transfer_that_never_settles_are_quarantined(
+    default_checkpoint_fp32: LoadedCheckpoint, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(layer_channel, "SETTLE_TIMEOUT_S", 0.2)
+
+    async def body() -> None:
+        transport = _NeverSettling()
+        async with decode_worker(default_checkpoint_fp32, transport) as worker:
+            stream, reservation = await reserve(worker, "r0")
+            await stream.aclose()
+            await asyncio.sleep(1.0)  # the settle timeout passes; the blocks must stay held
+            assert free_blocks(worker) == NUM_BLOCKS - reservation.num_blocks
+            assert "r0" not in worker.core.scheduler.requests  # the request itself ended
+
+    asyncio.run(body())

@@ -1,0 +1,195 @@
+"""``TransferPlan``: how one request's KV is cut into tagged messages that land straight in
+the decode worker's reserved blocks (runs of consecutive block ids, K runs then V runs per
+layer), and the tag packing. Pure: the module is torch-free."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from splitserve.transfer.plan import (
+    MAX_MESSAGES,
+    MAX_TRANSFER_ID,
+    MESSAGE_BITS,
+    InvalidTransferPlanError,
+    TransferPlan,
+    message_tag,
+)
+
+
+def destination_order(block_ids: list[int], plan: TransferPlan) -> list[int]:
+    """The destination block ids in the order messages carry the blocks."""
+    return [block_ids[position] for position in plan.block_order]
+
+
+def runs_of(block_ids: list[int], plan: TransferPlan) -> list[list[int]]:
+    """The destination block ids of each run."""
+    ordered = destination_order(block_ids, plan)
+    return [
+        ordered[offset : offset + length]
+        for offset, length in zip(plan.run_offsets(), plan.run_lengths, strict=True)
+    ]
+
+
+# ----------------------------------------------------------------------------- for_destination
+
+
+def test_contiguous_blocks_are_one_run_in_table_order() -> None:
+    plan = TransferPlan.for_destination(range(4, 12))
+    assert plan.block_order == tuple(range(8))
+    assert plan.run_lengths == (8,)
+    assert (plan.num_blocks, plan.num_runs, plan.messages_per_layer) == (8, 1, 2)
+    assert plan.run_offsets() == [0]
+
+
+def test_reversed_blocks_are_one_run_carried_in_ascending_block_order() -> None:
+    plan = TransferPlan.for_destination([7, 6, 5, 4])
+    assert plan.run_lengths == (4,)
+    assert plan.block_order == (3, 2, 1, 0)
+    assert destination_order([7, 6, 5, 4], plan) == [4, 5, 6, 7]
+
+
+def test_one_block() -> None:
+    plan = TransferPlan.for_destination([13])
+    assert (plan.block_order, plan.run_lengths, plan.messages_per_layer) == ((0,), (1,), 2)
+
+
+def test_scattered_blocks_are_cut_into_maximal_runs_of_consecutive_ids() -> None:
+    block_ids = [9, 10, 11, 3, 4, 20, 19, 0]
+    plan = TransferPlan.for_destination(block_ids)
+    assert plan.run_lengths == (1, 2, 3, 2)
+    assert plan.block_order == (7, 3, 4, 0, 1, 2, 6, 5)
+    assert runs_of(block_ids, plan) == [[0], [3, 4], [9, 10, 11], [19, 20]]
+    assert plan.run_offsets() == [0, 1, 3, 6]
+    assert (plan.num_blocks, plan.num_runs, plan.messages_per_layer) == (8, 4, 8)
+
+
+def test_ids_one_apart_in_the_table_but_not_in_value_are_separate_runs() -> None:
+    block_ids = [2, 4, 6, 8]
+    plan = TransferPlan.for_destination(block_ids)
+    assert plan.run_lengths == (1, 1, 1, 1)
+    assert runs_of(block_ids, plan) == [[2], [4], [6], [8]]
+
+
+def test_every_plan_covers_each_block_once_in_runs_of_consecutive_ids() -> None:
+    for block_ids in ([5, 1, 2, 3, 9, 8, 30, 31, 0], [100, 0, 50, 51, 49], list(range(40, 0, -3))):
+        plan = TransferPlan.for_destination(block_ids)
+        assert sorted(destination_order(block_ids, plan)) == sorted(block_ids)
+        for run in runs_of(block_ids, plan):
+            assert run == list(range(run[0], run[0] + len(run)))
+        starts = [run[0] for run in runs_of(block_ids, plan)]
+        ends = [run[-1] for run in runs_of(block_ids, plan)]
+        assert all(start > end + 1 for start, end in zip(starts[1:], ends, strict=False))
+
+
+def test_duplicate_destination_ids_are_refused() -> None:
+    with pytest.raises(InvalidTransferPlanError, match="repeat"):
+        TransferPlan.for_destination([3, 4, 3])
+
+
+def test_an_invalid_plan_is_a_value_error() -> None:
+    assert issubclass(InvalidTransferPlanError, ValueError)
+
+
+# ----------------------------------------------------------------------------- constructor
+
+
+@pytest.mark.parametrize(
+    "block_order",
+    [(0, 0, 1), (1, 2, 3), (0, 1, 3), (0, -1, 1)],
+    ids=["repeat", "shifted", "gap", "negative"],
+)
+def test_constructor_refuses_an_order_that_is_not_a_permutation(
+    block_order: tuple[int, ...],
+) -> None:
+    with pytest.raises(InvalidTransferPlanError, match="permutation"):
+        TransferPlan(block_order, (3,))
+
+
+@pytest.mark.parametrize("run_lengths", [(0, 3), (4, -1)], ids=["zero", "negative"])
+def test_constructor_refuses_runs_that_are_not_positive(run_lengths: tuple[int, ...]) -> None:
+    with pytest.raises(InvalidTransferPlanError, match="positive"):
+        TransferPlan((0, 1, 2), run_lengths)
+
+
+@pytest.mark.parametrize("run_lengths", [(1, 1), (2, 2), ()], ids=["short", "long", "none"])
+def test_constructor_refuses_runs_not_covering_the_blocks(run_lengths: tuple[int, ...]) -> None:
+    with pytest.raises(InvalidTransferPlanError, match="runs cover"):
+        TransferPlan((2, 0, 1), run_lengths)
+
+
+def test_constructor_accepts_a_valid_plan() -> None:
+    plan = TransferPlan((2, 0, 1), (1, 2))
+    assert plan.run_offsets() == [0, 1]
+    assert plan == TransferPlan((2, 0, 1), (1, 2))  # a value: compared by content
+
+
+# ----------------------------------------------------------------------------- messages
+
+
+def test_message_indices_are_layer_major_k_runs_then_v_runs() -> None:
+    plan = TransferPlan((0, 1, 2, 3, 4), (2, 1, 2))  # three runs: six messages per layer
+    assert plan.message_index(0, 0, 0) == 0
+    assert [plan.message_index(0, 0, run) for run in range(3)] == [0, 1, 2]  # K of each run
+    assert [plan.message_index(0, 1, run) for run in range(3)] == [3, 4, 5]  # then V
+    assert plan.message_index(1, 0, 0) == 6  # the next layer follows
+    num_layers = 4
+    indices = [
+        plan.message_index(layer, kv, run)
+        for layer in range(num_layers)
+        for kv in range(2)
+        for run in range(plan.num_runs)
+    ]
+    assert indices == list(range(num_layers * plan.messages_per_layer))  # dense, in order
+
+
+def test_message_tag_packs_transfer_and_message() -> None:
+    assert message_tag(0, 0) == 0
+    assert message_tag(1, 2) == (1 << MESSAGE_BITS) | 2
+    assert message_tag(MAX_TRANSFER_ID, MAX_MESSAGES - 1) == (1 << 64) - 1
+    assert MAX_MESSAGES == 1 << MESSAGE_BITS
+    assert MAX_TRANSFER_ID == (1 << (64 - MESSAGE_BITS)) - 1
+
+
+def test_message_tags_are_unique_across_transfers() -> None:
+    plan = TransferPlan.for_destination([9, 10, 11, 3, 4, 20, 19, 0])
+    num_layers = 30
+    tags = [
+        message_tag(transfer, plan.message_index(layer, kv, run))
+        for transfer in (1, 2, 3, MAX_TRANSFER_ID)
+        for layer in range(num_layers)
+        for kv in range(2)
+        for run in range(plan.num_runs)
+    ]
+    assert len(set(tags)) == len(tags) == 4 * num_layers * plan.messages_per_layer
+    assert all(0 <= tag < 1 << 64 for tag in tags)
+
+
+@pytest.mark.parametrize(
+    ("transfer_id", "index"),
+    [(-1, 0), (MAX_TRANSFER_ID + 1, 0), (0, -1), (0, MAX_MESSAGES)],
+)
+def test_message_tag_rejects_out_of_range(transfer_id: int, index: int) -> None:
+    with pytest.raises(ValueError, match="tag out of range"):
+        message_tag(transfer_id, index)
+
+
+def test_check_fits_refuses_more_messages_than_a_tag_holds() -> None:
+    per_layer = 1 << 10  # 512 runs: 1024 messages per layer
+    plan = TransferPlan(tuple(range(512)), (1,) * 512)
+    assert plan.messages_per_layer == per_layer
+    fitting = MAX_MESSAGES // per_layer
+    plan.check_fits(fitting)  # exactly MAX_MESSAGES: the last index is MAX_MESSAGES - 1
+    message_tag(MAX_TRANSFER_ID, plan.message_index(fitting - 1, 1, plan.num_runs - 1))
+    with pytest.raises(InvalidTransferPlanError, match="exceed"):
+        plan.check_fits(fitting + 1)
+    TransferPlan.for_destination([0]).check_fits(MAX_MESSAGES // 2)
+    with pytest.raises(InvalidTransferPlanError):
+        TransferPlan.for_destination([0]).check_fits(MAX_MESSAGES // 2 + 1)
+
+
+def test_plan_module_is_torch_free() -> None:
+    check = "import splitserve.transfer.plan, sys; assert 'torch' not in sys.modules, 'torch'"
+    subprocess.run([sys.executable, "-c", check], check=True)
