@@ -7,16 +7,23 @@ Invariants:
   queue, never both. ``num_free_blocks == len(free queue)``.
 - A free block may still hold a cached prefix (it has a hash). It stays reusable by a prefix hit
   until ``allocate`` hands it out again, which evicts the hash (least recently freed first).
-- ``allocate``, ``free`` of one block, ``touch`` of one block and ``lookup`` are O(1).
+- ``allocate``, ``free`` of one block, ``touch`` of one block and ``lookup`` are O(1);
+  ``allocate_contiguous`` scans a free-block bitmap, O(num_blocks) at C speed.
+- ``_free_mask[b] == 1`` exactly when block ``b`` is in the free queue.
 """
 
 from __future__ import annotations
 
+import re
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 BlockHash = bytes
 """Digest identifying a full block by its tokens and all tokens before it."""
+
+
+_FREE_RUN = re.compile(b"\x01+")
+"""A run of free blocks in the free mask."""
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -35,6 +42,7 @@ class BlockPool:
         self._block_of_hash: dict[BlockHash, int] = {}
         # Insertion order is eviction order: the front is the least recently freed block.
         self._free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._free_mask = bytearray(b"\x01") * num_blocks
 
     @property
     def num_free_blocks(self) -> int:
@@ -62,16 +70,51 @@ class BlockPool:
         blocks: list[int] = []
         for _ in range(count):
             block_id, _ = self._free_queue.popitem(last=False)
-            self._evict_hash(block_id)
-            self._ref_counts[block_id] = 1
+            self._take(block_id)
             blocks.append(block_id)
         return blocks
+
+    def allocate_contiguous(self, count: int) -> list[int]:
+        """Like ``allocate``, but in as few runs of consecutive block ids as the free blocks
+        allow, ascending within each run: the smallest free run that holds ``count`` blocks,
+        else the longest free runs.
+
+        For blocks another worker writes into (a KV transfer moves one message per run). It
+        ignores the LRU order, so it may evict a cached prefix ``allocate`` would have kept.
+        """
+        if count > len(self._free_queue):
+            raise NoFreeBlocksError(f"asked for {count} blocks, {len(self._free_queue)} free")
+        runs = [match.span() for match in _FREE_RUN.finditer(self._free_mask)]
+        fitting = [(end - start, start) for start, end in runs if end - start >= count]
+        if fitting:
+            _, start = min(fitting)
+            chosen = [(start, start + count)]
+        else:
+            chosen, missing = [], count
+            for start, end in sorted(runs, key=lambda run: run[0] - run[1]):  # longest first
+                take = min(end - start, missing)
+                chosen.append((start, start + take))
+                missing -= take
+                if missing == 0:
+                    break
+        blocks = [block for start, end in chosen for block in range(start, end)]
+        for block_id in blocks:
+            del self._free_queue[block_id]
+            self._take(block_id)
+        return blocks
+
+    def _take(self, block_id: int) -> None:
+        """A block just left the free queue for its first reference."""
+        self._evict_hash(block_id)
+        self._ref_counts[block_id] = 1
+        self._free_mask[block_id] = 0
 
     def touch(self, block_ids: Iterable[int]) -> None:
         """Add a reference to each block (a prefix-cache hit), reviving free cached blocks."""
         for block_id in block_ids:
             if self._ref_counts[block_id] == 0:
                 del self._free_queue[block_id]
+                self._free_mask[block_id] = 0
             self._ref_counts[block_id] += 1
 
     def free(self, block_ids: Sequence[int]) -> None:
@@ -87,6 +130,7 @@ class BlockPool:
             self._ref_counts[block_id] = count - 1
             if count == 1:
                 self._free_queue[block_id] = None
+                self._free_mask[block_id] = 1
 
     def lookup(self, block_hash: BlockHash) -> int | None:
         """The block holding the prefix with this hash, if it is still cached."""

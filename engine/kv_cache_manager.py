@@ -83,12 +83,18 @@ class KVCacheManager:
         return blocks
 
     def allocate(
-        self, request_id: str, num_total_tokens: int, cached_blocks: Sequence[int] = ()
+        self,
+        request_id: str,
+        num_total_tokens: int,
+        cached_blocks: Sequence[int] = (),
+        contiguous: bool = False,
     ) -> bool:
         """Grow the request's table to cover ``num_total_tokens`` positions.
 
         ``cached_blocks`` (from ``find_cached_prefix``, only for a request holding no blocks)
-        become the head of its table. Returns False, changing nothing, if the pool is short.
+        become the head of its table. ``contiguous``: take the new blocks in as few runs of
+        consecutive ids as possible (``BlockPool.allocate_contiguous``; for KV another worker
+        pushes). Returns False, changing nothing, if the pool is short.
         """
         table = self._tables.get(request_id)
         if table is None:
@@ -105,7 +111,8 @@ class KVCacheManager:
             self.pool.touch(cached_blocks)
             table.extend(cached_blocks)
         if needed > 0:
-            table.extend(self.pool.allocate(needed))
+            allocate = self.pool.allocate_contiguous if contiguous else self.pool.allocate
+            table.extend(allocate(needed))
         self._tables[request_id] = table
         return True
 

@@ -179,7 +179,10 @@ class Scheduler:
         if request.request_id in self.requests:
             raise InvalidRequestError(f"duplicate request id {request.request_id!r}", "request_id")
         self.check_fits(request.num_prompt_tokens, request.params)
-        if not self.kv_cache.allocate(request.request_id, request.num_prompt_tokens):
+        # few runs of consecutive blocks: the transfer sends one message per run and layer
+        if not self.kv_cache.allocate(
+            request.request_id, request.num_prompt_tokens, contiguous=True
+        ):
             raise CapacityError(
                 f"no room for {request.num_prompt_tokens} prompt tokens of KV "
                 f"({self.kv_cache.num_free_blocks} blocks free)"

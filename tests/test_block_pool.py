@@ -6,6 +6,7 @@ import pytest
 
 from splitserve.engine.block_pool import BlockPool, NoFreeBlocksError
 from splitserve.engine.kv_cache_manager import KVCacheManager, hash_block
+from splitserve.transfer.plan import TransferPlan
 
 
 def test_allocate_and_free_return_every_block() -> None:
@@ -104,3 +105,65 @@ def test_revived_free_blocks_count_against_capacity() -> None:
     # needs 3 new blocks + 2 revived = 5 > 4 free: must refuse and leave refs untouched
     assert not manager.allocate("b", 10, cached)
     assert manager.num_free_blocks == 4
+
+
+def fragment(pool: BlockPool, keep_free: set[int]) -> None:
+    """Leave exactly ``keep_free`` free (everything else referenced once)."""
+    held = [block for block in pool.allocate(pool.num_free_blocks) if block not in keep_free]
+    pool.free(sorted(keep_free))
+    assert pool.num_free_blocks == len(keep_free) and len(held) == pool.num_blocks - len(keep_free)
+
+
+def test_allocate_contiguous_takes_the_smallest_free_run_that_fits() -> None:
+    pool = BlockPool(20)
+    fragment(pool, {1, 2, 3, 4, 5, 8, 9, 10, 14, 15, 16, 17})  # runs of 5, 3 and 4
+    assert pool.allocate_contiguous(4) == [14, 15, 16, 17]
+    assert pool.allocate_contiguous(2) == [8, 9]  # the run of 3, not the run of 5
+    assert pool.num_free_blocks == 6
+
+
+def test_allocate_contiguous_falls_back_to_the_longest_runs() -> None:
+    pool = BlockPool(20)
+    fragment(pool, {0, 2, 3, 6, 7, 8, 9, 12, 13, 14})  # runs of 1, 2, 4, 3
+    blocks = pool.allocate_contiguous(8)
+    assert blocks == [6, 7, 8, 9, 12, 13, 14, 2]  # 4 + 3 + 1 of the 2-run: three runs
+    assert pool.num_free_blocks == 2 and pool.allocate(2) in ([0, 3], [3, 0])
+    with pytest.raises(NoFreeBlocksError):
+        pool.allocate_contiguous(1)
+
+
+def test_allocate_contiguous_keeps_the_pool_consistent() -> None:
+    pool = BlockPool(16)
+    [cached] = pool.allocate(1)
+    pool.register(cached, b"prefix")
+    pool.free([cached])
+    taken = pool.allocate_contiguous(16)  # takes every block, the cached one too
+    assert sorted(taken) == list(range(16)) and pool.num_free_blocks == 0
+    assert pool.lookup(b"prefix") is None  # its hash was evicted
+    pool.free(taken[::-1])
+    assert pool.num_free_blocks == 16
+    assert sorted(pool.allocate(16)) == list(range(16))  # every block came back exactly once
+
+
+def test_remote_prefill_reservations_are_contiguous_in_a_fragmented_pool() -> None:
+    def fragmented_manager() -> KVCacheManager:
+        """Two requests that grew a block at a time, in turn, then finished: the free queue
+        alternates between their blocks."""
+        manager = KVCacheManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
+        for blocks in range(1, 5):
+            manager.allocate("a", 4 * blocks)
+            manager.allocate("b", 4 * blocks)
+        manager.free("a")
+        manager.free("b")
+        return manager
+
+    def runs(table: list[int]) -> int:
+        return TransferPlan.for_destination(table).num_runs
+
+    lru = fragmented_manager()
+    assert lru.allocate("local", 4 * 4)
+    assert runs(lru.block_table("local")) == 4  # what a plain allocation gets here
+
+    manager = fragmented_manager()
+    assert manager.allocate("remote", 4 * 4, contiguous=True)
+    assert runs(manager.block_table("remote")) == 1
