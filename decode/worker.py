@@ -138,6 +138,7 @@ class DecodeWorker:
         transfer_id = next(self._transfer_ids)
         block_ids = list(block_table)
         plan, destinations = receive_destinations(self.core.runner.kv_cache, block_ids)
+        self.transfer_metrics.block_runs.observe(plan.num_runs)
         receiver = LayerReceiver(self.transport, transfer_id, plan, destinations)
         num_bytes = self.layout.layer_bytes(len(block_ids)) * self.layout.num_layers
         self._incoming[transfer_id] = _Incoming(request_id, receiver, block_ids, num_bytes)

@@ -321,6 +321,8 @@ def test_overload_is_429_with_retry_after_and_metrics_move(
         decode_before, "splitserve_kv_transfer_bytes_total"
     )
     assert received > 0
+    runs = "splitserve_kv_transfer_block_runs_count"
+    assert _total(decode_after, runs) - _total(decode_before, runs) == len(served_ok)
     assert _total(decode_after, "splitserve_kv_cache_usage_perc") == 0.0
     coordinator = _samples(served.metrics_urls["coordinator"])
     assert _total(coordinator, "splitserve_request_stage_seconds_count") > 0

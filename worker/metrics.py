@@ -15,7 +15,9 @@ Names (prefix ``splitserve_``; labels ``model_name``, ``role``):
   ``request_decode_time_seconds``, ``request_inference_time_seconds`` (histograms);
 - ``kv_transfer_bytes_total``, ``kv_transfer_seconds``, ``kv_transfer_failures_total``
   (label ``direction``: send | receive; failures also ``reason``: timeout | aborted | error),
-  ``kv_reservation_wait_seconds`` (decode: waiting for free blocks for a pushed prompt).
+  ``kv_reservation_wait_seconds`` (decode: waiting for free blocks for a pushed prompt),
+  ``kv_transfer_block_runs`` (decode: runs of consecutive blocks per reservation; the transfer
+  sends K and V of each run per layer as separate messages, so more runs mean more messages).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from splitserve.engine.request import Request
 from splitserve.transfer.errors import TransferAbortedError, TransferTimeoutError
 
 _LABELS = ("model_name", "role")
+BLOCK_RUN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
 class TransferMetrics:
@@ -69,6 +72,13 @@ class TransferMetrics:
             "Time a pushed prompt waited for free KV blocks on the decode worker.",
             _LABELS,
             buckets=KV_TRANSFER_BUCKETS,
+            registry=registry,
+        ).labels(*values)
+        self.block_runs = Histogram(
+            "splitserve_kv_transfer_block_runs",
+            "Runs of consecutive KV blocks a pushed prompt's reservation took.",
+            _LABELS,
+            buckets=BLOCK_RUN_BUCKETS,
             registry=registry,
         ).labels(*values)
         self._values = values
