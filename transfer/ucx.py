@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -49,6 +50,7 @@ class UcxTransport(KvTransport):
         # event loop (which took a whole core from a decode worker while KV was awaited).
         ucxx.init(options=options, enable_python_future=True)
         self._ucxx = ucxx
+        self._futures_pool = _futures_pool_filler(ucxx)
         self._settings = settings
         self._address = ucxx.get_worker_address().tobytes()
         self._endpoints: dict[bytes, _UcxEndpoint] = {}
@@ -71,7 +73,7 @@ class UcxTransport(KvTransport):
                     )
                 except Exception as error:
                     raise TransferError(f"cannot reach UCX peer: {error}") from error
-                endpoint = _UcxEndpoint(raw)
+                endpoint = _UcxEndpoint(raw, self._futures_pool)
                 self._endpoints[address] = endpoint
             return endpoint
 
@@ -81,6 +83,7 @@ class UcxTransport(KvTransport):
             endpoint.abort()
 
     async def recv(self, tag: int, buffer: torch.Tensor) -> None:
+        self._futures_pool()
         try:
             await self._ucxx.recv(_ucx_buffer(buffer), tag=tag)
         except asyncio.CancelledError:
@@ -106,10 +109,12 @@ _EMPTY = torch.empty(0, dtype=torch.uint8)
 
 
 class _UcxEndpoint(KvEndpoint):
-    def __init__(self, raw) -> None:  # noqa: ANN001 - ucxx.Endpoint, untyped
-        self._raw = raw
+    def __init__(self, raw, fill_futures_pool: Callable[[], None]) -> None:  # noqa: ANN001
+        self._raw = raw  # ucxx.Endpoint, untyped
+        self._fill_futures_pool = fill_futures_pool
 
     async def send(self, tag: int, buffer: torch.Tensor) -> None:
+        self._fill_futures_pool()
         try:
             await self._raw.send(_ucx_buffer(buffer), tag=tag, force_tag=True)
         except asyncio.CancelledError:
@@ -122,6 +127,22 @@ class _UcxEndpoint(KvEndpoint):
             self._raw.abort()
         except Exception:  # already closed or errored
             logger.debug("UCX endpoint abort failed", exc_info=True)
+
+
+def _futures_pool_filler(ucxx) -> Callable[[], None]:  # noqa: ANN001 - the ucxx module
+    """A function to call before each request: tops up ucxx's pool of Python futures.
+
+    Every request takes a future from the worker's pool (100, refilled below 50 by ucxx's
+    notifier thread). A transfer posts 60 and more requests at once, which empties the pool
+    between refills; ucxx then refills it inline and logs "No Futures available" for every
+    such burst. Refilling before each request (a no-op while 50 or more are left) keeps
+    worker logs clean. The worker object is reached through ucxx's private application
+    context; where that is missing, this does nothing and ucxx's own refill remains.
+    """
+    context = getattr(getattr(ucxx, "core", None), "_get_ctx", None)
+    worker = getattr(context() if context else None, "worker", None)
+    populate = getattr(worker, "populate_python_futures_pool", None)
+    return populate if populate is not None else (lambda: None)
 
 
 def _ucx_buffer(buffer: torch.Tensor) -> object:
