@@ -18,6 +18,7 @@ receiver that never settles are quarantined: referenced for the worker's life, n
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import random
@@ -41,6 +42,8 @@ from splitserve.worker.metrics import TransferMetrics
 
 logger = logging.getLogger(__name__)
 
+PREVIOUS_ATTEMPT_WAIT_S = 5.0
+"""How long a retried request id waits for its previous attempt here to end."""
 RESERVATION_RETRY_S = 0.01
 """Poll interval of a reservation waiting for free blocks."""
 
@@ -85,6 +88,7 @@ class DecodeWorker:
         self._incoming: dict[int, _Incoming] = {}
         self._transfer_of: dict[str, int] = {}
         self._settling: set[asyncio.Task[None]] = set()  # stopped receivers holding blocks
+        self._open_attempts: dict[str, asyncio.Event] = {}  # request id -> set when it ended
         # Random start: ids stay unique across restarts of this worker at the same address.
         self._transfer_ids = itertools.count(random.randrange(1, MAX_TRANSFER_ID >> 8))
         self.transfer_metrics = TransferMetrics()
@@ -98,17 +102,34 @@ class DecodeWorker:
     ) -> AsyncIterator[Reservation | StepOutput]:
         """Run one request; with ``remote_prefill`` first yield its ``Reservation``.
 
-        Closing the iterator early aborts the request and frees its blocks.
+        Closing the iterator early aborts the request and frees its blocks. A new attempt of a
+        request id whose previous attempt is still open here (the coordinator retried before
+        the previous attempt's cancellation arrived) waits up to ``PREVIOUS_ATTEMPT_WAIT_S``
+        for it to end, instead of being refused as a duplicate.
         """
-        stream = await self._submit(request_id, prompt_token_ids, params, remote_prefill)
+        await self._previous_attempt_ended(request_id)
+        ended = self._open_attempts[request_id] = asyncio.Event()
         try:
-            if stream.block_table is not None:
-                yield self._expect_kv(request_id, stream.block_table, len(prompt_token_ids))
-            async for output in stream:
-                yield output
+            stream = await self._submit(request_id, prompt_token_ids, params, remote_prefill)
+            try:
+                if stream.block_table is not None:
+                    yield self._expect_kv(request_id, stream.block_table, len(prompt_token_ids))
+                async for output in stream:
+                    yield output
+            finally:
+                self._stop_receiving(request_id)
+                self.engine.abort(request_id)  # no-op when the request already finished
         finally:
-            self._stop_receiving(request_id)
-            self.engine.abort(request_id)  # no-op when the request already finished
+            ended.set()  # the abort above is queued: a retry's submit lands after it
+            if self._open_attempts.get(request_id) is ended:
+                del self._open_attempts[request_id]
+
+    async def _previous_attempt_ended(self, request_id: str) -> None:
+        previous = self._open_attempts.get(request_id)
+        if previous is None:
+            return
+        with contextlib.suppress(TimeoutError):  # then a true duplicate: the engine refuses it
+            await asyncio.wait_for(previous.wait(), PREVIOUS_ATTEMPT_WAIT_S)
 
     async def _submit(
         self,

@@ -133,3 +133,31 @@ def test_blocks_of_a_transfer_that_never_settles_are_quarantined(
             assert "r0" not in worker.core.scheduler.requests  # the request itself ended
 
     asyncio.run(body())
+
+
+def test_a_retry_that_arrives_before_the_first_attempt_is_cancelled_waits_for_it(
+    default_checkpoint_fp32: LoadedCheckpoint,
+) -> None:
+    async def body() -> None:
+        transport = InProcessTransport()
+        async with decode_worker(default_checkpoint_fp32, transport) as worker:
+            first, _ = await reserve(worker, "r0")
+            # The retry's RPC overtakes the first attempt's cancellation.
+            retry = asyncio.create_task(
+                collect(worker.generate("r0", PROMPT, GREEDY, remote_prefill=False))
+            )
+            await asyncio.sleep(0.2)
+            assert not retry.done()  # it waits for the first attempt instead of failing
+            await first.aclose()  # the cancellation arrives
+            outputs = await asyncio.wait_for(retry, 30)
+            assert sum(len(output.update.new_token_ids) for output in outputs) == 4
+            assert outputs[-1].update.finish_reason.value == "length"
+            await wait_for_free(worker, NUM_BLOCKS)
+
+    asyncio.run(body())
+
+
+async def collect(stream: AsyncIterator[object]) -> list[StepOutput]:
+    outputs = [output async for output in stream]
+    assert all(isinstance(output, StepOutput) for output in outputs)
+    return outputs  # type: ignore[return-value]
