@@ -10,9 +10,10 @@ The KV lands straight in the reserved blocks (``kv_io.receive_destinations``).
 
 Invariant: a reserved block goes back to the pool only once its receiver settled (no message
 can land in blocks that were handed to another request), on every exit path: stream closed by
-the caller, ``abort``, transfer failure. The request itself ends at once; an extra reference
-holds the blocks of a receiver still settling and is dropped when it settled. Blocks of a
-receiver that never settles are quarantined: referenced for the worker's life, never reused.
+the caller, ``abort``, transfer failure, a failed engine step. The engine takes a *hold* (an
+extra reference) on the reserved blocks in the same command that reserves them; the request
+may end at any time, and the transfer gives the hold back once its receiver settled. Blocks
+of receives that never settle never return to the pool.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
-from splitserve.engine.async_engine import AsyncEngine, RequestStream
+from splitserve.engine.async_engine import AsyncEngine, EngineStoppedError, RequestStream
 from splitserve.engine.engine_core import EngineCore, StepOutput
 from splitserve.engine.errors import CapacityError, InvalidRequestError
 from splitserve.engine.load import EngineLoad
@@ -156,11 +157,17 @@ class DecodeWorker:
     def _expect_kv(
         self, request_id: str, block_table: Sequence[int], num_tokens: int
     ) -> Reservation:
-        transfer_id = next(self._transfer_ids)
+        """Post the receiver for a reservation; from here the transfer owns the hold the
+        engine took on ``block_table`` (``AsyncEngine.submit``)."""
         block_ids = list(block_table)
-        plan, destinations = receive_destinations(self.core.runner.kv_cache, block_ids)
+        try:
+            transfer_id = next(self._transfer_ids)
+            plan, destinations = receive_destinations(self.core.runner.kv_cache, block_ids)
+            receiver = LayerReceiver(self.transport, transfer_id, plan, destinations)
+        except BaseException:
+            self.engine.release_blocks(block_ids)  # no receive was posted
+            raise
         self.transfer_metrics.block_runs.observe(plan.num_runs)
-        receiver = LayerReceiver(self.transport, transfer_id, plan, destinations)
         num_bytes = self.layout.layer_bytes(len(block_ids)) * self.layout.num_layers
         self._incoming[transfer_id] = _Incoming(request_id, receiver, block_ids, num_bytes)
         self._transfer_of[request_id] = transfer_id
@@ -192,7 +199,8 @@ class DecodeWorker:
         self.transfer_metrics.completed(
             "receive", incoming.num_bytes, time.monotonic() - incoming.reserved_at
         )
-        self._forget(request_id)
+        if self._take(request_id) is incoming:  # else a concurrent stop released the hold
+            self.engine.release_blocks(incoming.block_ids)  # every receive settled: DONE
         await self.engine.complete_remote_prefill(request_id, first_token_id, first_logprob)
 
     async def abort(self, request_id: str, as_stopped: bool = False) -> bool:
@@ -206,44 +214,44 @@ class DecodeWorker:
         return known
 
     def _stop_receiving(self, request_id: str) -> None:
-        """Stop the request's transfer, if any, before the caller ends the request.
+        """Stop the request's transfer, if any, and give back its hold on the reserved
+        blocks once no message can land in them any more.
 
         Synchronous, so that the caller's ``engine.abort`` follows at once: a retry of the same
-        request id may arrive right after, and must not be hit by a late abort. Blocks a
-        stopped receiver may still be written into outlive the request: an extra reference
-        is queued ahead of the caller's abort and dropped once the receiver settled.
+        request id may arrive right after, and must not be hit by a late abort. The request
+        may end at once: the hold, not the request, keeps the blocks out of the pool.
         """
-        transfer_id = self._transfer_of.get(request_id)
-        if transfer_id is None:
+        incoming = self._take(request_id)
+        if incoming is None:
             return
-        incoming = self._incoming[transfer_id]
-        self._forget(request_id)
         if incoming.receiver.settled:
+            self.engine.release_blocks(incoming.block_ids)
             return
-        block_ids = incoming.block_ids
-        self.engine.post(lambda core: core.kv_cache.pool.touch(block_ids))
         task = asyncio.get_running_loop().create_task(self._release_when_settled(incoming))
         self._settling.add(task)
         task.add_done_callback(self._settling.discard)
 
     async def _release_when_settled(self, incoming: _Incoming) -> None:
-        """Stop the receiver; free its blocks once no message can land in them. Blocks of a
-        receiver that never settles stay referenced (quarantined) for the worker's life."""
-        await incoming.receiver.abort()
-        block_ids = incoming.block_ids
-        if incoming.receiver.settled:
-            self.engine.post(lambda core: core.kv_cache.pool.free(block_ids[::-1]))
-        else:
+        """Stop the receiver; give back the hold once every receive settled. Blocks of
+        receives still in flight after the withdrawal stay out of the pool until they settle
+        (for good, if they never do)."""
+        receiver = incoming.receiver
+        await receiver.abort()
+        if not receiver.settled:
             logger.error(
-                "transfer %d never settled: quarantining its %d KV blocks",
-                incoming.receiver.transfer_id,
-                len(block_ids),
+                "transfer %d: receives in flight after withdrawal; its %d KV blocks stay out "
+                "of the pool until they settle",
+                receiver.transfer_id,
+                len(incoming.block_ids),
             )
+            await receiver.until_settled()
+        with contextlib.suppress(EngineStoppedError):  # shut down meanwhile: nothing to free
+            self.engine.release_blocks(incoming.block_ids)
 
-    def _forget(self, request_id: str) -> None:
+    def _take(self, request_id: str) -> _Incoming | None:
+        """Remove and return the request's transfer: its taker gives back the hold."""
         transfer_id = self._transfer_of.pop(request_id, None)
-        if transfer_id is not None:
-            self._incoming.pop(transfer_id, None)
+        return None if transfer_id is None else self._incoming.pop(transfer_id, None)
 
     async def load(self) -> EngineLoad:
         """The engine's latest load figures (answers at once, also during a long step)."""
@@ -255,4 +263,6 @@ class DecodeWorker:
         return self.layout
 
     async def close(self) -> None:
+        for task in self._settling:
+            task.cancel()
         self.engine.shutdown()

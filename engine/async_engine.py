@@ -82,11 +82,20 @@ class AsyncEngine:
         params: SamplingParams,
         reserve_remote_prefill: bool = False,
     ) -> RequestStream:
-        """Queue a request (or, with ``reserve_remote_prefill``, reserve blocks for KV computed
-        elsewhere) and return its stream of outputs; raises what the core raises on refusal."""
+        """Queue a request and return its stream of outputs; raises what the core raises on
+        refusal.
+
+        With ``reserve_remote_prefill``, blocks are reserved for KV computed elsewhere and the
+        stream's ``block_table`` comes with a *hold*: one extra reference on each of its
+        blocks, taken in the same engine command as the reservation and owned by the caller.
+        Whatever ends the request (abort, a failed step), the blocks stay out of the pool
+        until the caller gives the hold back with ``release_blocks``: once nothing can write
+        into them any more.
+        """
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, asyncio.Queue())
         accepted: asyncio.Future[Sequence[int] | None] = loop.create_future()
+        held: list[int] = []  # written by add() on the engine thread
 
         def add() -> None:
             try:
@@ -95,6 +104,8 @@ class AsyncEngine:
                     block_table = self.core.reserve_remote_prefill(
                         request_id, prompt_token_ids, params
                     )
+                    self.core.kv_cache.pool.touch(block_table)
+                    held.extend(block_table)
                 else:
                     self.core.add_request(request_id, prompt_token_ids, params)
             except BaseException as error:  # reported to the caller, engine goes on
@@ -108,8 +119,14 @@ class AsyncEngine:
             block_table = await accepted
         except asyncio.CancelledError:
             self.abort(request_id)  # commands run in order: this lands after the add
+            self.release_blocks(held)  # the caller never saw the table: nothing writes there
             raise
         return RequestStream(self, request_id, stream, block_table)
+
+    def release_blocks(self, block_ids: Sequence[int]) -> None:
+        """Give back a hold ``submit`` took on reserved blocks (queued; blocks with no other
+        reference return to the pool). ``block_ids`` is read when the command runs."""
+        self.post(lambda core: core.kv_cache.pool.free(list(reversed(block_ids))))
 
     async def call(self, function: Callable[[EngineCore], T]) -> T:
         """Run ``function(core)`` on the engine thread between steps; returns its result."""

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Coroutine
+from typing import Any
 
 import pytest
 
@@ -118,17 +120,47 @@ def test_outside_abort_ends_the_stream_and_a_failed_step_fails_only_running_requ
     asyncio.run(asyncio.wait_for(failing_step(), timeout=60))
 
 
+async def _cancel_while_being_accepted(submission: Coroutine[Any, Any, Any]) -> None:
+    task = asyncio.create_task(submission)
+    await asyncio.sleep(0)  # the add command is queued, not yet accepted
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
 def test_cancel_while_being_accepted_aborts(served) -> None:
     llm, engine = served
+    prompt = llm.encode_prompt("Count to a thousand:")
+    asyncio.run(_cancel_while_being_accepted(_collect(engine, "cancelled", prompt)))
+    assert asyncio.run(_wait_idle(llm))
+
+
+def test_a_reservation_holds_its_blocks_until_released_whatever_ends_the_request(
+    served,
+) -> None:
+    llm, engine = served
+    prompt = llm.encode_prompt("The capital of France is")
+    total = llm.engine.kv_cache.num_blocks
 
     async def scenario() -> None:
-        task = asyncio.create_task(
-            _collect(engine, "cancelled", llm.encode_prompt("Count to a thousand:"))
-        )
-        await asyncio.sleep(0)  # the add command is queued, not yet accepted
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
+        stream = await engine.submit("remote", prompt, GREEDY, reserve_remote_prefill=True)
+        table = list(stream.block_table or [])
+        assert table and llm.engine.kv_cache.num_free_blocks == total - len(table)
+        engine.abort("remote")  # the request ends (as on any exit path)...
+        await engine.call(lambda core: None)  # (commands run in order)
+        assert "remote" not in llm.engine.scheduler.requests
+        # ...but another worker may still be writing its KV there: the hold keeps the blocks
+        assert llm.engine.kv_cache.num_free_blocks == total - len(table)
+        engine.release_blocks(table)
+        await engine.call(lambda core: None)
+        assert llm.engine.kv_cache.num_free_blocks == total
 
-    asyncio.run(scenario())
-    assert asyncio.run(_wait_idle(llm))
+    asyncio.run(asyncio.wait_for(scenario(), timeout=60))
+
+
+def test_a_reservation_cancelled_while_being_accepted_drops_its_hold(served) -> None:
+    llm, engine = served
+    prompt = llm.encode_prompt("The capital of France is")
+    submission = engine.submit("remote", prompt, GREEDY, reserve_remote_prefill=True)
+    asyncio.run(_cancel_while_being_accepted(submission))
+    assert asyncio.run(_wait_idle(llm))  # and the fixture checks every block is free

@@ -19,8 +19,9 @@ Destination invariant: once a ``LayerReceiver`` is terminal and ``settled`` is T
 can land in its destinations any more, so their owner may reuse them. A receive cannot be
 cancelled, so a stopping receiver *withdraws* each receive no message matched yet (see
 ``KvTransport.withdraw``) and waits, bounded by ``SETTLE_TIMEOUT_S``, until all of them
-settled. ``settled`` stays False only if some receive never settled (a message matched but its
-data never came): the owner must then never reuse that memory.
+settled. ``settled`` stays False only if some receive is still in flight then (a message
+matched but its data has not come): the owner must not reuse that memory before
+``until_settled`` returns, which may be never.
 """
 
 from __future__ import annotations
@@ -203,6 +204,7 @@ class LayerReceiver:
                 posted.append((tag, asyncio.ensure_future(transport.recv(tag, buffer))))
             self._receives.append(posted)
         self._task = asyncio.get_running_loop().create_task(self._run())
+        self._settle_task: asyncio.Task[None] | None = None
 
     @property
     def layers_received(self) -> int:
@@ -234,6 +236,9 @@ class LayerReceiver:
                 f"arrived within {timeout_s:.1f}s (peer gone?)"
             ) from None
         except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # our caller was cancelled, not the transfer
             if self.state is TransferState.FAILED and self._task.cancelled():
                 raise TransferError(f"transfer {self.transfer_id} had failed") from None
             if self._task.cancelled() or self.state is TransferState.ABORTED:
@@ -255,31 +260,56 @@ class LayerReceiver:
             self.state = state
         self._task.cancel()
         await asyncio.gather(self._task, return_exceptions=True)
-        if not self.settled:
-            await self._settle()
+        if self.settled:
+            return
+        if self._settle_task is None:  # once: concurrent stops share one withdrawal
+            self._settle_task = asyncio.get_running_loop().create_task(self._settle())
+        await asyncio.shield(self._settle_task)
 
     async def _settle(self) -> None:
-        """Withdraw every receive no message completed yet, then wait until all settled."""
+        """Withdraw every receive no message completed yet, then wait until all settled; both
+        within ``SETTLE_TIMEOUT_S``."""
         pending = [(tag, receive) for layer in self._receives for tag, receive in layer]
         pending = [(tag, receive) for tag, receive in pending if not receive.done()]
-        withdrawals = await asyncio.gather(
-            *(self._transport.withdraw(tag) for tag, _ in pending), return_exceptions=True
-        )
-        for error in withdrawals:
-            if isinstance(error, BaseException):
-                logger.warning("transfer %d: a withdrawal failed: %r", self.transfer_id, error)
+        try:
+            async with asyncio.timeout(SETTLE_TIMEOUT_S):
+                withdrawals = await asyncio.gather(
+                    *(self._transport.withdraw(tag) for tag, _ in pending),
+                    return_exceptions=True,
+                )
+                for error in withdrawals:
+                    if isinstance(error, BaseException):
+                        logger.warning(
+                            "transfer %d: a withdrawal failed: %r", self.transfer_id, error
+                        )
+                if pending:
+                    await asyncio.wait([receive for _, receive in pending])
+        except TimeoutError:
+            pass
+        self._note_settled()
+        if not self.settled:
+            logger.error(
+                "transfer %d: receives still posted %.1fs after withdrawal; their destination "
+                "must not be reused until they settle",
+                self.transfer_id,
+                SETTLE_TIMEOUT_S,
+            )
+
+    def _note_settled(self) -> None:
         receives = self._all_receives()
-        if pending:
-            await asyncio.wait([receive for _, receive in pending], timeout=SETTLE_TIMEOUT_S)
         for receive in receives:
             if receive.done() and not receive.cancelled():
                 receive.exception()  # retrieved: the failure was reported (or is moot)
         # a receive cancelled under us (a loop shut down) may still be posted: not settled
         self.settled = all(receive.done() and not receive.cancelled() for receive in receives)
-        if not self.settled:
-            logger.error(
-                "transfer %d: receives still posted %.1fs after withdrawal; their destination "
-                "must never be reused",
-                self.transfer_id,
-                SETTLE_TIMEOUT_S,
-            )
+
+    async def until_settled(self) -> None:
+        """After a stop that left receives in flight: wait, unbounded, until each settled (a
+        cancelled one never counts); then ``settled`` is True."""
+        while not self.settled:
+            receives = [receive for receive in self._all_receives() if not receive.done()]
+            if receives:
+                await asyncio.wait(receives)
+            self._note_settled()
+            if not self.settled:  # only cancelled receives are left: they never settle
+                await asyncio.Event().wait()
