@@ -109,9 +109,10 @@ class DecodeWorker:
         for it to end, instead of being refused as a duplicate.
         """
         await self._previous_attempt_ended(request_id)
+        stream = await self._submit(request_id, prompt_token_ids, params, remote_prefill)
+        # registered only once accepted: a refused duplicate never hides the open attempt
         ended = self._open_attempts[request_id] = asyncio.Event()
         try:
-            stream = await self._submit(request_id, prompt_token_ids, params, remote_prefill)
             try:
                 if stream.block_table is not None:
                     yield self._expect_kv(request_id, stream.block_table, len(prompt_token_ids))

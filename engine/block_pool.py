@@ -6,7 +6,8 @@ Invariants:
 - Every block id in ``[0, num_blocks)`` is either referenced (``ref_count > 0``) or in the free
   queue, never both. ``num_free_blocks == len(free queue)``.
 - A free block may still hold a cached prefix (it has a hash). It stays reusable by a prefix hit
-  until ``allocate`` hands it out again, which evicts the hash (least recently freed first).
+  until ``allocate`` hands it out again, which evicts the hash (least recently freed first);
+  ``allocate_contiguous`` evicts the hashes of whatever blocks it picks.
 - ``allocate``, ``free`` of one block, ``touch`` of one block and ``lookup`` are O(1);
   ``allocate_contiguous`` scans a free-block bitmap, O(num_blocks) at C speed.
 - ``_free_mask[b] == 1`` exactly when block ``b`` is in the free queue.
@@ -110,7 +111,8 @@ class BlockPool:
         self._free_mask[block_id] = 0
 
     def touch(self, block_ids: Iterable[int]) -> None:
-        """Add a reference to each block (a prefix-cache hit), reviving free cached blocks."""
+        """Add a reference to each block (a prefix-cache hit, or a KV transfer's hold on its
+        reserved blocks), reviving free cached blocks."""
         for block_id in block_ids:
             if self._ref_counts[block_id] == 0:
                 del self._free_queue[block_id]
