@@ -8,39 +8,48 @@ worker's staging copy of a prompt's KV. Measured on the 2-core dev machine, 60 m
 huge pages.
 
 Linux with THP in "madvise" mode (the common default) gives huge pages only to ranges marked
-``MADV_HUGEPAGE`` *before* they are first touched; torch's CPU allocator does not mark them
-(unless ``THP_MEM_ALLOC_ENABLE=1``). ``empty_huge_pages`` allocates and marks the 2 MiB-aligned
-interior; the first write faults the pages in as huge pages. Elsewhere (no madvise, THP off,
-other OS, CUDA) these are plain ``torch.empty`` / ``torch.zeros``: huge pages are a speed-up,
-never a requirement.
+``MADV_HUGEPAGE`` *before* they are first touched; torch's CPU allocator does not mark them,
+and may hand out heap memory already touched as 4 KiB pages. So ``empty_huge_pages`` maps
+fresh anonymous memory of its own (private, 2 MiB aligned), marks it, and wraps it in a
+tensor; the first write faults it in as huge pages, and the mapping is unmapped when the last
+tensor viewing it is freed. Elsewhere (no madvise, THP off, other OS, CUDA, under 2 MiB) these
+are plain ``torch.empty`` / ``torch.zeros``: huge pages are a speed-up, never a requirement.
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
+import math
 import mmap
-import sys
 
 import torch
 
 logger = logging.getLogger(__name__)
 
 HUGE_PAGE_BYTES = 2 << 20
-MADV_HUGEPAGE = 14
-"""Linux ``madvise`` advice (``mmap.MADV_HUGEPAGE`` where Python exposes it)."""
 
 
 def empty_huge_pages(
     shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
 ) -> torch.Tensor:
-    """``torch.empty(shape)``, on CPU with its pages advised huge: they become huge pages when
-    first written (see the module docstring)."""
+    """``torch.empty(shape)`` (contiguous), on CPU in fresh memory advised huge: it becomes
+    huge pages when first written (see the module docstring)."""
     device = torch.device(device)
-    tensor = torch.empty(shape, dtype=dtype, device=device)
-    if device.type == "cpu" and sys.platform.startswith("linux"):
-        _advise_huge_pages(tensor.data_ptr(), tensor.numel() * tensor.element_size())
-    return tensor
+    num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if device.type != "cpu" or advice is None or num_bytes < HUGE_PAGE_BYTES:
+        return torch.empty(shape, dtype=dtype, device=device)
+    try:
+        mapping = mmap.mmap(
+            -1, num_bytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+        )
+        mapping.madvise(advice)
+    except (OSError, ValueError) as error:
+        logger.debug("no huge-page mapping (%s): plain allocation", error)
+        return torch.empty(shape, dtype=dtype, device=device)
+    whole = torch.frombuffer(mapping, dtype=torch.uint8)  # keeps the mapping alive
+    offset = -whole.data_ptr() % HUGE_PAGE_BYTES
+    return whole[offset : offset + num_bytes].view(dtype).view(shape)
 
 
 def zeros_huge_pages(
@@ -48,19 +57,3 @@ def zeros_huge_pages(
 ) -> torch.Tensor:
     """``torch.zeros(shape)``, on CPU backed by huge pages where the kernel grants them."""
     return empty_huge_pages(shape, dtype, device).zero_()
-
-
-def _advise_huge_pages(address: int, num_bytes: int) -> bool:
-    """Mark the 2 MiB-aligned pages inside ``[address, address + num_bytes)``; False if the
-    range holds none or the kernel refused."""
-    start = -(-address // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
-    end = (address + num_bytes) // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
-    if end <= start:
-        return False
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    advice = getattr(mmap, "MADV_HUGEPAGE", MADV_HUGEPAGE)
-    if libc.madvise(start, end - start, advice) != 0:
-        logger.debug("madvise(MADV_HUGEPAGE) failed: errno %d", ctypes.get_errno())
-        return False
-    return True

@@ -9,12 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from splitserve.engine.host_memory import (
-    HUGE_PAGE_BYTES,
-    _advise_huge_pages,
-    empty_huge_pages,
-    zeros_huge_pages,
-)
+from splitserve.engine.host_memory import HUGE_PAGE_BYTES, empty_huge_pages, zeros_huge_pages
 
 THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -55,9 +50,14 @@ def test_empty_huge_pages_is_writable() -> None:
     assert int(tensor.sum()) == 7 * 5 * HUGE_PAGE_BYTES
 
 
-def test_a_range_without_an_aligned_huge_page_is_not_advised() -> None:
-    assert not _advise_huge_pages(HUGE_PAGE_BYTES + 4096, HUGE_PAGE_BYTES - 8192)
-    assert not _advise_huge_pages(4096, 0)
+def test_large_tensors_start_on_a_huge_page_boundary() -> None:
+    tensor = empty_huge_pages((3 * HUGE_PAGE_BYTES // 4,), torch.float32, "cpu")
+    if sys.platform.startswith("linux"):
+        assert tensor.data_ptr() % HUGE_PAGE_BYTES == 0
+    views = [empty_huge_pages((HUGE_PAGE_BYTES,), torch.uint8, "cpu") for _ in range(3)]
+    for index, view in enumerate(views):
+        view.fill_(index)  # separate memory each
+    assert [int(view[0]) for view in views] == [0, 1, 2]
 
 
 @pytest.mark.skipif(not thp_usable(), reason="transparent huge pages unavailable here")
