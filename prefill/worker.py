@@ -76,7 +76,6 @@ class PrefillResult:
 @dataclass
 class _Outgoing:
     sender: LayerSender
-    num_blocks: int
     staging: torch.Tensor
     """[layers, 2, num_blocks, block, kv_heads, dim]: the gathered KV the sends read from."""
     gathered: set[int] = dataclasses.field(default_factory=set)
@@ -129,7 +128,7 @@ class PrefillWorker:
             peer.endpoint, target.transfer_id, self.layout.num_layers, target.plan, loop
         )
         staging = staging_buffer(self.core, target.num_blocks)
-        self._outgoing[request_id] = _Outgoing(sender, target.num_blocks, staging)
+        self._outgoing[request_id] = _Outgoing(sender, staging)
         first_only = dataclasses.replace(
             params, max_tokens=1, min_tokens=min(params.min_tokens, 1), stop=()
         )
@@ -202,8 +201,8 @@ class PrefillWorker:
             if outgoing is None or layer in outgoing.gathered:
                 continue
             outgoing.gathered.add(layer)
-            block_ids = chunk.block_table[: outgoing.num_blocks]
             plan = outgoing.sender.plan
+            block_ids = chunk.block_table[: plan.num_blocks]
             kv = gather_layer(self.core, layer, block_ids, plan, outgoing.staging[layer])
             outgoing.sender.offer(layer, kv)
 
