@@ -54,20 +54,18 @@ def _instrument(core: Any) -> tuple[_Stopwatch, _Stopwatch, dict[str, bool]]:
     the dict's "prefill" says whether the last forward pass ran any prompt token."""
     forward_watch, attention_watch = _Stopwatch(), _Stopwatch()
     last = {"prefill": False}
+    backend = core.runner.backend  # the backend every forward pass is given
+    backend.forward = attention_watch.wrap(backend.forward)
     model = core.runner.model
     forward = model.forward
 
-    def forward_with_timed_attention(*args: Any, **kwargs: Any) -> Any:
-        backend = kwargs["backend"] if "backend" in kwargs else args[3]
-        if not getattr(backend, "_step_times_wrapped", False):
-            backend.forward = attention_watch.wrap(backend.forward)
-            backend._step_times_wrapped = True
+    def forward_noting_prefill(*args: Any, **kwargs: Any) -> Any:
         input_ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
         logits_indices = kwargs["logits_indices"] if "logits_indices" in kwargs else args[5]
         last["prefill"] = input_ids.shape[0] > logits_indices.shape[0]
         return forward(*args, **kwargs)
 
-    model.forward = forward_watch.wrap(forward_with_timed_attention)
+    model.forward = forward_watch.wrap(forward_noting_prefill)
     return forward_watch, attention_watch, last
 
 
