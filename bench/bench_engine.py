@@ -57,7 +57,7 @@ from hf_baseline import greedy_agreement, load_hf_model, run_hf_batch
 from splitserve_runner import build_engine, num_preemptions, run_burst
 from timing_stats import Json, RunMetrics, RunResult, headline, summarize, wait_for_quiet
 
-from splitserve.engine.checkpoint import default_model_path
+from splitserve.common.model_files import default_model_path
 
 PROMPT_TOKEN_RANGE = (1000, 40000)
 DEFAULT_REPS = {"splitserve": {1: 5, 16: 3, 64: 2}, "hf_transformers": {1: 3, 16: 2, 64: 1}}

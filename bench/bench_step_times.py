@@ -25,7 +25,7 @@ from typing import Any
 
 from splitserve_runner import build_engine
 
-from splitserve.engine.sampling_params import SamplingParams
+from splitserve.common.sampling_params import SamplingParams
 
 
 class _Stopwatch:

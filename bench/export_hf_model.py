@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from splitserve.engine.checkpoint import default_model_path
+from splitserve.common.model_files import default_model_path
 
 
 def export(out: Path) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from timing_stats import Json, RequestTiming, RunResult, run_metrics
 
-from splitserve.engine.checkpoint import default_model_path
+from splitserve.common.model_files import default_model_path
 
 
 def load_hf_model() -> Any:

@@ -13,6 +13,7 @@ import time
 
 from timing_stats import RequestTiming, RunResult, run_metrics
 
+from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.config import (
     CacheConfig,
     EngineConfig,
@@ -21,7 +22,6 @@ from splitserve.engine.config import (
     SchedulerConfig,
 )
 from splitserve.engine.engine_core import EngineCore
-from splitserve.engine.sampling_params import SamplingParams
 
 
 def build_engine(threads: int, kv_cache_gib: float) -> EngineCore:

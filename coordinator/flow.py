@@ -31,18 +31,16 @@ from dataclasses import dataclass
 
 import grpc
 
+from splitserve.common.detokenizer import TokenDecoder
+from splitserve.common.errors import InvalidRequestError, WorkerUnavailableError
+from splitserve.common.output_processor import RequestTracker, StreamChunk
+from splitserve.common.request_update import FinishReason, RequestUpdate
+from splitserve.common.sampling_params import SamplingParams
 from splitserve.coordinator.registry import WorkerRecord, WorkerRegistry
 from splitserve.coordinator.router import Router
 from splitserve.coordinator.worker_clients import WorkerClients
-from splitserve.engine.detokenizer import TokenDecoder
-from splitserve.engine.errors import InvalidRequestError
-from splitserve.engine.output_processor import RequestTracker, StreamChunk
-from splitserve.engine.request import FinishReason
-from splitserve.engine.sampling_params import SamplingParams
-from splitserve.engine.scheduler import RequestUpdate
 from splitserve.proto import convert
 from splitserve.proto.splitserve.v1 import worker_pb2
-from splitserve.proto.status import WorkerUnavailableError
 
 logger = logging.getLogger(__name__)
 

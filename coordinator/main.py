@@ -16,15 +16,15 @@ from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry
 
+from splitserve.common.env_flags import add_env_flag
+from splitserve.common.metrics import serve_metrics
+from splitserve.common.model_files import load_tokenizer, model_name_of, resolve_model_path
 from splitserve.coordinator.flow import FlowConfig
 from splitserve.coordinator.metrics import CoordinatorMetrics
 from splitserve.coordinator.registry import Role
 from splitserve.coordinator.router import RoutingConfig
 from splitserve.coordinator.service import Coordinator, CoordinatorConfig
 from splitserve.coordinator.servicer import CoordinatorServicer
-from splitserve.engine.checkpoint import load_tokenizer, model_name_of, resolve_model_path
-from splitserve.engine.cli_args import add_env_flag
-from splitserve.engine.metrics import serve_metrics
 from splitserve.proto.server import serve_forever, start_server
 from splitserve.proto.splitserve.v1 import coordinator_pb2, coordinator_pb2_grpc
 

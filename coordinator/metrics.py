@@ -1,4 +1,4 @@
-"""The coordinator's Prometheus metrics: request latencies (``engine/metrics.py``, role
+"""The coordinator's Prometheus metrics: request latencies (``common/metrics.py``, role
 ``coordinator``), per-stage latency of the disaggregated path, recoveries, and workers.
 
 ``splitserve_request_stage_seconds{stage}``: reserve (decode worker reserved blocks for a
@@ -17,9 +17,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from splitserve.common.metrics import TIME_TO_FIRST_TOKEN_BUCKETS, RequestMetrics
 from splitserve.coordinator.flow import RequestFlow
 from splitserve.coordinator.registry import Role, WorkerRegistry
-from splitserve.engine.metrics import TIME_TO_FIRST_TOKEN_BUCKETS, RequestMetrics
 
 STAGES = ("reserve", "prefill", "local_prefill")
 RECOVERIES = ("prefill_fallback", "decode_resume")

@@ -13,7 +13,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from splitserve.engine.load import EngineLoad
+from splitserve.common.load import EngineLoad
 
 
 class Role(enum.Enum):

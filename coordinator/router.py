@@ -18,8 +18,8 @@ import collections
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from splitserve.common.blocks import BlockHash, prompt_block_hashes
 from splitserve.coordinator.registry import Role, WorkerRecord, WorkerRegistry
-from splitserve.engine.kv_cache_manager import BlockHash, hash_block
 
 
 @dataclass(frozen=True)
@@ -58,16 +58,6 @@ class PrefixMemory:
             self._hashes.move_to_end(block_hash)
         while len(self._hashes) > self.capacity:
             self._hashes.popitem(last=False)
-
-
-def prompt_block_hashes(token_ids: Sequence[int], block_size: int) -> list[BlockHash]:
-    """Chained hashes of the prompt's full blocks (as the workers' prefix caches key them)."""
-    hashes: list[BlockHash] = []
-    parent = None
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block(parent, token_ids[start : start + block_size])
-        hashes.append(parent)
-    return hashes
 
 
 class Router:

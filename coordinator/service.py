@@ -13,18 +13,20 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
+from splitserve.common.errors import (
+    ContextLengthExceededError,
+    InvalidRequestError,
+    OverloadedError,
+    WorkerUnavailableError,
+)
+from splitserve.common.output_processor import StreamChunk
+from splitserve.common.prompt import Prompt, encode_prompt
+from splitserve.common.sampling_params import SamplingParams
+from splitserve.common.tokenizer import Tokenizer
 from splitserve.coordinator.flow import FlowConfig, RequestFlow
 from splitserve.coordinator.registry import Role, WorkerRegistry
 from splitserve.coordinator.router import Router, RoutingConfig
 from splitserve.coordinator.worker_clients import WorkerClients
-from splitserve.engine.errors import ContextLengthExceededError, InvalidRequestError
-from splitserve.engine.output_processor import StreamChunk
-from splitserve.engine.sampling_params import SamplingParams
-from splitserve.engine.tokenizer import Tokenizer
-from splitserve.proto.status import OverloadedError, WorkerUnavailableError
-
-Prompt = str | list[dict[str, str]] | list[int]
-"""Text, chat messages ({"role", "content"}), or token ids."""
 
 
 @dataclass(frozen=True)
@@ -50,18 +52,7 @@ class Coordinator:
 
     def encode(self, prompt: Prompt) -> list[int]:
         """Token ids of a prompt; raises ``InvalidRequestError`` for empty or malformed input."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("prompt must not be empty", "prompt")
-            return self.tokenizer.encode(prompt)
-        if prompt and isinstance(prompt[0], dict):
-            return self.tokenizer.encode(self.tokenizer.apply_chat_template(list(prompt)))
-        if not prompt:
-            raise InvalidRequestError("prompt must not be empty", "prompt")
-        vocab = self.tokenizer.vocab_size
-        if any(not 0 <= token < vocab for token in prompt):  # type: ignore[operator]
-            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
-        return list(prompt)  # type: ignore[arg-type]
+        return encode_prompt(self.tokenizer, prompt)
 
     @property
     def max_model_len(self) -> int:

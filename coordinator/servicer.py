@@ -13,13 +13,14 @@ from collections.abc import AsyncIterator
 import grpc
 from prometheus_client import CollectorRegistry
 
+from splitserve.common.errors import InvalidRequestError, SplitserveError
+from splitserve.common.load import EngineLoad
+from splitserve.common.output_processor import StreamChunk
+from splitserve.common.prompt import Prompt
 from splitserve.coordinator.flow import RequestFlow
 from splitserve.coordinator.metrics import CoordinatorMetrics
 from splitserve.coordinator.registry import Role, WorkerRecord
-from splitserve.coordinator.service import Coordinator, Prompt
-from splitserve.engine.errors import InvalidRequestError, SplitserveError
-from splitserve.engine.load import EngineLoad
-from splitserve.engine.output_processor import StreamChunk
+from splitserve.coordinator.service import Coordinator
 from splitserve.proto import convert
 from splitserve.proto.splitserve.v1 import (
     common_pb2,

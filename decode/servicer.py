@@ -6,9 +6,9 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from splitserve.common.errors import SplitserveError
 from splitserve.decode.worker import DecodeWorker, Reservation
 from splitserve.engine.engine_core import StepOutput
-from splitserve.engine.errors import SplitserveError
 from splitserve.proto import convert
 from splitserve.proto.splitserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from splitserve.proto.status import abort_with

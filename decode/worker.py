@@ -27,12 +27,12 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
-from splitserve.engine.async_engine import AsyncEngine, EngineStoppedError, RequestStream
+from splitserve.common.errors import CapacityError, EngineStoppedError, InvalidRequestError
+from splitserve.common.load import EngineLoad
+from splitserve.common.logprobs import TokenLogprob
+from splitserve.common.sampling_params import SamplingParams
+from splitserve.engine.async_engine import AsyncEngine, RequestStream
 from splitserve.engine.engine_core import EngineCore, StepOutput
-from splitserve.engine.errors import CapacityError, InvalidRequestError
-from splitserve.engine.load import EngineLoad
-from splitserve.engine.logprobs import TokenLogprob
-from splitserve.engine.sampling_params import SamplingParams
 from splitserve.transfer.layer_channel import LayerReceiver
 from splitserve.transfer.layout import KvLayout
 from splitserve.transfer.plan import MAX_TRANSFER_ID, TransferPlan

@@ -29,18 +29,12 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
+from splitserve.common.errors import EngineStoppedError
+from splitserve.common.load import EngineLoad
+from splitserve.common.logprobs import TokenLogprob
+from splitserve.common.request_update import FinishReason, RequestUpdate
+from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.engine_core import EngineCore, LayerHook, StepOutput
-from splitserve.engine.errors import SplitserveError
-from splitserve.engine.load import EngineLoad
-from splitserve.engine.logprobs import TokenLogprob
-from splitserve.engine.request import FinishReason
-from splitserve.engine.sampling_params import SamplingParams
-from splitserve.engine.scheduler import RequestUpdate
-
-
-class EngineStoppedError(SplitserveError):
-    """The engine was shut down; the request did not complete."""
-
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

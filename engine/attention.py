@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from splitserve.engine.kv_cache_manager import blocks_for_tokens
+from splitserve.common.blocks import blocks_for_tokens
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,7 @@ import re
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
-BlockHash = bytes
-"""Digest identifying a full block by its tokens and all tokens before it."""
-
+from splitserve.common.blocks import BlockHash
 
 _FREE_RUN = re.compile(b"\x01+")
 """A run of free blocks in the free mask."""

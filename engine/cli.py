@@ -20,15 +20,15 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from splitserve.common.errors import InvalidRequestError, SplitserveError
+from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.cli_args import (
     add_engine_args,
     add_sampling_args,
     engine_config_from_args,
     sampling_params_from_args,
 )
-from splitserve.engine.errors import InvalidRequestError, SplitserveError
 from splitserve.engine.llm import LLM
-from splitserve.engine.sampling_params import SamplingParams
 
 
 def build_parser() -> argparse.ArgumentParser:

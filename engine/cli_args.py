@@ -10,6 +10,8 @@ import argparse
 import os
 from collections.abc import Callable, Mapping
 
+from splitserve.common.env_flags import add_env_flag, env_default, truthy
+from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.config import (
     DTYPES,
     CacheConfig,
@@ -18,39 +20,6 @@ from splitserve.engine.config import (
     RunnerConfig,
     SchedulerConfig,
 )
-from splitserve.engine.sampling_params import SamplingParams
-
-
-def env_name(flag: str) -> str:
-    return "SPLITSERVE_" + flag.lstrip("-").replace("-", "_").upper()
-
-
-def env_default(
-    flag: str, default: object, convert: Callable[[str], object], env: Mapping[str, str]
-) -> object:
-    raw = env.get(env_name(flag))
-    return default if raw is None else convert(raw)
-
-
-def truthy(raw: str) -> bool:
-    return raw.strip().lower() in ("1", "true", "yes", "on")
-
-
-def add_env_flag(
-    group: argparse._ActionsContainer,
-    name: str,
-    default: object,
-    convert: Callable[[str], object],
-    help_text: str,
-    env: Mapping[str, str] = os.environ,
-) -> None:
-    """A ``--flag`` whose default comes from its ``SPLITSERVE_*`` twin when that is set."""
-    group.add_argument(
-        name,
-        type=convert,
-        default=env_default(name, default, convert, env),
-        help=f"{help_text} (env {env_name(name)})",
-    )
 
 
 def add_engine_args(parser: argparse.ArgumentParser, env: Mapping[str, str] = os.environ) -> None:

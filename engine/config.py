@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from splitserve.engine.errors import InvalidRequestError
+from splitserve.common.errors import InvalidRequestError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 

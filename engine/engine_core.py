@@ -17,19 +17,21 @@ from dataclasses import dataclass
 
 import torch
 
+from splitserve.common.errors import InvalidRequestError
+from splitserve.common.load import EngineLoad
+from splitserve.common.logprobs import TokenLogprob
+from splitserve.common.model_files import resolve_model_path
+from splitserve.common.request_update import RequestUpdate
+from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.attention import AttentionBackend, TorchAttentionBackend
-from splitserve.engine.checkpoint import LoadedCheckpoint, load_checkpoint, resolve_model_path
+from splitserve.engine.checkpoint import LoadedCheckpoint, load_checkpoint
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.device import resolve_dtype
-from splitserve.engine.errors import InvalidRequestError
 from splitserve.engine.kv_cache_manager import KVCacheManager
-from splitserve.engine.load import EngineLoad
-from splitserve.engine.logprobs import TokenLogprob
 from splitserve.engine.model import LlamaModel
 from splitserve.engine.model_runner import ModelRunner, kv_cache_bytes_per_block
 from splitserve.engine.request import Request, RequestStatus
-from splitserve.engine.sampling_params import SamplingParams
-from splitserve.engine.scheduler import RequestUpdate, Scheduler, SchedulerOutput
+from splitserve.engine.scheduler import Scheduler, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

@@ -28,10 +28,10 @@ import gguf
 import numpy as np
 import torch
 
+from splitserve.common.errors import ModelLoadError
+from splitserve.common.tokenizer import Tokenizer
 from splitserve.engine.checkpoint import LoadedCheckpoint, check_weights
-from splitserve.engine.errors import ModelLoadError
 from splitserve.engine.model_config import ModelArchConfig, RopeScaling
-from splitserve.engine.tokenizer import Tokenizer
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 _GLOBAL_NAMES = {

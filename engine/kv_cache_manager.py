@@ -14,25 +14,10 @@ Invariant: after ``free(request_id)`` the request holds no reference on any bloc
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections.abc import Sequence
 
-from splitserve.engine.block_pool import BlockHash, BlockPool
-
-_ROOT_HASH: BlockHash = b"splitserve-prefix-root"
-
-
-def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
-    """Blocks needed to hold ``num_tokens`` positions (ceiling division)."""
-    return -(-num_tokens // block_size)
-
-
-def hash_block(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
-    """Digest of a full block chained with the digest of everything before it."""
-    digest = hashlib.blake2b(parent or _ROOT_HASH, digest_size=16)
-    digest.update(array("q", token_ids).tobytes())
-    return digest.digest()
+from splitserve.common.blocks import BlockHash, blocks_for_tokens, hash_block
+from splitserve.engine.block_pool import BlockPool
 
 
 class KVCacheManager:

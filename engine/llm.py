@@ -13,19 +13,18 @@ the engine idle with all KV blocks free, also when a stream is closed early.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
+from splitserve.common.errors import InvalidRequestError
+from splitserve.common.output_processor import CompletionOutput, RequestTracker, StreamChunk
+from splitserve.common.prompt import ChatMessages, TextOrTokens, encode_prompt
+from splitserve.common.sampling_params import SamplingParams
+from splitserve.common.tokenizer import Tokenizer
 from splitserve.engine.checkpoint import LoadedCheckpoint
 from splitserve.engine.config import EngineConfig, ModelConfig
 from splitserve.engine.engine_core import EngineCore
-from splitserve.engine.errors import InvalidRequestError
-from splitserve.engine.output_processor import CompletionOutput, RequestTracker, StreamChunk
-from splitserve.engine.sampling_params import SamplingParams
-from splitserve.engine.tokenizer import Tokenizer
 
-Prompt = str | Sequence[int]
-"""Text, or token ids used as they are."""
-ChatMessages = Sequence[dict[str, str]]
+Prompt = TextOrTokens
 
 
 class LLM:
@@ -79,17 +78,13 @@ class LLM:
         """Prompt texts for one conversation or a list of them (chat template applied)."""
         if not conversations:
             raise InvalidRequestError("messages must not be empty", "messages")
-        if isinstance(conversations[0], dict):
+        if isinstance(conversations[0], Mapping):
             conversations = [conversations]  # type: ignore[list-item]
         return [self.tokenizer.apply_chat_template(list(c)) for c in conversations]
 
     def encode_prompt(self, prompt: Prompt) -> list[int]:
         """Token ids of a prompt (text is tokenized with the model's special tokens)."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("prompt must not be empty", "prompt")
-            return self.tokenizer.encode(prompt)
-        return list(prompt)
+        return encode_prompt(self.tokenizer, prompt)
 
     # ---- internals -------------------------------------------------------------------------
 

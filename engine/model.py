@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from splitserve.common.errors import ModelLoadError
 from splitserve.engine.attention import AttentionBackend
-from splitserve.engine.errors import ModelLoadError
 from splitserve.engine.linear import Linear
 from splitserve.engine.model_config import ModelArchConfig
 from splitserve.engine.rotary import apply_rotary, cos_sin_table

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from splitserve.engine.errors import ModelLoadError
+from splitserve.common.errors import ModelLoadError
 
 
 @dataclass(frozen=True)

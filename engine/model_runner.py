@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from splitserve.common.logprobs import TokenLogprob
 from splitserve.engine.attention import AttentionBackend, SequenceSpan
 from splitserve.engine.host_memory import zeros_huge_pages
-from splitserve.engine.logprobs import TokenLogprob
 from splitserve.engine.model import LlamaModel
 from splitserve.engine.sampler import Sampler, SamplingRow
 from splitserve.engine.scheduler import ScheduledChunk, SchedulerOutput

@@ -23,7 +23,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from splitserve.engine.sampling_params import SamplingParams
+from splitserve.common.request_update import FinishReason
+from splitserve.common.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -44,14 +45,6 @@ class RequestStatus(enum.Enum):
     @property
     def finish_reason(self) -> FinishReason | None:
         return _FINISH_REASON.get(self)
-
-
-class FinishReason(enum.Enum):
-    """Why generation ended, as reported to clients (OpenAI ``finish_reason``)."""
-
-    STOP = "stop"
-    LENGTH = "length"
-    ABORT = "abort"
 
 
 _FINISHED = frozenset(

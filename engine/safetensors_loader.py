@@ -15,11 +15,11 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from splitserve.common.errors import ModelLoadError
+from splitserve.common.json_files import read_json_object
+from splitserve.common.tokenizer import Tokenizer
 from splitserve.engine.checkpoint import LoadedCheckpoint, check_weights
-from splitserve.engine.errors import ModelLoadError
-from splitserve.engine.json_files import read_json_object
 from splitserve.engine.model_config import ModelArchConfig, RopeScaling
-from splitserve.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -43,8 +43,8 @@ from dataclasses import dataclass
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from splitserve.engine.logprobs import TokenLogprob
-from splitserve.engine.sampling_params import SamplingParams
+from splitserve.common.logprobs import TokenLogprob
+from splitserve.common.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
 

@@ -22,15 +22,16 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from splitserve.engine.config import SchedulerConfig
-from splitserve.engine.errors import (
+from splitserve.common.errors import (
     CapacityError,
     ContextLengthExceededError,
     InvalidRequestError,
 )
+from splitserve.common.request_update import RequestUpdate
+from splitserve.common.sampling_params import SamplingParams
+from splitserve.engine.config import SchedulerConfig
 from splitserve.engine.kv_cache_manager import KVCacheManager
-from splitserve.engine.request import FinishReason, Request, RequestStatus
-from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.request import Request, RequestStatus
 
 
 @dataclass(frozen=True)
@@ -73,19 +74,6 @@ class SchedulerOutput:
     @property
     def num_tokens(self) -> int:
         return sum(chunk.num_tokens for chunk in self.chunks)
-
-
-@dataclass(frozen=True)
-class RequestUpdate:
-    """What one step produced for one request."""
-
-    request_id: str
-    new_token_ids: tuple[int, ...]
-    finish_reason: FinishReason | None
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    num_output_tokens: int
-    stop_token_id: int | None = None
 
 
 @dataclass

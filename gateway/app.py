@@ -33,7 +33,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from splitserve.client import AsyncClient, Chunk, ClientError, Finish, RetryPolicy
-from splitserve.engine.metrics import RequestMetrics, RequestTimer
+from splitserve.common.metrics import RequestMetrics, RequestTimer
 from splitserve.gateway import schemas
 from splitserve.gateway.disconnect import (
     ClientDisconnected,

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import uvicorn
 import uvloop
 
-from splitserve.engine.cli_args import add_env_flag
+from splitserve.common.env_flags import add_env_flag
 from splitserve.gateway.app import GatewayConfig, create_app
 
 

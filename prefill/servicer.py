@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import grpc
 
-from splitserve.engine.errors import SplitserveError
+from splitserve.common.errors import SplitserveError
 from splitserve.prefill.worker import KvTarget, PrefillWorker
 from splitserve.proto import convert
 from splitserve.proto.splitserve.v1 import worker_pb2, worker_pb2_grpc

@@ -25,22 +25,22 @@ from dataclasses import dataclass
 import grpc
 import torch
 
+from splitserve.common.blocks import blocks_for_tokens
+from splitserve.common.errors import (
+    IncompatibleKvLayoutError,
+    InvalidRequestError,
+    TransferAbortedError,
+    TransferError,
+)
+from splitserve.common.load import EngineLoad
+from splitserve.common.logprobs import TokenLogprob
+from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.engine.engine_core import EngineCore
-from splitserve.engine.errors import InvalidRequestError
-from splitserve.engine.kv_cache_manager import blocks_for_tokens
-from splitserve.engine.load import EngineLoad
-from splitserve.engine.logprobs import TokenLogprob
-from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.scheduler import SchedulerOutput
 from splitserve.proto import convert
 from splitserve.proto.server import insecure_channel
 from splitserve.proto.splitserve.v1 import worker_pb2, worker_pb2_grpc
-from splitserve.transfer.errors import (
-    IncompatibleKvLayoutError,
-    TransferAbortedError,
-    TransferError,
-)
 from splitserve.transfer.layer_channel import LayerSender
 from splitserve.transfer.layout import KvLayout
 from splitserve.transfer.plan import TransferPlan

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from splitserve.engine.errors import InvalidRequestError
-from splitserve.engine.load import EngineLoad
-from splitserve.engine.logprobs import TokenLogprob
-from splitserve.engine.request import FinishReason
-from splitserve.engine.sampling_params import SamplingParams
+from splitserve.common.errors import InvalidRequestError
+from splitserve.common.load import EngineLoad
+from splitserve.common.logprobs import TokenLogprob
+from splitserve.common.request_update import FinishReason
+from splitserve.common.sampling_params import SamplingParams
 from splitserve.proto.splitserve.v1 import common_pb2, worker_pb2
 from splitserve.transfer.layout import KvLayout
 from splitserve.transfer.plan import InvalidTransferPlanError, TransferPlan

@@ -9,28 +9,18 @@ from __future__ import annotations
 
 import grpc
 
-from splitserve.engine.errors import (
+from splitserve.common.errors import (
     CapacityError,
+    IncompatibleKvLayoutError,
     InvalidRequestError,
     ModelLoadError,
-    SplitserveError,
+    OverloadedError,
+    TransferError,
+    WorkerUnavailableError,
 )
-from splitserve.transfer.errors import IncompatibleKvLayoutError, TransferError
 
 PARAM_METADATA_KEY = "splitserve-param"
 RETRY_AFTER_METADATA_KEY = "retry-after-ms"
-
-
-class WorkerUnavailableError(SplitserveError):
-    """No worker can take the request now (none registered, all failed)."""
-
-
-class OverloadedError(SplitserveError):
-    """Admission refused: too many requests in flight. ``retry_after_s`` hints when to retry."""
-
-    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
 
 
 def status_of(error: BaseException) -> tuple[grpc.StatusCode, str, str]:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from splitserve.engine.checkpoint import LoadedCheckpoint, default_model_path, load_checkpoint
+from splitserve.common.model_files import default_model_path
+from splitserve.engine.checkpoint import LoadedCheckpoint, load_checkpoint
 from splitserve.engine.config import (
     CacheConfig,
     EngineConfig,

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.config import SchedulerConfig
 from splitserve.engine.kv_cache_manager import KVCacheManager
 from splitserve.engine.request import Request
-from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.scheduler import Scheduler
 
 EOS = 2

@@ -8,11 +8,11 @@ from typing import Any
 
 import pytest
 
+from splitserve.common.errors import InvalidRequestError
+from splitserve.common.request_update import FinishReason
+from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.engine.checkpoint import LoadedCheckpoint
-from splitserve.engine.errors import InvalidRequestError
-from splitserve.engine.request import FinishReason
-from splitserve.engine.sampling_params import SamplingParams
 from tests.conftest import assert_no_leaks, make_llm
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)

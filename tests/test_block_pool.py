@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from splitserve.common.blocks import hash_block
 from splitserve.engine.block_pool import BlockPool, NoFreeBlocksError
-from splitserve.engine.kv_cache_manager import KVCacheManager, hash_block
+from splitserve.engine.kv_cache_manager import KVCacheManager
 from splitserve.transfer.plan import TransferPlan
 
 

@@ -14,13 +14,9 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import pre_tokenizers
 
-from splitserve.engine.checkpoint import (
-    LoadedCheckpoint,
-    default_model_path,
-    load_checkpoint,
-    resolve_model_path,
-)
-from splitserve.engine.errors import ModelLoadError
+from splitserve.common.errors import ModelLoadError
+from splitserve.common.model_files import default_model_path, resolve_model_path
+from splitserve.engine.checkpoint import LoadedCheckpoint, load_checkpoint
 from splitserve.engine.model_config import RopeScaling
 
 transformers = pytest.importorskip("transformers")

@@ -12,8 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from splitserve.engine.checkpoint import LoadedCheckpoint, default_model_path
-from splitserve.engine.sampling_params import SamplingParams
+from splitserve.common.model_files import default_model_path
+from splitserve.common.sampling_params import SamplingParams
+from splitserve.engine.checkpoint import LoadedCheckpoint
 from splitserve.kernels.cpu_attention import load_cpu_decode_attention
 from tests.conftest import assert_no_leaks, make_llm
 

@@ -13,10 +13,10 @@ from collections.abc import AsyncIterator
 import pytest
 import torch
 
+from splitserve.common.sampling_params import SamplingParams
 from splitserve.decode.worker import DecodeWorker, Reservation
 from splitserve.engine.checkpoint import LoadedCheckpoint
 from splitserve.engine.engine_core import StepOutput
-from splitserve.engine.sampling_params import SamplingParams
 from splitserve.transfer import layer_channel
 from splitserve.transfer.inprocess import InProcessTransport
 from splitserve.transfer.plan import message_tag

@@ -1,4 +1,4 @@
-"""Tests of splitserve.engine.detokenizer: UTF-8 safety, losslessness, stop strings."""
+"""Tests of splitserve.common.detokenizer: UTF-8 safety, losslessness, stop strings."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from splitserve.engine.detokenizer import (
+from splitserve.common.detokenizer import (
     CONTEXT_TOKENS,
     DetokenizedDelta,
     IncrementalDetokenizer,

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from splitserve.engine.checkpoint import LoadedCheckpoint
-from splitserve.engine.config import EngineConfig, ModelConfig
-from splitserve.engine.errors import (
+from splitserve.common.errors import (
     ContextLengthExceededError,
     InvalidRequestError,
     ModelLoadError,
 )
+from splitserve.common.request_update import FinishReason
+from splitserve.common.sampling_params import SamplingParams
+from splitserve.engine.checkpoint import LoadedCheckpoint
+from splitserve.engine.config import EngineConfig, ModelConfig
 from splitserve.engine.llm import LLM
-from splitserve.engine.request import FinishReason
-from splitserve.engine.sampling_params import SamplingParams
 from tests.conftest import assert_no_leaks, make_llm
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0)

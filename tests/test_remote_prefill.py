@@ -8,9 +8,9 @@ import dataclasses
 
 import pytest
 
+from splitserve.common.blocks import blocks_for_tokens
+from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.checkpoint import LoadedCheckpoint
-from splitserve.engine.kv_cache_manager import blocks_for_tokens
-from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.scheduler import SchedulerOutput
 from tests.conftest import assert_no_leaks, make_llm
 

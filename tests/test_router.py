@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import time
 
+from splitserve.common.blocks import prompt_block_hashes
+from splitserve.common.load import EngineLoad
 from splitserve.coordinator.registry import Role, WorkerRecord, WorkerRegistry
-from splitserve.coordinator.router import Router, RoutingConfig, prompt_block_hashes
-from splitserve.engine.load import EngineLoad
+from splitserve.coordinator.router import Router, RoutingConfig
 
 
 def _worker(

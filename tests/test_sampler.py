@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import pytest
 import torch
 
+from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine import sampler as sampler_module
 from splitserve.engine.sampler import (
     Sampler,
@@ -15,7 +16,6 @@ from splitserve.engine.sampler import (
     apply_filters,
     apply_penalties,
 )
-from splitserve.engine.sampling_params import SamplingParams
 
 PROBS = [0.5, 0.3, 0.15, 0.05]
 """A hand-made distribution for top-p / min-p checks."""

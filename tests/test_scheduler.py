@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from splitserve.engine.errors import ContextLengthExceededError, InvalidRequestError
-from splitserve.engine.request import FinishReason, RequestStatus
+from splitserve.common.errors import ContextLengthExceededError, InvalidRequestError
+from splitserve.common.request_update import FinishReason
+from splitserve.engine.request import RequestStatus
 from tests.factories import EOS, make_request, make_scheduler, run_step
 
 
@@ -190,7 +191,7 @@ def test_remote_prefill_reservation_lifecycle() -> None:
 
 
 def test_remote_prefill_abort_eos_and_capacity() -> None:
-    from splitserve.engine.errors import CapacityError
+    from splitserve.common.errors import CapacityError
 
     scheduler = make_scheduler(num_blocks=4, block_size=4)
     scheduler.reserve_for_remote_prefill(make_request("aborted", prompt_len=8))

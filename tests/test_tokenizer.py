@@ -9,9 +9,9 @@ import gguf
 import numpy as np
 import pytest
 
-from splitserve.engine.checkpoint import default_model_path, load_tokenizer
-from splitserve.engine.errors import InvalidRequestError, ModelLoadError
-from splitserve.engine.tokenizer import Tokenizer
+from splitserve.common.errors import InvalidRequestError, ModelLoadError
+from splitserve.common.model_files import default_model_path, load_tokenizer
+from splitserve.common.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
 

@@ -1,20 +1,38 @@
-"""The scheduling side (block pool, KV manager, scheduler, requests, detokenization, the
-coordinator's registry and router) is torch-free."""
+"""What runs without torch: the shared core (``splitserve.common``), the scheduling side
+(block pool, KV manager, scheduler, requests), the coordinator's registry and router, and the
+whole coordinator, gateway and client processes.
+
+Each check imports in a fresh interpreter and reads ``sys.modules``, so a torch import hidden
+behind any chain of imports fails it."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 
+import pytest
+
 TORCH_FREE_MODULES = (
+    "splitserve.common.blocks",
+    "splitserve.common.detokenizer",
+    "splitserve.common.env_flags",
+    "splitserve.common.errors",
+    "splitserve.common.load",
+    "splitserve.common.logprobs",
+    "splitserve.common.metrics",
+    "splitserve.common.model_files",
+    "splitserve.common.output_processor",
+    "splitserve.common.prompt",
+    "splitserve.common.request_update",
+    "splitserve.common.sampling_params",
+    "splitserve.common.tokenizer",
     "splitserve.engine.block_pool",
     "splitserve.engine.kv_cache_manager",
     "splitserve.engine.scheduler",
     "splitserve.engine.request",
-    "splitserve.engine.sampling_params",
     "splitserve.engine.config",
-    "splitserve.engine.output_processor",
     "splitserve.transfer.layout",
+    "splitserve.transfer.plan",
     "splitserve.coordinator.registry",
     "splitserve.coordinator.router",
     "splitserve.client",
@@ -26,8 +44,33 @@ TORCH_FREE_MODULES = (
     "splitserve.client.sync_client",
 )
 
+ROLE_ENTRY_MODULES = (
+    "splitserve.coordinator.main",
+    "splitserve.coordinator.local_cluster",
+    "splitserve.gateway.main",
+    "splitserve.client",
+)
+"""The processes that never run a model: what ``python -m`` / ``import`` loads for each."""
 
-def test_scheduling_modules_do_not_import_torch() -> None:
-    imports = "; ".join(f"import {name}" for name in TORCH_FREE_MODULES)
-    check = f"{imports}; import sys; assert 'torch' not in sys.modules, 'torch was imported'"
-    subprocess.run([sys.executable, "-c", check], check=True)
+
+def _imports_torch(modules: tuple[str, ...]) -> bool:
+    imports = "; ".join(f"import {name}" for name in modules)
+    check = f"{imports}; import sys; print('torch' in sys.modules)"
+    result = subprocess.run(
+        [sys.executable, "-c", check], check=True, capture_output=True, text=True
+    )
+    return result.stdout.strip() == "True"
+
+
+def test_scheduling_and_shared_modules_do_not_import_torch() -> None:
+    assert not _imports_torch(TORCH_FREE_MODULES)
+
+
+@pytest.mark.parametrize("entry", ROLE_ENTRY_MODULES)
+def test_role_entry_module_does_not_import_torch(entry: str) -> None:
+    assert not _imports_torch((entry,)), f"{entry} imports torch"
+
+
+def test_the_check_sees_torch_when_it_is_imported() -> None:
+    """The check itself can fail: a worker's entry module does load torch."""
+    assert _imports_torch(("splitserve.decode.main",))

@@ -28,7 +28,7 @@ import pytest
 import torch
 
 import splitserve.transfer.layer_channel as layer_channel
-from splitserve.transfer.errors import (
+from splitserve.common.errors import (
     IncompatibleKvLayoutError,
     TransferAbortedError,
     TransferError,

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from splitserve.transfer.errors import TransferError
+from splitserve.common.errors import TransferError
 from splitserve.transfer.transport import KvEndpoint, KvTransport
 
 _REGISTRY: dict[bytes, InProcessTransport] = {}

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 
 import torch
 
-from splitserve.transfer.errors import (
+from splitserve.common.errors import (
     TransferAbortedError,
     TransferError,
     TransferTimeoutError,

@@ -11,7 +11,7 @@ import dataclasses
 import hashlib
 from dataclasses import dataclass
 
-from splitserve.transfer.errors import IncompatibleKvLayoutError
+from splitserve.common.errors import IncompatibleKvLayoutError
 
 LAYER_UNIT_LAYOUT = "K runs, V runs per layer; run=blocks,block_size,kv_heads,head_dim"
 """What a message holds (``plan.TransferPlan``): the K or the V of one run of blocks of one

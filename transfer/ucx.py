@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from splitserve.transfer.errors import TransferError
+from splitserve.common.errors import TransferError
 from splitserve.transfer.transport import KvEndpoint, KvTransport
 
 logger = logging.getLogger(__name__)

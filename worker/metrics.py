@@ -29,10 +29,10 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from splitserve.common.errors import TransferAbortedError, TransferTimeoutError
+from splitserve.common.metrics import KV_TRANSFER_BUCKETS, REQUEST_LATENCY_BUCKETS
 from splitserve.engine.async_engine import AsyncEngine
-from splitserve.engine.metrics import KV_TRANSFER_BUCKETS, REQUEST_LATENCY_BUCKETS
 from splitserve.engine.request import Request
-from splitserve.transfer.errors import TransferAbortedError, TransferTimeoutError
 
 _LABELS = ("model_name", "role")
 BLOCK_RUN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)

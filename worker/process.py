@@ -12,8 +12,9 @@ import os
 import socket
 from collections.abc import Mapping
 
-from splitserve.engine.cli_args import add_engine_args, add_env_flag, env_default
-from splitserve.engine.cli_args import truthy as _truthy
+from splitserve.common.env_flags import add_env_flag, env_default
+from splitserve.common.env_flags import truthy as _truthy
+from splitserve.engine.cli_args import add_engine_args
 from splitserve.transfer.ucx import UcxSettings
 
 

@@ -21,13 +21,13 @@ from typing import Protocol
 import grpc
 from prometheus_client import CollectorRegistry
 
+from splitserve.common.load import EngineLoad
+from splitserve.common.metrics import serve_metrics
+from splitserve.common.model_files import model_name_of, resolve_model_path
+from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.async_engine import AsyncEngine
-from splitserve.engine.checkpoint import model_name_of, resolve_model_path
 from splitserve.engine.cli_args import engine_config_from_args
 from splitserve.engine.engine_core import EngineCore
-from splitserve.engine.load import EngineLoad
-from splitserve.engine.metrics import serve_metrics
-from splitserve.engine.sampling_params import SamplingParams
 from splitserve.proto.convert import layout_to_proto, load_to_proto
 from splitserve.proto.server import serve_forever, start_server
 from splitserve.proto.splitserve.v1 import worker_pb2

@@ -3,7 +3,7 @@
 llama.cpp stores a model's vocabulary as ``tokenizer.ggml.*`` metadata: ``tokens``,
 ``token_type``, ``merges`` (byte-level BPE), ``scores`` (SentencePiece), ``pre`` (the
 pre-tokenizer family) and a few flags. This module rebuilds the equivalent Rust fast tokenizer;
-``splitserve.engine.tokenizer.Tokenizer.from_gguf_fields`` wraps the result with the special
+``splitserve.common.tokenizer.Tokenizer.from_gguf_fields`` wraps the result with the special
 tokens and chat template.
 
 Contract:
@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 
-from splitserve.engine.errors import ModelLoadError
+from splitserve.common.errors import ModelLoadError
 
 if TYPE_CHECKING:
     import gguf

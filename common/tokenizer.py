@@ -3,7 +3,7 @@
 ``Tokenizer`` wraps a ``tokenizers.Tokenizer`` (the Rust fast tokenizer) together with the
 model's special tokens and its Jinja chat template. It is built either from a HF folder
 (``tokenizer.json`` + ``tokenizer_config.json``) or from the vocabulary a GGUF file carries in
-its metadata (the backend itself is rebuilt by ``splitserve.engine.gguf_vocab``); both give the
+its metadata (the backend itself is rebuilt by ``splitserve.common.gguf_vocab``); both give the
 same object, and ``save`` writes a GGUF-derived tokenizer back out as a HF folder.
 
 Contracts:
@@ -28,9 +28,9 @@ import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import processors
 
-from splitserve.engine.errors import InvalidRequestError, ModelLoadError
-from splitserve.engine.gguf_vocab import gguf_backend, gguf_field, token_at
-from splitserve.engine.json_files import read_json_object
+from splitserve.common.errors import InvalidRequestError, ModelLoadError
+from splitserve.common.gguf_vocab import gguf_backend, gguf_field, token_at
+from splitserve.common.json_files import read_json_object
 
 if TYPE_CHECKING:
     import gguf

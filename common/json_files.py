@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from splitserve.engine.errors import ModelLoadError
+from splitserve.common.errors import ModelLoadError
 
 
 def read_json_object(path: Path, required: bool = False) -> dict[str, object]:

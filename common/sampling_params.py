@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from splitserve.engine.errors import InvalidRequestError
+from splitserve.common.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
 """Largest number of top alternatives a request may ask for per token."""

@@ -15,11 +15,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from splitserve.engine.detokenizer import IncrementalDetokenizer, TokenDecoder
-from splitserve.engine.logprobs import TokenLogprob
-from splitserve.engine.request import FinishReason
-from splitserve.engine.sampling_params import SamplingParams
-from splitserve.engine.scheduler import RequestUpdate
+from splitserve.common.detokenizer import IncrementalDetokenizer, TokenDecoder
+from splitserve.common.logprobs import TokenLogprob
+from splitserve.common.request_update import FinishReason, RequestUpdate
+from splitserve.common.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

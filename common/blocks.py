@@ -1,0 +1,40 @@
+"""KV block arithmetic and prefix hashing shared by workers and the router (torch-free).
+
+A block that is full of tokens is identified by a chained digest
+``hash_i = H(hash_{i-1}, tokens of block i)``, so equal digests mean equal whole prefixes: a
+worker's prefix cache keys its blocks so, and the coordinator's router estimates a prompt's
+cached prefix on a worker with the same digests.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Sequence
+
+BlockHash = bytes
+"""Digest identifying a full block by its tokens and all tokens before it."""
+
+_ROOT_HASH: BlockHash = b"splitserve-prefix-root"
+
+
+def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
+    """Blocks needed to hold ``num_tokens`` positions (ceiling division)."""
+    return -(-num_tokens // block_size)
+
+
+def hash_block(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
+    """Digest of a full block chained with the digest of everything before it."""
+    digest = hashlib.blake2b(parent or _ROOT_HASH, digest_size=16)
+    digest.update(array("q", token_ids).tobytes())
+    return digest.digest()
+
+
+def prompt_block_hashes(token_ids: Sequence[int], block_size: int) -> list[BlockHash]:
+    """Chained hashes of the prompt's full blocks (as the workers' prefix caches key them)."""
+    hashes: list[BlockHash] = []
+    parent = None
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block(parent, token_ids[start : start + block_size])
+        hashes.append(parent)
+    return hashes

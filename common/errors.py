@@ -1,0 +1,72 @@
+"""Domain errors of splitserve.
+
+Every error a user can cause or meet derives from ``SplitserveError``; this module is the one
+place they are defined (engine, transfer, workers and coordinator alike). ``proto/status.py``
+maps them to gRPC status codes and the gateway to HTTP statuses, each in one place; the engine
+never raises bare ``ValueError`` for user input.
+"""
+
+from __future__ import annotations
+
+
+class SplitserveError(Exception):
+    """Base class of every splitserve domain error."""
+
+
+class InvalidRequestError(SplitserveError, ValueError):
+    """The request itself is wrong (maps to INVALID_ARGUMENT / HTTP 400).
+
+    ``param`` names the offending field (OpenAI's ``error.param``) when there is one.
+    """
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class ContextLengthExceededError(InvalidRequestError):
+    """Prompt (plus requested output) does not fit the model's context window."""
+
+
+class ModelLoadError(SplitserveError):
+    """A model path is missing, unsupported or its files are corrupt."""
+
+
+class CapacityError(SplitserveError):
+    """The worker cannot take the request now (maps to RESOURCE_EXHAUSTED / HTTP 429)."""
+
+
+class EngineStoppedError(SplitserveError):
+    """The engine was shut down; the request did not complete."""
+
+
+class WorkerUnavailableError(SplitserveError):
+    """No worker can take the request now (none registered, all failed)."""
+
+
+class OverloadedError(SplitserveError):
+    """Admission refused: too many requests in flight. ``retry_after_s`` hints when to retry."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+# ---- KV transfer failures; each leaves both sides able to release the request's blocks ----
+
+
+class TransferError(SplitserveError):
+    """A KV transfer failed (peer gone, transport error)."""
+
+
+class TransferTimeoutError(TransferError):
+    """A KV transfer made no progress within its deadline (e.g. the peer died)."""
+
+
+class TransferAbortedError(TransferError):
+    """The transfer was aborted locally (the request was cancelled)."""
+
+
+class IncompatibleKvLayoutError(TransferError):
+    """Two workers' KV caches differ (model, dtype, block size or layout): no transfer."""

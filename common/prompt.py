@@ -1,0 +1,41 @@
+"""What a request's prompt may be, and how it becomes token ids (torch-free).
+
+One definition for every entry point: the coordinator takes a ``Prompt`` (text, chat
+messages or token ids), the offline ``LLM`` API text or token ids (``TextOrTokens``; chats go
+through ``LLM.chat``). ``encode_prompt`` is the one place prompts are validated and tokenized.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from splitserve.common.errors import InvalidRequestError
+from splitserve.common.tokenizer import Tokenizer
+
+ChatMessages = Sequence[Mapping[str, str]]
+"""Chat messages ({"role", "content"}), rendered with the model's chat template."""
+TextOrTokens = str | Sequence[int]
+"""Text (tokenized with the model's special tokens), or token ids used as they are."""
+Prompt = TextOrTokens | ChatMessages
+
+
+def encode_prompt(tokenizer: Tokenizer, prompt: Prompt) -> list[int]:
+    """Token ids of ``prompt``; ``InvalidRequestError`` (param "prompt") when it is empty or
+    holds something other than a token id of the vocabulary. Chat messages are rendered with
+    the generation prompt appended."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise InvalidRequestError("prompt must not be empty", "prompt")
+        return tokenizer.encode(prompt)
+    if not prompt:
+        raise InvalidRequestError("prompt must not be empty", "prompt")
+    if isinstance(prompt[0], Mapping):
+        messages = [dict(message) for message in prompt]  # type: ignore[arg-type]
+        return tokenizer.encode(tokenizer.apply_chat_template(messages))
+    token_ids = list(prompt)
+    if any(not isinstance(token, int) or isinstance(token, bool) for token in token_ids):
+        raise InvalidRequestError("prompt token ids must be integers", "prompt")
+    vocab = tokenizer.vocab_size
+    if any(not 0 <= token < vocab for token in token_ids):
+        raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
+    return token_ids
