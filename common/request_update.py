@@ -1,14 +1,18 @@
 """What one engine step produced for one request, and why a request ended (torch-free).
 
 The scheduler emits a ``RequestUpdate`` per request that sampled; the engine streams them to
-its callers, the decode worker sends them over the wire and the coordinator folds them into
-its ``RequestTracker``. Counts are cumulative for the request on that engine.
+its callers as ``StepOutput`` (update + logprobs), the decode worker sends them over the wire
+(every token once, the first included) and the coordinator folds them into its
+``RequestTracker``. Counts are cumulative for the request on that engine (for a resumed
+request: since it was resumed there).
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+
+from splitserve.common.logprobs import TokenLogprob
 
 
 class FinishReason(enum.Enum):
@@ -30,3 +34,11 @@ class RequestUpdate:
     num_cached_tokens: int
     num_output_tokens: int
     stop_token_id: int | None = None
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """One request's progress in one step."""
+
+    update: RequestUpdate
+    logprobs: tuple[TokenLogprob, ...] = ()

@@ -17,11 +17,12 @@ from collections.abc import Sequence
 from prometheus_client import CollectorRegistry
 
 from splitserve.common.env_flags import add_env_flag
+from splitserve.common.membership import Role
 from splitserve.common.metrics import serve_metrics
 from splitserve.common.model_files import load_tokenizer, model_name_of, resolve_model_path
+from splitserve.coordinator.attempt import AttemptTimeouts
 from splitserve.coordinator.flow import FlowConfig
 from splitserve.coordinator.metrics import CoordinatorMetrics
-from splitserve.coordinator.registry import Role
 from splitserve.coordinator.router import RoutingConfig
 from splitserve.coordinator.service import Coordinator, CoordinatorConfig
 from splitserve.coordinator.servicer import CoordinatorServicer
@@ -63,7 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         model_name=model_name_of(model_path),
         max_inflight=args.max_inflight,
         routing=RoutingConfig(local_prefill_max_tokens=args.local_prefill_max_tokens),
-        flow=FlowConfig(prefill_timeout_s=args.prefill_timeout),
+        flow=FlowConfig(timeouts=AttemptTimeouts(prefill_s=args.prefill_timeout)),
     )
     coordinator = Coordinator(config, load_tokenizer(model_path))
     registry = CollectorRegistry()
@@ -91,7 +92,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         watcher.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await watcher
-        await coordinator.clients.close()
+        await coordinator.channels.close()
 
     serve_forever(run)
     return 0

@@ -17,9 +17,10 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from splitserve.common.membership import Role
 from splitserve.common.metrics import TIME_TO_FIRST_TOKEN_BUCKETS, RequestMetrics
 from splitserve.coordinator.flow import RequestFlow
-from splitserve.coordinator.registry import Role, WorkerRegistry
+from splitserve.coordinator.registry import WorkerRegistry
 
 STAGES = ("reserve", "prefill", "local_prefill")
 RECOVERIES = ("prefill_fallback", "decode_resume")

@@ -2,23 +2,17 @@
 
 Workers register with their role, address and KV layout, then heartbeat with load figures.
 A worker silent for ``expiry_s`` is dropped; one whose call failed is marked unhealthy until
-its next heartbeat (so routing avoids it at once). ``pending_*`` counters are the
-coordinator's own bookkeeping of work dispatched since the last heartbeat, so that a burst of
-requests does not all land on the worker that looked idlest a moment ago.
+its next heartbeat (so routing avoids it at once). The registry holds what workers report;
+the work this coordinator dispatched and that no report reflects yet is the router's.
 """
 
 from __future__ import annotations
 
-import enum
 import time
 from dataclasses import dataclass, field
 
 from splitserve.common.load import EngineLoad
-
-
-class Role(enum.Enum):
-    PREFILL = "prefill"
-    DECODE = "decode"
+from splitserve.common.membership import Role, WorkerInfo
 
 
 @dataclass
@@ -34,10 +28,21 @@ class WorkerRecord:
     load: EngineLoad = field(default_factory=EngineLoad)
     last_seen: float = field(default_factory=time.monotonic)
     healthy: bool = True
-    pending_requests: int = 0
-    """Requests dispatched here and not finished (coordinator's count)."""
-    pending_prefill_tokens: int = 0
-    """Prompt tokens sent here for prefill and not yet returned (coordinator's count)."""
+
+
+def record_of(info: WorkerInfo) -> WorkerRecord:
+    """A fresh registry record for a worker that just registered (no load reported yet)."""
+    return WorkerRecord(
+        worker_id=info.worker_id,
+        role=info.role,
+        address=info.address,
+        compat_hash=info.layout.compat_hash,
+        block_size=info.layout.block_size,
+        dtype=info.layout.dtype,
+        num_blocks=info.num_blocks,
+        max_model_len=info.max_model_len,
+        load=EngineLoad(num_total_blocks=info.num_blocks),
+    )
 
 
 class WorkerRegistry:
@@ -49,10 +54,6 @@ class WorkerRegistry:
 
     def register(self, record: WorkerRecord) -> None:
         """Add or replace a worker (a restarted worker registers again under its id)."""
-        previous = self._workers.get(record.worker_id)
-        if previous is not None:
-            record.pending_requests = previous.pending_requests
-            record.pending_prefill_tokens = previous.pending_prefill_tokens
         self._workers[record.worker_id] = record
 
     def heartbeat(self, worker_id: str, load: EngineLoad) -> bool:

@@ -3,23 +3,31 @@ computes its prompt.
 
 Decode: among healthy decode workers whose context fits the request, the one with the most
 free KV blocks after the request, penalised by the tokens it already decodes per step (its
-running batch's KV read) and by requests dispatched since its last heartbeat.
+running batch's KV read) and by the requests this coordinator has running there.
 
 Prefill: only workers whose KV layout hash equals the decode worker's; the one with the
 fewest pending prefill tokens after subtracting the prompt tokens it likely has cached (a
 bounded record of the chained block hashes of prompts routed to it). Prompts whose uncached
 part is at most ``local_prefill_max_tokens`` stay on the decode worker (conditional
 disaggregation), as do all prompts when no compatible prefill worker exists.
+
+Load has two sources: what each worker reports (the registry's ``load``, the shared truth
+when several coordinators dispatch to the same workers) and what this coordinator dispatched
+and has not seen finish (``Pending``, owned here: attempts wrap their worker calls in
+``decoding`` / ``prefilling``), so that a burst of requests does not all land on the worker
+that looked idlest at its last report.
 """
 
 from __future__ import annotations
 
 import collections
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from splitserve.common.blocks import BlockHash, prompt_block_hashes
-from splitserve.coordinator.registry import Role, WorkerRecord, WorkerRegistry
+from splitserve.common.membership import Role
+from splitserve.coordinator.registry import WorkerRecord, WorkerRegistry
 
 
 @dataclass(frozen=True)
@@ -35,6 +43,16 @@ class Route:
     decode: WorkerRecord
     prefill: WorkerRecord | None
     """None: the decode worker prefills the prompt itself."""
+
+
+@dataclass
+class Pending:
+    """Work this coordinator sent to one worker that has not finished yet."""
+
+    num_requests: int = 0
+    """Requests decoding there (attempts open on its decode stream)."""
+    num_prefill_tokens: int = 0
+    """Prompt tokens sent there for prefill and not yet answered."""
 
 
 class PrefixMemory:
@@ -65,6 +83,31 @@ class Router:
         self.registry = registry
         self.config = config
         self._prefix: dict[str, PrefixMemory] = {}
+        self._pending: dict[str, Pending] = collections.defaultdict(Pending)
+
+    @contextlib.contextmanager
+    def decoding(self, worker: WorkerRecord) -> Iterator[None]:
+        """Count one request as running on ``worker`` while the block runs."""
+        pending = self._pending[worker.worker_id]
+        pending.num_requests += 1
+        try:
+            yield
+        finally:
+            pending.num_requests -= 1
+
+    @contextlib.contextmanager
+    def prefilling(self, worker: WorkerRecord, num_tokens: int) -> Iterator[None]:
+        """Count ``num_tokens`` prompt tokens as queued on ``worker`` while the block runs."""
+        pending = self._pending[worker.worker_id]
+        pending.num_prefill_tokens += num_tokens
+        try:
+            yield
+        finally:
+            pending.num_prefill_tokens -= num_tokens
+
+    def report_failure(self, worker: WorkerRecord) -> None:
+        """A call to ``worker`` failed as if it were gone: route around it until it reports."""
+        self.registry.mark_failed(worker.worker_id)
 
     def route(
         self, prompt_token_ids: Sequence[int], max_tokens: int, exclude: Sequence[str] = ()
@@ -87,7 +130,8 @@ class Router:
         def score(worker: WorkerRecord) -> float:
             load = worker.load
             blocks_needed = -(-num_tokens // max(worker.block_size, 1))
-            free_after = load.num_free_blocks - blocks_needed * (1 + worker.pending_requests)
+            pending = self._pending[worker.worker_id].num_requests
+            free_after = load.num_free_blocks - blocks_needed * (1 + pending)
             busy = load.num_running_tokens / max(worker.block_size, 1)
             return free_after - busy - 4 * load.num_waiting_requests
 
@@ -108,7 +152,8 @@ class Router:
         def cost(worker: WorkerRecord) -> float:
             memory = self._memory(worker.worker_id)
             cached_tokens = memory.overlap_blocks(hashes) * worker.block_size
-            pending = worker.load.num_pending_prefill_tokens + worker.pending_prefill_tokens
+            queued = self._pending[worker.worker_id].num_prefill_tokens
+            pending = worker.load.num_pending_prefill_tokens + queued
             return pending + len(prompt_token_ids) - cached_tokens
 
         best = min(candidates, key=cost)

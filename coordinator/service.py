@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from splitserve.common.errors import (
@@ -19,14 +19,15 @@ from splitserve.common.errors import (
     OverloadedError,
     WorkerUnavailableError,
 )
+from splitserve.common.membership import Role
 from splitserve.common.output_processor import StreamChunk
 from splitserve.common.prompt import Prompt, encode_prompt
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.tokenizer import Tokenizer
 from splitserve.coordinator.flow import FlowConfig, RequestFlow
-from splitserve.coordinator.registry import Role, WorkerRegistry
+from splitserve.coordinator.registry import WorkerRegistry
 from splitserve.coordinator.router import Router, RoutingConfig
-from splitserve.coordinator.worker_clients import WorkerClients
+from splitserve.proto.worker_clients import WorkerChannels
 
 
 @dataclass(frozen=True)
@@ -44,9 +45,8 @@ class Coordinator:
         self.tokenizer = tokenizer
         self.registry = WorkerRegistry()
         self.router = Router(self.registry, config.routing)
-        self.clients = WorkerClients()
+        self.channels = WorkerChannels()
         self._flows: dict[str, RequestFlow] = {}
-        self._special_ids = frozenset(tokenizer.all_special_ids)
         self.flow_observer: Callable[[RequestFlow], None] | None = None
         """Called with each flow when it ends (metrics); must not raise."""
 
@@ -112,10 +112,8 @@ class Coordinator:
             prompt_ids,
             params,
             self.tokenizer,
-            self._special_ids,
-            self.registry,
             self.router,
-            self.clients,
+            self.channels,
             self.config.flow,
         )
         self._flows[request_id] = flow
@@ -134,6 +132,3 @@ class Coordinator:
             return False
         flow.abort()
         return True
-
-    def running_request_ids(self) -> Sequence[str]:
-        return list(self._flows)

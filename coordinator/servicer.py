@@ -14,12 +14,12 @@ import grpc
 from prometheus_client import CollectorRegistry
 
 from splitserve.common.errors import InvalidRequestError, SplitserveError
-from splitserve.common.load import EngineLoad
+from splitserve.common.membership import Role
 from splitserve.common.output_processor import StreamChunk
 from splitserve.common.prompt import Prompt
 from splitserve.coordinator.flow import RequestFlow
 from splitserve.coordinator.metrics import CoordinatorMetrics
-from splitserve.coordinator.registry import Role, WorkerRecord
+from splitserve.coordinator.registry import WorkerRecord, record_of
 from splitserve.coordinator.service import Coordinator
 from splitserve.proto import convert
 from splitserve.proto.splitserve.v1 import (
@@ -31,8 +31,6 @@ from splitserve.proto.splitserve.v1 import (
 from splitserve.proto.status import abort_with, status_of
 
 HEARTBEAT_INTERVAL_MS = 500
-_ROLES = {worker_pb2.WORKER_ROLE_PREFILL: Role.PREFILL, worker_pb2.WORKER_ROLE_DECODE: Role.DECODE}
-_ROLE_TO_PROTO = {role: value for value, role in _ROLES.items()}
 
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
@@ -145,24 +143,11 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     async def RegisterWorker(
         self, request: coordinator_pb2.RegisterWorkerRequest, context: grpc.aio.ServicerContext
     ) -> coordinator_pb2.RegisterWorkerResponse:
-        info = request.worker
-        if info.role not in _ROLES or not info.worker_id or not info.address:
-            await abort_with(
-                context, InvalidRequestError("worker_id, address and role are required", "worker")
-            )
-        self._coordinator.registry.register(
-            WorkerRecord(
-                worker_id=info.worker_id,
-                role=_ROLES[info.role],
-                address=info.address,
-                compat_hash=info.kv_layout.compat_hash,
-                block_size=info.kv_layout.block_size,
-                dtype=info.kv_layout.dtype,
-                num_blocks=info.num_blocks,
-                max_model_len=info.max_model_len,
-                load=EngineLoad(num_total_blocks=info.num_blocks),
-            )
-        )
+        try:
+            info = convert.worker_info_from_proto(request.worker)
+        except InvalidRequestError as error:
+            await abort_with(context, error)
+        self._coordinator.registry.register(record_of(info))
         return coordinator_pb2.RegisterWorkerResponse(heartbeat_interval_ms=HEARTBEAT_INTERVAL_MS)
 
     async def Heartbeat(
@@ -197,7 +182,7 @@ def _status(record: WorkerRecord) -> coordinator_pb2.WorkerStatus:
     return coordinator_pb2.WorkerStatus(
         worker=worker_pb2.WorkerInfo(
             worker_id=record.worker_id,
-            role=_ROLE_TO_PROTO[record.role],
+            role=convert.ROLE_TO_PROTO[record.role],
             address=record.address,
             num_blocks=record.num_blocks,
             max_model_len=record.max_model_len,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
+from splitserve.common.membership import Role
 from splitserve.decode.servicer import DecodeServicer
 from splitserve.decode.worker import DecodeWorker
 from splitserve.proto.splitserve.v1 import worker_pb2, worker_pb2_grpc
@@ -12,7 +13,7 @@ from splitserve.worker.runtime import WorkerRole, worker_main
 
 DECODE_ROLE = WorkerRole(
     name="decode",
-    role=worker_pb2.WORKER_ROLE_DECODE,
+    role=Role.DECODE,
     service_name=worker_pb2.DESCRIPTOR.services_by_name["DecodeWorker"].full_name,
     make_servicer=DecodeServicer,
     add_servicer=worker_pb2_grpc.add_DecodeWorkerServicer_to_server,

@@ -2,9 +2,10 @@
 
 A request arrives either for local prefill (colocated mode, fallback, resume) or with
 ``remote=True``: then blocks are reserved at once, a ``LayerReceiver`` is posted for the
-prompt's layers, and the caller gets a ``Reservation`` (the transfer descriptor) before any
-token. The prefill worker pushes the layers and calls ``complete_kv``, which waits until the
-last layer landed and lets the request join the running batch.
+prompt's layers, and the caller gets a ``KvReservation`` (the transfer descriptor) before any
+token. The prefill worker pushes the layers and calls ``complete_kv`` with the first token,
+which waits until the last layer landed and lets the request join the running batch; the
+first token then opens the request's output stream like any other token.
 
 The KV lands straight in the reserved blocks (``kv_io.receive_destinations``).
 
@@ -29,13 +30,14 @@ from dataclasses import dataclass, field
 
 from splitserve.common.errors import CapacityError, EngineStoppedError, InvalidRequestError
 from splitserve.common.load import EngineLoad
-from splitserve.common.logprobs import TokenLogprob
+from splitserve.common.request_update import StepOutput
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.async_engine import AsyncEngine, RequestStream
-from splitserve.engine.engine_core import EngineCore, StepOutput
+from splitserve.engine.engine_core import EngineCore
 from splitserve.transfer.layer_channel import LayerReceiver
 from splitserve.transfer.layout import KvLayout
-from splitserve.transfer.plan import MAX_TRANSFER_ID, TransferPlan
+from splitserve.transfer.plan import MAX_TRANSFER_ID
+from splitserve.transfer.reservation import FirstToken, KvReservation
 from splitserve.transfer.transport import KvTransport
 from splitserve.worker.identity import WorkerIdentity
 from splitserve.worker.kv_io import kv_layout_of, receive_destinations
@@ -47,18 +49,6 @@ PREVIOUS_ATTEMPT_WAIT_S = 5.0
 """How long a retried request id waits for its previous attempt here to end."""
 RESERVATION_RETRY_S = 0.01
 """Poll interval of a reservation waiting for free blocks."""
-
-
-@dataclass(frozen=True)
-class Reservation:
-    """Where a prefill worker must push a request's KV."""
-
-    transfer_id: int
-    num_blocks: int
-    num_tokens: int
-    compat_hash: str
-    plan: TransferPlan
-    """How the prefill worker must cut the KV into messages."""
 
 
 @dataclass
@@ -100,8 +90,8 @@ class DecodeWorker:
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
         remote_prefill: bool,
-    ) -> AsyncIterator[Reservation | StepOutput]:
-        """Run one request; with ``remote_prefill`` first yield its ``Reservation``.
+    ) -> AsyncIterator[KvReservation | StepOutput]:
+        """Run one request; with ``remote_prefill`` first yield its ``KvReservation``.
 
         Closing the iterator early aborts the request and frees its blocks. A new attempt of a
         request id whose previous attempt is still open here (the coordinator retried before
@@ -157,7 +147,7 @@ class DecodeWorker:
 
     def _expect_kv(
         self, request_id: str, block_table: Sequence[int], num_tokens: int
-    ) -> Reservation:
+    ) -> KvReservation:
         """Post the receiver for a reservation; from here the transfer owns the hold the
         engine took on ``block_table`` (``AsyncEngine.submit``)."""
         block_ids = list(block_table)
@@ -172,16 +162,13 @@ class DecodeWorker:
         num_bytes = self.layout.layer_bytes(len(block_ids)) * self.layout.num_layers
         self._incoming[transfer_id] = _Incoming(request_id, receiver, block_ids, num_bytes)
         self._transfer_of[request_id] = transfer_id
-        return Reservation(transfer_id, len(block_ids), num_tokens, self.layout.compat_hash, plan)
+        return KvReservation(
+            transfer_id, self.identity.address, num_tokens, self.layout.compat_hash, plan
+        )
 
-    async def complete_kv(
-        self,
-        transfer_id: int,
-        request_id: str,
-        first_token_id: int,
-        first_logprob: TokenLogprob | None = None,
-    ) -> None:
-        """Wait for every layer of the transfer, then start decoding the request.
+    async def complete_kv(self, transfer_id: int, request_id: str, first: FirstToken) -> None:
+        """Wait for every layer of the transfer, then start decoding the request with the
+        prefill worker's first token (it goes out on the request's stream).
 
         Raises ``InvalidRequestError`` for an unknown transfer, ``TransferError`` subclasses
         when the KV does not arrive in time (the request is then aborted).
@@ -202,12 +189,14 @@ class DecodeWorker:
         )
         if self._take(request_id) is incoming:  # else a concurrent stop released the hold
             self.engine.release_blocks(incoming.block_ids)  # every receive settled: DONE
-        await self.engine.complete_remote_prefill(request_id, first_token_id, first_logprob)
+        await self.engine.complete_remote_prefill(
+            request_id, first.token_id, first.logprob, first.num_cached_tokens
+        )
 
     async def abort(self, request_id: str, as_stopped: bool = False) -> bool:
         """End a request (ABORT, or STOP when a stop string matched); False if unknown."""
         self._stop_receiving(request_id)
-        known = await self.engine.call(lambda core: request_id in core.scheduler.requests)
+        known = await self.engine.has_request(request_id)
         if as_stopped:
             self.engine.finish(request_id)
         else:

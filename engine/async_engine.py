@@ -32,9 +32,9 @@ from typing import TypeVar
 from splitserve.common.errors import EngineStoppedError
 from splitserve.common.load import EngineLoad
 from splitserve.common.logprobs import TokenLogprob
-from splitserve.common.request_update import FinishReason, RequestUpdate
+from splitserve.common.request_update import FinishReason, RequestUpdate, StepOutput
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.engine.engine_core import EngineCore, LayerHook, StepOutput
+from splitserve.engine.engine_core import EngineCore, LayerHook
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -98,7 +98,7 @@ class AsyncEngine:
                     block_table = self.core.reserve_remote_prefill(
                         request_id, prompt_token_ids, params
                     )
-                    self.core.kv_cache.pool.touch(block_table)
+                    self.core.hold_blocks(block_table)
                     held.extend(block_table)
                 else:
                     self.core.add_request(request_id, prompt_token_ids, params)
@@ -120,7 +120,7 @@ class AsyncEngine:
     def release_blocks(self, block_ids: Sequence[int]) -> None:
         """Give back a hold ``submit`` took on reserved blocks (queued; blocks with no other
         reference return to the pool). ``block_ids`` is read when the command runs."""
-        self.post(lambda core: core.kv_cache.pool.free(list(reversed(block_ids))))
+        self.post(lambda core: core.release_blocks(block_ids))
 
     async def call(self, function: Callable[[EngineCore], T]) -> T:
         """Run ``function(core)`` on the engine thread between steps; returns its result."""
@@ -139,15 +139,27 @@ class AsyncEngine:
         return await done
 
     async def complete_remote_prefill(
-        self, request_id: str, first_token_id: int, first_logprob: TokenLogprob | None = None
+        self,
+        request_id: str,
+        first_token_id: int,
+        first_logprob: TokenLogprob | None = None,
+        num_cached_tokens: int = 0,
     ) -> None:
         """The reserved request's KV landed; it joins the batch and its stream gets the token
         (with its logprobs, sampled by the prefill worker, when given)."""
 
         def complete(core: EngineCore) -> None:
-            self._deliver(core.complete_remote_prefill(request_id, first_token_id, first_logprob))
+            output = core.complete_remote_prefill(
+                request_id, first_token_id, first_logprob, num_cached_tokens
+            )
+            self._deliver(output)
 
         await self.call(complete)
+
+    async def has_request(self, request_id: str) -> bool:
+        """Whether the engine knows the request (waiting, running or reserved), as of the
+        commands queued before this one."""
+        return await self.call(lambda core: core.has_request(request_id))
 
     def post(self, function: Callable[[EngineCore], None]) -> None:
         """Queue ``function(core)`` to run on the engine thread between steps, in order with

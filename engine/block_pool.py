@@ -49,11 +49,6 @@ class BlockPool:
         return len(self._free_queue)
 
     @property
-    def num_cached_blocks(self) -> int:
-        """Blocks currently registered in the prefix index (referenced or free)."""
-        return len(self._block_of_hash)
-
-    @property
     def usage(self) -> float:
         """Fraction of blocks referenced by some request, in [0, 1]."""
         return 1.0 - self.num_free_blocks / self.num_blocks

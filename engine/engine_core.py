@@ -21,7 +21,7 @@ from splitserve.common.errors import InvalidRequestError
 from splitserve.common.load import EngineLoad
 from splitserve.common.logprobs import TokenLogprob
 from splitserve.common.model_files import resolve_model_path
-from splitserve.common.request_update import RequestUpdate
+from splitserve.common.request_update import StepOutput
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.attention import AttentionBackend, TorchAttentionBackend
 from splitserve.engine.checkpoint import LoadedCheckpoint, load_checkpoint
@@ -31,20 +31,23 @@ from splitserve.engine.kv_cache_manager import KVCacheManager
 from splitserve.engine.model import LlamaModel
 from splitserve.engine.model_runner import ModelRunner, kv_cache_bytes_per_block
 from splitserve.engine.request import Request, RequestStatus
-from splitserve.engine.scheduler import Scheduler, SchedulerOutput
+from splitserve.engine.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
-LayerHook = Callable[[int, SchedulerOutput], None]
-"""Called with (layer index, the step's scheduled chunks) once a layer's KV is written."""
-
 
 @dataclass(frozen=True)
-class StepOutput:
-    """One request's progress in one step."""
+class CompletedPrompt:
+    """A request whose prompt's KV is complete in this step, layer by layer."""
 
-    update: RequestUpdate
-    logprobs: tuple[TokenLogprob, ...] = ()
+    request_id: str
+    block_table: Sequence[int]
+    """The request's blocks in position order (they hold the whole prompt's KV)."""
+
+
+LayerHook = Callable[[int, Sequence[CompletedPrompt]], None]
+"""Called with (layer index, the prompts this step completes) once that layer's KV is
+written; not called in steps that complete no prompt."""
 
 
 class EngineCore:
@@ -166,24 +169,50 @@ class EngineCore:
         return self.scheduler.reserve_for_remote_prefill(request)
 
     def complete_remote_prefill(
-        self, request_id: str, first_token_id: int, first_logprob: TokenLogprob | None = None
+        self,
+        request_id: str,
+        first_token_id: int,
+        first_logprob: TokenLogprob | None = None,
+        num_cached_tokens: int = 0,
     ) -> StepOutput:
-        """The reserved request's KV has landed; it decodes from the next step on."""
-        update = self.scheduler.complete_remote_prefill(request_id, first_token_id)
+        """The reserved request's KV has landed; it decodes from the next step on.
+        ``num_cached_tokens``: prompt tokens the prefilling worker had in its prefix cache."""
+        update = self.scheduler.complete_remote_prefill(
+            request_id, first_token_id, num_cached_tokens
+        )
         return StepOutput(update, _logprobs_of(first_logprob))
+
+    def hold_blocks(self, block_ids: Sequence[int]) -> None:
+        """Take one extra reference on each block: it stays out of the pool, whatever ends
+        its request, until ``release_blocks`` gives the reference back."""
+        self.kv_cache.pool.touch(block_ids)
+
+    def release_blocks(self, block_ids: Sequence[int]) -> None:
+        """Give back references ``hold_blocks`` took; blocks with no other go to the pool."""
+        self.kv_cache.pool.free(list(reversed(block_ids)))
+
+    def has_request(self, request_id: str) -> bool:
+        """True while the request is known here (waiting, running or reserved)."""
+        return request_id in self.scheduler.requests
 
     def step(self, on_layer_kv_written: LayerHook | None = None) -> list[StepOutput]:
         """Schedule -> execute -> update; returns the progress of every request that sampled.
 
-        ``on_layer_kv_written(layer, scheduled)`` fires as each layer's KV is written, with the
-        step's scheduled chunks (their block tables say where the KV is).
+        ``on_layer_kv_written(layer, completed)`` fires as each layer's KV is written, in
+        steps that complete some prompt, with those prompts (their block tables say where
+        the KV is).
         """
         scheduled = self.scheduler.schedule()
+        completed = [
+            CompletedPrompt(chunk.request_id, chunk.block_table)
+            for chunk in scheduled.chunks
+            if chunk.completes_prompt
+        ]
         hook = None
-        if on_layer_kv_written is not None:
+        if on_layer_kv_written is not None and completed:
 
             def hook(layer: int) -> None:
-                on_layer_kv_written(layer, scheduled)
+                on_layer_kv_written(layer, completed)
 
         executed = self.runner.execute(scheduled, hook)
         updates = self.scheduler.update(scheduled, executed.sampled_token_ids)

@@ -47,6 +47,9 @@ class ScheduledChunk:
     """The request's blocks, covering at least ``start_position + len(token_ids)`` slots."""
     samples: bool
     """True when this chunk reaches the end of the known tokens: sample one new token."""
+    completes_prompt: bool
+    """True when this chunk computes the prompt's last token: once a layer is written, that
+    layer's KV of the whole prompt is in ``block_table`` (the signal a KV push waits for)."""
     params: SamplingParams
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
@@ -179,8 +182,11 @@ class Scheduler:
         self.requests[request.request_id] = request
         return self.kv_cache.block_table(request.request_id)
 
-    def complete_remote_prefill(self, request_id: str, first_token_id: int) -> RequestUpdate:
-        """The prompt's KV landed in the reserved blocks and ``first_token_id`` was sampled.
+    def complete_remote_prefill(
+        self, request_id: str, first_token_id: int, num_cached_tokens: int = 0
+    ) -> RequestUpdate:
+        """The prompt's KV landed in the reserved blocks and ``first_token_id`` was sampled
+        (by a worker that served ``num_cached_tokens`` of the prompt from its prefix cache).
 
         The request joins the running batch (or finishes at once if that token ends it).
         """
@@ -188,6 +194,7 @@ class Scheduler:
         if request is None or request.status is not RequestStatus.WAITING_FOR_REMOTE_KV:
             raise InvalidRequestError(f"request {request_id!r} is not waiting for remote KV")
         request.num_computed_tokens = request.num_prompt_tokens
+        request.num_cached_tokens = num_cached_tokens
         request.first_scheduled_time = time.monotonic()
         self.kv_cache.cache_full_blocks(request_id, request.all_token_ids, request.num_tokens)
         request.append_output_token(first_token_id)
@@ -259,6 +266,7 @@ class Scheduler:
             start_position=start,
             block_table=self.kv_cache.block_table(request.request_id),
             samples=start + num_new == request.num_tokens,
+            completes_prompt=start < request.num_prompt_tokens <= start + num_new,
             params=request.params,
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids,

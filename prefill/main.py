@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
+from splitserve.common.membership import Role
 from splitserve.prefill.servicer import PrefillServicer
 from splitserve.prefill.worker import PrefillWorker
 from splitserve.proto.splitserve.v1 import worker_pb2, worker_pb2_grpc
@@ -12,7 +13,7 @@ from splitserve.worker.runtime import WorkerRole, worker_main
 
 PREFILL_ROLE = WorkerRole(
     name="prefill",
-    role=worker_pb2.WORKER_ROLE_PREFILL,
+    role=Role.PREFILL,
     service_name=worker_pb2.DESCRIPTOR.services_by_name["PrefillWorker"].full_name,
     make_servicer=PrefillServicer,
     add_servicer=worker_pb2_grpc.add_PrefillWorkerServicer_to_server,

@@ -12,11 +12,13 @@ from collections.abc import Iterable, Sequence
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.load import EngineLoad
 from splitserve.common.logprobs import TokenLogprob
-from splitserve.common.request_update import FinishReason
+from splitserve.common.membership import Role, WorkerInfo
+from splitserve.common.request_update import FinishReason, RequestUpdate, StepOutput
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.proto.splitserve.v1 import common_pb2, worker_pb2
 from splitserve.transfer.layout import KvLayout
 from splitserve.transfer.plan import InvalidTransferPlanError, TransferPlan
+from splitserve.transfer.reservation import FirstToken, KvHandshake, KvReservation, PrefillDone
 
 _OPTIONAL_SAMPLING_FIELDS = (
     "max_tokens",
@@ -132,15 +134,6 @@ def layout_from_proto(message: worker_pb2.KvLayout) -> KvLayout:
 _LOAD_FIELDS = tuple(EngineLoad.__dataclass_fields__)
 
 
-def plan_from_proto(reservation: worker_pb2.KvReservation) -> TransferPlan:
-    """The transfer plan of a reservation; ``InvalidRequestError`` (param "target") if it does
-    not describe the reserved blocks."""
-    try:
-        return TransferPlan(tuple(reservation.block_order), tuple(reservation.run_lengths))
-    except InvalidTransferPlanError as error:
-        raise InvalidRequestError(f"bad transfer plan: {error}", "target") from None
-
-
 def load_to_proto(load: EngineLoad, ready: bool = True) -> worker_pb2.WorkerLoad:
     return worker_pb2.WorkerLoad(
         ready=ready, **{name: getattr(load, name) for name in _LOAD_FIELDS}
@@ -162,3 +155,134 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> com
 def token_ids(values: Sequence[int]) -> list[int]:
     """Token ids as plain ints (proto repeated fields hand out their own containers)."""
     return [int(value) for value in values]
+
+
+def reservation_to_proto(reservation: KvReservation) -> worker_pb2.KvReservation:
+    return worker_pb2.KvReservation(
+        transfer_id=reservation.transfer_id,
+        decode_address=reservation.decode_address,
+        num_tokens=reservation.num_tokens,
+        compat_hash=reservation.compat_hash,
+        block_order=reservation.plan.block_order,
+        run_lengths=reservation.plan.run_lengths,
+    )
+
+
+def reservation_from_proto(message: worker_pb2.KvReservation) -> KvReservation:
+    """The reservation; ``InvalidRequestError`` (param "target") if its plan does not describe
+    the reserved blocks."""
+    try:
+        plan = TransferPlan(tuple(message.block_order), tuple(message.run_lengths))
+    except InvalidTransferPlanError as error:
+        raise InvalidRequestError(f"bad transfer plan: {error}", "target") from None
+    return KvReservation(
+        transfer_id=message.transfer_id,
+        decode_address=message.decode_address,
+        num_tokens=message.num_tokens,
+        compat_hash=message.compat_hash,
+        plan=plan,
+    )
+
+
+def step_output_to_proto(output: StepOutput) -> worker_pb2.WorkerTokens:
+    update = output.update
+    message = worker_pb2.WorkerTokens(
+        token_ids=list(update.new_token_ids),
+        logprobs=[logprob_to_proto(logprob) for logprob in output.logprobs],
+        finish_reason=FINISH_REASON_TO_PROTO[update.finish_reason],
+        usage=usage(update.num_prompt_tokens, update.num_output_tokens, update.num_cached_tokens),
+    )
+    if update.stop_token_id is not None:
+        message.stop_token_id = update.stop_token_id
+    return message
+
+
+def step_output_from_proto(request_id: str, message: worker_pb2.WorkerTokens) -> StepOutput:
+    update = RequestUpdate(
+        request_id=request_id,
+        new_token_ids=tuple(token_ids(message.token_ids)),
+        finish_reason=FINISH_REASON_FROM_PROTO[message.finish_reason],
+        num_prompt_tokens=message.usage.prompt_tokens,
+        num_cached_tokens=message.usage.cached_tokens,
+        num_output_tokens=message.usage.completion_tokens,
+        stop_token_id=message.stop_token_id if message.HasField("stop_token_id") else None,
+    )
+    return StepOutput(update, logprobs_from_proto(message.logprobs))
+
+
+def first_token_to_proto(
+    reservation: KvReservation, request_id: str, first: FirstToken
+) -> worker_pb2.CompleteKvRequest:
+    message = worker_pb2.CompleteKvRequest(
+        transfer_id=reservation.transfer_id,
+        request_id=request_id,
+        first_token_id=first.token_id,
+        num_cached_tokens=first.num_cached_tokens,
+    )
+    if first.logprob is not None:
+        message.first_logprob.CopyFrom(logprob_to_proto(first.logprob))
+    return message
+
+
+def first_token_from_proto(message: worker_pb2.CompleteKvRequest) -> FirstToken:
+    logprob = None
+    if message.HasField("first_logprob"):
+        (logprob,) = logprobs_from_proto([message.first_logprob])
+    return FirstToken(message.first_token_id, logprob, message.num_cached_tokens)
+
+
+def handshake_to_proto(handshake: KvHandshake) -> worker_pb2.KvHandshakeResponse:
+    return worker_pb2.KvHandshakeResponse(
+        layout=layout_to_proto(handshake.layout),
+        ucx_address=handshake.transport_address,
+        transport=handshake.transport,
+    )
+
+
+def handshake_from_proto(message: worker_pb2.KvHandshakeResponse) -> KvHandshake:
+    return KvHandshake(
+        layout=layout_from_proto(message.layout),
+        transport=message.transport,
+        transport_address=message.ucx_address,
+    )
+
+
+def prefill_done_to_proto(done: PrefillDone) -> worker_pb2.PrefillResponse:
+    return worker_pb2.PrefillResponse(num_cached_tokens=done.num_cached_tokens)
+
+
+def prefill_done_from_proto(message: worker_pb2.PrefillResponse) -> PrefillDone:
+    return PrefillDone(num_cached_tokens=message.num_cached_tokens)
+
+
+ROLE_TO_PROTO = {
+    Role.PREFILL: worker_pb2.WORKER_ROLE_PREFILL,
+    Role.DECODE: worker_pb2.WORKER_ROLE_DECODE,
+}
+ROLE_FROM_PROTO = {value: role for role, value in ROLE_TO_PROTO.items()}
+
+
+def worker_info_to_proto(info: WorkerInfo) -> worker_pb2.WorkerInfo:
+    return worker_pb2.WorkerInfo(
+        worker_id=info.worker_id,
+        role=ROLE_TO_PROTO[info.role],
+        address=info.address,
+        kv_layout=layout_to_proto(info.layout),
+        num_blocks=info.num_blocks,
+        max_model_len=info.max_model_len,
+    )
+
+
+def worker_info_from_proto(message: worker_pb2.WorkerInfo) -> WorkerInfo:
+    """The worker's info; ``InvalidRequestError`` (param "worker") without an id, an address
+    or a role."""
+    if message.role not in ROLE_FROM_PROTO or not message.worker_id or not message.address:
+        raise InvalidRequestError("worker_id, address and role are required", "worker")
+    return WorkerInfo(
+        worker_id=message.worker_id,
+        role=ROLE_FROM_PROTO[message.role],
+        address=message.address,
+        layout=layout_from_proto(message.kv_layout),
+        num_blocks=message.num_blocks,
+        max_model_len=message.max_model_len,
+    )

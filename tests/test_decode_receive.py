@@ -13,13 +13,14 @@ from collections.abc import AsyncIterator
 import pytest
 import torch
 
+from splitserve.common.request_update import StepOutput
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.decode.worker import DecodeWorker, Reservation
+from splitserve.decode.worker import DecodeWorker
 from splitserve.engine.checkpoint import LoadedCheckpoint
-from splitserve.engine.engine_core import StepOutput
 from splitserve.transfer import layer_channel
 from splitserve.transfer.inprocess import InProcessTransport
 from splitserve.transfer.plan import message_tag
+from splitserve.transfer.reservation import KvReservation
 from splitserve.worker.identity import WorkerIdentity
 from tests.conftest import make_llm
 
@@ -55,10 +56,10 @@ async def decode_worker(
         await transport.close()
 
 
-async def reserve(worker: DecodeWorker, request_id: str) -> tuple[object, Reservation]:
+async def reserve(worker: DecodeWorker, request_id: str) -> tuple[object, KvReservation]:
     stream = worker.generate(request_id, PROMPT, GREEDY, remote_prefill=True)
     reservation = await anext(stream)
-    assert isinstance(reservation, Reservation)
+    assert isinstance(reservation, KvReservation)
     return stream, reservation
 
 
@@ -130,7 +131,7 @@ def test_blocks_of_a_transfer_that_never_settles_are_quarantined(
             await stream.aclose()
             await asyncio.sleep(1.0)  # the settle timeout passes; the blocks must stay held
             assert free_blocks(worker) == NUM_BLOCKS - reservation.num_blocks
-            assert "r0" not in worker.core.scheduler.requests  # the request itself ended
+            assert not worker.core.has_request("r0")  # the request itself ended
 
     asyncio.run(body())
 

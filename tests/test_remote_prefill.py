@@ -5,13 +5,14 @@ token (float32, batch invariant), and both engines end with every block free."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import pytest
 
 from splitserve.common.blocks import blocks_for_tokens
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.checkpoint import LoadedCheckpoint
-from splitserve.engine.scheduler import SchedulerOutput
+from splitserve.engine.engine_core import CompletedPrompt
 from tests.conftest import assert_no_leaks, make_llm
 
 GREEDY = SamplingParams(max_tokens=16, min_tokens=16, temperature=0.0)
@@ -37,12 +38,13 @@ def test_layerwise_push_into_reserved_blocks_matches_colocated(
     }
 
     block_size = prefill.engine.config.cache.block_size
+    prompt_lengths = dict(zip(reserved, map(len, prompts), strict=True))
 
-    def push_layer(layer: int, scheduled: SchedulerOutput) -> None:
-        for chunk in scheduled.chunks:  # every block written so far, partial last block too
-            num_blocks = blocks_for_tokens(chunk.context_length, block_size)
-            kv = prefill.engine.runner.read_kv_blocks(layer, chunk.block_table[:num_blocks])
-            target = reserved[chunk.request_id][:num_blocks]
+    def push_layer(layer: int, completed: Sequence[CompletedPrompt]) -> None:
+        for prompt in completed:  # the whole prompt's blocks, partial last block too
+            num_blocks = blocks_for_tokens(prompt_lengths[prompt.request_id], block_size)
+            kv = prefill.engine.runner.read_kv_blocks(layer, prompt.block_table[:num_blocks])
+            target = reserved[prompt.request_id][:num_blocks]
             decode.engine.runner.write_kv_blocks(layer, target, kv)
 
     first_only = dataclasses.replace(params, max_tokens=1, min_tokens=1)

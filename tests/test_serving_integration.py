@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import time
+import urllib.request
 
 import grpc
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from splitserve.proto.splitserve.v1 import (
     common_pb2,
@@ -154,17 +156,29 @@ def test_mismatched_kv_layout_is_refused_at_handshake() -> None:
     decode_argv = ["splitserve.decode.main", "--port=0", *WORKER_FLAGS, "--block-size=16"]
     prefill_argv = ["splitserve.prefill.main", "--port=0", "--num-blocks=100", "--threads=1"]
     prefill_argv += ["--block-size=32", "--dtype=bfloat16"]
+    announced: dict[str, str] = {}
     with (
-        running(decode_argv, "splitserve decode ready at") as decode_address,
+        running(decode_argv, "splitserve decode ready at", announced) as decode_address,
         running(prefill_argv, "splitserve prefill ready at") as prefill_address,
     ):
-        details = asyncio.run(_try_mismatched_push(decode_address, prefill_address))
+        metrics_url = announced["decode metrics"]
+        details = asyncio.run(_try_mismatched_push(decode_address, prefill_address, metrics_url))
         assert "incompatible" in details.lower()
         assert "block_size: local=16 peer=32" in details
         assert "dtype: local='float32' peer='bfloat16'" in details
 
 
-async def _try_mismatched_push(decode_address: str, prefill_address: str) -> str:
+def _kv_cache_usage(metrics_url: str) -> float:
+    """The decode worker's own ``splitserve_kv_cache_usage_perc`` (used blocks / all)."""
+    with urllib.request.urlopen(metrics_url, timeout=10) as response:
+        text = response.read().decode()
+    for family in text_string_to_metric_families(text):
+        if family.name == "splitserve_kv_cache_usage_perc":
+            return family.samples[0].value
+    raise AssertionError(f"no kv_cache_usage_perc at {metrics_url}")
+
+
+async def _try_mismatched_push(decode_address: str, prefill_address: str, metrics_url: str) -> str:
     async with (
         grpc.aio.insecure_channel(decode_address) as decode_channel,
         grpc.aio.insecure_channel(prefill_address) as prefill_channel,
@@ -193,9 +207,7 @@ async def _try_mismatched_push(decode_address: str, prefill_address: str) -> str
         assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         call.cancel()  # the reservation is released
         deadline = time.monotonic() + 10
-        while (
-            load := await decode.GetLoad(worker_pb2.GetLoadRequest(), timeout=10)
-        ).num_used_blocks:
-            assert time.monotonic() < deadline, load
+        while usage := _kv_cache_usage(metrics_url):  # no block used any more
+            assert time.monotonic() < deadline, usage
             await asyncio.sleep(0.1)
         return error.value.details()

@@ -13,10 +13,11 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 
-import grpc
-
+from splitserve.common.errors import SplitserveError
+from splitserve.common.load import EngineLoad
+from splitserve.common.membership import WorkerInfo
+from splitserve.proto.membership_client import MembershipClient
 from splitserve.proto.server import insecure_channel
-from splitserve.proto.splitserve.v1 import coordinator_pb2, coordinator_pb2_grpc, worker_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -29,8 +30,8 @@ class CoordinatorLink:
     def __init__(
         self,
         coordinator_address: str,
-        info: worker_pb2.WorkerInfo,
-        load: Callable[[], Awaitable[worker_pb2.WorkerLoad]],
+        info: WorkerInfo,
+        load: Callable[[], Awaitable[EngineLoad]],
     ) -> None:
         self._address = coordinator_address
         self._info = info
@@ -38,33 +39,28 @@ class CoordinatorLink:
 
     async def run(self, stop: asyncio.Event) -> None:
         async with insecure_channel(self._address) as channel:
-            stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+            client = MembershipClient(channel)
             while not stop.is_set():
-                interval_s = await self._register(stub, stop)
+                interval_s = await self._register(client, stop)
                 if interval_s is None:
                     return
-                await self._heartbeat_until_lost(stub, stop, interval_s)
+                await self._heartbeat_until_lost(client, stop, interval_s)
 
-    async def _register(
-        self, stub: coordinator_pb2_grpc.CoordinatorStub, stop: asyncio.Event
-    ) -> float | None:
+    async def _register(self, client: MembershipClient, stop: asyncio.Event) -> float | None:
         backoff_s = 0.1
         while not stop.is_set():
             try:
-                reply = await stub.RegisterWorker(
-                    coordinator_pb2.RegisterWorkerRequest(worker=self._info),
-                    timeout=CALL_TIMEOUT_S,
-                )
+                interval_s = await client.register(self._info, CALL_TIMEOUT_S)
                 logger.info("registered with coordinator %s", self._address)
-                return max(reply.heartbeat_interval_ms, 50) / 1000
-            except grpc.aio.AioRpcError as error:
-                logger.warning("coordinator %s: register failed: %s", self._address, error.code())
+                return max(interval_s, 0.05)
+            except SplitserveError as error:
+                logger.warning("coordinator %s: register failed: %s", self._address, error)
             await _sleep_or_stop(stop, backoff_s)
             backoff_s = min(backoff_s * 2, 2.0)
         return None
 
     async def _heartbeat_until_lost(
-        self, stub: coordinator_pb2_grpc.CoordinatorStub, stop: asyncio.Event, interval_s: float
+        self, client: MembershipClient, stop: asyncio.Event, interval_s: float
     ) -> None:
         failures = 0
         while not stop.is_set():
@@ -72,20 +68,17 @@ class CoordinatorLink:
             if stop.is_set():
                 return
             try:
-                reply = await stub.Heartbeat(
-                    coordinator_pb2.HeartbeatRequest(
-                        worker_id=self._info.worker_id, load=await self._load()
-                    ),
-                    timeout=CALL_TIMEOUT_S,
+                known = await client.heartbeat(
+                    self._info.worker_id, await self._load(), CALL_TIMEOUT_S
                 )
-            except grpc.aio.AioRpcError as error:
+            except SplitserveError as error:
                 failures += 1
-                logger.warning("heartbeat failed (%d): %s", failures, error.code())
+                logger.warning("heartbeat failed (%d): %s", failures, error)
                 if failures >= 3:
                     return
                 continue
             failures = 0
-            if not reply.known:
+            if not known:
                 logger.info("coordinator forgot this worker; registering again")
                 return
 

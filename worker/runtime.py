@@ -22,15 +22,14 @@ import grpc
 from prometheus_client import CollectorRegistry
 
 from splitserve.common.load import EngineLoad
+from splitserve.common.membership import Role, WorkerInfo
 from splitserve.common.metrics import serve_metrics
 from splitserve.common.model_files import model_name_of, resolve_model_path
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.engine.cli_args import engine_config_from_args
 from splitserve.engine.engine_core import EngineCore
-from splitserve.proto.convert import layout_to_proto, load_to_proto
 from splitserve.proto.server import serve_forever, start_server
-from splitserve.proto.splitserve.v1 import worker_pb2
 from splitserve.transfer.layout import KvLayout
 from splitserve.transfer.transport import KvTransport
 from splitserve.transfer.ucx import UcxTransport
@@ -66,8 +65,7 @@ class WorkerRole:
     """What differs between the prefill and the decode worker process."""
 
     name: str
-    role: int
-    """``worker_pb2.WorkerRole`` value."""
+    role: Role
     service_name: str
     make_servicer: Callable[[], WorkerServicerBase]
     """The servicer, not yet bound to a domain."""
@@ -103,19 +101,16 @@ async def run_worker(args: argparse.Namespace, role: WorkerRole, stop: asyncio.E
 
     link_task = None
     if args.coordinator:
-
-        async def load() -> worker_pb2.WorkerLoad:
-            return load_to_proto(await domain.load())
-
-        info = worker_pb2.WorkerInfo(
+        info = WorkerInfo(
             worker_id=worker_id,
             role=role.role,
             address=address,
-            kv_layout=layout_to_proto(domain.layout),
+            layout=domain.layout,
             num_blocks=core.num_blocks,
             max_model_len=core.max_model_len,
         )
-        link_task = asyncio.create_task(CoordinatorLink(args.coordinator, info, load).run(stop))
+        link = CoordinatorLink(args.coordinator, info, domain.load)
+        link_task = asyncio.create_task(link.run(stop))
     await stop.wait()
     logger.info("%s %s stopping", role.name, worker_id)
     await server.set_serving(False)

@@ -88,24 +88,20 @@ class WorkerGenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., remote_prefill: _Optional[bool] = ...) -> None: ...
 
 class KvReservation(_message.Message):
-    __slots__ = ("transfer_id", "decode_address", "decode_worker_id", "num_blocks", "num_tokens", "compat_hash", "block_order", "run_lengths")
+    __slots__ = ("transfer_id", "decode_address", "num_tokens", "compat_hash", "block_order", "run_lengths")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     DECODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
-    DECODE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
-    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPAT_HASH_FIELD_NUMBER: _ClassVar[int]
     BLOCK_ORDER_FIELD_NUMBER: _ClassVar[int]
     RUN_LENGTHS_FIELD_NUMBER: _ClassVar[int]
     transfer_id: int
     decode_address: str
-    decode_worker_id: str
-    num_blocks: int
     num_tokens: int
     compat_hash: str
     block_order: _containers.RepeatedScalarFieldContainer[int]
     run_lengths: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, transfer_id: _Optional[int] = ..., decode_address: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_tokens: _Optional[int] = ..., compat_hash: _Optional[str] = ..., block_order: _Optional[_Iterable[int]] = ..., run_lengths: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, transfer_id: _Optional[int] = ..., decode_address: _Optional[str] = ..., num_tokens: _Optional[int] = ..., compat_hash: _Optional[str] = ..., block_order: _Optional[_Iterable[int]] = ..., run_lengths: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class WorkerTokens(_message.Message):
     __slots__ = ("token_ids", "logprobs", "finish_reason", "stop_token_id", "usage")
@@ -144,12 +140,10 @@ class WorkerAbortResponse(_message.Message):
     def __init__(self, aborted: _Optional[bool] = ...) -> None: ...
 
 class KvHandshakeRequest(_message.Message):
-    __slots__ = ("layout", "prefill_worker_id")
+    __slots__ = ("layout",)
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
-    PREFILL_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     layout: KvLayout
-    prefill_worker_id: str
-    def __init__(self, layout: _Optional[_Union[KvLayout, _Mapping]] = ..., prefill_worker_id: _Optional[str] = ...) -> None: ...
+    def __init__(self, layout: _Optional[_Union[KvLayout, _Mapping]] = ...) -> None: ...
 
 class KvHandshakeResponse(_message.Message):
     __slots__ = ("layout", "ucx_address", "transport")
@@ -162,18 +156,18 @@ class KvHandshakeResponse(_message.Message):
     def __init__(self, layout: _Optional[_Union[KvLayout, _Mapping]] = ..., ucx_address: _Optional[bytes] = ..., transport: _Optional[str] = ...) -> None: ...
 
 class CompleteKvRequest(_message.Message):
-    __slots__ = ("transfer_id", "request_id", "first_token_id", "num_layers_sent", "first_logprob")
+    __slots__ = ("transfer_id", "request_id", "first_token_id", "first_logprob", "num_cached_tokens")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
-    NUM_LAYERS_SENT_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     transfer_id: int
     request_id: str
     first_token_id: int
-    num_layers_sent: int
     first_logprob: _common_pb2.TokenLogprob
-    def __init__(self, transfer_id: _Optional[int] = ..., request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., num_layers_sent: _Optional[int] = ..., first_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ...) -> None: ...
+    num_cached_tokens: int
+    def __init__(self, transfer_id: _Optional[int] = ..., request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class CompleteKvResponse(_message.Message):
     __slots__ = ()
@@ -192,21 +186,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., target: _Optional[_Union[KvReservation, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token_id", "first_logprob", "num_cached_tokens", "prefill_ms", "transfer_wait_ms", "bytes_sent")
-    FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
-    FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("num_cached_tokens",)
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
-    TRANSFER_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
-    BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
-    first_token_id: int
-    first_logprob: _common_pb2.TokenLogprob
     num_cached_tokens: int
-    prefill_ms: float
-    transfer_wait_ms: float
-    bytes_sent: int
-    def __init__(self, first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., transfer_wait_ms: _Optional[float] = ..., bytes_sent: _Optional[int] = ...) -> None: ...
-
-class GetLoadRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    def __init__(self, num_cached_tokens: _Optional[int] = ...) -> None: ...

@@ -54,21 +54,17 @@ class DecodeWorkerStub:
                 request_serializer=splitserve_dot_v1_dot_worker__pb2.CompleteKvRequest.SerializeToString,
                 response_deserializer=splitserve_dot_v1_dot_worker__pb2.CompleteKvResponse.FromString,
                 _registered_method=True)
-        self.GetLoad = channel.unary_unary(
-                '/splitserve.v1.DecodeWorker/GetLoad',
-                request_serializer=splitserve_dot_v1_dot_worker__pb2.GetLoadRequest.SerializeToString,
-                response_deserializer=splitserve_dot_v1_dot_worker__pb2.WorkerLoad.FromString,
-                _registered_method=True)
 
 
 class DecodeWorkerServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Generate(self, request, context):
-        """Run one request on this worker and stream its tokens. With remote_prefill the worker
-        first reserves blocks and sends a KvReservation; the request decodes once a prefill
-        worker pushed its KV and called CompleteKv. Cancelling the call aborts the request and
-        frees its blocks (reserved ones included).
+        """Run one request on this worker and stream every token it generates, the first included
+        (the only place the coordinator gets tokens from). With remote_prefill the worker first
+        reserves blocks and sends a KvReservation; the request decodes once a prefill worker
+        pushed its KV and called CompleteKv, whose first token then opens the token stream.
+        Cancelling the call aborts the request and frees its blocks (reserved ones included).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -97,12 +93,6 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def GetLoad(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
 
 def add_DecodeWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -125,11 +115,6 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.CompleteKv,
                     request_deserializer=splitserve_dot_v1_dot_worker__pb2.CompleteKvRequest.FromString,
                     response_serializer=splitserve_dot_v1_dot_worker__pb2.CompleteKvResponse.SerializeToString,
-            ),
-            'GetLoad': grpc.unary_unary_rpc_method_handler(
-                    servicer.GetLoad,
-                    request_deserializer=splitserve_dot_v1_dot_worker__pb2.GetLoadRequest.FromString,
-                    response_serializer=splitserve_dot_v1_dot_worker__pb2.WorkerLoad.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -250,33 +235,6 @@ class DecodeWorker:
             metadata,
             _registered_method=True)
 
-    @staticmethod
-    def GetLoad(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/splitserve.v1.DecodeWorker/GetLoad',
-            splitserve_dot_v1_dot_worker__pb2.GetLoadRequest.SerializeToString,
-            splitserve_dot_v1_dot_worker__pb2.WorkerLoad.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
 
 class PrefillWorkerStub:
     """Missing associated documentation comment in .proto file."""
@@ -292,16 +250,6 @@ class PrefillWorkerStub:
                 request_serializer=splitserve_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=splitserve_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
                 _registered_method=True)
-        self.Abort = channel.unary_unary(
-                '/splitserve.v1.PrefillWorker/Abort',
-                request_serializer=splitserve_dot_v1_dot_worker__pb2.WorkerAbortRequest.SerializeToString,
-                response_deserializer=splitserve_dot_v1_dot_worker__pb2.WorkerAbortResponse.FromString,
-                _registered_method=True)
-        self.GetLoad = channel.unary_unary(
-                '/splitserve.v1.PrefillWorker/GetLoad',
-                request_serializer=splitserve_dot_v1_dot_worker__pb2.GetLoadRequest.SerializeToString,
-                response_deserializer=splitserve_dot_v1_dot_worker__pb2.WorkerLoad.FromString,
-                _registered_method=True)
 
 
 class PrefillWorkerServicer:
@@ -309,20 +257,9 @@ class PrefillWorkerServicer:
 
     def Prefill(self, request, context):
         """Compute the prompt, push each layer's KV into the reserved blocks as soon as that layer
-        is done, sample the first token. Returns after the decode worker confirmed the KV.
+        is done, sample the first token and hand it to the decode worker (CompleteKv). Returns
+        after the decode worker confirmed the KV. Cancelling the call aborts the prefill.
         """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Abort(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def GetLoad(self, request, context):
-        """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -334,16 +271,6 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
                     servicer.Prefill,
                     request_deserializer=splitserve_dot_v1_dot_worker__pb2.PrefillRequest.FromString,
                     response_serializer=splitserve_dot_v1_dot_worker__pb2.PrefillResponse.SerializeToString,
-            ),
-            'Abort': grpc.unary_unary_rpc_method_handler(
-                    servicer.Abort,
-                    request_deserializer=splitserve_dot_v1_dot_worker__pb2.WorkerAbortRequest.FromString,
-                    response_serializer=splitserve_dot_v1_dot_worker__pb2.WorkerAbortResponse.SerializeToString,
-            ),
-            'GetLoad': grpc.unary_unary_rpc_method_handler(
-                    servicer.GetLoad,
-                    request_deserializer=splitserve_dot_v1_dot_worker__pb2.GetLoadRequest.FromString,
-                    response_serializer=splitserve_dot_v1_dot_worker__pb2.WorkerLoad.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -373,60 +300,6 @@ class PrefillWorker:
             '/splitserve.v1.PrefillWorker/Prefill',
             splitserve_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
             splitserve_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Abort(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/splitserve.v1.PrefillWorker/Abort',
-            splitserve_dot_v1_dot_worker__pb2.WorkerAbortRequest.SerializeToString,
-            splitserve_dot_v1_dot_worker__pb2.WorkerAbortResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def GetLoad(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/splitserve.v1.PrefillWorker/GetLoad',
-            splitserve_dot_v1_dot_worker__pb2.GetLoadRequest.SerializeToString,
-            splitserve_dot_v1_dot_worker__pb2.WorkerLoad.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,36 @@
+"""What a worker publishes about itself to the coordinators (torch-free).
+
+A worker announces a ``WorkerInfo`` when it registers and its ``EngineLoad`` with every
+heartbeat; coordinators keep both in their registry and route on them. ``proto/convert.py``
+holds the converter pair, ``proto/membership_client.py`` the calls.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from splitserve.transfer.layout import KvLayout
+
+
+class Role(enum.Enum):
+    """Which phase of a request a worker computes."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """A worker's identity, place and capacity; fixed for the life of its process."""
+
+    worker_id: str
+    role: Role
+    address: str
+    """host:port of its gRPC server, as the coordinators and peers dial it."""
+    layout: KvLayout
+    """Its KV cache's layout; KV moves only between workers with equal ``compat_hash``."""
+    num_blocks: int
+    """KV blocks of ``layout.block_size`` tokens it holds."""
+    max_model_len: int
+    """The longest context (prompt + output) it serves."""

@@ -1,0 +1,245 @@
+"""One attempt of a request: its protocol with one decode worker and maybe one prefill worker.
+
+The decode worker's stream is the one source of tokens: it carries every generated token,
+the first included (a prefill worker hands its first token to the decode worker with the KV,
+never to the coordinator). The attempt feeds them to the request's ``RequestTracker``, which
+detokenizes and applies stop strings; every other stop rule is the decode worker's scheduler's.
+
+States (``AttemptState``)::
+
+    RESERVING --Reserved--> PREFILLING --first Decoded--> DECODING --finish--> ENDED
+    (local prefill: the attempt starts in DECODING)
+
+Events (typed, matched in ``Attempt.run``), each from one producer task:
+- ``Reserved``: the decode worker reserved blocks (remote prefill); the prefill call starts.
+- ``Decoded``: a step output from the decode stream (tokens and/or the finish).
+- ``DecodeClosed``: the decode stream ended; ``error`` says why when it failed.
+- ``Prefilled`` / ``PrefillFailed``: the prefill call's outcome.
+- ``AbortRequested``: the client or an operator aborted the request.
+
+Outcomes: the attempt ends normally once the request finished (or was aborted), or raises
+``PrefillLost`` (the prefill failed before the first token; the flow then prefills on the
+decode worker), ``DecodeLost`` (the decode worker failed; the flow resumes elsewhere), or the
+request's own error (``InvalidRequestError``, ``CapacityError``), which ends the request. A
+prefill failure after the first token changes nothing: the KV had landed. Every exit cancels
+the decode call and the prefill call, which frees the request's blocks on both workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+from splitserve.common.errors import (
+    CapacityError,
+    InvalidRequestError,
+    SplitserveError,
+    WorkerUnavailableError,
+)
+from splitserve.common.output_processor import RequestTracker, StreamChunk
+from splitserve.common.request_update import StepOutput
+from splitserve.common.sampling_params import SamplingParams
+from splitserve.coordinator.registry import WorkerRecord
+from splitserve.coordinator.router import Route, Router
+from splitserve.proto.worker_clients import DecodeCall, WorkerChannels
+from splitserve.transfer.reservation import KvReservation, PrefillDone
+
+logger = logging.getLogger(__name__)
+
+
+class AttemptState(enum.Enum):
+    RESERVING = "reserving"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    ENDED = "ended"
+
+
+@dataclass(frozen=True)
+class Reserved:
+    reservation: KvReservation
+
+
+@dataclass(frozen=True)
+class Decoded:
+    output: StepOutput
+
+
+@dataclass(frozen=True)
+class DecodeClosed:
+    error: SplitserveError | None
+    """None: the stream ended without the request finishing."""
+
+
+@dataclass(frozen=True)
+class Prefilled:
+    done: PrefillDone
+
+
+@dataclass(frozen=True)
+class PrefillFailed:
+    error: SplitserveError
+
+
+@dataclass(frozen=True)
+class AbortRequested:
+    pass
+
+
+AttemptEvent = Reserved | Decoded | DecodeClosed | Prefilled | PrefillFailed | AbortRequested
+
+
+class PrefillLost(Exception):
+    """The prefill failed before the first token; prefill on the decode worker next."""
+
+
+class DecodeLost(Exception):
+    """The decode worker failed; resume the request elsewhere."""
+
+
+@dataclass(frozen=True)
+class AttemptTimeouts:
+    prefill_s: float = 300.0
+    request_s: float = 3600.0
+    stop_s: float = 2.0
+
+
+class Attempt:
+    """Runs the request once on ``route``; iterate ``run()`` for its stream chunks.
+
+    ``prompt_token_ids`` is the prompt plus the tokens streamed by earlier attempts and
+    ``params`` the budget left (stop strings removed: they are the tracker's)."""
+
+    def __init__(
+        self,
+        tracker: RequestTracker,
+        route: Route,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        stop_strings: Sequence[str],
+        router: Router,
+        channels: WorkerChannels,
+        timeouts: AttemptTimeouts,
+    ) -> None:
+        self.tracker = tracker
+        self.route = route
+        self.state = AttemptState.RESERVING if route.prefill else AttemptState.DECODING
+        self.num_cached_tokens = 0
+        self.stage_seconds: list[tuple[str, float]] = []
+        """(stage, seconds) as they completed: reserve, prefill or local_prefill."""
+        self._prompt = list(prompt_token_ids)
+        self._params = params
+        self._stop_strings = tuple(stop_strings)
+        self._router = router
+        self._channels = channels
+        self._timeouts = timeouts
+        self._events: asyncio.Queue[AttemptEvent] = asyncio.Queue()
+
+    def abort(self) -> None:
+        """End the attempt as aborted; its stream gets a final ABORT chunk."""
+        self._events.put_nowait(AbortRequested())
+
+    async def run(self) -> AsyncIterator[StreamChunk]:
+        decode = self.route.decode
+        call = self._channels.decode(decode.address).generate(
+            self.tracker.request_id,
+            self._prompt,
+            self._params,
+            remote_prefill=self.route.prefill is not None,
+            timeout_s=self._timeouts.request_s,
+        )
+        tasks = [asyncio.create_task(self._read_decode(call))]
+        started = stage_start = time.monotonic()
+        with self._router.decoding(decode):
+            try:
+                while self.state is not AttemptState.ENDED:
+                    match await self._events.get():
+                        case Reserved(reservation):
+                            stage_start = self._stage("reserve", started)
+                            self.state = AttemptState.PREFILLING
+                            tasks.append(asyncio.create_task(self._prefill(reservation)))
+                        case Prefilled(done):
+                            self.num_cached_tokens = done.num_cached_tokens
+                        case PrefillFailed(error) if self.state is AttemptState.PREFILLING:
+                            logger.warning("%s: prefill failed (%s)", self._label, error)
+                            raise PrefillLost(str(error))
+                        case PrefillFailed():
+                            pass  # after the first token: the KV had landed, decoding goes on
+                        case Decoded(output):
+                            yield self._decoded(output, stage_start)
+                            if self.tracker.finished:
+                                await self._end_on_worker(decode)
+                        case DecodeClosed(error=InvalidRequestError() | CapacityError() as error):
+                            raise error
+                        case DecodeClosed(error):
+                            logger.warning("%s: decode stream lost (%s)", self._label, error)
+                            raise DecodeLost(str(error or "the stream ended early"))
+                        case AbortRequested():
+                            self.state = AttemptState.ENDED
+                            yield self.tracker.abort()
+            finally:
+                for task in tasks:
+                    task.cancel()
+                call.cancel()
+
+    @property
+    def _label(self) -> str:
+        return f"{self.tracker.request_id} on {self.route.decode.worker_id}"
+
+    def _stage(self, name: str, since: float) -> float:
+        now = time.monotonic()
+        self.stage_seconds.append((name, now - since))
+        return now
+
+    def _decoded(self, output: StepOutput, stage_start: float) -> StreamChunk:
+        if self.state is not AttemptState.DECODING:  # the first token: the KV landed
+            self._stage("prefill", stage_start)
+            self.state = AttemptState.DECODING
+        elif self.route.prefill is None and not self.stage_seconds:
+            self._stage("local_prefill", stage_start)
+        self.num_cached_tokens = max(self.num_cached_tokens, output.update.num_cached_tokens)
+        return self.tracker.process(output.update, output.logprobs)
+
+    async def _end_on_worker(self, decode: WorkerRecord) -> None:
+        """The request finished; a stop string matched here must end it there too (as STOP)."""
+        self.state = AttemptState.ENDED
+        if self.tracker.stop_reason not in self._stop_strings:
+            return  # the decode worker finished it itself
+        with contextlib.suppress(SplitserveError):
+            await self._channels.decode(decode.address).stop(
+                self.tracker.request_id, as_stopped=True, timeout_s=self._timeouts.stop_s
+            )
+
+    async def _read_decode(self, call: DecodeCall) -> None:
+        try:
+            async for item in call:
+                event = Reserved(item) if isinstance(item, KvReservation) else Decoded(item)
+                self._events.put_nowait(event)
+        except SplitserveError as error:
+            self._events.put_nowait(DecodeClosed(error))
+            return
+        self._events.put_nowait(DecodeClosed(None))
+
+    async def _prefill(self, reservation: KvReservation) -> None:
+        worker = self.route.prefill
+        assert worker is not None
+        client = self._channels.prefill(worker.address)
+        try:
+            with self._router.prefilling(worker, len(self._prompt)):
+                done = await client.prefill(
+                    self.tracker.request_id,
+                    self._prompt,
+                    self._params,
+                    reservation,
+                    timeout_s=self._timeouts.prefill_s,
+                )
+        except SplitserveError as error:
+            if isinstance(error, WorkerUnavailableError):
+                self._router.report_failure(worker)
+            self._events.put_nowait(PrefillFailed(error))
+            return
+        self._events.put_nowait(Prefilled(done))

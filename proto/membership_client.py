@@ -1,0 +1,40 @@
+"""Typed client of the coordinator's membership calls (``RegisterWorker``, ``Heartbeat``):
+the only code on a worker that builds or reads their proto messages. A failed call raises
+the domain error ``status.error_from_rpc`` maps it to."""
+
+from __future__ import annotations
+
+import grpc
+
+from splitserve.common.load import EngineLoad
+from splitserve.common.membership import WorkerInfo
+from splitserve.proto import convert
+from splitserve.proto.splitserve.v1 import coordinator_pb2, coordinator_pb2_grpc
+from splitserve.proto.status import error_from_rpc
+
+
+class MembershipClient:
+    def __init__(self, channel: grpc.aio.Channel) -> None:
+        self._stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+
+    async def register(self, info: WorkerInfo, timeout_s: float) -> float:
+        """Announce the worker; returns the heartbeat interval the coordinator asks for, in
+        seconds."""
+        request = coordinator_pb2.RegisterWorkerRequest(worker=convert.worker_info_to_proto(info))
+        try:
+            reply = await self._stub.RegisterWorker(request, timeout=timeout_s)
+        except grpc.aio.AioRpcError as error:
+            raise error_from_rpc(error) from None
+        return reply.heartbeat_interval_ms / 1000
+
+    async def heartbeat(self, worker_id: str, load: EngineLoad, timeout_s: float) -> bool:
+        """Report the worker's load; False when the coordinator does not know the worker
+        (it restarted): register again."""
+        request = coordinator_pb2.HeartbeatRequest(
+            worker_id=worker_id, load=convert.load_to_proto(load)
+        )
+        try:
+            reply = await self._stub.Heartbeat(request, timeout=timeout_s)
+        except grpc.aio.AioRpcError as error:
+            raise error_from_rpc(error) from None
+        return reply.known

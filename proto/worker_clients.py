@@ -1,0 +1,148 @@
+"""Typed clients of the worker services: the only code that calls the worker stubs.
+
+Callers (the coordinator's attempts, the prefill worker's KV push) pass and receive domain
+objects; proto messages are built and read here through ``convert``, and every failed call
+raises the domain error ``status.error_from_rpc`` maps it to (``InvalidRequestError``,
+``CapacityError``, ``IncompatibleKvLayoutError``, else ``WorkerUnavailableError``). Every call
+carries a deadline. ``WorkerChannels`` keeps one channel per worker address, created on first
+use and closed by ``close``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+
+import grpc
+
+from splitserve.common.request_update import StepOutput
+from splitserve.common.sampling_params import SamplingParams
+from splitserve.proto import convert
+from splitserve.proto.server import insecure_channel
+from splitserve.proto.splitserve.v1 import worker_pb2, worker_pb2_grpc
+from splitserve.proto.status import error_from_rpc
+from splitserve.transfer.layout import KvLayout
+from splitserve.transfer.reservation import FirstToken, KvHandshake, KvReservation, PrefillDone
+
+
+class DecodeCall:
+    """One ``DecodeWorker.Generate`` call: iterate for the reservation (remote prefill only,
+    first) and the request's step outputs, every generated token once; ``cancel`` ends the
+    call, which aborts the request on the decode worker and frees its blocks."""
+
+    def __init__(self, call: grpc.aio.UnaryStreamCall, request_id: str) -> None:
+        self._call = call
+        self._request_id = request_id
+
+    async def __aiter__(self) -> AsyncIterator[KvReservation | StepOutput]:
+        try:
+            async for message in self._call:
+                if message.HasField("reservation"):
+                    yield convert.reservation_from_proto(message.reservation)
+                else:
+                    yield convert.step_output_from_proto(self._request_id, message.tokens)
+        except grpc.aio.AioRpcError as error:
+            raise error_from_rpc(error) from None
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+
+class DecodeWorkerClient:
+    def __init__(self, channel: grpc.aio.Channel) -> None:
+        self._stub = worker_pb2_grpc.DecodeWorkerStub(channel)
+
+    def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        remote_prefill: bool,
+        timeout_s: float,
+    ) -> DecodeCall:
+        """Start the request on the decode worker (stop strings stay with the caller)."""
+        request = worker_pb2.WorkerGenerateRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt_token_ids,
+            sampling=convert.sampling_to_proto(params, include_stop=False),
+            remote_prefill=remote_prefill,
+        )
+        return DecodeCall(self._stub.Generate(request, timeout=timeout_s), request_id)
+
+    async def stop(self, request_id: str, as_stopped: bool, timeout_s: float) -> bool:
+        """End a request there (STOP when ``as_stopped``, else ABORT); False if unknown."""
+        request = worker_pb2.WorkerAbortRequest(request_id=request_id, as_stopped=as_stopped)
+        try:
+            reply = await self._stub.Abort(request, timeout=timeout_s)
+        except grpc.aio.AioRpcError as error:
+            raise error_from_rpc(error) from None
+        return reply.aborted
+
+    async def handshake(self, layout: KvLayout, timeout_s: float) -> KvHandshake:
+        """Compare KV layouts (``IncompatibleKvLayoutError`` on mismatch); the peer's
+        transport address."""
+        request = worker_pb2.KvHandshakeRequest(layout=convert.layout_to_proto(layout))
+        try:
+            reply = await self._stub.KvHandshake(request, timeout=timeout_s)
+        except grpc.aio.AioRpcError as error:
+            raise error_from_rpc(error) from None
+        return convert.handshake_from_proto(reply)
+
+    async def complete_kv(
+        self, reservation: KvReservation, request_id: str, first: FirstToken, timeout_s: float
+    ) -> None:
+        """Every layer was sent: returns once the KV landed and the request decodes."""
+        request = convert.first_token_to_proto(reservation, request_id, first)
+        try:
+            await self._stub.CompleteKv(request, timeout=timeout_s)
+        except grpc.aio.AioRpcError as error:
+            raise error_from_rpc(error) from None
+
+
+class PrefillWorkerClient:
+    def __init__(self, channel: grpc.aio.Channel) -> None:
+        self._stub = worker_pb2_grpc.PrefillWorkerStub(channel)
+
+    async def prefill(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        reservation: KvReservation,
+        timeout_s: float,
+    ) -> PrefillDone:
+        """Compute the prompt and push its KV into ``reservation``; cancelling aborts it."""
+        request = worker_pb2.PrefillRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt_token_ids,
+            sampling=convert.sampling_to_proto(params, include_stop=False),
+            target=convert.reservation_to_proto(reservation),
+        )
+        try:
+            reply = await self._stub.Prefill(request, timeout=timeout_s)
+        except grpc.aio.AioRpcError as error:
+            raise error_from_rpc(error) from None
+        return convert.prefill_done_from_proto(reply)
+
+
+class WorkerChannels:
+    """One channel per worker address, created on first use."""
+
+    def __init__(self) -> None:
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = self._channels[address] = insecure_channel(address)
+        return channel
+
+    def decode(self, address: str) -> DecodeWorkerClient:
+        return DecodeWorkerClient(self._channel(address))
+
+    def prefill(self, address: str) -> PrefillWorkerClient:
+        return PrefillWorkerClient(self._channel(address))
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()
