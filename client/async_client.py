@@ -8,19 +8,22 @@ Contracts, for every method:
 - Errors: every failure is a ``ClientError`` (status ``code``, ``message``, ``param`` from the
   trailing metadata ``splitserve-param`` or the in-stream ``Error.param``, ``retry_after_s``
   from ``retry-after-ms``).
-- Retries (``RetryPolicy``, rules in ``splitserve.client.retry``): UNAVAILABLE, and
-  RESOURCE_EXHAUSTED when ``retry_overloaded`` (waiting the server's hint when given), with
-  exponential backoff, at most ``max_attempts`` attempts; a stream is never retried once a
-  ``Chunk`` was delivered. Other codes are raised at once. A retried stream reuses its
-  ``request_id`` (a uuid4 hex when the caller gives none), so ``abort()`` can name it.
+- Retries (``RetryPolicy``), done by gRPC itself from the channel's service config (see
+  ``splitserve.client.retry``): UNAVAILABLE, and RESOURCE_EXHAUSTED when ``retry_overloaded``
+  (waiting the server's hint when given), with exponential backoff, at most ``max_attempts``
+  attempts; a stream is never retried once a ``Chunk`` was delivered. Other codes are raised
+  at once. A retried stream resends the same request, so its ``request_id`` (a uuid4 hex when
+  the caller gives none) stays the one ``abort()`` can name.
 - Cancellation: when the consumer of ``stream()`` stops early (``break``, ``aclose()``, the
   task cancelled, the generator garbage collected) the gRPC call is cancelled and the
   coordinator aborts the request on every worker. For prompt release on ``break`` close the
   generator explicitly, e.g. ``async with contextlib.aclosing(client.stream(...)) as items``;
   an abandoned one is closed when garbage collected (asyncio then schedules its ``aclose()``).
 
-The channel is created on first use, inside the running event loop, unless one is passed in
-(then the caller owns it and ``close()`` leaves it open).
+The channel is created on first use, inside the running event loop, with the client's
+``retry`` (fixed from then on), unless one is passed in: then the caller owns it, ``close()``
+leaves it open, and it retries as it was built (by a policy only when built with
+``splitserve.client.retry.channel_options(policy)``).
 """
 
 from __future__ import annotations
@@ -36,9 +39,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from splitserve.client import wire
 from splitserve.client.errors import DEFAULT_RETRY, ClientError, RetryPolicy
-from splitserve.client.retry import Attempts, Deadline, resolve_timeout
+from splitserve.client.retry import Deadline, channel_options, resolve_timeout
 from splitserve.client.types import Chunk, Finish, Generation, ModelInfo, Sampling
-from splitserve.proto.server import CHANNEL_OPTIONS
 from splitserve.proto.splitserve.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 Reply = TypeVar("Reply")
@@ -67,7 +69,9 @@ class AsyncClient:
         if self._closed:
             raise RuntimeError("the client is closed")
         if self._channel is None:
-            self._channel = grpc.aio.insecure_channel(self.target, options=CHANNEL_OPTIONS)
+            self._channel = grpc.aio.insecure_channel(
+                self.target, options=channel_options(self.retry)
+            )
         return self._channel
 
     def _stub(self) -> coordinator_pb2_grpc.CoordinatorStub:
@@ -93,39 +97,26 @@ class AsyncClient:
         """
         request_id = request_id or wire.new_request_id()
         request = wire.generate_request(prompt, messages, token_ids, sampling, request_id)
-        stub = self._stub()
-        attempts = Attempts(self.retry, resolve_timeout(timeout_s, self.timeout_s))
-        streamed = False
-        while True:
-            call = stub.Generate(request, timeout=attempts.start())
-            cause: BaseException | None = None
-            try:
-                finish = None
-                async for response in call:
-                    item = wire.stream_item(response, request.request_id)
-                    if isinstance(item, Finish):
-                        finish = item  # delivered once the call ended with OK
-                    elif finish is None:
-                        streamed = True
-                        yield item
-                if finish is None:
-                    raise ClientError(
-                        grpc.StatusCode.INTERNAL,
-                        "the stream ended without a completion",
-                        request_id=request.request_id,
-                    )
-                yield finish
-                return
-            except grpc.aio.AioRpcError as rpc_error:
-                error, cause = ClientError.from_call(rpc_error, request.request_id), rpc_error
-            except ClientError as in_stream:
-                error = in_stream
-            finally:
-                call.cancel()  # no-op when the call is over; else the server aborts the request
-            delay = attempts.delay_after(error, streamed=streamed)
-            if delay is None:
-                raise error from cause
-            await asyncio.sleep(delay)
+        call = self._stub().Generate(request, timeout=self._timeout(timeout_s))
+        try:
+            finish = None
+            async for response in call:
+                item = wire.stream_item(response, request.request_id)
+                if isinstance(item, Finish):
+                    finish = item  # delivered once the call ended with OK
+                elif finish is None:
+                    yield item
+            if finish is None:
+                raise ClientError(
+                    grpc.StatusCode.INTERNAL,
+                    "the stream ended without a completion",
+                    request_id=request.request_id,
+                )
+            yield finish
+        except grpc.aio.AioRpcError as rpc_error:
+            raise ClientError.from_call(rpc_error, request.request_id) from rpc_error
+        finally:
+            call.cancel()  # no-op when the call is over; else the server aborts the request
 
     async def generate(
         self,
@@ -175,16 +166,13 @@ class AsyncClient:
         request: object,
         timeout_s: float | None | EllipsisType,
     ) -> Reply:
-        attempts = Attempts(self.retry, resolve_timeout(timeout_s, self.timeout_s))
-        while True:
-            try:
-                return await method(request, timeout=attempts.start())
-            except grpc.aio.AioRpcError as rpc_error:
-                error = ClientError.from_call(rpc_error)
-                delay = attempts.delay_after(error, streamed=False)
-                if delay is None:
-                    raise error from rpc_error
-            await asyncio.sleep(delay)
+        try:
+            return await method(request, timeout=self._timeout(timeout_s))
+        except grpc.aio.AioRpcError as rpc_error:
+            raise ClientError.from_call(rpc_error) from rpc_error
+
+    def _timeout(self, override: float | None | EllipsisType) -> float | None:
+        return resolve_timeout(override, self.timeout_s)
 
     async def wait_ready(self, timeout_s: float = 60.0) -> None:
         """Wait until the coordinator's ``grpc.health.v1`` status is SERVING (it is once a

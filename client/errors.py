@@ -4,7 +4,8 @@ One exception type for every failure the coordinator reports, whether as a call 
 anything was streamed) or as an in-stream ``Error`` message (after tokens were streamed). Its
 ``param`` is the offending request field (trailing metadata ``splitserve-param`` or
 ``Error.param``), its ``retry_after_s`` the server's hint for overload refusals (trailing
-metadata ``retry-after-ms``). Torch-free.
+metadata ``retry-after-ms``). ``RetryPolicy`` is data only: gRPC applies it (see
+``splitserve.client.retry``). Torch-free.
 """
 
 from __future__ import annotations
@@ -96,30 +97,48 @@ def _retry_after_s(value: str | None) -> float | None:
     return max(0.0, milliseconds / 1000.0)
 
 
+MAX_ATTEMPTS = 5
+"""gRPC's cap on ``retryPolicy.maxAttempts``: it silently clamps larger values to 5, so a
+``RetryPolicy`` refuses them instead of promising attempts that would never be made."""
+
+
 @dataclass(frozen=True)
 class RetryPolicy:
-    """When a failed call is tried again (see ``splitserve.client.retry`` for the rules).
+    """When a failed call is tried again; gRPC does the retrying (``splitserve.client.retry``
+    turns this policy into the channel's service-config ``retryPolicy``).
 
     Only failures that are safe to repeat are retried: UNAVAILABLE, and RESOURCE_EXHAUSTED when
-    ``retry_overloaded``, and for streams only while no chunk has been delivered. The wait
-    before attempt ``n + 1`` is ``min(max_backoff_s, initial_backoff_s * multiplier**(n - 1))``
-    scaled by a random factor in ``[1 - jitter, 1 + jitter]``, or the server's ``retry-after-ms``
-    hint for RESOURCE_EXHAUSTED when it sent one.
+    ``retry_overloaded``, and for streams only before the first response (so never once a chunk
+    was delivered). The wait before attempt ``n + 1`` is
+    ``min(max_backoff_s, initial_backoff_s * multiplier**(n - 1))`` scaled by gRPC's random
+    factor in ``[0.8, 1.2]``, or exactly the server's hint (``grpc-retry-pushback-ms``, sent with
+    ``retry-after-ms``) for RESOURCE_EXHAUSTED when it sent one.
+
+    Invariant: ``1 <= max_attempts <= MAX_ATTEMPTS``; backoff times are >= 0 (gRPC needs
+    > 0, so a 0 becomes gRPC's 1 ms resolution); ``multiplier >= 1``.
     """
 
     max_attempts: int = 4
-    """Attempts in all, the first included (1: never retry)."""
+    """Attempts in all, the first included (1: never retry; at most ``MAX_ATTEMPTS``)."""
     initial_backoff_s: float = 0.1
     max_backoff_s: float = 2.0
     multiplier: float = 2.0
     retry_overloaded: bool = True
     """Retry RESOURCE_EXHAUSTED (admission refused) as well as UNAVAILABLE."""
     jitter: float = 0.1
-    """Relative random spread of each backoff, so that refused clients do not return at once."""
+    """Not honoured any more, kept so that existing callers construct (validated as before).
+
+    It scaled each backoff by a random factor in ``[1 - jitter, 1 + jitter]``; gRPC's retries
+    have no setting for it and always scale by a factor in ``[0.8, 1.2]`` (grpcio's C-core,
+    measured; the mean wait is the backoff, as before), i.e. as if ``jitter`` were 0.2.
+    """
 
     def __post_init__(self) -> None:
-        if self.max_attempts < 1:
-            raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
+        if not 1 <= self.max_attempts <= MAX_ATTEMPTS:
+            raise ValueError(
+                f"max_attempts must be in [1, {MAX_ATTEMPTS}] (gRPC's retry limit),"
+                f" got {self.max_attempts}"
+            )
         if self.initial_backoff_s < 0 or self.max_backoff_s < 0:
             raise ValueError("backoff times must be >= 0")
         if self.multiplier < 1:
@@ -134,4 +153,4 @@ class RetryPolicy:
 
 
 DEFAULT_RETRY = RetryPolicy()
-"""The clients' default policy: up to 4 attempts, 0.1 s backoff doubling up to 2 s."""
+"""The clients' default policy: up to 4 attempts, waits of up to 0.1 s doubling up to 2 s."""

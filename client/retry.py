@@ -1,27 +1,79 @@
-"""The retry rules and deadline arithmetic shared by the sync and the asyncio client.
+"""The clients' retries are gRPC's own: ``channel_options(policy)`` puts a ``RetryPolicy`` into
+the channel's service config, and gRPC (C-core) retries every ``splitserve.v1.Coordinator``
+call on that channel. The clients make one gRPC call per method call and never loop.
 
-A call's deadline covers all of its attempts and the waits between them. After an attempt
-failed with ``error``, ``retry_delay`` says how long to wait before the next one, or None to
-give up and raise ``error``:
+How gRPC's ``retryPolicy`` gives the clients' retry contract (each point checked against a real
+server in ``tests/test_client.py``):
 
-- never after a chunk was delivered (``streamed``): the caller has seen tokens, and a second
-  attempt could not continue where the first stopped;
-- UNAVAILABLE: exponential backoff;
-- RESOURCE_EXHAUSTED, only with ``policy.retry_overloaded``: the server's ``retry-after-ms``
-  hint when it sent one, else the backoff;
-- any other code (INVALID_ARGUMENT, FAILED_PRECONDITION, DEADLINE_EXCEEDED, ...): never;
-- never beyond ``policy.max_attempts`` attempts, nor when the wait would outlast the deadline.
+- retried codes: UNAVAILABLE, plus RESOURCE_EXHAUSTED when ``policy.retry_overloaded``; any
+  other code (INVALID_ARGUMENT, DEADLINE_EXCEEDED, ...) is final at once;
+- at most ``policy.max_attempts`` attempts (gRPC takes 2 to 5; 1 gets no ``retryPolicy``);
+- streams: gRPC retries only until the call commits, at the first response message or
+  response headers, so never after a chunk was delivered. The coordinator sends its headers
+  with its first message (and an in-stream ``Error`` only after one), so the two coincide;
+- waits: before attempt ``n + 1``, ``min(max_backoff, initial_backoff * multiplier**(n - 1))``
+  times a random factor in ``[0.8, 1.2]``, or exactly the server's ``grpc-retry-pushback-ms``
+  (``proto.status.abort_with`` sends it with ``retry-after-ms``). The factor is gRPC's and
+  fixed: grpcio's C-core (1.85, measured) draws it from [0.8, 1.2] after the cap, though the
+  retry design (gRFC A6) says a uniform wait in ``[0, backoff]``; ``policy.jitter`` has no
+  counterpart in the service config and is ignored;
+- deadline: a call's timeout covers all its attempts and waits. A backoff wait that outlasts
+  it ends the call with DEADLINE_EXCEEDED at the deadline (the clients' own loop raised the last
+  error at once). A server hint that outlasts it still gives RESOURCE_EXHAUSTED at once with
+  ``retry_after_s``: ``abort_with`` then sends pushback -1, gRPC's "do not retry";
+- request size: gRPC replays a buffered copy of the request, and a request over its default
+  256 KiB buffer commits the call at once (no retries); the buffer is raised to the message
+  size limit so long prompts are retried like short ones.
 """
 
 from __future__ import annotations
 
-import random
+import json
 import time
 from types import EllipsisType
 
-import grpc
+from splitserve.client.errors import RetryPolicy
+from splitserve.client.wire import COORDINATOR_SERVICE
+from splitserve.proto.server import CHANNEL_OPTIONS, MAX_MESSAGE_BYTES
 
-from splitserve.client.errors import ClientError, RetryPolicy
+ChannelOptions = tuple[tuple[str, str | int], ...]
+
+_MIN_BACKOFF_MS = 1
+"""gRPC durations have millisecond resolution and a backoff must be > 0."""
+
+
+def service_config(policy: RetryPolicy) -> dict[str, object]:
+    """The service config (as a JSON-able dict) that retries Coordinator calls by ``policy``;
+    without a ``retryPolicy`` when ``policy.max_attempts == 1``."""
+    method_config: dict[str, object] = {"name": [{"service": COORDINATOR_SERVICE}]}
+    if policy.max_attempts > 1:
+        codes = ["UNAVAILABLE"] + (["RESOURCE_EXHAUSTED"] if policy.retry_overloaded else [])
+        method_config["retryPolicy"] = {
+            "maxAttempts": policy.max_attempts,
+            "initialBackoff": _duration(policy.initial_backoff_s),
+            "maxBackoff": _duration(policy.max_backoff_s),
+            "backoffMultiplier": policy.multiplier,
+            "retryableStatusCodes": codes,
+        }
+    return {"methodConfig": [method_config]}
+
+
+def channel_options(policy: RetryPolicy) -> ChannelOptions:
+    """The shared channel options plus gRPC retries by ``policy``; give them to a channel you
+    pass to ``Client`` / ``AsyncClient`` (a passed-in channel retries as it was built)."""
+    return (
+        *CHANNEL_OPTIONS,
+        ("grpc.enable_retries", 1),
+        ("grpc.per_rpc_retry_buffer_size", MAX_MESSAGE_BYTES),
+        ("grpc.service_config", json.dumps(service_config(policy))),
+        ("grpc.service_config_disable_resolution", 1),  # DNS may not replace the policy
+    )
+
+
+def _duration(seconds: float) -> str:
+    """A protobuf JSON duration, rounded to gRPC's millisecond resolution (at least 1 ms)."""
+    milliseconds = max(_MIN_BACKOFF_MS, round(seconds * 1000))
+    return f"{milliseconds / 1000:.3f}s"
 
 
 class Deadline:
@@ -35,60 +87,6 @@ class Deadline:
         if self._end is None:
             return None
         return max(0.0, self._end - time.monotonic())
-
-
-def backoff_s(policy: RetryPolicy, attempt: int) -> float:
-    """The wait after failed attempt number ``attempt`` (1-based), jitter included."""
-    base = min(policy.max_backoff_s, policy.initial_backoff_s * policy.multiplier ** (attempt - 1))
-    return base * random.uniform(1.0 - policy.jitter, 1.0 + policy.jitter)
-
-
-def retry_delay(
-    policy: RetryPolicy,
-    error: ClientError,
-    attempt: int,
-    *,
-    streamed: bool,
-    deadline: Deadline,
-) -> float | None:
-    """Seconds to wait before retrying after ``error`` ended attempt ``attempt`` (1-based);
-    None when the call must not be retried."""
-    if streamed or attempt >= policy.max_attempts:
-        return None
-    if error.code == grpc.StatusCode.UNAVAILABLE:
-        delay = backoff_s(policy, attempt)
-    elif error.code == grpc.StatusCode.RESOURCE_EXHAUSTED and policy.retry_overloaded:
-        hint = error.retry_after_s
-        delay = backoff_s(policy, attempt) if hint is None else hint
-    else:
-        return None
-    remaining = deadline.remaining()
-    if remaining is not None and delay >= remaining:
-        return None
-    return delay
-
-
-class Attempts:
-    """One call's attempts: numbers them and applies ``retry_delay`` with the call's deadline.
-
-    ``start()`` before each attempt returns that attempt's gRPC timeout (the time left of the
-    whole call's deadline); ``delay_after(error, streamed=...)`` after a failed one returns the
-    wait before the next attempt, or None to raise ``error``.
-    """
-
-    def __init__(self, policy: RetryPolicy, timeout_s: float | None) -> None:
-        self._policy = policy
-        self._deadline = Deadline(timeout_s)
-        self.number = 0
-
-    def start(self) -> float | None:
-        self.number += 1
-        return self._deadline.remaining()
-
-    def delay_after(self, error: ClientError, *, streamed: bool) -> float | None:
-        return retry_delay(
-            self._policy, error, self.number, streamed=streamed, deadline=self._deadline
-        )
 
 
 def resolve_timeout(override: float | None | EllipsisType, default: float | None) -> float | None:

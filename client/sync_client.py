@@ -6,9 +6,10 @@ The same methods and contracts as ``AsyncClient``, over a sync gRPC channel:
   covering all attempts; running out raises ``ClientError`` DEADLINE_EXCEEDED.
 - Errors: every failure is a ``ClientError`` with ``code``, ``message``, ``param`` and
   ``retry_after_s``.
-- Retries: UNAVAILABLE, and RESOURCE_EXHAUSTED when ``retry.retry_overloaded`` (the server's
-  ``retry-after-ms`` hint honoured), never once a stream delivered a ``Chunk``, at most
-  ``retry.max_attempts`` attempts, with the same ``request_id`` (uuid4 hex when not given).
+- Retries: done by gRPC on the client's channel (``splitserve.client.retry``): UNAVAILABLE,
+  and RESOURCE_EXHAUSTED when ``retry.retry_overloaded`` (the server's hint honoured), never
+  once a stream delivered a ``Chunk``, at most ``retry.max_attempts`` attempts, with the same
+  request (and ``request_id``, uuid4 hex when not given).
 - Cancellation: ``stream()`` returns a generator; when the caller stops early (the generator
   is closed or garbage collected) the gRPC call is cancelled and the coordinator aborts the
   request on every worker. ``with contextlib.closing(client.stream(...)) as items`` makes that
@@ -28,9 +29,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from splitserve.client import wire
 from splitserve.client.errors import DEFAULT_RETRY, ClientError, RetryPolicy
-from splitserve.client.retry import Attempts, Deadline, resolve_timeout
+from splitserve.client.retry import Deadline, channel_options, resolve_timeout
 from splitserve.client.types import Chunk, Finish, Generation, ModelInfo, Sampling
-from splitserve.proto.server import CHANNEL_OPTIONS
 from splitserve.proto.splitserve.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 Reply = TypeVar("Reply")
@@ -40,8 +40,9 @@ HEALTH_POLL_S = 0.1
 class Client:
     """Typed blocking client of a splitserve coordinator at ``target`` ("host:port").
 
-    ``channel``: use this one instead of creating an insecure channel (the caller owns it;
-    ``close()`` leaves it open).
+    ``retry`` is fixed when the channel is created, here. ``channel``: use this one instead of
+    creating an insecure channel (the caller owns it; ``close()`` leaves it open); it retries as
+    it was built, by ``retry`` only when built with ``retry.channel_options(retry)``.
     """
 
     def __init__(
@@ -56,7 +57,7 @@ class Client:
         self.timeout_s = timeout_s
         self.retry = retry
         self._owns_channel = channel is None
-        self._channel = channel or grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+        self._channel = channel or grpc.insecure_channel(target, options=channel_options(retry))
         self._coordinator = coordinator_pb2_grpc.CoordinatorStub(self._channel)
 
     def stream(
@@ -77,39 +78,27 @@ class Client:
         """
         request_id = request_id or wire.new_request_id()
         request = wire.generate_request(prompt, messages, token_ids, sampling, request_id)
-        attempts = Attempts(self.retry, resolve_timeout(timeout_s, self.timeout_s))
-        streamed = False
-        while True:
-            call = self._coordinator.Generate(request, timeout=attempts.start())
-            cause: BaseException | None = None
-            try:
-                finish = None
-                for response in call:
-                    item = wire.stream_item(response, request.request_id)
-                    if isinstance(item, Finish):
-                        finish = item  # delivered once the call ended with OK
-                    elif finish is None:
-                        streamed = True
-                        yield item
-                if finish is None:
-                    raise ClientError(
-                        grpc.StatusCode.INTERNAL,
-                        "the stream ended without a completion",
-                        request_id=request.request_id,
-                    )
-                yield finish
-                return
-            except grpc.RpcError as rpc_error:
-                error = ClientError.from_call(rpc_error, request.request_id)  # type: ignore[arg-type]
-                cause = rpc_error
-            except ClientError as in_stream:
-                error = in_stream
-            finally:
-                call.cancel()  # no-op when the call is over; else the server aborts the request
-            delay = attempts.delay_after(error, streamed=streamed)
-            if delay is None:
-                raise error from cause
-            time.sleep(delay)
+        call = self._coordinator.Generate(request, timeout=self._timeout(timeout_s))
+        try:
+            finish = None
+            for response in call:
+                item = wire.stream_item(response, request.request_id)
+                if isinstance(item, Finish):
+                    finish = item  # delivered once the call ended with OK
+                elif finish is None:
+                    yield item
+            if finish is None:
+                raise ClientError(
+                    grpc.StatusCode.INTERNAL,
+                    "the stream ended without a completion",
+                    request_id=request.request_id,
+                )
+            yield finish
+        except grpc.RpcError as rpc_error:
+            error = ClientError.from_call(rpc_error, request.request_id)  # type: ignore[arg-type]
+            raise error from rpc_error
+        finally:
+            call.cancel()  # no-op when the call is over; else the server aborts the request
 
     def generate(
         self,
@@ -155,16 +144,13 @@ class Client:
         request: object,
         timeout_s: float | None | EllipsisType,
     ) -> Reply:
-        attempts = Attempts(self.retry, resolve_timeout(timeout_s, self.timeout_s))
-        while True:
-            try:
-                return method(request, timeout=attempts.start())
-            except grpc.RpcError as rpc_error:
-                error = ClientError.from_call(rpc_error)  # type: ignore[arg-type]
-                delay = attempts.delay_after(error, streamed=False)
-                if delay is None:
-                    raise error from rpc_error
-            time.sleep(delay)
+        try:
+            return method(request, timeout=self._timeout(timeout_s))
+        except grpc.RpcError as rpc_error:
+            raise ClientError.from_call(rpc_error) from rpc_error  # type: ignore[arg-type]
+
+    def _timeout(self, override: float | None | EllipsisType) -> float | None:
+        return resolve_timeout(override, self.timeout_s)
 
     def wait_ready(self, timeout_s: float = 60.0) -> None:
         """Wait until the coordinator's ``grpc.health.v1`` status is SERVING (it is once a

@@ -1,9 +1,11 @@
 """``splitserve.client`` against a scripted in-process fake coordinator (real gRPC on loopback).
 
 The fake server runs on its own event loop thread; each ``Generate`` call plays the next
-script (fail with a status, stream then fail, stream an in-stream error, hang until
-cancelled, succeed), so the client's retry, error, deadline and cancellation rules are
-checked exactly, without a model.
+script (fail with a status, refuse as overloaded through ``abort_with``, stream then fail,
+stream an in-stream error, hang until cancelled, succeed), so the client's retry, error,
+deadline and cancellation rules are checked exactly, without a model. The retries are gRPC's
+own (the channel's service config), so these tests check what gRPC does with the config the
+client builds: the attempts the server sees, their spacing and their deadlines.
 """
 
 from __future__ import annotations
@@ -29,10 +31,11 @@ from splitserve.client import (
     RetryPolicy,
     Sampling,
 )
-from splitserve.client.retry import Deadline, retry_delay
+from splitserve.client.retry import service_config
 from splitserve.client.wire import COORDINATOR_SERVICE, generate_request
+from splitserve.common.errors import OverloadedError
 from splitserve.proto.splitserve.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
-from splitserve.proto.status import PARAM_METADATA_KEY, RETRY_AFTER_METADATA_KEY
+from splitserve.proto.status import PARAM_METADATA_KEY, abort_with
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -66,15 +69,26 @@ def succeed(*texts: str) -> Script:
     return script
 
 
-def fail(code: grpc.StatusCode, *texts: str, metadata: tuple = ()) -> Script:
-    """Stream ``texts`` as chunks, then end the call with ``code``."""
+def fail(code: grpc.StatusCode, *texts: str, metadata: tuple = (), after_s: float = 0.0) -> Script:
+    """Stream ``texts`` as chunks, wait ``after_s``, then end the call with ``code``."""
 
     async def script(request, context):
         for text in texts:
             yield _chunk(request.request_id, text)
+        await asyncio.sleep(after_s)
         if metadata:
             context.set_trailing_metadata(metadata)
         await context.abort(code, f"scripted {code.name}")
+
+    return script
+
+
+def overloaded(retry_after_s: float) -> Script:
+    """Refuse admission as the coordinator does: ``abort_with`` an ``OverloadedError``."""
+
+    async def script(request, context):
+        await abort_with(context, OverloadedError("too busy", retry_after_s=retry_after_s))
+        yield  # unreachable: makes this an async generator like the other scripts
 
     return script
 
@@ -98,6 +112,7 @@ class FakeCoordinator(coordinator_pb2_grpc.CoordinatorServicer):
         self.scripts: list[Script] = [succeed("Hi")]
         self.requests: list[coordinator_pb2.GenerateRequest] = []
         self.call_times: list[float] = []
+        self.time_remaining: list[float | None] = []
         self.cancelled = threading.Event()
         self.aborted: list[str] = []
 
@@ -118,6 +133,7 @@ class FakeCoordinator(coordinator_pb2_grpc.CoordinatorServicer):
     async def Generate(self, request, context):
         self.requests.append(request)
         self.call_times.append(time.monotonic())
+        self.time_remaining.append(context.time_remaining())
         script = self.scripts[min(len(self.requests), len(self.scripts)) - 1]
         async for response in script(request, context):
             yield response
@@ -211,6 +227,16 @@ def test_unavailable_before_first_chunk_is_retried_with_the_same_request_id(serv
     assert server.coordinator.requests[0].sampling.max_tokens == 4
 
 
+def test_unavailable_waits_the_backoff_between_attempts(server) -> None:
+    server.coordinator.scripts = [fail(grpc.StatusCode.UNAVAILABLE)] * 2 + [succeed("ok")]
+    retry = RetryPolicy(initial_backoff_s=0.2, max_backoff_s=0.2)
+    with _client(server, retry=retry) as client:
+        assert client.generate("hi").text == "ok"
+    times = server.coordinator.call_times
+    waits = [later - earlier for earlier, later in zip(times, times[1:], strict=False)]
+    assert len(waits) == 2 and all(0.15 <= wait < 1.0 for wait in waits)  # 0.2 s x [0.8, 1.2]
+
+
 def test_unavailable_after_a_chunk_is_raised_not_retried(server) -> None:
     server.coordinator.scripts = [fail(grpc.StatusCode.UNAVAILABLE, "Hel"), succeed("no")]
 
@@ -230,11 +256,7 @@ def test_unavailable_after_a_chunk_is_raised_not_retried(server) -> None:
 
 
 def test_resource_exhausted_waits_the_servers_retry_after_hint(server) -> None:
-    hint = ((RETRY_AFTER_METADATA_KEY, "400"),)
-    server.coordinator.scripts = [
-        fail(grpc.StatusCode.RESOURCE_EXHAUSTED, metadata=hint),
-        succeed("ok"),
-    ]
+    server.coordinator.scripts = [overloaded(retry_after_s=0.4), succeed("ok")]
 
     async def run() -> None:
         async with _async_client(server) as client:
@@ -246,8 +268,7 @@ def test_resource_exhausted_waits_the_servers_retry_after_hint(server) -> None:
 
 
 def test_resource_exhausted_is_raised_when_overload_retries_are_off(server) -> None:
-    hint = ((RETRY_AFTER_METADATA_KEY, "1500"),)
-    server.coordinator.scripts = [fail(grpc.StatusCode.RESOURCE_EXHAUSTED, metadata=hint)]
+    server.coordinator.scripts = [overloaded(retry_after_s=1.5)]
     retry = RetryPolicy(retry_overloaded=False)
 
     async def run() -> ClientError:
@@ -310,22 +331,109 @@ def test_in_stream_error_message_is_raised_as_client_error(server) -> None:
     assert len(server.coordinator.requests) == 1  # a chunk was delivered: no retry
 
 
-def test_retry_delay_rules() -> None:
+def test_retry_policy_becomes_the_channels_service_config() -> None:
     policy = RetryPolicy(initial_backoff_s=0.1, max_backoff_s=0.3, jitter=0.0)
-    unavailable = ClientError(grpc.StatusCode.UNAVAILABLE, "x")
-    overloaded = ClientError(grpc.StatusCode.RESOURCE_EXHAUSTED, "x", retry_after_s=5.0)
-    none = Deadline(None)
-    assert retry_delay(policy, unavailable, 1, streamed=False, deadline=none) == 0.1
-    assert retry_delay(policy, unavailable, 2, streamed=False, deadline=none) == 0.2
-    assert retry_delay(policy, unavailable, 3, streamed=False, deadline=none) == 0.3
-    assert retry_delay(policy, unavailable, 4, streamed=False, deadline=none) is None
-    assert retry_delay(policy, unavailable, 1, streamed=True, deadline=none) is None
-    assert retry_delay(policy, overloaded, 1, streamed=False, deadline=none) == 5.0
-    assert retry_delay(policy, overloaded, 1, streamed=False, deadline=Deadline(1.0)) is None
-    deadline_error = ClientError(grpc.StatusCode.DEADLINE_EXCEEDED, "x")
-    assert retry_delay(policy, deadline_error, 1, streamed=False, deadline=none) is None
-    with pytest.raises(ValueError):
-        RetryPolicy(max_attempts=0)
+    assert service_config(policy) == {
+        "methodConfig": [
+            {
+                "name": [{"service": COORDINATOR_SERVICE}],
+                "retryPolicy": {
+                    "maxAttempts": 4,
+                    "initialBackoff": "0.100s",
+                    "maxBackoff": "0.300s",
+                    "backoffMultiplier": 2.0,
+                    "retryableStatusCodes": ["UNAVAILABLE", "RESOURCE_EXHAUSTED"],
+                },
+            }
+        ]
+    }
+    no_overload = service_config(RetryPolicy(retry_overloaded=False, initial_backoff_s=0))
+    retry_policy = no_overload["methodConfig"][0]["retryPolicy"]  # type: ignore[index]
+    assert retry_policy["retryableStatusCodes"] == ["UNAVAILABLE"]
+    assert retry_policy["initialBackoff"] == "0.001s"  # gRPC needs > 0, at 1 ms resolution
+    assert "retryPolicy" not in service_config(RetryPolicy.never())["methodConfig"][0]  # type: ignore[index]
+    for attempts in (0, 6):  # gRPC would clamp 6 to 5 without a word
+        with pytest.raises(ValueError):
+            RetryPolicy(max_attempts=attempts)
+
+
+def test_only_unavailable_and_overload_are_retried(server) -> None:
+    final = (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.INTERNAL,
+    )
+
+    async def run() -> None:
+        async with _async_client(server) as client:
+            for code in final:
+                server.coordinator.requests.clear()
+                server.coordinator.scripts = [fail(code), succeed("no")]
+                with pytest.raises(ClientError) as error:
+                    await client.generate("hi")
+                assert error.value.code == code
+                assert len(server.coordinator.requests) == 1
+
+    asyncio.run(run())
+
+
+def test_never_retry_makes_one_attempt(server) -> None:
+    server.coordinator.scripts = [fail(grpc.StatusCode.UNAVAILABLE), succeed("no")]
+
+    async def run() -> None:
+        async with _async_client(server, retry=RetryPolicy.never()) as client:
+            with pytest.raises(ClientError) as error:
+                await client.generate("hi")
+        assert error.value.code == grpc.StatusCode.UNAVAILABLE
+
+    asyncio.run(run())
+    assert len(server.coordinator.requests) == 1
+
+
+def test_an_overload_hint_beyond_the_deadline_is_raised_at_once(server) -> None:
+    server.coordinator.scripts = [overloaded(retry_after_s=5.0), succeed("no")]
+
+    async def run() -> ClientError:
+        async with _async_client(server) as client:
+            started = time.monotonic()
+            with pytest.raises(ClientError) as error:
+                await client.generate("hi", timeout_s=1.0)
+            assert time.monotonic() - started < 0.9  # not waiting for the deadline
+        return error.value
+
+    error = asyncio.run(run())
+    assert error.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert error.retry_after_s == pytest.approx(5.0)
+    assert len(server.coordinator.requests) == 1
+
+
+def test_the_deadline_covers_all_attempts(server) -> None:
+    server.coordinator.scripts = [
+        fail(grpc.StatusCode.UNAVAILABLE, after_s=0.4),
+        server.coordinator.hang(),
+    ]
+
+    async def run() -> float:
+        async with _async_client(server) as client:
+            started = time.monotonic()
+            with pytest.raises(ClientError) as error:
+                await client.generate("hi", timeout_s=0.6)
+            assert error.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+            return time.monotonic() - started
+
+    elapsed = asyncio.run(run())
+    assert 0.55 <= elapsed < 0.9  # one 0.6 s deadline, not 0.4 s + a fresh 0.6 s
+    first, second = server.coordinator.time_remaining
+    assert first is not None and second is not None and second < first - 0.35
+
+
+def test_a_long_prompt_is_retried_like_a_short_one(server) -> None:
+    prompt = "x" * (1 << 20)  # beyond gRPC's default 256 KiB retry buffer
+    server.coordinator.scripts = [fail(grpc.StatusCode.UNAVAILABLE), succeed("ok")]
+    with _client(server) as client:
+        assert client.generate(prompt).text == "ok"
+    assert [len(request.text) for request in server.coordinator.requests] == [1 << 20] * 2
 
 
 # -- deadlines and cancellation ------------------------------------------------------------
@@ -413,6 +521,16 @@ def test_sync_client_retries_streams_and_raises_like_the_async_one(server) -> No
         with pytest.raises(ClientError) as error:
             client.generate("hi", timeout_s=0.3)
         assert error.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+
+        server.coordinator.requests.clear()
+        server.coordinator.scripts = [fail(grpc.StatusCode.UNAVAILABLE, "Hel"), succeed("no")]
+        received = []
+        with pytest.raises(ClientError) as error:
+            for item in client.stream("hi"):
+                received.append(item)
+        assert error.value.code == grpc.StatusCode.UNAVAILABLE
+        assert [type(item) for item in received] == [Chunk]
+        assert len(server.coordinator.requests) == 1  # a chunk was delivered: no retry
 
 
 def test_unary_calls_and_wait_ready(server) -> None:
