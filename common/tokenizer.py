@@ -168,6 +168,11 @@ class Tokenizer:
             raise InvalidRequestError(message, "messages") from exc
 
     @property
+    def backend(self) -> tokenizers.Tokenizer:
+        """The wrapped ``tokenizers.Tokenizer``; ``decode`` is its ``decode``, unchanged."""
+        return self._backend
+
+    @property
     def vocab_size(self) -> int:
         """Number of token ids, added tokens included."""
         return self._backend.get_vocab_size(with_added_tokens=True)

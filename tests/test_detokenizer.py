@@ -8,12 +8,16 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
+import tokenizers
 
 from splitserve.common.detokenizer import (
     CONTEXT_TOKENS,
+    STREAM_HELD_TOKENS_MAX,
     DetokenizedDelta,
     IncrementalDetokenizer,
 )
+from splitserve.common.model_files import load_tokenizer
+from splitserve.common.tokenizer import Tokenizer
 
 VOCAB: dict[int, bytes] = {
     0: b"<s>",
@@ -260,3 +264,169 @@ def test_real_tokenizer_stop_string(smollm2_tokenizer) -> None:
             break
     assert deltas[-1].stop_string == "本語"
     assert "".join(d.text for d in deltas) == "Ça va? 日"
+
+
+# ----------------------------------------------------------------- the DecodeStream path
+
+STREAM_TEXTS = [
+    "The committee met on Tuesday.\n\nIt agreed: the plan is sound (mostly)!",
+    "def f(x: int) -> int:\n    return x ** 2  # squares\n\tprint(f'{x:>4d}')\n",
+    "Héllo wörld! 😀🎉👍🏽 日本語のテキスト, naïve café — 👩\u200d👩\u200d👧 Ελληνικά 한국어.",
+    "Before<|im_end|>\n<|im_start|>after  two  spaces ",
+]
+
+
+class DecodeOnly:
+    """Hides a tokenizer's ``backend``: the detokenizer must take its windowed path."""
+
+    def __init__(self, decoder) -> None:
+        self._decoder = decoder
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._decoder.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+
+def deltas_of(decoder, prompt_ids, chunks, skip: bool = True, stop=()) -> list[str]:
+    detok = IncrementalDetokenizer(decoder, prompt_ids, stop, skip_special_tokens=skip)
+    deltas = []
+    for chunk in chunks:
+        deltas.append(detok.add_tokens(tuple(chunk)).text)
+        if detok.stopped:
+            return deltas
+    return [*deltas, detok.finish()]
+
+
+@pytest.fixture(scope="module")
+def default_tokenizer() -> Tokenizer:
+    return load_tokenizer("default")
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_tokenizer() -> Tokenizer:
+    """Llama-style SentencePiece BPE: byte fallback, and a decoder that strips one leading space."""
+    pieces = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256))]
+    pieces += ["▁Hello", "▁world", "!", "▁", "o", "▁caf", "é"]
+    backend = tokenizers.Tokenizer(
+        tokenizers.models.BPE({p: i for i, p in enumerate(pieces)}, [], byte_fallback=True)
+    )
+    backend.add_special_tokens([tokenizers.AddedToken(t, special=True) for t in ("<s>", "</s>")])
+    backend.decoder = tokenizers.decoders.Sequence(
+        [
+            tokenizers.decoders.Replace("▁", " "),
+            tokenizers.decoders.ByteFallback(),
+            tokenizers.decoders.Fuse(),
+            tokenizers.decoders.Strip(content=" ", left=1, right=0),
+        ]
+    )
+    return Tokenizer(backend, bos_token="<s>", eos_token="</s>")
+
+
+def test_a_tokenizer_with_a_backend_is_streamed_by_the_library(default_tokenizer) -> None:
+    assert IncrementalDetokenizer(default_tokenizer, [1, 2])._stream is not None
+    assert IncrementalDetokenizer(DecodeOnly(default_tokenizer), [1, 2])._stream is None
+    assert IncrementalDetokenizer(ByteDecoder(), [1, 2])._stream is None
+
+
+@pytest.mark.parametrize("skip", [True, False])
+@pytest.mark.parametrize("text", STREAM_TEXTS)
+def test_stream_path_emits_what_the_windowed_path_emits(default_tokenizer, text, skip) -> None:
+    output_ids = default_tokenizer.encode(text, add_special_tokens=False)
+    emoji_ids = default_tokenizer.encode("😀", add_special_tokens=False)
+    prompts = [[], default_tokenizer.encode("<|im_start|>assistant\n"), emoji_ids[:-1]]
+    expected = default_tokenizer.decode(output_ids, skip_special_tokens=skip)
+    for prompt_ids in prompts:
+        for chunks in [
+            [[t] for t in output_ids],
+            *(random_chunks(output_ids, s) for s in range(3)),
+        ]:
+            windowed = deltas_of(DecodeOnly(default_tokenizer), prompt_ids, chunks, skip)
+            assert deltas_of(default_tokenizer, prompt_ids, chunks, skip) == windowed
+            assert all("\ufffd" not in d for d in windowed[:-1])
+            assert "".join(windowed) == expected
+
+
+def test_stream_path_releases_a_dangling_split_character_on_finish(default_tokenizer) -> None:
+    output_ids = default_tokenizer.encode("ok 😀", add_special_tokens=False)[:-1]
+    deltas = deltas_of(default_tokenizer, [], [[t] for t in output_ids])
+    assert deltas == deltas_of(DecodeOnly(default_tokenizer), [], [[t] for t in output_ids])
+    assert "".join(deltas) == default_tokenizer.decode(output_ids)
+    assert deltas[-1].endswith("\ufffd")
+
+
+def test_stream_path_stop_strings(default_tokenizer) -> None:
+    output_ids = default_tokenizer.encode("Ça va? 日本語のテキスト", add_special_tokens=False)
+    detok = IncrementalDetokenizer(default_tokenizer, [], stop=["本語"])
+    deltas = []
+    for token in output_ids:
+        deltas.append(detok.add_tokens([token]))
+        if deltas[-1].stop_string:
+            break
+    assert deltas[-1].stop_string == "本語"
+    assert "".join(d.text for d in deltas) == "Ça va? 日"
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_stream_path_sentencepiece_spaces(sentencepiece_tokenizer, skip) -> None:
+    tok = sentencepiece_tokenizer
+    bos, eos = tok.bos_token_id, tok.eos_token_id
+    ids = {piece: tok.token_to_id(piece) for piece in ["▁Hello", "▁world", "!", "▁", "o", "▁caf"]}
+    shi = [tok.token_to_id(f"<0x{b:02X}>") for b in "世".encode()]  # byte fallback: 3 tokens
+    output_ids = [ids["▁world"], ids["!"], eos, ids["▁"], *shi, ids["▁caf"], tok.token_to_id("é")]
+    output_ids += [bos, ids["o"], ids["▁world"], *shi[:2]]
+    for prompt_ids in ([], [bos, ids["▁Hello"]], [ids["▁Hello"], shi[0]]):
+        for chunks in [
+            [[t] for t in output_ids],
+            *(random_chunks(output_ids, s) for s in range(3)),
+        ]:
+            stream = deltas_of(tok, prompt_ids, chunks, skip)
+            assert stream == deltas_of(DecodeOnly(tok), prompt_ids, chunks, skip)
+            if not prompt_ids:
+                assert "".join(stream) == tok.decode(output_ids, skip_special_tokens=skip)
+    world_bang = [[ids["▁world"]], [ids["!"]]]
+    assert deltas_of(tok, [bos, ids["▁Hello"]], world_bang) == [" world", "!", ""]
+    assert deltas_of(tok, [], world_bang) == ["world", "!", ""]
+
+
+class ShoutingDecoder:
+    """Upper-cases a token followed by "c": its text for more tokens rewrites earlier text."""
+
+    def decode_chain(self, tokens: list[str]) -> list[str]:
+        return [t.upper() if tokens[i + 1 : i + 2] == ["c"] else t for i, t in enumerate(tokens)]
+
+
+class BackendDecoder:
+    """A ``TokenDecoder`` exposing its ``tokenizers.Tokenizer`` as ``backend``."""
+
+    def __init__(self, backend: tokenizers.Tokenizer) -> None:
+        self.backend = backend
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+
+def test_a_decoder_decode_stream_rejects_goes_on_windowed() -> None:
+    vocab = {"a": 0, "b": 1, "c": 2, "[UNK]": 3}
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.decoder = tokenizers.decoders.Decoder.custom(ShoutingDecoder())
+    decoder = BackendDecoder(backend)
+    detok = IncrementalDetokenizer(decoder, [])
+    assert detok._stream is not None
+    chunks = [[0], [1], [2], [0], [1]]
+    assert deltas_of(decoder, [], chunks) == deltas_of(DecodeOnly(decoder), [], chunks)
+    assert [detok.add_tokens(c).text for c in chunks] == ["a", "b", "c", "a", "b"]
+    assert detok._stream is None
+
+
+def test_stream_path_bounds_a_long_run_of_tokens_without_text(default_tokenizer) -> None:
+    eos = default_tokenizer.eos_token_id
+    hello, world = default_tokenizer.encode("Hello world", add_special_tokens=False)
+    chunks = [[hello], *[[eos]] * 50, [world], [eos, eos]]
+    detok = IncrementalDetokenizer(default_tokenizer, [])
+    for chunk in chunks:
+        detok.add_tokens(chunk)
+        assert len(detok._token_ids) - detok._read_offset <= STREAM_HELD_TOKENS_MAX
+    assert detok._stream is not None
+    assert detok.text + detok.finish() == "Hello world"
+    assert deltas_of(default_tokenizer, [], chunks) == deltas_of(
+        DecodeOnly(default_tokenizer), [], chunks
+    )
