@@ -1,11 +1,11 @@
 """A ``splitserve up`` cluster as a child process, and who used the CPUs while it ran.
 
-``LocalCluster`` starts ``splitserve up --port P --http-port H <flags>`` on free ports
-(optionally with extra environment variables, which the coordinator and workers inherit)
-with its output in a log file, waits for the ``splitserve ready at`` line (raising
-``ClusterError`` with the log's tail if the process exits or the line does not come in
-time) and stops it with SIGTERM (SIGKILL of its process group after a grace period); it is
-a context manager doing both.
+``LocalCluster`` starts ``splitserve up --port P --http-port H <flags>`` on free ports as a
+``splitserve.launch.child_process.ChildProcess`` (optionally with extra environment
+variables, which the coordinator and workers inherit) with its output in a log file, waits
+for the ``splitserve ready at`` line (raising ``ClusterError`` with the output's tail if the
+process exits or the line does not come in time) and stops it with SIGTERM (SIGKILL of its
+process group after a grace period); it is a context manager doing both.
 
 ``CpuMeter`` splits the machine's busy CPU time over an interval (``/proc/stat``) into the
 cluster's (``up`` and its child processes: coordinator and workers), this process's (the load
@@ -17,16 +17,15 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import socket
-import subprocess
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
 from timing_stats import Json
+
+from splitserve.launch.child_process import ChildExited, ChildProcess, NotReady
 
 READY_LINE = "splitserve ready at "
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -75,48 +74,30 @@ class LocalCluster:
         self.stop_grace_s = stop_grace_s
         self.env = env or {}
         """Extra environment variables of ``up`` (its children inherit them)."""
-        self.process: subprocess.Popen[bytes] | None = None
+        self.child: ChildProcess | None = None
 
     def start(self) -> None:
         """Start ``up`` and wait for its ready line."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with self.log_path.open("wb") as log:
-            self.process = subprocess.Popen(
-                self.argv,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                env=os.environ | self.env,
-            )
-        deadline = time.monotonic() + self.ready_timeout_s
-        while READY_LINE not in self.log_path.read_text(errors="replace"):
-            if self.process.poll() is not None:
-                raise ClusterError(
-                    f"{self.argv} exited ({self.process.returncode}):\n{self.tail()}"
-                )
-            if time.monotonic() > deadline:
-                self.stop()
-                raise ClusterError(
-                    f"{self.argv} not ready in {self.ready_timeout_s}s:\n{self.tail()}"
-                )
-            time.sleep(0.25)
+        self.child = ChildProcess(
+            self.argv, name=" ".join(self.argv), env=self.env, log_path=self.log_path,
+            new_session=True, tail_lines=30,
+        )  # fmt: skip
+        try:
+            self.child.wait_ready(READY_LINE, self.ready_timeout_s)
+        except ChildExited as error:
+            raise ClusterError(str(error)) from None
+        except NotReady as error:
+            self.stop()
+            raise ClusterError(str(error)) from None
 
     def stop(self) -> int | None:
-        """SIGTERM ``up`` (it stops its children), SIGKILL the group after the grace period."""
-        process = self.process
-        if process is None or process.poll() is not None:
-            return None if process is None else process.returncode
-        process.send_signal(signal.SIGTERM)
-        try:
-            return process.wait(self.stop_grace_s)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
-            return process.wait()
+        """SIGTERM ``up`` (it stops its children), SIGKILL the group after the grace period;
+        ``up``'s exit status (None if it never started)."""
+        return None if self.child is None else self.child.stop(self.stop_grace_s).status
 
     def tail(self, num_lines: int = 30) -> str:
-        lines = self.log_path.read_text(errors="replace").splitlines()
-        return "\n".join(lines[-num_lines:])
+        return "" if self.child is None else self.child.tail(num_lines)
 
     def log_lines(self, needle: str) -> list[str]:
         return [
@@ -127,9 +108,9 @@ class LocalCluster:
 
     def pids(self) -> list[int]:
         """``up`` and its direct children (the coordinator and the workers)."""
-        if self.process is None:
+        if self.child is None:
             return []
-        return [self.process.pid, *_children(self.process.pid)]
+        return [self.child.pid, *_children(self.child.pid)]
 
     def __enter__(self) -> LocalCluster:
         self.start()

@@ -54,7 +54,7 @@ ROLE_COMMANDS = {
     "prefill": "splitserve.prefill.main",
     "decode": "splitserve.decode.main",
     "gateway": "splitserve.gateway.main",
-    "up": "splitserve.coordinator.local_cluster",
+    "up": "splitserve.launch.up",
 }
 """Serving roles, each a process with its own flags (``splitserve <role> --help``)."""
 

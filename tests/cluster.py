@@ -1,49 +1,29 @@
 """Real serving processes for integration tests: ``splitserve up`` and single roles.
 
-``running(argv, ready_marker)`` starts ``python -m <argv>``, drains its output on a thread
-(kept for failure messages), waits for the line containing ``ready_marker`` and yields the
-address printed after "ready at"; on exit it sends SIGTERM and fails the test unless the
-process stops cleanly (status 0) within 30 s (``up`` reports children it had to kill).
+``running(argv, ready_marker)`` starts ``python -m <argv>`` as a ``ChildProcess`` (its output
+drained on a thread, the tail kept for failure messages), waits for the ready line containing
+``ready_marker`` and yields the address printed after "ready at"; on exit it sends SIGTERM and
+fails the test unless the process stops cleanly (status 0) within 30 s (``up`` reports
+children it had to kill).
 """
 
 from __future__ import annotations
 
 import contextlib
-import re
 import signal
 import subprocess
-import sys
-import threading
 import time
 from collections.abc import Iterator
 
 import grpc
 
-from splitserve.proto.splitserve.v1 import (
-    coordinator_pb2,
-    coordinator_pb2_grpc,
-    worker_pb2,
-    worker_pb2_grpc,
-)
+from splitserve.launch.child_process import ChildProcess, python_module_argv
+from splitserve.proto.splitserve.v1 import coordinator_pb2, coordinator_pb2_grpc, worker_pb2
 
 START_TIMEOUT_S = 240.0
-_ANNOUNCEMENT = re.compile(r"(?:\] )?(?P<what>[\w -]+ (?:ready|metrics)) at (?P<where>\S+)$")
-
-
-class _Output:
-    def __init__(self, process: subprocess.Popen[str]) -> None:
-        self.lines: list[str] = []
-        self._process = process
-        self._thread = threading.Thread(target=self._drain, daemon=True)
-        self._thread.start()
-
-    def _drain(self) -> None:
-        assert self._process.stdout is not None
-        for line in self._process.stdout:
-            self.lines.append(line.rstrip())
-
-    def tail(self, count: int = 40) -> str:
-        return "\n".join(line for line in self.lines[-count:] if "UCX  WARN" not in line)
+STOP_GRACE_S = 30.0
+FRESH_LOAD_TIMEOUT_S = 10.0
+"""How long ``worker_loads`` waits for every worker's next heartbeat (sent every 0.5 s)."""
 
 
 @contextlib.contextmanager
@@ -57,46 +37,21 @@ def running(
     <address>" and "<what> metrics at <url>" line printed before readiness, as {what: address}
     (e.g. "splitserve gateway ready", "decode metrics"). ``processes``, when given, receives
     the process; a test that kills it on purpose is not failed for its exit status."""
-    process = subprocess.Popen(
-        [sys.executable, "-m", *argv],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    output = _Output(process)
+    child = ChildProcess(python_module_argv(*argv), name=argv[0], tail_excludes=("UCX  WARN",))
     if processes is not None:
-        processes.append(process)
+        processes.append(child.popen)
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        address = None
-        while address is None:
-            for line in list(output.lines):
-                if ready_marker in line:
-                    address = line.rsplit(" ready at ", 1)[1].strip()
-                announced = _ANNOUNCEMENT.search(line)
-                if ready_lines is not None and announced:
-                    ready_lines[announced["what"]] = announced["where"]
-            if process.poll() is not None:
-                raise RuntimeError(f"{argv[0]} exited early:\n{output.tail()}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{argv[0]} not ready:\n{output.tail()}")
-            time.sleep(0.1)
+        address = child.wait_ready(ready_marker, START_TIMEOUT_S)
+        if ready_lines is not None:
+            ready_lines.update(child.announcements())
         yield address
     finally:
-        killed_on_purpose = process.poll() == -signal.SIGKILL
-        if not killed_on_purpose:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-                raise AssertionError(
-                    f"{argv[0]} did not stop on SIGTERM:\n{output.tail()}"
-                ) from None
-    if process.returncode != 0 and not killed_on_purpose:
-        status = process.returncode
-        raise AssertionError(f"{argv[0]} stopped with status {status}:\n{output.tail()}")
+        killed_on_purpose = child.returncode == -signal.SIGKILL
+        stopped = child.stop(STOP_GRACE_S)
+        if stopped.killed:
+            raise AssertionError(f"{argv[0]} did not stop on SIGTERM:\n{child.tail()}")
+    if stopped.status != 0 and not killed_on_purpose:
+        raise AssertionError(f"{argv[0]} stopped with status {stopped.status}:\n{child.tail()}")
 
 
 def cluster(
@@ -110,7 +65,7 @@ def cluster(
     only when ``ready_lines`` is given (its URL is then ``ready_lines["splitserve gateway"]``;
     metrics URLs are printed as "<role> metrics at <url>")."""
     argv = [
-        "splitserve.coordinator.local_cluster",
+        "splitserve.launch.up",
         "--port=0",
         "--http-port=0",
         "--metrics-port-base=0",
@@ -126,23 +81,23 @@ def cluster(
 def worker_loads(
     coordinator_address: str, only: set[str] | None = None
 ) -> dict[str, worker_pb2.WorkerLoad]:
-    """Each registered worker's own load figures (GetLoad on the worker), by worker id; with
-    ``only``, just those workers (e.g. to skip one that was killed)."""
+    """Each registered worker's load figures by worker id, as its last heartbeat brought them
+    to the coordinator (``ListWorkers``); with ``only``, just those workers (e.g. to skip one
+    that was killed). Waits until each of them has heartbeated since the call began, so no
+    figure predates the call; ``TimeoutError`` after ``FRESH_LOAD_TIMEOUT_S``."""
+    asked = time.monotonic()
     with grpc.insecure_channel(coordinator_address) as channel:
-        listing = coordinator_pb2_grpc.CoordinatorStub(channel).ListWorkers(
-            coordinator_pb2.ListWorkersRequest(), timeout=10
-        )
-    loads = {}
-    for status in listing.workers:
-        if only is not None and status.worker.worker_id not in only:
-            continue
-        with grpc.insecure_channel(status.worker.address) as channel:
-            if status.worker.role == worker_pb2.WORKER_ROLE_DECODE:
-                stub = worker_pb2_grpc.DecodeWorkerStub(channel)
-            else:
-                stub = worker_pb2_grpc.PrefillWorkerStub(channel)
-            loads[status.worker.worker_id] = stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=30)
-    return loads
+        stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+        while True:
+            listing = stub.ListWorkers(coordinator_pb2.ListWorkersRequest(), timeout=10)
+            waited_ms = (time.monotonic() - asked) * 1000
+            statuses = [s for s in listing.workers if only is None or s.worker.worker_id in only]
+            stale = [s.worker.worker_id for s in statuses if s.ms_since_heartbeat > waited_ms]
+            if not stale:
+                return {s.worker.worker_id: s.load for s in statuses}
+            if waited_ms > FRESH_LOAD_TIMEOUT_S * 1000:
+                raise TimeoutError(f"no heartbeat from {stale} in {FRESH_LOAD_TIMEOUT_S}s")
+            time.sleep(0.05)
 
 
 def wait_until_idle(

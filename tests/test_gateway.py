@@ -269,7 +269,8 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(served: Cluster, sdk: ope
     ):
         assert response.headers["x-request-id"] == "gone-1"
         events = 0
-        for line in response.iter_lines():
+        lines = response.iter_lines()  # held: a loop that drops it closes the stream at break
+        for line in lines:
             if line.startswith("data: "):
                 events += 1
             if events == 5:

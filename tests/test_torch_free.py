@@ -46,7 +46,7 @@ TORCH_FREE_MODULES = (
 
 ROLE_ENTRY_MODULES = (
     "splitserve.coordinator.main",
-    "splitserve.coordinator.local_cluster",
+    "splitserve.launch.up",
     "splitserve.gateway.main",
     "splitserve.client",
 )

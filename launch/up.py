@@ -1,0 +1,233 @@
+"""``splitserve up``: coordinator + prefill + decode workers on localhost, as child processes.
+
+Starts the coordinator, then the workers (registered with it), waits until each printed its
+ready line and the coordinator's health is SERVING, starts the OpenAI-compatible gateway
+(``--http-port``, default 8000; ``--no-gateway`` leaves it out), prints
+``splitserve ready at <host:port>``, forwards every child's output with a role prefix, and
+stops all children on Ctrl-C / SIGTERM (SIGTERM, then SIGKILL after a grace period). If any
+child exits on its own, the others are stopped and ``up`` exits with status 1; so it does
+when a child had to be killed because it ignored SIGTERM.
+
+Cores are split evenly among the workers (``--cpu-affinity`` of each) when the machine has at
+least one core per worker, so co-located workers do not fight over cores; ``--no-pin`` turns
+that off. Flags after ``--`` go to every worker (e.g. ``-- --dtype float32``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from typing import TextIO
+
+from splitserve.launch.child_process import ChildProcess, ReadyError, python_module_argv
+from splitserve.proto.server import wait_for_health
+
+GRACE_S = 10.0
+READY_TIMEOUT_S = 300.0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="splitserve up", description=__doc__.splitlines()[0])
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument(
+        "--port", type=int, default=50051, help="coordinator gRPC port (0: any free port)"
+    )
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--prefill", type=int, default=1, help="prefill workers")
+    parser.add_argument("--decode", type=int, default=1, help="decode workers")
+    parser.add_argument("--no-pin", action="store_true", help="do not pin workers to cores")
+    parser.add_argument(
+        "--local-prefill-max-tokens", type=int, default=None, help="passed to the coordinator"
+    )
+    parser.add_argument("--max-inflight", type=int, default=None, help="passed to the coordinator")
+    parser.add_argument(
+        "--http-port", type=int, default=8000, help="OpenAI-compatible gateway port (0: any free)"
+    )
+    parser.add_argument("--no-gateway", action="store_true", help="do not start the gateway")
+    parser.add_argument(
+        "--served-model-name", default=None, help="model names the gateway answers to (comma-sep.)"
+    )
+    parser.add_argument(
+        "--metrics-port-base",
+        type=int,
+        default=9400,
+        help="Prometheus /metrics ports: coordinator at the base, worker i at base + 1 + i "
+        "(0: any free port each, printed at start)",
+    )
+    return parser
+
+
+def _metrics_port(base: int, index: int) -> int:
+    return 0 if base == 0 else base + index
+
+
+def worker_core_sets(num_workers: int, cpus: Sequence[int]) -> list[str | None]:
+    """Disjoint core lists, one per worker, or None each when cores are too few."""
+    if num_workers == 0 or len(cpus) < num_workers:
+        return [None] * num_workers
+    share = len(cpus) // num_workers
+    return [",".join(str(c) for c in cpus[i * share : (i + 1) * share]) for i in range(num_workers)]
+
+
+def coordinator_argv(args: argparse.Namespace) -> list[str]:
+    """Module and flags of the coordinator."""
+    argv = ["splitserve.coordinator.main", f"--host={args.host}", f"--port={args.port}"]
+    argv += [f"--model={args.model}", f"--metrics-port={_metrics_port(args.metrics_port_base, 0)}"]
+    if args.max_inflight is not None:
+        argv.append(f"--max-inflight={args.max_inflight}")
+    if args.local_prefill_max_tokens is not None:
+        argv.append(f"--local-prefill-max-tokens={args.local_prefill_max_tokens}")
+    return argv
+
+
+def worker_argvs(
+    args: argparse.Namespace, coordinator: str, worker_args: Sequence[str]
+) -> list[tuple[str, list[str]]]:
+    """(name, module and flags) of each worker in start order: prefill ones, then decode."""
+    roles = ["prefill"] * args.prefill + ["decode"] * args.decode
+    cpus = sorted(os.sched_getaffinity(0))
+    cores = [None] * len(roles) if args.no_pin else worker_core_sets(len(roles), cpus)
+    workers = []
+    for index, (role, core_list) in enumerate(zip(roles, cores, strict=True)):
+        argv = [f"splitserve.{role}.main", f"--coordinator={coordinator}", f"--model={args.model}"]
+        argv += [f"--host={args.host}", f"--worker-id={role}-{index}"]
+        argv.append(f"--metrics-port={_metrics_port(args.metrics_port_base, 1 + index)}")
+        if core_list is not None:
+            argv.append(f"--cpu-affinity={core_list}")
+        workers.append((f"{role}-{index}", argv + list(worker_args)))
+    return workers
+
+
+def gateway_argv(args: argparse.Namespace, coordinator: str) -> list[str]:
+    """Module and flags of the gateway."""
+    argv = ["splitserve.gateway.main", f"--coordinator={coordinator}", f"--host={args.host}"]
+    argv.append(f"--port={args.http_port}")
+    if args.served_model_name:
+        argv.append(f"--served-model-name={args.served_model_name}")
+    return argv
+
+
+class _Stopped(Exception):
+    """Ctrl-C / SIGTERM arrived while a child was starting."""
+
+
+_print_lock = threading.Lock()
+
+
+def _say(text: str, file: TextIO | None = None) -> None:
+    """One whole line to stdout (or ``file``); children's drain threads print concurrently."""
+    with _print_lock:
+        print(text, file=file or sys.stdout, flush=True)
+
+
+class _Children:
+    """The children in start order; ``exited`` is set once any of them has ended."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.started: list[ChildProcess] = []
+        self.exited = asyncio.Event()
+        self._loop = loop
+
+    def start(self, name: str, module_argv: list[str]) -> ChildProcess:
+        child = ChildProcess(
+            python_module_argv(*module_argv),
+            name=name,
+            new_session=True,  # Ctrl-C reaches only us; we stop the children in order
+            on_line=lambda line: _say(f"[{name}] {line}"),
+            on_exit=self._note_exit,
+        )
+        self.started.append(child)
+        return child
+
+    def _note_exit(self) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is gone: nobody is waiting
+            self._loop.call_soon_threadsafe(self.exited.set)
+
+    async def wait_ready(self, child: ChildProcess, stop: asyncio.Event) -> str:
+        """``child``'s ready address; ``_Stopped`` if ``stop`` is set first."""
+        ready = asyncio.ensure_future(asyncio.to_thread(child.wait_ready, None, READY_TIMEOUT_S))
+        stopped = asyncio.ensure_future(stop.wait())
+        await asyncio.wait([ready, stopped], return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
+        if stop.is_set():
+            if ready.done():
+                ready.exception()  # retrieved: the stop wins
+            else:
+                ready.cancel()  # its thread ends once the child is stopped
+            raise _Stopped()
+        return ready.result()
+
+    async def stop_all(self) -> bool:
+        """SIGTERM every child (last started first), SIGKILL those still running after the
+        grace period; False when some child had to be killed."""
+        for child in reversed(self.started):
+            child.terminate()
+        clean = True
+        for child in reversed(self.started):
+            if (await asyncio.to_thread(child.stop, GRACE_S)).killed:
+                _say(f"splitserve up: {child.name} ignored SIGTERM; killed it")
+                clean = False
+        return clean
+
+
+async def _start_all(
+    children: _Children, args: argparse.Namespace, worker_args: list[str], stop: asyncio.Event
+) -> str:
+    """Start every child in order, each once the previous ones are ready; the coordinator's
+    address."""
+    coordinator = children.start("coordinator", coordinator_argv(args))
+    address = await children.wait_ready(coordinator, stop)  # the real port when --port 0
+    workers = [children.start(n, argv) for n, argv in worker_argvs(args, address, worker_args)]
+    for worker in workers:
+        await children.wait_ready(worker, stop)
+    await wait_for_health(address, READY_TIMEOUT_S)
+    if not args.no_gateway:
+        await children.wait_ready(children.start("gateway", gateway_argv(args, address)), stop)
+    return address
+
+
+async def _run(args: argparse.Namespace, worker_args: list[str]) -> int:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    children = _Children(loop)
+    try:
+        address = await _start_all(children, args, worker_args, stop)
+        _say(f"splitserve ready at {address}")
+        waits = [asyncio.create_task(stop.wait()), asyncio.create_task(children.exited.wait())]
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        for task in waits:
+            task.cancel()
+        status = 0 if stop.is_set() else 1
+    except _Stopped:
+        status = 0
+    except ReadyError as error:
+        _say(f"splitserve up: {error.summary}", file=sys.stderr)
+        status = 1
+    except TimeoutError as error:  # the coordinator's health
+        _say(f"splitserve up: {error}", file=sys.stderr)
+        status = 1
+    if not await children.stop_all():
+        status = status or 1
+    return status
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    worker_args: list[str] = []
+    if "--" in argv:
+        split = argv.index("--")
+        argv, worker_args = argv[:split], argv[split + 1 :]
+    args = build_parser().parse_args(argv)
+    return asyncio.run(_run(args, worker_args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
