@@ -28,9 +28,7 @@ import glob
 import json
 import os
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -43,6 +41,8 @@ from serving_stats import Slo
 from targets import OpenAITarget
 from timing_stats import Json
 from workload import LengthDist, WorkloadConfig
+
+from splitserve.launch.child_process import ChildProcess
 
 SPLITSERVE = Path(sys.executable).parent / "splitserve"
 SPLITSERVE_CONFIGS = {
@@ -67,15 +67,12 @@ def vllm_server(python: str, model: Path, log: Path, ready_timeout_s: float = 60
         "--served-model-name", "smollm2-135m", "--host", "127.0.0.1", "--port", str(port),
         "--max-model-len", "2048", "--dtype", "bfloat16",
     ]  # fmt: skip
-    with log.open("wb") as out:
-        process = subprocess.Popen(
-            argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
+    process = ChildProcess(argv, name="vllm", env=env, log_path=log, new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + ready_timeout_s
         while True:
-            if process.poll() is not None:
+            if process.returncode is not None:
                 raise RuntimeError(f"vLLM exited ({process.returncode}); see {log}")
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(f"{url}/health", timeout=2).status_code == 200:
@@ -85,13 +82,7 @@ def vllm_server(python: str, model: Path, log: Path, ready_timeout_s: float = 60
             time.sleep(1)
         yield url
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+        process.stop(grace_s=30)
         for leftover in glob.glob("/tmp/vllm_dist_*"):
             shutil.rmtree(leftover, ignore_errors=True)
 

@@ -42,7 +42,13 @@ class EngineStoppedError(SplitserveError):
 
 
 class WorkerUnavailableError(SplitserveError):
-    """No worker can take the request now (none registered, all failed)."""
+    """No worker can take the request now (none registered, all failed), or a worker could
+    not be reached (its call ended UNAVAILABLE)."""
+
+
+class WorkerCallError(SplitserveError):
+    """A worker call failed for a reason that is neither the request's nor the worker being
+    unreachable (deadline exceeded, internal error, cancelled by the worker)."""
 
 
 class OverloadedError(SplitserveError):

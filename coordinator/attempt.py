@@ -18,11 +18,12 @@ Events (typed, matched in ``Attempt.run``), each from one producer task:
 - ``AbortRequested``: the client or an operator aborted the request.
 
 Outcomes: the attempt ends normally once the request finished (or was aborted), or raises
-``PrefillLost`` (the prefill failed before the first token; the flow then prefills on the
-decode worker), ``DecodeLost`` (the decode worker failed; the flow resumes elsewhere), or the
-request's own error (``InvalidRequestError``, ``CapacityError``), which ends the request. A
-prefill failure after the first token changes nothing: the KV had landed. Every exit cancels
-the decode call and the prefill call, which frees the request's blocks on both workers.
+``PrefillLost`` (the prefill failed before the first token, or the decode worker gave up
+waiting for the KV and aborted the reservation; the flow then prefills on a decode worker),
+``DecodeLost`` (the decode worker failed; the flow resumes elsewhere), or the request's own
+error (``InvalidRequestError``, ``CapacityError``), which ends the request. A prefill failure
+after the first token changes nothing: the KV had landed. Every exit cancels the decode call
+and the prefill call, which frees the request's blocks on both workers.
 """
 
 from __future__ import annotations
@@ -39,10 +40,11 @@ from splitserve.common.errors import (
     CapacityError,
     InvalidRequestError,
     SplitserveError,
+    WorkerCallError,
     WorkerUnavailableError,
 )
 from splitserve.common.output_processor import RequestTracker, StreamChunk
-from splitserve.common.request_update import StepOutput
+from splitserve.common.request_update import FinishReason, StepOutput
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.coordinator.registry import WorkerRecord
 from splitserve.coordinator.router import Route, Router
@@ -169,6 +171,9 @@ class Attempt:
                             raise PrefillLost(str(error))
                         case PrefillFailed():
                             pass  # after the first token: the KV had landed, decoding goes on
+                        case Decoded(output) if self._gave_up_on_kv(output):
+                            logger.warning("%s: the decode worker gave up the KV", self._label)
+                            raise PrefillLost("the decode worker aborted the reservation")
                         case Decoded(output):
                             yield self._decoded(output, stage_start)
                             if self.tracker.finished:
@@ -195,6 +200,17 @@ class Attempt:
         self.stage_seconds.append((name, now - since))
         return now
 
+    def _gave_up_on_kv(self, output: StepOutput) -> bool:
+        """An ABORT before the first token of a pushed prompt: the decode worker's receive
+        failed (the KV never landed) and it ended the request; the prompt must be computed
+        elsewhere, not reported to the client as aborted."""
+        update = output.update
+        return (
+            self.state is AttemptState.PREFILLING
+            and update.finish_reason is FinishReason.ABORT
+            and not update.new_token_ids
+        )
+
     def _decoded(self, output: StepOutput, stage_start: float) -> StreamChunk:
         if self.state is not AttemptState.DECODING:  # the first token: the KV landed
             self._stage("prefill", stage_start)
@@ -215,6 +231,7 @@ class Attempt:
             )
 
     async def _read_decode(self, call: DecodeCall) -> None:
+        """Producer of the decode stream's events; always ends with one ``DecodeClosed``."""
         try:
             async for item in call:
                 event = Reserved(item) if isinstance(item, KvReservation) else Decoded(item)
@@ -222,9 +239,14 @@ class Attempt:
         except SplitserveError as error:
             self._events.put_nowait(DecodeClosed(error))
             return
+        except Exception as error:  # a bug or a malformed message: the worker's stream is lost
+            logger.exception("%s: reading the decode stream failed", self._label)
+            self._events.put_nowait(DecodeClosed(WorkerCallError(repr(error))))
+            return
         self._events.put_nowait(DecodeClosed(None))
 
     async def _prefill(self, reservation: KvReservation) -> None:
+        """Producer of the prefill call's one event, ``Prefilled`` or ``PrefillFailed``."""
         worker = self.route.prefill
         assert worker is not None
         client = self._channels.prefill(worker.address)
@@ -241,5 +263,9 @@ class Attempt:
             if isinstance(error, WorkerUnavailableError):
                 self._router.report_failure(worker)
             self._events.put_nowait(PrefillFailed(error))
+            return
+        except Exception as error:  # a bug or a malformed reply: this prefill is lost
+            logger.exception("%s: the prefill call failed", self._label)
+            self._events.put_nowait(PrefillFailed(WorkerCallError(repr(error))))
             return
         self._events.put_nowait(Prefilled(done))

@@ -19,6 +19,7 @@ sees one uninterrupted stream:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 from collections.abc import AsyncIterator
@@ -105,8 +106,9 @@ class RequestFlow:
                 break
             self.state = FlowState.RUNNING
             try:
-                async for chunk in attempt.run():
-                    yield chunk
+                async with contextlib.aclosing(attempt.run()) as chunks:
+                    async for chunk in chunks:
+                        yield chunk
                 self.state = FlowState.FINISHED
                 return
             except PrefillLost:
@@ -133,11 +135,10 @@ class RequestFlow:
         streamed = self.tracker.token_ids
         prompt = self.prompt_token_ids + streamed
         remaining = self.params.max_tokens - len(streamed)
-        route = self._router.route(prompt, remaining, exclude=excluded)
+        with_prefill = not (local_prefill_only or streamed)
+        route = self._router.route(prompt, remaining, excluded, with_prefill)
         if route is None:
             return None
-        if local_prefill_only or streamed:
-            route = dataclasses.replace(route, prefill=None)
         worker_params = dataclasses.replace(
             self.params,
             max_tokens=remaining,
@@ -154,6 +155,4 @@ class RequestFlow:
             self._channels,
             self._config.timeouts,
         )
-        if self._aborted:
-            self._attempt.abort()
         return self._attempt

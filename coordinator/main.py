@@ -106,6 +106,7 @@ async def _watch_workers(coordinator: Coordinator, server, stop: asyncio.Event) 
             # Not routed to any more; its open streams end by themselves if it is really gone
             # (gRPC keepalive), and a worker that was only busy registers again.
             logger.warning("worker %s (%s) stopped heartbeating", record.worker_id, record.address)
+            coordinator.router.forget(record.worker_id)
         ready = bool(coordinator.registry.workers(Role.DECODE))
         if ready != serving:
             await server.set_serving(ready)

@@ -105,18 +105,32 @@ class Router:
         finally:
             pending.num_prefill_tokens -= num_tokens
 
+    def forget(self, worker_id: str) -> None:
+        """A worker left the registry: drop what this router remembers of it (its prefix
+        memory; its pending counts once no work of this coordinator runs there)."""
+        self._prefix.pop(worker_id, None)
+        pending = self._pending.get(worker_id)
+        if pending is not None and pending == Pending():
+            del self._pending[worker_id]
+
     def report_failure(self, worker: WorkerRecord) -> None:
         """A call to ``worker`` failed as if it were gone: route around it until it reports."""
         self.registry.mark_failed(worker.worker_id)
 
     def route(
-        self, prompt_token_ids: Sequence[int], max_tokens: int, exclude: Sequence[str] = ()
+        self,
+        prompt_token_ids: Sequence[int],
+        max_tokens: int,
+        exclude: Sequence[str] = (),
+        with_prefill: bool = True,
     ) -> Route | None:
-        """A route for the request, or None when no decode worker can take it."""
+        """A route for the request, or None when no decode worker can take it.
+        ``with_prefill=False``: the decode worker computes the prompt (fallback, resume)."""
         decode = self.pick_decode(len(prompt_token_ids) + max_tokens, exclude)
         if decode is None:
             return None
-        return Route(decode, self.pick_prefill(decode, prompt_token_ids))
+        prefill = self.pick_prefill(decode, prompt_token_ids) if with_prefill else None
+        return Route(decode, prefill)
 
     def pick_decode(self, num_tokens: int, exclude: Sequence[str] = ()) -> WorkerRecord | None:
         candidates = [

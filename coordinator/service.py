@@ -8,6 +8,7 @@ running flow by id, which ends its worker calls and frees its blocks.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -118,8 +119,9 @@ class Coordinator:
         )
         self._flows[request_id] = flow
         try:
-            async for chunk in flow.run():
-                yield flow, chunk
+            async with contextlib.aclosing(flow.run()) as chunks:
+                async for chunk in chunks:
+                    yield flow, chunk
         finally:
             self._flows.pop(request_id, None)
             if self.flow_observer is not None:

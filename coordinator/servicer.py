@@ -68,7 +68,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 for response in self._responses(flow, chunk):
                     sent_any = True
                     yield response
-        except (SplitserveError, grpc.aio.AioRpcError) as error:
+        except SplitserveError as error:  # worker failures arrive as domain errors
             timer.finish("error")
             if not sent_any:
                 await abort_with(context, error)

@@ -193,14 +193,14 @@ class ChildProcess:
                 self._changed.wait(min(remaining, 0.5))
 
     def terminate(self) -> None:
-        """Send SIGTERM unless the process has ended; returns at once."""
+        """Send SIGTERM (to the process group when the child has its own session, so that a
+        server's own children stop too) unless the process has ended; returns at once."""
         if self.popen.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.popen.send_signal(signal.SIGTERM)
+            self._signal(signal.SIGTERM)
 
     def stop(self, grace_s: float) -> StopResult:
-        """SIGTERM, wait up to ``grace_s``, then SIGKILL (the process group when the child has
-        its own session); returns once the process is reaped and its output drained (or
+        """SIGTERM, wait up to ``grace_s``, then SIGKILL (both to the process group when the
+        child has its own session); returns once the process is reaped and its output drained (or
         ``DRAIN_JOIN_S`` passed: a grandchild may hold the pipe open)."""
         self.terminate()
         killed = False
@@ -214,11 +214,14 @@ class ChildProcess:
         return StopResult(status, killed)
 
     def _kill(self) -> None:
+        self._signal(signal.SIGKILL)
+
+    def _signal(self, signum: signal.Signals) -> None:
         with contextlib.suppress(ProcessLookupError):
             if self.new_session:
-                os.killpg(self.popen.pid, signal.SIGKILL)
+                os.killpg(self.popen.pid, signum)
             else:
-                self.popen.kill()
+                self.popen.send_signal(signum)
 
     def _ready_address(self, marker: str | None) -> str | None:
         for announcement in self._announcements:

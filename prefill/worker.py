@@ -32,6 +32,7 @@ from splitserve.common.errors import (
     InvalidRequestError,
     TransferAbortedError,
     TransferError,
+    WorkerCallError,
     WorkerUnavailableError,
 )
 from splitserve.common.load import EngineLoad
@@ -124,8 +125,8 @@ class PrefillWorker:
                 num_cached_tokens,
             )
             await peer.client.complete_kv(target, request_id, first, self.transfer_timeout_s)
-        except TransferError:
-            self._forget_peer(target.decode_address)
+        except (TransferError, WorkerUnavailableError, WorkerCallError):
+            self._forget_peer(target.decode_address)  # it may have restarted: handshake again
             raise
         finally:
             sender.abort()  # no-op once DONE
@@ -178,7 +179,7 @@ class PrefillWorker:
             client = self._channels.decode(address)
             try:
                 reply = await client.handshake(self.layout, self.transfer_timeout_s)
-            except WorkerUnavailableError as error:
+            except (WorkerUnavailableError, WorkerCallError) as error:
                 raise TransferError(f"KV handshake with {address} failed: {error}") from None
             if reply.transport != self.transport.name:
                 raise IncompatibleKvLayoutError(

@@ -10,7 +10,7 @@ from splitserve.common.load import EngineLoad
 from splitserve.common.membership import WorkerInfo
 from splitserve.proto import convert
 from splitserve.proto.splitserve.v1 import coordinator_pb2, coordinator_pb2_grpc
-from splitserve.proto.status import error_from_rpc
+from splitserve.proto.status import call_internal
 
 
 class MembershipClient:
@@ -21,10 +21,7 @@ class MembershipClient:
         """Announce the worker; returns the heartbeat interval the coordinator asks for, in
         seconds."""
         request = coordinator_pb2.RegisterWorkerRequest(worker=convert.worker_info_to_proto(info))
-        try:
-            reply = await self._stub.RegisterWorker(request, timeout=timeout_s)
-        except grpc.aio.AioRpcError as error:
-            raise error_from_rpc(error) from None
+        reply = await call_internal(self._stub.RegisterWorker(request, timeout=timeout_s))
         return reply.heartbeat_interval_ms / 1000
 
     async def heartbeat(self, worker_id: str, load: EngineLoad, timeout_s: float) -> bool:
@@ -33,8 +30,5 @@ class MembershipClient:
         request = coordinator_pb2.HeartbeatRequest(
             worker_id=worker_id, load=convert.load_to_proto(load)
         )
-        try:
-            reply = await self._stub.Heartbeat(request, timeout=timeout_s)
-        except grpc.aio.AioRpcError as error:
-            raise error_from_rpc(error) from None
+        reply = await call_internal(self._stub.Heartbeat(request, timeout=timeout_s))
         return reply.known

@@ -9,6 +9,9 @@ gateway can fill OpenAI's ``param``.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
+from typing import TypeVar
+
 import grpc
 
 from splitserve.common.errors import (
@@ -19,8 +22,11 @@ from splitserve.common.errors import (
     OverloadedError,
     SplitserveError,
     TransferError,
+    WorkerCallError,
     WorkerUnavailableError,
 )
+
+T = TypeVar("T")
 
 PARAM_METADATA_KEY = "splitserve-param"
 RETRY_AFTER_METADATA_KEY = "retry-after-ms"
@@ -36,10 +42,8 @@ def status_of(error: BaseException) -> tuple[grpc.StatusCode, str, str]:
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(error), ""
     if isinstance(error, IncompatibleKvLayoutError | ModelLoadError):
         return grpc.StatusCode.FAILED_PRECONDITION, str(error), ""
-    if isinstance(error, TransferError | WorkerUnavailableError):
+    if isinstance(error, TransferError | WorkerUnavailableError | WorkerCallError):
         return grpc.StatusCode.UNAVAILABLE, str(error), ""
-    if isinstance(error, grpc.aio.AioRpcError):
-        return error.code(), error.details() or str(error.code()), ""
     return grpc.StatusCode.INTERNAL, f"{type(error).__name__}: {error}", ""
 
 
@@ -74,9 +78,9 @@ def error_from_rpc(error: grpc.aio.AioRpcError) -> SplitserveError:
 
     INVALID_ARGUMENT / OUT_OF_RANGE: ``InvalidRequestError`` (with the callee's ``param``);
     RESOURCE_EXHAUSTED: ``CapacityError``; FAILED_PRECONDITION: ``IncompatibleKvLayoutError``
-    (the only refusal of a loaded worker that is not the request's fault); anything else
-    (UNAVAILABLE, DEADLINE_EXCEEDED, INTERNAL, ...): ``WorkerUnavailableError``, i.e. the
-    worker failed, not the request.
+    (the only refusal of a loaded worker that is not the request's fault); UNAVAILABLE:
+    ``WorkerUnavailableError`` (the worker, or a worker it relayed for, is unreachable);
+    anything else (DEADLINE_EXCEEDED, INTERNAL, CANCELLED, ...): ``WorkerCallError``.
     """
     code = error.code()
     details = error.details() or code.name
@@ -87,4 +91,15 @@ def error_from_rpc(error: grpc.aio.AioRpcError) -> SplitserveError:
         return CapacityError(details)
     if code == grpc.StatusCode.FAILED_PRECONDITION:
         return IncompatibleKvLayoutError(details)
-    return WorkerUnavailableError(f"{code.name}: {details}")
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return WorkerUnavailableError(f"UNAVAILABLE: {details}")
+    return WorkerCallError(f"{code.name}: {details}")
+
+
+async def call_internal(rpc: Awaitable[T]) -> T:
+    """Await an internal unary call (a worker's or the membership service's); a failure
+    raises its domain error (``error_from_rpc``)."""
+    try:
+        return await rpc
+    except grpc.aio.AioRpcError as error:
+        raise error_from_rpc(error) from None

@@ -3,9 +3,9 @@
 Callers (the coordinator's attempts, the prefill worker's KV push) pass and receive domain
 objects; proto messages are built and read here through ``convert``, and every failed call
 raises the domain error ``status.error_from_rpc`` maps it to (``InvalidRequestError``,
-``CapacityError``, ``IncompatibleKvLayoutError``, else ``WorkerUnavailableError``). Every call
-carries a deadline. ``WorkerChannels`` keeps one channel per worker address, created on first
-use and closed by ``close``.
+``CapacityError``, ``IncompatibleKvLayoutError``, ``WorkerUnavailableError`` when the worker
+is unreachable, else ``WorkerCallError``). Every call carries a deadline. ``WorkerChannels``
+keeps one channel per worker address, created on first use and closed by ``close``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from splitserve.common.sampling_params import SamplingParams
 from splitserve.proto import convert
 from splitserve.proto.server import insecure_channel
 from splitserve.proto.splitserve.v1 import worker_pb2, worker_pb2_grpc
-from splitserve.proto.status import error_from_rpc
+from splitserve.proto.status import call_internal, error_from_rpc
 from splitserve.transfer.layout import KvLayout
 from splitserve.transfer.reservation import FirstToken, KvHandshake, KvReservation, PrefillDone
 
@@ -71,20 +71,14 @@ class DecodeWorkerClient:
     async def stop(self, request_id: str, as_stopped: bool, timeout_s: float) -> bool:
         """End a request there (STOP when ``as_stopped``, else ABORT); False if unknown."""
         request = worker_pb2.WorkerAbortRequest(request_id=request_id, as_stopped=as_stopped)
-        try:
-            reply = await self._stub.Abort(request, timeout=timeout_s)
-        except grpc.aio.AioRpcError as error:
-            raise error_from_rpc(error) from None
+        reply = await call_internal(self._stub.Abort(request, timeout=timeout_s))
         return reply.aborted
 
     async def handshake(self, layout: KvLayout, timeout_s: float) -> KvHandshake:
         """Compare KV layouts (``IncompatibleKvLayoutError`` on mismatch); the peer's
         transport address."""
         request = worker_pb2.KvHandshakeRequest(layout=convert.layout_to_proto(layout))
-        try:
-            reply = await self._stub.KvHandshake(request, timeout=timeout_s)
-        except grpc.aio.AioRpcError as error:
-            raise error_from_rpc(error) from None
+        reply = await call_internal(self._stub.KvHandshake(request, timeout=timeout_s))
         return convert.handshake_from_proto(reply)
 
     async def complete_kv(
@@ -92,10 +86,7 @@ class DecodeWorkerClient:
     ) -> None:
         """Every layer was sent: returns once the KV landed and the request decodes."""
         request = convert.first_token_to_proto(reservation, request_id, first)
-        try:
-            await self._stub.CompleteKv(request, timeout=timeout_s)
-        except grpc.aio.AioRpcError as error:
-            raise error_from_rpc(error) from None
+        await call_internal(self._stub.CompleteKv(request, timeout=timeout_s))
 
 
 class PrefillWorkerClient:
@@ -117,10 +108,7 @@ class PrefillWorkerClient:
             sampling=convert.sampling_to_proto(params, include_stop=False),
             target=convert.reservation_to_proto(reservation),
         )
-        try:
-            reply = await self._stub.Prefill(request, timeout=timeout_s)
-        except grpc.aio.AioRpcError as error:
-            raise error_from_rpc(error) from None
+        reply = await call_internal(self._stub.Prefill(request, timeout=timeout_s))
         return convert.prefill_done_from_proto(reply)
 
 

@@ -92,3 +92,15 @@ def test_registry_expires_silent_workers_and_marks_failures() -> None:
     assert [w.worker_id for w in registry.workers(Role.DECODE)] == ["w"]
     assert registry.expire(now=time.monotonic() + 5) and registry.get("w") is None
     assert not registry.heartbeat("w", EngineLoad())  # unknown: it must register again
+
+
+def test_a_route_without_prefill_remembers_no_prefix_for_a_prefill_worker() -> None:
+    router = _router(_worker("d", Role.DECODE), _worker("p", Role.PREFILL))
+    prompt = list(range(512))
+    route = router.route(prompt, 16, with_prefill=False)
+    assert route is not None and route.prefill is None
+    assert router._memory("p").overlap_blocks(prompt_block_hashes(prompt, 16)) == 0
+    assert router.route(prompt, 16).prefill is not None
+    assert router._memory("p").overlap_blocks(prompt_block_hashes(prompt, 16)) == 32
+    router.forget("p")  # it left the registry
+    assert router._memory("p").overlap_blocks(prompt_block_hashes(prompt, 16)) == 0

@@ -1,0 +1,298 @@
+"""One attempt's protocol on plain objects (torch-free): the decode stream is the one source of
+tokens, events may arrive in any order, and every exit cancels both worker calls and gives
+back the router's pending counts. Real processes and gRPC are exercised by the integration
+tests; here the workers are scripted so that each ordering is tested on purpose."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+
+import pytest
+
+from splitserve.common.errors import InvalidRequestError, WorkerUnavailableError
+from splitserve.common.load import EngineLoad
+from splitserve.common.membership import Role
+from splitserve.common.output_processor import RequestTracker
+from splitserve.common.request_update import FinishReason, RequestUpdate, StepOutput
+from splitserve.common.sampling_params import SamplingParams
+from splitserve.coordinator.attempt import Attempt, AttemptTimeouts, DecodeLost, PrefillLost
+from splitserve.coordinator.registry import WorkerRecord, WorkerRegistry
+from splitserve.coordinator.router import Route, Router, RoutingConfig
+from splitserve.transfer.plan import TransferPlan
+from splitserve.transfer.reservation import KvReservation, PrefillDone
+
+PROMPT = [1, 2, 3, 4, 5]
+RESERVATION = KvReservation(7, "decode:1", len(PROMPT), "hash", TransferPlan((0,), (1,)))
+_END = object()
+
+
+class _Letters:
+    """A decoder whose text for token t is chr(ord('a') + t)."""
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(ord("a") + token) for token in token_ids)
+
+
+class _DecodeCall:
+    def __init__(self) -> None:
+        self.items: asyncio.Queue[object] = asyncio.Queue()
+        self.cancelled = False
+
+    async def __aiter__(self) -> AsyncIterator[object]:
+        while (item := await self.items.get()) is not _END:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        self.items.put_nowait(_END)
+
+
+class _Workers:
+    """Scripted decode and prefill workers behind the ``WorkerChannels`` interface."""
+
+    def __init__(self) -> None:
+        self.call = _DecodeCall()
+        self.prefill_result: asyncio.Future[PrefillDone] | None = None
+        self.prefill_cancelled = False
+        self.stopped: list[tuple[str, bool]] = []
+
+    def decode(self, address: str) -> _DecodeClient:
+        return _DecodeClient(self)
+
+    def prefill(self, address: str) -> _PrefillClient:
+        return _PrefillClient(self)
+
+
+class _DecodeClient:
+    def __init__(self, workers: _Workers) -> None:
+        self._workers = workers
+
+    def generate(self, *args: object, **kwargs: object) -> _DecodeCall:
+        return self._workers.call
+
+    async def stop(self, request_id: str, as_stopped: bool, timeout_s: float) -> bool:
+        self._workers.stopped.append((request_id, as_stopped))
+        return True
+
+
+class _PrefillClient:
+    def __init__(self, workers: _Workers) -> None:
+        self._workers = workers
+
+    async def prefill(self, *args: object, **kwargs: object) -> PrefillDone:
+        """Answers when the test settles ``prefill_result``."""
+        result = asyncio.get_running_loop().create_future()
+        self._workers.prefill_result = result
+        try:
+            return await result
+        except asyncio.CancelledError:
+            self._workers.prefill_cancelled = True
+            raise
+
+
+def _record(worker_id: str, role: Role) -> WorkerRecord:
+    return WorkerRecord(
+        worker_id, role, f"{worker_id}:1", "hash", 16, "float32", 100, 4096, EngineLoad(100)
+    )
+
+
+def _attempt(
+    workers: _Workers, remote: bool = True, stop: tuple[str, ...] = ()
+) -> tuple[Attempt, Router]:
+    decode, prefill = _record("d", Role.DECODE), _record("p", Role.PREFILL)
+    registry = WorkerRegistry()
+    registry.register(decode)
+    registry.register(prefill)
+    router = Router(registry, RoutingConfig())
+    params = SamplingParams(max_tokens=8, stop=stop)
+    tracker = RequestTracker("r", PROMPT, params, _Letters())
+    route = Route(decode, prefill if remote else None)
+    attempt = Attempt(
+        tracker,
+        route,
+        PROMPT,
+        params,
+        stop,
+        router,
+        workers,
+        AttemptTimeouts(),  # type: ignore[arg-type]
+    )
+    return attempt, router
+
+
+def _output(tokens: tuple[int, ...], count: int, finish: FinishReason | None = None) -> StepOutput:
+    update = RequestUpdate("r", tokens, finish, len(PROMPT), 3, count)
+    return StepOutput(update)
+
+
+async def _settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+def test_first_token_comes_once_from_the_decode_stream_before_the_prefill_answers() -> None:
+    async def body() -> None:
+        workers = _Workers()
+        attempt, router = _attempt(workers)
+        chunks = []
+
+        async def consume() -> None:
+            async for chunk in attempt.run():
+                chunks.append(chunk)
+
+        task = asyncio.create_task(consume())
+        workers.call.items.put_nowait(RESERVATION)
+        await _settle()
+        assert router._pending["p"].num_prefill_tokens == len(PROMPT)
+        workers.call.items.put_nowait(_output((7,), 1))  # the KV landed: first token
+        workers.call.items.put_nowait(_output((8,), 2, FinishReason.LENGTH))
+        await asyncio.wait_for(task, 5)
+        assert [chunk.new_token_ids for chunk in chunks] == [(7,), (8,)]
+        assert "".join(chunk.text for chunk in chunks) == "hi"
+        assert attempt.num_cached_tokens == 3  # from the decode stream's usage
+        assert [name for name, _ in attempt.stage_seconds] == ["reserve", "prefill"]
+        assert workers.call.cancelled and workers.prefill_cancelled  # every exit ends both
+        assert router._pending["d"].num_requests == 0
+        assert router._pending["p"].num_prefill_tokens == 0
+
+    asyncio.run(body())
+
+
+def test_a_prefill_failure_after_the_first_token_changes_nothing() -> None:
+    async def body() -> None:
+        workers = _Workers()
+        attempt, _ = _attempt(workers)
+        stream = attempt.run()
+        workers.call.items.put_nowait(RESERVATION)
+        workers.call.items.put_nowait(_output((7,), 1))
+        assert (await anext(stream)).new_token_ids == (7,)
+        await _settle()  # the prefill call is under way
+        assert workers.prefill_result is not None
+        workers.prefill_result.set_exception(WorkerUnavailableError("prefill worker gone"))
+        workers.call.items.put_nowait(_output((8,), 2, FinishReason.LENGTH))
+        last = await anext(stream)
+        assert last.new_token_ids == (8,) and last.finish_reason is FinishReason.LENGTH
+        with pytest.raises(StopAsyncIteration):
+            await anext(stream)
+
+    asyncio.run(body())
+
+
+def test_a_prefill_failure_before_the_first_token_falls_back() -> None:
+    async def body() -> None:
+        workers = _Workers()
+        attempt, router = _attempt(workers)
+        stream = attempt.run()
+        workers.call.items.put_nowait(RESERVATION)
+        pending = asyncio.create_task(anext(stream))
+        await _settle()
+        assert workers.prefill_result is not None
+        workers.prefill_result.set_exception(WorkerUnavailableError("prefill worker gone"))
+        with pytest.raises(PrefillLost):
+            await pending
+        assert workers.call.cancelled  # the reservation is released on the decode worker
+        assert not router.registry.get("p").healthy  # routed around until it reports again
+
+    asyncio.run(body())
+
+
+def test_a_decode_stream_that_ends_early_is_lost_and_a_refusal_is_the_requests_error() -> None:
+    async def body(failure: object, expected: type[Exception]) -> None:
+        workers = _Workers()
+        attempt, router = _attempt(workers, remote=False)
+        stream = attempt.run()
+        workers.call.items.put_nowait(_output((7,), 1))
+        assert (await anext(stream)).new_token_ids == (7,)
+        workers.call.items.put_nowait(failure)
+        with pytest.raises(expected):
+            await anext(stream)
+        assert workers.call.cancelled and router._pending["d"].num_requests == 0
+
+    asyncio.run(body(_END, DecodeLost))
+    asyncio.run(body(WorkerUnavailableError("UNAVAILABLE"), DecodeLost))
+    asyncio.run(body(InvalidRequestError("bad", "prompt"), InvalidRequestError))
+
+
+def test_abort_while_reserving_ends_with_an_abort_chunk_and_cancels_the_calls() -> None:
+    async def body() -> None:
+        workers = _Workers()
+        attempt, _ = _attempt(workers)
+        stream = attempt.run()
+        pending = asyncio.create_task(anext(stream))
+        await _settle()
+        attempt.abort()
+        chunk = await pending
+        assert chunk.finish_reason is FinishReason.ABORT and chunk.new_token_ids == ()
+        with pytest.raises(StopAsyncIteration):
+            await anext(stream)
+        assert workers.call.cancelled
+
+    asyncio.run(body())
+
+
+def test_a_stop_string_ends_the_request_on_the_decode_worker_as_stopped() -> None:
+    async def body() -> None:
+        workers = _Workers()
+        attempt, _ = _attempt(workers, remote=False, stop=("ij",))
+        chunks = []
+        workers.call.items.put_nowait(_output((7,), 1))  # "h"
+        workers.call.items.put_nowait(_output((8,), 2))  # "i"
+        workers.call.items.put_nowait(_output((9,), 3))  # "j": "ij" matched
+        async for chunk in attempt.run():
+            chunks.append(chunk)
+        assert "".join(chunk.text for chunk in chunks) == "h"
+        assert chunks[-1].finish_reason is FinishReason.STOP and chunks[-1].stop_reason == "ij"
+        assert workers.stopped == [("r", True)]
+
+    asyncio.run(body())
+
+
+def test_an_abort_before_the_first_token_is_a_lost_prefill_not_the_clients_abort() -> None:
+    """The decode worker's receive failed (e.g. timed out): it ends the reservation as ABORT.
+    The prompt must be computed elsewhere, not reported to the client as aborted."""
+
+    async def body() -> None:
+        workers = _Workers()
+        attempt, _ = _attempt(workers)
+        stream = attempt.run()
+        workers.call.items.put_nowait(RESERVATION)
+        workers.call.items.put_nowait(_output((), 0, FinishReason.ABORT))
+        with pytest.raises(PrefillLost):
+            await anext(stream)
+        assert workers.call.cancelled
+
+    asyncio.run(body())
+
+
+def test_a_malformed_decode_message_loses_the_stream_instead_of_hanging() -> None:
+    async def body() -> None:
+        workers = _Workers()
+        attempt, _ = _attempt(workers, remote=False)
+        stream = attempt.run()
+        workers.call.items.put_nowait(KeyError("unknown finish reason 9"))
+        with pytest.raises(DecodeLost):
+            await asyncio.wait_for(anext(stream), 5)
+
+    asyncio.run(body())
+
+
+def test_closing_the_stream_early_cancels_the_calls_and_restores_pending_counts_at_once() -> None:
+    async def body() -> None:
+        workers = _Workers()
+        attempt, router = _attempt(workers)
+        stream = attempt.run()
+        workers.call.items.put_nowait(RESERVATION)
+        workers.call.items.put_nowait(_output((7,), 1))
+        assert (await anext(stream)).new_token_ids == (7,)
+        await _settle()
+        assert router._pending["d"].num_requests == 1
+        await stream.aclose()  # the client went away mid-stream
+        assert workers.call.cancelled
+        assert router._pending["d"].num_requests == 0
+        await _settle()
+        assert workers.prefill_cancelled and router._pending["p"].num_prefill_tokens == 0
+
+    asyncio.run(body())
