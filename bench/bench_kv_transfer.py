@@ -69,7 +69,7 @@ from timing_stats import Json, wait_for_quiet
 
 from splitserve.engine.host_memory import empty_huge_pages, zeros_huge_pages
 from splitserve.transfer.layer_channel import LayerReceiver, LayerSender
-from splitserve.transfer.plan import TransferPlan
+from splitserve.transfer.plan import TransferPlan, new_transfer_secret
 from splitserve.transfer.ucx import UcxSettings, UcxTransport
 from splitserve.worker.kv_io import receive_destinations
 
@@ -199,7 +199,7 @@ async def _serve_receives(conn: Connection, config: UcxConfig) -> None:
     conn.send(transport.address)
     try:
         while isinstance(command := await asyncio.to_thread(recv_within, conn), tuple):
-            workload, transfer_id = command
+            workload, transfer_id, secret = command
             cache = caches.get(workload)
             if cache is None:  # [layers, 2, blocks, half_block_bytes], allocated as a KV cache
                 shape = (workload.num_layers, 2, workload.cache_blocks, workload.half_block_bytes)
@@ -207,7 +207,7 @@ async def _serve_receives(conn: Connection, config: UcxConfig) -> None:
                 caches[workload] = cache
             cache.zero_()
             plan, destinations = receive_destinations(cache, workload.block_ids)
-            receiver = LayerReceiver(transport, transfer_id, plan, destinations)
+            receiver = LayerReceiver(transport, transfer_id, secret, plan, destinations)
             await asyncio.sleep(0.005)  # let the receiver post its receives
             conn.send("ready")
             await receiver.wait(CONTROL_TIMEOUT_S)
@@ -250,10 +250,10 @@ async def _time_transfers(
                 torch.index_select(source[layer], 1, order, out=ordered[layer])
             seconds = []
             for rep in range(1 + reps):
-                transfer_id = next(transfer_ids)
-                conn.send((workload, transfer_id))
+                transfer_id, secret = next(transfer_ids), new_transfer_secret()
+                conn.send((workload, transfer_id, secret))  # in production: the reservation
                 assert await asyncio.to_thread(recv_within, conn) == "ready"
-                sender = LayerSender(endpoint, transfer_id, workload.num_layers, plan, loop)
+                sender = LayerSender(endpoint, transfer_id, secret, workload.num_layers, plan, loop)
                 start = monotonic()
                 for layer in range(workload.num_layers):
                     sender.offer(layer, ordered[layer])

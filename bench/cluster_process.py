@@ -63,6 +63,8 @@ class LocalCluster:
             "up",
             "--port",
             str(self.port),
+            "--internal-port",
+            "0",
             "--http-port",
             str(self.http_port),
             "--metrics-port-base",

@@ -1,8 +1,11 @@
-"""``splitserve coordinator``: the coordinator process.
+"""``splitserve coordinator``: the coordinator process, on two planes.
 
-Serves the public ``Coordinator`` API, health (SERVING once a decode worker is registered)
-and reflection; drops workers that stop heartbeating. Prints
-``splitserve coordinator ready at <host:port>`` once listening.
+Public (``--port``): the ``Coordinator`` API (Generate, Abort, GetModelInfo) and health
+(SERVING once a decode worker is registered), for clients and the gateway. Internal
+(``--internal-port``): ``Membership`` (RegisterWorker, Heartbeat, ListWorkers) and health,
+every call refused without the cluster credential. Reflection only with ``--grpc-reflection``.
+Drops workers that stop heartbeating. Prints ``splitserve coordinator internal ready at
+<host:port>``, then ``splitserve coordinator ready at <host:port>`` once both listen.
 """
 
 from __future__ import annotations
@@ -22,15 +25,18 @@ from splitserve.common.metrics import serve_metrics
 from splitserve.common.model_files import load_tokenizer, model_name_of, resolve_model_path
 from splitserve.coordinator.attempt import AttemptTimeouts
 from splitserve.coordinator.flow import FlowConfig
+from splitserve.coordinator.membership_servicer import MembershipServicer
 from splitserve.coordinator.metrics import CoordinatorMetrics
 from splitserve.coordinator.router import RoutingConfig
 from splitserve.coordinator.service import Coordinator, CoordinatorConfig
 from splitserve.coordinator.servicer import CoordinatorServicer
-from splitserve.proto.server import serve_forever, start_server
+from splitserve.proto.cluster_auth import add_cluster_auth_args, credential_from_args
+from splitserve.proto.server import add_reflection_flag, serve_forever, start_server
 from splitserve.proto.splitserve.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 logger = logging.getLogger(__name__)
 SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name
+MEMBERSHIP_SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["Membership"].full_name
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,7 +46,13 @@ def build_parser() -> argparse.ArgumentParser:
         add_env_flag(parser, name, default, convert, help_text)
 
     flag("--host", "127.0.0.1", str, "address the gRPC server binds")
-    flag("--port", 50051, int, "gRPC port; 0 picks a free one")
+    flag("--port", 50051, int, "public gRPC port (clients, gateway); 0 picks a free one")
+    flag(
+        "--internal-port",
+        50052,
+        int,
+        "internal gRPC port (worker membership; cluster credential required); 0: any free",
+    )
     flag("--model", "default", str, "model whose tokenizer and chat template to use")
     flag("--max-inflight", 1024, int, "requests admitted at once (then RESOURCE_EXHAUSTED)")
     flag(
@@ -51,11 +63,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     flag("--prefill-timeout", 300.0, float, "seconds a prefill (compute + KV push) may take")
     flag("--metrics-port", 0, int, "Prometheus /metrics port (0: any free port, -1: off)")
+    add_reflection_flag(parser)
+    add_cluster_auth_args(parser)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        credential = credential_from_args(args)
+    except (OSError, ValueError) as error:
+        parser.error(str(error))  # exits with status 2
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s coordinator %(levelname)s %(message)s"
     )
@@ -66,7 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         routing=RoutingConfig(local_prefill_max_tokens=args.local_prefill_max_tokens),
         flow=FlowConfig(timeouts=AttemptTimeouts(prefill_s=args.prefill_timeout)),
     )
-    coordinator = Coordinator(config, load_tokenizer(model_path))
+    coordinator = Coordinator(config, load_tokenizer(model_path), credential)
     registry = CollectorRegistry()
     metrics = CoordinatorMetrics(registry, config.model_name, coordinator.registry)
 
@@ -80,7 +99,23 @@ def main(argv: Sequence[str] | None = None) -> int:
                 ),
                 [SERVICE_NAME],
             )[1],
+            credential=None,
+            with_reflection=args.grpc_reflection,
         )
+        internal = await start_server(
+            args.host,
+            args.internal_port,
+            lambda s: (
+                coordinator_pb2_grpc.add_MembershipServicer_to_server(
+                    MembershipServicer(coordinator.registry), s
+                ),
+                [MEMBERSHIP_SERVICE_NAME],
+            )[1],
+            credential=credential,
+            with_reflection=args.grpc_reflection,
+        )
+        await internal.set_serving(True)
+        print(f"splitserve coordinator internal ready at {args.host}:{internal.port}", flush=True)
         if args.metrics_port >= 0:
             port = serve_metrics(registry, args.host, args.metrics_port)
             print(f"coordinator metrics at http://{args.host}:{port}/metrics", flush=True)
@@ -89,6 +124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         await stop.wait()
         await server.set_serving(False)
         await server.server.stop(5.0)
+        await internal.server.stop(1.0)
         watcher.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await watcher

@@ -28,6 +28,7 @@ from splitserve.common.tokenizer import Tokenizer
 from splitserve.coordinator.flow import FlowConfig, RequestFlow
 from splitserve.coordinator.registry import WorkerRegistry
 from splitserve.coordinator.router import Router, RoutingConfig
+from splitserve.proto.cluster_auth import ClusterCredential
 from splitserve.proto.worker_clients import WorkerChannels
 
 
@@ -41,12 +42,15 @@ class CoordinatorConfig:
 
 
 class Coordinator:
-    def __init__(self, config: CoordinatorConfig, tokenizer: Tokenizer) -> None:
+    def __init__(
+        self, config: CoordinatorConfig, tokenizer: Tokenizer, credential: ClusterCredential
+    ) -> None:
+        """``credential``: what the coordinator's calls to workers carry."""
         self.config = config
         self.tokenizer = tokenizer
         self.registry = WorkerRegistry()
         self.router = Router(self.registry, config.routing)
-        self.channels = WorkerChannels()
+        self.channels = WorkerChannels(credential)
         self._flows: dict[str, RequestFlow] = {}
         self.flow_observer: Callable[[RequestFlow], None] | None = None
         """Called with each flow when it ends (metrics); must not raise."""

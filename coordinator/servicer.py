@@ -1,4 +1,4 @@
-"""gRPC ``Coordinator`` service: proto <-> domain at the edge, nothing else.
+"""gRPC ``Coordinator`` service (the public plane): proto <-> domain at the edge, nothing else.
 
 Errors before the first response end the call with a status (``proto/status.py``); a failure
 after tokens were streamed arrives as a final ``error`` message, so the client keeps what it
@@ -7,7 +7,6 @@ received.
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator
 
 import grpc
@@ -19,18 +18,10 @@ from splitserve.common.output_processor import StreamChunk
 from splitserve.common.prompt import Prompt
 from splitserve.coordinator.flow import RequestFlow
 from splitserve.coordinator.metrics import CoordinatorMetrics
-from splitserve.coordinator.registry import WorkerRecord, record_of
 from splitserve.coordinator.service import Coordinator
 from splitserve.proto import convert
-from splitserve.proto.splitserve.v1 import (
-    common_pb2,
-    coordinator_pb2,
-    coordinator_pb2_grpc,
-    worker_pb2,
-)
+from splitserve.proto.splitserve.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from splitserve.proto.status import abort_with, status_of
-
-HEARTBEAT_INTERVAL_MS = 500
 
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
@@ -140,30 +131,6 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             dtype=decode[0].dtype if decode else "",
         )
 
-    async def RegisterWorker(
-        self, request: coordinator_pb2.RegisterWorkerRequest, context: grpc.aio.ServicerContext
-    ) -> coordinator_pb2.RegisterWorkerResponse:
-        try:
-            info = convert.worker_info_from_proto(request.worker)
-        except InvalidRequestError as error:
-            await abort_with(context, error)
-        self._coordinator.registry.register(record_of(info))
-        return coordinator_pb2.RegisterWorkerResponse(heartbeat_interval_ms=HEARTBEAT_INTERVAL_MS)
-
-    async def Heartbeat(
-        self, request: coordinator_pb2.HeartbeatRequest, context: grpc.aio.ServicerContext
-    ) -> coordinator_pb2.HeartbeatResponse:
-        known = self._coordinator.registry.heartbeat(
-            request.worker_id, convert.load_from_proto(request.load)
-        )
-        return coordinator_pb2.HeartbeatResponse(known=known)
-
-    async def ListWorkers(
-        self, request: coordinator_pb2.ListWorkersRequest, context: grpc.aio.ServicerContext
-    ) -> coordinator_pb2.ListWorkersResponse:
-        records = self._coordinator.registry.workers(healthy_only=False)
-        return coordinator_pb2.ListWorkersResponse(workers=[_status(r) for r in records])
-
 
 def _prompt_of(request: coordinator_pb2.GenerateRequest) -> Prompt:
     kind = request.WhichOneof("prompt")
@@ -176,17 +143,3 @@ def _prompt_of(request: coordinator_pb2.GenerateRequest) -> Prompt:
     if kind == "token_ids":
         return list(request.token_ids.ids)
     raise InvalidRequestError("one of text, chat or token_ids is required", "prompt")
-
-
-def _status(record: WorkerRecord) -> coordinator_pb2.WorkerStatus:
-    return coordinator_pb2.WorkerStatus(
-        worker=worker_pb2.WorkerInfo(
-            worker_id=record.worker_id,
-            role=convert.ROLE_TO_PROTO[record.role],
-            address=record.address,
-            num_blocks=record.num_blocks,
-            max_model_len=record.max_model_len,
-        ),
-        load=convert.load_to_proto(record.load, ready=record.healthy),
-        ms_since_heartbeat=int((time.monotonic() - record.last_seen) * 1000),
-    )

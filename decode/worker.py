@@ -9,6 +9,25 @@ first token then opens the request's output stream like any other token.
 
 The KV lands straight in the reserved blocks (``kv_io.receive_destinations``).
 
+Transfers nobody else can write into: each reservation gets a random 64-bit transfer id (names
+it in ``CompleteKv`` and logs) and a 128-bit secret from the CSPRNG (``new_transfer_secret``),
+sent only in the reservation; every UCX tag of the transfer derives from the secret
+(``plan.message_tag``), and the transport checks each message's size against its planned
+region, so a forged, stale or short message never counts as landed KV.
+
+Peer input: ``complete_kv`` accepts a first token only for the open transfer of that request
+(transfer id and request id both match) and only within bounds (``FirstToken.check``: token id
+in the vocabulary, cached tokens within the prompt). A bad one fails that request alone with
+``InvalidRequestError`` naming the field: its transfer stops, its blocks go back once settled,
+and the running batch never sees the token.
+
+Prefix cache: received KV enters it only through ``Scheduler.complete_remote_prefill``
+(``cache_full_blocks``), which ``complete_kv`` reaches only after the transfer completed
+(``LayerReceiver.wait``: every message landed with its planned size) and the prefill side's
+``CompleteKv`` passed the checks above. Reserved blocks carry no prefix hash until then (the
+pool evicts a block's hash when it hands the block out), so no other request can hit KV that
+is still arriving or that came from a failed or aborted transfer.
+
 Invariant: a reserved block goes back to the pool only once its receiver settled (no message
 can land in blocks that were handed to another request), on every exit path: stream closed by
 the caller, ``abort``, transfer failure, a failed engine step. The engine takes a *hold* (an
@@ -21,9 +40,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
-import random
+import secrets
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -36,7 +54,7 @@ from splitserve.engine.async_engine import AsyncEngine, RequestStream
 from splitserve.engine.engine_core import EngineCore
 from splitserve.transfer.layer_channel import LayerReceiver
 from splitserve.transfer.layout import KvLayout
-from splitserve.transfer.plan import MAX_TRANSFER_ID
+from splitserve.transfer.plan import new_transfer_secret
 from splitserve.transfer.reservation import FirstToken, KvReservation
 from splitserve.transfer.transport import KvTransport
 from splitserve.worker.identity import WorkerIdentity
@@ -57,6 +75,7 @@ class _Incoming:
     receiver: LayerReceiver
     block_ids: list[int]
     num_bytes: int
+    num_prompt_tokens: int
     reserved_at: float = field(default_factory=time.monotonic)
 
 
@@ -80,8 +99,6 @@ class DecodeWorker:
         self._transfer_of: dict[str, int] = {}
         self._settling: set[asyncio.Task[None]] = set()  # stopped receivers holding blocks
         self._open_attempts: dict[str, asyncio.Event] = {}  # request id -> set when it ended
-        # Random start: ids stay unique across restarts of this worker at the same address.
-        self._transfer_ids = itertools.count(random.randrange(1, MAX_TRANSFER_ID >> 8))
         self.transfer_metrics = TransferMetrics()
 
     async def generate(
@@ -151,33 +168,49 @@ class DecodeWorker:
         """Post the receiver for a reservation; from here the transfer owns the hold the
         engine took on ``block_table`` (``AsyncEngine.submit``)."""
         block_ids = list(block_table)
+        transfer_id, secret = self._new_transfer_id(), new_transfer_secret()
         try:
-            transfer_id = next(self._transfer_ids)
             plan, destinations = receive_destinations(self.core.runner.kv_cache, block_ids)
-            receiver = LayerReceiver(self.transport, transfer_id, plan, destinations)
+            receiver = LayerReceiver(self.transport, transfer_id, secret, plan, destinations)
         except BaseException:
             self.engine.release_blocks(block_ids)  # no receive was posted
             raise
         self.transfer_metrics.block_runs.observe(plan.num_runs)
         num_bytes = self.layout.layer_bytes(len(block_ids)) * self.layout.num_layers
-        self._incoming[transfer_id] = _Incoming(request_id, receiver, block_ids, num_bytes)
+        incoming = _Incoming(request_id, receiver, block_ids, num_bytes, num_tokens)
+        self._incoming[transfer_id] = incoming
         self._transfer_of[request_id] = transfer_id
         return KvReservation(
-            transfer_id, self.identity.address, num_tokens, self.layout.compat_hash, plan
+            transfer_id, self.identity.address, num_tokens, self.layout.compat_hash, plan, secret
         )
+
+    def _new_transfer_id(self) -> int:
+        """A random 64-bit id no open transfer here has (ids are not secrets; see the module
+        docstring)."""
+        while (transfer_id := secrets.randbits(64)) in self._incoming:
+            pass
+        return transfer_id
 
     async def complete_kv(self, transfer_id: int, request_id: str, first: FirstToken) -> None:
         """Wait for every layer of the transfer, then start decoding the request with the
         prefill worker's first token (it goes out on the request's stream).
 
-        Raises ``InvalidRequestError`` for an unknown transfer, ``TransferError`` subclasses
-        when the KV does not arrive in time (the request is then aborted).
+        Raises ``InvalidRequestError`` for an unknown transfer, and, naming the field, for a
+        first token out of bounds (``FirstToken.check``; the request is then aborted and its
+        blocks go back once its receives settled); ``TransferError`` subclasses when the KV
+        does not arrive in time or a message is not its planned size (the request is then
+        aborted). Other requests are never affected.
         """
         incoming = self._incoming.get(transfer_id)
         if incoming is None or incoming.request_id != request_id:
             raise InvalidRequestError(
                 f"no KV reservation {transfer_id} for request {request_id!r}", "transfer_id"
             )
+        try:
+            first.check(self.core.model_config.vocab_size, incoming.num_prompt_tokens)
+        except InvalidRequestError:
+            await self.abort(request_id)
+            raise
         try:
             await incoming.receiver.wait(self.transfer_timeout_s)
         except BaseException as error:

@@ -176,7 +176,15 @@ class EngineCore:
         num_cached_tokens: int = 0,
     ) -> StepOutput:
         """The reserved request's KV has landed; it decodes from the next step on.
-        ``num_cached_tokens``: prompt tokens the prefilling worker had in its prefix cache."""
+        ``num_cached_tokens``: prompt tokens the prefilling worker had in its prefix cache.
+
+        Raises ``InvalidRequestError``, changing nothing, for a token outside the vocabulary
+        (it would fail the whole batch's embedding lookup)."""
+        vocab = self.model_config.vocab_size
+        if not 0 <= first_token_id < vocab:
+            raise InvalidRequestError(
+                f"first token id {first_token_id} is outside [0, {vocab})", "first_token_id"
+            )
         update = self.scheduler.complete_remote_prefill(
             request_id, first_token_id, num_cached_tokens
         )

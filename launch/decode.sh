@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One decode worker: reserves KV blocks, receives pushed KV, batches decoding, streams tokens.
-#   launch/decode.sh --coordinator coord-host:50051 --host 0.0.0.0 --advertise-host $(hostname) \
+#   SPLITSERVE_CLUSTER_TOKEN=... launch/decode.sh --coordinator coord-host:50052 --host 0.0.0.0 --advertise-host $(hostname) \
 #       --model /models/llama.gguf --kv-cache-gib 32 [--ucx-tls ...] [--ucx-error-handling]
+# (--coordinator: the coordinator's internal port; the token: the cluster's shared secret)
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 exec "$SPLITSERVE" decode "$@"

@@ -8,6 +8,11 @@ stops all children on Ctrl-C / SIGTERM (SIGTERM, then SIGKILL after a grace peri
 child exits on its own, the others are stopped and ``up`` exits with status 1; so it does
 when a child had to be killed because it ignored SIGTERM.
 
+The cluster credential: ``SPLITSERVE_CLUSTER_TOKEN`` when set (so other processes can join
+the cluster), else a fresh random token for this run; children receive it through their
+environment, never on a command line. Workers register on the coordinator's internal port
+(``--internal-port``); clients and the gateway use its public ``--port``.
+
 Cores are split evenly among the workers (``--cpu-affinity`` of each) when the machine has at
 least one core per worker, so co-located workers do not fight over cores; ``--no-pin`` turns
 that off. Flags after ``--`` go to every worker (e.g. ``-- --dtype float32``).
@@ -26,6 +31,7 @@ from collections.abc import Sequence
 from typing import TextIO
 
 from splitserve.launch.child_process import ChildProcess, ReadyError, python_module_argv
+from splitserve.proto.cluster_auth import TOKEN_ENV, ClusterCredential
 from splitserve.proto.server import wait_for_health
 
 GRACE_S = 10.0
@@ -36,7 +42,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitserve up", description=__doc__.splitlines()[0])
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument(
-        "--port", type=int, default=50051, help="coordinator gRPC port (0: any free port)"
+        "--port", type=int, default=50051, help="coordinator's public gRPC port (0: any free)"
+    )
+    parser.add_argument(
+        "--internal-port",
+        type=int,
+        default=50052,
+        help="coordinator's internal gRPC port, for workers (0: any free port)",
     )
     parser.add_argument("--model", default="default")
     parser.add_argument("--prefill", type=int, default=1, help="prefill workers")
@@ -78,6 +90,7 @@ def worker_core_sets(num_workers: int, cpus: Sequence[int]) -> list[str | None]:
 def coordinator_argv(args: argparse.Namespace) -> list[str]:
     """Module and flags of the coordinator."""
     argv = ["splitserve.coordinator.main", f"--host={args.host}", f"--port={args.port}"]
+    argv.append(f"--internal-port={args.internal_port}")
     argv += [f"--model={args.model}", f"--metrics-port={_metrics_port(args.metrics_port_base, 0)}"]
     if args.max_inflight is not None:
         argv.append(f"--max-inflight={args.max_inflight}")
@@ -89,7 +102,8 @@ def coordinator_argv(args: argparse.Namespace) -> list[str]:
 def worker_argvs(
     args: argparse.Namespace, coordinator: str, worker_args: Sequence[str]
 ) -> list[tuple[str, list[str]]]:
-    """(name, module and flags) of each worker in start order: prefill ones, then decode."""
+    """(name, module and flags) of each worker in start order: prefill ones, then decode;
+    ``coordinator`` is the coordinator's internal address."""
     roles = ["prefill"] * args.prefill + ["decode"] * args.decode
     cpus = sorted(os.sched_getaffinity(0))
     cores = [None] * len(roles) if args.no_pin else worker_core_sets(len(roles), cpus)
@@ -129,15 +143,17 @@ def _say(text: str, file: TextIO | None = None) -> None:
 class _Children:
     """The children in start order; ``exited`` is set once any of them has ended."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, credential: ClusterCredential) -> None:
         self.started: list[ChildProcess] = []
         self.exited = asyncio.Event()
         self._loop = loop
+        self._env = {TOKEN_ENV: credential.token}
 
     def start(self, name: str, module_argv: list[str]) -> ChildProcess:
         child = ChildProcess(
             python_module_argv(*module_argv),
             name=name,
+            env=self._env,
             new_session=True,  # Ctrl-C reaches only us; we stop the children in order
             on_line=lambda line: _say(f"[{name}] {line}"),
             on_exit=self._note_exit,
@@ -149,9 +165,12 @@ class _Children:
         with contextlib.suppress(RuntimeError):  # the loop is gone: nobody is waiting
             self._loop.call_soon_threadsafe(self.exited.set)
 
-    async def wait_ready(self, child: ChildProcess, stop: asyncio.Event) -> str:
-        """``child``'s ready address; ``_Stopped`` if ``stop`` is set first."""
-        ready = asyncio.ensure_future(asyncio.to_thread(child.wait_ready, None, READY_TIMEOUT_S))
+    async def wait_ready(
+        self, child: ChildProcess, stop: asyncio.Event, marker: str | None = None
+    ) -> str:
+        """``child``'s ready address (of the announcement containing ``marker``, if given);
+        ``_Stopped`` if ``stop`` is set first."""
+        ready = asyncio.ensure_future(asyncio.to_thread(child.wait_ready, marker, READY_TIMEOUT_S))
         stopped = asyncio.ensure_future(stop.wait())
         await asyncio.wait([ready, stopped], return_when=asyncio.FIRST_COMPLETED)
         stopped.cancel()
@@ -182,8 +201,10 @@ async def _start_all(
     """Start every child in order, each once the previous ones are ready; the coordinator's
     address."""
     coordinator = children.start("coordinator", coordinator_argv(args))
-    address = await children.wait_ready(coordinator, stop)  # the real port when --port 0
-    workers = [children.start(n, argv) for n, argv in worker_argvs(args, address, worker_args)]
+    # the real ports when 0; the internal one is announced first
+    address = await children.wait_ready(coordinator, stop, "splitserve coordinator ready")
+    internal = coordinator.announcements()["splitserve coordinator internal ready"]
+    workers = [children.start(n, argv) for n, argv in worker_argvs(args, internal, worker_args)]
     for worker in workers:
         await children.wait_ready(worker, stop)
     await wait_for_health(address, READY_TIMEOUT_S)
@@ -192,12 +213,14 @@ async def _start_all(
     return address
 
 
-async def _run(args: argparse.Namespace, worker_args: list[str]) -> int:
+async def _run(
+    args: argparse.Namespace, worker_args: list[str], credential: ClusterCredential
+) -> int:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    children = _Children(loop)
+    children = _Children(loop, credential)
     try:
         address = await _start_all(children, args, worker_args, stop)
         _say(f"splitserve ready at {address}")
@@ -219,14 +242,25 @@ async def _run(args: argparse.Namespace, worker_args: list[str]) -> int:
     return status
 
 
+def cluster_credential() -> ClusterCredential:
+    """``SPLITSERVE_CLUSTER_TOKEN`` when set, else a fresh token for this run."""
+    token = os.environ.get(TOKEN_ENV)
+    return ClusterCredential(token) if token else ClusterCredential.generate()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     worker_args: list[str] = []
     if "--" in argv:
         split = argv.index("--")
         argv, worker_args = argv[:split], argv[split + 1 :]
-    args = build_parser().parse_args(argv)
-    return asyncio.run(_run(args, worker_args))
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        credential = cluster_credential()
+    except ValueError as error:
+        parser.error(f"{TOKEN_ENV}: {error}")  # exits with status 2
+    return asyncio.run(_run(args, worker_args, credential))
 
 
 if __name__ == "__main__":

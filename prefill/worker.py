@@ -85,7 +85,9 @@ class PrefillWorker:
         self.transfer_timeout_s = transfer_timeout_s
         self._outgoing: dict[str, _Outgoing] = {}
         self._peers: dict[str, _Peer] = {}
-        self._channels = WorkerChannels()
+        if identity.credential is None:
+            raise ValueError("a prefill worker calls decode workers: it needs the credential")
+        self._channels = WorkerChannels(identity.credential)
         self._peer_locks: dict[str, asyncio.Lock] = {}
         self.transfer_metrics = TransferMetrics()
 
@@ -102,7 +104,12 @@ class PrefillWorker:
         self._check_target(prompt_token_ids, target)
         loop = asyncio.get_running_loop()
         sender = LayerSender(
-            peer.endpoint, target.transfer_id, self.layout.num_layers, target.plan, loop
+            peer.endpoint,
+            target.transfer_id,
+            target.transfer_secret,
+            self.layout.num_layers,
+            target.plan,
+            loop,
         )
         staging = staging_buffer(self.core, target.num_blocks)
         self._outgoing[request_id] = _Outgoing(sender, staging)

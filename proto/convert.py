@@ -165,12 +165,13 @@ def reservation_to_proto(reservation: KvReservation) -> worker_pb2.KvReservation
         compat_hash=reservation.compat_hash,
         block_order=reservation.plan.block_order,
         run_lengths=reservation.plan.run_lengths,
+        transfer_secret=reservation.transfer_secret,
     )
 
 
 def reservation_from_proto(message: worker_pb2.KvReservation) -> KvReservation:
     """The reservation; ``InvalidRequestError`` (param "target") if its plan does not describe
-    the reserved blocks."""
+    the reserved blocks or its transfer secret has the wrong size."""
     try:
         plan = TransferPlan(tuple(message.block_order), tuple(message.run_lengths))
     except InvalidTransferPlanError as error:
@@ -181,6 +182,7 @@ def reservation_from_proto(message: worker_pb2.KvReservation) -> KvReservation:
         num_tokens=message.num_tokens,
         compat_hash=message.compat_hash,
         plan=plan,
+        transfer_secret=message.transfer_secret,
     )
 
 

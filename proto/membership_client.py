@@ -9,19 +9,25 @@ import grpc
 from splitserve.common.load import EngineLoad
 from splitserve.common.membership import WorkerInfo
 from splitserve.proto import convert
+from splitserve.proto.cluster_auth import ClusterCredential
 from splitserve.proto.splitserve.v1 import coordinator_pb2, coordinator_pb2_grpc
 from splitserve.proto.status import call_internal
 
 
 class MembershipClient:
-    def __init__(self, channel: grpc.aio.Channel) -> None:
-        self._stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+    """Calls the coordinator's internal port with the cluster credential."""
+
+    def __init__(self, channel: grpc.aio.Channel, credential: ClusterCredential) -> None:
+        self._stub = coordinator_pb2_grpc.MembershipStub(channel)
+        self._metadata = credential.metadata
 
     async def register(self, info: WorkerInfo, timeout_s: float) -> float:
         """Announce the worker; returns the heartbeat interval the coordinator asks for, in
         seconds."""
         request = coordinator_pb2.RegisterWorkerRequest(worker=convert.worker_info_to_proto(info))
-        reply = await call_internal(self._stub.RegisterWorker(request, timeout=timeout_s))
+        reply = await call_internal(
+            self._stub.RegisterWorker(request, timeout=timeout_s, metadata=self._metadata)
+        )
         return reply.heartbeat_interval_ms / 1000
 
     async def heartbeat(self, worker_id: str, load: EngineLoad, timeout_s: float) -> bool:
@@ -30,5 +36,7 @@ class MembershipClient:
         request = coordinator_pb2.HeartbeatRequest(
             worker_id=worker_id, load=convert.load_to_proto(load)
         )
-        reply = await call_internal(self._stub.Heartbeat(request, timeout=timeout_s))
+        reply = await call_internal(
+            self._stub.Heartbeat(request, timeout=timeout_s, metadata=self._metadata)
+        )
         return reply.known

@@ -1,25 +1,31 @@
 """gRPC server plumbing shared by every role: options, health, reflection, uvloop, shutdown.
 
 Every role's process calls ``serve_forever(build)``: it installs uvloop, creates the
-``grpc.aio`` server with raised message limits, registers ``grpc.health.v1`` (all services
-NOT_SERVING until the role calls ``set_serving``) and reflection, binds the port, starts, then
+``grpc.aio`` server with raised message limits and, on the internal plane, the cluster
+credential check (``cluster_auth``), registers ``grpc.health.v1`` (all services NOT_SERVING
+until the role calls ``set_serving``) and reflection when asked, binds the port, starts, then
 runs the role's ``build`` coroutine and waits until SIGINT/SIGTERM, when it stops accepting
 calls, lets running ones finish for a grace period and runs the role's cleanup.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import signal
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 
 import grpc
 import uvloop
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
+
+from splitserve.common.env_flags import env_default, truthy
+from splitserve.proto.cluster_auth import ClusterAuthInterceptor, ClusterCredential
 
 logger = logging.getLogger(__name__)
 
@@ -71,20 +77,24 @@ async def start_server(
     host: str,
     port: int,
     register: Callable[[grpc.aio.Server], Sequence[str]],
+    *,
+    credential: ClusterCredential | None,
+    with_reflection: bool = False,
 ) -> RoleServer:
-    """Create, register (``register`` adds servicers, returns full service names), bind, start."""
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+    """Create, register (``register`` adds servicers, returns full service names), bind, start.
+
+    ``credential``: an internal-plane server, every call of which (health and reflection
+    included) must carry it (``cluster_auth``); None only for the coordinator's public port.
+    ``with_reflection``: serve gRPC reflection (off by default: it lists every method).
+    """
+    interceptors = () if credential is None else (ClusterAuthInterceptor(credential),)
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
     names = tuple(register(server))
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    reflection.enable_server_reflection(
-        (
-            *names,
-            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-            reflection.SERVICE_NAME,
-        ),
-        server,
-    )
+    if with_reflection:
+        health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+        reflection.enable_server_reflection((*names, health_name, reflection.SERVICE_NAME), server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"cannot bind gRPC server to {host}:{port}")
@@ -109,18 +119,39 @@ def serve_forever(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
     uvloop.run(runner())
 
 
-async def wait_for_health(address: str, timeout_s: float, service: str = "") -> None:
-    """Poll ``grpc.health.v1`` at ``address`` until SERVING; ``TimeoutError`` after timeout."""
+async def wait_for_health(
+    address: str,
+    timeout_s: float,
+    service: str = "",
+    credential: ClusterCredential | None = None,
+) -> None:
+    """Poll ``grpc.health.v1`` at ``address`` until SERVING; ``TimeoutError`` after timeout.
+    ``credential``: for a server of the internal plane."""
+    metadata = None if credential is None else credential.metadata
     async with insecure_channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         async with asyncio.timeout(timeout_s):
             while True:
                 try:
                     reply = await stub.Check(
-                        health_pb2.HealthCheckRequest(service=service), timeout=1
+                        health_pb2.HealthCheckRequest(service=service),
+                        timeout=1,
+                        metadata=metadata,
                     )
                     if reply.status == health_pb2.HealthCheckResponse.SERVING:
                         return
                 except grpc.aio.AioRpcError:
                     pass
                 await asyncio.sleep(0.1)
+
+
+def add_reflection_flag(
+    parser: argparse._ActionsContainer, env: Mapping[str, str] = os.environ
+) -> None:
+    """``--grpc-reflection``: serve gRPC reflection (off by default; it lists every method)."""
+    parser.add_argument(
+        "--grpc-reflection",
+        action="store_true",
+        default=env_default("--grpc-reflection", False, truthy, env),
+        help="serve gRPC reflection (env SPLITSERVE_GRPC_REFLECTION=1)",
+    )

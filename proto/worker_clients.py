@@ -4,8 +4,9 @@ Callers (the coordinator's attempts, the prefill worker's KV push) pass and rece
 objects; proto messages are built and read here through ``convert``, and every failed call
 raises the domain error ``status.error_from_rpc`` maps it to (``InvalidRequestError``,
 ``CapacityError``, ``IncompatibleKvLayoutError``, ``WorkerUnavailableError`` when the worker
-is unreachable, else ``WorkerCallError``). Every call carries a deadline. ``WorkerChannels``
-keeps one channel per worker address, created on first use and closed by ``close``.
+is unreachable, else ``WorkerCallError``). Every call carries a deadline and the cluster
+credential (``cluster_auth``). ``WorkerChannels`` keeps one channel per worker address,
+created on first use and closed by ``close``.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import grpc
 from splitserve.common.request_update import StepOutput
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.proto import convert
+from splitserve.proto.cluster_auth import ClusterCredential
 from splitserve.proto.server import insecure_channel
 from splitserve.proto.splitserve.v1 import worker_pb2, worker_pb2_grpc
 from splitserve.proto.status import call_internal, error_from_rpc
@@ -48,8 +50,9 @@ class DecodeCall:
 
 
 class DecodeWorkerClient:
-    def __init__(self, channel: grpc.aio.Channel) -> None:
+    def __init__(self, channel: grpc.aio.Channel, credential: ClusterCredential) -> None:
         self._stub = worker_pb2_grpc.DecodeWorkerStub(channel)
+        self._metadata = credential.metadata
 
     def generate(
         self,
@@ -66,19 +69,25 @@ class DecodeWorkerClient:
             sampling=convert.sampling_to_proto(params, include_stop=False),
             remote_prefill=remote_prefill,
         )
-        return DecodeCall(self._stub.Generate(request, timeout=timeout_s), request_id)
+        return DecodeCall(
+            self._stub.Generate(request, timeout=timeout_s, metadata=self._metadata), request_id
+        )
 
     async def stop(self, request_id: str, as_stopped: bool, timeout_s: float) -> bool:
         """End a request there (STOP when ``as_stopped``, else ABORT); False if unknown."""
         request = worker_pb2.WorkerAbortRequest(request_id=request_id, as_stopped=as_stopped)
-        reply = await call_internal(self._stub.Abort(request, timeout=timeout_s))
+        reply = await call_internal(
+            self._stub.Abort(request, timeout=timeout_s, metadata=self._metadata)
+        )
         return reply.aborted
 
     async def handshake(self, layout: KvLayout, timeout_s: float) -> KvHandshake:
         """Compare KV layouts (``IncompatibleKvLayoutError`` on mismatch); the peer's
         transport address."""
         request = worker_pb2.KvHandshakeRequest(layout=convert.layout_to_proto(layout))
-        reply = await call_internal(self._stub.KvHandshake(request, timeout=timeout_s))
+        reply = await call_internal(
+            self._stub.KvHandshake(request, timeout=timeout_s, metadata=self._metadata)
+        )
         return convert.handshake_from_proto(reply)
 
     async def complete_kv(
@@ -86,12 +95,15 @@ class DecodeWorkerClient:
     ) -> None:
         """Every layer was sent: returns once the KV landed and the request decodes."""
         request = convert.first_token_to_proto(reservation, request_id, first)
-        await call_internal(self._stub.CompleteKv(request, timeout=timeout_s))
+        await call_internal(
+            self._stub.CompleteKv(request, timeout=timeout_s, metadata=self._metadata)
+        )
 
 
 class PrefillWorkerClient:
-    def __init__(self, channel: grpc.aio.Channel) -> None:
+    def __init__(self, channel: grpc.aio.Channel, credential: ClusterCredential) -> None:
         self._stub = worker_pb2_grpc.PrefillWorkerStub(channel)
+        self._metadata = credential.metadata
 
     async def prefill(
         self,
@@ -108,14 +120,17 @@ class PrefillWorkerClient:
             sampling=convert.sampling_to_proto(params, include_stop=False),
             target=convert.reservation_to_proto(reservation),
         )
-        reply = await call_internal(self._stub.Prefill(request, timeout=timeout_s))
+        reply = await call_internal(
+            self._stub.Prefill(request, timeout=timeout_s, metadata=self._metadata)
+        )
         return convert.prefill_done_from_proto(reply)
 
 
 class WorkerChannels:
-    """One channel per worker address, created on first use."""
+    """One channel per worker address, created on first use; calls carry ``credential``."""
 
-    def __init__(self) -> None:
+    def __init__(self, credential: ClusterCredential) -> None:
+        self._credential = credential
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     def _channel(self, address: str) -> grpc.aio.Channel:
@@ -125,10 +140,10 @@ class WorkerChannels:
         return channel
 
     def decode(self, address: str) -> DecodeWorkerClient:
-        return DecodeWorkerClient(self._channel(address))
+        return DecodeWorkerClient(self._channel(address), self._credential)
 
     def prefill(self, address: str) -> PrefillWorkerClient:
-        return PrefillWorkerClient(self._channel(address))
+        return PrefillWorkerClient(self._channel(address), self._credential)
 
     async def close(self) -> None:
         for channel in self._channels.values():

@@ -5,6 +5,10 @@ drained on a thread, the tail kept for failure messages), waits for the ready li
 ``ready_marker`` and yields the address printed after "ready at"; on exit it sends SIGTERM and
 fails the test unless the process stops cleanly (status 0) within 30 s (``up`` reports
 children it had to kill).
+
+Every process started here shares ``CREDENTIAL`` (``SPLITSERVE_CLUSTER_TOKEN`` in its
+environment), so the tests can call internal ports; a coordinator's internal address is
+``internal_address(<its public address>)``.
 """
 
 from __future__ import annotations
@@ -18,10 +22,16 @@ from collections.abc import Iterator
 import grpc
 
 from splitserve.launch.child_process import ChildProcess, python_module_argv
+from splitserve.proto.cluster_auth import TOKEN_ENV, ClusterCredential
 from splitserve.proto.splitserve.v1 import coordinator_pb2, coordinator_pb2_grpc, worker_pb2
 
+CREDENTIAL = ClusterCredential.generate()
+"""The cluster credential of every process the tests start."""
 START_TIMEOUT_S = 240.0
 STOP_GRACE_S = 30.0
+INTERNAL_READY = "splitserve coordinator internal ready"
+_internal_of: dict[str, str] = {}
+"""Public coordinator address -> its internal one, as the processes announced them."""
 FRESH_LOAD_TIMEOUT_S = 10.0
 """How long ``worker_loads`` waits for every worker's next heartbeat (sent every 0.5 s)."""
 
@@ -37,13 +47,21 @@ def running(
     <address>" and "<what> metrics at <url>" line printed before readiness, as {what: address}
     (e.g. "splitserve gateway ready", "decode metrics"). ``processes``, when given, receives
     the process; a test that kills it on purpose is not failed for its exit status."""
-    child = ChildProcess(python_module_argv(*argv), name=argv[0], tail_excludes=("UCX  WARN",))
+    child = ChildProcess(
+        python_module_argv(*argv),
+        name=argv[0],
+        env={TOKEN_ENV: CREDENTIAL.token},
+        tail_excludes=("UCX  WARN",),
+    )
     if processes is not None:
         processes.append(child.popen)
     try:
         address = child.wait_ready(ready_marker, START_TIMEOUT_S)
+        announced = child.announcements()
+        if INTERNAL_READY in announced:
+            _internal_of[address] = announced[INTERNAL_READY]
         if ready_lines is not None:
-            ready_lines.update(child.announcements())
+            ready_lines.update(announced)
         yield address
     finally:
         killed_on_purpose = child.returncode == -signal.SIGKILL
@@ -67,6 +85,7 @@ def cluster(
     argv = [
         "splitserve.launch.up",
         "--port=0",
+        "--internal-port=0",
         "--http-port=0",
         "--metrics-port-base=0",
         f"--prefill={num_prefill}",
@@ -78,6 +97,11 @@ def cluster(
     return running([*argv, "--", *worker_flags], ready_lines=ready_lines)
 
 
+def internal_address(coordinator_address: str) -> str:
+    """The internal port of the coordinator (or ``up`` cluster) serving at this public one."""
+    return _internal_of[coordinator_address]
+
+
 def worker_loads(
     coordinator_address: str, only: set[str] | None = None
 ) -> dict[str, worker_pb2.WorkerLoad]:
@@ -86,10 +110,12 @@ def worker_loads(
     that was killed). Waits until each of them has heartbeated since the call began, so no
     figure predates the call; ``TimeoutError`` after ``FRESH_LOAD_TIMEOUT_S``."""
     asked = time.monotonic()
-    with grpc.insecure_channel(coordinator_address) as channel:
-        stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+    with grpc.insecure_channel(internal_address(coordinator_address)) as channel:
+        stub = coordinator_pb2_grpc.MembershipStub(channel)
         while True:
-            listing = stub.ListWorkers(coordinator_pb2.ListWorkersRequest(), timeout=10)
+            listing = stub.ListWorkers(
+                coordinator_pb2.ListWorkersRequest(), timeout=10, metadata=CREDENTIAL.metadata
+            )
             waited_ms = (time.monotonic() - asked) * 1000
             statuses = [s for s in listing.workers if only is None or s.worker.worker_id in only]
             stale = [s.worker.worker_id for s in statuses if s.ms_since_heartbeat > waited_ms]

@@ -1,6 +1,9 @@
-"""Shared fixtures: the default model loaded once per session, in float32 for exact checks."""
+"""Shared fixtures: the default model loaded once per session, in float32 for exact checks; the
+KV transport backend under test."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -21,6 +24,19 @@ from splitserve.engine.llm import LLM
 def default_checkpoint_fp32() -> LoadedCheckpoint:
     """SmolLM2-135M-Instruct (the GGUF of the default model package) dequantized to float32."""
     return load_checkpoint(default_model_path(), torch.float32)
+
+
+@pytest.fixture(params=["inprocess", "ucx"])
+def transport_kind(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The KV transport backend under test; after a UCX test the process-wide ucxx context is
+    reset (ucxx allows one per process)."""
+    kind: str = request.param
+    if kind == "ucx":
+        ucxx = pytest.importorskip("ucxx")
+        yield kind
+        ucxx.reset()
+    else:
+        yield kind
 
 
 def make_llm(

@@ -23,7 +23,9 @@ from splitserve.transfer.plan import TransferPlan
 from splitserve.transfer.reservation import KvReservation, PrefillDone
 
 PROMPT = [1, 2, 3, 4, 5]
-RESERVATION = KvReservation(7, "decode:1", len(PROMPT), "hash", TransferPlan((0,), (1,)))
+RESERVATION = KvReservation(
+    7, "decode:1", len(PROMPT), "hash", TransferPlan((0,), (1,)), bytes(range(16))
+)
 _END = object()
 
 

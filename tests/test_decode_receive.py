@@ -80,7 +80,7 @@ def test_aborted_reservation_frees_its_blocks_and_a_late_message_never_lands(
             k_bytes = reservation.num_blocks * 16 * 3 * 64 * 4  # float32 K of one run
             message = torch.full((k_bytes,), 255, dtype=torch.uint8)
             endpoint = await transport.connect(transport.address)
-            await endpoint.send(message_tag(reservation.transfer_id, 0), message)
+            await endpoint.send(message_tag(reservation.transfer_secret, 0), message)
             assert torch.equal(cache.view(torch.uint8), before.view(torch.uint8))
 
     asyncio.run(body())

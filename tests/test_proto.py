@@ -41,7 +41,7 @@ def test_every_proto_has_its_committed_modules() -> None:
     ("module", "services"),
     [
         ("common", []),
-        ("coordinator", ["Coordinator"]),
+        ("coordinator", ["Coordinator", "Membership"]),
         ("worker", ["DecodeWorker", "PrefillWorker"]),
     ],
 )

@@ -23,7 +23,7 @@ from splitserve.proto.splitserve.v1 import (
     worker_pb2,
     worker_pb2_grpc,
 )
-from tests.cluster import assert_all_free, cluster, running, wait_until_idle
+from tests.cluster import CREDENTIAL, assert_all_free, cluster, running, wait_until_idle
 
 WORKER_FLAGS = ("--dtype=float32", "--num-blocks=400", "--threads=1")
 PROMPTS = [
@@ -191,6 +191,7 @@ async def _try_mismatched_push(decode_address: str, prefill_address: str, metric
                 request_id="r", prompt_token_ids=prompt, sampling=_greedy(4), remote_prefill=True
             ),
             timeout=60,
+            metadata=CREDENTIAL.metadata,
         )
         first = await call.read()
         assert first.HasField("reservation")
@@ -203,6 +204,7 @@ async def _try_mismatched_push(decode_address: str, prefill_address: str, metric
                     target=first.reservation,
                 ),
                 timeout=60,
+                metadata=CREDENTIAL.metadata,
             )
         assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         call.cancel()  # the reservation is released

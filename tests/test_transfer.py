@@ -4,9 +4,9 @@ check.
 
 Every transport test runs for both backends. UCX runs inside this one process: the transport
 sends to its own worker address. ``ucxx`` allows one application context per process, so the
-``transport_kind`` fixture resets it after each UCX test; every test body runs in its own
-``asyncio.run`` and creates its transport on that loop. No test may hang: each carries a
-timeout, and every wait in the code under test is bounded.
+``transport_kind`` fixture (``conftest.py``) resets it after each UCX test; every test body
+runs in its own ``asyncio.run`` and creates its transport on that loop. No test may hang: each
+carries a timeout, and every wait in the code under test is bounded.
 
 The receiving side is a fake paged KV cache ``[layers, 2, blocks, block_size, kv_heads,
 head_dim]`` of zeros: a transfer must write exactly the reserved blocks, bit for bit, and a
@@ -21,7 +21,7 @@ import dataclasses
 import itertools
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 import pytest
@@ -42,7 +42,7 @@ from splitserve.transfer.layer_channel import (
     layer_messages,
 )
 from splitserve.transfer.layout import KvLayout
-from splitserve.transfer.plan import TransferPlan, message_tag
+from splitserve.transfer.plan import TransferPlan, message_tag, new_transfer_secret
 from splitserve.transfer.transport import KvEndpoint, KvTransport
 from splitserve.worker.kv_io import receive_destinations
 
@@ -69,18 +69,6 @@ LATE_S = 0.3
 """Room for a late message to land, which must not."""
 
 _transfer_ids = itertools.count(1)
-
-
-@pytest.fixture(params=["inprocess", "ucx"])
-def transport_kind(request: pytest.FixtureRequest) -> Iterator[str]:
-    """The backend under test; after a UCX test the process-wide ucxx context is reset."""
-    kind: str = request.param
-    if kind == "ucx":
-        ucxx = pytest.importorskip("ucxx")
-        yield kind
-        ucxx.reset()
-    else:
-        yield kind
 
 
 @dataclass
@@ -175,9 +163,10 @@ def make_transfer(
     block_ids = list(block_ids)
     cache = new_cache() if cache is None else cache
     plan, destinations = receive_destinations(cache, block_ids)
-    transfer_id = next(_transfer_ids)
-    receiver = LayerReceiver(link.receiver, transfer_id, plan, destinations)
-    sender = LayerSender(link.endpoint, transfer_id, NUM_LAYERS, plan, asyncio.get_running_loop())
+    transfer_id, secret = next(_transfer_ids), new_transfer_secret()
+    receiver = LayerReceiver(link.receiver, transfer_id, secret, plan, destinations)
+    loop = asyncio.get_running_loop()
+    sender = LayerSender(link.endpoint, transfer_id, secret, NUM_LAYERS, plan, loop)
     kv = random_kv(len(block_ids))
     return Transfer(block_ids, cache, kv, plan, sender, receiver)
 
@@ -428,7 +417,7 @@ def test_sender_abort_with_sends_in_flight_fails_finish() -> None:
     async def body() -> None:
         plan = TransferPlan.for_destination([4, 2])  # two runs: four messages per layer
         loop = asyncio.get_running_loop()
-        sender = LayerSender(_StalledEndpoint(), 1, NUM_LAYERS, plan, loop)
+        sender = LayerSender(_StalledEndpoint(), 1, new_transfer_secret(), NUM_LAYERS, plan, loop)
         for layer in range(NUM_LAYERS):
             sender.offer(layer, torch.zeros(2, 2, 16, dtype=torch.uint8))
         pending_finish = asyncio.ensure_future(sender.finish(WAIT_S))
@@ -447,7 +436,7 @@ def test_sender_finish_times_out_when_sends_stall() -> None:
     async def body() -> None:
         plan = TransferPlan.for_destination([0])
         loop = asyncio.get_running_loop()
-        sender = LayerSender(_StalledEndpoint(), 1, NUM_LAYERS, plan, loop)
+        sender = LayerSender(_StalledEndpoint(), 1, new_transfer_secret(), NUM_LAYERS, plan, loop)
         for layer in range(NUM_LAYERS):
             sender.offer(layer, torch.zeros(2, 1, 8, dtype=torch.uint8))
         with pytest.raises(TransferTimeoutError, match="6/6 layers offered"):
@@ -503,7 +492,9 @@ def test_receives_in_flight_past_the_deadline_settle_later(
     async def body() -> None:
         transport = _LateTransport()
         plan, destinations = receive_destinations(new_cache(), SCATTERED)
-        receiver = LayerReceiver(transport, next(_transfer_ids), plan, destinations)
+        receiver = LayerReceiver(
+            transport, next(_transfer_ids), new_transfer_secret(), plan, destinations
+        )
         await asyncio.sleep(0.02)
         await asyncio.gather(receiver.abort(), receiver.abort())  # concurrent stops share one
         assert not receiver.settled
@@ -526,8 +517,8 @@ def test_receiver_whose_receives_never_settle_is_not_settled(
     async def body() -> None:
         transport = _StuckTransport()
         plan, destinations = receive_destinations(new_cache(), SCATTERED)
-        transfer_id = next(_transfer_ids)
-        receiver = LayerReceiver(transport, transfer_id, plan, destinations)
+        secret = new_transfer_secret()
+        receiver = LayerReceiver(transport, next(_transfer_ids), secret, plan, destinations)
         await asyncio.sleep(0.02)
         started = time.monotonic()
         await receiver.abort()
@@ -535,7 +526,7 @@ def test_receiver_whose_receives_never_settle_is_not_settled(
         assert receiver.state is TransferState.ABORTED
         assert not receiver.settled  # the owner must quarantine the blocks
         expected = {
-            message_tag(transfer_id, index) for index in range(NUM_LAYERS * plan.messages_per_layer)
+            message_tag(secret, index) for index in range(NUM_LAYERS * plan.messages_per_layer)
         }
         assert set(transport.withdrawn) == expected  # every receive was withdrawn
         assert "must not be reused until they settle" in caplog.text
@@ -547,7 +538,7 @@ def test_receiver_whose_receives_never_settle_is_not_settled(
 def test_withdraw_completes_a_posted_receive_without_writing(transport_kind: str) -> None:
     async def body() -> None:
         async with open_link(transport_kind) as link:
-            tag = message_tag(next(_transfer_ids), 3)
+            tag = message_tag(new_transfer_secret(), 3)
             buffer = torch.full((4096,), 0xA5, dtype=torch.uint8)
             receive = asyncio.ensure_future(link.receiver.recv(tag, buffer))
             await asyncio.sleep(0.05)  # posted
@@ -569,8 +560,8 @@ def test_withdraw_completes_a_posted_receive_without_writing(transport_kind: str
 def test_withdraw_before_the_receive_makes_it_complete_empty(transport_kind: str) -> None:
     async def body() -> None:
         async with open_link(transport_kind) as link:
-            tag = message_tag(next(_transfer_ids), 0)
-            other_tag = message_tag(next(_transfer_ids), 0)
+            tag = message_tag(new_transfer_secret(), 0)
+            other_tag = message_tag(new_transfer_secret(), 0)
             await link.receiver.withdraw(tag)
             buffer = torch.full((4096,), 0x5A, dtype=torch.uint8)
             await asyncio.wait_for(link.receiver.recv(tag, buffer), WAIT_S)
@@ -590,22 +581,36 @@ def test_withdraw_before_the_receive_makes_it_complete_empty(transport_kind: str
 # ----------------------------------------------------------------------------- messages
 
 
+SIZE_ERRORS = {
+    "shorter": (63, "has 63 bytes, receive buffer 64"),
+    "empty": (0, "has 0 bytes, receive buffer 64"),
+    "longer": (65, r"65 bytes, receive buffer 64|\(64 bytes\) failed: Message truncated"),
+}
+"""Message sizes sent to a 64-byte receive, and the error each must raise (UCX itself reports
+only a longer message: "Message truncated")."""
+
+
 @pytest.mark.parametrize("receive_first", [True, False])
-def test_inprocess_size_mismatch_is_a_transfer_error(receive_first: bool) -> None:
+@pytest.mark.parametrize("mismatch", list(SIZE_ERRORS))
+def test_a_message_of_another_size_than_the_receive_is_a_transfer_error(
+    transport_kind: str, mismatch: str, receive_first: bool
+) -> None:
+    size, error = SIZE_ERRORS[mismatch]
+
     async def body() -> None:
-        async with open_link("inprocess") as link:
-            tag = message_tag(next(_transfer_ids), 0)
+        async with open_link(transport_kind) as link:
+            tag = message_tag(new_transfer_secret(), 0)
             buffer = torch.empty(64, dtype=torch.uint8)
-            message = torch.zeros(65, dtype=torch.uint8)
+            message = torch.zeros(size, dtype=torch.uint8)
             if receive_first:
                 receive = asyncio.ensure_future(link.receiver.recv(tag, buffer))
-                await asyncio.sleep(0)
-                await link.endpoint.send(tag, message)
+                await asyncio.sleep(0.01)
+                await asyncio.wait_for(link.endpoint.send(tag, message), WAIT_S)
             else:
-                await link.endpoint.send(tag, message)
+                await asyncio.wait_for(link.endpoint.send(tag, message), WAIT_S)
                 receive = asyncio.ensure_future(link.receiver.recv(tag, buffer))
-            with pytest.raises(TransferError, match="65 bytes, receive buffer 64"):
-                await receive
+            with pytest.raises(TransferError, match=error):
+                await asyncio.wait_for(receive, WAIT_S)
 
     asyncio.run(body())
 
@@ -617,11 +622,11 @@ async def receive_with_mismatched_sender(
     ``sender_blocks`` blocks (as many messages per layer, of another size); layer 0 offered."""
     plan, destinations = receive_destinations(cache, block_ids)
     assert plan.num_runs == 1
-    transfer_id = next(_transfer_ids)
-    receiver = LayerReceiver(link.receiver, transfer_id, plan, destinations)
+    transfer_id, secret = next(_transfer_ids), new_transfer_secret()
+    receiver = LayerReceiver(link.receiver, transfer_id, secret, plan, destinations)
     other = TransferPlan.for_destination(range(sender_blocks))
     loop = asyncio.get_running_loop()
-    sender = LayerSender(link.endpoint, transfer_id, NUM_LAYERS, other, loop)
+    sender = LayerSender(link.endpoint, transfer_id, secret, NUM_LAYERS, other, loop)
     sender.offer(0, random_kv(sender_blocks)[0])
     return sender, receiver
 
@@ -629,25 +634,28 @@ async def receive_with_mismatched_sender(
 @pytest.mark.parametrize(
     ("block_ids", "sender_blocks"), [([6, 7], 1), ([6], 2)], ids=["shorter", "longer"]
 )
-def test_inprocess_size_mismatch_fails_the_layer_receiver(
-    block_ids: list[int], sender_blocks: int
+def test_a_size_mismatch_fails_the_layer_receiver_naming_the_message(
+    transport_kind: str, block_ids: list[int], sender_blocks: int
 ) -> None:
-    """In-process only: UCX completes a receive with a shorter message (as it must for the
-    zero-byte message of ``withdraw``); a longer one fails it ("Message truncated"), but ucxx
-    then keeps the failed request, and with it the context, so ``ucxx.reset`` would fail."""
+    """A sender whose plan cuts other message sizes: the first message of layer 0 fails the
+    transfer. UCX may have written the start of a shorter message into the reserved blocks
+    (the in-process transport refuses it whole); nothing lands outside them."""
 
     async def body() -> None:
-        async with open_link("inprocess") as link:
+        async with open_link(transport_kind) as link:
             cache = new_cache()
             sender, receiver = await receive_with_mismatched_sender(
                 link, cache, block_ids, sender_blocks
             )
-            with pytest.raises(TransferError, match="receive buffer"):
+            with pytest.raises(TransferError, match=r"message 0 \(layer 0\): .*") as failed:
                 await receiver.wait(WAIT_S)
+            assert "receive buffer" in str(failed.value) or "truncated" in str(failed.value)
             assert receiver.state is TransferState.FAILED and receiver.settled
             assert receiver.layers_received == 0
-            assert_zero(cache)
-            sender.abort()
+            assert_zero(cache[:, :, unreserved(block_ids)])
+            if transport_kind == "inprocess":
+                assert_zero(cache)
+            await let_late_sends_run(sender)
 
     asyncio.run(body())
 
@@ -656,7 +664,7 @@ def test_offering_a_layer_of_the_wrong_block_count_is_refused() -> None:
     async def body() -> None:
         plan = TransferPlan.for_destination(SCATTERED)
         loop = asyncio.get_running_loop()
-        sender = LayerSender(_StalledEndpoint(), 1, NUM_LAYERS, plan, loop)
+        sender = LayerSender(_StalledEndpoint(), 1, new_transfer_secret(), NUM_LAYERS, plan, loop)
         with pytest.raises(ValueError, match=r"expected \[2, 8, \.\.\.\] KV"):
             sender.offer(0, random_kv(7)[0])
         with pytest.raises(ValueError, match="expected"):
@@ -714,10 +722,12 @@ def test_receiver_rejects_destinations_that_do_not_match_the_plan() -> None:
             short = [list(buffers) for buffers in destinations]
             short[2] = short[2][:-1]
             with pytest.raises(ValueError, match="layer 2 has 7 destinations, the plan 8"):
-                LayerReceiver(transport, next(_transfer_ids), plan, short)
+                LayerReceiver(transport, next(_transfer_ids), new_transfer_secret(), plan, short)
             other_plan = TransferPlan.for_destination(range(8))  # one run: two messages
             with pytest.raises(ValueError, match="the plan 2 messages"):
-                LayerReceiver(transport, next(_transfer_ids), other_plan, destinations)
+                LayerReceiver(
+                    transport, next(_transfer_ids), new_transfer_secret(), other_plan, destinations
+                )
         finally:
             await transport.close()
 

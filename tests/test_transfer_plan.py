@@ -10,12 +10,11 @@ import sys
 import pytest
 
 from splitserve.transfer.plan import (
-    MAX_MESSAGES,
-    MAX_TRANSFER_ID,
-    MESSAGE_BITS,
+    TRANSFER_SECRET_BYTES,
     InvalidTransferPlanError,
     TransferPlan,
     message_tag,
+    new_transfer_secret,
 )
 
 
@@ -145,49 +144,51 @@ def test_message_indices_are_layer_major_k_runs_then_v_runs() -> None:
     assert indices == list(range(num_layers * plan.messages_per_layer))  # dense, in order
 
 
-def test_message_tag_packs_transfer_and_message() -> None:
-    assert message_tag(0, 0) == 0
-    assert message_tag(1, 2) == (1 << MESSAGE_BITS) | 2
-    assert message_tag(MAX_TRANSFER_ID, MAX_MESSAGES - 1) == (1 << 64) - 1
-    assert MAX_MESSAGES == 1 << MESSAGE_BITS
-    assert MAX_TRANSFER_ID == (1 << (64 - MESSAGE_BITS)) - 1
+def test_the_same_secret_and_index_give_the_same_tag() -> None:
+    secret = new_transfer_secret()
+    assert len(secret) == TRANSFER_SECRET_BYTES == 16
+    assert message_tag(secret, 7) == message_tag(bytes(secret), 7)  # both sides agree
+    assert all(0 <= message_tag(secret, index) < 1 << 64 for index in range(100))
 
 
-def test_message_tags_are_unique_across_transfers() -> None:
+def test_different_secrets_give_different_tags() -> None:
+    secrets = [new_transfer_secret() for _ in range(64)]
+    assert len(set(secrets)) == len(secrets)  # drawn afresh each time
+    tags = {message_tag(secret, 0) for secret in secrets}
+    assert len(tags) == len(secrets)
+    one_bit_off = bytes([secrets[0][0] ^ 1]) + secrets[0][1:]
+    assert message_tag(one_bit_off, 0) != message_tag(secrets[0], 0)
+
+
+def test_message_tags_are_unique_across_transfers_and_messages() -> None:
     plan = TransferPlan.for_destination([9, 10, 11, 3, 4, 20, 19, 0])
     num_layers = 30
     tags = [
-        message_tag(transfer, plan.message_index(layer, kv, run))
-        for transfer in (1, 2, 3, MAX_TRANSFER_ID)
+        message_tag(secret, plan.message_index(layer, kv, run))
+        for secret in (new_transfer_secret() for _ in range(4))
         for layer in range(num_layers)
         for kv in range(2)
         for run in range(plan.num_runs)
     ]
     assert len(set(tags)) == len(tags) == 4 * num_layers * plan.messages_per_layer
-    assert all(0 <= tag < 1 << 64 for tag in tags)
+
+
+def test_tags_are_not_the_old_packed_transfer_id_and_index() -> None:
+    """The tag tells nothing of the message index: it is no ``id << 20 | index`` packing, and
+    consecutive indices do not give neighbouring tags."""
+    secret = new_transfer_secret()
+    tags = [message_tag(secret, index) for index in range(256)]
+    assert len({tag & ((1 << 20) - 1) for tag in tags}) > 200  # low bits are not the index
+    assert len({tag >> 20 for tag in tags}) == len(tags)  # high bits are no shared id
 
 
 @pytest.mark.parametrize(
-    ("transfer_id", "index"),
-    [(-1, 0), (MAX_TRANSFER_ID + 1, 0), (0, -1), (0, MAX_MESSAGES)],
+    ("secret", "index"),
+    [(bytes(15), 0), (bytes(17), 0), (b"", 0), (bytes(16), -1), (bytes(16), 1 << 64)],
 )
-def test_message_tag_rejects_out_of_range(transfer_id: int, index: int) -> None:
-    with pytest.raises(ValueError, match="tag out of range"):
-        message_tag(transfer_id, index)
-
-
-def test_check_fits_refuses_more_messages_than_a_tag_holds() -> None:
-    per_layer = 1 << 10  # 512 runs: 1024 messages per layer
-    plan = TransferPlan(tuple(range(512)), (1,) * 512)
-    assert plan.messages_per_layer == per_layer
-    fitting = MAX_MESSAGES // per_layer
-    plan.check_fits(fitting)  # exactly MAX_MESSAGES: the last index is MAX_MESSAGES - 1
-    message_tag(MAX_TRANSFER_ID, plan.message_index(fitting - 1, 1, plan.num_runs - 1))
-    with pytest.raises(InvalidTransferPlanError, match="exceed"):
-        plan.check_fits(fitting + 1)
-    TransferPlan.for_destination([0]).check_fits(MAX_MESSAGES // 2)
-    with pytest.raises(InvalidTransferPlanError):
-        TransferPlan.for_destination([0]).check_fits(MAX_MESSAGES // 2 + 1)
+def test_message_tag_rejects_bad_secrets_and_indices(secret: bytes, index: int) -> None:
+    with pytest.raises(ValueError, match="secret|index"):
+        message_tag(secret, index)
 
 
 def test_plan_module_is_torch_free() -> None:

@@ -18,7 +18,13 @@ import subprocess
 import time
 
 from splitserve.client import AsyncClient, Chunk, Finish, Sampling
-from tests.cluster import assert_all_free, running, wait_until_idle, worker_loads
+from tests.cluster import (
+    assert_all_free,
+    internal_address,
+    running,
+    wait_until_idle,
+    worker_loads,
+)
 
 WORKER_FLAGS = ("--dtype=float32", "--num-blocks=400", "--threads=1", "--metrics-port=-1")
 PROMPTS = [
@@ -78,7 +84,8 @@ def _wait_for_workers(address: str, count: int) -> None:
 
 def test_requests_survive_a_dead_decode_worker_and_a_dead_prefill_worker() -> None:
     processes: list[subprocess.Popen[str]] = []
-    coordinator_argv = ["splitserve.coordinator.main", "--port=0", "--metrics-port=-1"]
+    coordinator_argv = ["splitserve.coordinator.main", "--port=0", "--internal-port=0"]
+    coordinator_argv.append("--metrics-port=-1")
     with (
         running(coordinator_argv, "splitserve coordinator ready at") as address,
         contextlib.ExitStack() as workers,
@@ -88,7 +95,8 @@ def test_requests_survive_a_dead_decode_worker_and_a_dead_prefill_worker() -> No
             ("decode", "decode-0"),
             ("decode", "decode-1"),
         ):
-            argv = [f"splitserve.{role}.main", "--port=0", f"--coordinator={address}"]
+            argv = [f"splitserve.{role}.main", "--port=0"]
+            argv.append(f"--coordinator={internal_address(address)}")
             argv += [f"--worker-id={name}", *WORKER_FLAGS]
             workers.enter_context(running(argv, f"splitserve {role} ready at", None, processes))
         _wait_for_workers(address, 3)

@@ -2,8 +2,9 @@
 
 All transports must live on one asyncio loop. A send to a tag nobody receives yet is kept as
 an unexpected message (copied) until a matching receive is posted, like UCX's eager protocol.
-A message must fill its receive buffer exactly, except the zero-byte message of ``withdraw``,
-which completes a receive without writing (as UCX does).
+A message must fill its receive buffer exactly: any other size, an empty message included, is a
+``TransferError`` of that receive. A withdrawal is no message at all (``None`` in the mailbox),
+so a peer cannot pass one off.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ class _PostedRecv:
 @dataclass
 class _Mailbox:
     posted: dict[int, _PostedRecv] = field(default_factory=dict)
-    unexpected: dict[int, torch.Tensor] = field(default_factory=dict)
+    unexpected: dict[int, torch.Tensor | None] = field(default_factory=dict)
+    """Messages (copies) that came before their receive; ``None``: a withdrawal."""
 
 
 class InProcessTransport(KvTransport):
@@ -56,9 +58,8 @@ class InProcessTransport(KvTransport):
     async def recv(self, tag: int, buffer: torch.Tensor) -> None:
         if tag in self._mailbox.posted:
             raise TransferError(f"a receive for tag {tag:#x} is already posted")
-        message = self._mailbox.unexpected.pop(tag, None)
-        if message is not None:
-            _copy_message(message, buffer, tag)
+        if tag in self._mailbox.unexpected:
+            _copy_message(self._mailbox.unexpected.pop(tag), buffer, tag)
             return
         done = asyncio.get_running_loop().create_future()
         self._mailbox.posted[tag] = _PostedRecv(buffer, done)
@@ -68,13 +69,14 @@ class InProcessTransport(KvTransport):
             self._mailbox.posted.pop(tag, None)
 
     async def withdraw(self, tag: int) -> None:
-        self.deliver(tag, torch.empty(0, dtype=torch.uint8))
+        self.deliver(tag, None)
 
-    def deliver(self, tag: int, message: torch.Tensor) -> None:
-        """Peer side of a send: complete a posted receive or keep the message."""
+    def deliver(self, tag: int, message: torch.Tensor | None) -> None:
+        """Peer side of a send (``None``: this transport's own withdrawal): complete a posted
+        receive or keep the message."""
         posted = self._mailbox.posted.pop(tag, None)
         if posted is None:
-            self._mailbox.unexpected[tag] = message.clone()
+            self._mailbox.unexpected[tag] = None if message is None else message.clone()
             return
         try:
             _copy_message(message, posted.buffer, tag)
@@ -98,8 +100,9 @@ class _InProcessEndpoint(KvEndpoint):
         await asyncio.sleep(0)
 
 
-def _copy_message(message: torch.Tensor, buffer: torch.Tensor, tag: int) -> None:
-    if message.numel() == 0:
+def _copy_message(message: torch.Tensor | None, buffer: torch.Tensor, tag: int) -> None:
+    """Fill ``buffer`` with ``message``; ``TransferError`` unless the sizes are equal."""
+    if message is None:
         return  # a withdrawal
     if message.numel() != buffer.numel():
         raise TransferError(

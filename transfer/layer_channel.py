@@ -12,6 +12,14 @@ State machine of both sides (``TransferState``): PENDING -> ACTIVE -> DONE, or F
 states never change. No wait is unbounded: ``LayerSender.finish`` and ``LayerReceiver.wait``
 take a timeout, so a dead peer turns into ``TransferTimeoutError``.
 
+Tags: message ``i`` of a transfer travels under ``plan.message_tag(transfer_secret, i)``; the
+``transfer_id`` only names the transfer in errors and logs.
+
+Sizes: every message must fill its destination exactly. The transport checks each received
+message's size (``KvTransport.recv``); a receive that fails, whatever its layer, fails the whole
+transfer at once with a ``TransferError`` naming the message (index and layer), so a short
+message never counts as landed.
+
 Thread contract: ``LayerSender.offer`` may be called from the engine thread (it copies nothing
 and hands the tensor to the loop); everything else runs on the transport's event loop.
 
@@ -85,12 +93,13 @@ class LayerSender:
         self,
         endpoint: KvEndpoint,
         transfer_id: int,
+        transfer_secret: bytes,
         num_layers: int,
         plan: TransferPlan,
         loop: asyncio.AbstractEventLoop,
     ) -> None:
-        plan.check_fits(num_layers)
         self.transfer_id = transfer_id
+        self._secret = transfer_secret
         self.num_layers = num_layers
         self.plan = plan
         self.state = TransferState.PENDING
@@ -112,7 +121,7 @@ class LayerSender:
         first = self.plan.message_index(layer, 0, 0)
         self._sends[layer] = asyncio.gather(
             *(
-                self._endpoint.send(message_tag(self.transfer_id, first + index), message)
+                self._endpoint.send(message_tag(self._secret, first + index), message)
                 for index, message in enumerate(messages)
             )
         )
@@ -177,10 +186,10 @@ class LayerReceiver:
         self,
         transport: KvTransport,
         transfer_id: int,
+        transfer_secret: bytes,
         plan: TransferPlan,
         destinations: Sequence[Sequence[torch.Tensor]],
     ) -> None:
-        plan.check_fits(len(destinations))
         for layer, buffers in enumerate(destinations):
             if len(buffers) != plan.messages_per_layer:
                 raise ValueError(
@@ -194,16 +203,21 @@ class LayerReceiver:
         """True once no receive of this transfer can write into its destinations any more."""
         self._transport = transport
         self._layers_received = 0
+        loop = asyncio.get_running_loop()
+        self._first_failure: asyncio.Future[asyncio.Future[None]] = loop.create_future()
+        """Set to the first receive that failed: the transfer fails at once, whatever layer."""
         # layer -> its messages' receives, posted now (each task posts when it first runs)
         self._receives: list[list[tuple[int, asyncio.Future[None]]]] = []
         for layer, buffers in enumerate(destinations):
             first = plan.message_index(layer, 0, 0)
             posted = []
             for index, buffer in enumerate(buffers):
-                tag = message_tag(transfer_id, first + index)
-                posted.append((tag, asyncio.ensure_future(transport.recv(tag, buffer))))
+                tag = message_tag(transfer_secret, first + index)
+                receive = asyncio.ensure_future(self._receive(first + index, layer, tag, buffer))
+                receive.add_done_callback(self._note_failure)
+                posted.append((tag, receive))
             self._receives.append(posted)
-        self._task = asyncio.get_running_loop().create_task(self._run())
+        self._task = loop.create_task(self._run())
         self._settle_task: asyncio.Task[None] | None = None
 
     @property
@@ -212,14 +226,36 @@ class LayerReceiver:
         DONE)."""
         return self._layers_received
 
+    async def _receive(self, index: int, layer: int, tag: int, buffer: torch.Tensor) -> None:
+        """One message's receive; a transport failure (a message of another size among them)
+        becomes a ``TransferError`` naming the message."""
+        try:
+            await self._transport.recv(tag, buffer)
+        except TransferError as error:
+            message = f"transfer {self.transfer_id}: message {index} (layer {layer}): {error}"
+        else:
+            return
+        raise TransferError(message)  # outside the except: no chained UCX error keeps frames
+
     def _all_receives(self) -> list[asyncio.Future[None]]:
         return [receive for layer in self._receives for _, receive in layer]
+
+    def _note_failure(self, receive: asyncio.Future[None]) -> None:
+        if receive.cancelled() or receive.exception() is None or self._first_failure.done():
+            return
+        self._first_failure.set_result(receive)
 
     async def _run(self) -> None:
         for layer, posted in enumerate(self._receives):
             for _, receive in posted:
-                # shield: cancelling _run (a stop) must not cancel a receive; it stays posted
-                await asyncio.shield(receive)
+                if not receive.done():
+                    # asyncio.wait cancels nothing: a stop cancelling _run leaves receives posted
+                    await asyncio.wait(
+                        (receive, self._first_failure), return_when=asyncio.FIRST_COMPLETED
+                    )
+                if self._first_failure.done():
+                    self._first_failure.result().result()  # raises that receive's error
+                receive.result()
             self._layers_received = layer + 1
             self.state = TransferState.ACTIVE
         self.settled = True

@@ -9,29 +9,53 @@ messages.
 
 Messages of one layer, in order: K of run 0, K of run 1, ..., V of run 0, V of run 1, ...; the
 message of ``(layer, kv, run)`` has index ``layer * messages_per_layer + kv * num_runs + run``
-and tag ``message_tag(transfer_id, index)``.
+and tag ``message_tag(secret, index)``.
+
+Tags are unguessable: ``secret`` is the transfer's 128-bit secret, drawn from a CSPRNG by the
+decode worker for each reservation (``new_transfer_secret``) and handed only to the prefill
+worker that pushes the KV (in the reservation, over gRPC). A tag is a keyed hash (BLAKE2b, the
+secret as key) of the message index, so knowing a transfer's id, other transfers' tags or other
+messages' tags of the same transfer tells nothing about a tag to come: whoever can reach a
+decode worker's UCX address cannot aim a message at reserved blocks without the secret.
 
 Invariants of a ``TransferPlan``: ``block_order`` is a permutation of ``range(num_blocks)``;
-``run_lengths`` are positive and sum to ``num_blocks``; every message index fits in
-``MESSAGE_BITS``.
+``run_lengths`` are positive and sum to ``num_blocks``.
 """
 
 from __future__ import annotations
 
+import hashlib
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-MESSAGE_BITS = 20
-"""Message index bits of a tag; the transfer id takes the upper 44."""
-MAX_TRANSFER_ID = (1 << (64 - MESSAGE_BITS)) - 1
-MAX_MESSAGES = 1 << MESSAGE_BITS
+TRANSFER_SECRET_BYTES = 16
+"""Bytes of a transfer's secret (128 bits)."""
+_TAG_PERSON = b"splitserve-kvtag"
+"""BLAKE2b personalization of message tags (domain separation; at most 16 bytes)."""
+_INDEX_BYTES = 8
 
 
-def message_tag(transfer_id: int, index: int) -> int:
-    """The 64-bit tag of message ``index`` of one transfer (tags are never reused)."""
-    if not 0 <= transfer_id <= MAX_TRANSFER_ID or not 0 <= index < MAX_MESSAGES:
-        raise ValueError(f"tag out of range: transfer {transfer_id}, message {index}")
-    return (transfer_id << MESSAGE_BITS) | index
+def new_transfer_secret() -> bytes:
+    """A fresh transfer secret from the operating system's CSPRNG."""
+    return secrets.token_bytes(TRANSFER_SECRET_BYTES)
+
+
+def message_tag(secret: bytes, index: int) -> int:
+    """The 64-bit tag of message ``index`` of the transfer whose secret is ``secret``.
+
+    ``BLAKE2b-64(key=secret, person="splitserve-kvtag", data=index as 8 bytes big-endian)``:
+    the same secret and index give the same tag on both sides; without the secret a tag is
+    indistinguishable from a uniformly random 64-bit number.
+    """
+    if len(secret) != TRANSFER_SECRET_BYTES:
+        raise ValueError(f"a transfer secret has {TRANSFER_SECRET_BYTES} bytes, not {len(secret)}")
+    if not 0 <= index < 1 << (8 * _INDEX_BYTES):
+        raise ValueError(f"message index out of range: {index}")
+    digest = hashlib.blake2b(
+        index.to_bytes(_INDEX_BYTES, "big"), digest_size=8, key=secret, person=_TAG_PERSON
+    )
+    return int.from_bytes(digest.digest(), "big")
 
 
 class InvalidTransferPlanError(ValueError):
@@ -99,12 +123,3 @@ class TransferPlan:
 
     def message_index(self, layer: int, kv: int, run: int) -> int:
         return layer * self.messages_per_layer + kv * self.num_runs + run
-
-    def check_fits(self, num_layers: int) -> None:
-        """Raise ``InvalidTransferPlanError`` when ``num_layers`` layers need more message
-        indices than a tag holds (a pathologically fragmented reservation)."""
-        if num_layers * self.messages_per_layer > MAX_MESSAGES:
-            raise InvalidTransferPlanError(
-                f"{num_layers} layers x {self.messages_per_layer} messages exceed the "
-                f"{MAX_MESSAGES} messages a transfer may have"
-            )

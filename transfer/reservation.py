@@ -10,15 +10,23 @@ holds the one converter pair of each type (e.g. ``reservation_to_proto`` /
 Invariant: the reserved blocks hold ``num_tokens`` prompt tokens, so
 ``plan.num_blocks == ceil(num_tokens / block_size)`` of the decode worker's layout; the
 prefill worker checks that against its own prompt and layout before sending anything.
+
+Secrecy: ``KvReservation.transfer_secret`` is what makes the transfer's UCX tags unguessable
+(``plan.message_tag``). It travels only inside gRPC calls (decode stream -> coordinator ->
+``Prefill``) and is left out of ``repr``, so logging a reservation never writes it down.
+
+``FirstToken`` comes from the prefill worker, a peer: ``check`` bounds its ids and counts
+before the decode worker lets it near its engine.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from splitserve.common.errors import InvalidRequestError
 from splitserve.common.logprobs import TokenLogprob
 from splitserve.transfer.layout import KvLayout
-from splitserve.transfer.plan import TransferPlan
+from splitserve.transfer.plan import TRANSFER_SECRET_BYTES, TransferPlan
 
 
 @dataclass(frozen=True)
@@ -26,7 +34,8 @@ class KvReservation:
     """Where a prefill worker must push one request's KV."""
 
     transfer_id: int
-    """Unique on the decode worker; the UCX tags of the transfer's messages derive from it."""
+    """Random 64-bit id, unique among the decode worker's open transfers: names the transfer
+    in ``CompleteKv`` (with the request id) and in logs. Not a secret."""
     decode_address: str
     """The decode worker's gRPC address (handshake, ``CompleteKv``)."""
     num_tokens: int
@@ -35,6 +44,17 @@ class KvReservation:
     """The decode worker's KV layout hash; the prefill worker's must be equal."""
     plan: TransferPlan
     """How the KV is cut into messages: block order and runs of consecutive blocks."""
+    transfer_secret: bytes = field(repr=False)
+    """``TRANSFER_SECRET_BYTES`` random bytes the UCX tags of the transfer's messages derive
+    from (``plan.message_tag``); never logged."""
+
+    def __post_init__(self) -> None:
+        if len(self.transfer_secret) != TRANSFER_SECRET_BYTES:
+            raise InvalidRequestError(
+                f"a transfer secret has {TRANSFER_SECRET_BYTES} bytes, "
+                f"not {len(self.transfer_secret)}",
+                "target",
+            )
 
     @property
     def num_blocks(self) -> int:
@@ -71,3 +91,31 @@ class FirstToken:
     token_id: int
     logprob: TokenLogprob | None = None
     num_cached_tokens: int = 0
+
+    def check(self, vocab_size: int, num_prompt_tokens: int) -> None:
+        """Raise ``InvalidRequestError`` naming the field unless every id is a token of a
+        ``vocab_size`` vocabulary and the cached count lies in ``[0, num_prompt_tokens]``."""
+        if not 0 <= self.token_id < vocab_size:
+            raise InvalidRequestError(
+                f"first token id {self.token_id} is outside [0, {vocab_size})", "first_token_id"
+            )
+        if not 0 <= self.num_cached_tokens <= num_prompt_tokens:
+            raise InvalidRequestError(
+                f"{self.num_cached_tokens} cached tokens of a {num_prompt_tokens}-token prompt",
+                "num_cached_tokens",
+            )
+        if self.logprob is not None:
+            _check_logprob(self.logprob, self.token_id, vocab_size)
+
+
+def _check_logprob(logprob: TokenLogprob, token_id: int, vocab_size: int) -> None:
+    """The first token's logprob record must describe that token, with top ids in the vocab
+    and a rank of at least 1."""
+    top_ids = [top_id for top_id, _ in logprob.top]
+    if logprob.token_id != token_id or logprob.rank < 1:
+        raise InvalidRequestError(
+            f"logprob of token {logprob.token_id} (rank {logprob.rank}) for first token {token_id}",
+            "first_logprob",
+        )
+    if any(not 0 <= top_id < vocab_size for top_id in top_ids):
+        raise InvalidRequestError(f"top logprob ids outside [0, {vocab_size})", "first_logprob")

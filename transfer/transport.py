@@ -8,9 +8,14 @@ backend supports it). A send or receive either completes, raises ``TransferError
 cancelled by its caller; callers bound every wait with a timeout because a dead peer is not
 always detected by the transport (see ``ucx.py``).
 
-Tags: ``plan.message_tag(transfer_id, index)`` packs a per-transfer id and a message index into
-the 64-bit tag space, so concurrent transfers never match each other's messages. Tags are never
-reused.
+Tags: ``plan.message_tag(transfer_secret, index)`` is a keyed hash of a message index under a
+per-transfer 128-bit secret, so concurrent transfers never match each other's messages and a
+party without the secret cannot aim a message at a posted receive. Tags are never reused.
+Transports authenticate nothing themselves (see ``ucx.py``): the tag is the capability.
+
+Sizes: a message must fill its receive buffer exactly. ``recv`` raises ``TransferError`` for a
+message of any other size, shorter ones included (UCX itself completes a receive with a shorter
+message without a word), so a short message never passes for a landed one.
 
 A receive posted into memory cannot be taken back (UCX has no per-request cancel in ucxx), so a
 receiver that gives up *withdraws* its receives: ``withdraw(tag)`` completes a still-unmatched
@@ -52,19 +57,25 @@ class KvTransport(ABC):
 
     @abstractmethod
     async def recv(self, tag: int, buffer: torch.Tensor) -> None:
-        """Receive the message tagged ``tag`` into ``buffer`` (its size must match).
+        """Receive the message tagged ``tag`` into ``buffer``.
 
-        The receive is posted when the coroutine first runs; cancelling the awaiting task does
-        not withdraw it (use ``withdraw``)."""
+        Returns once the message filled ``buffer`` or the receive was withdrawn; raises
+        ``TransferError`` (naming the tag and both sizes) when the message's size differs from
+        ``buffer``'s, or on a transport failure. A message of the wrong size may have written
+        part of ``buffer``. The receive is posted when the coroutine first runs; cancelling the
+        awaiting task does not withdraw it (use ``withdraw``)."""
 
     @abstractmethod
     async def withdraw(self, tag: int) -> None:
         """Make this transport's receive of ``tag`` complete without writing into its buffer,
         unless a message already matched it (that receive then completes or fails on its own).
 
-        Implemented as a zero-byte message to ``tag`` from this transport to itself: if no
-        receive of ``tag`` is posted yet, the next one posted completes empty. A real message
-        of ``tag`` arriving after the withdrawal is never received (tags are not reused)."""
+        A peer's message cannot pass for a withdrawal (a peer's empty message is a size
+        error): UCX withdraws with empty messages from this transport to itself, to the tag
+        and to its size receipt's; the in-process transport with a marker no send produces. If
+        no receive of ``tag`` is posted yet, the next one posted completes without writing. A
+        real message of ``tag`` arriving after the withdrawal is never received (tags are not
+        reused)."""
 
     def forget(self, address: bytes) -> None:  # noqa: B027 - optional hook
         """Drop the cached endpoint to ``address`` (after a failure): the next ``connect``

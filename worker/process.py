@@ -15,6 +15,8 @@ from collections.abc import Mapping
 from splitserve.common.env_flags import add_env_flag, env_default
 from splitserve.common.env_flags import truthy as _truthy
 from splitserve.engine.cli_args import add_engine_args
+from splitserve.proto.cluster_auth import add_cluster_auth_args
+from splitserve.proto.server import add_reflection_flag
 from splitserve.transfer.ucx import UcxSettings
 
 
@@ -42,7 +44,12 @@ def add_worker_args(parser: argparse.ArgumentParser, env: Mapping[str, str] = os
     flag("--host", "127.0.0.1", str, "address the gRPC server binds")
     flag("--port", 0, int, "gRPC port; 0 picks a free one (printed when ready)")
     flag("--advertise-host", None, str, "host the coordinator and peers should dial")
-    flag("--coordinator", None, str, "coordinator host:port to register with")
+    flag(
+        "--coordinator",
+        None,
+        str,
+        "the coordinator's internal host:port (its --internal-port) to register with",
+    )
     flag("--worker-id", None, str, "unique worker name (default: role-host-pid)")
     flag("--cpu-affinity", None, str, "pin the process to these cores, e.g. '0' or '0-3'")
     flag("--ucx-tls", None, str, "UCX transports (UCX_TLS), e.g. 'sm,self' or 'tcp'")
@@ -55,6 +62,8 @@ def add_worker_args(parser: argparse.ArgumentParser, env: Mapping[str, str] = os
     )
     flag("--transfer-timeout", 30.0, float, "seconds a KV transfer may take before it fails")
     flag("--metrics-port", 0, int, "Prometheus /metrics port (0: any free port, -1: off)")
+    add_reflection_flag(group, env)
+    add_cluster_auth_args(group, env)
     add_engine_args(parser, env)
 
 

@@ -1,11 +1,12 @@
 """The life of a worker process, for either role.
 
-``run_worker`` starts the gRPC server first (health NOT_SERVING, so orchestrators can probe
-it while the model loads), loads the engine off the event loop, creates the UCX transport on
-the loop, warms the engine up with a short request, flips health to SERVING, prints
-``splitserve <role> ready at <address>``, registers with the coordinator and heartbeats until
-SIGINT/SIGTERM; then it reports NOT_SERVING, lets running calls finish for a grace period and
-stops the engine.
+``run_worker`` starts the gRPC server first (internal plane: every call, health included,
+must carry the cluster credential; health NOT_SERVING, so orchestrators holding the
+credential can probe it while the model loads), loads the engine off the event loop, creates
+the UCX transport on the loop, warms the engine up with a short request, flips health to
+SERVING, prints ``splitserve <role> ready at <address>``, registers with the coordinator's
+internal port and heartbeats until SIGINT/SIGTERM; then it reports NOT_SERVING, lets running
+calls finish for a grace period and stops the engine.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.engine.cli_args import engine_config_from_args
 from splitserve.engine.engine_core import EngineCore
+from splitserve.proto.cluster_auth import ClusterCredential, credential_from_args
 from splitserve.proto.server import serve_forever, start_server
 from splitserve.transfer.layout import KvLayout
 from splitserve.transfer.transport import KvTransport
@@ -74,15 +76,28 @@ class WorkerRole:
     """(engine core, transport, identity, transfer timeout) -> the domain object."""
 
 
-async def run_worker(args: argparse.Namespace, role: WorkerRole, stop: asyncio.Event) -> None:
+async def run_worker(
+    args: argparse.Namespace,
+    role: WorkerRole,
+    credential: ClusterCredential,
+    stop: asyncio.Event,
+) -> None:
     servicer = role.make_servicer()
 
     def register(server: grpc.aio.Server) -> list[str]:
         role.add_servicer(servicer, server)
         return [role.service_name]
 
-    server = await start_server(args.host, args.port, register)
-    identity = WorkerIdentity(worker_id_of(args, role.name), advertised_address(args, server.port))
+    server = await start_server(
+        args.host,
+        args.port,
+        register,
+        credential=credential,
+        with_reflection=args.grpc_reflection,
+    )
+    identity = WorkerIdentity(
+        worker_id_of(args, role.name), advertised_address(args, server.port), credential
+    )
     worker_id, address = identity.worker_id, identity.address
     core = await asyncio.to_thread(EngineCore, engine_config_from_args(args))
     transport = UcxTransport(ucx_settings_of(args))
@@ -109,7 +124,7 @@ async def run_worker(args: argparse.Namespace, role: WorkerRole, stop: asyncio.E
             num_blocks=core.num_blocks,
             max_model_len=core.max_model_len,
         )
-        link = CoordinatorLink(args.coordinator, info, domain.load)
+        link = CoordinatorLink(args.coordinator, info, domain.load, credential)
         link_task = asyncio.create_task(link.run(stop))
     await stop.wait()
     logger.info("%s %s stopping", role.name, worker_id)
@@ -128,13 +143,17 @@ def worker_main(role: WorkerRole, argv: Sequence[str] | None, description: str) 
     parser = argparse.ArgumentParser(prog=f"splitserve {role.name}", description=description)
     add_worker_args(parser)
     args = parser.parse_args(argv)
+    try:
+        credential = credential_from_args(args)
+    except (OSError, ValueError) as error:
+        parser.error(str(error))  # exits with status 2
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s {role.name} %(levelname)s %(message)s"
     )
     apply_cpu_affinity(args)
 
     async def run(stop: asyncio.Event) -> None:
-        await run_worker(args, role, stop)
+        await run_worker(args, role, credential, stop)
 
     serve_forever(run)
     return 0

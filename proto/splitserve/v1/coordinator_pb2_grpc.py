@@ -49,21 +49,6 @@ class CoordinatorStub:
                 request_serializer=splitserve_dot_v1_dot_coordinator__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=splitserve_dot_v1_dot_coordinator__pb2.ModelInfo.FromString,
                 _registered_method=True)
-        self.RegisterWorker = channel.unary_unary(
-                '/splitserve.v1.Coordinator/RegisterWorker',
-                request_serializer=splitserve_dot_v1_dot_coordinator__pb2.RegisterWorkerRequest.SerializeToString,
-                response_deserializer=splitserve_dot_v1_dot_coordinator__pb2.RegisterWorkerResponse.FromString,
-                _registered_method=True)
-        self.Heartbeat = channel.unary_unary(
-                '/splitserve.v1.Coordinator/Heartbeat',
-                request_serializer=splitserve_dot_v1_dot_coordinator__pb2.HeartbeatRequest.SerializeToString,
-                response_deserializer=splitserve_dot_v1_dot_coordinator__pb2.HeartbeatResponse.FromString,
-                _registered_method=True)
-        self.ListWorkers = channel.unary_unary(
-                '/splitserve.v1.Coordinator/ListWorkers',
-                request_serializer=splitserve_dot_v1_dot_coordinator__pb2.ListWorkersRequest.SerializeToString,
-                response_deserializer=splitserve_dot_v1_dot_coordinator__pb2.ListWorkersResponse.FromString,
-                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -90,25 +75,6 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def RegisterWorker(self, request, context):
-        """Internal: workers register at start and heartbeat with their load figures.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Heartbeat(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def ListWorkers(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -126,21 +92,6 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=splitserve_dot_v1_dot_coordinator__pb2.GetModelInfoRequest.FromString,
                     response_serializer=splitserve_dot_v1_dot_coordinator__pb2.ModelInfo.SerializeToString,
-            ),
-            'RegisterWorker': grpc.unary_unary_rpc_method_handler(
-                    servicer.RegisterWorker,
-                    request_deserializer=splitserve_dot_v1_dot_coordinator__pb2.RegisterWorkerRequest.FromString,
-                    response_serializer=splitserve_dot_v1_dot_coordinator__pb2.RegisterWorkerResponse.SerializeToString,
-            ),
-            'Heartbeat': grpc.unary_unary_rpc_method_handler(
-                    servicer.Heartbeat,
-                    request_deserializer=splitserve_dot_v1_dot_coordinator__pb2.HeartbeatRequest.FromString,
-                    response_serializer=splitserve_dot_v1_dot_coordinator__pb2.HeartbeatResponse.SerializeToString,
-            ),
-            'ListWorkers': grpc.unary_unary_rpc_method_handler(
-                    servicer.ListWorkers,
-                    request_deserializer=splitserve_dot_v1_dot_coordinator__pb2.ListWorkersRequest.FromString,
-                    response_serializer=splitserve_dot_v1_dot_coordinator__pb2.ListWorkersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -234,6 +185,89 @@ class Coordinator:
             metadata,
             _registered_method=True)
 
+
+class MembershipStub:
+    """Internal plane: workers register at start and heartbeat with their load figures;
+    operators and tests list them.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.RegisterWorker = channel.unary_unary(
+                '/splitserve.v1.Membership/RegisterWorker',
+                request_serializer=splitserve_dot_v1_dot_coordinator__pb2.RegisterWorkerRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_coordinator__pb2.RegisterWorkerResponse.FromString,
+                _registered_method=True)
+        self.Heartbeat = channel.unary_unary(
+                '/splitserve.v1.Membership/Heartbeat',
+                request_serializer=splitserve_dot_v1_dot_coordinator__pb2.HeartbeatRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_coordinator__pb2.HeartbeatResponse.FromString,
+                _registered_method=True)
+        self.ListWorkers = channel.unary_unary(
+                '/splitserve.v1.Membership/ListWorkers',
+                request_serializer=splitserve_dot_v1_dot_coordinator__pb2.ListWorkersRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_coordinator__pb2.ListWorkersResponse.FromString,
+                _registered_method=True)
+
+
+class MembershipServicer:
+    """Internal plane: workers register at start and heartbeat with their load figures;
+    operators and tests list them.
+    """
+
+    def RegisterWorker(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Heartbeat(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListWorkers(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_MembershipServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'RegisterWorker': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterWorker,
+                    request_deserializer=splitserve_dot_v1_dot_coordinator__pb2.RegisterWorkerRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_coordinator__pb2.RegisterWorkerResponse.SerializeToString,
+            ),
+            'Heartbeat': grpc.unary_unary_rpc_method_handler(
+                    servicer.Heartbeat,
+                    request_deserializer=splitserve_dot_v1_dot_coordinator__pb2.HeartbeatRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_coordinator__pb2.HeartbeatResponse.SerializeToString,
+            ),
+            'ListWorkers': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListWorkers,
+                    request_deserializer=splitserve_dot_v1_dot_coordinator__pb2.ListWorkersRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_coordinator__pb2.ListWorkersResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'splitserve.v1.Membership', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('splitserve.v1.Membership', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Membership:
+    """Internal plane: workers register at start and heartbeat with their load figures;
+    operators and tests list them.
+    """
+
     @staticmethod
     def RegisterWorker(request,
             target,
@@ -248,7 +282,7 @@ class Coordinator:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/splitserve.v1.Coordinator/RegisterWorker',
+            '/splitserve.v1.Membership/RegisterWorker',
             splitserve_dot_v1_dot_coordinator__pb2.RegisterWorkerRequest.SerializeToString,
             splitserve_dot_v1_dot_coordinator__pb2.RegisterWorkerResponse.FromString,
             options,
@@ -275,7 +309,7 @@ class Coordinator:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/splitserve.v1.Coordinator/Heartbeat',
+            '/splitserve.v1.Membership/Heartbeat',
             splitserve_dot_v1_dot_coordinator__pb2.HeartbeatRequest.SerializeToString,
             splitserve_dot_v1_dot_coordinator__pb2.HeartbeatResponse.FromString,
             options,
@@ -302,7 +336,7 @@ class Coordinator:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/splitserve.v1.Coordinator/ListWorkers',
+            '/splitserve.v1.Membership/ListWorkers',
             splitserve_dot_v1_dot_coordinator__pb2.ListWorkersRequest.SerializeToString,
             splitserve_dot_v1_dot_coordinator__pb2.ListWorkersResponse.FromString,
             options,

@@ -88,20 +88,22 @@ class WorkerGenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., remote_prefill: _Optional[bool] = ...) -> None: ...
 
 class KvReservation(_message.Message):
-    __slots__ = ("transfer_id", "decode_address", "num_tokens", "compat_hash", "block_order", "run_lengths")
+    __slots__ = ("transfer_id", "decode_address", "num_tokens", "compat_hash", "block_order", "run_lengths", "transfer_secret")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     DECODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPAT_HASH_FIELD_NUMBER: _ClassVar[int]
     BLOCK_ORDER_FIELD_NUMBER: _ClassVar[int]
     RUN_LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_SECRET_FIELD_NUMBER: _ClassVar[int]
     transfer_id: int
     decode_address: str
     num_tokens: int
     compat_hash: str
     block_order: _containers.RepeatedScalarFieldContainer[int]
     run_lengths: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, transfer_id: _Optional[int] = ..., decode_address: _Optional[str] = ..., num_tokens: _Optional[int] = ..., compat_hash: _Optional[str] = ..., block_order: _Optional[_Iterable[int]] = ..., run_lengths: _Optional[_Iterable[int]] = ...) -> None: ...
+    transfer_secret: bytes
+    def __init__(self, transfer_id: _Optional[int] = ..., decode_address: _Optional[str] = ..., num_tokens: _Optional[int] = ..., compat_hash: _Optional[str] = ..., block_order: _Optional[_Iterable[int]] = ..., run_lengths: _Optional[_Iterable[int]] = ..., transfer_secret: _Optional[bytes] = ...) -> None: ...
 
 class WorkerTokens(_message.Message):
     __slots__ = ("token_ids", "logprobs", "finish_reason", "stop_token_id", "usage")

@@ -1,0 +1,204 @@
+"""KV transfers nobody can forge: a message aimed at reserved blocks with a guessed tag never
+lands there, a message shorter than its planned region fails the transfer, and the transfer
+still completes bit for bit with the real sender's KV. Both transports (UCX in this one
+process, see ``test_transfer.py``), a float32 KV cache compared byte for byte.
+
+The secret crosses the wire intact, only at its size, and never shows in a repr. The tag
+function itself (same secret and index, same tag; other secrets, other tags) is tested in
+``test_transfer_plan.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from splitserve.common.errors import InvalidRequestError, TransferError
+from splitserve.proto import convert
+from splitserve.transfer.layer_channel import LayerReceiver, LayerSender, TransferState
+from splitserve.transfer.plan import TransferPlan, message_tag, new_transfer_secret
+from splitserve.transfer.reservation import KvReservation
+from splitserve.worker.kv_io import receive_destinations
+from tests.test_transfer import WAIT_S, Link, let_late_sends_run, open_link
+
+pytestmark = pytest.mark.timeout(60)
+
+NUM_LAYERS = 3
+CACHE_BLOCKS = 16
+BLOCK_SHAPE = (4, 2, 8)
+"""block_size, kv_heads, head_dim: small, so every message goes eagerly (no rendezvous)."""
+RESERVED = [9, 10, 2, 3, 4, 13]
+"""Three runs (2-4; 9-10; 13): six messages per layer."""
+OLD_MESSAGE_BITS = 20
+"""The old tag packing this guards against: ``transfer_id << 20 | message index``."""
+
+
+@dataclass
+class Reservation:
+    """A receiver posted into ``RESERVED`` blocks of a zero float32 ``cache``."""
+
+    cache: torch.Tensor
+    """``[layers, 2, CACHE_BLOCKS, *BLOCK_SHAPE]`` float32, zero outside what lands."""
+    plan: TransferPlan
+    transfer_id: int
+    secret: bytes
+    receiver: LayerReceiver
+
+    @property
+    def num_messages(self) -> int:
+        return NUM_LAYERS * self.plan.messages_per_layer
+
+    def message_bytes(self) -> list[int]:
+        """Planned size of each message, by index: the K or V of one run."""
+        block_size, kv_heads, head_dim = BLOCK_SHAPE
+        block_bytes = block_size * kv_heads * head_dim * 4  # float32
+        return [
+            length * block_bytes
+            for _layer in range(NUM_LAYERS)
+            for _half in range(2)
+            for length in self.plan.run_lengths
+        ]
+
+    def sender(self, link: Link) -> LayerSender:
+        """The legitimate prefill side's sender of this transfer."""
+        loop = asyncio.get_running_loop()
+        return LayerSender(
+            link.endpoint, self.transfer_id, self.secret, NUM_LAYERS, self.plan, loop
+        )
+
+
+def reserve(link: Link) -> Reservation:
+    cache = torch.zeros(NUM_LAYERS, 2, CACHE_BLOCKS, *BLOCK_SHAPE, dtype=torch.float32)
+    plan, destinations = receive_destinations(cache, RESERVED)
+    transfer_id = secrets.randbelow((1 << (64 - OLD_MESSAGE_BITS)) - 2) + 1
+    secret = new_transfer_secret()
+    receiver = LayerReceiver(link.receiver, transfer_id, secret, plan, destinations)
+    return Reservation(cache, plan, transfer_id, secret, receiver)
+
+
+def real_kv() -> torch.Tensor:
+    """The prompt's KV, ``[layers, 2, len(RESERVED), *BLOCK_SHAPE]`` in block-table order."""
+    return torch.randn(NUM_LAYERS, 2, len(RESERVED), *BLOCK_SHAPE, dtype=torch.float32)
+
+
+async def push(link: Link, reservation: Reservation, kv: torch.Tensor) -> None:
+    """The legitimate prefill side: every layer, gathered in plan order, sent under the
+    reservation's secret."""
+    sender = reservation.sender(link)
+    order = list(reservation.plan.block_order)
+    for layer in range(NUM_LAYERS):
+        sender.offer(layer, kv[layer][:, order])
+    await sender.finish(WAIT_S)
+
+
+def old_style_tags(transfer_id: int, num_messages: int) -> list[int]:
+    """Tags an attacker who knows (or guesses near) the transfer id would try: the old packing
+    for that id and its neighbours, and the bare message indices (transfer id 0)."""
+    ids = [transfer_id - 1, transfer_id, transfer_id + 1, 0]
+    return [(tid << OLD_MESSAGE_BITS) | index for tid in ids for index in range(num_messages)]
+
+
+async def forge(link: Link, tags: Sequence[int], sizes: Sequence[int]) -> None:
+    """Send a poison message (float32 1e30 everywhere) of each planned size to each tag, as
+    anyone who can reach the decode worker's transport could."""
+    poison = [torch.full((size // 4,), 1e30).view(torch.uint8) for size in sizes]
+    sends = [link.endpoint.send(tag, poison[index % len(poison)]) for index, tag in enumerate(tags)]
+    await asyncio.wait_for(asyncio.gather(*sends), WAIT_S)  # eager: complete unreceived
+
+
+def assert_landed_exactly(reservation: Reservation, kv: torch.Tensor) -> None:
+    """The reserved blocks hold ``kv`` byte for byte; every other block is still zero."""
+    landed = reservation.cache[:, :, RESERVED]
+    assert torch.equal(landed.contiguous().view(torch.uint8), kv.contiguous().view(torch.uint8))
+    others = [block for block in range(CACHE_BLOCKS) if block not in RESERVED]
+    assert not reservation.cache[:, :, others].view(torch.uint8).any()
+
+
+def test_messages_with_guessed_tags_never_land_and_the_real_kv_does(transport_kind: str) -> None:
+    async def body() -> None:
+        async with open_link(transport_kind) as link:
+            reservation = reserve(link)
+            sizes = reservation.message_bytes()
+            tags = old_style_tags(reservation.transfer_id, reservation.num_messages)
+            tags += [message_tag(new_transfer_secret(), index) for index in range(len(sizes))]
+            await forge(link, tags, sizes)
+            await asyncio.sleep(0.05)  # room for a forged message to land, which must not
+            assert not reservation.cache.view(torch.uint8).any()
+
+            kv = real_kv()
+            await push(link, reservation, kv)
+            await reservation.receiver.wait(WAIT_S)
+            assert reservation.receiver.state is TransferState.DONE
+            assert_landed_exactly(reservation, kv)
+
+    asyncio.run(body())
+
+
+def test_a_message_shorter_than_planned_fails_the_transfer(transport_kind: str) -> None:
+    """The holder of the secret sends message 4 (layer 0: the V of the second run) one float
+    short, before any other: the transfer fails at once naming it, never completing as if the
+    region were filled."""
+
+    async def body() -> None:
+        async with open_link(transport_kind) as link:
+            reservation = reserve(link)
+            sizes = reservation.message_bytes()
+            index = 4
+            short = torch.ones(sizes[index] // 4 - 1, dtype=torch.float32).view(torch.uint8)
+            tag = message_tag(reservation.secret, index)
+            sending = asyncio.ensure_future(link.endpoint.send(tag, short))
+            expected = rf"message {index} \(layer 0\): .*has {short.numel()} bytes"
+            with pytest.raises(TransferError, match=expected):
+                await reservation.receiver.wait(WAIT_S)
+            assert reservation.receiver.state is TransferState.FAILED
+            assert reservation.receiver.settled  # the other receives were withdrawn
+            await asyncio.wait_for(sending, WAIT_S)
+            others = [block for block in range(CACHE_BLOCKS) if block not in RESERVED]
+            assert not reservation.cache[:, :, others].view(torch.uint8).any()
+
+            # the real sender, too late: the transfer stays failed, nothing more lands
+            before = reservation.cache.clone()
+            late = reservation.sender(link)
+            kv = real_kv()
+            for layer in range(NUM_LAYERS):
+                late.offer(layer, kv[layer][:, list(reservation.plan.block_order)])
+            await let_late_sends_run(late)
+            assert torch.equal(reservation.cache.view(torch.uint8), before.view(torch.uint8))
+            assert reservation.receiver.state is TransferState.FAILED
+
+    asyncio.run(body())
+
+
+# ----------------------------------------------------------------------------- the secret
+
+
+def sample_reservation() -> KvReservation:
+    plan = TransferPlan.for_destination(RESERVED)
+    return KvReservation(2**63 + 5, "decode:1", 21, "hash", plan, new_transfer_secret())
+
+
+def test_the_secret_crosses_the_wire_intact() -> None:
+    reservation = sample_reservation()
+    message = convert.reservation_to_proto(reservation)
+    assert message.transfer_secret == reservation.transfer_secret
+    assert convert.reservation_from_proto(message) == reservation
+
+
+@pytest.mark.parametrize("size", [0, 8, 15, 17, 32])
+def test_a_reservation_with_a_secret_of_another_size_is_refused(size: int) -> None:
+    message = convert.reservation_to_proto(sample_reservation())
+    message.transfer_secret = bytes(size)
+    with pytest.raises(InvalidRequestError, match="secret") as caught:
+        convert.reservation_from_proto(message)
+    assert caught.value.param == "target"
+
+
+def test_the_secret_is_never_in_a_reservations_repr() -> None:
+    reservation = sample_reservation()
+    assert reservation.transfer_secret.hex() not in repr(reservation)
+    assert repr(reservation.transfer_secret) not in repr(reservation)
