@@ -16,9 +16,10 @@ Tags: message ``i`` of a transfer travels under ``plan.message_tag(transfer_secr
 ``transfer_id`` only names the transfer in errors and logs.
 
 Sizes: every message must fill its destination exactly. The transport checks each received
-message's size (``KvTransport.recv``); a receive that fails, whatever its layer, fails the whole
-transfer at once with a ``TransferError`` naming the message (index and layer), so a short
-message never counts as landed.
+message's size (``KvTransport.recv``; UCX misses only a message 1 to 7 bytes short, see
+``ucx.py``); a receive that fails, whatever its layer, fails the whole transfer at once with a
+``TransferError`` naming the message (index and layer), so a short message never counts as
+landed.
 
 Thread contract: ``LayerSender.offer`` may be called from the engine thread (it copies nothing
 and hands the tensor to the loop); everything else runs on the transport's event loop.

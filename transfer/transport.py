@@ -14,8 +14,12 @@ party without the secret cannot aim a message at a posted receive. Tags are neve
 Transports authenticate nothing themselves (see ``ucx.py``): the tag is the capability.
 
 Sizes: a message must fill its receive buffer exactly. ``recv`` raises ``TransferError`` for a
-message of any other size, shorter ones included (UCX itself completes a receive with a shorter
-message without a word), so a short message never passes for a landed one.
+longer message, and for a shorter one (UCX itself completes a receive with a shorter message
+without a word): the in-process transport for any other size, UCX for a message that stops at
+least 8 bytes short of the buffer's end, found by a random canary it writes there before
+posting (``ucx.py``, Sizes: a message 1 to 7 bytes short passes it). So an empty or truncated
+message never passes for a landed one. While a receive is posted its buffer's last bytes may
+hold that canary; a withdrawn receive gets them back.
 
 A receive posted into memory cannot be taken back (UCX has no per-request cancel in ucxx), so a
 receiver that gives up *withdraws* its receives: ``withdraw(tag)`` completes a still-unmatched
@@ -61,9 +65,10 @@ class KvTransport(ABC):
 
         Returns once the message filled ``buffer`` or the receive was withdrawn; raises
         ``TransferError`` (naming the tag and both sizes) when the message's size differs from
-        ``buffer``'s, or on a transport failure. A message of the wrong size may have written
-        part of ``buffer``. The receive is posted when the coroutine first runs; cancelling the
-        awaiting task does not withdraw it (use ``withdraw``)."""
+        ``buffer``'s (UCX: see the module docstring, Sizes), or on a transport failure. A
+        message of the wrong size may have written part of ``buffer``. The receive is posted
+        when the coroutine first runs; cancelling the awaiting task does not withdraw it (use
+        ``withdraw``), and may leave the UCX canary in ``buffer``."""
 
     @abstractmethod
     async def withdraw(self, tag: int) -> None:
@@ -71,11 +76,11 @@ class KvTransport(ABC):
         unless a message already matched it (that receive then completes or fails on its own).
 
         A peer's message cannot pass for a withdrawal (a peer's empty message is a size
-        error): UCX withdraws with empty messages from this transport to itself, to the tag
-        and to its size receipt's; the in-process transport with a marker no send produces. If
-        no receive of ``tag`` is posted yet, the next one posted completes without writing. A
-        real message of ``tag`` arriving after the withdrawal is never received (tags are not
-        reused)."""
+        error): UCX records the tag as withdrawn on this side and completes the receive with an
+        empty message from this transport to itself; the in-process transport uses a marker no
+        send produces. If no receive of ``tag`` is posted yet, the next one posted completes
+        without writing. A real message of ``tag`` arriving after the withdrawal is never
+        received (tags are not reused)."""
 
     def forget(self, address: bytes) -> None:  # noqa: B027 - optional hook
         """Drop the cached endpoint to ``address`` (after a failure): the next ``connect``
