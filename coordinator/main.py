@@ -23,6 +23,7 @@ from splitserve.common.env_flags import add_env_flag
 from splitserve.common.membership import Role
 from splitserve.common.metrics import serve_metrics
 from splitserve.common.model_files import load_tokenizer, model_name_of, resolve_model_path
+from splitserve.coordinator import INTERNAL_READY, PUBLIC_READY
 from splitserve.coordinator.attempt import AttemptTimeouts
 from splitserve.coordinator.flow import FlowConfig
 from splitserve.coordinator.membership_servicer import MembershipServicer
@@ -30,7 +31,7 @@ from splitserve.coordinator.metrics import CoordinatorMetrics
 from splitserve.coordinator.router import RoutingConfig
 from splitserve.coordinator.service import Coordinator, CoordinatorConfig
 from splitserve.coordinator.servicer import CoordinatorServicer
-from splitserve.proto.cluster_auth import add_cluster_auth_args, credential_from_args
+from splitserve.proto.cluster_auth import add_cluster_auth_args, credential_or_exit
 from splitserve.proto.server import add_reflection_flag, serve_forever, start_server
 from splitserve.proto.splitserve.v1 import coordinator_pb2, coordinator_pb2_grpc
 
@@ -71,10 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    try:
-        credential = credential_from_args(args)
-    except (OSError, ValueError) as error:
-        parser.error(str(error))  # exits with status 2
+    credential = credential_or_exit(parser, args)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s coordinator %(levelname)s %(message)s"
     )
@@ -115,11 +113,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             with_reflection=args.grpc_reflection,
         )
         await internal.set_serving(True)
-        print(f"splitserve coordinator internal ready at {args.host}:{internal.port}", flush=True)
+        print(f"{INTERNAL_READY} at {args.host}:{internal.port}", flush=True)
         if args.metrics_port >= 0:
             port = serve_metrics(registry, args.host, args.metrics_port)
             print(f"coordinator metrics at http://{args.host}:{port}/metrics", flush=True)
-        print(f"splitserve coordinator ready at {args.host}:{server.port}", flush=True)
+        print(f"{PUBLIC_READY} at {args.host}:{server.port}", flush=True)
         watcher = asyncio.create_task(_watch_workers(coordinator, server, stop))
         await stop.wait()
         await server.set_serving(False)

@@ -211,16 +211,17 @@ class EngineCore:
         the KV is).
         """
         scheduled = self.scheduler.schedule()
-        completed = [
-            CompletedPrompt(chunk.request_id, chunk.block_table)
-            for chunk in scheduled.chunks
-            if chunk.completes_prompt
-        ]
         hook = None
-        if on_layer_kv_written is not None and completed:
+        if on_layer_kv_written is not None:  # only a KV-pushing worker looks for them
+            completed = [
+                CompletedPrompt(chunk.request_id, chunk.block_table)
+                for chunk in scheduled.chunks
+                if chunk.completes_prompt
+            ]
+            if completed:
 
-            def hook(layer: int) -> None:
-                on_layer_kv_written(layer, completed)
+                def hook(layer: int) -> None:
+                    on_layer_kv_written(layer, completed)
 
         executed = self.runner.execute(scheduled, hook)
         updates = self.scheduler.update(scheduled, executed.sampled_token_ids)

@@ -30,6 +30,7 @@ import threading
 from collections.abc import Sequence
 from typing import TextIO
 
+from splitserve.coordinator import INTERNAL_READY, PUBLIC_READY
 from splitserve.launch.child_process import ChildProcess, ReadyError, python_module_argv
 from splitserve.proto.cluster_auth import TOKEN_ENV, ClusterCredential
 from splitserve.proto.server import wait_for_health
@@ -202,8 +203,8 @@ async def _start_all(
     address."""
     coordinator = children.start("coordinator", coordinator_argv(args))
     # the real ports when 0; the internal one is announced first
-    address = await children.wait_ready(coordinator, stop, "splitserve coordinator ready")
-    internal = coordinator.announcements()["splitserve coordinator internal ready"]
+    address = await children.wait_ready(coordinator, stop, PUBLIC_READY)
+    internal = coordinator.announcements()[INTERNAL_READY]
     workers = [children.start(n, argv) for n, argv in worker_argvs(args, internal, worker_args)]
     for worker in workers:
         await children.wait_ready(worker, stop)

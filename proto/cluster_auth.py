@@ -126,3 +126,15 @@ def credential_from_args(args: argparse.Namespace) -> ClusterCredential:
             "(the same secret on every process of the cluster; `splitserve up` makes one)"
         )
     return ClusterCredential(token)
+
+
+def credential_or_exit(
+    parser: argparse.ArgumentParser, args: argparse.Namespace
+) -> ClusterCredential:
+    """``credential_from_args``, or the parser's usage error (exit status 2) saying what to set
+    when there is none or its file cannot be read: a role never starts without it."""
+    try:
+        return credential_from_args(args)
+    except (OSError, ValueError) as error:
+        parser.error(str(error))
+        raise  # parser.error exits; this keeps type checkers sure of the return

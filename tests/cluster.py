@@ -21,6 +21,7 @@ from collections.abc import Iterator
 
 import grpc
 
+from splitserve.coordinator import INTERNAL_READY
 from splitserve.launch.child_process import ChildProcess, python_module_argv
 from splitserve.proto.cluster_auth import TOKEN_ENV, ClusterCredential
 from splitserve.proto.splitserve.v1 import coordinator_pb2, coordinator_pb2_grpc, worker_pb2
@@ -29,7 +30,6 @@ CREDENTIAL = ClusterCredential.generate()
 """The cluster credential of every process the tests start."""
 START_TIMEOUT_S = 240.0
 STOP_GRACE_S = 30.0
-INTERNAL_READY = "splitserve coordinator internal ready"
 _internal_of: dict[str, str] = {}
 """Public coordinator address -> its internal one, as the processes announced them."""
 FRESH_LOAD_TIMEOUT_S = 10.0

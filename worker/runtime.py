@@ -30,7 +30,7 @@ from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.engine.cli_args import engine_config_from_args
 from splitserve.engine.engine_core import EngineCore
-from splitserve.proto.cluster_auth import ClusterCredential, credential_from_args
+from splitserve.proto.cluster_auth import ClusterCredential, credential_or_exit
 from splitserve.proto.server import serve_forever, start_server
 from splitserve.transfer.layout import KvLayout
 from splitserve.transfer.transport import KvTransport
@@ -143,10 +143,7 @@ def worker_main(role: WorkerRole, argv: Sequence[str] | None, description: str) 
     parser = argparse.ArgumentParser(prog=f"splitserve {role.name}", description=description)
     add_worker_args(parser)
     args = parser.parse_args(argv)
-    try:
-        credential = credential_from_args(args)
-    except (OSError, ValueError) as error:
-        parser.error(str(error))  # exits with status 2
+    credential = credential_or_exit(parser, args)
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s {role.name} %(levelname)s %(message)s"
     )
