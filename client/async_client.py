@@ -21,7 +21,8 @@ Contracts, for every method:
   an abandoned one is closed when garbage collected (asyncio then schedules its ``aclose()``).
 
 The channel is created on first use, inside the running event loop, with the client's
-``retry`` (fixed from then on), unless one is passed in: then the caller owns it, ``close()``
+``retry`` (fixed from then on) and ``credentials`` (TLS; see ``connection.py``), unless one
+is passed in: then the caller owns it, ``close()``
 leaves it open, and it retries as it was built (by a policy only when built with
 ``splitserve.client.retry.channel_options(policy)``).
 """
@@ -38,8 +39,9 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from splitserve.client import wire
+from splitserve.client.connection import aio_channel, call_metadata
 from splitserve.client.errors import DEFAULT_RETRY, ClientError, RetryPolicy
-from splitserve.client.retry import Deadline, channel_options, resolve_timeout
+from splitserve.client.retry import Deadline, resolve_timeout
 from splitserve.client.types import Chunk, Finish, Generation, ModelInfo, Sampling
 from splitserve.proto.splitserve.v1 import coordinator_pb2, coordinator_pb2_grpc
 
@@ -48,7 +50,8 @@ HEALTH_POLL_S = 0.1
 
 
 class AsyncClient:
-    """Typed asyncio client of a splitserve coordinator at ``target`` ("host:port")."""
+    """Typed asyncio client of a splitserve coordinator at ``target`` ("host:port");
+    ``api_key`` and ``credentials`` (TLS): see ``splitserve.client.connection``."""
 
     def __init__(
         self,
@@ -57,8 +60,12 @@ class AsyncClient:
         timeout_s: float | None = 600.0,
         retry: RetryPolicy = DEFAULT_RETRY,
         channel: grpc.aio.Channel | None = None,
+        api_key: str | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
     ) -> None:
         self.target = target
+        self._metadata = call_metadata(api_key)
+        self._credentials = credentials
         self.timeout_s = timeout_s
         self.retry = retry
         self._channel = channel
@@ -69,9 +76,7 @@ class AsyncClient:
         if self._closed:
             raise RuntimeError("the client is closed")
         if self._channel is None:
-            self._channel = grpc.aio.insecure_channel(
-                self.target, options=channel_options(self.retry)
-            )
+            self._channel = aio_channel(self.target, self._credentials, self.retry)
         return self._channel
 
     def _stub(self) -> coordinator_pb2_grpc.CoordinatorStub:
@@ -97,7 +102,9 @@ class AsyncClient:
         """
         request_id = request_id or wire.new_request_id()
         request = wire.generate_request(prompt, messages, token_ids, sampling, request_id)
-        call = self._stub().Generate(request, timeout=self._timeout(timeout_s))
+        call = self._stub().Generate(
+            request, timeout=self._timeout(timeout_s), metadata=self._metadata
+        )
         try:
             finish = None
             async for response in call:
@@ -167,7 +174,7 @@ class AsyncClient:
         timeout_s: float | None | EllipsisType,
     ) -> Reply:
         try:
-            return await method(request, timeout=self._timeout(timeout_s))
+            return await method(request, timeout=self._timeout(timeout_s), metadata=self._metadata)
         except grpc.aio.AioRpcError as rpc_error:
             raise ClientError.from_call(rpc_error) from rpc_error
 
@@ -183,7 +190,9 @@ class AsyncClient:
         last = "no answer"
         while (remaining := deadline.remaining() or 0.0) > 0:
             try:
-                reply = await health.Check(check, timeout=min(1.0, remaining))
+                reply = await health.Check(
+                    check, timeout=min(1.0, remaining), metadata=self._metadata
+                )
                 if reply.status == health_pb2.HealthCheckResponse.SERVING:
                     return
                 last = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)

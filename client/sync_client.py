@@ -28,8 +28,9 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from splitserve.client import wire
+from splitserve.client.connection import call_metadata, sync_channel
 from splitserve.client.errors import DEFAULT_RETRY, ClientError, RetryPolicy
-from splitserve.client.retry import Deadline, channel_options, resolve_timeout
+from splitserve.client.retry import Deadline, resolve_timeout
 from splitserve.client.types import Chunk, Finish, Generation, ModelInfo, Sampling
 from splitserve.proto.splitserve.v1 import coordinator_pb2, coordinator_pb2_grpc
 
@@ -40,8 +41,9 @@ HEALTH_POLL_S = 0.1
 class Client:
     """Typed blocking client of a splitserve coordinator at ``target`` ("host:port").
 
-    ``retry`` is fixed when the channel is created, here. ``channel``: use this one instead of
-    creating an insecure channel (the caller owns it; ``close()`` leaves it open); it retries as
+    ``retry`` is fixed when the channel is created, here; ``api_key`` and ``credentials``
+    (TLS): see ``splitserve.client.connection``. ``channel``: use this one instead of
+    creating one (the caller owns it; ``close()`` leaves it open); it retries as
     it was built, by ``retry`` only when built with ``retry.channel_options(retry)``.
     """
 
@@ -52,12 +54,15 @@ class Client:
         timeout_s: float | None = 600.0,
         retry: RetryPolicy = DEFAULT_RETRY,
         channel: grpc.Channel | None = None,
+        api_key: str | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
     ) -> None:
         self.target = target
+        self._metadata = call_metadata(api_key)
         self.timeout_s = timeout_s
         self.retry = retry
         self._owns_channel = channel is None
-        self._channel = channel or grpc.insecure_channel(target, options=channel_options(retry))
+        self._channel = channel or sync_channel(target, credentials, retry)
         self._coordinator = coordinator_pb2_grpc.CoordinatorStub(self._channel)
 
     def stream(
@@ -78,7 +83,9 @@ class Client:
         """
         request_id = request_id or wire.new_request_id()
         request = wire.generate_request(prompt, messages, token_ids, sampling, request_id)
-        call = self._coordinator.Generate(request, timeout=self._timeout(timeout_s))
+        call = self._coordinator.Generate(
+            request, timeout=self._timeout(timeout_s), metadata=self._metadata
+        )
         try:
             finish = None
             for response in call:
@@ -145,7 +152,7 @@ class Client:
         timeout_s: float | None | EllipsisType,
     ) -> Reply:
         try:
-            return method(request, timeout=self._timeout(timeout_s))
+            return method(request, timeout=self._timeout(timeout_s), metadata=self._metadata)
         except grpc.RpcError as rpc_error:
             raise ClientError.from_call(rpc_error) from rpc_error  # type: ignore[arg-type]
 
@@ -161,7 +168,7 @@ class Client:
         last = "no answer"
         while (remaining := deadline.remaining() or 0.0) > 0:
             try:
-                reply = health.Check(check, timeout=min(1.0, remaining))
+                reply = health.Check(check, timeout=min(1.0, remaining), metadata=self._metadata)
                 if reply.status == health_pb2.HealthCheckResponse.SERVING:
                     return
                 last = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)

@@ -9,6 +9,9 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Callable, Mapping
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 def env_name(flag: str) -> str:
@@ -41,3 +44,14 @@ def add_env_flag(
         default=env_default(name, default, convert, env),
         help=f"{help_text} (env {env_name(name)})",
     )
+
+
+def built_or_exit(parser: argparse.ArgumentParser, build: Callable[[], T]) -> T:
+    """``build()`` (what some flags name: a credential, TLS files, API keys), or the parser's
+    usage error (exit status 2) with its ``ValueError`` / ``OSError`` message: a process
+    never starts on flags it cannot honour."""
+    try:
+        return build()
+    except (OSError, ValueError) as error:
+        parser.error(str(error))
+        raise  # parser.error exits; this keeps type checkers sure of the return

@@ -3,7 +3,11 @@
 Public (``--port``): the ``Coordinator`` API (Generate, Abort, GetModelInfo) and health
 (SERVING once a decode worker is registered), for clients and the gateway. Internal
 (``--internal-port``): ``Membership`` (RegisterWorker, Heartbeat, ListWorkers) and health,
-every call refused without the cluster credential. Reflection only with ``--grpc-reflection``.
+every call refused without the cluster credential. With ``--api-key`` / ``--api-keys-file``
+the public port refuses calls without a key (health stays open unless
+``--health-needs-key``); with ``--tls-cert``/``--tls-key`` both ports serve TLS, and with
+``--tls-ca`` the internal one requires client certificates signed by it (``proto/tls.py``).
+Reflection only with ``--grpc-reflection``.
 Drops workers that stop heartbeating. Prints ``splitserve coordinator internal ready at
 <host:port>``, then ``splitserve coordinator ready at <host:port>`` once both listen.
 """
@@ -19,6 +23,7 @@ from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry
 
+from splitserve.common.api_keys import add_api_key_args, add_health_needs_key_flag, api_keys_or_exit
 from splitserve.common.env_flags import add_env_flag
 from splitserve.common.membership import Role
 from splitserve.common.metrics import serve_metrics
@@ -31,7 +36,8 @@ from splitserve.coordinator.metrics import CoordinatorMetrics
 from splitserve.coordinator.router import RoutingConfig
 from splitserve.coordinator.service import Coordinator, CoordinatorConfig
 from splitserve.coordinator.servicer import CoordinatorServicer
-from splitserve.proto.cluster_auth import add_cluster_auth_args, credential_or_exit
+from splitserve.proto.api_key_auth import ApiKeyInterceptor
+from splitserve.proto.cluster_access import access_or_exit, add_cluster_access_args
 from splitserve.proto.server import add_reflection_flag, serve_forever, start_server
 from splitserve.proto.splitserve.v1 import coordinator_pb2, coordinator_pb2_grpc
 
@@ -65,14 +71,17 @@ def build_parser() -> argparse.ArgumentParser:
     flag("--prefill-timeout", 300.0, float, "seconds a prefill (compute + KV push) may take")
     flag("--metrics-port", 0, int, "Prometheus /metrics port (0: any free port, -1: off)")
     add_reflection_flag(parser)
-    add_cluster_auth_args(parser)
+    add_cluster_access_args(parser)
+    add_api_key_args(parser)
+    add_health_needs_key_flag(parser, "gRPC health checks on the public port")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    credential = credential_or_exit(parser, args)
+    access = access_or_exit(parser, args)
+    keys = api_keys_or_exit(parser, args)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s coordinator %(levelname)s %(message)s"
     )
@@ -83,7 +92,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         routing=RoutingConfig(local_prefill_max_tokens=args.local_prefill_max_tokens),
         flow=FlowConfig(timeouts=AttemptTimeouts(prefill_s=args.prefill_timeout)),
     )
-    coordinator = Coordinator(config, load_tokenizer(model_path), credential)
+    coordinator = Coordinator(config, load_tokenizer(model_path), access)
     registry = CollectorRegistry()
     metrics = CoordinatorMetrics(registry, config.model_name, coordinator.registry)
 
@@ -93,12 +102,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.port,
             lambda s: (
                 coordinator_pb2_grpc.add_CoordinatorServicer_to_server(
-                    CoordinatorServicer(coordinator, metrics), s
+                    CoordinatorServicer(coordinator, metrics, keys), s
                 ),
                 [SERVICE_NAME],
             )[1],
             credential=None,
+            tls=access.tls,
             with_reflection=args.grpc_reflection,
+            interceptors=(ApiKeyInterceptor(keys, protect_health=args.health_needs_key),),
         )
         internal = await start_server(
             args.host,
@@ -109,7 +120,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 ),
                 [MEMBERSHIP_SERVICE_NAME],
             )[1],
-            credential=credential,
+            credential=access.credential,
+            tls=access.tls,
             with_reflection=args.grpc_reflection,
         )
         await internal.set_serving(True)

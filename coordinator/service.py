@@ -3,7 +3,8 @@
 ``Coordinator.generate`` validates and tokenizes a request (text, chat messages rendered with
 the model's template, or token ids), admits it (at most ``max_inflight`` requests; beyond that
 ``OverloadedError`` with a retry hint) and runs its ``RequestFlow``. ``abort`` cancels a
-running flow by id, which ends its worker calls and frees its blocks.
+running flow by id, which ends its worker calls and frees its blocks; only the caller (API
+key) that started a request may abort it.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+from splitserve.common.api_keys import ANONYMOUS, Caller
 from splitserve.common.errors import (
     ContextLengthExceededError,
     InvalidRequestError,
@@ -28,7 +30,7 @@ from splitserve.common.tokenizer import Tokenizer
 from splitserve.coordinator.flow import FlowConfig, RequestFlow
 from splitserve.coordinator.registry import WorkerRegistry
 from splitserve.coordinator.router import Router, RoutingConfig
-from splitserve.proto.cluster_auth import ClusterCredential
+from splitserve.proto.cluster_access import ClusterAccess
 from splitserve.proto.worker_clients import WorkerChannels
 
 
@@ -41,17 +43,24 @@ class CoordinatorConfig:
     flow: FlowConfig = FlowConfig()
 
 
+@dataclass(frozen=True)
+class _Running:
+    flow: RequestFlow
+    caller: Caller
+    """Who started it: the only one who may abort it."""
+
+
 class Coordinator:
     def __init__(
-        self, config: CoordinatorConfig, tokenizer: Tokenizer, credential: ClusterCredential
+        self, config: CoordinatorConfig, tokenizer: Tokenizer, access: ClusterAccess
     ) -> None:
-        """``credential``: what the coordinator's calls to workers carry."""
+        """``access``: how the coordinator's calls to workers reach them (credential, TLS)."""
         self.config = config
         self.tokenizer = tokenizer
         self.registry = WorkerRegistry()
         self.router = Router(self.registry, config.routing)
-        self.channels = WorkerChannels(credential)
-        self._flows: dict[str, RequestFlow] = {}
+        self.channels = WorkerChannels(access)
+        self._running: dict[str, _Running] = {}
         self.flow_observer: Callable[[RequestFlow], None] | None = None
         """Called with each flow when it ends (metrics); must not raise."""
 
@@ -93,14 +102,16 @@ class Coordinator:
         prompt: Prompt,
         params: SamplingParams,
         fill_context: bool = False,
+        caller: Caller = ANONYMOUS,
     ) -> AsyncIterator[tuple[RequestFlow, StreamChunk]]:
         """Stream a request's chunks (with its flow, for usage figures).
 
         ``fill_context``: the caller set no ``max_tokens``; generate up to ``fill_limit``.
+        ``caller``: who asks; the only one ``abort`` lets end the request.
         Every flow, also one that fails, is passed to ``flow_observer`` when it ends.
         """
         request_id = request_id or f"req-{uuid.uuid4().hex}"
-        if request_id in self._flows:
+        if request_id in self._running:
             raise InvalidRequestError(f"request id {request_id!r} is already running", "request_id")
         prompt_ids = self.encode(prompt)
         if not self.ready:
@@ -108,9 +119,9 @@ class Coordinator:
         if fill_context and self.fill_limit > len(prompt_ids):
             params = dataclasses.replace(params, max_tokens=self.fill_limit - len(prompt_ids))
         self._check_length(len(prompt_ids), params)
-        if len(self._flows) >= self.config.max_inflight:
+        if len(self._running) >= self.config.max_inflight:
             raise OverloadedError(
-                f"{len(self._flows)} requests in flight (limit {self.config.max_inflight})"
+                f"{len(self._running)} requests in flight (limit {self.config.max_inflight})"
             )
         flow = RequestFlow(
             request_id,
@@ -121,20 +132,22 @@ class Coordinator:
             self.channels,
             self.config.flow,
         )
-        self._flows[request_id] = flow
+        self._running[request_id] = _Running(flow, caller)
         try:
             async with contextlib.aclosing(flow.run()) as chunks:
                 async for chunk in chunks:
                     yield flow, chunk
         finally:
-            self._flows.pop(request_id, None)
+            self._running.pop(request_id, None)
             if self.flow_observer is not None:
                 self.flow_observer(flow)
 
-    def abort(self, request_id: str) -> bool:
-        """Cancel a running request (its stream ends); False when unknown."""
-        flow = self._flows.get(request_id)
-        if flow is None:
+    def abort(self, request_id: str, caller: Caller = ANONYMOUS) -> bool:
+        """Cancel a running request that ``caller`` started (its stream ends); False when no
+        such request runs, or another caller's does (which is not told apart: that one keeps
+        running)."""
+        running = self._running.get(request_id)
+        if running is None or running.caller.key_digest != caller.key_digest:
             return False
-        flow.abort()
+        running.flow.abort()
         return True

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 import grpc
 from prometheus_client import CollectorRegistry
 
+from splitserve.common.api_keys import ApiKeys
 from splitserve.common.errors import InvalidRequestError, SplitserveError
 from splitserve.common.membership import Role
 from splitserve.common.output_processor import StreamChunk
@@ -20,13 +21,22 @@ from splitserve.coordinator.flow import RequestFlow
 from splitserve.coordinator.metrics import CoordinatorMetrics
 from splitserve.coordinator.service import Coordinator
 from splitserve.proto import convert
+from splitserve.proto.api_key_auth import caller_of
 from splitserve.proto.splitserve.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from splitserve.proto.status import abort_with, status_of
 
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
-    def __init__(self, coordinator: Coordinator, metrics: CoordinatorMetrics | None = None) -> None:
+    def __init__(
+        self,
+        coordinator: Coordinator,
+        metrics: CoordinatorMetrics | None = None,
+        keys: ApiKeys | None = None,
+    ) -> None:
+        """``keys``: the API keys calls are scoped by (the server's ``ApiKeyInterceptor``
+        refuses calls without one); None: anonymous callers."""
         self._coordinator = coordinator
+        self._keys = keys or ApiKeys()
         self._metrics = metrics or CoordinatorMetrics(
             CollectorRegistry(), coordinator.config.model_name, coordinator.registry
         )
@@ -35,6 +45,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     async def Generate(
         self, request: coordinator_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[coordinator_pb2.GenerateResponse]:
+        caller = await caller_of(self._keys, context)
         sent_any = False
         timer = self._metrics.requests.start()
         try:
@@ -46,7 +57,11 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 sampling.max_tokens = max(16, sampling.min_tokens)
             params = convert.sampling_from_proto(sampling)
             stream = self._coordinator.generate(
-                request.request_id, _prompt_of(request), params, fill_context=fill_context
+                request.request_id,
+                _prompt_of(request),
+                params,
+                fill_context=fill_context,
+                caller=caller,
             )
             async for flow, chunk in stream:
                 timer.tokens(len(chunk.new_token_ids))
@@ -115,7 +130,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     async def Abort(
         self, request: coordinator_pb2.AbortRequest, context: grpc.aio.ServicerContext
     ) -> coordinator_pb2.AbortResponse:
-        return coordinator_pb2.AbortResponse(aborted=self._coordinator.abort(request.request_id))
+        caller = await caller_of(self._keys, context)
+        aborted = self._coordinator.abort(request.request_id, caller)
+        return coordinator_pb2.AbortResponse(aborted=aborted)
 
     async def GetModelInfo(
         self, request: coordinator_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext

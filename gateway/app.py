@@ -11,6 +11,9 @@ Contracts:
   starts only with the first token); a failure after tokens were streamed ends the stream
   with a ``data: {"error": ...}`` event and ``data: [DONE]``.
 - ``x-request-id`` names the request on every worker (generated when absent) and is echoed.
+- With API keys, requests without a valid ``Authorization: Bearer <key>`` get 401
+  (``gateway/api_key_check.py``); the caller's bearer key goes on to the coordinator with
+  each call (``Gateway.client_for``), whichever keys the gateway holds itself.
 - A client that disconnects aborts its request (``gateway/disconnect.py``).
 """
 
@@ -33,8 +36,11 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from splitserve.client import AsyncClient, Chunk, ClientError, Finish, RetryPolicy
+from splitserve.client.connection import aio_channel, call_metadata
+from splitserve.common.api_keys import ApiKeys
 from splitserve.common.metrics import RequestMetrics, RequestTimer
 from splitserve.gateway import schemas
+from splitserve.gateway.api_key_check import RequireApiKey, bearer_key
 from splitserve.gateway.disconnect import (
     ClientDisconnected,
     EventStreamResponse,
@@ -63,6 +69,12 @@ class GatewayConfig:
     served_model_names: tuple[str, ...] = ()
     """Names clients may send as ``model``; empty: the coordinator's model name."""
     request_timeout_s: float = 3600.0
+    api_keys: ApiKeys = ApiKeys()
+    """Keys HTTP callers must present (none: anyone may call)."""
+    health_needs_key: bool = False
+    """With keys: /health and /metrics ask for one too."""
+    coordinator_credentials: grpc.ChannelCredentials | None = None
+    """TLS to the coordinator (None: plaintext)."""
 
 
 def _sse(payload: dict[str, Any]) -> bytes:
@@ -70,15 +82,15 @@ def _sse(payload: dict[str, Any]) -> bytes:
 
 
 class Gateway:
-    """Per-process state: the coordinator client, model names, metrics."""
+    """Per-process state: the coordinator channel, model names, metrics."""
 
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
         # Overload is the caller's to retry (HTTP 429 + Retry-After); lost workers are retried.
-        self.client = AsyncClient(
+        self._channel = aio_channel(
             config.coordinator,
-            timeout_s=config.request_timeout_s,
-            retry=RetryPolicy(retry_overloaded=False),
+            config.coordinator_credentials,
+            RetryPolicy(retry_overloaded=False),
         )
         self.registry = CollectorRegistry()
         self.http_requests = Counter(
@@ -90,13 +102,22 @@ class Gateway:
         self._model_names: tuple[str, ...] = config.served_model_names
         self._max_model_len = 0
         self.metrics: RequestMetrics | None = None
-        self._health_channel = grpc.aio.insecure_channel(config.coordinator)
 
-    async def model_names(self) -> tuple[str, ...]:
-        """Served names; asks the coordinator once (it answers as soon as it is up)."""
+    def client_for(self, request: Request) -> AsyncClient:
+        """A client of the shared channel whose calls carry the HTTP caller's bearer key."""
+        return AsyncClient(
+            self.config.coordinator,
+            timeout_s=self.config.request_timeout_s,
+            channel=self._channel,
+            api_key=bearer_key(request.headers.get("authorization")),
+        )
+
+    async def model_names(self, client: AsyncClient) -> tuple[str, ...]:
+        """Served names; asks the coordinator once (it answers as soon as it is up), as the
+        caller ``client`` speaks for."""
         if not self._max_model_len:
             try:
-                info = await self.client.model_info()
+                info = await client.model_info()
             except ClientError as error:
                 raise from_client_error(error) from error
             self._max_model_len = info.max_model_len
@@ -108,8 +129,8 @@ class Gateway:
                 )
         return self._model_names
 
-    async def check_model(self, model: str | None) -> str:
-        names = await self.model_names()
+    async def check_model(self, model: str | None, client: AsyncClient) -> str:
+        names = await self.model_names(client)
         if model is None or model in names:
             return model or names[0]
         raise ApiError(
@@ -119,17 +140,19 @@ class Gateway:
             code="model_not_found",
         )
 
-    async def ready(self) -> bool:
-        stub = health_pb2_grpc.HealthStub(self._health_channel)
+    async def ready(self, request: Request) -> bool:
+        """The coordinator's health, asked with the HTTP caller's key (if it needs one)."""
+        stub = health_pb2_grpc.HealthStub(self._channel)
+        metadata = call_metadata(bearer_key(request.headers.get("authorization")))
+        check = health_pb2.HealthCheckRequest()
         try:
-            reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=2.0)
+            reply = await stub.Check(check, timeout=2.0, metadata=metadata)
         except grpc.aio.AioRpcError:
             return False
         return reply.status == health_pb2.HealthCheckResponse.SERVING
 
     async def close(self) -> None:
-        await self.client.close()
-        await self._health_channel.close(None)
+        await self._channel.close(None)
 
     def cards(self) -> list[dict[str, Any]]:
         return [
@@ -177,11 +200,14 @@ def create_app(config: GatewayConfig) -> FastAPI:
     async def validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
         return from_validation_error(error).response()
 
+    app.add_middleware(
+        RequireApiKey, keys=config.api_keys, health_needs_key=config.health_needs_key
+    )
     app.add_middleware(_CountRequests)
 
     @app.get("/health", responses={503: {"description": "Not ready"}})
-    async def health() -> Response:
-        if await gateway.ready():
+    async def health(request: Request) -> Response:
+        if await gateway.ready(request):
             return Response(status_code=200)
         return JSONResponse(
             ApiError(503, "no decode worker is ready", type="service_unavailable").body(),
@@ -193,8 +219,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
         return Response(generate_latest(gateway.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models", response_model=schemas.ModelList, responses=_ERROR_RESPONSES)
-    async def models() -> dict[str, Any]:
-        await gateway.model_names()
+    async def models(request: Request) -> dict[str, Any]:
+        await gateway.model_names(gateway.client_for(request))
         return {"object": "list", "data": gateway.cards()}
 
     @app.post(
@@ -210,11 +236,13 @@ def create_app(config: GatewayConfig) -> FastAPI:
         },
     )
     async def completions(body: schemas.CompletionRequest, request: Request) -> Response:
-        model = await gateway.check_model(body.model)
+        client = gateway.client_for(request)
+        model = await gateway.check_model(body.model, client)
         request_id = _request_id(request)
         builder = CompletionBuilder(f"cmpl-{request_id}", model, body.logprobs is not None)
         return await _respond(
             gateway,
+            client,
             request,
             request_id,
             completion_prompt(body),
@@ -237,11 +265,13 @@ def create_app(config: GatewayConfig) -> FastAPI:
         },
     )
     async def chat_completions(body: schemas.ChatCompletionRequest, request: Request) -> Response:
-        model = await gateway.check_model(body.model)
+        client = gateway.client_for(request)
+        model = await gateway.check_model(body.model, client)
         request_id = _request_id(request)
         builder = ChatBuilder(f"chatcmpl-{request_id}", model, bool(body.logprobs))
         return await _respond(
             gateway,
+            client,
             request,
             request_id,
             chat_prompt(body),
@@ -286,6 +316,7 @@ def _request_id(request: Request) -> str:
 
 async def _respond(
     gateway: Gateway,
+    client: AsyncClient,
     request: Request,
     request_id: str,
     prompt: PromptArgs,
@@ -296,7 +327,7 @@ async def _respond(
 ) -> Response:
     assert gateway.metrics is not None  # set by check_model
     timer = gateway.metrics.start()
-    events = gateway.client.stream(
+    events = client.stream(
         prompt.prompt,
         messages=prompt.messages,
         token_ids=prompt.token_ids,

@@ -1,7 +1,8 @@
 """HTTP errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
 
 ``ApiError`` is what handlers raise; ``from_client_error`` maps a coordinator status to the
-HTTP status a user of the OpenAI API expects (INVALID_ARGUMENT -> 400, RESOURCE_EXHAUSTED ->
+HTTP status a user of the OpenAI API expects (INVALID_ARGUMENT -> 400, UNAUTHENTICATED -> 401,
+RESOURCE_EXHAUSTED ->
 429 with ``Retry-After``, UNAVAILABLE -> 503, DEADLINE_EXCEEDED -> 504, anything else 500).
 """
 
@@ -54,10 +55,17 @@ def invalid(message: str, param: str | None = None) -> ApiError:
     return ApiError(400, message, param=param)
 
 
+def unauthorized(message: str) -> ApiError:
+    """401 in OpenAI's shape, asking for a bearer token."""
+    return ApiError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
 def from_client_error(error: ClientError) -> ApiError:
     code, message, param = error.code, error.message, error.param
     if code is grpc.StatusCode.INVALID_ARGUMENT:
         return ApiError(400, message, param=param)
+    if code is grpc.StatusCode.UNAUTHENTICATED:
+        return unauthorized(message)
     if code is grpc.StatusCode.NOT_FOUND:
         return ApiError(404, message, param=param, code="not_found")
     if code is grpc.StatusCode.RESOURCE_EXHAUSTED:

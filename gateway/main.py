@@ -1,8 +1,13 @@
 """``splitserve gateway``: the OpenAI-compatible HTTP server (uvicorn, uvloop, httptools).
 
 Talks to the coordinator at ``--coordinator``; prints
-``splitserve gateway ready at http://<host>:<port>`` once listening. SIGINT / SIGTERM stop
+``splitserve gateway ready at http(s)://<host>:<port>`` once listening. SIGINT / SIGTERM stop
 it (uvicorn's graceful shutdown: open streams are cancelled, which aborts their requests).
+
+TLS (``proto/tls.py``'s flags): ``--tls-cert``/``--tls-key`` serve HTTPS; ``--tls-ca`` (or
+the system's roots) verifies the coordinator, which is then dialled over TLS. API keys:
+``--api-key`` / ``--api-keys-file`` (``common/api_keys.py``); ``/health`` and ``/metrics``
+stay open unless ``--health-needs-key``.
 """
 
 from __future__ import annotations
@@ -16,8 +21,10 @@ from collections.abc import Sequence
 import uvicorn
 import uvloop
 
+from splitserve.common.api_keys import add_api_key_args, add_health_needs_key_flag, api_keys_or_exit
 from splitserve.common.env_flags import add_env_flag
 from splitserve.gateway.app import GatewayConfig, create_app
+from splitserve.proto.tls import add_tls_args, tls_or_exit
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,18 +44,28 @@ def build_parser() -> argparse.ArgumentParser:
     )
     flag("--request-timeout", 3600.0, float, "deadline of each request's gRPC call, seconds")
     flag("--log-level", "warning", str, "uvicorn log level (info logs every request)")
+    add_tls_args(parser)
+    add_api_key_args(parser)
+    add_health_needs_key_flag(parser, "/health and /metrics")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    tls = tls_or_exit(parser, args)
+    keys = api_keys_or_exit(parser, args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s gateway %(levelname)s %(message)s")
     names = tuple(name.strip() for name in args.served_model_name.split(",") if name.strip())
     config = GatewayConfig(
         coordinator=args.coordinator,
         served_model_names=names,
         request_timeout_s=args.request_timeout,
+        api_keys=keys,
+        health_needs_key=args.health_needs_key,
+        coordinator_credentials=None if tls is None else tls.channel_credentials(),
     )
+    serves_tls = tls is not None and tls.can_serve
     server = uvicorn.Server(
         uvicorn.Config(
             create_app(config),
@@ -59,6 +76,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             log_level=args.log_level,
             timeout_graceful_shutdown=5,
             backlog=4096,
+            ssl_certfile=tls.files.cert if serves_tls else None,
+            ssl_keyfile=tls.files.key if serves_tls else None,
         )
     )
 
@@ -70,7 +89,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return
             await asyncio.sleep(0.05)
         port = server.servers[0].sockets[0].getsockname()[1]
-        print(f"splitserve gateway ready at http://{args.host}:{port}", flush=True)
+        scheme = "https" if serves_tls else "http"
+        print(f"splitserve gateway ready at {scheme}://{args.host}:{port}", flush=True)
         await task
 
     uvloop.run(serve())

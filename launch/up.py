@@ -13,6 +13,12 @@ the cluster), else a fresh random token for this run; children receive it throug
 environment, never on a command line. Workers register on the coordinator's internal port
 (``--internal-port``); clients and the gateway use its public ``--port``.
 
+TLS: ``--tls-cert``/``--tls-key``/``--tls-ca`` (``proto/tls.py``) go to every child through
+its environment: every gRPC port serves TLS, mutual between the roles when a CA is given, and
+the gateway serves HTTPS. API keys (``--api-key``, ``--api-keys-file``, ``SPLITSERVE_API_KEYS``;
+``common/api_keys.py``) go to the coordinator and the gateway the same way, never on a child's
+command line; ``--health-needs-key`` closes the gateway's /health and /metrics too.
+
 Cores are split evenly among the workers (``--cpu-affinity`` of each) when the machine has at
 least one core per worker, so co-located workers do not fight over cores; ``--no-pin`` turns
 that off. Flags after ``--`` go to every worker (e.g. ``-- --dtype float32``).
@@ -30,10 +36,18 @@ import threading
 from collections.abc import Sequence
 from typing import TextIO
 
+from splitserve.common.api_keys import (
+    KEYS_ENV,
+    add_api_key_args,
+    add_health_needs_key_flag,
+    api_keys_or_exit,
+)
+from splitserve.common.env_flags import env_name
 from splitserve.coordinator import INTERNAL_READY, PUBLIC_READY
 from splitserve.launch.child_process import ChildProcess, ReadyError, python_module_argv
 from splitserve.proto.cluster_auth import TOKEN_ENV, ClusterCredential
 from splitserve.proto.server import wait_for_health
+from splitserve.proto.tls import TlsConfig, add_tls_args, tls_env, tls_or_exit
 
 GRACE_S = 10.0
 READY_TIMEOUT_S = 300.0
@@ -71,12 +85,18 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=9400,
         help="Prometheus /metrics ports: coordinator at the base, worker i at base + 1 + i "
-        "(0: any free port each, printed at start)",
+        "(0: any free port each, printed at start; -1: no metrics)",
     )
+    add_tls_args(parser)
+    add_api_key_args(parser)
+    add_health_needs_key_flag(parser, "the gateway's /health and /metrics")
     return parser
 
 
 def _metrics_port(base: int, index: int) -> int:
+    """Child ``index``'s metrics port: any free one for base 0, none (-1) for a negative base."""
+    if base < 0:
+        return -1
     return 0 if base == 0 else base + index
 
 
@@ -125,7 +145,28 @@ def gateway_argv(args: argparse.Namespace, coordinator: str) -> list[str]:
     argv.append(f"--port={args.http_port}")
     if args.served_model_name:
         argv.append(f"--served-model-name={args.served_model_name}")
+    if args.health_needs_key:
+        argv.append("--health-needs-key")
     return argv
+
+
+def children_env(
+    args: argparse.Namespace,
+    credential: ClusterCredential,
+    tls: TlsConfig | None,
+    env: dict[str, str],
+) -> dict[str, str]:
+    """What every child's environment gets on top of ``up``'s own ``env``: the credential,
+    the TLS files and the API keys (keys given as flags join ``SPLITSERVE_API_KEYS``; a keys
+    file is passed by path). Workers ignore the keys."""
+    extra = {TOKEN_ENV: credential.token}
+    if tls is not None:
+        extra |= tls_env(tls.files)
+    if args.api_key:
+        extra[KEYS_ENV] = "\n".join([env.get(KEYS_ENV, ""), *args.api_key]).strip("\n")
+    if args.api_keys_file is not None:
+        extra[env_name("--api-keys-file")] = str(args.api_keys_file.resolve())
+    return extra
 
 
 class _Stopped(Exception):
@@ -144,11 +185,12 @@ def _say(text: str, file: TextIO | None = None) -> None:
 class _Children:
     """The children in start order; ``exited`` is set once any of them has ended."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, credential: ClusterCredential) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, env: dict[str, str]) -> None:
+        """``env``: added to every child's environment (``children_env``)."""
         self.started: list[ChildProcess] = []
         self.exited = asyncio.Event()
         self._loop = loop
-        self._env = {TOKEN_ENV: credential.token}
+        self._env = env
 
     def start(self, name: str, module_argv: list[str]) -> ChildProcess:
         child = ChildProcess(
@@ -197,7 +239,11 @@ class _Children:
 
 
 async def _start_all(
-    children: _Children, args: argparse.Namespace, worker_args: list[str], stop: asyncio.Event
+    children: _Children,
+    args: argparse.Namespace,
+    worker_args: list[str],
+    stop: asyncio.Event,
+    tls: TlsConfig | None,
 ) -> str:
     """Start every child in order, each once the previous ones are ready; the coordinator's
     address."""
@@ -208,22 +254,25 @@ async def _start_all(
     workers = [children.start(n, argv) for n, argv in worker_argvs(args, internal, worker_args)]
     for worker in workers:
         await children.wait_ready(worker, stop)
-    await wait_for_health(address, READY_TIMEOUT_S)
+    await wait_for_health(address, READY_TIMEOUT_S, tls=tls)
     if not args.no_gateway:
         await children.wait_ready(children.start("gateway", gateway_argv(args, address)), stop)
     return address
 
 
 async def _run(
-    args: argparse.Namespace, worker_args: list[str], credential: ClusterCredential
+    args: argparse.Namespace,
+    worker_args: list[str],
+    env: dict[str, str],
+    tls: TlsConfig | None,
 ) -> int:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    children = _Children(loop, credential)
+    children = _Children(loop, env)
     try:
-        address = await _start_all(children, args, worker_args, stop)
+        address = await _start_all(children, args, worker_args, stop, tls)
         _say(f"splitserve ready at {address}")
         waits = [asyncio.create_task(stop.wait()), asyncio.create_task(children.exited.wait())]
         await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
@@ -261,7 +310,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         credential = cluster_credential()
     except ValueError as error:
         parser.error(f"{TOKEN_ENV}: {error}")  # exits with status 2
-    return asyncio.run(_run(args, worker_args, credential))
+    tls = tls_or_exit(parser, args)
+    api_keys_or_exit(parser, args)  # a bad key or file stops up before any child starts
+    env = children_env(args, credential, tls, dict(os.environ))
+    return asyncio.run(_run(args, worker_args, env, tls))
 
 
 if __name__ == "__main__":

@@ -85,9 +85,9 @@ class PrefillWorker:
         self.transfer_timeout_s = transfer_timeout_s
         self._outgoing: dict[str, _Outgoing] = {}
         self._peers: dict[str, _Peer] = {}
-        if identity.credential is None:
-            raise ValueError("a prefill worker calls decode workers: it needs the credential")
-        self._channels = WorkerChannels(identity.credential)
+        if identity.access is None:
+            raise ValueError("a prefill worker calls decode workers: it needs cluster access")
+        self._channels = WorkerChannels(identity.access)
         self._peer_locks: dict[str, asyncio.Lock] = {}
         self.transfer_metrics = TransferMetrics()
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import grpc
 
-from splitserve.common.env_flags import add_env_flag
+from splitserve.common.env_flags import add_env_flag, built_or_exit
 
 AUTH_METADATA_KEY = "authorization"
 TOKEN_ENV = "SPLITSERVE_CLUSTER_TOKEN"
@@ -58,19 +58,20 @@ class ClusterCredential:
 
     def admits(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> bool:
         """True when ``metadata`` carries this credential (constant-time comparison)."""
-        expected = f"Bearer {self.token}".encode()
-        for key, value in metadata or ():
-            if key == AUTH_METADATA_KEY:
-                received = value if isinstance(value, bytes) else value.encode()
-                return hmac.compare_digest(received, expected)
-        return False
+        received = metadata_value(metadata, AUTH_METADATA_KEY)
+        expected = f"Bearer {self.token}"
+        return received is not None and hmac.compare_digest(received.encode(), expected.encode())
 
 
-class ClusterAuthInterceptor(grpc.aio.ServerInterceptor):
-    """Refuses every call that does not carry the cluster credential (UNAUTHENTICATED)."""
+class AdmittingInterceptor(grpc.aio.ServerInterceptor):
+    """A server interceptor that lets a call reach its servicer only when ``admits`` says so
+    and ends it UNAUTHENTICATED with ``refusal`` otherwise (unknown methods pass through, to
+    get gRPC's own UNIMPLEMENTED)."""
 
-    def __init__(self, credential: ClusterCredential) -> None:
-        self._credential = credential
+    refusal = "unauthenticated"
+
+    def admits(self, details: grpc.HandlerCallDetails) -> bool:
+        raise NotImplementedError
 
     async def intercept_service(
         self,
@@ -78,24 +79,45 @@ class ClusterAuthInterceptor(grpc.aio.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler | None:
         handler = await continuation(handler_call_details)
-        if handler is None or self._credential.admits(handler_call_details.invocation_metadata):
+        if handler is None or self.admits(handler_call_details):
             return handler
-        return _refusing(handler)
+        return refusing(handler, self.refusal)
 
 
-async def _refuse(request: object, context: grpc.aio.ServicerContext) -> None:
-    await context.abort(grpc.StatusCode.UNAUTHENTICATED, REFUSAL)
+class ClusterAuthInterceptor(AdmittingInterceptor):
+    """Refuses every call that does not carry the cluster credential (UNAUTHENTICATED)."""
+
+    refusal = REFUSAL
+
+    def __init__(self, credential: ClusterCredential) -> None:
+        self._credential = credential
+
+    def admits(self, details: grpc.HandlerCallDetails) -> bool:
+        return self._credential.admits(details.invocation_metadata)
 
 
-def _refusing(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    """A handler of the same kind as ``handler`` that refuses the call."""
+def refusing(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
+    """A handler of the same kind as ``handler`` that ends the call UNAUTHENTICATED with
+    ``message`` (the servicer never runs)."""
+
+    async def refuse(request: object, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
     if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(_refuse)
+        return grpc.stream_stream_rpc_method_handler(refuse)
     if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(_refuse)
+        return grpc.stream_unary_rpc_method_handler(refuse)
     if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(_refuse)
-    return grpc.unary_unary_rpc_method_handler(_refuse)
+        return grpc.unary_stream_rpc_method_handler(refuse)
+    return grpc.unary_unary_rpc_method_handler(refuse)
+
+
+def metadata_value(metadata: Sequence[tuple[str, str | bytes]] | None, key: str) -> str | None:
+    """The first value of ``key`` in call metadata, as text; None when absent."""
+    for name, value in metadata or ():
+        if name == key:
+            return value.decode(errors="replace") if isinstance(value, bytes) else value
+    return None
 
 
 def add_cluster_auth_args(
@@ -133,8 +155,4 @@ def credential_or_exit(
 ) -> ClusterCredential:
     """``credential_from_args``, or the parser's usage error (exit status 2) saying what to set
     when there is none or its file cannot be read: a role never starts without it."""
-    try:
-        return credential_from_args(args)
-    except (OSError, ValueError) as error:
-        parser.error(str(error))
-        raise  # parser.error exits; this keeps type checkers sure of the return
+    return built_or_exit(parser, lambda: credential_from_args(args))

@@ -26,6 +26,7 @@ from grpc_reflection.v1alpha import reflection
 
 from splitserve.common.env_flags import env_default, truthy
 from splitserve.proto.cluster_auth import ClusterAuthInterceptor, ClusterCredential
+from splitserve.proto.tls import TlsConfig
 
 logger = logging.getLogger(__name__)
 
@@ -49,9 +50,12 @@ SERVER_OPTIONS = (
 )
 
 
-def insecure_channel(address: str) -> grpc.aio.Channel:
-    """A channel to another role with the shared options."""
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+def open_channel(address: str, tls: TlsConfig | None) -> grpc.aio.Channel:
+    """A channel to another role with the shared options: TLS (``tls.py``) when ``tls`` is
+    given, else plaintext."""
+    if tls is None:
+        return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+    return grpc.aio.secure_channel(address, tls.channel_credentials(), options=CHANNEL_OPTIONS)
 
 
 class RoleServer:
@@ -79,23 +83,32 @@ async def start_server(
     register: Callable[[grpc.aio.Server], Sequence[str]],
     *,
     credential: ClusterCredential | None,
+    tls: TlsConfig | None,
     with_reflection: bool = False,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
 ) -> RoleServer:
     """Create, register (``register`` adds servicers, returns full service names), bind, start.
 
     ``credential``: an internal-plane server, every call of which (health and reflection
     included) must carry it (``cluster_auth``); None only for the coordinator's public port.
+    ``tls``: serve TLS when it holds a certificate (``tls.py``); on the internal plane with a
+    CA, callers must present a certificate it signed (mutual TLS). ``interceptors`` run after
+    the credential check (the public port's API keys).
     ``with_reflection``: serve gRPC reflection (off by default: it lists every method).
     """
-    interceptors = () if credential is None else (ClusterAuthInterceptor(credential),)
-    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
+    checks = () if credential is None else (ClusterAuthInterceptor(credential),)
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=(*checks, *interceptors))
     names = tuple(register(server))
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     if with_reflection:
         health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
         reflection.enable_server_reflection((*names, health_name, reflection.SERVICE_NAME), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    if tls is not None and tls.can_serve:
+        secure = tls.server_credentials(require_client_cert=credential is not None)
+        bound = server.add_secure_port(f"{host}:{port}", secure)
+    else:
+        bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"cannot bind gRPC server to {host}:{port}")
     await server.start()
@@ -124,11 +137,12 @@ async def wait_for_health(
     timeout_s: float,
     service: str = "",
     credential: ClusterCredential | None = None,
+    tls: TlsConfig | None = None,
 ) -> None:
     """Poll ``grpc.health.v1`` at ``address`` until SERVING; ``TimeoutError`` after timeout.
-    ``credential``: for a server of the internal plane."""
+    ``credential``: for a server of the internal plane; ``tls``: for a server speaking TLS."""
     metadata = None if credential is None else credential.metadata
-    async with insecure_channel(address) as channel:
+    async with open_channel(address, tls) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         async with asyncio.timeout(timeout_s):
             while True:

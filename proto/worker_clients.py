@@ -18,8 +18,8 @@ import grpc
 from splitserve.common.request_update import StepOutput
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.proto import convert
+from splitserve.proto.cluster_access import ClusterAccess
 from splitserve.proto.cluster_auth import ClusterCredential
-from splitserve.proto.server import insecure_channel
 from splitserve.proto.splitserve.v1 import worker_pb2, worker_pb2_grpc
 from splitserve.proto.status import call_internal, error_from_rpc
 from splitserve.transfer.layout import KvLayout
@@ -127,23 +127,24 @@ class PrefillWorkerClient:
 
 
 class WorkerChannels:
-    """One channel per worker address, created on first use; calls carry ``credential``."""
+    """One channel per worker address, created on first use (TLS when ``access`` has it);
+    calls carry the cluster credential."""
 
-    def __init__(self, credential: ClusterCredential) -> None:
-        self._credential = credential
+    def __init__(self, access: ClusterAccess) -> None:
+        self._access = access
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = insecure_channel(address)
+            channel = self._channels[address] = self._access.channel(address)
         return channel
 
     def decode(self, address: str) -> DecodeWorkerClient:
-        return DecodeWorkerClient(self._channel(address), self._credential)
+        return DecodeWorkerClient(self._channel(address), self._access.credential)
 
     def prefill(self, address: str) -> PrefillWorkerClient:
-        return PrefillWorkerClient(self._channel(address), self._credential)
+        return PrefillWorkerClient(self._channel(address), self._access.credential)
 
     async def close(self) -> None:
         for channel in self._channels.values():

@@ -102,15 +102,23 @@ def internal_address(coordinator_address: str) -> str:
     return _internal_of[coordinator_address]
 
 
+def internal_channel(address: str, tls: grpc.ChannelCredentials | None = None) -> grpc.Channel:
+    """A blocking channel to an internal port (TLS with ``tls``, for a cluster that has it)."""
+    return grpc.insecure_channel(address) if tls is None else grpc.secure_channel(address, tls)
+
+
 def worker_loads(
-    coordinator_address: str, only: set[str] | None = None
+    coordinator_address: str,
+    only: set[str] | None = None,
+    tls: grpc.ChannelCredentials | None = None,
 ) -> dict[str, worker_pb2.WorkerLoad]:
     """Each registered worker's load figures by worker id, as its last heartbeat brought them
     to the coordinator (``ListWorkers``); with ``only``, just those workers (e.g. to skip one
-    that was killed). Waits until each of them has heartbeated since the call began, so no
-    figure predates the call; ``TimeoutError`` after ``FRESH_LOAD_TIMEOUT_S``."""
+    that was killed); ``tls``: for a cluster serving TLS. Waits until each of them has
+    heartbeated since the call began, so no figure predates the call; ``TimeoutError`` after
+    ``FRESH_LOAD_TIMEOUT_S``."""
     asked = time.monotonic()
-    with grpc.insecure_channel(internal_address(coordinator_address)) as channel:
+    with internal_channel(internal_address(coordinator_address), tls) as channel:
         stub = coordinator_pb2_grpc.MembershipStub(channel)
         while True:
             listing = stub.ListWorkers(
@@ -131,12 +139,13 @@ def wait_until_idle(
     expected_workers: int,
     only: set[str] | None = None,
     timeout_s: float = 30.0,
+    tls: grpc.ChannelCredentials | None = None,
 ) -> dict[str, worker_pb2.WorkerLoad]:
     """Worker loads (``worker_loads``) once every worker is idle, or the last ones seen after
     ``timeout_s`` (requests end asynchronously on the workers); check with ``assert_all_free``."""
     deadline = time.monotonic() + timeout_s
     while True:
-        loads = worker_loads(coordinator_address, only)
+        loads = worker_loads(coordinator_address, only, tls)
         idle = all(
             load.num_used_blocks == 0
             and load.num_running_requests == 0

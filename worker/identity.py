@@ -1,10 +1,10 @@
-"""Who a worker is on the network, and the cluster credential it proves membership with."""
+"""Who a worker is on the network, and the cluster access it proves membership with."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from splitserve.proto.cluster_auth import ClusterCredential
+from splitserve.proto.cluster_access import ClusterAccess
 
 
 @dataclass(frozen=True)
@@ -12,6 +12,6 @@ class WorkerIdentity:
     worker_id: str
     address: str
     """host:port of its gRPC server, as peers and the coordinator dial it."""
-    credential: ClusterCredential | None = None
-    """The cluster credential its own calls to peers carry (a worker that calls no peer, as
-    in tests of a decode worker alone, may have none)."""
+    access: ClusterAccess | None = None
+    """How its own calls reach peers: the cluster credential they carry, TLS (a worker that
+    calls no peer, as in tests of a decode worker alone, may have none)."""

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from splitserve.common.env_flags import add_env_flag, env_default
 from splitserve.common.env_flags import truthy as _truthy
 from splitserve.engine.cli_args import add_engine_args
-from splitserve.proto.cluster_auth import add_cluster_auth_args
+from splitserve.proto.cluster_access import add_cluster_access_args
 from splitserve.proto.server import add_reflection_flag
 from splitserve.transfer.ucx import UcxSettings
 
@@ -63,7 +63,7 @@ def add_worker_args(parser: argparse.ArgumentParser, env: Mapping[str, str] = os
     flag("--transfer-timeout", 30.0, float, "seconds a KV transfer may take before it fails")
     flag("--metrics-port", 0, int, "Prometheus /metrics port (0: any free port, -1: off)")
     add_reflection_flag(group, env)
-    add_cluster_auth_args(group, env)
+    add_cluster_access_args(group, env)
     add_engine_args(parser, env)
 
 

@@ -16,9 +16,8 @@ from collections.abc import Awaitable, Callable
 from splitserve.common.errors import SplitserveError
 from splitserve.common.load import EngineLoad
 from splitserve.common.membership import WorkerInfo
-from splitserve.proto.cluster_auth import ClusterCredential
+from splitserve.proto.cluster_access import ClusterAccess
 from splitserve.proto.membership_client import MembershipClient
-from splitserve.proto.server import insecure_channel
 
 logger = logging.getLogger(__name__)
 
@@ -33,17 +32,17 @@ class CoordinatorLink:
         coordinator_address: str,
         info: WorkerInfo,
         load: Callable[[], Awaitable[EngineLoad]],
-        credential: ClusterCredential,
+        access: ClusterAccess,
     ) -> None:
         """``coordinator_address``: the coordinator's internal port (``--internal-port``)."""
         self._address = coordinator_address
         self._info = info
         self._load = load
-        self._credential = credential
+        self._access = access
 
     async def run(self, stop: asyncio.Event) -> None:
-        async with insecure_channel(self._address) as channel:
-            client = MembershipClient(channel, self._credential)
+        async with self._access.channel(self._address) as channel:
+            client = MembershipClient(channel, self._access.credential)
             while not stop.is_set():
                 interval_s = await self._register(client, stop)
                 if interval_s is None:

@@ -30,7 +30,7 @@ from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.engine.cli_args import engine_config_from_args
 from splitserve.engine.engine_core import EngineCore
-from splitserve.proto.cluster_auth import ClusterCredential, credential_or_exit
+from splitserve.proto.cluster_access import ClusterAccess, access_or_exit
 from splitserve.proto.server import serve_forever, start_server
 from splitserve.transfer.layout import KvLayout
 from splitserve.transfer.transport import KvTransport
@@ -79,7 +79,7 @@ class WorkerRole:
 async def run_worker(
     args: argparse.Namespace,
     role: WorkerRole,
-    credential: ClusterCredential,
+    access: ClusterAccess,
     stop: asyncio.Event,
 ) -> None:
     servicer = role.make_servicer()
@@ -92,11 +92,12 @@ async def run_worker(
         args.host,
         args.port,
         register,
-        credential=credential,
+        credential=access.credential,
+        tls=access.tls,
         with_reflection=args.grpc_reflection,
     )
     identity = WorkerIdentity(
-        worker_id_of(args, role.name), advertised_address(args, server.port), credential
+        worker_id_of(args, role.name), advertised_address(args, server.port), access
     )
     worker_id, address = identity.worker_id, identity.address
     core = await asyncio.to_thread(EngineCore, engine_config_from_args(args))
@@ -124,7 +125,7 @@ async def run_worker(
             num_blocks=core.num_blocks,
             max_model_len=core.max_model_len,
         )
-        link = CoordinatorLink(args.coordinator, info, domain.load, credential)
+        link = CoordinatorLink(args.coordinator, info, domain.load, access)
         link_task = asyncio.create_task(link.run(stop))
     await stop.wait()
     logger.info("%s %s stopping", role.name, worker_id)
@@ -143,14 +144,14 @@ def worker_main(role: WorkerRole, argv: Sequence[str] | None, description: str) 
     parser = argparse.ArgumentParser(prog=f"splitserve {role.name}", description=description)
     add_worker_args(parser)
     args = parser.parse_args(argv)
-    credential = credential_or_exit(parser, args)
+    access = access_or_exit(parser, args)
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s {role.name} %(levelname)s %(message)s"
     )
     apply_cpu_affinity(args)
 
     async def run(stop: asyncio.Event) -> None:
-        await run_worker(args, role, credential, stop)
+        await run_worker(args, role, access, stop)
 
     serve_forever(run)
     return 0
