@@ -33,7 +33,7 @@ serve: $(STAMP)
 chat: $(STAMP)
 	$(BIN)/splitserve chat
 
-# Regenerate the committed gRPC modules from proto/splitserve/v1/*.proto.
+# Regenerate the committed gRPC modules from proto/splitserve/v1/*.proto and proto/etcd/*.proto.
 proto: $(STAMP)
 	$(BIN)/python proto/codegen.py
 

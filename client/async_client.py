@@ -14,6 +14,10 @@ Contracts, for every method:
   attempts; a stream is never retried once a ``Chunk`` was delivered. Other codes are raised
   at once. A retried stream resends the same request, so its ``request_id`` (a uuid4 hex when
   the caller gives none) stays the one ``abort()`` can name.
+- Coordinator failure: a stream whose coordinator dies (UNAVAILABLE, CANCELLED) after it
+  delivered tokens goes on through another coordinator of the target (``connection.py``)
+  from the tokens received (``continue_after``), up to ``wire.MAX_CONTINUATIONS`` times,
+  within the same deadline: the consumer sees one stream, no token twice or missing.
 - Cancellation: when the consumer of ``stream()`` stops early (``break``, ``aclose()``, the
   task cancelled, the generator garbage collected) the gRPC call is cancelled and the
   coordinator aborts the request on every worker. For prompt release on ``break`` close the
@@ -102,28 +106,40 @@ class AsyncClient:
         """
         request_id = request_id or wire.new_request_id()
         request = wire.generate_request(prompt, messages, token_ids, sampling, request_id)
-        call = self._stub().Generate(
-            request, timeout=self._timeout(timeout_s), metadata=self._metadata
-        )
-        try:
-            finish = None
-            async for response in call:
-                item = wire.stream_item(response, request.request_id)
-                if isinstance(item, Finish):
-                    finish = item  # delivered once the call ended with OK
-                elif finish is None:
-                    yield item
-            if finish is None:
-                raise ClientError(
-                    grpc.StatusCode.INTERNAL,
-                    "the stream ended without a completion",
-                    request_id=request.request_id,
-                )
-            yield finish
-        except grpc.aio.AioRpcError as rpc_error:
-            raise ClientError.from_call(rpc_error, request.request_id) from rpc_error
-        finally:
-            call.cancel()  # no-op when the call is over; else the server aborts the request
+        deadline = Deadline(self._timeout(timeout_s))
+        streamed: list[int] = []
+        for continuations in range(wire.MAX_CONTINUATIONS + 1):
+            if streamed:  # the last coordinator died after delivering tokens: go on elsewhere
+                request = wire.continuation(request, streamed)
+            call = self._stub().Generate(
+                request, timeout=deadline.remaining(), metadata=self._metadata
+            )
+            try:
+                finish = None
+                async for response in call:
+                    item = wire.stream_item(response, request.request_id)
+                    if isinstance(item, Finish):
+                        finish = item  # delivered once the call ended with OK
+                    elif finish is None:
+                        streamed.extend(item.token_ids)
+                        yield item
+                if finish is None:
+                    raise ClientError(
+                        grpc.StatusCode.INTERNAL,
+                        "the stream ended without a completion",
+                        request_id=request.request_id,
+                    )
+                yield finish
+                return
+            except grpc.aio.AioRpcError as rpc_error:
+                if not (
+                    streamed
+                    and rpc_error.code() in wire.CONTINUABLE
+                    and continuations < wire.MAX_CONTINUATIONS
+                ):
+                    raise ClientError.from_call(rpc_error, request.request_id) from rpc_error
+            finally:
+                call.cancel()  # no-op when the call is over; else the server aborts it
 
     async def generate(
         self,

@@ -1,5 +1,9 @@
 """How a client reaches the coordinator: its channel (plaintext or TLS) and its API key.
 
+``target``: "host:port", or several coordinators as "ip:port,ip:port" (calls are balanced over
+those that answer; a stream whose coordinator dies continues through another), or any gRPC
+target such as "dns:///coordinators.example:50051" (a name resolving to several).
+
 ``credentials``: ``grpc.ssl_channel_credentials(root_certificates=<CA PEM>)`` (add a client
 certificate if the port wants one) for a coordinator serving TLS; None: plaintext.
 ``api_key``: sent with every call as ``authorization: Bearer <key>``, as the OpenAI SDK sends
@@ -8,6 +12,8 @@ requests started with the same key).
 """
 
 from __future__ import annotations
+
+import ipaddress
 
 import grpc
 
@@ -22,11 +28,33 @@ def call_metadata(api_key: str | None) -> Metadata | None:
     return None if api_key is None else (("authorization", f"Bearer {api_key}"),)
 
 
+def channel_target(target: str) -> str:
+    """The gRPC target of ``target``: a comma-separated list of IP:port becomes gRPC's
+    ``ipv4:``/``ipv6:`` list; ``ValueError`` for a list with host names (use a DNS name that
+    resolves to several)."""
+    if "," not in target or ":///" in target or target.startswith(("ipv4:", "ipv6:")):
+        return target
+    addresses = [address.strip() for address in target.split(",") if address.strip()]
+    hosts = [address.rsplit(":", 1)[0] for address in addresses]
+    if all(host.startswith("[") for host in hosts):
+        return "ipv6:" + ",".join(addresses)
+    try:
+        for host in hosts:
+            ipaddress.IPv4Address(host)
+    except ValueError:
+        raise ValueError(
+            f"several coordinators must be given as IP:port ({target!r}); "
+            "for host names use one DNS name that resolves to all of them (dns:///name:port)"
+        ) from None
+    return "ipv4:" + ",".join(addresses)
+
+
 def aio_channel(
     target: str, credentials: grpc.ChannelCredentials | None, retry: RetryPolicy
 ) -> grpc.aio.Channel:
     """An asyncio channel to ``target`` that retries by ``retry``."""
     options = channel_options(retry)
+    target = channel_target(target)
     if credentials is None:
         return grpc.aio.insecure_channel(target, options=options)
     return grpc.aio.secure_channel(target, credentials, options=options)
@@ -37,6 +65,7 @@ def sync_channel(
 ) -> grpc.Channel:
     """A blocking channel to ``target`` that retries by ``retry``."""
     options = channel_options(retry)
+    target = channel_target(target)
     if credentials is None:
         return grpc.insecure_channel(target, options=options)
     return grpc.secure_channel(target, credentials, options=options)

@@ -1,6 +1,9 @@
 """The clients' retries are gRPC's own: ``channel_options(policy)`` puts a ``RetryPolicy`` into
 the channel's service config, and gRPC (C-core) retries every ``splitserve.v1.Coordinator``
-call on that channel. The clients make one gRPC call per method call and never loop.
+call on that channel. The clients make one gRPC call per method call and never loop, except to
+continue a stream whose coordinator died after it delivered tokens (``stream``: another call,
+to another coordinator of the channel, with ``continue_after``). With several coordinators in
+the target the channel balances calls round robin over those that answer.
 
 How gRPC's ``retryPolicy`` gives the clients' retry contract (each point checked against a real
 server in ``tests/test_client.py``):
@@ -55,7 +58,7 @@ def service_config(policy: RetryPolicy) -> dict[str, object]:
             "backoffMultiplier": policy.multiplier,
             "retryableStatusCodes": codes,
         }
-    return {"methodConfig": [method_config]}
+    return {"methodConfig": [method_config], "loadBalancingConfig": [{"round_robin": {}}]}
 
 
 def channel_options(policy: RetryPolicy) -> ChannelOptions:

@@ -10,6 +10,8 @@ The same methods and contracts as ``AsyncClient``, over a sync gRPC channel:
   and RESOURCE_EXHAUSTED when ``retry.retry_overloaded`` (the server's hint honoured), never
   once a stream delivered a ``Chunk``, at most ``retry.max_attempts`` attempts, with the same
   request (and ``request_id``, uuid4 hex when not given).
+- Coordinator failure: a stream continues through another coordinator after its own died,
+  as in ``AsyncClient``.
 - Cancellation: ``stream()`` returns a generator; when the caller stops early (the generator
   is closed or garbage collected) the gRPC call is cancelled and the coordinator aborts the
   request on every worker. ``with contextlib.closing(client.stream(...)) as items`` makes that
@@ -83,29 +85,40 @@ class Client:
         """
         request_id = request_id or wire.new_request_id()
         request = wire.generate_request(prompt, messages, token_ids, sampling, request_id)
-        call = self._coordinator.Generate(
-            request, timeout=self._timeout(timeout_s), metadata=self._metadata
-        )
-        try:
-            finish = None
-            for response in call:
-                item = wire.stream_item(response, request.request_id)
-                if isinstance(item, Finish):
-                    finish = item  # delivered once the call ended with OK
-                elif finish is None:
-                    yield item
-            if finish is None:
-                raise ClientError(
-                    grpc.StatusCode.INTERNAL,
-                    "the stream ended without a completion",
-                    request_id=request.request_id,
-                )
-            yield finish
-        except grpc.RpcError as rpc_error:
-            error = ClientError.from_call(rpc_error, request.request_id)  # type: ignore[arg-type]
-            raise error from rpc_error
-        finally:
-            call.cancel()  # no-op when the call is over; else the server aborts the request
+        deadline = Deadline(self._timeout(timeout_s))
+        streamed: list[int] = []
+        for continuations in range(wire.MAX_CONTINUATIONS + 1):
+            if streamed:  # the last coordinator died after delivering tokens: go on elsewhere
+                request = wire.continuation(request, streamed)
+            call = self._coordinator.Generate(
+                request, timeout=deadline.remaining(), metadata=self._metadata
+            )
+            try:
+                finish = None
+                for response in call:
+                    item = wire.stream_item(response, request.request_id)
+                    if isinstance(item, Finish):
+                        finish = item  # delivered once the call ended with OK
+                    elif finish is None:
+                        streamed.extend(item.token_ids)
+                        yield item
+                if finish is None:
+                    raise ClientError(
+                        grpc.StatusCode.INTERNAL,
+                        "the stream ended without a completion",
+                        request_id=request.request_id,
+                    )
+                yield finish
+                return
+            except grpc.RpcError as rpc_error:
+                code = rpc_error.code()  # type: ignore[attr-defined]
+                if not (
+                    streamed and code in wire.CONTINUABLE and continuations < wire.MAX_CONTINUATIONS
+                ):
+                    error = ClientError.from_call(rpc_error, request.request_id)  # type: ignore[arg-type]
+                    raise error from rpc_error
+            finally:
+                call.cancel()  # no-op when the call is over; else the server aborts it
 
     def generate(
         self,

@@ -61,6 +61,23 @@ def generate_request(
     return request
 
 
+CONTINUABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
+"""How a stream ends when its coordinator dies or drains it away: a stream that delivered
+tokens goes on through another coordinator (``continuation``)."""
+MAX_CONTINUATIONS = 3
+
+
+def continuation(
+    request: coordinator_pb2.GenerateRequest, streamed_token_ids: Sequence[int]
+) -> coordinator_pb2.GenerateRequest:
+    """``request`` again, to go on after ``streamed_token_ids`` (the completion tokens the
+    client already has): the coordinator generates only what follows them."""
+    again = coordinator_pb2.GenerateRequest()
+    again.CopyFrom(request)
+    again.continue_after.CopyFrom(coordinator_pb2.TokenIds(ids=list(streamed_token_ids)))
+    return again
+
+
 def _message(message: MessageLike) -> coordinator_pb2.ChatMessage:
     if isinstance(message, ChatMessage):
         return coordinator_pb2.ChatMessage(role=message.role, content=message.content)

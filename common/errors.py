@@ -62,6 +62,10 @@ class OverloadedError(SplitserveError):
 # ---- KV transfer failures; each leaves both sides able to release the request's blocks ----
 
 
+class MembershipStoreError(SplitserveError):
+    """The membership store (etcd) refused a call or did not answer."""
+
+
 class TransferError(SplitserveError):
     """A KV transfer failed (peer gone, transport error)."""
 

@@ -113,8 +113,10 @@ class AttemptTimeouts:
 class Attempt:
     """Runs the request once on ``route``; iterate ``run()`` for its stream chunks.
 
-    ``prompt_token_ids`` is the prompt plus the tokens streamed by earlier attempts and
-    ``params`` the budget left (stop strings removed: they are the tracker's)."""
+    ``prompt_token_ids`` is the prompt, ``prior_output_token_ids`` the tokens streamed by
+    earlier attempts (the decode worker goes on after them: budget, penalties and seeded
+    sampling as if the request had never moved), ``params`` the request's (stop strings
+    removed: they are the tracker's)."""
 
     def __init__(
         self,
@@ -126,6 +128,7 @@ class Attempt:
         router: Router,
         channels: WorkerChannels,
         timeouts: AttemptTimeouts,
+        prior_output_token_ids: Sequence[int] = (),
     ) -> None:
         self.tracker = tracker
         self.route = route
@@ -134,6 +137,7 @@ class Attempt:
         self.stage_seconds: list[tuple[str, float]] = []
         """(stage, seconds) as they completed: reserve, prefill or local_prefill."""
         self._prompt = list(prompt_token_ids)
+        self._prior_output = list(prior_output_token_ids)
         self._params = params
         self._stop_strings = tuple(stop_strings)
         self._router = router
@@ -153,6 +157,7 @@ class Attempt:
             self._params,
             remote_prefill=self.route.prefill is not None,
             timeout_s=self._timeouts.request_s,
+            prior_output_token_ids=self._prior_output,
         )
         tasks = [asyncio.create_task(self._read_decode(call))]
         started = stage_start = time.monotonic()

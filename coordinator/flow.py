@@ -12,7 +12,8 @@ sees one uninterrupted stream:
 - ``PrefillLost`` (prefill worker gone, transfer failed, layouts incompatible): the next
   attempt prefills on a decode worker;
 - ``DecodeLost`` (decode worker gone): the worker is marked failed and the request resumes on
-  another decode worker from prompt + tokens already streamed, with the budget left;
+  another decode worker from the prompt and the tokens already streamed, which that worker
+  takes as the request's earlier output (budget, penalties, seeded sampling go on exactly);
 - the request's own errors (``InvalidRequestError``, ``CapacityError``) end it with that error.
 ``RequestTracker`` keeps what was streamed across attempts, so no token is doubled or lost.
 """
@@ -26,8 +27,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from splitserve.common.detokenizer import TokenDecoder
-from splitserve.common.errors import WorkerUnavailableError
+from splitserve.common.errors import InvalidRequestError, WorkerUnavailableError
 from splitserve.common.output_processor import RequestTracker, StreamChunk
+from splitserve.common.request_update import RequestUpdate
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.coordinator.attempt import Attempt, AttemptTimeouts, DecodeLost, PrefillLost
 from splitserve.coordinator.router import Router
@@ -78,6 +80,27 @@ class RequestFlow:
         self.recoveries: list[str] = []
         """prefill_fallback / decode_resume, each time a worker failed this request."""
 
+    def replay(self, streamed_token_ids: list[int]) -> StreamChunk:
+        """Take ``streamed_token_ids`` as already streamed (by another coordinator, which the
+        client reports died) before ``run``: attempts go on after them. The chunk is what
+        their replay gives (its text already reached the client); it finishes the request
+        when they already end it (a stop string)."""
+        if len(streamed_token_ids) >= self.params.max_tokens:
+            raise InvalidRequestError(
+                f"{len(streamed_token_ids)} tokens to continue after, max_tokens is "
+                f"{self.params.max_tokens}: nothing left to generate",
+                "continue_after",
+            )
+        update = RequestUpdate(
+            self.request_id,
+            tuple(streamed_token_ids),
+            None,
+            len(self.prompt_token_ids),
+            0,
+            len(streamed_token_ids),
+        )
+        return self.tracker.process(update)
+
     def abort(self) -> None:
         """End the request as aborted: its stream gets a final ABORT chunk, workers free it."""
         self._aborted = True
@@ -95,6 +118,9 @@ class RequestFlow:
         return max(self._num_cached_tokens, running)
 
     async def run(self) -> AsyncIterator[StreamChunk]:
+        if self.tracker.finished:  # replayed tokens already ended it
+            self.state = FlowState.FINISHED
+            return
         excluded: list[str] = []
         local_prefill_only = False
         for _ in range(self._config.max_attempts):
@@ -132,27 +158,23 @@ class RequestFlow:
     def _next_attempt(self, excluded: list[str], local_prefill_only: bool) -> Attempt | None:
         """The next attempt, from prompt + tokens streamed so far; None when no decode worker
         can take the request."""
-        streamed = self.tracker.token_ids
-        prompt = self.prompt_token_ids + streamed
+        streamed = list(self.tracker.token_ids)
         remaining = self.params.max_tokens - len(streamed)
         with_prefill = not (local_prefill_only or streamed)
-        route = self._router.route(prompt, remaining, excluded, with_prefill)
+        route = self._router.route(
+            self.prompt_token_ids + streamed, remaining, excluded, with_prefill
+        )
         if route is None:
             return None
-        worker_params = dataclasses.replace(
-            self.params,
-            max_tokens=remaining,
-            min_tokens=max(0, self.params.min_tokens - len(streamed)),
-            stop=(),
-        )
         self._attempt = Attempt(
             self.tracker,
             route,
-            prompt,
-            worker_params,
+            self.prompt_token_ids,
+            dataclasses.replace(self.params, stop=()),
             self.params.stop,
             self._router,
             self._channels,
             self._config.timeouts,
+            prior_output_token_ids=streamed,
         )
         return self._attempt

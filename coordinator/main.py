@@ -8,8 +8,11 @@ the public port refuses calls without a key (health stays open unless
 ``--health-needs-key``); with ``--tls-cert``/``--tls-key`` both ports serve TLS, and with
 ``--tls-ca`` the internal one requires client certificates signed by it (``proto/tls.py``).
 Reflection only with ``--grpc-reflection``.
-Drops workers that stop heartbeating. Prints ``splitserve coordinator internal ready at
-<host:port>``, then ``splitserve coordinator ready at <host:port>`` once both listen.
+With ``--etcd-endpoints`` it also follows the workers published in etcd
+(``membership_follower.py``). Drops workers that stop heartbeating or leave. SIGTERM
+drains: health NOT_SERVING, new calls refused, running streams get ``--drain-timeout``
+seconds. Prints ``splitserve coordinator internal ready at <host:port>``, then
+``splitserve coordinator ready at <host:port>`` once both listen.
 """
 
 from __future__ import annotations
@@ -31,13 +34,17 @@ from splitserve.common.model_files import load_tokenizer, model_name_of, resolve
 from splitserve.coordinator import INTERNAL_READY, PUBLIC_READY
 from splitserve.coordinator.attempt import AttemptTimeouts
 from splitserve.coordinator.flow import FlowConfig
+from splitserve.coordinator.membership_follower import MembershipFollower
 from splitserve.coordinator.membership_servicer import MembershipServicer
 from splitserve.coordinator.metrics import CoordinatorMetrics
 from splitserve.coordinator.router import RoutingConfig
 from splitserve.coordinator.service import Coordinator, CoordinatorConfig
 from splitserve.coordinator.servicer import CoordinatorServicer
+from splitserve.discovery.etcd_watcher import EtcdMembershipWatcher
+from splitserve.discovery.flags import add_membership_args, etcd_endpoints
 from splitserve.proto.api_key_auth import ApiKeyInterceptor
 from splitserve.proto.cluster_access import access_or_exit, add_cluster_access_args
+from splitserve.proto.etcd_client import EtcdClient
 from splitserve.proto.server import add_reflection_flag, serve_forever, start_server
 from splitserve.proto.splitserve.v1 import coordinator_pb2, coordinator_pb2_grpc
 
@@ -70,10 +77,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     flag("--prefill-timeout", 300.0, float, "seconds a prefill (compute + KV push) may take")
     flag("--metrics-port", 0, int, "Prometheus /metrics port (0: any free port, -1: off)")
+    flag(
+        "--drain-timeout",
+        30.0,
+        float,
+        "on SIGTERM, seconds running streams may take to finish (new calls are refused)",
+    )
     add_reflection_flag(parser)
     add_cluster_access_args(parser)
     add_api_key_args(parser)
     add_health_needs_key_flag(parser, "gRPC health checks on the public port")
+    add_membership_args(parser)
     return parser
 
 
@@ -116,7 +130,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.internal_port,
             lambda s: (
                 coordinator_pb2_grpc.add_MembershipServicer_to_server(
-                    MembershipServicer(coordinator.registry), s
+                    MembershipServicer(coordinator.registry, coordinator.router.forget), s
                 ),
                 [MEMBERSHIP_SERVICE_NAME],
             )[1],
@@ -131,17 +145,35 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"coordinator metrics at http://{args.host}:{port}/metrics", flush=True)
         print(f"{PUBLIC_READY} at {args.host}:{server.port}", flush=True)
         watcher = asyncio.create_task(_watch_workers(coordinator, server, stop))
+        follower = _membership_follower(args, coordinator)
+        following = None if follower is None else asyncio.create_task(follower.run())
         await stop.wait()
         await server.set_serving(False)
-        await server.server.stop(5.0)
+        await server.server.stop(args.drain_timeout)
         await internal.server.stop(1.0)
-        watcher.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await watcher
+        for task in (watcher, following):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         await coordinator.channels.close()
 
     serve_forever(run)
     return 0
+
+
+def _membership_follower(
+    args: argparse.Namespace, coordinator: Coordinator
+) -> MembershipFollower | None:
+    """With ``--etcd-endpoints``: the follower of the etcd membership (workers may also
+    register over gRPC, as without it)."""
+    endpoints = etcd_endpoints(args)
+    if not endpoints:
+        return None
+    watcher = EtcdMembershipWatcher(EtcdClient(endpoints), args.cluster_name)
+    return MembershipFollower(
+        watcher, coordinator.registry, coordinator.channels, coordinator.router.forget
+    )
 
 
 async def _watch_workers(coordinator: Coordinator, server, stop: asyncio.Event) -> None:  # noqa: ANN001

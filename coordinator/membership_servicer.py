@@ -1,10 +1,14 @@
-"""gRPC ``Membership`` service (the coordinator's internal plane): workers register and
-heartbeat their load; operators list them. Served only on ``--internal-port``, behind the
-cluster credential check, so only processes holding the cluster token can join or look."""
+"""gRPC ``Membership`` service (the coordinator's internal plane): workers register, heartbeat
+their load and leave when they drain (nothing new is routed to them from then on; the
+``on_leave`` callback lets the router forget them); operators list them. Served only on
+``--internal-port``, behind the cluster credential check, so only processes holding the
+cluster token can join or look."""
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Callable
 
 import grpc
 
@@ -14,12 +18,16 @@ from splitserve.proto import convert
 from splitserve.proto.splitserve.v1 import coordinator_pb2, coordinator_pb2_grpc, worker_pb2
 from splitserve.proto.status import abort_with
 
+logger = logging.getLogger(__name__)
 HEARTBEAT_INTERVAL_MS = 500
 
 
 class MembershipServicer(coordinator_pb2_grpc.MembershipServicer):
-    def __init__(self, registry: WorkerRegistry) -> None:
+    def __init__(
+        self, registry: WorkerRegistry, on_leave: Callable[[str], None] = lambda worker_id: None
+    ) -> None:
         self._registry = registry
+        self._on_leave = on_leave
 
     async def RegisterWorker(
         self, request: coordinator_pb2.RegisterWorkerRequest, context: grpc.aio.ServicerContext
@@ -36,6 +44,15 @@ class MembershipServicer(coordinator_pb2_grpc.MembershipServicer):
     ) -> coordinator_pb2.HeartbeatResponse:
         known = self._registry.heartbeat(request.worker_id, convert.load_from_proto(request.load))
         return coordinator_pb2.HeartbeatResponse(known=known)
+
+    async def LeaveCluster(
+        self, request: coordinator_pb2.LeaveClusterRequest, context: grpc.aio.ServicerContext
+    ) -> coordinator_pb2.LeaveClusterResponse:
+        record = self._registry.remove(request.worker_id)
+        if record is not None:
+            logger.info("worker %s (%s) left to drain", record.worker_id, record.address)
+            self._on_leave(record.worker_id)
+        return coordinator_pb2.LeaveClusterResponse(known=record is not None)
 
     async def ListWorkers(
         self, request: coordinator_pb2.ListWorkersRequest, context: grpc.aio.ServicerContext

@@ -66,6 +66,10 @@ class WorkerRegistry:
         record.healthy = True
         return True
 
+    def remove(self, worker_id: str) -> WorkerRecord | None:
+        """Drop a worker that left (it drains); returns its record, None when unknown."""
+        return self._workers.pop(worker_id, None)
+
     def mark_failed(self, worker_id: str) -> None:
         record = self._workers.get(worker_id)
         if record is not None:

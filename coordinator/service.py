@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 from splitserve.common.api_keys import ANONYMOUS, Caller
@@ -103,11 +103,15 @@ class Coordinator:
         params: SamplingParams,
         fill_context: bool = False,
         caller: Caller = ANONYMOUS,
+        continue_after: Sequence[int] = (),
     ) -> AsyncIterator[tuple[RequestFlow, StreamChunk]]:
         """Stream a request's chunks (with its flow, for usage figures).
 
         ``fill_context``: the caller set no ``max_tokens``; generate up to ``fill_limit``.
         ``caller``: who asks; the only one ``abort`` lets end the request.
+        ``continue_after``: completion tokens another coordinator already streamed to the
+        client (``RequestFlow.replay``); the stream carries only what follows them, unless
+        they already finish the request (then one final chunk without text).
         Every flow, also one that fails, is passed to ``flow_observer`` when it ends.
         """
         request_id = request_id or f"req-{uuid.uuid4().hex}"
@@ -134,6 +138,10 @@ class Coordinator:
         )
         self._running[request_id] = _Running(flow, caller)
         try:
+            if continue_after:
+                replayed = self._replay(flow, continue_after)
+                if replayed is not None:
+                    yield flow, replayed
             async with contextlib.aclosing(flow.run()) as chunks:
                 async for chunk in chunks:
                     yield flow, chunk
@@ -141,6 +149,17 @@ class Coordinator:
             self._running.pop(request_id, None)
             if self.flow_observer is not None:
                 self.flow_observer(flow)
+
+    def _replay(self, flow: RequestFlow, token_ids: Sequence[int]) -> StreamChunk | None:
+        """Replay tokens another coordinator streamed; the finishing chunk (without the text
+        the client has) when they end the request, else None."""
+        vocab = self.tokenizer.vocab_size
+        if any(not 0 <= token < vocab for token in token_ids):
+            raise InvalidRequestError(f"token ids must be in [0, {vocab})", "continue_after")
+        chunk = flow.replay(list(token_ids))
+        if chunk.finish_reason is None:
+            return None
+        return dataclasses.replace(chunk, new_token_ids=(), text="", logprobs=())
 
     def abort(self, request_id: str, caller: Caller = ANONYMOUS) -> bool:
         """Cancel a running request that ``caller`` started (its stream ends); False when no

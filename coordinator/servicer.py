@@ -62,6 +62,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 params,
                 fill_context=fill_context,
                 caller=caller,
+                continue_after=convert.token_ids(request.continue_after.ids),
             )
             async for flow, chunk in stream:
                 timer.tokens(len(chunk.new_token_ids))

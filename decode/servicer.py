@@ -3,7 +3,8 @@ else."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import contextlib
+from collections.abc import AsyncGenerator, AsyncIterator
 
 import grpc
 
@@ -20,6 +21,16 @@ class DecodeServicer(WorkerServicerBase[DecodeWorker], worker_pb2_grpc.DecodeWor
     async def Generate(
         self, request: worker_pb2.WorkerGenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[worker_pb2.WorkerGenerateResponse]:
+        """The request's stream, counted in ``in_flight`` while it runs (a draining worker
+        waits for it)."""
+        with self.in_flight.track():
+            async with contextlib.aclosing(self._generate(request, context)) as responses:
+                async for response in responses:
+                    yield response
+
+    async def _generate(
+        self, request: worker_pb2.WorkerGenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncGenerator[worker_pb2.WorkerGenerateResponse, None]:
         worker = await self.ready(context)
         try:
             params = convert.sampling_from_proto(request.sampling)
@@ -30,6 +41,7 @@ class DecodeServicer(WorkerServicerBase[DecodeWorker], worker_pb2_grpc.DecodeWor
             convert.token_ids(request.prompt_token_ids),
             params,
             request.remote_prefill,
+            convert.token_ids(request.prior_output_token_ids),
         )
         try:
             async for event in events:

@@ -107,8 +107,11 @@ class DecodeWorker:
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
         remote_prefill: bool,
+        prior_output_token_ids: Sequence[int] = (),
     ) -> AsyncIterator[KvReservation | StepOutput]:
         """Run one request; with ``remote_prefill`` first yield its ``KvReservation``.
+        ``prior_output_token_ids``: a resumed request's earlier tokens
+        (``EngineCore.add_request``); only what follows them is yielded.
 
         Closing the iterator early aborts the request and frees its blocks. A new attempt of a
         request id whose previous attempt is still open here (the coordinator retried before
@@ -116,7 +119,9 @@ class DecodeWorker:
         for it to end, instead of being refused as a duplicate.
         """
         await self._previous_attempt_ended(request_id)
-        stream = await self._submit(request_id, prompt_token_ids, params, remote_prefill)
+        stream = await self._submit(
+            request_id, prompt_token_ids, params, remote_prefill, prior_output_token_ids
+        )
         # registered only once accepted: a refused duplicate never hides the open attempt
         ended = self._open_attempts[request_id] = asyncio.Event()
         try:
@@ -146,6 +151,7 @@ class DecodeWorker:
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
         remote_prefill: bool,
+        prior_output_token_ids: Sequence[int],
     ) -> RequestStream:
         """Queue the request; a reservation that does not fit now waits until blocks free up
         (requests that can never fit are refused by the engine at once)."""
@@ -153,7 +159,11 @@ class DecodeWorker:
         while True:
             try:
                 stream = await self.engine.submit(
-                    request_id, prompt_token_ids, params, reserve_remote_prefill=remote_prefill
+                    request_id,
+                    prompt_token_ids,
+                    params,
+                    reserve_remote_prefill=remote_prefill,
+                    prior_output_token_ids=prior_output_token_ids,
                 )
             except CapacityError:
                 await asyncio.sleep(RESERVATION_RETRY_S)

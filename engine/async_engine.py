@@ -75,6 +75,7 @@ class AsyncEngine:
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
         reserve_remote_prefill: bool = False,
+        prior_output_token_ids: Sequence[int] = (),
     ) -> RequestStream:
         """Queue a request and return its stream of outputs; raises what the core raises on
         refusal.
@@ -84,7 +85,7 @@ class AsyncEngine:
         blocks, taken in the same engine command as the reservation and owned by the caller.
         Whatever ends the request (abort, a failed step), the blocks stay out of the pool
         until the caller gives the hold back with ``release_blocks``: once nothing can write
-        into them any more.
+        into them any more. ``prior_output_token_ids``: see ``EngineCore.add_request``.
         """
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, asyncio.Queue())
@@ -101,7 +102,9 @@ class AsyncEngine:
                     self.core.hold_blocks(block_table)
                     held.extend(block_table)
                 else:
-                    self.core.add_request(request_id, prompt_token_ids, params)
+                    self.core.add_request(
+                        request_id, prompt_token_ids, params, prior_output_token_ids
+                    )
             except BaseException as error:  # reported to the caller, engine goes on
                 loop.call_soon_threadsafe(_settle, accepted, error, None)
                 return

@@ -2,6 +2,7 @@
 
     splitserve up                        # coordinator + prefill + decode + gateway on localhost
     splitserve coordinator|prefill|decode|gateway --help   # one role per process
+    splitserve probe --address HOST:PORT # one gRPC health check (Kubernetes exec probes)
 
     splitserve generate "The capital of France is" --max-tokens 32 --temperature 0
     splitserve generate --chat "Write a haiku about the sea" --stream
@@ -19,6 +20,7 @@ import json
 import logging
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from splitserve.common.errors import InvalidRequestError, SplitserveError
 from splitserve.common.sampling_params import SamplingParams
@@ -28,14 +30,17 @@ from splitserve.engine.cli_args import (
     engine_config_from_args,
     sampling_params_from_args,
 )
-from splitserve.engine.llm import LLM
+
+if TYPE_CHECKING:  # imported when used: the roles and ``probe`` run without loading torch
+    from splitserve.engine.llm import LLM
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitserve", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     for role in ROLE_COMMANDS:
-        commands.add_parser(role, help=f"run the {role} role (see `splitserve {role} --help`)")
+        what = COMMAND_HELP.get(role, f"run the {role} role")
+        commands.add_parser(role, help=f"{what} (see `splitserve {role} --help`)")
     generate = commands.add_parser("generate", help="complete prompts and print the results")
     generate.add_argument("prompts", nargs="+", help="prompt texts (one request each)")
     generate.add_argument("--chat", action="store_true", help="apply the chat template")
@@ -55,8 +60,14 @@ ROLE_COMMANDS = {
     "decode": "splitserve.decode.main",
     "gateway": "splitserve.gateway.main",
     "up": "splitserve.launch.up",
+    "probe": "splitserve.launch.probe",
 }
-"""Serving roles, each a process with its own flags (``splitserve <role> --help``)."""
+"""Commands with their own flags (``splitserve <command> --help``): the serving roles, each a
+process, ``up`` (all of them on localhost) and ``probe`` (one health check)."""
+COMMAND_HELP = {
+    "up": "run every role on localhost",
+    "probe": "one gRPC health check, for exec probes",
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -70,6 +81,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"splitserve: error: bad SPLITSERVE_* environment value: {error}", file=sys.stderr)
         return 2
     args = parser.parse_args(argv)
+    from splitserve.engine.llm import LLM  # torch: only offline generation and chat need it
+
     try:
         params = sampling_params_from_args(args)
         llm = LLM(config=engine_config_from_args(args))

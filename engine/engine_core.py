@@ -113,10 +113,37 @@ class EngineCore:
         self.scheduler.check_fits(len(prompt_token_ids), params)
 
     def add_request(
-        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        prior_output_token_ids: Sequence[int] = (),
     ) -> None:
-        """Queue a request; raises ``InvalidRequestError`` for input it can never serve."""
-        self.scheduler.add_request(self._new_request(request_id, prompt_token_ids, params))
+        """Queue a request; raises ``InvalidRequestError`` for input it can never serve.
+
+        ``prior_output_token_ids``: a resumed request's tokens generated before (elsewhere):
+        computed with the prompt, counted by ``max_tokens``, ``min_tokens`` and the penalties
+        as output, and skipped in a seeded request's random stream (``ModelRunner``), so the
+        request goes on exactly as if it had never moved."""
+        request = self._new_request(request_id, prompt_token_ids, params)
+        if prior_output_token_ids:
+            self._check_prior_output(prior_output_token_ids, params)
+            request.output_token_ids = list(prior_output_token_ids)
+            request.all_token_ids.extend(prior_output_token_ids)
+        self.scheduler.add_request(request)
+
+    def _check_prior_output(self, token_ids: Sequence[int], params: SamplingParams) -> None:
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= token < vocab for token in token_ids):
+            raise InvalidRequestError(
+                f"prior output token ids must be in [0, {vocab})", "prior_output_token_ids"
+            )
+        if len(token_ids) >= params.max_tokens:
+            raise InvalidRequestError(
+                f"{len(token_ids)} prior output tokens leave nothing of max_tokens "
+                f"{params.max_tokens}",
+                "prior_output_token_ids",
+            )
 
     def _new_request(
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams

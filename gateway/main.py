@@ -1,8 +1,9 @@
 """``splitserve gateway``: the OpenAI-compatible HTTP server (uvicorn, uvloop, httptools).
 
 Talks to the coordinator at ``--coordinator``; prints
-``splitserve gateway ready at http(s)://<host>:<port>`` once listening. SIGINT / SIGTERM stop
-it (uvicorn's graceful shutdown: open streams are cancelled, which aborts their requests).
+``splitserve gateway ready at http(s)://<host>:<port>`` once listening. SIGINT / SIGTERM drain
+it (uvicorn's graceful shutdown: no new connections, open streams get ``--drain-timeout``
+seconds to finish; those still open then are cancelled, which aborts their requests).
 
 TLS (``proto/tls.py``'s flags): ``--tls-cert``/``--tls-key`` serve HTTPS; ``--tls-ca`` (or
 the system's roots) verifies the coordinator, which is then dialled over TLS. API keys:
@@ -35,7 +36,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     flag("--host", "127.0.0.1", str, "address the HTTP server binds")
     flag("--port", 8000, int, "HTTP port; 0 picks a free one")
-    flag("--coordinator", "127.0.0.1:50051", str, "coordinator gRPC address")
+    flag(
+        "--coordinator",
+        "127.0.0.1:50051",
+        str,
+        "coordinator gRPC address; several as ip:port,ip:port (or a DNS name resolving to "
+        "several, dns:///name:port): calls are balanced over them and a stream whose "
+        "coordinator dies continues through another",
+    )
     flag(
         "--served-model-name",
         "",
@@ -44,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     flag("--request-timeout", 3600.0, float, "deadline of each request's gRPC call, seconds")
     flag("--log-level", "warning", str, "uvicorn log level (info logs every request)")
+    flag("--drain-timeout", 30.0, float, "on SIGTERM, seconds open streams may take to finish")
     add_tls_args(parser)
     add_api_key_args(parser)
     add_health_needs_key_flag(parser, "/health and /metrics")
@@ -74,7 +83,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             loop="uvloop",
             http="httptools",
             log_level=args.log_level,
-            timeout_graceful_shutdown=5,
+            timeout_graceful_shutdown=args.drain_timeout,
             backlog=4096,
             ssl_certfile=tls.files.cert if serves_tls else None,
             ssl_keyfile=tls.files.key if serves_tls else None,

@@ -4,9 +4,11 @@ Starts the coordinator, then the workers (registered with it), waits until each 
 ready line and the coordinator's health is SERVING, starts the OpenAI-compatible gateway
 (``--http-port``, default 8000; ``--no-gateway`` leaves it out), prints
 ``splitserve ready at <host:port>``, forwards every child's output with a role prefix, and
-stops all children on Ctrl-C / SIGTERM (SIGTERM, then SIGKILL after a grace period). If any
-child exits on its own, the others are stopped and ``up`` exits with status 1; so it does
-when a child had to be killed because it ignored SIGTERM.
+stops all children on Ctrl-C / SIGTERM (SIGTERM, then SIGKILL after a grace period; ``up``
+exits with status 1 when a child had to be killed because it ignored SIGTERM). A child that
+exits on its own is restarted with back-off while the others keep serving
+(``launch/supervisor.py``); ``--no-restart`` stops everything instead, with status 1. A
+child that fails its first start stops ``up`` (status 1).
 
 The cluster credential: ``SPLITSERVE_CLUSTER_TOKEN`` when set (so other processes can join
 the cluster), else a fresh random token for this run; children receive it through their
@@ -28,13 +30,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import os
 import signal
 import sys
-import threading
 from collections.abc import Sequence
-from typing import TextIO
 
 from splitserve.common.api_keys import (
     KEYS_ENV,
@@ -44,13 +43,11 @@ from splitserve.common.api_keys import (
 )
 from splitserve.common.env_flags import env_name
 from splitserve.coordinator import INTERNAL_READY, PUBLIC_READY
-from splitserve.launch.child_process import ChildProcess, ReadyError, python_module_argv
+from splitserve.launch.child_process import ReadyError
+from splitserve.launch.supervisor import READY_TIMEOUT_S, Stopped, Supervisor, say
 from splitserve.proto.cluster_auth import TOKEN_ENV, ClusterCredential
 from splitserve.proto.server import wait_for_health
 from splitserve.proto.tls import TlsConfig, add_tls_args, tls_env, tls_or_exit
-
-GRACE_S = 10.0
-READY_TIMEOUT_S = 300.0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,6 +63,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="coordinator's internal gRPC port, for workers (0: any free port)",
     )
     parser.add_argument("--model", default="default")
+    parser.add_argument(
+        "--coordinators",
+        type=int,
+        default=1,
+        help="coordinators (ports 2 apart from --port / --internal-port); every worker "
+        "registers with all, the gateway balances over them and continues a stream whose "
+        "coordinator dies through another",
+    )
     parser.add_argument("--prefill", type=int, default=1, help="prefill workers")
     parser.add_argument("--decode", type=int, default=1, help="decode workers")
     parser.add_argument("--no-pin", action="store_true", help="do not pin workers to cores")
@@ -78,13 +83,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--no-gateway", action="store_true", help="do not start the gateway")
     parser.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="seconds each child may drain on SIGTERM (passed to coordinator and workers)",
+    )
+    parser.add_argument(
+        "--no-restart",
+        action="store_true",
+        help="stop everything when a child dies (default: restart it with back-off)",
+    )
+    parser.add_argument(
         "--served-model-name", default=None, help="model names the gateway answers to (comma-sep.)"
     )
     parser.add_argument(
         "--metrics-port-base",
         type=int,
         default=9400,
-        help="Prometheus /metrics ports: coordinator at the base, worker i at base + 1 + i "
+        help="Prometheus /metrics ports: coordinator i at base + i, worker i after them "
         "(0: any free port each, printed at start; -1: no metrics)",
     )
     add_tls_args(parser)
@@ -108,11 +124,14 @@ def worker_core_sets(num_workers: int, cpus: Sequence[int]) -> list[str | None]:
     return [",".join(str(c) for c in cpus[i * share : (i + 1) * share]) for i in range(num_workers)]
 
 
-def coordinator_argv(args: argparse.Namespace) -> list[str]:
-    """Module and flags of the coordinator."""
-    argv = ["splitserve.coordinator.main", f"--host={args.host}", f"--port={args.port}"]
-    argv.append(f"--internal-port={args.internal_port}")
-    argv += [f"--model={args.model}", f"--metrics-port={_metrics_port(args.metrics_port_base, 0)}"]
+def coordinator_argv(args: argparse.Namespace, index: int = 0) -> list[str]:
+    """Module and flags of coordinator ``index``: ports ``2 * index`` above the base ones
+    (any free ones when those are 0)."""
+    port, internal_port = (p + 2 * index if p else 0 for p in (args.port, args.internal_port))
+    argv = ["splitserve.coordinator.main", f"--host={args.host}", f"--port={port}"]
+    argv += [f"--internal-port={internal_port}", f"--drain-timeout={args.drain_timeout}"]
+    metrics_port = _metrics_port(args.metrics_port_base, index)
+    argv += [f"--model={args.model}", f"--metrics-port={metrics_port}"]
     if args.max_inflight is not None:
         argv.append(f"--max-inflight={args.max_inflight}")
     if args.local_prefill_max_tokens is not None:
@@ -124,7 +143,7 @@ def worker_argvs(
     args: argparse.Namespace, coordinator: str, worker_args: Sequence[str]
 ) -> list[tuple[str, list[str]]]:
     """(name, module and flags) of each worker in start order: prefill ones, then decode;
-    ``coordinator`` is the coordinator's internal address."""
+    ``coordinator``: the coordinators' internal addresses, comma-separated."""
     roles = ["prefill"] * args.prefill + ["decode"] * args.decode
     cpus = sorted(os.sched_getaffinity(0))
     cores = [None] * len(roles) if args.no_pin else worker_core_sets(len(roles), cpus)
@@ -132,7 +151,9 @@ def worker_argvs(
     for index, (role, core_list) in enumerate(zip(roles, cores, strict=True)):
         argv = [f"splitserve.{role}.main", f"--coordinator={coordinator}", f"--model={args.model}"]
         argv += [f"--host={args.host}", f"--worker-id={role}-{index}"]
-        argv.append(f"--metrics-port={_metrics_port(args.metrics_port_base, 1 + index)}")
+        argv.append(f"--drain-timeout={args.drain_timeout}")
+        metrics_port = _metrics_port(args.metrics_port_base, args.coordinators + index)
+        argv.append(f"--metrics-port={metrics_port}")
         if core_list is not None:
             argv.append(f"--cpu-affinity={core_list}")
         workers.append((f"{role}-{index}", argv + list(worker_args)))
@@ -142,7 +163,7 @@ def worker_argvs(
 def gateway_argv(args: argparse.Namespace, coordinator: str) -> list[str]:
     """Module and flags of the gateway."""
     argv = ["splitserve.gateway.main", f"--coordinator={coordinator}", f"--host={args.host}"]
-    argv.append(f"--port={args.http_port}")
+    argv += [f"--port={args.http_port}", f"--drain-timeout={args.drain_timeout}"]
     if args.served_model_name:
         argv.append(f"--served-model-name={args.served_model_name}")
     if args.health_needs_key:
@@ -169,95 +190,41 @@ def children_env(
     return extra
 
 
-class _Stopped(Exception):
-    """Ctrl-C / SIGTERM arrived while a child was starting."""
-
-
-_print_lock = threading.Lock()
-
-
-def _say(text: str, file: TextIO | None = None) -> None:
-    """One whole line to stdout (or ``file``); children's drain threads print concurrently."""
-    with _print_lock:
-        print(text, file=file or sys.stdout, flush=True)
-
-
-class _Children:
-    """The children in start order; ``exited`` is set once any of them has ended."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, env: dict[str, str]) -> None:
-        """``env``: added to every child's environment (``children_env``)."""
-        self.started: list[ChildProcess] = []
-        self.exited = asyncio.Event()
-        self._loop = loop
-        self._env = env
-
-    def start(self, name: str, module_argv: list[str]) -> ChildProcess:
-        child = ChildProcess(
-            python_module_argv(*module_argv),
-            name=name,
-            env=self._env,
-            new_session=True,  # Ctrl-C reaches only us; we stop the children in order
-            on_line=lambda line: _say(f"[{name}] {line}"),
-            on_exit=self._note_exit,
-        )
-        self.started.append(child)
-        return child
-
-    def _note_exit(self) -> None:
-        with contextlib.suppress(RuntimeError):  # the loop is gone: nobody is waiting
-            self._loop.call_soon_threadsafe(self.exited.set)
-
-    async def wait_ready(
-        self, child: ChildProcess, stop: asyncio.Event, marker: str | None = None
-    ) -> str:
-        """``child``'s ready address (of the announcement containing ``marker``, if given);
-        ``_Stopped`` if ``stop`` is set first."""
-        ready = asyncio.ensure_future(asyncio.to_thread(child.wait_ready, marker, READY_TIMEOUT_S))
-        stopped = asyncio.ensure_future(stop.wait())
-        await asyncio.wait([ready, stopped], return_when=asyncio.FIRST_COMPLETED)
-        stopped.cancel()
-        if stop.is_set():
-            if ready.done():
-                ready.exception()  # retrieved: the stop wins
-            else:
-                ready.cancel()  # its thread ends once the child is stopped
-            raise _Stopped()
-        return ready.result()
-
-    async def stop_all(self) -> bool:
-        """SIGTERM every child (last started first), SIGKILL those still running after the
-        grace period; False when some child had to be killed."""
-        for child in reversed(self.started):
-            child.terminate()
-        clean = True
-        for child in reversed(self.started):
-            if (await asyncio.to_thread(child.stop, GRACE_S)).killed:
-                _say(f"splitserve up: {child.name} ignored SIGTERM; killed it")
-                clean = False
-        return clean
-
-
 async def _start_all(
-    children: _Children,
+    children: Supervisor,
     args: argparse.Namespace,
     worker_args: list[str],
     stop: asyncio.Event,
     tls: TlsConfig | None,
 ) -> str:
-    """Start every child in order, each once the previous ones are ready; the coordinator's
-    address."""
-    coordinator = children.start("coordinator", coordinator_argv(args))
-    # the real ports when 0; the internal one is announced first
-    address = await children.wait_ready(coordinator, stop, PUBLIC_READY)
-    internal = coordinator.announcements()[INTERNAL_READY]
+    """Start every child in order, each once the previous ones are ready; the coordinators'
+    public addresses, comma-separated. Ports asked for as 0 are pinned to those the first run
+    got, for restarts."""
+    publics, internals = [], []
+    for index in range(args.coordinators):
+        name = "coordinator" if args.coordinators == 1 else f"coordinator-{index}"
+        coordinator = children.start(name, coordinator_argv(args, index))
+        # the real ports when 0; the internal one is announced first
+        publics.append(await children.wait_ready(coordinator, stop, PUBLIC_READY))
+        internals.append(coordinator.process.announcements()[INTERNAL_READY])
+        coordinator.pin("--port", _port_of(publics[-1]))
+        coordinator.pin("--internal-port", _port_of(internals[-1]))
+    internal = ",".join(internals)
     workers = [children.start(n, argv) for n, argv in worker_argvs(args, internal, worker_args)]
     for worker in workers:
         await children.wait_ready(worker, stop)
-    await wait_for_health(address, READY_TIMEOUT_S, tls=tls)
+    for public in publics:
+        await wait_for_health(public, READY_TIMEOUT_S, tls=tls)
+    address = ",".join(publics)
     if not args.no_gateway:
-        await children.wait_ready(children.start("gateway", gateway_argv(args, address)), stop)
+        gateway = children.start("gateway", gateway_argv(args, address))
+        gateway.pin("--port", _port_of(await children.wait_ready(gateway, stop)))
     return address
+
+
+def _port_of(address: str) -> str:
+    """The port of "host:port" or "scheme://host:port"."""
+    return address.rsplit(":", 1)[1]
 
 
 async def _run(
@@ -270,22 +237,21 @@ async def _run(
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    children = _Children(loop, env)
+    children = Supervisor(
+        loop, env, restart=not args.no_restart, drain_timeout_s=args.drain_timeout
+    )
     try:
         address = await _start_all(children, args, worker_args, stop, tls)
-        _say(f"splitserve ready at {address}")
-        waits = [asyncio.create_task(stop.wait()), asyncio.create_task(children.exited.wait())]
-        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-        for task in waits:
-            task.cancel()
+        say(f"splitserve ready at {address}")
+        await children.supervise(stop)
         status = 0 if stop.is_set() else 1
-    except _Stopped:
+    except Stopped:
         status = 0
-    except ReadyError as error:
-        _say(f"splitserve up: {error.summary}", file=sys.stderr)
+    except ReadyError as error:  # a first start failed: nothing to supervise
+        say(f"splitserve up: {error.summary}", file=sys.stderr)
         status = 1
     except TimeoutError as error:  # the coordinator's health
-        _say(f"splitserve up: {error}", file=sys.stderr)
+        say(f"splitserve up: {error}", file=sys.stderr)
         status = 1
     if not await children.stop_all():
         status = status or 1

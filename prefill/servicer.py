@@ -19,12 +19,13 @@ class PrefillServicer(WorkerServicerBase[PrefillWorker], worker_pb2_grpc.Prefill
     ) -> worker_pb2.PrefillResponse:
         worker = await self.ready(context)
         try:
-            done = await worker.prefill(
-                request.request_id,
-                convert.token_ids(request.prompt_token_ids),
-                convert.sampling_from_proto(request.sampling),
-                convert.reservation_from_proto(request.target),
-            )
+            with self.in_flight.track():
+                done = await worker.prefill(
+                    request.request_id,
+                    convert.token_ids(request.prompt_token_ids),
+                    convert.sampling_from_proto(request.sampling),
+                    convert.reservation_from_proto(request.target),
+                )
         except SplitserveError as error:
             await abort_with(context, error)
         return convert.prefill_done_to_proto(done)

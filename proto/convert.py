@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from google.protobuf.message import DecodeError
+
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.load import EngineLoad
 from splitserve.common.logprobs import TokenLogprob
@@ -288,3 +290,19 @@ def worker_info_from_proto(message: worker_pb2.WorkerInfo) -> WorkerInfo:
         num_blocks=message.num_blocks,
         max_model_len=message.max_model_len,
     )
+
+
+def worker_info_to_bytes(info: WorkerInfo) -> bytes:
+    """The info as a serialized ``worker_pb2.WorkerInfo``: the value a worker publishes under
+    its discovery key (``discovery/etcd.py``)."""
+    return worker_info_to_proto(info).SerializeToString()
+
+
+def worker_info_from_bytes(data: bytes) -> WorkerInfo:
+    """The info ``worker_info_to_bytes`` serialized; ``InvalidRequestError`` (param "worker")
+    for bytes that do not parse or lack an id, an address or a role."""
+    try:
+        message = worker_pb2.WorkerInfo.FromString(data)
+    except DecodeError as error:
+        raise InvalidRequestError(f"not a serialized WorkerInfo: {error}", "worker") from error
+    return worker_info_from_proto(message)

@@ -40,3 +40,12 @@ class MembershipClient:
             self._stub.Heartbeat(request, timeout=timeout_s, metadata=self._metadata)
         )
         return reply.known
+
+    async def leave(self, worker_id: str, timeout_s: float) -> bool:
+        """Tell the coordinator the worker drains: nothing new is routed to it; False when
+        the coordinator did not know it."""
+        request = coordinator_pb2.LeaveClusterRequest(worker_id=worker_id)
+        reply = await call_internal(
+            self._stub.LeaveCluster(request, timeout=timeout_s, metadata=self._metadata)
+        )
+        return reply.known

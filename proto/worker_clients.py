@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Sequence
 
 import grpc
 
+from splitserve.common.load import EngineLoad
 from splitserve.common.request_update import StepOutput
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.proto import convert
@@ -61,13 +62,16 @@ class DecodeWorkerClient:
         params: SamplingParams,
         remote_prefill: bool,
         timeout_s: float,
+        prior_output_token_ids: Sequence[int] = (),
     ) -> DecodeCall:
-        """Start the request on the decode worker (stop strings stay with the caller)."""
+        """Start the request on the decode worker (stop strings stay with the caller);
+        ``prior_output_token_ids``: a resumed request's earlier tokens."""
         request = worker_pb2.WorkerGenerateRequest(
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,
             sampling=convert.sampling_to_proto(params, include_stop=False),
             remote_prefill=remote_prefill,
+            prior_output_token_ids=prior_output_token_ids,
         )
         return DecodeCall(
             self._stub.Generate(request, timeout=timeout_s, metadata=self._metadata), request_id
@@ -126,6 +130,26 @@ class PrefillWorkerClient:
         return convert.prefill_done_from_proto(reply)
 
 
+class WorkerMonitorClient:
+    def __init__(self, channel: grpc.aio.Channel, credential: ClusterCredential) -> None:
+        self._stub = worker_pb2_grpc.WorkerMonitorStub(channel)
+        self._metadata = credential.metadata
+
+    async def watch_load(self, interval_s: float) -> AsyncIterator[EngineLoad]:
+        """The worker's load now and every ``interval_s`` after, until the caller stops;
+        raises the domain error of a broken stream (``WorkerUnavailableError`` when the
+        worker is gone)."""
+        request = worker_pb2.WatchLoadRequest(interval_ms=round(interval_s * 1000))
+        call = self._stub.WatchLoad(request, metadata=self._metadata)
+        try:
+            async for load in call:
+                yield convert.load_from_proto(load)
+        except grpc.aio.AioRpcError as error:
+            raise error_from_rpc(error) from None
+        finally:
+            call.cancel()
+
+
 class WorkerChannels:
     """One channel per worker address, created on first use (TLS when ``access`` has it);
     calls carry the cluster credential."""
@@ -145,6 +169,9 @@ class WorkerChannels:
 
     def prefill(self, address: str) -> PrefillWorkerClient:
         return PrefillWorkerClient(self._channel(address), self._access.credential)
+
+    def monitor(self, address: str) -> WorkerMonitorClient:
+        return WorkerMonitorClient(self._channel(address), self._access.credential)
 
     async def close(self) -> None:
         for channel in self._channels.values():

@@ -17,7 +17,7 @@ import contextlib
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import grpc
 
@@ -29,7 +29,8 @@ from splitserve.proto.splitserve.v1 import coordinator_pb2, coordinator_pb2_grpc
 CREDENTIAL = ClusterCredential.generate()
 """The cluster credential of every process the tests start."""
 START_TIMEOUT_S = 240.0
-STOP_GRACE_S = 30.0
+STOP_GRACE_S = 60.0
+"""More than ``up``'s own stop grace (drain timeout 30 s + 10 s)."""
 _internal_of: dict[str, str] = {}
 """Public coordinator address -> its internal one, as the processes announced them."""
 FRESH_LOAD_TIMEOUT_S = 10.0
@@ -78,10 +79,12 @@ def cluster(
     *worker_flags: str,
     ready_lines: dict[str, str] | None = None,
     up_flags: tuple[str, ...] = (),
+    processes: list[subprocess.Popen[str]] | None = None,
 ) -> contextlib.AbstractContextManager[str]:
     """``splitserve up`` on free ports; yields the coordinator address. The gateway starts
-    only when ``ready_lines`` is given (its URL is then ``ready_lines["splitserve gateway"]``;
-    metrics URLs are printed as "<role> metrics at <url>")."""
+        only when ``ready_lines`` is given (its URL is then ``ready_lines["splitserve gateway"]``;
+        metrics URLs are printed as "<role> metrics at <url>"); ``processes`` receives ``up``'s
+    process."""
     argv = [
         "splitserve.launch.up",
         "--port=0",
@@ -94,7 +97,33 @@ def cluster(
     ]
     if ready_lines is None:
         argv.append("--no-gateway")
-    return running([*argv, "--", *worker_flags], ready_lines=ready_lines)
+    return running([*argv, "--", *worker_flags], ready_lines=ready_lines, processes=processes)
+
+
+@contextlib.contextmanager
+def roles(
+    workers: Sequence[tuple[str, str]],
+    worker_flags: Sequence[str],
+    processes: list[subprocess.Popen[str]],
+) -> Iterator[str]:
+    """A coordinator and each (role, worker id) of ``workers`` as processes of their own
+    (not through ``up``, so a test can signal each), every worker registered; yields the
+    coordinator's public address. ``processes`` receives the workers' processes in order."""
+    coordinator_argv = ["splitserve.coordinator.main", "--port=0", "--internal-port=0"]
+    coordinator_argv.append("--metrics-port=-1")
+    with (
+        running(coordinator_argv, "splitserve coordinator ready at") as address,
+        contextlib.ExitStack() as started,
+    ):
+        for role, name in workers:
+            argv = [f"splitserve.{role}.main", "--port=0", f"--worker-id={name}"]
+            argv += [f"--coordinator={internal_address(address)}", *worker_flags]
+            started.enter_context(running(argv, f"splitserve {role} ready at", None, processes))
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while len(worker_loads(address)) < len(workers):
+            assert time.monotonic() < deadline, "workers did not register"
+            time.sleep(0.2)
+        yield address
 
 
 def internal_address(coordinator_address: str) -> str:

@@ -1,9 +1,10 @@
 """Shared fixtures: the default model loaded once per session, in float32 for exact checks; the
-KV transport backend under test."""
+KV transport backend under test; a real etcd server."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from splitserve.engine.config import (
     SchedulerConfig,
 )
 from splitserve.engine.llm import LLM
+from tests.etcd import EtcdServer, running_etcd
 
 
 @pytest.fixture(scope="session")
@@ -37,6 +39,14 @@ def transport_kind(request: pytest.FixtureRequest) -> Iterator[str]:
         ucxx.reset()
     else:
         yield kind
+
+
+@pytest.fixture
+def etcd(tmp_path: Path) -> Iterator[EtcdServer]:
+    """A real etcd server (``tests/etcd.py``) on free localhost ports with its data under
+    ``tmp_path``; stopped after the test (``stop()``/``start()`` in between: an outage)."""
+    with running_etcd(tmp_path) as server:
+        yield server
 
 
 def make_llm(

@@ -20,9 +20,10 @@ ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "architecture.md"
 REFERENCE = re.compile(r"`(?P<path>[a-z_]+(?:/[a-z_0-9]+)*\.py):(?P<name>[A-Za-z_][\w.]*)`")
 WALK_STEP = re.compile(r"^(?P<number>\d+)\. \*\*", re.MULTILINE)
-WIRE_MODULES = "splitserve.proto.splitserve.v1"
+WIRE_MODULES = ("splitserve.proto.splitserve.v1", "splitserve.proto.etcd")
+"""Generated modules: splitserve's own API and the subset of etcd's that the etcd client calls."""
 PACKAGES = ("common", "engine", "kernels", "transfer", "worker", "prefill", "decode")
-PACKAGES += ("coordinator", "gateway", "client", "launch", "proto")
+PACKAGES += ("coordinator", "gateway", "client", "launch", "proto", "discovery")
 
 
 def _references() -> list[tuple[str, str]]:
@@ -57,6 +58,11 @@ def test_the_request_walk_is_numbered_and_every_step_names_code() -> None:
         assert REFERENCE.search(step), f"a step names no code: {step[:80]!r}"
 
 
+def _is_wire(module: str) -> bool:
+    """A generated package or a module in one (not ``splitserve.proto.etcd_client``)."""
+    return any(module == wire or module.startswith(f"{wire}.") for wire in WIRE_MODULES)
+
+
 def _wire_importers() -> list[str]:
     importers = []
     for package in PACKAGES:
@@ -68,7 +74,7 @@ def _wire_importers() -> list[str]:
                     names = [node.module]
                 elif isinstance(node, ast.Import):
                     names = [alias.name for alias in node.names]
-                if any(name.startswith(WIRE_MODULES) for name in names):
+                if any(_is_wire(name) for name in names):
                     importers.append(str(source.relative_to(ROOT)))
                     break
     return importers

@@ -32,7 +32,7 @@ from splitserve.client import (
     Sampling,
 )
 from splitserve.client.retry import service_config
-from splitserve.client.wire import COORDINATOR_SERVICE, generate_request
+from splitserve.client.wire import COORDINATOR_SERVICE, MAX_CONTINUATIONS, generate_request
 from splitserve.common.errors import OverloadedError
 from splitserve.proto.splitserve.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from splitserve.proto.status import PARAM_METADATA_KEY, abort_with
@@ -237,22 +237,53 @@ def test_unavailable_waits_the_backoff_between_attempts(server) -> None:
     assert len(waits) == 2 and all(0.15 <= wait < 1.0 for wait in waits)  # 0.2 s x [0.8, 1.2]
 
 
-def test_unavailable_after_a_chunk_is_raised_not_retried(server) -> None:
-    server.coordinator.scripts = [fail(grpc.StatusCode.UNAVAILABLE, "Hel"), succeed("no")]
+def test_a_stream_broken_after_a_chunk_continues_after_what_it_delivered(server) -> None:
+    """Its coordinator died (UNAVAILABLE after a chunk): the same request goes again with
+    ``continue_after`` = the tokens delivered, and the consumer sees one stream."""
+    server.coordinator.scripts = [fail(grpc.StatusCode.UNAVAILABLE, "Hel"), succeed("lo")]
 
     async def run() -> list[Chunk | Finish]:
-        received: list[Chunk | Finish] = []
         async with _async_client(server) as client:
-            with pytest.raises(ClientError) as error:
-                async for item in client.stream("hi", request_id="r1"):
-                    received.append(item)
-        assert error.value.code == grpc.StatusCode.UNAVAILABLE
-        assert error.value.request_id == "r1"
-        return received
+            return [item async for item in client.stream("hi", request_id="r1")]
 
     received = asyncio.run(run())
-    assert [item.text for item in received] == ["Hel"]  # type: ignore[union-attr]
-    assert len(server.coordinator.requests) == 1
+    assert [getattr(item, "text", None) for item in received] == ["Hel", "lo", None]
+    assert isinstance(received[-1], Finish) and received[-1].finish_reason == "stop"
+    first, second = server.coordinator.requests
+    assert list(first.continue_after.ids) == []
+    assert list(second.continue_after.ids) == [7]  # the token of "Hel"
+    assert second.request_id == first.request_id == "r1" and second.text == first.text
+
+
+def test_the_sync_client_continues_a_broken_stream_too(server) -> None:
+    server.coordinator.scripts = [fail(grpc.StatusCode.CANCELLED, "Hel"), succeed("lo")]
+    with Client(f"127.0.0.1:{server.port}", retry=FAST_RETRY) as client:
+        generation = client.generate("hi", request_id="r2")
+    assert generation.text == "Hello"
+    assert list(server.coordinator.requests[1].continue_after.ids) == [7]
+
+
+def test_continuations_are_bounded_and_only_for_a_lost_coordinator(server) -> None:
+    server.coordinator.scripts = [fail(grpc.StatusCode.UNAVAILABLE, "x")]  # every call
+
+    async def run(code: grpc.StatusCode) -> ClientError:
+        async with _async_client(server) as client:
+            with pytest.raises(ClientError) as error:
+                async for _ in client.stream("hi", request_id="r3"):
+                    pass
+        return error.value
+
+    assert asyncio.run(run(grpc.StatusCode.UNAVAILABLE)).code == grpc.StatusCode.UNAVAILABLE
+    assert len(server.coordinator.requests) == 1 + MAX_CONTINUATIONS
+    streamed = [list(r.continue_after.ids) for r in server.coordinator.requests]
+    assert streamed == [[], [7], [7, 7], [7, 7, 7]]  # each call went on after all before
+
+    server.coordinator.requests.clear()
+    server.coordinator.scripts = [fail(grpc.StatusCode.INVALID_ARGUMENT, "x")]
+    assert asyncio.run(run(grpc.StatusCode.INVALID_ARGUMENT)).code == (
+        grpc.StatusCode.INVALID_ARGUMENT
+    )
+    assert len(server.coordinator.requests) == 1  # the request's own error: no continuation
 
 
 def test_resource_exhausted_waits_the_servers_retry_after_hint(server) -> None:
@@ -345,7 +376,8 @@ def test_retry_policy_becomes_the_channels_service_config() -> None:
                     "retryableStatusCodes": ["UNAVAILABLE", "RESOURCE_EXHAUSTED"],
                 },
             }
-        ]
+        ],
+        "loadBalancingConfig": [{"round_robin": {}}],  # over every coordinator of the target
     }
     no_overload = service_config(RetryPolicy(retry_overloaded=False, initial_backoff_s=0))
     retry_policy = no_overload["methodConfig"][0]["retryPolicy"]  # type: ignore[index]
@@ -523,12 +555,12 @@ def test_sync_client_retries_streams_and_raises_like_the_async_one(server) -> No
         assert error.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
 
         server.coordinator.requests.clear()
-        server.coordinator.scripts = [fail(grpc.StatusCode.UNAVAILABLE, "Hel"), succeed("no")]
+        server.coordinator.scripts = [fail(grpc.StatusCode.INTERNAL, "Hel"), succeed("no")]
         received = []
         with pytest.raises(ClientError) as error:
             for item in client.stream("hi"):
                 received.append(item)
-        assert error.value.code == grpc.StatusCode.UNAVAILABLE
+        assert error.value.code == grpc.StatusCode.INTERNAL
         assert [type(item) for item in received] == [Chunk]
         assert len(server.coordinator.requests) == 1  # a chunk was delivered: no retry
 

@@ -6,7 +6,7 @@ prompt; the public port keeps serving clients, and reflection is off."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 import pytest
@@ -142,19 +142,24 @@ async def _workers(internal: str) -> dict[int, str]:
     return {status.worker.role: status.worker.address for status in listing.workers}
 
 
-async def _reflection_code(address: str) -> grpc.StatusCode:
+async def _reflection_call(address: str) -> tuple[grpc.StatusCode, str, int]:
+    """(status, details, replies) of a reflection call listing the services."""
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
     async with grpc.aio.insecure_channel(address) as channel:
         stub = reflection_pb2_grpc.ServerReflectionStub(channel)
         request = reflection_pb2.ServerReflectionRequest(list_services="")
 
-        async def call() -> object:
-            async for reply in stub.ServerReflectionInfo(iter([request]), timeout=10):
-                return reply
-            return None
+        async def requests() -> AsyncIterator[reflection_pb2.ServerReflectionRequest]:
+            yield request
 
-        return await _code_of(call)
+        replies = 0
+        try:
+            async for _ in stub.ServerReflectionInfo(requests(), timeout=30):
+                replies += 1
+        except grpc.aio.AioRpcError as error:
+            return error.code(), error.details() or "", replies
+        return grpc.StatusCode.OK, "", replies
 
 
 @pytest.fixture(scope="module")
@@ -218,4 +223,11 @@ def test_a_fake_worker_with_a_wrong_token_never_receives_a_prompt(served: str) -
 
 
 def test_reflection_is_off_by_default(served: str) -> None:
-    assert asyncio.run(_reflection_code(served)) == grpc.StatusCode.UNIMPLEMENTED
+    answers = []
+    for _ in range(3):  # a loaded machine twice gave INTERNAL instead: a transport hiccup
+        code, details, replies = asyncio.run(_reflection_call(served))
+        assert replies == 0  # not one service listed, whatever the status
+        answers.append((code, details))
+        if code == grpc.StatusCode.UNIMPLEMENTED:  # "Method not found!"
+            return
+    raise AssertionError(f"reflection answered {answers}")

@@ -1,9 +1,11 @@
-"""The committed generated gRPC modules: no drift from the .proto files, one full set per
-.proto, and they import inside the ``splitserve.proto`` namespace with their service stubs."""
+"""The committed generated gRPC modules (splitserve's API and the etcd subset): no drift from
+the .proto files, one full set per .proto, and they import inside the ``splitserve.proto``
+namespace with their service stubs."""
 
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 
 import pytest
 
@@ -12,12 +14,13 @@ from splitserve.proto import codegen
 REGENERATE = "the committed modules are stale: run `make proto` and commit the result"
 
 
-def test_committed_modules_equal_freshly_generated() -> None:
+@pytest.mark.parametrize("package_dir", codegen.PACKAGE_DIRS, ids=lambda path: path.name)
+def test_committed_modules_equal_freshly_generated(package_dir: Path) -> None:
     pytest.importorskip("grpc_tools", reason="grpcio-tools (the test extra) regenerates")
-    fresh = codegen.generated_files()
+    fresh = codegen.generated_files(package_dir)
     committed = {
         path.name: path.read_text()
-        for path in codegen.PACKAGE_DIR.iterdir()
+        for path in package_dir.iterdir()
         if path.name.endswith(codegen.GENERATED_SUFFIXES)
     }
     assert sorted(committed) == sorted(fresh), REGENERATE
@@ -25,14 +28,15 @@ def test_committed_modules_equal_freshly_generated() -> None:
     assert not stale, f"{REGENERATE} (differs: {', '.join(stale)})"
 
 
-def test_every_proto_has_its_committed_modules() -> None:
-    protos = sorted(path.stem for path in codegen.PACKAGE_DIR.glob("*.proto"))
-    assert protos, f"no .proto files in {codegen.PACKAGE_DIR}"
+@pytest.mark.parametrize("package_dir", codegen.PACKAGE_DIRS, ids=lambda path: path.name)
+def test_every_proto_has_its_committed_modules(package_dir: Path) -> None:
+    protos = sorted(path.stem for path in package_dir.glob("*.proto"))
+    assert protos, f"no .proto files in {package_dir}"
     missing = [
         f"{stem}{suffix}"
         for stem in protos
         for suffix in codegen.GENERATED_SUFFIXES
-        if not (codegen.PACKAGE_DIR / f"{stem}{suffix}").is_file()
+        if not (package_dir / f"{stem}{suffix}").is_file()
     ]
     assert not missing, f"missing generated modules {missing}: run `make proto`"
 

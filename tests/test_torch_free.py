@@ -1,6 +1,6 @@
 """What runs without torch: the shared core (``splitserve.common``), the scheduling side
-(block pool, KV manager, scheduler, requests), the coordinator's registry and router, and the
-whole coordinator, gateway and client processes.
+(block pool, KV manager, scheduler, requests), the coordinator's registry and router, worker
+discovery with its etcd client, and the whole coordinator, gateway and client processes.
 
 Each check imports in a fresh interpreter and reads ``sys.modules``, so a torch import hidden
 behind any chain of imports fails it."""
@@ -31,10 +31,16 @@ TORCH_FREE_MODULES = (
     "splitserve.engine.scheduler",
     "splitserve.engine.request",
     "splitserve.engine.config",
+    "splitserve.engine.cli",  # the `splitserve` command table; torch only for generate / chat
     "splitserve.transfer.layout",
     "splitserve.transfer.plan",
     "splitserve.coordinator.registry",
     "splitserve.coordinator.router",
+    "splitserve.discovery",
+    "splitserve.discovery.etcd_announcer",
+    "splitserve.discovery.etcd_watcher",
+    "splitserve.discovery.etcd_server",
+    "splitserve.proto.etcd_client",
     "splitserve.client",
     "splitserve.client.types",
     "splitserve.client.errors",
@@ -48,6 +54,7 @@ ROLE_ENTRY_MODULES = (
     "splitserve.coordinator.main",
     "splitserve.launch.up",
     "splitserve.gateway.main",
+    "splitserve.launch.probe",
     "splitserve.client",
 )
 """The processes that never run a model: what ``python -m`` / ``import`` loads for each."""

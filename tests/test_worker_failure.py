@@ -11,20 +11,13 @@ the survivor must hold no blocks.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import signal
 import subprocess
-import time
 
-from splitserve.client import AsyncClient, Chunk, Finish, Sampling
-from tests.cluster import (
-    assert_all_free,
-    internal_address,
-    running,
-    wait_until_idle,
-    worker_loads,
-)
+from splitserve.client import AsyncClient, Sampling
+from tests.cluster import assert_all_free, roles, wait_until_idle, worker_loads
+from tests.streaming import ConcurrentStreams
 
 WORKER_FLAGS = ("--dtype=float32", "--num-blocks=400", "--threads=1", "--metrics-port=-1")
 PROMPTS = [
@@ -48,58 +41,23 @@ async def _stream_and_kill(
 ) -> tuple[list[tuple[int, ...]], str]:
     """Stream every prompt; once each stream has a few tokens, SIGKILL the decode worker that
     runs the most of them. Returns the streams' tokens and the killed worker's id."""
-    tokens: list[list[int]] = [[] for _ in PROMPTS]
-    finishes: list[str] = ["" for _ in PROMPTS]
-
-    async def consume(client: AsyncClient, index: int) -> None:
-        async for item in client.stream(PROMPTS[index], sampling=SAMPLING):
-            if isinstance(item, Chunk):
-                tokens[index].extend(item.token_ids)
-            elif isinstance(item, Finish):
-                finishes[index] = item.finish_reason
-
     async with AsyncClient(address) as client:
-        tasks = [asyncio.create_task(consume(client, i)) for i in range(len(PROMPTS))]
-        deadline = time.monotonic() + 120
-        while min(len(t) for t in tokens) < 4:
-            assert time.monotonic() < deadline, "streams did not start"
-            assert not any(task.done() for task in tasks), "a stream ended early"
-            await asyncio.sleep(0.02)
-        assert max(len(t) for t in tokens) < SAMPLING.max_tokens  # killed mid-stream
+        streams = ConcurrentStreams(client, PROMPTS, lambda _: SAMPLING)
+        await streams.each_has(4)
+        assert max(len(t) for t in streams.tokens) < SAMPLING.max_tokens  # killed mid-stream
         loads = worker_loads(address, set(decode_workers))
         victim = max(loads, key=lambda name: loads[name].num_running_requests)
         assert loads[victim].num_running_requests > 0  # it really holds some of the streams
         os.kill(decode_workers[victim].pid, signal.SIGKILL)
-        await asyncio.wait_for(asyncio.gather(*tasks), timeout=300)
-    assert finishes == ["length"] * len(PROMPTS)
-    return [tuple(t) for t in tokens], victim
-
-
-def _wait_for_workers(address: str, count: int) -> None:
-    deadline = time.monotonic() + 120
-    while len(worker_loads(address)) < count:
-        assert time.monotonic() < deadline, "workers did not register"
-        time.sleep(0.2)
+        results = await streams.results()
+    assert [finish for _, finish in results] == ["length"] * len(PROMPTS)
+    return [tokens for tokens, _ in results], victim
 
 
 def test_requests_survive_a_dead_decode_worker_and_a_dead_prefill_worker() -> None:
     processes: list[subprocess.Popen[str]] = []
-    coordinator_argv = ["splitserve.coordinator.main", "--port=0", "--internal-port=0"]
-    coordinator_argv.append("--metrics-port=-1")
-    with (
-        running(coordinator_argv, "splitserve coordinator ready at") as address,
-        contextlib.ExitStack() as workers,
-    ):
-        for role, name in (
-            ("prefill", "prefill-0"),
-            ("decode", "decode-0"),
-            ("decode", "decode-1"),
-        ):
-            argv = [f"splitserve.{role}.main", "--port=0"]
-            argv.append(f"--coordinator={internal_address(address)}")
-            argv += [f"--worker-id={name}", *WORKER_FLAGS]
-            workers.enter_context(running(argv, f"splitserve {role} ready at", None, processes))
-        _wait_for_workers(address, 3)
+    workers = [("prefill", "prefill-0"), ("decode", "decode-0"), ("decode", "decode-1")]
+    with roles(workers, WORKER_FLAGS, processes) as address:
         prefill, decode_0, decode_1 = processes
 
         expected = asyncio.run(_reference(address))

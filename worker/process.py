@@ -14,6 +14,7 @@ from collections.abc import Mapping
 
 from splitserve.common.env_flags import add_env_flag, env_default
 from splitserve.common.env_flags import truthy as _truthy
+from splitserve.discovery.flags import add_membership_args
 from splitserve.engine.cli_args import add_engine_args
 from splitserve.proto.cluster_access import add_cluster_access_args
 from splitserve.proto.server import add_reflection_flag
@@ -48,7 +49,8 @@ def add_worker_args(parser: argparse.ArgumentParser, env: Mapping[str, str] = os
         "--coordinator",
         None,
         str,
-        "the coordinator's internal host:port (its --internal-port) to register with",
+        "the coordinators' internal host:port (their --internal-port), comma-separated: the "
+        "worker registers with each and takes work from all",
     )
     flag("--worker-id", None, str, "unique worker name (default: role-host-pid)")
     flag("--cpu-affinity", None, str, "pin the process to these cores, e.g. '0' or '0-3'")
@@ -61,9 +63,16 @@ def add_worker_args(parser: argparse.ArgumentParser, env: Mapping[str, str] = os
         "SPLITSERVE_UCX_ERROR_HANDLING=1)",
     )
     flag("--transfer-timeout", 30.0, float, "seconds a KV transfer may take before it fails")
+    flag(
+        "--drain-timeout",
+        30.0,
+        float,
+        "on SIGTERM, seconds running requests may take to finish before they are handed over",
+    )
     flag("--metrics-port", 0, int, "Prometheus /metrics port (0: any free port, -1: off)")
     add_reflection_flag(group, env)
     add_cluster_access_args(group, env)
+    add_membership_args(group, env)
     add_engine_args(parser, env)
 
 
@@ -74,6 +83,11 @@ def apply_cpu_affinity(args: argparse.Namespace) -> None:
         os.sched_setaffinity(0, cpus)
         if args.threads is None:
             args.threads = len(cpus)
+
+
+def coordinator_addresses(flag: str) -> list[str]:
+    """The addresses of ``--coordinator`` ("host:port[,host:port...]")."""
+    return [address.strip() for address in flag.split(",") if address.strip()]
 
 
 def worker_id_of(args: argparse.Namespace, role: str) -> str:

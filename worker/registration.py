@@ -3,7 +3,8 @@
 ``CoordinatorLink.run`` loops until ``stop`` is set: it registers (retrying with backoff while
 the coordinator is unreachable), then sends a heartbeat every interval the coordinator asked
 for; a heartbeat answered ``known=False`` (the coordinator restarted) or failing repeatedly
-leads to registering again. Every call has a deadline.
+leads to registering again. ``leave`` (once ``run`` has returned: no heartbeat re-adds the
+worker) tells the coordinator the worker drains. Every call has a deadline.
 """
 
 from __future__ import annotations
@@ -48,6 +49,19 @@ class CoordinatorLink:
                 if interval_s is None:
                     return
                 await self._heartbeat_until_lost(client, stop, interval_s)
+
+    async def leave(self) -> bool:
+        """Tell the coordinator this worker drains, so nothing new is routed to it; False
+        when that failed (it then stops routing here once heartbeats stay away)."""
+        async with self._access.channel(self._address) as channel:
+            client = MembershipClient(channel, self._access.credential)
+            try:
+                await client.leave(self._info.worker_id, CALL_TIMEOUT_S)
+            except SplitserveError as error:
+                logger.warning("coordinator %s: leave failed: %s", self._address, error)
+                return False
+        logger.info("left coordinator %s", self._address)
+        return True
 
     async def _register(self, client: MembershipClient, stop: asyncio.Event) -> float | None:
         backoff_s = 0.1

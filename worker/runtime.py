@@ -5,8 +5,12 @@ must carry the cluster credential; health NOT_SERVING, so orchestrators holding 
 credential can probe it while the model loads), loads the engine off the event loop, creates
 the UCX transport on the loop, warms the engine up with a short request, flips health to
 SERVING, prints ``splitserve <role> ready at <address>``, registers with the coordinator's
-internal port and heartbeats until SIGINT/SIGTERM; then it reports NOT_SERVING, lets running
-calls finish for a grace period and stops the engine.
+internal port and heartbeats until SIGINT/SIGTERM. Then it drains: health NOT_SERVING, no
+more heartbeats, ``LeaveCluster`` (the coordinator routes nothing new here), running requests
+(``WorkerServicerBase.in_flight``) get ``--drain-timeout`` seconds to finish while the server
+still answers their calls (a pushed prompt's ``CompleteKv``, an ``Abort``); what is left is
+then cancelled, which the coordinator hands over (a decode stream resumes on another decode
+worker, a prefill is retried elsewhere); then the engine stops and the process exits 0.
 """
 
 from __future__ import annotations
@@ -22,25 +26,31 @@ from typing import Protocol
 import grpc
 from prometheus_client import CollectorRegistry
 
+from splitserve.common.errors import MembershipStoreError
 from splitserve.common.load import EngineLoad
 from splitserve.common.membership import Role, WorkerInfo
 from splitserve.common.metrics import serve_metrics
 from splitserve.common.model_files import model_name_of, resolve_model_path
 from splitserve.common.sampling_params import SamplingParams
+from splitserve.discovery.etcd_announcer import EtcdAnnouncer
+from splitserve.discovery.flags import etcd_endpoints
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.engine.cli_args import engine_config_from_args
 from splitserve.engine.engine_core import EngineCore
 from splitserve.proto.cluster_access import ClusterAccess, access_or_exit
+from splitserve.proto.etcd_client import EtcdClient
 from splitserve.proto.server import serve_forever, start_server
 from splitserve.transfer.layout import KvLayout
 from splitserve.transfer.transport import KvTransport
 from splitserve.transfer.ucx import UcxTransport
 from splitserve.worker.identity import WorkerIdentity
 from splitserve.worker.metrics import TransferMetrics, install_engine_metrics
+from splitserve.worker.monitor_servicer import MonitorServicer
 from splitserve.worker.process import (
     add_worker_args,
     advertised_address,
     apply_cpu_affinity,
+    coordinator_addresses,
     ucx_settings_of,
     worker_id_of,
 )
@@ -49,7 +59,8 @@ from splitserve.worker.servicer_base import WorkerServicerBase
 
 logger = logging.getLogger(__name__)
 
-SHUTDOWN_GRACE_S = 5.0
+SHUTDOWN_GRACE_S = 1.0
+"""After the drain: how long calls still running get before they are cancelled."""
 
 
 class WorkerDomain(Protocol):
@@ -83,10 +94,11 @@ async def run_worker(
     stop: asyncio.Event,
 ) -> None:
     servicer = role.make_servicer()
+    monitor = MonitorServicer()
 
     def register(server: grpc.aio.Server) -> list[str]:
         role.add_servicer(servicer, server)
-        return [role.service_name]
+        return [role.service_name, monitor.add_to(server)]
 
     server = await start_server(
         args.host,
@@ -112,29 +124,50 @@ async def run_worker(
         port = serve_metrics(registry, args.host, args.metrics_port)
         print(f"{role.name} metrics at http://{args.host}:{port}/metrics", flush=True)
     servicer.bind(domain)
+    monitor.bind(domain.load)
     await server.set_serving(True)
     print(f"splitserve {role.name} ready at {address}", flush=True)
 
-    link_task = None
-    if args.coordinator:
-        info = WorkerInfo(
-            worker_id=worker_id,
-            role=role.role,
-            address=address,
-            layout=domain.layout,
-            num_blocks=core.num_blocks,
-            max_model_len=core.max_model_len,
-        )
-        link = CoordinatorLink(args.coordinator, info, domain.load, access)
-        link_task = asyncio.create_task(link.run(stop))
+    info = WorkerInfo(
+        worker_id=worker_id,
+        role=role.role,
+        address=address,
+        layout=domain.layout,
+        num_blocks=core.num_blocks,
+        max_model_len=core.max_model_len,
+    )
+    links: list[tuple[CoordinatorLink, asyncio.Task[None]]] = []
+    for coordinator in coordinator_addresses(args.coordinator or ""):
+        link = CoordinatorLink(coordinator, info, domain.load, access)
+        links.append((link, asyncio.create_task(link.run(stop))))
+    announcer = None
+    if etcd_endpoints(args):
+        announcer = EtcdAnnouncer(EtcdClient(etcd_endpoints(args)), args.cluster_name)
+    announcing = None if announcer is None else asyncio.create_task(_announce(announcer, info))
     await stop.wait()
-    logger.info("%s %s stopping", role.name, worker_id)
     await server.set_serving(False)
-    await server.server.stop(SHUTDOWN_GRACE_S)
-    if link_task is not None:
-        link_task.cancel()
+    for _, link_task in links:
+        link_task.cancel()  # no heartbeat may re-register it
         with contextlib.suppress(BaseException):
             await link_task
+    await asyncio.gather(*(link.leave() for link, _ in links))
+    if announcer is not None and announcing is not None:
+        announcing.cancel()
+        with contextlib.suppress(BaseException):
+            await announcing
+        await announcer.withdraw()  # every coordinator drops it at once
+    logger.info("%s %s draining: %d running", role.name, worker_id, servicer.in_flight.count)
+    if await servicer.in_flight.wait_idle(args.drain_timeout):
+        logger.info("%s %s drained", role.name, worker_id)
+    else:
+        logger.warning(
+            "%s %s: %d requests still running after %.0f s; handing them over",
+            role.name,
+            worker_id,
+            servicer.in_flight.count,
+            args.drain_timeout,
+        )
+    await server.server.stop(SHUTDOWN_GRACE_S)
     await domain.close()
     await transport.close()
 
@@ -155,6 +188,20 @@ def worker_main(role: WorkerRole, argv: Sequence[str] | None, description: str) 
 
     serve_forever(run)
     return 0
+
+
+async def _announce(announcer: EtcdAnnouncer, info: WorkerInfo) -> None:
+    """Publish ``info`` in etcd, retrying until etcd takes it (it may start after us)."""
+    backoff_s = 0.2
+    while True:
+        try:
+            await announcer.announce(info)
+            logger.info("announced in etcd")
+            return
+        except MembershipStoreError as error:
+            logger.warning("announcing in etcd failed (%s); retrying", error)
+            await asyncio.sleep(backoff_s)
+            backoff_s = min(backoff_s * 2, 5.0)
 
 
 async def _warm_up(engine: AsyncEngine) -> None:

@@ -187,8 +187,8 @@ class Coordinator:
 
 
 class MembershipStub:
-    """Internal plane: workers register at start and heartbeat with their load figures;
-    operators and tests list them.
+    """Internal plane: workers register at start, heartbeat with their load figures and leave
+    when they drain; operators and tests list them.
     """
 
     def __init__(self, channel):
@@ -207,6 +207,11 @@ class MembershipStub:
                 request_serializer=splitserve_dot_v1_dot_coordinator__pb2.HeartbeatRequest.SerializeToString,
                 response_deserializer=splitserve_dot_v1_dot_coordinator__pb2.HeartbeatResponse.FromString,
                 _registered_method=True)
+        self.LeaveCluster = channel.unary_unary(
+                '/splitserve.v1.Membership/LeaveCluster',
+                request_serializer=splitserve_dot_v1_dot_coordinator__pb2.LeaveClusterRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_coordinator__pb2.LeaveClusterResponse.FromString,
+                _registered_method=True)
         self.ListWorkers = channel.unary_unary(
                 '/splitserve.v1.Membership/ListWorkers',
                 request_serializer=splitserve_dot_v1_dot_coordinator__pb2.ListWorkersRequest.SerializeToString,
@@ -215,8 +220,8 @@ class MembershipStub:
 
 
 class MembershipServicer:
-    """Internal plane: workers register at start and heartbeat with their load figures;
-    operators and tests list them.
+    """Internal plane: workers register at start, heartbeat with their load figures and leave
+    when they drain; operators and tests list them.
     """
 
     def RegisterWorker(self, request, context):
@@ -227,6 +232,13 @@ class MembershipServicer:
 
     def Heartbeat(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LeaveCluster(self, request, context):
+        """The worker is draining: route nothing new to it (its running requests go on).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -250,6 +262,11 @@ def add_MembershipServicer_to_server(servicer, server):
                     request_deserializer=splitserve_dot_v1_dot_coordinator__pb2.HeartbeatRequest.FromString,
                     response_serializer=splitserve_dot_v1_dot_coordinator__pb2.HeartbeatResponse.SerializeToString,
             ),
+            'LeaveCluster': grpc.unary_unary_rpc_method_handler(
+                    servicer.LeaveCluster,
+                    request_deserializer=splitserve_dot_v1_dot_coordinator__pb2.LeaveClusterRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_coordinator__pb2.LeaveClusterResponse.SerializeToString,
+            ),
             'ListWorkers': grpc.unary_unary_rpc_method_handler(
                     servicer.ListWorkers,
                     request_deserializer=splitserve_dot_v1_dot_coordinator__pb2.ListWorkersRequest.FromString,
@@ -264,8 +281,8 @@ def add_MembershipServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Membership:
-    """Internal plane: workers register at start and heartbeat with their load figures;
-    operators and tests list them.
+    """Internal plane: workers register at start, heartbeat with their load figures and leave
+    when they drain; operators and tests list them.
     """
 
     @staticmethod
@@ -312,6 +329,33 @@ class Membership:
             '/splitserve.v1.Membership/Heartbeat',
             splitserve_dot_v1_dot_coordinator__pb2.HeartbeatRequest.SerializeToString,
             splitserve_dot_v1_dot_coordinator__pb2.HeartbeatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LeaveCluster(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.Membership/LeaveCluster',
+            splitserve_dot_v1_dot_coordinator__pb2.LeaveClusterRequest.SerializeToString,
+            splitserve_dot_v1_dot_coordinator__pb2.LeaveClusterResponse.FromString,
             options,
             channel_credentials,
             insecure,

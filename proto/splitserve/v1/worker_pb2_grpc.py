@@ -236,6 +236,86 @@ class DecodeWorker:
             _registered_method=True)
 
 
+class WorkerMonitorStub:
+    """Served by every worker, whatever its role: its load figures, streamed to a coordinator
+    that follows the worker (membership from etcd: load never goes through etcd).
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.WatchLoad = channel.unary_stream(
+                '/splitserve.v1.WorkerMonitor/WatchLoad',
+                request_serializer=splitserve_dot_v1_dot_worker__pb2.WatchLoadRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_worker__pb2.WorkerLoad.FromString,
+                _registered_method=True)
+
+
+class WorkerMonitorServicer:
+    """Served by every worker, whatever its role: its load figures, streamed to a coordinator
+    that follows the worker (membership from etcd: load never goes through etcd).
+    """
+
+    def WatchLoad(self, request, context):
+        """One WorkerLoad at once, then one every interval_ms (clamped to [50, 5000]) until the
+        caller cancels.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_WorkerMonitorServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'WatchLoad': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchLoad,
+                    request_deserializer=splitserve_dot_v1_dot_worker__pb2.WatchLoadRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_worker__pb2.WorkerLoad.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'splitserve.v1.WorkerMonitor', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('splitserve.v1.WorkerMonitor', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class WorkerMonitor:
+    """Served by every worker, whatever its role: its load figures, streamed to a coordinator
+    that follows the worker (membership from etcd: load never goes through etcd).
+    """
+
+    @staticmethod
+    def WatchLoad(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/splitserve.v1.WorkerMonitor/WatchLoad',
+            splitserve_dot_v1_dot_worker__pb2.WatchLoadRequest.SerializeToString,
+            splitserve_dot_v1_dot_worker__pb2.WorkerLoad.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
 class PrefillWorkerStub:
     """Missing associated documentation comment in .proto file."""
 

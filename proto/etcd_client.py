@@ -1,0 +1,360 @@
+"""A minimal asyncio client of etcd v3 over gRPC: keys, leases and a prefix watch.
+
+The only code that builds or reads etcd's proto messages (``proto/etcd/*.proto``, our own
+wire-compatible subset of etcd's API); callers get plain values: ``KeyValue``, ``Lease`` and
+the watch events ``PutEvent``, ``DeleteEvent`` and ``ResetEvent``. Keys and values are bytes.
+
+Failures: a call no endpoint answers in time raises ``EtcdUnavailable`` (retry later);
+``LeaseNotFound`` when etcd no longer knows a lease; ``EtcdError`` for anything else. The
+long-lived operations never raise on unavailability: ``keep_alive`` and ``watch_prefix`` retry
+with a capped backoff, trying the next endpoint each time, until cancelled.
+
+Security: ``credentials`` (``grpc.ssl_channel_credentials(...)``) turns on TLS, client
+certificates included. TODO: etcd's user/password auth (an ``Authenticate`` call whose token
+travels as call metadata ``token``) is not implemented; every call already sends
+``self._metadata``, where that token would go.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncGenerator, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from splitserve.common.errors import MembershipStoreError
+from splitserve.proto.etcd import kv_pb2, rpc_pb2, rpc_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+CHANNEL_OPTIONS = (
+    # etcd refuses pings more often than every 5 s, and any ping without a call in flight.
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 0),
+    # Reconnect within a second of an etcd member coming back (gRPC's default waits minutes).
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1_000),
+)
+REQUIRE_LEADER = (("hasleader", "true"),)
+"""Stream metadata: a member cut off from its cluster's leader ends the stream (instead of
+keeping it silent), so the client moves to another endpoint."""
+_TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+_LEASE_NOT_FOUND = "requested lease not found"
+_STREAM_BROKE = (grpc.aio.AioRpcError, asyncio.InvalidStateError, TimeoutError)
+"""How a stream call fails: an RPC error, a write on a call that already ended, no reply."""
+MIN_RETRY_S = 0.1
+MAX_RETRY_S = 1.0
+
+
+class EtcdError(MembershipStoreError):
+    """etcd refused a call (or answered something this client cannot use)."""
+
+
+class EtcdUnavailable(EtcdError):
+    """No endpoint answered in time; the same call may succeed later."""
+
+
+class LeaseNotFound(EtcdError):
+    """etcd does not know the lease: it expired or was revoked."""
+
+
+@dataclass(frozen=True)
+class KeyValue:
+    key: bytes
+    value: bytes
+    mod_revision: int
+    """The store revision of the key's last change."""
+    lease: int
+    """The lease the key lives under; 0: none."""
+
+
+@dataclass(frozen=True)
+class Lease:
+    id: int
+    ttl_s: int
+    """Time to live as etcd granted it (etcd may raise a short request to its minimum)."""
+
+
+@dataclass(frozen=True)
+class PutEvent:
+    """``key`` was created or changed to ``value`` at ``revision``."""
+
+    key: bytes
+    value: bytes
+    revision: int
+
+
+@dataclass(frozen=True)
+class DeleteEvent:
+    """``key`` was deleted at ``revision``: by a call, or with its expired or revoked lease."""
+
+    key: bytes
+    revision: int
+
+
+@dataclass(frozen=True)
+class ResetEvent:
+    """Events were lost (etcd compacted past the watch's position): ``items`` is the whole
+    prefix as of ``revision``; forget everything known before and start over from it."""
+
+    items: tuple[KeyValue, ...]
+    revision: int
+
+
+WatchEvent = PutEvent | DeleteEvent | ResetEvent
+
+
+def prefix_end(prefix: bytes) -> bytes:
+    """The range end that makes [prefix, end) exactly the keys starting with ``prefix``."""
+    stripped = prefix.rstrip(b"\xff")
+    if not stripped:
+        return b"\0"  # every key >= prefix
+    return stripped[:-1] + bytes([stripped[-1] + 1])
+
+
+class _Backoff:
+    """Waits between retries: MIN_RETRY_S, doubling to MAX_RETRY_S; ``reset`` after success."""
+
+    def __init__(self) -> None:
+        self._delay_s = MIN_RETRY_S
+
+    def reset(self) -> None:
+        self._delay_s = MIN_RETRY_S
+
+    async def wait(self) -> None:
+        await asyncio.sleep(self._delay_s)
+        self._delay_s = min(self._delay_s * 2, MAX_RETRY_S)
+
+
+def _error_from_rpc(error: grpc.aio.AioRpcError) -> EtcdError:
+    details = error.details() or ""
+    if error.code() in _TRANSIENT:
+        return EtcdUnavailable(f"etcd unavailable: {error.code().name}: {details}")
+    if _LEASE_NOT_FOUND in details:
+        return LeaseNotFound(details)
+    return EtcdError(f"etcd refused the call: {error.code().name}: {details}")
+
+
+class _Connection:
+    """One endpoint's channel and the three service stubs on it."""
+
+    def __init__(self, endpoint: str, credentials: grpc.ChannelCredentials | None) -> None:
+        if credentials is None:
+            self.channel = grpc.aio.insecure_channel(endpoint, options=CHANNEL_OPTIONS)
+        else:
+            self.channel = grpc.aio.secure_channel(endpoint, credentials, options=CHANNEL_OPTIONS)
+        self.kv = rpc_pb2_grpc.KVStub(self.channel)
+        self.lease = rpc_pb2_grpc.LeaseStub(self.channel)
+        self.watch = rpc_pb2_grpc.WatchStub(self.channel)
+
+
+class EtcdClient:
+    """Calls one etcd cluster through ``endpoints`` ("host:port" of its members), using one
+    at a time and moving to the next when it stops answering.
+
+    Every unary call is bounded by ``timeout_s`` per endpoint tried. Use from one event loop;
+    ``close()`` at the end (or ``async with``).
+    """
+
+    def __init__(
+        self,
+        endpoints: Sequence[str],
+        *,
+        credentials: grpc.ChannelCredentials | None = None,
+        timeout_s: float = 5.0,
+    ) -> None:
+        if not endpoints:
+            raise ValueError("EtcdClient needs at least one endpoint")
+        self._endpoints = tuple(endpoints)
+        self._credentials = credentials
+        self._timeout_s = timeout_s
+        self._metadata: tuple[tuple[str, str], ...] = ()  # TODO: auth token (module docstring)
+        self._connections: dict[str, _Connection] = {}
+        self._current = 0
+
+    async def __aenter__(self) -> EtcdClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Close every channel; streams still open on them end with an error."""
+        connections, self._connections = self._connections, {}
+        for connection in connections.values():
+            await connection.channel.close()
+
+    def _connection(self) -> _Connection:
+        endpoint = self._endpoints[self._current]
+        if endpoint not in self._connections:
+            self._connections[endpoint] = _Connection(endpoint, self._credentials)
+        return self._connections[endpoint]
+
+    def _fail_over(self) -> None:
+        self._current = (self._current + 1) % len(self._endpoints)
+
+    async def _unary(self, method: Callable[[_Connection], Any], request: Any) -> Any:
+        """``method(connection)(request)`` on the current endpoint, then on each other one
+        while they are unavailable. Endpoints that are not connected fail at once, except the
+        last one tried, which may take the whole ``timeout_s`` to (re)connect: a lone etcd
+        coming back within the timeout answers the call."""
+        error: grpc.aio.AioRpcError | None = None
+        for attempt in range(len(self._endpoints)):
+            last = attempt == len(self._endpoints) - 1
+            try:
+                return await method(self._connection())(
+                    request, timeout=self._timeout_s, metadata=self._metadata, wait_for_ready=last
+                )
+            except grpc.aio.AioRpcError as rpc_error:
+                if rpc_error.code() not in _TRANSIENT:
+                    raise _error_from_rpc(rpc_error) from rpc_error
+                error = rpc_error
+                self._fail_over()
+        assert error is not None
+        raise _error_from_rpc(error) from error
+
+    async def put(self, key: bytes, value: bytes, lease: Lease | None = None) -> int:
+        """Set ``key`` (under ``lease``: deleted with it); returns the new store revision.
+        ``LeaseNotFound`` when the lease is gone."""
+        request = rpc_pb2.PutRequest(key=key, value=value, lease=lease.id if lease else 0)
+        reply = await self._unary(lambda c: c.kv.Put, request)
+        return int(reply.header.revision)
+
+    async def get_prefix(self, prefix: bytes) -> tuple[list[KeyValue], int]:
+        """Every key starting with ``prefix`` in key order, and the store revision they were
+        read at (watch from revision + 1 to miss nothing after)."""
+        request = rpc_pb2.RangeRequest(key=prefix, range_end=prefix_end(prefix))
+        reply = await self._unary(lambda c: c.kv.Range, request)
+        return [_key_value(kv) for kv in reply.kvs], int(reply.header.revision)
+
+    async def get(self, key: bytes) -> KeyValue | None:
+        """The key, or None when absent."""
+        reply = await self._unary(lambda c: c.kv.Range, rpc_pb2.RangeRequest(key=key))
+        return _key_value(reply.kvs[0]) if reply.kvs else None
+
+    async def delete(self, key: bytes) -> bool:
+        """Delete ``key``; False when it was absent."""
+        reply = await self._unary(lambda c: c.kv.DeleteRange, rpc_pb2.DeleteRangeRequest(key=key))
+        return bool(reply.deleted)
+
+    async def grant_lease(self, ttl_s: int) -> Lease:
+        """A new lease that expires ``ttl_s`` seconds after its last keep-alive."""
+        reply = await self._unary(
+            lambda c: c.lease.LeaseGrant, rpc_pb2.LeaseGrantRequest(TTL=ttl_s)
+        )
+        if reply.error:
+            raise EtcdError(f"lease grant refused: {reply.error}")
+        return Lease(id=int(reply.ID), ttl_s=int(reply.TTL))
+
+    async def revoke(self, lease: Lease) -> None:
+        """End the lease now: etcd deletes its keys at once (watchers see them deleted).
+        ``LeaseNotFound`` when it had already ended."""
+        await self._unary(lambda c: c.lease.LeaseRevoke, rpc_pb2.LeaseRevokeRequest(ID=lease.id))
+
+    async def keep_alive(self, lease: Lease) -> None:
+        """Refresh ``lease`` every ttl/3 until etcd reports it gone, then return.
+
+        Runs until cancelled otherwise: a broken stream or an unreachable etcd is retried
+        (next endpoint, capped backoff) without returning, since only etcd can tell whether
+        the lease outlived the outage (a restarted etcd keeps its leases). A caller that
+        must know the lease is alive watches for this coroutine's return.
+        """
+        interval_s = max(lease.ttl_s / 3, 0.1)
+        backoff = _Backoff()
+        request = rpc_pb2.LeaseKeepAliveRequest(ID=lease.id)
+        while True:
+            call = self._connection().lease.LeaseKeepAlive(metadata=self._metadata + REQUIRE_LEADER)
+            try:
+                while True:
+                    await call.write(request)
+                    reply = await asyncio.wait_for(call.read(), timeout=interval_s)
+                    if reply is grpc.aio.EOF:
+                        break
+                    if reply.TTL <= 0:
+                        return
+                    backoff.reset()
+                    await asyncio.sleep(interval_s)
+            except _STREAM_BROKE as error:
+                logger.info("etcd lease keep-alive stream broke (%s); retrying", _brief(error))
+            finally:
+                call.cancel()
+            self._fail_over()
+            await backoff.wait()
+
+    async def watch_prefix(self, prefix: bytes, start_revision: int) -> AsyncGenerator[WatchEvent]:
+        """Every change of a key under ``prefix`` from ``start_revision`` on, in revision
+        order, each exactly once, until the consumer stops iterating.
+
+        A broken stream is reopened (next endpoint, capped backoff) from the revision after
+        the last one delivered, so an etcd outage only delays events. When etcd has
+        compacted the revisions still to deliver, or its store is behind them (an etcd that
+        came back with an empty or older data dir), the watch reads the prefix afresh and
+        yields a ``ResetEvent`` with it, then continues after that read. (A replaced store
+        that is already past the watch's position cannot be told apart.)
+        """
+        next_revision = start_revision
+        backoff = _Backoff()
+        while True:
+            resynced = False
+            call = self._connection().watch.Watch(metadata=self._metadata + REQUIRE_LEADER)
+            try:
+                create = rpc_pb2.WatchCreateRequest(
+                    key=prefix,
+                    range_end=prefix_end(prefix),
+                    start_revision=next_revision,
+                    progress_notify=True,
+                )
+                await call.write(rpc_pb2.WatchRequest(create_request=create))
+                while True:
+                    reply = await call.read()
+                    if reply is grpc.aio.EOF:
+                        break
+                    behind = reply.created and reply.header.revision + 1 < next_revision
+                    if reply.compact_revision or behind:
+                        items, revision = await self.get_prefix(prefix)
+                        yield ResetEvent(tuple(items), revision)
+                        next_revision = revision + 1
+                        resynced = True
+                        break
+                    if reply.canceled:
+                        logger.info("etcd cancelled the watch: %s", reply.cancel_reason)
+                        break
+                    backoff.reset()
+                    for event in reply.events:
+                        yield _watch_event(event)
+                    if reply.events:
+                        next_revision = reply.events[-1].kv.mod_revision + 1
+                    elif not reply.created:  # progress: nothing up to header.revision is left
+                        next_revision = max(next_revision, reply.header.revision + 1)
+            except (*_STREAM_BROKE, EtcdUnavailable) as error:
+                logger.info("etcd watch stream broke (%s); resuming", _brief(error))
+            finally:
+                call.cancel()
+            if not resynced:
+                self._fail_over()
+                await backoff.wait()
+
+
+def _brief(error: BaseException) -> str:
+    if isinstance(error, grpc.aio.AioRpcError):
+        return f"{error.code().name}: {error.details()}"
+    return type(error).__name__
+
+
+def _key_value(kv: kv_pb2.KeyValue) -> KeyValue:
+    return KeyValue(
+        key=bytes(kv.key), value=bytes(kv.value), mod_revision=int(kv.mod_revision), lease=kv.lease
+    )
+
+
+def _watch_event(event: kv_pb2.Event) -> PutEvent | DeleteEvent:
+    if event.type == kv_pb2.Event.DELETE:
+        return DeleteEvent(key=bytes(event.kv.key), revision=int(event.kv.mod_revision))
+    return PutEvent(
+        key=bytes(event.kv.key), value=bytes(event.kv.value), revision=int(event.kv.mod_revision)
+    )

@@ -1,0 +1,73 @@
+"""A request resumed with its earlier output (``EngineCore.add_request(...,
+prior_output_token_ids)``, what a decode worker gets when a request moves to it) goes on
+exactly as if it had never moved: seeded sampling continues its random stream, penalties see
+the earlier tokens as output, ``min_tokens``/``max_tokens`` count them. Float32, one engine,
+each request run whole and then resumed from several points."""
+
+from __future__ import annotations
+
+import pytest
+
+from splitserve.common.errors import InvalidRequestError
+from splitserve.common.sampling_params import SamplingParams
+from splitserve.engine.checkpoint import LoadedCheckpoint
+from splitserve.engine.engine_core import EngineCore
+from tests.conftest import assert_no_leaks, make_llm
+
+pytestmark = pytest.mark.timeout(300)
+
+PROMPT_TEXT = "Once upon a time, in a village by the sea, there lived"
+MAX_TOKENS = 24
+PARAMS = {
+    "seeded": SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9, top_p=0.95, seed=1234),
+    "seeded-with-penalties": SamplingParams(
+        max_tokens=MAX_TOKENS,
+        temperature=0.8,
+        seed=7,
+        frequency_penalty=0.7,
+        presence_penalty=0.4,
+        repetition_penalty=1.2,
+    ),
+    "greedy-min-tokens": SamplingParams(
+        max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, temperature=0.0
+    ),
+}
+
+
+def _run(core: EngineCore, request_id: str, prompt: list[int], params: SamplingParams,
+         prior: list[int]) -> list[int]:  # fmt: skip
+    """The tokens the engine generates for the request (after ``prior``), to its end."""
+    core.add_request(request_id, prompt, params, prior)
+    tokens: list[int] = []
+    while core.has_unfinished:
+        for output in core.step():
+            assert output.update.request_id == request_id
+            tokens.extend(output.update.new_token_ids)
+    return tokens
+
+
+@pytest.mark.parametrize("kind", sorted(PARAMS))
+def test_a_resumed_request_goes_on_as_if_it_had_never_moved(
+    default_checkpoint_fp32: LoadedCheckpoint, kind: str
+) -> None:
+    llm = make_llm(default_checkpoint_fp32)
+    core = llm.engine
+    prompt = llm.encode_prompt(PROMPT_TEXT)
+    params = PARAMS[kind]
+    whole = _run(core, f"{kind}-whole", prompt, params, [])
+    assert len(whole) == MAX_TOKENS  # no EOS inside: every cut below resumes something
+    for cut in (1, 7, MAX_TOKENS - 1):
+        rest = _run(core, f"{kind}-from-{cut}", prompt, params, whole[:cut])
+        assert whole[:cut] + rest == whole, cut
+    assert_no_leaks(llm)
+
+
+def test_prior_output_is_checked(default_checkpoint_fp32: LoadedCheckpoint) -> None:
+    core = make_llm(default_checkpoint_fp32).engine
+    params = SamplingParams(max_tokens=4)
+    vocab = core.model_config.vocab_size
+    with pytest.raises(InvalidRequestError, match="prior output token ids"):
+        core.add_request("bad-id", [1, 2, 3], params, [vocab])
+    with pytest.raises(InvalidRequestError, match="nothing of max_tokens"):
+        core.add_request("used-up", [1, 2, 3], params, [5, 6, 7, 8])
+    assert not core.has_unfinished

@@ -1,0 +1,115 @@
+"""Outside-in: ``splitserve up --prefill 2 --decode 2`` keeps serving when a worker dies.
+
+Under load (16 concurrent float32 greedy streams), a decode worker is SIGKILLed mid-stream:
+no request fails and every stream equals its uninterrupted reference (the dead worker's
+requests resume on the other decode worker), ``up`` restarts the worker, which registers
+again within 30 s of the kill, and the cluster serves on it. Then the same for a prefill
+worker. Nothing is left running after ``up`` stops (``tests/cluster.py`` checks its status).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from splitserve.client import AsyncClient, Sampling
+from splitserve.proto.splitserve.v1 import coordinator_pb2, coordinator_pb2_grpc
+from tests.cluster import (
+    CREDENTIAL,
+    assert_all_free,
+    cluster,
+    internal_address,
+    internal_channel,
+    wait_until_idle,
+)
+from tests.streaming import ConcurrentStreams
+
+pytestmark = pytest.mark.timeout(600)
+
+WORKER_FLAGS = ("--dtype=float32", "--num-blocks=300", "--threads=1", "--metrics-port=-1")
+PROMPTS = [f"Write a short story about the number {n}, starting with" for n in range(16)]
+SAMPLING = Sampling(max_tokens=64, temperature=0.0, ignore_eos=True)
+BACK_WITHIN_S = 30.0
+
+
+def _child_pid(parent: int, worker_id: str) -> int:
+    """The pid of ``up``'s child started with ``--worker-id=<worker_id>`` (from /proc)."""
+    children = Path(f"/proc/{parent}/task/{parent}/children").read_text().split()
+    for pid in children:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        if f"--worker-id={worker_id}".encode() in argv:
+            return int(pid)
+    raise LookupError(f"no child {worker_id} of {parent}")
+
+
+async def _streams(address: str, kill: int | None) -> list[tuple[int, ...]]:
+    """Every prompt streamed at once; with ``kill``, that pid is SIGKILLed once every stream
+    has a few tokens. Every stream must finish by length."""
+    async with AsyncClient(address) as client:
+        streams = ConcurrentStreams(client, PROMPTS, lambda _: SAMPLING)
+        if kill is not None:
+            await streams.each_has(2)
+            assert max(len(t) for t in streams.tokens) < SAMPLING.max_tokens  # mid-stream
+            os.kill(kill, signal.SIGKILL)
+        results = await streams.results()
+    assert [finish for _, finish in results] == ["length"] * len(PROMPTS)
+    return [tokens for tokens, _ in results]
+
+
+@pytest.mark.parametrize("victim", ["decode-3", "prefill-0"])
+def test_a_killed_worker_loses_no_request_and_comes_back(victim: str) -> None:
+    processes: list[subprocess.Popen[str]] = []
+    with cluster(2, 2, *WORKER_FLAGS, processes=processes) as address:
+        (up,) = processes
+        expected = asyncio.run(_streams(address, None))
+        pid = _child_pid(up.pid, victim)
+        old_address = _address_of(address, victim)
+        assert old_address is not None
+        killed_at = time.monotonic()
+        assert asyncio.run(_streams(address, pid)) == expected
+        new_pid = _wait_for_new_pid(up.pid, victim, pid, killed_at)
+        assert new_pid != pid
+        back_s = _registered_seconds(address, victim, old_address, killed_at)
+        print(f"{victim}: killed, restarted as pid {new_pid}, registered after {back_s:.1f} s")
+        assert back_s <= BACK_WITHIN_S
+        assert asyncio.run(_streams(address, None)) == expected  # served with it back
+        assert_all_free(wait_until_idle(address, 4), 4)
+
+
+def _wait_for_new_pid(parent: int, worker_id: str, old_pid: int, since: float) -> int:
+    while time.monotonic() - since < 120:
+        try:
+            pid = _child_pid(parent, worker_id)
+        except LookupError:
+            pid = old_pid
+        if pid != old_pid:
+            return pid
+        time.sleep(0.1)
+    raise AssertionError(f"{worker_id} was not restarted")
+
+
+def _address_of(address: str, worker_id: str) -> str | None:
+    """The address the coordinator has for ``worker_id`` (None when it lists none)."""
+    with internal_channel(internal_address(address)) as channel:
+        listing = coordinator_pb2_grpc.MembershipStub(channel).ListWorkers(
+            coordinator_pb2.ListWorkersRequest(), timeout=10, metadata=CREDENTIAL.metadata
+        )
+    by_id = {status.worker.worker_id: status.worker.address for status in listing.workers}
+    return by_id.get(worker_id)
+
+
+def _registered_seconds(address: str, worker_id: str, old_address: str, since: float) -> float:
+    """Seconds from ``since`` until the coordinator lists ``worker_id`` at a new address (its
+    restarted process registered)."""
+    while time.monotonic() - since < 120:
+        listed = _address_of(address, worker_id)
+        if listed is not None and listed != old_address:
+            return time.monotonic() - since
+        time.sleep(0.1)
+    raise AssertionError(f"{worker_id} did not register again")

@@ -1,0 +1,39 @@
+"""gRPC ``WorkerMonitor`` service, on every worker whatever its role: the worker's load
+figures as a stream, for a coordinator that learned of the worker from etcd (its load never
+goes through etcd). Before the model is loaded every call fails with UNAVAILABLE."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import grpc
+
+from splitserve.common.load import EngineLoad
+from splitserve.proto import convert
+from splitserve.proto.splitserve.v1 import worker_pb2, worker_pb2_grpc
+from splitserve.worker.servicer_base import WorkerServicerBase
+
+MIN_INTERVAL_MS = 50
+MAX_INTERVAL_MS = 5000
+
+SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["WorkerMonitor"].full_name
+LoadSource = Callable[[], Awaitable[EngineLoad]]
+
+
+class MonitorServicer(WorkerServicerBase[LoadSource], worker_pb2_grpc.WorkerMonitorServicer):
+    """Bound to the worker's ``load`` coroutine function once the engine is up."""
+
+    def add_to(self, server: grpc.aio.Server) -> str:
+        """Register on ``server``; the service's full name (for health and reflection)."""
+        worker_pb2_grpc.add_WorkerMonitorServicer_to_server(self, server)
+        return SERVICE_NAME
+
+    async def WatchLoad(
+        self, request: worker_pb2.WatchLoadRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.WorkerLoad]:
+        load = await self.ready(context)
+        interval_ms = min(max(request.interval_ms, MIN_INTERVAL_MS), MAX_INTERVAL_MS)
+        while True:
+            yield convert.load_to_proto(await load(), ready=True)
+            await asyncio.sleep(interval_ms / 1000)
