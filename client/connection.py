@@ -49,11 +49,17 @@ def channel_target(target: str) -> str:
     return "ipv4:" + ",".join(addresses)
 
 
+def _several(target: str) -> bool:
+    """Whether ``target`` may name several coordinators (a list, or a DNS name)."""
+    return "," in target or target.startswith("dns:")
+
+
 def aio_channel(
     target: str, credentials: grpc.ChannelCredentials | None, retry: RetryPolicy
 ) -> grpc.aio.Channel:
     """An asyncio channel to ``target`` that retries by ``retry``."""
-    options = channel_options(retry)
+    several = _several(target)
+    options = channel_options(retry, health_checked=several)
     target = channel_target(target)
     if credentials is None:
         return grpc.aio.insecure_channel(target, options=options)
@@ -64,7 +70,8 @@ def sync_channel(
     target: str, credentials: grpc.ChannelCredentials | None, retry: RetryPolicy
 ) -> grpc.Channel:
     """A blocking channel to ``target`` that retries by ``retry``."""
-    options = channel_options(retry)
+    several = _several(target)
+    options = channel_options(retry, health_checked=several)
     target = channel_target(target)
     if credentials is None:
         return grpc.insecure_channel(target, options=options)

@@ -3,7 +3,10 @@ the channel's service config, and gRPC (C-core) retries every ``splitserve.v1.Co
 call on that channel. The clients make one gRPC call per method call and never loop, except to
 continue a stream whose coordinator died after it delivered tokens (``stream``: another call,
 to another coordinator of the channel, with ``continue_after``). With several coordinators in
-the target the channel balances calls round robin over those that answer.
+the target the channel balances calls round robin over those that answer and report SERVING
+(client-side health checks of ``splitserve.v1.Coordinator``, only then: a lone coordinator
+answers for itself, e.g. "no decode worker is registered yet"; with ``--health-needs-key`` on
+the coordinators every one would look unhealthy: give clients one address there).
 
 How gRPC's ``retryPolicy`` gives the clients' retry contract (each point checked against a real
 server in ``tests/test_client.py``):
@@ -45,9 +48,11 @@ _MIN_BACKOFF_MS = 1
 """gRPC durations have millisecond resolution and a backoff must be > 0."""
 
 
-def service_config(policy: RetryPolicy) -> dict[str, object]:
+def service_config(policy: RetryPolicy, health_checked: bool = False) -> dict[str, object]:
     """The service config (as a JSON-able dict) that retries Coordinator calls by ``policy``;
-    without a ``retryPolicy`` when ``policy.max_attempts == 1``."""
+    without a ``retryPolicy`` when ``policy.max_attempts == 1``. ``health_checked`` (a target
+    of several coordinators): gRPC checks each one's health itself and leaves out those not
+    SERVING (just restarted with no decode worker yet, draining)."""
     method_config: dict[str, object] = {"name": [{"service": COORDINATOR_SERVICE}]}
     if policy.max_attempts > 1:
         codes = ["UNAVAILABLE"] + (["RESOURCE_EXHAUSTED"] if policy.retry_overloaded else [])
@@ -58,17 +63,24 @@ def service_config(policy: RetryPolicy) -> dict[str, object]:
             "backoffMultiplier": policy.multiplier,
             "retryableStatusCodes": codes,
         }
-    return {"methodConfig": [method_config], "loadBalancingConfig": [{"round_robin": {}}]}
+    config: dict[str, object] = {
+        "methodConfig": [method_config],
+        "loadBalancingConfig": [{"round_robin": {}}],
+    }
+    if health_checked:
+        config["healthCheckConfig"] = {"serviceName": COORDINATOR_SERVICE}
+    return config
 
 
-def channel_options(policy: RetryPolicy) -> ChannelOptions:
-    """The shared channel options plus gRPC retries by ``policy``; give them to a channel you
-    pass to ``Client`` / ``AsyncClient`` (a passed-in channel retries as it was built)."""
+def channel_options(policy: RetryPolicy, health_checked: bool = False) -> ChannelOptions:
+    """The shared channel options plus gRPC retries by ``policy`` (and ``health_checked``, see
+    ``service_config``); give them to a channel you pass to ``Client`` / ``AsyncClient`` (a
+    passed-in channel retries as it was built)."""
     return (
         *CHANNEL_OPTIONS,
         ("grpc.enable_retries", 1),
         ("grpc.per_rpc_retry_buffer_size", MAX_MESSAGE_BYTES),
-        ("grpc.service_config", json.dumps(service_config(policy))),
+        ("grpc.service_config", json.dumps(service_config(policy, health_checked))),
         ("grpc.service_config_disable_resolution", 1),  # DNS may not replace the policy
     )
 

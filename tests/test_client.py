@@ -379,6 +379,8 @@ def test_retry_policy_becomes_the_channels_service_config() -> None:
         ],
         "loadBalancingConfig": [{"round_robin": {}}],  # over every coordinator of the target
     }
+    several = service_config(policy, health_checked=True)
+    assert several["healthCheckConfig"] == {"serviceName": COORDINATOR_SERVICE}  # SERVING ones
     no_overload = service_config(RetryPolicy(retry_overloaded=False, initial_backoff_s=0))
     retry_policy = no_overload["methodConfig"][0]["retryPolicy"]  # type: ignore[index]
     assert retry_policy["retryableStatusCodes"] == ["UNAVAILABLE"]

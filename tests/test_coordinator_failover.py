@@ -15,6 +15,7 @@ takes a moved request goes on with its random stream and penalties (``prior_outp
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import signal
@@ -171,15 +172,22 @@ async def _seeded_streams(target: str, kills: list[tuple[int, int]]) -> list[Str
 
 
 def _wait_restarted(up_pid: int, public: str, old_pid: int) -> None:
+    """Until ``up`` restarted the coordinator at ``public`` and it serves again (a decode
+    worker registered with it)."""
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        try:
+        with contextlib.suppress(LookupError):
             if _coordinator_pid(up_pid, public) != old_pid:
-                return
-        except LookupError:
-            pass
+                break
         time.sleep(0.2)
-    raise AssertionError(f"the coordinator at {public} was not restarted")
+    else:
+        raise AssertionError(f"the coordinator at {public} was not restarted")
+    asyncio.run(_wait_serving(public, deadline - time.monotonic()))
+
+
+async def _wait_serving(address: str, timeout_s: float) -> None:
+    async with AsyncClient(address) as client:
+        await client.wait_ready(max(timeout_s, 1.0))
 
 
 def test_gateway_streams_continue_when_a_coordinator_dies(served: Served) -> None:
@@ -191,6 +199,7 @@ def test_gateway_streams_continue_when_a_coordinator_dies(served: Served) -> Non
     _wait_restarted(served.up.pid, first, victim)
 
 
+@pytest.mark.slow  # the gateway's test and the seeded one cover the client's continuation
 def test_client_streams_continue_when_a_coordinator_dies(served: Served) -> None:
     expected = asyncio.run(_client_streams(served.coordinators, None))
     assert all(len(t) == MAX_TOKENS and f == "length" for t, f in expected)
@@ -212,6 +221,7 @@ def test_seeded_streams_survive_their_coordinator_then_their_decode_worker(
     kills = [(coordinator, 4), (decode, 20)]
     assert asyncio.run(_seeded_streams(served.coordinators, kills)) == expected
     _wait_restarted(served.up.pid, first, coordinator)
+    assert_all_free(wait_until_idle(served.coordinators, 3), 3)  # the restarted one included
 
 
 @pytest.mark.parametrize(

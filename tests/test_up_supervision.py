@@ -62,7 +62,7 @@ async def _streams(address: str, kill: int | None) -> list[tuple[int, ...]]:
     return [tokens for tokens, _ in results]
 
 
-@pytest.mark.parametrize("victim", ["decode-3", "prefill-0"])
+@pytest.mark.parametrize("victim", ["decode-3", pytest.param("prefill-0", marks=pytest.mark.slow)])
 def test_a_killed_worker_loses_no_request_and_comes_back(victim: str) -> None:
     processes: list[subprocess.Popen[str]] = []
     with cluster(2, 2, *WORKER_FLAGS, processes=processes) as address:
