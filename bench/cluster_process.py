@@ -1,6 +1,7 @@
 """A ``splitserve up`` cluster as a child process, and who used the CPUs while it ran.
 
-``LocalCluster`` starts ``splitserve up --port P --http-port H <flags>`` on free ports as a
+``LocalCluster`` starts ``splitserve up --port P --http-port H <flags>`` (or another command
+that runs ``up``, e.g. ``python -m splitserve.launch.up`` of an older tree) on free ports as a
 ``splitserve.launch.child_process.ChildProcess`` (optionally with extra environment
 variables, which the coordinator and workers inherit) with its output in a log file, waits
 for the ``splitserve ready at`` line (raising ``ClusterError`` with the output's tail if the
@@ -52,19 +53,27 @@ class LocalCluster:
         ready_timeout_s: float = 300.0,
         stop_grace_s: float = 30.0,
         env: dict[str, str] | None = None,
+        *,
+        up_command: Sequence[str] | None = None,
+        internal_port: bool = True,
+        https: bool = False,
     ) -> None:
+        """``up_command``: what runs ``splitserve up`` instead of ``<splitserve> up`` (e.g.
+        ``python -m splitserve.launch.up``); ``internal_port``: pass ``--internal-port 0``
+        (False for trees older than the coordinator's internal port); ``https``: the gateway
+        serves TLS (``up``'s ``--tls-cert``/``--tls-key`` among ``up_flags``)."""
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.http_port = free_port()
-        self.http_url = f"http://127.0.0.1:{self.http_port}"
+        scheme = "https" if https else "http"
+        self.http_url = f"{scheme}://127.0.0.1:{self.http_port}"
         """The OpenAI-compatible gateway's base URL."""
+        command = [str(splitserve), "up"] if up_command is None else list(up_command)
         self.argv = [
-            str(splitserve),
-            "up",
+            *command,
             "--port",
             str(self.port),
-            "--internal-port",
-            "0",
+            *(["--internal-port", "0"] if internal_port else []),
             "--http-port",
             str(self.http_port),
             "--metrics-port-base",

@@ -11,12 +11,14 @@ it reports it as a final event with ``error`` set, so one failed request never s
 exactly its output length. ``OpenAITarget`` sends the same request to any OpenAI-compatible
 server's streamed ``/v1/completions`` (splitserve's gateway, vLLM, SGLang, ...), counting
 tokens from the per-chunk usage (``continuous_usage_stats``, a vLLM extension splitserve's
-gateway also speaks) or, without it, one token per non-empty chunk.
+gateway also speaks) or, without it, one token per non-empty chunk. It can present an API key
+(``authorization: Bearer <key>``) and verify an HTTPS server against a given ``ssl`` context.
 """
 
 from __future__ import annotations
 
 import json
+import ssl
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol
@@ -120,16 +122,29 @@ class GrpcTarget:
 class OpenAITarget:
     """A streamed ``POST {base_url}/v1/completions`` per request, over one HTTP client."""
 
-    def __init__(self, base_url: str, model: str, timeout_s: float = 600.0) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        timeout_s: float = 600.0,
+        api_key: str | None = None,
+        verify: ssl.SSLContext | bool = True,
+    ) -> None:
+        """``api_key``: sent as ``authorization: Bearer <key>``; ``verify``: how an HTTPS
+        server is checked (an ``ssl.SSLContext`` trusting its CA, or httpx's default)."""
         self.name = base_url
         self.base_url = base_url.rstrip("/")
         self.model = model
         self.timeout_s = timeout_s
+        self.headers = {} if api_key is None else {"authorization": f"Bearer {api_key}"}
+        self.verify = verify
         self._http: httpx.AsyncClient | None = None
 
     async def open(self) -> None:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-        self._http = httpx.AsyncClient(timeout=self.timeout_s, limits=limits)
+        self._http = httpx.AsyncClient(
+            timeout=self.timeout_s, limits=limits, headers=self.headers, verify=self.verify
+        )
 
     async def close(self) -> None:
         if self._http is not None:
