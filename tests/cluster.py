@@ -18,6 +18,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import grpc
 
@@ -124,6 +125,16 @@ def roles(
             assert time.monotonic() < deadline, "workers did not register"
             time.sleep(0.2)
         yield address
+
+
+def child_pid(parent: int, *args: str) -> int:
+    """The pid of the child of ``parent`` (``up``) whose command line holds every one of
+    ``args`` (e.g. ``--worker-id=decode-1``), from /proc; ``LookupError`` when none does."""
+    for pid in Path(f"/proc/{parent}/task/{parent}/children").read_text().split():
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        if all(arg.encode() in argv for arg in args):
+            return int(pid)
+    raise LookupError(f"no child of {parent} with {args}")
 
 
 def internal_address(coordinator_address: str) -> str:

@@ -24,7 +24,6 @@ import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
 import openai
@@ -32,7 +31,7 @@ import pytest
 
 from splitserve.client import AsyncClient, ClientError, Sampling, wire
 from splitserve.proto.splitserve.v1 import coordinator_pb2_grpc
-from tests.cluster import assert_all_free, cluster, wait_until_idle
+from tests.cluster import assert_all_free, child_pid, cluster, wait_until_idle
 from tests.streaming import ConcurrentStreams, Streamed
 
 pytestmark = pytest.mark.timeout(600)
@@ -83,13 +82,9 @@ def _free_port_run(count: int) -> int:
 
 
 def _coordinator_pid(up_pid: int, public_address: str) -> int:
-    """The pid of ``up``'s coordinator serving ``public_address`` (from /proc)."""
+    """The pid of ``up``'s coordinator serving ``public_address``."""
     port = public_address.rsplit(":", 1)[1]
-    for pid in Path(f"/proc/{up_pid}/task/{up_pid}/children").read_text().split():
-        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        if b"splitserve.coordinator.main" in argv and f"--port={port}".encode() in argv:
-            return int(pid)
-    raise LookupError(f"no coordinator at {public_address}")
+    return child_pid(up_pid, "splitserve.coordinator.main", f"--port={port}")
 
 
 async def _sdk_streams(url: str, kill: int | None) -> list[tuple[str, int]]:
@@ -138,14 +133,6 @@ async def _client_streams(target: str, kill: int | None) -> list[Streamed]:
             await streams.each_has(1)
             os.kill(kill, signal.SIGKILL)
         return await streams.results()
-
-
-def _child_pid(up_pid: int, worker_id: str) -> int:
-    for pid in Path(f"/proc/{up_pid}/task/{up_pid}/children").read_text().split():
-        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        if f"--worker-id={worker_id}".encode() in argv:
-            return int(pid)
-    raise LookupError(worker_id)
 
 
 def _seeded(index: int) -> Sampling:
@@ -217,7 +204,7 @@ def test_seeded_streams_survive_their_coordinator_then_their_decode_worker(
     assert all(len(t) == MAX_TOKENS and f == "length" for t, f in expected)
     first = served.coordinators.split(",")[0]
     coordinator = _coordinator_pid(served.up.pid, first)
-    decode = _child_pid(served.up.pid, "decode-1")
+    decode = child_pid(served.up.pid, "--worker-id=decode-1")
     kills = [(coordinator, 4), (decode, 20)]
     assert asyncio.run(_seeded_streams(served.coordinators, kills)) == expected
     _wait_restarted(served.up.pid, first, coordinator)

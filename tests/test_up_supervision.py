@@ -14,7 +14,6 @@ import os
 import signal
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 
@@ -23,6 +22,7 @@ from splitserve.proto.splitserve.v1 import coordinator_pb2, coordinator_pb2_grpc
 from tests.cluster import (
     CREDENTIAL,
     assert_all_free,
+    child_pid,
     cluster,
     internal_address,
     internal_channel,
@@ -36,16 +36,6 @@ WORKER_FLAGS = ("--dtype=float32", "--num-blocks=300", "--threads=1", "--metrics
 PROMPTS = [f"Write a short story about the number {n}, starting with" for n in range(16)]
 SAMPLING = Sampling(max_tokens=64, temperature=0.0, ignore_eos=True)
 BACK_WITHIN_S = 30.0
-
-
-def _child_pid(parent: int, worker_id: str) -> int:
-    """The pid of ``up``'s child started with ``--worker-id=<worker_id>`` (from /proc)."""
-    children = Path(f"/proc/{parent}/task/{parent}/children").read_text().split()
-    for pid in children:
-        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        if f"--worker-id={worker_id}".encode() in argv:
-            return int(pid)
-    raise LookupError(f"no child {worker_id} of {parent}")
 
 
 async def _streams(address: str, kill: int | None) -> list[tuple[int, ...]]:
@@ -68,7 +58,7 @@ def test_a_killed_worker_loses_no_request_and_comes_back(victim: str) -> None:
     with cluster(2, 2, *WORKER_FLAGS, processes=processes) as address:
         (up,) = processes
         expected = asyncio.run(_streams(address, None))
-        pid = _child_pid(up.pid, victim)
+        pid = child_pid(up.pid, f"--worker-id={victim}")
         old_address = _address_of(address, victim)
         assert old_address is not None
         killed_at = time.monotonic()
@@ -85,7 +75,7 @@ def test_a_killed_worker_loses_no_request_and_comes_back(victim: str) -> None:
 def _wait_for_new_pid(parent: int, worker_id: str, old_pid: int, since: float) -> int:
     while time.monotonic() - since < 120:
         try:
-            pid = _child_pid(parent, worker_id)
+            pid = child_pid(parent, f"--worker-id={worker_id}")
         except LookupError:
             pid = old_pid
         if pid != old_pid:
