@@ -35,7 +35,12 @@ def encode_prompt(tokenizer: Tokenizer, prompt: Prompt) -> list[int]:
     token_ids = list(prompt)
     if any(not isinstance(token, int) or isinstance(token, bool) for token in token_ids):
         raise InvalidRequestError("prompt token ids must be integers", "prompt")
-    vocab = tokenizer.vocab_size
-    if any(not 0 <= token < vocab for token in token_ids):
-        raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
+    check_in_vocab(token_ids, tokenizer.vocab_size, "prompt token ids", "prompt")
     return token_ids
+
+
+def check_in_vocab(token_ids: Sequence[int], vocab: int, what: str, param: str) -> None:
+    """``InvalidRequestError`` ("<what> must be in [0, vocab)", ``param``) unless every id is a
+    token of the vocabulary."""
+    if any(not 0 <= token < vocab for token in token_ids):
+        raise InvalidRequestError(f"{what} must be in [0, {vocab})", param)

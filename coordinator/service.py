@@ -24,7 +24,7 @@ from splitserve.common.errors import (
 )
 from splitserve.common.membership import Role
 from splitserve.common.output_processor import StreamChunk
-from splitserve.common.prompt import Prompt, encode_prompt
+from splitserve.common.prompt import Prompt, check_in_vocab, encode_prompt
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.tokenizer import Tokenizer
 from splitserve.coordinator.flow import FlowConfig, RequestFlow
@@ -153,9 +153,7 @@ class Coordinator:
     def _replay(self, flow: RequestFlow, token_ids: Sequence[int]) -> StreamChunk | None:
         """Replay tokens another coordinator streamed; the finishing chunk (without the text
         the client has) when they end the request, else None."""
-        vocab = self.tokenizer.vocab_size
-        if any(not 0 <= token < vocab for token in token_ids):
-            raise InvalidRequestError(f"token ids must be in [0, {vocab})", "continue_after")
+        check_in_vocab(token_ids, self.tokenizer.vocab_size, "token ids", "continue_after")
         chunk = flow.replay(list(token_ids))
         if chunk.finish_reason is None:
             return None

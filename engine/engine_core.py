@@ -21,6 +21,7 @@ from splitserve.common.errors import InvalidRequestError
 from splitserve.common.load import EngineLoad
 from splitserve.common.logprobs import TokenLogprob
 from splitserve.common.model_files import resolve_model_path
+from splitserve.common.prompt import check_in_vocab
 from splitserve.common.request_update import StepOutput
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.attention import AttentionBackend, TorchAttentionBackend
@@ -108,8 +109,7 @@ class EngineCore:
         vocab = self.model_config.vocab_size
         if any(not (isinstance(t, int) and not isinstance(t, bool)) for t in prompt_token_ids):
             raise InvalidRequestError("prompt token ids must be integers", "prompt")
-        if any(not 0 <= token < vocab for token in prompt_token_ids):
-            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
+        check_in_vocab(prompt_token_ids, vocab, "prompt token ids", "prompt")
         self.scheduler.check_fits(len(prompt_token_ids), params)
 
     def add_request(
@@ -134,10 +134,7 @@ class EngineCore:
 
     def _check_prior_output(self, token_ids: Sequence[int], params: SamplingParams) -> None:
         vocab = self.model_config.vocab_size
-        if any(not 0 <= token < vocab for token in token_ids):
-            raise InvalidRequestError(
-                f"prior output token ids must be in [0, {vocab})", "prior_output_token_ids"
-            )
+        check_in_vocab(token_ids, vocab, "prior output token ids", "prior_output_token_ids")
         if len(token_ids) >= params.max_tokens:
             raise InvalidRequestError(
                 f"{len(token_ids)} prior output tokens leave nothing of max_tokens "
