@@ -78,7 +78,9 @@ class RequestFlow:
         """(stage, seconds) of every attempt: reserve (decode worker reserved blocks),
         prefill (reservation -> first token, KV pushed), local_prefill (no prefill worker)."""
         self.recoveries: list[str] = []
-        """prefill_fallback / decode_resume, each time a worker failed this request."""
+        """prefill_fallback / decode_resume, each time a worker failed this request;
+        coordinator_continuation once when it continues a stream another coordinator broke
+        (``replay``)."""
 
     def replay(self, streamed_token_ids: list[int]) -> StreamChunk:
         """Take ``streamed_token_ids`` as already streamed (by another coordinator, which the
@@ -91,6 +93,7 @@ class RequestFlow:
                 f"{self.params.max_tokens}: nothing left to generate",
                 "continue_after",
             )
+        self.recoveries.append("coordinator_continuation")
         update = RequestUpdate(
             self.request_id,
             tuple(streamed_token_ids),

@@ -5,8 +5,9 @@
 pushed prompt), prefill (reservation -> first token: prompt computed and KV pushed),
 local_prefill (prompt computed on the decode worker). ``splitserve_request_recoveries_total
 {kind}``: prefill_fallback (prefill failed, prompt computed on the decode worker),
-decode_resume (decode worker failed, request resumed on another). ``splitserve_num_workers
-{worker_role}``: registered, healthy workers.
+decode_resume (decode worker failed, request resumed on another), coordinator_continuation
+(a client continued here a stream whose coordinator died, ``continue_after``).
+``splitserve_num_workers{worker_role}``: registered, healthy workers.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from splitserve.coordinator.flow import RequestFlow
 from splitserve.coordinator.registry import WorkerRegistry
 
 STAGES = ("reserve", "prefill", "local_prefill")
-RECOVERIES = ("prefill_fallback", "decode_resume")
+RECOVERIES = ("prefill_fallback", "decode_resume", "coordinator_continuation")
 
 
 class CoordinatorMetrics:

@@ -3,7 +3,8 @@
 Talks to the coordinator at ``--coordinator``; prints
 ``splitserve gateway ready at http(s)://<host>:<port>`` once listening. SIGINT / SIGTERM drain
 it (uvicorn's graceful shutdown: no new connections, open streams get ``--drain-timeout``
-seconds to finish; those still open then are cancelled, which aborts their requests).
+seconds to finish; those still open then are cancelled, which aborts their requests), then it
+exits 0, as every role does after a drain.
 
 TLS (``proto/tls.py``'s flags): ``--tls-cert``/``--tls-key`` serve HTTPS; ``--tls-ca`` (or
 the system's roots) verifies the coordinator, which is then dialled over TLS. API keys:
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -102,8 +104,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"splitserve gateway ready at {scheme}://{args.host}:{port}", flush=True)
         await task
 
+    # uvicorn drains on SIGINT / SIGTERM and then raises the signal again under the handlers
+    # it found installed: with these, a drained gateway returns (status 0) instead of dying of it.
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, _after_drain)
     uvloop.run(serve())
     return 0 if server.started else 1
+
+
+def _after_drain(signum: int, frame: object) -> None:
+    """The handler uvicorn's re-raised stop signal meets once the drain is over: nothing
+    is left to do."""
 
 
 if __name__ == "__main__":

@@ -21,6 +21,11 @@ the gateway serves HTTPS. API keys (``--api-key``, ``--api-keys-file``, ``SPLITS
 ``common/api_keys.py``) go to the coordinator and the gateway the same way, never on a child's
 command line; ``--health-needs-key`` closes the gateway's /health and /metrics too.
 
+Membership: by default workers register with the coordinators over gRPC (nothing else to
+run). ``--etcd-endpoints`` (``discovery/flags.py``) puts it in etcd instead: the workers
+announce themselves there under ``--cluster-name`` and the coordinators watch it, so workers
+and coordinators started elsewhere (another ``up``, or single roles) join the same cluster.
+
 Cores are split evenly among the workers (``--cpu-affinity`` of each) when the machine has at
 least one core per worker, so co-located workers do not fight over cores; ``--no-pin`` turns
 that off. Flags after ``--`` go to every worker (e.g. ``-- --dtype float32``).
@@ -43,6 +48,7 @@ from splitserve.common.api_keys import (
 )
 from splitserve.common.env_flags import env_name
 from splitserve.coordinator import INTERNAL_READY, PUBLIC_READY
+from splitserve.discovery.flags import add_membership_args, etcd_endpoints
 from splitserve.launch.child_process import ReadyError
 from splitserve.launch.supervisor import READY_TIMEOUT_S, Stopped, Supervisor, say
 from splitserve.proto.cluster_auth import TOKEN_ENV, ClusterCredential
@@ -103,10 +109,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="Prometheus /metrics ports: coordinator i at base + i, worker i after them "
         "(0: any free port each, printed at start; -1: no metrics)",
     )
+    add_membership_args(parser)
     add_tls_args(parser)
     add_api_key_args(parser)
     add_health_needs_key_flag(parser, "the gateway's /health and /metrics")
     return parser
+
+
+def membership_flags(args: argparse.Namespace) -> list[str]:
+    """The etcd membership flags every coordinator and worker gets; none by default."""
+    endpoints = etcd_endpoints(args)
+    if not endpoints:
+        return []
+    return [f"--etcd-endpoints={','.join(endpoints)}", f"--cluster-name={args.cluster_name}"]
 
 
 def _metrics_port(base: int, index: int) -> int:
@@ -131,7 +146,7 @@ def coordinator_argv(args: argparse.Namespace, index: int = 0) -> list[str]:
     argv = ["splitserve.coordinator.main", f"--host={args.host}", f"--port={port}"]
     argv += [f"--internal-port={internal_port}", f"--drain-timeout={args.drain_timeout}"]
     metrics_port = _metrics_port(args.metrics_port_base, index)
-    argv += [f"--model={args.model}", f"--metrics-port={metrics_port}"]
+    argv += [f"--model={args.model}", f"--metrics-port={metrics_port}", *membership_flags(args)]
     if args.max_inflight is not None:
         argv.append(f"--max-inflight={args.max_inflight}")
     if args.local_prefill_max_tokens is not None:
@@ -151,7 +166,7 @@ def worker_argvs(
     for index, (role, core_list) in enumerate(zip(roles, cores, strict=True)):
         argv = [f"splitserve.{role}.main", f"--coordinator={coordinator}", f"--model={args.model}"]
         argv += [f"--host={args.host}", f"--worker-id={role}-{index}"]
-        argv.append(f"--drain-timeout={args.drain_timeout}")
+        argv += [f"--drain-timeout={args.drain_timeout}", *membership_flags(args)]
         metrics_port = _metrics_port(args.metrics_port_base, args.coordinators + index)
         argv.append(f"--metrics-port={metrics_port}")
         if core_list is not None:

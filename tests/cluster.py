@@ -61,7 +61,7 @@ def running(
         address = child.wait_ready(ready_marker, START_TIMEOUT_S)
         announced = child.announcements()
         if INTERNAL_READY in announced:
-            _internal_of[address] = announced[INTERNAL_READY]
+            remember_internal(address, announced[INTERNAL_READY])
         if ready_lines is not None:
             ready_lines.update(announced)
         yield address
@@ -135,6 +135,11 @@ def child_pid(parent: int, *args: str) -> int:
         if all(arg.encode() in argv for arg in args):
             return int(pid)
     raise LookupError(f"no child of {parent} with {args}")
+
+
+def remember_internal(coordinator_address: str, internal: str) -> None:
+    """Record the internal address a coordinator announced next to its public one."""
+    _internal_of[coordinator_address] = internal
 
 
 def internal_address(coordinator_address: str) -> str:

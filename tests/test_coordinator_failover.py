@@ -177,6 +177,7 @@ async def _wait_serving(address: str, timeout_s: float) -> None:
         await client.wait_ready(max(timeout_s, 1.0))
 
 
+@pytest.mark.slow  # tests/test_fault_matrix.py kills a coordinator under the gateway by default
 def test_gateway_streams_continue_when_a_coordinator_dies(served: Served) -> None:
     expected = asyncio.run(_sdk_streams(served.gateway_url, None))
     assert all(count == MAX_TOKENS for _, count in expected)

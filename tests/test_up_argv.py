@@ -1,0 +1,28 @@
+"""``splitserve up``'s children's command lines: membership flags go to the coordinators and
+workers exactly when ``--etcd-endpoints`` is given, never to the gateway."""
+
+from __future__ import annotations
+
+from splitserve.launch.up import build_parser, coordinator_argv, gateway_argv, worker_argvs
+
+
+def _children(*flags: str) -> tuple[list[str], list[list[str]], list[str]]:
+    args = build_parser().parse_args(["--prefill=1", "--decode=2", *flags])
+    workers = [argv for _, argv in worker_argvs(args, "127.0.0.1:50052", [])]
+    return coordinator_argv(args), workers, gateway_argv(args, "127.0.0.1:50051")
+
+
+def test_etcd_membership_reaches_every_coordinator_and_worker() -> None:
+    coordinator, workers, gateway = _children(
+        "--etcd-endpoints= 10.0.0.1:2379,10.0.0.2:2379 ", "--cluster-name=blue"
+    )
+    membership = ["--etcd-endpoints=10.0.0.1:2379,10.0.0.2:2379", "--cluster-name=blue"]
+    for argv in (coordinator, *workers):
+        assert all(flag in argv for flag in membership), argv
+    assert not any(flag.startswith("--etcd") for flag in gateway)
+
+
+def test_without_etcd_no_membership_flag_is_passed() -> None:
+    coordinator, workers, gateway = _children()
+    for argv in (coordinator, *workers, gateway):
+        assert not any(f.startswith(("--etcd", "--cluster-name")) for f in argv), argv
