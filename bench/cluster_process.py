@@ -11,7 +11,9 @@ process group after a grace period); it is a context manager doing both.
 ``CpuMeter`` splits the machine's busy CPU time over an interval (``/proc/stat``) into the
 cluster's (``up`` and its child processes: coordinator and workers), this process's (the load
 generator) and everyone else's; the last, as a share of all CPUs, says how much other
-processes disturbed a measurement on a shared machine.
+processes disturbed a measurement on a shared machine. Cluster processes that start during
+the interval (a restarted child) count from their start; one killed on purpose counts up to
+its ``last_reading``.
 """
 
 from __future__ import annotations
@@ -167,16 +169,22 @@ class CpuMeter:
     cluster: LocalCluster
 
     def start(self) -> None:
-        self._pids = self.cluster.pids()
-        self._cluster0 = sum(_process_ticks(p) for p in self._pids)
+        self._ticks0 = {pid: _process_ticks(pid) for pid in self.cluster.pids()}
+        self._final: dict[int, int] = {}
         self._self0 = _process_ticks(os.getpid())
         self._busy0, self._total0 = _machine_ticks()
+
+    def last_reading(self, pid: int) -> None:
+        """Count ``pid``'s CPU time up to now: call it just before killing one of the
+        cluster's processes (once it is gone, its time cannot be read)."""
+        self._final[pid] = _process_ticks(pid)
 
     def stop(self) -> Json:
         busy1, total1 = _machine_ticks()
         total = max(total1 - self._total0, 1)
         busy = busy1 - self._busy0
-        cluster = sum(_process_ticks(p) for p in self._pids) - self._cluster0
+        ticks = {pid: _process_ticks(pid) for pid in self.cluster.pids()} | self._final
+        cluster = sum(max(t - self._ticks0.get(pid, 0), 0) for pid, t in ticks.items())
         own = _process_ticks(os.getpid()) - self._self0
         return {
             "busy_share": round(busy / total, 3),

@@ -36,6 +36,8 @@ class StreamEvent:
 
     num_tokens: int = 0
     """Output tokens this message carries (0 on the final event)."""
+    text: str = ""
+    """The output text it carries (``OpenAITarget``; empty from ``GrpcTarget``)."""
     finish_reason: str | None = None
     """Set on the final event of a request that finished (e.g. ``length``, ``stop``)."""
     error: str | None = None
@@ -190,7 +192,7 @@ class OpenAITarget:
                         count = 1 if choices and choices[0].get("text") else 0
                     if count > 0 and choices:
                         seen += count
-                        yield StreamEvent(num_tokens=count)
+                        yield StreamEvent(num_tokens=count, text=choices[0].get("text") or "")
                     if choices and choices[0].get("finish_reason"):
                         finish = choices[0]["finish_reason"]
         except httpx.HTTPError as error:

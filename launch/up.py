@@ -164,7 +164,9 @@ def worker_argvs(
     cores = [None] * len(roles) if args.no_pin else worker_core_sets(len(roles), cpus)
     workers = []
     for index, (role, core_list) in enumerate(zip(roles, cores, strict=True)):
-        argv = [f"splitserve.{role}.main", f"--coordinator={coordinator}", f"--model={args.model}"]
+        argv = [f"splitserve.{role}.main", f"--model={args.model}"]
+        if not membership_flags(args):  # on etcd a worker knows no coordinator
+            argv.append(f"--coordinator={coordinator}")
         argv += [f"--host={args.host}", f"--worker-id={role}-{index}"]
         argv += [f"--drain-timeout={args.drain_timeout}", *membership_flags(args)]
         metrics_port = _metrics_port(args.metrics_port_base, args.coordinators + index)

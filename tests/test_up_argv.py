@@ -19,6 +19,8 @@ def test_etcd_membership_reaches_every_coordinator_and_worker() -> None:
     membership = ["--etcd-endpoints=10.0.0.1:2379,10.0.0.2:2379", "--cluster-name=blue"]
     for argv in (coordinator, *workers):
         assert all(flag in argv for flag in membership), argv
+    for argv in workers:  # they learn of no coordinator: the coordinators watch etcd
+        assert not any(flag.startswith("--coordinator") for flag in argv), argv
     assert not any(flag.startswith("--etcd") for flag in gateway)
 
 
@@ -26,3 +28,4 @@ def test_without_etcd_no_membership_flag_is_passed() -> None:
     coordinator, workers, gateway = _children()
     for argv in (coordinator, *workers, gateway):
         assert not any(f.startswith(("--etcd", "--cluster-name")) for f in argv), argv
+    assert all("--coordinator=127.0.0.1:50052" in argv for argv in workers)
