@@ -6,7 +6,15 @@ Two cluster configurations of ``splitserve up``, each worker pinned to its own c
   prefilled on the prefill worker and its KV pushed over UCX to the decode worker, whose
   decode steps are never interrupted by a prefill;
 - ``colocated``: ``--prefill 0 --decode 2``: two decode workers, each prefilling its own
-  requests' prompts in the same steps as its running requests' decodes.
+  requests' prompts in the same steps as its running requests' decodes (each worker does both
+  phases);
+- ``adaptive`` (only with ``--configs``): 1 + 1 with ``--placement adaptive``: per request, a
+  prompt runs on the decode worker when the prefill queue puts the TTFT target at risk and the
+  decode batch keeps its TPOT target (explicit ``--slo-*-ms`` are also the coordinator's
+  targets, through ``SPLITSERVE_TTFT_SLO_MS`` / ``SPLITSERVE_TPOT_SLO_MS``);
+- ``always-local`` (only with ``--configs``): 1 + 1 with ``--placement local``: every prompt
+  on the decode worker, the prefill worker idle (the baseline that shows what the prefill
+  worker adds).
 
 For each configuration: start the cluster (wait for its ready line), send a few warm-up
 requests, measure unloaded latencies (requests one at a time at the mean input and output
@@ -55,7 +63,10 @@ from workload import LengthDist, WorkloadConfig, build_workload
 CONFIGS: dict[str, list[str]] = {
     "disaggregated": ["--prefill", "1", "--decode", "1", "--local-prefill-max-tokens", "0"],
     "colocated": ["--prefill", "0", "--decode", "2"],
+    "adaptive": ["--prefill", "1", "--decode", "1", "--placement", "adaptive"],
+    "always-local": ["--prefill", "1", "--decode", "1", "--placement", "local"],
 }
+DEFAULT_CONFIGS = ("disaggregated", "colocated")
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 SPLITSERVE = Path(sys.executable).parent / "splitserve"
 CALIBRATION_SEED_OFFSET = 1000
@@ -72,7 +83,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rates", default="0.25,0.5,0.8,1.2,1.6", help="req/s, comma-separated")
     parser.add_argument("--window-s", type=float, default=40.0, help="arrival window per rate")
     parser.add_argument("--min-requests", type=int, default=16)
-    parser.add_argument("--configs", default=",".join(CONFIGS), help="which configurations")
+    parser.add_argument(
+        "--configs",
+        default=",".join(DEFAULT_CONFIGS),
+        help=f"which configurations, of {', '.join(CONFIGS)}",
+    )
     parser.add_argument("--input-dist", default="uniform:128:512")
     parser.add_argument("--output-dist", default="uniform:64:128")
     parser.add_argument("--seed", type=int, default=0)
@@ -169,6 +184,11 @@ def run_config(name: str, args: argparse.Namespace, log_dir: Path) -> Json:
     busy = wait_for_quiet(args.wait_quiet_s)
     log(f"{name}: splitserve up {' '.join(flags)} (machine busy before: {busy})")
     env = dict(item.split("=", 1) for item in args.cluster_env)
+    # explicit SLOs are also the coordinator's targets (adaptive placement decides by them)
+    if args.slo_ttft_ms is not None:
+        env.setdefault("SPLITSERVE_TTFT_SLO_MS", str(args.slo_ttft_ms))
+    if args.slo_tpot_ms is not None:
+        env.setdefault("SPLITSERVE_TPOT_SLO_MS", str(args.slo_tpot_ms))
     cluster = LocalCluster(SPLITSERVE, flags, log_dir / f"cluster-{name}.log", env=env)
     started = time.monotonic()
     with cluster:
@@ -254,7 +274,8 @@ def comparison(rows: Sequence[Json]) -> Json:
         if config == "disaggregated" and other is not None:
             per_rate[str(rate)] = round(goodput / other, 2) if other else None
     best = {
-        c: max((g for (config, _), g in by.items() if config == c), default=0.0) for c in CONFIGS
+        c: max((g for (config, _), g in by.items() if config == c), default=0.0)
+        for c in DEFAULT_CONFIGS
     }
     peak_ratio = best["disaggregated"] / best["colocated"] if best["colocated"] else None
     attained = {
@@ -262,7 +283,7 @@ def comparison(rows: Sequence[Json]) -> Json:
             (r["rate"] for r in rows if r["config"] == c and r["summary"]["slo_attainment"] >= 0.9),
             default=0.0,
         )
-        for c in CONFIGS
+        for c in DEFAULT_CONFIGS
     }
     return {
         "max_rate_at_90pct_attainment": attained,
@@ -281,7 +302,7 @@ def plot(rows: Sequence[Json], slo: Slo, path: Path) -> None:
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     rates = sorted({r["rate"] for r in rows})
-    for config, marker in zip(CONFIGS, "os", strict=True):
+    for config, marker in zip(CONFIGS, "osd^", strict=True):
         mine = sorted((r for r in rows if r["config"] == config), key=lambda r: r["rate"])
         if not mine:
             continue
@@ -329,7 +350,11 @@ def main(argv: Sequence[str] | None = None) -> Json:
         },
         "unloaded": calibration,
         "slo": {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms},
-        "comparison": comparison(rows) if set(CONFIGS) <= set(measured) else None,
+        "comparison": comparison(rows) if set(DEFAULT_CONFIGS) <= set(measured) else None,
+        "peak_goodput": {
+            c: max((r["summary"]["goodput"] for r in rows if r["config"] == c), default=0.0)
+            for c in measured
+        },
         "cluster_warnings": {n: m["warnings"] for n, m in measured.items()},
         "runs": rows,
         "wall_s": round(time.monotonic() - started, 1),

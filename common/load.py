@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from splitserve.common.step_cost import StepCost
 
 
 @dataclass(frozen=True)
@@ -20,6 +22,8 @@ class EngineLoad:
     num_pending_prefill_tokens: int = 0
     num_finished_requests: int = 0
     """Cumulative count of requests that ended on this engine."""
+    step_cost: StepCost = field(default_factory=StepCost)
+    """The engine's step-time model, learned from its own steps (``common/step_cost.py``)."""
 
     @property
     def num_free_blocks(self) -> int:

@@ -136,6 +136,9 @@ class Attempt:
         self.num_cached_tokens = 0
         self.stage_seconds: list[tuple[str, float]] = []
         """(stage, seconds) as they completed: reserve, prefill or local_prefill."""
+        self.first_token_s: float | None = None
+        """Seconds from the attempt's start to its first token, once it came."""
+        self._started = time.monotonic()
         self._prompt = list(prompt_token_ids)
         self._prior_output = list(prior_output_token_ids)
         self._params = params
@@ -160,7 +163,7 @@ class Attempt:
             prior_output_token_ids=self._prior_output,
         )
         tasks = [asyncio.create_task(self._read_decode(call))]
-        started = stage_start = time.monotonic()
+        started = stage_start = self._started = time.monotonic()
         with self._router.decoding(decode):
             try:
                 while self.state is not AttemptState.ENDED:
@@ -222,6 +225,8 @@ class Attempt:
             self.state = AttemptState.DECODING
         elif self.route.prefill is None and not self.stage_seconds:
             self._stage("local_prefill", stage_start)
+        if self.first_token_s is None:
+            self.first_token_s = time.monotonic() - self._started
         self.num_cached_tokens = max(self.num_cached_tokens, output.update.num_cached_tokens)
         return self.tracker.process(output.update, output.logprobs)
 

@@ -32,8 +32,18 @@ from splitserve.common.output_processor import RequestTracker, StreamChunk
 from splitserve.common.request_update import RequestUpdate
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.coordinator.attempt import Attempt, AttemptTimeouts, DecodeLost, PrefillLost
+from splitserve.coordinator.placement import Placement, Slo
 from splitserve.coordinator.router import Router
 from splitserve.proto.worker_clients import WorkerChannels
+
+
+@dataclass(frozen=True)
+class PlacementOutcome:
+    """A request's placement and what came of it."""
+
+    placement: Placement
+    first_token_s: float | None
+    """Attempt start -> first token; None when the attempt produced none."""
 
 
 class FlowState(enum.Enum):
@@ -62,8 +72,11 @@ class RequestFlow:
         router: Router,
         channels: WorkerChannels,
         config: FlowConfig,
+        slo: Slo | None = None,
     ) -> None:
         self.request_id = request_id
+        self.slo = slo
+        """The request's latency targets; None: the router's default."""
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.state = FlowState.ADMITTED
@@ -77,6 +90,8 @@ class RequestFlow:
         self.stage_seconds: list[tuple[str, float]] = []
         """(stage, seconds) of every attempt: reserve (decode worker reserved blocks),
         prefill (reservation -> first token, KV pushed), local_prefill (no prefill worker)."""
+        self.placement: PlacementOutcome | None = None
+        """Where the first attempt computed the prompt, and how long its first token took."""
         self.recoveries: list[str] = []
         """prefill_fallback / decode_resume, each time a worker failed this request;
         coordinator_continuation once when it continues a stream another coordinator broke
@@ -150,6 +165,10 @@ class RequestFlow:
             finally:
                 self._num_cached_tokens = self.num_cached_tokens
                 self._attempt = None
+                if self.placement is None and attempt.route.placement is not None:
+                    self.placement = PlacementOutcome(
+                        attempt.route.placement, attempt.first_token_s
+                    )
                 self.stage_seconds.extend(attempt.stage_seconds)
             self.state = FlowState.RESUMING
         self.state = FlowState.FAILED
@@ -165,7 +184,7 @@ class RequestFlow:
         remaining = self.params.max_tokens - len(streamed)
         with_prefill = not (local_prefill_only or streamed)
         route = self._router.route(
-            self.prompt_token_ids + streamed, remaining, excluded, with_prefill
+            self.prompt_token_ids + streamed, remaining, excluded, with_prefill, self.slo
         )
         if route is None:
             return None

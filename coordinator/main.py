@@ -37,7 +37,8 @@ from splitserve.coordinator.flow import FlowConfig
 from splitserve.coordinator.membership_follower import MembershipFollower
 from splitserve.coordinator.membership_servicer import MembershipServicer
 from splitserve.coordinator.metrics import CoordinatorMetrics
-from splitserve.coordinator.router import RoutingConfig
+from splitserve.coordinator.placement import PlacementMode, Slo
+from splitserve.coordinator.router import DEFAULT_SLO, RoutingConfig
 from splitserve.coordinator.service import Coordinator, CoordinatorConfig
 from splitserve.coordinator.servicer import CoordinatorServicer
 from splitserve.discovery.etcd_watcher import EtcdMembershipWatcher
@@ -73,7 +74,23 @@ def build_parser() -> argparse.ArgumentParser:
         "--local-prefill-max-tokens",
         0,
         int,
-        "prompts with at most this many uncached tokens are prefilled on the decode worker",
+        "prompts of at most this many tokens are prefilled on the decode worker",
+    )
+    flag(
+        "--placement",
+        PlacementMode.RULE.value,
+        str,
+        "where prompts are computed: rule (a prefill worker unless short, the default), "
+        "adaptive (per request from the workers' learned step times and the latency targets), "
+        "remote or local (always, where possible)",
+    )
+    flag("--ttft-slo-ms", DEFAULT_SLO.ttft_s * 1000, float, "TTFT target adaptive placement uses")
+    flag("--tpot-slo-ms", DEFAULT_SLO.tpot_s * 1000, float, "TPOT target adaptive placement uses")
+    flag(
+        "--local-chunk-tokens",
+        RoutingConfig.local_chunk_tokens,
+        int,
+        "prompt tokens a decode worker computes per step (its --max-num-batched-tokens)",
     )
     flag("--prefill-timeout", 300.0, float, "seconds a prefill (compute + KV push) may take")
     flag("--metrics-port", 0, int, "Prometheus /metrics port (0: any free port, -1: off)")
@@ -91,6 +108,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def placement_mode_or_exit(parser: argparse.ArgumentParser, value: str) -> PlacementMode:
+    """The ``--placement`` mode; exits with a usage error naming the choices."""
+    try:
+        return PlacementMode(value)
+    except ValueError:
+        choices = ", ".join(mode.value for mode in PlacementMode)
+        parser.error(f"--placement must be one of {choices}, not {value!r}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -103,7 +129,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = CoordinatorConfig(
         model_name=model_name_of(model_path),
         max_inflight=args.max_inflight,
-        routing=RoutingConfig(local_prefill_max_tokens=args.local_prefill_max_tokens),
+        routing=RoutingConfig(
+            local_prefill_max_tokens=args.local_prefill_max_tokens,
+            mode=placement_mode_or_exit(parser, args.placement),
+            slo=Slo(ttft_s=args.ttft_slo_ms / 1000, tpot_s=args.tpot_slo_ms / 1000),
+            local_chunk_tokens=args.local_chunk_tokens,
+        ),
         flow=FlowConfig(timeouts=AttemptTimeouts(prefill_s=args.prefill_timeout)),
     )
     coordinator = Coordinator(config, load_tokenizer(model_path), access)

@@ -8,10 +8,16 @@ local_prefill (prompt computed on the decode worker). ``splitserve_request_recov
 decode_resume (decode worker failed, request resumed on another), coordinator_continuation
 (a client continued here a stream whose coordinator died, ``continue_after``).
 ``splitserve_num_workers{worker_role}``: registered, healthy workers.
+``splitserve_placement_decisions_total{where, reason}``: where requests' prompts were computed
+(remote | local) and why (``coordinator/placement.py:Reason``);
+``splitserve_placement_ttft_ratio{where}``: first token time / predicted TTFT, for decisions
+that predicted one (how far the step-time models are off). Each decision with a prediction is
+logged at DEBUG with its inputs' outcome.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -20,10 +26,13 @@ from prometheus_client.registry import Collector
 
 from splitserve.common.membership import Role
 from splitserve.common.metrics import TIME_TO_FIRST_TOKEN_BUCKETS, RequestMetrics
-from splitserve.coordinator.flow import RequestFlow
+from splitserve.coordinator.flow import PlacementOutcome, RequestFlow
 from splitserve.coordinator.registry import WorkerRegistry
 
+logger = logging.getLogger(__name__)
+
 STAGES = ("reserve", "prefill", "local_prefill")
+TTFT_RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0)
 RECOVERIES = ("prefill_fallback", "decode_resume", "coordinator_continuation")
 
 
@@ -47,6 +56,20 @@ class CoordinatorMetrics:
             registry=registry,
         )
         self._recoveries = {kind: recoveries.labels(model_name, kind) for kind in RECOVERIES}
+        self._placements = Counter(
+            "splitserve_placement_decisions",
+            "Where requests' prompts were computed, and why.",
+            ["model_name", "where", "reason"],
+            registry=registry,
+        )
+        self._ttft_ratio = Histogram(
+            "splitserve_placement_ttft_ratio",
+            "First token time over the placement's predicted TTFT.",
+            ["model_name", "where"],
+            buckets=TTFT_RATIO_BUCKETS,
+            registry=registry,
+        )
+        self._model_name = model_name
         registry.register(_WorkerCollector(worker_registry))
 
     def record_flow(self, flow: RequestFlow) -> None:
@@ -57,6 +80,28 @@ class CoordinatorMetrics:
         for kind in flow.recoveries:
             if kind in self._recoveries:
                 self._recoveries[kind].inc()
+        if flow.placement is not None:
+            self._record_placement(flow.request_id, flow.placement)
+
+    def _record_placement(self, request_id: str, outcome: PlacementOutcome) -> None:
+        placement = outcome.placement
+        where = placement.where
+        self._placements.labels(self._model_name, where, placement.reason.value).inc()
+        predicted, actual = placement.predicted_ttft_s, outcome.first_token_s
+        if predicted is None or actual is None or predicted <= 0:
+            return
+        self._ttft_ratio.labels(self._model_name, where).observe(actual / predicted)
+        logger.debug(
+            "%s: prompt %s (%s), TTFT predicted %.3f s, took %.3f s; local TPOT would be %s",
+            request_id,
+            where,
+            placement.reason.value,
+            predicted,
+            actual,
+            "?"
+            if placement.predicted_local_tpot_s is None
+            else f"{placement.predicted_local_tpot_s:.3f} s",
+        )
 
 
 class _WorkerCollector(Collector):

@@ -5,11 +5,11 @@ Decode: among healthy decode workers whose context fits the request, the one wit
 free KV blocks after the request, penalised by the tokens it already decodes per step (its
 running batch's KV read) and by the requests this coordinator has running there.
 
-Prefill: only workers whose KV layout hash equals the decode worker's; the one with the
-fewest pending prefill tokens after subtracting the prompt tokens it likely has cached (a
-bounded record of the chained block hashes of prompts routed to it). Prompts whose uncached
-part is at most ``local_prefill_max_tokens`` stay on the decode worker (conditional
-disaggregation), as do all prompts when no compatible prefill worker exists.
+Prefill: only workers whose KV layout hash equals the decode worker's are candidates, each
+seen with its queued prompt tokens and the prompt tokens it likely has cached (a bounded record
+of the chained block hashes of prompts routed to it); ``coordinator/placement.py:place``
+decides between them and the decode worker itself (local prefill), by ``RoutingConfig.mode``
+and the request's latency targets.
 
 Load has two sources: what each worker reports (the registry's ``load``, the shared truth
 when several coordinators dispatch to the same workers) and what this coordinator dispatched
@@ -27,15 +27,31 @@ from dataclasses import dataclass
 
 from splitserve.common.blocks import BlockHash, prompt_block_hashes
 from splitserve.common.membership import Role
+from splitserve.coordinator.placement import (
+    DecodeView,
+    Placement,
+    PlacementMode,
+    PrefillView,
+    RuleConfig,
+    Slo,
+    place,
+)
 from splitserve.coordinator.registry import WorkerRecord, WorkerRegistry
+
+DEFAULT_SLO = Slo(ttft_s=2.0, tpot_s=0.05)
 
 
 @dataclass(frozen=True)
 class RoutingConfig:
     local_prefill_max_tokens: int = 0
-    """Prompts with at most this many uncached tokens are prefilled on the decode worker."""
+    """Prompts of at most this many tokens are prefilled on the decode worker."""
     prefix_memory_blocks: int = 100_000
     """Block hashes remembered per prefill worker for the prefix-overlap estimate."""
+    mode: PlacementMode = PlacementMode.RULE
+    slo: Slo = DEFAULT_SLO
+    """Latency targets of requests that set none."""
+    local_chunk_tokens: int = 2048
+    """Prompt tokens a decode worker computes per step (its ``--max-num-batched-tokens``)."""
 
 
 @dataclass(frozen=True)
@@ -43,6 +59,9 @@ class Route:
     decode: WorkerRecord
     prefill: WorkerRecord | None
     """None: the decode worker prefills the prompt itself."""
+    placement: Placement | None = None
+    """Why the prompt runs where it does; None for a route without prefill choice (a
+    fallback or a resume)."""
 
 
 @dataclass
@@ -123,14 +142,24 @@ class Router:
         max_tokens: int,
         exclude: Sequence[str] = (),
         with_prefill: bool = True,
+        slo: Slo | None = None,
     ) -> Route | None:
         """A route for the request, or None when no decode worker can take it.
-        ``with_prefill=False``: the decode worker computes the prompt (fallback, resume)."""
+        ``with_prefill=False``: the decode worker computes the prompt (fallback, resume).
+        ``slo``: the request's targets (the config's default when None)."""
         decode = self.pick_decode(len(prompt_token_ids) + max_tokens, exclude)
         if decode is None:
             return None
-        prefill = self.pick_prefill(decode, prompt_token_ids) if with_prefill else None
-        return Route(decode, prefill)
+        if not with_prefill:
+            return Route(decode, None)
+        placement = self.place_prompt(decode, prompt_token_ids, max_tokens, slo or self.config.slo)
+        if placement.prefill_worker_id is None:
+            return Route(decode, None, placement)
+        prefill = self.registry.get(placement.prefill_worker_id)
+        assert prefill is not None  # a candidate a moment ago, on this event loop
+        hashes = prompt_block_hashes(prompt_token_ids, decode.block_size)
+        self._memory(prefill.worker_id).remember(hashes)
+        return Route(decode, prefill, placement)
 
     def pick_decode(self, num_tokens: int, exclude: Sequence[str] = ()) -> WorkerRecord | None:
         candidates = [
@@ -151,31 +180,38 @@ class Router:
 
         return max(candidates, key=score)
 
-    def pick_prefill(
-        self, decode: WorkerRecord, prompt_token_ids: Sequence[int]
-    ) -> WorkerRecord | None:
+    def place_prompt(
+        self,
+        decode: WorkerRecord,
+        prompt_token_ids: Sequence[int],
+        max_tokens: int,
+        slo: Slo,
+    ) -> Placement:
+        """Where the prompt runs for a request decoding on ``decode`` (``place``)."""
         candidates = [
             w
             for w in self.registry.workers(Role.PREFILL)
             if w.compat_hash == decode.compat_hash and w.max_model_len >= len(prompt_token_ids)
         ]
-        if not candidates or len(prompt_token_ids) <= self.config.local_prefill_max_tokens:
-            return None
-        hashes = prompt_block_hashes(prompt_token_ids, decode.block_size)
-
-        def cost(worker: WorkerRecord) -> float:
-            memory = self._memory(worker.worker_id)
-            cached_tokens = memory.overlap_blocks(hashes) * worker.block_size
-            queued = self._pending[worker.worker_id].num_prefill_tokens
-            pending = worker.load.num_pending_prefill_tokens + queued
-            return pending + len(prompt_token_ids) - cached_tokens
-
-        best = min(candidates, key=cost)
-        cached = self._memory(best.worker_id).overlap_blocks(hashes) * best.block_size
-        if len(prompt_token_ids) - cached <= self.config.local_prefill_max_tokens:
-            return None
-        self._memory(best.worker_id).remember(hashes)
-        return best
+        hashes = prompt_block_hashes(prompt_token_ids, decode.block_size) if candidates else []
+        prefills = [
+            PrefillView(
+                worker_id=w.worker_id,
+                cost=w.load.step_cost,
+                queued_tokens=w.load.num_pending_prefill_tokens
+                + self._pending[w.worker_id].num_prefill_tokens,
+                cached_tokens=self._memory(w.worker_id).overlap_blocks(hashes) * w.block_size,
+            )
+            for w in candidates
+        ]
+        view = DecodeView(
+            cost=decode.load.step_cost,
+            running_requests=decode.load.num_running_requests,
+            running_tokens=decode.load.num_running_tokens,
+            queued_tokens=decode.load.num_pending_prefill_tokens,
+        )
+        rule = RuleConfig(self.config.local_prefill_max_tokens, self.config.local_chunk_tokens)
+        return place(len(prompt_token_ids), max_tokens, view, prefills, slo, self.config.mode, rule)
 
     def _memory(self, worker_id: str) -> PrefixMemory:
         memory = self._prefix.get(worker_id)

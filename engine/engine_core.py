@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -24,6 +25,7 @@ from splitserve.common.model_files import resolve_model_path
 from splitserve.common.prompt import check_in_vocab
 from splitserve.common.request_update import StepOutput
 from splitserve.common.sampling_params import SamplingParams
+from splitserve.common.step_cost import StepCostLearner, StepShape
 from splitserve.engine.attention import AttentionBackend, TorchAttentionBackend
 from splitserve.engine.checkpoint import LoadedCheckpoint, load_checkpoint
 from splitserve.engine.config import EngineConfig
@@ -32,7 +34,7 @@ from splitserve.engine.kv_cache_manager import KVCacheManager
 from splitserve.engine.model import LlamaModel
 from splitserve.engine.model_runner import ModelRunner, kv_cache_bytes_per_block
 from splitserve.engine.request import Request, RequestStatus
-from splitserve.engine.scheduler import Scheduler
+from splitserve.engine.scheduler import Scheduler, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +81,8 @@ class EngineCore:
         )
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len)
         self.eos_token_ids = frozenset(checkpoint.config.eos_token_ids)
+        self.step_cost = StepCostLearner()
+        """This engine's step times, learned from every step (``load().step_cost``)."""
         logger.info(
             "engine ready: %s dtype=%s blocks=%d x %d tokens, max_model_len=%d",
             checkpoint.config.name,
@@ -178,6 +182,7 @@ class EngineCore:
             num_running_tokens=sum(r.num_tokens for r in scheduler.running),
             num_pending_prefill_tokens=pending_prefill,
             num_finished_requests=scheduler.stats.num_finished_requests,
+            step_cost=self.step_cost.estimate(),
         )
 
     # ---- the step --------------------------------------------------------------------------
@@ -234,6 +239,7 @@ class EngineCore:
         steps that complete some prompt, with those prompts (their block tables say where
         the KV is).
         """
+        started = time.perf_counter()
         scheduled = self.scheduler.schedule()
         hook = None
         if on_layer_kv_written is not None:  # only a KV-pushing worker looks for them
@@ -249,7 +255,19 @@ class EngineCore:
 
         executed = self.runner.execute(scheduled, hook)
         updates = self.scheduler.update(scheduled, executed.sampled_token_ids)
+        self.step_cost.observe(step_shape(scheduled), time.perf_counter() - started)
         return [StepOutput(u, _logprobs_of(executed.logprobs.get(u.request_id))) for u in updates]
+
+
+def step_shape(scheduled: SchedulerOutput) -> StepShape:
+    """The cost model's view of a step: a one-token chunk of a request that already has
+    output is a decode; every other chunk computes prompt tokens."""
+    decode = [c for c in scheduled.chunks if c.num_tokens == 1 and c.output_token_ids]
+    return StepShape(
+        decode_seqs=len(decode),
+        prefill_tokens=scheduled.num_tokens - len(decode),
+        context_tokens=sum(c.context_length for c in decode),
+    )
 
 
 def _logprobs_of(logprob: TokenLogprob | None) -> tuple[TokenLogprob, ...]:

@@ -85,6 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--max-inflight", type=int, default=None, help="passed to the coordinator")
     parser.add_argument(
+        "--placement",
+        default=None,
+        help="where prompts are computed (rule, adaptive, remote, local); for the coordinator",
+    )
+    parser.add_argument(
         "--http-port", type=int, default=8000, help="OpenAI-compatible gateway port (0: any free)"
     )
     parser.add_argument("--no-gateway", action="store_true", help="do not start the gateway")
@@ -151,6 +156,8 @@ def coordinator_argv(args: argparse.Namespace, index: int = 0) -> list[str]:
         argv.append(f"--max-inflight={args.max_inflight}")
     if args.local_prefill_max_tokens is not None:
         argv.append(f"--local-prefill-max-tokens={args.local_prefill_max_tokens}")
+    if args.placement is not None:
+        argv.append(f"--placement={args.placement}")
     return argv
 
 

@@ -17,6 +17,7 @@ from splitserve.common.logprobs import TokenLogprob
 from splitserve.common.membership import Role, WorkerInfo
 from splitserve.common.request_update import FinishReason, RequestUpdate, StepOutput
 from splitserve.common.sampling_params import SamplingParams
+from splitserve.common.step_cost import StepCost
 from splitserve.proto.splitserve.v1 import common_pb2, worker_pb2
 from splitserve.transfer.layout import KvLayout
 from splitserve.transfer.plan import InvalidTransferPlanError, TransferPlan
@@ -133,17 +134,26 @@ def layout_from_proto(message: worker_pb2.KvLayout) -> KvLayout:
     )
 
 
-_LOAD_FIELDS = tuple(EngineLoad.__dataclass_fields__)
+_LOAD_FIELDS = tuple(name for name in EngineLoad.__dataclass_fields__ if name != "step_cost")
+_STEP_COST_FIELDS = tuple(StepCost.__dataclass_fields__)
 
 
 def load_to_proto(load: EngineLoad, ready: bool = True) -> worker_pb2.WorkerLoad:
     return worker_pb2.WorkerLoad(
-        ready=ready, **{name: getattr(load, name) for name in _LOAD_FIELDS}
+        ready=ready,
+        step_cost=worker_pb2.StepCost(
+            **{name: getattr(load.step_cost, name) for name in _STEP_COST_FIELDS}
+        ),
+        **{name: getattr(load, name) for name in _LOAD_FIELDS},
     )
 
 
 def load_from_proto(message: worker_pb2.WorkerLoad) -> EngineLoad:
-    return EngineLoad(**{name: getattr(message, name) for name in _LOAD_FIELDS})
+    cost = message.step_cost
+    return EngineLoad(
+        step_cost=StepCost(**{name: getattr(cost, name) for name in _STEP_COST_FIELDS}),
+        **{name: getattr(message, name) for name in _LOAD_FIELDS},
+    )
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> common_pb2.Usage:

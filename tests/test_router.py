@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from splitserve.common.blocks import prompt_block_hashes
 from splitserve.common.load import EngineLoad
 from splitserve.common.membership import Role
+from splitserve.common.step_cost import MIN_STEPS, StepCost
+from splitserve.coordinator.placement import PlacementMode, Reason, Slo
 from splitserve.coordinator.registry import WorkerRecord, WorkerRegistry
 from splitserve.coordinator.router import Router, RoutingConfig
 
@@ -104,3 +107,38 @@ def test_a_route_without_prefill_remembers_no_prefix_for_a_prefill_worker() -> N
     assert router._memory("p").overlap_blocks(prompt_block_hashes(prompt, 16)) == 32
     router.forget("p")  # it left the registry
     assert router._memory("p").overlap_blocks(prompt_block_hashes(prompt, 16)) == 0
+
+
+def test_adaptive_routing_sees_the_workers_learned_step_costs_and_their_queues() -> None:
+    """The router hands placement each worker's reported step-time model and queued tokens
+    (its own pending ones included): a long prefill queue sends the prompt to a lightly
+    loaded decode worker, a short one to the prefill worker."""
+    cost = StepCost(
+        decode_base_s=0.012,
+        per_decode_seq_s=0.001,
+        prefill_base_s=0.01,
+        per_prefill_token_s=0.002,
+        decode_steps=MIN_STEPS,
+        prefill_steps=MIN_STEPS,
+    )
+    decode = _worker("d", Role.DECODE)
+    prefill = _worker("p", Role.PREFILL, pending_prefill=300)
+    for worker in (decode, prefill):
+        worker.load = dataclasses.replace(worker.load, step_cost=cost)
+    registry = WorkerRegistry(expiry_s=1.0)
+    for worker in (decode, prefill):
+        registry.register(worker)
+    router = Router(registry, RoutingConfig(mode=PlacementMode.ADAPTIVE))
+    prompt = list(range(320))
+    route = router.route(prompt, 96)
+    assert route is not None and route.prefill is prefill
+    assert route.placement is not None and route.placement.reason is Reason.REMOTE_WITHIN_SLO
+    with router.prefilling(prefill, 700):  # this coordinator's own queue there: 1000 tokens
+        route = router.route(prompt, 96)
+    assert route is not None and route.prefill is None
+    assert route.placement is not None and route.placement.reason is Reason.LOCAL_FASTER
+    tight = Slo(ttft_s=2.0, tpot_s=0.013)  # no room in the decode batch's TPOT
+    with router.prefilling(prefill, 700):
+        route = router.route(prompt, 96, slo=tight)
+    assert route is not None and route.prefill is prefill
+    assert route.placement is not None and route.placement.reason is Reason.TPOT_GUARD

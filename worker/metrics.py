@@ -17,7 +17,10 @@ Names (prefix ``splitserve_``; labels ``model_name``, ``role``):
   (label ``direction``: send | receive; failures also ``reason``: timeout | aborted | error),
   ``kv_reservation_wait_seconds`` (decode: waiting for free blocks for a pushed prompt),
   ``kv_transfer_block_runs`` (decode: runs of consecutive blocks per reservation; the transfer
-  sends K and V of each run per layer as separate messages, so more runs mean more messages).
+  sends K and V of each run per layer as separate messages, so more runs mean more messages);
+- ``step_cost_seconds`` (gauge, label ``term``: the engine's learned step-time model,
+  ``common/step_cost.py``: decode_base, per_decode_seq, per_context_token, prefill_base,
+  per_prefill_token) and ``step_cost_steps`` (label ``part``: decode | prefill, steps fitted).
 """
 
 from __future__ import annotations
@@ -31,11 +34,19 @@ from prometheus_client.registry import Collector
 
 from splitserve.common.errors import TransferAbortedError, TransferTimeoutError
 from splitserve.common.metrics import KV_TRANSFER_BUCKETS, REQUEST_LATENCY_BUCKETS
+from splitserve.common.step_cost import StepCost
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.engine.request import Request
 
 _LABELS = ("model_name", "role")
 BLOCK_RUN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+STEP_COST_TERMS = (
+    "decode_base",
+    "per_decode_seq",
+    "per_context_token",
+    "prefill_base",
+    "per_prefill_token",
+)
 
 
 class TransferMetrics:
@@ -141,6 +152,25 @@ class _EngineCollector(Collector):
             family = CounterMetricFamily(f"splitserve_{name}", doc, labels=_LABELS)
             family.add_metric(self._values, value)
             yield family
+        yield from self._step_cost(load.step_cost)
+
+    def _step_cost(self, cost: StepCost) -> Iterator[GaugeMetricFamily]:
+        terms = GaugeMetricFamily(
+            "splitserve_step_cost_seconds",
+            "The engine's learned step-time model: seconds per unit of each term.",
+            labels=[*_LABELS, "term"],
+        )
+        for term in STEP_COST_TERMS:
+            terms.add_metric([*self._values, term], getattr(cost, f"{term}_s"))
+        yield terms
+        steps = GaugeMetricFamily(
+            "splitserve_step_cost_steps",
+            "Steps each part of the step-time model was fitted on.",
+            labels=[*_LABELS, "part"],
+        )
+        steps.add_metric([*self._values, "decode"], cost.decode_steps)
+        steps.add_metric([*self._values, "prefill"], cost.prefill_steps)
+        yield steps
 
 
 class _RequestPhaseMetrics:

@@ -1,0 +1,182 @@
+"""Where a request's prompt is computed (torch-free): on a prefill worker, which pushes its KV
+to the decode worker ("remote"), or on the decode worker itself, chunked into its decode batch
+("local"). Decided per request from live figures and each worker's learned step-time model
+(``common/step_cost.py``), against the request's latency targets (``Slo``).
+
+``place`` predicts, from plain figures (``DecodeView``, ``PrefillView``):
+
+- remote TTFT on prefill worker p: ``p.cost.prefill_s(p.queued_tokens + uncached)`` (its
+  queue first, then this prompt, less what p likely has cached) plus one decode step of the
+  decode worker (the KV handoff and the first token's trip);
+- local TTFT: ``d.cost.prefill_s(d.queued_tokens + prompt)`` plus one decode step of its batch
+  per ``local_chunk_tokens`` of prompt (the batch's steps carry the chunks);
+- the TPOT that local prefill gives the decode batch: its decode step with this request added,
+  plus the prefill time spread over ``max_tokens`` tokens (a running request's mean
+  inter-token time grows by the prompt time it shares, over an output of about this length).
+
+``PlacementMode.ADAPTIVE``: remote on the candidate with the lowest predicted TTFT while
+that meets ``AT_RISK`` of the TTFT target (a prompt computed elsewhere costs the decode batch
+nothing, so local has nothing to win then); otherwise local when it is predicted faster and
+keeps the decode batch within the TPOT target; otherwise that best remote.
+
+Until the models adaptive needs are known (``StepCost.knows_*``), and in ``RULE`` mode (the
+default until a benchmark shows adaptive wins), the rule decides (``RuleConfig``): prompts
+of at most ``local_prefill_max_tokens`` stay local, the rest go to the prefill worker with
+the fewest queued tokens after what it likely has cached. (The rule used to keep a prompt
+local when its part uncached *on the prefill worker* was short: a prompt seen before then
+ran in full on a decode worker that may never have seen it.) ``REMOTE`` and ``LOCAL`` force
+one side where possible (the benchmark's baselines).
+
+Every ``Placement`` carries its reason and predictions, for metrics and the log.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from splitserve.common.step_cost import StepCost
+
+AT_RISK = 0.8
+"""A remote TTFT predicted above this fraction of the target is at risk (predictions err)."""
+
+
+class PlacementMode(enum.StrEnum):
+    RULE = "rule"
+    ADAPTIVE = "adaptive"
+    REMOTE = "remote"
+    LOCAL = "local"
+
+
+class Reason(enum.StrEnum):
+    """Why a placement was chosen (a metric label: keep the set small)."""
+
+    NO_PREFILL_WORKER = "no_prefill_worker"
+    """No compatible prefill worker: local."""
+    FORCED = "forced"
+    """``PlacementMode.REMOTE`` / ``LOCAL``."""
+    SHORT_PROMPT = "short_prompt"
+    """Rule: the prompt is at most ``local_prefill_max_tokens`` long."""
+    RULE = "rule"
+    """``PlacementMode.RULE``: the prefill worker with the fewest queued tokens."""
+    NO_MODEL = "no_model"
+    """Rule: a step-time model it needs is not known yet."""
+    REMOTE_WITHIN_SLO = "remote_within_slo"
+    """Adaptive: the best remote TTFT is not at risk."""
+    LOCAL_FASTER = "local_faster"
+    """Adaptive: remote is at risk; local is faster and keeps the batch within TPOT."""
+    REMOTE_FASTER = "remote_faster"
+    """Adaptive: remote is at risk, but local would be no faster."""
+    TPOT_GUARD = "tpot_guard"
+    """Adaptive: remote is at risk and local faster, but local would push the decode
+    batch past its TPOT target."""
+
+
+@dataclass(frozen=True)
+class Slo:
+    """A request's latency targets, seconds."""
+
+    ttft_s: float
+    tpot_s: float
+
+
+@dataclass(frozen=True)
+class DecodeView:
+    """The decode worker the request will run on, as placement sees it."""
+
+    cost: StepCost
+    running_requests: int
+    running_tokens: int
+    """The KV its running batch attends over per step."""
+    queued_tokens: int
+    """Prompt tokens it still has to compute (its own local prefills)."""
+
+
+@dataclass(frozen=True)
+class PrefillView:
+    """One compatible prefill worker."""
+
+    worker_id: str
+    cost: StepCost
+    queued_tokens: int
+    """Prompt tokens queued there: reported by the worker plus sent by this coordinator."""
+    cached_tokens: int
+    """Of this prompt, the tokens it likely has cached."""
+
+
+@dataclass(frozen=True)
+class RuleConfig:
+    local_prefill_max_tokens: int = 0
+    local_chunk_tokens: int = 2048
+    """Prompt tokens a decode worker computes per step (its ``max_num_batched_tokens``)."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the prompt runs, and why."""
+
+    prefill_worker_id: str | None
+    """None: local (the decode worker computes it)."""
+    reason: Reason
+    predicted_ttft_s: float | None = None
+    """Of the chosen side; None when the rule decided."""
+    predicted_local_tpot_s: float | None = None
+    """The decode batch's TPOT had it prefilled locally (adaptive only)."""
+
+    @property
+    def where(self) -> str:
+        return "local" if self.prefill_worker_id is None else "remote"
+
+
+def place(
+    num_prompt_tokens: int,
+    max_tokens: int,
+    decode: DecodeView,
+    prefills: Sequence[PrefillView],
+    slo: Slo,
+    mode: PlacementMode,
+    rule: RuleConfig,
+) -> Placement:
+    """See the module docstring. ``prefills``: compatible candidates (may be empty)."""
+    if not prefills:
+        return Placement(None, Reason.NO_PREFILL_WORKER)
+    by_queue = min(prefills, key=lambda p: p.queued_tokens + num_prompt_tokens - p.cached_tokens)
+    if mode is PlacementMode.LOCAL:
+        return Placement(None, Reason.FORCED)
+    if mode is PlacementMode.REMOTE:
+        return Placement(by_queue.worker_id, Reason.FORCED)
+    if num_prompt_tokens <= rule.local_prefill_max_tokens:
+        # the whole prompt: what the decode worker has cached is not known here (a prompt a
+        # prefill worker has cached is cheapest there, so its cache does not count)
+        return Placement(None, Reason.SHORT_PROMPT)
+    if mode is PlacementMode.RULE:
+        return Placement(by_queue.worker_id, Reason.RULE)
+    known = [p for p in prefills if p.cost.knows_prefill]
+    if not known or not (decode.cost.knows_decode and decode.cost.knows_prefill):
+        return Placement(by_queue.worker_id, Reason.NO_MODEL)
+
+    batch_step_s = decode.cost.decode_step_s(
+        decode.running_requests + 1, decode.running_tokens + num_prompt_tokens
+    )
+    remote_ttft = {
+        p.worker_id: p.cost.prefill_s(p.queued_tokens + num_prompt_tokens - p.cached_tokens)
+        + batch_step_s
+        for p in known
+    }
+    best_remote = min(remote_ttft, key=remote_ttft.__getitem__)
+    local_tokens = decode.queued_tokens + num_prompt_tokens
+    local_prefill_s = decode.cost.prefill_s(local_tokens)
+    steps = math.ceil(local_tokens / max(rule.local_chunk_tokens, 1))
+    local_ttft = local_prefill_s + steps * batch_step_s
+    local_tpot = batch_step_s + local_prefill_s / max(max_tokens, 1)
+    remote = Placement(best_remote, Reason.REMOTE_WITHIN_SLO, remote_ttft[best_remote], local_tpot)
+    if remote_ttft[best_remote] <= AT_RISK * slo.ttft_s:
+        return remote
+    if local_ttft >= remote_ttft[best_remote]:
+        return dataclasses.replace(remote, reason=Reason.REMOTE_FASTER)
+    if local_tpot > slo.tpot_s:
+        return dataclasses.replace(remote, reason=Reason.TPOT_GUARD)
+    return Placement(None, Reason.LOCAL_FASTER, local_ttft, local_tpot)

@@ -1,0 +1,125 @@
+"""Placement decisions (``coordinator/placement.py``) on plain figures, torch-free: the fixed
+modes and the rule, and adaptive placement choosing local prefill only when the prefill side
+puts the TTFT target at risk, local is faster and the decode batch keeps its TPOT target."""
+
+from __future__ import annotations
+
+import pytest
+
+from splitserve.common.step_cost import MIN_STEPS, StepCost
+from splitserve.coordinator.placement import (
+    DecodeView,
+    PlacementMode,
+    PrefillView,
+    Reason,
+    RuleConfig,
+    Slo,
+    place,
+)
+
+SLO = Slo(ttft_s=2.0, tpot_s=0.05)
+RULE = RuleConfig(local_prefill_max_tokens=0, local_chunk_tokens=512)
+ONE_CORE = StepCost(
+    decode_base_s=0.012,
+    per_decode_seq_s=0.001,
+    per_context_token_s=1e-6,
+    prefill_base_s=0.01,
+    per_prefill_token_s=0.002,  # 500 prompt tokens/s
+    decode_steps=MIN_STEPS,
+    prefill_steps=MIN_STEPS,
+)
+UNKNOWN = StepCost()
+
+
+def _decode(running: int = 0, queued: int = 0, cost: StepCost = ONE_CORE) -> DecodeView:
+    return DecodeView(
+        cost, running_requests=running, running_tokens=400 * running, queued_tokens=queued
+    )
+
+
+def _prefill(name: str, queued: int = 0, cached: int = 0, cost: StepCost = ONE_CORE) -> PrefillView:
+    return PrefillView(name, cost, queued_tokens=queued, cached_tokens=cached)
+
+
+def _place(
+    decode: DecodeView,
+    prefills: list[PrefillView],
+    mode: PlacementMode = PlacementMode.ADAPTIVE,
+    prompt: int = 320,
+    max_tokens: int = 96,
+    rule: RuleConfig = RULE,
+):  # noqa: ANN202
+    return place(prompt, max_tokens, decode, prefills, SLO, mode, rule)
+
+
+def test_without_a_prefill_worker_the_prompt_is_local_in_every_mode() -> None:
+    for mode in PlacementMode:
+        placement = _place(_decode(), [], mode)
+        assert (placement.where, placement.reason) == ("local", Reason.NO_PREFILL_WORKER)
+
+
+def test_forced_modes_and_the_rule() -> None:
+    prefills = [_prefill("busy", queued=1000), _prefill("idle", queued=10)]
+    assert _place(_decode(), prefills, PlacementMode.LOCAL).prefill_worker_id is None
+    remote = _place(_decode(), prefills, PlacementMode.REMOTE)
+    assert (remote.prefill_worker_id, remote.reason) == ("idle", Reason.FORCED)
+    rule = _place(_decode(), prefills, PlacementMode.RULE)
+    assert (rule.prefill_worker_id, rule.reason) == ("idle", Reason.RULE)
+    # cached tokens count: the busy worker holds 1000 of a 1300-token prompt
+    prefills = [_prefill("busy", queued=1000, cached=1000), _prefill("idle", queued=500)]
+    assert _place(_decode(), prefills, PlacementMode.RULE, prompt=1300).prefill_worker_id == "busy"
+
+
+def test_a_short_prompt_stays_local_in_rule_and_adaptive_modes() -> None:
+    rule = RuleConfig(local_prefill_max_tokens=64, local_chunk_tokens=512)
+    for mode in (PlacementMode.RULE, PlacementMode.ADAPTIVE):
+        placement = _place(_decode(), [_prefill("p")], mode, prompt=60, rule=rule)
+        assert (placement.where, placement.reason) == ("local", Reason.SHORT_PROMPT)
+    # 300 tokens, 256 of them cached on the prefill worker: cheapest there, not local
+    cached = [_prefill("p", cached=256)]
+    assert _place(_decode(), cached, PlacementMode.RULE, prompt=300, rule=rule).where == "remote"
+
+
+def test_adaptive_falls_back_to_the_rule_until_the_models_are_known() -> None:
+    prefills = [_prefill("a", queued=100, cost=UNKNOWN), _prefill("b", queued=50, cost=UNKNOWN)]
+    placement = _place(_decode(), prefills)
+    assert (placement.prefill_worker_id, placement.reason) == ("b", Reason.NO_MODEL)
+    placement = _place(_decode(cost=UNKNOWN), [_prefill("a", queued=5000)])
+    assert (placement.prefill_worker_id, placement.reason) == ("a", Reason.NO_MODEL)
+
+
+def test_adaptive_stays_remote_while_remote_meets_the_ttft_target() -> None:
+    # an idle decode worker would be as fast, but remote costs its batch nothing
+    placement = _place(_decode(), [_prefill("p", queued=200)])
+    assert (placement.prefill_worker_id, placement.reason) == ("p", Reason.REMOTE_WITHIN_SLO)
+    assert placement.predicted_ttft_s == pytest.approx(0.01 + 0.002 * 520 + 0.013 + 0.00032)
+
+
+def test_adaptive_goes_local_when_the_prefill_queue_puts_ttft_at_risk() -> None:
+    # 1000 queued tokens: remote ~2.3 s > 0.8 * 2 s; a light decode batch has room
+    placement = _place(_decode(running=2), [_prefill("p", queued=1000)])
+    assert (placement.where, placement.reason) == ("local", Reason.LOCAL_FASTER)
+    assert placement.predicted_ttft_s is not None and placement.predicted_ttft_s < 1.0
+    assert placement.predicted_local_tpot_s is not None
+    assert placement.predicted_local_tpot_s <= SLO.tpot_s
+
+
+def test_adaptive_keeps_a_full_decode_batch_within_its_tpot_target() -> None:
+    # the same queue, but 30 running requests: their steps are ~0.05 s before any prefill
+    placement = _place(_decode(running=30), [_prefill("p", queued=1000)])
+    assert (placement.where, placement.reason) == ("remote", Reason.TPOT_GUARD)
+    assert placement.predicted_local_tpot_s is not None
+    assert placement.predicted_local_tpot_s > SLO.tpot_s
+
+
+def test_adaptive_stays_remote_when_local_would_be_no_faster() -> None:
+    placement = _place(_decode(queued=2000), [_prefill("p", queued=1000)])
+    assert (placement.where, placement.reason) == ("remote", Reason.REMOTE_FASTER)
+
+
+def test_adaptive_picks_the_prefill_worker_predicted_fastest_not_the_shortest_queue() -> None:
+    slow = StepCost(**{**ONE_CORE.__dict__, "per_prefill_token_s": 0.008})
+    prefills = [_prefill("slow-short-queue", queued=100, cost=slow), _prefill("fast", queued=400)]
+    placement = _place(_decode(), prefills)
+    assert placement.prefill_worker_id == "fast"
+    assert _place(_decode(), prefills, PlacementMode.RULE).prefill_worker_id == "slow-short-queue"

@@ -1,0 +1,123 @@
+"""Outside-in: greedy float32 output is the same wherever a request's prompt is computed.
+
+One prefill and one decode worker (float32, KV over UCX) registered with three coordinators,
+each with another ``--placement``: ``local`` (every prompt on the decode worker), ``remote``
+(every prompt on the prefill worker, pushed), ``adaptive`` (per request from the workers'
+learned step-time models; with a 1 ms TTFT target every remote prefill is "at risk", so it
+takes the decode worker whenever that is predicted faster). Every request's tokens equal the
+in-process float32 engine's; each coordinator's placement counter shows where its prompts
+ran; the workers report their learned step-time models; no block is left held.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from splitserve.client import AsyncClient, Sampling
+from splitserve.common.sampling_params import SamplingParams
+from splitserve.engine.checkpoint import LoadedCheckpoint
+from tests.cluster import assert_all_free, internal_address, running, wait_until_idle, worker_loads
+from tests.conftest import make_llm
+
+pytestmark = pytest.mark.timeout(600)
+
+WORKER_FLAGS = ("--dtype=float32", "--num-blocks=400", "--threads=1", "--metrics-port=-1")
+PROMPTS = [
+    "The capital of France is",
+    "Write a haiku about the sea. " * 3,
+    "Once upon a time, in a land far away, there lived " * 12,
+    "def fibonacci(n):\n    " * 20,
+]
+MAX_TOKENS = 16
+MODES = {
+    "local": ("--placement=local",),
+    "remote": ("--placement=remote",),
+    "adaptive": ("--placement=adaptive", "--ttft-slo-ms=1", "--tpot-slo-ms=10000"),
+}
+
+
+def _placements(metrics_url: str) -> dict[tuple[str, str], float]:
+    """(where, reason) -> decisions, from a coordinator's /metrics."""
+    with urllib.request.urlopen(metrics_url, timeout=10) as reply:
+        text = reply.read().decode()
+    return {
+        (sample.labels["where"], sample.labels["reason"]): sample.value
+        for family in text_string_to_metric_families(text)
+        if family.name == "splitserve_placement_decisions"
+        for sample in family.samples
+        if sample.name.endswith("_total")
+    }
+
+
+async def _generate(address: str, rounds: int) -> list[tuple[int, ...]]:
+    """Every prompt, one at a time, ``rounds`` times (later rounds: the models are known)."""
+    sampling = Sampling(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    outputs = []
+    async with AsyncClient(address) as client:
+        for _ in range(rounds):
+            for prompt in PROMPTS:
+                outputs.append((await client.generate(prompt, sampling=sampling)).token_ids)
+    return outputs
+
+
+def test_every_placement_gives_the_reference_tokens(
+    default_checkpoint_fp32: LoadedCheckpoint,
+) -> None:
+    llm = make_llm(default_checkpoint_fp32)
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0.0)
+    expected = [tuple(out.token_ids) for out in llm.generate(PROMPTS, params)]
+    del llm
+
+    with contextlib.ExitStack() as stack:
+        addresses, metrics = {}, {}
+        for mode, flags in MODES.items():
+            lines: dict[str, str] = {}
+            argv = ["splitserve.coordinator.main", "--port=0", "--internal-port=0", *flags]
+            addresses[mode] = stack.enter_context(
+                running(argv, "splitserve coordinator ready at", lines)
+            )
+            metrics[mode] = lines["coordinator metrics"]
+        internals = ",".join(internal_address(a) for a in addresses.values())
+        for role in ("prefill", "decode"):
+            argv = [f"splitserve.{role}.main", "--port=0", f"--worker-id={role}-0"]
+            argv += [f"--coordinator={internals}", *WORKER_FLAGS]
+            stack.enter_context(running(argv, f"splitserve {role} ready at"))
+        for address in addresses.values():
+            _wait_for_both_workers(address)
+
+        for mode in ("local", "remote", "adaptive"):  # local and remote teach the models
+            rounds = 3 if mode == "adaptive" else 2
+            assert asyncio.run(_generate(addresses[mode], rounds)) == expected * rounds, mode
+
+        asked = 2 * len(PROMPTS)
+        assert _placements(metrics["local"]) == {("local", "forced"): asked}
+        assert _placements(metrics["remote"]) == {("remote", "forced"): asked}
+        adaptive = _placements(metrics["adaptive"])
+        assert sum(adaptive.values()) == 3 * len(PROMPTS)
+        assert set(adaptive) <= {
+            ("remote", "no_model"),
+            ("remote", "remote_faster"),
+            ("local", "local_faster"),
+        }, adaptive
+        # the prefill worker's steps also push KV: the decode worker is predicted faster
+        assert adaptive.get(("local", "local_faster"), 0) > 0, adaptive
+
+        loads = wait_until_idle(addresses["local"], 2)
+        assert_all_free(loads, 2)
+        for worker_id, load in worker_loads(addresses["remote"]).items():
+            cost = load.step_cost
+            assert cost.prefill_steps >= len(PROMPTS) and cost.per_prefill_token_s > 0, worker_id
+        assert worker_loads(addresses["local"])["decode-0"].step_cost.decode_steps > 0
+
+
+def _wait_for_both_workers(address: str) -> None:
+    deadline = time.monotonic() + 240
+    while len(worker_loads(address)) < 2:
+        assert time.monotonic() < deadline, "the workers did not register"
+        time.sleep(0.2)
