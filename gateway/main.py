@@ -26,7 +26,9 @@ import uvloop
 
 from splitserve.common.api_keys import add_api_key_args, add_health_needs_key_flag, api_keys_or_exit
 from splitserve.common.env_flags import add_env_flag
+from splitserve.common.orphan import stop_when_orphaned
 from splitserve.gateway.app import GatewayConfig, create_app
+from splitserve.gateway.body_limit import DEFAULT_MAX_BODY_BYTES
 from splitserve.proto.tls import add_tls_args, tls_or_exit
 
 
@@ -55,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     flag("--request-timeout", 3600.0, float, "deadline of each request's gRPC call, seconds")
     flag("--log-level", "warning", str, "uvicorn log level (info logs every request)")
     flag("--drain-timeout", 30.0, float, "on SIGTERM, seconds open streams may take to finish")
+    flag("--max-body-bytes", DEFAULT_MAX_BODY_BYTES, int, "larger request bodies get 413")
     add_tls_args(parser)
     add_api_key_args(parser)
     add_health_needs_key_flag(parser, "/health and /metrics")
@@ -75,6 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         api_keys=keys,
         health_needs_key=args.health_needs_key,
         coordinator_credentials=None if tls is None else tls.channel_credentials(),
+        max_body_bytes=args.max_body_bytes,
     )
     serves_tls = tls is not None and tls.can_serve
     server = uvicorn.Server(
@@ -108,6 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # it found installed: with these, a drained gateway returns (status 0) instead of dying of it.
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, _after_drain)
+    stop_when_orphaned()  # up died: SIGTERM ourselves, which uvicorn drains on
     uvloop.run(serve())
     return 0 if server.started else 1
 

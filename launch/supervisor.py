@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import sys
 import threading
 import time
@@ -24,6 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TextIO
 
+from splitserve.common.orphan import PARENT_PID_ENV
 from splitserve.launch.child_process import ChildProcess, ReadyError, python_module_argv
 
 STOP_MARGIN_S = 10.0
@@ -89,7 +91,7 @@ class Supervisor:
         self.restart = restart
         self._exited = asyncio.Event()
         self._loop = loop
-        self._env = dict(env)
+        self._env = dict(env) | {PARENT_PID_ENV: str(os.getpid())}  # common/orphan.py
         self._restarting: set[str] = set()
         self.restarts = 0
 

@@ -5,7 +5,9 @@ ready line and the coordinator's health is SERVING, starts the OpenAI-compatible
 (``--http-port``, default 8000; ``--no-gateway`` leaves it out), prints
 ``splitserve ready at <host:port>``, forwards every child's output with a role prefix, and
 stops all children on Ctrl-C / SIGTERM (SIGTERM, then SIGKILL after a grace period; ``up``
-exits with status 1 when a child had to be killed because it ignored SIGTERM). A child that
+exits with status 1 when a child had to be killed because it ignored SIGTERM). Should ``up``
+itself die without stopping them (SIGKILL), each child notices within a second that it was
+orphaned and drains itself (``common/orphan.py``), so no process outlives it. A child that
 exits on its own is restarted with back-off while the others keep serving
 (``launch/supervisor.py``); ``--no-restart`` stops everything instead, with status 1. A
 child that fails its first start stops ``up`` (status 1).

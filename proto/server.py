@@ -25,6 +25,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from splitserve.common.env_flags import env_default, truthy
+from splitserve.common.orphan import stop_when_orphaned
 from splitserve.proto.cluster_auth import ClusterAuthInterceptor, ClusterCredential
 from splitserve.proto.tls import TlsConfig
 
@@ -119,7 +120,8 @@ async def start_server(
 
 
 def serve_forever(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
-    """Run ``main(stop_event)`` on uvloop; SIGINT/SIGTERM set ``stop_event``."""
+    """Run ``main(stop_event)`` on uvloop; SIGINT/SIGTERM set ``stop_event``, as does the
+    death of the ``splitserve up`` that started this process (``common/orphan.py``)."""
 
     async def runner() -> None:
         stop = asyncio.Event()
@@ -127,6 +129,7 @@ def serve_forever(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
         for sig in (signal.SIGINT, signal.SIGTERM):
             with contextlib.suppress(NotImplementedError):
                 loop.add_signal_handler(sig, stop.set)
+        stop_when_orphaned()
         await main(stop)
 
     uvloop.run(runner())

@@ -103,3 +103,34 @@ def _registered_seconds(address: str, worker_id: str, old_address: str, since: f
             return time.monotonic() - since
         time.sleep(0.1)
     raise AssertionError(f"{worker_id} did not register again")
+
+
+def test_children_stop_when_up_itself_is_killed() -> None:
+    """``up`` SIGKILLed (it cannot stop anyone): each child notices it was orphaned and
+    drains itself (``common/orphan.py``); no process is left."""
+    processes: list[subprocess.Popen[str]] = []
+    lines: dict[str, str] = {}  # with the gateway: every kind of child
+    with cluster(0, 1, *WORKER_FLAGS, ready_lines=lines, processes=processes):
+        up = processes[0]
+        children = [int(pid) for pid in _children_of(up.pid)]
+        assert len(children) == 3  # coordinator, decode worker, gateway
+        up.send_signal(signal.SIGKILL)
+        up.wait(timeout=10)
+        deadline = time.monotonic() + 60
+        while any(_alive(pid) for pid in children):
+            assert time.monotonic() < deadline, [p for p in children if _alive(p)]
+            time.sleep(0.2)
+
+
+def _children_of(pid: int) -> list[str]:
+    with open(f"/proc/{pid}/task/{pid}/children") as listing:
+        return listing.read().split()
+
+
+def _alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie no longer counts: it has exited)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
