@@ -15,6 +15,9 @@ Contracts:
   (``gateway/api_key_check.py``); the caller's bearer key goes on to the coordinator with
   each call (``Gateway.client_for``), whichever keys the gateway holds itself.
 - A client that disconnects aborts its request (``gateway/disconnect.py``).
+- Every error, Starlette's own included (unknown route 404, wrong method 405, unparseable
+  body 400, a body over ``max_body_bytes`` 413), has the OpenAI error body; a string with a
+  lone UTF-16 surrogate is a 400 naming its field (``schemas.unencodable_string_path``).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -41,12 +45,18 @@ from splitserve.common.api_keys import ApiKeys
 from splitserve.common.metrics import RequestMetrics, RequestTimer
 from splitserve.gateway import schemas
 from splitserve.gateway.api_key_check import RequireApiKey, bearer_key
+from splitserve.gateway.body_limit import DEFAULT_MAX_BODY_BYTES, LimitBody
 from splitserve.gateway.disconnect import (
     ClientDisconnected,
     EventStreamResponse,
     unless_disconnected,
 )
-from splitserve.gateway.errors import ApiError, from_client_error, from_validation_error
+from splitserve.gateway.errors import (
+    ApiError,
+    from_client_error,
+    from_http_exception,
+    from_validation_error,
+)
 from splitserve.gateway.responses import ChatBuilder, CompletionBuilder, usage_dict
 from splitserve.gateway.sampling import (
     PromptArgs,
@@ -75,6 +85,8 @@ class GatewayConfig:
     """With keys: /health and /metrics ask for one too."""
     coordinator_credentials: grpc.ChannelCredentials | None = None
     """TLS to the coordinator (None: plaintext)."""
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    """Larger request bodies get 413 (``gateway/body_limit.py``)."""
 
 
 def _sse(payload: dict[str, Any]) -> bytes:
@@ -200,6 +212,11 @@ def create_app(config: GatewayConfig) -> FastAPI:
     async def validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
         return from_validation_error(error).response()
 
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        return from_http_exception(error).response()
+
+    app.add_middleware(LimitBody, max_bytes=config.max_body_bytes)
     app.add_middleware(
         RequireApiKey, keys=config.api_keys, health_needs_key=config.health_needs_key
     )

@@ -13,6 +13,7 @@ from typing import Any
 
 import grpc
 from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse
 
 from splitserve.client import ClientError
@@ -84,6 +85,22 @@ def from_client_error(error: ClientError) -> ApiError:
     if code in (grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED):
         return ApiError(503, message, type="service_unavailable", code=code.name.lower())
     return ApiError(500, message, type="server_error", code=code.name.lower())
+
+
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+
+
+def from_http_exception(error: StarletteHTTPException) -> ApiError:
+    """Starlette's own errors (no route, wrong method, a body that cannot be parsed or is too
+    large) in OpenAI's shape, with their status; their headers (``Allow``) kept."""
+    status = error.status_code
+    return ApiError(
+        status,
+        str(error.detail),
+        type="invalid_request_error" if status < 500 else "server_error",
+        code=_HTTP_CODES.get(status, "invalid_body" if status == 400 else None),
+        headers=dict(error.headers or {}),
+    )
 
 
 def from_validation_error(error: RequestValidationError) -> ApiError:

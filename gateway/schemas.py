@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 # ---- requests -----------------------------------------------------------------------------
 
@@ -33,6 +33,16 @@ class _SamplingFields(BaseModel):
     """Fields shared by both endpoints."""
 
     model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _strings_are_unicode(cls, data: Any) -> Any:
+        """JSON may escape a lone UTF-16 surrogate (``"\\ud800"``), which no UTF-8 text (the
+        tokenizer's, protobuf's) can hold: refuse it here, naming where it is."""
+        where = unencodable_string_path(data)
+        if where is not None:
+            raise ValueError(f"{where or 'body'}: a string holds a lone UTF-16 surrogate")
+        return data
 
     model: str | None = Field(None, description="Served model name (see GET /v1/models).")
     stream: bool | None = False
@@ -55,6 +65,28 @@ class _SamplingFields(BaseModel):
     min_tokens: int | None = Field(None, ge=0)
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
+
+
+def unencodable_string_path(data: Any) -> str | None:
+    """The dotted path (``messages.0.content``; "" for ``data`` itself) of the first string in
+    a parsed JSON value that is not encodable as UTF-8, or None. Walks iteratively: a
+    deeply nested body cannot exhaust the stack."""
+    pending: list[tuple[str, Any]] = [("", data)]
+    while pending:
+        path, value = pending.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return path
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                name = f"{path}.{key}" if path else str(key)
+                pending.append((name, key))
+                pending.append((name, item))
+        elif isinstance(value, list):
+            pending.extend((f"{path}.{i}" if path else str(i), v) for i, v in enumerate(value))
+    return None
 
 
 class CompletionRequest(_SamplingFields):

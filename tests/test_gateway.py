@@ -252,6 +252,55 @@ def test_bad_requests_get_openai_errors(served: Cluster, sdk: openai.OpenAI) -> 
     assert again.usage.completion_tokens == 3
 
 
+def test_malformed_bodies_routes_and_sizes_get_openai_errors(
+    served: Cluster, sdk: openai.OpenAI
+) -> None:
+    """What never reaches a route handler (bytes that are not JSON text, nesting deeper than
+    the parser goes, a lone surrogate, an unknown route or method, a body over the gateway's
+    16 MiB bound, declared or chunked) still gets OpenAI's error body and a 4xx, and the
+    gateway serves normally afterwards."""
+    model = _model(sdk)
+    url = f"{served.url}/v1"
+    json_headers = {"content-type": "application/json"}
+    with httpx.Client(timeout=60) as http:
+        not_utf8 = http.post(
+            f"{url}/completions",
+            content=b'{"model": "m", "prompt": "\xff\xfe"}',
+            headers=json_headers,
+        )
+        _error(not_utf8, 400)
+        deep = http.post(
+            f"{url}/completions", content=b"[" * 5000 + b"]" * 5000, headers=json_headers
+        )
+        _error(deep, 400)
+        for route, body in (
+            ("completions", b'{"model": "%s", "prompt": "a \\ud800 b"}'),
+            (
+                "chat/completions",
+                b'{"model": "%s", "messages": [{"role": "user", "content": "hi \\udfff"}]}',
+            ),
+            ("completions", b'{"model": "%s", "prompt": "hi", "stop": ["\\ud800"]}'),
+        ):
+            lone = http.post(f"{url}/{route}", content=body % model.encode(), headers=json_headers)
+            assert "surrogate" in str(_error(lone, 400)["message"])
+        assert _error(http.get(f"{url}/nowhere"), 404)["code"] == "not_found"
+        wrong_method = http.get(f"{url}/completions")
+        assert _error(wrong_method, 405)["code"] == "method_not_allowed"
+        assert "POST" in wrong_method.headers["allow"]
+        huge = b'{"model": "m", "prompt": "' + b"a" * (17 << 20) + b'"}'
+        declared = http.post(f"{url}/completions", content=huge, headers=json_headers)
+        assert _error(declared, 413)["code"] == "request_too_large"
+
+        def chunks() -> Iterator[bytes]:
+            for start in range(0, len(huge), 1 << 20):
+                yield huge[start : start + (1 << 20)]
+
+        chunked = http.post(f"{url}/completions", content=chunks(), headers=json_headers)
+        assert _error(chunked, 413)["code"] == "request_too_large"
+    again = sdk.completions.create(model=model, prompt="Hello", max_tokens=3, temperature=0)
+    assert again.usage.completion_tokens == 3
+
+
 def test_disconnect_mid_stream_aborts_and_frees_blocks(served: Cluster, sdk: openai.OpenAI) -> None:
     model = _model(sdk)
     body = {
