@@ -28,3 +28,12 @@ class EngineLoad:
     @property
     def num_free_blocks(self) -> int:
         return self.num_total_blocks - self.num_used_blocks
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """A worker's load as it reports it: its figures, and whether it makes progress (not
+    ready: its engine is stuck in a step; ``worker/stall_watch.py``)."""
+
+    load: EngineLoad
+    ready: bool = True

@@ -39,6 +39,22 @@ def encode_prompt(tokenizer: Tokenizer, prompt: Prompt) -> list[int]:
     return token_ids
 
 
+def min_prompt_tokens(tokenizer: Tokenizer, prompt: Prompt) -> int:
+    """A lower bound on ``len(encode_prompt(tokenizer, prompt))`` that costs no tokenizing
+    (``Tokenizer.max_chars_per_token``): 0 when the tokenizer gives no bound. Lets a caller
+    refuse a prompt far over the context before spending seconds tokenizing it."""
+    if not isinstance(prompt, str) and prompt and not isinstance(prompt[0], Mapping):
+        return len(prompt)  # token ids
+    per_token = tokenizer.max_chars_per_token
+    if not per_token or not prompt:
+        return 0
+    if isinstance(prompt, str):
+        chars = len(prompt)
+    else:  # chat messages: their contents at least (the template only adds)
+        chars = sum(len(str(m.get("content") or "")) for m in prompt)  # type: ignore[union-attr]
+    return -(-chars // per_token)
+
+
 def check_in_vocab(token_ids: Sequence[int], vocab: int, what: str, param: str) -> None:
     """``InvalidRequestError`` ("<what> must be in [0, vocab)", ``param``) unless every id is a
     token of the vocabulary."""

@@ -17,6 +17,7 @@ Contracts:
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from datetime import datetime
@@ -171,6 +172,18 @@ class Tokenizer:
     def backend(self) -> tokenizers.Tokenizer:
         """The wrapped ``tokenizers.Tokenizer``; ``decode`` is its ``decode``, unchanged."""
         return self._backend
+
+    @functools.cached_property
+    def max_chars_per_token(self) -> int | None:
+        """The most characters of text one token can stand for, when the tokenizer cannot make
+        text shorter before splitting it (no normalizer): the longest vocabulary entry (a
+        byte-level entry has a character per byte, and a character is at least one byte).
+        None when there is a normalizer. So ``len(text) / max_chars_per_token`` is a lower
+        bound on ``len(encode(text))``, known without tokenizing."""
+        if self._backend.normalizer is not None:
+            return None
+        vocab = self._backend.get_vocab(with_added_tokens=True)
+        return max((len(token) for token in vocab), default=None)
 
     @property
     def vocab_size(self) -> int:

@@ -97,10 +97,11 @@ class MembershipFollower:
         backoff_s = RECONNECT_MIN_S
         while True:
             try:
-                async for load in self._channels.monitor(info.address).watch_load(LOAD_INTERVAL_S):
-                    if not self._registry.heartbeat(info.worker_id, load):
+                watching = self._channels.monitor(info.address).watch_load(LOAD_INTERVAL_S)
+                async for report in watching:
+                    if not self._registry.heartbeat(info.worker_id, report.load, report.ready):
                         self._registry.register(record_of(info))  # expired while silent
-                        self._registry.heartbeat(info.worker_id, load)
+                        self._registry.heartbeat(info.worker_id, report.load, report.ready)
                     backoff_s = RECONNECT_MIN_S
             except SplitserveError as error:
                 logger.warning("load stream of %s broke: %s", info.worker_id, error)

@@ -42,7 +42,8 @@ class MembershipServicer(coordinator_pb2_grpc.MembershipServicer):
     async def Heartbeat(
         self, request: coordinator_pb2.HeartbeatRequest, context: grpc.aio.ServicerContext
     ) -> coordinator_pb2.HeartbeatResponse:
-        known = self._registry.heartbeat(request.worker_id, convert.load_from_proto(request.load))
+        report = convert.report_from_proto(request.load)
+        known = self._registry.heartbeat(request.worker_id, report.load, report.ready)
         return coordinator_pb2.HeartbeatResponse(known=known)
 
     async def LeaveCluster(

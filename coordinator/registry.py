@@ -56,14 +56,16 @@ class WorkerRegistry:
         """Add or replace a worker (a restarted worker registers again under its id)."""
         self._workers[record.worker_id] = record
 
-    def heartbeat(self, worker_id: str, load: EngineLoad) -> bool:
-        """Record a heartbeat; False when the worker is unknown (it must register again)."""
+    def heartbeat(self, worker_id: str, load: EngineLoad, ready: bool = True) -> bool:
+        """Record a heartbeat; False when the worker is unknown (it must register again).
+        ``ready``: the worker makes progress; a worker that reports it stalled is kept (it
+        may recover) but not routed to."""
         record = self._workers.get(worker_id)
         if record is None:
             return False
         record.load = load
         record.last_seen = time.monotonic()
-        record.healthy = True
+        record.healthy = ready
         return True
 
     def remove(self, worker_id: str) -> WorkerRecord | None:

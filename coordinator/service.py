@@ -9,6 +9,7 @@ key) that started a request may abort it.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import uuid
@@ -24,7 +25,7 @@ from splitserve.common.errors import (
 )
 from splitserve.common.membership import Role
 from splitserve.common.output_processor import StreamChunk
-from splitserve.common.prompt import Prompt, check_in_vocab, encode_prompt
+from splitserve.common.prompt import Prompt, check_in_vocab, encode_prompt, min_prompt_tokens
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.tokenizer import Tokenizer
 from splitserve.coordinator.flow import FlowConfig, RequestFlow
@@ -96,6 +97,20 @@ class Coordinator:
                 "max_tokens" if num_prompt_tokens < limit else "prompt",
             )
 
+    def _check_length_before_tokenizing(
+        self, prompt: Prompt, params: SamplingParams, fill_context: bool
+    ) -> None:
+        """Refuse a prompt whose lower bound on tokens (``min_prompt_tokens``, no tokenizing)
+        already leaves no room in the context: a huge prompt costs nothing."""
+        limit = self.max_model_len
+        at_least = min_prompt_tokens(self.tokenizer, prompt)
+        wanted = 1 if fill_context else params.max_tokens
+        if limit and at_least + wanted > limit:
+            raise ContextLengthExceededError(
+                f"this model's context is {limit} tokens; the prompt has at least {at_least}",
+                "prompt",
+            )
+
     async def generate(
         self,
         request_id: str,
@@ -117,7 +132,9 @@ class Coordinator:
         request_id = request_id or f"req-{uuid.uuid4().hex}"
         if request_id in self._running:
             raise InvalidRequestError(f"request id {request_id!r} is already running", "request_id")
-        prompt_ids = self.encode(prompt)
+        self._check_length_before_tokenizing(prompt, params, fill_context)
+        # tokenizing (and chat templating) a long prompt takes a while: not on the event loop
+        prompt_ids = await asyncio.to_thread(self.encode, prompt)
         if not self.ready:
             raise WorkerUnavailableError("no decode worker is registered yet")
         if fill_context and self.fill_limit > len(prompt_ids):

@@ -25,6 +25,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -58,6 +59,8 @@ class AsyncEngine:
         self._streams: dict[str, _Stream] = {}
         self._wakeup = threading.Event()
         self._stopping = False
+        self._step_started: float | None = None
+        """``time.monotonic()`` when the running step began; None between steps."""
         self._thread = threading.Thread(target=self._loop, name="splitserve-engine", daemon=True)
         self._thread.start()
 
@@ -227,15 +230,24 @@ class AsyncEngine:
                 self._wakeup.wait()
                 self._wakeup.clear()
                 continue
+            self._step_started = time.monotonic()
             try:
                 outputs = self.core.step(self._layer_hook)
             except Exception as error:  # a bug or OOM in a step must not kill the server
                 logger.exception("engine step failed; failing its running requests")
                 self._fail_all(error)
                 continue
+            finally:
+                self._step_started = None
             for output in outputs:
                 self._deliver(output)
             self.latest_load = self.core.load()
+
+    def step_running_s(self) -> float:
+        """Seconds the step now running has taken; 0 between steps. Any thread: a stuck
+        step (a hung hook, a deadlock) shows as a number that keeps growing."""
+        started = self._step_started
+        return 0.0 if started is None else max(0.0, time.monotonic() - started)
 
     def _drain_commands(self) -> None:
         ran_any = False

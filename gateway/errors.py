@@ -2,8 +2,8 @@
 
 ``ApiError`` is what handlers raise; ``from_client_error`` maps a coordinator status to the
 HTTP status a user of the OpenAI API expects (INVALID_ARGUMENT -> 400, UNAUTHENTICATED -> 401,
-RESOURCE_EXHAUSTED ->
-429 with ``Retry-After``, UNAVAILABLE -> 503, DEADLINE_EXCEEDED -> 504, anything else 500).
+RESOURCE_EXHAUSTED -> 429 with ``Retry-After`` (but 413 for gRPC's message size limit),
+UNAVAILABLE -> 503, DEADLINE_EXCEEDED -> 504, anything else 500).
 """
 
 from __future__ import annotations
@@ -69,6 +69,9 @@ def from_client_error(error: ClientError) -> ApiError:
         return unauthorized(message)
     if code is grpc.StatusCode.NOT_FOUND:
         return ApiError(404, message, param=param, code="not_found")
+    if code is grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in message:
+        # gRPC's message size limit, not overload: retrying can never succeed
+        return ApiError(413, message, code="request_too_large")
     if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
         retry_after = max(1, math.ceil(error.retry_after_s or 1.0))
         return ApiError(

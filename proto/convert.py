@@ -12,7 +12,7 @@ from collections.abc import Iterable, Sequence
 from google.protobuf.message import DecodeError
 
 from splitserve.common.errors import InvalidRequestError
-from splitserve.common.load import EngineLoad
+from splitserve.common.load import EngineLoad, LoadReport
 from splitserve.common.logprobs import TokenLogprob
 from splitserve.common.membership import Role, WorkerInfo
 from splitserve.common.request_update import FinishReason, RequestUpdate, StepOutput
@@ -146,6 +146,10 @@ def load_to_proto(load: EngineLoad, ready: bool = True) -> worker_pb2.WorkerLoad
         ),
         **{name: getattr(load, name) for name in _LOAD_FIELDS},
     )
+
+
+def report_from_proto(message: worker_pb2.WorkerLoad) -> LoadReport:
+    return LoadReport(load_from_proto(message), message.ready)
 
 
 def load_from_proto(message: worker_pb2.WorkerLoad) -> EngineLoad:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import grpc
 
-from splitserve.common.load import EngineLoad
+from splitserve.common.load import LoadReport
 from splitserve.common.membership import WorkerInfo
 from splitserve.proto import convert
 from splitserve.proto.cluster_auth import ClusterCredential
@@ -30,11 +30,11 @@ class MembershipClient:
         )
         return reply.heartbeat_interval_ms / 1000
 
-    async def heartbeat(self, worker_id: str, load: EngineLoad, timeout_s: float) -> bool:
-        """Report the worker's load; False when the coordinator does not know the worker
-        (it restarted): register again."""
+    async def heartbeat(self, worker_id: str, report: LoadReport, timeout_s: float) -> bool:
+        """Report the worker's load and readiness; False when the coordinator does not know
+        the worker (it restarted): register again."""
         request = coordinator_pb2.HeartbeatRequest(
-            worker_id=worker_id, load=convert.load_to_proto(load)
+            worker_id=worker_id, load=convert.load_to_proto(report.load, report.ready)
         )
         reply = await call_internal(
             self._stub.Heartbeat(request, timeout=timeout_s, metadata=self._metadata)

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Sequence
 
 import grpc
 
-from splitserve.common.load import EngineLoad
+from splitserve.common.load import LoadReport
 from splitserve.common.request_update import StepOutput
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.proto import convert
@@ -135,15 +135,15 @@ class WorkerMonitorClient:
         self._stub = worker_pb2_grpc.WorkerMonitorStub(channel)
         self._metadata = credential.metadata
 
-    async def watch_load(self, interval_s: float) -> AsyncIterator[EngineLoad]:
-        """The worker's load now and every ``interval_s`` after, until the caller stops;
+    async def watch_load(self, interval_s: float) -> AsyncIterator[LoadReport]:
+        """The worker's load report now and every ``interval_s`` after, until the caller stops;
         raises the domain error of a broken stream (``WorkerUnavailableError`` when the
         worker is gone)."""
         request = worker_pb2.WatchLoadRequest(interval_ms=round(interval_s * 1000))
         call = self._stub.WatchLoad(request, metadata=self._metadata)
         try:
             async for load in call:
-                yield convert.load_from_proto(load)
+                yield convert.report_from_proto(load)
         except grpc.aio.AioRpcError as error:
             raise error_from_rpc(error) from None
         finally:

@@ -148,6 +148,13 @@ async def _bad_requests_do_not_disturb_others(address: str) -> None:
                 await _generate(stub, request)
             assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT, error.value
             assert error.value.details()
+        # 40 MB of text: refused by its lower bound on tokens, without tokenizing it (which
+        # would take the coordinator's event loop for a quarter of a minute)
+        huge = coordinator_pb2.GenerateRequest(text="word " * (8 << 20), sampling=_greedy(4))
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await _generate(stub, huge)
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT, error.value
+        assert "the prompt has at least" in error.value.details()
         tokens, last = await healthy
         assert len(tokens) == 16
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 import gguf
@@ -11,6 +12,7 @@ import pytest
 
 from splitserve.common.errors import InvalidRequestError, ModelLoadError
 from splitserve.common.model_files import default_model_path, load_tokenizer
+from splitserve.common.prompt import min_prompt_tokens
 from splitserve.common.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -315,3 +317,22 @@ def test_sentencepiece_spaces_follow_llama_cpp(sentencepiece_gguf: Path) -> None
     assert ours.encode(" hello", add_special_tokens=False) == [ours.token_to_id(SPACE), hello]
     assert ours.encode("<s>hello", add_special_tokens=False) == [1, hello]
     assert ours.decode(ours.encode(" hello  world")) == " hello  world"
+
+
+def test_min_prompt_tokens_is_a_lower_bound_without_tokenizing() -> None:
+    """``min_prompt_tokens`` never exceeds the real count (text of every kind, chat, ids) and
+    grows with the text, so a prompt far over any context is known without tokenizing it."""
+    tokenizer = load_tokenizer(default_model_path())
+    per_token = tokenizer.max_chars_per_token
+    assert per_token is not None and per_token > 1
+    rng = random.Random(0)
+    alphabet = "abc xyz 0123456789 \n\t#-=é中文🙂" + "".join(chr(c) for c in range(33, 127))
+    texts = ["#" * 5000, " " * 3000, "\n" + " " * 400, "hello world " * 300]
+    texts += ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 4000))) for _ in range(30)]
+    for text in texts:
+        assert 1 <= min_prompt_tokens(tokenizer, text) <= len(tokenizer.encode(text)), text[:40]
+    chat = [{"role": "user", "content": "#" * 900}, {"role": "assistant", "content": "ok"}]
+    rendered = tokenizer.encode(tokenizer.apply_chat_template(chat))
+    assert 1 <= min_prompt_tokens(tokenizer, chat) <= len(rendered)
+    assert min_prompt_tokens(tokenizer, [5, 6, 7]) == 3
+    assert min_prompt_tokens(tokenizer, "x" * (per_token * 10_000)) == 10_000

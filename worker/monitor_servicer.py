@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 
-from splitserve.common.load import EngineLoad
+from splitserve.common.load import LoadReport
 from splitserve.proto import convert
 from splitserve.proto.splitserve.v1 import worker_pb2, worker_pb2_grpc
 from splitserve.worker.servicer_base import WorkerServicerBase
@@ -18,11 +18,11 @@ MIN_INTERVAL_MS = 50
 MAX_INTERVAL_MS = 5000
 
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["WorkerMonitor"].full_name
-LoadSource = Callable[[], Awaitable[EngineLoad]]
+LoadSource = Callable[[], Awaitable[LoadReport]]
 
 
 class MonitorServicer(WorkerServicerBase[LoadSource], worker_pb2_grpc.WorkerMonitorServicer):
-    """Bound to the worker's ``load`` coroutine function once the engine is up."""
+    """Bound to the worker's load report (figures and readiness) once the engine is up."""
 
     def add_to(self, server: grpc.aio.Server) -> str:
         """Register on ``server``; the service's full name (for health and reflection)."""
@@ -35,5 +35,6 @@ class MonitorServicer(WorkerServicerBase[LoadSource], worker_pb2_grpc.WorkerMoni
         load = await self.ready(context)
         interval_ms = min(max(request.interval_ms, MIN_INTERVAL_MS), MAX_INTERVAL_MS)
         while True:
-            yield convert.load_to_proto(await load(), ready=True)
+            report = await load()
+            yield convert.load_to_proto(report.load, ready=report.ready)
             await asyncio.sleep(interval_ms / 1000)

@@ -19,6 +19,7 @@ from splitserve.engine.cli_args import add_engine_args
 from splitserve.proto.cluster_access import add_cluster_access_args
 from splitserve.proto.server import add_reflection_flag
 from splitserve.transfer.ucx import UcxSettings
+from splitserve.worker.stall_watch import DEFAULT_STALL_TIMEOUT_S
 
 
 def parse_cpu_list(text: str) -> set[int]:
@@ -68,6 +69,12 @@ def add_worker_args(parser: argparse.ArgumentParser, env: Mapping[str, str] = os
         30.0,
         float,
         "on SIGTERM, seconds running requests may take to finish before they are handed over",
+    )
+    flag(
+        "--stall-timeout",
+        DEFAULT_STALL_TIMEOUT_S,
+        float,
+        "seconds one engine step may run before the worker reports itself not ready",
     )
     flag("--metrics-port", 0, int, "Prometheus /metrics port (0: any free port, -1: off)")
     add_reflection_flag(group, env)

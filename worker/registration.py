@@ -15,7 +15,7 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from splitserve.common.errors import SplitserveError
-from splitserve.common.load import EngineLoad
+from splitserve.common.load import LoadReport
 from splitserve.common.membership import WorkerInfo
 from splitserve.proto.cluster_access import ClusterAccess
 from splitserve.proto.membership_client import MembershipClient
@@ -32,10 +32,11 @@ class CoordinatorLink:
         self,
         coordinator_address: str,
         info: WorkerInfo,
-        load: Callable[[], Awaitable[EngineLoad]],
+        load: Callable[[], Awaitable[LoadReport]],
         access: ClusterAccess,
     ) -> None:
-        """``coordinator_address``: the coordinator's internal port (``--internal-port``)."""
+        """``coordinator_address``: the coordinator's internal port (``--internal-port``);
+        ``load``: what each heartbeat reports (figures and readiness)."""
         self._address = coordinator_address
         self._info = info
         self._load = load

@@ -27,7 +27,7 @@ import grpc
 from prometheus_client import CollectorRegistry
 
 from splitserve.common.errors import MembershipStoreError
-from splitserve.common.load import EngineLoad
+from splitserve.common.load import EngineLoad, LoadReport
 from splitserve.common.membership import Role, WorkerInfo
 from splitserve.common.metrics import serve_metrics
 from splitserve.common.model_files import model_name_of, resolve_model_path
@@ -56,6 +56,7 @@ from splitserve.worker.process import (
 )
 from splitserve.worker.registration import CoordinatorLink
 from splitserve.worker.servicer_base import WorkerServicerBase
+from splitserve.worker.stall_watch import StallWatch
 
 logger = logging.getLogger(__name__)
 
@@ -124,8 +125,14 @@ async def run_worker(
         port = serve_metrics(registry, args.host, args.metrics_port)
         print(f"{role.name} metrics at http://{args.host}:{port}/metrics", flush=True)
     servicer.bind(domain)
-    monitor.bind(domain.load)
+    stall_watch = StallWatch(domain.engine.step_running_s, args.stall_timeout)
+
+    async def report() -> LoadReport:
+        return LoadReport(await domain.load(), stall_watch.ready())
+
+    monitor.bind(report)
     await server.set_serving(True)
+    watching = asyncio.create_task(stall_watch.watch(server.set_serving, stop))
     print(f"splitserve {role.name} ready at {address}", flush=True)
 
     info = WorkerInfo(
@@ -138,13 +145,14 @@ async def run_worker(
     )
     links: list[tuple[CoordinatorLink, asyncio.Task[None]]] = []
     for coordinator in coordinator_addresses(args.coordinator or ""):
-        link = CoordinatorLink(coordinator, info, domain.load, access)
+        link = CoordinatorLink(coordinator, info, report, access)
         links.append((link, asyncio.create_task(link.run(stop))))
     announcer = None
     if etcd_endpoints(args):
         announcer = EtcdAnnouncer(EtcdClient(etcd_endpoints(args)), args.cluster_name)
     announcing = None if announcer is None else asyncio.create_task(_announce(announcer, info))
     await stop.wait()
+    await watching
     await server.set_serving(False)
     for _, link_task in links:
         link_task.cancel()  # no heartbeat may re-register it
