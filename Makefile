@@ -25,9 +25,10 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # Coordinator (gRPC :50051) + 1 prefill + 1 decode worker + OpenAI gateway (http :8000) on
-# localhost; ready when it prints its address.
+# localhost; ready when it prints its address. Adaptive placement: it served at least the
+# goodput of always-prefill-worker at every rate measured here (bench/README.md, 2026-11-24).
 serve: $(STAMP)
-	$(BIN)/splitserve up
+	$(BIN)/splitserve up --placement adaptive
 
 # Interactive chat with an in-process engine (no servers).
 chat: $(STAMP)

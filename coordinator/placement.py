@@ -19,7 +19,10 @@ that meets ``AT_RISK`` of the TTFT target (a prompt computed elsewhere costs the
 nothing, so local has nothing to win then); otherwise local when it is predicted faster and
 keeps the decode batch within the TPOT target; otherwise that best remote.
 
-Until the models adaptive needs are known (``StepCost.knows_*``), and in ``RULE`` mode (the
+A decode worker that never prefilled has no prefill model of its own: it is assumed as fast
+as the prefill worker that has seen the most prompts (same model and layout), until its own
+local prefills teach it. Until the models adaptive needs are known (``StepCost.knows_*``:
+the decode worker's decode part, some candidate's prefill part), and in ``RULE`` mode (the
 default until a benchmark shows adaptive wins), the rule decides (``RuleConfig``): prompts
 of at most ``local_prefill_max_tokens`` stay local, the rest go to the prefill worker with
 the fewest queued tokens after what it likely has cached. (The rule used to keep a prompt
@@ -155,10 +158,18 @@ def place(
     if mode is PlacementMode.RULE:
         return Placement(by_queue.worker_id, Reason.RULE)
     known = [p for p in prefills if p.cost.knows_prefill]
-    if not known or not (decode.cost.knows_decode and decode.cost.knows_prefill):
+    if not known or not decode.cost.knows_decode:
         return Placement(by_queue.worker_id, Reason.NO_MODEL)
+    decode_cost = decode.cost
+    if not decode_cost.knows_prefill:  # it never prefilled: assume a prefill worker's speed
+        lender = max(known, key=lambda p: p.cost.prefill_steps).cost
+        decode_cost = dataclasses.replace(
+            decode_cost,
+            prefill_base_s=lender.prefill_base_s,
+            per_prefill_token_s=lender.per_prefill_token_s,
+        )
 
-    batch_step_s = decode.cost.decode_step_s(
+    batch_step_s = decode_cost.decode_step_s(
         decode.running_requests + 1, decode.running_tokens + num_prompt_tokens
     )
     remote_ttft = {
@@ -168,7 +179,7 @@ def place(
     }
     best_remote = min(remote_ttft, key=remote_ttft.__getitem__)
     local_tokens = decode.queued_tokens + num_prompt_tokens
-    local_prefill_s = decode.cost.prefill_s(local_tokens)
+    local_prefill_s = decode_cost.prefill_s(local_tokens)
     steps = math.ceil(local_tokens / max(rule.local_chunk_tokens, 1))
     local_ttft = local_prefill_s + steps * batch_step_s
     local_tpot = batch_step_s + local_prefill_s / max(max_tokens, 1)

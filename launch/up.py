@@ -123,6 +123,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def layout_summary(args: argparse.Namespace) -> str:
+    """What runs, for the startup line: roles, where prompts are computed, membership."""
+    coordinators = f"{args.coordinators} coordinator{'s' if args.coordinators > 1 else ''}"
+    workers = (
+        f"{args.prefill} prefill + {args.decode} decode worker{'s' if args.decode > 1 else ''}"
+    )
+    placement = args.placement or os.environ.get(env_name("--placement"), "rule")
+    membership = "etcd" if membership_flags(args) else "registration with the coordinators"
+    return f"{coordinators}, {workers}, prompts placed by {placement}, membership: {membership}"
+
+
 def membership_flags(args: argparse.Namespace) -> list[str]:
     """The etcd membership flags every coordinator and worker gets; none by default."""
     endpoints = etcd_endpoints(args)
@@ -268,6 +279,7 @@ async def _run(
     )
     try:
         address = await _start_all(children, args, worker_args, stop, tls)
+        say(f"splitserve up: {layout_summary(args)}")
         say(f"splitserve ready at {address}")
         await children.supervise(stop)
         status = 0 if stop.is_set() else 1

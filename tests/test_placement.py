@@ -88,6 +88,18 @@ def test_adaptive_falls_back_to_the_rule_until_the_models_are_known() -> None:
     assert (placement.prefill_worker_id, placement.reason) == ("a", Reason.NO_MODEL)
 
 
+def test_a_decode_worker_that_never_prefilled_borrows_a_prefill_workers_speed() -> None:
+    decode_only = StepCost(**{**ONE_CORE.__dict__, "prefill_base_s": 0.0, "prefill_steps": 0})
+    decode_only = StepCost(**{**decode_only.__dict__, "per_prefill_token_s": 0.0})
+    assert not decode_only.knows_prefill
+    placement = _place(_decode(running=2, cost=decode_only), [_prefill("p", queued=1000)])
+    # as with its own model (ONE_CORE): local, predicted from the prefill worker's speed
+    assert (placement.where, placement.reason) == ("local", Reason.LOCAL_FASTER)
+    assert placement.predicted_ttft_s == pytest.approx(
+        _place(_decode(running=2), [_prefill("p", queued=1000)]).predicted_ttft_s
+    )
+
+
 def test_adaptive_stays_remote_while_remote_meets_the_ttft_target() -> None:
     # an idle decode worker would be as fast, but remote costs its batch nothing
     placement = _place(_decode(), [_prefill("p", queued=200)])

@@ -3,7 +3,13 @@ workers exactly when ``--etcd-endpoints`` is given, never to the gateway."""
 
 from __future__ import annotations
 
-from splitserve.launch.up import build_parser, coordinator_argv, gateway_argv, worker_argvs
+from splitserve.launch.up import (
+    build_parser,
+    coordinator_argv,
+    gateway_argv,
+    layout_summary,
+    worker_argvs,
+)
 
 
 def _children(*flags: str) -> tuple[list[str], list[list[str]], list[str]]:
@@ -29,3 +35,10 @@ def test_without_etcd_no_membership_flag_is_passed() -> None:
     for argv in (coordinator, *workers, gateway):
         assert not any(f.startswith(("--etcd", "--cluster-name")) for f in argv), argv
     assert all("--coordinator=127.0.0.1:50052" in argv for argv in workers)
+
+
+def test_the_startup_line_says_how_prompts_are_placed() -> None:
+    args = build_parser().parse_args(["--placement=adaptive", "--decode=2"])
+    summary = layout_summary(args)
+    assert "1 prefill + 2 decode workers" in summary and "placed by adaptive" in summary
+    assert coordinator_argv(args)[-1] == "--placement=adaptive"
