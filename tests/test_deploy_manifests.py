@@ -44,6 +44,7 @@ from prometheus_client import CollectorRegistry
 
 from splitserve.common.api_keys import ApiKeys
 from splitserve.common.env_flags import env_name
+from splitserve.common.load import EngineLoad
 from splitserve.launch import probe
 from splitserve.proto.cluster_auth import TOKEN_ENV, ClusterCredential
 
@@ -789,7 +790,7 @@ def test_the_secret_placeholders_are_refused_by_the_roles() -> None:
 
 
 class _Zeros:
-    """Any attribute is 0: an engine's load and scheduler counters at rest."""
+    """Any attribute is 0: an engine's scheduler counters at rest."""
 
     def __getattr__(self, name: str) -> int:
         return 0
@@ -800,7 +801,7 @@ def _exported_worker_series(role: str) -> dict[str, set[str]]:
     from splitserve.worker.metrics import install_engine_metrics  # loads torch: import late
 
     engine = SimpleNamespace(
-        latest_load=_Zeros(), core=SimpleNamespace(scheduler=SimpleNamespace(stats=_Zeros()))
+        latest_load=EngineLoad(), core=SimpleNamespace(scheduler=SimpleNamespace(stats=_Zeros()))
     )
     registry = CollectorRegistry()
     install_engine_metrics(registry, engine, "model", role)  # type: ignore[arg-type]
