@@ -174,6 +174,8 @@ class Attempt:
                             tasks.append(asyncio.create_task(self._prefill(reservation)))
                         case Prefilled(done):
                             self.num_cached_tokens = done.num_cached_tokens
+                            if self.route.prefill is not None:
+                                self._router.report_success(self.route.prefill)
                         case PrefillFailed(error) if self.state is AttemptState.PREFILLING:
                             logger.warning("%s: prefill failed (%s)", self._label, error)
                             raise PrefillLost(str(error))
@@ -227,6 +229,7 @@ class Attempt:
             self._stage("local_prefill", stage_start)
         if self.first_token_s is None:
             self.first_token_s = time.monotonic() - self._started
+            self._router.report_success(self.route.decode)
         self.num_cached_tokens = max(self.num_cached_tokens, output.update.num_cached_tokens)
         return self.tracker.process(output.update, output.logprobs)
 

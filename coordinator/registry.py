@@ -2,7 +2,9 @@
 
 Workers register with their role, address and KV layout, then heartbeat with load figures.
 A worker silent for ``expiry_s`` is dropped; one whose call failed is marked unhealthy until
-its next heartbeat (so routing avoids it at once). The registry holds what workers report;
+its next heartbeat (so routing avoids it at once), and its ``CircuitBreaker``
+(``coordinator/circuit_breaker.py``) keeps it out of routing after several failed calls in a
+row, whatever its heartbeats say, until a back-off passed. The registry holds what workers report;
 the work this coordinator dispatched and that no report reflects yet is the router's.
 """
 
@@ -13,6 +15,7 @@ from dataclasses import dataclass, field
 
 from splitserve.common.load import EngineLoad
 from splitserve.common.membership import Role, WorkerInfo
+from splitserve.coordinator.circuit_breaker import CircuitBreaker
 
 
 @dataclass
@@ -28,6 +31,7 @@ class WorkerRecord:
     load: EngineLoad = field(default_factory=EngineLoad)
     last_seen: float = field(default_factory=time.monotonic)
     healthy: bool = True
+    breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
 
 
 def record_of(info: WorkerInfo) -> WorkerRecord:
@@ -72,10 +76,19 @@ class WorkerRegistry:
         """Drop a worker that left (it drains); returns its record, None when unknown."""
         return self._workers.pop(worker_id, None)
 
-    def mark_failed(self, worker_id: str) -> None:
+    def mark_failed(self, worker_id: str, now: float | None = None) -> None:
+        """A call to the worker failed: unhealthy until its next heartbeat, and one more
+        failure for its circuit breaker."""
         record = self._workers.get(worker_id)
         if record is not None:
             record.healthy = False
+            record.breaker.record_failure(time.monotonic() if now is None else now)
+
+    def mark_succeeded(self, worker_id: str) -> None:
+        """A call to the worker did its work: its circuit breaker closes."""
+        record = self._workers.get(worker_id)
+        if record is not None:
+            record.breaker.record_success()
 
     def expire(self, now: float | None = None) -> list[WorkerRecord]:
         """Drop workers silent for longer than ``expiry_s``; returns them."""
@@ -88,9 +101,15 @@ class WorkerRegistry:
     def get(self, worker_id: str) -> WorkerRecord | None:
         return self._workers.get(worker_id)
 
-    def workers(self, role: Role | None = None, healthy_only: bool = True) -> list[WorkerRecord]:
+    def workers(
+        self, role: Role | None = None, healthy_only: bool = True, now: float | None = None
+    ) -> list[WorkerRecord]:
+        """Workers of ``role`` (any when None); with ``healthy_only``, those routable now:
+        healthy and not held off by their circuit breaker."""
+        now = time.monotonic() if now is None else now
         return [
             w
             for w in self._workers.values()
-            if (role is None or w.role is role) and (w.healthy or not healthy_only)
+            if (role is None or w.role is role)
+            and (not healthy_only or (w.healthy and w.breaker.allows(now)))
         ]

@@ -133,8 +133,13 @@ class Router:
             del self._pending[worker_id]
 
     def report_failure(self, worker: WorkerRecord) -> None:
-        """A call to ``worker`` failed as if it were gone: route around it until it reports."""
+        """A call to ``worker`` failed as if it were gone: route around it until it reports
+        (and, after several in a row, until its circuit breaker's back-off passed)."""
         self.registry.mark_failed(worker.worker_id)
+
+    def report_success(self, worker: WorkerRecord) -> None:
+        """A call to ``worker`` did its work (a token came, a prompt was pushed)."""
+        self.registry.mark_succeeded(worker.worker_id)
 
     def route(
         self,
