@@ -132,11 +132,7 @@ class AsyncClient:
                 yield finish
                 return
             except grpc.aio.AioRpcError as rpc_error:
-                if not (
-                    streamed
-                    and rpc_error.code() in wire.CONTINUABLE
-                    and continuations < wire.MAX_CONTINUATIONS
-                ):
+                if not wire.continues(streamed, rpc_error.code(), continuations):
                     raise ClientError.from_call(rpc_error, request.request_id) from rpc_error
             finally:
                 call.cancel()  # no-op when the call is over; else the server aborts it

@@ -112,9 +112,7 @@ class Client:
                 return
             except grpc.RpcError as rpc_error:
                 code = rpc_error.code()  # type: ignore[attr-defined]
-                if not (
-                    streamed and code in wire.CONTINUABLE and continuations < wire.MAX_CONTINUATIONS
-                ):
+                if not wire.continues(streamed, code, continuations):
                     error = ClientError.from_call(rpc_error, request.request_id)  # type: ignore[arg-type]
                     raise error from rpc_error
             finally:

@@ -67,6 +67,12 @@ tokens goes on through another coordinator (``continuation``)."""
 MAX_CONTINUATIONS = 3
 
 
+def continues(streamed_token_ids: Sequence[int], code: grpc.StatusCode, continuations: int) -> bool:
+    """Whether a stream that broke with ``code`` goes on through another coordinator: it
+    delivered tokens, broke as a dead coordinator's stream does, and has continuations left."""
+    return bool(streamed_token_ids) and code in CONTINUABLE and continuations < MAX_CONTINUATIONS
+
+
 def continuation(
     request: coordinator_pb2.GenerateRequest, streamed_token_ids: Sequence[int]
 ) -> coordinator_pb2.GenerateRequest:

@@ -20,6 +20,7 @@ trusted (``StepCost.decode_steps`` / ``prefill_steps``).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -150,27 +151,28 @@ class StepCostLearner:
     def observe(self, shape: StepShape, seconds: float) -> None:
         if seconds <= 0.0 or (shape.decode_seqs == 0 and shape.prefill_tokens == 0):
             return
-        if shape.prefill_tokens == 0:
+        if shape.prefill_tokens == 0:  # refit only the part this step informs
             context = shape.context_tokens / self.CONTEXT_SCALE
             self._decode.observe([1.0, float(shape.decode_seqs), context], seconds)
+            base, per_seq, per_kilo_context = self._decode.coefficients()
+            self._estimate = dataclasses.replace(
+                self._estimate,
+                decode_base_s=base,
+                per_decode_seq_s=per_seq,
+                per_context_token_s=per_kilo_context / self.CONTEXT_SCALE,
+                decode_steps=self._decode.num_observations,
+            )
         else:
             decode_part = self._estimate.decode_step_s(shape.decode_seqs, shape.context_tokens)
             remainder = max(0.0, seconds - decode_part)
             self._prefill.observe([1.0, float(shape.prefill_tokens)], remainder)
-        self._estimate = self._fitted()
+            base, per_token = self._prefill.coefficients()
+            self._estimate = dataclasses.replace(
+                self._estimate,
+                prefill_base_s=base,
+                per_prefill_token_s=per_token,
+                prefill_steps=self._prefill.num_observations,
+            )
 
     def estimate(self) -> StepCost:
         return self._estimate
-
-    def _fitted(self) -> StepCost:
-        decode_base, per_seq, per_kilo_context = self._decode.coefficients()
-        prefill_base, per_token = self._prefill.coefficients()
-        return StepCost(
-            decode_base_s=decode_base,
-            per_decode_seq_s=per_seq,
-            per_context_token_s=per_kilo_context / self.CONTEXT_SCALE,
-            prefill_base_s=prefill_base,
-            per_prefill_token_s=per_token,
-            decode_steps=self._decode.num_observations,
-            prefill_steps=self._prefill.num_observations,
-        )

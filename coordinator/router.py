@@ -157,12 +157,15 @@ class Router:
             return None
         if not with_prefill:
             return Route(decode, None)
-        placement = self.place_prompt(decode, prompt_token_ids, max_tokens, slo or self.config.slo)
+        candidates = self._prefill_candidates(decode, len(prompt_token_ids))
+        hashes = prompt_block_hashes(prompt_token_ids, decode.block_size) if candidates else []
+        placement = self.place_prompt(
+            decode, candidates, hashes, len(prompt_token_ids), max_tokens, slo or self.config.slo
+        )
         if placement.prefill_worker_id is None:
             return Route(decode, None, placement)
         prefill = self.registry.get(placement.prefill_worker_id)
         assert prefill is not None  # a candidate a moment ago, on this event loop
-        hashes = prompt_block_hashes(prompt_token_ids, decode.block_size)
         self._memory(prefill.worker_id).remember(hashes)
         return Route(decode, prefill, placement)
 
@@ -185,20 +188,25 @@ class Router:
 
         return max(candidates, key=score)
 
+    def _prefill_candidates(self, decode: WorkerRecord, num_tokens: int) -> list[WorkerRecord]:
+        """Prefill workers that may push a prompt of ``num_tokens`` to ``decode``."""
+        return [
+            w
+            for w in self.registry.workers(Role.PREFILL)
+            if w.compat_hash == decode.compat_hash and w.max_model_len >= num_tokens
+        ]
+
     def place_prompt(
         self,
         decode: WorkerRecord,
-        prompt_token_ids: Sequence[int],
+        candidates: Sequence[WorkerRecord],
+        hashes: Sequence[BlockHash],
+        num_prompt_tokens: int,
         max_tokens: int,
         slo: Slo,
     ) -> Placement:
-        """Where the prompt runs for a request decoding on ``decode`` (``place``)."""
-        candidates = [
-            w
-            for w in self.registry.workers(Role.PREFILL)
-            if w.compat_hash == decode.compat_hash and w.max_model_len >= len(prompt_token_ids)
-        ]
-        hashes = prompt_block_hashes(prompt_token_ids, decode.block_size) if candidates else []
+        """Where the prompt (its block ``hashes``) runs for a request decoding on ``decode``,
+        among the prefill ``candidates`` and ``decode`` itself (``place``)."""
         prefills = [
             PrefillView(
                 worker_id=w.worker_id,
@@ -216,7 +224,7 @@ class Router:
             queued_tokens=decode.load.num_pending_prefill_tokens,
         )
         rule = RuleConfig(self.config.local_prefill_max_tokens, self.config.local_chunk_tokens)
-        return place(len(prompt_token_ids), max_tokens, view, prefills, slo, self.config.mode, rule)
+        return place(num_prompt_tokens, max_tokens, view, prefills, slo, self.config.mode, rule)
 
     def _memory(self, worker_id: str) -> PrefixMemory:
         memory = self._prefix.get(worker_id)

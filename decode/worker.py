@@ -47,6 +47,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from splitserve.common.errors import CapacityError, EngineStoppedError, InvalidRequestError
+from splitserve.common.event_wait import wait_event
 from splitserve.common.load import EngineLoad
 from splitserve.common.request_update import StepOutput
 from splitserve.common.sampling_params import SamplingParams
@@ -142,8 +143,8 @@ class DecodeWorker:
         previous = self._open_attempts.get(request_id)
         if previous is None:
             return
-        with contextlib.suppress(TimeoutError):  # then a true duplicate: the engine refuses it
-            await asyncio.wait_for(previous.wait(), PREVIOUS_ATTEMPT_WAIT_S)
+        # not ended in time: a true duplicate, which the engine refuses
+        await wait_event(previous, PREVIOUS_ATTEMPT_WAIT_S)
 
     async def _submit(
         self,

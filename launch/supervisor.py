@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TextIO
 
+from splitserve.common.event_wait import wait_event
 from splitserve.common.orphan import PARENT_PID_ENV
 from splitserve.launch.child_process import ChildProcess, ReadyError, python_module_argv
 
@@ -159,9 +160,7 @@ class Supervisor:
     async def _restart(self, child: Child, status: int, stop: asyncio.Event) -> None:
         delay_s = child.next_delay_s()
         say(f"splitserve up: {child.name} exited with status {status}; restarting in {delay_s:g} s")
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), delay_s)
-        if stop.is_set():
+        if await wait_event(stop, delay_s):
             self._restarting.discard(child.name)
             return
         child.process = self._spawn(child.name, child.module_argv)

@@ -10,11 +10,11 @@ worker) tells the coordinator the worker drains. Every call has a deadline.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 
 from splitserve.common.errors import SplitserveError
+from splitserve.common.event_wait import wait_event
 from splitserve.common.load import LoadReport
 from splitserve.common.membership import WorkerInfo
 from splitserve.proto.cluster_access import ClusterAccess
@@ -102,5 +102,4 @@ class CoordinatorLink:
 
 
 async def _sleep_or_stop(stop: asyncio.Event, seconds: float) -> None:
-    with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(stop.wait(), seconds)
+    await wait_event(stop, seconds)

@@ -10,6 +10,8 @@ from typing import Generic, TypeVar
 
 import grpc
 
+from splitserve.common.event_wait import wait_event
+
 Domain = TypeVar("Domain")
 
 
@@ -40,9 +42,7 @@ class InFlight:
 
     async def wait_idle(self, timeout_s: float) -> bool:
         """True once no tracked call runs; False when some still do after ``timeout_s``."""
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._idle.wait(), timeout_s)
-        return self._count == 0
+        return await wait_event(self._idle, timeout_s)
 
 
 class WorkerServicerBase(Generic[Domain]):

@@ -12,9 +12,10 @@ slow CPU) is why the timeout is generous.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Awaitable, Callable
+
+from splitserve.common.event_wait import wait_event
 
 logger = logging.getLogger(__name__)
 
@@ -42,9 +43,7 @@ class StallWatch:
         after ``stop``: a draining worker stays NOT_SERVING)."""
         serving = True
         while not stop.is_set():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), interval_s)
-            if stop.is_set():
+            if await wait_event(stop, interval_s):
                 return
             ready = self.ready()
             if ready != serving:
