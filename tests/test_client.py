@@ -457,8 +457,9 @@ def test_the_deadline_covers_all_attempts(server) -> None:
             return time.monotonic() - started
 
     elapsed = asyncio.run(run())
-    assert 0.55 <= elapsed < 0.9  # one 0.6 s deadline, not 0.4 s + a fresh 0.6 s
+    assert elapsed >= 0.55  # the deadline, not the first failure, ended it
     first, second = server.coordinator.time_remaining
+    # One 0.6 s deadline, not 0.4 s + a fresh 0.6 s: the retry got what the first left.
     assert first is not None and second is not None and second < first - 0.35
 
 

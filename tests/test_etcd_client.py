@@ -79,7 +79,7 @@ def test_a_lease_kept_alive_outlives_its_ttl_and_an_unkept_one_expires(etcd: Etc
             while await client.get(b"/l/unkept") is not None:
                 await asyncio.sleep(0.1)
             expired_after_s = time.monotonic() - start
-            assert SHORT_TTL_S - 0.5 < expired_after_s < SHORT_TTL_S + 2.0
+            assert SHORT_TTL_S - 0.5 < expired_after_s < SHORT_TTL_S + 5.0
             await asyncio.sleep(1.0)  # past a full TTL: only the keep-alives hold it
             kept_kv = await client.get(b"/l/kept")
             assert kept_kv is not None and kept_kv.lease == kept.id
