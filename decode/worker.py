@@ -46,7 +46,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
-from splitserve.common.errors import CapacityError, EngineStoppedError, InvalidRequestError
+from splitserve.common.errors import EngineStoppedError, InvalidRequestError
 from splitserve.common.event_wait import wait_event
 from splitserve.common.load import EngineLoad
 from splitserve.common.request_update import StepOutput
@@ -66,8 +66,6 @@ logger = logging.getLogger(__name__)
 
 PREVIOUS_ATTEMPT_WAIT_S = 5.0
 """How long a retried request id waits for its previous attempt here to end."""
-RESERVATION_RETRY_S = 0.01
-"""Poll interval of a reservation waiting for free blocks."""
 
 
 @dataclass
@@ -154,24 +152,20 @@ class DecodeWorker:
         remote_prefill: bool,
         prior_output_token_ids: Sequence[int],
     ) -> RequestStream:
-        """Queue the request; a reservation that does not fit now waits until blocks free up
-        (requests that can never fit are refused by the engine at once)."""
+        """Queue the request; a reservation that does not fit now waits, in arrival order,
+        until blocks free up (``ReservationQueue``: no polling). Requests that can never fit
+        are refused by the engine at once; ``CapacityError`` when too many already wait."""
         started = time.monotonic()
-        while True:
-            try:
-                stream = await self.engine.submit(
-                    request_id,
-                    prompt_token_ids,
-                    params,
-                    reserve_remote_prefill=remote_prefill,
-                    prior_output_token_ids=prior_output_token_ids,
-                )
-            except CapacityError:
-                await asyncio.sleep(RESERVATION_RETRY_S)
-                continue
-            if remote_prefill:
-                self.transfer_metrics.reservation_wait.observe(time.monotonic() - started)
-            return stream
+        stream = await self.engine.submit(
+            request_id,
+            prompt_token_ids,
+            params,
+            reserve_remote_prefill=remote_prefill,
+            prior_output_token_ids=prior_output_token_ids,
+        )
+        if remote_prefill:
+            self.transfer_metrics.reservation_wait.observe(time.monotonic() - started)
+        return stream
 
     def _expect_kv(
         self, request_id: str, block_table: Sequence[int], num_tokens: int

@@ -22,6 +22,7 @@ thread. After ``shutdown`` every open stream receives ``EngineStoppedError``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -36,6 +37,11 @@ from splitserve.common.logprobs import TokenLogprob
 from splitserve.common.request_update import FinishReason, RequestUpdate, StepOutput
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.engine_core import EngineCore, LayerHook
+from splitserve.engine.reservation_queue import (
+    DEFAULT_MAX_WAITING,
+    PendingReservation,
+    ReservationQueue,
+)
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -50,7 +56,14 @@ class _Stream:
 class AsyncEngine:
     """Thread-hosted engine with an asyncio front."""
 
-    def __init__(self, core: EngineCore, on_layer_kv_written: LayerHook | None = None) -> None:
+    def __init__(
+        self,
+        core: EngineCore,
+        on_layer_kv_written: LayerHook | None = None,
+        max_waiting_reservations: int = DEFAULT_MAX_WAITING,
+    ) -> None:
+        """``max_waiting_reservations``: remote-prefill reservations that may wait for blocks
+        (``ReservationQueue``); more are refused with ``CapacityError``."""
         self.core = core
         self._layer_hook = on_layer_kv_written
         self.latest_load: EngineLoad = core.load()
@@ -59,6 +72,8 @@ class AsyncEngine:
         self._streams: dict[str, _Stream] = {}
         self._wakeup = threading.Event()
         self._stopping = False
+        self._reservations = ReservationQueue(core, max_waiting_reservations)
+        """Remote-prefill reservations waiting for blocks (engine thread only)."""
         self._step_started: float | None = None
         """``time.monotonic()`` when the running step began; None between steps."""
         self._thread = threading.Thread(target=self._loop, name="splitserve-engine", daemon=True)
@@ -83,36 +98,45 @@ class AsyncEngine:
         """Queue a request and return its stream of outputs; raises what the core raises on
         refusal.
 
-        With ``reserve_remote_prefill``, blocks are reserved for KV computed elsewhere and the
-        stream's ``block_table`` comes with a *hold*: one extra reference on each of its
-        blocks, taken in the same engine command as the reservation and owned by the caller.
-        Whatever ends the request (abort, a failed step), the blocks stay out of the pool
-        until the caller gives the hold back with ``release_blocks``: once nothing can write
-        into them any more. ``prior_output_token_ids``: see ``EngineCore.add_request``.
+        With ``reserve_remote_prefill``, blocks are reserved for KV computed elsewhere (when
+        the pool is short, this waits in arrival order until they free up:
+        ``ReservationQueue``; ``CapacityError`` when too many already wait; an ``abort``
+        meanwhile cancels the wait) and the stream's ``block_table`` comes with a *hold*: one
+        extra reference on each of its blocks, taken in the same engine command as the
+        reservation and owned by the caller. Whatever ends the request (abort, a failed
+        step), the blocks stay out of the pool until the caller gives the hold back with
+        ``release_blocks``: once nothing can write into them any more.
+        ``prior_output_token_ids``: see ``EngineCore.add_request``.
         """
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, asyncio.Queue())
         accepted: asyncio.Future[Sequence[int] | None] = loop.create_future()
         held: list[int] = []  # written by add() on the engine thread
 
+        def granted(block_table: Sequence[int]) -> None:  # engine thread
+            self.core.hold_blocks(block_table)
+            held.extend(block_table)
+            self._streams[request_id] = stream
+            loop.call_soon_threadsafe(_settle, accepted, None, block_table)
+
+        def dropped(reason: BaseException | None) -> None:  # engine thread
+            if reason is None:  # aborted while waiting: the submitter sees a cancellation
+                loop.call_soon_threadsafe(accepted.cancel)
+            else:
+                loop.call_soon_threadsafe(_settle, accepted, reason, None)
+
         def add() -> None:
             try:
-                block_table = None
                 if reserve_remote_prefill:
-                    block_table = self.core.reserve_remote_prefill(
-                        request_id, prompt_token_ids, params
-                    )
-                    self.core.hold_blocks(block_table)
-                    held.extend(block_table)
-                else:
-                    self.core.add_request(
-                        request_id, prompt_token_ids, params, prior_output_token_ids
-                    )
+                    request = self.core.remote_prefill_request(request_id, prompt_token_ids, params)
+                    self._reservations.offer(PendingReservation(request, granted, dropped))
+                    return
+                self.core.add_request(request_id, prompt_token_ids, params, prior_output_token_ids)
             except BaseException as error:  # reported to the caller, engine goes on
                 loop.call_soon_threadsafe(_settle, accepted, error, None)
                 return
             self._streams[request_id] = stream
-            loop.call_soon_threadsafe(_settle, accepted, None, block_table)
+            loop.call_soon_threadsafe(_settle, accepted, None, None)
 
         self._submit(add)
         try:
@@ -193,7 +217,9 @@ class AsyncEngine:
         self._stopping = True
         self._wakeup.set()
         self._thread.join(timeout)
-        self._fail_all(EngineStoppedError("the engine was shut down"))
+        stopped = EngineStoppedError("the engine was shut down")
+        self._reservations.drop_all(stopped)
+        self._fail_all(stopped)
 
     # ---- engine thread ---------------------------------------------------------------------
 
@@ -205,6 +231,8 @@ class AsyncEngine:
 
     def _end(self, request_id: str, reason: FinishReason) -> None:
         """Engine thread: finish a request in the core and close its stream."""
+        if self._reservations.drop(request_id):
+            return  # it was still waiting for blocks: no stream, nothing held
         request = self.core.scheduler.requests.get(request_id)
         if reason is FinishReason.ABORT:
             self.core.abort_request(request_id)
@@ -226,6 +254,7 @@ class AsyncEngine:
     def _loop(self) -> None:
         while not self._stopping:
             self._drain_commands()
+            self._serve_reservations()
             if not self.core.has_unfinished:
                 self._wakeup.wait()
                 self._wakeup.clear()
@@ -241,7 +270,23 @@ class AsyncEngine:
                 self._step_started = None
             for output in outputs:
                 self._deliver(output)
-            self.latest_load = self.core.load()
+            self._serve_reservations()
+            self._refresh_load()
+
+    def _serve_reservations(self) -> None:
+        """Grant waiting reservations the pool can take now (blocks come back only in
+        commands and steps, after which this runs)."""
+        if len(self._reservations):
+            self._reservations.serve()
+            self._refresh_load()
+
+    def _refresh_load(self) -> None:
+        """``latest_load`` from the core; reservations waiting for blocks count as waiting."""
+        load = self.core.load()
+        if len(self._reservations):
+            waiting = load.num_waiting_requests + len(self._reservations)
+            load = dataclasses.replace(load, num_waiting_requests=waiting)
+        self.latest_load = load
 
     def step_running_s(self) -> float:
         """Seconds the step now running has taken; 0 between steps. Any thread: a stuck
@@ -256,7 +301,7 @@ class AsyncEngine:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 if ran_any:  # commands add, reserve and end requests
-                    self.latest_load = self.core.load()
+                    self._refresh_load()
                 return
             ran_any = True
             try:

@@ -194,7 +194,29 @@ class EngineCore:
 
         Raises ``InvalidRequestError`` for bad input and ``CapacityError`` when full now.
         """
-        request = self._new_request(request_id, prompt_token_ids, params)
+        request = self.remote_prefill_request(request_id, prompt_token_ids, params)
+        return self.reserve_request(request)
+
+    def remote_prefill_request(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+    ) -> Request:
+        """A validated request whose prompt another worker prefills, for ``reserve_request``
+        (validated once, however often it is offered). ``InvalidRequestError`` for bad input."""
+        return self._new_request(request_id, prompt_token_ids, params)
+
+    def check_reservable(self, request: Request) -> None:
+        """Raise what ``reserve_request`` would for a request it can never take (a duplicate
+        id, a prompt beyond the context or the pool); changes nothing."""
+        self.scheduler.check_new(request)
+
+    def has_room_for(self, request: Request) -> bool:
+        """Whether the pool has enough free blocks now for the request's prompt (cheap)."""
+        needed = self.kv_cache.blocks_needed(request.num_prompt_tokens)
+        return needed <= self.kv_cache.num_free_blocks
+
+    def reserve_request(self, request: Request) -> Sequence[int]:
+        """Reserve blocks for ``request`` (``remote_prefill_request``); its block table.
+        ``CapacityError`` (nothing held) when the pool cannot take it now."""
         return self.scheduler.reserve_for_remote_prefill(request)
 
     def complete_remote_prefill(

@@ -115,12 +115,16 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         """Queue a request; raises ``InvalidRequestError`` if it can never run here."""
-        if request.request_id in self.requests:
-            raise InvalidRequestError(f"duplicate request id {request.request_id!r}", "request_id")
-        self.check_fits(request.num_prompt_tokens, request.params)
+        self.check_new(request)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.append(request)
+
+    def check_new(self, request: Request) -> None:
+        """Raise if ``request`` can never be taken here: its id is known, or it never fits."""
+        if request.request_id in self.requests:
+            raise InvalidRequestError(f"duplicate request id {request.request_id!r}", "request_id")
+        self.check_fits(request.num_prompt_tokens, request.params)
 
     def check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         """Raise if a prompt of this length can never be served by this worker."""
@@ -167,9 +171,7 @@ class Scheduler:
         The request is never scheduled until ``complete_remote_prefill``; aborting it frees the
         blocks. Raises ``CapacityError`` (nothing held) when the pool cannot take the prompt now.
         """
-        if request.request_id in self.requests:
-            raise InvalidRequestError(f"duplicate request id {request.request_id!r}", "request_id")
-        self.check_fits(request.num_prompt_tokens, request.params)
+        self.check_new(request)
         # few runs of consecutive blocks: the transfer sends one message per run and layer
         if not self.kv_cache.allocate(
             request.request_id, request.num_prompt_tokens, contiguous=True
