@@ -32,6 +32,7 @@ from splitserve.common.membership import Role
 from splitserve.common.metrics import serve_metrics
 from splitserve.common.model_files import load_tokenizer, model_name_of, resolve_model_path
 from splitserve.coordinator import INTERNAL_READY, PUBLIC_READY
+from splitserve.coordinator.admission import AdmissionConfig
 from splitserve.coordinator.attempt import AttemptTimeouts
 from splitserve.coordinator.flow import FlowConfig
 from splitserve.coordinator.membership_follower import MembershipFollower
@@ -92,6 +93,39 @@ def build_parser() -> argparse.ArgumentParser:
         int,
         "prompt tokens a decode worker computes per step (its --max-num-batched-tokens)",
     )
+    flag(
+        "--kv-share",
+        AdmissionConfig.kv_share,
+        float,
+        "share of the decode workers' KV this coordinator admits requests against "
+        "(prompt + max_tokens each); 1/N when N coordinators share the workers",
+    )
+    flag(
+        "--max-queued",
+        AdmissionConfig.max_queued_requests,
+        int,
+        "requests that may wait for KV (then RESOURCE_EXHAUSTED)",
+    )
+    flag(
+        "--max-queued-prompt-tokens",
+        AdmissionConfig.max_queued_prompt_tokens,
+        int,
+        "prompt tokens that may wait for KV (then RESOURCE_EXHAUSTED)",
+    )
+    flag(
+        "--max-queue-wait",
+        AdmissionConfig.max_queue_wait_s,
+        float,
+        "seconds a request may wait for KV; one predicted to wait longer is refused at once",
+    )
+    flag(
+        "--default-max-tokens",
+        CoordinatorConfig.default_max_tokens,
+        int,
+        "output tokens of a request without max_tokens (0: up to the context); admission "
+        "reserves KV for them",
+    )
+    flag("--max-tokens-cap", 0, int, "the most max_tokens a request may ask for (0: no cap)")
     flag("--prefill-timeout", 300.0, float, "seconds a prefill (compute + KV push) may take")
     flag("--metrics-port", 0, int, "Prometheus /metrics port (0: any free port, -1: off)")
     flag(
@@ -126,20 +160,35 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.INFO, format="%(asctime)s coordinator %(levelname)s %(message)s"
     )
     model_path = resolve_model_path(args.model)
+    slo = Slo(ttft_s=args.ttft_slo_ms / 1000, tpot_s=args.tpot_slo_ms / 1000)
+    if not 0 < args.kv_share <= 1:
+        parser.error(f"--kv-share must be in (0, 1], not {args.kv_share}")
     config = CoordinatorConfig(
         model_name=model_name_of(model_path),
         max_inflight=args.max_inflight,
+        default_max_tokens=args.default_max_tokens,
+        max_tokens_cap=args.max_tokens_cap,
         routing=RoutingConfig(
             local_prefill_max_tokens=args.local_prefill_max_tokens,
             mode=placement_mode_or_exit(parser, args.placement),
-            slo=Slo(ttft_s=args.ttft_slo_ms / 1000, tpot_s=args.tpot_slo_ms / 1000),
+            slo=slo,
             local_chunk_tokens=args.local_chunk_tokens,
         ),
         flow=FlowConfig(timeouts=AttemptTimeouts(prefill_s=args.prefill_timeout)),
+        admission=AdmissionConfig(
+            kv_share=args.kv_share,
+            max_queued_requests=args.max_queued,
+            max_queued_prompt_tokens=args.max_queued_prompt_tokens,
+            max_queue_wait_s=args.max_queue_wait,
+            prior_tpot_s=slo.tpot_s,
+            prior_ttft_s=slo.ttft_s,
+        ),
     )
     coordinator = Coordinator(config, load_tokenizer(model_path), access)
     registry = CollectorRegistry()
-    metrics = CoordinatorMetrics(registry, config.model_name, coordinator.registry)
+    metrics = CoordinatorMetrics(
+        registry, config.model_name, coordinator.registry, coordinator.admission
+    )
 
     async def run(stop: asyncio.Event) -> None:
         server = await start_server(

@@ -8,6 +8,11 @@ local_prefill (prompt computed on the decode worker). ``splitserve_request_recov
 decode_resume (decode worker failed, request resumed on another), coordinator_continuation
 (a client continued here a stream whose coordinator died, ``continue_after``).
 ``splitserve_num_workers{worker_role}``: registered, healthy workers.
+Admission by KV (``coordinator/admission.py``): ``splitserve_admission_kv_tokens{state}``
+(capacity | admitted), ``splitserve_admission_queued_requests``,
+``splitserve_admission_queued_prompt_tokens``, ``splitserve_admission_refusals_total{reason}``
+(queue_full | predicted_wait | waited_out), ``splitserve_admission_tpot_seconds`` and
+``splitserve_admission_ttft_seconds`` (the times its wait predictions use).
 ``splitserve_placement_decisions_total{where, reason}``: where requests' prompts were computed
 (remote | local) and why (``coordinator/placement.py:Reason``);
 ``splitserve_placement_ttft_ratio{where}``: first token time / predicted TTFT, for decisions
@@ -21,11 +26,12 @@ import logging
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from splitserve.common.membership import Role
 from splitserve.common.metrics import TIME_TO_FIRST_TOKEN_BUCKETS, RequestMetrics
+from splitserve.coordinator.admission import KvAdmission
 from splitserve.coordinator.flow import PlacementOutcome, RequestFlow
 from splitserve.coordinator.registry import WorkerRegistry
 
@@ -38,7 +44,11 @@ RECOVERIES = ("prefill_fallback", "decode_resume", "coordinator_continuation")
 
 class CoordinatorMetrics:
     def __init__(
-        self, registry: CollectorRegistry, model_name: str, worker_registry: WorkerRegistry
+        self,
+        registry: CollectorRegistry,
+        model_name: str,
+        worker_registry: WorkerRegistry,
+        admission: KvAdmission | None = None,
     ) -> None:
         self.requests = RequestMetrics(registry, model_name, "coordinator")
         stage = Histogram(
@@ -71,6 +81,8 @@ class CoordinatorMetrics:
         )
         self._model_name = model_name
         registry.register(_WorkerCollector(worker_registry))
+        if admission is not None:
+            registry.register(_AdmissionCollector(admission))
 
     def record_flow(self, flow: RequestFlow) -> None:
         """Observe a finished flow's stages and recoveries (once, at its end)."""
@@ -115,3 +127,49 @@ class _WorkerCollector(Collector):
         for role in Role:
             family.add_metric([role.name.lower()], len(self._registry.workers(role)))
         yield family
+
+
+class _AdmissionCollector(Collector):
+    """Admission's figures, read at each scrape."""
+
+    def __init__(self, admission: KvAdmission) -> None:
+        self._admission = admission
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        snapshot = self._admission.snapshot()
+        kv = GaugeMetricFamily(
+            "splitserve_admission_kv_tokens",
+            "Decode KV this coordinator admits against, and what admitted requests may use.",
+            labels=["state"],
+        )
+        kv.add_metric(["capacity"], snapshot.capacity_tokens)
+        kv.add_metric(["admitted"], snapshot.admitted_tokens)
+        yield kv
+        yield GaugeMetricFamily(
+            "splitserve_admission_queued_requests",
+            "Requests waiting for KV.",
+            value=snapshot.num_queued,
+        )
+        yield GaugeMetricFamily(
+            "splitserve_admission_queued_prompt_tokens",
+            "Prompt tokens of the requests waiting for KV.",
+            value=snapshot.queued_prompt_tokens,
+        )
+        yield GaugeMetricFamily(
+            "splitserve_admission_tpot_seconds",
+            "Time per output token the wait predictions use (measured, smoothed).",
+            value=snapshot.tpot_s,
+        )
+        yield GaugeMetricFamily(
+            "splitserve_admission_ttft_seconds",
+            "Time from admission to first token the wait predictions use (measured, smoothed).",
+            value=snapshot.ttft_s,
+        )
+        refusals = CounterMetricFamily(
+            "splitserve_admission_refusals",
+            "Requests refused by admission, by reason.",
+            labels=["reason"],
+        )
+        for reason, count in self._admission.refusals.items():
+            refusals.add_metric([reason], count)
+        yield refusals

@@ -1,8 +1,9 @@
 """The coordinator's domain: admission, tokenization, the worker registry and request flows.
 
 ``Coordinator.generate`` validates and tokenizes a request (text, chat messages rendered with
-the model's template, or token ids), admits it (at most ``max_inflight`` requests; beyond that
-``OverloadedError`` with a retry hint) and runs its ``RequestFlow``. ``abort`` cancels a
+the model's template, or token ids), admits it (at most ``max_inflight`` requests, then by the
+decode workers' KV: ``admission.py``; refused ones get ``OverloadedError`` with a retry hint)
+and runs its ``RequestFlow``. ``abort`` cancels a
 running flow by id, which ends its worker calls and frees its blocks; only the caller (API
 key) that started a request may abort it.
 """
@@ -28,6 +29,7 @@ from splitserve.common.output_processor import StreamChunk
 from splitserve.common.prompt import Prompt, check_in_vocab, encode_prompt, min_prompt_tokens
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.tokenizer import Tokenizer
+from splitserve.coordinator.admission import AdmissionConfig, KvAdmission, KvDemand
 from splitserve.coordinator.flow import FlowConfig, RequestFlow
 from splitserve.coordinator.registry import WorkerRegistry
 from splitserve.coordinator.router import Router, RoutingConfig
@@ -42,6 +44,12 @@ class CoordinatorConfig:
     """Requests admitted at once; more get RESOURCE_EXHAUSTED with a retry hint."""
     routing: RoutingConfig = RoutingConfig()
     flow: FlowConfig = FlowConfig()
+    admission: AdmissionConfig = AdmissionConfig()
+    default_max_tokens: int = 1024
+    """Output tokens a request without ``max_tokens`` may generate (within the context);
+    0: up to the context. Admission counts it, so it bounds what such a request holds."""
+    max_tokens_cap: int = 0
+    """The most ``max_tokens`` a request may ask for (more: INVALID_ARGUMENT); 0: no cap."""
 
 
 @dataclass(frozen=True)
@@ -62,6 +70,7 @@ class Coordinator:
         self.router = Router(self.registry, config.routing)
         self.channels = WorkerChannels(access)
         self._running: dict[str, _Running] = {}
+        self.admission = KvAdmission(config.admission, self._decode_kv_tokens)
         self.flow_observer: Callable[[RequestFlow], None] | None = None
         """Called with each flow when it ends (metrics); must not raise."""
 
@@ -84,6 +93,15 @@ class Coordinator:
         ]
         return min(limits, default=0)
 
+    def _decode_kv_tokens(self) -> int:
+        """Tokens of KV the healthy decode workers hold together (admission's capacity)."""
+        return sum(w.num_blocks * w.block_size for w in self.registry.workers(Role.DECODE))
+
+    @property
+    def block_size(self) -> int:
+        """The decode workers' KV block size (the smallest, should they differ)."""
+        return min((w.block_size for w in self.registry.workers(Role.DECODE)), default=1)
+
     @property
     def ready(self) -> bool:
         return bool(self.registry.workers(Role.DECODE))
@@ -95,6 +113,26 @@ class Coordinator:
                 f"this model's context is {limit} tokens; the prompt has {num_prompt_tokens} "
                 f"and max_tokens is {params.max_tokens}",
                 "max_tokens" if num_prompt_tokens < limit else "prompt",
+            )
+
+    def _default_max_tokens(self, prompt_ids: Sequence[int], min_tokens: int) -> int:
+        """``max_tokens`` of a request that set none: the room left in the context, within
+        the operator's default and cap, but not below its ``min_tokens`` (the context and
+        the cap still bound that)."""
+        room = self.fill_limit - len(prompt_ids)
+        wanted = room
+        if self.config.default_max_tokens > 0:
+            wanted = min(wanted, max(self.config.default_max_tokens, min_tokens))
+        if self.config.max_tokens_cap > 0:
+            wanted = min(wanted, self.config.max_tokens_cap)
+        return wanted
+
+    def _check_cap(self, params: SamplingParams) -> None:
+        cap = self.config.max_tokens_cap
+        if cap > 0 and params.max_tokens > cap:
+            raise InvalidRequestError(
+                f"max_tokens is {params.max_tokens}; this server allows at most {cap}",
+                "max_tokens",
             )
 
     def _check_length_before_tokenizing(
@@ -122,7 +160,8 @@ class Coordinator:
     ) -> AsyncIterator[tuple[RequestFlow, StreamChunk]]:
         """Stream a request's chunks (with its flow, for usage figures).
 
-        ``fill_context``: the caller set no ``max_tokens``; generate up to ``fill_limit``.
+        ``fill_context``: the caller set no ``max_tokens``; generate up to ``fill_limit``,
+        within ``default_max_tokens`` and ``max_tokens_cap``.
         ``caller``: who asks; the only one ``abort`` lets end the request.
         ``continue_after``: completion tokens another coordinator already streamed to the
         client (``RequestFlow.replay``); the stream carries only what follows them, unless
@@ -138,7 +177,10 @@ class Coordinator:
         if not self.ready:
             raise WorkerUnavailableError("no decode worker is registered yet")
         if fill_context and self.fill_limit > len(prompt_ids):
-            params = dataclasses.replace(params, max_tokens=self.fill_limit - len(prompt_ids))
+            max_tokens = self._default_max_tokens(prompt_ids, params.min_tokens)
+            params = dataclasses.replace(params, max_tokens=max_tokens)
+        elif not fill_context:
+            self._check_cap(params)
         self._check_length(len(prompt_ids), params)
         if len(self._running) >= self.config.max_inflight:
             raise OverloadedError(
@@ -155,14 +197,18 @@ class Coordinator:
         )
         self._running[request_id] = _Running(flow, caller)
         try:
+            demand = KvDemand.of(len(prompt_ids), params.max_tokens, self.block_size)
+            await self.admission.admit(request_id, demand)
             if continue_after:
                 replayed = self._replay(flow, continue_after)
                 if replayed is not None:
                     yield flow, replayed
             async with contextlib.aclosing(flow.run()) as chunks:
                 async for chunk in chunks:
+                    self.admission.progress(request_id, len(chunk.new_token_ids))
                     yield flow, chunk
         finally:
+            self.admission.release(request_id)
             self._running.pop(request_id, None)
             if self.flow_observer is not None:
                 self.flow_observer(flow)

@@ -1,0 +1,235 @@
+"""Admission by KV (``coordinator/admission.py``) on plain objects: what fits starts at once,
+the rest waits in arrival order or is refused at once with the predicted wait as its retry
+hint; the queue is bounded by requests and by prompt tokens; a wait that outlasts its limit or
+whose caller leaves ends it without losing anyone's place."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+import pytest
+
+from splitserve.common.errors import OverloadedError
+from splitserve.coordinator.admission import AdmissionConfig, KvAdmission, KvDemand
+
+T = TypeVar("T")
+BLOCK = 16
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def demand(prompt: int, max_tokens: int) -> KvDemand:
+    return KvDemand.of(prompt, max_tokens, BLOCK)
+
+
+def admission(
+    capacity: int = 1000, clock: Clock | None = None, **config: Any
+) -> tuple[KvAdmission, list[int]]:
+    """An admission over a capacity the test may change (``cap[0] = ...``)."""
+    cap = [capacity]
+    settings = AdmissionConfig(**{"prior_tpot_s": 0.05, **config})
+    return KvAdmission(settings, lambda: cap[0], clock or Clock()), cap
+
+
+def run(scenario: Coroutine[Any, Any, T]) -> T:
+    return asyncio.run(asyncio.wait_for(scenario, timeout=10))
+
+
+async def started(coroutine: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+    task = asyncio.create_task(coroutine)
+    await asyncio.sleep(0)  # it reaches its wait
+    return task
+
+
+async def ended(*tasks: asyncio.Task[None]) -> bool:
+    """Whether the tasks end within a second (a grant takes a few loop turns to arrive)."""
+    _, pending = await asyncio.wait(tasks, timeout=1.0)
+    return not pending
+
+
+def test_demand_is_prompt_plus_max_tokens_in_whole_blocks() -> None:
+    assert demand(10, 6).num_tokens == 16
+    assert demand(10, 7).num_tokens == 32
+    assert demand(512, 16) == KvDemand(num_tokens=528, num_prompt_tokens=512, max_tokens=16)
+
+
+def test_what_fits_is_admitted_at_once_and_release_is_idempotent() -> None:
+    gate, _ = admission(capacity=64)
+
+    async def scenario() -> None:
+        await gate.admit("a", demand(20, 12))  # 32
+        await gate.admit("b", demand(20, 12))  # 64: full
+        assert gate.snapshot().admitted_tokens == 64
+        gate.release("a")
+        gate.release("a")
+        gate.release("never-admitted")
+        assert gate.snapshot().admitted_tokens == 32
+
+    run(scenario())
+
+
+def test_waiters_are_admitted_in_arrival_order_as_kv_comes_back() -> None:
+    gate, _ = admission(capacity=64)
+
+    async def scenario() -> None:
+        await gate.admit("running", demand(40, 8))  # 48 of 64
+        big = await started(gate.admit("big", demand(40, 8)))  # 48: waits
+        small = await started(gate.admit("small", demand(8, 8)))  # 16 would fit: no overtaking
+        assert not big.done() and not small.done()
+        assert gate.snapshot().num_queued == 2
+        gate.release("running")  # 48 + 16 = 64: both fit, granted in the same instant
+        assert gate.snapshot().admitted_tokens == 64 and gate.snapshot().num_queued == 0
+        assert await ended(big, small)
+
+    run(scenario())
+
+
+def test_the_predicted_wait_walks_admitted_requests_by_their_end() -> None:
+    gate, _ = admission(capacity=96)
+
+    async def scenario() -> None:
+        await gate.admit("short", demand(16, 16))  # 32 tokens, ends in 16 x 0.05 = 0.8 s
+        await gate.admit("long", demand(16, 48))  # 64 tokens, ends in 48 x 0.05 = 2.4 s
+        assert gate.predicted_wait_s(demand(16, 16)) == pytest.approx(0.8)  # 32 frees: enough
+        assert gate.predicted_wait_s(demand(48, 16)) == pytest.approx(2.4)  # needs both gone
+        gate.progress("long", 40)  # 8 left: now it ends first, in 0.4 s, and frees enough
+        assert gate.predicted_wait_s(demand(48, 16)) == pytest.approx(0.4)
+
+    run(scenario())
+
+
+def test_a_request_predicted_to_wait_too_long_is_refused_at_once_with_that_hint() -> None:
+    gate, _ = admission(capacity=64, max_queue_wait_s=1.0)
+
+    async def scenario() -> None:
+        await gate.admit("running", demand(16, 48))  # 64, ends in 2.4 s
+        with pytest.raises(OverloadedError) as refused:
+            await gate.admit("late", demand(8, 8))
+        assert refused.value.retry_after_s == pytest.approx(2.4)
+        assert gate.snapshot().num_queued == 0 and gate.refusals["predicted_wait"] == 1
+
+    run(scenario())
+
+
+def test_the_queue_is_bounded_by_requests_and_by_prompt_tokens() -> None:
+    gate, _ = admission(capacity=64, max_queued_requests=2, max_queued_prompt_tokens=100)
+
+    async def scenario() -> None:
+        await gate.admit("running", demand(16, 16))  # 32
+        await gate.admit("running-2", demand(16, 16))  # 64: full, ends in 0.8 s
+        first = await started(gate.admit("w1", demand(60, 4)))
+        with pytest.raises(OverloadedError, match="prompt tokens"):
+            await gate.admit("too-many-tokens", demand(50, 4))  # 60 + 50 > 100
+        second = await started(gate.admit("w2", demand(30, 2)))
+        with pytest.raises(OverloadedError, match="already wait") as refused:
+            await gate.admit("too-many", demand(1, 1))
+        assert refused.value.retry_after_s > 0  # computed: the queue ahead must run first
+        assert gate.refusals["queue_full"] == 2
+        gate.release("running")
+        gate.release("running-2")
+        assert await ended(first)
+        gate.release("w1")
+        assert await ended(second)
+
+    run(scenario())
+
+
+def test_a_wait_that_outlasts_its_limit_is_refused_and_the_next_moves_up() -> None:
+    gate, _ = admission(capacity=64, max_queue_wait_s=0.3, prior_tpot_s=0.001)
+
+    async def scenario() -> None:
+        await gate.admit("stuck", demand(16, 48))  # predicted to end in 0.05 s; it does not
+        waiting = await started(gate.admit("w", demand(16, 16)))
+        with pytest.raises(OverloadedError, match="waited"):
+            await waiting
+        assert gate.snapshot().num_queued == 0 and gate.refusals["waited_out"] == 1
+        gate.release("stuck")
+        await gate.admit("next", demand(16, 16))  # nothing left behind in the queue
+
+    run(scenario())
+
+
+def test_a_cancelled_waiter_leaves_the_queue_and_the_one_behind_it_moves_up() -> None:
+    gate, _ = admission(capacity=64)
+
+    async def scenario() -> None:
+        await gate.admit("running", demand(16, 16))  # 32 of 64
+        head = await started(gate.admit("head", demand(40, 8)))  # 48: waits
+        behind = await started(gate.admit("behind", demand(8, 8)))  # 16: waits behind it
+        head.cancel()
+        assert await ended(head, behind)  # it fits once it is the oldest
+        assert head.cancelled() and not behind.cancelled()
+        assert gate.snapshot().admitted_tokens == 48
+
+    run(scenario())
+
+
+def test_kv_share_a_joining_worker_and_a_request_larger_than_the_share() -> None:
+    gate, cap = admission(capacity=128, kv_share=0.5)  # admits against 64
+
+    async def scenario() -> None:
+        assert gate.snapshot().capacity_tokens == 64
+        await gate.admit("alone", demand(100, 20))  # 128 > 64: may run alone
+        waiting = await started(gate.admit("w", demand(16, 16)))
+        assert not waiting.done()
+        cap[0] = 512  # a decode worker joined: 256 admitted against
+        await gate.admit("new", demand(16, 16))  # the waiter is served first, then this one
+        assert await ended(waiting)
+        assert gate.snapshot().admitted_tokens == 128 + 32 + 32
+
+    run(scenario())
+
+
+def test_measured_time_per_token_replaces_the_prior() -> None:
+    clock = Clock()
+    gate, _ = admission(capacity=1000, clock=clock, prior_tpot_s=0.05)
+
+    async def scenario() -> None:
+        await gate.admit("r", demand(16, 100))
+        gate.progress("r", 1)  # the first token: its wait was TTFT, not counted
+        assert gate.snapshot().tpot_s == pytest.approx(0.05)
+        for _ in range(200):
+            clock.now += 0.02
+            gate.progress("r", 1)
+        assert gate.snapshot().tpot_s == pytest.approx(0.02, rel=0.01)
+
+    run(scenario())
+
+
+def test_the_predicted_wait_plays_the_queue_forward() -> None:
+    gate, _ = admission(capacity=64, prior_ttft_s=1.0)
+
+    async def scenario() -> None:
+        await gate.admit("running", demand(48, 16))  # 64 tokens, ends in 0.8 s
+        first = await started(gate.admit("first", demand(48, 16)))  # starts at 0.8, ends 2.6
+        assert gate.predicted_wait_s(demand(48, 16)) == pytest.approx(0.8 + 1.0 + 0.8)
+        second = await started(gate.admit("second", demand(48, 16)))  # 2.6 -> 4.4
+        assert gate.predicted_wait_s(demand(48, 16)) == pytest.approx(2 * 1.8 + 0.8)
+        gate.release("running")
+        gate.release("first")
+        assert await ended(first, second)
+
+    run(scenario())
+
+
+def test_the_first_token_time_is_measured_from_admission() -> None:
+    clock = Clock()
+    gate, _ = admission(capacity=1000, clock=clock, prior_ttft_s=1.0)
+
+    async def scenario() -> None:
+        for i in range(100):
+            await gate.admit(f"r{i}", demand(16, 4))
+            clock.now += 0.3
+            gate.progress(f"r{i}", 1)
+            gate.release(f"r{i}")
+        assert gate.snapshot().ttft_s == pytest.approx(0.3, rel=0.01)
+
+    run(scenario())
