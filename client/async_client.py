@@ -94,6 +94,7 @@ class AsyncClient:
         token_ids: Sequence[int] | None = None,
         sampling: Sampling | None = None,
         request_id: str | None = None,
+        priority: int = 0,
         timeout_s: float | None | EllipsisType = ...,
     ) -> AsyncGenerator[Chunk | Finish, None]:
         """Stream a completion of exactly one of ``prompt`` (raw text), ``messages`` (chat,
@@ -103,9 +104,11 @@ class AsyncClient:
         An async generator: nothing happens until iteration starts, where wrong arguments
         raise ``ValueError`` / ``TypeError`` (not exactly one prompt, a malformed message) or
         ``ClientError`` INVALID_ARGUMENT (a sampling value the wire cannot carry).
+        ``priority``: admission order among waiting requests, higher first (at most the key's
+        tenant's ``max_priority``, else INVALID_ARGUMENT).
         """
         request_id = request_id or wire.new_request_id()
-        request = wire.generate_request(prompt, messages, token_ids, sampling, request_id)
+        request = wire.generate_request(prompt, messages, token_ids, sampling, request_id, priority)
         deadline = Deadline(self._timeout(timeout_s))
         streamed: list[int] = []
         for continuations in range(wire.MAX_CONTINUATIONS + 1):
@@ -145,6 +148,7 @@ class AsyncClient:
         token_ids: Sequence[int] | None = None,
         sampling: Sampling | None = None,
         request_id: str | None = None,
+        priority: int = 0,
         timeout_s: float | None | EllipsisType = ...,
     ) -> Generation:
         """The whole completion of ``stream()`` with the same arguments, joined."""
@@ -155,6 +159,7 @@ class AsyncClient:
             token_ids=token_ids,
             sampling=sampling,
             request_id=request_id,
+            priority=priority,
             timeout_s=timeout_s,
         )
         async with contextlib.aclosing(items):

@@ -75,6 +75,7 @@ class Client:
         token_ids: Sequence[int] | None = None,
         sampling: Sampling | None = None,
         request_id: str | None = None,
+        priority: int = 0,
         timeout_s: float | None | EllipsisType = ...,
     ) -> Generator[Chunk | Finish, None, None]:
         """Stream a completion of exactly one of ``prompt``, ``messages`` or ``token_ids``:
@@ -84,7 +85,7 @@ class Client:
         ``ValueError`` / ``TypeError`` or ``ClientError`` INVALID_ARGUMENT (see ``AsyncClient``).
         """
         request_id = request_id or wire.new_request_id()
-        request = wire.generate_request(prompt, messages, token_ids, sampling, request_id)
+        request = wire.generate_request(prompt, messages, token_ids, sampling, request_id, priority)
         deadline = Deadline(self._timeout(timeout_s))
         streamed: list[int] = []
         for continuations in range(wire.MAX_CONTINUATIONS + 1):
@@ -126,6 +127,7 @@ class Client:
         token_ids: Sequence[int] | None = None,
         sampling: Sampling | None = None,
         request_id: str | None = None,
+        priority: int = 0,
         timeout_s: float | None | EllipsisType = ...,
     ) -> Generation:
         """The whole completion of ``stream()`` with the same arguments, joined."""
@@ -136,6 +138,7 @@ class Client:
             token_ids=token_ids,
             sampling=sampling,
             request_id=request_id,
+            priority=priority,
             timeout_s=timeout_s,
         )
         with contextlib.closing(items):

@@ -38,8 +38,10 @@ def generate_request(
     token_ids: Sequence[int] | None,
     sampling: Sampling | None,
     request_id: str,
+    priority: int = 0,
 ) -> coordinator_pb2.GenerateRequest:
-    """The request for exactly one of ``prompt``, ``messages`` or ``token_ids``.
+    """The request for exactly one of ``prompt``, ``messages`` or ``token_ids``
+    (``priority``: admission order among waiting requests, higher first).
 
     Raises ``ValueError`` unless exactly one is given, ``TypeError`` for a malformed message and
     ``ClientError`` (INVALID_ARGUMENT) for sampling values the wire cannot carry.
@@ -48,7 +50,7 @@ def generate_request(
     given = [name for name, value in candidates if value is not None]
     if len(given) != 1:
         raise ValueError(f"give exactly one of prompt, messages, token_ids (got {given or 'none'})")
-    request = coordinator_pb2.GenerateRequest(request_id=request_id)
+    request = coordinator_pb2.GenerateRequest(request_id=request_id, priority=priority)
     if sampling is not None:
         request.sampling.CopyFrom(sampling.to_proto())
     if prompt is not None:

@@ -59,6 +59,8 @@ class ApiKeys:
         for key, tenant in tenants_by_key.items():
             if not key or any(c.isspace() for c in key):
                 raise ValueError("an API key must be non-empty, without spaces")
+            if tenant is not None and (not tenant or any(c.isspace() for c in tenant)):
+                raise ValueError("a tenant name must be non-empty, without spaces")
             digest = _digest(key)
             self._callers[digest] = Caller(tenant or f"key-{digest[:8]}", digest)
 

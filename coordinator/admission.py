@@ -1,5 +1,6 @@
-"""Admission by KV: a request starts only when the cluster's decode KV can hold all it may grow
-to; the rest wait in a bounded FIFO or are refused at once with a computed retry hint.
+"""Admission by KV and by tenant: a request starts only when the cluster's decode KV can hold
+all it may grow to; the rest wait in a bounded, fairly ordered queue or are refused at once
+with a computed retry hint.
 
 A request's demand is its prompt plus ``max_tokens``, rounded up to whole blocks
 (``KvDemand.of``): what its decode worker's KV will hold at the end. (A remote-prefilled prompt
@@ -8,12 +9,20 @@ Capacity is the decode workers' KV in tokens times ``kv_share`` (``AdmissionConf
 to 1/N when N coordinators share the workers, so their admissions together stay within the
 KV; left at 1, the decode workers' own ordered reservation queues absorb the overlap.
 
-Decisions (``KvAdmission.admit``), in arrival order:
+Tenants first (``tenants.py``: a tenant per API key): a request over its tenant's requests in
+flight or tokens per minute is refused at once (``OverloadedError``, retry hint: when its
+tenant's soonest request is predicted to end, or when its bucket holds enough again); a
+priority above the tenant's ``max_priority`` or more tokens than its minute's budget is an
+``InvalidRequestError``. Then the KV:
 - nobody waits and the demand fits: admitted at once;
 - the queue is full (requests or prompt tokens), or the predicted wait exceeds
   ``max_queue_wait_s``: refused at once with ``OverloadedError`` whose ``retry_after_s`` is
   the predicted wait;
-- otherwise it waits; releases grant waiters oldest first while the oldest fits. One still
+- otherwise it waits. Releases admit waiters in admission order while the next one fits
+  (nobody overtakes it, so a large request is never starved): higher priority first, then
+  weighted fair queuing across tenants (each request's finish tag is its tenant's previous
+  tag, or the virtual time if later, plus its KV over the tenant's weight), so a tenant that
+  floods the queue waits behind its own requests, not in front of everyone else's. One still
   waiting after ``max_queue_wait_s`` (the prediction was wrong) is refused then.
 
 The predicted wait (``predicted_wait_s``) plays the queue forward: admitted requests end
@@ -31,14 +40,17 @@ from __future__ import annotations
 
 import asyncio
 import heapq
+import itertools
 import math
 import time
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import NoReturn
 
-from splitserve.common.errors import OverloadedError
+from splitserve.common.errors import InvalidRequestError, OverloadedError
+from splitserve.coordinator.tenants import TenantLimits, TenantPolicy, TokenBucket
 
+REFUSAL_REASONS = ("queue_full", "predicted_wait", "waited_out", "tenant_inflight", "tenant_tokens")
 SMOOTHING = 0.1
 """Weight of a new measurement in the running TTFT and TPOT estimates (exponential average)."""
 
@@ -74,16 +86,22 @@ class KvDemand:
 @dataclass
 class _Admitted:
     demand: KvDemand
+    tenant: str
     tokens_left: int
     admitted_at: float
     last_token_at: float | None = None
 
 
-@dataclass
+@dataclass(order=True)
 class _Waiter:
-    request_id: str
-    demand: KvDemand
-    granted: asyncio.Future[None]
+    """Ordered by admission order: priority first, then the fair-queuing finish tag."""
+
+    sort_key: tuple[int, float, int]
+    request_id: str = field(compare=False)
+    demand: KvDemand = field(compare=False)
+    tenant: str = field(compare=False)
+    start_tag: float = field(compare=False)
+    granted: asyncio.Future[None] = field(compare=False)
 
 
 @dataclass(frozen=True)
@@ -108,72 +126,97 @@ class KvAdmission:
         config: AdmissionConfig,
         capacity_tokens: Callable[[], int],
         clock: Callable[[], float] = time.monotonic,
+        tenants: TenantPolicy | None = None,
     ) -> None:
         self.config = config
+        self.tenants = tenants or TenantPolicy()
         self._capacity_tokens = capacity_tokens
         self._clock = clock
         self._admitted: dict[str, _Admitted] = {}
         self._admitted_tokens = 0
-        self._queue: deque[_Waiter] = deque()
+        self._queue: list[_Waiter] = []
+        """Unsorted; the next one is ``min(self._queue)`` (a few hundred at most)."""
         self._queued_prompt_tokens = 0
         self._tpot_s = config.prior_tpot_s
         self._ttft_s = config.prior_ttft_s
-        self.refusals: dict[str, int] = {"queue_full": 0, "predicted_wait": 0, "waited_out": 0}
+        self._sequence = itertools.count()
+        self._virtual_time = 0.0
+        """Fair queuing's clock: the start tag of the latest admitted request."""
+        self._last_finish: dict[str, float] = {}
+        """Per tenant: the finish tag of its latest request (pruned once in the past)."""
+        self._inflight: dict[str, int] = {}
+        """Per tenant: requests admitted or waiting (absent: none)."""
+        self._buckets: dict[str, TokenBucket] = {}
+        self.refusals: dict[str, int] = dict.fromkeys(REFUSAL_REASONS, 0)
         """Refusals by reason, for metrics."""
 
     # ---- decisions ---------------------------------------------------------------------
 
-    async def admit(self, request_id: str, demand: KvDemand) -> None:
-        """Return once ``request_id`` is admitted; raises ``OverloadedError`` with the
-        predicted wait as its retry hint when refused. Cancelled while waiting: it leaves the
-        queue (granted in the same instant: admitted). Call ``release`` however this ended."""
+    async def admit(
+        self, request_id: str, demand: KvDemand, tenant: str = "", priority: int = 0
+    ) -> None:
+        """Return once ``request_id`` is admitted; raises ``OverloadedError`` with a computed
+        retry hint when refused (the KV queue, or the tenant's limits), and
+        ``InvalidRequestError`` for what the tenant may never ask (a priority above its
+        ``max_priority``, more tokens than its minute's budget). Cancelled while waiting: it
+        leaves the queue (granted in the same instant: admitted). Call ``release`` however
+        this ended (a refused request is not admitted: a no-op)."""
+        limits = self.tenants.limits(tenant)
+        self._check_tenant(tenant, limits, demand, priority)
         self._serve()  # capacity may have grown (a worker joined) since the last release
+        start_tag, sort_key = self._tags(tenant, limits, demand, priority)
         if not self._queue and self._fits(demand):
-            self._grant(request_id, demand)
+            self._enter(tenant, sort_key)
+            self._grant(request_id, tenant, demand, start_tag)
             return
-        wait_s = self.predicted_wait_s(demand)
+        wait_s = self.predicted_wait_s(demand, sort_key)
         if self._queue_full(demand):
-            self.refusals["queue_full"] += 1
-            raise OverloadedError(
+            self._refuse(
+                "queue_full",
                 f"{len(self._queue)} requests already wait for KV "
                 f"(limit {self.config.max_queued_requests}, "
                 f"{self._queued_prompt_tokens} prompt tokens)",
-                retry_after_s=wait_s,
+                wait_s,
             )
         if wait_s > self.config.max_queue_wait_s:
-            self.refusals["predicted_wait"] += 1
-            raise OverloadedError(
+            self._refuse(
+                "predicted_wait",
                 f"the KV this request needs ({demand.num_tokens} tokens) frees up in about "
                 f"{wait_s:.1f} s, beyond the {self.config.max_queue_wait_s:g} s a request "
                 "may wait",
-                retry_after_s=wait_s,
+                wait_s,
             )
-        waiter = _Waiter(request_id, demand, asyncio.get_running_loop().create_future())
+        self._enter(tenant, sort_key)
+        granted = asyncio.get_running_loop().create_future()
+        waiter = _Waiter(sort_key, request_id, demand, tenant, start_tag, granted)
         self._queue.append(waiter)
         self._queued_prompt_tokens += demand.num_prompt_tokens
         try:
-            await asyncio.wait_for(asyncio.shield(waiter.granted), self.config.max_queue_wait_s)
+            await asyncio.wait_for(asyncio.shield(granted), self.config.max_queue_wait_s)
         except TimeoutError:
-            if waiter.granted.done():  # granted as the time ran out: admitted after all
+            if granted.done():  # granted as the time ran out: admitted after all
                 return
-            self.refusals["waited_out"] += 1
-            raise OverloadedError(
+            self._refuse(
+                "waited_out",
                 f"waited {self.config.max_queue_wait_s:g} s for KV",
-                retry_after_s=self.predicted_wait_s(demand),
-            ) from None
+                self.predicted_wait_s(demand, sort_key),
+            )
         finally:
-            if not waiter.granted.done():  # refused or cancelled: leave the queue
-                waiter.granted.cancel()
+            if not granted.done():  # refused or cancelled: leave the queue
+                granted.cancel()
                 self._queue.remove(waiter)
                 self._queued_prompt_tokens -= demand.num_prompt_tokens
+                self._leave(tenant, 0)  # its tokens are taken only when it is granted
                 self._serve()  # the next one may fit now that it is the oldest
 
     def release(self, request_id: str) -> None:
-        """The request ended (any way): its KV counts no more; waiters move up. Idempotent."""
+        """The request ended (any way): its KV counts no more, the output it did not
+        generate goes back to its tenant's budget, waiters move up. Idempotent."""
         admitted = self._admitted.pop(request_id, None)
         if admitted is None:
             return
         self._admitted_tokens -= admitted.demand.num_tokens
+        self._leave(admitted.tenant, admitted.tokens_left)
         self._serve()
 
     def progress(self, request_id: str, num_new_tokens: int) -> None:
@@ -198,13 +241,18 @@ class KvAdmission:
     def capacity_tokens(self) -> int:
         return int(self._capacity_tokens() * self.config.kv_share)
 
-    def predicted_wait_s(self, demand: KvDemand) -> float:
-        """Seconds until ``demand`` could start behind everything queued; 0 when it fits now.
+    def predicted_wait_s(
+        self, demand: KvDemand, sort_key: tuple[int, float, int] | None = None
+    ) -> float:
+        """Seconds until ``demand`` could start behind the waiters admitted before it
+        (``sort_key``; None: behind all); 0 when it fits now.
 
         Plays the queue forward: admitted requests end after their output tokens left x the
-        time per token; each queued one, oldest first, starts once enough KV came back and
-        then holds its demand for its first-token time plus ``max_tokens`` x time per token.
+        time per token; each waiter ahead, in admission order, starts once enough KV came
+        back and then holds its demand for its first-token time plus ``max_tokens`` x time
+        per token.
         """
+        ahead = sorted(w for w in self._queue if sort_key is None or w.sort_key < sort_key)
         free = self.capacity_tokens - self._admitted_tokens
         ends = [
             (admitted.tokens_left * self._tpot_s, admitted.demand.num_tokens)
@@ -212,7 +260,7 @@ class KvAdmission:
         ]
         heapq.heapify(ends)
         now = 0.0
-        for needed in [*(waiter.demand for waiter in self._queue), demand]:
+        for needed in [*(waiter.demand for waiter in ahead), demand]:
             tokens = needed.num_tokens
             while free < tokens and ends:
                 now, freed = heapq.heappop(ends)
@@ -235,6 +283,87 @@ class KvAdmission:
             ttft_s=self._ttft_s,
         )
 
+    # ---- tenants -----------------------------------------------------------------------
+
+    def _check_tenant(
+        self, tenant: str, limits: TenantLimits, demand: KvDemand, priority: int
+    ) -> None:
+        """Refuse what the tenant may not ask now (``OverloadedError``) or ever
+        (``InvalidRequestError``); takes nothing."""
+        if priority > limits.max_priority:
+            raise InvalidRequestError(
+                f"priority {priority} is above this key's highest, {limits.max_priority}",
+                "priority",
+            )
+        inflight = self._inflight.get(tenant, 0)
+        if limits.max_inflight and inflight >= limits.max_inflight:
+            self._refuse(
+                "tenant_inflight",
+                f"this key has {inflight} requests in flight (limit {limits.max_inflight})",
+                self._tenant_turn_s(tenant, demand),
+            )
+        if limits.tokens_per_minute:
+            cost = demand.num_prompt_tokens + demand.max_tokens
+            if cost > limits.tokens_per_minute:
+                raise InvalidRequestError(
+                    f"the prompt and max_tokens come to {cost} tokens, more than this key's "
+                    f"{limits.tokens_per_minute} per minute",
+                    "max_tokens",
+                )
+            wait_s = self._bucket(tenant, limits).wait_s(cost)
+            if wait_s > 0:
+                self._refuse(
+                    "tenant_tokens",
+                    f"this key's {limits.tokens_per_minute} tokens per minute are used up",
+                    wait_s,
+                )
+
+    def _tenant_turn_s(self, tenant: str, demand: KvDemand) -> float:
+        """When the tenant's soonest-ending request is predicted to end."""
+        ends = [
+            admitted.tokens_left * self._tpot_s
+            for admitted in self._admitted.values()
+            if admitted.tenant == tenant
+        ]
+        return min(ends, default=self._ttft_s + demand.max_tokens * self._tpot_s)
+
+    def _bucket(self, tenant: str, limits: TenantLimits) -> TokenBucket:
+        bucket = self._buckets.get(tenant)
+        if bucket is None or bucket.capacity != limits.tokens_per_minute:
+            bucket = self._buckets[tenant] = TokenBucket(limits.tokens_per_minute, self._clock)
+        return bucket
+
+    def _tags(
+        self, tenant: str, limits: TenantLimits, demand: KvDemand, priority: int
+    ) -> tuple[float, tuple[int, float, int]]:
+        """Weighted fair queuing: a request's start tag is the later of the virtual time and
+        its tenant's previous finish tag; its finish tag adds its KV over the tenant's
+        weight. Admission order: higher priority, then the earlier finish tag, then arrival."""
+        start = max(self._virtual_time, self._last_finish.get(tenant, 0.0))
+        finish = start + demand.num_tokens / limits.weight
+        return start, (-priority, finish, next(self._sequence))
+
+    def _enter(self, tenant: str, sort_key: tuple[int, float, int]) -> None:
+        """A request of ``tenant`` is admitted or waits: it counts in the tenant's requests
+        in flight, and the tenant's next request queues behind its finish tag."""
+        self._last_finish[tenant] = sort_key[1]
+        self._inflight[tenant] = self._inflight.get(tenant, 0) + 1
+
+    def _leave(self, tenant: str, unused_tokens: int) -> None:
+        """A request of ``tenant`` left (ended, refused while waiting, or cancelled)."""
+        left = self._inflight.get(tenant, 0) - 1
+        if left > 0:
+            self._inflight[tenant] = left
+        else:
+            self._inflight.pop(tenant, None)
+        bucket = self._buckets.get(tenant)
+        if bucket is not None and unused_tokens > 0:
+            bucket.give_back(unused_tokens)
+
+    def _refuse(self, reason: str, message: str, retry_after_s: float) -> NoReturn:
+        self.refusals[reason] += 1
+        raise OverloadedError(message, retry_after_s=retry_after_s)
+
     # ---- internals ---------------------------------------------------------------------
 
     def _fits(self, demand: KvDemand) -> bool:
@@ -250,14 +379,25 @@ class KvAdmission:
             > config.max_queued_prompt_tokens
         )
 
-    def _grant(self, request_id: str, demand: KvDemand) -> None:
-        self._admitted[request_id] = _Admitted(demand, demand.max_tokens, self._clock())
+    def _grant(self, request_id: str, tenant: str, demand: KvDemand, start_tag: float) -> None:
+        """Admit: its KV counts, its tenant's tokens are taken, the virtual time moves on."""
+        self._admitted[request_id] = _Admitted(demand, tenant, demand.max_tokens, self._clock())
         self._admitted_tokens += demand.num_tokens
+        bucket = self._buckets.get(tenant)
+        if bucket is not None:
+            bucket.take(demand.num_prompt_tokens + demand.max_tokens)
+        self._virtual_time = max(self._virtual_time, start_tag)
+        self._last_finish = {
+            name: tag for name, tag in self._last_finish.items() if tag > self._virtual_time
+        }
 
     def _serve(self) -> None:
-        """Admit waiters, oldest first, while the oldest fits."""
-        while self._queue and self._fits(self._queue[0].demand):
-            waiter = self._queue.popleft()
+        """Admit waiters in admission order while the next one fits."""
+        while self._queue:
+            waiter = min(self._queue)
+            if not self._fits(waiter.demand):
+                return
+            self._queue.remove(waiter)
             self._queued_prompt_tokens -= waiter.demand.num_prompt_tokens
-            self._grant(waiter.request_id, waiter.demand)
+            self._grant(waiter.request_id, waiter.tenant, waiter.demand, waiter.start_tag)
             waiter.granted.set_result(None)

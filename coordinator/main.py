@@ -23,6 +23,7 @@ import contextlib
 import logging
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
@@ -42,6 +43,7 @@ from splitserve.coordinator.placement import PlacementMode, Slo
 from splitserve.coordinator.router import DEFAULT_SLO, RoutingConfig
 from splitserve.coordinator.service import Coordinator, CoordinatorConfig
 from splitserve.coordinator.servicer import CoordinatorServicer
+from splitserve.coordinator.tenants import TenantLimits, TenantPolicy
 from splitserve.discovery.etcd_watcher import EtcdMembershipWatcher
 from splitserve.discovery.flags import add_membership_args, etcd_endpoints
 from splitserve.proto.api_key_auth import ApiKeyInterceptor
@@ -126,6 +128,25 @@ def build_parser() -> argparse.ArgumentParser:
         "reserves KV for them",
     )
     flag("--max-tokens-cap", 0, int, "the most max_tokens a request may ask for (0: no cap)")
+    flag(
+        "--tenant-max-inflight",
+        0,
+        int,
+        "requests each tenant (API key's tenant) may have admitted or waiting; 0: no limit",
+    )
+    flag(
+        "--tenant-tokens-per-minute",
+        0,
+        int,
+        "tokens (prompt + max_tokens) each tenant may start per minute; 0: no limit",
+    )
+    flag(
+        "--tenants-file",
+        None,
+        Path,
+        "TOML file of per-tenant limits, weights and highest priorities "
+        "(coordinator/tenants.py), over the two flags above",
+    )
     flag("--prefill-timeout", 300.0, float, "seconds a prefill (compute + KV push) may take")
     flag("--metrics-port", 0, int, "Prometheus /metrics port (0: any free port, -1: off)")
     flag(
@@ -151,6 +172,22 @@ def placement_mode_or_exit(parser: argparse.ArgumentParser, value: str) -> Place
         parser.error(f"--placement must be one of {choices}, not {value!r}")
 
 
+def tenant_policy_or_exit(
+    parser: argparse.ArgumentParser, args: argparse.Namespace
+) -> TenantPolicy:
+    """The tenants' limits from the flags and the tenants file; a usage error (exit 2)
+    naming what is wrong."""
+    try:
+        default = TenantLimits(
+            max_inflight=args.tenant_max_inflight, tokens_per_minute=args.tenant_tokens_per_minute
+        )
+        if args.tenants_file is None:
+            return TenantPolicy(default)
+        return TenantPolicy.from_toml(args.tenants_file, default)
+    except (OSError, ValueError) as error:  # tomllib.TOMLDecodeError is a ValueError
+        parser.error(f"tenants: {error}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -164,6 +201,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not 0 < args.kv_share <= 1:
         parser.error(f"--kv-share must be in (0, 1], not {args.kv_share}")
     config = CoordinatorConfig(
+        tenants=tenant_policy_or_exit(parser, args),
         model_name=model_name_of(model_path),
         max_inflight=args.max_inflight,
         default_max_tokens=args.default_max_tokens,

@@ -33,6 +33,7 @@ from splitserve.coordinator.admission import AdmissionConfig, KvAdmission, KvDem
 from splitserve.coordinator.flow import FlowConfig, RequestFlow
 from splitserve.coordinator.registry import WorkerRegistry
 from splitserve.coordinator.router import Router, RoutingConfig
+from splitserve.coordinator.tenants import TenantPolicy
 from splitserve.proto.cluster_access import ClusterAccess
 from splitserve.proto.worker_clients import WorkerChannels
 
@@ -45,11 +46,22 @@ class CoordinatorConfig:
     routing: RoutingConfig = RoutingConfig()
     flow: FlowConfig = FlowConfig()
     admission: AdmissionConfig = AdmissionConfig()
+    tenants: TenantPolicy = TenantPolicy()
     default_max_tokens: int = 1024
     """Output tokens a request without ``max_tokens`` may generate (within the context);
     0: up to the context. Admission counts it, so it bounds what such a request holds."""
     max_tokens_cap: int = 0
     """The most ``max_tokens`` a request may ask for (more: INVALID_ARGUMENT); 0: no cap."""
+
+
+def scoped_request_id(request_id: str, caller: Caller) -> str:
+    """The id a caller's request runs under here and on the workers: its own id within its
+    tenant's space ("" stays "": the coordinator picks one). Tenant names hold no whitespace
+    (``common/api_keys.py``), so the space keeps every tenant's ids apart. The same for
+    every coordinator, so a stream continued elsewhere keeps its id."""
+    if not request_id or not caller.tenant:
+        return request_id
+    return f"{caller.tenant} {request_id}"
 
 
 @dataclass(frozen=True)
@@ -70,7 +82,9 @@ class Coordinator:
         self.router = Router(self.registry, config.routing)
         self.channels = WorkerChannels(access)
         self._running: dict[str, _Running] = {}
-        self.admission = KvAdmission(config.admission, self._decode_kv_tokens)
+        self.admission = KvAdmission(
+            config.admission, self._decode_kv_tokens, tenants=config.tenants
+        )
         self.flow_observer: Callable[[RequestFlow], None] | None = None
         """Called with each flow when it ends (metrics); must not raise."""
 
@@ -157,20 +171,23 @@ class Coordinator:
         fill_context: bool = False,
         caller: Caller = ANONYMOUS,
         continue_after: Sequence[int] = (),
+        priority: int = 0,
     ) -> AsyncIterator[tuple[RequestFlow, StreamChunk]]:
         """Stream a request's chunks (with its flow, for usage figures).
 
         ``fill_context``: the caller set no ``max_tokens``; generate up to ``fill_limit``,
         within ``default_max_tokens`` and ``max_tokens_cap``.
         ``caller``: who asks; the only one ``abort`` lets end the request.
+        ``request_id``: the caller's; ids are scoped by tenant (``scoped_request_id``), so
+        tenants never see each other's. ``priority``: admission order (``admission.py``).
         ``continue_after``: completion tokens another coordinator already streamed to the
         client (``RequestFlow.replay``); the stream carries only what follows them, unless
         they already finish the request (then one final chunk without text).
         Every flow, also one that fails, is passed to ``flow_observer`` when it ends.
         """
-        request_id = request_id or f"req-{uuid.uuid4().hex}"
+        request_id = scoped_request_id(request_id, caller) or f"req-{uuid.uuid4().hex}"
         if request_id in self._running:
-            raise InvalidRequestError(f"request id {request_id!r} is already running", "request_id")
+            raise InvalidRequestError("this request id is already running", "request_id")
         self._check_length_before_tokenizing(prompt, params, fill_context)
         # tokenizing (and chat templating) a long prompt takes a while: not on the event loop
         prompt_ids = await asyncio.to_thread(self.encode, prompt)
@@ -198,7 +215,7 @@ class Coordinator:
         self._running[request_id] = _Running(flow, caller)
         try:
             demand = KvDemand.of(len(prompt_ids), params.max_tokens, self.block_size)
-            await self.admission.admit(request_id, demand)
+            await self.admission.admit(request_id, demand, caller.tenant, priority)
             if continue_after:
                 replayed = self._replay(flow, continue_after)
                 if replayed is not None:
@@ -226,7 +243,7 @@ class Coordinator:
         """Cancel a running request that ``caller`` started (its stream ends); False when no
         such request runs, or another caller's does (which is not told apart: that one keeps
         running)."""
-        running = self._running.get(request_id)
+        running = self._running.get(scoped_request_id(request_id, caller))
         if running is None or running.caller.key_digest != caller.key_digest:
             return False
         running.flow.abort()

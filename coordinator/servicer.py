@@ -63,6 +63,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 fill_context=fill_context,
                 caller=caller,
                 continue_after=convert.token_ids(request.continue_after.ids),
+                priority=request.priority,
             )
             async for flow, chunk in stream:
                 timer.tokens(len(chunk.new_token_ids))
@@ -72,7 +73,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                         len(flow.prompt_token_ids),
                         flow.num_completion_tokens,
                     )
-                for response in self._responses(flow, chunk):
+                for response in self._responses(request.request_id or flow.request_id, flow, chunk):
                     sent_any = True
                     yield response
         except SplitserveError as error:  # worker failures arrive as domain errors
@@ -88,8 +89,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             timer.finish("abort")  # no-op unless the client cancelled the call
 
     def _responses(
-        self, flow: RequestFlow, chunk: StreamChunk
+        self, request_id: str, flow: RequestFlow, chunk: StreamChunk
     ) -> list[coordinator_pb2.GenerateResponse]:
+        """``request_id``: the caller's id for the request (the flow's is scoped by tenant)."""
         usage = convert.usage(
             len(flow.prompt_token_ids), flow.num_completion_tokens, flow.num_cached_tokens
         )
@@ -98,7 +100,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             texts = self._token_texts(chunk)
             responses.append(
                 coordinator_pb2.GenerateResponse(
-                    request_id=flow.request_id,
+                    request_id=request_id,
                     chunk=coordinator_pb2.TokenChunk(
                         token_ids=list(chunk.new_token_ids),
                         text=chunk.text,
@@ -117,7 +119,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 completion.stop_token_id = chunk.stop_reason
             responses.append(
                 coordinator_pb2.GenerateResponse(
-                    request_id=flow.request_id, completion=completion, usage=usage
+                    request_id=request_id, completion=completion, usage=usage
                 )
             )
         return responses

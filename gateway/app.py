@@ -267,6 +267,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
             builder,
             bool(body.stream),
             body.stream_options,
+            body.priority or 0,
         )
 
     @app.post(
@@ -296,6 +297,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
             builder,
             bool(body.stream),
             body.stream_options,
+            body.priority or 0,
         )
 
     return app
@@ -341,6 +343,7 @@ async def _respond(
     builder: CompletionBuilder | ChatBuilder,
     stream: bool,
     stream_options: schemas.StreamOptions | None,
+    priority: int,
 ) -> Response:
     assert gateway.metrics is not None  # set by check_model
     timer = gateway.metrics.start()
@@ -350,6 +353,7 @@ async def _respond(
         token_ids=prompt.token_ids,
         sampling=sampling,
         request_id=request_id,
+        priority=priority,
     )
     headers = {"x-request-id": request_id}
     try:

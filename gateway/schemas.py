@@ -65,6 +65,13 @@ class _SamplingFields(BaseModel):
     min_tokens: int | None = Field(None, ge=0)
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
+    priority: int | None = Field(
+        None,
+        ge=-(2**31),
+        le=2**31 - 1,
+        description="Admission order among waiting requests, higher first (default 0); at "
+        "most the API key's tenant's max_priority.",
+    )
 
 
 def unencodable_string_path(data: Any) -> str | None:

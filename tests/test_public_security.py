@@ -29,7 +29,7 @@ import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from splitserve.client import AsyncClient, ClientError, Finish, Sampling
+from splitserve.client import AsyncClient, ClientError, Finish, Generation, Sampling
 from splitserve.proto.splitserve.v1 import coordinator_pb2, coordinator_pb2_grpc
 from tests.certs import CertificateSet, make_certificates
 from tests.cluster import (
@@ -277,3 +277,38 @@ def test_a_wrong_key_gets_unauthenticated_from_the_client(served: SecureCluster)
             return raised.value
 
     assert asyncio.run(body()).code == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_request_ids_are_scoped_per_tenant(served: SecureCluster) -> None:
+    """Two tenants may use the same request id at once (neither learns the other's is
+    live); within a tenant a live id is refused; a priority above the tenant's highest is
+    refused."""
+    long = Sampling(max_tokens=400, temperature=0.0, ignore_eos=True)
+    short = Sampling(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+    async def body() -> tuple[Finish, Generation, ClientError, ClientError]:
+        async with served.client(ALICE_KEY) as alice, served.client(BOB_KEY) as bob:
+            started = asyncio.Event()
+            alices = asyncio.create_task(
+                _first_chunk_then_rest(
+                    contextlib.aclosing(alice.stream("Count:", sampling=long, request_id="same")),
+                    started,
+                )
+            )
+            await asyncio.wait_for(started.wait(), 60)
+            with pytest.raises(ClientError) as duplicate:
+                await alice.generate("Count:", sampling=short, request_id="same")
+            bobs = await bob.generate("Count:", sampling=short, request_id="same")
+            assert not alices.done()  # bob's ran while alice's "same" was live
+            with pytest.raises(ClientError) as too_high:
+                await bob.generate("Count:", sampling=short, priority=1)
+            return await alices, bobs, duplicate.value, too_high.value
+
+    alices, bobs, duplicate, too_high = asyncio.run(body())
+    assert alices.finish_reason == bobs.finish_reason == "length"
+    assert (alices.usage.completion_tokens, bobs.usage.completion_tokens) == (400, 8)
+    assert bobs.request_id == "same"
+    assert duplicate.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "already running" in duplicate.message
+    assert too_high.code == grpc.StatusCode.INVALID_ARGUMENT and too_high.param == "priority"
+    assert_all_free(wait_until_idle(served.coordinator, 2, tls=served.grpc_tls(served.certs)), 2)

@@ -26,7 +26,7 @@ from splitserve.proto.splitserve.v1 import common_pb2 as splitserve_dot_v1_dot_c
 from splitserve.proto.splitserve.v1 import worker_pb2 as splitserve_dot_v1_dot_worker__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fsplitserve/v1/coordinator.proto\x12\rsplitserve.v1\x1a\x1asplitserve/v1/common.proto\x1a\x1asplitserve/v1/worker.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\":\n\nChatPrompt\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.splitserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xfa\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x19.splitserve.v1.ChatPromptH\x00\x12,\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x17.splitserve.v1.TokenIdsH\x00\x12/\n\x08sampling\x18\x05 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12/\n\x0e\x63ontinue_after\x18\x06 \x01(\x0b\x32\x17.splitserve.v1.TokenIdsB\x08\n\x06prompt\"\\\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12-\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1b.splitserve.v1.TokenLogprob\"\x7f\n\nCompletion\x12\x32\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\x12\x15\n\x0bstop_string\x18\x02 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x03 \x01(\x05H\x00\x42\r\n\x0bstop_reason\"\xda\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12*\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x19.splitserve.v1.TokenChunkH\x00\x12/\n\ncompletion\x18\x03 \x01(\x0b\x32\x19.splitserve.v1.CompletionH\x00\x12%\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x14.splitserve.v1.ErrorH\x00\x12#\n\x05usage\x18\x05 \x01(\x0b\x32\x14.splitserve.v1.UsageB\t\n\x07payload\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"k\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\r\n\x05\x64type\x18\x05 \x01(\t\"B\n\x15RegisterWorkerRequest\x12)\n\x06worker\x18\x01 \x01(\x0b\x32\x19.splitserve.v1.WorkerInfo\"7\n\x16RegisterWorkerResponse\x12\x1d\n\x15heartbeat_interval_ms\x18\x01 \x01(\r\"N\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\'\n\x04load\x18\x02 \x01(\x0b\x32\x19.splitserve.v1.WorkerLoad\"\"\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\"(\n\x13LeaveClusterRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"%\n\x14LeaveClusterResponse\x12\r\n\x05known\x18\x01 \x01(\x08\"\x14\n\x12ListWorkersRequest\"~\n\x0cWorkerStatus\x12)\n\x06worker\x18\x01 \x01(\x0b\x32\x19.splitserve.v1.WorkerInfo\x12\'\n\x04load\x18\x02 \x01(\x0b\x32\x19.splitserve.v1.WorkerLoad\x12\x1a\n\x12ms_since_heartbeat\x18\x03 \x01(\r\"C\n\x13ListWorkersResponse\x12,\n\x07workers\x18\x01 \x03(\x0b\x32\x1b.splitserve.v1.WorkerStatus2\xee\x01\n\x0b\x43oordinator\x12M\n\x08Generate\x12\x1e.splitserve.v1.GenerateRequest\x1a\x1f.splitserve.v1.GenerateResponse0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.splitserve.v1.AbortRequest\x1a\x1c.splitserve.v1.AbortResponse\x12L\n\x0cGetModelInfo\x12\".splitserve.v1.GetModelInfoRequest\x1a\x18.splitserve.v1.ModelInfo2\xea\x02\n\nMembership\x12]\n\x0eRegisterWorker\x12$.splitserve.v1.RegisterWorkerRequest\x1a%.splitserve.v1.RegisterWorkerResponse\x12N\n\tHeartbeat\x12\x1f.splitserve.v1.HeartbeatRequest\x1a .splitserve.v1.HeartbeatResponse\x12W\n\x0cLeaveCluster\x12\".splitserve.v1.LeaveClusterRequest\x1a#.splitserve.v1.LeaveClusterResponse\x12T\n\x0bListWorkers\x12!.splitserve.v1.ListWorkersRequest\x1a\".splitserve.v1.ListWorkersResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fsplitserve/v1/coordinator.proto\x12\rsplitserve.v1\x1a\x1asplitserve/v1/common.proto\x1a\x1asplitserve/v1/worker.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\":\n\nChatPrompt\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.splitserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x8c\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x19.splitserve.v1.ChatPromptH\x00\x12,\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x17.splitserve.v1.TokenIdsH\x00\x12/\n\x08sampling\x18\x05 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12/\n\x0e\x63ontinue_after\x18\x06 \x01(\x0b\x32\x17.splitserve.v1.TokenIds\x12\x10\n\x08priority\x18\x07 \x01(\x05\x42\x08\n\x06prompt\"\\\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12-\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1b.splitserve.v1.TokenLogprob\"\x7f\n\nCompletion\x12\x32\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\x12\x15\n\x0bstop_string\x18\x02 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x03 \x01(\x05H\x00\x42\r\n\x0bstop_reason\"\xda\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12*\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x19.splitserve.v1.TokenChunkH\x00\x12/\n\ncompletion\x18\x03 \x01(\x0b\x32\x19.splitserve.v1.CompletionH\x00\x12%\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x14.splitserve.v1.ErrorH\x00\x12#\n\x05usage\x18\x05 \x01(\x0b\x32\x14.splitserve.v1.UsageB\t\n\x07payload\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"k\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\r\n\x05\x64type\x18\x05 \x01(\t\"B\n\x15RegisterWorkerRequest\x12)\n\x06worker\x18\x01 \x01(\x0b\x32\x19.splitserve.v1.WorkerInfo\"7\n\x16RegisterWorkerResponse\x12\x1d\n\x15heartbeat_interval_ms\x18\x01 \x01(\r\"N\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\'\n\x04load\x18\x02 \x01(\x0b\x32\x19.splitserve.v1.WorkerLoad\"\"\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\"(\n\x13LeaveClusterRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"%\n\x14LeaveClusterResponse\x12\r\n\x05known\x18\x01 \x01(\x08\"\x14\n\x12ListWorkersRequest\"~\n\x0cWorkerStatus\x12)\n\x06worker\x18\x01 \x01(\x0b\x32\x19.splitserve.v1.WorkerInfo\x12\'\n\x04load\x18\x02 \x01(\x0b\x32\x19.splitserve.v1.WorkerLoad\x12\x1a\n\x12ms_since_heartbeat\x18\x03 \x01(\r\"C\n\x13ListWorkersResponse\x12,\n\x07workers\x18\x01 \x03(\x0b\x32\x1b.splitserve.v1.WorkerStatus2\xee\x01\n\x0b\x43oordinator\x12M\n\x08Generate\x12\x1e.splitserve.v1.GenerateRequest\x1a\x1f.splitserve.v1.GenerateResponse0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.splitserve.v1.AbortRequest\x1a\x1c.splitserve.v1.AbortResponse\x12L\n\x0cGetModelInfo\x12\".splitserve.v1.GetModelInfoRequest\x1a\x18.splitserve.v1.ModelInfo2\xea\x02\n\nMembership\x12]\n\x0eRegisterWorker\x12$.splitserve.v1.RegisterWorkerRequest\x1a%.splitserve.v1.RegisterWorkerResponse\x12N\n\tHeartbeat\x12\x1f.splitserve.v1.HeartbeatRequest\x1a .splitserve.v1.HeartbeatResponse\x12W\n\x0cLeaveCluster\x12\".splitserve.v1.LeaveClusterRequest\x1a#.splitserve.v1.LeaveClusterResponse\x12T\n\x0bListWorkers\x12!.splitserve.v1.ListWorkersRequest\x1a\".splitserve.v1.ListWorkersResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,41 +40,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=212
   _globals['_TOKENIDS']._serialized_end=235
   _globals['_GENERATEREQUEST']._serialized_start=238
-  _globals['_GENERATEREQUEST']._serialized_end=488
-  _globals['_TOKENCHUNK']._serialized_start=490
-  _globals['_TOKENCHUNK']._serialized_end=582
-  _globals['_COMPLETION']._serialized_start=584
-  _globals['_COMPLETION']._serialized_end=711
-  _globals['_GENERATERESPONSE']._serialized_start=714
-  _globals['_GENERATERESPONSE']._serialized_end=932
-  _globals['_ABORTREQUEST']._serialized_start=934
-  _globals['_ABORTREQUEST']._serialized_end=968
-  _globals['_ABORTRESPONSE']._serialized_start=970
-  _globals['_ABORTRESPONSE']._serialized_end=1002
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1004
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1025
-  _globals['_MODELINFO']._serialized_start=1027
-  _globals['_MODELINFO']._serialized_end=1134
-  _globals['_REGISTERWORKERREQUEST']._serialized_start=1136
-  _globals['_REGISTERWORKERREQUEST']._serialized_end=1202
-  _globals['_REGISTERWORKERRESPONSE']._serialized_start=1204
-  _globals['_REGISTERWORKERRESPONSE']._serialized_end=1259
-  _globals['_HEARTBEATREQUEST']._serialized_start=1261
-  _globals['_HEARTBEATREQUEST']._serialized_end=1339
-  _globals['_HEARTBEATRESPONSE']._serialized_start=1341
-  _globals['_HEARTBEATRESPONSE']._serialized_end=1375
-  _globals['_LEAVECLUSTERREQUEST']._serialized_start=1377
-  _globals['_LEAVECLUSTERREQUEST']._serialized_end=1417
-  _globals['_LEAVECLUSTERRESPONSE']._serialized_start=1419
-  _globals['_LEAVECLUSTERRESPONSE']._serialized_end=1456
-  _globals['_LISTWORKERSREQUEST']._serialized_start=1458
-  _globals['_LISTWORKERSREQUEST']._serialized_end=1478
-  _globals['_WORKERSTATUS']._serialized_start=1480
-  _globals['_WORKERSTATUS']._serialized_end=1606
-  _globals['_LISTWORKERSRESPONSE']._serialized_start=1608
-  _globals['_LISTWORKERSRESPONSE']._serialized_end=1675
-  _globals['_COORDINATOR']._serialized_start=1678
-  _globals['_COORDINATOR']._serialized_end=1916
-  _globals['_MEMBERSHIP']._serialized_start=1919
-  _globals['_MEMBERSHIP']._serialized_end=2281
+  _globals['_GENERATEREQUEST']._serialized_end=506
+  _globals['_TOKENCHUNK']._serialized_start=508
+  _globals['_TOKENCHUNK']._serialized_end=600
+  _globals['_COMPLETION']._serialized_start=602
+  _globals['_COMPLETION']._serialized_end=729
+  _globals['_GENERATERESPONSE']._serialized_start=732
+  _globals['_GENERATERESPONSE']._serialized_end=950
+  _globals['_ABORTREQUEST']._serialized_start=952
+  _globals['_ABORTREQUEST']._serialized_end=986
+  _globals['_ABORTRESPONSE']._serialized_start=988
+  _globals['_ABORTRESPONSE']._serialized_end=1020
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1022
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1043
+  _globals['_MODELINFO']._serialized_start=1045
+  _globals['_MODELINFO']._serialized_end=1152
+  _globals['_REGISTERWORKERREQUEST']._serialized_start=1154
+  _globals['_REGISTERWORKERREQUEST']._serialized_end=1220
+  _globals['_REGISTERWORKERRESPONSE']._serialized_start=1222
+  _globals['_REGISTERWORKERRESPONSE']._serialized_end=1277
+  _globals['_HEARTBEATREQUEST']._serialized_start=1279
+  _globals['_HEARTBEATREQUEST']._serialized_end=1357
+  _globals['_HEARTBEATRESPONSE']._serialized_start=1359
+  _globals['_HEARTBEATRESPONSE']._serialized_end=1393
+  _globals['_LEAVECLUSTERREQUEST']._serialized_start=1395
+  _globals['_LEAVECLUSTERREQUEST']._serialized_end=1435
+  _globals['_LEAVECLUSTERRESPONSE']._serialized_start=1437
+  _globals['_LEAVECLUSTERRESPONSE']._serialized_end=1474
+  _globals['_LISTWORKERSREQUEST']._serialized_start=1476
+  _globals['_LISTWORKERSREQUEST']._serialized_end=1496
+  _globals['_WORKERSTATUS']._serialized_start=1498
+  _globals['_WORKERSTATUS']._serialized_end=1624
+  _globals['_LISTWORKERSRESPONSE']._serialized_start=1626
+  _globals['_LISTWORKERSRESPONSE']._serialized_end=1693
+  _globals['_COORDINATOR']._serialized_start=1696
+  _globals['_COORDINATOR']._serialized_end=1934
+  _globals['_MEMBERSHIP']._serialized_start=1937
+  _globals['_MEMBERSHIP']._serialized_end=2299
 # @@protoc_insertion_point(module_scope)
