@@ -25,10 +25,17 @@ priority above the tenant's ``max_priority`` or more tokens than its minute's bu
   floods the queue waits behind its own requests, not in front of everyone else's. One still
   waiting after ``max_queue_wait_s`` (the prediction was wrong) is refused then.
 
+Admitted prompts that have no first token yet form the prefill backlog; it is bounded too
+(``prefill_backlog_s`` of the workers' measured prefill rate), so that what the workers
+queue in arrival order stays short and waiting happens here, in fair order: a flood cannot put its
+prompts in front of another tenant's in a worker's queue.
+
 The predicted wait (``predicted_wait_s``) plays the queue forward: admitted requests end
 after their output tokens left x the measured time per output token, queued ones start in
-order as KV comes back and take the measured time to first token plus ``max_tokens`` x the
-time per token (before any measurement: ``prior_ttft_s``, ``prior_tpot_s``). Requests that
+order as KV comes back and the prefill backlog (drained at the workers' measured prefill
+rate) has room, and take the measured time to first token plus ``max_tokens`` x the time per
+token (before any measurement: ``prior_ttft_s``, ``prior_tpot_s``,
+``prior_prefill_tokens_per_s``). Requests that
 stop early only make it shorter: it is an upper bound, the right side to err on for a retry
 hint.
 
@@ -67,6 +74,12 @@ class AdmissionConfig:
     """Time per output token assumed until one is measured (the TPOT target is a fair one)."""
     prior_ttft_s: float = 1.0
     """Time from admission to first token assumed until one is measured."""
+    prefill_backlog_s: float = 0.5
+    """Prompt tokens admitted and not yet prefilled (no first token) are bounded to this many
+    seconds of the cluster's prefill rate; more wait here, in fair order, instead of in the
+    workers' FIFO queues."""
+    prior_prefill_tokens_per_s: float = 2000.0
+    """Cluster prefill rate assumed until the workers report a measured one."""
 
 
 @dataclass(frozen=True)
@@ -83,6 +96,14 @@ class KvDemand:
         return cls(blocks * max(block_size, 1), num_prompt_tokens, max_tokens)
 
 
+@dataclass(frozen=True)
+class PrefillCapacity:
+    """The workers that compute prompts: their measured prompt tokens per second together
+    (None: no worker has measured one yet)."""
+
+    tokens_per_s: float | None
+
+
 @dataclass
 class _Admitted:
     demand: KvDemand
@@ -90,6 +111,7 @@ class _Admitted:
     tokens_left: int
     admitted_at: float
     last_token_at: float | None = None
+    """None until its first tokens: until then its prompt counts in the prefill backlog."""
 
 
 @dataclass(order=True)
@@ -115,11 +137,14 @@ class AdmissionSnapshot:
     queued_prompt_tokens: int
     tpot_s: float
     ttft_s: float
+    prefill_backlog_tokens: int
 
 
 class KvAdmission:
     """See the module docstring. ``capacity_tokens()``: the decode workers' KV in tokens
-    (before ``kv_share``), read at every decision so joining and leaving workers count."""
+    (before ``kv_share``); ``prefill_capacity()``: the prompt-computing workers' measured
+    prompt tokens per second together (None: not measured yet); both read at every decision,
+    so joining and leaving workers count."""
 
     def __init__(
         self,
@@ -127,9 +152,13 @@ class KvAdmission:
         capacity_tokens: Callable[[], int],
         clock: Callable[[], float] = time.monotonic,
         tenants: TenantPolicy | None = None,
+        prefill_capacity: Callable[[], PrefillCapacity] | None = None,
     ) -> None:
         self.config = config
         self.tenants = tenants or TenantPolicy()
+        self._prefill_capacity = prefill_capacity or (lambda: PrefillCapacity(None))
+        self._prefill_backlog = 0
+        """Prompt tokens of admitted requests without a first token yet."""
         self._capacity_tokens = capacity_tokens
         self._clock = clock
         self._admitted: dict[str, _Admitted] = {}
@@ -216,6 +245,8 @@ class KvAdmission:
         if admitted is None:
             return
         self._admitted_tokens -= admitted.demand.num_tokens
+        if admitted.last_token_at is None:
+            self._prefill_backlog -= admitted.demand.num_prompt_tokens
         self._leave(admitted.tenant, admitted.tokens_left)
         self._serve()
 
@@ -229,8 +260,10 @@ class KvAdmission:
         admitted.tokens_left = max(0, admitted.tokens_left - num_new_tokens)
         now = self._clock()
         previous, admitted.last_token_at = admitted.last_token_at, now
-        if previous is None:  # its first tokens: the wait was TTFT
+        if previous is None:  # its first tokens: the wait was TTFT, its prompt is done
             self._ttft_s += SMOOTHING * (now - admitted.admitted_at - self._ttft_s)
+            self._prefill_backlog -= admitted.demand.num_prompt_tokens
+            self._serve()
         else:
             per_token = (now - previous) / num_new_tokens
             self._tpot_s += SMOOTHING * (per_token - self._tpot_s)
@@ -259,6 +292,9 @@ class KvAdmission:
             for admitted in self._admitted.values()
         ]
         heapq.heapify(ends)
+        rate = self.prefill_tokens_per_s
+        prefilled_at = self._prefill_backlog / rate  # when the admitted prompts are done
+        window_s = self.prefill_backlog_limit / rate
         now = 0.0
         for needed in [*(waiter.demand for waiter in ahead), demand]:
             tokens = needed.num_tokens
@@ -268,9 +304,18 @@ class KvAdmission:
             if free < tokens:  # larger than the capacity: it runs once all else ended
                 free = max(free, tokens)
             free -= tokens
+            prompt_s = needed.num_prompt_tokens / rate
+            now = max(now, prefilled_at + prompt_s - window_s)  # the backlog keeps its bound
+            prefilled_at = max(prefilled_at, now) + prompt_s
             duration = self._ttft_s + needed.max_tokens * self._tpot_s
             heapq.heappush(ends, (now + duration, tokens))
         return now
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        """The cluster's measured prefill rate, or the configured prior."""
+        measured = self._prefill_capacity().tokens_per_s
+        return measured if measured else self.config.prior_prefill_tokens_per_s
 
     def snapshot(self) -> AdmissionSnapshot:
         return AdmissionSnapshot(
@@ -281,6 +326,7 @@ class KvAdmission:
             queued_prompt_tokens=self._queued_prompt_tokens,
             tpot_s=self._tpot_s,
             ttft_s=self._ttft_s,
+            prefill_backlog_tokens=self._prefill_backlog,
         )
 
     # ---- tenants -----------------------------------------------------------------------
@@ -367,9 +413,20 @@ class KvAdmission:
     # ---- internals ---------------------------------------------------------------------
 
     def _fits(self, demand: KvDemand) -> bool:
-        if not self._admitted:  # alone, anything the workers accept may run
+        """Room in the KV and in the prefill backlog (alone, anything the workers accept)."""
+        if not self._admitted:
             return True
-        return self._admitted_tokens + demand.num_tokens <= self.capacity_tokens
+        if self._admitted_tokens + demand.num_tokens > self.capacity_tokens:
+            return False
+        return (
+            self._prefill_backlog == 0
+            or self._prefill_backlog + demand.num_prompt_tokens <= self.prefill_backlog_limit
+        )
+
+    @property
+    def prefill_backlog_limit(self) -> int:
+        """Prompt tokens the backlog may hold: ``prefill_backlog_s`` of prefill."""
+        return int(self.config.prefill_backlog_s * self.prefill_tokens_per_s)
 
     def _queue_full(self, demand: KvDemand) -> bool:
         config = self.config
@@ -383,6 +440,7 @@ class KvAdmission:
         """Admit: its KV counts, its tenant's tokens are taken, the virtual time moves on."""
         self._admitted[request_id] = _Admitted(demand, tenant, demand.max_tokens, self._clock())
         self._admitted_tokens += demand.num_tokens
+        self._prefill_backlog += demand.num_prompt_tokens
         bucket = self._buckets.get(tenant)
         if bucket is not None:
             bucket.take(demand.num_prompt_tokens + demand.max_tokens)

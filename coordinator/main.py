@@ -129,6 +129,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     flag("--max-tokens-cap", 0, int, "the most max_tokens a request may ask for (0: no cap)")
     flag(
+        "--prefill-backlog",
+        AdmissionConfig.prefill_backlog_s,
+        float,
+        "seconds of the workers' measured prefill rate that may be admitted and not yet "
+        "computed; more wait in the coordinator's fair queue, not in the workers' FIFO queues",
+    )
+    flag(
         "--tenant-max-inflight",
         0,
         int,
@@ -218,6 +225,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_queued_requests=args.max_queued,
             max_queued_prompt_tokens=args.max_queued_prompt_tokens,
             max_queue_wait_s=args.max_queue_wait,
+            prefill_backlog_s=args.prefill_backlog,
             prior_tpot_s=slo.tpot_s,
             prior_ttft_s=slo.ttft_s,
         ),

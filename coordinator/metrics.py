@@ -10,8 +10,9 @@ decode_resume (decode worker failed, request resumed on another), coordinator_co
 ``splitserve_num_workers{worker_role}``: registered, healthy workers.
 Admission by KV (``coordinator/admission.py``): ``splitserve_admission_kv_tokens{state}``
 (capacity | admitted), ``splitserve_admission_queued_requests``,
-``splitserve_admission_queued_prompt_tokens``, ``splitserve_admission_refusals_total{reason}``
-(queue_full | predicted_wait | waited_out), ``splitserve_admission_tpot_seconds`` and
+``splitserve_admission_queued_prompt_tokens``, ``splitserve_admission_prefill_backlog_tokens``,
+``splitserve_admission_refusals_total{reason}`` (queue_full | predicted_wait | waited_out |
+tenant_inflight | tenant_tokens), ``splitserve_admission_tpot_seconds`` and
 ``splitserve_admission_ttft_seconds`` (the times its wait predictions use).
 ``splitserve_placement_decisions_total{where, reason}``: where requests' prompts were computed
 (remote | local) and why (``coordinator/placement.py:Reason``);
@@ -149,6 +150,11 @@ class _AdmissionCollector(Collector):
             "splitserve_admission_queued_requests",
             "Requests waiting for KV.",
             value=snapshot.num_queued,
+        )
+        yield GaugeMetricFamily(
+            "splitserve_admission_prefill_backlog_tokens",
+            "Prompt tokens admitted and not yet computed (no first token).",
+            value=snapshot.prefill_backlog_tokens,
         )
         yield GaugeMetricFamily(
             "splitserve_admission_queued_prompt_tokens",

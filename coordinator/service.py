@@ -29,13 +29,21 @@ from splitserve.common.output_processor import StreamChunk
 from splitserve.common.prompt import Prompt, check_in_vocab, encode_prompt, min_prompt_tokens
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.tokenizer import Tokenizer
-from splitserve.coordinator.admission import AdmissionConfig, KvAdmission, KvDemand
+from splitserve.coordinator.admission import (
+    AdmissionConfig,
+    KvAdmission,
+    KvDemand,
+    PrefillCapacity,
+)
 from splitserve.coordinator.flow import FlowConfig, RequestFlow
 from splitserve.coordinator.registry import WorkerRegistry
 from splitserve.coordinator.router import Router, RoutingConfig
 from splitserve.coordinator.tenants import TenantPolicy
 from splitserve.proto.cluster_access import ClusterAccess
 from splitserve.proto.worker_clients import WorkerChannels
+
+RATE_PROBE_TOKENS = 2048
+"""Prompt tokens a worker's prefill rate is read at (a step's budget)."""
 
 
 @dataclass(frozen=True)
@@ -83,7 +91,10 @@ class Coordinator:
         self.channels = WorkerChannels(access)
         self._running: dict[str, _Running] = {}
         self.admission = KvAdmission(
-            config.admission, self._decode_kv_tokens, tenants=config.tenants
+            config.admission,
+            self._decode_kv_tokens,
+            tenants=config.tenants,
+            prefill_capacity=self._prefill_capacity,
         )
         self.flow_observer: Callable[[RequestFlow], None] | None = None
         """Called with each flow when it ends (metrics); must not raise."""
@@ -110,6 +121,17 @@ class Coordinator:
     def _decode_kv_tokens(self) -> int:
         """Tokens of KV the healthy decode workers hold together (admission's capacity)."""
         return sum(w.num_blocks * w.block_size for w in self.registry.workers(Role.DECODE))
+
+    def _prefill_capacity(self) -> PrefillCapacity:
+        """The learned prefill rates (``common/step_cost.py``) of the workers computing
+        prompts together: the prefill workers, or without any, the decode workers."""
+        workers = self.registry.workers(Role.PREFILL) or self.registry.workers(Role.DECODE)
+        rates = [
+            RATE_PROBE_TOKENS / w.load.step_cost.prefill_s(RATE_PROBE_TOKENS)
+            for w in workers
+            if w.load.step_cost.knows_prefill
+        ]
+        return PrefillCapacity(sum(rates) if rates else None)
 
     @property
     def block_size(self) -> int:

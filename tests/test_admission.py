@@ -12,7 +12,12 @@ from typing import Any, TypeVar
 import pytest
 
 from splitserve.common.errors import OverloadedError
-from splitserve.coordinator.admission import AdmissionConfig, KvAdmission, KvDemand
+from splitserve.coordinator.admission import (
+    AdmissionConfig,
+    KvAdmission,
+    KvDemand,
+    PrefillCapacity,
+)
 
 T = TypeVar("T")
 BLOCK = 16
@@ -231,5 +236,30 @@ def test_the_first_token_time_is_measured_from_admission() -> None:
             gate.progress(f"r{i}", 1)
             gate.release(f"r{i}")
         assert gate.snapshot().ttft_s == pytest.approx(0.3, rel=0.01)
+
+    run(scenario())
+
+
+def test_the_prefill_backlog_is_bounded_and_drains_on_first_tokens() -> None:
+    capacity = PrefillCapacity(tokens_per_s=1000.0)
+    gate = KvAdmission(
+        AdmissionConfig(prefill_backlog_s=0.2, prior_tpot_s=0.05, prior_ttft_s=0.5),
+        lambda: 10_000,
+        Clock(),
+        prefill_capacity=lambda: capacity,
+    )  # 0.2 s of 1000 tokens/s: 200 prompt tokens may be admitted and not yet computed
+
+    async def scenario() -> None:
+        await gate.admit("a", demand(120, 8))
+        await gate.admit("b", demand(80, 8))  # 200: the backlog is full, the KV is not
+        waiting = await started(gate.admit("c", demand(50, 8)))
+        assert gate.snapshot().prefill_backlog_tokens == 200 and not waiting.done()
+        # the backlog drains at 1000 tokens/s: 50 more fit once 50 are done, at 0.05 s
+        assert gate.predicted_wait_s(demand(50, 8)) == pytest.approx(0.1)  # behind "c"
+        gate.progress("a", 1)  # a's first token: its 120 prompt tokens are computed
+        assert await ended(waiting)
+        assert gate.snapshot().prefill_backlog_tokens == 130
+        gate.release("b")  # ended before its first token: its prompt leaves the backlog
+        assert gate.snapshot().prefill_backlog_tokens == 50
 
     run(scenario())
