@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import logging
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -35,6 +36,7 @@ from splitserve.common.model_files import load_tokenizer, model_name_of, resolve
 from splitserve.coordinator import INTERNAL_READY, PUBLIC_READY
 from splitserve.coordinator.admission import AdmissionConfig
 from splitserve.coordinator.attempt import AttemptTimeouts
+from splitserve.coordinator.dial_check import DialCheck
 from splitserve.coordinator.flow import FlowConfig
 from splitserve.coordinator.membership_follower import MembershipFollower
 from splitserve.coordinator.membership_servicer import MembershipServicer
@@ -42,7 +44,7 @@ from splitserve.coordinator.metrics import CoordinatorMetrics
 from splitserve.coordinator.placement import PlacementMode, Slo
 from splitserve.coordinator.router import DEFAULT_SLO, RoutingConfig
 from splitserve.coordinator.service import Coordinator, CoordinatorConfig
-from splitserve.coordinator.servicer import CoordinatorServicer
+from splitserve.coordinator.servicer import SEND_TIMEOUT_S, CoordinatorServicer
 from splitserve.coordinator.tenants import TenantLimits, TenantPolicy
 from splitserve.discovery.etcd_watcher import EtcdMembershipWatcher
 from splitserve.discovery.flags import add_membership_args, etcd_endpoints
@@ -53,6 +55,8 @@ from splitserve.proto.server import add_reflection_flag, serve_forever, start_se
 from splitserve.proto.splitserve.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 logger = logging.getLogger(__name__)
+CHANNEL_GRACE_S = 120.0
+"""How long a channel to a worker that left stays open (longer than any drain)."""
 SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name
 MEMBERSHIP_SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["Membership"].full_name
 
@@ -154,6 +158,13 @@ def build_parser() -> argparse.ArgumentParser:
         "TOML file of per-tenant limits, weights and highest priorities "
         "(coordinator/tenants.py), over the two flags above",
     )
+    flag(
+        "--client-stall-timeout",
+        SEND_TIMEOUT_S,
+        float,
+        "seconds a stream may wait for a client that reads nothing; then its request is "
+        "aborted and its KV freed",
+    )
     flag("--prefill-timeout", 300.0, float, "seconds a prefill (compute + KV push) may take")
     flag("--metrics-port", 0, int, "Prometheus /metrics port (0: any free port, -1: off)")
     flag(
@@ -237,12 +248,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
 
     async def run(stop: asyncio.Event) -> None:
+        dial_check = DialCheck(coordinator.registry, coordinator.channels)
         server = await start_server(
             args.host,
             args.port,
             lambda s: (
                 coordinator_pb2_grpc.add_CoordinatorServicer_to_server(
-                    CoordinatorServicer(coordinator, metrics, keys), s
+                    CoordinatorServicer(coordinator, metrics, keys, args.client_stall_timeout), s
                 ),
                 [SERVICE_NAME],
             )[1],
@@ -256,7 +268,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.internal_port,
             lambda s: (
                 coordinator_pb2_grpc.add_MembershipServicer_to_server(
-                    MembershipServicer(coordinator.registry, coordinator.router.forget), s
+                    MembershipServicer(coordinator.registry, coordinator.router.forget, dial_check),
+                    s,
                 ),
                 [MEMBERSHIP_SERVICE_NAME],
             )[1],
@@ -282,6 +295,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+        await dial_check.close()
         await coordinator.channels.close()
 
     serve_forever(run)
@@ -303,9 +317,12 @@ def _membership_follower(
 
 
 async def _watch_workers(coordinator: Coordinator, server, stop: asyncio.Event) -> None:  # noqa: ANN001
-    """Expire silent workers and keep health in step with having a decode worker."""
+    """Expire silent workers, keep health in step with having a decode worker, and close
+    channels to addresses no worker has had for ``CHANNEL_GRACE_S``."""
     serving = False
     while not stop.is_set():
+        listed = {w.address for w in coordinator.registry.workers(healthy_only=False)}
+        await coordinator.channels.retain(listed, CHANNEL_GRACE_S, time.monotonic())
         for record in coordinator.registry.expire():
             # Not routed to any more; its open streams end by themselves if it is really gone
             # (gRPC keepalive), and a worker that was only busy registers again.

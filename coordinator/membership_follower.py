@@ -77,7 +77,7 @@ class MembershipFollower:
     def _join(self, info: WorkerInfo) -> None:
         logger.info("worker %s (%s) joined", info.worker_id, info.address)
         self._stop_following(info.worker_id)
-        self._registry.register(record_of(info))
+        self._registry.register(record_of(info, dialled=False))  # its load stream dials it
         self._following[info.worker_id] = asyncio.create_task(
             self._follow_load(info), name=f"load-{info.worker_id}"
         )
@@ -102,6 +102,7 @@ class MembershipFollower:
                     if not self._registry.heartbeat(info.worker_id, report.load, report.ready):
                         self._registry.register(record_of(info))  # expired while silent
                         self._registry.heartbeat(info.worker_id, report.load, report.ready)
+                    self._registry.mark_dialled(info.worker_id, info.address)
                     backoff_s = RECONNECT_MIN_S
             except SplitserveError as error:
                 logger.warning("load stream of %s broke: %s", info.worker_id, error)

@@ -13,6 +13,7 @@ from collections.abc import Callable
 import grpc
 
 from splitserve.common.errors import InvalidRequestError
+from splitserve.coordinator.dial_check import DialCheck
 from splitserve.coordinator.registry import WorkerRecord, WorkerRegistry, record_of
 from splitserve.proto import convert
 from splitserve.proto.splitserve.v1 import coordinator_pb2, coordinator_pb2_grpc, worker_pb2
@@ -24,10 +25,16 @@ HEARTBEAT_INTERVAL_MS = 500
 
 class MembershipServicer(coordinator_pb2_grpc.MembershipServicer):
     def __init__(
-        self, registry: WorkerRegistry, on_leave: Callable[[str], None] = lambda worker_id: None
+        self,
+        registry: WorkerRegistry,
+        on_leave: Callable[[str], None] = lambda worker_id: None,
+        dial_check: DialCheck | None = None,
     ) -> None:
+        """``dial_check``: dial each registered worker back before it is routed to
+        (``dial_check.py``); None: route to it at once."""
         self._registry = registry
         self._on_leave = on_leave
+        self._dial_check = dial_check
 
     async def RegisterWorker(
         self, request: coordinator_pb2.RegisterWorkerRequest, context: grpc.aio.ServicerContext
@@ -36,7 +43,9 @@ class MembershipServicer(coordinator_pb2_grpc.MembershipServicer):
             info = convert.worker_info_from_proto(request.worker)
         except InvalidRequestError as error:
             await abort_with(context, error)
-        self._registry.register(record_of(info))
+        self._registry.register(record_of(info, dialled=self._dial_check is None))
+        if self._dial_check is not None:
+            self._dial_check.verify(info.worker_id, info.address)
         return coordinator_pb2.RegisterWorkerResponse(heartbeat_interval_ms=HEARTBEAT_INTERVAL_MS)
 
     async def Heartbeat(

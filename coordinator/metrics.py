@@ -14,6 +14,7 @@ Admission by KV (``coordinator/admission.py``): ``splitserve_admission_kv_tokens
 ``splitserve_admission_refusals_total{reason}`` (queue_full | predicted_wait | waited_out |
 tenant_inflight | tenant_tokens), ``splitserve_admission_tpot_seconds`` and
 ``splitserve_admission_ttft_seconds`` (the times its wait predictions use).
+``splitserve_stalled_clients_total``: streams cut because their client stopped reading.
 ``splitserve_placement_decisions_total{where, reason}``: where requests' prompts were computed
 (remote | local) and why (``coordinator/placement.py:Reason``);
 ``splitserve_placement_ttft_ratio{where}``: first token time / predicted TTFT, for decisions
@@ -78,6 +79,11 @@ class CoordinatorMetrics:
             "First token time over the placement's predicted TTFT.",
             ["model_name", "where"],
             buckets=TTFT_RATIO_BUCKETS,
+            registry=registry,
+        )
+        self.stalled_clients = Counter(
+            "splitserve_stalled_clients",
+            "Streams cut because their client read nothing for the send timeout.",
             registry=registry,
         )
         self._model_name = model_name

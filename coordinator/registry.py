@@ -4,7 +4,8 @@ Workers register with their role, address and KV layout, then heartbeat with loa
 A worker silent for ``expiry_s`` is dropped; one whose call failed is marked unhealthy until
 its next heartbeat (so routing avoids it at once), and its ``CircuitBreaker``
 (``coordinator/circuit_breaker.py``) keeps it out of routing after several failed calls in a
-row, whatever its heartbeats say, until a back-off passed. The registry holds what workers report;
+row, whatever its heartbeats say, until a back-off passed; one this coordinator has not dialled
+back yet (``WorkerRecord.dialled``) is not routed to. The registry holds what workers report;
 the work this coordinator dispatched and that no report reflects yet is the router's.
 """
 
@@ -32,11 +33,17 @@ class WorkerRecord:
     last_seen: float = field(default_factory=time.monotonic)
     healthy: bool = True
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
+    dialled: bool = True
+    """This coordinator reached the worker at ``address`` (a registration that has not been
+    dialled back yet is not routed to: a wrong advertised address or a one-way partition
+    would fail every first attempt)."""
 
 
-def record_of(info: WorkerInfo) -> WorkerRecord:
-    """A fresh registry record for a worker that just registered (no load reported yet)."""
+def record_of(info: WorkerInfo, dialled: bool = True) -> WorkerRecord:
+    """A fresh registry record for a worker that just registered (no load reported yet);
+    ``dialled=False``: not routed to until ``WorkerRegistry.mark_dialled``."""
     return WorkerRecord(
+        dialled=dialled,
         worker_id=info.worker_id,
         role=info.role,
         address=info.address,
@@ -90,6 +97,15 @@ class WorkerRegistry:
         if record is not None:
             record.breaker.record_success()
 
+    def mark_dialled(self, worker_id: str, address: str) -> bool:
+        """This coordinator reached the worker at ``address``; False when the worker is
+        unknown or registered again at another address meanwhile."""
+        record = self._workers.get(worker_id)
+        if record is None or record.address != address:
+            return False
+        record.dialled = True
+        return True
+
     def expire(self, now: float | None = None) -> list[WorkerRecord]:
         """Drop workers silent for longer than ``expiry_s``; returns them."""
         now = time.monotonic() if now is None else now
@@ -105,11 +121,11 @@ class WorkerRegistry:
         self, role: Role | None = None, healthy_only: bool = True, now: float | None = None
     ) -> list[WorkerRecord]:
         """Workers of ``role`` (any when None); with ``healthy_only``, those routable now:
-        healthy and not held off by their circuit breaker."""
+        dialled, healthy and not held off by their circuit breaker."""
         now = time.monotonic() if now is None else now
         return [
             w
             for w in self._workers.values()
             if (role is None or w.role is role)
-            and (not healthy_only or (w.healthy and w.breaker.allows(now)))
+            and (not healthy_only or (w.dialled and w.healthy and w.breaker.allows(now)))
         ]

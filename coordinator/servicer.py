@@ -7,7 +7,8 @@ received.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+import contextlib
 
 import grpc
 from prometheus_client import CollectorRegistry
@@ -25,6 +26,13 @@ from splitserve.proto.api_key_auth import caller_of
 from splitserve.proto.splitserve.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from splitserve.proto.status import abort_with, status_of
 
+SEND_TIMEOUT_S = 30.0
+"""How long one response may wait for a client that does not read (``Generate``)."""
+
+
+class _ClientStalled(Exception):
+    """The client read nothing for ``send_timeout_s``."""
+
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     def __init__(
@@ -32,10 +40,13 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         coordinator: Coordinator,
         metrics: CoordinatorMetrics | None = None,
         keys: ApiKeys | None = None,
+        send_timeout_s: float = SEND_TIMEOUT_S,
     ) -> None:
         """``keys``: the API keys calls are scoped by (the server's ``ApiKeyInterceptor``
-        refuses calls without one); None: anonymous callers."""
+        refuses calls without one); None: anonymous callers. ``send_timeout_s``: see
+        ``Generate``."""
         self._coordinator = coordinator
+        self._send_timeout_s = send_timeout_s
         self._keys = keys or ApiKeys()
         self._metrics = metrics or CoordinatorMetrics(
             CollectorRegistry(), coordinator.config.model_name, coordinator.registry
@@ -44,7 +55,11 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
     async def Generate(
         self, request: coordinator_pb2.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[coordinator_pb2.GenerateResponse]:
+    ) -> None:
+        """Stream the request's responses, each written within ``send_timeout_s``: a client
+        that stops reading for that long (its flow-control window full: what waits for it
+        is bounded by the window) loses the call, ABORTED, and its request is aborted, which
+        frees its blocks on every worker."""
         caller = await caller_of(self._keys, context)
         sent_any = False
         timer = self._metrics.requests.start()
@@ -65,28 +80,48 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 continue_after=convert.token_ids(request.continue_after.ids),
                 priority=request.priority,
             )
-            async for flow, chunk in stream:
-                timer.tokens(len(chunk.new_token_ids))
-                if chunk.finish_reason is not None:
-                    timer.finish(
-                        chunk.finish_reason.value,
-                        len(flow.prompt_token_ids),
-                        flow.num_completion_tokens,
-                    )
-                for response in self._responses(request.request_id or flow.request_id, flow, chunk):
-                    sent_any = True
-                    yield response
+            async with contextlib.aclosing(stream):
+                async for flow, chunk in stream:
+                    timer.tokens(len(chunk.new_token_ids))
+                    if chunk.finish_reason is not None:
+                        timer.finish(
+                            chunk.finish_reason.value,
+                            len(flow.prompt_token_ids),
+                            flow.num_completion_tokens,
+                        )
+                    public_id = request.request_id or flow.request_id
+                    for response in self._responses(public_id, flow, chunk):
+                        sent_any = True
+                        await self._send(context, response)
         except SplitserveError as error:  # worker failures arrive as domain errors
             timer.finish("error")
             if not sent_any:
                 await abort_with(context, error)
             code, message, param = status_of(error)
-            yield coordinator_pb2.GenerateResponse(
-                request_id=request.request_id,
-                error=common_pb2.Error(code=code.value[0], message=message, param=param),
+            await self._send(
+                context,
+                coordinator_pb2.GenerateResponse(
+                    request_id=request.request_id,
+                    error=common_pb2.Error(code=code.value[0], message=message, param=param),
+                ),
+            )
+        except _ClientStalled:
+            timer.finish("abort")
+            self._metrics.stalled_clients.inc()
+            await context.abort(
+                grpc.StatusCode.ABORTED,
+                f"the client read nothing for {self._send_timeout_s:g} s; request aborted",
             )
         finally:
             timer.finish("abort")  # no-op unless the client cancelled the call
+
+    async def _send(
+        self, context: grpc.aio.ServicerContext, response: coordinator_pb2.GenerateResponse
+    ) -> None:
+        try:
+            await asyncio.wait_for(context.write(response), self._send_timeout_s)
+        except TimeoutError:
+            raise _ClientStalled from None
 
     def _responses(
         self, request_id: str, flow: RequestFlow, chunk: StreamChunk

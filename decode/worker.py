@@ -266,13 +266,20 @@ class DecodeWorker:
         receiver = incoming.receiver
         await receiver.abort()
         if not receiver.settled:
+            num_blocks = len(incoming.block_ids)
             logger.error(
                 "transfer %d: receives in flight after withdrawal; its %d KV blocks stay out "
                 "of the pool until they settle",
                 receiver.transfer_id,
-                len(incoming.block_ids),
+                num_blocks,
             )
-            await receiver.until_settled()
+            unsettled = self.transfer_metrics.unsettled_blocks
+            unsettled.inc(num_blocks)
+            try:
+                await receiver.until_settled()
+            finally:
+                unsettled.dec(num_blocks)
+            logger.info("transfer %d settled: %d KV blocks back", receiver.transfer_id, num_blocks)
         with contextlib.suppress(EngineStoppedError):  # shut down meanwhile: nothing to free
             self.engine.release_blocks(incoming.block_ids)
 

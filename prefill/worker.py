@@ -59,12 +59,18 @@ class _Outgoing:
     messages may be in flight."""
 
 
+PEER_IDLE_S = 600.0
+"""A link to a decode worker unused this long is dropped (scaled down, replaced); the next
+prompt for it, if any, handshakes again."""
+
+
 @dataclass
 class _Peer:
     client: DecodeWorkerClient
     endpoint: KvEndpoint
     transfer_address: bytes
     """The decode worker's transport address (from the handshake)."""
+    last_used: float = dataclasses.field(default_factory=time.monotonic)
 
 
 class PrefillWorker:
@@ -177,11 +183,14 @@ class PrefillWorker:
             outgoing.sender.offer(layer, kv)
 
     async def _peer(self, address: str) -> _Peer:
-        """The handshaken link to a decode worker (created once per address)."""
+        """The handshaken link to a decode worker (created once per address; links idle for
+        ``PEER_IDLE_S`` are dropped here, with their locks and channels)."""
+        await self._drop_idle_peers(time.monotonic())
         lock = self._peer_locks.setdefault(address, asyncio.Lock())
         async with lock:
             peer = self._peers.get(address)
             if peer is not None:
+                peer.last_used = time.monotonic()
                 return peer
             client = self._channels.decode(address)
             try:
@@ -203,6 +212,16 @@ class PrefillWorker:
         peer = self._peers.pop(address, None)
         if peer is not None:
             self.transport.forget(peer.transfer_address)
+        lock = self._peer_locks.get(address)
+        if lock is not None and not lock.locked():
+            del self._peer_locks[address]
+
+    async def _drop_idle_peers(self, now: float) -> None:
+        idle = [a for a, peer in self._peers.items() if now - peer.last_used > PEER_IDLE_S]
+        for address in idle:
+            self._forget_peer(address)
+        if idle:
+            await self._channels.retain(set(self._peers), grace_s=60.0, now=now)
 
     async def load(self) -> EngineLoad:
         """The engine's latest load figures (answers at once, also during a long step)."""

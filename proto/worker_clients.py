@@ -11,7 +11,7 @@ created on first use and closed by ``close``.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Sequence, Set
 
 import grpc
 
@@ -157,12 +157,30 @@ class WorkerChannels:
     def __init__(self, access: ClusterAccess) -> None:
         self._access = access
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._unlisted_since: dict[str, float] = {}
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
         if channel is None:
             channel = self._channels[address] = self._access.channel(address)
         return channel
+
+    @property
+    def addresses(self) -> frozenset[str]:
+        return frozenset(self._channels)
+
+    async def retain(self, addresses: Set[str], grace_s: float, now: float) -> None:
+        """Close the channels to addresses not in ``addresses`` for ``grace_s`` running
+        (a worker that left may still be finishing streams over its channel; one that comes
+        back gets a fresh channel on next use)."""
+        for address in list(self._channels):
+            if address in addresses:
+                self._unlisted_since.pop(address, None)
+                continue
+            since = self._unlisted_since.setdefault(address, now)
+            if now - since >= grace_s:
+                del self._unlisted_since[address]
+                await self._channels.pop(address).close()
 
     def decode(self, address: str) -> DecodeWorkerClient:
         return DecodeWorkerClient(self._channel(address), self._access.credential)
@@ -177,3 +195,4 @@ class WorkerChannels:
         for channel in self._channels.values():
             await channel.close()
         self._channels.clear()
+        self._unlisted_since.clear()

@@ -132,6 +132,8 @@ def test_blocks_of_a_transfer_that_never_settles_are_quarantined(
             await asyncio.sleep(1.0)  # the settle timeout passes; the blocks must stay held
             assert free_blocks(worker) == NUM_BLOCKS - reservation.num_blocks
             assert not worker.core.has_request("r0")  # the request itself ended
+            # ... and the quarantine is visible: the gauge counts the blocks held
+            assert worker.transfer_metrics.unsettled_blocks._value.get() == reservation.num_blocks
 
     asyncio.run(body())
 

@@ -145,6 +145,9 @@ class UcxTransport(KvTransport):
         endpoint = self._endpoints.pop(address, None)
         if endpoint is not None:
             endpoint.abort()
+        lock = self._connecting.get(address)
+        if lock is not None and not lock.locked():
+            del self._connecting[address]
 
     async def recv(self, tag: int, buffer: torch.Tensor) -> None:
         """See ``KvTransport.recv``; a message shorter than ``buffer`` is found by the canary in

@@ -17,7 +17,9 @@ Names (prefix ``splitserve_``; labels ``model_name``, ``role``):
   (label ``direction``: send | receive; failures also ``reason``: timeout | aborted | error),
   ``kv_reservation_wait_seconds`` (decode: waiting for free blocks for a pushed prompt),
   ``kv_transfer_block_runs`` (decode: runs of consecutive blocks per reservation; the transfer
-  sends K and V of each run per layer as separate messages, so more runs mean more messages);
+  sends K and V of each run per layer as separate messages, so more runs mean more messages),
+  ``kv_unsettled_blocks`` (decode, gauge: blocks a withdrawn transfer's unsettled receives
+  keep out of the pool);
 - ``step_cost_seconds`` (gauge, label ``term``: the engine's learned step-time model,
   ``common/step_cost.py``: decode_base, per_decode_seq, per_context_token, prefill_base,
   per_prefill_token) and ``step_cost_steps`` (label ``part``: decode | prefill, steps fitted).
@@ -28,7 +30,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -90,6 +92,13 @@ class TransferMetrics:
             "Runs of consecutive KV blocks a pushed prompt's reservation took.",
             _LABELS,
             buckets=BLOCK_RUN_BUCKETS,
+            registry=registry,
+        ).labels(*values)
+        self.unsettled_blocks = Gauge(
+            "splitserve_kv_unsettled_blocks",
+            "KV blocks kept out of the pool because a withdrawn transfer's receives have not "
+            "settled (decode); they return when the receives do.",
+            _LABELS,
             registry=registry,
         ).labels(*values)
         self._values = values
