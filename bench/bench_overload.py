@@ -1,5 +1,7 @@
 """Overload: ``make serve``'s cluster at its sustainable rate, then at twice it, through the
-OpenAI gateway (streamed completions over HTTP, Poisson arrivals, chat-like lengths).
+OpenAI gateway (streamed completions over HTTP, Poisson arrivals, chat-like lengths), with
+the coordinator admitting within the TPOT target (``--admit-within-tpot``) unless
+``--no-admit-within-tpot``.
 
 For each rate, for ``--duration-s`` seconds of arrivals: how many requests were accepted
 (HTTP 200) and refused (429), the accepted ones' TTFT and TPOT percentiles and the share
@@ -171,6 +173,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tpot-slo-ms", type=float, default=50.0)
     parser.add_argument("--ttft-slo-ms", type=float, default=2000.0)
     parser.add_argument("--max-queue-wait", type=float, default=None, help="coordinator flag")
+    parser.add_argument(
+        "--no-admit-within-tpot", action="store_true", help="run without the TPOT admission cap"
+    )
     parser.add_argument("--wait-quiet-s", type=float, default=60.0)
     parser.add_argument("--date", default=time.strftime("%Y-%m-%d"))
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
@@ -182,6 +187,7 @@ def main(argv: Sequence[str] | None = None) -> Json:
     env = {
         "SPLITSERVE_TTFT_SLO_MS": str(args.ttft_slo_ms),
         "SPLITSERVE_TPOT_SLO_MS": str(args.tpot_slo_ms),
+        "SPLITSERVE_ADMIT_WITHIN_TPOT": "0" if args.no_admit_within_tpot else "1",
     }
     if args.max_queue_wait is not None:
         env["SPLITSERVE_MAX_QUEUE_WAIT"] = str(args.max_queue_wait)

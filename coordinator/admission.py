@@ -78,6 +78,10 @@ class AdmissionConfig:
     """Prompt tokens admitted and not yet prefilled (no first token) are bounded to this many
     seconds of the cluster's prefill rate; more wait here, in fair order, instead of in the
     workers' FIFO queues."""
+    within_tpot: bool = False
+    """Admit at most as many requests as the decode workers' learned step times let them
+    decode within the TPOT target (``WorkerCapacity.max_decoding``); more wait or are
+    refused. Off: the batch grows as long as the KV holds, and TPOT with it."""
     prior_prefill_tokens_per_s: float = 2000.0
     """Cluster prefill rate assumed until the workers report a measured one."""
 
@@ -97,11 +101,15 @@ class KvDemand:
 
 
 @dataclass(frozen=True)
-class PrefillCapacity:
-    """The workers that compute prompts: their measured prompt tokens per second together
-    (None: no worker has measured one yet)."""
+class WorkerCapacity:
+    """What the workers' learned step times (``common/step_cost.py``) say they can do."""
 
-    tokens_per_s: float | None
+    prefill_tokens_per_s: float | None = None
+    """Prompt tokens per second of the workers computing prompts, together (None: none
+    measured yet)."""
+    max_decoding: int | None = None
+    """Requests the decode workers can decode at once within the TPOT target, together
+    (None: not learned yet: no bound)."""
 
 
 @dataclass
@@ -142,9 +150,9 @@ class AdmissionSnapshot:
 
 class KvAdmission:
     """See the module docstring. ``capacity_tokens()``: the decode workers' KV in tokens
-    (before ``kv_share``); ``prefill_capacity()``: the prompt-computing workers' measured
-    prompt tokens per second together (None: not measured yet); both read at every decision,
-    so joining and leaving workers count."""
+    (before ``kv_share``); ``worker_capacity(context_tokens)``: what the workers' learned
+    step times allow (``WorkerCapacity``) for requests of that many context tokens on
+    average; both read at every decision, so joining and leaving workers count."""
 
     def __init__(
         self,
@@ -152,11 +160,15 @@ class KvAdmission:
         capacity_tokens: Callable[[], int],
         clock: Callable[[], float] = time.monotonic,
         tenants: TenantPolicy | None = None,
-        prefill_capacity: Callable[[], PrefillCapacity] | None = None,
+        worker_capacity: Callable[[int], WorkerCapacity] | None = None,
     ) -> None:
         self.config = config
         self.tenants = tenants or TenantPolicy()
-        self._prefill_capacity = prefill_capacity or (lambda: PrefillCapacity(None))
+        self._worker_capacity = worker_capacity or (lambda context_tokens: WorkerCapacity())
+        self._drain_tokens_per_s: float | None = None
+        """Measured: prompt tokens per second leaving the backlog while it is not empty."""
+        self._backlog_busy_since: float | None = None
+        """When the backlog last became non-empty, or its last prompt completed."""
         self._prefill_backlog = 0
         """Prompt tokens of admitted requests without a first token yet."""
         self._capacity_tokens = capacity_tokens
@@ -245,8 +257,10 @@ class KvAdmission:
         if admitted is None:
             return
         self._admitted_tokens -= admitted.demand.num_tokens
-        if admitted.last_token_at is None:
+        if admitted.last_token_at is None:  # ended before its first token
             self._prefill_backlog -= admitted.demand.num_prompt_tokens
+            if self._prefill_backlog == 0:
+                self._backlog_busy_since = None
         self._leave(admitted.tenant, admitted.tokens_left)
         self._serve()
 
@@ -262,11 +276,23 @@ class KvAdmission:
         previous, admitted.last_token_at = admitted.last_token_at, now
         if previous is None:  # its first tokens: the wait was TTFT, its prompt is done
             self._ttft_s += SMOOTHING * (now - admitted.admitted_at - self._ttft_s)
-            self._prefill_backlog -= admitted.demand.num_prompt_tokens
+            self._drained(admitted.demand.num_prompt_tokens, now)
             self._serve()
         else:
             per_token = (now - previous) / num_new_tokens
             self._tpot_s += SMOOTHING * (per_token - self._tpot_s)
+
+    def _drained(self, num_prompt_tokens: int, now: float) -> None:
+        """A prompt left the backlog: measure how fast the backlog drains while busy."""
+        self._prefill_backlog -= num_prompt_tokens
+        busy_since = self._backlog_busy_since
+        if busy_since is not None and now > busy_since:
+            rate = num_prompt_tokens / (now - busy_since)
+            previous = self._drain_tokens_per_s
+            self._drain_tokens_per_s = (
+                rate if previous is None else previous + SMOOTHING * (rate - previous)
+            )
+        self._backlog_busy_since = now if self._prefill_backlog > 0 else None
 
     # ---- figures -----------------------------------------------------------------------
 
@@ -287,23 +313,28 @@ class KvAdmission:
         """
         ahead = sorted(w for w in self._queue if sort_key is None or w.sort_key < sort_key)
         free = self.capacity_tokens - self._admitted_tokens
+        slots = self._max_decoding(demand)
+        free_slots = math.inf if slots is None else slots - len(self._admitted)
         ends = [
             (admitted.tokens_left * self._tpot_s, admitted.demand.num_tokens)
             for admitted in self._admitted.values()
         ]
         heapq.heapify(ends)
-        rate = self.prefill_tokens_per_s
+        # the backlog drains as fast as it was seen to (compute rate until measured)
+        rate = self._drain_tokens_per_s or self.prefill_tokens_per_s
         prefilled_at = self._prefill_backlog / rate  # when the admitted prompts are done
         window_s = self.prefill_backlog_limit / rate
         now = 0.0
         for needed in [*(waiter.demand for waiter in ahead), demand]:
             tokens = needed.num_tokens
-            while free < tokens and ends:
+            while (free < tokens or free_slots < 1) and ends:
                 now, freed = heapq.heappop(ends)
                 free += freed
+                free_slots += 1
             if free < tokens:  # larger than the capacity: it runs once all else ended
                 free = max(free, tokens)
             free -= tokens
+            free_slots -= 1
             prompt_s = needed.num_prompt_tokens / rate
             now = max(now, prefilled_at + prompt_s - window_s)  # the backlog keeps its bound
             prefilled_at = max(prefilled_at, now) + prompt_s
@@ -313,9 +344,20 @@ class KvAdmission:
 
     @property
     def prefill_tokens_per_s(self) -> float:
-        """The cluster's measured prefill rate, or the configured prior."""
-        measured = self._prefill_capacity().tokens_per_s
+        """The workers' learned prefill rate, or the configured prior."""
+        measured = self._worker_capacity(0).prefill_tokens_per_s
         return measured if measured else self.config.prior_prefill_tokens_per_s
+
+    def _max_decoding(self, demand: KvDemand) -> int | None:
+        """Requests that may be admitted at once for the decode workers to keep the TPOT
+        target, at the average context of what is admitted plus ``demand`` (None: no
+        bound known yet). Never below 1."""
+        contexts = [
+            a.demand.num_prompt_tokens + a.demand.max_tokens / 2 for a in self._admitted.values()
+        ]
+        contexts.append(demand.num_prompt_tokens + demand.max_tokens / 2)
+        bound = self._worker_capacity(round(sum(contexts) / len(contexts))).max_decoding
+        return None if bound is None else max(1, bound)
 
     def snapshot(self) -> AdmissionSnapshot:
         return AdmissionSnapshot(
@@ -413,10 +455,14 @@ class KvAdmission:
     # ---- internals ---------------------------------------------------------------------
 
     def _fits(self, demand: KvDemand) -> bool:
-        """Room in the KV and in the prefill backlog (alone, anything the workers accept)."""
+        """Room in the KV, in the decode batch the TPOT target allows and in the prefill
+        backlog (alone, anything the workers accept)."""
         if not self._admitted:
             return True
         if self._admitted_tokens + demand.num_tokens > self.capacity_tokens:
+            return False
+        slots = self._max_decoding(demand)
+        if slots is not None and len(self._admitted) >= slots:
             return False
         return (
             self._prefill_backlog == 0
@@ -440,6 +486,8 @@ class KvAdmission:
         """Admit: its KV counts, its tenant's tokens are taken, the virtual time moves on."""
         self._admitted[request_id] = _Admitted(demand, tenant, demand.max_tokens, self._clock())
         self._admitted_tokens += demand.num_tokens
+        if self._prefill_backlog == 0:
+            self._backlog_busy_since = self._clock()
         self._prefill_backlog += demand.num_prompt_tokens
         bucket = self._buckets.get(tenant)
         if bucket is not None:

@@ -29,7 +29,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry
 
 from splitserve.common.api_keys import add_api_key_args, add_health_needs_key_flag, api_keys_or_exit
-from splitserve.common.env_flags import add_env_flag
+from splitserve.common.env_flags import add_env_flag, env_default, truthy
 from splitserve.common.membership import Role
 from splitserve.common.metrics import serve_metrics
 from splitserve.common.model_files import load_tokenizer, model_name_of, resolve_model_path
@@ -139,6 +139,13 @@ def build_parser() -> argparse.ArgumentParser:
         "seconds of the workers' measured prefill rate that may be admitted and not yet "
         "computed; more wait in the coordinator's fair queue, not in the workers' FIFO queues",
     )
+    parser.add_argument(
+        "--admit-within-tpot",
+        action="store_true",
+        default=env_default("--admit-within-tpot", False, truthy),
+        help="admit only as many requests as the decode workers' learned step times decode "
+        "within --tpot-slo-ms; the rest wait or get 429 (env SPLITSERVE_ADMIT_WITHIN_TPOT=1)",
+    )
     flag(
         "--tenant-max-inflight",
         0,
@@ -237,6 +244,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_queued_prompt_tokens=args.max_queued_prompt_tokens,
             max_queue_wait_s=args.max_queue_wait,
             prefill_backlog_s=args.prefill_backlog,
+            within_tpot=args.admit_within_tpot,
             prior_tpot_s=slo.tpot_s,
             prior_ttft_s=slo.ttft_s,
         ),

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import math
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
@@ -28,12 +29,13 @@ from splitserve.common.membership import Role
 from splitserve.common.output_processor import StreamChunk
 from splitserve.common.prompt import Prompt, check_in_vocab, encode_prompt, min_prompt_tokens
 from splitserve.common.sampling_params import SamplingParams
+from splitserve.common.step_cost import StepCost
 from splitserve.common.tokenizer import Tokenizer
 from splitserve.coordinator.admission import (
     AdmissionConfig,
     KvAdmission,
     KvDemand,
-    PrefillCapacity,
+    WorkerCapacity,
 )
 from splitserve.coordinator.flow import FlowConfig, RequestFlow
 from splitserve.coordinator.registry import WorkerRegistry
@@ -44,6 +46,20 @@ from splitserve.proto.worker_clients import WorkerChannels
 
 RATE_PROBE_TOKENS = 2048
 """Prompt tokens a worker's prefill rate is read at (a step's budget)."""
+TPOT_HEADROOM = 0.8
+"""Decode steps are planned to this share of the TPOT target (the rest: hops, local
+prompts, noise)."""
+
+
+def decode_batch_within(cost: StepCost, context_tokens: int, target_s: float) -> int | None:
+    """The most requests of ``context_tokens`` a worker's decode steps serve within
+    ``target_s`` per step (at least 1); None while its decode model is not learned."""
+    if not cost.knows_decode:
+        return None
+    per_request_s = cost.per_decode_seq_s + cost.per_context_token_s * context_tokens
+    if per_request_s <= 0:
+        return None
+    return max(1, math.floor((target_s - cost.decode_base_s) / per_request_s))
 
 
 @dataclass(frozen=True)
@@ -94,7 +110,7 @@ class Coordinator:
             config.admission,
             self._decode_kv_tokens,
             tenants=config.tenants,
-            prefill_capacity=self._prefill_capacity,
+            worker_capacity=self._worker_capacity,
         )
         self.flow_observer: Callable[[RequestFlow], None] | None = None
         """Called with each flow when it ends (metrics); must not raise."""
@@ -122,16 +138,30 @@ class Coordinator:
         """Tokens of KV the healthy decode workers hold together (admission's capacity)."""
         return sum(w.num_blocks * w.block_size for w in self.registry.workers(Role.DECODE))
 
-    def _prefill_capacity(self) -> PrefillCapacity:
-        """The learned prefill rates (``common/step_cost.py``) of the workers computing
-        prompts together: the prefill workers, or without any, the decode workers."""
+    def _worker_capacity(self, context_tokens: int) -> WorkerCapacity:
+        """What the workers' learned step times (``common/step_cost.py``) allow: the prefill
+        rate of the workers computing prompts (the prefill workers, or without any, the
+        decode workers) together, and how many requests of ``context_tokens`` the decode
+        workers can decode at once with steps within ``TPOT_HEADROOM`` of the TPOT target
+        (with ``AdmissionConfig.within_tpot`` only; None while any decode worker's model is
+        still unknown)."""
         workers = self.registry.workers(Role.PREFILL) or self.registry.workers(Role.DECODE)
         rates = [
             RATE_PROBE_TOKENS / w.load.step_cost.prefill_s(RATE_PROBE_TOKENS)
             for w in workers
             if w.load.step_cost.knows_prefill
         ]
-        return PrefillCapacity(sum(rates) if rates else None)
+        target_s = self.config.routing.slo.tpot_s * TPOT_HEADROOM
+        bounds = [
+            decode_batch_within(w.load.step_cost, context_tokens, target_s)
+            for w in self.registry.workers(Role.DECODE)
+        ]
+        known = self.config.admission.within_tpot and bool(bounds)
+        known = known and all(bound is not None for bound in bounds)
+        return WorkerCapacity(
+            prefill_tokens_per_s=sum(rates) if rates else None,
+            max_decoding=sum(b for b in bounds if b is not None) if known else None,
+        )
 
     @property
     def block_size(self) -> int:

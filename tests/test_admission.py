@@ -12,12 +12,14 @@ from typing import Any, TypeVar
 import pytest
 
 from splitserve.common.errors import OverloadedError
+from splitserve.common.step_cost import StepCost
 from splitserve.coordinator.admission import (
     AdmissionConfig,
     KvAdmission,
     KvDemand,
-    PrefillCapacity,
+    WorkerCapacity,
 )
+from splitserve.coordinator.service import decode_batch_within
 
 T = TypeVar("T")
 BLOCK = 16
@@ -241,12 +243,12 @@ def test_the_first_token_time_is_measured_from_admission() -> None:
 
 
 def test_the_prefill_backlog_is_bounded_and_drains_on_first_tokens() -> None:
-    capacity = PrefillCapacity(tokens_per_s=1000.0)
+    capacity = WorkerCapacity(prefill_tokens_per_s=1000.0)
     gate = KvAdmission(
         AdmissionConfig(prefill_backlog_s=0.2, prior_tpot_s=0.05, prior_ttft_s=0.5),
         lambda: 10_000,
         Clock(),
-        prefill_capacity=lambda: capacity,
+        worker_capacity=lambda context_tokens: capacity,
     )  # 0.2 s of 1000 tokens/s: 200 prompt tokens may be admitted and not yet computed
 
     async def scenario() -> None:
@@ -263,3 +265,62 @@ def test_the_prefill_backlog_is_bounded_and_drains_on_first_tokens() -> None:
         assert gate.snapshot().prefill_backlog_tokens == 50
 
     run(scenario())
+
+
+def test_the_decode_batch_the_tpot_target_allows_bounds_admission() -> None:
+    seen_contexts: list[int] = []
+
+    def capacity(context_tokens: int) -> WorkerCapacity:
+        seen_contexts.append(context_tokens)
+        return WorkerCapacity(max_decoding=2)
+
+    gate = KvAdmission(
+        AdmissionConfig(prior_tpot_s=0.05, prior_ttft_s=0.5),
+        lambda: 10_000,
+        Clock(),
+        worker_capacity=capacity,
+    )
+
+    async def scenario() -> None:
+        await gate.admit("a", demand(16, 16))  # ends in 0.8 s
+        await gate.admit("b", demand(16, 40))  # ends in 2.0 s
+        waiting = await started(gate.admit("c", demand(16, 16)))  # KV has room; the batch not
+        assert not waiting.done()
+        assert 28 in seen_contexts  # prompt + half the output, averaged over a, b and c
+        assert gate.predicted_wait_s(demand(16, 16)) == pytest.approx(2.0)  # second slot
+        gate.release("a")
+        assert await ended(waiting)
+
+    run(scenario())
+
+
+def test_predictions_use_the_measured_backlog_drain_rate() -> None:
+    clock = Clock()
+    capacity = WorkerCapacity(prefill_tokens_per_s=10_000.0)  # the compute rate: optimistic
+    gate = KvAdmission(
+        AdmissionConfig(prefill_backlog_s=0.01, prior_tpot_s=0.05, prior_ttft_s=0.5),
+        lambda: 100_000,
+        clock,
+        worker_capacity=lambda context_tokens: capacity,
+    )  # the backlog holds 100 prompt tokens
+
+    async def scenario() -> None:
+        for i in range(20):  # prompts of 100 tokens done every 0.1 s: 1000 tokens/s
+            await gate.admit(f"r{i}", demand(100, 4))
+            clock.now += 0.1
+            gate.progress(f"r{i}", 1)
+        await gate.admit("busy", demand(100, 4))
+        # one 100-token prompt ahead in the backlog: 0.1 s at the measured rate, not 0.01 s
+        assert gate.predicted_wait_s(demand(100, 4)) == pytest.approx(0.1, rel=0.05)
+
+    run(scenario())
+
+
+def test_the_decode_batch_within_a_step_target() -> None:
+    cost = StepCost(
+        decode_base_s=0.010, per_decode_seq_s=0.001, per_context_token_s=1e-6, decode_steps=8
+    )
+    # 10 ms + n x (1 ms + 1000 tokens x 1 us) <= 40 ms: n <= 15
+    assert decode_batch_within(cost, 1000, 0.040) == 15
+    assert decode_batch_within(cost, 1000, 0.005) == 1  # never below one
+    assert decode_batch_within(StepCost(), 1000, 0.040) is None  # not learned yet
