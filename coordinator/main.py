@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -142,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--admit-within-tpot",
         action="store_true",
-        default=env_default("--admit-within-tpot", False, truthy),
+        default=env_default("--admit-within-tpot", False, truthy, os.environ),
         help="admit only as many requests as the decode workers' learned step times decode "
         "within --tpot-slo-ms; the rest wait or get 429 (env SPLITSERVE_ADMIT_WITHIN_TPOT=1)",
     )

@@ -324,3 +324,15 @@ def test_the_decode_batch_within_a_step_target() -> None:
     assert decode_batch_within(cost, 1000, 0.040) == 15
     assert decode_batch_within(cost, 1000, 0.005) == 1  # never below one
     assert decode_batch_within(StepCost(), 1000, 0.040) is None  # not learned yet
+
+
+def test_the_coordinator_flags_and_their_env_twins_parse(monkeypatch: pytest.MonkeyPatch) -> None:
+    from splitserve.coordinator.main import build_parser
+
+    defaults = build_parser().parse_args([])
+    assert not defaults.admit_within_tpot and defaults.max_queue_wait == 30.0
+    monkeypatch.setenv("SPLITSERVE_ADMIT_WITHIN_TPOT", "1")
+    monkeypatch.setenv("SPLITSERVE_PREFILL_BACKLOG", "0.25")
+    flags = build_parser().parse_args(["--kv-share", "0.5", "--default-max-tokens", "64"])
+    assert flags.admit_within_tpot and flags.prefill_backlog == 0.25
+    assert (flags.kv_share, flags.default_max_tokens) == (0.5, 64)
