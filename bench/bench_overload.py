@@ -124,6 +124,7 @@ def _summary(records: Sequence[RequestRecord], tpot_slo_ms: float, memory: Json)
         "ttft_ms": {f"p{q}": _percentile(ttfts, q) for q in (50, 99)},
         "tpot_ms": {f"p{q}": _percentile(tpots, q) for q in (50, 99)},
         "tpot_within_slo": (sum(t <= tpot_slo_ms for t in tpots) / len(tpots)) if tpots else None,
+        "refused_after_100ms": sum(ms > 100 for ms in refusal_ms),
         "refusal_ms": {
             "p50": _percentile(refusal_ms, 50),
             "p99": _percentile(refusal_ms, 99),
@@ -227,6 +228,7 @@ def main(argv: Sequence[str] | None = None) -> Json:
             f"{run['factor']:>4g} {run['rate']:>6.2f} {run['sent']:>5} {run['accepted']:>5} "
             f"{run['refused_429']:>5} {run['other']:>5} {run['tpot_ms']['p99'] or 0:>9.1f} "
             f"{(share or 0):>7.0%} {run['refusal_ms']['p99'] or 0:>10.1f} "
+            f"{run['refused_after_100ms']:>10} "
             f"{mib('coordinator'):>14} {mib('gateway'):>14}"
         )
     print(f"wrote {out}")

@@ -31,7 +31,8 @@ queue in arrival order stays short and waiting happens here, in fair order: a fl
 prompts in front of another tenant's in a worker's queue.
 
 The predicted wait (``predicted_wait_s``) plays the queue forward: admitted requests end
-after their output tokens left x the measured time per output token, queued ones start in
+after what is left of their time to first token, then their output tokens left x the
+measured time per output token, queued ones start in
 order as KV comes back and the prefill backlog (drained at the workers' measured prefill
 rate) has room, and take the measured time to first token plus ``max_tokens`` x the time per
 token (before any measurement: ``prior_ttft_s``, ``prior_tpot_s``,
@@ -59,6 +60,8 @@ from splitserve.coordinator.tenants import TenantLimits, TenantPolicy, TokenBuck
 
 REFUSAL_REASONS = ("queue_full", "predicted_wait", "waited_out", "tenant_inflight", "tenant_tokens")
 SMOOTHING = 0.1
+CALIBRATION_MIN_WAIT_S = 0.5
+"""Waits predicted shorter than this do not calibrate (noise dominates them)."""
 """Weight of a new measurement in the running TTFT and TPOT estimates (exponential average)."""
 
 
@@ -132,6 +135,8 @@ class _Waiter:
     tenant: str = field(compare=False)
     start_tag: float = field(compare=False)
     granted: asyncio.Future[None] = field(compare=False)
+    enqueued_at: float = field(compare=False, default=0.0)
+    predicted_wait_s: float = field(compare=False, default=0.0)
 
 
 @dataclass(frozen=True)
@@ -165,6 +170,10 @@ class KvAdmission:
         self.config = config
         self.tenants = tenants or TenantPolicy()
         self._worker_capacity = worker_capacity or (lambda context_tokens: WorkerCapacity())
+        self._wait_calibration = 1.0
+        """Measured waits over predicted ones (smoothed); predictions are scaled by it when
+        above 1, so that a model that runs optimistic refuses at once rather than after a
+        request waited out its limit."""
         self._drain_tokens_per_s: float | None = None
         """Measured: prompt tokens per second leaving the backlog while it is not empty."""
         self._backlog_busy_since: float | None = None
@@ -229,7 +238,9 @@ class KvAdmission:
             )
         self._enter(tenant, sort_key)
         granted = asyncio.get_running_loop().create_future()
-        waiter = _Waiter(sort_key, request_id, demand, tenant, start_tag, granted)
+        waiter = _Waiter(
+            sort_key, request_id, demand, tenant, start_tag, granted, self._clock(), wait_s
+        )
         self._queue.append(waiter)
         self._queued_prompt_tokens += demand.num_prompt_tokens
         try:
@@ -309,14 +320,14 @@ class KvAdmission:
         Plays the queue forward: admitted requests end after their output tokens left x the
         time per token; each waiter ahead, in admission order, starts once enough KV came
         back and then holds its demand for its first-token time plus ``max_tokens`` x time
-        per token.
+        per token. Scaled by how far past predictions fell short, when they did.
         """
         ahead = sorted(w for w in self._queue if sort_key is None or w.sort_key < sort_key)
         free = self.capacity_tokens - self._admitted_tokens
         slots = self._max_decoding(demand)
         free_slots = math.inf if slots is None else slots - len(self._admitted)
         ends = [
-            (admitted.tokens_left * self._tpot_s, admitted.demand.num_tokens)
+            (self._time_left_s(admitted), admitted.demand.num_tokens)
             for admitted in self._admitted.values()
         ]
         heapq.heapify(ends)
@@ -340,7 +351,16 @@ class KvAdmission:
             prefilled_at = max(prefilled_at, now) + prompt_s
             duration = self._ttft_s + needed.max_tokens * self._tpot_s
             heapq.heappush(ends, (now + duration, tokens))
-        return now
+        return now * max(1.0, self._wait_calibration)
+
+    def _time_left_s(self, admitted: _Admitted) -> float:
+        """When an admitted request is predicted to end: its output tokens left x the time
+        per token, after what is left of its first-token time if it has none yet."""
+        decode_s = admitted.tokens_left * self._tpot_s
+        if admitted.last_token_at is not None:
+            return decode_s
+        waited_s = self._clock() - admitted.admitted_at
+        return max(0.0, self._ttft_s - waited_s) + decode_s
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -409,7 +429,7 @@ class KvAdmission:
     def _tenant_turn_s(self, tenant: str, demand: KvDemand) -> float:
         """When the tenant's soonest-ending request is predicted to end."""
         ends = [
-            admitted.tokens_left * self._tpot_s
+            self._time_left_s(admitted)
             for admitted in self._admitted.values()
             if admitted.tenant == tenant
         ]
@@ -497,6 +517,13 @@ class KvAdmission:
             name: tag for name, tag in self._last_finish.items() if tag > self._virtual_time
         }
 
+    def _calibrate(self, waiter: _Waiter) -> None:
+        """Learn how far predictions fall short: the waits they are scaled by."""
+        if waiter.predicted_wait_s < CALIBRATION_MIN_WAIT_S:
+            return
+        ratio = (self._clock() - waiter.enqueued_at) / waiter.predicted_wait_s
+        self._wait_calibration += SMOOTHING * (ratio - self._wait_calibration)
+
     def _serve(self) -> None:
         """Admit waiters in admission order while the next one fits."""
         while self._queue:
@@ -507,3 +534,4 @@ class KvAdmission:
             self._queued_prompt_tokens -= waiter.demand.num_prompt_tokens
             self._grant(waiter.request_id, waiter.tenant, waiter.demand, waiter.start_tag)
             waiter.granted.set_result(None)
+            self._calibrate(waiter)

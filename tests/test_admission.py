@@ -42,7 +42,8 @@ def admission(
 ) -> tuple[KvAdmission, list[int]]:
     """An admission over a capacity the test may change (``cap[0] = ...``)."""
     cap = [capacity]
-    settings = AdmissionConfig(**{"prior_tpot_s": 0.05, **config})
+    # no first-token time unless a test sets one: admitted requests end by their tokens left
+    settings = AdmissionConfig(**{"prior_tpot_s": 0.05, "prior_ttft_s": 0.0, **config})
     return KvAdmission(settings, lambda: cap[0], clock or Clock()), cap
 
 
@@ -212,14 +213,18 @@ def test_measured_time_per_token_replaces_the_prior() -> None:
 
 
 def test_the_predicted_wait_plays_the_queue_forward() -> None:
-    gate, _ = admission(capacity=64, prior_ttft_s=1.0)
+    clock = Clock()
+    gate, _ = admission(capacity=64, clock=clock, prior_ttft_s=1.0)
 
     async def scenario() -> None:
-        await gate.admit("running", demand(48, 16))  # 64 tokens, ends in 0.8 s
-        first = await started(gate.admit("first", demand(48, 16)))  # starts at 0.8, ends 2.6
-        assert gate.predicted_wait_s(demand(48, 16)) == pytest.approx(0.8 + 1.0 + 0.8)
-        second = await started(gate.admit("second", demand(48, 16)))  # 2.6 -> 4.4
-        assert gate.predicted_wait_s(demand(48, 16)) == pytest.approx(2 * 1.8 + 0.8)
+        await gate.admit("running", demand(48, 16))  # 64 tokens; no first token yet
+        assert gate.predicted_wait_s(demand(48, 16)) == pytest.approx(1.0 + 0.8)
+        clock.now += 1.0  # its first token comes as predicted: 15 left, it ends in 0.75 s
+        gate.progress("running", 1)
+        first = await started(gate.admit("first", demand(48, 16)))  # 0.75 -> 2.55
+        assert gate.predicted_wait_s(demand(48, 16)) == pytest.approx(0.75 + 1.0 + 0.8)
+        second = await started(gate.admit("second", demand(48, 16)))  # 2.55 -> 4.35
+        assert gate.predicted_wait_s(demand(48, 16)) == pytest.approx(0.75 + 2 * 1.8)
         gate.release("running")
         gate.release("first")
         assert await ended(first, second)
@@ -287,7 +292,8 @@ def test_the_decode_batch_the_tpot_target_allows_bounds_admission() -> None:
         waiting = await started(gate.admit("c", demand(16, 16)))  # KV has room; the batch not
         assert not waiting.done()
         assert 28 in seen_contexts  # prompt + half the output, averaged over a, b and c
-        assert gate.predicted_wait_s(demand(16, 16)) == pytest.approx(2.0)  # second slot
+        # the second slot frees when b ends: its first-token time (0.5 s), then 40 tokens
+        assert gate.predicted_wait_s(demand(16, 16)) == pytest.approx(0.5 + 2.0)
         gate.release("a")
         assert await ended(waiting)
 
@@ -336,3 +342,20 @@ def test_the_coordinator_flags_and_their_env_twins_parse(monkeypatch: pytest.Mon
     flags = build_parser().parse_args(["--kv-share", "0.5", "--default-max-tokens", "64"])
     assert flags.admit_within_tpot and flags.prefill_backlog == 0.25
     assert (flags.kv_share, flags.default_max_tokens) == (0.5, 64)
+
+
+def test_waits_longer_than_predicted_scale_later_predictions() -> None:
+    clock = Clock()
+    gate, _ = admission(capacity=64, clock=clock, prior_tpot_s=0.05)
+
+    async def scenario() -> None:
+        await gate.admit("running", demand(16, 48))  # 64 of 64, ends in 2.4 s
+        waiting = await started(gate.admit("w", demand(16, 48)))
+        assert gate.predicted_wait_s(demand(16, 48), (0, -1.0, -1)) == pytest.approx(2.4)
+        clock.now += 7.2  # it took three times as long as predicted
+        gate.release("running")
+        assert await ended(waiting)
+        # one measurement moves the scale a tenth of the way: 1 + 0.1 x (3 - 1) = 1.2
+        assert gate.predicted_wait_s(demand(16, 48)) == pytest.approx(1.2 * 2.4)
+
+    run(scenario())

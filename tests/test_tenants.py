@@ -37,7 +37,10 @@ def demand(prompt: int = 16, max_tokens: int = 16) -> KvDemand:
 
 def gate(policy: TenantPolicy, capacity: int = 64, clock: Clock | None = None) -> KvAdmission:
     return KvAdmission(
-        AdmissionConfig(prior_tpot_s=0.05), lambda: capacity, clock or Clock(), policy
+        AdmissionConfig(prior_tpot_s=0.05, prior_ttft_s=0.0),
+        lambda: capacity,
+        clock or Clock(),
+        policy,
     )
 
 
