@@ -22,8 +22,9 @@ priority above the tenant's ``max_priority`` or more tokens than its minute's bu
   (nobody overtakes it, so a large request is never starved): higher priority first, then
   weighted fair queuing across tenants (each request's finish tag is its tenant's previous
   tag, or the virtual time if later, plus its KV over the tenant's weight), so a tenant that
-  floods the queue waits behind its own requests, not in front of everyone else's. One still
-  waiting after ``max_queue_wait_s`` (the prediction was wrong) is refused then.
+  floods the queue waits behind its own requests, not in front of everyone else's. One let in
+  waits for its turn even when the prediction was short, up to ``WAIT_BACKSTOP_FACTOR`` x
+  ``max_queue_wait_s`` (then it is refused: its workers vanished, say).
 
 Admitted prompts that have no first token yet form the prefill backlog; it is bounded too
 (``prefill_backlog_s`` of the workers' measured prefill rate), so that what the workers
@@ -59,6 +60,10 @@ from splitserve.common.errors import InvalidRequestError, OverloadedError
 from splitserve.coordinator.tenants import TenantLimits, TenantPolicy, TokenBucket
 
 REFUSAL_REASONS = ("queue_full", "predicted_wait", "waited_out", "tenant_inflight", "tenant_tokens")
+WAIT_BACKSTOP_FACTOR = 4.0
+"""A queued request is refused only after this many times ``max_queue_wait_s``: the limit
+decides at arrival, and one that was let in waits for its turn (refusing it after it waited
+would waste the wait); the backstop covers workers that vanish with requests queued."""
 SMOOTHING = 0.1
 CALIBRATION_MIN_WAIT_S = 0.5
 """Waits predicted shorter than this do not calibrate (noise dominates them)."""
@@ -244,13 +249,14 @@ class KvAdmission:
         self._queue.append(waiter)
         self._queued_prompt_tokens += demand.num_prompt_tokens
         try:
-            await asyncio.wait_for(asyncio.shield(granted), self.config.max_queue_wait_s)
+            backstop_s = self.config.max_queue_wait_s * WAIT_BACKSTOP_FACTOR
+            await asyncio.wait_for(asyncio.shield(granted), backstop_s)
         except TimeoutError:
             if granted.done():  # granted as the time ran out: admitted after all
                 return
             self._refuse(
                 "waited_out",
-                f"waited {self.config.max_queue_wait_s:g} s for KV",
+                f"waited {backstop_s:g} s for KV",
                 self.predicted_wait_s(demand, sort_key),
             )
         finally:

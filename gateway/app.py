@@ -222,8 +222,17 @@ def create_app(config: GatewayConfig) -> FastAPI:
     )
     app.add_middleware(_CountRequests)
 
-    @app.get("/health", responses={503: {"description": "Not ready"}})
+    @app.get(
+        "/health",
+        response_class=Response,
+        responses={
+            200: {"description": "Ready (empty body)."},
+            503: {"description": "Not ready.", "model": schemas.ErrorResponse},
+        },
+    )
     async def health(request: Request) -> Response:
+        """200 with an empty body once the coordinator has a decode worker, else 503 with
+        the OpenAI error body."""
         if await gateway.ready(request):
             return Response(status_code=200)
         return JSONResponse(
