@@ -151,15 +151,17 @@ class Coordinator:
             for w in workers
             if w.load.step_cost.knows_prefill
         ]
+        prefill_tokens_per_s = sum(rates) if rates else None
+        if not self.config.admission.within_tpot:
+            return WorkerCapacity(prefill_tokens_per_s)
         target_s = self.config.routing.slo.tpot_s * TPOT_HEADROOM
         bounds = [
             decode_batch_within(w.load.step_cost, context_tokens, target_s)
             for w in self.registry.workers(Role.DECODE)
         ]
-        known = self.config.admission.within_tpot and bool(bounds)
-        known = known and all(bound is not None for bound in bounds)
+        known = bool(bounds) and all(bound is not None for bound in bounds)
         return WorkerCapacity(
-            prefill_tokens_per_s=sum(rates) if rates else None,
+            prefill_tokens_per_s,
             max_decoding=sum(b for b in bounds if b is not None) if known else None,
         )
 

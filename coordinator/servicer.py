@@ -119,7 +119,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self, context: grpc.aio.ServicerContext, response: coordinator_pb2.GenerateResponse
     ) -> None:
         try:
-            await asyncio.wait_for(context.write(response), self._send_timeout_s)
+            async with asyncio.timeout(self._send_timeout_s):  # no task per write, unlike wait_for
+                await context.write(response)
         except TimeoutError:
             raise _ClientStalled from None
 

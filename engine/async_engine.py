@@ -254,7 +254,8 @@ class AsyncEngine:
     def _loop(self) -> None:
         while not self._stopping:
             self._drain_commands()
-            self._serve_reservations()
+            if self._serve_reservations():
+                self._refresh_load()
             if not self.core.has_unfinished:
                 self._wakeup.wait()
                 self._wakeup.clear()
@@ -273,12 +274,11 @@ class AsyncEngine:
             self._serve_reservations()
             self._refresh_load()
 
-    def _serve_reservations(self) -> None:
+    def _serve_reservations(self) -> bool:
         """Grant waiting reservations the pool can take now (blocks come back only in
-        commands and steps, after which this runs)."""
-        if len(self._reservations):
-            self._reservations.serve()
-            self._refresh_load()
+        commands and steps, after which this runs); whether any left the queue (the load
+        figures are then stale)."""
+        return bool(self._reservations) and self._reservations.serve() > 0
 
     def _refresh_load(self) -> None:
         """``latest_load`` from the core; reservations waiting for blocks count as waiting."""

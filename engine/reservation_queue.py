@@ -73,22 +73,25 @@ class ReservationQueue:
             raise CapacityError(f"{len(self._waiting)} KV reservations already wait here")
         self._waiting.append(pending)
 
-    def serve(self) -> None:
-        """Grant waiting reservations, oldest first, while the oldest fits the pool."""
+    def serve(self) -> int:
+        """Grant waiting reservations, oldest first, while the oldest fits the pool; how many
+        left the queue (granted or failed)."""
+        before = len(self._waiting)
         while self._waiting:
             head = self._waiting[0]
             if not self._core.has_room_for(head.request):
-                return
+                break
             try:
                 block_table = self._core.reserve_request(head.request)
             except CapacityError:  # room by count, not in the runs the transfer needs
-                return
+                break
             except Exception as error:  # e.g. its id was taken meanwhile: it alone fails
                 self._waiting.popleft()
                 head.dropped(error)
                 continue
             self._waiting.popleft()
             head.granted(block_table)
+        return before - len(self._waiting)
 
     def drop(self, request_id: str) -> bool:
         """Remove a waiting reservation (aborted); False when none waits under that id."""
