@@ -60,7 +60,12 @@ SPLITSERVE_FLAGS = {
     "splitserve": ["--placement", "adaptive"],
     "splitserve-remote": ["--placement", "remote"],
     "splitserve-local": ["--placement", "local"],
+    "splitserve-dual": ["--prefill=0", "--decode=0", "--dual=2", "--placement=adaptive"],
 }
+"""splitserve's configurations: ``splitserve`` is ``make serve``'s (1 prefill + 1 decode worker,
+a core each, adaptive placement); ``-remote`` / ``-local`` force where every prompt runs;
+``-dual`` is two dual-role workers (``splitserve worker --roles prefill,decode``), a core
+each, placing adaptively."""
 
 
 def log(message: str) -> None:
@@ -189,6 +194,7 @@ def main() -> Json:
     parser.add_argument("--wait-quiet-s", type=float, default=60)
     parser.add_argument("--date", default=time.strftime("%Y-%m-%d"))
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--tag", default="", help="appended to the result files' names")
     args = parser.parse_args()
     workload = WORKLOADS[args.workload]
     rates = [float(r) for r in args.rates.split(",")]
@@ -220,7 +226,7 @@ def main() -> Json:
                 by_rate[f"{rate:g}"] = {"runs": runs, "summary": summarize(runs)}
         results["servers"][name] = by_rate
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"goodput-{args.workload}-{args.date}"
+    stem = f"goodput-{args.workload}-{args.date}" + (f"-{args.tag}" if args.tag else "")
     (args.out_dir / f"{stem}.json").write_text(json.dumps(results, indent=2))
     plot(results, args.out_dir / f"{stem}.png")
     header = "rate   " + "  ".join(f"{name:>24}" for name in results["servers"])

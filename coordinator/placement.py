@@ -14,6 +14,12 @@ to the decode worker ("remote"), or on the decode worker itself, chunked into it
   plus the prefill time spread over ``max_tokens`` tokens (a running request's mean
   inter-token time grows by the prompt time it shares, over an output of about this length).
 
+A dual-role candidate (a worker that decodes too, ``PrefillView.decodes``) computes the prompt
+in chunks inside its own decode batch: its remote TTFT adds one of its batch steps per chunk,
+and adaptive placement counts the TPOT it gives that batch as it does for local; a candidate
+that would push its batch past the TPOT target is not used while another one is within it.
+(The router never offers a request's own decode worker as a candidate: that is local.)
+
 ``PlacementMode.ADAPTIVE``: remote on the candidate with the lowest predicted TTFT while
 that meets ``AT_RISK`` of the TTFT target (a prompt computed elsewhere costs the decode batch
 nothing, so local has nothing to win then); otherwise local when it is predicted faster and
@@ -108,6 +114,15 @@ class PrefillView:
     """Prompt tokens queued there: reported by the worker plus sent by this coordinator."""
     cached_tokens: int
     """Of this prompt, the tokens it likely has cached."""
+    batch_requests: int = 0
+    """A dual-role worker's own decode batch (requests decoding there), which a prompt
+    computed there shares its steps with; 0 for a prefill-only worker."""
+    batch_tokens: int = 0
+    """The KV that batch attends over per step."""
+
+    @property
+    def decodes(self) -> bool:
+        return self.batch_requests > 0
 
 
 @dataclass(frozen=True)
@@ -172,15 +187,23 @@ def place(
     batch_step_s = decode_cost.decode_step_s(
         decode.running_requests + 1, decode.running_tokens + num_prompt_tokens
     )
-    remote_ttft = {
-        p.worker_id: p.cost.prefill_s(p.queued_tokens + num_prompt_tokens - p.cached_tokens)
-        + batch_step_s
-        for p in known
-    }
+    chunk = max(rule.local_chunk_tokens, 1)
+    remote_ttft, remote_tpot = {}, {}
+    for p in known:
+        uncached = p.queued_tokens + num_prompt_tokens - p.cached_tokens
+        prefill_s = p.cost.prefill_s(uncached)
+        remote_ttft[p.worker_id] = prefill_s + batch_step_s
+        if p.decodes:  # its chunks ride its own decode batch's steps
+            hosted_step_s = p.cost.decode_step_s(p.batch_requests, p.batch_tokens)
+            remote_ttft[p.worker_id] += math.ceil(uncached / chunk) * hosted_step_s
+            remote_tpot[p.worker_id] = hosted_step_s + prefill_s / max(max_tokens, 1)
+    within_tpot = [w for w in remote_ttft if remote_tpot.get(w, 0.0) <= slo.tpot_s]
+    if within_tpot and len(within_tpot) < len(remote_ttft):
+        remote_ttft = {w: remote_ttft[w] for w in within_tpot}
     best_remote = min(remote_ttft, key=remote_ttft.__getitem__)
     local_tokens = decode.queued_tokens + num_prompt_tokens
     local_prefill_s = decode_cost.prefill_s(local_tokens)
-    steps = math.ceil(local_tokens / max(rule.local_chunk_tokens, 1))
+    steps = math.ceil(local_tokens / chunk)
     local_ttft = local_prefill_s + steps * batch_step_s
     local_tpot = batch_step_s + local_prefill_s / max(max_tokens, 1)
     remote = Placement(best_remote, Reason.REMOTE_WITHIN_SLO, remote_ttft[best_remote], local_tpot)

@@ -189,11 +189,15 @@ class Router:
         return max(candidates, key=score)
 
     def _prefill_candidates(self, decode: WorkerRecord, num_tokens: int) -> list[WorkerRecord]:
-        """Prefill workers that may push a prompt of ``num_tokens`` to ``decode``."""
+        """Prefill workers that may push a prompt of ``num_tokens`` to ``decode``; never the
+        prefill role of ``decode``'s own process (a dual-role worker): computing the prompt
+        there is local prefill, with no transfer."""
         return [
             w
             for w in self.registry.workers(Role.PREFILL)
-            if w.compat_hash == decode.compat_hash and w.max_model_len >= num_tokens
+            if w.compat_hash == decode.compat_hash
+            and w.max_model_len >= num_tokens
+            and w.address != decode.address
         ]
 
     def place_prompt(
@@ -206,7 +210,12 @@ class Router:
         slo: Slo,
     ) -> Placement:
         """Where the prompt (its block ``hashes``) runs for a request decoding on ``decode``,
-        among the prefill ``candidates`` and ``decode`` itself (``place``)."""
+        among the prefill ``candidates`` and ``decode`` itself (``place``). A candidate that
+        decodes too (a dual-role worker: a decode member at its address) is seen with its
+        decode batch."""
+        decoding_at = (
+            {w.address for w in self.registry.workers(Role.DECODE)} if candidates else set()
+        )
         prefills = [
             PrefillView(
                 worker_id=w.worker_id,
@@ -214,6 +223,8 @@ class Router:
                 queued_tokens=w.load.num_pending_prefill_tokens
                 + self._pending[w.worker_id].num_prefill_tokens,
                 cached_tokens=self._memory(w.worker_id).overlap_blocks(hashes) * w.block_size,
+                batch_requests=w.load.num_running_requests if w.address in decoding_at else 0,
+                batch_tokens=w.load.num_running_tokens if w.address in decoding_at else 0,
             )
             for w in candidates
         ]

@@ -83,16 +83,17 @@ class DecodeWorker:
 
     def __init__(
         self,
-        core: EngineCore,
+        engine: AsyncEngine,
         transport: KvTransport,
         identity: WorkerIdentity,
         transfer_timeout_s: float,
     ) -> None:
-        self.core = core
+        """``engine``: this worker's engine (a dual-role worker's prefill domain shares it)."""
+        self.core: EngineCore = engine.core
         self.identity = identity
-        self.engine = AsyncEngine(core)
+        self.engine = engine
         self.transport = transport
-        self.layout: KvLayout = kv_layout_of(core)
+        self.layout: KvLayout = kv_layout_of(engine.core)
         self.transfer_timeout_s = transfer_timeout_s
         self._incoming: dict[int, _Incoming] = {}
         self._transfer_of: dict[str, int] = {}

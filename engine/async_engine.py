@@ -212,6 +212,13 @@ class AsyncEngine:
         """End a request as stopped (a stop string matched downstream); its stream ends."""
         self._submit(lambda: self._end(request_id, FinishReason.STOP))
 
+    def set_layer_hook(self, hook: LayerHook) -> None:
+        """Install the per-layer hook (a prefill domain's KV push) before the first request;
+        an engine has at most one. Raises ``ValueError`` when one is installed already."""
+        if self._layer_hook is not None:
+            raise ValueError("the engine already has a layer hook")
+        self._layer_hook = hook
+
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the engine thread; open streams receive ``EngineStoppedError``."""
         self._stopping = True

@@ -58,6 +58,7 @@ ROLE_COMMANDS = {
     "coordinator": "splitserve.coordinator.main",
     "prefill": "splitserve.prefill.main",
     "decode": "splitserve.decode.main",
+    "worker": "splitserve.worker.main",
     "gateway": "splitserve.gateway.main",
     "up": "splitserve.launch.up",
     "probe": "splitserve.launch.probe",
@@ -65,6 +66,7 @@ ROLE_COMMANDS = {
 """Commands with their own flags (``splitserve <command> --help``): the serving roles, each a
 process, ``up`` (all of them on localhost) and ``probe`` (one health check)."""
 COMMAND_HELP = {
+    "worker": "run a worker of several roles, e.g. --roles prefill,decode",
     "up": "run every role on localhost",
     "probe": "one gRPC health check, for exec probes",
 }

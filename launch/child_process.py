@@ -38,7 +38,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-ANNOUNCEMENT = re.compile(r"(?P<what>\w[\w -]* (?:ready|metrics)) at (?P<where>\S+)$")
+ANNOUNCEMENT = re.compile(r"(?P<what>\w[\w +-]* (?:ready|metrics)) at (?P<where>\S+)$")
 """``<what> ready at <address>`` / ``<what> metrics at <url>`` at the end of a line."""
 
 DRAIN_JOIN_S = 2.0

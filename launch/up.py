@@ -81,6 +81,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--prefill", type=int, default=1, help="prefill workers")
     parser.add_argument("--decode", type=int, default=1, help="decode workers")
+    parser.add_argument(
+        "--dual",
+        type=int,
+        default=0,
+        help="dual-role workers (prefill and decode on one engine: `splitserve worker`), "
+        "started after the others; e.g. --prefill 0 --decode 0 --dual 2",
+    )
     parser.add_argument("--no-pin", action="store_true", help="do not pin workers to cores")
     parser.add_argument(
         "--local-prefill-max-tokens", type=int, default=None, help="passed to the coordinator"
@@ -129,6 +136,8 @@ def layout_summary(args: argparse.Namespace) -> str:
     workers = (
         f"{args.prefill} prefill + {args.decode} decode worker{'s' if args.decode > 1 else ''}"
     )
+    if args.dual:
+        workers += f" + {args.dual} dual-role (prefill,decode) worker{'s' if args.dual > 1 else ''}"
     placement = args.placement or os.environ.get(env_name("--placement"), "rule")
     membership = "etcd" if membership_flags(args) else "registration with the coordinators"
     return f"{coordinators}, {workers}, prompts placed by {placement}, membership: {membership}"
@@ -177,14 +186,18 @@ def coordinator_argv(args: argparse.Namespace, index: int = 0) -> list[str]:
 def worker_argvs(
     args: argparse.Namespace, coordinator: str, worker_args: Sequence[str]
 ) -> list[tuple[str, list[str]]]:
-    """(name, module and flags) of each worker in start order: prefill ones, then decode;
-    ``coordinator``: the coordinators' internal addresses, comma-separated."""
-    roles = ["prefill"] * args.prefill + ["decode"] * args.decode
+    """(name, module and flags) of each worker in start order: prefill ones, decode ones,
+    then dual-role ones (named ``dual-<index>``); ``coordinator``: the coordinators' internal
+    addresses, comma-separated."""
+    roles = ["prefill"] * args.prefill + ["decode"] * args.decode + ["dual"] * args.dual
     cpus = sorted(os.sched_getaffinity(0))
     cores = [None] * len(roles) if args.no_pin else worker_core_sets(len(roles), cpus)
     workers = []
     for index, (role, core_list) in enumerate(zip(roles, cores, strict=True)):
-        argv = [f"splitserve.{role}.main", f"--model={args.model}"]
+        if role == "dual":
+            argv = ["splitserve.worker.main", "--roles=prefill,decode", f"--model={args.model}"]
+        else:
+            argv = [f"splitserve.{role}.main", f"--model={args.model}"]
         if not membership_flags(args):  # on etcd a worker knows no coordinator
             argv.append(f"--coordinator={coordinator}")
         argv += [f"--host={args.host}", f"--worker-id={role}-{index}"]

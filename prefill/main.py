@@ -22,7 +22,7 @@ PREFILL_ROLE = WorkerRole(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return worker_main(PREFILL_ROLE, argv, __doc__)
+    return worker_main([PREFILL_ROLE], argv, __doc__)
 
 
 if __name__ == "__main__":

@@ -78,16 +78,24 @@ class PrefillWorker:
 
     def __init__(
         self,
-        core: EngineCore,
+        engine: AsyncEngine,
         transport: KvTransport,
         identity: WorkerIdentity,
         transfer_timeout_s: float,
+        engine_shared: bool = False,
     ) -> None:
-        self.core = core
+        """``engine``: this worker's engine; its layer hook becomes this domain's KV push.
+        ``engine_shared``: a decode domain runs requests on the same engine (a dual-role
+        worker), so this domain's requests take engine ids of their own (``_engine_id``): a
+        prompt prefilled here for another decode worker never collides with a request of the
+        same id decoding here."""
+        self.core: EngineCore = engine.core
         self.identity = identity
-        self.engine = AsyncEngine(core, on_layer_kv_written=self._push_layer)
+        self.engine = engine
+        engine.set_layer_hook(self._push_layer)
+        self._engine_id_suffix = " prefill" if engine_shared else ""
         self.transport = transport
-        self.layout: KvLayout = kv_layout_of(core)
+        self.layout: KvLayout = kv_layout_of(engine.core)
         self.transfer_timeout_s = transfer_timeout_s
         self._outgoing: dict[str, _Outgoing] = {}
         self._peers: dict[str, _Peer] = {}
@@ -118,15 +126,14 @@ class PrefillWorker:
             loop,
         )
         staging = staging_buffer(self.core, target.num_blocks)
-        self._outgoing[request_id] = _Outgoing(sender, staging)
+        engine_id = request_id + self._engine_id_suffix
+        self._outgoing[engine_id] = _Outgoing(sender, staging)
         first_only = dataclasses.replace(
             params, max_tokens=1, min_tokens=min(params.min_tokens, 1), stop=()
         )
         try:
             last = None
-            async for output in self.engine.generate(
-                request_id, list(prompt_token_ids), first_only
-            ):
+            async for output in self.engine.generate(engine_id, list(prompt_token_ids), first_only):
                 last = output
             if last is None or not last.update.new_token_ids:
                 raise TransferAbortedError(f"request {request_id!r} was aborted during prefill")
@@ -143,7 +150,7 @@ class PrefillWorker:
             raise
         finally:
             sender.abort()  # no-op once DONE
-            self._outgoing.pop(request_id, None)
+            self._outgoing.pop(engine_id, None)
         return PrefillDone(num_cached_tokens)
 
     async def _finish_sends(self, sender: LayerSender) -> None:

@@ -16,6 +16,7 @@ import torch
 from splitserve.common.request_update import StepOutput
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.decode.worker import DecodeWorker
+from splitserve.engine.async_engine import AsyncEngine
 from splitserve.engine.checkpoint import LoadedCheckpoint
 from splitserve.transfer import layer_channel
 from splitserve.transfer.inprocess import InProcessTransport
@@ -48,7 +49,9 @@ async def decode_worker(
 ) -> AsyncIterator[DecodeWorker]:
     """A decode worker on its own engine and ``transport``; both closed on exit."""
     core = make_llm(checkpoint, num_blocks=NUM_BLOCKS).engine
-    worker = DecodeWorker(core, transport, WorkerIdentity("decode-0", "127.0.0.1:1"), 5.0)
+    worker = DecodeWorker(
+        AsyncEngine(core), transport, WorkerIdentity("decode-0", "127.0.0.1:1"), 5.0
+    )
     try:
         yield worker
     finally:

@@ -135,3 +135,32 @@ def test_adaptive_picks_the_prefill_worker_predicted_fastest_not_the_shortest_qu
     placement = _place(_decode(), prefills)
     assert placement.prefill_worker_id == "fast"
     assert _place(_decode(), prefills, PlacementMode.RULE).prefill_worker_id == "slow-short-queue"
+
+
+def _dual(name: str, batch: int, queued: int = 0) -> PrefillView:
+    """A dual-role candidate: a prefill role whose engine decodes ``batch`` requests too."""
+    return PrefillView(
+        name, ONE_CORE, queued, cached_tokens=0, batch_requests=batch, batch_tokens=400 * batch
+    )
+
+
+def test_a_dual_role_candidate_counts_its_decode_batch_in_ttft_and_tpot() -> None:
+    """Its prompt rides its own decode batch's steps (one per chunk) and stalls that batch:
+    a candidate whose batch would leave the TPOT target is passed over while another one keeps
+    it, even when faster; with no candidate within TPOT the fastest is still used."""
+    idle = _dual("idle", batch=0)
+    busy = _dual("busy", batch=20)
+    plain = _prefill("plain")
+    base = _place(_decode(running=8), [plain]).predicted_ttft_s
+    assert base is not None
+    assert _place(_decode(running=8), [idle]).predicted_ttft_s == pytest.approx(base)
+    with_batch = _place(_decode(running=8), [_dual("small", batch=2)]).predicted_ttft_s
+    assert with_batch is not None and with_batch > base  # one of its batch steps per chunk
+
+    # 320 tokens = 0.65 s of prefill over 16 output tokens: +41 ms on a 20-request batch
+    # (decode step 32 ms): past 50 ms. The idle one keeps it, though it has a queue.
+    slow_idle = _dual("slow-idle", batch=0, queued=200)
+    placement = _place(_decode(running=8), [busy, slow_idle], max_tokens=16)
+    assert placement.prefill_worker_id == "slow-idle"
+    placement = _place(_decode(running=8), [busy], max_tokens=16)
+    assert placement.prefill_worker_id == "busy"  # no candidate within TPOT: the fastest

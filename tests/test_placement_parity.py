@@ -55,6 +55,29 @@ def _placements(metrics_url: str) -> dict[tuple[str, str], float]:
     }
 
 
+def _reference(checkpoint: LoadedCheckpoint) -> list[tuple[int, ...]]:
+    """Each prompt's greedy tokens from the in-process float32 engine."""
+    llm = make_llm(checkpoint)
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0.0)
+    return [tuple(out.token_ids) for out in llm.generate(PROMPTS, params)]
+
+
+def _coordinators(
+    stack: contextlib.ExitStack, modes: dict[str, tuple[str, ...]]
+) -> tuple[dict[str, str], dict[str, str]]:
+    """One coordinator per mode (its flags), running until ``stack`` closes: their public
+    addresses and metrics URLs by mode."""
+    addresses, metrics = {}, {}
+    for mode, flags in modes.items():
+        lines: dict[str, str] = {}
+        argv = ["splitserve.coordinator.main", "--port=0", "--internal-port=0", *flags]
+        addresses[mode] = stack.enter_context(
+            running(argv, "splitserve coordinator ready at", lines)
+        )
+        metrics[mode] = lines["coordinator metrics"]
+    return addresses, metrics
+
+
 async def _generate(address: str, rounds: int) -> list[tuple[int, ...]]:
     """Every prompt, one at a time, ``rounds`` times (later rounds: the models are known)."""
     sampling = Sampling(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
@@ -69,27 +92,16 @@ async def _generate(address: str, rounds: int) -> list[tuple[int, ...]]:
 def test_every_placement_gives_the_reference_tokens(
     default_checkpoint_fp32: LoadedCheckpoint,
 ) -> None:
-    llm = make_llm(default_checkpoint_fp32)
-    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0.0)
-    expected = [tuple(out.token_ids) for out in llm.generate(PROMPTS, params)]
-    del llm
-
+    expected = _reference(default_checkpoint_fp32)
     with contextlib.ExitStack() as stack:
-        addresses, metrics = {}, {}
-        for mode, flags in MODES.items():
-            lines: dict[str, str] = {}
-            argv = ["splitserve.coordinator.main", "--port=0", "--internal-port=0", *flags]
-            addresses[mode] = stack.enter_context(
-                running(argv, "splitserve coordinator ready at", lines)
-            )
-            metrics[mode] = lines["coordinator metrics"]
+        addresses, metrics = _coordinators(stack, MODES)
         internals = ",".join(internal_address(a) for a in addresses.values())
         for role in ("prefill", "decode"):
             argv = [f"splitserve.{role}.main", "--port=0", f"--worker-id={role}-0"]
             argv += [f"--coordinator={internals}", *WORKER_FLAGS]
             stack.enter_context(running(argv, f"splitserve {role} ready at"))
         for address in addresses.values():
-            _wait_for_both_workers(address)
+            _wait_for_workers(address, 2)
 
         for mode in ("local", "remote", "adaptive"):  # local and remote teach the models
             rounds = 3 if mode == "adaptive" else 2
@@ -116,8 +128,59 @@ def test_every_placement_gives_the_reference_tokens(
         assert worker_loads(addresses["local"])["decode-0"].step_cost.decode_steps > 0
 
 
-def _wait_for_both_workers(address: str) -> None:
+DUAL_MODES = {"remote": ("--placement=remote",), "local": ("--placement=local",)}
+
+
+def test_dual_role_workers_give_the_reference_tokens_pushing_to_each_other(
+    default_checkpoint_fp32: LoadedCheckpoint,
+) -> None:
+    """Two dual-role workers (``splitserve worker --roles prefill,decode``, float32, KV over
+    UCX): with ``remote`` placement each prompt is computed on the other worker and pushed
+    (never to the worker itself: its own prefill role is not a candidate), with ``local`` on
+    the worker that decodes it. Concurrent requests, every output equal to the in-process
+    engine's; each worker registered as two members; no block left held on either."""
+    expected = _reference(default_checkpoint_fp32)
+    with contextlib.ExitStack() as stack:
+        addresses, metrics = _coordinators(stack, DUAL_MODES)
+        internals = ",".join(internal_address(a) for a in addresses.values())
+        for index in range(2):
+            argv = ["splitserve.worker.main", "--roles=prefill,decode", "--port=0"]
+            argv += [f"--worker-id=dual-{index}", f"--coordinator={internals}", *WORKER_FLAGS]
+            stack.enter_context(running(argv, "splitserve prefill+decode ready at"))
+        members = {f"dual-{i}-{role}" for i in range(2) for role in ("prefill", "decode")}
+        for address in addresses.values():
+            _wait_for_workers(address, len(members))
+            assert set(worker_loads(address)) == members
+
+        for mode in DUAL_MODES:
+            outputs = asyncio.run(_generate_concurrently(addresses[mode], rounds=2))
+            assert outputs == expected * 2, mode
+
+        asked = 2 * len(PROMPTS)
+        assert _placements(metrics["remote"]) == {("remote", "forced"): asked}
+        assert _placements(metrics["local"]) == {("local", "forced"): asked}
+        assert_all_free(wait_until_idle(addresses["remote"], len(members)), len(members))
+        for worker_id, load in worker_loads(addresses["remote"]).items():
+            # both computed pushed prompts for the other and decoded
+            assert load.step_cost.prefill_steps > 0 and load.step_cost.decode_steps > 0, worker_id
+
+
+async def _generate_concurrently(address: str, rounds: int) -> list[tuple[int, ...]]:
+    """Every prompt ``rounds`` times, all at once; outputs in prompt order."""
+    sampling = Sampling(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    async with AsyncClient(address) as client:
+        results = await asyncio.gather(
+            *(
+                client.generate(prompt, sampling=sampling)
+                for _ in range(rounds)
+                for prompt in PROMPTS
+            )
+        )
+    return [result.token_ids for result in results]
+
+
+def _wait_for_workers(address: str, count: int) -> None:
     deadline = time.monotonic() + 240
-    while len(worker_loads(address)) < 2:
+    while len(worker_loads(address)) < count:
         assert time.monotonic() < deadline, "the workers did not register"
         time.sleep(0.2)

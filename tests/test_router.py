@@ -9,7 +9,8 @@ from splitserve.common.blocks import prompt_block_hashes
 from splitserve.common.load import EngineLoad
 from splitserve.common.membership import Role
 from splitserve.common.step_cost import MIN_STEPS, StepCost
-from splitserve.coordinator.placement import PlacementMode, Reason, Slo
+from splitserve.coordinator import router as router_module
+from splitserve.coordinator.placement import PlacementMode, PrefillView, Reason, Slo
 from splitserve.coordinator.registry import WorkerRecord, WorkerRegistry
 from splitserve.coordinator.router import Router, RoutingConfig
 
@@ -142,3 +143,53 @@ def test_adaptive_routing_sees_the_workers_learned_step_costs_and_their_queues()
         route = router.route(prompt, 96, slo=tight)
     assert route is not None and route.prefill is prefill
     assert route.placement is not None and route.placement.reason is Reason.TPOT_GUARD
+
+
+def test_a_dual_role_worker_never_pushes_to_itself_and_is_seen_with_its_decode_batch() -> None:
+    """Two dual-role workers, each a prefill and a decode member at one address: a request
+    decoding on one is offered only the other's prefill role (its own is local prefill), and
+    that candidate comes with the decode batch it runs."""
+    members = []
+    for name, free, running in (("a", 90, 1600), ("b", 40, 800)):
+        for role in (Role.PREFILL, Role.DECODE):
+            worker = _worker(f"{name}-{role.value}", role, free_blocks=free)
+            worker.address = f"{name}:1"
+            worker.load = dataclasses.replace(
+                worker.load, num_running_requests=4, num_running_tokens=running
+            )
+            members.append(worker)
+    router = Router(_registry(*members), RoutingConfig(mode=PlacementMode.REMOTE))
+    for _ in range(3):
+        route = router.route(list(range(320)), 96)
+        assert route is not None and route.decode.worker_id == "a-decode"
+        assert route.prefill is not None and route.prefill.worker_id == "b-prefill"
+    decode = router.registry.get("a-decode")
+    assert decode is not None
+    (candidate,) = router._prefill_candidates(decode, 320)
+    assert candidate.worker_id == "b-prefill"
+    (view,) = _views_of(router, decode, candidate)
+    assert (view.batch_requests, view.batch_tokens) == (4, 800) and view.decodes
+
+
+def _registry(*workers: WorkerRecord) -> WorkerRegistry:
+    registry = WorkerRegistry(expiry_s=1.0)
+    for worker in workers:
+        registry.register(worker)
+    return registry
+
+
+def _views_of(router: Router, decode: WorkerRecord, candidate: WorkerRecord) -> list[PrefillView]:
+    """The views ``place`` receives (captured by wrapping it for one call)."""
+    seen: list[PrefillView] = []
+    original = router_module.place
+
+    def capture(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        seen.extend(args[3])
+        return original(*args, **kwargs)
+
+    router_module.place = capture
+    try:
+        router.place_prompt(decode, [candidate], [], 320, 96, router.config.slo)
+    finally:
+        router_module.place = original
+    return seen

@@ -3,6 +3,8 @@ workers exactly when ``--etcd-endpoints`` is given, never to the gateway."""
 
 from __future__ import annotations
 
+import pytest
+
 from splitserve.launch.up import (
     build_parser,
     coordinator_argv,
@@ -10,6 +12,7 @@ from splitserve.launch.up import (
     layout_summary,
     worker_argvs,
 )
+from splitserve.worker.main import roles_of
 
 
 def _children(*flags: str) -> tuple[list[str], list[list[str]], list[str]]:
@@ -42,3 +45,20 @@ def test_the_startup_line_says_how_prompts_are_placed() -> None:
     summary = layout_summary(args)
     assert "1 prefill + 2 decode workers" in summary and "placed by adaptive" in summary
     assert coordinator_argv(args)[-1] == "--placement=adaptive"
+
+
+def test_dual_role_workers_run_the_worker_command_with_both_roles_a_core_each() -> None:
+    args = build_parser().parse_args(["--prefill=0", "--decode=0", "--dual=2"])
+    workers = worker_argvs(args, "127.0.0.1:50052", [])
+    assert [name for name, _ in workers] == ["dual-0", "dual-1"]
+    for _, argv in workers:
+        assert argv[:2] == ["splitserve.worker.main", "--roles=prefill,decode"], argv
+    assert "0 prefill + 0 decode worker + 2 dual-role" in layout_summary(args)
+
+
+def test_the_worker_command_reads_its_roles() -> None:
+    assert [role.name for role in roles_of("prefill,decode")] == ["prefill", "decode"]
+    assert [role.name for role in roles_of("decode")] == ["decode"]
+    for bad in ("", "prefill,prefill", "encode", "decode,router"):
+        with pytest.raises(ValueError, match="--roles"):
+            roles_of(bad)

@@ -84,22 +84,34 @@ class WorkerRole:
     make_servicer: Callable[[], WorkerServicerBase]
     """The servicer, not yet bound to a domain."""
     add_servicer: Callable[[WorkerServicerBase, grpc.aio.Server], None]
-    make_domain: Callable[[EngineCore, KvTransport, WorkerIdentity, float], WorkerDomain]
-    """(engine core, transport, identity, transfer timeout) -> the domain object."""
+    make_domain: Callable[[AsyncEngine, KvTransport, WorkerIdentity, float], WorkerDomain]
+    """(the process's engine, transport, identity, transfer timeout) -> the domain object."""
+
+
+def role_worker_id(base_id: str, role: WorkerRole, roles: Sequence[WorkerRole]) -> str:
+    """The id a role registers under: the process's id, or for a worker of several roles that
+    id with the role's name appended (each role is its own member, at the same address)."""
+    return base_id if len(roles) == 1 else f"{base_id}-{role.name}"
 
 
 async def run_worker(
     args: argparse.Namespace,
-    role: WorkerRole,
+    roles: Sequence[WorkerRole],
     access: ClusterAccess,
     stop: asyncio.Event,
 ) -> None:
-    servicer = role.make_servicer()
+    """One worker process serving ``roles`` (one, or prefill and decode together) on one
+    engine: each role has its servicer on the one gRPC server, its domain object over the
+    shared ``AsyncEngine`` and its own membership record (``role_worker_id``); load reports,
+    health, stall watch and draining are the process's."""
+    servicers = [role.make_servicer() for role in roles]
     monitor = MonitorServicer()
+    label = "+".join(role.name for role in roles)
 
     def register(server: grpc.aio.Server) -> list[str]:
-        role.add_servicer(servicer, server)
-        return [role.service_name, monitor.add_to(server)]
+        for role, servicer in zip(roles, servicers, strict=True):
+            role.add_servicer(servicer, server)
+        return [*(role.service_name for role in roles), monitor.add_to(server)]
 
     server = await start_server(
         args.host,
@@ -109,48 +121,61 @@ async def run_worker(
         tls=access.tls,
         with_reflection=args.grpc_reflection,
     )
-    identity = WorkerIdentity(
-        worker_id_of(args, role.name), advertised_address(args, server.port), access
-    )
-    worker_id, address = identity.worker_id, identity.address
+    kind = roles[0].name if len(roles) == 1 else "worker"
+    base_id, address = worker_id_of(args, kind), advertised_address(args, server.port)
+    identities = [
+        WorkerIdentity(role_worker_id(base_id, role, roles), address, access) for role in roles
+    ]
     core = await asyncio.to_thread(EngineCore, engine_config_from_args(args))
+    engine = AsyncEngine(core)
     transport = UcxTransport(ucx_settings_of(args))
-    domain = role.make_domain(core, transport, identity, args.transfer_timeout)
-    await _warm_up(domain.engine)
+    domains = [
+        role.make_domain(engine, transport, identity, args.transfer_timeout)
+        for role, identity in zip(roles, identities, strict=True)
+    ]
+    await _warm_up(engine)
     if args.metrics_port >= 0:
         registry = CollectorRegistry()
         model_name = model_name_of(resolve_model_path(args.model))
-        install_engine_metrics(registry, domain.engine, model_name, role.name)
-        domain.transfer_metrics = TransferMetrics(registry, model_name, role.name)
+        install_engine_metrics(registry, engine, model_name, label)
+        transfer_metrics = TransferMetrics(registry, model_name, label)
+        for domain in domains:
+            domain.transfer_metrics = transfer_metrics
         port = serve_metrics(registry, args.host, args.metrics_port)
-        print(f"{role.name} metrics at http://{args.host}:{port}/metrics", flush=True)
-    servicer.bind(domain)
-    stall_watch = StallWatch(domain.engine.step_running_s, args.stall_timeout)
+        print(f"{label} metrics at http://{args.host}:{port}/metrics", flush=True)
+    for servicer, domain in zip(servicers, domains, strict=True):
+        servicer.bind(domain)
+    stall_watch = StallWatch(engine.step_running_s, args.stall_timeout)
 
     async def report() -> LoadReport:
-        return LoadReport(await domain.load(), stall_watch.ready())
+        return LoadReport(engine.latest_load, stall_watch.ready())
 
     monitor.bind(report)
     await server.set_serving(True)
     watching = asyncio.create_task(stall_watch.watch(server.set_serving, stop))
-    print(f"splitserve {role.name} ready at {address}", flush=True)
+    print(f"splitserve {label} ready at {address}", flush=True)
 
-    info = WorkerInfo(
-        worker_id=worker_id,
-        role=role.role,
-        address=address,
-        layout=domain.layout,
-        num_blocks=core.num_blocks,
-        max_model_len=core.max_model_len,
-    )
+    infos = [
+        WorkerInfo(
+            worker_id=identity.worker_id,
+            role=role.role,
+            address=address,
+            layout=domain.layout,
+            num_blocks=core.num_blocks,
+            max_model_len=core.max_model_len,
+        )
+        for role, identity, domain in zip(roles, identities, domains, strict=True)
+    ]
     links: list[tuple[CoordinatorLink, asyncio.Task[None]]] = []
     for coordinator in coordinator_addresses(args.coordinator or ""):
-        link = CoordinatorLink(coordinator, info, report, access)
-        links.append((link, asyncio.create_task(link.run(stop))))
-    announcer = None
+        for info in infos:
+            link = CoordinatorLink(coordinator, info, report, access)
+            links.append((link, asyncio.create_task(link.run(stop))))
+    announcers: list[tuple[EtcdAnnouncer, asyncio.Task[None]]] = []
     if etcd_endpoints(args):
-        announcer = EtcdAnnouncer(EtcdClient(etcd_endpoints(args)), args.cluster_name)
-    announcing = None if announcer is None else asyncio.create_task(_announce(announcer, info))
+        for info in infos:
+            announcer = EtcdAnnouncer(EtcdClient(etcd_endpoints(args)), args.cluster_name)
+            announcers.append((announcer, asyncio.create_task(_announce(announcer, info))))
     await stop.wait()
     await watching
     await server.set_serving(False)
@@ -159,40 +184,57 @@ async def run_worker(
         with contextlib.suppress(BaseException):
             await link_task
     await asyncio.gather(*(link.leave() for link, _ in links))
-    if announcer is not None and announcing is not None:
+    for _, announcing in announcers:
         announcing.cancel()
         with contextlib.suppress(BaseException):
             await announcing
-        await announcer.withdraw()  # every coordinator drops it at once
-    logger.info("%s %s draining: %d running", role.name, worker_id, servicer.in_flight.count)
-    if await servicer.in_flight.wait_idle(args.drain_timeout):
-        logger.info("%s %s drained", role.name, worker_id)
+    # every coordinator drops each record at once
+    await asyncio.gather(*(announcer.withdraw() for announcer, _ in announcers))
+    running = sum(servicer.in_flight.count for servicer in servicers)
+    logger.info("%s %s draining: %d running", label, base_id, running)
+    drained = await asyncio.gather(
+        *(servicer.in_flight.wait_idle(args.drain_timeout) for servicer in servicers)
+    )
+    if all(drained):
+        logger.info("%s %s drained", label, base_id)
     else:
         logger.warning(
             "%s %s: %d requests still running after %.0f s; handing them over",
-            role.name,
-            worker_id,
-            servicer.in_flight.count,
+            label,
+            base_id,
+            sum(servicer.in_flight.count for servicer in servicers),
             args.drain_timeout,
         )
     await server.server.stop(SHUTDOWN_GRACE_S)
-    await domain.close()
+    for domain in domains:
+        await domain.close()
+    engine.shutdown()
     await transport.close()
 
 
-def worker_main(role: WorkerRole, argv: Sequence[str] | None, description: str) -> int:
-    """Entry point of a worker process: flags, logging, CPU pinning, then ``run_worker``."""
-    parser = argparse.ArgumentParser(prog=f"splitserve {role.name}", description=description)
+def worker_main(
+    roles: Sequence[WorkerRole],
+    argv: Sequence[str] | None,
+    description: str,
+    command: str | None = None,
+) -> int:
+    """Entry point of a worker process: flags, logging, CPU pinning, then ``run_worker``.
+    ``command``: the ``splitserve`` command when it is not the one role's name (``worker``,
+    whose ``--roles`` its caller has read; it is listed in ``--help`` here)."""
+    label = "+".join(role.name for role in roles)
+    parser = argparse.ArgumentParser(
+        prog=f"splitserve {command or roles[0].name}", description=description
+    )
+    if command is not None:
+        parser.add_argument("--roles", help="roles this worker serves: prefill,decode (default)")
     add_worker_args(parser)
     args = parser.parse_args(argv)
     access = access_or_exit(parser, args)
-    logging.basicConfig(
-        level=logging.INFO, format=f"%(asctime)s {role.name} %(levelname)s %(message)s"
-    )
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {label} %(levelname)s %(message)s")
     apply_cpu_affinity(args)
 
     async def run(stop: asyncio.Event) -> None:
-        await run_worker(args, role, access, stop)
+        await run_worker(args, roles, access, stop)
 
     serve_forever(run)
     return 0
