@@ -61,11 +61,13 @@ SPLITSERVE_FLAGS = {
     "splitserve-remote": ["--placement", "remote"],
     "splitserve-local": ["--placement", "local"],
     "splitserve-dual": ["--prefill=0", "--decode=0", "--dual=2", "--placement=adaptive"],
+    "splitserve-shared-cores": ["--no-pin", "--placement=adaptive"],
 }
 """splitserve's configurations: ``splitserve`` is ``make serve``'s (1 prefill + 1 decode worker,
 a core each, adaptive placement); ``-remote`` / ``-local`` force where every prompt runs;
 ``-dual`` is two dual-role workers (``splitserve worker --roles prefill,decode``), a core
-each, placing adaptively."""
+each, placing adaptively; ``-shared-cores`` is ``make serve``'s layout unpinned, each worker
+with a thread per core, so a prompt may use both cores while the decode worker idles."""
 
 
 def log(message: str) -> None:
