@@ -48,7 +48,6 @@ from dataclasses import dataclass, field
 
 from splitserve.common.errors import EngineStoppedError, InvalidRequestError
 from splitserve.common.event_wait import wait_event
-from splitserve.common.load import EngineLoad
 from splitserve.common.request_update import StepOutput
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.async_engine import AsyncEngine, RequestStream
@@ -289,16 +288,12 @@ class DecodeWorker:
         transfer_id = self._transfer_of.pop(request_id, None)
         return None if transfer_id is None else self._incoming.pop(transfer_id, None)
 
-    async def load(self) -> EngineLoad:
-        """The engine's latest load figures (answers at once, also during a long step)."""
-        return self.engine.latest_load
-
     def handshake(self, peer: KvLayout) -> KvLayout:
         """Raise ``IncompatibleKvLayoutError`` unless ``peer`` may push KV here."""
         self.layout.check_compatible(peer)
         return self.layout
 
     async def close(self) -> None:
+        """Stop settling transfers; the engine is its creator's to shut down."""
         for task in self._settling:
             task.cancel()
-        self.engine.shutdown()

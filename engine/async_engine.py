@@ -59,13 +59,13 @@ class AsyncEngine:
     def __init__(
         self,
         core: EngineCore,
-        on_layer_kv_written: LayerHook | None = None,
         max_waiting_reservations: int = DEFAULT_MAX_WAITING,
     ) -> None:
         """``max_waiting_reservations``: remote-prefill reservations that may wait for blocks
-        (``ReservationQueue``); more are refused with ``CapacityError``."""
+        (``ReservationQueue``); more are refused with ``CapacityError``. A layer hook (a
+        prefill domain's KV push) is installed with ``set_layer_hook``."""
         self.core = core
-        self._layer_hook = on_layer_kv_written
+        self._layer_hook: LayerHook | None = None
         self.latest_load: EngineLoad = core.load()
         """Load figures as of the last step (refreshed on the engine thread; never waits)."""
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()

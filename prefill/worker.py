@@ -35,7 +35,6 @@ from splitserve.common.errors import (
     WorkerCallError,
     WorkerUnavailableError,
 )
-from splitserve.common.load import EngineLoad
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.engine.engine_core import CompletedPrompt, EngineCore
@@ -86,9 +85,9 @@ class PrefillWorker:
     ) -> None:
         """``engine``: this worker's engine; its layer hook becomes this domain's KV push.
         ``engine_shared``: a decode domain runs requests on the same engine (a dual-role
-        worker), so this domain's requests take engine ids of their own (``_engine_id``): a
-        prompt prefilled here for another decode worker never collides with a request of the
-        same id decoding here."""
+        worker), so this domain's requests take engine ids of their own (the request id plus
+        ``_engine_id_suffix``): a prompt prefilled here for another decode worker never
+        collides with a request of the same id decoding here."""
         self.core: EngineCore = engine.core
         self.identity = identity
         self.engine = engine
@@ -230,10 +229,6 @@ class PrefillWorker:
         if idle:
             await self._channels.retain(set(self._peers), grace_s=60.0, now=now)
 
-    async def load(self) -> EngineLoad:
-        """The engine's latest load figures (answers at once, also during a long step)."""
-        return self.engine.latest_load
-
     async def close(self) -> None:
-        self.engine.shutdown()
+        """Close the links to decode workers; the engine is its creator's to shut down."""
         await self._channels.close()

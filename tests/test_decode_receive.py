@@ -48,14 +48,13 @@ async def decode_worker(
     checkpoint: LoadedCheckpoint, transport: InProcessTransport
 ) -> AsyncIterator[DecodeWorker]:
     """A decode worker on its own engine and ``transport``; both closed on exit."""
-    core = make_llm(checkpoint, num_blocks=NUM_BLOCKS).engine
-    worker = DecodeWorker(
-        AsyncEngine(core), transport, WorkerIdentity("decode-0", "127.0.0.1:1"), 5.0
-    )
+    engine = AsyncEngine(make_llm(checkpoint, num_blocks=NUM_BLOCKS).engine)
+    worker = DecodeWorker(engine, transport, WorkerIdentity("decode-0", "127.0.0.1:1"), 5.0)
     try:
         yield worker
     finally:
         await worker.close()
+        engine.shutdown()
         await transport.close()
 
 

@@ -27,7 +27,7 @@ import grpc
 from prometheus_client import CollectorRegistry
 
 from splitserve.common.errors import MembershipStoreError
-from splitserve.common.load import EngineLoad, LoadReport
+from splitserve.common.load import LoadReport
 from splitserve.common.membership import Role, WorkerInfo
 from splitserve.common.metrics import serve_metrics
 from splitserve.common.model_files import model_name_of, resolve_model_path
@@ -65,11 +65,11 @@ SHUTDOWN_GRACE_S = 1.0
 
 
 class WorkerDomain(Protocol):
-    engine: AsyncEngine
+    """A role's domain object over the process's engine; ``close`` leaves the engine, which
+    ``run_worker`` created, running (it shuts it down after every domain closed)."""
+
     layout: KvLayout
     transfer_metrics: TransferMetrics
-
-    async def load(self) -> EngineLoad: ...
 
     async def close(self) -> None: ...
 
