@@ -74,6 +74,9 @@ class AsyncEngine:
         self._stopping = False
         self._reservations = ReservationQueue(core, max_waiting_reservations)
         """Remote-prefill reservations waiting for blocks (engine thread only)."""
+        self._after_refresh: list[Callable[[], None]] = []
+        """Grants to tell their submitters once ``latest_load`` shows them (engine thread
+        only): a submitter that reads the load after its grant never sees itself waiting."""
         self._step_started: float | None = None
         """``time.monotonic()`` when the running step began; None between steps."""
         self._thread = threading.Thread(target=self._loop, name="splitserve-engine", daemon=True)
@@ -117,7 +120,10 @@ class AsyncEngine:
             self.core.hold_blocks(block_table)
             held.extend(block_table)
             self._streams[request_id] = stream
-            loop.call_soon_threadsafe(_settle, accepted, None, block_table)
+            # every grant (in a command or in serving the queue) is followed by a refresh
+            self._after_refresh.append(
+                lambda: loop.call_soon_threadsafe(_settle, accepted, None, block_table)
+            )
 
         def dropped(reason: BaseException | None) -> None:  # engine thread
             if reason is None:  # aborted while waiting: the submitter sees a cancellation
@@ -294,6 +300,9 @@ class AsyncEngine:
             waiting = load.num_waiting_requests + len(self._reservations)
             load = dataclasses.replace(load, num_waiting_requests=waiting)
         self.latest_load = load
+        notices, self._after_refresh = self._after_refresh, []
+        for notice in notices:
+            notice()
 
     def step_running_s(self) -> float:
         """Seconds the step now running has taken; 0 between steps. Any thread: a stuck
