@@ -148,9 +148,11 @@ class StepCostLearner:
         self._prefill = OnlineLinearFit(2, forgetting)
         self._estimate = StepCost()
 
-    def observe(self, shape: StepShape, seconds: float) -> None:
+    def observe(self, shape: StepShape, seconds: float) -> float:
+        """Learn from one step; returns the seconds of it attributed to prompt tokens (the
+        step's time less the decode part the model predicts for it; 0 for a decode-only step)."""
         if seconds <= 0.0 or (shape.decode_seqs == 0 and shape.prefill_tokens == 0):
-            return
+            return 0.0
         if shape.prefill_tokens == 0:  # refit only the part this step informs
             context = shape.context_tokens / self.CONTEXT_SCALE
             self._decode.observe([1.0, float(shape.decode_seqs), context], seconds)
@@ -162,17 +164,18 @@ class StepCostLearner:
                 per_context_token_s=per_kilo_context / self.CONTEXT_SCALE,
                 decode_steps=self._decode.num_observations,
             )
-        else:
-            decode_part = self._estimate.decode_step_s(shape.decode_seqs, shape.context_tokens)
-            remainder = max(0.0, seconds - decode_part)
-            self._prefill.observe([1.0, float(shape.prefill_tokens)], remainder)
-            base, per_token = self._prefill.coefficients()
-            self._estimate = dataclasses.replace(
-                self._estimate,
-                prefill_base_s=base,
-                per_prefill_token_s=per_token,
-                prefill_steps=self._prefill.num_observations,
-            )
+            return 0.0
+        decode_part = self._estimate.decode_step_s(shape.decode_seqs, shape.context_tokens)
+        remainder = max(0.0, seconds - decode_part)
+        self._prefill.observe([1.0, float(shape.prefill_tokens)], remainder)
+        base, per_token = self._prefill.coefficients()
+        self._estimate = dataclasses.replace(
+            self._estimate,
+            prefill_base_s=base,
+            per_prefill_token_s=per_token,
+            prefill_steps=self._prefill.num_observations,
+        )
+        return remainder
 
     def estimate(self) -> StepCost:
         return self._estimate

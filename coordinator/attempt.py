@@ -147,6 +147,8 @@ class Attempt:
         self._channels = channels
         self._timeouts = timeouts
         self._events: asyncio.Queue[AttemptEvent] = asyncio.Queue()
+        self._local_prompt = contextlib.ExitStack()
+        """Counts a prompt the decode worker computes as queued there until its first token."""
 
     def abort(self) -> None:
         """End the attempt as aborted; its stream gets a final ABORT chunk."""
@@ -164,7 +166,9 @@ class Attempt:
         )
         tasks = [asyncio.create_task(self._read_decode(call))]
         started = stage_start = self._started = time.monotonic()
-        with self._router.decoding(decode):
+        if self.route.prefill is None:  # the decode worker computes the prompt itself
+            self._local_prompt.enter_context(self._router.prefilling(decode, len(self._prompt)))
+        with self._router.decoding(decode), self._local_prompt:
             try:
                 while self.state is not AttemptState.ENDED:
                     match await self._events.get():
@@ -228,6 +232,7 @@ class Attempt:
         elif self.route.prefill is None and not self.stage_seconds:
             self._stage("local_prefill", stage_start)
         if self.first_token_s is None:
+            self._local_prompt.close()
             self.first_token_s = time.monotonic() - self._started
             self._router.report_success(self.route.decode)
         self.num_cached_tokens = max(self.num_cached_tokens, output.update.num_cached_tokens)

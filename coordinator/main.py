@@ -95,12 +95,6 @@ def build_parser() -> argparse.ArgumentParser:
     flag("--ttft-slo-ms", DEFAULT_SLO.ttft_s * 1000, float, "TTFT target adaptive placement uses")
     flag("--tpot-slo-ms", DEFAULT_SLO.tpot_s * 1000, float, "TPOT target adaptive placement uses")
     flag(
-        "--local-chunk-tokens",
-        RoutingConfig.local_chunk_tokens,
-        int,
-        "prompt tokens a decode worker computes per step (its --max-num-batched-tokens)",
-    )
-    flag(
         "--kv-share",
         AdmissionConfig.kv_share,
         float,
@@ -236,7 +230,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             local_prefill_max_tokens=args.local_prefill_max_tokens,
             mode=placement_mode_or_exit(parser, args.placement),
             slo=slo,
-            local_chunk_tokens=args.local_chunk_tokens,
         ),
         flow=FlowConfig(timeouts=AttemptTimeouts(prefill_s=args.prefill_timeout)),
         admission=AdmissionConfig(

@@ -7,16 +7,21 @@ to the decode worker ("remote"), or on the decode worker itself, chunked into it
 
 - remote TTFT on prefill worker p: ``p.cost.prefill_s(p.queued_tokens + uncached)`` (its
   queue first, then this prompt, less what p likely has cached) plus one decode step of the
-  decode worker (the KV handoff and the first token's trip);
+  decode worker (the KV handoff and the first token's trip),
+  plus, while the decode worker computes prompts of its own, one of its prompt chunks (the
+  first token waits for the step in progress);
 - local TTFT: ``d.cost.prefill_s(d.queued_tokens + prompt)`` plus one decode step of its batch
-  per ``local_chunk_tokens`` of prompt (the batch's steps carry the chunks);
-- the TPOT that local prefill gives the decode batch: its decode step with this request added,
-  plus the prefill time spread over ``max_tokens`` tokens (a running request's mean
-  inter-token time grows by the prompt time it shares, over an output of about this length).
+  per ``d.chunk_tokens`` of prompt (the batch's steps carry the chunks);
+- the TPOT that local prefill gives the decode batch, in steady state: its decode step with
+  this request added, stretched by the share of the decode worker's time that prompts already
+  take (``d.prefill_share``: a running request lives through every prompt computed there
+  during its life, so its mean inter-token time is ``step / (1 - share)``), plus this
+  prompt's time spread over ``max_tokens`` tokens (about the output it shares it with).
 
 A dual-role candidate (a worker that decodes too, ``PrefillView.decodes``) computes the prompt
 in chunks inside its own decode batch: its remote TTFT adds one of its batch steps per chunk,
-and adaptive placement counts the TPOT it gives that batch as it does for local; a candidate
+and adaptive placement counts the TPOT it gives that batch as it does for local (its own
+prompt share included); a candidate
 that would push its batch past the TPOT target is not used while another one is within it.
 (The router never offers a request's own decode worker as a candidate: that is local.)
 
@@ -50,6 +55,10 @@ from dataclasses import dataclass
 from splitserve.common.step_cost import StepCost
 
 AT_RISK = 0.8
+DEFAULT_CHUNK_TOKENS = 2048
+"""The engine's default prompt tokens per step, for a worker that does not report its own."""
+MAX_PREFILL_SHARE = 0.9
+"""Placement counts a decode worker's prompt share as at most this (its steps still run)."""
 """A remote TTFT predicted above this fraction of the target is at risk (predictions err)."""
 
 
@@ -102,6 +111,10 @@ class DecodeView:
     """The KV its running batch attends over per step."""
     queued_tokens: int
     """Prompt tokens it still has to compute (its own local prefills)."""
+    prefill_share: float = 0.0
+    """The fraction of its recent wall time its steps spent on prompt tokens (< 1)."""
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    """Prompt tokens it computes per step at most (its ``--max-num-batched-tokens``)."""
 
 
 @dataclass(frozen=True)
@@ -119,6 +132,10 @@ class PrefillView:
     computed there shares its steps with; 0 for a prefill-only worker."""
     batch_tokens: int = 0
     """The KV that batch attends over per step."""
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    """Prompt tokens it computes per step at most."""
+    prefill_share: float = 0.0
+    """The fraction of its recent wall time spent on prompt tokens (counts for its batch)."""
 
     @property
     def decodes(self) -> bool:
@@ -128,8 +145,6 @@ class PrefillView:
 @dataclass(frozen=True)
 class RuleConfig:
     local_prefill_max_tokens: int = 0
-    local_chunk_tokens: int = 2048
-    """Prompt tokens a decode worker computes per step (its ``max_num_batched_tokens``)."""
 
 
 @dataclass(frozen=True)
@@ -147,6 +162,13 @@ class Placement:
     @property
     def where(self) -> str:
         return "local" if self.prefill_worker_id is None else "remote"
+
+
+def steady_tpot_s(step_s: float, prefill_share: float) -> float:
+    """The mean inter-token time of a batch whose decode steps take ``step_s`` on a worker
+    that spends ``prefill_share`` of its time on prompts (capped at ``MAX_PREFILL_SHARE``)."""
+    share = min(max(prefill_share, 0.0), MAX_PREFILL_SHARE)
+    return step_s / (1.0 - share)
 
 
 def place(
@@ -187,16 +209,21 @@ def place(
     batch_step_s = decode_cost.decode_step_s(
         decode.running_requests + 1, decode.running_tokens + num_prompt_tokens
     )
-    chunk = max(rule.local_chunk_tokens, 1)
+    chunk = max(decode.chunk_tokens, 1)
+    # a remote prompt's first token waits for the decode worker's step in progress
+    first_step_s = batch_step_s + decode_cost.prefill_s(min(decode.queued_tokens, chunk))
     remote_ttft, remote_tpot = {}, {}
     for p in known:
         uncached = p.queued_tokens + num_prompt_tokens - p.cached_tokens
         prefill_s = p.cost.prefill_s(uncached)
-        remote_ttft[p.worker_id] = prefill_s + batch_step_s
+        remote_ttft[p.worker_id] = prefill_s + first_step_s
         if p.decodes:  # its chunks ride its own decode batch's steps
             hosted_step_s = p.cost.decode_step_s(p.batch_requests, p.batch_tokens)
-            remote_ttft[p.worker_id] += math.ceil(uncached / chunk) * hosted_step_s
-            remote_tpot[p.worker_id] = hosted_step_s + prefill_s / max(max_tokens, 1)
+            hosted_chunks = math.ceil(uncached / max(p.chunk_tokens, 1))
+            remote_ttft[p.worker_id] += hosted_chunks * hosted_step_s
+            remote_tpot[p.worker_id] = steady_tpot_s(hosted_step_s, p.prefill_share) + (
+                prefill_s / max(max_tokens, 1)
+            )
     within_tpot = [w for w in remote_ttft if remote_tpot.get(w, 0.0) <= slo.tpot_s]
     if within_tpot and len(within_tpot) < len(remote_ttft):
         remote_ttft = {w: remote_ttft[w] for w in within_tpot}
@@ -205,7 +232,9 @@ def place(
     local_prefill_s = decode_cost.prefill_s(local_tokens)
     steps = math.ceil(local_tokens / chunk)
     local_ttft = local_prefill_s + steps * batch_step_s
-    local_tpot = batch_step_s + local_prefill_s / max(max_tokens, 1)
+    local_tpot = steady_tpot_s(batch_step_s, decode.prefill_share) + (
+        local_prefill_s / max(max_tokens, 1)
+    )
     remote = Placement(best_remote, Reason.REMOTE_WITHIN_SLO, remote_ttft[best_remote], local_tpot)
     if remote_ttft[best_remote] <= AT_RISK * slo.ttft_s:
         return remote

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from splitserve.common.blocks import BlockHash, prompt_block_hashes
 from splitserve.common.membership import Role
 from splitserve.coordinator.placement import (
+    DEFAULT_CHUNK_TOKENS,
     DecodeView,
     Placement,
     PlacementMode,
@@ -50,8 +51,6 @@ class RoutingConfig:
     mode: PlacementMode = PlacementMode.RULE
     slo: Slo = DEFAULT_SLO
     """Latency targets of requests that set none."""
-    local_chunk_tokens: int = 2048
-    """Prompt tokens a decode worker computes per step (its ``--max-num-batched-tokens``)."""
 
 
 @dataclass(frozen=True)
@@ -71,7 +70,9 @@ class Pending:
     num_requests: int = 0
     """Requests decoding there (attempts open on its decode stream)."""
     num_prefill_tokens: int = 0
-    """Prompt tokens sent there for prefill and not yet answered."""
+    """Prompt tokens sent there to compute and not yet answered: to a prefill worker until
+    its Prefill call returns, to a decode worker computing them itself until the first
+    token."""
 
 
 class PrefixMemory:
@@ -220,11 +221,12 @@ class Router:
             PrefillView(
                 worker_id=w.worker_id,
                 cost=w.load.step_cost,
-                queued_tokens=w.load.num_pending_prefill_tokens
-                + self._pending[w.worker_id].num_prefill_tokens,
+                queued_tokens=self._queued_prefill_tokens(w),
                 cached_tokens=self._memory(w.worker_id).overlap_blocks(hashes) * w.block_size,
                 batch_requests=w.load.num_running_requests if w.address in decoding_at else 0,
                 batch_tokens=w.load.num_running_tokens if w.address in decoding_at else 0,
+                chunk_tokens=w.load.prefill_chunk_tokens or DEFAULT_CHUNK_TOKENS,
+                prefill_share=w.load.prefill_share,
             )
             for w in candidates
         ]
@@ -232,10 +234,21 @@ class Router:
             cost=decode.load.step_cost,
             running_requests=decode.load.num_running_requests,
             running_tokens=decode.load.num_running_tokens,
-            queued_tokens=decode.load.num_pending_prefill_tokens,
+            queued_tokens=self._queued_prefill_tokens(decode),
+            prefill_share=decode.load.prefill_share,
+            chunk_tokens=decode.load.prefill_chunk_tokens or DEFAULT_CHUNK_TOKENS,
         )
-        rule = RuleConfig(self.config.local_prefill_max_tokens, self.config.local_chunk_tokens)
+        rule = RuleConfig(self.config.local_prefill_max_tokens)
         return place(num_prompt_tokens, max_tokens, view, prefills, slo, self.config.mode, rule)
+
+    def _queued_prefill_tokens(self, worker: WorkerRecord) -> int:
+        """Prompt tokens queued on ``worker``: what it reported, or what this coordinator has
+        sent there and not seen answered, whichever is more. (Not their sum: a prompt the
+        worker has taken is in both until it is answered, and counting it twice made a
+        prefill worker look twice as far behind as it was.) Another coordinator's prompts
+        sent since the worker's last report are missed."""
+        sent = self._pending[worker.worker_id].num_prefill_tokens
+        return max(worker.load.num_pending_prefill_tokens, sent)
 
     def _memory(self, worker_id: str) -> PrefixMemory:
         memory = self._prefix.get(worker_id)

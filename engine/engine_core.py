@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from splitserve.common.busy_share import DecayingShare
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.load import EngineLoad
 from splitserve.common.logprobs import TokenLogprob
@@ -83,6 +84,8 @@ class EngineCore:
         self.eos_token_ids = frozenset(checkpoint.config.eos_token_ids)
         self.step_cost = StepCostLearner()
         """This engine's step times, learned from every step (``load().step_cost``)."""
+        self.prefill_share = DecayingShare(started_at=time.monotonic())
+        """The share of recent wall time its steps spent on prompt tokens."""
         logger.info(
             "engine ready: %s dtype=%s blocks=%d x %d tokens, max_model_len=%d",
             checkpoint.config.name,
@@ -183,6 +186,8 @@ class EngineCore:
             num_pending_prefill_tokens=pending_prefill,
             num_finished_requests=scheduler.stats.num_finished_requests,
             step_cost=self.step_cost.estimate(),
+            prefill_share=self.prefill_share.share(time.monotonic()),
+            prefill_chunk_tokens=self.config.scheduler.max_num_batched_tokens,
         )
 
     # ---- the step --------------------------------------------------------------------------
@@ -277,7 +282,8 @@ class EngineCore:
 
         executed = self.runner.execute(scheduled, hook)
         updates = self.scheduler.update(scheduled, executed.sampled_token_ids)
-        self.step_cost.observe(step_shape(scheduled), time.perf_counter() - started)
+        prefill_s = self.step_cost.observe(step_shape(scheduled), time.perf_counter() - started)
+        self.prefill_share.observe(time.monotonic(), prefill_s)
         return [StepOutput(u, _logprobs_of(executed.logprobs.get(u.request_id))) for u in updates]
 
 

@@ -18,7 +18,7 @@ from splitserve.coordinator.placement import (
 )
 
 SLO = Slo(ttft_s=2.0, tpot_s=0.05)
-RULE = RuleConfig(local_prefill_max_tokens=0, local_chunk_tokens=512)
+RULE = RuleConfig(local_prefill_max_tokens=0)
 ONE_CORE = StepCost(
     decode_base_s=0.012,
     per_decode_seq_s=0.001,
@@ -31,9 +31,16 @@ ONE_CORE = StepCost(
 UNKNOWN = StepCost()
 
 
-def _decode(running: int = 0, queued: int = 0, cost: StepCost = ONE_CORE) -> DecodeView:
+def _decode(
+    running: int = 0, queued: int = 0, cost: StepCost = ONE_CORE, share: float = 0.0
+) -> DecodeView:
     return DecodeView(
-        cost, running_requests=running, running_tokens=400 * running, queued_tokens=queued
+        cost,
+        running_requests=running,
+        running_tokens=400 * running,
+        queued_tokens=queued,
+        prefill_share=share,
+        chunk_tokens=512,
     )
 
 
@@ -71,7 +78,7 @@ def test_forced_modes_and_the_rule() -> None:
 
 
 def test_a_short_prompt_stays_local_in_rule_and_adaptive_modes() -> None:
-    rule = RuleConfig(local_prefill_max_tokens=64, local_chunk_tokens=512)
+    rule = RuleConfig(local_prefill_max_tokens=64)
     for mode in (PlacementMode.RULE, PlacementMode.ADAPTIVE):
         placement = _place(_decode(), [_prefill("p")], mode, prompt=60, rule=rule)
         assert (placement.where, placement.reason) == ("local", Reason.SHORT_PROMPT)
@@ -122,6 +129,35 @@ def test_adaptive_keeps_a_full_decode_batch_within_its_tpot_target() -> None:
     assert (placement.where, placement.reason) == ("remote", Reason.TPOT_GUARD)
     assert placement.predicted_local_tpot_s is not None
     assert placement.predicted_local_tpot_s > SLO.tpot_s
+
+
+def test_the_tpot_guard_counts_the_share_of_time_prompts_already_take() -> None:
+    """Local prompts stretch every step of a running request's life: a decode worker that
+    already spends half its time on prompts doubles its batch's mean inter-token time, so the
+    prompt that a fresh worker would take (predicted ~30 ms) goes remote there (~54 ms)."""
+    fresh = _place(_decode(running=8), [_prefill("p", queued=1000)])
+    assert (fresh.where, fresh.reason) == ("local", Reason.LOCAL_FASTER)
+    busy = _place(_decode(running=8, share=0.5), [_prefill("p", queued=1000)])
+    assert (busy.where, busy.reason) == ("remote", Reason.TPOT_GUARD)
+    assert fresh.predicted_local_tpot_s is not None and busy.predicted_local_tpot_s is not None
+    step_s = ONE_CORE.decode_step_s(9, 400 * 8 + 320)
+    prompt_s = ONE_CORE.prefill_s(320) / 96
+    assert fresh.predicted_local_tpot_s == pytest.approx(step_s + prompt_s)
+    assert busy.predicted_local_tpot_s == pytest.approx(step_s / 0.5 + prompt_s)
+    # a share of 1 (a worker doing nothing else) is capped: still a finite prediction
+    capped = _place(_decode(running=8, share=1.0), [_prefill("p", queued=1000)])
+    assert capped.predicted_local_tpot_s == pytest.approx(step_s / 0.1 + prompt_s)
+
+
+def test_a_remote_first_token_waits_for_the_decode_workers_prompt_chunk_in_progress() -> None:
+    idle = _place(_decode(), [_prefill("p")]).predicted_ttft_s
+    assert idle is not None
+    # 300 prompt tokens of its own queued: the step in progress computes them (chunk 512)
+    busy = _place(_decode(queued=300), [_prefill("p")]).predicted_ttft_s
+    assert busy == pytest.approx(idle + ONE_CORE.prefill_s(300))
+    # 5000 queued: only one chunk of them (512) runs before the first token's step
+    long_queue = _place(_decode(queued=5000), [_prefill("p")]).predicted_ttft_s
+    assert long_queue == pytest.approx(idle + ONE_CORE.prefill_s(512))
 
 
 def test_adaptive_stays_remote_when_local_would_be_no_faster() -> None:

@@ -112,8 +112,9 @@ def test_a_route_without_prefill_remembers_no_prefix_for_a_prefill_worker() -> N
 
 def test_adaptive_routing_sees_the_workers_learned_step_costs_and_their_queues() -> None:
     """The router hands placement each worker's reported step-time model and queued tokens
-    (its own pending ones included): a long prefill queue sends the prompt to a lightly
-    loaded decode worker, a short one to the prefill worker."""
+    (the more of its report and this coordinator's own unanswered prompts): a long prefill
+    queue sends the prompt to a lightly loaded decode worker, a short one to the prefill
+    worker."""
     cost = StepCost(
         decode_base_s=0.012,
         per_decode_seq_s=0.001,
@@ -134,12 +135,26 @@ def test_adaptive_routing_sees_the_workers_learned_step_costs_and_their_queues()
     route = router.route(prompt, 96)
     assert route is not None and route.prefill is prefill
     assert route.placement is not None and route.placement.reason is Reason.REMOTE_WITHIN_SLO
-    with router.prefilling(prefill, 700):  # this coordinator's own queue there: 1000 tokens
+    # the worker's 300 may be this coordinator's own 300, sent and not yet answered: counted
+    # once (1.25 s predicted, within 0.8 of the target), not twice (1.85 s, at risk)
+    with router.prefilling(prefill, 300):
+        route = router.route(prompt, 96)
+    assert route is not None and route.prefill is prefill
+    assert route.placement is not None and route.placement.reason is Reason.REMOTE_WITHIN_SLO
+    with router.prefilling(prefill, 1000):  # sent, not yet in its report: 1000 tokens
         route = router.route(prompt, 96)
     assert route is not None and route.prefill is None
     assert route.placement is not None and route.placement.reason is Reason.LOCAL_FASTER
+    # a prompt placed on the decode worker counts there until its first token: with 1500
+    # tokens of its own queued (3.75 s), local is no faster than remote (3.2 s: 2.65 s, then
+    # one 256-token chunk of the decode worker's before the first token)
+    decode.load = dataclasses.replace(decode.load, prefill_chunk_tokens=256)
+    with router.prefilling(prefill, 1000), router.prefilling(decode, 1500):
+        route = router.route(prompt, 96)
+    assert route is not None and route.placement is not None
+    assert route.placement.reason is Reason.REMOTE_FASTER
     tight = Slo(ttft_s=2.0, tpot_s=0.013)  # no room in the decode batch's TPOT
-    with router.prefilling(prefill, 700):
+    with router.prefilling(prefill, 1000):
         route = router.route(prompt, 96, slo=tight)
     assert route is not None and route.prefill is prefill
     assert route.placement is not None and route.placement.reason is Reason.TPOT_GUARD

@@ -108,3 +108,15 @@ def test_an_engine_learns_its_own_step_cost(default_checkpoint_fp32: LoadedCheck
     # 400 prompt tokens in 40-token steps, then one decode step per further token
     assert cost.knows_prefill and cost.knows_decode
     assert cost.per_prefill_token_s > 0 and cost.decode_base_s + cost.per_decode_seq_s > 0
+    # it reports the share of its time that went to prompt tokens, and its chunk size
+    load = llm.engine.load()
+    assert 0.0 < load.prefill_share < 1.0
+    assert load.prefill_chunk_tokens == 40
+
+
+def test_the_learner_says_how_much_of_a_step_was_prompt_work() -> None:
+    learner = StepCostLearner()
+    for _ in range(MIN_STEPS):
+        assert learner.observe(StepShape(4, 0, 400), 0.020) == 0.0  # decode only
+    # 0.5 s with 4 decodes (~0.020 s of it): the rest is the prompt's
+    assert learner.observe(StepShape(4, 256, 400), 0.5) == pytest.approx(0.48, abs=1e-3)
