@@ -75,8 +75,9 @@ class AsyncEngine:
         self._reservations = ReservationQueue(core, max_waiting_reservations)
         """Remote-prefill reservations waiting for blocks (engine thread only)."""
         self._after_refresh: list[Callable[[], None]] = []
-        """Grants to tell their submitters once ``latest_load`` shows them (engine thread
-        only): a submitter that reads the load after its grant never sees itself waiting."""
+        """Results of commands, submits and grants to tell their callers once ``latest_load``
+        shows them (engine thread only): a caller that reads the load after its command
+        returned sees its effect (``_tell_after_refresh``)."""
         self._step_started: float | None = None
         """``time.monotonic()`` when the running step began; None between steps."""
         self._thread = threading.Thread(target=self._loop, name="splitserve-engine", daemon=True)
@@ -121,9 +122,7 @@ class AsyncEngine:
             held.extend(block_table)
             self._streams[request_id] = stream
             # every grant (in a command or in serving the queue) is followed by a refresh
-            self._after_refresh.append(
-                lambda: loop.call_soon_threadsafe(_settle, accepted, None, block_table)
-            )
+            self._tell_after_refresh(loop, accepted, None, block_table)
 
         def dropped(reason: BaseException | None) -> None:  # engine thread
             if reason is None:  # aborted while waiting: the submitter sees a cancellation
@@ -142,7 +141,7 @@ class AsyncEngine:
                 loop.call_soon_threadsafe(_settle, accepted, error, None)
                 return
             self._streams[request_id] = stream
-            loop.call_soon_threadsafe(_settle, accepted, None, None)
+            self._tell_after_refresh(loop, accepted, None, None)
 
         self._submit(add)
         try:
@@ -167,9 +166,9 @@ class AsyncEngine:
             try:
                 result = function(self.core)
             except BaseException as error:
-                loop.call_soon_threadsafe(_settle, done, error, None)
+                self._tell_after_refresh(loop, done, error, None)
             else:
-                loop.call_soon_threadsafe(_settle, done, None, result)
+                self._tell_after_refresh(loop, done, None, result)
 
         self._submit(run)
         return await done
@@ -293,6 +292,21 @@ class AsyncEngine:
         figures are then stale)."""
         return bool(self._reservations) and self._reservations.serve() > 0
 
+    def _tell_after_refresh(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        future: asyncio.Future[T],
+        error: BaseException | None,
+        result: T,
+    ) -> None:
+        """Settle ``future`` on ``loop`` once ``latest_load`` includes what the engine thread
+        just did (engine thread only; a refresh follows every command batch and every serving
+        of the reservation queue): whoever awaited a command, a submit or a grant and then
+        reads the load sees its effect."""
+        self._after_refresh.append(
+            lambda: loop.call_soon_threadsafe(_settle, future, error, result)
+        )
+
     def _refresh_load(self) -> None:
         """``latest_load`` from the core; reservations waiting for blocks count as waiting."""
         load = self.core.load()
@@ -302,7 +316,10 @@ class AsyncEngine:
         self.latest_load = load
         notices, self._after_refresh = self._after_refresh, []
         for notice in notices:
-            notice()
+            try:
+                notice()
+            except RuntimeError:  # its caller's event loop is closed: no one is waiting
+                logger.debug("a result was not delivered: its event loop is closed")
 
     def step_running_s(self) -> float:
         """Seconds the step now running has taken; 0 between steps. Any thread: a stuck

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from collections.abc import Coroutine
 from typing import Any
 
@@ -176,3 +178,33 @@ def test_a_reservation_cancelled_while_being_accepted_drops_its_hold(served) -> 
     # The hold is given back by a command queued after the cancellation: wait for it to run
     # (on a loaded machine it may come after the request is gone), then the fixture checks.
     assert asyncio.run(_wait_all_free(llm))
+
+
+def test_the_engine_outlives_a_callers_closed_event_loop(served) -> None:
+    """A command's result is told to its caller's loop after the load refresh; a caller that
+    gave up and closed its loop meanwhile must not stop the engine thread (it did: the
+    notice raised 'Event loop is closed' on that thread)."""
+    _, engine = served
+    started = threading.Event()
+
+    def slow(core: object) -> int:
+        started.set()
+        time.sleep(0.2)  # the caller's loop closes while this runs
+        return 1
+
+    loop = asyncio.new_event_loop()
+    task = loop.create_task(engine.call(slow))
+    while not started.is_set():
+        loop.run_until_complete(asyncio.sleep(0.01))
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        loop.run_until_complete(task)
+    loop.close()
+    time.sleep(0.4)  # the result reaches the closed loop
+
+    async def still_serving() -> tuple[int, list[int]]:
+        answer = await engine.call(lambda core: 42)
+        return answer, await _collect(engine, "after", [1000 + i for i in range(8)])
+
+    answer, tokens = asyncio.run(asyncio.wait_for(still_serving(), timeout=60))
+    assert answer == 42 and len(tokens) > 0

@@ -55,7 +55,10 @@ def reserve(engine: AsyncEngine, request_id: str, num_blocks: int) -> asyncio.Ta
 
 
 async def settle(engine: AsyncEngine) -> None:
-    """Every command queued so far has run (and the queue was served after it)."""
+    """Every command queued so far has run (and the queue was served after it), and the
+    load figures show it. Tasks created just before (``reserve``) first get to queue their
+    commands: the no-op command must land after theirs."""
+    await asyncio.sleep(0)
     await engine.call(lambda core: None)
     await asyncio.sleep(0)  # the loop delivers what the engine thread settled
 
