@@ -62,12 +62,18 @@ SPLITSERVE_FLAGS = {
     "splitserve-local": ["--placement", "local"],
     "splitserve-dual": ["--prefill=0", "--decode=0", "--dual=2", "--placement=adaptive"],
     "splitserve-shared-cores": ["--no-pin", "--placement=adaptive"],
+    "splitserve-eager": ["--placement=adaptive"],
 }
+SPLITSERVE_ENV = {"splitserve-eager": {"SPLITSERVE_TTFT_AT_RISK": "0"}}
+"""Coordinator flags ``up`` does not take, through their environment twins."""
 """splitserve's configurations: ``splitserve`` is ``make serve``'s (1 prefill + 1 decode worker,
 a core each, adaptive placement); ``-remote`` / ``-local`` force where every prompt runs;
 ``-dual`` is two dual-role workers (``splitserve worker --roles prefill,decode``), a core
 each, placing adaptively; ``-shared-cores`` is ``make serve``'s layout unpinned, each worker
-with a thread per core, so a prompt may use both cores while the decode worker idles."""
+with a thread per core, so a prompt may use both cores while the decode worker idles;
+``-eager`` is ``make serve``'s with ``--ttft-at-risk 0``: a prompt goes to the decode worker
+whenever that is predicted faster and keeps the batch's TPOT target, not only once the
+prefill side puts the TTFT target at risk."""
 
 
 def log(message: str) -> None:
@@ -80,7 +86,8 @@ def server(name: str, args: argparse.Namespace, log_dir: Path) -> Iterator[str]:
         with vllm_server(args.vllm_python, args.hf_model, log_dir / "vllm.log") as url:
             yield url
         return
-    with splitserve_server(SPLITSERVE_FLAGS[name], log_dir / f"{name}.log") as url:
+    flags, env = SPLITSERVE_FLAGS[name], SPLITSERVE_ENV.get(name)
+    with splitserve_server(flags, log_dir / f"{name}.log", env) as url:
         yield url
 
 

@@ -53,8 +53,12 @@ SPLITSERVE_CONFIGS = {
 
 
 @contextlib.contextmanager
-def splitserve_server(flags: list[str], log: Path) -> Iterator[str]:
-    with LocalCluster(SPLITSERVE, flags, log) as cluster:
+def splitserve_server(
+    flags: list[str], log: Path, env: dict[str, str] | None = None
+) -> Iterator[str]:
+    """``splitserve up`` with these flags (``env``: extra environment of up and its
+    children, e.g. a coordinator flag's ``SPLITSERVE_*`` twin); yields the gateway's URL."""
+    with LocalCluster(SPLITSERVE, flags, log, env=env) as cluster:
         yield cluster.http_url
 
 

@@ -46,7 +46,7 @@ from splitserve.client import wire
 from splitserve.client.connection import aio_channel, call_metadata
 from splitserve.client.errors import DEFAULT_RETRY, ClientError, RetryPolicy
 from splitserve.client.retry import Deadline, resolve_timeout
-from splitserve.client.types import Chunk, Finish, Generation, ModelInfo, Sampling
+from splitserve.client.types import Chunk, Finish, Generation, LatencyTargets, ModelInfo, Sampling
 from splitserve.proto.splitserve.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 Reply = TypeVar("Reply")
@@ -95,6 +95,7 @@ class AsyncClient:
         sampling: Sampling | None = None,
         request_id: str | None = None,
         priority: int = 0,
+        targets: LatencyTargets | None = None,
         timeout_s: float | None | EllipsisType = ...,
     ) -> AsyncGenerator[Chunk | Finish, None]:
         """Stream a completion of exactly one of ``prompt`` (raw text), ``messages`` (chat,
@@ -105,10 +106,13 @@ class AsyncClient:
         raise ``ValueError`` / ``TypeError`` (not exactly one prompt, a malformed message) or
         ``ClientError`` INVALID_ARGUMENT (a sampling value the wire cannot carry).
         ``priority``: admission order among waiting requests, higher first (at most the key's
-        tenant's ``max_priority``, else INVALID_ARGUMENT).
+        tenant's ``max_priority``, else INVALID_ARGUMENT). ``targets``: this request's own
+        latency targets for where its prompt is computed (None: the coordinator's).
         """
         request_id = request_id or wire.new_request_id()
-        request = wire.generate_request(prompt, messages, token_ids, sampling, request_id, priority)
+        request = wire.generate_request(
+            prompt, messages, token_ids, sampling, request_id, priority, targets
+        )
         deadline = Deadline(self._timeout(timeout_s))
         streamed: list[int] = []
         for continuations in range(wire.MAX_CONTINUATIONS + 1):
@@ -149,6 +153,7 @@ class AsyncClient:
         sampling: Sampling | None = None,
         request_id: str | None = None,
         priority: int = 0,
+        targets: LatencyTargets | None = None,
         timeout_s: float | None | EllipsisType = ...,
     ) -> Generation:
         """The whole completion of ``stream()`` with the same arguments, joined."""
@@ -160,6 +165,7 @@ class AsyncClient:
             sampling=sampling,
             request_id=request_id,
             priority=priority,
+            targets=targets,
             timeout_s=timeout_s,
         )
         async with contextlib.aclosing(items):

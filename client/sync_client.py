@@ -33,7 +33,7 @@ from splitserve.client import wire
 from splitserve.client.connection import call_metadata, sync_channel
 from splitserve.client.errors import DEFAULT_RETRY, ClientError, RetryPolicy
 from splitserve.client.retry import Deadline, resolve_timeout
-from splitserve.client.types import Chunk, Finish, Generation, ModelInfo, Sampling
+from splitserve.client.types import Chunk, Finish, Generation, LatencyTargets, ModelInfo, Sampling
 from splitserve.proto.splitserve.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 Reply = TypeVar("Reply")
@@ -76,6 +76,7 @@ class Client:
         sampling: Sampling | None = None,
         request_id: str | None = None,
         priority: int = 0,
+        targets: LatencyTargets | None = None,
         timeout_s: float | None | EllipsisType = ...,
     ) -> Generator[Chunk | Finish, None, None]:
         """Stream a completion of exactly one of ``prompt``, ``messages`` or ``token_ids``:
@@ -85,7 +86,9 @@ class Client:
         ``ValueError`` / ``TypeError`` or ``ClientError`` INVALID_ARGUMENT (see ``AsyncClient``).
         """
         request_id = request_id or wire.new_request_id()
-        request = wire.generate_request(prompt, messages, token_ids, sampling, request_id, priority)
+        request = wire.generate_request(
+            prompt, messages, token_ids, sampling, request_id, priority, targets
+        )
         deadline = Deadline(self._timeout(timeout_s))
         streamed: list[int] = []
         for continuations in range(wire.MAX_CONTINUATIONS + 1):
@@ -128,6 +131,7 @@ class Client:
         sampling: Sampling | None = None,
         request_id: str | None = None,
         priority: int = 0,
+        targets: LatencyTargets | None = None,
         timeout_s: float | None | EllipsisType = ...,
     ) -> Generation:
         """The whole completion of ``stream()`` with the same arguments, joined."""
@@ -139,6 +143,7 @@ class Client:
             sampling=sampling,
             request_id=request_id,
             priority=priority,
+            targets=targets,
             timeout_s=timeout_s,
         )
         with contextlib.closing(items):

@@ -1,7 +1,8 @@
 """The client's values: what goes into a request and what comes out of a stream (torch-free).
 
 Frozen dataclasses, independent of the generated proto classes except for
-``Sampling.to_proto``; ``splitserve.client.wire`` converts responses into them.
+``Sampling.to_proto`` and ``LatencyTargets.to_proto``; ``splitserve.client.wire`` converts
+responses into them.
 """
 
 from __future__ import annotations
@@ -12,9 +13,26 @@ from dataclasses import dataclass, fields
 import grpc
 
 from splitserve.client.errors import ClientError
-from splitserve.proto.splitserve.v1 import common_pb2
+from splitserve.proto.splitserve.v1 import common_pb2, coordinator_pb2
 
 _REPEATED_SAMPLING_FIELDS = ("stop", "stop_token_ids")
+
+
+@dataclass(frozen=True)
+class LatencyTargets:
+    """A request's own latency targets, milliseconds, for where its prompt is computed (the
+    coordinator's adaptive placement); mirrors ``coordinator_pb2.LatencyTargets``. None takes
+    the coordinator's target; the TPOT target can only tighten it (it guards the whole decode
+    batch the request joins). Validated by the server: INVALID_ARGUMENT unless positive."""
+
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+
+    def to_proto(self) -> coordinator_pb2.LatencyTargets:
+        return coordinator_pb2.LatencyTargets(
+            ttft_ms=0.0 if self.ttft_ms is None else self.ttft_ms,
+            tpot_ms=0.0 if self.tpot_ms is None else self.tpot_ms,
+        )
 
 
 @dataclass(frozen=True)

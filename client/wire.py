@@ -13,6 +13,7 @@ from splitserve.client.types import (
     ChatMessage,
     Chunk,
     Finish,
+    LatencyTargets,
     ModelInfo,
     Sampling,
     TokenLogprob,
@@ -39,9 +40,11 @@ def generate_request(
     sampling: Sampling | None,
     request_id: str,
     priority: int = 0,
+    targets: LatencyTargets | None = None,
 ) -> coordinator_pb2.GenerateRequest:
     """The request for exactly one of ``prompt``, ``messages`` or ``token_ids``
-    (``priority``: admission order among waiting requests, higher first).
+    (``priority``: admission order among waiting requests, higher first; ``targets``: the
+    request's own latency targets, None for the coordinator's).
 
     Raises ``ValueError`` unless exactly one is given, ``TypeError`` for a malformed message and
     ``ClientError`` (INVALID_ARGUMENT) for sampling values the wire cannot carry.
@@ -53,6 +56,8 @@ def generate_request(
     request = coordinator_pb2.GenerateRequest(request_id=request_id, priority=priority)
     if sampling is not None:
         request.sampling.CopyFrom(sampling.to_proto())
+    if targets is not None:
+        request.latency_targets.CopyFrom(targets.to_proto())
     if prompt is not None:
         request.text = prompt
     elif messages is not None:

@@ -32,7 +32,7 @@ from splitserve.common.output_processor import RequestTracker, StreamChunk
 from splitserve.common.request_update import RequestUpdate
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.coordinator.attempt import Attempt, AttemptTimeouts, DecodeLost, PrefillLost
-from splitserve.coordinator.placement import Placement
+from splitserve.coordinator.placement import Placement, Slo
 from splitserve.coordinator.router import Router
 from splitserve.proto.worker_clients import WorkerChannels
 
@@ -72,8 +72,12 @@ class RequestFlow:
         router: Router,
         channels: WorkerChannels,
         config: FlowConfig,
+        slo: Slo | None = None,
     ) -> None:
+        """``slo``: the request's latency targets for placing its prompt (None: the router's
+        default)."""
         self.request_id = request_id
+        self.slo = slo
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.state = FlowState.ADMITTED
@@ -181,7 +185,7 @@ class RequestFlow:
         remaining = self.params.max_tokens - len(streamed)
         with_prefill = not (local_prefill_only or streamed)
         route = self._router.route(
-            self.prompt_token_ids + streamed, remaining, excluded, with_prefill
+            self.prompt_token_ids + streamed, remaining, excluded, with_prefill, self.slo
         )
         if route is None:
             return None

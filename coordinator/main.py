@@ -95,6 +95,14 @@ def build_parser() -> argparse.ArgumentParser:
     flag("--ttft-slo-ms", DEFAULT_SLO.ttft_s * 1000, float, "TTFT target adaptive placement uses")
     flag("--tpot-slo-ms", DEFAULT_SLO.tpot_s * 1000, float, "TPOT target adaptive placement uses")
     flag(
+        "--ttft-at-risk",
+        RoutingConfig.ttft_at_risk,
+        float,
+        "adaptive placement computes a prompt on its decode worker only when the prefill "
+        "side's predicted TTFT is above this fraction of the target (0: whenever that is "
+        "faster and the decode batch keeps its TPOT target)",
+    )
+    flag(
         "--kv-share",
         AdmissionConfig.kv_share,
         float,
@@ -220,6 +228,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     slo = Slo(ttft_s=args.ttft_slo_ms / 1000, tpot_s=args.tpot_slo_ms / 1000)
     if not 0 < args.kv_share <= 1:
         parser.error(f"--kv-share must be in (0, 1], not {args.kv_share}")
+    if not 0 <= args.ttft_at_risk <= 1:
+        parser.error(f"--ttft-at-risk must be in [0, 1], not {args.ttft_at_risk}")
     config = CoordinatorConfig(
         tenants=tenant_policy_or_exit(parser, args),
         model_name=model_name_of(model_path),
@@ -230,6 +240,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             local_prefill_max_tokens=args.local_prefill_max_tokens,
             mode=placement_mode_or_exit(parser, args.placement),
             slo=slo,
+            ttft_at_risk=args.ttft_at_risk,
         ),
         flow=FlowConfig(timeouts=AttemptTimeouts(prefill_s=args.prefill_timeout)),
         admission=AdmissionConfig(

@@ -26,15 +26,16 @@ that would push its batch past the TPOT target is not used while another one is 
 (The router never offers a request's own decode worker as a candidate: that is local.)
 
 ``PlacementMode.ADAPTIVE``: remote on the candidate with the lowest predicted TTFT while
-that meets ``AT_RISK`` of the TTFT target (a prompt computed elsewhere costs the decode batch
-nothing, so local has nothing to win then); otherwise local when it is predicted faster and
-keeps the decode batch within the TPOT target; otherwise that best remote.
+that meets ``ttft_at_risk`` (default ``AT_RISK``) of the TTFT target (a prompt computed
+elsewhere costs the decode batch nothing, so local has nothing to win then); otherwise local
+when it is predicted faster and keeps the decode batch within the TPOT target; otherwise that
+best remote.
 
 A decode worker that never prefilled has no prefill model of its own: it is assumed as fast
 as the prefill worker that has seen the most prompts (same model and layout), until its own
 local prefills teach it. Until the models adaptive needs are known (``StepCost.knows_*``:
 the decode worker's decode part, some candidate's prefill part), and in ``RULE`` mode (the
-default until a benchmark shows adaptive wins), the rule decides (``RuleConfig``): prompts
+default until a benchmark shows adaptive wins), the rule decides (``PlacementConfig``): prompts
 of at most ``local_prefill_max_tokens`` stay local, the rest go to the prefill worker with
 the fewest queued tokens after what it likely has cached. (The rule used to keep a prompt
 local when its part uncached *on the prefill worker* was short: a prompt seen before then
@@ -52,6 +53,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from splitserve.common.errors import InvalidRequestError
 from splitserve.common.step_cost import StepCost
 
 AT_RISK = 0.8
@@ -102,6 +104,38 @@ class Slo:
 
 
 @dataclass(frozen=True)
+class LatencyTargets:
+    """The targets a request asks for, milliseconds; None: the coordinator's. Raises
+    ``InvalidRequestError`` for a target that is not a positive finite number."""
+
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("ttft_ms", "tpot_ms"):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise InvalidRequestError(
+                    f"{name} must be a positive number of milliseconds, not {value}",
+                    f"latency_targets.{name}",
+                )
+
+    def slo(self, default: Slo) -> Slo:
+        """The ``Slo`` placement uses for this request: its TTFT target where it gave one;
+        its TPOT target only where tighter than ``default``'s, because placement guards the
+        TPOT of the whole decode batch it joins, whose other requests keep the default."""
+        ttft_s = default.ttft_s if self.ttft_ms is None else self.ttft_ms / 1000
+        tpot_s = (
+            default.tpot_s if self.tpot_ms is None else min(default.tpot_s, self.tpot_ms / 1000)
+        )
+        return Slo(ttft_s=ttft_s, tpot_s=tpot_s)
+
+
+NO_TARGETS = LatencyTargets()
+"""A request that asks for no targets of its own."""
+
+
+@dataclass(frozen=True)
 class DecodeView:
     """The decode worker the request will run on, as placement sees it."""
 
@@ -143,8 +177,12 @@ class PrefillView:
 
 
 @dataclass(frozen=True)
-class RuleConfig:
+class PlacementConfig:
     local_prefill_max_tokens: int = 0
+    """Rule and adaptive: a prompt of at most this many tokens stays on the decode worker."""
+    ttft_at_risk: float = AT_RISK
+    """Adaptive: a remote TTFT predicted above this fraction of the target is at risk (0: the
+    prompt goes to whichever side is predicted faster whenever local keeps the TPOT target)."""
 
 
 @dataclass(frozen=True)
@@ -178,7 +216,7 @@ def place(
     prefills: Sequence[PrefillView],
     slo: Slo,
     mode: PlacementMode,
-    rule: RuleConfig,
+    rule: PlacementConfig,
 ) -> Placement:
     """See the module docstring. ``prefills``: compatible candidates (may be empty)."""
     if not prefills:
@@ -236,7 +274,7 @@ def place(
         local_prefill_s / max(max_tokens, 1)
     )
     remote = Placement(best_remote, Reason.REMOTE_WITHIN_SLO, remote_ttft[best_remote], local_tpot)
-    if remote_ttft[best_remote] <= AT_RISK * slo.ttft_s:
+    if remote_ttft[best_remote] <= rule.ttft_at_risk * slo.ttft_s:
         return remote
     if local_ttft >= remote_ttft[best_remote]:
         return dataclasses.replace(remote, reason=Reason.REMOTE_FASTER)

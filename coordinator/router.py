@@ -28,12 +28,13 @@ from dataclasses import dataclass
 from splitserve.common.blocks import BlockHash, prompt_block_hashes
 from splitserve.common.membership import Role
 from splitserve.coordinator.placement import (
+    AT_RISK,
     DEFAULT_CHUNK_TOKENS,
     DecodeView,
     Placement,
+    PlacementConfig,
     PlacementMode,
     PrefillView,
-    RuleConfig,
     Slo,
     place,
 )
@@ -51,6 +52,8 @@ class RoutingConfig:
     mode: PlacementMode = PlacementMode.RULE
     slo: Slo = DEFAULT_SLO
     """Latency targets of requests that set none."""
+    ttft_at_risk: float = AT_RISK
+    """Adaptive placement: the fraction of the TTFT target above which a remote TTFT is at risk."""
 
 
 @dataclass(frozen=True)
@@ -238,7 +241,7 @@ class Router:
             prefill_share=decode.load.prefill_share,
             chunk_tokens=decode.load.prefill_chunk_tokens or DEFAULT_CHUNK_TOKENS,
         )
-        rule = RuleConfig(self.config.local_prefill_max_tokens)
+        rule = PlacementConfig(self.config.local_prefill_max_tokens, self.config.ttft_at_risk)
         return place(num_prompt_tokens, max_tokens, view, prefills, slo, self.config.mode, rule)
 
     def _queued_prefill_tokens(self, worker: WorkerRecord) -> int:

@@ -38,6 +38,7 @@ from splitserve.coordinator.admission import (
     WorkerCapacity,
 )
 from splitserve.coordinator.flow import FlowConfig, RequestFlow
+from splitserve.coordinator.placement import NO_TARGETS, LatencyTargets
 from splitserve.coordinator.registry import WorkerRegistry
 from splitserve.coordinator.router import Router, RoutingConfig
 from splitserve.coordinator.tenants import TenantPolicy
@@ -226,6 +227,7 @@ class Coordinator:
         caller: Caller = ANONYMOUS,
         continue_after: Sequence[int] = (),
         priority: int = 0,
+        targets: LatencyTargets = NO_TARGETS,
     ) -> AsyncIterator[tuple[RequestFlow, StreamChunk]]:
         """Stream a request's chunks (with its flow, for usage figures).
 
@@ -234,6 +236,8 @@ class Coordinator:
         ``caller``: who asks; the only one ``abort`` lets end the request.
         ``request_id``: the caller's; ids are scoped by tenant (``scoped_request_id``), so
         tenants never see each other's. ``priority``: admission order (``admission.py``).
+        ``targets``: the request's own latency targets for placing its prompt
+        (``LatencyTargets.slo``; the routing config's where it gives none).
         ``continue_after``: completion tokens another coordinator already streamed to the
         client (``RequestFlow.replay``); the stream carries only what follows them, unless
         they already finish the request (then one final chunk without text).
@@ -265,6 +269,7 @@ class Coordinator:
             self.router,
             self.channels,
             self.config.flow,
+            targets.slo(self.config.routing.slo),
         )
         self._running[request_id] = _Running(flow, caller)
         try:

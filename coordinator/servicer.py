@@ -20,6 +20,7 @@ from splitserve.common.output_processor import StreamChunk
 from splitserve.common.prompt import Prompt
 from splitserve.coordinator.flow import RequestFlow
 from splitserve.coordinator.metrics import CoordinatorMetrics
+from splitserve.coordinator.placement import LatencyTargets
 from splitserve.coordinator.service import Coordinator
 from splitserve.proto import convert
 from splitserve.proto.api_key_auth import caller_of
@@ -79,6 +80,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 caller=caller,
                 continue_after=convert.token_ids(request.continue_after.ids),
                 priority=request.priority,
+                targets=_targets_of(request),
             )
             async with contextlib.aclosing(stream):
                 async for flow, chunk in stream:
@@ -186,6 +188,13 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             eos_token_ids=[] if eos is None else [eos],
             dtype=decode[0].dtype if decode else "",
         )
+
+
+def _targets_of(request: coordinator_pb2.GenerateRequest) -> LatencyTargets:
+    """The request's latency targets; a target left 0 is the coordinator's. Raises
+    ``InvalidRequestError`` for a negative or non-finite one."""
+    targets = request.latency_targets
+    return LatencyTargets(ttft_ms=targets.ttft_ms or None, tpot_ms=targets.tpot_ms or None)
 
 
 def _prompt_of(request: coordinator_pb2.GenerateRequest) -> Prompt:

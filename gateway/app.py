@@ -39,7 +39,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from splitserve.client import AsyncClient, Chunk, ClientError, Finish, RetryPolicy
+from splitserve.client import (
+    AsyncClient,
+    Chunk,
+    ClientError,
+    Finish,
+    LatencyTargets,
+    RetryPolicy,
+)
 from splitserve.client.connection import aio_channel, call_metadata
 from splitserve.common.api_keys import ApiKeys
 from splitserve.common.metrics import RequestMetrics, RequestTimer
@@ -277,6 +284,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
             bool(body.stream),
             body.stream_options,
             body.priority or 0,
+            LatencyTargets(ttft_ms=body.ttft_slo_ms, tpot_ms=body.tpot_slo_ms),
         )
 
     @app.post(
@@ -307,6 +315,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
             bool(body.stream),
             body.stream_options,
             body.priority or 0,
+            LatencyTargets(ttft_ms=body.ttft_slo_ms, tpot_ms=body.tpot_slo_ms),
         )
 
     return app
@@ -353,6 +362,7 @@ async def _respond(
     stream: bool,
     stream_options: schemas.StreamOptions | None,
     priority: int,
+    targets: LatencyTargets,
 ) -> Response:
     assert gateway.metrics is not None  # set by check_model
     timer = gateway.metrics.start()
@@ -363,6 +373,7 @@ async def _respond(
         sampling=sampling,
         request_id=request_id,
         priority=priority,
+        targets=targets,
     )
     headers = {"x-request-id": request_id}
     try:

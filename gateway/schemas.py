@@ -72,6 +72,21 @@ class _SamplingFields(BaseModel):
         description="Admission order among waiting requests, higher first (default 0); at "
         "most the API key's tenant's max_priority.",
     )
+    # splitserve extensions
+    ttft_slo_ms: float | None = Field(
+        None,
+        gt=0.0,
+        allow_inf_nan=False,
+        description="This request's time-to-first-token target in ms, for where its prompt is "
+        "computed (adaptive placement); default: the coordinator's --ttft-slo-ms.",
+    )
+    tpot_slo_ms: float | None = Field(
+        None,
+        gt=0.0,
+        allow_inf_nan=False,
+        description="This request's time-per-output-token target in ms; it can only tighten "
+        "the coordinator's --tpot-slo-ms, which guards the decode batch it joins.",
+    )
 
 
 def unencodable_string_path(data: Any) -> str | None:

@@ -182,6 +182,15 @@ def test_nulls_defaults_and_vllm_extensions(served: Cluster, sdk: openai.OpenAI)
             json={"model": model, "messages": QUESTION, "min_tokens": 20, "stop": ["\n"]},
         )
         assert long.status_code == 200, long.text
+    # splitserve's own extension: the request's latency targets for placing its prompt
+    targeted = sdk.completions.create(
+        model=model,
+        prompt="Hello",
+        max_tokens=4,
+        temperature=0,
+        extra_body={"ttft_slo_ms": 500, "tpot_slo_ms": 40.5},
+    )
+    assert targeted.usage.completion_tokens == 4
     seeded = [
         sdk.completions.create(model=model, prompt="Hello", max_tokens=6, temperature=1.0, seed=-7)
         .choices[0]
@@ -225,7 +234,14 @@ def test_bad_requests_get_openai_errors(served: Cluster, sdk: openai.OpenAI) -> 
             json={"model": model, "prompt": "word " * 9000, "max_tokens": 4},
         )
         assert "context" in str(_error(oversize, 400)["message"])
-        for field, value in (("n", 2), ("temperature", -1), ("logit_bias", {"5": 1.0})):
+        refused = (
+            ("n", 2),
+            ("temperature", -1),
+            ("logit_bias", {"5": 1.0}),
+            ("ttft_slo_ms", 0),
+            ("tpot_slo_ms", -20),
+        )
+        for field, value in refused:
             response = http.post(
                 f"{url}/completions", json={"model": model, "prompt": "hi", field: value}
             )

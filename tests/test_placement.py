@@ -6,19 +6,22 @@ from __future__ import annotations
 
 import pytest
 
+from splitserve.common.errors import InvalidRequestError
 from splitserve.common.step_cost import MIN_STEPS, StepCost
 from splitserve.coordinator.placement import (
+    NO_TARGETS,
     DecodeView,
+    LatencyTargets,
+    PlacementConfig,
     PlacementMode,
     PrefillView,
     Reason,
-    RuleConfig,
     Slo,
     place,
 )
 
 SLO = Slo(ttft_s=2.0, tpot_s=0.05)
-RULE = RuleConfig(local_prefill_max_tokens=0)
+RULE = PlacementConfig(local_prefill_max_tokens=0)
 ONE_CORE = StepCost(
     decode_base_s=0.012,
     per_decode_seq_s=0.001,
@@ -54,7 +57,7 @@ def _place(
     mode: PlacementMode = PlacementMode.ADAPTIVE,
     prompt: int = 320,
     max_tokens: int = 96,
-    rule: RuleConfig = RULE,
+    rule: PlacementConfig = RULE,
 ):  # noqa: ANN202
     return place(prompt, max_tokens, decode, prefills, SLO, mode, rule)
 
@@ -78,7 +81,7 @@ def test_forced_modes_and_the_rule() -> None:
 
 
 def test_a_short_prompt_stays_local_in_rule_and_adaptive_modes() -> None:
-    rule = RuleConfig(local_prefill_max_tokens=64)
+    rule = PlacementConfig(local_prefill_max_tokens=64)
     for mode in (PlacementMode.RULE, PlacementMode.ADAPTIVE):
         placement = _place(_decode(), [_prefill("p")], mode, prompt=60, rule=rule)
         assert (placement.where, placement.reason) == ("local", Reason.SHORT_PROMPT)
@@ -200,3 +203,40 @@ def test_a_dual_role_candidate_counts_its_decode_batch_in_ttft_and_tpot() -> Non
     assert placement.prefill_worker_id == "slow-idle"
     placement = _place(_decode(running=8), [busy], max_tokens=16)
     assert placement.prefill_worker_id == "busy"  # no candidate within TPOT: the fastest
+
+
+def test_a_requests_own_targets_replace_ttft_and_only_tighten_tpot() -> None:
+    default = Slo(ttft_s=2.0, tpot_s=0.05)
+    assert NO_TARGETS.slo(default) == default
+    assert LatencyTargets(ttft_ms=500).slo(default) == Slo(ttft_s=0.5, tpot_s=0.05)
+    assert LatencyTargets(ttft_ms=30_000).slo(default).ttft_s == 30.0
+    # a looser TPOT target would let local prompts stall the batch it joins: not taken
+    assert LatencyTargets(tpot_ms=1000).slo(default).tpot_s == 0.05
+    assert LatencyTargets(tpot_ms=20).slo(default).tpot_s == pytest.approx(0.02)
+    # a relaxed TTFT target keeps a queued prompt remote where the default would take it local
+    queued = [_prefill("p", queued=1000)]
+    assert _place(_decode(running=2), queued).where == "local"
+    relaxed = LatencyTargets(ttft_ms=10_000).slo(SLO)
+    placement = place(320, 96, _decode(running=2), queued, relaxed, PlacementMode.ADAPTIVE, RULE)
+    assert (placement.where, placement.reason) == ("remote", Reason.REMOTE_WITHIN_SLO)
+
+
+@pytest.mark.parametrize("bad", [0.0, -5.0, float("nan"), float("inf")])
+def test_a_target_that_is_not_a_positive_number_is_refused(bad: float) -> None:
+    for name in ("ttft_ms", "tpot_ms"):
+        with pytest.raises(InvalidRequestError) as error:
+            LatencyTargets(**{name: bad})
+        assert error.value.param == f"latency_targets.{name}"
+
+
+def test_with_no_ttft_margin_adaptive_takes_the_faster_side_within_tpot() -> None:
+    """``ttft_at_risk=0``: a prompt goes local whenever that is predicted faster and keeps
+    the batch's TPOT, not only once remote TTFT is at risk."""
+    queued = [_prefill("p", queued=200)]  # remote ~1.06 s: well within 0.8 of 2 s
+    assert _place(_decode(running=2), queued).reason is Reason.REMOTE_WITHIN_SLO
+    eager = PlacementConfig(ttft_at_risk=0.0)
+    placement = _place(_decode(running=2), queued, rule=eager)
+    assert (placement.where, placement.reason) == ("local", Reason.LOCAL_FASTER)
+    # nothing queued anywhere: local is no faster, and a full batch is still guarded
+    assert _place(_decode(), [_prefill("p")], rule=eager).reason is Reason.REMOTE_FASTER
+    assert _place(_decode(running=30), queued, rule=eager).reason is Reason.TPOT_GUARD

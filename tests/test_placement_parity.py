@@ -16,10 +16,11 @@ import contextlib
 import time
 import urllib.request
 
+import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from splitserve.client import AsyncClient, Sampling
+from splitserve.client import AsyncClient, ClientError, LatencyTargets, Sampling
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.checkpoint import LoadedCheckpoint
 from tests.cluster import assert_all_free, internal_address, running, wait_until_idle, worker_loads
@@ -78,14 +79,18 @@ def _coordinators(
     return addresses, metrics
 
 
-async def _generate(address: str, rounds: int) -> list[tuple[int, ...]]:
-    """Every prompt, one at a time, ``rounds`` times (later rounds: the models are known)."""
+async def _generate(
+    address: str, rounds: int, targets: LatencyTargets | None = None
+) -> list[tuple[int, ...]]:
+    """Every prompt, one at a time, ``rounds`` times (later rounds: the models are known),
+    each asking for ``targets``."""
     sampling = Sampling(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     outputs = []
     async with AsyncClient(address) as client:
         for _ in range(rounds):
             for prompt in PROMPTS:
-                outputs.append((await client.generate(prompt, sampling=sampling)).token_ids)
+                generation = await client.generate(prompt, sampling=sampling, targets=targets)
+                outputs.append(generation.token_ids)
     return outputs
 
 
@@ -119,6 +124,17 @@ def test_every_placement_gives_the_reference_tokens(
         }, adaptive
         # the prefill worker's steps also push KV: the decode worker is predicted faster
         assert adaptive.get(("local", "local_faster"), 0) > 0, adaptive
+
+        # a request's own TTFT target (10 minutes) replaces the coordinator's 1 ms: no remote
+        # prefill is at risk, so every prompt stays there; a negative target is refused
+        relaxed = LatencyTargets(ttft_ms=600_000)
+        assert asyncio.run(_generate(addresses["adaptive"], 1, relaxed)) == expected
+        after = _placements(metrics["adaptive"])
+        assert after.get(("remote", "remote_within_slo"), 0) == len(PROMPTS), after
+        with pytest.raises(ClientError) as refused:
+            asyncio.run(_generate(addresses["adaptive"], 1, LatencyTargets(tpot_ms=-1)))
+        assert refused.value.code is grpc.StatusCode.INVALID_ARGUMENT
+        assert "tpot_ms" in refused.value.message
 
         loads = wait_until_idle(addresses["local"], 2)
         assert_all_free(loads, 2)
