@@ -64,8 +64,6 @@ SPLITSERVE_FLAGS = {
     "splitserve-shared-cores": ["--no-pin", "--placement=adaptive"],
     "splitserve-eager": ["--placement=adaptive"],
 }
-SPLITSERVE_ENV = {"splitserve-eager": {"SPLITSERVE_TTFT_AT_RISK": "0"}}
-"""Coordinator flags ``up`` does not take, through their environment twins."""
 """splitserve's configurations: ``splitserve`` is ``make serve``'s (1 prefill + 1 decode worker,
 a core each, adaptive placement); ``-remote`` / ``-local`` force where every prompt runs;
 ``-dual`` is two dual-role workers (``splitserve worker --roles prefill,decode``), a core
@@ -74,6 +72,8 @@ with a thread per core, so a prompt may use both cores while the decode worker i
 ``-eager`` is ``make serve``'s with ``--ttft-at-risk 0``: a prompt goes to the decode worker
 whenever that is predicted faster and keeps the batch's TPOT target, not only once the
 prefill side puts the TTFT target at risk."""
+SPLITSERVE_ENV = {"splitserve-eager": {"SPLITSERVE_TTFT_AT_RISK": "0"}}
+"""Coordinator flags ``up`` does not take, through their environment twins."""
 
 
 def log(message: str) -> None:

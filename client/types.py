@@ -23,7 +23,8 @@ class LatencyTargets:
     """A request's own latency targets, milliseconds, for where its prompt is computed (the
     coordinator's adaptive placement); mirrors ``coordinator_pb2.LatencyTargets``. None takes
     the coordinator's target; the TPOT target can only tighten it (it guards the whole decode
-    batch the request joins). Validated by the server: INVALID_ARGUMENT unless positive."""
+    batch the request joins). None or 0 asks for the coordinator's; the server refuses a
+    negative or non-finite target with INVALID_ARGUMENT."""
 
     ttft_ms: float | None = None
     tpot_ms: float | None = None

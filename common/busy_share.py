@@ -3,7 +3,9 @@
 ``DecayingShare`` answers "of the last ``time_constant_s`` or so, what fraction went to prompt
 tokens?": each observation adds the seconds spent, and both those seconds and the wall time
 elapsed are weighted by ``exp(-age / time_constant_s)``. Idle time counts as elapsed, so a
-worker that stops prefilling sees its share fall back towards 0.
+worker that stops prefilling sees its share fall back towards 0 whenever it is read. (An
+engine reads it into its load figures after each command and step: an idle engine's
+reported share is the one of its last activity, which errs towards keeping prompts off it.)
 
 Placement reads a decode worker's prefill share to predict what the prompts it computes itself
 cost its decode batch in steady state (``coordinator/placement.py``): a running request's steps
@@ -14,8 +16,8 @@ from __future__ import annotations
 
 import math
 
-MAX_SHARE = 0.95
-"""A share is reported at most this (the decode steps still run between prompt chunks)."""
+MAX_SHARE = 1.0
+"""A share is a fraction of wall time: at most 1, whatever a clock glitch makes the sums."""
 
 
 class DecayingShare:

@@ -25,8 +25,8 @@ class EngineLoad:
     step_cost: StepCost = field(default_factory=StepCost)
     """The engine's step-time model, learned from its own steps (``common/step_cost.py``)."""
     prefill_share: float = 0.0
-    """Of the last ten seconds or so of wall time, the fraction its steps spent on prompt
-    tokens (``common/busy_share.py``)."""
+    """Of the last ten seconds or so of wall time before its last command or step, the
+    fraction its steps spent on prompt tokens (``common/busy_share.py``)."""
     prefill_chunk_tokens: int = 0
     """Prompt tokens it computes per step at most (its ``--max-num-batched-tokens``); 0:
     not reported."""

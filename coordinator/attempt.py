@@ -167,7 +167,8 @@ class Attempt:
         tasks = [asyncio.create_task(self._read_decode(call))]
         started = stage_start = self._started = time.monotonic()
         if self.route.prefill is None:  # the decode worker computes the prompt itself
-            self._local_prompt.enter_context(self._router.prefilling(decode, len(self._prompt)))
+            computed = len(self._prompt) + len(self._prior_output)  # a resume recomputes both
+            self._local_prompt.enter_context(self._router.prefilling(decode, computed))
         with self._router.decoding(decode), self._local_prompt:
             try:
                 while self.state is not AttemptState.ENDED:

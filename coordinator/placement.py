@@ -15,8 +15,9 @@ to the decode worker ("remote"), or on the decode worker itself, chunked into it
 - the TPOT that local prefill gives the decode batch, in steady state: its decode step with
   this request added, stretched by the share of the decode worker's time that prompts already
   take (``d.prefill_share``: a running request lives through every prompt computed there
-  during its life, so its mean inter-token time is ``step / (1 - share)``), plus this
-  prompt's time spread over ``max_tokens`` tokens (about the output it shares it with).
+  during its life, so its mean inter-token time is ``step / (1 - share)``), plus the time of
+  its queued prompts and this one spread over ``max_tokens`` tokens (about the output this
+  request shares it with).
 
 A dual-role candidate (a worker that decodes too, ``PrefillView.decodes``) computes the prompt
 in chunks inside its own decode batch: its remote TTFT adds one of its batch steps per chunk,
@@ -57,11 +58,13 @@ from splitserve.common.errors import InvalidRequestError
 from splitserve.common.step_cost import StepCost
 
 AT_RISK = 0.8
+"""By default a remote TTFT predicted above this fraction of the target is at risk
+(predictions err)."""
 DEFAULT_CHUNK_TOKENS = 2048
 """The engine's default prompt tokens per step, for a worker that does not report its own."""
 MAX_PREFILL_SHARE = 0.9
-"""Placement counts a decode worker's prompt share as at most this (its steps still run)."""
-"""A remote TTFT predicted above this fraction of the target is at risk (predictions err)."""
+"""Placement counts a worker's prompt share as at most this (a batch stretched tenfold is
+past any target already); a share that is not a finite number counts as this too."""
 
 
 class PlacementMode(enum.StrEnum):
@@ -158,7 +161,8 @@ class PrefillView:
     worker_id: str
     cost: StepCost
     queued_tokens: int
-    """Prompt tokens queued there: reported by the worker plus sent by this coordinator."""
+    """Prompt tokens queued there: the more of what the worker reported and what this
+    coordinator sent there unanswered."""
     cached_tokens: int
     """Of this prompt, the tokens it likely has cached."""
     batch_requests: int = 0
@@ -205,6 +209,8 @@ class Placement:
 def steady_tpot_s(step_s: float, prefill_share: float) -> float:
     """The mean inter-token time of a batch whose decode steps take ``step_s`` on a worker
     that spends ``prefill_share`` of its time on prompts (capped at ``MAX_PREFILL_SHARE``)."""
+    if not math.isfinite(prefill_share):  # a worker's report: never trusted to lower the guard
+        prefill_share = MAX_PREFILL_SHARE
     share = min(max(prefill_share, 0.0), MAX_PREFILL_SHARE)
     return step_s / (1.0 - share)
 
@@ -216,7 +222,7 @@ def place(
     prefills: Sequence[PrefillView],
     slo: Slo,
     mode: PlacementMode,
-    rule: PlacementConfig,
+    config: PlacementConfig,
 ) -> Placement:
     """See the module docstring. ``prefills``: compatible candidates (may be empty)."""
     if not prefills:
@@ -226,7 +232,7 @@ def place(
         return Placement(None, Reason.FORCED)
     if mode is PlacementMode.REMOTE:
         return Placement(by_queue.worker_id, Reason.FORCED)
-    if num_prompt_tokens <= rule.local_prefill_max_tokens:
+    if num_prompt_tokens <= config.local_prefill_max_tokens:
         # the whole prompt: what the decode worker has cached is not known here (a prompt a
         # prefill worker has cached is cheapest there, so its cache does not count)
         return Placement(None, Reason.SHORT_PROMPT)
@@ -274,7 +280,7 @@ def place(
         local_prefill_s / max(max_tokens, 1)
     )
     remote = Placement(best_remote, Reason.REMOTE_WITHIN_SLO, remote_ttft[best_remote], local_tpot)
-    if remote_ttft[best_remote] <= rule.ttft_at_risk * slo.ttft_s:
+    if remote_ttft[best_remote] <= config.ttft_at_risk * slo.ttft_s:
         return remote
     if local_ttft >= remote_ttft[best_remote]:
         return dataclasses.replace(remote, reason=Reason.REMOTE_FASTER)

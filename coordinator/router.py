@@ -241,16 +241,23 @@ class Router:
             prefill_share=decode.load.prefill_share,
             chunk_tokens=decode.load.prefill_chunk_tokens or DEFAULT_CHUNK_TOKENS,
         )
-        rule = PlacementConfig(self.config.local_prefill_max_tokens, self.config.ttft_at_risk)
-        return place(num_prompt_tokens, max_tokens, view, prefills, slo, self.config.mode, rule)
+        config = PlacementConfig(self.config.local_prefill_max_tokens, self.config.ttft_at_risk)
+        return place(num_prompt_tokens, max_tokens, view, prefills, slo, self.config.mode, config)
 
     def _queued_prefill_tokens(self, worker: WorkerRecord) -> int:
         """Prompt tokens queued on ``worker``: what it reported, or what this coordinator has
         sent there and not seen answered, whichever is more. (Not their sum: a prompt the
         worker has taken is in both until it is answered, and counting it twice made a
-        prefill worker look twice as far behind as it was.) Another coordinator's prompts
-        sent since the worker's last report are missed."""
-        sent = self._pending[worker.worker_id].num_prefill_tokens
+        prefill worker look twice as far behind as it was.) What this coordinator sent
+        counts over every member at the worker's address: a dual-role worker's prefill and
+        decode members share one engine. With several coordinators, prompts sent since the
+        worker's last report are missed when its report is the larger figure."""
+        sent = sum(
+            pending.num_prefill_tokens
+            for worker_id, pending in self._pending.items()
+            if (member := self.registry.get(worker_id)) is not None
+            and member.address == worker.address
+        )
         return max(worker.load.num_pending_prefill_tokens, sent)
 
     def _memory(self, worker_id: str) -> PrefixMemory:

@@ -126,9 +126,9 @@ class AsyncEngine:
 
         def dropped(reason: BaseException | None) -> None:  # engine thread
             if reason is None:  # aborted while waiting: the submitter sees a cancellation
-                loop.call_soon_threadsafe(accepted.cancel)
+                _call_soon(loop, accepted.cancel)
             else:
-                loop.call_soon_threadsafe(_settle, accepted, reason, None)
+                _call_soon(loop, _settle, accepted, reason, None)
 
         def add() -> None:
             try:
@@ -138,7 +138,7 @@ class AsyncEngine:
                     return
                 self.core.add_request(request_id, prompt_token_ids, params, prior_output_token_ids)
             except BaseException as error:  # reported to the caller, engine goes on
-                loop.call_soon_threadsafe(_settle, accepted, error, None)
+                _call_soon(loop, _settle, accepted, error, None)
                 return
             self._streams[request_id] = stream
             self._tell_after_refresh(loop, accepted, None, None)
@@ -303,9 +303,7 @@ class AsyncEngine:
         just did (engine thread only; a refresh follows every command batch and every serving
         of the reservation queue): whoever awaited a command, a submit or a grant and then
         reads the load sees its effect."""
-        self._after_refresh.append(
-            lambda: loop.call_soon_threadsafe(_settle, future, error, result)
-        )
+        self._after_refresh.append(lambda: _call_soon(loop, _settle, future, error, result))
 
     def _refresh_load(self) -> None:
         """``latest_load`` from the core; reservations waiting for blocks count as waiting."""
@@ -316,10 +314,7 @@ class AsyncEngine:
         self.latest_load = load
         notices, self._after_refresh = self._after_refresh, []
         for notice in notices:
-            try:
-                notice()
-            except RuntimeError:  # its caller's event loop is closed: no one is waiting
-                logger.debug("a result was not delivered: its event loop is closed")
+            notice()
 
     def step_running_s(self) -> float:
         """Seconds the step now running has taken; 0 between steps. Any thread: a stuck
@@ -400,6 +395,17 @@ class RequestStream:
         finally:
             if not finished:
                 self._engine.abort(self.request_id)
+
+
+def _call_soon(
+    loop: asyncio.AbstractEventLoop, callback: Callable[..., object], *args: object
+) -> None:
+    """``loop.call_soon_threadsafe`` from the engine thread; a caller whose event loop has
+    closed is waiting for nothing, and must not stop the engine thread."""
+    try:
+        loop.call_soon_threadsafe(callback, *args)
+    except RuntimeError:  # the event loop was closed
+        logger.debug("a result was not delivered: its event loop is closed")
 
 
 def _settle(future: asyncio.Future[T], error: BaseException | None, result: T) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from collections.abc import Coroutine
 from typing import Any
 
@@ -185,22 +184,22 @@ def test_the_engine_outlives_a_callers_closed_event_loop(served) -> None:
     gave up and closed its loop meanwhile must not stop the engine thread (it did: the
     notice raised 'Event loop is closed' on that thread)."""
     _, engine = served
-    started = threading.Event()
+    started, release = threading.Event(), threading.Event()
 
-    def slow(core: object) -> int:
+    def held(core: object) -> int:
         started.set()
-        time.sleep(0.2)  # the caller's loop closes while this runs
+        assert release.wait(30)  # returns only once the caller's loop is closed
         return 1
 
     loop = asyncio.new_event_loop()
-    task = loop.create_task(engine.call(slow))
+    task = loop.create_task(engine.call(held))
     while not started.is_set():
         loop.run_until_complete(asyncio.sleep(0.01))
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         loop.run_until_complete(task)
     loop.close()
-    time.sleep(0.4)  # the result reaches the closed loop
+    release.set()  # its result now goes to the closed loop
 
     async def still_serving() -> tuple[int, list[int]]:
         answer = await engine.call(lambda core: 42)

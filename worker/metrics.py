@@ -8,8 +8,8 @@ thread. Transfer figures are recorded by the prefill and decode domain objects.
 Names (prefix ``splitserve_``; labels ``model_name``, ``role``):
 - ``num_requests_running`` / ``num_requests_waiting`` (gauges), ``num_requests_reserved``
   (requests holding blocks for KV being pushed), ``kv_cache_usage_perc`` (0..1),
-  ``prefill_time_share`` (0..1: of the last ten seconds or so, the engine's time on prompt
-  tokens; ``common/busy_share.py``);
+  ``prefill_time_share`` (0..1: of the ten seconds or so before its last command or step,
+  the engine's time on prompt tokens; ``common/busy_share.py``);
 - ``prefix_cache_queries_total`` / ``prefix_cache_hits_total`` (tokens),
   ``num_preemptions_total``, ``prompt_tokens_total`` (prompt tokens computed here),
   ``generation_tokens_total`` (tokens sampled here);
@@ -145,7 +145,8 @@ class _EngineCollector(Collector):
             ("kv_cache_usage_perc", "KV-cache usage; 1 means 100 percent.", usage),
             (
                 "prefill_time_share",
-                "Fraction of the last ten seconds or so its steps spent on prompt tokens.",
+                "Fraction of the ten seconds or so before its last command or step that its "
+                "steps spent on prompt tokens.",
                 load.prefill_share,
             ),
         )
