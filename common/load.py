@@ -6,6 +6,10 @@ from dataclasses import dataclass, field
 
 from splitserve.common.step_cost import StepCost
 
+DEFAULT_PREFILL_CHUNK_TOKENS = 2048
+"""An engine's prompt tokens per step unless configured (``SchedulerConfig``), and what a
+coordinator assumes for a worker whose load does not report its own (an older worker)."""
+
 
 @dataclass(frozen=True)
 class EngineLoad:
@@ -30,6 +34,11 @@ class EngineLoad:
     prefill_chunk_tokens: int = 0
     """Prompt tokens it computes per step at most (its ``--max-num-batched-tokens``); 0:
     not reported."""
+
+    @property
+    def chunk_tokens(self) -> int:
+        """``prefill_chunk_tokens``, or the default where the worker reported none."""
+        return self.prefill_chunk_tokens or DEFAULT_PREFILL_CHUNK_TOKENS
 
     @property
     def num_free_blocks(self) -> int:

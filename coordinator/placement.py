@@ -55,13 +55,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from splitserve.common.errors import InvalidRequestError
+from splitserve.common.load import DEFAULT_PREFILL_CHUNK_TOKENS
 from splitserve.common.step_cost import StepCost
 
 AT_RISK = 0.8
 """By default a remote TTFT predicted above this fraction of the target is at risk
 (predictions err)."""
-DEFAULT_CHUNK_TOKENS = 2048
-"""The engine's default prompt tokens per step, for a worker that does not report its own."""
 MAX_PREFILL_SHARE = 0.9
 """Placement counts a worker's prompt share as at most this (a batch stretched tenfold is
 past any target already); a share that is not a finite number counts as this too."""
@@ -150,7 +149,7 @@ class DecodeView:
     """Prompt tokens it still has to compute (its own local prefills)."""
     prefill_share: float = 0.0
     """The fraction of its recent wall time its steps spent on prompt tokens (< 1)."""
-    chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS
     """Prompt tokens it computes per step at most (its ``--max-num-batched-tokens``)."""
 
 
@@ -170,7 +169,7 @@ class PrefillView:
     computed there shares its steps with; 0 for a prefill-only worker."""
     batch_tokens: int = 0
     """The KV that batch attends over per step."""
-    chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS
     """Prompt tokens it computes per step at most."""
     prefill_share: float = 0.0
     """The fraction of its recent wall time spent on prompt tokens (counts for its batch)."""

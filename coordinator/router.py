@@ -29,7 +29,6 @@ from splitserve.common.blocks import BlockHash, prompt_block_hashes
 from splitserve.common.membership import Role
 from splitserve.coordinator.placement import (
     AT_RISK,
-    DEFAULT_CHUNK_TOKENS,
     DecodeView,
     Placement,
     PlacementConfig,
@@ -228,7 +227,7 @@ class Router:
                 cached_tokens=self._memory(w.worker_id).overlap_blocks(hashes) * w.block_size,
                 batch_requests=w.load.num_running_requests if w.address in decoding_at else 0,
                 batch_tokens=w.load.num_running_tokens if w.address in decoding_at else 0,
-                chunk_tokens=w.load.prefill_chunk_tokens or DEFAULT_CHUNK_TOKENS,
+                chunk_tokens=w.load.chunk_tokens,
                 prefill_share=w.load.prefill_share,
             )
             for w in candidates
@@ -239,7 +238,7 @@ class Router:
             running_tokens=decode.load.num_running_tokens,
             queued_tokens=self._queued_prefill_tokens(decode),
             prefill_share=decode.load.prefill_share,
-            chunk_tokens=decode.load.prefill_chunk_tokens or DEFAULT_CHUNK_TOKENS,
+            chunk_tokens=decode.load.chunk_tokens,
         )
         config = PlacementConfig(self.config.local_prefill_max_tokens, self.config.ttft_at_risk)
         return place(num_prompt_tokens, max_tokens, view, prefills, slo, self.config.mode, config)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from splitserve.common.errors import InvalidRequestError
+from splitserve.common.load import DEFAULT_PREFILL_CHUNK_TOKENS
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -58,7 +59,7 @@ class CacheConfig:
 class SchedulerConfig:
     """Per-step token budget and concurrency."""
 
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS
     """Token budget of one step: decode tokens plus prefill chunk tokens."""
     max_num_seqs: int = 256
     """Most requests in the running batch."""
