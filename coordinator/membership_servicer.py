@@ -14,7 +14,7 @@ import grpc
 
 from splitserve.common.errors import InvalidRequestError
 from splitserve.coordinator.dial_check import DialCheck
-from splitserve.coordinator.registry import WorkerRecord, WorkerRegistry, record_of
+from splitserve.coordinator.registry import WorkerRecord, WorkerRegistry, record_of, routable
 from splitserve.proto import convert
 from splitserve.proto.splitserve.v1 import coordinator_pb2, coordinator_pb2_grpc, worker_pb2
 from splitserve.proto.status import abort_with
@@ -68,10 +68,11 @@ class MembershipServicer(coordinator_pb2_grpc.MembershipServicer):
         self, request: coordinator_pb2.ListWorkersRequest, context: grpc.aio.ServicerContext
     ) -> coordinator_pb2.ListWorkersResponse:
         records = self._registry.workers(healthy_only=False)
-        return coordinator_pb2.ListWorkersResponse(workers=[_status(r) for r in records])
+        now = time.monotonic()
+        return coordinator_pb2.ListWorkersResponse(workers=[_status(r, now) for r in records])
 
 
-def _status(record: WorkerRecord) -> coordinator_pb2.WorkerStatus:
+def _status(record: WorkerRecord, now: float) -> coordinator_pb2.WorkerStatus:
     return coordinator_pb2.WorkerStatus(
         worker=worker_pb2.WorkerInfo(
             worker_id=record.worker_id,
@@ -81,5 +82,6 @@ def _status(record: WorkerRecord) -> coordinator_pb2.WorkerStatus:
             max_model_len=record.max_model_len,
         ),
         load=convert.load_to_proto(record.load, ready=record.healthy),
-        ms_since_heartbeat=int((time.monotonic() - record.last_seen) * 1000),
+        ms_since_heartbeat=int((now - record.last_seen) * 1000),
+        routable=routable(record, now),
     )

@@ -39,6 +39,12 @@ class WorkerRecord:
     would fail every first attempt)."""
 
 
+def routable(record: WorkerRecord, now: float) -> bool:
+    """Whether requests may be routed to the worker now: dialled, healthy and not held off by
+    its circuit breaker."""
+    return record.dialled and record.healthy and record.breaker.allows(now)
+
+
 def record_of(info: WorkerInfo, dialled: bool = True) -> WorkerRecord:
     """A fresh registry record for a worker that just registered (no load reported yet);
     ``dialled=False``: not routed to until ``WorkerRegistry.mark_dialled``."""
@@ -120,12 +126,11 @@ class WorkerRegistry:
     def workers(
         self, role: Role | None = None, healthy_only: bool = True, now: float | None = None
     ) -> list[WorkerRecord]:
-        """Workers of ``role`` (any when None); with ``healthy_only``, those routable now:
-        dialled, healthy and not held off by their circuit breaker."""
+        """Workers of ``role`` (any when None); with ``healthy_only``, those routable now
+        (``routable``)."""
         now = time.monotonic() if now is None else now
         return [
             w
             for w in self._workers.values()
-            if (role is None or w.role is role)
-            and (not healthy_only or (w.dialled and w.healthy and w.breaker.allows(now)))
+            if (role is None or w.role is role) and (not healthy_only or routable(w, now))
         ]

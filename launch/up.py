@@ -52,6 +52,7 @@ from splitserve.common.env_flags import env_name
 from splitserve.coordinator import INTERNAL_READY, PUBLIC_READY
 from splitserve.discovery.flags import add_membership_args, etcd_endpoints
 from splitserve.launch.child_process import ReadyError
+from splitserve.launch.members import wait_for_members
 from splitserve.launch.supervisor import READY_TIMEOUT_S, Stopped, Supervisor, say
 from splitserve.proto.cluster_auth import TOKEN_ENV, ClusterCredential
 from splitserve.proto.server import wait_for_health
@@ -210,6 +211,15 @@ def worker_argvs(
     return workers
 
 
+def member_ids(worker_names: Sequence[str]) -> list[str]:
+    """The membership ids of the workers ``worker_argvs`` names: a worker's name is its
+    ``--worker-id``; a dual-role one registers twice, as ``<id>-prefill`` and ``<id>-decode``."""
+    ids = []
+    for name in worker_names:
+        ids += [f"{name}-prefill", f"{name}-decode"] if name.startswith("dual-") else [name]
+    return ids
+
+
 def gateway_argv(args: argparse.Namespace, coordinator: str) -> list[str]:
     """Module and flags of the gateway."""
     argv = ["splitserve.gateway.main", f"--coordinator={coordinator}", f"--host={args.host}"]
@@ -245,11 +255,13 @@ async def _start_all(
     args: argparse.Namespace,
     worker_args: list[str],
     stop: asyncio.Event,
+    credential: ClusterCredential,
     tls: TlsConfig | None,
 ) -> str:
     """Start every child in order, each once the previous ones are ready; the coordinators'
-    public addresses, comma-separated. Ports asked for as 0 are pinned to those the first run
-    got, for restarts."""
+    public addresses, comma-separated, once every coordinator routes to every worker
+    (``launch/members.py``). Ports asked for as 0 are pinned to those the first run got, for
+    restarts."""
     publics, internals = [], []
     for index in range(args.coordinators):
         name = "coordinator" if args.coordinators == 1 else f"coordinator-{index}"
@@ -260,11 +272,15 @@ async def _start_all(
         coordinator.pin("--port", _port_of(publics[-1]))
         coordinator.pin("--internal-port", _port_of(internals[-1]))
     internal = ",".join(internals)
-    workers = [children.start(n, argv) for n, argv in worker_argvs(args, internal, worker_args)]
+    worker_specs = worker_argvs(args, internal, worker_args)
+    workers = [children.start(name, argv) for name, argv in worker_specs]
     for worker in workers:
         await children.wait_ready(worker, stop)
     for public in publics:
         await wait_for_health(public, READY_TIMEOUT_S, tls=tls)
+    members = member_ids([name for name, _ in worker_specs])
+    for internal_address in internals:
+        await wait_for_members(internal_address, members, READY_TIMEOUT_S, credential, tls)
     address = ",".join(publics)
     if not args.no_gateway:
         gateway = children.start("gateway", gateway_argv(args, address))
@@ -281,6 +297,7 @@ async def _run(
     args: argparse.Namespace,
     worker_args: list[str],
     env: dict[str, str],
+    credential: ClusterCredential,
     tls: TlsConfig | None,
 ) -> int:
     loop = asyncio.get_running_loop()
@@ -291,7 +308,7 @@ async def _run(
         loop, env, restart=not args.no_restart, drain_timeout_s=args.drain_timeout
     )
     try:
-        address = await _start_all(children, args, worker_args, stop, tls)
+        address = await _start_all(children, args, worker_args, stop, credential, tls)
         say(f"splitserve up: {layout_summary(args)}")
         say(f"splitserve ready at {address}")
         await children.supervise(stop)
@@ -301,7 +318,7 @@ async def _run(
     except ReadyError as error:  # a first start failed: nothing to supervise
         say(f"splitserve up: {error.summary}", file=sys.stderr)
         status = 1
-    except TimeoutError as error:  # the coordinator's health
+    except TimeoutError as error:  # the coordinator's health or its members
         say(f"splitserve up: {error}", file=sys.stderr)
         status = 1
     if not await children.stop_all():
@@ -330,7 +347,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     tls = tls_or_exit(parser, args)
     api_keys_or_exit(parser, args)  # a bad key or file stops up before any child starts
     env = children_env(args, credential, tls, dict(os.environ))
-    return asyncio.run(_run(args, worker_args, env, tls))
+    return asyncio.run(_run(args, worker_args, env, credential, tls))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""Typed client of the coordinator's membership calls (``RegisterWorker``, ``Heartbeat``):
-the only code on a worker that builds or reads their proto messages. A failed call raises
+"""Typed client of the coordinator's membership calls (``RegisterWorker``, ``Heartbeat``,
+``LeaveCluster``, ``ListWorkers``): the only code outside the coordinator that builds or
+reads their proto messages. A failed call raises
 the domain error ``status.error_from_rpc`` maps it to."""
 
 from __future__ import annotations
@@ -49,3 +50,13 @@ class MembershipClient:
             self._stub.LeaveCluster(request, timeout=timeout_s, metadata=self._metadata)
         )
         return reply.known
+
+    async def routable_members(self, timeout_s: float) -> frozenset[str]:
+        """The ids of the workers the coordinator routes requests to now (``ListWorkers``:
+        registered, dialled back, healthy, circuit closed)."""
+        reply = await call_internal(
+            self._stub.ListWorkers(
+                coordinator_pb2.ListWorkersRequest(), timeout=timeout_s, metadata=self._metadata
+            )
+        )
+        return frozenset(s.worker.worker_id for s in reply.workers if s.routable)

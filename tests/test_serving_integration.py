@@ -23,7 +23,14 @@ from splitserve.proto.splitserve.v1 import (
     worker_pb2,
     worker_pb2_grpc,
 )
-from tests.cluster import CREDENTIAL, assert_all_free, cluster, running, wait_until_idle
+from tests.cluster import (
+    CREDENTIAL,
+    assert_all_free,
+    cluster,
+    internal_address,
+    running,
+    wait_until_idle,
+)
 
 WORKER_FLAGS = ("--dtype=float32", "--num-blocks=400", "--threads=1")
 PROMPTS = [
@@ -74,6 +81,9 @@ def test_disaggregated_equals_colocated_and_frees_every_block() -> None:
         assert_all_free(wait_until_idle(colocated, 1), 1)
 
     with cluster(1, 1, *WORKER_FLAGS) as disaggregated:
+        # up says ready only once the coordinator routes to every worker it started: a
+        # request sent right away may use the prefill worker
+        assert routable_members(disaggregated) == {"prefill-0", "decode-1"}
         results = asyncio.run(_generate_all(disaggregated, requests))
         assert [tokens for tokens, _ in results] == expected
         for (tokens, last), prompt in zip(results, PROMPTS, strict=True):
@@ -102,6 +112,15 @@ def test_disaggregated_equals_colocated_and_frees_every_block() -> None:
         asyncio.run(_cancel_mid_stream(disaggregated))
         asyncio.run(_bad_requests_do_not_disturb_others(disaggregated))
         assert_all_free(wait_until_idle(disaggregated, 2), 2)
+
+
+def routable_members(address: str) -> set[str]:
+    """The workers the coordinator at ``address`` routes to now, by its ``ListWorkers``."""
+    with grpc.insecure_channel(internal_address(address)) as channel:
+        listing = coordinator_pb2_grpc.MembershipStub(channel).ListWorkers(
+            coordinator_pb2.ListWorkersRequest(), timeout=10, metadata=CREDENTIAL.metadata
+        )
+    return {status.worker.worker_id for status in listing.workers if status.routable}
 
 
 async def _cancel_mid_stream(address: str) -> None:

@@ -10,9 +10,11 @@ from splitserve.launch.up import (
     coordinator_argv,
     gateway_argv,
     layout_summary,
+    member_ids,
     worker_argvs,
 )
 from splitserve.worker.main import roles_of
+from splitserve.worker.runtime import role_worker_id
 
 
 def _children(*flags: str) -> tuple[list[str], list[list[str]], list[str]]:
@@ -62,3 +64,18 @@ def test_the_worker_command_reads_its_roles() -> None:
     for bad in ("", "prefill,prefill", "encode", "decode,router"):
         with pytest.raises(ValueError, match="--roles"):
             roles_of(bad)
+
+
+def test_up_waits_for_the_member_ids_its_workers_register_under() -> None:
+    args = build_parser().parse_args(["--prefill=1", "--decode=1", "--dual=1"])
+    registered = []
+    for _, argv in worker_argvs(args, "127.0.0.1:50052", []):
+        (worker_id,) = [f.split("=", 1)[1] for f in argv if f.startswith("--worker-id=")]
+        (roles_flag,) = [f.split("=", 1)[1] for f in argv if f.startswith("--roles=")] or [
+            argv[0].split(".")[1]  # splitserve.<role>.main
+        ]
+        roles = roles_of(roles_flag)
+        registered += [role_worker_id(worker_id, role, roles) for role in roles]
+    names = [name for name, _ in worker_argvs(args, "127.0.0.1:50052", [])]
+    assert member_ids(names) == registered
+    assert registered == ["prefill-0", "decode-1", "dual-2-prefill", "dual-2-decode"]

@@ -163,14 +163,16 @@ class ListWorkersRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker", "load", "ms_since_heartbeat")
+    __slots__ = ("worker", "load", "ms_since_heartbeat", "routable")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     MS_SINCE_HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    ROUTABLE_FIELD_NUMBER: _ClassVar[int]
     worker: _worker_pb2.WorkerInfo
     load: _worker_pb2.WorkerLoad
     ms_since_heartbeat: int
-    def __init__(self, worker: _Optional[_Union[_worker_pb2.WorkerInfo, _Mapping]] = ..., load: _Optional[_Union[_worker_pb2.WorkerLoad, _Mapping]] = ..., ms_since_heartbeat: _Optional[int] = ...) -> None: ...
+    routable: bool
+    def __init__(self, worker: _Optional[_Union[_worker_pb2.WorkerInfo, _Mapping]] = ..., load: _Optional[_Union[_worker_pb2.WorkerLoad, _Mapping]] = ..., ms_since_heartbeat: _Optional[int] = ..., routable: _Optional[bool] = ...) -> None: ...
 
 class ListWorkersResponse(_message.Message):
     __slots__ = ("workers",)
