@@ -13,6 +13,9 @@ goodput against rate for every server.
 Workloads (the issue's): ``chat`` (input 320 +- 100, output 96 +- 30, TTFT <= 2 s, ITL <=
 50 ms) and ``long`` (input 1400 +- 150, output 100 +- 30, TTFT <= 4 s, ITL <= 50 ms).
 
+A change's before and after in one run: ``git worktree add /tmp/before <commit>`` and
+``--baseline-tree /tmp/before --servers splitserve-baseline,splitserve,vllm``.
+
 Usage: ``python bench/bench_goodput.py --workload chat --rates 0.5,1,1.5,2,2.5 --repeats 3
 --vllm-python /tmp/vllm-venv/bin/python --aiperf /tmp/aiperf-venv/bin/aiperf
 --hf-model .cache/smollm2-hf``
@@ -74,6 +77,22 @@ whenever that is predicted faster and keeps the batch's TPOT target, not only on
 prefill side puts the TTFT target at risk."""
 SPLITSERVE_ENV = {"splitserve-eager": {"SPLITSERVE_TTFT_AT_RISK": "0"}}
 """Coordinator flags ``up`` does not take, through their environment twins."""
+BASELINE = "splitserve-baseline"
+"""``make serve``'s configuration run from another checkout (``--baseline-tree``, e.g. a git
+worktree of an earlier commit): a change's before and after, measured in one run."""
+
+
+def baseline_env(tree: Path, log_dir: Path) -> dict[str, str]:
+    """The environment that makes ``up`` and its children import ``splitserve`` from ``tree``
+    (a checkout's root is the package): a ``splitserve`` link to it ahead of the editable
+    install on ``PYTHONPATH`` (compiled kernels are cached by source hash, so each tree runs
+    its own)."""
+    link_dir = log_dir / "baseline-path"
+    link_dir.mkdir(exist_ok=True)
+    link = link_dir / "splitserve"
+    if not link.exists():
+        link.symlink_to(tree.resolve(), target_is_directory=True)
+    return {"PYTHONPATH": str(link_dir)}
 
 
 def log(message: str) -> None:
@@ -86,7 +105,12 @@ def server(name: str, args: argparse.Namespace, log_dir: Path) -> Iterator[str]:
         with vllm_server(args.vllm_python, args.hf_model, log_dir / "vllm.log") as url:
             yield url
         return
-    flags, env = SPLITSERVE_FLAGS[name], SPLITSERVE_ENV.get(name)
+    if name == BASELINE:
+        if args.baseline_tree is None:
+            raise SystemExit(f"{BASELINE} needs --baseline-tree")
+        flags, env = SPLITSERVE_FLAGS["splitserve"], baseline_env(args.baseline_tree, log_dir)
+    else:
+        flags, env = SPLITSERVE_FLAGS[name], SPLITSERVE_ENV.get(name)
     with splitserve_server(flags, log_dir / f"{name}.log", env) as url:
         yield url
 
@@ -204,6 +228,11 @@ def main() -> Json:
     parser.add_argument("--date", default=time.strftime("%Y-%m-%d"))
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     parser.add_argument("--tag", default="", help="appended to the result files' names")
+    parser.add_argument(
+        "--baseline-tree",
+        type=Path,
+        help=f"a checkout whose make-serve configuration runs as server {BASELINE}",
+    )
     args = parser.parse_args()
     workload = WORKLOADS[args.workload]
     rates = [float(r) for r in args.rates.split(",")]
