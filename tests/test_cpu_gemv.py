@@ -1,0 +1,96 @@
+"""The bf16 GEMV C++ kernel (decode-step projections) against float64 products, its batch
+invariance, what it refuses, the portable build's refusal, and ``Linear`` choosing it for up
+to ``MAX_ROWS`` rows (oneDNN beyond) with the same results within bf16 rounding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from splitserve.engine.linear import Linear
+from splitserve.kernels.cpu_build import PORTABLE_FLAGS
+from splitserve.kernels.cpu_gemv import MAX_ROWS, CpuGemv, load_cpu_gemv
+
+
+def _kernel() -> CpuGemv:
+    kernel = load_cpu_gemv()
+    if kernel is None:
+        pytest.skip("no C++ compiler or no AVX-512 BF16 here")
+    return kernel
+
+
+def _bf16_ulps_close(out: torch.Tensor, expected: torch.Tensor) -> None:
+    """Within float32-accumulation noise plus one bf16 rounding of the result."""
+    scale = expected.abs().max().item()
+    torch.testing.assert_close(out.double(), expected, atol=scale * 2**-8, rtol=2**-7)
+
+
+@pytest.mark.parametrize("rows", range(1, MAX_ROWS + 1))
+@pytest.mark.parametrize(("out_features", "in_features"), [(960, 576), (576, 1536), (32, 6)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gemv_matches_float64_products(rows, out_features, in_features, with_bias) -> None:
+    kernel = _kernel()
+    generator = torch.Generator().manual_seed(rows * 7 + in_features)
+    weight = (torch.randn(out_features, in_features, generator=generator) * 0.05).bfloat16()
+    x = torch.randn(rows, in_features, generator=generator).bfloat16()
+    bias = torch.randn(out_features, generator=generator).bfloat16() if with_bias else None
+    out = kernel(x, kernel.pack(weight), bias)
+    expected = x.double() @ weight.double().T
+    if bias is not None:
+        expected += bias.double()
+    assert out.shape == (rows, out_features) and out.dtype == torch.bfloat16
+    _bf16_ulps_close(out, expected)
+
+
+def test_a_rows_result_does_not_depend_on_the_other_rows() -> None:
+    kernel = _kernel()
+    generator = torch.Generator().manual_seed(3)
+    weight = kernel.pack(torch.randn(3072, 576, generator=generator).bfloat16())
+    x = torch.randn(MAX_ROWS, 576, generator=generator).bfloat16()
+    together = kernel(x, weight)
+    for row in range(MAX_ROWS):
+        assert torch.equal(kernel(x[row : row + 1], weight), together[row : row + 1])
+    assert torch.equal(kernel(x[2:5], weight), together[2:5])
+
+
+def test_gemv_refuses_what_it_cannot_take() -> None:
+    kernel = _kernel()
+    weight = kernel.pack(torch.zeros(32, 8, dtype=torch.bfloat16))
+    for bad_x in (
+        torch.zeros(MAX_ROWS + 1, 8, dtype=torch.bfloat16),  # too many rows
+        torch.zeros(0, 8, dtype=torch.bfloat16),  # none
+        torch.zeros(1, 6, dtype=torch.bfloat16),  # wrong width
+        torch.zeros(1, 8),  # float32
+    ):
+        with pytest.raises(ValueError, match="gemv"):
+            kernel(bad_x, weight)
+    with pytest.raises(ValueError, match="bias"):
+        kernel(torch.zeros(1, 8, dtype=torch.bfloat16), weight, torch.zeros(16).bfloat16())
+    for bad_weight in (
+        torch.zeros(32, 8),  # float32
+        torch.zeros(20, 8, dtype=torch.bfloat16),  # outputs not a multiple of 16
+        torch.zeros(32, 7, dtype=torch.bfloat16),  # an odd number of inputs
+    ):
+        with pytest.raises(ValueError, match="gemv"):
+            kernel.pack(bad_weight)
+
+
+def test_the_portable_build_has_no_gemv() -> None:
+    if load_cpu_gemv() is None:
+        pytest.skip("no C++ compiler or no AVX-512 BF16 here")
+    assert load_cpu_gemv(PORTABLE_FLAGS) is None  # built without AVX-512 BF16: refused
+
+
+def test_linear_uses_the_gemv_for_few_rows_and_onednn_beyond() -> None:
+    _kernel()
+    generator = torch.Generator().manual_seed(5)
+    weight = (torch.randn(576, 1536, generator=generator) * 0.05).bfloat16()
+    linear = Linear(weight)
+    assert linear._gemv_weight is not None
+    x = torch.randn(MAX_ROWS + 4, 1536, generator=generator).bfloat16()
+    expected = x.double() @ weight.double().T
+    few, many = linear(x[:MAX_ROWS]), linear(x)  # the GEMV, then oneDNN's GEMM
+    _bf16_ulps_close(few, expected[:MAX_ROWS])
+    _bf16_ulps_close(many, expected)
+    # the two paths differ only by float32 summation order and one bf16 rounding
+    assert (few != many[:MAX_ROWS]).float().mean() < 0.05
