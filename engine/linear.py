@@ -7,9 +7,10 @@ here: 22 GB/s vs 15 GB/s over a SmolLM2-sized decode step). Everywhere else (flo
 is plain ``F.linear``.
 
 Decode steps (bf16 on CPU, at most ``kernels/cpu_gemv.py:MAX_ROWS`` rows) go through the C++
-GEMV (``kernels/cpu/gemv.cpp``) when it can be built here: it streams the weight at 37-40 GB/s
-where oneDNN's GEMV reads 28-31 GB/s inside a step (one core, SmolLM2's 121 matrices: 6.8 ms
-against 8.5-8.8 for one row, 7.2 against 11.9 for eight). Such a weight is held twice, in
+GEMV (``kernels/cpu/gemv.cpp``) when it can be built here: it streams each weight once with a
+software prefetch, where oneDNN's GEMV restarts the prefetcher's stream per matrix and slows
+with every row (one core, SmolLM2's 121 matrices: 7.2-7.5 ms against 8.8-9.0 for one row,
+7.4-7.9 against 12.2-12.8 for 8, 21.9 against 24.8 for 32). Such a weight is held twice, in
 oneDNN's layout for prompts and in the GEMV's for decode steps (269 MB more for SmolLM2-135M).
 
 Batch invariance in float32 on CPU: the BLAS picks a different kernel (and so a different

@@ -18,7 +18,7 @@ import torch
 
 from splitserve.kernels.cpu_build import NATIVE_FLAGS, load_library
 
-MAX_ROWS = 8
+MAX_ROWS = 32
 """The most rows one call takes (the C side's ``kMaxRows``)."""
 OUT_BLOCK = 16
 """``out_features`` must be a multiple of this (outputs per accumulator register)."""

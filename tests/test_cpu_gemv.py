@@ -25,7 +25,7 @@ def _bf16_ulps_close(out: torch.Tensor, expected: torch.Tensor) -> None:
     torch.testing.assert_close(out.double(), expected, atol=scale * 2**-8, rtol=2**-7)
 
 
-@pytest.mark.parametrize("rows", range(1, MAX_ROWS + 1))
+@pytest.mark.parametrize("rows", [*range(1, 10), 16, 17, MAX_ROWS])  # groups of 8 and a rest
 @pytest.mark.parametrize(("out_features", "in_features"), [(960, 576), (576, 1536), (32, 6)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_gemv_matches_float64_products(rows, out_features, in_features, with_bias) -> None:
@@ -50,7 +50,7 @@ def test_a_rows_result_does_not_depend_on_the_other_rows() -> None:
     together = kernel(x, weight)
     for row in range(MAX_ROWS):
         assert torch.equal(kernel(x[row : row + 1], weight), together[row : row + 1])
-    assert torch.equal(kernel(x[2:5], weight), together[2:5])
+    assert torch.equal(kernel(x[2:13], weight), together[2:13])
 
 
 def test_gemv_refuses_what_it_cannot_take() -> None:
