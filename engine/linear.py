@@ -6,12 +6,14 @@ per-call reorder that ``F.linear`` pays and reads weights closer to memory bandw
 here: 22 GB/s vs 15 GB/s over a SmolLM2-sized decode step). Everywhere else (float32, CUDA) it
 is plain ``F.linear``.
 
-Decode steps (bf16 on CPU, at most ``kernels/cpu_gemv.py:MAX_ROWS`` rows) go through the C++
-GEMV (``kernels/cpu/gemv.cpp``) when it can be built here: it streams each weight once with a
-software prefetch, where oneDNN's GEMV restarts the prefetcher's stream per matrix and slows
-with every row (one core, SmolLM2's 121 matrices: 7.2-7.5 ms against 8.8-9.0 for one row,
-7.4-7.9 against 12.2-12.8 for 8, 21.9 against 24.8 for 32). Such a weight is held twice, in
-oneDNN's layout for prompts and in the GEMV's for decode steps (269 MB more for SmolLM2-135M).
+Steps of at most ``kernels/cpu_gemv.py:MAX_ROWS`` rows (bf16 on CPU: decode steps, short
+prompt chunks, the LM head's rows) go through the C++ GEMV (``kernels/cpu/gemv.cpp``) when it
+can be built here: it streams each weight once with a software prefetch, where oneDNN's GEMV
+restarts the prefetcher's stream per matrix and slows with every row (one core, SmolLM2's 121
+matrices: 7.2-7.5 ms against 8.8-9.0 for one row, 7.4-7.9 against 12.2-12.8 for 8, 21.9
+against 24.8 for 32). Such a weight is held twice, in oneDNN's layout for larger steps and in
+the GEMV's (269 MB more for SmolLM2-135M). A row's bf16 result is the same in any step of up
+to ``MAX_ROWS`` rows; beyond, oneDNN sums in another order.
 
 Batch invariance in float32 on CPU: the BLAS picks a different kernel (and so a different
 summation order) for 1, for 2-4 and for 5 or more rows, so a request's logits would depend on

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from splitserve.kernels.cpu_build import NATIVE_FLAGS, load_library
 
+logger = logging.getLogger(__name__)
 MAX_ROWS = 32
 """The most rows one call takes (the C side's ``kMaxRows``)."""
 OUT_BLOCK = 16
@@ -85,13 +87,12 @@ class CpuGemv:
     ) -> torch.Tensor:
         """``x @ weight.T + bias`` as ``[rows, out]`` bf16; ``ValueError`` for what it cannot
         take."""
-        rows = x.shape[0]
         if (
             x.dim() != 2
             or x.dtype != torch.bfloat16
             or x.device.type != "cpu"
             or x.shape[1] != weight.in_features
-            or not 0 < rows <= MAX_ROWS
+            or not 0 < x.shape[0] <= MAX_ROWS
         ):
             raise ValueError(f"gemv: x must be [1..{MAX_ROWS}, {weight.in_features}] CPU bf16")
         if bias is not None and (
@@ -129,4 +130,7 @@ def load_cpu_gemv(flags: tuple[str, ...] = NATIVE_FLAGS) -> CpuGemv | None:
     if library is None:
         return None
     kernel = CpuGemv(library)
-    return kernel if kernel.available else None
+    if not kernel.available:
+        logger.info("CPU kernel gemv: this build has no AVX-512 BF16, using oneDNN")
+        return None
+    return kernel

@@ -21,13 +21,18 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, field
-from typing import TextIO
+from typing import TextIO, TypeVar
 
 from splitserve.common.event_wait import wait_event
 from splitserve.common.orphan import PARENT_PID_ENV
-from splitserve.launch.child_process import ChildProcess, ReadyError, python_module_argv
+from splitserve.launch.child_process import (
+    ChildExited,
+    ChildProcess,
+    ReadyError,
+    python_module_argv,
+)
 
 STOP_MARGIN_S = 10.0
 """How long a child may take to stop after SIGTERM beyond its drain timeout before it is
@@ -37,6 +42,7 @@ RESTART_BASE_S = 1.0
 RESTART_MAX_S = 30.0
 STABLE_AFTER_S = 60.0
 
+T = TypeVar("T")
 _print_lock = threading.Lock()
 
 
@@ -132,6 +138,27 @@ class Supervisor:
                 ready.cancel()  # its thread ends once the child is stopped
             raise Stopped()
         return ready.result()
+
+    async def guard(self, work: Awaitable[T], stop: asyncio.Event) -> T:
+        """``work``'s result, awaited while the children start; ``Stopped`` if ``stop`` is
+        set first, ``ChildExited`` (a ``ReadyError``) if a child ends first."""
+        task = asyncio.ensure_future(work)
+        stopped = asyncio.ensure_future(stop.wait())
+        exited = asyncio.ensure_future(self._exited.wait())
+        try:
+            await asyncio.wait([task, stopped, exited], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopped.cancel()
+            exited.cancel()
+        if task.done():
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        if stop.is_set():
+            raise Stopped()
+        dead = next(c for c in self.children if c.process.returncode is not None)
+        raise ChildExited(dead.name, dead.process.returncode, dead.process.tail())
 
     async def supervise(self, stop: asyncio.Event) -> None:
         """Until ``stop``: restart children that end (or, without ``restart``, return at

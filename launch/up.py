@@ -211,13 +211,31 @@ def worker_argvs(
     return workers
 
 
-def member_ids(worker_names: Sequence[str]) -> list[str]:
-    """The membership ids of the workers ``worker_argvs`` names: a worker's name is its
-    ``--worker-id``; a dual-role one registers twice, as ``<id>-prefill`` and ``<id>-decode``."""
+def member_ids(worker_argvs: Sequence[Sequence[str]]) -> list[str]:
+    """The membership ids the workers of these command lines (``worker_argvs``' module and
+    flags, user flags included: the last ``--worker-id`` / ``--roles`` wins, as in argparse)
+    register under: the worker id, or for a worker of several roles ``<id>-<role>`` per role
+    (``worker/runtime.py:role_worker_id``)."""
     ids = []
-    for name in worker_names:
-        ids += [f"{name}-prefill", f"{name}-decode"] if name.startswith("dual-") else [name]
+    for argv in worker_argvs:
+        worker_id = _last_flag(argv, "--worker-id")
+        roles_value = _last_flag(argv, "--roles") or argv[0].split(".")[1]  # splitserve.<role>.main
+        roles = [role.strip() for role in roles_value.split(",")]
+        if worker_id is None:
+            raise ValueError(f"a worker started without --worker-id: {argv}")
+        ids += [worker_id] if len(roles) == 1 else [f"{worker_id}-{role}" for role in roles]
     return ids
+
+
+def _last_flag(argv: Sequence[str], flag: str) -> str | None:
+    """The value of the last ``flag=value`` or ``flag value`` in ``argv``; None if absent."""
+    value = None
+    for index, arg in enumerate(argv):
+        if arg.startswith(f"{flag}="):
+            value = arg.split("=", 1)[1]
+        elif arg == flag and index + 1 < len(argv):
+            value = argv[index + 1]
+    return value
 
 
 def gateway_argv(args: argparse.Namespace, coordinator: str) -> list[str]:
@@ -278,9 +296,10 @@ async def _start_all(
         await children.wait_ready(worker, stop)
     for public in publics:
         await wait_for_health(public, READY_TIMEOUT_S, tls=tls)
-    members = member_ids([name for name, _ in worker_specs])
-    for internal_address in internals:
-        await wait_for_members(internal_address, members, READY_TIMEOUT_S, credential, tls)
+    members = member_ids([argv for _, argv in worker_specs])
+    await children.guard(
+        wait_for_members(internals, members, READY_TIMEOUT_S, credential, tls), stop
+    )
     address = ",".join(publics)
     if not args.no_gateway:
         gateway = children.start("gateway", gateway_argv(args, address))

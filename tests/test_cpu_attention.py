@@ -177,7 +177,9 @@ def _dense_causal(query, keys, values, scale):
     ("query_len", "context_len"),
     [(1, 1), (1, 40), (5, 5), (16, 16), (37, 37), (100, 300), (256, 256), (130, 1000), (601, 601)],
 )
-@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 4, 32), (8, 2, 128)])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 4, 32), (8, 2, 128), (2, 1, 256)]
+)
 def test_prefill_kernel_matches_dense_causal_attention(
     query_len, context_len, heads, kv_heads, dim
 ) -> None:

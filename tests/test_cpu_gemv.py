@@ -82,7 +82,7 @@ def test_the_portable_build_has_no_gemv() -> None:
 
 
 def test_linear_uses_the_gemv_for_few_rows_and_onednn_beyond() -> None:
-    _kernel()
+    kernel = _kernel()
     generator = torch.Generator().manual_seed(5)
     weight = (torch.randn(576, 1536, generator=generator) * 0.05).bfloat16()
     linear = Linear(weight)
@@ -90,6 +90,7 @@ def test_linear_uses_the_gemv_for_few_rows_and_onednn_beyond() -> None:
     x = torch.randn(MAX_ROWS + 4, 1536, generator=generator).bfloat16()
     expected = x.double() @ weight.double().T
     few, many = linear(x[:MAX_ROWS]), linear(x)  # the GEMV, then oneDNN's GEMM
+    assert torch.equal(few, kernel(x[:MAX_ROWS], linear._gemv_weight))
     _bf16_ulps_close(few, expected[:MAX_ROWS])
     _bf16_ulps_close(many, expected)
     # the two paths differ only by float32 summation order and one bf16 rounding

@@ -68,14 +68,17 @@ def test_the_worker_command_reads_its_roles() -> None:
 
 def test_up_waits_for_the_member_ids_its_workers_register_under() -> None:
     args = build_parser().parse_args(["--prefill=1", "--decode=1", "--dual=1"])
+    argvs = [argv for _, argv in worker_argvs(args, "127.0.0.1:50052", [])]
     registered = []
-    for _, argv in worker_argvs(args, "127.0.0.1:50052", []):
+    for argv in argvs:
         (worker_id,) = [f.split("=", 1)[1] for f in argv if f.startswith("--worker-id=")]
         (roles_flag,) = [f.split("=", 1)[1] for f in argv if f.startswith("--roles=")] or [
             argv[0].split(".")[1]  # splitserve.<role>.main
         ]
         roles = roles_of(roles_flag)
         registered += [role_worker_id(worker_id, role, roles) for role in roles]
-    names = [name for name, _ in worker_argvs(args, "127.0.0.1:50052", [])]
-    assert member_ids(names) == registered
+    assert member_ids(argvs) == registered
     assert registered == ["prefill-0", "decode-1", "dual-2-prefill", "dual-2-decode"]
+    # flags after `--` reach every worker last: a worker id given there is the one it uses
+    renamed = [argv for _, argv in worker_argvs(args, "127.0.0.1:50052", ["--worker-id", "x"])]
+    assert member_ids(renamed) == ["x", "x", "x-prefill", "x-decode"]

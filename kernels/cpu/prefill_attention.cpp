@@ -219,7 +219,8 @@ extern "C" int splitserve_prefill_attention_bf16(
   return -2;
 #else
   if (num_queries <= 0 || context < num_queries || num_kv_heads <= 0 ||
-      num_heads % num_kv_heads != 0 || head_dim % 32 != 0 || head_dim > 256 || threads <= 0) {
+      num_heads % num_kv_heads != 0 || head_dim <= 0 || head_dim % 32 != 0 || head_dim > 256 ||
+      threads <= 0) {
     return -1;
   }
   const int64_t group = num_heads / num_kv_heads;
