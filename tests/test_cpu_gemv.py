@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from splitserve.engine.linear import Linear
+from splitserve.engine.linear import DECODE_GEMV_ENV, Linear
 from splitserve.kernels.cpu_build import PORTABLE_FLAGS
 from splitserve.kernels.cpu_gemv import MAX_ROWS, CpuGemv, load_cpu_gemv
 
@@ -81,8 +81,11 @@ def test_the_portable_build_has_no_gemv() -> None:
     assert load_cpu_gemv(PORTABLE_FLAGS) is None  # built without AVX-512 BF16: refused
 
 
-def test_linear_uses_the_gemv_for_few_rows_and_onednn_beyond() -> None:
+def test_linear_uses_the_gemv_for_few_rows_and_onednn_beyond(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     kernel = _kernel()
+    monkeypatch.setenv(DECODE_GEMV_ENV, "1")
     generator = torch.Generator().manual_seed(5)
     weight = (torch.randn(576, 1536, generator=generator) * 0.05).bfloat16()
     linear = Linear(weight)
@@ -95,3 +98,8 @@ def test_linear_uses_the_gemv_for_few_rows_and_onednn_beyond() -> None:
     _bf16_ulps_close(many, expected)
     # the two paths differ only by float32 summation order and one bf16 rounding
     assert (few != many[:MAX_ROWS]).float().mean() < 0.05
+
+
+def test_linear_keeps_onednn_unless_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(DECODE_GEMV_ENV, raising=False)
+    assert Linear(torch.zeros(32, 8, dtype=torch.bfloat16))._gemv_weight is None
