@@ -34,3 +34,10 @@ class WorkerInfo:
     """KV blocks of ``layout.block_size`` tokens it holds."""
     max_model_len: int
     """The longest context (prompt + output) it serves."""
+
+
+def member_id(worker_id: str, role_name: str, num_roles: int) -> str:
+    """The id a worker's role registers under: the worker's id, or for a worker of several
+    roles that id with the role's name appended (each role is its own member, at the same
+    address). ``splitserve up`` derives the ids it waits for with it."""
+    return worker_id if num_roles == 1 else f"{worker_id}-{role_name}"

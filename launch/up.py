@@ -49,6 +49,7 @@ from splitserve.common.api_keys import (
     api_keys_or_exit,
 )
 from splitserve.common.env_flags import env_name
+from splitserve.common.membership import member_id
 from splitserve.coordinator import INTERNAL_READY, PUBLIC_READY
 from splitserve.discovery.flags import add_membership_args, etcd_endpoints
 from splitserve.launch.child_process import ReadyError
@@ -214,8 +215,7 @@ def worker_argvs(
 def member_ids(worker_argvs: Sequence[Sequence[str]]) -> list[str]:
     """The membership ids the workers of these command lines (``worker_argvs``' module and
     flags, user flags included: the last ``--worker-id`` / ``--roles`` wins, as in argparse)
-    register under: the worker id, or for a worker of several roles ``<id>-<role>`` per role
-    (``worker/runtime.py:role_worker_id``)."""
+    register under (``common/membership.py:member_id``)."""
     ids = []
     for argv in worker_argvs:
         worker_id = _last_flag(argv, "--worker-id")
@@ -223,7 +223,7 @@ def member_ids(worker_argvs: Sequence[Sequence[str]]) -> list[str]:
         roles = [role.strip() for role in roles_value.split(",")]
         if worker_id is None:
             raise ValueError(f"a worker started without --worker-id: {argv}")
-        ids += [worker_id] if len(roles) == 1 else [f"{worker_id}-{role}" for role in roles]
+        ids += [member_id(worker_id, role, len(roles)) for role in roles]
     return ids
 
 

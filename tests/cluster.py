@@ -108,7 +108,7 @@ def roles(
     processes: list[subprocess.Popen[str]],
 ) -> Iterator[str]:
     """A coordinator and each (role, worker id) of ``workers`` as processes of their own
-    (not through ``up``, so a test can signal each), every worker registered; yields the
+    (not through ``up``, so a test can signal each), every worker routable; yields the
     coordinator's public address. ``processes`` receives the workers' processes in order."""
     coordinator_argv = ["splitserve.coordinator.main", "--port=0", "--internal-port=0"]
     coordinator_argv.append("--metrics-port=-1")
@@ -121,8 +121,8 @@ def roles(
             argv += [f"--coordinator={internal_address(address)}", *worker_flags]
             started.enter_context(running(argv, f"splitserve {role} ready at", None, processes))
         deadline = time.monotonic() + START_TIMEOUT_S
-        while len(worker_loads(address)) < len(workers):
-            assert time.monotonic() < deadline, "workers did not register"
+        while not {name for _, name in workers} <= routable_members(address):
+            assert time.monotonic() < deadline, "the coordinator does not route to every worker"
             time.sleep(0.2)
         yield address
 
@@ -177,6 +177,18 @@ def worker_loads(
             if waited_ms > FRESH_LOAD_TIMEOUT_S * 1000:
                 raise TimeoutError(f"no heartbeat from {stale} in {FRESH_LOAD_TIMEOUT_S}s")
             time.sleep(0.05)
+
+
+def routable_members(
+    coordinator_address: str, tls: grpc.ChannelCredentials | None = None
+) -> set[str]:
+    """The ids of the workers the coordinator routes requests to now (``ListWorkers``'
+    ``routable``: registered, dialled back, healthy, circuit closed)."""
+    with internal_channel(internal_address(coordinator_address), tls) as channel:
+        listing = coordinator_pb2_grpc.MembershipStub(channel).ListWorkers(
+            coordinator_pb2.ListWorkersRequest(), timeout=10, metadata=CREDENTIAL.metadata
+        )
+    return {status.worker.worker_id for status in listing.workers if status.routable}
 
 
 def wait_until_idle(

@@ -27,7 +27,7 @@ from tests.cluster import (
     CREDENTIAL,
     assert_all_free,
     cluster,
-    internal_address,
+    routable_members,
     running,
     wait_until_idle,
 )
@@ -112,15 +112,6 @@ def test_disaggregated_equals_colocated_and_frees_every_block() -> None:
         asyncio.run(_cancel_mid_stream(disaggregated))
         asyncio.run(_bad_requests_do_not_disturb_others(disaggregated))
         assert_all_free(wait_until_idle(disaggregated, 2), 2)
-
-
-def routable_members(address: str) -> set[str]:
-    """The workers the coordinator at ``address`` routes to now, by its ``ListWorkers``."""
-    with grpc.insecure_channel(internal_address(address)) as channel:
-        listing = coordinator_pb2_grpc.MembershipStub(channel).ListWorkers(
-            coordinator_pb2.ListWorkersRequest(), timeout=10, metadata=CREDENTIAL.metadata
-        )
-    return {status.worker.worker_id for status in listing.workers if status.routable}
 
 
 async def _cancel_mid_stream(address: str) -> None:

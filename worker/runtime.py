@@ -28,7 +28,7 @@ from prometheus_client import CollectorRegistry
 
 from splitserve.common.errors import MembershipStoreError
 from splitserve.common.load import LoadReport
-from splitserve.common.membership import Role, WorkerInfo
+from splitserve.common.membership import Role, WorkerInfo, member_id
 from splitserve.common.metrics import serve_metrics
 from splitserve.common.model_files import model_name_of, resolve_model_path
 from splitserve.common.sampling_params import SamplingParams
@@ -89,9 +89,8 @@ class WorkerRole:
 
 
 def role_worker_id(base_id: str, role: WorkerRole, roles: Sequence[WorkerRole]) -> str:
-    """The id a role registers under: the process's id, or for a worker of several roles that
-    id with the role's name appended (each role is its own member, at the same address)."""
-    return base_id if len(roles) == 1 else f"{base_id}-{role.name}"
+    """The id a role registers under (``common/membership.py:member_id``)."""
+    return member_id(base_id, role.name, len(roles))
 
 
 async def run_worker(
