@@ -66,6 +66,7 @@ SPLITSERVE_FLAGS = {
     "splitserve-dual": ["--prefill=0", "--decode=0", "--dual=2", "--placement=adaptive"],
     "splitserve-shared-cores": ["--no-pin", "--placement=adaptive"],
     "splitserve-eager": ["--placement=adaptive"],
+    "splitserve-no-gemv": ["--placement=adaptive"],
 }
 """splitserve's configurations: ``splitserve`` is ``make serve``'s (1 prefill + 1 decode worker,
 a core each, adaptive placement); ``-remote`` / ``-local`` force where every prompt runs;
@@ -74,8 +75,12 @@ each, placing adaptively; ``-shared-cores`` is ``make serve``'s layout unpinned,
 with a thread per core, so a prompt may use both cores while the decode worker idles;
 ``-eager`` is ``make serve``'s with ``--ttft-at-risk 0``: a prompt goes to the decode worker
 whenever that is predicted faster and keeps the batch's TPOT target, not only once the
-prefill side puts the TTFT target at risk."""
-SPLITSERVE_ENV = {"splitserve-eager": {"SPLITSERVE_TTFT_AT_RISK": "0"}}
+prefill side puts the TTFT target at risk; ``-no-gemv`` is ``make serve``'s with the decode
+GEMV turned off (``SPLITSERVE_DECODE_GEMV=0``: generated tokens' rows through oneDNN too)."""
+SPLITSERVE_ENV = {
+    "splitserve-eager": {"SPLITSERVE_TTFT_AT_RISK": "0"},
+    "splitserve-no-gemv": {"SPLITSERVE_DECODE_GEMV": "0"},
+}
 """Coordinator flags ``up`` does not take, through their environment twins."""
 BASELINE = "splitserve-baseline"
 """``make serve``'s configuration run from another checkout (``--baseline-tree``, e.g. a git

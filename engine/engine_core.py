@@ -288,9 +288,9 @@ class EngineCore:
 
 
 def step_shape(scheduled: SchedulerOutput) -> StepShape:
-    """The cost model's view of a step: a one-token chunk of a request that already has
-    output is a decode; every other chunk computes prompt tokens."""
-    decode = [c for c in scheduled.chunks if c.num_tokens == 1 and c.output_token_ids]
+    """The cost model's view of a step: a decode chunk (``ScheduledChunk.is_decode``) is a
+    decode; every other chunk computes prompt tokens."""
+    decode = [c for c in scheduled.chunks if c.is_decode]
     return StepShape(
         decode_seqs=len(decode),
         prefill_tokens=scheduled.num_tokens - len(decode),

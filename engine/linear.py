@@ -6,18 +6,24 @@ per-call reorder that ``F.linear`` pays and reads weights closer to memory bandw
 here: 22 GB/s vs 15 GB/s over a SmolLM2-sized decode step). Everywhere else (float32, CUDA) it
 is plain ``F.linear``.
 
-With ``SPLITSERVE_DECODE_GEMV=1`` (off by default), steps of at most
-``kernels/cpu_gemv.py:MAX_ROWS`` rows (bf16 on CPU: decode steps, short prompt chunks, the LM
-head's rows) go through the C++ GEMV (``kernels/cpu/gemv.cpp``) when it
-can be built here: it streams each weight once with a software prefetch, where oneDNN's GEMV
-restarts the prefetcher's stream per matrix and slows with every row (one core, SmolLM2's 121
-matrices: 7.2-7.5 ms against 8.8-9.0 for one row, 7.4-7.9 against 12.2-12.8 for 8, 21.9
-against 24.8 for 32). Such a weight is held twice, in oneDNN's layout for larger steps and in
-the GEMV's (269 MB more for SmolLM2-135M). Why it is off by default: oneDNN's bf16 results
-for a row are the same whatever the step's row count, so a prompt's tail computed after a
-cached prefix (a few rows) gives the bits of the whole prompt computed at once; the GEMV sums
-in another order (an ulp apart), and on a bf16 logit tie that picks another token (seen:
-"What is the capital of France?" answered "L'Étoile..." instead of "The capital...").
+Generated tokens' rows go through the C++ GEMV (``kernels/cpu/gemv.cpp``, bf16 on CPU,
+when it can be built here; ``SPLITSERVE_DECODE_GEMV=0`` turns it off): it streams each weight
+once with a software prefetch, where oneDNN's GEMV restarts the prefetcher's stream per matrix
+and slows with every row (one core, SmolLM2's 121 matrices: 7.2-7.5 ms against 8.8-9.0 for
+one row, 7.4-7.9 against 12.2-12.8 for 8, 21.9 against 24.8 for 32). Such a weight is held
+twice, in oneDNN's layout for prompt rows and in the GEMV's (269 MB more for SmolLM2-135M).
+
+Which rows take which path is fixed by the row's kind, never by the step's size, so a row's
+bits do not depend on what shares its step: the caller names the leading ``generated_rows`` of
+``x`` (one-token decode chunks); those go through the GEMV, in calls of at most ``MAX_ROWS``
+rows (a GEMV row's sums do not depend on the other rows), and every prompt row goes through
+oneDNN, whose bf16 result for a row is the same whatever the step's row count. So a prompt's
+tail computed after a cached prefix gives the bits of the whole prompt computed at once; the
+GEMV sums in another order than oneDNN (an ulp apart), and letting it take a short prompt tail
+once flipped a bf16 logit tie ("What is the capital of France?" answered "L'Étoile..." on its
+cached second ask). A generated token's KV recomputed as part of a prompt (a request resumed
+elsewhere) goes through oneDNN, so in bf16 its bits may differ by an ulp from the first
+computation; float32 never takes the GEMV.
 
 Batch invariance in float32 on CPU: the BLAS picks a different kernel (and so a different
 summation order) for 1, for 2-4 and for 5 or more rows, so a request's logits would depend on
@@ -36,7 +42,7 @@ import torch.nn.functional as F
 from splitserve.kernels.cpu_gemv import MAX_ROWS, CpuGemv, GemvWeight, load_cpu_gemv
 
 DECODE_GEMV_ENV = "SPLITSERVE_DECODE_GEMV"
-"""``1``: projections of steps of at most ``MAX_ROWS`` rows use the C++ GEMV (see above)."""
+"""``0``: generated tokens' rows use oneDNN too, not the C++ GEMV (see above); on by default."""
 MIN_GEMM_ROWS = 8
 """Float32 CPU inputs are padded to at least this many rows (see the module docstring)."""
 
@@ -63,7 +69,7 @@ class Linear:
         )
         self._gemv: CpuGemv | None = None
         self._gemv_weight: GemvWeight | None = None
-        gemv_wanted = os.environ.get(DECODE_GEMV_ENV, "0") == "1"
+        gemv_wanted = os.environ.get(DECODE_GEMV_ENV, "1") != "0"
         if gemv_wanted and self.prepacked and CpuGemv.supports(weight):
             self._gemv = load_cpu_gemv()
             if self._gemv is not None:
@@ -72,10 +78,23 @@ class Linear:
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, None)
         self.pad_rows = weight.device.type == "cpu" and weight.dtype == torch.float32
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self._gemv_weight is not None and 0 < x.shape[0] <= MAX_ROWS:
-            assert self._gemv is not None
-            return self._gemv(x, self._gemv_weight, self.bias)
+    def __call__(self, x: torch.Tensor, generated_rows: int = 0) -> torch.Tensor:
+        """``x @ weight.T + bias`` for ``x`` ``[tokens, in]``; the leading ``generated_rows``
+        rows are generated tokens (they take the GEMV where it is loaded, see above)."""
+        if self._gemv_weight is None or generated_rows <= 0:
+            return self._dense(x)
+        assert self._gemv is not None
+        bias = self.bias
+        parts = [
+            self._gemv(x[start : min(start + MAX_ROWS, generated_rows)], self._gemv_weight, bias)
+            for start in range(0, generated_rows, MAX_ROWS)
+        ]  # each [<= MAX_ROWS, out]
+        if generated_rows < x.shape[0]:
+            parts.append(self._dense(x[generated_rows:]))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _dense(self, x: torch.Tensor) -> torch.Tensor:
+        """oneDNN (prepacked bf16) or ``F.linear`` for all rows of ``x``."""
         if self.prepacked:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         rows = x.shape[0]

@@ -49,6 +49,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * (x * torch.rsqrt(variance + eps))
 
 
+@dataclass(frozen=True)
+class GeneratedRows:
+    """How many leading rows of a packed step are generated tokens (one-token decode chunks
+    whose token is output, not prompt): ``tokens`` of the step's rows, ``samples`` of its
+    logits rows. ``Linear`` sends exactly these through the decode GEMV (see
+    ``engine/linear.py``), so a row's path depends on its kind, never on the step's size."""
+
+    tokens: int = 0
+    samples: int = 0
+
+
 class LlamaModel:
     """The decoder stack plus embedding and LM head; stateless apart from its weights."""
 
@@ -103,8 +114,12 @@ class LlamaModel:
         attn_metadata: object,
         logits_indices: torch.Tensor,  # [samples] int64
         on_layer_kv_written: Callable[[int], None] | None = None,
+        generated: GeneratedRows = GeneratedRows(),
     ) -> torch.Tensor:
         """Run the packed batch; returns float32 logits ``[samples, vocab]``.
+
+        ``generated`` names the batch's leading rows that are generated tokens (and of the
+        logits rows, their samples); the rest are prompt rows.
 
         ``on_layer_kv_written(layer)`` is called as soon as a layer's new KV is in the cache
         (before its MLP runs), so a KV push can overlap the rest of the forward pass.
@@ -117,7 +132,7 @@ class LlamaModel:
         delta = None  # [tokens, hidden]: the MLP output still to be added to ``hidden``
         for index, layer in enumerate(self.layers):
             hidden, normed = self._add_and_norm(hidden, delta, layer.input_norm)
-            qkv = layer.qkv(normed)  # [tokens, q + 2 kv]
+            qkv = layer.qkv(normed, generated.tokens)  # [tokens, q + 2 kv]
             query_key = qkv[:, : cfg.q_size + cfg.kv_size].view(
                 num_tokens, q_heads + kv_heads, head_dim
             )
@@ -134,14 +149,16 @@ class LlamaModel:
             )  # [tokens, q_size]
             if on_layer_kv_written is not None:
                 on_layer_kv_written(index)
-            hidden, normed = self._add_and_norm(hidden, layer.o_proj(attn), layer.post_norm)
-            gate, up = layer.gate_up(normed).chunk(2, dim=-1)
-            delta = layer.down(F.silu(gate) * up)
+            hidden, normed = self._add_and_norm(
+                hidden, layer.o_proj(attn, generated.tokens), layer.post_norm
+            )
+            gate, up = layer.gate_up(normed, generated.tokens).chunk(2, dim=-1)
+            delta = layer.down(F.silu(gate) * up, generated.tokens)
         if delta is not None:
             hidden = hidden + delta
         last = hidden.index_select(0, logits_indices)  # [samples, hidden]
         last = rms_norm(last, self.norm, cfg.rms_norm_eps)
-        return self.lm_head(last).float()  # [samples, vocab]
+        return self.lm_head(last, generated.samples).float()  # [samples, vocab]
 
     def _add_and_norm(
         self,

@@ -17,7 +17,7 @@ import torch
 from splitserve.common.logprobs import TokenLogprob
 from splitserve.engine.attention import AttentionBackend, SequenceSpan
 from splitserve.engine.host_memory import zeros_huge_pages
-from splitserve.engine.model import LlamaModel
+from splitserve.engine.model import GeneratedRows, LlamaModel
 from splitserve.engine.sampler import Sampler, SamplingRow
 from splitserve.engine.scheduler import ScheduledChunk, SchedulerOutput
 
@@ -80,9 +80,15 @@ class ModelRunner:
             self._generators.pop(request_id, None)
         if not step.chunks:
             return RunnerOutput()
-        # Single-token sequences first: the attention backend batches them as decodes.
-        chunks = sorted(step.chunks, key=lambda chunk: chunk.num_tokens != 1)
+        # Single-token sequences first (the attention backend batches them as decodes), and
+        # among them generated tokens first (the projections' GEMV takes exactly those rows).
+        chunks = sorted(step.chunks, key=lambda chunk: (chunk.num_tokens != 1, not chunk.is_decode))
         num_decode = sum(1 for chunk in chunks if chunk.num_tokens == 1)
+        generated_chunks = [chunk for chunk in chunks if chunk.is_decode]
+        generated = GeneratedRows(
+            tokens=len(generated_chunks),
+            samples=sum(1 for chunk in generated_chunks if chunk.samples),
+        )
         input_ids, positions, logits_rows = self._pack(chunks)
         spans = [
             SequenceSpan(chunk.num_tokens, chunk.context_length, chunk.block_table)
@@ -98,6 +104,7 @@ class ModelRunner:
             metadata,
             torch.tensor(logits_rows, dtype=torch.int64, device=self.device),
             on_layer_kv_written,
+            generated,
         )  # [samples, vocab]
         if not sampling_chunks:
             return RunnerOutput()

@@ -65,6 +65,11 @@ class ScheduledChunk:
         """Tokens in the KV cache once this chunk is written."""
         return self.start_position + len(self.token_ids)
 
+    @property
+    def is_decode(self) -> bool:
+        """A one-token chunk whose token is output, not prompt: a decode step's row."""
+        return len(self.token_ids) == 1 and self.start_position >= len(self.prompt_token_ids)
+
 
 @dataclass(frozen=True)
 class SchedulerOutput:

@@ -1,6 +1,7 @@
 """The bf16 GEMV C++ kernel (decode-step projections) against float64 products, its batch
-invariance, what it refuses, the portable build's refusal, and ``Linear`` choosing it for up
-to ``MAX_ROWS`` rows (oneDNN beyond) with the same results within bf16 rounding."""
+invariance, what it refuses, the portable build's refusal, and ``Linear`` sending exactly the
+generated rows it is told of through it (prompt rows through oneDNN), with the same results
+within bf16 rounding."""
 
 from __future__ import annotations
 
@@ -81,25 +82,35 @@ def test_the_portable_build_has_no_gemv() -> None:
     assert load_cpu_gemv(PORTABLE_FLAGS) is None  # built without AVX-512 BF16: refused
 
 
-def test_linear_uses_the_gemv_for_few_rows_and_onednn_beyond(
+def test_linear_sends_generated_rows_through_the_gemv_and_prompt_rows_through_onednn(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     kernel = _kernel()
-    monkeypatch.setenv(DECODE_GEMV_ENV, "1")
+    monkeypatch.delenv(DECODE_GEMV_ENV, raising=False)  # on by default
     generator = torch.Generator().manual_seed(5)
     weight = (torch.randn(576, 1536, generator=generator) * 0.05).bfloat16()
     linear = Linear(weight)
     assert linear._gemv_weight is not None
-    x = torch.randn(MAX_ROWS + 4, 1536, generator=generator).bfloat16()
+    generated = MAX_ROWS + 4  # two GEMV calls
+    x = torch.randn(generated + 40, 1536, generator=generator).bfloat16()
     expected = x.double() @ weight.double().T
-    few, many = linear(x[:MAX_ROWS]), linear(x)  # the GEMV, then oneDNN's GEMM
-    assert torch.equal(few, kernel(x[:MAX_ROWS], linear._gemv_weight))
-    _bf16_ulps_close(few, expected[:MAX_ROWS])
-    _bf16_ulps_close(many, expected)
+    mixed = linear(x, generated)
+    assert torch.equal(mixed[:MAX_ROWS], kernel(x[:MAX_ROWS], linear._gemv_weight))
+    assert torch.equal(
+        mixed[MAX_ROWS:generated], kernel(x[MAX_ROWS:generated], linear._gemv_weight)
+    )
+    prompt_only = linear(x)  # no generated rows: oneDNN for every row
+    assert torch.equal(mixed[generated:], prompt_only[generated:])
+    assert torch.equal(prompt_only[-5:], linear(x[-5:]))  # a prompt tail: the bits of the whole
+    _bf16_ulps_close(mixed, expected)
+    _bf16_ulps_close(prompt_only, expected)
     # the two paths differ only by float32 summation order and one bf16 rounding
-    assert (few != many[:MAX_ROWS]).float().mean() < 0.05
+    assert (mixed[:generated] != prompt_only[:generated]).float().mean() < 0.05
 
 
-def test_linear_keeps_onednn_unless_asked(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(DECODE_GEMV_ENV, raising=False)
-    assert Linear(torch.zeros(32, 8, dtype=torch.bfloat16))._gemv_weight is None
+def test_linear_keeps_onednn_when_the_gemv_is_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(DECODE_GEMV_ENV, "0")
+    linear = Linear(torch.ones(32, 8, dtype=torch.bfloat16))
+    assert linear._gemv_weight is None
+    x = torch.ones(3, 8, dtype=torch.bfloat16)
+    assert torch.equal(linear(x, 3), torch.full((3, 32), 8.0, dtype=torch.bfloat16))

@@ -1,0 +1,77 @@
+"""In bf16 a row's bits depend on its kind, never on what shares its step (``engine/linear.py``):
+generated tokens' rows take the decode GEMV, prompt rows oneDNN. So a cached prompt's answer
+equals its uncached answer (with the GEMV on, the default, or off), and with the GEMV a
+request's tokens and logprobs are the same alone and while another prompt is computed in its
+steps, bit for bit. Without it they are not: oneDNN sums a lone row in another order than the
+same row in a large step (seen: a logprob -1.6026 alone, -1.6017 beside a 190-token prompt)."""
+
+from __future__ import annotations
+
+import pytest
+
+from splitserve.common.sampling_params import SamplingParams
+from splitserve.engine.checkpoint import LoadedCheckpoint
+from splitserve.engine.engine_core import EngineCore
+from splitserve.engine.linear import DECODE_GEMV_ENV
+from splitserve.engine.llm import LLM
+from splitserve.kernels.cpu_gemv import load_cpu_gemv
+from tests.conftest import assert_no_leaks, make_llm
+
+pytestmark = pytest.mark.timeout(300)
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0, logprobs=2)
+
+
+@pytest.fixture(params=["1", "0"], ids=["gemv", "onednn-only"])
+def bf16_llm(
+    request: pytest.FixtureRequest,
+    monkeypatch: pytest.MonkeyPatch,
+    default_checkpoint_fp32: LoadedCheckpoint,
+) -> LLM:
+    monkeypatch.setenv(DECODE_GEMV_ENV, request.param)
+    llm = make_llm(default_checkpoint_fp32, num_blocks=128, dtype="bfloat16")
+    qkv = llm.engine.runner.model.layers[0].qkv
+    gemv_loaded = qkv._gemv_weight is not None
+    assert gemv_loaded == (request.param == "1" and load_cpu_gemv() is not None)
+    return llm
+
+
+def test_a_cached_prompt_answers_with_the_bits_of_its_first_ask(bf16_llm: LLM) -> None:
+    [first] = bf16_llm.chat(QUESTION, GREEDY)
+    [cached] = bf16_llm.chat(QUESTION, GREEDY)
+    assert first.num_cached_tokens == 0
+    assert 0 < cached.num_cached_tokens < len(cached.prompt_token_ids)  # a short tail computed
+    assert cached.token_ids == first.token_ids
+    assert cached.logprobs == first.logprobs  # every float equal, not just the argmax
+    assert "Paris" in first.text
+    assert_no_leaks(bf16_llm)
+
+
+def _run_to_end(core: EngineCore, joins: dict[int, tuple[str, list[int]]]) -> dict[str, list]:
+    """Step the engine until every request ends; ``joins[step]`` is added before that step.
+    Each request's ``(token id, logprob)`` pairs, in order."""
+    outputs: dict[str, list] = {request_id: [] for request_id, _ in joins.values()}
+    step = 0
+    while step in joins or core.has_unfinished or any(later > step for later in joins):
+        if step in joins:
+            request_id, prompt = joins[step]
+            core.add_request(request_id, prompt, GREEDY)
+        for output in core.step():
+            outputs[output.update.request_id].extend(output.logprobs)
+        step += 1
+    return outputs
+
+
+def test_a_requests_bits_do_not_depend_on_a_prompt_sharing_its_steps(bf16_llm: LLM) -> None:
+    if bf16_llm.engine.runner.model.layers[0].qkv._gemv_weight is None:
+        pytest.skip("without the decode GEMV a lone row's bits differ (see the docstring)")
+    core = bf16_llm.engine
+    prompt = bf16_llm.encode_prompt("Once upon a time, in a village by the sea, there lived")
+    other = bf16_llm.encode_prompt(" ".join(["The river ran past the old mill."] * 24))
+    alone = _run_to_end(core, {0: ("alone", prompt)})["alone"]
+    shared = _run_to_end(core, {0: ("shared", prompt), 3: ("other", other)})
+    assert len(alone) == GREEDY.max_tokens
+    assert shared["shared"] == alone  # token ids and every logprob, bit for bit
+    assert len(shared["other"]) == GREEDY.max_tokens
+    assert_no_leaks(bf16_llm)
