@@ -27,9 +27,14 @@ priority above the tenant's ``max_priority`` or more tokens than its minute's bu
   ``max_queue_wait_s`` (then it is refused: its workers vanished, say).
 
 Admitted prompts that have no first token yet form the prefill backlog; it is bounded too
-(``prefill_backlog_s`` of the workers' measured prefill rate), so that what the workers
+(``prefill_backlog_s`` of the measured prefill rate of every worker that may compute prompts:
+the prefill workers, and the decode workers where placement may put prompts there,
+``Router.prompt_rates``), so that what the workers
 queue in arrival order stays short and waiting happens here, in fair order: a flood cannot put its
-prompts in front of another tenant's in a worker's queue.
+prompts in front of another tenant's in a worker's queue. (Counting the prefill workers alone
+under adaptive placement, 0.5 s of one core's ~1,200 tokens/s let a second 340-token prompt
+in only once the first had its first token: the prefill worker idled during each handoff,
+and the decode core never got a prompt, as placement never saw a queue.)
 
 The predicted wait (``predicted_wait_s``) plays the queue forward: admitted requests end
 after what is left of their time to first token, then their output tokens left x the
@@ -113,8 +118,8 @@ class WorkerCapacity:
     """What the workers' learned step times (``common/step_cost.py``) say they can do."""
 
     prefill_tokens_per_s: float | None = None
-    """Prompt tokens per second of the workers computing prompts, together (None: none
-    measured yet)."""
+    """Prompt tokens per second of the workers that may compute prompts, together (None:
+    none measured yet)."""
     max_decoding: int | None = None
     """Requests the decode workers can decode at once within the TPOT target, together
     (None: not learned yet: no bound)."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -73,11 +74,14 @@ class RequestFlow:
         channels: WorkerChannels,
         config: FlowConfig,
         slo: Slo | None = None,
+        arrived_at: float | None = None,
     ) -> None:
         """``slo``: the request's latency targets for placing its prompt (None: the router's
-        default)."""
+        default); ``arrived_at``: when it arrived (``time.monotonic``; None: now), the start
+        of its TTFT target, which placement counts the wait since (admission's queue)."""
         self.request_id = request_id
         self.slo = slo
+        self.arrived_at = time.monotonic() if arrived_at is None else arrived_at
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.state = FlowState.ADMITTED
@@ -185,7 +189,12 @@ class RequestFlow:
         remaining = self.params.max_tokens - len(streamed)
         with_prefill = not (local_prefill_only or streamed)
         route = self._router.route(
-            self.prompt_token_ids + streamed, remaining, excluded, with_prefill, self.slo
+            self.prompt_token_ids + streamed,
+            remaining,
+            excluded,
+            with_prefill,
+            self.slo,
+            time.monotonic() - self.arrived_at,
         )
         if route is None:
             return None

@@ -30,7 +30,9 @@ that would push its batch past the TPOT target is not used while another one is 
 that meets ``ttft_at_risk`` (default ``AT_RISK``) of the TTFT target (a prompt computed
 elsewhere costs the decode batch nothing, so local has nothing to win then); otherwise local
 when it is predicted faster and keeps the decode batch within the TPOT target; otherwise that
-best remote.
+best remote. The target counts from the request's arrival: the time it already waited
+(``waited_s``: in admission's queue, say) is added to the remote prediction before the
+at-risk test, so a request held back at admission is not sent to a queue it has no time for.
 
 A decode worker that never prefilled has no prefill model of its own: it is assumed as fast
 as the prefill worker that has seen the most prompts (same model and layout), until its own
@@ -222,8 +224,11 @@ def place(
     slo: Slo,
     mode: PlacementMode,
     config: PlacementConfig,
+    waited_s: float = 0.0,
 ) -> Placement:
-    """See the module docstring. ``prefills``: compatible candidates (may be empty)."""
+    """See the module docstring. ``prefills``: compatible candidates (may be empty);
+    ``waited_s``: seconds since the request arrived. Predictions in the result count from
+    now (the attempt's start)."""
     if not prefills:
         return Placement(None, Reason.NO_PREFILL_WORKER)
     by_queue = min(prefills, key=lambda p: p.queued_tokens + num_prompt_tokens - p.cached_tokens)
@@ -279,7 +284,7 @@ def place(
         local_prefill_s / max(max_tokens, 1)
     )
     remote = Placement(best_remote, Reason.REMOTE_WITHIN_SLO, remote_ttft[best_remote], local_tpot)
-    if remote_ttft[best_remote] <= config.ttft_at_risk * slo.ttft_s:
+    if waited_s + remote_ttft[best_remote] <= config.ttft_at_risk * slo.ttft_s:
         return remote
     if local_ttft >= remote_ttft[best_remote]:
         return dataclasses.replace(remote, reason=Reason.REMOTE_FASTER)

@@ -151,10 +151,12 @@ class Router:
         exclude: Sequence[str] = (),
         with_prefill: bool = True,
         slo: Slo | None = None,
+        waited_s: float = 0.0,
     ) -> Route | None:
         """A route for the request, or None when no decode worker can take it.
         ``with_prefill=False``: the decode worker computes the prompt (fallback, resume).
-        ``slo``: the request's targets (the config's default when None)."""
+        ``slo``: the request's targets (the config's default when None); ``waited_s``: how
+        long ago it arrived (its TTFT target counts from then)."""
         decode = self.pick_decode(len(prompt_token_ids) + max_tokens, exclude)
         if decode is None:
             return None
@@ -163,7 +165,13 @@ class Router:
         candidates = self._prefill_candidates(decode, len(prompt_token_ids))
         hashes = prompt_block_hashes(prompt_token_ids, decode.block_size) if candidates else []
         placement = self.place_prompt(
-            decode, candidates, hashes, len(prompt_token_ids), max_tokens, slo or self.config.slo
+            decode,
+            candidates,
+            hashes,
+            len(prompt_token_ids),
+            max_tokens,
+            slo or self.config.slo,
+            waited_s,
         )
         if placement.prefill_worker_id is None:
             return Route(decode, None, placement)
@@ -171,6 +179,38 @@ class Router:
         assert prefill is not None  # a candidate a moment ago, on this event loop
         self._memory(prefill.worker_id).remember(hashes)
         return Route(decode, prefill, placement)
+
+    def prompt_rates(self, probe_tokens: int) -> list[float]:
+        """Prompt tokens per second (read at a prompt of ``probe_tokens``) of each worker that
+        may compute prompts: the prefill workers, and the decode workers too where placement
+        may compute a prompt there (adaptive or local placement, a rule with
+        ``local_prefill_max_tokens``, or no prefill worker at all). A decode worker that
+        never prefilled counts at the prefill workers' mean learned rate, as placement
+        assumes; a worker with no learned rate (and none to borrow) is left out, and a
+        dual-role worker counts once."""
+
+        def rate(worker: WorkerRecord) -> float | None:
+            cost = worker.load.step_cost
+            return probe_tokens / cost.prefill_s(probe_tokens) if cost.knows_prefill else None
+
+        prefill_workers = self.registry.workers(Role.PREFILL)
+        prefill_rates = [r for r in map(rate, prefill_workers) if r is not None]
+        mode = self.config.mode
+        decode_computes_prompts = (
+            not prefill_workers
+            or mode in (PlacementMode.ADAPTIVE, PlacementMode.LOCAL)
+            or (mode is PlacementMode.RULE and self.config.local_prefill_max_tokens > 0)
+        )
+        if not decode_computes_prompts:
+            return prefill_rates
+        borrowed = sum(prefill_rates) / len(prefill_rates) if prefill_rates else None
+        prefilling_at = {w.address for w in prefill_workers}
+        decode_rates = [
+            rate(w) or borrowed
+            for w in self.registry.workers(Role.DECODE)
+            if w.address not in prefilling_at
+        ]
+        return prefill_rates + [r for r in decode_rates if r is not None]
 
     def pick_decode(self, num_tokens: int, exclude: Sequence[str] = ()) -> WorkerRecord | None:
         candidates = [
@@ -211,9 +251,11 @@ class Router:
         num_prompt_tokens: int,
         max_tokens: int,
         slo: Slo,
+        waited_s: float = 0.0,
     ) -> Placement:
         """Where the prompt (its block ``hashes``) runs for a request decoding on ``decode``,
-        among the prefill ``candidates`` and ``decode`` itself (``place``). A candidate that
+        among the prefill ``candidates`` and ``decode`` itself (``place``), for a request that
+        arrived ``waited_s`` ago. A candidate that
         decodes too (a dual-role worker: a decode member at its address) is seen with its
         decode batch."""
         decoding_at = (
@@ -241,7 +283,9 @@ class Router:
             chunk_tokens=decode.load.chunk_tokens,
         )
         config = PlacementConfig(self.config.local_prefill_max_tokens, self.config.ttft_at_risk)
-        return place(num_prompt_tokens, max_tokens, view, prefills, slo, self.config.mode, config)
+        return place(
+            num_prompt_tokens, max_tokens, view, prefills, slo, self.config.mode, config, waited_s
+        )
 
     def _queued_prefill_tokens(self, worker: WorkerRecord) -> int:
         """Prompt tokens queued on ``worker``: what it reported, or what this coordinator has

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import dataclasses
 import math
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
@@ -141,17 +142,11 @@ class Coordinator:
 
     def _worker_capacity(self, context_tokens: int) -> WorkerCapacity:
         """What the workers' learned step times (``common/step_cost.py``) allow: the prefill
-        rate of the workers computing prompts (the prefill workers, or without any, the
-        decode workers) together, and how many requests of ``context_tokens`` the decode
-        workers can decode at once with steps within ``TPOT_HEADROOM`` of the TPOT target
-        (with ``AdmissionConfig.within_tpot`` only; None while any decode worker's model is
-        still unknown)."""
-        workers = self.registry.workers(Role.PREFILL) or self.registry.workers(Role.DECODE)
-        rates = [
-            RATE_PROBE_TOKENS / w.load.step_cost.prefill_s(RATE_PROBE_TOKENS)
-            for w in workers
-            if w.load.step_cost.knows_prefill
-        ]
+        rate of the workers that may compute prompts together (``Router.prompt_rates``), and how
+        many requests of ``context_tokens`` the decode workers can decode at once with steps
+        within ``TPOT_HEADROOM`` of the TPOT target (with ``AdmissionConfig.within_tpot``
+        only; None while any decode worker's model is still unknown)."""
+        rates = self.router.prompt_rates(RATE_PROBE_TOKENS)
         prefill_tokens_per_s = sum(rates) if rates else None
         if not self.config.admission.within_tpot:
             return WorkerCapacity(prefill_tokens_per_s)
@@ -243,6 +238,7 @@ class Coordinator:
         they already finish the request (then one final chunk without text).
         Every flow, also one that fails, is passed to ``flow_observer`` when it ends.
         """
+        arrived_at = time.monotonic()
         request_id = scoped_request_id(request_id, caller) or f"req-{uuid.uuid4().hex}"
         if request_id in self._running:
             raise InvalidRequestError("this request id is already running", "request_id")
@@ -270,6 +266,7 @@ class Coordinator:
             self.channels,
             self.config.flow,
             targets.slo(self.config.routing.slo),
+            arrived_at,
         )
         self._running[request_id] = _Running(flow, caller)
         try:

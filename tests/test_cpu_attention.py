@@ -42,13 +42,13 @@ def _dense_decode(query, keys, values, scale):
     return torch.einsum("hk,khd->hd", scores.softmax(-1), v)
 
 
-def _scattered_cache(context_lens, kv_heads, dim, dtype, generator):
+def _scattered_cache(context_lens, kv_heads, dim, dtype, generator, block=BLOCK):
     """A cache whose sequences own random, non-adjacent blocks; returns the dense KV too."""
-    blocks_per_seq = [-(-n // BLOCK) for n in context_lens]
+    blocks_per_seq = [-(-n // block) for n in context_lens]
     num_blocks = sum(blocks_per_seq) + 5
     order = torch.randperm(num_blocks, generator=generator).tolist()
-    key_cache = torch.randn(num_blocks, BLOCK, kv_heads, dim, generator=generator).to(dtype)
-    value_cache = torch.randn(num_blocks, BLOCK, kv_heads, dim, generator=generator).to(dtype)
+    key_cache = torch.randn(num_blocks, block, kv_heads, dim, generator=generator).to(dtype)
+    value_cache = torch.randn(num_blocks, block, kv_heads, dim, generator=generator).to(dtype)
     width = max(blocks_per_seq)
     tables = torch.zeros(len(context_lens), width, dtype=torch.int64)
     dense = []
@@ -63,13 +63,24 @@ def _scattered_cache(context_lens, kv_heads, dim, dtype, generator):
 
 @pytest.mark.parametrize("flags", [NATIVE_FLAGS, PORTABLE_FLAGS], ids=["native", "portable"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 4, 32), (8, 2, 48)])
-def test_kernel_matches_dense_attention(flags, dtype, heads, kv_heads, dim) -> None:
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim", "block"),
+    [
+        (9, 3, 64, BLOCK),  # SmolLM2-135M; bf16 AVX-512: register accumulators
+        (9, 3, 64, 7),  # blocks that 16-token score groups straddle
+        (4, 4, 32, BLOCK),  # one query head per KV head
+        (24, 8, 128, BLOCK),  # head_dim 128, 3 query heads per KV head: registers
+        (16, 4, 128, BLOCK),  # 4 per KV head at 128: too many accumulators, generic path
+        (14, 2, 64, BLOCK),  # 7 per KV head at 64: generic path
+        (8, 2, 48, BLOCK),  # head_dim not a multiple of 32: scalar loops
+    ],
+)
+def test_kernel_matches_dense_attention(flags, dtype, heads, kv_heads, dim, block) -> None:
     kernel = _kernel(flags)
-    generator = torch.Generator().manual_seed(heads * 100 + dim)
-    context_lens = [1, 15, 16, 17, 200, 333]
+    generator = torch.Generator().manual_seed(heads * 100 + dim + block)
+    context_lens = [1, 15, 16, 17, 31, 200, 333]
     key_cache, value_cache, tables, dense = _scattered_cache(
-        context_lens, kv_heads, dim, dtype, generator
+        context_lens, kv_heads, dim, dtype, generator, block
     )
     # A strided query, as sliced from a fused qkv projection.
     fused = torch.randn(len(context_lens), heads + 2, dim, generator=generator).to(dtype)

@@ -240,3 +240,22 @@ def test_with_no_ttft_margin_adaptive_takes_the_faster_side_within_tpot() -> Non
     # nothing queued anywhere: local is no faster, and a full batch is still guarded
     assert _place(_decode(), [_prefill("p")], rule=eager).reason is Reason.REMOTE_FASTER
     assert _place(_decode(running=30), queued, rule=eager).reason is Reason.TPOT_GUARD
+
+
+def test_the_time_a_request_already_waited_counts_against_its_ttft_target() -> None:
+    """The target counts from arrival: remote ~1.06 s is within 0.8 of 2 s for a fresh
+    request, not for one held 0.7 s in admission's queue (1.76 s > 1.6 s): that one goes to
+    the faster side, local, while the batch keeps its TPOT target."""
+    queued = [_prefill("p", queued=200)]
+    fresh = place(320, 96, _decode(running=2), queued, SLO, PlacementMode.ADAPTIVE, RULE)
+    assert fresh.reason is Reason.REMOTE_WITHIN_SLO
+    assert fresh.predicted_ttft_s is not None and fresh.predicted_ttft_s < 0.8 * SLO.ttft_s
+    waited = place(320, 96, _decode(running=2), queued, SLO, PlacementMode.ADAPTIVE, RULE, 0.7)
+    assert (waited.where, waited.reason) == ("local", Reason.LOCAL_FASTER)
+    # predictions still count from now, and a wait changes nothing where local is no faster
+    # or would break the batch's TPOT target
+    assert waited.predicted_ttft_s is not None and waited.predicted_ttft_s < 1.0
+    idle = place(320, 96, _decode(), [_prefill("p")], SLO, PlacementMode.ADAPTIVE, RULE, 1.9)
+    assert idle.reason is Reason.REMOTE_FASTER
+    full = place(320, 96, _decode(running=30), queued, SLO, PlacementMode.ADAPTIVE, RULE, 0.7)
+    assert full.reason is Reason.TPOT_GUARD

@@ -208,3 +208,39 @@ def _views_of(router: Router, decode: WorkerRecord, candidate: WorkerRecord) -> 
     finally:
         router_module.place = original
     return seen
+
+
+def _costed(worker: WorkerRecord, per_prefill_token_s: float | None) -> WorkerRecord:
+    """``worker`` with a learned prefill model (``per_prefill_token_s``; None: never
+    prefilled, so no model)."""
+    if per_prefill_token_s is None:
+        return worker
+    cost = StepCost(per_prefill_token_s=per_prefill_token_s, prefill_steps=MIN_STEPS)
+    return dataclasses.replace(worker, load=dataclasses.replace(worker.load, step_cost=cost))
+
+
+def test_prompt_rates_count_the_workers_placement_may_compute_prompts_on() -> None:
+    prefill = _costed(_worker("p", Role.PREFILL), 0.001)  # 1000 tokens/s
+    decode = _worker("d", Role.DECODE)  # never prefilled: borrows the prefill worker's rate
+    registry = _registry(prefill, decode)
+
+    def rates(mode: PlacementMode, local_max: int = 0) -> list[float]:
+        config = RoutingConfig(mode=mode, local_prefill_max_tokens=local_max)
+        return [round(r) for r in Router(registry, config).prompt_rates(2048)]
+
+    assert rates(PlacementMode.REMOTE) == [1000]
+    assert rates(PlacementMode.RULE) == [1000]  # every prompt goes remote
+    assert rates(PlacementMode.RULE, local_max=64) == [1000, 1000]
+    assert rates(PlacementMode.ADAPTIVE) == [1000, 1000]
+    assert rates(PlacementMode.LOCAL) == [1000, 1000]
+    # a decode worker that learned its own rate counts at it
+    learned = _registry(prefill, _costed(decode, 0.002))
+    assert [round(r) for r in Router(learned, RoutingConfig(mode=PlacementMode.ADAPTIVE))
+            .prompt_rates(2048)] == [1000, 500]  # fmt: skip
+    # no prefill worker: the decode workers' own rates, none borrowed
+    alone = Router(_registry(_costed(decode, 0.002), _worker("e", Role.DECODE)), RoutingConfig())
+    assert [round(r) for r in alone.prompt_rates(2048)] == [500]
+    # a dual-role worker (both members at one address) counts once
+    dual_decode = dataclasses.replace(decode, address=prefill.address)
+    dual = Router(_registry(prefill, dual_decode), RoutingConfig(mode=PlacementMode.ADAPTIVE))
+    assert [round(r) for r in dual.prompt_rates(2048)] == [1000]

@@ -18,9 +18,16 @@
 // sequence's result is independent of the others (batch invariant). Math in float32: scores,
 // an exact (two-pass) softmax, the weighted sum of values; bf16 output is rounded to nearest
 // even. Returns 0, or a negative code for unsupported arguments (nothing written then).
+//
+// bf16 with AVX-512 BF16, head_dim 32, 64 or 128 and few query heads per KV head (their
+// accumulators fit in registers, see kMaxAccumulators): per KV head, the scores of 16 tokens
+// come from 16 vdpbf16ps partial sums reduced together by one transpose (not 16 horizontal
+// sums), and each value row is converted once and added into all of its query heads'
+// register accumulators (not loaded and stored per head). Other shapes take the generic path.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_common.h"
@@ -105,6 +112,122 @@ inline void axpy_row(float* acc, float weight, const T* row, int64_t head_dim) {
     _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(w, load16(row + d), _mm512_loadu_ps(acc + d)));
   }
 }
+
+// The totals of 16 vectors: lane L of the result is the sum of parts[4 * (L % 4) + L / 4]
+// (a transpose-and-add in four halving stages; the caller stores token L's partial sums in
+// slot 4 * (L % 4) + L / 4).
+inline __m512 sum16(const __m512* parts) {
+  __m512 half[8], quarter[4], eighth[2];
+  for (int k = 0; k < 8; ++k) {
+    const __m512 a = parts[2 * k], b = parts[2 * k + 1];
+    half[k] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+  }
+  for (int k = 0; k < 4; ++k) {
+    const __m512 a = half[2 * k], b = half[2 * k + 1];
+    quarter[k] =
+        _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
+  }
+  for (int k = 0; k < 2; ++k) {
+    const __m512 a = quarter[2 * k], b = quarter[2 * k + 1];
+    eighth[k] = _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x44), _mm512_shuffle_ps(a, b, 0xEE));
+  }
+  return _mm512_add_ps(_mm512_shuffle_ps(eighth[0], eighth[1], 0x88),
+                       _mm512_shuffle_ps(eighth[0], eighth[1], 0xDD));
+}
+
+constexpr int kMaxAccumulators = 24;  // zmm registers the value pass may hold as accumulators
+
+// One sequence's attention for bf16, kChunks16 = head_dim / 16 (even), kGroup query heads per
+// KV head. slots[t]: the cache row of token t; scores: room for kGroup * context floats.
+template <int kChunks16, int kGroup>
+void decode_sequence_bf16(uint16_t* seq_out, const uint16_t* seq_query,
+                          const uint16_t* key_cache, const uint16_t* value_cache,
+                          const int64_t* slots, int64_t context, int64_t num_kv_heads,
+                          float scale, float* scores) {
+  static_assert(kChunks16 % 2 == 0 && kChunks16 * kGroup <= kMaxAccumulators);
+  constexpr int64_t kHeadDim = 16 * kChunks16;
+  constexpr int kChunks32 = kChunks16 / 2;
+  const int64_t token_stride = num_kv_heads * kHeadDim;
+  const __m512 scale_vector = _mm512_set1_ps(scale);
+  for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
+    const uint16_t* group_query = seq_query + kv_head * kGroup * kHeadDim;
+    const uint16_t* keys = key_cache + kv_head * kHeadDim;
+    const uint16_t* values = value_cache + kv_head * kHeadDim;
+    // scores[i, t] = scale * q_i . k_t
+    for (int i = 0; i < kGroup; ++i) {
+      const uint16_t* q = group_query + i * kHeadDim;
+      __m512bh q_chunks[kChunks32];
+      for (int c = 0; c < kChunks32; ++c) {
+        q_chunks[c] = (__m512bh)_mm512_loadu_si512(q + 32 * c);
+      }
+      float* head_scores = scores + i * context;
+      int64_t t0 = 0;
+      for (; t0 + 16 <= context; t0 += 16) {
+        __m512 parts[16];
+        for (int slot = 0; slot < 16; ++slot) {
+          const uint16_t* key = keys + slots[t0 + 4 * (slot % 4) + slot / 4] * token_stride;
+          __m512 acc = _mm512_setzero_ps();
+          for (int c = 0; c < kChunks32; ++c) {
+            acc = _mm512_dpbf16_ps(acc, q_chunks[c],
+                                   (__m512bh)_mm512_loadu_si512(key + 32 * c));
+          }
+          parts[slot] = acc;
+        }
+        _mm512_storeu_ps(head_scores + t0, _mm512_mul_ps(scale_vector, sum16(parts)));
+      }
+      for (; t0 < context; ++t0) {
+        head_scores[t0] = scale * dot_row(q, keys + slots[t0] * token_stride, kHeadDim);
+      }
+    }
+    float totals[kGroup];
+    for (int i = 0; i < kGroup; ++i) totals[i] = softmax_weights(scores + i * context, context);
+    // accum[i] = sum_t weight[i, t] * v_t, in registers
+    __m512 accum[kGroup][kChunks16];
+    for (int i = 0; i < kGroup; ++i) {
+      for (int c = 0; c < kChunks16; ++c) accum[i][c] = _mm512_setzero_ps();
+    }
+    for (int64_t t = 0; t < context; ++t) {
+      const uint16_t* value = values + slots[t] * token_stride;
+      __m512 weights[kGroup];
+      for (int i = 0; i < kGroup; ++i) weights[i] = _mm512_set1_ps(scores[i * context + t]);
+      for (int c = 0; c < kChunks16; ++c) {
+        const __m512 v = bf16x16_to_float(value + 16 * c);
+        for (int i = 0; i < kGroup; ++i) accum[i][c] = _mm512_fmadd_ps(weights[i], v, accum[i][c]);
+      }
+    }
+    for (int i = 0; i < kGroup; ++i) {
+      const __m512 inverse = _mm512_set1_ps(1.0f / totals[i]);
+      float row[kHeadDim];
+      for (int c = 0; c < kChunks16; ++c) {
+        _mm512_storeu_ps(row + 16 * c, _mm512_mul_ps(accum[i][c], inverse));
+      }
+      store_row(row, seq_out + (kv_head * kGroup + i) * kHeadDim, kHeadDim);
+    }
+  }
+}
+
+using SequenceKernel = void (*)(uint16_t*, const uint16_t*, const uint16_t*, const uint16_t*,
+                                const int64_t*, int64_t, int64_t, float, float*);
+
+template <int kChunks16, int kGroup>
+SequenceKernel kernel_for_group(int64_t group) {
+  if constexpr (kGroup == 0) {
+    return nullptr;
+  } else {
+    if (group == kGroup) return decode_sequence_bf16<kChunks16, kGroup>;
+    return kernel_for_group<kChunks16, kGroup - 1>(group);
+  }
+}
+
+// The register-accumulator kernel for this shape, or nullptr (take the generic path).
+inline SequenceKernel sequence_kernel(int64_t head_dim, int64_t group) {
+  switch (head_dim) {
+    case 32: return kernel_for_group<2, 8>(group);
+    case 64: return kernel_for_group<4, 6>(group);
+    case 128: return kernel_for_group<8, 3>(group);
+    default: return nullptr;
+  }
+}
 #endif
 
 template <typename T>
@@ -124,6 +247,8 @@ int paged_decode_attention(T* out, const T* query, int64_t query_stride, const T
   const int64_t token_stride = num_kv_heads * head_dim;  // elements between cache tokens
 #ifdef SPLITSERVE_AVX512
   const bool vectorized = head_dim % 32 == 0;
+  SequenceKernel fast = nullptr;
+  if constexpr (std::is_same_v<T, uint16_t>) fast = sequence_kernel(head_dim, group);
 #else
   const bool vectorized = false;
 #endif
@@ -138,12 +263,28 @@ int paged_decode_attention(T* out, const T* query, int64_t query_stride, const T
     std::vector<float> scores;                         // [heads, context]
     std::vector<float> totals(num_heads);
 
+    std::vector<int64_t> slots;                        // [context]: cache row of each token
+
 #pragma omp for schedule(dynamic, 1)
     for (int64_t seq = 0; seq < num_seqs; ++seq) {
       const int64_t context = context_lens[seq];
       const int64_t* table = block_tables + seq * table_stride;
       const T* seq_query = query + seq * query_stride;
       scores.resize(num_heads * context);
+#ifdef SPLITSERVE_AVX512
+      if constexpr (std::is_same_v<T, uint16_t>) {
+        if (fast != nullptr) {
+          slots.resize(context);
+          for (int64_t t = 0, block = 0, offset = 0; t < context; ++t) {
+            slots[t] = table[block] * block_size + offset;
+            if (++offset == block_size) offset = 0, ++block;
+          }
+          fast(out + seq * num_heads * head_dim, seq_query, key_cache, value_cache,
+               slots.data(), context, num_kv_heads, scale, scores.data());
+          continue;
+        }
+      }
+#endif
 
       // scores[h, t] = scale * q_h . k_t (k of query head h's KV head)
       if (vectorized) {
