@@ -29,7 +29,8 @@ priority above the tenant's ``max_priority`` or more tokens than its minute's bu
 Admitted prompts that have no first token yet form the prefill backlog; it is bounded too
 (``prefill_backlog_s`` of the measured prefill rate of every worker that may compute prompts:
 the prefill workers, and the decode workers where placement may put prompts there,
-``Router.prompt_rates``), so that what the workers
+``Router.prompt_rates``; but it always lets in one prompt per such worker, so a prompt longer
+than the bound does not leave all but one of them idle), so that what the workers
 queue in arrival order stays short and waiting happens here, in fair order: a flood cannot put its
 prompts in front of another tenant's in a worker's queue. (Counting the prefill workers alone
 under adaptive placement, 0.5 s of one core's ~1,200 tokens/s let a second 340-token prompt
@@ -123,6 +124,9 @@ class WorkerCapacity:
     max_decoding: int | None = None
     """Requests the decode workers can decode at once within the TPOT target, together
     (None: not learned yet: no bound)."""
+    prompt_workers: int = 1
+    """Workers that may compute prompts (whose rates ``prefill_tokens_per_s`` adds up): the
+    prefill backlog always lets in one prompt per such worker, whatever its length."""
 
 
 @dataclass
@@ -189,6 +193,8 @@ class KvAdmission:
         self._backlog_busy_since: float | None = None
         """When the backlog last became non-empty, or its last prompt completed."""
         self._prefill_backlog = 0
+        self._prefill_backlog_prompts = 0
+        """Admitted requests without a first token (their prompts make the backlog)."""
         """Prompt tokens of admitted requests without a first token yet."""
         self._capacity_tokens = capacity_tokens
         self._clock = clock
@@ -281,6 +287,7 @@ class KvAdmission:
         self._admitted_tokens -= admitted.demand.num_tokens
         if admitted.last_token_at is None:  # ended before its first token
             self._prefill_backlog -= admitted.demand.num_prompt_tokens
+            self._prefill_backlog_prompts -= 1
             if self._prefill_backlog == 0:
                 self._backlog_busy_since = None
         self._leave(admitted.tenant, admitted.tokens_left)
@@ -307,6 +314,7 @@ class KvAdmission:
     def _drained(self, num_prompt_tokens: int, now: float) -> None:
         """A prompt left the backlog: measure how fast the backlog drains while busy."""
         self._prefill_backlog -= num_prompt_tokens
+        self._prefill_backlog_prompts -= 1
         busy_since = self._backlog_busy_since
         if busy_since is not None and now > busy_since:
             rate = num_prompt_tokens / (now - busy_since)
@@ -496,7 +504,7 @@ class KvAdmission:
         if slots is not None and len(self._admitted) >= slots:
             return False
         return (
-            self._prefill_backlog == 0
+            self._prefill_backlog_prompts < self._worker_capacity(0).prompt_workers
             or self._prefill_backlog + demand.num_prompt_tokens <= self.prefill_backlog_limit
         )
 
@@ -520,6 +528,7 @@ class KvAdmission:
         if self._prefill_backlog == 0:
             self._backlog_busy_since = self._clock()
         self._prefill_backlog += demand.num_prompt_tokens
+        self._prefill_backlog_prompts += 1
         bucket = self._buckets.get(tenant)
         if bucket is not None:
             bucket.take(demand.num_prompt_tokens + demand.max_tokens)

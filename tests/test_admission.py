@@ -272,6 +272,34 @@ def test_the_prefill_backlog_is_bounded_and_drains_on_first_tokens() -> None:
     run(scenario())
 
 
+def test_the_prefill_backlog_always_holds_one_prompt_per_worker_that_computes_prompts() -> None:
+    """Two workers may compute prompts (a prefill worker, and a decode worker placement may
+    use): 0.5 s of their 2000 tokens/s is 1000 tokens, less than one 1,400-token prompt, yet
+    each of them gets one; the third waits for a first token."""
+    capacity = WorkerCapacity(prefill_tokens_per_s=2000.0, prompt_workers=2)
+    gate = KvAdmission(
+        AdmissionConfig(prefill_backlog_s=0.5, prior_tpot_s=0.05, prior_ttft_s=0.5),
+        lambda: 100_000,
+        Clock(),
+        worker_capacity=lambda context_tokens: capacity,
+    )
+
+    async def scenario() -> None:
+        await gate.admit("a", demand(1400, 100))
+        await gate.admit("b", demand(1400, 100))
+        waiting = await started(gate.admit("c", demand(1400, 100)))
+        assert gate.snapshot().prefill_backlog_tokens == 2800 and not waiting.done()
+        gate.progress("a", 1)  # a's prompt is done: one worker is free
+        assert await ended(waiting)
+        late = await started(gate.admit("d", demand(1400, 100)))
+        assert not late.done()
+        gate.release("b")  # ended before its first token: its worker is free too
+        assert await ended(late)
+        assert gate.snapshot().prefill_backlog_tokens == 2800  # c and d
+
+    run(scenario())
+
+
 def test_the_decode_batch_the_tpot_target_allows_bounds_admission() -> None:
     seen_contexts: list[int] = []
 
