@@ -193,8 +193,6 @@ class KvAdmission:
         self._backlog_busy_since: float | None = None
         """When the backlog last became non-empty, or its last prompt completed."""
         self._prefill_backlog = 0
-        self._prefill_backlog_prompts = 0
-        """Admitted requests without a first token (their prompts make the backlog)."""
         """Prompt tokens of admitted requests without a first token yet."""
         self._capacity_tokens = capacity_tokens
         self._clock = clock
@@ -287,7 +285,6 @@ class KvAdmission:
         self._admitted_tokens -= admitted.demand.num_tokens
         if admitted.last_token_at is None:  # ended before its first token
             self._prefill_backlog -= admitted.demand.num_prompt_tokens
-            self._prefill_backlog_prompts -= 1
             if self._prefill_backlog == 0:
                 self._backlog_busy_since = None
         self._leave(admitted.tenant, admitted.tokens_left)
@@ -314,7 +311,6 @@ class KvAdmission:
     def _drained(self, num_prompt_tokens: int, now: float) -> None:
         """A prompt left the backlog: measure how fast the backlog drains while busy."""
         self._prefill_backlog -= num_prompt_tokens
-        self._prefill_backlog_prompts -= 1
         busy_since = self._backlog_busy_since
         if busy_since is not None and now > busy_since:
             rate = num_prompt_tokens / (now - busy_since)
@@ -504,9 +500,13 @@ class KvAdmission:
         if slots is not None and len(self._admitted) >= slots:
             return False
         return (
-            self._prefill_backlog_prompts < self._worker_capacity(0).prompt_workers
+            self._backlog_prompts() < self._worker_capacity(0).prompt_workers
             or self._prefill_backlog + demand.num_prompt_tokens <= self.prefill_backlog_limit
         )
+
+    def _backlog_prompts(self) -> int:
+        """Admitted requests without a first token: the prompts of the prefill backlog."""
+        return sum(1 for admitted in self._admitted.values() if admitted.last_token_at is None)
 
     @property
     def prefill_backlog_limit(self) -> int:
@@ -528,7 +528,6 @@ class KvAdmission:
         if self._prefill_backlog == 0:
             self._backlog_busy_since = self._clock()
         self._prefill_backlog += demand.num_prompt_tokens
-        self._prefill_backlog_prompts += 1
         bucket = self._buckets.get(tenant)
         if bucket is not None:
             bucket.take(demand.num_prompt_tokens + demand.max_tokens)

@@ -148,8 +148,9 @@ class Coordinator:
         only; None while any decode worker's model is still unknown)."""
         rates = self.router.prompt_rates(RATE_PROBE_TOKENS)
         prefill_tokens_per_s = sum(rates) if rates else None
+        prompt_workers = max(1, len(rates))
         if not self.config.admission.within_tpot:
-            return WorkerCapacity(prefill_tokens_per_s, prompt_workers=max(1, len(rates)))
+            return WorkerCapacity(prefill_tokens_per_s, prompt_workers=prompt_workers)
         target_s = self.config.routing.slo.tpot_s * TPOT_HEADROOM
         bounds = [
             decode_batch_within(w.load.step_cost, context_tokens, target_s)
@@ -159,7 +160,7 @@ class Coordinator:
         return WorkerCapacity(
             prefill_tokens_per_s,
             max_decoding=sum(b for b in bounds if b is not None) if known else None,
-            prompt_workers=max(1, len(rates)),
+            prompt_workers=prompt_workers,
         )
 
     @property

@@ -53,7 +53,7 @@ def _run_to_end(core: EngineCore, joins: dict[int, tuple[str, list[int]]]) -> di
     Each request's ``(token id, logprob)`` pairs, in order."""
     outputs: dict[str, list] = {request_id: [] for request_id, _ in joins.values()}
     step = 0
-    while step in joins or core.has_unfinished or any(later > step for later in joins):
+    while core.has_unfinished or any(later >= step for later in joins):
         if step in joins:
             request_id, prompt = joins[step]
             core.add_request(request_id, prompt, GREEDY)
