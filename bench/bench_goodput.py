@@ -145,6 +145,7 @@ def aiperf_run(
     if not exports:
         raise RuntimeError(f"aiperf wrote no profile_export_aiperf.json under {artifacts}")
     figures = _figures(json.loads(exports[0].read_text()), count)
+    figures["missed"] = _misses(exports[0].with_name("profile_export.jsonl"), workload)
     figures |= {"rate": rate, "seed": seed, "requests": count, "wall_s": time.monotonic() - started}
     shutil.rmtree(artifacts, ignore_errors=True)
     return figures
@@ -173,6 +174,55 @@ def _figures(export: Json, count: int) -> Json:
         "completed": _metric(export, "request_count").get("avg"),
         "errors": _metric(export, "error_request_count").get("avg", 0),
     }
+
+
+def _misses(records: Path, workload: Workload) -> Json:
+    """How many requests missed the SLO on TTFT only, on ITL only, on both, or failed, from
+    aiperf's per-request export (each line a record of metric values in milliseconds); None
+    where aiperf wrote no such export."""
+    if not records.exists():
+        return None
+    missed = {"ttft_only": 0, "itl_only": 0, "both": 0, "errors": 0}
+    for line in records.read_text().splitlines():
+        record = json.loads(line)
+        metrics = record.get("metrics") or {}
+        if record.get("error") or "time_to_first_token" not in metrics:
+            missed["errors"] += 1
+            continue
+        for name in ("time_to_first_token", "inter_token_latency"):
+            if metrics.get(name, {}).get("unit", "ms") != "ms":
+                raise RuntimeError(f"aiperf reported {name} in {metrics[name]['unit']}, not ms")
+        ttft = metrics["time_to_first_token"]["value"] > workload.ttft_ms
+        itl = metrics.get("inter_token_latency", {}).get("value", 0.0) > workload.itl_ms
+        key = "both" if ttft and itl else "ttft_only" if ttft else "itl_only" if itl else None
+        if key is not None:
+            missed[key] += 1
+    return missed
+
+
+def placement_counts(cluster_log: Path) -> dict[str, float]:
+    """The coordinator's placement decisions so far (``where/reason``: count), read from
+    its /metrics, whose address ``splitserve up`` printed to ``cluster_log``; empty for a
+    server that prints none (vLLM)."""
+    if not cluster_log.exists():
+        return {}
+    prefix = "coordinator metrics at "
+    urls = [
+        line.split(prefix, 1)[1].strip()
+        for line in cluster_log.read_text(errors="replace").splitlines()
+        if prefix in line
+    ]
+    if not urls:
+        return {}
+    counts: dict[str, float] = {}
+    for line in httpx.get(urls[-1], timeout=10).text.splitlines():
+        if not line.startswith("splitserve_placement_decisions_total{"):
+            continue
+        labels, value = line.rsplit(" ", 1)
+        fields = dict(part.split("=", 1) for part in labels[labels.index("{") + 1 : -1].split(","))
+        key = f"{fields['where'].strip(chr(34))}/{fields['reason'].strip(chr(34))}"
+        counts[key] = float(value)
+    return counts
 
 
 def summarize(runs: list[Json]) -> Json:
@@ -259,11 +309,19 @@ def main() -> Json:
                 runs = []
                 for repeat in range(args.repeats):
                     seed = args.seed + 100 * index + repeat  # the same for every server
+                    placed_before = placement_counts(log_dir / f"{name}.log")
                     run = aiperf_run(args, url, workload, rate, seed)
+                    placed_after = placement_counts(log_dir / f"{name}.log")
+                    run["placements"] = {
+                        key: count - placed_before.get(key, 0.0)
+                        for key, count in placed_after.items()
+                        if count > placed_before.get(key, 0.0)
+                    }
                     log(
                         f"{name} {rate:g} req/s #{repeat}: goodput {run['goodput']:.3f} "
                         f"(good {run['good_fraction']}), TTFT p50 {run['ttft_ms']['p50']}, "
-                        f"ITL p50 {run['itl_ms']['p50']}"
+                        f"ITL p50 {run['itl_ms']['p50']}, missed {run['missed']}, "
+                        f"placements {run['placements']}"
                     )
                     runs.append(run)
                 by_rate[f"{rate:g}"] = {"runs": runs, "summary": summarize(runs)}

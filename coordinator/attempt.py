@@ -47,7 +47,7 @@ from splitserve.common.output_processor import RequestTracker, StreamChunk
 from splitserve.common.request_update import FinishReason, StepOutput
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.coordinator.registry import WorkerRecord
-from splitserve.coordinator.router import Route, Router
+from splitserve.coordinator.router import DecodeProgress, Route, Router
 from splitserve.proto.worker_clients import DecodeCall, WorkerChannels
 from splitserve.transfer.reservation import KvReservation, PrefillDone
 
@@ -147,6 +147,10 @@ class Attempt:
         self._channels = channels
         self._timeouts = timeouts
         self._events: asyncio.Queue[AttemptEvent] = asyncio.Queue()
+        self._progress = DecodeProgress(
+            max_tokens=params.max_tokens - len(self._prior_output), tpot_s=route.slo.tpot_s
+        )
+        """What the router's placement sees of this request while it decodes."""
         self._local_prompt = contextlib.ExitStack()
         """Counts a prompt the decode worker computes as queued there until its first token."""
 
@@ -169,7 +173,7 @@ class Attempt:
         if self.route.prefill is None:  # the decode worker computes the prompt itself
             computed = len(self._prompt) + len(self._prior_output)  # a resume recomputes both
             self._local_prompt.enter_context(self._router.prefilling(decode, computed))
-        with self._router.decoding(decode), self._local_prompt:
+        with self._router.decoding(decode, self._progress), self._local_prompt:
             try:
                 while self.state is not AttemptState.ENDED:
                     match await self._events.get():
@@ -234,8 +238,10 @@ class Attempt:
             self._stage("local_prefill", stage_start)
         if self.first_token_s is None:
             self._local_prompt.close()
-            self.first_token_s = time.monotonic() - self._started
+            self._progress.first_token_at = time.monotonic()
+            self.first_token_s = self._progress.first_token_at - self._started
             self._router.report_success(self.route.decode)
+        self._progress.num_tokens += len(output.update.new_token_ids)
         self.num_cached_tokens = max(self.num_cached_tokens, output.update.num_cached_tokens)
         return self.tracker.process(output.update, output.logprobs)
 

@@ -17,7 +17,14 @@ to the decode worker ("remote"), or on the decode worker itself, chunked into it
   take (``d.prefill_share``: a running request lives through every prompt computed there
   during its life, so its mean inter-token time is ``step / (1 - share)``), plus the time of
   its queued prompts and this one spread over ``max_tokens`` tokens (about the output this
-  request shares it with).
+  request shares it with);
+- each request already decoding there (``DecodeView.running``, past its first token): the
+  time its remaining steps take (``remaining_tokens`` batch steps) plus the prompt time it
+  sits through (the queued local prompts and this one, as far as its remaining steps carry
+  chunks of them), against the time it has left within its TPOT target (``spare_s``). That
+  steady mean hides the requests a burst of local prompts lands on near their end: a short
+  request whose last steps carry three prompts' chunks misses its target though the
+  batch's mean is met.
 
 A dual-role candidate (a worker that decodes too, ``PrefillView.decodes``) computes the prompt
 in chunks inside its own decode batch: its remote TTFT adds one of its batch steps per chunk,
@@ -29,10 +36,13 @@ that would push its batch past the TPOT target is not used while another one is 
 ``PlacementMode.ADAPTIVE``: remote on the candidate with the lowest predicted TTFT while
 that meets ``ttft_at_risk`` (default ``AT_RISK``) of the TTFT target (a prompt computed
 elsewhere costs the decode batch nothing, so local has nothing to win then); otherwise local
-when it is predicted faster and keeps the decode batch within the TPOT target; otherwise that
-best remote. The target counts from the request's arrival: the time it already waited
-(``waited_s``: in admission's queue, say) is added to the remote prediction before the
-at-risk test, so a request held back at admission is not sent to a queue it has no time for.
+when it is predicted faster, keeps the decode batch within the TPOT target and pushes no
+running request that is predicted within its own target past it (a request already predicted
+past it is lost either way, and does not hold back a prompt that can still meet its
+targets); otherwise that best remote. The target counts from the request's arrival: the
+time it already waited (``waited_s``: in admission's queue, say) is added to the remote
+prediction before the at-risk test, so a request held back at admission is not sent to a
+queue it has no time for.
 
 A decode worker that never prefilled has no prefill model of its own: it is assumed as fast
 as the prefill worker that has seen the most prompts (same model and layout), until its own
@@ -97,6 +107,9 @@ class Reason(enum.StrEnum):
     TPOT_GUARD = "tpot_guard"
     """Adaptive: remote is at risk and local faster, but local would push the decode
     batch past its TPOT target."""
+    RUNNING_TPOT_GUARD = "running_tpot_guard"
+    """Adaptive: remote is at risk and local faster, but local would push a request
+    decoding there, predicted within its TPOT target, past it."""
 
 
 @dataclass(frozen=True)
@@ -140,6 +153,17 @@ NO_TARGETS = LatencyTargets()
 
 
 @dataclass(frozen=True)
+class RunningRequest:
+    """A request decoding on a worker, past its first token, as its TPOT target sees it."""
+
+    remaining_tokens: int
+    """Tokens it may still generate (at most: it may stop early)."""
+    spare_s: float
+    """Time it may still take to its last token and keep its mean inter-token time within
+    its target: target x (its tokens - 1) less the time since its first token."""
+
+
+@dataclass(frozen=True)
 class DecodeView:
     """The decode worker the request will run on, as placement sees it."""
 
@@ -153,6 +177,9 @@ class DecodeView:
     """The fraction of its recent wall time its steps spent on prompt tokens (< 1)."""
     chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS
     """Prompt tokens it computes per step at most (its ``--max-num-batched-tokens``)."""
+    running: tuple[RunningRequest, ...] = ()
+    """Requests decoding there past their first token that the placing coordinator
+    streams (another coordinator's are in ``running_requests`` only)."""
 
 
 @dataclass(frozen=True)
@@ -214,6 +241,27 @@ def steady_tpot_s(step_s: float, prefill_share: float) -> float:
         prefill_share = MAX_PREFILL_SHARE
     share = min(max(prefill_share, 0.0), MAX_PREFILL_SHARE)
     return step_s / (1.0 - share)
+
+
+def delays_a_running_request_past_target(
+    decode: DecodeView, cost: StepCost, num_prompt_tokens: int, batch_step_s: float
+) -> bool:
+    """Whether computing ``num_prompt_tokens`` more on ``decode`` (after its queued prompt
+    tokens, in chunks its decode steps carry) pushes one of its running requests past its
+    TPOT target that, by the same prediction, meets it without them. A request with ``n``
+    steps left sits through at most ``n`` chunks of the prompts computed there; each of its
+    steps takes ``batch_step_s``."""
+    chunk = max(decode.chunk_tokens, 1)
+    for request in decode.running:
+        carried = request.remaining_tokens * chunk  # prompt tokens its remaining steps carry
+        decoding_s = request.remaining_tokens * batch_step_s
+        before_s = decoding_s + cost.prefill_s(min(decode.queued_tokens, carried))
+        after_s = decoding_s + cost.prefill_s(
+            min(decode.queued_tokens + num_prompt_tokens, carried)
+        )
+        if before_s <= request.spare_s < after_s:
+            return True
+    return False
 
 
 def place(
@@ -290,4 +338,6 @@ def place(
         return dataclasses.replace(remote, reason=Reason.REMOTE_FASTER)
     if local_tpot > slo.tpot_s:
         return dataclasses.replace(remote, reason=Reason.TPOT_GUARD)
+    if delays_a_running_request_past_target(decode, decode_cost, num_prompt_tokens, batch_step_s):
+        return dataclasses.replace(remote, reason=Reason.RUNNING_TPOT_GUARD)
     return Placement(None, Reason.LOCAL_FASTER, local_ttft, local_tpot)

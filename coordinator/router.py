@@ -15,13 +15,18 @@ Load has two sources: what each worker reports (the registry's ``load``, the sha
 when several coordinators dispatch to the same workers) and what this coordinator dispatched
 and has not seen finish (``Pending``, owned here: attempts wrap their worker calls in
 ``decoding`` / ``prefilling``), so that a burst of requests does not all land on the worker
-that looked idlest at its last report.
+that looked idlest at its last report. Each request it streams from a decode worker is kept
+with its progress (``DecodeProgress``: tokens streamed, first token's time, TPOT target), so
+that placement does not compute a prompt on that worker that would push one of them past its
+target.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -34,6 +39,7 @@ from splitserve.coordinator.placement import (
     PlacementConfig,
     PlacementMode,
     PrefillView,
+    RunningRequest,
     Slo,
     place,
 )
@@ -63,13 +69,41 @@ class Route:
     placement: Placement | None = None
     """Why the prompt runs where it does; None for a route without prefill choice (a
     fallback or a resume)."""
+    slo: Slo = DEFAULT_SLO
+    """The request's latency targets, as placement read them."""
+
+
+@dataclass
+class DecodeProgress:
+    """One attempt's request on its decode worker, as the attempt streams it (it counts
+    the tokens as they come): what placement's guard of running requests reads."""
+
+    max_tokens: int
+    """Tokens this attempt may generate (the request's budget less earlier attempts')."""
+    tpot_s: float
+    """The request's target mean inter-token time."""
+    num_tokens: int = 0
+    """Tokens streamed by this attempt so far."""
+    first_token_at: float | None = None
+    """``time.monotonic()`` of this attempt's first token; None before it."""
+
+    def running(self, now: float) -> RunningRequest | None:
+        """As placement sees it at ``now``; None before its first token (a prompt computed
+        meanwhile delays its first token, which its TTFT target covers)."""
+        if self.first_token_at is None:
+            return None
+        budget_s = self.tpot_s * max(self.max_tokens - 1, 0)
+        return RunningRequest(
+            remaining_tokens=max(self.max_tokens - self.num_tokens, 0),
+            spare_s=budget_s - (now - self.first_token_at),
+        )
 
 
 @dataclass
 class Pending:
     """Work this coordinator sent to one worker that has not finished yet."""
 
-    num_requests: int = 0
+    decoding: list[DecodeProgress] = dataclasses.field(default_factory=list)
     """Requests decoding there (attempts open on its decode stream)."""
     num_prefill_tokens: int = 0
     """Prompt tokens sent there to compute and not yet answered: to a prefill worker until
@@ -108,14 +142,15 @@ class Router:
         self._pending: dict[str, Pending] = collections.defaultdict(Pending)
 
     @contextlib.contextmanager
-    def decoding(self, worker: WorkerRecord) -> Iterator[None]:
-        """Count one request as running on ``worker`` while the block runs."""
+    def decoding(self, worker: WorkerRecord, progress: DecodeProgress) -> Iterator[None]:
+        """Count one request as running on ``worker`` while the block runs; ``progress``
+        (the caller updates it) is what placement sees of it."""
         pending = self._pending[worker.worker_id]
-        pending.num_requests += 1
+        pending.decoding.append(progress)
         try:
             yield
         finally:
-            pending.num_requests -= 1
+            pending.decoding.remove(progress)
 
     @contextlib.contextmanager
     def prefilling(self, worker: WorkerRecord, num_tokens: int) -> Iterator[None]:
@@ -157,11 +192,12 @@ class Router:
         ``with_prefill=False``: the decode worker computes the prompt (fallback, resume).
         ``slo``: the request's targets (the config's default when None); ``waited_s``: how
         long ago it arrived (its TTFT target counts from then)."""
+        slo = slo or self.config.slo
         decode = self.pick_decode(len(prompt_token_ids) + max_tokens, exclude)
         if decode is None:
             return None
         if not with_prefill:
-            return Route(decode, None)
+            return Route(decode, None, slo=slo)
         candidates = self._prefill_candidates(decode, len(prompt_token_ids))
         hashes = prompt_block_hashes(prompt_token_ids, decode.block_size) if candidates else []
         placement = self.place_prompt(
@@ -170,15 +206,15 @@ class Router:
             hashes,
             len(prompt_token_ids),
             max_tokens,
-            slo or self.config.slo,
+            slo,
             waited_s,
         )
         if placement.prefill_worker_id is None:
-            return Route(decode, None, placement)
+            return Route(decode, None, placement, slo)
         prefill = self.registry.get(placement.prefill_worker_id)
         assert prefill is not None  # a candidate a moment ago, on this event loop
         self._memory(prefill.worker_id).remember(hashes)
-        return Route(decode, prefill, placement)
+        return Route(decode, prefill, placement, slo)
 
     def prompt_rates(self, probe_tokens: int) -> list[float]:
         """Prompt tokens per second (read at a prompt of ``probe_tokens``) of each worker that
@@ -224,7 +260,7 @@ class Router:
         def score(worker: WorkerRecord) -> float:
             load = worker.load
             blocks_needed = -(-num_tokens // max(worker.block_size, 1))
-            pending = self._pending[worker.worker_id].num_requests
+            pending = len(self._pending[worker.worker_id].decoding)
             free_after = load.num_free_blocks - blocks_needed * (1 + pending)
             busy = load.num_running_tokens / max(worker.block_size, 1)
             return free_after - busy - 4 * load.num_waiting_requests
@@ -274,6 +310,8 @@ class Router:
             )
             for w in candidates
         ]
+        now = time.monotonic()
+        running = (p.running(now) for p in self._pending[decode.worker_id].decoding)
         view = DecodeView(
             cost=decode.load.step_cost,
             running_requests=decode.load.num_running_requests,
@@ -281,6 +319,7 @@ class Router:
             queued_tokens=self._queued_prefill_tokens(decode),
             prefill_share=decode.load.prefill_share,
             chunk_tokens=decode.load.chunk_tokens,
+            running=tuple(r for r in running if r is not None),
         )
         config = PlacementConfig(self.config.local_prefill_max_tokens, self.config.ttft_at_risk)
         return place(

@@ -157,7 +157,7 @@ def test_first_token_comes_once_from_the_decode_stream_before_the_prefill_answer
         assert attempt.num_cached_tokens == 3  # from the decode stream's usage
         assert [name for name, _ in attempt.stage_seconds] == ["reserve", "prefill"]
         assert workers.call.cancelled and workers.prefill_cancelled  # every exit ends both
-        assert router._pending["d"].num_requests == 0
+        assert len(router._pending["d"].decoding) == 0
         assert router._pending["p"].num_prefill_tokens == 0
 
     asyncio.run(body())
@@ -211,7 +211,7 @@ def test_a_decode_stream_that_ends_early_is_lost_and_a_refusal_is_the_requests_e
         workers.call.items.put_nowait(failure)
         with pytest.raises(expected):
             await anext(stream)
-        assert workers.call.cancelled and router._pending["d"].num_requests == 0
+        assert workers.call.cancelled and len(router._pending["d"].decoding) == 0
 
     asyncio.run(body(_END, DecodeLost))
     asyncio.run(body(WorkerUnavailableError("UNAVAILABLE"), DecodeLost))
@@ -290,10 +290,10 @@ def test_closing_the_stream_early_cancels_the_calls_and_restores_pending_counts_
         workers.call.items.put_nowait(_output((7,), 1))
         assert (await anext(stream)).new_token_ids == (7,)
         await _settle()
-        assert router._pending["d"].num_requests == 1
+        assert len(router._pending["d"].decoding) == 1
         await stream.aclose()  # the client went away mid-stream
         assert workers.call.cancelled
-        assert router._pending["d"].num_requests == 0
+        assert len(router._pending["d"].decoding) == 0
         await _settle()
         assert workers.prefill_cancelled and router._pending["p"].num_prefill_tokens == 0
 

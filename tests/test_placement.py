@@ -4,6 +4,8 @@ puts the TTFT target at risk, local is faster and the decode batch keeps its TPO
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from splitserve.common.errors import InvalidRequestError
@@ -16,6 +18,7 @@ from splitserve.coordinator.placement import (
     PlacementMode,
     PrefillView,
     Reason,
+    RunningRequest,
     Slo,
     place,
 )
@@ -259,3 +262,45 @@ def test_the_time_a_request_already_waited_counts_against_its_ttft_target() -> N
     assert idle.reason is Reason.REMOTE_FASTER
     full = place(320, 96, _decode(running=30), queued, SLO, PlacementMode.ADAPTIVE, RULE, 0.7)
     assert full.reason is Reason.TPOT_GUARD
+
+
+def test_a_local_prompt_never_pushes_a_running_request_past_its_own_target() -> None:
+    """The batch's steady TPOT (~45 ms) allows the 320-token prompt locally (0.65 s of
+    compute); a request running there with 10 tokens left (~0.25 s of steps) and 0.5 s left
+    within its target would sit through all of it and miss its target: the prompt goes
+    remote. With 1 s left it goes local; a request already predicted past its target (0.2 s
+    left) is lost either way and holds nothing back."""
+    queued = [_prefill("p", queued=1000)]
+
+    def with_running(*running: RunningRequest, chunk: int = 512) -> DecodeView:
+        return dataclasses.replace(_decode(running=8), running=running, chunk_tokens=chunk)
+
+    assert _place(with_running(), queued).reason is Reason.LOCAL_FASTER
+    tight = _place(with_running(RunningRequest(10, 1.0), RunningRequest(10, 0.5)), queued)
+    assert (tight.where, tight.reason) == ("remote", Reason.RUNNING_TPOT_GUARD)
+    assert tight.predicted_local_tpot_s is not None
+    assert tight.predicted_local_tpot_s < SLO.tpot_s  # the steady guard alone would allow it
+    roomy = _place(with_running(RunningRequest(10, 1.0)), queued)
+    assert (roomy.where, roomy.reason) == ("local", Reason.LOCAL_FASTER)
+    lost = _place(with_running(RunningRequest(10, 0.2)), queued)
+    assert lost.reason is Reason.LOCAL_FASTER
+    # a request sits through only the chunks its remaining steps carry: 2 steps of 64-token
+    # chunks are 128 prompt tokens (~0.3 s with its steps), within 0.4 s; the whole prompt
+    # (~0.7 s) would not be
+    short = _place(with_running(RunningRequest(2, 0.4), chunk=64), queued)
+    assert short.reason is Reason.LOCAL_FASTER
+    assert _place(with_running(RunningRequest(6, 0.4), chunk=64), queued).reason is (
+        Reason.RUNNING_TPOT_GUARD
+    )
+
+
+def test_the_running_guard_counts_the_prompts_already_queued_there() -> None:
+    """300 prompt tokens already queued locally come first: a request that meets its target
+    after sitting through them (0.9 s left, ~0.86 s predicted) but not after this prompt too
+    holds the prompt back; with nothing queued the same request leaves room for it."""
+    queued = [_prefill("p", queued=2000)]
+    running = (RunningRequest(10, 0.9),)
+    empty = dataclasses.replace(_decode(running=8), running=running)
+    assert _place(empty, queued).reason is Reason.LOCAL_FASTER
+    behind = dataclasses.replace(_decode(running=8, queued=300), running=running)
+    assert _place(behind, queued).reason is Reason.RUNNING_TPOT_GUARD

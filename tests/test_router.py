@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import time
 
+import pytest
+
 from splitserve.common.blocks import prompt_block_hashes
 from splitserve.common.load import EngineLoad
 from splitserve.common.membership import Role
@@ -12,7 +14,7 @@ from splitserve.common.step_cost import MIN_STEPS, StepCost
 from splitserve.coordinator import router as router_module
 from splitserve.coordinator.placement import PlacementMode, PrefillView, Reason, Slo
 from splitserve.coordinator.registry import WorkerRecord, WorkerRegistry
-from splitserve.coordinator.router import Router, RoutingConfig
+from splitserve.coordinator.router import DecodeProgress, Router, RoutingConfig
 
 
 def _worker(
@@ -62,7 +64,7 @@ def test_dispatched_requests_count_until_the_next_heartbeat() -> None:
     a, b = _worker("a", Role.DECODE), _worker("b", Role.DECODE)
     router = _router(a, b)
     first = router.pick_decode(320)
-    with router.decoding(first):
+    with router.decoding(first, DecodeProgress(max_tokens=96, tpot_s=0.05)):
         assert router.pick_decode(320) is not first
 
 
@@ -158,6 +160,25 @@ def test_adaptive_routing_sees_the_workers_learned_step_costs_and_their_queues()
         route = router.route(prompt, 96, slo=tight)
     assert route is not None and route.prefill is prefill
     assert route.placement is not None and route.placement.reason is Reason.TPOT_GUARD
+    assert route.slo == tight  # the attempt guards the request's own target while it decodes
+    # a request this coordinator streams from the decode worker, 0.5 s from its first token
+    # of 96 (the 0.05 s target leaves 4.75 s for 95 gaps): 4.25 s for its 90 remaining
+    # tokens. Its steps (~1.2 s) and this prompt (0.65 s) fit; 2.8 s later (1.45 s left) they
+    # no longer do, though its steps alone still would.
+    progress = DecodeProgress(max_tokens=96, tpot_s=0.05)
+    assert progress.running(time.monotonic()) is None  # before its first token: TTFT's matter
+    progress.first_token_at, progress.num_tokens = time.monotonic() - 0.5, 6
+    running = progress.running(progress.first_token_at + 0.5)
+    assert running is not None and running.remaining_tokens == 90
+    assert running.spare_s == pytest.approx(4.25)
+    with router.prefilling(prefill, 1000), router.decoding(decode, progress):
+        route = router.route(prompt, 96)
+        assert route is not None and route.placement is not None
+        assert route.placement.reason is Reason.LOCAL_FASTER
+        progress.first_token_at -= 2.8
+        route = router.route(prompt, 96)
+    assert route is not None and route.prefill is prefill
+    assert route.placement is not None and route.placement.reason is Reason.RUNNING_TPOT_GUARD
 
 
 def test_a_dual_role_worker_never_pushes_to_itself_and_is_seen_with_its_decode_batch() -> None:
