@@ -84,6 +84,10 @@ class RunnerConfig:
     CUDA, cpu for bf16 on CPU, torch otherwise)."""
     device: str = "cpu"
     """torch device of weights and KV cache."""
+    decodes: bool = True
+    """Whether this engine generates tokens past a prompt's first (False on a prefill-only
+    worker: its projections then keep no copy of their weights for the decode GEMV, which
+    only generated tokens' rows take; a decode step run anyway is correct, through oneDNN)."""
 
     def __post_init__(self) -> None:
         if self.num_threads is not None and self.num_threads <= 0:

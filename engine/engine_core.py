@@ -73,7 +73,12 @@ class EngineCore:
             self.max_model_len = min(self.max_model_len, config.model.max_model_len)
         self.num_blocks = self._num_blocks()
         model = LlamaModel(
-            checkpoint.config, checkpoint.weights, self.dtype, device, self.max_model_len
+            checkpoint.config,
+            checkpoint.weights,
+            self.dtype,
+            device,
+            self.max_model_len,
+            decode_gemv=config.runner.decodes,
         )
         backend = _backend(config, self.dtype, self.num_blocks)
         self.runner = ModelRunner(model, self.num_blocks, config.cache.block_size, backend)

@@ -11,19 +11,43 @@ when it can be built here; ``SPLITSERVE_DECODE_GEMV=0`` turns it off): it stream
 once with a software prefetch, where oneDNN's GEMV restarts the prefetcher's stream per matrix
 and slows with every row (one core, SmolLM2's 121 matrices: 7.2-7.5 ms against 8.8-9.0 for
 one row, 7.4-7.9 against 12.2-12.8 for 8, 21.9 against 24.8 for 32). Such a weight is held
-twice, in oneDNN's layout for prompt rows and in the GEMV's (269 MB more for SmolLM2-135M).
+twice, in oneDNN's layout for prompt rows and in the GEMV's (269 MB more for SmolLM2-135M),
+except where the engine generates no tokens past a prompt's first (``decode_gemv=False``: a
+prefill-only worker, whose rows are all prompt rows; its LM head keeps its copy, for float32
+logits).
 
 Which rows take which path is fixed by the row's kind, never by the step's size, so a row's
 bits do not depend on what shares its step: the caller names the leading ``generated_rows`` of
 ``x`` (one-token decode chunks); those go through the GEMV, in calls of at most ``MAX_ROWS``
 rows (a GEMV row's sums do not depend on the other rows), and every prompt row goes through
-oneDNN, whose bf16 result for a row is the same whatever the step's row count. So a prompt's
+oneDNN, whose bf16 result for a row is the same whatever the step's row count (on CPUs without
+AMX; see below). So a prompt's
 tail computed after a cached prefix gives the bits of the whole prompt computed at once; the
 GEMV sums in another order than oneDNN (an ulp apart), and letting it take a short prompt tail
 once flipped a bf16 logit tie ("What is the capital of France?" answered "L'Étoile..." on its
 cached second ask). A generated token's KV recomputed as part of a prompt (a request resumed
 elsewhere) goes through oneDNN, so in bf16 its bits may differ by an ulp from the first
 computation; float32 never takes the GEMV.
+
+Where the GEMV pays depends on the CPU. Without AMX (the AMD EPYC above) it beats oneDNN up to
+32 rows. With AMX (an Intel Xeon, one core, the same 121 matrices) oneDNN reads the weights
+at 30-37 ms from 1 to 32 rows while the GEMV, bound by its AVX-512 BF16 arithmetic, grows
+from 29 ms at one row to 60 at 16 and 106 at 32: a decode batch of 16 ran at 88 ms a token
+against 65 without the GEMV. So by default (``SPLITSERVE_DECODE_GEMV=auto``) the model
+measures, once at load, up to how many generated rows the GEMV is no slower than oneDNN on
+this machine (``measure_gemv_row_limit``, at least one row); a step with more generated rows
+takes oneDNN for all of them. ``SPLITSERVE_DECODE_GEMV=1`` takes the GEMV at every row count
+(the bit property below for any batch), ``0`` never. The LM head is apart: its rows are
+logits, which take the kernel's float32 sums always (``Linear.logits``).
+
+A prompt row's bits are the same whatever the step's row count only where oneDNN's are: on
+the AMD EPYC above they were; with AMX (the Intel Xeon above) oneDNN sums a row of a call of
+fewer than ~37 rows in another order than the same row in a larger call (every projection
+shape of SmolLM2; from 37 rows on, a row's bits depend neither on the call's size nor on the
+row's place in it). There a prompt's short tail after a cached prefix can differ from the
+whole prompt by an ulp. (Padding such calls to 64 rows made them agree; it is not done, as it
+costs a short prompt the compute of 64 rows.) Logits in float32 (``Linear.logits``) keep such
+ulps from deciding greedy's token at a bf16 logit tie.
 
 Batch invariance in float32 on CPU: the BLAS picks a different kernel (and so a different
 summation order) for 1, for 2-4 and for 5 or more rows, so a request's logits would depend on
@@ -35,6 +59,8 @@ always goes through the same kernel: float32 results are identical whatever the 
 from __future__ import annotations
 
 import os
+import statistics
+import time
 
 import torch
 import torch.nn.functional as F
@@ -42,9 +68,61 @@ import torch.nn.functional as F
 from splitserve.kernels.cpu_gemv import MAX_ROWS, CpuGemv, GemvWeight, load_cpu_gemv
 
 DECODE_GEMV_ENV = "SPLITSERVE_DECODE_GEMV"
-"""``0``: generated tokens' rows use oneDNN too, not the C++ GEMV (see above); on by default."""
+"""``auto`` (default): generated tokens' rows take the C++ GEMV up to the row count measured
+at load; ``1``: at every row count; ``0``: never, oneDNN (see above)."""
+GEMV_PROBE_ROWS = (1, 2, 4, 8, 16, 32)
+"""Row counts ``measure_gemv_row_limit`` times, in order."""
+GEMV_SLOWER = 1.05
+"""The GEMV counts as slower at a row count where it takes more than this times oneDNN's
+time (timings on a shared core scatter by a few percent)."""
 MIN_GEMM_ROWS = 8
 """Float32 CPU inputs are padded to at least this many rows (see the module docstring)."""
+
+
+def decode_gemv_setting() -> str:
+    """``SPLITSERVE_DECODE_GEMV``: ``auto`` (unset too), ``1`` or ``0``; anything else is
+    refused (``ValueError``) rather than guessed."""
+    value = os.environ.get(DECODE_GEMV_ENV, "auto").strip().lower() or "auto"
+    if value not in ("auto", "1", "0"):
+        raise ValueError(f"{DECODE_GEMV_ENV} must be auto, 1 or 0, not {value!r}")
+    return value
+
+
+def measure_gemv_row_limit(linears: list[Linear], repeats: int = 5) -> int | None:
+    """Up to how many generated rows the GEMV is no slower than oneDNN over ``linears``
+    (each holding a GEMV copy), on this machine, now: the last of ``GEMV_PROBE_ROWS`` before
+    the first where the GEMV takes more than ``GEMV_SLOWER`` times oneDNN's median time over
+    ``repeats`` runs; at least 1 (one row reads the weights once either way); None when it is
+    no slower at any probed count (no limit)."""
+    generator = torch.Generator().manual_seed(0)
+    limit = None
+    for rows in GEMV_PROBE_ROWS:
+        inputs = {
+            linear.in_features: torch.randn(rows, linear.in_features, generator=generator).to(
+                torch.bfloat16
+            )  # [rows, in]
+            for linear in linears
+        }
+        gemv_s = _median_pass_s(linears, inputs, rows, repeats)
+        if gemv_s > GEMV_SLOWER * _median_pass_s(linears, inputs, 0, repeats):
+            return limit or 1
+        limit = rows
+    return None
+
+
+def _median_pass_s(
+    linears: list[Linear], inputs: dict[int, torch.Tensor], generated_rows: int, repeats: int
+) -> float:
+    """Median seconds of one pass over ``linears`` (input by in-features), after a warm-up
+    pass (caches, oneDNN's kernel choice)."""
+    times = []
+    with torch.inference_mode():
+        for _ in range(repeats + 1):
+            started = time.perf_counter()
+            for linear in linears:
+                linear(inputs[linear.in_features], generated_rows)
+            times.append(time.perf_counter() - started)
+    return statistics.median(times[1:])
 
 
 def _prepacking_available() -> bool:
@@ -58,7 +136,18 @@ def _prepacking_available() -> bool:
 class Linear:
     """A projection ``[tokens, in] -> [tokens, out]`` with a fixed weight ``[out, in]``."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        decode_gemv: bool = True,
+        logits: bool = False,
+    ) -> None:
+        """``decode_gemv=False``: keep no GEMV copy of the weight (every row takes oneDNN);
+        for an engine that never computes generated tokens' rows. ``logits``: the LM head,
+        whose every row (a prompt's last or a generated token's) takes the GEMV's float32
+        sums where it is loaded, whatever ``decode_gemv`` and ``SPLITSERVE_DECODE_GEMV``
+        (see ``logits`` below)."""
         self.out_features, self.in_features = weight.shape
         self.weight = weight  # [out, in]
         self.bias = bias  # [out] or None
@@ -69,7 +158,19 @@ class Linear:
         )
         self._gemv: CpuGemv | None = None
         self._gemv_weight: GemvWeight | None = None
-        gemv_wanted = os.environ.get(DECODE_GEMV_ENV, "1") != "0"
+        self.gemv_max_rows: int | None = None
+        """Steps with more generated rows than this take oneDNN for every row (None: no
+        limit); set by the model from ``measure_gemv_row_limit``."""
+        self.logits = logits
+        """Rows out in float32, never rounded to bf16, where the GEMV is loaded: a bf16
+        logit's step (1/16 between 8 and 16) turns near ties into exact ones, which greedy
+        breaks by token id, so the answer hung on an ulp of the hidden state (the default
+        model, bf16, on an AMX Xeon: "What is the capital of France?" answered "L'Étoile,
+        la Marseillaise, ..."; with float32 logits "The capital of France is Paris.", as in
+        float32). Every row takes the same row-invariant path, so a logit's bits do not
+        depend on its row's kind or its step, and a prefill-only worker's first token comes
+        from the same sums as a decode worker's."""
+        gemv_wanted = logits or (decode_gemv and decode_gemv_setting() != "0")
         if gemv_wanted and self.prepacked and CpuGemv.supports(weight):
             self._gemv = load_cpu_gemv()
             if self._gemv is not None:
@@ -80,8 +181,18 @@ class Linear:
 
     def __call__(self, x: torch.Tensor, generated_rows: int = 0) -> torch.Tensor:
         """``x @ weight.T + bias`` for ``x`` ``[tokens, in]``; the leading ``generated_rows``
-        rows are generated tokens (they take the GEMV where it is loaded, see above)."""
+        rows are generated tokens (they take the GEMV where it is loaded, see above). Float32
+        for ``logits`` where the GEMV is loaded, else ``x``'s dtype."""
+        if self.logits and self._gemv_weight is not None:
+            assert self._gemv is not None
+            parts = [
+                self._gemv(x[start : start + MAX_ROWS], self._gemv_weight, self.bias, True)
+                for start in range(0, x.shape[0], MAX_ROWS)
+            ]  # each [<= MAX_ROWS, out] float32
+            return parts[0] if len(parts) == 1 else torch.cat(parts)
         if self._gemv_weight is None or generated_rows <= 0:
+            return self._dense(x)
+        if self.gemv_max_rows is not None and generated_rows > self.gemv_max_rows:
             return self._dense(x)
         assert self._gemv is not None
         bias = self.bias

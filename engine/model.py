@@ -11,6 +11,7 @@ only for the tokens listed in ``logits_indices`` (the last token of each samplin
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -19,7 +20,7 @@ import torch.nn.functional as F
 
 from splitserve.common.errors import ModelLoadError
 from splitserve.engine.attention import AttentionBackend
-from splitserve.engine.linear import Linear
+from splitserve.engine.linear import Linear, decode_gemv_setting, measure_gemv_row_limit
 from splitserve.engine.model_config import ModelArchConfig
 from splitserve.engine.rotary import apply_rotary, cos_sin_table
 from splitserve.kernels.cpu_fused_ops import CpuFusedOps, load_cpu_fused_ops
@@ -49,6 +50,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * (x * torch.rsqrt(variance + eps))
 
 
+logger = logging.getLogger(__name__)
+
+GEMV_PROBE_LAYERS = 4
+"""Decoder layers whose projections time the decode GEMV against oneDNN at load."""
+
+
 @dataclass(frozen=True)
 class GeneratedRows:
     """How many leading rows of a packed step are generated tokens (one-token decode chunks
@@ -70,8 +77,13 @@ class LlamaModel:
         dtype: torch.dtype,
         device: torch.device,
         max_positions: int,
+        decode_gemv: bool = True,
     ) -> None:
+        """``decode_gemv=False``: the projections keep no copy of their weights for the
+        decode GEMV (``engine/linear.py``), for an engine that generates no tokens past a
+        prompt's first (a prefill-only worker)."""
         self.config = config
+        self._decode_gemv = decode_gemv
         self.dtype = dtype
         self.device = device
         take = _WeightTaker(weights, dtype, device)
@@ -79,12 +91,36 @@ class LlamaModel:
         self.layers = [self._layer(take, i) for i in range(config.num_hidden_layers)]
         self.norm = take("model.norm.weight")  # [hidden]
         lm_head = self.embed_tokens if config.tie_word_embeddings else take("lm_head.weight")
-        self.lm_head = Linear(lm_head)  # hidden -> vocab
+        self.lm_head = Linear(lm_head, logits=True)  # hidden -> vocab
+        self._limit_decode_gemv()
         self.cos, self.sin = cos_sin_table(
             config.head_dim, config.rope_theta, config.rope_scaling, max_positions, dtype, device
         )  # [positions, head_dim] each
         self.scale = config.head_dim**-0.5
         self._fused_ops = _fused_ops_for(dtype, device)
+
+    def _projections(self) -> list[Linear]:
+        """The LM head, then every decoder layer's projections in order."""
+        return [self.lm_head] + [
+            linear
+            for layer in self.layers
+            for linear in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
+        ]
+
+    def _limit_decode_gemv(self) -> None:
+        """Under ``SPLITSERVE_DECODE_GEMV=auto``, measure on the first layers' projections up
+        to how many generated rows the decode GEMV pays on this machine, and hold every
+        projection to it (``engine/linear.py``)."""
+        projections = self._projections()
+        if decode_gemv_setting() != "auto" or projections[1]._gemv_weight is None:
+            return
+        limit = measure_gemv_row_limit(projections[1 : 1 + 4 * GEMV_PROBE_LAYERS])
+        for linear in projections[1:]:  # the LM head's rows are logits: always the GEMV
+            linear.gemv_max_rows = limit
+        logger.info(
+            "decode GEMV: for steps of %s generated rows (measured against oneDNN here)",
+            "any number of" if limit is None else f"at most {limit}",
+        )
 
     def _layer(self, take: _WeightTaker, index: int) -> DecoderLayerWeights:
         prefix = f"model.layers.{index}."
@@ -93,15 +129,17 @@ class LlamaModel:
         qkv_bias = None
         if self.config.attention_bias:
             qkv_bias = torch.cat([take(attn + f"{p}_proj.bias") for p in "qkv"])
+        gemv = self._decode_gemv
         return DecoderLayerWeights(
             input_norm=take(prefix + "input_layernorm.weight"),
-            qkv=Linear(torch.cat([take(name) for name in qkv_names]), qkv_bias),
-            o_proj=Linear(take(attn + "o_proj.weight")),
+            qkv=Linear(torch.cat([take(name) for name in qkv_names]), qkv_bias, gemv),
+            o_proj=Linear(take(attn + "o_proj.weight"), decode_gemv=gemv),
             post_norm=take(prefix + "post_attention_layernorm.weight"),
             gate_up=Linear(
-                torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")])
+                torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")]),
+                decode_gemv=gemv,
             ),
-            down=Linear(take(mlp + "down_proj.weight")),
+            down=Linear(take(mlp + "down_proj.weight"), decode_gemv=gemv),
         )
 
     @torch.inference_mode()

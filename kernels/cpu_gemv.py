@@ -47,8 +47,10 @@ class CpuGemv:
         self._pack.argtypes = [_P, _P, _I, _I]
         self._pack.restype = ctypes.c_int
         self._gemv = library.splitserve_gemv_bf16
-        self._gemv.argtypes = [_P, _P, _I, _P, _P, _I, _I, _T]
-        self._gemv.restype = ctypes.c_int
+        self._gemv_f32 = library.splitserve_gemv_bf16_f32
+        for function in (self._gemv, self._gemv_f32):
+            function.argtypes = [_P, _P, _I, _P, _P, _I, _I, _T]
+            function.restype = ctypes.c_int
         probe = self.pack(torch.zeros(OUT_BLOCK, 2, dtype=torch.bfloat16))
         status = self._run(torch.zeros(1, 2, dtype=torch.bfloat16), probe, None)[1]
         self.available = status != UNSUPPORTED
@@ -84,9 +86,10 @@ class CpuGemv:
         x: torch.Tensor,  # [rows, in] bf16, rows <= MAX_ROWS
         weight: GemvWeight,
         bias: torch.Tensor | None = None,  # [out] bf16
+        float_out: bool = False,
     ) -> torch.Tensor:
-        """``x @ weight.T + bias`` as ``[rows, out]`` bf16; ``ValueError`` for what it cannot
-        take."""
+        """``x @ weight.T + bias`` as ``[rows, out]`` bf16 (``float_out``: float32, the same
+        sums unrounded); ``ValueError`` for what it cannot take."""
         if (
             x.dim() != 2
             or x.dtype != torch.bfloat16
@@ -101,16 +104,21 @@ class CpuGemv:
             or not bias.is_contiguous()
         ):
             raise ValueError(f"gemv: bias must be contiguous bf16 [{weight.out_features}]")
-        out, status = self._run(x.contiguous(), weight, bias)
+        out, status = self._run(x.contiguous(), weight, bias, float_out)
         if status != 0:
             raise ValueError(f"gemv: the kernel refused its arguments (code {status})")
         return out
 
     def _run(
-        self, x: torch.Tensor, weight: GemvWeight, bias: torch.Tensor | None
+        self,
+        x: torch.Tensor,
+        weight: GemvWeight,
+        bias: torch.Tensor | None,
+        float_out: bool = False,
     ) -> tuple[torch.Tensor, int]:
-        out = x.new_empty(x.shape[0], weight.out_features)
-        status = self._gemv(
+        dtype = torch.float32 if float_out else torch.bfloat16
+        out = x.new_empty(x.shape[0], weight.out_features, dtype=dtype)  # [rows, out]
+        status = (self._gemv_f32 if float_out else self._gemv)(
             out.data_ptr(),
             x.data_ptr(),
             x.shape[0],

@@ -8,7 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from splitserve.engine.linear import DECODE_GEMV_ENV, Linear
+from splitserve.engine.linear import (
+    DECODE_GEMV_ENV,
+    GEMV_PROBE_ROWS,
+    Linear,
+    decode_gemv_setting,
+    measure_gemv_row_limit,
+)
 from splitserve.kernels.cpu_build import PORTABLE_FLAGS
 from splitserve.kernels.cpu_gemv import MAX_ROWS, CpuGemv, load_cpu_gemv
 
@@ -114,3 +120,84 @@ def test_linear_keeps_onednn_when_the_gemv_is_turned_off(monkeypatch: pytest.Mon
     assert linear._gemv_weight is None
     x = torch.ones(3, 8, dtype=torch.bfloat16)
     assert torch.equal(linear(x, 3), torch.full((3, 32), 8.0, dtype=torch.bfloat16))
+
+
+def test_a_linear_for_an_engine_that_never_decodes_keeps_no_gemv_copy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``decode_gemv=False`` (a prefill-only worker) packs no GEMV copy of the weight, even
+    where the GEMV would load; every row, generated or not, takes oneDNN's bits."""
+    monkeypatch.delenv(DECODE_GEMV_ENV, raising=False)
+    _kernel()
+    generator = torch.Generator().manual_seed(6)
+    weight = (torch.randn(576, 1536, generator=generator) * 0.05).bfloat16()
+    with_gemv, prompt_only = Linear(weight), Linear(weight, decode_gemv=False)
+    assert with_gemv._gemv_weight is not None and prompt_only._gemv_weight is None
+    x = torch.randn(6, 1536, generator=generator).bfloat16()
+    assert torch.equal(prompt_only(x, generated_rows=2), with_gemv(x))
+
+
+def test_past_its_row_limit_a_step_takes_onednn_for_every_row(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``gemv_max_rows`` (what the model measured): a step with more generated rows than that
+    computes all its rows through oneDNN; up to it, the generated rows keep the GEMV's bits."""
+    monkeypatch.delenv(DECODE_GEMV_ENV, raising=False)
+    kernel = _kernel()
+    generator = torch.Generator().manual_seed(7)
+    weight = (torch.randn(576, 1536, generator=generator) * 0.05).bfloat16()
+    linear = Linear(weight)
+    linear.gemv_max_rows = 2
+    assert linear._gemv_weight is not None
+    x = torch.randn(8, 1536, generator=generator).bfloat16()
+    assert torch.equal(linear(x, 3), linear(x))  # 3 generated rows: past the limit
+    within = linear(x, 2)
+    assert torch.equal(within[:2], kernel(x[:2], linear._gemv_weight))
+    assert torch.equal(within[2:], linear(x)[2:])
+
+
+def test_the_row_limit_is_measured_on_this_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(DECODE_GEMV_ENV, raising=False)
+    _kernel()
+    generator = torch.Generator().manual_seed(8)
+    linears = [
+        Linear((torch.randn(out, inp, generator=generator) * 0.05).bfloat16())
+        for out, inp in [(2880, 576), (576, 1536)]
+    ]
+    limit = measure_gemv_row_limit(linears, repeats=3)
+    assert limit is None or limit in GEMV_PROBE_ROWS  # at least one row
+    assert all(linear.gemv_max_rows is None for linear in linears)  # it only measures
+
+
+@pytest.mark.parametrize(("value", "setting"), [(None, "auto"), ("", "auto"), ("AUTO", "auto"),
+                                                ("1", "1"), ("0", "0")])  # fmt: skip
+def test_the_gemv_setting_is_auto_by_default_and_refuses_what_it_cannot_read(
+    monkeypatch: pytest.MonkeyPatch, value: str | None, setting: str
+) -> None:
+    if value is None:
+        monkeypatch.delenv(DECODE_GEMV_ENV, raising=False)
+    else:
+        monkeypatch.setenv(DECODE_GEMV_ENV, value)
+    assert decode_gemv_setting() == setting
+    monkeypatch.setenv(DECODE_GEMV_ENV, "yes")
+    with pytest.raises(ValueError, match="auto, 1 or 0"):
+        decode_gemv_setting()
+
+
+def test_logits_are_the_gemvs_float32_sums_for_every_row(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The LM head (``logits=True``) keeps its rows in float32: the sums the bf16 GEMV rounds
+    (rounding them gives its bf16 result bit for bit), row-invariant, for any row count past
+    ``MAX_ROWS`` too, even where the decode GEMV is off or the engine never decodes."""
+    kernel = _kernel()
+    monkeypatch.setenv(DECODE_GEMV_ENV, "0")
+    generator = torch.Generator().manual_seed(10)
+    weight = (torch.randn(1024, 576, generator=generator) * 0.05).bfloat16()
+    head = Linear(weight, decode_gemv=False, logits=True)
+    assert head._gemv_weight is not None
+    x = torch.randn(MAX_ROWS + 3, 576, generator=generator).bfloat16()
+    logits = head(x)
+    assert logits.dtype == torch.float32 and logits.shape == (MAX_ROWS + 3, 1024)
+    assert torch.equal(logits[:5].bfloat16(), kernel(x[:5], head._gemv_weight))
+    assert torch.equal(head(x[-2:]), logits[-2:])  # a row's logits do not depend on the others
+    expected = x.double() @ weight.double().T
+    torch.testing.assert_close(logits.double(), expected, atol=1e-3, rtol=1e-3)

@@ -3,6 +3,8 @@ workers exactly when ``--etcd-endpoints`` is given, never to the gateway."""
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
 from splitserve.launch.up import (
@@ -14,7 +16,8 @@ from splitserve.launch.up import (
     worker_argvs,
 )
 from splitserve.worker.main import roles_of
-from splitserve.worker.runtime import role_worker_id
+from splitserve.worker.process import add_worker_args
+from splitserve.worker.runtime import engine_config_for, role_worker_id
 
 
 def _children(*flags: str) -> tuple[list[str], list[list[str]], list[str]]:
@@ -82,3 +85,16 @@ def test_up_waits_for_the_member_ids_its_workers_register_under() -> None:
     # flags after `--` reach every worker last: a worker id given there is the one it uses
     renamed = [argv for _, argv in worker_argvs(args, "127.0.0.1:50052", ["--worker-id", "x"])]
     assert member_ids(renamed) == ["x", "x", "x-prefill", "x-decode"]
+
+
+def test_only_a_worker_with_a_decode_role_keeps_the_decode_gemvs_weights() -> None:
+    """A prefill-only worker's engine computes prompt rows only: it packs no GEMV copy of its
+    projections' weights (``RunnerConfig.decodes``); a decode or dual-role worker does."""
+    parser = argparse.ArgumentParser()
+    add_worker_args(parser, env={})
+    args = parser.parse_args([])
+    decodes = {
+        roles: engine_config_for(args, roles_of(roles)).runner.decodes
+        for roles in ("prefill", "decode", "prefill,decode")
+    }
+    assert decodes == {"prefill": False, "decode": True, "prefill,decode": True}

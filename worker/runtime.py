@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ from splitserve.discovery.etcd_announcer import EtcdAnnouncer
 from splitserve.discovery.flags import etcd_endpoints
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.engine.cli_args import engine_config_from_args
+from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine_core import EngineCore
 from splitserve.proto.cluster_access import ClusterAccess, access_or_exit
 from splitserve.proto.etcd_client import EtcdClient
@@ -88,6 +90,14 @@ class WorkerRole:
     """(the process's engine, transport, identity, transfer timeout) -> the domain object."""
 
 
+def engine_config_for(args: argparse.Namespace, roles: Sequence[WorkerRole]) -> EngineConfig:
+    """The engine configuration of a worker serving ``roles``: its flags', with
+    ``RunnerConfig.decodes`` off where no role decodes (a prefill-only worker)."""
+    config = engine_config_from_args(args)
+    decodes = any(role.role is Role.DECODE for role in roles)
+    return dataclasses.replace(config, runner=dataclasses.replace(config.runner, decodes=decodes))
+
+
 def role_worker_id(base_id: str, role: WorkerRole, roles: Sequence[WorkerRole]) -> str:
     """The id a role registers under (``common/membership.py:member_id``)."""
     return member_id(base_id, role.name, len(roles))
@@ -125,7 +135,7 @@ async def run_worker(
     identities = [
         WorkerIdentity(role_worker_id(base_id, role, roles), address, access) for role in roles
     ]
-    core = await asyncio.to_thread(EngineCore, engine_config_from_args(args))
+    core = await asyncio.to_thread(EngineCore, engine_config_for(args, roles))
     engine = AsyncEngine(core)
     transport = UcxTransport(ucx_settings_of(args))
     domains = [

@@ -10,6 +10,10 @@
 //   splitserve_gemv_bf16(out, x, rows, packed, bias, out_features, in_features, threads)
 //     out [rows, out_features] bf16 = x [rows, in_features] bf16 @ weight.T (+ bias [out]
 //     bf16 when not null), float32 accumulation, one rounding at the end. rows <= kMaxRows.
+//   splitserve_gemv_bf16_f32(out, ...same...)
+//     the same sums, out [rows, out_features] float32, never rounded to bf16 (logits: a bf16
+//     logit's step, 1/16 at 8 to 16, turns near ties into exact ones that greedy then breaks
+//     by token id).
 //     Blocks of 16 outputs are split across `threads` OpenMP threads; within a block, rows go
 //     in groups of 8 (their accumulators fill the registers), the block's weight read from
 //     memory once and from cache for the next groups.
@@ -41,9 +45,10 @@ constexpr int64_t kGroupRows = 8;  // rows whose accumulators share the register
 constexpr int64_t kAhead = 8192;  // software prefetch distance in the packed weight, bytes
 
 #ifdef SPLITSERVE_AVX512
-// One block of 16 outputs (its packed weight at w) for Rows rows of x.
-template <int Rows>
-inline void block_rows(uint16_t* out, const uint16_t* x, const uint16_t* w, const uint16_t* bias,
+// One block of 16 outputs (its packed weight at w) for Rows rows of x; Out is uint16_t (bf16)
+// or float.
+template <int Rows, typename Out>
+inline void block_rows(Out* out, const uint16_t* x, const uint16_t* w, const uint16_t* bias,
                        int64_t out_features, int64_t in_features) {
   const int64_t pairs = in_features / 2;
   const char* w_bytes = reinterpret_cast<const char*>(w);
@@ -83,32 +88,52 @@ inline void block_rows(uint16_t* out, const uint16_t* x, const uint16_t* w, cons
   }
   for (int r = 0; r < Rows; ++r) {
     const __m512 sum = _mm512_add_ps(_mm512_add_ps(even[r], odd[r]), bias_v);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * out_features),
-                        (__m256i)_mm512_cvtneps_pbh(sum));
+    if constexpr (sizeof(Out) == sizeof(float)) {
+      _mm512_storeu_ps(out + r * out_features, sum);
+    } else {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * out_features),
+                          (__m256i)_mm512_cvtneps_pbh(sum));
+    }
   }
 }
 
 // Output block `block` for every row: groups of kGroupRows rows, each reading the block's
 // weight (at most 48 KB for 1,536 inputs) from cache after the first group brought it in.
-void block_all_rows(uint16_t* out, const uint16_t* x, int64_t rows, const uint16_t* packed,
+template <typename Out>
+void block_all_rows(Out* out, const uint16_t* x, int64_t rows, const uint16_t* packed,
                     const uint16_t* bias, int64_t out_features, int64_t in_features,
                     int64_t block) {
   const uint16_t* w = packed + block * in_features * kOutBlock;
   const uint16_t* block_bias = bias == nullptr ? nullptr : bias + block * kOutBlock;
   for (int64_t row = 0; row < rows; row += kGroupRows) {
-    uint16_t* o = out + row * out_features + block * kOutBlock;
+    Out* o = out + row * out_features + block * kOutBlock;
     const uint16_t* xr = x + row * in_features;
     switch (rows - row < kGroupRows ? rows - row : kGroupRows) {
-      case 1: block_rows<1>(o, xr, w, block_bias, out_features, in_features); break;
-      case 2: block_rows<2>(o, xr, w, block_bias, out_features, in_features); break;
-      case 3: block_rows<3>(o, xr, w, block_bias, out_features, in_features); break;
-      case 4: block_rows<4>(o, xr, w, block_bias, out_features, in_features); break;
-      case 5: block_rows<5>(o, xr, w, block_bias, out_features, in_features); break;
-      case 6: block_rows<6>(o, xr, w, block_bias, out_features, in_features); break;
-      case 7: block_rows<7>(o, xr, w, block_bias, out_features, in_features); break;
-      default: block_rows<8>(o, xr, w, block_bias, out_features, in_features); break;
+      case 1: block_rows<1, Out>(o, xr, w, block_bias, out_features, in_features); break;
+      case 2: block_rows<2, Out>(o, xr, w, block_bias, out_features, in_features); break;
+      case 3: block_rows<3, Out>(o, xr, w, block_bias, out_features, in_features); break;
+      case 4: block_rows<4, Out>(o, xr, w, block_bias, out_features, in_features); break;
+      case 5: block_rows<5, Out>(o, xr, w, block_bias, out_features, in_features); break;
+      case 6: block_rows<6, Out>(o, xr, w, block_bias, out_features, in_features); break;
+      case 7: block_rows<7, Out>(o, xr, w, block_bias, out_features, in_features); break;
+      default: block_rows<8, Out>(o, xr, w, block_bias, out_features, in_features); break;
     }
   }
+}
+
+template <typename Out>
+int gemv(Out* out, const uint16_t* x, int64_t rows, const uint16_t* packed, const uint16_t* bias,
+         int64_t out_features, int64_t in_features, int threads) {
+  if (rows <= 0 || rows > kMaxRows || out_features <= 0 || in_features <= 0 ||
+      out_features % kOutBlock || in_features % 2 || threads <= 0) {
+    return -1;
+  }
+  const int64_t blocks = out_features / kOutBlock;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+  for (int64_t block = 0; block < blocks; ++block) {
+    block_all_rows<Out>(out, x, rows, packed, bias, out_features, in_features, block);
+  }
+  return 0;
 }
 #endif
 
@@ -138,16 +163,17 @@ int splitserve_gemv_bf16(uint16_t* out, const uint16_t* x, int64_t rows, const u
 #ifndef SPLITSERVE_AVX512
   return -2;
 #else
-  if (rows <= 0 || rows > kMaxRows || out_features <= 0 || in_features <= 0 ||
-      out_features % kOutBlock || in_features % 2 || threads <= 0) {
-    return -1;
-  }
-  const int64_t blocks = out_features / kOutBlock;
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-  for (int64_t block = 0; block < blocks; ++block) {
-    block_all_rows(out, x, rows, packed, bias, out_features, in_features, block);
-  }
-  return 0;
+  return gemv<uint16_t>(out, x, rows, packed, bias, out_features, in_features, threads);
+#endif
+}
+
+int splitserve_gemv_bf16_f32(float* out, const uint16_t* x, int64_t rows, const uint16_t* packed,
+                             const uint16_t* bias, int64_t out_features, int64_t in_features,
+                             int threads) {
+#ifndef SPLITSERVE_AVX512
+  return -2;
+#else
+  return gemv<float>(out, x, rows, packed, bias, out_features, in_features, threads);
 #endif
 }
 
