@@ -73,10 +73,11 @@ class Route:
     """The request's latency targets, as placement read them."""
 
 
-@dataclass
+@dataclass(eq=False)
 class DecodeProgress:
     """One attempt's request on its decode worker, as the attempt streams it (it counts
-    the tokens as they come): what placement's guard of running requests reads."""
+    the tokens as they come): what placement's guard of running requests reads. Compared by
+    identity: two attempts with equal figures are still two requests."""
 
     max_tokens: int
     """Tokens this attempt may generate (the request's budget less earlier attempts')."""

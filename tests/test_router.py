@@ -68,6 +68,21 @@ def test_dispatched_requests_count_until_the_next_heartbeat() -> None:
         assert router.pick_decode(320) is not first
 
 
+def test_each_decoding_request_leaves_with_its_own_progress() -> None:
+    """Two requests with equal figures are two entries; the one that ends takes its own
+    out, and the other's progress (updated after) stays what placement reads."""
+    decode = _worker("d", Role.DECODE)
+    router = _router(decode)
+    first, second = (DecodeProgress(max_tokens=96, tpot_s=0.05) for _ in range(2))
+    with router.decoding(decode, first):
+        with router.decoding(decode, second):
+            assert len(router._pending["d"].decoding) == 2
+        first.num_tokens = 3
+        assert router._pending["d"].decoding == [first]
+        assert router._pending["d"].decoding[0] is first
+    assert router._pending["d"].decoding == []
+
+
 def test_prefill_prefers_cached_prefixes_and_matching_layouts() -> None:
     decode = _worker("d", Role.DECODE)
     warm = _worker("warm", Role.PREFILL, pending_prefill=200)
