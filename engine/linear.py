@@ -184,25 +184,25 @@ class Linear:
         rows are generated tokens (they take the GEMV where it is loaded, see above). Float32
         for ``logits`` where the GEMV is loaded, else ``x``'s dtype."""
         if self.logits and self._gemv_weight is not None:
-            assert self._gemv is not None
-            parts = [
-                self._gemv(x[start : start + MAX_ROWS], self._gemv_weight, self.bias, True)
-                for start in range(0, x.shape[0], MAX_ROWS)
-            ]  # each [<= MAX_ROWS, out] float32
+            parts = self._gemv_calls(x, float_out=True)
             return parts[0] if len(parts) == 1 else torch.cat(parts)
         if self._gemv_weight is None or generated_rows <= 0:
             return self._dense(x)
         if self.gemv_max_rows is not None and generated_rows > self.gemv_max_rows:
             return self._dense(x)
-        assert self._gemv is not None
-        bias = self.bias
-        parts = [
-            self._gemv(x[start : min(start + MAX_ROWS, generated_rows)], self._gemv_weight, bias)
-            for start in range(0, generated_rows, MAX_ROWS)
-        ]  # each [<= MAX_ROWS, out]
+        parts = self._gemv_calls(x[:generated_rows], float_out=False)
         if generated_rows < x.shape[0]:
             parts.append(self._dense(x[generated_rows:]))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _gemv_calls(self, x: torch.Tensor, float_out: bool) -> list[torch.Tensor]:
+        """Every row of ``x`` through the GEMV, in calls of at most ``MAX_ROWS`` rows (a row's
+        sums do not depend on the others): each part ``[<= MAX_ROWS, out]``, bf16 or float32."""
+        assert self._gemv is not None and self._gemv_weight is not None
+        return [
+            self._gemv(x[start : start + MAX_ROWS], self._gemv_weight, self.bias, float_out)
+            for start in range(0, x.shape[0], MAX_ROWS)
+        ]
 
     def _dense(self, x: torch.Tensor) -> torch.Tensor:
         """oneDNN (prepacked bf16) or ``F.linear`` for all rows of ``x``."""

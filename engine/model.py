@@ -99,9 +99,9 @@ class LlamaModel:
         self.scale = config.head_dim**-0.5
         self._fused_ops = _fused_ops_for(dtype, device)
 
-    def _projections(self) -> list[Linear]:
-        """The LM head, then every decoder layer's projections in order."""
-        return [self.lm_head] + [
+    def _layer_projections(self) -> list[Linear]:
+        """Every decoder layer's projections, in order (not the LM head)."""
+        return [
             linear
             for layer in self.layers
             for linear in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
@@ -110,12 +110,13 @@ class LlamaModel:
     def _limit_decode_gemv(self) -> None:
         """Under ``SPLITSERVE_DECODE_GEMV=auto``, measure on the first layers' projections up
         to how many generated rows the decode GEMV pays on this machine, and hold every
-        projection to it (``engine/linear.py``)."""
-        projections = self._projections()
-        if decode_gemv_setting() != "auto" or projections[1]._gemv_weight is None:
+        projection to it (``engine/linear.py``); not the LM head, whose rows are logits and
+        always take the GEMV."""
+        projections = self._layer_projections()
+        if decode_gemv_setting() != "auto" or projections[0]._gemv_weight is None:
             return
-        limit = measure_gemv_row_limit(projections[1 : 1 + 4 * GEMV_PROBE_LAYERS])
-        for linear in projections[1:]:  # the LM head's rows are logits: always the GEMV
+        limit = measure_gemv_row_limit(projections[: 4 * GEMV_PROBE_LAYERS])
+        for linear in projections:
             linear.gemv_max_rows = limit
         logger.info(
             "decode GEMV: for steps of %s generated rows (measured against oneDNN here)",

@@ -120,10 +120,15 @@ void block_all_rows(Out* out, const uint16_t* x, int64_t rows, const uint16_t* p
     }
   }
 }
+#endif
 
+// Both entry points: -2 without AVX-512 BF16, -1 for unsupported arguments, else 0.
 template <typename Out>
 int gemv(Out* out, const uint16_t* x, int64_t rows, const uint16_t* packed, const uint16_t* bias,
          int64_t out_features, int64_t in_features, int threads) {
+#ifndef SPLITSERVE_AVX512
+  return -2;
+#else
   if (rows <= 0 || rows > kMaxRows || out_features <= 0 || in_features <= 0 ||
       out_features % kOutBlock || in_features % 2 || threads <= 0) {
     return -1;
@@ -134,8 +139,8 @@ int gemv(Out* out, const uint16_t* x, int64_t rows, const uint16_t* packed, cons
     block_all_rows<Out>(out, x, rows, packed, bias, out_features, in_features, block);
   }
   return 0;
-}
 #endif
+}
 
 }  // namespace
 
@@ -160,21 +165,13 @@ int splitserve_gemv_pack_bf16(uint16_t* packed, const uint16_t* weight, int64_t 
 int splitserve_gemv_bf16(uint16_t* out, const uint16_t* x, int64_t rows, const uint16_t* packed,
                          const uint16_t* bias, int64_t out_features, int64_t in_features,
                          int threads) {
-#ifndef SPLITSERVE_AVX512
-  return -2;
-#else
   return gemv<uint16_t>(out, x, rows, packed, bias, out_features, in_features, threads);
-#endif
 }
 
 int splitserve_gemv_bf16_f32(float* out, const uint16_t* x, int64_t rows, const uint16_t* packed,
                              const uint16_t* bias, int64_t out_features, int64_t in_features,
                              int threads) {
-#ifndef SPLITSERVE_AVX512
-  return -2;
-#else
   return gemv<float>(out, x, rows, packed, bias, out_features, in_features, threads);
-#endif
 }
 
 }  // extern "C"
