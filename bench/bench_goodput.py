@@ -64,6 +64,7 @@ SPLITSERVE_FLAGS = {
     "splitserve-remote": ["--placement", "remote"],
     "splitserve-local": ["--placement", "local"],
     "splitserve-dual": ["--prefill=0", "--decode=0", "--dual=2", "--placement=adaptive"],
+    "splitserve-one-dual": ["--prefill=0", "--decode=0", "--dual=1", "--placement=adaptive"],
     "splitserve-shared-cores": ["--no-pin", "--placement=adaptive"],
     "splitserve-eager": ["--placement=adaptive"],
     "splitserve-no-gemv": ["--placement=adaptive"],
@@ -71,7 +72,9 @@ SPLITSERVE_FLAGS = {
 """splitserve's configurations: ``splitserve`` is ``make serve``'s (1 prefill + 1 decode worker,
 a core each, adaptive placement); ``-remote`` / ``-local`` force where every prompt runs;
 ``-dual`` is two dual-role workers (``splitserve worker --roles prefill,decode``), a core
-each, placing adaptively; ``-shared-cores`` is ``make serve``'s layout unpinned, each worker
+each, placing adaptively; ``-one-dual`` is one dual-role worker over all cores (one decode
+batch that reads its weights with every core's bandwidth, prompts chunked into its steps);
+``-shared-cores`` is ``make serve``'s layout unpinned, each worker
 with a thread per core, so a prompt may use both cores while the decode worker idles;
 ``-eager`` is ``make serve``'s with ``--ttft-at-risk 0``: a prompt goes to the decode worker
 whenever that is predicted faster and keeps the batch's TPOT target, not only once the
