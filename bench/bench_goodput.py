@@ -66,6 +66,8 @@ SPLITSERVE_FLAGS = {
     "splitserve-dual": ["--prefill=0", "--decode=0", "--dual=2", "--placement=adaptive"],
     "splitserve-one-dual": ["--prefill=0", "--decode=0", "--dual=1", "--placement=adaptive"],
     "splitserve-shared-cores": ["--no-pin", "--placement=adaptive"],
+    "splitserve-no-lending": ["--placement=adaptive", "--core-lending=off"],
+    "splitserve-lend-both": ["--placement=adaptive", "--core-lending=both"],
     "splitserve-eager": ["--placement=adaptive"],
     "splitserve-no-gemv": ["--placement=adaptive"],
 }

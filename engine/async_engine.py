@@ -42,6 +42,7 @@ from splitserve.engine.reservation_queue import (
     PendingReservation,
     ReservationQueue,
 )
+from splitserve.engine.step_threads import StepThreads
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -60,11 +61,15 @@ class AsyncEngine:
         self,
         core: EngineCore,
         max_waiting_reservations: int = DEFAULT_MAX_WAITING,
+        step_threads: StepThreads | None = None,
     ) -> None:
         """``max_waiting_reservations``: remote-prefill reservations that may wait for blocks
         (``ReservationQueue``); more are refused with ``CapacityError``. A layer hook (a
-        prefill domain's KV push) is installed with ``set_layer_hook``."""
+        prefill domain's KV push) is installed with ``set_layer_hook``. ``step_threads``:
+        sizes torch's pool before each step and says when this engine idles (core lending
+        between co-located workers); None keeps the pool as it is."""
         self.core = core
+        self.step_threads = step_threads
         self._layer_hook: LayerHook | None = None
         self.latest_load: EngineLoad = core.load()
         """Load figures as of the last step (refreshed on the engine thread; never waits)."""
@@ -269,9 +274,13 @@ class AsyncEngine:
             if self._serve_reservations():
                 self._refresh_load()
             if not self.core.has_unfinished:
+                if self.step_threads is not None:
+                    self.step_threads.idle()
                 self._wakeup.wait()
                 self._wakeup.clear()
                 continue
+            if self.step_threads is not None:
+                self.step_threads.before_step()
             self._step_started = time.monotonic()
             try:
                 outputs = self.core.step(self._layer_hook)

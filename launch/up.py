@@ -40,6 +40,7 @@ import asyncio
 import os
 import signal
 import sys
+import tempfile
 from collections.abc import Sequence
 
 from splitserve.common.api_keys import (
@@ -58,6 +59,8 @@ from splitserve.launch.supervisor import READY_TIMEOUT_S, Stopped, Supervisor, s
 from splitserve.proto.cluster_auth import TOKEN_ENV, ClusterCredential
 from splitserve.proto.server import wait_for_health
 from splitserve.proto.tls import TlsConfig, add_tls_args, tls_env, tls_or_exit
+
+CORE_LENDING = ("decode", "both", "off")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -91,6 +94,15 @@ def build_parser() -> argparse.ArgumentParser:
         "started after the others; e.g. --prefill 0 --decode 0 --dual 2",
     )
     parser.add_argument("--no-pin", action="store_true", help="do not pin workers to cores")
+    parser.add_argument(
+        "--core-lending",
+        choices=CORE_LENDING,
+        default="decode",
+        help="pinned workers lend their cores while their engine idles: 'decode' (the "
+        "default): decode worker i also runs its steps on prefill worker i's cores while that "
+        "one waits for prompts; 'both': prefill worker i borrows decode worker i's too; "
+        "'off': each keeps to its own",
+    )
     parser.add_argument(
         "--local-prefill-max-tokens", type=int, default=None, help="passed to the coordinator"
     )
@@ -142,7 +154,22 @@ def layout_summary(args: argparse.Namespace) -> str:
         workers += f" + {args.dual} dual-role (prefill,decode) worker{'s' if args.dual > 1 else ''}"
     placement = args.placement or os.environ.get(env_name("--placement"), "rule")
     membership = "etcd" if membership_flags(args) else "registration with the coordinators"
-    return f"{coordinators}, {workers}, prompts placed by {placement}, membership: {membership}"
+    summary = f"{coordinators}, {workers}, prompts placed by {placement}, membership: {membership}"
+    if lending_pairs(args, len(sorted(os.sched_getaffinity(0)))):
+        borrowers = (
+            "decode and prefill workers" if args.core_lending == "both" else "decode workers"
+        )
+        summary += f", {borrowers} borrow their partner's cores while it idles"
+    return summary
+
+
+def lending_pairs(args: argparse.Namespace, num_cpus: int) -> int:
+    """How many (prefill worker i, decode worker i) pairs lend each other cores: none with
+    ``--core-lending off``, ``--no-pin`` or too few cores to pin every worker."""
+    num_workers = args.prefill + args.decode + args.dual
+    if args.core_lending == "off" or args.no_pin or num_cpus < num_workers:
+        return 0
+    return min(args.prefill, args.decode)
 
 
 def membership_flags(args: argparse.Namespace) -> list[str]:
@@ -186,14 +213,19 @@ def coordinator_argv(args: argparse.Namespace, index: int = 0) -> list[str]:
 
 
 def worker_argvs(
-    args: argparse.Namespace, coordinator: str, worker_args: Sequence[str]
+    args: argparse.Namespace,
+    coordinator: str,
+    worker_args: Sequence[str],
+    busy_dir: str | None = None,
 ) -> list[tuple[str, list[str]]]:
     """(name, module and flags) of each worker in start order: prefill ones, decode ones,
     then dual-role ones (named ``dual-<index>``); ``coordinator``: the coordinators' internal
-    addresses, comma-separated."""
+    addresses, comma-separated; ``busy_dir``: a node-local directory for the lending pairs'
+    busy files (``lending_pairs``; no lending without one)."""
     roles = ["prefill"] * args.prefill + ["decode"] * args.decode + ["dual"] * args.dual
     cpus = sorted(os.sched_getaffinity(0))
     cores = [None] * len(roles) if args.no_pin else worker_core_sets(len(roles), cpus)
+    lending = _lending_flags(args, cores, busy_dir) if busy_dir else [[] for _ in roles]
     workers = []
     for index, (role, core_list) in enumerate(zip(roles, cores, strict=True)):
         if role == "dual":
@@ -208,8 +240,29 @@ def worker_argvs(
         argv.append(f"--metrics-port={metrics_port}")
         if core_list is not None:
             argv.append(f"--cpu-affinity={core_list}")
-        workers.append((f"{role}-{index}", argv + list(worker_args)))
+        workers.append((f"{role}-{index}", argv + lending[index] + list(worker_args)))
     return workers
+
+
+def _lending_flags(
+    args: argparse.Namespace, cores: Sequence[str | None], busy_dir: str
+) -> list[list[str]]:
+    """Each worker's lending flags (by start index): prefill worker i publishes its busy
+    file and decode worker i borrows its cores (and, with ``--core-lending both``, the
+    reverse), for each of the ``lending_pairs``."""
+    flags: list[list[str]] = [[] for _ in cores]
+    for pair in range(lending_pairs(args, len(os.sched_getaffinity(0)))):
+        prefill, decode = pair, args.prefill + pair
+        directions = [(prefill, decode)]
+        if args.core_lending == "both":
+            directions.append((decode, prefill))
+        for lender, borrower in directions:
+            busy_file = os.path.join(busy_dir, f"worker-{lender}.busy")
+            if f"--busy-file={busy_file}" not in flags[lender]:
+                flags[lender].append(f"--busy-file={busy_file}")
+            flags[borrower] += [f"--borrow-cores={cores[lender]}"]
+            flags[borrower] += [f"--borrow-while-idle={busy_file}"]
+    return flags
 
 
 def member_ids(worker_argvs: Sequence[Sequence[str]]) -> list[str]:
@@ -275,6 +328,7 @@ async def _start_all(
     stop: asyncio.Event,
     credential: ClusterCredential,
     tls: TlsConfig | None,
+    busy_dir: str,
 ) -> str:
     """Start every child in order, each once the previous ones are ready; the coordinators'
     public addresses, comma-separated, once every coordinator routes to every worker
@@ -290,7 +344,7 @@ async def _start_all(
         coordinator.pin("--port", _port_of(publics[-1]))
         coordinator.pin("--internal-port", _port_of(internals[-1]))
     internal = ",".join(internals)
-    worker_specs = worker_argvs(args, internal, worker_args)
+    worker_specs = worker_argvs(args, internal, worker_args, busy_dir)
     workers = [children.start(name, argv) for name, argv in worker_specs]
     for worker in workers:
         await children.wait_ready(worker, stop)
@@ -326,8 +380,11 @@ async def _run(
     children = Supervisor(
         loop, env, restart=not args.no_restart, drain_timeout_s=args.drain_timeout
     )
+    busy_dir = tempfile.TemporaryDirectory(prefix="splitserve-busy-", dir=_node_memory_dir())
     try:
-        address = await _start_all(children, args, worker_args, stop, credential, tls)
+        address = await _start_all(
+            children, args, worker_args, stop, credential, tls, busy_dir.name
+        )
         say(f"splitserve up: {layout_summary(args)}")
         say(f"splitserve ready at {address}")
         await children.supervise(stop)
@@ -342,7 +399,14 @@ async def _run(
         status = 1
     if not await children.stop_all():
         status = status or 1
+    busy_dir.cleanup()
     return status
+
+
+def _node_memory_dir() -> str | None:
+    """Where busy files live: ``/dev/shm`` (memory, never written to disk) where it exists,
+    else the temporary directory."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") else None
 
 
 def cluster_credential() -> ClusterCredential:

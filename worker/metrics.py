@@ -165,6 +165,17 @@ class _EngineCollector(Collector):
             ),
             ("generation_tokens", "Tokens sampled on this worker.", stats.num_generation_tokens),
         )
+        step_threads = self._engine.step_threads
+        if step_threads is not None:  # a worker that lends or borrows cores
+            counters += (
+                ("engine_steps", "Engine steps run.", step_threads.steps),
+                (
+                    "engine_steps_on_borrowed_cores",
+                    "Engine steps that also ran on a co-located worker's cores, lent while "
+                    "its engine idled.",
+                    step_threads.borrowed_steps,
+                ),
+            )
         for name, doc, value in counters:
             family = CounterMetricFamily(f"splitserve_{name}", doc, labels=_LABELS)
             family.add_metric(self._values, value)

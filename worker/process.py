@@ -55,6 +55,21 @@ def add_worker_args(parser: argparse.ArgumentParser, env: Mapping[str, str] = os
     )
     flag("--worker-id", None, str, "unique worker name (default: role-host-pid)")
     flag("--cpu-affinity", None, str, "pin the process to these cores, e.g. '0' or '0-3'")
+    flag(
+        "--busy-file",
+        None,
+        str,
+        "publish in this file (node-local, e.g. under /dev/shm) whether this worker's engine "
+        "has work, so a co-located worker may borrow its cores while it idles",
+    )
+    flag(
+        "--borrow-cores",
+        None,
+        str,
+        "cores of a co-located worker this one may also run its steps on while that worker "
+        "idles (with --borrow-while-idle; needs --cpu-affinity)",
+    )
+    flag("--borrow-while-idle", None, str, "the --busy-file of the worker owning --borrow-cores")
     flag("--ucx-tls", None, str, "UCX transports (UCX_TLS), e.g. 'sm,self' or 'tcp'")
     group.add_argument(
         "--ucx-error-handling",
@@ -84,12 +99,24 @@ def add_worker_args(parser: argparse.ArgumentParser, env: Mapping[str, str] = os
 
 
 def apply_cpu_affinity(args: argparse.Namespace) -> None:
-    """Pin the process (call before torch creates its threads) and size torch's pool."""
+    """Pin the process (call before torch creates its threads) and size torch's pool: to
+    ``--cpu-affinity``'s cores, plus ``--borrow-cores`` (which ``StepThreads`` uses only while
+    their owner idles; the pool starts at the own cores' count)."""
     if args.cpu_affinity:
         cpus = parse_cpu_list(args.cpu_affinity)
-        os.sched_setaffinity(0, cpus)
+        os.sched_setaffinity(0, cpus | borrowed_cpus(args))
         if args.threads is None:
             args.threads = len(cpus)
+
+
+def borrowed_cpus(args: argparse.Namespace) -> set[int]:
+    """``--borrow-cores``' cores not already the worker's own; ValueError for a borrowing
+    set up by halves (cores without the owner's file, or either without --cpu-affinity)."""
+    if not args.borrow_cores and not args.borrow_while_idle:
+        return set()
+    if not (args.borrow_cores and args.borrow_while_idle and args.cpu_affinity):
+        raise ValueError("--borrow-cores needs --borrow-while-idle and --cpu-affinity")
+    return parse_cpu_list(args.borrow_cores) - parse_cpu_list(args.cpu_affinity)
 
 
 def coordinator_addresses(flag: str) -> list[str]:

@@ -20,13 +20,16 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 import grpc
 from prometheus_client import CollectorRegistry
 
+from splitserve.common.busy_flag import BusyFlag, BusyFlagReader
 from splitserve.common.errors import MembershipStoreError
 from splitserve.common.load import LoadReport
 from splitserve.common.membership import Role, WorkerInfo, member_id
@@ -39,6 +42,7 @@ from splitserve.engine.async_engine import AsyncEngine
 from splitserve.engine.cli_args import engine_config_from_args
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine_core import EngineCore
+from splitserve.engine.step_threads import BorrowedCores, StepThreads
 from splitserve.proto.cluster_access import ClusterAccess, access_or_exit
 from splitserve.proto.etcd_client import EtcdClient
 from splitserve.proto.server import serve_forever, start_server
@@ -52,6 +56,7 @@ from splitserve.worker.process import (
     add_worker_args,
     advertised_address,
     apply_cpu_affinity,
+    borrowed_cpus,
     coordinator_addresses,
     ucx_settings_of,
     worker_id_of,
@@ -98,6 +103,22 @@ def engine_config_for(args: argparse.Namespace, roles: Sequence[WorkerRole]) -> 
     return dataclasses.replace(config, runner=dataclasses.replace(config.runner, decodes=decodes))
 
 
+def step_threads_of(args: argparse.Namespace) -> StepThreads | None:
+    """The engine's per-step thread sizing from the lending flags; None when it neither
+    lends (``--busy-file``) nor borrows (``--borrow-cores``)."""
+    borrowed = borrowed_cpus(args)
+    if not args.busy_file and not borrowed:
+        return None
+    own_threads = args.threads or len(os.sched_getaffinity(0) - borrowed)
+    lends = BusyFlag(Path(args.busy_file)) if args.busy_file else None
+    borrows = (
+        BorrowedCores(len(borrowed), BusyFlagReader(Path(args.borrow_while_idle)))
+        if borrowed
+        else None
+    )
+    return StepThreads(own_threads, lends, borrows)
+
+
 def role_worker_id(base_id: str, role: WorkerRole, roles: Sequence[WorkerRole]) -> str:
     """The id a role registers under (``common/membership.py:member_id``)."""
     return member_id(base_id, role.name, len(roles))
@@ -135,8 +156,9 @@ async def run_worker(
     identities = [
         WorkerIdentity(role_worker_id(base_id, role, roles), address, access) for role in roles
     ]
+    step_threads = step_threads_of(args)  # a lender says busy while it loads
     core = await asyncio.to_thread(EngineCore, engine_config_for(args, roles))
-    engine = AsyncEngine(core)
+    engine = AsyncEngine(core, step_threads=step_threads)
     transport = UcxTransport(ucx_settings_of(args))
     domains = [
         role.make_domain(engine, transport, identity, args.transfer_timeout)
@@ -240,7 +262,10 @@ def worker_main(
     args = parser.parse_args(argv)
     access = access_or_exit(parser, args)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {label} %(levelname)s %(message)s")
-    apply_cpu_affinity(args)
+    try:
+        apply_cpu_affinity(args)
+    except (ValueError, OSError) as error:  # a malformed list, cores this machine lacks
+        parser.error(f"cores: {error}")
 
     async def run(stop: asyncio.Event) -> None:
         await run_worker(args, roles, access, stop)
