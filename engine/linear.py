@@ -184,6 +184,8 @@ class Linear:
         rows are generated tokens (they take the GEMV where it is loaded, see above). Float32
         for ``logits`` where the GEMV is loaded, else ``x``'s dtype."""
         if self.logits and self._gemv_weight is not None:
+            if x.shape[0] == 0:  # a step whose chunks all end mid-prompt samples nothing
+                return x.new_empty((0, self.out_features), dtype=torch.float32)
             parts = self._gemv_calls(x, float_out=True)
             return parts[0] if len(parts) == 1 else torch.cat(parts)
         if self._gemv_weight is None or generated_rows <= 0:

@@ -103,3 +103,21 @@ def test_a_requests_bits_do_not_depend_on_a_prompt_sharing_its_steps(bf16_llm: L
     assert shared["shared"] == alone  # token ids and every logprob, bit for bit
     assert len(shared["other"]) == GREEDY.max_tokens
     assert_no_leaks(bf16_llm)
+
+
+def test_a_prompt_longer_than_a_steps_budget_is_answered_in_chunks(
+    default_checkpoint_fp32: LoadedCheckpoint,
+) -> None:
+    """A step whose only chunk ends mid-prompt samples no row: its LM head gets no rows (with
+    float32 logits from the GEMV this once raised from ``torch.cat`` of nothing, failing every
+    request of the step). Chunked, the answer is the unchunked one."""
+    whole = make_llm(default_checkpoint_fp32, num_blocks=64, dtype="bfloat16")
+    chunked = make_llm(
+        default_checkpoint_fp32, num_blocks=64, dtype="bfloat16", max_num_batched_tokens=16
+    )
+    prompt = whole.render_chats([QUESTION])[0]
+    assert len(whole.encode_prompt(prompt)) > 2 * 16  # at least two chunks that sample nothing
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    answer = whole.generate(prompt, params)[0]
+    assert chunked.generate(prompt, params)[0].token_ids == answer.token_ids
+    assert_no_leaks(chunked)

@@ -201,3 +201,6 @@ def test_logits_are_the_gemvs_float32_sums_for_every_row(monkeypatch: pytest.Mon
     assert torch.equal(head(x[-2:]), logits[-2:])  # a row's logits do not depend on the others
     expected = x.double() @ weight.double().T
     torch.testing.assert_close(logits.double(), expected, atol=1e-3, rtol=1e-3)
+    # a step whose every chunk ends mid-prompt samples no row: no logits, not an error
+    none = head(x[:0])
+    assert none.dtype == torch.float32 and none.shape == (0, 1024)
