@@ -1,0 +1,235 @@
+"""Core lending between co-located workers: the busy flag one worker publishes and another
+reads (``common/busy_flag.py``), the per-step thread count that follows from it
+(``engine/step_threads.py``), the worker flags (``worker/process.py``) and ``up``'s pairing
+(``launch/up.py``)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import threading
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from splitserve.client.sync_client import Client
+from splitserve.client.types import Sampling
+from splitserve.common import busy_flag
+from splitserve.common.busy_flag import BusyFlag, BusyFlagReader
+from splitserve.engine.step_threads import BorrowedCores, StepThreads
+from splitserve.launch import up
+from splitserve.worker.process import add_worker_args, borrowed_cpus
+from splitserve.worker.runtime import step_threads_of
+from tests.cluster import cluster
+
+
+def test_a_reader_sees_the_owners_state_and_reads_busy_until_the_file_exists(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(busy_flag, "REOPEN_INTERVAL_S", 0.0)
+    path = tmp_path / "prefill.busy"
+    reader = BusyFlagReader(path)
+    assert reader.is_busy()  # no owner yet: do not borrow
+    owner = BusyFlag(path)
+    assert reader.is_busy()  # an owner starts busy (it is loading its model)
+    owner.set(False)
+    assert not reader.is_busy()
+    owner.set(True)
+    assert reader.is_busy()
+
+
+def test_a_missing_file_is_retried_at_most_once_per_interval(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(busy_flag, "REOPEN_INTERVAL_S", 3600.0)
+    path = tmp_path / "prefill.busy"
+    reader = BusyFlagReader(path)
+    assert reader.is_busy()
+    BusyFlag(path).set(False)
+    assert reader.is_busy()  # not retried within the interval
+    monkeypatch.setattr(busy_flag, "REOPEN_INTERVAL_S", 0.0)
+    reader._next_open_at = 0.0
+    assert not reader.is_busy()
+
+
+def test_a_restarted_owner_says_busy_through_the_mapping_a_reader_already_holds(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "prefill.busy"
+    first = BusyFlag(path)
+    reader = BusyFlagReader(path)
+    first.set(False)
+    assert not reader.is_busy()
+    BusyFlag(path)  # the owner came back: same file, busy while it loads
+    assert reader.is_busy()
+
+
+def test_an_owner_in_another_process_is_read_after_it_exits(tmp_path: Path) -> None:
+    """Killed while idle leaves idle (its cores are free); while busy leaves busy."""
+    path = tmp_path / "prefill.busy"
+    reader = BusyFlagReader(path)
+    for state in (False, True):
+        code = (
+            "import sys; from pathlib import Path; "
+            "from splitserve.common.busy_flag import BusyFlag; "
+            f"BusyFlag(Path(sys.argv[1])).set({state})"
+        )
+        subprocess.run([sys.executable, "-c", code, str(path)], check=True, timeout=60)
+        reader._next_open_at = 0.0
+        assert reader.is_busy() is state
+
+
+def _threads_in_steps(step_threads: StepThreads, lender: BusyFlag, states: list[bool]) -> list[int]:
+    """torch's pool size in each step, the lender busy or idle before it; on a thread of its
+    own, as the engine's, with the pool size restored afterwards."""
+    sizes: list[int] = []
+    before = torch.get_num_threads()
+
+    def steps() -> None:
+        for busy in states:
+            lender.set(busy)
+            step_threads.before_step()
+            sizes.append(torch.get_num_threads())
+
+    try:
+        thread = threading.Thread(target=steps)
+        thread.start()
+        thread.join()
+    finally:
+        torch.set_num_threads(before)
+    return sizes
+
+
+def test_steps_take_the_borrowed_cores_only_while_their_owner_idles(tmp_path: Path) -> None:
+    lender = BusyFlag(tmp_path / "prefill.busy")
+    borrowed = BorrowedCores(num_cores=1, owner=BusyFlagReader(tmp_path / "prefill.busy"))
+    step_threads = StepThreads(own_threads=1, borrows=borrowed)
+    assert _threads_in_steps(step_threads, lender, [False, True, True, False]) == [2, 1, 1, 2]
+    assert (step_threads.steps, step_threads.borrowed_steps) == (4, 2)
+
+
+def test_a_lending_engine_says_busy_from_its_first_step_until_it_idles(tmp_path: Path) -> None:
+    path = tmp_path / "decode.busy"
+    step_threads = StepThreads(own_threads=torch.get_num_threads(), lends=BusyFlag(path))
+    reader = BusyFlagReader(path)
+    step_threads.idle()
+    assert not reader.is_busy()
+    step_threads.before_step()
+    assert reader.is_busy()
+    step_threads.idle()
+    assert not reader.is_busy()
+
+
+def _worker_args(*flags: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_worker_args(parser, env={})
+    args = parser.parse_args(list(flags))
+    args.threads = None
+    return args
+
+
+def test_borrowing_flags_must_come_together_and_exclude_own_cores() -> None:
+    assert borrowed_cpus(_worker_args("--cpu-affinity=1")) == set()
+    both = ("--cpu-affinity=1", "--borrow-cores=0-1", "--borrow-while-idle=/x")
+    assert borrowed_cpus(_worker_args(*both)) == {0}
+    for halves in (
+        ("--cpu-affinity=1", "--borrow-cores=0"),
+        ("--cpu-affinity=1", "--borrow-while-idle=/x"),
+        ("--borrow-cores=0", "--borrow-while-idle=/x"),
+    ):
+        with pytest.raises(ValueError, match="--borrow-cores needs"):
+            borrowed_cpus(_worker_args(*halves))
+
+
+def test_the_worker_flags_build_the_engines_step_threads(tmp_path: Path) -> None:
+    assert step_threads_of(_worker_args("--cpu-affinity=0")) is None
+    lender = step_threads_of(_worker_args(f"--busy-file={tmp_path / 'p.busy'}"))
+    assert lender is not None and lender.lends is not None and lender.borrows is None
+    args = _worker_args("--cpu-affinity=1", "--borrow-cores=0", f"--borrow-while-idle={tmp_path}")
+    args.threads = 1  # as apply_cpu_affinity sets it from --cpu-affinity
+    borrower = step_threads_of(args)
+    assert borrower is not None and borrower.lends is None
+    assert borrower.own_threads == 1 and borrower.borrows is not None
+    assert borrower.borrows.num_cores == 1
+
+
+def _lending(monkeypatch: pytest.MonkeyPatch, cpus: int, *flags: str) -> list[list[str]]:
+    """Each worker's lending flags in ``up``'s command lines, on a machine of ``cpus``."""
+    monkeypatch.setattr(up.os, "sched_getaffinity", lambda _pid: set(range(cpus)))
+    args = up.build_parser().parse_args(list(flags))
+    workers = up.worker_argvs(args, "127.0.0.1:50052", [], busy_dir="/dev/shm/b")
+    lending = ("--busy-file", "--borrow-cores", "--borrow-while-idle")
+    return [[flag for flag in argv if flag.startswith(lending)] for _, argv in workers]
+
+
+def test_up_lets_decode_worker_i_borrow_prefill_worker_is_cores(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    prefill, decode = _lending(monkeypatch, 2)
+    assert prefill == ["--busy-file=/dev/shm/b/worker-0.busy"]
+    assert decode == ["--borrow-cores=0", "--borrow-while-idle=/dev/shm/b/worker-0.busy"]
+    prefill, decode = _lending(monkeypatch, 2, "--core-lending=both")
+    assert prefill[0] == "--busy-file=/dev/shm/b/worker-0.busy"
+    assert prefill[1:] == ["--borrow-cores=1", "--borrow-while-idle=/dev/shm/b/worker-1.busy"]
+    assert decode[0:2] == ["--borrow-cores=0", "--borrow-while-idle=/dev/shm/b/worker-0.busy"]
+    assert decode[2:] == ["--busy-file=/dev/shm/b/worker-1.busy"]
+    # two prefill, three decode workers on 10 cores (2 each): two pairs; the third decode
+    # worker keeps to its own cores
+    flags = _lending(monkeypatch, 10, "--prefill=2", "--decode=3")
+    assert flags[3] == ["--borrow-cores=2,3", "--borrow-while-idle=/dev/shm/b/worker-1.busy"]
+    assert flags[4] == []
+
+
+@pytest.mark.parametrize(
+    ("cpus", "flags"),
+    [
+        (2, ("--core-lending=off",)),
+        (2, ("--no-pin",)),
+        (1, ()),  # too few cores to pin: nobody owns a core to lend
+        (2, ("--prefill=0", "--decode=0", "--dual=2")),
+    ],
+)
+def test_up_lends_no_cores_where_workers_are_not_pinned_in_pairs(
+    monkeypatch: pytest.MonkeyPatch, cpus: int, flags: tuple[str, ...]
+) -> None:
+    assert all(not worker for worker in _lending(monkeypatch, cpus, *flags))
+
+
+def _counter(metrics_url: str, name: str) -> float:
+    with urllib.request.urlopen(metrics_url, timeout=10) as response:
+        text = response.read().decode()
+    for family in text_string_to_metric_families(text):
+        if family.name == name:
+            return family.samples[0].value
+    raise AssertionError(f"no {name} at {metrics_url}")
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="lending needs a core per worker")
+def test_up_decode_worker_runs_on_the_idle_prefill_workers_core_and_answers_the_same() -> None:
+    """Through real processes: ``up`` pins a prefill and a decode worker a core each; the
+    decode worker's steps after the first token run on both cores (the prefill worker sits
+    idle then), the prefill worker borrows nothing, and the greedy float32 tokens equal those
+    of the same cluster with lending off."""
+    tokens = {}
+    for lending in ("decode", "off"):
+        lines: dict[str, str] = {}
+        up_flags = ("--placement=remote", f"--core-lending={lending}")
+        with cluster(1, 1, "--dtype=float32", ready_lines=lines, up_flags=up_flags) as address:
+            with Client(address) as client:
+                generation = client.generate(
+                    "The three primary colours are",
+                    sampling=Sampling(max_tokens=24, temperature=0.0, ignore_eos=True),
+                )
+            tokens[lending] = generation.token_ids
+            if lending == "decode":
+                decode_metrics, prefill_metrics = lines["decode metrics"], lines["prefill metrics"]
+                steps = _counter(decode_metrics, "splitserve_engine_steps")
+                borrowed = _counter(decode_metrics, "splitserve_engine_steps_on_borrowed_cores")
+                assert steps >= 23 and borrowed > 0, (steps, borrowed)
+                assert _counter(prefill_metrics, "splitserve_engine_steps_on_borrowed_cores") == 0
+    assert len(tokens["decode"]) == 24 and tokens["decode"] == tokens["off"]
