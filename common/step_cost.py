@@ -82,6 +82,11 @@ class StepCost:
             shape.prefill_tokens
         )
 
+    def predicts(self, shape: StepShape) -> bool:
+        """Whether each part ``shape`` has work in has been fitted on enough steps."""
+        decode_known = shape.decode_seqs == 0 or self.knows_decode
+        return decode_known and (shape.prefill_tokens == 0 or self.knows_prefill)
+
 
 class OnlineLinearFit:
     """``y ~ coefficients . x`` by exponentially weighted ridge least squares.

@@ -290,6 +290,9 @@ class AsyncEngine:
                 continue
             finally:
                 self._step_started = None
+            if self.step_threads is not None:
+                timing = self.core.last_step
+                self.step_threads.after_step(timing.seconds, timing.predicted_s)
             for output in outputs:
                 self._deliver(output)
             self._serve_reservations()

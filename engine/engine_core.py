@@ -54,6 +54,15 @@ LayerHook = Callable[[int, Sequence[CompletedPrompt]], None]
 written; not called in steps that complete no prompt."""
 
 
+@dataclass(frozen=True)
+class StepTiming:
+    """One step's wall time and what the step-time model predicted for it beforehand."""
+
+    seconds: float
+    predicted_s: float
+    """0 where the model had not yet seen enough steps of this step's kinds."""
+
+
 class EngineCore:
     """Loads the model and runs requests to completion on one device."""
 
@@ -89,6 +98,8 @@ class EngineCore:
         self.eos_token_ids = frozenset(checkpoint.config.eos_token_ids)
         self.step_cost = StepCostLearner()
         """This engine's step times, learned from every step (``load().step_cost``)."""
+        self.last_step = StepTiming(0.0, 0.0)
+        """The latest step's timing (engine thread)."""
         self.prefill_share = DecayingShare(started_at=time.monotonic())
         """The share of recent wall time its steps spent on prompt tokens."""
         logger.info(
@@ -287,7 +298,11 @@ class EngineCore:
 
         executed = self.runner.execute(scheduled, hook)
         updates = self.scheduler.update(scheduled, executed.sampled_token_ids)
-        prefill_s = self.step_cost.observe(step_shape(scheduled), time.perf_counter() - started)
+        shape, seconds = step_shape(scheduled), time.perf_counter() - started
+        estimate = self.step_cost.estimate()  # what the model said before this step taught it
+        predicted_s = estimate.step_s(shape) if estimate.predicts(shape) else 0.0
+        self.last_step = StepTiming(seconds, predicted_s)
+        prefill_s = self.step_cost.observe(shape, seconds)
         self.prefill_share.observe(time.monotonic(), prefill_s)
         return [StepOutput(u, _logprobs_of(executed.logprobs.get(u.request_id))) for u in updates]
 

@@ -21,6 +21,7 @@ from splitserve.client.sync_client import Client
 from splitserve.client.types import Sampling
 from splitserve.common import busy_flag
 from splitserve.common.busy_flag import BusyFlag, BusyFlagReader
+from splitserve.engine import step_threads as step_threads_module
 from splitserve.engine.step_threads import BorrowedCores, StepThreads
 from splitserve.launch import up
 from splitserve.worker.process import add_worker_args, borrowed_cpus
@@ -123,6 +124,56 @@ def test_a_lending_engine_says_busy_from_its_first_step_until_it_idles(tmp_path:
     assert reader.is_busy()
     step_threads.idle()
     assert not reader.is_busy()
+
+
+def _borrowing_with_step_times(own_s: float, borrowed_s: float, steps: int) -> list[bool]:
+    """Whether each of ``steps`` steps borrowed an idle lender's core, when own steps take
+    ``own_s`` and borrowed ones ``borrowed_s`` against a prediction of 0.1 s, after
+    ``MIN_SAMPLES`` steps of each kind (own ones while the lender computed)."""
+    step_threads = StepThreads(own_threads=1, borrows=BorrowedCores(1, _Lender()))
+    lender = step_threads.borrows.owner
+    before = torch.get_num_threads()
+    try:
+        for busy in [True] * step_threads_module.MIN_SAMPLES + [False] * 8:
+            lender.busy = busy
+            step_threads.before_step()
+            step_threads.after_step(borrowed_s if step_threads._borrowing else own_s, 0.1)
+        taken = []
+        for _ in range(steps):
+            step_threads.before_step()
+            taken.append(step_threads._borrowing)
+            step_threads.after_step(borrowed_s if step_threads._borrowing else own_s, 0.1)
+    finally:
+        torch.set_num_threads(before)
+    return taken
+
+
+class _Lender:
+    """A lender's flag as a borrower reads it, set by the test."""
+
+    busy = False
+
+    def is_busy(self) -> bool:
+        return self.busy
+
+
+def test_borrowing_continues_while_borrowed_steps_measure_faster() -> None:
+    assert all(_borrowing_with_step_times(own_s=0.12, borrowed_s=0.08, steps=120))
+
+
+def test_borrowing_is_declined_while_borrowed_steps_measure_slower_and_retried() -> None:
+    """A borrowed core shared with other processes: steps there are slower. Declined, with
+    one step in ``RETRY_EVERY`` borrowing anyway, to follow the load."""
+    taken = _borrowing_with_step_times(own_s=0.10, borrowed_s=0.13, steps=120)
+    retry = step_threads_module.RETRY_EVERY
+    assert [i for i, borrowed in enumerate(taken) if borrowed] == [retry - 1, 2 * retry - 1]
+
+
+def test_steps_the_model_could_not_predict_teach_nothing() -> None:
+    step_threads = StepThreads(own_threads=1)
+    for _ in range(20):
+        step_threads.after_step(0.1, 0.0)
+    assert step_threads.borrowing_pays() is None
 
 
 def _worker_args(*flags: str) -> argparse.Namespace:

@@ -175,6 +175,12 @@ class _EngineCollector(Collector):
                     "its engine idled.",
                     step_threads.borrowed_steps,
                 ),
+                (
+                    "engine_steps_declining_borrow",
+                    "Engine steps that kept to this worker's own cores while the lender idled, "
+                    "because steps on borrowed cores measured slower here.",
+                    step_threads.declined_steps,
+                ),
             )
         for name, doc, value in counters:
             family = CounterMetricFamily(f"splitserve_{name}", doc, labels=_LABELS)
