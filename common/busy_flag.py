@@ -30,13 +30,14 @@ REOPEN_INTERVAL_S = 1.0
 
 
 class BusyFlag:
-    """The owner's side: publishes its engine's state in ``path`` (created busy)."""
+    """The owner's side: publishes its engine's state in ``path`` (created busy); OSError
+    where the file cannot be created or written."""
 
     def __init__(self, path: Path) -> None:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         try:
-            if os.fstat(fd).st_size < 1:
-                os.ftruncate(fd, 1)
+            if os.fstat(fd).st_size < 1:  # a new file: its byte written (busy), not a hole, so
+                os.pwrite(fd, BUSY, 0)  # a full tmpfs is an OSError here, never a SIGBUS later
             self._map = mmap.mmap(fd, 1)
         finally:
             os.close(fd)

@@ -269,6 +269,8 @@ class AsyncEngine:
         self._post(request_id, stream, StepOutput(final))
 
     def _loop(self) -> None:
+        if self.step_threads is not None:
+            self.step_threads.start()
         while not self._stopping:
             self._drain_commands()
             if self._serve_reservations():

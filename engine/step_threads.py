@@ -4,52 +4,68 @@ A worker pinned to its own cores (``--cpu-affinity``) may also be allowed a co-l
 worker's cores (``--borrow-cores``) while that worker's engine has nothing to do (its
 ``common/busy_flag.py:BusyFlag``, ``--borrow-while-idle``). On a CPU whose cores each read
 memory at a fraction of the socket's bandwidth, a decode step (bound by reading the weights)
-is then up to twice as fast while the prefill worker beside it waits for prompts, and keeps
-to its own core while that worker computes one.
+is then up to twice as fast while the prefill worker beside it waits for prompts.
 
 Contract (engine thread only):
+- The process stays pinned to its own cores; only the engine thread (``start``, first thing
+  on it) may also run on the borrowed ones, and with it the OpenMP pool it creates. Its
+  gRPC, event-loop and transfer threads never leave the worker's own cores.
 - ``before_step`` marks this engine busy (its own ``BusyFlag``, if it lends its cores) and
   sizes torch's pool for the step: own threads, plus one per borrowed core when their owner
-  reads idle now. The owner may turn busy during the step; the step then shares that core
-  for its remainder (the cost of lending is at most one step).
+  reads idle now and borrowing pays (below). The owner may turn busy during the step; the
+  step then shares that core for its remainder (with ``up --core-lending both`` a borrowing
+  prefill step can last seconds).
 - ``idle`` marks this engine idle; call it before the engine thread waits for work.
 - The kernels read ``torch.get_num_threads()`` at each call, so one resize per step covers
-  oneDNN's products and splitserve's C kernels alike.
-- Borrowing is measured, not assumed (``after_step``): each step's time over what the
-  engine's step-time model predicted for it (``EngineCore.last_step``) is averaged per kind,
-  steps on own cores and steps on borrowed ones too. Once both kinds have ``MIN_SAMPLES``,
-  an idle lender's cores are taken only while borrowed steps run at most ``FASTER`` of own
-  ones: on a machine where the borrowed core is shared with other processes (a coordinator,
-  a gateway, the client), a thread there holds up every parallel region of the step, and the
-  step is slower than on its own core. While declining, every ``RETRY_EVERY``-th step borrows
-  again, so the comparison follows the load.
+  oneDNN's products and splitserve's C kernels alike. An engine that only lends never
+  resizes its pool.
+- Borrowing is measured, not assumed (``after_step``). Only steps taken while the lender
+  read idle are compared: each one's time over what the engine's step-time model predicted
+  for it (``engine/engine_core.py:StepTiming``), averaged per kind (own cores only, borrowed
+  too). Until each kind has ``MIN_SAMPLES`` such steps, the kinds alternate; then an idle
+  lender's cores are taken only while borrowed steps run at most ``FASTER`` of own ones (a
+  borrowed core shared with other processes, such as a coordinator, a gateway or the
+  client, holds up every parallel region of the step), and one idle step in ``RETRY_EVERY``
+  tries the other kind, so the comparison follows the load.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from splitserve.common.busy_flag import BusyFlag, BusyFlagReader
+from splitserve.common.busy_flag import BusyFlag
 
 MIN_SAMPLES = 8
-"""Steps of each kind (own cores, borrowed ones) before borrowing can be declined."""
+"""Idle-lender steps of each kind (own cores, borrowed ones) before one is preferred."""
 FASTER = 0.95
 """Borrowed steps must take at most this share of own steps' time (relative to prediction)."""
 RETRY_EVERY = 50
-"""While declining, one step in this many borrows anyway, to keep measuring."""
+"""Once one kind is preferred, one idle-lender step in this many takes the other."""
 SMOOTHING = 0.1
 """Weight of the newest step in each kind's running mean of log(time / predicted)."""
 
 
+class LenderState(Protocol):
+    """A lender's published state as a borrower reads it (``BusyFlagReader``)."""
+
+    def is_busy(self) -> bool: ...
+
+
 @dataclass(frozen=True)
 class BorrowedCores:
-    """Cores this worker may run on while ``owner`` (their worker's flag) reads idle."""
+    """Cores this worker may run its steps on while ``owner`` reads idle."""
 
-    num_cores: int
-    owner: BusyFlagReader
+    cores: frozenset[int]
+    owner: LenderState
+
+    def __post_init__(self) -> None:
+        if not self.cores:
+            raise ValueError("no cores to borrow")
 
 
 class StepThreads:
@@ -71,34 +87,46 @@ class StepThreads:
         self.borrowed_steps = 0
         """Of ``steps``, those that ran on borrowed cores too."""
         self.declined_steps = 0
-        """Steps that kept to own cores while the lender idled (borrowing measured slower)."""
-        self._borrowing = False
-        """Whether the step now running (or the last) was sized with borrowed cores."""
+        """Steps that kept to own cores while the lender idled (borrowing measured no
+        faster, or a trial of own cores)."""
+        self._measured: bool | None = None
+        """Kind of the step now running (True: borrowed) when its lender read idle; None
+        for a step that compares nothing (the lender busy, or nothing to borrow)."""
         self._log_ratio = {False: 0.0, True: 0.0}
-        """Per kind (borrowed or not): running mean of log(step time / predicted)."""
+        """Per kind: running mean of log(step time / predicted), idle-lender steps only."""
         self._samples = {False: 0, True: 0}
-        self._declined_in_a_row = 0
+        self._idle_steps = 0
+
+    def start(self) -> None:
+        """On the engine thread, before its first step: let it (and the OpenMP pool it will
+        create) run on the borrowed cores too."""
+        if self.borrows is not None:
+            os.sched_setaffinity(0, os.sched_getaffinity(0) | self.borrows.cores)
 
     def before_step(self) -> None:
         if self.lends is not None:
             self.lends.set(True)
-        self._borrowing = (
-            self.borrows is not None and not self.borrows.owner.is_busy() and self._worth_it()
-        )
-        threads = self.own_threads
-        if self._borrowing:
-            assert self.borrows is not None
-            threads += self.borrows.num_cores
-            self.borrowed_steps += 1
         self.steps += 1
+        if self.borrows is None:
+            return
+        self._measured = None
+        borrow = False
+        if not self.borrows.owner.is_busy():
+            borrow = self._measured = self._borrow_from_idle_lender()
+            if not borrow:
+                self.declined_steps += 1
+        threads = self.own_threads
+        if borrow:
+            threads += len(self.borrows.cores)
+            self.borrowed_steps += 1
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
 
     def after_step(self, seconds: float, predicted_s: float) -> None:
         """Learn from the step just run (its time, the model's prediction; 0: none)."""
-        if seconds <= 0.0 or predicted_s <= 0.0:
+        kind = self._measured
+        if kind is None or seconds <= 0.0 or predicted_s <= 0.0:
             return
-        kind = self._borrowing
         log_ratio = math.log(seconds / predicted_s)
         if self._samples[kind] == 0:
             self._log_ratio[kind] = log_ratio
@@ -107,23 +135,21 @@ class StepThreads:
         self._samples[kind] += 1
 
     def borrowing_pays(self) -> bool | None:
-        """Whether borrowed steps have measured faster than own ones; None until each kind
-        has ``MIN_SAMPLES``."""
+        """Whether borrowed steps have measured at least ``1 - FASTER`` faster than own ones
+        (idle-lender steps); None until each kind has ``MIN_SAMPLES``."""
         if min(self._samples.values()) < MIN_SAMPLES:
             return None
         return self._log_ratio[True] - self._log_ratio[False] <= math.log(FASTER)
 
-    def _worth_it(self) -> bool:
-        """Whether to borrow the idle lender's cores for this step."""
-        if self.borrowing_pays() is not False:
-            self._declined_in_a_row = 0
-            return True
-        self._declined_in_a_row += 1
-        if self._declined_in_a_row >= RETRY_EVERY:
-            self._declined_in_a_row = 0
-            return True
-        self.declined_steps += 1
-        return False
+    def _borrow_from_idle_lender(self) -> bool:
+        """Whether this step, its lender idle, takes the borrowed cores."""
+        self._idle_steps += 1
+        pays = self.borrowing_pays()
+        if pays is None:  # still comparing: the kind with fewer samples
+            return self._samples[True] <= self._samples[False]
+        if self._idle_steps % RETRY_EVERY == 0:
+            return not pays  # a trial of the other kind, so the comparison follows the load
+        return pays
 
     def idle(self) -> None:
         if self.lends is not None:

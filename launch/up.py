@@ -30,18 +30,23 @@ and coordinators started elsewhere (another ``up``, or single roles) join the sa
 
 Cores are split evenly among the workers (``--cpu-affinity`` of each) when the machine has at
 least one core per worker, so co-located workers do not fight over cores; ``--no-pin`` turns
-that off. Flags after ``--`` go to every worker (e.g. ``-- --dtype float32``).
+that off. Pinned prefill worker i and decode worker i lend cores (``--core-lending``, default
+``decode``): the decode worker's engine thread also runs on the prefill worker's cores while
+that one's engine idles, where that measures faster (``engine/step_threads.py``); their busy
+files live in a directory under ``/dev/shm`` for the run. Flags after ``--`` go to every
+worker (e.g. ``-- --dtype float32``).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import signal
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from splitserve.common.api_keys import (
     KEYS_ENV,
@@ -144,8 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def layout_summary(args: argparse.Namespace) -> str:
-    """What runs, for the startup line: roles, where prompts are computed, membership."""
+def layout_summary(args: argparse.Namespace, lending: bool = True) -> str:
+    """What runs, for the startup line: roles, where prompts are computed, membership, core
+    lending (unless ``lending`` is False: ``up`` found no place for the busy files)."""
     coordinators = f"{args.coordinators} coordinator{'s' if args.coordinators > 1 else ''}"
     workers = (
         f"{args.prefill} prefill + {args.decode} decode worker{'s' if args.decode > 1 else ''}"
@@ -155,7 +161,7 @@ def layout_summary(args: argparse.Namespace) -> str:
     placement = args.placement or os.environ.get(env_name("--placement"), "rule")
     membership = "etcd" if membership_flags(args) else "registration with the coordinators"
     summary = f"{coordinators}, {workers}, prompts placed by {placement}, membership: {membership}"
-    if lending_pairs(args, len(sorted(os.sched_getaffinity(0)))):
+    if lending and lending_pairs(args, worker_cores(args)):
         borrowers = (
             "decode and prefill workers" if args.core_lending == "both" else "decode workers"
         )
@@ -163,11 +169,19 @@ def layout_summary(args: argparse.Namespace) -> str:
     return summary
 
 
-def lending_pairs(args: argparse.Namespace, num_cpus: int) -> int:
-    """How many (prefill worker i, decode worker i) pairs lend each other cores: none with
-    ``--core-lending off``, ``--no-pin`` or too few cores to pin every worker."""
+def worker_cores(args: argparse.Namespace) -> list[str | None]:
+    """Each worker's ``--cpu-affinity`` in start order (prefill, decode, dual-role workers);
+    None each with ``--no-pin`` or too few cores (``worker_core_sets``)."""
     num_workers = args.prefill + args.decode + args.dual
-    if args.core_lending == "off" or args.no_pin or num_cpus < num_workers:
+    if args.no_pin:
+        return [None] * num_workers
+    return worker_core_sets(num_workers, sorted(os.sched_getaffinity(0)))
+
+
+def lending_pairs(args: argparse.Namespace, cores: Sequence[str | None]) -> int:
+    """How many (prefill worker i, decode worker i) pairs lend cores, given each worker's
+    pinned cores (``worker_cores``): none with ``--core-lending off`` or unpinned workers."""
+    if args.core_lending == "off" or any(core_list is None for core_list in cores):
         return 0
     return min(args.prefill, args.decode)
 
@@ -223,8 +237,7 @@ def worker_argvs(
     addresses, comma-separated; ``busy_dir``: a node-local directory for the lending pairs'
     busy files (``lending_pairs``; no lending without one)."""
     roles = ["prefill"] * args.prefill + ["decode"] * args.decode + ["dual"] * args.dual
-    cpus = sorted(os.sched_getaffinity(0))
-    cores = [None] * len(roles) if args.no_pin else worker_core_sets(len(roles), cpus)
+    cores = worker_cores(args)
     lending = _lending_flags(args, cores, busy_dir) if busy_dir else [[] for _ in roles]
     workers = []
     for index, (role, core_list) in enumerate(zip(roles, cores, strict=True)):
@@ -251,7 +264,7 @@ def _lending_flags(
     file and decode worker i borrows its cores (and, with ``--core-lending both``, the
     reverse), for each of the ``lending_pairs``."""
     flags: list[list[str]] = [[] for _ in cores]
-    for pair in range(lending_pairs(args, len(os.sched_getaffinity(0)))):
+    for pair in range(lending_pairs(args, cores)):
         prefill, decode = pair, args.prefill + pair
         directions = [(prefill, decode)]
         if args.core_lending == "both":
@@ -380,33 +393,45 @@ async def _run(
     children = Supervisor(
         loop, env, restart=not args.no_restart, drain_timeout_s=args.drain_timeout
     )
-    busy_dir = tempfile.TemporaryDirectory(prefix="splitserve-busy-", dir=_node_memory_dir())
-    try:
-        address = await _start_all(
-            children, args, worker_args, stop, credential, tls, busy_dir.name
-        )
-        say(f"splitserve up: {layout_summary(args)}")
-        say(f"splitserve ready at {address}")
-        await children.supervise(stop)
-        status = 0 if stop.is_set() else 1
-    except Stopped:
-        status = 0
-    except ReadyError as error:  # a first start failed: nothing to supervise
-        say(f"splitserve up: {error.summary}", file=sys.stderr)
-        status = 1
-    except TimeoutError as error:  # the coordinator's health or its members
-        say(f"splitserve up: {error}", file=sys.stderr)
-        status = 1
-    if not await children.stop_all():
-        status = status or 1
-    busy_dir.cleanup()
+    with _busy_dir(args) as busy_dir:
+        try:
+            address = await _start_all(children, args, worker_args, stop, credential, tls, busy_dir)
+            say(f"splitserve up: {layout_summary(args, lending=busy_dir is not None)}")
+            say(f"splitserve ready at {address}")
+            await children.supervise(stop)
+            status = 0 if stop.is_set() else 1
+        except Stopped:
+            status = 0
+        except ReadyError as error:  # a first start failed: nothing to supervise
+            say(f"splitserve up: {error.summary}", file=sys.stderr)
+            status = 1
+        except TimeoutError as error:  # the coordinator's health or its members
+            say(f"splitserve up: {error}", file=sys.stderr)
+            status = 1
+        if not await children.stop_all():
+            status = status or 1
     return status
 
 
-def _node_memory_dir() -> str | None:
-    """Where busy files live: ``/dev/shm`` (memory, never written to disk) where it exists,
-    else the temporary directory."""
-    return "/dev/shm" if os.path.isdir("/dev/shm") else None
+@contextlib.contextmanager
+def _busy_dir(args: argparse.Namespace) -> Iterator[str | None]:
+    """A directory for the lending pairs' busy files while ``up`` runs (removed after): under
+    ``/dev/shm`` (memory, never written to disk) where it is writable, else the temporary
+    directory; None without lending pairs, or (with a warning) where it cannot be made: the
+    workers then keep to their own cores. A SIGKILLed ``up`` leaves it behind."""
+    if not lending_pairs(args, worker_cores(args)):
+        yield None
+        return
+    shm = "/dev/shm"
+    parent = shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else None
+    try:
+        directory = tempfile.TemporaryDirectory(prefix="splitserve-busy-", dir=parent)
+    except OSError as error:
+        say(f"splitserve up: no core lending (no directory for busy files: {error})")
+        yield None
+        return
+    with directory as path:
+        yield path
 
 
 def cluster_credential() -> ClusterCredential:

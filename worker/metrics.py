@@ -177,8 +177,8 @@ class _EngineCollector(Collector):
                 ),
                 (
                     "engine_steps_declining_borrow",
-                    "Engine steps that kept to this worker's own cores while the lender idled, "
-                    "because steps on borrowed cores measured slower here.",
+                    "Engine steps that kept to this worker's own cores while the lender idled "
+                    "(steps on borrowed cores measured no faster here, or a trial of own ones).",
                     step_threads.declined_steps,
                 ),
             )

@@ -2,7 +2,8 @@
 
 Two workers can share a machine without fighting: ``--cpu-affinity`` pins the process to
 cores before torch starts its thread pool, and the torch thread count defaults to the number
-of cores the process may use.
+of cores the process may use. ``--borrow-cores`` lets the engine thread alone also use a
+neighbour's cores while that neighbour idles (``engine/step_threads.py``).
 """
 
 from __future__ import annotations
@@ -99,24 +100,36 @@ def add_worker_args(parser: argparse.ArgumentParser, env: Mapping[str, str] = os
 
 
 def apply_cpu_affinity(args: argparse.Namespace) -> None:
-    """Pin the process (call before torch creates its threads) and size torch's pool: to
-    ``--cpu-affinity``'s cores, plus ``--borrow-cores`` (which ``StepThreads`` uses only while
-    their owner idles; the pool starts at the own cores' count)."""
-    if args.cpu_affinity:
-        cpus = parse_cpu_list(args.cpu_affinity)
-        os.sched_setaffinity(0, cpus | borrowed_cpus(args))
-        if args.threads is None:
-            args.threads = len(cpus)
+    """Pin the process to ``--cpu-affinity``'s cores (call before torch creates its threads)
+    and size torch's pool to them. ``--borrow-cores`` stay out of the process's mask: only
+    the engine thread may run there (``engine/step_threads.py:StepThreads.start``).
+    ValueError for a malformed list or cores this process may not use."""
+    if not args.cpu_affinity:
+        borrowed_cpus(args)  # refuses borrowing without pinning
+        return
+    available = os.sched_getaffinity(0)
+    cpus = parse_cpu_list(args.cpu_affinity)
+    wanted = cpus | borrowed_cpus(args)
+    if not wanted <= available:
+        missing = ",".join(str(cpu) for cpu in sorted(wanted - available))
+        raise ValueError(f"cores {missing} are not among this process's cores")
+    os.sched_setaffinity(0, cpus)
+    if args.threads is None:
+        args.threads = len(cpus)
 
 
 def borrowed_cpus(args: argparse.Namespace) -> set[int]:
     """``--borrow-cores``' cores not already the worker's own; ValueError for a borrowing
-    set up by halves (cores without the owner's file, or either without --cpu-affinity)."""
+    set up by halves (cores without the owner's file, or either without --cpu-affinity) or
+    one that adds no core."""
     if not args.borrow_cores and not args.borrow_while_idle:
         return set()
     if not (args.borrow_cores and args.borrow_while_idle and args.cpu_affinity):
         raise ValueError("--borrow-cores needs --borrow-while-idle and --cpu-affinity")
-    return parse_cpu_list(args.borrow_cores) - parse_cpu_list(args.cpu_affinity)
+    borrowed = parse_cpu_list(args.borrow_cores) - parse_cpu_list(args.cpu_affinity)
+    if not borrowed:
+        raise ValueError("--borrow-cores names no core besides --cpu-affinity's")
+    return borrowed
 
 
 def coordinator_addresses(flag: str) -> list[str]:

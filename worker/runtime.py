@@ -20,13 +20,13 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 import grpc
+import torch
 from prometheus_client import CollectorRegistry
 
 from splitserve.common.busy_flag import BusyFlag, BusyFlagReader
@@ -104,18 +104,17 @@ def engine_config_for(args: argparse.Namespace, roles: Sequence[WorkerRole]) -> 
 
 
 def step_threads_of(args: argparse.Namespace) -> StepThreads | None:
-    """The engine's per-step thread sizing from the lending flags; None when it neither
-    lends (``--busy-file``) nor borrows (``--borrow-cores``)."""
+    """The engine's per-step thread sizing from the lending flags (after
+    ``apply_cpu_affinity``); None when it neither lends (``--busy-file``) nor borrows
+    (``--borrow-cores``). Opens (a lender: creates) the busy files: OSError where it cannot."""
     borrowed = borrowed_cpus(args)
     if not args.busy_file and not borrowed:
         return None
-    own_threads = args.threads or len(os.sched_getaffinity(0) - borrowed)
+    own_threads = args.threads or torch.get_num_threads()
     lends = BusyFlag(Path(args.busy_file)) if args.busy_file else None
-    borrows = (
-        BorrowedCores(len(borrowed), BusyFlagReader(Path(args.borrow_while_idle)))
-        if borrowed
-        else None
-    )
+    borrows = None
+    if borrowed:
+        borrows = BorrowedCores(frozenset(borrowed), BusyFlagReader(Path(args.borrow_while_idle)))
     return StepThreads(own_threads, lends, borrows)
 
 
@@ -129,11 +128,13 @@ async def run_worker(
     roles: Sequence[WorkerRole],
     access: ClusterAccess,
     stop: asyncio.Event,
+    step_threads: StepThreads | None = None,
 ) -> None:
     """One worker process serving ``roles`` (one, or prefill and decode together) on one
     engine: each role has its servicer on the one gRPC server, its domain object over the
     shared ``AsyncEngine`` and its own membership record (``role_worker_id``); load reports,
-    health, stall watch and draining are the process's."""
+    health, stall watch and draining are the process's. ``step_threads``: the engine's core
+    lending (``step_threads_of``), if any."""
     servicers = [role.make_servicer() for role in roles]
     monitor = MonitorServicer()
     label = "+".join(role.name for role in roles)
@@ -156,7 +157,6 @@ async def run_worker(
     identities = [
         WorkerIdentity(role_worker_id(base_id, role, roles), address, access) for role in roles
     ]
-    step_threads = step_threads_of(args)  # a lender says busy while it loads
     core = await asyncio.to_thread(EngineCore, engine_config_for(args, roles))
     engine = AsyncEngine(core, step_threads=step_threads)
     transport = UcxTransport(ucx_settings_of(args))
@@ -264,11 +264,12 @@ def worker_main(
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {label} %(levelname)s %(message)s")
     try:
         apply_cpu_affinity(args)
-    except (ValueError, OSError) as error:  # a malformed list, cores this machine lacks
+        step_threads = step_threads_of(args)  # a lender says busy from here until it idles
+    except (ValueError, OSError) as error:  # a malformed list, cores it lacks, a busy file
         parser.error(f"cores: {error}")
 
     async def run(stop: asyncio.Event) -> None:
-        await run_worker(args, roles, access, stop)
+        await run_worker(args, roles, access, stop, step_threads)
 
     serve_forever(run)
     return 0
