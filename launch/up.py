@@ -30,10 +30,10 @@ and coordinators started elsewhere (another ``up``, or single roles) join the sa
 
 Cores are split evenly among the workers (``--cpu-affinity`` of each) when the machine has at
 least one core per worker, so co-located workers do not fight over cores; ``--no-pin`` turns
-that off. Pinned prefill worker i and decode worker i lend cores (``--core-lending``, default
-``decode``): the decode worker's engine thread also runs on the prefill worker's cores while
-that one's engine idles, where that measures faster (``engine/step_threads.py``); their busy
-files live in a directory under ``/dev/shm`` for the run. Flags after ``--`` go to every
+that off. With ``--core-lending decode`` (or ``both``; off by default), pinned prefill worker
+i lends its cores to decode worker i: the decode worker's engine thread also runs there while
+the prefill worker's engine idles, where that measures faster (``engine/step_threads.py``);
+their busy files live in a directory under ``/dev/shm`` for the run. Flags after ``--`` go to every
 worker (e.g. ``-- --dtype float32``).
 """
 
@@ -102,11 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--core-lending",
         choices=CORE_LENDING,
-        default="decode",
-        help="pinned workers lend their cores while their engine idles: 'decode' (the "
-        "default): decode worker i also runs its steps on prefill worker i's cores while that "
-        "one waits for prompts; 'both': prefill worker i borrows decode worker i's too; "
-        "'off': each keeps to its own",
+        default="off",
+        help="pinned workers lend their cores while their engine idles: 'decode': decode "
+        "worker i also runs its steps on prefill worker i's cores while that one waits for "
+        "prompts, where that measures faster; 'both': prefill worker i borrows decode worker "
+        "i's too; 'off' (the default: no gain measured on a 2-core machine, bench/README): "
+        "each keeps to its own",
     )
     parser.add_argument(
         "--local-prefill-max-tokens", type=int, default=None, help="passed to the coordinator"

@@ -281,7 +281,8 @@ def _lending(monkeypatch: pytest.MonkeyPatch, cpus: int, *flags: str) -> list[li
 def test_up_lets_decode_worker_i_borrow_prefill_worker_is_cores(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    prefill, decode = _lending(monkeypatch, 2)
+    assert _lending(monkeypatch, 2) == [[], []]  # off by default
+    prefill, decode = _lending(monkeypatch, 2, "--core-lending=decode")
     assert prefill == ["--busy-file=/dev/shm/b/worker-0.busy"]
     assert decode == ["--borrow-cores=0", "--borrow-while-idle=/dev/shm/b/worker-0.busy"]
     prefill, decode = _lending(monkeypatch, 2, "--core-lending=both")
@@ -291,7 +292,7 @@ def test_up_lets_decode_worker_i_borrow_prefill_worker_is_cores(
     assert decode[2:] == ["--busy-file=/dev/shm/b/worker-1.busy"]
     # two prefill, three decode workers on 10 cores (2 each): two pairs; the third decode
     # worker keeps to its own cores
-    flags = _lending(monkeypatch, 10, "--prefill=2", "--decode=3")
+    flags = _lending(monkeypatch, 10, "--prefill=2", "--decode=3", "--core-lending=decode")
     assert flags[3] == ["--borrow-cores=2,3", "--borrow-while-idle=/dev/shm/b/worker-1.busy"]
     assert flags[4] == []
 
@@ -300,9 +301,9 @@ def test_up_lets_decode_worker_i_borrow_prefill_worker_is_cores(
     ("cpus", "flags"),
     [
         (2, ("--core-lending=off",)),
-        (2, ("--no-pin",)),
-        (1, ()),  # too few cores to pin: nobody owns a core to lend
-        (2, ("--prefill=0", "--decode=0", "--dual=2")),
+        (2, ("--no-pin", "--core-lending=both")),
+        (1, ("--core-lending=both",)),  # too few cores to pin: nobody owns a core to lend
+        (2, ("--prefill=0", "--decode=0", "--dual=2", "--core-lending=both")),
     ],
 )
 def test_up_lends_no_cores_where_workers_are_not_pinned_in_pairs(
