@@ -801,7 +801,9 @@ def _exported_worker_series(role: str) -> dict[str, set[str]]:
     from splitserve.worker.metrics import install_engine_metrics  # loads torch: import late
 
     engine = SimpleNamespace(
-        latest_load=EngineLoad(), core=SimpleNamespace(scheduler=SimpleNamespace(stats=_Zeros()))
+        latest_load=EngineLoad(),
+        core=SimpleNamespace(scheduler=SimpleNamespace(stats=_Zeros())),
+        step_threads=None,  # a worker that neither lends nor borrows cores (the default)
     )
     registry = CollectorRegistry()
     install_engine_metrics(registry, engine, "model", role)  # type: ignore[arg-type]
