@@ -50,9 +50,6 @@ class BusyFlag:
             self._map[0:1] = BUSY if busy else IDLE
             self._busy = busy
 
-    def close(self) -> None:
-        self._map.close()
-
 
 class BusyFlagReader:
     """A borrower's view of another worker's ``BusyFlag`` file."""
@@ -85,8 +82,3 @@ class BusyFlagReader:
         finally:
             os.close(fd)
         return True
-
-    def close(self) -> None:
-        if self._map is not None:
-            self._map.close()
-            self._map = None

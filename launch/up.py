@@ -270,10 +270,9 @@ def _lending_flags(
         directions = [(prefill, decode)]
         if args.core_lending == "both":
             directions.append((decode, prefill))
-        for lender, borrower in directions:
+        for lender, borrower in directions:  # a worker lends at most once
             busy_file = os.path.join(busy_dir, f"worker-{lender}.busy")
-            if f"--busy-file={busy_file}" not in flags[lender]:
-                flags[lender].append(f"--busy-file={busy_file}")
+            flags[lender].append(f"--busy-file={busy_file}")
             flags[borrower] += [f"--borrow-cores={cores[lender]}"]
             flags[borrower] += [f"--borrow-while-idle={busy_file}"]
     return flags

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -86,11 +87,18 @@ def test_an_owner_in_another_process_is_read_after_it_exits(tmp_path: Path) -> N
         assert reader.is_busy() is state
 
 
+@pytest.fixture(autouse=True)
+def _torch_pool_size_restored() -> Iterator[None]:
+    """Steps resize torch's (process-wide) pool; later tests get the size they started with."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
 def _threads_in_steps(step_threads: StepThreads, lender: BusyFlag, states: list[bool]) -> list[int]:
     """torch's pool size in each step, the lender busy or idle before it; on a thread of its
-    own, as the engine's, with the pool size restored afterwards."""
+    own, as the engine's."""
     sizes: list[int] = []
-    before = torch.get_num_threads()
 
     def steps() -> None:
         for busy in states:
@@ -98,12 +106,9 @@ def _threads_in_steps(step_threads: StepThreads, lender: BusyFlag, states: list[
             step_threads.before_step()
             sizes.append(torch.get_num_threads())
 
-    try:
-        thread = threading.Thread(target=steps)
-        thread.start()
-        thread.join()
-    finally:
-        torch.set_num_threads(before)
+    thread = threading.Thread(target=steps)
+    thread.start()
+    thread.join()
     return sizes
 
 
@@ -144,17 +149,13 @@ def _borrowing_with_step_times(
     idle unless one is given)."""
     lender = lender or _Lender()
     step_threads = StepThreads(own_threads=1, borrows=BorrowedCores(frozenset({0}), lender))
-    before = torch.get_num_threads()
     taken = []
-    try:
-        for _ in range(steps):
-            borrowed_before = step_threads.borrowed_steps
-            step_threads.before_step()
-            borrowed = step_threads.borrowed_steps > borrowed_before
-            taken.append(borrowed)
-            step_threads.after_step(borrowed_s if borrowed else own_s, 0.1)
-    finally:
-        torch.set_num_threads(before)
+    for _ in range(steps):
+        borrowed_before = step_threads.borrowed_steps
+        step_threads.before_step()
+        borrowed = step_threads.borrowed_steps > borrowed_before
+        taken.append(borrowed)
+        step_threads.after_step(borrowed_s if borrowed else own_s, 0.1)
     return taken
 
 
@@ -197,13 +198,9 @@ def test_steps_while_the_lender_computes_compare_nothing() -> None:
 
 def test_steps_the_model_could_not_predict_teach_nothing() -> None:
     step_threads = StepThreads(own_threads=1, borrows=BorrowedCores(frozenset({0}), _Lender()))
-    before = torch.get_num_threads()
-    try:
-        for _ in range(40):
-            step_threads.before_step()
-            step_threads.after_step(0.1, 0.0)
-    finally:
-        torch.set_num_threads(before)
+    for _ in range(40):
+        step_threads.before_step()
+        step_threads.after_step(0.1, 0.0)
     assert step_threads.borrowing_pays() is None
 
 
