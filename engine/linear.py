@@ -31,12 +31,15 @@ computation; float32 never takes the GEMV.
 
 Where the GEMV pays depends on the CPU. Without AMX (the AMD EPYC above) it beats oneDNN up to
 32 rows. With AMX (an Intel Xeon, one core, the same 121 matrices) oneDNN reads the weights
-at 30-37 ms from 1 to 32 rows while the GEMV, bound by its AVX-512 BF16 arithmetic, grows
+at 30-37 ms from 1 to 32 rows while the AVX-512 GEMV, bound by its BF16 arithmetic, grows
 from 29 ms at one row to 60 at 16 and 106 at 32: a decode batch of 16 ran at 88 ms a token
-against 65 without the GEMV. So by default (``SPLITSERVE_DECODE_GEMV=auto``) the model
-measures, once at load, up to how many generated rows the GEMV is no slower than oneDNN on
-this machine (``measure_gemv_row_limit``, at least one row); a step with more generated rows
-takes oneDNN for all of them. ``SPLITSERVE_DECODE_GEMV=1`` takes the GEMV at every row count
+against 65 without the GEMV. There the GEMV now takes AMX tiles (``kernels/cpu_gemv.py``:
+18.8 ms at one row, 21.0 at 16, 27.0 at 32, against oneDNN's 36.7, 25.6 and 29.2 in the same
+run), faster than oneDNN at every row count, so every generated row takes it, whatever the
+step's size. Where the GEMV is the AVX-512 loop, by default (``SPLITSERVE_DECODE_GEMV=auto``)
+the model measures, once at load, up to how many generated rows it is no slower than oneDNN
+on this machine (``measure_gemv_row_limit``, at least one row); a step with more generated
+rows takes oneDNN for all of them. ``SPLITSERVE_DECODE_GEMV=1`` takes the GEMV at every row count
 (the bit property below for any batch), ``0`` never. The LM head is apart: its rows are
 logits, which take the kernel's float32 sums always (``Linear.logits``).
 
@@ -178,6 +181,12 @@ class Linear:
         if self.prepacked:
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, None)
         self.pad_rows = weight.device.type == "cpu" and weight.dtype == torch.float32
+
+    @property
+    def takes_amx(self) -> bool:
+        """Whether this weight's GEMV rows take the AMX kernel (``kernels/cpu_gemv.py``)."""
+        gemv, weight = self._gemv, self._gemv_weight
+        return gemv is not None and weight is not None and gemv.uses_amx(weight)
 
     def __call__(self, x: torch.Tensor, generated_rows: int = 0) -> torch.Tensor:
         """``x @ weight.T + bias`` for ``x`` ``[tokens, in]``; the leading ``generated_rows``

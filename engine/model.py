@@ -111,9 +111,15 @@ class LlamaModel:
         """Under ``SPLITSERVE_DECODE_GEMV=auto``, measure on the first layers' projections up
         to how many generated rows the decode GEMV pays on this machine, and hold every
         projection to it (``engine/linear.py``); not the LM head, whose rows are logits and
-        always take the GEMV."""
+        always take the GEMV. Where every projection takes the AMX kernel there is no limit
+        to measure: it reads the weights at oneDNN's speed or better at every row count
+        (``kernels/cpu_gemv.py``), and a step's generated rows then keep one kernel's bits
+        whatever their number."""
         projections = self._layer_projections()
         if decode_gemv_setting() != "auto" or projections[0]._gemv_weight is None:
+            return
+        if all(linear.takes_amx for linear in projections):
+            logger.info("decode GEMV: AMX tiles, for steps of any number of generated rows")
             return
         limit = measure_gemv_row_limit(projections[: 4 * GEMV_PROBE_LAYERS])
         for linear in projections:

@@ -1,7 +1,7 @@
-"""The bf16 GEMV C++ kernel (decode-step projections) against float64 products, its batch
-invariance, what it refuses, the portable build's refusal, and ``Linear`` sending exactly the
-generated rows it is told of through it (prompt rows through oneDNN), with the same results
-within bf16 rounding."""
+"""The bf16 GEMV C++ kernel (decode-step projections), both its AVX-512 loop and, where this
+CPU has it, its AMX tiles, against float64 products, their batch invariance, what it refuses,
+the portable build's refusal, and ``Linear`` sending exactly the generated rows it is told of
+through it (prompt rows through oneDNN), with the same results within bf16 rounding."""
 
 from __future__ import annotations
 
@@ -15,14 +15,27 @@ from splitserve.engine.linear import (
     decode_gemv_setting,
     measure_gemv_row_limit,
 )
-from splitserve.kernels.cpu_build import PORTABLE_FLAGS
-from splitserve.kernels.cpu_gemv import MAX_ROWS, CpuGemv, load_cpu_gemv
+from splitserve.kernels.cpu_build import NATIVE_FLAGS, PORTABLE_FLAGS, load_library
+from splitserve.kernels.cpu_gemv import AMX_INPUTS, MAX_ROWS, CpuGemv, load_cpu_gemv
 
 
 def _kernel() -> CpuGemv:
     kernel = load_cpu_gemv()
     if kernel is None:
         pytest.skip("no C++ compiler or no AVX-512 BF16 here")
+    return kernel
+
+
+@pytest.fixture(params=["avx512", "amx"])
+def each_kernel(request: pytest.FixtureRequest) -> CpuGemv:
+    """The AVX-512 loop for every weight, then the kernel as loaded with AMX asked for
+    (skipped where this CPU or Linux has no AMX)."""
+    _kernel()
+    library = load_library("gemv", NATIVE_FLAGS)
+    assert library is not None
+    kernel = CpuGemv(library, amx=request.param == "amx")
+    if request.param == "amx" and not kernel.amx:
+        pytest.skip("no AMX here")
     return kernel
 
 
@@ -35,8 +48,10 @@ def _bf16_ulps_close(out: torch.Tensor, expected: torch.Tensor) -> None:
 @pytest.mark.parametrize("rows", [*range(1, 10), 16, 17, MAX_ROWS])  # groups of 8 and a rest
 @pytest.mark.parametrize(("out_features", "in_features"), [(960, 576), (576, 1536), (32, 6)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_gemv_matches_float64_products(rows, out_features, in_features, with_bias) -> None:
-    kernel = _kernel()
+def test_gemv_matches_float64_products(
+    each_kernel: CpuGemv, rows, out_features, in_features, with_bias
+) -> None:
+    kernel = each_kernel
     generator = torch.Generator().manual_seed(rows * 7 + in_features)
     weight = (torch.randn(out_features, in_features, generator=generator) * 0.05).bfloat16()
     x = torch.randn(rows, in_features, generator=generator).bfloat16()
@@ -49,15 +64,43 @@ def test_gemv_matches_float64_products(rows, out_features, in_features, with_bia
     _bf16_ulps_close(out, expected)
 
 
-def test_a_rows_result_does_not_depend_on_the_other_rows() -> None:
-    kernel = _kernel()
+def test_a_rows_result_does_not_depend_on_the_other_rows(each_kernel: CpuGemv) -> None:
+    kernel = each_kernel
     generator = torch.Generator().manual_seed(3)
     weight = kernel.pack(torch.randn(3072, 576, generator=generator).bfloat16())
     x = torch.randn(MAX_ROWS, 576, generator=generator).bfloat16()
-    together = kernel(x, weight)
-    for row in range(MAX_ROWS):
-        assert torch.equal(kernel(x[row : row + 1], weight), together[row : row + 1])
-    assert torch.equal(kernel(x[2:13], weight), together[2:13])
+    for float_out in (False, True):
+        together = kernel(x, weight, float_out=float_out)
+        for row in range(MAX_ROWS):
+            alone = kernel(x[row : row + 1], weight, float_out=float_out)
+            assert torch.equal(alone, together[row : row + 1])
+        for rows in (slice(2, 13), slice(5, 22), slice(16, 32)):  # within and across tiles
+            assert torch.equal(kernel(x[rows], weight, float_out=float_out), together[rows])
+
+
+def test_with_amx_a_weight_keeps_one_kernel_whatever_the_row_count() -> None:
+    """With AMX granted, weights of whole tiles of inputs take AMX at every row count and the
+    others the AVX-512 loop; the two sum in other orders, so their bits may differ by an ulp,
+    and each agrees with float64 products."""
+    kernel = _kernel()
+    if not kernel.amx:
+        pytest.skip("no AMX here")
+    library = load_library("gemv", NATIVE_FLAGS)
+    assert library is not None
+    loop = CpuGemv(library, amx=False)
+    assert not loop.amx and loop.available
+    generator = torch.Generator().manual_seed(4)
+    weight = torch.randn(576, 1536, generator=generator).bfloat16()
+    packed, odd_width = kernel.pack(weight), kernel.pack(weight[:, : AMX_INPUTS + 2])
+    assert kernel.uses_amx(packed) and not kernel.uses_amx(odd_width)
+    assert not loop.uses_amx(packed)
+    x = torch.randn(MAX_ROWS, 1536, generator=generator).bfloat16()
+    tiles, loop_sums = kernel(x, packed, float_out=True), loop(x, packed, float_out=True)
+    expected = x.double() @ weight.double().T
+    torch.testing.assert_close(tiles.double(), expected, atol=1e-3, rtol=1e-5)
+    torch.testing.assert_close(loop_sums.double(), expected, atol=1e-3, rtol=1e-5)
+    narrow = x[:, : AMX_INPUTS + 2].contiguous()
+    assert torch.equal(kernel(narrow, odd_width), loop(narrow, odd_width))  # both the loop
 
 
 def test_gemv_refuses_what_it_cannot_take() -> None:

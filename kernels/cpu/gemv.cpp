@@ -20,6 +20,15 @@
 // out_features must be a multiple of 16 and in_features even. Both return 0; -1 for
 // unsupported arguments (nothing written); -2 when this build has no AVX-512 BF16 (the caller
 // uses torch).
+//   splitserve_gemv_amx_init()
+//     asks Linux for this process's AMX tile registers: 0 granted, -2 no AMX in this build,
+//     -3 refused. Call once before the two below.
+//   splitserve_gemv_amx_bf16(...), splitserve_gemv_amx_bf16_f32(...)
+//     the same arguments and results through AMX tiles (TDPBF16PS): in_features must be a
+//     multiple of 32; -2 without AMX. Bound by reading the weight at any row count (rows go
+//     in tiles of 16; the weight's 16 pairs of one block, as packed, are one B tile).
+//     Summation order: the tile instruction's, row by row; a row's result does not depend on
+//     the other rows of its call either, but it is not the AVX-512 loop's (an ulp apart).
 //
 // Summation order: row r's output o sums the products of even input pairs and of odd input
 // pairs separately, in input order, then adds the two; the same for every row count, so a
@@ -35,6 +44,11 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #define SPLITSERVE_AVX512 1
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define SPLITSERVE_AMX 1
+#endif
 #endif
 
 namespace {
@@ -142,6 +156,105 @@ int gemv(Out* out, const uint16_t* x, int64_t rows, const uint16_t* packed, cons
 #endif
 }
 
+#ifdef SPLITSERVE_AMX
+// AMX: one tile instruction multiplies up to 16 rows of x by 32 inputs x 16 outputs of the
+// packed weight, whose 16 pairs of one block are one B tile as packed (16 rows of 64 bytes).
+// Tiles: tmm0/tmm1 the float32 sums of row groups 0-15 / 16-31 for one block of 16 outputs,
+// tmm2/tmm3 those groups' 32 inputs, tmm4 the block's weight for those inputs.
+constexpr int64_t kTileRows = 16;  // rows of x per tile
+constexpr int64_t kTileInputs = 32;  // inputs per tile step (16 pairs)
+constexpr int64_t kTileBytes = 1024;  // one B tile: 16 pairs x 16 outputs x 2 bf16
+
+struct TileConfig {  // the layout ldtilecfg reads (palette 1)
+  uint8_t palette_id;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// This thread's tile shapes for `rows` rows of x (1..kMaxRows).
+inline void configure_tiles(int64_t rows) {
+  TileConfig config{};
+  config.palette_id = 1;
+  const int64_t group0 = rows < kTileRows ? rows : kTileRows, group1 = rows - group0;
+  config.rows[0] = config.rows[2] = static_cast<uint8_t>(group0);
+  config.colsb[0] = config.colsb[2] = 64;
+  if (group1 > 0) {
+    config.rows[1] = config.rows[3] = static_cast<uint8_t>(group1);
+    config.colsb[1] = config.colsb[3] = 64;
+  }
+  config.rows[4] = 16;
+  config.colsb[4] = 64;
+  _tile_loadconfig(&config);
+}
+
+// Output block `block` for every row (tiles configured for `rows`); sums [rows][16] float32 in
+// `scratch` ([kMaxRows][16], 64-byte aligned) before the bias and the store.
+template <typename Out>
+void amx_block(Out* out, const uint16_t* x, int64_t rows, const uint16_t* packed,
+               const uint16_t* bias, int64_t out_features, int64_t in_features, int64_t block,
+               float* scratch) {
+  const char* w = reinterpret_cast<const char*>(packed + block * in_features * kOutBlock);
+  const bool two_groups = rows > kTileRows;
+  const int64_t x_stride = in_features * 2;  // bytes
+  _tile_zero(0);
+  if (two_groups) _tile_zero(1);
+  for (int64_t step = 0; step < in_features / kTileInputs; ++step) {
+    const char* tile = w + step * kTileBytes;
+    _tile_loadd(4, tile, 64);
+    _tile_loadd(2, x + step * kTileInputs, x_stride);
+    _tile_dpbf16ps(0, 2, 4);
+    if (two_groups) {
+      _tile_loadd(3, x + kTileRows * in_features + step * kTileInputs, x_stride);
+      _tile_dpbf16ps(1, 3, 4);
+    }
+  }
+  _tile_stored(0, scratch, 64);
+  if (two_groups) _tile_stored(1, scratch + kTileRows * kOutBlock, 64);
+  __m512 bias_v = _mm512_setzero_ps();
+  if (bias != nullptr) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bias + block * kOutBlock));
+    bias_v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m512 sum = _mm512_add_ps(_mm512_load_ps(scratch + r * kOutBlock), bias_v);
+    Out* o = out + r * out_features + block * kOutBlock;
+    if constexpr (sizeof(Out) == sizeof(float)) {
+      _mm512_storeu_ps(o, sum);
+    } else {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), (__m256i)_mm512_cvtneps_pbh(sum));
+    }
+  }
+}
+#endif
+
+// Both AMX entry points: -2 without AMX in this build, -1 for unsupported arguments, else 0.
+template <typename Out>
+int gemv_amx(Out* out, const uint16_t* x, int64_t rows, const uint16_t* packed,
+             const uint16_t* bias, int64_t out_features, int64_t in_features, int threads) {
+#ifndef SPLITSERVE_AMX
+  return -2;
+#else
+  if (rows <= 0 || rows > kMaxRows || out_features <= 0 || in_features <= 0 ||
+      out_features % kOutBlock || in_features % kTileInputs || threads <= 0) {
+    return -1;
+  }
+  const int64_t blocks = out_features / kOutBlock;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+    alignas(64) float scratch[kMaxRows * kOutBlock];
+    configure_tiles(rows);
+#pragma omp for schedule(static)
+    for (int64_t block = 0; block < blocks; ++block) {
+      amx_block<Out>(out, x, rows, packed, bias, out_features, in_features, block, scratch);
+    }
+    _tile_release();
+  }
+  return 0;
+#endif
+}
+
 }  // namespace
 
 extern "C" {
@@ -172,6 +285,32 @@ int splitserve_gemv_bf16_f32(float* out, const uint16_t* x, int64_t rows, const 
                              const uint16_t* bias, int64_t out_features, int64_t in_features,
                              int threads) {
   return gemv<float>(out, x, rows, packed, bias, out_features, in_features, threads);
+}
+
+// The AMX path's permission: Linux hands a process the tile registers only once asked
+// (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA; once per process, every thread). 0 granted,
+// -2 no AMX in this build, -3 refused by the kernel (an old Linux, or AMX disabled).
+int splitserve_gemv_amx_init() {
+#ifndef SPLITSERVE_AMX
+  return -2;
+#else
+  constexpr int kRequestPermission = 0x1023;  // ARCH_REQ_XCOMP_PERM
+  constexpr int kTileData = 18;  // XFEATURE_XTILEDATA
+  return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0 ? 0 : -3;
+#endif
+}
+
+// The same products through AMX tiles (in_features a multiple of 32); bf16 / float32 out.
+int splitserve_gemv_amx_bf16(uint16_t* out, const uint16_t* x, int64_t rows,
+                             const uint16_t* packed, const uint16_t* bias, int64_t out_features,
+                             int64_t in_features, int threads) {
+  return gemv_amx<uint16_t>(out, x, rows, packed, bias, out_features, in_features, threads);
+}
+
+int splitserve_gemv_amx_bf16_f32(float* out, const uint16_t* x, int64_t rows,
+                                 const uint16_t* packed, const uint16_t* bias,
+                                 int64_t out_features, int64_t in_features, int threads) {
+  return gemv_amx<float>(out, x, rows, packed, bias, out_features, in_features, threads);
 }
 
 }  // extern "C"
