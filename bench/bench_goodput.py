@@ -73,6 +73,7 @@ SPLITSERVE_FLAGS = {
     "splitserve-lend-both": ["--placement=adaptive", "--core-lending=both"],
     "splitserve-eager": ["--placement=adaptive"],
     "splitserve-no-gemv": ["--placement=adaptive"],
+    "splitserve-control-prefill": ["--placement=adaptive", "--control-cores=prefill"],
 }
 """splitserve's configurations: ``splitserve`` is ``make serve``'s (1 prefill + 1 decode worker,
 a core each, adaptive placement); ``-remote`` / ``-local`` force where every prompt runs;
@@ -84,7 +85,9 @@ with a thread per core, so a prompt may use both cores while the decode worker i
 ``-eager`` is ``make serve``'s with ``--ttft-at-risk 0``: a prompt goes to the decode worker
 whenever that is predicted faster and keeps the batch's TPOT target, not only once the
 prefill side puts the TTFT target at risk; ``-no-gemv`` is ``make serve``'s with the decode
-GEMV turned off (``SPLITSERVE_DECODE_GEMV=0``: generated tokens' rows through oneDNN too)."""
+GEMV turned off (``SPLITSERVE_DECODE_GEMV=0``: generated tokens' rows through oneDNN too);
+``-control-prefill`` is ``make serve``'s with the coordinator and the gateway pinned to the
+prefill worker's core (``up --control-cores prefill``)."""
 SPLITSERVE_ENV = {
     "splitserve-eager": {"SPLITSERVE_TTFT_AT_RISK": "0"},
     "splitserve-no-gemv": {"SPLITSERVE_DECODE_GEMV": "0"},

@@ -30,6 +30,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry
 
 from splitserve.common.api_keys import add_api_key_args, add_health_needs_key_flag, api_keys_or_exit
+from splitserve.common.cpu_affinity import pin_or_exit
 from splitserve.common.env_flags import add_env_flag, env_default, truthy
 from splitserve.common.membership import Role
 from splitserve.common.metrics import serve_metrics
@@ -77,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
         "internal gRPC port (worker membership; cluster credential required); 0: any free",
     )
     flag("--model", "default", str, "model whose tokenizer and chat template to use")
+    flag("--cpu-affinity", None, str, "pin the process to these cores, e.g. '0' or '0-3'")
     flag("--max-inflight", 1024, int, "requests admitted at once (then RESOURCE_EXHAUSTED)")
     flag(
         "--local-prefill-max-tokens",
@@ -219,6 +221,7 @@ def tenant_policy_or_exit(
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    pin_or_exit(parser, args.cpu_affinity)  # before any thread starts
     access = access_or_exit(parser, args)
     keys = api_keys_or_exit(parser, args)
     logging.basicConfig(

@@ -25,6 +25,7 @@ import uvicorn
 import uvloop
 
 from splitserve.common.api_keys import add_api_key_args, add_health_needs_key_flag, api_keys_or_exit
+from splitserve.common.cpu_affinity import pin_or_exit
 from splitserve.common.env_flags import add_env_flag
 from splitserve.common.orphan import stop_when_orphaned
 from splitserve.gateway.app import GatewayConfig, create_app
@@ -58,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     flag("--log-level", "warning", str, "uvicorn log level (info logs every request)")
     flag("--drain-timeout", 30.0, float, "on SIGTERM, seconds open streams may take to finish")
     flag("--max-body-bytes", DEFAULT_MAX_BODY_BYTES, int, "larger request bodies get 413")
+    flag("--cpu-affinity", None, str, "pin the process to these cores, e.g. '0' or '0-3'")
     add_tls_args(parser)
     add_api_key_args(parser)
     add_health_needs_key_flag(parser, "/health and /metrics")
@@ -67,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    pin_or_exit(parser, args.cpu_affinity)  # before any thread starts
     tls = tls_or_exit(parser, args)
     keys = api_keys_or_exit(parser, args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s gateway %(levelname)s %(message)s")

@@ -33,8 +33,10 @@ least one core per worker, so co-located workers do not fight over cores; ``--no
 that off. With ``--core-lending decode`` (or ``both``; off by default), pinned prefill worker
 i lends its cores to decode worker i: the decode worker's engine thread also runs there while
 the prefill worker's engine idles, where that measures faster (``engine/step_threads.py``);
-their busy files live in a directory under ``/dev/shm`` for the run. Flags after ``--`` go to every
-worker (e.g. ``-- --dtype float32``).
+their busy files live in a directory under ``/dev/shm`` for the run. With ``--control-cores
+prefill`` the coordinators and the gateway are pinned to the prefill workers' cores, so a
+decode worker's cores run its steps and nothing else (``control_cores``). Flags after ``--``
+go to every worker (e.g. ``-- --dtype float32``).
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ from splitserve.proto.server import wait_for_health
 from splitserve.proto.tls import TlsConfig, add_tls_args, tls_env, tls_or_exit
 
 CORE_LENDING = ("decode", "both", "off")
+CONTROL_CORES = ("prefill", "any")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -108,6 +111,14 @@ def build_parser() -> argparse.ArgumentParser:
         "prompts, where that measures faster; 'both': prefill worker i borrows decode worker "
         "i's too; 'off' (the default: no gain measured on a 2-core machine, bench/README): "
         "each keeps to its own",
+    )
+    parser.add_argument(
+        "--control-cores",
+        choices=CONTROL_CORES,
+        default="any",
+        help="where the coordinators and the gateway run: 'prefill': on the prefill workers' "
+        "cores (pinned workers, at least one prefill and one decode worker), leaving the decode "
+        "workers' cores to their steps; 'any': unpinned",
     )
     parser.add_argument(
         "--local-prefill-max-tokens", type=int, default=None, help="passed to the coordinator"
@@ -162,6 +173,8 @@ def layout_summary(args: argparse.Namespace, lending: bool = True) -> str:
     placement = args.placement or os.environ.get(env_name("--placement"), "rule")
     membership = "etcd" if membership_flags(args) else "registration with the coordinators"
     summary = f"{coordinators}, {workers}, prompts placed by {placement}, membership: {membership}"
+    if control_cores(args) is not None:
+        summary += ", coordinator and gateway on the prefill workers' cores"
     if lending and lending_pairs(args, worker_cores(args)):
         borrowers = (
             "decode and prefill workers" if args.core_lending == "both" else "decode workers"
@@ -177,6 +190,19 @@ def worker_cores(args: argparse.Namespace) -> list[str | None]:
     if args.no_pin:
         return [None] * num_workers
     return worker_core_sets(num_workers, sorted(os.sched_getaffinity(0)))
+
+
+def control_cores(args: argparse.Namespace) -> str | None:
+    """The ``--cpu-affinity`` of the coordinators and the gateway: with ``--control-cores
+    prefill``, the prefill workers' cores, where every worker is pinned and there are prefill
+    and decode workers (the decode workers' cores then run only their steps: a step's
+    OpenMP loop stalls whenever another process takes its core); None (unpinned) else."""
+    if args.control_cores == "any" or not args.prefill or not args.decode:
+        return None
+    cores = worker_cores(args)
+    if any(core_list is None for core_list in cores):
+        return None
+    return ",".join(core_list for core_list in cores[: args.prefill] if core_list)
 
 
 def lending_pairs(args: argparse.Namespace, cores: Sequence[str | None]) -> int:
@@ -224,7 +250,13 @@ def coordinator_argv(args: argparse.Namespace, index: int = 0) -> list[str]:
         argv.append(f"--local-prefill-max-tokens={args.local_prefill_max_tokens}")
     if args.placement is not None:
         argv.append(f"--placement={args.placement}")
-    return argv
+    return argv + _control_affinity(args)
+
+
+def _control_affinity(args: argparse.Namespace) -> list[str]:
+    """``--cpu-affinity`` for a coordinator or the gateway, where ``control_cores`` pins."""
+    cores = control_cores(args)
+    return [] if cores is None else [f"--cpu-affinity={cores}"]
 
 
 def worker_argvs(
@@ -312,7 +344,7 @@ def gateway_argv(args: argparse.Namespace, coordinator: str) -> list[str]:
         argv.append(f"--served-model-name={args.served_model_name}")
     if args.health_needs_key:
         argv.append("--health-needs-key")
-    return argv
+    return argv + _control_affinity(args)
 
 
 def children_env(

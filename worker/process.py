@@ -13,6 +13,7 @@ import os
 import socket
 from collections.abc import Mapping
 
+from splitserve.common.cpu_affinity import check_cores, parse_cpu_list
 from splitserve.common.env_flags import add_env_flag, env_default
 from splitserve.common.env_flags import truthy as _truthy
 from splitserve.discovery.flags import add_membership_args
@@ -21,20 +22,6 @@ from splitserve.proto.cluster_access import add_cluster_access_args
 from splitserve.proto.server import add_reflection_flag
 from splitserve.transfer.ucx import UcxSettings
 from splitserve.worker.stall_watch import DEFAULT_STALL_TIMEOUT_S
-
-
-def parse_cpu_list(text: str) -> set[int]:
-    """ "0,2-3" -> {0, 2, 3}; raises ValueError for malformed lists."""
-    cpus: set[int] = set()
-    for part in text.split(","):
-        part = part.strip()
-        if not part:
-            continue
-        low, _, high = part.partition("-")
-        cpus.update(range(int(low), int(high or low) + 1))
-    if not cpus:
-        raise ValueError(f"empty CPU list {text!r}")
-    return cpus
 
 
 def add_worker_args(parser: argparse.ArgumentParser, env: Mapping[str, str] = os.environ) -> None:
@@ -107,12 +94,8 @@ def apply_cpu_affinity(args: argparse.Namespace) -> None:
     if not args.cpu_affinity:
         borrowed_cpus(args)  # refuses borrowing without pinning
         return
-    available = os.sched_getaffinity(0)
     cpus = parse_cpu_list(args.cpu_affinity)
-    wanted = cpus | borrowed_cpus(args)
-    if not wanted <= available:
-        missing = ",".join(str(cpu) for cpu in sorted(wanted - available))
-        raise ValueError(f"cores {missing} are not among this process's cores")
+    check_cores(cpus | borrowed_cpus(args))
     os.sched_setaffinity(0, cpus)
     if args.threads is None:
         args.threads = len(cpus)

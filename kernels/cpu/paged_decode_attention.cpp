@@ -136,33 +136,57 @@ inline __m512 sum16(const __m512* parts) {
 }
 
 constexpr int kMaxAccumulators = 24;  // zmm registers the value pass may hold as accumulators
+constexpr int64_t kPrefetchTokens = 32;  // how far ahead of a pass its rows are asked for
+
+// Asks for the cache rows of tokens first..first+15 (those before `context`), every line: the
+// hardware prefetcher stops at each 4 KB page and at each block, so without this the passes
+// wait on memory (10 sequences of 352 tokens, 30 layers, one core: 11.1 ms without, 7.3-8.9
+// with the rows 32 tokens ahead; 16 and 64 did no better).
+inline void prefetch_rows(const uint16_t* cache, const int64_t* slots, int64_t first,
+                          int64_t context, int64_t token_stride) {
+  const int64_t row_bytes = token_stride * static_cast<int64_t>(sizeof(uint16_t));
+  for (int64_t t = first; t < first + 16 && t < context; ++t) {
+    const char* row = reinterpret_cast<const char*>(cache + slots[t] * token_stride);
+    for (int64_t line = 0; line < row_bytes; line += 64) _mm_prefetch(row + line, _MM_HINT_T0);
+  }
+}
 
 // One sequence's attention for bf16, kChunks16 = head_dim / 16 (even), kGroup query heads per
-// KV head. slots[t]: the cache row of token t; scores: room for kGroup * context floats.
+// KV head. slots[t]: the cache row of token t; scores: room for heads * context floats;
+// totals: heads floats; accum: heads * head_dim floats (heads = num_kv_heads * kGroup).
+// Both passes go over the context 16 tokens at a time, every KV head of those tokens before
+// the next 16: each token's cache row (all its KV heads side by side) is read once, front to
+// back, the next 16 tokens' rows asked for ahead (prefetch_rows). Head by head over the whole
+// context, as before, each pass read 2 lines of every 6 per token: 12.9 ms against 7.3-8.9
+// for 10 sequences of 352 tokens over 30 layers on one core. Every score and every sum is
+// computed by the same operations in the same order as head by head, so its bits are too.
 template <int kChunks16, int kGroup>
 void decode_sequence_bf16(uint16_t* seq_out, const uint16_t* seq_query,
                           const uint16_t* key_cache, const uint16_t* value_cache,
                           const int64_t* slots, int64_t context, int64_t num_kv_heads,
-                          float scale, float* scores) {
+                          float scale, float* scores, float* totals, float* accum) {
   static_assert(kChunks16 % 2 == 0 && kChunks16 * kGroup <= kMaxAccumulators);
   constexpr int64_t kHeadDim = 16 * kChunks16;
   constexpr int kChunks32 = kChunks16 / 2;
   const int64_t token_stride = num_kv_heads * kHeadDim;
+  const int64_t heads = num_kv_heads * kGroup;
   const __m512 scale_vector = _mm512_set1_ps(scale);
-  for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
-    const uint16_t* group_query = seq_query + kv_head * kGroup * kHeadDim;
-    const uint16_t* keys = key_cache + kv_head * kHeadDim;
-    const uint16_t* values = value_cache + kv_head * kHeadDim;
-    // scores[i, t] = scale * q_i . k_t
-    for (int i = 0; i < kGroup; ++i) {
-      const uint16_t* q = group_query + i * kHeadDim;
-      __m512bh q_chunks[kChunks32];
-      for (int c = 0; c < kChunks32; ++c) {
-        q_chunks[c] = (__m512bh)_mm512_loadu_si512(q + 32 * c);
-      }
-      float* head_scores = scores + i * context;
-      int64_t t0 = 0;
-      for (; t0 + 16 <= context; t0 += 16) {
+  // scores[h, t] = scale * q_h . k_t (k of h's KV head)
+  for (int64_t first = 0; first < kPrefetchTokens; first += 16) {
+    prefetch_rows(key_cache, slots, first, context, token_stride);
+  }
+  int64_t t0 = 0;
+  for (; t0 + 16 <= context; t0 += 16) {
+    prefetch_rows(key_cache, slots, t0 + kPrefetchTokens, context, token_stride);
+    for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
+      const uint16_t* keys = key_cache + kv_head * kHeadDim;
+      for (int i = 0; i < kGroup; ++i) {
+        const int64_t head = kv_head * kGroup + i;
+        const uint16_t* q = seq_query + head * kHeadDim;
+        __m512bh q_chunks[kChunks32];
+        for (int c = 0; c < kChunks32; ++c) {
+          q_chunks[c] = (__m512bh)_mm512_loadu_si512(q + 32 * c);
+        }
         __m512 parts[16];
         for (int slot = 0; slot < 16; ++slot) {
           const uint16_t* key = keys + slots[t0 + 4 * (slot % 4) + slot / 4] * token_stride;
@@ -173,41 +197,68 @@ void decode_sequence_bf16(uint16_t* seq_out, const uint16_t* seq_query,
           }
           parts[slot] = acc;
         }
-        _mm512_storeu_ps(head_scores + t0, _mm512_mul_ps(scale_vector, sum16(parts)));
-      }
-      for (; t0 < context; ++t0) {
-        head_scores[t0] = scale * dot_row(q, keys + slots[t0] * token_stride, kHeadDim);
+        _mm512_storeu_ps(scores + head * context + t0, _mm512_mul_ps(scale_vector, sum16(parts)));
       }
     }
-    float totals[kGroup];
-    for (int i = 0; i < kGroup; ++i) totals[i] = softmax_weights(scores + i * context, context);
-    // accum[i] = sum_t weight[i, t] * v_t, in registers
-    __m512 accum[kGroup][kChunks16];
-    for (int i = 0; i < kGroup; ++i) {
-      for (int c = 0; c < kChunks16; ++c) accum[i][c] = _mm512_setzero_ps();
+  }
+  for (; t0 < context; ++t0) {
+    const uint16_t* key = key_cache + slots[t0] * token_stride;
+    for (int64_t head = 0; head < heads; ++head) {
+      scores[head * context + t0] = scale * dot_row(seq_query + head * kHeadDim,
+                                                    key + (head / kGroup) * kHeadDim, kHeadDim);
     }
-    for (int64_t t = 0; t < context; ++t) {
-      const uint16_t* value = values + slots[t] * token_stride;
-      __m512 weights[kGroup];
-      for (int i = 0; i < kGroup; ++i) weights[i] = _mm512_set1_ps(scores[i * context + t]);
-      for (int c = 0; c < kChunks16; ++c) {
-        const __m512 v = bf16x16_to_float(value + 16 * c);
-        for (int i = 0; i < kGroup; ++i) accum[i][c] = _mm512_fmadd_ps(weights[i], v, accum[i][c]);
+  }
+  for (int64_t head = 0; head < heads; ++head) {
+    totals[head] = softmax_weights(scores + head * context, context);
+  }
+  // accum[h] = sum_t weight[h, t] * v_t, tokens in order; a KV head's group sums sit in
+  // registers for 16 tokens, in accum between
+  std::fill(accum, accum + heads * kHeadDim, 0.0f);
+  for (int64_t first = 0; first < kPrefetchTokens; first += 16) {
+    prefetch_rows(value_cache, slots, first, context, token_stride);
+  }
+  for (t0 = 0; t0 < context; t0 += 16) {
+    const int64_t t_end = t0 + 16 < context ? t0 + 16 : context;
+    prefetch_rows(value_cache, slots, t0 + kPrefetchTokens, context, token_stride);
+    for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
+      const uint16_t* values = value_cache + kv_head * kHeadDim;
+      float* group_accum = accum + kv_head * kGroup * kHeadDim;
+      const float* group_scores = scores + kv_head * kGroup * context;
+      __m512 sums[kGroup][kChunks16];
+      for (int i = 0; i < kGroup; ++i) {
+        for (int c = 0; c < kChunks16; ++c) {
+          sums[i][c] = _mm512_loadu_ps(group_accum + i * kHeadDim + 16 * c);
+        }
+      }
+      for (int64_t t = t0; t < t_end; ++t) {
+        const uint16_t* value = values + slots[t] * token_stride;
+        __m512 weights[kGroup];
+        for (int i = 0; i < kGroup; ++i) weights[i] = _mm512_set1_ps(group_scores[i * context + t]);
+        for (int c = 0; c < kChunks16; ++c) {
+          const __m512 v = bf16x16_to_float(value + 16 * c);
+          for (int i = 0; i < kGroup; ++i) sums[i][c] = _mm512_fmadd_ps(weights[i], v, sums[i][c]);
+        }
+      }
+      for (int i = 0; i < kGroup; ++i) {
+        for (int c = 0; c < kChunks16; ++c) {
+          _mm512_storeu_ps(group_accum + i * kHeadDim + 16 * c, sums[i][c]);
+        }
       }
     }
-    for (int i = 0; i < kGroup; ++i) {
-      const __m512 inverse = _mm512_set1_ps(1.0f / totals[i]);
-      float row[kHeadDim];
-      for (int c = 0; c < kChunks16; ++c) {
-        _mm512_storeu_ps(row + 16 * c, _mm512_mul_ps(accum[i][c], inverse));
-      }
-      store_row(row, seq_out + (kv_head * kGroup + i) * kHeadDim, kHeadDim);
+  }
+  for (int64_t head = 0; head < heads; ++head) {
+    const __m512 inverse = _mm512_set1_ps(1.0f / totals[head]);
+    float row[kHeadDim];
+    for (int c = 0; c < kChunks16; ++c) {
+      _mm512_storeu_ps(row + 16 * c,
+                       _mm512_mul_ps(_mm512_loadu_ps(accum + head * kHeadDim + 16 * c), inverse));
     }
+    store_row(row, seq_out + head * kHeadDim, kHeadDim);
   }
 }
 
 using SequenceKernel = void (*)(uint16_t*, const uint16_t*, const uint16_t*, const uint16_t*,
-                                const int64_t*, int64_t, int64_t, float, float*);
+                                const int64_t*, int64_t, int64_t, float, float*, float*, float*);
 
 template <int kChunks16, int kGroup>
 SequenceKernel kernel_for_group(int64_t group) {
@@ -280,7 +331,8 @@ int paged_decode_attention(T* out, const T* query, int64_t query_stride, const T
             if (++offset == block_size) offset = 0, ++block;
           }
           fast(out + seq * num_heads * head_dim, seq_query, key_cache, value_cache,
-               slots.data(), context, num_kv_heads, scale, scores.data());
+               slots.data(), context, num_kv_heads, scale, scores.data(), totals.data(),
+               accum.data());
           continue;
         }
       }
