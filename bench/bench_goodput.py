@@ -353,6 +353,8 @@ def main() -> Json:
         "settings": {k: str(v) for k, v in vars(args).items()},
     }
     results["workload"] = {field: getattr(workload, field) for field in workload.__annotations__}
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"goodput-{args.workload}-{args.date}" + (f"-{args.tag}" if args.tag else "")
     for name in args.servers.split(","):
         busy = wait_for_quiet(args.wait_quiet_s)
         log(f"{name}: starting (machine busy before: {busy:.0%})")
@@ -378,10 +380,9 @@ def main() -> Json:
                     )
                     runs.append(run)
                 by_rate[f"{rate:g}"] = {"runs": runs, "summary": summarize(runs)}
-        results["servers"][name] = by_rate
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"goodput-{args.workload}-{args.date}" + (f"-{args.tag}" if args.tag else "")
-    (args.out_dir / f"{stem}.json").write_text(json.dumps(results, indent=2))
+                results["servers"][name] = by_rate
+                # Written after every rate, so a run cut off keeps what it measured.
+                (args.out_dir / f"{stem}.json").write_text(json.dumps(results, indent=2))
     plot(results, args.out_dir / f"{stem}.png")
     header = "rate   " + "  ".join(f"{name:>24}" for name in results["servers"])
     print(header)
