@@ -122,6 +122,8 @@ def measure_gemv_row_limit(linears: list[Linear], repeats: int = 7) -> int | Non
 def _gemv_slower(
     linears: list[Linear], inputs: dict[int, torch.Tensor], rows: int, repeats: int
 ) -> bool:
+    """Whether one round finds the GEMV's fastest pass with ``rows`` generated rows over
+    ``GEMV_SLOWER`` times oneDNN's."""
     gemv_s, onednn_s = _fastest_passes_s(linears, inputs, rows, repeats)
     return gemv_s > GEMV_SLOWER * onednn_s
 

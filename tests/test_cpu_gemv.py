@@ -5,9 +5,12 @@ through it (prompt rows through oneDNN), with the same results within bf16 round
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
+from splitserve.engine import linear as linear_module
 from splitserve.engine.linear import (
     DECODE_GEMV_ENV,
     GEMV_PROBE_ROWS,
@@ -210,6 +213,36 @@ def test_the_row_limit_is_measured_on_this_machine(monkeypatch: pytest.MonkeyPat
     limit = measure_gemv_row_limit(linears, repeats=3)
     assert limit is None or limit in GEMV_PROBE_ROWS  # at least one row
     assert all(linear.gemv_max_rows is None for linear in linears)  # it only measures
+
+
+@pytest.mark.parametrize(
+    ("slower_rounds", "limit", "rounds"),
+    [
+        ({}, None, len(GEMV_PROBE_ROWS)),  # never slower: no limit, one round per count
+        ({4: [True, True]}, 2, 4),  # slower twice at 4 rows: the count before it
+        ({4: [True, False]}, None, len(GEMV_PROBE_ROWS) + 1),  # a noisy first round only
+        ({1: [True, True]}, 1, 2),  # slower at one row: still at least one
+        ({2: [False], 16: [True, True]}, 8, 6),
+    ],
+)
+def test_the_row_limit_needs_the_gemv_slower_in_two_rounds(
+    monkeypatch: pytest.MonkeyPatch,
+    slower_rounds: dict[int, list[bool]],
+    limit: int | None,
+    rounds: int,
+) -> None:
+    """The decision alone, on scripted timings: a row count limits the GEMV only where both
+    of two rounds of its fastest passes find it over ``GEMV_SLOWER`` times oneDNN's."""
+    calls: list[int] = []
+
+    def scripted(linears: list, inputs: dict, rows: int, repeats: int) -> tuple[float, float]:
+        slower = slower_rounds.get(rows, [])[calls.count(rows)] if rows in slower_rounds else False
+        calls.append(rows)
+        return (1.2 if slower else 1.0), 1.0  # (GEMV s, oneDNN s)
+
+    monkeypatch.setattr(linear_module, "_fastest_passes_s", scripted)
+    assert measure_gemv_row_limit([SimpleNamespace(in_features=8)]) == limit
+    assert len(calls) == rounds
 
 
 @pytest.mark.parametrize(("value", "setting"), [(None, "auto"), ("", "auto"), ("AUTO", "auto"),
