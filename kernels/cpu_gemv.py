@@ -14,9 +14,10 @@ reading the weight at any row count. Elsewhere the AVX-512 BF16 loop, bound by i
 past a few rows. Measured on an Intel Xeon with AMX, one core, SmolLM2-135M's 121 matrices,
 bf16 out: AMX 18.8 / 19.9 / 21.0 / 27.0 ms at 1 / 10 / 16 / 32 rows, the AVX-512 loop 23.3 /
 31.5 / 45.4 / 86.4, oneDNN (prepacked) 36.7 / 24.9 / 25.6 / 29.2. Both kernels sum a row
-independently of the other rows of its call, each in its own order (an ulp apart from each
-other): which one a weight takes is fixed for the process (``uses_amx``), never by the row
-count.
+independently of the other rows of its call, each in its own order (float32 sums that differ
+in their last bits): which one a weight takes is fixed for the process (``uses_amx``), never
+by the row count. The AMX entry points refuse (-3) until Linux granted the tiles, so a tile
+instruction never runs without them (it would kill the process with SIGILL).
 """
 
 from __future__ import annotations

@@ -22,13 +22,15 @@
 // uses torch).
 //   splitserve_gemv_amx_init()
 //     asks Linux for this process's AMX tile registers: 0 granted, -2 no AMX in this build,
-//     -3 refused. Call once before the two below.
+//     -3 refused. Call once before the two below, which return -3 until it was granted (a
+//     tile instruction without the permission would kill the process with SIGILL).
 //   splitserve_gemv_amx_bf16(...), splitserve_gemv_amx_bf16_f32(...)
 //     the same arguments and results through AMX tiles (TDPBF16PS): in_features must be a
 //     multiple of 32; -2 without AMX. Bound by reading the weight at any row count (rows go
 //     in tiles of 16; the weight's 16 pairs of one block, as packed, are one B tile).
 //     Summation order: the tile instruction's, row by row; a row's result does not depend on
-//     the other rows of its call either, but it is not the AVX-512 loop's (an ulp apart).
+//     the other rows of its call either, but it is not the AVX-512 loop's (float32 sums that
+//     differ in their last bits).
 //
 // Summation order: row r's output o sums the products of even input pairs and of odd input
 // pairs separately, in input order, then adds the two; the same for every row count, so a
@@ -47,6 +49,8 @@
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include <sys/syscall.h>
 #include <unistd.h>
+
+#include <atomic>
 #define SPLITSERVE_AMX 1
 #endif
 #endif
@@ -229,13 +233,21 @@ void amx_block(Out* out, const uint16_t* x, int64_t rows, const uint16_t* packed
 }
 #endif
 
-// Both AMX entry points: -2 without AMX in this build, -1 for unsupported arguments, else 0.
+#ifdef SPLITSERVE_AMX
+std::atomic<bool> amx_granted{false};  // set by splitserve_gemv_amx_init once Linux granted it
+#endif
+
+// Both AMX entry points: -2 without AMX in this build, -3 before splitserve_gemv_amx_init
+// was granted, -1 for unsupported arguments, else 0.
 template <typename Out>
 int gemv_amx(Out* out, const uint16_t* x, int64_t rows, const uint16_t* packed,
              const uint16_t* bias, int64_t out_features, int64_t in_features, int threads) {
 #ifndef SPLITSERVE_AMX
   return -2;
 #else
+  if (!amx_granted.load(std::memory_order_acquire)) {
+    return -3;
+  }
   if (rows <= 0 || rows > kMaxRows || out_features <= 0 || in_features <= 0 ||
       out_features % kOutBlock || in_features % kTileInputs || threads <= 0) {
     return -1;
@@ -296,7 +308,11 @@ int splitserve_gemv_amx_init() {
 #else
   constexpr int kRequestPermission = 0x1023;  // ARCH_REQ_XCOMP_PERM
   constexpr int kTileData = 18;  // XFEATURE_XTILEDATA
-  return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0 ? 0 : -3;
+  if (syscall(SYS_arch_prctl, kRequestPermission, kTileData) != 0) {
+    return -3;
+  }
+  amx_granted.store(true, std::memory_order_release);
+  return 0;
 #endif
 }
 
