@@ -236,7 +236,7 @@ def test_the_row_limit_needs_the_gemv_slower_in_two_rounds(
     calls: list[int] = []
 
     def scripted(linears: list, inputs: dict, rows: int, repeats: int) -> tuple[float, float]:
-        slower = slower_rounds.get(rows, [])[calls.count(rows)] if rows in slower_rounds else False
+        slower = rows in slower_rounds and slower_rounds[rows][calls.count(rows)]
         calls.append(rows)
         return (1.2 if slower else 1.0), 1.0  # (GEMV s, oneDNN s)
 
