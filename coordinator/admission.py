@@ -3,28 +3,31 @@ all it may grow to; the rest wait in a bounded, fairly ordered queue or are refu
 with a computed retry hint.
 
 A request's demand is its prompt plus ``max_tokens``, rounded up to whole blocks
-(``KvDemand.of``): what its decode worker's KV will hold at the end. (A remote-prefilled prompt
-takes fresh blocks on the decode worker, prefix hits or not, so the figure is exact there.)
-Capacity is the decode workers' KV in tokens times ``kv_share`` (``AdmissionConfig``): set it
-to 1/N when N coordinators share the workers, so their admissions together stay within the
-KV; left at 1, the decode workers' own ordered reservation queues absorb the overlap.
+(``kv_demand.py:KvDemand``): what its decode worker's KV will hold at the end. Capacity is the
+decode workers' KV in tokens times ``kv_share`` (``AdmissionConfig``): set it to 1/N when N
+coordinators share the workers, so their admissions together stay within the KV; left at 1,
+the decode workers' own ordered reservation queues absorb the overlap.
 
-Tenants first (``tenants.py``: a tenant per API key): a request over its tenant's requests in
-flight or tokens per minute is refused at once (``OverloadedError``, retry hint: when its
-tenant's soonest request is predicted to end, or when its bucket holds enough again); a
-priority above the tenant's ``max_priority`` or more tokens than its minute's budget is an
-``InvalidRequestError``. Then the KV:
+``KvAdmission`` composes what it decides with:
+- tenants first (``tenants.py`` for the limits, ``tenant_usage.py:TenantUsage`` for what each
+  uses): a request over its tenant's requests in flight or tokens per minute is refused at once
+  (``OverloadedError``, retry hint: when its tenant's soonest request is predicted to end, or
+  when its bucket holds enough again); a priority above the tenant's ``max_priority`` or more
+  tokens than its minute's budget is an ``InvalidRequestError``;
+- the queue (``request_queue.py:FairRequestQueue``): higher priority first, then weighted fair
+  queuing across tenants, then arrival;
+- the estimates (``latency_estimator.py:LatencyEstimator``): measured TTFT, time per token and
+  backlog drain rate, and the predicted wait that plays the queue forward (an upper bound).
+
+Then the KV:
 - nobody waits and the demand fits: admitted at once;
 - the queue is full (requests or prompt tokens), or the predicted wait exceeds
   ``max_queue_wait_s``: refused at once with ``OverloadedError`` whose ``retry_after_s`` is
   the predicted wait;
 - otherwise it waits. Releases admit waiters in admission order while the next one fits
-  (nobody overtakes it, so a large request is never starved): higher priority first, then
-  weighted fair queuing across tenants (each request's finish tag is its tenant's previous
-  tag, or the virtual time if later, plus its KV over the tenant's weight), so a tenant that
-  floods the queue waits behind its own requests, not in front of everyone else's. One let in
-  waits for its turn even when the prediction was short, up to ``WAIT_BACKSTOP_FACTOR`` x
-  ``max_queue_wait_s`` (then it is refused: its workers vanished, say).
+  (nobody overtakes it, so a large request is never starved). One let in waits for its turn
+  even when the prediction was short, up to ``WAIT_BACKSTOP_FACTOR`` x ``max_queue_wait_s``
+  (then it is refused: its workers vanished, say).
 
 Admitted prompts that have no first token yet form the prefill backlog; it is bounded too
 (``prefill_backlog_s`` of the measured prefill rate of every worker that may compute prompts:
@@ -37,16 +40,6 @@ under adaptive placement, 0.5 s of one core's ~1,200 tokens/s let a second 340-t
 in only once the first had its first token: the prefill worker idled during each handoff,
 and the decode core never got a prompt, as placement never saw a queue.)
 
-The predicted wait (``predicted_wait_s``) plays the queue forward: admitted requests end
-after what is left of their time to first token, then their output tokens left x the
-measured time per output token, queued ones start in
-order as KV comes back and the prefill backlog (drained at the workers' measured prefill
-rate) has room, and take the measured time to first token plus ``max_tokens`` x the time per
-token (before any measurement: ``prior_ttft_s``, ``prior_tpot_s``,
-``prior_prefill_tokens_per_s``). Requests that
-stop early only make it shorter: it is an upper bound, the right side to err on for a retry
-hint.
-
 A demand larger than the whole capacity (only possible with ``kv_share`` < 1) is admitted
 when it would run alone. Single event loop; nothing here blocks.
 """
@@ -54,26 +47,24 @@ when it would run alone. Single event loop; nothing here blocks.
 from __future__ import annotations
 
 import asyncio
-import heapq
-import itertools
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import NoReturn
 
-from splitserve.common.errors import InvalidRequestError, OverloadedError
-from splitserve.coordinator.tenants import TenantLimits, TenantPolicy, TokenBucket
+from splitserve.common.errors import OverloadedError
+from splitserve.coordinator.kv_demand import KvDemand  # callers import it from here too
+from splitserve.coordinator.latency_estimator import KvOutlook, LatencyEstimator, RunningEnd
+from splitserve.coordinator.request_queue import FairRequestQueue, Ticket
+from splitserve.coordinator.tenant_usage import TenantUsage
+from splitserve.coordinator.tenants import TenantLimits, TenantPolicy
 
 REFUSAL_REASONS = ("queue_full", "predicted_wait", "waited_out", "tenant_inflight", "tenant_tokens")
 WAIT_BACKSTOP_FACTOR = 4.0
 """A queued request is refused only after this many times ``max_queue_wait_s``: the limit
 decides at arrival, and one that was let in waits for its turn (refusing it after it waited
 would waste the wait); the backstop covers workers that vanish with requests queued."""
-SMOOTHING = 0.1
-CALIBRATION_MIN_WAIT_S = 0.5
-"""Waits predicted shorter than this do not calibrate (noise dominates them)."""
-"""Weight of a new measurement in the running TTFT and TPOT estimates (exponential average)."""
 
 
 @dataclass(frozen=True)
@@ -101,20 +92,6 @@ class AdmissionConfig:
 
 
 @dataclass(frozen=True)
-class KvDemand:
-    """KV a request may hold at its end, in tokens (whole blocks)."""
-
-    num_tokens: int
-    num_prompt_tokens: int
-    max_tokens: int
-
-    @classmethod
-    def of(cls, num_prompt_tokens: int, max_tokens: int, block_size: int) -> KvDemand:
-        blocks = math.ceil((num_prompt_tokens + max_tokens) / max(block_size, 1))
-        return cls(blocks * max(block_size, 1), num_prompt_tokens, max_tokens)
-
-
-@dataclass(frozen=True)
 class WorkerCapacity:
     """What the workers' learned step times (``common/step_cost.py``) say they can do."""
 
@@ -139,18 +116,16 @@ class _Admitted:
     """None until its first tokens: until then its prompt counts in the prefill backlog."""
 
 
-@dataclass(order=True)
+@dataclass(eq=False)
 class _Waiter:
-    """Ordered by admission order: priority first, then the fair-queuing finish tag."""
+    """A request in the queue, under its ticket (the queue keeps the order)."""
 
-    sort_key: tuple[int, float, int]
-    request_id: str = field(compare=False)
-    demand: KvDemand = field(compare=False)
-    tenant: str = field(compare=False)
-    start_tag: float = field(compare=False)
-    granted: asyncio.Future[None] = field(compare=False)
-    enqueued_at: float = field(compare=False, default=0.0)
-    predicted_wait_s: float = field(compare=False, default=0.0)
+    request_id: str
+    demand: KvDemand
+    ticket: Ticket
+    granted: asyncio.Future[None]
+    enqueued_at: float
+    predicted_wait_s: float
 
 
 @dataclass(frozen=True)
@@ -171,7 +146,11 @@ class KvAdmission:
     """See the module docstring. ``capacity_tokens()``: the decode workers' KV in tokens
     (before ``kv_share``); ``worker_capacity(context_tokens)``: what the workers' learned
     step times allow (``WorkerCapacity``) for requests of that many context tokens on
-    average; both read at every decision, so joining and leaving workers count."""
+    average; both read at every decision, so joining and leaving workers count.
+
+    Invariants: ``_admitted_tokens`` is the sum of the admitted demands, ``_prefill_backlog``
+    the prompt tokens of those without a first token, ``_queued_prompt_tokens`` the prompt
+    tokens of the waiters; a request is admitted or waits, never both."""
 
     def __init__(
         self,
@@ -184,33 +163,16 @@ class KvAdmission:
         self.config = config
         self.tenants = tenants or TenantPolicy()
         self._worker_capacity = worker_capacity or (lambda context_tokens: WorkerCapacity())
-        self._wait_calibration = 1.0
-        """Measured waits over predicted ones (smoothed); predictions are scaled by it when
-        above 1, so that a model that runs optimistic refuses at once rather than after a
-        request waited out its limit."""
-        self._drain_tokens_per_s: float | None = None
-        """Measured: prompt tokens per second leaving the backlog while it is not empty."""
-        self._backlog_busy_since: float | None = None
-        """When the backlog last became non-empty, or its last prompt completed."""
-        self._prefill_backlog = 0
-        """Prompt tokens of admitted requests without a first token yet."""
         self._capacity_tokens = capacity_tokens
         self._clock = clock
+        self._usage = TenantUsage(clock)
+        self._queue: FairRequestQueue[_Waiter] = FairRequestQueue()
+        self._latency = LatencyEstimator(config.prior_ttft_s, config.prior_tpot_s)
         self._admitted: dict[str, _Admitted] = {}
         self._admitted_tokens = 0
-        self._queue: list[_Waiter] = []
-        """Unsorted; the next one is ``min(self._queue)`` (a few hundred at most)."""
         self._queued_prompt_tokens = 0
-        self._tpot_s = config.prior_tpot_s
-        self._ttft_s = config.prior_ttft_s
-        self._sequence = itertools.count()
-        self._virtual_time = 0.0
-        """Fair queuing's clock: the start tag of the latest admitted request."""
-        self._last_finish: dict[str, float] = {}
-        """Per tenant: the finish tag of its latest request (pruned once in the past)."""
-        self._inflight: dict[str, int] = {}
-        """Per tenant: requests admitted or waiting (absent: none)."""
-        self._buckets: dict[str, TokenBucket] = {}
+        self._prefill_backlog = 0
+        """Prompt tokens of admitted requests without a first token yet."""
         self.refusals: dict[str, int] = dict.fromkeys(REFUSAL_REASONS, 0)
         """Refusals by reason, for metrics."""
 
@@ -228,12 +190,12 @@ class KvAdmission:
         limits = self.tenants.limits(tenant)
         self._check_tenant(tenant, limits, demand, priority)
         self._serve()  # capacity may have grown (a worker joined) since the last release
-        start_tag, sort_key = self._tags(tenant, limits, demand, priority)
+        ticket = self._queue.ticket(tenant, limits.weight, demand.num_tokens, priority)
         if not self._queue and self._fits(demand):
-            self._enter(tenant, sort_key)
-            self._grant(request_id, tenant, demand, start_tag)
+            self._enter(ticket)
+            self._grant(request_id, demand, ticket)
             return
-        wait_s = self.predicted_wait_s(demand, sort_key)
+        wait_s = self.predicted_wait_s(demand, ticket.order)
         if self._queue_full(demand):
             self._refuse(
                 "queue_full",
@@ -250,12 +212,10 @@ class KvAdmission:
                 "may wait",
                 wait_s,
             )
-        self._enter(tenant, sort_key)
+        self._enter(ticket)
         granted = asyncio.get_running_loop().create_future()
-        waiter = _Waiter(
-            sort_key, request_id, demand, tenant, start_tag, granted, self._clock(), wait_s
-        )
-        self._queue.append(waiter)
+        waiter = _Waiter(request_id, demand, ticket, granted, self._clock(), wait_s)
+        self._queue.add(ticket, waiter)
         self._queued_prompt_tokens += demand.num_prompt_tokens
         try:
             backstop_s = self.config.max_queue_wait_s * WAIT_BACKSTOP_FACTOR
@@ -266,14 +226,14 @@ class KvAdmission:
             self._refuse(
                 "waited_out",
                 f"waited {backstop_s:g} s for KV",
-                self.predicted_wait_s(demand, sort_key),
+                self.predicted_wait_s(demand, ticket.order),
             )
         finally:
             if not granted.done():  # refused or cancelled: leave the queue
                 granted.cancel()
                 self._queue.remove(waiter)
                 self._queued_prompt_tokens -= demand.num_prompt_tokens
-                self._leave(tenant, 0)  # its tokens are taken only when it is granted
+                self._usage.leave(tenant, 0)  # its tokens are taken only when it is granted
                 self._serve()  # the next one may fit now that it is the oldest
 
     def release(self, request_id: str) -> None:
@@ -286,8 +246,8 @@ class KvAdmission:
         if admitted.last_token_at is None:  # ended before its first token
             self._prefill_backlog -= admitted.demand.num_prompt_tokens
             if self._prefill_backlog == 0:
-                self._backlog_busy_since = None
-        self._leave(admitted.tenant, admitted.tokens_left)
+                self._latency.backlog_emptied()
+        self._usage.leave(admitted.tenant, admitted.tokens_left)
         self._serve()
 
     def progress(self, request_id: str, num_new_tokens: int) -> None:
@@ -301,24 +261,13 @@ class KvAdmission:
         now = self._clock()
         previous, admitted.last_token_at = admitted.last_token_at, now
         if previous is None:  # its first tokens: the wait was TTFT, its prompt is done
-            self._ttft_s += SMOOTHING * (now - admitted.admitted_at - self._ttft_s)
-            self._drained(admitted.demand.num_prompt_tokens, now)
+            self._latency.first_token(now - admitted.admitted_at)
+            num_prompt_tokens = admitted.demand.num_prompt_tokens
+            self._prefill_backlog -= num_prompt_tokens
+            self._latency.prompt_prefilled(num_prompt_tokens, now, self._prefill_backlog)
             self._serve()
         else:
-            per_token = (now - previous) / num_new_tokens
-            self._tpot_s += SMOOTHING * (per_token - self._tpot_s)
-
-    def _drained(self, num_prompt_tokens: int, now: float) -> None:
-        """A prompt left the backlog: measure how fast the backlog drains while busy."""
-        self._prefill_backlog -= num_prompt_tokens
-        busy_since = self._backlog_busy_since
-        if busy_since is not None and now > busy_since:
-            rate = num_prompt_tokens / (now - busy_since)
-            previous = self._drain_tokens_per_s
-            self._drain_tokens_per_s = (
-                rate if previous is None else previous + SMOOTHING * (rate - previous)
-            )
-        self._backlog_busy_since = now if self._prefill_backlog > 0 else None
+            self._latency.output_tokens(num_new_tokens, now - previous)
 
     # ---- figures -----------------------------------------------------------------------
 
@@ -330,52 +279,37 @@ class KvAdmission:
         self, demand: KvDemand, sort_key: tuple[int, float, int] | None = None
     ) -> float:
         """Seconds until ``demand`` could start behind the waiters admitted before it
-        (``sort_key``; None: behind all); 0 when it fits now.
+        (``sort_key``: its ``request_queue.py:AdmissionOrder``; None: behind all); 0 when it
+        fits now. See ``LatencyEstimator.predicted_wait_s``."""
+        ahead = self._queue.ahead_of(sort_key)
+        return self._latency.predicted_wait_s(
+            self._outlook(demand), [*(waiter.demand for waiter in ahead), demand]
+        )
 
-        Plays the queue forward: admitted requests end after their output tokens left x the
-        time per token; each waiter ahead, in admission order, starts once enough KV came
-        back and then holds its demand for its first-token time plus ``max_tokens`` x time
-        per token. Scaled by how far past predictions fell short, when they did.
-        """
-        ahead = sorted(w for w in self._queue if sort_key is None or w.sort_key < sort_key)
-        free = self.capacity_tokens - self._admitted_tokens
+    def _outlook(self, demand: KvDemand) -> KvOutlook:
+        """What is admitted now, as the wait prediction for ``demand`` sees it."""
+        free_tokens = self.capacity_tokens - self._admitted_tokens
         slots = self._max_decoding(demand)
-        free_slots = math.inf if slots is None else slots - len(self._admitted)
-        ends = [
-            (self._time_left_s(admitted), admitted.demand.num_tokens)
+        running = [
+            RunningEnd(self._time_left_s(admitted), admitted.demand.num_tokens)
             for admitted in self._admitted.values()
         ]
-        heapq.heapify(ends)
-        # the backlog drains as fast as it was seen to (compute rate until measured)
-        rate = self._drain_tokens_per_s or self.prefill_tokens_per_s
-        prefilled_at = self._prefill_backlog / rate  # when the admitted prompts are done
-        window_s = self.prefill_backlog_limit / rate
-        now = 0.0
-        for needed in [*(waiter.demand for waiter in ahead), demand]:
-            tokens = needed.num_tokens
-            while (free < tokens or free_slots < 1) and ends:
-                now, freed = heapq.heappop(ends)
-                free += freed
-                free_slots += 1
-            if free < tokens:  # larger than the capacity: it runs once all else ended
-                free = max(free, tokens)
-            free -= tokens
-            free_slots -= 1
-            prompt_s = needed.num_prompt_tokens / rate
-            now = max(now, prefilled_at + prompt_s - window_s)  # the backlog keeps its bound
-            prefilled_at = max(prefilled_at, now) + prompt_s
-            duration = self._ttft_s + needed.max_tokens * self._tpot_s
-            heapq.heappush(ends, (now + duration, tokens))
-        return now * max(1.0, self._wait_calibration)
+        prefill_tokens_per_s = self.prefill_tokens_per_s
+        return KvOutlook(
+            free_tokens=free_tokens,
+            free_slots=math.inf if slots is None else slots - len(self._admitted),
+            running=running,
+            backlog_tokens=self._prefill_backlog,
+            backlog_limit_tokens=self._backlog_limit(prefill_tokens_per_s),
+            prefill_tokens_per_s=prefill_tokens_per_s,
+        )
 
     def _time_left_s(self, admitted: _Admitted) -> float:
-        """When an admitted request is predicted to end: its output tokens left x the time
-        per token, after what is left of its first-token time if it has none yet."""
-        decode_s = admitted.tokens_left * self._tpot_s
-        if admitted.last_token_at is not None:
-            return decode_s
-        waited_s = self._clock() - admitted.admitted_at
-        return max(0.0, self._ttft_s - waited_s) + decode_s
+        """When an admitted request is predicted to end."""
+        waited_s = None
+        if admitted.last_token_at is None:
+            waited_s = self._clock() - admitted.admitted_at
+        return self._latency.time_left_s(admitted.tokens_left, waited_s)
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -401,8 +335,8 @@ class KvAdmission:
             num_admitted=len(self._admitted),
             num_queued=len(self._queue),
             queued_prompt_tokens=self._queued_prompt_tokens,
-            tpot_s=self._tpot_s,
-            ttft_s=self._ttft_s,
+            tpot_s=self._latency.tpot_s,
+            ttft_s=self._latency.ttft_s,
             prefill_backlog_tokens=self._prefill_backlog,
         )
 
@@ -413,33 +347,15 @@ class KvAdmission:
     ) -> None:
         """Refuse what the tenant may not ask now (``OverloadedError``) or ever
         (``InvalidRequestError``); takes nothing."""
-        if priority > limits.max_priority:
-            raise InvalidRequestError(
-                f"priority {priority} is above this key's highest, {limits.max_priority}",
-                "priority",
-            )
-        inflight = self._inflight.get(tenant, 0)
-        if limits.max_inflight and inflight >= limits.max_inflight:
-            self._refuse(
-                "tenant_inflight",
-                f"this key has {inflight} requests in flight (limit {limits.max_inflight})",
-                self._tenant_turn_s(tenant, demand),
-            )
-        if limits.tokens_per_minute:
-            cost = demand.num_prompt_tokens + demand.max_tokens
-            if cost > limits.tokens_per_minute:
-                raise InvalidRequestError(
-                    f"the prompt and max_tokens come to {cost} tokens, more than this key's "
-                    f"{limits.tokens_per_minute} per minute",
-                    "max_tokens",
-                )
-            wait_s = self._bucket(tenant, limits).wait_s(cost)
-            if wait_s > 0:
-                self._refuse(
-                    "tenant_tokens",
-                    f"this key's {limits.tokens_per_minute} tokens per minute are used up",
-                    wait_s,
-                )
+        refusal = self._usage.check(
+            tenant,
+            limits,
+            demand.num_prompt_tokens + demand.max_tokens,
+            priority,
+            lambda: self._tenant_turn_s(tenant, demand),
+        )
+        if refusal is not None:
+            self._refuse(refusal.reason, refusal.message, refusal.retry_after_s)
 
     def _tenant_turn_s(self, tenant: str, demand: KvDemand) -> float:
         """When the tenant's soonest-ending request is predicted to end."""
@@ -448,46 +364,19 @@ class KvAdmission:
             for admitted in self._admitted.values()
             if admitted.tenant == tenant
         ]
-        return min(ends, default=self._ttft_s + demand.max_tokens * self._tpot_s)
+        return min(ends, default=self._latency.run_time_s(demand.max_tokens))
 
-    def _bucket(self, tenant: str, limits: TenantLimits) -> TokenBucket:
-        bucket = self._buckets.get(tenant)
-        if bucket is None or bucket.capacity != limits.tokens_per_minute:
-            bucket = self._buckets[tenant] = TokenBucket(limits.tokens_per_minute, self._clock)
-        return bucket
-
-    def _tags(
-        self, tenant: str, limits: TenantLimits, demand: KvDemand, priority: int
-    ) -> tuple[float, tuple[int, float, int]]:
-        """Weighted fair queuing: a request's start tag is the later of the virtual time and
-        its tenant's previous finish tag; its finish tag adds its KV over the tenant's
-        weight. Admission order: higher priority, then the earlier finish tag, then arrival."""
-        start = max(self._virtual_time, self._last_finish.get(tenant, 0.0))
-        finish = start + demand.num_tokens / limits.weight
-        return start, (-priority, finish, next(self._sequence))
-
-    def _enter(self, tenant: str, sort_key: tuple[int, float, int]) -> None:
-        """A request of ``tenant`` is admitted or waits: it counts in the tenant's requests
-        in flight, and the tenant's next request queues behind its finish tag."""
-        self._last_finish[tenant] = sort_key[1]
-        self._inflight[tenant] = self._inflight.get(tenant, 0) + 1
-
-    def _leave(self, tenant: str, unused_tokens: int) -> None:
-        """A request of ``tenant`` left (ended, refused while waiting, or cancelled)."""
-        left = self._inflight.get(tenant, 0) - 1
-        if left > 0:
-            self._inflight[tenant] = left
-        else:
-            self._inflight.pop(tenant, None)
-        bucket = self._buckets.get(tenant)
-        if bucket is not None and unused_tokens > 0:
-            bucket.give_back(unused_tokens)
+    def _enter(self, ticket: Ticket) -> None:
+        """A request is admitted or waits: it counts in its tenant's requests in flight, and
+        the tenant's next request queues behind it."""
+        self._queue.commit(ticket)
+        self._usage.enter(ticket.tenant)
 
     def _refuse(self, reason: str, message: str, retry_after_s: float) -> NoReturn:
         self.refusals[reason] += 1
         raise OverloadedError(message, retry_after_s=retry_after_s)
 
-    # ---- internals ---------------------------------------------------------------------
+    # ---- the KV and the prefill backlog ------------------------------------------------
 
     def _fits(self, demand: KvDemand) -> bool:
         """Room in the KV, in the decode batch the TPOT target allows and in the prefill
@@ -511,7 +400,10 @@ class KvAdmission:
     @property
     def prefill_backlog_limit(self) -> int:
         """Prompt tokens the backlog may hold: ``prefill_backlog_s`` of prefill."""
-        return int(self.config.prefill_backlog_s * self.prefill_tokens_per_s)
+        return self._backlog_limit(self.prefill_tokens_per_s)
+
+    def _backlog_limit(self, prefill_tokens_per_s: float) -> int:
+        return int(self.config.prefill_backlog_s * prefill_tokens_per_s)
 
     def _queue_full(self, demand: KvDemand) -> bool:
         config = self.config
@@ -521,36 +413,26 @@ class KvAdmission:
             > config.max_queued_prompt_tokens
         )
 
-    def _grant(self, request_id: str, tenant: str, demand: KvDemand, start_tag: float) -> None:
+    def _grant(self, request_id: str, demand: KvDemand, ticket: Ticket) -> None:
         """Admit: its KV counts, its tenant's tokens are taken, the virtual time moves on."""
-        self._admitted[request_id] = _Admitted(demand, tenant, demand.max_tokens, self._clock())
+        self._admitted[request_id] = _Admitted(
+            demand, ticket.tenant, demand.max_tokens, self._clock()
+        )
         self._admitted_tokens += demand.num_tokens
         if self._prefill_backlog == 0:
-            self._backlog_busy_since = self._clock()
+            self._latency.backlog_filled(self._clock())
         self._prefill_backlog += demand.num_prompt_tokens
-        bucket = self._buckets.get(tenant)
-        if bucket is not None:
-            bucket.take(demand.num_prompt_tokens + demand.max_tokens)
-        self._virtual_time = max(self._virtual_time, start_tag)
-        self._last_finish = {
-            name: tag for name, tag in self._last_finish.items() if tag > self._virtual_time
-        }
-
-    def _calibrate(self, waiter: _Waiter) -> None:
-        """Learn how far predictions fall short: the waits they are scaled by."""
-        if waiter.predicted_wait_s < CALIBRATION_MIN_WAIT_S:
-            return
-        ratio = (self._clock() - waiter.enqueued_at) / waiter.predicted_wait_s
-        self._wait_calibration += SMOOTHING * (ratio - self._wait_calibration)
+        self._usage.take(ticket.tenant, demand.num_prompt_tokens + demand.max_tokens)
+        self._queue.started(ticket)
 
     def _serve(self) -> None:
         """Admit waiters in admission order while the next one fits."""
         while self._queue:
-            waiter = min(self._queue)
+            waiter = self._queue.peek()
             if not self._fits(waiter.demand):
                 return
-            self._queue.remove(waiter)
+            self._queue.pop()
             self._queued_prompt_tokens -= waiter.demand.num_prompt_tokens
-            self._grant(waiter.request_id, waiter.tenant, waiter.demand, waiter.start_tag)
+            self._grant(waiter.request_id, waiter.demand, waiter.ticket)
             waiter.granted.set_result(None)
-            self._calibrate(waiter)
+            self._latency.waited(self._clock() - waiter.enqueued_at, waiter.predicted_wait_s)

@@ -1,0 +1,168 @@
+"""How long admitted requests take, and how long a queued one will wait: admission's measured
+averages and the wait prediction that plays the queue forward.
+
+Measured (exponential averages, each new figure weighing ``SMOOTHING``): the time from
+admission to first token (TTFT), the time per output token (TPOT), the rate at which prompt
+tokens leave the prefill backlog while it is not empty, and how far actual waits exceeded
+predicted ones (the calibration). Before any measurement: the configured priors, and the
+workers' compute rate for the drain rate.
+
+The predicted wait (``predicted_wait_s``) plays the queue forward from a ``KvOutlook``:
+admitted requests end after what is left of their TTFT, then their output tokens left x the
+TPOT; queued ones start in order as KV (and decode slots) come back and the prefill backlog
+(drained at the measured rate) has room, and take the TTFT plus ``max_tokens`` x the TPOT.
+Requests that stop early only make it shorter: it is an upper bound, the right side to err on
+for a retry hint. Scaled by the calibration when waits ran longer than predicted.
+
+No clock: callers pass the times. Single event loop.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from splitserve.coordinator.kv_demand import KvDemand
+
+SMOOTHING = 0.1
+"""Weight of a new measurement in the running estimates (exponential average)."""
+CALIBRATION_MIN_WAIT_S = 0.5
+"""Waits predicted shorter than this do not calibrate (noise dominates them)."""
+
+
+class RunningEnd(NamedTuple):
+    """An admitted request's predicted end, seconds from now, and the KV it then frees."""
+
+    ends_in_s: float
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class KvOutlook:
+    """What admission holds now, for the wait prediction to play forward."""
+
+    free_tokens: int
+    """KV tokens not admitted (negative while a request larger than the capacity runs)."""
+    free_slots: float
+    """Requests that may still join the decode batch (``math.inf``: no bound known)."""
+    running: Sequence[RunningEnd]
+    """Every admitted request."""
+    backlog_tokens: int
+    """Prompt tokens admitted without a first token yet."""
+    backlog_limit_tokens: int
+    """Prompt tokens the prefill backlog may hold."""
+    prefill_tokens_per_s: float
+    """The workers' prefill rate (learned or assumed): the drain rate until one is measured."""
+
+
+class LatencyEstimator:
+    """The measured averages (module docstring) and the predictions made from them."""
+
+    def __init__(self, prior_ttft_s: float, prior_tpot_s: float) -> None:
+        self._ttft_s = prior_ttft_s
+        self._tpot_s = prior_tpot_s
+        self._drain_tokens_per_s: float | None = None
+        """Measured: prompt tokens per second leaving the backlog while it is not empty."""
+        self._backlog_busy_since: float | None = None
+        """When the backlog last became non-empty, or its last prompt completed (None:
+        empty)."""
+        self._wait_calibration = 1.0
+        """Measured waits over predicted ones (smoothed); predictions are scaled by it when
+        above 1, so that a model that runs optimistic refuses at once rather than after a
+        request waited out its limit."""
+
+    @property
+    def ttft_s(self) -> float:
+        """Time from admission to first token."""
+        return self._ttft_s
+
+    @property
+    def tpot_s(self) -> float:
+        """Time per output token."""
+        return self._tpot_s
+
+    # ---- measurements ------------------------------------------------------------------
+
+    def first_token(self, ttft_s: float) -> None:
+        """A request had its first tokens ``ttft_s`` after its admission."""
+        self._ttft_s += SMOOTHING * (ttft_s - self._ttft_s)
+
+    def output_tokens(self, num_tokens: int, elapsed_s: float) -> None:
+        """``num_tokens`` (> 0) more output tokens came ``elapsed_s`` after the previous ones."""
+        per_token = elapsed_s / num_tokens
+        self._tpot_s += SMOOTHING * (per_token - self._tpot_s)
+
+    def backlog_filled(self, now: float) -> None:
+        """The prefill backlog was empty and a prompt joined it: it drains from ``now``."""
+        self._backlog_busy_since = now
+
+    def backlog_emptied(self) -> None:
+        """The prefill backlog emptied with no prompt done (its request ended first)."""
+        self._backlog_busy_since = None
+
+    def prompt_prefilled(self, num_prompt_tokens: int, now: float, backlog_tokens: int) -> None:
+        """A prompt left the backlog (its first token came), ``backlog_tokens`` remain:
+        measures how fast the backlog drains while busy."""
+        busy_since = self._backlog_busy_since
+        if busy_since is not None and now > busy_since:
+            rate = num_prompt_tokens / (now - busy_since)
+            previous = self._drain_tokens_per_s
+            self._drain_tokens_per_s = (
+                rate if previous is None else previous + SMOOTHING * (rate - previous)
+            )
+        self._backlog_busy_since = now if backlog_tokens > 0 else None
+
+    def waited(self, waited_s: float, predicted_s: float) -> None:
+        """A queued request waited ``waited_s`` where ``predicted_s`` was predicted: learn how
+        far predictions fall short (short predictions are too noisy to count)."""
+        if predicted_s < CALIBRATION_MIN_WAIT_S:
+            return
+        ratio = waited_s / predicted_s
+        self._wait_calibration += SMOOTHING * (ratio - self._wait_calibration)
+
+    # ---- predictions -------------------------------------------------------------------
+
+    def run_time_s(self, max_tokens: int) -> float:
+        """How long a request admitted now takes: the TTFT, then ``max_tokens`` x the TPOT."""
+        return self._ttft_s + max_tokens * self._tpot_s
+
+    def time_left_s(self, tokens_left: int, waited_s: float | None) -> float:
+        """When an admitted request is predicted to end: its output tokens left x the TPOT,
+        after what is left of its TTFT if it has no first token yet (``waited_s``: the time
+        since its admission then; None once it has its first tokens)."""
+        decode_s = tokens_left * self._tpot_s
+        if waited_s is None:
+            return decode_s
+        return max(0.0, self._ttft_s - waited_s) + decode_s
+
+    def predicted_wait_s(self, outlook: KvOutlook, queue: Iterable[KvDemand]) -> float:
+        """Seconds until the last of ``queue`` (those ahead of it first, in admission order)
+        could start; 0 when it fits now (module docstring).
+
+        A demand larger than the whole capacity starts once all before it ended."""
+        ends = list(outlook.running)
+        heapq.heapify(ends)
+        free = outlook.free_tokens
+        free_slots = outlook.free_slots
+        # the backlog drains as fast as it was seen to (compute rate until measured)
+        rate = self._drain_tokens_per_s or outlook.prefill_tokens_per_s
+        prefilled_at = outlook.backlog_tokens / rate  # when the admitted prompts are done
+        window_s = outlook.backlog_limit_tokens / rate
+        now = 0.0
+        for needed in queue:
+            tokens = needed.num_tokens
+            while (free < tokens or free_slots < 1) and ends:
+                now, freed = heapq.heappop(ends)
+                free += freed
+                free_slots += 1
+            if free < tokens:  # larger than the capacity: it runs once all else ended
+                free = max(free, tokens)
+            free -= tokens
+            free_slots -= 1
+            prompt_s = needed.num_prompt_tokens / rate
+            now = max(now, prefilled_at + prompt_s - window_s)  # the backlog keeps its bound
+            prefilled_at = max(prefilled_at, now) + prompt_s
+            heapq.heappush(ends, RunningEnd(now + self.run_time_s(needed.max_tokens), tokens))
+        return now * max(1.0, self._wait_calibration)
