@@ -57,7 +57,7 @@ def bench_decode(
     block_size: int = 16,
     dtype: torch.dtype = torch.bfloat16,
 ) -> dict[str, object]:
-    from splitserve.engine.attention import decode_attention as torch_decode_attention
+    from splitserve.kernels.attention import decode_attention as torch_decode_attention
     from splitserve.kernels.decode_attention import default_num_splits, paged_decode_attention
 
     blocks_per_seq = context // block_size

@@ -16,8 +16,9 @@ Contracts, for every method:
   the caller gives none) stays the one ``abort()`` can name.
 - Coordinator failure: a stream whose coordinator dies (UNAVAILABLE, CANCELLED) after it
   delivered tokens goes on through another coordinator of the target (``connection.py``)
-  from the tokens received (``continue_after``), up to ``wire.MAX_CONTINUATIONS`` times,
-  within the same deadline: the consumer sees one stream, no token twice or missing.
+  from the tokens received (``continue_after``), up to ``continuation.MAX_CONTINUATIONS``
+  times, within the same deadline: the consumer sees one stream, no token twice or missing
+  (``continuation.StreamContinuation``, shared with ``Client``).
 - Cancellation: when the consumer of ``stream()`` stops early (``break``, ``aclose()``, the
   task cancelled, the generator garbage collected) the gRPC call is cancelled and the
   coordinator aborts the request on every worker. For prompt release on ``break`` close the
@@ -44,6 +45,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from splitserve.client import wire
 from splitserve.client.connection import aio_channel, call_metadata
+from splitserve.client.continuation import StreamContinuation
 from splitserve.client.errors import DEFAULT_RETRY, ClientError, RetryPolicy
 from splitserve.client.retry import Deadline, resolve_timeout
 from splitserve.client.types import Chunk, Finish, Generation, LatencyTargets, ModelInfo, Sampling
@@ -109,40 +111,22 @@ class AsyncClient:
         tenant's ``max_priority``, else INVALID_ARGUMENT). ``targets``: this request's own
         latency targets for where its prompt is computed (None: the coordinator's).
         """
-        request_id = request_id or wire.new_request_id()
         request = wire.generate_request(
             prompt, messages, token_ids, sampling, request_id, priority, targets
         )
-        deadline = Deadline(self._timeout(timeout_s))
-        streamed: list[int] = []
-        for continuations in range(wire.MAX_CONTINUATIONS + 1):
-            if streamed:  # the last coordinator died after delivering tokens: go on elsewhere
-                request = wire.continuation(request, streamed)
-            call = self._stub().Generate(
-                request, timeout=deadline.remaining(), metadata=self._metadata
-            )
-            try:
-                finish = None
+        stream = StreamContinuation(request, Deadline(self._timeout(timeout_s)), self._start)
+        while stream.needs_call:
+            with stream.next_call() as call:
                 async for response in call:
-                    item = wire.stream_item(response, request.request_id)
-                    if isinstance(item, Finish):
-                        finish = item  # delivered once the call ended with OK
-                    elif finish is None:
-                        streamed.extend(item.token_ids)
-                        yield item
-                if finish is None:
-                    raise ClientError(
-                        grpc.StatusCode.INTERNAL,
-                        "the stream ended without a completion",
-                        request_id=request.request_id,
-                    )
-                yield finish
-                return
-            except grpc.aio.AioRpcError as rpc_error:
-                if not wire.continues(streamed, rpc_error.code(), continuations):
-                    raise ClientError.from_call(rpc_error, request.request_id) from rpc_error
-            finally:
-                call.cancel()  # no-op when the call is over; else the server aborts it
+                    if (chunk := stream.receive(response)) is not None:
+                        yield chunk
+        yield stream.finish()
+
+    def _start(
+        self, request: coordinator_pb2.GenerateRequest, timeout_s: float | None
+    ) -> grpc.aio.UnaryStreamCall:
+        """One ``Generate`` call of a stream (``StreamContinuation``'s ``start``)."""
+        return self._stub().Generate(request, timeout=timeout_s, metadata=self._metadata)
 
     async def generate(
         self,

@@ -11,7 +11,7 @@ The same methods and contracts as ``AsyncClient``, over a sync gRPC channel:
   once a stream delivered a ``Chunk``, at most ``retry.max_attempts`` attempts, with the same
   request (and ``request_id``, uuid4 hex when not given).
 - Coordinator failure: a stream continues through another coordinator after its own died,
-  as in ``AsyncClient``.
+  as in ``AsyncClient`` (``continuation.StreamContinuation``, shared by both).
 - Cancellation: ``stream()`` returns a generator; when the caller stops early (the generator
   is closed or garbage collected) the gRPC call is cancelled and the coordinator aborts the
   request on every worker. ``with contextlib.closing(client.stream(...)) as items`` makes that
@@ -31,6 +31,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from splitserve.client import wire
 from splitserve.client.connection import call_metadata, sync_channel
+from splitserve.client.continuation import StreamContinuation
 from splitserve.client.errors import DEFAULT_RETRY, ClientError, RetryPolicy
 from splitserve.client.retry import Deadline, resolve_timeout
 from splitserve.client.types import Chunk, Finish, Generation, LatencyTargets, ModelInfo, Sampling
@@ -85,42 +86,22 @@ class Client:
         A generator: nothing happens until iteration starts, where wrong arguments raise
         ``ValueError`` / ``TypeError`` or ``ClientError`` INVALID_ARGUMENT (see ``AsyncClient``).
         """
-        request_id = request_id or wire.new_request_id()
         request = wire.generate_request(
             prompt, messages, token_ids, sampling, request_id, priority, targets
         )
-        deadline = Deadline(self._timeout(timeout_s))
-        streamed: list[int] = []
-        for continuations in range(wire.MAX_CONTINUATIONS + 1):
-            if streamed:  # the last coordinator died after delivering tokens: go on elsewhere
-                request = wire.continuation(request, streamed)
-            call = self._coordinator.Generate(
-                request, timeout=deadline.remaining(), metadata=self._metadata
-            )
-            try:
-                finish = None
+        stream = StreamContinuation(request, Deadline(self._timeout(timeout_s)), self._start)
+        while stream.needs_call:
+            with stream.next_call() as call:
                 for response in call:
-                    item = wire.stream_item(response, request.request_id)
-                    if isinstance(item, Finish):
-                        finish = item  # delivered once the call ended with OK
-                    elif finish is None:
-                        streamed.extend(item.token_ids)
-                        yield item
-                if finish is None:
-                    raise ClientError(
-                        grpc.StatusCode.INTERNAL,
-                        "the stream ended without a completion",
-                        request_id=request.request_id,
-                    )
-                yield finish
-                return
-            except grpc.RpcError as rpc_error:
-                code = rpc_error.code()  # type: ignore[attr-defined]
-                if not wire.continues(streamed, code, continuations):
-                    error = ClientError.from_call(rpc_error, request.request_id)  # type: ignore[arg-type]
-                    raise error from rpc_error
-            finally:
-                call.cancel()  # no-op when the call is over; else the server aborts it
+                    if (chunk := stream.receive(response)) is not None:
+                        yield chunk
+        yield stream.finish()
+
+    def _start(
+        self, request: coordinator_pb2.GenerateRequest, timeout_s: float | None
+    ) -> grpc.Call:
+        """One ``Generate`` call of a stream (``StreamContinuation``'s ``start``)."""
+        return self._coordinator.Generate(request, timeout=timeout_s, metadata=self._metadata)
 
     def generate(
         self,

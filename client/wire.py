@@ -38,13 +38,14 @@ def generate_request(
     messages: Sequence[MessageLike] | None,
     token_ids: Sequence[int] | None,
     sampling: Sampling | None,
-    request_id: str,
+    request_id: str | None,
     priority: int = 0,
     targets: LatencyTargets | None = None,
 ) -> coordinator_pb2.GenerateRequest:
     """The request for exactly one of ``prompt``, ``messages`` or ``token_ids``
-    (``priority``: admission order among waiting requests, higher first; ``targets``: the
-    request's own latency targets, None for the coordinator's).
+    (``request_id``: None or "" for a fresh one, ``new_request_id``; ``priority``: admission
+    order among waiting requests, higher first; ``targets``: the request's own latency
+    targets, None for the coordinator's).
 
     Raises ``ValueError`` unless exactly one is given, ``TypeError`` for a malformed message and
     ``ClientError`` (INVALID_ARGUMENT) for sampling values the wire cannot carry.
@@ -53,7 +54,9 @@ def generate_request(
     given = [name for name, value in candidates if value is not None]
     if len(given) != 1:
         raise ValueError(f"give exactly one of prompt, messages, token_ids (got {given or 'none'})")
-    request = coordinator_pb2.GenerateRequest(request_id=request_id, priority=priority)
+    request = coordinator_pb2.GenerateRequest(
+        request_id=request_id or new_request_id(), priority=priority
+    )
     if sampling is not None:
         request.sampling.CopyFrom(sampling.to_proto())
     if targets is not None:
@@ -68,23 +71,12 @@ def generate_request(
     return request
 
 
-CONTINUABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
-"""How a stream ends when its coordinator dies or drains it away: a stream that delivered
-tokens goes on through another coordinator (``continuation``)."""
-MAX_CONTINUATIONS = 3
-
-
-def continues(streamed_token_ids: Sequence[int], code: grpc.StatusCode, continuations: int) -> bool:
-    """Whether a stream that broke with ``code`` goes on through another coordinator: it
-    delivered tokens, broke as a dead coordinator's stream does, and has continuations left."""
-    return bool(streamed_token_ids) and code in CONTINUABLE and continuations < MAX_CONTINUATIONS
-
-
 def continuation(
     request: coordinator_pb2.GenerateRequest, streamed_token_ids: Sequence[int]
 ) -> coordinator_pb2.GenerateRequest:
     """``request`` again, to go on after ``streamed_token_ids`` (the completion tokens the
-    client already has): the coordinator generates only what follows them."""
+    client already has): the coordinator generates only what follows them (when a stream
+    goes on: ``continuation.StreamContinuation``)."""
     again = coordinator_pb2.GenerateRequest()
     again.CopyFrom(request)
     again.continue_after.CopyFrom(coordinator_pb2.TokenIds(ids=list(streamed_token_ids)))

@@ -1,8 +1,9 @@
 """A worker's KV layout and the compatibility hash checked at the transfer handshake.
 
-Torch-free. Two workers may exchange KV only when every field of their ``KvLayout`` is equal;
-``compat_hash`` is a digest of all fields so that peers can compare one string, and
-``check_compatible`` names each differing field in its error.
+Torch-free, in ``common/`` because both the membership records (``membership.WorkerInfo``)
+and ``transfer/`` use it. Two workers may exchange KV only when every field of their
+``KvLayout`` is equal; ``compat_hash`` is a digest of all fields so that peers can compare one
+string, and ``check_compatible`` names each differing field in its error.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from dataclasses import dataclass
 from splitserve.common.errors import IncompatibleKvLayoutError
 
 LAYER_UNIT_LAYOUT = "K runs, V runs per layer; run=blocks,block_size,kv_heads,head_dim"
-"""What a message holds (``plan.TransferPlan``): the K or the V of one run of blocks of one
-layer, blocks in memory order. Peers built with another message format are refused."""
+"""What a message holds (``TransferPlan`` in ``transfer/plan.py``): the K or the V of one run
+of blocks of one layer, blocks in memory order. Peers built with another message format are
+refused."""
 
 
 @dataclass(frozen=True)

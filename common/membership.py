@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from splitserve.transfer.layout import KvLayout
+from splitserve.common.kv_layout import KvLayout
 
 
 class Role(enum.Enum):

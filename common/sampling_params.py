@@ -10,6 +10,7 @@ Semantics follow vLLM/OpenAI: ``temperature == 0`` is greedy; ``top_k <= 0`` dis
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from splitserve.common.errors import InvalidRequestError
@@ -126,6 +127,28 @@ class SamplingParams:
     def greedy(self) -> bool:
         """True when the next token is the argmax of the (penalized) logits."""
         return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class AskedSampling:
+    """A public request's sampling as its caller sent it, before the coordinator settled its
+    ``max_tokens`` (``coordinator/max_tokens.py:settle_max_tokens``, the one rule for it).
+
+    Invariant: no ``SamplingParams`` of the request exist before that; ``params_with(n)`` makes
+    them, with ``max_tokens=n`` and every other field as asked, and validates them
+    (``InvalidRequestError`` naming the field)."""
+
+    max_tokens: int | None
+    """The caller's ``max_tokens``; None: it set none."""
+    min_tokens: int
+    """The caller's ``min_tokens`` (0 when unset)."""
+    params_with: Callable[[int], SamplingParams]
+    """The request's params for a settled ``max_tokens``."""
+
+    def check(self) -> None:
+        """Validate every field but ``max_tokens`` now, before the cluster is asked anything
+        (``InvalidRequestError``): bad input is a 400 whether or not workers are up."""
+        self.params_with(max(self.max_tokens or 1, self.min_tokens))
 
 
 _INT_FIELDS = ("max_tokens", "top_k", "min_tokens")

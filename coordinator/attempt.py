@@ -11,7 +11,8 @@ States (``AttemptState``)::
     (local prefill: the attempt starts in DECODING)
 
 Events (typed, matched in ``Attempt.run``), each from one producer task:
-- ``Reserved``: the decode worker reserved blocks (remote prefill); the prefill call starts.
+- ``Reserved``: the decode worker reserved blocks (remote prefill); the prefill call starts,
+  carrying the reservation to the prefill worker as it came (never read here).
 - ``Decoded``: a step output from the decode stream (tokens and/or the finish).
 - ``DecodeClosed``: the decode stream ended; ``error`` says why when it failed.
 - ``Prefilled`` / ``PrefillFailed``: the prefill call's outcome.
@@ -48,8 +49,8 @@ from splitserve.common.request_update import FinishReason, StepOutput
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.coordinator.registry import WorkerRecord
 from splitserve.coordinator.router import DecodeProgress, Route, Router
-from splitserve.proto.worker_clients import DecodeCall, WorkerChannels
-from splitserve.transfer.reservation import KvReservation, PrefillDone
+from splitserve.proto.worker_clients import DecodeCall, RelayedReservation, WorkerChannels
+from splitserve.transfer.reservation import PrefillDone
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +64,7 @@ class AttemptState(enum.Enum):
 
 @dataclass(frozen=True)
 class Reserved:
-    reservation: KvReservation
+    reservation: RelayedReservation
 
 
 @dataclass(frozen=True)
@@ -259,7 +260,7 @@ class Attempt:
         """Producer of the decode stream's events; always ends with one ``DecodeClosed``."""
         try:
             async for item in call:
-                event = Reserved(item) if isinstance(item, KvReservation) else Decoded(item)
+                event = Reserved(item) if isinstance(item, RelayedReservation) else Decoded(item)
                 self._events.put_nowait(event)
         except SplitserveError as error:
             self._events.put_nowait(DecodeClosed(error))
@@ -270,7 +271,7 @@ class Attempt:
             return
         self._events.put_nowait(DecodeClosed(None))
 
-    async def _prefill(self, reservation: KvReservation) -> None:
+    async def _prefill(self, reservation: RelayedReservation) -> None:
         """Producer of the prefill call's one event, ``Prefilled`` or ``PrefillFailed``."""
         worker = self.route.prefill
         assert worker is not None

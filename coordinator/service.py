@@ -1,7 +1,8 @@
 """The coordinator's domain: admission, tokenization, the worker registry and request flows.
 
 ``Coordinator.generate`` validates and tokenizes a request (text, chat messages rendered with
-the model's template, or token ids), admits it (at most ``max_inflight`` requests, then by the
+the model's template, or token ids), settles its ``max_tokens`` (``max_tokens.py``), makes
+its sampling params, admits it (at most ``max_inflight`` requests, then by the
 decode workers' KV: ``admission.py``; refused ones get ``OverloadedError`` with a retry hint)
 and runs its ``RequestFlow``. ``abort`` cancels a
 running flow by id, which ends its worker calls and frees its blocks; only the caller (API
@@ -29,7 +30,7 @@ from splitserve.common.errors import (
 from splitserve.common.membership import Role
 from splitserve.common.output_processor import StreamChunk
 from splitserve.common.prompt import Prompt, check_in_vocab, encode_prompt, min_prompt_tokens
-from splitserve.common.sampling_params import SamplingParams
+from splitserve.common.sampling_params import AskedSampling
 from splitserve.common.step_cost import StepCost
 from splitserve.common.tokenizer import Tokenizer
 from splitserve.coordinator.admission import (
@@ -39,6 +40,7 @@ from splitserve.coordinator.admission import (
     WorkerCapacity,
 )
 from splitserve.coordinator.flow import FlowConfig, RequestFlow
+from splitserve.coordinator.max_tokens import OutputLimits, fewest_max_tokens, settle_max_tokens
 from splitserve.coordinator.placement import NO_TARGETS, LatencyTargets
 from splitserve.coordinator.registry import WorkerRegistry
 from splitserve.coordinator.router import Router, RoutingConfig
@@ -172,43 +174,21 @@ class Coordinator:
     def ready(self) -> bool:
         return bool(self.registry.workers(Role.DECODE))
 
-    def _check_length(self, num_prompt_tokens: int, params: SamplingParams) -> None:
-        limit = self.max_model_len
-        if limit and num_prompt_tokens + params.max_tokens > limit:
-            raise ContextLengthExceededError(
-                f"this model's context is {limit} tokens; the prompt has {num_prompt_tokens} "
-                f"and max_tokens is {params.max_tokens}",
-                "max_tokens" if num_prompt_tokens < limit else "prompt",
-            )
+    def _output_limits(self) -> OutputLimits:
+        """What bounds a request's ``max_tokens`` now (``coordinator/max_tokens.py``)."""
+        return OutputLimits(
+            default_max_tokens=self.config.default_max_tokens,
+            max_tokens_cap=self.config.max_tokens_cap,
+            max_model_len=self.max_model_len,
+            fill_limit=self.fill_limit,
+        )
 
-    def _default_max_tokens(self, prompt_ids: Sequence[int], min_tokens: int) -> int:
-        """``max_tokens`` of a request that set none: the room left in the context, within
-        the operator's default and cap, but not below its ``min_tokens`` (the context and
-        the cap still bound that)."""
-        room = self.fill_limit - len(prompt_ids)
-        wanted = room
-        if self.config.default_max_tokens > 0:
-            wanted = min(wanted, max(self.config.default_max_tokens, min_tokens))
-        if self.config.max_tokens_cap > 0:
-            wanted = min(wanted, self.config.max_tokens_cap)
-        return wanted
-
-    def _check_cap(self, params: SamplingParams) -> None:
-        cap = self.config.max_tokens_cap
-        if cap > 0 and params.max_tokens > cap:
-            raise InvalidRequestError(
-                f"max_tokens is {params.max_tokens}; this server allows at most {cap}",
-                "max_tokens",
-            )
-
-    def _check_length_before_tokenizing(
-        self, prompt: Prompt, params: SamplingParams, fill_context: bool
-    ) -> None:
+    def _check_length_before_tokenizing(self, prompt: Prompt, sampling: AskedSampling) -> None:
         """Refuse a prompt whose lower bound on tokens (``min_prompt_tokens``, no tokenizing)
         already leaves no room in the context: a huge prompt costs nothing."""
         limit = self.max_model_len
         at_least = min_prompt_tokens(self.tokenizer, prompt)
-        wanted = 1 if fill_context else params.max_tokens
+        wanted = fewest_max_tokens(sampling.max_tokens)
         if limit and at_least + wanted > limit:
             raise ContextLengthExceededError(
                 f"this model's context is {limit} tokens; the prompt has at least {at_least}",
@@ -219,8 +199,7 @@ class Coordinator:
         self,
         request_id: str,
         prompt: Prompt,
-        params: SamplingParams,
-        fill_context: bool = False,
+        sampling: AskedSampling,
         caller: Caller = ANONYMOUS,
         continue_after: Sequence[int] = (),
         priority: int = 0,
@@ -228,8 +207,9 @@ class Coordinator:
     ) -> AsyncIterator[tuple[RequestFlow, StreamChunk]]:
         """Stream a request's chunks (with its flow, for usage figures).
 
-        ``fill_context``: the caller set no ``max_tokens``; generate up to ``fill_limit``,
-        within ``default_max_tokens`` and ``max_tokens_cap``.
+        ``sampling``: as the caller asked; its ``max_tokens`` is settled once the prompt is
+        tokenized (``coordinator/max_tokens.py:settle_max_tokens``), and only then are the
+        request's params made (and their values checked).
         ``caller``: who asks; the only one ``abort`` lets end the request.
         ``request_id``: the caller's; ids are scoped by tenant (``scoped_request_id``), so
         tenants never see each other's. ``priority``: admission order (``admission.py``).
@@ -244,17 +224,16 @@ class Coordinator:
         request_id = scoped_request_id(request_id, caller) or f"req-{uuid.uuid4().hex}"
         if request_id in self._running:
             raise InvalidRequestError("this request id is already running", "request_id")
-        self._check_length_before_tokenizing(prompt, params, fill_context)
+        sampling.check()
+        self._check_length_before_tokenizing(prompt, sampling)
         # tokenizing (and chat templating) a long prompt takes a while: not on the event loop
         prompt_ids = await asyncio.to_thread(self.encode, prompt)
         if not self.ready:
             raise WorkerUnavailableError("no decode worker is registered yet")
-        if fill_context and self.fill_limit > len(prompt_ids):
-            max_tokens = self._default_max_tokens(prompt_ids, params.min_tokens)
-            params = dataclasses.replace(params, max_tokens=max_tokens)
-        elif not fill_context:
-            self._check_cap(params)
-        self._check_length(len(prompt_ids), params)
+        max_tokens = settle_max_tokens(
+            sampling.max_tokens, sampling.min_tokens, len(prompt_ids), self._output_limits()
+        )
+        params = sampling.params_with(max_tokens)
         if len(self._running) >= self.config.max_inflight:
             raise OverloadedError(
                 f"{len(self._running)} requests in flight (limit {self.config.max_inflight})"

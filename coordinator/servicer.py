@@ -65,18 +65,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         sent_any = False
         timer = self._metrics.requests.start()
         try:
-            sampling = request.sampling
-            fill_context = not sampling.HasField("max_tokens")
-            if fill_context:  # provisional, valid with min_tokens; replaced by the fill
-                sampling = common_pb2.SamplingParams()
-                sampling.CopyFrom(request.sampling)
-                sampling.max_tokens = max(16, sampling.min_tokens)
-            params = convert.sampling_from_proto(sampling)
             stream = self._coordinator.generate(
                 request.request_id,
                 _prompt_of(request),
-                params,
-                fill_context=fill_context,
+                convert.asked_sampling_from_proto(request.sampling),
                 caller=caller,
                 continue_after=convert.token_ids(request.continue_after.ids),
                 priority=request.priority,

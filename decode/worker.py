@@ -48,12 +48,11 @@ from dataclasses import dataclass, field
 
 from splitserve.common.errors import EngineStoppedError, InvalidRequestError
 from splitserve.common.event_wait import wait_event
+from splitserve.common.kv_layout import KvLayout
 from splitserve.common.request_update import StepOutput
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.async_engine import AsyncEngine, RequestStream
-from splitserve.engine.engine_core import EngineCore
 from splitserve.transfer.layer_channel import LayerReceiver
-from splitserve.transfer.layout import KvLayout
 from splitserve.transfer.plan import new_transfer_secret
 from splitserve.transfer.reservation import FirstToken, KvReservation
 from splitserve.transfer.transport import KvTransport
@@ -88,11 +87,10 @@ class DecodeWorker:
         transfer_timeout_s: float,
     ) -> None:
         """``engine``: this worker's engine (a dual-role worker's prefill domain shares it)."""
-        self.core: EngineCore = engine.core
         self.identity = identity
         self.engine = engine
         self.transport = transport
-        self.layout: KvLayout = kv_layout_of(engine.core)
+        self.layout: KvLayout = kv_layout_of(engine.facts, engine.paged_kv)
         self.transfer_timeout_s = transfer_timeout_s
         self._incoming: dict[int, _Incoming] = {}
         self._transfer_of: dict[str, int] = {}
@@ -110,7 +108,7 @@ class DecodeWorker:
     ) -> AsyncIterator[KvReservation | StepOutput]:
         """Run one request; with ``remote_prefill`` first yield its ``KvReservation``.
         ``prior_output_token_ids``: a resumed request's earlier tokens
-        (``EngineCore.add_request``); only what follows them is yielded.
+        (``AsyncEngine.submit``); only what follows them is yielded.
 
         Closing the iterator early aborts the request and frees its blocks. A new attempt of a
         request id whose previous attempt is still open here (the coordinator retried before
@@ -175,7 +173,8 @@ class DecodeWorker:
         block_ids = list(block_table)
         transfer_id, secret = self._new_transfer_id(), new_transfer_secret()
         try:
-            plan, destinations = receive_destinations(self.core.runner.kv_cache, block_ids)
+            # the reserved blocks: no step touches them until the prefill completes (PagedKv)
+            plan, destinations = receive_destinations(self.engine.paged_kv.cache, block_ids)
             receiver = LayerReceiver(self.transport, transfer_id, secret, plan, destinations)
         except BaseException:
             self.engine.release_blocks(block_ids)  # no receive was posted
@@ -212,7 +211,7 @@ class DecodeWorker:
                 f"no KV reservation {transfer_id} for request {request_id!r}", "transfer_id"
             )
         try:
-            first.check(self.core.model_config.vocab_size, incoming.num_prompt_tokens)
+            first.check(self.engine.facts.vocab_size, incoming.num_prompt_tokens)
         except InvalidRequestError:
             await self.abort(request_id)
             raise

@@ -7,8 +7,19 @@ come back through ``loop.call_soon_threadsafe`` into one ``asyncio.Queue`` per r
 
 Besides plain requests (``generate`` / ``submit``), a decode worker reserves blocks for KV
 computed elsewhere (``submit(..., reserve_remote_prefill=True)``) and later calls
-``complete_remote_prefill``; ``call`` runs any function on the engine thread (load figures);
+``complete_remote_prefill``; ``call`` runs a function on the engine thread between steps;
 the optional layer hook is passed to every step (a prefill worker pushes KV from it).
+
+The face: this class, and what it hands out, is all that code outside ``engine/`` sees of an
+engine; the ``EngineCore``, its scheduler and its block pool stay on the engine thread
+(``tests/test_engine_face.py``). It hands out ``facts`` (``EngineFacts``: model facts, any
+thread), ``paged_kv`` (``PagedKv``: the KV cache, with its threading contract) and
+``latest_report`` (``EngineReport``: load figures, scheduler counters, the phase times of the
+requests that ended since the previous report). After every step, command batch and serving
+of the reservation queue, the engine thread publishes a new report (swapping the reference:
+readers on any thread see a whole report), calls the report listeners with it, and only then
+posts that round's outputs and command results to the callers' event loops: whoever saw an
+output, or awaited a command, finds its effect in ``latest_report``.
 
 Contract: ``generate`` raises the engine's ``InvalidRequestError`` for a request it refuses
 (nothing is queued); cancelling the consuming task (also while the request is being accepted),
@@ -36,7 +47,10 @@ from splitserve.common.load import EngineLoad
 from splitserve.common.logprobs import TokenLogprob
 from splitserve.common.request_update import FinishReason, RequestUpdate, StepOutput
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.engine.engine_core import EngineCore, LayerHook
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.engine_core import EngineCore
+from splitserve.engine.engine_face import EngineFacts, LayerHook, PagedKv
+from splitserve.engine.engine_report import EngineReport, RequestPhases
 from splitserve.engine.reservation_queue import (
     DEFAULT_MAX_WAITING,
     PendingReservation,
@@ -46,6 +60,9 @@ from splitserve.engine.step_threads import StepThreads
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+ReportListener = Callable[[EngineReport], None]
+"""Called on the engine thread with each published report, before that round's outputs go
+out; must be quick and never block (an exception it raises is logged)."""
 
 
 @dataclass
@@ -68,11 +85,21 @@ class AsyncEngine:
         prefill domain's KV push) is installed with ``set_layer_hook``. ``step_threads``:
         sizes torch's pool before each step and says when this engine idles (core lending
         between co-located workers); None keeps the pool as it is."""
-        self.core = core
+        self._core = core
+        """Engine thread only, once the thread runs (``_loop``)."""
+        self.facts: EngineFacts = core.facts
+        self.paged_kv: PagedKv = core.paged_kv
+        """The KV cache for KV transfer; see its threading contract (``PagedKv``)."""
         self.step_threads = step_threads
         self._layer_hook: LayerHook | None = None
-        self.latest_load: EngineLoad = core.load()
-        """Load figures as of the last step (refreshed on the engine thread; never waits)."""
+        self._finished: list[RequestPhases] = []
+        """Requests that ended since the last report (engine thread only)."""
+        core.scheduler.on_request_finished = self._finished.append
+        self._report = EngineReport(core.load(), core.stats)
+        self._report_listeners: tuple[ReportListener, ...] = ()
+        self._outbox: list[tuple[str, _Stream, StepOutput | BaseException]] = []
+        """Outputs for callers, posted once the report that shows them is out (engine
+        thread only)."""
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._wakeup = threading.Event()
@@ -80,13 +107,41 @@ class AsyncEngine:
         self._reservations = ReservationQueue(core, max_waiting_reservations)
         """Remote-prefill reservations waiting for blocks (engine thread only)."""
         self._after_refresh: list[Callable[[], None]] = []
-        """Results of commands, submits and grants to tell their callers once ``latest_load``
-        shows them (engine thread only): a caller that reads the load after its command
-        returned sees its effect (``_tell_after_refresh``)."""
+        """Results of commands, submits and grants to tell their callers once
+        ``latest_report`` shows them (engine thread only): a caller that reads the report
+        after its command returned sees its effect (``_tell_after_refresh``)."""
         self._step_started: float | None = None
         """``time.monotonic()`` when the running step began; None between steps."""
         self._thread = threading.Thread(target=self._loop, name="splitserve-engine", daemon=True)
         self._thread.start()
+
+    @classmethod
+    async def start(
+        cls,
+        config: EngineConfig,
+        max_waiting_reservations: int = DEFAULT_MAX_WAITING,
+        step_threads: StepThreads | None = None,
+    ) -> AsyncEngine:
+        """Load an engine for ``config`` off the event loop (seconds: the weights) and start
+        its thread; the arguments after ``config`` are the constructor's."""
+        core = await asyncio.to_thread(EngineCore, config)
+        return cls(core, max_waiting_reservations, step_threads)
+
+    @property
+    def latest_report(self) -> EngineReport:
+        """The report as of the last step, command batch or serving of the reservation
+        queue; any thread (never waits, never sees a half-built report)."""
+        return self._report
+
+    @property
+    def latest_load(self) -> EngineLoad:
+        """``latest_report.load``: load figures as of the last step or command batch."""
+        return self._report.load
+
+    def add_report_listener(self, listener: ReportListener) -> None:
+        """Call ``listener`` with every report published from now on (``ReportListener``:
+        on the engine thread, before that round's outputs go out). Any thread."""
+        self._report_listeners = (*self._report_listeners, listener)
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
@@ -123,7 +178,7 @@ class AsyncEngine:
         held: list[int] = []  # written by add() on the engine thread
 
         def granted(block_table: Sequence[int]) -> None:  # engine thread
-            self.core.hold_blocks(block_table)
+            self._core.hold_blocks(block_table)
             held.extend(block_table)
             self._streams[request_id] = stream
             # every grant (in a command or in serving the queue) is followed by a refresh
@@ -138,10 +193,12 @@ class AsyncEngine:
         def add() -> None:
             try:
                 if reserve_remote_prefill:
-                    request = self.core.remote_prefill_request(request_id, prompt_token_ids, params)
+                    request = self._core.remote_prefill_request(
+                        request_id, prompt_token_ids, params
+                    )
                     self._reservations.offer(PendingReservation(request, granted, dropped))
                     return
-                self.core.add_request(request_id, prompt_token_ids, params, prior_output_token_ids)
+                self._core.add_request(request_id, prompt_token_ids, params, prior_output_token_ids)
             except BaseException as error:  # reported to the caller, engine goes on
                 _call_soon(loop, _settle, accepted, error, None)
                 return
@@ -160,16 +217,17 @@ class AsyncEngine:
     def release_blocks(self, block_ids: Sequence[int]) -> None:
         """Give back a hold ``submit`` took on reserved blocks (queued; blocks with no other
         reference return to the pool). ``block_ids`` is read when the command runs."""
-        self.post(lambda core: core.release_blocks(block_ids))
+        self._post_command(lambda: self._core.release_blocks(block_ids))
 
-    async def call(self, function: Callable[[EngineCore], T]) -> T:
-        """Run ``function(core)`` on the engine thread between steps; returns its result."""
+    async def call(self, function: Callable[[], T]) -> T:
+        """Run ``function()`` on the engine thread between steps, in order with the other
+        commands; returns its result once ``latest_report`` shows every command before it."""
         loop = asyncio.get_running_loop()
         done: asyncio.Future[T] = loop.create_future()
 
         def run() -> None:
             try:
-                result = function(self.core)
+                result = function()
             except BaseException as error:
                 self._tell_after_refresh(loop, done, error, None)
             else:
@@ -188,8 +246,8 @@ class AsyncEngine:
         """The reserved request's KV landed; it joins the batch and its stream gets the token
         (with its logprobs, sampled by the prefill worker, when given)."""
 
-        def complete(core: EngineCore) -> None:
-            output = core.complete_remote_prefill(
+        def complete() -> None:
+            output = self._core.complete_remote_prefill(
                 request_id, first_token_id, first_logprob, num_cached_tokens
             )
             self._deliver(output)
@@ -199,16 +257,16 @@ class AsyncEngine:
     async def has_request(self, request_id: str) -> bool:
         """Whether the engine knows the request (waiting, running or reserved), as of the
         commands queued before this one."""
-        return await self.call(lambda core: core.has_request(request_id))
+        return await self.call(lambda: self._core.has_request(request_id))
 
-    def post(self, function: Callable[[EngineCore], None]) -> None:
-        """Queue ``function(core)`` to run on the engine thread between steps, in order with
-        the other commands (``submit``, ``call``, ``abort``, ``finish``); nothing is returned
-        and an error it raises is logged."""
+    def _post_command(self, function: Callable[[], None]) -> None:
+        """Queue ``function()`` to run on the engine thread between steps, in order with the
+        other commands (``submit``, ``call``, ``abort``, ``finish``); nothing is returned and
+        an error it raises is logged."""
 
         def run() -> None:
             try:
-                function(self.core)
+                function()
             except Exception:
                 logger.exception("an engine command failed")
 
@@ -237,6 +295,7 @@ class AsyncEngine:
         stopped = EngineStoppedError("the engine was shut down")
         self._reservations.drop_all(stopped)
         self._fail_all(stopped)
+        self._send_outbox()  # the engine thread has ended: nothing publishes any more
 
     # ---- engine thread ---------------------------------------------------------------------
 
@@ -250,11 +309,11 @@ class AsyncEngine:
         """Engine thread: finish a request in the core and close its stream."""
         if self._reservations.drop(request_id):
             return  # it was still waiting for blocks: no stream, nothing held
-        request = self.core.scheduler.requests.get(request_id)
+        request = self._core.scheduler.requests.get(request_id)
         if reason is FinishReason.ABORT:
-            self.core.abort_request(request_id)
+            self._core.abort_request(request_id)
         else:
-            self.core.finish_request(request_id)
+            self._core.finish_request(request_id)
         stream = self._streams.pop(request_id, None)
         if stream is None:
             return
@@ -274,8 +333,8 @@ class AsyncEngine:
         while not self._stopping:
             self._drain_commands()
             if self._serve_reservations():
-                self._refresh_load()
-            if not self.core.has_unfinished:
+                self._publish()
+            if not self._core.has_unfinished:
                 if self.step_threads is not None:
                     self.step_threads.idle()
                 self._wakeup.wait()
@@ -285,20 +344,21 @@ class AsyncEngine:
                 self.step_threads.before_step()
             self._step_started = time.monotonic()
             try:
-                outputs = self.core.step(self._layer_hook)
+                outputs = self._core.step(self._layer_hook)
             except Exception as error:  # a bug or OOM in a step must not kill the server
                 logger.exception("engine step failed; failing its running requests")
                 self._fail_all(error)
+                self._publish()
                 continue
             finally:
                 self._step_started = None
             if self.step_threads is not None:
-                timing = self.core.last_step
+                timing = self._core.last_step
                 self.step_threads.after_step(timing.seconds, timing.predicted_s)
             for output in outputs:
                 self._deliver(output)
             self._serve_reservations()
-            self._refresh_load()
+            self._publish()
 
     def _serve_reservations(self) -> bool:
         """Grant waiting reservations the pool can take now (blocks come back only in
@@ -313,19 +373,29 @@ class AsyncEngine:
         error: BaseException | None,
         result: T,
     ) -> None:
-        """Settle ``future`` on ``loop`` once ``latest_load`` includes what the engine thread
-        just did (engine thread only; a refresh follows every command batch and every serving
-        of the reservation queue): whoever awaited a command, a submit or a grant and then
-        reads the load sees its effect."""
+        """Settle ``future`` on ``loop`` once ``latest_report`` includes what the engine
+        thread just did (engine thread only; a report follows every command batch and every
+        serving of the reservation queue): whoever awaited a command, a submit or a grant and
+        then reads the report sees its effect."""
         self._after_refresh.append(lambda: _call_soon(loop, _settle, future, error, result))
 
-    def _refresh_load(self) -> None:
-        """``latest_load`` from the core; reservations waiting for blocks count as waiting."""
-        load = self.core.load()
+    def _publish(self) -> None:
+        """Engine thread: a new ``latest_report`` (reservations waiting for blocks count as
+        waiting requests), handed to the listeners; then this round's outputs and command
+        results go out to their callers."""
+        load = self._core.load()
         if len(self._reservations):
             waiting = load.num_waiting_requests + len(self._reservations)
             load = dataclasses.replace(load, num_waiting_requests=waiting)
-        self.latest_load = load
+        finished = tuple(self._finished)
+        self._finished.clear()
+        report = self._report = EngineReport(load, self._core.stats, finished)
+        for listener in self._report_listeners:
+            try:
+                listener(report)
+            except Exception:  # metrics must not stop the engine thread
+                logger.exception("an engine report listener failed")
+        self._send_outbox()
         notices, self._after_refresh = self._after_refresh, []
         for notice in notices:
             notice()
@@ -343,7 +413,7 @@ class AsyncEngine:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 if ran_any:  # commands add, reserve and end requests
-                    self._refresh_load()
+                    self._publish()
                 return
             ran_any = True
             try:
@@ -361,16 +431,23 @@ class AsyncEngine:
         self._post(request_id, stream, output)
 
     def _post(self, request_id: str, stream: _Stream, item: StepOutput | BaseException) -> None:
-        """Hand an item to the caller's loop; a caller whose loop is gone loses its request."""
-        try:
-            stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, item)
-        except RuntimeError:  # the event loop was closed
-            self._streams.pop(request_id, None)
-            self.core.abort_request(request_id)
+        """Queue an item for the caller's loop; it goes out with the next report."""
+        self._outbox.append((request_id, stream, item))
+
+    def _send_outbox(self) -> None:
+        """Hand the queued items to their callers' loops; a caller whose loop is gone loses
+        its request."""
+        outbox, self._outbox = self._outbox, []
+        for request_id, stream, item in outbox:
+            try:
+                stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, item)
+            except RuntimeError:  # the event loop was closed
+                self._streams.pop(request_id, None)
+                self._core.abort_request(request_id)
 
     def _fail_all(self, error: BaseException) -> None:
         for request_id, stream in list(self._streams.items()):
-            self.core.abort_request(request_id)
+            self._core.abort_request(request_id)
             self._post(request_id, stream, error)
         self._streams.clear()
 

@@ -58,7 +58,7 @@ ROLE_COMMANDS = {
     "coordinator": "splitserve.coordinator.main",
     "prefill": "splitserve.prefill.main",
     "decode": "splitserve.decode.main",
-    "worker": "splitserve.worker.main",
+    "worker": "splitserve.launch.dual_worker",
     "gateway": "splitserve.gateway.main",
     "up": "splitserve.launch.up",
     "probe": "splitserve.launch.probe",

@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -27,31 +27,19 @@ from splitserve.common.prompt import check_in_vocab
 from splitserve.common.request_update import StepOutput
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.step_cost import StepCostLearner, StepShape
-from splitserve.engine.attention import AttentionBackend, TorchAttentionBackend
 from splitserve.engine.checkpoint import LoadedCheckpoint, load_checkpoint
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.device import resolve_dtype
+from splitserve.engine.engine_face import CompletedPrompt, EngineFacts, LayerHook, PagedKv
+from splitserve.engine.engine_report import SchedulerStats
 from splitserve.engine.kv_cache_manager import KVCacheManager
 from splitserve.engine.model import LlamaModel
 from splitserve.engine.model_runner import ModelRunner, kv_cache_bytes_per_block
 from splitserve.engine.request import Request, RequestStatus
 from splitserve.engine.scheduler import Scheduler, SchedulerOutput
+from splitserve.kernels.attention import AttentionBackend, TorchAttentionBackend
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class CompletedPrompt:
-    """A request whose prompt's KV is complete in this step, layer by layer."""
-
-    request_id: str
-    block_table: Sequence[int]
-    """The request's blocks in position order (they hold the whole prompt's KV)."""
-
-
-LayerHook = Callable[[int, Sequence[CompletedPrompt]], None]
-"""Called with (layer index, the prompts this step completes) once that layer's KV is
-written; not called in steps that complete no prompt."""
 
 
 @dataclass(frozen=True)
@@ -95,6 +83,14 @@ class EngineCore:
             self.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
         )
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len)
+        self.facts = EngineFacts(
+            model_name=self.model_config.name,
+            vocab_size=self.model_config.vocab_size,
+            max_model_len=self.max_model_len,
+            num_blocks=self.num_blocks,
+        )
+        self.paged_kv = PagedKv(self.runner)
+        """The KV cache for KV transfer (``engine_face.py``: its threading contract)."""
         self.eos_token_ids = frozenset(checkpoint.config.eos_token_ids)
         self.step_cost = StepCostLearner()
         """This engine's step times, learned from every step (``load().step_cost``)."""
@@ -182,6 +178,11 @@ class EngineCore:
     @property
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
+
+    @property
+    def stats(self) -> SchedulerStats:
+        """The scheduler's counters now (immutable: a new object after each change)."""
+        return self.scheduler.stats
 
     def load(self) -> EngineLoad:
         """Current load figures; call on the thread that steps the engine."""

@@ -19,10 +19,10 @@ import torch
 import torch.nn.functional as F
 
 from splitserve.common.errors import ModelLoadError
-from splitserve.engine.attention import AttentionBackend
 from splitserve.engine.linear import Linear, decode_gemv_setting, measure_gemv_row_limit
 from splitserve.engine.model_config import ModelArchConfig
 from splitserve.engine.rotary import apply_rotary, cos_sin_table
+from splitserve.kernels.attention import AttentionBackend
 from splitserve.kernels.cpu_fused_ops import CpuFusedOps, load_cpu_fused_ops
 
 

@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 import torch
 
 from splitserve.common.logprobs import TokenLogprob
-from splitserve.engine.attention import AttentionBackend, SequenceSpan
 from splitserve.engine.host_memory import zeros_huge_pages
 from splitserve.engine.model import GeneratedRows, LlamaModel
 from splitserve.engine.sampler import Sampler, SamplingRow
 from splitserve.engine.scheduler import ScheduledChunk, SchedulerOutput
+from splitserve.kernels.attention import AttentionBackend, SequenceSpan
 
 
 @dataclass(frozen=True)

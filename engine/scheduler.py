@@ -17,6 +17,7 @@ finished request has freed all its blocks before ``update`` returns.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -30,6 +31,7 @@ from splitserve.common.errors import (
 from splitserve.common.request_update import RequestUpdate
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.config import SchedulerConfig
+from splitserve.engine.engine_report import RequestPhases, SchedulerStats
 from splitserve.engine.kv_cache_manager import KVCacheManager
 from splitserve.engine.request import Request, RequestStatus
 
@@ -84,21 +86,6 @@ class SchedulerOutput:
         return sum(chunk.num_tokens for chunk in self.chunks)
 
 
-@dataclass
-class SchedulerStats:
-    """Counters for metrics; monotonically increasing."""
-
-    num_preemptions: int = 0
-    num_finished_requests: int = 0
-    """Requests that ended (any reason, aborts included)."""
-    prefix_query_tokens: int = 0
-    prefix_hit_tokens: int = 0
-    num_prompt_tokens_computed: int = 0
-    """Prompt tokens run through the model (cached and remote-prefilled ones excluded)."""
-    num_generation_tokens: int = 0
-    """Tokens sampled on this engine."""
-
-
 class Scheduler:
     """Owns the waiting/running queues and the KV cache manager of one worker."""
 
@@ -112,8 +99,10 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
-        self.on_request_finished: Callable[[Request], None] | None = None
-        """Called on the engine thread with each request that ended (metrics); must not raise."""
+        """Counters for metrics; immutable, replaced as they count (``_count``)."""
+        self.on_request_finished: Callable[[RequestPhases], None] | None = None
+        """Called with each request that ended, as it ends (``AsyncEngine`` collects them for
+        its reports); must not raise."""
         self._finished_since_last_step: set[str] = set()
 
     # ---- admission -------------------------------------------------------------------------
@@ -257,8 +246,7 @@ class Scheduler:
             if request.status is RequestStatus.WAITING:
                 request.first_scheduled_time = time.monotonic()
                 request.num_cached_tokens = num_computed
-                self.stats.prefix_query_tokens += request.num_tokens
-                self.stats.prefix_hit_tokens += num_computed
+                self._count(prefix_query_tokens=request.num_tokens, prefix_hit_tokens=num_computed)
             request.num_computed_tokens = num_computed
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -285,7 +273,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         request.status = RequestStatus.PREEMPTED
-        self.stats.num_preemptions += 1
+        self._count(num_preemptions=1)
         self.waiting.appendleft(request)
 
     # ---- update ----------------------------------------------------------------------------
@@ -295,12 +283,13 @@ class Scheduler:
     ) -> list[RequestUpdate]:
         """Apply one executed step; returns an update for each request that sampled."""
         updates: list[RequestUpdate] = []
+        prompt_tokens = generation_tokens = 0
         for chunk in output.chunks:
             request = self.requests.get(chunk.request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue
             prompt_left = max(0, request.num_prompt_tokens - request.num_computed_tokens)
-            self.stats.num_prompt_tokens_computed += min(prompt_left, chunk.num_tokens)
+            prompt_tokens += min(prompt_left, chunk.num_tokens)
             request.num_computed_tokens += chunk.num_tokens
             self.kv_cache.cache_full_blocks(
                 request.request_id, request.all_token_ids, request.num_computed_tokens
@@ -309,11 +298,14 @@ class Scheduler:
                 continue
             token_id = sampled_token_ids[chunk.request_id]
             request.append_output_token(token_id)
-            self.stats.num_generation_tokens += 1
+            generation_tokens += 1
             status = self._stop_status(request, token_id)
             if status is not None:
                 self._finish(request, status)
             updates.append(self._update_of(request, (token_id,)))
+        self._count(
+            num_prompt_tokens_computed=prompt_tokens, num_generation_tokens=generation_tokens
+        )
         return updates
 
     def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
@@ -352,7 +344,23 @@ class Scheduler:
         self.kv_cache.free(request.request_id)
         del self.requests[request.request_id]
         self._finished_since_last_step.add(request.request_id)
-        self.stats.num_finished_requests += 1
-        request.finished_time = time.monotonic()
+        self._count(num_finished_requests=1)
+        request.finished_time = now = time.monotonic()
         if self.on_request_finished is not None:
-            self.on_request_finished(request)
+            self.on_request_finished(
+                RequestPhases(
+                    request.request_id,
+                    request.arrival_time,
+                    request.first_scheduled_time,
+                    request.first_token_time,
+                    now,
+                )
+            )
+
+    def _count(self, **added: int) -> None:
+        """Add to the named counters: a new ``SchedulerStats`` replaces the old one (which
+        a published report may hold)."""
+        stats = self.stats
+        self.stats = dataclasses.replace(
+            stats, **{name: getattr(stats, name) + value for name, value in added.items()}
+        )

@@ -1,6 +1,7 @@
 """The OpenAI-compatible ASGI app over the coordinator's gRPC API.
 
-Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streamed as SSE
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (one handler, ``_generate``,
+by what differs between them: ``gateway/endpoints.py``; streamed as SSE
 ``data: {json}\\n\\n`` ... ``data: [DONE]`` when ``stream`` is true), ``GET /v1/models``,
 ``GET /health`` (200 once the coordinator is SERVING, i.e. has a decode worker; else 503),
 ``GET /metrics`` (Prometheus text).
@@ -26,7 +27,7 @@ import contextlib
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,25 +59,20 @@ from splitserve.gateway.disconnect import (
     EventStreamResponse,
     unless_disconnected,
 )
+from splitserve.gateway.endpoints import CHAT, COMPLETIONS, Body, Endpoint
 from splitserve.gateway.errors import (
     ApiError,
     from_client_error,
     from_http_exception,
     from_validation_error,
 )
-from splitserve.gateway.responses import ChatBuilder, CompletionBuilder, usage_dict
-from splitserve.gateway.sampling import (
-    PromptArgs,
-    chat_prompt,
-    chat_sampling,
-    completion_prompt,
-    completion_sampling,
-)
+from splitserve.gateway.responses import ResponseBuilder, usage_dict
 
 _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     status: {"model": schemas.ErrorResponse} for status in (400, 404, 429, 500, 503, 504)
 }
 _DONE = b"data: [DONE]\n\n"
+_Handler = Callable[..., Awaitable[Response]]
 logger = logging.getLogger(__name__)
 
 
@@ -94,6 +90,17 @@ class GatewayConfig:
     """TLS to the coordinator (None: plaintext)."""
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     """Larger request bodies get 413 (``gateway/body_limit.py``)."""
+
+
+def _post(app: FastAPI, endpoint: Endpoint[Any]) -> Callable[[_Handler], _Handler]:
+    """Registers a generation route's handler at ``endpoint.path``, with its OpenAPI
+    responses: its errors, and 200 as JSON or, with ``stream``, as SSE events."""
+    ok = {"description": endpoint.description, "content": {"text/event-stream": {}}}
+    return app.post(
+        endpoint.path,
+        response_model=endpoint.response_model,
+        responses={**_ERROR_RESPONSES, 200: ok},
+    )
 
 
 def _sse(payload: dict[str, Any]) -> bytes:
@@ -256,67 +263,13 @@ def create_app(config: GatewayConfig) -> FastAPI:
         await gateway.model_names(gateway.client_for(request))
         return {"object": "list", "data": gateway.cards()}
 
-    @app.post(
-        "/v1/completions",
-        response_model=schemas.CompletionResponse,
-        responses={
-            **_ERROR_RESPONSES,
-            200: {
-                "description": "A completion, or with `stream` an SSE stream of "
-                "`data: <CompletionResponse chunk>` events ending in `data: [DONE]`.",
-                "content": {"text/event-stream": {}},
-            },
-        },
-    )
+    @_post(app, COMPLETIONS)
     async def completions(body: schemas.CompletionRequest, request: Request) -> Response:
-        client = gateway.client_for(request)
-        model = await gateway.check_model(body.model, client)
-        request_id = _request_id(request)
-        builder = CompletionBuilder(f"cmpl-{request_id}", model, body.logprobs is not None)
-        return await _respond(
-            gateway,
-            client,
-            request,
-            request_id,
-            completion_prompt(body),
-            completion_sampling(body),
-            builder,
-            bool(body.stream),
-            body.stream_options,
-            body.priority or 0,
-            LatencyTargets(ttft_ms=body.ttft_slo_ms, tpot_ms=body.tpot_slo_ms),
-        )
+        return await _generate(gateway, request, body, COMPLETIONS)
 
-    @app.post(
-        "/v1/chat/completions",
-        response_model=schemas.ChatCompletionResponse,
-        responses={
-            **_ERROR_RESPONSES,
-            200: {
-                "description": "A chat completion, or with `stream` an SSE stream of "
-                "`data: <ChatCompletionChunk>` events ending in `data: [DONE]`.",
-                "content": {"text/event-stream": {}},
-            },
-        },
-    )
+    @_post(app, CHAT)
     async def chat_completions(body: schemas.ChatCompletionRequest, request: Request) -> Response:
-        client = gateway.client_for(request)
-        model = await gateway.check_model(body.model, client)
-        request_id = _request_id(request)
-        builder = ChatBuilder(f"chatcmpl-{request_id}", model, bool(body.logprobs))
-        return await _respond(
-            gateway,
-            client,
-            request,
-            request_id,
-            chat_prompt(body),
-            chat_sampling(body),
-            builder,
-            bool(body.stream),
-            body.stream_options,
-            body.priority or 0,
-            LatencyTargets(ttft_ms=body.ttft_slo_ms, tpot_ms=body.tpot_slo_ms),
-        )
+        return await _generate(gateway, request, body, CHAT)
 
     return app
 
@@ -351,30 +304,45 @@ def _request_id(request: Request) -> str:
     return given or uuid.uuid4().hex
 
 
-async def _respond(
-    gateway: Gateway,
-    client: AsyncClient,
-    request: Request,
-    request_id: str,
-    prompt: PromptArgs,
-    sampling: Any,
-    builder: CompletionBuilder | ChatBuilder,
-    stream: bool,
-    stream_options: schemas.StreamOptions | None,
-    priority: int,
-    targets: LatencyTargets,
+async def _generate(
+    gateway: Gateway, request: Request, body: Body, endpoint: Endpoint[Body]
 ) -> Response:
-    assert gateway.metrics is not None  # set by check_model
-    timer = gateway.metrics.start()
-    events = client.stream(
+    """The one generation handler, for both routes: checks the model, names the request, reads
+    prompt and sampling from ``body`` the ``endpoint``'s way and answers in its shape, whole
+    or streamed (``_respond``)."""
+    client = gateway.client_for(request)
+    model = await gateway.check_model(body.model, client)
+    request_id = _request_id(request)
+    builder = endpoint.builder(f"{endpoint.id_prefix}-{request_id}", model, body)
+    prompt = endpoint.prompt(body)
+    events = client.stream(  # nothing is sent before the first ``anext``
         prompt.prompt,
         messages=prompt.messages,
         token_ids=prompt.token_ids,
-        sampling=sampling,
+        sampling=endpoint.sampling(body),
         request_id=request_id,
-        priority=priority,
-        targets=targets,
+        priority=body.priority or 0,
+        targets=LatencyTargets(ttft_ms=body.ttft_slo_ms, tpot_ms=body.tpot_slo_ms),
     )
+    return await _respond(
+        gateway, request, request_id, events, builder, bool(body.stream), body.stream_options
+    )
+
+
+async def _respond(
+    gateway: Gateway,
+    request: Request,
+    request_id: str,
+    events: AsyncGenerator[Chunk | Finish, None],
+    builder: ResponseBuilder,
+    stream: bool,
+    stream_options: schemas.StreamOptions | None,
+) -> Response:
+    """The response to the client's stream ``events``: an error status when it fails before
+    its first item, else SSE frames (``stream``) or the whole body; 499 when the HTTP client
+    went away first."""
+    assert gateway.metrics is not None  # set by check_model
+    timer = gateway.metrics.start()
     headers = {"x-request-id": request_id}
     try:
         first = await unless_disconnected(request.receive, anext(events))
@@ -413,7 +381,7 @@ def _record(timer: RequestTimer, item: Chunk | Finish) -> None:
 
 
 async def _fold(
-    builder: CompletionBuilder | ChatBuilder,
+    builder: ResponseBuilder,
     first: Chunk | Finish,
     events: AsyncIterator[Chunk | Finish],
     timer: RequestTimer,
@@ -430,7 +398,7 @@ async def _fold(
 
 
 async def _stream_frames(
-    builder: CompletionBuilder | ChatBuilder,
+    builder: ResponseBuilder,
     first: Chunk | Finish,
     events: AsyncIterator[Chunk | Finish],
     timer: RequestTimer,
@@ -439,8 +407,8 @@ async def _stream_frames(
     """SSE frames; the builder's chunks in order, the usage chunk if asked, then [DONE]."""
     continuous = bool(options and options.include_usage and options.continuous_usage_stats)
     try:
-        if isinstance(builder, ChatBuilder):
-            yield _sse(builder.role_chunk())
+        for opening in builder.opening_chunks():
+            yield _sse(opening)
         item: Chunk | Finish | None = first
         while item is not None:
             _record(timer, item)

@@ -5,11 +5,13 @@ several times cheaper than validating a pydantic model. ``gateway/schemas.py`` d
 same shapes for the OpenAPI schema; tests validate these dicts against those models.
 
 Each builder is per request: it accumulates text, logprobs and usage as chunks arrive, so a
-non-streamed response is the fold of the streamed chunks.
+non-streamed response is the fold of the streamed chunks. ``ResponseBuilder`` is what the one
+generation handler (``gateway/app.py``) needs of either endpoint's shape.
 """
 
 from __future__ import annotations
 
+import abc
 import time
 from typing import Any
 
@@ -34,7 +36,12 @@ def _empty_completion_logprobs() -> dict[str, list[Any]]:
     return {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
 
 
-class _ResponseBase:
+class ResponseBuilder(abc.ABC):
+    """One request's response in one endpoint's shape. Streamed: ``opening_chunks``, then
+    ``add`` for each chunk and ``finish`` for the end (each returns that item's streamed form
+    and folds it in), then ``usage_chunk`` if asked; not streamed: ``whole`` after the same
+    ``add`` and ``finish`` calls."""
+
     object_name: str
     chunk_object_name: str
 
@@ -53,6 +60,22 @@ class _ResponseBase:
             "choices": choices,
         }
 
+    def opening_chunks(self) -> list[dict[str, Any]]:
+        """What a stream sends before its first item (nothing, unless the shape wants it)."""
+        return []
+
+    @abc.abstractmethod
+    def add(self, chunk: Chunk) -> dict[str, Any]:
+        """Fold a chunk in; returns its streamed form."""
+
+    @abc.abstractmethod
+    def finish(self, end: Finish) -> dict[str, Any]:
+        """Fold the end in; returns the streamed chunk that carries the finish reason."""
+
+    @abc.abstractmethod
+    def whole(self) -> dict[str, Any]:
+        """The non-streamed response: every item folded in so far."""
+
     def usage_chunk(self) -> dict[str, Any]:
         """The ``include_usage`` chunk: no choices, the request's usage."""
         body = self._envelope(self.chunk_object_name, [])
@@ -60,7 +83,7 @@ class _ResponseBase:
         return body
 
 
-class CompletionBuilder(_ResponseBase):
+class CompletionBuilder(ResponseBuilder):
     """``text_completion`` objects; logprobs in the legacy completions shape."""
 
     object_name = chunk_object_name = "text_completion"
@@ -83,7 +106,6 @@ class CompletionBuilder(_ResponseBase):
         return out
 
     def add(self, chunk: Chunk) -> dict[str, Any]:
-        """Fold a chunk in; returns its streamed form."""
         self.usage = chunk.usage
         choice: dict[str, Any] = {
             "index": 0,
@@ -102,7 +124,6 @@ class CompletionBuilder(_ResponseBase):
         return self._envelope(self.chunk_object_name, [choice])
 
     def finish(self, end: Finish) -> dict[str, Any]:
-        """The streamed chunk that carries the finish reason."""
         self.usage = end.usage
         choice = {
             "index": 0,
@@ -131,7 +152,7 @@ class CompletionBuilder(_ResponseBase):
         return body
 
 
-class ChatBuilder(_ResponseBase):
+class ChatBuilder(ResponseBuilder):
     """``chat.completion`` / ``chat.completion.chunk`` objects."""
 
     object_name = "chat.completion"
@@ -158,7 +179,7 @@ class ChatBuilder(_ResponseBase):
             for entry in logprobs
         ]
 
-    def role_chunk(self) -> dict[str, Any]:
+    def opening_chunks(self) -> list[dict[str, Any]]:
         """The first streamed chunk: the assistant role, empty content."""
         choice = {
             "index": 0,
@@ -166,7 +187,7 @@ class ChatBuilder(_ResponseBase):
             "logprobs": None,
             "finish_reason": None,
         }
-        return self._envelope(self.chunk_object_name, [choice])
+        return [self._envelope(self.chunk_object_name, [choice])]
 
     def add(self, chunk: Chunk) -> dict[str, Any]:
         self.usage = chunk.usage

@@ -5,7 +5,9 @@
   cache (cached prefixes included), and ``store_kv``: new keys/values into their slots;
 - ``kv_pack``: a request's blocks of some layers <-> one contiguous transfer buffer;
 - ``rms_norm`` (+ residual add), ``rotary`` (in place), ``activation`` (SiLU-and-mul);
-- ``triton_backend``: the engine's ``AttentionBackend`` on these kernels (chosen on CUDA).
+- ``attention``: the ``AttentionBackend`` interface the engine runs its layers' attention
+  through, and its torch reference backend; ``triton_backend`` implements it on these kernels
+  (chosen on CUDA), ``cpu_backend`` on the C++ CPU kernels (``cpu_attention``).
 
 Every module imports without Triton (``triton_utils``); launching a kernel then raises
 ``TritonUnavailableError``. Compiled kernels need CUDA tensors; ``interpret`` explains how to

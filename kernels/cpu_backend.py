@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from splitserve.engine.attention import SequenceSpan, TorchAttentionBackend, TorchAttentionMetadata
+from splitserve.kernels.attention import SequenceSpan, TorchAttentionBackend, TorchAttentionMetadata
 from splitserve.kernels.cpu_attention import CpuDecodeAttention, CpuPrefillAttention
 
 

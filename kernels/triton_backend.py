@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from splitserve.common.blocks import blocks_for_tokens
-from splitserve.engine.attention import AttentionBackend, SequenceSpan
+from splitserve.kernels.attention import AttentionBackend, SequenceSpan
 from splitserve.kernels.decode_attention import paged_decode_attention
 from splitserve.kernels.prefill_attention import context_attention
 from splitserve.kernels.store_kv import store_kv

@@ -17,6 +17,8 @@ import functools
 import sys
 from collections.abc import Sequence
 
+# In launch/, not worker/: it composes the prefill and decode roles, both built on worker/
+# (the folder order of docs/architecture.md, checked by tests/test_architecture.py).
 from splitserve.decode.main import DECODE_ROLE
 from splitserve.prefill.main import PREFILL_ROLE
 from splitserve.prefill.worker import PrefillWorker

@@ -275,7 +275,11 @@ def worker_argvs(
     workers = []
     for index, (role, core_list) in enumerate(zip(roles, cores, strict=True)):
         if role == "dual":
-            argv = ["splitserve.worker.main", "--roles=prefill,decode", f"--model={args.model}"]
+            argv = [
+                "splitserve.launch.dual_worker",
+                "--roles=prefill,decode",
+                f"--model={args.model}",
+            ]
         else:
             argv = [f"splitserve.{role}.main", f"--model={args.model}"]
         if not membership_flags(args):  # on etcd a worker knows no coordinator

@@ -35,12 +35,12 @@ from splitserve.common.errors import (
     WorkerCallError,
     WorkerUnavailableError,
 )
+from splitserve.common.kv_layout import KvLayout
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.async_engine import AsyncEngine
-from splitserve.engine.engine_core import CompletedPrompt, EngineCore
+from splitserve.engine.engine_face import CompletedPrompt
 from splitserve.proto.worker_clients import DecodeWorkerClient, WorkerChannels
 from splitserve.transfer.layer_channel import LayerSender
-from splitserve.transfer.layout import KvLayout
 from splitserve.transfer.reservation import FirstToken, KvReservation, PrefillDone
 from splitserve.transfer.transport import KvEndpoint, KvTransport
 from splitserve.worker.identity import WorkerIdentity
@@ -88,13 +88,12 @@ class PrefillWorker:
         worker), so this domain's requests take engine ids of their own (the request id plus
         ``_engine_id_suffix``): a prompt prefilled here for another decode worker never
         collides with a request of the same id decoding here."""
-        self.core: EngineCore = engine.core
         self.identity = identity
         self.engine = engine
         engine.set_layer_hook(self._push_layer)
         self._engine_id_suffix = " prefill" if engine_shared else ""
         self.transport = transport
-        self.layout: KvLayout = kv_layout_of(engine.core)
+        self.layout: KvLayout = kv_layout_of(engine.facts, engine.paged_kv)
         self.transfer_timeout_s = transfer_timeout_s
         self._outgoing: dict[str, _Outgoing] = {}
         self._peers: dict[str, _Peer] = {}
@@ -124,7 +123,7 @@ class PrefillWorker:
             target.plan,
             loop,
         )
-        staging = staging_buffer(self.core, target.num_blocks)
+        staging = staging_buffer(self.engine.paged_kv, target.num_blocks)
         engine_id = request_id + self._engine_id_suffix
         self._outgoing[engine_id] = _Outgoing(sender, staging)
         first_only = dataclasses.replace(
@@ -185,7 +184,7 @@ class PrefillWorker:
             outgoing.gathered.add(layer)
             plan = outgoing.sender.plan
             block_ids = prompt.block_table[: plan.num_blocks]
-            kv = gather_layer(self.core, layer, block_ids, plan, outgoing.staging[layer])
+            kv = gather_layer(self.engine.paged_kv, layer, block_ids, plan, outgoing.staging[layer])
             outgoing.sender.offer(layer, kv)
 
     async def _peer(self, address: str) -> _Peer:

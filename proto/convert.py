@@ -7,19 +7,20 @@ raises ``InvalidRequestError`` naming the field).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Sequence
 
 from google.protobuf.message import DecodeError
 
 from splitserve.common.errors import InvalidRequestError
+from splitserve.common.kv_layout import KvLayout
 from splitserve.common.load import EngineLoad, LoadReport
 from splitserve.common.logprobs import TokenLogprob
 from splitserve.common.membership import Role, WorkerInfo
 from splitserve.common.request_update import FinishReason, RequestUpdate, StepOutput
-from splitserve.common.sampling_params import SamplingParams
+from splitserve.common.sampling_params import AskedSampling, SamplingParams
 from splitserve.common.step_cost import StepCost
 from splitserve.proto.splitserve.v1 import common_pb2, worker_pb2
-from splitserve.transfer.layout import KvLayout
 from splitserve.transfer.plan import InvalidTransferPlanError, TransferPlan
 from splitserve.transfer.reservation import FirstToken, KvHandshake, KvReservation, PrefillDone
 
@@ -47,11 +48,16 @@ FINISH_REASON_TO_PROTO = {
 FINISH_REASON_FROM_PROTO = {value: key for key, value in FINISH_REASON_TO_PROTO.items()}
 
 
-def sampling_from_proto(message: common_pb2.SamplingParams) -> SamplingParams:
-    """Domain params; raises ``InvalidRequestError`` for invalid values."""
+def sampling_from_proto(
+    message: common_pb2.SamplingParams, max_tokens: int | None = None
+) -> SamplingParams:
+    """Domain params; raises ``InvalidRequestError`` for invalid values. ``max_tokens``, when
+    given, is the request's in place of the message's (the coordinator's settled value)."""
     kwargs: dict[str, object] = {
         name: getattr(message, name) for name in _OPTIONAL_SAMPLING_FIELDS if message.HasField(name)
     }
+    if max_tokens is not None:
+        kwargs["max_tokens"] = max_tokens
     for name in ("temperature", "top_p", "min_p"):  # float32 on the wire: 0.1 -> 0.10000000149
         if name in kwargs:
             kwargs[name] = round(float(kwargs[name]), 6)
@@ -60,6 +66,17 @@ def sampling_from_proto(message: common_pb2.SamplingParams) -> SamplingParams:
         stop=tuple(message.stop),
         stop_token_ids=tuple(message.stop_token_ids),
         ignore_eos=message.ignore_eos,
+    )
+
+
+def asked_sampling_from_proto(message: common_pb2.SamplingParams) -> AskedSampling:
+    """A public request's sampling as asked: ``max_tokens`` None where the caller set none.
+    Nothing is validated yet: ``params_with`` makes (and validates) the params once the
+    coordinator settled ``max_tokens``. ``message`` must not change after this call."""
+    return AskedSampling(
+        max_tokens=message.max_tokens if message.HasField("max_tokens") else None,
+        min_tokens=message.min_tokens,
+        params_with=functools.partial(sampling_from_proto, message),
     )
 
 
@@ -186,8 +203,10 @@ def reservation_to_proto(reservation: KvReservation) -> worker_pb2.KvReservation
 
 
 def reservation_from_proto(message: worker_pb2.KvReservation) -> KvReservation:
-    """The reservation; ``InvalidRequestError`` (param "target") if its plan does not describe
-    the reserved blocks or its transfer secret has the wrong size."""
+    """The reservation, on the prefill worker that pushes the KV by it (the coordinator relays
+    the message unread: ``worker_clients.RelayedReservation``); ``InvalidRequestError`` (param
+    "target") if its plan does not describe the reserved blocks or its transfer secret has the
+    wrong size."""
     try:
         plan = TransferPlan(tuple(message.block_order), tuple(message.run_lengths))
     except InvalidTransferPlanError as error:

@@ -7,14 +7,20 @@ raises the domain error ``status.error_from_rpc`` maps it to (``InvalidRequestEr
 is unreachable, else ``WorkerCallError``). Every call carries a deadline and the cluster
 credential (``cluster_auth``). ``WorkerChannels`` keeps one channel per worker address,
 created on first use and closed by ``close``.
+
+The coordinator relays a decode worker's KV reservation to the prefill worker unread
+(``RelayedReservation``): only the prefill worker, which pushes the KV by its plan, parses and
+checks it.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence, Set
+from dataclasses import dataclass, field
 
 import grpc
 
+from splitserve.common.kv_layout import KvLayout
 from splitserve.common.load import LoadReport
 from splitserve.common.request_update import StepOutput
 from splitserve.common.sampling_params import SamplingParams
@@ -23,8 +29,21 @@ from splitserve.proto.cluster_access import ClusterAccess
 from splitserve.proto.cluster_auth import ClusterCredential
 from splitserve.proto.splitserve.v1 import worker_pb2, worker_pb2_grpc
 from splitserve.proto.status import call_internal, error_from_rpc
-from splitserve.transfer.layout import KvLayout
 from splitserve.transfer.reservation import FirstToken, KvHandshake, KvReservation, PrefillDone
+
+
+@dataclass(frozen=True)
+class RelayedReservation:
+    """A decode worker's KV reservation on its way to the prefill worker, as the decode
+    stream carried it: the coordinator passes it on to ``PrefillWorkerClient.prefill`` and
+    never reads it. The prefill worker is the one that parses and checks it
+    (``convert.reservation_from_proto``: a plan that does not describe the reserved blocks,
+    or a transfer secret of the wrong size, is refused with INVALID_ARGUMENT there, so the
+    prefill fails and the request is prefilled on its decode worker)."""
+
+    message: worker_pb2.KvReservation = field(repr=False)
+    """The wire message, never modified; it holds the transfer secret, so it stays out of
+    ``repr`` (and logs)."""
 
 
 class DecodeCall:
@@ -36,11 +55,11 @@ class DecodeCall:
         self._call = call
         self._request_id = request_id
 
-    async def __aiter__(self) -> AsyncIterator[KvReservation | StepOutput]:
+    async def __aiter__(self) -> AsyncIterator[RelayedReservation | StepOutput]:
         try:
             async for message in self._call:
                 if message.HasField("reservation"):
-                    yield convert.reservation_from_proto(message.reservation)
+                    yield RelayedReservation(message.reservation)
                 else:
                     yield convert.step_output_from_proto(self._request_id, message.tokens)
         except grpc.aio.AioRpcError as error:
@@ -114,7 +133,7 @@ class PrefillWorkerClient:
         request_id: str,
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
-        reservation: KvReservation,
+        reservation: RelayedReservation,
         timeout_s: float,
     ) -> PrefillDone:
         """Compute the prompt and push its KV into ``reservation``; cancelling aborts it."""
@@ -122,7 +141,7 @@ class PrefillWorkerClient:
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,
             sampling=convert.sampling_to_proto(params, include_stop=False),
-            target=convert.reservation_to_proto(reservation),
+            target=reservation.message,
         )
         reply = await call_internal(
             self._stub.Prefill(request, timeout=timeout_s, metadata=self._metadata)

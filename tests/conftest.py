@@ -34,7 +34,7 @@ def transport_kind(request: pytest.FixtureRequest) -> Iterator[str]:
     reset (ucxx allows one per process)."""
     kind: str = request.param
     if kind == "ucx":
-        ucxx = pytest.importorskip("ucxx")
+        ucxx = pytest.importorskip("ucxx", reason="UCX (ucxx) is not installed here")
         yield kind
         ucxx.reset()
     else:

@@ -88,3 +88,97 @@ def test_only_the_edges_touch_proto_messages() -> None:
         and not Path(path).name.endswith(("servicer.py", "main.py"))
     ]
     assert not offenders, f"import the wire outside proto/ and the servicers: {offenders}"
+
+
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("common",),
+    ("transfer",),
+    ("kernels",),
+    ("engine",),
+    ("proto",),
+    ("discovery",),
+    ("worker",),
+    ("prefill", "decode"),
+    ("coordinator",),
+    ("client",),
+    ("gateway",),
+    ("launch",),
+)
+"""The package folders, lowest first. A module imports its own folder and lower layers only:
+never a higher one, nor its peer in the same layer (prefill and decode share ``worker/``)."""
+LAYER_OF = {package: rank for rank, layer in enumerate(LAYERS) for package in layer}
+
+
+def _folder_of(module: str) -> str | None:
+    """``splitserve.engine.model`` -> ``engine``; None outside splitserve's package folders."""
+    parts = module.split(".")
+    if len(parts) < 2 or parts[0] != "splitserve" or parts[1] not in LAYER_OF:
+        return None
+    return parts[1]
+
+
+def _imported_modules(source: Path, tree: ast.Module) -> list[tuple[int, str]]:
+    """(line, absolute module name) of every import in ``tree``, relative ones resolved."""
+    package = ("splitserve", *source.relative_to(ROOT).parts[:-1])
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = ".".join(package[: len(package) - node.level + 1])
+                module = f"{base}.{node.module}" if node.module else base
+            else:
+                module = node.module or ""
+            found.append((node.lineno, module))
+    return found
+
+
+def _violations_in(source: Path, tree: ast.Module) -> list[str]:
+    package = source.relative_to(ROOT).parts[0]
+    violations = []
+    for line, module in _imported_modules(source, tree):
+        target = _folder_of(module)
+        if target is None or target == package or LAYER_OF[target] < LAYER_OF[package]:
+            continue
+        kind = "its peer" if LAYER_OF[target] == LAYER_OF[package] else "a higher"
+        where = f"{source.relative_to(ROOT)}:{line}"
+        violations.append(f"{where} ({package}/) imports {kind} {target}/: {module}")
+    return violations
+
+
+def _layer_violations() -> list[str]:
+    violations = []
+    for package in PACKAGES:
+        for source in sorted((ROOT / package).rglob("*.py")):
+            violations += _violations_in(source, ast.parse(source.read_text()))
+    return violations
+
+
+def test_every_package_folder_has_a_layer() -> None:
+    folders = {path.parent.name for path in ROOT.glob("*/__init__.py")} - {"tests", "bench"}
+    assert set(PACKAGES) == set(LAYER_OF) == folders
+
+
+def test_folders_import_only_lower_layers() -> None:
+    """common < transfer < kernels < engine < proto < discovery < worker < prefill, decode
+    (peers) < coordinator < client < gateway < launch; generated modules included (they import
+    only their own package)."""
+    violations = _layer_violations()
+    assert not violations, "imports against the folder order:\n" + "\n".join(violations)
+
+
+def test_the_layer_check_sees_upward_and_peer_imports() -> None:
+    """The check itself can fail: absolute, relative and peer imports upward are caught."""
+    source = ROOT / "kernels" / "example.py"
+    upward = "import splitserve.engine.model\nfrom ..worker import runtime\nfrom . import rotary\n"
+    found = _violations_in(source, ast.parse(upward))
+    assert [violation.split(" imports ")[1] for violation in found] == [
+        "a higher engine/: splitserve.engine.model",
+        "a higher worker/: splitserve.worker",
+    ]
+    peer = ast.parse("from splitserve.prefill.worker import PrefillWorker\n")
+    assert _violations_in(ROOT / "decode" / "example.py", peer) == [
+        "decode/example.py:1 (decode/) imports its peer prefill/: splitserve.prefill.worker"
+    ]
+    assert not _violations_in(ROOT / "launch" / "example.py", peer)

@@ -157,12 +157,12 @@ def test_a_reservation_holds_its_blocks_until_released_whatever_ends_the_request
         table = list(stream.block_table or [])
         assert table and llm.engine.kv_cache.num_free_blocks == total - len(table)
         engine.abort("remote")  # the request ends (as on any exit path)...
-        await engine.call(lambda core: None)  # (commands run in order)
+        await engine.call(lambda: None)  # (commands run in order)
         assert "remote" not in llm.engine.scheduler.requests
         # ...but another worker may still be writing its KV there: the hold keeps the blocks
         assert llm.engine.kv_cache.num_free_blocks == total - len(table)
         engine.release_blocks(table)
-        await engine.call(lambda core: None)
+        await engine.call(lambda: None)
         assert llm.engine.kv_cache.num_free_blocks == total
 
     asyncio.run(asyncio.wait_for(scenario(), timeout=60))
@@ -186,7 +186,7 @@ def test_the_engine_outlives_a_callers_closed_event_loop(served) -> None:
     _, engine = served
     started, release = threading.Event(), threading.Event()
 
-    def held(core: object) -> int:
+    def held() -> int:
         started.set()
         assert release.wait(30)  # returns only once the caller's loop is closed
         return 1
@@ -202,7 +202,7 @@ def test_the_engine_outlives_a_callers_closed_event_loop(served) -> None:
     release.set()  # its result now goes to the closed loop
 
     async def still_serving() -> tuple[int, list[int]]:
-        answer = await engine.call(lambda core: 42)
+        answer = await engine.call(lambda: 42)
         return answer, await _collect(engine, "after", [1000 + i for i in range(8)])
 
     answer, tokens = asyncio.run(asyncio.wait_for(still_serving(), timeout=60))

@@ -19,12 +19,13 @@ from splitserve.common.sampling_params import SamplingParams
 from splitserve.coordinator.attempt import Attempt, AttemptTimeouts, DecodeLost, PrefillLost
 from splitserve.coordinator.registry import WorkerRecord, WorkerRegistry
 from splitserve.coordinator.router import Route, Router, RoutingConfig
-from splitserve.transfer.plan import TransferPlan
-from splitserve.transfer.reservation import KvReservation, PrefillDone
+from splitserve.proto.splitserve.v1 import worker_pb2
+from splitserve.proto.worker_clients import RelayedReservation
+from splitserve.transfer.reservation import PrefillDone
 
 PROMPT = [1, 2, 3, 4, 5]
-RESERVATION = KvReservation(
-    7, "decode:1", len(PROMPT), "hash", TransferPlan((0,), (1,)), bytes(range(16))
+RESERVATION = RelayedReservation(
+    worker_pb2.KvReservation(transfer_id=7, decode_address="decode:1", num_tokens=len(PROMPT))
 )
 _END = object()
 

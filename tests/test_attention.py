@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from splitserve.engine.attention import SequenceSpan, TorchAttentionBackend
+from splitserve.kernels.attention import SequenceSpan, TorchAttentionBackend
 
 HEADS, KV_HEADS, DIM, BLOCK, BLOCKS = 6, 2, 16, 4, 32
 

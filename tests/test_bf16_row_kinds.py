@@ -27,26 +27,47 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, logprobs=2)
 
 
-@pytest.fixture(params=["1", "auto", "0"], ids=["gemv", "gemv-auto", "onednn-only"])
-def bf16_llm(
-    request: pytest.FixtureRequest,
-    monkeypatch: pytest.MonkeyPatch,
-    default_checkpoint_fp32: LoadedCheckpoint,
-) -> LLM:
-    monkeypatch.setenv(DECODE_GEMV_ENV, request.param)
-    llm = make_llm(default_checkpoint_fp32, num_blocks=128, dtype="bfloat16")
+def _bf16_llm(gemv: str, monkeypatch: pytest.MonkeyPatch, checkpoint: LoadedCheckpoint) -> LLM:
+    """A bf16 engine with ``SPLITSERVE_DECODE_GEMV=gemv``; checks the GEMV's row limit was
+    measured once for every projection (none asked or on AMX)."""
+    monkeypatch.setenv(DECODE_GEMV_ENV, gemv)
+    llm = make_llm(checkpoint, num_blocks=128, dtype="bfloat16")
     qkv = llm.engine.runner.model.layers[0].qkv
     gemv_loaded = qkv._gemv_weight is not None
-    assert gemv_loaded == (request.param != "0" and load_cpu_gemv() is not None)
+    assert gemv_loaded == (gemv != "0" and load_cpu_gemv() is not None)
     limits = {
         linear.gemv_max_rows
         for layer in llm.engine.runner.model.layers
         for linear in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
     }
     assert len(limits) == 1  # one limit, measured once, for every projection
-    if request.param != "auto" or not gemv_loaded or qkv.takes_amx:
+    if gemv != "auto" or not gemv_loaded or qkv.takes_amx:
         assert limits == {None}  # AMX: no limit, every generated row takes it
     return llm
+
+
+@pytest.fixture(params=["1", "auto", "0"], ids=["gemv", "gemv-auto", "onednn-only"])
+def bf16_llm(
+    request: pytest.FixtureRequest,
+    monkeypatch: pytest.MonkeyPatch,
+    default_checkpoint_fp32: LoadedCheckpoint,
+) -> LLM:
+    """Each way a bf16 engine may compute generated rows: the GEMV always, as measured at
+    load, never."""
+    return _bf16_llm(request.param, monkeypatch, default_checkpoint_fp32)
+
+
+@pytest.fixture(params=["1", "auto"], ids=["gemv", "gemv-auto"])
+def gemv_llm(
+    request: pytest.FixtureRequest,
+    monkeypatch: pytest.MonkeyPatch,
+    default_checkpoint_fp32: LoadedCheckpoint,
+) -> LLM:
+    """A bf16 engine whose generated rows take the decode GEMV (always, or as measured);
+    skipped on a CPU without AVX-512 BF16, where the GEMV cannot load."""
+    if load_cpu_gemv() is None:
+        pytest.skip("this CPU has no AVX-512 BF16 (or no C++ compiler): no decode GEMV")
+    return _bf16_llm(request.param, monkeypatch, default_checkpoint_fp32)
 
 
 def test_a_cached_prompt_answers_with_the_bits_of_its_first_ask(bf16_llm: LLM) -> None:
@@ -89,12 +110,13 @@ def _run_to_end(core: EngineCore, joins: dict[int, tuple[str, list[int]]]) -> di
     return outputs
 
 
-def test_a_requests_bits_do_not_depend_on_a_prompt_sharing_its_steps(bf16_llm: LLM) -> None:
+def test_a_requests_bits_do_not_depend_on_a_prompt_sharing_its_steps(gemv_llm: LLM) -> None:
+    """Only with the GEMV: without it a lone row's bits differ (see the module docstring)."""
+    bf16_llm = gemv_llm
     qkv = bf16_llm.engine.runner.model.layers[0].qkv
-    if qkv._gemv_weight is None:
-        pytest.skip("without the decode GEMV a lone row's bits differ (see the docstring)")
+    assert qkv._gemv_weight is not None
     if qkv.gemv_max_rows is not None and qkv.gemv_max_rows < 2:
-        pytest.skip("here the GEMV pays for one row only: two decode rows take oneDNN")
+        pytest.skip("this CPU's GEMV beat oneDNN at load for one row only: two rows take oneDNN")
     core = bf16_llm.engine
     prompt = bf16_llm.encode_prompt("Once upon a time, in a village by the sea, there lived")
     other = bf16_llm.encode_prompt(" ".join(["The river ran past the old mill."] * 24))

@@ -31,8 +31,9 @@ from splitserve.client import (
     RetryPolicy,
     Sampling,
 )
+from splitserve.client.continuation import MAX_CONTINUATIONS
 from splitserve.client.retry import service_config
-from splitserve.client.wire import COORDINATOR_SERVICE, MAX_CONTINUATIONS, generate_request
+from splitserve.client.wire import COORDINATOR_SERVICE, generate_request
 from splitserve.common.errors import OverloadedError
 from splitserve.proto.splitserve.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from splitserve.proto.status import PARAM_METADATA_KEY, abort_with

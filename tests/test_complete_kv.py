@@ -76,12 +76,14 @@ async def _push(prefill: EngineCore, endpoint: KvEndpoint, target: KvReservation
     sender = LayerSender(
         endpoint, target.transfer_id, target.transfer_secret, num_layers, target.plan, loop
     )
-    staging = staging_buffer(prefill, target.num_blocks)
+    staging = staging_buffer(prefill.paged_kv, target.num_blocks)
 
     def push(layer: int, completed: Sequence[CompletedPrompt]) -> None:
         for prompt in completed:
             blocks = prompt.block_table[: target.num_blocks]
-            sender.offer(layer, gather_layer(prefill, layer, blocks, target.plan, staging[layer]))
+            sender.offer(
+                layer, gather_layer(prefill.paged_kv, layer, blocks, target.plan, staging[layer])
+            )
 
     prefill.add_request("good", PROMPT, dataclasses.replace(LONG, max_tokens=1, min_tokens=1))
     first = None
@@ -124,7 +126,7 @@ def test_an_out_of_vocab_first_token_fails_only_its_request(
     async def body() -> None:
         transport = InProcessTransport()
         async with decode_worker(default_checkpoint_fp32, transport) as worker:
-            assert worker.core.model_config.vocab_size == VOCAB
+            assert worker.engine.facts.vocab_size == VOCAB
             good_stream, good = await reserve(worker, "good")
             bad_stream, bad = await reserve(worker, "bad")
             first = await prefill_and_push(default_checkpoint_fp32, transport.address, good)

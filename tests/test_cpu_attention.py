@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from splitserve.engine.attention import SequenceSpan, TorchAttentionBackend
+from splitserve.kernels.attention import SequenceSpan, TorchAttentionBackend
 from splitserve.kernels.cpu_attention import (
     CpuDecodeAttention,
     CpuPrefillAttention,
@@ -168,7 +168,7 @@ def test_backend_matches_torch_backend_on_a_mixed_step(dtype) -> None:
 def _prefill_kernel() -> CpuPrefillAttention:
     kernel = load_cpu_prefill_attention()
     if kernel is None:
-        pytest.skip("no C++ compiler or no AVX-512 BF16 here")
+        pytest.skip("this CPU has no AVX-512 BF16 (or no C++ compiler)")
     return kernel
 
 

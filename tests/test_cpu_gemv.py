@@ -25,7 +25,7 @@ from splitserve.kernels.cpu_gemv import AMX_INPUTS, MAX_ROWS, CpuGemv, load_cpu_
 def _kernel() -> CpuGemv:
     kernel = load_cpu_gemv()
     if kernel is None:
-        pytest.skip("no C++ compiler or no AVX-512 BF16 here")
+        pytest.skip("this CPU has no AVX-512 BF16 (or no C++ compiler)")
     return kernel
 
 
@@ -38,7 +38,7 @@ def each_kernel(request: pytest.FixtureRequest) -> CpuGemv:
     assert library is not None
     kernel = CpuGemv(library, amx=request.param == "amx")
     if request.param == "amx" and not kernel.amx:
-        pytest.skip("no AMX here")
+        pytest.skip("this CPU has no AMX (or Linux did not grant it)")
     return kernel
 
 
@@ -87,7 +87,7 @@ def test_with_amx_a_weight_keeps_one_kernel_whatever_the_row_count() -> None:
     and each agrees with float64 products."""
     kernel = _kernel()
     if not kernel.amx:
-        pytest.skip("no AMX here")
+        pytest.skip("this CPU has no AMX (or Linux did not grant it)")
     library = load_library("gemv", NATIVE_FLAGS)
     assert library is not None
     loop = CpuGemv(library, amx=False)
@@ -130,7 +130,7 @@ def test_gemv_refuses_what_it_cannot_take() -> None:
 
 def test_the_portable_build_has_no_gemv() -> None:
     if load_cpu_gemv() is None:
-        pytest.skip("no C++ compiler or no AVX-512 BF16 here")
+        pytest.skip("this CPU has no AVX-512 BF16 (or no C++ compiler)")
     assert load_cpu_gemv(PORTABLE_FLAGS) is None  # built without AVX-512 BF16: refused
 
 

@@ -33,7 +33,8 @@ GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
 
 
 def free_blocks(worker: DecodeWorker) -> int:
-    return worker.core.kv_cache.num_free_blocks
+    """As of the engine's latest report (after every command batch and step)."""
+    return worker.engine.latest_load.num_free_blocks
 
 
 async def wait_for_free(worker: DecodeWorker, expected: int, timeout_s: float = 10.0) -> None:
@@ -77,7 +78,7 @@ def test_aborted_reservation_frees_its_blocks_and_a_late_message_never_lands(
             await wait_for_free(worker, NUM_BLOCKS)
 
             # A message of the stale transfer arriving now is never received into the cache.
-            cache = worker.core.runner.kv_cache
+            cache = worker.engine.paged_kv.cache
             before = cache.clone()
             k_bytes = reservation.num_blocks * 16 * 3 * 64 * 4  # float32 K of one run
             message = torch.full((k_bytes,), 255, dtype=torch.uint8)
@@ -133,7 +134,7 @@ def test_blocks_of_a_transfer_that_never_settles_are_quarantined(
             await stream.aclose()
             await asyncio.sleep(1.0)  # the settle timeout passes; the blocks must stay held
             assert free_blocks(worker) == NUM_BLOCKS - reservation.num_blocks
-            assert not worker.core.has_request("r0")  # the request itself ended
+            assert not await worker.engine.has_request("r0")  # the request itself ended
             # ... and the quarantine is visible: the gauge counts the blocks held
             assert worker.transfer_metrics.unsettled_blocks._value.get() == reservation.num_blocks
 

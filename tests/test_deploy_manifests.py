@@ -44,7 +44,7 @@ from prometheus_client import CollectorRegistry
 
 from splitserve.common.api_keys import ApiKeys
 from splitserve.common.env_flags import env_name
-from splitserve.common.load import EngineLoad
+from splitserve.engine.engine_report import EngineReport
 from splitserve.launch import probe
 from splitserve.proto.cluster_auth import TOKEN_ENV, ClusterCredential
 
@@ -789,20 +789,13 @@ def test_the_secret_placeholders_are_refused_by_the_roles() -> None:
 # ---------------------------------------------------------------- tests: autoscaling
 
 
-class _Zeros:
-    """Any attribute is 0: an engine's scheduler counters at rest."""
-
-    def __getattr__(self, name: str) -> int:
-        return 0
-
-
 def _exported_worker_series(role: str) -> dict[str, set[str]]:
     """Series name -> label names that a worker of ``role`` exports from its engine."""
     from splitserve.worker.metrics import install_engine_metrics  # loads torch: import late
 
     engine = SimpleNamespace(
-        latest_load=EngineLoad(),
-        core=SimpleNamespace(scheduler=SimpleNamespace(stats=_Zeros())),
+        latest_report=EngineReport(),  # an engine at rest
+        add_report_listener=lambda listener: None,
         step_threads=None,  # a worker that neither lends nor borrows cores (the default)
     )
     registry = CollectorRegistry()

@@ -18,6 +18,7 @@ import socket
 import grpc
 import pytest
 
+from splitserve.common.kv_layout import KvLayout
 from splitserve.common.load import EngineLoad, LoadReport
 from splitserve.common.membership import Role, WorkerInfo
 from splitserve.coordinator.dial_check import DialCheck
@@ -29,7 +30,6 @@ from splitserve.proto.cluster_auth import ClusterCredential
 from splitserve.proto.server import RoleServer, start_server
 from splitserve.proto.splitserve.v1 import coordinator_pb2, coordinator_pb2_grpc
 from splitserve.proto.worker_clients import WorkerChannels
-from splitserve.transfer.layout import KvLayout
 from splitserve.worker.monitor_servicer import MonitorServicer
 
 CREDENTIAL = ClusterCredential.generate()

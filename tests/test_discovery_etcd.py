@@ -23,13 +23,13 @@ from typing import Any, TypeVar
 
 import pytest
 
+from splitserve.common.kv_layout import KvLayout
 from splitserve.common.membership import Role, WorkerInfo
 from splitserve.discovery import Joined, Left, MembershipChange
 from splitserve.discovery.etcd_announcer import EtcdAnnouncer
 from splitserve.discovery.etcd_keys import worker_key, workers_prefix
 from splitserve.discovery.etcd_watcher import EtcdMembershipWatcher
 from splitserve.proto.etcd_client import EtcdClient, Lease
-from splitserve.transfer.layout import KvLayout
 from tests.etcd import EtcdServer
 
 T = TypeVar("T")

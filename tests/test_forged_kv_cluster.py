@@ -58,6 +58,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from splitserve.client import AsyncClient, Chunk, Finish, Sampling
+from splitserve.common.kv_layout import KvLayout
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.checkpoint import LoadedCheckpoint
 from splitserve.engine.config import CacheConfig, EngineConfig, ModelConfig, RunnerConfig
@@ -69,7 +70,6 @@ from splitserve.proto.splitserve.v1 import (
     worker_pb2,
     worker_pb2_grpc,
 )
-from splitserve.transfer.layout import KvLayout
 from splitserve.transfer.transport import KvEndpoint
 from splitserve.transfer.ucx import UcxTransport
 from splitserve.worker.kv_io import kv_layout_of
@@ -217,7 +217,7 @@ def engine_reference(
         outputs = [
             (tuple(o.token_ids), o.finish_reason.value) for o in llm.generate(prompts, params)
         ]
-        return prompts, outputs, kv_layout_of(llm.engine)
+        return prompts, outputs, kv_layout_of(llm.engine.facts, llm.engine.paged_kv)
     finally:
         torch.set_num_threads(threads)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from splitserve.engine.attention import AttentionBackend, SequenceSpan, TorchAttentionBackend
+from splitserve.kernels.attention import AttentionBackend, SequenceSpan, TorchAttentionBackend
 from splitserve.kernels.interpret import triton_interpreter
 
 with triton_interpreter():  # triton and the kernels must first be imported in interpreter mode

@@ -8,9 +8,9 @@ import sys
 
 import torch
 
-from splitserve.engine.attention import TorchAttentionBackend
 from splitserve.engine.config import EngineConfig, RunnerConfig
 from splitserve.engine.engine_core import _backend
+from splitserve.kernels.attention import TorchAttentionBackend
 from splitserve.kernels.cpu_attention import load_cpu_decode_attention
 from splitserve.kernels.cpu_backend import CpuAttentionBackend
 

@@ -160,7 +160,7 @@ def test_dual_role_workers_give_the_reference_tokens_pushing_to_each_other(
         addresses, metrics = _coordinators(stack, DUAL_MODES)
         internals = ",".join(internal_address(a) for a in addresses.values())
         for index in range(2):
-            argv = ["splitserve.worker.main", "--roles=prefill,decode", "--port=0"]
+            argv = ["splitserve.launch.dual_worker", "--roles=prefill,decode", "--port=0"]
             argv += [f"--worker-id=dual-{index}", f"--coordinator={internals}", *WORKER_FLAGS]
             stack.enter_context(running(argv, "splitserve prefill+decode ready at"))
         members = {f"dual-{i}-{role}" for i in range(2) for role in ("prefill", "decode")}

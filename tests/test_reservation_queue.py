@@ -59,7 +59,7 @@ async def settle(engine: AsyncEngine) -> None:
     load figures show it. Tasks created just before (``reserve``) first get to queue their
     commands: the no-op command must land after theirs."""
     await asyncio.sleep(0)
-    await engine.call(lambda core: None)
+    await engine.call(lambda: None)
     await asyncio.sleep(0)  # the loop delivers what the engine thread settled
 
 

@@ -34,6 +34,7 @@ from splitserve.common.errors import (
     TransferError,
     TransferTimeoutError,
 )
+from splitserve.common.kv_layout import KvLayout
 from splitserve.transfer.inprocess import InProcessTransport
 from splitserve.transfer.layer_channel import (
     LayerReceiver,
@@ -41,7 +42,6 @@ from splitserve.transfer.layer_channel import (
     TransferState,
     layer_messages,
 )
-from splitserve.transfer.layout import KvLayout
 from splitserve.transfer.plan import TransferPlan, message_tag, new_transfer_secret
 from splitserve.transfer.transport import KvEndpoint, KvTransport
 from splitserve.worker.kv_io import receive_destinations

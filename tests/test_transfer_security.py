@@ -3,7 +3,8 @@ lands there, a message shorter than its planned region fails the transfer, and t
 still completes bit for bit with the real sender's KV. Both transports (UCX in this one
 process, see ``test_transfer.py``), a float32 KV cache compared byte for byte.
 
-The secret crosses the wire intact, only at its size, and never shows in a repr. The tag
+The secret crosses the wire intact, only at its size, and never shows in a repr; the
+coordinator relays a reservation unread, and a forged plan is refused where it is used. The tag
 function itself (same secret and index, same tag; other secrets, other tags) is tested in
 ``test_transfer_plan.py``.
 """
@@ -20,6 +21,7 @@ import torch
 
 from splitserve.common.errors import InvalidRequestError, TransferError
 from splitserve.proto import convert
+from splitserve.proto.worker_clients import RelayedReservation
 from splitserve.transfer.layer_channel import LayerReceiver, LayerSender, TransferState
 from splitserve.transfer.plan import TransferPlan, message_tag, new_transfer_secret
 from splitserve.transfer.reservation import KvReservation
@@ -214,3 +216,20 @@ def test_the_secret_is_never_in_a_reservations_repr() -> None:
     reservation = sample_reservation()
     assert reservation.transfer_secret.hex() not in repr(reservation)
     assert repr(reservation.transfer_secret) not in repr(reservation)
+
+
+def test_the_coordinator_relays_a_reservation_unread_and_the_prefill_side_checks_it() -> None:
+    """The coordinator passes the decode worker's message on as it came; a forged plan is
+    refused where the plan is used (the prefill worker's conversion), and the relay's repr
+    hides the secret like the reservation's."""
+    reservation = sample_reservation()
+    relayed = RelayedReservation(convert.reservation_to_proto(reservation))
+    assert convert.reservation_from_proto(relayed.message) == reservation
+    assert reservation.transfer_secret.hex() not in repr(relayed)
+    assert repr(reservation.transfer_secret) not in repr(relayed)
+    forged = convert.reservation_to_proto(reservation)
+    forged.block_order[0] = forged.block_order[1]  # not a permutation of the blocks
+    relayed = RelayedReservation(forged)  # nothing read on the way
+    with pytest.raises(InvalidRequestError, match="transfer plan") as caught:
+        convert.reservation_from_proto(relayed.message)
+    assert caught.value.param == "target"

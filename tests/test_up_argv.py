@@ -7,6 +7,7 @@ import argparse
 
 import pytest
 
+from splitserve.launch.dual_worker import roles_of
 from splitserve.launch.up import (
     build_parser,
     coordinator_argv,
@@ -15,7 +16,6 @@ from splitserve.launch.up import (
     member_ids,
     worker_argvs,
 )
-from splitserve.worker.main import roles_of
 from splitserve.worker.process import add_worker_args
 from splitserve.worker.runtime import engine_config_for, role_worker_id
 
@@ -57,7 +57,7 @@ def test_dual_role_workers_run_the_worker_command_with_both_roles_a_core_each() 
     workers = worker_argvs(args, "127.0.0.1:50052", [])
     assert [name for name, _ in workers] == ["dual-0", "dual-1"]
     for _, argv in workers:
-        assert argv[:2] == ["splitserve.worker.main", "--roles=prefill,decode"], argv
+        assert argv[:2] == ["splitserve.launch.dual_worker", "--roles=prefill,decode"], argv
     assert "0 prefill + 0 decode worker + 2 dual-role" in layout_summary(args)
 
 

@@ -2,8 +2,9 @@
 the handshake, the first token and the prefill's answer.
 
 The decode worker makes a ``KvReservation`` when it reserves blocks for a prompt computed
-elsewhere; the coordinator carries it from the decode stream to the prefill worker's
-``Prefill`` call; the prefill worker pushes the prompt's KV as it says. ``proto/convert.py``
+elsewhere; the coordinator carries it, as the wire message and unread, from the decode
+stream to the prefill worker's ``Prefill`` call; the prefill worker, the one side that
+converts and checks it, pushes the prompt's KV as it says. ``proto/convert.py``
 holds the one converter pair of each type (e.g. ``reservation_to_proto`` /
 ``reservation_from_proto``).
 
@@ -24,8 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from splitserve.common.errors import InvalidRequestError
+from splitserve.common.kv_layout import KvLayout
 from splitserve.common.logprobs import TokenLogprob
-from splitserve.transfer.layout import KvLayout
 from splitserve.transfer.plan import TRANSFER_SECRET_BYTES, TransferPlan
 
 

@@ -1,5 +1,10 @@
 """Where one request's KV comes from and lands in an engine's paged cache
-``[layers, 2, blocks, block_size, kv_heads, head_dim]``, cut as a ``TransferPlan`` says."""
+``[layers, 2, blocks, block_size, kv_heads, head_dim]``, cut as a ``TransferPlan`` says.
+
+The cache is the engine's ``PagedKv`` (``AsyncEngine.paged_kv``), under its threading
+contract: ``gather_layer`` runs on the engine thread (the layer hook), and receives land only
+in blocks of a remote-prefill reservation, which no step touches until its prefill completes.
+"""
 
 from __future__ import annotations
 
@@ -7,38 +12,37 @@ from collections.abc import Sequence
 
 import torch
 
-from splitserve.engine.engine_core import EngineCore
+from splitserve.common.kv_layout import KvLayout
+from splitserve.engine.engine_face import EngineFacts, PagedKv
 from splitserve.engine.host_memory import empty_huge_pages
-from splitserve.transfer.layout import KvLayout
 from splitserve.transfer.plan import TransferPlan
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
-def kv_layout_of(core: EngineCore) -> KvLayout:
-    """The layout peers must share with this engine to exchange KV."""
-    config = core.model_config
+def kv_layout_of(facts: EngineFacts, kv: PagedKv) -> KvLayout:
+    """The layout peers must share with this engine (its facts, its cache) to exchange KV."""
     return KvLayout(
-        model=config.name,
-        dtype=_DTYPE_NAMES[core.runner.kv_cache.dtype],
-        block_size=core.config.cache.block_size,
-        num_layers=config.num_hidden_layers,
-        num_kv_heads=config.num_key_value_heads,
-        head_dim=config.head_dim,
+        model=facts.model_name,
+        dtype=_DTYPE_NAMES[kv.dtype],
+        block_size=kv.block_size,
+        num_layers=kv.num_layers,
+        num_kv_heads=kv.num_kv_heads,
+        head_dim=kv.head_dim,
     )
 
 
-def staging_buffer(core: EngineCore, num_blocks: int) -> torch.Tensor:
+def staging_buffer(kv: PagedKv, num_blocks: int) -> torch.Tensor:
     """Uninitialized room for one request's KV of every layer, ``[layers, 2, num_blocks,
     block, kv_heads, dim]``, for ``gather_layer`` to fill; on CPU backed by huge pages, which
     UCX copies out of markedly faster than 4 KiB pages (see ``engine.host_memory``)."""
-    cache = core.runner.kv_cache  # [layers, 2, blocks, block, kv_heads, dim]
+    cache = kv.cache  # [layers, 2, blocks, block, kv_heads, dim]
     shape = (cache.shape[0], 2, num_blocks, *cache.shape[3:])
     return empty_huge_pages(shape, cache.dtype, cache.device)
 
 
 def gather_layer(
-    core: EngineCore,
+    kv: PagedKv,
     layer: int,
     block_ids: Sequence[int],
     plan: TransferPlan,
@@ -48,7 +52,7 @@ def gather_layer(
     order), reordered as ``plan.block_order`` says (engine thread): ``[2, blocks, block,
     kv_heads, dim]``, written into ``out`` (e.g. ``staging_buffer(...)[layer]``) when given."""
     ordered = [block_ids[position] for position in plan.block_order]
-    return core.runner.read_kv_blocks(layer, ordered, out)
+    return kv.read_blocks(layer, ordered, out)
 
 
 def receive_destinations(

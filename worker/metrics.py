@@ -1,9 +1,12 @@
 """A worker's Prometheus metrics: engine figures (vLLM semantics) and KV-transfer figures.
 
-Engine gauges and counters are read at scrape time from the engine's own figures (the load
-snapshot refreshed after every step and the scheduler's monotonic counters), so stepping
-costs nothing extra; request phase times are observed when a request ends, on the engine
-thread. Transfer figures are recorded by the prefill and decode domain objects.
+Engine figures come from the engine's reports only (``AsyncEngine.latest_report``: load
+figures, the scheduler's monotonic counters and the requests that ended, an immutable
+snapshot published by the engine thread after every step and command batch), never from
+the live scheduler. Gauges and counters read the latest report at scrape time (the metrics
+HTTP thread), so stepping costs nothing extra; request phase times are observed from each
+report as it is published (a report listener: on the engine thread, before the requests'
+last outputs go out). Transfer figures are recorded by the prefill and decode domain objects.
 
 Names (prefix ``splitserve_``; labels ``model_name``, ``role``):
 - ``num_requests_running`` / ``num_requests_waiting`` (gauges), ``num_requests_reserved``
@@ -40,7 +43,7 @@ from splitserve.common.errors import TransferAbortedError, TransferTimeoutError
 from splitserve.common.metrics import KV_TRANSFER_BUCKETS, REQUEST_LATENCY_BUCKETS
 from splitserve.common.step_cost import StepCost
 from splitserve.engine.async_engine import AsyncEngine
-from splitserve.engine.request import Request
+from splitserve.engine.engine_report import EngineReport
 
 _LABELS = ("model_name", "role")
 BLOCK_RUN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -120,15 +123,15 @@ class TransferMetrics:
 
 
 class _EngineCollector(Collector):
-    """Gauges and counters read from the engine at scrape time."""
+    """Gauges and counters read from the engine's latest report at scrape time."""
 
     def __init__(self, engine: AsyncEngine, model_name: str, role: str) -> None:
         self._engine = engine
         self._values = [model_name, role]
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        load = self._engine.latest_load
-        stats = self._engine.core.scheduler.stats
+        report = self._engine.latest_report  # one immutable snapshot: load and stats agree
+        load, stats = report.load, report.stats
         usage = load.num_used_blocks / load.num_total_blocks if load.num_total_blocks else 0.0
         gauges = (
             ("num_requests_running", "Requests in the running batch.", load.num_running_requests),
@@ -208,7 +211,7 @@ class _EngineCollector(Collector):
 
 
 class _RequestPhaseMetrics:
-    """Phase times of requests that ended on this engine (observed on the engine thread)."""
+    """Phase times of requests that ended on this engine, observed from its reports."""
 
     def __init__(self, registry: CollectorRegistry, model_name: str, role: str) -> None:
         def histogram(name: str, doc: str) -> Histogram:
@@ -230,19 +233,21 @@ class _RequestPhaseMetrics:
             "splitserve_request_inference_time_seconds", "First scheduled -> finished."
         )
 
-    def observe(self, request: Request) -> None:
-        scheduled, first, end = (
-            request.first_scheduled_time,
-            request.first_token_time,
-            request.finished_time,
-        )
-        if scheduled is None or end is None:
-            return  # aborted while waiting: no phases to report
-        self.queue.observe(scheduled - request.arrival_time)
-        self.inference.observe(end - scheduled)
-        if first is not None:
-            self.prefill.observe(max(0.0, first - scheduled))
-            self.decode.observe(end - first)
+    def observe(self, report: EngineReport) -> None:
+        """A report listener (engine thread): the requests that ended since the last one."""
+        for phases in report.finished:
+            scheduled, first, end = (
+                phases.first_scheduled_time,
+                phases.first_token_time,
+                phases.finished_time,
+            )
+            if scheduled is None:
+                continue  # aborted while waiting: no phases to report
+            self.queue.observe(scheduled - phases.arrival_time)
+            self.inference.observe(end - scheduled)
+            if first is not None:
+                self.prefill.observe(max(0.0, first - scheduled))
+                self.decode.observe(end - first)
 
 
 def install_engine_metrics(
@@ -251,4 +256,4 @@ def install_engine_metrics(
     """Export ``engine``'s figures into ``registry`` (call before the engine serves)."""
     registry.register(_EngineCollector(engine, model_name, role))
     phases = _RequestPhaseMetrics(registry, model_name, role)
-    engine.core.scheduler.on_request_finished = phases.observe
+    engine.add_report_listener(phases.observe)

@@ -31,6 +31,7 @@ from prometheus_client import CollectorRegistry
 
 from splitserve.common.busy_flag import BusyFlag, BusyFlagReader
 from splitserve.common.errors import MembershipStoreError
+from splitserve.common.kv_layout import KvLayout
 from splitserve.common.load import LoadReport
 from splitserve.common.membership import Role, WorkerInfo, member_id
 from splitserve.common.metrics import serve_metrics
@@ -41,12 +42,10 @@ from splitserve.discovery.flags import etcd_endpoints
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.engine.cli_args import engine_config_from_args
 from splitserve.engine.config import EngineConfig
-from splitserve.engine.engine_core import EngineCore
 from splitserve.engine.step_threads import BorrowedCores, StepThreads
 from splitserve.proto.cluster_access import ClusterAccess, access_or_exit
 from splitserve.proto.etcd_client import EtcdClient
 from splitserve.proto.server import serve_forever, start_server
-from splitserve.transfer.layout import KvLayout
 from splitserve.transfer.transport import KvTransport
 from splitserve.transfer.ucx import UcxTransport
 from splitserve.worker.identity import WorkerIdentity
@@ -157,8 +156,7 @@ async def run_worker(
     identities = [
         WorkerIdentity(role_worker_id(base_id, role, roles), address, access) for role in roles
     ]
-    core = await asyncio.to_thread(EngineCore, engine_config_for(args, roles))
-    engine = AsyncEngine(core, step_threads=step_threads)
+    engine = await AsyncEngine.start(engine_config_for(args, roles), step_threads=step_threads)
     transport = UcxTransport(ucx_settings_of(args))
     domains = [
         role.make_domain(engine, transport, identity, args.transfer_timeout)
@@ -192,8 +190,8 @@ async def run_worker(
             role=role.role,
             address=address,
             layout=domain.layout,
-            num_blocks=core.num_blocks,
-            max_model_len=core.max_model_len,
+            num_blocks=engine.facts.num_blocks,
+            max_model_len=engine.facts.max_model_len,
         )
         for role, identity, domain in zip(roles, identities, domains, strict=True)
     ]
@@ -291,7 +289,7 @@ async def _announce(announcer: EtcdAnnouncer, info: WorkerInfo) -> None:
 
 async def _warm_up(engine: AsyncEngine) -> None:
     """One short request through the whole path (first-call costs: packing, allocations)."""
-    vocab = engine.core.model_config.vocab_size
+    vocab = engine.facts.vocab_size
     prompt = [i % vocab for i in range(1, 40)]
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     async for _ in engine.generate("warmup", prompt, params):

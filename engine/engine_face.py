@@ -1,0 +1,91 @@
+"""What code outside ``engine/`` may use of an engine besides its requests and its reports.
+
+A worker's domain objects see their engine through ``AsyncEngine`` only (its requests, its
+reports: ``engine_report.py``) and these objects it hands out: ``EngineFacts`` (what the
+loaded engine is), ``PagedKv`` (its KV cache, for KV transfer) and the layer hook's
+``CompletedPrompt``. None of them leads to the ``EngineCore``, its scheduler or its block
+pool; ``tests/test_engine_face.py`` checks that no code outside ``engine/`` reaches those.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from splitserve.engine.model_runner import ModelRunner
+
+
+@dataclass(frozen=True)
+class EngineFacts:
+    """What a loaded engine is; fixed for its life, so any thread may read it."""
+
+    model_name: str
+    vocab_size: int
+    max_model_len: int
+    """Tokens one sequence may hold (prompt and output)."""
+    num_blocks: int
+    """KV blocks in the pool."""
+
+
+@dataclass(frozen=True)
+class CompletedPrompt:
+    """A request whose prompt's KV is complete in this step, layer by layer."""
+
+    request_id: str
+    block_table: Sequence[int]
+    """The request's blocks in position order (they hold the whole prompt's KV)."""
+
+
+LayerHook = Callable[[int, Sequence[CompletedPrompt]], None]
+"""Called on the engine thread with (layer index, the prompts this step completes) once that
+layer's KV is written; not called in steps that complete no prompt."""
+
+
+class PagedKv:
+    """The engine's paged KV cache as KV transfer sees it.
+
+    Threading contract: the engine thread writes, in every step, the blocks of the requests
+    that step runs. Another thread may read or write a block of ``cache`` only while the
+    engine keeps that block out of every step and out of the pool: the blocks of a
+    remote-prefill reservation, from its grant (``AsyncEngine.submit`` with
+    ``reserve_remote_prefill``) until the request's remote prefill completes
+    (``AsyncEngine.complete_remote_prefill``); the caller's hold on them keeps them out of
+    the pool, also after the request ended, until ``AsyncEngine.release_blocks``. This is
+    where a decode worker's KV receives land. ``read_blocks`` runs on the engine thread
+    only (the layer hook): the blocks it reads are the ones the step is writing.
+    """
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self._runner = runner
+        self.cache: torch.Tensor = runner.kv_cache
+        """``[layers, 2, blocks, block_size, kv_heads, head_dim]``, contiguous."""
+
+    @property
+    def num_layers(self) -> int:
+        return self.cache.shape[0]
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per block."""
+        return self.cache.shape[3]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.cache.shape[4]
+
+    @property
+    def head_dim(self) -> int:
+        return self.cache.shape[5]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.cache.dtype
+
+    def read_blocks(
+        self, layer: int, block_ids: Sequence[int], out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Engine thread only: a copy of ``layer``'s K and V in these blocks, ``[2, blocks,
+        block_size, kv_heads, head_dim]``, written into ``out`` when given."""
+        return self._runner.read_kv_blocks(layer, block_ids, out)

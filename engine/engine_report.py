@@ -1,0 +1,59 @@
+"""What an engine publishes about itself: immutable reports, built on the engine thread.
+
+``AsyncEngine`` builds an ``EngineReport`` on its engine thread after every step, every batch
+of commands and every serving of its reservation queue, and swaps it in as
+``AsyncEngine.latest_report`` (one reference assignment: a reader on any thread gets a whole
+report, never a half-updated one); then it hands the report to its report listeners and only
+then posts that round's outputs to their callers' event loops. So whoever saw a request's
+output finds its effect in the latest report, and nothing outside the engine thread reads the
+live scheduler: the metrics thread and the load reporter read reports only.
+
+Torch-free.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from splitserve.common.load import EngineLoad
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    """The scheduler's counters, monotonically increasing. Immutable: the scheduler replaces
+    its ``stats`` with a new object as it counts, so a report can hold one as it is."""
+
+    num_preemptions: int = 0
+    num_finished_requests: int = 0
+    """Requests that ended (any reason, aborts included)."""
+    prefix_query_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    num_prompt_tokens_computed: int = 0
+    """Prompt tokens run through the model (cached and remote-prefilled ones excluded)."""
+    num_generation_tokens: int = 0
+    """Tokens sampled on this engine."""
+
+
+@dataclass(frozen=True)
+class RequestPhases:
+    """When a request that ended on this engine passed each point (``time.monotonic``)."""
+
+    request_id: str
+    arrival_time: float
+    first_scheduled_time: float | None
+    """When it first left the waiting queue; None: it never ran (aborted while waiting)."""
+    first_token_time: float | None
+    """When its first output token was sampled (end of prefill); None: none was."""
+    finished_time: float
+
+
+@dataclass(frozen=True)
+class EngineReport:
+    """One engine's state as of the end of a step or command batch (the defaults: an engine
+    at rest that has run nothing)."""
+
+    load: EngineLoad = field(default_factory=EngineLoad)
+    stats: SchedulerStats = field(default_factory=SchedulerStats)
+    finished: tuple[RequestPhases, ...] = ()
+    """Requests that ended since the previous report, in the order they ended: each ended
+    request is in exactly one report."""

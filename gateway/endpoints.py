@@ -1,0 +1,89 @@
+"""The two generation routes as data: what differs between ``POST /v1/completions`` and
+``POST /v1/chat/completions``, so that one handler (``gateway/app.py:_generate``) serves both.
+
+An ``Endpoint`` says how a request body becomes the client's prompt and sampling
+(``gateway/sampling.py``: everything asked is honoured or refused with a 400 naming the field)
+and which response shape answers it (``gateway/responses.py``). Everything else (model check,
+request id, latency targets, priority, streaming, errors, disconnects) is the handler's, the
+same for both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from pydantic import BaseModel
+
+from splitserve.client import Sampling
+from splitserve.gateway.responses import ChatBuilder, CompletionBuilder, ResponseBuilder
+from splitserve.gateway.sampling import (
+    PromptArgs,
+    chat_prompt,
+    chat_sampling,
+    completion_prompt,
+    completion_sampling,
+)
+from splitserve.gateway.schemas import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    _SamplingFields,
+)
+
+Body = TypeVar("Body", bound=_SamplingFields)
+"""An endpoint's request body (both share the sampling, streaming and placement fields)."""
+
+
+@dataclass(frozen=True)
+class Endpoint(Generic[Body]):
+    """What one generation route does its own way. ``prompt`` then ``sampling`` read the
+    body, each raising ``ApiError`` (400, naming the field) for what cannot be served."""
+
+    path: str
+    response_model: type[BaseModel]
+    """The whole response's schema (OpenAPI)."""
+    description: str
+    """What a 200 answers (OpenAPI)."""
+    id_prefix: str
+    """The response's id is ``{id_prefix}-{request id}`` (OpenAI's ``cmpl-`` / ``chatcmpl-``)."""
+    prompt: Callable[[Body], PromptArgs]
+    sampling: Callable[[Body], Sampling]
+    builder: Callable[[str, str, Body], ResponseBuilder]
+    """(response id, model, body) -> the request's response builder."""
+
+
+def _completion_builder(response_id: str, model: str, body: CompletionRequest) -> ResponseBuilder:
+    return CompletionBuilder(response_id, model, body.logprobs is not None)
+
+
+def _chat_builder(response_id: str, model: str, body: ChatCompletionRequest) -> ResponseBuilder:
+    return ChatBuilder(response_id, model, bool(body.logprobs))
+
+
+COMPLETIONS = Endpoint[CompletionRequest](
+    "/v1/completions",
+    CompletionResponse,
+    "A completion, or with `stream` an SSE stream of `data: <CompletionResponse chunk>` events "
+    "ending in `data: [DONE]`.",
+    "cmpl",
+    completion_prompt,
+    completion_sampling,
+    _completion_builder,
+)
+"""``POST /v1/completions``: text or token ids, ``text_completion`` objects (16 tokens unless
+``max_tokens`` says otherwise, as in vLLM)."""
+CHAT = Endpoint[ChatCompletionRequest](
+    "/v1/chat/completions",
+    ChatCompletionResponse,
+    "A chat completion, or with `stream` an SSE stream of `data: <ChatCompletionChunk>` "
+    "events ending in `data: [DONE]`.",
+    "chatcmpl",
+    chat_prompt,
+    chat_sampling,
+    _chat_builder,
+)
+"""``POST /v1/chat/completions``: messages, ``chat.completion`` objects (without
+``max_tokens`` up to the coordinator's ``--default-max-tokens``)."""
