@@ -18,6 +18,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -44,15 +45,17 @@ def running(
     ready_marker: str = "splitserve ready at",
     ready_lines: dict[str, str] | None = None,
     processes: list[subprocess.Popen[str]] | None = None,
+    env: dict[str, str] | None = None,
 ) -> Iterator[str]:
     """See the module docstring; ``ready_lines``, when given, receives every "<what> ready at
     <address>" and "<what> metrics at <url>" line printed before readiness, as {what: address}
     (e.g. "splitserve gateway ready", "decode metrics"). ``processes``, when given, receives
-    the process; a test that kills it on purpose is not failed for its exit status."""
+    the process; a test that kills it on purpose is not failed for its exit status. ``env``:
+    more environment for the process (and its children)."""
     child = ChildProcess(
         python_module_argv(*argv),
         name=argv[0],
-        env={TOKEN_ENV: CREDENTIAL.token},
+        env={TOKEN_ENV: CREDENTIAL.token, **(env or {})},
         tail_excludes=("UCX  WARN",),
     )
     if processes is not None:
@@ -81,11 +84,12 @@ def cluster(
     ready_lines: dict[str, str] | None = None,
     up_flags: tuple[str, ...] = (),
     processes: list[subprocess.Popen[str]] | None = None,
+    env: dict[str, str] | None = None,
 ) -> contextlib.AbstractContextManager[str]:
     """``splitserve up`` on free ports; yields the coordinator address. The gateway starts
-        only when ``ready_lines`` is given (its URL is then ``ready_lines["splitserve gateway"]``;
-        metrics URLs are printed as "<role> metrics at <url>"); ``processes`` receives ``up``'s
-    process."""
+    only when ``ready_lines`` is given (its URL is then ``ready_lines["splitserve gateway"]``;
+    metrics URLs are printed as "<role> metrics at <url>"); ``processes`` receives ``up``'s
+    process; ``env``: more environment for ``up`` and its children."""
     argv = [
         "splitserve.launch.up",
         "--port=0",
@@ -98,7 +102,45 @@ def cluster(
     ]
     if ready_lines is None:
         argv.append("--no-gateway")
-    return running([*argv, "--", *worker_flags], ready_lines=ready_lines, processes=processes)
+    return running(
+        [*argv, "--", *worker_flags], ready_lines=ready_lines, processes=processes, env=env
+    )
+
+
+SERVED_MAX_INFLIGHT = 12
+"""``up --max-inflight`` of the shared ``served`` cluster: more concurrent requests get 429."""
+SERVED_STALL_TIMEOUT_S = 2.0
+"""The shared cluster's coordinator cuts a stream whose client read nothing for this long."""
+SERVED_WORKER_FLAGS = ("--num-blocks=512", "--threads=1", "--max-model-len=8192")
+"""bf16 (the default dtype), 8,192 tokens of KV: one 4,000-token stream fits beside others."""
+
+
+@dataclass(frozen=True)
+class Served:
+    """A running ``served_cluster``: what its processes announced."""
+
+    coordinator: str
+    """The coordinator's public gRPC address."""
+    url: str
+    """The gateway's base URL (``http://host:port``)."""
+    metrics_urls: dict[str, str]
+    """Role ("coordinator", "prefill", "decode") -> its /metrics URL."""
+
+
+@contextlib.contextmanager
+def served_cluster() -> Iterator[Served]:
+    """The cluster most outside-in tests share (``tests/shared.py``): ``splitserve up`` with a
+    coordinator, 1 prefill + 1 decode worker (``SERVED_WORKER_FLAGS``) and the gateway, at
+    most ``SERVED_MAX_INFLIGHT`` requests in flight, streams cut after
+    ``SERVED_STALL_TIMEOUT_S`` of a client reading nothing."""
+    lines: dict[str, str] = {}
+    up_flags = (f"--max-inflight={SERVED_MAX_INFLIGHT}",)
+    env = {"SPLITSERVE_CLIENT_STALL_TIMEOUT": str(SERVED_STALL_TIMEOUT_S)}
+    with cluster(
+        1, 1, *SERVED_WORKER_FLAGS, ready_lines=lines, up_flags=up_flags, env=env
+    ) as coordinator:
+        metrics = {what.split()[0]: url for what, url in lines.items() if "metrics" in what}
+        yield Served(coordinator, lines["splitserve gateway ready"], metrics)
 
 
 @contextlib.contextmanager

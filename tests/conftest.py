@@ -1,5 +1,7 @@
 """Shared fixtures: the default model loaded once per session, in float32 for exact checks; the
-KV transport backend under test; a real etcd server."""
+KV transport backend under test; a real etcd server; real clusters shared by several test
+modules (``tests/shared.py``: started once, stopped after their last user); the 25 slowest
+tests printed by every run."""
 
 from __future__ import annotations
 
@@ -19,7 +21,51 @@ from splitserve.engine.config import (
     SchedulerConfig,
 )
 from splitserve.engine.llm import LLM
+from tests.cluster import Served
+from tests.cluster import served_cluster as start_served_cluster
 from tests.etcd import EtcdServer, running_etcd
+from tests.shared import Shared, group_users, last_users, stop_all
+
+SHARED_CLUSTERS: dict[str, Shared[object]] = {
+    "served_cluster": Shared("served_cluster", start_served_cluster),
+}
+"""Shared fixture name -> its cluster (``tests/shared.py``)."""
+_last_user: dict[str, str] = {}
+"""Shared fixture name -> node id of the last test of this run that uses it."""
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.option.durations is None:
+        config.option.durations = 25  # every run names its slowest tests
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    items[:] = group_users(items, list(SHARED_CLUSTERS))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    _last_user.clear()
+    _last_user.update(last_users(session.items, list(SHARED_CLUSTERS)))
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    for failure in stop_all(list(SHARED_CLUSTERS.values())):
+        print(f"\nshared cluster did not stop cleanly: {failure}")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.fixture(autouse=True)
+def _stop_shared_clusters_after_their_last_user(request: pytest.FixtureRequest) -> Iterator[None]:
+    yield
+    for name, shared in SHARED_CLUSTERS.items():
+        if shared.running and _last_user.get(name) == request.node.nodeid:
+            shared.stop()  # raises (an error of this test) if a process did not stop cleanly
+
+
+@pytest.fixture(scope="session")
+def served_cluster() -> Served:
+    """``tests/cluster.py:served_cluster``, shared by every module that asks for it."""
+    return SHARED_CLUSTERS["served_cluster"].get()  # type: ignore[return-value]
 
 
 @pytest.fixture(scope="session")

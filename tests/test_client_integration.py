@@ -1,17 +1,16 @@
-"""``splitserve.client`` against a real cluster: ``splitserve up`` with one prefill and one decode
-worker and the default model, started once for the module (no HTTP gateway)."""
+"""``splitserve.client`` against a real cluster: the shared ``served_cluster`` (``splitserve
+up`` with one prefill and one decode worker and the default model), over gRPC."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterator
 
 import grpc
 import pytest
 
 from splitserve.client import AsyncClient, Chunk, Client, ClientError, Finish, Sampling
-from tests.cluster import assert_all_free, cluster, wait_until_idle
+from tests.cluster import Served, assert_all_free, wait_until_idle
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -22,9 +21,8 @@ LONG = Sampling(max_tokens=2000, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def address() -> Iterator[str]:
-    with cluster(1, 1, "--num-blocks=256", "--threads=1") as coordinator_address:
-        yield coordinator_address
+def address(served_cluster: Served) -> str:
+    return served_cluster.coordinator
 
 
 def test_sync_stream_generate_and_model_info(address: str) -> None:

@@ -1,7 +1,8 @@
 """Outside-in: a stranger on the same machine, without the cluster credential, is refused by
-every internal port of a real cluster (``splitserve up``: coordinator, a prefill and a decode
-worker as processes, KV over UCX), cannot join it as a worker, and so never receives a
-prompt; the public port keeps serving clients, and reflection is off."""
+every internal port of a real cluster (the shared ``served_cluster``, ``splitserve up``:
+coordinator, a prefill and a decode worker as processes, KV over UCX), cannot join it as a
+worker, and so never receives a prompt; the public port keeps serving clients, and reflection
+is off."""
 
 from __future__ import annotations
 
@@ -20,9 +21,8 @@ from splitserve.proto.splitserve.v1 import (
     worker_pb2,
     worker_pb2_grpc,
 )
-from tests.cluster import CREDENTIAL, cluster, internal_address
+from tests.cluster import CREDENTIAL, Served, internal_address
 
-WORKER_FLAGS = ("--dtype=float32", "--num-blocks=256", "--threads=1")
 STRANGERS = {
     "no credential": None,
     "a wrong token": ClusterCredential.generate().metadata,
@@ -163,9 +163,8 @@ async def _reflection_call(address: str) -> tuple[grpc.StatusCode, str, int]:
 
 
 @pytest.fixture(scope="module")
-def served() -> str:
-    with cluster(1, 1, *WORKER_FLAGS) as address:
-        yield address
+def served(served_cluster: Served) -> str:
+    return served_cluster.coordinator
 
 
 @pytest.mark.parametrize("stranger", sorted(STRANGERS))

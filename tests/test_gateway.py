@@ -1,5 +1,6 @@
-"""The OpenAI-compatible gateway against a real cluster (``splitserve up``: coordinator,
-1 prefill + 1 decode worker, gateway), driven by the official ``openai`` SDK and raw HTTP."""
+"""The OpenAI-compatible gateway against a real cluster (the shared ``served_cluster``,
+``splitserve up``: coordinator, 1 prefill + 1 decode worker, gateway), driven by the official
+``openai`` SDK and raw HTTP."""
 
 from __future__ import annotations
 
@@ -13,32 +14,25 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from splitserve.client import Client, Sampling
-from tests.cluster import assert_all_free, cluster, wait_until_idle, worker_loads
+from tests.cluster import (
+    SERVED_MAX_INFLIGHT,
+    Served,
+    assert_all_free,
+    wait_until_idle,
+    worker_loads,
+)
 
-MAX_INFLIGHT = 12
+MAX_INFLIGHT = SERVED_MAX_INFLIGHT
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-class Cluster:
-    def __init__(self, coordinator: str, lines: dict[str, str]) -> None:
-        self.coordinator = coordinator
-        self.url = lines["splitserve gateway ready"]
-        self.metrics_urls = {
-            what.split()[0]: url for what, url in lines.items() if "metrics" in what
-        }
+@pytest.fixture(scope="module")
+def served(served_cluster: Served) -> Served:
+    return served_cluster
 
 
 @pytest.fixture(scope="module")
-def served() -> Iterator[Cluster]:
-    lines: dict[str, str] = {}
-    with cluster(
-        1, 1, ready_lines=lines, up_flags=(f"--max-inflight={MAX_INFLIGHT}",)
-    ) as coordinator:
-        yield Cluster(coordinator, lines)
-
-
-@pytest.fixture(scope="module")
-def sdk(served: Cluster) -> openai.OpenAI:
+def sdk(served: Served) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0)
 
 
@@ -61,7 +55,7 @@ def _total(samples: dict[str, float], name: str) -> float:
     return sum(value for key, value in samples.items() if key.startswith(name + "{"))
 
 
-def test_models_health_and_openapi(served: Cluster, sdk: openai.OpenAI) -> None:
+def test_models_health_and_openapi(served: Served, sdk: openai.OpenAI) -> None:
     models = sdk.models.list().data
     assert len(models) == 1 and models[0].id.lower().startswith("smollm2")
     assert httpx.get(f"{served.url}/health", timeout=10).status_code == 200
@@ -76,7 +70,7 @@ def test_models_health_and_openapi(served: Cluster, sdk: openai.OpenAI) -> None:
     assert {"messages", "max_completion_tokens", "stream_options", "logprobs"} <= set(chat_fields)
 
 
-def test_chat_streamed_equals_whole_and_grpc_client(served: Cluster, sdk: openai.OpenAI) -> None:
+def test_chat_streamed_equals_whole_and_grpc_client(served: Served, sdk: openai.OpenAI) -> None:
     model = _model(sdk)
     whole = sdk.chat.completions.create(
         model=model, messages=QUESTION, max_tokens=32, temperature=0
@@ -112,7 +106,7 @@ def test_chat_streamed_equals_whole_and_grpc_client(served: Cluster, sdk: openai
     assert direct.text == text
 
 
-def test_completions_with_logprobs_stop_and_seed(served: Cluster, sdk: openai.OpenAI) -> None:
+def test_completions_with_logprobs_stop_and_seed(served: Served, sdk: openai.OpenAI) -> None:
     model = _model(sdk)
     prompt = "The capital of France is"
     whole = sdk.completions.create(
@@ -157,7 +151,7 @@ def test_completions_with_logprobs_stop_and_seed(served: Cluster, sdk: openai.Op
     assert tokens.usage.prompt_tokens == 4 and tokens.usage.completion_tokens == 5
 
 
-def test_nulls_defaults_and_vllm_extensions(served: Cluster, sdk: openai.OpenAI) -> None:
+def test_nulls_defaults_and_vllm_extensions(served: Served, sdk: openai.OpenAI) -> None:
     model = _model(sdk)
     with httpx.Client(timeout=60) as http:
         nulls = http.post(
@@ -208,7 +202,7 @@ def _error(response: httpx.Response, status: int) -> dict[str, object]:
     return error
 
 
-def test_bad_requests_get_openai_errors(served: Cluster, sdk: openai.OpenAI) -> None:
+def test_bad_requests_get_openai_errors(served: Served, sdk: openai.OpenAI) -> None:
     model = _model(sdk)
     url = f"{served.url}/v1"
     with httpx.Client(timeout=30) as http:
@@ -269,7 +263,7 @@ def test_bad_requests_get_openai_errors(served: Cluster, sdk: openai.OpenAI) -> 
 
 
 def test_malformed_bodies_routes_and_sizes_get_openai_errors(
-    served: Cluster, sdk: openai.OpenAI
+    served: Served, sdk: openai.OpenAI
 ) -> None:
     """What never reaches a route handler (bytes that are not JSON text, nesting deeper than
     the parser goes, a lone surrogate, an unknown route or method, a body over the gateway's
@@ -317,7 +311,7 @@ def test_malformed_bodies_routes_and_sizes_get_openai_errors(
     assert again.usage.completion_tokens == 3
 
 
-def test_disconnect_mid_stream_aborts_and_frees_blocks(served: Cluster, sdk: openai.OpenAI) -> None:
+def test_disconnect_mid_stream_aborts_and_frees_blocks(served: Served, sdk: openai.OpenAI) -> None:
     model = _model(sdk)
     body = {
         "model": model,
@@ -355,7 +349,7 @@ async def _overload(url: str, model: str, count: int) -> list[httpx.Response]:
 
 
 def test_overload_is_429_with_retry_after_and_metrics_move(
-    served: Cluster, sdk: openai.OpenAI
+    served: Served, sdk: openai.OpenAI
 ) -> None:
     model = _model(sdk)
     gateway_before = _samples(f"{served.url}/metrics")

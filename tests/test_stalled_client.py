@@ -1,5 +1,6 @@
 """A client that stops reading its stream is cut after a bounded time, and its request is
-aborted on every worker (real stack: ``splitserve up``, coordinator send timeout 2 s).
+aborted on every worker (real stack: the shared ``served_cluster``, whose coordinator cuts a
+client that read nothing for ``SERVED_STALL_TIMEOUT_S``, 2 s).
 
 The client opens a long stream over a channel with a small HTTP/2 window, reads its first
 response, then reads nothing: the coordinator's writes block once the window is full, and
@@ -11,35 +12,22 @@ When the stalled client reads again it finds the call ended ABORTED.
 from __future__ import annotations
 
 import asyncio
-import os
 import time
-from collections.abc import Iterator
 
 import grpc
 import pytest
 
 from splitserve.client import Client, Sampling
 from splitserve.proto.splitserve.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
-from tests.cluster import assert_all_free, cluster, wait_until_idle, worker_loads
+from tests.cluster import Served, assert_all_free, wait_until_idle, worker_loads
 
-STALL_TIMEOUT_S = 2.0
 LONG_TOKENS = 4000
 SMALL_WINDOW = (("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0))
 
 
 @pytest.fixture(scope="module")
-def coordinator() -> Iterator[str]:
-    name = "SPLITSERVE_CLIENT_STALL_TIMEOUT"
-    previous = os.environ.get(name)
-    os.environ[name] = str(STALL_TIMEOUT_S)
-    try:
-        with cluster(1, 1, "--max-model-len=8192") as address:
-            yield address
-    finally:
-        if previous is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = previous
+def coordinator(served_cluster: Served) -> str:
+    return served_cluster.coordinator
 
 
 def _busy(address: str) -> bool:
