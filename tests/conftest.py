@@ -24,10 +24,13 @@ from splitserve.engine.llm import LLM
 from tests.cluster import Served
 from tests.cluster import served_cluster as start_served_cluster
 from tests.etcd import EtcdServer, running_etcd
+from tests.fault_cluster import FaultCluster
+from tests.fault_cluster import ha_cluster as start_ha_cluster
 from tests.shared import Shared, group_users, last_users, stop_all
 
 SHARED_CLUSTERS: dict[str, Shared[object]] = {
     "served_cluster": Shared("served_cluster", start_served_cluster),
+    "ha_cluster": Shared("ha_cluster", start_ha_cluster, FaultCluster.heal),
 }
 """Shared fixture name -> its cluster (``tests/shared.py``)."""
 _last_user: dict[str, str] = {}
@@ -58,8 +61,17 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 def _stop_shared_clusters_after_their_last_user(request: pytest.FixtureRequest) -> Iterator[None]:
     yield
     for name, shared in SHARED_CLUSTERS.items():
+        if shared.running and name in request.fixturenames:
+            shared.after_test()
         if shared.running and _last_user.get(name) == request.node.nodeid:
             shared.stop()  # raises (an error of this test) if a process did not stop cleanly
+
+
+@pytest.fixture(scope="session")
+def ha_cluster() -> FaultCluster:
+    """``tests/fault_cluster.py:ha_cluster``, shared by the fault tests; whole again after
+    each of them."""
+    return SHARED_CLUSTERS["ha_cluster"].get()  # type: ignore[return-value]
 
 
 @pytest.fixture(scope="session")

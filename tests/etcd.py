@@ -83,6 +83,11 @@ class EtcdServer:
         tail = self.log_path.read_text(errors="replace")[-2000:]
         raise RuntimeError(f"etcd did not become healthy on {self.endpoint}:\n{tail}")
 
+    @property
+    def running(self) -> bool:
+        """Started and not stopped (nor exited on its own)."""
+        return self._process is not None and self._process.poll() is None
+
     def _healthy(self) -> bool:
         try:
             with urllib.request.urlopen(f"http://{self.endpoint}/health", timeout=1) as reply:

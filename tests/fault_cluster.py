@@ -19,9 +19,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,6 +43,23 @@ RECOVERIES_METRIC = "splitserve_request_recoveries"
 """The coordinators' counter of failures a request survived (``coordinator/metrics.py``)."""
 
 
+HA_WORKER_FLAGS = ("--dtype=float32", "--num-blocks=400", "--threads=1", "--metrics-port=-1")
+"""Workers of the shared ``ha_cluster``: float32 (greedy output is batch invariant, so a
+stream that moved equals its uninterrupted reference), 400 KV blocks, one thread each."""
+
+
+@contextlib.contextmanager
+def ha_cluster() -> Iterator[FaultCluster]:
+    """The cluster the fault tests share (``tests/shared.py``): etcd, 2 coordinators, 2
+    prefill and 2 decode workers (``HA_WORKER_FLAGS``) and the gateway; each test that kills
+    something leaves it to ``FaultCluster.heal`` (the conftest calls it after each test)."""
+    with (
+        tempfile.TemporaryDirectory(prefix="splitserve-ha-") as tmp_dir,
+        FaultCluster.start(Path(tmp_dir), 2, 2, 2, HA_WORKER_FLAGS) as cluster,
+    ):
+        yield cluster
+
+
 @dataclass
 class RoleProcess:
     """One role's process; ``start`` runs ``argv`` (a module and its flags) and waits for its
@@ -53,9 +72,12 @@ class RoleProcess:
     """What its ready line announced (the public address, or the gateway's URL)."""
     metrics_url: str = ""
     child: ChildProcess | None = field(default=None, repr=False)
+    exiting: bool = False
+    """It was sent SIGTERM or SIGKILL since it last started."""
 
     def start(self) -> str:
         assert self.child is None or self.child.returncode is not None, f"{self.name} runs"
+        self.exiting = False
         self.child = ChildProcess(
             python_module_argv(*self.argv),
             name=self.name,
@@ -80,6 +102,7 @@ class RoleProcess:
 
     def send(self, signum: signal.Signals) -> None:
         assert self.child is not None
+        self.exiting = self.exiting or signum in (signal.SIGTERM, signal.SIGKILL)
         self.child.popen.send_signal(signum)
 
     def wait_exit(self, timeout_s: float) -> int:
@@ -194,6 +217,20 @@ class FaultCluster:
             )
         except Exception:  # noqa: BLE001 - a coordinator still starting: not whole yet
             return False
+
+    def heal(self) -> None:
+        """Start again whatever is not running (etcd included; a victim that is still exiting
+        is waited for first), then wait until the cluster is whole: what a test that killed
+        or stopped processes of a shared cluster leaves behind (``tests/shared.py``)."""
+        if not self.etcd.running:
+            self.etcd.start()
+        for process in self.processes:
+            if process.running and process.exiting:
+                process.wait_exit(STOP_GRACE_S)
+        dead = [process for process in self.processes if not process.running]
+        with ThreadPoolExecutor(max(1, len(dead))) as pool:  # model loads overlap
+            list(pool.map(RoleProcess.start, dead))
+        self.wait_whole()
 
     def wait_whole(self, timeout_s: float = START_TIMEOUT_S) -> float:
         """Seconds until ``whole()``; ``AssertionError`` after ``timeout_s``."""

@@ -14,8 +14,8 @@ collection rules (``group_users``, ``last_users``):
 - whatever is still running at the end of the session is stopped then (a deselected or
   skipped last user).
 
-Invariant: a test that kills a process of a shared cluster brings it back (or waits until its
-supervisor did) before it ends: the next user finds the cluster whole.
+Invariant: after every test that used it, a shared cluster is whole again (its ``after_each``
+starts what the test killed, or a supervisor did), so the next user finds it as the first did.
 """
 
 from __future__ import annotations
@@ -32,9 +32,17 @@ T = TypeVar("T")
 class Shared(Generic[T]):
     """One lazily started resource; see the module docstring."""
 
-    def __init__(self, name: str, factory: Callable[[], contextlib.AbstractContextManager[T]]):
+    def __init__(
+        self,
+        name: str,
+        factory: Callable[[], contextlib.AbstractContextManager[T]],
+        after_each: Callable[[T], None] | None = None,
+    ) -> None:
+        """``after_each``: called with the value after every test that used it (e.g. to start
+        again what the test killed)."""
         self.name = name
         self._factory = factory
+        self._after_each = after_each
         self._stack: contextlib.ExitStack | None = None
         self._value: T | None = None
 
@@ -50,6 +58,11 @@ class Shared(Generic[T]):
             self._value = value
         assert self._value is not None
         return self._value
+
+    def after_test(self) -> None:
+        """Run ``after_each`` on the running value (nothing when it does not run)."""
+        if self._after_each is not None and self._value is not None:
+            self._after_each(self._value)
 
     def stop(self) -> None:
         """Stop it if it runs; raises what stopping raised (after forgetting it)."""

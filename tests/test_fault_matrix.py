@@ -1,9 +1,10 @@
 """Outside-in fault matrix: no process is a single point of failure.
 
-Real processes through their launch entry points (``tests/fault_cluster.py``): etcd, 2
-coordinators, 2 prefill and 2 decode workers (float32, KV over UCX), the OpenAI gateway
-balancing over both coordinators. Each fault strikes while ``NUM_STREAMS`` greedy streams run
-through the ``openai`` SDK; then the victim is started again, as a supervisor would:
+Real processes through their launch entry points (the shared ``ha_cluster`` of
+``tests/fault_cluster.py``): etcd, 2 coordinators, 2 prefill and 2 decode workers (float32, KV
+over UCX), the OpenAI gateway balancing over both coordinators. Each fault strikes while
+``NUM_STREAMS`` greedy streams run through the ``openai`` SDK; then the victim is started
+again, as a supervisor would:
 
 - kill -9 of a coordinator (mid-stream), of a prefill worker (while prompts are still being
   prefilled), of a decode worker (mid-stream);
@@ -30,9 +31,8 @@ import difflib
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import openai
 import pytest
@@ -42,7 +42,6 @@ from tests.fault_cluster import FaultCluster, RoleProcess
 
 pytestmark = pytest.mark.timeout(900)
 
-WORKER_FLAGS = ("--dtype=float32", "--num-blocks=400", "--threads=1", "--metrics-port=-1")
 NUM_STREAMS = 32
 MAX_TOKENS = 48
 PROMPTS = [
@@ -129,10 +128,8 @@ FAULTS = [
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultCluster]:
-    tmp_dir: Path = tmp_path_factory.mktemp("fault-matrix")
-    with FaultCluster.start(tmp_dir, 2, 2, 2, WORKER_FLAGS) as cluster:
-        yield cluster
+def served(ha_cluster: FaultCluster) -> FaultCluster:
+    return ha_cluster
 
 
 @pytest.fixture(scope="module")

@@ -1,25 +1,24 @@
 """No request is lost when a worker dies: real processes, one of them SIGKILLed mid-stream.
 
-Coordinator + 1 prefill + 2 decode workers (float32: greedy output is exact and independent
-of the batch around it). Reference outputs come from the healthy cluster; then a decode worker
-is killed while every request is streaming (its requests resume on the other decode worker
-from prompt + streamed tokens), and then the prefill worker is killed (prompts are prefilled on
-the decode worker instead). Every request must finish with exactly the reference tokens, and
-the survivor must hold no blocks.
+The shared ``ha_cluster`` (``tests/fault_cluster.py``: etcd, 2 coordinators, 2 prefill + 2
+decode workers, float32: greedy output is exact and independent of the batch around it).
+Reference outputs come from the healthy cluster; then a decode worker is killed while every
+request is streaming (its requests resume on the other decode worker from prompt + streamed
+tokens), and then every prefill worker is killed (prompts are prefilled on the decode worker
+instead). Every request must finish with exactly the reference tokens, and the survivor must
+hold no blocks. What died is started again afterwards (``FaultCluster.heal``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
-import subprocess
 
 from splitserve.client import AsyncClient, Sampling
-from tests.cluster import assert_all_free, roles, wait_until_idle, worker_loads
+from tests.cluster import assert_all_free, wait_until_idle, worker_loads
+from tests.fault_cluster import FaultCluster, RoleProcess
 from tests.streaming import ConcurrentStreams
 
-WORKER_FLAGS = ("--dtype=float32", "--num-blocks=400", "--threads=1", "--metrics-port=-1")
 PROMPTS = [
     "The history of the Roman Empire begins with",
     "A recipe for bread: first, take",
@@ -37,7 +36,7 @@ async def _reference(address: str) -> list[tuple[int, ...]]:
 
 
 async def _stream_and_kill(
-    address: str, decode_workers: dict[str, subprocess.Popen[str]]
+    address: str, decode_workers: dict[str, RoleProcess]
 ) -> tuple[list[tuple[int, ...]], str]:
     """Stream every prompt; once each stream has a few tokens, SIGKILL the decode worker that
     runs the most of them. Returns the streams' tokens and the killed worker's id."""
@@ -48,28 +47,31 @@ async def _stream_and_kill(
         loads = worker_loads(address, set(decode_workers))
         victim = max(loads, key=lambda name: loads[name].num_running_requests)
         assert loads[victim].num_running_requests > 0  # it really holds some of the streams
-        os.kill(decode_workers[victim].pid, signal.SIGKILL)
+        decode_workers[victim].send(signal.SIGKILL)
         results = await streams.results()
     assert [finish for _, finish in results] == ["length"] * len(PROMPTS)
     return [tokens for tokens, _ in results], victim
 
 
-def test_requests_survive_a_dead_decode_worker_and_a_dead_prefill_worker() -> None:
-    processes: list[subprocess.Popen[str]] = []
-    workers = [("prefill", "prefill-0"), ("decode", "decode-0"), ("decode", "decode-1")]
-    with roles(workers, WORKER_FLAGS, processes) as address:
-        prefill, decode_0, decode_1 = processes
+def test_requests_survive_a_dead_decode_worker_and_a_dead_prefill_worker(
+    ha_cluster: FaultCluster,
+) -> None:
+    address = ha_cluster.coordinator_addresses[0]
+    decode_workers = {w.name: w for w in ha_cluster.workers if w.name.startswith("decode")}
+    prefill_workers = [w for w in ha_cluster.workers if w.name.startswith("prefill")]
 
-        expected = asyncio.run(_reference(address))
-        decode_workers = {"decode-0": decode_0, "decode-1": decode_1}
-        streamed, killed = asyncio.run(_stream_and_kill(address, decode_workers))
-        assert streamed == expected
-        (survivor_id,) = set(decode_workers) - {killed}
+    expected = asyncio.run(_reference(address))
+    streamed, killed = asyncio.run(_stream_and_kill(address, decode_workers))
+    assert streamed == expected
+    (survivor_id,) = set(decode_workers) - {killed}
+    assert decode_workers[killed].wait_exit(60) == -signal.SIGKILL
 
-        served = worker_loads(address, {"prefill-0"})["prefill-0"].num_finished_requests
-        assert served > 0  # the prefill worker really prefilled the streams
-        prefill.send_signal(signal.SIGKILL)
-        prefill.wait()
-        assert asyncio.run(_reference(address)) == expected
+    prefill_ids = {w.name for w in prefill_workers}
+    served = sum(load.num_finished_requests for load in worker_loads(address, prefill_ids).values())
+    assert served > 0  # the prefill workers really prefilled the streams
+    for prefill in prefill_workers:
+        prefill.send(signal.SIGKILL)
+        assert prefill.wait_exit(60) == -signal.SIGKILL
+    assert asyncio.run(_reference(address)) == expected
 
-        assert_all_free(wait_until_idle(address, 1, only={survivor_id}), 1)
+    assert_all_free(wait_until_idle(address, 1, only={survivor_id}), 1)
