@@ -22,13 +22,16 @@ from splitserve.client.sync_client import Client
 from splitserve.client.types import Sampling
 from splitserve.common import busy_flag
 from splitserve.common.busy_flag import BusyFlag, BusyFlagReader
+from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine import step_threads as step_threads_module
+from splitserve.engine.checkpoint import LoadedCheckpoint
 from splitserve.engine.step_threads import BorrowedCores, StepThreads
 from splitserve.launch import up
 from splitserve.proto.cluster_auth import TOKEN_ENV
 from splitserve.worker.process import add_worker_args, borrowed_cpus
 from splitserve.worker.runtime import step_threads_of
 from tests.cluster import CREDENTIAL, cluster
+from tests.conftest import make_llm
 
 
 def test_a_reader_sees_the_owners_state_and_reads_busy_until_the_file_exists(
@@ -320,26 +323,27 @@ def _counter(metrics_url: str, name: str) -> float:
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="lending needs a core per worker")
 @pytest.mark.timeout(600)
-def test_up_decode_worker_runs_on_the_idle_prefill_workers_core_and_answers_the_same() -> None:
+def test_up_decode_worker_runs_on_the_idle_prefill_workers_core_and_answers_the_same(
+    default_checkpoint_fp32: LoadedCheckpoint,
+) -> None:
     """Through real processes: ``up`` pins a prefill and a decode worker a core each; the
     decode worker's steps after the first token run on both cores (the prefill worker sits
     idle then), the prefill worker borrows nothing, and the greedy float32 tokens equal those
-    of the same cluster with lending off."""
-    tokens = {}
-    for lending in ("decode", "off"):
-        lines: dict[str, str] = {}
-        up_flags = ("--placement=remote", f"--core-lending={lending}")
-        with cluster(1, 1, "--dtype=float32", ready_lines=lines, up_flags=up_flags) as address:
-            with Client(address) as client:
-                generation = client.generate(
-                    "The three primary colours are",
-                    sampling=Sampling(max_tokens=24, temperature=0.0, ignore_eos=True),
-                )
-            tokens[lending] = generation.token_ids
-            if lending == "decode":
-                decode_metrics, prefill_metrics = lines["decode metrics"], lines["prefill metrics"]
-                steps = _counter(decode_metrics, "splitserve_engine_steps")
-                borrowed = _counter(decode_metrics, "splitserve_engine_steps_on_borrowed_cores")
-                assert steps >= 23 and borrowed > 0, (steps, borrowed)
-                assert _counter(prefill_metrics, "splitserve_engine_steps_on_borrowed_cores") == 0
-    assert len(tokens["decode"]) == 24 and tokens["decode"] == tokens["off"]
+    of the in-process float32 engine (batch and thread invariant: the cluster without lending
+    gives them too)."""
+    prompt = "The three primary colours are"
+    sampling = Sampling(max_tokens=24, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    [expected] = make_llm(default_checkpoint_fp32).generate([prompt], params)
+    lines: dict[str, str] = {}
+    up_flags = ("--placement=remote", "--core-lending=decode")
+    with cluster(1, 1, "--dtype=float32", ready_lines=lines, up_flags=up_flags) as address:
+        with Client(address) as client:
+            generation = client.generate(prompt, sampling=sampling)
+        decode_metrics, prefill_metrics = lines["decode metrics"], lines["prefill metrics"]
+        steps = _counter(decode_metrics, "splitserve_engine_steps")
+        borrowed = _counter(decode_metrics, "splitserve_engine_steps_on_borrowed_cores")
+        assert steps >= 23 and borrowed > 0, (steps, borrowed)
+        assert _counter(prefill_metrics, "splitserve_engine_steps_on_borrowed_cores") == 0
+    assert len(generation.token_ids) == 24
+    assert tuple(generation.token_ids) == tuple(expected.token_ids)

@@ -1,9 +1,9 @@
 """End to end with real processes on loopback: real gRPC, real UCX, the default model.
 
 float32 workers are batch invariant, so a disaggregated cluster (1 prefill + 1 decode worker,
-KV pushed layer by layer over UCX) must produce exactly the tokens of a colocated one (1
-decode worker prefilling locally). Every block on every worker must be free afterwards, as
-the workers themselves report it.
+KV pushed layer by layer over UCX) must produce exactly the tokens of the colocated in-process
+float32 engine (prefill and decode in one engine). Every block on every worker must be free
+afterwards, as the workers themselves report it.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from splitserve.common.sampling_params import SamplingParams
+from splitserve.engine.checkpoint import LoadedCheckpoint
 from splitserve.proto.splitserve.v1 import (
     common_pb2,
     coordinator_pb2,
@@ -31,6 +33,7 @@ from tests.cluster import (
     running,
     wait_until_idle,
 )
+from tests.conftest import make_llm
 
 WORKER_FLAGS = ("--dtype=float32", "--num-blocks=400", "--threads=1")
 PROMPTS = [
@@ -71,14 +74,16 @@ async def _generate_all(address: str, requests: list[coordinator_pb2.GenerateReq
         return await asyncio.gather(*(_generate(stub, r) for r in requests))
 
 
-def test_disaggregated_equals_colocated_and_frees_every_block() -> None:
+def test_disaggregated_equals_colocated_and_frees_every_block(
+    default_checkpoint_fp32: LoadedCheckpoint,
+) -> None:
     requests = [
         coordinator_pb2.GenerateRequest(request_id=f"p{i}", text=text, sampling=_greedy(24))
         for i, text in enumerate(PROMPTS)
     ]
-    with cluster(0, 1, *WORKER_FLAGS) as colocated:
-        expected = [tokens for tokens, _ in asyncio.run(_generate_all(colocated, requests))]
-        assert_all_free(wait_until_idle(colocated, 1), 1)
+    params = SamplingParams(max_tokens=24, min_tokens=24, temperature=0.0)
+    colocated = make_llm(default_checkpoint_fp32).generate(PROMPTS, params)
+    expected = [list(output.token_ids) for output in colocated]
 
     with cluster(1, 1, *WORKER_FLAGS) as disaggregated:
         # up says ready only once the coordinator routes to every worker it started: a
