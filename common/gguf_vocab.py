@@ -13,11 +13,10 @@ Contract:
   as special added tokens and user-defined tokens as plain added tokens, all matched whole in
   raw text. It sets no post-processor: adding BOS/EOS is the caller's business.
 - Unsupported models/pre-tokenizers and the malformations checked here (length mismatches,
-  bad merges, special ids outside the vocabulary, unreadable fields) raise ``ModelLoadError``;
+  bad merges, special ids outside the vocabulary) raise ``ModelLoadError``;
   errors ``tokenizers`` itself raises while building (e.g. merges naming tokens not in the
   vocabulary) propagate unchanged for the caller to wrap.
-- ``gguf_field`` reads one metadata value (``None`` when absent); ``token_at`` maps a special
-  token id to its spelling.
+- ``token_at`` maps a special token id to its spelling.
 """
 
 from __future__ import annotations
@@ -31,7 +30,7 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 from splitserve.common.errors import ModelLoadError
 
 if TYPE_CHECKING:
-    import gguf
+    from splitserve.common.gguf_file import GgufFile
 
 # llama.cpp token types (gguf.TokenType).
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED = 1, 2, 3, 4
@@ -81,21 +80,21 @@ PRE_TOKENIZER_RULES = {
 _SPIECE_SPACE = "\u2581"
 
 
-def gguf_backend(reader: gguf.GGUFReader, kind: str, tokens: list[str]) -> tokenizers.Tokenizer:
+def gguf_backend(gguf_file: GgufFile, kind: str, tokens: list[str]) -> tokenizers.Tokenizer:
     """The fast tokenizer for ``tokenizer.ggml.model`` ``kind``, added tokens registered."""
-    token_types = gguf_field(reader, "tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
+    token_types = gguf_file.field("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
     if len(token_types) != len(tokens):
         raise ModelLoadError("GGUF tokenizer: token_type and tokens differ in length")
     if kind == "gpt2":
-        merges = gguf_field(reader, "tokenizer.ggml.merges") or []
-        pre = gguf_field(reader, "tokenizer.ggml.pre") or "default"
+        merges = gguf_file.field("tokenizer.ggml.merges") or []
+        pre = gguf_file.field("tokenizer.ggml.pre") or "default"
         backend = _byte_level_backend(tokens, merges, str(pre))
     elif kind == "llama":
-        scores = gguf_field(reader, "tokenizer.ggml.scores") or [0.0] * len(tokens)
+        scores = gguf_file.field("tokenizer.ggml.scores") or [0.0] * len(tokens)
         if len(scores) != len(tokens):
             raise ModelLoadError("GGUF tokenizer: scores and tokens differ in length")
-        unk_id = gguf_field(reader, "tokenizer.ggml.unknown_token_id")
-        space_prefix = gguf_field(reader, "tokenizer.ggml.add_space_prefix")
+        unk_id = gguf_file.field("tokenizer.ggml.unknown_token_id")
+        space_prefix = gguf_file.field("tokenizer.ggml.add_space_prefix")
         backend = _sentencepiece_backend(
             tokens, scores, token_types, unk_id, space_prefix is not False
         )
@@ -215,14 +214,3 @@ def token_at(tokens: list[str], token_id: int | None) -> str | None:
     if not 0 <= token_id < len(tokens):
         raise ModelLoadError(f"special token id {token_id} outside the vocabulary")
     return tokens[token_id]
-
-
-def gguf_field(reader: gguf.GGUFReader, key: str) -> object:
-    """Value of metadata ``key`` (str, number, bool or list), ``None`` when absent."""
-    field = reader.get_field(key)
-    if field is None:
-        return None
-    try:
-        return field.contents()
-    except Exception as exc:
-        raise ModelLoadError(f"GGUF metadata {key} is unreadable: {exc}") from exc

@@ -53,7 +53,7 @@ def load_tokenizer(path: str | Path | None) -> Tokenizer:
 
     Besides what ``load_checkpoint`` accepts, a folder holding just ``tokenizer.json`` works.
     """
-    import gguf
+    from splitserve.common.gguf_file import GgufFile  # numpy + gguf: only when a GGUF is read
 
     source = resolve_model_path(path)
     if not (source / "tokenizer.json").is_file():
@@ -61,10 +61,10 @@ def load_tokenizer(path: str | Path | None) -> Tokenizer:
     if source.is_dir():
         return Tokenizer.from_tokenizer_json(source)
     try:
-        reader = gguf.GGUFReader(source)
-    except Exception as exc:
+        gguf_file = GgufFile(source)
+    except (OSError, ValueError) as exc:
         raise ModelLoadError(f"{source} is not a readable GGUF file: {exc}") from exc
-    return Tokenizer.from_gguf_fields(reader)
+    return Tokenizer.from_gguf_fields(gguf_file)
 
 
 def locate_model(path: Path) -> Path:

@@ -30,11 +30,11 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import processors
 
 from splitserve.common.errors import InvalidRequestError, ModelLoadError
-from splitserve.common.gguf_vocab import gguf_backend, gguf_field, token_at
+from splitserve.common.gguf_vocab import gguf_backend, token_at
 from splitserve.common.json_files import read_json_object
 
 if TYPE_CHECKING:
-    import gguf
+    from splitserve.common.gguf_file import GgufFile
 
 
 class Tokenizer:
@@ -107,7 +107,7 @@ class Tokenizer:
         )
 
     @classmethod
-    def from_gguf_fields(cls, reader: gguf.GGUFReader) -> Tokenizer:
+    def from_gguf_fields(cls, gguf_file: GgufFile) -> Tokenizer:
         """Build the tokenizer a GGUF file describes in its ``tokenizer.*`` metadata.
 
         Supports ``tokenizer.ggml.model`` ``"gpt2"`` (byte-level BPE; pre-tokenizers gpt2/default,
@@ -115,23 +115,23 @@ class Tokenizer:
         fallback). Control tokens become special added tokens, user-defined tokens plain added
         tokens. Raises ``ModelLoadError`` for anything else.
         """
-        kind = gguf_field(reader, "tokenizer.ggml.model")
-        tokens = gguf_field(reader, "tokenizer.ggml.tokens")
+        kind = gguf_file.field("tokenizer.ggml.model")
+        tokens = gguf_file.field("tokenizer.ggml.tokens")
         if not kind or not isinstance(tokens, list) or not tokens:
             raise ModelLoadError("GGUF file carries no tokenizer (tokenizer.ggml.model/tokens)")
         try:
-            backend = gguf_backend(reader, str(kind), tokens)
+            backend = gguf_backend(gguf_file, str(kind), tokens)
         except ModelLoadError:
             raise
         except Exception as exc:  # tokenizers rejects the vocabulary (e.g. merges out of vocab)
             raise ModelLoadError(f"GGUF tokenizer is inconsistent: {exc}") from exc
-        add_bos = gguf_field(reader, "tokenizer.ggml.add_bos_token")
-        add_eos = gguf_field(reader, "tokenizer.ggml.add_eos_token")
+        add_bos = gguf_file.field("tokenizer.ggml.add_bos_token")
+        add_eos = gguf_file.field("tokenizer.ggml.add_eos_token")
         return cls(
             backend,
-            chat_template=gguf_field(reader, "tokenizer.chat_template"),
-            bos_token=token_at(tokens, gguf_field(reader, "tokenizer.ggml.bos_token_id")),
-            eos_token=token_at(tokens, gguf_field(reader, "tokenizer.ggml.eos_token_id")),
+            chat_template=gguf_file.field("tokenizer.chat_template"),
+            bos_token=token_at(tokens, gguf_file.field("tokenizer.ggml.bos_token_id")),
+            eos_token=token_at(tokens, gguf_file.field("tokenizer.ggml.eos_token_id")),
             # llama.cpp's defaults when a file does not say: BOS for SentencePiece vocabularies.
             add_bos_token=bool(add_bos) if add_bos is not None else kind == "llama",
             add_eos_token=bool(add_eos),

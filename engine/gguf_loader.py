@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from splitserve.common.errors import ModelLoadError
+from splitserve.common.gguf_file import GgufFile, GgufTensor
 from splitserve.common.tokenizer import Tokenizer
 from splitserve.engine.checkpoint import LoadedCheckpoint, check_weights
 from splitserve.engine.model_config import ModelArchConfig, RopeScaling
@@ -66,14 +67,14 @@ def load_gguf(path: Path, dtype: torch.dtype) -> LoadedCheckpoint:
     """
     path = Path(path)
     try:
-        reader = gguf.GGUFReader(path)
-    except Exception as exc:  # struct/numpy/ValueError from a corrupt or truncated file
+        gguf_file = GgufFile(path)
+    except (OSError, ValueError) as exc:  # GgufFile's errors for a corrupt or truncated file
         raise ModelLoadError(
             f"{path} is not a readable GGUF file (corrupt or truncated?): {exc}"
         ) from exc
-    metadata = _Metadata(reader, path)
-    tokenizer = Tokenizer.from_gguf_fields(reader)
-    tensors = {tensor.name: tensor for tensor in reader.tensors}
+    metadata = _Metadata(gguf_file, path)
+    tokenizer = Tokenizer.from_gguf_fields(gguf_file)
+    tensors = {tensor.name: tensor for tensor in gguf_file.tensors}
     freqs_tensor = tensors.pop(_ROPE_FREQS, None)
     rope_freqs = _dequantize(freqs_tensor, path) if freqs_tensor is not None else None
     config = gguf_model_config(metadata, set(tensors), rope_freqs)
@@ -125,9 +126,9 @@ def _unpermute_rows(tensor: torch.Tensor, num_heads: int) -> torch.Tensor:
     return grouped.transpose(1, 2).reshape(tensor.shape).contiguous()  # [heads, a, j, ...]
 
 
-def _dequantize(tensor: gguf.ReaderTensor, path: Path) -> np.ndarray:
+def _dequantize(tensor: GgufTensor, path: Path) -> np.ndarray:
     """The tensor as a writable float array in HF shape (reversed GGUF dims)."""
-    shape = tuple(int(dim) for dim in reversed(tensor.shape.tolist()))
+    shape = tuple(reversed(tensor.shape))
     try:
         values = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape)
     except NotImplementedError as exc:
@@ -143,8 +144,8 @@ def _dequantize(tensor: gguf.ReaderTensor, path: Path) -> np.ndarray:
 class _Metadata:
     """Typed access to GGUF metadata; keys without a dot-prefix are under the architecture."""
 
-    def __init__(self, reader: gguf.GGUFReader, path: Path) -> None:
-        self._reader = reader
+    def __init__(self, gguf_file: GgufFile, path: Path) -> None:
+        self._gguf_file = gguf_file
         self.path = path
         self.arch = str(self.get("general.architecture", absolute=True) or "")
         if self.arch not in SUPPORTED_ARCHITECTURES:
@@ -155,15 +156,12 @@ class _Metadata:
 
     def get(self, key: str, default: object = None, absolute: bool = False) -> object:
         full_key = key if absolute else f"{self.arch}.{key}"
-        field = self._reader.get_field(full_key)
-        if field is None:
+        value = self._gguf_file.field(full_key)
+        if value is None:
             if default is _REQUIRED:
                 raise ModelLoadError(f"{self.path}: GGUF metadata lacks {full_key}")
             return default
-        try:
-            return field.contents()
-        except Exception as exc:
-            raise ModelLoadError(f"{self.path}: GGUF metadata {full_key} is unreadable") from exc
+        return value
 
     def integer(self, key: str, default: object = _REQUIRED, absolute: bool = False) -> int | None:
         value = self.get(key, default, absolute)

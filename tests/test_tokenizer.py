@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from splitserve.common.errors import InvalidRequestError, ModelLoadError
+from splitserve.common.gguf_file import GgufFile
 from splitserve.common.model_files import default_model_path, load_tokenizer
 from splitserve.common.prompt import min_prompt_tokens
 from splitserve.common.tokenizer import Tokenizer
@@ -53,23 +54,19 @@ CONVERSATIONS = [
 
 
 @pytest.fixture(scope="module")
-def gguf_reader() -> gguf.GGUFReader:
-    return gguf.GGUFReader(default_model_path())
+def default_gguf() -> GgufFile:
+    return GgufFile(default_model_path())
 
 
 @pytest.fixture(scope="module")
-def ours(gguf_reader: gguf.GGUFReader) -> Tokenizer:
-    return Tokenizer.from_gguf_fields(gguf_reader)
+def ours(default_gguf: GgufFile) -> Tokenizer:
+    return Tokenizer.from_gguf_fields(default_gguf)
 
 
 @pytest.fixture(scope="module")
 def reference():
     path = default_model_path()
     return transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-
-
-def _field(reader: gguf.GGUFReader, key: str) -> object:
-    return reader.get_field(key).contents()
 
 
 def write_tokenizer_gguf(path: Path, model: str, tokens: list[str], types: list[int], **kw) -> Path:
@@ -249,14 +246,14 @@ def test_load_tokenizer_reads_only_metadata(sentencepiece_gguf: Path, saved_fold
 
 
 @pytest.fixture(scope="module")
-def small_byte_level_vocab(gguf_reader: gguf.GGUFReader) -> tuple[list[str], list[int], list[str]]:
+def small_byte_level_vocab(default_gguf: GgufFile) -> tuple[list[str], list[int], list[str]]:
     """The first 6000 SmolLM2 tokens and the merges among them (ids unchanged): fast to load."""
-    tokens = _field(gguf_reader, "tokenizer.ggml.tokens")[:6000]
-    types = _field(gguf_reader, "tokenizer.ggml.token_type")[:6000]
+    tokens = default_gguf.field("tokenizer.ggml.tokens")[:6000]
+    types = default_gguf.field("tokenizer.ggml.token_type")[:6000]
     known = set(tokens)
     merges = [
         merge
-        for merge in _field(gguf_reader, "tokenizer.ggml.merges")
+        for merge in default_gguf.field("tokenizer.ggml.merges")
         if {*merge.split(" "), merge.replace(" ", "")} <= known
     ]
     return tokens, types, merges
@@ -270,18 +267,18 @@ def test_byte_level_pre_tokenizers_match_transformers(
     path = write_tokenizer_gguf(
         tmp_path / f"{pre}.gguf", "gpt2", tokens, types, merges=merges, pre=pre, bos=1, eos=2
     )
-    ours = Tokenizer.from_gguf_fields(gguf.GGUFReader(path))
+    ours = Tokenizer.from_gguf_fields(GgufFile(path))
     hf = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
     for text in [*TEXTS, "x=12+345  67 I'M", "12345678 987"]:
         assert ours.encode(text) == hf.encode(text), text
 
 
-def test_unknown_pre_tokenizer_is_a_load_error(gguf_reader, tmp_path: Path) -> None:
+def test_unknown_pre_tokenizer_is_a_load_error(tmp_path: Path) -> None:
     path = write_tokenizer_gguf(
         tmp_path / "odd.gguf", "gpt2", ["a", "b"], [1, 1], merges=[], pre="made-up"
     )
     with pytest.raises(ModelLoadError, match="made-up"):
-        Tokenizer.from_gguf_fields(gguf.GGUFReader(path))
+        Tokenizer.from_gguf_fields(GgufFile(path))
 
 
 @pytest.fixture(scope="module")
@@ -298,7 +295,7 @@ def sentencepiece_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_sentencepiece_gguf_matches_transformers(sentencepiece_gguf: Path) -> None:
-    ours = Tokenizer.from_gguf_fields(gguf.GGUFReader(sentencepiece_gguf))
+    ours = Tokenizer.from_gguf_fields(GgufFile(sentencepiece_gguf))
     hf = transformers.AutoTokenizer.from_pretrained(
         sentencepiece_gguf.parent, gguf_file=sentencepiece_gguf.name
     )
@@ -312,7 +309,7 @@ def test_sentencepiece_gguf_matches_transformers(sentencepiece_gguf: Path) -> No
 def test_sentencepiece_spaces_follow_llama_cpp(sentencepiece_gguf: Path) -> None:
     # llama.cpp (like sentencepiece) always prepends one space, also to text that starts with
     # one and after a special token; transformers' Metaspace does neither. We follow llama.cpp.
-    ours = Tokenizer.from_gguf_fields(gguf.GGUFReader(sentencepiece_gguf))
+    ours = Tokenizer.from_gguf_fields(GgufFile(sentencepiece_gguf))
     hello = ours.token_to_id(f"{SPACE}hello")
     assert ours.encode(" hello", add_special_tokens=False) == [ours.token_to_id(SPACE), hello]
     assert ours.encode("<s>hello", add_special_tokens=False) == [1, hello]
