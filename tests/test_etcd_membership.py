@@ -1,33 +1,30 @@
 """Outside-in: membership on a real etcd, no single coordinator holding it. Real processes
-through the role entry points: etcd, two coordinators (``--etcd-endpoints``), a prefill and a
-decode worker that announce themselves in etcd (no ``--coordinator``: they know no
-coordinator), float32, KV over UCX.
+through the role entry points (the shared ``ha_cluster`` of ``tests/fault_cluster.py``): etcd,
+two coordinators (``--etcd-endpoints``), 2 prefill and 2 decode workers that announce
+themselves in etcd (no ``--coordinator``: they know no coordinator), float32, KV over UCX.
 
-- Both coordinators learn both workers from etcd and serve, with outputs equal between them
+- Both coordinators learn every worker from etcd and serve, with outputs equal between them
   (greedy float32), load figures streaming from the workers (``WorkerMonitor.WatchLoad``).
 - etcd stopped for 10 s: both coordinators keep the last membership and go on serving; etcd
   back: still serving, nobody lost.
-- A worker drained with SIGTERM revokes its lease: both coordinators drop it at once, long
-  before a lease would expire.
+- Workers drained with SIGTERM revoke their leases: both coordinators drop them at once, long
+  before a lease would expire. (``FaultCluster.heal`` starts them again afterwards.)
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import signal
-import subprocess
 import time
 
 import pytest
 
 from splitserve.client import AsyncClient, Sampling
-from tests.cluster import running, worker_loads
-from tests.etcd import EtcdServer
+from tests.cluster import worker_loads
+from tests.fault_cluster import FaultCluster
 
 pytestmark = pytest.mark.timeout(600)
 
-WORKER_FLAGS = ("--dtype=float32", "--num-blocks=300", "--threads=1", "--metrics-port=-1")
 PROMPTS = ["The three primary colours are", "A haiku about autumn:", "def fibonacci(n):"]
 SAMPLING = Sampling(max_tokens=24, temperature=0.0, ignore_eos=True)
 OUTAGE_S = 10.0
@@ -48,44 +45,36 @@ def _wait_for(predicate, what: str, timeout_s: float = 60.0) -> float:  # noqa: 
     return time.monotonic() - started
 
 
-def test_membership_on_etcd_survives_an_outage_and_a_drain(etcd: EtcdServer) -> None:
-    membership = (f"--etcd-endpoints={etcd.endpoint}", "--cluster-name=test-cluster")
-    processes: list[subprocess.Popen[str]] = []
-    coordinator_argv = ["splitserve.coordinator.main", "--port=0", "--internal-port=0"]
-    coordinator_argv += ["--metrics-port=-1", *membership]
-    with contextlib.ExitStack() as stack:
-        coordinators = [
-            stack.enter_context(running(coordinator_argv, "splitserve coordinator ready at"))
-            for _ in range(2)
-        ]
-        for role, name in (("prefill", "prefill-0"), ("decode", "decode-0")):
-            argv = [f"splitserve.{role}.main", "--port=0", f"--worker-id={name}"]
-            argv += [*membership, *WORKER_FLAGS]
-            stack.enter_context(running(argv, f"splitserve {role} ready at", None, processes))
-        for address in coordinators:
-            _wait_for(lambda a=address: len(worker_loads(a)) == 2, "both workers")
+def test_membership_on_etcd_survives_an_outage_and_a_drain(ha_cluster: FaultCluster) -> None:
+    coordinators = ha_cluster.coordinator_addresses
+    prefill_workers = [w for w in ha_cluster.workers if w.name.startswith("prefill")]
+    every_worker = sorted(ha_cluster.worker_ids)
+    for address in coordinators:
+        assert sorted(worker_loads(address)) == every_worker  # learnt from etcd alone
 
-        expected = asyncio.run(_generate(coordinators[0]))
-        assert asyncio.run(_generate(coordinators[1])) == expected
-        assert worker_loads(coordinators[0])["prefill-0"].num_finished_requests > 0
+    expected = asyncio.run(_generate(coordinators[0]))
+    assert asyncio.run(_generate(coordinators[1])) == expected
+    loads = worker_loads(coordinators[0])
+    assert sum(loads[w.name].num_finished_requests for w in prefill_workers) > 0
 
-        etcd.stop()
-        outage_ends = time.monotonic() + OUTAGE_S
-        while time.monotonic() < outage_ends:
-            for address in coordinators:
-                assert asyncio.run(_generate(address)) == expected
-        etcd.start()
+    ha_cluster.etcd.stop()
+    outage_ends = time.monotonic() + OUTAGE_S
+    while time.monotonic() < outage_ends:
         for address in coordinators:
             assert asyncio.run(_generate(address)) == expected
-            assert sorted(worker_loads(address)) == ["decode-0", "prefill-0"]
+    ha_cluster.etcd.start()
+    for address in coordinators:
+        assert asyncio.run(_generate(address)) == expected
+        assert sorted(worker_loads(address)) == every_worker
 
-        prefill = processes[0]
-        prefill.send_signal(signal.SIGTERM)
-        dropped_s = max(
-            _wait_for(lambda a=address: "prefill-0" not in worker_loads(a), "prefill-0 gone")
-            for address in coordinators
-        )
-        assert prefill.wait(timeout=60) == 0
-        assert dropped_s < 5.0  # the lease was revoked, not left to expire (10 s)
-        for address in coordinators:  # prompts now prefilled on the decode worker
-            assert asyncio.run(_generate(address)) == expected
+    for prefill in prefill_workers:
+        prefill.send(signal.SIGTERM)
+    names = {w.name for w in prefill_workers}
+    dropped_s = max(
+        _wait_for(lambda a=address: not names & set(worker_loads(a)), "the prefill workers gone")
+        for address in coordinators
+    )
+    assert [prefill.wait_exit(60) for prefill in prefill_workers] == [0] * len(prefill_workers)
+    assert dropped_s < 5.0  # the leases were revoked, not left to expire (10 s)
+    for address in coordinators:  # prompts now prefilled on the decode workers
+        assert asyncio.run(_generate(address)) == expected

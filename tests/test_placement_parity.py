@@ -35,7 +35,8 @@ PROMPTS = [
     "Once upon a time, in a land far away, there lived " * 12,
     "def fibonacci(n):\n    " * 20,
 ]
-MAX_TOKENS = 16
+MAX_TOKENS = 8
+"""Enough tokens that each output crosses the KV handoff and several decode steps."""
 MODES = {
     "local": ("--placement=local",),
     "remote": ("--placement=remote",),

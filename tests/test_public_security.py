@@ -282,8 +282,8 @@ def test_a_wrong_key_gets_unauthenticated_from_the_client(served: SecureCluster)
 def test_request_ids_are_scoped_per_tenant(served: SecureCluster) -> None:
     """Two tenants may use the same request id at once (neither learns the other's is
     live); within a tenant a live id is refused; a priority above the tenant's highest is
-    refused."""
-    long = Sampling(max_tokens=400, temperature=0.0, ignore_eos=True)
+    refused. Alice's long request, live all along, is then aborted by her (its id is hers)."""
+    long = Sampling(max_tokens=2000, temperature=0.0, ignore_eos=True)
     short = Sampling(max_tokens=8, temperature=0.0, ignore_eos=True)
 
     async def body() -> tuple[Finish, Generation, ClientError, ClientError]:
@@ -302,11 +302,13 @@ def test_request_ids_are_scoped_per_tenant(served: SecureCluster) -> None:
             assert not alices.done()  # bob's ran while alice's "same" was live
             with pytest.raises(ClientError) as too_high:
                 await bob.generate("Count:", sampling=short, priority=1)
+            assert not alices.done()  # still live: ended only by its own tenant's abort
+            assert await alice.abort("same")
             return await alices, bobs, duplicate.value, too_high.value
 
     alices, bobs, duplicate, too_high = asyncio.run(body())
-    assert alices.finish_reason == bobs.finish_reason == "length"
-    assert (alices.usage.completion_tokens, bobs.usage.completion_tokens) == (400, 8)
+    assert (alices.finish_reason, bobs.finish_reason) == ("abort", "length")
+    assert 0 < alices.usage.completion_tokens < 2000 and bobs.usage.completion_tokens == 8
     assert bobs.request_id == "same"
     assert duplicate.code == grpc.StatusCode.INVALID_ARGUMENT
     assert "already running" in duplicate.message
