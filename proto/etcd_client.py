@@ -47,6 +47,16 @@ _TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 _LEASE_NOT_FOUND = "requested lease not found"
 _STREAM_BROKE = (grpc.aio.AioRpcError, asyncio.InvalidStateError, TimeoutError)
 """How a stream call fails: an RPC error, a write on a call that already ended, no reply."""
+
+
+def _raise_if_cancelled() -> None:
+    """Re-raise a cancellation of the running task that a stream call turned into one of
+    ``_STREAM_BROKE`` (grpc.aio may end a cancelled read as a CANCELLED ``AioRpcError``):
+    a retry loop that caught it would otherwise go on for good, and whoever cancelled it
+    (``EtcdAnnouncer.withdraw``, a watcher's close) would wait on it forever."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
 MIN_RETRY_S = 0.1
 MAX_RETRY_S = 1.0
 
@@ -272,7 +282,8 @@ class EtcdClient:
             try:
                 while True:
                     await call.write(request)
-                    reply = await asyncio.wait_for(call.read(), timeout=interval_s)
+                    async with asyncio.timeout(interval_s):
+                        reply = await call.read()
                     if reply is grpc.aio.EOF:
                         break
                     if reply.TTL <= 0:
@@ -280,6 +291,7 @@ class EtcdClient:
                     backoff.reset()
                     await asyncio.sleep(interval_s)
             except _STREAM_BROKE as error:
+                _raise_if_cancelled()
                 logger.info("etcd lease keep-alive stream broke (%s); retrying", _brief(error))
             finally:
                 call.cancel()
@@ -332,6 +344,7 @@ class EtcdClient:
                     elif not reply.created:  # progress: nothing up to header.revision is left
                         next_revision = max(next_revision, reply.header.revision + 1)
             except (*_STREAM_BROKE, EtcdUnavailable) as error:
+                _raise_if_cancelled()
                 logger.info("etcd watch stream broke (%s); resuming", _brief(error))
             finally:
                 call.cancel()

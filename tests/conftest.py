@@ -86,6 +86,19 @@ def default_checkpoint_fp32() -> LoadedCheckpoint:
     return load_checkpoint(default_model_path(), torch.float32)
 
 
+@pytest.fixture(scope="session")
+def hf_default_model_fp32() -> torch.nn.Module:
+    """HF ``transformers``' own load of the default model's GGUF, float32, in eval mode: the
+    reference of weights (``test_checkpoint_loading``) and of greedy output
+    (``test_correctness_hf``), loaded once. Do not modify it."""
+    transformers = pytest.importorskip("transformers")
+    path = default_model_path()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    )
+    return model.eval()
+
+
 @pytest.fixture(params=["inprocess", "ucx"])
 def transport_kind(request: pytest.FixtureRequest) -> Iterator[str]:
     """The KV transport backend under test; after a UCX test the process-wide ucxx context is

@@ -100,11 +100,8 @@ def default_checkpoint(default_checkpoint_fp32: LoadedCheckpoint) -> LoadedCheck
 
 
 @pytest.fixture(scope="module")
-def reference():
-    path = default_model_path()
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32
-    )
+def reference(hf_default_model_fp32: torch.nn.Module):
+    model = hf_default_model_fp32
     return model.config, {name: value.detach() for name, value in model.state_dict().items()}
 
 

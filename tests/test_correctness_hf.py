@@ -12,7 +12,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from splitserve.common.model_files import default_model_path
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.checkpoint import LoadedCheckpoint
 from splitserve.kernels.cpu_attention import load_cpu_decode_attention
@@ -64,13 +63,9 @@ def prompts(default_checkpoint_fp32: LoadedCheckpoint) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def hf_greedy(prompts: list[list[int]]) -> list[list[int]]:
+def hf_greedy(prompts: list[list[int]], hf_default_model_fp32: torch.nn.Module) -> list[list[int]]:
     """HF transformers greedy continuations, one prompt at a time (no padding effects)."""
-    path = default_model_path()
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32
-    )
-    model.eval()
+    model = hf_default_model_fp32
     outputs = []
     with torch.inference_mode():
         for prompt in prompts:
