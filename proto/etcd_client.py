@@ -57,6 +57,8 @@ def _raise_if_cancelled() -> None:
     task = asyncio.current_task()
     if task is not None and task.cancelling():
         raise asyncio.CancelledError
+
+
 MIN_RETRY_S = 0.1
 MAX_RETRY_S = 1.0
 
