@@ -177,8 +177,7 @@ class FaultCluster:
         cluster = cls(etcd, coordinators, workers, gateway)
         try:
             etcd.start()
-            for process in [*coordinators, *workers]:
-                process.start()
+            _start_together([*coordinators, *workers])
             gateway.argv.append(f"--coordinator={','.join(cluster.coordinator_addresses)}")
             gateway.start()
             cluster.wait_whole()
@@ -227,9 +226,7 @@ class FaultCluster:
         for process in self.processes:
             if process.running and process.exiting:
                 process.wait_exit(STOP_GRACE_S)
-        dead = [process for process in self.processes if not process.running]
-        with ThreadPoolExecutor(max(1, len(dead))) as pool:  # model loads overlap
-            list(pool.map(RoleProcess.start, dead))
+        _start_together([process for process in self.processes if not process.running])
         self.wait_whole()
 
     def wait_whole(self, timeout_s: float = START_TIMEOUT_S) -> float:
@@ -278,3 +275,10 @@ class FaultCluster:
             return asyncio.run(asyncio.wait_for(listing(), 5))
         except (EtcdError, TimeoutError, OSError):
             return set()
+
+
+def _start_together(processes: Sequence[RoleProcess]) -> None:
+    """Start each process and wait until all are ready, their starts overlapping (imports and
+    model loads: the workers know the coordinators through etcd, so none waits on another)."""
+    with ThreadPoolExecutor(max(1, len(processes))) as pool:
+        list(pool.map(RoleProcess.start, processes))

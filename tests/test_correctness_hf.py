@@ -1,9 +1,11 @@
 """Greedy output equals HF ``transformers`` token for token (float32, same weights).
 
 Eight prompts from 5 to 1,000+ tokens run as one concurrent batch, 64 new tokens each, under
-five engine configurations: prefix caching on (run twice, so the second run hits the cache)
-and off, a prefill chunk small enough to chunk every long prompt, a KV pool small enough to
-force preemption, and decodes on the C++ CPU attention kernel. Every run must end with every
+five engine configurations: prefix caching on (run twice, so the second run hits the cache;
+decoding on the C++ CPU attention kernel where it builds) and off, a prefill chunk small
+enough to chunk every long prompt, a KV pool small enough to force preemption (with that
+chunk too), and decodes on the C++ CPU attention kernel alone. The default suite runs the
+first and the preemption one; the rest are ``slow``. Every run must end with every
 block back in the pool.
 """
 
@@ -97,7 +99,10 @@ def _assert_equal(actual: list[list[int]], expected: list[list[int]]) -> None:
 
 
 def test_prefix_caching_on(default_checkpoint_fp32, prompts, hf_greedy) -> None:
-    llm = make_llm(default_checkpoint_fp32, prefix_caching=True)
+    """With the C++ decode attention kernel where it builds (the torch path elsewhere and in
+    the chunked and preemption tests)."""
+    backend = "cpu" if load_cpu_decode_attention() is not None else "auto"
+    llm = make_llm(default_checkpoint_fp32, prefix_caching=True, attention_backend=backend)
     _assert_equal(_run(llm, prompts), hf_greedy)
     hits_before = llm.engine.scheduler.stats.prefix_hit_tokens
     _assert_equal(_run(llm, prompts), hf_greedy)  # second run is served from the prefix cache
@@ -112,6 +117,7 @@ def test_prefix_caching_off(default_checkpoint_fp32, prompts, hf_greedy) -> None
     assert llm.engine.scheduler.stats.prefix_hit_tokens == 0
 
 
+@pytest.mark.slow  # test_preemption_and_recompute chunks every long prompt too
 def test_chunked_prefill(default_checkpoint_fp32, prompts, hf_greedy) -> None:
     llm = make_llm(default_checkpoint_fp32, max_num_batched_tokens=96, prefix_caching=False)
     _assert_equal(_run(llm, prompts), hf_greedy)
@@ -120,11 +126,17 @@ def test_chunked_prefill(default_checkpoint_fp32, prompts, hf_greedy) -> None:
 def test_preemption_and_recompute(default_checkpoint_fp32, prompts, hf_greedy) -> None:
     # Enough blocks for the longest request alone, far too few for all eight at once.
     longest = max(len(p) for p in prompts) + NEW_TOKENS
-    llm = make_llm(default_checkpoint_fp32, num_blocks=longest // 16 + 8, prefix_caching=True)
+    llm = make_llm(
+        default_checkpoint_fp32,
+        num_blocks=longest // 16 + 8,
+        prefix_caching=True,
+        max_num_batched_tokens=96,  # and every long prompt (and its recompute) chunked
+    )
     _assert_equal(_run(llm, prompts), hf_greedy)
     assert llm.engine.scheduler.stats.num_preemptions > 0
 
 
+@pytest.mark.slow  # test_prefix_caching_on decodes on the kernel wherever it builds
 def test_cpu_decode_kernel(default_checkpoint_fp32, prompts, hf_greedy) -> None:
     if load_cpu_decode_attention() is None:
         pytest.skip("the C++ CPU kernel cannot be built here (no compiler)")

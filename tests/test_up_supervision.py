@@ -34,7 +34,7 @@ pytestmark = pytest.mark.timeout(600)
 
 WORKER_FLAGS = ("--dtype=float32", "--num-blocks=300", "--threads=1", "--metrics-port=-1")
 PROMPTS = [f"Write a short story about the number {n}, starting with" for n in range(16)]
-SAMPLING = Sampling(max_tokens=64, temperature=0.0, ignore_eos=True)
+SAMPLING = Sampling(max_tokens=32, temperature=0.0, ignore_eos=True)
 BACK_WITHIN_S = 30.0
 
 

@@ -14,10 +14,17 @@ from __future__ import annotations
 import asyncio
 import signal
 
+import pytest
+
 from splitserve.client import AsyncClient, Sampling
 from tests.cluster import assert_all_free, wait_until_idle, worker_loads
 from tests.fault_cluster import FaultCluster, RoleProcess
 from tests.streaming import ConcurrentStreams
+
+# slow: a decode worker killed mid-stream is test_coordinator_failover's seeded test (after a
+# coordinator), prompts prefilled on the decode workers once every prefill worker is gone is
+# test_etcd_membership's (drained) and the fault matrix's kill -9 of a prefill worker (slow)
+pytestmark = pytest.mark.slow
 
 PROMPTS = [
     "The history of the Roman Empire begins with",
