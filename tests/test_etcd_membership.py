@@ -5,8 +5,8 @@ themselves in etcd (no ``--coordinator``: they know no coordinator), float32, KV
 
 - Both coordinators learn every worker from etcd and serve, with outputs equal between them
   (greedy float32), load figures streaming from the workers (``WorkerMonitor.WatchLoad``).
-- etcd stopped for 10 s: both coordinators keep the last membership and go on serving; etcd
-  back: still serving, nobody lost.
+- etcd stopped for ``OUTAGE_S`` (6 s): both coordinators keep the last membership and go on
+  serving; etcd back: still serving, nobody lost.
 - Workers drained with SIGTERM revoke their leases: both coordinators drop them at once, long
   before a lease would expire. (``FaultCluster.heal`` starts them again afterwards.)
 """
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.timeout(600)
 
 PROMPTS = ["The three primary colours are", "A haiku about autumn:", "def fibonacci(n):"]
 SAMPLING = Sampling(max_tokens=24, temperature=0.0, ignore_eos=True)
-OUTAGE_S = 10.0
+OUTAGE_S = 6.0
 
 
 async def _generate(address: str) -> list[tuple[int, ...]]:
