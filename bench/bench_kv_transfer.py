@@ -9,38 +9,89 @@ blocks; the regions come from ``kv_io.receive_destinations``). The child's UCX w
 and all control messages go through a ``multiprocessing.Pipe``; the control traffic is outside
 the timed part.
 
-Workloads: the KV of a 128, 1024 and 4096 token prompt of the default model (SmolLM2-135M: 30
-layers, 3 KV heads, head_dim 64, block_size 16, bf16: 6 KiB per block for K and as much for V)
-received into consecutive blocks (one run: per layer one K and one V message), the 1024-token
-prompt received into blocks in 4 runs (a fragmented cache: 8 messages per layer), and a 64 MiB
-"layer" (one 32 MiB K and one 32 MiB V message). The sender's source is already in the plan's
-block order, gathered layer by layer into a staging buffer as the prefill worker's engine thread
-does (``kv_io.staging_buffer``: huge pages), outside the transfer.
+Devices (``--device``): ``cpu`` (the default) moves host memory, as the CPU workers do; ``cuda``
+moves GPU memory on one GPU (see "CUDA mode" below): the child's KV cache and the sender's
+staging buffer are CUDA tensors, so UCX moves them with its CUDA transports, through the same
+``UcxTransport`` / ``LayerSender`` / ``LayerReceiver`` code as two nodes with GPUDirect RDMA.
+
+Workloads, cpu: the KV of a 128, 1024 and 4096 token prompt of the default model (SmolLM2-135M:
+30 layers, 3 KV heads, head_dim 64, block_size 16, bf16: 6 KiB per block for K and as much for
+V) received into consecutive blocks (one run: per layer one K and one V message), the
+1024-token prompt received into blocks in 4 runs (a fragmented cache: 8 messages per layer),
+and a 64 MiB "layer" (one 32 MiB K and one 32 MiB V message). Workloads, cuda: the KV of
+Llama-3-8B (32 layers, 8 KV heads, head_dim 128, block_size 16, bf16: 32 KiB per block for K
+and as much for V) of a 1024 and an 8192 token prompt (128 MiB and 1 GiB, one K and one V
+message per layer), the 1024-token prompt in 4 runs (256 messages of 512 KiB), and one "layer"
+of a 256 MiB K and a 256 MiB V message (512 MiB). The sender's source is already in the plan's
+block order, gathered layer by layer into a staging buffer as the prefill worker's engine
+thread does (``kv_io.staging_buffer``: huge pages on cpu), outside the transfer.
 
 One repetition: the child zeroes its cache, posts its receiver and answers "ready". The sender
 then reads ``CLOCK_MONOTONIC`` (start), offers every layer at once (the transport's bandwidth,
 not the engine's pace) and awaits ``finish``. The child reads ``CLOCK_MONOTONIC`` (end) when
 ``LayerReceiver.wait`` returns, i.e. when every message has landed in the cache, and sends it
 back. Duration = end - start: both processes read the same system-wide clock, so no pipe
-latency is in it. Then the child sends the CRC32 of the reserved blocks (gathered in block-table
-order), which must equal the source's (checked every repetition, untimed). GB/s = bytes /
-duration / 1e9, median over ``--reps`` repetitions after one warm-up.
+latency is in it. Then the child sends a checksum of the reserved blocks (gathered in
+block-table order), which must equal the source's (checked every repetition, warm-up included,
+untimed; a mismatch is recorded with the workload's numbers, as ``byte_check``, and the bench
+goes on). GB/s = bytes / duration / 1e9, median over ``--reps`` repetitions after one warm-up.
 
-UCX configurations: error handling off with UCX's default transports (shared memory / CMA on
-one machine), error handling on (UCX then excludes transports that cannot detect a dead peer,
-so traffic goes over TCP), and ``UCX_TLS=tcp``. Baseline, measured in the same run in this
-process: libc ``memcpy`` of the same total bytes into another buffer (one copy, median of
+UCX configurations, cpu: error handling off with UCX's default transports (shared memory / CMA
+on one machine), error handling on (UCX then excludes transports that cannot detect a dead
+peer, so traffic goes over TCP), and ``UCX_TLS=tcp``. Baseline, measured in the same run in
+this process: libc ``memcpy`` of the same total bytes into another buffer (one copy, median of
 ``--reps``; the fastest of torch ``copy_``, numpy ``copyto`` and libc ``memcpy`` on this
 machine), and the ratio transfer / memcpy.
 
-The machine is shared and small: before the memcpy baseline and before each UCX
+The machine is shared and small: on cpu, before the memcpy baseline and before each UCX
 configuration, the bench waits (up to ``--wait-quiet-s``) for the CPUs to go idle and records
 the busy fraction it saw (above ~0.1: the numbers next to it were contended). Both processes
 run torch with ``--threads`` threads (default 1: two processes on two cores).
 
-Usage: ``python bench/bench_kv_transfer.py [--reps 7] [--out [PATH]] [--skip-tcp]``; prints
-a table to stderr and the JSON report to stdout; ``--out`` also writes the report
-(default ``bench/results/kv-transfer-<date>.json``).
+CUDA mode (``--device cuda``, GPU 0): each process makes the CUDA primary context of GPU 0
+current in its main thread (``torch.cuda.set_device`` and a first allocation) before it creates
+its ``UcxTransport``: UCX's CUDA transports need a current context when ``ucxx.init`` creates
+the worker, as dask-cuda / distributed-ucxx ensure before theirs (ucxx's progress thread makes
+the same primary context current for itself). UCX is not stream-ordered, so every CUDA write
+of the bench (random source, staging gather, cache zeroing) is synchronized before UCX may
+touch that memory. Configurations: UCX's default transports (error handling off);
+``UCX_TLS=cuda_ipc,cuda_copy,sm,self`` (the one-node GPU path named explicitly: cuda_ipc moves
+the data, shared memory the rendezvous control messages, self the withdrawals); and
+``UCX_TLS=cuda_copy,tcp`` (staged through host memory over TCP: what two nodes without
+GPUDirect do; skipped with ``--skip-tcp``). The checksum: the child gathers the reserved blocks
+on the GPU, copies them to pinned host memory and sends the CRC32 of every 16 MiB chunk
+(computed on up to 8 threads: zlib releases the GIL). Baseline, in the same run in this
+process: torch ``copy_`` device-to-device of the same total bytes, timed between
+``torch.cuda.synchronize()`` calls, median of ``--reps`` after one warm-up; its GB/s counts
+the bytes copied once, as the transfer's does (not read + written). Also measured here: what
+the transport's size check costs per CUDA message (``size_check_copies``: the synchronous
+8-byte copy that writes a receive's canary before it is posted, and the one that reads it back
+when the receive completed, inside the timed part). No CPU-idle wait on cuda (a 0.25 s busy
+sample is recorded instead). Bounds: every wait for a transfer has
+``--transfer-timeout-s`` (default 20 s on cuda, 60 s on cpu), every other wait for the other
+process 60 s, so a hung or dead peer fails its configuration, never the bench; a configuration
+that fails (exception, timeout, a dead child) is recorded with its error text and the
+measurements it made, and the next one runs; one that runs longer than ``--config-budget-s``
+(default 30 s on cuda, none on cpu) starts no further workload (they are listed as skipped).
+The report is rewritten to ``--out`` after every configuration, so a run cut short leaves what
+it measured. ``--ucx-proto-info`` sets ``UCX_PROTO_INFO=y``: UCX then prints the protocol and
+transports it selects (e.g. rendezvous over cuda_ipc) to stdout; use it with ``--out``.
+Without a CUDA device, ``--device cuda`` prints why to stderr and the report
+``{"skipped": "no CUDA device"}`` to stdout (and ``--out``), with exit status 0.
+
+Running time on cuda with the default 5 repetitions (estimate, a 16-core H100/H200 host;
+the 2-core VM spends 2-5 s per cpu configuration, child start included): start and GPU
+baseline about 10 s; per configuration a child start (spawn, imports, CUDA and UCX init) of
+5-10 s, 6 x 1.75 GiB transferred (well under 1 s over cuda_ipc; about 4-10 s staged over TCP
+at 1-3 GB/s) and checked (GPU gather, copy to pinned memory at 10+ GB/s, CRC32 at 1-4 GB/s per
+thread on 8 threads: 1-3 s), and 1-3 s of teardown: about 10-15 s per GPU-path configuration
+and 15-25 s for the TCP one, 40-60 s in all; the budget caps a configuration that is much
+slower than that.
+
+Usage: ``python bench/bench_kv_transfer.py [--device cpu|cuda] [--reps N] [--out [PATH]]
+[--skip-tcp]``; prints a table to stderr and the JSON report to stdout; ``--out`` also writes
+the report (default ``bench/results/kv-transfer-<date>.json``, ``kv-transfer-cuda-<date>.json``
+on cuda).
 """
 
 from __future__ import annotations
@@ -50,7 +101,9 @@ import asyncio
 import contextlib
 import ctypes
 import datetime
+import functools
 import json
+import math
 import multiprocessing
 import os
 import platform
@@ -59,29 +112,51 @@ import sys
 import time
 import zlib
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 
 import torch
 import ucxx
-from timing_stats import Json, wait_for_quiet
+from timing_stats import Json, machine_busy_fraction, wait_for_quiet
 
 from splitserve.engine.host_memory import empty_huge_pages, zeros_huge_pages
+from splitserve.transfer import ucx as ucx_module
 from splitserve.transfer.layer_channel import LayerReceiver, LayerSender
 from splitserve.transfer.plan import TransferPlan, new_transfer_secret
 from splitserve.transfer.ucx import UcxSettings, UcxTransport
 from splitserve.worker.kv_io import receive_destinations
 
+DEVICES = ("cpu", "cuda")
+BLOCK_SIZE = 16
+FRAGMENTED_RUNS = 4
+
 SMOLLM2_LAYERS = 30
 SMOLLM2_HALF_BLOCK_BYTES = 16 * 3 * 64 * 2
 """K (or V) bytes of one block of the default model in bf16: block_size x kv_heads x dim x 2."""
-BLOCK_SIZE = 16
 PROMPT_TOKENS = (128, 1024, 4096)
-FRAGMENTED_RUNS = 4
 BIG_MESSAGE_BYTES = 64 << 20
+
+LLAMA8B_LAYERS = 32
+LLAMA8B_HALF_BLOCK_BYTES = 16 * 8 * 128 * 2
+"""K (or V) bytes of one Llama-3-8B block in bf16: 32 KiB."""
+GPU_PROMPT_TOKENS = (1024, 8192)
+GPU_BIG_MESSAGE_BYTES = 256 << 20
+"""One message of the cuda mode's big "layer" (it has a K and a V message of this size)."""
+
 CONTROL_TIMEOUT_S = 60.0
 """Bound on every wait for the other process (a crashed child fails the bench, never hangs)."""
+TRANSFER_TIMEOUT_S = {"cpu": CONTROL_TIMEOUT_S, "cuda": 20.0}
+"""Default bound on one transfer (``LayerSender.finish``, ``LayerReceiver.wait``)."""
+CONFIG_BUDGET_S = {"cpu": math.inf, "cuda": 30.0}
+"""Default time after which a configuration starts no further workload."""
+DEFAULT_REPS = {"cpu": 7, "cuda": 5}
+CUDA_DEVICE_INDEX = 0
+CHECK_CHUNK_BYTES = 16 << 20
+"""cuda mode's byte check: one CRC32 per chunk of this many bytes."""
+CHILD_FAILED = "receiver failed"
+"""First item of the tuple a failing child sends before it exits (with the error's text)."""
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
@@ -111,6 +186,11 @@ class Workload:
     def plan(self) -> TransferPlan:
         return TransferPlan.for_destination(self.block_ids)
 
+    @property
+    def source_shape(self) -> tuple[int, int, int, int]:
+        """The sender's KV of the prompt: ``[layers, 2, blocks, half_block_bytes]``."""
+        return (self.num_layers, 2, len(self.block_ids), self.half_block_bytes)
+
 
 def fragmented(num_blocks: int, runs: int) -> tuple[int, ...]:
     """``num_blocks`` ids in ``runs`` runs with a free block between runs, last run first."""
@@ -123,30 +203,37 @@ def fragmented(num_blocks: int, runs: int) -> tuple[int, ...]:
     return tuple(block for chunk in reversed(chunks) for block in chunk)
 
 
-def workloads() -> list[Workload]:
-    """The default model's KV of each prompt length, a fragmented one, and 64 MiB."""
+def prompt_workloads(
+    num_layers: int, half_block_bytes: int, prompt_tokens: Sequence[int]
+) -> list[Workload]:
+    """A model's KV of each prompt length, into consecutive blocks; the 1024-token one also in
+    ``FRAGMENTED_RUNS`` runs."""
     work = []
-    for tokens in PROMPT_TOKENS:
+    for tokens in prompt_tokens:
         blocks = -(-tokens // BLOCK_SIZE)
         work.append(
-            Workload(
-                f"prompt-{tokens}",
-                SMOLLM2_LAYERS,
-                SMOLLM2_HALF_BLOCK_BYTES,
-                tuple(range(blocks)),
-            )
+            Workload(f"prompt-{tokens}", num_layers, half_block_bytes, tuple(range(blocks)))
         )
         if tokens == 1024:
             work.append(
                 Workload(
                     f"prompt-{tokens}-{FRAGMENTED_RUNS}runs",
-                    SMOLLM2_LAYERS,
-                    SMOLLM2_HALF_BLOCK_BYTES,
+                    num_layers,
+                    half_block_bytes,
                     fragmented(blocks, FRAGMENTED_RUNS),
                 )
             )
-    work.append(Workload("message-64MiB", 1, BIG_MESSAGE_BYTES // 2, (0,)))
     return work
+
+
+def workloads(device: str = "cpu") -> list[Workload]:
+    """cpu: the default model's KV of each prompt length, a fragmented one, and 64 MiB; cuda:
+    Llama-3-8B's KV of a 1024 and an 8192 token prompt, a fragmented one, and 2 x 256 MiB."""
+    if device == "cuda":
+        work = prompt_workloads(LLAMA8B_LAYERS, LLAMA8B_HALF_BLOCK_BYTES, GPU_PROMPT_TOKENS)
+        return [*work, Workload("layer-2x256MiB", 1, GPU_BIG_MESSAGE_BYTES, (0,))]
+    work = prompt_workloads(SMOLLM2_LAYERS, SMOLLM2_HALF_BLOCK_BYTES, PROMPT_TOKENS)
+    return [*work, Workload("message-64MiB", 1, BIG_MESSAGE_BYTES // 2, (0,))]
 
 
 @dataclass(frozen=True)
@@ -155,7 +242,18 @@ class UcxConfig:
     settings: UcxSettings
 
 
-def ucx_configs(skip_tcp: bool) -> list[UcxConfig]:
+def ucx_configs(skip_tcp: bool, device: str = "cpu") -> list[UcxConfig]:
+    if device == "cuda":
+        configs = [
+            UcxConfig("ucx default tls", UcxSettings()),
+            UcxConfig(
+                "ucx tls=cuda_ipc,cuda_copy,sm,self",
+                UcxSettings(tls="cuda_ipc,cuda_copy,sm,self"),
+            ),
+        ]
+        if not skip_tcp:
+            configs.append(UcxConfig("ucx tls=cuda_copy,tcp", UcxSettings(tls="cuda_copy,tcp")))
+        return configs
     configs = [
         UcxConfig("ucx error_handling=off", UcxSettings()),
         UcxConfig("ucx error_handling=on", UcxSettings(error_handling=True)),
@@ -163,6 +261,15 @@ def ucx_configs(skip_tcp: bool) -> list[UcxConfig]:
     if not skip_tcp:
         configs.append(UcxConfig("ucx tls=tcp", UcxSettings(tls="tcp")))
     return configs
+
+
+@dataclass(frozen=True)
+class ChildOptions:
+    """What the receiver child needs besides its UCX configuration."""
+
+    device: str
+    threads: int
+    transfer_timeout_s: float
 
 
 def monotonic() -> float:
@@ -174,28 +281,72 @@ def crc32(tensor: torch.Tensor) -> int:
     return zlib.crc32(tensor.numpy().data)
 
 
+@functools.cache
+def _crc_pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="crc")
+
+
+def chunk_crc32(host: torch.Tensor) -> tuple[int, ...]:
+    """CRC32 of each ``CHECK_CHUNK_BYTES`` chunk of a contiguous host uint8 tensor's bytes, on
+    a few threads (zlib releases the GIL)."""
+    flat = host.reshape(-1).numpy()
+    chunks = [flat[i : i + CHECK_CHUNK_BYTES] for i in range(0, flat.size, CHECK_CHUNK_BYTES)]
+    return tuple(_crc_pool().map(zlib.crc32, chunks))
+
+
+def init_cuda() -> None:
+    """Make the primary CUDA context of GPU ``CUDA_DEVICE_INDEX`` current in this thread (UCX's
+    CUDA transports need one when ``ucxx.init`` creates the worker): idempotent."""
+    torch.cuda.init()
+    torch.cuda.set_device(CUDA_DEVICE_INDEX)
+    torch.empty(1, device="cuda").zero_()  # the first allocation creates the context
+    torch.cuda.synchronize()
+
+
+def synchronize(device: str) -> None:
+    """Wait for this process's pending CUDA work (UCX is not stream-ordered); no-op on cpu."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
 def recv_within(conn: Connection, timeout_s: float = CONTROL_TIMEOUT_S) -> object:
-    """The next control message from the other process; ``TimeoutError`` if none comes."""
+    """The next control message from the other process; ``TimeoutError`` if none comes,
+    ``RuntimeError`` with its text if the child reports its failure, ``EOFError`` if it is
+    gone."""
     if not conn.poll(timeout_s):
         raise TimeoutError(f"no control message within {timeout_s:.0f}s")
-    return conn.recv()
+    try:
+        message = conn.recv()
+    except EOFError:
+        raise EOFError("the other process closed its pipe (it exited or died)") from None
+    if isinstance(message, tuple) and len(message) == 2 and message[0] == CHILD_FAILED:
+        raise RuntimeError(f"{CHILD_FAILED}: {message[1]}")
+    return message
 
 
 # ----------------------------------------------------------------------------- receiver (child)
 
 
-def receiver_main(conn: Connection, config: UcxConfig, threads: int) -> None:
-    """Child process entry: the decode side, serving transfers until told to stop."""
-    torch.set_num_threads(threads)
+def receiver_main(conn: Connection, config: UcxConfig, options: ChildOptions) -> None:
+    """Child process entry: the decode side, serving transfers until told to stop. A failure
+    is sent to the parent (its text) before the child exits."""
+    torch.set_num_threads(options.threads)
     try:
-        asyncio.run(_serve_receives(conn, config))
+        if options.device == "cuda":
+            init_cuda()  # before ucxx.init
+        asyncio.run(_serve_receives(conn, config, options))
+    except BaseException as error:
+        with contextlib.suppress(Exception):  # the parent may be gone already
+            conn.send((CHILD_FAILED, f"{type(error).__name__}: {error}"))
+        raise
     finally:
         conn.close()
 
 
-async def _serve_receives(conn: Connection, config: UcxConfig) -> None:
+async def _serve_receives(conn: Connection, config: UcxConfig, options: ChildOptions) -> None:
     transport = UcxTransport(config.settings)
     caches: dict[Workload, torch.Tensor] = {}
+    host_copies: dict[Workload, torch.Tensor] = {}  # cuda: pinned room for the byte check
     conn.send(transport.address)
     try:
         while isinstance(command := await asyncio.to_thread(recv_within, conn), tuple):
@@ -203,95 +354,157 @@ async def _serve_receives(conn: Connection, config: UcxConfig) -> None:
             cache = caches.get(workload)
             if cache is None:  # [layers, 2, blocks, half_block_bytes], allocated as a KV cache
                 shape = (workload.num_layers, 2, workload.cache_blocks, workload.half_block_bytes)
-                cache = zeros_huge_pages(shape, torch.uint8, "cpu")
+                cache = zeros_huge_pages(shape, torch.uint8, options.device)
                 caches[workload] = cache
             cache.zero_()
+            synchronize(options.device)  # zeroed before any message may land
             plan, destinations = receive_destinations(cache, workload.block_ids)
             receiver = LayerReceiver(transport, transfer_id, secret, plan, destinations)
             await asyncio.sleep(0.005)  # let the receiver post its receives
             conn.send("ready")
-            await receiver.wait(CONTROL_TIMEOUT_S)
+            await receiver.wait(options.transfer_timeout_s)
             conn.send(monotonic())
-            conn.send(crc32(cache[:, :, list(workload.block_ids)].contiguous()))
+            if options.device == "cuda":
+                conn.send(_device_checksum(cache, workload, host_copies))
+            else:
+                conn.send(crc32(cache[:, :, list(workload.block_ids)].contiguous()))
     finally:
         await transport.close()
+
+
+def _device_checksum(
+    cache: torch.Tensor, workload: Workload, host_copies: dict[Workload, torch.Tensor]
+) -> tuple[int, ...]:
+    """``chunk_crc32`` of the reserved blocks of a CUDA cache, gathered in block-table order on
+    the GPU and copied to host memory (pinned where it can be had, kept per workload)."""
+    index = torch.tensor(workload.block_ids, device=cache.device)
+    gathered = cache.index_select(2, index)
+    host = host_copies.get(workload)
+    if host is None:
+        try:
+            host = torch.empty(gathered.shape, dtype=torch.uint8, pin_memory=True)
+        except RuntimeError:  # no pinned memory to be had: pageable is slower, as exact
+            host = torch.empty(gathered.shape, dtype=torch.uint8)
+        host_copies[workload] = host
+    host.copy_(gathered)  # synchronous
+    return chunk_crc32(host)
 
 
 # ----------------------------------------------------------------------------- sender (parent)
 
 
 async def _time_transfers(
-    conn: Connection, settings: UcxSettings, work: Sequence[Workload], reps: int
-) -> Json:
-    """Run ``1 + reps`` transfers of each workload to the child; seconds per timed rep."""
-    transport = UcxTransport(settings)
+    conn: Connection,
+    settings: UcxSettings,
+    work: Sequence[Workload],
+    args: argparse.Namespace,
+    results: Json,
+) -> None:
+    """Run ``1 + reps`` transfers of each workload to the child, into ``results``: seconds per
+    timed rep and the reps whose bytes differed, per workload (filled as they are measured,
+    so a failure keeps what came before it)."""
+    device = args.device
+    if device == "cuda":
+        init_cuda()  # before ucxx.init
+    started = time.monotonic()
     loop = asyncio.get_running_loop()
-    results: Json = {"context_transports": sorted(ucxx.get_active_transports())}
+    measured: Json = {}
+    results["workloads"] = measured
+    transport: UcxTransport | None = None
     try:
+        transport = UcxTransport(settings)
+        results["context_transports"] = sorted(ucxx.get_active_transports())
         peer = await asyncio.to_thread(recv_within, conn)
-        assert isinstance(peer, bytes)
-        endpoint = await transport.connect(peer)
+        if not isinstance(peer, bytes):
+            raise RuntimeError(f"expected the child's UCX address, got {type(peer).__name__}")
+        endpoint = await asyncio.wait_for(transport.connect(peer), CONTROL_TIMEOUT_S)
         transfer_ids = iter(range(1, 1 << 20))
         for workload in work:
+            if time.monotonic() - started > args.config_budget_s:
+                results.setdefault("skipped_workloads", []).append(workload.name)
+                continue
             plan = workload.plan  # in production it comes with the reservation
             # [layers, 2, blocks, half_block_bytes] random bytes, blocks in block-table order
-            source = torch.randint(
-                0,
-                256,
-                (workload.num_layers, 2, len(workload.block_ids), workload.half_block_bytes),
-                dtype=torch.uint8,
-            )
-            expected_crc = crc32(source)
+            source = torch.randint(0, 256, workload.source_shape, dtype=torch.uint8, device=device)
+            expected = chunk_crc32(source.cpu()) if device == "cuda" else crc32(source)
             # what the engine thread hands the sender: each layer gathered in plan order into
             # a staging buffer allocated as the prefill worker's (kv_io.staging_buffer)
-            order = torch.tensor(plan.block_order)
-            ordered = empty_huge_pages(tuple(source.shape), torch.uint8, "cpu")
+            order = torch.tensor(plan.block_order, device=device)
+            ordered = empty_huge_pages(workload.source_shape, torch.uint8, device)
             for layer in range(workload.num_layers):
                 torch.index_select(source[layer], 1, order, out=ordered[layer])
-            seconds = []
-            for rep in range(1 + reps):
+            del source
+            synchronize(device)  # the staging buffer is written before UCX reads it
+            seconds: list[float] = []
+            mismatched_reps: list[int] = []
+            measured[workload.name] = {"seconds": seconds, "mismatched_reps": mismatched_reps}
+            for rep in range(1 + args.reps):
                 transfer_id, secret = next(transfer_ids), new_transfer_secret()
                 conn.send((workload, transfer_id, secret))  # in production: the reservation
-                assert await asyncio.to_thread(recv_within, conn) == "ready"
+                ready = await asyncio.to_thread(recv_within, conn)
+                if ready != "ready":
+                    raise RuntimeError(f"expected 'ready' from the child, got {ready!r}")
                 sender = LayerSender(endpoint, transfer_id, secret, workload.num_layers, plan, loop)
                 start = monotonic()
                 for layer in range(workload.num_layers):
                     sender.offer(layer, ordered[layer])
-                await sender.finish(CONTROL_TIMEOUT_S)
+                await sender.finish(args.transfer_timeout_s)
                 end = await asyncio.to_thread(recv_within, conn)
-                assert isinstance(end, float)
-                if await asyncio.to_thread(recv_within, conn) != expected_crc:
-                    raise RuntimeError(f"{workload.name}: received bytes differ from the sent")
+                if not isinstance(end, float):
+                    raise RuntimeError(f"expected the child's end time, got {end!r}")
+                if await asyncio.to_thread(recv_within, conn) != expected:
+                    mismatched_reps.append(rep)
+                    log(f"{workload.name} rep {rep}: received bytes differ from the sent")
                 if rep > 0:  # rep 0 warms up endpoints, pages and caches
                     seconds.append(end - start)
-            results[workload.name] = seconds
+            median_s = statistics.median(seconds) if seconds else math.nan
+            log(
+                f"  {workload.name}: {workload.total_bytes / median_s / 1e9:.2f} GB/s"
+                + (f" (bytes differed in reps {mismatched_reps})" if mismatched_reps else "")
+            )
     finally:
         with contextlib.suppress(OSError):  # the child may be gone already
             conn.send("stop")
-        await transport.close()
-    return results
+        if transport is not None:
+            await transport.close()
 
 
 def bench_config(config: UcxConfig, work: Sequence[Workload], args: argparse.Namespace) -> Json:
-    """Spawn a receiver child with ``config`` and time every workload against it."""
+    """Spawn a receiver child with ``config`` and time every workload against it. Returns what
+    was measured; a failure adds ``error`` (its text) and keeps the workloads done before."""
     context = multiprocessing.get_context("spawn")
     parent_conn, child_conn = context.Pipe()
+    options = ChildOptions(args.device, args.threads, args.transfer_timeout_s)
     child = context.Process(
         target=receiver_main,
-        args=(child_conn, config, args.threads),
+        args=(child_conn, config, options),
         daemon=True,
     )
+    started = time.monotonic()
+    results: Json = {"workloads": {}}
     child.start()
     child_conn.close()
     try:
-        timings = asyncio.run(_time_transfers(parent_conn, config.settings, work, args.reps))
+        asyncio.run(_time_transfers(parent_conn, config.settings, work, args, results))
+    except Exception as error:  # one broken configuration does not sink the others
+        results["error"] = f"{type(error).__name__}: {error}"
+        log(f"{config.name} failed: {results['error']}")
     finally:
         child.join(10)
         if child.is_alive():
             child.terminate()
             child.join(5)
-        ucxx.reset()  # one context per process: the next configuration inits its own
-    return timings
+        if child.is_alive():
+            child.kill()
+            child.join(5)
+        results["child_exitcode"] = child.exitcode
+        parent_conn.close()
+        try:
+            ucxx.reset()  # one context per process: the next configuration inits its own
+        except Exception as error:  # objects of a failed run still hold it: init works anyway
+            results["ucx_reset_error"] = f"{type(error).__name__}: {error}"
+        results["wall_s"] = round(time.monotonic() - started, 1)
+    return results
 
 
 def memcpy_seconds(total_bytes: int, reps: int) -> list[float]:
@@ -312,6 +525,44 @@ def memcpy_seconds(total_bytes: int, reps: int) -> list[float]:
     return seconds
 
 
+def device_copy_seconds(total_bytes: int, reps: int) -> list[float]:
+    """torch ``copy_`` of ``total_bytes`` between two buffers on the GPU, each timed between
+    ``torch.cuda.synchronize()`` calls, after one warm-up copy."""
+    source = torch.randint(0, 256, (total_bytes,), dtype=torch.uint8, device="cuda")
+    destination = torch.empty_like(source)
+    destination.copy_(source)
+    seconds = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        destination.copy_(source)
+        torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - start)
+    if not torch.equal(destination, source):
+        raise RuntimeError("device copy baseline did not copy")
+    return seconds
+
+
+def size_check_copy_us(samples: int = 200) -> Json:
+    """What the UCX transport's size check costs per CUDA message, measured as it copies
+    (``ucx._TailCanary``): one synchronous 8-byte host-to-device ``copy_`` (before the receive
+    is posted, untimed in a transfer) and one 8-byte ``.cpu()`` (after it completed, inside the
+    timed part); median microseconds of each."""
+    tail = torch.zeros(64, dtype=torch.uint8, device="cuda")[-8:]
+    writes, reads = [], []
+    for _ in range(samples):
+        start = time.perf_counter()
+        tail.copy_(torch.frombuffer(bytearray(8), dtype=torch.uint8))
+        middle = time.perf_counter()
+        tail.cpu().numpy().tobytes()
+        writes.append(middle - start)
+        reads.append(time.perf_counter() - middle)
+    return {
+        "write_us_median": round(statistics.median(writes) * 1e6, 1),
+        "read_us_median": round(statistics.median(reads) * 1e6, 1),
+    }
+
+
 # ----------------------------------------------------------------------------- report
 
 
@@ -326,31 +577,84 @@ def bandwidth(total_bytes: int, seconds: Sequence[float]) -> Json:
     }
 
 
-def machine_info() -> Json:
-    return {
+def machine_info(device: str) -> Json:
+    info: Json = {
         "cpu": platform.processor() or platform.machine(),
         "logical_cpus": os.cpu_count(),
         "torch": torch.__version__,
         "ucx": ".".join(str(part) for part in ucxx.get_ucx_version()),
         "ucxx": getattr(ucxx, "__version__", None),
         "python": platform.python_version(),
+        "splitserve_transfer": str(Path(ucx_module.__file__).resolve().parent),
         "load_average_start": [round(x, 2) for x in os.getloadavg()],
+        "environment": {  # UCX settings, ucxx's defaults among them (set when it is imported)
+            name: value
+            for name, value in sorted(os.environ.items())
+            if name.startswith(("UCX_", "UCXPY_"))
+            or name in ("PYTORCH_CUDA_ALLOC_CONF", "CUDA_VISIBLE_DEVICES")
+        },
     }
+    if device == "cuda":
+        properties = torch.cuda.get_device_properties(CUDA_DEVICE_INDEX)
+        info["device"] = torch.cuda.get_device_name(CUDA_DEVICE_INDEX)
+        info["device_memory_gib"] = round(properties.total_memory / 2**30, 1)
+        info["torch_cuda"] = torch.version.cuda
+        info["cuda_driver"] = _driver_version()
+    return info
+
+
+def _driver_version() -> str | None:
+    """The NVIDIA driver's version through NVML (nvidia-ml-py), None where it is unavailable."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        version = pynvml.nvmlSystemGetDriverVersion()
+    except Exception:
+        return None
+    return version.decode() if isinstance(version, bytes) else str(version)
 
 
 def run(args: argparse.Namespace) -> Json:
     torch.set_num_threads(args.threads)
-    work = workloads()
-    report: Json = {"machine": machine_info()}
-    report["machine"]["busy_fraction_before"] = wait_for_quiet(args.wait_quiet_s)
+    cuda = args.device == "cuda"
+    if cuda:
+        init_cuda()
+    work = workloads(args.device)
+    baseline = "device_copy" if cuda else "memcpy"
+    report: Json = {"device": args.device, "machine": machine_info(args.device)}
+    if cuda:
+        report["machine"]["busy_fraction_before"] = machine_busy_fraction(0.25)
+    else:
+        report["machine"]["busy_fraction_before"] = wait_for_quiet(args.wait_quiet_s)
     report["setup"] = {
+        "device": args.device,
         "torch_threads_per_process": args.threads,
-        "receive": "straight into the reserved blocks of a cache tensor (no staging copy)",
-        "memcpy": "libc memcpy, one thread",
+        "receive": "straight into the reserved blocks of a cache tensor (no staging copy)"
+        + (", on the GPU (torch, CUDA, zeros)" if cuda else ""),
+        "baseline": baseline,
+        baseline: "torch copy_ device to device, timed between torch.cuda.synchronize() calls; "
+        "GB/s = bytes copied (once) / s"
+        if cuda
+        else "libc memcpy, one thread",
         "timing": "sender CLOCK_MONOTONIC before the first offer -> receiver CLOCK_MONOTONIC "
         "when LayerReceiver.wait returns (every message landed in the cache)",
+        "byte_check": (
+            f"CRC32 of each {CHECK_CHUNK_BYTES >> 20} MiB chunk of the reserved blocks "
+            "(gathered on the GPU in block-table order, copied to host) against the source's"
+            if cuda
+            else "CRC32 of the reserved blocks (block-table order) against the source's"
+        )
+        + ", every rep (warm-up included), untimed",
+        "kv_model": (
+            "Llama-3-8B: 32 layers, 8 KV heads, head_dim 128, block 16, bf16"
+            if cuda
+            else "SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64, block 16, bf16"
+        ),
         "reps": args.reps,
         "warmup_reps": 1,
+        "transfer_timeout_s": args.transfer_timeout_s,
+        "config_budget_s": None if math.isinf(args.config_budget_s) else args.config_budget_s,
     }
     report["workloads"] = {
         w.name: {
@@ -363,27 +667,49 @@ def run(args: argparse.Namespace) -> Json:
         }
         for w in work
     }
-    memcpy = {
-        w.name: bandwidth(w.total_bytes, memcpy_seconds(w.total_bytes, args.reps)) for w in work
+    copy_seconds = device_copy_seconds if cuda else memcpy_seconds
+    baselines = {
+        w.name: bandwidth(w.total_bytes, copy_seconds(w.total_bytes, args.reps)) for w in work
     }
-    report["memcpy"] = memcpy
+    report[baseline] = baselines
+    if cuda:
+        report["size_check_copies"] = size_check_copy_us()
+    log(
+        f"{baseline}: "
+        + ", ".join(f"{name} {row['gbps_median']:.1f} GB/s" for name, row in baselines.items())
+    )
     report["transfers"] = {}
-    for config in ucx_configs(args.skip_tcp):
+    for config in ucx_configs(args.skip_tcp, args.device):
         log(f"{config.name} ...")
         entry: Json = {"settings": asdict(config.settings)}
-        entry["busy_fraction_before"] = wait_for_quiet(args.wait_quiet_s)
-        try:
-            timings = bench_config(config, work, args)
-        except Exception as error:  # one broken configuration does not sink the others
-            entry["error"] = repr(error)
-            log(f"{config.name} failed: {error!r}")
+        if cuda:
+            entry["busy_fraction_before"] = machine_busy_fraction(0.25)
         else:
-            entry["context_transports"] = timings.pop("context_transports")
-            for w in work:
-                row = bandwidth(w.total_bytes, timings[w.name])
-                row["vs_memcpy"] = round(row["gbps_median"] / memcpy[w.name]["gbps_median"], 3)
-                entry[w.name] = row
+            entry["busy_fraction_before"] = wait_for_quiet(args.wait_quiet_s)
+        timings = bench_config(config, work, args)
+        for key in (
+            "error",
+            "context_transports",
+            "skipped_workloads",
+            "child_exitcode",
+            "ucx_reset_error",
+            "wall_s",
+        ):
+            if key in timings:
+                entry[key] = timings[key]
+        for w in work:
+            measured = timings["workloads"].get(w.name)
+            if not measured or not measured["seconds"]:
+                continue  # failed or skipped before its first timed rep
+            row = bandwidth(w.total_bytes, measured["seconds"])
+            row[f"{baseline}_gbps"] = baselines[w.name]["gbps_median"]
+            row[f"vs_{baseline}"] = round(row["gbps_median"] / baselines[w.name]["gbps_median"], 3)
+            mismatched = measured["mismatched_reps"]
+            row["byte_check"] = f"MISMATCH in reps {mismatched}" if mismatched else "ok"
+            entry[w.name] = row
         report["transfers"][config.name] = entry
+        if args.out is not None:  # a run cut short still leaves what it measured
+            write_report(args.out, report | {"complete": False})
     report["machine"]["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
     return report
 
@@ -393,26 +719,34 @@ def log(message: str) -> None:
 
 
 def table(report: Json) -> str:
-    """GB/s medians: one row per workload, one column per UCX configuration, then memcpy."""
+    """GB/s medians: one row per workload, one column per UCX configuration, then the
+    baseline (memcpy on cpu, a device copy on cuda) and each ratio to it."""
     configs = list(report["transfers"])
+    baseline = report["setup"]["baseline"]
+    short = "copy" if baseline == "device_copy" else baseline
     header = [
         "workload",
         "MB",
         *configs,
-        "memcpy",
-        *(f"/memcpy {i + 1}" for i in range(len(configs))),
+        short,
+        *(f"/{short} {i + 1}" for i in range(len(configs))),
     ]
     rows = [header]
     for name, workload in report["workloads"].items():
-        memcpy = report["memcpy"][name]["gbps_median"]
+        reference = report[baseline][name]["gbps_median"]
         cells = [report["transfers"][c].get(name) for c in configs]
         rows.append(
             [
                 name,
                 f"{workload['total_bytes'] / 1e6:.1f}",
-                *(f"{cell['gbps_median']:.2f}" if cell else "error" for cell in cells),
-                f"{memcpy:.2f}",
-                *(f"{cell['vs_memcpy']:.3f}" if cell else "-" for cell in cells),
+                *(
+                    f"{cell['gbps_median']:.2f}{'' if cell['byte_check'] == 'ok' else '!'}"
+                    if cell
+                    else "error"
+                    for cell in cells
+                ),
+                f"{reference:.2f}",
+                *(f"{cell[f'vs_{baseline}']:.3f}" if cell else "-" for cell in cells),
             ]
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
@@ -420,46 +754,109 @@ def table(report: Json) -> str:
         "  ".join(cell.rjust(width) for cell, width in zip(row, widths, strict=True))
         for row in rows
     ]
-    legend = [f"  /memcpy {i + 1}: {name} GB/s / memcpy GB/s" for i, name in enumerate(configs)]
-    return "\n".join(["KV transfer, GB/s (median)", *lines, *legend])
+    legend = [f"  /{short} {i + 1}: {name} GB/s / {short} GB/s" for i, name in enumerate(configs)]
+    legend.append("  !: received bytes differed from the sent (see byte_check); error: none")
+    title = f"KV transfer ({report['setup']['device']}), GB/s (median)"
+    return "\n".join([title, *lines, *legend])
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=7, help="timed repetitions (after a warm-up)")
+    parser.add_argument(
+        "--device",
+        choices=DEVICES,
+        default="cpu",
+        help="where the KV lives: host memory (cpu) or GPU 0 (cuda); see the module docstring",
+    )
+    parser.add_argument(
+        "--reps",
+        type=int,
+        default=None,
+        help="timed repetitions after a warm-up (default 7 on cpu, 5 on cuda)",
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
-    parser.add_argument("--skip-tcp", action="store_true", help="skip the UCX_TLS=tcp runs")
+    parser.add_argument(
+        "--skip-tcp",
+        action="store_true",
+        help="skip the TCP configuration (UCX_TLS=tcp on cpu, cuda_copy,tcp on cuda)",
+    )
     parser.add_argument(
         "--wait-quiet-s",
         type=float,
         default=15.0,
-        help="wait up to this long for the CPUs to go idle before measuring (0: don't wait)",
+        help="cpu: wait up to this long for the CPUs to go idle before measuring (0: don't "
+        "wait); cuda never waits",
     )
-    default_out = RESULTS_DIR / f"kv-transfer-{datetime.date.today().isoformat()}.json"
+    parser.add_argument(
+        "--transfer-timeout-s",
+        type=float,
+        default=None,
+        help="bound on each transfer (default 60 on cpu, 20 on cuda)",
+    )
+    parser.add_argument(
+        "--config-budget-s",
+        type=float,
+        default=None,
+        help="a configuration running longer starts no further workload (default: none on "
+        "cpu, 30 on cuda)",
+    )
+    parser.add_argument(
+        "--ucx-proto-info",
+        action="store_true",
+        help="set UCX_PROTO_INFO=y: UCX prints the protocols it selects to stdout (use --out)",
+    )
     parser.add_argument(
         "--out",
         type=Path,
         nargs="?",
-        const=default_out,
-        help="also write the report to PATH (no value: bench/results/kv-transfer-<date>.json)",
+        const=True,
+        help="also write the report to PATH (no value: bench/results/kv-transfer-<date>.json, "
+        "kv-transfer-cuda-<date>.json on cuda)",
     )
     args = parser.parse_args(argv)
+    if args.reps is None:
+        args.reps = DEFAULT_REPS[args.device]
+    if args.reps < 1:
+        parser.error("--reps must be at least 1")
     if args.reps < 5:
-        parser.error("--reps must be at least 5 (medians)")
+        log(f"--reps {args.reps}: medians of fewer than 5 repetitions are noisy")
+    if args.transfer_timeout_s is None:
+        args.transfer_timeout_s = TRANSFER_TIMEOUT_S[args.device]
+    if args.config_budget_s is None:
+        args.config_budget_s = CONFIG_BUDGET_S[args.device]
+    if args.out is True:
+        infix = "-cuda" if args.device == "cuda" else ""
+        args.out = RESULTS_DIR / f"kv-transfer{infix}-{datetime.date.today().isoformat()}.json"
     return args
+
+
+def write_report(path: Path, report: Json) -> None:
+    """Write ``report`` to ``path`` as JSON, replacing the file at once (never half written)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(report, indent=2) + "\n")
+    os.replace(partial, path)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        log("--device cuda: no CUDA device here (torch.cuda.is_available() is False); skipped")
+        report: Json = {"skipped": "no CUDA device"}
+        print(json.dumps(report))
+        if args.out is not None:
+            write_report(args.out, report)
+        return
+    if args.ucx_proto_info:
+        os.environ["UCX_PROTO_INFO"] = "y"  # read at ucxx.init, here and in each child
     started = time.perf_counter()
     report = run(args)
     report["bench_wall_s"] = round(time.perf_counter() - started, 1)
+    report["complete"] = True
     print(table(report), file=sys.stderr, flush=True)
-    text = json.dumps(report, indent=2)
-    print(text)
+    print(json.dumps(report, indent=2))
     if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+        write_report(args.out, report)
         log(f"wrote {args.out}")
 
 

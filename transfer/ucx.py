@@ -36,8 +36,22 @@ shorter than 8 bytes takes a canary of its own size (a spurious failure 2**-8 pe
 never make one, a message being the K or V of whole blocks); an empty buffer has nothing to
 check. While a receive is posted (and after a failed or cancelled one) the buffer's last bytes
 may hold its canary. Host memory is read and written through a memoryview (about 1 us a
-receive); CUDA memory with synchronous 8-byte copies, one each way per receive and one more
-on a withdrawal (untested here: no GPU on the development VM).
+receive); CUDA memory with synchronous 8-byte copies (torch ``copy_`` / ``.cpu()`` on the event
+loop thread's current stream, the default one), one each way per receive and one more on a
+withdrawal.
+
+CUDA memory: UCX reads and writes it outside CUDA stream order (its own streams, or a peer
+process's), so the transport orders it against torch's work itself. A send first waits,
+without blocking the event loop, until the work queued so far on the buffer's device's
+default stream has run (a buffer still being written by a kernel, e.g. the engine thread's
+gather of a layer queued just before ``LayerSender.offer``, would otherwise go out stale): at
+once when that stream is idle, else through an event awaited on a worker thread. Work on other
+streams is not covered: whoever writes a send buffer there synchronizes it first. A receive's
+canary copy synchronizes the default stream before the receive is posted, so work queued there
+on its buffer ran before UCX may write it. On a busy GPU that copy blocks the event loop until
+the queued work has run (once each way per receive); copies on a side stream after an awaited
+fence, as for sends, would not. None of this has run on a GPU yet (the development VM has none);
+``bench/bench_kv_transfer.py --device cuda`` exercises it, byte-checked.
 
 Cost, measured with ``bench/bench_kv_transfer.py`` (2-core VM, error handling off, median GB/s
 over 10 runs x 9 repetitions per version, run round-robin in one session: no size check /
@@ -237,8 +251,10 @@ class _TailCanary:
     (before the receive is posted), with the bytes it replaced (module docstring: Sizes).
 
     Host memory is read and written through a memoryview of the array ucxx receives into; CUDA
-    memory with synchronous copies (the canary is in device memory before UCX may write
-    there)."""
+    memory with synchronous copies on the current stream (torch ``copy_`` from host memory and
+    ``.cpu()`` wait for the copy): the canary is in device memory before UCX may write there,
+    and it is read back only after UCX reported the receive complete, when its data is in
+    device memory."""
 
     def __init__(self, buffer: torch.Tensor, destination: object, canary: bytes) -> None:
         """``destination`` is ``_ucx_buffer(buffer)``; ``canary`` has ``_CANARY_BYTES``."""
@@ -283,7 +299,10 @@ class _UcxEndpoint(KvEndpoint):
     async def send(self, tag: int, buffer: torch.Tensor) -> None:
         self._fill_futures_pool()
         try:
-            await self._raw.send(_ucx_buffer(buffer), tag=tag, force_tag=True)
+            source = _ucx_buffer(buffer)
+            if buffer.device.type == "cuda":
+                await _default_stream_done(buffer.device)  # module docstring: CUDA memory
+            await self._raw.send(source, tag=tag, force_tag=True)
         except asyncio.CancelledError:
             raise
         except Exception as error:
@@ -317,7 +336,25 @@ def _futures_pool_filler(ucxx) -> Callable[[], None]:  # noqa: ANN001 - the ucxx
 
 
 def _ucx_buffer(buffer: torch.Tensor) -> object:
-    """What ucxx accepts: a numpy view of host memory, the tensor itself on CUDA."""
+    """What ucxx accepts: a numpy view of host memory, the tensor itself on CUDA (through its
+    ``__cuda_array_interface__``)."""
     if buffer.dtype != torch.uint8 or not buffer.is_contiguous():
         raise TypeError("transfer buffers are contiguous uint8 tensors")
-    return buffer.numpy() if buffer.device.type == "cpu" else buffer
+    if buffer.device.type == "cpu":
+        return buffer.numpy()
+    if buffer.device.type != "cuda":  # ucxx takes host buffers and CUDA arrays only
+        raise TypeError(f"transfer buffers live in host or CUDA memory, not {buffer.device}")
+    return buffer
+
+
+async def _default_stream_done(device: torch.device) -> None:
+    """Return once the CUDA work queued so far on ``device``'s default stream has run, without
+    blocking the event loop (module docstring: CUDA memory): at once when the stream is idle,
+    else when an event recorded on it now completes, waited for on a worker thread (a blocking
+    event: the thread sleeps instead of spinning)."""
+    stream = torch.cuda.default_stream(device)
+    if stream.query():
+        return
+    event = torch.cuda.Event(blocking=True)
+    event.record(stream)
+    await asyncio.to_thread(event.synchronize)

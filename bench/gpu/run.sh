@@ -1,0 +1,114 @@
+#!/usr/bin/env bash
+# The GPU path in one command, for a lent GPU machine (see bench/gpu/README.md):
+#
+#   bench/gpu/run.sh OUT_DIR [--dry]
+#
+# 1. installs the carried UCX wheels (.whl/, made here by `make gpu-wheels`) into /tmp/site;
+# 2. runs every `gpu`-marked test (Triton kernels against their torch references on CUDA,
+#    bf16 and float32; the engine on CUDA, float32 greedy equal to the CPU engine);
+# 3. moves KV between two processes on the GPU over UCX (bench/bench_kv_transfer.py
+#    --device cuda: byte-exact, GB/s against a device-to-device copy);
+# 4. times the Triton decode attention and KV pack kernels against a device copy
+#    (bench/bench_kernels_gpu.py);
+# 5. times a Llama-8B-shaped decode step at batch 1/8/64 against the HBM bound and a prefill
+#    chunk against the bf16 matmul peak (bench/gpu/step_times.py);
+# 6. writes OUT_DIR/gpu-run.json (every step's status, seconds and results) beside
+#    OUT_DIR/run.log.
+#
+# Each step has its own time limit (together under 8 minutes) and a failed step does not stop
+# the next. --dry (or no CUDA device) skips what needs CUDA and runs the rest; `make test` runs
+# it so (tests/test_gpu_script.py). The exit status is 0 when every step that ran passed.
+# PYTHON names the interpreter (default python3: the GPU image's, which holds torch).
+set -u -o pipefail
+
+if [ $# -lt 1 ]; then
+    echo "usage: $0 OUT_DIR [--dry]" >&2
+    exit 2
+fi
+out=$(mkdir -p "$1" && cd "$1" && pwd)
+dry=0
+[ "${2:-}" = "--dry" ] && dry=1
+repo=$(cd "$(dirname "$0")/../.." && pwd)
+py=${PYTHON:-python3}
+log="$out/run.log"
+steps="$out/steps.tsv"
+: >"$log"
+: >"$steps"
+cd "$repo" || exit 2
+
+say() { echo "[gpu-run $(date +%T)] $*" | tee -a "$log" >&2; }
+
+# step NAME LIMIT_S COMMAND...: runs it with its output in the log; records name, status, s.
+step() {
+    local name=$1 limit=$2
+    shift 2
+    say "step $name (limit ${limit}s): $*"
+    local started=$SECONDS rc
+    timeout --kill-after=10 "$limit" "$@" >>"$log" 2>&1
+    rc=$?
+    local status=passed
+    [ $rc -ne 0 ] && status="failed rc=$rc"
+    [ $rc -eq 124 ] && status="timed out"
+    printf '%s\t%s\t%s\n' "$name" "$status" "$((SECONDS - started))" >>"$steps"
+    say "step $name: $status in $((SECONDS - started))s"
+}
+
+skip() {
+    printf '%s\t%s\t0\n' "$1" "skipped: $2" >>"$steps"
+    say "step $1: skipped ($2)"
+}
+
+if ! "$py" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>>"$log"; then
+    [ $dry -eq 0 ] && say "no CUDA device: dry mode"
+    dry=1
+fi
+
+# The package `splitserve` is the repo's folders (pyproject.toml's package-dir): link them
+# under one folder on PYTHONPATH (the GPU image has no network to pip-install the project).
+stage=$(mktemp -d)
+mkdir -p "$stage/splitserve"
+for package in common engine kernels proto transfer prefill decode coordinator worker gateway \
+    client launch discovery; do
+    ln -s "$repo/$package" "$stage/splitserve/$package"
+done
+site=/tmp/site
+if [ $dry -eq 1 ]; then
+    skip wheels "dry mode"
+elif ls .whl/*.whl >/dev/null 2>&1; then
+    step wheels 45 "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+        --upgrade --target "$site" .whl/*.whl
+else
+    skip wheels "no .whl/ folder: run make gpu-wheels before the call"
+fi
+export PYTHONPATH="$stage:$site:$repo/bench${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+"$py" - >>"$log" 2>&1 <<'PYEOF'
+import platform, torch
+import splitserve.engine
+print("python", platform.python_version(), "torch", torch.__version__,
+      "cuda", torch.cuda.is_available() and torch.cuda.get_device_name())
+print("splitserve from", list(splitserve.engine.__path__))
+PYEOF
+if command -v nvidia-smi >/dev/null; then
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv >>"$log" 2>&1
+fi
+
+step gpu-tests 150 "$py" -m pytest --noconftest -p no:cacheprovider -q -rfEs -m gpu \
+    --junitxml="$out/gpu-tests.xml" tests/test_gpu_kernels.py tests/test_gpu_engine.py
+step kv-transfer 110 "$py" bench/bench_kv_transfer.py --device cuda --reps 5 --ucx-proto-info \
+    --out "$out/kv_transfer.json"
+if [ $dry -eq 1 ]; then
+    skip kernel-bench "dry mode"
+else
+    step kernel-bench 45 bash -c '"$0" bench/bench_kernels_gpu.py >"$1"' "$py" "$out/kernel_bench.json"
+fi
+step step-times 130 "$py" bench/gpu/step_times.py --out "$out/step_times.json"
+rm -rf "$stage"
+
+"$py" bench/gpu/summarize.py "$out" --dry "$dry" >>"$log" 2>&1
+summary=$?
+say "wrote $out/gpu-run.json (summary rc=$summary)"
+if grep -qP '\t(failed|timed out)' "$steps" || [ $summary -ne 0 ]; then
+    exit 1
+fi
+exit 0

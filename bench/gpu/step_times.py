@@ -1,0 +1,243 @@
+"""A Llama-8B-shaped engine on one GPU: decode steps at batch 1/8/64 against the HBM bound, a
+prefill chunk against the bf16 matmul peak, both bounds measured in the same run.
+
+The model is ``engine/random_checkpoint.py``'s ``llama-8b`` shape (32 layers, hidden 4096, 32
+heads, 8 KV heads, head_dim 128, intermediate 14336, vocab 128256), random bf16 weights drawn
+on the GPU, served by the real ``EngineCore`` (scheduler, Triton attention backend, sampler)
+with prefix caching off.
+
+Measured here, in this order:
+- ``copy``: a device-to-device copy of 4 GiB (``bench_kernels_gpu.copy_gbps``: median of CUDA
+  event timings); GB/s counts bytes read plus written, the traffic a step's reads compete with;
+- ``matmul``: an 8192 x 8192 x 8192 bf16 product, median of 10: the compute bound;
+- ``decode`` at each batch: that many requests with 512-token prompts are prefilled, then
+  ``--steps`` decode steps of ``EngineCore.step`` are timed (wall clock; the step returns
+  sampled ids to the host, so it includes every GPU kernel) after 3 untimed ones. Beside each,
+  ``forward_ms`` (CUDA events around ``model.forward`` only: the GPU's span, launch gaps
+  included) shows what the step's Python part (schedule, pack, sample) costs. Bound: the bytes
+  a step must read (every weight but the embedding table, plus each request's KV so far) at
+  the copy's rate;
+- ``prefill``: one step computing a whole ``--prefill-tokens`` prompt (fresh prompts each
+  time, median of 5 after one warm-up): model FLOPs (2 x parameters x tokens, plus causal
+  attention) per second against the matmul peak.
+
+Writes one JSON object to ``--out`` and stdout. Without CUDA it writes
+``{"skipped": "no CUDA device"}`` and exits 0 (``bench/gpu/run.sh --dry``).
+
+    PYTHONPATH=bench python bench/gpu/step_times.py --out step_times.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+from bench_kernels_gpu import copy_gbps, time_ms
+
+PROMPT_TOKENS = 512
+BATCHES = (1, 8, 64)
+WARMUP_STEPS = 3
+
+
+def matmul_tflops(size: int = 8192) -> float:
+    a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+    return 2 * size**3 / time_ms(lambda: a @ b, repeats=10) / 1e9
+
+
+class ForwardTimer:
+    """Wraps ``model.forward`` with CUDA events; ``last_ms`` after the step has synced."""
+
+    def __init__(self, model: object) -> None:
+        self._forward = model.forward
+        self._events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+        model.forward = self  # type: ignore[method-assign]
+
+    def __call__(self, *args: object, **kwargs: object) -> torch.Tensor:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        logits = self._forward(*args, **kwargs)
+        end.record()
+        self._events = (start, end)
+        return logits
+
+    def last_ms(self) -> float:
+        assert self._events is not None
+        self._events[1].synchronize()
+        return self._events[0].elapsed_time(self._events[1])
+
+
+def _prompt(vocab: int, length: int, generator: torch.Generator) -> list[int]:
+    return torch.randint(2, vocab, (length,), generator=generator).tolist()
+
+
+def bench_decode(engine, timer: ForwardTimer, batch: int, steps: int, bound: Callable) -> dict:
+    from splitserve.common.sampling_params import SamplingParams
+
+    generator = torch.Generator().manual_seed(batch)
+    params = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
+    ids = [f"decode-{batch}-{i}" for i in range(batch)]
+    for request_id in ids:
+        engine.add_request(
+            request_id, _prompt(engine.facts.vocab_size, PROMPT_TOKENS, generator), params
+        )
+    first = set()
+    while len(first) < batch:  # prefill every prompt (each samples its first token)
+        first.update(output.update.request_id for output in engine.step())
+    wall, forward = [], []
+    for index in range(WARMUP_STEPS + steps):
+        started = time.perf_counter()
+        outputs = engine.step()
+        elapsed = time.perf_counter() - started
+        assert len(outputs) == batch, f"a decode step of {batch} sampled {len(outputs)}"
+        if index >= WARMUP_STEPS:
+            wall.append(elapsed * 1e3)
+            forward.append(timer.last_ms())
+    for request_id in ids:
+        engine.abort_request(request_id)
+    engine.step()  # lets the scheduler release the aborted requests' blocks
+    context = PROMPT_TOKENS + WARMUP_STEPS + steps // 2  # mean context over the timed steps
+    step_ms = statistics.median(wall)
+    bound_ms, bytes_read = bound(batch, context)
+    return {
+        "batch": batch,
+        "context_tokens": context,
+        "step_ms": round(step_ms, 3),
+        "forward_ms": round(statistics.median(forward), 3),
+        "tokens_per_s": round(batch / step_ms * 1e3, 1),
+        "bytes_read_per_step": bytes_read,
+        "hbm_bound_ms": round(bound_ms, 3),
+        "fraction_of_bound": round(bound_ms / step_ms, 3),
+    }
+
+
+def bench_prefill(engine, timer: ForwardTimer, tokens: int, flops: Callable, peak: float) -> dict:
+    from splitserve.common.sampling_params import SamplingParams
+
+    generator = torch.Generator().manual_seed(7)
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    wall, forward = [], []
+    for rep in range(6):
+        engine.add_request(
+            f"prefill-{rep}", _prompt(engine.facts.vocab_size, tokens, generator), params
+        )
+        started = time.perf_counter()
+        outputs = engine.step()
+        elapsed = time.perf_counter() - started
+        assert len(outputs) == 1, "the whole prompt is one step"
+        while engine.has_unfinished():
+            engine.step()
+        if rep:  # the first is warm-up (kernels compiled for these shapes)
+            wall.append(elapsed * 1e3)
+            forward.append(timer.last_ms())
+    step_ms = statistics.median(wall)
+    achieved = flops(tokens) / step_ms / 1e9
+    return {
+        "tokens": tokens,
+        "step_ms": round(step_ms, 2),
+        "forward_ms": round(statistics.median(forward), 2),
+        "tflops": round(achieved, 1),
+        "fraction_of_matmul_peak": round(achieved / peak, 3),
+    }
+
+
+def run(args: argparse.Namespace) -> dict:
+    from splitserve.engine.config import (
+        CacheConfig,
+        EngineConfig,
+        ModelConfig,
+        RunnerConfig,
+        SchedulerConfig,
+    )
+    from splitserve.engine.engine_core import EngineCore
+    from splitserve.engine.random_checkpoint import SHAPES, random_checkpoint
+
+    report: dict = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "model": "random llama-8b shape, bf16",
+    }
+    report["copy_gbps"] = round(copy_gbps(4 << 30), 1)
+    report["matmul_bf16_tflops"] = round(matmul_tflops(), 1)
+    torch.cuda.empty_cache()  # the bounds' buffers, before the model's 30 GB
+    log(f"copy {report['copy_gbps']} GB/s, matmul {report['matmul_bf16_tflops']} TFLOP/s")
+    shape = SHAPES["llama-8b"]
+    started = time.perf_counter()
+    checkpoint = random_checkpoint(shape, torch.bfloat16, "cuda", seed=0)
+    config = EngineConfig(
+        model=ModelConfig(dtype="bfloat16"),
+        cache=CacheConfig(num_blocks=args.num_blocks, enable_prefix_caching=False),
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=max(args.prefill_tokens, 8192), max_num_seqs=256
+        ),
+        runner=RunnerConfig(device="cuda"),
+    )
+    engine = EngineCore(config, checkpoint)
+    del checkpoint
+    report["load_s"] = round(time.perf_counter() - started, 1)
+    report["attention_backend"] = engine.runner.backend.name
+    timer = ForwardTimer(engine.runner.model)
+    weights = engine.checkpoint.weights
+    params_total = sum(t.numel() for t in weights.values())
+    embedding = weights["model.embed_tokens.weight"].numel()
+    report["parameters"] = params_total
+    weight_bytes = 2 * (params_total - embedding)  # the embedding is gathered, not read whole
+    kv_bytes_per_token = 2 * shape.num_hidden_layers * shape.kv_size * 2  # K and V, bf16
+    copy_rate = report["copy_gbps"] * 1e9
+
+    def bound(batch: int, context: int) -> tuple[float, int]:
+        read = weight_bytes + batch * context * kv_bytes_per_token
+        return read / copy_rate * 1e3, read
+
+    def flops(tokens: int) -> float:
+        dense = 2 * (params_total - embedding) * tokens
+        attention = 4 * shape.num_hidden_layers * shape.q_size * tokens * (tokens + 1) / 2
+        return dense + attention
+
+    report["decode"] = []
+    for batch in args.batches:
+        result = bench_decode(engine, timer, batch, args.steps, bound)
+        log(f"decode {result}")
+        report["decode"].append(result)
+    report["prefill"] = bench_prefill(
+        engine, timer, args.prefill_tokens, flops, report["matmul_bf16_tflops"]
+    )
+    log(f"prefill {report['prefill']}")
+    return report
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, help="write the JSON report here too")
+    parser.add_argument("--steps", type=int, default=20, help="timed decode steps per batch")
+    parser.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
+    parser.add_argument("--prefill-tokens", type=int, default=4096)
+    parser.add_argument("--num-blocks", type=int, default=4096, help="KV blocks of 16 tokens")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        log("step_times: no CUDA device; skipped")
+        report: dict = {"skipped": "no CUDA device"}
+    else:
+        report = run(args)
+    text = json.dumps(report, indent=2)
+    if args.out is not None:
+        args.out.write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""``bench/gpu/run.sh`` in its dry mode: everything that needs CUDA skipped, the rest run, so
+the script a lent GPU machine runs cannot rot between loans (bench/gpu/README.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the dry run is for machines without CUDA")
+def test_dry_run_writes_every_step_and_skips_what_needs_cuda(tmp_path: Path) -> None:
+    out = tmp_path / "gpu"
+    env = {**os.environ, "PYTHON": sys.executable}
+    result = subprocess.run(
+        ["bash", str(REPO / "bench/gpu/run.sh"), str(out), "--dry"],
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    log = (out / "run.log").read_text()
+    assert result.returncode == 0, log
+    summary = json.loads((out / "gpu-run.json").read_text())
+    assert summary["dry"] is True
+    statuses = {step["name"]: step["status"] for step in summary["steps"]}
+    assert statuses == {
+        "wheels": "skipped: dry mode",
+        "gpu-tests": "passed",
+        "kv-transfer": "passed",
+        "kernel-bench": "skipped: dry mode",
+        "step-times": "passed",
+    }
+    tests = summary["gpu_tests"]
+    # Every gpu-marked test was collected (none failed to import) and skipped for want of CUDA.
+    assert tests["failed"] == 0 and tests["passed"] == 0
+    assert tests["skipped"] >= 40
+    assert tests["skip_reasons"] == ["needs a CUDA device"]
+    assert summary["kv_transfer"] == {"skipped": "no CUDA device"}
+    assert summary["step_times"] == {"skipped": "no CUDA device"}
+    assert summary["kernel_bench"] == {"missing": "kernel_bench.json"}
+    assert "splitserve from" in log
