@@ -81,7 +81,7 @@ def bench_decode(engine, timer: ForwardTimer, batch: int, steps: int, bound: Cal
     from splitserve.common.sampling_params import SamplingParams
 
     generator = torch.Generator().manual_seed(batch)
-    params = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=WARMUP_STEPS + steps + 8, temperature=0.0, ignore_eos=True)
     ids = [f"decode-{batch}-{i}" for i in range(batch)]
     for request_id in ids:
         engine.add_request(
@@ -131,7 +131,7 @@ def bench_prefill(engine, timer: ForwardTimer, tokens: int, flops: Callable, pea
         outputs = engine.step()
         elapsed = time.perf_counter() - started
         assert len(outputs) == 1, "the whole prompt is one step"
-        while engine.has_unfinished():
+        while engine.has_unfinished:
             engine.step()
         if rep:  # the first is warm-up (kernels compiled for these shapes)
             wall.append(elapsed * 1e3)
