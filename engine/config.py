@@ -74,6 +74,37 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding by prompt lookup (``engine/ngram_proposer.py``): a decoding
+    request whose context's suffix occurred before gets the tokens that followed it as a
+    draft, verified in the same step (each draft token one more row, taking the decode row
+    path). Greedy requests without logprobs or stop strings only; their output is token for
+    token the plain path's."""
+
+    num_tokens: int = 0
+    """Draft tokens per request and step; 0 turns speculation off."""
+    ngram_min: int = 2
+    """Shortest context suffix looked up."""
+    ngram_max: int = 4
+    """Longest context suffix looked up (tried first)."""
+    max_step_rows: int = 16
+    """Drafts stop once a step's decode rows (one per decoding request, plus drafts) reach
+    this: past a few rows a CPU decode step stops being bound by reading the weights, and a
+    draft then costs what it may save."""
+
+    def __post_init__(self) -> None:
+        if self.num_tokens < 0:
+            raise InvalidRequestError("speculative num_tokens must be >= 0", param="num_tokens")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise InvalidRequestError(
+                "speculative n-gram sizes must satisfy 1 <= ngram_min <= ngram_max",
+                param="ngram_min",
+            )
+        if self.max_step_rows <= 0:
+            raise InvalidRequestError("max_step_rows must be positive", param="max_step_rows")
+
+
+@dataclass(frozen=True)
 class RunnerConfig:
     """How the model runs on this process."""
 
@@ -106,3 +137,4 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     runner: RunnerConfig = field(default_factory=RunnerConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)

@@ -82,7 +82,9 @@ class EngineCore:
         self.kv_cache = KVCacheManager(
             self.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
         )
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len)
+        self.scheduler = Scheduler(
+            config.scheduler, self.kv_cache, self.max_model_len, config.speculative
+        )
         self.facts = EngineFacts(
             model_name=self.model_config.name,
             vocab_size=self.model_config.vocab_size,
@@ -298,7 +300,9 @@ class EngineCore:
                     on_layer_kv_written(layer, completed)
 
         executed = self.runner.execute(scheduled, hook)
-        updates = self.scheduler.update(scheduled, executed.sampled_token_ids)
+        updates = self.scheduler.update(
+            scheduled, executed.sampled_token_ids, executed.verified_token_ids
+        )
         shape, seconds = step_shape(scheduled), time.perf_counter() - started
         estimate = self.step_cost.estimate()  # what the model said before this step taught it
         predicted_s = estimate.step_s(shape) if estimate.predicts(shape) else 0.0
@@ -309,13 +313,17 @@ class EngineCore:
 
 
 def step_shape(scheduled: SchedulerOutput) -> StepShape:
-    """The cost model's view of a step: a decode chunk (``ScheduledChunk.is_decode``) is a
-    decode; every other chunk computes prompt tokens."""
+    """The cost model's view of a step: each token of a decode chunk
+    (``ScheduledChunk.is_decode``: a request's last token and its drafts) is a decode row over
+    its own context; every other chunk computes prompt tokens."""
     decode = [c for c in scheduled.chunks if c.is_decode]
+    rows = sum(c.num_tokens for c in decode)
     return StepShape(
-        decode_seqs=len(decode),
-        prefill_tokens=scheduled.num_tokens - len(decode),
-        context_tokens=sum(c.context_length for c in decode),
+        decode_seqs=rows,
+        prefill_tokens=scheduled.num_tokens - rows,
+        context_tokens=sum(
+            c.start_position * c.num_tokens + c.num_tokens * (c.num_tokens + 1) // 2 for c in decode
+        ),
     )
 
 

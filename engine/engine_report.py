@@ -32,6 +32,10 @@ class SchedulerStats:
     """Prompt tokens run through the model (cached and remote-prefilled ones excluded)."""
     num_generation_tokens: int = 0
     """Tokens sampled on this engine."""
+    num_draft_tokens: int = 0
+    """Speculated tokens verified (``engine/scheduler.py``)."""
+    num_accepted_draft_tokens: int = 0
+    """Of those, the ones the model chose too (kept as output)."""
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,11 @@
 """Executes one scheduled step: packs the batch, runs the model over the paged KV cache, samples.
 
 Contract: ``execute(SchedulerOutput) -> RunnerOutput`` with exactly one sampled token for every
-chunk whose ``samples`` flag is set. The runner owns the KV cache tensor
+chunk whose ``samples`` flag is set, and for a chunk with drafts one more for each draft (the
+token sampled after each of its tokens, ``verified_token_ids``). Each token of a decode chunk
+(``ScheduledChunk.is_decode``: a last sampled token and its drafts) is its own decode row: a
+single-token sequence whose context ends at it, so a verified draft's logits are computed as
+the plain decode step at its position would compute them. The runner owns the KV cache tensor
 ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]`` and the per-request random
 generators; it never decides which blocks a request uses (the scheduler's block tables do).
 It is not thread-safe: one thread (the engine thread) calls it, never the asyncio loop.
@@ -9,6 +13,7 @@ It is not thread-safe: one thread (the engine thread) calls it, never the asynci
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -27,6 +32,9 @@ class RunnerOutput:
     """Tokens sampled in one step, keyed by request id."""
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    """Chunks without drafts: the token sampled after the chunk's last token."""
+    verified_token_ids: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    """Chunks with drafts: the token sampled after each of the chunk's tokens."""
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
     """Only for requests that asked for logprobs."""
 
@@ -80,20 +88,19 @@ class ModelRunner:
             self._generators.pop(request_id, None)
         if not step.chunks:
             return RunnerOutput()
-        # Single-token sequences first (the attention backend batches them as decodes), and
+        # Decode rows first (the attention backend batches single-token sequences as decodes),
         # among them generated tokens first (the projections' GEMV takes exactly those rows).
-        chunks = sorted(step.chunks, key=lambda chunk: (chunk.num_tokens != 1, not chunk.is_decode))
-        num_decode = sum(1 for chunk in chunks if chunk.num_tokens == 1)
+        chunks = sorted(
+            step.chunks, key=lambda chunk: (not _decode_rows(chunk), not chunk.is_decode)
+        )
+        num_decode = sum(chunk.num_tokens for chunk in chunks if _decode_rows(chunk))
         generated_chunks = [chunk for chunk in chunks if chunk.is_decode]
         generated = GeneratedRows(
-            tokens=len(generated_chunks),
-            samples=sum(1 for chunk in generated_chunks if chunk.samples),
+            tokens=sum(chunk.num_tokens for chunk in generated_chunks),
+            samples=sum(_samples(chunk) for chunk in generated_chunks),
         )
         input_ids, positions, logits_rows = self._pack(chunks)
-        spans = [
-            SequenceSpan(chunk.num_tokens, chunk.context_length, chunk.block_table)
-            for chunk in chunks
-        ]
+        spans = [span for chunk in chunks for span in _spans(chunk)]
         metadata = self.backend.prepare(spans, num_decode, self.block_size, self.device)
         sampling_chunks = [chunk for chunk in chunks if chunk.samples]
         logits = self.model.forward(
@@ -108,15 +115,20 @@ class ModelRunner:
         )  # [samples, vocab]
         if not sampling_chunks:
             return RunnerOutput()
-        rows = [self._sampling_row(chunk) for chunk in sampling_chunks]
+        rows = [row for chunk in sampling_chunks for row in self._sampling_rows(chunk)]
         sampled = self.sampler(logits, rows)
         output = RunnerOutput()
-        for chunk, token_id, logprob in zip(
-            sampling_chunks, sampled.token_ids, sampled.logprobs, strict=True
-        ):
-            output.sampled_token_ids[chunk.request_id] = token_id
-            if logprob is not None:
-                output.logprobs[chunk.request_id] = logprob
+        row = 0
+        for chunk in sampling_chunks:
+            if chunk.draft_token_ids:  # greedy, no logprobs (``Scheduler._speculates``)
+                verdicts = sampled.token_ids[row : row + chunk.num_tokens]
+                output.verified_token_ids[chunk.request_id] = tuple(verdicts)
+                row += chunk.num_tokens
+                continue
+            output.sampled_token_ids[chunk.request_id] = sampled.token_ids[row]
+            if sampled.logprobs[row] is not None:
+                output.logprobs[chunk.request_id] = sampled.logprobs[row]
+            row += 1
         return output
 
     def read_kv_blocks(
@@ -144,7 +156,8 @@ class ModelRunner:
             input_ids.extend(chunk.token_ids)
             positions.extend(range(chunk.start_position, chunk.context_length))
             if chunk.samples:
-                logits_rows.append(len(input_ids) - 1)
+                first = len(input_ids) - _samples(chunk)
+                logits_rows.extend(range(first, len(input_ids)))
         return input_ids, positions, logits_rows
 
     def _skip_draws(self, generator: torch.Generator, chunk: ScheduledChunk) -> None:
@@ -155,6 +168,20 @@ class ModelRunner:
         if num_sampled and chunk.params.temperature > 0:
             vocab = self.model.config.vocab_size
             torch.rand(num_sampled, vocab, generator=generator, device=self.device)
+
+    def _sampling_rows(self, chunk: ScheduledChunk) -> list[SamplingRow]:
+        """The chunk's sampling rows: one, or with drafts one per token, row ``j`` seeing the
+        outputs plain decoding would have had there (the drafts before it kept), for the
+        penalties and ``min_tokens`` that read them."""
+        row = self._sampling_row(chunk)
+        if not chunk.draft_token_ids:
+            return [row]
+        outputs = [*chunk.output_token_ids, *chunk.draft_token_ids]
+        first = len(chunk.output_token_ids)
+        return [
+            dataclasses.replace(row, output_token_ids=outputs[: first + j])
+            for j in range(chunk.num_tokens)
+        ]
 
     def _sampling_row(self, chunk: ScheduledChunk) -> SamplingRow:
         generator = None
@@ -172,3 +199,27 @@ class ModelRunner:
             output_token_ids=chunk.output_token_ids,
             eos_token_ids=chunk.eos_token_ids,
         )
+
+
+def _decode_rows(chunk: ScheduledChunk) -> bool:
+    """Whether each of the chunk's tokens is a single-token sequence (a decode row): a
+    one-token chunk, or a last sampled token with its drafts."""
+    return chunk.num_tokens == 1 or bool(chunk.draft_token_ids)
+
+
+def _samples(chunk: ScheduledChunk) -> int:
+    """Tokens sampled for the chunk: one after each token with drafts, else one (or none)."""
+    if not chunk.samples:
+        return 0
+    return chunk.num_tokens if chunk.draft_token_ids else 1
+
+
+def _spans(chunk: ScheduledChunk) -> list[SequenceSpan]:
+    """The attention's view of a chunk: one sequence, or one per decode row of a chunk with
+    drafts (row ``i``'s context ends at its own token)."""
+    if not chunk.draft_token_ids:
+        return [SequenceSpan(chunk.num_tokens, chunk.context_length, chunk.block_table)]
+    return [
+        SequenceSpan(1, chunk.start_position + i + 1, chunk.block_table)
+        for i in range(chunk.num_tokens)
+    ]

@@ -13,6 +13,17 @@ Torch-free. Each ``schedule()`` call fills one step's token budget:
 ``update()`` applies the runner's sampled tokens, advances the computed-token counts, registers
 full blocks in the prefix cache and finishes requests that hit a stop condition; every
 finished request has freed all its blocks before ``update`` returns.
+
+Speculative decoding (``SpeculativeConfig``, off by default): a decoding request that may
+speculate (``_speculates``) gets up to ``num_tokens`` draft tokens from its own context
+(``engine/ngram_proposer.py``) while the step's decode rows stay within ``max_step_rows``. Its
+chunk then computes its last token and the drafts (``draft_token_ids``), and the runner
+returns the greedy token after each of them (``verified_token_ids``). ``update`` keeps the
+drafts up to the first that differs from what the model chose there, plus the model's token
+after the last kept one: exactly the tokens plain decoding would have produced one step at a
+time, since each row's logits are computed as a plain decode step's are (one decode row per
+token, ``engine/model_runner.py``). Rejected drafts leave KV in slots past the request's
+context, which the next steps overwrite; their blocks stay with the request until it ends.
 """
 
 from __future__ import annotations
@@ -30,9 +41,10 @@ from splitserve.common.errors import (
 )
 from splitserve.common.request_update import RequestUpdate
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.engine.config import SchedulerConfig
+from splitserve.engine.config import SchedulerConfig, SpeculativeConfig
 from splitserve.engine.engine_report import RequestPhases, SchedulerStats
 from splitserve.engine.kv_cache_manager import KVCacheManager
+from splitserve.engine.ngram_proposer import NgramIndex
 from splitserve.engine.request import Request, RequestStatus
 
 
@@ -57,6 +69,9 @@ class ScheduledChunk:
     output_token_ids: Sequence[int]
     """Generated so far (read-only view for penalties)."""
     eos_token_ids: frozenset[int]
+    draft_token_ids: tuple[int, ...] = ()
+    """Speculated tokens, the tail of ``token_ids`` after the request's last known token:
+    the runner samples after each of ``token_ids`` (module docstring)."""
 
     @property
     def num_tokens(self) -> int:
@@ -69,8 +84,11 @@ class ScheduledChunk:
 
     @property
     def is_decode(self) -> bool:
-        """A one-token chunk whose token is output, not prompt: a decode step's row."""
-        return len(self.token_ids) == 1 and self.start_position >= len(self.prompt_token_ids)
+        """Output tokens only, one decode row each: a request's last sampled token and its
+        drafts, if any (a plain decode chunk has one token)."""
+        return len(self.token_ids) == 1 + len(self.draft_token_ids) and self.start_position >= len(
+            self.prompt_token_ids
+        )
 
 
 @dataclass(frozen=True)
@@ -90,9 +108,14 @@ class Scheduler:
     """Owns the waiting/running queues and the KV cache manager of one worker."""
 
     def __init__(
-        self, config: SchedulerConfig, kv_cache: KVCacheManager, max_model_len: int
+        self,
+        config: SchedulerConfig,
+        kv_cache: KVCacheManager,
+        max_model_len: int,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         self.config = config
+        self.speculative = speculative or SpeculativeConfig()
         self.kv_cache = kv_cache
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
@@ -104,6 +127,8 @@ class Scheduler:
         """Called with each request that ended, as it ends (``AsyncEngine`` collects them for
         its reports); must not raise."""
         self._finished_since_last_step: set[str] = set()
+        self._ngrams: dict[str, NgramIndex] = {}
+        """Each speculating request's n-gram index (module docstring)."""
 
     # ---- admission -------------------------------------------------------------------------
 
@@ -209,14 +234,22 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         preemptions_before = self.stats.num_preemptions
+        draft_rows = 0
+        if self.speculative.num_tokens:
+            decoding = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
+            draft_rows = self.speculative.max_step_rows - decoding
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self._allocate_or_preempt(request, num_new):
+            drafts: tuple[int, ...] = ()
+            if num_new == 1 and draft_rows > 0 and budget > 1:
+                drafts = self._drafts(request, min(draft_rows, budget - 1))
+            if not self._allocate_or_preempt(request, num_new + len(drafts)):
                 break
-            chunks.append(self._chunk(request, num_new))
-            budget -= num_new
+            chunks.append(self._chunk(request, num_new, drafts))
+            budget -= num_new + len(drafts)
+            draft_rows -= len(drafts)
             index += 1
         if self.stats.num_preemptions == preemptions_before:
             self._admit_waiting(budget, chunks)
@@ -253,11 +286,44 @@ class Scheduler:
             chunks.append(self._chunk(request, num_new))
             budget -= num_new
 
-    def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
+    def _speculates(self, request: Request) -> bool:
+        """Whether a draft's verdict is the token plain decoding would sample: greedy (its
+        penalties and ``min_tokens`` see each row's outputs as plain decoding would, see
+        ``ModelRunner._sampling_rows``), and nothing read per token beside the token itself
+        (logprobs; stop strings, matched in text after the step)."""
+        params = request.params
+        return params.greedy and params.logprobs is None and not params.stop
+
+    def _drafts(self, request: Request, limit: int) -> tuple[int, ...]:
+        """Up to ``limit`` (and ``num_tokens``) draft tokens for a decoding request, none that
+        could take it past ``max_tokens`` or the context window."""
+        if not self._speculates(request):
+            return ()
+        limit = min(
+            limit,
+            self.speculative.num_tokens,
+            request.params.max_tokens - request.num_output_tokens - 1,
+            self.max_model_len - request.num_tokens - 1,
+        )
+        if limit <= 0:
+            return ()
+        index = self._ngrams.get(request.request_id)
+        if index is None:
+            index = NgramIndex(self.speculative.ngram_min, self.speculative.ngram_max)
+            self._ngrams[request.request_id] = index
+        index.extend(request.all_token_ids[len(index.tokens) :])
+        return tuple(index.propose(limit))
+
+    def _chunk(
+        self, request: Request, num_new: int, drafts: tuple[int, ...] = ()
+    ) -> ScheduledChunk:
         start = request.num_computed_tokens
+        token_ids = request.all_token_ids[start : start + num_new]
+        if drafts:
+            token_ids = (*token_ids, *drafts)
         return ScheduledChunk(
             request_id=request.request_id,
-            token_ids=request.all_token_ids[start : start + num_new],
+            token_ids=token_ids,
             start_position=start,
             block_table=self.kv_cache.block_table(request.request_id),
             samples=start + num_new == request.num_tokens,
@@ -266,6 +332,7 @@ class Scheduler:
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids,
             eos_token_ids=request.eos_token_ids,
+            draft_token_ids=drafts,
         )
 
     def _preempt(self, request: Request) -> None:
@@ -279,14 +346,26 @@ class Scheduler:
     # ---- update ----------------------------------------------------------------------------
 
     def update(
-        self, output: SchedulerOutput, sampled_token_ids: Mapping[str, int]
+        self,
+        output: SchedulerOutput,
+        sampled_token_ids: Mapping[str, int],
+        verified_token_ids: Mapping[str, Sequence[int]] | None = None,
     ) -> list[RequestUpdate]:
-        """Apply one executed step; returns an update for each request that sampled."""
+        """Apply one executed step; returns an update for each request that sampled.
+
+        ``verified_token_ids``: for each chunk with drafts, the token sampled after each of
+        its tokens (``num_tokens`` of them; module docstring)."""
         updates: list[RequestUpdate] = []
         prompt_tokens = generation_tokens = 0
         for chunk in output.chunks:
             request = self.requests.get(chunk.request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
+                continue
+            if chunk.draft_token_ids:
+                assert verified_token_ids is not None, "a chunk with drafts needs its verdicts"
+                update = self._accept(request, chunk, verified_token_ids[chunk.request_id])
+                generation_tokens += len(update.new_token_ids)
+                updates.append(update)
                 continue
             prompt_left = max(0, request.num_prompt_tokens - request.num_computed_tokens)
             prompt_tokens += min(prompt_left, chunk.num_tokens)
@@ -307,6 +386,30 @@ class Scheduler:
             num_prompt_tokens_computed=prompt_tokens, num_generation_tokens=generation_tokens
         )
         return updates
+
+    def _accept(
+        self, request: Request, chunk: ScheduledChunk, verified: Sequence[int]
+    ) -> RequestUpdate:
+        """Keep a speculative chunk's drafts up to the first the model did not choose, then
+        the model's next token; stops where plain decoding would have stopped."""
+        drafts = chunk.draft_token_ids
+        accepted = 0
+        while accepted < len(drafts) and verified[accepted] == drafts[accepted]:
+            accepted += 1
+        self._count(num_draft_tokens=len(drafts), num_accepted_draft_tokens=accepted)
+        request.num_computed_tokens += 1 + accepted  # the last known token and the kept drafts
+        new_tokens: list[int] = []
+        for token_id in verified[: accepted + 1]:
+            request.append_output_token(token_id)
+            new_tokens.append(token_id)
+            status = self._stop_status(request, token_id)
+            if status is not None:
+                self._finish(request, status)
+                return self._update_of(request, tuple(new_tokens))
+        self.kv_cache.cache_full_blocks(
+            request.request_id, request.all_token_ids, request.num_computed_tokens
+        )
+        return self._update_of(request, tuple(new_tokens))
 
     def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.params
@@ -343,6 +446,7 @@ class Scheduler:
         request.status = status
         self.kv_cache.free(request.request_id)
         del self.requests[request.request_id]
+        self._ngrams.pop(request.request_id, None)
         self._finished_since_last_step.add(request.request_id)
         self._count(num_finished_requests=1)
         request.finished_time = now = time.monotonic()

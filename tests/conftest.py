@@ -19,6 +19,7 @@ from splitserve.engine.config import (
     ModelConfig,
     RunnerConfig,
     SchedulerConfig,
+    SpeculativeConfig,
 )
 from splitserve.engine.llm import LLM
 from tests.cluster import Served
@@ -130,8 +131,10 @@ def make_llm(
     max_num_seqs: int = 64,
     dtype: str = "float32",
     attention_backend: str = "auto",
+    speculative_tokens: int = 0,
 ) -> LLM:
-    """An offline engine over an already loaded checkpoint, float32 by default."""
+    """An offline engine over an already loaded checkpoint, float32 by default
+    (``speculative_tokens``: prompt-lookup drafts per step, 0 = none)."""
     config = EngineConfig(
         model=ModelConfig(dtype=dtype),
         cache=CacheConfig(
@@ -141,6 +144,7 @@ def make_llm(
             max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs
         ),
         runner=RunnerConfig(num_threads=2, attention_backend=attention_backend),
+        speculative=SpeculativeConfig(num_tokens=speculative_tokens),
     )
     return LLM(config=config, checkpoint=checkpoint)
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.engine.config import SchedulerConfig
+from splitserve.engine.config import SchedulerConfig, SpeculativeConfig
 from splitserve.engine.kv_cache_manager import KVCacheManager
 from splitserve.engine.request import Request
 from splitserve.engine.scheduler import Scheduler
@@ -27,12 +27,13 @@ def make_scheduler(
     max_num_seqs: int = 16,
     max_model_len: int = 256,
     enable_prefix_caching: bool = True,
+    speculative: SpeculativeConfig | None = None,
 ) -> Scheduler:
     kv_cache = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
     config = SchedulerConfig(
         max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs
     )
-    return Scheduler(config, kv_cache, max_model_len)
+    return Scheduler(config, kv_cache, max_model_len, speculative)
 
 
 def run_step(scheduler: Scheduler, token_id: int = 100):

@@ -143,3 +143,15 @@ def test_cpu_decode_kernel(default_checkpoint_fp32, prompts, hf_greedy) -> None:
     llm = make_llm(default_checkpoint_fp32, attention_backend="cpu", prefix_caching=False)
     assert llm.engine.runner.backend.name == "cpu"
     _assert_equal(_run(llm, prompts), hf_greedy)
+
+
+def test_speculative_decoding(default_checkpoint_fp32, prompts, hf_greedy) -> None:
+    """Prompt-lookup drafts verified in the decode step (on the C++ kernel where it builds):
+    the same tokens as HF on the prompts that repeat themselves (code, a story told three
+    times, two long texts), with drafts kept."""
+    backend = "cpu" if load_cpu_decode_attention() is not None else "auto"
+    llm = make_llm(default_checkpoint_fp32, attention_backend=backend, speculative_tokens=4)
+    chosen = [2, 4, 6, 7]
+    _assert_equal(_run(llm, [prompts[i] for i in chosen]), [hf_greedy[i] for i in chosen])
+    stats = llm.engine.scheduler.stats
+    assert stats.num_accepted_draft_tokens > 0, stats

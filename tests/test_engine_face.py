@@ -56,6 +56,8 @@ FORBIDDEN_ATTRIBUTES = frozenset({"core", "_core", "scheduler", "block_pool", "k
 ALLOWED: dict[str, str] = {
     "bench/splitserve_runner.py": "measures the synchronous EngineCore itself (step() in a "
     "loop, as engine/llm.py drives it): no AsyncEngine, no worker, nothing on another thread",
+    "bench/gpu/step_times.py": "times the synchronous EngineCore's steps on a GPU (step() in a "
+    "loop, as engine/llm.py drives it): no AsyncEngine, no worker, nothing on another thread",
 }
 
 

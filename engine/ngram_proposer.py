@@ -1,0 +1,51 @@
+"""Draft tokens for speculative decoding by prompt lookup: no second model.
+
+A request's text often repeats itself (code being edited, a document being summarised or
+quoted, structured output, a conversation's earlier turns): when the last ``n`` tokens of its
+context appeared before, the tokens that followed them then are a likely continuation now.
+``NgramIndex`` proposes those tokens as a draft; the decode step verifies them all at once
+(``engine/scheduler.py``), so an accepted draft token costs a row of a step instead of a step.
+
+The index maps every n-gram of the context (``min_n <= n <= max_n``) to the position right
+after its latest occurrence whose continuation is known. ``extend`` adds tokens in O(max_n) dict
+updates each; ``propose`` looks up the context's own suffix, longest n first, in O(max_n). Torch
+free; one index per request, owned by the scheduler.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class NgramIndex:
+    """Where each recent n-gram of one token sequence was followed, for ``propose``."""
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"n-gram sizes must satisfy 1 <= min_n <= max_n, got {min_n}, {max_n}")
+        self.min_n = min_n
+        self.max_n = max_n
+        self.tokens: list[int] = []
+        """The sequence indexed so far (the request's prompt and output)."""
+        self._next: dict[tuple[int, ...], int] = {}
+        """n-gram -> position of the token that followed its latest occurrence."""
+
+    def extend(self, token_ids: Sequence[int]) -> None:
+        """Append tokens to the indexed sequence."""
+        for token in token_ids:
+            position = len(self.tokens)
+            for n in range(self.min_n, min(self.max_n, position) + 1):
+                self._next[tuple(self.tokens[position - n : position])] = position
+            self.tokens.append(token)
+
+    def propose(self, max_tokens: int) -> list[int]:
+        """Up to ``max_tokens`` tokens that followed the longest earlier occurrence of the
+        sequence's own suffix (``max_n`` tokens down to ``min_n``); empty if none occurred."""
+        if max_tokens <= 0:
+            return []
+        length = len(self.tokens)
+        for n in range(min(self.max_n, length), self.min_n - 1, -1):
+            start = self._next.get(tuple(self.tokens[length - n :]))
+            if start is not None:
+                return self.tokens[start : start + max_tokens]
+        return []

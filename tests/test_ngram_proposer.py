@@ -1,0 +1,52 @@
+"""Prompt-lookup drafts (``engine/ngram_proposer.py``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from splitserve.engine.ngram_proposer import NgramIndex
+
+
+def _index(tokens: list[int], min_n: int = 2, max_n: int = 4) -> NgramIndex:
+    index = NgramIndex(min_n, max_n)
+    index.extend(tokens)
+    return index
+
+
+def test_proposes_what_followed_the_suffix_before() -> None:
+    # suffix (7, 8) occurred at 1..2, followed by 9, 10, 11
+    assert _index([6, 7, 8, 9, 10, 11, 5, 7, 8]).propose(3) == [9, 10, 11]
+    assert _index([6, 7, 8, 9, 10, 11, 5, 7, 8]).propose(2) == [9, 10]
+
+
+def test_the_longest_suffix_wins_then_the_latest_occurrence() -> None:
+    # (3, 4) was followed by 1 (early) and by 2 (later); (5, 3, 4) only by 9
+    tokens = [5, 3, 4, 9, 0, 3, 4, 1, 0, 3, 4, 2, 0, 5, 3, 4]
+    assert _index(tokens).propose(1) == [9]
+    assert _index(tokens[:-3] + [8, 3, 4]).propose(1) == [2]  # no 3-gram match: latest 2-gram
+
+
+def test_nothing_without_an_earlier_occurrence_or_room() -> None:
+    assert _index([1, 2, 3, 4]).propose(4) == []
+    assert _index([1, 2, 1, 2]).propose(0) == []
+    assert _index([1]).propose(2) == []
+    assert _index([], 1, 1).propose(2) == []
+    # a match at the very end proposes only what is known after it
+    assert _index([1, 2, 1, 2]).propose(5) == [1, 2]
+
+
+def test_extending_in_pieces_equals_extending_at_once() -> None:
+    tokens = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6, 2, 6, 4, 3, 3, 1, 4]
+    growing = NgramIndex(1, 3)
+    for cut in range(1, len(tokens) + 1):
+        growing.extend(tokens[cut - 1 : cut])  # one token at a time, as decoding appends
+        assert growing.propose(4) == _index(tokens[:cut], 1, 3).propose(4)
+    assert growing.tokens == tokens
+    assert growing.propose(4) == [1, 5, 9, 2]  # (3, 1, 4) opened the sequence
+
+
+def test_sizes_are_checked() -> None:
+    with pytest.raises(ValueError, match="1 <= min_n <= max_n"):
+        NgramIndex(3, 2)
+    with pytest.raises(ValueError, match="1 <= min_n <= max_n"):
+        NgramIndex(0, 2)
