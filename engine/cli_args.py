@@ -19,6 +19,7 @@ from splitserve.engine.config import (
     ModelConfig,
     RunnerConfig,
     SchedulerConfig,
+    SpeculativeConfig,
 )
 
 
@@ -55,6 +56,18 @@ def add_engine_args(parser: argparse.ArgumentParser, env: Mapping[str, str] = os
     )
     flag("--max-num-seqs", defaults.scheduler.max_num_seqs, int, "most running requests")
     flag("--threads", None, int, "torch intra-op threads")
+    flag(
+        "--speculative-tokens",
+        defaults.speculative.num_tokens,
+        int,
+        "prompt-lookup draft tokens per greedy request and decode step (0: no speculation)",
+    )
+    flag(
+        "--speculative-max-rows",
+        defaults.speculative.max_step_rows,
+        int,
+        "no drafts once a decode step holds this many rows",
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -71,6 +84,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs
         ),
         runner=RunnerConfig(num_threads=args.threads),
+        speculative=SpeculativeConfig(
+            num_tokens=args.speculative_tokens, max_step_rows=args.speculative_max_rows
+        ),
     )
 
 

@@ -8,13 +8,21 @@ context appeared before, the tokens that followed them then are a likely continu
 
 The index maps every n-gram of the context (``min_n <= n <= max_n``) to the position right
 after its latest occurrence whose continuation is known. ``extend`` adds tokens in O(max_n) dict
-updates each; ``propose`` looks up the context's own suffix, longest n first, in O(max_n). Torch
-free; one index per request, owned by the scheduler.
+updates each; ``propose`` looks up the context's own suffix, longest n first, in O(max_n).
+
+``Drafter`` is one request's proposer: its index, kept up to date with the request's tokens,
+and a back-off for text that does not repeat itself: after a step whose drafts were all
+rejected it proposes nothing for the next 1, 2, 4, ... up to ``MAX_SKIP`` steps it is asked;
+a kept draft ends the back-off. Torch free; one per speculating request, owned by the
+scheduler.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+MAX_SKIP = 16
+"""The longest run of steps a ``Drafter`` sits out after drafts were rejected."""
 
 
 class NgramIndex:
@@ -49,3 +57,31 @@ class NgramIndex:
             if start is not None:
                 return self.tokens[start : start + max_tokens]
         return []
+
+
+class Drafter:
+    """One request's drafts: its ``NgramIndex`` and the back-off (module docstring)."""
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.index = NgramIndex(min_n, max_n)
+        self._misses = 0
+        """Steps in a row whose drafts were all rejected."""
+        self._skip = 0
+        """Steps still to sit out."""
+
+    def propose(self, token_ids: Sequence[int], max_tokens: int) -> list[int]:
+        """Drafts after ``token_ids`` (the request's whole sequence so far: the index takes
+        what it has not seen), or none while backing off."""
+        self.index.extend(token_ids[len(self.index.tokens) :])
+        if self._skip:
+            self._skip -= 1
+            return []
+        return self.index.propose(max_tokens)
+
+    def record(self, kept: int) -> None:
+        """How many of the last proposed drafts the model kept."""
+        if kept:
+            self._misses = 0
+            return
+        self._misses += 1
+        self._skip = min(1 << (self._misses - 1), MAX_SKIP)

@@ -16,9 +16,10 @@ finished request has freed all its blocks before ``update`` returns.
 
 Speculative decoding (``SpeculativeConfig``, off by default): a decoding request that may
 speculate (``_speculates``) gets up to ``num_tokens`` draft tokens from its own context
-(``engine/ngram_proposer.py``) while the step's decode rows stay within ``max_step_rows``. Its
-chunk then computes its last token and the drafts (``draft_token_ids``), and the runner
-returns the greedy token after each of them (``verified_token_ids``). ``update`` keeps the
+(``engine/ngram_proposer.py``: it sits out steps after drafts were all rejected) while the
+step's decode rows stay within ``max_step_rows``. Its chunk then computes its last token and
+the drafts (``draft_token_ids``), and the runner returns the greedy token after each of them
+(``verified_token_ids``). ``update`` keeps the
 drafts up to the first that differs from what the model chose there, plus the model's token
 after the last kept one: exactly the tokens plain decoding would have produced one step at a
 time, since each row's logits are computed as a plain decode step's are (one decode row per
@@ -44,7 +45,7 @@ from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.config import SchedulerConfig, SpeculativeConfig
 from splitserve.engine.engine_report import RequestPhases, SchedulerStats
 from splitserve.engine.kv_cache_manager import KVCacheManager
-from splitserve.engine.ngram_proposer import NgramIndex
+from splitserve.engine.ngram_proposer import Drafter
 from splitserve.engine.request import Request, RequestStatus
 
 
@@ -127,8 +128,8 @@ class Scheduler:
         """Called with each request that ended, as it ends (``AsyncEngine`` collects them for
         its reports); must not raise."""
         self._finished_since_last_step: set[str] = set()
-        self._ngrams: dict[str, NgramIndex] = {}
-        """Each speculating request's n-gram index (module docstring)."""
+        self._drafters: dict[str, Drafter] = {}
+        """Each speculating request's proposer (module docstring)."""
 
     # ---- admission -------------------------------------------------------------------------
 
@@ -307,12 +308,11 @@ class Scheduler:
         )
         if limit <= 0:
             return ()
-        index = self._ngrams.get(request.request_id)
-        if index is None:
-            index = NgramIndex(self.speculative.ngram_min, self.speculative.ngram_max)
-            self._ngrams[request.request_id] = index
-        index.extend(request.all_token_ids[len(index.tokens) :])
-        return tuple(index.propose(limit))
+        drafter = self._drafters.get(request.request_id)
+        if drafter is None:
+            drafter = Drafter(self.speculative.ngram_min, self.speculative.ngram_max)
+            self._drafters[request.request_id] = drafter
+        return tuple(drafter.propose(request.all_token_ids, limit))
 
     def _chunk(
         self, request: Request, num_new: int, drafts: tuple[int, ...] = ()
@@ -397,6 +397,7 @@ class Scheduler:
         while accepted < len(drafts) and verified[accepted] == drafts[accepted]:
             accepted += 1
         self._count(num_draft_tokens=len(drafts), num_accepted_draft_tokens=accepted)
+        self._drafters[request.request_id].record(accepted)
         request.num_computed_tokens += 1 + accepted  # the last known token and the kept drafts
         new_tokens: list[int] = []
         for token_id in verified[: accepted + 1]:
@@ -446,7 +447,7 @@ class Scheduler:
         request.status = status
         self.kv_cache.free(request.request_id)
         del self.requests[request.request_id]
-        self._ngrams.pop(request.request_id, None)
+        self._drafters.pop(request.request_id, None)
         self._finished_since_last_step.add(request.request_id)
         self._count(num_finished_requests=1)
         request.finished_time = now = time.monotonic()

@@ -98,9 +98,9 @@ PROMPT_TEXT = (
     "When he retired, the town asked him what he would miss most, and he said the silence "
     "between two beams of light, when the sea could be anything at all. "
 ) * 3
-MAX_TOKENS = 32
-"""Greedy tokens per request, all of them (``min_tokens``): long enough that any disturbed
-KV shows."""
+MAX_TOKENS = 16
+"""Greedy tokens per request, all of them (``min_tokens``): enough that any disturbed KV shows
+(a key or value of 1e30 overflows attention at the first token that reads it)."""
 
 OLD_MESSAGE_BITS = 20
 """The old tag packing: ``transfer_id << 20 | message index``."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from splitserve.engine.ngram_proposer import NgramIndex
+from splitserve.engine.ngram_proposer import MAX_SKIP, Drafter, NgramIndex
 
 
 def _index(tokens: list[int], min_n: int = 2, max_n: int = 4) -> NgramIndex:
@@ -50,3 +50,29 @@ def test_sizes_are_checked() -> None:
         NgramIndex(3, 2)
     with pytest.raises(ValueError, match="1 <= min_n <= max_n"):
         NgramIndex(0, 2)
+
+
+def test_a_drafter_backs_off_after_rejections_and_resumes_after_a_kept_draft() -> None:
+    tokens = [6, 7, 8, 9, 10, 11, 5, 7, 8]
+    drafter = Drafter(2, 4)
+    assert drafter.propose(tokens, 2) == [9, 10]
+    drafter.record(kept=0)  # sits out 1 step
+    assert drafter.propose(tokens, 2) == []
+    assert drafter.propose(tokens, 2) == [9, 10]
+    drafter.record(kept=0)  # a second miss in a row: 2 steps
+    assert [drafter.propose(tokens, 2) for _ in range(3)] == [[], [], [9, 10]]
+    drafter.record(kept=1)
+    assert drafter.propose(tokens, 2) == [9, 10]
+    for _ in range(10):
+        drafter.record(kept=0)
+    skipped = 0
+    while not drafter.propose(tokens, 2):
+        skipped += 1
+    assert skipped == MAX_SKIP
+
+
+def test_a_drafter_indexes_tokens_appended_since_it_last_proposed() -> None:
+    drafter = Drafter(2, 2)
+    assert drafter.propose([1, 2, 3], 2) == []
+    assert drafter.propose([1, 2, 3, 4, 1, 2], 2) == [3, 4]
+    assert drafter.index.tokens == [1, 2, 3, 4, 1, 2]

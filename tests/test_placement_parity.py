@@ -148,6 +148,7 @@ def test_every_placement_gives_the_reference_tokens(
 DUAL_MODES = {"remote": ("--placement=remote",), "local": ("--placement=local",)}
 
 
+@pytest.mark.slow  # 20 s; dual-role workers start in the default suite too (test_core_lending)
 def test_dual_role_workers_give_the_reference_tokens_pushing_to_each_other(
     default_checkpoint_fp32: LoadedCheckpoint,
 ) -> None:

@@ -4,12 +4,17 @@ not, batched and alone. (Float32 against HF transformers: ``test_correctness_hf.
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
+from prometheus_client import CollectorRegistry
 
 from splitserve.common.model_files import default_model_path
 from splitserve.common.sampling_params import SamplingParams
+from splitserve.engine.async_engine import AsyncEngine
 from splitserve.engine.checkpoint import LoadedCheckpoint, load_checkpoint
+from splitserve.worker.metrics import install_engine_metrics
 from tests.conftest import assert_no_leaks, make_llm
 
 CODE = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\n"
@@ -43,3 +48,35 @@ def test_bf16_output_equals_the_plain_engine(checkpoint_bf16: LoadedCheckpoint) 
     assert stats.num_generation_tokens == sum(len(tokens) for tokens in plain)
     alone, _ = _generate(checkpoint_bf16, 4, prompts[:1])
     assert alone == plain[:1]
+
+
+def test_a_worker_engine_streams_several_tokens_a_step_and_counts_drafts(
+    checkpoint_bf16: LoadedCheckpoint,
+) -> None:
+    """Through ``AsyncEngine`` (what workers run): the streamed updates carry the kept drafts
+    (some updates several tokens), they add up to the plain output, and the worker's metrics
+    count the drafts from the engine's reports."""
+    tokenizer = checkpoint_bf16.tokenizer
+    prompt = tokenizer.encode(tokenizer.apply_chat_template(CONVERSATIONS[0]))
+    [plain], _ = _generate(checkpoint_bf16, 0, [prompt])
+    llm = make_llm(checkpoint_bf16, dtype="bfloat16", speculative_tokens=4)
+    engine = AsyncEngine(llm.engine)
+    registry = CollectorRegistry()
+    install_engine_metrics(registry, engine, "model", "decode")
+
+    async def stream() -> list[tuple[int, ...]]:
+        return [o.update.new_token_ids async for o in engine.generate("a", prompt, GREEDY)]
+
+    try:
+        updates = asyncio.run(asyncio.wait_for(stream(), timeout=120))
+    finally:
+        engine.shutdown()
+    assert [token for update in updates for token in update] == plain
+    assert max(len(update) for update in updates) > 1
+    labels = {"model_name": "model", "role": "decode"}
+    drafts = registry.get_sample_value("splitserve_spec_decode_num_draft_tokens_total", labels)
+    kept = registry.get_sample_value("splitserve_spec_decode_num_accepted_tokens_total", labels)
+    stats = engine.latest_report.stats
+    assert (drafts, kept) == (stats.num_draft_tokens, stats.num_accepted_draft_tokens)
+    assert kept == len(plain) - len(updates) > 0  # each update: one token plus its kept drafts
+    assert_no_leaks(llm)

@@ -108,3 +108,16 @@ def test_off_by_default_and_without_a_match() -> None:
     assert scheduler.schedule().chunks[0].draft_token_ids == ()
     unique = _prefilled(_request(prompt=[1, 2, 3, 4]))
     assert unique.schedule().chunks[0].draft_token_ids == ()
+
+
+def test_a_request_whose_drafts_all_missed_sits_out_the_next_step() -> None:
+    scheduler = _prefilled(_request(), ngram_min=1)
+    output = scheduler.schedule()
+    assert output.chunks[0].draft_token_ids == (8, 9, 5)
+    [update] = scheduler.update(output, {}, {"a": (5, 2, 3, 4)})  # the first draft missed
+    assert update.new_token_ids == (5,)
+    output = scheduler.schedule()
+    assert output.chunks[0].draft_token_ids == ()  # backing off, though (5,) stood before 6
+    scheduler.update(output, {"a": 6})
+    # 5, 6, 7, 8, 9, 5, 6, 7, 5, 6: the suffix (5, 6) last stood before 7, 5, 6
+    assert scheduler.schedule().chunks[0].draft_token_ids == (7, 5, 6)

@@ -3,7 +3,7 @@ not ready, to the coordinators (with its load: they stop routing to it) and on i
 (NOT_SERVING), and says ready again once its steps end.
 
 The unit tests drive ``StallWatch`` with a step clock they set; the outside-in test uses a
-real decode worker with a tiny ``--stall-timeout`` (0.2 s) and a float32 prompt of 2,000
+real decode worker with a tiny ``--stall-timeout`` (0.2 s) and a float32 prompt of 800
 tokens computed in one step, which takes longer than that on a CPU: while that step runs the
 worker is NOT_SERVING and unready in the coordinator's registry, then both come back, and
 the request finishes normally.
@@ -110,7 +110,7 @@ def test_a_long_step_makes_a_real_worker_unready_then_ready() -> None:
 
             assert serving() and worker_loads(address)["decode-0"].ready
             result: list[int] = []
-            prompt = [1000 + (7 * i) % 30000 for i in range(2000)]
+            prompt = [1000 + (7 * i) % 30000 for i in range(800)]
 
             def generate() -> None:
                 with Client(address) as client:

@@ -15,7 +15,8 @@ Names (prefix ``splitserve_``; labels ``model_name``, ``role``):
   the engine's time on prompt tokens; ``common/busy_share.py``);
 - ``prefix_cache_queries_total`` / ``prefix_cache_hits_total`` (tokens),
   ``num_preemptions_total``, ``prompt_tokens_total`` (prompt tokens computed here),
-  ``generation_tokens_total`` (tokens sampled here);
+  ``generation_tokens_total`` (tokens sampled here), ``spec_decode_num_draft_tokens_total`` /
+  ``spec_decode_num_accepted_tokens_total`` (speculative decoding: drafts verified / kept);
 - ``request_queue_time_seconds``, ``request_prefill_time_seconds``,
   ``request_decode_time_seconds``, ``request_inference_time_seconds`` (histograms);
 - ``kv_transfer_bytes_total``, ``kv_transfer_seconds``, ``kv_transfer_failures_total``
@@ -167,6 +168,16 @@ class _EngineCollector(Collector):
                 stats.num_prompt_tokens_computed,
             ),
             ("generation_tokens", "Tokens sampled on this worker.", stats.num_generation_tokens),
+            (
+                "spec_decode_num_draft_tokens",
+                "Speculated (prompt-lookup) tokens verified on this worker.",
+                stats.num_draft_tokens,
+            ),
+            (
+                "spec_decode_num_accepted_tokens",
+                "Speculated tokens the model chose too, kept as output.",
+                stats.num_accepted_draft_tokens,
+            ),
         )
         step_threads = self._engine.step_threads
         if step_threads is not None:  # a worker that lends or borrows cores

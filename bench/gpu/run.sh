@@ -58,10 +58,6 @@ skip() {
     say "step $1: skipped ($2)"
 }
 
-if ! "$py" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>>"$log"; then
-    [ $dry -eq 0 ] && say "no CUDA device: dry mode"
-    dry=1
-fi
 
 # The package `splitserve` is the repo's folders (pyproject.toml's package-dir): link them
 # under one folder on PYTHONPATH (the GPU image has no network to pip-install the project).
@@ -72,6 +68,30 @@ for package in common engine kernels proto transfer prefill decode coordinator w
     ln -s "$repo/$package" "$stage/splitserve/$package"
 done
 site=/tmp/site
+export PYTHONPATH="$stage:$site:$repo/bench${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+# One interpreter start for the facts and the CUDA check (exit 3: no CUDA device).
+"$py" - >>"$log" 2>&1 <<'PYEOF'
+import platform, sys, torch
+import splitserve.engine
+print("python", platform.python_version(), "torch", torch.__version__,
+      "cuda", torch.cuda.is_available() and torch.cuda.get_device_name())
+print("splitserve from", list(splitserve.engine.__path__))
+sys.exit(0 if torch.cuda.is_available() else 3)
+PYEOF
+facts=$?
+if [ $facts -eq 3 ]; then
+    [ $dry -eq 0 ] && say "no CUDA device: dry mode"
+    dry=1
+elif [ $facts -ne 0 ]; then  # the package or torch does not import: every step would fail
+    printf 'environment\tfailed rc=%s\t0\n' "$facts" >>"$steps"
+    say "the environment check failed (rc=$facts, see the log): dry mode"
+    dry=1
+fi
+if command -v nvidia-smi >/dev/null; then
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv >>"$log" 2>&1
+fi
+
 if [ $dry -eq 1 ]; then
     skip wheels "dry mode"
 elif ls .whl/*.whl >/dev/null 2>&1; then
@@ -80,19 +100,6 @@ elif ls .whl/*.whl >/dev/null 2>&1; then
 else
     skip wheels "no .whl/ folder: run make gpu-wheels before the call"
 fi
-export PYTHONPATH="$stage:$site:$repo/bench${PYTHONPATH:+:$PYTHONPATH}"
-export PYTHONUNBUFFERED=1
-"$py" - >>"$log" 2>&1 <<'PYEOF'
-import platform, torch
-import splitserve.engine
-print("python", platform.python_version(), "torch", torch.__version__,
-      "cuda", torch.cuda.is_available() and torch.cuda.get_device_name())
-print("splitserve from", list(splitserve.engine.__path__))
-PYEOF
-if command -v nvidia-smi >/dev/null; then
-    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv >>"$log" 2>&1
-fi
-
 step gpu-tests 150 "$py" -m pytest --noconftest -p no:cacheprovider -q -rfEs -m gpu \
     --junitxml="$out/gpu-tests.xml" tests/test_gpu_kernels.py tests/test_gpu_engine.py
 step kv-transfer 110 "$py" bench/bench_kv_transfer.py --device cuda --reps 5 --ucx-proto-info \
