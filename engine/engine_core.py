@@ -308,6 +308,7 @@ class EngineCore:
         predicted_s = estimate.step_s(shape) if estimate.predicts(shape) else 0.0
         self.last_step = StepTiming(seconds, predicted_s)
         prefill_s = self.step_cost.observe(shape, seconds)
+        self.scheduler.step_cost = self.step_cost.estimate()  # weighs the next step's drafts
         self.prefill_share.observe(time.monotonic(), prefill_s)
         return [StepOutput(u, _logprobs_of(executed.logprobs.get(u.request_id))) for u in updates]
 

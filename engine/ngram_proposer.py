@@ -10,11 +10,15 @@ The index maps every n-gram of the context (``min_n <= n <= max_n``) to the posi
 after its latest occurrence whose continuation is known. ``extend`` adds tokens in O(max_n) dict
 updates each; ``propose`` looks up the context's own suffix, longest n first, in O(max_n).
 
-``Drafter`` is one request's proposer: its index, kept up to date with the request's tokens,
-and a back-off for text that does not repeat itself: after a step whose drafts were all
-rejected it proposes nothing for the next 1, 2, 4, ... up to ``MAX_SKIP`` steps it is asked;
-a kept draft ends the back-off. Torch free; one per speculating request, owned by the
-scheduler.
+``Drafter`` is one request's proposer: its index, kept up to date with the request's tokens;
+a back-off for text that does not repeat itself (after a step whose drafts were all rejected
+it proposes nothing for the next 1, 2, 4, ... up to ``MAX_SKIP`` steps it is asked; a kept
+draft ends the back-off); and the request's acceptance ``continuation``: of the drafts the
+model reached (every one after a kept draft, the first of each step), the decayed share it
+kept, starting from ``PRIOR`` as if one of two had been kept. Under it a draft at depth ``i``
+is kept with probability ``continuation ** i``: ``worth_proposing`` cuts a draft where that
+falls below what a row costs (``engine/scheduler.py``). Torch free; one per speculating
+request, owned by the scheduler.
 """
 
 from __future__ import annotations
@@ -23,6 +27,10 @@ from collections.abc import Sequence
 
 MAX_SKIP = 16
 """The longest run of steps a ``Drafter`` sits out after drafts were rejected."""
+PRIOR = (1.0, 2.0)
+"""The acceptance a request starts from: 1 draft kept of 2 reached."""
+DECAY = 0.9
+"""Weight of the acceptance seen so far against one more step's."""
 
 
 class NgramIndex:
@@ -68,6 +76,24 @@ class Drafter:
         """Steps in a row whose drafts were all rejected."""
         self._skip = 0
         """Steps still to sit out."""
+        self._kept, self._reached = PRIOR
+        """Decayed counts behind ``continuation``."""
+
+    @property
+    def continuation(self) -> float:
+        """The chance that the model keeps a draft it reaches (module docstring)."""
+        return self._kept / self._reached
+
+    def worth_proposing(self, drafts: Sequence[int], min_chance: float) -> list[int]:
+        """The leading drafts whose chance of being kept (``continuation ** depth``) is at
+        least ``min_chance``."""
+        chance, count = 1.0, 0
+        for _ in drafts:
+            chance *= self.continuation
+            if chance < min_chance:
+                break
+            count += 1
+        return list(drafts[:count])
 
     def propose(self, token_ids: Sequence[int], max_tokens: int) -> list[int]:
         """Drafts after ``token_ids`` (the request's whole sequence so far: the index takes
@@ -78,8 +104,11 @@ class Drafter:
             return []
         return self.index.propose(max_tokens)
 
-    def record(self, kept: int) -> None:
-        """How many of the last proposed drafts the model kept."""
+    def record(self, proposed: int, kept: int) -> None:
+        """How many of the last ``proposed`` drafts the model kept."""
+        reached = kept + (kept < proposed)
+        self._kept = DECAY * self._kept + kept
+        self._reached = DECAY * self._reached + reached
         if kept:
             self._misses = 0
             return

@@ -17,14 +17,18 @@ finished request has freed all its blocks before ``update`` returns.
 Speculative decoding (``SpeculativeConfig``, off by default): a decoding request that may
 speculate (``_speculates``) gets up to ``num_tokens`` draft tokens from its own context
 (``engine/ngram_proposer.py``: it sits out steps after drafts were all rejected) while the
-step's decode rows stay within ``max_step_rows``. Its chunk then computes its last token and
-the drafts (``draft_token_ids``), and the runner returns the greedy token after each of them
-(``verified_token_ids``). ``update`` keeps the
-drafts up to the first that differs from what the model chose there, plus the model's token
-after the last kept one: exactly the tokens plain decoding would have produced one step at a
-time, since each row's logits are computed as a plain decode step's are (one decode row per
-token, ``engine/model_runner.py``). Rejected drafts leave KV in slots past the request's
-context, which the next steps overwrite; their blocks stay with the request until it ends.
+step's decode rows stay within ``max_step_rows``. Once the engine's step-time model knows
+decode steps (``step_cost``, set by the engine after each step), a draft is proposed only
+while its chance of being kept beats what its row costs the batch: ``row cost x decoding
+requests / decode step time``, the tokens a step would lose to the row's time at the batch's
+rate (each request's chance from its own acceptance, ``Drafter.continuation``). Its chunk then
+computes its last token and the drafts (``draft_token_ids``), and the runner returns the
+greedy token after each of them (``verified_token_ids``). ``update`` keeps the drafts up to
+the first that differs from what the model chose there, plus the model's token after the last
+kept one: exactly the tokens plain decoding would have produced one step at a time, since
+each row's logits are computed as a plain decode step's are (one decode row per token,
+``engine/model_runner.py``). Rejected drafts leave KV in slots past the request's context,
+which the next steps overwrite; their blocks stay with the request until it ends.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from splitserve.common.errors import (
 )
 from splitserve.common.request_update import RequestUpdate
 from splitserve.common.sampling_params import SamplingParams
+from splitserve.common.step_cost import StepCost
 from splitserve.engine.config import SchedulerConfig, SpeculativeConfig
 from splitserve.engine.engine_report import RequestPhases, SchedulerStats
 from splitserve.engine.kv_cache_manager import KVCacheManager
@@ -130,6 +135,9 @@ class Scheduler:
         self._finished_since_last_step: set[str] = set()
         self._drafters: dict[str, Drafter] = {}
         """Each speculating request's proposer (module docstring)."""
+        self.step_cost: StepCost | None = None
+        """The engine's learned step times (set after each step); drafts are weighed
+        against them once they know decode steps (module docstring)."""
 
     # ---- admission -------------------------------------------------------------------------
 
@@ -235,17 +243,18 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         preemptions_before = self.stats.num_preemptions
-        draft_rows = 0
+        draft_rows, min_chance = 0, 0.0
         if self.speculative.num_tokens:
-            decoding = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
-            draft_rows = self.speculative.max_step_rows - decoding
+            decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+            draft_rows = self.speculative.max_step_rows - len(decoding)
+            min_chance = self._draft_bar(decoding)
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             drafts: tuple[int, ...] = ()
             if num_new == 1 and draft_rows > 0 and budget > 1:
-                drafts = self._drafts(request, min(draft_rows, budget - 1))
+                drafts = self._drafts(request, min(draft_rows, budget - 1), min_chance)
             if not self._allocate_or_preempt(request, num_new + len(drafts)):
                 break
             chunks.append(self._chunk(request, num_new, drafts))
@@ -295,9 +304,20 @@ class Scheduler:
         params = request.params
         return params.greedy and params.logprobs is None and not params.stop
 
-    def _drafts(self, request: Request, limit: int) -> tuple[int, ...]:
+    def _draft_bar(self, decoding: Sequence[Request]) -> float:
+        """The chance of being kept a draft must have to pay for its row (module docstring);
+        0 while the step-time model does not know decode steps."""
+        cost = self.step_cost
+        if cost is None or not cost.knows_decode or not decoding:
+            return 0.0
+        context = sum(request.num_tokens for request in decoding)
+        step_s = cost.decode_step_s(len(decoding), context)
+        return cost.per_decode_seq_s * len(decoding) / step_s if step_s > 0 else 0.0
+
+    def _drafts(self, request: Request, limit: int, min_chance: float = 0.0) -> tuple[int, ...]:
         """Up to ``limit`` (and ``num_tokens``) draft tokens for a decoding request, none that
-        could take it past ``max_tokens`` or the context window."""
+        could take it past ``max_tokens`` or the context window, none whose chance of being
+        kept is below ``min_chance``."""
         if not self._speculates(request):
             return ()
         limit = min(
@@ -312,7 +332,8 @@ class Scheduler:
         if drafter is None:
             drafter = Drafter(self.speculative.ngram_min, self.speculative.ngram_max)
             self._drafters[request.request_id] = drafter
-        return tuple(drafter.propose(request.all_token_ids, limit))
+        drafts = drafter.propose(request.all_token_ids, limit)
+        return tuple(drafter.worth_proposing(drafts, min_chance))
 
     def _chunk(
         self, request: Request, num_new: int, drafts: tuple[int, ...] = ()
@@ -397,7 +418,7 @@ class Scheduler:
         while accepted < len(drafts) and verified[accepted] == drafts[accepted]:
             accepted += 1
         self._count(num_draft_tokens=len(drafts), num_accepted_draft_tokens=accepted)
-        self._drafters[request.request_id].record(accepted)
+        self._drafters[request.request_id].record(len(drafts), accepted)
         request.num_computed_tokens += 1 + accepted  # the last known token and the kept drafts
         new_tokens: list[int] = []
         for token_id in verified[: accepted + 1]:

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.timeout(600)
 
 WORKER_FLAGS = ("--dtype=float32", "--num-blocks=300", "--threads=1", "--metrics-port=-1")
 PROMPTS = [f"Tell me a long story about a lighthouse keeper named {n}:" for n in range(6)]
-SAMPLING = Sampling(max_tokens=48, temperature=0.0, ignore_eos=True)
+SAMPLING = Sampling(max_tokens=32, temperature=0.0, ignore_eos=True)
 
 
 async def _reference(address: str) -> list[tuple[int, ...]]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from splitserve.engine.ngram_proposer import MAX_SKIP, Drafter, NgramIndex
+from splitserve.engine.ngram_proposer import DECAY, MAX_SKIP, PRIOR, Drafter, NgramIndex
 
 
 def _index(tokens: list[int], min_n: int = 2, max_n: int = 4) -> NgramIndex:
@@ -56,15 +56,15 @@ def test_a_drafter_backs_off_after_rejections_and_resumes_after_a_kept_draft() -
     tokens = [6, 7, 8, 9, 10, 11, 5, 7, 8]
     drafter = Drafter(2, 4)
     assert drafter.propose(tokens, 2) == [9, 10]
-    drafter.record(kept=0)  # sits out 1 step
+    drafter.record(proposed=2, kept=0)  # sits out 1 step
     assert drafter.propose(tokens, 2) == []
     assert drafter.propose(tokens, 2) == [9, 10]
-    drafter.record(kept=0)  # a second miss in a row: 2 steps
+    drafter.record(proposed=2, kept=0)  # a second miss in a row: 2 steps
     assert [drafter.propose(tokens, 2) for _ in range(3)] == [[], [], [9, 10]]
-    drafter.record(kept=1)
+    drafter.record(proposed=2, kept=1)
     assert drafter.propose(tokens, 2) == [9, 10]
     for _ in range(10):
-        drafter.record(kept=0)
+        drafter.record(proposed=2, kept=0)
     skipped = 0
     while not drafter.propose(tokens, 2):
         skipped += 1
@@ -76,3 +76,18 @@ def test_a_drafter_indexes_tokens_appended_since_it_last_proposed() -> None:
     assert drafter.propose([1, 2, 3], 2) == []
     assert drafter.propose([1, 2, 3, 4, 1, 2], 2) == [3, 4]
     assert drafter.index.tokens == [1, 2, 3, 4, 1, 2]
+
+
+def test_a_drafter_cuts_drafts_whose_chance_falls_below_the_bar() -> None:
+    drafter = Drafter(2, 2)
+    assert drafter.continuation == PRIOR[0] / PRIOR[1] == 0.5
+    drafts = [1, 2, 3, 4]
+    assert drafter.worth_proposing(drafts, 0.0) == drafts
+    assert drafter.worth_proposing(drafts, 0.2) == [1, 2]  # 0.5, 0.25 (0.125 < 0.2)
+    drafter.record(proposed=4, kept=4)  # all kept: 4 reached, 4 kept
+    kept, reached = DECAY * PRIOR[0] + 4, DECAY * PRIOR[1] + 4
+    assert drafter.continuation == kept / reached
+    drafter.record(proposed=4, kept=1)  # the second was reached and missed
+    kept, reached = DECAY * kept + 1, DECAY * reached + 2
+    assert drafter.continuation == kept / reached
+    assert drafter.worth_proposing(drafts, 0.5) == [1, 2]  # 0.75, 0.56, then 0.42

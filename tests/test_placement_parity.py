@@ -32,8 +32,8 @@ WORKER_FLAGS = ("--dtype=float32", "--num-blocks=400", "--threads=1", "--metrics
 PROMPTS = [
     "The capital of France is",
     "Write a haiku about the sea. " * 3,
-    "Once upon a time, in a land far away, there lived " * 12,
-    "def fibonacci(n):\n    " * 20,
+    "Once upon a time, in a land far away, there lived " * 6,
+    "def fibonacci(n):\n    " * 10,
 ]
 MAX_TOKENS = 8
 """Enough tokens that each output crosses the KV handoff and several decode steps."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from splitserve.common.request_update import FinishReason
 from splitserve.common.sampling_params import SamplingParams
+from splitserve.common.step_cost import StepCost
 from splitserve.engine.config import SpeculativeConfig
 from splitserve.engine.request import Request
 from tests.factories import EOS, make_scheduler
@@ -121,3 +122,15 @@ def test_a_request_whose_drafts_all_missed_sits_out_the_next_step() -> None:
     scheduler.update(output, {"a": 6})
     # 5, 6, 7, 8, 9, 5, 6, 7, 5, 6: the suffix (5, 6) last stood before 7, 5, 6
     assert scheduler.schedule().chunks[0].draft_token_ids == (7, 5, 6)
+
+
+def test_drafts_are_cut_where_their_chance_no_longer_pays_for_their_row() -> None:
+    """A known step-time model: 10 ms a decode step plus 2 ms a row, so for one decoding
+    request a draft must be kept with a chance of at least 2 / 12; a new request's chance is
+    0.5 at the first draft, 0.25 at the second, 0.125 at the third (cut)."""
+    scheduler = _prefilled(_request())
+    scheduler.step_cost = StepCost(decode_base_s=0.010, per_decode_seq_s=0.002, decode_steps=100)
+    assert scheduler.schedule().chunks[0].draft_token_ids == (8, 9)
+    unknown = _prefilled(_request())
+    unknown.step_cost = StepCost(decode_base_s=0.010, per_decode_seq_s=0.002, decode_steps=1)
+    assert unknown.schedule().chunks[0].draft_token_ids == (8, 9, 5)  # not known yet: all
