@@ -16,6 +16,12 @@ goodput against rate for every server.
 Workloads (the issue's): ``chat`` (input 320 +- 100, output 96 +- 30, TTFT <= 2 s, ITL <=
 50 ms) and ``long`` (input 1400 +- 150, output 100 +- 30, TTFT <= 4 s, ITL <= 50 ms).
 
+The machine's own bound (``machine_bound.py``): before the first server starts, the bench
+measures the bf16 matmul rate and the read bandwidth on every core, and from them and the
+default model's sizes the most requests a second any server could serve within the SLO;
+at the end it prints each server's peak goodput (the best median over rates) as a fraction
+of that bound. ``--bound-only`` prints the bound and exits.
+
 A change's before and after in one run: ``git worktree add /tmp/before <commit>`` and
 ``--baseline-tree /tmp/before --servers splitserve-baseline,splitserve,vllm``.
 
@@ -41,6 +47,7 @@ from pathlib import Path
 
 import httpx
 from bench_vs_peers import splitserve_server, vllm_server
+from machine_bound import measured_bound, peak_fraction
 from timing_stats import Json, wait_for_quiet
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -341,8 +348,15 @@ def main() -> Json:
         type=Path,
         help=f"a checkout whose make-serve configuration runs as server {BASELINE}",
     )
+    parser.add_argument("--bound-only", action="store_true", help="print the bound, exit")
     args = parser.parse_args()
     workload = WORKLOADS[args.workload]
+    wait_for_quiet(args.wait_quiet_s)
+    bound = measured_bound(workload.isl, workload.osl, workload.itl_ms)
+    log(f"machine bound: {json.dumps(bound)}")
+    if args.bound_only:
+        print(json.dumps(bound, indent=2))
+        return bound
     rates = [float(r) for r in args.rates.split(",")]
     log_dir = Path(tempfile.mkdtemp(prefix="bench-goodput-"))
     results: Json = {
@@ -351,6 +365,7 @@ def main() -> Json:
         "repeats": args.repeats,
         "servers": {},
         "settings": {k: str(v) for k, v in vars(args).items()},
+        "machine_bound": bound,
     }
     results["workload"] = {field: getattr(workload, field) for field in workload.__annotations__}
     args.out_dir.mkdir(parents=True, exist_ok=True)
@@ -395,6 +410,15 @@ def main() -> Json:
                 f"{s['goodput_median']:.3f} [{s['goodput_min']:.2f}-{s['goodput_max']:.2f}]"
             )
         print(f"{rate:<6g} " + "  ".join(f"{c:>24}" for c in cells))
+    bound_req_s = bound["bound"]["bound_req_s"]
+    print(f"machine bound ({bound['machine']['cpu']}): {bound_req_s} req/s")
+    for name, by_rate in results["servers"].items():
+        peaks = [entry["summary"]["goodput_median"] for entry in by_rate.values()]
+        fraction = peak_fraction(peaks, bound_req_s)
+        by_rate_peak = max(peaks) if peaks else None
+        results.setdefault("peak_vs_bound", {})[name] = fraction
+        print(f"{name}: peak goodput {by_rate_peak} req/s = {fraction} of the bound")
+    (args.out_dir / f"{stem}.json").write_text(json.dumps(results, indent=2))
     print(f"wrote {args.out_dir / stem}.json/.png; logs in {log_dir}")
     return results
 

@@ -4,7 +4,8 @@
 drained on a thread, the tail kept for failure messages), waits for the ready line containing
 ``ready_marker`` and yields the address printed after "ready at"; on exit it sends SIGTERM and
 fails the test unless the process stops cleanly (status 0) within 30 s (``up`` reports
-children it had to kill).
+children it had to kill). ``running_together`` does the same for several processes started
+at once, so they load side by side.
 
 Every process started here shares ``CREDENTIAL`` (``SPLITSERVE_CLUSTER_TOKEN`` in its
 environment), so the tests can call internal ports; a coordinator's internal address is
@@ -39,6 +40,16 @@ FRESH_LOAD_TIMEOUT_S = 10.0
 """How long ``worker_loads`` waits for every worker's next heartbeat (sent every 0.5 s)."""
 
 
+@dataclass(frozen=True)
+class ProcessSpec:
+    """One process for ``running_together``: what ``running`` takes."""
+
+    argv: list[str]
+    ready_marker: str = "splitserve ready at"
+    ready_lines: dict[str, str] | None = None
+    env: dict[str, str] | None = None
+
+
 @contextlib.contextmanager
 def running(
     argv: list[str],
@@ -52,29 +63,53 @@ def running(
     (e.g. "splitserve gateway ready", "decode metrics"). ``processes``, when given, receives
     the process; a test that kills it on purpose is not failed for its exit status. ``env``:
     more environment for the process (and its children)."""
-    child = ChildProcess(
-        python_module_argv(*argv),
-        name=argv[0],
-        env={TOKEN_ENV: CREDENTIAL.token, **(env or {})},
-        tail_excludes=("UCX  WARN",),
-    )
-    if processes is not None:
-        processes.append(child.popen)
-    try:
-        address = child.wait_ready(ready_marker, START_TIMEOUT_S)
-        announced = child.announcements()
-        if INTERNAL_READY in announced:
-            remember_internal(address, announced[INTERNAL_READY])
-        if ready_lines is not None:
-            ready_lines.update(announced)
+    spec = ProcessSpec(argv, ready_marker, ready_lines, env)
+    with running_together([spec], processes) as (address,):
         yield address
+
+
+@contextlib.contextmanager
+def running_together(
+    specs: Sequence[ProcessSpec], processes: list[subprocess.Popen[str]] | None = None
+) -> Iterator[list[str]]:
+    """``running`` for several processes started at once (they load side by side): yields
+    their addresses in order once every one is ready; on exit stops each (last first) and
+    fails the test unless every one stopped cleanly, as ``running`` does."""
+    children: list[tuple[ProcessSpec, ChildProcess]] = []
+    try:
+        for spec in specs:
+            child = ChildProcess(
+                python_module_argv(*spec.argv),
+                name=spec.argv[0],
+                env={TOKEN_ENV: CREDENTIAL.token, **(spec.env or {})},
+                tail_excludes=("UCX  WARN",),
+            )
+            children.append((spec, child))
+            if processes is not None:
+                processes.append(child.popen)
+        addresses = []
+        for spec, child in children:
+            address = child.wait_ready(spec.ready_marker, START_TIMEOUT_S)
+            announced = child.announcements()
+            if INTERNAL_READY in announced:
+                remember_internal(address, announced[INTERNAL_READY])
+            if spec.ready_lines is not None:
+                spec.ready_lines.update(announced)
+            addresses.append(address)
+        yield addresses
     finally:
-        killed_on_purpose = child.returncode == -signal.SIGKILL
-        stopped = child.stop(STOP_GRACE_S)
-        if stopped.killed:
-            raise AssertionError(f"{argv[0]} did not stop on SIGTERM:\n{child.tail()}")
-    if stopped.status != 0 and not killed_on_purpose:
-        raise AssertionError(f"{argv[0]} stopped with status {stopped.status}:\n{child.tail()}")
+        failures = []
+        for spec, child in reversed(children):
+            killed_on_purpose = child.returncode == -signal.SIGKILL
+            stopped = child.stop(STOP_GRACE_S)
+            if stopped.killed:
+                failures.append(f"{spec.argv[0]} did not stop on SIGTERM:\n{child.tail()}")
+            elif stopped.status != 0 and not killed_on_purpose:
+                failures.append(
+                    f"{spec.argv[0]} stopped with status {stopped.status}:\n{child.tail()}"
+                )
+        if failures:
+            raise AssertionError("\n".join(failures))
 
 
 def cluster(
@@ -154,19 +189,26 @@ def roles(
     coordinator's public address. ``processes`` receives the workers' processes in order."""
     coordinator_argv = ["splitserve.coordinator.main", "--port=0", "--internal-port=0"]
     coordinator_argv.append("--metrics-port=-1")
-    with (
-        running(coordinator_argv, "splitserve coordinator ready at") as address,
-        contextlib.ExitStack() as started,
-    ):
-        for role, name in workers:
-            argv = [f"splitserve.{role}.main", "--port=0", f"--worker-id={name}"]
-            argv += [f"--coordinator={internal_address(address)}", *worker_flags]
-            started.enter_context(running(argv, f"splitserve {role} ready at", None, processes))
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not {name for _, name in workers} <= routable_members(address):
-            assert time.monotonic() < deadline, "the coordinator does not route to every worker"
-            time.sleep(0.2)
-        yield address
+    with running(coordinator_argv, "splitserve coordinator ready at") as address:
+        specs = [
+            ProcessSpec(
+                [f"splitserve.{role}.main", "--port=0", f"--worker-id={name}"]
+                + [f"--coordinator={internal_address(address)}", *worker_flags],
+                f"splitserve {role} ready at",
+            )
+            for role, name in workers
+        ]
+        with running_together(specs, processes):
+            yield _routable(address, workers)
+
+
+def _routable(address: str, workers: Sequence[tuple[str, str]]) -> str:
+    """``address`` once its coordinator routes to every one of ``workers``."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not {name for _, name in workers} <= routable_members(address):
+        assert time.monotonic() < deadline, "the coordinator does not route to every worker"
+        time.sleep(0.2)
+    return address
 
 
 def child_pid(parent: int, *args: str) -> int:

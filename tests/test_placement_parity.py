@@ -23,7 +23,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from splitserve.client import AsyncClient, ClientError, LatencyTargets, Sampling
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.checkpoint import LoadedCheckpoint
-from tests.cluster import assert_all_free, internal_address, running, wait_until_idle, worker_loads
+from tests.cluster import (
+    ProcessSpec,
+    assert_all_free,
+    internal_address,
+    running_together,
+    wait_until_idle,
+    worker_loads,
+)
 from tests.conftest import make_llm
 
 pytestmark = pytest.mark.timeout(600)
@@ -69,15 +76,34 @@ def _coordinators(
 ) -> tuple[dict[str, str], dict[str, str]]:
     """One coordinator per mode (its flags), running until ``stack`` closes: their public
     addresses and metrics URLs by mode."""
-    addresses, metrics = {}, {}
-    for mode, flags in modes.items():
-        lines: dict[str, str] = {}
-        argv = ["splitserve.coordinator.main", "--port=0", "--internal-port=0", *flags]
-        addresses[mode] = stack.enter_context(
-            running(argv, "splitserve coordinator ready at", lines)
+    lines: dict[str, dict[str, str]] = {mode: {} for mode in modes}
+    specs = [
+        ProcessSpec(
+            ["splitserve.coordinator.main", "--port=0", "--internal-port=0", *flags],
+            "splitserve coordinator ready at",
+            lines[mode],
         )
-        metrics[mode] = lines["coordinator metrics"]
-    return addresses, metrics
+        for mode, flags in modes.items()
+    ]
+    started = stack.enter_context(running_together(specs))
+    addresses = dict(zip(modes, started, strict=True))
+    return addresses, {mode: lines[mode]["coordinator metrics"] for mode in modes}
+
+
+def _workers(
+    stack: contextlib.ExitStack, workers: list[tuple[list[str], str, str]], internals: str
+) -> None:
+    """Each (module and its own flags, worker id, ready marker) as a worker of every
+    coordinator (``internals``), started together, running until ``stack`` closes."""
+    specs = [
+        ProcessSpec(
+            [*command, "--port=0", f"--worker-id={worker_id}", f"--coordinator={internals}"]
+            + list(WORKER_FLAGS),
+            marker,
+        )
+        for command, worker_id, marker in workers
+    ]
+    stack.enter_context(running_together(specs))
 
 
 async def _generate(
@@ -102,10 +128,9 @@ def test_every_placement_gives_the_reference_tokens(
     with contextlib.ExitStack() as stack:
         addresses, metrics = _coordinators(stack, MODES)
         internals = ",".join(internal_address(a) for a in addresses.values())
-        for role in ("prefill", "decode"):
-            argv = [f"splitserve.{role}.main", "--port=0", f"--worker-id={role}-0"]
-            argv += [f"--coordinator={internals}", *WORKER_FLAGS]
-            stack.enter_context(running(argv, f"splitserve {role} ready at"))
+        roles = ("prefill", "decode")
+        workers = [([f"splitserve.{r}.main"], f"{r}-0", f"splitserve {r} ready at") for r in roles]
+        _workers(stack, workers, internals)
         for address in addresses.values():
             _wait_for_workers(address, 2)
 
@@ -161,10 +186,9 @@ def test_dual_role_workers_give_the_reference_tokens_pushing_to_each_other(
     with contextlib.ExitStack() as stack:
         addresses, metrics = _coordinators(stack, DUAL_MODES)
         internals = ",".join(internal_address(a) for a in addresses.values())
-        for index in range(2):
-            argv = ["splitserve.launch.dual_worker", "--roles=prefill,decode", "--port=0"]
-            argv += [f"--worker-id=dual-{index}", f"--coordinator={internals}", *WORKER_FLAGS]
-            stack.enter_context(running(argv, "splitserve prefill+decode ready at"))
+        dual = ["splitserve.launch.dual_worker", "--roles=prefill,decode"]
+        ready = "splitserve prefill+decode ready at"
+        _workers(stack, [(dual, f"dual-{index}", ready) for index in range(2)], internals)
         members = {f"dual-{i}-{role}" for i in range(2) for role in ("prefill", "decode")}
         for address in addresses.values():
             _wait_for_workers(address, len(members))
