@@ -78,8 +78,9 @@ class SpeculativeConfig:
     """Speculative decoding by prompt lookup (``engine/ngram_proposer.py``): a decoding
     request whose context's suffix occurred before gets the tokens that followed it as a
     draft, verified in the same step (each draft token one more row, taking the decode row
-    path). Greedy requests without logprobs or stop strings only; their output is token for
-    token the plain path's."""
+    path). Requests without logprobs or stop strings only; their output is token for token
+    the plain path's (greedy, and seeded sampling: each row draws the noise plain decoding
+    would have drawn there; unseeded sampling follows the same distribution)."""
 
     num_tokens: int = 0
     """Draft tokens per request and step; 0 turns speculation off."""

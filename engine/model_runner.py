@@ -116,14 +116,17 @@ class ModelRunner:
         if not sampling_chunks:
             return RunnerOutput()
         rows = [row for chunk in sampling_chunks for row in self._sampling_rows(chunk)]
+        rewinds = self._rewind_points(sampling_chunks)
         sampled = self.sampler(logits, rows)
         output = RunnerOutput()
         row = 0
         for chunk in sampling_chunks:
-            if chunk.draft_token_ids:  # greedy, no logprobs (``Scheduler._speculates``)
+            if chunk.draft_token_ids:  # no logprobs (``Scheduler._speculates``)
                 verdicts = sampled.token_ids[row : row + chunk.num_tokens]
                 output.verified_token_ids[chunk.request_id] = tuple(verdicts)
                 row += chunk.num_tokens
+                if chunk.request_id in rewinds:
+                    self._rewind(chunk, verdicts, rewinds[chunk.request_id])
                 continue
             output.sampled_token_ids[chunk.request_id] = sampled.token_ids[row]
             if sampled.logprobs[row] is not None:
@@ -169,10 +172,39 @@ class ModelRunner:
             vocab = self.model.config.vocab_size
             torch.rand(num_sampled, vocab, generator=generator, device=self.device)
 
+    def _rewind_points(self, chunks: Sequence[ScheduledChunk]) -> dict[str, torch.Tensor]:
+        """The generator state of each seeded sampling request with drafts, before this
+        step's draws (``_rewind``)."""
+        return {
+            chunk.request_id: self._generators[chunk.request_id].get_state()
+            for chunk in chunks
+            if chunk.draft_token_ids
+            and not chunk.params.greedy
+            and chunk.request_id in self._generators
+        }
+
+    def _rewind(self, chunk: ScheduledChunk, verdicts: Sequence[int], state: torch.Tensor) -> None:
+        """Leave a seeded request's generator as plain decoding would: one draw of ``vocab``
+        uniforms per token it outputs. Row ``j`` of a chunk with drafts sampled with the
+        request's ``j``-th draw of the step, as plain decoding samples its ``j``-th next
+        token, so the drafts kept and the token after them are plain decoding's tokens; the
+        rows past them drew what the next steps must draw again."""
+        drafts = chunk.draft_token_ids
+        kept = 0
+        while kept < len(drafts) and verdicts[kept] == drafts[kept]:
+            kept += 1
+        if kept + 1 == chunk.num_tokens:
+            return  # every row's draw became an output token
+        generator = self._generators[chunk.request_id]
+        generator.set_state(state)
+        vocab = self.model.config.vocab_size
+        torch.rand(kept + 1, vocab, generator=generator, device=self.device)
+
     def _sampling_rows(self, chunk: ScheduledChunk) -> list[SamplingRow]:
         """The chunk's sampling rows: one, or with drafts one per token, row ``j`` seeing the
         outputs plain decoding would have had there (the drafts before it kept), for the
-        penalties and ``min_tokens`` that read them."""
+        penalties and ``min_tokens`` that read them; a seeded request's rows share its
+        generator, drawing in row order (``_rewind``)."""
         row = self._sampling_row(chunk)
         if not chunk.draft_token_ids:
             return [row]

@@ -297,12 +297,15 @@ class Scheduler:
             budget -= num_new
 
     def _speculates(self, request: Request) -> bool:
-        """Whether a draft's verdict is the token plain decoding would sample: greedy (its
-        penalties and ``min_tokens`` see each row's outputs as plain decoding would, see
-        ``ModelRunner._sampling_rows``), and nothing read per token beside the token itself
-        (logprobs; stop strings, matched in text after the step)."""
+        """Whether a draft's verdict is the token plain decoding would sample there: every
+        row's penalties and ``min_tokens`` see the outputs plain decoding would have seen, and
+        a sampling request's row ``j`` draws the noise plain decoding would have drawn for its
+        ``j``-th next token (``ModelRunner._sampling_rows``, ``ModelRunner._rewind``: seeded,
+        the same tokens; unseeded, the same distribution); so anything but what is read per
+        token beside the token itself (logprobs; stop strings, matched in text after the
+        step)."""
         params = request.params
-        return params.greedy and params.logprobs is None and not params.stop
+        return params.logprobs is None and not params.stop
 
     def _draft_bar(self, decoding: Sequence[Request]) -> float:
         """The chance of being kept a draft must have to pay for its row (module docstring);

@@ -26,7 +26,7 @@ from tests.fault_cluster import FaultCluster
 pytestmark = pytest.mark.timeout(600)
 
 PROMPTS = ["The three primary colours are", "A haiku about autumn:", "def fibonacci(n):"]
-SAMPLING = Sampling(max_tokens=24, temperature=0.0, ignore_eos=True)
+SAMPLING = Sampling(max_tokens=12, temperature=0.0, ignore_eos=True)
 OUTAGE_S = 6.0
 
 

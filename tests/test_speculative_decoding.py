@@ -1,6 +1,7 @@
 """Speculative decoding through the engine in bf16 (the default model, the serving dtype): token
-for token the plain engine's output, on prompts that repeat themselves and on one that does
-not, batched and alone. (Float32 against HF transformers: ``test_correctness_hf.py``.)"""
+for token the plain engine's output, greedy and seeded sampling, on prompts that repeat
+themselves and on one that does not, batched and alone. (Float32 against HF transformers:
+``test_correctness_hf.py``.)"""
 
 from __future__ import annotations
 
@@ -80,3 +81,25 @@ def test_a_worker_engine_streams_several_tokens_a_step_and_counts_drafts(
     assert (drafts, kept) == (stats.num_draft_tokens, stats.num_accepted_draft_tokens)
     assert kept == len(plain) - len(updates) > 0  # each update: one token plus its kept drafts
     assert_no_leaks(llm)
+
+
+def test_seeded_sampling_equals_the_plain_engine(checkpoint_bf16: LoadedCheckpoint) -> None:
+    """Seeded sampling (temperature 0.7, top-p, a repetition penalty): each draft row samples
+    with the noise plain decoding draws for that token, and the request's generator is left
+    one draw per output token, so the tokens are the plain engine's; drafts were kept."""
+    tokenizer = checkpoint_bf16.tokenizer
+    prompts = [tokenizer.encode(tokenizer.apply_chat_template(c)) for c in CONVERSATIONS]
+    params = [
+        SamplingParams(
+            max_tokens=40, temperature=0.7, top_p=0.95, seed=seed, repetition_penalty=1.05,
+        )
+        for seed in (7, 8, 9)
+    ]  # fmt: skip
+    outputs = {}
+    for drafts in (0, 4):
+        llm = make_llm(checkpoint_bf16, dtype="bfloat16", speculative_tokens=drafts)
+        outputs[drafts] = [o.token_ids for o in llm.generate(prompts, params)]
+        assert_no_leaks(llm)
+        stats = llm.engine.scheduler.stats
+    assert outputs[4] == outputs[0]
+    assert stats.num_accepted_draft_tokens > 0, stats

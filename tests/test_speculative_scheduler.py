@@ -78,7 +78,7 @@ def test_drafts_never_pass_max_tokens() -> None:
     assert update.finish_reason is FinishReason.LENGTH
 
 
-def test_only_greedy_requests_without_logprobs_or_stop_strings_speculate() -> None:
+def test_only_requests_without_logprobs_or_stop_strings_speculate() -> None:
     requests = [
         _request("sampled", temperature=0.7),
         _request("logprobs", logprobs=2),
@@ -89,7 +89,7 @@ def test_only_greedy_requests_without_logprobs_or_stop_strings_speculate() -> No
     ]
     scheduler = _prefilled(*requests, max_step_rows=64)
     drafts = {chunk.request_id: chunk.draft_token_ids for chunk in scheduler.schedule().chunks}
-    speculating = {"greedy", "penalty", "min tokens"}
+    speculating = {"sampled", "greedy", "penalty", "min tokens"}
     assert drafts == {
         r.request_id: (8, 9, 5) if r.request_id in speculating else () for r in requests
     }
