@@ -42,7 +42,7 @@ PROMPTS = [
     "Once upon a time, in a land far away, there lived " * 6,
     "def fibonacci(n):\n    " * 10,
 ]
-MAX_TOKENS = 8
+MAX_TOKENS = 5
 """Enough tokens that each output crosses the KV handoff and several decode steps."""
 MODES = {
     "local": ("--placement=local",),

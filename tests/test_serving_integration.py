@@ -27,10 +27,11 @@ from splitserve.proto.splitserve.v1 import (
 )
 from tests.cluster import (
     CREDENTIAL,
+    ProcessSpec,
     assert_all_free,
     cluster,
     routable_members,
-    running,
+    running_together,
     wait_until_idle,
 )
 from tests.conftest import make_llm
@@ -179,10 +180,11 @@ def test_mismatched_kv_layout_is_refused_at_handshake() -> None:
     prefill_argv = ["splitserve.prefill.main", "--port=0", "--num-blocks=100", "--threads=1"]
     prefill_argv += ["--block-size=32", "--dtype=bfloat16"]
     announced: dict[str, str] = {}
-    with (
-        running(decode_argv, "splitserve decode ready at", announced) as decode_address,
-        running(prefill_argv, "splitserve prefill ready at") as prefill_address,
-    ):
+    specs = [
+        ProcessSpec(decode_argv, "splitserve decode ready at", announced),
+        ProcessSpec(prefill_argv, "splitserve prefill ready at"),
+    ]
+    with running_together(specs) as (decode_address, prefill_address):
         metrics_url = announced["decode metrics"]
         details = asyncio.run(_try_mismatched_push(decode_address, prefill_address, metrics_url))
         assert "incompatible" in details.lower()

@@ -1,4 +1,4 @@
-"""Outside-in: ``splitserve up --prefill 2 --decode 2`` keeps serving when a worker dies.
+"""Outside-in: ``splitserve up --prefill 1 --decode 2`` keeps serving when a worker dies.
 
 Under load (12 concurrent float32 greedy streams), a decode worker is SIGKILLed mid-stream:
 no request fails and every stream equals its uninterrupted reference (the dead worker's
@@ -52,10 +52,10 @@ async def _streams(address: str, kill: int | None) -> list[tuple[int, ...]]:
     return [tokens for tokens, _ in results]
 
 
-@pytest.mark.parametrize("victim", ["decode-3", pytest.param("prefill-0", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("victim", ["decode-2", pytest.param("prefill-0", marks=pytest.mark.slow)])
 def test_a_killed_worker_loses_no_request_and_comes_back(victim: str) -> None:
     processes: list[subprocess.Popen[str]] = []
-    with cluster(2, 2, *WORKER_FLAGS, processes=processes) as address:
+    with cluster(1, 2, *WORKER_FLAGS, processes=processes) as address:
         (up,) = processes
         expected = asyncio.run(_streams(address, None))
         pid = child_pid(up.pid, f"--worker-id={victim}")
@@ -69,7 +69,7 @@ def test_a_killed_worker_loses_no_request_and_comes_back(victim: str) -> None:
         print(f"{victim}: killed, restarted as pid {new_pid}, registered after {back_s:.1f} s")
         assert back_s <= BACK_WITHIN_S
         assert asyncio.run(_streams(address, None)) == expected  # served with it back
-        assert_all_free(wait_until_idle(address, 4), 4)
+        assert_all_free(wait_until_idle(address, 3), 3)
 
 
 def _wait_for_new_pid(parent: int, worker_id: str, old_pid: int, since: float) -> int:
