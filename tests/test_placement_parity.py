@@ -121,6 +121,9 @@ async def _generate(
     return outputs
 
 
+@pytest.mark.slow  # 30-40 s: rounds enough to teach both workers' step-time models. Remote
+# prefill's parity runs in the default suite (test_serving_integration), the adaptive decision
+# and per-request targets on their own (test_placement)
 def test_every_placement_gives_the_reference_tokens(
     default_checkpoint_fp32: LoadedCheckpoint,
 ) -> None:
