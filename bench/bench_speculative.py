@@ -29,12 +29,12 @@ import json
 import platform
 import statistics
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from timing_stats import Json, RequestTiming, run_metrics, wait_for_quiet
+from splitserve_runner import timed_burst
+from timing_stats import Json, run_metrics, wait_for_quiet
 
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.config import (
@@ -100,28 +100,16 @@ def build_engine(drafts: int) -> EngineCore:
 def run_once(core: EngineCore, prompts: list[list[int]], max_tokens: int, tag: str) -> Json:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     stats_before = core.scheduler.stats
-    timings: dict[str, RequestTiming] = {}
-    cpu_start, start = time.process_time(), time.perf_counter()
-    for index, prompt in enumerate(prompts):
-        timings[f"{tag}-{index}"] = RequestTiming(submit_time=time.perf_counter())
-        core.add_request(f"{tag}-{index}", prompt, params)
-    while core.has_unfinished:
-        outputs = core.step()
-        now = time.perf_counter()
-        for out in outputs:
-            timing = timings[out.update.request_id]
-            timing.token_times.extend(now for _ in out.update.new_token_ids)
-            timing.token_ids.extend(out.update.new_token_ids)
-    end, cpu_seconds = time.perf_counter(), time.process_time() - cpu_start
+    burst = timed_burst(core, prompts, params, tag)
     stats = core.scheduler.stats
-    metrics = run_metrics(list(timings.values()), start, end, cpu_seconds)
+    metrics = run_metrics(burst.requests, burst.start, burst.end, burst.cpu_seconds)
     return {
         "tpot_p50_ms": metrics.tpot_p50_ms,
         "output_tokens_per_s": metrics.output_tokens_per_s,
         "cpu_share": metrics.cpu_share,
         "draft_tokens": stats.num_draft_tokens - stats_before.num_draft_tokens,
         "accepted_tokens": stats.num_accepted_draft_tokens - stats_before.num_accepted_draft_tokens,
-        "outputs": [timing.token_ids for timing in timings.values()],
+        "outputs": [timing.token_ids for timing in burst.requests],
     }
 
 

@@ -10,6 +10,7 @@ is wrong; ``num_preemptions`` reads the scheduler's preemption count.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 from timing_stats import RequestTiming, RunResult, run_metrics
 
@@ -35,9 +36,23 @@ def build_engine(threads: int, kv_cache_gib: float) -> EngineCore:
     )
 
 
-def run_burst(core: EngineCore, prompts: list[list[int]], max_tokens: int, tag: str) -> RunResult:
-    """Submit every prompt at once, step until all finish, then check the KV pool is whole."""
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+@dataclass
+class TimedBurst:
+    """One burst's timings (in prompt order), its span and its process CPU time."""
+
+    requests: list[RequestTiming]
+    start: float
+    end: float
+    cpu_seconds: float
+    cached_tokens: int
+    """Prompt tokens the prefix cache served."""
+
+
+def timed_burst(
+    core: EngineCore, prompts: list[list[int]], params: SamplingParams, tag: str
+) -> TimedBurst:
+    """Submit every prompt at once (ids ``<tag>-<index>``) and step until all finish, each
+    token stamped when the step that produced it returns."""
     timings: dict[str, RequestTiming] = {}
     cached_tokens = 0
     cpu_start, start = time.process_time(), time.perf_counter()
@@ -54,7 +69,15 @@ def run_burst(core: EngineCore, prompts: list[list[int]], max_tokens: int, tag: 
             timing.token_times.extend(now for _ in out.update.new_token_ids)
             timing.token_ids.extend(out.update.new_token_ids)
     end, cpu_seconds = time.perf_counter(), time.process_time() - cpu_start
-    requests = list(timings.values())
+    return TimedBurst(list(timings.values()), start, end, cpu_seconds, cached_tokens)
+
+
+def run_burst(core: EngineCore, prompts: list[list[int]], max_tokens: int, tag: str) -> RunResult:
+    """Submit every prompt at once, step until all finish, then check the KV pool is whole."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    burst = timed_burst(core, prompts, params, tag)
+    requests, start, end, cpu_seconds = burst.requests, burst.start, burst.end, burst.cpu_seconds
+    cached_tokens = burst.cached_tokens
     checks = {
         "kv_blocks_freed": core.kv_cache.num_free_blocks == core.kv_cache.num_blocks,
         "prefix_cache_hit_tokens": cached_tokens,
