@@ -115,7 +115,7 @@ rm -rf "$stage"
 "$py" bench/gpu/summarize.py "$out" --dry "$dry" >>"$log" 2>&1
 summary=$?
 say "wrote $out/gpu-run.json (summary rc=$summary)"
-if grep -qP '\t(failed|timed out)' "$steps" || [ $summary -ne 0 ]; then
+if grep -qE $'\t(failed|timed out)' "$steps" || [ $summary -ne 0 ]; then
     exit 1
 fi
 exit 0
