@@ -60,7 +60,7 @@ def add_engine_args(parser: argparse.ArgumentParser, env: Mapping[str, str] = os
         "--speculative-tokens",
         defaults.speculative.num_tokens,
         int,
-        "prompt-lookup draft tokens per greedy request and decode step (0: no speculation)",
+        "prompt-lookup draft tokens per request and decode step (0: no speculation)",
     )
     flag(
         "--speculative-max-rows",

@@ -189,10 +189,7 @@ class ModelRunner:
         request's ``j``-th draw of the step, as plain decoding samples its ``j``-th next
         token, so the drafts kept and the token after them are plain decoding's tokens; the
         rows past them drew what the next steps must draw again."""
-        drafts = chunk.draft_token_ids
-        kept = 0
-        while kept < len(drafts) and verdicts[kept] == drafts[kept]:
-            kept += 1
+        kept = chunk.kept_drafts(verdicts)
         if kept + 1 == chunk.num_tokens:
             return  # every row's draw became an output token
         generator = self._generators[chunk.request_id]

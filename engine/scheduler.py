@@ -23,7 +23,7 @@ while its chance of being kept beats what its row costs the batch: ``row cost x 
 requests / decode step time``, the tokens a step would lose to the row's time at the batch's
 rate (each request's chance from its own acceptance, ``Drafter.continuation``). Its chunk then
 computes its last token and the drafts (``draft_token_ids``), and the runner returns the
-greedy token after each of them (``verified_token_ids``). ``update`` keeps the drafts up to
+token sampled after each of them (``verified_token_ids``). ``update`` keeps the drafts up to
 the first that differs from what the model chose there, plus the model's token after the last
 kept one: exactly the tokens plain decoding would have produced one step at a time, since
 each row's logits are computed as a plain decode step's are (one decode row per token,
@@ -87,6 +87,14 @@ class ScheduledChunk:
     def context_length(self) -> int:
         """Tokens in the KV cache once this chunk is written."""
         return self.start_position + len(self.token_ids)
+
+    def kept_drafts(self, verdicts: Sequence[int]) -> int:
+        """How many leading drafts the verdicts (the token sampled after each of
+        ``token_ids``) chose too: the drafts kept."""
+        kept = 0
+        while kept < len(self.draft_token_ids) and verdicts[kept] == self.draft_token_ids[kept]:
+            kept += 1
+        return kept
 
     @property
     def is_decode(self) -> bool:
@@ -416,12 +424,9 @@ class Scheduler:
     ) -> RequestUpdate:
         """Keep a speculative chunk's drafts up to the first the model did not choose, then
         the model's next token; stops where plain decoding would have stopped."""
-        drafts = chunk.draft_token_ids
-        accepted = 0
-        while accepted < len(drafts) and verified[accepted] == drafts[accepted]:
-            accepted += 1
-        self._count(num_draft_tokens=len(drafts), num_accepted_draft_tokens=accepted)
-        self._drafters[request.request_id].record(len(drafts), accepted)
+        proposed, accepted = len(chunk.draft_token_ids), chunk.kept_drafts(verified)
+        self._count(num_draft_tokens=proposed, num_accepted_draft_tokens=accepted)
+        self._drafters[request.request_id].record(proposed, accepted)
         request.num_computed_tokens += 1 + accepted  # the last known token and the kept drafts
         new_tokens: list[int] = []
         for token_id in verified[: accepted + 1]:
