@@ -16,7 +16,7 @@ rotary halves of each head contiguous, as ``rotate_half`` expects).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -37,10 +37,51 @@ class LoadedCheckpoint:
     weights: dict[str, torch.Tensor]
     """HF tensor name -> tensor in the requested dtype (see the module docstring)."""
     tokenizer: Tokenizer
+    quantized: dict[str, QuantizedTensor] = field(default_factory=dict)
+    """HF name -> the GGUF blocks of a quantized 2-d weight as the file stores them (rows in
+    HF order, like ``weights``); only where ``load_checkpoint`` was asked to keep them."""
 
 
-def load_checkpoint(path: str | Path | None, dtype: torch.dtype) -> LoadedCheckpoint:
-    """Load the model at ``path`` (see ``resolve_model_path``) with weights cast to ``dtype``."""
+@dataclass(frozen=True)
+class QuantizedTensor:
+    """A 2-d weight's quantized blocks: ``blocks`` ``[out, in / block_size * block_bytes]``
+    uint8, row ``o`` holding output ``o``'s blocks in input order; ``ggml_type`` the GGUF
+    type id (``type_name`` its name); ``out_features, in_features`` the weight's shape."""
+
+    blocks: torch.Tensor
+    ggml_type: int
+    type_name: str
+    out_features: int
+    in_features: int
+
+    @staticmethod
+    def stacked(parts: list[QuantizedTensor | None]) -> QuantizedTensor | None:
+        """The parts' rows one after another (a fused projection such as q/k/v), None when a
+        part is missing or the parts differ in type or input width."""
+        first = parts[0]
+        if first is None or any(
+            part is None
+            or part.ggml_type != first.ggml_type
+            or part.in_features != first.in_features
+            for part in parts
+        ):
+            return None
+        present = [part for part in parts if part is not None]
+        return QuantizedTensor(
+            blocks=torch.cat([part.blocks for part in present]),
+            ggml_type=first.ggml_type,
+            type_name=first.type_name,
+            out_features=sum(part.out_features for part in present),
+            in_features=first.in_features,
+        )
+
+
+def load_checkpoint(
+    path: str | Path | None, dtype: torch.dtype, keep_quantized: bool = False
+) -> LoadedCheckpoint:
+    """Load the model at ``path`` (see ``resolve_model_path``) with weights cast to ``dtype``;
+    ``keep_quantized``: a GGUF file's quantized 2-d weights also as their blocks
+    (``LoadedCheckpoint.quantized``)."""
     # The loaders import LoadedCheckpoint from here, so they are imported on use.
     from splitserve.engine.gguf_loader import load_gguf
     from splitserve.engine.safetensors_loader import load_safetensors_folder
@@ -50,7 +91,7 @@ def load_checkpoint(path: str | Path | None, dtype: torch.dtype) -> LoadedCheckp
     source = locate_model(resolve_model_path(path))
     if source.is_dir():
         return load_safetensors_folder(source, dtype)
-    return load_gguf(source, dtype)
+    return load_gguf(source, dtype, keep_quantized)
 
 
 def expected_weight_shapes(config: ModelArchConfig) -> dict[str, tuple[int, ...]]:

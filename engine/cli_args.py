@@ -14,6 +14,7 @@ from splitserve.common.env_flags import add_env_flag, env_default, truthy
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.config import (
     DTYPES,
+    QUANTIZED_WEIGHTS,
     CacheConfig,
     EngineConfig,
     ModelConfig,
@@ -37,6 +38,13 @@ def add_engine_args(parser: argparse.ArgumentParser, env: Mapping[str, str] = os
         choices=DTYPES,
         default=env_default("--dtype", defaults.model.dtype, str, env),
         help="compute dtype; auto = bf16 where the CPU has it (env SPLITSERVE_DTYPE)",
+    )
+    group.add_argument(
+        "--quantized-weights",
+        choices=QUANTIZED_WEIGHTS,
+        default=env_default("--quantized-weights", defaults.model.quantized_weights, str, env),
+        help="a GGUF's Q4_1/Q8_0 weights: widen to --dtype, or native: decode rows read them "
+        "as stored (env SPLITSERVE_QUANTIZED_WEIGHTS)",
     )
     flag("--max-model-len", None, int, "context window cap in tokens")
     flag("--block-size", defaults.cache.block_size, int, "tokens per KV block")
@@ -73,7 +81,12 @@ def add_engine_args(parser: argparse.ArgumentParser, env: Mapping[str, str] = os
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """Build the validated root config from parsed flags."""
     return EngineConfig(
-        model=ModelConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len),
+        model=ModelConfig(
+            model=args.model,
+            dtype=args.dtype,
+            max_model_len=args.max_model_len,
+            quantized_weights=args.quantized_weights,
+        ),
         cache=CacheConfig(
             block_size=args.block_size,
             num_blocks=args.num_blocks,

@@ -13,6 +13,7 @@ from splitserve.common.errors import InvalidRequestError
 from splitserve.common.load import DEFAULT_PREFILL_CHUNK_TOKENS
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZED_WEIGHTS = ("widen", "native")
 
 
 @dataclass(frozen=True)
@@ -25,10 +26,18 @@ class ModelConfig:
     """Compute dtype: "auto" picks bfloat16 where the CPU has native bf16, else float32."""
     max_model_len: int | None = None
     """Context window override in tokens (at most the model's own); None keeps the model's."""
+    quantized_weights: str = "widen"
+    """A GGUF file's quantized weights: "widen" dequantizes them to ``dtype`` for every row;
+    "native" also keeps the Q4_1 / Q8_0 blocks, which generated tokens' and logits rows read
+    as stored (``kernels/cpu_qgemv.py``; other types stay widened, logged at load)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise InvalidRequestError(f"dtype must be one of {DTYPES}", param="dtype")
+        if self.quantized_weights not in QUANTIZED_WEIGHTS:
+            raise InvalidRequestError(
+                f"quantized_weights must be one of {QUANTIZED_WEIGHTS}", param="quantized_weights"
+            )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise InvalidRequestError("max_model_len must be at least 2", param="max_model_len")
 

@@ -60,8 +60,11 @@ class EngineCore:
             torch.set_num_threads(config.runner.num_threads)
         device = torch.device(config.runner.device)
         self.dtype = resolve_dtype(config.model.dtype, device)
+        native_quantized = config.model.quantized_weights == "native"
         if checkpoint is None:
-            checkpoint = load_checkpoint(resolve_model_path(config.model.model), self.dtype)
+            checkpoint = load_checkpoint(
+                resolve_model_path(config.model.model), self.dtype, native_quantized
+            )
         self.checkpoint = checkpoint
         self.model_config = checkpoint.config
         self.tokenizer = checkpoint.tokenizer
@@ -76,6 +79,7 @@ class EngineCore:
             device,
             self.max_model_len,
             decode_gemv=config.runner.decodes,
+            quantized=checkpoint.quantized if native_quantized else None,
         )
         backend = _backend(config, self.dtype, self.num_blocks)
         self.runner = ModelRunner(model, self.num_blocks, config.cache.block_size, backend)

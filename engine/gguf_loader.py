@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import gguf
@@ -31,7 +32,7 @@ import torch
 from splitserve.common.errors import ModelLoadError
 from splitserve.common.gguf_file import GgufFile, GgufTensor
 from splitserve.common.tokenizer import Tokenizer
-from splitserve.engine.checkpoint import LoadedCheckpoint, check_weights
+from splitserve.engine.checkpoint import LoadedCheckpoint, QuantizedTensor, check_weights
 from splitserve.engine.model_config import ModelArchConfig, RopeScaling
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
@@ -59,8 +60,10 @@ _ROPE_FREQS = "rope_freqs.weight"
 _REQUIRED = object()
 
 
-def load_gguf(path: Path, dtype: torch.dtype) -> LoadedCheckpoint:
-    """Read ``path``: config from metadata, dense HF-layout weights in ``dtype``, tokenizer.
+def load_gguf(path: Path, dtype: torch.dtype, keep_quantized: bool = False) -> LoadedCheckpoint:
+    """Read ``path``: config from metadata, dense HF-layout weights in ``dtype``, tokenizer;
+    ``keep_quantized``: every quantized 2-d weight's blocks too (``LoadedCheckpoint.quantized``,
+    q/k rows in HF order like the dense weights).
 
     Raises ``ModelLoadError`` for an unreadable/truncated file, an unsupported architecture,
     tokenizer or quantization type, and for missing, unexpected or misshapen tensors.
@@ -79,6 +82,7 @@ def load_gguf(path: Path, dtype: torch.dtype) -> LoadedCheckpoint:
     rope_freqs = _dequantize(freqs_tensor, path) if freqs_tensor is not None else None
     config = gguf_model_config(metadata, set(tensors), rope_freqs)
     weights: dict[str, torch.Tensor] = {}
+    quantized: dict[str, QuantizedTensor] = {}
     unknown = []
     for gguf_name, tensor in tensors.items():
         hf_name = hf_tensor_name(gguf_name)
@@ -86,12 +90,49 @@ def load_gguf(path: Path, dtype: torch.dtype) -> LoadedCheckpoint:
             unknown.append(gguf_name)
             continue
         weights[hf_name] = torch.from_numpy(_dequantize(tensor, path)).to(dtype)
+        if keep_quantized and len(tensor.shape) == 2 and tensor.tensor_type not in _DENSE_TYPES:
+            quantized[hf_name] = _blocks(tensor)
     if unknown:
         raise ModelLoadError(f"{path}: tensors a Llama-family model does not have: {unknown[:8]}")
     check_weights(config, weights, path)
     if config.architecture == "llama":
         _unpermute_qk(weights, config)
-    return LoadedCheckpoint(config=config, weights=weights, tokenizer=tokenizer)
+        _unpermute_qk_blocks(quantized, config)
+    return LoadedCheckpoint(
+        config=config, weights=weights, tokenizer=tokenizer, quantized=quantized
+    )
+
+
+_DENSE_TYPES = (
+    gguf.GGMLQuantizationType.F32,
+    gguf.GGMLQuantizationType.F16,
+    gguf.GGMLQuantizationType.BF16,
+    gguf.GGMLQuantizationType.F64,
+)
+
+
+def _blocks(tensor: GgufTensor) -> QuantizedTensor:
+    """A quantized 2-d tensor's blocks (a copy of the file's): ``[out, bytes per row]``."""
+    in_features, out_features = tensor.shape
+    blocks = torch.from_numpy(tensor.data.copy()).reshape(out_features, -1)
+    return QuantizedTensor(
+        blocks=blocks,
+        ggml_type=int(tensor.tensor_type),
+        type_name=tensor.tensor_type.name,
+        out_features=out_features,
+        in_features=in_features,
+    )
+
+
+def _unpermute_qk_blocks(quantized: dict[str, QuantizedTensor], config: ModelArchConfig) -> None:
+    """``_unpermute_qk`` for quantized q/k weights: their block rows move like dense rows."""
+    heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
+    for layer in range(config.num_hidden_layers):
+        for proj, num_heads in heads.items():
+            name = f"model.layers.{layer}.self_attn.{proj}.weight"
+            if name in quantized:
+                tensor = quantized[name]
+                quantized[name] = replace(tensor, blocks=_unpermute_rows(tensor.blocks, num_heads))
 
 
 def hf_tensor_name(gguf_name: str) -> str | None:

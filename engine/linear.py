@@ -67,7 +67,9 @@ import time
 import torch
 import torch.nn.functional as F
 
+from splitserve.engine.checkpoint import QuantizedTensor
 from splitserve.kernels.cpu_gemv import MAX_ROWS, CpuGemv, GemvWeight, load_cpu_gemv
+from splitserve.kernels.cpu_qgemv import SUPPORTED_TYPES, CpuQGemv, QuantWeight, load_cpu_qgemv
 
 DECODE_GEMV_ENV = "SPLITSERVE_DECODE_GEMV"
 """``auto`` (default): generated tokens' rows take the C++ GEMV up to the row count measured
@@ -147,6 +149,16 @@ def _fastest_passes_s(
     return fastest[rows], fastest[0]
 
 
+def _quant_readable(weight: torch.Tensor, quantized: QuantizedTensor) -> bool:
+    """Whether the quantized kernel can take ``quantized`` as ``weight``'s row path."""
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype in (torch.bfloat16, torch.float32)
+        and tuple(weight.shape) == (quantized.out_features, quantized.in_features)
+        and CpuQGemv.supports(quantized.ggml_type, quantized.out_features, quantized.in_features)
+    )
+
+
 def _prepacking_available() -> bool:
     return (
         torch.backends.mkldnn.is_available()
@@ -164,12 +176,17 @@ class Linear:
         bias: torch.Tensor | None = None,
         decode_gemv: bool = True,
         logits: bool = False,
+        quantized: QuantizedTensor | None = None,
     ) -> None:
         """``decode_gemv=False``: keep no GEMV copy of the weight (every row takes oneDNN);
         for an engine that never computes generated tokens' rows. ``logits``: the LM head,
         whose every row (a prompt's last or a generated token's) takes the GEMV's float32
         sums where it is loaded, whatever ``decode_gemv`` and ``SPLITSERVE_DECODE_GEMV``
-        (see ``logits`` below)."""
+        (see ``logits`` below). ``quantized``: the weight's GGUF blocks (``weight`` their
+        dequantized values in the model's dtype); where the quantized kernel reads their type
+        and shape, the rows that would take the GEMV read these blocks instead
+        (``kernels/cpu_qgemv.py``), in bf16 and in float32 models, and no GEMV copy is kept;
+        prompt rows still take ``weight``."""
         self.out_features, self.in_features = weight.shape
         self.weight = weight  # [out, in]
         self.bias = bias  # [out] or None
@@ -193,13 +210,36 @@ class Linear:
         depend on its row's kind or its step, and a prefill-only worker's first token comes
         from the same sums as a decode worker's."""
         gemv_wanted = logits or (decode_gemv and decode_gemv_setting() != "0")
-        if gemv_wanted and self.prepacked and CpuGemv.supports(weight):
+        self._qgemv: CpuQGemv | None = None
+        self._quant_weight: QuantWeight | None = None
+        if gemv_wanted and quantized is not None and _quant_readable(weight, quantized):
+            self._qgemv = load_cpu_qgemv()
+            if self._qgemv is not None:
+                self._quant_weight = self._qgemv.pack(quantized.blocks, quantized.ggml_type)
+        if (
+            self._quant_weight is None
+            and gemv_wanted
+            and self.prepacked
+            and CpuGemv.supports(weight)
+        ):
             self._gemv = load_cpu_gemv()
             if self._gemv is not None:
                 self._gemv_weight = self._gemv.pack(weight)
         if self.prepacked:
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, None)
         self.pad_rows = weight.device.type == "cpu" and weight.dtype == torch.float32
+
+    @property
+    def reads_quantized(self) -> str | None:
+        """The GGUF type name whose blocks this weight's kernel rows read, None if dense."""
+        weight = self._quant_weight
+        return None if weight is None else SUPPORTED_TYPES[weight.ggml_type]
+
+    @property
+    def has_row_kernel(self) -> bool:
+        """Whether generated (or logits) rows take a kernel of their own (the GEMV or the
+        quantized one) rather than ``weight``'s dense path."""
+        return self._gemv_weight is not None or self._quant_weight is not None
 
     @property
     def takes_amx(self) -> bool:
@@ -211,12 +251,12 @@ class Linear:
         """``x @ weight.T + bias`` for ``x`` ``[tokens, in]``; the leading ``generated_rows``
         rows are generated tokens (they take the GEMV where it is loaded, see above). Float32
         for ``logits`` where the GEMV is loaded, else ``x``'s dtype."""
-        if self.logits and self._gemv_weight is not None:
+        if self.logits and self.has_row_kernel:
             if x.shape[0] == 0:  # a step whose chunks all end mid-prompt samples nothing
                 return x.new_empty((0, self.out_features), dtype=torch.float32)
             parts = self._gemv_calls(x, float_out=True)
             return parts[0] if len(parts) == 1 else torch.cat(parts)
-        if self._gemv_weight is None or generated_rows <= 0:
+        if not self.has_row_kernel or generated_rows <= 0:
             return self._dense(x)
         if self.gemv_max_rows is not None and generated_rows > self.gemv_max_rows:
             return self._dense(x)
@@ -226,8 +266,15 @@ class Linear:
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _gemv_calls(self, x: torch.Tensor, float_out: bool) -> list[torch.Tensor]:
-        """Every row of ``x`` through the GEMV, in calls of at most ``MAX_ROWS`` rows (a row's
-        sums do not depend on the others): each part ``[<= MAX_ROWS, out]``, bf16 or float32."""
+        """Every row of ``x`` through the row kernel (quantized where loaded, else the GEMV),
+        in calls of at most ``MAX_ROWS`` rows (a row's sums do not depend on the others):
+        each part ``[<= MAX_ROWS, out]``, x's dtype or float32."""
+        if self._qgemv is not None and self._quant_weight is not None:
+            qgemv, quant_weight = self._qgemv, self._quant_weight
+            return [
+                qgemv(x[start : start + MAX_ROWS], quant_weight, self.bias, float_out)
+                for start in range(0, x.shape[0], MAX_ROWS)
+            ]
         assert self._gemv is not None and self._gemv_weight is not None
         return [
             self._gemv(x[start : start + MAX_ROWS], self._gemv_weight, self.bias, float_out)

@@ -12,6 +12,7 @@ only for the tokens listed in ``logits_indices`` (the last token of each samplin
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -19,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from splitserve.common.errors import ModelLoadError
+from splitserve.engine.checkpoint import QuantizedTensor
 from splitserve.engine.linear import Linear, decode_gemv_setting, measure_gemv_row_limit
 from splitserve.engine.model_config import ModelArchConfig
 from splitserve.engine.rotary import apply_rotary, cos_sin_table
@@ -78,20 +80,30 @@ class LlamaModel:
         device: torch.device,
         max_positions: int,
         decode_gemv: bool = True,
+        quantized: Mapping[str, QuantizedTensor] | None = None,
     ) -> None:
         """``decode_gemv=False``: the projections keep no copy of their weights for the
         decode GEMV (``engine/linear.py``), for an engine that generates no tokens past a
-        prompt's first (a prefill-only worker)."""
+        prompt's first (a prefill-only worker). ``quantized``: GGUF blocks by HF name
+        (``LoadedCheckpoint.quantized``); the projections (fused ones when every part has
+        blocks of one type) and the LM head whose blocks the quantized kernel reads take
+        them for generated and logits rows instead of a GEMV copy (``engine/linear.py``)."""
         self.config = config
         self._decode_gemv = decode_gemv
+        self._quantized: Mapping[str, QuantizedTensor] = quantized or {}
         self.dtype = dtype
         self.device = device
         take = _WeightTaker(weights, dtype, device)
         self.embed_tokens = take("model.embed_tokens.weight")  # [vocab, hidden]
         self.layers = [self._layer(take, i) for i in range(config.num_hidden_layers)]
         self.norm = take("model.norm.weight")  # [hidden]
-        lm_head = self.embed_tokens if config.tie_word_embeddings else take("lm_head.weight")
-        self.lm_head = Linear(lm_head, logits=True)  # hidden -> vocab
+        head_name = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+        lm_head = self.embed_tokens if config.tie_word_embeddings else take(head_name)
+        self.lm_head = Linear(
+            lm_head, logits=True, quantized=self._quantized.get(head_name)
+        )  # hidden -> vocab
+        if quantized is not None:
+            self._report_quantized()
         self._limit_decode_gemv()
         self.cos, self.sin = cos_sin_table(
             config.head_dim, config.rope_theta, config.rope_scaling, max_positions, dtype, device
@@ -116,7 +128,9 @@ class LlamaModel:
         (``kernels/cpu_gemv.py``), and a step's generated rows then keep one kernel's bits
         whatever their number."""
         projections = self._layer_projections()
-        if decode_gemv_setting() != "auto" or projections[0]._gemv_weight is None:
+        if decode_gemv_setting() != "auto" or not projections[0].has_row_kernel:
+            return
+        if self.dtype != torch.bfloat16:  # float32 reading quantized blocks: rows of one kernel
             return
         if all(linear.takes_amx for linear in projections):
             logger.info("decode GEMV: AMX tiles, for steps of any number of generated rows")
@@ -129,6 +143,26 @@ class LlamaModel:
             "any number of" if limit is None else f"at most {limit}",
         )
 
+    def _report_quantized(self) -> None:
+        """Log which weights read their GGUF blocks as stored and which keep the dense path
+        (a type or shape the quantized kernel cannot read, or no generated rows to serve)."""
+        linears = [*self._layer_projections(), self.lm_head]
+        native = Counter(linear.reads_quantized for linear in linears if linear.reads_quantized)
+        dense = len(linears) - sum(native.values())
+        other = sorted({tensor.type_name for tensor in self._quantized.values()} - set(native))
+        if not self._quantized:
+            logger.warning("quantized weights asked for, but the model has no quantized tensors")
+            return
+        logger.info(
+            "quantized weights: %s matrices read their blocks as stored (%s); %d keep the "
+            "dense %s path%s",
+            sum(native.values()),
+            ", ".join(f"{count} {name}" for name, count in sorted(native.items())) or "none",
+            dense,
+            self.dtype,
+            f" (types the kernel does not read: {', '.join(other)})" if other else "",
+        )
+
     def _layer(self, take: _WeightTaker, index: int) -> DecoderLayerWeights:
         prefix = f"model.layers.{index}."
         attn, mlp = prefix + "self_attn.", prefix + "mlp."
@@ -136,17 +170,33 @@ class LlamaModel:
         qkv_bias = None
         if self.config.attention_bias:
             qkv_bias = torch.cat([take(attn + f"{p}_proj.bias") for p in "qkv"])
+        gate_up_names = [mlp + "gate_proj.weight", mlp + "up_proj.weight"]
         gemv = self._decode_gemv
+        blocks = self._quantized
         return DecoderLayerWeights(
             input_norm=take(prefix + "input_layernorm.weight"),
-            qkv=Linear(torch.cat([take(name) for name in qkv_names]), qkv_bias, gemv),
-            o_proj=Linear(take(attn + "o_proj.weight"), decode_gemv=gemv),
+            qkv=Linear(
+                torch.cat([take(name) for name in qkv_names]),
+                qkv_bias,
+                gemv,
+                quantized=QuantizedTensor.stacked([blocks.get(name) for name in qkv_names]),
+            ),
+            o_proj=Linear(
+                take(attn + "o_proj.weight"),
+                decode_gemv=gemv,
+                quantized=blocks.get(attn + "o_proj.weight"),
+            ),
             post_norm=take(prefix + "post_attention_layernorm.weight"),
             gate_up=Linear(
-                torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")]),
+                torch.cat([take(name) for name in gate_up_names]),
                 decode_gemv=gemv,
+                quantized=QuantizedTensor.stacked([blocks.get(name) for name in gate_up_names]),
             ),
-            down=Linear(take(mlp + "down_proj.weight"), decode_gemv=gemv),
+            down=Linear(
+                take(mlp + "down_proj.weight"),
+                decode_gemv=gemv,
+                quantized=blocks.get(mlp + "down_proj.weight"),
+            ),
         )
 
     @torch.inference_mode()

@@ -83,8 +83,9 @@ def served_cluster() -> Served:
 
 @pytest.fixture(scope="session")
 def default_checkpoint_fp32() -> LoadedCheckpoint:
-    """SmolLM2-135M-Instruct (the GGUF of the default model package) dequantized to float32."""
-    return load_checkpoint(default_model_path(), torch.float32)
+    """SmolLM2-135M-Instruct (the GGUF of the default model package) dequantized to float32,
+    with its quantized blocks kept (for engines made with ``quantized_weights="native"``)."""
+    return load_checkpoint(default_model_path(), torch.float32, keep_quantized=True)
 
 
 @pytest.fixture(scope="session")
@@ -132,11 +133,13 @@ def make_llm(
     dtype: str = "float32",
     attention_backend: str = "auto",
     speculative_tokens: int = 0,
+    quantized_weights: str = "widen",
 ) -> LLM:
     """An offline engine over an already loaded checkpoint, float32 by default
-    (``speculative_tokens``: prompt-lookup drafts per step, 0 = none)."""
+    (``speculative_tokens``: prompt-lookup drafts per step, 0 = none; ``quantized_weights``:
+    "native" reads the checkpoint's kept GGUF blocks, see ``ModelConfig``)."""
     config = EngineConfig(
-        model=ModelConfig(dtype=dtype),
+        model=ModelConfig(dtype=dtype, quantized_weights=quantized_weights),
         cache=CacheConfig(
             block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=prefix_caching
         ),

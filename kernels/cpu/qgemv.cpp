@@ -1,0 +1,412 @@
+// Matrix products of a few rows (decode steps) that read GGUF Q4_1 and Q8_0 weights as they
+// are stored, dequantizing in registers (built and called like gemv.cpp; C ABI, ctypes).
+//
+//   splitserve_qgemv_pack(packed, raw, type, out_features, in_features)
+//     raw     [out_features][in_features / 32] GGUF blocks of `type` (3 = Q4_1, 8 = Q8_0),
+//             row-major as in the file: a Q4_1 block is d (f16), m (f16), 16 bytes whose low
+//             nibbles are inputs 0-15 and high nibbles 16-31; a Q8_0 block is d (f16) and 32
+//             int8. Weight value: d * q + m (Q4_1), d * q (Q8_0).
+//     packed  one group per (block of 16 outputs, block of 32 inputs), output blocks outer,
+//             each output block's groups one contiguous stretch (Q4_1Group, Q8_0Group below:
+//             the same bytes per weight as the file, laid out so that a register's 16 lanes
+//             are 16 outputs)
+//   splitserve_qgemv(out, out_f32, x, x_f32, rows, packed, type, bias, out_features,
+//                    in_features, threads)
+//     out [rows, out_features] (float32 when out_f32, else bf16) = x [rows, in_features]
+//     (float32 when x_f32, else bf16) @ weight.T (+ bias [out], x's dtype, when not null).
+//     rows <= kMaxRows; out_features a multiple of 16, in_features of 32. 0 done; -1
+//     unsupported arguments (nothing written); -2 this build has no AVX-512 BF16 (the caller
+//     keeps its dense path).
+//
+// What is summed (per output o of row r; every row independently of the others of its call,
+// so a row's result does not depend on its step's batch):
+//   - float32 x, and Q8_0 with either x: each weight is dequantized in float32 to exactly
+//     the value the float32 reference holds (gguf's dequantize: d * q + m with one rounding,
+//     q * d exact), then sum_i w[o][i] * x[r][i] by fused multiply-adds, even and odd inputs
+//     in two sums in input order, added at the end (bf16 x is widened to float32 exactly
+//     first). Only the summation order differs from a float32 matmul over the dequantized
+//     weights.
+//   - Q4_1 with bf16 x: sum_b (d_b * sum_{i in b} q_i * x_i + m_b * sum_{i in b} x_i), the
+//     block's products by vdpbf16ps on the integer nibbles (q and x products exact in
+//     float32), its x sum in float32 in input order. The weights are the file's exactly;
+//     the rounding differs from the dense bf16 path, which rounds each weight to bf16.
+//
+// Why: a decode step reads every weight once per step, and SmolLM2-135M's projections are
+// 5 bits a weight in Q4_1 (8.5 in Q8_0) against 16 in bf16.
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "cpu_common.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define SPLITSERVE_AVX512 1
+#endif
+
+namespace {
+
+constexpr int64_t kOutBlock = 16;  // outputs per group: one register's lanes
+constexpr int64_t kInBlock = 32;  // inputs per GGUF block
+constexpr int64_t kMaxRows = 32;
+constexpr int64_t kGroupRows = 8;  // rows whose accumulators share the registers
+constexpr int64_t kAhead = 4096;  // software prefetch distance in the packed weight, bytes
+constexpr int kTypeQ4_1 = 3;  // ggml's type ids
+constexpr int kTypeQ8_0 = 8;
+
+struct Q4_1Group {  // 16 outputs x 32 inputs, 320 bytes
+  uint16_t d[kOutBlock];  // f16 scale per output
+  uint16_t m[kOutBlock];  // f16 minimum per output
+  uint8_t q[kInBlock / 2][kOutBlock];  // q[k][j]: output j's inputs 2k (low nibble), 2k+1 (high)
+};
+struct Q8_0Group {  // 16 outputs x 32 inputs, 544 bytes
+  uint16_t d[kOutBlock];  // f16 scale per output
+  int8_t q[kInBlock][kOutBlock];  // q[i][j]: output j's input i
+};
+static_assert(sizeof(Q4_1Group) == 320 && sizeof(Q8_0Group) == 544, "group layout");
+constexpr int64_t kQ4_1RawBlock = 20;  // bytes of one GGUF block
+constexpr int64_t kQ8_0RawBlock = 34;
+
+uint16_t raw_u16(const uint8_t* p) {
+  uint16_t value;
+  std::memcpy(&value, p, sizeof(value));
+  return value;
+}
+
+void pack_q4_1(Q4_1Group* packed, const uint8_t* raw, int64_t out_features, int64_t in_features) {
+  const int64_t blocks = in_features / kInBlock;
+  for (int64_t o = 0; o < out_features; ++o) {
+    const int64_t ob = o / kOutBlock, lane = o % kOutBlock;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* block = raw + (o * blocks + b) * kQ4_1RawBlock;
+      Q4_1Group& group = packed[ob * blocks + b];
+      group.d[lane] = raw_u16(block);
+      group.m[lane] = raw_u16(block + 2);
+      const uint8_t* qs = block + 4;
+      for (int k = 0; k < kInBlock / 2; ++k) {
+        const int i0 = 2 * k, i1 = 2 * k + 1;  // inputs i < 16 low nibble of qs[i], else high
+        const int q0 = i0 < 16 ? qs[i0] & 0xF : qs[i0 - 16] >> 4;
+        const int q1 = i1 < 16 ? qs[i1] & 0xF : qs[i1 - 16] >> 4;
+        group.q[k][lane] = static_cast<uint8_t>(q0 | (q1 << 4));
+      }
+    }
+  }
+}
+
+void pack_q8_0(Q8_0Group* packed, const uint8_t* raw, int64_t out_features, int64_t in_features) {
+  const int64_t blocks = in_features / kInBlock;
+  for (int64_t o = 0; o < out_features; ++o) {
+    const int64_t ob = o / kOutBlock, lane = o % kOutBlock;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* block = raw + (o * blocks + b) * kQ8_0RawBlock;
+      Q8_0Group& group = packed[ob * blocks + b];
+      group.d[lane] = raw_u16(block);
+      for (int i = 0; i < kInBlock; ++i) {
+        group.q[i][lane] = static_cast<int8_t>(block[2 + i]);
+      }
+    }
+  }
+}
+
+#ifdef SPLITSERVE_AVX512
+
+inline __m512 load_f16(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+inline __m512 bias_lanes(const void* bias, bool f32, int64_t ob) {
+  if (bias == nullptr) return _mm512_setzero_ps();
+  if (f32) return _mm512_loadu_ps(static_cast<const float*>(bias) + ob * kOutBlock);
+  const __m256i raw =
+      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(bias) +
+                                                          ob * kOutBlock));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+template <typename Out>
+inline void store_lanes(Out* out, __m512 sum) {
+  if constexpr (sizeof(Out) == sizeof(float)) {
+    _mm512_storeu_ps(out, sum);
+  } else {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), (__m256i)_mm512_cvtneps_pbh(sum));
+  }
+}
+
+template <int Rows>
+inline void zero_rows(__m512* even, __m512* odd) {
+  for (int r = 0; r < Rows; ++r) {
+    even[r] = _mm512_setzero_ps();
+    odd[r] = _mm512_setzero_ps();
+  }
+}
+
+// Each row's outputs of block `ob`: its even and odd input sums plus the bias.
+template <int Rows, typename Out>
+inline void store_rows(Out* out, const __m512* even, const __m512* odd, __m512 bias_v,
+                       int64_t out_features, int64_t ob) {
+  for (int r = 0; r < Rows; ++r) {
+    store_lanes(out + r * out_features + ob * kOutBlock,
+                _mm512_add_ps(_mm512_add_ps(even[r], odd[r]), bias_v));
+  }
+}
+
+// The bf16 values 0..15 in the low 16 words: vpermw's table from a nibble to its bf16.
+inline __m512i nibble_bf16_table() {
+  alignas(64) uint16_t table[32] = {};
+  for (int q = 0; q < 16; ++q) table[q] = splitserve_cpu::float_to_bf16(static_cast<float>(q));
+  return _mm512_load_si512(table);
+}
+
+inline __m512 nibble_f32_table() {
+  alignas(64) float table[16];
+  for (int q = 0; q < 16; ++q) table[q] = static_cast<float>(q);
+  return _mm512_load_ps(table);
+}
+
+// Q4_1, bf16 x: Rows rows of output block `ob` (its groups at g). xsum [Rows][blocks]: each
+// row's float32 sum of every block's 32 inputs.
+template <int Rows, typename Out>
+void q4_1_bf16_rows(Out* out, const uint16_t* x, const float* xsum, const Q4_1Group* g,
+                    const void* bias, int64_t out_features, int64_t in_features, int64_t ob) {
+  const int64_t blocks = in_features / kInBlock;
+  const __m512i table = nibble_bf16_table();
+  const __m512i low_words = _mm512_set1_epi32(0x000F000F);
+  const uint32_t* x_pairs[Rows];
+  for (int r = 0; r < Rows; ++r) {
+    x_pairs[r] = reinterpret_cast<const uint32_t*>(x + r * in_features);
+  }
+  __m512 total[Rows];
+  for (int r = 0; r < Rows; ++r) total[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const Q4_1Group& group = g[b];
+    _mm_prefetch(reinterpret_cast<const char*>(&group) + kAhead, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(&group) + kAhead + 64, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(&group) + kAhead + 128, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(&group) + kAhead + 192, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(&group) + kAhead + 256, _MM_HINT_T0);
+    __m512 even[Rows], odd[Rows];
+    zero_rows<Rows>(even, odd);
+    for (int k = 0; k < kInBlock / 2; k += 2) {
+      __m512bh w[2];
+      for (int h = 0; h < 2; ++h) {
+        // dword j = q0 | q1 << 4 (output j); words (q0, q1); each word to its bf16
+        const __m512i v =
+            _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(group.q[k + h])));
+        const __m512i words =
+            _mm512_ternarylogic_epi32(v, _mm512_slli_epi32(v, 12), low_words, 0xA8);
+        w[h] = (__m512bh)_mm512_permutexvar_epi16(words, table);
+      }
+      const int64_t pair = b * (kInBlock / 2) + k;
+      for (int r = 0; r < Rows; ++r) {
+        const __m512bh x0 = (__m512bh)_mm512_set1_epi32(static_cast<int>(x_pairs[r][pair]));
+        const __m512bh x1 = (__m512bh)_mm512_set1_epi32(static_cast<int>(x_pairs[r][pair + 1]));
+        even[r] = _mm512_dpbf16_ps(even[r], w[0], x0);
+        odd[r] = _mm512_dpbf16_ps(odd[r], w[1], x1);
+      }
+    }
+    const __m512 d = load_f16(group.d), m = load_f16(group.m);
+    for (int r = 0; r < Rows; ++r) {
+      total[r] = _mm512_fmadd_ps(d, _mm512_add_ps(even[r], odd[r]), total[r]);
+      total[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[r * blocks + b]), total[r]);
+    }
+  }
+  const __m512 bias_v = bias_lanes(bias, false, ob);
+  for (int r = 0; r < Rows; ++r) {
+    store_lanes(out + r * out_features + ob * kOutBlock, _mm512_add_ps(total[r], bias_v));
+  }
+}
+
+// Q4_1, float32 x: each weight dequantized to its float32 value, then plain products.
+template <int Rows, typename Out>
+void q4_1_f32_rows(Out* out, const float* x, const Q4_1Group* g, const void* bias,
+                   bool bias_f32, int64_t out_features, int64_t in_features, int64_t ob) {
+  const int64_t blocks = in_features / kInBlock;
+  const __m512 table = nibble_f32_table();
+  __m512 even[Rows], odd[Rows];
+  zero_rows<Rows>(even, odd);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const Q4_1Group& group = g[b];
+    for (int line = 0; line < 5; ++line) {
+      _mm_prefetch(reinterpret_cast<const char*>(&group) + kAhead + 64 * line, _MM_HINT_T0);
+    }
+    const __m512 d = load_f16(group.d), m = load_f16(group.m);
+    for (int k = 0; k < kInBlock / 2; ++k) {
+      const __m512i v =
+          _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(group.q[k])));
+      const __m512 w0 = _mm512_fmadd_ps(d, _mm512_permutexvar_ps(v, table), m);
+      const __m512 w1 = _mm512_fmadd_ps(d, _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table), m);
+      const int64_t i = b * kInBlock + 2 * k;
+      for (int r = 0; r < Rows; ++r) {
+        even[r] = _mm512_fmadd_ps(w0, _mm512_set1_ps(x[r * in_features + i]), even[r]);
+        odd[r] = _mm512_fmadd_ps(w1, _mm512_set1_ps(x[r * in_features + i + 1]), odd[r]);
+      }
+    }
+  }
+  store_rows<Rows>(out, even, odd, bias_lanes(bias, bias_f32, ob), out_features, ob);
+}
+
+// Q8_0, float32 x (bf16 x is widened first): each weight d * q, then plain products.
+template <int Rows, typename Out>
+void q8_0_f32_rows(Out* out, const float* x, const Q8_0Group* g, const void* bias,
+                   bool bias_f32, int64_t out_features, int64_t in_features, int64_t ob) {
+  const int64_t blocks = in_features / kInBlock;
+  __m512 even[Rows], odd[Rows];
+  zero_rows<Rows>(even, odd);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const Q8_0Group& group = g[b];
+    for (int line = 0; line < 9; ++line) {
+      _mm_prefetch(reinterpret_cast<const char*>(&group) + kAhead + 64 * line, _MM_HINT_T0);
+    }
+    const __m512 d = load_f16(group.d);
+    for (int i = 0; i < kInBlock; i += 2) {
+      const __m512 w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                             _mm_loadu_si128(reinterpret_cast<const __m128i*>(group.q[i])))));
+      const __m512 w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                             _mm_loadu_si128(reinterpret_cast<const __m128i*>(group.q[i + 1])))));
+      const int64_t col = b * kInBlock + i;
+      for (int r = 0; r < Rows; ++r) {
+        even[r] = _mm512_fmadd_ps(w0, _mm512_set1_ps(x[r * in_features + col]), even[r]);
+        odd[r] = _mm512_fmadd_ps(w1, _mm512_set1_ps(x[r * in_features + col + 1]), odd[r]);
+      }
+    }
+  }
+  store_rows<Rows>(out, even, odd, bias_lanes(bias, bias_f32, ob), out_features, ob);
+}
+
+// One call's arguments, and the float32 copies of x some kernels read.
+struct Call {
+  void* out;
+  bool out_f32;
+  const uint16_t* x_bf16;  // bf16 x (Q4_1 with bf16 x), else null
+  const float* x_f32;  // float32 x (given, or widened from bf16)
+  const float* xsum;  // [rows][blocks] for Q4_1 with bf16 x
+  int64_t rows;
+  const void* packed;
+  int type;
+  const void* bias;
+  bool bias_f32;
+  int64_t out_features, in_features;
+};
+
+template <int Rows, typename Out>
+void group_rows(const Call& c, int64_t row, int64_t ob) {
+  Out* out = static_cast<Out*>(c.out) + row * c.out_features;
+  const int64_t blocks = c.in_features / kInBlock;
+  if (c.type == kTypeQ4_1) {
+    const Q4_1Group* g = static_cast<const Q4_1Group*>(c.packed) + ob * blocks;
+    if (c.x_bf16 != nullptr) {
+      q4_1_bf16_rows<Rows, Out>(out, c.x_bf16 + row * c.in_features, c.xsum + row * blocks, g,
+                                c.bias, c.out_features, c.in_features, ob);
+    } else {
+      q4_1_f32_rows<Rows, Out>(out, c.x_f32 + row * c.in_features, g, c.bias, c.bias_f32,
+                               c.out_features, c.in_features, ob);
+    }
+  } else {
+    const Q8_0Group* g = static_cast<const Q8_0Group*>(c.packed) + ob * blocks;
+    q8_0_f32_rows<Rows, Out>(out, c.x_f32 + row * c.in_features, g, c.bias, c.bias_f32,
+                             c.out_features, c.in_features, ob);
+  }
+}
+
+template <typename Out>
+void block_all_rows(const Call& c, int64_t ob) {
+  for (int64_t row = 0; row < c.rows; row += kGroupRows) {
+    switch (c.rows - row < kGroupRows ? c.rows - row : kGroupRows) {
+      case 1: group_rows<1, Out>(c, row, ob); break;
+      case 2: group_rows<2, Out>(c, row, ob); break;
+      case 3: group_rows<3, Out>(c, row, ob); break;
+      case 4: group_rows<4, Out>(c, row, ob); break;
+      case 5: group_rows<5, Out>(c, row, ob); break;
+      case 6: group_rows<6, Out>(c, row, ob); break;
+      case 7: group_rows<7, Out>(c, row, ob); break;
+      default: group_rows<8, Out>(c, row, ob); break;
+    }
+  }
+}
+
+#endif
+
+}  // namespace
+
+extern "C" {
+
+int splitserve_qgemv_pack(void* packed, const void* raw, int type, int64_t out_features,
+                          int64_t in_features) {
+  if (out_features <= 0 || in_features <= 0 || out_features % kOutBlock ||
+      in_features % kInBlock) {
+    return -1;
+  }
+  const uint8_t* bytes = static_cast<const uint8_t*>(raw);
+  if (type == kTypeQ4_1) {
+    pack_q4_1(static_cast<Q4_1Group*>(packed), bytes, out_features, in_features);
+  } else if (type == kTypeQ8_0) {
+    pack_q8_0(static_cast<Q8_0Group*>(packed), bytes, out_features, in_features);
+  } else {
+    return -1;
+  }
+  return 0;
+}
+
+// Bytes of the packed weight (the GGUF tensor's own size); -1 for an unsupported type/shape.
+int64_t splitserve_qgemv_packed_bytes(int type, int64_t out_features, int64_t in_features) {
+  if (out_features <= 0 || in_features <= 0 || out_features % kOutBlock ||
+      in_features % kInBlock) {
+    return -1;
+  }
+  const int64_t groups = (out_features / kOutBlock) * (in_features / kInBlock);
+  if (type == kTypeQ4_1) return groups * static_cast<int64_t>(sizeof(Q4_1Group));
+  if (type == kTypeQ8_0) return groups * static_cast<int64_t>(sizeof(Q8_0Group));
+  return -1;
+}
+
+int splitserve_qgemv(void* out, int out_f32, const void* x, int x_f32, int64_t rows,
+                     const void* packed, int type, const void* bias, int64_t out_features,
+                     int64_t in_features, int threads) {
+#ifndef SPLITSERVE_AVX512
+  (void)out; (void)out_f32; (void)x; (void)x_f32; (void)rows; (void)packed; (void)type;
+  (void)bias; (void)out_features; (void)in_features; (void)threads;
+  return -2;
+#else
+  if (rows <= 0 || rows > kMaxRows || out_features <= 0 || in_features <= 0 ||
+      out_features % kOutBlock || in_features % kInBlock || threads <= 0 ||
+      (type != kTypeQ4_1 && type != kTypeQ8_0)) {
+    return -1;
+  }
+  const int64_t blocks = in_features / kInBlock;
+  Call c{out, out_f32 != 0, nullptr, nullptr, nullptr, rows, packed, type, bias, x_f32 != 0,
+         out_features, in_features};
+  std::vector<float> widened, sums;
+  if (x_f32) {
+    c.x_f32 = static_cast<const float*>(x);
+  } else if (type == kTypeQ4_1) {
+    c.x_bf16 = static_cast<const uint16_t*>(x);
+    sums.resize(rows * blocks);
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t b = 0; b < blocks; ++b) {
+        float sum = 0.0f;
+        for (int64_t i = 0; i < kInBlock; ++i) {
+          sum += splitserve_cpu::bf16_to_float(c.x_bf16[r * in_features + b * kInBlock + i]);
+        }
+        sums[r * blocks + b] = sum;
+      }
+    }
+    c.xsum = sums.data();
+  } else {
+    widened.resize(rows * in_features);
+    splitserve_cpu::load_row(static_cast<const uint16_t*>(x), widened.data(), rows * in_features);
+    c.x_f32 = widened.data();
+  }
+  const int64_t out_blocks = out_features / kOutBlock;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+  for (int64_t ob = 0; ob < out_blocks; ++ob) {
+    if (c.out_f32) {
+      block_all_rows<float>(c, ob);
+    } else {
+      block_all_rows<uint16_t>(c, ob);
+    }
+  }
+  return 0;
+#endif
+}
+
+}  // extern "C"
