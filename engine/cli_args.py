@@ -44,7 +44,7 @@ def add_engine_args(parser: argparse.ArgumentParser, env: Mapping[str, str] = os
         choices=QUANTIZED_WEIGHTS,
         default=env_default("--quantized-weights", defaults.model.quantized_weights, str, env),
         help="a GGUF's Q4_1/Q8_0 weights: widen to --dtype, or native: decode rows read them "
-        "as stored (env SPLITSERVE_QUANTIZED_WEIGHTS)",
+        "as stored; auto: native in bf16, widen in float32 (env SPLITSERVE_QUANTIZED_WEIGHTS)",
     )
     flag("--max-model-len", None, int, "context window cap in tokens")
     flag("--block-size", defaults.cache.block_size, int, "tokens per KV block")

@@ -13,7 +13,7 @@ from splitserve.common.errors import InvalidRequestError
 from splitserve.common.load import DEFAULT_PREFILL_CHUNK_TOKENS
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-QUANTIZED_WEIGHTS = ("widen", "native")
+QUANTIZED_WEIGHTS = ("auto", "widen", "native")
 
 
 @dataclass(frozen=True)
@@ -26,10 +26,12 @@ class ModelConfig:
     """Compute dtype: "auto" picks bfloat16 where the CPU has native bf16, else float32."""
     max_model_len: int | None = None
     """Context window override in tokens (at most the model's own); None keeps the model's."""
-    quantized_weights: str = "widen"
+    quantized_weights: str = "auto"
     """A GGUF file's quantized weights: "widen" dequantizes them to ``dtype`` for every row;
     "native" also keeps the Q4_1 / Q8_0 blocks, which generated tokens' and logits rows read
-    as stored (``kernels/cpu_qgemv.py``; other types stay widened, logged at load)."""
+    as stored (``kernels/cpu_qgemv.py``; other types stay widened, logged at load); "auto":
+    native in bf16 (where it measured faster: ``bench/bench_quantized.py``), widen in
+    float32, the exactness reference, whose rows then keep the dense reference's sums."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -7,7 +7,9 @@ What llama.cpp's converter changed, and how it is undone here:
 - Shapes: GGUF lists dimensions fastest-first, so a GGUF ``[576, 49152]`` tensor is HF
   ``[49152, 576]``; every tensor is reshaped to the reversed GGUF shape.
 - Quantization: every tensor is dequantized with ``gguf.quants.dequantize`` (F32, F16, BF16,
-  Q4_0, Q4_1, Q8_0, K-quants, ...), then cast to the requested dtype.
+  Q4_0, Q4_1, Q8_0, K-quants, ...), then cast to the requested dtype. With ``keep_quantized``
+  the quantized 2-d weights' blocks are kept too (``LoadedCheckpoint.quantized``), for the
+  kernel that reads them as stored.
 - Rotary layout (``llama`` only): llama.cpp applies RoPE to interleaved pairs
   ``(x[2j], x[2j+1])`` while HF's ``rotate_half`` pairs ``(x[j], x[j + head_dim/2])``, so the
   converter permuted the rows of every q/k head from half order into interleaved order. GGUF

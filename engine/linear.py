@@ -43,6 +43,15 @@ rows takes oneDNN for all of them. ``SPLITSERVE_DECODE_GEMV=1`` takes the GEMV a
 (the bit property below for any batch), ``0`` never. The LM head is apart: its rows are
 logits, which take the kernel's float32 sums always (``Linear.logits``).
 
+Quantized weights read as stored (``--quantized-weights native``; ``quantized`` below): where
+the weight came from a GGUF's Q4_1 or Q8_0 blocks and the kernel reads their shape, the rows
+that would take the GEMV (generated tokens' and logits rows) read the blocks instead
+(``kernels/cpu_qgemv.py``: 5 or 8.5 bits a weight against 16), in bf16 models and in float32
+ones, and no GEMV copy is kept; prompt rows keep the dense path over the widened weight. In
+float32 the kernel sums the file's exact float32 weights, so only the summation order differs
+from the dense path; every generated row takes it whatever the step's size (no row limit is
+measured), so a row's bits never depend on its batch.
+
 A prompt row's bits are the same whatever the step's row count only where oneDNN's are: on
 the AMD EPYC above they were; with AMX (the Intel Xeon above) oneDNN sums a row of a call of
 fewer than ~37 rows in another order than the same row in a larger call (every projection

@@ -11,11 +11,11 @@ None (logging why) when the library cannot be built, ``SPLITSERVE_CPU_KERNELS=0`
 CPU has no AVX-512 BF16.
 
 Sums (the C file's header has the details): a row's outputs never depend on the other rows of
-its call. Float32 x (and Q8_0 with any x): each weight dequantized to its float32 value, then
-fused multiply-adds, so only the summation order differs from a float32 matmul over the
-dequantized weights. Q4_1 with bf16 x: per 32-input block, ``d * sum(q * x) + m * sum(x)``, the
-block's products on the integer nibbles by vdpbf16ps: the file's weights exactly, rounded
-otherwise than the dense bf16 path, which rounds each weight to bf16 first.
+its call. Float32 x: each weight dequantized to its float32 value, then fused multiply-adds,
+so only the summation order differs from a float32 matmul over the dequantized weights. bf16
+x: per 32-input block, ``d * sum(q * x)`` (Q4_1: ``+ m * sum(x)``), the block's products on
+the integers q by vdpbf16ps: the file's weights exactly, rounded otherwise than the dense bf16
+path, which rounds each weight to bf16 first.
 
 Measured on the AMD EPYC (2 cores, AVX-512 BF16, no AMX), one core, SmolLM2-135M's 211 GGUF
 matrices (210 Q4_1 projections unfused and the Q8_0 embedding as LM head), medians of 7, bf16

@@ -133,11 +133,11 @@ def make_llm(
     dtype: str = "float32",
     attention_backend: str = "auto",
     speculative_tokens: int = 0,
-    quantized_weights: str = "widen",
+    quantized_weights: str = "auto",
 ) -> LLM:
     """An offline engine over an already loaded checkpoint, float32 by default
-    (``speculative_tokens``: prompt-lookup drafts per step, 0 = none; ``quantized_weights``:
-    "native" reads the checkpoint's kept GGUF blocks, see ``ModelConfig``)."""
+    (``speculative_tokens``: prompt-lookup drafts per step, 0 = none; ``quantized_weights``
+    as ``ModelConfig``'s, whose "auto" reads the checkpoint's kept GGUF blocks in bf16)."""
     config = EngineConfig(
         model=ModelConfig(dtype=dtype, quantized_weights=quantized_weights),
         cache=CacheConfig(

@@ -1,5 +1,6 @@
 """In bf16 a row's bits depend on its kind, never on what shares its step (``engine/linear.py``):
-generated tokens' rows take the decode GEMV, prompt rows oneDNN. So a cached prompt's answer
+generated tokens' rows take the decode GEMV (or the quantized kernel over the GGUF's blocks,
+the default), prompt rows oneDNN. So a cached prompt's answer
 equals its uncached answer (with the GEMV at every row count, up to the row count measured at
 load (the default), or off), and with the GEMV a request's tokens and logprobs are the same
 alone and while another prompt is computed in its steps, bit for bit (under the measured limit:
@@ -19,6 +20,7 @@ from splitserve.engine.engine_core import EngineCore
 from splitserve.engine.linear import DECODE_GEMV_ENV, Linear
 from splitserve.engine.llm import LLM
 from splitserve.kernels.cpu_gemv import load_cpu_gemv
+from splitserve.kernels.cpu_qgemv import load_cpu_qgemv
 from tests.conftest import assert_no_leaks, make_llm
 
 pytestmark = pytest.mark.timeout(300)
@@ -28,43 +30,51 @@ GREEDY = SamplingParams(max_tokens=16, temperature=0.0, logprobs=2)
 
 
 def _bf16_llm(gemv: str, monkeypatch: pytest.MonkeyPatch, checkpoint: LoadedCheckpoint) -> LLM:
-    """A bf16 engine with ``SPLITSERVE_DECODE_GEMV=gemv``; checks the GEMV's row limit was
-    measured once for every projection (none asked or on AMX)."""
-    monkeypatch.setenv(DECODE_GEMV_ENV, gemv)
-    llm = make_llm(checkpoint, num_blocks=128, dtype="bfloat16")
+    """A bf16 engine with ``SPLITSERVE_DECODE_GEMV=gemv`` over widened weights (``quantized``:
+    the default ``auto`` setting, over the GGUF's Q4_1 blocks read as stored); checks the
+    row kernel's row limit was measured once for every projection (none asked or on AMX)."""
+    quantized = gemv == "quantized"
+    monkeypatch.setenv(DECODE_GEMV_ENV, "auto" if quantized else gemv)
+    weights = "native" if quantized else "widen"
+    llm = make_llm(checkpoint, num_blocks=128, dtype="bfloat16", quantized_weights=weights)
     qkv = llm.engine.runner.model.layers[0].qkv
-    gemv_loaded = qkv._gemv_weight is not None
-    assert gemv_loaded == (gemv != "0" and load_cpu_gemv() is not None)
+    gemv_loaded = qkv.has_row_kernel
+    kernel = load_cpu_qgemv() if quantized else load_cpu_gemv()
+    assert gemv_loaded == (gemv != "0" and kernel is not None)
+    assert (qkv.reads_quantized == "Q4_1") == (quantized and kernel is not None)
     limits = {
         linear.gemv_max_rows
         for layer in llm.engine.runner.model.layers
         for linear in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
     }
     assert len(limits) == 1  # one limit, measured once, for every projection
-    if gemv != "auto" or not gemv_loaded or qkv.takes_amx:
+    if gemv not in ("auto", "quantized") or not gemv_loaded or qkv.takes_amx:
         assert limits == {None}  # AMX: no limit, every generated row takes it
     return llm
 
 
-@pytest.fixture(params=["1", "auto", "0"], ids=["gemv", "gemv-auto", "onednn-only"])
+@pytest.fixture(
+    params=["1", "auto", "0", "quantized"], ids=["gemv", "gemv-auto", "onednn-only", "quantized"]
+)
 def bf16_llm(
     request: pytest.FixtureRequest,
     monkeypatch: pytest.MonkeyPatch,
     default_checkpoint_fp32: LoadedCheckpoint,
 ) -> LLM:
     """Each way a bf16 engine may compute generated rows: the GEMV always, as measured at
-    load, never."""
+    load, never, and the quantized kernel (as measured)."""
     return _bf16_llm(request.param, monkeypatch, default_checkpoint_fp32)
 
 
-@pytest.fixture(params=["1", "auto"], ids=["gemv", "gemv-auto"])
+@pytest.fixture(params=["1", "auto", "quantized"], ids=["gemv", "gemv-auto", "quantized"])
 def gemv_llm(
     request: pytest.FixtureRequest,
     monkeypatch: pytest.MonkeyPatch,
     default_checkpoint_fp32: LoadedCheckpoint,
 ) -> LLM:
-    """A bf16 engine whose generated rows take the decode GEMV (always, or as measured);
-    skipped on a CPU without AVX-512 BF16, where the GEMV cannot load."""
+    """A bf16 engine whose generated rows take a row kernel: the decode GEMV (always, or as
+    measured) or the quantized one; skipped on a CPU without AVX-512 BF16, where neither
+    loads."""
     if load_cpu_gemv() is None:
         pytest.skip("this CPU has no AVX-512 BF16 (or no C++ compiler): no decode GEMV")
     return _bf16_llm(request.param, monkeypatch, default_checkpoint_fp32)
@@ -114,7 +124,7 @@ def test_a_requests_bits_do_not_depend_on_a_prompt_sharing_its_steps(gemv_llm: L
     """Only with the GEMV: without it a lone row's bits differ (see the module docstring)."""
     bf16_llm = gemv_llm
     qkv = bf16_llm.engine.runner.model.layers[0].qkv
-    assert qkv._gemv_weight is not None
+    assert qkv.has_row_kernel
     if qkv.gemv_max_rows is not None and qkv.gemv_max_rows < 2:
         pytest.skip("this CPU's GEMV beat oneDNN at load for one row only: two rows take oneDNN")
     core = bf16_llm.engine

@@ -20,15 +20,14 @@
 //
 // What is summed (per output o of row r; every row independently of the others of its call,
 // so a row's result does not depend on its step's batch):
-//   - float32 x, and Q8_0 with either x: each weight is dequantized in float32 to exactly
-//     the value the float32 reference holds (gguf's dequantize: d * q + m with one rounding,
-//     q * d exact), then sum_i w[o][i] * x[r][i] by fused multiply-adds, even and odd inputs
-//     in two sums in input order, added at the end (bf16 x is widened to float32 exactly
-//     first). Only the summation order differs from a float32 matmul over the dequantized
-//     weights.
-//   - Q4_1 with bf16 x: sum_b (d_b * sum_{i in b} q_i * x_i + m_b * sum_{i in b} x_i), the
-//     block's products by vdpbf16ps on the integer nibbles (q and x products exact in
-//     float32), its x sum in float32 in input order. The weights are the file's exactly;
+//   - float32 x: each weight is dequantized in float32 to exactly the value the float32
+//     reference holds (gguf's dequantize: d * q + m with one rounding, q * d exact), then
+//     sum_i w[o][i] * x[r][i] by fused multiply-adds, even and odd inputs in two sums in
+//     input order, added at the end. Only the summation order differs from a float32 matmul
+//     over the dequantized weights.
+//   - bf16 x: sum_b (d_b * sum_{i in b} q_i * x_i [+ m_b * sum_{i in b} x_i for Q4_1]), the
+//     block's products by vdpbf16ps on the integers q (exact in bf16; q * x exact in
+//     float32), Q4_1's x sums in float32 in input order. The weights are the file's exactly;
 //     the rounding differs from the dense bf16 path, which rounds each weight to bf16.
 //
 // Why: a decode step reads every weight once per step, and SmolLM2-135M's projections are
@@ -273,12 +272,67 @@ void q8_0_f32_rows(Out* out, const float* x, const Q8_0Group* g, const void* bia
   store_rows<Rows>(out, even, odd, bias_lanes(bias, bias_f32, ob), out_features, ob);
 }
 
+// Q8_0, bf16 x: per block, d * sum(q * x), the products by vdpbf16ps on the int8 values
+// (exact in bf16), two inputs' 16 outputs converted together and interleaved into pairs.
+template <int Rows, typename Out>
+void q8_0_bf16_rows(Out* out, const uint16_t* x, const Q8_0Group* g, const void* bias,
+                    int64_t out_features, int64_t in_features, int64_t ob) {
+  const int64_t blocks = in_features / kInBlock;
+  alignas(64) uint16_t interleave[32];  // word 2j <- input i's output j, 2j + 1 <- input i + 1's
+  for (int j = 0; j < 16; ++j) {
+    interleave[2 * j] = static_cast<uint16_t>(j);
+    interleave[2 * j + 1] = static_cast<uint16_t>(16 + j);
+  }
+  const __m512i pairs_of = _mm512_load_si512(interleave);
+  const uint32_t* x_pairs[Rows];
+  for (int r = 0; r < Rows; ++r) {
+    x_pairs[r] = reinterpret_cast<const uint32_t*>(x + r * in_features);
+  }
+  __m512 total[Rows];
+  for (int r = 0; r < Rows; ++r) total[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const Q8_0Group& group = g[b];
+    for (int line = 0; line < 9; ++line) {
+      _mm_prefetch(reinterpret_cast<const char*>(&group) + kAhead + 64 * line, _MM_HINT_T0);
+    }
+    __m512 even[Rows], odd[Rows];
+    zero_rows<Rows>(even, odd);
+    for (int k = 0; k < kInBlock / 2; k += 2) {
+      __m512bh w[2];
+      for (int h = 0; h < 2; ++h) {
+        const int i = 2 * (k + h);
+        const __m512 first = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(group.q[i]))));
+        const __m512 second = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(group.q[i + 1]))));
+        const __m512i halves = (__m512i)_mm512_cvtne2ps_pbh(second, first);
+        w[h] = (__m512bh)_mm512_permutexvar_epi16(pairs_of, halves);
+      }
+      const int64_t pair = b * (kInBlock / 2) + k;
+      for (int r = 0; r < Rows; ++r) {
+        const __m512bh x0 = (__m512bh)_mm512_set1_epi32(static_cast<int>(x_pairs[r][pair]));
+        const __m512bh x1 = (__m512bh)_mm512_set1_epi32(static_cast<int>(x_pairs[r][pair + 1]));
+        even[r] = _mm512_dpbf16_ps(even[r], w[0], x0);
+        odd[r] = _mm512_dpbf16_ps(odd[r], w[1], x1);
+      }
+    }
+    const __m512 d = load_f16(group.d);
+    for (int r = 0; r < Rows; ++r) {
+      total[r] = _mm512_fmadd_ps(d, _mm512_add_ps(even[r], odd[r]), total[r]);
+    }
+  }
+  const __m512 bias_v = bias_lanes(bias, false, ob);
+  for (int r = 0; r < Rows; ++r) {
+    store_lanes(out + r * out_features + ob * kOutBlock, _mm512_add_ps(total[r], bias_v));
+  }
+}
+
 // One call's arguments, and the float32 copies of x some kernels read.
 struct Call {
   void* out;
   bool out_f32;
-  const uint16_t* x_bf16;  // bf16 x (Q4_1 with bf16 x), else null
-  const float* x_f32;  // float32 x (given, or widened from bf16)
+  const uint16_t* x_bf16;  // bf16 x, else null
+  const float* x_f32;  // float32 x, else null
   const float* xsum;  // [rows][blocks] for Q4_1 with bf16 x
   int64_t rows;
   const void* packed;
@@ -303,8 +357,13 @@ void group_rows(const Call& c, int64_t row, int64_t ob) {
     }
   } else {
     const Q8_0Group* g = static_cast<const Q8_0Group*>(c.packed) + ob * blocks;
-    q8_0_f32_rows<Rows, Out>(out, c.x_f32 + row * c.in_features, g, c.bias, c.bias_f32,
-                             c.out_features, c.in_features, ob);
+    if (c.x_bf16 != nullptr) {
+      q8_0_bf16_rows<Rows, Out>(out, c.x_bf16 + row * c.in_features, g, c.bias,
+                                c.out_features, c.in_features, ob);
+    } else {
+      q8_0_f32_rows<Rows, Out>(out, c.x_f32 + row * c.in_features, g, c.bias, c.bias_f32,
+                               c.out_features, c.in_features, ob);
+    }
   }
 }
 
@@ -375,11 +434,13 @@ int splitserve_qgemv(void* out, int out_f32, const void* x, int x_f32, int64_t r
   const int64_t blocks = in_features / kInBlock;
   Call c{out, out_f32 != 0, nullptr, nullptr, nullptr, rows, packed, type, bias, x_f32 != 0,
          out_features, in_features};
-  std::vector<float> widened, sums;
+  std::vector<float> sums;
   if (x_f32) {
     c.x_f32 = static_cast<const float*>(x);
-  } else if (type == kTypeQ4_1) {
+  } else {
     c.x_bf16 = static_cast<const uint16_t*>(x);
+  }
+  if (!x_f32 && type == kTypeQ4_1) {
     sums.resize(rows * blocks);
     for (int64_t r = 0; r < rows; ++r) {
       for (int64_t b = 0; b < blocks; ++b) {
@@ -391,10 +452,6 @@ int splitserve_qgemv(void* out, int out_f32, const void* x, int x_f32, int64_t r
       }
     }
     c.xsum = sums.data();
-  } else {
-    widened.resize(rows * in_features);
-    splitserve_cpu::load_row(static_cast<const uint16_t*>(x), widened.data(), rows * in_features);
-    c.x_f32 = widened.data();
   }
   const int64_t out_blocks = out_features / kOutBlock;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
