@@ -32,6 +32,7 @@ from splitserve.engine.config import EngineConfig
 from splitserve.engine.device import resolve_dtype
 from splitserve.engine.engine_face import CompletedPrompt, EngineFacts, LayerHook, PagedKv
 from splitserve.engine.engine_report import SchedulerStats
+from splitserve.engine.host_memory import return_freed_heap
 from splitserve.engine.kv_cache_manager import KVCacheManager
 from splitserve.engine.model import LlamaModel
 from splitserve.engine.model_runner import ModelRunner, kv_cache_bytes_per_block
@@ -69,8 +70,7 @@ class EngineCore:
             )
         self.checkpoint = replace(checkpoint, weights={}, quantized={})
         """The checkpoint's config and tokenizer; the loader's weights and blocks are dropped
-        once the model holds its own copies (for the default model in bf16 the decode worker
-        kept ~270 MB of dense weights it never read)."""
+        once the model holds its own copies."""
         self.model_config = checkpoint.config
         self.tokenizer = checkpoint.tokenizer
         self.max_model_len = self.model_config.max_position_embeddings
@@ -86,6 +86,8 @@ class EngineCore:
             decode_gemv=config.runner.decodes,
             quantized=checkpoint.quantized if native_quantized else None,
         )
+        del checkpoint  # the loader's weights and blocks: the model packed its own copies
+        return_freed_heap()
         backend = _backend(config, self.dtype, self.num_blocks)
         self.runner = ModelRunner(model, self.num_blocks, config.cache.block_size, backend)
         self.kv_cache = KVCacheManager(
@@ -102,7 +104,7 @@ class EngineCore:
         )
         self.paged_kv = PagedKv(self.runner)
         """The KV cache for KV transfer (``engine_face.py``: its threading contract)."""
-        self.eos_token_ids = frozenset(checkpoint.config.eos_token_ids)
+        self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self.step_cost = StepCostLearner()
         """This engine's step times, learned from every step (``load().step_cost``)."""
         self.last_step = StepTiming(0.0, 0.0)
@@ -111,7 +113,7 @@ class EngineCore:
         """The share of recent wall time its steps spent on prompt tokens."""
         logger.info(
             "engine ready: %s dtype=%s blocks=%d x %d tokens, max_model_len=%d",
-            checkpoint.config.name,
+            self.model_config.name,
             self.dtype,
             self.num_blocks,
             config.cache.block_size,

@@ -90,20 +90,20 @@ class LlamaModel:
         them for generated and logits rows instead of a GEMV copy (``engine/linear.py``)."""
         self.config = config
         self._decode_gemv = decode_gemv
-        self._quantized: Mapping[str, QuantizedTensor] = quantized or {}
+        blocks: Mapping[str, QuantizedTensor] = quantized or {}  # packed by Linear, not kept
         self.dtype = dtype
         self.device = device
         take = _WeightTaker(weights, dtype, device)
         self.embed_tokens = take("model.embed_tokens.weight")  # [vocab, hidden]
-        self.layers = [self._layer(take, i) for i in range(config.num_hidden_layers)]
+        self.layers = [self._layer(take, i, blocks) for i in range(config.num_hidden_layers)]
         self.norm = take("model.norm.weight")  # [hidden]
         head_name = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
         lm_head = self.embed_tokens if config.tie_word_embeddings else take(head_name)
         self.lm_head = Linear(
-            lm_head, logits=True, quantized=self._quantized.get(head_name)
+            lm_head, logits=True, quantized=blocks.get(head_name)
         )  # hidden -> vocab
         if quantized is not None:
-            self._report_quantized()
+            self._report_quantized(blocks)
         self._limit_decode_gemv()
         self.cos, self.sin = cos_sin_table(
             config.head_dim, config.rope_theta, config.rope_scaling, max_positions, dtype, device
@@ -143,14 +143,14 @@ class LlamaModel:
             "any number of" if limit is None else f"at most {limit}",
         )
 
-    def _report_quantized(self) -> None:
+    def _report_quantized(self, blocks: Mapping[str, QuantizedTensor]) -> None:
         """Log which weights read their GGUF blocks as stored and which keep the dense path
         (a type or shape the quantized kernel cannot read, or no generated rows to serve)."""
         linears = [*self._layer_projections(), self.lm_head]
         native = Counter(linear.reads_quantized for linear in linears if linear.reads_quantized)
         dense = len(linears) - sum(native.values())
-        other = sorted({tensor.type_name for tensor in self._quantized.values()} - set(native))
-        if not self._quantized:
+        other = sorted({tensor.type_name for tensor in blocks.values()} - set(native))
+        if not blocks:
             logger.warning("quantized weights asked for, but the model has no quantized tensors")
             return
         logger.info(
@@ -163,7 +163,9 @@ class LlamaModel:
             f" (types the kernel does not read: {', '.join(other)})" if other else "",
         )
 
-    def _layer(self, take: _WeightTaker, index: int) -> DecoderLayerWeights:
+    def _layer(
+        self, take: _WeightTaker, index: int, blocks: Mapping[str, QuantizedTensor]
+    ) -> DecoderLayerWeights:
         prefix = f"model.layers.{index}."
         attn, mlp = prefix + "self_attn.", prefix + "mlp."
         qkv_names = [attn + f"{p}_proj.weight" for p in "qkv"]
@@ -172,7 +174,6 @@ class LlamaModel:
             qkv_bias = torch.cat([take(attn + f"{p}_proj.bias") for p in "qkv"])
         gate_up_names = [mlp + "gate_proj.weight", mlp + "up_proj.weight"]
         gemv = self._decode_gemv
-        blocks = self._quantized
         return DecoderLayerWeights(
             input_norm=take(prefix + "input_layernorm.weight"),
             qkv=Linear(
