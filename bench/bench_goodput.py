@@ -81,6 +81,7 @@ SPLITSERVE_FLAGS = {
     "splitserve-eager": ["--placement=adaptive"],
     "splitserve-no-gemv": ["--placement=adaptive"],
     "splitserve-control-prefill": ["--placement=adaptive", "--control-cores=prefill"],
+    "splitserve-widen": ["--placement=adaptive"],
 }
 """splitserve's configurations: ``splitserve`` is ``make serve``'s (1 prefill + 1 decode worker,
 a core each, adaptive placement); ``-remote`` / ``-local`` force where every prompt runs;
@@ -94,10 +95,13 @@ whenever that is predicted faster and keeps the batch's TPOT target, not only on
 prefill side puts the TTFT target at risk; ``-no-gemv`` is ``make serve``'s with the decode
 GEMV turned off (``SPLITSERVE_DECODE_GEMV=0``: generated tokens' rows through oneDNN too);
 ``-control-prefill`` is ``make serve``'s with the coordinator and the gateway pinned to the
-prefill worker's core (``up --control-cores prefill``)."""
+prefill worker's core (``up --control-cores prefill``); ``-widen`` is ``make serve``'s with the
+GGUF's quantized weights widened to bf16 for every row (``SPLITSERVE_QUANTIZED_WEIGHTS=widen``,
+the default before they were read as stored)."""
 SPLITSERVE_ENV = {
     "splitserve-eager": {"SPLITSERVE_TTFT_AT_RISK": "0"},
     "splitserve-no-gemv": {"SPLITSERVE_DECODE_GEMV": "0"},
+    "splitserve-widen": {"SPLITSERVE_QUANTIZED_WEIGHTS": "widen"},
 }
 """Coordinator flags ``up`` does not take, through their environment twins."""
 BASELINE = "splitserve-baseline"
