@@ -146,7 +146,7 @@ def _children(pid: int) -> list[int]:
     return children
 
 
-def _process_ticks(pid: int) -> int:
+def process_ticks(pid: int) -> int:
     """utime + stime of a process (all its threads), in clock ticks; 0 once it is gone."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -169,23 +169,23 @@ class CpuMeter:
     cluster: LocalCluster
 
     def start(self) -> None:
-        self._ticks0 = {pid: _process_ticks(pid) for pid in self.cluster.pids()}
+        self._ticks0 = {pid: process_ticks(pid) for pid in self.cluster.pids()}
         self._final: dict[int, int] = {}
-        self._self0 = _process_ticks(os.getpid())
+        self._self0 = process_ticks(os.getpid())
         self._busy0, self._total0 = _machine_ticks()
 
     def last_reading(self, pid: int) -> None:
         """Count ``pid``'s CPU time up to now: call it just before killing one of the
         cluster's processes (once it is gone, its time cannot be read)."""
-        self._final[pid] = _process_ticks(pid)
+        self._final[pid] = process_ticks(pid)
 
     def stop(self) -> Json:
         busy1, total1 = _machine_ticks()
         total = max(total1 - self._total0, 1)
         busy = busy1 - self._busy0
-        ticks = {pid: _process_ticks(pid) for pid in self.cluster.pids()} | self._final
+        ticks = {pid: process_ticks(pid) for pid in self.cluster.pids()} | self._final
         cluster = sum(max(t - self._ticks0.get(pid, 0), 0) for pid, t in ticks.items())
-        own = _process_ticks(os.getpid()) - self._self0
+        own = process_ticks(os.getpid()) - self._self0
         return {
             "busy_share": round(busy / total, 3),
             "cluster_share": round(cluster / total, 3),

@@ -1,0 +1,173 @@
+"""CPU time per streamed token of each process of ``make serve`` (issue 31's relay cost).
+
+Starts ``splitserve up --placement adaptive`` (``make serve``'s cluster, ``cluster_process.
+LocalCluster``), then per repetition sends ``--streams`` streamed completions at once through
+the gateway (``/v1/completions``, one asyncio httpx client, short prompts, ``--max-tokens``
+tokens each with EOS ignored, ``stream_options.include_usage`` for the token count) and reads
+every cluster process's utime + stime from ``/proc`` before and after. Each process is named by
+its role (``coordinator``, ``gateway``, ``prefill``, ``decode``, ``up``) from its command line.
+
+Reported per role: CPU microseconds per streamed token (the burst's CPU ticks over the tokens
+the client received), the median over ``--reps`` repetitions, and what one core of that role
+could relay at that cost (1e6 / us). Also the client's own CPU per token and the machine's
+other load during the run (``CpuMeter``). Prints rows to stderr and the JSON report to stdout
+(``--out`` writes it too). Nothing asserted.
+
+    .venv/bin/python bench/bench_relay_cpu.py --out bench/results/relay-cpu-<date>.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import httpx
+from cluster_process import CLK_TCK, CpuMeter, LocalCluster, process_ticks
+from machine_bound import cpu_name
+from timing_stats import Json, wait_for_quiet
+
+SPLITSERVE = Path(sys.executable).with_name("splitserve")
+
+
+def role_of(pid: int) -> str:
+    """The role a cluster process runs, from its command line: ``python -m
+    splitserve.<role>.main`` for the children, ``splitserve up`` for the launcher."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return "gone"
+    words = [word.decode(errors="replace") for word in argv]
+    for word in words:
+        parts = word.split(".")
+        if len(parts) == 3 and parts[0] == "splitserve" and parts[2] == "main":
+            return parts[1]
+    return "up" if "up" in words else "other"
+
+
+def ticks_by_role(pids: list[int]) -> dict[str, int]:
+    totals: dict[str, int] = {}
+    for pid in pids:
+        role = role_of(pid)
+        totals[role] = totals.get(role, 0) + process_ticks(pid)
+    return totals
+
+
+async def one_stream(
+    client: httpx.AsyncClient, url: str, model: str, index: int, tokens: int
+) -> int:
+    """One streamed completion; the completion tokens its usage chunk reports (0 on error)."""
+    body = {
+        "model": model,
+        "prompt": f"Request {index}: tell me a long story about the sea.",
+        "max_tokens": tokens,
+        "ignore_eos": True,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    used = 0
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            await response.aread()
+            return 0
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            usage = json.loads(line[6:]).get("usage")
+            if usage:
+                used = usage["completion_tokens"]
+    return used
+
+
+async def burst(url: str, model: str, streams: int, tokens: int) -> list[int]:
+    limits = httpx.Limits(max_connections=streams + 8, max_keepalive_connections=streams + 8)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        return await asyncio.gather(
+            *(one_stream(client, url, model, index, tokens) for index in range(streams))
+        )
+
+
+def run(args: argparse.Namespace) -> Json:
+    log_path = Path(tempfile.mkdtemp(prefix="relay-cpu-")) / "up.log"
+    report: Json = {
+        "machine": {"cpu": cpu_name()},
+        "setup": {"streams": args.streams, "max_tokens": args.max_tokens, "reps": args.reps},
+        "reps": [],
+    }
+    with LocalCluster(SPLITSERVE, ["--placement", "adaptive"], log_path) as cluster:
+        model = httpx.get(f"{cluster.http_url}/v1/models", timeout=30).json()["data"][0]["id"]
+        asyncio.run(burst(cluster.http_url, model, 4, 8))  # warm-up
+        for rep in range(args.reps):
+            wait_for_quiet(args.wait_quiet_s)
+            pids = cluster.pids()
+            meter = CpuMeter(cluster)
+            meter.start()
+            before, own_before = ticks_by_role(pids), process_ticks(os.getpid())
+            started = time.perf_counter()
+            used = asyncio.run(burst(cluster.http_url, model, args.streams, args.max_tokens))
+            wall_s = time.perf_counter() - started
+            after, own_after = ticks_by_role(pids), process_ticks(os.getpid())
+            tokens = sum(used)
+            row: Json = {
+                "rep": rep,
+                "tokens": tokens,
+                "streams_whole": sum(n == args.max_tokens for n in used),
+                "wall_s": round(wall_s, 2),
+                "tokens_per_s": round(tokens / wall_s, 1),
+                "us_per_token": {
+                    role: round((after[role] - before.get(role, 0)) / CLK_TCK / tokens * 1e6, 1)
+                    for role in after
+                    if tokens
+                },
+                "client_us_per_token": round(
+                    (own_after - own_before) / CLK_TCK / max(tokens, 1) * 1e6, 1
+                ),
+                "cpu": meter.stop(),
+            }
+            report["reps"].append(row)
+            log(row)
+    roles = sorted({role for row in report["reps"] for role in row["us_per_token"]})
+    report["median_us_per_token"] = {
+        role: statistics.median(row["us_per_token"].get(role, 0.0) for row in report["reps"])
+        for role in roles
+    }
+    report["tokens_per_core_s"] = {
+        role: round(1e6 / us) for role, us in report["median_us_per_token"].items() if us > 0
+    }
+    log({"median_us_per_token": report["median_us_per_token"]})
+    return report
+
+
+def log(row: Json) -> None:
+    print(json.dumps(row), file=sys.stderr, flush=True)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--streams", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--wait-quiet-s", type=float, default=20.0)
+    parser.add_argument("--out", type=Path)
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    report = run(args)
+    text = json.dumps(report, indent=2)
+    if args.out is not None:
+        args.out.write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
