@@ -10,7 +10,7 @@ request: since it was resumed there).
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from splitserve.common.logprobs import TokenLogprob
 
@@ -38,7 +38,20 @@ class RequestUpdate:
 
 @dataclass(frozen=True)
 class StepOutput:
-    """One request's progress in one step."""
+    """One request's progress in one step (or in consecutive steps, ``followed_by``)."""
 
     update: RequestUpdate
     logprobs: tuple[TokenLogprob, ...] = ()
+
+    def followed_by(self, later: StepOutput) -> StepOutput:
+        """This output and the same request's next one as one output: both steps' tokens and
+        logprobs in order, the later one's cumulative counts, finish and stop token. What a
+        relay that fell behind sends instead of the two (one message for both). Raises
+        ``ValueError`` when ``later`` is another request's or this one already finished."""
+        if later.update.request_id != self.update.request_id:
+            raise ValueError("followed_by: outputs of two requests")
+        if self.update.finish_reason is not None:
+            raise ValueError("followed_by: nothing follows a finished request's last output")
+        tokens = self.update.new_token_ids + later.update.new_token_ids
+        update = replace(later.update, new_token_ids=tokens)
+        return StepOutput(update, self.logprobs + later.logprobs)

@@ -148,6 +148,8 @@ class Attempt:
         self._channels = channels
         self._timeouts = timeouts
         self._events: asyncio.Queue[AttemptEvent] = asyncio.Queue()
+        self._held_event: AttemptEvent | None = None
+        """Taken from ``_events`` while merging decoded outputs, not yet handled."""
         self._progress = DecodeProgress(
             max_tokens=params.max_tokens - len(self._prior_output), tpot_s=route.slo.tpot_s
         )
@@ -177,7 +179,7 @@ class Attempt:
         with self._router.decoding(decode, self._progress), self._local_prompt:
             try:
                 while self.state is not AttemptState.ENDED:
-                    match await self._events.get():
+                    match await self._next_event():
                         case Reserved(reservation):
                             stage_start = self._stage("reserve", started)
                             self.state = AttemptState.PREFILLING
@@ -210,6 +212,23 @@ class Attempt:
                 for task in tasks:
                     task.cancel()
                 call.cancel()
+
+    async def _next_event(self) -> AttemptEvent:
+        """The next event, in order; ``Decoded`` events that queued up while this attempt
+        was busy come as one (``StepOutput.followed_by``), so a coordinator that falls behind
+        catches up with one response per request, not one per step it missed."""
+        event = self._held_event if self._held_event is not None else await self._events.get()
+        self._held_event = None
+        if not isinstance(event, Decoded):
+            return event
+        output = event.output
+        while output.update.finish_reason is None and not self._events.empty():
+            later = self._events.get_nowait()
+            if not isinstance(later, Decoded):
+                self._held_event = later
+                break
+            output = output.followed_by(later.output)
+        return Decoded(output) if output is not event.output else event
 
     @property
     def _label(self) -> str:

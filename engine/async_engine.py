@@ -3,7 +3,8 @@
 The model never runs on the event loop: one engine thread owns the core and loops
 schedule -> execute -> update while work exists, and sleeps otherwise. Callers on the loop
 submit and abort through a command queue that the engine thread drains between steps; outputs
-come back through ``loop.call_soon_threadsafe`` into one ``asyncio.Queue`` per request.
+come back through one ``loop.call_soon_threadsafe`` per loop and step into one
+``asyncio.Queue`` per request; a caller that fell behind reads what queued up as one output.
 
 Besides plain requests (``generate`` / ``submit``), a decode worker reserves blocks for KV
 computed elsewhere (``submit(..., reserve_remote_prefill=True)``) and later calls
@@ -71,6 +72,10 @@ class _Stream:
     outputs: asyncio.Queue[StepOutput | BaseException]
 
 
+_OutboxEntry = tuple[str, _Stream, StepOutput | BaseException]
+"""A request id, its stream, and what goes to it with the next report."""
+
+
 class AsyncEngine:
     """Thread-hosted engine with an asyncio front."""
 
@@ -97,7 +102,7 @@ class AsyncEngine:
         core.scheduler.on_request_finished = self._finished.append
         self._report = EngineReport(core.load(), core.stats)
         self._report_listeners: tuple[ReportListener, ...] = ()
-        self._outbox: list[tuple[str, _Stream, StepOutput | BaseException]] = []
+        self._outbox: list[_OutboxEntry] = []
         """Outputs for callers, posted once the report that shows them is out (engine
         thread only)."""
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
@@ -435,15 +440,20 @@ class AsyncEngine:
         self._outbox.append((request_id, stream, item))
 
     def _send_outbox(self) -> None:
-        """Hand the queued items to their callers' loops; a caller whose loop is gone loses
-        its request."""
+        """Hand the queued items to their callers' loops, one wake-up per loop (not one per
+        request: a step of N requests woke the worker's loop N times); a caller whose loop
+        is gone loses its request."""
         outbox, self._outbox = self._outbox, []
-        for request_id, stream, item in outbox:
+        by_loop: dict[asyncio.AbstractEventLoop, list[_OutboxEntry]] = {}
+        for entry in outbox:
+            by_loop.setdefault(entry[1].loop, []).append(entry)
+        for loop, entries in by_loop.items():
             try:
-                stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, item)
+                loop.call_soon_threadsafe(_put_each, entries)
             except RuntimeError:  # the event loop was closed
-                self._streams.pop(request_id, None)
-                self._core.abort_request(request_id)
+                for request_id, _, _ in entries:
+                    self._streams.pop(request_id, None)
+                    self._core.abort_request(request_id)
 
     def _fail_all(self, error: BaseException) -> None:
         for request_id, stream in list(self._streams.items()):
@@ -472,13 +482,25 @@ class RequestStream:
         self._stream = stream
 
     async def __aiter__(self) -> AsyncIterator[StepOutput]:
+        """Each output as it comes; outputs that queued up while the caller was busy come as
+        one (``StepOutput.followed_by``: every token once, in order), so a caller that falls
+        behind catches up with one message per request, never one per step it missed."""
         finished = False
+        outputs = self._stream.outputs
+        held: StepOutput | BaseException | None = None  # taken from the queue, not yet seen
         try:
             while True:
-                item = await self._stream.outputs.get()
+                item = held if held is not None else await outputs.get()
+                held = None
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
+                while item.update.finish_reason is None and not outputs.empty():
+                    later = outputs.get_nowait()
+                    if isinstance(later, BaseException):
+                        held = later
+                        break
+                    item = item.followed_by(later)
                 finished = item.update.finish_reason is not None
                 yield item
                 if finished:
@@ -486,6 +508,12 @@ class RequestStream:
         finally:
             if not finished:
                 self._engine.abort(self.request_id)
+
+
+def _put_each(entries: list[_OutboxEntry]) -> None:
+    """On the caller's loop: each item into its request's queue, in the engine's order."""
+    for _, stream, item in entries:
+        stream.outputs.put_nowait(item)
 
 
 def _call_soon(

@@ -207,3 +207,24 @@ def test_the_engine_outlives_a_callers_closed_event_loop(served) -> None:
 
     answer, tokens = asyncio.run(asyncio.wait_for(still_serving(), timeout=60))
     assert answer == 42 and len(tokens) > 0
+
+
+def test_a_caller_that_fell_behind_reads_what_queued_up_as_one_output(served) -> None:
+    """Outputs of steps the caller did not read yet come as one: every token once, in order,
+    with the finish of the last (a relay that lags sends one message, not one per step)."""
+    llm, engine = served
+    prompt = llm.encode_prompt("Hello there")
+    expected = llm.generate([prompt], GREEDY)[0].token_ids
+
+    async def scenario() -> list:
+        stream = await engine.submit("late", prompt, GREEDY)
+        while await engine.has_request("late"):  # the engine runs it to the end unread
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.05)  # its last outputs reach this loop
+        return [output async for output in stream]
+
+    outputs = asyncio.run(scenario())
+    assert len(outputs) == 1
+    assert list(outputs[0].update.new_token_ids) == expected
+    assert outputs[0].update.finish_reason is FinishReason.LENGTH
+    assert outputs[0].update.num_output_tokens == GREEDY.max_tokens

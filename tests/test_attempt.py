@@ -151,6 +151,7 @@ def test_first_token_comes_once_from_the_decode_stream_before_the_prefill_answer
         await _settle()
         assert router._pending["p"].num_prefill_tokens == len(PROMPT)
         workers.call.items.put_nowait(_output((7,), 1))  # the KV landed: first token
+        await _settle()
         workers.call.items.put_nowait(_output((8,), 2, FinishReason.LENGTH))
         await asyncio.wait_for(task, 5)
         assert [chunk.new_token_ids for chunk in chunks] == [(7,), (8,)]
@@ -160,6 +161,35 @@ def test_first_token_comes_once_from_the_decode_stream_before_the_prefill_answer
         assert workers.call.cancelled and workers.prefill_cancelled  # every exit ends both
         assert len(router._pending["d"].decoding) == 0
         assert router._pending["p"].num_prefill_tokens == 0
+
+    asyncio.run(body())
+
+
+def test_outputs_that_queued_up_go_out_as_one_chunk_and_events_keep_their_order() -> None:
+    """A coordinator that fell behind: three decoded outputs waiting at once make one chunk
+    (every token once, in order, the last one's finish); an event queued behind them (the
+    stream's end) is still handled after them."""
+
+    async def body() -> None:
+        workers = _Workers()
+        attempt, _ = _attempt(workers, remote=False)
+        for output in (_output((0,), 1), _output((1, 2), 3), _output((3,), 4)):
+            workers.call.items.put_nowait(output)
+        workers.call.items.put_nowait(WorkerUnavailableError("gone"))  # then the stream breaks
+        chunks = []
+        with pytest.raises(DecodeLost):
+            async for chunk in attempt.run():
+                chunks.append(chunk)
+        assert [chunk.new_token_ids for chunk in chunks] == [(0, 1, 2, 3)]
+        assert chunks[0].text == "abcd" and chunks[0].finish_reason is None
+
+        workers = _Workers()
+        attempt, _ = _attempt(workers, remote=False)
+        for output in (_output((4,), 1), _output((5,), 2, FinishReason.LENGTH)):
+            workers.call.items.put_nowait(output)
+        chunks = [chunk async for chunk in attempt.run()]
+        assert [chunk.new_token_ids for chunk in chunks] == [(4, 5)]
+        assert chunks[0].finish_reason is FinishReason.LENGTH
 
     asyncio.run(body())
 
