@@ -228,3 +228,46 @@ def test_a_caller_that_fell_behind_reads_what_queued_up_as_one_output(served) ->
     assert list(outputs[0].update.new_token_ids) == expected
     assert outputs[0].update.finish_reason is FinishReason.LENGTH
     assert outputs[0].update.num_output_tokens == GREEDY.max_tokens
+
+
+def test_past_the_streams_per_interval_step_outputs_go_out_every_few_steps() -> None:
+    """``stream_interval``: every step for a lone stream and up to the threshold; then one
+    message per request every ceil(streams / threshold) steps, capped."""
+    from splitserve.engine.async_engine import (
+        MAX_STREAM_INTERVAL,
+        STREAMS_PER_INTERVAL_STEP,
+        stream_interval,
+    )
+
+    assert stream_interval(1) == 1
+    assert stream_interval(STREAMS_PER_INTERVAL_STEP) == 1
+    assert stream_interval(STREAMS_PER_INTERVAL_STEP + 1) == 2
+    assert stream_interval(100 * STREAMS_PER_INTERVAL_STEP) == MAX_STREAM_INTERVAL
+
+
+def test_many_streams_get_every_token_once_with_fewer_messages(
+    served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the interval past 1 (the threshold lowered to 2 streams), each of 6 requests still
+    gets exactly the offline tokens, its first token in a message of its own, in fewer
+    messages than tokens."""
+    from splitserve.engine import async_engine
+
+    monkeypatch.setattr(async_engine, "STREAMS_PER_INTERVAL_STEP", 2)
+    llm, engine = served
+    prompts = [llm.encode_prompt(f"Count to ten, number {i}:") for i in range(6)]
+    expected = [result.token_ids for result in llm.generate(prompts, GREEDY)]
+
+    async def read(request_id: str, prompt: list[int]) -> list[tuple[int, ...]]:
+        return [
+            output.update.new_token_ids
+            async for output in engine.generate(request_id, prompt, GREEDY)
+        ]
+
+    async def scenario() -> list[list[tuple[int, ...]]]:
+        return list(await asyncio.gather(*(read(f"m{i}", p) for i, p in enumerate(prompts))))
+
+    messages = asyncio.run(scenario())
+    assert [[t for m in ms for t in m] for ms in messages] == expected
+    assert all(len(ms[0]) == 1 for ms in messages)  # the first token is not held back
+    assert sum(len(ms) for ms in messages) < sum(len(e) for e in expected)
