@@ -31,7 +31,8 @@ class ModelConfig:
     "native" also keeps the Q4_1 / Q8_0 blocks, which generated tokens' and logits rows read
     as stored (``kernels/cpu_qgemv.py``; other types stay widened, logged at load); "auto":
     native in bf16 (where it measured faster: ``bench/bench_quantized.py``), widen in
-    float32, the exactness reference, whose rows then keep the dense reference's sums."""
+    float32, the exactness reference, whose rows then keep the dense reference's sums. On a
+    GPU every setting widens (the kernel is a CPU one)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

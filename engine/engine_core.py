@@ -61,8 +61,9 @@ class EngineCore:
             torch.set_num_threads(config.runner.num_threads)
         device = torch.device(config.runner.device)
         self.dtype = resolve_dtype(config.model.dtype, device)
-        native_quantized = config.model.quantized_weights == "native" or (
-            config.model.quantized_weights == "auto" and self.dtype == torch.bfloat16
+        native_quantized = device.type == "cpu" and (  # the kernel is a CPU one
+            config.model.quantized_weights == "native"
+            or (config.model.quantized_weights == "auto" and self.dtype == torch.bfloat16)
         )
         if checkpoint is None:
             checkpoint = load_checkpoint(
