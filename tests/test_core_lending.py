@@ -321,6 +321,8 @@ def _counter(metrics_url: str, name: str) -> float:
     raise AssertionError(f"no {name} at {metrics_url}")
 
 
+@pytest.mark.slow  # core lending is off by default; its flags, guard and step threads are
+# covered above without processes, and up's pairing of the workers too (about 15 s saved)
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="lending needs a core per worker")
 @pytest.mark.timeout(600)
 def test_up_decode_worker_runs_on_the_idle_prefill_workers_core_and_answers_the_same(
