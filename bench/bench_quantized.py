@@ -32,7 +32,6 @@ stderr and the JSON report to stdout (``--out`` writes it too). Nothing asserted
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
@@ -46,7 +45,7 @@ import torch
 from bandwidth_floor import read_bandwidth_gbps
 from machine_bound import cpu_name
 from splitserve_runner import run_burst
-from timing_stats import Json, wait_for_quiet
+from timing_stats import Json, emit_report, log_row, wait_for_quiet
 
 from splitserve.common.gguf_file import GgufFile
 from splitserve.common.model_files import default_model_path
@@ -189,7 +188,7 @@ def run(args: argparse.Namespace) -> Json:
             "decode_step_mb": round(step_bytes / 1e6, 1),
             "read_floor_ms": round(step_bytes / (bandwidth * 1e9) * 1e3, 2),
         }
-        log({"format": name, **report["formats"][name]})
+        log_row({"format": name, **report["formats"][name]})
     engines = {name: build_engine(path, mode) for name, (path, mode) in files.items()}
     prompts = prompts_for(engines["bf16"], max(args.streams), args.prompt_tokens)
     runs: dict[tuple[str, int], list[float]] = {}
@@ -212,7 +211,7 @@ def run(args: argparse.Namespace) -> Json:
             "per_rep": [round(v, 2) for v in values],
         }
         report["tpot_ms"].setdefault(name, {})[str(streams)] = row
-        log(row)
+        log_row(row)
     if not any(name.startswith("llama.cpp") for name, _ in runs):
         report["llama_cpp"] = "skipped: llama_cpp is not importable (see ../shared/peers.md)"
     if args.rss:
@@ -221,12 +220,8 @@ def run(args: argparse.Namespace) -> Json:
             for name, (path, mode) in files.items()
             for kind in ("decode", "prefill")
         }
-        log({"rss_mb": report["rss_mb"]})
+        log_row({"rss_mb": report["rss_mb"]})
     return report
-
-
-def log(row: Json) -> None:
-    print(json.dumps(row), file=sys.stderr, flush=True)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -247,11 +242,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     args.cache_dir.mkdir(parents=True, exist_ok=True)
-    report = run(args)
-    text = json.dumps(report, indent=2)
-    if args.out is not None:
-        args.out.write_text(text + "\n")
-    print(text)
+    emit_report(run(args), args.out)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ from pathlib import Path
 import httpx
 from cluster_process import CLK_TCK, CpuMeter, LocalCluster, process_ticks
 from machine_bound import cpu_name
-from timing_stats import Json, wait_for_quiet
+from timing_stats import Json, emit_report, log_row, wait_for_quiet
 
 SPLITSERVE = Path(sys.executable).with_name("splitserve")
 
@@ -133,7 +133,7 @@ def run(args: argparse.Namespace) -> Json:
                 "cpu": meter.stop(),
             }
             report["reps"].append(row)
-            log(row)
+            log_row(row)
     roles = sorted({role for row in report["reps"] for role in row["us_per_token"]})
     report["median_us_per_token"] = {
         role: statistics.median(row["us_per_token"].get(role, 0.0) for row in report["reps"])
@@ -142,12 +142,8 @@ def run(args: argparse.Namespace) -> Json:
     report["tokens_per_core_s"] = {
         role: round(1e6 / us) for role, us in report["median_us_per_token"].items() if us > 0
     }
-    log({"median_us_per_token": report["median_us_per_token"]})
+    log_row({"median_us_per_token": report["median_us_per_token"]})
     return report
-
-
-def log(row: Json) -> None:
-    print(json.dumps(row), file=sys.stderr, flush=True)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -162,11 +158,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
-    report = run(args)
-    text = json.dumps(report, indent=2)
-    if args.out is not None:
-        args.out.write_text(text + "\n")
-    print(text)
+    emit_report(run(args), args.out)
 
 
 if __name__ == "__main__":

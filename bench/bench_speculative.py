@@ -25,16 +25,14 @@ table to stderr and the JSON report to stdout (``--out`` writes it too). Nothing
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 from splitserve_runner import timed_burst
-from timing_stats import Json, run_metrics, wait_for_quiet
+from timing_stats import Json, emit_report, log_row, run_metrics, wait_for_quiet
 
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.config import (
@@ -140,7 +138,7 @@ def run(args: argparse.Namespace) -> Json:
                     tag = f"{name}-{streams}-{rep}-{kind}"
                     runs[kind].append(run_once(core, prompts[:streams], args.max_tokens, tag))
             row = summarize(name, streams, runs)
-            log(row)
+            log_row(row)
             report["results"].append(row)
     return report
 
@@ -168,10 +166,6 @@ def summarize(name: str, streams: int, runs: dict[str, list[Json]]) -> Json:
     }
 
 
-def log(row: Json) -> None:
-    print(json.dumps(row), file=sys.stderr, flush=True)
-
-
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--drafts", type=int, default=4, help="draft tokens per step")
@@ -185,11 +179,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
-    report = run(args)
-    text = json.dumps(report, indent=2)
-    if args.out is not None:
-        args.out.write_text(text + "\n")
-    print(text)
+    emit_report(run(args), args.out)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,9 @@ samples /proc/stat for the fraction of all CPUs busy and waits for it to drop.
 
 from __future__ import annotations
 
+import json
 import statistics
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -128,3 +130,16 @@ def wait_for_quiet(max_wait_s: float) -> float | None:
     while busy is not None and busy > QUIET_BUSY_FRACTION and time.monotonic() < deadline:
         busy = machine_busy_fraction()
     return busy
+
+
+def log_row(row: Json) -> None:
+    """One result row as a JSON line on stderr, as it is measured."""
+    print(json.dumps(row), file=sys.stderr, flush=True)
+
+
+def emit_report(report: Json, out: Path | None) -> None:
+    """The whole report as indented JSON on stdout, and into ``out`` when given."""
+    text = json.dumps(report, indent=2)
+    if out is not None:
+        out.write_text(text + "\n")
+    print(text)
