@@ -127,10 +127,10 @@ class AsyncEngine:
         self._report = EngineReport(core.load(), core.stats)
         self._report_listeners: tuple[ReportListener, ...] = ()
         self._outbox: list[_OutboxEntry] = []
-        self._delivered: set[str] = set()
-        """Requests that produced an output since the outbox last went out."""
         """Outputs for callers, posted once the report that shows them is out (engine
         thread only)."""
+        self._delivered: set[str] = set()
+        """Requests that produced an output since the outbox last went out."""
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._wakeup = threading.Event()
