@@ -23,7 +23,8 @@ Then the KV:
 - nobody waits and the demand fits: admitted at once;
 - the queue is full (requests or prompt tokens), or the predicted wait exceeds
   ``max_queue_wait_s``: refused at once with ``OverloadedError`` whose ``retry_after_s`` is
-  the predicted wait;
+  the predicted wait (for a full queue, the wait behind every waiter as computed at most
+  ``RETRY_HINT_MAX_AGE_S`` ago: a crowd past the queue is refused in constant time each);
 - otherwise it waits. Releases admit waiters in admission order while the next one fits
   (nobody overtakes it, so a large request is never starved). One let in waits for its turn
   even when the prediction was short, up to ``WAIT_BACKSTOP_FACTOR`` x ``max_queue_wait_s``
@@ -41,7 +42,10 @@ in only once the first had its first token: the prefill worker idled during each
 and the decode core never got a prompt, as placement never saw a queue.)
 
 A demand larger than the whole capacity (only possible with ``kv_share`` < 1) is admitted
-when it would run alone. Single event loop; nothing here blocks.
+when it would run alone. Single event loop; nothing here blocks. What a decision reads of
+the admitted requests (their demand, average context, prompts in the backlog) is kept as
+running sums, so admitting or refusing costs O(1) in them; only the predicted wait of a
+request that may queue plays the queue and the admitted requests forward (O(N log N)).
 """
 
 from __future__ import annotations
@@ -60,6 +64,8 @@ from splitserve.coordinator.request_queue import FairRequestQueue, Ticket
 from splitserve.coordinator.tenant_usage import TenantUsage
 from splitserve.coordinator.tenants import TenantLimits, TenantPolicy
 
+RETRY_HINT_MAX_AGE_S = 0.1
+"""A full queue's refusals reuse the wait behind the whole queue computed this recently."""
 REFUSAL_REASONS = ("queue_full", "predicted_wait", "waited_out", "tenant_inflight", "tenant_tokens")
 WAIT_BACKSTOP_FACTOR = 4.0
 """A queued request is refused only after this many times ``max_queue_wait_s``: the limit
@@ -149,8 +155,9 @@ class KvAdmission:
     average; both read at every decision, so joining and leaving workers count.
 
     Invariants: ``_admitted_tokens`` is the sum of the admitted demands, ``_prefill_backlog``
-    the prompt tokens of those without a first token, ``_queued_prompt_tokens`` the prompt
-    tokens of the waiters; a request is admitted or waits, never both."""
+    the prompt tokens of those without a first token (``_backlog_prompt_count`` their number),
+    ``_admitted_context_sum`` the sum of the admitted ``_context_of``, ``_queued_prompt_tokens``
+    the prompt tokens of the waiters; a request is admitted or waits, never both."""
 
     def __init__(
         self,
@@ -173,6 +180,12 @@ class KvAdmission:
         self._queued_prompt_tokens = 0
         self._prefill_backlog = 0
         """Prompt tokens of admitted requests without a first token yet."""
+        self._backlog_prompt_count = 0
+        """Admitted requests without a first token yet."""
+        self._admitted_context_sum = 0.0
+        """Sum over the admitted of prompt tokens + half their ``max_tokens`` (``_context_of``)."""
+        self._tail_wait: tuple[float, float] | None = None
+        """(when, seconds): the wait behind the whole queue last computed for a refusal."""
         self.refusals: dict[str, int] = dict.fromkeys(REFUSAL_REASONS, 0)
         """Refusals by reason, for metrics."""
 
@@ -195,15 +208,15 @@ class KvAdmission:
             self._enter(ticket)
             self._grant(request_id, demand, ticket)
             return
-        wait_s = self.predicted_wait_s(demand, ticket.order)
         if self._queue_full(demand):
             self._refuse(
                 "queue_full",
                 f"{len(self._queue)} requests already wait for KV "
                 f"(limit {self.config.max_queued_requests}, "
                 f"{self._queued_prompt_tokens} prompt tokens)",
-                wait_s,
+                self._wait_behind_queue_s(demand),
             )
+        wait_s = self.predicted_wait_s(demand, ticket.order)
         if wait_s > self.config.max_queue_wait_s:
             self._refuse(
                 "predicted_wait",
@@ -236,6 +249,13 @@ class KvAdmission:
                 self._usage.leave(tenant, 0)  # its tokens are taken only when it is granted
                 self._serve()  # the next one may fit now that it is the oldest
 
+    def _wait_behind_queue_s(self, demand: KvDemand) -> float:
+        """The predicted wait behind every waiter, reused for ``RETRY_HINT_MAX_AGE_S``."""
+        now = self._clock()
+        if self._tail_wait is None or now - self._tail_wait[0] > RETRY_HINT_MAX_AGE_S:
+            self._tail_wait = (now, self.predicted_wait_s(demand))
+        return self._tail_wait[1]
+
     def release(self, request_id: str) -> None:
         """The request ended (any way): its KV counts no more, the output it did not
         generate goes back to its tenant's budget, waiters move up. Idempotent."""
@@ -243,7 +263,9 @@ class KvAdmission:
         if admitted is None:
             return
         self._admitted_tokens -= admitted.demand.num_tokens
+        self._admitted_context_sum -= _context_of(admitted.demand)
         if admitted.last_token_at is None:  # ended before its first token
+            self._backlog_prompt_count -= 1
             self._prefill_backlog -= admitted.demand.num_prompt_tokens
             if self._prefill_backlog == 0:
                 self._latency.backlog_emptied()
@@ -261,6 +283,7 @@ class KvAdmission:
         now = self._clock()
         previous, admitted.last_token_at = admitted.last_token_at, now
         if previous is None:  # its first tokens: the wait was TTFT, its prompt is done
+            self._backlog_prompt_count -= 1
             self._latency.first_token(now - admitted.admitted_at)
             num_prompt_tokens = admitted.demand.num_prompt_tokens
             self._prefill_backlog -= num_prompt_tokens
@@ -321,11 +344,8 @@ class KvAdmission:
         """Requests that may be admitted at once for the decode workers to keep the TPOT
         target, at the average context of what is admitted plus ``demand`` (None: no
         bound known yet). Never below 1."""
-        contexts = [
-            a.demand.num_prompt_tokens + a.demand.max_tokens / 2 for a in self._admitted.values()
-        ]
-        contexts.append(demand.num_prompt_tokens + demand.max_tokens / 2)
-        bound = self._worker_capacity(round(sum(contexts) / len(contexts))).max_decoding
+        average = (self._admitted_context_sum + _context_of(demand)) / (len(self._admitted) + 1)
+        bound = self._worker_capacity(round(average)).max_decoding
         return None if bound is None else max(1, bound)
 
     def snapshot(self) -> AdmissionSnapshot:
@@ -395,7 +415,7 @@ class KvAdmission:
 
     def _backlog_prompts(self) -> int:
         """Admitted requests without a first token: the prompts of the prefill backlog."""
-        return sum(1 for admitted in self._admitted.values() if admitted.last_token_at is None)
+        return self._backlog_prompt_count
 
     @property
     def prefill_backlog_limit(self) -> int:
@@ -419,6 +439,8 @@ class KvAdmission:
             demand, ticket.tenant, demand.max_tokens, self._clock()
         )
         self._admitted_tokens += demand.num_tokens
+        self._admitted_context_sum += _context_of(demand)
+        self._backlog_prompt_count += 1
         if self._prefill_backlog == 0:
             self._latency.backlog_filled(self._clock())
         self._prefill_backlog += demand.num_prompt_tokens
@@ -436,3 +458,9 @@ class KvAdmission:
             self._grant(waiter.request_id, waiter.demand, waiter.ticket)
             waiter.granted.set_result(None)
             self._latency.waited(self._clock() - waiter.enqueued_at, waiter.predicted_wait_s)
+
+
+def _context_of(demand: KvDemand) -> float:
+    """A request's average context over its life, as the decode batch bound reads it: its
+    prompt plus half its ``max_tokens``."""
+    return demand.num_prompt_tokens + demand.max_tokens / 2

@@ -67,6 +67,7 @@ from splitserve.gateway.errors import (
     from_validation_error,
 )
 from splitserve.gateway.responses import ResponseBuilder, usage_dict
+from splitserve.gateway.unserved_fields import UnservedFields
 
 _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     status: {"model": schemas.ErrorResponse} for status in (400, 404, 429, 500, 503, 504)
@@ -125,6 +126,14 @@ class Gateway:
             ["route", "status"],
             registry=self.registry,
         )
+        self.ignored_fields = Counter(
+            "splitserve_ignored_request_fields",
+            "Request fields the gateway ignored (gateway/unserved_fields.py), by name for "
+            "the known ones, else 'other'.",
+            ["field"],
+            registry=self.registry,
+        )
+        self.unserved_fields = UnservedFields()
         self._model_names: tuple[str, ...] = config.served_model_names
         self._max_model_len = 0
         self.metrics: RequestMetrics | None = None
@@ -310,6 +319,8 @@ async def _generate(
     """The one generation handler, for both routes: checks the model, names the request, reads
     prompt and sampling from ``body`` the ``endpoint``'s way and answers in its shape, whole
     or streamed (``_respond``)."""
+    for label in gateway.unserved_fields.check(body):
+        gateway.ignored_fields.labels(label).inc()
     client = gateway.client_for(request)
     model = await gateway.check_model(body.model, client)
     request_id = _request_id(request)
@@ -321,12 +332,20 @@ async def _generate(
         token_ids=prompt.token_ids,
         sampling=endpoint.sampling(body),
         request_id=request_id,
-        priority=body.priority or 0,
+        priority=-(body.priority or 0),  # vLLM's order (lower first) to gRPC's (higher first)
         targets=LatencyTargets(ttft_ms=body.ttft_slo_ms, tpot_ms=body.tpot_slo_ms),
     )
-    return await _respond(
-        gateway, request, request_id, events, builder, bool(body.stream), body.stream_options
-    )
+    try:
+        return await _respond(
+            gateway, request, request_id, events, builder, bool(body.stream), body.stream_options
+        )
+    except ApiError as error:
+        if error.param == "priority":  # the coordinator speaks gRPC's order
+            error.message += (
+                f" (gRPC's order, higher first; this request's HTTP priority {body.priority} is "
+                "vLLM's, lower first, sent to the coordinator negated)"
+            )
+        raise
 
 
 async def _respond(

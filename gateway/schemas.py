@@ -2,11 +2,12 @@
 
 Requests accept the OpenAI fields splitserve implements plus vLLM's common extensions
 (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``min_tokens``,
-``stop_token_ids``, ``skip_special_tokens``). Unknown fields are ignored, as OpenAI-compatible
-servers do, so that clients sending e.g. ``user`` keep working (explicit ``null`` means the
-default); fields whose meaning would be
-silently dropped (``n > 1``, ``best_of > 1``, ``echo``, ``suffix``, ``logit_bias``, tools) are
-refused with a 400 by ``gateway/sampling.py``.
+``stop_token_ids``, ``skip_special_tokens``; explicit ``null`` means the default). Declared
+fields whose meaning is not implemented (``n > 1``, ``best_of > 1``, ``echo``, ``suffix``,
+``logit_bias``, tools) are refused with a 400 by ``gateway/sampling.py``; undeclared ones
+(``model_extra``) go through ``gateway/unserved_fields.py``: vLLM's other extensions are
+refused with a 400 naming them unless they ask for nothing, anything else is ignored with a
+warning and a counter, as vLLM does.
 
 Responses are built as plain dicts on the hot path (``gateway/responses.py``); the response
 models here describe those dicts for the OpenAPI schema and are checked against them in tests.
@@ -67,10 +68,11 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: bool | None = None
     priority: int | None = Field(
         None,
-        ge=-(2**31),
+        ge=-(2**31) + 1,
         le=2**31 - 1,
-        description="Admission order among waiting requests, higher first (default 0); at "
-        "most the API key's tenant's max_priority.",
+        description="Admission order among waiting requests as in vLLM: lower first (default "
+        "0); at least minus the API key's tenant's max_priority (the gRPC API's priority is "
+        "this one negated: higher first).",
     )
     # splitserve extensions
     ttft_slo_ms: float | None = Field(

@@ -14,6 +14,7 @@ import pytest
 from splitserve.common.errors import OverloadedError
 from splitserve.common.step_cost import StepCost
 from splitserve.coordinator.admission import (
+    RETRY_HINT_MAX_AGE_S,
     AdmissionConfig,
     KvAdmission,
     KvDemand,
@@ -146,6 +147,62 @@ def test_the_queue_is_bounded_by_requests_and_by_prompt_tokens() -> None:
         assert await ended(first)
         gate.release("w1")
         assert await ended(second)
+
+    run(scenario())
+
+
+def test_a_full_queue_refuses_with_the_wait_behind_it_computed_at_most_that_long_ago() -> None:
+    clock = Clock()
+    gate, _ = admission(capacity=64, clock=clock, max_queued_requests=1)
+
+    async def scenario() -> None:
+        await gate.admit("running", demand(16, 48))  # 64: full, ends in 2.4 s
+        waiter = await started(gate.admit("waiter", demand(16, 16)))
+        hints = []
+        for name in ("crowd-1", "crowd-2"):
+            with pytest.raises(OverloadedError, match="already wait") as refused:
+                await gate.admit(name, demand(16, 16))
+            hints.append(refused.value.retry_after_s)
+        assert hints[0] == pytest.approx(gate.predicted_wait_s(demand(16, 16)))
+        assert hints[1] == hints[0]  # reused within RETRY_HINT_MAX_AGE_S
+        gate.progress("running", 40)  # 8 tokens left: the queue moves sooner
+        clock.now += RETRY_HINT_MAX_AGE_S * 2
+        with pytest.raises(OverloadedError) as refused:
+            await gate.admit("crowd-3", demand(16, 16))
+        assert refused.value.retry_after_s < hints[0]  # computed again
+        gate.release("running")
+        assert await ended(waiter)
+
+    run(scenario())
+
+
+def test_the_running_sums_follow_every_way_in_and_out() -> None:
+    """The backlog's prompt count and the average context that bounds the decode batch are
+    kept as running sums; after grants, first tokens and releases in any order they equal
+    what the admitted requests add up to (read through the batch bound's context)."""
+    contexts: list[int] = []
+
+    def capacity(context_tokens: int) -> WorkerCapacity:
+        contexts.append(context_tokens)
+        return WorkerCapacity(max_decoding=100)
+
+    gate = KvAdmission(AdmissionConfig(), lambda: 10_000, Clock(), worker_capacity=capacity)
+
+    async def scenario() -> None:
+        asked = {"a": demand(100, 20), "b": demand(300, 60), "c": demand(40, 8)}
+        for name, need in asked.items():
+            await gate.admit(name, need)
+        gate.progress("b", 1)
+        gate.release("a")
+        gate.progress("c", 1)
+        gate.release("c")
+        gate.progress("c", 1)  # after its release: ignored
+        await gate.admit("d", demand(20, 4))
+        assert gate._backlog_prompt_count == 1  # d (b has its first token)
+        contexts.clear()
+        assert gate._max_decoding(demand(0, 0)) == 100
+        # b (300 + 30) and d (20 + 2) admitted, plus the asked (0): their mean
+        assert contexts == [round((330 + 22 + 0) / 3)]
 
     run(scenario())
 

@@ -234,6 +234,7 @@ def test_bad_requests_get_openai_errors(served: Served, sdk: openai.OpenAI) -> N
             ("logit_bias", {"5": 1.0}),
             ("ttft_slo_ms", 0),
             ("tpot_slo_ms", -20),
+            ("priority", -1),  # vLLM's order: earlier than the default tenant may ask
         )
         for field, value in refused:
             response = http.post(
@@ -257,6 +258,25 @@ def test_bad_requests_get_openai_errors(served: Served, sdk: openai.OpenAI) -> N
         assert _error(streamed_bad, 400)["param"] == "prompt"
     with pytest.raises(openai.BadRequestError):
         sdk.chat.completions.create(model=model, messages=QUESTION, top_p=5.0)
+    # vLLM's extensions are refused by name, not ignored; other unknown fields are counted
+    with pytest.raises(openai.BadRequestError) as guided:
+        sdk.chat.completions.create(
+            model=model, messages=QUESTION, extra_body={"guided_json": {"type": "object"}}
+        )
+    assert guided.value.body["param"] == "guided_json"
+    later = sdk.completions.create(
+        model=model, prompt="Hi", max_tokens=2, extra_body={"priority": 3}
+    )
+    assert later.usage.completion_tokens == 2  # lower urgency is always allowed
+    before = _samples(f"{served.url}/metrics")
+    ignored = sdk.completions.create(
+        model=model, prompt="Hello", max_tokens=2, extra_body={"store": True, "zzz_made_up": 1}
+    )
+    assert ignored.usage.completion_tokens == 2
+    after = _samples(f"{served.url}/metrics")
+    for label in ("store", "other"):
+        key = f"splitserve_ignored_request_fields_total{{field={label}}}"
+        assert after[key] - before.get(key, 0.0) == 1
     # the server is fine afterwards
     again = sdk.completions.create(model=model, prompt="Hello", max_tokens=3, temperature=0)
     assert again.usage.completion_tokens == 3

@@ -1,0 +1,147 @@
+"""Request fields the gateway does not serve: refused with a 400 naming them, or ignored with a
+warning and a counter; never dropped without a word.
+
+Contract (``check_unserved``, called on every generation request after validation):
+- a field vLLM's OpenAI server knows (or an OpenAI field with an effect on the output) that
+  splitserve does not implement is refused with a 400 naming it, unless its value is one that
+  asks for nothing (``None``, the default, an empty list or object: ``REFUSED``);
+- any other field the request models do not declare (``model_extra``) is ignored, as vLLM
+  does: the gateway logs a warning the first time it sees the name (at most
+  ``MAX_WARNED_NAMES`` names, so a client sending random names cannot flood the log) and
+  ``check_unserved`` returns the names for the ignored-fields counter (whose label is the
+  name for fields listed in ``KNOWN_IGNORED``, else ``other``: the label set stays bounded).
+- in chat messages, ``tool_calls`` and ``function_call`` are refused when non-empty; other
+  undeclared message fields (``name``) are ignored the same way.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel
+
+from splitserve.gateway.errors import invalid
+from splitserve.gateway.schemas import ChatCompletionRequest
+
+logger = logging.getLogger(__name__)
+
+MAX_WARNED_NAMES = 256
+OTHER = "other"
+"""The counter's label for an ignored field not in ``KNOWN_IGNORED``."""
+
+
+def _asks_nothing(value: Any) -> bool:
+    return value is None or value == [] or value == {}
+
+
+def _is(*allowed: Any) -> Callable[[Any], bool]:
+    return lambda value: _asks_nothing(value) or value in allowed
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why a field is refused, and which values ask for nothing (``asks_nothing``)."""
+
+    reason: str
+    asks_nothing: Callable[[Any], bool] = _asks_nothing
+
+
+_STRUCTURED = Refusal("structured outputs are not supported yet")
+_TOOLS = Refusal("tool and function calling are not supported yet")
+REFUSED: dict[str, Refusal] = {
+    # structured outputs (vLLM's guided decoding, old and new names)
+    "guided_json": _STRUCTURED,
+    "guided_regex": _STRUCTURED,
+    "guided_choice": _STRUCTURED,
+    "guided_grammar": _STRUCTURED,
+    "guided_decoding_backend": _STRUCTURED,
+    "guided_whitespace_pattern": _STRUCTURED,
+    "structural_tag": _STRUCTURED,
+    "structured_outputs": _STRUCTURED,
+    # tools (OpenAI's deprecated function calling)
+    "functions": _TOOLS,
+    "function_call": Refusal(_TOOLS.reason, _is("none")),
+    # sampling and output options of vLLM
+    "use_beam_search": Refusal("beam search is not supported", _is(False)),
+    "length_penalty": Refusal("length_penalty is only used by beam search", _is(1, 1.0)),
+    "include_stop_str_in_output": Refusal(
+        "include_stop_str_in_output is not supported", _is(False)
+    ),
+    "prompt_logprobs": Refusal("prompt_logprobs is not supported"),
+    "allowed_token_ids": Refusal("allowed_token_ids is not supported"),
+    "bad_words": Refusal("bad_words is not supported"),
+    "truncate_prompt_tokens": Refusal("truncate_prompt_tokens is not supported"),
+    "logits_processors": Refusal("logits_processors are not supported"),
+    "return_tokens_as_token_ids": Refusal(
+        "return_tokens_as_token_ids is not supported", _is(False)
+    ),
+    "return_token_ids": Refusal("return_token_ids is not supported", _is(False)),
+    "spaces_between_special_tokens": Refusal(
+        "only spaces_between_special_tokens: true is supported", _is(True)
+    ),
+    "add_special_tokens": Refusal("add_special_tokens is not supported"),
+    "prompt_embeds": Refusal("prompt_embeds are not supported"),
+    "cache_salt": Refusal("cache_salt is not supported: prefix caching is per cluster"),
+    "kv_transfer_params": Refusal("kv_transfer_params is not supported"),
+    "vllm_xargs": Refusal("vllm_xargs is not supported"),
+    "request_id": Refusal("send the request id as the x-request-id header"),
+    "reasoning_effort": Refusal("reasoning_effort is not supported: no reasoning model"),
+    # chat rendering
+    "echo": Refusal("echo is not supported for chat completions", _is(False)),
+    "add_generation_prompt": Refusal(
+        "the generation prompt is always appended (add_generation_prompt: true)", _is(True)
+    ),
+    "continue_final_message": Refusal("continue_final_message is not supported", _is(False)),
+    "chat_template": Refusal("a request's own chat_template is not supported"),
+    "chat_template_kwargs": Refusal("chat_template_kwargs are not supported"),
+    "documents": Refusal("documents are not supported"),
+    "mm_processor_kwargs": Refusal("multimodal inputs are not supported"),
+    "audio": Refusal("audio output is not supported"),
+    "modalities": Refusal("only the text modality is supported", lambda v: v in (None, ["text"])),
+}
+"""Fields with an effect splitserve does not implement, by name."""
+
+KNOWN_IGNORED = frozenset({
+    "parallel_tool_calls", "include_reasoning", "metadata", "store", "service_tier",
+    "prediction", "web_search_options", "verbosity", "safety_identifier", "prompt_cache_key",
+    "name",
+})  # fmt: skip
+"""Fields known to change nothing here (``parallel_tool_calls`` without tools, which are
+refused; OpenAI's storage, billing and caching hints; a message's ``name``): counted by name."""
+
+_MESSAGE_REFUSED = {"tool_calls": _TOOLS, "function_call": _TOOLS}
+
+
+class UnservedFields:
+    """The check, with the names already warned about (one gateway's, on its event loop)."""
+
+    def __init__(self) -> None:
+        self._warned: set[str] = set()
+
+    def check(self, body: BaseModel) -> list[str]:
+        """Raise ``ApiError`` 400 for a refused field (module docstring); return the
+        counter labels of the ignored ones, in the body's order."""
+        ignored = self._extras(body.model_extra or {}, REFUSED, "")
+        if isinstance(body, ChatCompletionRequest):
+            for index, message in enumerate(body.messages):
+                where = f"messages.{index}."
+                ignored += self._extras(message.model_extra or {}, _MESSAGE_REFUSED, where)
+        return ignored
+
+    def _extras(self, extras: dict[str, Any], refused: dict[str, Refusal], where: str) -> list[str]:
+        ignored = []
+        for name, value in extras.items():
+            refusal = refused.get(name)
+            if refusal is not None:
+                if not refusal.asks_nothing(value):
+                    raise invalid(f"{refusal.reason} ({where}{name})", f"{where}{name}")
+                continue
+            label = name if name in KNOWN_IGNORED else OTHER
+            ignored.append(label)
+            if len(self._warned) < MAX_WARNED_NAMES and name not in self._warned:
+                self._warned.add(name)
+                logger.warning("ignoring the request field %r: splitserve does not use it", name)
+        return ignored

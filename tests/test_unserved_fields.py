@@ -1,0 +1,102 @@
+"""Undeclared request fields (``gateway/unserved_fields.py``): vLLM's extensions and OpenAI
+fields with an effect are refused with a 400 naming them unless they ask for nothing; the
+rest are ignored with one warning per name and a bounded counter label."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+
+from splitserve.gateway.errors import ApiError
+from splitserve.gateway.schemas import ChatCompletionRequest, CompletionRequest
+from splitserve.gateway.unserved_fields import OTHER, UnservedFields
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}]}
+
+
+def completion(**extra: Any) -> CompletionRequest:
+    return CompletionRequest.model_validate({"prompt": "hi", **extra})
+
+
+def chat(**extra: Any) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({**CHAT, **extra})
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("guided_json", {"type": "object"}),
+        ("guided_regex", "[a-z]+"),
+        ("guided_choice", ["yes", "no"]),
+        ("structured_outputs", {"json": {}}),
+        ("use_beam_search", True),
+        ("length_penalty", 0.5),
+        ("include_stop_str_in_output", True),
+        ("prompt_logprobs", 1),
+        ("allowed_token_ids", [1, 2]),
+        ("bad_words", ["x"]),
+        ("truncate_prompt_tokens", 10),
+        ("cache_salt", "tenant-a"),
+        ("request_id", "mine"),
+        ("add_special_tokens", True),
+        ("spaces_between_special_tokens", False),
+        ("functions", [{"name": "f"}]),
+    ],
+)
+def test_a_vllm_field_with_an_effect_is_refused_by_name(field: str, value: Any) -> None:
+    with pytest.raises(ApiError) as refused:
+        UnservedFields().check(completion(**{field: value}))
+    assert refused.value.status == 400 and refused.value.param == field
+    assert field in refused.value.message
+
+
+def test_chat_only_fields_and_message_tool_calls_are_refused_by_name() -> None:
+    fields = UnservedFields()
+    for field, value in (
+        ("echo", True),
+        ("add_generation_prompt", False),
+        ("chat_template", "{{ x }}"),
+        ("chat_template_kwargs", {"enable_thinking": True}),
+        ("function_call", "auto"),
+        ("modalities", ["text", "audio"]),
+    ):
+        with pytest.raises(ApiError) as refused:
+            fields.check(chat(**{field: value}))
+        assert refused.value.param == field
+    calls = {"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}
+    with pytest.raises(ApiError) as refused:
+        fields.check(chat(messages=[CHAT["messages"][0], calls]))
+    assert refused.value.param == "messages.1.tool_calls"
+
+
+def test_values_that_ask_for_nothing_pass() -> None:
+    fields = UnservedFields()
+    quiet = {
+        "guided_json": None,
+        "use_beam_search": False,
+        "length_penalty": 1.0,
+        "include_stop_str_in_output": False,
+        "bad_words": [],
+        "chat_template_kwargs": {},
+        "add_generation_prompt": True,
+        "function_call": "none",
+        "modalities": ["text"],
+    }
+    assert fields.check(chat(**quiet)) == []
+
+
+def test_other_fields_are_ignored_with_one_warning_per_name_and_a_bounded_label(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    fields = UnservedFields()
+    with caplog.at_level(logging.WARNING, logger="splitserve.gateway.unserved_fields"):
+        labels = fields.check(completion(store=True, made_up_1=1, parallel_tool_calls=True))
+        again = fields.check(completion(made_up_1=2))
+        named = fields.check(chat(messages=[{"role": "user", "content": "hi", "name": "ann"}]))
+    assert labels == ["store", OTHER, "parallel_tool_calls"] and again == [OTHER]
+    assert named == ["name"]
+    warned = [record.getMessage() for record in caplog.records]
+    assert sum("made_up_1" in message for message in warned) == 1
+    assert len(warned) == 4  # store, made_up_1, parallel_tool_calls, name
