@@ -7,7 +7,7 @@ responses into them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 
 import grpc
@@ -60,6 +60,8 @@ class Sampling:
     logprobs: int | None = None
     """Return each sampled token's logprob and this many top alternatives (0..20)."""
     skip_special_tokens: bool | None = None
+    logit_bias: Mapping[int, float] | None = None
+    """Token id -> bias in [-100, 100], added to that token's logit before sampling."""
 
     def to_proto(self) -> common_pb2.SamplingParams:
         """The wire message, unset fields left unset.
@@ -75,6 +77,8 @@ class Sampling:
             try:
                 if field.name in _REPEATED_SAMPLING_FIELDS:
                     getattr(message, field.name).extend(value)
+                elif field.name == "logit_bias":
+                    message.logit_bias.update(value)
                 else:
                     setattr(message, field.name, value)
             except (TypeError, ValueError) as error:

@@ -3,6 +3,7 @@
 ``SamplingParams`` is frozen and validated on construction: an invalid value raises
 ``InvalidRequestError`` naming the field (OpenAI ``param``), so no bad request reaches a worker.
 Semantics follow vLLM/OpenAI: ``temperature == 0`` is greedy; ``top_k <= 0`` disables top-k;
+``logit_bias`` is added to the raw logits first (after ``min_tokens`` suppression);
 ``repetition_penalty`` applies to prompt and output tokens, ``frequency_penalty`` and
 ``presence_penalty`` to output tokens only.
 """
@@ -10,13 +11,17 @@ Semantics follow vLLM/OpenAI: ``temperature == 0`` is greedy; ``top_k <= 0`` dis
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from splitserve.common.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
 """Largest number of top alternatives a request may ask for per token."""
+MAX_LOGIT_BIAS = 100.0
+"""OpenAI's bound on a ``logit_bias`` value (either sign)."""
+MAX_BIASED_TOKENS = 1024
+"""Most tokens one request may bias (OpenAI's limit is 300; vLLM has none)."""
 
 
 @dataclass(frozen=True)
@@ -55,8 +60,13 @@ class SamplingParams:
     """Return the sampled token's logprob and this many top alternatives (0..MAX_LOGPROBS)."""
     skip_special_tokens: bool = True
     """Leave special tokens out of the detokenized text."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token id, bias) pairs added to those tokens' logits; a mapping is accepted and stored
+    as pairs sorted by token id. Ids must be below the vocabulary size, which only the
+    tokenizer knows: the coordinator checks that (``check_vocab``)."""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         self._check_types()
         # OpenAI clients send a single stop string as a plain string, and lists for sequences.
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
@@ -122,6 +132,34 @@ class SamplingParams:
         )
         if self.seed is not None:
             _check(0 <= self.seed < 2**63, "seed must be in [0, 2**63)", "seed")
+        _check(
+            len(self.logit_bias) <= MAX_BIASED_TOKENS,
+            f"logit_bias may bias at most {MAX_BIASED_TOKENS} tokens",
+            "logit_bias",
+        )
+        for pair in self.logit_bias:
+            _check(
+                len(pair) == 2 and _is_int(pair[0]) and 0 <= pair[0] < 2**31,
+                "logit_bias keys must be token ids (integers in [0, 2^31))",
+                "logit_bias",
+            )
+            value = pair[1]
+            _check(
+                (_is_int(value) or isinstance(value, float) and math.isfinite(value))
+                and -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS,
+                f"logit_bias values must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
+                "logit_bias",
+            )
+        ids = [token_id for token_id, _ in self.logit_bias]
+        _check(len(set(ids)) == len(ids), "logit_bias names a token twice", "logit_bias")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Refuse ``logit_bias`` token ids the model does not have."""
+        _check(
+            all(token_id < vocab_size for token_id, _ in self.logit_bias),
+            f"logit_bias names a token id beyond the vocabulary ({vocab_size} tokens)",
+            "logit_bias",
+        )
 
     @property
     def greedy(self) -> bool:
@@ -170,3 +208,15 @@ def _is_int(value: object) -> bool:
 def _check(condition: bool, message: str, param: str) -> None:
     if not condition:
         raise InvalidRequestError(message, param=param)
+
+
+def _bias_pairs(bias: object) -> tuple[tuple[int, float], ...]:
+    """``logit_bias`` as (token id, bias) pairs sorted by id, from a mapping or pairs."""
+    pairs = bias.items() if isinstance(bias, Mapping) else bias
+    try:
+        normalized = [tuple(pair) for pair in pairs]  # type: ignore[attr-defined]
+        return tuple(sorted(normalized, key=lambda pair: pair[0]))  # type: ignore[return-value]
+    except (TypeError, IndexError):
+        raise InvalidRequestError(
+            "logit_bias must map token ids to numbers", "logit_bias"
+        ) from None

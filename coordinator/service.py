@@ -234,6 +234,7 @@ class Coordinator:
             sampling.max_tokens, sampling.min_tokens, len(prompt_ids), self._output_limits()
         )
         params = sampling.params_with(max_tokens)
+        params.check_vocab(self.tokenizer.vocab_size)
         if len(self._running) >= self.config.max_inflight:
             raise OverloadedError(
                 f"{len(self._running)} requests in flight (limit {self.config.max_inflight})"

@@ -6,7 +6,8 @@ One ``Sampler.__call__`` turns a step's logits ``[batch, vocab]`` (any float dty
 Order of operations (vLLM / OpenAI semantics), all in float32:
 
 1. **min_tokens**: while a row has generated fewer than ``params.min_tokens`` tokens, its
-   ``eos_token_ids`` and ``params.stop_token_ids`` are set to ``-inf``.
+   ``eos_token_ids`` and ``params.stop_token_ids`` are set to ``-inf``; then **logit_bias**:
+   each (token, bias) of ``params.logit_bias`` is added to that token's logit.
 2. **repetition penalty** (tokens in prompt or output): a positive logit is divided by the
    penalty, a negative one multiplied by it.
 3. **frequency / presence penalties** (output tokens only): minus ``frequency_penalty`` times
@@ -123,6 +124,7 @@ def _needs_penalties(row: SamplingRow) -> bool:
         params.repetition_penalty != 1.0
         or params.frequency_penalty != 0.0
         or params.presence_penalty != 0.0
+        or bool(params.logit_bias)
         or (
             len(row.output_token_ids) < params.min_tokens
             and bool(row.eos_token_ids or params.stop_token_ids)
@@ -137,6 +139,7 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
     """
     processed = logits.to(torch.float32, copy=True)  # [batch, vocab]
     _suppress_stop_tokens(processed, rows)
+    _apply_logit_bias(processed, rows)
     _apply_repetition_penalty(processed, rows)
     _apply_frequency_presence_penalties(processed, rows)
     return processed
@@ -156,6 +159,23 @@ def _suppress_stop_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> 
                 token_index.append(token_id)
     if row_index:
         logits[row_index, token_index] = _NEG_INF
+
+
+def _apply_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    """Add (in place) each row's ``logit_bias`` to its tokens' logits (ids past the vocab,
+    which the coordinator refuses, are skipped)."""
+    vocab = logits.shape[1]
+    row_index: list[int] = []
+    token_index: list[int] = []
+    biases: list[float] = []
+    for i, row in enumerate(rows):
+        for token_id, bias in row.params.logit_bias:
+            if token_id < vocab:
+                row_index.append(i)
+                token_index.append(token_id)
+                biases.append(bias)
+    if row_index:
+        logits[row_index, token_index] += torch.tensor(biases, device=logits.device)
 
 
 def _apply_repetition_penalty(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:

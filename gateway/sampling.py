@@ -110,8 +110,6 @@ def chat_sampling(body: ChatCompletionRequest) -> Sampling:
 def _sampling(body: _SamplingFields, max_tokens: int | None, logprobs: int | None) -> Sampling:
     if body.n not in (None, 1):
         raise invalid("only n=1 is supported", "n")
-    if body.logit_bias:
-        raise invalid("logit_bias is not supported", "logit_bias")
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     top_k = body.top_k
     if top_k is not None and top_k <= 0:  # vLLM: -1 (or 0) disables top-k
@@ -132,4 +130,16 @@ def _sampling(body: _SamplingFields, max_tokens: int | None, logprobs: int | Non
         min_tokens=body.min_tokens,
         logprobs=logprobs,
         skip_special_tokens=body.skip_special_tokens,
+        logit_bias=_logit_bias(body.logit_bias),
     )
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's ``logit_bias`` keys are token ids as JSON strings; values are checked (range,
+    finite) and ids against the vocabulary by the coordinator."""
+    if not bias:
+        return None
+    try:
+        return {int(token_id): value for token_id, value in bias.items()}
+    except ValueError:
+        raise invalid("logit_bias keys must be token ids", "logit_bias") from None

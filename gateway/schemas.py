@@ -4,7 +4,7 @@ Requests accept the OpenAI fields splitserve implements plus vLLM's common exten
 (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``min_tokens``,
 ``stop_token_ids``, ``skip_special_tokens``; explicit ``null`` means the default). Declared
 fields whose meaning is not implemented (``n > 1``, ``best_of > 1``, ``echo``, ``suffix``,
-``logit_bias``, tools) are refused with a 400 by ``gateway/sampling.py``; undeclared ones
+tools) are refused with a 400 by ``gateway/sampling.py``; undeclared ones
 (``model_extra``) go through ``gateway/unserved_fields.py``: vLLM's other extensions are
 refused with a 400 naming them unless they ask for nothing, anything else is ignored with a
 warning and a counter, as vLLM does.
@@ -56,7 +56,11 @@ class _SamplingFields(BaseModel):
     n: int | None = Field(1, ge=1, description="Only 1 is supported.")
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = Field(None, description="Not supported when non-empty.")
+    logit_bias: dict[str, float] | None = Field(
+        None,
+        description="Token id (as a string) -> bias in [-100, 100], added to that token's logit "
+        "before penalties and sampling.",
+    )
     user: str | None = None
     # vLLM extensions
     top_k: int | None = Field(None, description="-1 or 0 disables.")

@@ -66,6 +66,7 @@ def sampling_from_proto(
         stop=tuple(message.stop),
         stop_token_ids=tuple(message.stop_token_ids),
         ignore_eos=message.ignore_eos,
+        logit_bias=tuple(message.logit_bias.items()),
     )
 
 
@@ -88,6 +89,7 @@ def sampling_to_proto(
         stop=list(params.stop) if include_stop else [],
         stop_token_ids=list(params.stop_token_ids),
         ignore_eos=params.ignore_eos,
+        logit_bias=dict(params.logit_bias),
     )
     defaults = SamplingParams()
     for name in _OPTIONAL_SAMPLING_FIELDS:

@@ -34,7 +34,9 @@ from splitserve.client import (
 from splitserve.client.continuation import MAX_CONTINUATIONS
 from splitserve.client.retry import service_config
 from splitserve.client.wire import COORDINATOR_SERVICE, generate_request
-from splitserve.common.errors import OverloadedError
+from splitserve.common.errors import InvalidRequestError, OverloadedError
+from splitserve.common.sampling_params import SamplingParams
+from splitserve.proto import convert
 from splitserve.proto.splitserve.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from splitserve.proto.status import PARAM_METADATA_KEY, abort_with
 
@@ -601,6 +603,22 @@ def test_sampling_to_proto_sets_only_given_fields() -> None:
         Sampling(max_tokens=-1).to_proto()
     assert error.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert error.value.param == "max_tokens"
+
+
+def test_logit_bias_crosses_the_wire_and_is_validated_on_arrival() -> None:
+    message = Sampling(logit_bias={7: 2.5, 3: -100}).to_proto()
+    assert dict(message.logit_bias) == {7: 2.5, 3: -100.0}
+    params = convert.sampling_from_proto(message)
+    assert params.logit_bias == ((3, -100.0), (7, 2.5))
+    assert dict(convert.sampling_to_proto(params).logit_bias) == {3: -100.0, 7: 2.5}
+    params.check_vocab(8)
+    with pytest.raises(InvalidRequestError, match="vocabulary") as beyond:
+        params.check_vocab(7)
+    assert beyond.value.param == "logit_bias"
+    for bad in ({1: 101.0}, {1: float("nan")}, {-1: 1.0}, [(1, 1.0), (1, 2.0)], [(1,)], 5):
+        with pytest.raises(InvalidRequestError) as error:
+            SamplingParams(logit_bias=bad)  # type: ignore[arg-type]
+        assert error.value.param == "logit_bias", bad
 
 
 def test_generate_request_takes_exactly_one_prompt() -> None:

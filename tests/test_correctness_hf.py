@@ -167,3 +167,34 @@ def test_quantized_weights_read_as_stored(default_checkpoint_fp32, prompts, hf_g
         pytest.skip("the quantized kernel cannot be built here (no AVX-512 BF16 or compiler)")
     chosen = [0, 1, 2, 3, 4, 5]
     _assert_equal(_run(llm, [prompts[i] for i in chosen]), [hf_greedy[i] for i in chosen])
+
+
+def test_logit_bias_equals_hf_sequence_bias(
+    default_checkpoint_fp32, prompts, hf_greedy, hf_default_model_fp32
+) -> None:
+    """``logit_bias`` against HF's ``sequence_bias`` of one-token sequences (added to the
+    logits before the argmax): the bias bans each prompt's first greedy token and favours
+    the next other one, so the continuation changes, and it is HF's."""
+    new_tokens = 20
+    llm = make_llm(default_checkpoint_fp32)
+    for index in (0, 3):
+        prompt, plain = prompts[index], hf_greedy[index]
+        bias = {plain[0]: -100.0, next(t for t in plain if t != plain[0]): 2.5}
+        with torch.inference_mode():
+            generated = hf_default_model_fp32.generate(
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.int64),
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=0,
+                sequence_bias={(token,): value for token, value in bias.items()},
+            )
+        expected = generated[0, len(prompt) :].tolist()
+        params = SamplingParams(
+            max_tokens=new_tokens, min_tokens=new_tokens, temperature=0.0, logit_bias=bias
+        )
+        (result,) = llm.generate([prompt], params)
+        assert expected != plain[:new_tokens]  # the bias changed the continuation
+        _assert_equal([result.token_ids], [expected])
+    assert_no_leaks(llm)

@@ -231,7 +231,9 @@ def test_bad_requests_get_openai_errors(served: Served, sdk: openai.OpenAI) -> N
         refused = (
             ("n", 2),
             ("temperature", -1),
-            ("logit_bias", {"5": 1.0}),
+            ("logit_bias", {"five": 1.0}),
+            ("logit_bias", {"5": 200.0}),
+            ("logit_bias", {str(10**6): 1.0}),  # beyond the vocabulary
             ("ttft_slo_ms", 0),
             ("tpot_slo_ms", -20),
             ("priority", -1),  # vLLM's order: earlier than the default tenant may ask
@@ -268,6 +270,10 @@ def test_bad_requests_get_openai_errors(served: Served, sdk: openai.OpenAI) -> N
         model=model, prompt="Hi", max_tokens=2, extra_body={"priority": 3}
     )
     assert later.usage.completion_tokens == 2  # lower urgency is always allowed
+    forced = sdk.completions.create(  # token 17 is "!" in the default model's vocabulary
+        model=model, prompt="Hi", max_tokens=3, temperature=0, logit_bias={"17": 100}
+    )
+    assert forced.choices[0].text == "!!!" and forced.usage.completion_tokens == 3
     before = _samples(f"{served.url}/metrics")
     ignored = sdk.completions.create(
         model=model, prompt="Hello", max_tokens=2, extra_body={"store": True, "zzz_made_up": 1}

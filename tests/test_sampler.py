@@ -184,6 +184,29 @@ def test_penalties_exact_values() -> None:
     assert torch.equal(logits, original)
 
 
+def test_logit_bias_is_added_after_min_tokens_and_before_penalties() -> None:
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0]])
+    params = SamplingParams(
+        temperature=0.0, logit_bias={0: 1.5, 3: -4.0}, repetition_penalty=2.0, min_tokens=1
+    )
+    row = make_row(params, output=[], prompt=[0], eos=[2])
+    # eos 2 suppressed; biases 2+1.5, 3-4; then the repetition penalty on token 0: 3.5 / 2
+    expected = torch.tensor([[1.75, -1.0, float("-inf"), -1.0]])
+    assert torch.equal(apply_penalties(logits, [row]), expected)
+    assert Sampler()(logits, [row]).token_ids == [0]
+    assert Sampler()(logits, [make_row(SamplingParams(temperature=0.0))]).token_ids == [3]
+
+
+def test_logit_bias_in_seeded_sampling_is_the_biased_distribution() -> None:
+    logits = torch.zeros(1, 4)
+    biased = SamplingParams(temperature=1.0, logit_bias={1: math.log(7.0)})  # p = 0.7 for 1
+    sampler = Sampler()
+    row = make_row(biased, seed=3)
+    tokens = [sampler(logits, [row]).token_ids[0] for _ in range(4000)]
+    expected = torch.tensor([0.1, 0.7, 0.1, 0.1])
+    assert torch.allclose(token_frequencies(tokens, 4), expected, atol=0.03)
+
+
 def test_presence_and_frequency_ignore_prompt_tokens() -> None:
     logits = torch.zeros(1, 4)
     row = make_row(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 import urllib.request
+from dataclasses import replace
 
 import grpc
 import pytest
@@ -83,8 +84,26 @@ def test_disaggregated_equals_colocated_and_frees_every_block(
         for i, text in enumerate(PROMPTS)
     ]
     params = SamplingParams(max_tokens=24, min_tokens=24, temperature=0.0)
-    colocated = make_llm(default_checkpoint_fp32).generate(PROMPTS, params)
-    expected = [list(output.token_ids) for output in colocated]
+    llm = make_llm(default_checkpoint_fp32)
+    expected = [list(output.token_ids) for output in llm.generate(PROMPTS, params)]
+    # logit_bias on the prefill worker's first token and every decode step: it bans each
+    # prompt's first greedy token and favours the next other one
+    biases = [
+        {tokens[0]: -100.0, next(t for t in tokens if t != tokens[0]): 2.5}
+        for tokens in expected[:3]
+    ]
+    biased_expected = [
+        list(llm.generate([text], replace(params, logit_bias=bias))[0].token_ids)
+        for text, bias in zip(PROMPTS, biases, strict=False)
+    ]
+    assert all(b != e for b, e in zip(biased_expected, expected, strict=False))
+    requests += [
+        coordinator_pb2.GenerateRequest(
+            request_id=f"b{i}", text=text, sampling=_greedy(24, logit_bias=bias)
+        )
+        for i, (text, bias) in enumerate(zip(PROMPTS, biases, strict=False))
+    ]
+    expected += biased_expected
 
     with cluster(1, 1, *WORKER_FLAGS) as disaggregated:
         # up says ready only once the coordinator routes to every worker it started: a
@@ -92,7 +111,7 @@ def test_disaggregated_equals_colocated_and_frees_every_block(
         assert routable_members(disaggregated) == {"prefill-0", "decode-1"}
         results = asyncio.run(_generate_all(disaggregated, requests))
         assert [tokens for tokens, _ in results] == expected
-        for (tokens, last), prompt in zip(results, PROMPTS, strict=True):
+        for (tokens, last), prompt in zip(results, PROMPTS + PROMPTS[:3], strict=True):
             assert len(tokens) == 24 and last.usage.completion_tokens == 24, prompt
             assert last.completion.finish_reason == common_pb2.FINISH_REASON_LENGTH
 
