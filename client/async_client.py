@@ -174,6 +174,32 @@ class AsyncClient:
         )
         return wire.model_info(reply)
 
+    async def tokenize(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: Sequence[wire.MessageLike] | None = None,
+        timeout_s: float | None | EllipsisType = ...,
+    ) -> list[int]:
+        """The token ids ``stream`` would send the model for exactly one of ``prompt`` or
+        ``messages`` (rendered with the model's chat template, generation prompt appended)."""
+        request = wire.tokenize_request(prompt, messages)
+        reply = await self._unary(self._stub().Tokenize, request, timeout_s)
+        return list(reply.token_ids)
+
+    async def detokenize(
+        self,
+        token_ids: Sequence[int],
+        *,
+        skip_special_tokens: bool = False,
+        timeout_s: float | None | EllipsisType = ...,
+    ) -> str:
+        """The text of ``token_ids``; ids outside the vocabulary are INVALID_ARGUMENT."""
+        request = coordinator_pb2.DetokenizeRequest(
+            token_ids=list(token_ids), skip_special_tokens=skip_special_tokens
+        )
+        return (await self._unary(self._stub().Detokenize, request, timeout_s)).text
+
     async def _unary(
         self,
         method: Callable[..., Awaitable[Reply]],

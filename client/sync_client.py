@@ -145,6 +145,30 @@ class Client:
         request = coordinator_pb2.GetModelInfoRequest()
         return wire.model_info(self._unary(self._coordinator.GetModelInfo, request, timeout_s))
 
+    def tokenize(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: Sequence[wire.MessageLike] | None = None,
+        timeout_s: float | None | EllipsisType = ...,
+    ) -> list[int]:
+        """The token ids ``stream`` would send the model (see ``AsyncClient.tokenize``)."""
+        request = wire.tokenize_request(prompt, messages)
+        return list(self._unary(self._coordinator.Tokenize, request, timeout_s).token_ids)
+
+    def detokenize(
+        self,
+        token_ids: Sequence[int],
+        *,
+        skip_special_tokens: bool = False,
+        timeout_s: float | None | EllipsisType = ...,
+    ) -> str:
+        """The text of ``token_ids``; ids outside the vocabulary are INVALID_ARGUMENT."""
+        request = coordinator_pb2.DetokenizeRequest(
+            token_ids=list(token_ids), skip_special_tokens=skip_special_tokens
+        )
+        return self._unary(self._coordinator.Detokenize, request, timeout_s).text
+
     def _unary(
         self,
         method: Callable[..., Reply],

@@ -155,6 +155,19 @@ def _logprob(message: common_pb2.TokenLogprob) -> TokenLogprob:
     )
 
 
+def tokenize_request(
+    prompt: str | None, messages: Sequence[MessageLike] | None
+) -> coordinator_pb2.TokenizeRequest:
+    """The request for exactly one of ``prompt`` or ``messages`` (``ValueError`` else)."""
+    if (prompt is None) == (messages is None):
+        raise ValueError("give exactly one of prompt, messages")
+    if prompt is not None:
+        return coordinator_pb2.TokenizeRequest(text=prompt)
+    assert messages is not None
+    chat = coordinator_pb2.ChatPrompt(messages=[_message(m) for m in messages])
+    return coordinator_pb2.TokenizeRequest(chat=chat)
+
+
 def model_info(message: coordinator_pb2.ModelInfo) -> ModelInfo:
     return ModelInfo(
         model=message.model,

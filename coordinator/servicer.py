@@ -167,6 +167,33 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         aborted = self._coordinator.abort(request.request_id, caller)
         return coordinator_pb2.AbortResponse(aborted=aborted)
 
+    async def Tokenize(
+        self, request: coordinator_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> coordinator_pb2.TokenizeResponse:
+        """The ids ``Generate`` would see for this prompt (tokenized on a thread, as there)."""
+        await caller_of(self._keys, context)
+        try:
+            token_ids = await asyncio.to_thread(self._coordinator.encode, _prompt_of(request))
+        except SplitserveError as error:
+            await abort_with(context, error)
+        return coordinator_pb2.TokenizeResponse(
+            token_ids=token_ids, max_model_len=self._coordinator.max_model_len
+        )
+
+    async def Detokenize(
+        self, request: coordinator_pb2.DetokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> coordinator_pb2.DetokenizeResponse:
+        await caller_of(self._keys, context)
+        tokenizer = self._coordinator.tokenizer
+        ids = list(request.token_ids)
+        if any(not 0 <= token_id < tokenizer.vocab_size for token_id in ids):
+            error = InvalidRequestError(
+                f"token ids must be in [0, {tokenizer.vocab_size})", "tokens"
+            )
+            await abort_with(context, error)
+        text = tokenizer.decode(ids, skip_special_tokens=request.skip_special_tokens)
+        return coordinator_pb2.DetokenizeResponse(text=text)
+
     async def GetModelInfo(
         self, request: coordinator_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> coordinator_pb2.ModelInfo:
@@ -189,7 +216,9 @@ def _targets_of(request: coordinator_pb2.GenerateRequest) -> LatencyTargets:
     return LatencyTargets(ttft_ms=targets.ttft_ms or None, tpot_ms=targets.tpot_ms or None)
 
 
-def _prompt_of(request: coordinator_pb2.GenerateRequest) -> Prompt:
+def _prompt_of(
+    request: coordinator_pb2.GenerateRequest | coordinator_pb2.TokenizeRequest,
+) -> Prompt:
     kind = request.WhichOneof("prompt")
     if kind == "text":
         return request.text
@@ -198,5 +227,5 @@ def _prompt_of(request: coordinator_pb2.GenerateRequest) -> Prompt:
             raise InvalidRequestError("messages must not be empty", "messages")
         return [{"role": m.role, "content": m.content} for m in request.chat.messages]
     if kind == "token_ids":
-        return list(request.token_ids.ids)
+        return list(request.token_ids.ids)  # type: ignore[union-attr]  # Generate's only
     raise InvalidRequestError("one of text, chat or token_ids is required", "prompt")

@@ -4,7 +4,8 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (one handler, ``
 by what differs between them: ``gateway/endpoints.py``; streamed as SSE
 ``data: {json}\\n\\n`` ... ``data: [DONE]`` when ``stream`` is true), ``GET /v1/models``,
 ``GET /health`` (200 once the coordinator is SERVING, i.e. has a decode worker; else 503),
-``GET /metrics`` (Prometheus text).
+``GET /metrics`` (Prometheus text), and vLLM's ``POST /tokenize`` (the ids a prompt or chat
+becomes, through the coordinator's ``Tokenize``), ``POST /detokenize`` and ``GET /version``.
 
 Contracts:
 - Errors are OpenAI-shaped JSON with the matching status (``gateway/errors.py``). A request
@@ -24,6 +25,7 @@ Contracts:
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import json
 import logging
 import uuid
@@ -36,6 +38,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -67,12 +70,17 @@ from splitserve.gateway.errors import (
     from_validation_error,
 )
 from splitserve.gateway.responses import ResponseBuilder, usage_dict
+from splitserve.gateway.sampling import chat_messages
 from splitserve.gateway.unserved_fields import UnservedFields
 
 _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     status: {"model": schemas.ErrorResponse} for status in (400, 404, 429, 500, 503, 504)
 }
 _DONE = b"data: [DONE]\n\n"
+try:
+    SPLITSERVE_VERSION = importlib.metadata.version("splitserve")
+except importlib.metadata.PackageNotFoundError:  # a checkout run without its install
+    SPLITSERVE_VERSION = "unknown"
 _Handler = Callable[..., Awaitable[Response]]
 logger = logging.getLogger(__name__)
 
@@ -163,6 +171,17 @@ class Gateway:
                     self.registry, self._model_names[0], "gateway", info.max_model_len or 8192
                 )
         return self._model_names
+
+    @property
+    def max_model_len(self) -> int:
+        """The coordinator's context window (known once ``model_names`` asked)."""
+        return self._max_model_len
+
+    def count_ignored(self, body: BaseModel) -> None:
+        """Refuse (``ApiError`` 400) or count the fields ``body`` has that the gateway does not
+        serve (``gateway/unserved_fields.py``)."""
+        for label in self.unserved_fields.check(body):
+            self.ignored_fields.labels(label).inc()
 
     async def check_model(self, model: str | None, client: AsyncClient) -> str:
         names = await self.model_names(client)
@@ -272,6 +291,37 @@ def create_app(config: GatewayConfig) -> FastAPI:
         await gateway.model_names(gateway.client_for(request))
         return {"object": "list", "data": gateway.cards()}
 
+    @app.post("/tokenize", response_model=schemas.TokenizeResponse, responses=_ERROR_RESPONSES)
+    async def tokenize(body: schemas.TokenizeRequest, request: Request) -> dict[str, Any]:
+        """vLLM's: the ids the model sees for ``prompt`` or ``messages`` (chat template and
+        generation prompt applied), as a generation request would send them."""
+        gateway.count_ignored(body)
+        client = gateway.client_for(request)
+        await gateway.check_model(body.model, client)
+        if (body.prompt is None) == (body.messages is None):
+            raise ApiError(400, "give exactly one of prompt or messages", param="prompt")
+        messages = None if body.messages is None else chat_messages(body.messages)
+        try:
+            ids = await client.tokenize(body.prompt, messages=messages)
+        except ClientError as error:
+            raise from_client_error(error) from error
+        return {"count": len(ids), "max_model_len": gateway.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize", response_model=schemas.DetokenizeResponse, responses=_ERROR_RESPONSES)
+    async def detokenize(body: schemas.DetokenizeRequest, request: Request) -> dict[str, Any]:
+        """vLLM's: the text of ``tokens`` (special tokens kept)."""
+        gateway.count_ignored(body)
+        client = gateway.client_for(request)
+        await gateway.check_model(body.model, client)
+        try:
+            return {"prompt": await client.detokenize(body.tokens)}
+        except ClientError as error:
+            raise from_client_error(error) from error
+
+    @app.get("/version", response_model=schemas.VersionResponse)
+    async def version() -> dict[str, str]:
+        return {"version": SPLITSERVE_VERSION}
+
     @_post(app, COMPLETIONS)
     async def completions(body: schemas.CompletionRequest, request: Request) -> Response:
         return await _generate(gateway, request, body, COMPLETIONS)
@@ -319,8 +369,7 @@ async def _generate(
     """The one generation handler, for both routes: checks the model, names the request, reads
     prompt and sampling from ``body`` the ``endpoint``'s way and answers in its shape, whole
     or streamed (``_respond``)."""
-    for label in gateway.unserved_fields.check(body):
-        gateway.ignored_fields.labels(label).inc()
+    gateway.count_ignored(body)
     client = gateway.client_for(request)
     model = await gateway.check_model(body.model, client)
     request_id = _request_id(request)

@@ -7,9 +7,11 @@ field; nothing is dropped silently. Defaults follow vLLM's OpenAI server: a comp
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from splitserve.client import ChatMessage, Sampling
+from splitserve.gateway import schemas
 from splitserve.gateway.errors import invalid
 from splitserve.gateway.schemas import (
     ChatCompletionRequest,
@@ -61,8 +63,13 @@ def _token_ids_in(prompt: str | list[str] | list[int] | list[list[int]]) -> list
 
 
 def chat_prompt(body: ChatCompletionRequest) -> PromptArgs:
+    return PromptArgs(messages=chat_messages(body.messages))
+
+
+def chat_messages(given: Sequence[schemas.ChatMessage]) -> tuple[ChatMessage, ...]:
+    """The client's messages of a request body (text parts joined; other parts: 400)."""
     messages = []
-    for index, message in enumerate(body.messages):
+    for index, message in enumerate(given):
         content = message.content
         if isinstance(content, list):
             texts = []
@@ -74,7 +81,7 @@ def chat_prompt(body: ChatCompletionRequest) -> PromptArgs:
                 texts.append(part["text"])
             content = "".join(texts)
         messages.append(ChatMessage(role=message.role, content=content or ""))
-    return PromptArgs(messages=tuple(messages))
+    return tuple(messages)
 
 
 def completion_sampling(body: CompletionRequest) -> Sampling:

@@ -263,6 +263,40 @@ class ModelCard(BaseModel):
     max_model_len: int
 
 
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize`` (vLLM's): exactly one of ``prompt`` or ``messages``."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: None = None
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize`` (vLLM's)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    tokens: list[int] = Field(..., description="Token ids; special tokens are kept in the text.")
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class VersionResponse(BaseModel):
+    version: str
+
+
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]

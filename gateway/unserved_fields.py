@@ -1,17 +1,18 @@
 """Request fields the gateway does not serve: refused with a 400 naming them, or ignored with a
 warning and a counter; never dropped without a word.
 
-Contract (``check_unserved``, called on every generation request after validation):
+Contract (``UnservedFields.check``, called on every generation and tokenize request after
+validation):
 - a field vLLM's OpenAI server knows (or an OpenAI field with an effect on the output) that
   splitserve does not implement is refused with a 400 naming it, unless its value is one that
   asks for nothing (``None``, the default, an empty list or object: ``REFUSED``);
 - any other field the request models do not declare (``model_extra``) is ignored, as vLLM
   does: the gateway logs a warning the first time it sees the name (at most
   ``MAX_WARNED_NAMES`` names, so a client sending random names cannot flood the log) and
-  ``check_unserved`` returns the names for the ignored-fields counter (whose label is the
+  ``check`` returns the names for the ignored-fields counter (whose label is the
   name for fields listed in ``KNOWN_IGNORED``, else ``other``: the label set stays bounded).
-- in chat messages, ``tool_calls`` and ``function_call`` are refused when non-empty; other
-  undeclared message fields (``name``) are ignored the same way.
+- in chat messages (of any body with ``messages``), ``tool_calls`` and ``function_call`` are
+  refused when non-empty; other undeclared message fields (``name``) are ignored the same way.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from typing import Any
 from pydantic import BaseModel
 
 from splitserve.gateway.errors import invalid
-from splitserve.gateway.schemas import ChatCompletionRequest
 
 logger = logging.getLogger(__name__)
 
@@ -125,8 +125,9 @@ class UnservedFields:
         """Raise ``ApiError`` 400 for a refused field (module docstring); return the
         counter labels of the ignored ones, in the body's order."""
         ignored = self._extras(body.model_extra or {}, REFUSED, "")
-        if isinstance(body, ChatCompletionRequest):
-            for index, message in enumerate(body.messages):
+        messages = getattr(body, "messages", None)
+        if messages:
+            for index, message in enumerate(messages):
                 where = f"messages.{index}."
                 ignored += self._extras(message.model_extra or {}, _MESSAGE_REFUSED, where)
         return ignored

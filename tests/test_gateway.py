@@ -288,6 +288,29 @@ def test_bad_requests_get_openai_errors(served: Served, sdk: openai.OpenAI) -> N
     assert again.usage.completion_tokens == 3
 
 
+def test_tokenize_detokenize_and_version_as_vllm_serves_them(
+    served: Served, sdk: openai.OpenAI
+) -> None:
+    model = _model(sdk)
+    with httpx.Client(base_url=served.url, timeout=30) as http:
+        text = http.post("/tokenize", json={"model": model, "prompt": "Hello world"}).json()
+        completion = sdk.completions.create(model=model, prompt="Hello world", max_tokens=1)
+        assert text["count"] == len(text["tokens"]) == completion.usage.prompt_tokens
+        assert text["max_model_len"] > 0 and text["token_strs"] is None
+        chat = http.post("/tokenize", json={"messages": QUESTION}).json()
+        answer = sdk.chat.completions.create(model=model, messages=QUESTION, max_tokens=1)
+        assert chat["count"] == answer.usage.prompt_tokens  # template and generation prompt
+        back = http.post("/detokenize", json={"model": model, "tokens": text["tokens"]})
+        assert back.json() == {"prompt": "Hello world"}
+        assert _error(http.post("/detokenize", json={"tokens": [10**7]}), 400)["param"] == "tokens"
+        both = http.post("/tokenize", json={"prompt": "a", "messages": QUESTION})
+        assert _error(both, 400)["param"] == "prompt"
+        refused = http.post("/tokenize", json={"prompt": "a", "add_special_tokens": False})
+        assert _error(refused, 400)["param"] == "add_special_tokens"
+        version = http.get("/version")
+        assert version.status_code == 200 and version.json()["version"]
+
+
 def test_malformed_bodies_routes_and_sizes_get_openai_errors(
     served: Served, sdk: openai.OpenAI
 ) -> None:

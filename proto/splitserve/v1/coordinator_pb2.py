@@ -26,7 +26,7 @@ from splitserve.proto.splitserve.v1 import common_pb2 as splitserve_dot_v1_dot_c
 from splitserve.proto.splitserve.v1 import worker_pb2 as splitserve_dot_v1_dot_worker__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fsplitserve/v1/coordinator.proto\x12\rsplitserve.v1\x1a\x1asplitserve/v1/common.proto\x1a\x1asplitserve/v1/worker.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\":\n\nChatPrompt\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.splitserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xc4\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x19.splitserve.v1.ChatPromptH\x00\x12,\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x17.splitserve.v1.TokenIdsH\x00\x12/\n\x08sampling\x18\x05 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12/\n\x0e\x63ontinue_after\x18\x06 \x01(\x0b\x32\x17.splitserve.v1.TokenIds\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12\x36\n\x0flatency_targets\x18\x08 \x01(\x0b\x32\x1d.splitserve.v1.LatencyTargetsB\x08\n\x06prompt\"2\n\x0eLatencyTargets\x12\x0f\n\x07ttft_ms\x18\x01 \x01(\x01\x12\x0f\n\x07tpot_ms\x18\x02 \x01(\x01\"\\\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12-\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1b.splitserve.v1.TokenLogprob\"\x7f\n\nCompletion\x12\x32\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\x12\x15\n\x0bstop_string\x18\x02 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x03 \x01(\x05H\x00\x42\r\n\x0bstop_reason\"\xda\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12*\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x19.splitserve.v1.TokenChunkH\x00\x12/\n\ncompletion\x18\x03 \x01(\x0b\x32\x19.splitserve.v1.CompletionH\x00\x12%\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x14.splitserve.v1.ErrorH\x00\x12#\n\x05usage\x18\x05 \x01(\x0b\x32\x14.splitserve.v1.UsageB\t\n\x07payload\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"k\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\r\n\x05\x64type\x18\x05 \x01(\t\"B\n\x15RegisterWorkerRequest\x12)\n\x06worker\x18\x01 \x01(\x0b\x32\x19.splitserve.v1.WorkerInfo\"7\n\x16RegisterWorkerResponse\x12\x1d\n\x15heartbeat_interval_ms\x18\x01 \x01(\r\"N\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\'\n\x04load\x18\x02 \x01(\x0b\x32\x19.splitserve.v1.WorkerLoad\"\"\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\"(\n\x13LeaveClusterRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"%\n\x14LeaveClusterResponse\x12\r\n\x05known\x18\x01 \x01(\x08\"\x14\n\x12ListWorkersRequest\"\x90\x01\n\x0cWorkerStatus\x12)\n\x06worker\x18\x01 \x01(\x0b\x32\x19.splitserve.v1.WorkerInfo\x12\'\n\x04load\x18\x02 \x01(\x0b\x32\x19.splitserve.v1.WorkerLoad\x12\x1a\n\x12ms_since_heartbeat\x18\x03 \x01(\r\x12\x10\n\x08routable\x18\x04 \x01(\x08\"C\n\x13ListWorkersResponse\x12,\n\x07workers\x18\x01 \x03(\x0b\x32\x1b.splitserve.v1.WorkerStatus2\xee\x01\n\x0b\x43oordinator\x12M\n\x08Generate\x12\x1e.splitserve.v1.GenerateRequest\x1a\x1f.splitserve.v1.GenerateResponse0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.splitserve.v1.AbortRequest\x1a\x1c.splitserve.v1.AbortResponse\x12L\n\x0cGetModelInfo\x12\".splitserve.v1.GetModelInfoRequest\x1a\x18.splitserve.v1.ModelInfo2\xea\x02\n\nMembership\x12]\n\x0eRegisterWorker\x12$.splitserve.v1.RegisterWorkerRequest\x1a%.splitserve.v1.RegisterWorkerResponse\x12N\n\tHeartbeat\x12\x1f.splitserve.v1.HeartbeatRequest\x1a .splitserve.v1.HeartbeatResponse\x12W\n\x0cLeaveCluster\x12\".splitserve.v1.LeaveClusterRequest\x1a#.splitserve.v1.LeaveClusterResponse\x12T\n\x0bListWorkers\x12!.splitserve.v1.ListWorkersRequest\x1a\".splitserve.v1.ListWorkersResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fsplitserve/v1/coordinator.proto\x12\rsplitserve.v1\x1a\x1asplitserve/v1/common.proto\x1a\x1asplitserve/v1/worker.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\":\n\nChatPrompt\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.splitserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xc4\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x19.splitserve.v1.ChatPromptH\x00\x12,\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x17.splitserve.v1.TokenIdsH\x00\x12/\n\x08sampling\x18\x05 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12/\n\x0e\x63ontinue_after\x18\x06 \x01(\x0b\x32\x17.splitserve.v1.TokenIds\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12\x36\n\x0flatency_targets\x18\x08 \x01(\x0b\x32\x1d.splitserve.v1.LatencyTargetsB\x08\n\x06prompt\"2\n\x0eLatencyTargets\x12\x0f\n\x07ttft_ms\x18\x01 \x01(\x01\x12\x0f\n\x07tpot_ms\x18\x02 \x01(\x01\"\\\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12-\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1b.splitserve.v1.TokenLogprob\"\x7f\n\nCompletion\x12\x32\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\x12\x15\n\x0bstop_string\x18\x02 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x03 \x01(\x05H\x00\x42\r\n\x0bstop_reason\"\xda\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12*\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x19.splitserve.v1.TokenChunkH\x00\x12/\n\ncompletion\x18\x03 \x01(\x0b\x32\x19.splitserve.v1.CompletionH\x00\x12%\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x14.splitserve.v1.ErrorH\x00\x12#\n\x05usage\x18\x05 \x01(\x0b\x32\x14.splitserve.v1.UsageB\t\n\x07payload\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"V\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12)\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x19.splitserve.v1.ChatPromptH\x00\x42\x08\n\x06prompt\"<\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\"C\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"k\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\r\n\x05\x64type\x18\x05 \x01(\t\"B\n\x15RegisterWorkerRequest\x12)\n\x06worker\x18\x01 \x01(\x0b\x32\x19.splitserve.v1.WorkerInfo\"7\n\x16RegisterWorkerResponse\x12\x1d\n\x15heartbeat_interval_ms\x18\x01 \x01(\r\"N\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\'\n\x04load\x18\x02 \x01(\x0b\x32\x19.splitserve.v1.WorkerLoad\"\"\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\"(\n\x13LeaveClusterRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"%\n\x14LeaveClusterResponse\x12\r\n\x05known\x18\x01 \x01(\x08\"\x14\n\x12ListWorkersRequest\"\x90\x01\n\x0cWorkerStatus\x12)\n\x06worker\x18\x01 \x01(\x0b\x32\x19.splitserve.v1.WorkerInfo\x12\'\n\x04load\x18\x02 \x01(\x0b\x32\x19.splitserve.v1.WorkerLoad\x12\x1a\n\x12ms_since_heartbeat\x18\x03 \x01(\r\x12\x10\n\x08routable\x18\x04 \x01(\x08\"C\n\x13ListWorkersResponse\x12,\n\x07workers\x18\x01 \x03(\x0b\x32\x1b.splitserve.v1.WorkerStatus2\x8e\x03\n\x0b\x43oordinator\x12M\n\x08Generate\x12\x1e.splitserve.v1.GenerateRequest\x1a\x1f.splitserve.v1.GenerateResponse0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.splitserve.v1.AbortRequest\x1a\x1c.splitserve.v1.AbortResponse\x12L\n\x0cGetModelInfo\x12\".splitserve.v1.GetModelInfoRequest\x1a\x18.splitserve.v1.ModelInfo\x12K\n\x08Tokenize\x12\x1e.splitserve.v1.TokenizeRequest\x1a\x1f.splitserve.v1.TokenizeResponse\x12Q\n\nDetokenize\x12 .splitserve.v1.DetokenizeRequest\x1a!.splitserve.v1.DetokenizeResponse2\xea\x02\n\nMembership\x12]\n\x0eRegisterWorker\x12$.splitserve.v1.RegisterWorkerRequest\x1a%.splitserve.v1.RegisterWorkerResponse\x12N\n\tHeartbeat\x12\x1f.splitserve.v1.HeartbeatRequest\x1a .splitserve.v1.HeartbeatResponse\x12W\n\x0cLeaveCluster\x12\".splitserve.v1.LeaveClusterRequest\x1a#.splitserve.v1.LeaveClusterResponse\x12T\n\x0bListWorkers\x12!.splitserve.v1.ListWorkersRequest\x1a\".splitserve.v1.ListWorkersResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -55,28 +55,36 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ABORTRESPONSE']._serialized_end=1128
   _globals['_GETMODELINFOREQUEST']._serialized_start=1130
   _globals['_GETMODELINFOREQUEST']._serialized_end=1151
-  _globals['_MODELINFO']._serialized_start=1153
-  _globals['_MODELINFO']._serialized_end=1260
-  _globals['_REGISTERWORKERREQUEST']._serialized_start=1262
-  _globals['_REGISTERWORKERREQUEST']._serialized_end=1328
-  _globals['_REGISTERWORKERRESPONSE']._serialized_start=1330
-  _globals['_REGISTERWORKERRESPONSE']._serialized_end=1385
-  _globals['_HEARTBEATREQUEST']._serialized_start=1387
-  _globals['_HEARTBEATREQUEST']._serialized_end=1465
-  _globals['_HEARTBEATRESPONSE']._serialized_start=1467
-  _globals['_HEARTBEATRESPONSE']._serialized_end=1501
-  _globals['_LEAVECLUSTERREQUEST']._serialized_start=1503
-  _globals['_LEAVECLUSTERREQUEST']._serialized_end=1543
-  _globals['_LEAVECLUSTERRESPONSE']._serialized_start=1545
-  _globals['_LEAVECLUSTERRESPONSE']._serialized_end=1582
-  _globals['_LISTWORKERSREQUEST']._serialized_start=1584
-  _globals['_LISTWORKERSREQUEST']._serialized_end=1604
-  _globals['_WORKERSTATUS']._serialized_start=1607
-  _globals['_WORKERSTATUS']._serialized_end=1751
-  _globals['_LISTWORKERSRESPONSE']._serialized_start=1753
-  _globals['_LISTWORKERSRESPONSE']._serialized_end=1820
-  _globals['_COORDINATOR']._serialized_start=1823
-  _globals['_COORDINATOR']._serialized_end=2061
-  _globals['_MEMBERSHIP']._serialized_start=2064
-  _globals['_MEMBERSHIP']._serialized_end=2426
+  _globals['_TOKENIZEREQUEST']._serialized_start=1153
+  _globals['_TOKENIZEREQUEST']._serialized_end=1239
+  _globals['_TOKENIZERESPONSE']._serialized_start=1241
+  _globals['_TOKENIZERESPONSE']._serialized_end=1301
+  _globals['_DETOKENIZEREQUEST']._serialized_start=1303
+  _globals['_DETOKENIZEREQUEST']._serialized_end=1370
+  _globals['_DETOKENIZERESPONSE']._serialized_start=1372
+  _globals['_DETOKENIZERESPONSE']._serialized_end=1406
+  _globals['_MODELINFO']._serialized_start=1408
+  _globals['_MODELINFO']._serialized_end=1515
+  _globals['_REGISTERWORKERREQUEST']._serialized_start=1517
+  _globals['_REGISTERWORKERREQUEST']._serialized_end=1583
+  _globals['_REGISTERWORKERRESPONSE']._serialized_start=1585
+  _globals['_REGISTERWORKERRESPONSE']._serialized_end=1640
+  _globals['_HEARTBEATREQUEST']._serialized_start=1642
+  _globals['_HEARTBEATREQUEST']._serialized_end=1720
+  _globals['_HEARTBEATRESPONSE']._serialized_start=1722
+  _globals['_HEARTBEATRESPONSE']._serialized_end=1756
+  _globals['_LEAVECLUSTERREQUEST']._serialized_start=1758
+  _globals['_LEAVECLUSTERREQUEST']._serialized_end=1798
+  _globals['_LEAVECLUSTERRESPONSE']._serialized_start=1800
+  _globals['_LEAVECLUSTERRESPONSE']._serialized_end=1837
+  _globals['_LISTWORKERSREQUEST']._serialized_start=1839
+  _globals['_LISTWORKERSREQUEST']._serialized_end=1859
+  _globals['_WORKERSTATUS']._serialized_start=1862
+  _globals['_WORKERSTATUS']._serialized_end=2006
+  _globals['_LISTWORKERSRESPONSE']._serialized_start=2008
+  _globals['_LISTWORKERSRESPONSE']._serialized_end=2075
+  _globals['_COORDINATOR']._serialized_start=2078
+  _globals['_COORDINATOR']._serialized_end=2476
+  _globals['_MEMBERSHIP']._serialized_start=2479
+  _globals['_MEMBERSHIP']._serialized_end=2841
 # @@protoc_insertion_point(module_scope)

@@ -49,6 +49,16 @@ class CoordinatorStub:
                 request_serializer=splitserve_dot_v1_dot_coordinator__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=splitserve_dot_v1_dot_coordinator__pb2.ModelInfo.FromString,
                 _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/splitserve.v1.Coordinator/Tokenize',
+                request_serializer=splitserve_dot_v1_dot_coordinator__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_coordinator__pb2.TokenizeResponse.FromString,
+                _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/splitserve.v1.Coordinator/Detokenize',
+                request_serializer=splitserve_dot_v1_dot_coordinator__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_coordinator__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -75,6 +85,21 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Tokenize(self, request, context):
+        """The token ids the model sees for a prompt (text, or chat rendered with the model's chat
+        template, generation prompt appended), as Generate would tokenize it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detokenize(self, request, context):
+        """The text of token ids (special tokens kept unless skip_special_tokens).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -92,6 +117,16 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=splitserve_dot_v1_dot_coordinator__pb2.GetModelInfoRequest.FromString,
                     response_serializer=splitserve_dot_v1_dot_coordinator__pb2.ModelInfo.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=splitserve_dot_v1_dot_coordinator__pb2.TokenizeRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_coordinator__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=splitserve_dot_v1_dot_coordinator__pb2.DetokenizeRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_coordinator__pb2.DetokenizeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -175,6 +210,60 @@ class Coordinator:
             '/splitserve.v1.Coordinator/GetModelInfo',
             splitserve_dot_v1_dot_coordinator__pb2.GetModelInfoRequest.SerializeToString,
             splitserve_dot_v1_dot_coordinator__pb2.ModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.Coordinator/Tokenize',
+            splitserve_dot_v1_dot_coordinator__pb2.TokenizeRequest.SerializeToString,
+            splitserve_dot_v1_dot_coordinator__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.Coordinator/Detokenize',
+            splitserve_dot_v1_dot_coordinator__pb2.DetokenizeRequest.SerializeToString,
+            splitserve_dot_v1_dot_coordinator__pb2.DetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,
