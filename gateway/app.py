@@ -29,7 +29,7 @@ import importlib.metadata
 import json
 import logging
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,6 +57,7 @@ from splitserve.common.metrics import RequestMetrics, RequestTimer
 from splitserve.gateway import schemas
 from splitserve.gateway.api_key_check import RequireApiKey, bearer_key
 from splitserve.gateway.body_limit import DEFAULT_MAX_BODY_BYTES, LimitBody
+from splitserve.gateway.choices import Choices, merged
 from splitserve.gateway.disconnect import (
     ClientDisconnected,
     EventStreamResponse,
@@ -69,8 +70,8 @@ from splitserve.gateway.errors import (
     from_http_exception,
     from_validation_error,
 )
-from splitserve.gateway.responses import ResponseBuilder, usage_dict
-from splitserve.gateway.sampling import chat_messages
+from splitserve.gateway.responses import usage_dict
+from splitserve.gateway.sampling import MAX_CHOICES, PromptArgs, chat_messages, choice_samplings
 from splitserve.gateway.unserved_fields import UnservedFields
 
 _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
@@ -367,27 +368,44 @@ async def _generate(
     gateway: Gateway, request: Request, body: Body, endpoint: Endpoint[Body]
 ) -> Response:
     """The one generation handler, for both routes: checks the model, names the request, reads
-    prompt and sampling from ``body`` the ``endpoint``'s way and answers in its shape, whole
-    or streamed (``_respond``)."""
+    prompts and sampling from ``body`` the ``endpoint``'s way, starts one stream per choice
+    (prompts x ``n``: ``gateway/choices.py``) and answers in the endpoint's shape, whole or
+    streamed (``_respond``)."""
     gateway.count_ignored(body)
     client = gateway.client_for(request)
     model = await gateway.check_model(body.model, client)
     request_id = _request_id(request)
-    builder = endpoint.builder(f"{endpoint.id_prefix}-{request_id}", model, body)
-    prompt = endpoint.prompt(body)
-    events = client.stream(  # nothing is sent before the first ``anext``
-        prompt.prompt,
-        messages=prompt.messages,
-        token_ids=prompt.token_ids,
-        sampling=endpoint.sampling(body),
-        request_id=request_id,
-        priority=-(body.priority or 0),  # vLLM's order (lower first) to gRPC's (higher first)
-        targets=LatencyTargets(ttft_ms=body.ttft_slo_ms, tpot_ms=body.tpot_slo_ms),
-    )
+    prompts = endpoint.prompts(body)
+    samplings = choice_samplings(endpoint.sampling(body), body.n)
+    if len(prompts) * len(samplings) > MAX_CHOICES:
+        raise ApiError(400, f"at most {MAX_CHOICES} choices (prompts x n)", param="n")
+    echoes = await _echo_texts(client, body, prompts)
+    response_id = f"{endpoint.id_prefix}-{request_id}"
+    builders, prompt_of, streams = [], [], []
+    for p, prompt in enumerate(prompts):
+        for j, sampling in enumerate(samplings):
+            index = p * len(samplings) + j
+            builders.append(endpoint.builder(response_id, model, body, index, echoes[p]))
+            prompt_of.append(p)
+            streams.append(
+                client.stream(  # nothing is sent before the first ``anext``
+                    prompt.prompt,
+                    messages=prompt.messages,
+                    token_ids=prompt.token_ids,
+                    sampling=sampling,
+                    request_id=request_id if len(prompts) * len(samplings) == 1 else (
+                        f"{request_id}-{index}"
+                    ),
+                    priority=-(body.priority or 0),  # vLLM's order (lower first) to gRPC's
+                    targets=LatencyTargets(ttft_ms=body.ttft_slo_ms, tpot_ms=body.tpot_slo_ms),
+                )
+            )  # fmt: skip
+    choices = Choices(builders, prompt_of)
     try:
         return await _respond(
-            gateway, request, request_id, events, builder, bool(body.stream), body.stream_options
-        )
+            gateway, request, request_id, merged(streams), choices, bool(body.stream),
+            body.stream_options,
+        )  # fmt: skip
     except ApiError as error:
         if error.param == "priority":  # the coordinator speaks gRPC's order
             error.message += (
@@ -397,18 +415,36 @@ async def _generate(
         raise
 
 
+async def _echo_texts(
+    client: AsyncClient, body: Body, prompts: list[PromptArgs]
+) -> list[str]:  # fmt: skip
+    """Each prompt's text where the request asks for ``echo`` (completions), else ""."""
+    if not getattr(body, "echo", False):
+        return [""] * len(prompts)
+    texts = []
+    for prompt in prompts:
+        if prompt.prompt is not None:
+            texts.append(prompt.prompt)
+            continue
+        try:
+            texts.append(await client.detokenize(prompt.token_ids or ()))
+        except ClientError as error:
+            raise from_client_error(error) from error
+    return texts
+
+
 async def _respond(
     gateway: Gateway,
     request: Request,
     request_id: str,
-    events: AsyncGenerator[Chunk | Finish, None],
-    builder: ResponseBuilder,
+    events: AsyncIterator[tuple[int, Chunk | Finish]],
+    choices: Choices,
     stream: bool,
     stream_options: schemas.StreamOptions | None,
 ) -> Response:
-    """The response to the client's stream ``events``: an error status when it fails before
-    its first item, else SSE frames (``stream``) or the whole body; 499 when the HTTP client
-    went away first."""
+    """The response to the merged choice streams ``events``: an error status when one fails
+    before the first item, else SSE frames (``stream``) or the whole body; 499 when the HTTP
+    client went away first."""
     assert gateway.metrics is not None  # set by check_model
     timer = gateway.metrics.start()
     headers = {"x-request-id": request_id}
@@ -416,20 +452,21 @@ async def _respond(
         first = await unless_disconnected(request.receive, anext(events))
     except ClientError as error:
         timer.finish("error")
+        await events.aclose()  # type: ignore[attr-defined]
         raise from_client_error(error) from error
     except ClientDisconnected:
         timer.finish("abort")
-        await events.aclose()
+        await events.aclose()  # type: ignore[attr-defined]
         return Response(status_code=499)
     except BaseException:
         timer.finish("error")
-        await events.aclose()
+        await events.aclose()  # type: ignore[attr-defined]
         raise
     if stream:
-        frames = _stream_frames(builder, first, events, timer, stream_options)
+        frames = _stream_frames(choices, first, events, timer, stream_options)
         return EventStreamResponse(frames, headers)
     try:
-        await unless_disconnected(request.receive, _fold(builder, first, events, timer))
+        await unless_disconnected(request.receive, _fold(choices, first, events, timer))
     except ClientError as error:
         timer.finish("error")
         raise from_client_error(error) from error
@@ -437,58 +474,63 @@ async def _respond(
         timer.finish("abort")
         return Response(status_code=499)
     finally:
-        await events.aclose()
-    return JSONResponse(builder.whole(), headers=headers)
+        await events.aclose()  # type: ignore[attr-defined]
+    return JSONResponse(choices.whole(), headers=headers)
 
 
-def _record(timer: RequestTimer, item: Chunk | Finish) -> None:
+def _record(timer: RequestTimer, choices: Choices, item: Chunk | Finish) -> None:
+    """Metrics of an item already folded into ``choices``: tokens, and the request's end
+    once every choice finished."""
     if isinstance(item, Chunk):
         timer.tokens(len(item.token_ids))
-    else:
-        timer.finish(item.finish_reason, item.usage.prompt_tokens, item.usage.completion_tokens)
+    elif choices.all_finished:
+        usage = choices.usage()
+        timer.finish(item.finish_reason, usage.prompt_tokens, usage.completion_tokens)
 
 
 async def _fold(
-    builder: ResponseBuilder,
-    first: Chunk | Finish,
-    events: AsyncIterator[Chunk | Finish],
+    choices: Choices,
+    first: tuple[int, Chunk | Finish],
+    events: AsyncIterator[tuple[int, Chunk | Finish]],
     timer: RequestTimer,
 ) -> None:
-    item: Chunk | Finish | None = first
-    while item is not None:
-        _record(timer, item)
-        if isinstance(item, Finish):
-            builder.finish(item)
+    entry: tuple[int, Chunk | Finish] | None = first
+    while entry is not None:
+        index, item = entry
+        choices.add(index, item)
+        _record(timer, choices, item)
+        if choices.all_finished:
             return
-        builder.add(item)
-        item = await anext(events, None)
+        entry = await anext(events, None)
     raise ClientError(grpc.StatusCode.INTERNAL, "the stream ended without a finish message")
 
 
 async def _stream_frames(
-    builder: ResponseBuilder,
-    first: Chunk | Finish,
-    events: AsyncIterator[Chunk | Finish],
+    choices: Choices,
+    first: tuple[int, Chunk | Finish],
+    events: AsyncIterator[tuple[int, Chunk | Finish]],
     timer: RequestTimer,
     options: schemas.StreamOptions | None,
 ) -> AsyncIterator[bytes]:
-    """SSE frames; the builder's chunks in order, the usage chunk if asked, then [DONE]."""
+    """SSE frames; the choices' chunks in arrival order, the usage chunk if asked, then
+    [DONE]."""
     continuous = bool(options and options.include_usage and options.continuous_usage_stats)
     try:
-        for opening in builder.opening_chunks():
+        for opening in choices.opening_chunks():
             yield _sse(opening)
-        item: Chunk | Finish | None = first
-        while item is not None:
-            _record(timer, item)
-            body = builder.finish(item) if isinstance(item, Finish) else builder.add(item)
+        entry: tuple[int, Chunk | Finish] | None = first
+        while entry is not None:
+            index, item = entry
+            body = choices.add(index, item)
+            _record(timer, choices, item)
             if continuous:
-                body["usage"] = usage_dict(item.usage)
+                body["usage"] = usage_dict(choices.usage())
             yield _sse(body)
-            if isinstance(item, Finish):
+            if choices.all_finished:
                 break
-            item = await anext(events, None)
+            entry = await anext(events, None)
         if options and options.include_usage:
-            yield _sse(builder.usage_chunk())
+            yield _sse(choices.usage_chunk())
     except ClientError as error:
         timer.finish("error")
         yield _sse(from_client_error(error).body())

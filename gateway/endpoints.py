@@ -20,9 +20,9 @@ from splitserve.client import Sampling
 from splitserve.gateway.responses import ChatBuilder, CompletionBuilder, ResponseBuilder
 from splitserve.gateway.sampling import (
     PromptArgs,
-    chat_prompt,
+    chat_prompts,
     chat_sampling,
-    completion_prompt,
+    completion_prompts,
     completion_sampling,
 )
 from splitserve.gateway.schemas import (
@@ -39,7 +39,7 @@ Body = TypeVar("Body", bound=_SamplingFields)
 
 @dataclass(frozen=True)
 class Endpoint(Generic[Body]):
-    """What one generation route does its own way. ``prompt`` then ``sampling`` read the
+    """What one generation route does its own way. ``prompts`` then ``sampling`` read the
     body, each raising ``ApiError`` (400, naming the field) for what cannot be served."""
 
     path: str
@@ -49,18 +49,24 @@ class Endpoint(Generic[Body]):
     """What a 200 answers (OpenAPI)."""
     id_prefix: str
     """The response's id is ``{id_prefix}-{request id}`` (OpenAI's ``cmpl-`` / ``chatcmpl-``)."""
-    prompt: Callable[[Body], PromptArgs]
+    prompts: Callable[[Body], list[PromptArgs]]
+    """The request's prompts (several only for completions' list of prompts)."""
     sampling: Callable[[Body], Sampling]
-    builder: Callable[[str, str, Body], ResponseBuilder]
-    """(response id, model, body) -> the request's response builder."""
+    builder: Callable[[str, str, Body, int, str], ResponseBuilder]
+    """(response id, model, body, choice index, echoed prompt text) -> that choice's response
+    builder (``gateway/choices.py`` keeps one per choice)."""
 
 
-def _completion_builder(response_id: str, model: str, body: CompletionRequest) -> ResponseBuilder:
-    return CompletionBuilder(response_id, model, body.logprobs is not None)
+def _completion_builder(
+    response_id: str, model: str, body: CompletionRequest, index: int, echo_text: str
+) -> ResponseBuilder:
+    return CompletionBuilder(response_id, model, body.logprobs is not None, index, echo_text)
 
 
-def _chat_builder(response_id: str, model: str, body: ChatCompletionRequest) -> ResponseBuilder:
-    return ChatBuilder(response_id, model, bool(body.logprobs))
+def _chat_builder(
+    response_id: str, model: str, body: ChatCompletionRequest, index: int, echo_text: str
+) -> ResponseBuilder:
+    return ChatBuilder(response_id, model, bool(body.logprobs), index)
 
 
 COMPLETIONS = Endpoint[CompletionRequest](
@@ -69,7 +75,7 @@ COMPLETIONS = Endpoint[CompletionRequest](
     "A completion, or with `stream` an SSE stream of `data: <CompletionResponse chunk>` events "
     "ending in `data: [DONE]`.",
     "cmpl",
-    completion_prompt,
+    completion_prompts,
     completion_sampling,
     _completion_builder,
 )
@@ -81,7 +87,7 @@ CHAT = Endpoint[ChatCompletionRequest](
     "A chat completion, or with `stream` an SSE stream of `data: <ChatCompletionChunk>` "
     "events ending in `data: [DONE]`.",
     "chatcmpl",
-    chat_prompt,
+    chat_prompts,
     chat_sampling,
     _chat_builder,
 )

@@ -45,11 +45,15 @@ class ResponseBuilder(abc.ABC):
     object_name: str
     chunk_object_name: str
 
-    def __init__(self, response_id: str, model: str) -> None:
+    def __init__(self, response_id: str, model: str, index: int = 0) -> None:
         self.response_id = response_id
         self.model = model
+        self.index = index
+        """The choice this builder answers (several share one response: ``gateway/choices.py``)."""
         self.created = int(time.time())
         self.usage: Usage | None = None
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
 
     def _envelope(self, object_name: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {
@@ -88,12 +92,29 @@ class CompletionBuilder(ResponseBuilder):
 
     object_name = chunk_object_name = "text_completion"
 
-    def __init__(self, response_id: str, model: str, want_logprobs: bool) -> None:
-        super().__init__(response_id, model)
+    def __init__(
+        self,
+        response_id: str,
+        model: str,
+        want_logprobs: bool,
+        index: int = 0,
+        echo_text: str = "",
+    ) -> None:
+        """``echo_text``: the prompt, returned before the completion (``echo``)."""
+        super().__init__(response_id, model, index)
         self.want_logprobs = want_logprobs
-        self.text_parts: list[str] = []
-        self.text_length = 0
+        self.echo_text = echo_text
+        self.text_parts: list[str] = [echo_text]
+        self.text_length = len(echo_text)
         self.logprobs = _empty_completion_logprobs()
+
+    def opening_chunks(self) -> list[dict[str, Any]]:
+        """With ``echo``, the prompt's text comes first."""
+        if not self.echo_text:
+            return []
+        choice = {"index": self.index, "text": self.echo_text, "logprobs": None,
+                  "finish_reason": None, "stop_reason": None}  # fmt: skip
+        return [self._envelope(self.chunk_object_name, [choice])]
 
     def _logprobs_of(self, logprobs: tuple[TokenLogprob, ...], offset: int) -> dict[str, Any]:
         out = _empty_completion_logprobs()
@@ -108,7 +129,7 @@ class CompletionBuilder(ResponseBuilder):
     def add(self, chunk: Chunk) -> dict[str, Any]:
         self.usage = chunk.usage
         choice: dict[str, Any] = {
-            "index": 0,
+            "index": self.index,
             "text": chunk.text,
             "logprobs": None,
             "finish_reason": None,
@@ -126,7 +147,7 @@ class CompletionBuilder(ResponseBuilder):
     def finish(self, end: Finish) -> dict[str, Any]:
         self.usage = end.usage
         choice = {
-            "index": 0,
+            "index": self.index,
             "text": "",
             "logprobs": None,
             "finish_reason": end.finish_reason,
@@ -140,7 +161,7 @@ class CompletionBuilder(ResponseBuilder):
             self.object_name,
             [
                 {
-                    "index": 0,
+                    "index": self.index,
                     "text": "".join(self.text_parts),
                     "logprobs": self.logprobs if self.want_logprobs else None,
                     "finish_reason": self.finish_reason,
@@ -158,8 +179,8 @@ class ChatBuilder(ResponseBuilder):
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
 
-    def __init__(self, response_id: str, model: str, want_logprobs: bool) -> None:
-        super().__init__(response_id, model)
+    def __init__(self, response_id: str, model: str, want_logprobs: bool, index: int = 0) -> None:
+        super().__init__(response_id, model, index)
         self.want_logprobs = want_logprobs
         self.text_parts: list[str] = []
         self.content_logprobs: list[dict[str, Any]] = []
@@ -182,7 +203,7 @@ class ChatBuilder(ResponseBuilder):
     def opening_chunks(self) -> list[dict[str, Any]]:
         """The first streamed chunk: the assistant role, empty content."""
         choice = {
-            "index": 0,
+            "index": self.index,
             "delta": {"role": "assistant", "content": ""},
             "logprobs": None,
             "finish_reason": None,
@@ -192,7 +213,7 @@ class ChatBuilder(ResponseBuilder):
     def add(self, chunk: Chunk) -> dict[str, Any]:
         self.usage = chunk.usage
         choice: dict[str, Any] = {
-            "index": 0,
+            "index": self.index,
             "delta": {"content": chunk.text},
             "logprobs": None,
             "finish_reason": None,
@@ -208,7 +229,7 @@ class ChatBuilder(ResponseBuilder):
         self.usage = end.usage
         self.finish_reason, self.stop_reason = end.finish_reason, end.stop_reason
         choice = {
-            "index": 0,
+            "index": self.index,
             "delta": {},
             "logprobs": None,
             "finish_reason": end.finish_reason,
@@ -221,7 +242,7 @@ class ChatBuilder(ResponseBuilder):
             self.object_name,
             [
                 {
-                    "index": 0,
+                    "index": self.index,
                     "message": {"role": "assistant", "content": "".join(self.text_parts)},
                     "logprobs": {"content": self.content_logprobs} if self.want_logprobs else None,
                     "finish_reason": self.finish_reason,

@@ -8,7 +8,7 @@ field; nothing is dropped silently. Defaults follow vLLM's OpenAI server: a comp
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from splitserve.client import ChatMessage, Sampling
 from splitserve.gateway import schemas
@@ -31,22 +31,31 @@ class PromptArgs:
     token_ids: tuple[int, ...] | None = None
 
 
-def completion_prompt(body: CompletionRequest) -> PromptArgs:
+MAX_CHOICES = 128
+"""Most choices one request may ask for (prompts x ``n``)."""
+
+
+def completion_prompts(body: CompletionRequest) -> list[PromptArgs]:
+    """The request's prompts in order: text, token ids, or a list of either (one choice
+    index block per prompt, as in OpenAI's API)."""
     prompt = body.prompt
     if any(not 0 <= token < 2**31 for token in _token_ids_in(prompt)):
         raise invalid("prompt token ids must be in [0, 2^31)", "prompt")
     if isinstance(prompt, str):
-        return PromptArgs(prompt=prompt)
-    if prompt and all(isinstance(item, int) for item in prompt):
-        return PromptArgs(token_ids=tuple(prompt))  # type: ignore[arg-type]
-    if len(prompt) == 1:  # one prompt in a list: ["text"] or [[ids]]
-        (only,) = prompt
-        if isinstance(only, str):
-            return PromptArgs(prompt=only)
-        return PromptArgs(token_ids=tuple(only))  # type: ignore[arg-type]
+        return [PromptArgs(prompt=prompt)]
     if not prompt:
         raise invalid("prompt must not be empty", "prompt")
-    raise invalid("several prompts in one request are not supported; send one each", "prompt")
+    if all(isinstance(item, int) for item in prompt):
+        return [PromptArgs(token_ids=tuple(prompt))]  # type: ignore[arg-type]
+    prompts = []
+    for item in prompt:
+        if isinstance(item, str):
+            prompts.append(PromptArgs(prompt=item))
+        elif not item:
+            raise invalid("prompt must not hold an empty list of token ids", "prompt")
+        else:
+            prompts.append(PromptArgs(token_ids=tuple(item)))  # type: ignore[arg-type]
+    return prompts
 
 
 def _token_ids_in(prompt: str | list[str] | list[int] | list[list[int]]) -> list[int]:
@@ -62,8 +71,8 @@ def _token_ids_in(prompt: str | list[str] | list[int] | list[list[int]]) -> list
     return ids
 
 
-def chat_prompt(body: ChatCompletionRequest) -> PromptArgs:
-    return PromptArgs(messages=chat_messages(body.messages))
+def chat_prompts(body: ChatCompletionRequest) -> list[PromptArgs]:
+    return [PromptArgs(messages=chat_messages(body.messages))]
 
 
 def chat_messages(given: Sequence[schemas.ChatMessage]) -> tuple[ChatMessage, ...]:
@@ -85,8 +94,8 @@ def chat_messages(given: Sequence[schemas.ChatMessage]) -> tuple[ChatMessage, ..
 
 
 def completion_sampling(body: CompletionRequest) -> Sampling:
-    if body.echo:
-        raise invalid("echo is not supported", "echo")
+    if body.echo and body.logprobs is not None:
+        raise invalid("echo with logprobs needs the prompt's logprobs: not supported", "echo")
     if body.suffix:
         raise invalid("suffix is not supported", "suffix")
     if body.best_of not in (None, 1):
@@ -114,9 +123,18 @@ def chat_sampling(body: ChatCompletionRequest) -> Sampling:
     return _sampling(body, max_tokens, logprobs)
 
 
+def choice_samplings(sampling: Sampling, n: int | None) -> list[Sampling]:
+    """One request's ``n`` choices of a prompt: choice ``j`` samples with ``seed + j`` (mod
+    2^63) when a seed was given, so choice 0 is the single-choice request with that seed and
+    each choice equals a single-choice request with its own seed; unseeded, each draws its
+    own randomness."""
+    count = n or 1
+    if sampling.seed is None:
+        return [sampling] * count
+    return [replace(sampling, seed=(sampling.seed + j) % 2**63) for j in range(count)]
+
+
 def _sampling(body: _SamplingFields, max_tokens: int | None, logprobs: int | None) -> Sampling:
-    if body.n not in (None, 1):
-        raise invalid("only n=1 is supported", "n")
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     top_k = body.top_k
     if top_k is not None and top_k <= 0:  # vLLM: -1 (or 0) disables top-k

@@ -3,8 +3,8 @@
 Requests accept the OpenAI fields splitserve implements plus vLLM's common extensions
 (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``min_tokens``,
 ``stop_token_ids``, ``skip_special_tokens``; explicit ``null`` means the default). Declared
-fields whose meaning is not implemented (``n > 1``, ``best_of > 1``, ``echo``, ``suffix``,
-tools) are refused with a 400 by ``gateway/sampling.py``; undeclared ones
+fields whose meaning is not implemented (``best_of > 1``, ``echo`` with ``logprobs``,
+``suffix``, tools) are refused with a 400 by ``gateway/sampling.py``; undeclared ones
 (``model_extra``) go through ``gateway/unserved_fields.py``: vLLM's other extensions are
 refused with a 400 naming them unless they ask for nothing, anything else is ignored with a
 warning and a counter, as vLLM does.
@@ -53,7 +53,9 @@ class _SamplingFields(BaseModel):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     seed: int | None = None
     stop: str | list[str] | None = None
-    n: int | None = Field(1, ge=1, description="Only 1 is supported.")
+    n: int | None = Field(
+        1, ge=1, le=128, description="Choices per prompt (each sampled on its own)."
+    )
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = Field(
@@ -121,12 +123,12 @@ class CompletionRequest(_SamplingFields):
     """``POST /v1/completions``."""
 
     prompt: str | list[str] | list[int] | list[list[int]] = Field(
-        ..., description="Text, or token ids; a list of several prompts is not supported."
+        ..., description="Text, token ids, or a list of either (choices in prompt order)."
     )
     logprobs: int | None = Field(
         None, ge=0, le=20, description="Return this many top alternatives per token."
     )
-    echo: bool | None = False
+    echo: bool | None = Field(False, description="Return the prompt before the completion.")
     suffix: str | None = None
     best_of: int | None = None
 

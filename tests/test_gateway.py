@@ -229,7 +229,7 @@ def test_bad_requests_get_openai_errors(served: Served, sdk: openai.OpenAI) -> N
         )
         assert "context" in str(_error(oversize, 400)["message"])
         refused = (
-            ("n", 2),
+            ("n", 129),
             ("temperature", -1),
             ("logit_bias", {"five": 1.0}),
             ("logit_bias", {"5": 200.0}),
@@ -286,6 +286,53 @@ def test_bad_requests_get_openai_errors(served: Served, sdk: openai.OpenAI) -> N
     # the server is fine afterwards
     again = sdk.completions.create(model=model, prompt="Hello", max_tokens=3, temperature=0)
     assert again.usage.completion_tokens == 3
+
+
+def test_several_choices_prompts_and_echo(served: Served, sdk: openai.OpenAI) -> None:
+    """n > 1 and a list of prompts: choice p * n + j answers prompt p with seed + j, each equal
+    to the single-choice request with that seed; usage counts each prompt once; echo returns
+    the prompt first (text or token ids); streamed, every choice's chunks carry its index."""
+    model = _model(sdk)
+    sampled = {"max_tokens": 6, "temperature": 1.0, "seed": 11}
+    several = sdk.completions.create(model=model, prompt=["Hello", "The sea is"], n=2, **sampled)
+    assert [c.index for c in several.choices] == [0, 1, 2, 3]
+    singles = [
+        sdk.completions.create(model=model, prompt=prompt, **{**sampled, "seed": 11 + j})
+        for prompt in ("Hello", "The sea is")
+        for j in range(2)
+    ]
+    assert [c.text for c in several.choices] == [s.choices[0].text for s in singles]
+    assert several.usage.prompt_tokens == singles[0].usage.prompt_tokens + (
+        singles[2].usage.prompt_tokens
+    )
+    assert several.usage.completion_tokens == sum(s.usage.completion_tokens for s in singles)
+    echoed = sdk.completions.create(model=model, prompt="Hello", max_tokens=3, echo=True)
+    plain = sdk.completions.create(model=model, prompt="Hello", max_tokens=3, temperature=0)
+    ids = httpx.post(f"{served.url}/tokenize", json={"prompt": "Hello"}, timeout=30).json()
+    echoed_ids = sdk.completions.create(
+        model=model, prompt=ids["tokens"], max_tokens=3, temperature=0, echo=True
+    )
+    assert echoed.choices[0].text.startswith("Hello")
+    assert echoed_ids.choices[0].text == "Hello" + plain.choices[0].text
+    with pytest.raises(openai.BadRequestError):
+        sdk.completions.create(model=model, prompt="Hello", echo=True, logprobs=1)
+    stream = sdk.chat.completions.create(
+        model=model, messages=QUESTION, n=3, max_tokens=5, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    )  # fmt: skip
+    texts = ["", "", ""]
+    finished, usage = set(), None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            if choice.finish_reason is not None:
+                finished.add(choice.index)
+    whole = sdk.chat.completions.create(model=model, messages=QUESTION, max_tokens=5, temperature=0)
+    assert texts == [whole.choices[0].message.content] * 3 and finished == {0, 1, 2}
+    assert usage is not None and usage.prompt_tokens == whole.usage.prompt_tokens
+    assert usage.completion_tokens == 3 * whole.usage.completion_tokens
 
 
 def test_tokenize_detokenize_and_version_as_vllm_serves_them(

@@ -1,0 +1,125 @@
+"""Several choices in one response: a list of prompts in ``/v1/completions`` and ``n > 1``.
+
+A request of P prompts with ``n`` choices each is P x n streams through the client, choice
+``p * n + j`` (OpenAI's order) answering prompt ``p`` with its ``j``-th sampling
+(``gateway/sampling.py:choice_samplings``). Each choice has its own ``ResponseBuilder``
+(``index`` set) behind one response id; ``Choices`` keeps them and ``merged`` interleaves
+their streams as items arrive.
+
+Contracts:
+- ``merged`` yields ``(choice index, item)`` in arrival order and ends when every stream
+  ended; the first failure of any stream is raised (the others are cancelled); closing it
+  closes every stream (their gRPC calls are cancelled). One stream is passed through without
+  tasks or a queue.
+- Usage: prompt tokens (and cached ones) count once per prompt, as OpenAI counts ``n``;
+  completion tokens add up over every choice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from typing import Any
+
+from splitserve.client import Chunk, Finish, Usage
+from splitserve.gateway.responses import ResponseBuilder, usage_dict
+
+Item = Chunk | Finish
+
+
+class Choices:
+    """The builders of one response, by choice index; ``prompt_of[i]`` is choice ``i``'s
+    prompt (usage counts each prompt once)."""
+
+    def __init__(self, builders: Sequence[ResponseBuilder], prompt_of: Sequence[int]) -> None:
+        if len(builders) != len(prompt_of) or not builders:
+            raise ValueError("one prompt index per builder, at least one builder")
+        self.builders = list(builders)
+        for builder in self.builders[1:]:  # one response: one creation time on every chunk
+            builder.created = self.builders[0].created
+        self.prompt_of = list(prompt_of)
+        self.finished = 0
+
+    @property
+    def all_finished(self) -> bool:
+        return self.finished == len(self.builders)
+
+    def opening_chunks(self) -> list[dict[str, Any]]:
+        return [chunk for builder in self.builders for chunk in builder.opening_chunks()]
+
+    def add(self, index: int, item: Item) -> dict[str, Any]:
+        """Fold choice ``index``'s item in; its streamed chunk."""
+        builder = self.builders[index]
+        if isinstance(item, Finish):
+            self.finished += 1
+            return builder.finish(item)
+        return builder.add(item)
+
+    def usage(self) -> Usage:
+        """What the request used so far (the module docstring's rule)."""
+        prompts: dict[int, Usage] = {}
+        completion = 0
+        for builder, prompt in zip(self.builders, self.prompt_of, strict=True):
+            if builder.usage is None:
+                continue
+            prompts.setdefault(prompt, builder.usage)
+            completion += builder.usage.completion_tokens
+        return Usage(
+            prompt_tokens=sum(u.prompt_tokens for u in prompts.values()),
+            completion_tokens=completion,
+            cached_tokens=sum(u.cached_tokens for u in prompts.values()),
+        )
+
+    def whole(self) -> dict[str, Any]:
+        """The non-streamed response: every choice, in index order, and the request's usage."""
+        body = self.builders[0].whole()
+        body["choices"] = [builder.whole()["choices"][0] for builder in self.builders]
+        body["usage"] = usage_dict(self.usage())
+        return body
+
+    def usage_chunk(self) -> dict[str, Any]:
+        body = self.builders[0].usage_chunk()
+        body["usage"] = usage_dict(self.usage())
+        return body
+
+
+async def merged(streams: Sequence[AsyncGenerator[Item, None]]) -> AsyncIterator[tuple[int, Item]]:
+    """Every stream's items tagged with its index, as they arrive (module docstring)."""
+    if len(streams) == 1:
+        (stream,) = streams
+        try:
+            async for item in stream:
+                yield 0, item
+        finally:
+            await stream.aclose()
+        return
+    queue: asyncio.Queue[tuple[int, Item | None, BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncGenerator[Item, None]) -> None:
+        try:
+            async for item in stream:
+                await queue.put((index, item, None))
+        except Exception as error:  # noqa: BLE001 - handed to the consumer, raised there
+            await queue.put((index, None, error))
+            return
+        await queue.put((index, None, None))  # this stream ended
+
+    tasks = [asyncio.ensure_future(pump(i, stream)) for i, stream in enumerate(streams)]
+    try:
+        ended = 0
+        while ended < len(streams):
+            index, item, error = await queue.get()
+            if error is not None:
+                raise error
+            if item is None:
+                ended += 1
+                continue
+            yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for stream in streams:
+            with contextlib.suppress(Exception):
+                await stream.aclose()
