@@ -20,6 +20,7 @@ from splitserve.client.types import (
     TopLogprob,
     Usage,
 )
+from splitserve.common.grammar import GrammarSpec
 
 __all__ = [
     "AsyncClient",
@@ -29,6 +30,7 @@ __all__ = [
     "ClientError",
     "Finish",
     "Generation",
+    "GrammarSpec",
     "LatencyTargets",
     "ModelInfo",
     "RetryPolicy",

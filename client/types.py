@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields
 import grpc
 
 from splitserve.client.errors import ClientError
+from splitserve.common.grammar import GrammarSpec
 from splitserve.proto.splitserve.v1 import common_pb2, coordinator_pb2
 
 _REPEATED_SAMPLING_FIELDS = ("stop", "stop_token_ids")
@@ -62,6 +63,8 @@ class Sampling:
     skip_special_tokens: bool | None = None
     logit_bias: Mapping[int, float] | None = None
     """Token id -> bias in [-100, 100], added to that token's logit before sampling."""
+    grammar: GrammarSpec | None = None
+    """Structured output: the tokens must match this JSON schema, regex, choice or grammar."""
 
     def to_proto(self) -> common_pb2.SamplingParams:
         """The wire message, unset fields left unset.
@@ -79,6 +82,8 @@ class Sampling:
                     getattr(message, field.name).extend(value)
                 elif field.name == "logit_bias":
                     message.logit_bias.update(value)
+                elif field.name == "grammar":
+                    message.grammar.kind, message.grammar.text = value.kind, value.text
                 else:
                     setattr(message, field.name, value)
             except (TypeError, ValueError) as error:

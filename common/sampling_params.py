@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from splitserve.common.errors import InvalidRequestError
+from splitserve.common.grammar import GrammarSpec
 
 MAX_LOGPROBS = 20
 """Largest number of top alternatives a request may ask for per token."""
@@ -60,6 +61,8 @@ class SamplingParams:
     """Return the sampled token's logprob and this many top alternatives (0..MAX_LOGPROBS)."""
     skip_special_tokens: bool = True
     """Leave special tokens out of the detokenized text."""
+    grammar: GrammarSpec | None = None
+    """A structured output the tokens must match (``common/grammar.py``); None: free."""
     logit_bias: tuple[tuple[int, float], ...] = ()
     """(token id, bias) pairs added to those tokens' logits; a mapping is accepted and stored
     as pairs sorted by token id. Ids must be below the vocabulary size, which only the
@@ -150,6 +153,11 @@ class SamplingParams:
                 f"logit_bias values must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
                 "logit_bias",
             )
+        _check(
+            self.grammar is None or isinstance(self.grammar, GrammarSpec),
+            "structured outputs must be a GrammarSpec",
+            "structured_outputs",
+        )
         ids = [token_id for token_id, _ in self.logit_bias]
         _check(len(set(ids)) == len(ids), "logit_bias names a token twice", "logit_bias")
 

@@ -27,6 +27,7 @@ from splitserve.common.errors import (
     OverloadedError,
     WorkerUnavailableError,
 )
+from splitserve.common.grammar import GrammarCompiler, GrammarSpec
 from splitserve.common.membership import Role
 from splitserve.common.output_processor import StreamChunk
 from splitserve.common.prompt import Prompt, check_in_vocab, encode_prompt, min_prompt_tokens
@@ -48,6 +49,8 @@ from splitserve.coordinator.tenants import TenantPolicy
 from splitserve.proto.cluster_access import ClusterAccess
 from splitserve.proto.worker_clients import WorkerChannels
 
+GRAMMAR_COMPILE_TIMEOUT_S = 10.0
+"""Longest a structured output may take to compile before its request is refused."""
 RATE_PROBE_TOKENS = 2048
 """Prompt tokens a worker's prefill rate is read at (a step's budget)."""
 TPOT_HEADROOM = 0.8
@@ -118,6 +121,24 @@ class Coordinator:
         )
         self.flow_observer: Callable[[RequestFlow], None] | None = None
         """Called with each flow when it ends (metrics); must not raise."""
+        eos = tokenizer.eos_token_id
+        self.grammars = GrammarCompiler(
+            tokenizer.backend.to_str(), tokenizer.vocab_size, [] if eos is None else [eos]
+        )
+        """Structured outputs checked here before any worker sees them (cached per spec)."""
+
+    async def check_grammar(self, spec: GrammarSpec) -> None:
+        """Refuse (``InvalidRequestError``) a constraint that does not compile, or takes over
+        ``GRAMMAR_COMPILE_TIMEOUT_S`` to: compiled on a thread, never on the event loop."""
+        try:
+            await asyncio.wait_for(
+                asyncio.to_thread(self.grammars.compile, spec), GRAMMAR_COMPILE_TIMEOUT_S
+            )
+        except TimeoutError:
+            raise InvalidRequestError(
+                f"the {spec.kind} took over {GRAMMAR_COMPILE_TIMEOUT_S:g} s to compile",
+                "structured_outputs",
+            ) from None
 
     def encode(self, prompt: Prompt) -> list[int]:
         """Token ids of a prompt; raises ``InvalidRequestError`` for empty or malformed input."""
@@ -235,6 +256,8 @@ class Coordinator:
         )
         params = sampling.params_with(max_tokens)
         params.check_vocab(self.tokenizer.vocab_size)
+        if params.grammar is not None:
+            await self.check_grammar(params.grammar)
         if len(self._running) >= self.config.max_inflight:
             raise OverloadedError(
                 f"{len(self._running)} requests in flight (limit {self.config.max_inflight})"

@@ -20,6 +20,7 @@ import torch
 
 from splitserve.common.busy_share import DecayingShare
 from splitserve.common.errors import InvalidRequestError
+from splitserve.common.grammar import GrammarCompiler
 from splitserve.common.load import EngineLoad
 from splitserve.common.logprobs import TokenLogprob
 from splitserve.common.model_files import resolve_model_path
@@ -32,6 +33,7 @@ from splitserve.engine.config import EngineConfig
 from splitserve.engine.device import resolve_dtype
 from splitserve.engine.engine_face import CompletedPrompt, EngineFacts, LayerHook, PagedKv
 from splitserve.engine.engine_report import SchedulerStats
+from splitserve.engine.grammar_matchers import GrammarMatchers
 from splitserve.engine.host_memory import return_freed_heap
 from splitserve.engine.kv_cache_manager import KVCacheManager
 from splitserve.engine.model import LlamaModel
@@ -106,6 +108,14 @@ class EngineCore:
         self.paged_kv = PagedKv(self.runner)
         """The KV cache for KV transfer (``engine_face.py``: its threading contract)."""
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
+        self.runner.grammars = GrammarMatchers(
+            GrammarCompiler(
+                self.tokenizer.backend.to_str(),
+                self.model_config.vocab_size,
+                sorted(self.eos_token_ids),
+            ),
+            self.model_config.vocab_size,
+        )  # the matchers' tokenizer is built when a constrained request first arrives
         self.step_cost = StepCostLearner()
         """This engine's step times, learned from every step (``load().step_cost``)."""
         self.last_step = StepTiming(0.0, 0.0)

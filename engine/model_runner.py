@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from splitserve.common.logprobs import TokenLogprob
+from splitserve.engine.grammar_matchers import GrammarMatchers
 from splitserve.engine.host_memory import zeros_huge_pages
 from splitserve.engine.model import GeneratedRows, LlamaModel
 from splitserve.engine.sampler import Sampler, SamplingRow
@@ -76,6 +77,8 @@ class ModelRunner:
         )  # [layers, 2, blocks, block_size, kv_heads, head_dim]
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}
+        self.grammars: GrammarMatchers | None = None
+        """Constrained requests' matchers (set by the engine when it can build them)."""
 
     def execute(
         self, step: SchedulerOutput, on_layer_kv_written: Callable[[int], None] | None = None
@@ -86,6 +89,8 @@ class ModelRunner:
         """
         for request_id in step.finished_request_ids:
             self._generators.pop(request_id, None)
+            if self.grammars is not None:
+                self.grammars.free(request_id)
         if not step.chunks:
             return RunnerOutput()
         # Decode rows first (the attention backend batches single-token sequences as decodes),
@@ -221,12 +226,21 @@ class ModelRunner:
                 generator.manual_seed(chunk.params.seed)
                 self._skip_draws(generator, chunk)
                 self._generators[chunk.request_id] = generator
+        allowed = None
+        if chunk.params.grammar is not None:
+            if self.grammars is None:
+                raise RuntimeError("a constrained request reached an engine without grammars")
+            allowed = self.grammars.allowed(
+                chunk.request_id, chunk.params.grammar, chunk.output_token_ids,
+                chunk.eos_token_ids,
+            )  # fmt: skip
         return SamplingRow(
             params=chunk.params,
             generator=generator,
             prompt_token_ids=chunk.prompt_token_ids,
             output_token_ids=chunk.output_token_ids,
             eos_token_ids=chunk.eos_token_ids,
+            allowed_token_mask=allowed,
         )
 
 

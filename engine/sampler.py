@@ -5,6 +5,8 @@ One ``Sampler.__call__`` turns a step's logits ``[batch, vocab]`` (any float dty
 
 Order of operations (vLLM / OpenAI semantics), all in float32:
 
+0. **grammar**: a row with an ``allowed_token_mask`` (its structured output's next tokens)
+   has every other token set to ``-inf``.
 1. **min_tokens**: while a row has generated fewer than ``params.min_tokens`` tokens, its
    ``eos_token_ids`` and ``params.stop_token_ids`` are set to ``-inf``; then **logit_bias**:
    each (token, bias) of ``params.logit_bias`` is added to that token's logit.
@@ -62,6 +64,8 @@ class SamplingRow:
     """Tokens generated so far (before this step)."""
     eos_token_ids: frozenset[int]
     """Suppressed (with ``params.stop_token_ids``) until ``params.min_tokens`` are generated."""
+    allowed_token_mask: torch.Tensor | None = None
+    """bool ``[vocab]``: the only tokens this row may take (its grammar's), or None."""
 
 
 @dataclass(frozen=True)
@@ -125,6 +129,7 @@ def _needs_penalties(row: SamplingRow) -> bool:
         or params.frequency_penalty != 0.0
         or params.presence_penalty != 0.0
         or bool(params.logit_bias)
+        or row.allowed_token_mask is not None
         or (
             len(row.output_token_ids) < params.min_tokens
             and bool(row.eos_token_ids or params.stop_token_ids)
@@ -138,6 +143,9 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
     The input is not modified. Tensors are built only for the rows that need each step.
     """
     processed = logits.to(torch.float32, copy=True)  # [batch, vocab]
+    for i, row in enumerate(rows):
+        if row.allowed_token_mask is not None:
+            processed[i].masked_fill_(~row.allowed_token_mask.to(processed.device), _NEG_INF)
     _suppress_stop_tokens(processed, rows)
     _apply_logit_bias(processed, rows)
     _apply_repetition_penalty(processed, rows)

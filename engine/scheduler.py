@@ -311,9 +311,9 @@ class Scheduler:
         ``j``-th next token (``ModelRunner._sampling_rows``, ``ModelRunner._rewind``: seeded,
         the same tokens; unseeded, the same distribution); so anything but what is read per
         token beside the token itself (logprobs; stop strings, matched in text after the
-        step)."""
+        step; a grammar, whose mask for row ``j`` is its state after the drafts before it)."""
         params = request.params
-        return params.logprobs is None and not params.stop
+        return params.logprobs is None and not params.stop and params.grammar is None
 
     def _draft_bar(self, decoding: Sequence[Request]) -> float:
         """The chance of being kept a draft must have to pay for its row (module docstring);

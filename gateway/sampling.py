@@ -7,10 +7,13 @@ field; nothing is dropped silently. Defaults follow vLLM's OpenAI server: a comp
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 from splitserve.client import ChatMessage, Sampling
+from splitserve.common.errors import InvalidRequestError
+from splitserve.common.grammar import GrammarSpec
 from splitserve.gateway import schemas
 from splitserve.gateway.errors import invalid
 from splitserve.gateway.schemas import (
@@ -109,8 +112,6 @@ def chat_sampling(body: ChatCompletionRequest) -> Sampling:
         raise invalid("tools are not supported", "tools")
     if body.tool_choice not in (None, "none", "auto"):
         raise invalid("tool_choice is not supported", "tool_choice")
-    if body.response_format and body.response_format.get("type") not in (None, "text"):
-        raise invalid("only response_format type 'text' is supported", "response_format")
     if body.top_logprobs and not body.logprobs:
         raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
     both = body.max_tokens and body.max_completion_tokens
@@ -156,7 +157,80 @@ def _sampling(body: _SamplingFields, max_tokens: int | None, logprobs: int | Non
         logprobs=logprobs,
         skip_special_tokens=body.skip_special_tokens,
         logit_bias=_logit_bias(body.logit_bias),
+        grammar=grammar_of(body),
     )
+
+
+def grammar_of(body: _SamplingFields) -> GrammarSpec | None:
+    """The request's structured output, from whichever one field asks for it (OpenAI's
+    ``response_format``, vLLM's ``guided_*`` or ``structured_outputs``); 400 naming the field
+    for a malformed one or for two at once. Whether it compiles is the coordinator's check."""
+    asked: list[tuple[str, GrammarSpec]] = []
+    if body.response_format is not None:
+        spec = _response_format(body.response_format)
+        if spec is not None:
+            asked.append(("response_format", spec))
+    if body.guided_json is not None:
+        asked.append(("guided_json", GrammarSpec.json_schema(body.guided_json)))
+    if body.guided_regex is not None:
+        asked.append(("guided_regex", GrammarSpec("regex", body.guided_regex)))
+    if body.guided_choice is not None:
+        asked.append(
+            ("guided_choice", _spec("guided_choice", GrammarSpec.choice, body.guided_choice))
+        )
+    if body.guided_grammar is not None:
+        asked.append(("guided_grammar", GrammarSpec("grammar", body.guided_grammar)))
+    if body.structured_outputs is not None:
+        asked.append(("structured_outputs", _structured_outputs(body.structured_outputs)))
+    if len(asked) > 1:
+        raise invalid(
+            f"ask for one structured output, not {len(asked)} ({', '.join(f for f, _ in asked)})",
+            asked[1][0],
+        )
+    return asked[0][1] if asked else None
+
+
+def _spec(field: str, make: Callable[[Any], GrammarSpec], value: Any) -> GrammarSpec:
+    try:
+        return make(value)
+    except InvalidRequestError as error:
+        raise invalid(error.message, field) from None
+
+
+def _response_format(value: dict[str, Any]) -> GrammarSpec | None:
+    kind = value.get("type")
+    if kind in (None, "text"):
+        return None
+    if kind == "json_object":
+        return GrammarSpec("json_object")
+    if kind == "json_schema":
+        schema = (value.get("json_schema") or {}).get("schema")
+        if not isinstance(schema, dict):
+            raise invalid("response_format json_schema needs json_schema.schema, an object",
+                          "response_format")  # fmt: skip
+        return GrammarSpec.json_schema(schema)
+    raise invalid(f"unknown response_format type {kind!r}", "response_format")
+
+
+def _structured_outputs(value: dict[str, Any]) -> GrammarSpec:
+    given = {key: item for key, item in value.items() if item is not None and item is not False}
+    given.pop("disable_fallback", None)
+    given.pop("disable_any_whitespace", None)
+    if len(given) != 1:
+        raise invalid("structured_outputs takes exactly one of json, regex, choice, grammar, "
+                      "json_object", "structured_outputs")  # fmt: skip
+    ((key, item),) = given.items()
+    if key == "json" and isinstance(item, dict | str):
+        return GrammarSpec.json_schema(item)
+    if key == "regex" and isinstance(item, str):
+        return GrammarSpec("regex", item)
+    if key == "choice" and isinstance(item, list):
+        return _spec("structured_outputs", GrammarSpec.choice, item)
+    if key == "grammar" and isinstance(item, str):
+        return GrammarSpec("grammar", item)
+    if key == "json_object" and item is True:
+        return GrammarSpec("json_object")
+    raise invalid(f"structured_outputs.{key} is not supported in this form", "structured_outputs")
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:

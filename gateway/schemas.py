@@ -80,6 +80,22 @@ class _SamplingFields(BaseModel):
         "0); at least minus the API key's tenant's max_priority (the gRPC API's priority is "
         "this one negated: higher first).",
     )
+    # structured outputs: OpenAI's response_format, vLLM's older guided_* and newer
+    # structured_outputs (at most one of them per request)
+    response_format: dict[str, Any] | None = Field(
+        None,
+        description="{'type': 'text' | 'json_object'} or {'type': 'json_schema', "
+        "'json_schema': {'name': ..., 'schema': {...}}}.",
+    )
+    guided_json: dict[str, Any] | str | None = Field(None, description="A JSON schema.")
+    guided_regex: str | None = Field(None, description="A regular expression.")
+    guided_choice: list[str] | None = Field(None, description="One of these strings.")
+    guided_grammar: str | None = Field(None, description="A Lark or GBNF grammar.")
+    structured_outputs: dict[str, Any] | None = Field(
+        None,
+        description="vLLM's: exactly one of json (a schema), regex, choice, grammar, "
+        "json_object (true).",
+    )
     # splitserve extensions
     ttft_slo_ms: float | None = Field(
         None,
@@ -151,7 +167,6 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = Field(None, description="Not supported.")
     tool_choice: str | dict[str, Any] | None = Field(None, description="Only none / auto.")
-    response_format: dict[str, Any] | None = Field(None, description="Only {'type': 'text'}.")
 
 
 # ---- responses ----------------------------------------------------------------------------

@@ -49,18 +49,12 @@ class Refusal:
     asks_nothing: Callable[[Any], bool] = _asks_nothing
 
 
-_STRUCTURED = Refusal("structured outputs are not supported yet")
+_STRUCTURED = Refusal("this form of structured outputs is not supported")
 _TOOLS = Refusal("tool and function calling are not supported yet")
 REFUSED: dict[str, Refusal] = {
-    # structured outputs (vLLM's guided decoding, old and new names)
-    "guided_json": _STRUCTURED,
-    "guided_regex": _STRUCTURED,
-    "guided_choice": _STRUCTURED,
-    "guided_grammar": _STRUCTURED,
-    "guided_decoding_backend": _STRUCTURED,
+    # structured outputs beyond what gateway/sampling.py:grammar_of serves
     "guided_whitespace_pattern": _STRUCTURED,
     "structural_tag": _STRUCTURED,
-    "structured_outputs": _STRUCTURED,
     # tools (OpenAI's deprecated function calling)
     "functions": _TOOLS,
     "function_call": Refusal(_TOOLS.reason, _is("none")),
@@ -106,11 +100,13 @@ REFUSED: dict[str, Refusal] = {
 
 KNOWN_IGNORED = frozenset({
     "parallel_tool_calls", "include_reasoning", "metadata", "store", "service_tier",
+    "guided_decoding_backend",
     "prediction", "web_search_options", "verbosity", "safety_identifier", "prompt_cache_key",
     "name",
 })  # fmt: skip
-"""Fields known to change nothing here (``parallel_tool_calls`` without tools, which are
-refused; OpenAI's storage, billing and caching hints; a message's ``name``): counted by name."""
+"""Fields known to change nothing here, counted by name: ``parallel_tool_calls`` without
+tools (which are refused), ``guided_decoding_backend`` (structured outputs always use
+llguidance here), OpenAI's storage, billing and caching hints, a message's ``name``."""
 
 _MESSAGE_REFUSED = {"tool_calls": _TOOLS, "function_call": _TOOLS}
 

@@ -13,6 +13,7 @@ from collections.abc import Iterable, Sequence
 from google.protobuf.message import DecodeError
 
 from splitserve.common.errors import InvalidRequestError
+from splitserve.common.grammar import GrammarSpec
 from splitserve.common.kv_layout import KvLayout
 from splitserve.common.load import EngineLoad, LoadReport
 from splitserve.common.logprobs import TokenLogprob
@@ -67,6 +68,11 @@ def sampling_from_proto(
         stop_token_ids=tuple(message.stop_token_ids),
         ignore_eos=message.ignore_eos,
         logit_bias=tuple(message.logit_bias.items()),
+        grammar=(
+            GrammarSpec(message.grammar.kind, message.grammar.text)
+            if message.HasField("grammar")
+            else None
+        ),
     )
 
 
@@ -91,6 +97,9 @@ def sampling_to_proto(
         ignore_eos=params.ignore_eos,
         logit_bias=dict(params.logit_bias),
     )
+    if params.grammar is not None:
+        message.grammar.kind = params.grammar.kind
+        message.grammar.text = params.grammar.text
     defaults = SamplingParams()
     for name in _OPTIONAL_SAMPLING_FIELDS:
         value = getattr(params, name)

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import Iterator
 
 import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from pydantic import BaseModel, Field
 
 from splitserve.client import Client, Sampling
 from tests.cluster import (
@@ -243,7 +245,7 @@ def test_bad_requests_get_openai_errors(served: Served, sdk: openai.OpenAI) -> N
                 f"{url}/completions", json={"model": model, "prompt": "hi", field: value}
             )
             assert _error(response, 400)["param"] == field
-        for field, value in (("stream", "maybe"), ("response_format", {"type": "json_object"})):
+        for field, value in (("stream", "maybe"), ("response_format", {"type": "yaml"})):
             response = http.post(
                 f"{url}/chat/completions",
                 json={"model": model, "messages": QUESTION, field: value},
@@ -260,12 +262,12 @@ def test_bad_requests_get_openai_errors(served: Served, sdk: openai.OpenAI) -> N
         assert _error(streamed_bad, 400)["param"] == "prompt"
     with pytest.raises(openai.BadRequestError):
         sdk.chat.completions.create(model=model, messages=QUESTION, top_p=5.0)
-    # vLLM's extensions are refused by name, not ignored; other unknown fields are counted
-    with pytest.raises(openai.BadRequestError) as guided:
+    # vLLM's extensions it does not serve are refused by name; other unknown fields are counted
+    with pytest.raises(openai.BadRequestError) as unserved:
         sdk.chat.completions.create(
-            model=model, messages=QUESTION, extra_body={"guided_json": {"type": "object"}}
+            model=model, messages=QUESTION, extra_body={"guided_whitespace_pattern": " *"}
         )
-    assert guided.value.body["param"] == "guided_json"
+    assert unserved.value.body["param"] == "guided_whitespace_pattern"
     later = sdk.completions.create(
         model=model, prompt="Hi", max_tokens=2, extra_body={"priority": 3}
     )
@@ -333,6 +335,54 @@ def test_several_choices_prompts_and_echo(served: Served, sdk: openai.OpenAI) ->
     assert texts == [whole.choices[0].message.content] * 3 and finished == {0, 1, 2}
     assert usage is not None and usage.prompt_tokens == whole.usage.prompt_tokens
     assert usage.completion_tokens == 3 * whole.usage.completion_tokens
+
+
+class City(BaseModel):
+    city: str = Field(max_length=16)
+    country: str = Field(max_length=16)
+
+
+def test_structured_outputs_parse_on_every_field_that_asks(
+    served: Served, sdk: openai.OpenAI
+) -> None:
+    """OpenAI's response_format (the SDK's parse with a pydantic model, json_object), vLLM's
+    guided_regex / guided_choice and structured_outputs: each output matches; streamed too;
+    a constraint that does not compile, or two at once, is a 400 naming the field."""
+    model = _model(sdk)
+    parsed = sdk.beta.chat.completions.parse(
+        model=model, messages=QUESTION, response_format=City, max_tokens=60, temperature=0
+    )
+    assert isinstance(parsed.choices[0].message.parsed, City)
+    regex = sdk.completions.create(
+        model=model, prompt="A phone number:", max_tokens=20, temperature=0,
+        extra_body={"guided_regex": r"[0-9]{3}-[0-9]{4}"},
+    )  # fmt: skip
+    assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", regex.choices[0].text)
+    assert regex.choices[0].finish_reason == "stop"
+    choice = sdk.chat.completions.create(
+        model=model, messages=QUESTION, max_tokens=10, temperature=0.8, seed=5,
+        extra_body={"guided_choice": ["Paris", "Lyon", "Nice"]},
+    )  # fmt: skip
+    assert choice.choices[0].message.content in {"Paris", "Lyon", "Nice"}
+    stream = sdk.chat.completions.create(
+        model=model, messages=QUESTION, max_tokens=80, temperature=0, stream=True,
+        extra_body={"structured_outputs": {"json": City.model_json_schema()}},
+    )  # fmt: skip
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    assert City.model_validate_json(text)
+    ask = [{"role": "user", "content": 'Reply with the JSON object {"ok": true} and nothing else.'}]
+    any_object = sdk.chat.completions.create(
+        model=model, messages=ask, max_tokens=100, temperature=0,
+        response_format={"type": "json_object"},
+    )  # fmt: skip
+    assert isinstance(json.loads(any_object.choices[0].message.content), dict)
+    with httpx.Client(base_url=f"{served.url}/v1", timeout=30) as http:
+        bad = http.post("/completions", json={"prompt": "x", "guided_regex": "(unclosed"})
+        assert _error(bad, 400)["param"] == "structured_outputs"
+        two = http.post(
+            "/completions", json={"prompt": "x", "guided_regex": "a", "guided_choice": ["b"]}
+        )
+        assert _error(two, 400)["param"] == "guided_choice"
 
 
 def test_tokenize_detokenize_and_version_as_vllm_serves_them(

@@ -27,10 +27,8 @@ def chat(**extra: Any) -> ChatCompletionRequest:
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        ("guided_json", {"type": "object"}),
-        ("guided_regex", "[a-z]+"),
-        ("guided_choice", ["yes", "no"]),
-        ("structured_outputs", {"json": {}}),
+        ("guided_whitespace_pattern", "[ ]*"),
+        ("structural_tag", {"structures": []}),
         ("use_beam_search", True),
         ("length_penalty", 0.5),
         ("include_stop_str_in_output", True),
@@ -74,7 +72,7 @@ def test_chat_only_fields_and_message_tool_calls_are_refused_by_name() -> None:
 def test_values_that_ask_for_nothing_pass() -> None:
     fields = UnservedFields()
     quiet = {
-        "guided_json": None,
+        "guided_whitespace_pattern": None,
         "use_beam_search": False,
         "length_penalty": 1.0,
         "include_stop_str_in_output": False,

@@ -1,0 +1,121 @@
+"""Structured outputs: what a request's output must match, and its compilation (llguidance).
+
+``GrammarSpec`` is the request's constraint as asked (torch-free, llguidance-free: the gateway
+and clients build it): a JSON schema, any JSON object, a regular expression, a choice among
+strings, or a grammar (Lark or GBNF). ``compile_grammar`` turns it into llguidance's grammar
+text and checks it against a tokenizer; ``GrammarCompiler`` does that once per spec (an LRU
+cache) for a coordinator, which refuses a bad constraint with a 400 before any worker sees it.
+
+llguidance (Rust, no torch) was chosen over xgrammar (which needs torch and its own
+compile step per tokenizer) for its small dependency and its one matcher object that both
+computes the token mask and consumes tokens; xgrammar was not measured here.
+
+Contract: ``compile_grammar`` raises ``InvalidRequestError`` (param ``param_of(kind)``) for
+a constraint that does not parse, or whose grammar llguidance rejects; it never hangs the
+caller longer than llguidance's own limits (``LLParserLimits``) allow.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from splitserve.common.errors import InvalidRequestError
+
+GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+"""What a constraint is: a JSON schema (its JSON text), any JSON object (no text), a regular
+expression, a JSON list of strings to choose from, a Lark or GBNF grammar."""
+MAX_GRAMMAR_CHARS = 1 << 20
+"""Longest constraint text accepted (a schema of a megabyte is already far past useful)."""
+PARAM = "structured_outputs"
+"""The request field errors name (OpenAI's ``response_format`` maps to it too)."""
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """A request's output constraint as asked; ``text`` per ``GRAMMAR_KINDS``."""
+
+    kind: str
+    text: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in GRAMMAR_KINDS:
+            raise InvalidRequestError(
+                f"unknown structured output kind {self.kind!r} (one of {GRAMMAR_KINDS})", PARAM
+            )
+        if len(self.text) > MAX_GRAMMAR_CHARS:
+            raise InvalidRequestError(
+                f"the structured output's text is over {MAX_GRAMMAR_CHARS} characters", PARAM
+            )
+
+    @classmethod
+    def json_schema(cls, schema: dict[str, Any] | str) -> GrammarSpec:
+        return cls("json_schema", schema if isinstance(schema, str) else json.dumps(schema))
+
+    @classmethod
+    def choice(cls, options: list[str]) -> GrammarSpec:
+        if not options or not all(isinstance(option, str) for option in options):
+            raise InvalidRequestError("a choice needs a non-empty list of strings", PARAM)
+        return cls("choice", json.dumps(options))
+
+
+def llguidance_grammar(spec: GrammarSpec) -> str:
+    """llguidance's grammar text for ``spec`` (``InvalidRequestError`` if it cannot parse)."""
+    from llguidance import grammar_from  # imported where a constraint is compiled only
+
+    try:
+        if spec.kind == "json_object":
+            return grammar_from("json_schema", '{"type": "object"}')
+        if spec.kind == "json_schema":
+            json.loads(spec.text)  # a clear message for text that is not JSON at all
+            return grammar_from("json_schema", spec.text)
+        if spec.kind == "choice":
+            options = json.loads(spec.text)
+            GrammarSpec.choice(options)  # checks the options
+            return grammar_from("choice", spec.text)
+        return grammar_from("regex" if spec.kind == "regex" else "grammar", spec.text)
+    except (ValueError, TypeError) as error:
+        raise InvalidRequestError(f"invalid {spec.kind}: {error}", PARAM) from None
+
+
+def compile_grammar(spec: GrammarSpec, tokenizer: Any) -> str:
+    """``spec``'s llguidance grammar, checked against ``tokenizer`` (an ``LLTokenizer``)."""
+    from llguidance import LLMatcher
+
+    grammar = llguidance_grammar(spec)
+    message = LLMatcher.validate_grammar(grammar, tokenizer)
+    if message:
+        raise InvalidRequestError(f"invalid {spec.kind}: {message}", PARAM)
+    return grammar
+
+
+def ll_tokenizer(backend_json: str, vocab_size: int, eos_token_ids: list[int]) -> Any:
+    """llguidance's view of a tokenizer (``tokenizers``' JSON), its vocabulary widened to the
+    model's logits (``vocab_size``); about a second to build, so callers keep it."""
+    from llguidance import LLTokenizer
+
+    return LLTokenizer(backend_json, n_vocab=vocab_size, eos_token=eos_token_ids or None)
+
+
+class GrammarCompiler:
+    """``compile_grammar`` with an LRU cache per spec and a tokenizer built on first use;
+    thread-safe (coordinators call it from worker threads)."""
+
+    def __init__(self, backend_json: str, vocab_size: int, eos_token_ids: list[int]) -> None:
+        self._tokenizer_args = (backend_json, vocab_size, eos_token_ids)
+        self._tokenizer: Any = None
+        self._lock = threading.Lock()
+        self.compile = functools.lru_cache(maxsize=256)(self._compile)
+
+    @property
+    def tokenizer(self) -> Any:
+        with self._lock:
+            if self._tokenizer is None:
+                self._tokenizer = ll_tokenizer(*self._tokenizer_args)
+            return self._tokenizer
+
+    def _compile(self, spec: GrammarSpec) -> str:
+        return compile_grammar(spec, self.tokenizer)
