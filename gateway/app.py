@@ -523,9 +523,10 @@ async def _stream_frames(
             index, item = entry
             body = choices.add(index, item)
             _record(timer, choices, item)
-            if continuous:
-                body["usage"] = usage_dict(choices.usage())
-            yield _sse(body)
+            if body is not None:
+                if continuous:
+                    body["usage"] = usage_dict(choices.usage())
+                yield _sse(body)
             if choices.all_finished:
                 break
             entry = await anext(events, None)

@@ -48,8 +48,8 @@ class Choices:
     def opening_chunks(self) -> list[dict[str, Any]]:
         return [chunk for builder in self.builders for chunk in builder.opening_chunks()]
 
-    def add(self, index: int, item: Item) -> dict[str, Any]:
-        """Fold choice ``index``'s item in; its streamed chunk."""
+    def add(self, index: int, item: Item) -> dict[str, Any] | None:
+        """Fold choice ``index``'s item in; its streamed chunk (None: nothing to send yet)."""
         builder = self.builders[index]
         if isinstance(item, Finish):
             self.finished += 1

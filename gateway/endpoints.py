@@ -24,6 +24,7 @@ from splitserve.gateway.sampling import (
     chat_sampling,
     completion_prompts,
     completion_sampling,
+    request_tools,
 )
 from splitserve.gateway.schemas import (
     ChatCompletionRequest,
@@ -66,7 +67,7 @@ def _completion_builder(
 def _chat_builder(
     response_id: str, model: str, body: ChatCompletionRequest, index: int, echo_text: str
 ) -> ResponseBuilder:
-    return ChatBuilder(response_id, model, bool(body.logprobs), index)
+    return ChatBuilder(response_id, model, bool(body.logprobs), index, request_tools(body))
 
 
 COMPLETIONS = Endpoint[CompletionRequest](

@@ -16,6 +16,7 @@ import time
 from typing import Any
 
 from splitserve.client import Chunk, Finish, TokenLogprob, Usage
+from splitserve.gateway.tools import ToolPlan, openai_tool_calls
 
 
 def usage_dict(usage: Usage) -> dict[str, Any]:
@@ -69,8 +70,8 @@ class ResponseBuilder(abc.ABC):
         return []
 
     @abc.abstractmethod
-    def add(self, chunk: Chunk) -> dict[str, Any]:
-        """Fold a chunk in; returns its streamed form."""
+    def add(self, chunk: Chunk) -> dict[str, Any] | None:
+        """Fold a chunk in; returns its streamed form (None: nothing to send for it yet)."""
 
     @abc.abstractmethod
     def finish(self, end: Finish) -> dict[str, Any]:
@@ -179,10 +180,25 @@ class ChatBuilder(ResponseBuilder):
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
 
-    def __init__(self, response_id: str, model: str, want_logprobs: bool, index: int = 0) -> None:
+    def __init__(
+        self,
+        response_id: str,
+        model: str,
+        want_logprobs: bool,
+        index: int = 0,
+        tools: ToolPlan | None = None,
+    ) -> None:
+        """``tools``: the request's shown tools (``gateway/tools.py``): content that may be a
+        tool call is held back until it is known not to be one (its first character is not
+        ``{``; with a forced choice, never), and an answer that is a call ends as
+        ``tool_calls`` with finish reason ``tool_calls``."""
         super().__init__(response_id, model, index)
         self.want_logprobs = want_logprobs
         self.text_parts: list[str] = []
+        self.tools = tools if tools is not None and tools.shown else None
+        self._held: list[str] = []
+        self._streams_content = self.tools is None
+        self.tool_calls: list[dict[str, Any]] | None = None
         self.content_logprobs: list[dict[str, Any]] = []
 
     @staticmethod
@@ -210,11 +226,21 @@ class ChatBuilder(ResponseBuilder):
         }
         return [self._envelope(self.chunk_object_name, [choice])]
 
-    def add(self, chunk: Chunk) -> dict[str, Any]:
+    def add(self, chunk: Chunk) -> dict[str, Any] | None:
+        """The chunk's streamed form, or None while its content is held (it may be a call)."""
         self.usage = chunk.usage
+        self.text_parts.append(chunk.text)
+        text = chunk.text
+        if not self._streams_content:
+            self._held.append(chunk.text)
+            held = "".join(self._held)
+            assert self.tools is not None
+            if self.tools.forced or not held.strip() or held.lstrip().startswith("{"):
+                return None
+            self._streams_content, self._held, text = True, [], held
         choice: dict[str, Any] = {
             "index": self.index,
-            "delta": {"content": chunk.text},
+            "delta": {"content": text},
             "logprobs": None,
             "finish_reason": None,
         }
@@ -222,20 +248,36 @@ class ChatBuilder(ResponseBuilder):
             part = self._content_logprobs(chunk.logprobs)
             self.content_logprobs.extend(part)
             choice["logprobs"] = {"content": part}
-        self.text_parts.append(chunk.text)
         return self._envelope(self.chunk_object_name, [choice])
 
     def finish(self, end: Finish) -> dict[str, Any]:
         self.usage = end.usage
         self.finish_reason, self.stop_reason = end.finish_reason, end.stop_reason
+        delta: dict[str, Any] = {}
+        if not self._streams_content:
+            assert self.tools is not None
+            calls = self.tools.parse("".join(self.text_parts))
+            if calls and end.finish_reason == "stop":
+                self.tool_calls = openai_tool_calls(calls)
+                self.finish_reason = "tool_calls"
+                delta["tool_calls"] = [
+                    {"index": i, **call} for i, call in enumerate(self.tool_calls)
+                ]
+            elif self._held:
+                delta["content"] = "".join(self._held)
         choice = {
             "index": self.index,
-            "delta": {},
+            "delta": delta,
             "logprobs": None,
-            "finish_reason": end.finish_reason,
+            "finish_reason": self.finish_reason,
             "stop_reason": end.stop_reason,
         }
         return self._envelope(self.chunk_object_name, [choice])
+
+    def _message(self) -> dict[str, Any]:
+        if self.tool_calls:
+            return {"role": "assistant", "content": None, "tool_calls": self.tool_calls}
+        return {"role": "assistant", "content": "".join(self.text_parts)}
 
     def whole(self) -> dict[str, Any]:
         body = self._envelope(
@@ -243,7 +285,7 @@ class ChatBuilder(ResponseBuilder):
             [
                 {
                     "index": self.index,
-                    "message": {"role": "assistant", "content": "".join(self.text_parts)},
+                    "message": self._message(),
                     "logprobs": {"content": self.content_logprobs} if self.want_logprobs else None,
                     "finish_reason": self.finish_reason,
                     "stop_reason": self.stop_reason,

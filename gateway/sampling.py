@@ -21,6 +21,7 @@ from splitserve.gateway.schemas import (
     CompletionRequest,
     _SamplingFields,
 )
+from splitserve.gateway.tools import ToolPlan, render_tool_calls, tool_plan
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 
@@ -75,7 +76,21 @@ def _token_ids_in(prompt: str | list[str] | list[int] | list[list[int]]) -> list
 
 
 def chat_prompts(body: ChatCompletionRequest) -> list[PromptArgs]:
-    return [PromptArgs(messages=chat_messages(body.messages))]
+    """The messages, with the request's tools described in the system message when they are
+    shown (``gateway/tools.py``)."""
+    messages = list(chat_messages(body.messages))
+    plan = request_tools(body)
+    if plan is not None and plan.shown:
+        if messages and messages[0].role == "system":
+            first = messages[0]
+            messages[0] = ChatMessage("system", f"{first.content}\n\n{plan.system_text()}")
+        else:
+            messages.insert(0, ChatMessage("system", plan.system_text()))
+    return [PromptArgs(messages=tuple(messages))]
+
+
+def request_tools(body: ChatCompletionRequest) -> ToolPlan | None:
+    return tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls)
 
 
 def chat_messages(given: Sequence[schemas.ChatMessage]) -> tuple[ChatMessage, ...]:
@@ -92,6 +107,10 @@ def chat_messages(given: Sequence[schemas.ChatMessage]) -> tuple[ChatMessage, ..
                     )
                 texts.append(part["text"])
             content = "".join(texts)
+        if message.tool_calls:
+            if message.role != "assistant":
+                raise invalid("only assistant messages make tool calls", f"messages.{index}")
+            content = render_tool_calls(message.tool_calls)
         messages.append(ChatMessage(role=message.role, content=content or ""))
     return tuple(messages)
 
@@ -108,10 +127,6 @@ def completion_sampling(body: CompletionRequest) -> Sampling:
 
 
 def chat_sampling(body: ChatCompletionRequest) -> Sampling:
-    if body.tools:
-        raise invalid("tools are not supported", "tools")
-    if body.tool_choice not in (None, "none", "auto"):
-        raise invalid("tool_choice is not supported", "tool_choice")
     if body.top_logprobs and not body.logprobs:
         raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
     both = body.max_tokens and body.max_completion_tokens
@@ -121,7 +136,15 @@ def chat_sampling(body: ChatCompletionRequest) -> Sampling:
         )
     max_tokens = body.max_completion_tokens or body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    return _sampling(body, max_tokens, logprobs)
+    sampling = _sampling(body, max_tokens, logprobs)
+    plan = request_tools(body)
+    tools_grammar = None if plan is None else plan.grammar()
+    if tools_grammar is None:
+        return sampling
+    if sampling.grammar is not None:
+        raise invalid("a forced tool call and a structured output exclude each other",
+                      "tool_choice")  # fmt: skip
+    return replace(sampling, grammar=tools_grammar)
 
 
 def choice_samplings(sampling: Sampling, n: int | None) -> list[Sampling]:

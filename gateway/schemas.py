@@ -4,7 +4,7 @@ Requests accept the OpenAI fields splitserve implements plus vLLM's common exten
 (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``min_tokens``,
 ``stop_token_ids``, ``skip_special_tokens``; explicit ``null`` means the default). Declared
 fields whose meaning is not implemented (``best_of > 1``, ``echo`` with ``logprobs``,
-``suffix``, tools) are refused with a 400 by ``gateway/sampling.py``; undeclared ones
+``suffix``) are refused with a 400 by ``gateway/sampling.py``; undeclared ones
 (``model_extra``) go through ``gateway/unserved_fields.py``: vLLM's other extensions are
 refused with a 400 naming them unless they ask for nothing, anything else is ignored with a
 warning and a counter, as vLLM does.
@@ -156,6 +156,10 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any]] | None = Field(
         None, description="Text, or a list of {'type': 'text', 'text': ...} parts."
     )
+    tool_calls: list[dict[str, Any]] | None = Field(
+        None, description="An assistant message's tool calls (rendered for the model)."
+    )
+    tool_call_id: str | None = Field(None, description="The call a tool message answers.")
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -165,8 +169,15 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1, description="Alias of max_tokens.")
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    tools: list[dict[str, Any]] | None = Field(None, description="Not supported.")
-    tool_choice: str | dict[str, Any] | None = Field(None, description="Only none / auto.")
+    tools: list[dict[str, Any]] | None = Field(
+        None, description="Function tools, described to the model (gateway/tools.py)."
+    )
+    tool_choice: str | dict[str, Any] | None = Field(
+        None, description="none, auto (default with tools), required or a named function."
+    )
+    parallel_tool_calls: bool | None = Field(
+        None, description="With tool_choice required: several calls in one answer (default)."
+    )
 
 
 # ---- responses ----------------------------------------------------------------------------

@@ -11,8 +11,8 @@ validation):
   ``MAX_WARNED_NAMES`` names, so a client sending random names cannot flood the log) and
   ``check`` returns the names for the ignored-fields counter (whose label is the
   name for fields listed in ``KNOWN_IGNORED``, else ``other``: the label set stays bounded).
-- in chat messages (of any body with ``messages``), ``tool_calls`` and ``function_call`` are
-  refused when non-empty; other undeclared message fields (``name``) are ignored the same way.
+- in chat messages (of any body with ``messages``), ``function_call`` is refused when
+  non-empty; other undeclared message fields (``name``) are ignored the same way.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ class Refusal:
 
 
 _STRUCTURED = Refusal("this form of structured outputs is not supported")
-_TOOLS = Refusal("tool and function calling are not supported yet")
+_TOOLS = Refusal("OpenAI's deprecated function calling is not supported: send tools")
 REFUSED: dict[str, Refusal] = {
     # structured outputs beyond what gateway/sampling.py:grammar_of serves
     "guided_whitespace_pattern": _STRUCTURED,
@@ -99,16 +99,16 @@ REFUSED: dict[str, Refusal] = {
 """Fields with an effect splitserve does not implement, by name."""
 
 KNOWN_IGNORED = frozenset({
-    "parallel_tool_calls", "include_reasoning", "metadata", "store", "service_tier",
+    "include_reasoning", "metadata", "store", "service_tier",
     "guided_decoding_backend",
     "prediction", "web_search_options", "verbosity", "safety_identifier", "prompt_cache_key",
     "name",
 })  # fmt: skip
-"""Fields known to change nothing here, counted by name: ``parallel_tool_calls`` without
-tools (which are refused), ``guided_decoding_backend`` (structured outputs always use
-llguidance here), OpenAI's storage, billing and caching hints, a message's ``name``."""
+"""Fields known to change nothing here, counted by name: ``guided_decoding_backend``
+(structured outputs always use llguidance here), OpenAI's storage, billing and caching hints,
+a message's ``name``."""
 
-_MESSAGE_REFUSED = {"tool_calls": _TOOLS, "function_call": _TOOLS}
+_MESSAGE_REFUSED = {"function_call": _TOOLS}
 
 
 class UnservedFields:

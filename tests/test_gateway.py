@@ -385,6 +385,79 @@ def test_structured_outputs_parse_on_every_field_that_asks(
         assert _error(two, 400)["param"] == "guided_choice"
 
 
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 20}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {"type": "object", "properties": {}, "additionalProperties": False},
+    },
+}
+
+
+def test_tool_calls_forced_by_the_grammar_whole_and_streamed(
+    served: Served, sdk: openai.OpenAI
+) -> None:
+    model = _model(sdk)
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    forced = sdk.chat.completions.create(
+        model=model, messages=ask, tools=[WEATHER, TIME], tool_choice="required",
+        parallel_tool_calls=False, max_tokens=100, temperature=0,
+    )  # fmt: skip
+    choice = forced.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    calls = choice.message.tool_calls
+    assert calls and {call.function.name for call in calls} <= {"get_weather", "get_time"}
+    for call in calls:
+        arguments = json.loads(call.function.arguments)
+        assert set(arguments) == ({"city"} if call.function.name == "get_weather" else set())
+    named = sdk.chat.completions.create(
+        model=model, messages=ask, tools=[WEATHER, TIME], max_tokens=100, temperature=0,
+        tool_choice={"type": "function", "function": {"name": "get_time"}}, stream=True,
+    )  # fmt: skip
+    streamed: dict[int, dict[str, str]] = {}
+    finish = None
+    for chunk in named:
+        for delta_call in chunk.choices[0].delta.tool_calls or []:
+            entry = streamed.setdefault(delta_call.index, {"name": "", "arguments": ""})
+            entry["name"] += delta_call.function.name or ""
+            entry["arguments"] += delta_call.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls" and [c["name"] for c in streamed.values()] == ["get_time"]
+    assert json.loads(streamed[0]["arguments"]) == {}
+    # the call and its result go back into the conversation
+    made = {"name": calls[0].function.name, "arguments": calls[0].function.arguments}
+    history = [
+        *ask,
+        {"role": "assistant", "content": None,
+         "tool_calls": [{"id": calls[0].id, "type": "function", "function": made}]},
+        {"role": "tool", "tool_call_id": calls[0].id, "content": "Sunny, 21 C"},
+    ]  # fmt: skip
+    answer = sdk.chat.completions.create(
+        model=model, messages=history, tools=[WEATHER], max_tokens=8, temperature=0
+    )
+    assert answer.choices[0].finish_reason in {"stop", "length", "tool_calls"}
+    with httpx.Client(base_url=f"{served.url}/v1", timeout=30) as http:
+        for field, value in (
+            ("tools", [{"type": "function", "function": {"name": "a b"}}]),
+            ("tool_choice", {"type": "function", "function": {"name": "x"}}),
+        ):
+            body = {"messages": ask, "tools": [WEATHER], field: value}
+            assert _error(http.post("/chat/completions", json=body), 400)["param"] == field
+
+
 def test_tokenize_detokenize_and_version_as_vllm_serves_them(
     served: Served, sdk: openai.OpenAI
 ) -> None:
