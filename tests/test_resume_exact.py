@@ -1,7 +1,8 @@
 """A request resumed with its earlier output (``EngineCore.add_request(...,
 prior_output_token_ids)``, what a decode worker gets when a request moves to it) goes on
 exactly as if it had never moved: seeded sampling continues its random stream, penalties see
-the earlier tokens as output, ``min_tokens``/``max_tokens`` count them. Float32, one engine,
+the earlier tokens as output, ``min_tokens``/``max_tokens`` count them, a grammar's matcher
+continues from them. Float32, one engine,
 each request run whole and then resumed from several points."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from splitserve.common.errors import InvalidRequestError
+from splitserve.common.grammar import GrammarSpec
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.checkpoint import LoadedCheckpoint
 from splitserve.engine.engine_core import EngineCore
@@ -30,6 +32,10 @@ PARAMS = {
     ),
     "greedy-min-tokens": SamplingParams(
         max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, temperature=0.0
+    ),
+    # a structured output: the resumed request's matcher replays the earlier tokens
+    "seeded-grammar": SamplingParams(
+        max_tokens=MAX_TOKENS, temperature=0.9, seed=99, grammar=GrammarSpec("regex", "[a-z ]{300}")
     ),
 }
 
