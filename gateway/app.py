@@ -71,7 +71,13 @@ from splitserve.gateway.errors import (
     from_validation_error,
 )
 from splitserve.gateway.responses import usage_dict
-from splitserve.gateway.sampling import MAX_CHOICES, PromptArgs, chat_messages, choice_samplings
+from splitserve.gateway.sampling import (
+    MAX_CHOICES,
+    PromptArgs,
+    best_of_asked,
+    chat_messages,
+    choice_samplings,
+)
 from splitserve.gateway.unserved_fields import UnservedFields
 
 _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
@@ -376,7 +382,8 @@ async def _generate(
     model = await gateway.check_model(body.model, client)
     request_id = _request_id(request)
     prompts = endpoint.prompts(body)
-    samplings = choice_samplings(endpoint.sampling(body), body.n)
+    keep_best = best_of_asked(body)  # then best_of candidates per prompt, n of them kept
+    samplings = choice_samplings(endpoint.sampling(body), keep_best or body.n)
     if len(prompts) * len(samplings) > MAX_CHOICES:
         raise ApiError(400, f"at most {MAX_CHOICES} choices (prompts x n)", param="n")
     echoes = await _echo_texts(client, body, prompts)
@@ -400,7 +407,7 @@ async def _generate(
                     targets=LatencyTargets(ttft_ms=body.ttft_slo_ms, tpot_ms=body.tpot_slo_ms),
                 )
             )  # fmt: skip
-    choices = Choices(builders, prompt_of)
+    choices = Choices(builders, prompt_of, None if keep_best is None else body.n or 1)
     try:
         return await _respond(
             gateway, request, request_id, merged(streams), choices, bool(body.stream),

@@ -32,9 +32,19 @@ class Choices:
     """The builders of one response, by choice index; ``prompt_of[i]`` is choice ``i``'s
     prompt (usage counts each prompt once)."""
 
-    def __init__(self, builders: Sequence[ResponseBuilder], prompt_of: Sequence[int]) -> None:
+    def __init__(
+        self,
+        builders: Sequence[ResponseBuilder],
+        prompt_of: Sequence[int],
+        keep_best: int | None = None,
+    ) -> None:
+        """``keep_best``: ``best_of``'s ``n``: of each prompt's choices only the ``keep_best``
+        with the highest cumulative logprob of their sampled tokens return (whole responses
+        only), re-indexed in that order; None: every choice."""
         if len(builders) != len(prompt_of) or not builders:
             raise ValueError("one prompt index per builder, at least one builder")
+        self.keep_best = keep_best
+        self.cumulative_logprob = [0.0] * len(builders)
         self.builders = list(builders)
         for builder in self.builders[1:]:  # one response: one creation time on every chunk
             builder.created = self.builders[0].created
@@ -51,6 +61,8 @@ class Choices:
     def add(self, index: int, item: Item) -> dict[str, Any] | None:
         """Fold choice ``index``'s item in; its streamed chunk (None: nothing to send yet)."""
         builder = self.builders[index]
+        if isinstance(item, Chunk):
+            self.cumulative_logprob[index] += sum(entry.logprob for entry in item.logprobs)
         if isinstance(item, Finish):
             self.finished += 1
             return builder.finish(item)
@@ -74,9 +86,21 @@ class Choices:
     def whole(self) -> dict[str, Any]:
         """The non-streamed response: every choice, in index order, and the request's usage."""
         body = self.builders[0].whole()
-        body["choices"] = [builder.whole()["choices"][0] for builder in self.builders]
+        choices = [builder.whole()["choices"][0] for builder in self.builders]
+        body["choices"] = choices if self.keep_best is None else self._best(choices)
         body["usage"] = usage_dict(self.usage())
         return body
+
+    def _best(self, choices: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Each prompt's ``keep_best`` choices by cumulative logprob (ties: lower index)."""
+        kept: list[dict[str, Any]] = []
+        for prompt in sorted(set(self.prompt_of)):
+            mine = [i for i, p in enumerate(self.prompt_of) if p == prompt]
+            mine.sort(key=lambda i: -self.cumulative_logprob[i])
+            kept += [
+                {**choices[i], "index": len(kept) + k} for k, i in enumerate(mine[: self.keep_best])
+            ]
+        return kept
 
     def usage_chunk(self) -> dict[str, Any]:
         body = self.builders[0].usage_chunk()

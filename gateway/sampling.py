@@ -120,10 +120,22 @@ def completion_sampling(body: CompletionRequest) -> Sampling:
         raise invalid("echo with logprobs needs the prompt's logprobs: not supported", "echo")
     if body.suffix:
         raise invalid("suffix is not supported", "suffix")
-    if body.best_of not in (None, 1):
-        raise invalid("best_of must be 1", "best_of")
+    if body.best_of is not None:
+        if body.best_of < (body.n or 1):
+            raise invalid("best_of must be at least n", "best_of")
+        if body.stream and body.best_of > (body.n or 1):
+            raise invalid("best_of above n cannot be streamed", "best_of")
     max_tokens = body.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS
-    return _sampling(body, max_tokens, body.logprobs)
+    logprobs = body.logprobs
+    if best_of_asked(body) is not None and logprobs is None:
+        logprobs = 0  # the sampled tokens' logprobs rank the candidates (not returned)
+    return _sampling(body, max_tokens, logprobs)
+
+
+def best_of_asked(body: _SamplingFields) -> int | None:
+    """``best_of`` when it asks for more candidates than ``n`` (completions), else None."""
+    best_of = getattr(body, "best_of", None)
+    return best_of if best_of is not None and best_of > (body.n or 1) else None
 
 
 def chat_sampling(body: ChatCompletionRequest) -> Sampling:

@@ -3,11 +3,11 @@
 Requests accept the OpenAI fields splitserve implements plus vLLM's common extensions
 (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``min_tokens``,
 ``stop_token_ids``, ``skip_special_tokens``; explicit ``null`` means the default). Declared
-fields whose meaning is not implemented (``best_of > 1``, ``echo`` with ``logprobs``,
-``suffix``) are refused with a 400 by ``gateway/sampling.py``; undeclared ones
-(``model_extra``) go through ``gateway/unserved_fields.py``: vLLM's other extensions are
-refused with a 400 naming them unless they ask for nothing, anything else is ignored with a
-warning and a counter, as vLLM does.
+fields whose meaning is not implemented (``echo`` with ``logprobs``, ``suffix``) are refused
+with a 400 by ``gateway/sampling.py``; undeclared ones (``model_extra``) go through
+``gateway/unserved_fields.py``: vLLM's other extensions are refused with a 400 naming them
+unless they ask for nothing, anything else is ignored with a warning and a counter, as vLLM
+does.
 
 Responses are built as plain dicts on the hot path (``gateway/responses.py``); the response
 models here describe those dicts for the OpenAPI schema and are checked against them in tests.
@@ -146,7 +146,10 @@ class CompletionRequest(_SamplingFields):
     )
     echo: bool | None = Field(False, description="Return the prompt before the completion.")
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: int | None = Field(
+        None, ge=1, le=128,
+        description="Candidates per prompt; the n with the highest cumulative logprob return.",
+    )  # fmt: skip
 
 
 class ChatMessage(BaseModel):

@@ -308,6 +308,18 @@ def test_several_choices_prompts_and_echo(served: Served, sdk: openai.OpenAI) ->
         singles[2].usage.prompt_tokens
     )
     assert several.usage.completion_tokens == sum(s.usage.completion_tokens for s in singles)
+    # best_of: the candidate (seed + j) with the highest cumulative logprob, whole
+    best = sdk.completions.create(model=model, prompt="The sea is", best_of=3, **sampled)
+    candidates = [
+        sdk.completions.create(
+            model=model, prompt="The sea is", logprobs=0, **{**sampled, "seed": 11 + j}
+        ).choices[0]
+        for j in range(3)
+    ]
+    ranked = max(candidates, key=lambda c: sum(c.logprobs.token_logprobs))
+    assert [c.text for c in best.choices] == [ranked.text] and best.choices[0].logprobs is None
+    with pytest.raises(openai.BadRequestError):
+        sdk.completions.create(model=model, prompt="x", best_of=2, stream=True)
     echoed = sdk.completions.create(model=model, prompt="Hello", max_tokens=3, echo=True)
     plain = sdk.completions.create(model=model, prompt="Hello", max_tokens=3, temperature=0)
     ids = httpx.post(f"{served.url}/tokenize", json={"prompt": "Hello"}, timeout=30).json()
