@@ -50,7 +50,7 @@ def test_a_vllm_field_with_an_effect_is_refused_by_name(field: str, value: Any) 
     assert field in refused.value.message
 
 
-def test_chat_only_fields_and_message_tool_calls_are_refused_by_name() -> None:
+def test_chat_only_fields_and_a_message_function_call_are_refused_by_name() -> None:
     fields = UnservedFields()
     for field, value in (
         ("echo", True),
@@ -63,10 +63,10 @@ def test_chat_only_fields_and_message_tool_calls_are_refused_by_name() -> None:
         with pytest.raises(ApiError) as refused:
             fields.check(chat(**{field: value}))
         assert refused.value.param == field
-    calls = {"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}
+    legacy = {"role": "assistant", "content": None, "function_call": {"name": "f"}}
     with pytest.raises(ApiError) as refused:
-        fields.check(chat(messages=[CHAT["messages"][0], calls]))
-    assert refused.value.param == "messages.1.tool_calls"
+        fields.check(chat(messages=[CHAT["messages"][0], legacy]))
+    assert refused.value.param == "messages.1.function_call"
 
 
 def test_values_that_ask_for_nothing_pass() -> None:
@@ -90,11 +90,11 @@ def test_other_fields_are_ignored_with_one_warning_per_name_and_a_bounded_label(
 ) -> None:
     fields = UnservedFields()
     with caplog.at_level(logging.WARNING, logger="splitserve.gateway.unserved_fields"):
-        labels = fields.check(completion(store=True, made_up_1=1, parallel_tool_calls=True))
+        labels = fields.check(completion(store=True, made_up_1=1, service_tier="auto"))
         again = fields.check(completion(made_up_1=2))
         named = fields.check(chat(messages=[{"role": "user", "content": "hi", "name": "ann"}]))
-    assert labels == ["store", OTHER, "parallel_tool_calls"] and again == [OTHER]
+    assert labels == ["store", OTHER, "service_tier"] and again == [OTHER]
     assert named == ["name"]
     warned = [record.getMessage() for record in caplog.records]
     assert sum("made_up_1" in message for message in warned) == 1
-    assert len(warned) == 4  # store, made_up_1, parallel_tool_calls, name
+    assert len(warned) == 4  # store, made_up_1, service_tier, name
