@@ -60,6 +60,8 @@ ALLOWED: dict[str, str] = {
     "loop, as engine/llm.py drives it): no AsyncEngine, no worker, nothing on another thread",
     "bench/bench_quantized.py": "times the synchronous EngineCore's decode with widened and "
     "quantized weights, one engine per format in one process: no AsyncEngine, no worker",
+    "bench/bench_structured.py": "times the synchronous EngineCore's steps with and without a "
+    "grammar, and its grammar matchers' masks: no AsyncEngine, no worker",
     "bench/bench_speculative.py": "times the synchronous EngineCore's steps with and without "
     "speculation and reads its draft counters: no AsyncEngine, no worker, no other thread",
 }

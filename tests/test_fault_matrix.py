@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import difflib
+import re
 import signal
 import threading
 import time
@@ -43,6 +44,9 @@ from tests.fault_cluster import FaultCluster, RoleProcess
 pytestmark = pytest.mark.timeout(900)
 
 NUM_STREAMS = 32
+CONSTRAINED_CHARS = "[a-z ,.]"
+CONSTRAINT = CONSTRAINED_CHARS + "{600}"
+"""The odd streams' structured output: lowercase prose no stream finishes in its tokens."""
 MAX_TOKENS = 48
 PROMPTS = [
     f"Here is a detailed account, written for a museum catalogue, of object number {n}, "
@@ -138,6 +142,7 @@ def reference(served: FaultCluster) -> list[Stream]:
     streams = asyncio.run(_stream_all(served.gateway.address, PROMPTS, lambda _: None))
     assert all(s.error is None and s.completion_tokens == MAX_TOKENS for s in streams), streams
     assert all(len(s.tokens) == MAX_TOKENS for s in streams)
+    assert all(re.fullmatch(CONSTRAINED_CHARS + "*", s.text) for s in streams[1::2])
     return streams
 
 
@@ -145,12 +150,15 @@ async def _stream_all(
     url: str, prompts: list[str], watch: Callable[[list[Stream]], None], max_retries: int = 0
 ) -> list[Stream]:
     """Every prompt streamed at once through the gateway (greedy, ``ignore_eos``, the chosen
-    tokens' logprobs); ``watch`` is called with the streams so far at every chunk."""
+    tokens' logprobs; every other stream under ``CONSTRAINT``, so each fault also moves
+    constrained requests: their matchers replay the tokens a resume or continuation carries);
+    ``watch`` is called with the streams so far at every chunk."""
     sdk = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=max_retries)
     model = (await sdk.models.list()).data[0].id
     streams = [Stream() for _ in prompts]
 
-    async def one(prompt: str, stream: Stream) -> None:
+    async def one(index: int, prompt: str, stream: Stream) -> None:
+        constrained = {"guided_regex": CONSTRAINT} if index % 2 else {}
         try:
             chunks = await sdk.completions.create(
                 model=model,
@@ -160,7 +168,7 @@ async def _stream_all(
                 logprobs=0,
                 stream=True,
                 stream_options={"include_usage": True},
-                extra_body={"ignore_eos": True},
+                extra_body={"ignore_eos": True, **constrained},
             )
             async for chunk in chunks:
                 if chunk.choices:
@@ -178,7 +186,10 @@ async def _stream_all(
 
     try:
         await asyncio.wait_for(
-            asyncio.gather(*(one(p, s) for p, s in zip(prompts, streams, strict=True))), 600
+            asyncio.gather(
+                *(one(i, p, s) for i, (p, s) in enumerate(zip(prompts, streams, strict=True)))
+            ),
+            600,
         )
     finally:
         await sdk.close()
