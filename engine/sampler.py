@@ -6,7 +6,9 @@ One ``Sampler.__call__`` turns a step's logits ``[batch, vocab]`` (any float dty
 Order of operations (vLLM / OpenAI semantics), all in float32:
 
 0. **grammar**: a row with an ``allowed_token_mask`` (its structured output's next tokens)
-   has every other token set to ``-inf``.
+   has every other token set to ``-inf``; where step 1 would then leave it no token (the
+   grammar is complete and allows only EOS, which ``min_tokens`` suppresses), the grammar
+   wins and step 1 is skipped for that row.
 1. **min_tokens**: while a row has generated fewer than ``params.min_tokens`` tokens, its
    ``eos_token_ids`` and ``params.stop_token_ids`` are set to ``-inf``; then **logit_bias**:
    each (token, bias) of ``params.logit_bias`` is added to that token's logit.
@@ -143,10 +145,14 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
     The input is not modified. Tensors are built only for the rows that need each step.
     """
     processed = logits.to(torch.float32, copy=True)  # [batch, vocab]
-    for i, row in enumerate(rows):
-        if row.allowed_token_mask is not None:
-            processed[i].masked_fill_(~row.allowed_token_mask.to(processed.device), _NEG_INF)
+    masked = [i for i, row in enumerate(rows) if row.allowed_token_mask is not None]
+    for i in masked:
+        processed[i].masked_fill_(~rows[i].allowed_token_mask.to(processed.device), _NEG_INF)  # type: ignore[union-attr]
+    before = processed[masked].clone() if masked else None  # [masked, vocab]
     _suppress_stop_tokens(processed, rows)
+    for k, i in enumerate(masked):  # a complete grammar allows only EOS: it beats min_tokens
+        if torch.isneginf(processed[i]).all():
+            processed[i] = before[k]  # type: ignore[index]
     _apply_logit_bias(processed, rows)
     _apply_repetition_penalty(processed, rows)
     _apply_frequency_presence_penalties(processed, rows)

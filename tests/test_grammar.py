@@ -88,6 +88,14 @@ def test_the_sampler_takes_only_allowed_tokens() -> None:
         assert tokens <= {2, 3}
 
 
+def test_a_complete_grammar_ends_the_request_even_below_min_tokens() -> None:
+    logits = torch.tensor([[5.0, 4.0, 3.0, 2.0]])
+    only_eos = torch.tensor([False, False, False, True])
+    params = SamplingParams(temperature=0.0, min_tokens=10)
+    row = SamplingRow(params, None, [], [], frozenset({3}), allowed_token_mask=only_eos)
+    assert Sampler()(logits, [row]).token_ids == [3]
+
+
 def test_the_engine_output_matches_each_constraint(
     default_checkpoint_fp32: LoadedCheckpoint,
 ) -> None:
