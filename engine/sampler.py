@@ -145,14 +145,16 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
     The input is not modified. Tensors are built only for the rows that need each step.
     """
     processed = logits.to(torch.float32, copy=True)  # [batch, vocab]
-    masked = [i for i, row in enumerate(rows) if row.allowed_token_mask is not None]
-    for i in masked:
-        processed[i].masked_fill_(~rows[i].allowed_token_mask.to(processed.device), _NEG_INF)  # type: ignore[union-attr]
-    before = processed[masked].clone() if masked else None  # [masked, vocab]
+    masked: list[int] = []
+    for i, row in enumerate(rows):
+        if row.allowed_token_mask is not None:
+            processed[i].masked_fill_(~row.allowed_token_mask.to(processed.device), _NEG_INF)
+            masked.append(i)
+    before = processed[masked].clone()  # [masked, vocab]
     _suppress_stop_tokens(processed, rows)
     for k, i in enumerate(masked):  # a complete grammar allows only EOS: it beats min_tokens
         if torch.isneginf(processed[i]).all():
-            processed[i] = before[k]  # type: ignore[index]
+            processed[i] = before[k]
     _apply_logit_bias(processed, rows)
     _apply_repetition_penalty(processed, rows)
     _apply_frequency_presence_penalties(processed, rows)
