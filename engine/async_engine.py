@@ -203,6 +203,8 @@ class AsyncEngine:
         ``release_blocks``: once nothing can write into them any more.
         ``prior_output_token_ids``: see ``EngineCore.add_request``.
         """
+        if params.grammar is not None:  # compiled here, on a thread: not in an engine step
+            await asyncio.to_thread(self._core.prepare_grammar, params.grammar)
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, asyncio.Queue())
         accepted: asyncio.Future[Sequence[int] | None] = loop.create_future()

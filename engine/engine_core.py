@@ -20,7 +20,7 @@ import torch
 
 from splitserve.common.busy_share import DecayingShare
 from splitserve.common.errors import InvalidRequestError
-from splitserve.common.grammar import GrammarCompiler
+from splitserve.common.grammar import GrammarCompiler, GrammarSpec
 from splitserve.common.load import EngineLoad
 from splitserve.common.logprobs import TokenLogprob
 from splitserve.common.model_files import resolve_model_path
@@ -154,6 +154,14 @@ class EngineCore:
             raise InvalidRequestError("prompt token ids must be integers", "prompt")
         check_in_vocab(prompt_token_ids, vocab, "prompt token ids", "prompt")
         self.scheduler.check_fits(len(prompt_token_ids), params)
+
+    def prepare_grammar(self, spec: GrammarSpec) -> None:
+        """Build the matchers' tokenizer (once) and compile ``spec`` (cached), so that the
+        request's first step only makes its matcher; raises ``InvalidRequestError`` for a
+        constraint that does not compile. Thread-safe: ``AsyncEngine.submit`` calls it on a
+        worker thread."""
+        assert self.runner.grammars is not None
+        self.runner.grammars.compiler.compile(spec)
 
     def add_request(
         self,

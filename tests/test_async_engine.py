@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from splitserve.common.errors import InvalidRequestError
+from splitserve.common.grammar import GrammarSpec
 from splitserve.common.request_update import FinishReason
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.async_engine import AsyncEngine
@@ -80,6 +81,31 @@ def test_cancel_and_invalid_request(served) -> None:
 
     asyncio.run(scenario())
     assert asyncio.run(_wait_idle(llm))
+
+
+def test_a_grammar_compiles_before_the_request_reaches_a_step(served) -> None:
+    """``submit`` compiles a request's structured output on a thread first: a bad one is
+    refused there and never added; a good one's first step finds it compiled."""
+    llm, engine = served
+    compiler = llm.engine.runner.grammars.compiler
+    prompt = llm.encode_prompt("Answer yes or no:")
+
+    async def scenario() -> list[int]:
+        bad = SamplingParams(max_tokens=4, grammar=GrammarSpec("regex", "(unclosed"))
+        with pytest.raises(InvalidRequestError) as refused:
+            await engine.submit("bad-grammar", prompt, bad)
+        assert refused.value.param == "structured_outputs"
+        assert not await engine.has_request("bad-grammar")
+        params = SamplingParams(max_tokens=4, grammar=GrammarSpec.choice(["yes", "no"]))
+        stream = await engine.submit("good-grammar", prompt, params)
+        assert compiler.compile.cache_info().currsize >= 1  # compiled before any step
+        tokens: list[int] = []
+        async for output in stream:
+            tokens.extend(output.update.new_token_ids)
+        return tokens
+
+    tokens = asyncio.run(scenario())
+    assert llm.tokenizer.decode(tokens) in {"yes", "no"}
 
 
 async def _wait_idle(llm, timeout: float = 10.0) -> bool:
