@@ -42,12 +42,13 @@ CHANNEL_OPTIONS = (
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
 )
-MAX_PENDING_CALLS = 1 << 20
+MAX_PENDING_CALLS = 1 << 16
 """Calls gRPC's core may hold before the Python server takes them. Its defaults (a soft limit
 of 1,000 with random early drops above it, all dropped past 3,000) cancel a crowd's calls
-before they reach admission: 2,000 streams arriving at once lost 25-170 of theirs (CANCELLED,
+before they reach admission: 2,000 streams arriving at once lost 25-214 of theirs (CANCELLED,
 no refusal, no log line). Admission (``coordinator/admission.py``) is what refuses a crowd,
-with a retry hint; what waits here costs a call's few hundred bytes."""
+with a retry hint. Still finite: calls wait here before any credential or API key is checked,
+so a stranger's flood may hold at most this many (a few KB each)."""
 SERVER_OPTIONS = (
     ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
     ("grpc.server.max_pending_requests_hard_limit", MAX_PENDING_CALLS),
