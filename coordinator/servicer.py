@@ -17,7 +17,7 @@ from splitserve.common.api_keys import ApiKeys
 from splitserve.common.errors import InvalidRequestError, SplitserveError
 from splitserve.common.membership import Role
 from splitserve.common.output_processor import StreamChunk
-from splitserve.common.prompt import Prompt
+from splitserve.common.prompt import Prompt, check_in_vocab
 from splitserve.coordinator.flow import RequestFlow
 from splitserve.coordinator.metrics import CoordinatorMetrics
 from splitserve.coordinator.placement import LatencyTargets
@@ -186,10 +186,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         await caller_of(self._keys, context)
         tokenizer = self._coordinator.tokenizer
         ids = list(request.token_ids)
-        if any(not 0 <= token_id < tokenizer.vocab_size for token_id in ids):
-            error = InvalidRequestError(
-                f"token ids must be in [0, {tokenizer.vocab_size})", "tokens"
-            )
+        try:
+            check_in_vocab(ids, tokenizer.vocab_size, "token ids", "tokens")
+        except SplitserveError as error:
             await abort_with(context, error)
         text = tokenizer.decode(ids, skip_special_tokens=request.skip_special_tokens)
         return coordinator_pb2.DetokenizeResponse(text=text)
