@@ -123,7 +123,7 @@ class Coordinator:
         """Called with each flow when it ends (metrics); must not raise."""
         eos = tokenizer.eos_token_id
         self.grammars = GrammarCompiler(
-            tokenizer.backend.to_str(), tokenizer.vocab_size, [] if eos is None else [eos]
+            tokenizer, tokenizer.vocab_size, [] if eos is None else [eos]
         )
         """Structured outputs checked here before any worker sees them (cached per spec)."""
 

@@ -110,7 +110,7 @@ class EngineCore:
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self.runner.grammars = GrammarMatchers(
             GrammarCompiler(
-                self.tokenizer.backend.to_str(),
+                self.tokenizer,
                 self.model_config.vocab_size,
                 sorted(self.eos_token_ids),
             ),

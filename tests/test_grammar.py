@@ -31,7 +31,7 @@ SCHEMA = {
 def compiler(default_checkpoint_fp32: LoadedCheckpoint) -> GrammarCompiler:
     checkpoint = default_checkpoint_fp32
     eos = sorted(checkpoint.config.eos_token_ids)
-    return GrammarCompiler(checkpoint.tokenizer.backend.to_str(), checkpoint.config.vocab_size, eos)
+    return GrammarCompiler(checkpoint.tokenizer, checkpoint.config.vocab_size, eos)
 
 
 @pytest.mark.parametrize(
