@@ -66,6 +66,7 @@ from splitserve.gateway.disconnect import (
 from splitserve.gateway.endpoints import CHAT, COMPLETIONS, Body, Endpoint
 from splitserve.gateway.errors import (
     ApiError,
+    client_errors_as_api_errors,
     from_client_error,
     from_http_exception,
     from_validation_error,
@@ -166,10 +167,8 @@ class Gateway:
         """Served names; asks the coordinator once (it answers as soon as it is up), as the
         caller ``client`` speaks for."""
         if not self._max_model_len:
-            try:
+            with client_errors_as_api_errors():
                 info = await client.model_info()
-            except ClientError as error:
-                raise from_client_error(error) from error
             self._max_model_len = info.max_model_len
             if not self._model_names:
                 self._model_names = (info.model,)
@@ -308,10 +307,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
         if (body.prompt is None) == (body.messages is None):
             raise ApiError(400, "give exactly one of prompt or messages", param="prompt")
         messages = None if body.messages is None else chat_messages(body.messages)
-        try:
+        with client_errors_as_api_errors():
             ids = await client.tokenize(body.prompt, messages=messages)
-        except ClientError as error:
-            raise from_client_error(error) from error
         return {"count": len(ids), "max_model_len": gateway.max_model_len, "tokens": ids}
 
     @app.post("/detokenize", response_model=schemas.DetokenizeResponse, responses=_ERROR_RESPONSES)
@@ -320,10 +317,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
         gateway.count_ignored(body)
         client = gateway.client_for(request)
         await gateway.check_model(body.model, client)
-        try:
+        with client_errors_as_api_errors():
             return {"prompt": await client.detokenize(body.tokens)}
-        except ClientError as error:
-            raise from_client_error(error) from error
 
     @app.get("/version", response_model=schemas.VersionResponse)
     async def version() -> dict[str, str]:
@@ -433,10 +428,8 @@ async def _echo_texts(
         if prompt.prompt is not None:
             texts.append(prompt.prompt)
             continue
-        try:
+        with client_errors_as_api_errors():
             texts.append(await client.detokenize(prompt.token_ids or ()))
-        except ClientError as error:
-            raise from_client_error(error) from error
     return texts
 
 

@@ -8,7 +8,9 @@ UNAVAILABLE -> 503, DEADLINE_EXCEEDED -> 504, anything else 500).
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import grpc
@@ -59,6 +61,16 @@ def invalid(message: str, param: str | None = None) -> ApiError:
 def unauthorized(message: str) -> ApiError:
     """401 in OpenAI's shape, asking for a bearer token."""
     return ApiError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+@contextlib.contextmanager
+def client_errors_as_api_errors() -> Iterator[None]:
+    """Around a client call whose failure is the HTTP answer: its ``ClientError`` raised as
+    the ``ApiError`` ``from_client_error`` makes of it."""
+    try:
+        yield
+    except ClientError as error:
+        raise from_client_error(error) from error
 
 
 def from_client_error(error: ClientError) -> ApiError:
