@@ -29,7 +29,7 @@ import importlib.metadata
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -437,7 +437,7 @@ async def _respond(
     gateway: Gateway,
     request: Request,
     request_id: str,
-    events: AsyncIterator[tuple[int, Chunk | Finish]],
+    events: AsyncGenerator[tuple[int, Chunk | Finish], None],
     choices: Choices,
     stream: bool,
     stream_options: schemas.StreamOptions | None,
@@ -452,15 +452,15 @@ async def _respond(
         first = await unless_disconnected(request.receive, anext(events))
     except ClientError as error:
         timer.finish("error")
-        await events.aclose()  # type: ignore[attr-defined]
+        await events.aclose()
         raise from_client_error(error) from error
     except ClientDisconnected:
         timer.finish("abort")
-        await events.aclose()  # type: ignore[attr-defined]
+        await events.aclose()
         return Response(status_code=499)
     except BaseException:
         timer.finish("error")
-        await events.aclose()  # type: ignore[attr-defined]
+        await events.aclose()
         raise
     if stream:
         frames = _stream_frames(choices, first, events, timer, stream_options)
@@ -474,7 +474,7 @@ async def _respond(
         timer.finish("abort")
         return Response(status_code=499)
     finally:
-        await events.aclose()  # type: ignore[attr-defined]
+        await events.aclose()
     return JSONResponse(choices.whole(), headers=headers)
 
 
@@ -508,7 +508,7 @@ async def _fold(
 async def _stream_frames(
     choices: Choices,
     first: tuple[int, Chunk | Finish],
-    events: AsyncIterator[tuple[int, Chunk | Finish]],
+    events: AsyncGenerator[tuple[int, Chunk | Finish], None],
     timer: RequestTimer,
     options: schemas.StreamOptions | None,
 ) -> AsyncIterator[bytes]:
@@ -539,5 +539,5 @@ async def _stream_frames(
         timer.finish("abort")  # the client went away (cancelled) mid-stream
         raise
     finally:
-        await events.aclose()  # type: ignore[attr-defined]
+        await events.aclose()
     yield _DONE

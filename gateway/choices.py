@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
 from splitserve.client import Chunk, Finish, Usage
@@ -108,7 +108,9 @@ class Choices:
         return body
 
 
-async def merged(streams: Sequence[AsyncGenerator[Item, None]]) -> AsyncIterator[tuple[int, Item]]:
+async def merged(
+    streams: Sequence[AsyncGenerator[Item, None]],
+) -> AsyncGenerator[tuple[int, Item], None]:
     """Every stream's items tagged with its index, as they arrive (module docstring)."""
     if len(streams) == 1:
         (stream,) = streams
