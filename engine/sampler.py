@@ -150,7 +150,7 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
         if row.allowed_token_mask is not None:
             processed[i].masked_fill_(~row.allowed_token_mask.to(processed.device), _NEG_INF)
             masked.append(i)
-    before = processed[masked].clone()  # [masked, vocab]
+    before = processed[masked]  # [masked, vocab]: a copy (list indexing copies)
     _suppress_stop_tokens(processed, rows)
     for k, i in enumerate(masked):  # a complete grammar allows only EOS: it beats min_tokens
         if torch.isneginf(processed[i]).all():

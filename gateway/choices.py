@@ -85,8 +85,9 @@ class Choices:
 
     def whole(self) -> dict[str, Any]:
         """The non-streamed response: every choice, in index order, and the request's usage."""
-        body = self.builders[0].whole()
-        choices = [builder.whole()["choices"][0] for builder in self.builders]
+        wholes = [builder.whole() for builder in self.builders]
+        body = wholes[0]
+        choices = [whole["choices"][0] for whole in wholes]
         body["choices"] = choices if self.keep_best is None else self._best(choices)
         body["usage"] = usage_dict(self.usage())
         return body
