@@ -99,19 +99,22 @@ def test_steps_without_work_or_time_are_ignored() -> None:
 
 
 def test_an_engine_learns_its_own_step_cost(default_checkpoint_fp32: LoadedCheckpoint) -> None:
-    llm = make_llm(default_checkpoint_fp32, max_num_batched_tokens=40)
-    prompts = [[1000 + 7 * i + j for j in range(100)] for i in range(4)]
-    llm.generate(
-        prompts, SamplingParams(max_tokens=MIN_STEPS + 4, ignore_eos=True, temperature=0.0)
-    )
+    llm = make_llm(default_checkpoint_fp32, max_num_batched_tokens=64)
+    # One prompt at a time, each a single step of its own length (64 down to 4 tokens), then
+    # two decode steps: the prompt steps' token counts span 16x, so the per-token cost is
+    # identified (chunks of one size leave it to the ridge: a noisy run once fitted 0).
+    params = SamplingParams(max_tokens=3, ignore_eos=True, temperature=0.0)
+    lengths = [64, 4, 48, 8, 32, 12, 24, 16, 40, 6]
+    for index, length in enumerate(lengths):
+        llm.generate([[1000 + 7 * index + j for j in range(length)]], params)
     cost = llm.engine.load().step_cost
-    # 400 prompt tokens in 40-token steps, then one decode step per further token
+    assert cost.prefill_steps == len(lengths) and cost.decode_steps == 2 * len(lengths)
     assert cost.knows_prefill and cost.knows_decode
     assert cost.per_prefill_token_s > 0 and cost.decode_base_s + cost.per_decode_seq_s > 0
     # it reports the share of its time that went to prompt tokens, and its chunk size
     load = llm.engine.load()
     assert 0.0 < load.prefill_share < 1.0
-    assert load.prefill_chunk_tokens == 40
+    assert load.prefill_chunk_tokens == 64
 
 
 def test_the_learner_says_how_much_of_a_step_was_prompt_work() -> None:
