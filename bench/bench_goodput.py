@@ -82,6 +82,7 @@ SPLITSERVE_FLAGS = {
     "splitserve-no-gemv": ["--placement=adaptive"],
     "splitserve-control-prefill": ["--placement=adaptive", "--control-cores=prefill"],
     "splitserve-widen": ["--placement=adaptive"],
+    "splitserve-sim": ["--placement=adaptive"],
 }
 """splitserve's configurations: ``splitserve`` is ``make serve``'s (1 prefill + 1 decode worker,
 a core each, adaptive placement); ``-remote`` / ``-local`` force where every prompt runs;
@@ -97,11 +98,14 @@ GEMV turned off (``SPLITSERVE_DECODE_GEMV=0``: generated tokens' rows through on
 ``-control-prefill`` is ``make serve``'s with the coordinator and the gateway pinned to the
 prefill worker's core (``up --control-cores prefill``); ``-widen`` is ``make serve``'s with the
 GGUF's quantized weights widened to bf16 for every row (``SPLITSERVE_QUANTIZED_WEIGHTS=widen``,
-the default before they were read as stored)."""
+the default before they were read as stored); ``-sim`` is ``make serve``'s with simulated
+workers (``SPLITSERVE_ENGINE=sim``: the shipped step-time profile, no model computed), for
+calibrating the simulation against the real layout."""
 SPLITSERVE_ENV = {
     "splitserve-eager": {"SPLITSERVE_TTFT_AT_RISK": "0"},
     "splitserve-no-gemv": {"SPLITSERVE_DECODE_GEMV": "0"},
     "splitserve-widen": {"SPLITSERVE_QUANTIZED_WEIGHTS": "widen"},
+    "splitserve-sim": {"SPLITSERVE_ENGINE": "sim"},
 }
 """Coordinator flags ``up`` does not take, through their environment twins."""
 BASELINE = "splitserve-baseline"

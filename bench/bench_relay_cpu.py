@@ -7,6 +7,11 @@ tokens each with EOS ignored, ``stream_options.include_usage`` for the token cou
 every cluster process's utime + stime from ``/proc`` before and after. Each process is named by
 its role (``coordinator``, ``gateway``, ``prefill``, ``decode``, ``up``) from its command line.
 
+``--up-flags`` replaces ``make serve``'s flags, e.g. a cluster of simulated workers hosted
+several to a process: ``--up-flags "--placement adaptive --prefill 2 --decode 8
+--workers-per-process 8 --max-inflight 4096 -- --engine sim"`` (a role's CPU is then the sum
+over its processes).
+
 Reported per role: CPU microseconds per streamed token (the burst's CPU ticks over the tokens
 the client received), the median over ``--reps`` repetitions, and what one core of that role
 could relay at that cost (1e6 / us). Also the client's own CPU per token and the machine's
@@ -22,6 +27,7 @@ import argparse
 import asyncio
 import json
 import os
+import shlex
 import statistics
 import sys
 import tempfile
@@ -102,7 +108,9 @@ def run(args: argparse.Namespace) -> Json:
         "setup": {"streams": args.streams, "max_tokens": args.max_tokens, "reps": args.reps},
         "reps": [],
     }
-    with LocalCluster(SPLITSERVE, ["--placement", "adaptive"], log_path) as cluster:
+    flags = shlex.split(args.up_flags)
+    report["setup"]["up_flags"] = flags
+    with LocalCluster(SPLITSERVE, flags, log_path) as cluster:
         model = httpx.get(f"{cluster.http_url}/v1/models", timeout=30).json()["data"][0]["id"]
         asyncio.run(burst(cluster.http_url, model, 4, 8))  # warm-up
         for rep in range(args.reps):
@@ -153,6 +161,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--wait-quiet-s", type=float, default=20.0)
     parser.add_argument("--out", type=Path)
+    parser.add_argument(
+        "--up-flags", default="--placement adaptive", help="splitserve up's flags (make serve's)"
+    )
     return parser.parse_args(argv)
 
 

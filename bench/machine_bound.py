@@ -23,13 +23,13 @@ within the SLO. The CPU is named with its model and whether it has AMX and AVX-5
 from __future__ import annotations
 
 import os
-import platform
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 from bandwidth_floor import read_bandwidth_gbps, weight_read_bytes
+
+from splitserve.common.cpu_info import cpu_name
 
 MATMUL_SIZE = (2048, 2048, 2048)
 REPEATS = 5
@@ -52,17 +52,6 @@ class ModelFigures:
     """Multiply-adds one logits row costs (the LM head)."""
     decode_step_bytes: int
     """Weight bytes one decode step reads (layer matrices and the LM head, once)."""
-
-
-def cpu_name() -> str:
-    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    model = next(
-        (line.split(":", 1)[1].strip() for line in text.splitlines() if "model name" in line),
-        platform.processor() or platform.machine(),
-    )
-    flags = next((line for line in text.splitlines() if line.startswith("flags")), "").split()
-    features = [name for name in ("amx_tile", "avx512_bf16") if name in flags]
-    return f"{model} ({', '.join(features) or 'no AMX, no AVX-512 BF16'})"
 
 
 def measure() -> MachineFigures:

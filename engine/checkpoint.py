@@ -16,6 +16,7 @@ rotary halves of each head contiguous, as ``rotate_half`` expects).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -92,6 +93,20 @@ def load_checkpoint(
     if source.is_dir():
         return load_safetensors_folder(source, dtype)
     return load_gguf(source, dtype, keep_quantized)
+
+
+@functools.cache
+def describe_checkpoint(path: str | Path | None) -> LoadedCheckpoint:
+    """The config and tokenizer of the model at ``path``, reading no weights
+    (``LoadedCheckpoint.weights`` is empty): for a simulated engine. Read once per path and
+    process (the workers one process hosts share it; nothing here changes it)."""
+    from splitserve.engine.gguf_loader import describe_gguf
+    from splitserve.engine.safetensors_loader import describe_safetensors_folder
+
+    source = locate_model(resolve_model_path(path))
+    if source.is_dir():
+        return describe_safetensors_folder(source)
+    return describe_gguf(source)
 
 
 def expected_weight_shapes(config: ModelArchConfig) -> dict[str, tuple[int, ...]]:

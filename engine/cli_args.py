@@ -14,6 +14,7 @@ from splitserve.common.env_flags import add_env_flag, env_default, truthy
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.config import (
     DTYPES,
+    ENGINES,
     QUANTIZED_WEIGHTS,
     CacheConfig,
     EngineConfig,
@@ -64,6 +65,27 @@ def add_engine_args(parser: argparse.ArgumentParser, env: Mapping[str, str] = os
     )
     flag("--max-num-seqs", defaults.scheduler.max_num_seqs, int, "most running requests")
     flag("--threads", None, int, "torch intra-op threads")
+    group.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default=env_default("--engine", defaults.runner.engine, str, env),
+        help="model: run the model; sim: wait out each step's time from --sim-profile and "
+        "emit set tokens, no weights loaded (for scale tests; env SPLITSERVE_ENGINE)",
+    )
+    flag(
+        "--sim-profile",
+        defaults.runner.sim_profile,
+        str,
+        "a simulated engine's step-time profile (python -m splitserve.engine.sim_calibrate "
+        "writes one), or 'default'",
+    )
+    flag(
+        "--record-steps",
+        None,
+        str,
+        "log every engine step's shape and time in this directory (steps-<pid>-*.jsonl), for "
+        "python -m splitserve.engine.sim_calibrate --from-steps",
+    )
     flag(
         "--speculative-tokens",
         defaults.speculative.num_tokens,
@@ -96,7 +118,12 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         scheduler=SchedulerConfig(
             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs
         ),
-        runner=RunnerConfig(num_threads=args.threads),
+        runner=RunnerConfig(
+            num_threads=args.threads,
+            engine=args.engine,
+            sim_profile=args.sim_profile,
+            record_steps=args.record_steps,
+        ),
         speculative=SpeculativeConfig(
             num_tokens=args.speculative_tokens, max_step_rows=args.speculative_max_rows
         ),

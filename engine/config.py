@@ -14,6 +14,7 @@ from splitserve.common.load import DEFAULT_PREFILL_CHUNK_TOKENS
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZED_WEIGHTS = ("auto", "widen", "native")
+ENGINES = ("model", "sim")
 
 
 @dataclass(frozen=True)
@@ -132,8 +133,20 @@ class RunnerConfig:
     """Whether this engine generates tokens past a prompt's first (False on a prefill-only
     worker: its projections then keep no copy of their weights for the decode GEMV, which
     only generated tokens' rows take; a decode step run anyway is correct, through oneDNN)."""
+    engine: str = "model"
+    """"model" runs the model; "sim" simulates it (``engine/sim_runner.py``): every step
+    waits out the time ``sim_profile`` predicts for it and emits set tokens, with the real
+    scheduler, block pool and KV transfer around it; no weights are loaded."""
+    sim_profile: str = "default"
+    """A simulated engine's step-time profile: a file ``engine/sim_calibrate.py`` wrote, or
+    "default" (the one shipped: ``engine/sim_profile.py``)."""
+    record_steps: str | None = None
+    """A directory where the engine logs every step's shape and time
+    (``sim_profile.StepLog``), to fit a simulation profile to a serving worker's steps."""
 
     def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise InvalidRequestError(f"engine must be one of {ENGINES}", param="engine")
         if self.num_threads is not None and self.num_threads <= 0:
             raise InvalidRequestError("num_threads must be positive", param="num_threads")
         if self.attention_backend not in ("auto", "torch", "cpu", "triton"):

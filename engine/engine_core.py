@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from splitserve.common.busy_share import DecayingShare
+from splitserve.common.cpu_info import cpu_name
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.grammar import GrammarCompiler, GrammarSpec
 from splitserve.common.load import EngineLoad
@@ -28,7 +29,7 @@ from splitserve.common.prompt import check_in_vocab
 from splitserve.common.request_update import StepOutput
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.step_cost import StepCostLearner, StepShape
-from splitserve.engine.checkpoint import LoadedCheckpoint, load_checkpoint
+from splitserve.engine.checkpoint import LoadedCheckpoint, describe_checkpoint, load_checkpoint
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.device import resolve_dtype
 from splitserve.engine.engine_face import CompletedPrompt, EngineFacts, LayerHook, PagedKv
@@ -39,7 +40,9 @@ from splitserve.engine.kv_cache_manager import KVCacheManager
 from splitserve.engine.model import LlamaModel
 from splitserve.engine.model_runner import ModelRunner, kv_cache_bytes_per_block
 from splitserve.engine.request import Request, RequestStatus
-from splitserve.engine.scheduler import Scheduler, SchedulerOutput
+from splitserve.engine.scheduler import Scheduler
+from splitserve.engine.sim_profile import StepLog, load_profile
+from splitserve.engine.sim_runner import SimulatedRunner, word_token_ids
 from splitserve.kernels.attention import AttentionBackend, TorchAttentionBackend
 
 logger = logging.getLogger(__name__)
@@ -52,6 +55,8 @@ class StepTiming:
     seconds: float
     predicted_s: float
     """0 where the model had not yet seen enough steps of this step's kinds."""
+    shape: StepShape = StepShape(0, 0, 0)
+    """What the step computed (the step-cost model's features)."""
 
 
 class EngineCore:
@@ -63,14 +68,17 @@ class EngineCore:
             torch.set_num_threads(config.runner.num_threads)
         device = torch.device(config.runner.device)
         self.dtype = resolve_dtype(config.model.dtype, device)
+        simulated = config.runner.engine == "sim"
         native_quantized = device.type == "cpu" and (  # the kernel is a CPU one
             config.model.quantized_weights == "native"
             or (config.model.quantized_weights == "auto" and self.dtype == torch.bfloat16)
         )
         if checkpoint is None:
-            checkpoint = load_checkpoint(
-                resolve_model_path(config.model.model), self.dtype, native_quantized
-            )
+            path = resolve_model_path(config.model.model)
+            if simulated:
+                checkpoint = describe_checkpoint(path)
+            else:
+                checkpoint = load_checkpoint(path, self.dtype, native_quantized)
         self.checkpoint = replace(checkpoint, weights={}, quantized={})
         """The checkpoint's config and tokenizer; the loader's weights and blocks are dropped
         once the model holds its own copies."""
@@ -80,19 +88,29 @@ class EngineCore:
         if config.model.max_model_len is not None:
             self.max_model_len = min(self.max_model_len, config.model.max_model_len)
         self.num_blocks = self._num_blocks()
-        model = LlamaModel(
-            checkpoint.config,
-            checkpoint.weights,
-            self.dtype,
-            device,
-            self.max_model_len,
-            decode_gemv=config.runner.decodes,
-            quantized=checkpoint.quantized if native_quantized else None,
-        )
+        self.runner: ModelRunner | SimulatedRunner
+        if simulated:
+            self.runner = SimulatedRunner(
+                load_profile(config.runner.sim_profile),
+                word_token_ids(self.tokenizer),
+                self.model_config.num_hidden_layers,
+                self.num_blocks,
+                config.cache.block_size,
+            )
+        else:
+            model = LlamaModel(
+                checkpoint.config,
+                checkpoint.weights,
+                self.dtype,
+                device,
+                self.max_model_len,
+                decode_gemv=config.runner.decodes,
+                quantized=checkpoint.quantized if native_quantized else None,
+            )
+            backend = _backend(config, self.dtype, self.num_blocks)
+            self.runner = ModelRunner(model, self.num_blocks, config.cache.block_size, backend)
         del checkpoint  # the loader's weights and blocks: the model packed its own copies
         return_freed_heap()
-        backend = _backend(config, self.dtype, self.num_blocks)
-        self.runner = ModelRunner(model, self.num_blocks, config.cache.block_size, backend)
         self.kv_cache = KVCacheManager(
             self.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
         )
@@ -120,11 +138,23 @@ class EngineCore:
         """This engine's step times, learned from every step (``load().step_cost``)."""
         self.last_step = StepTiming(0.0, 0.0)
         """The latest step's timing (engine thread)."""
+        self.step_log: StepLog | None = None
+        """Every step's shape and time, where ``config.runner.record_steps`` asks for it."""
+        if config.runner.record_steps is not None:
+            header = {
+                "model": self.model_config.name,
+                "dtype": str(self.dtype).removeprefix("torch."),
+                "threads": torch.get_num_threads(),
+                "cpu": cpu_name(),
+                "engine": config.runner.engine,
+            }
+            self.step_log = StepLog(config.runner.record_steps, header)
         self.prefill_share = DecayingShare(started_at=time.monotonic())
         """The share of recent wall time its steps spent on prompt tokens."""
         logger.info(
-            "engine ready: %s dtype=%s blocks=%d x %d tokens, max_model_len=%d",
+            "engine ready: %s%s dtype=%s blocks=%d x %d tokens, max_model_len=%d",
             self.model_config.name,
+            f" (simulated: step times of {config.runner.sim_profile})" if simulated else "",
             self.dtype,
             self.num_blocks,
             config.cache.block_size,
@@ -333,29 +363,16 @@ class EngineCore:
         updates = self.scheduler.update(
             scheduled, executed.sampled_token_ids, executed.verified_token_ids
         )
-        shape, seconds = step_shape(scheduled), time.perf_counter() - started
+        shape, seconds = scheduled.shape(), time.perf_counter() - started
         estimate = self.step_cost.estimate()  # what the model said before this step taught it
         predicted_s = estimate.step_s(shape) if estimate.predicts(shape) else 0.0
-        self.last_step = StepTiming(seconds, predicted_s)
+        self.last_step = StepTiming(seconds, predicted_s, shape)
+        if self.step_log is not None:
+            self.step_log.write(shape, seconds)
         prefill_s = self.step_cost.observe(shape, seconds)
         self.scheduler.step_cost = self.step_cost.estimate()  # weighs the next step's drafts
         self.prefill_share.observe(time.monotonic(), prefill_s)
         return [StepOutput(u, _logprobs_of(executed.logprobs.get(u.request_id))) for u in updates]
-
-
-def step_shape(scheduled: SchedulerOutput) -> StepShape:
-    """The cost model's view of a step: each token of a decode chunk
-    (``ScheduledChunk.is_decode``: a request's last token and its drafts) is a decode row over
-    its own context; every other chunk computes prompt tokens."""
-    decode = [c for c in scheduled.chunks if c.is_decode]
-    rows = sum(c.num_tokens for c in decode)
-    return StepShape(
-        decode_seqs=rows,
-        prefill_tokens=scheduled.num_tokens - rows,
-        context_tokens=sum(
-            c.start_position * c.num_tokens + c.num_tokens * (c.num_tokens + 1) // 2 for c in decode
-        ),
-    )
 
 
 def _logprobs_of(logprob: TokenLogprob | None) -> tuple[TokenLogprob, ...]:

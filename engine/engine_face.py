@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from splitserve.engine.model_runner import ModelRunner
+from splitserve.engine.kv_blocks import KvBlockStore
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ class PagedKv:
     only (the layer hook): the blocks it reads are the ones the step is writing.
     """
 
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: KvBlockStore) -> None:
         self._runner = runner
         self.cache: torch.Tensor = runner.kv_cache
         """``[layers, 2, blocks, block_size, kv_heads, head_dim]``, contiguous."""

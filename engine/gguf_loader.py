@@ -105,6 +105,25 @@ def load_gguf(path: Path, dtype: torch.dtype, keep_quantized: bool = False) -> L
     )
 
 
+def describe_gguf(path: Path) -> LoadedCheckpoint:
+    """``path``'s config and tokenizer, no weights (``weights`` is empty): what a simulated
+    engine needs. ``ModelLoadError`` as ``load_gguf`` for what it reads."""
+    path = Path(path)
+    try:
+        gguf_file = GgufFile(path)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(
+            f"{path} is not a readable GGUF file (corrupt or truncated?): {exc}"
+        ) from exc
+    tensors = {tensor.name: tensor for tensor in gguf_file.tensors}
+    freqs_tensor = tensors.pop(_ROPE_FREQS, None)
+    rope_freqs = _dequantize(freqs_tensor, path) if freqs_tensor is not None else None
+    config = gguf_model_config(_Metadata(gguf_file, path), set(tensors), rope_freqs)
+    return LoadedCheckpoint(
+        config=config, weights={}, tokenizer=Tokenizer.from_gguf_fields(gguf_file)
+    )
+
+
 _DENSE_TYPES = (
     gguf.GGMLQuantizationType.F32,
     gguf.GGMLQuantizationType.F16,

@@ -21,7 +21,7 @@ import torch
 
 from splitserve.common.logprobs import TokenLogprob
 from splitserve.engine.grammar_matchers import GrammarMatchers
-from splitserve.engine.host_memory import zeros_huge_pages
+from splitserve.engine.kv_blocks import KvBlockStore
 from splitserve.engine.model import GeneratedRows, LlamaModel
 from splitserve.engine.sampler import Sampler, SamplingRow
 from splitserve.engine.scheduler import ScheduledChunk, SchedulerOutput
@@ -48,7 +48,7 @@ def kv_cache_bytes_per_block(
     return num_layers * 2 * block_size * num_kv_heads * head_dim * element_size
 
 
-class ModelRunner:
+class ModelRunner(KvBlockStore):
     """Runs ``LlamaModel`` steps over its own paged KV cache."""
 
     def __init__(
@@ -59,22 +59,17 @@ class ModelRunner:
         backend: AttentionBackend,
     ) -> None:
         cfg = model.config
+        super().__init__(
+            cfg.num_hidden_layers,
+            num_blocks,
+            block_size,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            model.dtype,
+            model.device,
+        )
         self.model = model
-        self.block_size = block_size
         self.backend = backend
-        self.device = model.device
-        self.kv_cache = zeros_huge_pages(
-            (
-                cfg.num_hidden_layers,
-                2,
-                num_blocks,
-                block_size,
-                cfg.num_key_value_heads,
-                cfg.head_dim,
-            ),
-            dtype=model.dtype,
-            device=model.device,
-        )  # [layers, 2, blocks, block_size, kv_heads, head_dim]
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}
         self.grammars: GrammarMatchers | None = None
@@ -138,21 +133,6 @@ class ModelRunner:
                 output.logprobs[chunk.request_id] = sampled.logprobs[row]
             row += 1
         return output
-
-    def read_kv_blocks(
-        self, layer: int, block_ids: Sequence[int], out: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """Copy of one layer's K and V in these blocks: ``[2, blocks, block, kv_heads, dim]``
-        (into ``out`` when given: that shape, the cache's dtype and device, contiguous)."""
-        index = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
-        if out is None:
-            return self.kv_cache[layer].index_select(1, index)
-        return torch.index_select(self.kv_cache[layer], 1, index, out=out)
-
-    def write_kv_blocks(self, layer: int, block_ids: Sequence[int], kv: torch.Tensor) -> None:
-        """Store ``kv`` (as ``read_kv_blocks`` returns it) into these blocks of one layer."""
-        index = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
-        self.kv_cache[layer].index_copy_(1, index, kv.to(self.kv_cache.dtype))
 
     @staticmethod
     def _pack(chunks: list[ScheduledChunk]) -> tuple[list[int], list[int], list[int]]:

@@ -39,15 +39,23 @@ def load_safetensors_folder(path: Path, dtype: torch.dtype) -> LoadedCheckpoint:
     missing, unexpected or misshapen tensors.
     """
     path = Path(path)
-    raw = read_json_object(path / "config.json", required=True)
-    generation = read_json_object(path / "generation_config.json", required=False)
-    tokenizer = Tokenizer.from_tokenizer_json(path)
-    config = hf_model_config(raw, generation, tokenizer, path)
+    described = describe_safetensors_folder(path)
+    config, tokenizer = described.config, described.tokenizer
     weights = _read_tensors(path, dtype)
     if config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)  # some exporters store the tied copy too
     check_weights(config, weights, path)
     return LoadedCheckpoint(config=config, weights=weights, tokenizer=tokenizer)
+
+
+def describe_safetensors_folder(path: Path) -> LoadedCheckpoint:
+    """The folder's config and tokenizer, no weights (``weights`` is empty)."""
+    path = Path(path)
+    raw = read_json_object(path / "config.json", required=True)
+    generation = read_json_object(path / "generation_config.json", required=False)
+    tokenizer = Tokenizer.from_tokenizer_json(path)
+    config = hf_model_config(raw, generation, tokenizer, path)
+    return LoadedCheckpoint(config=config, weights={}, tokenizer=tokenizer)
 
 
 def hf_model_config(

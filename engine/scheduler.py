@@ -46,7 +46,7 @@ from splitserve.common.errors import (
 )
 from splitserve.common.request_update import RequestUpdate
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.common.step_cost import StepCost
+from splitserve.common.step_cost import StepCost, StepShape
 from splitserve.engine.config import SchedulerConfig, SpeculativeConfig
 from splitserve.engine.engine_report import RequestPhases, SchedulerStats
 from splitserve.engine.kv_cache_manager import KVCacheManager
@@ -116,6 +116,21 @@ class SchedulerOutput:
     @property
     def num_tokens(self) -> int:
         return sum(chunk.num_tokens for chunk in self.chunks)
+
+    def shape(self) -> StepShape:
+        """The step-cost model's view of the step: each token of a decode chunk
+        (``ScheduledChunk.is_decode``: a request's last token and its drafts) is a decode row
+        over its own context; every other chunk computes prompt tokens."""
+        decode = [c for c in self.chunks if c.is_decode]
+        rows = sum(c.num_tokens for c in decode)
+        return StepShape(
+            decode_seqs=rows,
+            prefill_tokens=self.num_tokens - rows,
+            context_tokens=sum(
+                c.start_position * c.num_tokens + c.num_tokens * (c.num_tokens + 1) // 2
+                for c in decode
+            ),
+        )
 
 
 class Scheduler:

@@ -28,6 +28,10 @@ run). ``--etcd-endpoints`` (``discovery/flags.py``) puts it in etcd instead: the
 announce themselves there under ``--cluster-name`` and the coordinators watch it, so workers
 and coordinators started elsewhere (another ``up``, or single roles) join the same cluster.
 
+Simulated workers (``-- --engine sim``) may share processes: ``--workers-per-process K``
+starts each role's workers K to a process (``--host-workers``), unpinned, so a machine
+holds hundreds of them for scale tests.
+
 Cores are split evenly among the workers (``--cpu-affinity`` of each) when the machine has at
 least one core per worker, so co-located workers do not fight over cores; ``--no-pin`` turns
 that off. With ``--core-lending decode`` (or ``both``; off by default), pinned prefill worker
@@ -101,6 +105,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="dual-role workers (prefill and decode on one engine: `splitserve worker`), "
         "started after the others; e.g. --prefill 0 --decode 0 --dual 2",
     )
+    parser.add_argument(
+        "--workers-per-process",
+        type=int,
+        default=1,
+        help="workers of a role one process hosts (``--host-workers``; above 1 only for "
+        "simulated workers, ``-- --engine sim``, whose processes are then not pinned): e.g. "
+        "--prefill 16 --decode 112 --workers-per-process 16 runs 128 workers in 8 processes",
+    )
     parser.add_argument("--no-pin", action="store_true", help="do not pin workers to cores")
     parser.add_argument(
         "--core-lending",
@@ -170,6 +182,8 @@ def layout_summary(args: argparse.Namespace, lending: bool = True) -> str:
     )
     if args.dual:
         workers += f" + {args.dual} dual-role (prefill,decode) worker{'s' if args.dual > 1 else ''}"
+    if args.workers_per_process > 1:
+        workers += f" (up to {args.workers_per_process} a process)"
     placement = args.placement or os.environ.get(env_name("--placement"), "rule")
     membership = "etcd" if membership_flags(args) else "registration with the coordinators"
     summary = f"{coordinators}, {workers}, prompts placed by {placement}, membership: {membership}"
@@ -185,11 +199,22 @@ def layout_summary(args: argparse.Namespace, lending: bool = True) -> str:
 
 def worker_cores(args: argparse.Namespace) -> list[str | None]:
     """Each worker's ``--cpu-affinity`` in start order (prefill, decode, dual-role workers);
-    None each with ``--no-pin`` or too few cores (``worker_core_sets``)."""
-    num_workers = args.prefill + args.decode + args.dual
-    if args.no_pin:
-        return [None] * num_workers
-    return worker_core_sets(num_workers, sorted(os.sched_getaffinity(0)))
+    None each with ``--no-pin``, with several workers a process (simulated: nothing to pin)
+    or too few cores (``worker_core_sets``)."""
+    num_processes = len(worker_processes(args))
+    if args.no_pin or args.workers_per_process > 1:
+        return [None] * num_processes
+    return worker_core_sets(num_processes, sorted(os.sched_getaffinity(0)))
+
+
+def worker_processes(args: argparse.Namespace) -> list[tuple[str, int]]:
+    """(role, workers it hosts) of each worker process in start order: prefill, decode,
+    dual-role; each role's workers in groups of ``--workers-per-process``."""
+    per = args.workers_per_process
+    processes = []
+    for role, count in (("prefill", args.prefill), ("decode", args.decode), ("dual", args.dual)):
+        processes += [(role, min(per, count - first)) for first in range(0, count, per)]
+    return processes
 
 
 def control_cores(args: argparse.Namespace) -> str | None:
@@ -269,11 +294,11 @@ def worker_argvs(
     then dual-role ones (named ``dual-<index>``); ``coordinator``: the coordinators' internal
     addresses, comma-separated; ``busy_dir``: a node-local directory for the lending pairs'
     busy files (``lending_pairs``; no lending without one)."""
-    roles = ["prefill"] * args.prefill + ["decode"] * args.decode + ["dual"] * args.dual
+    processes = worker_processes(args)
     cores = worker_cores(args)
-    lending = _lending_flags(args, cores, busy_dir) if busy_dir else [[] for _ in roles]
+    lending = _lending_flags(args, cores, busy_dir) if busy_dir else [[] for _ in processes]
     workers = []
-    for index, (role, core_list) in enumerate(zip(roles, cores, strict=True)):
+    for index, ((role, hosted), core_list) in enumerate(zip(processes, cores, strict=True)):
         if role == "dual":
             argv = [
                 "splitserve.launch.dual_worker",
@@ -290,6 +315,8 @@ def worker_argvs(
         argv.append(f"--metrics-port={metrics_port}")
         if core_list is not None:
             argv.append(f"--cpu-affinity={core_list}")
+        if hosted > 1:
+            argv.append(f"--host-workers={hosted}")
         workers.append((f"{role}-{index}", argv + lending[index] + list(worker_args)))
     return workers
 
@@ -325,7 +352,9 @@ def member_ids(worker_argvs: Sequence[Sequence[str]]) -> list[str]:
         roles = [role.strip() for role in roles_value.split(",")]
         if worker_id is None:
             raise ValueError(f"a worker started without --worker-id: {argv}")
-        ids += [member_id(worker_id, role, len(roles)) for role in roles]
+        hosted = int(_last_flag(argv, "--host-workers") or 1)
+        worker_ids = [worker_id] if hosted == 1 else [f"{worker_id}-{i}" for i in range(hosted)]
+        ids += [member_id(one, role, len(roles)) for one in worker_ids for role in roles]
     return ids
 
 
@@ -484,6 +513,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv, worker_args = argv[:split], argv[split + 1 :]
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.workers_per_process < 1:
+        parser.error("--workers-per-process must be at least 1")
     try:
         credential = cluster_credential()
     except ValueError as error:

@@ -18,11 +18,13 @@ import contextlib
 import signal
 import subprocess
 import time
+import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from splitserve.coordinator import INTERNAL_READY
 from splitserve.launch.child_process import ChildProcess, python_module_argv
@@ -307,3 +309,29 @@ def assert_all_free(loads: dict[str, worker_pb2.WorkerLoad], expected_workers: i
         assert load.num_used_blocks == 0, (worker_id, load)
         assert load.num_reserved_requests == 0, (worker_id, load)
         assert load.num_running_requests == load.num_waiting_requests == 0, (worker_id, load)
+
+
+@dataclass(frozen=True)
+class TransferFigures:
+    """The decode worker's receive-side transfer metrics at one moment."""
+
+    completed: float
+    landed_bytes: float
+    failures: float
+
+
+def transfer_figures(metrics_url: str) -> TransferFigures:
+    """The decode worker's receive-side figures from its /metrics."""
+    with urllib.request.urlopen(metrics_url, timeout=10) as response:
+        text = response.read().decode()
+    figures = {"completed": 0.0, "landed_bytes": 0.0, "failures": 0.0}
+    names = {
+        "splitserve_kv_transfer_seconds_count": "completed",
+        "splitserve_kv_transfer_bytes_total": "landed_bytes",
+        "splitserve_kv_transfer_failures_total": "failures",
+    }
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in names and sample.labels.get("direction") == "receive":
+                figures[names[sample.name]] += sample.value
+    return TransferFigures(**figures)

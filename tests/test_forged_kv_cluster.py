@@ -48,14 +48,12 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import grpc
 import pytest
 import torch
-from prometheus_client.parser import text_string_to_metric_families
 
 from splitserve.client import AsyncClient, Chunk, Finish, Sampling
 from splitserve.common.kv_layout import KvLayout
@@ -78,6 +76,7 @@ from tests.cluster import (
     assert_all_free,
     cluster,
     internal_address,
+    transfer_figures,
     wait_until_idle,
     worker_loads,
 )
@@ -118,15 +117,6 @@ SEND_TIMEOUT_S = 30.0
 
 Output = tuple[tuple[int, ...], str]
 """A request's tokens and finish reason."""
-
-
-@dataclass(frozen=True)
-class TransferFigures:
-    """The decode worker's receive-side transfer metrics at one moment."""
-
-    completed: float
-    landed_bytes: float
-    failures: float
 
 
 @dataclass
@@ -294,23 +284,6 @@ def attacker_transport() -> UcxTransport:
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("UCX_RNDV_THRESH", "inf")
         return UcxTransport()
-
-
-def transfer_figures(metrics_url: str) -> TransferFigures:
-    """The decode worker's receive-side figures from its /metrics."""
-    with urllib.request.urlopen(metrics_url, timeout=10) as response:
-        text = response.read().decode()
-    figures = {"completed": 0.0, "landed_bytes": 0.0, "failures": 0.0}
-    names = {
-        "splitserve_kv_transfer_seconds_count": "completed",
-        "splitserve_kv_transfer_bytes_total": "landed_bytes",
-        "splitserve_kv_transfer_failures_total": "failures",
-    }
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name in names and sample.labels.get("direction") == "receive":
-                figures[names[sample.name]] += sample.value
-    return TransferFigures(**figures)
 
 
 def kv_bytes(layout: KvLayout, prompts: Sequence[list[int]]) -> int:

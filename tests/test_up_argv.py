@@ -87,6 +87,20 @@ def test_up_waits_for_the_member_ids_its_workers_register_under() -> None:
     assert member_ids(renamed) == ["x", "x", "x-prefill", "x-decode"]
 
 
+def test_simulated_workers_share_processes_a_role_at_a_time_unpinned() -> None:
+    args = build_parser().parse_args(["--prefill=3", "--decode=4", "--workers-per-process=2"])
+    workers = worker_argvs(args, "127.0.0.1:50052", ["--engine=sim"])
+    assert [name for name, _ in workers] == ["prefill-0", "prefill-1", "decode-2", "decode-3"]
+    hosted = [[f for f in argv if f.startswith("--host-workers")] for _, argv in workers]
+    assert hosted == [["--host-workers=2"], [], ["--host-workers=2"], ["--host-workers=2"]]
+    assert not any(f.startswith("--cpu-affinity") for _, argv in workers for f in argv)
+    assert member_ids([argv for _, argv in workers]) == [
+        "prefill-0-0", "prefill-0-1", "prefill-1", "decode-2-0", "decode-2-1", "decode-3-0",
+        "decode-3-1",
+    ]  # fmt: skip
+    assert "(up to 2 a process)" in layout_summary(args)
+
+
 def test_only_a_worker_with_a_decode_role_keeps_the_decode_gemvs_weights() -> None:
     """A prefill-only worker's engine computes prompt rows only: it packs no GEMV copy of its
     projections' weights (``RunnerConfig.decodes``); a decode or dual-role worker does."""

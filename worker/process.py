@@ -80,6 +80,14 @@ def add_worker_args(parser: argparse.ArgumentParser, env: Mapping[str, str] = os
         "seconds one engine step may run before the worker reports itself not ready",
     )
     flag("--metrics-port", 0, int, "Prometheus /metrics port (0: any free port, -1: off)")
+    flag(
+        "--host-workers",
+        1,
+        int,
+        "workers this process hosts, each with its own port and membership record "
+        "(<worker id>-<i>; --port and --metrics-port count up from the given ones); above 1 "
+        "only with --engine sim, for scale tests",
+    )
     add_reflection_flag(group, env)
     add_cluster_access_args(group, env)
     add_membership_args(group, env)

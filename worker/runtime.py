@@ -128,12 +128,15 @@ async def run_worker(
     access: ClusterAccess,
     stop: asyncio.Event,
     step_threads: StepThreads | None = None,
+    transport: UcxTransport | None = None,
 ) -> None:
-    """One worker process serving ``roles`` (one, or prefill and decode together) on one
-    engine: each role has its servicer on the one gRPC server, its domain object over the
-    shared ``AsyncEngine`` and its own membership record (``role_worker_id``); load reports,
-    health, stall watch and draining are the process's. ``step_threads``: the engine's core
-    lending (``step_threads_of``), if any."""
+    """One worker serving ``roles`` (one, or prefill and decode together) on one engine: each
+    role has its servicer on the one gRPC server, its domain object over the shared
+    ``AsyncEngine`` and its own membership record (``role_worker_id``); load reports, health,
+    stall watch and draining are the worker's. ``step_threads``: the engine's core lending
+    (``step_threads_of``), if any. ``transport``: the process's UCX transport when several
+    workers share the process (``run_hosted_workers``, which closes it); by default the
+    worker makes its own and closes it when it stops."""
     servicers = [role.make_servicer() for role in roles]
     monitor = MonitorServicer()
     label = "+".join(role.name for role in roles)
@@ -157,7 +160,9 @@ async def run_worker(
         WorkerIdentity(role_worker_id(base_id, role, roles), address, access) for role in roles
     ]
     engine = await AsyncEngine.start(engine_config_for(args, roles), step_threads=step_threads)
-    transport = UcxTransport(ucx_settings_of(args))
+    owns_transport = transport is None
+    if transport is None:
+        transport = UcxTransport(ucx_settings_of(args))
     domains = [
         role.make_domain(engine, transport, identity, args.transfer_timeout)
         for role, identity in zip(roles, identities, strict=True)
@@ -238,7 +243,44 @@ async def run_worker(
     for domain in domains:
         await domain.close()
     engine.shutdown()
-    await transport.close()
+    if owns_transport:
+        await transport.close()
+
+
+async def run_hosted_workers(
+    args: argparse.Namespace,
+    roles: Sequence[WorkerRole],
+    access: ClusterAccess,
+    stop: asyncio.Event,
+) -> None:
+    """``--host-workers`` simulated workers in this one process (``hosted_args``: each its
+    own gRPC port, metrics port and membership records, ``<worker id>-<i>``), all on one
+    event loop and one UCX transport, each with its own engine and engine thread; they stop
+    and drain together. Only simulated engines: real ones would share the cores and memory
+    (``worker_main`` refuses that)."""
+    transport = UcxTransport(ucx_settings_of(args))
+    base_id = worker_id_of(args, roles[0].name if len(roles) == 1 else "worker")
+    try:
+        await asyncio.gather(
+            *(
+                run_worker(hosted_args(args, base_id, index), roles, access, stop, None, transport)
+                for index in range(args.host_workers)
+            )
+        )
+    finally:
+        await transport.close()
+
+
+def hosted_args(args: argparse.Namespace, base_id: str, index: int) -> argparse.Namespace:
+    """The flags of hosted worker ``index``: id ``<base_id>-<index>``, and ``--port`` /
+    ``--metrics-port`` ``index`` above the given ones (any free ones for 0; no metrics for a
+    negative one)."""
+    hosted = argparse.Namespace(**vars(args))
+    hosted.worker_id = f"{base_id}-{index}"
+    hosted.port = args.port + index if args.port else 0
+    if args.metrics_port > 0:
+        hosted.metrics_port = args.metrics_port + index
+    return hosted
 
 
 def worker_main(
@@ -266,8 +308,18 @@ def worker_main(
     except (ValueError, OSError) as error:  # a malformed list, cores it lacks, a busy file
         parser.error(f"cores: {error}")
 
+    if args.host_workers < 1:
+        parser.error("--host-workers must be at least 1")
+    if args.host_workers > 1 and args.engine != "sim":
+        parser.error("--host-workers above 1 needs --engine sim (one real engine per process)")
+    if args.host_workers > 1 and step_threads is not None:
+        parser.error("--host-workers above 1 takes no core lending flags")
+
     async def run(stop: asyncio.Event) -> None:
-        await run_worker(args, roles, access, stop, step_threads)
+        if args.host_workers > 1:
+            await run_hosted_workers(args, roles, access, stop)
+        else:
+            await run_worker(args, roles, access, stop, step_threads)
 
     serve_forever(run)
     return 0

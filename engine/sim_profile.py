@@ -1,0 +1,150 @@
+"""A simulated engine's step-time profile: the step-cost model fitted to a real engine's steps.
+
+A profile is ``common/step_cost.py``'s linear model (decode: base + per request + per context
+token; prefill: base + per prompt token) with what it was fitted on: the model, the CPU, the
+threads and dtype of the engine that ran the steps, how many steps, and the model's error on
+steps it was not fitted on (MAPE, mean absolute percentage error). ``engine/sim_calibrate.py``
+makes one by running a real engine; ``engine/sim_runner.py`` waits out its predictions.
+
+The file is JSON (``SimProfile.to_json``); ``"default"`` names the profile shipped with the
+project (``sim_profiles/default.json``): fitted to the 4,157 steps ``make serve``'s two
+workers logged (``StepLog``) while serving the chat workload at 1, 2 and 3 req/s on the AMD
+EPYC development machine (the default model, bf16 reading its quantized weights, one core
+each), so it carries the interference a served step meets; held-out MAPE 11%. Simulated
+``make serve`` against the real one: bench/README.md, "A simulated worker". Torch-free.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from splitserve.common.errors import ModelLoadError
+from splitserve.common.step_cost import MIN_STEPS, StepCost, StepCostLearner, StepShape
+
+DEFAULT_PROFILE = Path(__file__).parent / "sim_profiles" / "default.json"
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One real step: its shape (``SchedulerOutput.shape``) and wall seconds."""
+
+    shape: StepShape
+    seconds: float
+
+
+@dataclass(frozen=True)
+class SimProfile:
+    """The step times a simulated engine reproduces, and where they came from."""
+
+    step_cost: StepCost
+    model_name: str
+    cpu: str
+    """The CPU model the real steps ran on (``lscpu``'s model name)."""
+    threads: int
+    """The real engine's torch threads."""
+    dtype: str
+    steps: int
+    """Real steps the coefficients were fitted on."""
+    mape: float
+    """Mean absolute percentage error of the model on held-out real steps (0.05 = 5%)."""
+
+    def step_s(self, shape: StepShape) -> float:
+        """The seconds a real step of this shape takes, by the model."""
+        return self.step_cost.step_s(shape)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str, source: str = "profile") -> SimProfile:
+        """Parse ``to_json``'s output; ``ModelLoadError`` naming ``source`` when it is not one."""
+        try:
+            raw = json.loads(text)
+            cost = StepCost(**raw.pop("step_cost"))
+            profile = cls(step_cost=cost, **raw)
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+            raise ModelLoadError(f"{source} is not a simulation profile: {exc}") from exc
+        if not (cost.knows_decode and cost.knows_prefill):
+            raise ModelLoadError(f"{source}: a profile must be fitted on decode and prefill steps")
+        return profile
+
+
+class StepLog:
+    """Appends every step of one engine to ``<directory>/steps-<pid>.jsonl`` (created), so a
+    profile can be fitted to a serving worker's own steps, interference of its neighbours
+    included (``sim_calibrate --from-steps``): a first line with what ran the steps, then
+    one ``[decode_seqs, prefill_tokens, context_tokens, seconds]`` line per step, each
+    written through (a few microseconds a step; a killed worker loses nothing written)."""
+
+    def __init__(self, directory: str | Path, header: dict[str, object]) -> None:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        self.path = Path(directory) / f"steps-{os.getpid()}-{id(self):x}.jsonl"
+        self._file = self.path.open("a", encoding="utf-8", buffering=1)
+        self._file.write(json.dumps(header) + "\n")
+
+    def write(self, shape: StepShape, seconds: float) -> None:
+        line = [shape.decode_seqs, shape.prefill_tokens, shape.context_tokens, seconds]
+        self._file.write(json.dumps(line) + "\n")
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def read_step_logs(paths: Iterable[Path]) -> list[StepRecord]:
+    """Every step of these ``StepLog`` files, in file order; ``ModelLoadError`` naming the
+    file and line of anything else."""
+    records = []
+    for path in paths:
+        with path.open(encoding="utf-8") as lines:
+            for number, line in enumerate(lines, 1):
+                if number == 1:
+                    continue  # the header
+                try:
+                    decode_seqs, prefill_tokens, context_tokens, seconds = json.loads(line)
+                    shape = StepShape(int(decode_seqs), int(prefill_tokens), int(context_tokens))
+                except (ValueError, TypeError) as exc:
+                    raise ModelLoadError(f"{path}:{number} is not a step record: {exc}") from exc
+                records.append(StepRecord(shape, float(seconds)))
+    return records
+
+
+def load_profile(name_or_path: str | Path) -> SimProfile:
+    """The profile in a file, or the shipped one for ``"default"``; ``ModelLoadError`` for a
+    file that is missing or not a profile."""
+    path = DEFAULT_PROFILE if str(name_or_path) == "default" else Path(name_or_path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ModelLoadError(f"cannot read the simulation profile {path}: {exc}") from exc
+    return SimProfile.from_json(text, str(path))
+
+
+def fit_step_cost(records: Sequence[StepRecord]) -> StepCost:
+    """Least squares over every record (no forgetting): the online learner's model, fitted
+    on all of them at once."""
+    learner = StepCostLearner(forgetting=1.0)
+    for record in records:
+        learner.observe(record.shape, record.seconds)
+    return learner.estimate()
+
+
+def mape(cost: StepCost, records: Sequence[StepRecord]) -> float:
+    """Mean absolute percentage error of ``cost`` on ``records``."""
+    return statistics.fmean(
+        abs(cost.step_s(record.shape) - record.seconds) / record.seconds for record in records
+    )
+
+
+def held_out_mape(records: Sequence[StepRecord]) -> float:
+    """The model's error on steps it was not fitted on: fitted on the even-numbered records,
+    measured on the odd-numbered ones. ValueError when either half lacks steps of a kind."""
+    fitted, held_out = records[0::2], records[1::2]
+    cost = fit_step_cost(fitted)
+    if not (cost.knows_decode and cost.knows_prefill):
+        raise ValueError(f"need at least {MIN_STEPS} decode and prefill steps in each half")
+    return mape(cost, held_out)
