@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import os
 import shlex
@@ -68,8 +69,10 @@ def ticks_by_role(pids: list[int]) -> dict[str, int]:
 
 async def one_stream(
     client: httpx.AsyncClient, url: str, model: str, index: int, tokens: int
-) -> int:
-    """One streamed completion; the completion tokens its usage chunk reports (0 on error)."""
+) -> tuple[int, str]:
+    """One streamed completion: the completion tokens its usage chunk reports, and how it
+    ended ("ok", "http <status>", "no usage" for a stream cut before its usage chunk, or the
+    client error's class name)."""
     body = {
         "model": model,
         "prompt": f"Request {index}: tell me a long story about the sea.",
@@ -80,20 +83,23 @@ async def one_stream(
         "stream_options": {"include_usage": True},
     }
     used = 0
-    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
-        if response.status_code != 200:
-            await response.aread()
-            return 0
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            usage = json.loads(line[6:]).get("usage")
-            if usage:
-                used = usage["completion_tokens"]
-    return used
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                await response.aread()
+                return 0, f"http {response.status_code}"
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                usage = json.loads(line[6:]).get("usage")
+                if usage:
+                    used = usage["completion_tokens"]
+    except httpx.HTTPError as error:
+        return used, type(error).__name__
+    return used, "ok" if used else "no usage"
 
 
-async def burst(url: str, model: str, streams: int, tokens: int) -> list[int]:
+async def burst(url: str, model: str, streams: int, tokens: int) -> list[tuple[int, str]]:
     limits = httpx.Limits(max_connections=streams + 8, max_keepalive_connections=streams + 8)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         return await asyncio.gather(
@@ -120,7 +126,8 @@ def run(args: argparse.Namespace) -> Json:
             meter.start()
             before, own_before = ticks_by_role(pids), process_ticks(os.getpid())
             started = time.perf_counter()
-            used = asyncio.run(burst(cluster.http_url, model, args.streams, args.max_tokens))
+            ended = asyncio.run(burst(cluster.http_url, model, args.streams, args.max_tokens))
+            used = [count for count, _ in ended]
             wall_s = time.perf_counter() - started
             after, own_after = ticks_by_role(pids), process_ticks(os.getpid())
             tokens = sum(used)
@@ -128,6 +135,7 @@ def run(args: argparse.Namespace) -> Json:
                 "rep": rep,
                 "tokens": tokens,
                 "streams_whole": sum(n == args.max_tokens for n in used),
+                "ends": dict(collections.Counter(how for _, how in ended)),
                 "wall_s": round(wall_s, 2),
                 "tokens_per_s": round(tokens / wall_s, 1),
                 "us_per_token": {

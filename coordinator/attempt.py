@@ -276,9 +276,12 @@ class Attempt:
             )
 
     async def _read_decode(self, call: DecodeCall) -> None:
-        """Producer of the decode stream's events; always ends with one ``DecodeClosed``."""
+        """Producer of the decode stream's events; always ends with one ``DecodeClosed``.
+        Each message is also a sign of life of its worker (``WorkerRecord.seen``)."""
+        decode = self.route.decode
         try:
             async for item in call:
+                decode.seen()
                 event = Reserved(item) if isinstance(item, RelayedReservation) else Decoded(item)
                 self._events.put_nowait(event)
         except SplitserveError as error:
@@ -313,4 +316,5 @@ class Attempt:
             logger.exception("%s: the prefill call failed", self._label)
             self._events.put_nowait(PrefillFailed(WorkerCallError(repr(error))))
             return
+        worker.seen()
         self._events.put_nowait(Prefilled(done))

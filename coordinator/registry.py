@@ -1,7 +1,8 @@
 """The coordinator's registry of workers (torch-free).
 
 Workers register with their role, address and KV layout, then heartbeat with load figures.
-A worker silent for ``expiry_s`` is dropped; one whose call failed is marked unhealthy until
+A worker silent for ``expiry_s`` (no heartbeat, no streamed message, no prefill reply) is
+dropped; one whose call failed is marked unhealthy until
 its next heartbeat (so routing avoids it at once), and its ``CircuitBreaker``
 (``coordinator/circuit_breaker.py``) keeps it out of routing after several failed calls in a
 row, whatever its heartbeats say, until a back-off passed; one this coordinator has not dialled
@@ -37,6 +38,14 @@ class WorkerRecord:
     """This coordinator reached the worker at ``address`` (a registration that has not been
     dialled back yet is not routed to: a wrong advertised address or a one-way partition
     would fail every first attempt)."""
+
+    def seen(self) -> None:
+        """The worker answered one of this coordinator's calls (a streamed message, a
+        prefill's reply): it is alive, whatever its heartbeats do. A coordinator relaying
+        thousands of streams may take its heartbeat calls late (a worker gives each
+        ``HEARTBEAT_TIMEOUT_S``); it must not expire a worker whose streams it is reading.
+        The load figures still come with heartbeats only."""
+        self.last_seen = time.monotonic()
 
 
 def routable(record: WorkerRecord, now: float) -> bool:

@@ -15,7 +15,7 @@ KV transfer over UCX. What it does not do is compute:
   scheduler's own work comes on top, as it does for a real step (well under 1% of it).
 - **KV.** The cache has the model's layers and the real block count and block size, but one
   KV head of ``STAND_IN_HEAD_DIM`` values per token (bf16): transfers move real bytes, a few
-  per token instead of the model's ~24 KB. Its contents are never read by anything here.
+  per token and layer instead of the model's ~24 KB a token. Nothing here reads them.
 - **Tokens.** The token after the one at position ``p - 1`` is ``sim_token(words, that
   token, p)``: a function of the previous token and the position only, so a request gets the
   same tokens whichever path it took (prefilled here or elsewhere, resumed, continued, its
@@ -41,8 +41,10 @@ from splitserve.engine.model_runner import RunnerOutput
 from splitserve.engine.scheduler import ScheduledChunk, SchedulerOutput
 from splitserve.engine.sim_profile import SimProfile
 
-STAND_IN_HEAD_DIM = 8
-"""Values per token, layer, K or V in a simulated engine's cache (one head, bf16: 16 bytes)."""
+STAND_IN_HEAD_DIM = 2
+"""Values per token, layer, K or V in a simulated engine's cache (one head, bf16: 4 bytes; a
+block's K or V of one layer, the smallest message a transfer sends, is then 64 bytes for
+16-token blocks). The default model's cache at its real block count is 11 MB this way."""
 OTHER_LOGPROB = -30.0
 """The logprob a simulated engine reports for every token but the one it emits."""
 _WORDS_TEXT = (

@@ -298,6 +298,7 @@ def worker_argvs(
     cores = worker_cores(args)
     lending = _lending_flags(args, cores, busy_dir) if busy_dir else [[] for _ in processes]
     workers = []
+    first_worker = 0  # the global index of the process's first worker (metrics ports)
     for index, ((role, hosted), core_list) in enumerate(zip(processes, cores, strict=True)):
         if role == "dual":
             argv = [
@@ -311,8 +312,9 @@ def worker_argvs(
             argv.append(f"--coordinator={coordinator}")
         argv += [f"--host={args.host}", f"--worker-id={role}-{index}"]
         argv += [f"--drain-timeout={args.drain_timeout}", *membership_flags(args)]
-        metrics_port = _metrics_port(args.metrics_port_base, args.coordinators + index)
-        argv.append(f"--metrics-port={metrics_port}")
+        metrics_port = _metrics_port(args.metrics_port_base, args.coordinators + first_worker)
+        argv.append(f"--metrics-port={metrics_port}")  # a hosted worker i: this + i
+        first_worker += hosted
         if core_list is not None:
             argv.append(f"--cpu-affinity={core_list}")
         if hosted > 1:

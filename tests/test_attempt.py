@@ -6,6 +6,7 @@ tests; here the workers are scripted so that each ordering is tested on purpose.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Sequence
 
 import pytest
@@ -329,3 +330,35 @@ def test_closing_the_stream_early_cancels_the_calls_and_restores_pending_counts_
         assert workers.prefill_cancelled and router._pending["p"].num_prefill_tokens == 0
 
     asyncio.run(body())
+
+
+def test_a_workers_streamed_messages_and_prefill_reply_keep_it_from_expiring() -> None:
+    """A coordinator relaying thousands of streams may take heartbeats late: the workers whose
+    messages it is reading are alive anyway (``WorkerRecord.seen``)."""
+
+    async def body() -> None:
+        workers = _Workers()
+        attempt, router = _attempt(workers)
+        decode, prefill = attempt.route.decode, attempt.route.prefill
+        assert prefill is not None
+        decode.last_seen = prefill.last_seen = 0.0  # silent since long ago
+        task = asyncio.create_task(_drain(attempt))
+        workers.call.items.put_nowait(RESERVATION)
+        await _settle()
+        assert decode.last_seen > 0.0 and prefill.last_seen == 0.0
+        assert router.registry.expire(now=time.monotonic() + 1.0) == [prefill]  # no sign yet
+        router.registry.register(prefill)
+        assert workers.prefill_result is not None
+        workers.prefill_result.set_result(PrefillDone(num_cached_tokens=0))
+        await _settle()
+        assert prefill.last_seen > 0.0
+        workers.call.items.put_nowait(_output((7,), 1, FinishReason.LENGTH))
+        await asyncio.wait_for(task, 5)
+        assert router.registry.expire(now=time.monotonic() + 1.0) == []
+
+    asyncio.run(body())
+
+
+async def _drain(attempt: Attempt) -> None:
+    async for _ in attempt.run():
+        pass

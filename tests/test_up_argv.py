@@ -99,6 +99,8 @@ def test_simulated_workers_share_processes_a_role_at_a_time_unpinned() -> None:
         "decode-3-1",
     ]  # fmt: skip
     assert "(up to 2 a process)" in layout_summary(args)
+    ports = [[f for f in argv if f.startswith("--metrics-port")] for _, argv in workers]
+    assert ports == [[f"--metrics-port={9401 + first}"] for first in (0, 2, 3, 5)]  # +i each
 
 
 def test_only_a_worker_with_a_decode_role_keeps_the_decode_gemvs_weights() -> None:

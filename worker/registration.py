@@ -23,6 +23,12 @@ from splitserve.proto.membership_client import MembershipClient
 logger = logging.getLogger(__name__)
 
 CALL_TIMEOUT_S = 2.0
+"""Deadline of a registration and a leave."""
+HEARTBEAT_TIMEOUT_S = 5.0
+"""Deadline of a heartbeat: half the coordinator's expiry (``WorkerRegistry.expiry_s``), so a
+heartbeat that a coordinator busy relaying thousands of streams takes late still lands and
+counts, where a 2 s deadline had cancelled it (and three such led to registering again, one
+more call to the busy coordinator)."""
 
 
 class CoordinatorLink:
@@ -87,7 +93,7 @@ class CoordinatorLink:
                 return
             try:
                 known = await client.heartbeat(
-                    self._info.worker_id, await self._load(), CALL_TIMEOUT_S
+                    self._info.worker_id, await self._load(), HEARTBEAT_TIMEOUT_S
                 )
             except SplitserveError as error:
                 failures += 1
