@@ -82,6 +82,6 @@ def _status(record: WorkerRecord, now: float) -> coordinator_pb2.WorkerStatus:
             max_model_len=record.max_model_len,
         ),
         load=convert.load_to_proto(record.load, ready=record.healthy),
-        ms_since_heartbeat=int((now - record.last_seen) * 1000),
+        ms_since_heartbeat=int((now - record.last_heartbeat) * 1000),
         routable=routable(record, now),
     )

@@ -31,7 +31,10 @@ class WorkerRecord:
     num_blocks: int
     max_model_len: int
     load: EngineLoad = field(default_factory=EngineLoad)
+    last_heartbeat: float = field(default_factory=time.monotonic)
+    """When ``load`` was last reported (registration or heartbeat)."""
     last_seen: float = field(default_factory=time.monotonic)
+    """The latest sign of life: a heartbeat, or a message or reply on a call (``seen``)."""
     healthy: bool = True
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     dialled: bool = True
@@ -90,7 +93,7 @@ class WorkerRegistry:
         if record is None:
             return False
         record.load = load
-        record.last_seen = time.monotonic()
+        record.last_heartbeat = record.last_seen = time.monotonic()
         record.healthy = ready
         return True
 

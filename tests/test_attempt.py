@@ -342,6 +342,7 @@ def test_a_workers_streamed_messages_and_prefill_reply_keep_it_from_expiring() -
         decode, prefill = attempt.route.decode, attempt.route.prefill
         assert prefill is not None
         decode.last_seen = prefill.last_seen = 0.0  # silent since long ago
+        decode.last_heartbeat = prefill.last_heartbeat = 0.0
         task = asyncio.create_task(_drain(attempt))
         workers.call.items.put_nowait(RESERVATION)
         await _settle()
@@ -355,6 +356,8 @@ def test_a_workers_streamed_messages_and_prefill_reply_keep_it_from_expiring() -
         workers.call.items.put_nowait(_output((7,), 1, FinishReason.LENGTH))
         await asyncio.wait_for(task, 5)
         assert router.registry.expire(now=time.monotonic() + 1.0) == []
+        # what the load figures' age is told from: heartbeats only
+        assert decode.last_heartbeat == prefill.last_heartbeat == 0.0
 
     asyncio.run(body())
 
