@@ -93,7 +93,18 @@ class AbortRequested:
     pass
 
 
-AttemptEvent = Reserved | Decoded | DecodeClosed | Prefilled | PrefillFailed | AbortRequested
+@dataclass(frozen=True)
+class StreamStalled:
+    """The decode stream brought nothing for ``silent_s`` after its first token, more than
+    ``limit_s`` (``stall_limit_s``)."""
+
+    silent_s: float
+    limit_s: float
+
+
+AttemptEvent = (
+    Reserved | Decoded | DecodeClosed | Prefilled | PrefillFailed | AbortRequested | StreamStalled
+)
 
 
 class PrefillLost(Exception):
@@ -104,11 +115,42 @@ class DecodeLost(Exception):
     """The decode worker failed; resume the request elsewhere."""
 
 
+class DecodeStalled(DecodeLost):
+    """The decode stream went silent past its stall limit (``StreamStalled``): the worker is
+    treated as failed and the request resumes elsewhere."""
+
+
 @dataclass(frozen=True)
 class AttemptTimeouts:
     prefill_s: float = 300.0
     request_s: float = 3600.0
     stop_s: float = 2.0
+    stall_factor: float = 10.0
+    """A decoding stream silent for this many times its worker's expected step time is
+    stalled (``stall_limit_s``); 0 turns the watch off."""
+    stall_floor_s: float = 2.0
+    """... and never before this many seconds (GC pauses, a long prompt chunk)."""
+
+
+DEFAULT_STEP_S = 0.1
+"""A decode worker's expected step time before its step-cost model is known."""
+
+
+def stall_limit_s(worker: WorkerRecord, timeouts: AttemptTimeouts) -> float:
+    """How long a decoding stream on ``worker`` may go without a message: ``stall_factor``
+    times the step its latest load report predicts (a decode step of its running requests
+    and their tokens, plus a prompt chunk while prompts wait there), at least
+    ``stall_floor_s``."""
+    load = worker.load
+    cost = load.step_cost
+    expected = DEFAULT_STEP_S
+    if cost.knows_decode:
+        running = max(1, load.num_running_requests)
+        expected = cost.decode_step_s(running, load.num_running_tokens)
+    if load.num_pending_prefill_tokens and cost.knows_prefill:
+        chunk = min(load.num_pending_prefill_tokens, load.prefill_chunk_tokens)
+        expected += cost.prefill_s(chunk)
+    return max(timeouts.stall_floor_s, timeouts.stall_factor * expected)
 
 
 class Attempt:
@@ -156,6 +198,10 @@ class Attempt:
         """What the router's placement sees of this request while it decodes."""
         self._local_prompt = contextlib.ExitStack()
         """Counts a prompt the decode worker computes as queued there until its first token."""
+        self._last_message_at = self._started
+        """When the decode stream last brought a message."""
+        self._stall_watch: asyncio.TimerHandle | None = None
+        """The pending stall check, armed from the first token on (``_watch_for_stalls``)."""
 
     def abort(self) -> None:
         """End the attempt as aborted; its stream gets a final ABORT chunk."""
@@ -208,7 +254,18 @@ class Attempt:
                         case AbortRequested():
                             self.state = AttemptState.ENDED
                             yield self.tracker.abort()
+                        case StreamStalled(silent_s, limit_s):
+                            logger.warning(
+                                "%s: stalled while decoding: no token for %.1f s (limit %.1f s "
+                                "from the worker's step times); resuming elsewhere",
+                                self._label,
+                                silent_s,
+                                limit_s,
+                            )
+                            raise DecodeStalled(f"no token for {silent_s:.1f} s")
             finally:
+                if self._stall_watch is not None:
+                    self._stall_watch.cancel()
                 for task in tasks:
                     task.cancel()
                 call.cancel()
@@ -261,9 +318,30 @@ class Attempt:
             self._progress.first_token_at = time.monotonic()
             self.first_token_s = self._progress.first_token_at - self._started
             self._router.report_success(self.route.decode)
+            self._watch_for_stalls()
         self._progress.num_tokens += len(output.update.new_token_ids)
         self.num_cached_tokens = max(self.num_cached_tokens, output.update.num_cached_tokens)
         return self.tracker.process(output.update, output.logprobs)
+
+    def _watch_for_stalls(self) -> None:
+        """Check for a stall when the stream would have been silent for its limit since its
+        last message: one timer per limit, not one per message (a message only stores its
+        time, ``_read_decode``)."""
+        if self._timeouts.stall_factor <= 0 or self.state is AttemptState.ENDED:
+            return
+        limit_s = stall_limit_s(self.route.decode, self._timeouts)
+        due_in_s = max(0.0, self._last_message_at + limit_s - time.monotonic())
+        self._stall_watch = asyncio.get_running_loop().call_later(
+            due_in_s, self._check_stall, limit_s
+        )
+
+    def _check_stall(self, limit_s: float) -> None:
+        self._stall_watch = None
+        silent_s = time.monotonic() - self._last_message_at
+        if silent_s >= limit_s:
+            self._events.put_nowait(StreamStalled(silent_s, limit_s))
+        else:
+            self._watch_for_stalls()
 
     async def _end_on_worker(self, decode: WorkerRecord) -> None:
         """The request finished; a stop string matched here must end it there too (as STOP)."""
@@ -282,6 +360,7 @@ class Attempt:
         try:
             async for item in call:
                 decode.seen()
+                self._last_message_at = decode.last_seen
                 event = Reserved(item) if isinstance(item, RelayedReservation) else Decoded(item)
                 self._events.put_nowait(event)
         except SplitserveError as error:

@@ -32,7 +32,13 @@ from splitserve.common.errors import InvalidRequestError, WorkerUnavailableError
 from splitserve.common.output_processor import RequestTracker, StreamChunk
 from splitserve.common.request_update import RequestUpdate
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.coordinator.attempt import Attempt, AttemptTimeouts, DecodeLost, PrefillLost
+from splitserve.coordinator.attempt import (
+    Attempt,
+    AttemptTimeouts,
+    DecodeLost,
+    DecodeStalled,
+    PrefillLost,
+)
 from splitserve.coordinator.placement import Placement, Slo
 from splitserve.coordinator.router import Router
 from splitserve.proto.worker_clients import WorkerChannels
@@ -101,6 +107,10 @@ class RequestFlow:
         """prefill_fallback / decode_resume, each time a worker failed this request;
         coordinator_continuation once when it continues a stream another coordinator broke
         (``replay``)."""
+        self.stalls: list[str] = []
+        """The role of the worker each time this request's stream stalled there (``decode``:
+        silent past its stall limit after the first token, ``attempt.stall_limit_s``); each
+        is also a ``decode_resume``."""
 
     def replay(self, streamed_token_ids: list[int]) -> StreamChunk:
         """Take ``streamed_token_ids`` as already streamed (by another coordinator, which the
@@ -163,8 +173,10 @@ class RequestFlow:
             except PrefillLost:
                 local_prefill_only = True
                 self.recoveries.append("prefill_fallback")
-            except DecodeLost:
+            except DecodeLost as lost:
                 self.recoveries.append("decode_resume")
+                if isinstance(lost, DecodeStalled):
+                    self.stalls.append("decode")
                 excluded.append(attempt.route.decode.worker_id)
                 self._router.report_failure(attempt.route.decode)
             finally:

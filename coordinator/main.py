@@ -178,6 +178,20 @@ def build_parser() -> argparse.ArgumentParser:
         "aborted and its KV freed",
     )
     flag("--prefill-timeout", 300.0, float, "seconds a prefill (compute + KV push) may take")
+    flag(
+        "--stall-factor",
+        AttemptTimeouts.stall_factor,
+        float,
+        "a decoding stream silent for this many times its worker's expected step time (from "
+        "the worker's reported step-cost model and load) is stalled: counted, logged and "
+        "resumed on another decode worker; 0: no watch",
+    )
+    flag(
+        "--stall-floor-s",
+        AttemptTimeouts.stall_floor_s,
+        float,
+        "... but never before this many seconds of silence",
+    )
     flag("--metrics-port", 0, int, "Prometheus /metrics port (0: any free port, -1: off)")
     flag(
         "--drain-timeout",
@@ -245,7 +259,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             slo=slo,
             ttft_at_risk=args.ttft_at_risk,
         ),
-        flow=FlowConfig(timeouts=AttemptTimeouts(prefill_s=args.prefill_timeout)),
+        flow=FlowConfig(
+            timeouts=AttemptTimeouts(
+                prefill_s=args.prefill_timeout,
+                stall_factor=args.stall_factor,
+                stall_floor_s=args.stall_floor_s,
+            )
+        ),
         admission=AdmissionConfig(
             kv_share=args.kv_share,
             max_queued_requests=args.max_queued,

@@ -81,6 +81,15 @@ class CoordinatorMetrics:
             buckets=TTFT_RATIO_BUCKETS,
             registry=registry,
         )
+        stalls = Counter(
+            "splitserve_stream_stalls",
+            "Streams that went silent past their stall limit (the worker's expected step time "
+            "times --stall-factor, at least --stall-floor-s) and were resumed elsewhere, by "
+            "the stalled worker's role and the phase they stalled in.",
+            ["model_name", "role", "reason"],
+            registry=registry,
+        )
+        self._stalls = {role: stalls.labels(model_name, role, "no_token") for role in ("decode",)}
         self.stalled_clients = Counter(
             "splitserve_stalled_clients",
             "Streams cut because their client read nothing for the send timeout.",
@@ -96,6 +105,8 @@ class CoordinatorMetrics:
         for name, seconds in flow.stage_seconds:
             if name in self._stages:
                 self._stages[name].observe(seconds)
+        for role in flow.stalls:
+            self._stalls[role].inc()
         for kind in flow.recoveries:
             if kind in self._recoveries:
                 self._recoveries[kind].inc()

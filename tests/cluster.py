@@ -320,8 +320,9 @@ class TransferFigures:
     failures: float
 
 
-def transfer_figures(metrics_url: str) -> TransferFigures:
-    """The decode worker's receive-side figures from its /metrics."""
+def transfer_figures(metrics_url: str, direction: str = "receive") -> TransferFigures:
+    """A worker's KV transfer figures from its /metrics: a decode worker's receives, or with
+    ``direction="send"`` a prefill worker's sends (``landed_bytes``: the bytes sent)."""
     with urllib.request.urlopen(metrics_url, timeout=10) as response:
         text = response.read().decode()
     figures = {"completed": 0.0, "landed_bytes": 0.0, "failures": 0.0}
@@ -332,6 +333,6 @@ def transfer_figures(metrics_url: str) -> TransferFigures:
     }
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name in names and sample.labels.get("direction") == "receive":
+            if sample.name in names and sample.labels.get("direction") == direction:
                 figures[names[sample.name]] += sample.value
     return TransferFigures(**figures)

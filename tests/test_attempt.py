@@ -6,6 +6,7 @@ tests; here the workers are scripted so that each ordering is tested on purpose.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Sequence
 
@@ -17,7 +18,15 @@ from splitserve.common.membership import Role
 from splitserve.common.output_processor import RequestTracker
 from splitserve.common.request_update import FinishReason, RequestUpdate, StepOutput
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.coordinator.attempt import Attempt, AttemptTimeouts, DecodeLost, PrefillLost
+from splitserve.common.step_cost import StepCost
+from splitserve.coordinator.attempt import (
+    Attempt,
+    AttemptTimeouts,
+    DecodeLost,
+    DecodeStalled,
+    PrefillLost,
+    stall_limit_s,
+)
 from splitserve.coordinator.registry import WorkerRecord, WorkerRegistry
 from splitserve.coordinator.router import Route, Router, RoutingConfig
 from splitserve.proto.splitserve.v1 import worker_pb2
@@ -104,7 +113,10 @@ def _record(worker_id: str, role: Role) -> WorkerRecord:
 
 
 def _attempt(
-    workers: _Workers, remote: bool = True, stop: tuple[str, ...] = ()
+    workers: _Workers,
+    remote: bool = True,
+    stop: tuple[str, ...] = (),
+    timeouts: AttemptTimeouts | None = None,
 ) -> tuple[Attempt, Router]:
     decode, prefill = _record("d", Role.DECODE), _record("p", Role.PREFILL)
     registry = WorkerRegistry()
@@ -122,7 +134,7 @@ def _attempt(
         stop,
         router,
         workers,
-        AttemptTimeouts(),  # type: ignore[arg-type]
+        timeouts or AttemptTimeouts(),  # type: ignore[arg-type]
     )
     return attempt, router
 
@@ -365,3 +377,65 @@ def test_a_workers_streamed_messages_and_prefill_reply_keep_it_from_expiring() -
 async def _drain(attempt: Attempt) -> None:
     async for _ in attempt.run():
         pass
+
+
+def test_a_stream_silent_past_its_limit_after_the_first_token_is_stalled() -> None:
+    async def body() -> tuple[float, DecodeStalled | None, int]:
+        workers = _Workers()
+        timeouts = AttemptTimeouts(stall_factor=10.0, stall_floor_s=0.3)
+        attempt, _ = _attempt(workers, remote=False, timeouts=timeouts)
+        chunks = 0
+        stalled = None
+        started = time.monotonic()
+
+        async def consume() -> None:
+            nonlocal chunks
+            async for _ in attempt.run():
+                chunks += 1
+
+        task = asyncio.create_task(consume())
+        for count in range(1, 4):  # tokens 0.15 s apart: within the limit
+            await asyncio.sleep(0.15)
+            workers.call.items.put_nowait(_output((count,), count))
+        started = time.monotonic()  # then nothing
+        try:
+            await asyncio.wait_for(task, 5)
+        except DecodeStalled as error:
+            stalled = error
+        return time.monotonic() - started, stalled, chunks
+
+    waited_s, stalled, chunks = asyncio.run(body())
+    assert stalled is not None and chunks == 3
+    assert 0.3 <= waited_s < 1.5  # the floor: no step times known yet (10 x 0.1 s would be 1 s)
+
+
+def test_no_stall_watch_before_the_first_token_or_when_turned_off() -> None:
+    async def body(timeouts: AttemptTimeouts, first_token: bool) -> bool:
+        workers = _Workers()
+        attempt, _ = _attempt(workers, remote=False, timeouts=timeouts)
+        task = asyncio.create_task(_drain(attempt))
+        if first_token:
+            workers.call.items.put_nowait(_output((1,), 1))
+        await asyncio.sleep(0.5)
+        finished = task.done()
+        workers.call.items.put_nowait(_output((2,), 2, FinishReason.LENGTH))
+        await asyncio.wait_for(task, 5)  # raises if it had stalled
+        return finished
+
+    quick = AttemptTimeouts(stall_factor=1.0, stall_floor_s=0.1)
+    assert not asyncio.run(body(quick, first_token=False))  # a prompt may take long
+    assert not asyncio.run(body(dataclasses.replace(quick, stall_factor=0.0), first_token=True))
+
+
+def test_the_stall_limit_follows_the_workers_reported_step_times() -> None:
+    worker = _record("d", Role.DECODE)
+    timeouts = AttemptTimeouts(stall_factor=10.0, stall_floor_s=0.2)
+    assert stall_limit_s(worker, timeouts) == pytest.approx(1.0)  # 10 x DEFAULT_STEP_S
+    cost = StepCost(0.02, 0.001, 0.0, 0.01, 0.001, decode_steps=50, prefill_steps=50)
+    worker.load = EngineLoad(100, step_cost=cost, num_running_requests=10, num_running_tokens=1000)
+    assert stall_limit_s(worker, timeouts) == pytest.approx(10 * 0.03)  # above the floor
+    worker.load = dataclasses.replace(
+        worker.load, num_pending_prefill_tokens=5000, prefill_chunk_tokens=256
+    )
+    assert stall_limit_s(worker, timeouts) == pytest.approx(10 * (0.03 + 0.01 + 0.256))
+    assert stall_limit_s(worker, dataclasses.replace(timeouts, stall_floor_s=9.0)) == 9.0

@@ -1,8 +1,9 @@
 """The simulated engine (``--engine sim``): its profile is the step-cost model fitted to real
 steps with its error on held-out ones; a step lasts what the profile predicts and hooks each
 layer; its tokens do not depend on the path a request took; grammars still bind; the
-calibrator records both kinds of real steps; a real ``splitserve up`` cluster of simulated
-workers serves through the gateway with the KV moved over UCX."""
+calibrator records both kinds of real steps; one process hosts several simulated workers of a
+real ``splitserve up`` cluster. (A cluster of simulated workers serving through the gateway,
+its KV pushed over UCX, is also ``tests/test_stream_stalls.py``'s.)"""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ import json
 import random
 import re
 import subprocess
-import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -42,8 +42,8 @@ from splitserve.engine.sim_profile import (
     load_profile,
     read_step_logs,
 )
-from splitserve.engine.sim_runner import STAND_IN_HEAD_DIM, sim_token
-from tests.cluster import cluster, routable_members, transfer_figures, wait_until_idle
+from splitserve.engine.sim_runner import sim_token
+from tests.cluster import cluster, routable_members, wait_until_idle
 
 TRUE_COST = StepCost(
     decode_base_s=0.010,
@@ -245,42 +245,6 @@ def test_the_calibrator_records_prompt_and_decode_steps_of_a_real_engine() -> No
     assert cost.knows_decode and cost.knows_prefill
     assert held_out_mape(records) >= 0.0
     assert not core.has_unfinished  # every phase ran to the end
-
-
-def test_a_cluster_of_simulated_workers_serves_through_the_gateway(tmp_path: Path) -> None:
-    """The disaggregated path with the real coordinator, gateway, gRPC and UCX: the text is
-    the in-process simulated engine's, and the decode worker received the stand-in KV."""
-    prompt = "The capital of France is"
-    offline = _sim_core(tmp_path)
-    expected = offline.tokenizer.decode(
-        _run(offline, offline.tokenizer.encode(prompt), SamplingParams(max_tokens=12))
-    )
-    lines: dict[str, str] = {}
-    with cluster(1, 1, "--engine=sim", "--num-blocks=256", ready_lines=lines):
-        url = lines["splitserve gateway ready"]
-        body = json.dumps(
-            {"model": "default", "prompt": prompt, "max_tokens": 12, "temperature": 0}
-        )
-        model = _model_id(url)
-        request = urllib.request.Request(
-            f"{url}/v1/completions",
-            data=body.replace('"default"', json.dumps(model)).encode(),
-            headers={"content-type": "application/json"},
-        )
-        with urllib.request.urlopen(request, timeout=60) as response:
-            answer = json.load(response)
-        figures = transfer_figures(lines["decode metrics"])
-    assert answer["choices"][0]["text"] == expected
-    assert answer["usage"]["completion_tokens"] == 12
-    layers = offline.model_config.num_hidden_layers
-    one_block = layers * 2 * 16 * STAND_IN_HEAD_DIM * 2  # K and V, 16 tokens, bf16
-    assert figures.completed == 1 and figures.failures == 0
-    assert figures.landed_bytes == one_block  # 5 prompt tokens: one block
-
-
-def _model_id(url: str) -> str:
-    with urllib.request.urlopen(f"{url}/v1/models", timeout=10) as response:
-        return json.load(response)["data"][0]["id"]
 
 
 def test_one_process_hosts_several_simulated_workers_each_its_own_member(

@@ -1,0 +1,128 @@
+"""No silent stalls: a decode worker frozen with SIGSTOP under load (real ``splitserve up``
+processes with simulated workers, real signals) answers nothing and drops no connection, yet
+every stream it carried resumes on the other decode worker and completes, with the text an
+uninterrupted run gives (a simulated worker's tokens do not depend on the path); the
+coordinator counts each stall, and routing avoids the frozen worker (its breaker counts the
+stalls as one incident: several streams stalling at once are one failure of one worker)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from splitserve.common.sampling_params import SamplingParams
+from splitserve.common.step_cost import StepCost
+from splitserve.engine.checkpoint import describe_checkpoint
+from splitserve.engine.config import CacheConfig, EngineConfig, ModelConfig, RunnerConfig
+from splitserve.engine.engine_core import EngineCore
+from splitserve.engine.sim_profile import SimProfile
+from splitserve.engine.sim_runner import STAND_IN_HEAD_DIM
+from tests.cluster import child_pid, cluster, routable_members, transfer_figures
+
+PROMPTS = [f"Stream {i} tells of the mill by the river" for i in range(12)]
+MAX_TOKENS = 80
+STALL_ENV = {"SPLITSERVE_STALL_FLOOR_S": "1.0", "SPLITSERVE_STALL_FACTOR": "10"}
+
+
+def _expected_texts(tmp_path: Path) -> list[str]:
+    """Each prompt's text from an in-process simulated engine (whose step times do not change
+    its tokens: a profile of near-zero steps keeps this quick)."""
+    fast = StepCost(1e-5, 1e-6, 0.0, 1e-5, 1e-7, decode_steps=100, prefill_steps=100)
+    profile = tmp_path / "fast.json"
+    profile.write_text(SimProfile(fast, "test", "test", 1, "bfloat16", 200, 0.0).to_json())
+    core = EngineCore(
+        EngineConfig(
+            model=ModelConfig(dtype="bfloat16"),
+            cache=CacheConfig(num_blocks=256),
+            runner=RunnerConfig(engine="sim", sim_profile=str(profile)),
+        )
+    )
+    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(PROMPTS))}
+    for index, prompt in enumerate(PROMPTS):
+        core.add_request(str(index), core.tokenizer.encode(prompt), _params())
+    while core.has_unfinished:
+        for output in core.step():
+            tokens[output.update.request_id].extend(output.update.new_token_ids)
+    return [core.tokenizer.decode(tokens[str(i)]) for i in range(len(PROMPTS))]
+
+
+def _params() -> SamplingParams:
+    return SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+
+
+def _counter(metrics_url: str, name: str) -> dict[str, float]:
+    """Each sample of counter ``name`` by its label values in name order, model_name left
+    out (``reason/role``, ``kind``)."""
+    with urllib.request.urlopen(metrics_url, timeout=10) as response:
+        text = response.read().decode()
+    return {
+        "/".join(v for k, v in sample.labels.items() if k != "model_name"): sample.value
+        for family in text_string_to_metric_families(text)
+        if family.name == name
+        for sample in family.samples
+        if sample.name.endswith("_total")
+    }
+
+
+async def _serve_and_freeze(url: str, decode_pid: int) -> list[str]:
+    """Send every prompt at once, freeze the decode worker once streams run on it."""
+    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+        model = (await client.get("/v1/models")).json()["data"][0]["id"]
+
+        async def one(prompt: str) -> str:
+            body = {
+                "model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0
+            }  # fmt: skip
+            response = await client.post("/v1/completions", json=body)
+            response.raise_for_status()
+            return response.json()["choices"][0]["text"]
+
+        requests = asyncio.gather(*(one(p) for p in PROMPTS))
+        await asyncio.sleep(1.0)  # the first tokens are out: streams decode on both workers
+        os.kill(decode_pid, signal.SIGSTOP)
+        return list(await requests)
+
+
+def _texts_with_a_frozen_worker(
+    coordinator: str, lines: dict[str, str], processes: Sequence[subprocess.Popen[str]]
+) -> tuple[list[str], set[str]]:
+    """The streams' texts, and the workers routable once they completed (still frozen)."""
+    decode_pid = child_pid(processes[0].pid, "--worker-id=decode-1")
+    try:
+        texts = asyncio.run(_serve_and_freeze(lines["splitserve gateway ready"], decode_pid))
+        return texts, routable_members(coordinator)
+    finally:
+        os.kill(decode_pid, signal.SIGCONT)  # so that the cluster stops cleanly
+
+
+def test_streams_on_a_frozen_decode_worker_resume_and_complete(tmp_path: Path) -> None:
+    expected = _expected_texts(tmp_path)
+    lines: dict[str, str] = {}
+    processes: list[subprocess.Popen[str]] = []
+    with cluster(
+        1, 2, "--engine=sim", "--num-blocks=256", ready_lines=lines, processes=processes,
+        env=STALL_ENV,
+    ) as coordinator:  # fmt: skip
+        texts, routable = _texts_with_a_frozen_worker(coordinator, lines, processes)
+        sent = transfer_figures(lines["prefill metrics"], direction="send")
+        stalls = _counter(lines["coordinator metrics"], "splitserve_stream_stalls")
+        recoveries = _counter(lines["coordinator metrics"], "splitserve_request_recoveries")
+    assert texts == expected  # every stream completed, each with its uninterrupted text
+    # each prompt (under one 16-token block) was computed by the prefill worker, its stand-in
+    # KV pushed over UCX: every layer's K and V of one block
+    layers = describe_checkpoint("default").config.num_hidden_layers
+    one_block = layers * 2 * 16 * STAND_IN_HEAD_DIM * 2
+    assert sent.completed == len(PROMPTS) and sent.failures == 0
+    assert sent.landed_bytes == len(PROMPTS) * one_block
+    assert stalls["no_token/decode"] >= 3  # the streams that were on the frozen worker
+    assert recoveries["decode_resume"] == stalls["no_token/decode"]  # each resumed once
+    # routing avoids it (failed, no heartbeat since), the others serve on
+    assert routable == {"decode-2", "prefill-0"}
