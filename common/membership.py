@@ -11,6 +11,7 @@ import enum
 from dataclasses import dataclass
 
 from splitserve.common.kv_layout import KvLayout
+from splitserve.common.load import EngineLoad
 
 
 class Role(enum.Enum):
@@ -34,6 +35,21 @@ class WorkerInfo:
     """KV blocks of ``layout.block_size`` tokens it holds."""
     max_model_len: int
     """The longest context (prompt + output) it serves."""
+
+
+@dataclass(frozen=True)
+class MemberStatus:
+    """One registered worker as a coordinator sees it now (``ListWorkers``)."""
+
+    info: WorkerInfo
+    load: EngineLoad
+    """Its latest reported load."""
+    ready: bool
+    """It reported progress (its engine is not stalled)."""
+    ms_since_heartbeat: int
+    """Age of ``load``."""
+    routable: bool
+    """The coordinator routes requests to it now (dialled back, healthy, circuit closed)."""
 
 
 def member_id(worker_id: str, role_name: str, num_roles: int) -> str:

@@ -3,6 +3,7 @@
     splitserve up                        # coordinator + prefill + decode + gateway on localhost
     splitserve coordinator|prefill|decode|gateway --help   # one role per process
     splitserve probe --address HOST:PORT # one gRPC health check (Kubernetes exec probes)
+    splitserve top --coordinator HOST:PORT --metrics URL  # a live view of a cluster
 
     splitserve generate "The capital of France is" --max-tokens 32 --temperature 0
     splitserve generate --chat "Write a haiku about the sea" --stream
@@ -62,13 +63,16 @@ ROLE_COMMANDS = {
     "gateway": "splitserve.gateway.main",
     "up": "splitserve.launch.up",
     "probe": "splitserve.launch.probe",
+    "top": "splitserve.launch.top",
 }
 """Commands with their own flags (``splitserve <command> --help``): the serving roles, each a
-process, ``up`` (all of them on localhost) and ``probe`` (one health check)."""
+process, ``up`` (all of them on localhost), ``probe`` (one health check) and ``top`` (a live
+view of a cluster)."""
 COMMAND_HELP = {
     "worker": "run a worker of several roles, e.g. --roles prefill,decode",
     "up": "run every role on localhost",
     "probe": "one gRPC health check, for exec probes",
+    "top": "a live view of a cluster's workers and traffic, from a coordinator",
 }
 
 

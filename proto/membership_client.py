@@ -8,7 +8,7 @@ from __future__ import annotations
 import grpc
 
 from splitserve.common.load import LoadReport
-from splitserve.common.membership import WorkerInfo
+from splitserve.common.membership import MemberStatus, WorkerInfo
 from splitserve.proto import convert
 from splitserve.proto.cluster_auth import ClusterCredential
 from splitserve.proto.splitserve.v1 import coordinator_pb2, coordinator_pb2_grpc
@@ -54,9 +54,23 @@ class MembershipClient:
     async def routable_members(self, timeout_s: float) -> frozenset[str]:
         """The ids of the workers the coordinator routes requests to now (``ListWorkers``:
         registered, dialled back, healthy, circuit closed)."""
+        members = await self.list_workers(timeout_s)
+        return frozenset(member.info.worker_id for member in members if member.routable)
+
+    async def list_workers(self, timeout_s: float) -> list[MemberStatus]:
+        """Every worker the coordinator has registered, with its latest load."""
         reply = await call_internal(
             self._stub.ListWorkers(
                 coordinator_pb2.ListWorkersRequest(), timeout=timeout_s, metadata=self._metadata
             )
         )
-        return frozenset(s.worker.worker_id for s in reply.workers if s.routable)
+        return [
+            MemberStatus(
+                info=convert.worker_info_from_proto(status.worker),
+                load=convert.load_from_proto(status.load),
+                ready=status.load.ready,
+                ms_since_heartbeat=status.ms_since_heartbeat,
+                routable=status.routable,
+            )
+            for status in reply.workers
+        ]

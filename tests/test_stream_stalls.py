@@ -3,19 +3,24 @@ processes with simulated workers, real signals) answers nothing and drops no con
 every stream it carried resumes on the other decode worker and completes, with the text an
 uninterrupted run gives (a simulated worker's tokens do not depend on the path); the
 coordinator counts each stall, and routing avoids the frozen worker (its breaker counts the
-stalls as one incident: several streams stalling at once are one failure of one worker)."""
+stalls as one incident: several streams stalling at once are one failure of one worker).
+Before that, on the same cluster, ``splitserve top --once`` shows every worker and the
+traffic of its interval."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import subprocess
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from splitserve.common.sampling_params import SamplingParams
@@ -25,7 +30,16 @@ from splitserve.engine.config import CacheConfig, EngineConfig, ModelConfig, Run
 from splitserve.engine.engine_core import EngineCore
 from splitserve.engine.sim_profile import SimProfile
 from splitserve.engine.sim_runner import STAND_IN_HEAD_DIM
-from tests.cluster import child_pid, cluster, routable_members, transfer_figures
+from splitserve.launch.child_process import ChildProcess, python_module_argv
+from splitserve.proto.cluster_auth import TOKEN_ENV
+from tests.cluster import (
+    CREDENTIAL,
+    child_pid,
+    cluster,
+    internal_address,
+    routable_members,
+    transfer_figures,
+)
 
 PROMPTS = [f"Stream {i} tells of the mill by the river" for i in range(12)]
 MAX_TOKENS = 80
@@ -103,25 +117,76 @@ def _texts_with_a_frozen_worker(
         os.kill(decode_pid, signal.SIGCONT)  # so that the cluster stops cleanly
 
 
-def test_streams_on_a_frozen_decode_worker_resume_and_complete(tmp_path: Path) -> None:
-    expected = _expected_texts(tmp_path)
+@dataclass(frozen=True)
+class SimCluster:
+    coordinator: str
+    lines: dict[str, str]
+    """What its processes announced (gateway URL, metrics URLs)."""
+    processes: list[subprocess.Popen[str]]
+    """``up``'s process."""
+
+
+@pytest.fixture(scope="module")
+def sim_cluster() -> Iterator[SimCluster]:
+    """``splitserve up``: 1 prefill + 2 decode simulated workers, the gateway, stalls judged
+    after 1 s (``STALL_ENV``)."""
     lines: dict[str, str] = {}
     processes: list[subprocess.Popen[str]] = []
     with cluster(
         1, 2, "--engine=sim", "--num-blocks=256", ready_lines=lines, processes=processes,
         env=STALL_ENV,
     ) as coordinator:  # fmt: skip
-        texts, routable = _texts_with_a_frozen_worker(coordinator, lines, processes)
-        sent = transfer_figures(lines["prefill metrics"], direction="send")
-        stalls = _counter(lines["coordinator metrics"], "splitserve_stream_stalls")
-        recoveries = _counter(lines["coordinator metrics"], "splitserve_request_recoveries")
+        yield SimCluster(coordinator, lines, processes)
+
+
+def test_top_shows_every_worker_and_the_traffic_of_its_interval(sim_cluster: SimCluster) -> None:
+    top = ChildProcess(
+        python_module_argv(
+            "splitserve.launch.top",
+            f"--coordinator={internal_address(sim_cluster.coordinator)}",
+            f"--metrics={sim_cluster.lines['coordinator metrics']}",
+            "--once",
+            "--interval=2",
+        ),
+        name="top",
+        env={TOKEN_ENV: CREDENTIAL.token},
+    )
+    url = sim_cluster.lines["splitserve gateway ready"]
+    model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+    for prompt in PROMPTS[:4]:  # traffic inside top's interval
+        body = {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0}
+        httpx.post(f"{url}/v1/completions", json=body, timeout=60).raise_for_status()
+    assert top.popen.wait(30) == 0, top.tail()
+    top.stop(5)  # it has exited: this only collects the rest of its output
+    frame = top.tail()
+    assert "workers 3 routable of 3" in frame, frame
+    rows = {line.split()[0]: line.split() for line in frame.splitlines() if line.strip()}
+    for worker, role in (("prefill-0", "prefill"), ("decode-1", "decode"), ("decode-2", "decode")):
+        assert rows[worker][1:3] == [role, "yes"], frame
+    finished = re.search(r"finished ([0-9.]+) req/s +([0-9,]+) tok/s", frame)
+    assert finished is not None and float(finished.group(1)) > 0, frame
+    assert int(finished.group(2).replace(",", "")) > 0, frame
+
+
+def test_streams_on_a_frozen_decode_worker_resume_and_complete(
+    tmp_path: Path, sim_cluster: SimCluster
+) -> None:
+    expected = _expected_texts(tmp_path)
+    lines = sim_cluster.lines
+    sent_before = transfer_figures(lines["prefill metrics"], direction="send")
+    texts, routable = _texts_with_a_frozen_worker(
+        sim_cluster.coordinator, lines, sim_cluster.processes
+    )
+    sent = transfer_figures(lines["prefill metrics"], direction="send")
+    stalls = _counter(lines["coordinator metrics"], "splitserve_stream_stalls")
+    recoveries = _counter(lines["coordinator metrics"], "splitserve_request_recoveries")
     assert texts == expected  # every stream completed, each with its uninterrupted text
     # each prompt (under one 16-token block) was computed by the prefill worker, its stand-in
     # KV pushed over UCX: every layer's K and V of one block
     layers = describe_checkpoint("default").config.num_hidden_layers
     one_block = layers * 2 * 16 * STAND_IN_HEAD_DIM * 2
-    assert sent.completed == len(PROMPTS) and sent.failures == 0
-    assert sent.landed_bytes == len(PROMPTS) * one_block
+    assert sent.completed - sent_before.completed == len(PROMPTS) and sent.failures == 0
+    assert sent.landed_bytes - sent_before.landed_bytes == len(PROMPTS) * one_block
     assert stalls["no_token/decode"] >= 3  # the streams that were on the frozen worker
     assert recoveries["decode_resume"] == stalls["no_token/decode"]  # each resumed once
     # routing avoids it (failed, no heartbeat since), the others serve on

@@ -57,6 +57,9 @@ ROLE_ENTRY_MODULES = (
     "splitserve.launch.up",
     "splitserve.gateway.main",
     "splitserve.launch.probe",
+    "splitserve.launch.top",
+    "splitserve.engine.sim_profile",
+    "splitserve.common.cpu_info",
     "splitserve.client",
 )
 """The processes that never run a model: what ``python -m`` / ``import`` loads for each."""
