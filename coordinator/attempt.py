@@ -95,11 +95,14 @@ class AbortRequested:
 
 @dataclass(frozen=True)
 class StreamStalled:
-    """The decode stream brought nothing for ``silent_s`` after its first token, more than
-    ``limit_s`` (``stall_limit_s``)."""
+    """Nothing came for ``silent_s``, more than ``limit_s``: in ``PREFILLING`` no first
+    token since the prefill call started (``prefill_stall_limit_s``), in ``DECODING`` no
+    message since the last one (``stall_limit_s``)."""
 
     silent_s: float
     limit_s: float
+    state: AttemptState
+    """The attempt's state when the watch was armed (a stall of an earlier state is stale)."""
 
 
 AttemptEvent = (
@@ -118,6 +121,11 @@ class DecodeLost(Exception):
 class DecodeStalled(DecodeLost):
     """The decode stream went silent past its stall limit (``StreamStalled``): the worker is
     treated as failed and the request resumes elsewhere."""
+
+
+class PrefillStalled(PrefillLost):
+    """A pushed prompt brought no first token within its stall limit: the prefill worker is
+    treated as failed and the prompt is computed on a decode worker."""
 
 
 @dataclass(frozen=True)
@@ -150,6 +158,29 @@ def stall_limit_s(worker: WorkerRecord, timeouts: AttemptTimeouts) -> float:
     if load.num_pending_prefill_tokens and cost.knows_prefill:
         chunk = min(load.num_pending_prefill_tokens, load.prefill_chunk_tokens)
         expected += cost.prefill_s(chunk)
+    return max(timeouts.stall_floor_s, timeouts.stall_factor * expected)
+
+
+TIMER_SLACK_S = 0.05
+"""A loop timer may fire this much early; a stall check then still counts it due."""
+DEFAULT_PREFILL_TOKEN_S = 0.002
+"""A prefill worker's expected seconds a prompt token before its step-cost model is known."""
+
+
+def prefill_stall_limit_s(
+    worker: WorkerRecord, prompt_tokens: int, timeouts: AttemptTimeouts
+) -> float:
+    """How long a prompt pushed to ``worker`` may take to bring its first token:
+    ``stall_factor`` times what its latest load report predicts for the prompt tokens queued
+    there plus this one's, at least ``stall_floor_s``."""
+    load, cost = worker.load, worker.load.step_cost
+    tokens = load.num_pending_prefill_tokens + prompt_tokens
+    if cost.knows_prefill:
+        chunk = max(1, load.prefill_chunk_tokens or tokens)
+        steps = -(-tokens // chunk)
+        expected = steps * cost.prefill_base_s + tokens * cost.per_prefill_token_s
+    else:
+        expected = DEFAULT_STEP_S + tokens * DEFAULT_PREFILL_TOKEN_S
     return max(timeouts.stall_floor_s, timeouts.stall_factor * expected)
 
 
@@ -201,7 +232,9 @@ class Attempt:
         self._last_message_at = self._started
         """When the decode stream last brought a message."""
         self._stall_watch: asyncio.TimerHandle | None = None
-        """The pending stall check, armed from the first token on (``_watch_for_stalls``)."""
+        """The pending stall check (``_watch_for_stalls``): from the prefill call's start
+        while a prefill worker computes the prompt, and from the first token on."""
+        self._prefill_started_at: float | None = None
 
     def abort(self) -> None:
         """End the attempt as aborted; its stream gets a final ABORT chunk."""
@@ -230,6 +263,7 @@ class Attempt:
                             stage_start = self._stage("reserve", started)
                             self.state = AttemptState.PREFILLING
                             tasks.append(asyncio.create_task(self._prefill(reservation)))
+                            self._watch_for_stalls()
                         case Prefilled(done):
                             self.num_cached_tokens = done.num_cached_tokens
                             if self.route.prefill is not None:
@@ -254,6 +288,23 @@ class Attempt:
                         case AbortRequested():
                             self.state = AttemptState.ENDED
                             yield self.tracker.abort()
+                        case StreamStalled(state=state) if state is not self.state:
+                            pass  # armed in an earlier state: its limit no longer applies
+                        case StreamStalled(silent_s, limit_s) if self.route.prefill and (
+                            self.state is AttemptState.PREFILLING
+                        ):
+                            prefill = self.route.prefill
+                            logger.warning(
+                                "%s: stalled while %s computed the prompt: no first token for "
+                                "%.1f s (limit %.1f s from its step times); computing it on a "
+                                "decode worker",
+                                self._label,
+                                prefill.worker_id,
+                                silent_s,
+                                limit_s,
+                            )
+                            self._router.report_failure(prefill)
+                            raise PrefillStalled(f"no first token for {silent_s:.1f} s")
                         case StreamStalled(silent_s, limit_s):
                             logger.warning(
                                 "%s: stalled while decoding: no token for %.1f s (limit %.1f s "
@@ -324,23 +375,38 @@ class Attempt:
         return self.tracker.process(output.update, output.logprobs)
 
     def _watch_for_stalls(self) -> None:
-        """Check for a stall when the stream would have been silent for its limit since its
-        last message: one timer per limit, not one per message (a message only stores its
-        time, ``_read_decode``)."""
+        """Arm the stall check for the attempt's state (``PREFILLING``: since the prefill
+        call started; ``DECODING``: since the stream's last message), replacing any armed
+        before: one timer per limit, not one per message (a message only stores its time,
+        ``_read_decode``)."""
+        if self._stall_watch is not None:
+            self._stall_watch.cancel()
+            self._stall_watch = None
         if self._timeouts.stall_factor <= 0 or self.state is AttemptState.ENDED:
             return
-        limit_s = stall_limit_s(self.route.decode, self._timeouts)
-        due_in_s = max(0.0, self._last_message_at + limit_s - time.monotonic())
+        if self.state is AttemptState.PREFILLING and self.route.prefill is not None:
+            since = self._prefill_started_at = time.monotonic()
+            prompt = len(self._prompt)
+            limit_s = prefill_stall_limit_s(self.route.prefill, prompt, self._timeouts)
+        elif self.state is AttemptState.DECODING:
+            since = self._last_message_at
+            limit_s = stall_limit_s(self.route.decode, self._timeouts)
+        else:
+            return
+        due_in_s = max(0.0, since + limit_s - time.monotonic())
         self._stall_watch = asyncio.get_running_loop().call_later(
-            due_in_s, self._check_stall, limit_s
+            due_in_s, self._check_stall, limit_s, self.state
         )
 
-    def _check_stall(self, limit_s: float) -> None:
+    def _check_stall(self, limit_s: float, state: AttemptState) -> None:
         self._stall_watch = None
-        silent_s = time.monotonic() - self._last_message_at
-        if silent_s >= limit_s:
-            self._events.put_nowait(StreamStalled(silent_s, limit_s))
-        else:
+        if state is not self.state:
+            return  # the attempt moved on (its new state armed its own watch)
+        since = self._prefill_started_at if state is AttemptState.PREFILLING else None
+        silent_s = time.monotonic() - (since if since is not None else self._last_message_at)
+        if silent_s >= limit_s - TIMER_SLACK_S:
+            self._events.put_nowait(StreamStalled(silent_s, limit_s, state))
+        elif state is AttemptState.DECODING:
             self._watch_for_stalls()
 
     async def _end_on_worker(self, decode: WorkerRecord) -> None:

@@ -38,6 +38,7 @@ from splitserve.coordinator.attempt import (
     DecodeLost,
     DecodeStalled,
     PrefillLost,
+    PrefillStalled,
 )
 from splitserve.coordinator.placement import Placement, Slo
 from splitserve.coordinator.router import Router
@@ -107,10 +108,12 @@ class RequestFlow:
         """prefill_fallback / decode_resume, each time a worker failed this request;
         coordinator_continuation once when it continues a stream another coordinator broke
         (``replay``)."""
-        self.stalls: list[str] = []
-        """The role of the worker each time this request's stream stalled there (``decode``:
-        silent past its stall limit after the first token, ``attempt.stall_limit_s``); each
-        is also a ``decode_resume``."""
+        self.stalls: list[tuple[str, str]] = []
+        """(role, reason) each time this request stalled on a worker: ("decode", "no_token"),
+        silent past its limit after the first token (``attempt.stall_limit_s``; also a
+        ``decode_resume``), or ("prefill", "no_first_token"), a pushed prompt's first token
+        late past its limit (``attempt.prefill_stall_limit_s``; also a
+        ``prefill_fallback``)."""
 
     def replay(self, streamed_token_ids: list[int]) -> StreamChunk:
         """Take ``streamed_token_ids`` as already streamed (by another coordinator, which the
@@ -170,13 +173,15 @@ class RequestFlow:
                         yield chunk
                 self.state = FlowState.FINISHED
                 return
-            except PrefillLost:
+            except PrefillLost as lost:
                 local_prefill_only = True
                 self.recoveries.append("prefill_fallback")
+                if isinstance(lost, PrefillStalled):
+                    self.stalls.append(("prefill", "no_first_token"))
             except DecodeLost as lost:
                 self.recoveries.append("decode_resume")
                 if isinstance(lost, DecodeStalled):
-                    self.stalls.append("decode")
+                    self.stalls.append(("decode", "no_token"))
                 excluded.append(attempt.route.decode.worker_id)
                 self._router.report_failure(attempt.route.decode)
             finally:

@@ -89,7 +89,10 @@ class CoordinatorMetrics:
             ["model_name", "role", "reason"],
             registry=registry,
         )
-        self._stalls = {role: stalls.labels(model_name, role, "no_token") for role in ("decode",)}
+        self._stalls = {
+            kind: stalls.labels(model_name, *kind)
+            for kind in (("decode", "no_token"), ("prefill", "no_first_token"))
+        }
         self.stalled_clients = Counter(
             "splitserve_stalled_clients",
             "Streams cut because their client read nothing for the send timeout.",
@@ -105,8 +108,8 @@ class CoordinatorMetrics:
         for name, seconds in flow.stage_seconds:
             if name in self._stages:
                 self._stages[name].observe(seconds)
-        for role in flow.stalls:
-            self._stalls[role].inc()
+        for kind in flow.stalls:
+            self._stalls[kind].inc()
         for kind in flow.recoveries:
             if kind in self._recoveries:
                 self._recoveries[kind].inc()

@@ -25,6 +25,8 @@ from splitserve.coordinator.attempt import (
     DecodeLost,
     DecodeStalled,
     PrefillLost,
+    PrefillStalled,
+    prefill_stall_limit_s,
     stall_limit_s,
 )
 from splitserve.coordinator.registry import WorkerRecord, WorkerRegistry
@@ -439,3 +441,55 @@ def test_the_stall_limit_follows_the_workers_reported_step_times() -> None:
     )
     assert stall_limit_s(worker, timeouts) == pytest.approx(10 * (0.03 + 0.01 + 0.256))
     assert stall_limit_s(worker, dataclasses.replace(timeouts, stall_floor_s=9.0)) == 9.0
+
+
+def test_a_pushed_prompt_without_a_first_token_past_its_limit_is_a_prefill_stall() -> None:
+    async def body() -> tuple[float, bool, bool]:
+        workers = _Workers()
+        timeouts = AttemptTimeouts(stall_factor=10.0, stall_floor_s=0.3)
+        attempt, _ = _attempt(workers, timeouts=timeouts)
+        prefill = attempt.route.prefill
+        assert prefill is not None
+        task = asyncio.create_task(_drain(attempt))
+        workers.call.items.put_nowait(RESERVATION)  # the prefill call starts, then nothing
+        started = time.monotonic()
+        stalled = False
+        try:
+            await asyncio.wait_for(task, 5)
+        except PrefillStalled:
+            stalled = True
+        return time.monotonic() - started, stalled, prefill.healthy
+
+    waited_s, stalled, healthy = asyncio.run(body())
+    assert stalled and not healthy  # the prefill worker is reported failed
+    assert 1.0 <= waited_s < 2.0  # 10 x the default estimate for 5 tokens: 1.1 s
+
+
+def test_a_first_token_in_time_hands_the_watch_to_the_decode_phase() -> None:
+    async def body() -> None:
+        workers = _Workers()
+        timeouts = AttemptTimeouts(stall_factor=10.0, stall_floor_s=0.4)
+        attempt, _ = _attempt(workers, timeouts=timeouts)
+        task = asyncio.create_task(_drain(attempt))
+        workers.call.items.put_nowait(RESERVATION)
+        await asyncio.sleep(0.3)
+        workers.call.items.put_nowait(_output((7,), 1))  # in time
+        for count in range(2, 5):  # then tokens 0.3 s apart, each within the decode limit
+            await asyncio.sleep(0.3)
+            workers.call.items.put_nowait(_output((count,), count))
+        workers.call.items.put_nowait(_output((5,), 5, FinishReason.LENGTH))
+        await asyncio.wait_for(task, 5)  # raises if either phase had stalled
+
+    asyncio.run(body())
+
+
+def test_the_prefill_stall_limit_counts_the_prompts_queued_before_it() -> None:
+    worker = _record("p", Role.PREFILL)
+    timeouts = AttemptTimeouts(stall_factor=10.0, stall_floor_s=0.2)
+    assert prefill_stall_limit_s(worker, 100, timeouts) == pytest.approx(10 * (0.1 + 0.2))
+    cost = StepCost(0.0, 0.0, 0.0, 0.01, 0.001, decode_steps=0, prefill_steps=50)
+    worker.load = EngineLoad(
+        100, step_cost=cost, num_pending_prefill_tokens=900, prefill_chunk_tokens=256
+    )
+    # 1,000 tokens: 4 chunks of at most 256
+    assert prefill_stall_limit_s(worker, 100, timeouts) == pytest.approx(10 * (0.04 + 1.0))

@@ -4,8 +4,9 @@ every stream it carried resumes on the other decode worker and completes, with t
 uninterrupted run gives (a simulated worker's tokens do not depend on the path); the
 coordinator counts each stall, and routing avoids the frozen worker (its breaker counts the
 stalls as one incident: several streams stalling at once are one failure of one worker).
-Before that, on the same cluster, ``splitserve top --once`` shows every worker and the
-traffic of its interval."""
+Likewise a frozen prefill worker: the prompts pushed to it bring no first token within their
+limit and are computed on a decode worker. Before both, on the same cluster, ``splitserve
+top --once`` shows every worker and the traffic of its interval."""
 
 from __future__ import annotations
 
@@ -88,21 +89,10 @@ def _counter(metrics_url: str, name: str) -> dict[str, float]:
 
 async def _serve_and_freeze(url: str, decode_pid: int) -> list[str]:
     """Send every prompt at once, freeze the decode worker once streams run on it."""
-    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
-        model = (await client.get("/v1/models")).json()["data"][0]["id"]
-
-        async def one(prompt: str) -> str:
-            body = {
-                "model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0
-            }  # fmt: skip
-            response = await client.post("/v1/completions", json=body)
-            response.raise_for_status()
-            return response.json()["choices"][0]["text"]
-
-        requests = asyncio.gather(*(one(p) for p in PROMPTS))
-        await asyncio.sleep(1.0)  # the first tokens are out: streams decode on both workers
-        os.kill(decode_pid, signal.SIGSTOP)
-        return list(await requests)
+    requests = asyncio.ensure_future(_completions(url, PROMPTS))
+    await asyncio.sleep(1.0)  # the first tokens are out: streams decode on both workers
+    os.kill(decode_pid, signal.SIGSTOP)
+    return await requests
 
 
 def _texts_with_a_frozen_worker(
@@ -191,3 +181,41 @@ def test_streams_on_a_frozen_decode_worker_resume_and_complete(
     assert recoveries["decode_resume"] == stalls["no_token/decode"]  # each resumed once
     # routing avoids it (failed, no heartbeat since), the others serve on
     assert routable == {"decode-2", "prefill-0"}
+
+
+def test_prompts_pushed_to_a_frozen_prefill_worker_are_computed_on_a_decode_worker(
+    tmp_path: Path, sim_cluster: SimCluster
+) -> None:
+    expected = _expected_texts(tmp_path)[:6]
+    lines = sim_cluster.lines
+    before = _counter(lines["coordinator metrics"], "splitserve_stream_stalls")
+    fallbacks_before = _counter(lines["coordinator metrics"], "splitserve_request_recoveries")
+    prefill_pid = child_pid(sim_cluster.processes[0].pid, "--worker-id=prefill-0")
+    os.kill(prefill_pid, signal.SIGSTOP)
+    try:
+        texts = asyncio.run(_completions(lines["splitserve gateway ready"], PROMPTS[:6]))
+        routable = routable_members(sim_cluster.coordinator)
+    finally:
+        os.kill(prefill_pid, signal.SIGCONT)
+    stalls = _counter(lines["coordinator metrics"], "splitserve_stream_stalls")
+    fallbacks = _counter(lines["coordinator metrics"], "splitserve_request_recoveries")
+    stalled = stalls["no_first_token/prefill"] - before["no_first_token/prefill"]
+    assert texts == expected  # every prompt computed on a decode worker instead, same text
+    assert stalled >= 1
+    assert fallbacks["prefill_fallback"] - fallbacks_before["prefill_fallback"] == stalled
+    assert "prefill-0" not in routable
+
+
+async def _completions(url: str, prompts: Sequence[str]) -> list[str]:
+    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+        model = (await client.get("/v1/models")).json()["data"][0]["id"]
+
+        async def one(prompt: str) -> str:
+            body = {
+                "model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0
+            }  # fmt: skip
+            response = await client.post("/v1/completions", json=body)
+            response.raise_for_status()
+            return response.json()["choices"][0]["text"]
+
+        return list(await asyncio.gather(*(one(p) for p in prompts)))
