@@ -52,6 +52,14 @@ class MemberStatus:
     """The coordinator routes requests to it now (dialled back, healthy, circuit closed)."""
 
 
+def hosted_worker_ids(worker_id: str, num_hosted: int) -> list[str]:
+    """The worker ids of a process hosting ``num_hosted`` workers (``--host-workers``):
+    ``worker_id`` itself for one, ``<worker_id>-<i>`` for each of several."""
+    if num_hosted == 1:
+        return [worker_id]
+    return [f"{worker_id}-{index}" for index in range(num_hosted)]
+
+
 def member_id(worker_id: str, role_name: str, num_roles: int) -> str:
     """The id a worker's role registers under: the worker's id, or for a worker of several
     roles that id with the role's name appended (each role is its own member, at the same

@@ -402,8 +402,11 @@ class Attempt:
         self._stall_watch = None
         if state is not self.state:
             return  # the attempt moved on (its new state armed its own watch)
-        since = self._prefill_started_at if state is AttemptState.PREFILLING else None
-        silent_s = time.monotonic() - (since if since is not None else self._last_message_at)
+        since = self._last_message_at
+        if state is AttemptState.PREFILLING:
+            assert self._prefill_started_at is not None  # set when this watch was armed
+            since = self._prefill_started_at
+        silent_s = time.monotonic() - since
         if silent_s >= limit_s - TIMER_SLACK_S:
             self._events.put_nowait(StreamStalled(silent_s, limit_s, state))
         elif state is AttemptState.DECODING:

@@ -61,7 +61,7 @@ from splitserve.common.api_keys import (
     api_keys_or_exit,
 )
 from splitserve.common.env_flags import env_name
-from splitserve.common.membership import member_id
+from splitserve.common.membership import hosted_worker_ids, member_id
 from splitserve.coordinator import INTERNAL_READY, PUBLIC_READY
 from splitserve.discovery.flags import add_membership_args, etcd_endpoints
 from splitserve.launch.child_process import ReadyError
@@ -355,8 +355,11 @@ def member_ids(worker_argvs: Sequence[Sequence[str]]) -> list[str]:
         if worker_id is None:
             raise ValueError(f"a worker started without --worker-id: {argv}")
         hosted = int(_last_flag(argv, "--host-workers") or 1)
-        worker_ids = [worker_id] if hosted == 1 else [f"{worker_id}-{i}" for i in range(hosted)]
-        ids += [member_id(one, role, len(roles)) for one in worker_ids for role in roles]
+        ids += [
+            member_id(one, role, len(roles))
+            for one in hosted_worker_ids(worker_id, hosted)
+            for role in roles
+        ]
     return ids
 
 

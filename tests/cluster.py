@@ -14,6 +14,7 @@ environment), so the tests can call internal ports; a coordinator's internal add
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import signal
 import subprocess
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from splitserve.coordinator import INTERNAL_READY
@@ -336,3 +338,18 @@ def transfer_figures(metrics_url: str, direction: str = "receive") -> TransferFi
             if sample.name in names and sample.labels.get("direction") == direction:
                 figures[names[sample.name]] += sample.value
     return TransferFigures(**figures)
+
+
+async def gateway_completions(url: str, prompts: Sequence[str], max_tokens: int) -> list[str]:
+    """Each prompt's greedy completion text from the gateway at ``url``, all sent at once
+    (non-streamed ``/v1/completions``, the first served model); raises on any non-200."""
+    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+        model = (await client.get("/v1/models")).json()["data"][0]["id"]
+
+        async def one(prompt: str) -> str:
+            body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+            response = await client.post("/v1/completions", json=body)
+            response.raise_for_status()
+            return response.json()["choices"][0]["text"]
+
+        return list(await asyncio.gather(*(one(prompt) for prompt in prompts)))

@@ -16,7 +16,6 @@ import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 
@@ -43,7 +42,7 @@ from splitserve.engine.sim_profile import (
     read_step_logs,
 )
 from splitserve.engine.sim_runner import sim_token
-from tests.cluster import cluster, routable_members, wait_until_idle
+from tests.cluster import cluster, gateway_completions, routable_members, wait_until_idle
 
 TRUE_COST = StepCost(
     decode_base_s=0.010,
@@ -275,7 +274,7 @@ def test_one_process_hosts_several_simulated_workers_each_its_own_member(
             for pid in children.read_text().split()
             if b"--host-workers=2" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         ]
-        texts = asyncio.run(_completions(lines["splitserve gateway ready"], prompts))
+        texts = asyncio.run(gateway_completions(lines["splitserve gateway ready"], prompts, 8))
         loads = wait_until_idle(coordinator, 6)
     assert members == {
         "prefill-0-0", "prefill-0-1", "decode-1-0", "decode-1-1", "decode-2-0", "decode-2-1"
@@ -285,16 +284,3 @@ def test_one_process_hosts_several_simulated_workers_each_its_own_member(
     decoded = [loads[m].num_finished_requests - 1 for m in members if m.startswith("decode")]
     assert sum(decoded) == len(prompts)  # each worker's one warm-up request left out
     assert sum(count > 0 for count in decoded) >= 2
-
-
-async def _completions(url: str, prompts: Sequence[str]) -> list[str]:
-    async with httpx.AsyncClient(base_url=url, timeout=60) as client:
-        model = (await client.get("/v1/models")).json()["data"][0]["id"]
-
-        async def one(prompt: str) -> str:
-            body = {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0}
-            response = await client.post("/v1/completions", json=body)
-            response.raise_for_status()
-            return response.json()["choices"][0]["text"]
-
-        return list(await asyncio.gather(*(one(p) for p in prompts)))

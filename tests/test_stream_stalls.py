@@ -37,6 +37,7 @@ from tests.cluster import (
     CREDENTIAL,
     child_pid,
     cluster,
+    gateway_completions,
     internal_address,
     routable_members,
     transfer_figures,
@@ -89,7 +90,7 @@ def _counter(metrics_url: str, name: str) -> dict[str, float]:
 
 async def _serve_and_freeze(url: str, decode_pid: int) -> list[str]:
     """Send every prompt at once, freeze the decode worker once streams run on it."""
-    requests = asyncio.ensure_future(_completions(url, PROMPTS))
+    requests = asyncio.ensure_future(gateway_completions(url, PROMPTS, MAX_TOKENS))
     await asyncio.sleep(1.0)  # the first tokens are out: streams decode on both workers
     os.kill(decode_pid, signal.SIGSTOP)
     return await requests
@@ -193,7 +194,9 @@ def test_prompts_pushed_to_a_frozen_prefill_worker_are_computed_on_a_decode_work
     prefill_pid = child_pid(sim_cluster.processes[0].pid, "--worker-id=prefill-0")
     os.kill(prefill_pid, signal.SIGSTOP)
     try:
-        texts = asyncio.run(_completions(lines["splitserve gateway ready"], PROMPTS[:6]))
+        texts = asyncio.run(
+            gateway_completions(lines["splitserve gateway ready"], PROMPTS[:6], MAX_TOKENS)
+        )
         routable = routable_members(sim_cluster.coordinator)
     finally:
         os.kill(prefill_pid, signal.SIGCONT)
@@ -204,18 +207,3 @@ def test_prompts_pushed_to_a_frozen_prefill_worker_are_computed_on_a_decode_work
     assert stalled >= 1
     assert fallbacks["prefill_fallback"] - fallbacks_before["prefill_fallback"] == stalled
     assert "prefill-0" not in routable
-
-
-async def _completions(url: str, prompts: Sequence[str]) -> list[str]:
-    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
-        model = (await client.get("/v1/models")).json()["data"][0]["id"]
-
-        async def one(prompt: str) -> str:
-            body = {
-                "model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0
-            }  # fmt: skip
-            response = await client.post("/v1/completions", json=body)
-            response.raise_for_status()
-            return response.json()["choices"][0]["text"]
-
-        return list(await asyncio.gather(*(one(p) for p in prompts)))

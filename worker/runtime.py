@@ -33,7 +33,7 @@ from splitserve.common.busy_flag import BusyFlag, BusyFlagReader
 from splitserve.common.errors import MembershipStoreError
 from splitserve.common.kv_layout import KvLayout
 from splitserve.common.load import LoadReport
-from splitserve.common.membership import Role, WorkerInfo, member_id
+from splitserve.common.membership import Role, WorkerInfo, hosted_worker_ids, member_id
 from splitserve.common.metrics import serve_metrics
 from splitserve.common.model_files import model_name_of, resolve_model_path
 from splitserve.common.sampling_params import SamplingParams
@@ -154,8 +154,7 @@ async def run_worker(
         tls=access.tls,
         with_reflection=args.grpc_reflection,
     )
-    kind = roles[0].name if len(roles) == 1 else "worker"
-    base_id, address = worker_id_of(args, kind), advertised_address(args, server.port)
+    base_id, address = worker_id_of(args, _kind(roles)), advertised_address(args, server.port)
     identities = [
         WorkerIdentity(role_worker_id(base_id, role, roles), address, access) for role in roles
     ]
@@ -259,24 +258,30 @@ async def run_hosted_workers(
     and drain together. Only simulated engines: real ones would share the cores and memory
     (``worker_main`` refuses that)."""
     transport = UcxTransport(ucx_settings_of(args))
-    base_id = worker_id_of(args, roles[0].name if len(roles) == 1 else "worker")
+    base_id = worker_id_of(args, _kind(roles))
+    hosted = [
+        hosted_args(args, worker_id, index)
+        for index, worker_id in enumerate(hosted_worker_ids(base_id, args.host_workers))
+    ]
     try:
         await asyncio.gather(
-            *(
-                run_worker(hosted_args(args, base_id, index), roles, access, stop, None, transport)
-                for index in range(args.host_workers)
-            )
+            *(run_worker(one, roles, access, stop, None, transport) for one in hosted)
         )
     finally:
         await transport.close()
 
 
-def hosted_args(args: argparse.Namespace, base_id: str, index: int) -> argparse.Namespace:
-    """The flags of hosted worker ``index``: id ``<base_id>-<index>``, and ``--port`` /
+def _kind(roles: Sequence[WorkerRole]) -> str:
+    """What a worker's default id starts with: its one role's name, else "worker"."""
+    return roles[0].name if len(roles) == 1 else "worker"
+
+
+def hosted_args(args: argparse.Namespace, worker_id: str, index: int) -> argparse.Namespace:
+    """The flags of hosted worker ``index``: its id (``hosted_worker_ids``), and ``--port`` /
     ``--metrics-port`` ``index`` above the given ones (any free ones for 0; no metrics for a
     negative one)."""
     hosted = argparse.Namespace(**vars(args))
-    hosted.worker_id = f"{base_id}-{index}"
+    hosted.worker_id = worker_id
     hosted.port = args.port + index if args.port else 0
     if args.metrics_port > 0:
         hosted.metrics_port = args.metrics_port + index
