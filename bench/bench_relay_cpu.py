@@ -1,7 +1,9 @@
 """CPU time per streamed token of each process of ``make serve`` (issue 31's relay cost).
 
-Starts ``splitserve up --placement adaptive`` (``make serve``'s cluster, ``cluster_process.
-LocalCluster``), then per repetition sends ``--streams`` streamed completions at once through
+Per repetition and per gateway relay of ``--relays`` (``multiplexed``: many streams on each
+``GenerateStreams`` call, the default; ``per-stream``: a ``Generate`` call each), alternated,
+starts ``splitserve up --placement adaptive`` (``make serve``'s cluster, ``cluster_process.
+LocalCluster``) afresh, then sends ``--streams`` streamed completions at once through
 the gateway (``/v1/completions``, one asyncio httpx client, short prompts, ``--max-tokens``
 tokens each with EOS ignored, ``stream_options.include_usage`` for the token count) and reads
 every cluster process's utime + stime from ``/proc`` before and after. Each process is named by
@@ -108,58 +110,74 @@ async def burst(url: str, model: str, streams: int, tokens: int) -> list[tuple[i
 
 
 def run(args: argparse.Namespace) -> Json:
-    log_path = Path(tempfile.mkdtemp(prefix="relay-cpu-")) / "up.log"
+    relays = [relay.strip() for relay in args.relays.split(",") if relay.strip()]
     report: Json = {
         "machine": {"cpu": cpu_name()},
-        "setup": {"streams": args.streams, "max_tokens": args.max_tokens, "reps": args.reps},
+        "setup": {
+            "streams": args.streams,
+            "max_tokens": args.max_tokens,
+            "reps": args.reps,
+            "relays": relays,
+            "up_flags": shlex.split(args.up_flags),
+        },
         "reps": [],
     }
-    flags = shlex.split(args.up_flags)
-    report["setup"]["up_flags"] = flags
-    with LocalCluster(SPLITSERVE, flags, log_path) as cluster:
-        model = httpx.get(f"{cluster.http_url}/v1/models", timeout=30).json()["data"][0]["id"]
-        asyncio.run(burst(cluster.http_url, model, 4, 8))  # warm-up
-        for rep in range(args.reps):
-            wait_for_quiet(args.wait_quiet_s)
-            pids = cluster.pids()
-            meter = CpuMeter(cluster)
-            meter.start()
-            before, own_before = ticks_by_role(pids), process_ticks(os.getpid())
-            started = time.perf_counter()
-            ended = asyncio.run(burst(cluster.http_url, model, args.streams, args.max_tokens))
-            used = [count for count, _ in ended]
-            wall_s = time.perf_counter() - started
-            after, own_after = ticks_by_role(pids), process_ticks(os.getpid())
-            tokens = sum(used)
-            row: Json = {
-                "rep": rep,
-                "tokens": tokens,
-                "streams_whole": sum(n == args.max_tokens for n in used),
-                "ends": dict(collections.Counter(how for _, how in ended)),
-                "wall_s": round(wall_s, 2),
-                "tokens_per_s": round(tokens / wall_s, 1),
-                "us_per_token": {
-                    role: round((after[role] - before.get(role, 0)) / CLK_TCK / tokens * 1e6, 1)
-                    for role in after
-                    if tokens
-                },
-                "client_us_per_token": round(
-                    (own_after - own_before) / CLK_TCK / max(tokens, 1) * 1e6, 1
-                ),
-                "cpu": meter.stop(),
-            }
+    for rep in range(args.reps):  # the relays alternate, a fresh cluster each
+        for relay in relays:
+            row = measure(args, relay)
+            row["rep"] = rep
             report["reps"].append(row)
             log_row(row)
-    roles = sorted({role for row in report["reps"] for role in row["us_per_token"]})
-    report["median_us_per_token"] = {
-        role: statistics.median(row["us_per_token"].get(role, 0.0) for row in report["reps"])
-        for role in roles
-    }
-    report["tokens_per_core_s"] = {
-        role: round(1e6 / us) for role, us in report["median_us_per_token"].items() if us > 0
-    }
+    report["median_us_per_token"] = {}
+    report["tokens_per_core_s"] = {}
+    for relay in relays:
+        rows = [row for row in report["reps"] if row["relay"] == relay]
+        roles = sorted({role for row in rows for role in row["us_per_token"]})
+        medians = {
+            role: statistics.median(row["us_per_token"].get(role, 0.0) for row in rows)
+            for role in roles
+        }
+        report["median_us_per_token"][relay] = medians
+        report["tokens_per_core_s"][relay] = {
+            role: round(1e6 / us) for role, us in medians.items() if us > 0
+        }
     log_row({"median_us_per_token": report["median_us_per_token"]})
     return report
+
+
+def measure(args: argparse.Namespace, relay: str) -> Json:
+    """One burst through a fresh cluster whose gateway relays by ``relay``."""
+    log_path = Path(tempfile.mkdtemp(prefix="relay-cpu-")) / "up.log"
+    env = {"SPLITSERVE_RELAY": relay}
+    with LocalCluster(SPLITSERVE, shlex.split(args.up_flags), log_path, env=env) as cluster:
+        model = httpx.get(f"{cluster.http_url}/v1/models", timeout=30).json()["data"][0]["id"]
+        asyncio.run(burst(cluster.http_url, model, 4, 8))  # warm-up
+        wait_for_quiet(args.wait_quiet_s)
+        pids = cluster.pids()
+        meter = CpuMeter(cluster)
+        meter.start()
+        before, own_before = ticks_by_role(pids), process_ticks(os.getpid())
+        started = time.perf_counter()
+        ended = asyncio.run(burst(cluster.http_url, model, args.streams, args.max_tokens))
+        used = [count for count, _ in ended]
+        wall_s = time.perf_counter() - started
+        after, own_after = ticks_by_role(pids), process_ticks(os.getpid())
+    tokens = sum(used)
+    return {
+        "relay": relay,
+        "tokens": tokens,
+        "streams_whole": sum(n == args.max_tokens for n in used),
+        "ends": dict(collections.Counter(how for _, how in ended)),
+        "wall_s": round(wall_s, 2),
+        "tokens_per_s": round(tokens / wall_s, 1),
+        "us_per_token": {
+            role: round((after[role] - before.get(role, 0)) / CLK_TCK / tokens * 1e6, 1)
+            for role in after
+            if tokens
+        },
+        "client_us_per_token": round((own_after - own_before) / CLK_TCK / max(tokens, 1) * 1e6, 1),
+        "cpu": meter.stop(),
+    }
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -169,6 +187,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--wait-quiet-s", type=float, default=20.0)
     parser.add_argument("--out", type=Path)
+    parser.add_argument(
+        "--relays",
+        default="multiplexed,per-stream",
+        help="the gateway's --relay values to compare, alternated per repetition",
+    )
     parser.add_argument(
         "--up-flags", default="--placement adaptive", help="splitserve up's flags (make serve's)"
     )

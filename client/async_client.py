@@ -48,6 +48,7 @@ from splitserve.client.connection import aio_channel, call_metadata
 from splitserve.client.continuation import StreamContinuation
 from splitserve.client.errors import DEFAULT_RETRY, ClientError, RetryPolicy
 from splitserve.client.retry import Deadline, resolve_timeout
+from splitserve.client.stream_mux import MultiplexedStream, StreamMultiplexer
 from splitserve.client.types import Chunk, Finish, Generation, LatencyTargets, ModelInfo, Sampling
 from splitserve.proto.splitserve.v1 import coordinator_pb2, coordinator_pb2_grpc
 
@@ -68,8 +69,13 @@ class AsyncClient:
         channel: grpc.aio.Channel | None = None,
         api_key: str | None = None,
         credentials: grpc.ChannelCredentials | None = None,
+        multiplexer: StreamMultiplexer | None = None,
     ) -> None:
+        """``multiplexer``: ``stream()`` goes over its shared ``GenerateStreams`` calls
+        (``stream_mux.py``; retried by the multiplexer's policy) instead of a ``Generate``
+        call per stream."""
         self.target = target
+        self._multiplexer = multiplexer
         self._metadata = call_metadata(api_key)
         self._credentials = credentials
         self.timeout_s = timeout_s
@@ -124,8 +130,11 @@ class AsyncClient:
 
     def _start(
         self, request: coordinator_pb2.GenerateRequest, timeout_s: float | None
-    ) -> grpc.aio.UnaryStreamCall:
-        """One ``Generate`` call of a stream (``StreamContinuation``'s ``start``)."""
+    ) -> grpc.aio.UnaryStreamCall | MultiplexedStream:
+        """One ``Generate`` call of a stream (``StreamContinuation``'s ``start``), or its
+        multiplexed stand-in."""
+        if self._multiplexer is not None:
+            return self._multiplexer.start(request, timeout_s, self._metadata)
         return self._stub().Generate(request, timeout=timeout_s, metadata=self._metadata)
 
     async def generate(

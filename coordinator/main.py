@@ -285,13 +285,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     async def run(stop: asyncio.Event) -> None:
         dial_check = DialCheck(coordinator.registry, coordinator.channels)
+        servicer = CoordinatorServicer(coordinator, metrics, keys, args.client_stall_timeout)
         server = await start_server(
             args.host,
             args.port,
             lambda s: (
-                coordinator_pb2_grpc.add_CoordinatorServicer_to_server(
-                    CoordinatorServicer(coordinator, metrics, keys, args.client_stall_timeout), s
-                ),
+                coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, s),
                 [SERVICE_NAME],
             )[1],
             credential=None,
@@ -324,6 +323,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         following = None if follower is None else asyncio.create_task(follower.run())
         await stop.wait()
         await server.set_serving(False)
+        servicer.draining = True
         await server.server.stop(args.drain_timeout)
         await internal.server.stop(1.0)
         for task in (watcher, following):

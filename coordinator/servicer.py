@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 from prometheus_client import CollectorRegistry
 
-from splitserve.common.api_keys import ApiKeys
+from splitserve.common.api_keys import ApiKeys, Caller
 from splitserve.common.errors import InvalidRequestError, SplitserveError
 from splitserve.common.membership import Role
 from splitserve.common.output_processor import StreamChunk
@@ -22,6 +24,7 @@ from splitserve.coordinator.flow import RequestFlow
 from splitserve.coordinator.metrics import CoordinatorMetrics
 from splitserve.coordinator.placement import LatencyTargets
 from splitserve.coordinator.service import Coordinator
+from splitserve.coordinator.streams_servicer import ClientStalled, StreamsCall
 from splitserve.proto import convert
 from splitserve.proto.api_key_auth import caller_of
 from splitserve.proto.splitserve.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
@@ -29,10 +32,6 @@ from splitserve.proto.status import abort_with, status_of
 
 SEND_TIMEOUT_S = 30.0
 """How long one response may wait for a client that does not read (``Generate``)."""
-
-
-class _ClientStalled(Exception):
-    """The client read nothing for ``send_timeout_s``."""
 
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
@@ -48,6 +47,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         ``Generate``."""
         self._coordinator = coordinator
         self._send_timeout_s = send_timeout_s
+        self.draining = False
+        """Set when the server drains: ``GenerateStreams`` ends new streams UNAVAILABLE (new
+        ``Generate`` calls are refused by the stopping server itself)."""
         self._keys = keys or ApiKeys()
         self._metrics = metrics or CoordinatorMetrics(
             CollectorRegistry(), coordinator.config.model_name, coordinator.registry
@@ -62,6 +64,47 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         is bounded by the window) loses the call, ABORTED, and its request is aborted, which
         frees its blocks on every worker."""
         caller = await caller_of(self._keys, context)
+        try:
+            await self.run_stream(request, caller, functools.partial(self._send, context))
+        except SplitserveError as error:  # refused or failed before any response
+            await abort_with(context, error)
+        except ClientStalled:
+            await self._cut_stalled(context, "request aborted")
+
+    async def GenerateStreams(
+        self,
+        request_iterator: AsyncIterator[coordinator_pb2.StreamsRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> None:
+        """Many ``Generate`` streams of one caller on one call
+        (``coordinator/streams_servicer.py``): each runs as ``Generate`` would, its
+        responses batched with the others'. A caller that reads nothing for
+        ``send_timeout_s`` loses the call, ABORTED, and every stream on it is aborted."""
+        caller = await caller_of(self._keys, context)
+        streams = StreamsCall(
+            lambda request, send: self.run_stream(request, caller, send),
+            lambda: self.draining,
+        )
+        try:
+            await streams.serve(request_iterator, context, self._send_timeout_s)
+        except ClientStalled:
+            await self._cut_stalled(context, "streams aborted")
+
+    async def _cut_stalled(self, context: grpc.aio.ServicerContext, what: str) -> None:
+        """End the call of a client that read nothing for ``send_timeout_s``, ABORTED."""
+        self._metrics.stalled_clients.inc()
+        message = f"the client read nothing for {self._send_timeout_s:g} s; {what}"
+        await context.abort(grpc.StatusCode.ABORTED, message)
+
+    async def run_stream(
+        self,
+        request: coordinator_pb2.GenerateRequest,
+        caller: Caller,
+        send: Callable[[coordinator_pb2.GenerateResponse], Awaitable[None]],
+    ) -> None:
+        """Run one request as ``caller``, handing its responses to ``send`` in order, the
+        last a completion or an in-stream error. Raises the ``SplitserveError`` of a request
+        refused or failed before any response was sent (the call ends with its status)."""
         sent_any = False
         timer = self._metrics.requests.start()
         try:
@@ -86,28 +129,20 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                     public_id = request.request_id or flow.request_id
                     for response in self._responses(public_id, flow, chunk):
                         sent_any = True
-                        await self._send(context, response)
+                        await send(response)
         except SplitserveError as error:  # worker failures arrive as domain errors
             timer.finish("error")
             if not sent_any:
-                await abort_with(context, error)
+                raise
             code, message, param = status_of(error)
-            await self._send(
-                context,
+            await send(
                 coordinator_pb2.GenerateResponse(
                     request_id=request.request_id,
                     error=common_pb2.Error(code=code.value[0], message=message, param=param),
                 ),
             )
-        except _ClientStalled:
-            timer.finish("abort")
-            self._metrics.stalled_clients.inc()
-            await context.abort(
-                grpc.StatusCode.ABORTED,
-                f"the client read nothing for {self._send_timeout_s:g} s; request aborted",
-            )
         finally:
-            timer.finish("abort")  # no-op unless the client cancelled the call
+            timer.finish("abort")  # no-op unless the caller cancelled (or stalled)
 
     async def _send(
         self, context: grpc.aio.ServicerContext, response: coordinator_pb2.GenerateResponse
@@ -116,7 +151,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             async with asyncio.timeout(self._send_timeout_s):  # no task per write, unlike wait_for
                 await context.write(response)
         except TimeoutError:
-            raise _ClientStalled from None
+            raise ClientStalled from None
 
     def _responses(
         self, request_id: str, flow: RequestFlow, chunk: StreamChunk

@@ -52,6 +52,7 @@ from splitserve.client import (
     RetryPolicy,
 )
 from splitserve.client.connection import aio_channel, call_metadata
+from splitserve.client.stream_mux import StreamMultiplexer, relay_width
 from splitserve.common.api_keys import ApiKeys
 from splitserve.common.metrics import RequestMetrics, RequestTimer
 from splitserve.gateway import schemas
@@ -59,6 +60,7 @@ from splitserve.gateway.api_key_check import RequireApiKey, bearer_key
 from splitserve.gateway.body_limit import DEFAULT_MAX_BODY_BYTES, LimitBody
 from splitserve.gateway.choices import Choices, merged
 from splitserve.gateway.disconnect import (
+    CLIENT_STALL_TIMEOUT_S,
     ClientDisconnected,
     EventStreamResponse,
     unless_disconnected,
@@ -93,6 +95,9 @@ _Handler = Callable[..., Awaitable[Response]]
 logger = logging.getLogger(__name__)
 
 
+RELAYS = ("multiplexed", "per-stream")
+
+
 @dataclass(frozen=True)
 class GatewayConfig:
     coordinator: str = "127.0.0.1:50051"
@@ -107,6 +112,11 @@ class GatewayConfig:
     """TLS to the coordinator (None: plaintext)."""
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     """Larger request bodies get 413 (``gateway/body_limit.py``)."""
+    relay: str = "multiplexed"
+    """How streams reach the coordinator: ``multiplexed`` (many on each ``GenerateStreams``
+    call, ``client/stream_mux.py``) or ``per-stream`` (a ``Generate`` call each)."""
+    client_stall_timeout_s: float = CLIENT_STALL_TIMEOUT_S
+    """An SSE write an HTTP client leaves unread this long ends its stream (and request)."""
 
 
 def _post(app: FastAPI, endpoint: Endpoint[Any]) -> Callable[[_Handler], _Handler]:
@@ -130,10 +140,12 @@ class Gateway:
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
         # Overload is the caller's to retry (HTTP 429 + Retry-After); lost workers are retried.
-        self._channel = aio_channel(
-            config.coordinator,
-            config.coordinator_credentials,
-            RetryPolicy(retry_overloaded=False),
+        retry = RetryPolicy(retry_overloaded=False)
+        self._channel = aio_channel(config.coordinator, config.coordinator_credentials, retry)
+        self._multiplexer = (
+            StreamMultiplexer(self._channel, retry, relay_width(config.coordinator))
+            if config.relay == "multiplexed"
+            else None
         )
         self.registry = CollectorRegistry()
         self.http_requests = Counter(
@@ -161,6 +173,7 @@ class Gateway:
             timeout_s=self.config.request_timeout_s,
             channel=self._channel,
             api_key=bearer_key(request.headers.get("authorization")),
+            multiplexer=self._multiplexer,
         )
 
     async def model_names(self, client: AsyncClient) -> tuple[str, ...]:
@@ -464,7 +477,7 @@ async def _respond(
         raise
     if stream:
         frames = _stream_frames(choices, first, events, timer, stream_options)
-        return EventStreamResponse(frames, headers)
+        return EventStreamResponse(frames, headers, gateway.config.client_stall_timeout_s)
     try:
         await unless_disconnected(request.receive, _fold(choices, first, events, timer))
     except ClientError as error:

@@ -18,6 +18,9 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 T = TypeVar("T")
+CLIENT_STALL_TIMEOUT_S = 30.0
+"""How long an SSE frame may wait for a client that reads nothing (the coordinator's own
+``--client-stall-timeout`` for the gRPC clients it streams to)."""
 logger = logging.getLogger(__name__)
 
 
@@ -54,15 +57,22 @@ async def unless_disconnected(receive: Receive, work: Awaitable[T]) -> T:
 
 
 class EventStreamResponse(Response):
-    """``text/event-stream`` of pre-framed SSE events, cancelled when the client disconnects.
+    """``text/event-stream`` of pre-framed SSE events, cancelled when the client disconnects
+    or leaves a frame unread for ``send_timeout_s`` (its socket buffers full: the server's
+    write waits for it), which ends the request as a disconnect does.
 
     ``events`` yields bytes (each a complete ``data: ...\\n\\n`` frame); it is closed with
-    ``aclose()`` on every exit path (end, disconnect, send failure).
+    ``aclose()`` on every exit path (end, disconnect, stall, send failure).
     """
 
     media_type = "text/event-stream"
 
-    def __init__(self, events: AsyncIterator[bytes], headers: Mapping[str, str]) -> None:
+    def __init__(
+        self,
+        events: AsyncIterator[bytes],
+        headers: Mapping[str, str],
+        send_timeout_s: float = CLIENT_STALL_TIMEOUT_S,
+    ) -> None:
         # Not Response.__init__: it would declare Content-Length: 0 for the empty body.
         self.status_code = 200
         self.background = None
@@ -76,6 +86,7 @@ class EventStreamResponse(Response):
             (k.encode("latin-1"), v.encode("latin-1")) for k, v in all_headers.items()
         ]
         self._events = events
+        self._send_timeout_s = send_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send(
@@ -101,5 +112,12 @@ class EventStreamResponse(Response):
         body: dict[str, Any]
         async for frame in self._events:
             body = {"type": "http.response.body", "body": frame, "more_body": True}
-            await send(body)
+            try:
+                async with asyncio.timeout(self._send_timeout_s):
+                    await send(body)
+            except TimeoutError:
+                logger.warning(
+                    "an HTTP client read nothing for %g s: stream ended", self._send_timeout_s
+                )
+                return
         await send({"type": "http.response.body", "body": b"", "more_body": False})

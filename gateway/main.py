@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -28,8 +29,9 @@ from splitserve.common.api_keys import add_api_key_args, add_health_needs_key_fl
 from splitserve.common.cpu_affinity import pin_or_exit
 from splitserve.common.env_flags import add_env_flag
 from splitserve.common.orphan import stop_when_orphaned
-from splitserve.gateway.app import GatewayConfig, create_app
+from splitserve.gateway.app import RELAYS, GatewayConfig, create_app
 from splitserve.gateway.body_limit import DEFAULT_MAX_BODY_BYTES
+from splitserve.gateway.disconnect import CLIENT_STALL_TIMEOUT_S
 from splitserve.proto.tls import add_tls_args, tls_or_exit
 
 
@@ -59,6 +61,20 @@ def build_parser() -> argparse.ArgumentParser:
     flag("--log-level", "warning", str, "uvicorn log level (info logs every request)")
     flag("--drain-timeout", 30.0, float, "on SIGTERM, seconds open streams may take to finish")
     flag("--max-body-bytes", DEFAULT_MAX_BODY_BYTES, int, "larger request bodies get 413")
+    parser.add_argument(
+        "--relay",
+        choices=RELAYS,
+        default=os.environ.get("SPLITSERVE_RELAY", "multiplexed"),
+        help="how streams reach the coordinator: 'multiplexed' (many streams' tokens per "
+        "gRPC message on shared GenerateStreams calls) or 'per-stream' (a Generate call "
+        "each) (env SPLITSERVE_RELAY)",
+    )
+    flag(
+        "--client-stall-timeout",
+        CLIENT_STALL_TIMEOUT_S,
+        float,
+        "an SSE client that reads nothing this many seconds loses its stream (and request)",
+    )
     flag("--cpu-affinity", None, str, "pin the process to these cores, e.g. '0' or '0-3'")
     add_tls_args(parser)
     add_api_key_args(parser)
@@ -82,6 +98,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         health_needs_key=args.health_needs_key,
         coordinator_credentials=None if tls is None else tls.channel_credentials(),
         max_body_bytes=args.max_body_bytes,
+        relay=args.relay,
+        client_stall_timeout_s=args.client_stall_timeout,
     )
     serves_tls = tls is not None and tls.can_serve
     server = uvicorn.Server(

@@ -39,6 +39,11 @@ class CoordinatorStub:
                 request_serializer=splitserve_dot_v1_dot_coordinator__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=splitserve_dot_v1_dot_coordinator__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.GenerateStreams = channel.stream_stream(
+                '/splitserve.v1.Coordinator/GenerateStreams',
+                request_serializer=splitserve_dot_v1_dot_coordinator__pb2.StreamsRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_coordinator__pb2.StreamsResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/splitserve.v1.Coordinator/Abort',
                 request_serializer=splitserve_dot_v1_dot_coordinator__pb2.AbortRequest.SerializeToString,
@@ -67,6 +72,19 @@ class CoordinatorServicer:
     def Generate(self, request, context):
         """Generate a completion, streamed: token chunks, then one completion or error message.
         Cancelling the call aborts the request on every worker.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GenerateStreams(self, request_iterator, context):
+        """Many Generate streams on one call (the HTTP gateway's relay): the caller starts and
+        cancels streams under keys of its choosing; the coordinator answers with batches, each
+        item one stream's next GenerateResponse or its end (the status its own Generate call
+        would have ended with). A batch carries every response ready when the last write
+        finished, so the relay costs one message per batch, not one per token and stream.
+        A stream's items arrive in order. Ending the call cancels every stream on it; a
+        draining coordinator ends new streams with UNAVAILABLE before any response.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -107,6 +125,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=splitserve_dot_v1_dot_coordinator__pb2.GenerateRequest.FromString,
                     response_serializer=splitserve_dot_v1_dot_coordinator__pb2.GenerateResponse.SerializeToString,
+            ),
+            'GenerateStreams': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateStreams,
+                    request_deserializer=splitserve_dot_v1_dot_coordinator__pb2.StreamsRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_coordinator__pb2.StreamsResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -156,6 +179,33 @@ class Coordinator:
             '/splitserve.v1.Coordinator/Generate',
             splitserve_dot_v1_dot_coordinator__pb2.GenerateRequest.SerializeToString,
             splitserve_dot_v1_dot_coordinator__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateStreams(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/splitserve.v1.Coordinator/GenerateStreams',
+            splitserve_dot_v1_dot_coordinator__pb2.StreamsRequest.SerializeToString,
+            splitserve_dot_v1_dot_coordinator__pb2.StreamsResponse.FromString,
             options,
             channel_credentials,
             insecure,

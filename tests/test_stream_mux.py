@@ -1,0 +1,222 @@
+"""Many streams on one ``GenerateStreams`` call (``client/stream_mux.py`` and
+``coordinator/streams_servicer.py``) against the shared ``served_cluster`` (real processes, real
+gRPC): what a stream gets over the relay is what its own ``Generate`` call gets (the same
+tokens, the same refusals with their ``param``), cancelling or running out its deadline
+aborts only that stream's request, and an HTTP client that stops reading the gateway's SSE
+(which relays over ``GenerateStreams`` by default) is cut and its request aborted (the
+gateway's ``EventStreamResponse`` on its own; end to end, slow).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+from starlette.types import Message
+
+from splitserve.client import AsyncClient, Chunk, ClientError, Finish, RetryPolicy, Sampling
+from splitserve.client.connection import aio_channel
+from splitserve.client.stream_mux import StreamMultiplexer
+from splitserve.gateway.disconnect import EventStreamResponse
+from tests.cluster import Served, assert_all_free, wait_until_idle, worker_loads
+
+pytestmark = pytest.mark.timeout(240)
+
+PROMPTS = [f"Write one sentence about the number {n}." for n in range(8)]
+LONG_TOKENS = 4000
+STALLED_TOKENS = 8000
+"""Past what the stalled SSE client could receive in a minute at this machine's decode speed."""
+
+
+@pytest.fixture(scope="module")
+def served(served_cluster: Served) -> Served:
+    return served_cluster
+
+
+def _busy(address: str) -> bool:
+    return any(
+        load.num_running_requests or load.num_used_blocks for load in worker_loads(address).values()
+    )
+
+
+async def _texts(client: AsyncClient, prompts: list[str], max_tokens: int) -> list[list[int]]:
+    async def one(prompt: str) -> list[int]:
+        sampling = Sampling(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        tokens: list[int] = []
+        async for item in client.stream(prompt, sampling=sampling):
+            if isinstance(item, Chunk):
+                tokens.extend(item.token_ids)
+        return tokens
+
+    return list(await asyncio.gather(*(one(prompt) for prompt in prompts)))
+
+
+def test_streams_on_one_call_equal_their_own_calls(served: Served) -> None:
+    """Eight greedy streams at once on one ``GenerateStreams`` call get exactly the tokens
+    each gets on its own ``Generate`` call."""
+
+    async def scenario() -> tuple[list[list[int]], list[list[int]]]:
+        retry = RetryPolicy(retry_overloaded=False)
+        channel = aio_channel(served.coordinator, None, retry)
+        try:
+            relay = StreamMultiplexer(channel, retry)
+            multiplexed = AsyncClient(served.coordinator, channel=channel, multiplexer=relay)
+            own_calls = AsyncClient(served.coordinator, channel=channel)
+            return await _texts(multiplexed, PROMPTS, 12), await _texts(own_calls, PROMPTS, 12)
+        finally:
+            await channel.close(None)
+
+    multiplexed, own_calls = asyncio.run(scenario())
+    assert all(len(tokens) == 12 for tokens in multiplexed)
+    assert multiplexed == own_calls
+
+
+def test_a_refusal_on_the_relay_is_the_calls_refusal(served: Served) -> None:
+    """A request the coordinator refuses ends its stream with the status and ``param`` its
+    own call would have ended with, and the call's other stream is served."""
+
+    async def scenario() -> tuple[ClientError, list[list[int]]]:
+        retry = RetryPolicy(retry_overloaded=False)
+        channel = aio_channel(served.coordinator, None, retry)
+        try:
+            client = AsyncClient(
+                served.coordinator, channel=channel, multiplexer=StreamMultiplexer(channel, retry)
+            )
+            bad = client.stream(token_ids=[10**7], sampling=Sampling(max_tokens=4))
+            with pytest.raises(ClientError) as refused:
+                async for _ in bad:
+                    pass
+            return refused.value, await _texts(client, PROMPTS[:1], 4)
+        finally:
+            await channel.close(None)
+
+    error, served_after = asyncio.run(scenario())
+    assert error.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert error.param == "prompt"
+    assert len(served_after[0]) == 4
+
+
+def test_cancel_and_deadline_abort_only_their_own_stream(served: Served) -> None:
+    """On one call: a long stream closed after its first chunk and another whose deadline
+    runs out both end, their requests aborted on every worker (all blocks free again long
+    before 4,000 tokens could be generated), while a third stream on the same call completes."""
+
+    async def scenario() -> tuple[grpc.StatusCode, Finish, float]:
+        retry = RetryPolicy(retry_overloaded=False)
+        channel = aio_channel(served.coordinator, None, retry)
+        try:
+            client = AsyncClient(
+                served.coordinator, channel=channel, multiplexer=StreamMultiplexer(channel, retry)
+            )
+            long = Sampling(max_tokens=LONG_TOKENS, temperature=0.0, ignore_eos=True)
+            cancelled = client.stream("Count to a million:", sampling=long)
+            await anext(cancelled)
+            timed = client.stream("Count to a billion:", sampling=long, timeout_s=1.5)
+            normal = client.stream("Hello", sampling=Sampling(max_tokens=8, temperature=0.0))
+            await cancelled.aclose()
+            code = grpc.StatusCode.OK
+            try:
+                async for _ in timed:
+                    pass
+            except ClientError as error:
+                code = error.code
+            finish = None
+            async for item in normal:
+                if isinstance(item, Finish):
+                    finish = item
+            assert finish is not None
+            started = time.monotonic()
+            while _busy(served.coordinator):
+                assert time.monotonic() - started < 30, "an ended stream kept generating"
+                await asyncio.sleep(0.25)
+            return code, finish, time.monotonic() - started
+        finally:
+            await channel.close(None)
+
+    code, finish, _ = asyncio.run(scenario())
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert finish.usage.completion_tokens == 8
+    assert_all_free(wait_until_idle(served.coordinator, 2), 2)
+
+
+def test_an_event_stream_whose_client_reads_nothing_ends() -> None:
+    """``EventStreamResponse``: a frame the client's connection does not take within the
+    send timeout ends the response, and the frames' generator is closed (which cancels the
+    stream's relay call, so the coordinator aborts the request)."""
+    closed = asyncio.Event()
+
+    async def frames() -> AsyncIterator[bytes]:
+        try:
+            while True:
+                yield b"data: {}\n\n"
+        finally:
+            closed.set()
+
+    async def stalled_send(message: Message) -> None:
+        if message["type"] == "http.response.body":
+            await asyncio.Event().wait()  # the client's socket buffers are full: never taken
+
+    async def no_disconnect() -> Message:
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+    async def scenario() -> float:
+        response = EventStreamResponse(frames(), {}, send_timeout_s=0.3)
+        started = time.monotonic()
+        await asyncio.wait_for(response({"type": "http"}, no_disconnect, stalled_send), 5)
+        assert closed.is_set()
+        return time.monotonic() - started
+
+    assert 0.3 <= asyncio.run(scenario()) < 2
+
+
+@pytest.mark.slow
+def test_an_sse_client_that_stops_reading_is_cut(served: Served) -> None:
+    """A client of the gateway asks for an 8,000-token chat stream with 20 top logprobs a
+    token (about 2 KB an event) over a socket with a tiny receive buffer and reads nothing
+    after the response's first bytes: once the kernel's send buffer (up to 4 MB on loopback)
+    and the transport's are full the gateway's SSE write waits, and after the stall timeout
+    (2 s here) the stream ends and its request is aborted on every worker, long before its
+    tokens could all be generated."""
+    host, port = served.url.removeprefix("http://").rsplit(":", 1)
+    body = json.dumps(
+        {
+            "model": _model(served),
+            "messages": [{"role": "user", "content": "Count from one to ten thousand."}],
+            "max_tokens": STALLED_TOKENS,
+            "logprobs": True,
+            "top_logprobs": 20,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
+    ).encode()
+    request = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
+    with socket.socket() as client:
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
+        client.connect((host, int(port)))
+        client.sendall(request)
+        assert client.recv(64).startswith(b"HTTP/1.1 200")  # then nothing more is read
+        started = time.monotonic()
+        time.sleep(1.0)
+        while _busy(served.coordinator):
+            assert time.monotonic() - started < 60, "the stalled stream kept generating"
+            time.sleep(0.5)
+        with contextlib.suppress(OSError):
+            client.shutdown(socket.SHUT_RDWR)
+    assert_all_free(wait_until_idle(served.coordinator, 2), 2)
+
+
+def _model(served: Served) -> str:
+    import httpx
+
+    return httpx.get(f"{served.url}/v1/models", timeout=30).json()["data"][0]["id"]
