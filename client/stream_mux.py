@@ -9,8 +9,8 @@ details and trailing metadata the coordinator's ``Generate`` would have given, a
 ``cancel()``), so continuing after a lost coordinator works as with ``Generate``.
 
 Why: a gRPC message costs the same whatever it carries; the coordinator sends every ready
-stream's responses as one message (``coordinator/streams_servicer.py``), and this side reads one
-message for all of them.
+stream's responses as one message (``proto/streams_server.py``), and this side reads one
+message for all of them (``proto/streams_client.py``).
 
 Contracts:
 
@@ -38,21 +38,15 @@ import collections
 import itertools
 import random
 import time
-from collections.abc import AsyncIterator
 
 import grpc
 
 from splitserve.client.errors import RetryPolicy
 from splitserve.proto.splitserve.v1 import coordinator_pb2, coordinator_pb2_grpc
-from splitserve.proto.status import PARAM_METADATA_KEY, RETRY_AFTER_METADATA_KEY
-
-Metadata = tuple[tuple[str, str], ...]
+from splitserve.proto.streams_client import Metadata, StreamError, StreamsClientCall
 
 DNS_RELAY_WIDTH = 4
 """Calls per API key to a DNS target, which may resolve to several coordinators."""
-
-_CODES_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
-_OK = grpc.StatusCode.OK.value[0]
 
 
 def relay_width(target: str) -> int:
@@ -64,39 +58,6 @@ def relay_width(target: str) -> int:
     return len([address for address in target.split(",") if address.strip()]) or 1
 
 
-class MultiplexedStreamError(grpc.RpcError):
-    """How a multiplexed stream failed, as a failed ``Generate`` call reports it (what
-    ``ClientError.from_call`` reads)."""
-
-    def __init__(
-        self, code: grpc.StatusCode, details: str, param: str = "", retry_after_ms: int = 0
-    ) -> None:
-        super().__init__(f"{code.name}: {details}")
-        self._code = code
-        self._details = details
-        metadata: list[tuple[str, str]] = []
-        if param:
-            metadata.append((PARAM_METADATA_KEY, param))
-        if retry_after_ms > 0:
-            metadata.append((RETRY_AFTER_METADATA_KEY, str(retry_after_ms)))
-        self._metadata = tuple(metadata)
-        self.retry_after_ms = retry_after_ms
-
-    @classmethod
-    def of_end(cls, end: coordinator_pb2.StreamEnd) -> MultiplexedStreamError:
-        code = _CODES_BY_NUMBER.get(end.code, grpc.StatusCode.UNKNOWN)
-        return cls(code, end.message or code.name, end.param, end.retry_after_ms)
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return self._details
-
-    def trailing_metadata(self) -> Metadata:
-        return self._metadata
-
-
 class StreamMultiplexer:
     """The open ``GenerateStreams`` calls of one channel, ``width`` per API key; its streams
     are retried by ``retry`` (the policy the channel was built with, for its other calls)."""
@@ -105,7 +66,7 @@ class StreamMultiplexer:
         self._stub = coordinator_pb2_grpc.CoordinatorStub(channel)
         self._retry = retry
         self._width = max(1, width)
-        self._calls: dict[Metadata | None, list[_StreamsCall | None]] = {}
+        self._calls: dict[Metadata | None, list[StreamsClientCall | None]] = {}
         self._turn = itertools.count()
 
     def start(
@@ -119,85 +80,22 @@ class StreamMultiplexer:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         return MultiplexedStream(self, request, deadline, metadata, self._retry)
 
-    def _call_for(self, metadata: Metadata | None) -> _StreamsCall:
+    def call_for(self, metadata: Metadata | None) -> StreamsClientCall:
         """The next open call for ``metadata``'s key, opened now where there is none."""
         slots = self._calls.setdefault(metadata, [None] * self._width)
         index = next(self._turn) % self._width
         call = slots[index]
         if call is None or not call.accepting:
-            call = slots[index] = _StreamsCall(self._stub, metadata)
+            call = slots[index] = StreamsClientCall(
+                lambda requests: self._stub.GenerateStreams(requests, metadata=metadata),
+                coordinator_pb2.StreamsRequest,
+                coordinator_pb2.StreamStart,
+            )
         return call
 
 
-class _StreamsCall:
-    """One ``GenerateStreams`` call: its streams by key and the queue of what to send."""
-
-    def __init__(
-        self, stub: coordinator_pb2_grpc.CoordinatorStub, metadata: Metadata | None
-    ) -> None:
-        self._outgoing: asyncio.Queue[coordinator_pb2.StreamsRequest | None] = asyncio.Queue()
-        self._streams: dict[int, MultiplexedStream] = {}
-        self._keys = itertools.count(1)
-        self.accepting = True
-        """False once the call broke, ended or was retired: new streams go elsewhere."""
-        self._call = stub.GenerateStreams(self._requests(), metadata=metadata)
-        self._reader = asyncio.ensure_future(self._read())
-
-    async def _requests(self) -> AsyncIterator[coordinator_pb2.StreamsRequest]:
-        while (message := await self._outgoing.get()) is not None:
-            yield message
-
-    def open(self, stream: MultiplexedStream, request: coordinator_pb2.GenerateRequest) -> int:
-        key = next(self._keys)
-        self._streams[key] = stream
-        start = coordinator_pb2.StreamStart(key=key, request=request)
-        self._outgoing.put_nowait(coordinator_pb2.StreamsRequest(start=start))
-        return key
-
-    def cancel(self, key: int) -> None:
-        if self._streams.pop(key, None) is not None and self.accepting:
-            self._outgoing.put_nowait(coordinator_pb2.StreamsRequest(cancel=key))
-        self._close_if_idle()
-
-    def ended(self, key: int) -> None:
-        self._streams.pop(key, None)
-        self._close_if_idle()
-
-    def retire(self) -> None:
-        """Take no new streams; half-close once the running ones ended."""
-        self.accepting = False
-        self._close_if_idle()
-
-    def _close_if_idle(self) -> None:
-        if not self.accepting and not self._streams:
-            self._outgoing.put_nowait(None)
-
-    async def _read(self) -> None:
-        failure = MultiplexedStreamError(
-            grpc.StatusCode.UNAVAILABLE, "the coordinator ended the stream's call"
-        )
-        try:
-            async for batch in self._call:
-                for item in batch.items:
-                    stream = self._streams.get(item.key)
-                    if stream is not None:
-                        stream._deliver(item)
-        except grpc.RpcError as error:
-            code = error.code()  # type: ignore[attr-defined]
-            failure = MultiplexedStreamError(code, error.details() or code.name)  # type: ignore[attr-defined]
-        except asyncio.CancelledError:
-            failure = MultiplexedStreamError(grpc.StatusCode.CANCELLED, "the client closed")
-            raise
-        finally:
-            self.accepting = False
-            streams, self._streams = list(self._streams.values()), {}
-            for stream in streams:
-                stream._fail(failure)
-            self._outgoing.put_nowait(None)
-
-
 class MultiplexedStream:
-    """One stream on a ``_StreamsCall`` (see the module's contracts)."""
+    """One stream on a ``StreamsClientCall`` (see the module's contracts)."""
 
     def __init__(
         self,
@@ -214,25 +112,25 @@ class MultiplexedStream:
         self._retry = retry
         self._responses: collections.deque[coordinator_pb2.GenerateResponse] = collections.deque()
         self._arrived = asyncio.Event()
-        self._outcome: MultiplexedStreamError | None = None
+        self._outcome: StreamError | None = None
         """How the current attempt ended (code OK: completed); None while it runs."""
         self._responded = False
         self._attempts = 0
-        self._call: _StreamsCall | None = None
+        self._call: StreamsClientCall | None = None
         self._key = 0
         self._start_attempt()
 
     def _start_attempt(self) -> None:
         self._attempts += 1
         self._outcome = None
-        self._call = self._multiplexer._call_for(self._metadata)
+        self._call = self._multiplexer.call_for(self._metadata)
         self._key = self._call.open(self, self._request)
 
-    def _deliver(self, item: coordinator_pb2.StreamItem) -> None:
+    def deliver(self, item: coordinator_pb2.StreamItem) -> None:
         if item.HasField("response"):
             self._responses.append(item.response)
         else:
-            self._outcome = MultiplexedStreamError.of_end(item.end)
+            self._outcome = StreamError.of_end(item.end)
             assert self._call is not None
             self._call.ended(self._key)
             unanswered = not (self._responded or self._responses)
@@ -240,9 +138,9 @@ class MultiplexedStream:
                 self._call.retire()  # a draining coordinator: retries go out on a new call
         self._arrived.set()
 
-    def _fail(self, failure: MultiplexedStreamError) -> None:
+    def fail(self, error: StreamError) -> None:
         if self._outcome is None:
-            self._outcome = failure
+            self._outcome = error
             self._arrived.set()
 
     def __aiter__(self) -> MultiplexedStream:
@@ -261,15 +159,13 @@ class MultiplexedStream:
                 continue
             self._arrived.clear()
             try:
-                async with asyncio.timeout_at(self._loop_deadline()):
+                async with asyncio.timeout_at(_loop_time(self._deadline)):
                     await self._arrived.wait()
             except TimeoutError:
                 self.cancel()
-                raise MultiplexedStreamError(
-                    grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"
-                ) from None
+                raise StreamError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
 
-    async def _retry_or_raise(self, outcome: MultiplexedStreamError) -> None:
+    async def _retry_or_raise(self, outcome: StreamError) -> None:
         """Wait out the retry policy's backoff and start again, or raise ``outcome``."""
         policy = self._retry
         retryable = outcome.code() == grpc.StatusCode.UNAVAILABLE or (
@@ -286,20 +182,21 @@ class MultiplexedStream:
             if outcome.retry_after_ms > 0:
                 raise outcome  # the hint outlasts the deadline: the refusal, at once
             await asyncio.sleep(max(0.0, self._deadline - time.monotonic()))
-            raise MultiplexedStreamError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+            raise StreamError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
         await asyncio.sleep(wait_s)
         self._start_attempt()
-
-    def _loop_deadline(self) -> float | None:
-        """The deadline on the event loop's clock."""
-        if self._deadline is None:
-            return None
-        return asyncio.get_running_loop().time() + (self._deadline - time.monotonic())
 
     def cancel(self) -> bool:
         """Cancel the stream unless it ended (then a no-op, False)."""
         if self._outcome is not None or self._call is None:
             return False
-        self._outcome = MultiplexedStreamError(grpc.StatusCode.CANCELLED, "Cancelled")
+        self._outcome = StreamError(grpc.StatusCode.CANCELLED, "Cancelled")
         self._call.cancel(self._key)
         return True
+
+
+def _loop_time(deadline: float | None) -> float | None:
+    """``deadline`` (``time.monotonic``'s clock) on the running event loop's clock."""
+    if deadline is None:
+        return None
+    return asyncio.get_running_loop().time() + (deadline - time.monotonic())

@@ -49,7 +49,12 @@ from splitserve.common.request_update import FinishReason, StepOutput
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.coordinator.registry import WorkerRecord
 from splitserve.coordinator.router import DecodeProgress, Route, Router
-from splitserve.proto.worker_clients import DecodeCall, RelayedReservation, WorkerChannels
+from splitserve.proto.worker_clients import (
+    DecodeCall,
+    MultiplexedDecodeCall,
+    RelayedReservation,
+    WorkerChannels,
+)
 from splitserve.transfer.reservation import PrefillDone
 
 logger = logging.getLogger(__name__)
@@ -422,7 +427,7 @@ class Attempt:
                 self.tracker.request_id, as_stopped=True, timeout_s=self._timeouts.stop_s
             )
 
-    async def _read_decode(self, call: DecodeCall) -> None:
+    async def _read_decode(self, call: DecodeCall | MultiplexedDecodeCall) -> None:
         """Producer of the decode stream's events; always ends with one ``DecodeClosed``.
         Each message is also a sign of life of its worker (``WorkerRecord.seen``)."""
         decode = self.route.decode

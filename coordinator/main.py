@@ -177,6 +177,14 @@ def build_parser() -> argparse.ArgumentParser:
         "seconds a stream may wait for a client that reads nothing; then its request is "
         "aborted and its KV freed",
     )
+    parser.add_argument(
+        "--relay",
+        choices=("multiplexed", "per-stream"),
+        default=os.environ.get("SPLITSERVE_RELAY", "multiplexed"),
+        help="how decode streams reach this coordinator: 'multiplexed' (many requests' "
+        "tokens per gRPC message, on one GenerateStreams call per decode worker) or "
+        "'per-stream' (a Generate call each) (env SPLITSERVE_RELAY)",
+    )
     flag("--prefill-timeout", 300.0, float, "seconds a prefill (compute + KV push) may take")
     flag(
         "--stall-factor",
@@ -253,6 +261,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_inflight=args.max_inflight,
         default_max_tokens=args.default_max_tokens,
         max_tokens_cap=args.max_tokens_cap,
+        multiplexed_decode=args.relay == "multiplexed",
         routing=RoutingConfig(
             local_prefill_max_tokens=args.local_prefill_max_tokens,
             mode=placement_mode_or_exit(parser, args.placement),

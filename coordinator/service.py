@@ -83,6 +83,9 @@ class CoordinatorConfig:
     0: up to the context. Admission counts it, so it bounds what such a request holds."""
     max_tokens_cap: int = 0
     """The most ``max_tokens`` a request may ask for (more: INVALID_ARGUMENT); 0: no cap."""
+    multiplexed_decode: bool = True
+    """Decode streams travel many to a ``DecodeWorker.GenerateStreams`` call per worker
+    (else a ``Generate`` call each)."""
 
 
 def scoped_request_id(request_id: str, caller: Caller) -> str:
@@ -111,7 +114,7 @@ class Coordinator:
         self.tokenizer = tokenizer
         self.registry = WorkerRegistry()
         self.router = Router(self.registry, config.routing)
-        self.channels = WorkerChannels(access)
+        self.channels = WorkerChannels(access, multiplexed=config.multiplexed_decode)
         self._running: dict[str, _Running] = {}
         self.admission = KvAdmission(
             config.admission,

@@ -24,11 +24,11 @@ from splitserve.coordinator.flow import RequestFlow
 from splitserve.coordinator.metrics import CoordinatorMetrics
 from splitserve.coordinator.placement import LatencyTargets
 from splitserve.coordinator.service import Coordinator
-from splitserve.coordinator.streams_servicer import ClientStalled, StreamsCall
 from splitserve.proto import convert
 from splitserve.proto.api_key_auth import caller_of
 from splitserve.proto.splitserve.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from splitserve.proto.status import abort_with, status_of
+from splitserve.proto.streams_server import ClientStalled, StreamsCall
 
 SEND_TIMEOUT_S = 30.0
 """How long one response may wait for a client that does not read (``Generate``)."""
@@ -77,13 +77,15 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         context: grpc.aio.ServicerContext,
     ) -> None:
         """Many ``Generate`` streams of one caller on one call
-        (``coordinator/streams_servicer.py``): each runs as ``Generate`` would, its
+        (``proto/streams_server.py``): each runs as ``Generate`` would, its
         responses batched with the others'. A caller that reads nothing for
         ``send_timeout_s`` loses the call, ABORTED, and every stream on it is aborted."""
         caller = await caller_of(self._keys, context)
         streams = StreamsCall(
             lambda request, send: self.run_stream(request, caller, send),
             lambda: self.draining,
+            coordinator_pb2.StreamItem,
+            coordinator_pb2.StreamsResponse,
         )
         try:
             await streams.serve(request_iterator, context, self._send_timeout_s)

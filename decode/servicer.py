@@ -4,7 +4,7 @@ else."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 
 import grpc
 
@@ -13,8 +13,12 @@ from splitserve.decode.worker import DecodeWorker
 from splitserve.proto import convert
 from splitserve.proto.splitserve.v1 import worker_pb2, worker_pb2_grpc
 from splitserve.proto.status import abort_with
+from splitserve.proto.streams_server import ClientStalled, StreamsCall
 from splitserve.transfer.reservation import KvHandshake, KvReservation
 from splitserve.worker.servicer_base import WorkerServicerBase
+
+STALLED_CALLER_S = 60.0
+"""How long a ``GenerateStreams`` write may wait for a coordinator that reads nothing."""
 
 
 class DecodeServicer(WorkerServicerBase[DecodeWorker], worker_pb2_grpc.DecodeWorkerServicer):
@@ -24,18 +28,50 @@ class DecodeServicer(WorkerServicerBase[DecodeWorker], worker_pb2_grpc.DecodeWor
         """The request's stream, counted in ``in_flight`` while it runs (a draining worker
         waits for it)."""
         with self.in_flight.track():
-            async with contextlib.aclosing(self._generate(request, context)) as responses:
-                async for response in responses:
-                    yield response
+            worker = await self.ready(context)
+            try:
+                async with contextlib.aclosing(self._responses(worker, request)) as responses:
+                    async for response in responses:
+                        yield response
+            except SplitserveError as error:
+                await abort_with(context, error)
 
-    async def _generate(
-        self, request: worker_pb2.WorkerGenerateRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncGenerator[worker_pb2.WorkerGenerateResponse, None]:
+    async def GenerateStreams(
+        self,
+        request_iterator: AsyncIterator[worker_pb2.WorkerStreamsRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> None:
+        """Many ``Generate`` streams of one coordinator on one call
+        (``proto/streams_server.py``): each runs as ``Generate`` would, counted in
+        ``in_flight`` while it runs, its responses batched with the others' (one message
+        per engine step, not one per request and step). A coordinator that reads nothing for
+        ``STALLED_CALLER_S`` loses the call, ABORTED, and every stream on it is aborted."""
         worker = await self.ready(context)
+
+        async def run(
+            request: worker_pb2.WorkerGenerateRequest,
+            send: Callable[[worker_pb2.WorkerGenerateResponse], Awaitable[None]],
+        ) -> None:
+            with self.in_flight.track():
+                async with contextlib.aclosing(self._responses(worker, request)) as responses:
+                    async for response in responses:
+                        await send(response)
+
+        streams = StreamsCall(
+            run, lambda: False, worker_pb2.WorkerStreamItem, worker_pb2.WorkerStreamsResponse
+        )
         try:
-            params = convert.sampling_from_proto(request.sampling)
-        except SplitserveError as error:
-            await abort_with(context, error)
+            await streams.serve(request_iterator, context, STALLED_CALLER_S)
+        except ClientStalled:
+            message = f"the coordinator read nothing for {STALLED_CALLER_S:g} s; streams aborted"
+            await context.abort(grpc.StatusCode.ABORTED, message)
+
+    async def _responses(
+        self, worker: DecodeWorker, request: worker_pb2.WorkerGenerateRequest
+    ) -> AsyncGenerator[worker_pb2.WorkerGenerateResponse, None]:
+        """The request's responses: its reservation (remote prefill only, first), then its
+        step outputs; raises the ``SplitserveError`` it fails with."""
+        params = convert.sampling_from_proto(request.sampling)
         events = worker.generate(
             request.request_id,
             convert.token_ids(request.prompt_token_ids),
@@ -51,8 +87,6 @@ class DecodeServicer(WorkerServicerBase[DecodeWorker], worker_pb2_grpc.DecodeWor
                 else:
                     tokens = convert.step_output_to_proto(event)
                     yield worker_pb2.WorkerGenerateResponse(tokens=tokens)
-        except SplitserveError as error:
-            await abort_with(context, error)
         finally:
             await events.aclose()
 

@@ -15,6 +15,8 @@ checks it.
 
 from __future__ import annotations
 
+import asyncio
+import collections
 from collections.abc import AsyncIterator, Sequence, Set
 from dataclasses import dataclass, field
 
@@ -29,6 +31,7 @@ from splitserve.proto.cluster_access import ClusterAccess
 from splitserve.proto.cluster_auth import ClusterCredential
 from splitserve.proto.splitserve.v1 import worker_pb2, worker_pb2_grpc
 from splitserve.proto.status import call_internal, error_from_rpc
+from splitserve.proto.streams_client import StreamError, StreamsClientCall
 from splitserve.transfer.reservation import FirstToken, KvHandshake, KvReservation, PrefillDone
 
 
@@ -58,10 +61,7 @@ class DecodeCall:
     async def __aiter__(self) -> AsyncIterator[RelayedReservation | StepOutput]:
         try:
             async for message in self._call:
-                if message.HasField("reservation"):
-                    yield RelayedReservation(message.reservation)
-                else:
-                    yield convert.step_output_from_proto(self._request_id, message.tokens)
+                yield _decode_item(self._request_id, message)
         except grpc.aio.AioRpcError as error:
             raise error_from_rpc(error) from None
 
@@ -69,10 +69,86 @@ class DecodeCall:
         self._call.cancel()
 
 
+class MultiplexedDecodeCall:
+    """A ``DecodeCall`` whose stream travels on the decode worker's shared
+    ``GenerateStreams`` call (``streams_client.py``): the same items and the same domain
+    errors (a broken shared call fails every stream on it as a broken ``Generate`` call
+    would); ``cancel`` sends the stream's cancel, which aborts the request there; the
+    stream's deadline (``timeout_s``) is kept here, as a ``WorkerCallError``."""
+
+    def __init__(
+        self,
+        streams: StreamsClientCall,
+        request: worker_pb2.WorkerGenerateRequest,
+        timeout_s: float,
+    ) -> None:
+        self._streams = streams
+        self._request_id = request.request_id
+        self._deadline = asyncio.get_running_loop().time() + timeout_s
+        self._responses: collections.deque[worker_pb2.WorkerGenerateResponse] = collections.deque()
+        self._arrived = asyncio.Event()
+        self._outcome: StreamError | None = None
+        """How the stream ended (code OK: completed); None while it runs."""
+        self._key = streams.open(self, request)
+
+    def deliver(self, item: worker_pb2.WorkerStreamItem) -> None:
+        if item.HasField("response"):
+            self._responses.append(item.response)
+        else:
+            self._outcome = StreamError.of_end(item.end)
+            self._streams.ended(self._key)
+        self._arrived.set()
+
+    def fail(self, error: StreamError) -> None:
+        if self._outcome is None:
+            self._outcome = error
+            self._arrived.set()
+
+    async def __aiter__(self) -> AsyncIterator[RelayedReservation | StepOutput]:
+        while True:
+            while self._responses:
+                yield _decode_item(self._request_id, self._responses.popleft())
+            outcome = self._outcome
+            if outcome is not None:
+                if outcome.code() == grpc.StatusCode.OK:
+                    return
+                raise error_from_rpc(outcome)  # type: ignore[arg-type]
+            self._arrived.clear()
+            try:
+                async with asyncio.timeout_at(self._deadline):
+                    await self._arrived.wait()
+            except TimeoutError:
+                self.cancel()
+                raise error_from_rpc(  # type: ignore[arg-type]
+                    StreamError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+                ) from None
+
+    def cancel(self) -> None:
+        if self._outcome is None:
+            self._outcome = StreamError(grpc.StatusCode.CANCELLED, "Cancelled")
+            self._streams.cancel(self._key)
+
+
+def _decode_item(
+    request_id: str, message: worker_pb2.WorkerGenerateResponse
+) -> RelayedReservation | StepOutput:
+    if message.HasField("reservation"):
+        return RelayedReservation(message.reservation)
+    return convert.step_output_from_proto(request_id, message.tokens)
+
+
 class DecodeWorkerClient:
-    def __init__(self, channel: grpc.aio.Channel, credential: ClusterCredential) -> None:
+    def __init__(
+        self,
+        channel: grpc.aio.Channel,
+        credential: ClusterCredential,
+        streams: StreamsClientCall | None = None,
+    ) -> None:
+        """``streams``: the worker's shared ``GenerateStreams`` call, which ``generate``
+        then starts its streams on (None: a ``Generate`` call each)."""
         self._stub = worker_pb2_grpc.DecodeWorkerStub(channel)
         self._metadata = credential.metadata
+        self._streams = streams
 
     def generate(
         self,
@@ -82,7 +158,7 @@ class DecodeWorkerClient:
         remote_prefill: bool,
         timeout_s: float,
         prior_output_token_ids: Sequence[int] = (),
-    ) -> DecodeCall:
+    ) -> DecodeCall | MultiplexedDecodeCall:
         """Start the request on the decode worker (stop strings stay with the caller);
         ``prior_output_token_ids``: a resumed request's earlier tokens."""
         request = worker_pb2.WorkerGenerateRequest(
@@ -92,6 +168,8 @@ class DecodeWorkerClient:
             remote_prefill=remote_prefill,
             prior_output_token_ids=prior_output_token_ids,
         )
+        if self._streams is not None:
+            return MultiplexedDecodeCall(self._streams, request, timeout_s)
         return DecodeCall(
             self._stub.Generate(request, timeout=timeout_s, metadata=self._metadata), request_id
         )
@@ -171,11 +249,15 @@ class WorkerMonitorClient:
 
 class WorkerChannels:
     """One channel per worker address, created on first use (TLS when ``access`` has it);
-    calls carry the cluster credential."""
+    calls carry the cluster credential. With ``multiplexed``, decode streams to an address
+    travel on one ``GenerateStreams`` call there, opened on first use and again after it
+    broke."""
 
-    def __init__(self, access: ClusterAccess) -> None:
+    def __init__(self, access: ClusterAccess, multiplexed: bool = False) -> None:
         self._access = access
+        self._multiplexed = multiplexed
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._decode_streams: dict[str, StreamsClientCall] = {}
         self._unlisted_since: dict[str, float] = {}
 
     def _channel(self, address: str) -> grpc.aio.Channel:
@@ -199,10 +281,24 @@ class WorkerChannels:
             since = self._unlisted_since.setdefault(address, now)
             if now - since >= grace_s:
                 del self._unlisted_since[address]
+                if (streams := self._decode_streams.pop(address, None)) is not None:
+                    streams.close()
                 await self._channels.pop(address).close()
 
     def decode(self, address: str) -> DecodeWorkerClient:
-        return DecodeWorkerClient(self._channel(address), self._access.credential)
+        channel = self._channel(address)
+        credential = self._access.credential
+        if not self._multiplexed:
+            return DecodeWorkerClient(channel, credential)
+        streams = self._decode_streams.get(address)
+        if streams is None or not streams.accepting:
+            stub = worker_pb2_grpc.DecodeWorkerStub(channel)
+            streams = self._decode_streams[address] = StreamsClientCall(
+                lambda requests: stub.GenerateStreams(requests, metadata=credential.metadata),
+                worker_pb2.WorkerStreamsRequest,
+                worker_pb2.WorkerStreamStart,
+            )
+        return DecodeWorkerClient(channel, credential, streams)
 
     def prefill(self, address: str) -> PrefillWorkerClient:
         return PrefillWorkerClient(self._channel(address), self._access.credential)
@@ -211,6 +307,9 @@ class WorkerChannels:
         return WorkerMonitorClient(self._channel(address), self._access.credential)
 
     async def close(self) -> None:
+        for streams in self._decode_streams.values():
+            streams.close()
+        self._decode_streams.clear()
         for channel in self._channels.values():
             await channel.close()
         self._channels.clear()

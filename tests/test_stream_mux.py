@@ -1,5 +1,5 @@
 """Many streams on one ``GenerateStreams`` call (``client/stream_mux.py`` and
-``coordinator/streams_servicer.py``) against the shared ``served_cluster`` (real processes, real
+``proto/streams_server.py``) against the shared ``served_cluster`` (real processes, real
 gRPC): what a stream gets over the relay is what its own ``Generate`` call gets (the same
 tokens, the same refusals with their ``param``), cancelling or running out its deadline
 aborts only that stream's request, and an HTTP client that stops reading the gateway's SSE
@@ -24,7 +24,14 @@ from splitserve.client import AsyncClient, Chunk, ClientError, Finish, RetryPoli
 from splitserve.client.connection import aio_channel
 from splitserve.client.stream_mux import StreamMultiplexer
 from splitserve.gateway.disconnect import EventStreamResponse
-from tests.cluster import Served, assert_all_free, wait_until_idle, worker_loads
+from tests.cluster import (
+    Served,
+    assert_all_free,
+    cluster,
+    gateway_completions,
+    wait_until_idle,
+    worker_loads,
+)
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -220,3 +227,21 @@ def _model(served: Served) -> str:
     import httpx
 
     return httpx.get(f"{served.url}/v1/models", timeout=30).json()["data"][0]["id"]
+
+
+@pytest.mark.slow
+def test_the_per_stream_relay_serves_what_the_multiplexed_one_does() -> None:
+    """Two simulated clusters (deterministic tokens), one relaying every hop per stream
+    (``SPLITSERVE_RELAY=per-stream``: the gateway's ``Generate`` calls and the coordinator's
+    decode ``Generate`` calls) and one multiplexed (the default): the same eight streams
+    through each gateway get the same texts."""
+
+    def texts(env: dict[str, str]) -> list[str]:
+        lines: dict[str, str] = {}
+        with cluster(1, 1, "--engine=sim", ready_lines=lines, env=env):
+            url = lines["splitserve gateway ready"]
+            return asyncio.run(gateway_completions(url, PROMPTS, 12))
+
+    per_stream = texts({"SPLITSERVE_RELAY": "per-stream"})
+    assert per_stream == texts({})
+    assert all(per_stream)

@@ -119,20 +119,8 @@ class StreamItem(_message.Message):
     END_FIELD_NUMBER: _ClassVar[int]
     key: int
     response: GenerateResponse
-    end: StreamEnd
-    def __init__(self, key: _Optional[int] = ..., response: _Optional[_Union[GenerateResponse, _Mapping]] = ..., end: _Optional[_Union[StreamEnd, _Mapping]] = ...) -> None: ...
-
-class StreamEnd(_message.Message):
-    __slots__ = ("code", "message", "param", "retry_after_ms")
-    CODE_FIELD_NUMBER: _ClassVar[int]
-    MESSAGE_FIELD_NUMBER: _ClassVar[int]
-    PARAM_FIELD_NUMBER: _ClassVar[int]
-    RETRY_AFTER_MS_FIELD_NUMBER: _ClassVar[int]
-    code: int
-    message: str
-    param: str
-    retry_after_ms: int
-    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., param: _Optional[str] = ..., retry_after_ms: _Optional[int] = ...) -> None: ...
+    end: _common_pb2.StreamEnd
+    def __init__(self, key: _Optional[int] = ..., response: _Optional[_Union[GenerateResponse, _Mapping]] = ..., end: _Optional[_Union[_common_pb2.StreamEnd, _Mapping]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)

@@ -224,3 +224,35 @@ class PrefillResponse(_message.Message):
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     num_cached_tokens: int
     def __init__(self, num_cached_tokens: _Optional[int] = ...) -> None: ...
+
+class WorkerStreamsRequest(_message.Message):
+    __slots__ = ("start", "cancel")
+    START_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    start: WorkerStreamStart
+    cancel: int
+    def __init__(self, start: _Optional[_Union[WorkerStreamStart, _Mapping]] = ..., cancel: _Optional[int] = ...) -> None: ...
+
+class WorkerStreamStart(_message.Message):
+    __slots__ = ("key", "request")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    key: int
+    request: WorkerGenerateRequest
+    def __init__(self, key: _Optional[int] = ..., request: _Optional[_Union[WorkerGenerateRequest, _Mapping]] = ...) -> None: ...
+
+class WorkerStreamsResponse(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[WorkerStreamItem]
+    def __init__(self, items: _Optional[_Iterable[_Union[WorkerStreamItem, _Mapping]]] = ...) -> None: ...
+
+class WorkerStreamItem(_message.Message):
+    __slots__ = ("key", "response", "end")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    key: int
+    response: WorkerGenerateResponse
+    end: _common_pb2.StreamEnd
+    def __init__(self, key: _Optional[int] = ..., response: _Optional[_Union[WorkerGenerateResponse, _Mapping]] = ..., end: _Optional[_Union[_common_pb2.StreamEnd, _Mapping]] = ...) -> None: ...

@@ -34,6 +34,11 @@ class DecodeWorkerStub:
         Args:
             channel: A grpc.Channel.
         """
+        self.GenerateStreams = channel.stream_stream(
+                '/splitserve.v1.DecodeWorker/GenerateStreams',
+                request_serializer=splitserve_dot_v1_dot_worker__pb2.WorkerStreamsRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_worker__pb2.WorkerStreamsResponse.FromString,
+                _registered_method=True)
         self.Generate = channel.unary_stream(
                 '/splitserve.v1.DecodeWorker/Generate',
                 request_serializer=splitserve_dot_v1_dot_worker__pb2.WorkerGenerateRequest.SerializeToString,
@@ -58,6 +63,17 @@ class DecodeWorkerStub:
 
 class DecodeWorkerServicer:
     """Missing associated documentation comment in .proto file."""
+
+    def GenerateStreams(self, request_iterator, context):
+        """Many Generate streams on one call (a coordinator's decode streams to this worker): the
+        coordinator starts and cancels streams under keys of its choosing; the worker answers
+        with batches, each item one stream's next WorkerGenerateResponse or its end (the status
+        its own Generate call would have ended with). A batch carries every response ready when
+        the last write finished: one message per engine step, not one per request and step.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
 
     def Generate(self, request, context):
         """Run one request on this worker and stream every token it generates, the first included
@@ -96,6 +112,11 @@ class DecodeWorkerServicer:
 
 def add_DecodeWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
+            'GenerateStreams': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateStreams,
+                    request_deserializer=splitserve_dot_v1_dot_worker__pb2.WorkerStreamsRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_worker__pb2.WorkerStreamsResponse.SerializeToString,
+            ),
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
                     request_deserializer=splitserve_dot_v1_dot_worker__pb2.WorkerGenerateRequest.FromString,
@@ -126,6 +147,33 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class DecodeWorker:
     """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def GenerateStreams(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/splitserve.v1.DecodeWorker/GenerateStreams',
+            splitserve_dot_v1_dot_worker__pb2.WorkerStreamsRequest.SerializeToString,
+            splitserve_dot_v1_dot_worker__pb2.WorkerStreamsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
 
     @staticmethod
     def Generate(request,

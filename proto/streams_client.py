@@ -1,0 +1,150 @@
+"""The caller's side of a multiplexed streams call (``streams_server.py`` has the shape):
+``StreamsClientCall`` is one open call; each stream on it is a ``StreamSink`` that receives
+its items, or the failure that broke the call.
+
+Contract: a stream's items are delivered in order, then nothing after its ``end``; when the
+call breaks (its server died, the connection was lost) or ends, every stream still open on
+it gets ``fail`` with the call's code (UNAVAILABLE when the server ended the call itself),
+and the call takes no new streams (``accepting`` False). ``cancel`` of an open stream sends
+its ``cancel`` (the server cancels the stream's work). A retired call takes no new streams
+and half-closes once its last stream ended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Protocol
+
+import grpc
+
+from splitserve.proto.splitserve.v1 import common_pb2
+from splitserve.proto.status import PARAM_METADATA_KEY, RETRY_AFTER_METADATA_KEY
+
+Metadata = tuple[tuple[str, str], ...]
+
+_CODES_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
+
+
+class StreamError(grpc.RpcError):
+    """How a stream on a multiplexed call failed, as a failed call of its own reports it
+    (``code()``, ``details()``, ``trailing_metadata()`` with the ``param`` and the overload
+    hint: what ``status.error_from_rpc`` and the client's ``ClientError.from_call`` read)."""
+
+    def __init__(
+        self, code: grpc.StatusCode, details: str, param: str = "", retry_after_ms: int = 0
+    ) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self._code = code
+        self._details = details
+        metadata: list[tuple[str, str]] = []
+        if param:
+            metadata.append((PARAM_METADATA_KEY, param))
+        if retry_after_ms > 0:
+            metadata.append((RETRY_AFTER_METADATA_KEY, str(retry_after_ms)))
+        self._metadata = tuple(metadata)
+        self.retry_after_ms = retry_after_ms
+
+    @classmethod
+    def of_end(cls, end: common_pb2.StreamEnd) -> StreamError:
+        code = _CODES_BY_NUMBER.get(end.code, grpc.StatusCode.UNKNOWN)
+        return cls(code, end.message or code.name, end.param, end.retry_after_ms)
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+    def trailing_metadata(self) -> Metadata:
+        return self._metadata
+
+
+class StreamSink(Protocol):
+    """One stream of a ``StreamsClientCall``."""
+
+    def deliver(self, item: Any) -> None:
+        """The stream's next item (a ``response`` or its ``end``)."""
+
+    def fail(self, error: StreamError) -> None:
+        """The call broke (or ended) while the stream was open."""
+
+
+OpenCall = Callable[[AsyncIterator[Any]], grpc.aio.StreamStreamCall]
+"""Opens the streams call with its request iterator (a stub method with its metadata)."""
+
+
+class StreamsClientCall:
+    """One open multiplexed streams call: its streams by key and the queue of what to send.
+    ``request_type`` / ``start_type``: the call's request and start messages. Must be made
+    inside the running event loop (it starts its reader)."""
+
+    def __init__(
+        self, open_call: OpenCall, request_type: Callable[..., Any], start_type: Callable[..., Any]
+    ) -> None:
+        self._request = request_type
+        self._start = start_type
+        self._outgoing: asyncio.Queue[Any] = asyncio.Queue()
+        self._streams: dict[int, StreamSink] = {}
+        self._keys = itertools.count(1)
+        self.accepting = True
+        """False once the call broke, ended or was retired: new streams go elsewhere."""
+        self._call = open_call(self._requests())
+        self._reader = asyncio.ensure_future(self._read())
+
+    async def _requests(self) -> AsyncIterator[Any]:
+        while (message := await self._outgoing.get()) is not None:
+            yield message
+
+    def open(self, stream: StreamSink, request: Any) -> int:
+        """Start ``request`` as a stream delivering to ``stream``; its key."""
+        key = next(self._keys)
+        self._streams[key] = stream
+        self._outgoing.put_nowait(self._request(start=self._start(key=key, request=request)))
+        return key
+
+    def cancel(self, key: int) -> None:
+        """Cancel an open stream (a no-op for one that ended)."""
+        if self._streams.pop(key, None) is not None and self.accepting:
+            self._outgoing.put_nowait(self._request(cancel=key))
+        self._close_if_idle()
+
+    def ended(self, key: int) -> None:
+        """The stream got its end."""
+        self._streams.pop(key, None)
+        self._close_if_idle()
+
+    def retire(self) -> None:
+        """Take no new streams; half-close once the open ones ended."""
+        self.accepting = False
+        self._close_if_idle()
+
+    def close(self) -> None:
+        """End the call now: every open stream fails CANCELLED."""
+        self._call.cancel()
+
+    def _close_if_idle(self) -> None:
+        if not self.accepting and not self._streams:
+            self._outgoing.put_nowait(None)
+
+    async def _read(self) -> None:
+        failure = StreamError(grpc.StatusCode.UNAVAILABLE, "the server ended the streams' call")
+        try:
+            async for batch in self._call:
+                for item in batch.items:
+                    stream = self._streams.get(item.key)
+                    if stream is not None:
+                        stream.deliver(item)
+        except grpc.RpcError as error:
+            code = error.code()  # type: ignore[attr-defined]
+            failure = StreamError(code, error.details() or code.name)  # type: ignore[attr-defined]
+        except asyncio.CancelledError:
+            failure = StreamError(grpc.StatusCode.CANCELLED, "the streams' call was closed")
+            raise
+        finally:
+            self.accepting = False
+            streams, self._streams = list(self._streams.values()), {}
+            for stream in streams:
+                stream.fail(failure)
+            self._outgoing.put_nowait(None)
