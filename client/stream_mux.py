@@ -29,6 +29,8 @@ Contracts:
   is half-closed, so the stream's retry goes out on a fresh call.
 - Cancelling a stream that has not ended sends its ``cancel``: the coordinator aborts its
   request on every worker.
+- A reader that fell behind gets the token chunks that queued up for it as one chunk
+  (``_merge_chunks``): the same tokens, text and logprobs, in fewer pieces.
 """
 
 from __future__ import annotations
@@ -150,7 +152,7 @@ class MultiplexedStream:
         while True:
             if self._responses:
                 self._responded = True
-                return self._responses.popleft()
+                return _merge_chunks(self._responses)
             outcome = self._outcome
             if outcome is not None:
                 if outcome.code() == grpc.StatusCode.OK:
@@ -193,6 +195,24 @@ class MultiplexedStream:
         self._outcome = StreamError(grpc.StatusCode.CANCELLED, "Cancelled")
         self._call.cancel(self._key)
         return True
+
+
+def _merge_chunks(
+    responses: collections.deque[coordinator_pb2.GenerateResponse],
+) -> coordinator_pb2.GenerateResponse:
+    """The next response, with the token chunks queued right behind it folded in (a reader
+    that fell behind gets one chunk of everything it missed: one SSE frame, not one each):
+    token ids, text and logprobs concatenated in order, the last one's usage."""
+    first = responses.popleft()
+    if first.WhichOneof("payload") != "chunk":
+        return first
+    while responses and responses[0].WhichOneof("payload") == "chunk":
+        following = responses.popleft()
+        first.chunk.token_ids.extend(following.chunk.token_ids)
+        first.chunk.text += following.chunk.text
+        first.chunk.logprobs.extend(following.chunk.logprobs)
+        first.usage.CopyFrom(following.usage)
+    return first
 
 
 def _loop_time(deadline: float | None) -> float | None:

@@ -10,6 +10,7 @@ gateway's ``EventStreamResponse`` on its own; end to end, slow).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import socket
@@ -22,8 +23,10 @@ from starlette.types import Message
 
 from splitserve.client import AsyncClient, Chunk, ClientError, Finish, RetryPolicy, Sampling
 from splitserve.client.connection import aio_channel
-from splitserve.client.stream_mux import StreamMultiplexer
+from splitserve.client.stream_mux import StreamMultiplexer, _merge_chunks
 from splitserve.gateway.disconnect import EventStreamResponse
+from splitserve.proto.splitserve.v1 import common_pb2, coordinator_pb2
+from splitserve.proto.splitserve.v1.coordinator_pb2 import GenerateResponse
 from tests.cluster import (
     Served,
     assert_all_free,
@@ -245,3 +248,29 @@ def test_the_per_stream_relay_serves_what_the_multiplexed_one_does() -> None:
     per_stream = texts({"SPLITSERVE_RELAY": "per-stream"})
     assert per_stream == texts({})
     assert all(per_stream)
+
+
+def test_chunks_that_queued_up_reach_a_late_reader_as_one() -> None:
+    """A reader that fell behind gets the queued token chunks folded into one (tokens, text
+    and logprobs in order, the last usage); a completion stays its own response."""
+
+    def chunk(tokens: list[int], text: str, completion_tokens: int) -> GenerateResponse:
+        logprobs = [common_pb2.TokenLogprob(token_id=t, logprob=-0.5) for t in tokens]
+        return GenerateResponse(
+            request_id="r",
+            chunk=coordinator_pb2.TokenChunk(token_ids=tokens, text=text, logprobs=logprobs),
+            usage=common_pb2.Usage(prompt_tokens=3, completion_tokens=completion_tokens),
+        )
+
+    done = GenerateResponse(
+        request_id="r",
+        completion=coordinator_pb2.Completion(finish_reason=common_pb2.FINISH_REASON_LENGTH),
+    )
+    queued = collections.deque([chunk([1], "a", 1), chunk([2, 3], "bc", 3), done])
+    merged = _merge_chunks(queued)
+    assert list(merged.chunk.token_ids) == [1, 2, 3]
+    assert merged.chunk.text == "abc"
+    assert [lp.token_id for lp in merged.chunk.logprobs] == [1, 2, 3]
+    assert merged.usage.completion_tokens == 3
+    assert list(queued) == [done]
+    assert _merge_chunks(queued) is done
