@@ -173,13 +173,15 @@ DEFAULT_PREFILL_TOKEN_S = 0.002
 
 
 def prefill_stall_limit_s(
-    worker: WorkerRecord, prompt_tokens: int, timeouts: AttemptTimeouts
+    worker: WorkerRecord, prompt_tokens: int, timeouts: AttemptTimeouts, queued_tokens: int = 0
 ) -> float:
     """How long a prompt pushed to ``worker`` may take to bring its first token:
-    ``stall_factor`` times what its latest load report predicts for the prompt tokens queued
-    there plus this one's, at least ``stall_floor_s``."""
+    ``stall_factor`` times what its step-time model predicts for the prompt tokens queued
+    there (its latest load report, or ``queued_tokens``, what routing counted ahead of this
+    prompt, whichever is more: a crowd's prompts arrive faster than reports) plus this
+    one's, at least ``stall_floor_s``."""
     load, cost = worker.load, worker.load.step_cost
-    tokens = load.num_pending_prefill_tokens + prompt_tokens
+    tokens = max(load.num_pending_prefill_tokens, queued_tokens) + prompt_tokens
     if cost.knows_prefill:
         chunk = max(1, load.prefill_chunk_tokens or tokens)
         steps = -(-tokens // chunk)
@@ -392,7 +394,8 @@ class Attempt:
         if self.state is AttemptState.PREFILLING and self.route.prefill is not None:
             since = self._prefill_started_at = time.monotonic()
             prompt = len(self._prompt)
-            limit_s = prefill_stall_limit_s(self.route.prefill, prompt, self._timeouts)
+            queued = self.route.queued_prefill_tokens
+            limit_s = prefill_stall_limit_s(self.route.prefill, prompt, self._timeouts, queued)
         elif self.state is AttemptState.DECODING:
             since = self._last_message_at
             limit_s = stall_limit_s(self.route.decode, self._timeouts)

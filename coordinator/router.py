@@ -71,6 +71,10 @@ class Route:
     fallback or a resume)."""
     slo: Slo = DEFAULT_SLO
     """The request's latency targets, as placement read them."""
+    queued_prefill_tokens: int = 0
+    """Prompt tokens queued ahead of this one on ``prefill`` when it was chosen, as routing
+    counted them (``Router._queued_prefill_tokens``: the worker's report or what this
+    coordinator sent there unanswered, whichever is more)."""
 
 
 @dataclass(eq=False)
@@ -215,7 +219,7 @@ class Router:
         prefill = self.registry.get(placement.prefill_worker_id)
         assert prefill is not None  # a candidate a moment ago, on this event loop
         self._memory(prefill.worker_id).remember(hashes)
-        return Route(decode, prefill, placement, slo)
+        return Route(decode, prefill, placement, slo, self._queued_prefill_tokens(prefill))
 
     def prompt_rates(self, probe_tokens: int) -> list[float]:
         """Prompt tokens per second (read at a prompt of ``probe_tokens``) of each worker that

@@ -493,3 +493,9 @@ def test_the_prefill_stall_limit_counts_the_prompts_queued_before_it() -> None:
     )
     # 1,000 tokens: 4 chunks of at most 256
     assert prefill_stall_limit_s(worker, 100, timeouts) == pytest.approx(10 * (0.04 + 1.0))
+    # a crowd's prompts that routing counted ahead of this one, not yet in any report:
+    # 2,000 + 100 tokens, 9 chunks
+    limit_s = prefill_stall_limit_s(worker, 100, timeouts, queued_tokens=2000)
+    assert limit_s == pytest.approx(10 * (0.09 + 2.1))
+    # fewer counted than reported: the report stands
+    assert prefill_stall_limit_s(worker, 100, timeouts, 300) == pytest.approx(10 * (0.04 + 1.0))

@@ -120,12 +120,14 @@ class LayerSender:
             return
         self.state = TransferState.ACTIVE
         first = self.plan.message_index(layer, 0, 0)
-        self._sends[layer] = asyncio.gather(
+        sends = asyncio.gather(
             *(
                 self._endpoint.send(message_tag(self._secret, first + index), message)
                 for index, message in enumerate(messages)
             )
         )
+        sends.add_done_callback(_retrieve)  # stopped sends nobody awaits log nothing
+        self._sends[layer] = sends
         self.bytes_sent += sum(message.numel() for message in messages)
         if len(self._sends) == self.num_layers:
             self._all_offered.set()
@@ -172,6 +174,14 @@ class LayerSender:
         for task in self._sends.values():
             task.cancel()
         self._all_offered.set()
+
+
+def _retrieve(sends: asyncio.Future[list[None]]) -> None:
+    """Mark a layer's sends' failure as seen: ``finish`` raises what matters, and a transfer
+    stopped before ``finish`` awaited every layer would otherwise leave asyncio's "exception
+    was never retrieved" in the log for each of them."""
+    if not sends.cancelled():
+        sends.exception()
 
 
 class LayerReceiver:
