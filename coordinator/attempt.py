@@ -37,6 +37,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
+from splitserve.common import loop_lag
 from splitserve.common.errors import (
     CapacityError,
     InvalidRequestError,
@@ -168,6 +169,9 @@ def stall_limit_s(worker: WorkerRecord, timeouts: AttemptTimeouts) -> float:
 
 TIMER_SLACK_S = 0.05
 """A loop timer may fire this much early; a stall check then still counts it due."""
+PER_STREAM_STALL_FACTOR = 10.0
+"""A request silent this many times its limit stalls even while its worker is heard from
+(heartbeats, other streams' messages): one request stuck on a live worker."""
 DEFAULT_PREFILL_TOKEN_S = 0.002
 """A prefill worker's expected seconds a prompt token before its step-cost model is known."""
 
@@ -189,6 +193,11 @@ def prefill_stall_limit_s(
     else:
         expected = DEFAULT_STEP_S + tokens * DEFAULT_PREFILL_TOKEN_S
     return max(timeouts.stall_floor_s, timeouts.stall_factor * expected)
+
+
+def _silence_s(since: float, now: float) -> float:
+    """Seconds from ``since`` to ``now``, less what this process's event loop ran late."""
+    return now - since - loop_lag.lag_since(since)
 
 
 class Attempt:
@@ -237,6 +246,9 @@ class Attempt:
         self._local_prompt = contextlib.ExitStack()
         """Counts a prompt the decode worker computes as queued there until its first token."""
         self._last_message_at = self._started
+        self._prefill_answered_at: float | None = None
+        """When the prefill call returned while the first token had not come: from then on
+        a silence is the decode worker's."""
         """When the decode stream last brought a message."""
         self._stall_watch: asyncio.TimerHandle | None = None
         """The pending stall check (``_watch_for_stalls``): from the prefill call's start
@@ -275,6 +287,9 @@ class Attempt:
                             self.num_cached_tokens = done.num_cached_tokens
                             if self.route.prefill is not None:
                                 self._router.report_success(self.route.prefill)
+                            if self.state is AttemptState.PREFILLING:  # the rest is decode's
+                                self._prefill_answered_at = time.monotonic()
+                                self._watch_for_stalls()
                         case PrefillFailed(error) if self.state is AttemptState.PREFILLING:
                             logger.warning("%s: prefill failed (%s)", self._label, error)
                             raise PrefillLost(str(error))
@@ -299,6 +314,7 @@ class Attempt:
                             pass  # armed in an earlier state: its limit no longer applies
                         case StreamStalled(silent_s, limit_s) if self.route.prefill and (
                             self.state is AttemptState.PREFILLING
+                            and self._prefill_answered_at is None
                         ):
                             prefill = self.route.prefill
                             logger.warning(
@@ -383,15 +399,19 @@ class Attempt:
 
     def _watch_for_stalls(self) -> None:
         """Arm the stall check for the attempt's state (``PREFILLING``: since the prefill
-        call started; ``DECODING``: since the stream's last message), replacing any armed
-        before: one timer per limit, not one per message (a message only stores its time,
-        ``_read_decode``)."""
+        call started, or, once it answered without a first token, since then against the
+        decode worker's limit; ``DECODING``: since the stream's last message), replacing any
+        armed before: one timer per limit, not one per message (a message only stores its
+        time, ``_read_decode``)."""
         if self._stall_watch is not None:
             self._stall_watch.cancel()
             self._stall_watch = None
         if self._timeouts.stall_factor <= 0 or self.state is AttemptState.ENDED:
             return
-        if self.state is AttemptState.PREFILLING and self.route.prefill is not None:
+        if self._prefill_answered_at is not None and self.state is AttemptState.PREFILLING:
+            since = self._prefill_answered_at  # the KV landed: the first token is decode's
+            limit_s = stall_limit_s(self.route.decode, self._timeouts)
+        elif self.state is AttemptState.PREFILLING and self.route.prefill is not None:
             since = self._prefill_started_at = time.monotonic()
             prompt = len(self._prompt)
             queued = self.route.queued_prefill_tokens
@@ -401,24 +421,44 @@ class Attempt:
             limit_s = stall_limit_s(self.route.decode, self._timeouts)
         else:
             return
-        due_in_s = max(0.0, since + limit_s - time.monotonic())
+        self._arm_stall_check(limit_s, max(0.0, since + limit_s - time.monotonic()))
+
+    def _arm_stall_check(self, limit_s: float, due_in_s: float) -> None:
         self._stall_watch = asyncio.get_running_loop().call_later(
             due_in_s, self._check_stall, limit_s, self.state
         )
 
     def _check_stall(self, limit_s: float, state: AttemptState) -> None:
+        """A stall is silence past ``limit_s`` that is the worker's, not this process's:
+        time the coordinator's own event loop ran late is left out (``common/loop_lag.py``:
+        a coordinator too busy to read is not a stalled worker), and the worker counts as
+        heard from when anything of it reached this coordinator (``WorkerRecord.last_seen``:
+        a heartbeat, another stream's message, a reply); a request on a worker heard from
+        stalls only past ``PER_STREAM_STALL_FACTOR`` times its limit. Not yet due: checked
+        again when it would be."""
         self._stall_watch = None
         if state is not self.state:
             return  # the attempt moved on (its new state armed its own watch)
-        since = self._last_message_at
-        if state is AttemptState.PREFILLING:
+        now = time.monotonic()
+        stalled_after_s = limit_s
+        if state is AttemptState.PREFILLING and self._prefill_answered_at is None:
             assert self._prefill_started_at is not None  # set when this watch was armed
-            since = self._prefill_started_at
-        silent_s = time.monotonic() - since
-        if silent_s >= limit_s - TIMER_SLACK_S:
-            self._events.put_nowait(StreamStalled(silent_s, limit_s, state))
-        elif state is AttemptState.DECODING:
-            self._watch_for_stalls()
+            assert self.route.prefill is not None
+            since, worker = self._prefill_started_at, self.route.prefill
+        elif state is AttemptState.PREFILLING:  # the KV landed: the first token is decode's
+            since, worker = self._prefill_answered_at, self.route.decode
+        else:
+            since, worker = self._last_message_at, self.route.decode
+        silent_s = _silence_s(max(since, worker.last_seen), now)
+        stream_s = _silence_s(since, now)
+        stream_limit_s = PER_STREAM_STALL_FACTOR * limit_s
+        if stream_limit_s - stream_s < limit_s - silent_s:
+            silent_s, stalled_after_s = stream_s, stream_limit_s
+        remaining_s = stalled_after_s - silent_s
+        if remaining_s <= TIMER_SLACK_S:
+            self._events.put_nowait(StreamStalled(silent_s, stalled_after_s, state))
+        else:
+            self._arm_stall_check(limit_s, remaining_s)
 
     async def _end_on_worker(self, decode: WorkerRecord) -> None:
         """The request finished; a stop string matched here must end it there too (as STOP)."""

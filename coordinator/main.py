@@ -32,6 +32,7 @@ from prometheus_client import CollectorRegistry
 from splitserve.common.api_keys import add_api_key_args, add_health_needs_key_flag, api_keys_or_exit
 from splitserve.common.cpu_affinity import pin_or_exit
 from splitserve.common.env_flags import add_env_flag, env_default, truthy
+from splitserve.common.loop_lag import LoopLag
 from splitserve.common.membership import Role
 from splitserve.common.metrics import serve_metrics
 from splitserve.common.model_files import load_tokenizer, model_name_of, resolve_model_path
@@ -293,6 +294,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
 
     async def run(stop: asyncio.Event) -> None:
+        LoopLag.start()  # stall checks leave out the time this loop ran late
         dial_check = DialCheck(coordinator.registry, coordinator.channels)
         servicer = CoordinatorServicer(coordinator, metrics, keys, args.client_stall_timeout)
         server = await start_server(

@@ -443,15 +443,22 @@ def test_the_stall_limit_follows_the_workers_reported_step_times() -> None:
     assert stall_limit_s(worker, dataclasses.replace(timeouts, stall_floor_s=9.0)) == 9.0
 
 
+def _pushed_prompt(workers: _Workers) -> tuple[WorkerRecord, asyncio.Task[None]]:
+    """A remote-prefill attempt with a 0.3 s stall floor, run until its reservation came (its
+    prefill call started): its prefill worker and the task draining it."""
+    timeouts = AttemptTimeouts(stall_factor=10.0, stall_floor_s=0.3)
+    attempt, _ = _attempt(workers, timeouts=timeouts)
+    prefill = attempt.route.prefill
+    assert prefill is not None
+    task = asyncio.create_task(_drain(attempt))
+    workers.call.items.put_nowait(RESERVATION)
+    return prefill, task
+
+
 def test_a_pushed_prompt_without_a_first_token_past_its_limit_is_a_prefill_stall() -> None:
     async def body() -> tuple[float, bool, bool]:
         workers = _Workers()
-        timeouts = AttemptTimeouts(stall_factor=10.0, stall_floor_s=0.3)
-        attempt, _ = _attempt(workers, timeouts=timeouts)
-        prefill = attempt.route.prefill
-        assert prefill is not None
-        task = asyncio.create_task(_drain(attempt))
-        workers.call.items.put_nowait(RESERVATION)  # the prefill call starts, then nothing
+        prefill, task = _pushed_prompt(workers)  # the prefill call starts, then nothing
         started = time.monotonic()
         stalled = False
         try:
@@ -499,3 +506,25 @@ def test_the_prefill_stall_limit_counts_the_prompts_queued_before_it() -> None:
     assert limit_s == pytest.approx(10 * (0.09 + 2.1))
     # fewer counted than reported: the report stands
     assert prefill_stall_limit_s(worker, 100, timeouts, 300) == pytest.approx(10 * (0.04 + 1.0))
+
+
+def test_a_first_token_late_after_the_prefill_answered_is_the_decode_workers_stall() -> None:
+    """The prefill worker answered (its KV landed) and then no first token comes: the
+    silence is the decode worker's. The stall is a decode stall (resume elsewhere) and the
+    prefill worker is not reported failed."""
+
+    async def body() -> tuple[BaseException | None, bool]:
+        workers = _Workers()
+        prefill, task = _pushed_prompt(workers)
+        while workers.prefill_result is None:
+            await asyncio.sleep(0.01)
+        workers.prefill_result.set_result(PrefillDone(num_cached_tokens=0))
+        try:
+            await asyncio.wait_for(task, 5)
+        except (DecodeStalled, PrefillStalled) as error:
+            return error, prefill.healthy
+        return None, prefill.healthy
+
+    error, prefill_healthy = asyncio.run(body())
+    assert isinstance(error, DecodeStalled) and not isinstance(error, PrefillStalled)
+    assert prefill_healthy
