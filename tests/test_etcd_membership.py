@@ -45,6 +45,7 @@ def _wait_for(predicate, what: str, timeout_s: float = 60.0) -> float:  # noqa: 
     return time.monotonic() - started
 
 
+@pytest.mark.slow
 def test_membership_on_etcd_survives_an_outage_and_a_drain(ha_cluster: FaultCluster) -> None:
     coordinators = ha_cluster.coordinator_addresses
     prefill_workers = [w for w in ha_cluster.workers if w.name.startswith("prefill")]
