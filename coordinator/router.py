@@ -108,8 +108,9 @@ class DecodeProgress:
 class Pending:
     """Work this coordinator sent to one worker that has not finished yet."""
 
-    decoding: list[DecodeProgress] = dataclasses.field(default_factory=list)
-    """Requests decoding there (attempts open on its decode stream)."""
+    decoding: dict[DecodeProgress, None] = dataclasses.field(default_factory=dict)
+    """Requests decoding there (attempts open on its decode stream), in arrival order; a
+    dict for O(1) removal (``DecodeProgress`` hashes by identity)."""
     num_prefill_tokens: int = 0
     """Prompt tokens sent there to compute and not yet answered: to a prefill worker until
     its Prefill call returns, to a decode worker computing them itself until the first
@@ -151,11 +152,11 @@ class Router:
         """Count one request as running on ``worker`` while the block runs; ``progress``
         (the caller updates it) is what placement sees of it."""
         pending = self._pending[worker.worker_id]
-        pending.decoding.append(progress)
+        pending.decoding[progress] = None
         try:
             yield
         finally:
-            pending.decoding.remove(progress)
+            del pending.decoding[progress]
 
     @contextlib.contextmanager
     def prefilling(self, worker: WorkerRecord, num_tokens: int) -> Iterator[None]:
