@@ -78,9 +78,9 @@ def test_each_decoding_request_leaves_with_its_own_progress() -> None:
         with router.decoding(decode, second):
             assert len(router._pending["d"].decoding) == 2
         first.num_tokens = 3
-        assert router._pending["d"].decoding == [first]
-        assert router._pending["d"].decoding[0] is first
-    assert router._pending["d"].decoding == []
+        assert list(router._pending["d"].decoding) == [first]
+        assert next(iter(router._pending["d"].decoding)) is first
+    assert not router._pending["d"].decoding
 
 
 def test_prefill_prefers_cached_prefixes_and_matching_layouts() -> None:
