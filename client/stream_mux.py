@@ -120,6 +120,12 @@ class MultiplexedStream:
         self._attempts = 0
         self._call: StreamsClientCall | None = None
         self._key = 0
+        self._expiry = (
+            None
+            if deadline is None
+            else asyncio.get_running_loop().call_at(_loop_time(deadline), self._expire)
+        )
+        """One timer for the deadline (not one per wait: the relay's hot path)."""
         self._start_attempt()
 
     def _start_attempt(self) -> None:
@@ -145,6 +151,15 @@ class MultiplexedStream:
             self._outcome = error
             self._arrived.set()
 
+    def _expire(self) -> None:
+        """The deadline passed: a running attempt is cancelled; the stream fails."""
+        if self._outcome is None or self._outcome.code() != grpc.StatusCode.OK:
+            self.cancel()
+            self._outcome = StreamError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+            self._responses.clear()
+            self._responded = True  # not retried
+            self._arrived.set()
+
     def __aiter__(self) -> MultiplexedStream:
         return self
 
@@ -156,16 +171,20 @@ class MultiplexedStream:
             outcome = self._outcome
             if outcome is not None:
                 if outcome.code() == grpc.StatusCode.OK:
+                    self._stop_expiry()
                     raise StopAsyncIteration
-                await self._retry_or_raise(outcome)
+                try:
+                    await self._retry_or_raise(outcome)
+                except StreamError:
+                    self._stop_expiry()
+                    raise
                 continue
             self._arrived.clear()
-            try:
-                async with asyncio.timeout_at(_loop_time(self._deadline)):
-                    await self._arrived.wait()
-            except TimeoutError:
-                self.cancel()
-                raise StreamError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+            await self._arrived.wait()
+
+    def _stop_expiry(self) -> None:
+        if self._expiry is not None:
+            self._expiry.cancel()
 
     async def _retry_or_raise(self, outcome: StreamError) -> None:
         """Wait out the retry policy's backoff and start again, or raise ``outcome``."""
@@ -190,6 +209,7 @@ class MultiplexedStream:
 
     def cancel(self) -> bool:
         """Cancel the stream unless it ended (then a no-op, False)."""
+        self._stop_expiry()
         if self._outcome is not None or self._call is None:
             return False
         self._outcome = StreamError(grpc.StatusCode.CANCELLED, "Cancelled")

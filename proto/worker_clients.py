@@ -84,25 +84,36 @@ class MultiplexedDecodeCall:
     ) -> None:
         self._streams = streams
         self._request_id = request.request_id
-        self._deadline = asyncio.get_running_loop().time() + timeout_s
         self._responses: collections.deque[worker_pb2.WorkerGenerateResponse] = collections.deque()
         self._arrived = asyncio.Event()
         self._outcome: StreamError | None = None
         """How the stream ended (code OK: completed); None while it runs."""
         self._key = streams.open(self, request)
+        self._expiry = asyncio.get_running_loop().call_later(timeout_s, self._expire)
+        """One timer for the deadline (not one per wait: the relay's hot path)."""
 
     def deliver(self, item: worker_pb2.WorkerStreamItem) -> None:
         if item.HasField("response"):
             self._responses.append(item.response)
         else:
-            self._outcome = StreamError.of_end(item.end)
+            self._end(StreamError.of_end(item.end))
             self._streams.ended(self._key)
         self._arrived.set()
 
     def fail(self, error: StreamError) -> None:
         if self._outcome is None:
-            self._outcome = error
+            self._end(error)
             self._arrived.set()
+
+    def _expire(self) -> None:
+        if self._outcome is None:
+            self.cancel()
+            self._outcome = StreamError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+            self._arrived.set()
+
+    def _end(self, outcome: StreamError) -> None:
+        self._outcome = outcome
+        self._expiry.cancel()
 
     async def __aiter__(self) -> AsyncIterator[RelayedReservation | StepOutput]:
         while True:
@@ -114,18 +125,11 @@ class MultiplexedDecodeCall:
                     return
                 raise error_from_rpc(outcome)  # type: ignore[arg-type]
             self._arrived.clear()
-            try:
-                async with asyncio.timeout_at(self._deadline):
-                    await self._arrived.wait()
-            except TimeoutError:
-                self.cancel()
-                raise error_from_rpc(  # type: ignore[arg-type]
-                    StreamError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
-                ) from None
+            await self._arrived.wait()
 
     def cancel(self) -> None:
         if self._outcome is None:
-            self._outcome = StreamError(grpc.StatusCode.CANCELLED, "Cancelled")
+            self._end(StreamError(grpc.StatusCode.CANCELLED, "Cancelled"))
             self._streams.cancel(self._key)
 
 
