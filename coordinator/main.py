@@ -43,7 +43,7 @@ from splitserve.coordinator.dial_check import DialCheck
 from splitserve.coordinator.flow import FlowConfig
 from splitserve.coordinator.membership_follower import MembershipFollower
 from splitserve.coordinator.membership_servicer import MembershipServicer
-from splitserve.coordinator.metrics import CoordinatorMetrics
+from splitserve.coordinator.metrics import CoordinatorMetrics, LoopLagCollector
 from splitserve.coordinator.placement import PlacementMode, Slo
 from splitserve.coordinator.router import DEFAULT_SLO, RoutingConfig
 from splitserve.coordinator.service import Coordinator, CoordinatorConfig
@@ -294,7 +294,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
 
     async def run(stop: asyncio.Event) -> None:
-        LoopLag.start()  # stall checks leave out the time this loop ran late
+        registry.register(LoopLagCollector(LoopLag.start()))  # stall checks leave it out
         dial_check = DialCheck(coordinator.registry, coordinator.channels)
         servicer = CoordinatorServicer(coordinator, metrics, keys, args.client_stall_timeout)
         server = await start_server(

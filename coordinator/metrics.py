@@ -31,6 +31,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from splitserve.common.loop_lag import LoopLag
 from splitserve.common.membership import Role
 from splitserve.common.metrics import TIME_TO_FIRST_TOKEN_BUCKETS, RequestMetrics
 from splitserve.coordinator.admission import KvAdmission
@@ -135,6 +136,25 @@ class CoordinatorMetrics:
             if placement.predicted_local_tpot_s is None
             else f"{placement.predicted_local_tpot_s:.3f} s",
         )
+
+
+class LoopLagCollector(Collector):
+    """``splitserve_event_loop_lag_seconds_total{role="coordinator"}``: how late the
+    coordinator's event loop ran (``common/loop_lag.py``), the time its stall checks leave
+    out; its rate is the share of time the coordinator is behind on everything it serves
+    (streams, health checks, heartbeats)."""
+
+    def __init__(self, meter: LoopLag) -> None:
+        self._meter = meter
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(
+            "splitserve_event_loop_lag_seconds",
+            "Seconds the process's event loop ran late (work waiting for the loop).",
+            labels=["role"],
+        )
+        family.add_metric(["coordinator"], self._meter.total_s)
+        yield family
 
 
 class _WorkerCollector(Collector):

@@ -6,11 +6,13 @@ from __future__ import annotations
 import asyncio
 import time
 
+import httpx
 import pytest
 
 from splitserve.common import loop_lag
 from splitserve.common.request_update import FinishReason
 from splitserve.coordinator.attempt import AttemptTimeouts, DecodeStalled
+from tests.cluster import Served
 from tests.test_attempt import _attempt, _output, _Workers
 
 
@@ -74,3 +76,15 @@ def test_a_coordinator_too_busy_to_read_does_not_call_its_worker_stalled() -> No
 
     assert not asyncio.run(body(metered=True))
     assert asyncio.run(body(metered=False))
+
+
+def test_the_coordinator_exports_its_loop_lag(served_cluster: Served) -> None:
+    """The running coordinator's metrics carry its loop's lag as a counter."""
+    text = httpx.get(served_cluster.metrics_urls["coordinator"], timeout=10).text
+    lines = [
+        line
+        for line in text.splitlines()
+        if line.startswith('splitserve_event_loop_lag_seconds_total{role="coordinator"}')
+    ]
+    assert len(lines) == 1
+    assert float(lines[0].rsplit(" ", 1)[1]) >= 0.0
