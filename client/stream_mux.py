@@ -47,6 +47,10 @@ from splitserve.client.errors import RetryPolicy
 from splitserve.proto.splitserve.v1 import coordinator_pb2, coordinator_pb2_grpc
 from splitserve.proto.streams_client import Metadata, StreamError, StreamsClientCall
 
+IDLE_CLOSE_S = 300.0
+"""A call that carried no stream this long is half-closed (a fresh one opens on demand)."""
+IDLE_SWEEP_S = 30.0
+"""How often ``StreamMultiplexer`` looks for idle calls (on a stream's start)."""
 DNS_RELAY_WIDTH = 4
 """Calls per API key to a DNS target, which may resolve to several coordinators."""
 
@@ -70,6 +74,7 @@ class StreamMultiplexer:
         self._width = max(1, width)
         self._calls: dict[Metadata | None, list[StreamsClientCall | None]] = {}
         self._turn = itertools.count()
+        self._swept_at = time.monotonic()
 
     def start(
         self,
@@ -84,6 +89,7 @@ class StreamMultiplexer:
 
     def call_for(self, metadata: Metadata | None) -> StreamsClientCall:
         """The next open call for ``metadata``'s key, opened now where there is none."""
+        self._close_idle()
         slots = self._calls.setdefault(metadata, [None] * self._width)
         index = next(self._turn) % self._width
         call = slots[index]
@@ -94,6 +100,22 @@ class StreamMultiplexer:
                 coordinator_pb2.StreamStart,
             )
         return call
+
+    def _close_idle(self) -> None:
+        """Half-close the calls that carried no stream for ``IDLE_CLOSE_S`` (every API key
+        that ever streamed would otherwise keep ``width`` calls open); at most once a
+        ``IDLE_SWEEP_S``."""
+        now = time.monotonic()
+        if now - self._swept_at < IDLE_SWEEP_S:
+            return
+        self._swept_at = now
+        for metadata, slots in list(self._calls.items()):
+            for index, call in enumerate(slots):
+                if call is not None and (not call.accepting or call.idle_s(now) > IDLE_CLOSE_S):
+                    call.retire()
+                    slots[index] = None
+            if not any(slots):
+                del self._calls[metadata]
 
 
 class MultiplexedStream:

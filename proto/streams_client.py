@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
@@ -88,6 +89,8 @@ class StreamsClientCall:
         self._outgoing: asyncio.Queue[Any] = asyncio.Queue()
         self._streams: dict[int, StreamSink] = {}
         self._keys = itertools.count(1)
+        self._idle_since: float | None = time.monotonic()
+        """When the call's last stream ended (None while it has streams)."""
         self.accepting = True
         """False once the call broke, ended or was retired: new streams go elsewhere."""
         self._call = open_call(self._requests())
@@ -101,6 +104,7 @@ class StreamsClientCall:
         """Start ``request`` as a stream delivering to ``stream``; its key."""
         key = next(self._keys)
         self._streams[key] = stream
+        self._idle_since = None
         self._outgoing.put_nowait(self._request(start=self._start(key=key, request=request)))
         return key
 
@@ -124,7 +128,13 @@ class StreamsClientCall:
         """End the call now: every open stream fails CANCELLED."""
         self._call.cancel()
 
+    def idle_s(self, now: float) -> float:
+        """Seconds since the call's last stream ended; 0 while it has streams."""
+        return 0.0 if self._idle_since is None else now - self._idle_since
+
     def _close_if_idle(self) -> None:
+        if not self._streams and self._idle_since is None:
+            self._idle_since = time.monotonic()
         if not self.accepting and not self._streams:
             self._outgoing.put_nowait(None)
 

@@ -21,7 +21,15 @@ import grpc
 import pytest
 from starlette.types import Message
 
-from splitserve.client import AsyncClient, Chunk, ClientError, Finish, RetryPolicy, Sampling
+from splitserve.client import (
+    AsyncClient,
+    Chunk,
+    ClientError,
+    Finish,
+    RetryPolicy,
+    Sampling,
+    stream_mux,
+)
 from splitserve.client.connection import aio_channel
 from splitserve.client.stream_mux import StreamMultiplexer, _merge_chunks
 from splitserve.gateway.disconnect import EventStreamResponse
@@ -274,3 +282,31 @@ def test_chunks_that_queued_up_reach_a_late_reader_as_one() -> None:
     assert merged.usage.completion_tokens == 3
     assert list(queued) == [done]
     assert _merge_chunks(queued) is done
+
+
+def test_a_call_idle_past_its_time_is_closed_and_replaced(
+    served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ``GenerateStreams`` call that carried no stream for ``IDLE_CLOSE_S`` is half-closed
+    at the next sweep (every API key would otherwise keep its calls open for good), and the
+    next stream opens a fresh call and is served."""
+    monkeypatch.setattr(stream_mux, "IDLE_CLOSE_S", 0.0)
+    monkeypatch.setattr(stream_mux, "IDLE_SWEEP_S", 0.0)
+
+    async def scenario() -> tuple[bool, bool, list[list[int]]]:
+        retry = RetryPolicy(retry_overloaded=False)
+        channel = aio_channel(served.coordinator, None, retry)
+        try:
+            relay = StreamMultiplexer(channel, retry)
+            client = AsyncClient(served.coordinator, channel=channel, multiplexer=relay)
+            first = await _texts(client, PROMPTS[:1], 4)
+            old_call = relay.call_for(None)
+            await asyncio.sleep(0.05)
+            second = await _texts(client, PROMPTS[1:2], 4)
+            return old_call.accepting, relay.call_for(None) is old_call, first + second
+        finally:
+            await channel.close(None)
+
+    old_accepting, reused, texts = asyncio.run(scenario())
+    assert not old_accepting and not reused
+    assert all(len(tokens) == 4 for tokens in texts)
