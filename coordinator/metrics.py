@@ -99,6 +99,13 @@ class CoordinatorMetrics:
             "Streams cut because their client read nothing for the send timeout.",
             registry=registry,
         )
+        self.relay_batch_items = Histogram(
+            "splitserve_relay_batch_items",
+            "Stream items per message written on GenerateStreams calls (responses of many "
+            "streams batched while the previous write was in flight): 1 at low load.",
+            buckets=RELAY_BATCH_BUCKETS,
+            registry=registry,
+        )
         self._model_name = model_name
         registry.register(_WorkerCollector(worker_registry))
         if admission is not None:
@@ -136,6 +143,9 @@ class CoordinatorMetrics:
             if placement.predicted_local_tpot_s is None
             else f"{placement.predicted_local_tpot_s:.3f} s",
         )
+
+
+RELAY_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 
 
 class LoopLagCollector(Collector):

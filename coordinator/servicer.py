@@ -86,6 +86,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             lambda: self.draining,
             coordinator_pb2.StreamItem,
             coordinator_pb2.StreamsResponse,
+            self._metrics.relay_batch_items.observe,
         )
         try:
             await streams.serve(request_iterator, context, self._send_timeout_s)

@@ -72,8 +72,11 @@ class StreamsCall(Generic[Request, Response]):
         draining: Callable[[], bool],
         item_type: Callable[..., Any],
         batch_type: Callable[..., Any],
+        on_batch: Callable[[int], None] | None = None,
     ) -> None:
+        """``on_batch``: told each written batch's item count (a metric)."""
         self._run = run
+        self._on_batch = on_batch
         self._draining = draining
         self._item = item_type
         self._batch = batch_type
@@ -161,6 +164,8 @@ class StreamsCall(Generic[Request, Response]):
             while self._outbox:
                 batch = self._outbox[:MAX_BATCH_ITEMS]
                 del self._outbox[:MAX_BATCH_ITEMS]
+                if self._on_batch is not None:
+                    self._on_batch(len(batch))
                 try:
                     async with asyncio.timeout(send_timeout_s):
                         await context.write(self._batch(items=batch))

@@ -18,6 +18,7 @@ import time
 from collections.abc import AsyncIterator
 
 import grpc
+import httpx
 import pytest
 from starlette.types import Message
 
@@ -235,8 +236,6 @@ def test_an_sse_client_that_stops_reading_is_cut(served: Served) -> None:
 
 
 def _model(served: Served) -> str:
-    import httpx
-
     return httpx.get(f"{served.url}/v1/models", timeout=30).json()["data"][0]["id"]
 
 
@@ -310,3 +309,40 @@ def test_a_call_idle_past_its_time_is_closed_and_replaced(
     old_accepting, reused, texts = asyncio.run(scenario())
     assert not old_accepting and not reused
     assert all(len(tokens) == 4 for tokens in texts)
+
+
+def test_the_coordinator_counts_its_relay_batches(served: Served) -> None:
+    """Every message a ``GenerateStreams`` call writes is observed with its item count
+    (``splitserve_relay_batch_items``): four streams of 6 tokens on one call add at least one
+    message and at least 4 x 3 items (a stream's chunks, at least one however its tokens
+    were merged, its completion and its end)."""
+
+    def figures() -> tuple[float, float]:
+        text = httpx.get(served.metrics_urls["coordinator"], timeout=10).text
+        values = dict(
+            line.rsplit(" ", 1)
+            for line in text.splitlines()
+            if line.startswith(
+                ("splitserve_relay_batch_items_count", "splitserve_relay_batch_items_sum")
+            )
+        )
+        return (
+            float(values.get("splitserve_relay_batch_items_count", 0)),
+            float(values.get("splitserve_relay_batch_items_sum", 0)),
+        )
+
+    async def scenario() -> None:
+        retry = RetryPolicy(retry_overloaded=False)
+        channel = aio_channel(served.coordinator, None, retry)
+        try:
+            relay = StreamMultiplexer(channel, retry)
+            client = AsyncClient(served.coordinator, channel=channel, multiplexer=relay)
+            await _texts(client, PROMPTS[:4], 6)
+        finally:
+            await channel.close(None)
+
+    count_before, items_before = figures()
+    asyncio.run(scenario())
+    count_after, items_after = figures()
+    assert count_after > count_before
+    assert items_after - items_before >= 4 * 3
