@@ -246,14 +246,15 @@ class Attempt:
         self._local_prompt = contextlib.ExitStack()
         """Counts a prompt the decode worker computes as queued there until its first token."""
         self._last_message_at = self._started
+        """When the decode stream last brought a message."""
+        self._prefill_started_at: float | None = None
+        """When the prefill call started (remote prefill only)."""
         self._prefill_answered_at: float | None = None
         """When the prefill call returned while the first token had not come: from then on
         a silence is the decode worker's."""
-        """When the decode stream last brought a message."""
         self._stall_watch: asyncio.TimerHandle | None = None
         """The pending stall check (``_watch_for_stalls``): from the prefill call's start
         while a prefill worker computes the prompt, and from the first token on."""
-        self._prefill_started_at: float | None = None
 
     def abort(self) -> None:
         """End the attempt as aborted; its stream gets a final ABORT chunk."""
@@ -282,6 +283,7 @@ class Attempt:
                             stage_start = self._stage("reserve", started)
                             self.state = AttemptState.PREFILLING
                             tasks.append(asyncio.create_task(self._prefill(reservation)))
+                            self._prefill_started_at = time.monotonic()
                             self._watch_for_stalls()
                         case Prefilled(done):
                             self.num_cached_tokens = done.num_cached_tokens
@@ -406,22 +408,29 @@ class Attempt:
         if self._stall_watch is not None:
             self._stall_watch.cancel()
             self._stall_watch = None
-        if self._timeouts.stall_factor <= 0 or self.state is AttemptState.ENDED:
+        if self._timeouts.stall_factor <= 0 or (watched := self._silence_watched()) is None:
             return
-        if self._prefill_answered_at is not None and self.state is AttemptState.PREFILLING:
-            since = self._prefill_answered_at  # the KV landed: the first token is decode's
-            limit_s = stall_limit_s(self.route.decode, self._timeouts)
-        elif self.state is AttemptState.PREFILLING and self.route.prefill is not None:
-            since = self._prefill_started_at = time.monotonic()
-            prompt = len(self._prompt)
-            queued = self.route.queued_prefill_tokens
-            limit_s = prefill_stall_limit_s(self.route.prefill, prompt, self._timeouts, queued)
-        elif self.state is AttemptState.DECODING:
-            since = self._last_message_at
-            limit_s = stall_limit_s(self.route.decode, self._timeouts)
+        since, worker = watched
+        if worker is self.route.prefill:
+            prompt, queued = len(self._prompt), self.route.queued_prefill_tokens
+            limit_s = prefill_stall_limit_s(worker, prompt, self._timeouts, queued)
         else:
-            return
+            limit_s = stall_limit_s(worker, self._timeouts)
         self._arm_stall_check(limit_s, max(0.0, since + limit_s - time.monotonic()))
+
+    def _silence_watched(self) -> tuple[float, WorkerRecord] | None:
+        """Since when, and whose, the current state's silence is: the prefill worker's from
+        the prefill call's start until it answers; then (the KV landed) the decode
+        worker's from that answer until the first token; the decode worker's from the
+        stream's last message once decoding. None where no silence is watched."""
+        if self.state is AttemptState.PREFILLING and self._prefill_answered_at is not None:
+            return self._prefill_answered_at, self.route.decode
+        if self.state is AttemptState.PREFILLING and self.route.prefill is not None:
+            assert self._prefill_started_at is not None  # set with the state
+            return self._prefill_started_at, self.route.prefill
+        if self.state is AttemptState.DECODING:
+            return self._last_message_at, self.route.decode
+        return None
 
     def _arm_stall_check(self, limit_s: float, due_in_s: float) -> None:
         self._stall_watch = asyncio.get_running_loop().call_later(
@@ -441,14 +450,9 @@ class Attempt:
             return  # the attempt moved on (its new state armed its own watch)
         now = time.monotonic()
         stalled_after_s = limit_s
-        if state is AttemptState.PREFILLING and self._prefill_answered_at is None:
-            assert self._prefill_started_at is not None  # set when this watch was armed
-            assert self.route.prefill is not None
-            since, worker = self._prefill_started_at, self.route.prefill
-        elif state is AttemptState.PREFILLING:  # the KV landed: the first token is decode's
-            since, worker = self._prefill_answered_at, self.route.decode
-        else:
-            since, worker = self._last_message_at, self.route.decode
+        watched = self._silence_watched()
+        assert watched is not None  # the state it was armed in, which watches
+        since, worker = watched
         silent_s = _silence_s(max(since, worker.last_seen), now)
         stream_s = _silence_s(since, now)
         stream_limit_s = PER_STREAM_STALL_FACTOR * limit_s

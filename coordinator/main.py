@@ -56,6 +56,7 @@ from splitserve.proto.cluster_access import access_or_exit, add_cluster_access_a
 from splitserve.proto.etcd_client import EtcdClient
 from splitserve.proto.server import add_reflection_flag, serve_forever, start_server
 from splitserve.proto.splitserve.v1 import coordinator_pb2, coordinator_pb2_grpc
+from splitserve.proto.streams_server import RELAYS
 
 logger = logging.getLogger(__name__)
 CHANNEL_GRACE_S = 120.0
@@ -180,8 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--relay",
-        choices=("multiplexed", "per-stream"),
-        default=os.environ.get("SPLITSERVE_RELAY", "multiplexed"),
+        choices=RELAYS,
+        default=env_default("--relay", "multiplexed", str, os.environ),
         help="how decode streams reach this coordinator: 'multiplexed' (many requests' "
         "tokens per gRPC message, on one GenerateStreams call per decode worker) or "
         "'per-stream' (a Generate call each) (env SPLITSERVE_RELAY)",

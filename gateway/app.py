@@ -95,9 +95,6 @@ _Handler = Callable[..., Awaitable[Response]]
 logger = logging.getLogger(__name__)
 
 
-RELAYS = ("multiplexed", "per-stream")
-
-
 @dataclass(frozen=True)
 class GatewayConfig:
     coordinator: str = "127.0.0.1:50051"

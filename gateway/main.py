@@ -28,11 +28,12 @@ import uvloop
 
 from splitserve.common.api_keys import add_api_key_args, add_health_needs_key_flag, api_keys_or_exit
 from splitserve.common.cpu_affinity import pin_or_exit
-from splitserve.common.env_flags import add_env_flag
+from splitserve.common.env_flags import add_env_flag, env_default
 from splitserve.common.orphan import stop_when_orphaned
-from splitserve.gateway.app import RELAYS, GatewayConfig, create_app
+from splitserve.gateway.app import GatewayConfig, create_app
 from splitserve.gateway.body_limit import DEFAULT_MAX_BODY_BYTES
 from splitserve.gateway.disconnect import CLIENT_STALL_TIMEOUT_S
+from splitserve.proto.streams_server import RELAYS
 from splitserve.proto.tls import add_tls_args, tls_or_exit
 
 LISTEN_BACKLOG = 65535
@@ -90,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--relay",
         choices=RELAYS,
-        default=os.environ.get("SPLITSERVE_RELAY", "multiplexed"),
+        default=env_default("--relay", "multiplexed", str, os.environ),
         help="how streams reach the coordinator: 'multiplexed' (many streams' tokens per "
         "gRPC message on shared GenerateStreams calls) or 'per-stream' (a Generate call "
         "each) (env SPLITSERVE_RELAY)",

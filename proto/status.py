@@ -47,6 +47,11 @@ def status_of(error: BaseException) -> tuple[grpc.StatusCode, str, str]:
     return grpc.StatusCode.INTERNAL, f"{type(error).__name__}: {error}", ""
 
 
+def retry_after_ms_of(error: BaseException) -> int | None:
+    """An overload refusal's hint to retry after, in milliseconds; None for other errors."""
+    return int(error.retry_after_s * 1000) if isinstance(error, OverloadedError) else None
+
+
 async def abort_with(context: grpc.aio.ServicerContext, error: BaseException) -> None:
     """End the call with the status of ``error`` (raises, as ``context.abort`` does).
 
@@ -60,8 +65,7 @@ async def abort_with(context: grpc.aio.ServicerContext, error: BaseException) ->
     metadata: list[tuple[str, str]] = []
     if param:
         metadata.append((PARAM_METADATA_KEY, param))
-    if isinstance(error, OverloadedError):
-        retry_after_ms = int(error.retry_after_s * 1000)
+    if (retry_after_ms := retry_after_ms_of(error)) is not None:
         remaining_s = context.time_remaining()
         outlasts_deadline = remaining_s is not None and retry_after_ms >= remaining_s * 1000
         metadata.append((RETRY_AFTER_METADATA_KEY, str(retry_after_ms)))

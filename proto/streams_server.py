@@ -39,14 +39,18 @@ from typing import Any, Generic, Protocol, TypeVar
 
 import grpc
 
-from splitserve.common.errors import OverloadedError, SplitserveError
+from splitserve.common.errors import SplitserveError
 from splitserve.proto.splitserve.v1 import common_pb2
-from splitserve.proto.status import status_of
+from splitserve.proto.status import retry_after_ms_of, status_of
 
 logger = logging.getLogger(__name__)
 
 Request = TypeVar("Request")
 Response = TypeVar("Response")
+
+RELAYS = ("multiplexed", "per-stream")
+"""How a process's streams reach the next: many on each ``GenerateStreams`` call, or a
+``Generate`` call each (``--relay`` of the gateway and the coordinator)."""
 
 MAX_BATCH_ITEMS = 4096
 """Items per batch at most (a batch stays far below the message size limit)."""
@@ -129,8 +133,7 @@ class StreamsCall(Generic[Request, Response]):
             await self._run(request, send)
         except SplitserveError as error:
             code, message, param = status_of(error)
-            retry_after_s = error.retry_after_s if isinstance(error, OverloadedError) else 0.0
-            self._end(key, code, message, param, int(retry_after_s * 1000))
+            self._end(key, code, message, param, retry_after_ms_of(error) or 0)
         except asyncio.CancelledError:
             self._tasks.pop(key, None)
             self._ready.set()
