@@ -170,6 +170,9 @@ def run(args: argparse.Namespace) -> dict:
     shape = SHAPES["llama-8b"]
     started = time.perf_counter()
     checkpoint = random_checkpoint(shape, torch.bfloat16, "cuda", seed=0)
+    # Counted before the engine is built: it drops the checkpoint's weights once loaded.
+    params_total = sum(t.numel() for t in checkpoint.weights.values())
+    embedding = checkpoint.weights["model.embed_tokens.weight"].numel()
     config = EngineConfig(
         model=ModelConfig(dtype="bfloat16"),
         cache=CacheConfig(num_blocks=args.num_blocks, enable_prefix_caching=False),
@@ -183,9 +186,6 @@ def run(args: argparse.Namespace) -> dict:
     report["load_s"] = round(time.perf_counter() - started, 1)
     report["attention_backend"] = engine.runner.backend.name
     timer = ForwardTimer(engine.runner.model)
-    weights = engine.checkpoint.weights
-    params_total = sum(t.numel() for t in weights.values())
-    embedding = weights["model.embed_tokens.weight"].numel()
     report["parameters"] = params_total
     weight_bytes = 2 * (params_total - embedding)  # the embedding is gathered, not read whole
     kv_bytes_per_token = 2 * shape.num_hidden_layers * shape.kv_size * 2  # K and V, bf16
