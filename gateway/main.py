@@ -28,11 +28,12 @@ import uvloop
 
 from splitserve.common.api_keys import add_api_key_args, add_health_needs_key_flag, api_keys_or_exit
 from splitserve.common.cpu_affinity import pin_or_exit
-from splitserve.common.env_flags import add_env_flag, env_default
+from splitserve.common.env_flags import add_env_flag, env_default, truthy
 from splitserve.common.orphan import stop_when_orphaned
 from splitserve.gateway.app import GatewayConfig, create_app
 from splitserve.gateway.body_limit import DEFAULT_MAX_BODY_BYTES
 from splitserve.gateway.disconnect import CLIENT_STALL_TIMEOUT_S
+from splitserve.gateway.listeners import shared_port_listeners
 from splitserve.proto.streams_server import RELAYS
 from splitserve.proto.tls import add_tls_args, tls_or_exit
 
@@ -70,6 +71,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     flag("--host", "127.0.0.1", str, "address the HTTP server binds")
     flag("--port", 8000, int, "HTTP port; 0 picks a free one")
+    parser.add_argument(
+        "--reuse-port",
+        action="store_true",
+        default=env_default("--reuse-port", False, truthy, os.environ),
+        help="share --port with other gateway processes (SO_REUSEPORT: the kernel spreads "
+        "connections over them); this one's own /metrics is then also on a port of its own, "
+        "printed at start (env SPLITSERVE_REUSE_PORT)",
+    )
     flag(
         "--coordinator",
         "127.0.0.1:50051",
@@ -145,8 +154,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     )
 
+    listeners = None
+    if args.reuse_port:
+        try:
+            listeners = shared_port_listeners(args.host, args.port, LISTEN_BACKLOG)
+        except OSError as error:
+            parser.exit(1, f"splitserve gateway: cannot listen on port {args.port}: {error}\n")
+
     async def serve() -> None:
-        task = asyncio.create_task(server.serve())
+        sockets = None if listeners is None else listeners.sockets
+        task = asyncio.create_task(server.serve(sockets=sockets))
         while not server.started:
             if task.done():
                 await task  # startup failed (port taken): raises or returns
@@ -154,6 +171,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             await asyncio.sleep(0.05)
         port = server.servers[0].sockets[0].getsockname()[1]
         scheme = "https" if serves_tls else "http"
+        if listeners is not None:  # before the ready line, which launchers wait for
+            own = f"{scheme}://{args.host}:{listeners.instance_port}"
+            print(f"splitserve gateway instance at {own}", flush=True)
         print(f"splitserve gateway ready at {scheme}://{args.host}:{port}", flush=True)
         await task
 

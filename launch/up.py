@@ -2,7 +2,8 @@
 
 Starts the coordinator, then the workers (registered with it), waits until each printed its
 ready line and the coordinator's health is SERVING, starts the OpenAI-compatible gateway
-(``--http-port``, default 8000; ``--no-gateway`` leaves it out), prints
+(``--http-port``, default 8000; ``--no-gateway`` leaves it out; ``--gateways N`` starts N
+sharing the port, ``gateway/listeners.py``), prints
 ``splitserve ready at <host:port>``, forwards every child's output with a role prefix, and
 stops all children on Ctrl-C / SIGTERM (SIGTERM, then SIGKILL after a grace period; ``up``
 exits with status 1 when a child had to be killed because it ignored SIGTERM). Should ``up``
@@ -146,6 +147,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--no-gateway", action="store_true", help="do not start the gateway")
     parser.add_argument(
+        "--gateways",
+        type=int,
+        default=1,
+        help="gateway processes sharing --http-port (SO_REUSEPORT: the kernel spreads "
+        "connections over them; each also serves its own /metrics on a port it prints)",
+    )
+    parser.add_argument(
         "--drain-timeout",
         type=float,
         default=30.0,
@@ -187,6 +195,8 @@ def layout_summary(args: argparse.Namespace, lending: bool = True) -> str:
     placement = args.placement or os.environ.get(env_name("--placement"), "rule")
     membership = "etcd" if membership_flags(args) else "registration with the coordinators"
     summary = f"{coordinators}, {workers}, prompts placed by {placement}, membership: {membership}"
+    if args.gateways > 1 and not args.no_gateway:
+        summary += f", {args.gateways} gateways sharing the HTTP port"
     if control_cores(args) is not None:
         summary += ", coordinator and gateway on the prefill workers' cores"
     if lending and lending_pairs(args, worker_cores(args)):
@@ -374,10 +384,13 @@ def _last_flag(argv: Sequence[str], flag: str) -> str | None:
     return value
 
 
-def gateway_argv(args: argparse.Namespace, coordinator: str) -> list[str]:
-    """Module and flags of the gateway."""
+def gateway_argv(args: argparse.Namespace, coordinator: str, port: int | str) -> list[str]:
+    """Module and flags of a gateway listening on ``port`` (shared by every gateway when
+    there are several: ``--reuse-port``)."""
     argv = ["splitserve.gateway.main", f"--coordinator={coordinator}", f"--host={args.host}"]
-    argv += [f"--port={args.http_port}", f"--drain-timeout={args.drain_timeout}"]
+    argv += [f"--port={port}", f"--drain-timeout={args.drain_timeout}"]
+    if args.gateways > 1:
+        argv.append("--reuse-port")
     if args.served_model_name:
         argv.append(f"--served-model-name={args.served_model_name}")
     if args.health_needs_key:
@@ -439,8 +452,12 @@ async def _start_all(
     )
     address = ",".join(publics)
     if not args.no_gateway:
-        gateway = children.start("gateway", gateway_argv(args, address))
-        gateway.pin("--port", _port_of(await children.wait_ready(gateway, stop)))
+        port: int | str = args.http_port
+        for index in range(args.gateways):  # the first binds the port (0: any), the rest share it
+            name = "gateway" if args.gateways == 1 else f"gateway-{index}"
+            gateway = children.start(name, gateway_argv(args, address, port))
+            port = _port_of(await children.wait_ready(gateway, stop))
+            gateway.pin("--port", port)
     return address
 
 
@@ -520,6 +537,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.workers_per_process < 1:
         parser.error("--workers-per-process must be at least 1")
+    if args.gateways < 1:
+        parser.error("--gateways must be at least 1 (--no-gateway starts none)")
     try:
         credential = cluster_credential()
     except ValueError as error:
