@@ -48,6 +48,7 @@ from pathlib import Path
 
 from bench_crowd import CrowdRecord, _run_crowd, percentiles
 from bench_relay_cpu import role_of
+from bench_security import UP_MODULE, tree_env
 from cluster_process import CLK_TCK, LocalCluster, process_ticks
 from machine_bound import cpu_name
 from timing_stats import Json, emit_report, log_row, wait_for_quiet
@@ -134,8 +135,14 @@ def one_run(args: argparse.Namespace, coordinators: int, workers: int, streams: 
     flags = up_flags(args, coordinators, workers)
     log_path = Path(tempfile.mkdtemp(prefix="scale-")) / "up.log"
     env = {"SPLITSERVE_MAX_QUEUED": str(args.max_queued)}
+    up_command = None
+    if args.tree is not None:  # that checkout's splitserve, ahead of the editable install
+        env |= tree_env(args.tree.resolve(), log_path.parent)
+        up_command = [sys.executable, "-m", UP_MODULE]
     row: Json = {"coordinators": coordinators, "workers": workers, "streams": streams}
-    with LocalCluster(SPLITSERVE, flags, log_path, env=env, ready_timeout_s=600) as cluster:
+    with LocalCluster(
+        SPLITSERVE, flags, log_path, env=env, ready_timeout_s=600, up_command=up_command
+    ) as cluster:
         wait_for_quiet(args.wait_quiet_s)
         pids = cluster.pids()
         crowd_args = argparse.Namespace(
@@ -266,6 +273,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lead-s", type=float, default=3.0)
     parser.add_argument("--timeout-s", type=float, default=600.0)
     parser.add_argument("--wait-quiet-s", type=float, default=20.0)
+    parser.add_argument(
+        "--tree", type=Path, default=None,
+        help="run the clusters from this checkout (e.g. a git worktree), not the working tree",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path)
     parser.add_argument("--png", type=Path)
     args = parser.parse_args(argv)
@@ -279,8 +290,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         "machine": {"cpu": cpu_name(), "cores": len(os.sched_getaffinity(0))},
         "setup": {
             key: value for key, value in vars(args).items()
-            if key not in ("out", "png", "profile_json")
-        } | {"profile": str(args.profile)},
+            if key not in ("out", "png", "profile_json", "tree")
+        } | {"profile": str(args.profile), "tree": str(args.tree)},
         "runs": [],
     }  # fmt: skip
     report["setup"]["up_flags_example"] = shlex.join(up_flags(args, 1, args.workers[0]))

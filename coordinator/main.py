@@ -34,6 +34,7 @@ from splitserve.common.cpu_affinity import pin_or_exit
 from splitserve.common.env_flags import add_env_flag, env_default, truthy
 from splitserve.common.loop_lag import LoopLag
 from splitserve.common.membership import Role
+from splitserve.common.memory_budget import StreamCap, stream_cap
 from splitserve.common.metrics import serve_metrics
 from splitserve.common.model_files import load_tokenizer, model_name_of, resolve_model_path
 from splitserve.coordinator import INTERNAL_READY, PUBLIC_READY
@@ -63,6 +64,15 @@ CHANNEL_GRACE_S = 120.0
 """How long a channel to a worker that left stays open (longer than any drain)."""
 SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name
 MEMBERSHIP_SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["Membership"].full_name
+BYTES_PER_STREAM = 64 * 1024
+"""What the in-flight cap reserves per request: the coordinator's resident memory grew by
+about 25-30 KB a stream with 300-1,000 open (bench/bench_scale.py, 2026-11-26), so with
+room to spare."""
+MEMORY_SHARE = 0.25
+"""Of the memory available at start, what the coordinator's requests may fill: it shares
+its machine (or its container's limit) with the rest of the process and, often, other roles."""
+FALLBACK_MAX_INFLIGHT = 1024
+"""The cap where the available memory cannot be read."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -81,7 +91,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     flag("--model", "default", str, "model whose tokenizer and chat template to use")
     flag("--cpu-affinity", None, str, "pin the process to these cores, e.g. '0' or '0-3'")
-    flag("--max-inflight", 1024, int, "requests admitted at once (then RESOURCE_EXHAUSTED)")
+    flag(
+        "--max-inflight",
+        0,
+        int,
+        "requests admitted at once (then RESOURCE_EXHAUSTED); 0: as many as a quarter of the "
+        "memory available at start holds (common/memory_budget.py), printed at start",
+    )
     flag(
         "--local-prefill-max-tokens",
         0,
@@ -217,6 +233,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def inflight_cap(flag_value: int) -> StreamCap:
+    """``--max-inflight``: the flag's value when positive, else what memory allows."""
+    if flag_value > 0:
+        return StreamCap(flag_value, "--max-inflight")
+    return stream_cap(BYTES_PER_STREAM, MEMORY_SHARE, FALLBACK_MAX_INFLIGHT)
+
+
 def placement_mode_or_exit(parser: argparse.ArgumentParser, value: str) -> PlacementMode:
     """The ``--placement`` mode; exits with a usage error naming the choices."""
     try:
@@ -257,10 +280,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--kv-share must be in (0, 1], not {args.kv_share}")
     if not 0 <= args.ttft_at_risk <= 1:
         parser.error(f"--ttft-at-risk must be in [0, 1], not {args.ttft_at_risk}")
+    max_inflight = inflight_cap(args.max_inflight)
+    logger.info("at most %s requests in flight", max_inflight.describe())
     config = CoordinatorConfig(
         tenants=tenant_policy_or_exit(parser, args),
         model_name=model_name_of(model_path),
-        max_inflight=args.max_inflight,
+        max_inflight=max_inflight.streams,
         default_max_tokens=args.default_max_tokens,
         max_tokens_cap=args.max_tokens_cap,
         multiplexed_decode=args.relay == "multiplexed",
