@@ -45,6 +45,7 @@ from splitserve.common.errors import (
     WorkerCallError,
     WorkerUnavailableError,
 )
+from splitserve.common.membership import Role
 from splitserve.common.output_processor import RequestTracker, StreamChunk
 from splitserve.common.request_update import FinishReason, StepOutput
 from splitserve.common.sampling_params import SamplingParams
@@ -303,6 +304,7 @@ class Attempt:
                         case Decoded(output):
                             yield self._decoded(output, stage_start)
                             if self.tracker.finished:
+                                self._router.finished(decode, self._prompt + self.tracker.token_ids)
                                 await self._end_on_worker(decode)
                         case DecodeClosed(error=InvalidRequestError() | CapacityError() as error):
                             raise error
@@ -443,8 +445,11 @@ class Attempt:
         a coordinator too busy to read is not a stalled worker), and the worker counts as
         heard from when anything of it reached this coordinator (``WorkerRecord.last_seen``:
         a heartbeat, another stream's message, a reply); a request on a worker heard from
-        stalls only past ``PER_STREAM_STALL_FACTOR`` times its limit. Not yet due: checked
-        again when it would be."""
+        stalls only past ``PER_STREAM_STALL_FACTOR`` times its limit. A decode worker's
+        silence is its own only while another decode worker was heard from within the limit
+        (``_heard_elsewhere``): when all went quiet together (an overloaded machine starving
+        their processes, workers hosted in one process), moving the request cannot help, and
+        only the per-stream limit applies. Not yet due: checked again when it would be."""
         self._stall_watch = None
         if state is not self.state:
             return  # the attempt moved on (its new state armed its own watch)
@@ -456,13 +461,29 @@ class Attempt:
         silent_s = _silence_s(max(since, worker.last_seen), now)
         stream_s = _silence_s(since, now)
         stream_limit_s = PER_STREAM_STALL_FACTOR * limit_s
-        if stream_limit_s - stream_s < limit_s - silent_s:
+        worker_due_s = limit_s - silent_s
+        if (
+            worker_due_s <= TIMER_SLACK_S
+            and worker is self.route.decode
+            and not self._heard_elsewhere(worker, now - limit_s)
+        ):
+            worker_due_s = limit_s  # all quiet together: look again a limit later
+        if stream_limit_s - stream_s < worker_due_s:
             silent_s, stalled_after_s = stream_s, stream_limit_s
-        remaining_s = stalled_after_s - silent_s
+            worker_due_s = stream_limit_s - stream_s
+        remaining_s = worker_due_s
         if remaining_s <= TIMER_SLACK_S:
             self._events.put_nowait(StreamStalled(silent_s, stalled_after_s, state))
         else:
             self._arm_stall_check(limit_s, remaining_s)
+
+    def _heard_elsewhere(self, worker: WorkerRecord, since: float) -> bool:
+        """Whether a decode worker other than ``worker`` reached this coordinator after
+        ``since`` (``time.monotonic()``)."""
+        return any(
+            other.worker_id != worker.worker_id and other.last_seen > since
+            for other in self._router.registry.workers(Role.DECODE, healthy_only=False)
+        )
 
     async def _end_on_worker(self, decode: WorkerRecord) -> None:
         """The request finished; a stop string matched here must end it there too (as STOP)."""

@@ -33,6 +33,13 @@ prompt share included); a candidate
 that would push its batch past the TPOT target is not used while another one is within it.
 (The router never offers a request's own decode worker as a candidate: that is local.)
 
+A decode worker that holds the prompt's start in its prefix cache (``DecodeView.
+cached_tokens``: a conversation's earlier turns, decoded there) computes only the rest
+locally: local predictions count that rest, and adaptive placement keeps the prompt there
+(``Reason.LOCAL_CACHED``) when that is fewer tokens than any prefill worker would compute and
+the TTFT and TPOT targets hold (the guards below), before it looks at remote at all: the
+prefill worker's time and the transfer are saved, not just the TTFT.
+
 ``PlacementMode.ADAPTIVE``: remote on the candidate with the lowest predicted TTFT while
 that meets ``ttft_at_risk`` (default ``AT_RISK``) of the TTFT target (a prompt computed
 elsewhere costs the decode batch nothing, so local has nothing to win then); otherwise local
@@ -110,6 +117,10 @@ class Reason(enum.StrEnum):
     RUNNING_TPOT_GUARD = "running_tpot_guard"
     """Adaptive: remote is at risk and local faster, but local would push a request
     decoding there, predicted within its TPOT target, past it."""
+    LOCAL_CACHED = "local_cached"
+    """Adaptive: the decode worker holds the prompt's start (a conversation's earlier turns),
+    so it computes fewer tokens than any prefill worker would, within the TTFT and TPOT
+    targets; nothing travels."""
 
 
 @dataclass(frozen=True)
@@ -180,6 +191,9 @@ class DecodeView:
     running: tuple[RunningRequest, ...] = ()
     """Requests decoding there past their first token that the placing coordinator
     streams (another coordinator's are in ``running_requests`` only)."""
+    cached_tokens: int = 0
+    """Of this prompt, the tokens it likely holds in its prefix cache (a conversation's
+    earlier turns decoded there): computed there, only the rest is."""
 
 
 @dataclass(frozen=True)
@@ -284,9 +298,9 @@ def place(
         return Placement(None, Reason.FORCED)
     if mode is PlacementMode.REMOTE:
         return Placement(by_queue.worker_id, Reason.FORCED)
-    if num_prompt_tokens <= config.local_prefill_max_tokens:
-        # the whole prompt: what the decode worker has cached is not known here (a prompt a
-        # prefill worker has cached is cheapest there, so its cache does not count)
+    if num_prompt_tokens - decode.cached_tokens <= config.local_prefill_max_tokens:
+        # what the decode worker would compute (a prompt a prefill worker has cached is
+        # cheapest there, but one the decode worker holds most of is cheaper still)
         return Placement(None, Reason.SHORT_PROMPT)
     if mode is PlacementMode.RULE:
         return Placement(by_queue.worker_id, Reason.RULE)
@@ -324,7 +338,8 @@ def place(
     if within_tpot and len(within_tpot) < len(remote_ttft):
         remote_ttft = {w: remote_ttft[w] for w in within_tpot}
     best_remote = min(remote_ttft, key=remote_ttft.__getitem__)
-    local_tokens = decode.queued_tokens + num_prompt_tokens
+    local_uncached = num_prompt_tokens - decode.cached_tokens
+    local_tokens = decode.queued_tokens + local_uncached
     local_prefill_s = decode_cost.prefill_s(local_tokens)
     steps = math.ceil(local_tokens / chunk)
     local_ttft = local_prefill_s + steps * batch_step_s
@@ -332,12 +347,22 @@ def place(
         local_prefill_s / max(max_tokens, 1)
     )
     remote = Placement(best_remote, Reason.REMOTE_WITHIN_SLO, remote_ttft[best_remote], local_tpot)
+    fewest_remote = min(num_prompt_tokens - p.cached_tokens for p in known)
+    if (
+        0 < local_uncached < fewest_remote
+        and waited_s + local_ttft <= config.ttft_at_risk * slo.ttft_s
+        and local_tpot <= slo.tpot_s
+        and not delays_a_running_request_past_target(
+            decode, decode_cost, local_uncached, batch_step_s
+        )
+    ):
+        return Placement(None, Reason.LOCAL_CACHED, local_ttft, local_tpot)
     if waited_s + remote_ttft[best_remote] <= config.ttft_at_risk * slo.ttft_s:
         return remote
     if local_ttft >= remote_ttft[best_remote]:
         return dataclasses.replace(remote, reason=Reason.REMOTE_FASTER)
     if local_tpot > slo.tpot_s:
         return dataclasses.replace(remote, reason=Reason.TPOT_GUARD)
-    if delays_a_running_request_past_target(decode, decode_cost, num_prompt_tokens, batch_step_s):
+    if delays_a_running_request_past_target(decode, decode_cost, local_uncached, batch_step_s):
         return dataclasses.replace(remote, reason=Reason.RUNNING_TPOT_GUARD)
     return Placement(None, Reason.LOCAL_FASTER, local_ttft, local_tpot)

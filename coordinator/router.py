@@ -3,7 +3,13 @@ computes its prompt.
 
 Decode: among healthy decode workers whose context fits the request, the one with the most
 free KV blocks after the request, penalised by the tokens it already decodes per step (its
-running batch's KV read) and by the requests this coordinator has running there.
+running batch's KV read) and by the requests this coordinator has running there, and favoured
+by the prompt's blocks it likely holds in its prefix cache (``CACHED_BLOCK_WEIGHT`` each): a
+conversation's next turn goes back to the worker that decoded the last one (its reply's KV
+is there, in no other cache) unless another is that much less loaded. What a decode worker
+holds is this coordinator's record (``PrefixMemory``, bounded, least recently used first out)
+of the prompts it routed there and of every request that finished there, prompt and output;
+a wrong guess costs time, never a token (the worker's own cache decides what is reused).
 
 Prefill: only workers whose KV layout hash equals the decode worker's are candidates, each
 seen with its queued prompt tokens and the prompt tokens it likely has cached (a bounded record
@@ -27,7 +33,7 @@ import collections
 import contextlib
 import dataclasses
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from splitserve.common.blocks import BlockHash, prompt_block_hashes
@@ -46,6 +52,9 @@ from splitserve.coordinator.placement import (
 from splitserve.coordinator.registry import WorkerRecord, WorkerRegistry
 
 DEFAULT_SLO = Slo(ttft_s=2.0, tpot_s=0.05)
+CACHED_BLOCK_WEIGHT = 4
+"""What one cached block of the prompt is worth in a decode worker's score, in free blocks:
+it needs no new block, and its KV is neither computed nor sent again."""
 
 
 @dataclass(frozen=True)
@@ -140,11 +149,30 @@ class PrefixMemory:
             self._hashes.popitem(last=False)
 
 
+HashesOf = Callable[[int], Sequence[BlockHash]]
+"""A prompt's chained block hashes at a block size."""
+
+
+def hashes_by_block_size(token_ids: Sequence[int]) -> HashesOf:
+    """``token_ids``' block hashes at any block size, each size computed once."""
+    computed: dict[int, list[BlockHash]] = {}
+
+    def hashes_of(block_size: int) -> Sequence[BlockHash]:
+        if block_size not in computed:
+            computed[block_size] = prompt_block_hashes(token_ids, block_size)
+        return computed[block_size]
+
+    return hashes_of
+
+
 class Router:
     def __init__(self, registry: WorkerRegistry, config: RoutingConfig) -> None:
         self.registry = registry
         self.config = config
         self._prefix: dict[str, PrefixMemory] = {}
+        """Per prefill worker: the prompts routed there."""
+        self._decode_prefix: dict[str, PrefixMemory] = {}
+        """Per decode worker: the prompts routed there and the finished sequences."""
         self._pending: dict[str, Pending] = collections.defaultdict(Pending)
 
     @contextlib.contextmanager
@@ -172,6 +200,7 @@ class Router:
         """A worker left the registry: drop what this router remembers of it (its prefix
         memory; its pending counts once no work of this coordinator runs there)."""
         self._prefix.pop(worker_id, None)
+        self._decode_prefix.pop(worker_id, None)
         pending = self._pending.get(worker_id)
         if pending is not None and pending == Pending():
             del self._pending[worker_id]
@@ -199,13 +228,15 @@ class Router:
         ``slo``: the request's targets (the config's default when None); ``waited_s``: how
         long ago it arrived (its TTFT target counts from then)."""
         slo = slo or self.config.slo
-        decode = self.pick_decode(len(prompt_token_ids) + max_tokens, exclude)
+        hashes_of = hashes_by_block_size(prompt_token_ids)
+        decode = self.pick_decode(len(prompt_token_ids) + max_tokens, exclude, hashes_of)
         if decode is None:
             return None
+        hashes = hashes_of(decode.block_size)
         if not with_prefill:
+            self._decode_memory(decode).remember(hashes)
             return Route(decode, None, slo=slo)
         candidates = self._prefill_candidates(decode, len(prompt_token_ids))
-        hashes = prompt_block_hashes(prompt_token_ids, decode.block_size) if candidates else []
         placement = self.place_prompt(
             decode,
             candidates,
@@ -215,6 +246,7 @@ class Router:
             slo,
             waited_s,
         )
+        self._decode_memory(decode).remember(hashes)  # its blocks land there
         if placement.prefill_worker_id is None:
             return Route(decode, None, placement, slo)
         prefill = self.registry.get(placement.prefill_worker_id)
@@ -254,7 +286,20 @@ class Router:
         ]
         return prefill_rates + [r for r in decode_rates if r is not None]
 
-    def pick_decode(self, num_tokens: int, exclude: Sequence[str] = ()) -> WorkerRecord | None:
+    def finished(self, decode: WorkerRecord, token_ids: Sequence[int]) -> None:
+        """A request finished on ``decode`` with ``token_ids`` (prompt and output): the KV of
+        all but the last is in its prefix cache now, for a conversation's next turn."""
+        hashes = prompt_block_hashes(token_ids[:-1], decode.block_size)
+        self._decode_memory(decode).remember(hashes)
+
+    def pick_decode(
+        self,
+        num_tokens: int,
+        exclude: Sequence[str] = (),
+        hashes_of: HashesOf | None = None,
+    ) -> WorkerRecord | None:
+        """The decode worker for a request of ``num_tokens`` (prompt and ``max_tokens``)
+        whose prompt's block hashes ``hashes_of`` gives (module docstring)."""
         candidates = [
             w
             for w in self.registry.workers(Role.DECODE)
@@ -265,13 +310,21 @@ class Router:
 
         def score(worker: WorkerRecord) -> float:
             load = worker.load
-            blocks_needed = -(-num_tokens // max(worker.block_size, 1))
+            cached = 0 if hashes_of is None else self.decode_cached_blocks(worker, hashes_of)
+            blocks_needed = -(-num_tokens // max(worker.block_size, 1)) - cached
             pending = len(self._pending[worker.worker_id].decoding)
             free_after = load.num_free_blocks - blocks_needed * (1 + pending)
             busy = load.num_running_tokens / max(worker.block_size, 1)
-            return free_after - busy - 4 * load.num_waiting_requests
+            affinity = CACHED_BLOCK_WEIGHT * cached
+            return free_after - busy - 4 * load.num_waiting_requests + affinity
 
         return max(candidates, key=score)
+
+    def decode_cached_blocks(self, worker: WorkerRecord, hashes_of: HashesOf) -> int:
+        """Of a prompt's blocks (``hashes_of``), how many ``worker`` likely holds (leading
+        ones)."""
+        memory = self._decode_prefix.get(worker.worker_id)
+        return 0 if memory is None else memory.overlap_blocks(hashes_of(worker.block_size))
 
     def _prefill_candidates(self, decode: WorkerRecord, num_tokens: int) -> list[WorkerRecord]:
         """Prefill workers that may push a prompt of ``num_tokens`` to ``decode``; never the
@@ -326,11 +379,20 @@ class Router:
             prefill_share=decode.load.prefill_share,
             chunk_tokens=decode.load.chunk_tokens,
             running=tuple(r for r in running if r is not None),
+            cached_tokens=self._decode_cached_tokens(decode, hashes, num_prompt_tokens),
         )
         config = PlacementConfig(self.config.local_prefill_max_tokens, self.config.ttft_at_risk)
         return place(
             num_prompt_tokens, max_tokens, view, prefills, slo, self.config.mode, config, waited_s
         )
+
+    def _decode_cached_tokens(
+        self, decode: WorkerRecord, hashes: Sequence[BlockHash], num_prompt_tokens: int
+    ) -> int:
+        """Of a prompt, the tokens ``decode`` likely serves from its prefix cache: its cached
+        leading blocks, never the prompt's last token (``KVCacheManager.find_cached_prefix``)."""
+        blocks = self.decode_cached_blocks(decode, lambda _: hashes)
+        return min(blocks, (num_prompt_tokens - 1) // decode.block_size) * decode.block_size
 
     def _queued_prefill_tokens(self, worker: WorkerRecord) -> int:
         """Prompt tokens queued on ``worker``: what it reported, or what this coordinator has
@@ -352,4 +414,12 @@ class Router:
         memory = self._prefix.get(worker_id)
         if memory is None:
             memory = self._prefix[worker_id] = PrefixMemory(self.config.prefix_memory_blocks)
+        return memory
+
+    def _decode_memory(self, worker: WorkerRecord) -> PrefixMemory:
+        """What ``worker`` likely holds: at most as many blocks as its pool has."""
+        memory = self._decode_prefix.get(worker.worker_id)
+        if memory is None:
+            capacity = min(self.config.prefix_memory_blocks, max(worker.num_blocks, 1))
+            memory = self._decode_prefix[worker.worker_id] = PrefixMemory(capacity)
         return memory

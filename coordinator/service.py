@@ -49,6 +49,9 @@ from splitserve.coordinator.tenants import TenantPolicy
 from splitserve.proto.cluster_access import ClusterAccess
 from splitserve.proto.worker_clients import WorkerChannels
 
+RECOVERING_RETRY_AFTER_S = 2.0
+"""The retry hint when every decode worker is known but none is routable: about a heartbeat
+interval, after which a worker that was only late is routable again."""
 GRAMMAR_COMPILE_TIMEOUT_S = 10.0
 """Longest a structured output may take to compile before its request is refused."""
 RATE_PROBE_TOKENS = 2048
@@ -253,6 +256,14 @@ class Coordinator:
         # tokenizing (and chat templating) a long prompt takes a while: not on the event loop
         prompt_ids = await asyncio.to_thread(self.encode, prompt)
         if not self.ready:
+            if self.registry.workers(Role.DECODE, healthy_only=False):
+                # known but none routable now (a call failed, a stall, a missed heartbeat:
+                # typically overload): a retry soon may find one
+                raise OverloadedError(
+                    "every decode worker is recovering (a call to it failed or it reported "
+                    "no progress); retry shortly",
+                    RECOVERING_RETRY_AFTER_S,
+                )
             raise WorkerUnavailableError("no decode worker is registered yet")
         max_tokens = settle_max_tokens(
             sampling.max_tokens, sampling.min_tokens, len(prompt_ids), self._output_limits()

@@ -7,7 +7,11 @@ token. The prefill worker pushes the layers and calls ``complete_kv`` with the f
 which waits until the last layer landed and lets the request join the running batch; the
 first token then opens the request's output stream like any other token.
 
-The KV lands straight in the reserved blocks (``kv_io.receive_destinations``).
+The KV lands straight in the reserved blocks (``kv_io.receive_destinations``). A reservation
+starts with the longest prefix of the prompt this worker's prefix cache holds (a
+conversation's earlier turns, decoded here; ``Scheduler.reserve_for_remote_prefill``): those
+blocks are shared, not written, and the reservation tells the prefill worker to send only the
+blocks after them (``KvReservation.num_cached_blocks``).
 
 Transfers nobody else can write into: each reservation gets a random 64-bit transfer id (names
 it in ``CompleteKv`` and logs) and a 128-bit secret from the CSPRNG (``new_transfer_secret``),
@@ -52,6 +56,7 @@ from splitserve.common.kv_layout import KvLayout
 from splitserve.common.request_update import StepOutput
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.async_engine import AsyncEngine, RequestStream
+from splitserve.engine.engine_face import ReservedBlocks
 from splitserve.transfer.layer_channel import LayerReceiver
 from splitserve.transfer.plan import new_transfer_secret
 from splitserve.transfer.reservation import FirstToken, KvReservation
@@ -123,8 +128,8 @@ class DecodeWorker:
         ended = self._open_attempts[request_id] = asyncio.Event()
         try:
             try:
-                if stream.block_table is not None:
-                    yield self._expect_kv(request_id, stream.block_table, len(prompt_token_ids))
+                if stream.reserved is not None:
+                    yield self._expect_kv(request_id, stream.reserved, len(prompt_token_ids))
                 async for output in stream:
                     yield output
             finally:
@@ -166,26 +171,35 @@ class DecodeWorker:
         return stream
 
     def _expect_kv(
-        self, request_id: str, block_table: Sequence[int], num_tokens: int
+        self, request_id: str, reserved: ReservedBlocks, num_tokens: int
     ) -> KvReservation:
-        """Post the receiver for a reservation; from here the transfer owns the hold the
-        engine took on ``block_table`` (``AsyncEngine.submit``)."""
-        block_ids = list(block_table)
+        """Post the receiver for a reservation: into the blocks after its cached prefix
+        (``ReservedBlocks.receiving``); from here the transfer owns the hold the engine took
+        on all of ``reserved.block_ids`` (``AsyncEngine.submit``)."""
+        block_ids = list(reserved.block_ids)
         transfer_id, secret = self._new_transfer_id(), new_transfer_secret()
         try:
-            # the reserved blocks: no step touches them until the prefill completes (PagedKv)
-            plan, destinations = receive_destinations(self.engine.paged_kv.cache, block_ids)
+            # the new blocks: no step touches them until the prefill completes (PagedKv)
+            cache = self.engine.paged_kv.cache
+            plan, destinations = receive_destinations(cache, reserved.receiving)
             receiver = LayerReceiver(self.transport, transfer_id, secret, plan, destinations)
         except BaseException:
             self.engine.release_blocks(block_ids)  # no receive was posted
             raise
         self.transfer_metrics.block_runs.observe(plan.num_runs)
-        num_bytes = self.layout.layer_bytes(len(block_ids)) * self.layout.num_layers
+        self.transfer_metrics.cached_blocks.inc(reserved.num_cached_blocks)
+        num_bytes = self.layout.layer_bytes(plan.num_blocks) * self.layout.num_layers
         incoming = _Incoming(request_id, receiver, block_ids, num_bytes, num_tokens)
         self._incoming[transfer_id] = incoming
         self._transfer_of[request_id] = transfer_id
         return KvReservation(
-            transfer_id, self.identity.address, num_tokens, self.layout.compat_hash, plan, secret
+            transfer_id,
+            self.identity.address,
+            num_tokens,
+            self.layout.compat_hash,
+            plan,
+            secret,
+            num_cached_blocks=reserved.num_cached_blocks,
         )
 
     def _new_transfer_id(self) -> int:

@@ -52,7 +52,7 @@ from splitserve.common.request_update import FinishReason, RequestUpdate, StepOu
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine_core import EngineCore
-from splitserve.engine.engine_face import EngineFacts, LayerHook, PagedKv
+from splitserve.engine.engine_face import EngineFacts, LayerHook, PagedKv, ReservedBlocks
 from splitserve.engine.engine_report import EngineReport, RequestPhases
 from splitserve.engine.reservation_queue import (
     DEFAULT_MAX_WAITING,
@@ -207,15 +207,15 @@ class AsyncEngine:
             await asyncio.to_thread(self._core.prepare_grammar, params.grammar)
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, asyncio.Queue())
-        accepted: asyncio.Future[Sequence[int] | None] = loop.create_future()
+        accepted: asyncio.Future[ReservedBlocks | None] = loop.create_future()
         held: list[int] = []  # written by add() on the engine thread
 
-        def granted(block_table: Sequence[int]) -> None:  # engine thread
-            self._core.hold_blocks(block_table)
-            held.extend(block_table)
+        def granted(reserved: ReservedBlocks) -> None:  # engine thread
+            self._core.hold_blocks(reserved.block_ids)
+            held.extend(reserved.block_ids)
             self._streams[request_id] = stream
             # every grant (in a command or in serving the queue) is followed by a refresh
-            self._tell_after_refresh(loop, accepted, None, block_table)
+            self._tell_after_refresh(loop, accepted, None, reserved)
 
         def dropped(reason: BaseException | None) -> None:  # engine thread
             if reason is None:  # aborted while waiting: the submitter sees a cancellation
@@ -240,12 +240,12 @@ class AsyncEngine:
 
         self._submit(add)
         try:
-            block_table = await accepted
+            reserved = await accepted
         except asyncio.CancelledError:
             self.abort(request_id)  # commands run in order: this lands after the add
             self.release_blocks(held)  # the caller never saw the table: nothing writes there
             raise
-        return RequestStream(self, request_id, stream, block_table)
+        return RequestStream(self, request_id, stream, reserved)
 
     def release_blocks(self, block_ids: Sequence[int]) -> None:
         """Give back a hold ``submit`` took on reserved blocks (queued; blocks with no other
@@ -518,7 +518,8 @@ class RequestStream:
     """Outputs of one submitted request; iterate until the final output (finish reason set).
 
     Leaving the iteration early (break, exception, cancellation) aborts the request.
-    ``block_table`` holds the reserved blocks of a remote-prefill request, else None.
+    ``reserved`` holds the reserved blocks of a remote-prefill request (its cached prefix
+    first), else None; ``block_table`` all of them.
     """
 
     def __init__(
@@ -526,10 +527,11 @@ class RequestStream:
         engine: AsyncEngine,
         request_id: str,
         stream: _Stream,
-        block_table: Sequence[int] | None,
+        reserved: ReservedBlocks | None,
     ) -> None:
         self.request_id = request_id
-        self.block_table = block_table
+        self.reserved = reserved
+        self.block_table = None if reserved is None else reserved.block_ids
         self._engine = engine
         self._stream = stream
 

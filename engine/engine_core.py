@@ -32,7 +32,13 @@ from splitserve.common.step_cost import StepCostLearner, StepShape
 from splitserve.engine.checkpoint import LoadedCheckpoint, describe_checkpoint, load_checkpoint
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.device import resolve_dtype
-from splitserve.engine.engine_face import CompletedPrompt, EngineFacts, LayerHook, PagedKv
+from splitserve.engine.engine_face import (
+    CompletedPrompt,
+    EngineFacts,
+    LayerHook,
+    PagedKv,
+    ReservedBlocks,
+)
 from splitserve.engine.engine_report import SchedulerStats
 from splitserve.engine.grammar_matchers import GrammarMatchers
 from splitserve.engine.host_memory import return_freed_heap
@@ -279,7 +285,7 @@ class EngineCore:
         Raises ``InvalidRequestError`` for bad input and ``CapacityError`` when full now.
         """
         request = self.remote_prefill_request(request_id, prompt_token_ids, params)
-        return self.reserve_request(request)
+        return self.reserve_request(request).block_ids
 
     def remote_prefill_request(
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
@@ -298,10 +304,13 @@ class EngineCore:
         needed = self.kv_cache.blocks_needed(request.num_prompt_tokens)
         return needed <= self.kv_cache.num_free_blocks
 
-    def reserve_request(self, request: Request) -> Sequence[int]:
-        """Reserve blocks for ``request`` (``remote_prefill_request``); its block table.
-        ``CapacityError`` (nothing held) when the pool cannot take it now."""
-        return self.scheduler.reserve_for_remote_prefill(request)
+    def reserve_request(self, request: Request) -> ReservedBlocks:
+        """Reserve blocks for ``request`` (``remote_prefill_request``), its cached prefix
+        first (``Scheduler.reserve_for_remote_prefill``). ``CapacityError`` (nothing held)
+        when the pool cannot take it now."""
+        table = self.scheduler.reserve_for_remote_prefill(request)
+        block_size = self.scheduler.kv_cache.block_size
+        return ReservedBlocks(tuple(table), request.num_computed_tokens // block_size)
 
     def complete_remote_prefill(
         self,

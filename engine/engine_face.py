@@ -38,6 +38,24 @@ class CompletedPrompt:
     """The request's blocks in position order (they hold the whole prompt's KV)."""
 
 
+@dataclass(frozen=True)
+class ReservedBlocks:
+    """The blocks a remote-prefill reservation holds for a prompt, in position order.
+
+    The first ``num_cached_blocks`` came from this engine's prefix cache and already hold the
+    prompt's KV of those positions (full blocks of the same tokens, hash-chained): nobody
+    writes them. KV computed elsewhere lands only in the rest, ``block_ids[num_cached_blocks:]``
+    (at least one block: the prompt's last token is never taken from the cache)."""
+
+    block_ids: tuple[int, ...]
+    num_cached_blocks: int = 0
+
+    @property
+    def receiving(self) -> tuple[int, ...]:
+        """The blocks KV lands in."""
+        return self.block_ids[self.num_cached_blocks :]
+
+
 LayerHook = Callable[[int, Sequence[CompletedPrompt]], None]
 """Called on the engine thread with (layer index, the prompts this step completes) once that
 layer's KV is written; not called in steps that complete no prompt."""

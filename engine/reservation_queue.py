@@ -17,11 +17,12 @@ Invariants (engine thread only, like the core it serves):
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from splitserve.common.errors import CapacityError, InvalidRequestError
 from splitserve.engine.engine_core import EngineCore
+from splitserve.engine.engine_face import ReservedBlocks
 from splitserve.engine.request import Request
 
 DEFAULT_MAX_WAITING = 1024
@@ -31,8 +32,8 @@ DEFAULT_MAX_WAITING = 1024
 @dataclass
 class PendingReservation:
     request: Request
-    granted: Callable[[Sequence[int]], None]
-    """Called with the block table once the blocks are reserved (engine thread)."""
+    granted: Callable[[ReservedBlocks], None]
+    """Called with the reserved blocks once they are reserved (engine thread)."""
     dropped: Callable[[BaseException | None], None]
     """Called with the reason it will never be granted; None: it was aborted."""
 
@@ -82,7 +83,7 @@ class ReservationQueue:
             if not self._core.has_room_for(head.request):
                 break
             try:
-                block_table = self._core.reserve_request(head.request)
+                reserved = self._core.reserve_request(head.request)
             except CapacityError:  # room by count, not in the runs the transfer needs
                 break
             except Exception as error:  # e.g. its id was taken meanwhile: it alone fails
@@ -90,7 +91,7 @@ class ReservationQueue:
                 head.dropped(error)
                 continue
             self._waiting.popleft()
-            head.granted(block_table)
+            head.granted(reserved)
         return before - len(self._waiting)
 
     def drop(self, request_id: str) -> bool:

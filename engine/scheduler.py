@@ -219,18 +219,28 @@ class Scheduler:
     def reserve_for_remote_prefill(self, request: Request) -> Sequence[int]:
         """Hold blocks for a prompt whose KV another worker computes; returns the block table.
 
-        The request is never scheduled until ``complete_remote_prefill``; aborting it frees the
-        blocks. Raises ``CapacityError`` (nothing held) when the pool cannot take the prompt now.
+        The table starts with the longest cached prefix of the prompt this engine holds
+        (``KVCacheManager.find_cached_prefix``: full blocks, never the last token), counted as
+        computed (``request.num_computed_tokens``); only the blocks after it are new, and only
+        they receive KV. The request is never scheduled until ``complete_remote_prefill``;
+        aborting it frees the blocks. Raises ``CapacityError`` (nothing held) when the pool
+        cannot take the prompt now.
         """
         self.check_new(request)
+        cached = self.kv_cache.find_cached_prefix(request.prompt_token_ids)
         # few runs of consecutive blocks: the transfer sends one message per run and layer
         if not self.kv_cache.allocate(
-            request.request_id, request.num_prompt_tokens, contiguous=True
+            request.request_id, request.num_prompt_tokens, cached_blocks=cached, contiguous=True
         ):
             raise CapacityError(
                 f"no room for {request.num_prompt_tokens} prompt tokens of KV "
                 f"({self.kv_cache.num_free_blocks} blocks free)"
             )
+        request.num_computed_tokens = len(cached) * self.kv_cache.block_size
+        self._count(
+            prefix_query_tokens=request.num_prompt_tokens,
+            prefix_hit_tokens=request.num_computed_tokens,
+        )
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.requests[request.request_id] = request
         return self.kv_cache.block_table(request.request_id)

@@ -384,10 +384,13 @@ def _last_flag(argv: Sequence[str], flag: str) -> str | None:
     return value
 
 
-def gateway_argv(args: argparse.Namespace, coordinator: str, port: int | str) -> list[str]:
-    """Module and flags of a gateway listening on ``port`` (shared by every gateway when
-    there are several: ``--reuse-port``)."""
+def gateway_argv(
+    args: argparse.Namespace, coordinator: str, port: int | str | None = None
+) -> list[str]:
+    """Module and flags of a gateway listening on ``port`` (default ``--http-port``; shared
+    by every gateway when there are several: ``--reuse-port``)."""
     argv = ["splitserve.gateway.main", f"--coordinator={coordinator}", f"--host={args.host}"]
+    port = args.http_port if port is None else port
     argv += [f"--port={port}", f"--drain-timeout={args.drain_timeout}"]
     if args.gateways > 1:
         argv.append("--reuse-port")

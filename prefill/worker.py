@@ -4,8 +4,9 @@
 address), registers a ``LayerSender`` for the request and submits it to the engine with
 ``max_tokens=1``. The engine batches it with other prompts under its token budget and chunks
 long ones; in the step that computes the prompt's last chunk the engine reports the prompt
-complete (``CompletedPrompt``), and the layer hook copies each layer's KV of the request (all
-its blocks, cached prefix included, in the order of the decode worker's ``TransferPlan``)
+complete (``CompletedPrompt``), and the layer hook copies each layer's KV of the request (its
+blocks after those the decode worker already holds, ``KvReservation.num_cached_blocks``; this
+worker's own cached prefix included, in the order of the decode worker's ``TransferPlan``)
 into the request's staging buffer as soon as that layer is written and hands it to the
 sender, so the push overlaps the rest of the forward pass. Then it waits
 for the sends and calls the decode worker's ``CompleteKv`` with the first token (the decode
@@ -51,6 +52,8 @@ from splitserve.worker.metrics import TransferMetrics
 @dataclass
 class _Outgoing:
     sender: LayerSender
+    first_block: int
+    """The prompt's first block that travels (the decode worker holds those before it)."""
     staging: torch.Tensor
     """[layers, 2, num_blocks, block, kv_heads, dim]: the gathered KV the sends read from."""
     gathered: set[int] = dataclasses.field(default_factory=set)
@@ -125,7 +128,7 @@ class PrefillWorker:
         )
         staging = staging_buffer(self.engine.paged_kv, target.num_blocks)
         engine_id = request_id + self._engine_id_suffix
-        self._outgoing[engine_id] = _Outgoing(sender, staging)
+        self._outgoing[engine_id] = _Outgoing(sender, target.num_cached_blocks, staging)
         first_only = dataclasses.replace(
             params, max_tokens=1, min_tokens=min(params.min_tokens, 1), stop=()
         )
@@ -168,10 +171,11 @@ class PrefillWorker:
                 f"({target.compat_hash} != {self.layout.compat_hash})"
             )
         expected = blocks_for_tokens(len(prompt_token_ids), self.layout.block_size)
-        if target.num_tokens != len(prompt_token_ids) or target.num_blocks != expected:
+        sent, cached = target.num_blocks, target.num_cached_blocks
+        if target.num_tokens != len(prompt_token_ids) or sent < 1 or cached + sent != expected:
             raise InvalidRequestError(
-                f"reservation covers {target.num_tokens} tokens / {target.num_blocks} blocks, "
-                f"prompt has {len(prompt_token_ids)} tokens / {expected} blocks",
+                f"reservation covers {target.num_tokens} tokens / {cached} cached + {sent} "
+                f"blocks to send, prompt has {len(prompt_token_ids)} tokens / {expected} blocks",
                 "target",
             )
 
@@ -183,7 +187,8 @@ class PrefillWorker:
                 continue
             outgoing.gathered.add(layer)
             plan = outgoing.sender.plan
-            block_ids = prompt.block_table[: plan.num_blocks]
+            first = outgoing.first_block
+            block_ids = prompt.block_table[first : first + plan.num_blocks]
             kv = gather_layer(self.engine.paged_kv, layer, block_ids, plan, outgoing.staging[layer])
             outgoing.sender.offer(layer, kv)
 

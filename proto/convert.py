@@ -210,6 +210,7 @@ def reservation_to_proto(reservation: KvReservation) -> worker_pb2.KvReservation
         block_order=reservation.plan.block_order,
         run_lengths=reservation.plan.run_lengths,
         transfer_secret=reservation.transfer_secret,
+        num_cached_blocks=reservation.num_cached_blocks,
     )
 
 
@@ -229,6 +230,7 @@ def reservation_from_proto(message: worker_pb2.KvReservation) -> KvReservation:
         compat_hash=message.compat_hash,
         plan=plan,
         transfer_secret=message.transfer_secret,
+        num_cached_blocks=message.num_cached_blocks,
     )
 
 

@@ -124,11 +124,13 @@ def cluster(
     up_flags: tuple[str, ...] = (),
     processes: list[subprocess.Popen[str]] | None = None,
     env: dict[str, str] | None = None,
+    gateway: bool | None = None,
 ) -> contextlib.AbstractContextManager[str]:
-    """``splitserve up`` on free ports; yields the coordinator address. The gateway starts
-    only when ``ready_lines`` is given (its URL is then ``ready_lines["splitserve gateway"]``;
-    metrics URLs are printed as "<role> metrics at <url>"); ``processes`` receives ``up``'s
-    process; ``env``: more environment for ``up`` and its children."""
+    """``splitserve up`` on free ports; yields the coordinator address. ``ready_lines``
+    receives what the processes announce (metrics URLs as "<role> metrics at <url>", the
+    gateway's URL as ``ready_lines["splitserve gateway"]``); the gateway starts when
+    ``gateway`` says so, by default when ``ready_lines`` is given. ``processes`` receives
+    ``up``'s process; ``env``: more environment for ``up`` and its children."""
     argv = [
         "splitserve.launch.up",
         "--port=0",
@@ -139,7 +141,7 @@ def cluster(
         f"--decode={num_decode}",
         *up_flags,
     ]
-    if ready_lines is None:
+    if not (ready_lines is not None if gateway is None else gateway):
         argv.append("--no-gateway")
     return running(
         [*argv, "--", *worker_flags], ready_lines=ready_lines, processes=processes, env=env
@@ -320,6 +322,8 @@ class TransferFigures:
     completed: float
     landed_bytes: float
     failures: float
+    reused_blocks: float = 0.0
+    """Blocks of pushed prompts a decode worker already held (not sent)."""
 
 
 def transfer_figures(metrics_url: str, direction: str = "receive") -> TransferFigures:
@@ -327,7 +331,7 @@ def transfer_figures(metrics_url: str, direction: str = "receive") -> TransferFi
     ``direction="send"`` a prefill worker's sends (``landed_bytes``: the bytes sent)."""
     with urllib.request.urlopen(metrics_url, timeout=10) as response:
         text = response.read().decode()
-    figures = {"completed": 0.0, "landed_bytes": 0.0, "failures": 0.0}
+    figures = {"completed": 0.0, "landed_bytes": 0.0, "failures": 0.0, "reused_blocks": 0.0}
     names = {
         "splitserve_kv_transfer_seconds_count": "completed",
         "splitserve_kv_transfer_bytes_total": "landed_bytes",
@@ -337,6 +341,8 @@ def transfer_figures(metrics_url: str, direction: str = "receive") -> TransferFi
         for sample in family.samples:
             if sample.name in names and sample.labels.get("direction") == direction:
                 figures[names[sample.name]] += sample.value
+            elif sample.name == "splitserve_kv_reused_blocks_total":
+                figures["reused_blocks"] += sample.value
     return TransferFigures(**figures)
 
 

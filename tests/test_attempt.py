@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import time
 from collections.abc import AsyncIterator, Sequence
 
@@ -20,6 +21,7 @@ from splitserve.common.request_update import FinishReason, RequestUpdate, StepOu
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.step_cost import StepCost
 from splitserve.coordinator.attempt import (
+    PER_STREAM_STALL_FACTOR,
     Attempt,
     AttemptTimeouts,
     DecodeLost,
@@ -119,11 +121,19 @@ def _attempt(
     remote: bool = True,
     stop: tuple[str, ...] = (),
     timeouts: AttemptTimeouts | None = None,
+    lone_decode: bool = False,
 ) -> tuple[Attempt, Router]:
+    """The attempt's decode worker is "d"; unless ``lone_decode``, a second decode worker
+    is heard from throughout (``last_seen`` ahead of any clock reading), so a silence of
+    "d" is its own (``Attempt._heard_elsewhere``)."""
     decode, prefill = _record("d", Role.DECODE), _record("p", Role.PREFILL)
     registry = WorkerRegistry()
     registry.register(decode)
     registry.register(prefill)
+    if not lone_decode:
+        heard = _record("d2", Role.DECODE)
+        heard.last_seen = math.inf
+        registry.register(heard)
     router = Router(registry, RoutingConfig())
     params = SamplingParams(max_tokens=8, stop=stop)
     tracker = RequestTracker("r", PROMPT, params, _Letters())
@@ -409,6 +419,36 @@ def test_a_stream_silent_past_its_limit_after_the_first_token_is_stalled() -> No
     waited_s, stalled, chunks = asyncio.run(body())
     assert stalled is not None and chunks == 3
     assert 0.3 <= waited_s < 1.5  # the floor: no step times known yet (10 x 0.1 s would be 1 s)
+
+
+def test_a_lone_decode_workers_silence_waits_for_the_streams_own_limit() -> None:
+    """Every decode worker silent together (one here; an overloaded machine, workers hosted
+    in one process): moving the request cannot help, so it stalls only past the per-stream
+    limit, ``PER_STREAM_STALL_FACTOR`` times the worker's."""
+
+    async def body() -> tuple[float, DecodeStalled | None]:
+        workers = _Workers()
+        # the limit: 1 x the 0.1 s step assumed before a model is known
+        timeouts = AttemptTimeouts(stall_factor=1.0, stall_floor_s=0.1)
+        attempt, _ = _attempt(workers, remote=False, timeouts=timeouts, lone_decode=True)
+
+        async def consume() -> None:
+            async for _ in attempt.run():
+                pass
+
+        task = asyncio.create_task(consume())
+        workers.call.items.put_nowait(_output((1,), 1))
+        await _settle()
+        started = time.monotonic()
+        try:
+            await asyncio.wait_for(task, 5)
+        except DecodeStalled as error:
+            return time.monotonic() - started, error
+        return time.monotonic() - started, None
+
+    waited_s, stalled = asyncio.run(body())
+    assert stalled is not None
+    assert PER_STREAM_STALL_FACTOR * 0.1 - 0.1 <= waited_s < 3.0  # not at 0.1 s
 
 
 def test_no_stall_watch_before_the_first_token_or_when_turned_off() -> None:

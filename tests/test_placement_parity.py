@@ -155,11 +155,22 @@ def test_every_placement_gives_the_reference_tokens(
         assert adaptive.get(("local", "local_faster"), 0) > 0, adaptive
 
         # a request's own TTFT target (10 minutes) replaces the coordinator's 1 ms: no remote
-        # prefill is at risk, so every prompt stays there; a negative target is refused
+        # prefill is at risk, so every prompt goes remote, unless the decode worker holds
+        # its start (computed there before) and the prefill worker does not: then it computes
+        # the rest itself; a negative target is refused
         relaxed = LatencyTargets(ttft_ms=600_000)
         assert asyncio.run(_generate(addresses["adaptive"], 1, relaxed)) == expected
         after = _placements(metrics["adaptive"])
-        assert after.get(("remote", "remote_within_slo"), 0) == len(PROMPTS), after
+        relaxed_decisions = {
+            key: count - adaptive.get(key, 0)
+            for key, count in after.items()
+            if count > adaptive.get(key, 0)
+        }
+        assert set(relaxed_decisions) <= {
+            ("remote", "remote_within_slo"),
+            ("local", "local_cached"),
+        }, relaxed_decisions
+        assert sum(relaxed_decisions.values()) == len(PROMPTS), relaxed_decisions
         with pytest.raises(ClientError) as refused:
             asyncio.run(_generate(addresses["adaptive"], 1, LatencyTargets(tpot_ms=-1)))
         assert refused.value.code is grpc.StatusCode.INVALID_ARGUMENT

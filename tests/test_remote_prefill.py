@@ -64,3 +64,53 @@ def test_layerwise_push_into_reserved_blocks_matches_colocated(
             generated[output.update.request_id].extend(output.update.new_token_ids)
     assert [generated[request_id] for request_id in reserved] == expected
     assert_no_leaks(decode)
+
+
+def test_a_conversations_next_turn_moves_only_what_the_decode_engine_lacks(
+    default_checkpoint_fp32: LoadedCheckpoint,
+) -> None:
+    """The decode engine decoded turn 1, so its prefix cache holds the prompt and the reply;
+    turn 2 (turn 1 + reply + a new message) reserves those blocks from its cache and only the
+    rest is pushed, yet the tokens equal the colocated engine's (float32)."""
+    colocated = make_llm(default_checkpoint_fp32, num_blocks=128)
+    prefill = make_llm(default_checkpoint_fp32, num_blocks=64)
+    decode = make_llm(default_checkpoint_fp32, num_blocks=64)
+    params = SamplingParams(max_tokens=20, min_tokens=20, temperature=0.0)
+    turn1 = colocated.encode_prompt("Once upon a time, in a land far away, there lived " * 3)
+    (reply,) = decode.generate([turn1], params)  # decoded here: its blocks are cached here
+    turn2 = turn1 + list(reply.token_ids) + colocated.encode_prompt(" And then?")
+    (expected,) = colocated.generate([turn2], params)
+
+    core = decode.engine
+    reserved = core.reserve_request(core.remote_prefill_request("t2", turn2, params))
+    block_size = core.config.cache.block_size
+    held = len(turn1) + len(reply.token_ids) - 1  # the reply's last token was never computed
+    assert reserved.num_cached_blocks == held // block_size > 0
+    assert len(reserved.block_ids) == blocks_for_tokens(len(turn2), block_size)
+
+    sent: list[int] = []
+
+    def push_layer(layer: int, completed: Sequence[CompletedPrompt]) -> None:
+        for prompt in completed:  # only the blocks after the ones the decode engine holds
+            first, count = reserved.num_cached_blocks, len(reserved.receiving)
+            kv = prefill.engine.runner.read_kv_blocks(
+                layer, prompt.block_table[first : first + count]
+            )
+            decode.engine.runner.write_kv_blocks(layer, reserved.receiving, kv)
+            sent.append(count)
+
+    first_only = dataclasses.replace(params, max_tokens=1, min_tokens=1)
+    prefill.engine.add_request("t2", turn2, first_only)
+    first = None
+    while prefill.engine.has_unfinished:
+        for output in prefill.engine.step(on_layer_kv_written=push_layer):
+            first = output.update.new_token_ids[0]
+    assert first is not None and set(sent) == {len(reserved.receiving)}
+    generated = [first]
+    decode.engine.complete_remote_prefill("t2", first)
+    while decode.engine.has_unfinished:
+        for output in decode.engine.step():
+            generated.extend(output.update.new_token_ids)
+    assert generated == list(expected.token_ids)
+    assert_no_leaks(prefill)
+    assert_no_leaks(decode)

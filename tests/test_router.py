@@ -14,7 +14,17 @@ from splitserve.common.step_cost import MIN_STEPS, StepCost
 from splitserve.coordinator import router as router_module
 from splitserve.coordinator.placement import PlacementMode, PrefillView, Reason, Slo
 from splitserve.coordinator.registry import WorkerRecord, WorkerRegistry
-from splitserve.coordinator.router import DecodeProgress, Router, RoutingConfig
+from splitserve.coordinator.router import DecodeProgress, Route, Router, RoutingConfig
+
+LEARNED_COST = StepCost(
+    decode_base_s=0.012,
+    per_decode_seq_s=0.001,
+    prefill_base_s=0.01,
+    per_prefill_token_s=0.002,
+    decode_steps=MIN_STEPS,
+    prefill_steps=MIN_STEPS,
+)
+"""A step-time model learned on both sides (adaptive placement's tests)."""
 
 
 def _worker(
@@ -100,7 +110,9 @@ def test_prefill_prefers_cached_prefixes_and_matching_layouts() -> None:
 def test_short_prompts_and_missing_prefill_workers_stay_local() -> None:
     router = _router(_worker("d", Role.DECODE), _worker("p", Role.PREFILL), local_max=64)
     assert router.route(list(range(64)), 8).prefill is None
-    assert router.route(list(range(65)), 8).prefill is not None
+    assert router.route(list(range(1000, 1065)), 8).prefill is not None
+    # the decode worker holds the 64 tokens routed to it above: it would compute 1 of these 65
+    assert router.route(list(range(65)), 8).prefill is None
     assert _router(_worker("d", Role.DECODE)).route(list(range(500)), 8).prefill is None
 
 
@@ -132,14 +144,7 @@ def test_adaptive_routing_sees_the_workers_learned_step_costs_and_their_queues()
     (the more of its report and this coordinator's own unanswered prompts): a long prefill
     queue sends the prompt to a lightly loaded decode worker, a short one to the prefill
     worker."""
-    cost = StepCost(
-        decode_base_s=0.012,
-        per_decode_seq_s=0.001,
-        prefill_base_s=0.01,
-        per_prefill_token_s=0.002,
-        decode_steps=MIN_STEPS,
-        prefill_steps=MIN_STEPS,
-    )
+    cost = LEARNED_COST
     decode = _worker("d", Role.DECODE)
     prefill = _worker("p", Role.PREFILL, pending_prefill=300)
     for worker in (decode, prefill):
@@ -149,6 +154,15 @@ def test_adaptive_routing_sees_the_workers_learned_step_costs_and_their_queues()
         registry.register(worker)
     router = Router(registry, RoutingConfig(mode=PlacementMode.ADAPTIVE))
     prompt = list(range(320))
+    routed = router.route
+
+    def route_unseen(*args: object, **kwargs: object) -> Route | None:
+        """The prompt as one the decode worker has not seen (the router's record of what it
+        holds forgotten): the placements compare computing all of it there or remotely."""
+        router._decode_prefix.clear()
+        return routed(*args, **kwargs)  # type: ignore[arg-type]
+
+    router.route = route_unseen  # type: ignore[method-assign]
     route = router.route(prompt, 96)
     assert route is not None and route.prefill is prefill
     assert route.placement is not None and route.placement.reason is Reason.REMOTE_WITHIN_SLO
@@ -280,3 +294,38 @@ def test_prompt_rates_count_the_workers_placement_may_compute_prompts_on() -> No
     dual_decode = dataclasses.replace(decode, address=prefill.address)
     dual = Router(_registry(prefill, dual_decode), RoutingConfig(mode=PlacementMode.ADAPTIVE))
     assert [round(r) for r in dual.prompt_rates(2048)] == [1000]
+
+
+def test_a_conversations_next_turn_goes_back_to_the_decode_worker_holding_it() -> None:
+    """Turn 2 (turn 1, its reply, a new message) returns to the decode worker that decoded
+    turn 1 while the load allows, and adaptive placement computes only its new part there
+    (``Reason.LOCAL_CACHED``): fewer tokens than the prefill worker, which never saw the
+    reply, would compute; far busier, the worker loses it."""
+    cost = LEARNED_COST
+    a, b = _worker("a", Role.DECODE), _worker("b", Role.DECODE)
+    prefill = _worker("p", Role.PREFILL)
+    for worker in (a, b, prefill):
+        worker.load = dataclasses.replace(worker.load, step_cost=cost)
+    router = Router(_registry(a, b, prefill), RoutingConfig(mode=PlacementMode.ADAPTIVE))
+    turn1 = list(range(200))
+    first = router.route(turn1, 40)
+    assert first is not None and first.prefill is prefill  # nothing cached anywhere yet
+    holder, other = (a, b) if first.decode is a else (b, a)
+    reply = list(range(1000, 1040))
+    router.finished(holder, turn1 + reply)
+    turn2 = turn1 + reply + list(range(2000, 2030))
+    holder.load = dataclasses.replace(holder.load, num_used_blocks=30)  # 30 fewer free blocks
+    route = router.route(turn2, 40)
+    assert route is not None and route.decode is holder
+    assert route.placement is not None and route.placement.reason is Reason.LOCAL_CACHED
+    # 239 of 270 tokens are cached there (14 whole blocks: 224), so only 46 are computed
+    assert route.placement.predicted_ttft_s is not None
+    assert route.placement.predicted_ttft_s < cost.prefill_s(100)
+    # the holder's batch reads 4,000 tokens a step (250 blocks): its 14 cached blocks do not
+    # make up for that, and the other worker computes nothing of it locally
+    holder.load = dataclasses.replace(holder.load, num_running_tokens=4000)
+    route = router.route(turn2, 40)
+    assert route is not None and route.decode is other
+    assert route.placement is not None and route.placement.reason is not Reason.LOCAL_CACHED
+    router.forget(holder.worker_id)
+    assert router.decode_cached_blocks(holder, lambda size: prompt_block_hashes(turn2, size)) == 0

@@ -36,6 +36,7 @@ from tests.cluster import (
     cluster,
     routable_members,
     running_together,
+    transfer_figures,
     wait_until_idle,
 )
 from tests.conftest import make_llm
@@ -125,8 +126,13 @@ def test_disaggregated_equals_colocated_and_frees_every_block(
             coordinator_pb2.GenerateRequest(request_id=f"g{i}", text=PROMPTS[i], sampling=wire)
         )
     assert json.loads(llm.tokenizer.decode(expected[-2]))["name"]  # finished, and parses
+    # a conversation's next turn: turn 1 (PROMPTS[4]), its reply, a new message; the decode
+    # worker decoded turn 1, so only the blocks after what it holds travel
+    turn2 = llm.encode_prompt(PROMPTS[4]) + expected[4] + llm.encode_prompt(" And then?")
+    (turn2_expected,) = llm.generate([turn2], params)
 
-    with cluster(1, 1, *WORKER_FLAGS) as disaggregated:
+    lines: dict[str, str] = {}
+    with cluster(1, 1, *WORKER_FLAGS, ready_lines=lines, gateway=False) as disaggregated:
         # up says ready only once the coordinator routes to every worker it started: a
         # request sent right away may use the prefill worker
         assert routable_members(disaggregated) == {"prefill-0", "decode-1"}
@@ -140,6 +146,19 @@ def test_disaggregated_equals_colocated_and_frees_every_block(
         assert_all_free(loads, 2)
         prefill = loads["prefill-0"]
         assert prefill.num_finished_requests >= len(PROMPTS)  # the prompts went through it
+
+        before = transfer_figures(lines["decode metrics"])
+        conversation = coordinator_pb2.GenerateRequest(
+            token_ids=coordinator_pb2.TokenIds(ids=turn2), sampling=_greedy(24)
+        )
+        ((tokens, _),) = asyncio.run(_generate_all(disaggregated, [conversation]))
+        assert tokens == list(turn2_expected.token_ids)
+        held = (len(llm.encode_prompt(PROMPTS[4])) + 24 - 1) // 16  # its last token: no KV
+        after = transfer_figures(lines["decode metrics"])
+        assert after.reused_blocks - before.reused_blocks == held
+        received = after.landed_bytes - before.landed_bytes
+        layout_bytes = 2 * 30 * 3 * 64 * 4 * 16  # K and V x layers x KV heads x dim x fp32 x 16
+        assert received == layout_bytes * (-(-len(turn2) // 16) - held)
 
         streams = [
             coordinator_pb2.GenerateRequest(

@@ -85,6 +85,8 @@ def test_a_worker_reported_unready_is_not_routed_until_ready_again() -> None:
     assert [w.worker_id for w in registry.workers(Role.DECODE)] == ["d"]
 
 
+@pytest.mark.slow  # 10 s; the watch's transitions and the registry's routing are unit-tested
+# above, and a frozen real worker is caught in the default suite (test_stream_stalls)
 def test_a_long_step_makes_a_real_worker_unready_then_ready() -> None:
     coordinator_argv = ["splitserve.coordinator.main", "--port=0", "--internal-port=0"]
     coordinator_argv.append("--metrics-port=-1")

@@ -114,3 +114,14 @@ def test_only_a_worker_with_a_decode_role_keeps_the_decode_gemvs_weights() -> No
         for roles in ("prefill", "decode", "prefill,decode")
     }
     assert decodes == {"prefill": False, "decode": True, "prefill,decode": True}
+
+
+def test_several_gateways_share_the_http_port() -> None:
+    """``--gateways N``: each gateway gets ``--reuse-port`` (the kernel spreads connections
+    over them); one gateway binds its port alone, as before."""
+    _, _, alone = _children()
+    assert "--reuse-port" not in alone and "--port=8000" in alone
+    args = build_parser().parse_args(["--gateways=3", "--http-port=9000"])
+    shared = gateway_argv(args, "127.0.0.1:50051")
+    assert "--reuse-port" in shared and "--port=9000" in shared
+    assert "3 gateways sharing the HTTP port" in layout_summary(args)

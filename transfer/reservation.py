@@ -8,9 +8,12 @@ converts and checks it, pushes the prompt's KV as it says. ``proto/convert.py``
 holds the one converter pair of each type (e.g. ``reservation_to_proto`` /
 ``reservation_from_proto``).
 
-Invariant: the reserved blocks hold ``num_tokens`` prompt tokens, so
-``plan.num_blocks == ceil(num_tokens / block_size)`` of the decode worker's layout; the
-prefill worker checks that against its own prompt and layout before sending anything.
+Invariant: the prompt's ``num_tokens`` tokens fill ``ceil(num_tokens / block_size)`` blocks
+of the decode worker's layout, of which the first ``num_cached_blocks`` the decode worker
+already holds (its prefix cache: a conversation's earlier turns) and ``plan.num_blocks``
+receive the rest: ``num_cached_blocks + plan.num_blocks == ceil(num_tokens / block_size)``,
+and at least one block travels. The prefill worker checks that against its own prompt and
+layout before sending anything, and sends only the blocks after the cached ones.
 
 Secrecy: ``KvReservation.transfer_secret`` is what makes the transfer's UCX tags unguessable
 (``plan.message_tag``). It travels only inside gRPC calls (decode stream -> coordinator ->
@@ -44,12 +47,21 @@ class KvReservation:
     compat_hash: str
     """The decode worker's KV layout hash; the prefill worker's must be equal."""
     plan: TransferPlan
-    """How the KV is cut into messages: block order and runs of consecutive blocks."""
+    """How the KV of the blocks after the cached ones is cut into messages: block order
+    (positions counted from the first block that travels) and runs of consecutive blocks."""
     transfer_secret: bytes = field(repr=False)
     """``TRANSFER_SECRET_BYTES`` random bytes the UCX tags of the transfer's messages derive
     from (``plan.message_tag``); never logged."""
 
+    num_cached_blocks: int = 0
+    """The prompt's first blocks, which the decode worker already holds: their KV does not
+    travel."""
+
     def __post_init__(self) -> None:
+        if self.num_cached_blocks < 0:
+            raise InvalidRequestError(
+                f"{self.num_cached_blocks} cached blocks in a reservation", "target"
+            )
         if len(self.transfer_secret) != TRANSFER_SECRET_BYTES:
             raise InvalidRequestError(
                 f"a transfer secret has {TRANSFER_SECRET_BYTES} bytes, "

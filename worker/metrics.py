@@ -100,6 +100,13 @@ class TransferMetrics:
             buckets=BLOCK_RUN_BUCKETS,
             registry=registry,
         ).labels(*values)
+        self.cached_blocks = Counter(
+            "splitserve_kv_reused_blocks",
+            "KV blocks of pushed prompts that the decode worker already held in its prefix "
+            "cache (a conversation's earlier turns): reserved from it, not sent.",
+            _LABELS,
+            registry=registry,
+        ).labels(*values)
         self.unsettled_blocks = Gauge(
             "splitserve_kv_unsettled_blocks",
             "KV blocks kept out of the pool because a withdrawn transfer's receives have not "

@@ -120,7 +120,7 @@ class WorkerGenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., remote_prefill: _Optional[bool] = ..., prior_output_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KvReservation(_message.Message):
-    __slots__ = ("transfer_id", "decode_address", "num_tokens", "compat_hash", "block_order", "run_lengths", "transfer_secret")
+    __slots__ = ("transfer_id", "decode_address", "num_tokens", "compat_hash", "block_order", "run_lengths", "transfer_secret", "num_cached_blocks")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     DECODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -128,6 +128,7 @@ class KvReservation(_message.Message):
     BLOCK_ORDER_FIELD_NUMBER: _ClassVar[int]
     RUN_LENGTHS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_SECRET_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     transfer_id: int
     decode_address: str
     num_tokens: int
@@ -135,7 +136,8 @@ class KvReservation(_message.Message):
     block_order: _containers.RepeatedScalarFieldContainer[int]
     run_lengths: _containers.RepeatedScalarFieldContainer[int]
     transfer_secret: bytes
-    def __init__(self, transfer_id: _Optional[int] = ..., decode_address: _Optional[str] = ..., num_tokens: _Optional[int] = ..., compat_hash: _Optional[str] = ..., block_order: _Optional[_Iterable[int]] = ..., run_lengths: _Optional[_Iterable[int]] = ..., transfer_secret: _Optional[bytes] = ...) -> None: ...
+    num_cached_blocks: int
+    def __init__(self, transfer_id: _Optional[int] = ..., decode_address: _Optional[str] = ..., num_tokens: _Optional[int] = ..., compat_hash: _Optional[str] = ..., block_order: _Optional[_Iterable[int]] = ..., run_lengths: _Optional[_Iterable[int]] = ..., transfer_secret: _Optional[bytes] = ..., num_cached_blocks: _Optional[int] = ...) -> None: ...
 
 class WorkerTokens(_message.Message):
     __slots__ = ("token_ids", "logprobs", "finish_reason", "stop_token_id", "usage")
