@@ -48,11 +48,17 @@ def min_prompt_tokens(tokenizer: Tokenizer, prompt: Prompt) -> int:
     per_token = tokenizer.max_chars_per_token
     if not per_token or not prompt:
         return 0
+    return -(-prompt_chars(prompt) // per_token)
+
+
+def prompt_chars(prompt: Prompt) -> int:
+    """The characters a prompt's tokenizing reads at least: its text, or its chat messages'
+    contents (the template only adds); 0 for token ids, which are not tokenized."""
     if isinstance(prompt, str):
-        chars = len(prompt)
-    else:  # chat messages: their contents at least (the template only adds)
-        chars = sum(len(str(m.get("content") or "")) for m in prompt)  # type: ignore[union-attr]
-    return -(-chars // per_token)
+        return len(prompt)
+    if prompt and isinstance(prompt[0], Mapping):
+        return sum(len(str(m.get("content") or "")) for m in prompt)  # type: ignore[union-attr]
+    return 0
 
 
 def check_in_vocab(token_ids: Sequence[int], vocab: int, what: str, param: str) -> None:

@@ -48,7 +48,8 @@ class KvOutlook:
     free_slots: float
     """Requests that may still join the decode batch (``math.inf``: no bound known)."""
     running: Sequence[RunningEnd]
-    """Every admitted request."""
+    """Every admitted request, sorted by ``ends_in_s`` (the prediction reads it in order,
+    without copying it)."""
     backlog_tokens: int
     """Prompt tokens admitted without a first token yet."""
     backlog_limit_tokens: int
@@ -141,9 +142,21 @@ class LatencyEstimator:
         """Seconds until the last of ``queue`` (those ahead of it first, in admission order)
         could start; 0 when it fits now (module docstring).
 
-        A demand larger than the whole capacity starts once all before it ended."""
-        ends = list(outlook.running)
-        heapq.heapify(ends)
+        A demand larger than the whole capacity starts once all before it ended.
+
+        O(queue x log queue + ends consumed): the admitted requests' ends are read in their
+        sorted order, only as far as the queue needs; the queue's own ends go into a heap."""
+        running = outlook.running
+        next_running = 0
+        ends: list[RunningEnd] = []  # the queued demands' ends, once they start
+
+        def pop_end() -> RunningEnd:
+            nonlocal next_running
+            if next_running < len(running) and (not ends or running[next_running] <= ends[0]):
+                next_running += 1
+                return running[next_running - 1]
+            return heapq.heappop(ends)
+
         free = outlook.free_tokens
         free_slots = outlook.free_slots
         # the backlog drains as fast as it was seen to (compute rate until measured)
@@ -153,8 +166,8 @@ class LatencyEstimator:
         now = 0.0
         for needed in queue:
             tokens = needed.num_tokens
-            while (free < tokens or free_slots < 1) and ends:
-                now, freed = heapq.heappop(ends)
+            while (free < tokens or free_slots < 1) and (ends or next_running < len(running)):
+                now, freed = pop_end()
                 free += freed
                 free_slots += 1
             if free < tokens:  # larger than the capacity: it runs once all else ended

@@ -102,7 +102,8 @@ def test_waiters_are_admitted_in_arrival_order_as_kv_comes_back() -> None:
 
 
 def test_the_predicted_wait_walks_admitted_requests_by_their_end() -> None:
-    gate, _ = admission(capacity=96)
+    clock = Clock()
+    gate, _ = admission(capacity=96, clock=clock)
 
     async def scenario() -> None:
         await gate.admit("short", demand(16, 16))  # 32 tokens, ends in 16 x 0.05 = 0.8 s
@@ -110,6 +111,9 @@ def test_the_predicted_wait_walks_admitted_requests_by_their_end() -> None:
         assert gate.predicted_wait_s(demand(16, 16)) == pytest.approx(0.8)  # 32 frees: enough
         assert gate.predicted_wait_s(demand(48, 16)) == pytest.approx(2.4)  # needs both gone
         gate.progress("long", 40)  # 8 left: now it ends first, in 0.4 s, and frees enough
+        # the admitted requests' ends are read again at most every RETRY_HINT_MAX_AGE_S
+        assert gate.predicted_wait_s(demand(48, 16)) == pytest.approx(2.4)
+        clock.now += RETRY_HINT_MAX_AGE_S + 0.01
         assert gate.predicted_wait_s(demand(48, 16)) == pytest.approx(0.4)
 
     run(scenario())
