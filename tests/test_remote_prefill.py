@@ -5,7 +5,7 @@ token (float32, batch invariant), and both engines end with every block free."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import pytest
 
@@ -13,6 +13,7 @@ from splitserve.common.blocks import blocks_for_tokens
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.checkpoint import LoadedCheckpoint
 from splitserve.engine.engine_core import CompletedPrompt
+from splitserve.engine.llm import LLM
 from tests.conftest import assert_no_leaks, make_llm
 
 GREEDY = SamplingParams(max_tokens=16, min_tokens=16, temperature=0.0)
@@ -99,18 +100,70 @@ def test_a_conversations_next_turn_moves_only_what_the_decode_engine_lacks(
             decode.engine.runner.write_kv_blocks(layer, reserved.receiving, kv)
             sent.append(count)
 
+    assert _prefill_then_decode(prefill, decode, turn2, params, push_layer) == list(
+        expected.token_ids
+    )
+    assert set(sent) == {len(reserved.receiving)}
+    assert_no_leaks(prefill)
+    assert_no_leaks(decode)
+
+
+def test_a_turn_whose_earlier_blocks_were_evicted_moves_them_all_again(
+    default_checkpoint_fp32: LoadedCheckpoint,
+) -> None:
+    """The decode engine's cache lost turn 1 (another prompt took the blocks) between the
+    turns: the reservation finds nothing cached, every block travels, the tokens are the
+    same (a stale belief about what a worker holds costs bytes, never a token)."""
+    colocated = make_llm(default_checkpoint_fp32, num_blocks=128)
+    prefill = make_llm(default_checkpoint_fp32, num_blocks=64)
+    decode = make_llm(default_checkpoint_fp32, num_blocks=12)
+    params = SamplingParams(max_tokens=12, min_tokens=12, temperature=0.0)
+    turn1 = colocated.encode_prompt("Once upon a time, in a land far away, there lived " * 2)
+    (reply,) = decode.generate([turn1], params)
+    # 180 + 12 tokens: all 12 blocks of the pool, so turn 1's cached blocks are taken too
+    (other,) = decode.generate([list(range(1000, 1180))], params)
+    assert len(other.token_ids) == 12
+    turn2 = turn1 + list(reply.token_ids) + colocated.encode_prompt(" And then?")
+    (expected,) = colocated.generate([turn2], params)
+
+    core = decode.engine
+    reserved = core.reserve_request(core.remote_prefill_request("t2", turn2, params))
+    assert reserved.num_cached_blocks == 0
+    assert reserved.receiving == reserved.block_ids
+
+    def push_layer(layer: int, completed: Sequence[CompletedPrompt]) -> None:
+        for prompt in completed:
+            count = len(reserved.block_ids)
+            kv = prefill.engine.runner.read_kv_blocks(layer, prompt.block_table[:count])
+            decode.engine.runner.write_kv_blocks(layer, reserved.receiving, kv)
+
+    assert _prefill_then_decode(prefill, decode, turn2, params, push_layer) == list(
+        expected.token_ids
+    )
+    assert_no_leaks(prefill)
+    assert_no_leaks(decode)
+
+
+def _prefill_then_decode(
+    prefill: LLM,
+    decode: LLM,
+    prompt: list[int],
+    params: SamplingParams,
+    push_layer: Callable[[int, Sequence[CompletedPrompt]], None],
+) -> list[int]:
+    """Request "t2": ``prefill`` computes ``prompt`` and its first token, pushing each layer
+    with ``push_layer``, then ``decode`` (holding the reservation) decodes the rest; its
+    tokens."""
     first_only = dataclasses.replace(params, max_tokens=1, min_tokens=1)
-    prefill.engine.add_request("t2", turn2, first_only)
+    prefill.engine.add_request("t2", prompt, first_only)
     first = None
     while prefill.engine.has_unfinished:
         for output in prefill.engine.step(on_layer_kv_written=push_layer):
             first = output.update.new_token_ids[0]
-    assert first is not None and set(sent) == {len(reserved.receiving)}
+    assert first is not None
     generated = [first]
     decode.engine.complete_remote_prefill("t2", first)
     while decode.engine.has_unfinished:
         for output in decode.engine.step():
             generated.extend(output.update.new_token_ids)
-    assert generated == list(expected.token_ids)
-    assert_no_leaks(prefill)
-    assert_no_leaks(decode)
+    return generated
