@@ -370,7 +370,10 @@ class Router:
             for w in candidates
         ]
         now = time.monotonic()
-        running = (p.running(now) for p in self._pending[decode.worker_id].decoding)
+        decoding = self._pending[decode.worker_id].decoding
+        if self.config.mode is not PlacementMode.ADAPTIVE:  # only adaptive guards them: O(N)
+            decoding = {}
+        running = (p.running(now) for p in decoding)
         view = DecodeView(
             cost=decode.load.step_cost,
             running_requests=decode.load.num_running_requests,
