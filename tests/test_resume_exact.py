@@ -40,15 +40,16 @@ PARAMS = {
 }
 
 
-def _run(core: EngineCore, request_id: str, prompt: list[int], params: SamplingParams,
-         prior: list[int]) -> list[int]:  # fmt: skip
-    """The tokens the engine generates for the request (after ``prior``), to its end."""
-    core.add_request(request_id, prompt, params, prior)
-    tokens: list[int] = []
+def _run(core: EngineCore, prompt: list[int], params: SamplingParams,
+         priors: dict[str, list[int]]) -> dict[str, list[int]]:  # fmt: skip
+    """Each request id's tokens generated after its prior output, all in one batch (float32
+    is batch invariant: a request's tokens do not depend on what shares its steps)."""
+    for request_id, prior in priors.items():
+        core.add_request(request_id, prompt, params, prior)
+    tokens: dict[str, list[int]] = {request_id: [] for request_id in priors}
     while core.has_unfinished:
         for output in core.step():
-            assert output.update.request_id == request_id
-            tokens.extend(output.update.new_token_ids)
+            tokens[output.update.request_id].extend(output.update.new_token_ids)
     return tokens
 
 
@@ -60,11 +61,12 @@ def test_a_resumed_request_goes_on_as_if_it_had_never_moved(
     core = llm.engine
     prompt = llm.encode_prompt(PROMPT_TEXT)
     params = PARAMS[kind]
-    whole = _run(core, f"{kind}-whole", prompt, params, [])
+    whole = _run(core, prompt, params, {"whole": []})["whole"]
     assert len(whole) == MAX_TOKENS  # no EOS inside: every cut below resumes something
-    for cut in (1, 7, MAX_TOKENS - 1):
-        rest = _run(core, f"{kind}-from-{cut}", prompt, params, whole[:cut])
-        assert whole[:cut] + rest == whole, cut
+    cuts = (1, 7, MAX_TOKENS - 1)
+    rests = _run(core, prompt, params, {f"from-{cut}": whole[:cut] for cut in cuts})
+    for cut in cuts:
+        assert whole[:cut] + rests[f"from-{cut}"] == whole, cut
     assert_no_leaks(llm)
 
 

@@ -246,6 +246,7 @@ def test_the_calibrator_records_prompt_and_decode_steps_of_a_real_engine() -> No
     assert not core.has_unfinished  # every phase ran to the end
 
 
+@pytest.mark.slow  # 7 s; bench/bench_scale.py hosts every simulated worker this way
 def test_one_process_hosts_several_simulated_workers_each_its_own_member(
     tmp_path: Path,
 ) -> None:
