@@ -42,6 +42,7 @@ from bench_security import UP_MODULE, tree_env
 from cluster_process import LocalCluster
 from machine_bound import cpu_name
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 from timing_stats import Json, emit_report, log_row, wait_for_quiet
 
 SPLITSERVE = Path(sys.executable).with_name("splitserve")
@@ -67,29 +68,36 @@ QUESTIONS = (
 )
 
 
-def metric(url: str, name: str, **labels: str) -> float:
-    """A counter on a /metrics page, summed over the samples whose labels include ``labels``."""
+def scrape(url: str) -> list[Sample]:
+    """Every sample on a /metrics page."""
     with urllib.request.urlopen(url, timeout=10) as reply:
         text = reply.read().decode()
+    return [sample for family in text_string_to_metric_families(text) for sample in family.samples]
+
+
+def counter(samples: Sequence[Sample], name: str, **labels: str) -> float:
+    """A counter summed over the samples whose labels include ``labels``."""
     return sum(
         sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
+        for sample in samples
         if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
     )
 
 
-def placements(url: str) -> dict[str, float]:
-    """``where/reason`` -> decisions so far, from the coordinator's /metrics."""
-    with urllib.request.urlopen(url, timeout=10) as reply:
-        text = reply.read().decode()
+def placements(samples: Sequence[Sample]) -> dict[str, float]:
+    """``where/reason`` -> decisions so far, from the coordinator's samples."""
     return {
         f"{sample.labels['where']}/{sample.labels['reason']}": sample.value
-        for family in text_string_to_metric_families(text)
-        if family.name == "splitserve_placement_decisions"
-        for sample in family.samples
-        if sample.name.endswith("_total")
+        for sample in samples
+        if sample.name == "splitserve_placement_decisions_total"
     }
+
+
+def decode_figures(url: str) -> tuple[float, float]:
+    """(KV bytes landed, blocks reused) so far on the decode worker."""
+    samples = scrape(url)
+    landed = counter(samples, "splitserve_kv_transfer_bytes_total", direction="receive")
+    return landed, counter(samples, "splitserve_kv_reused_blocks_total")
 
 
 async def one_turn(
@@ -128,14 +136,13 @@ async def conversations(args: argparse.Namespace, url: str, metrics: dict[str, s
             for index, chat in enumerate(chats):
                 question = QUESTIONS[(turn + index) % len(QUESTIONS)]
                 chat.append({"role": "user", "content": question})
-            kv_before = metric(metrics["decode"], "splitserve_kv_transfer_bytes_total",
-                               direction="receive")  # fmt: skip
-            reused_before = metric(metrics["decode"], "splitserve_kv_reused_blocks_total")
-            placed_before = placements(metrics["coordinator"])
+            kv_before, reused_before = decode_figures(metrics["decode"])
+            placed_before = placements(scrape(metrics["coordinator"]))
             answers = await asyncio.gather(
                 *(one_turn(client, model, chat, args.reply_tokens) for chat in chats)
             )
-            placed_after = placements(metrics["coordinator"])
+            kv_after, reused_after = decode_figures(metrics["decode"])
+            placed_after = placements(scrape(metrics["coordinator"]))
             for chat, (text, _, _) in zip(chats, answers, strict=True):
                 chat.append({"role": "assistant", "content": text})
             usages = [usage for _, usage, _ in answers]
@@ -148,20 +155,8 @@ async def conversations(args: argparse.Namespace, url: str, metrics: dict[str, s
                 "computed_tokens": statistics.mean(
                     u["prompt_tokens"] - c for u, c in zip(usages, cached, strict=True)
                 ),
-                "kv_mb": round(
-                    (
-                        metric(
-                            metrics["decode"],
-                            "splitserve_kv_transfer_bytes_total",
-                            direction="receive",
-                        )
-                        - kv_before
-                    )
-                    / 1e6,
-                    2,
-                ),  # fmt: skip
-                "reused_blocks": metric(metrics["decode"], "splitserve_kv_reused_blocks_total")
-                - reused_before,
+                "kv_mb": round((kv_after - kv_before) / 1e6, 2),
+                "reused_blocks": reused_after - reused_before,
                 "ttft_ms": round(statistics.median(first for *_, first in answers) * 1e3, 1),
                 "placements": {
                     key: value - placed_before.get(key, 0)

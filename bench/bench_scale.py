@@ -47,9 +47,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from bench_crowd import CrowdRecord, _run_crowd, percentiles
-from bench_relay_cpu import role_of
+from bench_relay_cpu import role_of, ticks_by_role
 from bench_security import UP_MODULE, tree_env
-from cluster_process import CLK_TCK, LocalCluster, process_ticks
+from cluster_process import CLK_TCK, LocalCluster
 from machine_bound import cpu_name
 from timing_stats import Json, emit_report, log_row, wait_for_quiet
 
@@ -98,14 +98,6 @@ class MemorySampler:
         self._thread.join()
 
 
-def _ticks(pids: Sequence[int]) -> dict[str, int]:
-    totals: dict[str, int] = {}
-    for pid in pids:
-        role = role_of(pid)
-        totals[role] = totals.get(role, 0) + process_ticks(pid)
-    return totals
-
-
 def _step_ms(profile: Json, batch: int) -> float:
     """The profile's decode step time at ``batch`` requests (context cost left out: the
     streams' contexts are short)."""
@@ -149,12 +141,12 @@ def one_run(args: argparse.Namespace, coordinators: int, workers: int, streams: 
             via="http", streams=streams, clients=args.clients, lead_s=args.lead_s,
             timeout_s=args.timeout_s, max_tokens=args.max_tokens, records=None,
         )  # fmt: skip
-        before, own_before = _ticks(pids), _own_cpu_s()
+        before, own_before = ticks_by_role(pids), _own_cpu_s()
         started = time.perf_counter()
         with MemorySampler(pids) as memory:
             crowd, records = asyncio.run(_crowd(cluster.http_url, crowd_args))
         wall_s = time.perf_counter() - started - args.lead_s
-        after, own_after = _ticks(pids), _own_cpu_s()
+        after, own_after = ticks_by_role(pids), _own_cpu_s()
         errors = [line for line in cluster.log_lines("Traceback")][:10]
     served = [r for r in records if r.outcome == "served"]
     tokens = sum(r.tokens for r in records)

@@ -461,17 +461,16 @@ class Attempt:
         silent_s = _silence_s(max(since, worker.last_seen), now)
         stream_s = _silence_s(since, now)
         stream_limit_s = PER_STREAM_STALL_FACTOR * limit_s
-        worker_due_s = limit_s - silent_s
+        remaining_s = limit_s - silent_s
         if (
-            worker_due_s <= TIMER_SLACK_S
+            remaining_s <= TIMER_SLACK_S
             and worker is self.route.decode
             and not self._heard_elsewhere(worker, now - limit_s)
         ):
-            worker_due_s = limit_s  # all quiet together: look again a limit later
-        if stream_limit_s - stream_s < worker_due_s:
+            remaining_s = limit_s  # all quiet together: look again a limit later
+        if stream_limit_s - stream_s < remaining_s:
             silent_s, stalled_after_s = stream_s, stream_limit_s
-            worker_due_s = stream_limit_s - stream_s
-        remaining_s = worker_due_s
+            remaining_s = stream_limit_s - stream_s
         if remaining_s <= TIMER_SLACK_S:
             self._events.put_nowait(StreamStalled(silent_s, stalled_after_s, state))
         else:

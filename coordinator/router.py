@@ -310,7 +310,9 @@ class Router:
 
         def score(worker: WorkerRecord) -> float:
             load = worker.load
-            cached = 0 if hashes_of is None else self.decode_cached_blocks(worker, hashes_of)
+            cached = 0
+            if hashes_of is not None:
+                cached = self.decode_cached_blocks(worker, hashes_of(worker.block_size))
             blocks_needed = -(-num_tokens // max(worker.block_size, 1)) - cached
             pending = len(self._pending[worker.worker_id].decoding)
             free_after = load.num_free_blocks - blocks_needed * (1 + pending)
@@ -320,11 +322,11 @@ class Router:
 
         return max(candidates, key=score)
 
-    def decode_cached_blocks(self, worker: WorkerRecord, hashes_of: HashesOf) -> int:
-        """Of a prompt's blocks (``hashes_of``), how many ``worker`` likely holds (leading
-        ones)."""
+    def decode_cached_blocks(self, worker: WorkerRecord, hashes: Sequence[BlockHash]) -> int:
+        """Of a prompt's block ``hashes`` (at ``worker``'s block size), how many ``worker``
+        likely holds (leading ones)."""
         memory = self._decode_prefix.get(worker.worker_id)
-        return 0 if memory is None else memory.overlap_blocks(hashes_of(worker.block_size))
+        return 0 if memory is None else memory.overlap_blocks(hashes)
 
     def _prefill_candidates(self, decode: WorkerRecord, num_tokens: int) -> list[WorkerRecord]:
         """Prefill workers that may push a prompt of ``num_tokens`` to ``decode``; never the
@@ -394,7 +396,7 @@ class Router:
     ) -> int:
         """Of a prompt, the tokens ``decode`` likely serves from its prefix cache: its cached
         leading blocks, never the prompt's last token (``KVCacheManager.find_cached_prefix``)."""
-        blocks = self.decode_cached_blocks(decode, lambda _: hashes)
+        blocks = self.decode_cached_blocks(decode, hashes)
         return min(blocks, (num_prompt_tokens - 1) // decode.block_size) * decode.block_size
 
     def _queued_prefill_tokens(self, worker: WorkerRecord) -> int:

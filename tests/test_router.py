@@ -328,4 +328,4 @@ def test_a_conversations_next_turn_goes_back_to_the_decode_worker_holding_it() -
     assert route is not None and route.decode is other
     assert route.placement is not None and route.placement.reason is not Reason.LOCAL_CACHED
     router.forget(holder.worker_id)
-    assert router.decode_cached_blocks(holder, lambda size: prompt_block_hashes(turn2, size)) == 0
+    assert router.decode_cached_blocks(holder, prompt_block_hashes(turn2, 16)) == 0
