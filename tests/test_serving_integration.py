@@ -9,9 +9,11 @@ afterwards, as the workers themselves report it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import grpc
@@ -21,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from splitserve.common.grammar import GrammarSpec
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.checkpoint import LoadedCheckpoint
+from splitserve.engine.llm import LLM
 from splitserve.proto import convert
 from splitserve.proto.splitserve.v1 import (
     common_pb2,
@@ -80,15 +83,18 @@ async def _generate_all(address: str, requests: list[coordinator_pb2.GenerateReq
         return await asyncio.gather(*(_generate(stub, r) for r in requests))
 
 
-def test_disaggregated_equals_colocated_and_frees_every_block(
-    default_checkpoint_fp32: LoadedCheckpoint,
-) -> None:
+def _references(
+    checkpoint: LoadedCheckpoint, params: SamplingParams
+) -> tuple[LLM, list[coordinator_pb2.GenerateRequest], list[list[int]], list[int], list[int]]:
+    """The in-process float32 engine, the requests the cluster gets and what each must
+    return (``PROMPTS`` greedy, two logit-biased, two constrained, in that order), and a
+    conversation's next turn with its expected output. Two batches: the second's requests
+    depend on the first's outputs."""
+    llm = make_llm(checkpoint)
     requests = [
         coordinator_pb2.GenerateRequest(request_id=f"p{i}", text=text, sampling=_greedy(24))
         for i, text in enumerate(PROMPTS)
     ]
-    params = SamplingParams(max_tokens=24, min_tokens=24, temperature=0.0)
-    llm = make_llm(default_checkpoint_fp32)
     expected = [list(output.token_ids) for output in llm.generate(PROMPTS, params)]
     # logit_bias on the prefill worker's first token and every decode step: it bans each
     # prompt's first greedy token and favours the next other one
@@ -96,18 +102,12 @@ def test_disaggregated_equals_colocated_and_frees_every_block(
         {tokens[0]: -100.0, next(t for t in tokens if t != tokens[0]): 2.5}
         for tokens in expected[:2]
     ]
-    biased_expected = [
-        list(llm.generate([text], replace(params, logit_bias=bias))[0].token_ids)
-        for text, bias in zip(PROMPTS, biases, strict=False)
-    ]
-    assert all(b != e for b, e in zip(biased_expected, expected, strict=False))
     requests += [
         coordinator_pb2.GenerateRequest(
             request_id=f"b{i}", text=text, sampling=_greedy(24, logit_bias=bias)
         )
         for i, (text, bias) in enumerate(zip(PROMPTS, biases, strict=False))
     ]
-    expected += biased_expected
     # structured outputs: the prefill worker's first token obeys the grammar, the decode
     # worker's matcher starts from it (carried with the KV, not sampled again)
     schema = {
@@ -117,22 +117,43 @@ def test_disaggregated_equals_colocated_and_frees_every_block(
         "additionalProperties": False,
     }
     grammars = [GrammarSpec.json_schema(schema), GrammarSpec("regex", "[0-9]{2}-[a-z]{3,8}")]
-    for i, spec in enumerate(grammars):
-        constrained = replace(params, max_tokens=48, min_tokens=0, grammar=spec)
-        (reference,) = llm.generate([PROMPTS[i]], constrained)
-        expected.append(list(reference.token_ids))
-        wire = convert.sampling_to_proto(constrained)
-        requests.append(
-            coordinator_pb2.GenerateRequest(request_id=f"g{i}", text=PROMPTS[i], sampling=wire)
+    constrained = [replace(params, max_tokens=48, min_tokens=0, grammar=spec) for spec in grammars]
+    requests += [
+        coordinator_pb2.GenerateRequest(
+            request_id=f"g{i}", text=PROMPTS[i], sampling=convert.sampling_to_proto(sampling)
         )
-    assert json.loads(llm.tokenizer.decode(expected[-2]))["name"]  # finished, and parses
+        for i, sampling in enumerate(constrained)
+    ]
     # a conversation's next turn: turn 1 (PROMPTS[4]), its reply, a new message; the decode
     # worker decoded turn 1, so only the blocks after what it holds travel
     turn2 = llm.encode_prompt(PROMPTS[4]) + expected[4] + llm.encode_prompt(" And then?")
-    (turn2_expected,) = llm.generate([turn2], params)
+    second = llm.generate(
+        [*PROMPTS[:2], *PROMPTS[: len(grammars)], turn2],
+        [*(replace(params, logit_bias=bias) for bias in biases), *constrained, params],
+    )
+    biased_expected = [list(output.token_ids) for output in second[:2]]
+    assert all(b != e for b, e in zip(biased_expected, expected, strict=False))
+    expected += biased_expected
+    expected += [list(output.token_ids) for output in second[2:4]]
+    assert json.loads(llm.tokenizer.decode(expected[-2]))["name"]  # finished, and parses
+    return llm, requests, expected, turn2, list(second[4].token_ids)
 
+
+def test_disaggregated_equals_colocated_and_frees_every_block(
+    default_checkpoint_fp32: LoadedCheckpoint,
+) -> None:
+    params = SamplingParams(max_tokens=24, min_tokens=24, temperature=0.0)
     lines: dict[str, str] = {}
-    with cluster(1, 1, *WORKER_FLAGS, ready_lines=lines, gateway=False) as disaggregated:
+    with contextlib.ExitStack() as stack:
+        # the cluster starts (its processes load the model) while the references compute
+        with ThreadPoolExecutor(1) as starter:
+            started = starter.submit(
+                stack.enter_context, cluster(1, 1, *WORKER_FLAGS, ready_lines=lines, gateway=False)
+            )
+            llm, requests, expected, turn2, turn2_expected = _references(
+                default_checkpoint_fp32, params
+            )
+            disaggregated = started.result()
         # up says ready only once the coordinator routes to every worker it started: a
         # request sent right away may use the prefill worker
         assert routable_members(disaggregated) == {"prefill-0", "decode-1"}
@@ -152,7 +173,7 @@ def test_disaggregated_equals_colocated_and_frees_every_block(
             token_ids=coordinator_pb2.TokenIds(ids=turn2), sampling=_greedy(24)
         )
         ((tokens, _),) = asyncio.run(_generate_all(disaggregated, [conversation]))
-        assert tokens == list(turn2_expected.token_ids)
+        assert tokens == turn2_expected
         held = (len(llm.encode_prompt(PROMPTS[4])) + 24 - 1) // 16  # its last token: no KV
         after = transfer_figures(lines["decode metrics"])
         assert after.reused_blocks - before.reused_blocks == held
