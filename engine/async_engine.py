@@ -53,7 +53,7 @@ from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine_core import EngineCore
 from splitserve.engine.engine_face import EngineFacts, LayerHook, PagedKv, ReservedBlocks
-from splitserve.engine.engine_report import EngineReport, RequestPhases
+from splitserve.engine.engine_report import EngineReport, RequestPhases, StepTiming
 from splitserve.engine.reservation_queue import (
     DEFAULT_MAX_WAITING,
     PendingReservation,
@@ -387,13 +387,13 @@ class AsyncEngine:
                 continue
             finally:
                 self._step_started = None
+            timing = self._core.last_step
             if self.step_threads is not None:
-                timing = self._core.last_step
                 self.step_threads.after_step(timing.seconds, timing.predicted_s)
             for output in outputs:
                 self._deliver(output)
             self._serve_reservations()
-            self._publish()
+            self._publish(timing)
 
     def _serve_reservations(self) -> bool:
         """Grant waiting reservations the pool can take now (blocks come back only in
@@ -414,17 +414,17 @@ class AsyncEngine:
         then reads the report sees its effect."""
         self._after_refresh.append(lambda: _call_soon(loop, _settle, future, error, result))
 
-    def _publish(self) -> None:
+    def _publish(self, step: StepTiming | None = None) -> None:
         """Engine thread: a new ``latest_report`` (reservations waiting for blocks count as
-        waiting requests), handed to the listeners; then this round's outputs and command
-        results go out to their callers."""
+        waiting requests; ``step``: the step just taken, if one was), handed to the
+        listeners; then this round's outputs and command results go out to their callers."""
         load = self._core.load()
         if len(self._reservations):
             waiting = load.num_waiting_requests + len(self._reservations)
             load = dataclasses.replace(load, num_waiting_requests=waiting)
         finished = tuple(self._finished)
         self._finished.clear()
-        report = self._report = EngineReport(load, self._core.stats, finished)
+        report = self._report = EngineReport(load, self._core.stats, finished, step)
         for listener in self._report_listeners:
             try:
                 listener(report)

@@ -14,7 +14,7 @@ import importlib.util
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
@@ -28,7 +28,7 @@ from splitserve.common.model_files import resolve_model_path
 from splitserve.common.prompt import check_in_vocab
 from splitserve.common.request_update import StepOutput
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.common.step_cost import StepCostLearner, StepShape
+from splitserve.common.step_cost import StepCostLearner
 from splitserve.engine.checkpoint import LoadedCheckpoint, describe_checkpoint, load_checkpoint
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.device import resolve_dtype
@@ -39,7 +39,7 @@ from splitserve.engine.engine_face import (
     PagedKv,
     ReservedBlocks,
 )
-from splitserve.engine.engine_report import SchedulerStats
+from splitserve.engine.engine_report import SchedulerStats, StepTiming
 from splitserve.engine.grammar_matchers import GrammarMatchers
 from splitserve.engine.host_memory import return_freed_heap
 from splitserve.engine.kv_cache_manager import KVCacheManager
@@ -52,17 +52,6 @@ from splitserve.engine.sim_runner import SimulatedRunner, word_token_ids
 from splitserve.kernels.attention import AttentionBackend, TorchAttentionBackend
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class StepTiming:
-    """One step's wall time and what the step-time model predicted for it beforehand."""
-
-    seconds: float
-    predicted_s: float
-    """0 where the model had not yet seen enough steps of this step's kinds."""
-    shape: StepShape = StepShape(0, 0, 0)
-    """What the step computed (the step-cost model's features)."""
 
 
 class EngineCore:

@@ -16,6 +16,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from splitserve.common.load import EngineLoad
+from splitserve.common.step_cost import StepShape
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    """One step's wall time and what the step-time model predicted for it beforehand."""
+
+    seconds: float
+    predicted_s: float
+    """0 where the model had not yet seen enough steps of this step's kinds."""
+    shape: StepShape = StepShape(0, 0, 0)
+    """What the step computed (the step-cost model's features)."""
 
 
 @dataclass(frozen=True)
@@ -61,3 +73,6 @@ class EngineReport:
     finished: tuple[RequestPhases, ...] = ()
     """Requests that ended since the previous report, in the order they ended: each ended
     request is in exactly one report."""
+    step: StepTiming | None = None
+    """The engine step this report follows (each step that ran is in exactly one report);
+    None after a command batch or a reservation grant."""

@@ -85,13 +85,29 @@ def _rendered_cached() -> tuple[Doc, ...]:
     namespace = kustomization.get("namespace")
     docs: list[Doc] = []
     for resource in kustomization["resources"]:
-        for doc in yaml.safe_load_all((BASE / resource).read_text()):
-            if doc is None:
-                continue
-            if namespace and doc["kind"] not in CLUSTER_SCOPED_KINDS:
-                doc["metadata"]["namespace"] = namespace
-            docs.append(doc)
+        docs += [doc for doc in yaml.safe_load_all((BASE / resource).read_text()) if doc]
+    docs += _generated_config_maps(kustomization)
+    for doc in docs:
+        if namespace and doc["kind"] not in CLUSTER_SCOPED_KINDS:
+            doc["metadata"]["namespace"] = namespace
     return tuple(docs)
+
+
+def _generated_config_maps(kustomization: Doc) -> list[Doc]:
+    """The ConfigMaps of ``configMapGenerator`` as kustomize makes them from ``files`` (one
+    key per file, its base name) with ``generatorOptions``' labels; the test renders no other
+    generator input and no name suffix hash (``disableNameSuffixHash`` must be set)."""
+    generators = kustomization.get("configMapGenerator", [])
+    options = kustomization.get("generatorOptions", {})
+    if generators:
+        assert options.get("disableNameSuffixHash") is True, "a hash the test does not render"
+    maps = []
+    for generator in generators:
+        assert set(generator) <= {"name", "files"}, "a generator input the test does not render"
+        data = {Path(file).name: (BASE / file).read_text() for file in generator["files"]}
+        metadata = {"name": generator["name"], "labels": dict(options.get("labels", {}))}
+        maps.append({"apiVersion": "v1", "kind": "ConfigMap", "metadata": metadata, "data": data})
+    return maps
 
 
 def _rendered() -> list[Doc]:
@@ -406,7 +422,8 @@ neighbours); endpoints name Service ports by name."""
 
 def test_the_kustomization_lists_every_manifest_and_uses_only_what_the_test_renders() -> None:
     kustomization = _kustomization()
-    assert set(kustomization) <= {"apiVersion", "kind", "namespace", "resources"}, (
+    allowed = {"apiVersion", "kind", "namespace", "resources", "configMapGenerator"}
+    assert set(kustomization) <= allowed | {"generatorOptions"}, (
         "a kustomize feature the test does not render"
     )
     assert kustomization["kind"] == "Kustomization"

@@ -13,7 +13,12 @@ from typing import Any, TypeVar
 import pytest
 
 from splitserve.common.errors import InvalidRequestError, OverloadedError
-from splitserve.coordinator.admission import AdmissionConfig, KvAdmission, KvDemand
+from splitserve.coordinator.admission import (
+    AdmissionConfig,
+    AdmissionOutcome,
+    KvAdmission,
+    KvDemand,
+)
 from splitserve.coordinator.tenants import TenantLimits, TenantPolicy, TokenBucket
 
 T = TypeVar("T")
@@ -162,6 +167,8 @@ def test_higher_priority_is_admitted_first_within_what_the_tenant_may_ask() -> N
 
 def test_the_in_flight_limit_refuses_with_the_tenants_next_end_as_hint() -> None:
     admission = gate(TenantPolicy(TenantLimits(max_inflight=2)), capacity=1000)
+    outcomes: list[AdmissionOutcome] = []
+    admission.outcome_listeners.append(outcomes.append)
 
     async def scenario() -> None:
         await admission.admit("a", demand(16, 40), "t")  # ends in 40 x 0.05 = 2 s
@@ -175,6 +182,13 @@ def test_the_in_flight_limit_refuses_with_the_tenants_next_end_as_hint() -> None
         assert admission.refusals["tenant_inflight"] == 1
 
     run(scenario())
+    # every decision reaches the listeners with its tenant (metrics per tenant, and the
+    # retry hints' spread)
+    assert [(o.tenant, o.refused) for o in outcomes] == [
+        ("t", None), ("t", None), ("t", "tenant_inflight"), ("u", None), ("t", None)
+    ]  # fmt: skip
+    assert outcomes[2].retry_after_s == pytest.approx(0.5)
+    assert all(o.retry_after_s is None for o in outcomes if o.refused is None)
 
 
 def test_tokens_per_minute_refuse_with_the_refill_time_and_unused_output_comes_back() -> None:

@@ -26,6 +26,10 @@ Names (prefix ``splitserve_``; labels ``model_name``, ``role``):
   sends K and V of each run per layer as separate messages, so more runs mean more messages),
   ``kv_unsettled_blocks`` (decode, gauge: blocks a withdrawn transfer's unsettled receives
   keep out of the pool);
+- ``engine_step_seconds`` (histogram, label ``kind``: decode | prefill | mixed: the step ran
+  decode rows only, prompt tokens only, or both) and ``engine_step_decode_requests``
+  (histogram: requests decoded per step that decoded any, the decode batch size), observed
+  from each report that follows a step (steps that ran nothing are left out);
 - ``step_cost_seconds`` (gauge, label ``term``: the engine's learned step-time model,
   ``common/step_cost.py``: decode_base, per_decode_seq, per_context_token, prefill_base,
   per_prefill_token) and ``step_cost_steps`` (label ``part``: decode | prefill, steps fitted).
@@ -48,6 +52,15 @@ from splitserve.engine.engine_report import EngineReport
 
 _LABELS = ("model_name", "role")
 BLOCK_RUN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+STEP_SECONDS_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0,
+    2.5, 5.0,
+)  # fmt: skip
+"""One engine step: a millisecond (a GPU decode row) to seconds (a long prompt on a CPU)."""
+TRANSFER_DIRECTIONS = ("send", "receive")
+TRANSFER_FAILURE_REASONS = ("timeout", "aborted", "error")
+DECODE_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+STEP_KINDS = ("decode", "prefill", "mixed")
 STEP_COST_TERMS = (
     "decode_base",
     "per_decode_seq",
@@ -86,6 +99,9 @@ class TransferMetrics:
             [*_LABELS, "direction", "reason"],
             registry=registry,
         )
+        for direction in TRANSFER_DIRECTIONS:  # every series from the start, at 0
+            for reason in TRANSFER_FAILURE_REASONS:
+                self._failures.labels(*values, direction, reason)
         self.reservation_wait = Histogram(
             "splitserve_kv_reservation_wait_seconds",
             "Time a pushed prompt waited for free KV blocks on the decode worker.",
@@ -268,6 +284,45 @@ class _RequestPhaseMetrics:
                 self.decode.observe(end - first)
 
 
+class StepMetrics:
+    """Each engine step's time by kind and its decode batch size, observed from reports."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str, role: str) -> None:
+        seconds = Histogram(
+            "splitserve_engine_step_seconds",
+            "Wall time of one engine step, by what it ran: decode rows only, prompt tokens "
+            "only, or both (mixed).",
+            [*_LABELS, "kind"],
+            buckets=STEP_SECONDS_BUCKETS,
+            registry=registry,
+        )
+        self._seconds = {kind: seconds.labels(model_name, role, kind) for kind in STEP_KINDS}
+        self._decode_requests = Histogram(
+            "splitserve_engine_step_decode_requests",
+            "Requests decoded in one engine step (the decode batch), steps that decoded any.",
+            _LABELS,
+            buckets=DECODE_BATCH_BUCKETS,
+            registry=registry,
+        ).labels(model_name, role)
+
+    def observe(self, report: EngineReport) -> None:
+        """A report listener (engine thread): the step the report follows, if one ran."""
+        if report.step is None:
+            return
+        shape = report.step.shape
+        if shape.decode_seqs and shape.prefill_tokens:
+            kind = "mixed"
+        elif shape.decode_seqs:
+            kind = "decode"
+        elif shape.prefill_tokens:
+            kind = "prefill"
+        else:
+            return  # nothing ran
+        self._seconds[kind].observe(report.step.seconds)
+        if shape.decode_seqs:
+            self._decode_requests.observe(shape.decode_seqs)
+
+
 def install_engine_metrics(
     registry: CollectorRegistry, engine: AsyncEngine, model_name: str, role: str
 ) -> None:
@@ -275,3 +330,4 @@ def install_engine_metrics(
     registry.register(_EngineCollector(engine, model_name, role))
     phases = _RequestPhaseMetrics(registry, model_name, role)
     engine.add_report_listener(phases.observe)
+    engine.add_report_listener(StepMetrics(registry, model_name, role).observe)

@@ -1,0 +1,34 @@
+"""A worker's step metrics (``worker/metrics.py``), observed from engine reports: each step
+that ran is counted once under its kind, its decode rows as the batch size; reports after
+commands (no step) and steps that ran nothing are left out."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry
+
+from splitserve.common.step_cost import StepShape
+from splitserve.engine.engine_report import EngineReport, StepTiming
+from splitserve.worker.metrics import StepMetrics
+
+
+def test_each_step_counts_once_under_its_kind_with_its_decode_batch() -> None:
+    registry = CollectorRegistry()
+    metrics = StepMetrics(registry, "m", "decode")
+    shapes = [
+        (StepShape(8, 0, 800), 0.030),  # decode only, 8 requests
+        (StepShape(0, 256, 0), 0.120),  # a prompt chunk only
+        (StepShape(3, 64, 300), 0.050),  # both
+        (StepShape(0, 0, 0), 0.001),  # nothing ran: left out
+    ]
+    for shape, seconds in shapes:
+        metrics.observe(EngineReport(step=StepTiming(seconds, 0.0, shape)))
+    metrics.observe(EngineReport())  # after a command batch: no step
+
+    def value(name: str, **labels: str) -> float | None:
+        return registry.get_sample_value(name, {"model_name": "m", "role": "decode", **labels})
+
+    for kind, seconds in (("decode", 0.030), ("prefill", 0.120), ("mixed", 0.050)):
+        assert value("splitserve_engine_step_seconds_count", kind=kind) == 1
+        assert value("splitserve_engine_step_seconds_sum", kind=kind) == seconds
+    assert value("splitserve_engine_step_decode_requests_count") == 2
+    assert value("splitserve_engine_step_decode_requests_sum") == 11
