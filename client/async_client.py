@@ -105,6 +105,7 @@ class AsyncClient:
         priority: int = 0,
         targets: LatencyTargets | None = None,
         timeout_s: float | None | EllipsisType = ...,
+        traceparent: str = "",
     ) -> AsyncGenerator[Chunk | Finish, None]:
         """Stream a completion of exactly one of ``prompt`` (raw text), ``messages`` (chat,
         rendered with the model's template) or ``token_ids``: ``Chunk``s, then exactly one
@@ -116,9 +117,11 @@ class AsyncClient:
         ``priority``: admission order among waiting requests, higher first (at most the key's
         tenant's ``max_priority``, else INVALID_ARGUMENT). ``targets``: this request's own
         latency targets for where its prompt is computed (None: the coordinator's).
+        ``traceparent``: a W3C trace context (the ``traceparent`` header's value) whose trace
+        the request's spans join, where the cluster traces (``common/tracing.py``).
         """
         request = wire.generate_request(
-            prompt, messages, token_ids, sampling, request_id, priority, targets
+            prompt, messages, token_ids, sampling, request_id, priority, targets, traceparent
         )
         stream = StreamContinuation(request, Deadline(self._timeout(timeout_s)), self._start)
         while stream.needs_call:
@@ -148,6 +151,7 @@ class AsyncClient:
         priority: int = 0,
         targets: LatencyTargets | None = None,
         timeout_s: float | None | EllipsisType = ...,
+        traceparent: str = "",
     ) -> Generation:
         """The whole completion of ``stream()`` with the same arguments, joined."""
         chunks: list[Chunk] = []
@@ -158,6 +162,7 @@ class AsyncClient:
             sampling=sampling,
             request_id=request_id,
             priority=priority,
+            traceparent=traceparent,
             targets=targets,
             timeout_s=timeout_s,
         )

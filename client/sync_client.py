@@ -79,6 +79,7 @@ class Client:
         priority: int = 0,
         targets: LatencyTargets | None = None,
         timeout_s: float | None | EllipsisType = ...,
+        traceparent: str = "",
     ) -> Generator[Chunk | Finish, None, None]:
         """Stream a completion of exactly one of ``prompt``, ``messages`` or ``token_ids``:
         ``Chunk``s, then exactly one ``Finish``; raises ``ClientError``.
@@ -87,7 +88,7 @@ class Client:
         ``ValueError`` / ``TypeError`` or ``ClientError`` INVALID_ARGUMENT (see ``AsyncClient``).
         """
         request = wire.generate_request(
-            prompt, messages, token_ids, sampling, request_id, priority, targets
+            prompt, messages, token_ids, sampling, request_id, priority, targets, traceparent
         )
         stream = StreamContinuation(request, Deadline(self._timeout(timeout_s)), self._start)
         while stream.needs_call:
@@ -114,6 +115,7 @@ class Client:
         priority: int = 0,
         targets: LatencyTargets | None = None,
         timeout_s: float | None | EllipsisType = ...,
+        traceparent: str = "",
     ) -> Generation:
         """The whole completion of ``stream()`` with the same arguments, joined."""
         chunks: list[Chunk] = []
@@ -124,6 +126,7 @@ class Client:
             sampling=sampling,
             request_id=request_id,
             priority=priority,
+            traceparent=traceparent,
             targets=targets,
             timeout_s=timeout_s,
         )

@@ -41,11 +41,13 @@ def generate_request(
     request_id: str | None,
     priority: int = 0,
     targets: LatencyTargets | None = None,
+    traceparent: str = "",
 ) -> coordinator_pb2.GenerateRequest:
     """The request for exactly one of ``prompt``, ``messages`` or ``token_ids``
     (``request_id``: None or "" for a fresh one, ``new_request_id``; ``priority``: admission
     order among waiting requests, higher first; ``targets``: the request's own latency
-    targets, None for the coordinator's).
+    targets, None for the coordinator's; ``traceparent``: a W3C trace context whose trace
+    the request's spans join).
 
     Raises ``ValueError`` unless exactly one is given, ``TypeError`` for a malformed message and
     ``ClientError`` (INVALID_ARGUMENT) for sampling values the wire cannot carry.
@@ -55,7 +57,7 @@ def generate_request(
     if len(given) != 1:
         raise ValueError(f"give exactly one of prompt, messages, token_ids (got {given or 'none'})")
     request = coordinator_pb2.GenerateRequest(
-        request_id=request_id or new_request_id(), priority=priority
+        request_id=request_id or new_request_id(), priority=priority, traceparent=traceparent
     )
     if sampling is not None:
         request.sampling.CopyFrom(sampling.to_proto())

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 
+from opentelemetry.trace import Span, StatusCode
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -24,6 +25,8 @@ from prometheus_client import (
     disable_created_metrics,
     start_http_server,
 )
+
+from splitserve.common.tracing import NO_SPAN
 
 disable_created_metrics()  # no ``*_created`` series: they double the output and nobody reads them
 
@@ -126,15 +129,17 @@ class RequestMetrics:
             registry=registry,
         ).labels(*values)
 
-    def start(self) -> RequestTimer:
-        return RequestTimer(self)
+    def start(self, span: Span = NO_SPAN) -> RequestTimer:
+        return RequestTimer(self, span)
 
 
 class RequestTimer:
-    """Timestamps of one request; call ``tokens`` for every streamed chunk, then ``finish``."""
+    """Timestamps of one request; call ``tokens`` for every streamed chunk, then ``finish``.
+    ``span``: the request's span here (``common/tracing.py``), ended by ``finish``."""
 
-    def __init__(self, metrics: RequestMetrics) -> None:
+    def __init__(self, metrics: RequestMetrics, span: Span = NO_SPAN) -> None:
         self._metrics = metrics
+        self._span = span
         self.received = time.monotonic()
         self.first_token: float | None = None
         self.last_token: float | None = None
@@ -169,6 +174,12 @@ class RequestTimer:
         if self._finished:
             return
         self._finished = True
+        if self._span.is_recording():
+            self._span.set_attribute("splitserve.finish_reason", reason)
+            self._span.set_attribute("splitserve.completion_tokens", self.num_tokens)
+            if reason == "error":
+                self._span.set_status(StatusCode.ERROR)
+            self._span.end()
         metrics = self._metrics
         metrics.in_flight.dec()
         metrics.success[reason if reason in metrics.success else "error"].inc()

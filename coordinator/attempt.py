@@ -220,8 +220,11 @@ class Attempt:
         channels: WorkerChannels,
         timeouts: AttemptTimeouts,
         prior_output_token_ids: Sequence[int] = (),
+        traceparent: str = "",
     ) -> None:
+        """``traceparent``: the request's span, which the workers' spans join."""
         self.tracker = tracker
+        self._traceparent = traceparent
         self.route = route
         self.state = AttemptState.RESERVING if route.prefill else AttemptState.DECODING
         self.num_cached_tokens = 0
@@ -270,6 +273,7 @@ class Attempt:
             remote_prefill=self.route.prefill is not None,
             timeout_s=self._timeouts.request_s,
             prior_output_token_ids=self._prior_output,
+            traceparent=self._traceparent,
         )
         tasks = [asyncio.create_task(self._read_decode(call))]
         started = stage_start = self._started = time.monotonic()
@@ -526,6 +530,7 @@ class Attempt:
                     self._params,
                     reservation,
                     timeout_s=self._timeouts.prefill_s,
+                    traceparent=self._traceparent,
                 )
         except SplitserveError as error:
             if isinstance(error, WorkerUnavailableError):

@@ -82,11 +82,14 @@ class RequestFlow:
         config: FlowConfig,
         slo: Slo | None = None,
         arrived_at: float | None = None,
+        traceparent: str = "",
     ) -> None:
         """``slo``: the request's latency targets for placing its prompt (None: the router's
         default); ``arrived_at``: when it arrived (``time.monotonic``; None: now), the start
-        of its TTFT target, which placement counts the wait since (admission's queue)."""
+        of its TTFT target, which placement counts the wait since (admission's queue);
+        ``traceparent``: the request's span here, which every attempt's worker spans join."""
         self.request_id = request_id
+        self.traceparent = traceparent
         self.slo = slo
         self.arrived_at = time.monotonic() if arrived_at is None else arrived_at
         self.prompt_token_ids = prompt_token_ids
@@ -225,5 +228,6 @@ class RequestFlow:
             self._channels,
             self._config.timeouts,
             prior_output_token_ids=streamed,
+            traceparent=self.traceparent,
         )
         return self._attempt

@@ -37,6 +37,7 @@ from splitserve.common.membership import Role
 from splitserve.common.memory_budget import StreamCap, stream_cap
 from splitserve.common.metrics import serve_metrics
 from splitserve.common.model_files import load_tokenizer, model_name_of, resolve_model_path
+from splitserve.common.tracing import add_tracing_args, configure_tracing, shutdown_tracing
 from splitserve.coordinator import INTERNAL_READY, PUBLIC_READY
 from splitserve.coordinator.admission import AdmissionConfig
 from splitserve.coordinator.attempt import AttemptTimeouts
@@ -230,6 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_api_key_args(parser)
     add_health_needs_key_flag(parser, "gRPC health checks on the public port")
     add_membership_args(parser)
+    add_tracing_args(parser)
     return parser
 
 
@@ -274,6 +276,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s coordinator %(levelname)s %(message)s"
     )
+    configure_tracing("coordinator", args.otlp_traces_endpoint)
     model_path = resolve_model_path(args.model)
     slo = Slo(ttft_s=args.ttft_slo_ms / 1000, tpot_s=args.tpot_slo_ms / 1000)
     if not 0 < args.kv_share <= 1:
@@ -371,7 +374,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         await dial_check.close()
         await coordinator.channels.close()
 
-    serve_forever(run)
+    try:
+        serve_forever(run)
+    finally:
+        shutdown_tracing()
     return 0
 
 

@@ -19,6 +19,9 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
+
+from opentelemetry.trace import Span, SpanKind, StatusCode
 
 from splitserve.common.api_keys import ANONYMOUS, Caller
 from splitserve.common.errors import (
@@ -40,6 +43,13 @@ from splitserve.common.prompt import (
 from splitserve.common.sampling_params import AskedSampling
 from splitserve.common.step_cost import StepCost
 from splitserve.common.tokenizer import Tokenizer
+from splitserve.common.tracing import (
+    NO_SPAN,
+    REQUEST_ID_ATTRIBUTE,
+    start_span,
+    traceparent_of,
+    tracing_enabled,
+)
 from splitserve.coordinator.admission import (
     AdmissionConfig,
     KvAdmission,
@@ -47,6 +57,7 @@ from splitserve.coordinator.admission import (
     WorkerCapacity,
 )
 from splitserve.coordinator.flow import FlowConfig, RequestFlow
+from splitserve.coordinator.flow_trace import trace_flow
 from splitserve.coordinator.max_tokens import OutputLimits, fewest_max_tokens, settle_max_tokens
 from splitserve.coordinator.placement import NO_TARGETS, LatencyTargets
 from splitserve.coordinator.registry import WorkerRegistry
@@ -233,7 +244,7 @@ class Coordinator:
                 "prompt",
             )
 
-    async def generate(
+    def generate(
         self,
         request_id: str,
         prompt: Prompt,
@@ -242,6 +253,7 @@ class Coordinator:
         continue_after: Sequence[int] = (),
         priority: int = 0,
         targets: LatencyTargets = NO_TARGETS,
+        traceparent: str = "",
     ) -> AsyncIterator[tuple[RequestFlow, StreamChunk]]:
         """Stream a request's chunks (with its flow, for usage figures).
 
@@ -257,9 +269,49 @@ class Coordinator:
         client (``RequestFlow.replay``); the stream carries only what follows them, unless
         they already finish the request (then one final chunk without text).
         Every flow, also one that fails, is passed to ``flow_observer`` when it ends.
+        ``traceparent``: the caller's span; the request's span here (``coordinator
+        generate``, from arrival to its end or refusal) joins its trace (``common/tracing.py``).
         """
         arrived_at = time.monotonic()
+        args = (request_id, prompt, sampling, caller, continue_after, priority, targets)
+        if not tracing_enabled():
+            return self._generate(NO_SPAN, *args, arrived_at)
+        return self._traced(traceparent, *args, arrived_at)
+
+    async def _traced(
+        self, traceparent: str, request_id: str, *args: Any
+    ) -> AsyncIterator[tuple[RequestFlow, StreamChunk]]:
+        """``_generate`` under the request's span, ended (with the error, if one) when it
+        ends."""
+        span = start_span("coordinator generate", request_id, traceparent, kind=SpanKind.SERVER)
+        try:
+            async with contextlib.aclosing(self._generate(span, request_id, *args)) as stream:
+                async for item in stream:
+                    yield item
+        except GeneratorExit:  # the caller stopped reading: not this request's error
+            raise
+        except BaseException as error:
+            span.record_exception(error)
+            span.set_status(StatusCode.ERROR, type(error).__name__)
+            raise
+        finally:
+            span.end()
+
+    async def _generate(
+        self,
+        span: Span,
+        request_id: str,
+        prompt: Prompt,
+        sampling: AskedSampling,
+        caller: Caller,
+        continue_after: Sequence[int],
+        priority: int,
+        targets: LatencyTargets,
+        arrived_at: float,
+    ) -> AsyncIterator[tuple[RequestFlow, StreamChunk]]:
+        """``generate``'s work, under the request's ``span`` (``NO_SPAN``: untraced)."""
         request_id = scoped_request_id(request_id, caller) or f"req-{uuid.uuid4().hex}"
+        span.set_attribute(REQUEST_ID_ATTRIBUTE, request_id)
         if request_id in self._running:
             raise InvalidRequestError("this request id is already running", "request_id")
         sampling.check()
@@ -299,11 +351,13 @@ class Coordinator:
             self.config.flow,
             targets.slo(self.config.routing.slo),
             arrived_at,
+            traceparent_of(span),
         )
         self._running[request_id] = _Running(flow, caller)
         try:
             demand = KvDemand.of(len(prompt_ids), params.max_tokens, self.block_size)
             await self.admission.admit(request_id, demand, caller.tenant, priority)
+            span.add_event("admitted")
             if continue_after:
                 replayed = self._replay(flow, continue_after)
                 if replayed is not None:
@@ -315,6 +369,7 @@ class Coordinator:
         finally:
             self.admission.release(request_id)
             self._running.pop(request_id, None)
+            trace_flow(span, flow)
             if self.flow_observer is not None:
                 self.flow_observer(flow)
 

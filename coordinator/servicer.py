@@ -119,6 +119,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 continue_after=convert.token_ids(request.continue_after.ids),
                 priority=request.priority,
                 targets=_targets_of(request),
+                traceparent=request.traceparent,
             )
             async with contextlib.aclosing(stream):
                 async for flow, chunk in stream:

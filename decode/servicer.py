@@ -7,8 +7,10 @@ import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 
 import grpc
+from opentelemetry.trace import SpanKind, StatusCode
 
 from splitserve.common.errors import SplitserveError
+from splitserve.common.tracing import start_span
 from splitserve.decode.worker import DecodeWorker
 from splitserve.proto import convert
 from splitserve.proto.splitserve.v1 import worker_pb2, worker_pb2_grpc
@@ -70,8 +72,12 @@ class DecodeServicer(WorkerServicerBase[DecodeWorker], worker_pb2_grpc.DecodeWor
         self, worker: DecodeWorker, request: worker_pb2.WorkerGenerateRequest
     ) -> AsyncGenerator[worker_pb2.WorkerGenerateResponse, None]:
         """The request's responses: its reservation (remote prefill only, first), then its
-        step outputs; raises the ``SplitserveError`` it fails with."""
+        step outputs; raises the ``SplitserveError`` it fails with. Traced as ``decode``
+        (``common/tracing.py``): events at the reservation and the first tokens, the tokens
+        it streamed."""
         params = convert.sampling_from_proto(request.sampling)
+        span = start_span("decode", request.request_id, request.traceparent, kind=SpanKind.SERVER)
+        span.set_attribute("splitserve.remote_prefill", request.remote_prefill)
         events = worker.generate(
             request.request_id,
             convert.token_ids(request.prompt_token_ids),
@@ -79,15 +85,28 @@ class DecodeServicer(WorkerServicerBase[DecodeWorker], worker_pb2_grpc.DecodeWor
             request.remote_prefill,
             convert.token_ids(request.prior_output_token_ids),
         )
+        streamed = 0
         try:
             async for event in events:
                 if isinstance(event, KvReservation):
+                    span.add_event(
+                        "reserved",
+                        {"blocks": event.num_blocks, "cached_blocks": event.num_cached_blocks},
+                    )
                     reservation = convert.reservation_to_proto(event)
                     yield worker_pb2.WorkerGenerateResponse(reservation=reservation)
                 else:
+                    if not streamed:
+                        span.add_event("first tokens")
+                    streamed += len(event.update.new_token_ids)
                     tokens = convert.step_output_to_proto(event)
                     yield worker_pb2.WorkerGenerateResponse(tokens=tokens)
+        except SplitserveError as error:
+            span.set_status(StatusCode.ERROR, type(error).__name__)
+            raise
         finally:
+            span.set_attribute("splitserve.generated_tokens", streamed)
+            span.end()
             await events.aclose()
 
     async def Abort(

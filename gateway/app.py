@@ -37,6 +37,7 @@ import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from opentelemetry.trace import Span, SpanKind, StatusCode
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -55,6 +56,7 @@ from splitserve.client.connection import aio_channel, call_metadata
 from splitserve.client.stream_mux import StreamMultiplexer, relay_width
 from splitserve.common.api_keys import ApiKeys
 from splitserve.common.metrics import RequestMetrics, RequestTimer
+from splitserve.common.tracing import NO_SPAN, active_span, start_span, traceparent_of
 from splitserve.gateway import schemas
 from splitserve.gateway.api_key_check import RequireApiKey, bearer_key
 from splitserve.gateway.body_limit import DEFAULT_MAX_BODY_BYTES, LimitBody
@@ -393,6 +395,16 @@ async def _generate(
         raise ApiError(400, f"at most {MAX_CHOICES} choices (prompts x n)", param="n")
     echoes = await _echo_texts(client, body, prompts)
     response_id = f"{endpoint.id_prefix}-{request_id}"
+    # the request's span: the client's traceparent honoured, ours returned (ended with the
+    # request by its timer, or here when it fails before one starts)
+    span = start_span(
+        f"gateway {endpoint.path}",
+        request_id,
+        request.headers.get("traceparent", ""),
+        parent=active_span(),  # FastAPI's HTTP span (itself under the client's), if any
+        kind=SpanKind.SERVER,
+    )
+    traceparent = traceparent_of(span)
     builders, prompt_of, streams = [], [], []
     for p, prompt in enumerate(prompts):
         for j, sampling in enumerate(samplings):
@@ -410,16 +422,21 @@ async def _generate(
                     ),
                     priority=-(body.priority or 0),  # vLLM's order (lower first) to gRPC's
                     targets=LatencyTargets(ttft_ms=body.ttft_slo_ms, tpot_ms=body.tpot_slo_ms),
+                    traceparent=traceparent,
                 )
             )  # fmt: skip
     choices = Choices(builders, prompt_of, None if keep_best is None else body.n or 1)
     try:
         return await _respond(
             gateway, request, request_id, merged(streams), choices, bool(body.stream),
-            body.stream_options,
+            body.stream_options, span,
         )  # fmt: skip
-    except ApiError as error:
-        if error.param == "priority":  # the coordinator speaks gRPC's order
+    except BaseException as error:
+        if span.is_recording():  # failed before its timer took it
+            span.set_status(StatusCode.ERROR, type(error).__name__)
+            span.end()
+        if isinstance(error, ApiError) and error.param == "priority":
+            # the coordinator speaks gRPC's order
             error.message += (
                 f" (gRPC's order, higher first; this request's HTTP priority {body.priority} is "
                 "vLLM's, lower first, sent to the coordinator negated)"
@@ -451,13 +468,17 @@ async def _respond(
     choices: Choices,
     stream: bool,
     stream_options: schemas.StreamOptions | None,
+    span: Span = NO_SPAN,
 ) -> Response:
     """The response to the merged choice streams ``events``: an error status when one fails
     before the first item, else SSE frames (``stream``) or the whole body; 499 when the HTTP
-    client went away first."""
+    client went away first. ``span``: the request's, ended with it (its ``traceparent`` is
+    returned)."""
     assert gateway.metrics is not None  # set by check_model
-    timer = gateway.metrics.start()
+    timer = gateway.metrics.start(span)
     headers = {"x-request-id": request_id}
+    if traceparent := traceparent_of(span):
+        headers["traceparent"] = traceparent
     try:
         first = await unless_disconnected(request.receive, anext(events))
     except ClientError as error:

@@ -30,6 +30,7 @@ from splitserve.common.api_keys import add_api_key_args, add_health_needs_key_fl
 from splitserve.common.cpu_affinity import pin_or_exit
 from splitserve.common.env_flags import add_env_flag, env_default, truthy
 from splitserve.common.orphan import stop_when_orphaned
+from splitserve.common.tracing import add_tracing_args, configure_tracing, shutdown_tracing
 from splitserve.gateway.app import GatewayConfig, create_app
 from splitserve.gateway.body_limit import DEFAULT_MAX_BODY_BYTES
 from splitserve.gateway.disconnect import CLIENT_STALL_TIMEOUT_S
@@ -115,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_tls_args(parser)
     add_api_key_args(parser)
     add_health_needs_key_flag(parser, "/health and /metrics")
+    add_tracing_args(parser)
     return parser
 
 
@@ -126,6 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     keys = api_keys_or_exit(parser, args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s gateway %(levelname)s %(message)s")
     warn_if_backlog_capped()
+    configure_tracing("gateway", args.otlp_traces_endpoint)
     names = tuple(name.strip() for name in args.served_model_name.split(",") if name.strip())
     config = GatewayConfig(
         coordinator=args.coordinator,
@@ -182,7 +185,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, _after_drain)
     stop_when_orphaned()  # up died: SIGTERM ourselves, which uvicorn drains on
-    uvloop.run(serve())
+    try:
+        uvloop.run(serve())
+    finally:
+        shutdown_tracing()
     return 0 if server.started else 1
 
 

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from opentelemetry.trace import Span, StatusCode
 
 from splitserve.common.blocks import blocks_for_tokens
 from splitserve.common.errors import (
@@ -38,6 +39,7 @@ from splitserve.common.errors import (
 )
 from splitserve.common.kv_layout import KvLayout
 from splitserve.common.sampling_params import SamplingParams
+from splitserve.common.tracing import NO_SPAN, start_span
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.engine.engine_face import CompletedPrompt
 from splitserve.proto.worker_clients import DecodeWorkerClient, WorkerChannels
@@ -112,9 +114,11 @@ class PrefillWorker:
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
         target: KvReservation,
+        span: Span = NO_SPAN,
     ) -> PrefillDone:
         """Compute, push, hand over the first token; see the module docstring. Cancelling
-        aborts everything."""
+        aborts everything. ``span``: the request's here, under which the computing and the
+        end of the push are spans of their own (``common/tracing.py``)."""
         peer = await self._peer(target.decode_address)  # the handshake checks KV layouts
         self._check_target(prompt_token_ids, target)
         loop = asyncio.get_running_loop()
@@ -132,13 +136,20 @@ class PrefillWorker:
         first_only = dataclasses.replace(
             params, max_tokens=1, min_tokens=min(params.min_tokens, 1), stop=()
         )
+        compute = start_span("prefill compute", request_id, parent=span)
+        push = NO_SPAN
         try:
             last = None
             async for output in self.engine.generate(engine_id, list(prompt_token_ids), first_only):
                 last = output
+            compute.set_attribute("splitserve.prompt_tokens", len(prompt_token_ids))
+            compute.end()
             if last is None or not last.update.new_token_ids:
                 raise TransferAbortedError(f"request {request_id!r} was aborted during prefill")
-            await self._finish_sends(sender)
+            push = start_span("kv push", request_id, parent=span)
+            push.set_attribute("splitserve.kv_blocks", target.num_blocks)
+            push.set_attribute("splitserve.kv_cached_blocks", target.num_cached_blocks)
+            push.set_attribute("splitserve.kv_bytes", await self._finish_sends(sender))
             num_cached_tokens = last.update.num_cached_tokens
             first = FirstToken(
                 last.update.new_token_ids[0],
@@ -146,16 +157,21 @@ class PrefillWorker:
                 num_cached_tokens,
             )
             await peer.client.complete_kv(target, request_id, first, self.transfer_timeout_s)
-        except (TransferError, WorkerUnavailableError, WorkerCallError):
+        except (TransferError, WorkerUnavailableError, WorkerCallError) as error:
             self._forget_peer(target.decode_address)  # it may have restarted: handshake again
+            push.set_status(StatusCode.ERROR, type(error).__name__)
             raise
         finally:
             sender.abort()  # no-op once DONE
             self._outgoing.pop(engine_id, None)
+            for part in (compute, push):
+                if part.is_recording():  # not ended yet: the request failed in it
+                    part.end()
         return PrefillDone(num_cached_tokens)
 
-    async def _finish_sends(self, sender: LayerSender) -> None:
-        """Wait until every layer was sent (the prompt is computed); record the transfer."""
+    async def _finish_sends(self, sender: LayerSender) -> int:
+        """Wait until every layer was sent (the prompt is computed); record the transfer;
+        the bytes sent."""
         computed = time.perf_counter()
         try:
             bytes_sent = await sender.finish(self.transfer_timeout_s)
@@ -163,6 +179,7 @@ class PrefillWorker:
             self.transfer_metrics.failed("send", error)
             raise
         self.transfer_metrics.completed("send", bytes_sent, time.perf_counter() - computed)
+        return bytes_sent
 
     def _check_target(self, prompt_token_ids: Sequence[int], target: KvReservation) -> None:
         if target.compat_hash != self.layout.compat_hash:

@@ -162,15 +162,18 @@ class DecodeWorkerClient:
         remote_prefill: bool,
         timeout_s: float,
         prior_output_token_ids: Sequence[int] = (),
+        traceparent: str = "",
     ) -> DecodeCall | MultiplexedDecodeCall:
         """Start the request on the decode worker (stop strings stay with the caller);
-        ``prior_output_token_ids``: a resumed request's earlier tokens."""
+        ``prior_output_token_ids``: a resumed request's earlier tokens; ``traceparent``: the
+        caller's span (``common/tracing.py``)."""
         request = worker_pb2.WorkerGenerateRequest(
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,
             sampling=convert.sampling_to_proto(params, include_stop=False),
             remote_prefill=remote_prefill,
             prior_output_token_ids=prior_output_token_ids,
+            traceparent=traceparent,
         )
         if self._streams is not None:
             return MultiplexedDecodeCall(self._streams, request, timeout_s)
@@ -217,13 +220,16 @@ class PrefillWorkerClient:
         params: SamplingParams,
         reservation: RelayedReservation,
         timeout_s: float,
+        traceparent: str = "",
     ) -> PrefillDone:
-        """Compute the prompt and push its KV into ``reservation``; cancelling aborts it."""
+        """Compute the prompt and push its KV into ``reservation``; cancelling aborts it.
+        ``traceparent``: the caller's span (``common/tracing.py``)."""
         request = worker_pb2.PrefillRequest(
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,
             sampling=convert.sampling_to_proto(params, include_stop=False),
             target=reservation.message,
+            traceparent=traceparent,
         )
         reply = await call_internal(
             self._stub.Prefill(request, timeout=timeout_s, metadata=self._metadata)

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from splitserve.common.cpu_affinity import check_cores, parse_cpu_list
 from splitserve.common.env_flags import add_env_flag, env_default
 from splitserve.common.env_flags import truthy as _truthy
+from splitserve.common.tracing import add_tracing_args
 from splitserve.discovery.flags import add_membership_args
 from splitserve.engine.cli_args import add_engine_args
 from splitserve.proto.cluster_access import add_cluster_access_args
@@ -91,6 +92,7 @@ def add_worker_args(parser: argparse.ArgumentParser, env: Mapping[str, str] = os
     add_reflection_flag(group, env)
     add_cluster_access_args(group, env)
     add_membership_args(group, env)
+    add_tracing_args(group)
     add_engine_args(parser, env)
 
 

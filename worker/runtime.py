@@ -37,6 +37,7 @@ from splitserve.common.membership import Role, WorkerInfo, hosted_worker_ids, me
 from splitserve.common.metrics import serve_metrics
 from splitserve.common.model_files import model_name_of, resolve_model_path
 from splitserve.common.sampling_params import SamplingParams
+from splitserve.common.tracing import configure_tracing, shutdown_tracing
 from splitserve.discovery.etcd_announcer import EtcdAnnouncer
 from splitserve.discovery.flags import etcd_endpoints
 from splitserve.engine.async_engine import AsyncEngine
@@ -312,6 +313,7 @@ def worker_main(
         step_threads = step_threads_of(args)  # a lender says busy from here until it idles
     except (ValueError, OSError) as error:  # a malformed list, cores it lacks, a busy file
         parser.error(f"cores: {error}")
+    configure_tracing(label, args.otlp_traces_endpoint)  # its export thread on our cores
 
     if args.host_workers < 1:
         parser.error("--host-workers must be at least 1")
@@ -326,7 +328,10 @@ def worker_main(
         else:
             await run_worker(args, roles, access, stop, step_threads)
 
-    serve_forever(run)
+    try:
+        serve_forever(run)
+    finally:
+        shutdown_tracing()
     return 0
 
 

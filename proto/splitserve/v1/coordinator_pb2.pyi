@@ -29,7 +29,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "chat", "token_ids", "sampling", "continue_after", "priority", "latency_targets")
+    __slots__ = ("request_id", "text", "chat", "token_ids", "sampling", "continue_after", "priority", "latency_targets", "traceparent")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +38,7 @@ class GenerateRequest(_message.Message):
     CONTINUE_AFTER_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     LATENCY_TARGETS_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     chat: ChatPrompt
@@ -46,7 +47,8 @@ class GenerateRequest(_message.Message):
     continue_after: TokenIds
     priority: int
     latency_targets: LatencyTargets
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[ChatPrompt, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., continue_after: _Optional[_Union[TokenIds, _Mapping]] = ..., priority: _Optional[int] = ..., latency_targets: _Optional[_Union[LatencyTargets, _Mapping]] = ...) -> None: ...
+    traceparent: str
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[ChatPrompt, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., continue_after: _Optional[_Union[TokenIds, _Mapping]] = ..., priority: _Optional[int] = ..., latency_targets: _Optional[_Union[LatencyTargets, _Mapping]] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class LatencyTargets(_message.Message):
     __slots__ = ("ttft_ms", "tpot_ms")

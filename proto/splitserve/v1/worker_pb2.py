@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from splitserve.proto.splitserve.v1 import common_pb2 as splitserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1asplitserve/v1/worker.proto\x12\rsplitserve.v1\x1a\x1asplitserve/v1/common.proto\"\x9d\x01\n\x08KvLayout\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\x12\x0e\n\x06layout\x18\x07 \x01(\t\x12\x13\n\x0b\x63ompat_hash\x18\x08 \x01(\t\"\xb0\x01\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\'\n\x04role\x18\x02 \x01(\x0e\x32\x19.splitserve.v1.WorkerRole\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12*\n\tkv_layout\x18\x04 \x01(\x0b\x32\x17.splitserve.v1.KvLayout\x12\x12\n\nnum_blocks\x18\x05 \x01(\r\x12\x15\n\rmax_model_len\x18\x06 \x01(\r\"\xe9\x02\n\nWorkerLoad\x12\x18\n\x10num_total_blocks\x18\x01 \x01(\r\x12\x17\n\x0fnum_used_blocks\x18\x02 \x01(\r\x12\x1c\n\x14num_running_requests\x18\x03 \x01(\r\x12\x1c\n\x14num_waiting_requests\x18\x04 \x01(\r\x12\x1d\n\x15num_reserved_requests\x18\x05 \x01(\r\x12\x1a\n\x12num_running_tokens\x18\x06 \x01(\x04\x12\"\n\x1anum_pending_prefill_tokens\x18\x07 \x01(\x04\x12\r\n\x05ready\x18\x08 \x01(\x08\x12\x1d\n\x15num_finished_requests\x18\t \x01(\x04\x12*\n\tstep_cost\x18\n \x01(\x0b\x32\x17.splitserve.v1.StepCost\x12\x15\n\rprefill_share\x18\x0b \x01(\x01\x12\x1c\n\x14prefill_chunk_tokens\x18\x0c \x01(\r\"\xba\x01\n\x08StepCost\x12\x15\n\rdecode_base_s\x18\x01 \x01(\x01\x12\x18\n\x10per_decode_seq_s\x18\x02 \x01(\x01\x12\x1b\n\x13per_context_token_s\x18\x03 \x01(\x01\x12\x16\n\x0eprefill_base_s\x18\x04 \x01(\x01\x12\x1b\n\x13per_prefill_token_s\x18\x05 \x01(\x01\x12\x14\n\x0c\x64\x65\x63ode_steps\x18\x06 \x01(\x04\x12\x15\n\rprefill_steps\x18\x07 \x01(\x04\"\'\n\x10WatchLoadRequest\x12\x13\n\x0binterval_ms\x18\x01 \x01(\r\"\xae\x01\n\x15WorkerGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x16\n\x0eremote_prefill\x18\x04 \x01(\x08\x12\x1e\n\x16prior_output_token_ids\x18\x05 \x03(\x05\"\xcf\x01\n\rKvReservation\x12\x13\n\x0btransfer_id\x18\x01 \x01(\x04\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x02 \x01(\t\x12\x12\n\nnum_tokens\x18\x05 \x01(\r\x12\x13\n\x0b\x63ompat_hash\x18\x06 \x01(\t\x12\x13\n\x0b\x62lock_order\x18\x07 \x03(\r\x12\x13\n\x0brun_lengths\x18\x08 \x03(\r\x12\x17\n\x0ftransfer_secret\x18\t \x01(\x0c\x12\x19\n\x11num_cached_blocks\x18\n \x01(\rJ\x04\x08\x03\x10\x04J\x04\x08\x04\x10\x05\"\xd1\x01\n\x0cWorkerTokens\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12-\n\x08logprobs\x18\x02 \x03(\x0b\x32\x1b.splitserve.v1.TokenLogprob\x12\x32\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\x12\x17\n\rstop_token_id\x18\x04 \x01(\x05H\x00\x12#\n\x05usage\x18\x05 \x01(\x0b\x32\x14.splitserve.v1.UsageB\r\n\x0bstop_reason\"\x87\x01\n\x16WorkerGenerateResponse\x12\x33\n\x0breservation\x18\x01 \x01(\x0b\x32\x1c.splitserve.v1.KvReservationH\x00\x12-\n\x06tokens\x18\x02 \x01(\x0b\x32\x1b.splitserve.v1.WorkerTokensH\x00\x42\t\n\x07payload\"<\n\x12WorkerAbortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nas_stopped\x18\x02 \x01(\x08\"&\n\x13WorkerAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"C\n\x12KvHandshakeRequest\x12\'\n\x06layout\x18\x01 \x01(\x0b\x32\x17.splitserve.v1.KvLayoutJ\x04\x08\x02\x10\x03\"f\n\x13KvHandshakeResponse\x12\'\n\x06layout\x18\x01 \x01(\x0b\x32\x17.splitserve.v1.KvLayout\x12\x13\n\x0bucx_address\x18\x02 \x01(\x0c\x12\x11\n\ttransport\x18\x03 \x01(\t\"\xc0\x01\n\x11\x43ompleteKvRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\x04\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x03 \x01(\x05\x12\x37\n\rfirst_logprob\x18\x05 \x01(\x0b\x32\x1b.splitserve.v1.TokenLogprobH\x00\x88\x01\x01\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\rB\x10\n\x0e_first_logprobJ\x04\x08\x04\x10\x05\"\x14\n\x12\x43ompleteKvResponse\"\x9d\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12,\n\x06target\x18\x04 \x01(\x0b\x32\x1c.splitserve.v1.KvReservation\"J\n\x0fPrefillResponse\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\rJ\x04\x08\x01\x10\x02J\x04\x08\x02\x10\x03J\x04\x08\x04\x10\x05J\x04\x08\x05\x10\x06J\x04\x08\x06\x10\x07\"c\n\x14WorkerStreamsRequest\x12\x31\n\x05start\x18\x01 \x01(\x0b\x32 .splitserve.v1.WorkerStreamStartH\x00\x12\x10\n\x06\x63\x61ncel\x18\x02 \x01(\x04H\x00\x42\x06\n\x04kind\"W\n\x11WorkerStreamStart\x12\x0b\n\x03key\x18\x01 \x01(\x04\x12\x35\n\x07request\x18\x02 \x01(\x0b\x32$.splitserve.v1.WorkerGenerateRequest\"G\n\x15WorkerStreamsResponse\x12.\n\x05items\x18\x01 \x03(\x0b\x32\x1f.splitserve.v1.WorkerStreamItem\"\x8b\x01\n\x10WorkerStreamItem\x12\x0b\n\x03key\x18\x01 \x01(\x04\x12\x39\n\x08response\x18\x02 \x01(\x0b\x32%.splitserve.v1.WorkerGenerateResponseH\x00\x12\'\n\x03\x65nd\x18\x03 \x01(\x0b\x32\x18.splitserve.v1.StreamEndH\x00\x42\x06\n\x04kind*Z\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x01\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x02\x32\xc4\x03\n\x0c\x44\x65\x63odeWorker\x12`\n\x0fGenerateStreams\x12#.splitserve.v1.WorkerStreamsRequest\x1a$.splitserve.v1.WorkerStreamsResponse(\x01\x30\x01\x12Y\n\x08Generate\x12$.splitserve.v1.WorkerGenerateRequest\x1a%.splitserve.v1.WorkerGenerateResponse0\x01\x12N\n\x05\x41\x62ort\x12!.splitserve.v1.WorkerAbortRequest\x1a\".splitserve.v1.WorkerAbortResponse\x12T\n\x0bKvHandshake\x12!.splitserve.v1.KvHandshakeRequest\x1a\".splitserve.v1.KvHandshakeResponse\x12Q\n\nCompleteKv\x12 .splitserve.v1.CompleteKvRequest\x1a!.splitserve.v1.CompleteKvResponse2Z\n\rWorkerMonitor\x12I\n\tWatchLoad\x12\x1f.splitserve.v1.WatchLoadRequest\x1a\x19.splitserve.v1.WorkerLoad0\x01\x32Y\n\rPrefillWorker\x12H\n\x07Prefill\x12\x1d.splitserve.v1.PrefillRequest\x1a\x1e.splitserve.v1.PrefillResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1asplitserve/v1/worker.proto\x12\rsplitserve.v1\x1a\x1asplitserve/v1/common.proto\"\x9d\x01\n\x08KvLayout\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\x12\x0e\n\x06layout\x18\x07 \x01(\t\x12\x13\n\x0b\x63ompat_hash\x18\x08 \x01(\t\"\xb0\x01\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\'\n\x04role\x18\x02 \x01(\x0e\x32\x19.splitserve.v1.WorkerRole\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12*\n\tkv_layout\x18\x04 \x01(\x0b\x32\x17.splitserve.v1.KvLayout\x12\x12\n\nnum_blocks\x18\x05 \x01(\r\x12\x15\n\rmax_model_len\x18\x06 \x01(\r\"\xe9\x02\n\nWorkerLoad\x12\x18\n\x10num_total_blocks\x18\x01 \x01(\r\x12\x17\n\x0fnum_used_blocks\x18\x02 \x01(\r\x12\x1c\n\x14num_running_requests\x18\x03 \x01(\r\x12\x1c\n\x14num_waiting_requests\x18\x04 \x01(\r\x12\x1d\n\x15num_reserved_requests\x18\x05 \x01(\r\x12\x1a\n\x12num_running_tokens\x18\x06 \x01(\x04\x12\"\n\x1anum_pending_prefill_tokens\x18\x07 \x01(\x04\x12\r\n\x05ready\x18\x08 \x01(\x08\x12\x1d\n\x15num_finished_requests\x18\t \x01(\x04\x12*\n\tstep_cost\x18\n \x01(\x0b\x32\x17.splitserve.v1.StepCost\x12\x15\n\rprefill_share\x18\x0b \x01(\x01\x12\x1c\n\x14prefill_chunk_tokens\x18\x0c \x01(\r\"\xba\x01\n\x08StepCost\x12\x15\n\rdecode_base_s\x18\x01 \x01(\x01\x12\x18\n\x10per_decode_seq_s\x18\x02 \x01(\x01\x12\x1b\n\x13per_context_token_s\x18\x03 \x01(\x01\x12\x16\n\x0eprefill_base_s\x18\x04 \x01(\x01\x12\x1b\n\x13per_prefill_token_s\x18\x05 \x01(\x01\x12\x14\n\x0c\x64\x65\x63ode_steps\x18\x06 \x01(\x04\x12\x15\n\rprefill_steps\x18\x07 \x01(\x04\"\'\n\x10WatchLoadRequest\x12\x13\n\x0binterval_ms\x18\x01 \x01(\r\"\xc3\x01\n\x15WorkerGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x16\n\x0eremote_prefill\x18\x04 \x01(\x08\x12\x1e\n\x16prior_output_token_ids\x18\x05 \x03(\x05\x12\x13\n\x0btraceparent\x18\x06 \x01(\t\"\xcf\x01\n\rKvReservation\x12\x13\n\x0btransfer_id\x18\x01 \x01(\x04\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x02 \x01(\t\x12\x12\n\nnum_tokens\x18\x05 \x01(\r\x12\x13\n\x0b\x63ompat_hash\x18\x06 \x01(\t\x12\x13\n\x0b\x62lock_order\x18\x07 \x03(\r\x12\x13\n\x0brun_lengths\x18\x08 \x03(\r\x12\x17\n\x0ftransfer_secret\x18\t \x01(\x0c\x12\x19\n\x11num_cached_blocks\x18\n \x01(\rJ\x04\x08\x03\x10\x04J\x04\x08\x04\x10\x05\"\xd1\x01\n\x0cWorkerTokens\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12-\n\x08logprobs\x18\x02 \x03(\x0b\x32\x1b.splitserve.v1.TokenLogprob\x12\x32\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\x12\x17\n\rstop_token_id\x18\x04 \x01(\x05H\x00\x12#\n\x05usage\x18\x05 \x01(\x0b\x32\x14.splitserve.v1.UsageB\r\n\x0bstop_reason\"\x87\x01\n\x16WorkerGenerateResponse\x12\x33\n\x0breservation\x18\x01 \x01(\x0b\x32\x1c.splitserve.v1.KvReservationH\x00\x12-\n\x06tokens\x18\x02 \x01(\x0b\x32\x1b.splitserve.v1.WorkerTokensH\x00\x42\t\n\x07payload\"<\n\x12WorkerAbortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nas_stopped\x18\x02 \x01(\x08\"&\n\x13WorkerAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"C\n\x12KvHandshakeRequest\x12\'\n\x06layout\x18\x01 \x01(\x0b\x32\x17.splitserve.v1.KvLayoutJ\x04\x08\x02\x10\x03\"f\n\x13KvHandshakeResponse\x12\'\n\x06layout\x18\x01 \x01(\x0b\x32\x17.splitserve.v1.KvLayout\x12\x13\n\x0bucx_address\x18\x02 \x01(\x0c\x12\x11\n\ttransport\x18\x03 \x01(\t\"\xc0\x01\n\x11\x43ompleteKvRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\x04\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x03 \x01(\x05\x12\x37\n\rfirst_logprob\x18\x05 \x01(\x0b\x32\x1b.splitserve.v1.TokenLogprobH\x00\x88\x01\x01\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\rB\x10\n\x0e_first_logprobJ\x04\x08\x04\x10\x05\"\x14\n\x12\x43ompleteKvResponse\"\xb2\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12,\n\x06target\x18\x04 \x01(\x0b\x32\x1c.splitserve.v1.KvReservation\x12\x13\n\x0btraceparent\x18\x05 \x01(\t\"J\n\x0fPrefillResponse\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\rJ\x04\x08\x01\x10\x02J\x04\x08\x02\x10\x03J\x04\x08\x04\x10\x05J\x04\x08\x05\x10\x06J\x04\x08\x06\x10\x07\"c\n\x14WorkerStreamsRequest\x12\x31\n\x05start\x18\x01 \x01(\x0b\x32 .splitserve.v1.WorkerStreamStartH\x00\x12\x10\n\x06\x63\x61ncel\x18\x02 \x01(\x04H\x00\x42\x06\n\x04kind\"W\n\x11WorkerStreamStart\x12\x0b\n\x03key\x18\x01 \x01(\x04\x12\x35\n\x07request\x18\x02 \x01(\x0b\x32$.splitserve.v1.WorkerGenerateRequest\"G\n\x15WorkerStreamsResponse\x12.\n\x05items\x18\x01 \x03(\x0b\x32\x1f.splitserve.v1.WorkerStreamItem\"\x8b\x01\n\x10WorkerStreamItem\x12\x0b\n\x03key\x18\x01 \x01(\x04\x12\x39\n\x08response\x18\x02 \x01(\x0b\x32%.splitserve.v1.WorkerGenerateResponseH\x00\x12\'\n\x03\x65nd\x18\x03 \x01(\x0b\x32\x18.splitserve.v1.StreamEndH\x00\x42\x06\n\x04kind*Z\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x01\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x02\x32\xc4\x03\n\x0c\x44\x65\x63odeWorker\x12`\n\x0fGenerateStreams\x12#.splitserve.v1.WorkerStreamsRequest\x1a$.splitserve.v1.WorkerStreamsResponse(\x01\x30\x01\x12Y\n\x08Generate\x12$.splitserve.v1.WorkerGenerateRequest\x1a%.splitserve.v1.WorkerGenerateResponse0\x01\x12N\n\x05\x41\x62ort\x12!.splitserve.v1.WorkerAbortRequest\x1a\".splitserve.v1.WorkerAbortResponse\x12T\n\x0bKvHandshake\x12!.splitserve.v1.KvHandshakeRequest\x1a\".splitserve.v1.KvHandshakeResponse\x12Q\n\nCompleteKv\x12 .splitserve.v1.CompleteKvRequest\x1a!.splitserve.v1.CompleteKvResponse2Z\n\rWorkerMonitor\x12I\n\tWatchLoad\x12\x1f.splitserve.v1.WatchLoadRequest\x1a\x19.splitserve.v1.WorkerLoad0\x01\x32Y\n\rPrefillWorker\x12H\n\x07Prefill\x12\x1d.splitserve.v1.PrefillRequest\x1a\x1e.splitserve.v1.PrefillResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'splitserve.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_WORKERROLE']._serialized_start=2876
-  _globals['_WORKERROLE']._serialized_end=2966
+  _globals['_WORKERROLE']._serialized_start=2918
+  _globals['_WORKERROLE']._serialized_end=3008
   _globals['_KVLAYOUT']._serialized_start=74
   _globals['_KVLAYOUT']._serialized_end=231
   _globals['_WORKERINFO']._serialized_start=234
@@ -45,41 +45,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WATCHLOADREQUEST']._serialized_start=965
   _globals['_WATCHLOADREQUEST']._serialized_end=1004
   _globals['_WORKERGENERATEREQUEST']._serialized_start=1007
-  _globals['_WORKERGENERATEREQUEST']._serialized_end=1181
-  _globals['_KVRESERVATION']._serialized_start=1184
-  _globals['_KVRESERVATION']._serialized_end=1391
-  _globals['_WORKERTOKENS']._serialized_start=1394
-  _globals['_WORKERTOKENS']._serialized_end=1603
-  _globals['_WORKERGENERATERESPONSE']._serialized_start=1606
-  _globals['_WORKERGENERATERESPONSE']._serialized_end=1741
-  _globals['_WORKERABORTREQUEST']._serialized_start=1743
-  _globals['_WORKERABORTREQUEST']._serialized_end=1803
-  _globals['_WORKERABORTRESPONSE']._serialized_start=1805
-  _globals['_WORKERABORTRESPONSE']._serialized_end=1843
-  _globals['_KVHANDSHAKEREQUEST']._serialized_start=1845
-  _globals['_KVHANDSHAKEREQUEST']._serialized_end=1912
-  _globals['_KVHANDSHAKERESPONSE']._serialized_start=1914
-  _globals['_KVHANDSHAKERESPONSE']._serialized_end=2016
-  _globals['_COMPLETEKVREQUEST']._serialized_start=2019
-  _globals['_COMPLETEKVREQUEST']._serialized_end=2211
-  _globals['_COMPLETEKVRESPONSE']._serialized_start=2213
-  _globals['_COMPLETEKVRESPONSE']._serialized_end=2233
-  _globals['_PREFILLREQUEST']._serialized_start=2236
-  _globals['_PREFILLREQUEST']._serialized_end=2393
-  _globals['_PREFILLRESPONSE']._serialized_start=2395
-  _globals['_PREFILLRESPONSE']._serialized_end=2469
-  _globals['_WORKERSTREAMSREQUEST']._serialized_start=2471
-  _globals['_WORKERSTREAMSREQUEST']._serialized_end=2570
-  _globals['_WORKERSTREAMSTART']._serialized_start=2572
-  _globals['_WORKERSTREAMSTART']._serialized_end=2659
-  _globals['_WORKERSTREAMSRESPONSE']._serialized_start=2661
-  _globals['_WORKERSTREAMSRESPONSE']._serialized_end=2732
-  _globals['_WORKERSTREAMITEM']._serialized_start=2735
-  _globals['_WORKERSTREAMITEM']._serialized_end=2874
-  _globals['_DECODEWORKER']._serialized_start=2969
-  _globals['_DECODEWORKER']._serialized_end=3421
-  _globals['_WORKERMONITOR']._serialized_start=3423
-  _globals['_WORKERMONITOR']._serialized_end=3513
-  _globals['_PREFILLWORKER']._serialized_start=3515
-  _globals['_PREFILLWORKER']._serialized_end=3604
+  _globals['_WORKERGENERATEREQUEST']._serialized_end=1202
+  _globals['_KVRESERVATION']._serialized_start=1205
+  _globals['_KVRESERVATION']._serialized_end=1412
+  _globals['_WORKERTOKENS']._serialized_start=1415
+  _globals['_WORKERTOKENS']._serialized_end=1624
+  _globals['_WORKERGENERATERESPONSE']._serialized_start=1627
+  _globals['_WORKERGENERATERESPONSE']._serialized_end=1762
+  _globals['_WORKERABORTREQUEST']._serialized_start=1764
+  _globals['_WORKERABORTREQUEST']._serialized_end=1824
+  _globals['_WORKERABORTRESPONSE']._serialized_start=1826
+  _globals['_WORKERABORTRESPONSE']._serialized_end=1864
+  _globals['_KVHANDSHAKEREQUEST']._serialized_start=1866
+  _globals['_KVHANDSHAKEREQUEST']._serialized_end=1933
+  _globals['_KVHANDSHAKERESPONSE']._serialized_start=1935
+  _globals['_KVHANDSHAKERESPONSE']._serialized_end=2037
+  _globals['_COMPLETEKVREQUEST']._serialized_start=2040
+  _globals['_COMPLETEKVREQUEST']._serialized_end=2232
+  _globals['_COMPLETEKVRESPONSE']._serialized_start=2234
+  _globals['_COMPLETEKVRESPONSE']._serialized_end=2254
+  _globals['_PREFILLREQUEST']._serialized_start=2257
+  _globals['_PREFILLREQUEST']._serialized_end=2435
+  _globals['_PREFILLRESPONSE']._serialized_start=2437
+  _globals['_PREFILLRESPONSE']._serialized_end=2511
+  _globals['_WORKERSTREAMSREQUEST']._serialized_start=2513
+  _globals['_WORKERSTREAMSREQUEST']._serialized_end=2612
+  _globals['_WORKERSTREAMSTART']._serialized_start=2614
+  _globals['_WORKERSTREAMSTART']._serialized_end=2701
+  _globals['_WORKERSTREAMSRESPONSE']._serialized_start=2703
+  _globals['_WORKERSTREAMSRESPONSE']._serialized_end=2774
+  _globals['_WORKERSTREAMITEM']._serialized_start=2777
+  _globals['_WORKERSTREAMITEM']._serialized_end=2916
+  _globals['_DECODEWORKER']._serialized_start=3011
+  _globals['_DECODEWORKER']._serialized_end=3463
+  _globals['_WORKERMONITOR']._serialized_start=3465
+  _globals['_WORKERMONITOR']._serialized_end=3555
+  _globals['_PREFILLWORKER']._serialized_start=3557
+  _globals['_PREFILLWORKER']._serialized_end=3646
 # @@protoc_insertion_point(module_scope)

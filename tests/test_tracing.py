@@ -1,0 +1,206 @@
+"""One OpenTelemetry trace per request across every process (``common/tracing.py``), received
+by a real OTLP/gRPC receiver: an in-test ``TraceService`` (opentelemetry-proto) that the
+cluster's processes export to through the standard ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``.
+
+A ``splitserve up`` cluster (coordinator, a prefill and a decode worker with simulated engines,
+the gateway; prompts up to 32 tokens computed on the decode worker) serves two chats through
+the gateway, each with a client ``traceparent``: a long prompt (its prompt on the prefill
+worker, its KV pushed over UCX) streamed, and a short one (on the decode worker) whole. Each
+gets its trace: the client's trace id on every span of every process, the trace's spans
+connected (each span's parent is the client's span or another span of the trace), the
+request id on each span, the response's ``traceparent`` in the trace, and the spans of
+exactly the path it took.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from collections.abc import Iterator
+from concurrent import futures
+from dataclasses import dataclass
+
+import grpc
+import httpx
+import pytest
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+from tests.cluster import cluster
+
+pytestmark = pytest.mark.timeout(300)
+
+CLIENT_TRACE_IDS = ("4bf92f3577b34da6a3ce929d0e0e4736", "0af7651916cd43dd8448eb211c80319c")
+CLIENT_SPAN_ID = "00f067aa0ba902b7"
+LOCAL_PREFILL_MAX_TOKENS = 32
+
+
+@dataclass(frozen=True)
+class ReceivedSpan:
+    service: str
+    name: str
+    trace_id: str
+    span_id: str
+    parent_span_id: str
+    attributes: dict[str, object]
+
+
+class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
+    """Keeps every span exported to it."""
+
+    def __init__(self) -> None:
+        self.spans: list[ReceivedSpan] = []
+        self._lock = threading.Lock()
+
+    def Export(
+        self, request: trace_service_pb2.ExportTraceServiceRequest, context: grpc.ServicerContext
+    ) -> trace_service_pb2.ExportTraceServiceResponse:
+        received = []
+        for resource_spans in request.resource_spans:
+            service = next(
+                a.value.string_value
+                for a in resource_spans.resource.attributes
+                if a.key == "service.name"
+            )
+            for scope_spans in resource_spans.scope_spans:
+                for span in scope_spans.spans:
+                    attributes = {
+                        a.key: getattr(a.value, a.value.WhichOneof("value"))
+                        for a in span.attributes
+                    }
+                    received.append(
+                        ReceivedSpan(
+                            service,
+                            span.name,
+                            span.trace_id.hex(),
+                            span.span_id.hex(),
+                            span.parent_span_id.hex(),
+                            attributes,
+                        )
+                    )
+        with self._lock:
+            self.spans += received
+        return trace_service_pb2.ExportTraceServiceResponse()
+
+    def trace(self, trace_id: str) -> list[ReceivedSpan]:
+        with self._lock:
+            return [span for span in self.spans if span.trace_id == trace_id]
+
+
+@pytest.fixture
+def receiver() -> Iterator[tuple[Receiver, int]]:
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    servicer = Receiver()
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield servicer, port
+    finally:
+        server.stop(None)
+
+
+async def _chats(url: str) -> list[httpx.Response]:
+    async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+        model = (await client.get("/v1/models")).json()["data"][0]["id"]
+        long = "Tell me everything about the lighthouse keeper and the sea. " * 12
+        requests = [(long, True, "traced-remote"), ("Hi", False, "traced-local")]
+        responses = []
+        for (content, stream, request_id), trace_id in zip(requests, CLIENT_TRACE_IDS, strict=True):
+            headers = {
+                "traceparent": f"00-{trace_id}-{CLIENT_SPAN_ID}-01",
+                "x-request-id": request_id,
+            }
+            body = {
+                "model": model,
+                "messages": [{"role": "user", "content": content}],
+                "max_tokens": 6,
+                "stream": stream,
+            }
+            async with client.stream(
+                "POST", "/v1/chat/completions", json=body, headers=headers
+            ) as response:
+                await response.aread()
+            responses.append(response)
+        return responses
+
+
+def _wait_for(receiver: Receiver, trace_id: str, names: set[str]) -> list[ReceivedSpan]:
+    deadline = time.monotonic() + 20
+    while not names <= {span.name for span in receiver.trace(trace_id)}:
+        assert time.monotonic() < deadline, [s.name for s in receiver.trace(trace_id)]
+        time.sleep(0.1)
+    time.sleep(0.5)  # a span that should not be there would have come with the others
+    return receiver.trace(trace_id)
+
+
+def test_each_request_is_one_connected_trace_across_every_process(
+    receiver: tuple[Receiver, int],
+) -> None:
+    spans_in, port = receiver
+    env = {
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"http://127.0.0.1:{port}",
+        "OTEL_BSP_SCHEDULE_DELAY": "100",
+        "SPLITSERVE_LOCAL_PREFILL_MAX_TOKENS": str(LOCAL_PREFILL_MAX_TOKENS),
+    }
+    lines: dict[str, str] = {}
+    with cluster(1, 1, "--engine=sim", ready_lines=lines, env=env):
+        responses = asyncio.run(_chats(lines["splitserve gateway ready"]))
+        paths = {
+            CLIENT_TRACE_IDS[0]: {
+                "gateway /v1/chat/completions", "coordinator generate", "prefill",
+                "prefill compute", "kv push", "decode",
+            },
+            CLIENT_TRACE_IDS[1]: {"gateway /v1/chat/completions", "coordinator generate", "decode"},
+        }  # fmt: skip
+        traces = {
+            trace_id: _wait_for(spans_in, trace_id, names) for trace_id, names in paths.items()
+        }
+
+    for response, (trace_id, spans) in zip(responses, traces.items(), strict=True):
+        assert response.status_code == 200
+        returned = response.headers["traceparent"].split("-")
+        assert returned[1] == trace_id  # the client's trace, continued and returned
+        by_id = {span.span_id: span for span in spans}
+        assert returned[2] in by_id and by_id[returned[2]].service == "splitserve-gateway"
+        names = {span.name for span in spans}
+        # exactly the path it took beyond the gateway (which has FastAPI's HTTP spans too)
+        ours = paths[trace_id]
+        assert ours <= names
+        beyond = {span.name for span in spans if span.service != "splitserve-gateway"}
+        assert beyond == ours - {"gateway /v1/chat/completions"}
+        for span in spans:
+            assert span.parent_span_id in by_id or span.parent_span_id == CLIENT_SPAN_ID, span
+            if span.name in ours:
+                assert span.attributes["splitserve.request_id"] == response.headers["x-request-id"]
+        services = {span.name: span.service for span in spans}
+        assert services["coordinator generate"] == "splitserve-coordinator"
+        assert services["decode"] == "splitserve-decode"
+        (root,) = [span for span in spans if span.parent_span_id == CLIENT_SPAN_ID]
+        assert root.service == "splitserve-gateway"
+        (gateway,) = [span for span in spans if span.name == "gateway /v1/chat/completions"]
+        (coordinator,) = [span for span in spans if span.name == "coordinator generate"]
+        assert coordinator.parent_span_id == gateway.span_id
+        assert all(
+            by_id[span.parent_span_id].name == "coordinator generate"
+            for span in spans
+            if span.name in ("prefill", "decode")
+        )
+        where = "remote" if "prefill" in services else "local"
+        assert coordinator.attributes["splitserve.placement.where"] == where
+        assert ("prefill" in names) == (trace_id == CLIENT_TRACE_IDS[0])
+    remote = {span.name: span for span in traces[CLIENT_TRACE_IDS[0]]}
+    assert remote["prefill"].service == "splitserve-prefill"
+    assert int(remote["kv push"].attributes["splitserve.kv_bytes"]) > 0
+    assert remote["decode"].attributes["splitserve.remote_prefill"] is True
+    assert int(remote["decode"].attributes["splitserve.generated_tokens"]) == 6
+
+
+def test_without_an_endpoint_nothing_is_traced() -> None:
+    from splitserve.common import tracing
+
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    assert tracing.configure_tracing("coordinator", None, environ) is False
+    span = tracing.start_span("coordinator generate", "r")
+    assert not span.is_recording() and tracing.traceparent_of(span) == ""
