@@ -109,19 +109,18 @@ async def burst(url: str, model: str, streams: int, tokens: int) -> list[tuple[i
         )
 
 
+def burst_report(args: argparse.Namespace) -> Json:
+    """A report's opening: the machine, the burst's flags (``add_burst_args``) and
+    ``--up-flags``, no repetitions yet."""
+    setup = {"streams": args.streams, "max_tokens": args.max_tokens, "reps": args.reps}
+    setup["up_flags"] = shlex.split(args.up_flags)
+    return {"machine": {"cpu": cpu_name()}, "setup": setup, "reps": []}
+
+
 def run(args: argparse.Namespace) -> Json:
     relays = [relay.strip() for relay in args.relays.split(",") if relay.strip()]
-    report: Json = {
-        "machine": {"cpu": cpu_name()},
-        "setup": {
-            "streams": args.streams,
-            "max_tokens": args.max_tokens,
-            "reps": args.reps,
-            "relays": relays,
-            "up_flags": shlex.split(args.up_flags),
-        },
-        "reps": [],
-    }
+    report = burst_report(args)
+    report["setup"]["relays"] = relays
     for rep in range(args.reps):  # the relays alternate, a fresh cluster each
         for relay in relays:
             row = measure(args, relay)
@@ -180,13 +179,19 @@ def measure(args: argparse.Namespace, relay: str) -> Json:
     }
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--streams", type=int, default=64)
-    parser.add_argument("--max-tokens", type=int, default=128)
+def add_burst_args(parser: argparse.ArgumentParser, streams: int, max_tokens: int) -> None:
+    """The flags of a repeated burst: ``--streams`` sent at once of ``--max-tokens`` each,
+    ``--reps``, ``--wait-quiet-s`` before each, ``--out`` for the JSON report."""
+    parser.add_argument("--streams", type=int, default=streams)
+    parser.add_argument("--max-tokens", type=int, default=max_tokens)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--wait-quiet-s", type=float, default=20.0)
     parser.add_argument("--out", type=Path)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_burst_args(parser, streams=64, max_tokens=128)
     parser.add_argument(
         "--relays",
         default="multiplexed,per-stream",

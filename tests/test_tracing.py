@@ -9,31 +9,43 @@ worker, its KV pushed over UCX) streamed, and a short one (on the decode worker)
 gets its trace: the client's trace id on every span of every process, the trace's spans
 connected (each span's parent is the client's span or another span of the trace), the
 request id on each span, the response's ``traceparent`` in the trace, and the spans of
-exactly the path it took.
+exactly the path it took. Slow: a decode worker SIGKILLed mid-stream (the request resumed on
+another, in its trace, the coordinator span recording the resume) and a coordinator SIGKILLed
+mid-stream (each of its streams continued through the other coordinator, whose span joins the
+client's trace and records the continuation).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import signal
+import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent import futures
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import httpx
 import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from opentelemetry.proto.common.v1.common_pb2 import KeyValue
 
-from tests.cluster import cluster
+from splitserve.client import AsyncClient, Chunk, Sampling
+from tests.cluster import child_pid, cluster, worker_loads
 
 pytestmark = pytest.mark.timeout(300)
 
 CLIENT_TRACE_IDS = ("4bf92f3577b34da6a3ce929d0e0e4736", "0af7651916cd43dd8448eb211c80319c")
 CLIENT_SPAN_ID = "00f067aa0ba902b7"
 LOCAL_PREFILL_MAX_TOKENS = 32
+RESUMED_TRACE_ID = "5b8efff798038103d269b633813fc60c"
+RESUMED_TOKENS = 48
+CONTINUED_TRACE_IDS = tuple(f"{i:032x}" for i in range(0xA1, 0xA7))
 
 
 @dataclass(frozen=True)
@@ -44,6 +56,7 @@ class ReceivedSpan:
     span_id: str
     parent_span_id: str
     attributes: dict[str, object]
+    events: tuple[tuple[str, dict[str, object]], ...] = ()
 
 
 class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
@@ -65,10 +78,6 @@ class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
             )
             for scope_spans in resource_spans.scope_spans:
                 for span in scope_spans.spans:
-                    attributes = {
-                        a.key: getattr(a.value, a.value.WhichOneof("value"))
-                        for a in span.attributes
-                    }
                     received.append(
                         ReceivedSpan(
                             service,
@@ -76,7 +85,8 @@ class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
                             span.trace_id.hex(),
                             span.span_id.hex(),
                             span.parent_span_id.hex(),
-                            attributes,
+                            _attributes(span.attributes),
+                            tuple((e.name, _attributes(e.attributes)) for e in span.events),
                         )
                     )
         with self._lock:
@@ -86,6 +96,10 @@ class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
     def trace(self, trace_id: str) -> list[ReceivedSpan]:
         with self._lock:
             return [span for span in self.spans if span.trace_id == trace_id]
+
+
+def _attributes(attributes: Sequence[KeyValue]) -> dict[str, object]:
+    return {a.key: getattr(a.value, a.value.WhichOneof("value")) for a in attributes}
 
 
 @pytest.fixture
@@ -195,6 +209,128 @@ def test_each_request_is_one_connected_trace_across_every_process(
     assert int(remote["kv push"].attributes["splitserve.kv_bytes"]) > 0
     assert remote["decode"].attributes["splitserve.remote_prefill"] is True
     assert int(remote["decode"].attributes["splitserve.generated_tokens"]) == 6
+
+
+async def _stream_and_kill_its_decode_worker(
+    address: str, up: subprocess.Popen[str]
+) -> tuple[list[int], str]:
+    """One traced stream straight to the coordinator; once it has a few tokens, SIGKILL the
+    decode worker running it. Its tokens and the worker killed."""
+    sampling = Sampling(max_tokens=RESUMED_TOKENS, temperature=0.0, ignore_eos=True)
+    traceparent = f"00-{RESUMED_TRACE_ID}-{CLIENT_SPAN_ID}-01"
+    tokens: list[int] = []
+    victim = ""
+    async with AsyncClient(address) as client:
+        stream = client.stream("Count the waves:", sampling=sampling, traceparent=traceparent)
+        async for item in stream:
+            if isinstance(item, Chunk):
+                tokens += item.token_ids
+                if not victim and len(tokens) >= 3:
+                    loads = await asyncio.to_thread(worker_loads, address)
+                    (victim,) = [n for n, load in loads.items() if load.num_running_requests]
+                    os.kill(child_pid(up.pid, f"--worker-id={victim}"), signal.SIGKILL)
+    return tokens, victim
+
+
+@pytest.mark.slow  # a cluster of its own; the default suite keeps the remote and local paths
+def test_a_resumed_request_stays_in_its_trace(receiver: tuple[Receiver, int]) -> None:
+    """A decode worker killed mid-stream: the request goes on on the other one, in the same
+    trace, under the same coordinator span, which records the resume."""
+    spans_in, port = receiver
+    env = {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"http://127.0.0.1:{port}",
+           "OTEL_BSP_SCHEDULE_DELAY": "100"}  # fmt: skip
+    processes: list[subprocess.Popen[str]] = []
+    with cluster(1, 2, "--engine=sim", processes=processes, env=env) as address:
+        tokens, victim = asyncio.run(_stream_and_kill_its_decode_worker(address, processes[0]))
+        spans = _wait_for(spans_in, RESUMED_TRACE_ID, {"coordinator generate", "decode"})
+    assert len(tokens) == RESUMED_TOKENS and victim
+    (coordinator,) = [span for span in spans if span.name == "coordinator generate"]
+    assert coordinator.parent_span_id == CLIENT_SPAN_ID
+    assert ("recovery", {"kind": "decode_resume"}) in coordinator.events
+    # the survivor's span (the victim's died with it, unexported), under the same parent
+    decodes = [span for span in spans if span.name == "decode"]
+    assert decodes and all(span.parent_span_id == coordinator.span_id for span in decodes)
+    assert any(int(span.attributes["splitserve.generated_tokens"]) > 0 for span in decodes)
+
+
+def _coordinator_serving(up: subprocess.Popen[str], address: str) -> int:
+    """The pid of ``up``'s child that listens on ``address``'s port (from /proc: the
+    listening socket's inode among the child's open files)."""
+    port = int(address.rsplit(":", 1)[1])
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "0A":  # LISTEN
+                inodes.add(f"socket:[{fields[9]}]")
+    for pid in Path(f"/proc/{up.pid}/task/{up.pid}/children").read_text().split():
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            with contextlib.suppress(OSError):
+                if os.readlink(fd) in inodes:
+                    return int(pid)
+    raise LookupError(f"no child of up listens on {address}")
+
+
+async def _streams_through_a_dying_coordinator(target: str, up: subprocess.Popen[str]) -> None:
+    """``CONTINUED_STREAMS`` traced streams over both coordinators (the client spreads them);
+    once each has a token, coordinator-0 is SIGKILLed: its streams go on through the other."""
+    sampling = Sampling(max_tokens=RESUMED_TOKENS, temperature=0.0, ignore_eos=True)
+    async with AsyncClient(target) as client:
+
+        async def one(trace_id: str) -> None:
+            traceparent = f"00-{trace_id}-{CLIENT_SPAN_ID}-01"
+            stream = client.stream("Count the waves:", sampling=sampling, traceparent=traceparent)
+            got = 0
+            async for item in stream:
+                if isinstance(item, Chunk):
+                    got += len(item.token_ids)
+                    started[trace_id].set()
+            assert got == RESUMED_TOKENS
+
+        started = {trace_id: asyncio.Event() for trace_id in CONTINUED_TRACE_IDS}
+        tasks = [asyncio.create_task(one(trace_id)) for trace_id in CONTINUED_TRACE_IDS]
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started.values())), 60)
+        # the client's first address (its streams start there while it answers)
+        os.kill(_coordinator_serving(up, target.split(",")[0]), signal.SIGKILL)
+        await asyncio.gather(*tasks)
+
+
+@pytest.mark.slow  # a cluster of its own; the default suite keeps the remote and local paths
+def test_a_stream_continued_through_another_coordinator_stays_in_its_trace(
+    receiver: tuple[Receiver, int],
+) -> None:
+    """Coordinator-0 killed mid-stream: each of its streams is continued through the other
+    coordinator, whose span joins the client's trace and records the continuation."""
+    spans_in, port = receiver
+    env = {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"http://127.0.0.1:{port}",
+           "OTEL_BSP_SCHEDULE_DELAY": "100"}  # fmt: skip
+    processes: list[subprocess.Popen[str]] = []
+    flags = ("--coordinators=2",)
+    with cluster(1, 1, "--engine=sim", up_flags=flags, processes=processes, env=env) as target:
+        asyncio.run(_streams_through_a_dying_coordinator(target, processes[0]))
+        traces = [
+            _wait_for(spans_in, trace_id, {"coordinator generate", "decode"})
+            for trace_id in CONTINUED_TRACE_IDS
+        ]
+    continued = 0
+    for spans in traces:
+        coordinators = [span for span in spans if span.name == "coordinator generate"]
+        # the dead coordinator's span died with it, unexported: the survivor's is the one
+        (coordinator,) = coordinators
+        assert coordinator.parent_span_id == CLIENT_SPAN_ID
+        decodes = [span for span in spans if span.name == "decode"]
+        assert any(span.parent_span_id == coordinator.span_id for span in decodes)
+        others = [span for span in decodes if span.parent_span_id != coordinator.span_id]
+        if ("recovery", {"kind": "coordinator_continuation"}) in coordinator.events:
+            continued += 1
+            # the decode worker's span of the stream before the kill: under the dead
+            # coordinator's span, which never arrived
+            assert {span.parent_span_id for span in others}.isdisjoint(
+                span.span_id for span in spans
+            )
+        else:
+            assert not others
+    assert continued >= 1  # some streams were on the killed coordinator
 
 
 def test_without_an_endpoint_nothing_is_traced() -> None:
