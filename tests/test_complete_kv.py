@@ -30,7 +30,7 @@ from tests.test_decode_receive import NUM_BLOCKS, PROMPT, decode_worker, free_bl
 
 pytestmark = pytest.mark.timeout(120)
 
-LONG = SamplingParams(max_tokens=48, min_tokens=48, temperature=0.0)
+LONG = SamplingParams(max_tokens=32, min_tokens=32, temperature=0.0)
 """Long enough that the good request is still decoding when the bad CompleteKv arrives."""
 VOCAB = 49152
 """The default model's vocabulary (SmolLM2)."""
