@@ -106,6 +106,7 @@ class AsyncClient:
         targets: LatencyTargets | None = None,
         timeout_s: float | None | EllipsisType = ...,
         traceparent: str = "",
+        session_id: str = "",
     ) -> AsyncGenerator[Chunk | Finish, None]:
         """Stream a completion of exactly one of ``prompt`` (raw text), ``messages`` (chat,
         rendered with the model's template) or ``token_ids``: ``Chunk``s, then exactly one
@@ -119,10 +120,14 @@ class AsyncClient:
         latency targets for where its prompt is computed (None: the coordinator's).
         ``traceparent``: a W3C trace context (the ``traceparent`` header's value) whose trace
         the request's spans join, where the cluster traces (``common/tracing.py``).
+        ``session_id``: the session (conversation, agent, user) it belongs to: every
+        coordinator sends a session's requests to the same decode worker, where its earlier
+        turns' KV is, while that worker has room.
         """
         request = wire.generate_request(
-            prompt, messages, token_ids, sampling, request_id, priority, targets, traceparent
-        )
+            prompt, messages, token_ids, sampling, request_id, priority, targets, traceparent,
+            session_id,
+        )  # fmt: skip
         stream = StreamContinuation(request, Deadline(self._timeout(timeout_s)), self._start)
         while stream.needs_call:
             with stream.next_call() as call:
@@ -152,6 +157,7 @@ class AsyncClient:
         targets: LatencyTargets | None = None,
         timeout_s: float | None | EllipsisType = ...,
         traceparent: str = "",
+        session_id: str = "",
     ) -> Generation:
         """The whole completion of ``stream()`` with the same arguments, joined."""
         chunks: list[Chunk] = []
@@ -163,6 +169,7 @@ class AsyncClient:
             request_id=request_id,
             priority=priority,
             traceparent=traceparent,
+            session_id=session_id,
             targets=targets,
             timeout_s=timeout_s,
         )

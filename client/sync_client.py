@@ -80,6 +80,7 @@ class Client:
         targets: LatencyTargets | None = None,
         timeout_s: float | None | EllipsisType = ...,
         traceparent: str = "",
+        session_id: str = "",
     ) -> Generator[Chunk | Finish, None, None]:
         """Stream a completion of exactly one of ``prompt``, ``messages`` or ``token_ids``:
         ``Chunk``s, then exactly one ``Finish``; raises ``ClientError``.
@@ -88,8 +89,9 @@ class Client:
         ``ValueError`` / ``TypeError`` or ``ClientError`` INVALID_ARGUMENT (see ``AsyncClient``).
         """
         request = wire.generate_request(
-            prompt, messages, token_ids, sampling, request_id, priority, targets, traceparent
-        )
+            prompt, messages, token_ids, sampling, request_id, priority, targets, traceparent,
+            session_id,
+        )  # fmt: skip
         stream = StreamContinuation(request, Deadline(self._timeout(timeout_s)), self._start)
         while stream.needs_call:
             with stream.next_call() as call:
@@ -116,6 +118,7 @@ class Client:
         targets: LatencyTargets | None = None,
         timeout_s: float | None | EllipsisType = ...,
         traceparent: str = "",
+        session_id: str = "",
     ) -> Generation:
         """The whole completion of ``stream()`` with the same arguments, joined."""
         chunks: list[Chunk] = []
@@ -127,6 +130,7 @@ class Client:
             request_id=request_id,
             priority=priority,
             traceparent=traceparent,
+            session_id=session_id,
             targets=targets,
             timeout_s=timeout_s,
         )

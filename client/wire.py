@@ -42,12 +42,14 @@ def generate_request(
     priority: int = 0,
     targets: LatencyTargets | None = None,
     traceparent: str = "",
+    session_id: str = "",
 ) -> coordinator_pb2.GenerateRequest:
     """The request for exactly one of ``prompt``, ``messages`` or ``token_ids``
     (``request_id``: None or "" for a fresh one, ``new_request_id``; ``priority``: admission
     order among waiting requests, higher first; ``targets``: the request's own latency
     targets, None for the coordinator's; ``traceparent``: a W3C trace context whose trace
-    the request's spans join).
+    the request's spans join; ``session_id``: its session's, whose requests every coordinator
+    sends to the same decode worker while that one has room).
 
     Raises ``ValueError`` unless exactly one is given, ``TypeError`` for a malformed message and
     ``ClientError`` (INVALID_ARGUMENT) for sampling values the wire cannot carry.
@@ -57,7 +59,10 @@ def generate_request(
     if len(given) != 1:
         raise ValueError(f"give exactly one of prompt, messages, token_ids (got {given or 'none'})")
     request = coordinator_pb2.GenerateRequest(
-        request_id=request_id or new_request_id(), priority=priority, traceparent=traceparent
+        request_id=request_id or new_request_id(),
+        priority=priority,
+        traceparent=traceparent,
+        session_id=session_id,
     )
     if sampling is not None:
         request.sampling.CopyFrom(sampling.to_proto())

@@ -83,13 +83,16 @@ class RequestFlow:
         slo: Slo | None = None,
         arrived_at: float | None = None,
         traceparent: str = "",
+        session_id: str = "",
     ) -> None:
         """``slo``: the request's latency targets for placing its prompt (None: the router's
         default); ``arrived_at``: when it arrived (``time.monotonic``; None: now), the start
         of its TTFT target, which placement counts the wait since (admission's queue);
-        ``traceparent``: the request's span here, which every attempt's worker spans join."""
+        ``traceparent``: the request's span here, which every attempt's worker spans join;
+        ``session_id``: its session's, which every attempt routes by (``router.py``)."""
         self.request_id = request_id
         self.traceparent = traceparent
+        self.session_id = session_id
         self.slo = slo
         self.arrived_at = time.monotonic() if arrived_at is None else arrived_at
         self.prompt_token_ids = prompt_token_ids
@@ -215,6 +218,7 @@ class RequestFlow:
             with_prefill,
             self.slo,
             time.monotonic() - self.arrived_at,
+            self.session_id,
         )
         if route is None:
             return None

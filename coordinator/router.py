@@ -10,6 +10,13 @@ is there, in no other cache) unless another is that much less loaded. What a dec
 holds is this coordinator's record (``PrefixMemory``, bounded, least recently used first out)
 of the prompts it routed there and of every request that finished there, prompt and output;
 a wrong guess costs time, never a token (the worker's own cache decides what is reused).
+A request with a session id (a conversation's, agent's or user's: ``GenerateRequest.
+session_id``, the gateway's ``x-session-id`` header) goes to its session's home worker: of the
+candidates, the one whose (session id, worker id) hash is highest (rendezvous hashing,
+``session_home``), which every coordinator computes the same way without sharing state, and
+which moves only the sessions of a worker that leaves or joins. Load overrides it: a home
+worker that lacks free blocks for the request, or has requests waiting, is saturated
+(``session_saturated``), and the request is scored as any other.
 
 Prefill: only workers whose KV layout hash equals the decode worker's are candidates, each
 seen with its queued prompt tokens and the prompt tokens it likely has cached (a bounded record
@@ -32,6 +39,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import hashlib
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -52,6 +60,27 @@ from splitserve.coordinator.placement import (
 from splitserve.coordinator.registry import WorkerRecord, WorkerRegistry
 
 DEFAULT_SLO = Slo(ttft_s=2.0, tpot_s=0.05)
+
+
+def session_home(session_id: str, candidates: Sequence[WorkerRecord]) -> WorkerRecord:
+    """The session's home among ``candidates`` (not empty): the highest (session id,
+    worker id) hash, the same on every coordinator that sees the same workers."""
+    return max(candidates, key=lambda worker: _session_weight(session_id, worker.worker_id))
+
+
+def _session_weight(session_id: str, worker_id: str) -> int:
+    digest = hashlib.blake2b(
+        f"{session_id}\0{worker_id}".encode(), digest_size=8, person=b"splitserve-sess"
+    )
+    return int.from_bytes(digest.digest(), "big")
+
+
+def session_saturated(home: WorkerRecord, free_blocks_after: int) -> bool:
+    """Whether a session's home is too loaded to take its request: it would lack free KV
+    blocks for it (``free_blocks_after`` < 0), or requests already wait there."""
+    return free_blocks_after < 0 or home.load.num_waiting_requests > 0
+
+
 CACHED_BLOCK_WEIGHT = 4
 """What one cached block of the prompt is worth in a decode worker's score, in free blocks:
 it needs no new block, and its KV is neither computed nor sent again."""
@@ -222,14 +251,18 @@ class Router:
         with_prefill: bool = True,
         slo: Slo | None = None,
         waited_s: float = 0.0,
+        session_id: str = "",
     ) -> Route | None:
         """A route for the request, or None when no decode worker can take it.
         ``with_prefill=False``: the decode worker computes the prompt (fallback, resume).
         ``slo``: the request's targets (the config's default when None); ``waited_s``: how
-        long ago it arrived (its TTFT target counts from then)."""
+        long ago it arrived (its TTFT target counts from then); ``session_id``: its
+        session's, for the decode worker ("" for none; module docstring)."""
         slo = slo or self.config.slo
         hashes_of = hashes_by_block_size(prompt_token_ids)
-        decode = self.pick_decode(len(prompt_token_ids) + max_tokens, exclude, hashes_of)
+        decode = self.pick_decode(
+            len(prompt_token_ids) + max_tokens, exclude, hashes_of, session_id
+        )
         if decode is None:
             return None
         hashes = hashes_of(decode.block_size)
@@ -297,9 +330,11 @@ class Router:
         num_tokens: int,
         exclude: Sequence[str] = (),
         hashes_of: HashesOf | None = None,
+        session_id: str = "",
     ) -> WorkerRecord | None:
         """The decode worker for a request of ``num_tokens`` (prompt and ``max_tokens``)
-        whose prompt's block hashes ``hashes_of`` gives (module docstring)."""
+        whose prompt's block hashes ``hashes_of`` gives, of session ``session_id`` ("" for
+        none) (module docstring)."""
         candidates = [
             w
             for w in self.registry.workers(Role.DECODE)
@@ -308,17 +343,27 @@ class Router:
         if not candidates:
             return None
 
-        def score(worker: WorkerRecord) -> float:
-            load = worker.load
+        def free_after(worker: WorkerRecord) -> tuple[int, int]:
+            """(free blocks once this request and this coordinator's pending ones have
+            theirs, prompt blocks the worker likely holds)."""
             cached = 0
             if hashes_of is not None:
                 cached = self.decode_cached_blocks(worker, hashes_of(worker.block_size))
             blocks_needed = -(-num_tokens // max(worker.block_size, 1)) - cached
             pending = len(self._pending[worker.worker_id].decoding)
-            free_after = load.num_free_blocks - blocks_needed * (1 + pending)
+            return worker.load.num_free_blocks - blocks_needed * (1 + pending), cached
+
+        if session_id:
+            home = session_home(session_id, candidates)
+            if not session_saturated(home, free_after(home)[0]):
+                return home
+
+        def score(worker: WorkerRecord) -> float:
+            load = worker.load
+            free, cached = free_after(worker)
             busy = load.num_running_tokens / max(worker.block_size, 1)
             affinity = CACHED_BLOCK_WEIGHT * cached
-            return free_after - busy - 4 * load.num_waiting_requests + affinity
+            return free - busy - 4 * load.num_waiting_requests + affinity
 
         return max(candidates, key=score)
 

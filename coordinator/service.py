@@ -113,6 +113,10 @@ class CoordinatorConfig:
     (else a ``Generate`` call each)."""
 
 
+MAX_SESSION_ID_CHARS = 512
+"""A session id's longest (the tenant's name and a space count too)."""
+
+
 def scoped_request_id(request_id: str, caller: Caller) -> str:
     """The id a caller's request runs under here and on the workers: its own id within its
     tenant's space ("" stays "": the coordinator picks one). Tenant names hold no whitespace
@@ -254,6 +258,7 @@ class Coordinator:
         priority: int = 0,
         targets: LatencyTargets = NO_TARGETS,
         traceparent: str = "",
+        session_id: str = "",
     ) -> AsyncIterator[tuple[RequestFlow, StreamChunk]]:
         """Stream a request's chunks (with its flow, for usage figures).
 
@@ -271,9 +276,12 @@ class Coordinator:
         Every flow, also one that fails, is passed to ``flow_observer`` when it ends.
         ``traceparent``: the caller's span; the request's span here (``coordinator
         generate``, from arrival to its end or refusal) joins its trace (``common/tracing.py``).
+        ``session_id``: its session's: the decode worker is the session's home unless that one
+        is saturated (``router.py``); scoped by tenant like request ids.
         """
         arrived_at = time.monotonic()
-        args = (request_id, prompt, sampling, caller, continue_after, priority, targets)
+        session = scoped_request_id(session_id, caller) if session_id else ""
+        args = (request_id, prompt, sampling, caller, continue_after, priority, targets, session)
         if not tracing_enabled():
             return self._generate(NO_SPAN, *args, arrived_at)
         return self._traced(traceparent, *args, arrived_at)
@@ -307,11 +315,16 @@ class Coordinator:
         continue_after: Sequence[int],
         priority: int,
         targets: LatencyTargets,
+        session_id: str,
         arrived_at: float,
     ) -> AsyncIterator[tuple[RequestFlow, StreamChunk]]:
         """``generate``'s work, under the request's ``span`` (``NO_SPAN``: untraced)."""
         request_id = scoped_request_id(request_id, caller) or f"req-{uuid.uuid4().hex}"
         span.set_attribute(REQUEST_ID_ATTRIBUTE, request_id)
+        if len(session_id) > MAX_SESSION_ID_CHARS:
+            raise InvalidRequestError(
+                f"session_id must be at most {MAX_SESSION_ID_CHARS} characters", "session_id"
+            )
         if request_id in self._running:
             raise InvalidRequestError("this request id is already running", "request_id")
         sampling.check()
@@ -352,6 +365,7 @@ class Coordinator:
             targets.slo(self.config.routing.slo),
             arrived_at,
             traceparent_of(span),
+            session_id,
         )
         self._running[request_id] = _Running(flow, caller)
         try:

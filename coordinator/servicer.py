@@ -120,6 +120,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 priority=request.priority,
                 targets=_targets_of(request),
                 traceparent=request.traceparent,
+                session_id=request.session_id,
             )
             async with contextlib.aclosing(stream):
                 async for flow, chunk in stream:

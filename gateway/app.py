@@ -13,6 +13,8 @@ Contracts:
   starts only with the first token); a failure after tokens were streamed ends the stream
   with a ``data: {"error": ...}`` event and ``data: [DONE]``.
 - ``x-request-id`` names the request on every worker (generated when absent) and is echoed.
+- ``x-session-id`` names its session: a session's requests go to one decode worker while it
+  has room (``coordinator/router.py``).
 - With API keys, requests without a valid ``Authorization: Bearer <key>`` get 401
   (``gateway/api_key_check.py``); the caller's bearer key goes on to the coordinator with
   each call (``Gateway.client_for``), whichever keys the gateway holds itself.
@@ -377,6 +379,15 @@ def _request_id(request: Request) -> str:
     return given or uuid.uuid4().hex
 
 
+def _session_id(request: Request) -> str:
+    """The ``x-session-id`` header ("" when absent): a conversation's requests that carry one
+    go to the same decode worker while it has room (``coordinator/router.py``)."""
+    given = request.headers.get("x-session-id", "").strip()
+    if len(given) > 256:
+        raise ApiError(400, "x-session-id must be at most 256 characters", param="x-session-id")
+    return given
+
+
 async def _generate(
     gateway: Gateway, request: Request, body: Body, endpoint: Endpoint[Body]
 ) -> Response:
@@ -388,6 +399,7 @@ async def _generate(
     client = gateway.client_for(request)
     model = await gateway.check_model(body.model, client)
     request_id = _request_id(request)
+    session_id = _session_id(request)
     prompts = endpoint.prompts(body)
     keep_best = best_of_asked(body)  # then best_of candidates per prompt, n of them kept
     samplings = choice_samplings(endpoint.sampling(body), keep_best or body.n)
@@ -423,6 +435,7 @@ async def _generate(
                     priority=-(body.priority or 0),  # vLLM's order (lower first) to gRPC's
                     targets=LatencyTargets(ttft_ms=body.ttft_slo_ms, tpot_ms=body.tpot_slo_ms),
                     traceparent=traceparent,
+                    session_id=session_id,
                 )
             )  # fmt: skip
     choices = Choices(builders, prompt_of, None if keep_best is None else body.n or 1)

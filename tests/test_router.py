@@ -329,3 +329,48 @@ def test_a_conversations_next_turn_goes_back_to_the_decode_worker_holding_it() -
     assert route.placement is not None and route.placement.reason is not Reason.LOCAL_CACHED
     router.forget(holder.worker_id)
     assert router.decode_cached_blocks(holder, prompt_block_hashes(turn2, 16)) == 0
+
+
+def test_a_sessions_requests_go_to_its_home_worker_on_every_coordinator() -> None:
+    """Rendezvous hashing: two coordinators that registered the workers in other orders agree
+    on each session's home, whatever the load (the least loaded worker would take every
+    request without sessions); the sessions spread over the workers; a worker that leaves
+    (or is excluded, a resume) moves only its own sessions, each to the same next home."""
+    workers = [
+        _worker("d0", Role.DECODE, free_blocks=95),
+        _worker("d1", Role.DECODE, free_blocks=60, running_tokens=800),
+        _worker("d2", Role.DECODE, free_blocks=70, running_tokens=400),
+    ]
+    first, second = _router(*workers), _router(*reversed(workers))
+    assert first.pick_decode(64).worker_id == "d0"  # without a session: the least loaded
+    sessions = [f"conversation-{i}" for i in range(60)]
+    homes = {s: first.pick_decode(64, session_id=s).worker_id for s in sessions}
+    assert homes == {s: second.pick_decode(64, session_id=s).worker_id for s in sessions}
+    assert set(homes.values()) == {"d0", "d1", "d2"}  # spread, not all on the idlest
+    for session, home in homes.items():
+        moved = first.pick_decode(64, exclude=["d1"], session_id=session).worker_id
+        assert moved == (home if home != "d1" else moved) and moved != "d1"
+        assert moved == second.pick_decode(64, exclude=["d1"], session_id=session).worker_id
+
+
+def test_a_saturated_home_gives_its_sessions_request_to_the_least_loaded() -> None:
+    """Load overrides the session: a home with requests waiting, or without free blocks for
+    the request, is passed over for the worker plain scoring picks."""
+    idle = _worker("idle", Role.DECODE, free_blocks=95)
+    sessions = [f"s{i}" for i in range(40)]
+    home_id = "home"
+    on_home = [
+        s
+        for s in sessions
+        if _router(idle, _worker(home_id, Role.DECODE)).pick_decode(64, session_id=s).worker_id
+        == home_id
+    ]
+    assert on_home  # some sessions live on "home" while it has room
+    waiting = _worker(home_id, Role.DECODE)
+    waiting = dataclasses.replace(
+        waiting, load=dataclasses.replace(waiting.load, num_waiting_requests=2)
+    )
+    full = _worker(home_id, Role.DECODE, free_blocks=3)  # 64 + 64 tokens need 8 blocks
+    for saturated in (waiting, full):
+        router = _router(idle, saturated)
+        assert {router.pick_decode(128, session_id=s).worker_id for s in on_home} == {"idle"}

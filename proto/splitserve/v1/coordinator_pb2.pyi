@@ -29,7 +29,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "chat", "token_ids", "sampling", "continue_after", "priority", "latency_targets", "traceparent")
+    __slots__ = ("request_id", "text", "chat", "token_ids", "sampling", "continue_after", "priority", "latency_targets", "traceparent", "session_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
@@ -39,6 +39,7 @@ class GenerateRequest(_message.Message):
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     LATENCY_TARGETS_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     chat: ChatPrompt
@@ -48,7 +49,8 @@ class GenerateRequest(_message.Message):
     priority: int
     latency_targets: LatencyTargets
     traceparent: str
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[ChatPrompt, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., continue_after: _Optional[_Union[TokenIds, _Mapping]] = ..., priority: _Optional[int] = ..., latency_targets: _Optional[_Union[LatencyTargets, _Mapping]] = ..., traceparent: _Optional[str] = ...) -> None: ...
+    session_id: str
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[ChatPrompt, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., continue_after: _Optional[_Union[TokenIds, _Mapping]] = ..., priority: _Optional[int] = ..., latency_targets: _Optional[_Union[LatencyTargets, _Mapping]] = ..., traceparent: _Optional[str] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class LatencyTargets(_message.Message):
     __slots__ = ("ttft_ms", "tpot_ms")
