@@ -417,12 +417,15 @@ async def _generate(
         kind=SpanKind.SERVER,
     )
     traceparent = traceparent_of(span)
-    builders, prompt_of, streams = [], [], []
+    builders, prompt_of, streams, leaders = [], [], [], []
     for p, prompt in enumerate(prompts):
+        # a prompt's choices fork from its first: one session, so one decode worker
+        fork_session = session_id or (f"{response_id}-{p}" if len(samplings) > 1 else "")
         for j, sampling in enumerate(samplings):
             index = p * len(samplings) + j
             builders.append(endpoint.builder(response_id, model, body, index, echoes[p]))
             prompt_of.append(p)
+            leaders.append(None if j == 0 else p * len(samplings))
             streams.append(
                 client.stream(  # nothing is sent before the first ``anext``
                     prompt.prompt,
@@ -435,13 +438,13 @@ async def _generate(
                     priority=-(body.priority or 0),  # vLLM's order (lower first) to gRPC's
                     targets=LatencyTargets(ttft_ms=body.ttft_slo_ms, tpot_ms=body.tpot_slo_ms),
                     traceparent=traceparent,
-                    session_id=session_id,
+                    session_id=fork_session,
                 )
             )  # fmt: skip
     choices = Choices(builders, prompt_of, None if keep_best is None else body.n or 1)
     try:
         return await _respond(
-            gateway, request, request_id, merged(streams), choices, bool(body.stream),
+            gateway, request, request_id, merged(streams, leaders), choices, bool(body.stream),
             body.stream_options, span,
         )  # fmt: skip
     except BaseException as error:

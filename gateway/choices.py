@@ -11,6 +11,13 @@ Contracts:
   ended; the first failure of any stream is raised (the others are cancelled); closing it
   closes every stream (their gRPC calls are cancelled). One stream is passed through without
   tasks or a queue.
+- Forks (``n > 1``): a stream may follow another (``leaders``): it starts only once its
+  leader streamed its first item (or ended), so the prompt was computed once and its KV
+  blocks sit in the prefix caches of the workers that served the leader. The gateway gives a
+  prompt's choices one session id (the request's own ``x-session-id``, else the response
+  id's), so they decode on the same worker and each follower reserves the prompt's full
+  blocks from its cache, shared with the leader; only the last partial block is computed
+  and moved again (``gateway/app.py:_generate``).
 - Usage: prompt tokens (and cached ones) count once per prompt, as OpenAI counts ``n``;
   completion tokens add up over every choice.
 """
@@ -111,8 +118,11 @@ class Choices:
 
 async def merged(
     streams: Sequence[AsyncGenerator[Item, None]],
+    leaders: Sequence[int | None] | None = None,
 ) -> AsyncGenerator[tuple[int, Item], None]:
-    """Every stream's items tagged with its index, as they arrive (module docstring)."""
+    """Every stream's items tagged with its index, as they arrive; stream ``i`` starts once
+    stream ``leaders[i]`` (an earlier one) gave its first item or ended (None, or no
+    ``leaders``: at once) (module docstring)."""
     if len(streams) == 1:
         (stream,) = streams
         try:
@@ -122,14 +132,22 @@ async def merged(
             await stream.aclose()
         return
     queue: asyncio.Queue[tuple[int, Item | None, BaseException | None]] = asyncio.Queue()
+    started = [asyncio.Event() for _ in streams]
+    """Set at a stream's first item or its end: its followers may start."""
 
     async def pump(index: int, stream: AsyncGenerator[Item, None]) -> None:
+        leader = None if leaders is None else leaders[index]
+        if leader is not None:
+            await started[leader].wait()
         try:
             async for item in stream:
+                started[index].set()
                 await queue.put((index, item, None))
         except Exception as error:  # noqa: BLE001 - handed to the consumer, raised there
             await queue.put((index, None, error))
             return
+        finally:
+            started[index].set()
         await queue.put((index, None, None))  # this stream ended
 
     tasks = [asyncio.ensure_future(pump(i, stream)) for i, stream in enumerate(streams)]

@@ -1,0 +1,117 @@
+"""``n > 1`` as one prompt forked (issue 32; ``gateway/choices.py``): a prompt's choices after
+the first start once the first streamed, on the same decode worker (one session), and reuse
+the prompt's full KV blocks from the prefix caches instead of computing and moving them again.
+
+A float32 ``splitserve up`` cluster (a prefill and a decode worker, the gateway) gets one
+completion of a fresh ~150-token prompt with ``n=4``, seeded sampling. Measured on the workers'
+own metrics over that request: the prompt tokens computed (prefill and decode worker together)
+are the prompt once plus at most a block's worth per further choice (four unforked choices
+computed it four times), and the decode worker reused the prompt's full blocks for each
+further choice. Each choice equals the
+single-choice request with its seed (``seed + j``), token for token in float32.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import urllib.request
+from collections.abc import AsyncGenerator
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from splitserve.client import Chunk, Usage
+from splitserve.gateway.choices import merged
+from tests.cluster import cluster
+
+pytestmark = pytest.mark.timeout(300)
+
+WORKER_FLAGS = ("--dtype=float32", "--num-blocks=400", "--threads=1")
+BLOCK_TOKENS = 16
+N = 4
+SEED = 7
+PROMPT = "The lighthouse keeper climbed the stairs each evening and counted them. " * 10
+
+
+def _figures(urls: list[str]) -> dict[str, float]:
+    """Prompt tokens computed and KV blocks reused, summed over the workers at ``urls``."""
+    totals = {"splitserve_prompt_tokens_total": 0.0, "splitserve_kv_reused_blocks_total": 0.0}
+    for url in urls:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            text = response.read().decode()
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name in totals:
+                    totals[sample.name] += sample.value
+    return totals
+
+
+async def _completions(url: str, n: int, seed: int) -> tuple[list[str], int]:
+    """The choices' texts (in index order) and the usage's prompt tokens."""
+    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+        model = (await client.get("/v1/models")).json()["data"][0]["id"]
+        body = {
+            "model": model,
+            "prompt": PROMPT,
+            "n": n,
+            "seed": seed,
+            "temperature": 0.8,
+            "max_tokens": 8,
+            "ignore_eos": True,
+        }
+        response = await client.post("/v1/completions", json=body)
+        assert response.status_code == 200, response.text
+        answer = response.json()
+    texts = [c["text"] for c in sorted(answer["choices"], key=lambda c: c["index"])]
+    return texts, answer["usage"]["prompt_tokens"]
+
+
+def test_n_choices_compute_the_prompt_once_and_each_equals_its_single_request() -> None:
+    lines: dict[str, str] = {}
+    with cluster(1, 1, *WORKER_FLAGS, ready_lines=lines):
+        url = lines["splitserve gateway ready"]
+        workers = [lines["prefill metrics"], lines["decode metrics"]]
+        before = _figures(workers)
+        forked, prompt_tokens = asyncio.run(_completions(url, N, SEED))
+        after = _figures(workers)
+        singles = [asyncio.run(_completions(url, 1, SEED + j))[0][0] for j in range(N)]
+    assert forked == singles  # each choice is the single request with its seed
+    assert len(set(forked)) > 1  # seeded sampling: the choices differ
+    computed = after["splitserve_prompt_tokens_total"] - before["splitserve_prompt_tokens_total"]
+    reused = (
+        after["splitserve_kv_reused_blocks_total"] - before["splitserve_kv_reused_blocks_total"]
+    )
+    full_blocks = (prompt_tokens - 1) // BLOCK_TOKENS  # a prompt's last token is never cached
+    tail = prompt_tokens - full_blocks * BLOCK_TOKENS
+    # the prompt once, then each further choice only its last partial block (unforked: the
+    # prompt N times, 4 x 121 tokens here, against 121 + 3 x 9)
+    assert computed == prompt_tokens + (N - 1) * tail
+    assert reused == (N - 1) * full_blocks
+
+
+def test_followers_start_after_their_leaders_first_item() -> None:
+    """``merged``'s gate: without leaders every stream starts at once; a follower starts
+    only after its leader's first item, and after a leader that failed before any."""
+    log: list[str] = []
+
+    async def stream(index: int, fails: bool = False) -> AsyncGenerator[Chunk, None]:
+        log.append(f"start {index}")
+        await asyncio.sleep(0.01)
+        if fails:
+            raise RuntimeError("leader failed")
+        log.append(f"item {index}")
+        yield Chunk(f"c{index}", "x", (index,), (), Usage(1, 1, 0))
+
+    async def run(leaders: list[int | None] | None, leader_fails: bool = False) -> None:
+        log.clear()
+        streams = [stream(0, leader_fails), stream(1), stream(2)]
+        async for _ in merged(streams, leaders):
+            pass
+
+    asyncio.run(run(None))
+    assert log[:3] == ["start 0", "start 1", "start 2"]
+    asyncio.run(run([None, 0, 0]))
+    assert log[:3] == ["start 0", "item 0", "start 1"] and "start 2" in log
+    with pytest.raises(RuntimeError, match="leader failed"):
+        asyncio.run(run([None, 0, 0], leader_fails=True))
