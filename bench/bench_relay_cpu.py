@@ -36,6 +36,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -69,12 +70,23 @@ def ticks_by_role(pids: list[int]) -> dict[str, int]:
     return totals
 
 
+@dataclass(frozen=True)
+class Streamed:
+    """One streamed completion of a burst."""
+
+    tokens: int
+    """Completion tokens its usage chunk reported (0 without one)."""
+    how: str
+    """How it ended: "ok", "http <status>", "no usage" (cut before its usage chunk), or the
+    client error's class name."""
+    ttft_s: float | None
+    """Sent -> first chunk with text (None: none came)."""
+
+
 async def one_stream(
     client: httpx.AsyncClient, url: str, model: str, index: int, tokens: int
-) -> tuple[int, str]:
-    """One streamed completion: the completion tokens its usage chunk reports, and how it
-    ended ("ok", "http <status>", "no usage" for a stream cut before its usage chunk, or the
-    client error's class name)."""
+) -> Streamed:
+    """One streamed completion of ``tokens`` tokens (EOS ignored)."""
     body = {
         "model": model,
         "prompt": f"Request {index}: tell me a long story about the sea.",
@@ -85,23 +97,26 @@ async def one_stream(
         "stream_options": {"include_usage": True},
     }
     used = 0
+    sent, ttft_s = time.perf_counter(), None
     try:
         async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
             if response.status_code != 200:
                 await response.aread()
-                return 0, f"http {response.status_code}"
+                return Streamed(0, f"http {response.status_code}", None)
             async for line in response.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
-                usage = json.loads(line[6:]).get("usage")
-                if usage:
-                    used = usage["completion_tokens"]
+                chunk = json.loads(line[6:])
+                if ttft_s is None and any(c.get("text") for c in chunk.get("choices", ())):
+                    ttft_s = time.perf_counter() - sent
+                if chunk.get("usage"):
+                    used = chunk["usage"]["completion_tokens"]
     except httpx.HTTPError as error:
-        return used, type(error).__name__
-    return used, "ok" if used else "no usage"
+        return Streamed(used, type(error).__name__, ttft_s)
+    return Streamed(used, "ok" if used else "no usage", ttft_s)
 
 
-async def burst(url: str, model: str, streams: int, tokens: int) -> list[tuple[int, str]]:
+async def burst(url: str, model: str, streams: int, tokens: int) -> list[Streamed]:
     limits = httpx.Limits(max_connections=streams + 8, max_keepalive_connections=streams + 8)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         return await asyncio.gather(
@@ -158,7 +173,7 @@ def measure(args: argparse.Namespace, relay: str) -> Json:
         before, own_before = ticks_by_role(pids), process_ticks(os.getpid())
         started = time.perf_counter()
         ended = asyncio.run(burst(cluster.http_url, model, args.streams, args.max_tokens))
-        used = [count for count, _ in ended]
+        used = [stream.tokens for stream in ended]
         wall_s = time.perf_counter() - started
         after, own_after = ticks_by_role(pids), process_ticks(os.getpid())
     tokens = sum(used)
@@ -166,7 +181,7 @@ def measure(args: argparse.Namespace, relay: str) -> Json:
         "relay": relay,
         "tokens": tokens,
         "streams_whole": sum(n == args.max_tokens for n in used),
-        "ends": dict(collections.Counter(how for _, how in ended)),
+        "ends": dict(collections.Counter(stream.how for stream in ended)),
         "wall_s": round(wall_s, 2),
         "tokens_per_s": round(tokens / wall_s, 1),
         "us_per_token": {

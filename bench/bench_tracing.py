@@ -10,7 +10,8 @@ and after. By default the workers are simulated (``--engine sim`` with the relay
 profile): their CPU is then the serving code's, not the model's.
 
 Reported per role and mode: CPU microseconds per request and per streamed token (medians over
-``--reps``), the spans received per request when on, and the difference on - off per request.
+``--reps``), the spans received per request when on, and on - off per request (within each
+repetition, the median); per mode, the burst's tokens/s and TTFT p50/p99 (medians).
 Prints rows to stderr and the JSON report to stdout (``--out`` writes it too). Nothing
 asserted.
 
@@ -74,11 +75,13 @@ def measure(args: argparse.Namespace, mode: str, counter: SpanCounter, port: int
         before = ticks_by_role(pids)
         started = time.perf_counter()
         ended = asyncio.run(burst(cluster.http_url, model, args.streams, args.max_tokens))
+        burst_s = time.perf_counter() - started
         time.sleep(1.5)  # the batch export of the burst's last spans, counted in the CPU
         after = ticks_by_role(pids)
         wall_s = time.perf_counter() - started
-    tokens = sum(count for count, _ in ended)
-    requests = sum(how == "ok" for _, how in ended)
+    tokens = sum(stream.tokens for stream in ended)
+    requests = sum(stream.how == "ok" for stream in ended)
+    ttfts = sorted(s.ttft_s for s in ended if s.ttft_s is not None)
     cpu_us = {
         role: (after[role] - before.get(role, 0)) / CLK_TCK * 1e6
         for role in after
@@ -89,6 +92,11 @@ def measure(args: argparse.Namespace, mode: str, counter: SpanCounter, port: int
         "requests": requests,
         "tokens": tokens,
         "wall_s": round(wall_s, 2),
+        "tokens_per_s": round(tokens / burst_s, 1),
+        "ttft_p50_ms": round(1000 * ttfts[len(ttfts) // 2]) if ttfts else None,
+        "ttft_p99_ms": round(1000 * ttfts[min(len(ttfts) - 1, len(ttfts) * 99 // 100)])
+        if ttfts
+        else None,
         "us_per_request": {role: round(us / max(requests, 1)) for role, us in cpu_us.items()},
         "us_per_token": {role: round(us / max(tokens, 1), 1) for role, us in cpu_us.items()},
         "spans_per_request": round((counter.spans - spans_before) / max(requests, 1), 2),
@@ -112,6 +120,7 @@ def run(args: argparse.Namespace) -> Json:
     finally:
         server.stop(None)
     medians: Json = {}
+    served: Json = {}
     for mode in MODES:
         rows = [row for row in report["reps"] if row["mode"] == mode]
         roles = sorted({role for row in rows for role in row["us_per_request"]})
@@ -122,13 +131,25 @@ def run(args: argparse.Namespace) -> Json:
             }
             for role in roles
         }
+        served[mode] = {
+            figure: statistics.median(row[figure] or 0 for row in rows)
+            for figure in ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms")
+        }
     report["medians"] = medians
-    report["added_us_per_request"] = {
-        role: round(medians["on"][role]["us_per_request"] - cost["us_per_request"])
-        for role, cost in medians["off"].items()
-        if role in medians["on"]
+    report["served"] = served
+    pairs = [
+        (off, on)
+        for off, on in zip(report["reps"][0::2], report["reps"][1::2], strict=True)
+        if off["mode"] == "off" and on["mode"] == "on"
+    ]
+    report["added_us_per_request"] = {  # on - off within each repetition, the median
+        role: statistics.median(
+            on["us_per_request"][role] - off["us_per_request"][role] for off, on in pairs
+        )
+        for role in medians["off"]
+        if all(role in on["us_per_request"] for _, on in pairs)
     }
-    log_row({"medians": medians, "added_us_per_request": report["added_us_per_request"]})
+    log_row({"served": served, "added_us_per_request": report["added_us_per_request"]})
     return report
 
 

@@ -149,6 +149,7 @@ class PrefillWorker:
             push = start_span("kv push", request_id, parent=span)
             push.set_attribute("splitserve.kv_blocks", target.num_blocks)
             push.set_attribute("splitserve.kv_cached_blocks", target.num_cached_blocks)
+            push.set_attribute("splitserve.kv_layers", self.layout.num_layers)
             push.set_attribute("splitserve.kv_bytes", await self._finish_sends(sender))
             num_cached_tokens = last.update.num_cached_tokens
             first = FirstToken(

@@ -14,11 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import shutil
-import subprocess
 import time
-import urllib.parse
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,13 +23,12 @@ from typing import Any
 import httpx
 import pytest
 
+from splitserve.launch.local_prometheus import LocalPrometheus, prometheus_binary
 from tests.cluster import SERVED_MAX_INFLIGHT, Served
-from tests.etcd import free_port
 
 DASHBOARD = Path(__file__).resolve().parent.parent / "deploy/base/grafana/splitserve.json"
 RATE_WINDOW = "1m"
 SCRAPE_INTERVAL = "500ms"
-PROMETHEUS_START_TIMEOUT_S = 30.0
 pytestmark = pytest.mark.timeout(300)
 
 
@@ -118,70 +113,14 @@ def _metric_names(expr: str) -> set[str]:
 
 
 @pytest.fixture
-def prometheus(tmp_path: Path, served_cluster: Served) -> Iterator[str]:
-    """A Prometheus scraping every process of the served cluster; yields its base URL."""
-    binary = shutil.which("prometheus")
-    if binary is None:
+def prometheus(served_cluster: Served) -> Iterator[LocalPrometheus]:
+    """A Prometheus scraping every process of the served cluster, each scraped once."""
+    if prometheus_binary() is None:
         pytest.skip("no prometheus binary: `make install` installs Debian's package as root")
-    targets = {role: url for role, url in served_cluster.metrics_urls.items()}
+    targets = dict(served_cluster.metrics_urls)
     targets["gateway"] = f"{served_cluster.url}/metrics"
-    scrape_configs = [
-        {
-            "job_name": role,
-            "scrape_interval": SCRAPE_INTERVAL,
-            "scrape_timeout": SCRAPE_INTERVAL,
-            "metrics_path": urllib.parse.urlsplit(url).path,
-            "static_configs": [{"targets": [urllib.parse.urlsplit(url).netloc]}],
-        }
-        for role, url in targets.items()
-    ]
-    config = tmp_path / "prometheus.yml"
-    config.write_text(json.dumps({"scrape_configs": scrape_configs}))  # JSON is YAML
-    port = free_port()
-    process = subprocess.Popen(
-        [
-            binary,
-            f"--config.file={config}",
-            f"--storage.tsdb.path={tmp_path / 'data'}",
-            f"--web.listen-address=127.0.0.1:{port}",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=(tmp_path / "prometheus.log").open("w"),
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + PROMETHEUS_START_TIMEOUT_S
-        while True:
-            assert process.poll() is None, (tmp_path / "prometheus.log").read_text()[-3000:]
-            try:
-                with urllib.request.urlopen(f"{url}/-/ready", timeout=1) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, "prometheus did not get ready"
-            time.sleep(0.2)
-        # its scrape loops start a few seconds after it is ready: a first sample of every
-        # target before the load, so rates see the load's increase
-        while len(_query(url, "up == 1")) < len(targets):
-            assert time.monotonic() < deadline, _query(url, "up")
-            time.sleep(0.2)
-        yield url
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
-
-
-def _query(prometheus: str, expr: str) -> list[dict[str, Any]]:
-    """The instant query's series (``/api/v1/query``); raises on a query Prometheus refuses."""
-    address = f"{prometheus}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
-    try:
-        with urllib.request.urlopen(address, timeout=10) as response:
-            body = json.load(response)
-    except urllib.error.HTTPError as error:
-        raise AssertionError(f"{expr}: {error.read().decode()}") from error
-    assert body["status"] == "success", body
-    return body["data"]["result"]
+    with LocalPrometheus(targets, SCRAPE_INTERVAL) as server:
+        yield server
 
 
 async def _load(url: str) -> list[int]:
@@ -207,25 +146,25 @@ async def _load(url: str) -> list[int]:
         )
 
 
-def _scraped_since(prometheus: str, moment: float) -> bool:
+def _scraped_since(prometheus: LocalPrometheus, moment: float) -> bool:
     """Whether every target has been scraped after ``moment`` (Unix time)."""
-    series = _query(prometheus, "timestamp(up)")
+    series = prometheus.query("timestamp(up)")
     return len(series) == 4 and all(float(s["value"][1]) > moment for s in series)
 
 
 def test_every_panel_query_returns_the_series_it_names(
-    prometheus: str, served_cluster: Served
+    prometheus: LocalPrometheus, served_cluster: Served
 ) -> None:
     statuses = asyncio.run(_load(served_cluster.url))
     assert set(statuses) == {200, 429}, statuses
     loaded = time.time()
     deadline = time.monotonic() + 20
     while not _scraped_since(prometheus, loaded + 1):
-        assert time.monotonic() < deadline, _query(prometheus, "up")
+        assert time.monotonic() < deadline, prometheus.query("up")
         time.sleep(0.25)
     empty, unlabelled = [], []
     for query in _queries(_dashboard()):
-        series = _query(prometheus, query.expr.replace("$__rate_interval", RATE_WINDOW))
+        series = prometheus.query(query.expr.replace("$__rate_interval", RATE_WINDOW))
         if not series:
             empty.append(f"{query.panel}: {query.expr}")
             continue
@@ -236,7 +175,7 @@ def test_every_panel_query_returns_the_series_it_names(
     assert not unlabelled, "legend labels missing from the series:\n" + "\n".join(unlabelled)
     # what the load did is what Prometheus holds (counters since the cluster started: other
     # tests may have used it before)
-    refused = _query(prometheus, 'sum(splitserve_http_requests_total{status="429"})')
+    refused = prometheus.query('sum(splitserve_http_requests_total{status="429"})')
     assert float(refused[0]["value"][1]) >= statuses.count(429)
-    admitted = _query(prometheus, 'sum(splitserve_admission_decisions_total{outcome="admitted"})')
+    admitted = prometheus.query('sum(splitserve_admission_decisions_total{outcome="admitted"})')
     assert float(admitted[0]["value"][1]) >= statuses.count(200)

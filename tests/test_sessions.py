@@ -71,6 +71,7 @@ async def _turns(url: str, sessions: list[str]) -> None:
         assert response.json()["error"]["param"] == "x-session-id"
 
 
+@pytest.mark.slow  # a cluster of its own; tests/test_router.py covers the routing decisions
 def test_a_sessions_turns_go_to_its_home_decode_worker() -> None:
     homes = _sessions_homed_apart()
     lines: dict[str, str] = {}
