@@ -343,7 +343,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.internal_port,
             lambda s: (
                 coordinator_pb2_grpc.add_MembershipServicer_to_server(
-                    MembershipServicer(coordinator.registry, coordinator.router.forget, dial_check),
+                    MembershipServicer(
+                        coordinator.registry,
+                        coordinator.router.forget,
+                        dial_check,
+                        coordinator.router.kv_events,
+                    ),
                     s,
                 ),
                 [MEMBERSHIP_SERVICE_NAME],

@@ -13,6 +13,7 @@ from collections.abc import Callable
 import grpc
 
 from splitserve.common.errors import InvalidRequestError
+from splitserve.common.kv_events import KvEvents
 from splitserve.coordinator.dial_check import DialCheck
 from splitserve.coordinator.registry import WorkerRecord, WorkerRegistry, record_of, routable
 from splitserve.proto import convert
@@ -29,12 +30,15 @@ class MembershipServicer(coordinator_pb2_grpc.MembershipServicer):
         registry: WorkerRegistry,
         on_leave: Callable[[str], None] = lambda worker_id: None,
         dial_check: DialCheck | None = None,
+        on_kv_events: Callable[[str, KvEvents], None] = lambda worker_id, events: None,
     ) -> None:
         """``dial_check``: dial each registered worker back before it is routed to
-        (``dial_check.py``); None: route to it at once."""
+        (``dial_check.py``); None: route to it at once. ``on_kv_events``: a known worker's
+        prefix-cache changes, as each heartbeat brings them (the router's view of them)."""
         self._registry = registry
         self._on_leave = on_leave
         self._dial_check = dial_check
+        self._on_kv_events = on_kv_events
 
     async def RegisterWorker(
         self, request: coordinator_pb2.RegisterWorkerRequest, context: grpc.aio.ServicerContext
@@ -53,6 +57,8 @@ class MembershipServicer(coordinator_pb2_grpc.MembershipServicer):
     ) -> coordinator_pb2.HeartbeatResponse:
         report = convert.report_from_proto(request.load)
         known = self._registry.heartbeat(request.worker_id, report.load, report.ready)
+        if known and request.HasField("kv_events"):
+            self._on_kv_events(request.worker_id, convert.kv_events_from_proto(request.kv_events))
         return coordinator_pb2.HeartbeatResponse(known=known)
 
     async def LeaveCluster(

@@ -6,10 +6,14 @@ free KV blocks after the request, penalised by the tokens it already decodes per
 running batch's KV read) and by the requests this coordinator has running there, and favoured
 by the prompt's blocks it likely holds in its prefix cache (``CACHED_BLOCK_WEIGHT`` each): a
 conversation's next turn goes back to the worker that decoded the last one (its reply's KV
-is there, in no other cache) unless another is that much less loaded. What a decode worker
-holds is this coordinator's record (``PrefixMemory``, bounded, least recently used first out)
-of the prompts it routed there and of every request that finished there, prompt and output;
-a wrong guess costs time, never a token (the worker's own cache decides what is reused).
+is there, in no other cache) unless another is that much less loaded. What a worker holds
+comes from its KV events where it sends them (``KnownPrefix``: every heartbeat carries its
+prefix cache's changes, ``common/kv_events.py``), so it is exact and the same for every
+coordinator, also for turns another coordinator routed; otherwise (a worker followed through
+etcd, whose load stream carries none) it is this coordinator's guess (``PrefixMemory``,
+bounded, least recently used first out) of the prompts it routed there and of every request
+that finished there, prompt and output. A wrong guess costs time, never a token (the
+worker's own cache decides what is reused).
 A request with a session id (a conversation's, agent's or user's: ``GenerateRequest.
 session_id``, the gateway's ``x-session-id`` header) goes to its session's home worker: of the
 candidates, the one whose (session id, worker id) hash is highest (rendezvous hashing,
@@ -41,10 +45,11 @@ import contextlib
 import dataclasses
 import hashlib
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Container, Iterator, Sequence
 from dataclasses import dataclass
 
 from splitserve.common.blocks import BlockHash, prompt_block_hashes
+from splitserve.common.kv_events import KvEvents
 from splitserve.common.membership import Role
 from splitserve.coordinator.placement import (
     AT_RISK,
@@ -155,6 +160,16 @@ class Pending:
     token."""
 
 
+def leading_held(hashes: Sequence[BlockHash], held: Container[BlockHash]) -> int:
+    """How many of a prompt's block ``hashes``, from the first, are in ``held``."""
+    count = 0
+    for block_hash in hashes:
+        if block_hash not in held:
+            break
+        count += 1
+    return count
+
+
 class PrefixMemory:
     """A bounded LRU set of block hashes, one per prefill worker."""
 
@@ -163,12 +178,7 @@ class PrefixMemory:
         self._hashes: collections.OrderedDict[BlockHash, None] = collections.OrderedDict()
 
     def overlap_blocks(self, hashes: Sequence[BlockHash]) -> int:
-        count = 0
-        for block_hash in hashes:
-            if block_hash not in self._hashes:
-                break
-            count += 1
-        return count
+        return leading_held(hashes, self._hashes)
 
     def remember(self, hashes: Sequence[BlockHash]) -> None:
         for block_hash in hashes:
@@ -176,6 +186,24 @@ class PrefixMemory:
             self._hashes.move_to_end(block_hash)
         while len(self._hashes) > self.capacity:
             self._hashes.popitem(last=False)
+
+
+class KnownPrefix:
+    """A worker's prefix cache as its KV events tell it (``common/kv_events.py``): exact as
+    of its last heartbeat, where ``PrefixMemory`` is this coordinator's guess."""
+
+    def __init__(self) -> None:
+        self._hashes: set[BlockHash] = set()
+
+    def apply(self, events: KvEvents) -> None:
+        if events.reset:
+            self._hashes = set(events.stored)
+            return
+        self._hashes.difference_update(events.evicted)
+        self._hashes.update(events.stored)
+
+    def overlap_blocks(self, hashes: Sequence[BlockHash]) -> int:
+        return leading_held(hashes, self._hashes)
 
 
 HashesOf = Callable[[int], Sequence[BlockHash]]
@@ -202,6 +230,8 @@ class Router:
         """Per prefill worker: the prompts routed there."""
         self._decode_prefix: dict[str, PrefixMemory] = {}
         """Per decode worker: the prompts routed there and the finished sequences."""
+        self._known: dict[str, KnownPrefix] = {}
+        """What workers that send KV events hold (exact); they are not guessed for."""
         self._pending: dict[str, Pending] = collections.defaultdict(Pending)
 
     @contextlib.contextmanager
@@ -225,11 +255,18 @@ class Router:
         finally:
             pending.num_prefill_tokens -= num_tokens
 
+    def kv_events(self, worker_id: str, events: KvEvents) -> None:
+        """A worker's prefix-cache changes (its heartbeat's): from then on its cached prefix
+        is read from them, not guessed."""
+        self._known.setdefault(worker_id, KnownPrefix()).apply(events)
+
     def forget(self, worker_id: str) -> None:
         """A worker left the registry: drop what this router remembers of it (its prefix
-        memory; its pending counts once no work of this coordinator runs there)."""
+        memory and KV events; its pending counts once no work of this coordinator runs
+        there)."""
         self._prefix.pop(worker_id, None)
         self._decode_prefix.pop(worker_id, None)
+        self._known.pop(worker_id, None)
         pending = self._pending.get(worker_id)
         if pending is not None and pending == Pending():
             del self._pending[worker_id]
@@ -370,6 +407,9 @@ class Router:
     def decode_cached_blocks(self, worker: WorkerRecord, hashes: Sequence[BlockHash]) -> int:
         """Of a prompt's block ``hashes`` (at ``worker``'s block size), how many ``worker``
         likely holds (leading ones)."""
+        known = self._known.get(worker.worker_id)
+        if known is not None:
+            return known.overlap_blocks(hashes)
         memory = self._decode_prefix.get(worker.worker_id)
         return 0 if memory is None else memory.overlap_blocks(hashes)
 
@@ -408,7 +448,7 @@ class Router:
                 worker_id=w.worker_id,
                 cost=w.load.step_cost,
                 queued_tokens=self._queued_prefill_tokens(w),
-                cached_tokens=self._memory(w.worker_id).overlap_blocks(hashes) * w.block_size,
+                cached_tokens=self._prefill_cached_blocks(w.worker_id, hashes) * w.block_size,
                 batch_requests=w.load.num_running_requests if w.address in decoding_at else 0,
                 batch_tokens=w.load.num_running_tokens if w.address in decoding_at else 0,
                 chunk_tokens=w.load.chunk_tokens,
@@ -459,6 +499,13 @@ class Router:
             and member.address == worker.address
         )
         return max(worker.load.num_pending_prefill_tokens, sent)
+
+    def _prefill_cached_blocks(self, worker_id: str, hashes: Sequence[BlockHash]) -> int:
+        """Of a prompt's block ``hashes``, how many a prefill worker holds (leading ones):
+        from its KV events when it sends them, else this coordinator's guess."""
+        known = self._known.get(worker_id)
+        view = known if known is not None else self._memory(worker_id)
+        return view.overlap_blocks(hashes)
 
     def _memory(self, worker_id: str) -> PrefixMemory:
         memory = self._prefix.get(worker_id)

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from splitserve.common.errors import EngineStoppedError
+from splitserve.common.kv_events import KvEventLog
 from splitserve.common.load import EngineLoad
 from splitserve.common.logprobs import TokenLogprob
 from splitserve.common.request_update import FinishReason, RequestUpdate, StepOutput
@@ -251,6 +252,18 @@ class AsyncEngine:
         """Give back a hold ``submit`` took on reserved blocks (queued; blocks with no other
         reference return to the pool). ``block_ids`` is read when the command runs."""
         self._post_command(lambda: self._core.release_blocks(block_ids))
+
+    async def record_kv_events(self, log: KvEventLog) -> None:
+        """From now on every change of the prefix cache goes into ``log`` (on the engine
+        thread, as it happens), which first gets what the cache holds now."""
+
+        def attach() -> None:
+            pool = self._core.kv_cache.pool
+            for block_hash in pool.cached_hashes():
+                log.record(block_hash, True)
+            pool.cache_listener = log.record
+
+        await self.call(attach)
 
     async def call(self, function: Callable[[], T]) -> T:
         """Run ``function()`` on the engine thread between steps, in order with the other

@@ -7,17 +7,20 @@ Invariants:
   queue, never both. ``num_free_blocks == len(free queue)``.
 - A free block may still hold a cached prefix (it has a hash). It stays reusable by a prefix hit
   until ``allocate`` hands it out again, which evicts the hash (least recently freed first);
-  ``allocate_contiguous`` evicts the hashes of whatever blocks it picks.
+  ``allocate_contiguous`` evicts the hashes of whatever blocks it picks, so it looks among
+  free blocks that hold no cached prefix first, and takes cached ones only when those have
+  no run that fits.
 - ``allocate``, ``free`` of one block, ``touch`` of one block and ``lookup`` are O(1);
   ``allocate_contiguous`` scans a free-block bitmap, O(num_blocks) at C speed.
-- ``_free_mask[b] == 1`` exactly when block ``b`` is in the free queue.
+- ``_free_mask[b] == 1`` exactly when block ``b`` is in the free queue; ``_clean_mask[b] ==
+  1`` exactly when it is in the free queue and holds no cached prefix (no hash).
 """
 
 from __future__ import annotations
 
 import re
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from splitserve.common.blocks import BlockHash
 
@@ -39,9 +42,13 @@ class BlockPool:
         self._ref_counts: list[int] = [0] * num_blocks
         self._hash_of_block: list[BlockHash | None] = [None] * num_blocks
         self._block_of_hash: dict[BlockHash, int] = {}
+        self.cache_listener: Callable[[BlockHash, bool], None] | None = None
+        """Told of every change to the prefix index as it happens: (hash, True) when a block
+        hash enters it, (hash, False) when it is evicted (the worker's KV events)."""
         # Insertion order is eviction order: the front is the least recently freed block.
         self._free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._free_mask = bytearray(b"\x01") * num_blocks
+        self._clean_mask = bytearray(b"\x01") * num_blocks
 
     @property
     def num_free_blocks(self) -> int:
@@ -73,13 +80,19 @@ class BlockPool:
         allow, ascending within each run: the smallest free run that holds ``count`` blocks,
         else the longest free runs.
 
-        For blocks another worker writes into (a KV transfer moves one message per run). It
-        ignores the LRU order, so it may evict a cached prefix ``allocate`` would have kept.
+        For blocks another worker writes into (a KV transfer moves one message per run).
+        Free blocks without a cached prefix come first: the smallest run of them that holds
+        ``count``; only when none does, runs of any free blocks as above (ignoring the LRU
+        order, so it may then evict a cached prefix ``allocate`` would have kept).
         """
         if count > len(self._free_queue):
             raise NoFreeBlocksError(f"asked for {count} blocks, {len(self._free_queue)} free")
-        runs = [match.span() for match in _FREE_RUN.finditer(self._free_mask)]
-        fitting = [(end - start, start) for start, end in runs if end - start >= count]
+        clean = [match.span() for match in _FREE_RUN.finditer(self._clean_mask)]
+        fitting = [(end - start, start) for start, end in clean if end - start >= count]
+        runs = []
+        if not fitting:
+            runs = [match.span() for match in _FREE_RUN.finditer(self._free_mask)]
+            fitting = [(end - start, start) for start, end in runs if end - start >= count]
         if fitting:
             _, start = min(fitting)
             chosen = [(start, start + count)]
@@ -102,6 +115,7 @@ class BlockPool:
         self._evict_hash(block_id)
         self._ref_counts[block_id] = 1
         self._free_mask[block_id] = 0
+        self._clean_mask[block_id] = 0
 
     def touch(self, block_ids: Iterable[int]) -> None:
         """Add a reference to each block (a prefix-cache hit, or a KV transfer's hold on its
@@ -110,6 +124,7 @@ class BlockPool:
             if self._ref_counts[block_id] == 0:
                 del self._free_queue[block_id]
                 self._free_mask[block_id] = 0
+                self._clean_mask[block_id] = 0
             self._ref_counts[block_id] += 1
 
     def free(self, block_ids: Sequence[int]) -> None:
@@ -126,6 +141,11 @@ class BlockPool:
             if count == 1:
                 self._free_queue[block_id] = None
                 self._free_mask[block_id] = 1
+                self._clean_mask[block_id] = self._hash_of_block[block_id] is None
+
+    def cached_hashes(self) -> list[BlockHash]:
+        """Every block hash in the prefix index now."""
+        return list(self._block_of_hash)
 
     def lookup(self, block_hash: BlockHash) -> int | None:
         """The block holding the prefix with this hash, if it is still cached."""
@@ -141,9 +161,14 @@ class BlockPool:
             return
         self._hash_of_block[block_id] = block_hash
         self._block_of_hash[block_hash] = block_id
+        self._clean_mask[block_id] = 0
+        if self.cache_listener is not None:
+            self.cache_listener(block_hash, True)
 
     def _evict_hash(self, block_id: int) -> None:
         block_hash = self._hash_of_block[block_id]
         if block_hash is not None:
             self._hash_of_block[block_id] = None
             del self._block_of_hash[block_hash]
+            if self.cache_listener is not None:
+                self.cache_listener(block_hash, False)

@@ -14,6 +14,7 @@ from google.protobuf.message import DecodeError
 
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.grammar import GrammarSpec
+from splitserve.common.kv_events import KvEvents
 from splitserve.common.kv_layout import KvLayout
 from splitserve.common.load import EngineLoad, LoadReport
 from splitserve.common.logprobs import TokenLogprob
@@ -164,6 +165,16 @@ def layout_from_proto(message: worker_pb2.KvLayout) -> KvLayout:
 
 _LOAD_FIELDS = tuple(name for name in EngineLoad.__dataclass_fields__ if name != "step_cost")
 _STEP_COST_FIELDS = tuple(StepCost.__dataclass_fields__)
+
+
+def kv_events_to_proto(events: KvEvents) -> worker_pb2.KvEvents:
+    return worker_pb2.KvEvents(
+        seq=events.seq, reset=events.reset, stored=events.stored, evicted=events.evicted
+    )
+
+
+def kv_events_from_proto(message: worker_pb2.KvEvents) -> KvEvents:
+    return KvEvents(message.seq, message.reset, tuple(message.stored), tuple(message.evicted))
 
 
 def load_to_proto(load: EngineLoad, ready: bool = True) -> worker_pb2.WorkerLoad:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import grpc
 
+from splitserve.common.kv_events import KvEvents
 from splitserve.common.load import LoadReport
 from splitserve.common.membership import MemberStatus, WorkerInfo
 from splitserve.proto import convert
@@ -31,12 +32,21 @@ class MembershipClient:
         )
         return reply.heartbeat_interval_ms / 1000
 
-    async def heartbeat(self, worker_id: str, report: LoadReport, timeout_s: float) -> bool:
-        """Report the worker's load and readiness; False when the coordinator does not know
-        the worker (it restarted): register again."""
+    async def heartbeat(
+        self,
+        worker_id: str,
+        report: LoadReport,
+        timeout_s: float,
+        kv_events: KvEvents | None = None,
+    ) -> bool:
+        """Report the worker's load and readiness, and its prefix cache's changes
+        (``kv_events``, None: none sent); False when the coordinator does not know the worker
+        (it restarted): register again."""
         request = coordinator_pb2.HeartbeatRequest(
             worker_id=worker_id, load=convert.load_to_proto(report.load, report.ready)
         )
+        if kv_events is not None:
+            request.kv_events.CopyFrom(convert.kv_events_to_proto(kv_events))
         reply = await call_internal(
             self._stub.Heartbeat(request, timeout=timeout_s, metadata=self._metadata)
         )

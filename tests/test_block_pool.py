@@ -133,6 +133,23 @@ def test_allocate_contiguous_falls_back_to_the_longest_runs() -> None:
         pool.allocate_contiguous(1)
 
 
+def test_allocate_contiguous_spares_cached_prefixes_while_uncached_runs_fit() -> None:
+    """A freed conversation's blocks form a small free run: best fit over every free block
+    would pick exactly them (and evict the conversation); blocks without a hash go first."""
+    pool = BlockPool(20)
+    fragment(pool, {3, 4, 5, 10, 11, 12, 13, 14, 15})  # runs of 3 and 6
+    held = pool.allocate(3)  # the run 3..5 (least recently freed first), then cached
+    assert held == [3, 4, 5]
+    for block_id, name in zip(held, (b"t0", b"t1", b"t2"), strict=True):
+        pool.register(block_id, name)
+    pool.free(held[::-1])
+    assert pool.allocate_contiguous(3) == [10, 11, 12]  # not the cached run 3..5
+    assert [pool.lookup(name) for name in (b"t0", b"t1", b"t2")] == [3, 4, 5]
+    assert pool.allocate_contiguous(3) == [13, 14, 15]
+    assert pool.allocate_contiguous(2) == [3, 4]  # only cached blocks left: evicted then
+    assert pool.lookup(b"t0") is None and pool.lookup(b"t2") == 5
+
+
 def test_allocate_contiguous_keeps_the_pool_consistent() -> None:
     pool = BlockPool(16)
     [cached] = pool.allocate(1)

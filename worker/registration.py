@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable
 
 from splitserve.common.errors import SplitserveError
 from splitserve.common.event_wait import wait_event
+from splitserve.common.kv_events import KvEventLog
 from splitserve.common.load import LoadReport
 from splitserve.common.membership import WorkerInfo
 from splitserve.proto.cluster_access import ClusterAccess
@@ -40,13 +41,17 @@ class CoordinatorLink:
         info: WorkerInfo,
         load: Callable[[], Awaitable[LoadReport]],
         access: ClusterAccess,
+        kv_events: KvEventLog | None = None,
     ) -> None:
         """``coordinator_address``: the coordinator's internal port (``--internal-port``);
-        ``load``: what each heartbeat reports (figures and readiness)."""
+        ``load``: what each heartbeat reports (figures and readiness); ``kv_events``: the
+        worker's prefix-cache changes, each heartbeat carrying those after the last one the
+        coordinator answered (all it holds after each registration; None: none sent)."""
         self._address = coordinator_address
         self._info = info
         self._load = load
         self._access = access
+        self._kv_events = kv_events
 
     async def run(self, stop: asyncio.Event) -> None:
         async with self._access.channel(self._address) as channel:
@@ -87,13 +92,15 @@ class CoordinatorLink:
         self, client: MembershipClient, stop: asyncio.Event, interval_s: float
     ) -> None:
         failures = 0
+        cursor: int | None = None  # a fresh registration learns the whole cache
         while not stop.is_set():
             await _sleep_or_stop(stop, interval_s)
             if stop.is_set():
                 return
+            events = None if self._kv_events is None else self._kv_events.since(cursor)
             try:
                 known = await client.heartbeat(
-                    self._info.worker_id, await self._load(), HEARTBEAT_TIMEOUT_S
+                    self._info.worker_id, await self._load(), HEARTBEAT_TIMEOUT_S, events
                 )
             except SplitserveError as error:
                 failures += 1
@@ -105,6 +112,8 @@ class CoordinatorLink:
             if not known:
                 logger.info("coordinator forgot this worker; registering again")
                 return
+            if events is not None:
+                cursor = events.seq  # delivered: the next heartbeat carries what follows
 
 
 async def _sleep_or_stop(stop: asyncio.Event, seconds: float) -> None:

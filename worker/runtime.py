@@ -31,6 +31,7 @@ from prometheus_client import CollectorRegistry
 
 from splitserve.common.busy_flag import BusyFlag, BusyFlagReader
 from splitserve.common.errors import MembershipStoreError
+from splitserve.common.kv_events import KvEventLog
 from splitserve.common.kv_layout import KvLayout
 from splitserve.common.load import LoadReport
 from splitserve.common.membership import Role, WorkerInfo, hosted_worker_ids, member_id
@@ -200,10 +201,12 @@ async def run_worker(
         )
         for role, identity, domain in zip(roles, identities, domains, strict=True)
     ]
+    kv_events = KvEventLog()  # every coordinator's heartbeats carry its changes
+    await engine.record_kv_events(kv_events)
     links: list[tuple[CoordinatorLink, asyncio.Task[None]]] = []
     for coordinator in coordinator_addresses(args.coordinator or ""):
         for info in infos:
-            link = CoordinatorLink(coordinator, info, report, access)
+            link = CoordinatorLink(coordinator, info, report, access, kv_events)
             links.append((link, asyncio.create_task(link.run(stop))))
     announcers: list[tuple[EtcdAnnouncer, asyncio.Task[None]]] = []
     if etcd_endpoints(args):

@@ -199,12 +199,14 @@ class RegisterWorkerResponse(_message.Message):
     def __init__(self, heartbeat_interval_ms: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("worker_id", "load")
+    __slots__ = ("worker_id", "load", "kv_events")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
+    KV_EVENTS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     load: _worker_pb2.WorkerLoad
-    def __init__(self, worker_id: _Optional[str] = ..., load: _Optional[_Union[_worker_pb2.WorkerLoad, _Mapping]] = ...) -> None: ...
+    kv_events: _worker_pb2.KvEvents
+    def __init__(self, worker_id: _Optional[str] = ..., load: _Optional[_Union[_worker_pb2.WorkerLoad, _Mapping]] = ..., kv_events: _Optional[_Union[_worker_pb2.KvEvents, _Mapping]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("known",)

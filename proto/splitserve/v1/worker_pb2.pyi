@@ -37,6 +37,18 @@ class KvLayout(_message.Message):
     compat_hash: str
     def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., layout: _Optional[str] = ..., compat_hash: _Optional[str] = ...) -> None: ...
 
+class KvEvents(_message.Message):
+    __slots__ = ("seq", "reset", "stored", "evicted")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    RESET_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    reset: bool
+    stored: _containers.RepeatedScalarFieldContainer[bytes]
+    evicted: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, seq: _Optional[int] = ..., reset: _Optional[bool] = ..., stored: _Optional[_Iterable[bytes]] = ..., evicted: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
 class WorkerInfo(_message.Message):
     __slots__ = ("worker_id", "role", "address", "kv_layout", "num_blocks", "max_model_len")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
