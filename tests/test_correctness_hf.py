@@ -1,6 +1,6 @@
 """Greedy output equals HF ``transformers`` token for token (float32, same weights).
 
-Eight prompts from 5 to 1,000+ tokens run as one concurrent batch, 40 new tokens each, under
+Eight prompts from 5 to 1,000+ tokens run as one concurrent batch, 32 new tokens each, under
 five engine configurations: prefix caching on (run twice, so the second run hits the cache;
 decoding on the C++ CPU attention kernel where it builds) and off, a prefill chunk small
 enough to chunk every long prompt, a KV pool small enough to force preemption (with that
@@ -21,8 +21,8 @@ from tests.conftest import assert_no_leaks, make_llm
 
 transformers = pytest.importorskip("transformers")
 
-NEW_TOKENS = 40
-# min_tokens suppresses EOS exactly like HF min_new_tokens, so both generate 40 tokens.
+NEW_TOKENS = 32
+# min_tokens suppresses EOS exactly like HF min_new_tokens, so both generate 32 tokens.
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, temperature=0.0)
 
 _STORY = (

@@ -2,8 +2,9 @@
 the first start once the first streamed, on the same decode worker (one session), and reuse
 the prompt's full KV blocks from the prefix caches instead of computing and moving them again.
 
-A float32 ``splitserve up`` cluster (a prefill and a decode worker, the gateway) gets one
-completion of a fresh ~150-token prompt with ``n=4``, seeded sampling. Measured on the workers'
+A float32 ``splitserve up`` cluster (a prefill and a decode worker, the gateway: the one of
+``tests/test_serving_integration.py``, which calls ``assert_n_choices_fork``) gets one
+completion of a fresh ~120-token prompt with ``n=4``, seeded sampling. Measured on the workers'
 own metrics over that request: the prompt tokens computed (prefill and decode worker together)
 are the prompt once plus at most a block's worth per further choice (four unforked choices
 computed it four times), and the decode worker reused the prompt's full blocks for each
@@ -23,11 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from splitserve.client import Chunk, Usage
 from splitserve.gateway.choices import merged
-from tests.cluster import cluster
 
-pytestmark = pytest.mark.timeout(300)
-
-WORKER_FLAGS = ("--dtype=float32", "--num-blocks=400", "--threads=1")
 BLOCK_TOKENS = 16
 N = 4
 SEED = 7
@@ -67,20 +64,19 @@ async def _completions(url: str, n: int, seed: int) -> tuple[list[str], int]:
     return texts, answer["usage"]["prompt_tokens"]
 
 
-def test_n_choices_compute_the_prompt_once_and_each_equals_its_single_request() -> None:
-    lines: dict[str, str] = {}
-    with cluster(1, 1, *WORKER_FLAGS, ready_lines=lines):
-        url = lines["splitserve gateway ready"]
-        workers = [lines["prefill metrics"], lines["decode metrics"]]
-        before = _figures(workers)
-        forked, prompt_tokens = asyncio.run(_completions(url, N, SEED))
-        after = _figures(workers)
-        singles = [asyncio.run(_completions(url, 1, SEED + j))[0][0] for j in range(N)]
+def assert_n_choices_fork(url: str, worker_metrics: list[str]) -> None:
+    """Through the gateway at ``url`` of a float32 cluster whose workers serve /metrics at
+    ``worker_metrics`` (prefill and decode): the module docstring's checks, with a prompt
+    nothing has cached. Run inside ``tests/test_serving_integration.py``'s cluster."""
+    before = _figures(worker_metrics)
+    forked, prompt_tokens = asyncio.run(_completions(url, N, SEED))
+    after = _figures(worker_metrics)
+    singles = [asyncio.run(_completions(url, 1, SEED + j))[0][0] for j in range(N)]
     assert forked == singles  # each choice is the single request with its seed
     assert len(set(forked)) > 1  # seeded sampling: the choices differ
-    computed = after["splitserve_prompt_tokens_total"] - before["splitserve_prompt_tokens_total"]
-    reused = (
-        after["splitserve_kv_reused_blocks_total"] - before["splitserve_kv_reused_blocks_total"]
+    computed, reused = (
+        after[name] - before[name]
+        for name in ("splitserve_prompt_tokens_total", "splitserve_kv_reused_blocks_total")
     )
     full_blocks = (prompt_tokens - 1) // BLOCK_TOKENS  # a prompt's last token is never cached
     tail = prompt_tokens - full_blocks * BLOCK_TOKENS

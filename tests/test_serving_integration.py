@@ -3,7 +3,8 @@
 float32 workers are batch invariant, so a disaggregated cluster (1 prefill + 1 decode worker,
 KV pushed layer by layer over UCX) must produce exactly the tokens of the colocated in-process
 float32 engine (prefill and decode in one engine). Every block on every worker must be free
-afterwards, as the workers themselves report it.
+afterwards, as the workers themselves report it. Through the cluster's gateway, ``n > 1`` is
+one prompt forked (``tests/test_fork.py:assert_n_choices_fork``).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from tests.cluster import (
     wait_until_idle,
 )
 from tests.conftest import make_llm
+from tests.test_fork import assert_n_choices_fork
 
 WORKER_FLAGS = ("--dtype=float32", "--num-blocks=400", "--threads=1")
 PROMPTS = [
@@ -148,7 +150,7 @@ def test_disaggregated_equals_colocated_and_frees_every_block(
         # the cluster starts (its processes load the model) while the references compute
         with ThreadPoolExecutor(1) as starter:
             started = starter.submit(
-                stack.enter_context, cluster(1, 1, *WORKER_FLAGS, ready_lines=lines, gateway=False)
+                stack.enter_context, cluster(1, 1, *WORKER_FLAGS, ready_lines=lines)
             )
             llm, requests, expected, turn2, turn2_expected = _references(
                 default_checkpoint_fp32, params
@@ -197,6 +199,10 @@ def test_disaggregated_equals_colocated_and_frees_every_block(
 
         asyncio.run(_cancel_mid_stream(disaggregated))
         asyncio.run(_bad_requests_do_not_disturb_others(disaggregated))
+        assert_all_free(wait_until_idle(disaggregated, 2), 2)
+        # n > 1 through the gateway: one prompt forked (tests/test_fork.py)
+        workers = [lines["prefill metrics"], lines["decode metrics"]]
+        assert_n_choices_fork(lines["splitserve gateway ready"], workers)
         assert_all_free(wait_until_idle(disaggregated, 2), 2)
 
 
