@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from splitserve.common.kv_events import KvEvents
 from splitserve.common.step_cost import StepCost
 
 DEFAULT_PREFILL_CHUNK_TOKENS = 2048
@@ -52,3 +53,6 @@ class LoadReport:
 
     load: EngineLoad
     ready: bool = True
+    kv_events: KvEvents | None = None
+    """The prefix cache's changes since the previous report of the same stream (a load
+    stream's; None: not sent)."""

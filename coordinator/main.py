@@ -396,7 +396,11 @@ def _membership_follower(
         return None
     watcher = EtcdMembershipWatcher(EtcdClient(endpoints), args.cluster_name)
     return MembershipFollower(
-        watcher, coordinator.registry, coordinator.channels, coordinator.router.forget
+        watcher,
+        coordinator.registry,
+        coordinator.channels,
+        coordinator.router.forget,
+        coordinator.router.kv_events,
     )
 
 

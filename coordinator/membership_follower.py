@@ -22,6 +22,7 @@ import logging
 from collections.abc import Callable
 
 from splitserve.common.errors import MembershipStoreError, SplitserveError
+from splitserve.common.kv_events import KvEvents
 from splitserve.common.membership import WorkerInfo
 from splitserve.coordinator.registry import WorkerRegistry, record_of
 from splitserve.discovery import Joined, Left, MembershipWatcher
@@ -41,12 +42,16 @@ class MembershipFollower:
         registry: WorkerRegistry,
         channels: WorkerChannels,
         on_leave: Callable[[str], None] = lambda worker_id: None,
+        on_kv_events: Callable[[str, KvEvents], None] = lambda worker_id, events: None,
     ) -> None:
-        """``on_leave``: called with each worker that left (the router forgets it)."""
+        """``on_leave``: called with each worker that left (the router forgets it);
+        ``on_kv_events``: a worker's prefix-cache changes as its load stream brings them
+        (the router's view of where KV lives)."""
         self._watcher = watcher
         self._registry = registry
         self._channels = channels
         self._on_leave = on_leave
+        self._on_kv_events = on_kv_events
         self._following: dict[str, asyncio.Task[None]] = {}
 
     async def run(self) -> None:
@@ -103,6 +108,8 @@ class MembershipFollower:
                         self._registry.register(record_of(info))  # expired while silent
                         self._registry.heartbeat(info.worker_id, report.load, report.ready)
                     self._registry.mark_dialled(info.worker_id, info.address)
+                    if report.kv_events is not None:
+                        self._on_kv_events(info.worker_id, report.kv_events)
                     backoff_s = RECONNECT_MIN_S
             except SplitserveError as error:
                 logger.warning("load stream of %s broke: %s", info.worker_id, error)

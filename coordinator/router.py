@@ -8,9 +8,10 @@ by the prompt's blocks it likely holds in its prefix cache (``CACHED_BLOCK_WEIGH
 conversation's next turn goes back to the worker that decoded the last one (its reply's KV
 is there, in no other cache) unless another is that much less loaded. What a worker holds
 comes from its KV events where it sends them (``KnownPrefix``: every heartbeat carries its
-prefix cache's changes, ``common/kv_events.py``), so it is exact and the same for every
-coordinator, also for turns another coordinator routed; otherwise (a worker followed through
-etcd, whose load stream carries none) it is this coordinator's guess (``PrefixMemory``,
+prefix cache's changes, ``common/kv_events.py``; a worker followed through etcd sends them on
+its load stream), so it is exact and the same for every coordinator, also for turns another
+coordinator routed; otherwise (a worker that sends none) it is this coordinator's guess
+(``PrefixMemory``,
 bounded, least recently used first out) of the prompts it routed there and of every request
 that finished there, prompt and output. A wrong guess costs time, never a token (the
 worker's own cache decides what is reused).

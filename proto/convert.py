@@ -188,7 +188,8 @@ def load_to_proto(load: EngineLoad, ready: bool = True) -> worker_pb2.WorkerLoad
 
 
 def report_from_proto(message: worker_pb2.WorkerLoad) -> LoadReport:
-    return LoadReport(load_from_proto(message), message.ready)
+    events = kv_events_from_proto(message.kv_events) if message.HasField("kv_events") else None
+    return LoadReport(load_from_proto(message), message.ready, events)
 
 
 def load_from_proto(message: worker_pb2.WorkerLoad) -> EngineLoad:

@@ -5,6 +5,7 @@ view of where KV lives exact.
 - ``KvEventLog`` gives each reader the changes after its cursor (each hash's last), a reset
   (the whole cached set) to a reader without a cursor or behind what it keeps, and replaying
   from an older cursor gives the newest state;
+- a load stream (workers followed through etcd) carries them too, a reset first;
 - the router reads a worker's cached prefix from its events once it has them: a second
   coordinator that never routed a conversation sends its next turn to the worker holding
   it, and an evicted prefix attracts nothing;
@@ -23,14 +24,21 @@ import asyncio
 import time
 import urllib.request
 
+import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from splitserve.client import AsyncClient, Chunk, Sampling
 from splitserve.common.blocks import hash_block, prompt_block_hashes
 from splitserve.common.kv_events import KvEventLog
+from splitserve.common.load import EngineLoad, LoadReport
 from splitserve.common.membership import Role
+from splitserve.coordinator.router import KnownPrefix
 from splitserve.engine.block_pool import BlockPool
+from splitserve.proto.cluster_auth import ClusterCredential
+from splitserve.proto.server import start_server
+from splitserve.proto.worker_clients import WorkerMonitorClient
+from splitserve.worker.monitor_servicer import MonitorServicer
 from tests.cluster import cluster
 from tests.etcd import free_port
 from tests.test_router import _router, _worker
@@ -98,6 +106,49 @@ def test_a_coordinator_sends_a_turn_where_events_say_its_prefix_is() -> None:
     assert router.decode_cached_blocks(b, hashes) == 0
     router.forget("b")
     assert router.decode_cached_blocks(b, hashes) == 0
+
+
+def test_a_load_stream_carries_the_cache_then_its_changes_and_starts_over() -> None:
+    """Workers followed through etcd: their ``WatchLoad`` stream (a real gRPC server) carries
+    the whole cached set first, then each message's changes; a new stream starts over."""
+    credential = ClusterCredential.generate()
+    log = KvEventLog()
+    log.record(H[0], True)
+    monitor = MonitorServicer()
+    monitor.kv_events = log
+
+    async def load() -> LoadReport:
+        return LoadReport(EngineLoad(num_total_blocks=64), ready=True)
+
+    monitor.bind(load)
+
+    async def body() -> None:
+        server = await start_server(
+            "127.0.0.1", 0, lambda s: [monitor.add_to(s)], credential=credential, tls=None
+        )
+        await server.set_serving(True)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+                client = WorkerMonitorClient(channel, credential)
+                stream = client.watch_load(0.05)
+                first = (await anext(stream)).kv_events
+                assert first is not None and first.reset and first.stored == (H[0],)
+                log.record(H[1], True)
+                log.record(H[0], False)
+                seen = KnownPrefix()
+                seen.apply(first)
+                while seen.overlap_blocks([H[1]]) == 0:
+                    events = (await anext(stream)).kv_events
+                    assert events is not None and not events.reset
+                    seen.apply(events)
+                assert seen.overlap_blocks([H[0]]) == 0
+                await stream.aclose()
+                again = (await anext(client.watch_load(0.05))).kv_events
+                assert again is not None and again.reset and again.stored == (H[1],)
+        finally:
+            await server.server.stop(None)
+
+    asyncio.run(body())
 
 
 def _reused_blocks(url: str) -> float:

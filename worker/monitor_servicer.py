@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 
+from splitserve.common.kv_events import KvEventLog
 from splitserve.common.load import LoadReport
 from splitserve.proto import convert
 from splitserve.proto.splitserve.v1 import worker_pb2, worker_pb2_grpc
@@ -22,7 +23,12 @@ LoadSource = Callable[[], Awaitable[LoadReport]]
 
 
 class MonitorServicer(WorkerServicerBase[LoadSource], worker_pb2_grpc.WorkerMonitorServicer):
-    """Bound to the worker's load report (figures and readiness) once the engine is up."""
+    """Bound to the worker's load report (figures and readiness) once the engine is up.
+    ``kv_events``: the worker's prefix-cache changes (set before binding; None: none sent):
+    each stream's first message carries the whole cached set, every later one what changed
+    since the one before (``common/kv_events.py``; a new stream starts over)."""
+
+    kv_events: KvEventLog | None = None
 
     def add_to(self, server: grpc.aio.Server) -> str:
         """Register on ``server``; the service's full name (for health and reflection)."""
@@ -34,7 +40,13 @@ class MonitorServicer(WorkerServicerBase[LoadSource], worker_pb2_grpc.WorkerMoni
     ) -> AsyncIterator[worker_pb2.WorkerLoad]:
         load = await self.ready(context)
         interval_ms = min(max(request.interval_ms, MIN_INTERVAL_MS), MAX_INTERVAL_MS)
+        cursor: int | None = None
         while True:
             report = await load()
-            yield convert.load_to_proto(report.load, ready=report.ready)
+            message = convert.load_to_proto(report.load, ready=report.ready)
+            if self.kv_events is not None:
+                events = self.kv_events.since(cursor)
+                message.kv_events.CopyFrom(convert.kv_events_to_proto(events))
+                cursor = events.seq
+            yield message
             await asyncio.sleep(interval_ms / 1000)

@@ -185,6 +185,9 @@ async def run_worker(
     async def report() -> LoadReport:
         return LoadReport(engine.latest_load, stall_watch.ready())
 
+    kv_events = KvEventLog()  # every coordinator's heartbeats or load stream carry its changes
+    await engine.record_kv_events(kv_events)
+    monitor.kv_events = kv_events
     monitor.bind(report)
     await server.set_serving(True)
     watching = asyncio.create_task(stall_watch.watch(server.set_serving, stop))
@@ -201,8 +204,6 @@ async def run_worker(
         )
         for role, identity, domain in zip(roles, identities, domains, strict=True)
     ]
-    kv_events = KvEventLog()  # every coordinator's heartbeats carry its changes
-    await engine.record_kv_events(kv_events)
     links: list[tuple[CoordinatorLink, asyncio.Task[None]]] = []
     for coordinator in coordinator_addresses(args.coordinator or ""):
         for info in infos:

@@ -66,7 +66,7 @@ class WorkerInfo(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., address: _Optional[str] = ..., kv_layout: _Optional[_Union[KvLayout, _Mapping]] = ..., num_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("num_total_blocks", "num_used_blocks", "num_running_requests", "num_waiting_requests", "num_reserved_requests", "num_running_tokens", "num_pending_prefill_tokens", "ready", "num_finished_requests", "step_cost", "prefill_share", "prefill_chunk_tokens")
+    __slots__ = ("num_total_blocks", "num_used_blocks", "num_running_requests", "num_waiting_requests", "num_reserved_requests", "num_running_tokens", "num_pending_prefill_tokens", "ready", "num_finished_requests", "step_cost", "prefill_share", "prefill_chunk_tokens", "kv_events")
     NUM_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -79,6 +79,7 @@ class WorkerLoad(_message.Message):
     STEP_COST_FIELD_NUMBER: _ClassVar[int]
     PREFILL_SHARE_FIELD_NUMBER: _ClassVar[int]
     PREFILL_CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_EVENTS_FIELD_NUMBER: _ClassVar[int]
     num_total_blocks: int
     num_used_blocks: int
     num_running_requests: int
@@ -91,7 +92,8 @@ class WorkerLoad(_message.Message):
     step_cost: StepCost
     prefill_share: float
     prefill_chunk_tokens: int
-    def __init__(self, num_total_blocks: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., num_reserved_requests: _Optional[int] = ..., num_running_tokens: _Optional[int] = ..., num_pending_prefill_tokens: _Optional[int] = ..., ready: _Optional[bool] = ..., num_finished_requests: _Optional[int] = ..., step_cost: _Optional[_Union[StepCost, _Mapping]] = ..., prefill_share: _Optional[float] = ..., prefill_chunk_tokens: _Optional[int] = ...) -> None: ...
+    kv_events: KvEvents
+    def __init__(self, num_total_blocks: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., num_reserved_requests: _Optional[int] = ..., num_running_tokens: _Optional[int] = ..., num_pending_prefill_tokens: _Optional[int] = ..., ready: _Optional[bool] = ..., num_finished_requests: _Optional[int] = ..., step_cost: _Optional[_Union[StepCost, _Mapping]] = ..., prefill_share: _Optional[float] = ..., prefill_chunk_tokens: _Optional[int] = ..., kv_events: _Optional[_Union[KvEvents, _Mapping]] = ...) -> None: ...
 
 class StepCost(_message.Message):
     __slots__ = ("decode_base_s", "per_decode_seq_s", "per_context_token_s", "prefill_base_s", "per_prefill_token_s", "decode_steps", "prefill_steps")
