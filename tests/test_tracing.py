@@ -24,6 +24,7 @@ import signal
 import subprocess
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator, Sequence
 from concurrent import futures
 from dataclasses import dataclass
@@ -34,9 +35,11 @@ import httpx
 import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.proto.common.v1.common_pb2 import KeyValue
+from prometheus_client.parser import text_string_to_metric_families
 
 from splitserve.client import AsyncClient, Chunk, Sampling
 from tests.cluster import child_pid, cluster, worker_loads
+from tests.etcd import free_port
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -271,9 +274,24 @@ def _coordinator_serving(up: subprocess.Popen[str], address: str) -> int:
     raise LookupError(f"no child of up listens on {address}")
 
 
-async def _streams_through_a_dying_coordinator(target: str, up: subprocess.Popen[str]) -> None:
-    """``CONTINUED_STREAMS`` traced streams over both coordinators (the client spreads them);
-    once each has a token, coordinator-0 is SIGKILLed: its streams go on through the other."""
+def _in_flight(metrics_url: str) -> float:
+    """A coordinator's requests in flight, from its /metrics."""
+    with urllib.request.urlopen(metrics_url, timeout=10) as response:
+        text = response.read().decode()
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "splitserve_num_requests_in_flight"
+    )
+
+
+async def _streams_through_a_dying_coordinator(
+    target: str, up: subprocess.Popen[str], metrics_urls: list[str]
+) -> None:
+    """Traced streams (``CONTINUED_TRACE_IDS``) given both coordinators; once each has a
+    token, the coordinator running the most of them (``metrics_urls``, in the target's
+    order) is SIGKILLed: its streams go on through the other."""
     sampling = Sampling(max_tokens=RESUMED_TOKENS, temperature=0.0, ignore_eos=True)
     async with AsyncClient(target) as client:
 
@@ -290,8 +308,9 @@ async def _streams_through_a_dying_coordinator(target: str, up: subprocess.Popen
         started = {trace_id: asyncio.Event() for trace_id in CONTINUED_TRACE_IDS}
         tasks = [asyncio.create_task(one(trace_id)) for trace_id in CONTINUED_TRACE_IDS]
         await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started.values())), 60)
-        # the client's first address (its streams start there while it answers)
-        os.kill(_coordinator_serving(up, target.split(",")[0]), signal.SIGKILL)
+        running = [await asyncio.to_thread(_in_flight, url) for url in metrics_urls]
+        victim = target.split(",")[running.index(max(running))]
+        os.kill(_coordinator_serving(up, victim), signal.SIGKILL)
         await asyncio.gather(*tasks)
 
 
@@ -299,15 +318,17 @@ async def _streams_through_a_dying_coordinator(target: str, up: subprocess.Popen
 def test_a_stream_continued_through_another_coordinator_stays_in_its_trace(
     receiver: tuple[Receiver, int],
 ) -> None:
-    """Coordinator-0 killed mid-stream: each of its streams is continued through the other
+    """A coordinator killed mid-stream: each of its streams is continued through the other
     coordinator, whose span joins the client's trace and records the continuation."""
     spans_in, port = receiver
     env = {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"http://127.0.0.1:{port}",
            "OTEL_BSP_SCHEDULE_DELAY": "100"}  # fmt: skip
     processes: list[subprocess.Popen[str]] = []
-    flags = ("--coordinators=2",)
+    base = free_port()  # coordinator i's metrics at base + i (up's rule)
+    metrics_urls = [f"http://127.0.0.1:{base + i}/metrics" for i in range(2)]
+    flags = ("--coordinators=2", f"--metrics-port-base={base}")
     with cluster(1, 1, "--engine=sim", up_flags=flags, processes=processes, env=env) as target:
-        asyncio.run(_streams_through_a_dying_coordinator(target, processes[0]))
+        asyncio.run(_streams_through_a_dying_coordinator(target, processes[0], metrics_urls))
         traces = [
             _wait_for(spans_in, trace_id, {"coordinator generate", "decode"})
             for trace_id in CONTINUED_TRACE_IDS
