@@ -326,6 +326,19 @@ class TransferFigures:
     """Blocks of pushed prompts a decode worker already held (not sent)."""
 
 
+def metric_total(metrics_url: str, name: str) -> float:
+    """The sum of every sample named ``name`` (all label sets) on the /metrics page at
+    ``metrics_url``."""
+    with urllib.request.urlopen(metrics_url, timeout=10) as response:
+        text = response.read().decode()
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name
+    )
+
+
 def transfer_figures(metrics_url: str, direction: str = "receive") -> TransferFigures:
     """A worker's KV transfer figures from its /metrics: a decode worker's receives, or with
     ``direction="send"`` a prefill worker's sends (``landed_bytes``: the bytes sent)."""

@@ -15,15 +15,14 @@ single-choice request with its seed (``seed + j``), token for token in float32.
 from __future__ import annotations
 
 import asyncio
-import urllib.request
 from collections.abc import AsyncGenerator
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from splitserve.client import Chunk, Usage
 from splitserve.gateway.choices import merged
+from tests.cluster import metric_total
 
 BLOCK_TOKENS = 16
 N = 4
@@ -33,15 +32,8 @@ PROMPT = "The lighthouse keeper climbed the stairs each evening and counted them
 
 def _figures(urls: list[str]) -> dict[str, float]:
     """Prompt tokens computed and KV blocks reused, summed over the workers at ``urls``."""
-    totals = {"splitserve_prompt_tokens_total": 0.0, "splitserve_kv_reused_blocks_total": 0.0}
-    for url in urls:
-        with urllib.request.urlopen(url, timeout=10) as response:
-            text = response.read().decode()
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name in totals:
-                    totals[sample.name] += sample.value
-    return totals
+    names = ("splitserve_prompt_tokens_total", "splitserve_kv_reused_blocks_total")
+    return {name: sum(metric_total(url, name) for url in urls) for name in names}
 
 
 async def _completions(url: str, n: int, seed: int) -> tuple[list[str], int]:

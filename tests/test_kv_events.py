@@ -22,11 +22,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-import urllib.request
 
 import grpc
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from splitserve.client import AsyncClient, Chunk, Sampling
 from splitserve.common.blocks import hash_block, prompt_block_hashes
@@ -39,11 +37,13 @@ from splitserve.proto.cluster_auth import ClusterCredential
 from splitserve.proto.server import start_server
 from splitserve.proto.worker_clients import WorkerMonitorClient
 from splitserve.worker.monitor_servicer import MonitorServicer
-from tests.cluster import cluster
+from tests.cluster import cluster, metric_total
 from tests.etcd import free_port
 from tests.test_router import _router, _worker
 
 H = [hash_block(None, [i]) for i in range(8)]
+REUSED = "splitserve_kv_reused_blocks_total"
+"""KV blocks a decode worker reserved from its prefix cache for pushed prompts (not sent)."""
 
 
 def test_the_block_pool_tells_its_listener_of_every_cached_hash_and_eviction() -> None:
@@ -151,19 +151,6 @@ def test_a_load_stream_carries_the_cache_then_its_changes_and_starts_over() -> N
     asyncio.run(body())
 
 
-def _reused_blocks(url: str) -> float:
-    """KV blocks the decode worker at ``url`` reserved from its prefix cache for pushed
-    prompts (not sent again)."""
-    with urllib.request.urlopen(url, timeout=10) as response:
-        text = response.read().decode()
-    return sum(
-        sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == "splitserve_kv_reused_blocks_total"
-    )
-
-
 async def _turn(address: str, token_ids: list[int]) -> list[int]:
     sampling = Sampling(max_tokens=20, temperature=0.0, ignore_eos=True)
     out: list[int] = []
@@ -189,10 +176,10 @@ def test_a_second_coordinator_routes_next_turns_by_the_workers_events() -> None:
 
         outputs = asyncio.run(first_turns())
         time.sleep(1.5)  # a few heartbeats: coordinator 1 hears of the cached blocks
-        before = [_reused_blocks(url) for url in decode_metrics]
+        before = [metric_total(url, REUSED) for url in decode_metrics]
         for turn, output in zip(firsts, outputs, strict=True):
             asyncio.run(_turn(second, turn + output + [5, 6, 7]))
-        after = [_reused_blocks(url) for url in decode_metrics]
+        after = [metric_total(url, REUSED) for url in decode_metrics]
     # every next turn found every full block of its last turn (prompt and reply but the
     # reply's last token, whose KV was never computed) where coordinator 1 sent it
     held = sum(

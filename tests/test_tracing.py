@@ -24,7 +24,6 @@ import signal
 import subprocess
 import threading
 import time
-import urllib.request
 from collections.abc import Iterator, Sequence
 from concurrent import futures
 from dataclasses import dataclass
@@ -35,10 +34,9 @@ import httpx
 import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.proto.common.v1.common_pb2 import KeyValue
-from prometheus_client.parser import text_string_to_metric_families
 
 from splitserve.client import AsyncClient, Chunk, Sampling
-from tests.cluster import child_pid, cluster, worker_loads
+from tests.cluster import child_pid, cluster, metric_total, worker_loads
 from tests.etcd import free_port
 
 pytestmark = pytest.mark.timeout(300)
@@ -274,18 +272,6 @@ def _coordinator_serving(up: subprocess.Popen[str], address: str) -> int:
     raise LookupError(f"no child of up listens on {address}")
 
 
-def _in_flight(metrics_url: str) -> float:
-    """A coordinator's requests in flight, from its /metrics."""
-    with urllib.request.urlopen(metrics_url, timeout=10) as response:
-        text = response.read().decode()
-    return sum(
-        sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == "splitserve_num_requests_in_flight"
-    )
-
-
 async def _streams_through_a_dying_coordinator(
     target: str, up: subprocess.Popen[str], metrics_urls: list[str]
 ) -> None:
@@ -308,7 +294,10 @@ async def _streams_through_a_dying_coordinator(
         started = {trace_id: asyncio.Event() for trace_id in CONTINUED_TRACE_IDS}
         tasks = [asyncio.create_task(one(trace_id)) for trace_id in CONTINUED_TRACE_IDS]
         await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started.values())), 60)
-        running = [await asyncio.to_thread(_in_flight, url) for url in metrics_urls]
+        running = [
+            await asyncio.to_thread(metric_total, url, "splitserve_num_requests_in_flight")
+            for url in metrics_urls
+        ]
         victim = target.split(",")[running.index(max(running))]
         os.kill(_coordinator_serving(up, victim), signal.SIGKILL)
         await asyncio.gather(*tasks)
