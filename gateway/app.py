@@ -76,6 +76,7 @@ from splitserve.gateway.errors import (
     from_client_error,
     from_http_exception,
     from_validation_error,
+    invalid,
 )
 from splitserve.gateway.responses import usage_dict
 from splitserve.gateway.sampling import (
@@ -329,6 +330,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
     async def detokenize(body: schemas.DetokenizeRequest, request: Request) -> dict[str, Any]:
         """vLLM's: the text of ``tokens`` (special tokens kept)."""
         gateway.count_ignored(body)
+        if any(not 0 <= token < 2**31 for token in body.tokens):  # what the wire carries
+            raise invalid("tokens must be in [0, 2^31)", "tokens")
         client = gateway.client_for(request)
         await gateway.check_model(body.model, client)
         with client_errors_as_api_errors():

@@ -485,6 +485,9 @@ def test_tokenize_detokenize_and_version_as_vllm_serves_them(
         back = http.post("/detokenize", json={"model": model, "tokens": text["tokens"]})
         assert back.json() == {"prompt": "Hello world"}
         assert _error(http.post("/detokenize", json={"tokens": [10**7]}), 400)["param"] == "tokens"
+        for beyond_the_wire in (2**31, -1, 10**20):  # once a 500 (the fuzz test found it)
+            refused = http.post("/detokenize", json={"tokens": [beyond_the_wire]})
+            assert _error(refused, 400)["param"] == "tokens"
         both = http.post("/tokenize", json={"prompt": "a", "messages": QUESTION})
         assert _error(both, 400)["param"] == "prompt"
         refused = http.post("/tokenize", json={"prompt": "a", "add_special_tokens": False})
