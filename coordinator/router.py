@@ -258,7 +258,10 @@ class Router:
 
     def kv_events(self, worker_id: str, events: KvEvents) -> None:
         """A worker's prefix-cache changes (its heartbeat's): from then on its cached prefix
-        is read from them, not guessed."""
+        is read from them, not guessed (its guesses are dropped)."""
+        if worker_id not in self._known:
+            self._prefix.pop(worker_id, None)
+            self._decode_prefix.pop(worker_id, None)
         self._known.setdefault(worker_id, KnownPrefix()).apply(events)
 
     def forget(self, worker_id: str) -> None:
@@ -305,7 +308,7 @@ class Router:
             return None
         hashes = hashes_of(decode.block_size)
         if not with_prefill:
-            self._decode_memory(decode).remember(hashes)
+            self._guess_held(decode, hashes)
             return Route(decode, None, slo=slo)
         candidates = self._prefill_candidates(decode, len(prompt_token_ids))
         placement = self.place_prompt(
@@ -317,12 +320,13 @@ class Router:
             slo,
             waited_s,
         )
-        self._decode_memory(decode).remember(hashes)  # its blocks land there
+        self._guess_held(decode, hashes)  # its blocks land there
         if placement.prefill_worker_id is None:
             return Route(decode, None, placement, slo)
         prefill = self.registry.get(placement.prefill_worker_id)
         assert prefill is not None  # a candidate a moment ago, on this event loop
-        self._memory(prefill.worker_id).remember(hashes)
+        if prefill.worker_id not in self._known:
+            self._memory(prefill.worker_id).remember(hashes)
         return Route(decode, prefill, placement, slo, self._queued_prefill_tokens(prefill))
 
     def prompt_rates(self, probe_tokens: int) -> list[float]:
@@ -359,9 +363,10 @@ class Router:
 
     def finished(self, decode: WorkerRecord, token_ids: Sequence[int]) -> None:
         """A request finished on ``decode`` with ``token_ids`` (prompt and output): the KV of
-        all but the last is in its prefix cache now, for a conversation's next turn."""
-        hashes = prompt_block_hashes(token_ids[:-1], decode.block_size)
-        self._decode_memory(decode).remember(hashes)
+        all but the last is in its prefix cache now, for a conversation's next turn (a worker
+        that sends KV events says so itself: nothing to hash)."""
+        if decode.worker_id not in self._known:
+            self._guess_held(decode, prompt_block_hashes(token_ids[:-1], decode.block_size))
 
     def pick_decode(
         self,
@@ -408,11 +413,7 @@ class Router:
     def decode_cached_blocks(self, worker: WorkerRecord, hashes: Sequence[BlockHash]) -> int:
         """Of a prompt's block ``hashes`` (at ``worker``'s block size), how many ``worker``
         likely holds (leading ones)."""
-        known = self._known.get(worker.worker_id)
-        if known is not None:
-            return known.overlap_blocks(hashes)
-        memory = self._decode_prefix.get(worker.worker_id)
-        return 0 if memory is None else memory.overlap_blocks(hashes)
+        return self._held_blocks(worker.worker_id, hashes, self._decode_prefix)
 
     def _prefill_candidates(self, decode: WorkerRecord, num_tokens: int) -> list[WorkerRecord]:
         """Prefill workers that may push a prompt of ``num_tokens`` to ``decode``; never the
@@ -449,7 +450,7 @@ class Router:
                 worker_id=w.worker_id,
                 cost=w.load.step_cost,
                 queued_tokens=self._queued_prefill_tokens(w),
-                cached_tokens=self._prefill_cached_blocks(w.worker_id, hashes) * w.block_size,
+                cached_tokens=self._held_blocks(w.worker_id, hashes, self._prefix) * w.block_size,
                 batch_requests=w.load.num_running_requests if w.address in decoding_at else 0,
                 batch_tokens=w.load.num_running_tokens if w.address in decoding_at else 0,
                 chunk_tokens=w.load.chunk_tokens,
@@ -501,12 +502,19 @@ class Router:
         )
         return max(worker.load.num_pending_prefill_tokens, sent)
 
-    def _prefill_cached_blocks(self, worker_id: str, hashes: Sequence[BlockHash]) -> int:
-        """Of a prompt's block ``hashes``, how many a prefill worker holds (leading ones):
-        from its KV events when it sends them, else this coordinator's guess."""
-        known = self._known.get(worker_id)
-        view = known if known is not None else self._memory(worker_id)
-        return view.overlap_blocks(hashes)
+    def _held_blocks(
+        self, worker_id: str, hashes: Sequence[BlockHash], guesses: dict[str, PrefixMemory]
+    ) -> int:
+        """Of a prompt's block ``hashes``, how many the worker holds (leading ones): from
+        its KV events when it sends them, else this coordinator's guess in ``guesses``."""
+        view = self._known.get(worker_id) or guesses.get(worker_id)
+        return 0 if view is None else view.overlap_blocks(hashes)
+
+    def _guess_held(self, decode: WorkerRecord, hashes: Sequence[BlockHash]) -> None:
+        """Guess that ``decode`` holds ``hashes`` now (nothing to guess for a worker that
+        sends its KV events)."""
+        if decode.worker_id not in self._known:
+            self._decode_memory(decode).remember(hashes)
 
     def _memory(self, worker_id: str) -> PrefixMemory:
         memory = self._prefix.get(worker_id)

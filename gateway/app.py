@@ -76,7 +76,6 @@ from splitserve.gateway.errors import (
     from_client_error,
     from_http_exception,
     from_validation_error,
-    invalid,
 )
 from splitserve.gateway.responses import usage_dict
 from splitserve.gateway.sampling import (
@@ -84,6 +83,7 @@ from splitserve.gateway.sampling import (
     PromptArgs,
     best_of_asked,
     chat_messages,
+    check_wire_token_ids,
     choice_samplings,
 )
 from splitserve.gateway.unserved_fields import UnservedFields
@@ -330,8 +330,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     async def detokenize(body: schemas.DetokenizeRequest, request: Request) -> dict[str, Any]:
         """vLLM's: the text of ``tokens`` (special tokens kept)."""
         gateway.count_ignored(body)
-        if any(not 0 <= token < 2**31 for token in body.tokens):  # what the wire carries
-            raise invalid("tokens must be in [0, 2^31)", "tokens")
+        check_wire_token_ids(body.tokens, "tokens", "tokens")
         client = gateway.client_for(request)
         await gateway.check_model(body.model, client)
         with client_errors_as_api_errors():
@@ -375,20 +374,16 @@ class _CountRequests:
         await self.app(scope, receive, counting_send)
 
 
-def _request_id(request: Request) -> str:
-    given = request.headers.get("x-request-id", "").strip()
+def _id_header(request: Request, name: str) -> str:
+    """The id header ``name`` ("" when absent); 400 naming it past 256 characters."""
+    given = request.headers.get(name, "").strip()
     if len(given) > 256:
-        raise ApiError(400, "x-request-id must be at most 256 characters", param="x-request-id")
-    return given or uuid.uuid4().hex
-
-
-def _session_id(request: Request) -> str:
-    """The ``x-session-id`` header ("" when absent): a conversation's requests that carry one
-    go to the same decode worker while it has room (``coordinator/router.py``)."""
-    given = request.headers.get("x-session-id", "").strip()
-    if len(given) > 256:
-        raise ApiError(400, "x-session-id must be at most 256 characters", param="x-session-id")
+        raise ApiError(400, f"{name} must be at most 256 characters", param=name)
     return given
+
+
+def _request_id(request: Request) -> str:
+    return _id_header(request, "x-request-id") or uuid.uuid4().hex
 
 
 async def _generate(
@@ -402,7 +397,8 @@ async def _generate(
     client = gateway.client_for(request)
     model = await gateway.check_model(body.model, client)
     request_id = _request_id(request)
-    session_id = _session_id(request)
+    # a conversation's requests that carry one go to one decode worker (coordinator/router.py)
+    session_id = _id_header(request, "x-session-id")
     prompts = endpoint.prompts(body)
     keep_best = best_of_asked(body)  # then best_of candidates per prompt, n of them kept
     samplings = choice_samplings(endpoint.sampling(body), keep_best or body.n)

@@ -7,7 +7,7 @@ field; nothing is dropped silently. Defaults follow vLLM's OpenAI server: a comp
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -35,6 +35,12 @@ class PromptArgs:
     token_ids: tuple[int, ...] | None = None
 
 
+def check_wire_token_ids(token_ids: Iterable[int], what: str, param: str) -> None:
+    """400 naming ``param`` unless every id is one the wire carries (int32, never negative)."""
+    if any(not 0 <= token < 2**31 for token in token_ids):
+        raise invalid(f"{what} must be in [0, 2^31)", param)
+
+
 MAX_CHOICES = 128
 """Most choices one request may ask for (prompts x ``n``)."""
 
@@ -43,8 +49,7 @@ def completion_prompts(body: CompletionRequest) -> list[PromptArgs]:
     """The request's prompts in order: text, token ids, or a list of either (one choice
     index block per prompt, as in OpenAI's API)."""
     prompt = body.prompt
-    if any(not 0 <= token < 2**31 for token in _token_ids_in(prompt)):
-        raise invalid("prompt token ids must be in [0, 2^31)", "prompt")
+    check_wire_token_ids(_token_ids_in(prompt), "prompt token ids", "prompt")
     if isinstance(prompt, str):
         return [PromptArgs(prompt=prompt)]
     if not prompt:

@@ -16,11 +16,10 @@ import asyncio
 import httpx
 import pytest
 
-from splitserve.common.load import EngineLoad
 from splitserve.common.membership import Role
-from splitserve.coordinator.registry import WorkerRecord
 from splitserve.coordinator.router import session_home
 from tests.cluster import cluster, worker_loads
+from tests.test_router import _worker
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -28,16 +27,9 @@ DECODE_WORKERS = ("decode-1", "decode-2")
 TURNS = 3
 
 
-def _record(worker_id: str) -> WorkerRecord:
-    return WorkerRecord(
-        worker_id=worker_id, role=Role.DECODE, address="", compat_hash="", block_size=16,
-        dtype="", num_blocks=1, max_model_len=1, load=EngineLoad(),
-    )  # fmt: skip
-
-
 def _sessions_homed_apart() -> dict[str, str]:
     """Two session ids, one homed on each decode worker: {session: its home}."""
-    records = [_record(worker_id) for worker_id in DECODE_WORKERS]
+    records = [_worker(worker_id, Role.DECODE) for worker_id in DECODE_WORKERS]
     homes: dict[str, str] = {}
     for i in range(100):
         home = session_home(f"chat-{i}", records).worker_id
