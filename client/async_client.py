@@ -107,6 +107,7 @@ class AsyncClient:
         timeout_s: float | None | EllipsisType = ...,
         traceparent: str = "",
         session_id: str = "",
+        model: str = "",
     ) -> AsyncGenerator[Chunk | Finish, None]:
         """Stream a completion of exactly one of ``prompt`` (raw text), ``messages`` (chat,
         rendered with the model's template) or ``token_ids``: ``Chunk``s, then exactly one
@@ -122,11 +123,12 @@ class AsyncClient:
         the request's spans join, where the cluster traces (``common/tracing.py``).
         ``session_id``: the session (conversation, agent, user) it belongs to: every
         coordinator sends a session's requests to the same decode worker, where its earlier
-        turns' KV is, while that worker has room.
+        turns' KV is, while that worker has room. ``model``: the model asked for (""
+        whatever the coordinator serves; another than it serves is NOT_FOUND).
         """
         request = wire.generate_request(
             prompt, messages, token_ids, sampling, request_id, priority, targets, traceparent,
-            session_id,
+            session_id, model,
         )  # fmt: skip
         stream = StreamContinuation(request, Deadline(self._timeout(timeout_s)), self._start)
         while stream.needs_call:
@@ -158,6 +160,7 @@ class AsyncClient:
         timeout_s: float | None | EllipsisType = ...,
         traceparent: str = "",
         session_id: str = "",
+        model: str = "",
     ) -> Generation:
         """The whole completion of ``stream()`` with the same arguments, joined."""
         chunks: list[Chunk] = []
@@ -170,6 +173,7 @@ class AsyncClient:
             priority=priority,
             traceparent=traceparent,
             session_id=session_id,
+            model=model,
             targets=targets,
             timeout_s=timeout_s,
         )

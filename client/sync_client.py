@@ -81,6 +81,7 @@ class Client:
         timeout_s: float | None | EllipsisType = ...,
         traceparent: str = "",
         session_id: str = "",
+        model: str = "",
     ) -> Generator[Chunk | Finish, None, None]:
         """Stream a completion of exactly one of ``prompt``, ``messages`` or ``token_ids``:
         ``Chunk``s, then exactly one ``Finish``; raises ``ClientError``.
@@ -90,7 +91,7 @@ class Client:
         """
         request = wire.generate_request(
             prompt, messages, token_ids, sampling, request_id, priority, targets, traceparent,
-            session_id,
+            session_id, model,
         )  # fmt: skip
         stream = StreamContinuation(request, Deadline(self._timeout(timeout_s)), self._start)
         while stream.needs_call:
@@ -119,6 +120,7 @@ class Client:
         timeout_s: float | None | EllipsisType = ...,
         traceparent: str = "",
         session_id: str = "",
+        model: str = "",
     ) -> Generation:
         """The whole completion of ``stream()`` with the same arguments, joined."""
         chunks: list[Chunk] = []
@@ -131,6 +133,7 @@ class Client:
             priority=priority,
             traceparent=traceparent,
             session_id=session_id,
+            model=model,
             targets=targets,
             timeout_s=timeout_s,
         )

@@ -190,3 +190,7 @@ class ModelInfo:
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     dtype: str
+    aliases: tuple[str, ...] = ()
+    """Other names requests may ask for ``model`` by."""
+    checkpoint: str = ""
+    """The checkpoint's name, which its workers announce."""

@@ -43,13 +43,15 @@ def generate_request(
     targets: LatencyTargets | None = None,
     traceparent: str = "",
     session_id: str = "",
+    model: str = "",
 ) -> coordinator_pb2.GenerateRequest:
     """The request for exactly one of ``prompt``, ``messages`` or ``token_ids``
     (``request_id``: None or "" for a fresh one, ``new_request_id``; ``priority``: admission
     order among waiting requests, higher first; ``targets``: the request's own latency
     targets, None for the coordinator's; ``traceparent``: a W3C trace context whose trace
     the request's spans join; ``session_id``: its session's, whose requests every coordinator
-    sends to the same decode worker while that one has room).
+    sends to the same decode worker while that one has room; ``model``: the model asked for,
+    "" for the coordinator's).
 
     Raises ``ValueError`` unless exactly one is given, ``TypeError`` for a malformed message and
     ``ClientError`` (INVALID_ARGUMENT) for sampling values the wire cannot carry.
@@ -63,6 +65,7 @@ def generate_request(
         priority=priority,
         traceparent=traceparent,
         session_id=session_id,
+        model=model,
     )
     if sampling is not None:
         request.sampling.CopyFrom(sampling.to_proto())
@@ -182,4 +185,6 @@ def model_info(message: coordinator_pb2.ModelInfo) -> ModelInfo:
         vocab_size=message.vocab_size,
         eos_token_ids=tuple(message.eos_token_ids),
         dtype=message.dtype,
+        aliases=tuple(message.aliases),
+        checkpoint=message.checkpoint,
     )

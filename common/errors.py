@@ -29,6 +29,13 @@ class ContextLengthExceededError(InvalidRequestError):
     """Prompt (plus requested output) does not fit the model's context window."""
 
 
+class ModelNotFoundError(SplitserveError):
+    """The request asks for a model this server does not serve (maps to NOT_FOUND / HTTP 404
+    naming ``model``)."""
+
+    param = "model"
+
+
 class ModelLoadError(SplitserveError):
     """A model path is missing, unsupported or its files are corrupt."""
 

@@ -35,6 +35,9 @@ class WorkerInfo:
     """KV blocks of ``layout.block_size`` tokens it holds."""
     max_model_len: int
     """The longest context (prompt + output) it serves."""
+    model: str = ""
+    """The checkpoint it serves, by name (``common/model_files.py:model_name_of``); "" for a
+    worker that did not say (taken as the coordinator's own)."""
 
 
 @dataclass(frozen=True)

@@ -66,26 +66,18 @@ def request_token_buckets(max_model_len: int) -> tuple[int, ...]:
 FINISHED_REASONS = ("stop", "length", "abort", "error")
 
 
-class RequestMetrics:
-    """Request-level latencies of one entry point; thread-safe (prometheus_client locks).
+class RequestMetricFamilies:
+    """The request-level metric families of one registry, labelled by model and role; bind
+    them to one (``for_model``) per model an entry point serves (a gateway in front of
+    several models binds each). ``max_model_len`` sets the token-count buckets (the largest
+    context the entry point expects)."""
 
-    Semantics (as vLLM): TTFT = first token streamed - request received; inter-token latency
-    = time between consecutive streamed token chunks, one observation per token after the
-    first (a chunk of k tokens after a gap g is k observations of g / k); time per output
-    token = (last token - first token) / (generated - 1) once per request; e2e = finish -
-    received.
-    """
-
-    def __init__(
-        self, registry: CollectorRegistry, model_name: str, role: str, max_model_len: int = 8192
-    ) -> None:
+    def __init__(self, registry: CollectorRegistry, max_model_len: int = 8192) -> None:
         labels = ["model_name", "role"]
-        values = (model_name, role)
         token_buckets = request_token_buckets(max_model_len)
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            metric = Histogram(name, doc, labels, registry=registry, buckets=buckets)
-            return metric.labels(*values)
+            return Histogram(name, doc, labels, registry=registry, buckets=buckets)
 
         self.ttft = histogram(
             "splitserve_time_to_first_token_seconds",
@@ -115,19 +107,46 @@ class RequestMetrics:
             "Generated tokens of finished requests.",
             token_buckets,
         )
-        success = Counter(
+        self.success = Counter(
             "splitserve_request_success",
             "Finished requests by finish reason (error: ended by a failure).",
             [*labels, "finished_reason"],
             registry=registry,
         )
-        self.success = {reason: success.labels(*values, reason) for reason in FINISHED_REASONS}
         self.in_flight = Gauge(
             "splitserve_num_requests_in_flight",
             "Requests received and not finished at this entry point.",
             labels,
             registry=registry,
-        ).labels(*values)
+        )
+
+    def for_model(self, model_name: str, role: str) -> RequestMetrics:
+        return RequestMetrics(self, model_name, role)
+
+
+class RequestMetrics:
+    """Request-level latencies of one model at one entry point; thread-safe
+    (prometheus_client locks).
+
+    Semantics (as vLLM): TTFT = first token streamed - request received; inter-token latency
+    = time between consecutive streamed token chunks, one observation per token after the
+    first (a chunk of k tokens after a gap g is k observations of g / k); time per output
+    token = (last token - first token) / (generated - 1) once per request; e2e = finish -
+    received.
+    """
+
+    def __init__(self, families: RequestMetricFamilies, model_name: str, role: str) -> None:
+        values = (model_name, role)
+        self.ttft = families.ttft.labels(*values)
+        self.itl = families.itl.labels(*values)
+        self.tpot = families.tpot.labels(*values)
+        self.e2e = families.e2e.labels(*values)
+        self.prompt_tokens = families.prompt_tokens.labels(*values)
+        self.generation_tokens = families.generation_tokens.labels(*values)
+        self.success = {
+            reason: families.success.labels(*values, reason) for reason in FINISHED_REASONS
+        }
+        self.in_flight = families.in_flight.labels(*values)
 
     def start(self, span: Span = NO_SPAN) -> RequestTimer:
         return RequestTimer(self, span)

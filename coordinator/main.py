@@ -90,7 +90,20 @@ def build_parser() -> argparse.ArgumentParser:
         int,
         "internal gRPC port (worker membership; cluster credential required); 0: any free",
     )
-    flag("--model", "default", str, "model whose tokenizer and chat template to use")
+    flag(
+        "--model",
+        "default",
+        str,
+        "model whose tokenizer and chat template to use; only workers announcing the same "
+        "checkpoint are routed to (a coordinator serves one model)",
+    )
+    flag(
+        "--served-model-name",
+        "",
+        str,
+        "comma-separated names requests may ask for the model by, the first reported "
+        "(default: the checkpoint's name: a GGUF file's stem or an HF folder's name)",
+    )
     flag("--cpu-affinity", None, str, "pin the process to these cores, e.g. '0' or '0-3'")
     flag(
         "--max-inflight",
@@ -285,9 +298,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--ttft-at-risk must be in [0, 1], not {args.ttft_at_risk}")
     max_inflight = inflight_cap(args.max_inflight)
     logger.info("at most %s requests in flight", max_inflight.describe())
+    checkpoint = model_name_of(model_path)
+    names = [name.strip() for name in args.served_model_name.split(",") if name.strip()]
     config = CoordinatorConfig(
         tenants=tenant_policy_or_exit(parser, args),
-        model_name=model_name_of(model_path),
+        model_name=names[0] if names else checkpoint,
+        model_aliases=tuple(names[1:]),
+        checkpoint=checkpoint,
         max_inflight=max_inflight.streams,
         default_max_tokens=args.default_max_tokens,
         max_tokens_cap=args.max_tokens_cap,

@@ -80,6 +80,10 @@ class MembershipFollower:
             await self.close()
 
     def _join(self, info: WorkerInfo) -> None:
+        if not self._registry.accepts(info):  # a member of the cluster serving another model
+            logger.info("worker %s serves %s: not routed to here", info.worker_id, info.model)
+            self._leave(info.worker_id)  # should it have served this model before
+            return
         logger.info("worker %s (%s) joined", info.worker_id, info.address)
         self._stop_following(info.worker_id)
         self._registry.register(record_of(info, dialled=False))  # its load stream dials it

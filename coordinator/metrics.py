@@ -36,7 +36,7 @@ from prometheus_client.registry import Collector
 
 from splitserve.common.loop_lag import LoopLag
 from splitserve.common.membership import Role
-from splitserve.common.metrics import TIME_TO_FIRST_TOKEN_BUCKETS, RequestMetrics
+from splitserve.common.metrics import TIME_TO_FIRST_TOKEN_BUCKETS, RequestMetricFamilies
 from splitserve.coordinator.admission import AdmissionOutcome, KvAdmission
 from splitserve.coordinator.flow import PlacementOutcome, RequestFlow
 from splitserve.coordinator.registry import WorkerRegistry
@@ -60,7 +60,7 @@ class CoordinatorMetrics:
         worker_registry: WorkerRegistry,
         admission: KvAdmission | None = None,
     ) -> None:
-        self.requests = RequestMetrics(registry, model_name, "coordinator")
+        self.requests = RequestMetricFamilies(registry).for_model(model_name, "coordinator")
         stage = Histogram(
             "splitserve_request_stage_seconds",
             "Latency of each stage of a request's path through the workers.",

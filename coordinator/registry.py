@@ -75,11 +75,19 @@ def record_of(info: WorkerInfo, dialled: bool = True) -> WorkerRecord:
 
 
 class WorkerRegistry:
-    """Registered workers by id."""
+    """Registered workers by id, all of one model: ``model`` (a checkpoint's name, "" for
+    any) is the only one whose workers ``accepts``."""
 
-    def __init__(self, expiry_s: float = 10.0) -> None:
+    def __init__(self, expiry_s: float = 10.0, model: str = "") -> None:
         self.expiry_s = expiry_s
+        self.model = model
         self._workers: dict[str, WorkerRecord] = {}
+
+    def accepts(self, info: WorkerInfo) -> bool:
+        """Whether ``info``'s worker serves this registry's model (a worker or a registry
+        that names none is taken to). Callers check before ``register``: a coordinator
+        routes within one model (``proto/.../worker.proto``: ``WorkerInfo.model``)."""
+        return not info.model or not self.model or info.model == self.model
 
     def register(self, record: WorkerRecord) -> None:
         """Add or replace a worker (a restarted worker registers again under its id)."""

@@ -27,6 +27,7 @@ from splitserve.common.api_keys import ANONYMOUS, Caller
 from splitserve.common.errors import (
     ContextLengthExceededError,
     InvalidRequestError,
+    ModelNotFoundError,
     OverloadedError,
     WorkerUnavailableError,
 )
@@ -97,6 +98,12 @@ def decode_batch_within(cost: StepCost, context_tokens: int, target_s: float) ->
 @dataclass(frozen=True)
 class CoordinatorConfig:
     model_name: str
+    """The name the model is served under (``ModelInfo.model``, metric labels)."""
+    model_aliases: tuple[str, ...] = ()
+    """Other names requests may ask for it by."""
+    checkpoint: str = ""
+    """The checkpoint's name (``common/model_files.py:model_name_of``): the registry takes
+    only workers that announce it ("": any)."""
     max_inflight: int = 1024
     """Requests admitted at once; more get RESOURCE_EXHAUSTED with a retry hint."""
     routing: RoutingConfig = RoutingConfig()
@@ -111,6 +118,15 @@ class CoordinatorConfig:
     multiplexed_decode: bool = True
     """Decode streams travel many to a ``DecodeWorker.GenerateStreams`` call per worker
     (else a ``Generate`` call each)."""
+
+    def check_model(self, model: str) -> None:
+        """Raise ``ModelNotFoundError`` unless ``model`` is "" (whatever is served here), the
+        served name or an alias."""
+        if model and model != self.model_name and model not in self.model_aliases:
+            names = ", ".join(repr(name) for name in (self.model_name, *self.model_aliases))
+            raise ModelNotFoundError(
+                f"The model `{model}` does not exist here (this coordinator serves {names})."
+            )
 
 
 MAX_SESSION_ID_CHARS = 512
@@ -141,7 +157,7 @@ class Coordinator:
         """``access``: how the coordinator's calls to workers reach them (credential, TLS)."""
         self.config = config
         self.tokenizer = tokenizer
-        self.registry = WorkerRegistry()
+        self.registry = WorkerRegistry(model=config.checkpoint)
         self.router = Router(self.registry, config.routing)
         self.channels = WorkerChannels(access, multiplexed=config.multiplexed_decode)
         self._running: dict[str, _Running] = {}

@@ -111,6 +111,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         sent_any = False
         timer = self._metrics.requests.start()
         try:
+            self._coordinator.config.check_model(request.model)
             stream = self._coordinator.generate(
                 request.request_id,
                 _prompt_of(request),
@@ -241,6 +242,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         eos = coordinator.tokenizer.eos_token_id
         return coordinator_pb2.ModelInfo(
             model=coordinator.config.model_name,
+            aliases=coordinator.config.model_aliases,
+            checkpoint=coordinator.config.checkpoint,
             max_model_len=coordinator.max_model_len,
             vocab_size=coordinator.tokenizer.vocab_size,
             eos_token_ids=[] if eos is None else [eos],

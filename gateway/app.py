@@ -26,6 +26,7 @@ Contracts:
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import importlib.metadata
 import json
@@ -54,8 +55,7 @@ from splitserve.client import (
     LatencyTargets,
     RetryPolicy,
 )
-from splitserve.client.connection import aio_channel, call_metadata
-from splitserve.client.stream_mux import StreamMultiplexer, relay_width
+from splitserve.client.connection import call_metadata
 from splitserve.common.api_keys import ApiKeys
 from splitserve.common.metrics import RequestMetrics, RequestTimer
 from splitserve.common.tracing import NO_SPAN, active_span, start_span, traceparent_of
@@ -77,6 +77,7 @@ from splitserve.gateway.errors import (
     from_http_exception,
     from_validation_error,
 )
+from splitserve.gateway.model_routes import ModelRoute, ModelRoutes
 from splitserve.gateway.responses import usage_dict
 from splitserve.gateway.sampling import (
     MAX_CHOICES,
@@ -102,9 +103,12 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class GatewayConfig:
-    coordinator: str = "127.0.0.1:50051"
+    coordinators: tuple[str, ...] = ("127.0.0.1:50051",)
+    """One target per model: that model's coordinators (an address, a comma-separated list
+    or a DNS name); the gateway routes each request by its ``model``
+    (``gateway/model_routes.py``)."""
     served_model_names: tuple[str, ...] = ()
-    """Names clients may send as ``model``; empty: the coordinator's model name."""
+    """Names clients may send as ``model`` (one target only); empty: the coordinators'."""
     request_timeout_s: float = 3600.0
     api_keys: ApiKeys = ApiKeys()
     """Keys HTTP callers must present (none: anyone may call)."""
@@ -137,19 +141,21 @@ def _sse(payload: dict[str, Any]) -> bytes:
 
 
 class Gateway:
-    """Per-process state: the coordinator channel, model names, metrics."""
+    """Per-process state: the model routes (a channel to each model's coordinators, their
+    names), metrics."""
 
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
-        # Overload is the caller's to retry (HTTP 429 + Retry-After); lost workers are retried.
-        retry = RetryPolicy(retry_overloaded=False)
-        self._channel = aio_channel(config.coordinator, config.coordinator_credentials, retry)
-        self._multiplexer = (
-            StreamMultiplexer(self._channel, retry, relay_width(config.coordinator))
-            if config.relay == "multiplexed"
-            else None
-        )
         self.registry = CollectorRegistry()
+        # Overload is the caller's to retry (HTTP 429 + Retry-After); lost workers are retried.
+        self.models = ModelRoutes.open(
+            config.coordinators,
+            config.coordinator_credentials,
+            RetryPolicy(retry_overloaded=False),
+            config.relay == "multiplexed",
+            self.registry,
+            config.served_model_names,
+        )
         self.http_requests = Counter(
             "splitserve_http_requests",
             "HTTP requests by route and status code.",
@@ -164,39 +170,22 @@ class Gateway:
             registry=self.registry,
         )
         self.unserved_fields = UnservedFields()
-        self._model_names: tuple[str, ...] = config.served_model_names
-        self._max_model_len = 0
-        self.metrics: RequestMetrics | None = None
 
-    def client_for(self, request: Request) -> AsyncClient:
-        """A client of the shared channel whose calls carry the HTTP caller's bearer key."""
+    def client_for(self, request: Request, route: ModelRoute) -> AsyncClient:
+        """A client of ``route``'s shared channel whose calls carry the HTTP caller's bearer
+        key."""
         return AsyncClient(
-            self.config.coordinator,
+            route.target,
             timeout_s=self.config.request_timeout_s,
-            channel=self._channel,
+            channel=route.channel,
             api_key=bearer_key(request.headers.get("authorization")),
-            multiplexer=self._multiplexer,
+            multiplexer=route.multiplexer,
         )
 
-    async def model_names(self, client: AsyncClient) -> tuple[str, ...]:
-        """Served names; asks the coordinator once (it answers as soon as it is up), as the
-        caller ``client`` speaks for."""
-        if not self._max_model_len:
-            with client_errors_as_api_errors():
-                info = await client.model_info()
-            self._max_model_len = info.max_model_len
-            if not self._model_names:
-                self._model_names = (info.model,)
-            if self.metrics is None:
-                self.metrics = RequestMetrics(
-                    self.registry, self._model_names[0], "gateway", info.max_model_len or 8192
-                )
-        return self._model_names
-
-    @property
-    def max_model_len(self) -> int:
-        """The coordinator's context window (known once ``model_names`` asked)."""
-        return self._max_model_len
+    async def route(self, model: str | None, request: Request) -> ModelRoute:
+        """The route of the model ``model`` names (None: the first), asked as the HTTP
+        caller; ``ApiError`` 404 / 503 (``gateway/model_routes.py``)."""
+        return await self.models.route(model, lambda route: self.client_for(request, route))
 
     def count_ignored(self, body: BaseModel) -> None:
         """Refuse (``ApiError`` 400) or count the fields ``body`` has that the gateway does not
@@ -204,42 +193,41 @@ class Gateway:
         for label in self.unserved_fields.check(body):
             self.ignored_fields.labels(label).inc()
 
-    async def check_model(self, model: str | None, client: AsyncClient) -> str:
-        names = await self.model_names(client)
-        if model is None or model in names:
-            return model or names[0]
-        raise ApiError(
-            404,
-            f"The model `{model}` does not exist.",
-            param="model",
-            code="model_not_found",
-        )
-
     async def ready(self, request: Request) -> bool:
-        """The coordinator's health, asked with the HTTP caller's key (if it needs one)."""
-        stub = health_pb2_grpc.HealthStub(self._channel)
+        """Whether some model's coordinators are SERVING (have a decode worker), asked with
+        the HTTP caller's key (if it needs one): the gateway can serve something."""
         metadata = call_metadata(bearer_key(request.headers.get("authorization")))
-        check = health_pb2.HealthCheckRequest()
-        try:
-            reply = await stub.Check(check, timeout=2.0, metadata=metadata)
-        except grpc.aio.AioRpcError:
-            return False
-        return reply.status == health_pb2.HealthCheckResponse.SERVING
+        answers = await asyncio.gather(
+            *(_serving(route.channel, metadata) for route in self.models.routes)
+        )
+        return any(answers)
 
     async def close(self) -> None:
-        await self._channel.close(None)
+        await self.models.close()
 
-    def cards(self) -> list[dict[str, Any]]:
+    async def cards(self, request: Request) -> list[dict[str, Any]]:
+        """``/v1/models``' entries: every name of every model whose coordinators answered."""
+        known = await self.models.known(lambda route: self.client_for(request, route))
         return [
             {
                 "id": name,
                 "object": "model",
                 "created": 0,
                 "owned_by": "splitserve",
-                "max_model_len": self._max_model_len,
+                "max_model_len": route.info.max_model_len if route.info else 0,
             }
-            for name in self._model_names
+            for route in known
+            for name in route.names
         ]
+
+
+async def _serving(channel: grpc.aio.Channel, metadata: Any) -> bool:  # noqa: ANN401
+    stub = health_pb2_grpc.HealthStub(channel)
+    try:
+        reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=2.0, metadata=metadata)
+    except grpc.aio.AioRpcError:
+        return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
 def create_app(config: GatewayConfig) -> FastAPI:
@@ -309,30 +297,29 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     @app.get("/v1/models", response_model=schemas.ModelList, responses=_ERROR_RESPONSES)
     async def models(request: Request) -> dict[str, Any]:
-        await gateway.model_names(gateway.client_for(request))
-        return {"object": "list", "data": gateway.cards()}
+        return {"object": "list", "data": await gateway.cards(request)}
 
     @app.post("/tokenize", response_model=schemas.TokenizeResponse, responses=_ERROR_RESPONSES)
     async def tokenize(body: schemas.TokenizeRequest, request: Request) -> dict[str, Any]:
         """vLLM's: the ids the model sees for ``prompt`` or ``messages`` (chat template and
         generation prompt applied), as a generation request would send them."""
         gateway.count_ignored(body)
-        client = gateway.client_for(request)
-        await gateway.check_model(body.model, client)
+        route = await gateway.route(body.model, request)
+        client = gateway.client_for(request, route)
         if (body.prompt is None) == (body.messages is None):
             raise ApiError(400, "give exactly one of prompt or messages", param="prompt")
         messages = None if body.messages is None else chat_messages(body.messages)
         with client_errors_as_api_errors():
             ids = await client.tokenize(body.prompt, messages=messages)
-        return {"count": len(ids), "max_model_len": gateway.max_model_len, "tokens": ids}
+        assert route.info is not None  # known: routed by it
+        return {"count": len(ids), "max_model_len": route.info.max_model_len, "tokens": ids}
 
     @app.post("/detokenize", response_model=schemas.DetokenizeResponse, responses=_ERROR_RESPONSES)
     async def detokenize(body: schemas.DetokenizeRequest, request: Request) -> dict[str, Any]:
         """vLLM's: the text of ``tokens`` (special tokens kept)."""
         gateway.count_ignored(body)
         check_wire_token_ids(body.tokens, "tokens", "tokens")
-        client = gateway.client_for(request)
-        await gateway.check_model(body.model, client)
+        client = gateway.client_for(request, await gateway.route(body.model, request))
         with client_errors_as_api_errors():
             return {"prompt": await client.detokenize(body.tokens)}
 
@@ -394,8 +381,10 @@ async def _generate(
     (prompts x ``n``: ``gateway/choices.py``) and answers in the endpoint's shape, whole or
     streamed (``_respond``)."""
     gateway.count_ignored(body)
-    client = gateway.client_for(request)
-    model = await gateway.check_model(body.model, client)
+    route = await gateway.route(body.model, request)
+    assert route.info is not None and route.metrics is not None  # known: routed by it
+    client = gateway.client_for(request, route)
+    model = body.model or route.names[0]
     request_id = _request_id(request)
     # a conversation's requests that carry one go to one decode worker (coordinator/router.py)
     session_id = _id_header(request, "x-session-id")
@@ -438,13 +427,14 @@ async def _generate(
                     targets=LatencyTargets(ttft_ms=body.ttft_slo_ms, tpot_ms=body.tpot_slo_ms),
                     traceparent=traceparent,
                     session_id=fork_session,
+                    model=route.info.model,  # the coordinator's name: it checks it serves it
                 )
             )  # fmt: skip
     choices = Choices(builders, prompt_of, None if keep_best is None else body.n or 1)
     try:
         return await _respond(
-            gateway, request, request_id, merged(streams, leaders), choices, bool(body.stream),
-            body.stream_options, span,
+            gateway, route.metrics, request, request_id, merged(streams, leaders), choices,
+            bool(body.stream), body.stream_options, span,
         )  # fmt: skip
     except BaseException as error:
         if span.is_recording():  # failed before its timer took it
@@ -477,6 +467,7 @@ async def _echo_texts(
 
 async def _respond(
     gateway: Gateway,
+    metrics: RequestMetrics,
     request: Request,
     request_id: str,
     events: AsyncGenerator[tuple[int, Chunk | Finish], None],
@@ -488,9 +479,8 @@ async def _respond(
     """The response to the merged choice streams ``events``: an error status when one fails
     before the first item, else SSE frames (``stream``) or the whole body; 499 when the HTTP
     client went away first. ``span``: the request's, ended with it (its ``traceparent`` is
-    returned)."""
-    assert gateway.metrics is not None  # set by check_model
-    timer = gateway.metrics.start(span)
+    returned); ``metrics``: the model's."""
+    timer = metrics.start(span)
     headers = {"x-request-id": request_id}
     if traceparent := traceparent_of(span):
         headers["traceparent"] = traceparent

@@ -20,7 +20,7 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import uvicorn
@@ -28,7 +28,7 @@ import uvloop
 
 from splitserve.common.api_keys import add_api_key_args, add_health_needs_key_flag, api_keys_or_exit
 from splitserve.common.cpu_affinity import pin_or_exit
-from splitserve.common.env_flags import add_env_flag, env_default, truthy
+from splitserve.common.env_flags import add_env_flag, env_default, env_name, truthy
 from splitserve.common.orphan import stop_when_orphaned
 from splitserve.common.tracing import add_tracing_args, configure_tracing, shutdown_tracing
 from splitserve.gateway.app import GatewayConfig, create_app
@@ -38,6 +38,7 @@ from splitserve.gateway.listeners import shared_port_listeners
 from splitserve.proto.streams_server import RELAYS
 from splitserve.proto.tls import add_tls_args, tls_or_exit
 
+DEFAULT_COORDINATOR = "127.0.0.1:50051"
 LISTEN_BACKLOG = 65535
 """Connections the kernel holds for the gateway before it accepts them; Linux caps it at
 ``net.core.somaxconn``. Past it, a crowd's connections are dropped by the kernel, and some
@@ -80,19 +81,23 @@ def build_parser() -> argparse.ArgumentParser:
         "connections over them); this one's own /metrics is then also on a port of its own, "
         "printed at start (env SPLITSERVE_REUSE_PORT)",
     )
-    flag(
+    parser.add_argument(
         "--coordinator",
-        "127.0.0.1:50051",
-        str,
-        "coordinator gRPC address; several as ip:port,ip:port (or a DNS name resolving to "
-        "several, dns:///name:port): calls are balanced over them and a stream whose "
-        "coordinator dies continues through another",
+        action="append",
+        default=None,
+        help="a model's coordinators: a gRPC address; several as ip:port,ip:port (or a DNS "
+        "name resolving to several, dns:///name:port): calls are balanced over them and a "
+        "stream whose coordinator dies continues through another. Repeat the flag once per "
+        "model: each request goes to the coordinators of the model it names "
+        f"(env {env_name('--coordinator')}, models separated by ';'; default "
+        f"{DEFAULT_COORDINATOR})",
     )
     flag(
         "--served-model-name",
         "",
         str,
-        "comma-separated model names clients may use (default: the coordinator's model)",
+        "comma-separated model names clients may use, with a single --coordinator only "
+        "(default: the names the coordinators serve under, their --served-model-name)",
     )
     flag("--request-timeout", 3600.0, float, "deadline of each request's gRPC call, seconds")
     flag("--log-level", "warning", str, "uvicorn log level (info logs every request)")
@@ -120,6 +125,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def coordinator_targets(
+    flags: Sequence[str] | None, env: Mapping[str, str] = os.environ
+) -> tuple[str, ...]:
+    """One coordinator target per model: the ``--coordinator`` flags given, else
+    ``SPLITSERVE_COORDINATOR`` split at ';', else the default address."""
+    if flags:
+        given = list(flags)
+    else:
+        given = env.get(env_name("--coordinator"), DEFAULT_COORDINATOR).split(";")
+    return tuple(target.strip() for target in given if target.strip()) or (DEFAULT_COORDINATOR,)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -130,8 +147,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     warn_if_backlog_capped()
     configure_tracing("gateway", args.otlp_traces_endpoint)
     names = tuple(name.strip() for name in args.served_model_name.split(",") if name.strip())
+    targets = coordinator_targets(args.coordinator)
+    if names and len(targets) > 1:
+        parser.error(
+            "--served-model-name needs a single --coordinator: in front of several models, "
+            "names are the coordinators' (their --served-model-name)"
+        )
     config = GatewayConfig(
-        coordinator=args.coordinator,
+        coordinators=targets,
         served_model_names=names,
         request_timeout_s=args.request_timeout,
         api_keys=keys,

@@ -29,6 +29,11 @@ run). ``--etcd-endpoints`` (``discovery/flags.py``) puts it in etcd instead: the
 announce themselves there under ``--cluster-name`` and the coordinators watch it, so workers
 and coordinators started elsewhere (another ``up``, or single roles) join the same cluster.
 
+Several models: ``--extra-model DIR`` (repeatable) serves another model beside ``--model``,
+on a coordinator of its own (ports after the ``--model`` coordinators') and a dual-role
+worker (unpinned); the gateway gets one ``--coordinator`` per model and routes each request
+by its ``model``. ``--served-model-name`` names ``--model`` (the coordinators' flag).
+
 Simulated workers (``-- --engine sim``) may share processes: ``--workers-per-process K``
 starts each role's workers K to a process (``--host-workers``), unpinned, so a machine
 holds hundreds of them for scale tests.
@@ -53,7 +58,7 @@ import os
 import signal
 import sys
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from splitserve.common.api_keys import (
     KEYS_ENV,
@@ -89,6 +94,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="coordinator's internal gRPC port, for workers (0: any free port)",
     )
     parser.add_argument("--model", default="default")
+    parser.add_argument(
+        "--extra-model",
+        action="append",
+        default=[],
+        help="another model to serve beside --model (a GGUF file or an HF folder; "
+        "python -m splitserve.engine.random_checkpoint writes one of random weights), on a "
+        "coordinator and a dual-role worker of its own (unpinned); the gateway routes each "
+        "request by its model. Repeatable",
+    )
     parser.add_argument(
         "--coordinators",
         type=int,
@@ -165,7 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="stop everything when a child dies (default: restart it with back-off)",
     )
     parser.add_argument(
-        "--served-model-name", default=None, help="model names the gateway answers to (comma-sep.)"
+        "--served-model-name",
+        default=None,
+        help="names --model is served under (comma-separated; the coordinators' flag)",
     )
     parser.add_argument(
         "--metrics-port-base",
@@ -195,6 +211,12 @@ def layout_summary(args: argparse.Namespace, lending: bool = True) -> str:
     placement = args.placement or os.environ.get(env_name("--placement"), "rule")
     membership = "etcd" if membership_flags(args) else "registration with the coordinators"
     summary = f"{coordinators}, {workers}, prompts placed by {placement}, membership: {membership}"
+    if args.extra_model:
+        count = len(args.extra_model)
+        summary += (
+            f", {count} more model{'s' if count > 1 else ''} on a coordinator and a dual-role "
+            "worker each"
+        )
     if args.gateways > 1 and not args.no_gateway:
         summary += f", {args.gateways} gateways sharing the HTTP port"
     if control_cores(args) is not None:
@@ -272,13 +294,23 @@ def worker_core_sets(num_workers: int, cpus: Sequence[int]) -> list[str | None]:
 
 
 def coordinator_argv(args: argparse.Namespace, index: int = 0) -> list[str]:
-    """Module and flags of coordinator ``index``: ports ``2 * index`` above the base ones
-    (any free ones when those are 0)."""
-    port, internal_port = (p + 2 * index if p else 0 for p in (args.port, args.internal_port))
+    """Module and flags of coordinator ``index`` of ``--model``: ports ``2 * index`` above
+    the base ones (any free ones when those are 0)."""
+    argv = _coordinator_argv(args, index, args.model, _metrics_port(args.metrics_port_base, index))
+    if args.served_model_name:
+        argv.append(f"--served-model-name={args.served_model_name}")
+    return argv
+
+
+def _coordinator_argv(
+    args: argparse.Namespace, slot: int, model: str, metrics_port: int
+) -> list[str]:
+    """A coordinator of ``model`` on the ports of ``slot`` (``2 * slot`` above the base ones,
+    any free ones when those are 0)."""
+    port, internal_port = (p + 2 * slot if p else 0 for p in (args.port, args.internal_port))
     argv = ["splitserve.coordinator.main", f"--host={args.host}", f"--port={port}"]
     argv += [f"--internal-port={internal_port}", f"--drain-timeout={args.drain_timeout}"]
-    metrics_port = _metrics_port(args.metrics_port_base, index)
-    argv += [f"--model={args.model}", f"--metrics-port={metrics_port}", *membership_flags(args)]
+    argv += [f"--model={model}", f"--metrics-port={metrics_port}", *membership_flags(args)]
     if args.max_inflight is not None:
         argv.append(f"--max-inflight={args.max_inflight}")
     if args.local_prefill_max_tokens is not None:
@@ -333,6 +365,31 @@ def worker_argvs(
     return workers
 
 
+def extra_model_argvs(
+    args: argparse.Namespace, index: int, worker_args: Sequence[str]
+) -> tuple[list[str], Callable[[str], tuple[str, list[str]]]]:
+    """The coordinator's module and flags for ``--extra-model`` number ``index``, and, given
+    that coordinator's internal address, its dual-role worker's (name, module and flags).
+    Ports after the ``--model`` coordinators'; metrics ports after every ``--model`` worker."""
+    model = args.extra_model[index]
+    first = args.coordinators + args.prefill + args.decode + args.dual + 2 * index
+    coordinator = _coordinator_argv(
+        args, args.coordinators + index, model, _metrics_port(args.metrics_port_base, first)
+    )
+    name = f"model{index + 1}-dual-0"
+
+    def worker(internal: str) -> tuple[str, list[str]]:
+        argv = ["splitserve.launch.dual_worker", "--roles=prefill,decode", f"--model={model}"]
+        if not membership_flags(args):  # on etcd a worker knows no coordinator
+            argv.append(f"--coordinator={internal}")
+        argv += [f"--host={args.host}", f"--worker-id={name}"]
+        argv += [f"--drain-timeout={args.drain_timeout}", *membership_flags(args)]
+        argv.append(f"--metrics-port={_metrics_port(args.metrics_port_base, first + 1)}")
+        return name, argv + list(worker_args)
+
+    return coordinator, worker
+
+
 def _lending_flags(
     args: argparse.Namespace, cores: Sequence[str | None], busy_dir: str
 ) -> list[list[str]]:
@@ -385,17 +442,20 @@ def _last_flag(argv: Sequence[str], flag: str) -> str | None:
 
 
 def gateway_argv(
-    args: argparse.Namespace, coordinator: str, port: int | str | None = None
+    args: argparse.Namespace,
+    coordinator: str,
+    port: int | str | None = None,
+    extra_models: Sequence[str] = (),
 ) -> list[str]:
     """Module and flags of a gateway listening on ``port`` (default ``--http-port``; shared
-    by every gateway when there are several: ``--reuse-port``)."""
+    by every gateway when there are several: ``--reuse-port``) in front of ``--model``'s
+    ``coordinator`` (addresses) and the ``extra_models``' coordinators (one address each)."""
     argv = ["splitserve.gateway.main", f"--coordinator={coordinator}", f"--host={args.host}"]
+    argv += [f"--coordinator={address}" for address in extra_models]
     port = args.http_port if port is None else port
     argv += [f"--port={port}", f"--drain-timeout={args.drain_timeout}"]
     if args.gateways > 1:
         argv.append("--reuse-port")
-    if args.served_model_name:
-        argv.append(f"--served-model-name={args.served_model_name}")
     if args.health_needs_key:
         argv.append("--health-needs-key")
     return argv + _control_affinity(args)
@@ -454,11 +514,31 @@ async def _start_all(
         wait_for_members(internals, members, READY_TIMEOUT_S, credential, tls), stop
     )
     address = ",".join(publics)
+    extra_publics = []
+    for index, model in enumerate(args.extra_model):
+        coordinator_args, worker_of = extra_model_argvs(args, index, worker_args)
+        coordinator = children.start(f"model{index + 1}-coordinator", coordinator_args)
+        extra_publics.append(await children.wait_ready(coordinator, stop, PUBLIC_READY))
+        extra_internal = coordinator.process.announcements()[INTERNAL_READY]
+        coordinator.pin("--port", _port_of(extra_publics[-1]))
+        coordinator.pin("--internal-port", _port_of(extra_internal))
+        name, argv = worker_of(extra_internal)
+        await children.wait_ready(children.start(name, argv), stop)
+        await wait_for_health(extra_publics[-1], READY_TIMEOUT_S, tls=tls)
+        await children.guard(
+            wait_for_members(
+                [extra_internal], member_ids([argv]), READY_TIMEOUT_S, credential, tls
+            ),
+            stop,
+        )
+        say(f"splitserve up: model {index + 1} is {model}")
+        say(f"splitserve model {index + 1} internal ready at {extra_internal}")
+        say(f"splitserve model {index + 1} ready at {extra_publics[-1]}")  # its coordinator
     if not args.no_gateway:
         port: int | str = args.http_port
         for index in range(args.gateways):  # the first binds the port (0: any), the rest share it
             name = "gateway" if args.gateways == 1 else f"gateway-{index}"
-            gateway = children.start(name, gateway_argv(args, address, port))
+            gateway = children.start(name, gateway_argv(args, address, port, extra_publics))
             port = _port_of(await children.wait_ready(gateway, stop))
             gateway.pin("--port", port)
     return address

@@ -332,6 +332,7 @@ def worker_info_to_proto(info: WorkerInfo) -> worker_pb2.WorkerInfo:
         kv_layout=layout_to_proto(info.layout),
         num_blocks=info.num_blocks,
         max_model_len=info.max_model_len,
+        model=info.model,
     )
 
 
@@ -347,6 +348,7 @@ def worker_info_from_proto(message: worker_pb2.WorkerInfo) -> WorkerInfo:
         layout=layout_from_proto(message.kv_layout),
         num_blocks=message.num_blocks,
         max_model_len=message.max_model_len,
+        model=message.model,
     )
 
 

@@ -19,6 +19,7 @@ from splitserve.common.errors import (
     IncompatibleKvLayoutError,
     InvalidRequestError,
     ModelLoadError,
+    ModelNotFoundError,
     OverloadedError,
     SplitserveError,
     TransferError,
@@ -40,6 +41,8 @@ def status_of(error: BaseException) -> tuple[grpc.StatusCode, str, str]:
         return grpc.StatusCode.INVALID_ARGUMENT, str(error), error.param or ""
     if isinstance(error, OverloadedError | CapacityError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(error), ""
+    if isinstance(error, ModelNotFoundError):
+        return grpc.StatusCode.NOT_FOUND, str(error), error.param
     if isinstance(error, IncompatibleKvLayoutError | ModelLoadError):
         return grpc.StatusCode.FAILED_PRECONDITION, str(error), ""
     if isinstance(error, TransferError | WorkerUnavailableError | WorkerCallError):

@@ -169,9 +169,9 @@ async def run_worker(
         for role, identity in zip(roles, identities, strict=True)
     ]
     await _warm_up(engine)
+    model_name = model_name_of(resolve_model_path(args.model))  # announced, and a metric label
     if args.metrics_port >= 0:
         registry = CollectorRegistry()
-        model_name = model_name_of(resolve_model_path(args.model))
         install_engine_metrics(registry, engine, model_name, label)
         transfer_metrics = TransferMetrics(registry, model_name, label)
         for domain in domains:
@@ -201,6 +201,7 @@ async def run_worker(
             layout=domain.layout,
             num_blocks=engine.facts.num_blocks,
             max_model_len=engine.facts.max_model_len,
+            model=model_name,
         )
         for role, identity, domain in zip(roles, identities, domains, strict=True)
     ]
