@@ -83,6 +83,7 @@ SPLITSERVE_FLAGS = {
     "splitserve-control-prefill": ["--placement=adaptive", "--control-cores=prefill"],
     "splitserve-widen": ["--placement=adaptive"],
     "splitserve-sim": ["--placement=adaptive"],
+    "splitserve-no-reuse": ["--placement=adaptive", "--decode-worker-args=--no-prefix-caching"],
 }
 """splitserve's configurations: ``splitserve`` is ``make serve``'s (1 prefill + 1 decode worker,
 a core each, adaptive placement); ``-remote`` / ``-local`` force where every prompt runs;
@@ -100,7 +101,9 @@ prefill worker's core (``up --control-cores prefill``); ``-widen`` is ``make ser
 GGUF's quantized weights widened to bf16 for every row (``SPLITSERVE_QUANTIZED_WEIGHTS=widen``,
 the default before they were read as stored); ``-sim`` is ``make serve``'s with simulated
 workers (``SPLITSERVE_ENGINE=sim``: the shipped step-time profile, no model computed), for
-calibrating the simulation against the real layout."""
+calibrating the simulation against the real layout; ``-no-reuse`` is ``make serve``'s with a
+decode worker that keeps no prefix cache, so a conversation's next turn finds nothing of its
+history there (the prefill worker's cache still holds the prompts, as before issue 33)."""
 SPLITSERVE_ENV = {
     "splitserve-eager": {"SPLITSERVE_TTFT_AT_RISK": "0"},
     "splitserve-no-gemv": {"SPLITSERVE_DECODE_GEMV": "0"},

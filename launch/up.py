@@ -55,6 +55,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import shlex
 import signal
 import sys
 import tempfile
@@ -127,6 +128,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="workers of a role one process hosts (``--host-workers``; above 1 only for "
         "simulated workers, ``-- --engine sim``, whose processes are then not pinned): e.g. "
         "--prefill 16 --decode 112 --workers-per-process 16 runs 128 workers in 8 processes",
+    )
+    parser.add_argument(
+        "--decode-worker-args",
+        default="",
+        help="flags for the decode workers only, after those after -- (one string, split as "
+        "a shell would), e.g. '--no-prefix-caching': decode workers that keep no finished "
+        "request's KV, so no conversation's next turn finds its history there",
     )
     parser.add_argument("--no-pin", action="store_true", help="do not pin workers to cores")
     parser.add_argument(
@@ -361,7 +369,8 @@ def worker_argvs(
             argv.append(f"--cpu-affinity={core_list}")
         if hosted > 1:
             argv.append(f"--host-workers={hosted}")
-        workers.append((f"{role}-{index}", argv + lending[index] + list(worker_args)))
+        own = shlex.split(args.decode_worker_args) if role == "decode" else []
+        workers.append((f"{role}-{index}", argv + lending[index] + list(worker_args) + own))
     return workers
 
 

@@ -21,6 +21,9 @@ for etcd, counted from its return). Every harm figure is 0 and every stream equa
 uninterrupted reference. A rolling restart of every process, one at a time under continuous
 load, loses nothing either.
 
+Conversations too: sessions homed on a decode worker that is SIGKILLed between their turns go
+on exactly on another.
+
 Only the coordinator's kill -9 is in the default suite; the rest is ``slow``.
 """
 
@@ -38,8 +41,11 @@ from dataclasses import dataclass, field
 import openai
 import pytest
 
-from tests.cluster import wait_until_idle
+from splitserve.common.membership import Role
+from splitserve.coordinator.router import session_home
+from tests.cluster import wait_until_idle, worker_loads
 from tests.fault_cluster import FaultCluster, RoleProcess
+from tests.test_router import _worker
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -385,4 +391,83 @@ def test_a_rolling_restart_of_every_process_loses_nothing(
     for wave in waves:
         for stream, expected in zip(wave, reference, strict=True):
             assert (stream.text, stream.tokens) == (expected.text, expected.tokens)
+    assert _blocks_held(served) == 0
+
+
+CONVERSATIONS = 4
+TURN_TOKENS = 16
+
+
+def _sessions_homed_on(worker_id: str, others: list[str]) -> list[str]:
+    """``CONVERSATIONS`` session ids whose home (``coordinator/router.py:session_home``)
+    among the decode workers is ``worker_id``."""
+    records = [_worker(name, Role.DECODE) for name in [worker_id, *others]]
+    sessions = [f"chat-{i}" for i in range(1000)]
+    homed = [s for s in sessions if session_home(s, records).worker_id == worker_id]
+    return homed[:CONVERSATIONS]
+
+
+async def _turns(url: str, sessions: list[str], between: Callable[[], None]) -> list[list[str]]:
+    """Two turns of each session's chat through the gateway (greedy, ``TURN_TOKENS`` each,
+    the session in ``x-session-id``), the sessions side by side; ``between`` runs once every
+    first turn has answered. Each session's replies."""
+    sdk = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    model = (await sdk.models.list()).data[0].id
+
+    async def turn(session: str, messages: list[dict[str, str]]) -> str:
+        answer = await sdk.chat.completions.create(
+            model=model, messages=messages, max_tokens=TURN_TOKENS, temperature=0,  # type: ignore[arg-type]
+            extra_body={"ignore_eos": True}, extra_headers={"x-session-id": session},
+        )  # fmt: skip
+        return answer.choices[0].message.content or ""
+
+    histories = [
+        [{"role": "user", "content": f"Tell me about the lighthouse keeper of island {i}."}]
+        for i in range(len(sessions))
+    ]
+    try:
+        firsts = await asyncio.gather(
+            *(turn(s, h) for s, h in zip(sessions, histories, strict=True))
+        )
+        between()
+        for history, reply in zip(histories, firsts, strict=True):
+            history += [
+                {"role": "assistant", "content": reply},
+                {"role": "user", "content": "And what did the keeper do in winter?"},
+            ]
+        seconds = await asyncio.gather(
+            *(turn(s, h) for s, h in zip(sessions, histories, strict=True))
+        )
+    finally:
+        await sdk.close()
+    return [[first, second] for first, second in zip(firsts, seconds, strict=True)]
+
+
+@pytest.mark.slow
+def test_conversations_go_on_exactly_when_their_decode_worker_dies_between_turns(
+    served: FaultCluster,
+) -> None:
+    """Conversations homed on decode-0 (session ids) run two turns uninterrupted, then again
+    with decode-0 SIGKILLed between the turns: the second turns, whose history only the dead
+    worker held, are computed elsewhere and equal the uninterrupted ones, token for token
+    (float32); nothing is left held."""
+    sessions = _sessions_homed_on("decode-0", ["decode-1"])
+    url = served.gateway.address
+    reference = asyncio.run(_turns(url, sessions, lambda: None))
+    victim = served.named("decode-0")
+    decoders = {"decode-0", "decode-1"}
+    before = worker_loads(served.coordinator_addresses[0], decoders)["decode-0"]
+
+    def kill_the_home() -> None:
+        after = worker_loads(served.coordinator_addresses[0], decoders)["decode-0"]
+        # every first turn decoded on its home, which holds its history now
+        assert after.num_finished_requests - before.num_finished_requests == CONVERSATIONS
+        victim.send(signal.SIGKILL)
+        assert victim.wait_exit(30) == -signal.SIGKILL
+
+    replies = asyncio.run(_turns(url, sessions, kill_the_home))
+    assert replies == reference
+    assert all(len(turns[1]) > 0 for turns in replies)
+    victim.start()
+    served.wait_whole()
     assert _blocks_held(served) == 0

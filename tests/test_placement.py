@@ -304,3 +304,23 @@ def test_the_running_guard_counts_the_prompts_already_queued_there() -> None:
     assert _place(empty, queued).reason is Reason.LOCAL_FASTER
     behind = dataclasses.replace(_decode(running=8, queued=300), running=running)
     assert _place(behind, queued).reason is Reason.RUNNING_TPOT_GUARD
+
+
+def test_a_cached_prompt_stays_local_only_while_the_batch_keeps_tpot_headroom() -> None:
+    """The decode worker holds 300 of the prompt's 320 tokens: it computes the other 20 in its
+    batch (``LOCAL_CACHED``) while the batch's predicted TPOT stays within
+    ``cached_tpot_share`` of the target; past that share, though within the target, the
+    prompt goes to the prefill worker."""
+
+    def cached(running: int) -> DecodeView:
+        return dataclasses.replace(_decode(running=running), cached_tokens=300)
+
+    light = _place(cached(8), [_prefill("p")])
+    assert (light.where, light.reason) == ("local", Reason.LOCAL_CACHED)
+    heavy = _place(cached(20), [_prefill("p")])
+    assert heavy.predicted_local_tpot_s is not None
+    assert PlacementConfig().cached_tpot_share * SLO.tpot_s < heavy.predicted_local_tpot_s
+    assert heavy.predicted_local_tpot_s <= SLO.tpot_s
+    assert (heavy.where, heavy.reason) == ("remote", Reason.REMOTE_WITHIN_SLO)
+    lenient = PlacementConfig(local_prefill_max_tokens=0, cached_tpot_share=1.0)
+    assert _place(cached(20), [_prefill("p")], rule=lenient).reason is Reason.LOCAL_CACHED
