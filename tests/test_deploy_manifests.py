@@ -664,7 +664,7 @@ def test_the_gateway_reaches_every_ready_coordinator_by_dns() -> None:
     [container] = _named("Deployment", "splitserve-gateway")["spec"]["template"]["spec"][
         "containers"
     ]
-    target = _parsed_args(container).coordinator
+    [target] = _parsed_args(container).coordinator  # one model: one --coordinator
     match = re.fullmatch(r"dns:///([a-z0-9-]+):(\d+)", target)
     assert match, f"--coordinator {target}: one dns:/// name resolving to every coordinator"
     service = _named("Service", match[1])

@@ -44,3 +44,20 @@ def test_dry_run_writes_every_step_and_skips_what_needs_cuda(tmp_path: Path) -> 
     assert summary["step_times"] == {"skipped": "no CUDA device"}
     assert summary["kernel_bench"] == {"missing": "kernel_bench.json"}
     assert "splitserve from" in log
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_serving_check_passes_on_the_cpu(tmp_path: Path) -> None:
+    """``bench/gpu/serve.sh`` as a lent GPU machine runs it, on the CPU: the cluster's float32
+    greedy completions of a random-weight model equal the in-process engine's."""
+    env = {**os.environ, "PYTHON": sys.executable}
+    result = subprocess.run(
+        ["bash", str(REPO / "bench/gpu/serve.sh"), str(tmp_path), "cpu"],
+        env=env, capture_output=True, text=True, timeout=580,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads((tmp_path / "serve_check.json").read_text())
+    assert report["equal_to_in_process"] == [True, True, True]
+    assert report["cluster_stopped_cleanly"] is True
+    assert report["kv_bytes_received"] > 0  # every prompt's KV crossed processes

@@ -59,14 +59,9 @@ skip() {
 }
 
 
-# The package `splitserve` is the repo's folders (pyproject.toml's package-dir): link them
-# under one folder on PYTHONPATH (the GPU image has no network to pip-install the project).
-stage=$(mktemp -d)
-mkdir -p "$stage/splitserve"
-for package in common engine kernels proto transfer prefill decode coordinator worker gateway \
-    client launch discovery; do
-    ln -s "$repo/$package" "$stage/splitserve/$package"
-done
+# The package `splitserve` is the repo's folders linked under one folder on PYTHONPATH.
+source "$repo/bench/gpu/stage.sh"
+stage=$(stage_package "$repo")
 site=/tmp/site
 export PYTHONPATH="$stage:$site:$repo/bench${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
