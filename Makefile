@@ -103,7 +103,8 @@ SERVE_WHEELS := grpcio==1.85.3 protobuf==7.36.2 grpcio-health-checking==1.85.1 \
 	grpcio-reflection==1.85.1 googleapis-common-protos==1.76.0 opentelemetry-api==1.45.2 \
 	opentelemetry-sdk==1.45.2 opentelemetry-semantic-conventions==0.66b2 \
 	opentelemetry-proto==1.45.2 opentelemetry-exporter-otlp-proto-common==1.45.2 \
-	opentelemetry-exporter-otlp-proto-grpc==1.45.2 opentelemetry-exporter-otlp-common==0.66b2
+	opentelemetry-exporter-otlp-proto-grpc==1.45.2 opentelemetry-exporter-otlp-common==0.66b2 \
+	gguf==0.19.0
 gpu-serve-wheels:
 	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
 		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \

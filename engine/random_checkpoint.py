@@ -8,7 +8,8 @@ device when drawn on the CPU (``device="cpu"``; move them after), so a CPU engin
 engine can be compared on identical weights. The tokenizer is a word-level one over the
 vocabulary (``t0``, ``t1``, ...): engines see token ids only.
 
-Presets (``SHAPES``): ``llama-8b`` (Llama 3 8B's shape) and ``tiny`` (2 layers, hidden 256,
+Presets (``SHAPES``): ``llama-8b`` (Llama 3 8B's shape), ``llama-1b`` (Llama 3.2 1B's,
+untied) and ``tiny`` (2 layers, hidden 256,
 GQA 8/2, vocab 512) for fast correctness checks.
 
 ``save_random_model`` writes such a checkpoint as an HF folder (``config.json``,
@@ -47,6 +48,22 @@ SHAPES: dict[str, ModelArchConfig] = {
         num_attention_heads=32,
         num_key_value_heads=8,
         head_dim=128,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        max_position_embeddings=8192,
+        tie_word_embeddings=False,
+        eos_token_ids=(128001,),
+    ),
+    "llama-1b": ModelArchConfig(
+        name="random-llama-1b",
+        architecture="llama",
+        vocab_size=128256,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
         rms_norm_eps=1e-5,
         rope_theta=500000.0,
         max_position_embeddings=8192,

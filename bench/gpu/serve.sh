@@ -8,7 +8,8 @@
 # the two together exceed what one call carries, so a first call installs .whl and a second,
 # on the machine still warm, .whl-serve), links the repo as the package and runs
 # bench/gpu/serve_check.py on DEVICE (default cuda): OUT_DIR/serve_check.json, serve.log.
-# DEVICE cpu installs nothing and runs in the caller's environment.
+# DEVICE cpu installs nothing and runs in the caller's environment. SERVE_SHAPE: the random
+# model's shape (engine/random_checkpoint.py's SHAPES; default tiny).
 set -u -o pipefail
 
 if [ $# -lt 1 ]; then
@@ -35,6 +36,7 @@ stage=$(stage_package "$repo")
 export PYTHONPATH="$stage:$path"
 export PYTHONUNBUFFERED=1
 "$py" "$repo/bench/gpu/serve_check.py" --device "$device" --out "$out/serve_check.json" \
+    --shape "${SERVE_SHAPE:-tiny}" \
     >"$out/serve.log" 2>&1
 status=$?
 tail -40 "$out/serve.log"
