@@ -21,8 +21,8 @@ for etcd, counted from its return). Every harm figure is 0 and every stream equa
 uninterrupted reference. A rolling restart of every process, one at a time under continuous
 load, loses nothing either.
 
-Conversations too: sessions homed on a decode worker that is SIGKILLed between their turns go
-on exactly on another.
+Conversations too: sessions homed on a decode worker that is SIGKILLed between their turns,
+or while their next turn streams, go on exactly on another.
 
 Only the coordinator's kill -9 is in the default suite; the rest is ``slow``.
 """
@@ -396,6 +396,8 @@ def test_a_rolling_restart_of_every_process_loses_nothing(
 
 CONVERSATIONS = 4
 TURN_TOKENS = 16
+STRIKE_AT_CHUNK = 4
+"""A mid-turn fault strikes once every second turn streamed this many chunks."""
 
 
 def _sessions_homed_on(worker_id: str, others: list[str]) -> list[str]:
@@ -407,65 +409,87 @@ def _sessions_homed_on(worker_id: str, others: list[str]) -> list[str]:
     return homed[:CONVERSATIONS]
 
 
-async def _turns(url: str, sessions: list[str], between: Callable[[], None]) -> list[list[str]]:
-    """Two turns of each session's chat through the gateway (greedy, ``TURN_TOKENS`` each,
-    the session in ``x-session-id``), the sessions side by side; ``between`` runs once every
-    first turn has answered. Each session's replies."""
+async def _turns(
+    url: str,
+    sessions: list[str],
+    between: Callable[[], None] = lambda: None,
+    during: Callable[[], None] = lambda: None,
+) -> list[list[str]]:
+    """Two turns of each session's chat through the gateway, streamed (greedy,
+    ``TURN_TOKENS`` each, the session in ``x-session-id``), the sessions side by side;
+    ``between`` runs once every first turn has answered, ``during`` once every second turn
+    has streamed ``STRIKE_AT_CHUNK`` chunks. Each session's replies."""
     sdk = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
     model = (await sdk.models.list()).data[0].id
+    chunks = [0] * len(sessions)
+    struck = False
 
-    async def turn(session: str, messages: list[dict[str, str]]) -> str:
-        answer = await sdk.chat.completions.create(
+    async def turn(index: int, messages: list[dict[str, str]], second: bool) -> str:
+        nonlocal struck
+        stream = await sdk.chat.completions.create(
             model=model, messages=messages, max_tokens=TURN_TOKENS, temperature=0,  # type: ignore[arg-type]
-            extra_body={"ignore_eos": True}, extra_headers={"x-session-id": session},
+            stream=True, extra_body={"ignore_eos": True},
+            extra_headers={"x-session-id": sessions[index]},
         )  # fmt: skip
-        return answer.choices[0].message.content or ""
+        text = ""
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                text += chunk.choices[0].delta.content
+                chunks[index] += second
+                if second and not struck and min(chunks) >= STRIKE_AT_CHUNK:
+                    struck = True
+                    during()
+        return text
 
     histories = [
         [{"role": "user", "content": f"Tell me about the lighthouse keeper of island {i}."}]
         for i in range(len(sessions))
     ]
     try:
-        firsts = await asyncio.gather(
-            *(turn(s, h) for s, h in zip(sessions, histories, strict=True))
-        )
+        firsts = await asyncio.gather(*(turn(i, h, False) for i, h in enumerate(histories)))
         between()
         for history, reply in zip(histories, firsts, strict=True):
             history += [
                 {"role": "assistant", "content": reply},
                 {"role": "user", "content": "And what did the keeper do in winter?"},
             ]
-        seconds = await asyncio.gather(
-            *(turn(s, h) for s, h in zip(sessions, histories, strict=True))
-        )
+        seconds = await asyncio.gather(*(turn(i, h, True) for i, h in enumerate(histories)))
     finally:
         await sdk.close()
     return [[first, second] for first, second in zip(firsts, seconds, strict=True)]
 
 
 @pytest.mark.slow
-def test_conversations_go_on_exactly_when_their_decode_worker_dies_between_turns(
-    served: FaultCluster,
+@pytest.mark.parametrize("when", ["between", "during"])
+def test_conversations_go_on_exactly_when_their_decode_worker_dies(
+    served: FaultCluster, when: str
 ) -> None:
     """Conversations homed on decode-0 (session ids) run two turns uninterrupted, then again
-    with decode-0 SIGKILLed between the turns: the second turns, whose history only the dead
-    worker held, are computed elsewhere and equal the uninterrupted ones, token for token
-    (float32); nothing is left held."""
+    with decode-0 SIGKILLed between the turns (the history only the dead worker held is
+    computed again elsewhere) or while the second turns stream (they resume on decode-1):
+    every reply equals the uninterrupted one, token for token (float32), and nothing is
+    left held."""
     sessions = _sessions_homed_on("decode-0", ["decode-1"])
     url = served.gateway.address
-    reference = asyncio.run(_turns(url, sessions, lambda: None))
+    reference = asyncio.run(_turns(url, sessions))
     victim = served.named("decode-0")
     decoders = {"decode-0", "decode-1"}
     before = worker_loads(served.coordinator_addresses[0], decoders)["decode-0"]
 
     def kill_the_home() -> None:
+        victim.send(signal.SIGKILL)
+
+    def check_then_kill() -> None:
         after = worker_loads(served.coordinator_addresses[0], decoders)["decode-0"]
         # every first turn decoded on its home, which holds its history now
         assert after.num_finished_requests - before.num_finished_requests == CONVERSATIONS
-        victim.send(signal.SIGKILL)
-        assert victim.wait_exit(30) == -signal.SIGKILL
+        kill_the_home()
 
-    replies = asyncio.run(_turns(url, sessions, kill_the_home))
+    if when == "between":
+        replies = asyncio.run(_turns(url, sessions, between=check_then_kill))
+    else:
+        replies = asyncio.run(_turns(url, sessions, during=kill_the_home))
+    assert victim.wait_exit(30) == -signal.SIGKILL
     assert replies == reference
     assert all(len(turns[1]) > 0 for turns in replies)
     victim.start()
