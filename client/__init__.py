@@ -2,7 +2,9 @@
 
 ``Client`` (blocking) and ``AsyncClient`` (asyncio) offer ``stream`` / ``generate`` / ``abort``
 / ``model_info`` / ``wait_ready`` with deadlines, safe retries and cancellation; every failure
-is a ``ClientError``. Torch-free: a client machine needs no torch (nor a GPU).
+is a ``ClientError``. ``generate`` takes OpenAI's function ``tools`` (``client/tools.py``), and
+``AsyncClient.generate_choices`` forks one prompt into ``n`` choices (``client/choices.py``).
+Torch-free: a client machine needs no torch (nor a GPU).
 """
 
 from splitserve.client.async_client import AsyncClient
@@ -17,6 +19,7 @@ from splitserve.client.types import (
     ModelInfo,
     Sampling,
     TokenLogprob,
+    ToolCall,
     TopLogprob,
     Usage,
 )
@@ -36,6 +39,7 @@ __all__ = [
     "RetryPolicy",
     "Sampling",
     "TokenLogprob",
+    "ToolCall",
     "TopLogprob",
     "Usage",
 ]

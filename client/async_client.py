@@ -36,19 +36,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+import dataclasses
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
 from types import EllipsisType, TracebackType
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from splitserve.client import wire
+from splitserve.client.choices import choice_samplings, merged
 from splitserve.client.connection import aio_channel, call_metadata
 from splitserve.client.continuation import StreamContinuation
 from splitserve.client.errors import DEFAULT_RETRY, ClientError, RetryPolicy
 from splitserve.client.retry import Deadline, resolve_timeout
 from splitserve.client.stream_mux import MultiplexedStream, StreamMultiplexer
+from splitserve.client.tools import tool_request, with_tool_calls
 from splitserve.client.types import Chunk, Finish, Generation, LatencyTargets, ModelInfo, Sampling
 from splitserve.proto.splitserve.v1 import coordinator_pb2, coordinator_pb2_grpc
 
@@ -161,8 +164,19 @@ class AsyncClient:
         traceparent: str = "",
         session_id: str = "",
         model: str = "",
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: str | Mapping[str, Any] | None = None,
+        parallel_tool_calls: bool | None = None,
     ) -> Generation:
-        """The whole completion of ``stream()`` with the same arguments, joined."""
+        """The whole completion of ``stream()`` with the same arguments, joined. With
+        ``tools`` (OpenAI's function tools; ``tool_choice`` none / auto / required / a named
+        function, ``parallel_tool_calls``; a chat only) the tools are described to the model
+        and a forced choice constrains its answer, as the gateway does (``client/tools.py``);
+        the calls it makes come back as ``Generation.tool_calls`` with finish reason
+        ``tool_calls``. Malformed tools raise ``InvalidRequestError`` (a ``ValueError``)."""
+        messages, sampling, plan = tool_request(
+            messages, sampling, tools, tool_choice, parallel_tool_calls
+        )
         chunks: list[Chunk] = []
         items = self.stream(
             prompt,
@@ -180,7 +194,7 @@ class AsyncClient:
         async with contextlib.aclosing(items):
             async for item in items:
                 if isinstance(item, Finish):
-                    return Generation.of(chunks, item)
+                    return with_tool_calls(Generation.of(chunks, item), plan)
                 chunks.append(item)
         raise AssertionError("unreachable: stream() ends with a Finish or raises")
 
@@ -191,6 +205,74 @@ class AsyncClient:
             self._stub().Abort, coordinator_pb2.AbortRequest(request_id=request_id), timeout_s
         )
         return reply.aborted
+
+    async def generate_choices(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: Sequence[wire.MessageLike] | None = None,
+        token_ids: Sequence[int] | None = None,
+        sampling: Sampling | None = None,
+        n: int = 1,
+        best_of: int | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        targets: LatencyTargets | None = None,
+        timeout_s: float | None | EllipsisType = ...,
+        traceparent: str = "",
+        session_id: str = "",
+        model: str = "",
+    ) -> list[Generation]:
+        """``n`` completions of one prompt, as one prompt computed once and forked
+        (``client/choices.py``): choice ``j`` samples with ``sampling.seed + j`` (so it equals
+        ``generate`` with that seed), starts once choice 0 has streamed, and all share one
+        session (``session_id``, else one made from the request id), so they decode on one
+        worker and share the prompt's KV blocks. Request ids are ``<request_id>-<j>``.
+        ``best_of`` (at least ``n``): that many candidates, of which the ``n`` with the highest
+        cumulative logprob of their tokens return, best first (their logprobs are asked for
+        when ``sampling`` asks none). Other arguments as ``stream``; raises ``ValueError`` for
+        ``n < 1`` or ``best_of < n`` and ``ClientError`` as ``stream`` does."""
+        count = n if best_of is None else best_of
+        if n < 1 or count < n:
+            raise ValueError(f"n must be at least 1 and best_of at least n (n={n}, {best_of=})")
+        base = sampling or Sampling()
+        if best_of is not None and base.logprobs is None:
+            base = dataclasses.replace(base, logprobs=0)
+        request_id = request_id or wire.new_request_id()
+        session = session_id or f"{request_id}-choices"
+        streams = [
+            self.stream(
+                prompt,
+                messages=messages,
+                token_ids=token_ids,
+                sampling=choice,
+                request_id=f"{request_id}-{j}",
+                priority=priority,
+                targets=targets,
+                timeout_s=timeout_s,
+                traceparent=traceparent,
+                session_id=session,
+                model=model,
+            )  # fmt: skip
+            for j, choice in enumerate(choice_samplings(base, count))
+        ]
+        chunks: list[list[Chunk]] = [[] for _ in streams]
+        finishes: list[Finish | None] = [None] * len(streams)
+        async with contextlib.aclosing(merged(streams, [None] + [0] * (count - 1))) as items:
+            async for index, item in items:
+                if isinstance(item, Finish):
+                    finishes[index] = item
+                else:
+                    chunks[index].append(item)
+        generations = []
+        for index, finish in enumerate(finishes):
+            if finish is None:  # a stream ends with its Finish or raises
+                raise ClientError(grpc.StatusCode.INTERNAL, f"choice {index} ended unfinished")
+            generations.append(Generation.of(chunks[index], finish))
+        if best_of is None:
+            return generations
+        ranked = sorted(generations, key=lambda g: -sum(entry.logprob for entry in g.logprobs))
+        return ranked[:n]
 
     async def model_info(self, *, timeout_s: float | None | EllipsisType = ...) -> ModelInfo:
         """The served model: name, context window, vocabulary, EOS ids, dtype."""

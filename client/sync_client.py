@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from types import EllipsisType, TracebackType
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -34,6 +34,7 @@ from splitserve.client.connection import call_metadata, sync_channel
 from splitserve.client.continuation import StreamContinuation
 from splitserve.client.errors import DEFAULT_RETRY, ClientError, RetryPolicy
 from splitserve.client.retry import Deadline, resolve_timeout
+from splitserve.client.tools import tool_request, with_tool_calls
 from splitserve.client.types import Chunk, Finish, Generation, LatencyTargets, ModelInfo, Sampling
 from splitserve.proto.splitserve.v1 import coordinator_pb2, coordinator_pb2_grpc
 
@@ -121,8 +122,15 @@ class Client:
         traceparent: str = "",
         session_id: str = "",
         model: str = "",
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: str | Mapping[str, Any] | None = None,
+        parallel_tool_calls: bool | None = None,
     ) -> Generation:
-        """The whole completion of ``stream()`` with the same arguments, joined."""
+        """The whole completion of ``stream()`` with the same arguments, joined; ``tools``
+        as ``AsyncClient.generate``."""
+        messages, sampling, plan = tool_request(
+            messages, sampling, tools, tool_choice, parallel_tool_calls
+        )
         chunks: list[Chunk] = []
         items = self.stream(
             prompt,
@@ -140,7 +148,7 @@ class Client:
         with contextlib.closing(items):
             for item in items:
                 if isinstance(item, Finish):
-                    return Generation.of(chunks, item)
+                    return with_tool_calls(Generation.of(chunks, item), plan)
                 chunks.append(item)
         raise AssertionError("unreachable: stream() ends with a Finish or raises")
 

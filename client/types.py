@@ -157,6 +157,15 @@ class Finish:
 
 
 @dataclass(frozen=True)
+class ToolCall:
+    """One tool call a chat answer makes (``client/tools.py``)."""
+
+    name: str
+    arguments: str
+    """The arguments as a JSON text (OpenAI's ``function.arguments``)."""
+
+
+@dataclass(frozen=True)
 class Generation:
     """A whole completion: every chunk of a stream joined, and how it finished."""
 
@@ -167,6 +176,9 @@ class Generation:
     finish_reason: str
     stop_reason: str | int | None
     usage: Usage
+    tool_calls: tuple[ToolCall, ...] = ()
+    """The calls the answer makes, when it was asked with ``tools`` (finish reason
+    ``tool_calls``)."""
 
     @classmethod
     def of(cls, chunks: Sequence[Chunk], finish: Finish) -> Generation:

@@ -55,6 +55,7 @@ from splitserve.client import (
     LatencyTargets,
     RetryPolicy,
 )
+from splitserve.client.choices import choice_samplings, merged
 from splitserve.client.connection import call_metadata
 from splitserve.common.api_keys import ApiKeys
 from splitserve.common.metrics import RequestMetrics, RequestTimer
@@ -62,7 +63,7 @@ from splitserve.common.tracing import NO_SPAN, active_span, start_span, tracepar
 from splitserve.gateway import schemas
 from splitserve.gateway.api_key_check import RequireApiKey, bearer_key
 from splitserve.gateway.body_limit import DEFAULT_MAX_BODY_BYTES, LimitBody
-from splitserve.gateway.choices import Choices, merged
+from splitserve.gateway.choices import Choices
 from splitserve.gateway.disconnect import (
     CLIENT_STALL_TIMEOUT_S,
     ClientDisconnected,
@@ -85,7 +86,6 @@ from splitserve.gateway.sampling import (
     best_of_asked,
     chat_messages,
     check_wire_token_ids,
-    choice_samplings,
 )
 from splitserve.gateway.unserved_fields import UnservedFields
 

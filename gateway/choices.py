@@ -2,9 +2,9 @@
 
 A request of P prompts with ``n`` choices each is P x n streams through the client, choice
 ``p * n + j`` (OpenAI's order) answering prompt ``p`` with its ``j``-th sampling
-(``gateway/sampling.py:choice_samplings``). Each choice has its own ``ResponseBuilder``
-(``index`` set) behind one response id; ``Choices`` keeps them and ``merged`` interleaves
-their streams as items arrive.
+(``client/choices.py:choice_samplings``). Each choice has its own ``ResponseBuilder``
+(``index`` set) behind one response id; ``Choices`` keeps them and ``client/choices.py:merged``
+interleaves their streams as items arrive.
 
 Contracts:
 - ``merged`` yields ``(choice index, item)`` in arrival order and ends when every stream
@@ -24,9 +24,7 @@ Contracts:
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from splitserve.client import Chunk, Finish, Usage
@@ -114,57 +112,3 @@ class Choices:
         body = self.builders[0].usage_chunk()
         body["usage"] = usage_dict(self.usage())
         return body
-
-
-async def merged(
-    streams: Sequence[AsyncGenerator[Item, None]],
-    leaders: Sequence[int | None] | None = None,
-) -> AsyncGenerator[tuple[int, Item], None]:
-    """Every stream's items tagged with its index, as they arrive; stream ``i`` starts once
-    stream ``leaders[i]`` (an earlier one) gave its first item or ended (None, or no
-    ``leaders``: at once) (module docstring)."""
-    if len(streams) == 1:
-        (stream,) = streams
-        try:
-            async for item in stream:
-                yield 0, item
-        finally:
-            await stream.aclose()
-        return
-    queue: asyncio.Queue[tuple[int, Item | None, BaseException | None]] = asyncio.Queue()
-    started = [asyncio.Event() for _ in streams]
-    """Set at a stream's first item or its end: its followers may start."""
-
-    async def pump(index: int, stream: AsyncGenerator[Item, None]) -> None:
-        leader = None if leaders is None else leaders[index]
-        if leader is not None:
-            await started[leader].wait()
-        try:
-            async for item in stream:
-                started[index].set()
-                await queue.put((index, item, None))
-        except Exception as error:  # noqa: BLE001 - handed to the consumer, raised there
-            await queue.put((index, None, error))
-            return
-        finally:
-            started[index].set()
-        await queue.put((index, None, None))  # this stream ended
-
-    tasks = [asyncio.ensure_future(pump(i, stream)) for i, stream in enumerate(streams)]
-    try:
-        ended = 0
-        while ended < len(streams):
-            index, item, error = await queue.get()
-            if error is not None:
-                raise error
-            if item is None:
-                ended += 1
-                continue
-            yield index, item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        for stream in streams:
-            with contextlib.suppress(Exception):
-                await stream.aclose()

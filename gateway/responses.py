@@ -16,7 +16,8 @@ import time
 from typing import Any
 
 from splitserve.client import Chunk, Finish, TokenLogprob, Usage
-from splitserve.gateway.tools import ToolPlan, openai_tool_calls
+from splitserve.client.tools import ToolPlan
+from splitserve.gateway.tools import openai_tool_calls
 
 
 def usage_dict(usage: Usage) -> dict[str, Any]:
@@ -188,7 +189,7 @@ class ChatBuilder(ResponseBuilder):
         index: int = 0,
         tools: ToolPlan | None = None,
     ) -> None:
-        """``tools``: the request's shown tools (``gateway/tools.py``): content that may be a
+        """``tools``: the request's shown tools (``client/tools.py``): content that may be a
         tool call is held back until it is known not to be one (its first character is not
         ``{``; with a forced choice, never), and an answer that is a call ends as
         ``tool_calls`` with finish reason ``tool_calls``."""

@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from splitserve.client import ChatMessage, Sampling
+from splitserve.client.tools import ToolPlan, render_tool_calls, tool_plan, with_tools
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.grammar import GrammarSpec
 from splitserve.gateway import schemas
@@ -21,7 +22,6 @@ from splitserve.gateway.schemas import (
     CompletionRequest,
     _SamplingFields,
 )
-from splitserve.gateway.tools import ToolPlan, render_tool_calls, tool_plan
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 
@@ -82,20 +82,18 @@ def _token_ids_in(prompt: str | list[str] | list[int] | list[list[int]]) -> list
 
 def chat_prompts(body: ChatCompletionRequest) -> list[PromptArgs]:
     """The messages, with the request's tools described in the system message when they are
-    shown (``gateway/tools.py``)."""
-    messages = list(chat_messages(body.messages))
-    plan = request_tools(body)
-    if plan is not None and plan.shown:
-        if messages and messages[0].role == "system":
-            first = messages[0]
-            messages[0] = ChatMessage("system", f"{first.content}\n\n{plan.system_text()}")
-        else:
-            messages.insert(0, ChatMessage("system", plan.system_text()))
+    shown (``client/tools.py``)."""
+    messages = with_tools(chat_messages(body.messages), request_tools(body))
     return [PromptArgs(messages=tuple(messages))]
 
 
 def request_tools(body: ChatCompletionRequest) -> ToolPlan | None:
-    return tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls)
+    """The body's ``ToolPlan`` (``client/tools.py``); 400 naming the field for malformed
+    tools or choices."""
+    try:
+        return tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls)
+    except InvalidRequestError as error:
+        raise invalid(error.message, error.param) from None
 
 
 def chat_messages(given: Sequence[schemas.ChatMessage]) -> tuple[ChatMessage, ...]:
@@ -115,7 +113,10 @@ def chat_messages(given: Sequence[schemas.ChatMessage]) -> tuple[ChatMessage, ..
         if message.tool_calls:
             if message.role != "assistant":
                 raise invalid("only assistant messages make tool calls", f"messages.{index}")
-            content = render_tool_calls(message.tool_calls)
+            try:
+                content = render_tool_calls(message.tool_calls)
+            except InvalidRequestError as error:
+                raise invalid(error.message, error.param) from None
         messages.append(ChatMessage(role=message.role, content=content or ""))
     return tuple(messages)
 
@@ -162,17 +163,6 @@ def chat_sampling(body: ChatCompletionRequest) -> Sampling:
         raise invalid("a forced tool call and a structured output exclude each other",
                       "tool_choice")  # fmt: skip
     return replace(sampling, grammar=tools_grammar)
-
-
-def choice_samplings(sampling: Sampling, n: int | None) -> list[Sampling]:
-    """One request's ``n`` choices of a prompt: choice ``j`` samples with ``seed + j`` (mod
-    2^63) when a seed was given, so choice 0 is the single-choice request with that seed and
-    each choice equals a single-choice request with its own seed; unseeded, each draws its
-    own randomness."""
-    count = n or 1
-    if sampling.seed is None:
-        return [sampling] * count
-    return [replace(sampling, seed=(sampling.seed + j) % 2**63) for j in range(count)]
 
 
 def _sampling(body: _SamplingFields, max_tokens: int | None, logprobs: int | None) -> Sampling:

@@ -173,7 +173,7 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = Field(
-        None, description="Function tools, described to the model (gateway/tools.py)."
+        None, description="Function tools, described to the model (client/tools.py)."
     )
     tool_choice: str | dict[str, Any] | None = Field(
         None, description="none, auto (default with tools), required or a named function."

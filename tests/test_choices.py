@@ -10,7 +10,8 @@ from collections.abc import AsyncGenerator
 import pytest
 
 from splitserve.client import Chunk, Finish, Usage
-from splitserve.gateway.choices import Choices, merged
+from splitserve.client.choices import merged
+from splitserve.gateway.choices import Choices
 from splitserve.gateway.responses import CompletionBuilder
 
 

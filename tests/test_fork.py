@@ -9,19 +9,21 @@ own metrics over that request: the prompt tokens computed (prefill and decode wo
 are the prompt once plus at most a block's worth per further choice (four unforked choices
 computed it four times), and the decode worker reused the prompt's full blocks for each
 further choice. Each choice equals the
-single-choice request with its seed (``seed + j``), token for token in float32.
+single-choice request with its seed (``seed + j``), token for token in float32. The same over
+gRPC through the Python client's ``AsyncClient.generate_choices``, and its ``best_of``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncGenerator
 
 import httpx
 import pytest
 
-from splitserve.client import Chunk, Usage
-from splitserve.gateway.choices import merged
+from splitserve.client import AsyncClient, Chunk, Sampling, Usage
+from splitserve.client.choices import merged
 from tests.cluster import metric_total
 
 BLOCK_TOKENS = 16
@@ -56,16 +58,9 @@ async def _completions(url: str, n: int, seed: int) -> tuple[list[str], int]:
     return texts, answer["usage"]["prompt_tokens"]
 
 
-def assert_n_choices_fork(url: str, worker_metrics: list[str]) -> None:
-    """Through the gateway at ``url`` of a float32 cluster whose workers serve /metrics at
-    ``worker_metrics`` (prefill and decode): the module docstring's checks, with a prompt
-    nothing has cached. Run inside ``tests/test_serving_integration.py``'s cluster."""
-    before = _figures(worker_metrics)
-    forked, prompt_tokens = asyncio.run(_completions(url, N, SEED))
-    after = _figures(worker_metrics)
-    singles = [asyncio.run(_completions(url, 1, SEED + j))[0][0] for j in range(N)]
-    assert forked == singles  # each choice is the single request with its seed
-    assert len(set(forked)) > 1  # seeded sampling: the choices differ
+def _assert_forked(before: dict[str, float], after: dict[str, float], prompt_tokens: int) -> None:
+    """Between the two metric readings: the prompt computed once, then each further choice
+    only its last partial block; the others' full blocks reused."""
     computed, reused = (
         after[name] - before[name]
         for name in ("splitserve_prompt_tokens_total", "splitserve_kv_reused_blocks_total")
@@ -76,6 +71,48 @@ def assert_n_choices_fork(url: str, worker_metrics: list[str]) -> None:
     # prompt N times, 4 x 121 tokens here, against 121 + 3 x 9)
     assert computed == prompt_tokens + (N - 1) * tail
     assert reused == (N - 1) * full_blocks
+
+
+async def _grpc_choices(coordinator: str, worker_metrics: list[str]) -> None:
+    """The Python client's ``generate_choices`` over gRPC: forked as through the gateway,
+    each choice the single request with its seed; ``best_of`` keeps the candidates with the
+    highest cumulative logprob, best first."""
+    prompt = "The ferry crossed the bay twice a day and the captain logged the weather. " * 10
+    sampling = Sampling(max_tokens=8, temperature=0.8, seed=SEED, ignore_eos=True)
+    async with AsyncClient(coordinator, timeout_s=120) as client:
+        before = _figures(worker_metrics)
+        forked = await client.generate_choices(prompt, sampling=sampling, n=N)
+        after = _figures(worker_metrics)
+        _assert_forked(before, after, forked[0].usage.prompt_tokens)
+        singles = [
+            await client.generate(prompt, sampling=dataclasses.replace(sampling, seed=SEED + j))
+            for j in range(N)
+        ]
+        assert [g.token_ids for g in forked] == [g.token_ids for g in singles]
+        assert len({g.token_ids for g in forked}) > 1
+        best = await client.generate_choices(prompt, sampling=sampling, n=2, best_of=N)
+        scores = {g.token_ids: sum(e.logprob for e in g.logprobs) for g in best}
+        assert [g.token_ids for g in best] == sorted(scores, key=lambda t: -scores[t])
+        with_logprobs = await client.generate_choices(
+            prompt, sampling=dataclasses.replace(sampling, logprobs=0), n=N
+        )
+        ranked = sorted(with_logprobs, key=lambda g: -sum(e.logprob for e in g.logprobs))
+        assert [g.token_ids for g in best] == [g.token_ids for g in ranked[:2]]
+
+
+def assert_n_choices_fork(url: str, worker_metrics: list[str], coordinator: str = "") -> None:
+    """Through the gateway at ``url`` of a float32 cluster whose workers serve /metrics at
+    ``worker_metrics`` (prefill and decode): the module docstring's checks, with a prompt
+    nothing has cached. Run inside ``tests/test_serving_integration.py``'s cluster."""
+    before = _figures(worker_metrics)
+    forked, prompt_tokens = asyncio.run(_completions(url, N, SEED))
+    after = _figures(worker_metrics)
+    singles = [asyncio.run(_completions(url, 1, SEED + j))[0][0] for j in range(N)]
+    assert forked == singles  # each choice is the single request with its seed
+    assert len(set(forked)) > 1  # seeded sampling: the choices differ
+    _assert_forked(before, after, prompt_tokens)
+    if coordinator:  # the same over gRPC, through the Python client
+        asyncio.run(_grpc_choices(coordinator, worker_metrics))
 
 
 def test_followers_start_after_their_leaders_first_item() -> None:

@@ -16,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel, Field
 
 from splitserve.client import Client, Sampling
+from splitserve.common.errors import InvalidRequestError
 from tests.cluster import (
     SERVED_MAX_INFLIGHT,
     Served,
@@ -417,6 +418,37 @@ TIME = {
         "parameters": {"type": "object", "properties": {}, "additionalProperties": False},
     },
 }
+
+
+def test_the_python_client_calls_tools_as_the_gateway_does(
+    served: Served, sdk: openai.OpenAI
+) -> None:
+    """``Client.generate(tools=...)`` over gRPC shares the gateway's tool plan
+    (``client/tools.py``): the same forced greedy call, name and arguments, as the openai SDK
+    gets through the gateway; malformed tools are refused before anything is sent."""
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    over_http = sdk.chat.completions.create(
+        model=_model(sdk), messages=ask, tools=[WEATHER, TIME], tool_choice="required",
+        parallel_tool_calls=False, max_tokens=100, temperature=0,
+    ).choices[0]  # fmt: skip
+    with Client(served.coordinator) as client:
+        over_grpc = client.generate(
+            messages=ask, tools=[WEATHER, TIME], tool_choice="required",
+            parallel_tool_calls=False, sampling=Sampling(max_tokens=100, temperature=0),
+        )  # fmt: skip
+        assert over_grpc.finish_reason == "tool_calls" == over_http.finish_reason
+        assert [(c.name, json.loads(c.arguments)) for c in over_grpc.tool_calls] == [
+            (c.function.name, json.loads(c.function.arguments))
+            for c in over_http.message.tool_calls or []
+        ]
+        free = client.generate(
+            messages=ask, tools=[WEATHER], tool_choice="none",
+            sampling=Sampling(max_tokens=4, temperature=0),
+        )  # fmt: skip
+        assert free.tool_calls == () and free.finish_reason == "length"
+        with pytest.raises(InvalidRequestError) as refused:
+            client.generate(messages=ask, tools=[{"type": "function", "function": {"name": "a b"}}])
+        assert refused.value.param == "tools"
 
 
 def test_tool_calls_forced_by_the_grammar_whole_and_streamed(

@@ -202,7 +202,7 @@ def test_disaggregated_equals_colocated_and_frees_every_block(
         assert_all_free(wait_until_idle(disaggregated, 2), 2)
         # n > 1 through the gateway: one prompt forked (tests/test_fork.py)
         workers = [lines["prefill metrics"], lines["decode metrics"]]
-        assert_n_choices_fork(lines["splitserve gateway ready"], workers)
+        assert_n_choices_fork(lines["splitserve gateway ready"], workers, disaggregated)
         assert_all_free(wait_until_idle(disaggregated, 2), 2)
 
 

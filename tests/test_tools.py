@@ -1,4 +1,4 @@
-"""Tool calling in the documented JSON format (``gateway/tools.py``) and the chat builder's
+"""Tool calling in the documented JSON format (``client/tools.py``) and the chat builder's
 handling of it: plans from the request, the forced grammar, parsing an answer, content held
 back only while it may be a call."""
 
@@ -9,10 +9,10 @@ import json
 import pytest
 
 from splitserve.client import Chunk, Finish, Usage
+from splitserve.client.tools import ToolPlan, render_tool_calls, tool_plan
+from splitserve.common.errors import InvalidRequestError
 from splitserve.common.grammar import GrammarSpec
-from splitserve.gateway.errors import ApiError
 from splitserve.gateway.responses import ChatBuilder
-from splitserve.gateway.tools import ToolPlan, render_tool_calls, tool_plan
 
 ADD = {
     "type": "function",
@@ -48,7 +48,7 @@ def test_plans_follow_tool_choice_and_refuse_what_cannot_be_served() -> None:
         ([ADD], "sometimes", "tool_choice"),
         (None, "required", "tool_choice"),
     ):
-        with pytest.raises(ApiError) as refused:
+        with pytest.raises(InvalidRequestError) as refused:
             tool_plan(tools, choice, None)
         assert refused.value.param == param
 

@@ -1,0 +1,240 @@
+"""Tool calling in a documented JSON format (the default model's chat template has none).
+
+The request's tools are described to the model in a system message (``ToolPlan.system_text``:
+``TOOLS_PREAMBLE``, then each tool's name, description and JSON-schema parameters); the model
+calls tools by answering with exactly one JSON object::
+
+    {"tool_calls": [{"name": "<tool name>", "arguments": {<the tool's parameters>}}]}
+
+Contract, by ``tool_choice``:
+- ``"none"``: the tools are not shown; the answer is content.
+- ``"auto"`` (the default with tools): the answer is not constrained; one that parses as the
+  format above with known tool names is returned as ``tool_calls`` (finish reason
+  ``tool_calls``), anything else as content.
+- ``"required"`` or ``{"type": "function", "function": {"name": N}}``: the answer is
+  constrained by a JSON schema (``ToolPlan.grammar``: the format above, names limited to the
+  tools, or to N, each tool's arguments by its own parameters schema), so a call is
+  guaranteed; one call only with a named choice or ``parallel_tool_calls: false``.
+- History: an assistant message's ``tool_calls`` are rendered in the format above, a tool
+  message's content as its text (``render_tool_calls``).
+Malformed tools or choices raise ``InvalidRequestError`` naming ``tools`` / ``tool_choice``
+(the gateway's 400s). The gateway (``gateway/sampling.py``, ``gateway/responses.py``) and the
+Python client (``AsyncClient.generate``'s ``tools``) share this module: over gRPC a tool call
+travels as what it is made of, a chat message and, when forced, a grammar.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from splitserve.client.types import ChatMessage, Generation, Sampling, ToolCall
+from splitserve.common.errors import InvalidRequestError
+from splitserve.common.grammar import GrammarSpec
+
+TOOLS_PREAMBLE = (
+    "You can call tools. To call tools, answer with only a JSON object of the form "
+    '{"tool_calls": [{"name": "<tool name>", "arguments": {<arguments>}}]} and nothing else. '
+    "Otherwise answer normally. The tools:"
+)
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+@dataclass(frozen=True)
+class ToolFunction:
+    name: str
+    description: str
+    parameters: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """A request's tools and how it may call them (module docstring)."""
+
+    functions: tuple[ToolFunction, ...]
+    choice: str
+    """"none", "auto", "required", or the one function's name that must be called."""
+    parallel: bool
+
+    @property
+    def shown(self) -> bool:
+        return self.choice != "none"
+
+    @property
+    def forced(self) -> bool:
+        return self.choice not in ("none", "auto")
+
+    def system_text(self) -> str:
+        tools = [
+            {"name": f.name, "description": f.description, "parameters": f.parameters}
+            for f in self.functions
+        ]
+        return f"{TOOLS_PREAMBLE}\n{json.dumps(tools)}"
+
+    def grammar(self) -> GrammarSpec | None:
+        """The JSON schema a forced choice's answer must match (None unless forced)."""
+        if not self.forced:
+            return None
+        allowed = [f for f in self.functions if self.choice in ("required", f.name)]
+        call_schemas = [
+            {
+                "type": "object",
+                "properties": {"name": {"const": f.name}, "arguments": f.parameters},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+            for f in allowed
+        ]
+        calls: dict[str, Any] = {"type": "array", "items": {"anyOf": call_schemas}, "minItems": 1}
+        if not self.parallel or self.choice != "required":
+            calls["maxItems"] = 1
+        return GrammarSpec.json_schema({
+            "type": "object",
+            "properties": {"tool_calls": calls},
+            "required": ["tool_calls"],
+            "additionalProperties": False,
+        })  # fmt: skip
+
+    def parse(self, text: str) -> list[ToolCall] | None:
+        """The calls an answer makes, or None when it is not a call in the format."""
+        try:
+            answer = json.loads(text)
+        except ValueError:
+            return None
+        if not isinstance(answer, dict) or set(answer) != {"tool_calls"}:
+            return None
+        names = {f.name for f in self.functions}
+        calls = answer["tool_calls"]
+        if not isinstance(calls, list) or not calls:
+            return None
+        parsed = []
+        for call in calls:
+            if not isinstance(call, dict) or call.get("name") not in names:
+                return None
+            parsed.append(ToolCall(call["name"], json.dumps(call.get("arguments", {}))))
+        return parsed
+
+
+def tool_plan(
+    tools: list[dict[str, Any]] | None, choice: Any, parallel: bool | None
+) -> ToolPlan | None:
+    """The request's ``ToolPlan`` (None without tools); ``InvalidRequestError`` for malformed
+    tools or choices."""
+    if not tools:
+        if choice not in (None, "none", "auto"):
+            raise InvalidRequestError("tool_choice needs tools", "tool_choice")
+        return None
+    functions = []
+    for index, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if tool.get("type", "function") != "function" or not isinstance(function, dict):
+            raise InvalidRequestError(f"tools.{index} must be a function tool", "tools")
+        name = function.get("name")
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
+            raise InvalidRequestError(
+                f"tools.{index}.function.name must match {_NAME.pattern}", "tools"
+            )
+        parameters = function.get("parameters") or {"type": "object"}
+        if not isinstance(parameters, dict):
+            raise InvalidRequestError(
+                f"tools.{index}.function.parameters must be a JSON schema", "tools"
+            )
+        description = function.get("description") or ""
+        functions.append(ToolFunction(name, str(description), parameters))
+    names = [f.name for f in functions]
+    if len(set(names)) != len(names):
+        raise InvalidRequestError("tool names must be unique", "tools")
+    return ToolPlan(tuple(functions), _choice(choice, names), parallel is not False)
+
+
+def _choice(choice: Any, names: list[str]) -> str:
+    if choice is None:
+        return "auto"
+    if choice in ("none", "auto", "required"):
+        return str(choice)
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        name = (choice.get("function") or {}).get("name")
+        if name in names:
+            return str(name)
+        raise InvalidRequestError(
+            f"tool_choice names no tool of this request: {name!r}", "tool_choice"
+        )
+    raise InvalidRequestError(
+        "tool_choice must be none, auto, required or a named function", "tool_choice"
+    )
+
+
+def render_tool_calls(tool_calls: list[dict[str, Any]]) -> str:
+    """An assistant message's ``tool_calls`` as the model writes them (module docstring)."""
+    calls = []
+    for call in tool_calls:
+        function = call.get("function") or {}
+        arguments = function.get("arguments") or "{}"
+        try:
+            parsed = json.loads(arguments) if isinstance(arguments, str) else arguments
+        except ValueError:
+            raise InvalidRequestError("a tool call's arguments must be JSON", "messages") from None
+        calls.append({"name": function.get("name"), "arguments": parsed})
+    return json.dumps({"tool_calls": calls})
+
+
+def with_tools(messages: Sequence[ChatMessage], plan: ToolPlan | None) -> list[ChatMessage]:
+    """``messages`` with ``plan``'s tools described in the system message when they are shown
+    (appended to a first system message, else one put first)."""
+    messages = list(messages)
+    if plan is None or not plan.shown:
+        return messages
+    if messages and messages[0].role == "system":
+        first = messages[0]
+        messages[0] = ChatMessage("system", f"{first.content}\n\n{plan.system_text()}")
+    else:
+        messages.insert(0, ChatMessage("system", plan.system_text()))
+    return messages
+
+
+def tool_request(
+    messages: Sequence[ChatMessage | Mapping[str, str]] | None,
+    sampling: Sampling | None,
+    tools: Sequence[Mapping[str, Any]] | None,
+    tool_choice: str | Mapping[str, Any] | None,
+    parallel_tool_calls: bool | None,
+) -> tuple[list[ChatMessage] | None, Sampling | None, ToolPlan | None]:
+    """A chat request's messages and sampling with its tools applied (the Python clients'
+    ``generate``), and its plan (None without tools): the tools described in the system
+    message, a forced choice's grammar as the sampling's. ``InvalidRequestError`` for
+    malformed tools or choices, tools without messages, or a forced choice beside another
+    grammar."""
+    plan = tool_plan(
+        None if tools is None else [dict(tool) for tool in tools], tool_choice, parallel_tool_calls
+    )
+    if plan is None:
+        return None if messages is None else [_chat(m) for m in messages], sampling, None
+    if messages is None:
+        raise InvalidRequestError("tools need a chat (messages)", "tools")
+    given = with_tools([_chat(m) for m in messages], plan)
+    grammar = plan.grammar()
+    if grammar is None:
+        return given, sampling, plan
+    if sampling is not None and sampling.grammar is not None:
+        raise InvalidRequestError(
+            "a forced tool call and a structured output exclude each other", "tool_choice"
+        )
+    return given, replace(sampling or Sampling(), grammar=grammar), plan
+
+
+def with_tool_calls(generation: Generation, plan: ToolPlan | None) -> Generation:
+    """``generation`` with the calls its text makes (``ToolPlan.parse``) as ``tool_calls``
+    and finish reason ``tool_calls``; unchanged when it makes none."""
+    calls = None if plan is None or not plan.shown else plan.parse(generation.text)
+    if not calls:
+        return generation
+    return replace(generation, tool_calls=tuple(calls), finish_reason="tool_calls")
+
+
+def _chat(message: ChatMessage | Mapping[str, str]) -> ChatMessage:
+    if isinstance(message, ChatMessage):
+        return message
+    return ChatMessage(message["role"], message["content"])
