@@ -1,9 +1,11 @@
-"""The OpenAI-compatible ASGI app over the coordinator's gRPC API.
+"""The OpenAI-compatible ASGI app over the coordinators' gRPC API: each request goes to the
+coordinators of the model it names (``gateway/model_routes.py``).
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (one handler, ``_generate``,
 by what differs between them: ``gateway/endpoints.py``; streamed as SSE
-``data: {json}\\n\\n`` ... ``data: [DONE]`` when ``stream`` is true), ``GET /v1/models``,
-``GET /health`` (200 once the coordinator is SERVING, i.e. has a decode worker; else 503),
+``data: {json}\\n\\n`` ... ``data: [DONE]`` when ``stream`` is true), ``GET /v1/models`` (every
+model of every route), ``GET /health`` (200 once some model's coordinators are SERVING, i.e.
+have a decode worker; else 503),
 ``GET /metrics`` (Prometheus text), and vLLM's ``POST /tokenize`` (the ids a prompt or chat
 becomes, through the coordinator's ``Tokenize``), ``POST /detokenize`` and ``GET /version``.
 

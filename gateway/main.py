@@ -1,6 +1,6 @@
 """``splitserve gateway``: the OpenAI-compatible HTTP server (uvicorn, uvloop, httptools).
 
-Talks to the coordinator at ``--coordinator``; prints
+Talks to the coordinators of each model at ``--coordinator`` (once per model); prints
 ``splitserve gateway ready at http(s)://<host>:<port>`` once listening. SIGINT / SIGTERM drain
 it (uvicorn's graceful shutdown: no new connections, open streams get ``--drain-timeout``
 seconds to finish; those still open then are cancelled, which aborts their requests), then it
