@@ -41,7 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -134,9 +134,14 @@ def log(message: str) -> None:
 
 
 @contextlib.contextmanager
-def server(name: str, args: argparse.Namespace, log_dir: Path) -> Iterator[str]:
+def server(
+    name: str, args: argparse.Namespace, log_dir: Path, vllm_args: Sequence[str] = ()
+) -> Iterator[str]:
+    """Server ``name`` started alone (``vllm_args``: more flags for vLLM); yields its URL."""
     if name == "vllm":
-        with vllm_server(args.vllm_python, args.hf_model, log_dir / "vllm.log") as url:
+        with vllm_server(
+            args.vllm_python, args.hf_model, log_dir / "vllm.log", extra_args=vllm_args
+        ) as url:
             yield url
         return
     if name == BASELINE:

@@ -30,7 +30,6 @@ every turn's whole prompt is pushed, the prefill worker's cache still holding th
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import shutil
 import statistics
@@ -39,43 +38,29 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 from bench_goodput import (
     RESULTS_DIR,
-    SPLITSERVE_FLAGS,
     _counts_between,
     _figures,
     metric_samples,
     metrics_url,
     placement_counts,
+    server,
 )
-from bench_vs_peers import splitserve_server, vllm_server
 from machine_bound import cpu_name
 from timing_stats import Json, wait_for_quiet
 
 TTFT_SLO_MS = 2000
 ITL_SLO_MS = 50
 SERVERS = ("splitserve", "splitserve-no-reuse", "vllm")
+VLLM_ARGS = ("--enable-prefix-caching", "--enable-prompt-tokens-details")
 
 
 def log(message: str) -> None:
     print(f"[multiturn] {message}", file=sys.stderr, flush=True)
-
-
-@contextlib.contextmanager
-def server(name: str, args: argparse.Namespace, log_dir: Path) -> Iterator[str]:
-    if name == "vllm":
-        extra = ("--enable-prefix-caching", "--enable-prompt-tokens-details")
-        with vllm_server(
-            args.vllm_python, args.hf_model, log_dir / "vllm.log", extra_args=extra
-        ) as url:
-            yield url
-        return
-    with splitserve_server(SPLITSERVE_FLAGS[name], log_dir / f"{name}.log") as url:
-        yield url
 
 
 def decode_kv(cluster_log: Path) -> dict[str, float]:
@@ -180,7 +165,7 @@ def main() -> Json:
         busy = wait_for_quiet(args.wait_quiet_s)
         log(f"{name}: starting (machine busy before: {busy:.0%})")
         runs = []
-        with server(name, args, log_dir) as url:
+        with server(name, args, log_dir, VLLM_ARGS) as url:
             cluster_log = log_dir / f"{name}.log"
             for repeat in range(args.repeats):
                 seed = args.seed + repeat  # the same for every server

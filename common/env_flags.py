@@ -46,6 +46,11 @@ def add_env_flag(
     )
 
 
+def comma_separated(raw: str) -> list[str]:
+    """The items of a comma-separated flag value, stripped, empty ones dropped."""
+    return [item.strip() for item in raw.split(",") if item.strip()]
+
+
 def built_or_exit(parser: argparse.ArgumentParser, build: Callable[[], T]) -> T:
     """``build()`` (what some flags name: a credential, TLS files, API keys), or the parser's
     usage error (exit status 2) with its ``ValueError`` / ``OSError`` message: a process

@@ -31,7 +31,7 @@ from prometheus_client import CollectorRegistry
 
 from splitserve.common.api_keys import add_api_key_args, add_health_needs_key_flag, api_keys_or_exit
 from splitserve.common.cpu_affinity import pin_or_exit
-from splitserve.common.env_flags import add_env_flag, env_default, truthy
+from splitserve.common.env_flags import add_env_flag, comma_separated, env_default, truthy
 from splitserve.common.loop_lag import LoopLag
 from splitserve.common.membership import Role
 from splitserve.common.memory_budget import StreamCap, stream_cap
@@ -299,7 +299,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     max_inflight = inflight_cap(args.max_inflight)
     logger.info("at most %s requests in flight", max_inflight.describe())
     checkpoint = model_name_of(model_path)
-    names = [name.strip() for name in args.served_model_name.split(",") if name.strip()]
+    names = comma_separated(args.served_model_name)
     config = CoordinatorConfig(
         tenants=tenant_policy_or_exit(parser, args),
         model_name=names[0] if names else checkpoint,

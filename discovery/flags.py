@@ -12,7 +12,7 @@ import argparse
 import os
 from collections.abc import Mapping
 
-from splitserve.common.env_flags import add_env_flag
+from splitserve.common.env_flags import add_env_flag, comma_separated
 
 
 def add_membership_args(
@@ -33,5 +33,4 @@ def add_membership_args(
 
 def etcd_endpoints(args: argparse.Namespace) -> list[str]:
     """The endpoints of ``--etcd-endpoints``; empty without it."""
-    raw = args.etcd_endpoints or ""
-    return [endpoint.strip() for endpoint in raw.split(",") if endpoint.strip()]
+    return comma_separated(args.etcd_endpoints or "")

@@ -28,7 +28,7 @@ import uvloop
 
 from splitserve.common.api_keys import add_api_key_args, add_health_needs_key_flag, api_keys_or_exit
 from splitserve.common.cpu_affinity import pin_or_exit
-from splitserve.common.env_flags import add_env_flag, env_default, env_name, truthy
+from splitserve.common.env_flags import add_env_flag, comma_separated, env_default, env_name, truthy
 from splitserve.common.orphan import stop_when_orphaned
 from splitserve.common.tracing import add_tracing_args, configure_tracing, shutdown_tracing
 from splitserve.gateway.app import GatewayConfig, create_app
@@ -146,7 +146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s gateway %(levelname)s %(message)s")
     warn_if_backlog_capped()
     configure_tracing("gateway", args.otlp_traces_endpoint)
-    names = tuple(name.strip() for name in args.served_model_name.split(",") if name.strip())
+    names = tuple(comma_separated(args.served_model_name))
     targets = coordinator_targets(args.coordinator)
     if names and len(targets) > 1:
         parser.error(

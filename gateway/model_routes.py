@@ -96,6 +96,8 @@ class ModelRoutes:
         ``ApiError`` of a refusal (401: the caller's key); a route that cannot be reached
         stays unknown."""
         unknown = [route for route in self.routes if route.info is None]
+        if not unknown:  # every request's path once all answered: nothing to ask
+            return self.routes
         answers = await asyncio.gather(
             *(client_of(route).model_info() for route in unknown), return_exceptions=True
         )

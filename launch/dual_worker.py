@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 # In launch/, not worker/: it composes the prefill and decode roles, both built on worker/
 # (the folder order of docs/architecture.md, checked by tests/test_architecture.py).
+from splitserve.common.env_flags import comma_separated
 from splitserve.decode.main import DECODE_ROLE
 from splitserve.prefill.main import PREFILL_ROLE
 from splitserve.prefill.worker import PrefillWorker
@@ -30,7 +31,7 @@ ROLES_FLAG = "--roles"
 def roles_of(text: str) -> list[WorkerRole]:
     """ "prefill,decode" -> the roles, in a fixed order; raises ``ValueError`` for an unknown,
     repeated or empty list."""
-    names = [name.strip() for name in text.split(",") if name.strip()]
+    names = comma_separated(text)
     known = {"prefill": PREFILL_ROLE, "decode": DECODE_ROLE}
     unknown = [name for name in names if name not in known]
     if unknown or not names or len(set(names)) != len(names):

@@ -14,7 +14,7 @@ import socket
 from collections.abc import Mapping
 
 from splitserve.common.cpu_affinity import check_cores, parse_cpu_list
-from splitserve.common.env_flags import add_env_flag, env_default
+from splitserve.common.env_flags import add_env_flag, comma_separated, env_default
 from splitserve.common.env_flags import truthy as _truthy
 from splitserve.common.tracing import add_tracing_args
 from splitserve.discovery.flags import add_membership_args
@@ -127,7 +127,7 @@ def borrowed_cpus(args: argparse.Namespace) -> set[int]:
 
 def coordinator_addresses(flag: str) -> list[str]:
     """The addresses of ``--coordinator`` ("host:port[,host:port...]")."""
-    return [address.strip() for address in flag.split(",") if address.strip()]
+    return comma_separated(flag)
 
 
 def worker_id_of(args: argparse.Namespace, role: str) -> str:
