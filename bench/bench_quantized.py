@@ -1,10 +1,11 @@
 """Decode with quantized weights read as stored: TPOT of bf16 vs Q8_0 vs Q4_1 vs llama.cpp, one run.
 
 One process, one torch thread (a decode worker's core), the default model (SmolLM2-135M
-Instruct, a Q4_1 GGUF whose embedding, the tied LM head, is Q8_0) in bf16 compute:
+Instruct, a Q4_1 GGUF whose embedding, the tied LM head, is Q8_0) in the compute dtype
+``dtype="auto"`` picks (bf16 where the CPU has AVX-512 BF16, else float32):
 
-- ``bf16``: ``--quantized-weights widen`` (the default): the Q4_1 file dequantized to bf16, decode
-  rows through the bf16 GEMV;
+- ``bf16`` (``float32``): ``--quantized-weights widen``: the Q4_1 file dequantized to the dtype,
+  decode rows through the bf16 GEMV (float32: oneDNN);
 - ``Q4_1``: ``--quantized-weights native`` on the same file: decode and logits rows read the
   blocks (``kernels/cpu_qgemv.py``);
 - ``Q8_0``: ``native`` on a Q8_0 copy of the file (every Q4_1 tensor dequantized and quantized
@@ -50,6 +51,7 @@ from timing_stats import Json, emit_report, log_row, wait_for_quiet
 from splitserve.common.gguf_file import GgufFile
 from splitserve.common.model_files import default_model_path
 from splitserve.engine.config import CacheConfig, EngineConfig, ModelConfig, RunnerConfig
+from splitserve.engine.device import cpu_has_native_bf16
 from splitserve.engine.engine_core import EngineCore
 
 STORY = (
@@ -90,14 +92,16 @@ def q8_0_copy(source: Path, target: Path) -> Path:
     return target
 
 
-def decode_step_bytes(path: Path, widened: bool) -> int:
+def decode_step_bytes(path: Path, widened_bytes: int) -> int:
     """Weight bytes one decode step reads: every 2-d tensor once (the tied embedding as the LM
-    head), at its stored size, or 2 bytes a weight when widened to bf16."""
+    head), at its stored size, or ``widened_bytes`` a weight when widened (2 for bf16, 4 for
+    float32; 0: stored size)."""
     total = 0
     for tensor in GgufFile(path).tensors:
         if len(tensor.shape) != 2:
             continue
-        total += 2 * int(np.prod(tensor.shape)) if widened else tensor.data.nbytes
+        count = int(np.prod(tensor.shape))
+        total += widened_bytes * count if widened_bytes else tensor.data.nbytes
     return total
 
 
@@ -167,10 +171,16 @@ def run(args: argparse.Namespace) -> Json:
     torch.set_num_threads(1)
     q4_path = default_model_path()
     q8_path = q8_0_copy(q4_path, args.cache_dir / (q4_path.stem.replace("Q4_1", "Q8_0") + ".gguf"))
-    files = {"bf16": (q4_path, "widen"), "Q4_1": (q4_path, "native"), "Q8_0": (q8_path, "native")}
+    widened = "bf16" if cpu_has_native_bf16() else "float32"  # dtype="auto"'s choice here
+    files = {
+        widened: (q4_path, "widen"),
+        "Q4_1": (q4_path, "native"),
+        "Q8_0": (q8_path, "native"),
+    }
     bandwidth = read_bandwidth_gbps()
     report: Json = {
         "machine": {"cpu": cpu_name(), "torch": torch.__version__, "threads": 1},
+        "dtype": widened,
         "setup": {
             "prompt_tokens": args.prompt_tokens,
             "max_tokens": args.max_tokens,
@@ -182,7 +192,8 @@ def run(args: argparse.Namespace) -> Json:
         "tpot_ms": {},
     }
     for name, (path, mode) in files.items():
-        step_bytes = decode_step_bytes(path, widened=mode == "widen")
+        widened_bytes = (2 if widened == "bf16" else 4) if mode == "widen" else 0
+        step_bytes = decode_step_bytes(path, widened_bytes)
         report["formats"][name] = {
             "file": path.name,
             "decode_step_mb": round(step_bytes / 1e6, 1),
@@ -190,7 +201,7 @@ def run(args: argparse.Namespace) -> Json:
         }
         log_row({"format": name, **report["formats"][name]})
     engines = {name: build_engine(path, mode) for name, (path, mode) in files.items()}
-    prompts = prompts_for(engines["bf16"], max(args.streams), args.prompt_tokens)
+    prompts = prompts_for(engines[widened], max(args.streams), args.prompt_tokens)
     runs: dict[tuple[str, int], list[float]] = {}
     for rep in range(args.reps):
         for streams in args.streams:

@@ -31,9 +31,11 @@ class ModelConfig:
     """A GGUF file's quantized weights: "widen" dequantizes them to ``dtype`` for every row;
     "native" also keeps the Q4_1 / Q8_0 blocks, which generated tokens' and logits rows read
     as stored (``kernels/cpu_qgemv.py``; other types stay widened, logged at load); "auto":
-    native in bf16 (where it measured faster: ``bench/bench_quantized.py``), widen in
-    float32, the exactness reference, whose rows then keep the dense reference's sums. On a
-    GPU every setting widens (the kernel is a CPU one)."""
+    native in bf16 (where it measured faster: ``bench/bench_quantized.py``) and in the
+    float32 that ``dtype="auto"`` picks on a CPU without bf16 (Skylake-SP, Cascade Lake: a
+    decode step 6x faster there, bench/README), widen in a float32 asked for by name, the
+    exactness reference, whose rows then keep the dense reference's sums. On a GPU every
+    setting widens (the kernel is a CPU one)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -66,7 +66,10 @@ class EngineCore:
         simulated = config.runner.engine == "sim"
         native_quantized = device.type == "cpu" and (  # the kernel is a CPU one
             config.model.quantized_weights == "native"
-            or (config.model.quantized_weights == "auto" and self.dtype == torch.bfloat16)
+            or (
+                config.model.quantized_weights == "auto"
+                and (self.dtype == torch.bfloat16 or config.model.dtype == "auto")
+            )
         )
         if checkpoint is None:
             path = resolve_model_path(config.model.model)

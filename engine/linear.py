@@ -222,8 +222,9 @@ class Linear:
         self._qgemv: CpuQGemv | None = None
         self._quant_weight: QuantWeight | None = None
         if gemv_wanted and quantized is not None and _quant_readable(weight, quantized):
-            self._qgemv = load_cpu_qgemv()
-            if self._qgemv is not None:
+            kernel = load_cpu_qgemv()
+            if kernel is not None and kernel.reads(weight.dtype):
+                self._qgemv = kernel
                 self._quant_weight = self._qgemv.pack(quantized.blocks, quantized.ggml_type)
         if (
             self._quant_weight is None

@@ -24,10 +24,13 @@ from tests.conftest import make_llm
 Q = gguf.GGMLQuantizationType
 
 
-def _kernel() -> CpuQGemv:
+def _kernel(dtype: torch.dtype = torch.float32) -> CpuQGemv:
+    """The kernel, where it reads x of ``dtype`` here (else the test skips)."""
     kernel = load_cpu_qgemv()
     if kernel is None:
-        pytest.skip("this CPU has no AVX-512 BF16 (or no C++ compiler)")
+        pytest.skip("this CPU has no AVX-512 (or no C++ compiler)")
+    if not kernel.reads(dtype):
+        pytest.skip("this CPU has no AVX-512 BF16: the kernel reads float32 rows only")
     return kernel
 
 
@@ -60,7 +63,7 @@ def test_products_match_float64_over_ggufs_dequantized_weights(
 ) -> None:
     """Float32 sums of the file's exact weights: within float32 accumulation noise of the
     float64 product over gguf's dequantized values (bf16 x taken as its exact bf16 values)."""
-    kernel = _kernel()
+    kernel = _kernel(x_dtype)
     tensor = _quantized(96, 576, ggml_type, seed=rows)
     weight = kernel.pack(tensor.blocks, ggml_type)
     generator = torch.Generator().manual_seed(rows)
@@ -81,7 +84,7 @@ def test_products_match_float64_over_ggufs_dequantized_weights(
 @pytest.mark.parametrize("ggml_type", [Q4_1, Q8_0])
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
 def test_a_rows_result_does_not_depend_on_the_other_rows_or_the_threads(ggml_type, x_dtype) -> None:
-    kernel = _kernel()
+    kernel = _kernel(x_dtype)
     tensor = _quantized(192, 1536, ggml_type, seed=3)
     weight = kernel.pack(tensor.blocks, ggml_type)
     x = torch.randn(MAX_ROWS, 1536, generator=torch.Generator().manual_seed(3)).to(x_dtype)
@@ -120,7 +123,23 @@ def test_the_kernel_refuses_what_it_cannot_take() -> None:
 
 def test_the_portable_build_has_no_quantized_kernel() -> None:
     _kernel()
-    assert load_cpu_qgemv(PORTABLE_FLAGS) is None  # built without AVX-512 BF16: refused
+    assert load_cpu_qgemv(PORTABLE_FLAGS) is None  # built without AVX-512: refused
+
+
+def test_without_avx512_bf16_the_kernel_refuses_bf16_rows_and_linear_stays_dense() -> None:
+    """On AVX-512 CPUs without BF16 (Skylake-SP, Cascade Lake) the kernel reads float32 rows
+    only: bf16 x is refused with its own code, and a bf16 ``Linear`` keeps the dense path
+    instead of calling it; float32 rows still read the blocks."""
+    kernel = _kernel()
+    if kernel.reads_bf16:
+        pytest.skip("this CPU has AVX-512 BF16: the kernel reads bf16 rows too")
+    tensor = _quantized(32, 64, Q4_1, seed=5)
+    weight = kernel.pack(tensor.blocks, Q4_1)
+    with pytest.raises(ValueError, match="code -3"):
+        kernel(torch.zeros(2, 64, dtype=torch.bfloat16), weight)
+    dense = _dequantized(tensor)
+    assert Linear(dense.to(torch.bfloat16), quantized=tensor).reads_quantized is None
+    assert Linear(dense, quantized=tensor).reads_quantized == "Q4_1"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -130,7 +149,7 @@ def test_linear_reads_the_blocks_for_generated_and_logits_rows_only(
     """Generated rows take the quantized kernel (no GEMV copy is kept); prompt rows keep the
     dense path over the widened weight; logits rows are the kernel's float32 sums."""
     monkeypatch.delenv(DECODE_GEMV_ENV, raising=False)
-    kernel = _kernel()
+    kernel = _kernel(dtype)
     tensor = _quantized(128, 576, Q4_1, seed=4)
     dense = _dequantized(tensor).to(dtype)
     linear = Linear(dense, quantized=tensor)
@@ -211,7 +230,7 @@ def test_an_engine_reading_blocks_keeps_the_rest_dense_and_says_so(
 def test_the_default_model_in_bf16_answers_from_its_blocks(default_checkpoint_fp32) -> None:
     """bf16, every projection and the LM head reading blocks: the default model still knows
     the capital of France (its chat template, greedy)."""
-    _kernel()
+    _kernel(torch.bfloat16)
     llm = make_llm(default_checkpoint_fp32, dtype="bfloat16", quantized_weights="native")
     model = llm.engine.runner.model
     assert all(layer.qkv.reads_quantized == "Q4_1" for layer in model.layers)
@@ -220,3 +239,17 @@ def test_the_default_model_in_bf16_answers_from_its_blocks(default_checkpoint_fp
     [prompt] = llm.render_chats([{"role": "user", "content": "What is the capital of France?"}])
     [result] = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0))
     assert "Paris" in result.text, result.text
+
+
+def test_auto_reads_blocks_in_the_dtype_auto_picks_and_widens_a_float32_asked_for(
+    default_checkpoint_fp32,
+) -> None:
+    """``quantized_weights="auto"``: blocks are read in the dtype ``dtype="auto"`` serves in
+    (bf16, or float32 on a CPU without bf16), never in a float32 asked for by name (the
+    exactness reference keeps the dense sums)."""
+    kernel = _kernel()
+    auto = make_llm(default_checkpoint_fp32, dtype="auto").engine
+    if auto.dtype == torch.float32 or kernel.reads_bf16:
+        assert auto.runner.model.lm_head.reads_quantized == "Q8_0"
+    named = make_llm(default_checkpoint_fp32, dtype="float32").engine
+    assert named.runner.model.lm_head.reads_quantized is None

@@ -15,8 +15,9 @@
 //     out [rows, out_features] (float32 when out_f32, else bf16) = x [rows, in_features]
 //     (float32 when x_f32, else bf16) @ weight.T (+ bias [out], x's dtype, when not null).
 //     rows <= kMaxRows; out_features a multiple of 16, in_features of 32. 0 done; -1
-//     unsupported arguments (nothing written); -2 this build has no AVX-512 BF16 (the caller
-//     keeps its dense path).
+//     unsupported arguments (nothing written); -2 this build has no AVX-512 (F, BW) (the
+//     caller keeps its dense path); -3 bf16 x or out where this build has AVX-512 but no
+//     AVX-512 BF16 (float32 x and out only: Skylake-SP and Cascade Lake Xeons).
 //
 // What is summed (per output o of row r; every row independently of the others of its call,
 // so a row's result does not depend on its step's batch):
@@ -38,9 +39,12 @@
 
 #include "cpu_common.h"
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
-#define SPLITSERVE_AVX512 1
+#define SPLITSERVE_AVX512 1  // the float32 paths (float32 x and out)
+#if defined(__AVX512BF16__)
+#define SPLITSERVE_AVX512_BF16 1  // the bf16 paths too (bf16 x or out)
+#endif
 #endif
 
 namespace {
@@ -127,7 +131,9 @@ inline void store_lanes(Out* out, __m512 sum) {
   if constexpr (sizeof(Out) == sizeof(float)) {
     _mm512_storeu_ps(out, sum);
   } else {
+#ifdef SPLITSERVE_AVX512_BF16
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), (__m256i)_mm512_cvtneps_pbh(sum));
+#endif
   }
 }
 
@@ -149,6 +155,7 @@ inline void store_rows(Out* out, const __m512* even, const __m512* odd, __m512 b
   }
 }
 
+#ifdef SPLITSERVE_AVX512_BF16
 // The bf16 values 0..15 in the low 16 words: vpermw's table from a nibble to its bf16.
 inline __m512i nibble_bf16_table() {
   alignas(64) uint16_t table[32] = {};
@@ -156,12 +163,15 @@ inline __m512i nibble_bf16_table() {
   return _mm512_load_si512(table);
 }
 
+#endif  // SPLITSERVE_AVX512_BF16
+
 inline __m512 nibble_f32_table() {
   alignas(64) float table[16];
   for (int q = 0; q < 16; ++q) table[q] = static_cast<float>(q);
   return _mm512_load_ps(table);
 }
 
+#ifdef SPLITSERVE_AVX512_BF16
 // Q4_1, bf16 x: Rows rows of output block `ob` (its groups at g). xsum [Rows][blocks]: each
 // row's float32 sum of every block's 32 inputs.
 template <int Rows, typename Out>
@@ -214,6 +224,8 @@ void q4_1_bf16_rows(Out* out, const uint16_t* x, const float* xsum, const Q4_1Gr
     store_lanes(out + r * out_features + ob * kOutBlock, _mm512_add_ps(total[r], bias_v));
   }
 }
+
+#endif  // SPLITSERVE_AVX512_BF16
 
 // Q4_1, float32 x: each weight dequantized to its float32 value, then plain products.
 template <int Rows, typename Out>
@@ -272,6 +284,7 @@ void q8_0_f32_rows(Out* out, const float* x, const Q8_0Group* g, const void* bia
   store_rows<Rows>(out, even, odd, bias_lanes(bias, bias_f32, ob), out_features, ob);
 }
 
+#ifdef SPLITSERVE_AVX512_BF16
 // Q8_0, bf16 x: per block, d * sum(q * x), the products by vdpbf16ps on the int8 values
 // (exact in bf16), two inputs' 16 outputs converted together and interleaved into pairs.
 template <int Rows, typename Out>
@@ -327,6 +340,8 @@ void q8_0_bf16_rows(Out* out, const uint16_t* x, const Q8_0Group* g, const void*
   }
 }
 
+#endif  // SPLITSERVE_AVX512_BF16
+
 // One call's arguments, and the float32 copies of x some kernels read.
 struct Call {
   void* out;
@@ -348,22 +363,26 @@ void group_rows(const Call& c, int64_t row, int64_t ob) {
   const int64_t blocks = c.in_features / kInBlock;
   if (c.type == kTypeQ4_1) {
     const Q4_1Group* g = static_cast<const Q4_1Group*>(c.packed) + ob * blocks;
+#ifdef SPLITSERVE_AVX512_BF16
     if (c.x_bf16 != nullptr) {
       q4_1_bf16_rows<Rows, Out>(out, c.x_bf16 + row * c.in_features, c.xsum + row * blocks, g,
                                 c.bias, c.out_features, c.in_features, ob);
-    } else {
-      q4_1_f32_rows<Rows, Out>(out, c.x_f32 + row * c.in_features, g, c.bias, c.bias_f32,
-                               c.out_features, c.in_features, ob);
+      return;
     }
+#endif
+    q4_1_f32_rows<Rows, Out>(out, c.x_f32 + row * c.in_features, g, c.bias, c.bias_f32,
+                             c.out_features, c.in_features, ob);
   } else {
     const Q8_0Group* g = static_cast<const Q8_0Group*>(c.packed) + ob * blocks;
+#ifdef SPLITSERVE_AVX512_BF16
     if (c.x_bf16 != nullptr) {
       q8_0_bf16_rows<Rows, Out>(out, c.x_bf16 + row * c.in_features, g, c.bias,
                                 c.out_features, c.in_features, ob);
-    } else {
-      q8_0_f32_rows<Rows, Out>(out, c.x_f32 + row * c.in_features, g, c.bias, c.bias_f32,
-                               c.out_features, c.in_features, ob);
+      return;
     }
+#endif
+    q8_0_f32_rows<Rows, Out>(out, c.x_f32 + row * c.in_features, g, c.bias, c.bias_f32,
+                             c.out_features, c.in_features, ob);
   }
 }
 
@@ -431,6 +450,9 @@ int splitserve_qgemv(void* out, int out_f32, const void* x, int x_f32, int64_t r
       (type != kTypeQ4_1 && type != kTypeQ8_0)) {
     return -1;
   }
+#ifndef SPLITSERVE_AVX512_BF16
+  if (!x_f32 || !out_f32) return -3;  // bf16 x or out: this CPU has no AVX-512 BF16
+#endif
   const int64_t blocks = in_features / kInBlock;
   Call c{out, out_f32 != 0, nullptr, nullptr, nullptr, rows, packed, type, bias, x_f32 != 0,
          out_features, in_features};
@@ -459,7 +481,9 @@ int splitserve_qgemv(void* out, int out_f32, const void* x, int x_f32, int64_t r
     if (c.out_f32) {
       block_all_rows<float>(c, ob);
     } else {
+#ifdef SPLITSERVE_AVX512_BF16
       block_all_rows<uint16_t>(c, ob);
+#endif
     }
   }
   return 0;
