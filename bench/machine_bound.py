@@ -2,7 +2,9 @@
 
 Measured here, on every core (torch threads = the CPUs this process may run on), each the best
 of ``REPEATS`` (contention only slows a run):
-- ``matmul_tflops``: a bf16 ``M x K @ K x N`` product of ``MATMUL_SIZE`` (oneDNN), 2MKN FLOPs;
+- ``matmul_tflops``: a ``M x K @ K x N`` product of ``MATMUL_SIZE`` (oneDNN), 2MKN FLOPs, in
+  bf16 where the CPU has AVX-512 BF16 or AMX, else in float32 (its fastest: bf16 there is
+  converted to float32 in software, and splitserve serves float32);
 - ``read_gbps``: ``torch.sum`` over 1 GiB of float32 (``bandwidth_floor.read_bandwidth_gbps``).
 
 The model's figures (``model_figures``): the multiply-adds a token costs in the decoder layers
@@ -30,6 +32,7 @@ import torch
 from bandwidth_floor import read_bandwidth_gbps, weight_read_bytes
 
 from splitserve.common.cpu_info import cpu_name
+from splitserve.engine.device import cpu_has_native_bf16
 
 MATMUL_SIZE = (2048, 2048, 2048)
 REPEATS = 5
@@ -42,6 +45,7 @@ class MachineFigures:
     threads: int
     matmul_tflops: float
     read_gbps: float
+    matmul_dtype: str = "bfloat16"
 
 
 @dataclass(frozen=True)
@@ -59,8 +63,9 @@ def measure() -> MachineFigures:
     threads = len(os.sched_getaffinity(0))
     torch.set_num_threads(threads)
     m, k, n = MATMUL_SIZE
-    a = torch.randn(m, k).to(torch.bfloat16)
-    b = torch.randn(k, n).to(torch.bfloat16)
+    dtype = torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+    a = torch.randn(m, k).to(dtype)
+    b = torch.randn(k, n).to(dtype)
     a @ b  # warm-up (oneDNN picks its kernel)
     seconds = []
     for _ in range(REPEATS):
@@ -69,7 +74,8 @@ def measure() -> MachineFigures:
         seconds.append(time.perf_counter() - start)
     tflops = 2 * m * k * n / min(seconds) / 1e12
     bandwidth = max(read_bandwidth_gbps() for _ in range(2))
-    return MachineFigures(cpu_name(), threads, round(tflops, 4), round(bandwidth, 2))
+    dtype_name = str(dtype).removeprefix("torch.")
+    return MachineFigures(cpu_name(), threads, round(tflops, 4), round(bandwidth, 2), dtype_name)
 
 
 def model_figures(weights: dict[str, torch.Tensor], tied: bool) -> ModelFigures:

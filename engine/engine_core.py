@@ -382,8 +382,11 @@ def _logprobs_of(logprob: TokenLogprob | None) -> tuple[TokenLogprob, ...]:
 
 def _backend(config: EngineConfig, dtype: torch.dtype, num_blocks: int) -> AttentionBackend:
     """The attention backend ``config.runner.attention_backend`` names; "auto" picks Triton on
-    CUDA (when installed), the C++ CPU kernel on CPU for bf16, and the torch reference backend
-    otherwise (float32 on CPU: the reference, batch-invariant path that matches HF exactly)."""
+    CUDA (when installed), the C++ CPU kernel on CPU for bf16 and for the float32 that
+    ``dtype="auto"`` picks on a CPU without bf16 (the serving dtype there; its decode rows are
+    batch invariant and greedy output HF's, ``test_correctness_hf.test_cpu_decode_kernel``),
+    and the torch reference backend otherwise (a float32 asked for by name: the reference,
+    batch-invariant path that matches HF exactly)."""
     name = config.runner.attention_backend
     on_cuda = config.runner.device.startswith("cuda")
     batch_invariant = dtype == torch.float32
@@ -391,7 +394,8 @@ def _backend(config: EngineConfig, dtype: torch.dtype, num_blocks: int) -> Atten
         from splitserve.kernels.triton_backend import TritonAttentionBackend
 
         return TritonAttentionBackend(batch_invariant=batch_invariant)
-    if name == "cpu" or (name == "auto" and not on_cuda and dtype == torch.bfloat16):
+    serving_dtype = dtype == torch.bfloat16 or config.model.dtype == "auto"
+    if name == "cpu" or (name == "auto" and not on_cuda and serving_dtype):
         from splitserve.kernels.cpu_attention import (
             load_cpu_decode_attention,
             load_cpu_prefill_attention,

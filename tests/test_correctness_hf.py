@@ -169,6 +169,17 @@ def test_quantized_weights_read_as_stored(default_checkpoint_fp32, prompts, hf_g
     _assert_equal(_run(llm, [prompts[i] for i in chosen]), [hf_greedy[i] for i in chosen])
 
 
+def test_auto_dtype_on_a_cpu_without_bf16(default_checkpoint_fp32, prompts, hf_greedy) -> None:
+    """Where the CPU has no bf16 (Skylake-SP, Cascade Lake), ``dtype="auto"`` serves float32
+    through the CPU kernels: rows reading the GGUF's blocks and the C++ paged attention
+    (``engine_core._backend``). Their greedy output is HF's."""
+    llm = make_llm(default_checkpoint_fp32, dtype="auto")
+    if llm.engine.dtype != torch.float32:
+        pytest.skip("this CPU has bf16: dtype=auto serves bf16, covered by the bf16 tests")
+    chosen = [0, 1, 2, 3, 4, 5]
+    _assert_equal(_run(llm, [prompts[i] for i in chosen]), [hf_greedy[i] for i in chosen])
+
+
 def test_logit_bias_equals_hf_sequence_bias(
     default_checkpoint_fp32, prompts, hf_greedy, hf_default_model_fp32
 ) -> None:

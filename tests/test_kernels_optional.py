@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from splitserve.engine.config import EngineConfig, RunnerConfig
+from splitserve.engine.config import EngineConfig, ModelConfig, RunnerConfig
 from splitserve.engine.engine_core import _backend
 from splitserve.kernels.attention import TorchAttentionBackend
 from splitserve.kernels.cpu_attention import load_cpu_decode_attention
@@ -48,10 +48,14 @@ def test_kernel_modules_import_without_triton() -> None:
 
 
 def test_engine_picks_the_cpu_backends_on_cpu() -> None:
-    # float32: the torch reference backend (bit-exact with HF), never Triton on a CPU
-    assert type(_backend(EngineConfig(), torch.float32, 16)) is TorchAttentionBackend
+    # a float32 asked for by name: the torch reference backend (bit-exact with HF), never
+    # Triton on a CPU
+    named = EngineConfig(model=ModelConfig(dtype="float32"))
+    assert type(_backend(named, torch.float32, 16)) is TorchAttentionBackend
     forced = EngineConfig(runner=RunnerConfig(attention_backend="torch"))
     assert type(_backend(forced, torch.bfloat16, 16)) is TorchAttentionBackend
-    # bf16: the C++ kernels where they build, the torch backend otherwise
+    # bf16, and the float32 dtype="auto" serves in on a CPU without bf16: the C++ kernels
+    # where they build, the torch backend otherwise
     expected = CpuAttentionBackend if load_cpu_decode_attention() else TorchAttentionBackend
     assert type(_backend(EngineConfig(), torch.bfloat16, 16)) is expected
+    assert type(_backend(EngineConfig(), torch.float32, 16)) is expected

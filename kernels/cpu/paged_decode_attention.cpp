@@ -19,6 +19,8 @@
 // an exact (two-pass) softmax, the weighted sum of values; bf16 output is rounded to nearest
 // even. Returns 0, or a negative code for unsupported arguments (nothing written then).
 //
+// With AVX-512 (F, BW), head_dim a multiple of 32: rows by 16-lane FMAs (float32 math; on a
+// CPU without AVX-512 BF16, Skylake-SP or Cascade Lake, bf16 rows are widened first).
 // bf16 with AVX-512 BF16, head_dim 32, 64 or 128 and few query heads per KV head (their
 // accumulators fit in registers, see kMaxAccumulators): per KV head, the scores of 16 tokens
 // come from 16 vdpbf16ps partial sums reduced together by one transpose (not 16 horizontal
@@ -32,8 +34,12 @@
 
 #include "cpu_common.h"
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
+#define SPLITSERVE_AVX512 1  // the vectorized rows (float32 math; bf16 rows widened)
+#if defined(__AVX512BF16__)
+#define SPLITSERVE_AVX512_BF16 1  // bf16 dot products by vdpbf16ps, the register kernels
+#endif
 #endif
 
 namespace {
@@ -76,8 +82,7 @@ inline float softmax_weights(float* scores, int64_t n) {
   return total;
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
-#define SPLITSERVE_AVX512 1
+#ifdef SPLITSERVE_AVX512
 
 // AVX-512 row primitives; head_dim is a multiple of 32 (checked by the caller).
 inline __m512 bf16x16_to_float(const uint16_t* src) {
@@ -87,6 +92,7 @@ inline __m512 bf16x16_to_float(const uint16_t* src) {
 inline __m512 load16(const uint16_t* src) { return bf16x16_to_float(src); }
 inline __m512 load16(const float* src) { return _mm512_loadu_ps(src); }
 
+#ifdef SPLITSERVE_AVX512_BF16
 // q . k over head_dim: bf16 pairs straight into float32 lanes (vdpbf16ps).
 inline float dot_row(const uint16_t* q, const uint16_t* k, int64_t head_dim) {
   __m512 acc = _mm512_setzero_ps();
@@ -97,6 +103,16 @@ inline float dot_row(const uint16_t* q, const uint16_t* k, int64_t head_dim) {
   }
   return _mm512_reduce_add_ps(acc);
 }
+#else
+// q . k over head_dim without AVX-512 BF16: each bf16 widened to float32, then FMAs.
+inline float dot_row(const uint16_t* q, const uint16_t* k, int64_t head_dim) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t d = 0; d < head_dim; d += 16) {
+    acc = _mm512_fmadd_ps(bf16x16_to_float(q + d), bf16x16_to_float(k + d), acc);
+  }
+  return _mm512_reduce_add_ps(acc);
+}
+#endif
 inline float dot_row(const float* q, const float* k, int64_t head_dim) {
   __m512 acc = _mm512_setzero_ps();
   for (int64_t d = 0; d < head_dim; d += 16) {
@@ -142,16 +158,54 @@ constexpr int64_t kPrefetchTokens = 32;  // how far ahead of a pass its rows are
 // hardware prefetcher stops at each 4 KB page and at each block, so without this the passes
 // wait on memory (10 sequences of 352 tokens, 30 layers, one core: 11.1 ms without, 7.3-8.9
 // with the rows 32 tokens ahead; 16 and 64 did no better).
-inline void prefetch_rows(const uint16_t* cache, const int64_t* slots, int64_t first,
-                          int64_t context, int64_t token_stride) {
-  const int64_t row_bytes = token_stride * static_cast<int64_t>(sizeof(uint16_t));
+template <typename T>
+inline void prefetch_rows(const T* cache, const int64_t* slots, int64_t first, int64_t context,
+                          int64_t token_stride) {
+  const int64_t row_bytes = token_stride * static_cast<int64_t>(sizeof(T));
   for (int64_t t = first; t < first + 16 && t < context; ++t) {
     const char* row = reinterpret_cast<const char*>(cache + slots[t] * token_stride);
     for (int64_t line = 0; line < row_bytes; line += 64) _mm_prefetch(row + line, _MM_HINT_T0);
   }
 }
 
-// One sequence's attention for bf16, kChunks16 = head_dim / 16 (even), kGroup query heads per
+// A query head's chunks in registers, and its partial dot product with one key row: 16
+// lanes whose sum is q . k. bf16 (AVX-512 BF16): pairs by vdpbf16ps; float32: FMAs.
+template <typename T, int kChunks16>
+struct QueryRegisters;
+
+#ifdef SPLITSERVE_AVX512_BF16
+template <int kChunks16>
+struct QueryRegisters<uint16_t, kChunks16> {
+  __m512bh chunks[kChunks16 / 2];
+  explicit QueryRegisters(const uint16_t* q) {
+    for (int c = 0; c < kChunks16 / 2; ++c) chunks[c] = (__m512bh)_mm512_loadu_si512(q + 32 * c);
+  }
+  __m512 partial_dot(const uint16_t* key) const {
+    __m512 acc = _mm512_setzero_ps();
+    for (int c = 0; c < kChunks16 / 2; ++c) {
+      acc = _mm512_dpbf16_ps(acc, chunks[c], (__m512bh)_mm512_loadu_si512(key + 32 * c));
+    }
+    return acc;
+  }
+};
+#endif
+
+template <int kChunks16>
+struct QueryRegisters<float, kChunks16> {
+  __m512 chunks[kChunks16];
+  explicit QueryRegisters(const float* q) {
+    for (int c = 0; c < kChunks16; ++c) chunks[c] = _mm512_loadu_ps(q + 16 * c);
+  }
+  __m512 partial_dot(const float* key) const {
+    __m512 acc = _mm512_setzero_ps();
+    for (int c = 0; c < kChunks16; ++c) {
+      acc = _mm512_fmadd_ps(chunks[c], _mm512_loadu_ps(key + 16 * c), acc);
+    }
+    return acc;
+  }
+};
+
+// One sequence's attention for bf16 or float32 (T), kChunks16 = head_dim / 16 (even), kGroup query heads per
 // KV head. slots[t]: the cache row of token t; scores: room for heads * context floats;
 // totals: heads floats; accum: heads * head_dim floats (heads = num_kv_heads * kGroup).
 // Both passes go over the context 16 tokens at a time, every KV head of those tokens before
@@ -160,14 +214,12 @@ inline void prefetch_rows(const uint16_t* cache, const int64_t* slots, int64_t f
 // context, as before, each pass read 2 lines of every 6 per token: 12.9 ms against 7.3-8.9
 // for 10 sequences of 352 tokens over 30 layers on one core. Every score and every sum is
 // computed by the same operations in the same order as head by head, so its bits are too.
-template <int kChunks16, int kGroup>
-void decode_sequence_bf16(uint16_t* seq_out, const uint16_t* seq_query,
-                          const uint16_t* key_cache, const uint16_t* value_cache,
-                          const int64_t* slots, int64_t context, int64_t num_kv_heads,
-                          float scale, float* scores, float* totals, float* accum) {
+template <typename T, int kChunks16, int kGroup>
+void decode_sequence(T* seq_out, const T* seq_query, const T* key_cache, const T* value_cache,
+                     const int64_t* slots, int64_t context, int64_t num_kv_heads, float scale,
+                     float* scores, float* totals, float* accum) {
   static_assert(kChunks16 % 2 == 0 && kChunks16 * kGroup <= kMaxAccumulators);
   constexpr int64_t kHeadDim = 16 * kChunks16;
-  constexpr int kChunks32 = kChunks16 / 2;
   const int64_t token_stride = num_kv_heads * kHeadDim;
   const int64_t heads = num_kv_heads * kGroup;
   const __m512 scale_vector = _mm512_set1_ps(scale);
@@ -179,30 +231,21 @@ void decode_sequence_bf16(uint16_t* seq_out, const uint16_t* seq_query,
   for (; t0 + 16 <= context; t0 += 16) {
     prefetch_rows(key_cache, slots, t0 + kPrefetchTokens, context, token_stride);
     for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
-      const uint16_t* keys = key_cache + kv_head * kHeadDim;
+      const T* keys = key_cache + kv_head * kHeadDim;
       for (int i = 0; i < kGroup; ++i) {
         const int64_t head = kv_head * kGroup + i;
-        const uint16_t* q = seq_query + head * kHeadDim;
-        __m512bh q_chunks[kChunks32];
-        for (int c = 0; c < kChunks32; ++c) {
-          q_chunks[c] = (__m512bh)_mm512_loadu_si512(q + 32 * c);
-        }
+        const QueryRegisters<T, kChunks16> query(seq_query + head * kHeadDim);
         __m512 parts[16];
         for (int slot = 0; slot < 16; ++slot) {
-          const uint16_t* key = keys + slots[t0 + 4 * (slot % 4) + slot / 4] * token_stride;
-          __m512 acc = _mm512_setzero_ps();
-          for (int c = 0; c < kChunks32; ++c) {
-            acc = _mm512_dpbf16_ps(acc, q_chunks[c],
-                                   (__m512bh)_mm512_loadu_si512(key + 32 * c));
-          }
-          parts[slot] = acc;
+          parts[slot] =
+              query.partial_dot(keys + slots[t0 + 4 * (slot % 4) + slot / 4] * token_stride);
         }
         _mm512_storeu_ps(scores + head * context + t0, _mm512_mul_ps(scale_vector, sum16(parts)));
       }
     }
   }
   for (; t0 < context; ++t0) {
-    const uint16_t* key = key_cache + slots[t0] * token_stride;
+    const T* key = key_cache + slots[t0] * token_stride;
     for (int64_t head = 0; head < heads; ++head) {
       scores[head * context + t0] = scale * dot_row(seq_query + head * kHeadDim,
                                                     key + (head / kGroup) * kHeadDim, kHeadDim);
@@ -221,7 +264,7 @@ void decode_sequence_bf16(uint16_t* seq_out, const uint16_t* seq_query,
     const int64_t t_end = t0 + 16 < context ? t0 + 16 : context;
     prefetch_rows(value_cache, slots, t0 + kPrefetchTokens, context, token_stride);
     for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
-      const uint16_t* values = value_cache + kv_head * kHeadDim;
+      const T* values = value_cache + kv_head * kHeadDim;
       float* group_accum = accum + kv_head * kGroup * kHeadDim;
       const float* group_scores = scores + kv_head * kGroup * context;
       __m512 sums[kGroup][kChunks16];
@@ -231,11 +274,11 @@ void decode_sequence_bf16(uint16_t* seq_out, const uint16_t* seq_query,
         }
       }
       for (int64_t t = t0; t < t_end; ++t) {
-        const uint16_t* value = values + slots[t] * token_stride;
+        const T* value = values + slots[t] * token_stride;
         __m512 weights[kGroup];
         for (int i = 0; i < kGroup; ++i) weights[i] = _mm512_set1_ps(group_scores[i * context + t]);
         for (int c = 0; c < kChunks16; ++c) {
-          const __m512 v = bf16x16_to_float(value + 16 * c);
+          const __m512 v = load16(value + 16 * c);
           for (int i = 0; i < kGroup; ++i) sums[i][c] = _mm512_fmadd_ps(weights[i], v, sums[i][c]);
         }
       }
@@ -257,29 +300,39 @@ void decode_sequence_bf16(uint16_t* seq_out, const uint16_t* seq_query,
   }
 }
 
-using SequenceKernel = void (*)(uint16_t*, const uint16_t*, const uint16_t*, const uint16_t*,
-                                const int64_t*, int64_t, int64_t, float, float*, float*, float*);
+template <typename T>
+using SequenceKernel = void (*)(T*, const T*, const T*, const T*, const int64_t*, int64_t,
+                                int64_t, float, float*, float*, float*);
 
-template <int kChunks16, int kGroup>
-SequenceKernel kernel_for_group(int64_t group) {
+template <typename T, int kChunks16, int kGroup>
+SequenceKernel<T> kernel_for_group(int64_t group) {
   if constexpr (kGroup == 0) {
     return nullptr;
   } else {
-    if (group == kGroup) return decode_sequence_bf16<kChunks16, kGroup>;
-    return kernel_for_group<kChunks16, kGroup - 1>(group);
+    if (group == kGroup) return decode_sequence<T, kChunks16, kGroup>;
+    return kernel_for_group<T, kChunks16, kGroup - 1>(group);
   }
 }
 
-// The register-accumulator kernel for this shape, or nullptr (take the generic path).
-inline SequenceKernel sequence_kernel(int64_t head_dim, int64_t group) {
-  switch (head_dim) {
-    case 32: return kernel_for_group<2, 8>(group);
-    case 64: return kernel_for_group<4, 6>(group);
-    case 128: return kernel_for_group<8, 3>(group);
-    default: return nullptr;
+// The register-accumulator kernel for this shape and type, or nullptr (the generic path):
+// float32 always, bf16 where the CPU has AVX-512 BF16.
+template <typename T>
+SequenceKernel<T> sequence_kernel(int64_t head_dim, int64_t group) {
+#ifndef SPLITSERVE_AVX512_BF16
+  if constexpr (std::is_same_v<T, uint16_t>) {
+    return nullptr;
+  } else
+#endif
+  {
+    switch (head_dim) {
+      case 32: return kernel_for_group<T, 2, 8>(group);
+      case 64: return kernel_for_group<T, 4, 6>(group);
+      case 128: return kernel_for_group<T, 8, 3>(group);
+      default: return nullptr;
+    }
   }
 }
-#endif
+#endif  // SPLITSERVE_AVX512
 
 template <typename T>
 int paged_decode_attention(T* out, const T* query, int64_t query_stride, const T* key_cache,
@@ -298,8 +351,7 @@ int paged_decode_attention(T* out, const T* query, int64_t query_stride, const T
   const int64_t token_stride = num_kv_heads * head_dim;  // elements between cache tokens
 #ifdef SPLITSERVE_AVX512
   const bool vectorized = head_dim % 32 == 0;
-  SequenceKernel fast = nullptr;
-  if constexpr (std::is_same_v<T, uint16_t>) fast = sequence_kernel(head_dim, group);
+  const SequenceKernel<T> fast = sequence_kernel<T>(head_dim, group);
 #else
   const bool vectorized = false;
 #endif
@@ -323,18 +375,15 @@ int paged_decode_attention(T* out, const T* query, int64_t query_stride, const T
       const T* seq_query = query + seq * query_stride;
       scores.resize(num_heads * context);
 #ifdef SPLITSERVE_AVX512
-      if constexpr (std::is_same_v<T, uint16_t>) {
-        if (fast != nullptr) {
-          slots.resize(context);
-          for (int64_t t = 0, block = 0, offset = 0; t < context; ++t) {
-            slots[t] = table[block] * block_size + offset;
-            if (++offset == block_size) offset = 0, ++block;
-          }
-          fast(out + seq * num_heads * head_dim, seq_query, key_cache, value_cache,
-               slots.data(), context, num_kv_heads, scale, scores.data(), totals.data(),
-               accum.data());
-          continue;
+      if (fast != nullptr) {
+        slots.resize(context);
+        for (int64_t t = 0, block = 0, offset = 0; t < context; ++t) {
+          slots[t] = table[block] * block_size + offset;
+          if (++offset == block_size) offset = 0, ++block;
         }
+        fast(out + seq * num_heads * head_dim, seq_query, key_cache, value_cache, slots.data(),
+             context, num_kv_heads, scale, scores.data(), totals.data(), accum.data());
+        continue;
       }
 #endif
 
