@@ -19,8 +19,8 @@
 // an exact (two-pass) softmax, the weighted sum of values; bf16 output is rounded to nearest
 // even. Returns 0, or a negative code for unsupported arguments (nothing written then).
 //
-// With AVX-512 (F, BW), head_dim a multiple of 32: rows by 16-lane FMAs (float32 math; on a
-// CPU without AVX-512 BF16, Skylake-SP or Cascade Lake, bf16 rows are widened first).
+// With AVX-512 (F, BW), head_dim a multiple of 32: float32 rows by 16-lane FMAs (on a CPU
+// without AVX-512 BF16, Skylake-SP or Cascade Lake, bf16 rows keep the generic path).
 // bf16 with AVX-512 BF16, head_dim 32, 64 or 128 and few query heads per KV head (their
 // accumulators fit in registers, see kMaxAccumulators): per KV head, the scores of 16 tokens
 // come from 16 vdpbf16ps partial sums reduced together by one transpose (not 16 horizontal
@@ -104,7 +104,8 @@ inline float dot_row(const uint16_t* q, const uint16_t* k, int64_t head_dim) {
   return _mm512_reduce_add_ps(acc);
 }
 #else
-// q . k over head_dim without AVX-512 BF16: each bf16 widened to float32, then FMAs.
+// Without AVX-512 BF16 bf16 rows take the generic path (``vectorized`` is false for them);
+// this overload only lets that branch compile.
 inline float dot_row(const uint16_t* q, const uint16_t* k, int64_t head_dim) {
   __m512 acc = _mm512_setzero_ps();
   for (int64_t d = 0; d < head_dim; d += 16) {
@@ -350,7 +351,11 @@ int paged_decode_attention(T* out, const T* query, int64_t query_stride, const T
   const int64_t group = num_heads / num_kv_heads;
   const int64_t token_stride = num_kv_heads * head_dim;  // elements between cache tokens
 #ifdef SPLITSERVE_AVX512
+#ifdef SPLITSERVE_AVX512_BF16
   const bool vectorized = head_dim % 32 == 0;
+#else  // bf16 rows keep the generic path's sums without AVX-512 BF16
+  const bool vectorized = head_dim % 32 == 0 && std::is_same_v<T, float>;
+#endif
   const SequenceKernel<T> fast = sequence_kernel<T>(head_dim, group);
 #else
   const bool vectorized = false;
