@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -365,6 +366,12 @@ def main() -> Json:
         help=f"a checkout whose make-serve configuration runs as server {BASELINE}",
     )
     parser.add_argument("--bound-only", action="store_true", help="print the bound, exit")
+    parser.add_argument(
+        "--vllm-args",
+        default="",
+        help="more flags for vLLM, one string split as a shell would (e.g. '--dtype float32' "
+        "on a CPU without AVX-512 BF16, where vLLM's bf16 is emulated)",
+    )
     args = parser.parse_args()
     workload = WORKLOADS[args.workload]
     wait_for_quiet(args.wait_quiet_s)
@@ -390,7 +397,7 @@ def main() -> Json:
         busy = wait_for_quiet(args.wait_quiet_s)
         log(f"{name}: starting (machine busy before: {busy:.0%})")
         by_rate: Json = {}
-        with server(name, args, log_dir) as url:
+        with server(name, args, log_dir, shlex.split(args.vllm_args)) as url:
             for index, rate in enumerate(rates):
                 runs = []
                 for repeat in range(args.repeats):
