@@ -36,7 +36,7 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
-#define SPLITSERVE_AVX512 1  // the vectorized rows (float32 math; bf16 rows widened)
+#define SPLITSERVE_AVX512 1  // the vectorized float32 rows (bf16 ones need AVX-512 BF16)
 #if defined(__AVX512BF16__)
 #define SPLITSERVE_AVX512_BF16 1  // bf16 dot products by vdpbf16ps, the register kernels
 #endif
