@@ -66,18 +66,6 @@ PHASES = (
     LoadPhase(40, 12, True),
     LoadPhase(60, 2, False),
 )
-"""The full calibration: several minutes on one core."""
-
-QUICK_PHASES = (
-    LoadPhase(24, 4, True),
-    LoadPhase(30, 1, False),
-    LoadPhase(40, 8, False),
-    LoadPhase(40, 24, False),
-    LoadPhase(16, 4, True),
-)
-"""A shorter run (``--quick``, ``splitserve up``'s layout probe): prompt-only steps and
-decode batches of 1, 8 and 24, with prompts of at most ``QUICK_MAX_PROMPT_TOKENS``."""
-QUICK_MAX_PROMPT_TOKENS = 512
 
 
 def record_steps(
@@ -125,12 +113,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="cores to pin to (default: the first --threads cores this process may use)",
     )
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help="a short run (under a minute on one core of the development machine) of decode "
-        "batches of 1, 8 and 24 and prompt-only steps; what `splitserve up` probes its layout with",
-    )
     add_engine_args(parser)
     return parser
 
@@ -156,10 +138,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("calibrate against the real engine (--engine model)", file=sys.stderr)
         return 2
     core = EngineCore(config)
-    if args.quick:
-        records = record_steps(core, QUICK_PHASES, args.seed, QUICK_MAX_PROMPT_TOKENS)
-    else:
-        records = record_steps(core, PHASES, args.seed)
+    records = record_steps(core, PHASES, args.seed)
     header = {
         "model": core.model_config.name,
         "cpu": cpu_name(),

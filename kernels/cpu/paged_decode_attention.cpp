@@ -103,17 +103,18 @@ inline float dot_row(const uint16_t* q, const uint16_t* k, int64_t head_dim) {
   }
   return _mm512_reduce_add_ps(acc);
 }
-#else
-// Without AVX-512 BF16 bf16 rows take the generic path (``vectorized`` is false for them);
-// this overload only lets that branch compile.
-inline float dot_row(const uint16_t* q, const uint16_t* k, int64_t head_dim) {
-  __m512 acc = _mm512_setzero_ps();
-  for (int64_t d = 0; d < head_dim; d += 16) {
-    acc = _mm512_fmadd_ps(bf16x16_to_float(q + d), bf16x16_to_float(k + d), acc);
-  }
-  return _mm512_reduce_add_ps(acc);
-}
 #endif
+
+// Whether rows of T take the vectorized path: float32 always, bf16 only with AVX-512 BF16
+// (without it bf16 rows keep the generic path's sums).
+template <typename T>
+constexpr bool kVectorRows =
+#ifdef SPLITSERVE_AVX512_BF16
+    true;
+#else
+    std::is_same_v<T, float>;
+#endif
+
 inline float dot_row(const float* q, const float* k, int64_t head_dim) {
   __m512 acc = _mm512_setzero_ps();
   for (int64_t d = 0; d < head_dim; d += 16) {
@@ -351,11 +352,7 @@ int paged_decode_attention(T* out, const T* query, int64_t query_stride, const T
   const int64_t group = num_heads / num_kv_heads;
   const int64_t token_stride = num_kv_heads * head_dim;  // elements between cache tokens
 #ifdef SPLITSERVE_AVX512
-#ifdef SPLITSERVE_AVX512_BF16
-  const bool vectorized = head_dim % 32 == 0;
-#else  // bf16 rows keep the generic path's sums without AVX-512 BF16
-  const bool vectorized = head_dim % 32 == 0 && std::is_same_v<T, float>;
-#endif
+  const bool vectorized = head_dim % 32 == 0 && kVectorRows<T>;
   const SequenceKernel<T> fast = sequence_kernel<T>(head_dim, group);
 #else
   const bool vectorized = false;
@@ -395,12 +392,14 @@ int paged_decode_attention(T* out, const T* query, int64_t query_stride, const T
       // scores[h, t] = scale * q_h . k_t (k of query head h's KV head)
       if (vectorized) {
 #ifdef SPLITSERVE_AVX512
-        for (int64_t t = 0; t < context; ++t) {
-          const int64_t slot = table[t / block_size] * block_size + t % block_size;
-          const T* key = key_cache + slot * token_stride;
-          for (int64_t h = 0; h < num_heads; ++h) {
-            scores[h * context + t] =
-                scale * dot_row(seq_query + h * head_dim, key + (h / group) * head_dim, head_dim);
+        if constexpr (kVectorRows<T>) {  // no bf16 dot_row without AVX-512 BF16
+          for (int64_t t = 0; t < context; ++t) {
+            const int64_t slot = table[t / block_size] * block_size + t % block_size;
+            const T* key = key_cache + slot * token_stride;
+            for (int64_t h = 0; h < num_heads; ++h) {
+              scores[h * context + t] = scale * dot_row(seq_query + h * head_dim,
+                                                        key + (h / group) * head_dim, head_dim);
+            }
           }
         }
 #endif
