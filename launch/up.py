@@ -72,6 +72,16 @@ from splitserve.common.membership import hosted_worker_ids, member_id
 from splitserve.coordinator import INTERNAL_READY, PUBLIC_READY
 from splitserve.discovery.flags import add_membership_args, etcd_endpoints
 from splitserve.launch.child_process import ReadyError
+from splitserve.launch.layout import (
+    LayoutChoice,
+    Workload,
+    add_layout_args,
+    choose,
+    last_flag,
+    load_or_probe,
+    roles_of_layout,
+    workload_of,
+)
 from splitserve.launch.members import wait_for_members
 from splitserve.launch.supervisor import READY_TIMEOUT_S, Stopped, Supervisor, say
 from splitserve.proto.cluster_auth import TOKEN_ENV, ClusterCredential
@@ -112,14 +122,17 @@ def build_parser() -> argparse.ArgumentParser:
         "registers with all, the gateway balances over them and continues a stream whose "
         "coordinator dies through another",
     )
-    parser.add_argument("--prefill", type=int, default=1, help="prefill workers")
-    parser.add_argument("--decode", type=int, default=1, help="decode workers")
+    add_layout_args(parser)
+    parser.add_argument(
+        "--prefill", type=int, default=1, help="prefill workers (overrides --layout)"
+    )
+    parser.add_argument("--decode", type=int, default=1, help="decode workers (overrides --layout)")
     parser.add_argument(
         "--dual",
         type=int,
         default=0,
         help="dual-role workers (prefill and decode on one engine: `splitserve worker`), "
-        "started after the others; e.g. --prefill 0 --decode 0 --dual 2",
+        "started after the others; e.g. --prefill 0 --decode 0 --dual 2 (overrides --layout)",
     )
     parser.add_argument(
         "--workers-per-process",
@@ -209,6 +222,9 @@ def layout_summary(args: argparse.Namespace, lending: bool = True) -> str:
     """What runs, for the startup line: roles, where prompts are computed, membership, core
     lending (unless ``lending`` is False: ``up`` found no place for the busy files)."""
     coordinators = f"{args.coordinators} coordinator{'s' if args.coordinators > 1 else ''}"
+    choice: LayoutChoice | None = getattr(args, "layout_choice", None)
+    if choice is not None:
+        coordinators = f"layout {choice.layout} ({choice.summary}), {coordinators}"
     workers = (
         f"{args.prefill} prefill + {args.decode} decode worker{'s' if args.decode > 1 else ''}"
     )
@@ -425,29 +441,18 @@ def member_ids(worker_argvs: Sequence[Sequence[str]]) -> list[str]:
     register under (``common/membership.py:member_id``)."""
     ids = []
     for argv in worker_argvs:
-        worker_id = _last_flag(argv, "--worker-id")
-        roles_value = _last_flag(argv, "--roles") or argv[0].split(".")[1]  # splitserve.<role>.main
+        worker_id = last_flag(argv, "--worker-id")
+        roles_value = last_flag(argv, "--roles") or argv[0].split(".")[1]  # splitserve.<role>.main
         roles = [role.strip() for role in roles_value.split(",")]
         if worker_id is None:
             raise ValueError(f"a worker started without --worker-id: {argv}")
-        hosted = int(_last_flag(argv, "--host-workers") or 1)
+        hosted = int(last_flag(argv, "--host-workers") or 1)
         ids += [
             member_id(one, role, len(roles))
             for one in hosted_worker_ids(worker_id, hosted)
             for role in roles
         ]
     return ids
-
-
-def _last_flag(argv: Sequence[str], flag: str) -> str | None:
-    """The value of the last ``flag=value`` or ``flag value`` in ``argv``; None if absent."""
-    value = None
-    for index, arg in enumerate(argv):
-        if arg.startswith(f"{flag}="):
-            value = arg.split("=", 1)[1]
-        elif arg == flag and index + 1 < len(argv):
-            value = argv[index + 1]
-    return value
 
 
 def gateway_argv(
@@ -613,6 +618,58 @@ def _busy_dir(args: argparse.Namespace) -> Iterator[str | None]:
         yield path
 
 
+def roles_given(argv: Sequence[str]) -> bool:
+    """Whether ``argv`` (``up``'s own flags) names --prefill, --decode or --dual."""
+    parser = build_parser()
+    parser.set_defaults(prefill=None, decode=None, dual=None)
+    args, _ = parser.parse_known_args(argv)
+    return any(count is not None for count in (args.prefill, args.decode, args.dual))
+
+
+def apply_layout(args: argparse.Namespace, worker_args: Sequence[str], roles: bool) -> None:
+    """Set ``args``' worker counts (and, for ``hybrid``, ``core_lending``) from the layout
+    ``choose_layout`` picks, kept as ``args.layout_choice`` for the startup line. Raises
+    ``ValueError`` for a malformed ``--layout-workload``."""
+    workload = workload_of(args.layout_workload)
+    args.layout_choice = choose_layout(args, worker_args, roles, workload)
+    if args.layout_choice.layout == "explicit":
+        return
+    args.prefill, args.decode, args.dual, lending = roles_of_layout(args.layout_choice.layout)
+    if args.layout_choice.layout == "hybrid":
+        args.core_lending = lending
+
+
+def choose_layout(
+    args: argparse.Namespace, worker_args: Sequence[str], roles: bool, workload: Workload
+) -> LayoutChoice:
+    """The layout to run (``launch/layout.py``): "explicit" where ``roles`` were given, the
+    named one, or ``auto``'s choice. ``auto`` runs ``split`` without probing for simulated
+    workers, a device other than the CPU, or a single core; and where the probe fails (with
+    a warning)."""
+    if roles:
+        return LayoutChoice("explicit", "--prefill/--decode/--dual given")
+    if args.layout != "auto":
+        return LayoutChoice(args.layout, f"--layout {args.layout}")
+    engine = last_flag(worker_args, "--engine") or os.environ.get(env_name("--engine"))
+    device = last_flag(worker_args, "--device") or os.environ.get(env_name("--device"))
+    if engine == "sim" or args.workers_per_process > 1:
+        return LayoutChoice("split", "auto: simulated workers")
+    if device not in (None, "cpu"):
+        return LayoutChoice("split", f"auto: device {device}")
+    if len(os.sched_getaffinity(0)) < 2:
+        return LayoutChoice("split", "auto: one core")
+    try:
+        probe, cached = load_or_probe(worker_args, workload, say)
+    except RuntimeError as error:
+        say(f"splitserve up: warning: {error}; running the split layout", file=sys.stderr)
+        return LayoutChoice("split", "auto: the probe failed")
+    choice = choose(probe, workload)
+    measured = "cached" if cached else "measured now"
+    say(f"splitserve up: layout {choice.layout}: {choice.reason}")
+    say(f"splitserve up: probe ({measured}): {probe.describe()}")
+    return choice
+
+
 def cluster_credential() -> ClusterCredential:
     """``SPLITSERVE_CLUSTER_TOKEN`` when set, else a fresh token for this run."""
     token = os.environ.get(TOKEN_ENV)
@@ -637,6 +694,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"{TOKEN_ENV}: {error}")  # exits with status 2
     tls = tls_or_exit(parser, args)
     api_keys_or_exit(parser, args)  # a bad key or file stops up before any child starts
+    try:
+        apply_layout(args, worker_args, roles_given(argv))
+    except ValueError as error:
+        parser.error(str(error))
     env = children_env(args, credential, tls, dict(os.environ))
     return asyncio.run(_run(args, worker_args, env, credential, tls))
 

@@ -1,0 +1,142 @@
+"""What the layout probe measured (``engine/layout_probe.py``), as ``up`` reads it (torch-free).
+
+Contract: a ``ProbeResult`` holds one ``PhaseTimes`` per thread count probed, fewest threads
+first; every time is in seconds and positive. ``to_json`` / ``from_json`` round-trip it
+exactly; ``from_json`` raises ``ValueError`` on anything else (a cache file from another
+version, say), so a reader can probe again instead of trusting it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+BATCH = 8
+"""Requests in the probe's second decode batch (its first has one)."""
+
+
+def probe_thread_counts(cores: int) -> tuple[int, ...]:
+    """Thread counts the probe times on a machine of ``cores`` allowed cores: what each of a
+    split layout's two workers gets (half the cores, ``up``'s even split), then all of them."""
+    if cores <= 0:
+        raise ValueError("no cores")
+    return tuple(sorted({max(1, cores // 2), cores}))
+
+
+@dataclass(frozen=True)
+class PhaseTimes:
+    """One engine's phase times on ``threads`` cores."""
+
+    threads: int
+    prefill_s: float
+    """One prompt of the probe's ``prompt_tokens``, computed alone (with its first token)."""
+    decode_one_s: float
+    """A decode-only step of one request over such a prompt."""
+    decode_batch_s: float
+    """A decode-only step of ``BATCH`` such requests."""
+
+    def __post_init__(self) -> None:
+        if self.threads <= 0:
+            raise ValueError("threads must be positive")
+        if min(self.prefill_s, self.decode_one_s, self.decode_batch_s) <= 0:
+            raise ValueError("phase times must be positive")
+
+    def decode_step_s(self, batch: float) -> float:
+        """A decode step of ``batch`` requests (at least one), on the line through the two
+        measured batches (extrapolated past ``BATCH``)."""
+        return self.decode_one_s + self.decode_per_request_s * (max(1.0, batch) - 1)
+
+    @property
+    def decode_per_request_s(self) -> float:
+        """What one more request adds to a decode step (never negative)."""
+        return max(0.0, (self.decode_batch_s - self.decode_one_s) / (BATCH - 1))
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """The probe's answer for one machine, model and engine configuration."""
+
+    cpu: str
+    cores: int
+    dtype: str
+    prompt_tokens: int
+    phases: tuple[PhaseTimes, ...]
+    probe_s: float
+    """How long the probe took, model load included."""
+
+    def __post_init__(self) -> None:
+        if not self.phases:
+            raise ValueError("a probe result needs at least one thread count")
+        threads = [phase.threads for phase in self.phases]
+        if threads != sorted(set(threads)):
+            raise ValueError("phases must be in increasing thread counts")
+
+    def on(self, threads: int) -> PhaseTimes:
+        """The phase times with exactly ``threads`` threads; ``KeyError`` if not probed."""
+        for phase in self.phases:
+            if phase.threads == threads:
+                return phase
+        raise KeyError(f"no probe with {threads} threads")
+
+    @property
+    def all_cores(self) -> PhaseTimes:
+        return self.phases[-1]
+
+    @property
+    def half_cores(self) -> PhaseTimes:
+        """A split layout's worker: the fewest threads probed."""
+        return self.phases[0]
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "cpu": self.cpu,
+            "cores": self.cores,
+            "dtype": self.dtype,
+            "prompt_tokens": self.prompt_tokens,
+            "probe_s": self.probe_s,
+            "phases": [
+                {
+                    "threads": phase.threads,
+                    "prefill_s": phase.prefill_s,
+                    "decode_one_s": phase.decode_one_s,
+                    "decode_batch_s": phase.decode_batch_s,
+                }
+                for phase in self.phases
+            ],
+        }
+
+    @classmethod
+    def from_json(cls, data: object) -> ProbeResult:
+        try:
+            if not isinstance(data, Mapping):
+                raise TypeError("not an object")
+            phases = tuple(
+                PhaseTimes(
+                    threads=int(phase["threads"]),
+                    prefill_s=float(phase["prefill_s"]),
+                    decode_one_s=float(phase["decode_one_s"]),
+                    decode_batch_s=float(phase["decode_batch_s"]),
+                )
+                for phase in data["phases"]
+            )
+            return cls(
+                cpu=str(data["cpu"]),
+                cores=int(data["cores"]),
+                dtype=str(data["dtype"]),
+                prompt_tokens=int(data["prompt_tokens"]),
+                phases=phases,
+                probe_s=float(data["probe_s"]),
+            )
+        except (KeyError, TypeError, ValueError) as error:
+            raise ValueError(f"not a layout probe result: {error}") from error
+
+    def describe(self) -> str:
+        """One line: each thread count's prompt and decode step times, in ms."""
+        parts = [
+            f"{phase.threads} thread{'s' if phase.threads > 1 else ''}: a "
+            f"{self.prompt_tokens}-token prompt {phase.prefill_s * 1e3:.0f} ms, decode step "
+            f"{phase.decode_one_s * 1e3:.1f} ms (1 request) / {phase.decode_batch_s * 1e3:.1f} "
+            f"ms ({BATCH})"
+            for phase in self.phases
+        ]
+        return f"{self.cpu}, {self.dtype}: " + "; ".join(parts) + f" (probe {self.probe_s:.0f} s)"

@@ -1,0 +1,278 @@
+"""How ``splitserve up`` lays one machine's cores out over the two phases (``--layout``).
+
+Layouts (``LAYOUTS``):
+- ``split``: one prefill and one decode worker, each pinned to half the cores (disaggregated,
+  the path between machines too);
+- ``aggregated``: one dual-role worker on every core (``--dual 1``): one batch decodes on all
+  cores, and prompts are chunked into its steps;
+- ``hybrid``: ``split`` whose decode worker also runs its steps on the prefill worker's
+  cores while that one idles (``--core-lending decode``, ``engine/step_threads.py``);
+- ``auto``: ``split`` or ``aggregated``, whichever a queueing model of the probe's
+  measurements (``ProbeResult``, cached per machine and configuration) says serves the higher
+  request rate within the latency targets. ``hybrid`` is not among its candidates: on the
+  machines measured its gain was within the spread between seeds (bench/README, "Core
+  lending"), and the model below has no term for what its borrowed core loses to the other
+  processes on it.
+
+The model (``capacity``), for requests of ``prompt_tokens`` in and ``output_tokens`` out
+arriving as a Poisson stream at rate ``rate``; ``P``: one prompt's time on the layout's
+prefill cores; ``d(B) = d1 + s (B - 1)``: a decode step of ``B`` requests on its decode cores
+(``PhaseTimes.decode_step_s``):
+- ``split``: the prefill worker is an M/D/1 queue of load ``rho = rate * P``: TTFT = P (1 +
+  rho / (2 (1 - rho))) + d(B). By Little's law ``B = rate * output_tokens * ITL``, and ITL =
+  d(B), so ITL = (d1 - s) / (1 - s * rate * output_tokens).
+- ``aggregated``: the engine spends ``f = rate * P`` of its time on prompts, which stretches
+  every request's decode by 1 / (1 - f): ITL = (d1 - s) / (1 - f - s * rate *
+  output_tokens); TTFT as for ``split`` with ``rho = f``.
+A rate is within the targets when the predicted TTFT and ITL are at most ``HEADROOM`` of them
+(the model predicts means; a request's own latency spreads around them). ``capacity`` is the
+highest such rate (bisection: both predictions grow with the rate).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shlex
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from splitserve.common.cpu_info import cpu_name
+from splitserve.common.env_flags import env_name
+from splitserve.common.layout_probe import PhaseTimes, ProbeResult
+
+LAYOUTS = ("auto", "split", "aggregated", "hybrid")
+CHOSEN_BY_MODEL = ("split", "aggregated")
+HEADROOM = 0.8
+"""Predicted means must stay within this share of the targets."""
+PROBE_VERSION = 1
+"""Part of the cache key: a new probe or model invalidates older results."""
+PROBE_TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The requests and targets a layout is chosen for (the chat workload's by default)."""
+
+    prompt_tokens: int = 320
+    output_tokens: int = 96
+    ttft_s: float = 2.0
+    itl_s: float = 0.05
+
+    def __post_init__(self) -> None:
+        if min(self.prompt_tokens, self.output_tokens) <= 0 or min(self.ttft_s, self.itl_s) <= 0:
+            raise ValueError("a workload needs positive token counts and targets")
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A layout's predicted mean latencies at one rate (inf: the layout cannot keep up)."""
+
+    rate: float
+    ttft_s: float
+    itl_s: float
+
+    def within(self, workload: Workload) -> bool:
+        return self.ttft_s <= HEADROOM * workload.ttft_s and self.itl_s <= HEADROOM * workload.itl_s
+
+
+@dataclass(frozen=True)
+class LayoutChoice:
+    """The layout ``up`` runs and why."""
+
+    layout: str
+    reason: str
+    capacities: tuple[tuple[str, float], ...] = ()
+    """Each candidate's predicted rate within the targets, req/s (``auto`` only)."""
+
+    @property
+    def summary(self) -> str:
+        """The reason, short, for the startup line."""
+        if not self.capacities:
+            return self.reason
+        rates = " / ".join(f"{layout} {rate:.2f}" for layout, rate in self.capacities)
+        return f"auto: {rates} req/s predicted within the targets"
+
+
+def _phases(probe: ProbeResult, layout: str) -> tuple[PhaseTimes, PhaseTimes]:
+    """(prefill cores' times, decode cores' times) of ``layout``."""
+    if layout == "split":
+        return probe.half_cores, probe.half_cores
+    if layout == "aggregated":
+        return probe.all_cores, probe.all_cores
+    raise ValueError(f"no model for layout {layout!r}")
+
+
+def predict(probe: ProbeResult, workload: Workload, layout: str, rate: float) -> Prediction:
+    """Mean TTFT and ITL of ``layout`` at ``rate`` req/s (see the module docstring)."""
+    prefill, decode = _phases(probe, layout)
+    prompt_s = prefill.prefill_s * workload.prompt_tokens / probe.prompt_tokens
+    load = rate * prompt_s
+    slope = decode.decode_per_request_s
+    busy = load if layout == "aggregated" else 0.0  # share of the decode engine's time on prompts
+    denominator = 1.0 - busy - slope * rate * workload.output_tokens
+    if load >= 1.0 or denominator <= 0.0:
+        return Prediction(rate, float("inf"), float("inf"))
+    itl = (decode.decode_one_s - slope) / denominator
+    batch = rate * workload.output_tokens * itl
+    ttft = prompt_s * (1.0 + load / (2.0 * (1.0 - load))) + decode.decode_step_s(batch)
+    return Prediction(rate, ttft, itl)
+
+
+def capacity(probe: ProbeResult, workload: Workload, layout: str) -> float:
+    """The highest rate (req/s) whose predictions are within the targets; 0.0 if none."""
+    low, high = 0.0, 1.0
+    while predict(probe, workload, layout, high).within(workload):
+        low, high = high, high * 2
+        if high > 1e6:
+            return low
+    if not predict(probe, workload, layout, 1e-9).within(workload):
+        return 0.0
+    for _ in range(40):
+        middle = (low + high) / 2
+        if predict(probe, workload, layout, middle).within(workload):
+            low = middle
+        else:
+            high = middle
+    return low
+
+
+def choose(probe: ProbeResult, workload: Workload) -> LayoutChoice:
+    """``auto``'s choice: the candidate of the highest capacity; ``split`` on a tie (it is the
+    layout between machines too). Where neither meets the targets at any rate, the one of the
+    lower predicted latency at a trickle of requests."""
+    capacities = tuple((layout, capacity(probe, workload, layout)) for layout in CHOSEN_BY_MODEL)
+    best_layout, best = max(capacities, key=lambda item: (item[1], item[0] == "split"))
+    if best <= 0.0:
+
+        def trickle_cost(layout: str) -> float:
+            prediction = predict(probe, workload, layout, 1e-6)
+            return prediction.ttft_s / workload.ttft_s + prediction.itl_s / workload.itl_s
+
+        best_layout = min(CHOSEN_BY_MODEL, key=trickle_cost)
+    targets = f"TTFT {workload.ttft_s:g} s / ITL {workload.itl_s * 1e3:g} ms"
+    rates = ", ".join(f"{layout} {rate:.2f}" for layout, rate in capacities)
+    reason = (
+        f"predicted req/s within {targets} for {workload.prompt_tokens}+"
+        f"{workload.output_tokens}-token requests: {rates}"
+    )
+    return LayoutChoice(best_layout, reason, capacities)
+
+
+def roles_of_layout(layout: str) -> tuple[int, int, int, str]:
+    """(prefill, decode, dual-role workers, --core-lending) of a named layout."""
+    if layout == "split":
+        return 1, 1, 0, "off"
+    if layout == "hybrid":
+        return 1, 1, 0, "decode"
+    if layout == "aggregated":
+        return 0, 0, 1, "off"
+    raise ValueError(f"not a layout to run: {layout!r}")
+
+
+def probe_cache_path(worker_args: Sequence[str], workload: Workload) -> Path:
+    """Where this machine's probe for these worker flags is cached: keyed by the CPU, the
+    cores this process may use, the model file's identity and the flags."""
+    model = last_flag(worker_args, "--model") or os.environ.get(env_name("--model"), "default")
+    try:
+        stat = os.stat(model)
+        model_identity = f"{os.path.realpath(model)}:{stat.st_size}:{int(stat.st_mtime)}"
+    except OSError:
+        model_identity = model
+    key_parts = [
+        str(PROBE_VERSION),
+        cpu_name(),
+        str(len(os.sched_getaffinity(0))),
+        model_identity,
+        shlex.join(worker_args),
+        str(workload.prompt_tokens),
+        *(f"{name}={os.environ[name]}" for name in sorted(os.environ) if _engine_env(name)),
+    ]
+    digest = hashlib.sha256("\n".join(key_parts).encode()).hexdigest()[:16]
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return root / "splitserve" / f"layout-probe-{digest}.json"
+
+
+def _engine_env(name: str) -> bool:
+    """Environment twins of engine flags (``engine/cli_args.py``) change what is probed."""
+    return name.startswith("SPLITSERVE_") and name not in {
+        "SPLITSERVE_CLUSTER_TOKEN",
+        "SPLITSERVE_API_KEYS",
+    }
+
+
+def last_flag(argv: Sequence[str], name: str) -> str | None:
+    """The value of the last ``name=value`` or ``name value`` in ``argv``; None if absent."""
+    value = None
+    for index, arg in enumerate(argv):
+        if arg == name and index + 1 < len(argv):
+            value = argv[index + 1]
+        elif arg.startswith(name + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def load_or_probe(
+    worker_args: Sequence[str], workload: Workload, say: Callable[[str], None] = print
+) -> tuple[ProbeResult, bool]:
+    """The cached probe for these flags, or a fresh one (run in a child process with the
+    workers' flags, then cached); second: whether it came from the cache. Raises
+    ``RuntimeError`` when the probe fails."""
+    path = probe_cache_path(worker_args, workload)
+    try:
+        return ProbeResult.from_json(json.loads(path.read_text(encoding="utf-8"))), True
+    except (OSError, ValueError):
+        pass
+    say(f"splitserve up: measuring this machine to choose the layout (once; cached in {path})")
+    argv = [
+        sys.executable,
+        "-m",
+        "splitserve.engine.layout_probe",
+        f"--out={path}",
+        f"--prompt-tokens={workload.prompt_tokens}",
+        *worker_args,
+    ]
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S)
+    except subprocess.TimeoutExpired as error:
+        raise RuntimeError(f"the layout probe took over {PROBE_TIMEOUT_S:.0f} s") from error
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+        raise RuntimeError(f"the layout probe failed ({done.returncode}): {' | '.join(tail)}")
+    try:
+        return ProbeResult.from_json(json.loads(path.read_text(encoding="utf-8"))), False
+    except (OSError, ValueError) as error:
+        raise RuntimeError(f"the layout probe wrote no result: {error}") from error
+
+
+def add_layout_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--layout",
+        choices=LAYOUTS,
+        default="auto",
+        help="how the machine's cores serve the two phases: split (a prefill and a decode "
+        "worker, half the cores each), aggregated (one dual-role worker on all cores), hybrid "
+        "(split, the decode worker borrowing the idle prefill cores), or auto (the default: "
+        "split or aggregated, from a measurement of this machine cached per configuration). "
+        "Explicit --prefill/--decode/--dual override it",
+    )
+    parser.add_argument(
+        "--layout-workload",
+        default="320,96,2000,50",
+        help="what auto chooses for: prompt tokens, output tokens, TTFT target ms, ITL target "
+        "ms (default: the chat workload and SLO of bench/bench_goodput.py)",
+    )
+
+
+def workload_of(text: str) -> Workload:
+    """'320,96,2000,50' -> ``Workload``; ``ValueError`` on anything else."""
+    parts = text.split(",")
+    if len(parts) != 4:
+        raise ValueError(f"--layout-workload takes 4 comma-separated numbers, not {text!r}")
+    prompt, output, ttft_ms, itl_ms = parts
+    return Workload(int(prompt), int(output), float(ttft_ms) / 1000, float(itl_ms) / 1000)
