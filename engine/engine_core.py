@@ -104,6 +104,7 @@ class EngineCore:
                 self.max_model_len,
                 decode_gemv=config.runner.decodes,
                 quantized=checkpoint.quantized if native_quantized else None,
+                fused_float32=config.model.dtype == "auto",
             )
             backend = _backend(config, self.dtype, self.num_blocks)
             self.runner = ModelRunner(model, self.num_blocks, config.cache.block_size, backend)

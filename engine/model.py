@@ -81,13 +81,18 @@ class LlamaModel:
         max_positions: int,
         decode_gemv: bool = True,
         quantized: Mapping[str, QuantizedTensor] | None = None,
+        fused_float32: bool = False,
     ) -> None:
         """``decode_gemv=False``: the projections keep no copy of their weights for the
         decode GEMV (``engine/linear.py``), for an engine that generates no tokens past a
         prompt's first (a prefill-only worker). ``quantized``: GGUF blocks by HF name
         (``LoadedCheckpoint.quantized``); the projections (fused ones when every part has
         blocks of one type) and the LM head whose blocks the quantized kernel reads take
-        them for generated and logits rows instead of a GEMV copy (``engine/linear.py``)."""
+        them for generated and logits rows instead of a GEMV copy (``engine/linear.py``).
+        ``fused_float32``: in float32 too, the residual add and RMSNorm run as one fused CPU
+        kernel (its squares summed in another order than HF's), for a float32 that is not the
+        exactness reference (``--dtype auto`` on a CPU without bf16); without it float32
+        takes HF's formula op for op."""
         self.config = config
         self._decode_gemv = decode_gemv
         blocks: Mapping[str, QuantizedTensor] = quantized or {}  # packed by Linear, not kept
@@ -109,7 +114,7 @@ class LlamaModel:
             config.head_dim, config.rope_theta, config.rope_scaling, max_positions, dtype, device
         )  # [positions, head_dim] each
         self.scale = config.head_dim**-0.5
-        self._fused_ops = _fused_ops_for(dtype, device)
+        self._fused_ops = _fused_ops_for(dtype, device, fused_float32)
 
     def _layer_projections(self) -> list[Linear]:
         """Every decoder layer's projections, in order (not the LM head)."""
@@ -263,7 +268,7 @@ class LlamaModel:
         weight: torch.Tensor,  # [hidden]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(hidden + delta, rms_norm(hidden + delta) * weight)``; no add when ``delta`` is
-        None. With the fused CPU kernel (bf16) ``hidden`` is updated in place."""
+        None. With the fused CPU kernel ``hidden`` is updated in place."""
         if self._fused_ops is not None:
             normed = self._fused_ops.add_rms_norm(hidden, delta, weight, self.config.rms_norm_eps)
             return hidden, normed
@@ -272,9 +277,13 @@ class LlamaModel:
         return hidden, rms_norm(hidden, weight, self.config.rms_norm_eps)
 
 
-def _fused_ops_for(dtype: torch.dtype, device: torch.device) -> CpuFusedOps | None:
-    """The fused CPU kernels where they apply (bf16 on CPU) and can be built, else None."""
-    if device.type != "cpu" or dtype != torch.bfloat16:
+def _fused_ops_for(
+    dtype: torch.dtype, device: torch.device, fused_float32: bool
+) -> CpuFusedOps | None:
+    """The fused CPU kernels where they apply (bf16 on CPU; float32 on CPU where
+    ``fused_float32``) and can be built, else None."""
+    takes = dtype == torch.bfloat16 or (dtype == torch.float32 and fused_float32)
+    if device.type != "cpu" or not takes:
         return None
     return load_cpu_fused_ops()
 

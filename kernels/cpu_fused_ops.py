@@ -1,9 +1,10 @@
-"""Fused bf16 elementwise ops of the decoder layer on the CPU (``cpu/fused_ops.cpp``).
+"""Fused elementwise ops of the decoder layer on the CPU (``cpu/fused_ops.cpp``).
 
 ``CpuFusedOps`` wraps the compiled library: the residual add and the RMSNorm after it in one
-pass. It checks the shapes, dtypes and layouts the C side trusts and raises ``ValueError``
-otherwise. It rounds where torch's bf16 ops round (see the C++ contract): the sum is identical
-to torch's, the norm within one bf16 ulp (float summation order). ``load_cpu_fused_ops``
+pass, bf16 or float32. It checks the shapes, dtypes and layouts the C side trusts and raises
+``ValueError`` otherwise. It rounds where torch's ops round (see the C++ contract): the sum is
+identical to torch's; the norm is within one bf16 ulp of torch's fused bf16 one, and in
+float32 is HF's formula but for the order in which the squares are summed. ``load_cpu_fused_ops``
 returns None (logging why) when the library cannot be built or ``SPLITSERVE_CPU_KERNELS=0``.
 """
 
@@ -19,7 +20,13 @@ from splitserve.kernels.cpu_build import NATIVE_FLAGS, load_library
 _P, _I, _F, _T = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {
     "splitserve_add_rms_norm_bf16": [_P, _P, _P, _P, _I, _I, _F, _T],
+    "splitserve_add_rms_norm_f32": [_P, _P, _P, _P, _I, _I, _F, _T],
 }
+_KERNEL_OF = {
+    torch.bfloat16: "splitserve_add_rms_norm_bf16",
+    torch.float32: "splitserve_add_rms_norm_f32",
+}
+"""The add + RMSNorm kernel of each dtype it takes."""
 
 
 def _require(condition: bool, message: str) -> None:
@@ -27,12 +34,13 @@ def _require(condition: bool, message: str) -> None:
         raise ValueError(message)
 
 
-def _is_bf16_matrix(tensor: torch.Tensor) -> bool:
-    return tensor.dtype == torch.bfloat16 and tensor.dim() == 2 and tensor.is_contiguous()
+def _is_matrix(tensor: torch.Tensor, dtype: torch.dtype) -> bool:
+    return tensor.dtype == dtype and tensor.dim() == 2 and tensor.is_contiguous()
 
 
 class CpuFusedOps:
-    """The fused kernels as tensor functions (bf16, CPU, torch's intra-op thread count)."""
+    """The fused kernels as tensor functions (bf16 or float32, CPU, torch's intra-op thread
+    count)."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
         for symbol, argtypes in _SIGNATURES.items():
@@ -43,24 +51,28 @@ class CpuFusedOps:
 
     def add_rms_norm(
         self,
-        hidden: torch.Tensor,  # [tokens, hidden] bf16, updated in place when delta is given
-        delta: torch.Tensor | None,  # [tokens, hidden] bf16
-        weight: torch.Tensor,  # [hidden] bf16
+        hidden: torch.Tensor,  # [tokens, hidden] bf16 or float32, updated in place with delta
+        delta: torch.Tensor | None,  # [tokens, hidden], hidden's dtype
+        weight: torch.Tensor,  # [hidden], hidden's dtype
         eps: float,
     ) -> torch.Tensor:
         """``hidden += delta`` (in place), then return ``rms_norm(hidden) * weight``."""
-        _require(_is_bf16_matrix(hidden), "add_rms_norm: hidden must be contiguous 2-d bf16")
+        dtype = hidden.dtype
+        _require(
+            dtype in _KERNEL_OF and _is_matrix(hidden, dtype),
+            "add_rms_norm: hidden must be contiguous 2-d bf16 or float32",
+        )
         rows, cols = hidden.shape
         _require(
-            delta is None or (_is_bf16_matrix(delta) and delta.shape == hidden.shape),
+            delta is None or (_is_matrix(delta, dtype) and delta.shape == hidden.shape),
             "add_rms_norm: delta must match hidden",
         )
         _require(
-            weight.dtype == torch.bfloat16 and weight.shape == (cols,) and weight.is_contiguous(),
-            "add_rms_norm: weight must be contiguous bf16 [hidden]",
+            weight.dtype == dtype and weight.shape == (cols,) and weight.is_contiguous(),
+            "add_rms_norm: weight must be contiguous [hidden] of hidden's dtype",
         )
         out = torch.empty_like(hidden)
-        status = self._library.splitserve_add_rms_norm_bf16(
+        status = getattr(self._library, _KERNEL_OF[dtype])(
             hidden.data_ptr(),
             None if delta is None else delta.data_ptr(),
             weight.data_ptr(),

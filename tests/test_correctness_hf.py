@@ -171,8 +171,9 @@ def test_quantized_weights_read_as_stored(default_checkpoint_fp32, prompts, hf_g
 
 def test_auto_dtype_on_a_cpu_without_bf16(default_checkpoint_fp32, prompts, hf_greedy) -> None:
     """Where the CPU has no bf16 (Skylake-SP, Cascade Lake), ``dtype="auto"`` serves float32
-    through the CPU kernels: rows reading the GGUF's blocks and the C++ paged attention
-    (``engine_core._backend``). Their greedy output is HF's."""
+    through the CPU kernels: rows reading the GGUF's blocks, the C++ paged attention
+    (``engine_core._backend``) and the fused residual add + RMSNorm (``fused_float32``).
+    Their greedy output is HF's."""
     llm = make_llm(default_checkpoint_fp32, dtype="auto")
     if llm.engine.dtype != torch.float32:
         pytest.skip("this CPU has bf16: dtype=auto serves bf16, covered by the bf16 tests")

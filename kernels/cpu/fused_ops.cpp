@@ -1,6 +1,6 @@
-// Fused bf16 elementwise kernels of the decoder layer on the CPU: one pass over memory instead
-// of torch's several ops and temporaries (built and called like paged_decode_attention.cpp;
-// C ABI, ctypes). SiLU*mul and rotary were tried here too and were not faster than torch's own
+// Fused elementwise kernels of the decoder layer on the CPU: one pass over memory instead of
+// torch's several ops and temporaries (built and called like paged_decode_attention.cpp; C ABI,
+// ctypes). SiLU*mul and rotary were tried here too and were not faster than torch's own
 // vectorised ops, so they stay in torch.
 //
 //   splitserve_add_rms_norm_bf16(hidden, delta, weight, out, rows, cols, eps, threads)
@@ -8,6 +8,11 @@
 //     out[r] = bf16(hidden[r] * rsqrt(mean(hidden[r]^2) + eps) * weight)
 //     hidden, delta, out: [rows, cols] contiguous; weight: [cols]. Float32 math and one
 //     rounding at the end, as torch's fused bf16 rms_norm.
+//   splitserve_add_rms_norm_f32(hidden, delta, weight, out, rows, cols, eps, threads)
+//     the same in float32: if delta, hidden[r] = hidden[r] + delta[r] (in place); then
+//     out[r][c] = weight[c] * (hidden[r][c] * (1 / sqrt(sum(hidden[r]^2) / cols + eps))),
+//     HF's float32 RMSNorm operation for operation (one rounding each, torch.rsqrt being
+//     1 / sqrt), except the order in which the squares are summed.
 // Rows are split across `threads` OpenMP threads when there is enough work.
 #include <algorithm>
 #include <cmath>
@@ -71,6 +76,24 @@ int splitserve_add_rms_norm_bf16(uint16_t* hidden, const uint16_t* delta, const 
         o[c] = float_to_bf16(row[c] * inverse_rms * scale[c]);
       }
     }
+  }
+  return 0;
+}
+
+int splitserve_add_rms_norm_f32(float* hidden, const float* delta, const float* weight,
+                                float* out, int64_t rows, int64_t cols, float eps, int threads) {
+  if (rows < 0 || cols <= 0) return -1;
+#pragma omp parallel for schedule(static) num_threads(threads_for(rows * cols, threads))
+  for (int64_t r = 0; r < rows; ++r) {
+    float* h = hidden + r * cols;
+    if (delta != nullptr) {
+      const float* d = delta + r * cols;
+      for (int64_t c = 0; c < cols; ++c) h[c] = h[c] + d[c];
+    }
+    const float inverse_rms =
+        1.0f / std::sqrt(sum_of_squares(h, cols) / static_cast<float>(cols) + eps);
+    float* o = out + r * cols;
+    for (int64_t c = 0; c < cols; ++c) o[c] = weight[c] * (h[c] * inverse_rms);
   }
   return 0;
 }
