@@ -237,7 +237,7 @@ class LlamaModel:
             query_key = qkv[:, : cfg.q_size + cfg.kv_size].view(
                 num_tokens, q_heads + kv_heads, head_dim
             )
-            query_key = apply_rotary(query_key, cos, sin)  # [tokens, q_heads + kv_heads, dim]
+            query_key = self._rotary(query_key, cos, sin)  # [tokens, q_heads + kv_heads, dim]
             value = qkv[:, cfg.q_size + cfg.kv_size :].view(num_tokens, kv_heads, head_dim)
             attn = backend.forward(
                 query_key[:, :q_heads],
@@ -260,6 +260,18 @@ class LlamaModel:
         last = hidden.index_select(0, logits_indices)  # [samples, hidden]
         last = rms_norm(last, self.norm, cfg.rms_norm_eps)
         return self.lm_head(last, generated.samples).float()  # [samples, vocab]
+
+    def _rotary(
+        self,
+        query_key: torch.Tensor,  # [tokens, heads, head_dim], a view of the qkv rows
+        cos: torch.Tensor,  # [tokens, head_dim]
+        sin: torch.Tensor,  # [tokens, head_dim]
+    ) -> torch.Tensor:
+        """``apply_rotary``, in one call of the fused CPU kernel where it is loaded (bit for
+        bit the same result, ``kernels/cpu_fused_ops.py``)."""
+        if self._fused_ops is not None:
+            return self._fused_ops.rotary(query_key, cos, sin)
+        return apply_rotary(query_key, cos, sin)
 
     def _add_and_norm(
         self,

@@ -1,10 +1,12 @@
 """Fused elementwise ops of the decoder layer on the CPU (``cpu/fused_ops.cpp``).
 
 ``CpuFusedOps`` wraps the compiled library: the residual add and the RMSNorm after it in one
-pass, bf16 or float32. It checks the shapes, dtypes and layouts the C side trusts and raises
-``ValueError`` otherwise. It rounds where torch's ops round (see the C++ contract): the sum is
-identical to torch's; the norm is within one bf16 ulp of torch's fused bf16 one, and in
-float32 is HF's formula but for the order in which the squares are summed. ``load_cpu_fused_ops``
+pass, and the rotary embedding of a step's query and key heads in one call, bf16 or float32.
+It checks the shapes, dtypes and layouts the C side trusts and raises ``ValueError``
+otherwise. It rounds where torch's ops round (see the C++ contract): the sum is identical to
+torch's; the norm is within one bf16 ulp of torch's fused bf16 one, and in float32 is HF's
+formula but for how the squares are summed; the rotary embedding is torch's ops
+(``engine/rotary.py:apply_rotary``) bit for bit. ``load_cpu_fused_ops``
 returns None (logging why) when the library cannot be built or ``SPLITSERVE_CPU_KERNELS=0``.
 """
 
@@ -21,7 +23,10 @@ _P, _I, _F, _T = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {
     "splitserve_add_rms_norm_bf16": [_P, _P, _P, _P, _I, _I, _F, _T],
     "splitserve_add_rms_norm_f32": [_P, _P, _P, _P, _I, _I, _F, _T],
+    "splitserve_rotary_bf16": [_P, _P, _I, _P, _P, _I, _I, _I, _T],
+    "splitserve_rotary_f32": [_P, _P, _I, _P, _P, _I, _I, _I, _T],
 }
+_ROTARY_OF = {torch.bfloat16: "splitserve_rotary_bf16", torch.float32: "splitserve_rotary_f32"}
 _KERNEL_OF = {
     torch.bfloat16: "splitserve_add_rms_norm_bf16",
     torch.float32: "splitserve_add_rms_norm_f32",
@@ -83,6 +88,40 @@ class CpuFusedOps:
             torch.get_num_threads(),
         )
         _require(status == 0, f"add_rms_norm kernel refused its arguments ({status})")
+        return out
+
+    def rotary(
+        self,
+        x: torch.Tensor,  # [tokens, heads, head_dim]: heads contiguous in a token, any token stride
+        cos: torch.Tensor,  # [tokens, head_dim] contiguous, x's dtype
+        sin: torch.Tensor,  # [tokens, head_dim] contiguous, x's dtype
+    ) -> torch.Tensor:
+        """``x * cos + rotate_half(x) * sin`` as a new contiguous ``[tokens, heads, head_dim]``
+        tensor, equal bit for bit to ``engine/rotary.py:apply_rotary``."""
+        _require(x.dim() == 3 and x.dtype in _ROTARY_OF, "rotary: x must be 3-d bf16 or float32")
+        tokens, heads, head_dim = x.shape
+        _require(
+            x.stride(2) == 1 and x.stride(1) == head_dim and head_dim % 2 == 0,
+            "rotary: each token's heads must be contiguous, head_dim even",
+        )
+        for table in (cos, sin):
+            _require(
+                _is_matrix(table, x.dtype) and table.shape == (tokens, head_dim),
+                "rotary: cos and sin must be contiguous [tokens, head_dim] of x's dtype",
+            )
+        out = torch.empty((tokens, heads, head_dim), dtype=x.dtype)
+        status = getattr(self._library, _ROTARY_OF[x.dtype])(
+            out.data_ptr(),
+            x.data_ptr(),
+            x.stride(0) if tokens > 1 else heads * head_dim,
+            cos.data_ptr(),
+            sin.data_ptr(),
+            tokens,
+            heads,
+            head_dim,
+            torch.get_num_threads(),
+        )
+        _require(status == 0, f"rotary kernel refused its arguments ({status})")
         return out
 
 

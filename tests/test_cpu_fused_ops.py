@@ -1,5 +1,5 @@
-"""The fused residual-add + RMSNorm C++ kernel against torch's bf16 ops and HF's float32 formula,
-both builds."""
+"""The fused C++ kernels, both builds: residual add + RMSNorm against torch's bf16 ops and HF's
+float32 formula, the rotary embedding against torch's ops."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from splitserve.engine.model import rms_norm
+from splitserve.engine.model_config import RopeScaling
+from splitserve.engine.rotary import apply_rotary, cos_sin_table
 from splitserve.kernels.cpu_build import NATIVE_FLAGS, PORTABLE_FLAGS
 from splitserve.kernels.cpu_fused_ops import CpuFusedOps, load_cpu_fused_ops
 
@@ -70,3 +72,41 @@ def test_add_rms_norm_rejects_bad_layouts() -> None:
         ops.add_rms_norm(hidden, torch.zeros(4, 9, dtype=torch.bfloat16), weight, 1e-5)
     with pytest.raises(ValueError):
         ops.add_rms_norm(hidden, None, torch.ones(9, dtype=torch.bfloat16), 1e-5)
+
+
+@pytest.mark.parametrize("flags", [NATIVE_FLAGS, PORTABLE_FLAGS], ids=["native", "portable"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "float32"])
+@pytest.mark.parametrize("tokens", [1, 7, 300])  # 300 tokens split across threads
+def test_rotary_is_torchs_bit_for_bit_on_a_view_of_the_qkv_rows(flags, dtype, tokens) -> None:
+    """The model's case: query and key heads (12 of 64 dims) viewed out of fused qkv rows,
+    against ``apply_rotary`` on the same view with the model's cos/sin tables."""
+    ops = _ops(flags)
+    generator = torch.Generator().manual_seed(tokens)
+    heads, kv_heads, head_dim = 9, 3, 64
+    qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=generator) * 3).to(
+        dtype
+    )
+    query_key = qkv[:, : (heads + kv_heads) * head_dim].view(tokens, heads + kv_heads, head_dim)
+    cos_table, sin_table = cos_sin_table(
+        head_dim, 100000.0, RopeScaling(), 4096, dtype, torch.device("cpu")
+    )
+    positions = torch.randint(0, 4096, (tokens,), generator=generator)
+    cos, sin = cos_table[positions], sin_table[positions]
+    expected = apply_rotary(query_key, cos, sin)
+    rotated = ops.rotary(query_key, cos, sin)
+    assert rotated.is_contiguous() and rotated.shape == expected.shape
+    assert torch.equal(rotated, expected)
+
+
+def test_rotary_rejects_layouts_it_cannot_read() -> None:
+    ops = _ops(NATIVE_FLAGS)
+    x = torch.zeros(2, 3, 8)
+    table = torch.zeros(2, 8)
+    with pytest.raises(ValueError):
+        ops.rotary(x.transpose(1, 2).contiguous().transpose(1, 2), table, table)  # heads apart
+    with pytest.raises(ValueError):
+        ops.rotary(x, table.bfloat16(), table.bfloat16())  # dtypes differ
+    with pytest.raises(ValueError):
+        ops.rotary(torch.zeros(2, 3, 7), torch.zeros(2, 7), torch.zeros(2, 7))  # odd head_dim
+    with pytest.raises(ValueError):
+        ops.rotary(x, torch.zeros(3, 8), table)

@@ -1,7 +1,7 @@
 // Fused elementwise kernels of the decoder layer on the CPU: one pass over memory instead of
 // torch's several ops and temporaries (built and called like paged_decode_attention.cpp; C ABI,
-// ctypes). SiLU*mul and rotary were tried here too and were not faster than torch's own
-// vectorised ops, so they stay in torch.
+// ctypes). SiLU*mul was tried here too and was not faster than torch's own vectorised ops, so
+// it stays in torch.
 //
 //   splitserve_add_rms_norm_bf16(hidden, delta, weight, out, rows, cols, eps, threads)
 //     if delta: hidden[r] = bf16(hidden[r] + delta[r])      (in place, the residual add)
@@ -12,7 +12,16 @@
 //     the same in float32: if delta, hidden[r] = hidden[r] + delta[r] (in place); then
 //     out[r][c] = weight[c] * (hidden[r][c] * (1 / sqrt(sum(hidden[r]^2) / cols + eps))),
 //     HF's float32 RMSNorm operation for operation (one rounding each, torch.rsqrt being
-//     1 / sqrt), except the order in which the squares are summed.
+//     1 / sqrt), except how the squares are summed (in another order, by fused
+//     multiply-adds).
+//   splitserve_rotary_bf16 / splitserve_rotary_f32(out, x, token_stride, cos, sin, tokens,
+//                                                  heads, head_dim)
+//     out [tokens, heads, head_dim] contiguous = x * cos + rotate_half(x) * sin, where
+//     x[t][h][i] is x[t * token_stride + h * head_dim + i] (a view of a fused qkv row),
+//     cos, sin [tokens, head_dim] contiguous and rotate_half(x) = (-x[half:], x[:half]).
+//     Bit for bit torch's ops (engine/rotary.py:apply_rotary): each product and the sum
+//     rounded once to the dtype, in that order (never fused into one multiply-add: this
+//     function is compiled with fp-contract off). head_dim even.
 // Rows are split across `threads` OpenMP threads when there is enough work.
 #include <algorithm>
 #include <cmath>
@@ -31,6 +40,26 @@ inline int threads_for(int64_t elements, int threads) {
   return elements >= kMinParallelElements ? std::max(threads, 1) : 1;
 }
 
+inline float to_float(uint16_t value) { return bf16_to_float(value); }
+inline float to_float(float value) { return value; }
+
+template <typename T>
+T from_float(float value);
+template <>
+inline uint16_t from_float<uint16_t>(float value) {
+  return float_to_bf16(value);
+}
+template <>
+inline float from_float<float>(float value) {
+  return value;
+}
+
+// value rounded to T and back: a torch op's result in T, as the next op reads it.
+template <typename T>
+inline float round_to(float value) {
+  return to_float(from_float<T>(value));
+}
+
 inline float sum_of_squares(const float* x, int64_t n) {
   float lanes[kLanes] = {0};
   int64_t i = 0;
@@ -43,9 +72,53 @@ inline float sum_of_squares(const float* x, int64_t n) {
   return total;
 }
 
+// One token's heads; each product and the sum rounded as torch rounds them (see the header).
+template <typename T>
+__attribute__((optimize("fp-contract=off"))) void rotate_token(
+    T* out, const T* x, const T* cos, const T* sin, int64_t heads, int64_t head_dim) {
+  const int64_t half = head_dim / 2;
+  for (int64_t h = 0; h < heads; ++h) {
+    const T* xh = x + h * head_dim;
+    T* oh = out + h * head_dim;
+    for (int64_t i = 0; i < head_dim; ++i) {
+      const float value = to_float(xh[i]);
+      const float partner = i < half ? -to_float(xh[i + half]) : to_float(xh[i - half]);
+      const float straight = round_to<T>(value * to_float(cos[i]));
+      const float turned = round_to<T>(partner * to_float(sin[i]));
+      oh[i] = from_float<T>(straight + turned);
+    }
+  }
+}
+
+template <typename T>
+int rotary(T* out, const T* x, int64_t token_stride, const T* cos, const T* sin, int64_t tokens,
+           int64_t heads, int64_t head_dim, int threads) {
+  if (tokens < 0 || heads <= 0 || head_dim <= 0 || head_dim % 2 || token_stride < heads * head_dim) {
+    return -1;
+  }
+#pragma omp parallel for schedule(static) num_threads(threads_for(tokens * heads * head_dim, threads))
+  for (int64_t t = 0; t < tokens; ++t) {
+    rotate_token(out + t * heads * head_dim, x + t * token_stride, cos + t * head_dim,
+                 sin + t * head_dim, heads, head_dim);
+  }
+  return 0;
+}
+
 }  // namespace
 
 extern "C" {
+
+int splitserve_rotary_bf16(uint16_t* out, const uint16_t* x, int64_t token_stride,
+                           const uint16_t* cos, const uint16_t* sin, int64_t tokens,
+                           int64_t heads, int64_t head_dim, int threads) {
+  return rotary(out, x, token_stride, cos, sin, tokens, heads, head_dim, threads);
+}
+
+int splitserve_rotary_f32(float* out, const float* x, int64_t token_stride, const float* cos,
+                          const float* sin, int64_t tokens, int64_t heads, int64_t head_dim,
+                          int threads) {
+  return rotary(out, x, token_stride, cos, sin, tokens, heads, head_dim, threads);
+}
 
 int splitserve_add_rms_norm_bf16(uint16_t* hidden, const uint16_t* delta, const uint16_t* weight,
                                  uint16_t* out, int64_t rows, int64_t cols, float eps,
