@@ -32,6 +32,7 @@ highest such rate (bisection: both predictions grow with the rate).
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import os
@@ -44,7 +45,9 @@ from pathlib import Path
 
 from splitserve.common.cpu_info import cpu_name
 from splitserve.common.env_flags import env_name
+from splitserve.common.errors import ModelLoadError
 from splitserve.common.layout_probe import PhaseTimes, ProbeResult
+from splitserve.common.model_files import resolve_model_path
 
 LAYOUTS = ("auto", "split", "aggregated", "hybrid")
 CHOSEN_BY_MODEL = ("split", "aggregated")
@@ -177,15 +180,19 @@ def roles_of_layout(layout: str) -> tuple[int, int, int, str]:
 
 def probe_cache_path(worker_args: Sequence[str], workload: Workload) -> Path:
     """Where this machine's probe for these worker flags is cached: keyed by the CPU, the
-    cores this process may use, the model file's identity and the flags."""
+    cores this process may use, the model file's identity (``default`` resolved to its
+    file), the flags, the engine's environment variables and this checkout's engine and
+    kernel sources (``code_identity``), so an upgrade probes again."""
     model = last_flag(worker_args, "--model") or os.environ.get(env_name("--model"), "default")
     try:
-        stat = os.stat(model)
-        model_identity = f"{os.path.realpath(model)}:{stat.st_size}:{int(stat.st_mtime)}"
-    except OSError:
+        path = resolve_model_path(model)
+        stat = path.stat()
+        model_identity = f"{path.resolve()}:{stat.st_size}:{int(stat.st_mtime)}"
+    except (OSError, ModelLoadError):
         model_identity = model
     key_parts = [
         str(PROBE_VERSION),
+        code_identity(),
         cpu_name(),
         str(len(os.sched_getaffinity(0))),
         model_identity,
@@ -196,6 +203,19 @@ def probe_cache_path(worker_args: Sequence[str], workload: Workload) -> Path:
     digest = hashlib.sha256("\n".join(key_parts).encode()).hexdigest()[:16]
     root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     return root / "splitserve" / f"layout-probe-{digest}.json"
+
+
+@functools.cache
+def code_identity() -> str:
+    """A digest of the sources that decide what the probe measures (``engine/*.py`` and
+    ``kernels/``, Python and C++)."""
+    package = Path(__file__).resolve().parent.parent
+    digest = hashlib.sha256()
+    for pattern in ("engine/*.py", "kernels/**/*.py", "kernels/**/*.cpp", "kernels/**/*.h"):
+        for source in sorted(package.glob(pattern)):
+            digest.update(source.relative_to(package).as_posix().encode())
+            digest.update(source.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def _engine_env(name: str) -> bool:

@@ -11,7 +11,7 @@ import pytest
 
 from splitserve.common.layout_probe import BATCH, PhaseTimes, ProbeResult, probe_thread_counts
 from splitserve.engine.random_checkpoint import save_random_model
-from splitserve.launch import up
+from splitserve.launch import layout, up
 from splitserve.launch.layout import (
     HEADROOM,
     Workload,
@@ -189,6 +189,9 @@ def test_the_probe_runs_once_per_configuration_and_is_read_from_its_cache(
     assert path.is_relative_to(tmp_path / "cache")
     assert probe_cache_path([*flags, "--max-num-batched-tokens=256"], workload) != path
     assert probe_cache_path(flags, Workload(prompt_tokens=64)) != path
+    with monkeypatch.context() as patch:  # another version of the engine or its kernels
+        patch.setattr(layout, "code_identity", lambda: "another checkout")
+        assert probe_cache_path(flags, workload) != path
     path.write_text("{", encoding="utf-8")
     _, cached = load_or_probe(flags, workload, said.append)
     assert not cached and len(said) == 2
