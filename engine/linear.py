@@ -261,33 +261,37 @@ class Linear:
         """``x @ weight.T + bias`` for ``x`` ``[tokens, in]``; the leading ``generated_rows``
         rows are generated tokens (they take the GEMV where it is loaded, see above). Float32
         for ``logits`` where the GEMV is loaded, else ``x``'s dtype."""
+        rows = x.shape[0]
         if self.logits and self.has_row_kernel:
-            if x.shape[0] == 0:  # a step whose chunks all end mid-prompt samples nothing
+            if rows == 0:  # a step whose chunks all end mid-prompt samples nothing
                 return x.new_empty((0, self.out_features), dtype=torch.float32)
-            parts = self._gemv_calls(x, float_out=True)
-            return parts[0] if len(parts) == 1 else torch.cat(parts)
+            if rows <= MAX_ROWS:
+                return self._row_kernel(x, float_out=True)
+            return torch.cat(self._gemv_calls(x, float_out=True))
         if not self.has_row_kernel or generated_rows <= 0:
             return self._dense(x)
         if self.gemv_max_rows is not None and generated_rows > self.gemv_max_rows:
             return self._dense(x)
+        if generated_rows == rows and rows <= MAX_ROWS:  # a decode-only step: one call
+            return self._row_kernel(x, float_out=False)
         parts = self._gemv_calls(x[:generated_rows], float_out=False)
-        if generated_rows < x.shape[0]:
+        if generated_rows < rows:
             parts.append(self._dense(x[generated_rows:]))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
-    def _gemv_calls(self, x: torch.Tensor, float_out: bool) -> list[torch.Tensor]:
-        """Every row of ``x`` through the row kernel (quantized where loaded, else the GEMV),
-        in calls of at most ``MAX_ROWS`` rows (a row's sums do not depend on the others):
-        each part ``[<= MAX_ROWS, out]``, x's dtype or float32."""
+    def _row_kernel(self, x: torch.Tensor, float_out: bool) -> torch.Tensor:
+        """Rows ``x`` ``[<= MAX_ROWS, in]`` through the row kernel: quantized where loaded,
+        else the GEMV; ``[rows, out]``, x's dtype or float32."""
         if self._qgemv is not None and self._quant_weight is not None:
-            qgemv, quant_weight = self._qgemv, self._quant_weight
-            return [
-                qgemv(x[start : start + MAX_ROWS], quant_weight, self.bias, float_out)
-                for start in range(0, x.shape[0], MAX_ROWS)
-            ]
+            return self._qgemv(x, self._quant_weight, self.bias, float_out)
         assert self._gemv is not None and self._gemv_weight is not None
+        return self._gemv(x, self._gemv_weight, self.bias, float_out)
+
+    def _gemv_calls(self, x: torch.Tensor, float_out: bool) -> list[torch.Tensor]:
+        """Every row of ``x`` through the row kernel, in calls of at most ``MAX_ROWS`` rows (a
+        row's sums do not depend on the others): each part ``[<= MAX_ROWS, out]``."""
         return [
-            self._gemv(x[start : start + MAX_ROWS], self._gemv_weight, self.bias, float_out)
+            self._row_kernel(x[start : start + MAX_ROWS], float_out)
             for start in range(0, x.shape[0], MAX_ROWS)
         ]
 
