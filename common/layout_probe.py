@@ -71,13 +71,6 @@ class ProbeResult:
         if threads != sorted(set(threads)):
             raise ValueError("phases must be in increasing thread counts")
 
-    def on(self, threads: int) -> PhaseTimes:
-        """The phase times with exactly ``threads`` threads; ``KeyError`` if not probed."""
-        for phase in self.phases:
-            if phase.threads == threads:
-                return phase
-        raise KeyError(f"no probe with {threads} threads")
-
     @property
     def all_cores(self) -> PhaseTimes:
         return self.phases[-1]

@@ -66,10 +66,7 @@ class EngineCore:
         simulated = config.runner.engine == "sim"
         native_quantized = device.type == "cpu" and (  # the kernel is a CPU one
             config.model.quantized_weights == "native"
-            or (
-                config.model.quantized_weights == "auto"
-                and (self.dtype == torch.bfloat16 or config.model.dtype == "auto")
-            )
+            or (config.model.quantized_weights == "auto" and serving_dtype(config, self.dtype))
         )
         if checkpoint is None:
             path = resolve_model_path(config.model.model)
@@ -104,7 +101,7 @@ class EngineCore:
                 self.max_model_len,
                 decode_gemv=config.runner.decodes,
                 quantized=checkpoint.quantized if native_quantized else None,
-                fused_float32=config.model.dtype == "auto",
+                fused_float32=serving_dtype(config, self.dtype),
             )
             backend = _backend(config, self.dtype, self.num_blocks)
             self.runner = ModelRunner(model, self.num_blocks, config.cache.block_size, backend)
@@ -381,6 +378,15 @@ def _logprobs_of(logprob: TokenLogprob | None) -> tuple[TokenLogprob, ...]:
     return () if logprob is None else (logprob,)
 
 
+def serving_dtype(config: EngineConfig, dtype: torch.dtype) -> bool:
+    """Whether ``dtype`` is a serving dtype rather than the float32 reference: bf16, or the
+    float32 that ``dtype="auto"`` picks on a CPU without bf16. A serving dtype takes the CPU
+    kernels whose sums differ from HF's in order only (the quantized rows under
+    ``quantized_weights="auto"``, the C++ attention, the fused add + RMSNorm); a float32 named
+    by ``dtype="float32"`` keeps HF's ops."""
+    return dtype == torch.bfloat16 or config.model.dtype == "auto"
+
+
 def _backend(config: EngineConfig, dtype: torch.dtype, num_blocks: int) -> AttentionBackend:
     """The attention backend ``config.runner.attention_backend`` names; "auto" picks Triton on
     CUDA (when installed), the C++ CPU kernel on CPU for bf16 and for the float32 that
@@ -395,8 +401,7 @@ def _backend(config: EngineConfig, dtype: torch.dtype, num_blocks: int) -> Atten
         from splitserve.kernels.triton_backend import TritonAttentionBackend
 
         return TritonAttentionBackend(batch_invariant=batch_invariant)
-    serving_dtype = dtype == torch.bfloat16 or config.model.dtype == "auto"
-    if name == "cpu" or (name == "auto" and not on_cuda and serving_dtype):
+    if name == "cpu" or (name == "auto" and not on_cuda and serving_dtype(config, dtype)):
         from splitserve.kernels.cpu_attention import (
             load_cpu_decode_attention,
             load_cpu_prefill_attention,

@@ -76,11 +76,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _run_to_end(core: EngineCore) -> None:
-    while core.has_unfinished:
-        core.step()
-
-
 def _prompt_s(core: EngineCore, prompt: list[int], name: str) -> float:
     """Seconds of the step that computes ``prompt`` alone (an otherwise empty engine)."""
     core.add_request(name, prompt, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
@@ -126,7 +121,6 @@ def measure(core: EngineCore, threads: int, prompt_tokens: int, seed: int) -> Ph
     context = contexts[-1]
     one = _decode_step_s(core, context, 1, f"one-{threads}")
     many = _decode_step_s(core, context, BATCH, f"batch-{threads}")
-    _run_to_end(core)
     return PhaseTimes(threads=threads, prefill_s=prefill_s, decode_one_s=one, decode_batch_s=many)
 
 
@@ -162,8 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, _ignored = build_parser().parse_known_args(argv)
     started = time.perf_counter()
     counts = probe_thread_counts(len(ALLOWED_CORES))
-    args.threads = counts[0]
-    os.sched_setaffinity(0, set(sorted(ALLOWED_CORES)[: counts[0]]))
+    args.threads = counts[0]  # measure() narrows the cores, fewest first
     config = engine_config_from_args(args)
     if config.runner.engine != "model":
         print("the layout probe measures the real engine (--engine model)", file=sys.stderr)

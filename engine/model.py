@@ -91,8 +91,8 @@ class LlamaModel:
         them for generated and logits rows instead of a GEMV copy (``engine/linear.py``).
         ``fused_float32``: in float32 too, the residual add and RMSNorm run as one fused CPU
         kernel (its squares summed in another order than HF's), for a float32 that is not the
-        exactness reference (``--dtype auto`` on a CPU without bf16); without it float32
-        takes HF's formula op for op."""
+        exactness reference (``engine_core.serving_dtype``); without it float32 takes HF's
+        formula op for op."""
         self.config = config
         self._decode_gemv = decode_gemv
         blocks: Mapping[str, QuantizedTensor] = quantized or {}  # packed by Linear, not kept

@@ -26,12 +26,12 @@ _SIGNATURES = {
     "splitserve_rotary_bf16": [_P, _P, _I, _P, _P, _I, _I, _I, _T],
     "splitserve_rotary_f32": [_P, _P, _I, _P, _P, _I, _I, _I, _T],
 }
-_ROTARY_OF = {torch.bfloat16: "splitserve_rotary_bf16", torch.float32: "splitserve_rotary_f32"}
-_KERNEL_OF = {
+_ADD_RMS_NORM_OF = {
     torch.bfloat16: "splitserve_add_rms_norm_bf16",
     torch.float32: "splitserve_add_rms_norm_f32",
 }
-"""The add + RMSNorm kernel of each dtype it takes."""
+_ROTARY_OF = {torch.bfloat16: "splitserve_rotary_bf16", torch.float32: "splitserve_rotary_f32"}
+"""Each op's kernel for each dtype it takes."""
 
 
 def _require(condition: bool, message: str) -> None:
@@ -64,7 +64,7 @@ class CpuFusedOps:
         """``hidden += delta`` (in place), then return ``rms_norm(hidden) * weight``."""
         dtype = hidden.dtype
         _require(
-            dtype in _KERNEL_OF and _is_matrix(hidden, dtype),
+            dtype in _ADD_RMS_NORM_OF and _is_matrix(hidden, dtype),
             "add_rms_norm: hidden must be contiguous 2-d bf16 or float32",
         )
         rows, cols = hidden.shape
@@ -77,7 +77,7 @@ class CpuFusedOps:
             "add_rms_norm: weight must be contiguous [hidden] of hidden's dtype",
         )
         out = torch.empty_like(hidden)
-        status = getattr(self._library, _KERNEL_OF[dtype])(
+        status = getattr(self._library, _ADD_RMS_NORM_OF[dtype])(
             hidden.data_ptr(),
             None if delta is None else delta.data_ptr(),
             weight.data_ptr(),
