@@ -9,10 +9,10 @@ Layouts (``LAYOUTS``):
   cores while that one idles (``--core-lending decode``, ``engine/step_threads.py``);
 - ``auto``: ``split`` or ``aggregated``, whichever a queueing model of the probe's
   measurements (``ProbeResult``, cached per machine and configuration) says serves the higher
-  request rate within the latency targets. ``hybrid`` is not among its candidates: on the
-  machines measured its gain was within the spread between seeds (bench/README, "Core
-  lending"), and the model below has no term for what its borrowed core loses to the other
-  processes on it.
+  request rate within the latency targets, ``aggregated`` by at least ``AGGREGATED_MARGIN``.
+  ``hybrid`` is not among its candidates: on the machines measured its gain was within the
+  spread between seeds (bench/README, "Core lending"), and the model below has no term for
+  what its borrowed core loses to the other processes on it.
 
 The model (``capacity``), for requests of ``prompt_tokens`` in and ``output_tokens`` out
 arriving as a Poisson stream at rate ``rate``; ``P``: one prompt's time on the layout's
@@ -53,6 +53,14 @@ LAYOUTS = ("auto", "split", "aggregated", "hybrid")
 CHOSEN_BY_MODEL = ("split", "aggregated")
 HEADROOM = 0.8
 """Predicted means must stay within this share of the targets."""
+AGGREGATED_MARGIN = 1.2
+"""``aggregated`` replaces ``split`` only where predicted to serve at least this much more. The
+model is kinder to ``aggregated`` than serving was: on the 2-core Cascade Lake Xeon of
+2026-11-27 it predicted aggregated at 0.90x of split's rate and aggregated served 0.75-0.78x
+of split's goodput at 0.5 req/s (2 seeds); it predicted 0.39-0.74x where aggregated served
+0.30x and 0 at 0.3 and 0.6 req/s (bench/README, "The layout make serve picks"). What it leaves
+out: the dual-role engine's own relaying threads preempting its parallel steps, and a prompt
+step stalling every stream of the batch at once."""
 PROBE_VERSION = 1
 """Part of the cache key: a new probe or model invalidates older results."""
 PROBE_TIMEOUT_S = 600.0
@@ -146,12 +154,16 @@ def capacity(probe: ProbeResult, workload: Workload, layout: str) -> float:
 
 
 def choose(probe: ProbeResult, workload: Workload) -> LayoutChoice:
-    """``auto``'s choice: the candidate of the highest capacity; ``split`` on a tie (it is the
-    layout between machines too). Where neither meets the targets at any rate, the one of the
-    lower predicted latency at a trickle of requests."""
+    """``auto``'s choice: ``aggregated`` where its capacity is at least ``AGGREGATED_MARGIN``
+    times ``split``'s, else ``split`` (the layout between machines too). Where neither meets
+    the targets at any rate, the one of the lower predicted latency at a trickle of
+    requests."""
     capacities = tuple((layout, capacity(probe, workload, layout)) for layout in CHOSEN_BY_MODEL)
-    best_layout, best = max(capacities, key=lambda item: (item[1], item[0] == "split"))
-    if best <= 0.0:
+    rates = dict(capacities)
+    best_layout = (
+        "aggregated" if rates["aggregated"] >= AGGREGATED_MARGIN * rates["split"] else "split"
+    )
+    if max(rates.values()) <= 0.0:
 
         def trickle_cost(layout: str) -> float:
             prediction = predict(probe, workload, layout, 1e-6)
@@ -159,10 +171,11 @@ def choose(probe: ProbeResult, workload: Workload) -> LayoutChoice:
 
         best_layout = min(CHOSEN_BY_MODEL, key=trickle_cost)
     targets = f"TTFT {workload.ttft_s:g} s / ITL {workload.itl_s * 1e3:g} ms"
-    rates = ", ".join(f"{layout} {rate:.2f}" for layout, rate in capacities)
+    listed = ", ".join(f"{layout} {rate:.2f}" for layout, rate in capacities)
     reason = (
         f"predicted req/s within {targets} for {workload.prompt_tokens}+"
-        f"{workload.output_tokens}-token requests: {rates}"
+        f"{workload.output_tokens}-token requests: {listed} (aggregated needs "
+        f"{AGGREGATED_MARGIN:g}x split's)"
     )
     return LayoutChoice(best_layout, reason, capacities)
 
