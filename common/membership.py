@@ -38,6 +38,10 @@ class WorkerInfo:
     model: str = ""
     """The checkpoint it serves, by name (``common/model_files.py:model_name_of``); "" for a
     worker that did not say (taken as the coordinator's own)."""
+    pulls_cached_kv_min_blocks: int = 0
+    """A prefill worker that pulls a decode worker's cached prefix of a prompt (the reverse
+    transfer, ``transfer/reservation.py:CachedKvPull``) when that worker holds at least this
+    many more of its leading blocks; 0: it computes whatever its own prefix cache lacks."""
 
 
 @dataclass(frozen=True)

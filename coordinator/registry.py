@@ -30,6 +30,9 @@ class WorkerRecord:
     dtype: str
     num_blocks: int
     max_model_len: int
+    pulls_cached_kv_min_blocks: int = 0
+    """A prefill worker that pulls a decode worker's cached prefix when it would get at
+    least this many blocks so (``WorkerInfo``); 0: it does not."""
     load: EngineLoad = field(default_factory=EngineLoad)
     last_heartbeat: float = field(default_factory=time.monotonic)
     """When ``load`` was last reported (registration or heartbeat)."""
@@ -70,6 +73,7 @@ def record_of(info: WorkerInfo, dialled: bool = True) -> WorkerRecord:
         dtype=info.layout.dtype,
         num_blocks=info.num_blocks,
         max_model_len=info.max_model_len,
+        pulls_cached_kv_min_blocks=info.pulls_cached_kv_min_blocks,
         load=EngineLoad(num_total_blocks=info.num_blocks),
     )
 

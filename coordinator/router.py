@@ -445,12 +445,13 @@ class Router:
         decoding_at = (
             {w.address for w in self.registry.workers(Role.DECODE)} if candidates else set()
         )
+        decode_cached = self._decode_cached_tokens(decode, hashes, num_prompt_tokens)
         prefills = [
             PrefillView(
                 worker_id=w.worker_id,
                 cost=w.load.step_cost,
                 queued_tokens=self._queued_prefill_tokens(w),
-                cached_tokens=self._held_blocks(w.worker_id, hashes, self._prefix) * w.block_size,
+                cached_tokens=self._prefill_cached_tokens(w, hashes, decode_cached),
                 batch_requests=w.load.num_running_requests if w.address in decoding_at else 0,
                 batch_tokens=w.load.num_running_tokens if w.address in decoding_at else 0,
                 chunk_tokens=w.load.chunk_tokens,
@@ -471,12 +472,25 @@ class Router:
             prefill_share=decode.load.prefill_share,
             chunk_tokens=decode.load.chunk_tokens,
             running=tuple(r for r in running if r is not None),
-            cached_tokens=self._decode_cached_tokens(decode, hashes, num_prompt_tokens),
+            cached_tokens=decode_cached,
         )
         config = PlacementConfig(self.config.local_prefill_max_tokens, self.config.ttft_at_risk)
         return place(
             num_prompt_tokens, max_tokens, view, prefills, slo, self.config.mode, config, waited_s
         )
+
+    def _prefill_cached_tokens(
+        self, prefill: WorkerRecord, hashes: Sequence[BlockHash], decode_cached: int
+    ) -> int:
+        """Of a prompt, the tokens ``prefill`` likely need not compute: those of its own
+        cached leading blocks, or, where it pulls cached KV and the decode worker holds
+        enough more (``decode_cached`` tokens), the decode worker's (the reverse transfer,
+        ``prefill/worker.py``)."""
+        own = self._held_blocks(prefill.worker_id, hashes, self._prefix) * prefill.block_size
+        pulls = prefill.pulls_cached_kv_min_blocks
+        if pulls and decode_cached - own >= pulls * prefill.block_size:
+            return decode_cached
+        return own
 
     def _decode_cached_tokens(
         self, decode: WorkerRecord, hashes: Sequence[BlockHash], num_prompt_tokens: int

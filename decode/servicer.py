@@ -137,3 +137,13 @@ class DecodeServicer(WorkerServicerBase[DecodeWorker], worker_pb2_grpc.DecodeWor
         except SplitserveError as error:
             await abort_with(context, error)
         return worker_pb2.CompleteKvResponse()
+
+    async def PushCachedKv(
+        self, request: worker_pb2.PushCachedKvRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.PushCachedKvResponse:
+        worker = await self.ready(context)
+        try:
+            num_bytes = await worker.push_cached_kv(convert.pull_from_proto(request))
+        except SplitserveError as error:
+            await abort_with(context, error)
+        return worker_pb2.PushCachedKvResponse(bytes_sent=num_bytes)

@@ -32,6 +32,13 @@ Prefix cache: received KV enters it only through ``Scheduler.complete_remote_pre
 pool evicts a block's hash when it hands the block out), so no other request can hit KV that
 is still arriving or that came from a failed or aborted transfer.
 
+The reverse transfer: while a reservation is open, the prefill worker computing its prompt
+may ask for KV of the reservation's cached blocks that its own prefix cache lacks
+(``push_cached_kv``, a ``CachedKvPull``): they are gathered on the engine thread (held, full,
+never written) into a staging buffer and sent over the transport into the blocks the prefill
+worker reserved, by its plan and under tags of its secret. Only the cached blocks of an open
+transfer, of the request it names, ever leave this way.
+
 Invariant: a reserved block goes back to the pool only once its receiver settled (no message
 can land in blocks that were handed to another request), on every exit path: stream closed by
 the caller, ``abort``, transfer failure, a failed engine step. The engine takes a *hold* (an
@@ -50,20 +57,30 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
-from splitserve.common.errors import EngineStoppedError, InvalidRequestError
+from splitserve.common.errors import (
+    EngineStoppedError,
+    IncompatibleKvLayoutError,
+    InvalidRequestError,
+)
 from splitserve.common.event_wait import wait_event
 from splitserve.common.kv_layout import KvLayout
 from splitserve.common.request_update import StepOutput
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.async_engine import AsyncEngine, RequestStream
 from splitserve.engine.engine_face import ReservedBlocks
-from splitserve.transfer.layer_channel import LayerReceiver
+from splitserve.transfer.layer_channel import LayerReceiver, LayerSender
 from splitserve.transfer.plan import new_transfer_secret
-from splitserve.transfer.reservation import FirstToken, KvReservation
+from splitserve.transfer.reservation import CachedKvPull, FirstToken, KvReservation
 from splitserve.transfer.transport import KvTransport
 from splitserve.worker.identity import WorkerIdentity
-from splitserve.worker.kv_io import kv_layout_of, receive_destinations
+from splitserve.worker.kv_io import (
+    gather_layer,
+    kv_layout_of,
+    receive_destinations,
+    staging_buffer,
+)
 from splitserve.worker.metrics import TransferMetrics
+from splitserve.worker.transfer_settings import TransferSettings
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +95,9 @@ class _Incoming:
     block_ids: list[int]
     num_bytes: int
     num_prompt_tokens: int
+    num_cached_blocks: int
+    """``block_ids``' leading blocks that came from the prefix cache (``push_cached_kv``
+    sends only those)."""
     reserved_at: float = field(default_factory=time.monotonic)
 
 
@@ -89,14 +109,15 @@ class DecodeWorker:
         engine: AsyncEngine,
         transport: KvTransport,
         identity: WorkerIdentity,
-        transfer_timeout_s: float,
+        transfer: TransferSettings,
     ) -> None:
         """``engine``: this worker's engine (a dual-role worker's prefill domain shares it)."""
         self.identity = identity
         self.engine = engine
         self.transport = transport
         self.layout: KvLayout = kv_layout_of(engine.facts, engine.paged_kv)
-        self.transfer_timeout_s = transfer_timeout_s
+        self.transfer_timeout_s = transfer.timeout_s
+        self.pulls_cached_kv_min_blocks = 0  # it is the one pulled from
         self._incoming: dict[int, _Incoming] = {}
         self._transfer_of: dict[str, int] = {}
         self._settling: set[asyncio.Task[None]] = set()  # stopped receivers holding blocks
@@ -189,7 +210,9 @@ class DecodeWorker:
         self.transfer_metrics.block_runs.observe(plan.num_runs)
         self.transfer_metrics.cached_blocks.inc(reserved.num_cached_blocks)
         num_bytes = self.layout.layer_bytes(plan.num_blocks) * self.layout.num_layers
-        incoming = _Incoming(request_id, receiver, block_ids, num_bytes, num_tokens)
+        incoming = _Incoming(
+            request_id, receiver, block_ids, num_bytes, num_tokens, reserved.num_cached_blocks
+        )
         self._incoming[transfer_id] = incoming
         self._transfer_of[request_id] = transfer_id
         return KvReservation(
@@ -243,6 +266,60 @@ class DecodeWorker:
         await self.engine.complete_remote_prefill(
             request_id, first.token_id, first.logprob, first.num_cached_tokens
         )
+
+    async def push_cached_kv(self, pull: CachedKvPull) -> int:
+        """Send the KV of cached blocks of an open reservation where ``pull`` says (the
+        reverse transfer, module docstring); returns the bytes sent, once all were.
+
+        Raises ``IncompatibleKvLayoutError`` for another KV layout; ``InvalidRequestError``
+        naming the field for a transfer not open here for that request, or blocks beyond its
+        cached ones; ``TransferError`` subclasses when the sends fail or time out. The
+        reservation itself is never affected.
+        """
+        if pull.compat_hash != self.layout.compat_hash:
+            raise IncompatibleKvLayoutError(
+                "the prefill worker's KV layout hash differs from this decode worker's "
+                f"({pull.compat_hash} != {self.layout.compat_hash})"
+            )
+        endpoint = await self.transport.connect(pull.transport_address)
+        # From here to the gather's engine command, nothing awaits: a stop of the transfer
+        # (``_stop_receiving``) queues the hold's release after the gather.
+        incoming = self._incoming.get(pull.transfer_id)
+        if incoming is None or incoming.request_id != pull.request_id:
+            raise InvalidRequestError(
+                f"no KV reservation {pull.transfer_id} for request {pull.request_id!r}",
+                "transfer_id",
+            )
+        end = pull.first_block + pull.num_blocks
+        if end > incoming.num_cached_blocks:
+            raise InvalidRequestError(
+                f"blocks {pull.first_block}..{end} asked for; the reservation holds "
+                f"{incoming.num_cached_blocks} cached",
+                "first_block",
+            )
+        block_ids = incoming.block_ids[pull.first_block : end]
+        paged_kv, num_layers = self.engine.paged_kv, self.layout.num_layers
+        loop = asyncio.get_running_loop()
+        sender = LayerSender(
+            endpoint, pull.transfer_id, pull.transfer_secret, num_layers, pull.plan, loop
+        )
+        staging = staging_buffer(paged_kv, pull.num_blocks)
+
+        def gather() -> None:  # engine thread
+            for layer in range(num_layers):
+                kv = gather_layer(paged_kv, layer, block_ids, pull.plan, staging[layer])
+                sender.offer(layer, kv)
+
+        started = time.monotonic()
+        try:
+            await self.engine.call(gather)
+            num_bytes = await sender.finish(self.transfer_timeout_s)
+        except BaseException as error:
+            sender.abort()
+            self.transfer_metrics.failed("send", error)
+            raise
+        self.transfer_metrics.completed("send", num_bytes, time.monotonic() - started)
+        return num_bytes
 
     async def abort(self, request_id: str, as_stopped: bool = False) -> bool:
         """End a request (ABORT, or STOP when a stop string matched); False if unknown."""

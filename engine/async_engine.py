@@ -253,6 +253,22 @@ class AsyncEngine:
         reference return to the pool). ``block_ids`` is read when the command runs."""
         self._post_command(lambda: self._core.release_blocks(block_ids))
 
+    async def reserve_pulled_prefix(
+        self, key: str, token_ids: Sequence[int], num_blocks: int, min_new_blocks: int
+    ) -> ReservedBlocks | None:
+        """Blocks for a prompt's leading KV that another worker sends
+        (``EngineCore.reserve_pulled_prefix``), held as ``submit``'s reservations are: the
+        caller gives the hold back with ``release_blocks``; ``end_pulled_prefix`` ends the
+        table. KV lands only in ``receiving``, under the ``PagedKv`` contract."""
+        return await self.call(
+            lambda: self._core.reserve_pulled_prefix(key, token_ids, num_blocks, min_new_blocks)
+        )
+
+    def end_pulled_prefix(self, key: str, token_ids: Sequence[int], landed: bool) -> None:
+        """Queue ``EngineCore.end_pulled_prefix``: a request submitted after this call finds
+        the landed blocks in the prefix cache (commands run in order; the hold keeps them)."""
+        self._post_command(lambda: self._core.end_pulled_prefix(key, token_ids, landed))
+
     async def record_kv_events(self, log: KvEventLog) -> None:
         """From now on every change of the prefix cache goes into ``log`` (on the engine
         thread, as it happens), which first gets what the cache holds now."""

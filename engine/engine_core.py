@@ -333,6 +333,43 @@ class EngineCore:
         """Give back references ``hold_blocks`` took; blocks with no other go to the pool."""
         self.kv_cache.pool.free(list(reversed(block_ids)))
 
+    def reserve_pulled_prefix(
+        self, key: str, token_ids: Sequence[int], num_blocks: int, min_new_blocks: int
+    ) -> ReservedBlocks | None:
+        """Blocks for the first ``num_blocks`` full blocks of the prompt ``token_ids``, whose
+        KV another worker holds and will send (the reverse transfer): this engine's own
+        cached prefix of them first (shared, never written), new blocks in few runs of
+        consecutive ids for the rest (``ReservedBlocks.receiving``), each under one extra
+        reference (a hold, as ``hold_blocks``) besides the table ``key`` names in the KV
+        cache manager (not a request: no step touches these blocks).
+
+        None, holding nothing, when prefix caching is off, when fewer than
+        ``min_new_blocks`` would be new, or when the pool is short now. ``num_blocks`` must
+        leave the prompt's last token out (the sender's cached prefix never holds it)."""
+        kv = self.kv_cache
+        if not kv.enable_prefix_caching or num_blocks * kv.block_size >= len(token_ids):
+            return None
+        cached = kv.find_cached_prefix(token_ids)[:num_blocks]
+        if num_blocks - len(cached) < max(min_new_blocks, 1):
+            return None
+        if not kv.allocate(key, num_blocks * kv.block_size, cached_blocks=cached, contiguous=True):
+            return None
+        table = tuple(kv.block_table(key))
+        self.hold_blocks(table)
+        return ReservedBlocks(table, len(cached))
+
+    def end_pulled_prefix(self, key: str, token_ids: Sequence[int], landed: bool) -> None:
+        """Drop ``key``'s table of ``reserve_pulled_prefix``; when its KV ``landed`` (every
+        message, each of its planned size), first enter its full blocks into the prefix
+        cache, so that the prompt's own request finds them as computed. The hold stays, for
+        its taker to give back with ``release_blocks`` (after the request took the blocks,
+        or after a failed transfer's receives settled)."""
+        kv = self.kv_cache
+        if landed:
+            table = kv.block_table(key)
+            kv.cache_full_blocks(key, token_ids, len(table) * kv.block_size)
+        kv.free(key)
+
     def has_request(self, request_id: str) -> bool:
         """True while the request is known here (waiting, running or reserved)."""
         return request_id in self.scheduler.requests

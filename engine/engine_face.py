@@ -71,7 +71,9 @@ class PagedKv:
     ``reserve_remote_prefill``) until the request's remote prefill completes
     (``AsyncEngine.complete_remote_prefill``); the caller's hold on them keeps them out of
     the pool, also after the request ended, until ``AsyncEngine.release_blocks``. This is
-    where a decode worker's KV receives land. ``read_blocks`` runs on the engine thread
+    where a decode worker's KV receives land. The same holds for the new blocks of a pulled
+    prefix (``AsyncEngine.reserve_pulled_prefix``, until ``end_pulled_prefix``), where a
+    prefill worker receives a decode worker's cached KV. ``read_blocks`` runs on the engine thread
     only (the layer hook): the blocks it reads are the ones the step is writing.
     """
 

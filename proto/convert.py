@@ -24,7 +24,13 @@ from splitserve.common.sampling_params import AskedSampling, SamplingParams
 from splitserve.common.step_cost import StepCost
 from splitserve.proto.splitserve.v1 import common_pb2, worker_pb2
 from splitserve.transfer.plan import InvalidTransferPlanError, TransferPlan
-from splitserve.transfer.reservation import FirstToken, KvHandshake, KvReservation, PrefillDone
+from splitserve.transfer.reservation import (
+    CachedKvPull,
+    FirstToken,
+    KvHandshake,
+    KvReservation,
+    PrefillDone,
+)
 
 _OPTIONAL_SAMPLING_FIELDS = (
     "max_tokens",
@@ -226,15 +232,23 @@ def reservation_to_proto(reservation: KvReservation) -> worker_pb2.KvReservation
     )
 
 
+def _plan_from_proto(
+    block_order: Sequence[int], run_lengths: Sequence[int], param: str
+) -> TransferPlan:
+    """A peer's transfer plan; ``InvalidRequestError`` naming ``param`` for one that
+    describes no set of blocks."""
+    try:
+        return TransferPlan(tuple(block_order), tuple(run_lengths))
+    except InvalidTransferPlanError as error:
+        raise InvalidRequestError(f"bad transfer plan: {error}", param) from None
+
+
 def reservation_from_proto(message: worker_pb2.KvReservation) -> KvReservation:
     """The reservation, on the prefill worker that pushes the KV by it (the coordinator relays
     the message unread: ``worker_clients.RelayedReservation``); ``InvalidRequestError`` (param
     "target") if its plan does not describe the reserved blocks or its transfer secret has the
     wrong size."""
-    try:
-        plan = TransferPlan(tuple(message.block_order), tuple(message.run_lengths))
-    except InvalidTransferPlanError as error:
-        raise InvalidRequestError(f"bad transfer plan: {error}", "target") from None
+    plan = _plan_from_proto(message.block_order, message.run_lengths, "target")
     return KvReservation(
         transfer_id=message.transfer_id,
         decode_address=message.decode_address,
@@ -243,6 +257,34 @@ def reservation_from_proto(message: worker_pb2.KvReservation) -> KvReservation:
         plan=plan,
         transfer_secret=message.transfer_secret,
         num_cached_blocks=message.num_cached_blocks,
+    )
+
+
+def pull_to_proto(pull: CachedKvPull) -> worker_pb2.PushCachedKvRequest:
+    return worker_pb2.PushCachedKvRequest(
+        transfer_id=pull.transfer_id,
+        request_id=pull.request_id,
+        first_block=pull.first_block,
+        transport_address=pull.transport_address,
+        block_order=pull.plan.block_order,
+        run_lengths=pull.plan.run_lengths,
+        transfer_secret=pull.transfer_secret,
+        compat_hash=pull.compat_hash,
+    )
+
+
+def pull_from_proto(message: worker_pb2.PushCachedKvRequest) -> CachedKvPull:
+    """The pull, on the decode worker that serves it; ``InvalidRequestError`` naming the
+    field for a plan that describes no blocks or a secret of the wrong size."""
+    plan = _plan_from_proto(message.block_order, message.run_lengths, "block_order")
+    return CachedKvPull(
+        transfer_id=message.transfer_id,
+        request_id=message.request_id,
+        first_block=message.first_block,
+        transport_address=message.transport_address,
+        plan=plan,
+        transfer_secret=message.transfer_secret,
+        compat_hash=message.compat_hash,
     )
 
 
@@ -333,6 +375,7 @@ def worker_info_to_proto(info: WorkerInfo) -> worker_pb2.WorkerInfo:
         num_blocks=info.num_blocks,
         max_model_len=info.max_model_len,
         model=info.model,
+        pulls_cached_kv_min_blocks=info.pulls_cached_kv_min_blocks,
     )
 
 
@@ -349,6 +392,7 @@ def worker_info_from_proto(message: worker_pb2.WorkerInfo) -> WorkerInfo:
         num_blocks=message.num_blocks,
         max_model_len=message.max_model_len,
         model=message.model,
+        pulls_cached_kv_min_blocks=message.pulls_cached_kv_min_blocks,
     )
 
 

@@ -32,7 +32,13 @@ from splitserve.proto.cluster_auth import ClusterCredential
 from splitserve.proto.splitserve.v1 import worker_pb2, worker_pb2_grpc
 from splitserve.proto.status import call_internal, error_from_rpc
 from splitserve.proto.streams_client import StreamError, StreamsClientCall
-from splitserve.transfer.reservation import FirstToken, KvHandshake, KvReservation, PrefillDone
+from splitserve.transfer.reservation import (
+    CachedKvPull,
+    FirstToken,
+    KvHandshake,
+    KvReservation,
+    PrefillDone,
+)
 
 
 @dataclass(frozen=True)
@@ -206,6 +212,16 @@ class DecodeWorkerClient:
         await call_internal(
             self._stub.CompleteKv(request, timeout=timeout_s, metadata=self._metadata)
         )
+
+    async def push_cached_kv(self, pull: CachedKvPull, timeout_s: float) -> int:
+        """Have the decode worker push KV it holds for an open reservation into the caller's
+        blocks (the reverse transfer); returns the bytes it sent, once it sent them all."""
+        reply = await call_internal(
+            self._stub.PushCachedKv(
+                convert.pull_to_proto(pull), timeout=timeout_s, metadata=self._metadata
+            )
+        )
+        return reply.bytes_sent
 
 
 class PrefillWorkerClient:

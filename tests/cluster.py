@@ -324,6 +324,8 @@ class TransferFigures:
     failures: float
     reused_blocks: float = 0.0
     """Blocks of pushed prompts a decode worker already held (not sent)."""
+    pulled_blocks: float = 0.0
+    """Blocks a prefill worker received from a decode worker's cache (not computed)."""
 
 
 def metric_total(metrics_url: str, name: str) -> float:
@@ -344,7 +346,9 @@ def transfer_figures(metrics_url: str, direction: str = "receive") -> TransferFi
     ``direction="send"`` a prefill worker's sends (``landed_bytes``: the bytes sent)."""
     with urllib.request.urlopen(metrics_url, timeout=10) as response:
         text = response.read().decode()
-    figures = {"completed": 0.0, "landed_bytes": 0.0, "failures": 0.0, "reused_blocks": 0.0}
+    figures = dict.fromkeys(
+        ("completed", "landed_bytes", "failures", "reused_blocks", "pulled_blocks"), 0.0
+    )
     names = {
         "splitserve_kv_transfer_seconds_count": "completed",
         "splitserve_kv_transfer_bytes_total": "landed_bytes",
@@ -356,6 +360,8 @@ def transfer_figures(metrics_url: str, direction: str = "receive") -> TransferFi
                 figures[names[sample.name]] += sample.value
             elif sample.name == "splitserve_kv_reused_blocks_total":
                 figures["reused_blocks"] += sample.value
+            elif sample.name == "splitserve_kv_pulled_blocks_total":
+                figures["pulled_blocks"] += sample.value
     return TransferFigures(**figures)
 
 

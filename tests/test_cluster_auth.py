@@ -99,6 +99,9 @@ async def _internal_calls(
             "DecodeWorker.CompleteKv": lambda: decode_stub.CompleteKv(
                 worker_pb2.CompleteKvRequest(request_id="x"), **kw
             ),
+            "DecodeWorker.PushCachedKv": lambda: decode_stub.PushCachedKv(
+                worker_pb2.PushCachedKvRequest(request_id="x"), **kw
+            ),
             "PrefillWorker.Prefill": lambda: prefill_stub.Prefill(
                 worker_pb2.PrefillRequest(request_id="x"), **kw
             ),
@@ -180,7 +183,7 @@ def test_every_internal_port_refuses_a_caller_without_the_credential(
     decode = workers[worker_pb2.WORKER_ROLE_DECODE]
     prefill = workers[worker_pb2.WORKER_ROLE_PREFILL]
     codes = asyncio.run(_internal_calls(internal, decode, prefill, STRANGERS[stranger]))
-    assert len(codes) == 11
+    assert len(codes) == 12
     assert set(codes.values()) == {grpc.StatusCode.UNAUTHENTICATED}, codes
 
 

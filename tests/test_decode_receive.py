@@ -23,6 +23,7 @@ from splitserve.transfer.inprocess import InProcessTransport
 from splitserve.transfer.plan import message_tag
 from splitserve.transfer.reservation import KvReservation
 from splitserve.worker.identity import WorkerIdentity
+from splitserve.worker.transfer_settings import TransferSettings
 from tests.conftest import make_llm
 
 pytestmark = pytest.mark.timeout(120)
@@ -50,7 +51,8 @@ async def decode_worker(
 ) -> AsyncIterator[DecodeWorker]:
     """A decode worker on its own engine and ``transport``; both closed on exit."""
     engine = AsyncEngine(make_llm(checkpoint, num_blocks=NUM_BLOCKS).engine)
-    worker = DecodeWorker(engine, transport, WorkerIdentity("decode-0", "127.0.0.1:1"), 5.0)
+    identity = WorkerIdentity("decode-0", "127.0.0.1:1")
+    worker = DecodeWorker(engine, transport, identity, TransferSettings(5.0))
     try:
         yield worker
     finally:

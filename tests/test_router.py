@@ -374,3 +374,38 @@ def test_a_saturated_home_gives_its_sessions_request_to_the_least_loaded() -> No
     for saturated in (waiting, full):
         router = _router(idle, saturated)
         assert {router.pick_decode(128, session_id=s).worker_id for s in on_home} == {"idle"}
+
+
+def test_a_prefill_worker_that_pulls_is_credited_with_the_decode_workers_prefix() -> None:
+    """The reverse transfer: a prefill worker that pulls a decode worker's cached KV computes
+    only what neither holds, so placement counts the decode worker's prefix for it when that
+    is at least its minimum longer than its own; one that does not pull gets its own only."""
+    decode = _worker("d", Role.DECODE)
+    pulls = dataclasses.replace(_worker("pulls", Role.PREFILL), pulls_cached_kv_min_blocks=2)
+    computes = _worker("computes", Role.PREFILL)
+    router = _router(decode, pulls, computes)
+    history = list(range(400))  # a conversation the decode worker decoded: 25 blocks
+    router._decode_memory(decode).remember(prompt_block_hashes(history, 16))
+    router._memory("pulls").remember(prompt_block_hashes(history[:320], 16))  # 20 blocks
+    seen: list[PrefillView] = []
+    original = router_module.place
+
+    def capture(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        seen.extend(args[3])
+        return original(*args, **kwargs)
+
+    prompt = [*history, *range(5000, 5050)]
+    hashes = prompt_block_hashes(prompt, 16)
+    router_module.place = capture
+    try:
+        router.place_prompt(decode, [pulls, computes], hashes, len(prompt), 96, router.config.slo)
+        # with only one block more on the decode side, pulling is not worth it
+        router._memory("pulls").remember(prompt_block_hashes(history[:384], 16))
+        router.place_prompt(decode, [pulls], hashes, len(prompt), 96, router.config.slo)
+    finally:
+        router_module.place = original
+    assert [(view.worker_id, view.cached_tokens) for view in seen] == [
+        ("pulls", 400),
+        ("computes", 0),
+        ("pulls", 384),
+    ]

@@ -46,7 +46,14 @@ from tests.cluster import (
 from tests.conftest import make_llm
 from tests.test_fork import assert_n_choices_fork
 
-WORKER_FLAGS = ("--dtype=float32", "--num-blocks=400", "--threads=1")
+# every pull of cached KV (the reverse transfer) that saves a block: the conversation below
+# pulls one
+WORKER_FLAGS = (
+    "--dtype=float32",
+    "--num-blocks=400",
+    "--threads=1",
+    "--pull-cached-kv-min-blocks=1",
+)
 PROMPTS = [
     "The capital of France is",
     "Write a haiku about the sea.",
@@ -171,17 +178,27 @@ def test_disaggregated_equals_colocated_and_frees_every_block(
         assert prefill.num_finished_requests >= len(PROMPTS)  # the prompts went through it
 
         before = transfer_figures(lines["decode metrics"])
+        pulled_before = transfer_figures(lines["prefill metrics"])
         conversation = coordinator_pb2.GenerateRequest(
             token_ids=coordinator_pb2.TokenIds(ids=turn2), sampling=_greedy(24)
         )
-        ((tokens, _),) = asyncio.run(_generate_all(disaggregated, [conversation]))
+        ((tokens, last),) = asyncio.run(_generate_all(disaggregated, [conversation]))
         assert tokens == turn2_expected
-        held = (len(llm.encode_prompt(PROMPTS[4])) + 24 - 1) // 16  # its last token: no KV
+        turn1_tokens = len(llm.encode_prompt(PROMPTS[4]))
+        held = (turn1_tokens + 24 - 1) // 16  # its last token: no KV
         after = transfer_figures(lines["decode metrics"])
         assert after.reused_blocks - before.reused_blocks == held
         received = after.landed_bytes - before.landed_bytes
         layout_bytes = 2 * 30 * 3 * 64 * 4 * 16  # K and V x layers x KV heads x dim x fp32 x 16
         assert received == layout_bytes * (-(-len(turn2) // 16) - held)
+        # the reverse transfer: the prefill worker held turn 1's full blocks; the reply's it
+        # received from the decode worker, and computed only the tokens after them
+        pulled = transfer_figures(lines["prefill metrics"])
+        assert pulled.pulled_blocks - pulled_before.pulled_blocks == held - turn1_tokens // 16 > 0
+        assert pulled.landed_bytes - pulled_before.landed_bytes == layout_bytes * (
+            held - turn1_tokens // 16
+        )
+        assert last.usage.cached_tokens == held * 16
 
         streams = [
             coordinator_pb2.GenerateRequest(

@@ -21,6 +21,14 @@ Secrecy: ``KvReservation.transfer_secret`` is what makes the transfer's UCX tags
 
 ``FirstToken`` comes from the prefill worker, a peer: ``check`` bounds its ids and counts
 before the decode worker lets it near its engine.
+
+The reverse transfer: a prefill worker whose prefix cache lacks blocks the decode worker
+counted in ``num_cached_blocks`` (a conversation's last reply, decoded there) may reserve
+blocks of its own for them and ask for their KV with a ``CachedKvPull``, which names the open
+reservation, the blocks, and where they land (its transport address, the ``TransferPlan`` of
+its blocks and a secret of its own drawn, so the same tag rules hold in this direction); it
+then computes only the tokens after them. The decode worker sends only blocks of that open
+reservation's cached prefix, which its hold keeps from being evicted or written meanwhile.
 """
 
 from __future__ import annotations
@@ -62,12 +70,39 @@ class KvReservation:
             raise InvalidRequestError(
                 f"{self.num_cached_blocks} cached blocks in a reservation", "target"
             )
-        if len(self.transfer_secret) != TRANSFER_SECRET_BYTES:
-            raise InvalidRequestError(
-                f"a transfer secret has {TRANSFER_SECRET_BYTES} bytes, "
-                f"not {len(self.transfer_secret)}",
-                "target",
-            )
+        _check_secret(self.transfer_secret, "target")
+
+    @property
+    def num_blocks(self) -> int:
+        return self.plan.num_blocks
+
+
+@dataclass(frozen=True)
+class CachedKvPull:
+    """A prefill worker's request for KV the decode worker already holds (``PushCachedKv``):
+    blocks ``first_block .. first_block + plan.num_blocks`` of the prompt of reservation
+    ``transfer_id`` (all within its ``num_cached_blocks``), sent as ``plan`` cuts them."""
+
+    transfer_id: int
+    """The decode worker's open reservation (``KvReservation.transfer_id``)."""
+    request_id: str
+    first_block: int
+    """The prompt's first block asked for; the ones before it the prefill worker holds."""
+    transport_address: bytes
+    """The prefill worker's transport address, opaque: where the messages go."""
+    plan: TransferPlan
+    """How the prefill worker's reserved blocks take the messages (positions counted from
+    ``first_block``)."""
+    transfer_secret: bytes = field(repr=False)
+    """``TRANSFER_SECRET_BYTES`` random bytes the prefill worker drew; the tags derive from
+    them (``plan.message_tag``); never logged."""
+    compat_hash: str = ""
+    """The prefill worker's KV layout hash; the decode worker's must be equal."""
+
+    def __post_init__(self) -> None:
+        if self.first_block < 0:
+            raise InvalidRequestError(f"first block {self.first_block}", "first_block")
+        _check_secret(self.transfer_secret, "transfer_secret")
 
     @property
     def num_blocks(self) -> int:
@@ -119,6 +154,14 @@ class FirstToken:
             )
         if self.logprob is not None:
             _check_logprob(self.logprob, self.token_id, vocab_size)
+
+
+def _check_secret(secret: bytes, param: str) -> None:
+    """A peer's transfer secret must have ``TRANSFER_SECRET_BYTES`` bytes."""
+    if len(secret) != TRANSFER_SECRET_BYTES:
+        raise InvalidRequestError(
+            f"a transfer secret has {TRANSFER_SECRET_BYTES} bytes, not {len(secret)}", param
+        )
 
 
 def _check_logprob(logprob: TokenLogprob, token_id: int, vocab_size: int) -> None:

@@ -123,6 +123,13 @@ class TransferMetrics:
             _LABELS,
             registry=registry,
         ).labels(*values)
+        self.pulled_blocks = Counter(
+            "splitserve_kv_pulled_blocks",
+            "KV blocks of prompts' leading blocks that a prefill worker received from the "
+            "decode worker holding them (a conversation's history), instead of computing them.",
+            _LABELS,
+            registry=registry,
+        ).labels(*values)
         self.unsettled_blocks = Gauge(
             "splitserve_kv_unsettled_blocks",
             "KV blocks kept out of the pool because a withdrawn transfer's receives have not "

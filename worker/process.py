@@ -23,6 +23,7 @@ from splitserve.proto.cluster_access import add_cluster_access_args
 from splitserve.proto.server import add_reflection_flag
 from splitserve.transfer.ucx import UcxSettings
 from splitserve.worker.stall_watch import DEFAULT_STALL_TIMEOUT_S
+from splitserve.worker.transfer_settings import DEFAULT_PULL_MIN_BLOCKS, TransferSettings
 
 
 def add_worker_args(parser: argparse.ArgumentParser, env: Mapping[str, str] = os.environ) -> None:
@@ -68,6 +69,14 @@ def add_worker_args(parser: argparse.ArgumentParser, env: Mapping[str, str] = os
         "SPLITSERVE_UCX_ERROR_HANDLING=1)",
     )
     flag("--transfer-timeout", 30.0, float, "seconds a KV transfer may take before it fails")
+    flag(
+        "--pull-cached-kv-min-blocks",
+        DEFAULT_PULL_MIN_BLOCKS,
+        int,
+        "a prefill worker receives a prompt's leading KV from the decode worker that holds "
+        "it (a conversation's history) when it would get at least this many blocks so, and "
+        "computes only the rest; 0: never",
+    )
     flag(
         "--drain-timeout",
         30.0,
@@ -136,6 +145,11 @@ def worker_id_of(args: argparse.Namespace, role: str) -> str:
 
 def advertised_address(args: argparse.Namespace, port: int) -> str:
     return f"{args.advertise_host or args.host}:{port}"
+
+
+def transfer_settings_of(args: argparse.Namespace) -> TransferSettings:
+    """The KV transfer flags; ValueError for values out of range."""
+    return TransferSettings(args.transfer_timeout, args.pull_cached_kv_min_blocks)
 
 
 def ucx_settings_of(args: argparse.Namespace) -> UcxSettings:

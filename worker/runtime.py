@@ -59,12 +59,14 @@ from splitserve.worker.process import (
     apply_cpu_affinity,
     borrowed_cpus,
     coordinator_addresses,
+    transfer_settings_of,
     ucx_settings_of,
     worker_id_of,
 )
 from splitserve.worker.registration import CoordinatorLink
 from splitserve.worker.servicer_base import WorkerServicerBase
 from splitserve.worker.stall_watch import StallWatch
+from splitserve.worker.transfer_settings import TransferSettings
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +80,9 @@ class WorkerDomain(Protocol):
 
     layout: KvLayout
     transfer_metrics: TransferMetrics
+    pulls_cached_kv_min_blocks: int
+    """What its membership record says of pulling cached KV (``WorkerInfo``): 0 unless the
+    domain is a prefill worker that pulls."""
 
     async def close(self) -> None: ...
 
@@ -92,8 +97,11 @@ class WorkerRole:
     make_servicer: Callable[[], WorkerServicerBase]
     """The servicer, not yet bound to a domain."""
     add_servicer: Callable[[WorkerServicerBase, grpc.aio.Server], None]
-    make_domain: Callable[[AsyncEngine, KvTransport, WorkerIdentity, float], WorkerDomain]
-    """(the process's engine, transport, identity, transfer timeout) -> the domain object."""
+    make_domain: Callable[
+        [AsyncEngine, KvTransport, WorkerIdentity, TransferSettings], WorkerDomain
+    ]
+    """(the process's engine, transport, identity, KV transfer settings) -> the domain
+    object."""
 
 
 def engine_config_for(args: argparse.Namespace, roles: Sequence[WorkerRole]) -> EngineConfig:
@@ -165,7 +173,7 @@ async def run_worker(
     if transport is None:
         transport = UcxTransport(ucx_settings_of(args))
     domains = [
-        role.make_domain(engine, transport, identity, args.transfer_timeout)
+        role.make_domain(engine, transport, identity, transfer_settings_of(args))
         for role, identity in zip(roles, identities, strict=True)
     ]
     await _warm_up(engine)
@@ -202,6 +210,7 @@ async def run_worker(
             num_blocks=engine.facts.num_blocks,
             max_model_len=engine.facts.max_model_len,
             model=model_name,
+            pulls_cached_kv_min_blocks=domain.pulls_cached_kv_min_blocks,
         )
         for role, identity, domain in zip(roles, identities, domains, strict=True)
     ]

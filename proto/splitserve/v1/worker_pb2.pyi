@@ -50,7 +50,7 @@ class KvEvents(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., reset: _Optional[bool] = ..., stored: _Optional[_Iterable[bytes]] = ..., evicted: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "role", "address", "kv_layout", "num_blocks", "max_model_len", "model")
+    __slots__ = ("worker_id", "role", "address", "kv_layout", "num_blocks", "max_model_len", "model", "pulls_cached_kv_min_blocks")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -58,6 +58,7 @@ class WorkerInfo(_message.Message):
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    PULLS_CACHED_KV_MIN_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: WorkerRole
     address: str
@@ -65,7 +66,8 @@ class WorkerInfo(_message.Message):
     num_blocks: int
     max_model_len: int
     model: str
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., address: _Optional[str] = ..., kv_layout: _Optional[_Union[KvLayout, _Mapping]] = ..., num_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
+    pulls_cached_kv_min_blocks: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., address: _Optional[str] = ..., kv_layout: _Optional[_Union[KvLayout, _Mapping]] = ..., num_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., model: _Optional[str] = ..., pulls_cached_kv_min_blocks: _Optional[int] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
     __slots__ = ("num_total_blocks", "num_used_blocks", "num_running_requests", "num_waiting_requests", "num_reserved_requests", "num_running_tokens", "num_pending_prefill_tokens", "ready", "num_finished_requests", "step_cost", "prefill_share", "prefill_chunk_tokens", "kv_events")
@@ -226,6 +228,32 @@ class CompleteKvRequest(_message.Message):
 class CompleteKvResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class PushCachedKvRequest(_message.Message):
+    __slots__ = ("transfer_id", "request_id", "first_block", "transport_address", "block_order", "run_lengths", "transfer_secret", "compat_hash")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_ORDER_FIELD_NUMBER: _ClassVar[int]
+    RUN_LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_SECRET_FIELD_NUMBER: _ClassVar[int]
+    COMPAT_HASH_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: int
+    request_id: str
+    first_block: int
+    transport_address: bytes
+    block_order: _containers.RepeatedScalarFieldContainer[int]
+    run_lengths: _containers.RepeatedScalarFieldContainer[int]
+    transfer_secret: bytes
+    compat_hash: str
+    def __init__(self, transfer_id: _Optional[int] = ..., request_id: _Optional[str] = ..., first_block: _Optional[int] = ..., transport_address: _Optional[bytes] = ..., block_order: _Optional[_Iterable[int]] = ..., run_lengths: _Optional[_Iterable[int]] = ..., transfer_secret: _Optional[bytes] = ..., compat_hash: _Optional[str] = ...) -> None: ...
+
+class PushCachedKvResponse(_message.Message):
+    __slots__ = ("bytes_sent",)
+    BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    bytes_sent: int
+    def __init__(self, bytes_sent: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "target", "traceparent")

@@ -59,6 +59,11 @@ class DecodeWorkerStub:
                 request_serializer=splitserve_dot_v1_dot_worker__pb2.CompleteKvRequest.SerializeToString,
                 response_deserializer=splitserve_dot_v1_dot_worker__pb2.CompleteKvResponse.FromString,
                 _registered_method=True)
+        self.PushCachedKv = channel.unary_unary(
+                '/splitserve.v1.DecodeWorker/PushCachedKv',
+                request_serializer=splitserve_dot_v1_dot_worker__pb2.PushCachedKvRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_worker__pb2.PushCachedKvResponse.FromString,
+                _registered_method=True)
 
 
 class DecodeWorkerServicer:
@@ -109,6 +114,18 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PushCachedKv(self, request, context):
+        """Prefill worker -> decode worker, the reverse transfer: push the KV of blocks this worker
+        already holds for an open reservation (the leading blocks it counted in
+        KvReservation.num_cached_blocks, e.g. a conversation's history decoded here) into blocks
+        the prefill worker reserved, so that it computes only the prompt's tokens after them.
+        Returns once every message was sent. INVALID_ARGUMENT for a transfer that is not open
+        here or blocks beyond its cached ones; FAILED_PRECONDITION for another KV layout.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -136,6 +153,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.CompleteKv,
                     request_deserializer=splitserve_dot_v1_dot_worker__pb2.CompleteKvRequest.FromString,
                     response_serializer=splitserve_dot_v1_dot_worker__pb2.CompleteKvResponse.SerializeToString,
+            ),
+            'PushCachedKv': grpc.unary_unary_rpc_method_handler(
+                    servicer.PushCachedKv,
+                    request_deserializer=splitserve_dot_v1_dot_worker__pb2.PushCachedKvRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_worker__pb2.PushCachedKvResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -273,6 +295,33 @@ class DecodeWorker:
             '/splitserve.v1.DecodeWorker/CompleteKv',
             splitserve_dot_v1_dot_worker__pb2.CompleteKvRequest.SerializeToString,
             splitserve_dot_v1_dot_worker__pb2.CompleteKvResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushCachedKv(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.DecodeWorker/PushCachedKv',
+            splitserve_dot_v1_dot_worker__pb2.PushCachedKvRequest.SerializeToString,
+            splitserve_dot_v1_dot_worker__pb2.PushCachedKvResponse.FromString,
             options,
             channel_credentials,
             insecure,
