@@ -85,6 +85,7 @@ SPLITSERVE_FLAGS = {
     "splitserve-widen": ["--placement=adaptive"],
     "splitserve-sim": ["--placement=adaptive"],
     "splitserve-no-reuse": ["--placement=adaptive", "--decode-worker-args=--no-prefix-caching"],
+    "splitserve-no-pull": ["--placement=adaptive"],
 }
 """splitserve's configurations: ``splitserve`` is ``make serve``'s (1 prefill + 1 decode worker,
 a core each, adaptive placement); ``-remote`` / ``-local`` force where every prompt runs;
@@ -104,12 +105,16 @@ the default before they were read as stored); ``-sim`` is ``make serve``'s with 
 workers (``SPLITSERVE_ENGINE=sim``: the shipped step-time profile, no model computed), for
 calibrating the simulation against the real layout; ``-no-reuse`` is ``make serve``'s with a
 decode worker that keeps no prefix cache, so a conversation's next turn finds nothing of its
-history there (the prefill worker's cache still holds the prompts, as before issue 33)."""
+history there (the prefill worker's cache still holds the prompts, as before issue 33);
+``-no-pull`` is ``make serve``'s with prefill workers that never pull a decode worker's cached
+KV (``--pull-cached-kv-min-blocks=0``): a turn computed there recomputes the history its own
+cache lacks."""
 SPLITSERVE_ENV = {
     "splitserve-eager": {"SPLITSERVE_TTFT_AT_RISK": "0"},
     "splitserve-no-gemv": {"SPLITSERVE_DECODE_GEMV": "0"},
     "splitserve-widen": {"SPLITSERVE_QUANTIZED_WEIGHTS": "widen"},
     "splitserve-sim": {"SPLITSERVE_ENGINE": "sim"},
+    "splitserve-no-pull": {"SPLITSERVE_PULL_CACHED_KV_MIN_BLOCKS": "0"},
 }
 """Coordinator flags ``up`` does not take, through their environment twins."""
 BASELINE = "splitserve-baseline"

@@ -18,7 +18,12 @@ cached), means over the conversations. For splitserve also the KV bytes the deco
 received and the blocks it reused (``splitserve_kv_transfer_bytes_total{direction=receive}``,
 ``splitserve_kv_reused_blocks_total``) and the coordinator's placement decisions, over the run.
 
-Servers: ``splitserve`` (``make serve``'s layout), ``splitserve-no-reuse`` (the same with
+The prefill worker's pulls of the decode worker's cached KV (the reverse transfer) too:
+``splitserve_kv_pulled_blocks_total`` and its bytes received.
+
+Servers: ``splitserve`` (``make serve``'s layout), ``splitserve-no-pull`` (the same with
+prefill workers that never pull: a turn computed there recomputes what its cache lacks),
+``splitserve-no-reuse`` (the same with
 decode workers that keep no prefix cache, ``up --decode-worker-args=--no-prefix-caching``:
 every turn's whole prompt is pushed, the prefill worker's cache still holding the prompts),
 ``vllm`` (``--enable-prefix-caching --enable-prompt-tokens-details``). Writes
@@ -55,7 +60,7 @@ from timing_stats import Json, wait_for_quiet
 
 TTFT_SLO_MS = 2000
 ITL_SLO_MS = 50
-SERVERS = ("splitserve", "splitserve-no-reuse", "vllm")
+SERVERS = ("splitserve", "splitserve-no-pull", "splitserve-no-reuse", "vllm")
 VLLM_ARGS = ("--enable-prefix-caching", "--enable-prompt-tokens-details")
 
 
@@ -64,7 +69,8 @@ def log(message: str) -> None:
 
 
 def decode_kv(cluster_log: Path) -> dict[str, float]:
-    """The decode worker's KV received (bytes) and blocks reused so far; empty for vLLM."""
+    """The decode worker's KV received (bytes) and blocks reused so far, and the prefill
+    worker's KV pulled from it (bytes, blocks); empty for vLLM."""
     url = metrics_url(cluster_log, "decode")
     if url is None:
         return {}
@@ -74,6 +80,14 @@ def decode_kv(cluster_log: Path) -> dict[str, float]:
             figures["kv_bytes_received"] += value
     for _labels, value in metric_samples(url, "splitserve_kv_reused_blocks_total"):
         figures["kv_reused_blocks"] += value
+    prefill = metrics_url(cluster_log, "prefill")
+    if prefill is not None:
+        figures["kv_bytes_pulled"] = figures["kv_pulled_blocks"] = 0.0
+        for labels, value in metric_samples(prefill, "splitserve_kv_transfer_bytes_total"):
+            if labels.get("direction") == "receive":
+                figures["kv_bytes_pulled"] += value
+        for _labels, value in metric_samples(prefill, "splitserve_kv_pulled_blocks_total"):
+            figures["kv_pulled_blocks"] += value
     return figures
 
 

@@ -36,7 +36,9 @@ that would push its batch past the TPOT target is not used while another one is 
 A decode worker that holds the prompt's start in its prefix cache (``DecodeView.
 cached_tokens``: a conversation's earlier turns, decoded there) computes only the rest
 locally: local predictions count that rest, and adaptive placement keeps the prompt there
-(``Reason.LOCAL_CACHED``) when that is fewer tokens than any prefill worker would compute,
+(``Reason.LOCAL_CACHED``) when that is fewer tokens than any prefill worker would compute
+from its own cache (one that pulls the decode worker's cached KV computes as few, but the
+KV travels both ways; its pull counts in its remote TTFT only),
 the TTFT target holds with the at-risk margin, the batch's TPOT stays within
 ``PlacementConfig.cached_tpot_share`` of its target and no running request is pushed past
 its own (the guards below), before it looks at remote at all: the prefill worker's time and
@@ -210,7 +212,11 @@ class PrefillView:
     """Prompt tokens queued there: the more of what the worker reported and what this
     coordinator sent there unanswered."""
     cached_tokens: int
-    """Of this prompt, the tokens it likely has cached."""
+    """Of this prompt, the tokens it likely need not compute: its cached ones, or where it
+    pulls them, the decode worker's (``pulled_tokens`` of them)."""
+    pulled_tokens: int = 0
+    """Of ``cached_tokens``, those it would pull from the decode worker's cache (the reverse
+    transfer) rather than hold itself."""
     batch_requests: int = 0
     """A dual-role worker's own decode batch (requests decoding there), which a prompt
     computed there shares its steps with; 0 for a prefill-only worker."""
@@ -356,7 +362,9 @@ def place(
         local_prefill_s / max(max_tokens, 1)
     )
     remote = Placement(best_remote, Reason.REMOTE_WITHIN_SLO, remote_ttft[best_remote], local_tpot)
-    fewest_remote = min(num_prompt_tokens - p.cached_tokens for p in known)
+    # what a prefill worker would compute from its own cache: pulling costs a transfer both
+    # ways, which computing locally saves
+    fewest_remote = min(num_prompt_tokens - p.cached_tokens + p.pulled_tokens for p in known)
     if (
         0 < local_uncached < fewest_remote
         and waited_s + local_ttft <= config.ttft_at_risk * slo.ttft_s

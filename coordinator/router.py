@@ -446,12 +446,21 @@ class Router:
             {w.address for w in self.registry.workers(Role.DECODE)} if candidates else set()
         )
         decode_cached = self._decode_cached_tokens(decode, hashes, num_prompt_tokens)
+        own_cached = {
+            w.worker_id: self._held_blocks(w.worker_id, hashes, self._prefix) * w.block_size
+            for w in candidates
+        }
+
+        def pullable(worker: WorkerRecord) -> int:
+            return self._pullable_tokens(worker, own_cached[worker.worker_id], decode_cached)
+
         prefills = [
             PrefillView(
                 worker_id=w.worker_id,
                 cost=w.load.step_cost,
                 queued_tokens=self._queued_prefill_tokens(w),
-                cached_tokens=self._prefill_cached_tokens(w, hashes, decode_cached),
+                cached_tokens=max(own_cached[w.worker_id], pullable(w)),
+                pulled_tokens=max(pullable(w) - own_cached[w.worker_id], 0),
                 batch_requests=w.load.num_running_requests if w.address in decoding_at else 0,
                 batch_tokens=w.load.num_running_tokens if w.address in decoding_at else 0,
                 chunk_tokens=w.load.chunk_tokens,
@@ -479,18 +488,16 @@ class Router:
             num_prompt_tokens, max_tokens, view, prefills, slo, self.config.mode, config, waited_s
         )
 
-    def _prefill_cached_tokens(
-        self, prefill: WorkerRecord, hashes: Sequence[BlockHash], decode_cached: int
-    ) -> int:
-        """Of a prompt, the tokens ``prefill`` likely need not compute: those of its own
-        cached leading blocks, or, where it pulls cached KV and the decode worker holds
-        enough more (``decode_cached`` tokens), the decode worker's (the reverse transfer,
-        ``prefill/worker.py``)."""
-        own = self._held_blocks(prefill.worker_id, hashes, self._prefix) * prefill.block_size
+    @staticmethod
+    def _pullable_tokens(prefill: WorkerRecord, own_cached: int, decode_cached: int) -> int:
+        """Of a prompt, the tokens ``prefill`` would pull from the decode worker's cache
+        (``decode_cached`` tokens) and so need not compute, given the ``own_cached`` it
+        holds: the decode worker's prefix where it pulls and that is enough more (the
+        reverse transfer, ``prefill/worker.py``), else 0."""
         pulls = prefill.pulls_cached_kv_min_blocks
-        if pulls and decode_cached - own >= pulls * prefill.block_size:
+        if pulls and decode_cached - own_cached >= pulls * prefill.block_size:
             return decode_cached
-        return own
+        return 0
 
     def _decode_cached_tokens(
         self, decode: WorkerRecord, hashes: Sequence[BlockHash], num_prompt_tokens: int

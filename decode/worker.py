@@ -34,10 +34,11 @@ is still arriving or that came from a failed or aborted transfer.
 
 The reverse transfer: while a reservation is open, the prefill worker computing its prompt
 may ask for KV of the reservation's cached blocks that its own prefix cache lacks
-(``push_cached_kv``, a ``CachedKvPull``): they are gathered on the engine thread (held, full,
-never written) into a staging buffer and sent over the transport into the blocks the prefill
-worker reserved, by its plan and under tags of its secret. Only the cached blocks of an open
-transfer, of the request it names, ever leave this way.
+(``push_cached_kv``, a ``CachedKvPull``): they are gathered (held, full, never written: on the
+event loop for a host-memory cache, on the engine thread for a GPU one) into a staging
+buffer and sent over the transport into the prefill worker's buffer, by its plan and under
+tags of its secret. Only the cached blocks of an open transfer, of the request it names,
+ever leave this way.
 
 Invariant: a reserved block goes back to the pool only once its receiver settled (no message
 can land in blocks that were handed to another request), on every exit path: stream closed by
@@ -74,7 +75,7 @@ from splitserve.transfer.reservation import CachedKvPull, FirstToken, KvReservat
 from splitserve.transfer.transport import KvTransport
 from splitserve.worker.identity import WorkerIdentity
 from splitserve.worker.kv_io import (
-    gather_layer,
+    gather_held_layer,
     kv_layout_of,
     receive_destinations,
     staging_buffer,
@@ -305,14 +306,17 @@ class DecodeWorker:
         )
         staging = staging_buffer(paged_kv, pull.num_blocks)
 
-        def gather() -> None:  # engine thread
+        def gather() -> None:  # held blocks: here, or on the engine thread (a GPU cache)
             for layer in range(num_layers):
-                kv = gather_layer(paged_kv, layer, block_ids, pull.plan, staging[layer])
+                kv = gather_held_layer(paged_kv, layer, block_ids, pull.plan, staging[layer])
                 sender.offer(layer, kv)
 
         started = time.monotonic()
         try:
-            await self.engine.call(gather)
+            if paged_kv.reads_held_blocks_anywhere:
+                gather()  # no wait for the running step; before any release can be queued
+            else:
+                await self.engine.call(gather)
             num_bytes = await sender.finish(self.transfer_timeout_s)
         except BaseException as error:
             sender.abort()

@@ -45,6 +45,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
+from splitserve.common.blocks import BlockHash, prompt_block_hashes
 from splitserve.common.errors import EngineStoppedError
 from splitserve.common.kv_events import KvEventLog
 from splitserve.common.load import EngineLoad
@@ -53,7 +54,13 @@ from splitserve.common.request_update import FinishReason, RequestUpdate, StepOu
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine_core import EngineCore
-from splitserve.engine.engine_face import EngineFacts, LayerHook, PagedKv, ReservedBlocks
+from splitserve.engine.engine_face import (
+    EngineFacts,
+    LayerHook,
+    PagedKv,
+    PulledKv,
+    ReservedBlocks,
+)
 from splitserve.engine.engine_report import EngineReport, RequestPhases, StepTiming
 from splitserve.engine.reservation_queue import (
     DEFAULT_MAX_WAITING,
@@ -127,6 +134,11 @@ class AsyncEngine:
         core.scheduler.on_request_finished = self._finished.append
         self._report = EngineReport(core.load(), core.stats)
         self._report_listeners: tuple[ReportListener, ...] = ()
+        self._cached_hashes: set[BlockHash] = set(core.kv_cache.pool.cached_hashes())
+        """The prefix cache's block hashes (written on the engine thread, read anywhere:
+        single set operations are atomic)."""
+        self._kv_log: KvEventLog | None = None
+        core.kv_cache.pool.cache_listener = self._cache_changed
         self._outbox: list[_OutboxEntry] = []
         """Outputs for callers, posted once the report that shows them is out (engine
         thread only)."""
@@ -176,10 +188,15 @@ class AsyncEngine:
         self._report_listeners = (*self._report_listeners, listener)
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        pulled_kv: PulledKv | None = None,
     ) -> AsyncIterator[StepOutput]:
-        """Submit a request and yield its step outputs until it finishes."""
-        stream = await self.submit(request_id, prompt_token_ids, params)
+        """Submit a request and yield its step outputs until it finishes (``pulled_kv``: see
+        ``submit``)."""
+        stream = await self.submit(request_id, prompt_token_ids, params, pulled_kv=pulled_kv)
         async for output in stream:
             yield output
 
@@ -190,6 +207,7 @@ class AsyncEngine:
         params: SamplingParams,
         reserve_remote_prefill: bool = False,
         prior_output_token_ids: Sequence[int] = (),
+        pulled_kv: PulledKv | None = None,
     ) -> RequestStream:
         """Queue a request and return its stream of outputs; raises what the core raises on
         refusal.
@@ -202,7 +220,10 @@ class AsyncEngine:
         reservation and owned by the caller. Whatever ends the request (abort, a failed
         step), the blocks stay out of the pool until the caller gives the hold back with
         ``release_blocks``: once nothing can write into them any more.
-        ``prior_output_token_ids``: see ``EngineCore.add_request``.
+        ``prior_output_token_ids``: see ``EngineCore.add_request``. ``pulled_kv``: KV of
+        the prompt's leading blocks another worker sent, entered into the prefix cache in the
+        same command as the request (``EngineCore.adopt_pulled_kv``; where it cannot be, the
+        request computes those tokens).
         """
         if params.grammar is not None:  # compiled here, on a thread: not in an engine step
             await asyncio.to_thread(self._core.prepare_grammar, params.grammar)
@@ -232,6 +253,8 @@ class AsyncEngine:
                     )
                     self._reservations.offer(PendingReservation(request, granted, dropped))
                     return
+                if pulled_kv is not None:
+                    self._core.adopt_pulled_kv(prompt_token_ids, pulled_kv)
                 self._core.add_request(request_id, prompt_token_ids, params, prior_output_token_ids)
             except BaseException as error:  # reported to the caller, engine goes on
                 _call_soon(loop, _settle, accepted, error, None)
@@ -253,33 +276,39 @@ class AsyncEngine:
         reference return to the pool). ``block_ids`` is read when the command runs."""
         self._post_command(lambda: self._core.release_blocks(block_ids))
 
-    async def reserve_pulled_prefix(
-        self, key: str, token_ids: Sequence[int], num_blocks: int, min_new_blocks: int
-    ) -> ReservedBlocks | None:
-        """Blocks for a prompt's leading KV that another worker sends
-        (``EngineCore.reserve_pulled_prefix``), held as ``submit``'s reservations are: the
-        caller gives the hold back with ``release_blocks``; ``end_pulled_prefix`` ends the
-        table. KV lands only in ``receiving``, under the ``PagedKv`` contract."""
-        return await self.call(
-            lambda: self._core.reserve_pulled_prefix(key, token_ids, num_blocks, min_new_blocks)
-        )
-
-    def end_pulled_prefix(self, key: str, token_ids: Sequence[int], landed: bool) -> None:
-        """Queue ``EngineCore.end_pulled_prefix``: a request submitted after this call finds
-        the landed blocks in the prefix cache (commands run in order; the hold keeps them)."""
-        self._post_command(lambda: self._core.end_pulled_prefix(key, token_ids, landed))
-
     async def record_kv_events(self, log: KvEventLog) -> None:
         """From now on every change of the prefix cache goes into ``log`` (on the engine
         thread, as it happens), which first gets what the cache holds now."""
 
         def attach() -> None:
-            pool = self._core.kv_cache.pool
-            for block_hash in pool.cached_hashes():
+            for block_hash in self._core.kv_cache.pool.cached_hashes():
                 log.record(block_hash, True)
-            pool.cache_listener = log.record
+            self._kv_log = log
 
         await self.call(attach)
+
+    def _cache_changed(self, block_hash: BlockHash, stored: bool) -> None:
+        """The block pool's listener (engine thread): the mirror ``cached_prefix_blocks``
+        reads, and the KV event log when one is attached."""
+        if stored:
+            self._cached_hashes.add(block_hash)
+        else:
+            self._cached_hashes.discard(block_hash)
+        if self._kv_log is not None:
+            self._kv_log.record(block_hash, stored)
+
+    def cached_prefix_blocks(self, token_ids: Sequence[int]) -> int:
+        """Any thread: how many leading full blocks of the prompt ``token_ids`` the prefix
+        cache holds, never its last token's (as of the latest change; a step may evict or add
+        some before a request submitted now is scheduled)."""
+        block_size = self.paged_kv.block_size
+        usable = token_ids[: len(token_ids) - 1]
+        held = 0
+        for block_hash in prompt_block_hashes(usable, block_size):
+            if block_hash not in self._cached_hashes:
+                break
+            held += 1
+        return held
 
     async def call(self, function: Callable[[], T]) -> T:
         """Run ``function()`` on the engine thread between steps, in order with the other

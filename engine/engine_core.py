@@ -37,6 +37,7 @@ from splitserve.engine.engine_face import (
     EngineFacts,
     LayerHook,
     PagedKv,
+    PulledKv,
     ReservedBlocks,
 )
 from splitserve.engine.engine_report import SchedulerStats, StepTiming
@@ -333,42 +334,32 @@ class EngineCore:
         """Give back references ``hold_blocks`` took; blocks with no other go to the pool."""
         self.kv_cache.pool.free(list(reversed(block_ids)))
 
-    def reserve_pulled_prefix(
-        self, key: str, token_ids: Sequence[int], num_blocks: int, min_new_blocks: int
-    ) -> ReservedBlocks | None:
-        """Blocks for the first ``num_blocks`` full blocks of the prompt ``token_ids``, whose
-        KV another worker holds and will send (the reverse transfer): this engine's own
-        cached prefix of them first (shared, never written), new blocks in few runs of
-        consecutive ids for the rest (``ReservedBlocks.receiving``), each under one extra
-        reference (a hold, as ``hold_blocks``) besides the table ``key`` names in the KV
-        cache manager (not a request: no step touches these blocks).
-
-        None, holding nothing, when prefix caching is off, when fewer than
-        ``min_new_blocks`` would be new, or when the pool is short now. ``num_blocks`` must
-        leave the prompt's last token out (the sender's cached prefix never holds it)."""
+    def adopt_pulled_kv(self, token_ids: Sequence[int], pulled: PulledKv) -> int:
+        """Enter KV another worker sent for the prompt ``token_ids`` (its blocks
+        ``pulled.first_block ..``) into the prefix cache, after the prompt's blocks this
+        engine holds: new blocks get the pulled KV this engine lacks and their prefix hashes,
+        then go back to the pool as cached (freed last, so a request added in the same
+        command finds them). Returns the blocks adopted: 0 when prefix caching is off, when
+        this engine already holds them all, when it lacks blocks before ``first_block`` (the
+        pulled KV would not follow a cached prefix: the prompt is computed instead), when the
+        blocks would reach the prompt's last token, or when the pool is short now."""
         kv = self.kv_cache
-        if not kv.enable_prefix_caching or num_blocks * kv.block_size >= len(token_ids):
-            return None
-        cached = kv.find_cached_prefix(token_ids)[:num_blocks]
-        if num_blocks - len(cached) < max(min_new_blocks, 1):
-            return None
-        if not kv.allocate(key, num_blocks * kv.block_size, cached_blocks=cached, contiguous=True):
-            return None
-        table = tuple(kv.block_table(key))
-        self.hold_blocks(table)
-        return ReservedBlocks(table, len(cached))
-
-    def end_pulled_prefix(self, key: str, token_ids: Sequence[int], landed: bool) -> None:
-        """Drop ``key``'s table of ``reserve_pulled_prefix``; when its KV ``landed`` (every
-        message, each of its planned size), first enter its full blocks into the prefix
-        cache, so that the prompt's own request finds them as computed. The hold stays, for
-        its taker to give back with ``release_blocks`` (after the request took the blocks,
-        or after a failed transfer's receives settled)."""
-        kv = self.kv_cache
-        if landed:
-            table = kv.block_table(key)
-            kv.cache_full_blocks(key, token_ids, len(table) * kv.block_size)
+        end = pulled.first_block + pulled.num_blocks
+        if not kv.enable_prefix_caching or end * kv.block_size >= len(token_ids):
+            return 0
+        cached = kv.find_cached_prefix(token_ids)[:end]
+        if len(cached) < pulled.first_block or len(cached) == end:
+            return 0
+        key = "\x00pulled"  # a table of its own for this command only (no request id has NUL)
+        if not kv.allocate(key, end * kv.block_size, cached_blocks=cached):
+            return 0
+        new_blocks = kv.block_table(key)[len(cached) :]
+        fresh = pulled.kv[:, :, len(cached) - pulled.first_block :]  # [layers, 2, new, ...]
+        for layer in range(fresh.shape[0]):
+            self.runner.write_kv_blocks(layer, new_blocks, fresh[layer])
+        kv.cache_full_blocks(key, token_ids, end * kv.block_size)
         kv.free(key)
+        return len(new_blocks)
 
     def has_request(self, request_id: str) -> bool:
         """True while the request is known here (waiting, running or reserved)."""

@@ -56,6 +56,24 @@ class ReservedBlocks:
         return self.block_ids[self.num_cached_blocks :]
 
 
+@dataclass(frozen=True)
+class PulledKv:
+    """KV of a prompt's leading full blocks that another worker holds and sent here (the
+    reverse transfer): blocks ``first_block .. first_block + num_blocks`` of the prompt, in
+    position order. Submitted with the prompt's request (``AsyncEngine.submit``), they enter
+    this engine's prefix cache in the same command, after its own cached blocks, so the
+    request computes only the tokens after them."""
+
+    first_block: int
+    kv: torch.Tensor
+    """``[layers, 2, num_blocks, block_size, kv_heads, head_dim]``, the cache's dtype and
+    device (``worker/kv_io.py:staging_buffer``)."""
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv.shape[2]
+
+
 LayerHook = Callable[[int, Sequence[CompletedPrompt]], None]
 """Called on the engine thread with (layer index, the prompts this step completes) once that
 layer's KV is written; not called in steps that complete no prompt."""
@@ -71,9 +89,7 @@ class PagedKv:
     ``reserve_remote_prefill``) until the request's remote prefill completes
     (``AsyncEngine.complete_remote_prefill``); the caller's hold on them keeps them out of
     the pool, also after the request ended, until ``AsyncEngine.release_blocks``. This is
-    where a decode worker's KV receives land. The same holds for the new blocks of a pulled
-    prefix (``AsyncEngine.reserve_pulled_prefix``, until ``end_pulled_prefix``), where a
-    prefill worker receives a decode worker's cached KV. ``read_blocks`` runs on the engine thread
+    where a decode worker's KV receives land. ``read_blocks`` runs on the engine thread
     only (the layer hook): the blocks it reads are the ones the step is writing.
     """
 
@@ -108,4 +124,19 @@ class PagedKv:
     ) -> torch.Tensor:
         """Engine thread only: a copy of ``layer``'s K and V in these blocks, ``[2, blocks,
         block_size, kv_heads, head_dim]``, written into ``out`` when given."""
+        return self._runner.read_kv_blocks(layer, block_ids, out)
+
+    @property
+    def reads_held_blocks_anywhere(self) -> bool:
+        """Whether ``read_held_blocks`` may run off the engine thread: a cache in host
+        memory (on a GPU the read would race the engine's stream)."""
+        return self.cache.device.type == "cpu"
+
+    def read_held_blocks(
+        self, layer: int, block_ids: Sequence[int], out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``read_blocks`` of full prefix-cache blocks the caller holds (a reservation's
+        cached prefix: no step writes a full cached block, and the hold keeps it from being
+        handed out), from any thread where ``reads_held_blocks_anywhere``, else the engine
+        thread only."""
         return self._runner.read_kv_blocks(layer, block_ids, out)

@@ -18,21 +18,21 @@ only the staging buffer waits for the decode worker's confirmation.
 
 Pulling cached KV (the reverse transfer): when the decode worker's reservation says it holds
 more of the prompt's leading blocks (``KvReservation.num_cached_blocks``, e.g. a
-conversation's last reply, decoded there) than this worker's prefix cache does, by at least
-``TransferSettings.pull_min_blocks``, ``prefill`` first reserves blocks for the difference
-(``AsyncEngine.reserve_pulled_prefix``), posts a ``LayerReceiver`` into them under a secret
-of its own and asks the decode worker to send them (``PushCachedKv``, a ``CachedKvPull``).
-Once every message landed with its planned size, the blocks enter the prefix cache
-(``end_pulled_prefix``) and the prompt is submitted: the engine computes only the tokens
-after them. A pull that fails or times out costs only time: its blocks stay out of the pool
-until its receives settled, enter no cache, and the prompt is computed as without it (never
-a wrong token). The hold on the pulled blocks lasts until the prompt is computed.
+conversation's last reply, decoded there) than this worker's prefix cache does
+(``AsyncEngine.cached_prefix_blocks``), by at least ``TransferSettings.pull_min_blocks``,
+``prefill`` first posts a ``LayerReceiver`` for the difference into a staging buffer, under
+a secret of its own, and asks the decode worker to send them (``PushCachedKv``, a
+``CachedKvPull``). Once every message landed with its planned size, the prompt is submitted
+with them (``PulledKv``): in the same engine command they enter the prefix cache after the
+blocks it holds (``EngineCore.adopt_pulled_kv``), so the engine computes only the tokens
+after them, and the pull costs no extra wait for the engine's step. A pull that fails or
+times out costs only time: nothing of it reaches the engine (its staging buffer is kept until
+its receives settled), and the prompt is computed as without it (never a wrong token).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import secrets
@@ -45,7 +45,6 @@ from opentelemetry.trace import Span, StatusCode
 
 from splitserve.common.blocks import blocks_for_tokens
 from splitserve.common.errors import (
-    EngineStoppedError,
     IncompatibleKvLayoutError,
     InvalidRequestError,
     TransferAbortedError,
@@ -57,7 +56,7 @@ from splitserve.common.kv_layout import KvLayout
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.tracing import NO_SPAN, start_span
 from splitserve.engine.async_engine import AsyncEngine
-from splitserve.engine.engine_face import CompletedPrompt, ReservedBlocks
+from splitserve.engine.engine_face import CompletedPrompt, PulledKv
 from splitserve.proto.worker_clients import DecodeWorkerClient, WorkerChannels
 from splitserve.transfer.layer_channel import LayerReceiver, LayerSender
 from splitserve.transfer.plan import new_transfer_secret
@@ -148,26 +147,7 @@ class PrefillWorker:
         end of the push are spans of their own (``common/tracing.py``)."""
         peer = await self._peer(target.decode_address)  # the handshake checks KV layouts
         self._check_target(prompt_token_ids, target)
-        engine_id = request_id + self._engine_id_suffix
         pulled = await self._pull_cached_kv(request_id, prompt_token_ids, target, peer, span)
-        try:
-            return await self._compute_and_push(
-                request_id, engine_id, prompt_token_ids, params, target, peer, span
-            )
-        finally:
-            if pulled is not None:
-                self.engine.release_blocks(pulled)
-
-    async def _compute_and_push(
-        self,
-        request_id: str,
-        engine_id: str,
-        prompt_token_ids: Sequence[int],
-        params: SamplingParams,
-        target: KvReservation,
-        peer: _Peer,
-        span: Span,
-    ) -> PrefillDone:
         loop = asyncio.get_running_loop()
         sender = LayerSender(
             peer.endpoint,
@@ -178,6 +158,7 @@ class PrefillWorker:
             loop,
         )
         staging = staging_buffer(self.engine.paged_kv, target.num_blocks)
+        engine_id = request_id + self._engine_id_suffix
         self._outgoing[engine_id] = _Outgoing(sender, target.num_cached_blocks, staging)
         first_only = dataclasses.replace(
             params, max_tokens=1, min_tokens=min(params.min_tokens, 1), stop=()
@@ -186,7 +167,8 @@ class PrefillWorker:
         push = NO_SPAN
         try:
             last = None
-            async for output in self.engine.generate(engine_id, list(prompt_token_ids), first_only):
+            prompt = list(prompt_token_ids)
+            async for output in self.engine.generate(engine_id, prompt, first_only, pulled):
                 last = output
             compute.set_attribute("splitserve.prompt_tokens", len(prompt_token_ids))
             compute.end()
@@ -223,43 +205,32 @@ class PrefillWorker:
         target: KvReservation,
         peer: _Peer,
         span: Span,
-    ) -> tuple[int, ...] | None:
+    ) -> PulledKv | None:
         """Receive the decode worker's cached blocks of the prompt that this engine's prefix
-        cache lacks, into blocks reserved here, and enter them into that cache (module
-        docstring). Returns the blocks to give the hold back on once the prompt is computed;
-        None when nothing was pulled (too little to gain, no room, or the pull failed: the
-        prompt is then computed as without it)."""
+        cache lacks (module docstring), for the prompt's request to take in. None when
+        nothing is pulled: too little to gain, or the pull failed (the prompt is then
+        computed as without it)."""
         wanted = target.num_cached_blocks
-        if not self.pulls_cached_kv_min_blocks or wanted < self.pulls_cached_kv_min_blocks:
+        held = min(self.engine.cached_prefix_blocks(prompt_token_ids), wanted)
+        if not self.pulls_cached_kv_min_blocks or wanted - held < self.pulls_cached_kv_min_blocks:
             return None
-        key = f"\x00pull {request_id}{self._engine_id_suffix}"  # no request id has a NUL
-        reserved = await self.engine.reserve_pulled_prefix(
-            key, prompt_token_ids, wanted, self.pulls_cached_kv_min_blocks
+        staging = staging_buffer(self.engine.paged_kv, wanted - held)
+        plan, destinations = receive_destinations(staging, range(wanted - held))
+        secret = new_transfer_secret()
+        receiver = LayerReceiver(self.transport, secrets.randbits(64), secret, plan, destinations)
+        pull = CachedKvPull(
+            target.transfer_id,
+            request_id,
+            held,
+            self.transport.address,
+            plan,
+            secret,
+            self.layout.compat_hash,
         )
-        if reserved is None:
-            return None
-        prefix = prompt_token_ids[: wanted * self.layout.block_size]
-        span_pull = start_span("kv pull", request_id, parent=span)
-        span_pull.set_attribute("splitserve.kv_blocks", len(reserved.receiving))
+        pulling = start_span("kv pull", request_id, parent=span)
+        pulling.set_attribute("splitserve.kv_blocks", plan.num_blocks)
         started = time.monotonic()
-        receiver: LayerReceiver | None = None
         try:
-            plan, destinations = receive_destinations(
-                self.engine.paged_kv.cache, reserved.receiving
-            )
-            secret = new_transfer_secret()
-            receiver = LayerReceiver(
-                self.transport, secrets.randbits(64), secret, plan, destinations
-            )
-            pull = CachedKvPull(
-                target.transfer_id,
-                request_id,
-                reserved.num_cached_blocks,
-                self.transport.address,
-                plan,
-                secret,
-                self.layout.compat_hash,
-            )
             await peer.client.push_cached_kv(pull, self.transfer_timeout_s)
             await receiver.wait(self.transfer_timeout_s)
         except (
@@ -269,51 +240,38 @@ class PrefillWorker:
             InvalidRequestError,
         ) as error:
             self.transfer_metrics.failed("receive", error)
-            span_pull.set_status(StatusCode.ERROR, type(error).__name__)
-            span_pull.end()
+            pulling.set_status(StatusCode.ERROR, type(error).__name__)
             logger.warning(
                 "request %r: pulling cached KV failed (%s); computing it", request_id, error
             )
-            self._drop_pull(key, prefix, reserved, receiver)
+            self._keep_until_settled(receiver, staging)
             return None
         except BaseException:
-            span_pull.end()
-            self._drop_pull(key, prefix, reserved, receiver)
+            self._keep_until_settled(receiver, staging)
             raise
-        num_bytes = self.layout.layer_bytes(plan.num_blocks) * self.layout.num_layers
+        finally:
+            pulling.end()
+        num_bytes = staging.numel() * staging.element_size()
         self.transfer_metrics.completed("receive", num_bytes, time.monotonic() - started)
         self.transfer_metrics.pulled_blocks.inc(plan.num_blocks)
-        span_pull.set_attribute("splitserve.kv_bytes", num_bytes)
-        span_pull.end()
-        self.engine.end_pulled_prefix(key, prefix, landed=True)
-        return reserved.block_ids
+        pulling.set_attribute("splitserve.kv_bytes", num_bytes)
+        return PulledKv(held, staging)
 
-    def _drop_pull(
-        self,
-        key: str,
-        prefix: Sequence[int],
-        reserved: ReservedBlocks,
-        receiver: LayerReceiver | None,
-    ) -> None:
-        """A pull that did not land: its table ends uncached, and its hold is given back once
-        no message can land in its blocks any more (never, if a receive never settles)."""
-        self.engine.end_pulled_prefix(key, prefix, landed=False)
-        if receiver is None or receiver.settled:
-            self.engine.release_blocks(reserved.block_ids)
+    def _keep_until_settled(self, receiver: LayerReceiver, staging: torch.Tensor) -> None:
+        """A pull that did not land: stop its receiver, and keep its staging buffer alive
+        until no message can land there any more (for good, if a receive never settles)."""
+        if receiver.settled:
             return
-        task = asyncio.get_running_loop().create_task(
-            self._release_when_settled(receiver, reserved)
-        )
+        task = asyncio.get_running_loop().create_task(self._settle(receiver, staging))
         self._settling.add(task)
         task.add_done_callback(self._settling.discard)
 
-    async def _release_when_settled(
-        self, receiver: LayerReceiver, reserved: ReservedBlocks
-    ) -> None:
+    @staticmethod
+    async def _settle(receiver: LayerReceiver, staging: torch.Tensor) -> None:
+        """Hold ``staging`` (an argument: referenced until this returns) while ``receiver``
+        stops and settles."""
         await receiver.abort()
         await receiver.until_settled()
-        with contextlib.suppress(EngineStoppedError):  # shut down meanwhile: nothing to free
-            self.engine.release_blocks(reserved.block_ids)
 
     async def _finish_sends(self, sender: LayerSender) -> int:
         """Wait until every layer was sent (the prompt is computed); record the transfer;

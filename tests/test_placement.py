@@ -324,3 +324,8 @@ def test_a_cached_prompt_stays_local_only_while_the_batch_keeps_tpot_headroom() 
     assert (heavy.where, heavy.reason) == ("remote", Reason.REMOTE_WITHIN_SLO)
     lenient = PlacementConfig(local_prefill_max_tokens=0, cached_tpot_share=1.0)
     assert _place(cached(20), [_prefill("p")], rule=lenient).reason is Reason.LOCAL_CACHED
+    # a prefill worker that pulls the decode worker's cached KV would compute as few tokens
+    # (the router credits it with them); the tie stays local, where nothing travels
+    pulling = dataclasses.replace(_prefill("p"), cached_tokens=300, pulled_tokens=300)
+    assert _place(cached(8), [pulling]).reason is Reason.LOCAL_CACHED
+    assert _place(cached(20), [pulling]).where == "remote"

@@ -19,6 +19,7 @@ import dataclasses
 from collections.abc import AsyncIterator, Sequence
 
 import pytest
+import torch
 
 from splitserve.common.errors import (
     IncompatibleKvLayoutError,
@@ -31,6 +32,7 @@ from splitserve.decode.worker import DecodeWorker
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.engine.checkpoint import LoadedCheckpoint
 from splitserve.engine.engine_core import CompletedPrompt
+from splitserve.engine.engine_face import PulledKv
 from splitserve.engine.llm import LLM
 from splitserve.prefill import worker as prefill_module
 from splitserve.prefill.worker import PrefillWorker
@@ -77,6 +79,14 @@ def _first_turn(prefill: LLM, decode: LLM, conversation: Conversation) -> None:
     decode.generate([conversation.turn1], REPLY)
 
 
+def _pulled(decode: LLM, block_ids: Sequence[int], first_block: int) -> PulledKv:
+    """What the decode engine's ``block_ids`` hold, as a prefill worker receives it."""
+    runner = decode.engine.runner
+    layers = range(runner.kv_cache.shape[0])
+    kv = torch.stack([runner.read_kv_blocks(layer, block_ids) for layer in layers])
+    return PulledKv(first_block, kv)  # [layers, 2, blocks, block, kv_heads, dim]
+
+
 def test_a_pulled_prefix_is_computed_no_more_and_the_tokens_are_the_same(
     default_checkpoint_fp32: LoadedCheckpoint, conversation: Conversation
 ) -> None:
@@ -91,17 +101,10 @@ def test_a_pulled_prefix_is_computed_no_more_and_the_tokens_are_the_same(
     own = len(conversation.turn1) // BLOCK
     assert held == (len(conversation.turn1) + 40 - 1) // BLOCK > own + 1
 
-    # the prefill engine holds turn 1's full blocks: asking for fewer new blocks than the
-    # pull would bring, or for as many as it holds, reserves nothing
-    assert prefill.engine.reserve_pulled_prefix("pull", turn2, held, held - own + 1) is None
-    assert prefill.engine.reserve_pulled_prefix("pull", turn2, own, 1) is None
-    pulled = prefill.engine.reserve_pulled_prefix("pull", turn2, held, 2)
-    assert pulled is not None
-    assert pulled.num_cached_blocks == own and len(pulled.receiving) == held - own
-    for layer in range(prefill.engine.runner.kv_cache.shape[0]):
-        kv = core.runner.read_kv_blocks(layer, reserved.block_ids[own:held])
-        prefill.engine.runner.write_kv_blocks(layer, pulled.receiving, kv)
-    prefill.engine.end_pulled_prefix("pull", turn2[: held * BLOCK], landed=True)
+    # the prompt's request takes the pulled blocks in, after the ones its engine holds
+    pulled = _pulled(decode, reserved.block_ids[own:held], own)
+    assert prefill.engine.adopt_pulled_kv(turn2, pulled) == held - own
+    prefill.engine.add_request("t2", turn2, dataclasses.replace(NEXT, max_tokens=1, min_tokens=1))
 
     def push_layer(layer: int, completed: Sequence[CompletedPrompt]) -> None:
         for prompt in completed:  # only what the decode engine lacks
@@ -110,14 +113,12 @@ def test_a_pulled_prefix_is_computed_no_more_and_the_tokens_are_the_same(
             )
             core.runner.write_kv_blocks(layer, reserved.receiving, kv)
 
-    prefill.engine.add_request("t2", turn2, dataclasses.replace(NEXT, max_tokens=1, min_tokens=1))
     first = None
     while prefill.engine.has_unfinished:
         for output in prefill.engine.step(on_layer_kv_written=push_layer):
             first = output.update
     assert first is not None
     assert first.num_cached_tokens == held * BLOCK  # computed: only the tokens after them
-    prefill.engine.release_blocks(pulled.block_ids)  # the hold, once the prompt is computed
     assert_no_leaks(prefill)
 
     generated = list(first.new_token_ids)
@@ -129,22 +130,34 @@ def test_a_pulled_prefix_is_computed_no_more_and_the_tokens_are_the_same(
     assert_no_leaks(decode)
 
 
-def test_a_pull_that_did_not_land_enters_no_cache(
-    default_checkpoint_fp32: LoadedCheckpoint,
+def test_pulled_kv_that_does_not_follow_the_cached_prefix_is_not_taken(
+    default_checkpoint_fp32: LoadedCheckpoint, conversation: Conversation
 ) -> None:
-    """Blocks whose KV never came are never a prefix hit: the next request computes them."""
+    """KV pulled after blocks the engine no longer holds (evicted meanwhile) would leave a
+    gap: none of it enters the cache, and the prompt is computed whole. Pulled blocks the
+    engine already holds, a prefix cache turned off, blocks reaching the last token: nothing
+    taken either. No block is left held."""
     prefill = make_llm(default_checkpoint_fp32, num_blocks=64)
-    prompt = list(range(1000, 1100))  # 6 full blocks and 4 tokens
-    pulled = prefill.engine.reserve_pulled_prefix("pull", prompt, 6, 1)
-    assert pulled is not None and pulled.num_cached_blocks == 0
-    prefill.engine.end_pulled_prefix("pull", prompt[: 6 * BLOCK], landed=False)
-    prefill.engine.release_blocks(pulled.block_ids)
-    assert_no_leaks(prefill)
-    (result,) = prefill.generate([prompt], dataclasses.replace(NEXT, max_tokens=1, min_tokens=1))
-    assert result.num_cached_tokens == 0
-    # a prefix cache turned off takes no pull at all
+    decode = make_llm(default_checkpoint_fp32, num_blocks=64)
+    decode.generate([conversation.turn1], REPLY)
+    turn2 = conversation.turn2
+    core = decode.engine
+    reserved = core.reserve_request(core.remote_prefill_request("t2", turn2, NEXT))
+    held = reserved.num_cached_blocks
+    gap = _pulled(decode, reserved.block_ids[2:held], 2)  # the prefill engine holds nothing
+    assert prefill.engine.adopt_pulled_kv(turn2, gap) == 0
+    whole = _pulled(decode, reserved.block_ids[:held], 0)
+    past_the_end = dataclasses.replace(whole, first_block=len(turn2) // BLOCK - held + 1)
+    assert prefill.engine.adopt_pulled_kv(turn2, past_the_end) == 0
     uncached = make_llm(default_checkpoint_fp32, num_blocks=64, prefix_caching=False)
-    assert uncached.engine.reserve_pulled_prefix("pull", prompt, 6, 1) is None
+    assert uncached.engine.adopt_pulled_kv(turn2, whole) == 0
+    assert_no_leaks(prefill)
+    (result,) = prefill.generate([turn2], dataclasses.replace(NEXT, max_tokens=1, min_tokens=1))
+    assert result.num_cached_tokens == 0
+    assert prefill.engine.adopt_pulled_kv(turn2, whole) == 0  # it holds them all now
+    core.abort_request("t2")
+    assert_no_leaks(prefill)
+    assert_no_leaks(decode)
 
 
 class _DirectCalls:

@@ -404,8 +404,8 @@ def test_a_prefill_worker_that_pulls_is_credited_with_the_decode_workers_prefix(
         router.place_prompt(decode, [pulls], hashes, len(prompt), 96, router.config.slo)
     finally:
         router_module.place = original
-    assert [(view.worker_id, view.cached_tokens) for view in seen] == [
-        ("pulls", 400),
-        ("computes", 0),
-        ("pulls", 384),
+    assert [(view.worker_id, view.cached_tokens, view.pulled_tokens) for view in seen] == [
+        ("pulls", 400, 80),
+        ("computes", 0, 0),
+        ("pulls", 384, 0),
     ]

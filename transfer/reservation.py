@@ -23,10 +23,10 @@ Secrecy: ``KvReservation.transfer_secret`` is what makes the transfer's UCX tags
 before the decode worker lets it near its engine.
 
 The reverse transfer: a prefill worker whose prefix cache lacks blocks the decode worker
-counted in ``num_cached_blocks`` (a conversation's last reply, decoded there) may reserve
-blocks of its own for them and ask for their KV with a ``CachedKvPull``, which names the open
+counted in ``num_cached_blocks`` (a conversation's last reply, decoded there) may post
+receives for them and ask for their KV with a ``CachedKvPull``, which names the open
 reservation, the blocks, and where they land (its transport address, the ``TransferPlan`` of
-its blocks and a secret of its own drawn, so the same tag rules hold in this direction); it
+its buffer and a secret of its own drawn, so the same tag rules hold in this direction); it
 then computes only the tokens after them. The decode worker sends only blocks of that open
 reservation's cached prefix, which its hold keeps from being evicted or written meanwhile.
 """
@@ -91,7 +91,7 @@ class CachedKvPull:
     transport_address: bytes
     """The prefill worker's transport address, opaque: where the messages go."""
     plan: TransferPlan
-    """How the prefill worker's reserved blocks take the messages (positions counted from
+    """How the prefill worker's buffer takes the messages (positions counted from
     ``first_block``)."""
     transfer_secret: bytes = field(repr=False)
     """``TRANSFER_SECRET_BYTES`` random bytes the prefill worker drew; the tags derive from

@@ -55,6 +55,19 @@ def gather_layer(
     return kv.read_blocks(layer, ordered, out)
 
 
+def gather_held_layer(
+    kv: PagedKv,
+    layer: int,
+    block_ids: Sequence[int],
+    plan: TransferPlan,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``gather_layer`` of full cached blocks the caller holds (``PagedKv.read_held_blocks``:
+    any thread where ``reads_held_blocks_anywhere``, else the engine thread)."""
+    ordered = [block_ids[position] for position in plan.block_order]
+    return kv.read_held_blocks(layer, ordered, out)
+
+
 def receive_destinations(
     cache: torch.Tensor, block_ids: Sequence[int]
 ) -> tuple[TransferPlan, list[list[torch.Tensor]]]:

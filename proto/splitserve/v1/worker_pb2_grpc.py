@@ -117,8 +117,8 @@ class DecodeWorkerServicer:
     def PushCachedKv(self, request, context):
         """Prefill worker -> decode worker, the reverse transfer: push the KV of blocks this worker
         already holds for an open reservation (the leading blocks it counted in
-        KvReservation.num_cached_blocks, e.g. a conversation's history decoded here) into blocks
-        the prefill worker reserved, so that it computes only the prompt's tokens after them.
+        KvReservation.num_cached_blocks, e.g. a conversation's history decoded here) into the
+        prefill worker's buffer, so that it computes only the prompt's tokens after them.
         Returns once every message was sent. INVALID_ARGUMENT for a transfer that is not open
         here or blocks beyond its cached ones; FAILED_PRECONDITION for another KV layout.
         """
