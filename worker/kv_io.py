@@ -51,8 +51,7 @@ def gather_layer(
     """A contiguous copy of ``layer``'s K and V in these blocks (the prompt's, in block-table
     order), reordered as ``plan.block_order`` says (engine thread): ``[2, blocks, block,
     kv_heads, dim]``, written into ``out`` (e.g. ``staging_buffer(...)[layer]``) when given."""
-    ordered = [block_ids[position] for position in plan.block_order]
-    return kv.read_blocks(layer, ordered, out)
+    return kv.read_blocks(layer, _in_plan_order(block_ids, plan), out)
 
 
 def gather_held_layer(
@@ -64,8 +63,11 @@ def gather_held_layer(
 ) -> torch.Tensor:
     """``gather_layer`` of full cached blocks the caller holds (``PagedKv.read_held_blocks``:
     any thread where ``reads_held_blocks_anywhere``, else the engine thread)."""
-    ordered = [block_ids[position] for position in plan.block_order]
-    return kv.read_held_blocks(layer, ordered, out)
+    return kv.read_held_blocks(layer, _in_plan_order(block_ids, plan), out)
+
+
+def _in_plan_order(block_ids: Sequence[int], plan: TransferPlan) -> list[int]:
+    return [block_ids[position] for position in plan.block_order]
 
 
 def receive_destinations(
