@@ -283,7 +283,7 @@ class DecodeWorker:
                 f"({pull.compat_hash} != {self.layout.compat_hash})"
             )
         endpoint = await self.transport.connect(pull.transport_address)
-        # From here to the gather's engine command, nothing awaits: a stop of the transfer
+        # From here to the gather (or its engine command), nothing awaits: a stop of the transfer
         # (``_stop_receiving``) queues the hold's release after the gather.
         incoming = self._incoming.get(pull.transfer_id)
         if incoming is None or incoming.request_id != pull.request_id:

@@ -227,8 +227,10 @@ class PrefillWorker:
             secret,
             self.layout.compat_hash,
         )
+        num_bytes = staging.numel() * staging.element_size()
         pulling = start_span("kv pull", request_id, parent=span)
         pulling.set_attribute("splitserve.kv_blocks", plan.num_blocks)
+        pulling.set_attribute("splitserve.kv_bytes", num_bytes)
         started = time.monotonic()
         try:
             await peer.client.push_cached_kv(pull, self.transfer_timeout_s)
@@ -251,10 +253,8 @@ class PrefillWorker:
             raise
         finally:
             pulling.end()
-        num_bytes = staging.numel() * staging.element_size()
         self.transfer_metrics.completed("receive", num_bytes, time.monotonic() - started)
         self.transfer_metrics.pulled_blocks.inc(plan.num_blocks)
-        pulling.set_attribute("splitserve.kv_bytes", num_bytes)
         return PulledKv(held, staging)
 
     def _keep_until_settled(self, receiver: LayerReceiver, staging: torch.Tensor) -> None:
