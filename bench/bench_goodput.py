@@ -86,6 +86,7 @@ SPLITSERVE_FLAGS = {
     "splitserve-sim": ["--placement=adaptive"],
     "splitserve-no-reuse": ["--placement=adaptive", "--decode-worker-args=--no-prefix-caching"],
     "splitserve-no-pull": ["--placement=adaptive"],
+    "splitserve-pull-2": ["--placement=adaptive"],
 }
 """splitserve's configurations: ``splitserve`` is ``make serve``'s (1 prefill + 1 decode worker,
 a core each, adaptive placement); ``-remote`` / ``-local`` force where every prompt runs;
@@ -108,13 +109,14 @@ decode worker that keeps no prefix cache, so a conversation's next turn finds no
 history there (the prefill worker's cache still holds the prompts, as before issue 33);
 ``-no-pull`` is ``make serve``'s with prefill workers that never pull a decode worker's cached
 KV (``--pull-cached-kv-min-blocks=0``): a turn computed there recomputes the history its own
-cache lacks."""
+cache lacks; ``-pull-2`` pulls only from two blocks on (``make serve``'s default: one)."""
 SPLITSERVE_ENV = {
     "splitserve-eager": {"SPLITSERVE_TTFT_AT_RISK": "0"},
     "splitserve-no-gemv": {"SPLITSERVE_DECODE_GEMV": "0"},
     "splitserve-widen": {"SPLITSERVE_QUANTIZED_WEIGHTS": "widen"},
     "splitserve-sim": {"SPLITSERVE_ENGINE": "sim"},
     "splitserve-no-pull": {"SPLITSERVE_PULL_CACHED_KV_MIN_BLOCKS": "0"},
+    "splitserve-pull-2": {"SPLITSERVE_PULL_CACHED_KV_MIN_BLOCKS": "2"},
 }
 """Coordinator flags ``up`` does not take, through their environment twins."""
 BASELINE = "splitserve-baseline"

@@ -19,10 +19,12 @@ received and the blocks it reused (``splitserve_kv_transfer_bytes_total{directio
 ``splitserve_kv_reused_blocks_total``) and the coordinator's placement decisions, over the run.
 
 The prefill worker's pulls of the decode worker's cached KV (the reverse transfer) too:
-``splitserve_kv_pulled_blocks_total`` and its bytes received.
+``splitserve_kv_pulled_blocks_total`` and its bytes received. And per run, the requests that
+missed the SLO by what they missed (TTFT, mean ITL, both) and the failed ones.
 
 Servers: ``splitserve`` (``make serve``'s layout), ``splitserve-no-pull`` (the same with
 prefill workers that never pull: a turn computed there recomputes what its cache lacks),
+``splitserve-pull-2`` (pulling only from two blocks on, not one),
 ``splitserve-no-reuse`` (the same with
 decode workers that keep no prefix cache, ``up --decode-worker-args=--no-prefix-caching``:
 every turn's whole prompt is pushed, the prefill worker's cache still holding the prompts),
@@ -146,6 +148,22 @@ def by_turn(records: list[Json]) -> dict[str, Json]:
     return table
 
 
+def misses(records: list[Json]) -> dict[str, int]:
+    """Requests outside the chat SLO by what they missed (a request's mean inter-token
+    latency, as aiperf's goodput reads it), and failed ones."""
+    counts = {"ttft": 0, "itl": 0, "both": 0, "failed": 0}
+    for record in records:
+        metrics = record.get("metrics") or {}
+        if record.get("error") or "time_to_first_token" not in metrics:
+            counts["failed"] += 1
+            continue
+        late = metrics["time_to_first_token"]["value"] > TTFT_SLO_MS
+        slow = metrics.get("inter_token_latency", {}).get("value", 0.0) > ITL_SLO_MS
+        if late or slow:
+            counts["both" if late and slow else "ttft" if late else "itl"] += 1
+    return counts
+
+
 def main() -> Json:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--servers", default=",".join(SERVERS))
@@ -186,6 +204,7 @@ def main() -> Json:
                 placed, kv = placement_counts(cluster_log), decode_kv(cluster_log)
                 figures, records = aiperf_run(args, url, seed)
                 run = {"seed": seed, **figures, "by_turn": by_turn(records)}
+                run["missed"] = misses(records)
                 run["placements"] = _counts_between(placed, placement_counts(cluster_log))
                 run["decode_kv"] = _counts_between(kv, decode_kv(cluster_log))
                 runs.append(run)
@@ -194,7 +213,8 @@ def main() -> Json:
                     f"{name} #{repeat}: goodput {run['goodput']:.3f} (good "
                     f"{run['good_fraction']}), computed by turn "
                     f"{[round(t['computed_tokens']) for t in turns.values()]}, TTFT p50 by turn "
-                    f"{[round(t['ttft_p50_ms']) for t in turns.values()]}, kv {run['decode_kv']}"
+                    f"{[round(t['ttft_p50_ms']) for t in turns.values()]}, missed "
+                    f"{run['missed']}, kv {run['decode_kv']}"
                 )
                 results["servers"][name] = runs
                 out.write_text(json.dumps(results, indent=2) + "\n")  # kept if cut off
