@@ -118,7 +118,8 @@ def main() -> int:
         report["reference_s"] = time.monotonic() - started
         argv = [
             "splitserve.launch.up", f"--model={model}", "--port=0", "--internal-port=0",
-            "--no-gateway", "--metrics-port-base=0", "--placement=remote", "--",
+            "--no-gateway", "--metrics-port-base=0", "--placement=remote", "--layout=split",
+            "--",
             f"--device={args.device}", "--dtype=float32", "--num-blocks=512",
         ]  # fmt: skip
         token = ClusterCredential.generate().token
