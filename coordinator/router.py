@@ -446,28 +446,23 @@ class Router:
             {w.address for w in self.registry.workers(Role.DECODE)} if candidates else set()
         )
         decode_cached = self._decode_cached_tokens(decode, hashes, num_prompt_tokens)
-        own_cached = {
-            w.worker_id: self._held_blocks(w.worker_id, hashes, self._prefix) * w.block_size
-            for w in candidates
-        }
-
-        def pullable(worker: WorkerRecord) -> int:
-            return self._pullable_tokens(worker, own_cached[worker.worker_id], decode_cached)
-
-        prefills = [
-            PrefillView(
-                worker_id=w.worker_id,
-                cost=w.load.step_cost,
-                queued_tokens=self._queued_prefill_tokens(w),
-                cached_tokens=max(own_cached[w.worker_id], pullable(w)),
-                pulled_tokens=max(pullable(w) - own_cached[w.worker_id], 0),
-                batch_requests=w.load.num_running_requests if w.address in decoding_at else 0,
-                batch_tokens=w.load.num_running_tokens if w.address in decoding_at else 0,
-                chunk_tokens=w.load.chunk_tokens,
-                prefill_share=w.load.prefill_share,
+        prefills = []
+        for w in candidates:
+            own = self._held_blocks(w.worker_id, hashes, self._prefix) * w.block_size
+            pulled = self._pulled_tokens(w, own, decode_cached)
+            prefills.append(
+                PrefillView(
+                    worker_id=w.worker_id,
+                    cost=w.load.step_cost,
+                    queued_tokens=self._queued_prefill_tokens(w),
+                    cached_tokens=own + pulled,
+                    pulled_tokens=pulled,
+                    batch_requests=w.load.num_running_requests if w.address in decoding_at else 0,
+                    batch_tokens=w.load.num_running_tokens if w.address in decoding_at else 0,
+                    chunk_tokens=w.load.chunk_tokens,
+                    prefill_share=w.load.prefill_share,
+                )
             )
-            for w in candidates
-        ]
         now = time.monotonic()
         decoding = self._pending[decode.worker_id].decoding
         if self.config.mode is not PlacementMode.ADAPTIVE:  # only adaptive guards them: O(N)
@@ -489,14 +484,14 @@ class Router:
         )
 
     @staticmethod
-    def _pullable_tokens(prefill: WorkerRecord, own_cached: int, decode_cached: int) -> int:
+    def _pulled_tokens(prefill: WorkerRecord, own_cached: int, decode_cached: int) -> int:
         """Of a prompt, the tokens ``prefill`` would pull from the decode worker's cache
-        (``decode_cached`` tokens) and so need not compute, given the ``own_cached`` it
-        holds: the decode worker's prefix where it pulls and that is enough more (the
-        reverse transfer, ``prefill/worker.py``), else 0."""
+        (which holds ``decode_cached`` of them) beyond the ``own_cached`` it holds, and so
+        need not compute: all the decode worker holds more, where it pulls and that is
+        enough more (the reverse transfer, ``prefill/worker.py``), else 0."""
         pulls = prefill.pulls_cached_kv_min_blocks
         if pulls and decode_cached - own_cached >= pulls * prefill.block_size:
-            return decode_cached
+            return decode_cached - own_cached
         return 0
 
     def _decode_cached_tokens(

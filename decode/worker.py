@@ -75,7 +75,7 @@ from splitserve.transfer.reservation import CachedKvPull, FirstToken, KvReservat
 from splitserve.transfer.transport import KvTransport
 from splitserve.worker.identity import WorkerIdentity
 from splitserve.worker.kv_io import (
-    gather_held_layer,
+    gather_layer,
     kv_layout_of,
     receive_destinations,
     staging_buffer,
@@ -308,7 +308,7 @@ class DecodeWorker:
 
         def gather() -> None:  # held blocks: here, or on the engine thread (a GPU cache)
             for layer in range(num_layers):
-                kv = gather_held_layer(paged_kv, layer, block_ids, pull.plan, staging[layer])
+                kv = gather_layer(paged_kv, layer, block_ids, pull.plan, staging[layer])
                 sender.offer(layer, kv)
 
         started = time.monotonic()

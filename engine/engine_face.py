@@ -122,21 +122,15 @@ class PagedKv:
     def read_blocks(
         self, layer: int, block_ids: Sequence[int], out: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """Engine thread only: a copy of ``layer``'s K and V in these blocks, ``[2, blocks,
-        block_size, kv_heads, head_dim]``, written into ``out`` when given."""
+        """A copy of ``layer``'s K and V in these blocks, ``[2, blocks, block_size, kv_heads,
+        head_dim]``, written into ``out`` when given. Engine thread only, except for full
+        prefix-cache blocks the caller holds (a reservation's cached prefix: no step writes a
+        full cached block, and the hold keeps it from being handed out), which any thread may
+        read where ``reads_held_blocks_anywhere``."""
         return self._runner.read_kv_blocks(layer, block_ids, out)
 
     @property
     def reads_held_blocks_anywhere(self) -> bool:
-        """Whether ``read_held_blocks`` may run off the engine thread: a cache in host
-        memory (on a GPU the read would race the engine's stream)."""
+        """Whether held full blocks may be read off the engine thread (``read_blocks``): a
+        cache in host memory (on a GPU the read would race the engine's stream)."""
         return self.cache.device.type == "cpu"
-
-    def read_held_blocks(
-        self, layer: int, block_ids: Sequence[int], out: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """``read_blocks`` of full prefix-cache blocks the caller holds (a reservation's
-        cached prefix: no step writes a full cached block, and the hold keeps it from being
-        handed out), from any thread where ``reads_held_blocks_anywhere``, else the engine
-        thread only."""
-        return self._runner.read_kv_blocks(layer, block_ids, out)

@@ -49,25 +49,10 @@ def gather_layer(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A contiguous copy of ``layer``'s K and V in these blocks (the prompt's, in block-table
-    order), reordered as ``plan.block_order`` says (engine thread): ``[2, blocks, block,
-    kv_heads, dim]``, written into ``out`` (e.g. ``staging_buffer(...)[layer]``) when given."""
-    return kv.read_blocks(layer, _in_plan_order(block_ids, plan), out)
-
-
-def gather_held_layer(
-    kv: PagedKv,
-    layer: int,
-    block_ids: Sequence[int],
-    plan: TransferPlan,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """``gather_layer`` of full cached blocks the caller holds (``PagedKv.read_held_blocks``:
-    any thread where ``reads_held_blocks_anywhere``, else the engine thread)."""
-    return kv.read_held_blocks(layer, _in_plan_order(block_ids, plan), out)
-
-
-def _in_plan_order(block_ids: Sequence[int], plan: TransferPlan) -> list[int]:
-    return [block_ids[position] for position in plan.block_order]
+    order), reordered as ``plan.block_order`` says: ``[2, blocks, block, kv_heads, dim]``,
+    written into ``out`` (e.g. ``staging_buffer(...)[layer]``) when given. On the engine
+    thread, or for held full cached blocks where ``PagedKv.reads_held_blocks_anywhere``."""
+    return kv.read_blocks(layer, [block_ids[position] for position in plan.block_order], out)
 
 
 def receive_destinations(

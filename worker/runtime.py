@@ -329,6 +329,10 @@ def worker_main(
         parser.error(f"cores: {error}")
     configure_tracing(label, args.otlp_traces_endpoint)  # its export thread on our cores
 
+    try:
+        transfer_settings_of(args)  # refused here, not after the engine loaded
+    except ValueError as error:
+        parser.error(str(error))
     if args.host_workers < 1:
         parser.error("--host-workers must be at least 1")
     if args.host_workers > 1 and args.engine != "sim":

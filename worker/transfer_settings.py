@@ -17,7 +17,7 @@ the Cascade Lake Xeon it was measured on (bench/README, 2026-11-27: from one blo
 
 @dataclass(frozen=True)
 class TransferSettings:
-    timeout_s: float = 30.0
+    timeout_s: float
     """How long one KV transfer (either way) may take before it fails."""
     pull_min_blocks: int = DEFAULT_PULL_MIN_BLOCKS
     """A prefill worker pulls a decode worker's cached prefix of a prompt (the reverse
@@ -26,7 +26,7 @@ class TransferSettings:
 
     def __post_init__(self) -> None:
         if self.timeout_s <= 0:
-            raise ValueError(f"a transfer timeout must be positive, not {self.timeout_s}")
+            raise ValueError(f"--transfer-timeout must be positive, not {self.timeout_s}")
         if self.pull_min_blocks < 0:
             raise ValueError(
                 f"--pull-cached-kv-min-blocks must be >= 0, not {self.pull_min_blocks}"
