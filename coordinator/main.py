@@ -37,6 +37,7 @@ from splitserve.common.membership import Role
 from splitserve.common.memory_budget import StreamCap, stream_cap
 from splitserve.common.metrics import serve_metrics
 from splitserve.common.model_files import load_tokenizer, model_name_of, resolve_model_path
+from splitserve.common.startup_heap import freeze_startup_heap
 from splitserve.common.tracing import add_tracing_args, configure_tracing, shutdown_tracing
 from splitserve.coordinator import INTERNAL_READY, PUBLIC_READY
 from splitserve.coordinator.admission import AdmissionConfig
@@ -379,6 +380,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.metrics_port >= 0:
             port = serve_metrics(registry, args.host, args.metrics_port)
             print(f"coordinator metrics at http://{args.host}:{port}/metrics", flush=True)
+        logger.info("%d start-up objects frozen out of full collections", freeze_startup_heap())
         print(f"{PUBLIC_READY} at {args.host}:{server.port}", flush=True)
         watcher = asyncio.create_task(_watch_workers(coordinator, server, stop))
         follower = _membership_follower(args, coordinator)
