@@ -32,12 +32,12 @@ from prometheus_client import CollectorRegistry
 from splitserve.common.api_keys import add_api_key_args, add_health_needs_key_flag, api_keys_or_exit
 from splitserve.common.cpu_affinity import pin_or_exit
 from splitserve.common.env_flags import add_env_flag, comma_separated, env_default, truthy
+from splitserve.common.gc_tuning import tune_gc_for_serving
 from splitserve.common.loop_lag import LoopLag
 from splitserve.common.membership import Role
 from splitserve.common.memory_budget import StreamCap, stream_cap
 from splitserve.common.metrics import serve_metrics
 from splitserve.common.model_files import load_tokenizer, model_name_of, resolve_model_path
-from splitserve.common.startup_heap import freeze_startup_heap
 from splitserve.common.tracing import add_tracing_args, configure_tracing, shutdown_tracing
 from splitserve.coordinator import INTERNAL_READY, PUBLIC_READY
 from splitserve.coordinator.admission import AdmissionConfig
@@ -380,7 +380,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.metrics_port >= 0:
             port = serve_metrics(registry, args.host, args.metrics_port)
             print(f"coordinator metrics at http://{args.host}:{port}/metrics", flush=True)
-        logger.info("%d start-up objects frozen out of full collections", freeze_startup_heap())
+        logger.info("%d start-up objects frozen out of full collections", tune_gc_for_serving())
         print(f"{PUBLIC_READY} at {args.host}:{server.port}", flush=True)
         watcher = asyncio.create_task(_watch_workers(coordinator, server, stop))
         follower = _membership_follower(args, coordinator)

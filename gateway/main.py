@@ -29,8 +29,8 @@ import uvloop
 from splitserve.common.api_keys import add_api_key_args, add_health_needs_key_flag, api_keys_or_exit
 from splitserve.common.cpu_affinity import pin_or_exit
 from splitserve.common.env_flags import add_env_flag, comma_separated, env_default, env_name, truthy
+from splitserve.common.gc_tuning import tune_gc_for_serving
 from splitserve.common.orphan import stop_when_orphaned
-from splitserve.common.startup_heap import freeze_startup_heap
 from splitserve.common.tracing import add_tracing_args, configure_tracing, shutdown_tracing
 from splitserve.gateway.app import GatewayConfig, create_app
 from splitserve.gateway.body_limit import DEFAULT_MAX_BODY_BYTES
@@ -201,7 +201,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if listeners is not None:  # before the ready line, which launchers wait for
             own = f"{scheme}://{args.host}:{listeners.instance_port}"
             print(f"splitserve gateway instance at {own}", flush=True)
-        frozen = freeze_startup_heap()
+        frozen = tune_gc_for_serving()
         logging.getLogger("splitserve.gateway").info(
             "%d start-up objects frozen out of full collections", frozen
         )

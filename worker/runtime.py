@@ -31,6 +31,7 @@ from prometheus_client import CollectorRegistry
 
 from splitserve.common.busy_flag import BusyFlag, BusyFlagReader
 from splitserve.common.errors import MembershipStoreError
+from splitserve.common.gc_tuning import tune_gc_for_serving
 from splitserve.common.kv_events import KvEventLog
 from splitserve.common.kv_layout import KvLayout
 from splitserve.common.load import LoadReport
@@ -38,7 +39,6 @@ from splitserve.common.membership import Role, WorkerInfo, hosted_worker_ids, me
 from splitserve.common.metrics import serve_metrics
 from splitserve.common.model_files import model_name_of, resolve_model_path
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.common.startup_heap import freeze_startup_heap
 from splitserve.common.tracing import configure_tracing, shutdown_tracing
 from splitserve.discovery.etcd_announcer import EtcdAnnouncer
 from splitserve.discovery.flags import etcd_endpoints
@@ -200,7 +200,7 @@ async def run_worker(
     monitor.bind(report)
     await server.set_serving(True)
     watching = asyncio.create_task(stall_watch.watch(server.set_serving, stop))
-    logger.info("%d start-up objects frozen out of full collections", freeze_startup_heap())
+    logger.info("%d start-up objects frozen out of full collections", tune_gc_for_serving())
     print(f"splitserve {label} ready at {address}", flush=True)
 
     infos = [
