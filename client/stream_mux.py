@@ -29,6 +29,13 @@ Contracts:
   is half-closed, so the stream's retry goes out on a fresh call.
 - Cancelling a stream that has not ended sends its ``cancel``: the coordinator aborts its
   request on every worker.
+- Refusals at the edge: a stream that ended RESOURCE_EXHAUSTED with ``refuses_all_ms`` (the
+  coordinator's admission queue is full, so it refuses every arrival whatever it asks) makes
+  its call refuse the streams started on it for that long itself, with that refusal's status
+  and message and what is left of its retry hint; a new stream goes to another of the
+  ``width`` calls whose coordinator has not said so, and is refused at once only where all
+  have (a crowd past the queue is answered without reaching the coordinator: the gateway's
+  429s then cost it no gRPC round trip).
 - A reader that fell behind gets the token chunks that queued up for it as one chunk
   (``_merge_chunks``): the same tokens, text and logprobs, in fewer pieces.
 """
@@ -87,19 +94,46 @@ class StreamMultiplexer:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         return MultiplexedStream(self, request, deadline, metadata, self._retry)
 
-    def call_for(self, metadata: Metadata | None) -> StreamsClientCall:
-        """The next open call for ``metadata``'s key, opened now where there is none."""
+    def call_for(self, metadata: Metadata | None) -> StreamsClientCall | StreamError:
+        """The next open call for ``metadata``'s key (opened now where there is none) whose
+        coordinator has not said it refuses every new stream for now; where every one of the
+        ``width`` has, the refusal the stream gets at once, without a round trip
+        (``StreamsClientCall.refusal_at``)."""
         self._close_idle()
         slots = self._calls.setdefault(metadata, [None] * self._width)
-        index = next(self._turn) % self._width
-        call = slots[index]
-        if call is None or not call.accepting:
-            call = slots[index] = StreamsClientCall(
-                lambda requests: self._stub.GenerateStreams(requests, metadata=metadata),
-                coordinator_pb2.StreamsRequest,
-                coordinator_pb2.StreamStart,
-            )
-        return call
+        now = time.monotonic()
+        refusal: StreamError | None = None
+        for _ in range(self._width):
+            index = next(self._turn) % self._width
+            call = slots[index]
+            if call is None or not call.accepting:
+                call = slots[index] = StreamsClientCall(
+                    lambda requests: self._stub.GenerateStreams(requests, metadata=metadata),
+                    coordinator_pb2.StreamsRequest,
+                    coordinator_pb2.StreamStart,
+                )
+            refusal = call.refusal_at(now)
+            if refusal is None:
+                return call
+        assert refusal is not None  # width >= 1
+        return refusal
+
+    def refusal_for(self, metadata: Metadata | None) -> StreamError | None:
+        """The refusal a stream started now for ``metadata``'s key would get at once from
+        ``call_for`` (every one of the key's ``width`` calls is open and its coordinator said
+        it refuses every new stream for now), without starting one; None: it would be sent."""
+        slots = self._calls.get(metadata)
+        if not slots:
+            return None
+        now = time.monotonic()
+        refusal: StreamError | None = None
+        for call in slots:
+            if call is None or not call.accepting:
+                return None
+            refusal = call.refusal_at(now)
+            if refusal is None:
+                return None
+        return refusal
 
     def _close_idle(self) -> None:
         """Half-close the calls that carried no stream for ``IDLE_CLOSE_S`` (every API key
@@ -153,8 +187,14 @@ class MultiplexedStream:
     def _start_attempt(self) -> None:
         self._attempts += 1
         self._outcome = None
-        self._call = self._multiplexer.call_for(self._metadata)
-        self._key = self._call.open(self, self._request)
+        chosen = self._multiplexer.call_for(self._metadata)
+        if isinstance(chosen, StreamError):  # refused for the coordinators, at once
+            self._call = None
+            self._outcome = chosen
+            self._arrived.set()
+            return
+        self._call = chosen
+        self._key = chosen.open(self, self._request)
 
     def deliver(self, item: coordinator_pb2.StreamItem) -> None:
         if item.HasField("response"):
@@ -166,6 +206,8 @@ class MultiplexedStream:
             unanswered = not (self._responded or self._responses)
             if self._outcome.code() == grpc.StatusCode.UNAVAILABLE and unanswered:
                 self._call.retire()  # a draining coordinator: retries go out on a new call
+            if self._outcome.refuses_all_ms > 0:
+                self._call.refuse_all(self._outcome)
         self._arrived.set()
 
     def fail(self, error: StreamError) -> None:

@@ -59,11 +59,16 @@ class WorkerCallError(SplitserveError):
 
 
 class OverloadedError(SplitserveError):
-    """Admission refused: too many requests in flight. ``retry_after_s`` hints when to retry."""
+    """Admission refused: too many requests in flight. ``retry_after_s`` hints when to retry;
+    ``refuses_all_s`` > 0: any request arriving within that many seconds would be refused the
+    same way, whatever it asks (a full admission queue), so a caller may refuse those itself."""
 
-    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+    def __init__(
+        self, message: str, retry_after_s: float = 1.0, refuses_all_s: float = 0.0
+    ) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+        self.refuses_all_s = refuses_all_s
 
 
 # ---- KV transfer failures; each leaves both sides able to release the request's blocks ----

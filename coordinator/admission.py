@@ -66,6 +66,12 @@ from splitserve.coordinator.tenants import TenantLimits, TenantPolicy
 
 RETRY_HINT_MAX_AGE_S = 0.1
 """A full queue's refusals reuse the wait behind the whole queue computed this recently."""
+REFUSES_ALL_S = 0.1
+"""A queue full by its request count refuses every arrival, whatever it asks, until a release
+admits a waiter: its refusals say so for this long (``OverloadedError.refuses_all_s``), and a
+multiplexing caller (the gateway) refuses its next streams itself meanwhile. A release in that
+window may leave one queue place unused for its rest; the queue still holds work for every
+worker."""
 REFUSAL_REASONS = ("queue_full", "predicted_wait", "waited_out", "tenant_inflight", "tenant_tokens")
 WAIT_BACKSTOP_FACTOR = 4.0
 """A queued request is refused only after this many times ``max_queue_wait_s``: the limit
@@ -225,6 +231,7 @@ class KvAdmission:
             self._grant(request_id, demand, ticket)
             return
         if self._queue_full(demand):
+            full_by_count = len(self._queue) >= self.config.max_queued_requests
             self._refuse(
                 tenant,
                 "queue_full",
@@ -232,6 +239,7 @@ class KvAdmission:
                 f"(limit {self.config.max_queued_requests}, "
                 f"{self._queued_prompt_tokens} prompt tokens)",
                 self._wait_behind_queue_s(demand),
+                REFUSES_ALL_S if full_by_count else 0.0,
             )
         wait_s = self.predicted_wait_s(demand, ticket.order)
         if wait_s > self.config.max_queue_wait_s:
@@ -428,10 +436,17 @@ class KvAdmission:
         self._queue.commit(ticket)
         self._usage.enter(ticket.tenant)
 
-    def _refuse(self, tenant: str, reason: str, message: str, retry_after_s: float) -> NoReturn:
+    def _refuse(
+        self,
+        tenant: str,
+        reason: str,
+        message: str,
+        retry_after_s: float,
+        refuses_all_s: float = 0.0,
+    ) -> NoReturn:
         self.refusals[reason] += 1
         self._tell(AdmissionOutcome(tenant, reason, retry_after_s))
-        raise OverloadedError(message, retry_after_s=retry_after_s)
+        raise OverloadedError(message, retry_after_s, refuses_all_s)
 
     def _tell(self, outcome: AdmissionOutcome) -> None:
         for listener in self.outcome_listeners:

@@ -72,6 +72,7 @@ from splitserve.gateway.disconnect import (
     EventStreamResponse,
     unless_disconnected,
 )
+from splitserve.gateway.edge_refusal import RefuseAtTheDoor
 from splitserve.gateway.endpoints import CHAT, COMPLETIONS, Body, Endpoint
 from splitserve.gateway.errors import (
     ApiError,
@@ -189,6 +190,19 @@ class Gateway:
         caller; ``ApiError`` 404 / 503 (``gateway/model_routes.py``)."""
         return await self.models.route(model, lambda route: self.client_for(request, route))
 
+    def edge_refusal(self, authorization: str | None) -> ApiError | None:
+        """The 429 a generation request with this ``Authorization`` value gets without being
+        read: where the gateway serves one model route and every call its key's streams
+        would take has been told its coordinator refuses every new request for now
+        (``StreamMultiplexer.refusal_for``); else None (``gateway/edge_refusal.py``)."""
+        if len(self.models.routes) != 1:
+            return None
+        multiplexer = self.models.routes[0].multiplexer
+        if multiplexer is None:
+            return None
+        refusal = multiplexer.refusal_for(call_metadata(bearer_key(authorization)))
+        return None if refusal is None else from_client_error(ClientError.from_call(refusal))
+
     def count_ignored(self, body: BaseModel) -> None:
         """Refuse (``ApiError`` 400) or count the fields ``body`` has that the gateway does not
         serve (``gateway/unserved_fields.py``)."""
@@ -271,6 +285,11 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     app.add_middleware(LimitBody, max_bytes=config.max_body_bytes)
     app.add_middleware(
+        RefuseAtTheDoor,
+        paths=frozenset({COMPLETIONS.path, CHAT.path}),
+        refusal=_edge_refusal,
+    )
+    app.add_middleware(
         RequireApiKey, keys=config.api_keys, health_needs_key=config.health_needs_key
     )
     app.add_middleware(_CountRequests)
@@ -338,6 +357,12 @@ def create_app(config: GatewayConfig) -> FastAPI:
         return await _generate(gateway, request, body, CHAT)
 
     return app
+
+
+def _edge_refusal(scope: Scope, authorization: str | None) -> ApiError | None:
+    """``Gateway.edge_refusal`` of the app serving ``scope`` (None before its start-up)."""
+    gateway: Gateway | None = getattr(scope["app"].state, "gateway", None)
+    return None if gateway is None else gateway.edge_refusal(authorization)
 
 
 class _CountRequests:

@@ -34,7 +34,12 @@ class StreamError(grpc.RpcError):
     hint: what ``status.error_from_rpc`` and the client's ``ClientError.from_call`` read)."""
 
     def __init__(
-        self, code: grpc.StatusCode, details: str, param: str = "", retry_after_ms: int = 0
+        self,
+        code: grpc.StatusCode,
+        details: str,
+        param: str = "",
+        retry_after_ms: int = 0,
+        refuses_all_ms: int = 0,
     ) -> None:
         super().__init__(f"{code.name}: {details}")
         self._code = code
@@ -46,11 +51,14 @@ class StreamError(grpc.RpcError):
             metadata.append((RETRY_AFTER_METADATA_KEY, str(retry_after_ms)))
         self._metadata = tuple(metadata)
         self.retry_after_ms = retry_after_ms
+        self.refuses_all_ms = refuses_all_ms
+        """> 0: the server refuses every new stream for this long (``StreamEnd``)."""
 
     @classmethod
     def of_end(cls, end: common_pb2.StreamEnd) -> StreamError:
         code = _CODES_BY_NUMBER.get(end.code, grpc.StatusCode.UNKNOWN)
-        return cls(code, end.message or code.name, end.param, end.retry_after_ms)
+        message = end.message or code.name
+        return cls(code, message, end.param, end.retry_after_ms, end.refuses_all_ms)
 
     def code(self) -> grpc.StatusCode:
         return self._code
@@ -93,6 +101,9 @@ class StreamsClientCall:
         """When the call's last stream ended (None while it has streams)."""
         self.accepting = True
         """False once the call broke, ended or was retired: new streams go elsewhere."""
+        self._refusal: StreamError | None = None
+        """The server's last refusal of every new stream (``refuse_all``), while it holds."""
+        self._refusing_since = self._refusing_until = 0.0
         self._call = open_call(self._requests())
         self._reader = asyncio.ensure_future(self._read())
 
@@ -127,6 +138,28 @@ class StreamsClientCall:
     def close(self) -> None:
         """End the call now: every open stream fails CANCELLED."""
         self._call.cancel()
+
+    def refuse_all(self, refusal: StreamError) -> None:
+        """The server ended a stream with ``refusal``, which says it refuses every new stream
+        for ``refusal.refuses_all_ms``: ``refusal_at`` answers for it until then."""
+        self._refusal = refusal
+        self._refusing_since = time.monotonic()
+        self._refusing_until = self._refusing_since + refusal.refuses_all_ms / 1000.0
+
+    def refusal_at(self, now: float) -> StreamError | None:
+        """What the server would answer a stream opened at ``now`` (``time.monotonic``),
+        where it said it refuses every one then: its refusal, the retry hint less the time
+        since it came (at least 1 ms); None: open the stream and ask."""
+        refusal = self._refusal
+        if refusal is None or now >= self._refusing_until:
+            return None
+        waited_ms = int((now - self._refusing_since) * 1000)
+        return StreamError(
+            refusal.code(),
+            f"{refusal.details()} (answered for the server, which refuses every new request "
+            "for now)",
+            retry_after_ms=max(1, refusal.retry_after_ms - waited_ms),
+        )
 
     def idle_s(self, now: float) -> float:
         """Seconds since the call's last stream ended; 0 while it has streams."""

@@ -19,7 +19,8 @@ Contract (``StreamsCall.serve``):
 - A ``start`` runs its request through ``run`` (the same code as the stream's own call);
   its responses become items under the stream's key, in order, then one end: OK when
   ``run`` returned, else the status of the ``SplitserveError`` it raised
-  (``proto/status.py:status_of``, an overload refusal's hint as ``retry_after_ms``).
+  (``proto/status.py:status_of``, an overload refusal's hint as ``retry_after_ms``, and
+  ``OverloadedError.refuses_all_s`` as ``refuses_all_ms``).
 - ``cancel`` of a running key cancels its task (as a cancelled call would be), and nothing
   more is sent under that key.
 - While ``draining()``, a new stream ends UNAVAILABLE at once, and the call ends once its
@@ -39,7 +40,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 import grpc
 
-from splitserve.common.errors import SplitserveError
+from splitserve.common.errors import OverloadedError, SplitserveError
 from splitserve.proto.splitserve.v1 import common_pb2
 from splitserve.proto.status import retry_after_ms_of, status_of
 
@@ -133,7 +134,10 @@ class StreamsCall(Generic[Request, Response]):
             await self._run(request, send)
         except SplitserveError as error:
             code, message, param = status_of(error)
-            self._end(key, code, message, param, retry_after_ms_of(error) or 0)
+            refuses_all_ms = 0
+            if isinstance(error, OverloadedError):
+                refuses_all_ms = int(error.refuses_all_s * 1000)
+            self._end(key, code, message, param, retry_after_ms_of(error) or 0, refuses_all_ms)
         except asyncio.CancelledError:
             self._tasks.pop(key, None)
             self._ready.set()
@@ -151,9 +155,14 @@ class StreamsCall(Generic[Request, Response]):
         message: str,
         param: str = "",
         retry_after_ms: int = 0,
+        refuses_all_ms: int = 0,
     ) -> None:
         end = common_pb2.StreamEnd(
-            code=code.value[0], message=message, param=param, retry_after_ms=retry_after_ms
+            code=code.value[0],
+            message=message,
+            param=param,
+            retry_after_ms=retry_after_ms,
+            refuses_all_ms=refuses_all_ms,
         )
         self._outbox.append(self._item(key=key, end=end))
         self._tasks.pop(key, None)

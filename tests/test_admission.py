@@ -14,6 +14,7 @@ import pytest
 from splitserve.common.errors import OverloadedError
 from splitserve.common.step_cost import StepCost
 from splitserve.coordinator.admission import (
+    REFUSES_ALL_S,
     RETRY_HINT_MAX_AGE_S,
     AdmissionConfig,
     KvAdmission,
@@ -139,12 +140,14 @@ def test_the_queue_is_bounded_by_requests_and_by_prompt_tokens() -> None:
         await gate.admit("running", demand(16, 16))  # 32
         await gate.admit("running-2", demand(16, 16))  # 64: full, ends in 0.8 s
         first = await started(gate.admit("w1", demand(60, 4)))
-        with pytest.raises(OverloadedError, match="prompt tokens"):
+        with pytest.raises(OverloadedError, match="prompt tokens") as by_tokens:
             await gate.admit("too-many-tokens", demand(50, 4))  # 60 + 50 > 100
+        assert by_tokens.value.refuses_all_s == 0  # a smaller prompt would still fit
         second = await started(gate.admit("w2", demand(30, 2)))
         with pytest.raises(OverloadedError, match="already wait") as refused:
             await gate.admit("too-many", demand(1, 1))
         assert refused.value.retry_after_s > 0  # computed: the queue ahead must run first
+        assert refused.value.refuses_all_s == REFUSES_ALL_S  # full by count: any arrival
         assert gate.refusals["queue_full"] == 2
         gate.release("running")
         gate.release("running-2")

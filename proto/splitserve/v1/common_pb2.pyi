@@ -116,13 +116,15 @@ class Error(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., param: _Optional[str] = ...) -> None: ...
 
 class StreamEnd(_message.Message):
-    __slots__ = ("code", "message", "param", "retry_after_ms")
+    __slots__ = ("code", "message", "param", "retry_after_ms", "refuses_all_ms")
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     PARAM_FIELD_NUMBER: _ClassVar[int]
     RETRY_AFTER_MS_FIELD_NUMBER: _ClassVar[int]
+    REFUSES_ALL_MS_FIELD_NUMBER: _ClassVar[int]
     code: int
     message: str
     param: str
     retry_after_ms: int
-    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., param: _Optional[str] = ..., retry_after_ms: _Optional[int] = ...) -> None: ...
+    refuses_all_ms: int
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., param: _Optional[str] = ..., retry_after_ms: _Optional[int] = ..., refuses_all_ms: _Optional[int] = ...) -> None: ...
