@@ -231,7 +231,6 @@ class KvAdmission:
             self._grant(request_id, demand, ticket)
             return
         if self._queue_full(demand):
-            full_by_count = len(self._queue) >= self.config.max_queued_requests
             self._refuse(
                 tenant,
                 "queue_full",
@@ -239,7 +238,7 @@ class KvAdmission:
                 f"(limit {self.config.max_queued_requests}, "
                 f"{self._queued_prompt_tokens} prompt tokens)",
                 self._wait_behind_queue_s(demand),
-                REFUSES_ALL_S if full_by_count else 0.0,
+                REFUSES_ALL_S if self._queue_full_by_count() else 0.0,
             )
         wait_s = self.predicted_wait_s(demand, ticket.order)
         if wait_s > self.config.max_queue_wait_s:
@@ -482,12 +481,15 @@ class KvAdmission:
         return int(self.config.prefill_backlog_s * prefill_tokens_per_s)
 
     def _queue_full(self, demand: KvDemand) -> bool:
-        config = self.config
         return (
-            len(self._queue) >= config.max_queued_requests
+            self._queue_full_by_count()
             or self._queued_prompt_tokens + demand.num_prompt_tokens
-            > config.max_queued_prompt_tokens
+            > self.config.max_queued_prompt_tokens
         )
+
+    def _queue_full_by_count(self) -> bool:
+        """The queue refuses any request, whatever its prompt (``REFUSES_ALL_S``)."""
+        return len(self._queue) >= self.config.max_queued_requests
 
     def _grant(self, request_id: str, demand: KvDemand, ticket: Ticket) -> None:
         """Admit: its KV counts, its tenant's tokens are taken, the virtual time moves on."""

@@ -380,7 +380,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.metrics_port >= 0:
             port = serve_metrics(registry, args.host, args.metrics_port)
             print(f"coordinator metrics at http://{args.host}:{port}/metrics", flush=True)
-        logger.info("%d start-up objects frozen out of full collections", tune_gc_for_serving())
+        tune_gc_for_serving()
         print(f"{PUBLIC_READY} at {args.host}:{server.port}", flush=True)
         watcher = asyncio.create_task(_watch_workers(coordinator, server, stop))
         follower = _membership_follower(args, coordinator)

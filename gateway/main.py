@@ -201,10 +201,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if listeners is not None:  # before the ready line, which launchers wait for
             own = f"{scheme}://{args.host}:{listeners.instance_port}"
             print(f"splitserve gateway instance at {own}", flush=True)
-        frozen = tune_gc_for_serving()
-        logging.getLogger("splitserve.gateway").info(
-            "%d start-up objects frozen out of full collections", frozen
-        )
+        tune_gc_for_serving()
         print(f"splitserve gateway ready at {scheme}://{args.host}:{port}", flush=True)
         await task
 

@@ -200,7 +200,7 @@ async def run_worker(
     monitor.bind(report)
     await server.set_serving(True)
     watching = asyncio.create_task(stall_watch.watch(server.set_serving, stop))
-    logger.info("%d start-up objects frozen out of full collections", tune_gc_for_serving())
+    tune_gc_for_serving()
     print(f"splitserve {label} ready at {address}", flush=True)
 
     infos = [
