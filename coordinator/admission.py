@@ -163,6 +163,9 @@ class AdmissionSnapshot:
     tpot_s: float
     ttft_s: float
     prefill_backlog_tokens: int
+    prefill_drain_tokens_per_s: float | None
+    """The backlog's measured drain rate (None: not measured; predictions use the workers'
+    compute rate)."""
 
 
 class KvAdmission:
@@ -293,8 +296,7 @@ class KvAdmission:
         if admitted.last_token_at is None:  # ended before its first token
             self._backlog_prompt_count -= 1
             self._prefill_backlog -= admitted.demand.num_prompt_tokens
-            if self._prefill_backlog == 0:
-                self._latency.backlog_emptied()
+            self._latency.backlog_changed(self._clock(), self._backlog_prompt_count)
         self._usage.leave(admitted.tenant, admitted.tokens_left)
         self._serve()
 
@@ -313,7 +315,7 @@ class KvAdmission:
             self._latency.first_token(now - admitted.admitted_at)
             num_prompt_tokens = admitted.demand.num_prompt_tokens
             self._prefill_backlog -= num_prompt_tokens
-            self._latency.prompt_prefilled(num_prompt_tokens, now, self._prefill_backlog)
+            self._latency.prompt_prefilled(num_prompt_tokens, now, self._backlog_prompt_count)
             self._serve()
         else:
             self._latency.output_tokens(num_new_tokens, now - previous)
@@ -401,6 +403,7 @@ class KvAdmission:
             tpot_s=self._latency.tpot_s,
             ttft_s=self._latency.ttft_s,
             prefill_backlog_tokens=self._prefill_backlog,
+            prefill_drain_tokens_per_s=self._latency.drain_tokens_per_s,
         )
 
     # ---- tenants -----------------------------------------------------------------------
@@ -499,9 +502,8 @@ class KvAdmission:
         self._admitted_tokens += demand.num_tokens
         self._admitted_context_sum += _context_of(demand)
         self._backlog_prompt_count += 1
-        if self._prefill_backlog == 0:
-            self._latency.backlog_filled(self._clock())
         self._prefill_backlog += demand.num_prompt_tokens
+        self._latency.backlog_changed(self._clock(), self._backlog_prompt_count)
         self._usage.take(ticket.tenant, demand.num_prompt_tokens + demand.max_tokens)
         self._queue.started(ticket)
         self._tell(AdmissionOutcome(ticket.tenant))

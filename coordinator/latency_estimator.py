@@ -3,9 +3,19 @@ averages and the wait prediction that plays the queue forward.
 
 Measured (exponential averages, each new figure weighing ``SMOOTHING``): the time from
 admission to first token (TTFT), the time per output token (TPOT), the rate at which prompt
-tokens leave the prefill backlog while it is not empty, and how far actual waits exceeded
+tokens leave the prefill backlog while it is loaded, and how far actual waits exceeded
 predicted ones (the calibration). Before any measurement: the configured priors, and the
 workers' compute rate for the drain rate.
+
+The drain rate is a throughput, measured over windows of several prompts
+(``DRAIN_WINDOW_PROMPTS``, ``DRAIN_WINDOW_MIN_S``): the prompt tokens that left the backlog
+over the time they took, counting only time while the backlog held at least
+``LOADED_PROMPTS`` prompts (one being computed and another waiting behind it). A lone prompt's
+time to its first token is latency, not drain: a fresh cluster's first prompt can take seconds
+(cold paths, a crowd arriving) while the workers then drain thousands of tokens a second, and
+learning the rate from it once refused a whole crowd on a wait predicted at 30 s. Prompts
+leave the backlog in bursts (a prefill step finishes several), so a window sums tokens and
+time rather than averaging per-prompt rates.
 
 The predicted wait (``predicted_wait_s``) plays the queue forward from a ``KvOutlook``:
 admitted requests end after what is left of their TTFT, then their output tokens left x the
@@ -30,6 +40,22 @@ SMOOTHING = 0.1
 """Weight of a new measurement in the running estimates (exponential average)."""
 CALIBRATION_MIN_WAIT_S = 0.5
 """Waits predicted shorter than this do not calibrate (noise dominates them)."""
+LOADED_PROMPTS = 2
+"""The backlog drains at its throughput (not one prompt's latency) while it holds this many
+prompts."""
+DRAIN_WINDOW_PROMPTS = 4
+"""Prompts a drain-rate measurement spans at least."""
+DRAIN_WINDOW_MIN_S = 0.1
+"""Loaded time a drain-rate measurement spans at least."""
+
+
+@dataclass
+class _DrainWindow:
+    """Prompt tokens that left the loaded backlog, and the loaded time it took them."""
+
+    tokens: int = 0
+    prompts: int = 0
+    seconds: float = 0.0
 
 
 class RunningEnd(NamedTuple):
@@ -65,10 +91,11 @@ class LatencyEstimator:
         self._ttft_s = prior_ttft_s
         self._tpot_s = prior_tpot_s
         self._drain_tokens_per_s: float | None = None
-        """Measured: prompt tokens per second leaving the backlog while it is not empty."""
-        self._backlog_busy_since: float | None = None
-        """When the backlog last became non-empty, or its last prompt completed (None:
-        empty)."""
+        """Measured: prompt tokens per second leaving the backlog while it is loaded."""
+        self._loaded_since: float | None = None
+        """When the backlog's current loaded stretch began: it became loaded, or a prompt left
+        it still loaded (None: not loaded)."""
+        self._window = _DrainWindow()
         self._wait_calibration = 1.0
         """Measured waits over predicted ones (smoothed); predictions are scaled by it when
         above 1, so that a model that runs optimistic refuses at once rather than after a
@@ -95,25 +122,39 @@ class LatencyEstimator:
         per_token = elapsed_s / num_tokens
         self._tpot_s += SMOOTHING * (per_token - self._tpot_s)
 
-    def backlog_filled(self, now: float) -> None:
-        """The prefill backlog was empty and a prompt joined it: it drains from ``now``."""
-        self._backlog_busy_since = now
+    @property
+    def drain_tokens_per_s(self) -> float | None:
+        """The prefill backlog's measured drain rate (None: not measured yet)."""
+        return self._drain_tokens_per_s
 
-    def backlog_emptied(self) -> None:
-        """The prefill backlog emptied with no prompt done (its request ended first)."""
-        self._backlog_busy_since = None
+    def backlog_changed(self, now: float, backlog_prompts: int) -> None:
+        """A prompt joined the backlog, or left it with no first token (its request ended):
+        it holds ``backlog_prompts`` now: a loaded stretch begins when it reaches
+        ``LOADED_PROMPTS`` and ends, unmeasured, when it falls below."""
+        loaded = backlog_prompts >= LOADED_PROMPTS
+        if not loaded:
+            self._loaded_since = None
+        elif self._loaded_since is None:
+            self._loaded_since = now
 
-    def prompt_prefilled(self, num_prompt_tokens: int, now: float, backlog_tokens: int) -> None:
-        """A prompt left the backlog (its first token came), ``backlog_tokens`` remain:
-        measures how fast the backlog drains while busy."""
-        busy_since = self._backlog_busy_since
-        if busy_since is not None and now > busy_since:
-            rate = num_prompt_tokens / (now - busy_since)
-            previous = self._drain_tokens_per_s
-            self._drain_tokens_per_s = (
-                rate if previous is None else previous + SMOOTHING * (rate - previous)
-            )
-        self._backlog_busy_since = now if backlog_tokens > 0 else None
+    def prompt_prefilled(self, num_prompt_tokens: int, now: float, backlog_prompts: int) -> None:
+        """A prompt left the backlog (its first token came), ``backlog_prompts`` remain: the
+        stretch since the previous event counts toward the drain rate if the backlog was
+        loaded through it (module docstring)."""
+        loaded_since = self._loaded_since
+        if loaded_since is not None:
+            window = self._window
+            window.tokens += num_prompt_tokens
+            window.prompts += 1
+            window.seconds += now - loaded_since
+            if window.prompts >= DRAIN_WINDOW_PROMPTS and window.seconds >= DRAIN_WINDOW_MIN_S:
+                rate = window.tokens / window.seconds
+                previous = self._drain_tokens_per_s
+                self._drain_tokens_per_s = (
+                    rate if previous is None else previous + SMOOTHING * (rate - previous)
+                )
+                self._window = _DrainWindow()
+        self._loaded_since = now if backlog_prompts >= LOADED_PROMPTS else None
 
     def waited(self, waited_s: float, predicted_s: float) -> None:
         """A queued request waited ``waited_s`` where ``predicted_s`` was predicted: learn how

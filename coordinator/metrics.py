@@ -16,7 +16,9 @@ tenant_inflight | tenant_tokens), ``splitserve_admission_decisions_total{tenant,
 (outcome: admitted, or the refusal's reason; the anonymous tenant "" is labelled
 ``anonymous``), ``splitserve_admission_retry_after_seconds`` (the retry hints refusals
 carried), ``splitserve_admission_tpot_seconds`` and
-``splitserve_admission_ttft_seconds`` (the times its wait predictions use).
+``splitserve_admission_ttft_seconds`` (the times its wait predictions use),
+``splitserve_admission_prefill_drain_tokens_per_second`` (the prefill backlog's measured drain
+rate they use; absent until measured).
 ``splitserve_stalled_clients_total``: streams cut because their client stopped reading.
 ``splitserve_placement_decisions_total{where, reason}``: where requests' prompts were computed
 (remote | local) and why (``coordinator/placement.py:Reason``);
@@ -255,6 +257,13 @@ class _AdmissionCollector(Collector):
             "Time from admission to first token the wait predictions use (measured, smoothed).",
             value=snapshot.ttft_s,
         )
+        if snapshot.prefill_drain_tokens_per_s is not None:
+            yield GaugeMetricFamily(
+                "splitserve_admission_prefill_drain_tokens_per_second",
+                "Prompt tokens a second the loaded prefill backlog was measured to drain "
+                "(what the wait predictions use; absent until measured).",
+                value=snapshot.prefill_drain_tokens_per_s,
+            )
         refusals = CounterMetricFamily(
             "splitserve_admission_refusals",
             "Requests refused by admission, by reason.",

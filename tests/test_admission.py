@@ -403,13 +403,17 @@ def test_predictions_use_the_measured_backlog_drain_rate() -> None:
     )  # the backlog holds 100 prompt tokens
 
     async def scenario() -> None:
-        for i in range(20):  # prompts of 100 tokens done every 0.1 s: 1000 tokens/s
-            await gate.admit(f"r{i}", demand(100, 4))
-            clock.now += 0.1
-            gate.progress(f"r{i}", 1)
-        await gate.admit("busy", demand(100, 4))
-        # one 100-token prompt ahead in the backlog: 0.1 s at the measured rate, not 0.01 s
-        assert gate.predicted_wait_s(demand(100, 4)) == pytest.approx(0.1, rel=0.05)
+        # two 50-token prompts fill the backlog; one is done every 0.05 s and the next takes
+        # its place: the loaded backlog drains 1000 tokens/s
+        await gate.admit("r0", demand(50, 4))
+        await gate.admit("r1", demand(50, 4))
+        for i in range(2, 22):
+            clock.now += 0.05
+            gate.progress(f"r{i - 2}", 1)
+            await gate.admit(f"r{i}", demand(50, 4))
+        assert gate.snapshot().prefill_drain_tokens_per_s == pytest.approx(1000.0)
+        # 50 more tokens wait for 50 to drain: 0.05 s at the measured rate, not 0.005 s
+        assert gate.predicted_wait_s(demand(50, 4)) == pytest.approx(0.05, rel=0.05)
 
     run(scenario())
 
