@@ -143,6 +143,7 @@ async def _one_stream(plan: ClientPlan, index: int) -> CrowdRecord:
                 text = await reader.read()
                 if status == 429:
                     record.outcome = "refused" if record.retry_after else "refused_no_retry_after"
+                    record.detail = refusal_kind(text.decode(errors="replace"))
                 else:
                     record.outcome = f"http_{status}"
                     record.detail = text[:200].decode(errors="replace")
@@ -272,6 +273,20 @@ def percentiles(values: Sequence[float]) -> Json:
         return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 3)
 
     return {"n": len(ordered), "p50": at(0.5), "p90": at(0.9), "p99": at(0.99), "max": at(1.0)}
+
+
+REFUSAL_KINDS = (
+    ("already wait for KV", "queue_full"),
+    ("frees up in about", "predicted_wait"),
+    ("for KV", "waited_out"),
+    ("in flight", "in_flight"),
+)
+"""A 429's message (``coordinator/admission.py``, ``service.py``) to admission's reason."""
+
+
+def refusal_kind(body: str) -> str:
+    """Which refusal a 429's body is (``REFUSAL_KINDS``; ``other`` when none matches)."""
+    return next((kind for phrase, kind in REFUSAL_KINDS if phrase in body), "other")
 
 
 def summarize(records: Sequence[CrowdRecord]) -> Json:
