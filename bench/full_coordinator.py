@@ -56,7 +56,7 @@ class FullCoordinator(coordinator_pb2_grpc.CoordinatorServicer):
             raise self._refusal()
 
         streams = StreamsCall(
-            run, lambda: False, coordinator_pb2.StreamItem, coordinator_pb2.StreamsResponse
+            run, lambda: False, coordinator_pb2.StreamsResponse, coordinator_pb2.GenerateResponse
         )
         await streams.serve(request_iterator, context, 30.0)
 

@@ -17,6 +17,15 @@ Events (typed, matched in ``Attempt.run``), each from one producer task:
 - ``DecodeClosed``: the decode stream ended; ``error`` says why when it failed.
 - ``Prefilled`` / ``PrefillFailed``: the prefill call's outcome.
 - ``AbortRequested``: the client or an operator aborted the request.
+- ``FinishedInline`` / ``InlineFailed``: a step output taken inline (below) finished the
+  request, or raised.
+
+Inline delivery (``run(inline=...)``, on a multiplexed decode stream): once the first token
+came, a step output that arrives while no event waits is processed as it arrives, in the
+shared decode call's reader: tracked, detokenized and handed to ``inline`` with no task
+switch per stream and step (issue 31: the relay's cost per token). Anything else (the first
+token, reservations, errors, outputs behind a waiting event) goes through the events as
+above, so the order of a stream's chunks never changes.
 
 Outcomes: the attempt ends normally once the request finished (or was aborted), or raises
 ``PrefillLost`` (the prefill failed before the first token, or the decode worker gave up
@@ -34,7 +43,7 @@ import contextlib
 import enum
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 from splitserve.common import loop_lag
@@ -60,6 +69,9 @@ from splitserve.proto.worker_clients import (
 from splitserve.transfer.reservation import PrefillDone
 
 logger = logging.getLogger(__name__)
+
+InlineSink = Callable[[StreamChunk], None]
+"""Takes a stream chunk made inline (``Attempt.run``); must not block."""
 
 
 class AttemptState(enum.Enum):
@@ -101,6 +113,16 @@ class AbortRequested:
 
 
 @dataclass(frozen=True)
+class FinishedInline:
+    """A chunk taken inline finished the request."""
+
+
+@dataclass(frozen=True)
+class InlineFailed:
+    error: Exception
+
+
+@dataclass(frozen=True)
 class StreamStalled:
     """Nothing came for ``silent_s``, more than ``limit_s``: in ``PREFILLING`` no first
     token since the prefill call started (``prefill_stall_limit_s``), in ``DECODING`` no
@@ -113,7 +135,15 @@ class StreamStalled:
 
 
 AttemptEvent = (
-    Reserved | Decoded | DecodeClosed | Prefilled | PrefillFailed | AbortRequested | StreamStalled
+    Reserved
+    | Decoded
+    | DecodeClosed
+    | Prefilled
+    | PrefillFailed
+    | AbortRequested
+    | FinishedInline
+    | InlineFailed
+    | StreamStalled
 )
 
 
@@ -259,12 +289,16 @@ class Attempt:
         self._stall_watch: asyncio.TimerHandle | None = None
         """The pending stall check (``_watch_for_stalls``): from the prefill call's start
         while a prefill worker computes the prompt, and from the first token on."""
+        self._inline: InlineSink | None = None
+        """Where chunks taken inline go while the attempt runs (None: none are)."""
 
     def abort(self) -> None:
         """End the attempt as aborted; its stream gets a final ABORT chunk."""
         self._events.put_nowait(AbortRequested())
 
-    async def run(self) -> AsyncIterator[StreamChunk]:
+    async def run(self, inline: InlineSink | None = None) -> AsyncIterator[StreamChunk]:
+        """The attempt's chunks; with ``inline``, those taken inline go there instead (see
+        the module)."""
         decode = self.route.decode
         call = self._channels.decode(decode.address).generate(
             self.tracker.request_id,
@@ -276,6 +310,9 @@ class Attempt:
             traceparent=self._traceparent,
         )
         tasks = [asyncio.create_task(self._read_decode(call))]
+        if inline is not None and isinstance(call, MultiplexedDecodeCall):
+            self._inline = inline
+            call.listen(self._take_inline)
         started = stage_start = self._started = time.monotonic()
         if self.route.prefill is None:  # the decode worker computes the prompt itself
             computed = len(self._prompt) + len(self._prior_output)  # a resume recomputes both
@@ -310,6 +347,11 @@ class Attempt:
                             if self.tracker.finished:
                                 self._router.finished(decode, self._prompt + self.tracker.token_ids)
                                 await self._end_on_worker(decode)
+                        case FinishedInline():
+                            self._router.finished(decode, self._prompt + self.tracker.token_ids)
+                            await self._end_on_worker(decode)
+                        case InlineFailed(error):
+                            raise error
                         case DecodeClosed(error=InvalidRequestError() | CapacityError() as error):
                             raise error
                         case DecodeClosed(error):
@@ -346,6 +388,7 @@ class Attempt:
                             )
                             raise DecodeStalled(f"no token for {silent_s:.1f} s")
             finally:
+                self._inline = None
                 if self._stall_watch is not None:
                     self._stall_watch.cancel()
                 for task in tasks:
@@ -404,6 +447,32 @@ class Attempt:
         self._progress.num_tokens += len(output.update.new_token_ids)
         self.num_cached_tokens = max(self.num_cached_tokens, output.update.num_cached_tokens)
         return self.tracker.process(output.update, output.logprobs)
+
+    def _take_inline(self, output: StepOutput) -> bool:
+        """The decode call's listener: process ``output`` now and hand its chunk to the inline
+        sink, if it may overtake nothing (module docstring); False: it goes as an event."""
+        inline = self._inline
+        if (
+            inline is None
+            or self.state is not AttemptState.DECODING
+            or self.first_token_s is None
+            or self._held_event is not None
+            or not self._events.empty()
+        ):
+            return False
+        decode = self.route.decode
+        decode.seen()
+        self._last_message_at = decode.last_seen
+        try:
+            inline(self._decoded(output, self._started))
+        except Exception as error:  # a bug: end this attempt with it, as the events would
+            self._inline = None
+            self._events.put_nowait(InlineFailed(error))
+            return True
+        if self.tracker.finished:
+            self._inline = None
+            self._events.put_nowait(FinishedInline())
+        return True
 
     def _watch_for_stalls(self) -> None:
         """Arm the stall check for the attempt's state (``PREFILLING``: since the prefill

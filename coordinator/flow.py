@@ -37,6 +37,7 @@ from splitserve.coordinator.attempt import (
     AttemptTimeouts,
     DecodeLost,
     DecodeStalled,
+    InlineSink,
     PrefillLost,
     PrefillStalled,
 )
@@ -159,7 +160,9 @@ class RequestFlow:
         running = self._attempt.num_cached_tokens if self._attempt is not None else 0
         return max(self._num_cached_tokens, running)
 
-    async def run(self) -> AsyncIterator[StreamChunk]:
+    async def run(self, inline: InlineSink | None = None) -> AsyncIterator[StreamChunk]:
+        """The request's chunks across its attempts; with ``inline``, the chunks an attempt
+        takes inline go there instead (``attempt.py``), in the stream's order."""
         if self.tracker.finished:  # replayed tokens already ended it
             self.state = FlowState.FINISHED
             return
@@ -174,7 +177,7 @@ class RequestFlow:
                 break
             self.state = FlowState.RUNNING
             try:
-                async with contextlib.aclosing(attempt.run()) as chunks:
+                async with contextlib.aclosing(attempt.run(inline)) as chunks:
                     async for chunk in chunks:
                         yield chunk
                 self.state = FlowState.FINISHED

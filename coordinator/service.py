@@ -72,6 +72,10 @@ INLINE_ENCODE_CHARS = 512
 of English at most (1,024 characters took 260 us), on the order of handing them to a
 thread and back, which took a tenth of a coordinator's time when thousands of short prompts
 arrived at once."""
+
+FlowSink = Callable[[RequestFlow, StreamChunk], None]
+"""Takes a request's chunk made inline, with its flow (``Coordinator.generate``)."""
+
 RECOVERING_RETRY_AFTER_S = 2.0
 """The retry hint when every decode worker is known but none is routable: about a heartbeat
 interval, after which a worker that was only late is routable again."""
@@ -275,6 +279,7 @@ class Coordinator:
         targets: LatencyTargets = NO_TARGETS,
         traceparent: str = "",
         session_id: str = "",
+        inline: FlowSink | None = None,
     ) -> AsyncIterator[tuple[RequestFlow, StreamChunk]]:
         """Stream a request's chunks (with its flow, for usage figures).
 
@@ -294,10 +299,15 @@ class Coordinator:
         generate``, from arrival to its end or refusal) joins its trace (``common/tracing.py``).
         ``session_id``: its session's: the decode worker is the session's home unless that one
         is saturated (``router.py``); scoped by tenant like request ids.
+        ``inline``: takes, in the stream's order, the chunks the flow's attempts process as
+        they arrive (``attempt.py``: the steady decode of a multiplexed decode stream, with no
+        task switch per chunk); they are not iterated. Must not block.
         """
         arrived_at = time.monotonic()
         session = scoped_request_id(session_id, caller) if session_id else ""
-        args = (request_id, prompt, sampling, caller, continue_after, priority, targets, session)
+        args = (
+            request_id, prompt, sampling, caller, continue_after, priority, targets, session, inline
+        )  # fmt: skip
         if not tracing_enabled():
             return self._generate(NO_SPAN, *args, arrived_at)
         return self._traced(traceparent, *args, arrived_at)
@@ -332,6 +342,7 @@ class Coordinator:
         priority: int,
         targets: LatencyTargets,
         session_id: str,
+        inline: FlowSink | None,
         arrived_at: float,
     ) -> AsyncIterator[tuple[RequestFlow, StreamChunk]]:
         """``generate``'s work, under the request's ``span`` (``NO_SPAN``: untraced)."""
@@ -392,7 +403,14 @@ class Coordinator:
                 replayed = self._replay(flow, continue_after)
                 if replayed is not None:
                     yield flow, replayed
-            async with contextlib.aclosing(flow.run()) as chunks:
+            flow_inline = None
+            if inline is not None:
+
+                def flow_inline(chunk: StreamChunk) -> None:
+                    self.admission.progress(request_id, len(chunk.new_token_ids))
+                    inline(flow, chunk)
+
+            async with contextlib.aclosing(flow.run(flow_inline)) as chunks:
                 async for chunk in chunks:
                     self.admission.progress(request_id, len(chunk.new_token_ids))
                     yield flow, chunk

@@ -30,6 +30,8 @@ from splitserve.proto.splitserve.v1 import common_pb2, coordinator_pb2, coordina
 from splitserve.proto.status import abort_with, status_of
 from splitserve.proto.streams_server import ClientStalled, StreamsCall
 
+GenerateResponse = coordinator_pb2.GenerateResponse
+
 SEND_TIMEOUT_S = 30.0
 """How long one response may wait for a client that does not read (``Generate``)."""
 
@@ -82,10 +84,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         ``send_timeout_s`` loses the call, ABORTED, and every stream on it is aborted."""
         caller = await caller_of(self._keys, context)
         streams = StreamsCall(
-            lambda request, send: self.run_stream(request, caller, send),
+            lambda request, outlet: self.run_stream(request, caller, outlet, outlet.fill),
             lambda: self.draining,
-            coordinator_pb2.StreamItem,
             coordinator_pb2.StreamsResponse,
+            coordinator_pb2.GenerateResponse,
             self._metrics.relay_batch_items.observe,
         )
         try:
@@ -103,13 +105,44 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self,
         request: coordinator_pb2.GenerateRequest,
         caller: Caller,
-        send: Callable[[coordinator_pb2.GenerateResponse], Awaitable[None]],
+        send: Callable[[GenerateResponse], Awaitable[None]],
+        fill: Callable[[], GenerateResponse] | None = None,
     ) -> None:
         """Run one request as ``caller``, handing its responses to ``send`` in order, the
         last a completion or an in-stream error. Raises the ``SplitserveError`` of a request
-        refused or failed before any response was sent (the call ends with its status)."""
-        sent_any = False
+        refused or failed before any response was sent (the call ends with its status).
+        ``fill``: makes the next response in place, without waiting (a multiplexed call's
+        ``Outlet.fill``): responses are then made there, and the request's steady decode is
+        relayed inline, as its decode stream's messages arrive (``Coordinator.generate``), in
+        the same order as the rest."""
         timer = self._metrics.requests.start()
+        sent_any = False
+
+        def respond(
+            flow: RequestFlow, chunk: StreamChunk, new: Callable[[], GenerateResponse]
+        ) -> None:
+            nonlocal sent_any
+            timer.tokens(len(chunk.new_token_ids))
+            if chunk.finish_reason is not None:
+                num_prompt_tokens = len(flow.prompt_token_ids)
+                timer.finish(
+                    chunk.finish_reason.value, num_prompt_tokens, flow.num_completion_tokens
+                )
+            public_id = request.request_id or flow.request_id
+            sent_any = self._fill_responses(new, public_id, flow, chunk) or sent_any
+
+        inline = None
+        if fill is not None:
+
+            def inline(flow: RequestFlow, chunk: StreamChunk) -> None:
+                respond(flow, chunk, fill)
+
+        made: list[GenerateResponse] = []
+
+        def new_response() -> GenerateResponse:
+            made.append(GenerateResponse())
+            return made[-1]
+
         try:
             self._coordinator.config.check_model(request.model)
             stream = self._coordinator.generate(
@@ -122,27 +155,24 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 targets=_targets_of(request),
                 traceparent=request.traceparent,
                 session_id=request.session_id,
+                inline=inline,
             )
             async with contextlib.aclosing(stream):
                 async for flow, chunk in stream:
-                    timer.tokens(len(chunk.new_token_ids))
-                    if chunk.finish_reason is not None:
-                        timer.finish(
-                            chunk.finish_reason.value,
-                            len(flow.prompt_token_ids),
-                            flow.num_completion_tokens,
-                        )
-                    public_id = request.request_id or flow.request_id
-                    for response in self._responses(public_id, flow, chunk):
-                        sent_any = True
+                    if fill is not None:
+                        respond(flow, chunk, fill)
+                        continue
+                    respond(flow, chunk, new_response)
+                    for response in made:
                         await send(response)
+                    made.clear()
         except SplitserveError as error:  # worker failures arrive as domain errors
             timer.finish("error")
             if not sent_any:
                 raise
             code, message, param = status_of(error)
             await send(
-                coordinator_pb2.GenerateResponse(
+                GenerateResponse(
                     request_id=request.request_id,
                     error=common_pb2.Error(code=code.value[0], message=message, param=param),
                 ),
@@ -150,50 +180,53 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         finally:
             timer.finish("abort")  # no-op unless the caller cancelled (or stalled)
 
-    async def _send(
-        self, context: grpc.aio.ServicerContext, response: coordinator_pb2.GenerateResponse
-    ) -> None:
+    async def _send(self, context: grpc.aio.ServicerContext, response: GenerateResponse) -> None:
         try:
             async with asyncio.timeout(self._send_timeout_s):  # no task per write, unlike wait_for
                 await context.write(response)
         except TimeoutError:
             raise ClientStalled from None
 
-    def _responses(
-        self, request_id: str, flow: RequestFlow, chunk: StreamChunk
-    ) -> list[coordinator_pb2.GenerateResponse]:
-        """``request_id``: the caller's id for the request (the flow's is scoped by tenant)."""
-        usage = convert.usage(
-            len(flow.prompt_token_ids), flow.num_completion_tokens, flow.num_cached_tokens
-        )
-        responses = []
+    def _fill_responses(
+        self,
+        new: Callable[[], GenerateResponse],
+        request_id: str,
+        flow: RequestFlow,
+        chunk: StreamChunk,
+    ) -> bool:
+        """Make ``chunk``'s responses, each in a message from ``new()``: its tokens (with the
+        usage so far), then its completion when it finishes the request. ``request_id``: the
+        caller's id for the request (the flow's is scoped by tenant). False: none made."""
+        made = False
         if chunk.new_token_ids or chunk.text:
-            texts = self._token_texts(chunk)
-            responses.append(
-                coordinator_pb2.GenerateResponse(
-                    request_id=request_id,
-                    chunk=coordinator_pb2.TokenChunk(
-                        token_ids=list(chunk.new_token_ids),
-                        text=chunk.text,
-                        logprobs=[convert.logprob_to_proto(lp, texts) for lp in chunk.logprobs],
-                    ),
-                    usage=usage,
-                )
-            )
+            response = new()
+            response.request_id = request_id
+            tokens = response.chunk
+            tokens.token_ids.extend(chunk.new_token_ids)
+            tokens.text = chunk.text
+            if chunk.logprobs:
+                texts = self._token_texts(chunk)
+                tokens.logprobs.extend(convert.logprob_to_proto(lp, texts) for lp in chunk.logprobs)
+            self._fill_usage(response.usage, flow)
+            made = True
         if chunk.finish_reason is not None:
-            completion = coordinator_pb2.Completion(
-                finish_reason=convert.FINISH_REASON_TO_PROTO[chunk.finish_reason]
-            )
+            response = new()
+            response.request_id = request_id
+            completion = response.completion
+            completion.finish_reason = convert.FINISH_REASON_TO_PROTO[chunk.finish_reason]
             if isinstance(chunk.stop_reason, str):
                 completion.stop_string = chunk.stop_reason
             elif isinstance(chunk.stop_reason, int):
                 completion.stop_token_id = chunk.stop_reason
-            responses.append(
-                coordinator_pb2.GenerateResponse(
-                    request_id=request_id, completion=completion, usage=usage
-                )
-            )
-        return responses
+            self._fill_usage(response.usage, flow)
+            made = True
+        return made
+
+    @staticmethod
+    def _fill_usage(usage: common_pb2.Usage, flow: RequestFlow) -> None:
+        usage.prompt_tokens = len(flow.prompt_token_ids)
+        usage.completion_tokens = flow.num_completion_tokens
+        usage.cached_tokens = flow.num_cached_tokens
 
     def _token_texts(self, chunk: StreamChunk) -> dict[int, str]:
         ids = {lp.token_id for lp in chunk.logprobs}

@@ -60,7 +60,7 @@ class DecodeServicer(WorkerServicerBase[DecodeWorker], worker_pb2_grpc.DecodeWor
                         await send(response)
 
         streams = StreamsCall(
-            run, lambda: False, worker_pb2.WorkerStreamItem, worker_pb2.WorkerStreamsResponse
+            run, lambda: False, worker_pb2.WorkerStreamsResponse, worker_pb2.WorkerGenerateResponse
         )
         try:
             await streams.serve(request_iterator, context, STALLED_CALLER_S)

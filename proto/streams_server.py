@@ -61,6 +61,31 @@ class ClientStalled(Exception):
     """The caller read nothing for the send timeout."""
 
 
+class Outlet(Generic[Response]):
+    """Where one stream's responses go, in order: awaited as ``send(response)`` (as a
+    ``Generate`` call's write would be), or made in place with ``fill()``, which returns the
+    next response's message, empty, inside the batch it will be written in (no copy: building
+    a response and copying it into its item and its batch cost about three times filling it
+    there). ``fill`` never waits: a caller may use it outside the stream's task
+    (``coordinator/attempt.py``'s inline chunks); once the stream was cancelled it returns a
+    message that is never sent (its caller forgot the key)."""
+
+    __slots__ = ("_call", "_key")
+
+    def __init__(self, call: StreamsCall[Any, Response], key: int) -> None:
+        self._call = call
+        self._key = key
+
+    async def __call__(self, response: Response) -> None:
+        self._call._item_of(self._key).response.CopyFrom(response)
+
+    def fill(self) -> Response:
+        task = self._call._tasks.get(self._key)
+        if task is None or task.cancelling():
+            return self._call._response_type()
+        return self._call._item_of(self._key).response
+
+
 class _Start(Protocol[Request]):
     key: int
     request: Request
@@ -73,20 +98,22 @@ class StreamsCall(Generic[Request, Response]):
 
     def __init__(
         self,
-        run: Callable[[Request, Callable[[Response], Awaitable[None]]], Awaitable[None]],
+        run: Callable[[Request, Outlet[Response]], Awaitable[None]],
         draining: Callable[[], bool],
-        item_type: Callable[..., Any],
-        batch_type: Callable[..., Any],
+        batch_type: Callable[[], Any],
+        response_type: Callable[[], Response],
         on_batch: Callable[[int], None] | None = None,
     ) -> None:
-        """``on_batch``: told each written batch's item count (a metric)."""
+        """``run(request, outlet)``: runs one stream, its responses to ``outlet``;
+        ``on_batch``: told each written batch's item count (a metric)."""
         self._run = run
         self._on_batch = on_batch
         self._draining = draining
-        self._item = item_type
-        self._batch = batch_type
+        self._batch_type = batch_type
+        self._response_type = response_type
         self._tasks: dict[int, asyncio.Task[None]] = {}
         self._outbox: list[Any] = []
+        """Batches to write, in order; items are added to the last until it is full."""
         self._ready = asyncio.Event()
         """Set when the outbox got items or a stream ended (the writer then looks)."""
         self._reading = True
@@ -125,13 +152,17 @@ class StreamsCall(Generic[Request, Response]):
         else:
             self._tasks[key] = asyncio.create_task(self._stream(key, start.request))
 
-    async def _stream(self, key: int, request: Request) -> None:
-        async def send(response: Response) -> None:
-            self._outbox.append(self._item(key=key, response=response))
-            self._ready.set()
+    def _item_of(self, key: int) -> Any:
+        """A new item under ``key`` at the end of the outbox (the writer is told)."""
+        outbox = self._outbox
+        if not outbox or len(outbox[-1].items) >= MAX_BATCH_ITEMS:
+            outbox.append(self._batch_type())
+        self._ready.set()
+        return outbox[-1].items.add(key=key)
 
+    async def _stream(self, key: int, request: Request) -> None:
         try:
-            await self._run(request, send)
+            await self._run(request, Outlet(self, key))
         except SplitserveError as error:
             code, message, param = status_of(error)
             refuses_all_ms = 0
@@ -164,7 +195,7 @@ class StreamsCall(Generic[Request, Response]):
             retry_after_ms=retry_after_ms,
             refuses_all_ms=refuses_all_ms,
         )
-        self._outbox.append(self._item(key=key, end=end))
+        self._item_of(key).end.CopyFrom(end)
         self._tasks.pop(key, None)
         self._ready.set()
 
@@ -174,13 +205,12 @@ class StreamsCall(Generic[Request, Response]):
             await self._ready.wait()
             self._ready.clear()
             while self._outbox:
-                batch = self._outbox[:MAX_BATCH_ITEMS]
-                del self._outbox[:MAX_BATCH_ITEMS]
+                batch = self._outbox.pop(0)
                 if self._on_batch is not None:
-                    self._on_batch(len(batch))
+                    self._on_batch(len(batch.items))
                 try:
                     async with asyncio.timeout(send_timeout_s):
-                        await context.write(self._batch(items=batch))
+                        await context.write(batch)
                 except TimeoutError:
                     raise ClientStalled from None
             if not self._tasks and (not self._reading or self._draining()):

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import AsyncIterator, Sequence, Set
+import logging
+from collections.abc import AsyncIterator, Callable, Sequence, Set
 from dataclasses import dataclass, field
 
 import grpc
@@ -39,6 +40,8 @@ from splitserve.transfer.reservation import (
     KvReservation,
     PrefillDone,
 )
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -80,7 +83,12 @@ class MultiplexedDecodeCall:
     ``GenerateStreams`` call (``streams_client.py``): the same items and the same domain
     errors (a broken shared call fails every stream on it as a broken ``Generate`` call
     would); ``cancel`` sends the stream's cancel, which aborts the request there; the
-    stream's deadline (``timeout_s``) is kept here, as a ``WorkerCallError``."""
+    stream's deadline (``timeout_s``) is kept here, as a ``WorkerCallError``.
+
+    ``listen``: a step output may instead be taken as it arrives, inside the shared call's
+    reader (no task switch per stream and step): the listener is offered each one while
+    nothing waits before it here, and returns True when it took it; what it declines is
+    iterated as usual, in order."""
 
     def __init__(
         self,
@@ -90,17 +98,38 @@ class MultiplexedDecodeCall:
     ) -> None:
         self._streams = streams
         self._request_id = request.request_id
-        self._responses: collections.deque[worker_pb2.WorkerGenerateResponse] = collections.deque()
+        self._items: collections.deque[RelayedReservation | StepOutput] = collections.deque()
         self._arrived = asyncio.Event()
         self._outcome: StreamError | None = None
         """How the stream ended (code OK: completed); None while it runs."""
+        self._listener: Callable[[StepOutput], bool] | None = None
         self._key = streams.open(self, request)
         self._expiry = asyncio.get_running_loop().call_later(timeout_s, self._expire)
         """One timer for the deadline (not one per wait: the relay's hot path)."""
 
+    def listen(self, listener: Callable[[StepOutput], bool] | None) -> None:
+        """Offer each step output to ``listener`` first (see the class; None: stop)."""
+        self._listener = listener
+
     def deliver(self, item: worker_pb2.WorkerStreamItem) -> None:
         if item.HasField("response"):
-            self._responses.append(item.response)
+            try:
+                decoded = _decode_item(self._request_id, item.response)
+            except Exception as error:  # a malformed message: this stream is lost, not the call
+                logger.exception("%s: a malformed decode stream message", self._request_id)
+                self.cancel()
+                self._outcome = StreamError(grpc.StatusCode.INTERNAL, repr(error))
+                self._arrived.set()
+                return
+            listener = self._listener
+            if (
+                listener is not None
+                and not self._items
+                and isinstance(decoded, StepOutput)
+                and listener(decoded)
+            ):
+                return
+            self._items.append(decoded)
         else:
             self._end(StreamError.of_end(item.end))
             self._streams.ended(self._key)
@@ -123,8 +152,8 @@ class MultiplexedDecodeCall:
 
     async def __aiter__(self) -> AsyncIterator[RelayedReservation | StepOutput]:
         while True:
-            while self._responses:
-                yield _decode_item(self._request_id, self._responses.popleft())
+            while self._items:
+                yield self._items.popleft()
             outcome = self._outcome
             if outcome is not None:
                 if outcome.code() == grpc.StatusCode.OK:

@@ -42,7 +42,7 @@ class _FullCoordinator(coordinator_pb2_grpc.CoordinatorServicer):
             raise OverloadedError("256 requests already wait for KV", HINT_S, self._refuses_all_s)
 
         streams = StreamsCall(
-            run, lambda: False, coordinator_pb2.StreamItem, coordinator_pb2.StreamsResponse
+            run, lambda: False, coordinator_pb2.StreamsResponse, coordinator_pb2.GenerateResponse
         )
         await streams.serve(request_iterator, context, 30.0)
 

@@ -76,24 +76,86 @@ async def _texts(client: AsyncClient, prompts: list[str], max_tokens: int) -> li
     return list(await asyncio.gather(*(one(prompt) for prompt in prompts)))
 
 
+@contextlib.asynccontextmanager
+async def _relayed_and_own(served: Served) -> AsyncIterator[tuple[AsyncClient, AsyncClient]]:
+    """Two clients on one channel: one relays its streams on a ``GenerateStreams`` call,
+    the other makes a ``Generate`` call each."""
+    retry = RetryPolicy(retry_overloaded=False)
+    channel = aio_channel(served.coordinator, None, retry)
+    try:
+        relay = StreamMultiplexer(channel, retry)
+        yield (
+            AsyncClient(served.coordinator, channel=channel, multiplexer=relay),
+            AsyncClient(served.coordinator, channel=channel),
+        )
+    finally:
+        await channel.close(None)
+
+
 def test_streams_on_one_call_equal_their_own_calls(served: Served) -> None:
     """Eight greedy streams at once on one ``GenerateStreams`` call get exactly the tokens
     each gets on its own ``Generate`` call."""
 
     async def scenario() -> tuple[list[list[int]], list[list[int]]]:
-        retry = RetryPolicy(retry_overloaded=False)
-        channel = aio_channel(served.coordinator, None, retry)
-        try:
-            relay = StreamMultiplexer(channel, retry)
-            multiplexed = AsyncClient(served.coordinator, channel=channel, multiplexer=relay)
-            own_calls = AsyncClient(served.coordinator, channel=channel)
+        async with _relayed_and_own(served) as (multiplexed, own_calls):
             return await _texts(multiplexed, PROMPTS, 12), await _texts(own_calls, PROMPTS, 12)
-        finally:
-            await channel.close(None)
 
     multiplexed, own_calls = asyncio.run(scenario())
     assert all(len(tokens) == 12 for tokens in multiplexed)
     assert multiplexed == own_calls
+
+
+Streamed = tuple[str, list[int], Finish | None]
+"""A stream's text, its token ids and its finish."""
+
+
+async def _stream_text(client: AsyncClient, prompt: str, sampling: Sampling) -> Streamed:
+    text, tokens, finish = "", [], None
+    async for item in client.stream(prompt, sampling=sampling):
+        if isinstance(item, Chunk):
+            text += item.text
+            tokens.extend(item.token_ids)
+        else:
+            finish = item
+    return text, tokens, finish
+
+
+def test_a_stop_string_matched_past_the_first_token_ends_the_relayed_stream(
+    served: Served,
+) -> None:
+    """Past its first token, a ``GenerateStreams`` stream's outputs are handled inline, in
+    the decode call's reader (``coordinator/attempt.py:Attempt._take_inline``): a stop
+    string matched there ends the stream as on its own call (the same text, the same finish),
+    and ends the request on the decode worker (its blocks free long before its 4,000 tokens)."""
+    prompt = PROMPTS[3]
+    plain = Sampling(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+    async def scenario() -> tuple[str, Streamed, Streamed]:
+        async with _relayed_and_own(served) as (multiplexed, own_call):
+            whole, _, _ = await _stream_text(multiplexed, prompt, plain)
+            # a word first seen in the second half: well past the first token
+            half = len(whole) // 2
+            stop = next(word for word in whole[half:].split() if whole.find(word) >= half)
+            stopped = Sampling(
+                max_tokens=LONG_TOKENS, temperature=0.0, ignore_eos=True, stop=(stop,)
+            )
+            return (
+                whole,
+                await _stream_text(multiplexed, prompt, stopped),
+                await _stream_text(own_call, prompt, stopped),
+            )
+
+    whole, (text, tokens, finish), own = asyncio.run(scenario())
+    assert finish is not None and finish.finish_reason == "stop"
+    assert isinstance(finish.stop_reason, str) and finish.stop_reason in whole
+    assert whole.startswith(text) and len(text) < len(whole)
+    assert (text, tokens, finish.finish_reason, finish.stop_reason) == (
+        own[0],
+        own[1],
+        own[2].finish_reason if own[2] else None,
+        own[2].stop_reason if own[2] else None,
+    )
+    assert_all_free(wait_until_idle(served.coordinator, 2), 2)
 
 
 def test_a_refusal_on_the_relay_is_the_calls_refusal(served: Served) -> None:
