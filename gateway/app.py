@@ -31,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.metadata
-import json
 import logging
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
@@ -39,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -140,7 +140,9 @@ def _post(app: FastAPI, endpoint: Endpoint[Any]) -> Callable[[_Handler], _Handle
 
 
 def _sse(payload: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+    """One SSE frame of ``payload`` (orjson: a tenth of ``json.dumps``'s time a token; UTF-8,
+    not ASCII escapes)."""
+    return b"data: " + orjson.dumps(payload, option=orjson.OPT_NON_STR_KEYS) + b"\n\n"
 
 
 class Gateway:

@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Mapping
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
@@ -21,6 +21,10 @@ T = TypeVar("T")
 CLIENT_STALL_TIMEOUT_S = 30.0
 """How long an SSE frame may wait for a client that reads nothing (the coordinator's own
 ``--client-stall-timeout`` for the gRPC clients it streams to)."""
+STALL_CHECKS = 4
+"""A stalled frame is noticed within ``send_timeout_s`` x (1 + 1 / STALL_CHECKS): the stream's
+one watchdog looks every ``send_timeout_s / STALL_CHECKS`` (not a timeout armed per frame:
+that was a twentieth of the gateway's CPU per streamed token)."""
 logger = logging.getLogger(__name__)
 
 
@@ -87,6 +91,10 @@ class EventStreamResponse(Response):
         ]
         self._events = events
         self._send_timeout_s = send_timeout_s
+        self.frames_sent = 0
+        """Frames handed to the server's ``send`` so far (one in flight included)."""
+        self.sending = False
+        """A frame's ``send`` has not returned yet (the stall watchdog reads it)."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send(
@@ -94,9 +102,11 @@ class EventStreamResponse(Response):
         )
         pump = asyncio.ensure_future(self._pump(send))
         watcher = asyncio.ensure_future(_wait_for_disconnect(receive))
+        watchdog = _StallWatch(self, pump, self._send_timeout_s)
         try:
             await asyncio.wait({pump, watcher}, return_when=asyncio.FIRST_COMPLETED)
         finally:
+            watchdog.cancel()
             for task in (pump, watcher):
                 task.cancel()
             try:
@@ -109,15 +119,45 @@ class EventStreamResponse(Response):
                 await self._events.aclose()  # type: ignore[attr-defined]
 
     async def _pump(self, send: Send) -> None:
-        body: dict[str, Any]
         async for frame in self._events:
-            body = {"type": "http.response.body", "body": frame, "more_body": True}
-            try:
-                async with asyncio.timeout(self._send_timeout_s):
-                    await send(body)
-            except TimeoutError:
-                logger.warning(
-                    "an HTTP client read nothing for %g s: stream ended", self._send_timeout_s
-                )
-                return
+            self.frames_sent += 1
+            self.sending = True
+            await send({"type": "http.response.body", "body": frame, "more_body": True})
+            self.sending = False
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+class _StallWatch:
+    """An event stream's one watchdog (``STALL_CHECKS``): cancels ``pump`` once the same frame
+    was in flight at ``STALL_CHECKS + 1`` looks in a row, ``send_timeout_s / STALL_CHECKS``
+    apart."""
+
+    def __init__(
+        self, response: EventStreamResponse, pump: asyncio.Future[None], send_timeout_s: float
+    ) -> None:
+        self._response = response
+        self._pump = pump
+        self._send_timeout_s = send_timeout_s
+        self._period_s = send_timeout_s / STALL_CHECKS
+        self._seen_sends = -1
+        self._stalled_looks = 0
+        self._loop = asyncio.get_running_loop()
+        self._handle = self._loop.call_later(self._period_s, self._look)
+
+    def _look(self) -> None:
+        response = self._response
+        if response.sending and response.frames_sent == self._seen_sends:
+            self._stalled_looks += 1
+        else:
+            self._stalled_looks = 0
+            self._seen_sends = response.frames_sent
+        if self._stalled_looks >= STALL_CHECKS:
+            logger.warning(
+                "an HTTP client read nothing for %g s: stream ended", self._send_timeout_s
+            )
+            self._pump.cancel()
+            return
+        self._handle = self._loop.call_later(self._period_s, self._look)
+
+    def cancel(self) -> None:
+        self._handle.cancel()
