@@ -4,18 +4,19 @@ else."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator
 
 import grpc
 from opentelemetry.trace import SpanKind, StatusCode
 
 from splitserve.common.errors import SplitserveError
+from splitserve.common.request_update import StepOutput
 from splitserve.common.tracing import start_span
 from splitserve.decode.worker import DecodeWorker
 from splitserve.proto import convert
 from splitserve.proto.splitserve.v1 import worker_pb2, worker_pb2_grpc
 from splitserve.proto.status import abort_with
-from splitserve.proto.streams_server import ClientStalled, StreamsCall
+from splitserve.proto.streams_server import ClientStalled, Outlet, StreamsCall
 from splitserve.transfer.reservation import KvHandshake, KvReservation
 from splitserve.worker.servicer_base import WorkerServicerBase
 
@@ -32,9 +33,9 @@ class DecodeServicer(WorkerServicerBase[DecodeWorker], worker_pb2_grpc.DecodeWor
         with self.in_flight.track():
             worker = await self.ready(context)
             try:
-                async with contextlib.aclosing(self._responses(worker, request)) as responses:
-                    async for response in responses:
-                        yield response
+                async with contextlib.aclosing(self._stream_events(worker, request)) as events:
+                    async for event in events:
+                        yield _fill(worker_pb2.WorkerGenerateResponse(), event)
             except SplitserveError as error:
                 await abort_with(context, error)
 
@@ -52,12 +53,12 @@ class DecodeServicer(WorkerServicerBase[DecodeWorker], worker_pb2_grpc.DecodeWor
 
         async def run(
             request: worker_pb2.WorkerGenerateRequest,
-            send: Callable[[worker_pb2.WorkerGenerateResponse], Awaitable[None]],
+            outlet: Outlet[worker_pb2.WorkerGenerateResponse],
         ) -> None:
             with self.in_flight.track():
-                async with contextlib.aclosing(self._responses(worker, request)) as responses:
-                    async for response in responses:
-                        await send(response)
+                async with contextlib.aclosing(self._stream_events(worker, request)) as events:
+                    async for event in events:
+                        _fill(outlet.fill(), event)
 
         streams = StreamsCall(
             run, lambda: False, worker_pb2.WorkerStreamsResponse, worker_pb2.WorkerGenerateResponse
@@ -68,10 +69,10 @@ class DecodeServicer(WorkerServicerBase[DecodeWorker], worker_pb2_grpc.DecodeWor
             message = f"the coordinator read nothing for {STALLED_CALLER_S:g} s; streams aborted"
             await context.abort(grpc.StatusCode.ABORTED, message)
 
-    async def _responses(
+    async def _stream_events(
         self, worker: DecodeWorker, request: worker_pb2.WorkerGenerateRequest
-    ) -> AsyncGenerator[worker_pb2.WorkerGenerateResponse, None]:
-        """The request's responses: its reservation (remote prefill only, first), then its
+    ) -> AsyncGenerator[KvReservation | StepOutput, None]:
+        """The request's stream: its reservation (remote prefill only, first), then its
         step outputs; raises the ``SplitserveError`` it fails with. Traced as ``decode``
         (``common/tracing.py``): events at the reservation and the first tokens, the tokens
         it streamed."""
@@ -93,14 +94,11 @@ class DecodeServicer(WorkerServicerBase[DecodeWorker], worker_pb2_grpc.DecodeWor
                         "reserved",
                         {"blocks": event.num_blocks, "cached_blocks": event.num_cached_blocks},
                     )
-                    reservation = convert.reservation_to_proto(event)
-                    yield worker_pb2.WorkerGenerateResponse(reservation=reservation)
                 else:
                     if not streamed:
                         span.add_event("first tokens")
                     streamed += len(event.update.new_token_ids)
-                    tokens = convert.step_output_to_proto(event)
-                    yield worker_pb2.WorkerGenerateResponse(tokens=tokens)
+                yield event
         except SplitserveError as error:
             span.set_status(StatusCode.ERROR, type(error).__name__)
             raise
@@ -147,3 +145,15 @@ class DecodeServicer(WorkerServicerBase[DecodeWorker], worker_pb2_grpc.DecodeWor
         except SplitserveError as error:
             await abort_with(context, error)
         return worker_pb2.PushCachedKvResponse(bytes_sent=num_bytes)
+
+
+def _fill(
+    response: worker_pb2.WorkerGenerateResponse, event: KvReservation | StepOutput
+) -> worker_pb2.WorkerGenerateResponse:
+    """Write a stream event into an empty ``response`` (a new one, or one made in place in
+    its batch, ``Outlet.fill``); returns it."""
+    if isinstance(event, KvReservation):
+        response.reservation.CopyFrom(convert.reservation_to_proto(event))
+    else:
+        convert.fill_step_output(response.tokens, event)
+    return response

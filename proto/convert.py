@@ -206,14 +206,6 @@ def load_from_proto(message: worker_pb2.WorkerLoad) -> EngineLoad:
     )
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> common_pb2.Usage:
-    return common_pb2.Usage(
-        prompt_tokens=prompt_tokens,
-        completion_tokens=completion_tokens,
-        cached_tokens=cached_tokens,
-    )
-
-
 def token_ids(values: Sequence[int]) -> list[int]:
     """Token ids as plain ints (proto repeated fields hand out their own containers)."""
     return [int(value) for value in values]
@@ -288,17 +280,20 @@ def pull_from_proto(message: worker_pb2.PushCachedKvRequest) -> CachedKvPull:
     )
 
 
-def step_output_to_proto(output: StepOutput) -> worker_pb2.WorkerTokens:
+def fill_step_output(message: worker_pb2.WorkerTokens, output: StepOutput) -> None:
+    """Write ``output`` into an empty ``message`` in place (one made inside the batch it goes
+    out in: no copy, ``proto/streams_server.py:Outlet.fill``)."""
     update = output.update
-    message = worker_pb2.WorkerTokens(
-        token_ids=list(update.new_token_ids),
-        logprobs=[logprob_to_proto(logprob) for logprob in output.logprobs],
-        finish_reason=FINISH_REASON_TO_PROTO[update.finish_reason],
-        usage=usage(update.num_prompt_tokens, update.num_output_tokens, update.num_cached_tokens),
-    )
+    message.token_ids.extend(update.new_token_ids)
+    if output.logprobs:
+        message.logprobs.extend(logprob_to_proto(logprob) for logprob in output.logprobs)
+    message.finish_reason = FINISH_REASON_TO_PROTO[update.finish_reason]
+    usage = message.usage
+    usage.prompt_tokens = update.num_prompt_tokens
+    usage.completion_tokens = update.num_output_tokens
+    usage.cached_tokens = update.num_cached_tokens
     if update.stop_token_id is not None:
         message.stop_token_id = update.stop_token_id
-    return message
 
 
 def step_output_from_proto(request_id: str, message: worker_pb2.WorkerTokens) -> StepOutput:

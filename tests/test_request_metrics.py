@@ -1,0 +1,49 @@
+"""The entry points' request histograms (``common/metrics.py:LoopHistogram``): the series a
+scrape reads are exactly prometheus_client's ``Histogram``'s for the same observations, a
+bound included in its own bucket, one series per label set."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+from splitserve.common.metrics import (
+    INTER_TOKEN_LATENCY_BUCKETS,
+    LoopHistogram,
+    RequestMetricFamilies,
+)
+
+OBSERVED = (0.0, 0.001, 0.01, 0.0100001, 0.05, 0.075, 0.3, 5.0, 80.0, 100.0)
+"""Below the first bound, on bounds, just past one, and above the last."""
+
+
+def test_a_scrape_reads_what_prometheus_clients_histogram_exposes() -> None:
+    theirs, ours = CollectorRegistry(), CollectorRegistry()
+    labels = ["model_name", "role"]
+    reference = Histogram(
+        "splitserve_x_seconds", "X.", labels, registry=theirs, buckets=INTER_TOKEN_LATENCY_BUCKETS
+    )
+    loop = LoopHistogram("splitserve_x_seconds", "X.", labels, INTER_TOKEN_LATENCY_BUCKETS, ours)
+    for value in OBSERVED:
+        reference.labels("m", "gateway").observe(value)
+        loop.labels("m", "gateway").observe(value)
+    reference.labels("other", "gateway").observe(0.02)
+    loop.labels("other", "gateway").observe(0.02)
+    assert generate_latest(ours) == generate_latest(theirs)
+    assert ours.get_sample_value(
+        "splitserve_x_seconds_bucket", {"model_name": "m", "role": "gateway", "le": "0.01"}
+    ) == 3  # fmt: skip
+
+
+def test_request_timers_feed_the_histograms_of_their_model() -> None:
+    registry = CollectorRegistry()
+    metrics = RequestMetricFamilies(registry).for_model("m", "coordinator")
+    timer = metrics.start()
+    timer.tokens(1)
+    timer.tokens(3)
+    timer.finish("stop", prompt_tokens=5, generation_tokens=4)
+    labels = {"model_name": "m", "role": "coordinator"}
+    sample = registry.get_sample_value
+    assert sample("splitserve_time_to_first_token_seconds_count", labels) == 1
+    assert sample("splitserve_inter_token_latency_seconds_count", labels) == 3
+    assert sample("splitserve_request_prompt_tokens_sum", labels) == 5
+    assert sample("splitserve_request_success_total", {**labels, "finished_reason": "stop"}) == 1
