@@ -29,6 +29,7 @@ from prometheus_client import (
 )
 from prometheus_client.metrics_core import HistogramMetricFamily
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from splitserve.common.tracing import NO_SPAN
 
@@ -110,7 +111,7 @@ class LoopHistogram(Collector):
             cumulative = []
             for bound, count in zip([*self._bounds, math.inf], counts, strict=True):
                 total += count
-                cumulative.append((_bound_text(bound), total))
+                cumulative.append((floatToGoString(bound), total))
             family.add_metric(list(values), cumulative, child.sum)
         yield family
 
@@ -130,11 +131,6 @@ class LoopHistogramChild:
     def observe(self, value: float) -> None:
         self.counts[bisect.bisect_left(self._bounds, value)] += 1
         self.sum += value
-
-
-def _bound_text(bound: float) -> str:
-    """A bucket's ``le`` label as prometheus_client writes it ("0.5", "10.0", "+Inf")."""
-    return "+Inf" if bound == math.inf else repr(float(bound))
 
 
 class RequestMetricFamilies:

@@ -10,6 +10,7 @@ from splitserve.common.metrics import (
     INTER_TOKEN_LATENCY_BUCKETS,
     LoopHistogram,
     RequestMetricFamilies,
+    request_token_buckets,
 )
 
 OBSERVED = (0.0, 0.001, 0.01, 0.0100001, 0.05, 0.075, 0.3, 5.0, 80.0, 100.0)
@@ -32,6 +33,19 @@ def test_a_scrape_reads_what_prometheus_clients_histogram_exposes() -> None:
     assert ours.get_sample_value(
         "splitserve_x_seconds_bucket", {"model_name": "m", "role": "gateway", "le": "0.01"}
     ) == 3  # fmt: skip
+
+
+def test_large_bounds_are_labelled_as_prometheus_client_labels_them() -> None:
+    """Token-count buckets of a long context reach 1e6 and past, which Prometheus writes in
+    exponent form (``le="1e+06"``)."""
+    theirs, ours = CollectorRegistry(), CollectorRegistry()
+    buckets = request_token_buckets(5_000_000)
+    reference = Histogram("splitserve_t", "T.", ["role"], registry=theirs, buckets=buckets)
+    loop = LoopHistogram("splitserve_t", "T.", ["role"], buckets, ours)
+    for value in (3, 999_999, 2_000_000, 10_000_000):
+        reference.labels("coordinator").observe(value)
+        loop.labels("coordinator").observe(value)
+    assert generate_latest(ours) == generate_latest(theirs)
 
 
 def test_request_timers_feed_the_histograms_of_their_model() -> None:
