@@ -463,7 +463,7 @@ class Attempt:
         decode = self.route.decode
         decode.seen()
         self._last_message_at = decode.last_seen
-        try:
+        try:  # past the first token, _decoded records no stage: its stage start is unused
             inline(self._decoded(output, self._started))
         except Exception as error:  # a bug: end this attempt with it, as the events would
             self._inline = None
