@@ -8,6 +8,9 @@ Instruct, a Q4_1 GGUF whose embedding, the tied LM head, is Q8_0) in the compute
   decode rows through the bf16 GEMV (float32: oneDNN);
 - ``Q4_1``: ``--quantized-weights native`` on the same file: decode and logits rows read the
   blocks (``kernels/cpu_qgemv.py``);
+- ``Q4_1, Python layer loop``: the same with ``SPLITSERVE_DECODE_LAYERS=0``, its decode steps
+  through the Python layer loop rather than the C one (``kernels/cpu_decode_layers.py``): the
+  same kernels and bits, the loop's own cost measured;
 - ``Q8_0``: ``native`` on a Q8_0 copy of the file (every Q4_1 tensor dequantized and quantized
   again to Q8_0 with gguf's own quantizer; written once into ``--cache-dir``);
 - ``llama.cpp Q4_1`` / ``llama.cpp Q8_0``: llama-cpp-python (``../shared/peers.md``) on the same
@@ -33,6 +36,7 @@ stderr and the JSON report to stdout (``--out`` writes it too). Nothing asserted
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
@@ -53,6 +57,7 @@ from splitserve.common.model_files import default_model_path
 from splitserve.engine.config import CacheConfig, EngineConfig, ModelConfig, RunnerConfig
 from splitserve.engine.device import cpu_has_native_bf16
 from splitserve.engine.engine_core import EngineCore
+from splitserve.kernels.cpu_decode_layers import DECODE_LAYERS_ENV
 
 STORY = (
     "The lighthouse keeper climbed the spiral stairs each evening, counting the steps as his "
@@ -105,14 +110,24 @@ def decode_step_bytes(path: Path, widened_bytes: int) -> int:
     return total
 
 
-def build_engine(path: Path, mode: str, decodes: bool = True) -> EngineCore:
-    return EngineCore(
-        EngineConfig(
-            model=ModelConfig(model=str(path), dtype="auto", quantized_weights=mode),
-            cache=CacheConfig(num_blocks=2048),
-            runner=RunnerConfig(num_threads=1, decodes=decodes),
+def build_engine(path: Path, mode: str, decodes: bool = True, c_loop: bool = True) -> EngineCore:
+    """``c_loop=False``: decode steps keep the Python layer loop (``SPLITSERVE_DECODE_LAYERS=0``
+    while the model loads)."""
+    previous = os.environ.get(DECODE_LAYERS_ENV)
+    os.environ[DECODE_LAYERS_ENV] = "1" if c_loop else "0"
+    try:
+        return EngineCore(
+            EngineConfig(
+                model=ModelConfig(model=str(path), dtype="auto", quantized_weights=mode),
+                cache=CacheConfig(num_blocks=2048),
+                runner=RunnerConfig(num_threads=1, decodes=decodes),
+            )
         )
-    )
+    finally:
+        if previous is None:
+            os.environ.pop(DECODE_LAYERS_ENV)
+        else:
+            os.environ[DECODE_LAYERS_ENV] = previous
 
 
 def prompts_for(core: EngineCore, count: int, tokens: int) -> list[list[int]]:
@@ -177,6 +192,7 @@ def run(args: argparse.Namespace) -> Json:
         "Q4_1": (q4_path, "native"),
         "Q8_0": (q8_path, "native"),
     }
+    python_loop = "Q4_1, Python layer loop"
     bandwidth = read_bandwidth_gbps()
     report: Json = {
         "machine": {"cpu": cpu_name(), "torch": torch.__version__, "threads": 1},
@@ -201,6 +217,7 @@ def run(args: argparse.Namespace) -> Json:
         }
         log_row({"format": name, **report["formats"][name]})
     engines = {name: build_engine(path, mode) for name, (path, mode) in files.items()}
+    engines[python_loop] = build_engine(q4_path, "native", c_loop=False)
     prompts = prompts_for(engines[widened], max(args.streams), args.prompt_tokens)
     runs: dict[tuple[str, int], list[float]] = {}
     for rep in range(args.reps):

@@ -2,8 +2,12 @@
 
 Weights are kept as plain tensors with fused projections (``qkv`` and ``gate_up``) so a layer is
 a handful of large matmuls. Numerics mirror HF ``transformers``: RMSNorm in float32 then cast,
-RoPE tables in the model dtype, logits cast to float32. In bf16 on CPU the residual add and the
-RMSNorm after it run as one C++ kernel (``kernels/cpu_fused_ops.py``); float32 keeps HF's ops.
+RoPE tables in the model dtype, logits cast to float32. In bf16 on CPU (and in the float32
+that ``--dtype auto`` picks) the residual add and the RMSNorm after it, the rotary embedding
+and SiLU * up run as C++ kernels (``kernels/cpu_fused_ops.py``); a float32 named by
+``--dtype float32`` keeps HF's ops. Where every projection reads its GGUF blocks, a
+decode-only step runs the whole layer loop in C (``kernels/cpu_decode_layers.py``, the same
+kernels and bits as the loop here).
 
 ``forward`` takes a packed batch (all sequences' new tokens concatenated) and returns logits
 only for the tokens listed in ``logits_indices`` (the last token of each sampling sequence).
@@ -24,8 +28,18 @@ from splitserve.engine.checkpoint import QuantizedTensor
 from splitserve.engine.linear import Linear, decode_gemv_setting, measure_gemv_row_limit
 from splitserve.engine.model_config import ModelArchConfig
 from splitserve.engine.rotary import apply_rotary, cos_sin_table
-from splitserve.kernels.attention import AttentionBackend
+from splitserve.kernels.attention import AttentionBackend, TorchAttentionMetadata
+from splitserve.kernels.cpu_backend import CpuAttentionBackend
+from splitserve.kernels.cpu_decode_layers import (
+    CpuDecodeLayers,
+    DecodeLayerTensors,
+    DecodeShape,
+    KernelAddresses,
+    decode_layers_enabled,
+    load_decode_layers_library,
+)
 from splitserve.kernels.cpu_fused_ops import CpuFusedOps, load_cpu_fused_ops
+from splitserve.kernels.cpu_qgemv import MAX_ROWS, load_cpu_qgemv
 
 
 @dataclass
@@ -115,6 +129,54 @@ class LlamaModel:
         )  # [positions, head_dim] each
         self.scale = config.head_dim**-0.5
         self._fused_ops = _fused_ops_for(dtype, device, fused_float32)
+        self._decode_layers = self._decode_layers_for()
+        self._decode_layers_max_rows = min(
+            [MAX_ROWS, *(p.gemv_max_rows or MAX_ROWS for p in self._layer_projections())]
+        )
+        """Decode-only steps of up to this many rows take ``_decode_layers``."""
+
+    def _decode_layers_for(self) -> CpuDecodeLayers | None:
+        """The C layer loop of decode-only steps (``kernels/cpu_decode_layers.py``) where it
+        applies: the fused ops loaded and every projection's generated rows on the quantized
+        kernel; else None (every step keeps the Python loop)."""
+        fused, qgemv = self._fused_ops, load_cpu_qgemv()
+        if fused is None or qgemv is None or not decode_layers_enabled():
+            return None
+        tensors = []
+        for layer in self.layers:
+            weights = [
+                p.decode_quant_weight(1)
+                for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
+            ]
+            qkv, o_proj, gate_up, down = weights
+            if qkv is None or o_proj is None or gate_up is None or down is None:
+                return None
+            tensors.append(
+                DecodeLayerTensors(
+                    layer.input_norm, layer.post_norm, qkv, layer.qkv.bias, o_proj, gate_up, down
+                )
+            )
+        library = load_decode_layers_library()
+        if library is None:
+            return None
+        cfg = self.config
+        kernels = KernelAddresses(
+            qgemv=qgemv.address,
+            add_rms_norm=fused.address("add_rms_norm", self.dtype),
+            rotary=fused.address("rotary", self.dtype),
+            silu_mul=fused.address("silu_mul", self.dtype),
+        )
+        shape = DecodeShape(
+            hidden_size=cfg.hidden_size,
+            q_heads=cfg.num_attention_heads,
+            kv_heads=cfg.num_key_value_heads,
+            head_dim=cfg.head_dim,
+            intermediate=cfg.intermediate_size,
+            eps=cfg.rms_norm_eps,
+            scale=self.scale,
+        )
+        logger.info("decode-only steps run their layer loop in C (kernels/cpu_decode_layers.py)")
+        return CpuDecodeLayers(library, self.dtype, kernels, tensors, shape)
 
     def _layer_projections(self) -> list[Linear]:
         """Every decoder layer's projections, in order (not the LM head)."""
@@ -229,6 +291,22 @@ class LlamaModel:
         hidden = F.embedding(input_ids, self.embed_tokens)  # [tokens, hidden]
         cos, sin = self.cos[positions], self.sin[positions]  # [tokens, head_dim]
         num_tokens = input_ids.shape[0]
+        if on_layer_kv_written is None and self._takes_decode_layers(
+            num_tokens, generated, backend, attn_metadata, kv_cache
+        ):
+            assert self._decode_layers is not None and isinstance(backend, CpuAttentionBackend)
+            assert isinstance(attn_metadata, TorchAttentionMetadata)
+            delta = self._decode_layers(
+                hidden,
+                cos,
+                sin,
+                attn_metadata.slot_mapping,
+                attn_metadata.decode_block_tables,
+                attn_metadata.decode_context_lens,
+                kv_cache,
+                backend.decode_kernel.address(self.dtype),
+            )  # [tokens, hidden]; hidden updated in place
+            return self._logits(hidden + delta, logits_indices, generated)
         q_heads, kv_heads, head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         delta = None  # [tokens, hidden]: the MLP output still to be added to ``hidden``
         for index, layer in enumerate(self.layers):
@@ -253,13 +331,56 @@ class LlamaModel:
             hidden, normed = self._add_and_norm(
                 hidden, layer.o_proj(attn, generated.tokens), layer.post_norm
             )
-            gate, up = layer.gate_up(normed, generated.tokens).chunk(2, dim=-1)
-            delta = layer.down(F.silu(gate) * up, generated.tokens)
+            delta = layer.down(
+                self._silu_mul(layer.gate_up(normed, generated.tokens)), generated.tokens
+            )
         if delta is not None:
             hidden = hidden + delta
+        return self._logits(hidden, logits_indices, generated)
+
+    def _logits(
+        self,
+        hidden: torch.Tensor,  # [tokens, hidden]: the residual stream after the last layer
+        logits_indices: torch.Tensor,  # [samples] int64
+        generated: GeneratedRows,
+    ) -> torch.Tensor:
+        """The final norm and the LM head over the sampled rows: float32 ``[samples, vocab]``."""
         last = hidden.index_select(0, logits_indices)  # [samples, hidden]
-        last = rms_norm(last, self.norm, cfg.rms_norm_eps)
+        last = rms_norm(last, self.norm, self.config.rms_norm_eps)
         return self.lm_head(last, generated.samples).float()  # [samples, vocab]
+
+    def _takes_decode_layers(
+        self,
+        num_tokens: int,
+        generated: GeneratedRows,
+        backend: AttentionBackend,
+        attn_metadata: object,
+        kv_cache: torch.Tensor,
+    ) -> bool:
+        """Whether this step runs ``_decode_layers``: every row a generated token whose
+        projections take the quantized kernel in one call and whose attention the CPU
+        backend's paged kernel computes, over tables it checked (``forward``'s Python loop
+        would call the same kernels in the same order)."""
+        return (
+            self._decode_layers is not None
+            and 0 < num_tokens <= self._decode_layers_max_rows
+            and generated.tokens == num_tokens
+            and isinstance(backend, CpuAttentionBackend)
+            and isinstance(attn_metadata, TorchAttentionMetadata)
+            and attn_metadata.num_decode == num_tokens
+            and not attn_metadata.prefill_spans
+            and self.dtype in backend.decode_kernel.dtypes
+            and kv_cache.dtype == self.dtype
+            and backend.tables_checked(kv_cache[0, 0])
+        )
+
+    def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:  # [tokens, 2 * intermediate]
+        """``silu(gate) * up`` ``[tokens, intermediate]``: the fused kernel where the fused ops
+        are loaded (the C layer loop calls it too, so both give the same bits), else torch."""
+        if self._fused_ops is not None:
+            return self._fused_ops.silu_mul(gate_up.contiguous())
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
 
     def _rotary(
         self,

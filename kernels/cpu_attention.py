@@ -86,6 +86,13 @@ class CpuDecodeAttention:
     def dtypes(self) -> tuple[torch.dtype, ...]:
         return tuple(self._functions)
 
+    def address(self, dtype: torch.dtype) -> int:
+        """The C function for ``dtype``'s rows, as an address (for
+        ``kernels/cpu_decode_layers.py``); ``KeyError`` for a dtype it has none for."""
+        address = ctypes.cast(self._functions[dtype], ctypes.c_void_p).value
+        assert address is not None
+        return address
+
     def __call__(
         self,
         out: torch.Tensor,  # [seqs, heads, head_dim]

@@ -36,6 +36,15 @@ class CpuAttentionBackend(TorchAttentionBackend):
         self._prefill_kernel = prefill_kernel
         self._num_blocks = num_blocks
 
+    @property
+    def decode_kernel(self) -> CpuDecodeAttention:
+        """The kernel decodes run on."""
+        return self._kernel
+
+    def tables_checked(self, key_cache: torch.Tensor) -> bool:
+        """Whether ``prepare`` checked a step's tables against this cache's blocks."""
+        return key_cache.shape[0] == self._num_blocks
+
     def prepare(
         self, spans: Sequence[SequenceSpan], num_decode: int, block_size: int, device: torch.device
     ) -> TorchAttentionMetadata:
@@ -66,7 +75,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
             metadata.decode_block_tables,
             metadata.decode_context_lens,
             scale,
-            tables_checked=key_cache.shape[0] == self._num_blocks,
+            tables_checked=self.tables_checked(key_cache),
         )
 
     def _prefill(

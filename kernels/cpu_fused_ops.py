@@ -1,12 +1,14 @@
 """Fused elementwise ops of the decoder layer on the CPU (``cpu/fused_ops.cpp``).
 
 ``CpuFusedOps`` wraps the compiled library: the residual add and the RMSNorm after it in one
-pass, and the rotary embedding of a step's query and key heads in one call, bf16 or float32.
+pass, the rotary embedding of a step's query and key heads in one call, and SiLU(gate) * up
+over the fused gate_up projection's rows, bf16 or float32.
 It checks the shapes, dtypes and layouts the C side trusts and raises ``ValueError``
 otherwise. It rounds where torch's ops round (see the C++ contract): the sum is identical to
 torch's; the norm is within one bf16 ulp of torch's fused bf16 one, and in float32 is HF's
 formula but for how the squares are summed; the rotary embedding is torch's ops
-(``engine/rotary.py:apply_rotary``) bit for bit. ``load_cpu_fused_ops``
+(``engine/rotary.py:apply_rotary``) bit for bit; SiLU is torch's formula with an exp within
+about an ulp (torch's own is another such approximation). ``load_cpu_fused_ops``
 returns None (logging why) when the library cannot be built or ``SPLITSERVE_CPU_KERNELS=0``.
 """
 
@@ -25,12 +27,19 @@ _SIGNATURES = {
     "splitserve_add_rms_norm_f32": [_P, _P, _P, _P, _I, _I, _F, _T],
     "splitserve_rotary_bf16": [_P, _P, _I, _P, _P, _I, _I, _I, _T],
     "splitserve_rotary_f32": [_P, _P, _I, _P, _P, _I, _I, _I, _T],
+    "splitserve_silu_mul_bf16": [_P, _P, _I, _I, _T],
+    "splitserve_silu_mul_f32": [_P, _P, _I, _I, _T],
 }
 _ADD_RMS_NORM_OF = {
     torch.bfloat16: "splitserve_add_rms_norm_bf16",
     torch.float32: "splitserve_add_rms_norm_f32",
 }
 _ROTARY_OF = {torch.bfloat16: "splitserve_rotary_bf16", torch.float32: "splitserve_rotary_f32"}
+_SILU_MUL_OF = {
+    torch.bfloat16: "splitserve_silu_mul_bf16",
+    torch.float32: "splitserve_silu_mul_f32",
+}
+_SYMBOLS_OF = {"add_rms_norm": _ADD_RMS_NORM_OF, "rotary": _ROTARY_OF, "silu_mul": _SILU_MUL_OF}
 """Each op's kernel for each dtype it takes."""
 
 
@@ -53,6 +62,14 @@ class CpuFusedOps:
             function.argtypes = argtypes
             function.restype = ctypes.c_int
         self._library = library
+
+    def address(self, op: str, dtype: torch.dtype) -> int:
+        """The C function of ``op`` (``add_rms_norm``, ``rotary``, ``silu_mul``) for ``dtype``,
+        as an address (for ``kernels/cpu_decode_layers.py``, which calls it from C)."""
+        function = getattr(self._library, _SYMBOLS_OF[op][dtype])
+        address = ctypes.cast(function, ctypes.c_void_p).value
+        assert address is not None
+        return address
 
     def add_rms_norm(
         self,
@@ -122,6 +139,25 @@ class CpuFusedOps:
             torch.get_num_threads(),
         )
         _require(status == 0, f"rotary kernel refused its arguments ({status})")
+        return out
+
+    def silu_mul(
+        self,
+        gate_up: torch.Tensor,  # [tokens, 2 * intermediate] bf16 or float32, contiguous
+    ) -> torch.Tensor:
+        """``silu(gate) * up`` ``[tokens, intermediate]`` where ``gate, up =
+        gate_up.chunk(2, -1)``; bf16 rounds the SiLU and the product, as torch's two ops."""
+        dtype = gate_up.dtype
+        _require(
+            dtype in _SILU_MUL_OF and _is_matrix(gate_up, dtype) and gate_up.shape[1] % 2 == 0,
+            "silu_mul: gate_up must be contiguous 2-d bf16 or float32 of even width",
+        )
+        rows, cols = gate_up.shape[0], gate_up.shape[1] // 2
+        out = gate_up.new_empty(rows, cols)
+        status = getattr(self._library, _SILU_MUL_OF[dtype])(
+            out.data_ptr(), gate_up.data_ptr(), rows, cols, torch.get_num_threads()
+        )
+        _require(status == 0, f"silu_mul kernel refused its arguments ({status})")
         return out
 
 

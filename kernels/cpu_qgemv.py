@@ -96,6 +96,13 @@ class CpuQGemv:
         """Whether bf16 x (and bf16 out) are read: False on AVX-512 CPUs without BF16
         (Skylake-SP, Cascade Lake), which take float32 x and out only."""
 
+    @property
+    def address(self) -> int:
+        """``splitserve_qgemv``'s address (for ``kernels/cpu_decode_layers.py``)."""
+        address = ctypes.cast(self._run, ctypes.c_void_p).value
+        assert address is not None
+        return address
+
     def reads(self, dtype: torch.dtype) -> bool:
         """Whether ``__call__`` takes x of this dtype on this CPU."""
         return dtype == torch.float32 or (dtype == torch.bfloat16 and self.reads_bf16)

@@ -110,3 +110,24 @@ def test_rotary_rejects_layouts_it_cannot_read() -> None:
         ops.rotary(torch.zeros(2, 3, 7), torch.zeros(2, 7), torch.zeros(2, 7))  # odd head_dim
     with pytest.raises(ValueError):
         ops.rotary(x, torch.zeros(3, 8), table)
+
+
+@pytest.mark.parametrize("flags", [NATIVE_FLAGS, PORTABLE_FLAGS], ids=["native", "portable"])
+@pytest.mark.parametrize("rows", [1, 5, 40])  # 40 x 1536 splits rows across threads
+def test_silu_mul_is_torchs_formula_within_an_ulp_or_two(flags, rows) -> None:
+    """``silu(gate) * up`` against torch's ops in float64 (the exact value): float32 within a
+    few ulps, bf16 within one bf16 ulp of torch's bf16 ops; the gate's extremes (exp's clamp,
+    zeros, large magnitudes) included."""
+    ops = _ops(flags)
+    generator = torch.Generator().manual_seed(rows)
+    gate_up = torch.randn(rows, 2 * 1536, generator=generator) * 6
+    gate_up[0, :6] = torch.tensor([0.0, -0.0, 100.0, -100.0, 88.5, -88.5])
+    exact = F.silu(gate_up[:, :1536].double()) * gate_up[:, 1536:].double()
+    out = ops.silu_mul(gate_up)
+    assert out.shape == (rows, 1536) and out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), exact, rtol=4e-7, atol=1e-30)
+    bf16 = gate_up.bfloat16()
+    expected = F.silu(bf16[:, :1536]) * bf16[:, 1536:]
+    torch.testing.assert_close(ops.silu_mul(bf16), expected, rtol=2**-7, atol=1e-30)
+    with pytest.raises(ValueError, match="even width"):
+        ops.silu_mul(gate_up[:, :3])

@@ -1,7 +1,6 @@
 // Fused elementwise kernels of the decoder layer on the CPU: one pass over memory instead of
 // torch's several ops and temporaries (built and called like paged_decode_attention.cpp; C ABI,
-// ctypes). SiLU*mul was tried here too and was not faster than torch's own vectorised ops, so
-// it stays in torch.
+// ctypes).
 //
 //   splitserve_add_rms_norm_bf16(hidden, delta, weight, out, rows, cols, eps, threads)
 //     if delta: hidden[r] = bf16(hidden[r] + delta[r])      (in place, the residual add)
@@ -22,6 +21,15 @@
 //     Bit for bit torch's ops (engine/rotary.py:apply_rotary): each product and the sum
 //     rounded once to the dtype, in that order (never fused into one multiply-add: this
 //     function is compiled with fp-contract off). head_dim even.
+//   splitserve_silu_mul_bf16 / splitserve_silu_mul_f32(out, gate_up, rows, cols, threads)
+//     out [rows, cols] = silu(gate) * up where gate_up [rows, 2 * cols] holds each row's gate
+//     then its up (the fused gate_up projection's output), both contiguous. silu(x) is
+//     x / (1 + exp(-x)), torch's formula, with exp by exp_any below (within about one ulp of
+//     the correctly rounded value; torch's vectorised exp is another such approximation, so
+//     results may differ from F.silu in the last bit). bf16: silu rounded to bf16, then the
+//     product rounded, as torch's two bf16 ops round. Not faster than torch's two ops alone;
+//     it exists so that the decode layer loop (decode_layers.cpp) and the Python layer path
+//     compute the same bits.
 // Rows are split across `threads` OpenMP threads when there is enough work.
 #include <algorithm>
 #include <cmath>
@@ -72,6 +80,49 @@ inline float sum_of_squares(const float* x, int64_t n) {
   return total;
 }
 
+// exp(x) for any float x, within about one ulp: x clamped to [-87.3, 88.3] (2^k stays a normal
+// float), x = k ln2 + r with ln2 split in two parts (Cody and Waite), e^r by the classic
+// degree-6 minimax polynomial on |r| <= ln2 / 2. Branch-free, so loops over it vectorize.
+inline float exp_any(float x) {
+  constexpr float kRoundMagic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  x = x < -87.3f ? -87.3f : (x > 88.3f ? 88.3f : x);
+  const float shifted = x * kLog2e + kRoundMagic;
+  const float k = shifted - kRoundMagic;
+  int32_t k_int;
+  std::memcpy(&k_int, &shifted, sizeof(k_int));
+  k_int -= 0x4b400000;  // the integer sits in the low mantissa bits of `shifted`
+  float r = std::fma(-k, 0.693359375f, x);  // ln 2's leading bits: k * them is exact
+  r = std::fma(-k, -2.12194440e-4f, r);     // the rest of ln 2
+  float p = 1.9875691500e-4f;
+  p = std::fma(p, r, 1.3981999507e-3f);
+  p = std::fma(p, r, 8.3334519073e-3f);
+  p = std::fma(p, r, 4.1665795894e-2f);
+  p = std::fma(p, r, 1.6666665459e-1f);
+  p = std::fma(p, r, 5.0000001201e-1f);
+  const float e_r = std::fma(p * r, r, r) + 1.0f;
+  const int32_t scale_bits = (k_int + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &scale_bits, sizeof(scale));
+  return e_r * scale;
+}
+
+template <typename T>
+int silu_mul(T* out, const T* gate_up, int64_t rows, int64_t cols, int threads) {
+  if (rows < 0 || cols <= 0) return -1;
+#pragma omp parallel for schedule(static) num_threads(threads_for(rows * cols, threads))
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* gate = gate_up + r * 2 * cols;
+    const T* up = gate + cols;
+    T* o = out + r * cols;
+    for (int64_t c = 0; c < cols; ++c) {
+      const float g = to_float(gate[c]);
+      const float silu = round_to<T>(g / (1.0f + exp_any(-g)));
+      o[c] = from_float<T>(silu * to_float(up[c]));
+    }
+  }
+  return 0;
+}
+
 // One token's heads; each product and the sum rounded as torch rounds them (see the header).
 template <typename T>
 __attribute__((optimize("fp-contract=off"))) void rotate_token(
@@ -118,6 +169,16 @@ int splitserve_rotary_f32(float* out, const float* x, int64_t token_stride, cons
                           const float* sin, int64_t tokens, int64_t heads, int64_t head_dim,
                           int threads) {
   return rotary(out, x, token_stride, cos, sin, tokens, heads, head_dim, threads);
+}
+
+int splitserve_silu_mul_bf16(uint16_t* out, const uint16_t* gate_up, int64_t rows, int64_t cols,
+                             int threads) {
+  return silu_mul(out, gate_up, rows, cols, threads);
+}
+
+int splitserve_silu_mul_f32(float* out, const float* gate_up, int64_t rows, int64_t cols,
+                            int threads) {
+  return silu_mul(out, gate_up, rows, cols, threads);
 }
 
 int splitserve_add_rms_norm_bf16(uint16_t* hidden, const uint16_t* delta, const uint16_t* weight,
