@@ -76,6 +76,7 @@ SPLITSERVE_FLAGS = {
     "splitserve-local": ["--placement", "local"],
     "splitserve-dual": ["--prefill=0", "--decode=0", "--dual=2", "--placement=adaptive"],
     "splitserve-one-dual": ["--prefill=0", "--decode=0", "--dual=1", "--placement=adaptive"],
+    "splitserve-split": ["--placement=adaptive", "--layout=split"],
     "splitserve-shared-cores": ["--no-pin", "--placement=adaptive"],
     "splitserve-lending": ["--placement=adaptive", "--core-lending=decode"],
     "splitserve-lend-both": ["--placement=adaptive", "--core-lending=both"],
@@ -93,6 +94,8 @@ a core each, adaptive placement); ``-remote`` / ``-local`` force where every pro
 ``-dual`` is two dual-role workers (``splitserve worker --roles prefill,decode``), a core
 each, placing adaptively; ``-one-dual`` is one dual-role worker over all cores (one decode
 batch that reads its weights with every core's bandwidth, prompts chunked into its steps);
+``-split`` is ``make serve``'s with the split layout named (``up --layout split``: one prefill
+and one decode worker, a core each, whatever ``auto`` would choose);
 ``-shared-cores`` is ``make serve``'s layout unpinned, each worker
 with a thread per core, so a prompt may use both cores while the decode worker idles;
 ``-eager`` is ``make serve``'s with ``--ttft-at-risk 0``: a prompt goes to the decode worker

@@ -11,8 +11,14 @@ It builds the real engine from the worker's engine flags (``--model``, ``--dtype
   through the prefix cache, so setting them up costs one token each): the median of
   ``DECODE_STEPS`` steps after ``WARMUP_DECODE_STEPS``.
 
-Each time is the median of ``PROMPTS`` prompts (fresh random tokens, no prefix hit) or of the
-decode steps, all measured beside a neighbour: a process, not pinned, that keeps
+The thread counts take turns: ``ROUNDS`` rounds, each measuring one prompt and both decode
+batches on every thread count, so that a slow spell of a shared machine (its one-core speed
+moved between two levels minutes apart, bench/README) falls on both counts alike. Measured one
+count after the other, a slow spell during the 1-thread half (a prompt at 1.76 s where 0.83 s
+was usual) once made the split layout look unable to meet the TTFT target at any rate, and
+``auto`` started the layout that served less. Each time is the median over the rounds of a
+prompt (fresh random tokens, no prefix hit) or of the median decode step of each round, all
+measured beside a neighbour: a process, not pinned, that keeps
 ``NEIGHBOUR_DUTY`` of one core busy in short bursts, ``1 / NEIGHBOUR_PERIOD_S`` a second, as
 the threads that relay a served stream's tokens (the worker's own, the coordinator's, the
 gateway's) wake beside the engine. A step on every core waits, at each of its parallel regions,
@@ -58,7 +64,7 @@ NEIGHBOUR_DUTY = 0.10
 a core in the served runs of bench/README ("Core lending")."""
 NEIGHBOUR_PERIOD_S = 0.001
 """One burst a millisecond: a served stream's tokens wake several threads each."""
-PROMPTS = 3
+ROUNDS = 3
 ALLOWED_CORES = frozenset(os.sched_getaffinity(0))
 """The cores this process may use at start, before ``measure`` narrows them."""
 WARMUP_DECODE_STEPS = 4
@@ -102,26 +108,45 @@ def _decode_step_s(core: EngineCore, context: list[int], batch: int, name: str) 
     return statistics.median(measured)
 
 
-def measure(core: EngineCore, threads: int, prompt_tokens: int, seed: int) -> PhaseTimes:
-    """This engine's phase times on the first ``threads`` allowed cores."""
+def _on_threads(threads: int) -> None:
+    """Run this process's steps on the first ``threads`` allowed cores."""
     os.sched_setaffinity(0, set(sorted(ALLOWED_CORES)[:threads]))
     torch.set_num_threads(threads)
-    rng = random.Random(seed * 1000 + threads)
+
+
+def measure(
+    core: EngineCore, counts: Sequence[int], prompt_tokens: int, seed: int
+) -> tuple[PhaseTimes, ...]:
+    """This engine's phase times on the first ``threads`` allowed cores, for each of
+    ``counts``, the counts taking turns round by round (see the module docstring)."""
+    rng = random.Random(seed)
     vocab = core.model_config.vocab_size
 
     def prompt() -> list[int]:
         return [rng.randrange(100, vocab - 100) for _ in range(prompt_tokens)]
 
-    _prompt_s(core, prompt(), f"warm-{threads}")
-    contexts = [prompt() for _ in range(PROMPTS)]
-    prefill_s = statistics.median(
-        _prompt_s(core, context, f"prompt-{threads}-{number}")
-        for number, context in enumerate(contexts)
+    samples: dict[int, list[tuple[float, float, float]]] = {threads: [] for threads in counts}
+    for threads in counts:  # warm each count's kernels and thread pool once
+        _on_threads(threads)
+        _prompt_s(core, prompt(), f"warm-{threads}")
+    for round_number in range(ROUNDS):
+        for threads in counts:
+            _on_threads(threads)
+            name = f"{threads}-{round_number}"
+            context = prompt()
+            prefill_s = _prompt_s(core, context, f"prompt-{name}")
+            one = _decode_step_s(core, context, 1, f"one-{name}")
+            many = _decode_step_s(core, context, BATCH, f"batch-{name}")
+            samples[threads].append((prefill_s, one, many))
+    return tuple(
+        PhaseTimes(
+            threads=threads,
+            prefill_s=statistics.median(sample[0] for sample in samples[threads]),
+            decode_one_s=statistics.median(sample[1] for sample in samples[threads]),
+            decode_batch_s=statistics.median(sample[2] for sample in samples[threads]),
+        )
+        for threads in counts
     )
-    context = contexts[-1]
-    one = _decode_step_s(core, context, 1, f"one-{threads}")
-    many = _decode_step_s(core, context, BATCH, f"batch-{threads}")
-    return PhaseTimes(threads=threads, prefill_s=prefill_s, decode_one_s=one, decode_batch_s=many)
 
 
 _NEIGHBOUR = """
@@ -163,7 +188,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     core = EngineCore(config)
     with neighbour():
-        phases = tuple(measure(core, threads, args.prompt_tokens, args.seed) for threads in counts)
+        phases = measure(core, counts, args.prompt_tokens, args.seed)
     result = ProbeResult(
         cpu=cpu_name(),
         cores=len(ALLOWED_CORES),

@@ -53,14 +53,20 @@ LAYOUTS = ("auto", "split", "aggregated", "hybrid")
 CHOSEN_BY_MODEL = ("split", "aggregated")
 HEADROOM = 0.8
 """Predicted means must stay within this share of the targets."""
-AGGREGATED_MARGIN = 1.2
+AGGREGATED_MARGIN = 2.0
 """``aggregated`` replaces ``split`` only where predicted to serve at least this much more. The
-model is kinder to ``aggregated`` than serving was: on the 2-core Cascade Lake Xeon of
-2026-11-27 it predicted aggregated at 0.90x of split's rate and aggregated served 0.75-0.78x
-of split's goodput at 0.5 req/s (2 seeds); it predicted 0.39-0.74x where aggregated served
-0.30x and 0 at 0.3 and 0.6 req/s (bench/README, "The layout make serve picks"). What it leaves
-out: the dual-role engine's own relaying threads preempting its parallel steps, and a prompt
-step stalling every stream of the batch at once."""
+model is kinder to ``aggregated`` than serving was, every time it was checked: on the 2-core
+Cascade Lake Xeon of 2026-11-27 it predicted aggregated at 0.90x of split's rate and
+aggregated served 0.75-0.78x of split's goodput at 0.5 req/s (2 seeds); it predicted
+0.39-0.74x where aggregated served 0.30x and 0 at 0.3 and 0.6 req/s (bench/README, "The
+layout make serve picks"). Once decode steps ran their layer loop in C (a 2-thread step of 8
+requests 35 ms against 47-56 on one thread) it predicted 1.15-1.6x, and aggregated served
+0.13x of split's goodput at 0.6 req/s and 0.5x at 0.9 (3 seeds each; bench/README, "The
+decode layer loop in C"). What it leaves out: the other processes on the cores (relaying
+threads, the coordinator, the gateway, the clients) preempting a thread of the engine's
+parallel regions, each of a step's ~240 kernel calls waiting for it, and a prompt step
+stalling every stream of the batch at once. The next lever is measuring served steps, not a
+probe's: re-checking the layout online from the step times placement learns."""
 PROBE_VERSION = 1
 """Part of the cache key: a new probe or model invalidates older results."""
 PROBE_TIMEOUT_S = 600.0
