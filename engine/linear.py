@@ -279,13 +279,12 @@ class Linear:
             parts.append(self._dense(x[generated_rows:]))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
-    def decode_quant_weight(self, rows: int) -> QuantWeight | None:
-        """The packed blocks that a decode-only step of ``rows`` generated rows (and no
-        prompt rows) reads in ``__call__``, where it takes the quantized kernel in one call;
-        None where such a step takes another path (the GEMV, oneDNN, several calls)."""
-        if self._qgemv is None or self._quant_weight is None or not 0 < rows <= MAX_ROWS:
-            return None
-        if self.logits or (self.gemv_max_rows is not None and rows > self.gemv_max_rows):
+    @property
+    def generated_rows_quant_weight(self) -> QuantWeight | None:
+        """The packed blocks a decode-only step's generated rows read in ``__call__`` (one
+        call, up to ``MAX_ROWS`` rows and ``gemv_max_rows``); None where they take another
+        path (the GEMV, oneDNN) or this is the LM head."""
+        if self._qgemv is None or self.logits:
             return None
         return self._quant_weight
 

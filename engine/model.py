@@ -145,7 +145,7 @@ class LlamaModel:
         tensors = []
         for layer in self.layers:
             weights = [
-                p.decode_quant_weight(1)
+                p.generated_rows_quant_weight
                 for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
             ]
             qkv, o_proj, gate_up, down = weights

@@ -14,7 +14,7 @@ import functools
 
 import torch
 
-from splitserve.kernels.cpu_build import NATIVE_FLAGS, load_library
+from splitserve.kernels.cpu_build import NATIVE_FLAGS, function_address, load_library
 
 _ARGTYPES = [
     ctypes.c_void_p,  # out
@@ -52,6 +52,7 @@ class CpuDecodeAttention:
             function.argtypes = _ARGTYPES
             function.restype = ctypes.c_int
             self._functions[dtype] = function
+        self._addresses = {dtype: function_address(f) for dtype, f in self._functions.items()}
 
     @staticmethod
     def check_tables(
@@ -89,9 +90,7 @@ class CpuDecodeAttention:
     def address(self, dtype: torch.dtype) -> int:
         """The C function for ``dtype``'s rows, as an address (for
         ``kernels/cpu_decode_layers.py``); ``KeyError`` for a dtype it has none for."""
-        address = ctypes.cast(self._functions[dtype], ctypes.c_void_p).value
-        assert address is not None
-        return address
+        return self._addresses[dtype]
 
     def __call__(
         self,

@@ -100,6 +100,14 @@ def build_library(name: str, flags: tuple[str, ...] = NATIVE_FLAGS) -> Path:
     return target
 
 
+def function_address(function: ctypes._CFuncPtr) -> int:
+    """A loaded library function's address, for C code that calls it through a pointer
+    (``kernels/cpu_decode_layers.py``)."""
+    address = ctypes.cast(function, ctypes.c_void_p).value
+    assert address is not None
+    return address
+
+
 def load_library(name: str, flags: tuple[str, ...] = NATIVE_FLAGS) -> ctypes.CDLL | None:
     """The loaded ``kernels/cpu/<name>.cpp`` library, or None (logged) when
     ``SPLITSERVE_CPU_KERNELS=0`` or it cannot be built or loaded here (callers keep torch)."""

@@ -19,7 +19,7 @@ import functools
 
 import torch
 
-from splitserve.kernels.cpu_build import NATIVE_FLAGS, load_library
+from splitserve.kernels.cpu_build import NATIVE_FLAGS, function_address, load_library
 
 _P, _I, _F, _T = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {
@@ -66,10 +66,7 @@ class CpuFusedOps:
     def address(self, op: str, dtype: torch.dtype) -> int:
         """The C function of ``op`` (``add_rms_norm``, ``rotary``, ``silu_mul``) for ``dtype``,
         as an address (for ``kernels/cpu_decode_layers.py``, which calls it from C)."""
-        function = getattr(self._library, _SYMBOLS_OF[op][dtype])
-        address = ctypes.cast(function, ctypes.c_void_p).value
-        assert address is not None
-        return address
+        return function_address(getattr(self._library, _SYMBOLS_OF[op][dtype]))
 
     def add_rms_norm(
         self,

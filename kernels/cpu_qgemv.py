@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from splitserve.kernels.cpu_build import NATIVE_FLAGS, load_library
+from splitserve.kernels.cpu_build import NATIVE_FLAGS, function_address, load_library
 
 logger = logging.getLogger(__name__)
 MAX_ROWS = 32
@@ -99,9 +99,7 @@ class CpuQGemv:
     @property
     def address(self) -> int:
         """``splitserve_qgemv``'s address (for ``kernels/cpu_decode_layers.py``)."""
-        address = ctypes.cast(self._run, ctypes.c_void_p).value
-        assert address is not None
-        return address
+        return function_address(self._run)
 
     def reads(self, dtype: torch.dtype) -> bool:
         """Whether ``__call__`` takes x of this dtype on this CPU."""
