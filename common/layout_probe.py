@@ -1,9 +1,11 @@
 """What the layout probe measured (``engine/layout_probe.py``), as ``up`` reads it (torch-free).
 
 Contract: a ``ProbeResult`` holds one ``PhaseTimes`` per thread count probed, fewest threads
-first; every time is in seconds and positive. ``to_json`` / ``from_json`` round-trip it
-exactly; ``from_json`` raises ``ValueError`` on anything else (a cache file from another
-version, say), so a reader can probe again instead of trusting it.
+first; every time is in seconds and positive. ``served`` names the thread counts whose times
+a serving cluster's learned step models replaced (the re-check writes them back to the
+cache). ``to_json`` / ``from_json`` round-trip it exactly; ``from_json`` raises
+``ValueError`` on anything else (a cache file from another version, say), so a reader can
+probe again instead of trusting it.
 """
 
 from __future__ import annotations
@@ -63,6 +65,9 @@ class ProbeResult:
     phases: tuple[PhaseTimes, ...]
     probe_s: float
     """How long the probe took, model load included."""
+    served: tuple[int, ...] = ()
+    """Thread counts whose times were learned from served steps (``launch/layout_recheck.py``)
+    rather than probed: the other processes on the cores included."""
 
     def __post_init__(self) -> None:
         if not self.phases:
@@ -70,6 +75,8 @@ class ProbeResult:
         threads = [phase.threads for phase in self.phases]
         if threads != sorted(set(threads)):
             raise ValueError("phases must be in increasing thread counts")
+        if not set(self.served) <= set(threads):
+            raise ValueError("served names a thread count without phase times")
 
     @property
     def all_cores(self) -> PhaseTimes:
@@ -87,6 +94,7 @@ class ProbeResult:
             "dtype": self.dtype,
             "prompt_tokens": self.prompt_tokens,
             "probe_s": self.probe_s,
+            "served": list(self.served),
             "phases": [
                 {
                     "threads": phase.threads,
@@ -119,6 +127,7 @@ class ProbeResult:
                 prompt_tokens=int(data["prompt_tokens"]),
                 phases=phases,
                 probe_s=float(data["probe_s"]),
+                served=tuple(int(threads) for threads in data.get("served", ())),
             )
         except (KeyError, TypeError, ValueError) as error:
             raise ValueError(f"not a layout probe result: {error}") from error
@@ -126,7 +135,8 @@ class ProbeResult:
     def describe(self) -> str:
         """One line: each thread count's prompt and decode step times, in ms."""
         parts = [
-            f"{phase.threads} thread{'s' if phase.threads > 1 else ''}: a "
+            f"{phase.threads} thread{'s' if phase.threads > 1 else ''}"
+            f"{' (served)' if phase.threads in self.served else ''}: a "
             f"{self.prompt_tokens}-token prompt {phase.prefill_s * 1e3:.0f} ms, decode step "
             f"{phase.decode_one_s * 1e3:.1f} ms (1 request) / {phase.decode_batch_s * 1e3:.1f} "
             f"ms ({BATCH})"

@@ -67,6 +67,8 @@ threads, the coordinator, the gateway, the clients) preempting a thread of the e
 parallel regions, each of a step's ~240 kernel calls waiting for it, and a prompt step
 stalling every stream of the batch at once. The next lever is measuring served steps, not a
 probe's: re-checking the layout online from the step times placement learns."""
+RECHECK_INTERVAL_S = 60.0
+"""``--layout-recheck-s``'s default (``launch/layout_recheck.py``)."""
 PROBE_VERSION = 1
 """Part of the cache key: a new probe or model invalidates older results."""
 PROBE_TIMEOUT_S = 600.0
@@ -106,6 +108,11 @@ class LayoutChoice:
     reason: str
     capacities: tuple[tuple[str, float], ...] = ()
     """Each candidate's predicted rate within the targets, req/s (``auto`` only)."""
+    probe: ProbeResult | None = None
+    """The machine's probe the choice was (or, for a named layout, could have been) made
+    from: what the online re-check corrects (``launch/layout_recheck.py``); None: none."""
+    probe_path: Path | None = None
+    """Where ``probe`` is cached."""
 
     @property
     def summary(self) -> str:
@@ -256,6 +263,22 @@ def last_flag(argv: Sequence[str], name: str) -> str | None:
     return value
 
 
+def cached_probe(path: Path) -> ProbeResult | None:
+    """The probe cached at ``path``; None where there is none (or it cannot be read)."""
+    try:
+        return ProbeResult.from_json(json.loads(path.read_text(encoding="utf-8")))
+    except (OSError, ValueError):
+        return None
+
+
+def cache_probe(path: Path, probe: ProbeResult) -> None:
+    """Write ``probe`` to ``path`` whole (a reader never sees half a file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(probe.to_json(), indent=1), encoding="utf-8")
+    partial.replace(path)
+
+
 def load_or_probe(
     worker_args: Sequence[str], workload: Workload, say: Callable[[str], None] = print
 ) -> tuple[ProbeResult, bool]:
@@ -263,10 +286,9 @@ def load_or_probe(
     workers' flags, then cached); second: whether it came from the cache. Raises
     ``RuntimeError`` when the probe fails."""
     path = probe_cache_path(worker_args, workload)
-    try:
-        return ProbeResult.from_json(json.loads(path.read_text(encoding="utf-8"))), True
-    except (OSError, ValueError):
-        pass
+    cached = cached_probe(path)
+    if cached is not None:
+        return cached, True
     say(f"splitserve up: measuring this machine to choose the layout (once; cached in {path})")
     argv = [
         sys.executable,
@@ -305,6 +327,16 @@ def add_layout_args(parser: argparse.ArgumentParser) -> None:
         default="320,96,2000,50",
         help="what auto chooses for: prompt tokens, output tokens, TTFT target ms, ITL target "
         "ms (default: the chat workload and SLO of bench/bench_goodput.py)",
+    )
+    parser.add_argument(
+        "--layout-recheck-s",
+        type=float,
+        default=RECHECK_INTERVAL_S,
+        help="re-check the running layout every this many seconds from the step times the "
+        "workers learn serving, where a probe of this machine is at hand (auto, or split / "
+        "aggregated with the probe cached); it says what a restart would run and writes the "
+        "served times to the probe's cache for the next start (launch/layout_recheck.py). "
+        "0: off",
     )
 
 

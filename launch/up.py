@@ -54,12 +54,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import os
 import shlex
 import signal
 import sys
 import tempfile
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 
 from splitserve.common.api_keys import (
     KEYS_ENV,
@@ -73,15 +74,19 @@ from splitserve.coordinator import INTERNAL_READY, PUBLIC_READY
 from splitserve.discovery.flags import add_membership_args, etcd_endpoints
 from splitserve.launch.child_process import ReadyError
 from splitserve.launch.layout import (
+    CHOSEN_BY_MODEL,
     LayoutChoice,
     Workload,
     add_layout_args,
+    cached_probe,
     choose,
     last_flag,
     load_or_probe,
+    probe_cache_path,
     roles_of_layout,
     workload_of,
 )
+from splitserve.launch.layout_recheck import recheck_layout
 from splitserve.launch.members import wait_for_members
 from splitserve.launch.supervisor import READY_TIMEOUT_S, Stopped, Supervisor, say
 from splitserve.proto.cluster_auth import TOKEN_ENV, ClusterCredential
@@ -502,11 +507,11 @@ async def _start_all(
     credential: ClusterCredential,
     tls: TlsConfig | None,
     busy_dir: str,
-) -> str:
+) -> tuple[str, str]:
     """Start every child in order, each once the previous ones are ready; the coordinators'
     public addresses, comma-separated, once every coordinator routes to every worker
-    (``launch/members.py``). Ports asked for as 0 are pinned to those the first run got, for
-    restarts."""
+    (``launch/members.py``), and the first coordinator's internal address. Ports asked for as 0
+    are pinned to those the first run got, for restarts."""
     publics, internals = [], []
     for index in range(args.coordinators):
         name = "coordinator" if args.coordinators == 1 else f"coordinator-{index}"
@@ -555,7 +560,7 @@ async def _start_all(
             gateway = children.start(name, gateway_argv(args, address, port, extra_publics))
             port = _port_of(await children.wait_ready(gateway, stop))
             gateway.pin("--port", port)
-    return address
+    return address, internals[0]
 
 
 def _port_of(address: str) -> str:
@@ -579,10 +584,13 @@ async def _run(
     )
     with _busy_dir(args) as busy_dir:
         try:
-            address = await _start_all(children, args, worker_args, stop, credential, tls, busy_dir)
+            address, internal = await _start_all(
+                children, args, worker_args, stop, credential, tls, busy_dir
+            )
             say(f"splitserve up: {layout_summary(args, lending=busy_dir is not None)}")
             say(f"splitserve ready at {address}")
-            await children.supervise(stop)
+            async with _layout_recheck(args, internal, credential, tls):
+                await children.supervise(stop)
             status = 0 if stop.is_set() else 1
         except Stopped:
             status = 0
@@ -595,6 +603,28 @@ async def _run(
         if not await children.stop_all():
             status = status or 1
     return status
+
+
+@contextlib.asynccontextmanager
+async def _layout_recheck(
+    args: argparse.Namespace, internal: str, credential: ClusterCredential, tls: TlsConfig | None
+) -> AsyncIterator[None]:
+    """Re-checks the layout from served steps while the body runs (``launch/layout_recheck.py``,
+    every ``--layout-recheck-s``; where a layout the model knows runs with a probe at hand)."""
+    choice: LayoutChoice | None = getattr(args, "layout_choice", None)
+    if choice is None or choice.probe is None or args.layout_recheck_s <= 0:
+        yield
+        return
+    workload = workload_of(args.layout_workload)
+    task = asyncio.ensure_future(
+        recheck_layout(internal, credential, tls, choice, workload, args.layout_recheck_s, say)
+    )
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
 
 @contextlib.contextmanager
@@ -649,7 +679,9 @@ def choose_layout(
     if roles:
         return LayoutChoice("explicit", "--prefill/--decode/--dual given")
     if args.layout != "auto":
-        return LayoutChoice(args.layout, f"--layout {args.layout}")
+        path = probe_cache_path(worker_args, workload)
+        probe = cached_probe(path) if args.layout in CHOSEN_BY_MODEL else None
+        return LayoutChoice(args.layout, f"--layout {args.layout}", probe=probe, probe_path=path)
     engine = last_flag(worker_args, "--engine") or os.environ.get(env_name("--engine"))
     device = last_flag(worker_args, "--device") or os.environ.get(env_name("--device"))
     if engine == "sim" or args.workers_per_process > 1:
@@ -663,7 +695,9 @@ def choose_layout(
     except RuntimeError as error:
         say(f"splitserve up: warning: {error}; running the split layout", file=sys.stderr)
         return LayoutChoice("split", "auto: the probe failed")
-    choice = choose(probe, workload)
+    choice = dataclasses.replace(
+        choose(probe, workload), probe=probe, probe_path=probe_cache_path(worker_args, workload)
+    )
     measured = "cached" if cached else "measured now"
     say(f"splitserve up: layout {choice.layout}: {choice.reason}")
     say(f"splitserve up: probe ({measured}): {probe.describe()}")
