@@ -35,7 +35,10 @@ Contracts:
   and message and what is left of its retry hint; a new stream goes to another of the
   ``width`` calls whose coordinator has not said so, and is refused at once only where all
   have (a crowd past the queue is answered without reaching the coordinator: the gateway's
-  429s then cost it no gRPC round trip).
+  429s then cost it no gRPC round trip). A call also refuses new streams itself while at
+  least the coordinator's admission queue's limit of its streams wait for admission (the
+  coordinator's ``admitted`` items say which no longer do, and the limit):
+  ``StreamsClientCall.refusal_at``.
 - A reader that fell behind gets the token chunks that queued up for it as one chunk
   (``_merge_chunks``): the same tokens, text and logprobs, in fewer pieces.
 """
@@ -199,10 +202,14 @@ class MultiplexedStream:
     def deliver(self, item: coordinator_pb2.StreamItem) -> None:
         if item.HasField("response"):
             self._responses.append(item.response)
+        elif item.HasField("admitted"):
+            assert self._call is not None
+            self._call.admitted(self._key, item.admitted.max_queued)
+            return
         else:
             self._outcome = StreamError.of_end(item.end)
             assert self._call is not None
-            self._call.ended(self._key)
+            self._call.ended(self._key, self._outcome)
             unanswered = not (self._responded or self._responses)
             if self._outcome.code() == grpc.StatusCode.UNAVAILABLE and unanswered:
                 self._call.retire()  # a draining coordinator: retries go out on a new call

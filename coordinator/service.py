@@ -161,6 +161,9 @@ class Coordinator:
         """``access``: how the coordinator's calls to workers reach them (credential, TLS)."""
         self.config = config
         self.tokenizer = tokenizer
+        # the bound every request's length check reads walks the vocabulary once (~0.1 s on
+        # this CPU): at start, not in the first request's way (a crowd's, say)
+        _ = tokenizer.max_chars_per_token
         self.registry = WorkerRegistry(model=config.checkpoint)
         self.router = Router(self.registry, config.routing)
         self.channels = WorkerChannels(access, multiplexed=config.multiplexed_decode)
@@ -280,6 +283,7 @@ class Coordinator:
         traceparent: str = "",
         session_id: str = "",
         inline: FlowSink | None = None,
+        on_admitted: Callable[[], None] | None = None,
     ) -> AsyncIterator[tuple[RequestFlow, StreamChunk]]:
         """Stream a request's chunks (with its flow, for usage figures).
 
@@ -302,11 +306,14 @@ class Coordinator:
         ``inline``: takes, in the stream's order, the chunks the flow's attempts process as
         they arrive (``attempt.py``: the steady decode of a multiplexed decode stream, with no
         task switch per chunk); they are not iterated. Must not block.
+        ``on_admitted``: called once admission lets the request in (before any chunk); must
+        not block or raise.
         """
         arrived_at = time.monotonic()
         session = scoped_request_id(session_id, caller) if session_id else ""
         args = (
-            request_id, prompt, sampling, caller, continue_after, priority, targets, session, inline
+            request_id, prompt, sampling, caller, continue_after, priority, targets, session,
+            inline, on_admitted,
         )  # fmt: skip
         if not tracing_enabled():
             return self._generate(NO_SPAN, *args, arrived_at)
@@ -343,6 +350,7 @@ class Coordinator:
         targets: LatencyTargets,
         session_id: str,
         inline: FlowSink | None,
+        on_admitted: Callable[[], None] | None,
         arrived_at: float,
     ) -> AsyncIterator[tuple[RequestFlow, StreamChunk]]:
         """``generate``'s work, under the request's ``span`` (``NO_SPAN``: untraced)."""
@@ -399,6 +407,8 @@ class Coordinator:
             demand = KvDemand.of(len(prompt_ids), params.max_tokens, self.block_size)
             await self.admission.admit(request_id, demand, caller.tenant, priority)
             span.add_event("admitted")
+            if on_admitted is not None:
+                on_admitted()
             if continue_after:
                 replayed = self._replay(flow, continue_after)
                 if replayed is not None:

@@ -28,7 +28,7 @@ from splitserve.proto import convert
 from splitserve.proto.api_key_auth import caller_of
 from splitserve.proto.splitserve.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from splitserve.proto.status import abort_with, status_of
-from splitserve.proto.streams_server import ClientStalled, StreamsCall
+from splitserve.proto.streams_server import ClientStalled, Outlet, StreamsCall
 
 GenerateResponse = coordinator_pb2.GenerateResponse
 
@@ -83,8 +83,16 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         responses batched with the others'. A caller that reads nothing for
         ``send_timeout_s`` loses the call, ABORTED, and every stream on it is aborted."""
         caller = await caller_of(self._keys, context)
+        max_queued = self._coordinator.config.admission.max_queued_requests
+
+        def run(
+            request: coordinator_pb2.GenerateRequest, outlet: Outlet[GenerateResponse]
+        ) -> Awaitable[None]:
+            admitted = functools.partial(outlet.admitted, max_queued)
+            return self.run_stream(request, caller, outlet, outlet.fill, admitted)
+
         streams = StreamsCall(
-            lambda request, outlet: self.run_stream(request, caller, outlet, outlet.fill),
+            run,
             lambda: self.draining,
             coordinator_pb2.StreamsResponse,
             coordinator_pb2.GenerateResponse,
@@ -107,6 +115,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         caller: Caller,
         send: Callable[[GenerateResponse], Awaitable[None]],
         fill: Callable[[], GenerateResponse] | None = None,
+        admitted: Callable[[], None] | None = None,
     ) -> None:
         """Run one request as ``caller``, handing its responses to ``send`` in order, the
         last a completion or an in-stream error. Raises the ``SplitserveError`` of a request
@@ -114,7 +123,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         ``fill``: makes the next response in place, without waiting (a multiplexed call's
         ``Outlet.fill``): responses are then made there, and the request's steady decode is
         relayed inline, as its decode stream's messages arrive (``Coordinator.generate``), in
-        the same order as the rest."""
+        the same order as the rest. ``admitted``: called when admission lets the request in
+        (``Outlet.admitted``: the gateway counts what still waits)."""
         timer = self._metrics.requests.start()
         sent_any = False
 
@@ -156,6 +166,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 traceparent=request.traceparent,
                 session_id=request.session_id,
                 inline=inline,
+                on_admitted=admitted,
             )
             async with contextlib.aclosing(stream):
                 async for flow, chunk in stream:

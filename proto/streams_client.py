@@ -7,7 +7,8 @@ call breaks (its server died, the connection was lost) or ends, every stream sti
 it gets ``fail`` with the call's code (UNAVAILABLE when the server ended the call itself),
 and the call takes no new streams (``accepting`` False). ``cancel`` of an open stream sends
 its ``cancel`` (the server cancels the stream's work). A retired call takes no new streams
-and half-closes once its last stream ended.
+and half-closes once its last stream ended. A stream is waiting for admission from its
+``open`` until the server's ``admitted`` item or its end (``refusal_at`` reads the count).
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ from splitserve.proto.splitserve.v1 import common_pb2
 from splitserve.proto.status import PARAM_METADATA_KEY, RETRY_AFTER_METADATA_KEY
 
 Metadata = tuple[tuple[str, str], ...]
+
+QUEUE_FULL_RETRY_AFTER_MS = 1000
+"""The retry hint of a refusal for a full admission queue where the server gave none yet."""
 
 _CODES_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
 
@@ -104,6 +108,13 @@ class StreamsClientCall:
         self._refusal: StreamError | None = None
         """The server's last refusal of every new stream (``refuse_all``), while it holds."""
         self._refusing_since = self._refusing_until = 0.0
+        self._waiting: set[int] = set()
+        """Keys of open streams the server has not said were admitted (``admitted``)."""
+        self._max_queued = 0
+        """The server's admission queue's limit, as its ``admitted`` items say (0: unknown)."""
+        self._overload: StreamError | None = None
+        """The last stream the server refused for overload, and when (``_overload_at``)."""
+        self._overload_at = 0.0
         self._call = open_call(self._requests())
         self._reader = asyncio.ensure_future(self._read())
 
@@ -115,20 +126,30 @@ class StreamsClientCall:
         """Start ``request`` as a stream delivering to ``stream``; its key."""
         key = next(self._keys)
         self._streams[key] = stream
+        self._waiting.add(key)
         self._idle_since = None
         self._outgoing.put_nowait(self._request(start=self._start(key=key, request=request)))
         return key
 
     def cancel(self, key: int) -> None:
         """Cancel an open stream (a no-op for one that ended)."""
+        self._waiting.discard(key)
         if self._streams.pop(key, None) is not None and self.accepting:
             self._outgoing.put_nowait(self._request(cancel=key))
         self._close_if_idle()
 
-    def ended(self, key: int) -> None:
-        """The stream got its end."""
+    def ended(self, key: int, outcome: StreamError | None = None) -> None:
+        """The stream got its end (``outcome``: what it said, where known)."""
         self._streams.pop(key, None)
+        self._waiting.discard(key)
+        if outcome is not None and outcome.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            self._overload, self._overload_at = outcome, time.monotonic()
         self._close_if_idle()
+
+    def admitted(self, key: int, max_queued: int) -> None:
+        """The server admitted the stream's request; its queue holds at most ``max_queued``."""
+        self._waiting.discard(key)
+        self._max_queued = max_queued
 
     def retire(self) -> None:
         """Take no new streams; half-close once the open ones ended."""
@@ -147,18 +168,38 @@ class StreamsClientCall:
         self._refusing_until = self._refusing_since + refusal.refuses_all_ms / 1000.0
 
     def refusal_at(self, now: float) -> StreamError | None:
-        """What the server would answer a stream opened at ``now`` (``time.monotonic``),
-        where it said it refuses every one then: its refusal, the retry hint less the time
-        since it came (at least 1 ms); None: open the stream and ask."""
+        """What the server would answer a stream opened at ``now`` (``time.monotonic``) where
+        that is a refusal known here; None: open the stream and ask. Known here:
+        - the server said it refuses every new stream until after ``now``: its refusal, the
+          retry hint less the time since it came (at least 1 ms);
+        - at least its admission queue's limit of this call's streams wait for admission (in
+          the queue, or on their way to it): the queue is full, or will be once they arrive,
+          and a stream sent now would be refused for it (a stream admitted at once, where
+          the KV had room, counts as waiting until its ``admitted`` item comes back: a burst
+          on an idle server may be refused here by up to that many early). Its hint: the
+          last overload refusal's less the time since it came, else
+          ``QUEUE_FULL_RETRY_AFTER_MS``."""
         refusal = self._refusal
-        if refusal is None or now >= self._refusing_until:
+        if refusal is not None and now < self._refusing_until:
+            waited_ms = int((now - self._refusing_since) * 1000)
+            return StreamError(
+                refusal.code(),
+                f"{refusal.details()} (answered for the server, which refuses every new "
+                "request for now)",
+                retry_after_ms=max(1, refusal.retry_after_ms - waited_ms),
+            )
+        waiting, limit = len(self._waiting), self._max_queued
+        if limit <= 0 or waiting < limit:
             return None
-        waited_ms = int((now - self._refusing_since) * 1000)
+        hint_ms = QUEUE_FULL_RETRY_AFTER_MS
+        if self._overload is not None and self._overload.retry_after_ms > 0:
+            waited_ms = int((now - self._overload_at) * 1000)
+            hint_ms = max(1, self._overload.retry_after_ms - waited_ms)
         return StreamError(
-            refusal.code(),
-            f"{refusal.details()} (answered for the server, which refuses every new request "
-            "for now)",
-            retry_after_ms=max(1, refusal.retry_after_ms - waited_ms),
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"the coordinator's admission queue is full: {waiting} requests wait for KV "
+            f"(limit {limit}); answered without sending the request",
+            retry_after_ms=hint_ms,
         )
 
     def idle_s(self, now: float) -> float:
@@ -187,6 +228,7 @@ class StreamsClientCall:
             raise
         finally:
             self.accepting = False
+            self._waiting.clear()
             streams, self._streams = list(self._streams.values()), {}
             for stream in streams:
                 stream.fail(failure)

@@ -5,7 +5,8 @@ Used by ``Coordinator.GenerateStreams`` (the gateway's streams) and
 shape: the caller sends ``start`` (a ``key`` of its choosing and the request) and ``cancel``
 (a key); the server answers with batches (``items``), each item one stream's next
 ``response`` or its ``end`` (``common.proto``'s ``StreamEnd``: the status the stream's own
-call would have ended with).
+call would have ended with), or, on the coordinator's call, that its request was
+``admitted`` (``Outlet.admitted``).
 
 Why: a gRPC message costs about the same whatever it carries (grpc.aio's write of one
 response and its completion from gRPC's own thread were half of the coordinator's CPU when
@@ -84,6 +85,13 @@ class Outlet(Generic[Response]):
         if task is None or task.cancelling():
             return self._call._response_type()
         return self._call._item_of(self._key).response
+
+    def admitted(self, max_queued: int) -> None:
+        """Tell the caller the stream's request was admitted (an ``admitted`` item: only
+        the coordinator's call has one); never waits."""
+        task = self._call._tasks.get(self._key)
+        if task is not None and not task.cancelling():
+            self._call._item_of(self._key).admitted.max_queued = max_queued
 
 
 class _Start(Protocol[Request]):

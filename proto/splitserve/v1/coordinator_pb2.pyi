@@ -119,14 +119,22 @@ class StreamsResponse(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[StreamItem, _Mapping]]] = ...) -> None: ...
 
 class StreamItem(_message.Message):
-    __slots__ = ("key", "response", "end")
+    __slots__ = ("key", "response", "end", "admitted")
     KEY_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
+    ADMITTED_FIELD_NUMBER: _ClassVar[int]
     key: int
     response: GenerateResponse
     end: _common_pb2.StreamEnd
-    def __init__(self, key: _Optional[int] = ..., response: _Optional[_Union[GenerateResponse, _Mapping]] = ..., end: _Optional[_Union[_common_pb2.StreamEnd, _Mapping]] = ...) -> None: ...
+    admitted: StreamAdmitted
+    def __init__(self, key: _Optional[int] = ..., response: _Optional[_Union[GenerateResponse, _Mapping]] = ..., end: _Optional[_Union[_common_pb2.StreamEnd, _Mapping]] = ..., admitted: _Optional[_Union[StreamAdmitted, _Mapping]] = ...) -> None: ...
+
+class StreamAdmitted(_message.Message):
+    __slots__ = ("max_queued",)
+    MAX_QUEUED_FIELD_NUMBER: _ClassVar[int]
+    max_queued: int
+    def __init__(self, max_queued: _Optional[int] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
