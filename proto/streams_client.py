@@ -197,7 +197,7 @@ class StreamsClientCall:
             hint_ms = max(1, self._overload.retry_after_ms - waited_ms)
         return StreamError(
             grpc.StatusCode.RESOURCE_EXHAUSTED,
-            f"the coordinator's admission queue is full: {waiting} requests wait for KV "
+            f"the coordinator's admission queue is full: {waiting} requests already wait for KV "
             f"(limit {limit}); answered without sending the request",
             retry_after_ms=hint_ms,
         )

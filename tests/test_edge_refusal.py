@@ -9,8 +9,9 @@ cluster of simulated engines, real HTTP)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 import httpx
@@ -57,24 +58,32 @@ async def _refusal(relay: StreamMultiplexer) -> StreamError:
     return refused.value
 
 
-async def _scenario(refuses_all_s: float) -> tuple[_FullCoordinator, list[StreamError], int]:
-    coordinator = _FullCoordinator(refuses_all_s)
+@contextlib.asynccontextmanager
+async def _relay_to(
+    servicer: coordinator_pb2_grpc.CoordinatorServicer,
+) -> AsyncIterator[StreamMultiplexer]:
+    """A real gRPC server of ``servicer`` on a free port, and a multiplexer calling it."""
     server = grpc.aio.server()
-    coordinator_pb2_grpc.add_CoordinatorServicer_to_server(coordinator, server)
+    coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
     try:
-        relay = StreamMultiplexer(channel, RetryPolicy(retry_overloaded=False))
+        yield StreamMultiplexer(channel, RetryPolicy(retry_overloaded=False))
+    finally:
+        await channel.close(None)
+        await server.stop(None)
+
+
+async def _scenario(refuses_all_s: float) -> tuple[_FullCoordinator, list[StreamError], int]:
+    coordinator = _FullCoordinator(refuses_all_s)
+    async with _relay_to(coordinator) as relay:
         first = await _refusal(relay)
         crowd = await asyncio.gather(*(_refusal(relay) for _ in range(20)))
         asked_in_window = coordinator.asked
         await asyncio.sleep(WINDOW_S * 1.5)
         after = await _refusal(relay)
         return coordinator, [first, *crowd, after], asked_in_window
-    finally:
-        await channel.close(None)
-        await server.stop(None)
 
 
 def test_a_full_queue_refuses_the_crowd_behind_it_without_a_round_trip() -> None:
@@ -126,13 +135,7 @@ def test_a_call_refuses_new_streams_while_the_queues_limit_of_its_streams_wait()
 
     async def scenario() -> tuple[int, StreamError, int]:
         coordinator = _QueueingCoordinator(room=2, max_queued=3)
-        server = grpc.aio.server()
-        coordinator_pb2_grpc.add_CoordinatorServicer_to_server(coordinator, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-        try:
-            relay = StreamMultiplexer(channel, RetryPolicy(retry_overloaded=False))
+        async with _relay_to(coordinator) as relay:
             request = coordinator_pb2.GenerateRequest(text="hello")
             held = [relay.start(request, 30.0, None) for _ in range(5)]
             readers = [asyncio.ensure_future(anext(stream, None)) for stream in held]
@@ -150,14 +153,11 @@ def test_a_call_refuses_new_streams_while_the_queues_limit_of_its_streams_wait()
                 reader.cancel()
             await asyncio.gather(*readers, return_exceptions=True)
             return asked_before, refusal, coordinator.asked
-        finally:
-            await channel.close(None)
-            await server.stop(None)
 
     asked_before, refusal, asked_after = asyncio.run(scenario())
     assert asked_before == 5
     assert refusal.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert "3 requests wait for KV (limit 3)" in refusal.details()
+    assert "3 requests already wait for KV (limit 3)" in refusal.details()
     assert refusal.retry_after_ms == QUEUE_FULL_RETRY_AFTER_MS
     assert asked_after == 6
 
@@ -280,6 +280,6 @@ def test_the_gateway_refuses_at_the_door_while_its_own_streams_fill_the_queue() 
 
         answers, after = asyncio.run(scenario())
         for answer in answers:
-            _assert_refused(answer, "admission queue is full: 2 requests wait for KV (limit 2)")
+            _assert_refused(answer, "queue is full: 2 requests already wait for KV (limit 2)")
         assert after.status_code == 200, after.text
         assert refusals() == 0
