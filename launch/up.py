@@ -623,8 +623,12 @@ async def _layout_recheck(
         yield
     finally:
         task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
+        try:
             await task
+        except asyncio.CancelledError:
+            pass
+        except Exception as error:  # an advisory loop that failed must not fail the shutdown
+            say(f"splitserve up: the layout re-check had stopped: {error!r}", file=sys.stderr)
 
 
 @contextlib.contextmanager
