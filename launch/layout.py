@@ -123,18 +123,19 @@ class LayoutChoice:
         return f"auto: {rates} req/s predicted within the targets"
 
 
-def _phases(probe: ProbeResult, layout: str) -> tuple[PhaseTimes, PhaseTimes]:
-    """(prefill cores' times, decode cores' times) of ``layout``."""
+def layout_phase(probe: ProbeResult, layout: str) -> PhaseTimes:
+    """The times of ``layout``'s engines, prompts and decode alike: ``split``'s workers on
+    half the cores each, ``aggregated``'s one worker on all of them."""
     if layout == "split":
-        return probe.half_cores, probe.half_cores
+        return probe.half_cores
     if layout == "aggregated":
-        return probe.all_cores, probe.all_cores
+        return probe.all_cores
     raise ValueError(f"no model for layout {layout!r}")
 
 
 def predict(probe: ProbeResult, workload: Workload, layout: str, rate: float) -> Prediction:
     """Mean TTFT and ITL of ``layout`` at ``rate`` req/s (see the module docstring)."""
-    prefill, decode = _phases(probe, layout)
+    prefill = decode = layout_phase(probe, layout)
     prompt_s = prefill.prefill_s * workload.prompt_tokens / probe.prompt_tokens
     load = rate * prompt_s
     slope = decode.decode_per_request_s

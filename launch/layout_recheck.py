@@ -44,6 +44,7 @@ from splitserve.launch.layout import (
     Workload,
     cache_probe,
     choose,
+    layout_phase,
 )
 from splitserve.proto.cluster_auth import ClusterCredential
 from splitserve.proto.membership_client import MembershipClient
@@ -55,16 +56,6 @@ MIN_DECODE_STEPS = 64
 MIN_PROMPT_STEPS = 8
 """Steps with prompt tokens a prefill member's model must have seen."""
 CALL_TIMEOUT_S = 5.0
-
-
-def layout_threads(probe: ProbeResult, layout: str) -> int:
-    """The thread count of ``layout``'s engines (``split``: half the cores, ``aggregated``:
-    all)."""
-    if layout == "split":
-        return probe.half_cores.threads
-    if layout == "aggregated":
-        return probe.all_cores.threads
-    raise ValueError(f"no model for layout {layout!r}")
 
 
 def served_phase(
@@ -85,7 +76,7 @@ def served_phase(
     )
     if min(times) <= 0.0:
         return None
-    return PhaseTimes(layout_threads(probe, layout), *times)
+    return PhaseTimes(layout_phase(probe, layout).threads, *times)
 
 
 def with_served(probe: ProbeResult, served: PhaseTimes) -> ProbeResult:
@@ -112,11 +103,17 @@ class Recheck:
     def line(self) -> str:
         """The log line: the running layout's served times, each layout's predicted rate and
         where its figures came from, and what a restart would run."""
-        threads = {layout: layout_threads(self.probe, layout) for layout in CHOSEN_BY_MODEL}
-        served = next(p for p in self.probe.phases if p.threads == threads[self.running])
+        served = layout_phase(self.probe, self.running)
+
+        def source(layout: str) -> str:
+            return (
+                "served"
+                if layout_phase(self.probe, layout).threads in self.probe.served
+                else "probe"
+            )
+
         rates = ", ".join(
-            f"{layout} {rate:.2f} ({'served' if threads[layout] in self.probe.served else 'probe'})"
-            for layout, rate in self.choice.capacities
+            f"{layout} {rate:.2f} ({source(layout)})" for layout, rate in self.choice.capacities
         )
         verdict = (
             f"{self.choice.layout} is the choice now: the next `splitserve up` starts it "

@@ -74,6 +74,12 @@ class StreamError(grpc.RpcError):
         return self._metadata
 
 
+def _hint_left_ms(refusal: StreamError, since: float, now: float) -> int:
+    """What is left at ``now`` of the retry hint of ``refusal``, which came at ``since``
+    (``time.monotonic``); at least 1 ms."""
+    return max(1, refusal.retry_after_ms - int((now - since) * 1000))
+
+
 class StreamSink(Protocol):
     """One stream of a ``StreamsClientCall``."""
 
@@ -181,20 +187,18 @@ class StreamsClientCall:
           ``QUEUE_FULL_RETRY_AFTER_MS``."""
         refusal = self._refusal
         if refusal is not None and now < self._refusing_until:
-            waited_ms = int((now - self._refusing_since) * 1000)
             return StreamError(
                 refusal.code(),
                 f"{refusal.details()} (answered for the server, which refuses every new "
                 "request for now)",
-                retry_after_ms=max(1, refusal.retry_after_ms - waited_ms),
+                retry_after_ms=_hint_left_ms(refusal, self._refusing_since, now),
             )
         waiting, limit = len(self._waiting), self._max_queued
         if limit <= 0 or waiting < limit:
             return None
         hint_ms = QUEUE_FULL_RETRY_AFTER_MS
         if self._overload is not None and self._overload.retry_after_ms > 0:
-            waited_ms = int((now - self._overload_at) * 1000)
-            hint_ms = max(1, self._overload.retry_after_ms - waited_ms)
+            hint_ms = _hint_left_ms(self._overload, self._overload_at, now)
         return StreamError(
             grpc.StatusCode.RESOURCE_EXHAUSTED,
             f"the coordinator's admission queue is full: {waiting} requests already wait for KV "

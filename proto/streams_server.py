@@ -81,17 +81,20 @@ class Outlet(Generic[Response]):
         self._call._item_of(self._key).response.CopyFrom(response)
 
     def fill(self) -> Response:
-        task = self._call._tasks.get(self._key)
-        if task is None or task.cancelling():
+        if not self._running():
             return self._call._response_type()
         return self._call._item_of(self._key).response
 
     def admitted(self, max_queued: int) -> None:
         """Tell the caller the stream's request was admitted (an ``admitted`` item: only
         the coordinator's call has one); never waits."""
-        task = self._call._tasks.get(self._key)
-        if task is not None and not task.cancelling():
+        if self._running():
             self._call._item_of(self._key).admitted.max_queued = max_queued
+
+    def _running(self) -> bool:
+        """The stream runs and was not cancelled: what it makes is sent."""
+        task = self._call._tasks.get(self._key)
+        return task is not None and not task.cancelling()
 
 
 class _Start(Protocol[Request]):
