@@ -76,7 +76,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from splitserve.common.errors import InvalidRequestError
@@ -194,9 +194,12 @@ class DecodeView:
     """The fraction of its recent wall time its steps spent on prompt tokens (< 1)."""
     chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS
     """Prompt tokens it computes per step at most (its ``--max-num-batched-tokens``)."""
-    running: tuple[RunningRequest, ...] = ()
+    running: Iterable[RunningRequest] = ()
     """Requests decoding there past their first token that the placing coordinator
-    streams (another coordinator's are in ``running_requests`` only)."""
+    streams (another coordinator's are in ``running_requests`` only). Read only where the
+    running-request guard is consulted (a prompt that may be computed there), and then
+    iterated afresh each time: the router passes a view that builds them on iteration, so
+    a request placed remotely at once costs nothing per running request."""
     cached_tokens: int = 0
     """Of this prompt, the tokens it likely holds in its prefix cache (a conversation's
     earlier turns decoded there): computed there, only the rest is."""

@@ -46,7 +46,7 @@ import contextlib
 import dataclasses
 import hashlib
 import time
-from collections.abc import Callable, Container, Iterator, Sequence
+from collections.abc import Callable, Collection, Container, Iterator, Sequence
 from dataclasses import dataclass
 
 from splitserve.common.blocks import BlockHash, prompt_block_hashes
@@ -148,6 +148,22 @@ class DecodeProgress:
         )
 
 
+@dataclass(frozen=True)
+class RunningView:
+    """The requests this coordinator streams from one decode worker, as placement's guard
+    of running requests sees them at ``now``: built on each iteration (O(running)), never
+    when placement does not consult the guard."""
+
+    decoding: Collection[DecodeProgress]
+    now: float
+
+    def __iter__(self) -> Iterator[RunningRequest]:
+        for progress in self.decoding:
+            running = progress.running(self.now)
+            if running is not None:
+                yield running
+
+
 @dataclass
 class Pending:
     """Work this coordinator sent to one worker that has not finished yet."""
@@ -234,6 +250,10 @@ class Router:
         self._known: dict[str, KnownPrefix] = {}
         """What workers that send KV events hold (exact); they are not guessed for."""
         self._pending: dict[str, Pending] = collections.defaultdict(Pending)
+        self._prefill_sent: collections.Counter[str] = collections.Counter()
+        """Per worker address: prompt tokens this coordinator sent there unanswered, over
+        every member at the address (a dual-role worker's prefill and decode members share
+        one engine); kept as ``prefilling`` blocks enter and leave, so reading it is O(1)."""
 
     @contextlib.contextmanager
     def decoding(self, worker: WorkerRecord, progress: DecodeProgress) -> Iterator[None]:
@@ -251,10 +271,14 @@ class Router:
         """Count ``num_tokens`` prompt tokens as queued on ``worker`` while the block runs."""
         pending = self._pending[worker.worker_id]
         pending.num_prefill_tokens += num_tokens
+        self._prefill_sent[worker.address] += num_tokens
         try:
             yield
         finally:
             pending.num_prefill_tokens -= num_tokens
+            self._prefill_sent[worker.address] -= num_tokens
+            if self._prefill_sent[worker.address] <= 0:
+                del self._prefill_sent[worker.address]
 
     def kv_events(self, worker_id: str, events: KvEvents) -> None:
         """A worker's prefix-cache changes (its heartbeat's): from then on its cached prefix
@@ -463,11 +487,9 @@ class Router:
                     prefill_share=w.load.prefill_share,
                 )
             )
-        now = time.monotonic()
         decoding = self._pending[decode.worker_id].decoding
-        if self.config.mode is not PlacementMode.ADAPTIVE:  # only adaptive guards them: O(N)
+        if self.config.mode is not PlacementMode.ADAPTIVE:  # only adaptive guards them
             decoding = {}
-        running = (p.running(now) for p in decoding)
         view = DecodeView(
             cost=decode.load.step_cost,
             running_requests=decode.load.num_running_requests,
@@ -475,7 +497,7 @@ class Router:
             queued_tokens=self._queued_prefill_tokens(decode),
             prefill_share=decode.load.prefill_share,
             chunk_tokens=decode.load.chunk_tokens,
-            running=tuple(r for r in running if r is not None),
+            running=RunningView(decoding, time.monotonic()),
             cached_tokens=decode_cached,
         )
         config = PlacementConfig(self.config.local_prefill_max_tokens, self.config.ttft_at_risk)
@@ -509,14 +531,9 @@ class Router:
         prefill worker look twice as far behind as it was.) What this coordinator sent
         counts over every member at the worker's address: a dual-role worker's prefill and
         decode members share one engine. With several coordinators, prompts sent since the
-        worker's last report are missed when its report is the larger figure."""
-        sent = sum(
-            pending.num_prefill_tokens
-            for worker_id, pending in self._pending.items()
-            if (member := self.registry.get(worker_id)) is not None
-            and member.address == worker.address
-        )
-        return max(worker.load.num_pending_prefill_tokens, sent)
+        worker's last report are missed when its report is the larger figure. O(1): read
+        per candidate of every request."""
+        return max(worker.load.num_pending_prefill_tokens, self._prefill_sent[worker.address])
 
     def _held_blocks(
         self, worker_id: str, hashes: Sequence[BlockHash], guesses: dict[str, PrefixMemory]

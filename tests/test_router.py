@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 
@@ -409,3 +410,46 @@ def test_a_prefill_worker_that_pulls_is_credited_with_the_decode_workers_prefix(
         ("computes", 0, 0),
         ("pulls", 384, 0),
     ]
+
+
+class _CountedProgress(DecodeProgress):
+    """A decoding request that counts how often placement reads it."""
+
+    reads = 0
+
+    def running(self, now: float):  # noqa: ANN201
+        _CountedProgress.reads += 1
+        return super().running(now)
+
+
+def test_a_request_placed_remotely_reads_no_running_request() -> None:
+    """Routing costs O(1) per request this coordinator streams from the decode worker: the
+    running-request guard's view is built only when placement consults it (a prompt that may
+    be computed there), and the unanswered prompt tokens are kept per address, not summed
+    over every worker's pending work per candidate."""
+    decode, prefill = _worker("d", Role.DECODE), _worker("p", Role.PREFILL)
+    for worker in (decode, prefill):
+        worker.load = dataclasses.replace(worker.load, step_cost=LEARNED_COST)
+    router = Router(_registry(decode, prefill), RoutingConfig(mode=PlacementMode.ADAPTIVE))
+    progresses = []
+    for _ in range(1000):
+        progress = _CountedProgress(max_tokens=96, tpot_s=0.05)
+        progress.first_token_at, progress.num_tokens = time.monotonic(), 1
+        progresses.append(progress)
+    _CountedProgress.reads = 0
+    with contextlib.ExitStack() as stack:
+        for progress in progresses:
+            stack.enter_context(router.decoding(decode, progress))
+        route = router.route(list(range(320)), 96)
+        assert route is not None and route.prefill is prefill
+        assert route.placement is not None and route.placement.reason is Reason.REMOTE_WITHIN_SLO
+        assert _CountedProgress.reads == 0
+        # the prefill worker far behind: local placement is weighed, the guard reads each
+        with router.prefilling(prefill, 5000):
+            assert router._queued_prefill_tokens(prefill) == 5000
+            route = router.route(list(range(320)), 96)
+        assert route is not None and route.placement is not None
+        assert route.placement.reason is Reason.LOCAL_FASTER
+        assert _CountedProgress.reads == len(progresses)
+    assert router._queued_prefill_tokens(prefill) == 0
+    assert not router._prefill_sent  # every block's tokens left with it
