@@ -170,11 +170,8 @@ class Pending:
 
     decoding: dict[DecodeProgress, None] = dataclasses.field(default_factory=dict)
     """Requests decoding there (attempts open on its decode stream), in arrival order; a
-    dict for O(1) removal (``DecodeProgress`` hashes by identity)."""
-    num_prefill_tokens: int = 0
-    """Prompt tokens sent there to compute and not yet answered: to a prefill worker until
-    its Prefill call returns, to a decode worker computing them itself until the first
-    token."""
+    dict for O(1) removal (``DecodeProgress`` hashes by identity). (Prompt tokens sent
+    there are counted per address: ``Router._prefill_sent``.)"""
 
 
 def leading_held(hashes: Sequence[BlockHash], held: Container[BlockHash]) -> int:
@@ -251,9 +248,11 @@ class Router:
         """What workers that send KV events hold (exact); they are not guessed for."""
         self._pending: dict[str, Pending] = collections.defaultdict(Pending)
         self._prefill_sent: collections.Counter[str] = collections.Counter()
-        """Per worker address: prompt tokens this coordinator sent there unanswered, over
-        every member at the address (a dual-role worker's prefill and decode members share
-        one engine); kept as ``prefilling`` blocks enter and leave, so reading it is O(1)."""
+        """Per worker address: prompt tokens this coordinator sent there to compute and not
+        yet answered (to a prefill worker until its Prefill call returns, to a decode worker
+        computing them itself until the first token), over every member at the address (a
+        dual-role worker's prefill and decode members share one engine); kept as
+        ``prefilling`` blocks enter and leave, so reading it is O(1)."""
 
     @contextlib.contextmanager
     def decoding(self, worker: WorkerRecord, progress: DecodeProgress) -> Iterator[None]:
@@ -269,13 +268,10 @@ class Router:
     @contextlib.contextmanager
     def prefilling(self, worker: WorkerRecord, num_tokens: int) -> Iterator[None]:
         """Count ``num_tokens`` prompt tokens as queued on ``worker`` while the block runs."""
-        pending = self._pending[worker.worker_id]
-        pending.num_prefill_tokens += num_tokens
         self._prefill_sent[worker.address] += num_tokens
         try:
             yield
         finally:
-            pending.num_prefill_tokens -= num_tokens
             self._prefill_sent[worker.address] -= num_tokens
             if self._prefill_sent[worker.address] <= 0:
                 del self._prefill_sent[worker.address]
@@ -290,7 +286,7 @@ class Router:
 
     def forget(self, worker_id: str) -> None:
         """A worker left the registry: drop what this router remembers of it (its prefix
-        memory and KV events; its pending counts once no work of this coordinator runs
+        memory and KV events; its decoding requests once none of this coordinator's runs
         there)."""
         self._prefix.pop(worker_id, None)
         self._decode_prefix.pop(worker_id, None)

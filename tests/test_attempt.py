@@ -174,7 +174,7 @@ def test_first_token_comes_once_from_the_decode_stream_before_the_prefill_answer
         task = asyncio.create_task(consume())
         workers.call.items.put_nowait(RESERVATION)
         await _settle()
-        assert router._pending["p"].num_prefill_tokens == len(PROMPT)
+        assert router._prefill_sent["p:1"] == len(PROMPT)
         workers.call.items.put_nowait(_output((7,), 1))  # the KV landed: first token
         await _settle()
         workers.call.items.put_nowait(_output((8,), 2, FinishReason.LENGTH))
@@ -185,7 +185,7 @@ def test_first_token_comes_once_from_the_decode_stream_before_the_prefill_answer
         assert [name for name, _ in attempt.stage_seconds] == ["reserve", "prefill"]
         assert workers.call.cancelled and workers.prefill_cancelled  # every exit ends both
         assert len(router._pending["d"].decoding) == 0
-        assert router._pending["p"].num_prefill_tokens == 0
+        assert router._prefill_sent["p:1"] == 0
 
     asyncio.run(body())
 
@@ -351,7 +351,7 @@ def test_closing_the_stream_early_cancels_the_calls_and_restores_pending_counts_
         assert workers.call.cancelled
         assert len(router._pending["d"].decoding) == 0
         await _settle()
-        assert workers.prefill_cancelled and router._pending["p"].num_prefill_tokens == 0
+        assert workers.prefill_cancelled and router._prefill_sent["p:1"] == 0
 
     asyncio.run(body())
 
