@@ -128,6 +128,12 @@ class AsyncEngine:
         self.paged_kv: PagedKv = core.paged_kv
         """The KV cache for KV transfer; see its threading contract (``PagedKv``)."""
         self.step_threads = step_threads
+        self._between_layers = (
+            step_threads.between_layers
+            if step_threads is not None and step_threads.borrows is not None
+            else None
+        )
+        """Gives borrowed cores back within a step (a borrowing engine only)."""
         self._layer_hook: LayerHook | None = None
         self._finished: list[RequestPhases] = []
         """Requests that ended since the last report (engine thread only)."""
@@ -437,7 +443,7 @@ class AsyncEngine:
                 self.step_threads.before_step()
             self._step_started = time.monotonic()
             try:
-                outputs = self._core.step(self._layer_hook)
+                outputs = self._core.step(self._layer_hook, self._between_layers)
             except Exception as error:  # a bug or OOM in a step must not kill the server
                 logger.exception("engine step failed; failing its running requests")
                 self._fail_all(error)

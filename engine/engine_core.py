@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 import torch
@@ -365,12 +365,17 @@ class EngineCore:
         """True while the request is known here (waiting, running or reserved)."""
         return request_id in self.scheduler.requests
 
-    def step(self, on_layer_kv_written: LayerHook | None = None) -> list[StepOutput]:
+    def step(
+        self,
+        on_layer_kv_written: LayerHook | None = None,
+        between_layers: Callable[[], None] | None = None,
+    ) -> list[StepOutput]:
         """Schedule -> execute -> update; returns the progress of every request that sampled.
 
         ``on_layer_kv_written(layer, completed)`` fires as each layer's KV is written, in
         steps that complete some prompt, with those prompts (their block tables say where
-        the KV is).
+        the KV is). ``between_layers()`` fires between the layers of steps with prompt rows
+        (``Model.forward``).
         """
         started = time.perf_counter()
         scheduled = self.scheduler.schedule()
@@ -386,7 +391,7 @@ class EngineCore:
                 def hook(layer: int) -> None:
                     on_layer_kv_written(layer, completed)
 
-        executed = self.runner.execute(scheduled, hook)
+        executed = self.runner.execute(scheduled, hook, between_layers)
         updates = self.scheduler.update(
             scheduled, executed.sampled_token_ids, executed.verified_token_ids
         )

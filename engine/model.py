@@ -278,6 +278,7 @@ class LlamaModel:
         logits_indices: torch.Tensor,  # [samples] int64
         on_layer_kv_written: Callable[[int], None] | None = None,
         generated: GeneratedRows = GeneratedRows(),
+        between_layers: Callable[[], None] | None = None,
     ) -> torch.Tensor:
         """Run the packed batch; returns float32 logits ``[samples, vocab]``.
 
@@ -286,6 +287,10 @@ class LlamaModel:
 
         ``on_layer_kv_written(layer)`` is called as soon as a layer's new KV is in the cache
         (before its MLP runs), so a KV push can overlap the rest of the forward pass.
+
+        ``between_layers()`` is called before each layer but the first of the Python layer
+        loop (steps with prompt rows; a decode step's layer loop in C runs whole), where the
+        engine may resize its thread pool (``engine/step_threads.py``).
         """
         cfg = self.config
         hidden = F.embedding(input_ids, self.embed_tokens)  # [tokens, hidden]
@@ -310,6 +315,8 @@ class LlamaModel:
         q_heads, kv_heads, head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         delta = None  # [tokens, hidden]: the MLP output still to be added to ``hidden``
         for index, layer in enumerate(self.layers):
+            if between_layers is not None and index:
+                between_layers()
             hidden, normed = self._add_and_norm(hidden, delta, layer.input_norm)
             qkv = layer.qkv(normed, generated.tokens)  # [tokens, q + 2 kv]
             query_key = qkv[:, : cfg.q_size + cfg.kv_size].view(

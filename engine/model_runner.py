@@ -76,11 +76,15 @@ class ModelRunner(KvBlockStore):
         """Constrained requests' matchers (set by the engine when it can build them)."""
 
     def execute(
-        self, step: SchedulerOutput, on_layer_kv_written: Callable[[int], None] | None = None
+        self,
+        step: SchedulerOutput,
+        on_layer_kv_written: Callable[[int], None] | None = None,
+        between_layers: Callable[[], None] | None = None,
     ) -> RunnerOutput:
         """Run one step: write every chunk's KV, sample one token per sampling chunk.
 
-        ``on_layer_kv_written(layer)`` fires once per layer as soon as its KV is written.
+        ``on_layer_kv_written(layer)`` fires once per layer as soon as its KV is written;
+        ``between_layers()`` between the layers of a step with prompt rows (``Model.forward``).
         """
         for request_id in step.finished_request_ids:
             self._generators.pop(request_id, None)
@@ -112,6 +116,7 @@ class ModelRunner(KvBlockStore):
             torch.tensor(logits_rows, dtype=torch.int64, device=self.device),
             on_layer_kv_written,
             generated,
+            between_layers,
         )  # [samples, vocab]
         if not sampling_chunks:
             return RunnerOutput()

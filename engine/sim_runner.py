@@ -100,10 +100,14 @@ class SimulatedRunner(KvBlockStore):
         """Constrained requests' matchers (set by the engine, as for ``ModelRunner``)."""
 
     def execute(
-        self, step: SchedulerOutput, on_layer_kv_written: Callable[[int], None] | None = None
+        self,
+        step: SchedulerOutput,
+        on_layer_kv_written: Callable[[int], None] | None = None,
+        between_layers: Callable[[], None] | None = None,
     ) -> RunnerOutput:
         """Wait out the step's predicted time (hooking each layer in turn where asked), then
-        return the tokens of every sampling chunk."""
+        return the tokens of every sampling chunk. ``between_layers`` is not called: a
+        simulated step has no thread pool to resize."""
         for request_id in step.finished_request_ids:
             if self.grammars is not None:
                 self.grammars.free(request_id)

@@ -12,9 +12,12 @@ Contract (engine thread only):
   gRPC, event-loop and transfer threads never leave the worker's own cores.
 - ``before_step`` marks this engine busy (its own ``BusyFlag``, if it lends its cores) and
   sizes torch's pool for the step: own threads, plus one per borrowed core when their owner
-  reads idle now and borrowing pays (below). The owner may turn busy during the step; the
-  step then shares that core for its remainder (with ``up --core-lending both`` a borrowing
-  prefill step can last seconds).
+  reads idle now and borrowing pays (below).
+- The owner may turn busy during a borrowing step (with ``up --core-lending both`` a
+  prefill step can last seconds). ``between_layers`` (called by the model between the
+  layers of a step with prompt rows) then shrinks the pool back to the own threads, so the
+  owner shares its core for at most one layer of the step (a decode step's layer loop in C
+  runs whole: tens of milliseconds). Such a step is no sample of either kind.
 - ``idle`` marks this engine idle; call it before the engine thread waits for work.
 - The kernels read ``torch.get_num_threads()`` at each call, so one resize per step covers
   oneDNN's products and splitserve's C kernels alike. An engine that only lends never
@@ -86,6 +89,11 @@ class StepThreads:
         """Steps sized so far."""
         self.borrowed_steps = 0
         """Of ``steps``, those that ran on borrowed cores too."""
+        self.yielded_steps = 0
+        """Of ``borrowed_steps``, those that gave the borrowed cores back part-way, their
+        owner turning busy (``between_layers``)."""
+        self._borrowing = False
+        """Whether the step now running holds borrowed cores."""
         self.declined_steps = 0
         """Steps that kept to own cores while the lender idled (borrowing measured no
         faster, or a trial of own cores)."""
@@ -119,8 +127,19 @@ class StepThreads:
         if borrow:
             threads += len(self.borrows.cores)
             self.borrowed_steps += 1
+        self._borrowing = borrow
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
+
+    def between_layers(self) -> None:
+        """Within a step (engine thread): give the borrowed cores back at once if their
+        owner turned busy since the step began."""
+        if not self._borrowing or self.borrows is None or not self.borrows.owner.is_busy():
+            return
+        self._borrowing = False
+        self._measured = None  # part borrowed, part own: no sample of either kind
+        self.yielded_steps += 1
+        torch.set_num_threads(self.own_threads)
 
     def after_step(self, seconds: float, predicted_s: float) -> None:
         """Learn from the step just run (its time, the model's prediction; 0: none)."""

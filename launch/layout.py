@@ -5,14 +5,20 @@ Layouts (``LAYOUTS``):
   the path between machines too);
 - ``aggregated``: one dual-role worker on every core (``--dual 1``): one batch decodes on all
   cores, and prompts are chunked into its steps;
-- ``hybrid``: ``split`` whose decode worker also runs its steps on the prefill worker's
-  cores while that one idles (``--core-lending decode``, ``engine/step_threads.py``);
-- ``auto``: ``split`` or ``aggregated``, whichever a queueing model of the probe's
+- ``hybrid``: ``split``'s two workers, each also running its steps on the other's cores
+  while that one's engine idles (``--core-lending both``, ``engine/step_threads.py``): a
+  prompt computed on every core while no request decodes, a decode step reading the weights
+  with every core's bandwidth while no prompt waits;
+- ``auto``: ``hybrid`` or ``aggregated``, whichever a queueing model of the probe's
   measurements (``ProbeResult``, cached per machine and configuration) says serves the higher
   request rate within the latency targets, ``aggregated`` by at least ``AGGREGATED_MARGIN``.
-  ``hybrid`` is not among its candidates: on the machines measured its gain was within the
-  spread between seeds (bench/README, "Core lending"), and the model below has no term for
-  what its borrowed core loses to the other processes on it.
+
+``hybrid`` is modelled as ``split`` (``PAIR_LAYOUTS``): a lower bound, since each worker takes
+the other's cores only while that one idles, and keeps taking them only where its own steps
+measure faster on them (``StepThreads``). So ``auto`` runs the worker pair lending: on the
+2-core Cascade Lake Xeon (2026-11-28, 3 seeds each) lending both ways served 2.4x split's
+goodput on long prompts and the same as split on chat, within the spread between seeds
+(bench/README, "Core lending both ways"); the model has no term for what lending gains.
 
 The model (``capacity``), for requests of ``prompt_tokens`` in and ``output_tokens`` out
 arriving as a Poisson stream at rate ``rate``; ``P``: one prompt's time on the layout's
@@ -50,7 +56,12 @@ from splitserve.common.layout_probe import PhaseTimes, ProbeResult
 from splitserve.common.model_files import resolve_model_path
 
 LAYOUTS = ("auto", "split", "aggregated", "hybrid")
-CHOSEN_BY_MODEL = ("split", "aggregated")
+PAIR_LAYOUTS = ("split", "hybrid")
+"""The layouts of one prefill and one decode worker, half the cores each: one model."""
+CHOSEN_BY_MODEL = ("hybrid", "aggregated")
+"""``auto``'s candidates."""
+MODELLED = (*PAIR_LAYOUTS, "aggregated")
+"""The layouts the model predicts (and the online re-check follows)."""
 HEADROOM = 0.8
 """Predicted means must stay within this share of the targets."""
 AGGREGATED_MARGIN = 2.0
@@ -124,9 +135,9 @@ class LayoutChoice:
 
 
 def layout_phase(probe: ProbeResult, layout: str) -> PhaseTimes:
-    """The times of ``layout``'s engines, prompts and decode alike: ``split``'s workers on
-    half the cores each, ``aggregated``'s one worker on all of them."""
-    if layout == "split":
+    """The times of ``layout``'s engines, prompts and decode alike: ``split``'s (and
+    ``hybrid``'s) workers on half the cores each, ``aggregated``'s one worker on all of them."""
+    if layout in PAIR_LAYOUTS:
         return probe.half_cores
     if layout == "aggregated":
         return probe.all_cores
@@ -169,13 +180,13 @@ def capacity(probe: ProbeResult, workload: Workload, layout: str) -> float:
 
 def choose(probe: ProbeResult, workload: Workload) -> LayoutChoice:
     """``auto``'s choice: ``aggregated`` where its capacity is at least ``AGGREGATED_MARGIN``
-    times ``split``'s, else ``split`` (the layout between machines too). Where neither meets
-    the targets at any rate, the one of the lower predicted latency at a trickle of
-    requests."""
+    times ``hybrid``'s, else ``hybrid`` (the worker pair, the layout between machines too).
+    Where neither meets the targets at any rate, the one of the lower predicted latency at a
+    trickle of requests."""
     capacities = tuple((layout, capacity(probe, workload, layout)) for layout in CHOSEN_BY_MODEL)
     rates = dict(capacities)
     best_layout = (
-        "aggregated" if rates["aggregated"] >= AGGREGATED_MARGIN * rates["split"] else "split"
+        "aggregated" if rates["aggregated"] >= AGGREGATED_MARGIN * rates["hybrid"] else "hybrid"
     )
     if max(rates.values()) <= 0.0:
 
@@ -189,7 +200,7 @@ def choose(probe: ProbeResult, workload: Workload) -> LayoutChoice:
     reason = (
         f"predicted req/s within {targets} for {workload.prompt_tokens}+"
         f"{workload.output_tokens}-token requests: {listed} (aggregated needs "
-        f"{AGGREGATED_MARGIN:g}x split's)"
+        f"{AGGREGATED_MARGIN:g}x hybrid's)"
     )
     return LayoutChoice(best_layout, reason, capacities)
 
@@ -199,7 +210,7 @@ def roles_of_layout(layout: str) -> tuple[int, int, int, str]:
     if layout == "split":
         return 1, 1, 0, "off"
     if layout == "hybrid":
-        return 1, 1, 0, "decode"
+        return 1, 1, 0, "both"
     if layout == "aggregated":
         return 0, 0, 1, "off"
     raise ValueError(f"not a layout to run: {layout!r}")
@@ -319,9 +330,9 @@ def add_layout_args(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="how the machine's cores serve the two phases: split (a prefill and a decode "
         "worker, half the cores each), aggregated (one dual-role worker on all cores), hybrid "
-        "(split, the decode worker borrowing the idle prefill cores), or auto (the default: "
-        "split or aggregated, from a measurement of this machine cached per configuration). "
-        "Explicit --prefill/--decode/--dual override it",
+        "(split, each worker borrowing the other's cores while it idles: --core-lending both), "
+        "or auto (the default: hybrid or aggregated, from a measurement of this machine cached "
+        "per configuration). Explicit --prefill/--decode/--dual override it",
     )
     parser.add_argument(
         "--layout-workload",

@@ -39,7 +39,8 @@ from splitserve.common.layout_probe import BATCH, PhaseTimes, ProbeResult
 from splitserve.common.membership import MemberStatus, Role
 from splitserve.launch.layout import (
     AGGREGATED_MARGIN,
-    CHOSEN_BY_MODEL,
+    MODELLED,
+    PAIR_LAYOUTS,
     LayoutChoice,
     Workload,
     cache_probe,
@@ -97,8 +98,10 @@ class Recheck:
 
     @property
     def switch(self) -> bool:
-        """Whether the served figures choose the other layout."""
-        return self.choice.layout != self.running
+        """Whether the served figures choose the other layout: the worker pair or the one
+        worker on every core (``split`` and ``hybrid`` are one pair to the model)."""
+        pair = {self.choice.layout, self.running} <= set(PAIR_LAYOUTS)
+        return self.choice.layout != self.running and not pair
 
     def line(self) -> str:
         """The log line: the running layout's served times, each layout's predicted rate and
@@ -126,7 +129,7 @@ class Recheck:
             f"{self.probe.prompt_tokens}-token prompt in {served.prefill_s * 1e3:.0f} ms, a "
             f"decode step in {served.decode_one_s * 1e3:.1f} ms (1 request) / "
             f"{served.decode_batch_s * 1e3:.1f} ms ({BATCH}); predicted req/s within the "
-            f"targets: {rates} (aggregated needs {AGGREGATED_MARGIN:g}x split's); {verdict}"
+            f"targets: {rates} (aggregated needs {AGGREGATED_MARGIN:g}x hybrid's); {verdict}"
         )
 
 
@@ -154,7 +157,7 @@ async def recheck_layout(
     """Re-check ``choice`` (its layout running, its probe cached at its ``probe_path``) every
     ``interval_s`` against the coordinator at ``address`` (its internal port), until
     cancelled. A failed call is skipped (the next interval asks again)."""
-    if choice.probe is None or choice.probe_path is None or choice.layout not in CHOSEN_BY_MODEL:
+    if choice.probe is None or choice.probe_path is None or choice.layout not in MODELLED:
         return
     probe, path, last = choice.probe, choice.probe_path, None
     async with open_channel(address, tls) as channel:

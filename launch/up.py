@@ -40,10 +40,12 @@ holds hundreds of them for scale tests.
 
 Cores are split evenly among the workers (``--cpu-affinity`` of each) when the machine has at
 least one core per worker, so co-located workers do not fight over cores; ``--no-pin`` turns
-that off. With ``--core-lending decode`` (or ``both``; off by default), pinned prefill worker
-i lends its cores to decode worker i: the decode worker's engine thread also runs there while
-the prefill worker's engine idles, where that measures faster (``engine/step_threads.py``);
-their busy files live in a directory under ``/dev/shm`` for the run. With ``--control-cores
+that off. With ``--core-lending decode``, pinned prefill worker i lends its cores to decode
+worker i: the decode worker's engine thread also runs there while the prefill worker's engine
+idles, where that measures faster (``engine/step_threads.py``); with ``both``, decode worker i
+lends its cores back the same way. The layout sets it unless the flag is given: ``both`` for
+``hybrid`` (``auto``'s worker pair), ``off`` otherwise. The busy files live in a directory
+under ``/dev/shm`` for the run. With ``--control-cores
 prefill`` the coordinators and the gateway are pinned to the prefill workers' cores, so a
 decode worker's cores run its steps and nothing else (``control_cores``). Flags after ``--``
 go to every worker (e.g. ``-- --dtype float32``).
@@ -74,7 +76,7 @@ from splitserve.coordinator import INTERNAL_READY, PUBLIC_READY
 from splitserve.discovery.flags import add_membership_args, etcd_endpoints
 from splitserve.launch.child_process import ReadyError
 from splitserve.launch.layout import (
-    CHOSEN_BY_MODEL,
+    MODELLED,
     LayoutChoice,
     Workload,
     add_layout_args,
@@ -158,12 +160,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--core-lending",
         choices=CORE_LENDING,
-        default="off",
+        default=None,
         help="pinned workers lend their cores while their engine idles: 'decode': decode "
         "worker i also runs its steps on prefill worker i's cores while that one waits for "
         "prompts, where that measures faster; 'both': prefill worker i borrows decode worker "
-        "i's too; 'off' (the default: no gain measured on a 2-core machine, bench/README): "
-        "each keeps to its own",
+        "i's too; 'off': each keeps to its own. Default: the layout's ('both' for hybrid, "
+        "which auto runs for a worker pair; 'off' otherwise)",
     )
     parser.add_argument(
         "--control-cores",
@@ -293,8 +295,9 @@ def control_cores(args: argparse.Namespace) -> str | None:
 
 def lending_pairs(args: argparse.Namespace, cores: Sequence[str | None]) -> int:
     """How many (prefill worker i, decode worker i) pairs lend cores, given each worker's
-    pinned cores (``worker_cores``): none with ``--core-lending off`` or unpinned workers."""
-    if args.core_lending == "off" or any(core_list is None for core_list in cores):
+    pinned cores (``worker_cores``): none with ``--core-lending off`` (or unset) or unpinned
+    workers."""
+    if args.core_lending in (None, "off") or any(core_list is None for core_list in cores):
         return 0
     return min(args.prefill, args.decode)
 
@@ -661,16 +664,16 @@ def roles_given(argv: Sequence[str]) -> bool:
 
 
 def apply_layout(args: argparse.Namespace, worker_args: Sequence[str], roles: bool) -> None:
-    """Set ``args``' worker counts (and, for ``hybrid``, ``core_lending``) from the layout
-    ``choose_layout`` picks, kept as ``args.layout_choice`` for the startup line. Raises
-    ``ValueError`` for a malformed ``--layout-workload``."""
+    """Set ``args``' worker counts and (unless ``--core-lending`` was given) ``core_lending``
+    from the layout ``choose_layout`` picks, kept as ``args.layout_choice`` for the startup
+    line. Raises ``ValueError`` for a malformed ``--layout-workload``."""
     workload = workload_of(args.layout_workload)
     args.layout_choice = choose_layout(args, worker_args, roles, workload)
     if args.layout_choice.layout == "explicit":
+        args.core_lending = args.core_lending or "off"
         return
     args.prefill, args.decode, args.dual, lending = roles_of_layout(args.layout_choice.layout)
-    if args.layout_choice.layout == "hybrid":
-        args.core_lending = lending
+    args.core_lending = args.core_lending or lending
 
 
 def choose_layout(
@@ -684,7 +687,7 @@ def choose_layout(
         return LayoutChoice("explicit", "--prefill/--decode/--dual given")
     if args.layout != "auto":
         path = probe_cache_path(worker_args, workload)
-        probe = cached_probe(path) if args.layout in CHOSEN_BY_MODEL else None
+        probe = cached_probe(path) if args.layout in MODELLED else None
         return LayoutChoice(args.layout, f"--layout {args.layout}", probe=probe, probe_path=path)
     engine = last_flag(worker_args, "--engine") or os.environ.get(env_name("--engine"))
     device = last_flag(worker_args, "--device") or os.environ.get(env_name("--device"))

@@ -207,6 +207,78 @@ def test_steps_the_model_could_not_predict_teach_nothing() -> None:
     assert step_threads.borrowing_pays() is None
 
 
+def test_a_borrowing_step_gives_the_cores_back_at_the_next_layer_once_their_owner_is_busy() -> None:
+    """A prefill step on both cores when the decode worker turns busy mid-step: the pool
+    shrinks to the own threads at the next layer, and the step (part borrowed, part own)
+    teaches neither kind."""
+    lender = _Lender()
+    step_threads = StepThreads(own_threads=1, borrows=BorrowedCores(frozenset({0}), lender))
+    sizes = []
+
+    def step() -> None:
+        step_threads.before_step()
+        sizes.append(torch.get_num_threads())
+        step_threads.between_layers()  # owner still idle: kept
+        sizes.append(torch.get_num_threads())
+        lender.busy = True
+        step_threads.between_layers()
+        sizes.append(torch.get_num_threads())
+        step_threads.between_layers()  # already given back
+        step_threads.after_step(0.05, 0.1)
+
+    thread = threading.Thread(target=step)
+    thread.start()
+    thread.join()
+    assert sizes == [2, 2, 1]
+    assert (step_threads.borrowed_steps, step_threads.yielded_steps) == (1, 1)
+    assert step_threads._samples == {False: 0, True: 0}
+    lender.busy = False  # a step that did not borrow has nothing to give back
+    step_threads.borrows = BorrowedCores(frozenset({0}), _Lender())
+    step_threads._borrowing = False
+    step_threads.between_layers()
+    assert step_threads.yielded_steps == 1
+
+
+def test_the_engine_calls_between_layers_in_prompt_steps_and_the_tokens_stay_the_same() -> None:
+    """``EngineCore.step(between_layers=...)``: called before every layer but the first of a
+    step with prompt rows; resizing torch's pool there leaves the greedy float32 tokens as
+    they were."""
+    from splitserve.engine.config import CacheConfig, EngineConfig, ModelConfig, RunnerConfig
+    from splitserve.engine.engine_core import EngineCore
+    from splitserve.engine.random_checkpoint import SHAPES, random_checkpoint
+
+    calls: list[int] = []  # torch's pool size at each call
+    calls_by_step: list[int] = []
+
+    def run(between_layers: object) -> list[int]:
+        config = EngineConfig(
+            model=ModelConfig(dtype="float32"),
+            cache=CacheConfig(num_blocks=64),
+            runner=RunnerConfig(num_threads=2),
+        )
+        core = EngineCore(config, random_checkpoint(SHAPES["tiny"], torch.float32, seed=3))
+        core.add_request("r", list(range(5, 70)), SamplingParams(max_tokens=6, temperature=0))
+        tokens: list[int] = []
+        while core.has_unfinished:
+            for output in core.step(between_layers=between_layers):  # type: ignore[arg-type]
+                tokens.extend(output.update.new_token_ids)
+            calls_by_step.append(len(calls))
+        return tokens
+
+    def shrink() -> None:
+        calls.append(torch.get_num_threads())
+        torch.set_num_threads(1)
+
+    plain = run(None)
+    assert calls_by_step == [0] * 6  # no hook, no calls
+    calls_by_step.clear()
+    torch.set_num_threads(2)
+    assert run(shrink) == plain and len(plain) == 6
+    layers = SHAPES["tiny"].num_hidden_layers
+    assert calls_by_step[0] == layers - 1 and calls[0] == 2  # the prompt step, on 2 threads
+    assert calls[1 : layers - 1] == [1] * (layers - 2)  # the rest of it on 1
+
+
 def _worker_args(*flags: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     add_worker_args(parser, env={})

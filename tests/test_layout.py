@@ -70,33 +70,34 @@ def test_a_decode_step_grows_on_the_line_through_the_two_measured_batches() -> N
 
 def test_where_all_cores_do_far_better_than_half_the_aggregated_layout_is_chosen() -> None:
     """All cores three times as fast as half of them (a prompt in 0.4 against 1.2 s): the
-    aggregated layout is predicted 4x split's rate, past ``AGGREGATED_MARGIN``."""
+    aggregated layout is predicted 4x the worker pair's rate, past ``AGGREGATED_MARGIN``."""
     probe = _probe(_phase(1, 1.2, 0.030, 0.070), _phase(2, 0.4, 0.012, 0.025))
     choice = choose(probe, CHAT)
     rates = dict(choice.capacities)
     assert choice.layout == "aggregated", choice
-    assert rates["aggregated"] > rates["split"] > 0
-    assert "aggregated" in choice.summary and "split" in choice.summary
+    assert rates["aggregated"] > rates["hybrid"] > 0
+    assert "aggregated" in choice.summary and "hybrid" in choice.summary
 
 
-def test_where_all_cores_only_halve_both_phases_the_split_layout_is_kept() -> None:
-    """Both phases twice as fast on all cores: aggregated predicted 1.8x split's rate, short
-    of ``AGGREGATED_MARGIN`` (served, it never reached split's goodput; see its docstring)."""
+def test_where_all_cores_only_halve_both_phases_the_worker_pair_is_kept() -> None:
+    """Both phases twice as fast on all cores: aggregated predicted 1.8x the pair's rate,
+    short of ``AGGREGATED_MARGIN`` (served, it never reached split's goodput; see its
+    docstring). The pair runs as ``hybrid``, lending each other their cores."""
     probe = _probe(_phase(1, 1.0, 0.030, 0.060), _phase(2, 0.5, 0.015, 0.030))
     choice = choose(probe, CHAT)
     rates = dict(choice.capacities)
-    assert rates["split"] < rates["aggregated"] < AGGREGATED_MARGIN * rates["split"]
-    assert choice.layout == "split", choice
+    assert rates["hybrid"] < rates["aggregated"] < AGGREGATED_MARGIN * rates["hybrid"]
+    assert choice.layout == "hybrid", choice
 
 
-def test_where_all_cores_are_no_faster_the_split_layout_is_chosen() -> None:
+def test_where_all_cores_are_no_faster_the_worker_pair_is_chosen() -> None:
     """What the probe found on the 2-core Cascade Lake Xeon, beside its neighbour: two threads
     no faster than one, so prompts chunked into the decode batch only cost ITL."""
     phase = _phase(1, 0.87, 0.0266, 0.0566)
     probe = _probe(phase, _phase(2, 0.81, 0.0324, 0.0615))
     choice = choose(probe, CHAT)
-    assert choice.layout == "split", choice
-    assert dict(choice.capacities)["split"] > dict(choice.capacities)["aggregated"]
+    assert choice.layout == "hybrid", choice
+    assert dict(choice.capacities)["hybrid"] > dict(choice.capacities)["aggregated"]
 
 
 @pytest.mark.parametrize(
@@ -107,7 +108,7 @@ def test_where_all_cores_are_no_faster_the_split_layout_is_chosen() -> None:
     ],
     ids=["python-loop", "c-loop"],
 )
-def test_aggregated_predicted_only_a_little_ahead_keeps_the_split_layout(
+def test_aggregated_predicted_only_a_little_ahead_keeps_the_worker_pair(
     one_thread, two_threads
 ) -> None:
     """Probes of the Cascade Lake Xeon (2026-11-27): aggregated predicted ahead of split, where
@@ -116,11 +117,11 @@ def test_aggregated_predicted_only_a_little_ahead_keeps_the_split_layout(
     probe = _probe(_phase(1, *one_thread), _phase(2, *two_threads))
     choice = choose(probe, CHAT)
     rates = dict(choice.capacities)
-    assert rates["split"] < rates["aggregated"] < AGGREGATED_MARGIN * rates["split"]
-    assert choice.layout == "split", choice
+    assert rates["hybrid"] < rates["aggregated"] < AGGREGATED_MARGIN * rates["hybrid"]
+    assert choice.layout == "hybrid", choice
 
 
-@pytest.mark.parametrize("layout", ["split", "aggregated"])
+@pytest.mark.parametrize("layout", ["split", "hybrid", "aggregated"])
 def test_capacity_is_the_edge_of_the_targets(layout: str) -> None:
     probe = _probe(_phase(1, 1.0, 0.030, 0.060), _phase(2, 0.6, 0.020, 0.045))
     rate = capacity(probe, CHAT, layout)
@@ -140,7 +141,7 @@ def test_a_layout_that_cannot_keep_up_predicts_no_finite_latency() -> None:
 def test_where_no_layout_meets_the_targets_the_faster_at_a_trickle_is_chosen() -> None:
     probe = _probe(_phase(1, 4.0, 0.200, 0.400), _phase(2, 2.0, 0.100, 0.200))
     choice = choose(probe, CHAT)
-    assert dict(choice.capacities) == {"split": 0.0, "aggregated": 0.0}
+    assert dict(choice.capacities) == {"hybrid": 0.0, "aggregated": 0.0}
     assert choice.layout == "aggregated"
 
 
@@ -165,7 +166,10 @@ def test_named_layouts_become_workers_and_explicit_counts_win(
     for flags, expected in (
         (("--layout=split",), (1, 1, 0, "off")),
         (("--layout=aggregated",), (0, 0, 1, "off")),
-        (("--layout=hybrid",), (1, 1, 0, "decode")),
+        (("--layout=hybrid",), (1, 1, 0, "both")),
+        (("--layout=hybrid", "--core-lending=decode"), (1, 1, 0, "decode")),
+        (("--layout=split", "--core-lending=both"), (1, 1, 0, "both")),
+        (("--dual=1", "--prefill=0", "--decode=0", "--core-lending=both"), (0, 0, 1, "both")),
         (("--prefill=2", "--decode=1"), (2, 1, 0, "off")),
         (("--dual=2",), (1, 1, 2, "off")),  # --dual alone keeps one of each beside it
         (("--layout=aggregated", "--decode=2"), (1, 2, 0, "off")),
@@ -176,6 +180,27 @@ def test_named_layouts_become_workers_and_explicit_counts_win(
     args, roles = _up_args("--layout=aggregated")
     up.apply_layout(args, [], roles)
     assert up.layout_summary(args).startswith("layout aggregated (--layout aggregated), ")
+
+
+def test_auto_runs_the_worker_pair_lending_both_ways_unless_lending_is_named(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A probe where all cores are no faster: ``auto`` runs the pair as ``hybrid``, each
+    worker borrowing the other's cores while it idles, and says so; a ``--core-lending``
+    given wins over the layout's."""
+    probe = _probe(_phase(1, 0.87, 0.0266, 0.0566), _phase(2, 0.81, 0.0324, 0.0615))
+    monkeypatch.setattr(up, "load_or_probe", lambda *_a, **_k: (probe, True))
+    monkeypatch.setattr(up.os, "sched_getaffinity", lambda _pid: {0, 1})
+    args, roles = _up_args()
+    up.apply_layout(args, [], roles)
+    assert args.layout_choice.layout == "hybrid"
+    assert (args.prefill, args.decode, args.dual, args.core_lending) == (1, 1, 0, "both")
+    assert "layout hybrid: " in capsys.readouterr().out
+    assert "decode and prefill workers borrow" in up.layout_summary(args)
+    args, roles = _up_args("--core-lending=off")
+    up.apply_layout(args, [], roles)
+    assert (args.layout_choice.layout, args.core_lending) == ("hybrid", "off")
+    assert "borrow" not in up.layout_summary(args)
 
 
 def test_auto_runs_simulated_workers_split_without_probing(

@@ -92,18 +92,18 @@ def test_nothing_is_served_until_both_parts_saw_enough_steps() -> None:
     assert recheck(PROBED, CHAT, "split", members) is None
 
 
-def test_aggregated_served_far_slower_than_probed_turns_the_choice_to_split() -> None:
+def test_aggregated_served_far_slower_than_probed_turns_the_choice_to_the_worker_pair() -> None:
     """What happened on the 2-core Cascade Lake Xeon: the probe chose aggregated, and its
     served decode steps took 45 / 54 ms (1 / 8 requests) against the probe's 13 / 36."""
     dual = _cost(0.80, 0.045, (0.054 - 0.045) / (BATCH - 1))
     members = [_member(Role.PREFILL, dual, "dual"), _member(Role.DECODE, dual, "dual")]
     result = recheck(PROBED, CHAT, "aggregated", members)
     assert result is not None
-    assert result.switch and result.choice.layout == "split"
+    assert result.switch and result.choice.layout == "hybrid"
     assert result.probe.served == (2,)
     assert result.probe.half_cores == PROBED.half_cores  # split keeps the probe's times
     line = result.line()
-    assert "split" in line and "(probe)" in line and "(served)" in line
+    assert "hybrid" in line and "(probe)" in line and "(served)" in line
     assert "next `splitserve up` starts it" in line
 
 

@@ -220,6 +220,12 @@ class _EngineCollector(Collector):
                     step_threads.borrowed_steps,
                 ),
                 (
+                    "engine_steps_yielding_borrowed_cores",
+                    "Engine steps on borrowed cores that gave them back part-way, at a layer "
+                    "boundary, their owner's engine having turned busy.",
+                    step_threads.yielded_steps,
+                ),
+                (
                     "engine_steps_declining_borrow",
                     "Engine steps that kept to this worker's own cores while the lender idled "
                     "(steps on borrowed cores measured no faster here, or a trial of own ones).",
