@@ -13,11 +13,14 @@ Contract (engine thread only):
 - ``before_step`` marks this engine busy (its own ``BusyFlag``, if it lends its cores) and
   sizes torch's pool for the step: own threads, plus one per borrowed core when their owner
   reads idle now and borrowing pays (below).
-- The owner may turn busy during a borrowing step (with ``up --core-lending both`` a
-  prefill step can last seconds). ``between_layers`` (called by the model between the
-  layers of a step with prompt rows) then shrinks the pool back to the own threads, so the
-  owner shares its core for at most one layer of the step (a decode step's layer loop in C
-  runs whole: tens of milliseconds). Such a step is no sample of either kind.
+- The owner's state may change during a step (with ``up --core-lending both`` a prefill
+  step can last seconds). ``between_layers`` (called by the model between the layers of a
+  step with prompt rows; a decode step's layer loop in C runs whole, tens of milliseconds)
+  follows it: a borrowing step whose owner turned busy shrinks the pool back to the own
+  threads, so the owner shares its core for at most one layer of the step; a step begun on
+  its own cores because the owner was busy takes the borrowed ones once the owner idles
+  (unless borrowing measured no faster), at most once a step. Such a step is no sample of
+  either kind.
 - ``idle`` marks this engine idle; call it before the engine thread waits for work.
 - The kernels read ``torch.get_num_threads()`` at each call, so one resize per step covers
   oneDNN's products and splitserve's C kernels alike. An engine that only lends never
@@ -92,8 +95,13 @@ class StepThreads:
         self.yielded_steps = 0
         """Of ``borrowed_steps``, those that gave the borrowed cores back part-way, their
         owner turning busy (``between_layers``)."""
+        self.grown_steps = 0
+        """Steps begun on own cores (their owner busy) that took the borrowed cores
+        part-way, the owner having idled (``between_layers``)."""
         self._borrowing = False
         """Whether the step now running holds borrowed cores."""
+        self._may_grow = False
+        """Whether the step now running may still take the borrowed cores part-way."""
         self.declined_steps = 0
         """Steps that kept to own cores while the lender idled (borrowing measured no
         faster, or a trial of own cores)."""
@@ -119,10 +127,12 @@ class StepThreads:
             return
         self._measured = None
         borrow = False
-        if not self.borrows.owner.is_busy():
+        owner_busy = self.borrows.owner.is_busy()
+        if not owner_busy:
             borrow = self._measured = self._borrow_from_idle_lender()
             if not borrow:
                 self.declined_steps += 1
+        self._may_grow = owner_busy and self.borrowing_pays() is not False
         threads = self.own_threads
         if borrow:
             threads += len(self.borrows.cores)
@@ -133,13 +143,20 @@ class StepThreads:
 
     def between_layers(self) -> None:
         """Within a step (engine thread): give the borrowed cores back at once if their
-        owner turned busy since the step began."""
-        if not self._borrowing or self.borrows is None or not self.borrows.owner.is_busy():
+        owner turned busy, or take them if the step may grow and their owner idles now."""
+        if self.borrows is None or not (self._borrowing or self._may_grow):
             return
-        self._borrowing = False
-        self._measured = None  # part borrowed, part own: no sample of either kind
-        self.yielded_steps += 1
-        torch.set_num_threads(self.own_threads)
+        owner_busy = self.borrows.owner.is_busy()
+        if self._borrowing and owner_busy:
+            self._borrowing = False
+            self._measured = None  # part borrowed, part own: no sample of either kind
+            self.yielded_steps += 1
+            torch.set_num_threads(self.own_threads)
+        elif self._may_grow and not owner_busy:
+            self._may_grow = False
+            self._borrowing = True
+            self.grown_steps += 1
+            torch.set_num_threads(self.own_threads + len(self.borrows.cores))
 
     def after_step(self, seconds: float, predicted_s: float) -> None:
         """Learn from the step just run (its time, the model's prediction; 0: none)."""

@@ -239,6 +239,52 @@ def test_a_borrowing_step_gives_the_cores_back_at_the_next_layer_once_their_owne
     assert step_threads.yielded_steps == 1
 
 
+def _sizes_at_layers(step_threads: StepThreads, lender: _Lender, busy_at: list[bool]) -> list[int]:
+    """torch's pool size at the start of one step and after each layer boundary, the lender
+    busy or not at each (on a thread of its own, as the engine's)."""
+    sizes: list[int] = []
+
+    def step() -> None:
+        lender.busy = busy_at[0]
+        step_threads.before_step()
+        sizes.append(torch.get_num_threads())
+        for busy in busy_at[1:]:
+            lender.busy = busy
+            step_threads.between_layers()
+            sizes.append(torch.get_num_threads())
+        step_threads.after_step(0.05, 0.1)
+
+    thread = threading.Thread(target=step)
+    thread.start()
+    thread.join()
+    return sizes
+
+
+def test_a_step_begun_on_its_own_cores_takes_the_borrowed_ones_once_their_owner_idles() -> None:
+    """A prefill step begun while the decode worker decodes: once it idles, the step takes
+    its core at the next layer, at most once a step, and gives it back if it turns busy
+    again; such steps teach neither kind."""
+    lender = _Lender()
+    step_threads = StepThreads(own_threads=1, borrows=BorrowedCores(frozenset({0}), lender))
+    assert _sizes_at_layers(step_threads, lender, [True, True, False, False]) == [1, 1, 2, 2]
+    assert _sizes_at_layers(step_threads, lender, [True, False, True, False]) == [1, 2, 1, 1]
+    assert (step_threads.grown_steps, step_threads.yielded_steps) == (2, 1)
+    assert step_threads.borrowed_steps == 0 and step_threads._samples == {False: 0, True: 0}
+
+
+def test_a_step_does_not_grow_onto_cores_where_borrowing_measured_no_faster() -> None:
+    lender = _Lender()
+    step_threads = StepThreads(own_threads=1, borrows=BorrowedCores(frozenset({0}), lender))
+    for _ in range(2 * step_threads_module.MIN_SAMPLES):  # borrowed steps 30% slower
+        borrowed_before = step_threads.borrowed_steps
+        step_threads.before_step()
+        borrowed = step_threads.borrowed_steps > borrowed_before
+        step_threads.after_step(0.13 if borrowed else 0.10, 0.1)
+    assert step_threads.borrowing_pays() is False
+    assert _sizes_at_layers(step_threads, lender, [True, False, False]) == [1, 1, 1]
+    assert step_threads.grown_steps == 0
+
+
 def test_the_engine_calls_between_layers_in_prompt_steps_and_the_tokens_stay_the_same() -> None:
     """``EngineCore.step(between_layers=...)``: called before every layer but the first of a
     step with prompt rows; resizing torch's pool there leaves the greedy float32 tokens as

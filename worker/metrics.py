@@ -226,6 +226,12 @@ class _EngineCollector(Collector):
                     step_threads.yielded_steps,
                 ),
                 (
+                    "engine_steps_growing_onto_borrowed_cores",
+                    "Engine steps begun on this worker's own cores, their owner busy, that "
+                    "took the borrowed cores part-way, at a layer boundary, once it idled.",
+                    step_threads.grown_steps,
+                ),
+                (
                     "engine_steps_declining_borrow",
                     "Engine steps that kept to this worker's own cores while the lender idled "
                     "(steps on borrowed cores measured no faster here, or a trial of own ones).",
