@@ -77,6 +77,7 @@ SPLITSERVE_FLAGS = {
     "splitserve-dual": ["--prefill=0", "--decode=0", "--dual=2", "--placement=adaptive"],
     "splitserve-one-dual": ["--prefill=0", "--decode=0", "--dual=1", "--placement=adaptive"],
     "splitserve-split": ["--placement=adaptive", "--layout=split"],
+    "splitserve-hybrid": ["--placement=adaptive", "--layout=hybrid"],
     "splitserve-shared-cores": ["--no-pin", "--placement=adaptive"],
     "splitserve-lending": ["--placement=adaptive", "--core-lending=decode"],
     "splitserve-lend-both": ["--placement=adaptive", "--core-lending=both"],
@@ -89,13 +90,16 @@ SPLITSERVE_FLAGS = {
     "splitserve-no-pull": ["--placement=adaptive"],
     "splitserve-pull-2": ["--placement=adaptive"],
 }
-"""splitserve's configurations: ``splitserve`` is ``make serve``'s (1 prefill + 1 decode worker,
-a core each, adaptive placement); ``-remote`` / ``-local`` force where every prompt runs;
+"""splitserve's configurations: ``splitserve`` is ``make serve``'s (``up --layout auto``, adaptive
+placement: on the 2-core CPUs measured, 1 prefill + 1 decode worker, a core each, lending each
+other their cores while idle: ``hybrid``); ``-remote`` / ``-local`` force where every prompt runs;
 ``-dual`` is two dual-role workers (``splitserve worker --roles prefill,decode``), a core
 each, placing adaptively; ``-one-dual`` is one dual-role worker over all cores (one decode
 batch that reads its weights with every core's bandwidth, prompts chunked into its steps);
 ``-split`` is ``make serve``'s with the split layout named (``up --layout split``: one prefill
-and one decode worker, a core each, whatever ``auto`` would choose);
+and one decode worker, a core each, lending nothing, whatever ``auto`` would choose);
+``-hybrid`` names the hybrid layout (the pair lending each other their cores, what ``auto``
+runs where it picks the worker pair); ``-lending`` / ``-lend-both`` add ``--core-lending decode`` / ``both`` to ``make serve``'s;
 ``-shared-cores`` is ``make serve``'s layout unpinned, each worker
 with a thread per core, so a prompt may use both cores while the decode worker idles;
 ``-eager`` is ``make serve``'s with ``--ttft-at-risk 0``: a prompt goes to the decode worker
@@ -287,14 +291,17 @@ def placement_counts(cluster_log: Path) -> dict[str, float]:
 LENDING_COUNTERS = (
     "engine_steps",
     "engine_steps_on_borrowed_cores",
+    "engine_steps_yielding_borrowed_cores",
+    "engine_steps_growing_onto_borrowed_cores",
     "engine_steps_declining_borrow",
 )
 
 
-def lending_counts(cluster_log: Path) -> dict[str, float]:
-    """The decode worker's core-lending counters so far (``steps``, ``on_borrowed_cores``,
-    ``declining_borrow``); empty where it lends or borrows nothing, or for vLLM."""
-    url = metrics_url(cluster_log, "decode")
+def lending_counts(cluster_log: Path, role: str = "decode") -> dict[str, float]:
+    """The ``role`` worker's core-lending counters so far (``steps``, ``on_borrowed_cores``,
+    ``yielding_borrowed_cores``, ``growing_onto_borrowed_cores``, ``declining_borrow``);
+    empty where it lends or borrows nothing, or for vLLM."""
+    url = metrics_url(cluster_log, role)
     if url is None:
         return {}
     counts = {}
@@ -414,17 +421,22 @@ def main() -> Json:
                     seed = args.seed + 100 * index + repeat  # the same for every server
                     cluster_log = log_dir / f"{name}.log"
                     placed_before = placement_counts(cluster_log)
-                    lent_before = lending_counts(cluster_log)
+                    lent_before = {
+                        role: lending_counts(cluster_log, role) for role in ("decode", "prefill")
+                    }
                     run = aiperf_run(args, url, workload, rate, seed)
                     run["placements"] = _counts_between(
                         placed_before, placement_counts(cluster_log)
                     )
-                    run["decode_steps"] = _counts_between(lent_before, lending_counts(cluster_log))
+                    for role, before in lent_before.items():
+                        after = lending_counts(cluster_log, role)
+                        run[f"{role}_steps"] = _counts_between(before, after)
                     log(
                         f"{name} {rate:g} req/s #{repeat}: goodput {run['goodput']:.3f} "
                         f"(good {run['good_fraction']}), TTFT p50 {run['ttft_ms']['p50']}, "
                         f"ITL p50 {run['itl_ms']['p50']}, missed {run['missed']}, "
-                        f"placements {run['placements']}, decode steps {run['decode_steps']}"
+                        f"placements {run['placements']}, decode steps {run['decode_steps']}, "
+                        f"prefill steps {run['prefill_steps']}"
                     )
                     runs.append(run)
                 by_rate[f"{rate:g}"] = {"runs": runs, "summary": summarize(runs)}

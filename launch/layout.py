@@ -16,9 +16,10 @@ Layouts (``LAYOUTS``):
 ``hybrid`` is modelled as ``split`` (``PAIR_LAYOUTS``): a lower bound, since each worker takes
 the other's cores only while that one idles, and keeps taking them only where its own steps
 measure faster on them (``StepThreads``). So ``auto`` runs the worker pair lending: on the
-2-core Cascade Lake Xeon (2026-11-28, 3 seeds each) lending both ways served 2.4x split's
-goodput on long prompts and the same as split on chat, within the spread between seeds
-(bench/README, "Core lending both ways"); the model has no term for what lending gains.
+2-core Cascade Lake Xeon (2026-11-28, 3 seeds each) ``hybrid`` served 3.4-3.6x split's
+goodput on long prompts and the same as split on chat at 0.3-0.6 req/s, within the spread
+between seeds (bench/README, "Hybrid, the layout auto runs for a worker pair"); the model
+has no term for what lending gains.
 
 The model (``capacity``), for requests of ``prompt_tokens`` in and ``output_tokens`` out
 arriving as a Poisson stream at rate ``rate``; ``P``: one prompt's time on the layout's
