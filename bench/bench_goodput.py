@@ -99,7 +99,8 @@ batch that reads its weights with every core's bandwidth, prompts chunked into i
 ``-split`` is ``make serve``'s with the split layout named (``up --layout split``: one prefill
 and one decode worker, a core each, lending nothing, whatever ``auto`` would choose);
 ``-hybrid`` names the hybrid layout (the pair lending each other their cores, what ``auto``
-runs where it picks the worker pair); ``-lending`` / ``-lend-both`` add ``--core-lending decode`` / ``both`` to ``make serve``'s;
+runs where it picks the worker pair); ``-lending`` / ``-lend-both`` add ``--core-lending
+decode`` / ``both`` to ``make serve``'s;
 ``-shared-cores`` is ``make serve``'s layout unpinned, each worker
 with a thread per core, so a prompt may use both cores while the decode worker idles;
 ``-eager`` is ``make serve``'s with ``--ttft-at-risk 0``: a prompt goes to the decode worker
