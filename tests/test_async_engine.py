@@ -142,7 +142,7 @@ def test_outside_abort_ends_the_stream_and_a_failed_step_fails_only_running_requ
     async def failing_step() -> None:
         real_step = llm.engine.step
 
-        def broken_step(on_layer_kv_written=None):
+        def broken_step(on_layer_kv_written=None, between_layers=None):
             llm.engine.step = real_step  # fail exactly once
             raise RuntimeError("simulated kernel failure")
 

@@ -32,8 +32,13 @@ def _compare_each_step(model: LlamaModel, monkeypatch: pytest.MonkeyPatch) -> li
     forward = model.forward
     compared: list[int] = []
 
-    def both(input_ids, positions, kv_cache, backend, metadata, logits_indices, on_kv, generated):
-        args = (input_ids, positions, kv_cache, backend, metadata, logits_indices, on_kv, generated)
+    def both(
+        input_ids, positions, kv_cache, backend, metadata, logits_indices, on_kv, generated, hook
+    ):
+        args = (
+            input_ids, positions, kv_cache, backend, metadata, logits_indices, on_kv, generated,
+            hook,
+        )  # fmt: skip
         num_tokens = input_ids.shape[0]
         if on_kv is not None or not model._takes_decode_layers(
             num_tokens, generated, backend, metadata, kv_cache
