@@ -25,6 +25,9 @@ from splitserve.common.busy_flag import BusyFlag, BusyFlagReader
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine import step_threads as step_threads_module
 from splitserve.engine.checkpoint import LoadedCheckpoint
+from splitserve.engine.config import CacheConfig, EngineConfig, ModelConfig, RunnerConfig
+from splitserve.engine.engine_core import EngineCore
+from splitserve.engine.random_checkpoint import SHAPES, random_checkpoint
 from splitserve.engine.step_threads import BorrowedCores, StepThreads
 from splitserve.launch import up
 from splitserve.proto.cluster_auth import TOKEN_ENV
@@ -207,38 +210,6 @@ def test_steps_the_model_could_not_predict_teach_nothing() -> None:
     assert step_threads.borrowing_pays() is None
 
 
-def test_a_borrowing_step_gives_the_cores_back_at_the_next_layer_once_their_owner_is_busy() -> None:
-    """A prefill step on both cores when the decode worker turns busy mid-step: the pool
-    shrinks to the own threads at the next layer, and the step (part borrowed, part own)
-    teaches neither kind."""
-    lender = _Lender()
-    step_threads = StepThreads(own_threads=1, borrows=BorrowedCores(frozenset({0}), lender))
-    sizes = []
-
-    def step() -> None:
-        step_threads.before_step()
-        sizes.append(torch.get_num_threads())
-        step_threads.between_layers()  # owner still idle: kept
-        sizes.append(torch.get_num_threads())
-        lender.busy = True
-        step_threads.between_layers()
-        sizes.append(torch.get_num_threads())
-        step_threads.between_layers()  # already given back
-        step_threads.after_step(0.05, 0.1)
-
-    thread = threading.Thread(target=step)
-    thread.start()
-    thread.join()
-    assert sizes == [2, 2, 1]
-    assert (step_threads.borrowed_steps, step_threads.yielded_steps) == (1, 1)
-    assert step_threads._samples == {False: 0, True: 0}
-    lender.busy = False  # a step that did not borrow has nothing to give back
-    step_threads.borrows = BorrowedCores(frozenset({0}), _Lender())
-    step_threads._borrowing = False
-    step_threads.between_layers()
-    assert step_threads.yielded_steps == 1
-
-
 def _sizes_at_layers(step_threads: StepThreads, lender: _Lender, busy_at: list[bool]) -> list[int]:
     """torch's pool size at the start of one step and after each layer boundary, the lender
     busy or not at each (on a thread of its own, as the engine's)."""
@@ -258,6 +229,17 @@ def _sizes_at_layers(step_threads: StepThreads, lender: _Lender, busy_at: list[b
     thread.start()
     thread.join()
     return sizes
+
+
+def test_a_borrowing_step_gives_the_cores_back_at_the_next_layer_once_their_owner_is_busy() -> None:
+    """A prefill step on both cores when the decode worker turns busy mid-step: the pool
+    shrinks to the own threads at the next layer and stays there, and the step (part
+    borrowed, part own) teaches neither kind."""
+    lender = _Lender()
+    step_threads = StepThreads(own_threads=1, borrows=BorrowedCores(frozenset({0}), lender))
+    assert _sizes_at_layers(step_threads, lender, [False, False, True, True]) == [2, 2, 1, 1]
+    assert (step_threads.borrowed_steps, step_threads.yielded_steps) == (1, 1)
+    assert step_threads._samples == {False: 0, True: 0}
 
 
 def test_a_step_begun_on_its_own_cores_takes_the_borrowed_ones_once_their_owner_idles() -> None:
@@ -283,16 +265,15 @@ def test_a_step_does_not_grow_onto_cores_where_borrowing_measured_no_faster() ->
     assert step_threads.borrowing_pays() is False
     assert _sizes_at_layers(step_threads, lender, [True, False, False]) == [1, 1, 1]
     assert step_threads.grown_steps == 0
+    declined = step_threads.declined_steps  # a declined step has nothing to give back
+    assert _sizes_at_layers(step_threads, lender, [False, True]) == [1, 1]
+    assert step_threads.declined_steps == declined + 1 and step_threads.yielded_steps == 0
 
 
 def test_the_engine_calls_between_layers_in_prompt_steps_and_the_tokens_stay_the_same() -> None:
     """``EngineCore.step(between_layers=...)``: called before every layer but the first of a
     step with prompt rows; resizing torch's pool there leaves the greedy float32 tokens as
     they were."""
-    from splitserve.engine.config import CacheConfig, EngineConfig, ModelConfig, RunnerConfig
-    from splitserve.engine.engine_core import EngineCore
-    from splitserve.engine.random_checkpoint import SHAPES, random_checkpoint
-
     calls: list[int] = []  # torch's pool size at each call
     calls_by_step: list[int] = []
 
