@@ -3,7 +3,9 @@
 Contract: a ``ProbeResult`` holds one ``PhaseTimes`` per thread count probed, fewest threads
 first; every time is in seconds and positive. ``served`` names the thread counts whose times
 a serving cluster's learned step models replaced (the re-check writes them back to the
-cache). ``to_json`` / ``from_json`` round-trip it exactly; ``from_json`` raises
+cache), and ``probed`` keeps the probe's own times of exactly those thread counts, so a
+reader can tell what serving cost each of them. ``to_json`` / ``from_json`` round-trip it
+exactly; ``from_json`` raises
 ``ValueError`` on anything else (a cache file from another version, say), so a reader can
 probe again instead of trusting it.
 """
@@ -68,6 +70,9 @@ class ProbeResult:
     served: tuple[int, ...] = ()
     """Thread counts whose times were learned from served steps (``launch/layout_recheck.py``)
     rather than probed: the other processes on the cores included."""
+    probed: tuple[PhaseTimes, ...] = ()
+    """The probe's own times of the ``served`` thread counts (in the same order), kept when
+    served times replaced them in ``phases``."""
 
     def __post_init__(self) -> None:
         if not self.phases:
@@ -77,6 +82,8 @@ class ProbeResult:
             raise ValueError("phases must be in increasing thread counts")
         if not set(self.served) <= set(threads):
             raise ValueError("served names a thread count without phase times")
+        if tuple(phase.threads for phase in self.probed) != tuple(sorted(self.served)):
+            raise ValueError("probed must hold the probe's times of exactly the served counts")
 
     @property
     def all_cores(self) -> PhaseTimes:
@@ -87,6 +94,13 @@ class ProbeResult:
         """A split layout's worker: the fewest threads probed."""
         return self.phases[0]
 
+    def probed_phase(self, threads: int) -> PhaseTimes:
+        """The probe's own times on ``threads`` (served or not)."""
+        for phase in (*self.probed, *self.phases):
+            if phase.threads == threads:
+                return phase
+        raise KeyError(threads)
+
     def to_json(self) -> dict[str, object]:
         return {
             "cpu": self.cpu,
@@ -95,15 +109,8 @@ class ProbeResult:
             "prompt_tokens": self.prompt_tokens,
             "probe_s": self.probe_s,
             "served": list(self.served),
-            "phases": [
-                {
-                    "threads": phase.threads,
-                    "prefill_s": phase.prefill_s,
-                    "decode_one_s": phase.decode_one_s,
-                    "decode_batch_s": phase.decode_batch_s,
-                }
-                for phase in self.phases
-            ],
+            "phases": [_phase_json(phase) for phase in self.phases],
+            "probed": [_phase_json(phase) for phase in self.probed],
         }
 
     @classmethod
@@ -111,23 +118,15 @@ class ProbeResult:
         try:
             if not isinstance(data, Mapping):
                 raise TypeError("not an object")
-            phases = tuple(
-                PhaseTimes(
-                    threads=int(phase["threads"]),
-                    prefill_s=float(phase["prefill_s"]),
-                    decode_one_s=float(phase["decode_one_s"]),
-                    decode_batch_s=float(phase["decode_batch_s"]),
-                )
-                for phase in data["phases"]
-            )
             return cls(
                 cpu=str(data["cpu"]),
                 cores=int(data["cores"]),
                 dtype=str(data["dtype"]),
                 prompt_tokens=int(data["prompt_tokens"]),
-                phases=phases,
+                phases=tuple(_phase_of(phase) for phase in data["phases"]),
                 probe_s=float(data["probe_s"]),
                 served=tuple(int(threads) for threads in data.get("served", ())),
+                probed=tuple(_phase_of(phase) for phase in data.get("probed", ())),
             )
         except (KeyError, TypeError, ValueError) as error:
             raise ValueError(f"not a layout probe result: {error}") from error
@@ -143,3 +142,22 @@ class ProbeResult:
             for phase in self.phases
         ]
         return f"{self.cpu}, {self.dtype}: " + "; ".join(parts) + f" (probe {self.probe_s:.0f} s)"
+
+
+def _phase_json(phase: PhaseTimes) -> dict[str, object]:
+    return {
+        "threads": phase.threads,
+        "prefill_s": phase.prefill_s,
+        "decode_one_s": phase.decode_one_s,
+        "decode_batch_s": phase.decode_batch_s,
+    }
+
+
+def _phase_of(data: Mapping) -> PhaseTimes:
+    """``_phase_json``'s inverse; ``KeyError`` / ``TypeError`` / ``ValueError`` on anything else."""
+    return PhaseTimes(
+        threads=int(data["threads"]),
+        prefill_s=float(data["prefill_s"]),
+        decode_one_s=float(data["decode_one_s"]),
+        decode_batch_s=float(data["decode_batch_s"]),
+    )

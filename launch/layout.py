@@ -39,6 +39,7 @@ highest such rate (bisection: both predictions grow with the rate).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import hashlib
 import json
@@ -145,6 +146,74 @@ def layout_phase(probe: ProbeResult, layout: str) -> PhaseTimes:
     raise ValueError(f"no model for layout {layout!r}")
 
 
+@dataclass(frozen=True)
+class CarriedCost:
+    """What serving cost the engine on ``source`` threads (its served times over its probed
+    ones, each phase), carried over to the probe's times on ``target`` threads, which no
+    cluster has served from this cache yet."""
+
+    source: int
+    target: int
+    prefill: float
+    decode_one: float
+    decode_batch: float
+
+    def applied(self, phase: PhaseTimes) -> PhaseTimes:
+        return PhaseTimes(
+            phase.threads,
+            phase.prefill_s * self.prefill,
+            phase.decode_one_s * self.decode_one,
+            phase.decode_batch_s * self.decode_batch,
+        )
+
+    def describe(self) -> str:
+        return (
+            f"the {self.target}-thread probe x the {self.source}-thread engine's served/probed "
+            f"(prompt {self.prefill:.2f}, decode step {self.decode_one:.2f} / "
+            f"{self.decode_batch:.2f})"
+        )
+
+
+def comparable(probe: ProbeResult) -> tuple[ProbeResult, tuple[CarriedCost, ...]]:
+    """``probe`` with served and probed times made comparable: each thread count not served
+    takes the serving cost of the widest served count below it (``CarriedCost``); the costs
+    carried are second.
+
+    Why: served times carry everything probing leaves out (the coordinator, the gateway, the
+    client, the partner worker on the same cores, the served workload's own prompt lengths),
+    so a served layout set beside another's probe always looks the worse of the two. On the
+    Cascade Lake Xeon (2026-11-28) a long-prompt run's served ``hybrid`` (0.58 req/s predicted,
+    against 0.91 probed) set beside ``aggregated``'s probe (1.20) made the next ``up`` start
+    ``aggregated`` for chat, where the two then served the same. A step spread over more
+    threads waits on every core's neighbours, so it pays at least a narrower step's serving
+    cost: carried upwards, the cost is a lower bound. Not carried downwards: ``aggregated``
+    served slower than probed says nothing about how a 1-thread worker would serve, so the
+    pair keeps its probe's times and the re-check can still leave ``aggregated``. Where every
+    count is served the two sides are served against served and nothing is carried."""
+    carried: list[CarriedCost] = []
+    phases = []
+    for phase in probe.phases:
+        below = [t for t in probe.served if t < phase.threads]
+        if phase.threads in probe.served or not below:
+            phases.append(phase)
+            continue
+        source = max(below)
+        served = next(p for p in probe.phases if p.threads == source)
+        probed = probe.probed_phase(source)
+        cost = CarriedCost(
+            source,
+            phase.threads,
+            served.prefill_s / probed.prefill_s,
+            served.decode_one_s / probed.decode_one_s,
+            served.decode_batch_s / probed.decode_batch_s,
+        )
+        carried.append(cost)
+        phases.append(cost.applied(phase))
+    if not carried:
+        return probe, ()
+    return dataclasses.replace(probe, phases=tuple(phases)), tuple(carried)
+
+
 def predict(probe: ProbeResult, workload: Workload, layout: str, rate: float) -> Prediction:
     """Mean TTFT and ITL of ``layout`` at ``rate`` req/s (see the module docstring)."""
     prefill = decode = layout_phase(probe, layout)
@@ -179,11 +248,12 @@ def capacity(probe: ProbeResult, workload: Workload, layout: str) -> float:
     return low
 
 
-def choose(probe: ProbeResult, workload: Workload) -> LayoutChoice:
+def choose(measured: ProbeResult, workload: Workload) -> LayoutChoice:
     """``auto``'s choice: ``aggregated`` where its capacity is at least ``AGGREGATED_MARGIN``
     times ``hybrid``'s, else ``hybrid`` (the worker pair, the layout between machines too).
     Where neither meets the targets at any rate, the one of the lower predicted latency at a
-    trickle of requests."""
+    trickle of requests. Served and probed times are first made ``comparable``."""
+    probe, carried = comparable(measured)
     capacities = tuple((layout, capacity(probe, workload, layout)) for layout in CHOSEN_BY_MODEL)
     rates = dict(capacities)
     best_layout = (
@@ -201,7 +271,7 @@ def choose(probe: ProbeResult, workload: Workload) -> LayoutChoice:
     reason = (
         f"predicted req/s within {targets} for {workload.prompt_tokens}+"
         f"{workload.output_tokens}-token requests: {listed} (aggregated needs "
-        f"{AGGREGATED_MARGIN:g}x hybrid's)"
+        f"{AGGREGATED_MARGIN:g}x hybrid's)" + "".join(f"; {cost.describe()}" for cost in carried)
     )
     return LayoutChoice(best_layout, reason, capacities)
 

@@ -14,9 +14,11 @@ heartbeats; the coordinator lists it (``ListWorkers``). From those:
   engine's model); None until each part has seen ``MIN_PROMPT_STEPS`` / ``MIN_DECODE_STEPS``
   steps;
 - ``recheck``: ``layout.choose`` on the probe with the running layout's thread count's times
-  replaced by the served ones (``ProbeResult.served`` marks them). The other layout keeps
-  the probe's times (or earlier served ones, from a previous run of it), so after a run of
-  each, both sides of the comparison are served figures;
+  replaced by the served ones (``ProbeResult.served`` marks them, ``ProbeResult.probed`` keeps
+  the probe's). The other layout keeps its earlier served times (from a previous run of it),
+  or else its probe's, which ``layout.comparable`` charges with the running layout's serving
+  cost where the other runs on more threads; after a run of each, both sides of the
+  comparison are served figures;
 - ``recheck_layout``: ``up``'s loop: every ``interval_s`` it lists the workers, re-checks,
   writes the corrected probe back to the cache (so the next ``up`` chooses from served
   figures) and says the result: at the first re-check and whenever its choice changes.
@@ -45,6 +47,7 @@ from splitserve.launch.layout import (
     Workload,
     cache_probe,
     choose,
+    comparable,
     layout_phase,
 )
 from splitserve.proto.cluster_auth import ClusterCredential
@@ -81,10 +84,13 @@ def served_phase(
 
 
 def with_served(probe: ProbeResult, served: PhaseTimes) -> ProbeResult:
-    """``probe`` with ``served`` in place of the times of its thread count, marked served."""
+    """``probe`` with ``served`` in place of the times of its thread count, marked served; the
+    probe's own times of that count stay in ``probed`` (the first ones probed, however often
+    served times replaced them)."""
     phases = tuple(served if phase.threads == served.threads else phase for phase in probe.phases)
     marked = tuple(sorted({*probe.served, served.threads}))
-    return dataclasses.replace(probe, phases=phases, served=marked)
+    probed = tuple(probe.probed_phase(threads) for threads in marked)
+    return dataclasses.replace(probe, phases=phases, served=marked, probed=probed)
 
 
 @dataclass(frozen=True)
@@ -107,13 +113,15 @@ class Recheck:
         """The log line: the running layout's served times, each layout's predicted rate and
         where its figures came from, and what a restart would run."""
         served = layout_phase(self.probe, self.running)
+        carried = {cost.target: cost.source for cost in comparable(self.probe)[1]}
 
         def source(layout: str) -> str:
-            return (
-                "served"
-                if layout_phase(self.probe, layout).threads in self.probe.served
-                else "probe"
-            )
+            threads = layout_phase(self.probe, layout).threads
+            if threads in self.probe.served:
+                return "served"
+            if threads in carried:
+                return f"probe x the serving cost on {carried[threads]} thread(s)"
+            return "probe"
 
         rates = ", ".join(
             f"{layout} {rate:.2f} ({source(layout)})" for layout, rate in self.choice.capacities

@@ -20,7 +20,7 @@ from splitserve.common.layout_probe import BATCH, PhaseTimes, ProbeResult
 from splitserve.common.load import EngineLoad
 from splitserve.common.membership import MemberStatus, Role, WorkerInfo
 from splitserve.common.step_cost import StepCost
-from splitserve.launch.layout import Workload, probe_cache_path
+from splitserve.launch.layout import Workload, capacity, choose, comparable, probe_cache_path
 from splitserve.launch.layout_recheck import (
     MIN_DECODE_STEPS,
     MIN_PROMPT_STEPS,
@@ -117,12 +117,66 @@ def test_a_layout_served_as_probed_stays() -> None:
     assert "aggregated stays the choice" in result.line()
 
 
+PAIR_AHEAD = _probe(
+    PhaseTimes(1, prefill_s=0.8, decode_one_s=0.022, decode_batch_s=0.050),
+    PhaseTimes(2, prefill_s=0.5, decode_one_s=0.018, decode_batch_s=0.036),
+)
+"""The two layouts probed about even (0.82 req/s each): ``choose`` runs the pair."""
+
+
+def _pair_served(slower: float) -> list[MemberStatus]:
+    """The pair's members served ``slower`` times each of ``PAIR_AHEAD``'s 1-thread times."""
+    half = PAIR_AHEAD.half_cores
+    per_request = half.decode_per_request_s * slower
+    return [
+        _member(Role.PREFILL, _cost(half.prefill_s * slower, 0.5, 0.5)),
+        _member(Role.DECODE, _cost(9.0, half.decode_one_s * slower, per_request)),
+    ]
+
+
+def test_a_pair_served_slower_than_probed_charges_aggregated_the_same_and_stays() -> None:
+    """What happened on the Cascade Lake Xeon (2026-11-28): the pair served long prompts, its
+    served times (everything else on the cores, 1,400-token prompts' fit) set beside
+    ``aggregated``'s quiet probe, and the next ``up`` started ``aggregated`` for chat. Each
+    time served 1.6x its probe: beside the bare probe ``aggregated`` would be over twice the
+    pair's rate; charged the same serving cost, it is not."""
+    result = recheck(PAIR_AHEAD, CHAT, "hybrid", _pair_served(1.6))
+    assert result is not None
+    uncarried = [capacity(result.probe, CHAT, layout) for layout in ("hybrid", "aggregated")]
+    assert uncarried[1] >= 2.0 * uncarried[0] > 0.0  # the comparison the fix replaces
+    assert result.choice.layout == "hybrid" and not result.switch
+    probe, carried = comparable(result.probe)
+    assert [(cost.source, cost.target) for cost in carried] == [(1, 2)]
+    assert carried[0].prefill == pytest.approx(1.6)
+    assert carried[0].decode_one == pytest.approx(1.6)
+    assert carried[0].decode_batch == pytest.approx(1.6)
+    assert probe.all_cores.prefill_s == pytest.approx(1.6 * PAIR_AHEAD.all_cores.prefill_s)
+    assert probe.half_cores == result.probe.half_cores  # the served side as served
+    assert "probe x the serving cost on 1 thread(s)" in result.line()
+    assert "the 2-thread probe x the 1-thread engine's served/probed" in result.choice.reason
+
+
+def test_nothing_is_carried_once_both_layouts_were_served_nor_down_from_aggregated() -> None:
+    both = with_served(
+        with_served(PAIR_AHEAD, PhaseTimes(1, 1.2, 0.03, 0.07)), PhaseTimes(2, 0.6, 0.02, 0.04)
+    )
+    assert comparable(both) == (both, ())
+    assert choose(both, CHAT).capacities == tuple(
+        (layout, capacity(both, CHAT, layout)) for layout in ("hybrid", "aggregated")
+    )
+    aggregated_only = with_served(PAIR_AHEAD, PhaseTimes(2, 0.6, 0.045, 0.054))
+    assert comparable(aggregated_only) == (aggregated_only, ())
+
+
 def test_served_times_round_trip_through_the_cache_marked_served() -> None:
     served = PhaseTimes(1, prefill_s=1.5, decode_one_s=0.03, decode_batch_s=0.07)
     once = with_served(PROBED, served)
     twice = with_served(once, PhaseTimes(2, 0.9, 0.05, 0.06))
     assert once.served == (1,) and twice.served == (1, 2)
     assert twice.half_cores == served
+    assert twice.probed == PROBED.phases  # the probe's own times kept beside the served ones
+    again = with_served(twice, PhaseTimes(1, 2.0, 0.04, 0.08))
+    assert again.probed == PROBED.phases and again.half_cores.prefill_s == 2.0
     assert ProbeResult.from_json(json.loads(json.dumps(twice.to_json()))) == twice
     assert "(served)" in twice.describe()
     with pytest.raises(ValueError):
@@ -130,13 +184,18 @@ def test_served_times_round_trip_through_the_cache_marked_served() -> None:
             cpu="x", cores=2, dtype="f", prompt_tokens=1, phases=PROBED.phases, probe_s=1,
             served=(3,),
         )  # fmt: skip
+    older = twice.to_json()
+    del older["probed"]  # a cache written before the probe's own times were kept
+    with pytest.raises(ValueError):
+        ProbeResult.from_json(older)
 
 
 def test_up_rechecks_a_named_layout_from_a_real_clusters_served_steps(tmp_path: Path) -> None:
     """``up --layout split`` with simulated engines and this machine's probe cached (written
     by the test): once the workers' models know both phases, ``up`` lists them from the
     coordinator (real gRPC, the cluster credential) and writes split's served times back to
-    the cache, marked served; aggregated's stay the probe's."""
+    the cache, marked served, the probe's own kept beside them; aggregated's stay the
+    probe's."""
     worker_flags = ["--engine=sim", "--num-blocks=256", "--max-model-len=1024"]
     env = {"XDG_CACHE_HOME": str(tmp_path)}
     saved = os.environ.get("XDG_CACHE_HOME")
@@ -182,3 +241,4 @@ def test_up_rechecks_a_named_layout_from_a_real_clusters_served_steps(tmp_path: 
     assert cached.served == (1,), "up wrote no served times"
     assert cached.all_cores == PROBED.all_cores
     assert cached.half_cores != PROBED.half_cores
+    assert cached.probed == (PROBED.half_cores,)  # the probe's own times kept beside them
