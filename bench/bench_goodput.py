@@ -33,6 +33,7 @@ Usage: ``python bench/bench_goodput.py --workload chat --rates 0.5,1,1.5,2,2.5 -
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import json
 import shlex
@@ -89,6 +90,7 @@ SPLITSERVE_FLAGS = {
     "splitserve-no-reuse": ["--placement=adaptive", "--decode-worker-args=--no-prefix-caching"],
     "splitserve-no-pull": ["--placement=adaptive"],
     "splitserve-pull-2": ["--placement=adaptive"],
+    "splitserve-arrival-order": ["--placement=adaptive"],
 }
 """splitserve's configurations: ``splitserve`` is ``make serve``'s (``up --layout auto``, adaptive
 placement: on the 2-core CPUs measured, 1 prefill + 1 decode worker, a core each, lending each
@@ -117,7 +119,10 @@ decode worker that keeps no prefix cache, so a conversation's next turn finds no
 history there (the prefill worker's cache still holds the prompts, as before issue 33);
 ``-no-pull`` is ``make serve``'s with prefill workers that never pull a decode worker's cached
 KV (``--pull-cached-kv-min-blocks=0``): a turn computed there recomputes the history its own
-cache lacks; ``-pull-2`` pulls only from two blocks on (``make serve``'s default: one)."""
+cache lacks; ``-pull-2`` pulls only from two blocks on (``make serve``'s default: one);
+``-arrival-order`` is ``make serve``'s with admission's waiters admitted in arrival order only
+(``SPLITSERVE_LATE_WAITERS_YIELD=0``: one that can no longer meet its TTFT target does not let
+the others go first)."""
 SPLITSERVE_ENV = {
     "splitserve-eager": {"SPLITSERVE_TTFT_AT_RISK": "0"},
     "splitserve-no-gemv": {"SPLITSERVE_DECODE_GEMV": "0"},
@@ -125,6 +130,7 @@ SPLITSERVE_ENV = {
     "splitserve-sim": {"SPLITSERVE_ENGINE": "sim"},
     "splitserve-no-pull": {"SPLITSERVE_PULL_CACHED_KV_MIN_BLOCKS": "0"},
     "splitserve-pull-2": {"SPLITSERVE_PULL_CACHED_KV_MIN_BLOCKS": "2"},
+    "splitserve-arrival-order": {"SPLITSERVE_LATE_WAITERS_YIELD": "0"},
 }
 """Coordinator flags ``up`` does not take, through their environment twins."""
 BASELINE = "splitserve-baseline"
@@ -228,16 +234,20 @@ def _figures(export: Json, count: int) -> Json:
 
 def _misses(records: Path, workload: Workload) -> Json:
     """How many requests missed the SLO on TTFT only, on ITL only, on both, or failed, from
-    aiperf's per-request export (each line a record of metric values in milliseconds); None
-    where aiperf wrote no such export."""
+    aiperf's per-request export (each line a record of metric values in milliseconds), and
+    under ``error_kinds`` each failure's HTTP status and type as aiperf recorded them
+    (``"429 RateLimitError"``, say), counted; None where aiperf wrote no such export."""
     if not records.exists():
         return None
     missed = {"ttft_only": 0, "itl_only": 0, "both": 0, "errors": 0}
+    kinds: collections.Counter[str] = collections.Counter()
     for line in records.read_text().splitlines():
         record = json.loads(line)
         metrics = record.get("metrics") or {}
         if record.get("error") or "time_to_first_token" not in metrics:
             missed["errors"] += 1
+            error = record.get("error") or {}
+            kinds[f"{error.get('code')} {error.get('type') or 'no first token'}"] += 1
             continue
         for name in ("time_to_first_token", "inter_token_latency"):
             if metrics.get(name, {}).get("unit", "ms") != "ms":
@@ -247,7 +257,7 @@ def _misses(records: Path, workload: Workload) -> Json:
         key = "both" if ttft and itl else "ttft_only" if ttft else "itl_only" if itl else None
         if key is not None:
             missed[key] += 1
-    return missed
+    return missed | {"error_kinds": dict(kinds)}
 
 
 def metrics_url(cluster_log: Path, what: str) -> str | None:
@@ -269,6 +279,9 @@ def metric_samples(url: str, metric: str) -> list[tuple[dict[str, str], float]]:
     """Each sample of ``metric`` at ``url``'s /metrics: (its labels, its value)."""
     samples = []
     for line in httpx.get(url, timeout=10).text.splitlines():
+        if line.startswith(metric + " "):  # no labels
+            samples.append(({}, float(line.rsplit(" ", 1)[1])))
+            continue
         if not line.startswith(metric + "{"):
             continue
         labels, value = line.rsplit(" ", 1)
@@ -287,6 +300,21 @@ def placement_counts(cluster_log: Path) -> dict[str, float]:
         f"{labels['where']}/{labels['reason']}": value
         for labels, value in metric_samples(url, "splitserve_placement_decisions_total")
     }
+
+
+def admission_counts(cluster_log: Path) -> dict[str, float]:
+    """The coordinator's admission refusals by reason (``refused/<reason>``) and its waiters
+    that were late for their TTFT target (``late_waiters``) so far; empty for vLLM."""
+    url = metrics_url(cluster_log, "coordinator")
+    if url is None:
+        return {}
+    counts = {
+        f"refused/{labels['reason']}": value
+        for labels, value in metric_samples(url, "splitserve_admission_refusals_total")
+    }
+    for _labels, value in metric_samples(url, "splitserve_admission_late_waiters_total"):
+        counts["late_waiters"] = value
+    return counts
 
 
 LENDING_COUNTERS = (
@@ -422,12 +450,16 @@ def main() -> Json:
                     seed = args.seed + 100 * index + repeat  # the same for every server
                     cluster_log = log_dir / f"{name}.log"
                     placed_before = placement_counts(cluster_log)
+                    admitted_before = admission_counts(cluster_log)
                     lent_before = {
                         role: lending_counts(cluster_log, role) for role in ("decode", "prefill")
                     }
                     run = aiperf_run(args, url, workload, rate, seed)
                     run["placements"] = _counts_between(
                         placed_before, placement_counts(cluster_log)
+                    )
+                    run["admission"] = _counts_between(
+                        admitted_before, admission_counts(cluster_log)
                     )
                     for role, before in lent_before.items():
                         after = lending_counts(cluster_log, role)
@@ -436,7 +468,8 @@ def main() -> Json:
                         f"{name} {rate:g} req/s #{repeat}: goodput {run['goodput']:.3f} "
                         f"(good {run['good_fraction']}), TTFT p50 {run['ttft_ms']['p50']}, "
                         f"ITL p50 {run['itl_ms']['p50']}, missed {run['missed']}, "
-                        f"placements {run['placements']}, decode steps {run['decode_steps']}, "
+                        f"placements {run['placements']}, admission {run['admission']}, "
+                        f"decode steps {run['decode_steps']}, "
                         f"prefill steps {run['prefill_steps']}"
                     )
                     runs.append(run)

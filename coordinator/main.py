@@ -184,6 +184,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="admit only as many requests as the decode workers' learned step times decode "
         "within --tpot-slo-ms; the rest wait or get 429 (env SPLITSERVE_ADMIT_WITHIN_TPOT=1)",
     )
+    parser.add_argument(
+        "--late-waiters-yield",
+        action=argparse.BooleanOptionalAction,
+        default=env_default("--late-waiters-yield", True, truthy, os.environ),
+        help="a request waiting for admission that can no longer have its first token within "
+        "its TTFT target lets those of its priority that still can go first (default on; env "
+        "SPLITSERVE_LATE_WAITERS_YIELD=0 turns it off)",
+    )
     flag(
         "--tenant-max-inflight",
         0,
@@ -330,6 +338,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_queue_wait_s=args.max_queue_wait,
             prefill_backlog_s=args.prefill_backlog,
             within_tpot=args.admit_within_tpot,
+            late_waiters_yield=args.late_waiters_yield,
             prior_tpot_s=slo.tpot_s,
             prior_ttft_s=slo.ttft_s,
         ),

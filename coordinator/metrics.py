@@ -18,7 +18,8 @@ tenant_inflight | tenant_tokens), ``splitserve_admission_decisions_total{tenant,
 carried), ``splitserve_admission_tpot_seconds`` and
 ``splitserve_admission_ttft_seconds`` (the times its wait predictions use),
 ``splitserve_admission_prefill_drain_tokens_per_second`` (the prefill backlog's measured drain
-rate they use; absent until measured).
+rate they use; absent until measured), ``splitserve_admission_late_waiters_total`` (waiters
+that could no longer meet their TTFT target and yielded to those that could).
 ``splitserve_stalled_clients_total``: streams cut because their client stopped reading.
 ``splitserve_placement_decisions_total{where, reason}``: where requests' prompts were computed
 (remote | local) and why (``coordinator/placement.py:Reason``);
@@ -272,3 +273,9 @@ class _AdmissionCollector(Collector):
         for reason, count in self._admission.refusals.items():
             refusals.add_metric([reason], count)
         yield refusals
+        yield CounterMetricFamily(
+            "splitserve_admission_late_waiters",
+            "Waiting requests that could no longer meet their TTFT target and let those that "
+            "still could go first.",
+            value=self._admission.late_waiters,
+        )

@@ -389,6 +389,7 @@ class Coordinator:
             raise OverloadedError(
                 f"{len(self._running)} requests in flight (limit {self.config.max_inflight})"
             )
+        flow_slo = targets.slo(self.config.routing.slo)
         flow = RequestFlow(
             request_id,
             prompt_ids,
@@ -397,7 +398,7 @@ class Coordinator:
             self.router,
             self.channels,
             self.config.flow,
-            targets.slo(self.config.routing.slo),
+            flow_slo,
             arrived_at,
             traceparent_of(span),
             session_id,
@@ -405,7 +406,9 @@ class Coordinator:
         self._running[request_id] = _Running(flow, caller)
         try:
             demand = KvDemand.of(len(prompt_ids), params.max_tokens, self.block_size)
-            await self.admission.admit(request_id, demand, caller.tenant, priority)
+            await self.admission.admit(
+                request_id, demand, caller.tenant, priority, arrived_at + flow_slo.ttft_s
+            )
             span.add_event("admitted")
             if on_admitted is not None:
                 on_admitted()

@@ -455,3 +455,73 @@ def test_waits_longer_than_predicted_scale_later_predictions() -> None:
         assert gate.predicted_wait_s(demand(16, 48)) == pytest.approx(1.2 * 2.4)
 
     run(scenario())
+
+
+def test_a_waiter_past_its_ttft_deadline_lets_one_that_can_still_meet_its_own_go_first() -> None:
+    """Past the knee, arrival order makes every request miss once the queue holds a TTFT
+    target's worth of work; a waiter that will miss anyway yields to one that need not."""
+    clock = Clock()
+    gate, _ = admission(capacity=64, clock=clock)
+
+    async def scenario() -> None:
+        await gate.admit("running", demand(40, 8))  # 48 of 64
+        old = await started(gate.admit("old", demand(40, 8), ttft_deadline=clock.now + 1.0))
+        clock.now += 2.0  # "old" is past its deadline now
+        new = await started(gate.admit("new", demand(40, 8), ttft_deadline=clock.now + 2.0))
+        assert gate.snapshot().num_queued == 2
+        gate.release("running")  # room for one of them: the one that can still be on time
+        assert await ended(new) and not old.done()
+        assert gate.late_waiters == 1 and gate.snapshot().num_queued == 1
+        # a newcomer is predicted behind the on-time waiters only, the late one behind it
+        assert gate.predicted_wait_s(demand(8, 8), (0, 1e9, 10**9)) < gate.predicted_wait_s(
+            demand(8, 8)
+        )
+        gate.release("new")  # nobody on time waits: the late one is admitted
+        assert await ended(old)
+        assert gate.snapshot().num_queued == 0
+
+    run(scenario())
+
+
+def test_with_late_waiters_not_yielding_arrival_order_holds() -> None:
+    clock = Clock()
+    gate, _ = admission(capacity=64, clock=clock, late_waiters_yield=False)
+
+    async def scenario() -> None:
+        await gate.admit("running", demand(40, 8))
+        old = await started(gate.admit("old", demand(40, 8), ttft_deadline=clock.now + 1.0))
+        clock.now += 2.0
+        new = await started(gate.admit("new", demand(40, 8), ttft_deadline=clock.now + 2.0))
+        gate.release("running")
+        assert await ended(old) and not new.done()
+        assert gate.late_waiters == 0
+        new.cancel()
+
+    run(scenario())
+
+
+def test_a_waiter_is_late_once_its_prompt_could_not_be_computed_by_its_deadline() -> None:
+    """Late means it cannot make it any more: admitted now, its prompt computed at once at the
+    cluster's prefill rate (1,000 tokens/s here) would still end past its deadline. A
+    1,000-token prompt due in 0.3 s is late already; a 40-token one due as soon is not."""
+    clock = Clock()
+    capacity = WorkerCapacity(prefill_tokens_per_s=1000.0)
+    gate = KvAdmission(
+        AdmissionConfig(prior_tpot_s=0.05, prior_ttft_s=0.0),
+        lambda: 2000,
+        clock,
+        worker_capacity=lambda context_tokens: capacity,
+    )
+
+    async def scenario() -> None:
+        await gate.admit("running", demand(1000, 8))  # 1008 of 2000
+        long = await started(gate.admit("long", demand(1000, 8), ttft_deadline=clock.now + 0.3))
+        short = await started(gate.admit("short", demand(40, 8), ttft_deadline=clock.now + 0.3))
+        assert gate.snapshot().num_queued == 2
+        gate.release("running")  # the short one, still on time, first; then the backlog is full
+        assert await ended(short) and not long.done() and gate.late_waiters == 1
+        long.cancel()  # a late waiter cancelled leaves its queue
+        await asyncio.wait([long])
+        assert gate.snapshot().num_queued == 0
+
+    run(scenario())

@@ -165,6 +165,39 @@ def test_higher_priority_is_admitted_first_within_what_the_tenant_may_ask() -> N
     run(scenario())
 
 
+def test_a_late_waiter_yields_only_to_waiters_of_its_priority_or_lower() -> None:
+    """Lateness reorders within a priority, never across: a late urgent request still goes
+    before an on-time ordinary one, and a late ordinary one after it."""
+    policy = TenantPolicy(overrides={"ops": TenantLimits(max_priority=5)})
+    clock = Clock()
+    admission = gate(policy, capacity=32, clock=clock)
+
+    async def scenario() -> None:
+        await admission.admit("running", demand(), "ops")
+        urgent = asyncio.create_task(
+            admission.admit("urgent", demand(), "ops", 5, ttft_deadline=clock.now + 1)
+        )
+        old = asyncio.create_task(
+            admission.admit("old", demand(), "user", ttft_deadline=clock.now + 1)
+        )
+        await asyncio.sleep(0)
+        clock.now += 2  # both are late now
+        fresh = asyncio.create_task(
+            admission.admit("fresh", demand(), "user", ttft_deadline=clock.now + 2)
+        )
+        await asyncio.sleep(0)
+        admission.release("running")
+        await asyncio.wait_for(urgent, 1.0)  # late, but of a higher priority
+        assert not old.done() and not fresh.done()
+        admission.release("urgent")
+        await asyncio.wait_for(fresh, 1.0)  # on time: before the late one of its priority
+        assert not old.done()
+        admission.release("fresh")
+        await asyncio.wait_for(old, 1.0)
+
+    run(scenario())
+
+
 def test_the_in_flight_limit_refuses_with_the_tenants_next_end_as_hint() -> None:
     admission = gate(TenantPolicy(TenantLimits(max_inflight=2)), capacity=1000)
     outcomes: list[AdmissionOutcome] = []
