@@ -564,7 +564,20 @@ class KvAdmission:
         """The queue whose head is admitted next (None: nobody waits), after moving the late
         waiters at ``_queue``'s head to ``_late`` (each moves once: O(1) amortised)."""
         if self.config.late_waiters_yield and self._queue:
-            now, prefill_tokens_per_s = self._clock(), self.prefill_tokens_per_s
+            self._move_late_heads()
+        if not self._late:
+            return self._queue if self._queue else None
+        if not self._queue:
+            return self._late
+        on_time, late = self._queue.peek().ticket.order, self._late.peek().ticket.order
+        return self._queue if on_time.rank <= late.rank else self._late
+
+    def _move_late_heads(self) -> None:
+        """Move ``_queue``'s head to ``_late`` while it is late: admitted now, its prompt
+        computed at once at the cluster's prefill rate would end past its deadline."""
+        prefill_tokens_per_s = self.prefill_tokens_per_s
+        if prefill_tokens_per_s > 0:
+            now = self._clock()
             while self._queue:
                 head = self._queue.peek()
                 soonest = now + head.demand.num_prompt_tokens / prefill_tokens_per_s
@@ -573,12 +586,6 @@ class KvAdmission:
                 late = self._queue.pop()  # == head
                 self._late.add(late.ticket, late)
                 self.late_waiters += 1
-        if not self._late:
-            return self._queue if self._queue else None
-        if not self._queue:
-            return self._late
-        on_time, late = self._queue.peek().ticket.order, self._late.peek().ticket.order
-        return self._queue if on_time.rank <= late.rank else self._late
 
     def _waiting(self) -> int:
         """Requests that wait, late or not."""
