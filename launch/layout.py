@@ -123,6 +123,8 @@ class LayoutChoice:
     reason: str
     capacities: tuple[tuple[str, float], ...] = ()
     """Each candidate's predicted rate within the targets, req/s (``auto`` only)."""
+    carried: tuple[CarriedCost, ...] = ()
+    """The serving costs ``comparable`` carried onto probed times for ``capacities``."""
     probe: ProbeResult | None = None
     """The machine's probe the choice was (or, for a named layout, could have been) made
     from: what the online re-check corrects (``launch/layout_recheck.py``); None: none."""
@@ -275,7 +277,7 @@ def choose(measured: ProbeResult, workload: Workload) -> LayoutChoice:
         f"{workload.output_tokens}-token requests: {listed} (aggregated needs "
         f"{AGGREGATED_MARGIN:g}x hybrid's)" + "".join(f"; {cost.describe()}" for cost in carried)
     )
-    return LayoutChoice(best_layout, reason, capacities)
+    return LayoutChoice(best_layout, reason, capacities, carried)
 
 
 def roles_of_layout(layout: str) -> tuple[int, int, int, str]:

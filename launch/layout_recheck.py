@@ -47,7 +47,6 @@ from splitserve.launch.layout import (
     Workload,
     cache_probe,
     choose,
-    comparable,
     layout_phase,
 )
 from splitserve.proto.cluster_auth import ClusterCredential
@@ -113,7 +112,7 @@ class Recheck:
         """The log line: the running layout's served times, each layout's predicted rate and
         where its figures came from, and what a restart would run."""
         served = layout_phase(self.probe, self.running)
-        carried = {cost.target: cost.source for cost in comparable(self.probe)[1]}
+        carried = {cost.target: cost.source for cost in self.choice.carried}
 
         def source(layout: str) -> str:
             threads = layout_phase(self.probe, layout).threads
