@@ -289,8 +289,10 @@ class LlamaModel:
         (before its MLP runs), so a KV push can overlap the rest of the forward pass.
 
         ``between_layers()`` is called before each layer but the first of the Python layer
-        loop (steps with prompt rows; a decode step's layer loop in C runs whole), where the
-        engine may resize its thread pool (``engine/step_threads.py``).
+        loop and between each layer's attention and its MLP (steps with prompt rows; a decode
+        step's layer loop in C runs whole), where the engine may resize its thread pool
+        (``engine/step_threads.py``): stretches of a few milliseconds, so that a borrower fits
+        into a paced decode worker's short idle spells.
         """
         cfg = self.config
         hidden = F.embedding(input_ids, self.embed_tokens)  # [tokens, hidden]
@@ -338,6 +340,8 @@ class LlamaModel:
             hidden, normed = self._add_and_norm(
                 hidden, layer.o_proj(attn, generated.tokens), layer.post_norm
             )
+            if between_layers is not None:
+                between_layers()
             delta = layer.down(
                 self._silu_mul(layer.gate_up(normed, generated.tokens)), generated.tokens
             )

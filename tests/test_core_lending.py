@@ -142,9 +142,13 @@ class _Lender:
     """A lender's state as a borrower reads it (``LenderState``), set by the test."""
 
     busy = False
+    until = 0.0
 
     def is_busy(self) -> bool:
         return self.busy
+
+    def idle_until(self) -> float:
+        return self.until
 
 
 def _borrowing_with_step_times(
@@ -302,8 +306,10 @@ def test_the_engine_calls_between_layers_in_prompt_steps_and_the_tokens_stay_the
     torch.set_num_threads(2)
     assert run(shrink) == plain and len(plain) == 6
     layers = SHAPES["tiny"].num_hidden_layers
-    assert calls_by_step[0] == layers - 1 and calls[0] == 2  # the prompt step, on 2 threads
-    assert calls[1 : layers - 1] == [1] * (layers - 2)  # the rest of it on 1
+    # before each layer but the first and before each MLP: the prompt step on 2 threads, then
+    # the rest of it on 1
+    assert calls_by_step[0] == 2 * layers - 1 and calls[0] == 2
+    assert calls[1 : 2 * layers - 1] == [1] * (2 * layers - 2)
 
 
 def _worker_args(*flags: str) -> argparse.Namespace:
