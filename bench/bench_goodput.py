@@ -91,8 +91,6 @@ SPLITSERVE_FLAGS = {
     "splitserve-no-pull": ["--placement=adaptive"],
     "splitserve-pull-2": ["--placement=adaptive"],
     "splitserve-arrival-order": ["--placement=adaptive"],
-    "splitserve-no-pace": ["--placement=adaptive"],
-    "splitserve-pace-0.8": ["--placement=adaptive"],
 }
 """splitserve's configurations: ``splitserve`` is ``make serve``'s (``up --layout auto``, adaptive
 placement: on the 2-core CPUs measured, 1 prefill + 1 decode worker, a core each, lending each
@@ -124,9 +122,7 @@ KV (``--pull-cached-kv-min-blocks=0``): a turn computed there recomputes the his
 cache lacks; ``-pull-2`` pulls only from two blocks on (``make serve``'s default: one);
 ``-arrival-order`` is ``make serve``'s with admission's waiters admitted in arrival order only
 (``SPLITSERVE_LATE_WAITERS_YIELD=0``: one that can no longer meet its TTFT target does not let
-the others go first); ``-no-pace`` is ``make serve``'s with decode steps that follow at once
-(``SPLITSERVE_PACE_DECODE_SHARE=0``), ``-pace-0.8`` holds them to one per 0.8 of the ITL
-target (``make serve``: 0.5) while the prefill worker has prompts."""
+the others go first)."""
 SPLITSERVE_ENV = {
     "splitserve-eager": {"SPLITSERVE_TTFT_AT_RISK": "0"},
     "splitserve-no-gemv": {"SPLITSERVE_DECODE_GEMV": "0"},
@@ -135,10 +131,8 @@ SPLITSERVE_ENV = {
     "splitserve-no-pull": {"SPLITSERVE_PULL_CACHED_KV_MIN_BLOCKS": "0"},
     "splitserve-pull-2": {"SPLITSERVE_PULL_CACHED_KV_MIN_BLOCKS": "2"},
     "splitserve-arrival-order": {"SPLITSERVE_LATE_WAITERS_YIELD": "0"},
-    "splitserve-no-pace": {"SPLITSERVE_PACE_DECODE_SHARE": "0"},
-    "splitserve-pace-0.8": {"SPLITSERVE_PACE_DECODE_SHARE": "0.8"},
 }
-"""Flags ``up`` passes on only from the environment (the coordinator's), or reads there itself."""
+"""Coordinator flags ``up`` does not take, through their environment twins."""
 BASELINE = "splitserve-baseline"
 """``make serve``'s configuration run from another checkout (``--baseline-tree``, e.g. a git
 worktree of an earlier commit): a change's before and after, measured in one run."""
@@ -329,24 +323,20 @@ LENDING_COUNTERS = (
     "engine_steps_yielding_borrowed_cores",
     "engine_steps_growing_onto_borrowed_cores",
     "engine_steps_declining_borrow",
-    "engine_decode_steps_held",
-    "engine_decode_held_seconds",
 )
 
 
 def lending_counts(cluster_log: Path, role: str = "decode") -> dict[str, float]:
     """The ``role`` worker's core-lending counters so far (``steps``, ``on_borrowed_cores``,
-    ``yielding_borrowed_cores``, ``growing_onto_borrowed_cores``, ``declining_borrow``; a
-    paced decode worker's ``decode_steps_held``, ``decode_held_seconds``); empty where it
-    lends or borrows nothing, or for vLLM."""
+    ``yielding_borrowed_cores``, ``growing_onto_borrowed_cores``, ``declining_borrow``);
+    empty where it lends or borrows nothing, or for vLLM."""
     url = metrics_url(cluster_log, role)
     if url is None:
         return {}
     counts = {}
     for counter in LENDING_COUNTERS:
         for _labels, value in metric_samples(url, f"splitserve_{counter}_total"):
-            name = counter.removeprefix("engine_steps").removeprefix("engine_").strip("_")
-            counts[name or "steps"] = value
+            counts[counter.removeprefix("engine_steps").strip("_") or "steps"] = value
     return counts
 
 

@@ -53,7 +53,6 @@ from splitserve.common.logprobs import TokenLogprob
 from splitserve.common.request_update import FinishReason, RequestUpdate, StepOutput
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.config import EngineConfig
-from splitserve.engine.decode_pace import DecodePace
 from splitserve.engine.engine_core import EngineCore
 from splitserve.engine.engine_face import (
     EngineFacts,
@@ -117,15 +116,12 @@ class AsyncEngine:
         core: EngineCore,
         max_waiting_reservations: int = DEFAULT_MAX_WAITING,
         step_threads: StepThreads | None = None,
-        decode_pace: DecodePace | None = None,
     ) -> None:
         """``max_waiting_reservations``: remote-prefill reservations that may wait for blocks
         (``ReservationQueue``); more are refused with ``CapacityError``. A layer hook (a
         prefill domain's KV push) is installed with ``set_layer_hook``. ``step_threads``:
         sizes torch's pool before each step and says when this engine idles (core lending
-        between co-located workers); None keeps the pool as it is. ``decode_pace``: holds
-        decode-only steps back while the co-located prefill worker has prompts
-        (``engine/decode_pace.py``); None steps at once."""
+        between co-located workers); None keeps the pool as it is."""
         self._core = core
         """Engine thread only, once the thread runs (``_loop``)."""
         self.facts: EngineFacts = core.facts
@@ -166,15 +162,6 @@ class AsyncEngine:
         after its command returned sees its effect (``_tell_after_refresh``)."""
         self._step_started: float | None = None
         """``time.monotonic()`` when the running step began; None between steps."""
-        self._decode_pace = decode_pace
-        self._last_step_started: float | None = None
-        """When the previous step began (engine thread only)."""
-        self.paced_holds = 0
-        """Steps held back by ``decode_pace`` (read anywhere)."""
-        self.paced_s = 0.0
-        """Seconds steps were held back in all (read anywhere)."""
-        self._held_after: float | None = None
-        """``_last_step_started`` of the last step after which one was held (engine thread)."""
         self._thread = threading.Thread(target=self._loop, name="splitserve-engine", daemon=True)
         self._thread.start()
 
@@ -184,12 +171,11 @@ class AsyncEngine:
         config: EngineConfig,
         max_waiting_reservations: int = DEFAULT_MAX_WAITING,
         step_threads: StepThreads | None = None,
-        decode_pace: DecodePace | None = None,
     ) -> AsyncEngine:
         """Load an engine for ``config`` off the event loop (seconds: the weights) and start
         its thread; the arguments after ``config`` are the constructor's."""
         core = await asyncio.to_thread(EngineCore, config)
-        return cls(core, max_waiting_reservations, step_threads, decode_pace)
+        return cls(core, max_waiting_reservations, step_threads)
 
     @property
     def latest_report(self) -> EngineReport:
@@ -453,11 +439,9 @@ class AsyncEngine:
                 self._wakeup.wait()
                 self._wakeup.clear()
                 continue
-            if self._hold_step():
-                continue
             if self.step_threads is not None:
                 self.step_threads.before_step()
-            self._step_started = self._last_step_started = time.monotonic()
+            self._step_started = time.monotonic()
             try:
                 outputs = self._core.step(self._layer_hook, self._between_layers)
             except Exception as error:  # a bug or OOM in a step must not kill the server
@@ -474,30 +458,6 @@ class AsyncEngine:
                 self._deliver(output)
             self._serve_reservations()
             self._publish(timing)
-
-    @property
-    def paces_decode(self) -> bool:
-        """Whether decode steps may be held back (``decode_pace``)."""
-        return self._decode_pace is not None
-
-    def _hold_step(self) -> bool:
-        """Wait while ``decode_pace`` holds the next step back (a command ends the wait
-        early); whether it did, so that the loop drains commands and asks again."""
-        if self._decode_pace is None:
-            return False
-        now = time.monotonic()
-        hold_s = self._decode_pace.hold_s(now, self._last_step_started, self._core.has_prompt_work)
-        if hold_s <= 0.0:
-            return False
-        if self.step_threads is not None:
-            self.step_threads.idle(until=now + hold_s)
-        if self._held_after != self._last_step_started:  # a command may end a wait: count once
-            self._held_after = self._last_step_started
-            self.paced_holds += 1
-        self._wakeup.wait(hold_s)
-        self._wakeup.clear()
-        self.paced_s += time.monotonic() - now
-        return True
 
     def _serve_reservations(self) -> bool:
         """Grant waiting reservations the pool can take now (blocks come back only in

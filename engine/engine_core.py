@@ -239,11 +239,6 @@ class EngineCore:
         return self.scheduler.has_unfinished
 
     @property
-    def has_prompt_work(self) -> bool:
-        """The next step would carry prompt rows (``Scheduler.has_prompt_work``)."""
-        return self.scheduler.has_prompt_work
-
-    @property
     def stats(self) -> SchedulerStats:
         """The scheduler's counters now (immutable: a new object after each change)."""
         return self.scheduler.stats

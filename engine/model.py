@@ -291,8 +291,8 @@ class LlamaModel:
         ``between_layers()`` is called before each layer but the first of the Python layer
         loop and between each layer's attention and its MLP (steps with prompt rows; a decode
         step's layer loop in C runs whole), where the engine may resize its thread pool
-        (``engine/step_threads.py``): stretches of a few milliseconds, so that a borrower fits
-        into a paced decode worker's short idle spells.
+        (``engine/step_threads.py``): stretches of a few milliseconds, so that a lender turning
+        busy gets its core back within about half a layer.
         """
         cfg = self.config
         hidden = F.embedding(input_ids, self.embed_tokens)  # [tokens, hidden]

@@ -214,15 +214,6 @@ class Scheduler:
         """True while some request has work to schedule (reserved ones wait for their KV)."""
         return bool(self.waiting or self.running)
 
-    @property
-    def has_prompt_work(self) -> bool:
-        """True while the next step would carry rows that are no generated token: a request
-        waits, or a running one has tokens left to compute before its next one (its prompt,
-        or what a preemption dropped)."""
-        return bool(self.waiting) or any(
-            r.num_computed_tokens < r.num_tokens - 1 for r in self.running
-        )
-
     # ---- remote prefill (disaggregation) ----------------------------------------------------
 
     def reserve_for_remote_prefill(self, request: Request) -> Sequence[int]:

@@ -14,23 +14,15 @@ Contract (engine thread only):
   sizes torch's pool for the step: own threads, plus one per borrowed core when their owner
   reads idle now and borrowing pays (below).
 - The owner's state may change during a step (with ``up --core-lending both`` a prefill
-  step can last seconds). ``between_layers`` (called by the model between the layers of a
-  step with prompt rows; a decode step's layer loop in C runs whole, tens of milliseconds)
-  follows it: a borrowing step whose owner turned busy shrinks the pool back to the own
-  threads, so the owner shares its core for at most one layer of the step; a step begun on
+  step can last seconds). ``between_layers`` (called by the model before each layer but the
+  first and before each MLP of a step with prompt rows; a decode step's layer loop in C runs
+  whole, tens of milliseconds) follows it: a borrowing step whose owner turned busy shrinks
+  the pool back to the own threads, so the owner shares its core for at most a layer's
+  attention or MLP; a step begun on
   its own cores because the owner was busy takes the borrowed ones once the owner idles
   (unless borrowing measured no faster), at most once a step. Such a step is no sample of
   either kind.
-- An owner that idles only until a time it published (a decode worker holding its next step
-  back, ``engine/decode_pace.py``) lends for that spell only: a step takes its cores, at the
-  start or at a boundary (``between_layers`` also runs between a layer's attention and its
-  MLP), only where the next stretch fits before that time (``_borrowed_stretch_s``), and
-  gives them back at the last boundary before it.
-  Such spells recur every few tens of milliseconds, so a step may take them any number of
-  times. The owner thus finds its core free when it comes back, rather than shared with a
-  layer of the borrower's until that layer ends.
-- ``idle`` marks this engine idle (until a time, or until work comes); call it before the
-  engine thread waits.
+- ``idle`` marks this engine idle; call it before the engine thread waits for work.
 - The kernels read ``torch.get_num_threads()`` at each call, so one resize per step covers
   oneDNN's products and splitserve's C kernels alike. An engine that only lends never
   resizes its pool.
@@ -48,7 +40,6 @@ from __future__ import annotations
 
 import math
 import os
-import time
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -64,20 +55,12 @@ RETRY_EVERY = 50
 """Once one kind is preferred, one idle-lender step in this many takes the other."""
 SMOOTHING = 0.1
 """Weight of the newest step in each kind's running mean of log(time / predicted)."""
-GROW_LAYER_SHARE = 0.75
-"""A layer on own and borrowed cores is taken to last this share of the last one on own cores,
-to judge whether it fits an owner's published idle spell (a 320-token prompt on the 2-core
-AMD EPYC: 298 ms on 2 threads against 472 on 1, 0.63)."""
 
 
 class LenderState(Protocol):
     """A lender's published state as a borrower reads it (``BusyFlagReader``)."""
 
     def is_busy(self) -> bool: ...
-
-    def idle_until(self) -> float:
-        """While idle: until when (``time.monotonic()``); 0.0: until work comes."""
-        ...
 
 
 @dataclass(frozen=True)
@@ -111,11 +94,11 @@ class StepThreads:
         self.borrowed_steps = 0
         """Of ``steps``, those that ran on borrowed cores too."""
         self.yielded_steps = 0
-        """Times a step gave the borrowed cores back part-way, their owner turning busy or
-        its idle spell ending (``between_layers``)."""
+        """Of ``borrowed_steps``, those that gave the borrowed cores back part-way, their
+        owner turning busy (``between_layers``)."""
         self.grown_steps = 0
-        """Times a step running on own cores took the borrowed cores part-way, their owner
-        idling (``between_layers``)."""
+        """Steps begun on own cores (their owner busy) that took the borrowed cores
+        part-way, the owner having idled (``between_layers``)."""
         self._borrowing = False
         """Whether the step now running holds borrowed cores."""
         self._may_grow = False
@@ -123,17 +106,6 @@ class StepThreads:
         self.declined_steps = 0
         """Steps that kept to own cores while the lender idled (borrowing measured no
         faster, or a trial of own cores)."""
-        self._grows_into_spells = False
-        """Whether the step now running may take the borrowed cores for an owner's published
-        idle spells (any number of times)."""
-        self._segment_started = 0.0
-        """``time.monotonic()`` at the step's start or its last boundary."""
-        self._own_s = (0.0, 0.0)
-        """The last two stretches between boundaries run on own cores only (0.0: none):
-        boundaries alternate between a layer's attention and its MLP, which differ in length,
-        so the next stretch is taken to be as long as the longer of the two."""
-        self._borrowed_s = (0.0, 0.0)
-        """The same for stretches run on the borrowed cores too."""
         self._measured: bool | None = None
         """Kind of the step now running (True: borrowed) when its lender read idle; None
         for a step that compares nothing (the lender busy, or nothing to borrow)."""
@@ -156,19 +128,12 @@ class StepThreads:
             return
         self._measured = None
         borrow = False
-        now = self._segment_started = time.monotonic()
-        owner = self.borrows.owner
-        owner_busy = owner.is_busy()
-        until = 0.0 if owner_busy else owner.idle_until()
-        pays = self.borrowing_pays()
-        if until and until - now < self._borrowed_stretch_s():
-            owner_busy = True  # back before a layer would end: as if busy (no sample either)
-        elif not owner_busy:
+        owner_busy = self.borrows.owner.is_busy()
+        if not owner_busy:
             borrow = self._measured = self._borrow_from_idle_lender()
             if not borrow:
                 self.declined_steps += 1
-        self._may_grow = owner_busy and pays is not False
-        self._grows_into_spells = pays is not False
+        self._may_grow = owner_busy and self.borrowing_pays() is not False
         threads = self.own_threads
         if borrow:
             threads += len(self.borrows.cores)
@@ -180,32 +145,16 @@ class StepThreads:
     def between_layers(self) -> None:
         """Within a step (engine thread): give the borrowed cores back at once if their
         owner turned busy, or take them if the step may grow and their owner idles now."""
-        if self.borrows is None:
+        if self.borrows is None or not (self._borrowing or self._may_grow):
             return
-        now = time.monotonic()
-        stretch_s, self._segment_started = now - self._segment_started, now
-        if self._borrowing:
-            self._borrowed_s = (self._borrowed_s[1], stretch_s)
-        else:
-            self._own_s = (self._own_s[1], stretch_s)
-        if not (self._borrowing or self._may_grow or self._grows_into_spells):
-            return
-        owner = self.borrows.owner
-        owner_busy = owner.is_busy()
-        until = 0.0 if owner_busy else owner.idle_until()
-        fits = not until or until - now >= self._borrowed_stretch_s()
-        if self._borrowing and (owner_busy or not fits):
+        owner_busy = self.borrows.owner.is_busy()
+        if self._borrowing and owner_busy:
             self._borrowing = False
             self._measured = None  # part borrowed, part own: no sample of either kind
             self.yielded_steps += 1
             torch.set_num_threads(self.own_threads)
-        elif (
-            not self._borrowing
-            and not owner_busy
-            and fits
-            and (self._may_grow if not until else self._grows_into_spells)
-        ):
-            self._may_grow = False  # an idle spell without an end: once a step
+        elif self._may_grow and not owner_busy:
+            self._may_grow = False
             self._borrowing = True
             self.grown_steps += 1
             torch.set_num_threads(self.own_threads + len(self.borrows.cores))
@@ -221,15 +170,6 @@ class StepThreads:
         else:
             self._log_ratio[kind] += SMOOTHING * (log_ratio - self._log_ratio[kind])
         self._samples[kind] += 1
-
-    def _borrowed_stretch_s(self) -> float:
-        """How long the next stretch on the borrowed cores too is taken to last: the longer of
-        the last two such stretches, else ``GROW_LAYER_SHARE`` of the longer of the last two on
-        own cores (inf where neither is known: it fits no published spell)."""
-        if min(self._borrowed_s) > 0:
-            return max(self._borrowed_s)
-        own_s = max(self._own_s)
-        return GROW_LAYER_SHARE * own_s if own_s > 0 else math.inf
 
     def borrowing_pays(self) -> bool | None:
         """Whether borrowed steps have measured at least ``1 - FASTER`` faster than own ones
@@ -248,7 +188,6 @@ class StepThreads:
             return not pays  # a trial of the other kind, so the comparison follows the load
         return pays
 
-    def idle(self, until: float = 0.0) -> None:
-        """This engine idles until ``until`` (``time.monotonic()``), or until work comes (0.0)."""
+    def idle(self) -> None:
         if self.lends is not None:
-            self.lends.set(False, until)
+            self.lends.set(False)

@@ -70,7 +70,7 @@ from splitserve.common.api_keys import (
     add_health_needs_key_flag,
     api_keys_or_exit,
 )
-from splitserve.common.env_flags import env_default, env_name
+from splitserve.common.env_flags import env_name
 from splitserve.common.membership import hosted_worker_ids, member_id
 from splitserve.coordinator import INTERNAL_READY, PUBLIC_READY
 from splitserve.discovery.flags import add_membership_args, etcd_endpoints
@@ -97,10 +97,6 @@ from splitserve.proto.tls import TlsConfig, add_tls_args, tls_env, tls_or_exit
 
 CORE_LENDING = ("decode", "both", "off")
 CONTROL_CORES = ("prefill", "any")
-PACE_DECODE_SHARE = 0.5
-"""Default ``--pace-decode-share``: a paced decode batch's requests get a token at least every
-half of the ITL target, the rest of it left for what the steps themselves take past it and
-for the prompts a decode worker computes itself."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -170,15 +166,6 @@ def build_parser() -> argparse.ArgumentParser:
         "prompts, where that measures faster; 'both': prefill worker i borrows decode worker "
         "i's too; 'off': each keeps to its own. Default: the layout's ('both' for hybrid, "
         "which auto runs for a worker pair; 'off' otherwise)",
-    )
-    parser.add_argument(
-        "--pace-decode-share",
-        type=float,
-        default=env_default("--pace-decode-share", PACE_DECODE_SHARE, float, os.environ),
-        help="with --core-lending both, decode worker i holds a step of generated tokens alone "
-        "back to one per this share of --layout-workload's ITL target while prefill worker i "
-        "has prompts, lending it its core for the rest (--pace-decode-ms of the worker; "
-        f"default {PACE_DECODE_SHARE}; env SPLITSERVE_PACE_DECODE_SHARE; 0: off)",
     )
     parser.add_argument(
         "--control-cores",
@@ -270,12 +257,6 @@ def layout_summary(args: argparse.Namespace, lending: bool = True) -> str:
             "decode and prefill workers" if args.core_lending == "both" else "decode workers"
         )
         summary += f", {borrowers} borrow their partner's cores while it idles"
-        pace_ms = decode_pace_ms(args)
-        if args.core_lending == "both" and pace_ms > 0:
-            summary += (
-                f"; decode steps held to one per {pace_ms:g} ms while the prefill worker has "
-                "prompts"
-            )
     return summary
 
 
@@ -459,20 +440,7 @@ def _lending_flags(
             flags[lender].append(f"--busy-file={busy_file}")
             flags[borrower] += [f"--borrow-cores={cores[lender]}"]
             flags[borrower] += [f"--borrow-while-idle={busy_file}"]
-        pace_ms = decode_pace_ms(args)
-        if args.core_lending == "both" and pace_ms > 0:
-            flags[decode].append(f"--pace-decode-ms={pace_ms:g}")
     return flags
-
-
-def decode_pace_ms(args: argparse.Namespace) -> float:
-    """The decode workers' ``--pace-decode-ms`` under ``--core-lending both``: the
-    ``--pace-decode-share`` of ``--layout-workload``'s ITL target (0: off). ``ValueError`` for
-    a share that is not a number in [0, 1)."""
-    share = args.pace_decode_share
-    if not 0 <= share < 1:
-        raise ValueError(f"--pace-decode-share must be in [0, 1), not {share}")
-    return round(share * workload_of(args.layout_workload).itl_s * 1000, 3)
 
 
 def member_ids(worker_argvs: Sequence[Sequence[str]]) -> list[str]:
@@ -768,7 +736,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     tls = tls_or_exit(parser, args)
     api_keys_or_exit(parser, args)  # a bad key or file stops up before any child starts
     try:
-        decode_pace_ms(args)  # a bad share or workload stops up before any child starts
         apply_layout(args, worker_args, roles_given(argv))
     except ValueError as error:
         parser.error(str(error))

@@ -142,13 +142,9 @@ class _Lender:
     """A lender's state as a borrower reads it (``LenderState``), set by the test."""
 
     busy = False
-    until = 0.0
 
     def is_busy(self) -> bool:
         return self.busy
-
-    def idle_until(self) -> float:
-        return self.until
 
 
 def _borrowing_with_step_times(

@@ -227,10 +227,8 @@ class _EngineCollector(Collector):
                 ),
                 (
                     "engine_steps_growing_onto_borrowed_cores",
-                    "Times an engine step running on this worker's own cores took the borrowed "
-                    "cores part-way, at a layer boundary, their owner having idled (once a step "
-                    "for an idle spell without an end; any number of times for an owner's "
-                    "published spells, a paced decode worker's).",
+                    "Engine steps begun on this worker's own cores, their owner busy, that "
+                    "took the borrowed cores part-way, at a layer boundary, once it idled.",
                     step_threads.grown_steps,
                 ),
                 (
@@ -238,20 +236,6 @@ class _EngineCollector(Collector):
                     "Engine steps that kept to this worker's own cores while the lender idled "
                     "(steps on borrowed cores measured no faster here, or a trial of own ones).",
                     step_threads.declined_steps,
-                ),
-            )
-        if self._engine.paces_decode:
-            counters += (
-                (
-                    "engine_decode_steps_held",
-                    "Decode steps held back so that the co-located prefill worker computed "
-                    "prompts on this worker's core meanwhile (--pace-decode-ms).",
-                    self._engine.paced_holds,
-                ),
-                (
-                    "engine_decode_held_seconds",
-                    "Seconds decode steps were held back in all (--pace-decode-ms).",
-                    self._engine.paced_s,
                 ),
             )
         for name, doc, value in counters:

@@ -60,14 +60,6 @@ def add_worker_args(parser: argparse.ArgumentParser, env: Mapping[str, str] = os
         "idles (with --borrow-while-idle; needs --cpu-affinity)",
     )
     flag("--borrow-while-idle", None, str, "the --busy-file of the worker owning --borrow-cores")
-    flag(
-        "--pace-decode-ms",
-        0.0,
-        float,
-        "a decode worker borrowing a prefill worker's cores (--borrow-while-idle) holds a step "
-        "of generated tokens alone back to one per this many ms while that worker has prompts, "
-        "lending it its core for the rest (engine/decode_pace.py); 0: step at once",
-    )
     flag("--ucx-tls", None, str, "UCX transports (UCX_TLS), e.g. 'sm,self' or 'tcp'")
     group.add_argument(
         "--ucx-error-handling",

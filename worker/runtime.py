@@ -45,7 +45,6 @@ from splitserve.discovery.flags import etcd_endpoints
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.engine.cli_args import engine_config_from_args
 from splitserve.engine.config import EngineConfig
-from splitserve.engine.decode_pace import DecodePace
 from splitserve.engine.step_threads import BorrowedCores, StepThreads
 from splitserve.proto.cluster_access import ClusterAccess, access_or_exit
 from splitserve.proto.etcd_client import EtcdClient
@@ -129,23 +128,6 @@ def step_threads_of(args: argparse.Namespace) -> StepThreads | None:
     return StepThreads(own_threads, lends, borrows)
 
 
-def decode_pace_of(
-    args: argparse.Namespace, roles: Sequence[WorkerRole], step_threads: StepThreads | None
-) -> DecodePace | None:
-    """The decode steps' pacing from ``--pace-decode-ms`` (None where 0); ValueError where the
-    worker does not decode or borrows no partner's cores (nobody would use the held time)."""
-    if not args.pace_decode_ms:
-        return None
-    if not any(role.role is Role.DECODE for role in roles):
-        raise ValueError("--pace-decode-ms paces decode steps: this worker does not decode")
-    if step_threads is None or step_threads.borrows is None:
-        raise ValueError(
-            "--pace-decode-ms lends the held time to the worker whose cores this one borrows: "
-            "it needs --borrow-cores and --borrow-while-idle"
-        )
-    return DecodePace(args.pace_decode_ms / 1000, step_threads.borrows.owner)
-
-
 def role_worker_id(base_id: str, role: WorkerRole, roles: Sequence[WorkerRole]) -> str:
     """The id a role registers under (``common/membership.py:member_id``)."""
     return member_id(base_id, role.name, len(roles))
@@ -187,11 +169,7 @@ async def run_worker(
     identities = [
         WorkerIdentity(role_worker_id(base_id, role, roles), address, access) for role in roles
     ]
-    engine = await AsyncEngine.start(
-        engine_config_for(args, roles),
-        step_threads=step_threads,
-        decode_pace=decode_pace_of(args, roles, step_threads),
-    )
+    engine = await AsyncEngine.start(engine_config_for(args, roles), step_threads=step_threads)
     owns_transport = transport is None
     if transport is None:
         transport = UcxTransport(ucx_settings_of(args))
@@ -349,7 +327,6 @@ def worker_main(
     try:
         apply_cpu_affinity(args)
         step_threads = step_threads_of(args)  # a lender says busy from here until it idles
-        decode_pace_of(args, roles, step_threads)  # refused here, not after the engine loaded
     except (ValueError, OSError) as error:  # a malformed list, cores it lacks, a busy file
         parser.error(f"cores: {error}")
     configure_tracing(label, args.otlp_traces_endpoint)  # its export thread on our cores
