@@ -23,7 +23,7 @@ from splitserve.common.logprobs import TokenLogprob
 from splitserve.engine.grammar_matchers import GrammarMatchers
 from splitserve.engine.kv_blocks import KvBlockStore
 from splitserve.engine.model import GeneratedRows, LlamaModel
-from splitserve.engine.sampler import Sampler, SamplingRow
+from splitserve.engine.sampler import Sampler, SamplingRow, advance
 from splitserve.engine.scheduler import ScheduledChunk, SchedulerOutput
 from splitserve.kernels.attention import AttentionBackend, SequenceSpan
 
@@ -155,12 +155,10 @@ class ModelRunner(KvBlockStore):
 
     def _skip_draws(self, generator: torch.Generator, chunk: ScheduledChunk) -> None:
         """A request that arrives with tokens already sampled elsewhere (its first token came
-        from a prefill worker) continues the seeded stream where that worker left it: one
-        sampled step draws ``vocab`` uniforms (see the sampler's reproducibility contract)."""
-        num_sampled = len(chunk.output_token_ids)
-        if num_sampled and chunk.params.temperature > 0:
-            vocab = self.model.config.vocab_size
-            torch.rand(num_sampled, vocab, generator=generator, device=self.device)
+        from a prefill worker) continues the seeded stream where that worker left it (see the
+        sampler's reproducibility contract)."""
+        if chunk.params.temperature > 0:
+            advance(generator, len(chunk.output_token_ids))
 
     def _rewind_points(self, chunks: Sequence[ScheduledChunk]) -> dict[str, torch.Tensor]:
         """The generator state of each seeded sampling request with drafts, before this
@@ -174,18 +172,17 @@ class ModelRunner(KvBlockStore):
         }
 
     def _rewind(self, chunk: ScheduledChunk, verdicts: Sequence[int], state: torch.Tensor) -> None:
-        """Leave a seeded request's generator as plain decoding would: one draw of ``vocab``
-        uniforms per token it outputs. Row ``j`` of a chunk with drafts sampled with the
-        request's ``j``-th draw of the step, as plain decoding samples its ``j``-th next
-        token, so the drafts kept and the token after them are plain decoding's tokens; the
-        rows past them drew what the next steps must draw again."""
+        """Leave a seeded request's generator as plain decoding would: the draws of one
+        sampled step per token it outputs (``sampler.advance``). Row ``j`` of a chunk with
+        drafts sampled with the request's ``j``-th draw of the step, as plain decoding samples
+        its ``j``-th next token, so the drafts kept and the token after them are plain
+        decoding's tokens; the rows past them drew what the next steps must draw again."""
         kept = chunk.kept_drafts(verdicts)
         if kept + 1 == chunk.num_tokens:
             return  # every row's draw became an output token
         generator = self._generators[chunk.request_id]
         generator.set_state(state)
-        vocab = self.model.config.vocab_size
-        torch.rand(kept + 1, vocab, generator=generator, device=self.device)
+        advance(generator, kept + 1)
 
     def _sampling_rows(self, chunk: ScheduledChunk) -> list[SamplingRow]:
         """The chunk's sampling rows: one, or with drafts one per token, row ``j`` seeing the

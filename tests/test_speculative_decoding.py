@@ -93,15 +93,18 @@ def test_a_worker_engine_streams_several_tokens_a_step_and_counts_drafts(
 
 def test_seeded_sampling_equals_the_plain_engine(checkpoint_bf16: LoadedCheckpoint) -> None:
     """Seeded sampling (temperature 0.7, top-p, a repetition penalty): each draft row samples
-    with the noise plain decoding draws for that token, and the request's generator is left
-    one draw per output token, so the tokens are the plain engine's; drafts were kept."""
+    with the uniform plain decoding draws for that token, and the request's generator is left
+    as plain decoding leaves it, so the tokens are the plain engine's; drafts were kept (each
+    conversation twice with other seeds: whether a sampled reply follows its prompt closely
+    enough to draft from is up to the draws, and one seed of three drafted 5 tokens and kept
+    none)."""
     tokenizer = checkpoint_bf16.tokenizer
-    prompts = [tokenizer.encode(tokenizer.apply_chat_template(c)) for c in CONVERSATIONS]
+    prompts = [tokenizer.encode(tokenizer.apply_chat_template(c)) for c in CONVERSATIONS] * 2
     params = [
         SamplingParams(
             max_tokens=40, temperature=0.7, top_p=0.95, seed=seed, repetition_penalty=1.05,
         )
-        for seed in (7, 8, 9)
+        for seed in range(7, 7 + len(prompts))
     ]  # fmt: skip
     outputs = {}
     for drafts in (0, 4):
