@@ -59,7 +59,9 @@ from splitserve.common.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
 DRAWS_PER_TOKEN = 1
-"""Uniforms a seeded row's generator gives per sampled token (the reproducibility contract)."""
+"""Uniforms a seeded row's generator gives per sampled token (the reproducibility contract):
+what ``_uniforms`` draws and ``advance`` skips; ``_inverse_cdf_sample`` reads them as one
+``[n, 1]`` column, so it is one."""
 
 
 @dataclass
@@ -116,14 +118,13 @@ def _sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     device = logits.device
     sampled_params = [rows[i].params for i in sampled]
     temperatures = _row_values(sampled_params, "temperature", torch.float32, device)  # [n]
-    every_row = len(sampled) == len(rows)
-    index = torch.tensor(sampled, device=device)  # [n]
-    # Work in place on `processed` (a private copy) when every row samples.
-    scores = processed if every_row else processed[index]  # [n, vocab]
+    # Every row samples: work in place on `processed` (a private copy); else on its rows.
+    index = None if len(sampled) == len(rows) else torch.tensor(sampled, device=device)  # [n]
+    scores = processed if index is None else processed[index]  # [n, vocab]
     scores.div_(temperatures[:, None])
     _filter_in_place(scores, sampled_params)
     drawn = _inverse_cdf_sample(scores, [rows[i].generator for i in sampled])  # [n]
-    if every_row:
+    if index is None:
         return drawn
     token_ids = processed.argmax(dim=-1)  # [batch]: the greedy rows'
     token_ids[index] = drawn
