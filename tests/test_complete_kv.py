@@ -117,6 +117,7 @@ def test_first_token_check_accepts_the_bounds() -> None:
     FirstToken(last, logprob, num_cached_tokens=len(PROMPT)).check(VOCAB, len(PROMPT))
 
 
+@pytest.mark.slow  # a cluster; the engine's own refusal, below, runs by default
 def test_an_out_of_vocab_first_token_fails_only_its_request(
     default_checkpoint_fp32: LoadedCheckpoint,
 ) -> None:

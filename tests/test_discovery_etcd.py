@@ -170,6 +170,7 @@ def test_a_worker_killed_without_withdrawing_leaves_after_its_ttl(etcd: EtcdServ
     run(scenario())
 
 
+@pytest.mark.slow  # etcd back empty, below, restarts it too
 @pytest.mark.timeout(40)
 def test_an_etcd_outage_changes_no_membership_and_the_watcher_catches_up(
     etcd: EtcdServer,

@@ -262,8 +262,13 @@ def test_the_gateway_refuses_at_the_door_while_its_own_streams_fill_the_queue() 
 
         async def scenario() -> tuple[list[httpx.Response], httpx.Response]:
             async with httpx.AsyncClient(timeout=60) as client:
+                # Two that take the KV first, streaming before the two that queue are sent: a
+                # stream counts as waiting until its ``admitted`` item is back, so four at once
+                # could meet an early refusal at the door (``refusal_at``'s burst rule).
                 streaming = [asyncio.Event() for _ in range(4)]
-                holders = [asyncio.create_task(_hold(client, url, event)) for event in streaming]
+                holders = [asyncio.create_task(_hold(client, url, e)) for e in streaming[:2]]
+                await _wait_for(lambda: all(event.is_set() for event in streaming[:2]))
+                holders += [asyncio.create_task(_hold(client, url, e)) for e in streaming[2:]]
                 queued = "splitserve_admission_queued_requests"
                 await _wait_for(lambda: metric_total(metrics, queued) == 2)
                 await _wait_for(lambda: sum(event.is_set() for event in streaming) == 2)

@@ -300,6 +300,8 @@ def fresh_ucxx() -> Iterator[None]:
     ucxx.reset()
 
 
+# a whole cluster under a forger; test_transfer_security checks each forged message by default
+@pytest.mark.slow
 @pytest.mark.usefixtures("fresh_ucxx")
 def test_forged_ucx_messages_change_no_output(default_checkpoint_fp32: LoadedCheckpoint) -> None:
     prompts, expected, layout = engine_reference(default_checkpoint_fp32)

@@ -15,6 +15,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow  # the serving check of the same script runs by default
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the dry run is for machines without CUDA")
 def test_dry_run_writes_every_step_and_skips_what_needs_cuda(tmp_path: Path) -> None:
     out = tmp_path / "gpu"

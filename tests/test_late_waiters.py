@@ -14,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
+
 from splitserve.client import AsyncClient, Chunk, LatencyTargets, Sampling
 from tests.cluster import cluster, metric_total
 
@@ -34,6 +36,7 @@ async def _first_token_at(client: AsyncClient, index: int, targets: LatencyTarge
     return first
 
 
+@pytest.mark.slow  # a real cluster; test_admission checks which waiters yield as late by default
 def test_a_request_that_can_still_meet_its_target_goes_before_late_ones() -> None:
     lines: dict[str, str] = {}
     env = {"SPLITSERVE_PREFILL_BACKLOG": "0.000001"}

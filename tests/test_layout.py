@@ -226,6 +226,7 @@ def test_auto_runs_split_with_a_warning_where_the_probe_fails(
     assert "the layout probe failed" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # two real probes; the probe's timing and its cache file are checked above
 @pytest.mark.timeout(300)
 def test_the_probe_runs_once_per_configuration_and_is_read_from_its_cache(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path

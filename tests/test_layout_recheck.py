@@ -190,6 +190,7 @@ def test_served_times_round_trip_through_the_cache_marked_served() -> None:
         ProbeResult.from_json(older)
 
 
+@pytest.mark.slow  # the re-check's rules are unit-tested above
 def test_up_rechecks_a_named_layout_from_a_real_clusters_served_steps(tmp_path: Path) -> None:
     """``up --layout split`` with simulated engines and this machine's probe cached (written
     by the test): once the workers' models know both phases, ``up`` lists them from the

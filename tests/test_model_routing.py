@@ -61,6 +61,7 @@ def _reference(model: str, prompts: tuple[str, ...]) -> list[str]:
     return [output.text for output in LLM(config=config).generate(list(prompts), params)]
 
 
+@pytest.mark.slow  # the routing per model is checked piece by piece below, on real etcd among them
 @pytest.mark.timeout(300)
 def test_two_models_behind_one_gateway(tmp_path: Path) -> None:
     tiny = save_random_model("tiny", tmp_path / "random-tiny", seed=3)

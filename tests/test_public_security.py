@@ -111,6 +111,7 @@ def _readme_example(client: openai.OpenAI) -> tuple[str, int]:
     return text, completion_tokens
 
 
+@pytest.mark.slow  # TLS, keys and aborts on this secure cluster: the tests around it
 def test_the_readme_sdk_example_works_over_https_with_a_key(served: SecureCluster) -> None:
     assert served.gateway_url.startswith("https://")
     text, completion_tokens = _readme_example(_sdk(served, ALICE_KEY))

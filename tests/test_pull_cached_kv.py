@@ -87,6 +87,7 @@ def _pulled(decode: LLM, block_ids: Sequence[int], first_block: int) -> PulledKv
     return PulledKv(first_block, kv)  # [layers, 2, blocks, block, kv_heads, dim]
 
 
+@pytest.mark.slow  # test_serving_integration pulls a turn's prefix in a cluster
 def test_a_pulled_prefix_is_computed_no_more_and_the_tokens_are_the_same(
     default_checkpoint_fp32: LoadedCheckpoint, conversation: Conversation
 ) -> None:

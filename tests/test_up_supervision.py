@@ -106,6 +106,7 @@ def _registered_seconds(address: str, worker_id: str, old_address: str, since: f
     raise AssertionError(f"{worker_id} did not register again")
 
 
+@pytest.mark.slow  # the default suite's kills of single processes are the fault matrix's
 def test_children_stop_when_up_itself_is_killed() -> None:
     """``up`` SIGKILLed (it cannot stop anyone): each child notices it was orphaned and
     drains itself (``common/orphan.py``); no process is left."""
