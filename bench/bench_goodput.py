@@ -91,6 +91,7 @@ SPLITSERVE_FLAGS = {
     "splitserve-no-pull": ["--placement=adaptive"],
     "splitserve-pull-2": ["--placement=adaptive"],
     "splitserve-arrival-order": ["--placement=adaptive"],
+    "splitserve-no-spec": ["--placement=adaptive"],
 }
 """splitserve's configurations: ``splitserve`` is ``make serve``'s (``up --layout auto``, adaptive
 placement: on the 2-core CPUs measured, 1 prefill + 1 decode worker, a core each, lending each
@@ -122,7 +123,9 @@ KV (``--pull-cached-kv-min-blocks=0``): a turn computed there recomputes the his
 cache lacks; ``-pull-2`` pulls only from two blocks on (``make serve``'s default: one);
 ``-arrival-order`` is ``make serve``'s with admission's waiters admitted in arrival order only
 (``SPLITSERVE_LATE_WAITERS_YIELD=0``: one that can no longer meet its TTFT target does not let
-the others go first)."""
+the others go first); ``-no-spec`` is ``make serve``'s without speculative decoding
+(``SPLITSERVE_SPECULATIVE_TOKENS=0``; served workers draft up to 4 tokens a request and step
+by prompt lookup by default, weighed against their rows' cost)."""
 SPLITSERVE_ENV = {
     "splitserve-eager": {"SPLITSERVE_TTFT_AT_RISK": "0"},
     "splitserve-no-gemv": {"SPLITSERVE_DECODE_GEMV": "0"},
@@ -131,8 +134,9 @@ SPLITSERVE_ENV = {
     "splitserve-no-pull": {"SPLITSERVE_PULL_CACHED_KV_MIN_BLOCKS": "0"},
     "splitserve-pull-2": {"SPLITSERVE_PULL_CACHED_KV_MIN_BLOCKS": "2"},
     "splitserve-arrival-order": {"SPLITSERVE_LATE_WAITERS_YIELD": "0"},
+    "splitserve-no-spec": {"SPLITSERVE_SPECULATIVE_TOKENS": "0"},
 }
-"""Coordinator flags ``up`` does not take, through their environment twins."""
+"""Coordinator and worker flags ``up`` does not take, through their environment twins."""
 BASELINE = "splitserve-baseline"
 """``make serve``'s configuration run from another checkout (``--baseline-tree``, e.g. a git
 worktree of an earlier commit): a change's before and after, measured in one run."""

@@ -24,6 +24,16 @@ from splitserve.engine.config import (
     SpeculativeConfig,
 )
 
+SERVED_SPECULATIVE_TOKENS = 4
+"""Prompt-lookup drafts per request and step on a served worker on the CPU unless told
+otherwise (on CUDA 0: not measured there yet; ``EngineConfig``'s own default, for engines made
+in-process, stays 0). Drafts are weighed
+against their rows' cost (``engine/scheduler.py``), so a workload that accepts none drafts
+little: on the AMD EPYC (2026-11-28) `make serve`'s chat goodput with it was within the
+spread of the tree without it (8 of 12 seed pairs higher over two runs of both orders at 1.5
+and 2 req/s), while repetitive prompts decode 1.1-1.6x faster (``bench/bench_speculative.py``).
+Output is the plain path's token for token (greedy, seeded sampling)."""
+
 
 def add_engine_args(parser: argparse.ArgumentParser, env: Mapping[str, str] = os.environ) -> None:
     """Flags of ``EngineConfig``; defaults come from ``SPLITSERVE_*`` variables when set."""
@@ -95,9 +105,10 @@ def add_engine_args(parser: argparse.ArgumentParser, env: Mapping[str, str] = os
     )
     flag(
         "--speculative-tokens",
-        defaults.speculative.num_tokens,
+        None,
         int,
-        "prompt-lookup draft tokens per request and decode step (0: no speculation)",
+        "prompt-lookup draft tokens per request and decode step (0: no speculation; default "
+        f"{SERVED_SPECULATIVE_TOKENS} on the CPU, 0 on CUDA)",
     )
     flag(
         "--speculative-max-rows",
@@ -133,9 +144,18 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             record_steps=args.record_steps,
         ),
         speculative=SpeculativeConfig(
-            num_tokens=args.speculative_tokens, max_step_rows=args.speculative_max_rows
+            num_tokens=served_speculative_tokens(args.speculative_tokens, args.device),
+            max_step_rows=args.speculative_max_rows,
         ),
     )
+
+
+def served_speculative_tokens(asked: int | None, device: str) -> int:
+    """The drafts a served worker takes: what its flag or environment asked, else
+    ``SERVED_SPECULATIVE_TOKENS`` on the CPU and 0 elsewhere."""
+    if asked is not None:
+        return asked
+    return SERVED_SPECULATIVE_TOKENS if device == "cpu" else 0
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
