@@ -27,12 +27,12 @@ from splitserve.engine.config import (
 SERVED_SPECULATIVE_TOKENS = 4
 """Prompt-lookup drafts per request and step on a served worker on the CPU unless told
 otherwise (on CUDA 0: not measured there yet; ``EngineConfig``'s own default, for engines made
-in-process, stays 0). Drafts are weighed
-against their rows' cost (``engine/scheduler.py``), so a workload that accepts none drafts
-little: on the AMD EPYC (2026-11-28) `make serve`'s chat goodput with it was within the
-spread of the tree without it (8 of 12 seed pairs higher over two runs of both orders at 1.5
-and 2 req/s), while repetitive prompts decode 1.1-1.6x faster (``bench/bench_speculative.py``).
-Output is the plain path's token for token (greedy, seeded sampling)."""
+in-process, stays 0). Drafts are weighed against their rows' cost (``engine/scheduler.py``): where
+few are kept, few are proposed. On the AMD EPYC (2026-11-28) ``make serve``'s
+goodput with drafts was within the spread of the same tree without them (chat at 1.5 and 2
+req/s: 8 of 12 seed pairs higher; long prompts at 0.5: 2 of 6, medians 0.96x), while repetitive
+prompts decode 1.1-1.6x faster (``bench/bench_speculative.py``). Output is the plain path's
+token for token (greedy, seeded sampling)."""
 
 
 def add_engine_args(parser: argparse.ArgumentParser, env: Mapping[str, str] = os.environ) -> None:
