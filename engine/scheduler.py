@@ -459,6 +459,11 @@ class Scheduler:
             new_tokens.append(token_id)
             status = self._stop_status(request, token_id)
             if status is not None:
+                # the blocks this step filled are cached before they are freed, as plain
+                # decoding's last step caches them (a stop on a kept draft leaves every
+                # token of the sequence with its KV; kept drafts past it are not the sequence)
+                computed = min(request.num_computed_tokens, len(request.all_token_ids))
+                self.kv_cache.cache_full_blocks(request.request_id, request.all_token_ids, computed)
                 self._finish(request, status)
                 return self._update_of(request, tuple(new_tokens))
         self.kv_cache.cache_full_blocks(

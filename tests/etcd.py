@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import random
 import shutil
 import signal
 import socket
@@ -28,11 +29,37 @@ STOP_TIMEOUT_S = 10.0
 _NAME = "splitserve-test"
 
 
+FIXED_PORTS = 8000
+"""How many ports below the kernel's ephemeral range ``free_port`` picks from."""
+_handed_out: set[int] = set()
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    """A localhost TCP port nothing listens on (at the time of the call)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A localhost TCP port nothing listens on (at the time of the call), for a process that
+    binds it later (and again after a restart). It lies below the kernel's ephemeral range, so
+    no outgoing connection of another process can take it meanwhile (one in the range did,
+    once: a coordinator of the fault cluster could not bind); none is handed out twice."""
+    high = _ephemeral_low()
+    low = max(1024, high - FIXED_PORTS)
+    for _ in range(200):
+        port = random.randrange(low, high)
+        if port in _handed_out:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError(f"no free port in {low}-{high}")
 
 
 class EtcdServer:

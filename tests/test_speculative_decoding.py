@@ -114,3 +114,23 @@ def test_seeded_sampling_equals_the_plain_engine(checkpoint_bf16: LoadedCheckpoi
         stats = llm.engine.scheduler.stats
     assert outputs[4] == outputs[0]
     assert stats.num_accepted_draft_tokens > 0, stats
+
+
+def test_a_request_that_ends_on_kept_drafts_leaves_its_blocks_cached(
+    default_checkpoint_fp32: LoadedCheckpoint,
+) -> None:
+    """A request whose last step keeps drafts caches the blocks that step filled, as plain
+    decoding's last step does: the next turn (its prompt and output as a prompt) finds every
+    full block of them but the one holding the last token (float32, any CPU; each case its own
+    prompt, so no case finds another's blocks)."""
+    llm = make_llm(default_checkpoint_fp32, speculative_tokens=4)
+    block = 16
+    for index, max_tokens in enumerate(range(24, 28)):
+        prompt = llm.encode_prompt(f"# copy {index}\n" + CODE * 3)
+        greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        (first,) = llm.generate([prompt], greedy)
+        turn = prompt + first.token_ids
+        (second,) = llm.generate([turn], SamplingParams(max_tokens=1, temperature=0.0))
+        assert second.num_cached_tokens == (len(turn) - 1) // block * block, max_tokens
+    assert llm.engine.scheduler.stats.num_accepted_draft_tokens > 0
+    assert_no_leaks(llm)
