@@ -208,6 +208,7 @@ def _assert_refused(answer: httpx.Response, message: str) -> None:
     assert error["type"] == "rate_limit_error" and message in error["message"], error
 
 
+@pytest.mark.slow  # a call's refusal window is tested above; the gateway's door below
 def test_the_gateway_answers_a_full_queues_crowd_at_the_door() -> None:
     """A real cluster (simulated engines) whose KV holds two requests and whose queue holds
     two, filled by another client over gRPC: once the coordinator refused one request for its

@@ -112,6 +112,7 @@ def test_a_conversations_next_turn_moves_only_what_the_decode_engine_lacks(
     assert_no_leaks(decode)
 
 
+@pytest.mark.slow  # the next turn's hand-over above runs by default
 def test_a_turn_whose_earlier_blocks_were_evicted_moves_them_all_again(
     default_checkpoint_fp32: LoadedCheckpoint,
 ) -> None:
