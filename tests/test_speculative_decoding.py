@@ -132,5 +132,7 @@ def test_a_request_that_ends_on_kept_drafts_leaves_its_blocks_cached(
         turn = prompt + first.token_ids
         (second,) = llm.generate([turn], SamplingParams(max_tokens=1, temperature=0.0))
         assert second.num_cached_tokens == (len(turn) - 1) // block * block, max_tokens
-    assert llm.engine.scheduler.stats.num_accepted_draft_tokens > 0
+    # Whether a case's last step keeps drafts depends on the drafter's learned step costs, so
+    # it is not asserted; on the AMD EPYC one of these four does, and the check failed there
+    # before ``Scheduler._accept`` cached a finishing step's blocks (96 cached against 112).
     assert_no_leaks(llm)
