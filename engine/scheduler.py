@@ -454,21 +454,20 @@ class Scheduler:
         self._drafters[request.request_id].record(proposed, accepted)
         request.num_computed_tokens += 1 + accepted  # the last known token and the kept drafts
         new_tokens: list[int] = []
+        status = None
         for token_id in verified[: accepted + 1]:
             request.append_output_token(token_id)
             new_tokens.append(token_id)
             status = self._stop_status(request, token_id)
             if status is not None:
-                # the blocks this step filled are cached before they are freed, as plain
-                # decoding's last step caches them (a stop on a kept draft leaves every
-                # token of the sequence with its KV; kept drafts past it are not the sequence)
-                computed = min(request.num_computed_tokens, len(request.all_token_ids))
-                self.kv_cache.cache_full_blocks(request.request_id, request.all_token_ids, computed)
-                self._finish(request, status)
-                return self._update_of(request, tuple(new_tokens))
-        self.kv_cache.cache_full_blocks(
-            request.request_id, request.all_token_ids, request.num_computed_tokens
-        )
+                break
+        # The blocks this step filled are cached, also before a finished request frees them
+        # (as plain decoding's last step caches them): a stop on a kept draft leaves every
+        # token of the sequence with its KV, and kept drafts past it are not the sequence.
+        computed = min(request.num_computed_tokens, len(request.all_token_ids))
+        self.kv_cache.cache_full_blocks(request.request_id, request.all_token_ids, computed)
+        if status is not None:
+            self._finish(request, status)
         return self._update_of(request, tuple(new_tokens))
 
     def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:

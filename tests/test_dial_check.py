@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 
 import grpc
 import pytest
@@ -31,17 +30,12 @@ from splitserve.proto.server import RoleServer, start_server
 from splitserve.proto.splitserve.v1 import coordinator_pb2, coordinator_pb2_grpc
 from splitserve.proto.worker_clients import WorkerChannels
 from splitserve.worker.monitor_servicer import MonitorServicer
+from tests.etcd import free_port
 
 CREDENTIAL = ClusterCredential.generate()
 LAYOUT = KvLayout(
     model="m", dtype="float32", block_size=16, num_layers=2, num_kv_heads=2, head_dim=8
 )
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 async def worker_monitor(port: int = 0) -> RoleServer:

@@ -9,9 +9,10 @@ from splitserve.engine.cli_args import (
     add_engine_args,
     engine_config_from_args,
 )
+from splitserve.engine.config import EngineConfig
 
 
-def _config(argv: list[str], env: dict[str, str] | None = None):
+def _config(argv: list[str], env: dict[str, str] | None = None) -> EngineConfig:
     parser = argparse.ArgumentParser()
     add_engine_args(parser, env or {})
     return engine_config_from_args(parser.parse_args(argv))
