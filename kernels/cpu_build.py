@@ -1,103 +1,68 @@
-"""Compile-on-first-use of the C++ CPU kernels (``kernels/cpu/*.cpp``) into a cached shared
-library, loaded with ``ctypes``.
+"""Loading the C++ CPU kernels that ``setup.py`` built at install time, one library per
+(source, instruction-set level), with ``ctypes``.
 
-The sources include no torch headers, so one ``g++`` call takes about a second. Flags are
-``-O3 -march=native -fopenmp``: the library is built on the machine that runs it, for its CPU
-(AVX-512 BF16 paths where the CPU has them, portable C++ loops otherwise). OpenMP: torch's CPU
-wheel loads a ``libgomp.so.1`` first, the soname this library links, so both share one runtime.
+``load_library(name)`` loads ``kernels/cpu/<name>.cpp``'s build for the level this CPU runs
+(``cpu_levels.level_for``: the highest built for that source that the CPU executes, capped by
+``SPLITSERVE_CPU_LEVEL``); where that library is missing or does not load, the next lower
+level's, with a warning naming the level lost and its cost; None (warned) when no level's
+library is there. ``load_library(name, level)`` loads one named level (the tests run every
+level the machine executes). Nothing is compiled here and nothing is cached in the home
+directory: a library is a file of the installed package, the same on every machine of its
+level (the container image ships them; its runtime stage has no compiler).
 
-Cache: ``$SPLITSERVE_KERNEL_CACHE`` or ``~/.cache/splitserve/kernels``, one file per digest of
-(source, the shared headers, flags, compiler version, CPU flags); a changed source or another
-CPU builds anew.
-Concurrent builders (several workers starting at once) each compile to a private temporary file
-and ``os.replace`` it into place, so a reader never sees a partial library.
+OpenMP: torch's CPU wheel loads a ``libgomp.so.1`` first, the soname these libraries link, so
+both share one runtime and thread pool.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
-import shutil
-import subprocess
-import tempfile
+import sysconfig
+import threading
+from dataclasses import dataclass
 from pathlib import Path
+
+from splitserve.kernels.cpu_levels import (
+    CpuLevel,
+    cpu_model_name,
+    level_for,
+    level_named,
+    levels,
+    runnable_levels,
+)
 
 logger = logging.getLogger(__name__)
 
-SOURCE_DIR = Path(__file__).resolve().parent / "cpu"
-NATIVE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
-"""Flags of the production build."""
-PORTABLE_FLAGS = ("-O3", "-march=x86-64", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
-"""No AVX-512: builds the portable loops (tests use it to cover that path)."""
+LIBRARY_DIR = Path(__file__).resolve().parent
+SOURCE_DIR = LIBRARY_DIR / "cpu"
+KERNELS_ENV = "SPLITSERVE_CPU_KERNELS"
+"""``0`` keeps every kernel on the torch path."""
+NO_LIBRARY_COST = (
+    "its work takes the torch path (on a decode step of the default model about 10x slower)"
+)
 
 
-class CpuKernelBuildError(RuntimeError):
-    """The C++ kernels could not be compiled (no compiler, or it failed; message has why)."""
+@dataclass(frozen=True)
+class LoadedKernel:
+    """What ``load_library`` gave for one source: the level loaded (None: none) and why not
+    the one wanted, when it is another."""
+
+    source: str
+    level: str | None
+    wanted: str | None
+    note: str = ""
 
 
-def cache_dir() -> Path:
-    configured = os.environ.get("SPLITSERVE_KERNEL_CACHE")
-    if configured:
-        return Path(configured)
-    return Path.home() / ".cache" / "splitserve" / "kernels"
+_loaded: dict[str, LoadedKernel] = {}
+_lock = threading.Lock()
 
 
-def _compiler() -> str:
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if compiler is None:
-        raise CpuKernelBuildError("no C++ compiler found (install g++ or set CXX)")
-    return compiler
-
-
-def _cpu_signature() -> str:
-    """The CPU's model and flags (``-march=native`` depends on them)."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return "unknown"
-    wanted = [line for line in lines if line.startswith(("model name", "flags"))]
-    return "\n".join(sorted(set(wanted)))
-
-
-def build_library(name: str, flags: tuple[str, ...] = NATIVE_FLAGS) -> Path:
-    """Path of the compiled ``kernels/cpu/<name>.cpp`` for ``flags``, compiling it if needed.
-
-    Raises ``CpuKernelBuildError`` with the compiler's output when compiling fails.
-    """
-    source = SOURCE_DIR / f"{name}.cpp"
-    compiler = _compiler()
-    try:
-        version = subprocess.run(
-            [compiler, "--version"], capture_output=True, text=True, check=True
-        ).stdout
-    except (OSError, subprocess.CalledProcessError) as error:
-        raise CpuKernelBuildError(f"{compiler} --version failed: {error}") from error
-    digest = hashlib.blake2b(digest_size=12)
-    headers = [path.read_bytes() for path in sorted(SOURCE_DIR.glob("*.h"))]
-    for part in (source.read_bytes(), *headers, " ".join(flags).encode(), version.encode()):
-        digest.update(part)
-    digest.update(_cpu_signature().encode())
-    target = cache_dir() / f"{name}-{digest.hexdigest()}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    handle, partial = tempfile.mkstemp(prefix=f".{name}-", suffix=".so", dir=target.parent)
-    os.close(handle)
-    try:
-        result = subprocess.run(
-            [compiler, *flags, "-o", partial, str(source)], capture_output=True, text=True
-        )
-        if result.returncode != 0:
-            raise CpuKernelBuildError(
-                f"compiling {source.name} failed ({compiler} {' '.join(flags)}):\n{result.stderr}"
-            )
-        os.replace(partial, target)
-    finally:
-        if os.path.exists(partial):
-            os.unlink(partial)
-    return target
+def library_path(name: str, level: CpuLevel) -> Path:
+    """Where ``setup.py`` puts ``kernels/cpu/<name>.cpp``'s build for ``level``."""
+    suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+    return LIBRARY_DIR / f"_cpu_{name}_{level.name}{suffix}"
 
 
 def function_address(function: ctypes._CFuncPtr) -> int:
@@ -108,19 +73,96 @@ def function_address(function: ctypes._CFuncPtr) -> int:
     return address
 
 
-def load_library(name: str, flags: tuple[str, ...] = NATIVE_FLAGS) -> ctypes.CDLL | None:
-    """The loaded ``kernels/cpu/<name>.cpp`` library, or None (logged) when
-    ``SPLITSERVE_CPU_KERNELS=0`` or it cannot be built or loaded here (callers keep torch)."""
-    if os.environ.get("SPLITSERVE_CPU_KERNELS", "1") == "0":
-        logger.info("CPU kernel %s disabled by SPLITSERVE_CPU_KERNELS=0", name)
+def _open(name: str, level: CpuLevel) -> ctypes.CDLL:
+    """The library of ``name`` at ``level``; ``OSError`` when it is missing or unloadable."""
+    path = library_path(name, level)
+    if not path.exists():
+        raise OSError(f"{path.name} is not installed (built by `make install` / `pip install`)")
+    return ctypes.CDLL(os.fspath(path))
+
+
+def load_library(name: str, level: str | None = None) -> ctypes.CDLL | None:
+    """``kernels/cpu/<name>.cpp``'s library: at ``level`` when named (None, logged, when this
+    CPU cannot run that level or it is not installed); else at the level chosen for this CPU,
+    falling back level by level (warned). None when ``SPLITSERVE_CPU_KERNELS=0`` or no level's
+    library loads here; callers keep the torch path."""
+    if os.environ.get(KERNELS_ENV, "1") == "0":
+        logger.info("CPU kernel %s disabled by %s=0", name, KERNELS_ENV)
+        _record(LoadedKernel(name, None, None, f"disabled by {KERNELS_ENV}=0"))
         return None
+    if level is not None:
+        return _load_named(name, level_named(level))
+    wanted = level_for(name)
+    if wanted is None:
+        logger.warning(
+            "CPU kernel %s: this CPU (%s) runs no kernel level (AVX2 and FMA at least); %s",
+            name, cpu_model_name(), NO_LIBRARY_COST,
+        )  # fmt: skip
+        _record(LoadedKernel(name, None, None, "no level runs on this CPU"))
+        return None
+    order = [lvl for lvl in levels() if lvl.builds(name)]
+    candidates = list(reversed(order[: order.index(wanted) + 1]))
+    failures = []
+    for candidate in candidates:
+        try:
+            library = _open_runnable(name, candidate)
+        except OSError as error:
+            failures.append(f"{candidate.name}: {error}")
+            continue
+        note = ""
+        if candidate is not wanted:
+            note = f"{wanted.name} unavailable ({'; '.join(failures)})"
+            logger.warning(
+                "CPU kernel %s runs its %s build, not %s, slower on this CPU: %s",
+                name, candidate.name, wanted.name, "; ".join(failures),
+            )  # fmt: skip
+        _record(LoadedKernel(name, candidate.name, wanted.name, note))
+        return library
+    logger.warning(
+        "CPU kernel %s: no library loads (%s); %s", name, "; ".join(failures), NO_LIBRARY_COST
+    )
+    _record(LoadedKernel(name, None, wanted.name, "; ".join(failures)))
+    return None
+
+
+def _open_runnable(name: str, level: CpuLevel) -> ctypes.CDLL:
+    """``_open`` for a level this CPU runs (``OSError`` otherwise: its instructions would
+    kill the process with SIGILL)."""
+    if level not in runnable_levels():
+        raise OSError(f"this CPU ({cpu_model_name()}) does not run level {level.name}")
+    return _open(name, level)
+
+
+def _load_named(name: str, level: CpuLevel) -> ctypes.CDLL | None:
     try:
-        return ctypes.CDLL(os.fspath(build_library(name, flags)))
-    except (CpuKernelBuildError, OSError) as error:
-        logger.warning("CPU kernel %s unavailable, using the torch path: %s", name, error)
+        return _open_runnable(name, level)
+    except OSError as error:
+        logger.info("CPU kernel %s at level %s unavailable: %s", name, level.name, error)
         return None
 
 
-if __name__ == "__main__":  # `python -m splitserve.kernels.cpu_build`: warm the cache
+def _record(loaded: LoadedKernel) -> None:
+    with _lock:
+        _loaded[loaded.source] = loaded
+
+
+def loaded_kernels() -> tuple[LoadedKernel, ...]:
+    """What ``load_library`` loaded in this process so far, one entry per source (named
+    levels, as the tests load them, are not recorded)."""
+    with _lock:
+        return tuple(_loaded[name] for name in sorted(_loaded))
+
+
+def kernel_levels_line() -> str:
+    """One line for logs and banners: the CPU and each loaded kernel's level."""
+    parts = []
+    for kernel in loaded_kernels():
+        level = kernel.level or "torch path"
+        parts.append(f"{kernel.source}={level}" + (f" ({kernel.note})" if kernel.note else ""))
+    return f"CPU kernels on {cpu_model_name()}: " + (", ".join(parts) or "none loaded")
+
+
+if __name__ == "__main__":  # `python -m splitserve.kernels.cpu_build`: what loads here
     for source_file in sorted(SOURCE_DIR.glob("*.cpp")):
-        print(build_library(source_file.stem))
+        load_library(source_file.stem)
+    print(kernel_levels_line())

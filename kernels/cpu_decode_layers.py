@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from splitserve.kernels.cpu_build import NATIVE_FLAGS, load_library
+from splitserve.kernels.cpu_build import load_library
 from splitserve.kernels.cpu_qgemv import MAX_ROWS, QuantWeight
 
 DECODE_LAYERS_ENV = "SPLITSERVE_DECODE_LAYERS"
@@ -259,6 +259,6 @@ class CpuDecodeLayers:
 
 
 @functools.cache
-def load_decode_layers_library(flags: tuple[str, ...] = NATIVE_FLAGS) -> ctypes.CDLL | None:
+def load_decode_layers_library(level: str | None = None) -> ctypes.CDLL | None:
     """The compiled loop, or None (logged) if disabled or it cannot be built here."""
-    return load_library("decode_layers", flags)
+    return load_library("decode_layers", level)

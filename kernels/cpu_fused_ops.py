@@ -19,7 +19,7 @@ import functools
 
 import torch
 
-from splitserve.kernels.cpu_build import NATIVE_FLAGS, function_address, load_library
+from splitserve.kernels.cpu_build import function_address, load_library
 
 _P, _I, _F, _T = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {
@@ -159,7 +159,7 @@ class CpuFusedOps:
 
 
 @functools.cache
-def load_cpu_fused_ops(flags: tuple[str, ...] = NATIVE_FLAGS) -> CpuFusedOps | None:
+def load_cpu_fused_ops(level: str | None = None) -> CpuFusedOps | None:
     """The compiled fused ops, or None (logged) if disabled or they cannot be built here."""
-    library = load_library("fused_ops", flags)
+    library = load_library("fused_ops", level)
     return None if library is None else CpuFusedOps(library)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from splitserve.kernels.cpu_build import NATIVE_FLAGS, load_library
+from splitserve.kernels.cpu_build import load_library
 
 logger = logging.getLogger(__name__)
 MAX_ROWS = 32
@@ -165,9 +165,9 @@ class CpuGemv:
 
 
 @functools.cache
-def load_cpu_gemv(flags: tuple[str, ...] = NATIVE_FLAGS) -> CpuGemv | None:
+def load_cpu_gemv(level: str | None = None) -> CpuGemv | None:
     """The compiled kernel if it has its AVX-512 BF16 path here, else None."""
-    library = load_library("gemv", flags)
+    library = load_library("gemv", level)
     if library is None:
         return None
     kernel = CpuGemv(library)

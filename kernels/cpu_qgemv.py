@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from splitserve.kernels.cpu_build import NATIVE_FLAGS, function_address, load_library
+from splitserve.kernels.cpu_build import function_address, load_library
 
 logger = logging.getLogger(__name__)
 MAX_ROWS = 32
@@ -177,10 +177,10 @@ class CpuQGemv:
 
 
 @functools.cache
-def load_cpu_qgemv(flags: tuple[str, ...] = NATIVE_FLAGS) -> CpuQGemv | None:
+def load_cpu_qgemv(level: str | None = None) -> CpuQGemv | None:
     """The compiled kernel if it has an AVX-512 path here (float32 x at least: ``reads``),
     else None."""
-    library = load_library("qgemv", flags)
+    library = load_library("qgemv", level)
     if library is None:
         return None
     kernel = CpuQGemv(library)

@@ -17,7 +17,9 @@ import torch
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.checkpoint import LoadedCheckpoint
 from splitserve.kernels.cpu_attention import load_cpu_decode_attention
+from splitserve.kernels.cpu_build import loaded_kernels
 from tests.conftest import assert_no_leaks, make_llm
+from tests.kernel_levels import capped_level
 
 transformers = pytest.importorskip("transformers")
 
@@ -169,16 +171,30 @@ def test_quantized_weights_read_as_stored(default_checkpoint_fp32, prompts, hf_g
     _assert_equal(_run(llm, [prompts[i] for i in chosen]), [hf_greedy[i] for i in chosen])
 
 
-def test_auto_dtype_on_a_cpu_without_bf16(default_checkpoint_fp32, prompts, hf_greedy) -> None:
-    """Where the CPU has no bf16 (Skylake-SP, Cascade Lake), ``dtype="auto"`` serves float32
-    through the CPU kernels: rows reading the GGUF's blocks, the C++ paged attention
-    (``engine_core._backend``) and the fused residual add + RMSNorm (``fused_float32``).
-    Their greedy output is HF's."""
-    llm = make_llm(default_checkpoint_fp32, dtype="auto")
-    if llm.engine.dtype != torch.float32:
-        pytest.skip("this CPU has bf16: dtype=auto serves bf16, covered by the bf16 tests")
-    chosen = [0, 1, 2, 3, 4, 5]
-    _assert_equal(_run(llm, [prompts[i] for i in chosen]), [hf_greedy[i] for i in chosen])
+@pytest.mark.parametrize(
+    "level",
+    [
+        pytest.param("avx2", id="avx2"),  # every x86 CI machine runs it (Zen 3 serves so)
+        pytest.param("avx512", id="avx512", marks=pytest.mark.slow),  # Cascade Lake
+    ],
+)
+def test_auto_dtype_on_a_cpu_without_bf16(
+    default_checkpoint_fp32, prompts, hf_greedy, level
+) -> None:
+    """Where the CPU has no bf16 (an AVX2-only EPYC, Skylake-SP, Cascade Lake: run here at
+    that level by ``SPLITSERVE_CPU_LEVEL``), ``dtype="auto"`` serves float32 through that
+    level's CPU kernels: rows reading the GGUF's blocks, the C++ paged attention
+    (``engine_core._backend``), the fused residual add + RMSNorm (``fused_float32``) and the
+    decode layer loop in C. Their greedy output is HF's."""
+    with capped_level(level):
+        llm = make_llm(default_checkpoint_fp32, dtype="auto")
+        assert llm.engine.dtype == torch.float32
+        model = llm.engine.runner.model
+        assert model.lm_head.reads_quantized is not None and model._decode_layers is not None
+        loaded = {kernel.source: kernel.level for kernel in loaded_kernels()}
+        assert loaded["qgemv"] == level and loaded["paged_decode_attention"] == level
+        chosen = [0, 1, 2, 3, 4, 5]
+        _assert_equal(_run(llm, [prompts[i] for i in chosen]), [hf_greedy[i] for i in chosen])
 
 
 def test_logit_bias_equals_hf_sequence_bias(

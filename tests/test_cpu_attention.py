@@ -1,8 +1,8 @@
 """The C++ CPU attention kernels and the "cpu" attention backend built on them.
 
 The decode kernel is checked against dense attention over the same (randomly scattered)
-blocks, for both its AVX-512 build (``-march=native``; its vector paths where this CPU has
-AVX-512 BF16) and its portable build, in float32 and bf16; the bf16 causal prefill kernel
+blocks, at every level this CPU executes (AVX2; AVX-512; its bf16 vector paths at AVX-512
+BF16), in float32 and bf16; the bf16 causal prefill kernel
 (AVX-512 BF16 only) against dense causal attention; bad arguments raise instead of reading
 out of bounds; the backend matches the torch backend on a mixed decode + prefill step.
 """
@@ -20,16 +20,19 @@ from splitserve.kernels.cpu_attention import (
     load_cpu_prefill_attention,
 )
 from splitserve.kernels.cpu_backend import CpuAttentionBackend
-from splitserve.kernels.cpu_build import NATIVE_FLAGS, PORTABLE_FLAGS
+from tests.kernel_levels import level_params, require_level
 
 BLOCK = 16
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 
 
-def _kernel(flags: tuple[str, ...]) -> CpuDecodeAttention:
-    kernel = load_cpu_decode_attention(flags)
-    if kernel is None:
-        pytest.skip("no C++ compiler here")
+def _kernel(level: str | None = None) -> CpuDecodeAttention:
+    """The kernel at ``level`` (None: the level chosen for this CPU); it is installed with the
+    package, so a missing library fails the test."""
+    if level is not None:
+        require_level(level)
+    kernel = load_cpu_decode_attention(level)
+    assert kernel is not None, f"paged_decode_attention at {level or 'the chosen level'}"
     return kernel
 
 
@@ -61,7 +64,7 @@ def _scattered_cache(context_lens, kv_heads, dim, dtype, generator, block=BLOCK)
     return key_cache, value_cache, tables, dense
 
 
-@pytest.mark.parametrize("flags", [NATIVE_FLAGS, PORTABLE_FLAGS], ids=["native", "portable"])
+@pytest.mark.parametrize("level", level_params("paged_decode_attention"))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "dim", "block"),
@@ -75,8 +78,8 @@ def _scattered_cache(context_lens, kv_heads, dim, dtype, generator, block=BLOCK)
         (8, 2, 48, BLOCK),  # head_dim not a multiple of 32: scalar loops
     ],
 )
-def test_kernel_matches_dense_attention(flags, dtype, heads, kv_heads, dim, block) -> None:
-    kernel = _kernel(flags)
+def test_kernel_matches_dense_attention(level, dtype, heads, kv_heads, dim, block) -> None:
+    kernel = _kernel(level)
     generator = torch.Generator().manual_seed(heads * 100 + dim + block)
     context_lens = [1, 15, 16, 17, 31, 200, 333]
     key_cache, value_cache, tables, dense = _scattered_cache(
@@ -97,7 +100,7 @@ def test_kernel_matches_dense_attention(flags, dtype, heads, kv_heads, dim, bloc
 
 
 def test_kernel_result_does_not_depend_on_the_batch() -> None:
-    kernel = _kernel(NATIVE_FLAGS)
+    kernel = _kernel()
     generator = torch.Generator().manual_seed(7)
     lens_list = [40, 300, 5, 129]
     key_cache, value_cache, tables, _ = _scattered_cache(
@@ -115,7 +118,7 @@ def test_kernel_result_does_not_depend_on_the_batch() -> None:
 
 
 def test_kernel_rejects_arguments_it_cannot_trust() -> None:
-    kernel = _kernel(NATIVE_FLAGS)
+    kernel = _kernel()
     key_cache = torch.zeros(8, BLOCK, 2, 32)
     value_cache = torch.zeros(8, BLOCK, 2, 32)
     query = torch.zeros(2, 4, 32)
@@ -142,7 +145,7 @@ def test_kernel_rejects_arguments_it_cannot_trust() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_backend_matches_torch_backend_on_a_mixed_step(dtype) -> None:
-    kernel = _kernel(NATIVE_FLAGS)
+    kernel = _kernel()
     generator = torch.Generator().manual_seed(3)
     heads, kv_heads, dim, num_blocks = 9, 3, 64, 40
     # (query_len, context_len): three decodes, a fresh prefill, a chunk after a cached prefix.

@@ -1,5 +1,5 @@
-"""The fused C++ kernels, both builds: residual add + RMSNorm against torch's bf16 ops and HF's
-float32 formula, the rotary embedding against torch's ops."""
+"""The fused C++ kernels, at every level this CPU executes: residual add + RMSNorm against
+torch's bf16 ops and HF's float32 formula, the rotary embedding against torch's ops."""
 
 from __future__ import annotations
 
@@ -10,22 +10,25 @@ import torch.nn.functional as F
 from splitserve.engine.model import rms_norm
 from splitserve.engine.model_config import RopeScaling
 from splitserve.engine.rotary import apply_rotary, cos_sin_table
-from splitserve.kernels.cpu_build import NATIVE_FLAGS, PORTABLE_FLAGS
 from splitserve.kernels.cpu_fused_ops import CpuFusedOps, load_cpu_fused_ops
+from tests.kernel_levels import level_params, require_level
 
 
-def _ops(flags: tuple[str, ...]) -> CpuFusedOps:
-    ops = load_cpu_fused_ops(flags)
-    if ops is None:
-        pytest.skip("no C++ compiler here")
+def _ops(level: str | None = None) -> CpuFusedOps:
+    """The ops at ``level`` (None: the level chosen for this CPU); installed with the package,
+    so a missing library fails the test."""
+    if level is not None:
+        require_level(level)
+    ops = load_cpu_fused_ops(level)
+    assert ops is not None, f"fused_ops at {level or 'the chosen level'}"
     return ops
 
 
-@pytest.mark.parametrize("flags", [NATIVE_FLAGS, PORTABLE_FLAGS], ids=["native", "portable"])
+@pytest.mark.parametrize("level", level_params("fused_ops"))
 @pytest.mark.parametrize("rows", [1, 7, 300])  # 300 x 576 splits rows across threads
 @pytest.mark.parametrize("with_delta", [True, False])
-def test_add_rms_norm_matches_torch(flags, rows, with_delta) -> None:
-    ops = _ops(flags)
+def test_add_rms_norm_matches_torch(level, rows, with_delta) -> None:
+    ops = _ops(level)
     generator = torch.Generator().manual_seed(rows)
     hidden = (torch.randn(rows, 576, generator=generator) * 4).bfloat16()
     delta = torch.randn(rows, 576, generator=generator).bfloat16() if with_delta else None
@@ -39,13 +42,13 @@ def test_add_rms_norm_matches_torch(flags, rows, with_delta) -> None:
     assert (normed != expected).float().mean() < 1e-3
 
 
-@pytest.mark.parametrize("flags", [NATIVE_FLAGS, PORTABLE_FLAGS], ids=["native", "portable"])
+@pytest.mark.parametrize("level", level_params("fused_ops"))
 @pytest.mark.parametrize("rows", [1, 7, 300])
 @pytest.mark.parametrize("with_delta", [True, False])
 def test_float32_add_rms_norm_is_hfs_formula_but_for_the_order_of_its_sum(
-    flags, rows, with_delta
+    level, rows, with_delta
 ) -> None:
-    ops = _ops(flags)
+    ops = _ops(level)
     generator = torch.Generator().manual_seed(rows)
     hidden = torch.randn(rows, 576, generator=generator) * 4
     delta = torch.randn(rows, 576, generator=generator) if with_delta else None
@@ -59,7 +62,7 @@ def test_float32_add_rms_norm_is_hfs_formula_but_for_the_order_of_its_sum(
 
 
 def test_add_rms_norm_rejects_bad_layouts() -> None:
-    ops = _ops(NATIVE_FLAGS)
+    ops = _ops()
     hidden = torch.zeros(4, 8, dtype=torch.bfloat16)
     weight = torch.ones(8, dtype=torch.bfloat16)
     with pytest.raises(ValueError):
@@ -74,13 +77,13 @@ def test_add_rms_norm_rejects_bad_layouts() -> None:
         ops.add_rms_norm(hidden, None, torch.ones(9, dtype=torch.bfloat16), 1e-5)
 
 
-@pytest.mark.parametrize("flags", [NATIVE_FLAGS, PORTABLE_FLAGS], ids=["native", "portable"])
+@pytest.mark.parametrize("level", level_params("fused_ops"))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "float32"])
 @pytest.mark.parametrize("tokens", [1, 7, 300])  # 300 tokens split across threads
-def test_rotary_is_torchs_bit_for_bit_on_a_view_of_the_qkv_rows(flags, dtype, tokens) -> None:
+def test_rotary_is_torchs_bit_for_bit_on_a_view_of_the_qkv_rows(level, dtype, tokens) -> None:
     """The model's case: query and key heads (12 of 64 dims) viewed out of fused qkv rows,
     against ``apply_rotary`` on the same view with the model's cos/sin tables."""
-    ops = _ops(flags)
+    ops = _ops(level)
     generator = torch.Generator().manual_seed(tokens)
     heads, kv_heads, head_dim = 9, 3, 64
     qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=generator) * 3).to(
@@ -99,7 +102,7 @@ def test_rotary_is_torchs_bit_for_bit_on_a_view_of_the_qkv_rows(flags, dtype, to
 
 
 def test_rotary_rejects_layouts_it_cannot_read() -> None:
-    ops = _ops(NATIVE_FLAGS)
+    ops = _ops()
     x = torch.zeros(2, 3, 8)
     table = torch.zeros(2, 8)
     with pytest.raises(ValueError):
@@ -112,13 +115,13 @@ def test_rotary_rejects_layouts_it_cannot_read() -> None:
         ops.rotary(x, torch.zeros(3, 8), table)
 
 
-@pytest.mark.parametrize("flags", [NATIVE_FLAGS, PORTABLE_FLAGS], ids=["native", "portable"])
+@pytest.mark.parametrize("level", level_params("fused_ops"))
 @pytest.mark.parametrize("rows", [1, 5, 40])  # 40 x 1536 splits rows across threads
-def test_silu_mul_is_torchs_formula_within_an_ulp_or_two(flags, rows) -> None:
+def test_silu_mul_is_torchs_formula_within_an_ulp_or_two(level, rows) -> None:
     """``silu(gate) * up`` against torch's ops in float64 (the exact value): float32 within a
     few ulps, bf16 within one bf16 ulp of torch's bf16 ops; the gate's extremes (exp's clamp,
     zeros, large magnitudes) included."""
-    ops = _ops(flags)
+    ops = _ops(level)
     generator = torch.Generator().manual_seed(rows)
     gate_up = torch.randn(rows, 2 * 1536, generator=generator) * 6
     gate_up[0, :6] = torch.tensor([0.0, -0.0, 100.0, -100.0, 88.5, -88.5])

@@ -1,6 +1,6 @@
 """The bf16 GEMV C++ kernel (decode-step projections), both its AVX-512 loop and, where this
 CPU has it, its AMX tiles, against float64 products, their batch invariance, what it refuses,
-the portable build's refusal, and ``Linear`` sending exactly the generated rows it is told of
+the float32 levels' refusal, and ``Linear`` sending exactly the generated rows it is told of
 through it (prompt rows through oneDNN), with the same results within bf16 rounding."""
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ from splitserve.engine.linear import (
     decode_gemv_setting,
     measure_gemv_row_limit,
 )
-from splitserve.kernels.cpu_build import NATIVE_FLAGS, PORTABLE_FLAGS, load_library
+from splitserve.kernels.cpu_build import load_library
 from splitserve.kernels.cpu_gemv import AMX_INPUTS, MAX_ROWS, CpuGemv, load_cpu_gemv
+from tests.kernel_levels import runnable
 
 
 def _kernel() -> CpuGemv:
@@ -34,7 +35,7 @@ def each_kernel(request: pytest.FixtureRequest) -> CpuGemv:
     """The AVX-512 loop for every weight, then the kernel as loaded with AMX asked for
     (skipped where this CPU or Linux has no AMX)."""
     _kernel()
-    library = load_library("gemv", NATIVE_FLAGS)
+    library = load_library("gemv")
     assert library is not None
     kernel = CpuGemv(library, amx=request.param == "amx")
     if request.param == "amx" and not kernel.amx:
@@ -88,7 +89,7 @@ def test_with_amx_a_weight_keeps_one_kernel_whatever_the_row_count() -> None:
     kernel = _kernel()
     if not kernel.amx:
         pytest.skip("this CPU has no AMX (or Linux did not grant it)")
-    library = load_library("gemv", NATIVE_FLAGS)
+    library = load_library("gemv")
     assert library is not None
     loop = CpuGemv(library, amx=False)
     assert not loop.amx and loop.available
@@ -128,10 +129,14 @@ def test_gemv_refuses_what_it_cannot_take() -> None:
             kernel.pack(bad_weight)
 
 
-def test_the_portable_build_has_no_gemv() -> None:
-    if load_cpu_gemv() is None:
-        pytest.skip("this CPU has no AVX-512 BF16 (or no C++ compiler)")
-    assert load_cpu_gemv(PORTABLE_FLAGS) is None  # built without AVX-512 BF16: refused
+def test_the_float32_levels_have_no_gemv() -> None:
+    """The avx2 and avx512 builds have no bf16 dot products: the loader refuses them (their
+    CPUs keep oneDNN, or refuse bf16 altogether: ``engine/device.py:cpu_bf16_refusal``)."""
+    levels = [level for level in ("avx2", "avx512") if runnable(level)]
+    if not levels:
+        pytest.skip("this CPU executes neither level")
+    for level in levels:
+        assert load_cpu_gemv(level) is None
 
 
 def test_linear_sends_generated_rows_through_the_gemv_and_prompt_rows_through_onednn(

@@ -17,20 +17,23 @@ import torch
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.checkpoint import QuantizedTensor, load_checkpoint
 from splitserve.engine.linear import DECODE_GEMV_ENV, Linear
-from splitserve.kernels.cpu_build import PORTABLE_FLAGS
 from splitserve.kernels.cpu_qgemv import MAX_ROWS, Q4_1, Q8_0, CpuQGemv, load_cpu_qgemv
 from tests.conftest import make_llm
+from tests.kernel_levels import level_params, require_level, runnable
 
 Q = gguf.GGMLQuantizationType
 
 
-def _kernel(dtype: torch.dtype = torch.float32) -> CpuQGemv:
-    """The kernel, where it reads x of ``dtype`` here (else the test skips)."""
-    kernel = load_cpu_qgemv()
+def _kernel(dtype: torch.dtype = torch.float32, level: str | None = None) -> CpuQGemv:
+    """The kernel at ``level`` (None: the level chosen for this CPU), where it reads x of
+    ``dtype`` (else the test skips: bf16 x needs a bf16 level)."""
+    if level is not None:
+        require_level(level)
+    kernel = load_cpu_qgemv(level)
     if kernel is None:
-        pytest.skip("this CPU has no AVX-512 (or no C++ compiler)")
+        pytest.skip("this CPU runs no kernel level (AVX2 and FMA at least)")
     if not kernel.reads(dtype):
-        pytest.skip("this CPU has no AVX-512 BF16: the kernel reads float32 rows only")
+        pytest.skip(f"{level or 'the chosen level'} has no AVX-512 BF16: float32 rows only")
     return kernel
 
 
@@ -54,16 +57,17 @@ def _dequantized(tensor: QuantizedTensor) -> torch.Tensor:
     return torch.from_numpy(values.reshape(tensor.out_features, tensor.in_features).copy())
 
 
+@pytest.mark.parametrize("level", level_params("qgemv"))
 @pytest.mark.parametrize("ggml_type", [Q4_1, Q8_0])
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 3, 8, 9, 17, MAX_ROWS])  # groups of 8 and a rest
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 17, MAX_ROWS])  # groups of 4 and 8 and a rest
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_products_match_float64_over_ggufs_dequantized_weights(
-    ggml_type, x_dtype, rows, with_bias
+    level, ggml_type, x_dtype, rows, with_bias
 ) -> None:
     """Float32 sums of the file's exact weights: within float32 accumulation noise of the
     float64 product over gguf's dequantized values (bf16 x taken as its exact bf16 values)."""
-    kernel = _kernel(x_dtype)
+    kernel = _kernel(x_dtype, level)
     tensor = _quantized(96, 576, ggml_type, seed=rows)
     weight = kernel.pack(tensor.blocks, ggml_type)
     generator = torch.Generator().manual_seed(rows)
@@ -81,10 +85,13 @@ def test_products_match_float64_over_ggufs_dequantized_weights(
     assert torch.equal(rounded, out.to(x_dtype))
 
 
+@pytest.mark.parametrize("level", level_params("qgemv"))
 @pytest.mark.parametrize("ggml_type", [Q4_1, Q8_0])
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
-def test_a_rows_result_does_not_depend_on_the_other_rows_or_the_threads(ggml_type, x_dtype) -> None:
-    kernel = _kernel(x_dtype)
+def test_a_rows_result_does_not_depend_on_the_other_rows_or_the_threads(
+    level, ggml_type, x_dtype
+) -> None:
+    kernel = _kernel(x_dtype, level)
     tensor = _quantized(192, 1536, ggml_type, seed=3)
     weight = kernel.pack(tensor.blocks, ggml_type)
     x = torch.randn(MAX_ROWS, 1536, generator=torch.Generator().manual_seed(3)).to(x_dtype)
@@ -121,9 +128,37 @@ def test_the_kernel_refuses_what_it_cannot_take() -> None:
     assert not CpuQGemv.supports(Q4_1, 32, 48) and CpuQGemv.supports(Q8_0, 32, 64)
 
 
-def test_the_portable_build_has_no_quantized_kernel() -> None:
-    _kernel()
-    assert load_cpu_qgemv(PORTABLE_FLAGS) is None  # built without AVX-512: refused
+@pytest.mark.parametrize("ggml_type", [Q4_1, Q8_0])
+def test_every_level_sums_float32_rows_to_the_same_bits(ggml_type) -> None:
+    """Each level does, per output, the same float32 operations in the same order (the
+    weight by one fused multiply-add, even and odd inputs apart): an AVX2-only CPU serving
+    next to an AVX-512 one gives the same bits. Runs where this CPU executes two levels."""
+    levels = [param.values[0] for param in level_params("qgemv") if runnable(param.values[0])]
+    if len(levels) < 2:
+        pytest.skip("this CPU executes one level only")
+    tensor = _quantized(96, 1536, ggml_type, seed=11)
+    x = torch.randn(13, 1536, generator=torch.Generator().manual_seed(11))
+    bias = torch.randn(96, generator=torch.Generator().manual_seed(12))
+    results = {}
+    for level in levels:
+        kernel = _kernel(torch.float32, level)
+        results[level] = kernel(x, kernel.pack(tensor.blocks, ggml_type), bias, float_out=True)
+    first = results[levels[0]]
+    for level in levels[1:]:
+        assert torch.equal(results[level], first), f"{level} differs from {levels[0]}"
+
+
+def test_the_float32_levels_refuse_bf16_rows() -> None:
+    """The avx2 and avx512 builds read float32 x only: bf16 x is refused with its own code
+    (FLOAT32_ONLY), so the caller keeps its dense path."""
+    for level in ("avx2", "avx512"):
+        if not runnable(level):
+            continue
+        kernel = _kernel(torch.float32, level)
+        assert kernel.available and not kernel.reads_bf16
+        weight = kernel.pack(_quantized(32, 64, Q4_1, seed=5).blocks, Q4_1)
+        with pytest.raises(ValueError, match="code -3"):
+            kernel(torch.zeros(2, 64, dtype=torch.bfloat16), weight)
 
 
 def test_without_avx512_bf16_the_kernel_refuses_bf16_rows_and_linear_stays_dense() -> None:

@@ -15,9 +15,10 @@
 //     out [rows, out_features] (float32 when out_f32, else bf16) = x [rows, in_features]
 //     (float32 when x_f32, else bf16) @ weight.T (+ bias [out], x's dtype, when not null).
 //     rows <= kMaxRows; out_features a multiple of 16, in_features of 32. 0 done; -1
-//     unsupported arguments (nothing written); -2 this build has no AVX-512 (F, BW) (the
-//     caller keeps its dense path); -3 bf16 x or out where this build has AVX-512 but no
-//     AVX-512 BF16 (float32 x and out only: Skylake-SP and Cascade Lake Xeons).
+//     unsupported arguments (nothing written); -2 this build has neither AVX-512 (F, BW) nor
+//     AVX2 + FMA (the caller keeps its dense path); -3 bf16 x or out where this build has no
+//     AVX-512 BF16 (float32 x and out only: the avx2 and avx512 levels, as on Zen 3 EPYCs,
+//     Skylake-SP and Cascade Lake Xeons).
 //
 // What is summed (per output o of row r; every row independently of the others of its call,
 // so a row's result does not depend on its step's batch):
@@ -45,6 +46,9 @@
 #if defined(__AVX512BF16__)
 #define SPLITSERVE_AVX512_BF16 1  // the bf16 paths too (bf16 x or out)
 #endif
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define SPLITSERVE_AVX2 1  // the float32 paths in 8-lane registers (float32 x and out)
 #endif
 
 namespace {
@@ -341,7 +345,106 @@ void q8_0_bf16_rows(Out* out, const uint16_t* x, const Q8_0Group* g, const void*
 }
 
 #endif  // SPLITSERVE_AVX512_BF16
+#endif  // SPLITSERVE_AVX512
 
+#ifdef SPLITSERVE_AVX2
+// AVX2 + FMA (x86-64-v3), float32 x and out: a group's 16 outputs in two halves of 8 lanes,
+// each half a pass over the output block's groups (the second pass reads them from cache).
+// Per output lane every operation is the AVX-512 float32 path's, in the same order (the weight
+// d * q + m by one fused multiply-add, even and odd inputs in two sums, even + odd, + bias), so
+// the two builds give the same bits.
+constexpr int64_t kHalf = 8;  // outputs per 8-lane register
+
+inline __m256 load_f16_half(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+inline __m256 bias_half(const void* bias, int64_t first) {
+  return bias == nullptr ? _mm256_setzero_ps()
+                         : _mm256_loadu_ps(static_cast<const float*>(bias) + first);
+}
+
+template <int Rows>
+inline void store_half_rows(float* out, const __m256* even, const __m256* odd, __m256 bias_v,
+                            int64_t out_features, int64_t first) {
+  for (int r = 0; r < Rows; ++r) {
+    _mm256_storeu_ps(out + r * out_features + first,
+                     _mm256_add_ps(_mm256_add_ps(even[r], odd[r]), bias_v));
+  }
+}
+
+// Q4_1: each weight dequantized to its float32 value, then plain products.
+template <int Rows>
+void q4_1_f32_rows(float* out, const float* x, const Q4_1Group* g, const void* bias,
+                   int64_t out_features, int64_t in_features, int64_t ob) {
+  const int64_t blocks = in_features / kInBlock;
+  const __m256i low_nibble = _mm256_set1_epi32(0xF);
+  for (int64_t half = 0; half < kOutBlock / kHalf; ++half) {
+    __m256 even[Rows], odd[Rows];
+    for (int r = 0; r < Rows; ++r) even[r] = odd[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+      const Q4_1Group& group = g[b];
+      if (half == 0) {
+        for (int line = 0; line < 5; ++line) {
+          _mm_prefetch(reinterpret_cast<const char*>(&group) + kAhead + 64 * line, _MM_HINT_T0);
+        }
+      }
+      const __m256 d = load_f16_half(group.d + half * kHalf);
+      const __m256 m = load_f16_half(group.m + half * kHalf);
+      for (int k = 0; k < kInBlock / 2; ++k) {
+        const __m256i v = _mm256_cvtepu8_epi32(
+            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(group.q[k] + half * kHalf)));
+        const __m256 w0 =
+            _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(v, low_nibble)), m);
+        const __m256 w1 = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), m);
+        const int64_t i = b * kInBlock + 2 * k;
+        for (int r = 0; r < Rows; ++r) {
+          even[r] = _mm256_fmadd_ps(w0, _mm256_broadcast_ss(x + r * in_features + i), even[r]);
+          odd[r] = _mm256_fmadd_ps(w1, _mm256_broadcast_ss(x + r * in_features + i + 1), odd[r]);
+        }
+      }
+    }
+    const int64_t first = ob * kOutBlock + half * kHalf;
+    store_half_rows<Rows>(out, even, odd, bias_half(bias, first), out_features, first);
+  }
+}
+
+// Q8_0: each weight d * q, then plain products.
+template <int Rows>
+void q8_0_f32_rows(float* out, const float* x, const Q8_0Group* g, const void* bias,
+                   int64_t out_features, int64_t in_features, int64_t ob) {
+  const int64_t blocks = in_features / kInBlock;
+  for (int64_t half = 0; half < kOutBlock / kHalf; ++half) {
+    __m256 even[Rows], odd[Rows];
+    for (int r = 0; r < Rows; ++r) even[r] = odd[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+      const Q8_0Group& group = g[b];
+      if (half == 0) {
+        for (int line = 0; line < 9; ++line) {
+          _mm_prefetch(reinterpret_cast<const char*>(&group) + kAhead + 64 * line, _MM_HINT_T0);
+        }
+      }
+      const __m256 d = load_f16_half(group.d + half * kHalf);
+      for (int i = 0; i < kInBlock; i += 2) {
+        const __m256 w0 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+                                               reinterpret_cast<const __m128i*>(group.q[i] + half * kHalf)))));
+        const __m256 w1 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+                                               reinterpret_cast<const __m128i*>(group.q[i + 1] + half * kHalf)))));
+        const int64_t col = b * kInBlock + i;
+        for (int r = 0; r < Rows; ++r) {
+          even[r] = _mm256_fmadd_ps(w0, _mm256_broadcast_ss(x + r * in_features + col), even[r]);
+          odd[r] =
+              _mm256_fmadd_ps(w1, _mm256_broadcast_ss(x + r * in_features + col + 1), odd[r]);
+        }
+      }
+    }
+    const int64_t first = ob * kOutBlock + half * kHalf;
+    store_half_rows<Rows>(out, even, odd, bias_half(bias, first), out_features, first);
+  }
+}
+#endif  // SPLITSERVE_AVX2
+
+#if defined(SPLITSERVE_AVX512) || defined(SPLITSERVE_AVX2)
 // One call's arguments, and the float32 copies of x some kernels read.
 struct Call {
   void* out;
@@ -356,6 +459,27 @@ struct Call {
   bool bias_f32;
   int64_t out_features, in_features;
 };
+
+#ifdef SPLITSERVE_AVX2
+constexpr int64_t kCallGroupRows = 4;  // rows whose accumulators share the 16 ymm registers
+
+template <int Rows, typename Out>
+void group_rows(const Call& c, int64_t row, int64_t ob) {
+  static_assert(sizeof(Out) == sizeof(float), "the AVX2 build writes float32 only");
+  float* out = static_cast<float*>(c.out) + row * c.out_features;
+  const int64_t blocks = c.in_features / kInBlock;
+  if (c.type == kTypeQ4_1) {
+    q4_1_f32_rows<Rows>(out, c.x_f32 + row * c.in_features,
+                        static_cast<const Q4_1Group*>(c.packed) + ob * blocks, c.bias,
+                        c.out_features, c.in_features, ob);
+  } else {
+    q8_0_f32_rows<Rows>(out, c.x_f32 + row * c.in_features,
+                        static_cast<const Q8_0Group*>(c.packed) + ob * blocks, c.bias,
+                        c.out_features, c.in_features, ob);
+  }
+}
+#else
+constexpr int64_t kCallGroupRows = kGroupRows;
 
 template <int Rows, typename Out>
 void group_rows(const Call& c, int64_t row, int64_t ob) {
@@ -386,10 +510,12 @@ void group_rows(const Call& c, int64_t row, int64_t ob) {
   }
 }
 
+#endif  // SPLITSERVE_AVX2
+
 template <typename Out>
 void block_all_rows(const Call& c, int64_t ob) {
-  for (int64_t row = 0; row < c.rows; row += kGroupRows) {
-    switch (c.rows - row < kGroupRows ? c.rows - row : kGroupRows) {
+  for (int64_t row = 0; row < c.rows; row += kCallGroupRows) {
+    switch (c.rows - row < kCallGroupRows ? c.rows - row : kCallGroupRows) {
       case 1: group_rows<1, Out>(c, row, ob); break;
       case 2: group_rows<2, Out>(c, row, ob); break;
       case 3: group_rows<3, Out>(c, row, ob); break;
@@ -402,7 +528,7 @@ void block_all_rows(const Call& c, int64_t ob) {
   }
 }
 
-#endif
+#endif  // SPLITSERVE_AVX512 || SPLITSERVE_AVX2
 
 }  // namespace
 
@@ -440,7 +566,7 @@ int64_t splitserve_qgemv_packed_bytes(int type, int64_t out_features, int64_t in
 int splitserve_qgemv(void* out, int out_f32, const void* x, int x_f32, int64_t rows,
                      const void* packed, int type, const void* bias, int64_t out_features,
                      int64_t in_features, int threads) {
-#ifndef SPLITSERVE_AVX512
+#if !defined(SPLITSERVE_AVX512) && !defined(SPLITSERVE_AVX2)
   (void)out; (void)out_f32; (void)x; (void)x_f32; (void)rows; (void)packed; (void)type;
   (void)bias; (void)out_features; (void)in_features; (void)threads;
   return -2;
@@ -451,7 +577,7 @@ int splitserve_qgemv(void* out, int out_f32, const void* x, int x_f32, int64_t r
     return -1;
   }
 #ifndef SPLITSERVE_AVX512_BF16
-  if (!x_f32 || !out_f32) return -3;  // bf16 x or out: this CPU has no AVX-512 BF16
+  if (!x_f32 || !out_f32) return -3;  // bf16 x or out: this build has no AVX-512 BF16
 #endif
   const int64_t blocks = in_features / kInBlock;
   Call c{out, out_f32 != 0, nullptr, nullptr, nullptr, rows, packed, type, bias, x_f32 != 0,
