@@ -6,17 +6,28 @@ import platform
 from pathlib import Path
 
 
+def _cpuinfo() -> list[str]:
+    try:
+        return Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return []
+
+
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags as ``/proc/cpuinfo`` lists them (empty where unreadable)."""
+    line = next((line for line in _cpuinfo() if line.startswith("flags")), "flags:")
+    return frozenset(line.split(":", 1)[1].split())
+
+
 def cpu_name() -> str:
     """``/proc/cpuinfo``'s model name, with ``amx_tile`` / ``avx512_bf16`` where the CPU has
     them (the two features that decide this project's kernels and rankings)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text(encoding="utf-8")
-    except OSError:
-        text = ""
     model = next(
-        (line.split(":", 1)[1].strip() for line in text.splitlines() if "model name" in line),
+        (line.split(":", 1)[1].strip() for line in _cpuinfo() if "model name" in line),
         platform.processor() or platform.machine(),
     )
-    flags = next((line for line in text.splitlines() if line.startswith("flags")), "").split()
+    flags = cpu_flags()
     features = [name for name in ("amx_tile", "avx512_bf16") if name in flags]
+    if not features and "avx512f" not in flags:
+        features = ["AVX2 only" if "avx2" in flags else "no AVX2"]
     return f"{model} ({', '.join(features) or 'no AMX, no AVX-512 BF16'})"

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from splitserve.common.cpu_info import cpu_flags, cpu_name
 from splitserve.common.errors import InvalidRequestError
-from splitserve.kernels.cpu_levels import cpu_flags, cpu_has_native_bf16, cpu_model_name
+from splitserve.kernels.cpu_build import cpu_has_native_bf16
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 BF16_CPU_FLAGS = ("avx512bw", "avx512vl", "avx512dq")
@@ -24,7 +25,7 @@ def cpu_bf16_refusal() -> str | None:
     has = "its flags lack " + ", ".join(missing) if missing else "oneDNN is capped below it"
     return (
         f"--dtype bfloat16 needs a CPU with AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT; this one "
-        f"({cpu_model_name()}: {has}) cannot compute bf16: use --dtype float32 or auto "
+        f"({cpu_name()}: {has}) cannot compute bf16: use --dtype float32 or auto "
         "(auto serves float32 here, reading quantized weights as stored)"
     )
 

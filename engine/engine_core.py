@@ -51,6 +51,7 @@ from splitserve.engine.scheduler import Scheduler
 from splitserve.engine.sim_profile import StepLog, load_profile
 from splitserve.engine.sim_runner import SimulatedRunner, word_token_ids
 from splitserve.kernels.attention import AttentionBackend, TorchAttentionBackend
+from splitserve.kernels.cpu_build import kernel_levels_line
 
 logger = logging.getLogger(__name__)
 
@@ -157,6 +158,8 @@ class EngineCore:
             config.cache.block_size,
             self.max_model_len,
         )
+        if device.type == "cpu" and not simulated:
+            logger.info("%s", kernel_levels_line())  # which level each loaded kernel runs
 
     def _num_blocks(self) -> int:
         cache = self.config.cache

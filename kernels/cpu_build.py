@@ -1,5 +1,5 @@
-"""Loading the C++ CPU kernels that ``setup.py`` built at install time, one library per
-(source, instruction-set level), with ``ctypes``.
+"""Choosing and loading the C++ CPU kernels that ``setup.py`` built at install time, one
+library per (source, instruction-set level of ``cpu_levels.py``), with ``ctypes``.
 
 ``load_library(name)`` loads ``kernels/cpu/<name>.cpp``'s build for the level this CPU runs
 (``cpu_levels.level_for``: the highest built for that source that the CPU executes, capped by
@@ -24,13 +24,15 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from splitserve.common.cpu_info import cpu_flags, cpu_name
 from splitserve.kernels.cpu_levels import (
+    GENERIC_LEVELS,
+    LEVEL_ENV,
+    X86_LEVELS,
     CpuLevel,
-    cpu_model_name,
-    level_for,
+    is_x86_64,
     level_named,
     levels,
-    runnable_levels,
 )
 
 logger = logging.getLogger(__name__)
@@ -42,6 +44,54 @@ KERNELS_ENV = "SPLITSERVE_CPU_KERNELS"
 NO_LIBRARY_COST = (
     "its work takes the torch path (on a decode step of the default model about 10x slower)"
 )
+
+
+def runnable_levels(flags: frozenset[str] | None = None) -> tuple[CpuLevel, ...]:
+    """The levels a CPU with ``flags`` (default: this one's) executes, lowest first: its
+    highest and every one below it (an AVX-512 CPU runs AVX2 code). Not capped."""
+    if not is_x86_64():
+        return GENERIC_LEVELS
+    flags = cpu_flags() if flags is None else flags
+    return tuple(level for level in X86_LEVELS if level.cpu_flags <= flags)
+
+
+def level_cap() -> CpuLevel | None:
+    """The level ``SPLITSERVE_CPU_LEVEL`` names, None when unset; ``ValueError`` for a name
+    that is no level."""
+    value = os.environ.get(LEVEL_ENV, "").strip().lower()
+    return level_named(value) if value else None
+
+
+def running_level(flags: frozenset[str] | None = None) -> CpuLevel | None:
+    """The highest level this CPU runs, capped by ``SPLITSERVE_CPU_LEVEL``; None when it runs
+    none (a CPU without AVX2 and FMA), or the cap is below all it runs."""
+    runnable = runnable_levels(flags)
+    cap = level_cap()
+    if cap is not None:
+        order = [level.name for level in levels()]
+        runnable = tuple(
+            level for level in runnable if order.index(level.name) <= order.index(cap.name)
+        )
+    return runnable[-1] if runnable else None
+
+
+def level_for(source: str, flags: frozenset[str] | None = None) -> CpuLevel | None:
+    """The level ``source``'s library is loaded at here: the highest that builds it among
+    those ``running_level`` allows; None when there is none."""
+    top = running_level(flags)
+    if top is None:
+        return None
+    order = [level.name for level in levels()]
+    allowed = [level for level in levels() if order.index(level.name) <= order.index(top.name)]
+    built = [level for level in allowed if level.builds(source)]
+    return built[-1] if built else None
+
+
+def cpu_has_native_bf16(flags: frozenset[str] | None = None) -> bool:
+    """Whether the kernels run a bf16 level here (AVX-512 BF16 or AMX, within the cap): where
+    ``--dtype auto`` picks bf16."""
+    level = running_level(flags)
+    return level is not None and level.name in ("avx512_bf16", "amx")
 
 
 @dataclass(frozen=True)
@@ -96,7 +146,7 @@ def load_library(name: str, level: str | None = None) -> ctypes.CDLL | None:
     if wanted is None:
         logger.warning(
             "CPU kernel %s: this CPU (%s) runs no kernel level (AVX2 and FMA at least); %s",
-            name, cpu_model_name(), NO_LIBRARY_COST,
+            name, cpu_name(), NO_LIBRARY_COST,
         )  # fmt: skip
         _record(LoadedKernel(name, None, None, "no level runs on this CPU"))
         return None
@@ -129,7 +179,7 @@ def _open_runnable(name: str, level: CpuLevel) -> ctypes.CDLL:
     """``_open`` for a level this CPU runs (``OSError`` otherwise: its instructions would
     kill the process with SIGILL)."""
     if level not in runnable_levels():
-        raise OSError(f"this CPU ({cpu_model_name()}) does not run level {level.name}")
+        raise OSError(f"this CPU ({cpu_name()}) does not run level {level.name}")
     return _open(name, level)
 
 
@@ -159,10 +209,39 @@ def kernel_levels_line() -> str:
     for kernel in loaded_kernels():
         level = kernel.level or "torch path"
         parts.append(f"{kernel.source}={level}" + (f" ({kernel.note})" if kernel.note else ""))
-    return f"CPU kernels on {cpu_model_name()}: " + (", ".join(parts) or "none loaded")
+    return f"CPU kernels on {cpu_name()}: " + (", ".join(parts) or "none loaded")
+
+
+def kernel_plan_line() -> str:
+    """What a worker started now would load, without loading it (for launchers): the level
+    this CPU runs and, per source, the level whose library is installed, where that is lower.
+    """
+    top = running_level()
+    if top is None:
+        return f"CPU kernels: none run on {cpu_name()} (no AVX2 + FMA): torch path"
+    if os.environ.get(KERNELS_ENV, "1") == "0":
+        return f"CPU kernels: off ({KERNELS_ENV}=0)"
+    short = []
+    for source_file in sorted(SOURCE_DIR.glob("*.cpp")):
+        wanted = level_for(source_file.stem)
+        order = [lvl for lvl in levels() if lvl.builds(source_file.stem)]
+        if wanted is None:
+            continue
+        installed = [
+            lvl
+            for lvl in order[: order.index(wanted) + 1]
+            if library_path(source_file.stem, lvl).exists()
+        ]
+        if not installed or installed[-1] is not wanted:
+            got = installed[-1].name if installed else "torch path"
+            short.append(f"{source_file.stem} at {got} (its {wanted.name} build is missing)")
+    capped = f", capped by {LEVEL_ENV}" if level_cap() is not None else ""
+    line = f"CPU kernels: level {top.name} on {cpu_name()}{capped}"
+    return line + ("; " + "; ".join(short) if short else "")
 
 
 if __name__ == "__main__":  # `python -m splitserve.kernels.cpu_build`: what loads here
     for source_file in sorted(SOURCE_DIR.glob("*.cpp")):
         load_library(source_file.stem)
+    print(kernel_plan_line())
     print(kernel_levels_line())

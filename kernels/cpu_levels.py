@@ -17,16 +17,15 @@ On x86-64 the levels, lowest first (each runs the code of those below it):
 Elsewhere (aarch64 and other architectures) one ``generic`` level, the compiler's defaults.
 A CPU below ``avx2`` (no AVX2 or no FMA) has no level: every kernel keeps the torch path.
 
-This module imports only the standard library: ``setup.py`` reads it by path, before the
-package (or torch) is installed.
+This module is the table only and imports only the standard library: ``setup.py`` reads it by
+path, before the package (or torch) is installed. Which level runs here is
+``kernels/cpu_build.py``'s.
 """
 
 from __future__ import annotations
 
-import os
 import platform
 from dataclasses import dataclass
-from pathlib import Path
 
 LEVEL_ENV = "SPLITSERVE_CPU_LEVEL"
 """Caps the level chosen (one of the level names below): e.g. ``avx2`` on an AVX-512 machine
@@ -94,74 +93,3 @@ def level_named(name: str) -> CpuLevel:
             return level
     known = ", ".join(level.name for level in levels())
     raise ValueError(f"unknown CPU kernel level {name!r} (known here: {known})")
-
-
-def cpu_flags() -> frozenset[str]:
-    """This CPU's feature flags as ``/proc/cpuinfo`` lists them (empty where unreadable)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return frozenset()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return frozenset(line.split(":", 1)[1].split())
-    return frozenset()
-
-
-def cpu_model_name() -> str:
-    """``/proc/cpuinfo``'s model name (what ``lscpu`` prints), or the machine's type."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.machine()
-
-
-def runnable_levels(flags: frozenset[str] | None = None) -> tuple[CpuLevel, ...]:
-    """The levels a CPU with ``flags`` (default: this one's) executes, lowest first: its
-    highest and every one below it (an AVX-512 CPU runs AVX2 code). Not capped."""
-    if not is_x86_64():
-        return GENERIC_LEVELS
-    flags = cpu_flags() if flags is None else flags
-    return tuple(level for level in X86_LEVELS if level.cpu_flags <= flags)
-
-
-def level_cap() -> CpuLevel | None:
-    """The level ``SPLITSERVE_CPU_LEVEL`` names, None when unset; ``ValueError`` for a name
-    that is no level."""
-    value = os.environ.get(LEVEL_ENV, "").strip().lower()
-    return level_named(value) if value else None
-
-
-def running_level(flags: frozenset[str] | None = None) -> CpuLevel | None:
-    """The highest level this CPU runs, capped by ``SPLITSERVE_CPU_LEVEL``; None when it runs
-    none (a CPU without AVX2 and FMA), or the cap is below all it runs."""
-    runnable = runnable_levels(flags)
-    cap = level_cap()
-    if cap is not None:
-        order = [level.name for level in levels()]
-        runnable = tuple(
-            level for level in runnable if order.index(level.name) <= order.index(cap.name)
-        )
-    return runnable[-1] if runnable else None
-
-
-def level_for(source: str, flags: frozenset[str] | None = None) -> CpuLevel | None:
-    """The level ``source``'s library is loaded at here: the highest that builds it among
-    those ``running_level`` allows; None when there is none."""
-    top = running_level(flags)
-    if top is None:
-        return None
-    order = [level.name for level in levels()]
-    allowed = [level for level in levels() if order.index(level.name) <= order.index(top.name)]
-    built = [level for level in allowed if level.builds(source)]
-    return built[-1] if built else None
-
-
-def cpu_has_native_bf16(flags: frozenset[str] | None = None) -> bool:
-    """Whether the kernels run a bf16 level here (AVX-512 BF16 or AMX, within the cap): where
-    ``--dtype auto`` picks bf16."""
-    level = running_level(flags)
-    return level is not None and level.name in ("avx512_bf16", "amx")

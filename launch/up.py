@@ -74,6 +74,7 @@ from splitserve.common.env_flags import env_name
 from splitserve.common.membership import hosted_worker_ids, member_id
 from splitserve.coordinator import INTERNAL_READY, PUBLIC_READY
 from splitserve.discovery.flags import add_membership_args, etcd_endpoints
+from splitserve.kernels.cpu_build import kernel_plan_line
 from splitserve.launch.child_process import ReadyError
 from splitserve.launch.layout import (
     MODELLED,
@@ -591,6 +592,7 @@ async def _run(
                 children, args, worker_args, stop, credential, tls, busy_dir
             )
             say(f"splitserve up: {layout_summary(args, lending=busy_dir is not None)}")
+            say(f"splitserve up: {kernel_plan_line()}")
             say(f"splitserve ready at {address}")
             async with _layout_recheck(args, internal, credential, tls):
                 await children.supervise(stop)

@@ -11,10 +11,11 @@ from collections.abc import Iterator
 import pytest
 
 from splitserve.kernels.cpu_attention import load_cpu_decode_attention, load_cpu_prefill_attention
+from splitserve.kernels.cpu_build import runnable_levels
 from splitserve.kernels.cpu_decode_layers import load_decode_layers_library
 from splitserve.kernels.cpu_fused_ops import load_cpu_fused_ops
 from splitserve.kernels.cpu_gemv import load_cpu_gemv
-from splitserve.kernels.cpu_levels import LEVEL_ENV, levels, runnable_levels
+from splitserve.kernels.cpu_levels import LEVEL_ENV, levels
 from splitserve.kernels.cpu_qgemv import load_cpu_qgemv
 
 
