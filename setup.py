@@ -41,13 +41,14 @@ def kernel_extensions() -> list[Extension]:
     cpu_levels = _levels_module()
     headers = sorted(str(path) for path in SOURCE_DIR.glob("*.h"))
     extensions = []
-    for source in sorted(SOURCE_DIR.glob("*.cpp")):
+    for name in cpu_levels.SOURCE_NAMES:
+        source = SOURCE_DIR / f"{name}.cpp"
         for level in cpu_levels.levels():
-            if not level.builds(source.stem):
+            if not level.builds(name):
                 continue
             extensions.append(
                 Extension(
-                    f"splitserve.kernels._cpu_{source.stem}_{level.name}",
+                    f"splitserve.kernels._cpu_{name}_{level.name}",
                     sources=[str(source)],
                     depends=headers,
                     language="c++",

@@ -28,6 +28,7 @@ from splitserve.common.cpu_info import cpu_flags, cpu_name
 from splitserve.kernels.cpu_levels import (
     GENERIC_LEVELS,
     LEVEL_ENV,
+    SOURCE_NAMES,
     X86_LEVELS,
     CpuLevel,
     is_x86_64,
@@ -38,7 +39,6 @@ from splitserve.kernels.cpu_levels import (
 logger = logging.getLogger(__name__)
 
 LIBRARY_DIR = Path(__file__).resolve().parent
-SOURCE_DIR = LIBRARY_DIR / "cpu"
 KERNELS_ENV = "SPLITSERVE_CPU_KERNELS"
 """``0`` keeps every kernel on the torch path."""
 NO_LIBRARY_COST = (
@@ -222,26 +222,24 @@ def kernel_plan_line() -> str:
     if os.environ.get(KERNELS_ENV, "1") == "0":
         return f"CPU kernels: off ({KERNELS_ENV}=0)"
     short = []
-    for source_file in sorted(SOURCE_DIR.glob("*.cpp")):
-        wanted = level_for(source_file.stem)
-        order = [lvl for lvl in levels() if lvl.builds(source_file.stem)]
+    for name in SOURCE_NAMES:
+        wanted = level_for(name)
         if wanted is None:
             continue
+        order = [lvl for lvl in levels() if lvl.builds(name)]
         installed = [
-            lvl
-            for lvl in order[: order.index(wanted) + 1]
-            if library_path(source_file.stem, lvl).exists()
+            lvl for lvl in order[: order.index(wanted) + 1] if library_path(name, lvl).exists()
         ]
         if not installed or installed[-1] is not wanted:
             got = installed[-1].name if installed else "torch path"
-            short.append(f"{source_file.stem} at {got} (its {wanted.name} build is missing)")
+            short.append(f"{name} at {got} (its {wanted.name} build is missing)")
     capped = f", capped by {LEVEL_ENV}" if level_cap() is not None else ""
     line = f"CPU kernels: level {top.name} on {cpu_name()}{capped}"
     return line + ("; " + "; ".join(short) if short else "")
 
 
 if __name__ == "__main__":  # `python -m splitserve.kernels.cpu_build`: what loads here
-    for source_file in sorted(SOURCE_DIR.glob("*.cpp")):
-        load_library(source_file.stem)
+    for source_name in SOURCE_NAMES:
+        load_library(source_name)
     print(kernel_plan_line())
     print(kernel_levels_line())

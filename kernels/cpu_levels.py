@@ -31,6 +31,16 @@ LEVEL_ENV = "SPLITSERVE_CPU_LEVEL"
 """Caps the level chosen (one of the level names below): e.g. ``avx2`` on an AVX-512 machine
 runs and measures the AVX2 kernels as an AVX2-only CPU would."""
 
+SOURCE_NAMES = (
+    "decode_layers",
+    "fused_ops",
+    "gemv",
+    "paged_decode_attention",
+    "prefill_attention",
+    "qgemv",
+)
+"""The kernel sources, ``kernels/cpu/<name>.cpp``: each is one library per level."""
+
 _COMMON_FLAGS = ("-O3", "-fopenmp", "-std=c++17")
 
 

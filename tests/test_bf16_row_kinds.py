@@ -16,6 +16,7 @@ import torch
 from splitserve.common.request_update import FinishReason
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.checkpoint import LoadedCheckpoint
+from splitserve.engine.device import cpu_bf16_refusal
 from splitserve.engine.engine_core import EngineCore
 from splitserve.engine.linear import DECODE_GEMV_ENV, Linear
 from splitserve.engine.llm import LLM
@@ -23,7 +24,13 @@ from splitserve.kernels.cpu_gemv import load_cpu_gemv
 from splitserve.kernels.cpu_qgemv import load_cpu_qgemv
 from tests.conftest import assert_no_leaks, make_llm
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [
+    pytest.mark.timeout(300),
+    pytest.mark.skipif(
+        cpu_bf16_refusal() is not None,
+        reason="this CPU cannot compute bf16: engines refuse it (test_cpu_levels.py checks that)",
+    ),
+]
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, logprobs=2)

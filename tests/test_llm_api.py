@@ -13,6 +13,7 @@ from splitserve.common.request_update import FinishReason
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.checkpoint import LoadedCheckpoint
 from splitserve.engine.config import EngineConfig, ModelConfig
+from splitserve.engine.device import cpu_bf16_refusal
 from splitserve.engine.llm import LLM
 from tests.conftest import assert_no_leaks, make_llm
 
@@ -130,6 +131,13 @@ def test_unknown_model_path_is_a_clear_error() -> None:
 
 
 def test_bfloat16_engine_generates(default_checkpoint_fp32: LoadedCheckpoint) -> None:
+    """Where the CPU computes bf16; where it cannot, the engine refuses bf16 with the missing
+    CPU feature and the dtype that works, before loading anything."""
+    refusal = cpu_bf16_refusal()
+    if refusal is not None:
+        with pytest.raises(InvalidRequestError, match="AVX-512 .BW, VL, DQ. or AVX-NE-CONVERT"):
+            make_llm(default_checkpoint_fp32, num_blocks=64, dtype="bfloat16")
+        return
     llm = make_llm(default_checkpoint_fp32, num_blocks=64, dtype="bfloat16")
     [result] = llm.chat([{"role": "user", "content": "What is the capital of France?"}], GREEDY)
     assert "Paris" in result.text
