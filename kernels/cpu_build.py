@@ -238,8 +238,41 @@ def kernel_plan_line() -> str:
     return line + ("; " + "; ".join(short) if short else "")
 
 
-if __name__ == "__main__":  # `python -m splitserve.kernels.cpu_build`: what loads here
+def missing_libraries() -> list[str]:
+    """The kernel libraries of this architecture's levels that are not installed (each should
+    be: ``setup.py`` builds every level whatever the CPU, so an image serves every kind)."""
+    return [
+        library_path(name, level).name
+        for name in SOURCE_NAMES
+        for level in levels()
+        if level.builds(name) and not library_path(name, level).exists()
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m splitserve.kernels.cpu_build [--require-all]``: what a worker would load
+    here and what loads; ``--require-all`` exits 1 when a level's library is missing or this
+    CPU's level does not load (the image's build checks itself with it)."""
+    import argparse
+
+    import torch  # noqa: F401  # its libgomp.so.1 first, as in a worker
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--require-all", action="store_true")
+    args = parser.parse_args(argv)
     for source_name in SOURCE_NAMES:
         load_library(source_name)
     print(kernel_plan_line())
     print(kernel_levels_line())
+    if not args.require_all:
+        return 0
+    missing = missing_libraries()
+    unloaded = [kernel.source for kernel in loaded_kernels() if kernel.note or not kernel.level]
+    if missing or (running_level() is not None and unloaded):
+        print(f"missing: {missing}; not loaded at this CPU's level: {unloaded}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

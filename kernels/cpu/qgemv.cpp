@@ -349,7 +349,8 @@ void q8_0_bf16_rows(Out* out, const uint16_t* x, const Q8_0Group* g, const void*
 
 #ifdef SPLITSERVE_AVX2
 // AVX2 + FMA (x86-64-v3), float32 x and out: a group's 16 outputs in two halves of 8 lanes,
-// each half a pass over the output block's groups (the second pass reads them from cache).
+// both in one pass over the output block's groups for one or two rows, else each half a pass
+// (the second reads the groups from cache).
 // Per output lane every operation is the AVX-512 float32 path's, in the same order (the weight
 // d * q + m by one fused multiply-add, even and odd inputs in two sums, even + odd, + bias), so
 // the two builds give the same bits.
@@ -364,48 +365,70 @@ inline __m256 bias_half(const void* bias, int64_t first) {
                          : _mm256_loadu_ps(static_cast<const float*>(bias) + first);
 }
 
-template <int Rows>
-inline void store_half_rows(float* out, const __m256* even, const __m256* odd, __m256 bias_v,
-                            int64_t out_features, int64_t first) {
-  for (int r = 0; r < Rows; ++r) {
-    _mm256_storeu_ps(out + r * out_features + first,
-                     _mm256_add_ps(_mm256_add_ps(even[r], odd[r]), bias_v));
+// Rows' outputs of `Halves` halves starting at `half0`: each half's even and odd sums + bias.
+template <int Rows, int Halves>
+inline void store_halves(float* out, const __m256 (*even)[Rows], const __m256 (*odd)[Rows],
+                         const void* bias, int64_t out_features, int64_t ob, int64_t half0) {
+  for (int h = 0; h < Halves; ++h) {
+    const int64_t first = ob * kOutBlock + (half0 + h) * kHalf;
+    const __m256 bias_v = bias_half(bias, first);
+    for (int r = 0; r < Rows; ++r) {
+      _mm256_storeu_ps(out + r * out_features + first,
+                       _mm256_add_ps(_mm256_add_ps(even[h][r], odd[h][r]), bias_v));
+    }
   }
 }
+
+// Halves of a group's 16 outputs one pass takes: both for one or two rows (each output's two
+// sums are serial chains of fused multiply-adds, so one row's 2 chains a half would wait on
+// the FMA's latency; both halves give 4 or 8 chains), one for more rows (their accumulators
+// fill the registers).
+template <int Rows>
+constexpr int kHalvesPerPass = Rows <= 2 ? 2 : 1;
 
 // Q4_1: each weight dequantized to its float32 value, then plain products.
 template <int Rows>
 void q4_1_f32_rows(float* out, const float* x, const Q4_1Group* g, const void* bias,
                    int64_t out_features, int64_t in_features, int64_t ob) {
+  constexpr int Halves = kHalvesPerPass<Rows>;
   const int64_t blocks = in_features / kInBlock;
   const __m256i low_nibble = _mm256_set1_epi32(0xF);
-  for (int64_t half = 0; half < kOutBlock / kHalf; ++half) {
-    __m256 even[Rows], odd[Rows];
-    for (int r = 0; r < Rows; ++r) even[r] = odd[r] = _mm256_setzero_ps();
+  for (int64_t half0 = 0; half0 < kOutBlock / kHalf; half0 += Halves) {
+    __m256 even[Halves][Rows], odd[Halves][Rows];
+    for (int h = 0; h < Halves; ++h) {
+      for (int r = 0; r < Rows; ++r) even[h][r] = odd[h][r] = _mm256_setzero_ps();
+    }
     for (int64_t b = 0; b < blocks; ++b) {
       const Q4_1Group& group = g[b];
-      if (half == 0) {
+      if (half0 == 0) {
         for (int line = 0; line < 5; ++line) {
           _mm_prefetch(reinterpret_cast<const char*>(&group) + kAhead + 64 * line, _MM_HINT_T0);
         }
       }
-      const __m256 d = load_f16_half(group.d + half * kHalf);
-      const __m256 m = load_f16_half(group.m + half * kHalf);
+      __m256 d[Halves], m[Halves];
+      for (int h = 0; h < Halves; ++h) {
+        d[h] = load_f16_half(group.d + (half0 + h) * kHalf);
+        m[h] = load_f16_half(group.m + (half0 + h) * kHalf);
+      }
       for (int k = 0; k < kInBlock / 2; ++k) {
-        const __m256i v = _mm256_cvtepu8_epi32(
-            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(group.q[k] + half * kHalf)));
-        const __m256 w0 =
-            _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(v, low_nibble)), m);
-        const __m256 w1 = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), m);
         const int64_t i = b * kInBlock + 2 * k;
-        for (int r = 0; r < Rows; ++r) {
-          even[r] = _mm256_fmadd_ps(w0, _mm256_broadcast_ss(x + r * in_features + i), even[r]);
-          odd[r] = _mm256_fmadd_ps(w1, _mm256_broadcast_ss(x + r * in_features + i + 1), odd[r]);
+        for (int h = 0; h < Halves; ++h) {
+          const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(
+              reinterpret_cast<const __m128i*>(group.q[k] + (half0 + h) * kHalf)));
+          const __m256 w0 = _mm256_fmadd_ps(
+              d[h], _mm256_cvtepi32_ps(_mm256_and_si256(v, low_nibble)), m[h]);
+          const __m256 w1 =
+              _mm256_fmadd_ps(d[h], _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), m[h]);
+          for (int r = 0; r < Rows; ++r) {
+            even[h][r] =
+                _mm256_fmadd_ps(w0, _mm256_broadcast_ss(x + r * in_features + i), even[h][r]);
+            odd[h][r] =
+                _mm256_fmadd_ps(w1, _mm256_broadcast_ss(x + r * in_features + i + 1), odd[h][r]);
+          }
         }
       }
     }
-    const int64_t first = ob * kOutBlock + half * kHalf;
-    store_half_rows<Rows>(out, even, odd, bias_half(bias, first), out_features, first);
+    store_halves<Rows, Halves>(out, even, odd, bias, out_features, ob, half0);
   }
 }
 
@@ -413,33 +436,42 @@ void q4_1_f32_rows(float* out, const float* x, const Q4_1Group* g, const void* b
 template <int Rows>
 void q8_0_f32_rows(float* out, const float* x, const Q8_0Group* g, const void* bias,
                    int64_t out_features, int64_t in_features, int64_t ob) {
+  constexpr int Halves = kHalvesPerPass<Rows>;
   const int64_t blocks = in_features / kInBlock;
-  for (int64_t half = 0; half < kOutBlock / kHalf; ++half) {
-    __m256 even[Rows], odd[Rows];
-    for (int r = 0; r < Rows; ++r) even[r] = odd[r] = _mm256_setzero_ps();
+  for (int64_t half0 = 0; half0 < kOutBlock / kHalf; half0 += Halves) {
+    __m256 even[Halves][Rows], odd[Halves][Rows];
+    for (int h = 0; h < Halves; ++h) {
+      for (int r = 0; r < Rows; ++r) even[h][r] = odd[h][r] = _mm256_setzero_ps();
+    }
     for (int64_t b = 0; b < blocks; ++b) {
       const Q8_0Group& group = g[b];
-      if (half == 0) {
+      if (half0 == 0) {
         for (int line = 0; line < 9; ++line) {
           _mm_prefetch(reinterpret_cast<const char*>(&group) + kAhead + 64 * line, _MM_HINT_T0);
         }
       }
-      const __m256 d = load_f16_half(group.d + half * kHalf);
+      __m256 d[Halves];
+      for (int h = 0; h < Halves; ++h) d[h] = load_f16_half(group.d + (half0 + h) * kHalf);
       for (int i = 0; i < kInBlock; i += 2) {
-        const __m256 w0 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
-                                               reinterpret_cast<const __m128i*>(group.q[i] + half * kHalf)))));
-        const __m256 w1 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
-                                               reinterpret_cast<const __m128i*>(group.q[i + 1] + half * kHalf)))));
         const int64_t col = b * kInBlock + i;
-        for (int r = 0; r < Rows; ++r) {
-          even[r] = _mm256_fmadd_ps(w0, _mm256_broadcast_ss(x + r * in_features + col), even[r]);
-          odd[r] =
-              _mm256_fmadd_ps(w1, _mm256_broadcast_ss(x + r * in_features + col + 1), odd[r]);
+        for (int h = 0; h < Halves; ++h) {
+          const int64_t lane0 = (half0 + h) * kHalf;
+          const __m256 w0 = _mm256_mul_ps(d[h], _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                                    _mm_loadl_epi64(reinterpret_cast<const __m128i*>(
+                                                        group.q[i] + lane0)))));
+          const __m256 w1 = _mm256_mul_ps(d[h], _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                                    _mm_loadl_epi64(reinterpret_cast<const __m128i*>(
+                                                        group.q[i + 1] + lane0)))));
+          for (int r = 0; r < Rows; ++r) {
+            even[h][r] =
+                _mm256_fmadd_ps(w0, _mm256_broadcast_ss(x + r * in_features + col), even[h][r]);
+            odd[h][r] = _mm256_fmadd_ps(w1, _mm256_broadcast_ss(x + r * in_features + col + 1),
+                                        odd[h][r]);
+          }
         }
       }
     }
-    const int64_t first = ob * kOutBlock + half * kHalf;
-    store_half_rows<Rows>(out, even, odd, bias_half(bias, first), out_features, first);
+    store_halves<Rows, Halves>(out, even, odd, bias, out_features, ob, half0);
   }
 }
 #endif  // SPLITSERVE_AVX2
