@@ -72,6 +72,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 import time
 
 import torch
@@ -84,6 +85,9 @@ from splitserve.kernels.cpu_qgemv import SUPPORTED_TYPES, CpuQGemv, QuantWeight,
 DECODE_GEMV_ENV = "SPLITSERVE_DECODE_GEMV"
 """``auto`` (default): generated tokens' rows take the C++ GEMV up to the row count measured
 at load; ``1``: at every row count; ``0``: never, oneDNN (see above)."""
+PROMPT_BLOCKS_ENV = "SPLITSERVE_PROMPT_BLOCKS"
+"""``0``: a float32 weight read as stored keeps its widened copy for prompt rows (default: the
+rows unpack the blocks per prompt step, ``Linear.dense_from_blocks``)."""
 GEMV_PROBE_ROWS = (1, 2, 4, 8, 16, 32)
 """Row counts ``measure_gemv_row_limit`` times, in order."""
 GEMV_SLOWER = 1.05
@@ -191,6 +195,7 @@ class Linear:
         decode_gemv: bool = True,
         logits: bool = False,
         quantized: QuantizedTensor | None = None,
+        prompt_rows_from_blocks: bool | None = None,
     ) -> None:
         """``decode_gemv=False``: keep no GEMV copy of the weight (every row takes oneDNN);
         for an engine that never computes generated tokens' rows. ``logits``: the LM head,
@@ -200,7 +205,12 @@ class Linear:
         dequantized values in the model's dtype); where the quantized kernel reads their type
         and shape, the rows that would take the GEMV read these blocks instead
         (``kernels/cpu_qgemv.py``), in bf16 and in float32 models, and no GEMV copy is kept;
-        prompt rows still take ``weight``."""
+        prompt rows still take ``weight``. ``prompt_rows_from_blocks``: in float32, where the
+        blocks are read, ``weight`` is not kept either: prompt rows unpack the blocks into a
+        scratch buffer of the thread (``_BlockScratch``) before the same dense product, whose
+        weight values, and so bits, are the widened weight's (the weight held once, as
+        stored, for the cost of unpacking it per prompt step); None: ``SPLITSERVE_PROMPT_BLOCKS``
+        (on unless ``0``)."""
         self.out_features, self.in_features = weight.shape
         self.weight = weight  # [out, in]
         self.bias = bias  # [out] or None
@@ -243,6 +253,17 @@ class Linear:
         if self.prepacked:
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, None)
         self.pad_rows = weight.device.type == "cpu" and weight.dtype == torch.float32
+        if prompt_rows_from_blocks is None:
+            prompt_rows_from_blocks = os.environ.get(PROMPT_BLOCKS_ENV, "1") != "0"
+        self.dense_from_blocks = (
+            prompt_rows_from_blocks
+            and weight.dtype == torch.float32
+            and self._quant_weight is not None
+            and not self.logits  # the LM head's weight is the embedding, held anyway
+        )
+        """Whether prompt rows unpack the blocks rather than read a kept dense weight."""
+        if self.dense_from_blocks:
+            self.weight = None  # type: ignore[assignment]  # unpacked per prompt step
 
     @property
     def reads_quantized(self) -> str | None:
@@ -314,8 +335,31 @@ class Linear:
         if self.prepacked:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         rows = x.shape[0]
+        weight = self.weight
+        if self.dense_from_blocks:
+            assert self._qgemv is not None and self._quant_weight is not None
+            weight = _SCRATCH.unpacked(self._qgemv, self._quant_weight)  # [out, in]
         if self.pad_rows and rows < MIN_GEMM_ROWS:
             padded = x.new_zeros(MIN_GEMM_ROWS, x.shape[1])  # [MIN_GEMM_ROWS, in]
             padded[:rows] = x
-            return F.linear(padded, self.weight, self.bias)[:rows]
-        return F.linear(x, self.weight, self.bias)
+            return F.linear(padded, weight, self.bias)[:rows]
+        return F.linear(x, weight, self.bias)
+
+
+class _BlockScratch(threading.local):
+    """Each thread's float32 buffer for weights unpacked from their blocks
+    (``Linear.dense_from_blocks``), grown to the largest weight it held; one weight at a time
+    (the product that reads it returns before the next unpacks)."""
+
+    def __init__(self) -> None:
+        self.buffer = torch.empty(0)
+
+    def unpacked(self, kernel: CpuQGemv, weight: QuantWeight) -> torch.Tensor:
+        """``weight``'s dense values ``[out, in]`` in this thread's buffer."""
+        size = weight.out_features * weight.in_features
+        if self.buffer.numel() < size:
+            self.buffer = torch.empty(size)
+        return kernel.unpack(weight, self.buffer)
+
+
+_SCRATCH = _BlockScratch()

@@ -77,6 +77,9 @@ class CpuQGemv:
         self._bytes = library.splitserve_qgemv_packed_bytes
         self._bytes.argtypes = [_T, _I, _I]
         self._bytes.restype = ctypes.c_int64
+        self._unpack = library.splitserve_qgemv_unpack
+        self._unpack.argtypes = [_P, _P, _T, _I, _I, _T]
+        self._unpack.restype = ctypes.c_int
         self._run = library.splitserve_qgemv
         self._run.argtypes = [_P, _T, _P, _T, _I, _P, _T, _P, _I, _I, _T]
         self._run.restype = ctypes.c_int
@@ -136,6 +139,22 @@ class CpuQGemv:
         if status != 0:
             raise ValueError(f"qgemv: packing refused the weight (code {status})")
         return QuantWeight(packed, ggml_type, out_features, in_features)
+
+    def unpack(self, weight: QuantWeight, out: torch.Tensor) -> torch.Tensor:
+        """``weight``'s values into ``out`` (float32, contiguous, at least out x in elements)
+        as a dense ``[out, in]`` view: exactly gguf's dequantized values (the widened
+        weight's), so a dense product over it has the dense path's bits."""
+        size = weight.out_features * weight.in_features
+        if out.dtype != torch.float32 or not out.is_contiguous() or out.numel() < size:
+            raise ValueError(f"qgemv: unpack needs {size} contiguous float32 elements")
+        dense = out.view(-1)[:size].view(weight.out_features, weight.in_features)
+        status = self._unpack(
+            dense.data_ptr(), weight.data.data_ptr(), weight.ggml_type, weight.out_features,
+            weight.in_features, torch.get_num_threads(),
+        )  # fmt: skip
+        if status != 0:
+            raise ValueError(f"qgemv: unpacking refused the weight (code {status})")
+        return dense
 
     def __call__(
         self,

@@ -332,7 +332,11 @@ def code_identity() -> str:
 
 
 def _engine_env(name: str) -> bool:
-    """Environment twins of engine flags (``engine/cli_args.py``) change what is probed."""
+    """Environment twins of engine flags (``engine/cli_args.py``) change what is probed, and
+    so do torch's instruction-set caps (with ``SPLITSERVE_CPU_LEVEL``, an AVX-512 machine
+    probes as an AVX2-only one)."""
+    if name in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY"):
+        return True
     return name.startswith("SPLITSERVE_") and name not in {
         "SPLITSERVE_CLUSTER_TOKEN",
         "SPLITSERVE_API_KEYS",

@@ -202,6 +202,30 @@ def test_linear_reads_the_blocks_for_generated_and_logits_rows_only(
     assert torch.equal(prefill_only(x, generated_rows=3), linear(x))
 
 
+def test_float32_prompt_rows_unpack_the_blocks_with_the_widened_weights_bits() -> None:
+    """A float32 weight read as stored keeps no widened copy: prompt rows unpack the blocks
+    (exactly gguf's dequantized values) per step into the thread's scratch, so their bits
+    are those of a Linear that kept the widened weight; ``SPLITSERVE_PROMPT_BLOCKS=0``'s
+    twin keeps it."""
+    kernel = _kernel()
+    for ggml_type in (Q4_1, Q8_0):
+        tensor = _quantized(96, 1536, ggml_type, seed=21)
+        dense = _dequantized(tensor)
+        unpacked = torch.empty(96 * 1536)
+        assert torch.equal(kernel.unpack(kernel.pack(tensor.blocks, ggml_type), unpacked), dense)
+        held = Linear(dense, quantized=tensor, prompt_rows_from_blocks=False)
+        lean = Linear(dense.clone(), quantized=tensor, prompt_rows_from_blocks=True)
+        assert lean.dense_from_blocks and lean.weight is None
+        assert not held.dense_from_blocks and held.weight is not None
+        for rows in (1, 5, 40):  # padded to MIN_GEMM_ROWS, and not
+            x = torch.randn(rows, 1536, generator=torch.Generator().manual_seed(rows))
+            assert torch.equal(lean(x), held(x))
+            generated = min(rows, 3)
+            assert torch.equal(lean(x, generated), held(x, generated))
+    bf16 = Linear(dense.bfloat16(), quantized=tensor, prompt_rows_from_blocks=True)
+    assert not bf16.dense_from_blocks  # bf16 keeps its prepacked copy
+
+
 def test_types_and_shapes_the_kernel_cannot_read_keep_the_dense_path() -> None:
     _kernel()
     q5 = gguf.quants.quantize(np.ones((32, 64), np.float32), Q.Q5_0)

@@ -1,4 +1,4 @@
-// Helpers shared by the CPU kernels (see cpu_build.py): bf16 <-> float32 and a vectorizable
+// Helpers shared by the CPU kernels (see cpu_build.py): f16 and bf16 <-> float32 and a vectorizable
 // exp. Header-only; every function is inline.
 #pragma once
 
@@ -11,6 +11,25 @@ constexpr int kLanes = 16;  // one AVX-512 register of floats; loops below vecto
 
 inline float bf16_to_float(uint16_t value) {
   uint32_t bits = static_cast<uint32_t>(value) << 16;
+  float result;
+  std::memcpy(&result, &bits, sizeof(result));
+  return result;
+}
+
+// An IEEE half's exact float32 value (every half is a float32; subnormals, infinities, NaNs).
+inline float f16_to_float(uint16_t value) {
+  const uint32_t sign = static_cast<uint32_t>(value & 0x8000u) << 16;
+  const uint32_t exponent = (value >> 10) & 0x1Fu, mantissa = value & 0x3FFu;
+  uint32_t bits;
+  if (exponent == 0) {  // zero or subnormal: mantissa * 2^-24, exact in float32
+    const float magnitude = static_cast<float>(mantissa) * 5.9604644775390625e-8f;
+    std::memcpy(&bits, &magnitude, sizeof(bits));
+    bits |= sign;
+  } else if (exponent == 31) {
+    bits = sign | 0x7F800000u | (mantissa << 13);
+  } else {
+    bits = sign | ((exponent + 112u) << 23) | (mantissa << 13);
+  }
   float result;
   std::memcpy(&result, &bits, sizeof(result));
   return result;

@@ -34,6 +34,7 @@
 //
 // Why: a decode step reads every weight once per step, and SmolLM2-135M's projections are
 // 5 bits a weight in Q4_1 (8.5 in Q8_0) against 16 in bf16.
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -579,6 +580,42 @@ int splitserve_qgemv_pack(void* packed, const void* raw, int type, int64_t out_f
     pack_q8_0(static_cast<Q8_0Group*>(packed), bytes, out_features, in_features);
   } else {
     return -1;
+  }
+  return 0;
+}
+
+// The packed weight's values as a dense float32 [out_features][in_features], row-major: each
+// exactly gguf's dequantized value (Q4_1 d * q + m with one rounding, Q8_0 d * q exact), the
+// values a widened weight holds, so a dense product over them gives the dense path's bits.
+// Portable C++ at every level. 0 done; -1 unsupported arguments (nothing written).
+int splitserve_qgemv_unpack(float* out, const void* packed, int type, int64_t out_features,
+                            int64_t in_features, int threads) {
+  if (out_features <= 0 || in_features <= 0 || out_features % kOutBlock ||
+      in_features % kInBlock || threads <= 0 || (type != kTypeQ4_1 && type != kTypeQ8_0)) {
+    return -1;
+  }
+  const int64_t blocks = in_features / kInBlock, out_blocks = out_features / kOutBlock;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+  for (int64_t ob = 0; ob < out_blocks; ++ob) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      for (int64_t j = 0; j < kOutBlock; ++j) {
+        float* row = out + (ob * kOutBlock + j) * in_features + b * kInBlock;
+        if (type == kTypeQ4_1) {
+          const Q4_1Group& group = static_cast<const Q4_1Group*>(packed)[ob * blocks + b];
+          const float d = splitserve_cpu::f16_to_float(group.d[j]);
+          const float m = splitserve_cpu::f16_to_float(group.m[j]);
+          for (int k = 0; k < kInBlock / 2; ++k) {
+            const uint8_t pair = group.q[k][j];
+            row[2 * k] = std::fma(d, static_cast<float>(pair & 0xF), m);
+            row[2 * k + 1] = std::fma(d, static_cast<float>(pair >> 4), m);
+          }
+        } else {
+          const Q8_0Group& group = static_cast<const Q8_0Group*>(packed)[ob * blocks + b];
+          const float d = splitserve_cpu::f16_to_float(group.d[j]);
+          for (int i = 0; i < kInBlock; ++i) row[i] = d * static_cast<float>(group.q[i][j]);
+        }
+      }
+    }
   }
   return 0;
 }
