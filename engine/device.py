@@ -30,11 +30,11 @@ def cpu_bf16_refusal() -> str | None:
     )
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+def resolve_dtype(name: str, device: torch.device, computes: bool = True) -> torch.dtype:
     """Map a config dtype name to a torch dtype; "auto" prefers bf16 where it is native.
     ``InvalidRequestError`` for bfloat16 on a CPU that cannot compute it
-    (``cpu_bf16_refusal``)."""
-    if name == "bfloat16" and device.type == "cpu":
+    (``cpu_bf16_refusal``), unless the engine ``computes`` nothing (a simulated one)."""
+    if name == "bfloat16" and device.type == "cpu" and computes:
         reason = cpu_bf16_refusal()
         if reason is not None:
             raise InvalidRequestError(reason, param="dtype")

@@ -64,8 +64,8 @@ class EngineCore:
         if config.runner.num_threads is not None:
             torch.set_num_threads(config.runner.num_threads)
         device = torch.device(config.runner.device)
-        self.dtype = resolve_dtype(config.model.dtype, device)
         simulated = config.runner.engine == "sim"
+        self.dtype = resolve_dtype(config.model.dtype, device, computes=not simulated)
         native_quantized = device.type == "cpu" and (  # the kernel is a CPU one
             config.model.quantized_weights == "native"
             or (config.model.quantized_weights == "auto" and serving_dtype(config, self.dtype))

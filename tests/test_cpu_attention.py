@@ -73,8 +73,9 @@ def _scattered_cache(context_lens, kv_heads, dim, dtype, generator, block=BLOCK)
         (9, 3, 64, 7),  # blocks that 16-token score groups straddle
         (4, 4, 32, BLOCK),  # one query head per KV head
         (24, 8, 128, BLOCK),  # head_dim 128, 3 query heads per KV head: registers
-        (16, 4, 128, BLOCK),  # 4 per KV head at 128: too many accumulators, generic path
-        (14, 2, 64, BLOCK),  # 7 per KV head at 64: generic path
+        (16, 4, 128, BLOCK),  # 4 per KV head at 128: AVX-512 generic path, AVX2 registers
+        (14, 2, 64, BLOCK),  # 7 per KV head at 64: AVX-512 generic path, AVX2 registers
+        (18, 2, 64, BLOCK),  # 9 per KV head: generic path at every level
         (8, 2, 48, BLOCK),  # head_dim not a multiple of 32: scalar loops
     ],
 )
@@ -99,14 +100,14 @@ def test_kernel_matches_dense_attention(level, dtype, heads, kv_heads, dim, bloc
         )
 
 
-def test_kernel_result_does_not_depend_on_the_batch() -> None:
-    kernel = _kernel()
+@pytest.mark.parametrize("level", level_params("paged_decode_attention"))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_result_does_not_depend_on_the_batch(level, dtype) -> None:
+    kernel = _kernel(level)
     generator = torch.Generator().manual_seed(7)
     lens_list = [40, 300, 5, 129]
-    key_cache, value_cache, tables, _ = _scattered_cache(
-        lens_list, 3, 64, torch.bfloat16, generator
-    )
-    query = torch.randn(4, 9, 64, generator=generator).bfloat16()
+    key_cache, value_cache, tables, _ = _scattered_cache(lens_list, 3, 64, dtype, generator)
+    query = torch.randn(4, 9, 64, generator=generator).to(dtype)
     lens = torch.tensor(lens_list)
     batched = torch.empty_like(query)
     kernel(batched, query, key_cache, value_cache, tables, lens, 0.125)

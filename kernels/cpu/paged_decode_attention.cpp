@@ -40,6 +40,9 @@
 #if defined(__AVX512BF16__)
 #define SPLITSERVE_AVX512_BF16 1  // bf16 dot products by vdpbf16ps, the register kernels
 #endif
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define SPLITSERVE_AVX2 1  // float32 sequences by the 8-lane register kernel below
 #endif
 
 namespace {
@@ -336,6 +339,133 @@ SequenceKernel<T> sequence_kernel(int64_t head_dim, int64_t group) {
 }
 #endif  // SPLITSERVE_AVX512
 
+#ifdef SPLITSERVE_AVX2
+// AVX2 + FMA, float32 (head_dim a multiple of 8, at most 128; at most 8 query heads per KV
+// head): one sequence by 8-lane registers. Scores: for 8 tokens at a time, each query head's 8
+// partial dot products (8 independent FMA chains) reduced together by one transpose-and-add
+// (sum8), each token's key row read once per query head of its group, from cache after the
+// first. Values: the group's output chunks in registers over the whole context (in passes of
+// as many chunks as fit), each value row's chunk loaded once for all query heads of its
+// group. Every sum runs over the tokens in order, so a sequence's result does not depend on
+// the others of its call.
+constexpr int kAvx2Accumulators = 12;  // ymm registers the value pass holds as sums
+
+// Lane L of the result: the sum of parts[L]'s 8 lanes.
+inline __m256 sum8(const __m256* parts) {
+  const __m256 a = _mm256_hadd_ps(parts[0], parts[1]);
+  const __m256 b = _mm256_hadd_ps(parts[2], parts[3]);
+  const __m256 c = _mm256_hadd_ps(parts[4], parts[5]);
+  const __m256 d = _mm256_hadd_ps(parts[6], parts[7]);
+  const __m256 ab = _mm256_hadd_ps(a, b);  // lanes 0-3: parts 0-3's low halves; 4-7: high
+  const __m256 cd = _mm256_hadd_ps(c, d);
+  return _mm256_add_ps(_mm256_permute2f128_ps(ab, cd, 0x20), _mm256_permute2f128_ps(ab, cd, 0x31));
+}
+
+// 8 lanes whose sum is q . k (head_dim = 8 kChunks8), a chain of kChunks8 multiply-adds.
+template <int kChunks8>
+inline __m256 partial_dot8(const float* q, const float* k) {
+  __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(k));
+  for (int c = 1; c < kChunks8; ++c) {
+    acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * c), _mm256_loadu_ps(k + 8 * c), acc);
+  }
+  return acc;
+}
+
+inline float reduce8(__m256 v) {
+  const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 pair = _mm_add_ps(half, _mm_movehl_ps(half, half));
+  return _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
+}
+
+template <int kChunks8, int kGroup>
+void decode_sequence_avx2(float* seq_out, const float* seq_query, const float* key_cache,
+                          const float* value_cache, const int64_t* slots, int64_t context,
+                          int64_t num_kv_heads, float scale, float* scores, float* totals) {
+  constexpr int64_t kHeadDim = 8 * kChunks8;
+  const int64_t token_stride = num_kv_heads * kHeadDim;
+  const int64_t heads = num_kv_heads * kGroup;
+  const __m256 scale_vector = _mm256_set1_ps(scale);
+  // scores[h, t] = scale * q_h . k_t
+  for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
+    const float* keys = key_cache + kv_head * kHeadDim;
+    for (int i = 0; i < kGroup; ++i) {
+      const int64_t head = kv_head * kGroup + i;
+      const float* q = seq_query + head * kHeadDim;
+      float* head_scores = scores + head * context;
+      int64_t t0 = 0;
+      for (; t0 + 8 <= context; t0 += 8) {
+        __m256 parts[8];
+        for (int slot = 0; slot < 8; ++slot) {
+          parts[slot] = partial_dot8<kChunks8>(q, keys + slots[t0 + slot] * token_stride);
+        }
+        _mm256_storeu_ps(head_scores + t0, _mm256_mul_ps(scale_vector, sum8(parts)));
+      }
+      for (; t0 < context; ++t0) {
+        head_scores[t0] =
+            scale * reduce8(partial_dot8<kChunks8>(q, keys + slots[t0] * token_stride));
+      }
+    }
+  }
+  for (int64_t head = 0; head < heads; ++head) {
+    totals[head] = softmax_weights(scores + head * context, context);
+  }
+  // out[h] = sum_t weight[h, t] * v_t / total[h], tokens in order
+  constexpr int kPass = kAvx2Accumulators / kGroup < 1 ? 1 : kAvx2Accumulators / kGroup;
+  constexpr int kPassChunks = kPass < kChunks8 ? kPass : kChunks8;
+  for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
+    const float* values = value_cache + kv_head * kHeadDim;
+    const float* group_scores = scores + kv_head * kGroup * context;
+    for (int c0 = 0; c0 < kChunks8; c0 += kPassChunks) {
+      __m256 sums[kGroup][kPassChunks];
+      for (int i = 0; i < kGroup; ++i) {
+        for (int c = 0; c < kPassChunks; ++c) sums[i][c] = _mm256_setzero_ps();
+      }
+      for (int64_t t = 0; t < context; ++t) {
+        const float* value = values + slots[t] * token_stride + 8 * c0;
+        for (int c = 0; c < kPassChunks && c0 + c < kChunks8; ++c) {
+          const __m256 v = _mm256_loadu_ps(value + 8 * c);
+          for (int i = 0; i < kGroup; ++i) {
+            sums[i][c] = _mm256_fmadd_ps(_mm256_set1_ps(group_scores[i * context + t]), v,
+                                         sums[i][c]);
+          }
+        }
+      }
+      for (int i = 0; i < kGroup; ++i) {
+        const int64_t head = kv_head * kGroup + i;
+        const __m256 inverse = _mm256_set1_ps(1.0f / totals[head]);
+        for (int c = 0; c < kPassChunks && c0 + c < kChunks8; ++c) {
+          _mm256_storeu_ps(seq_out + head * kHeadDim + 8 * (c0 + c),
+                           _mm256_mul_ps(sums[i][c], inverse));
+        }
+      }
+    }
+  }
+}
+
+using Avx2SequenceKernel = void (*)(float*, const float*, const float*, const float*,
+                                    const int64_t*, int64_t, int64_t, float, float*, float*);
+
+template <int kChunks8, int kGroup>
+Avx2SequenceKernel avx2_kernel_for_group(int64_t group) {
+  if constexpr (kGroup == 0) {
+    return nullptr;
+  } else {
+    if (group == kGroup) return decode_sequence_avx2<kChunks8, kGroup>;
+    return avx2_kernel_for_group<kChunks8, kGroup - 1>(group);
+  }
+}
+
+// The AVX2 register kernel for float32 of this shape, or nullptr (the generic path).
+inline Avx2SequenceKernel avx2_sequence_kernel(int64_t head_dim, int64_t group) {
+  switch (head_dim) {
+    case 32: return avx2_kernel_for_group<4, 8>(group);
+    case 64: return avx2_kernel_for_group<8, 8>(group);
+    case 128: return avx2_kernel_for_group<16, 8>(group);
+    default: return nullptr;
+  }
+}
+#endif  // SPLITSERVE_AVX2
+
 template <typename T>
 int paged_decode_attention(T* out, const T* query, int64_t query_stride, const T* key_cache,
                            const T* value_cache, const int64_t* block_tables,
@@ -356,6 +486,10 @@ int paged_decode_attention(T* out, const T* query, int64_t query_stride, const T
   const SequenceKernel<T> fast = sequence_kernel<T>(head_dim, group);
 #else
   const bool vectorized = false;
+#endif
+#ifdef SPLITSERVE_AVX2
+  const Avx2SequenceKernel avx2 =
+      std::is_same_v<T, float> ? avx2_sequence_kernel(head_dim, group) : nullptr;
 #endif
 
   // One work item per sequence: its cache rows (all KV heads of a token are adjacent) are
@@ -386,6 +520,20 @@ int paged_decode_attention(T* out, const T* query, int64_t query_stride, const T
         fast(out + seq * num_heads * head_dim, seq_query, key_cache, value_cache, slots.data(),
              context, num_kv_heads, scale, scores.data(), totals.data(), accum.data());
         continue;
+      }
+#endif
+#ifdef SPLITSERVE_AVX2
+      if constexpr (std::is_same_v<T, float>) {
+        if (avx2 != nullptr) {
+          slots.resize(context);
+          for (int64_t t = 0, block = 0, offset = 0; t < context; ++t) {
+            slots[t] = table[block] * block_size + offset;
+            if (++offset == block_size) offset = 0, ++block;
+          }
+          avx2(out + seq * num_heads * head_dim, seq_query, key_cache, value_cache, slots.data(),
+               context, num_kv_heads, scale, scores.data(), totals.data());
+          continue;
+        }
       }
 #endif
 

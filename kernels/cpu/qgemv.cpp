@@ -41,6 +41,10 @@
 
 #include "cpu_common.h"
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define SPLITSERVE_AVX512 1  // the float32 paths (float32 x and out)
@@ -48,7 +52,6 @@
 #define SPLITSERVE_AVX512_BF16 1  // the bf16 paths too (bf16 x or out)
 #endif
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#include <immintrin.h>
 #define SPLITSERVE_AVX2 1  // the float32 paths in 8-lane registers (float32 x and out)
 #endif
 
@@ -563,6 +566,77 @@ void block_all_rows(const Call& c, int64_t ob) {
 
 #endif  // SPLITSERVE_AVX512 || SPLITSERVE_AVX2
 
+#if defined(__AVX2__) && defined(__FMA__)
+// col[j] = byte j of each of the 16 rows at rows[0..15] (row stride 16 bytes): a 16 x 16 byte
+// transpose in four interleaving stages (bytes, words, dwords, qwords).
+inline void transpose16x16(const uint8_t* rows, __m128i* col) {
+  __m128i r[16], s1[8][2], s2[4][4], s3[2][8];
+  for (int i = 0; i < 16; ++i) r[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows + 16 * i));
+  for (int p = 0; p < 8; ++p) {  // s1[p][h]: rows 2p, 2p+1 for columns 8h..8h+7
+    s1[p][0] = _mm_unpacklo_epi8(r[2 * p], r[2 * p + 1]);
+    s1[p][1] = _mm_unpackhi_epi8(r[2 * p], r[2 * p + 1]);
+  }
+  for (int q = 0; q < 4; ++q) {  // s2[q][g]: rows 4q..4q+3 for columns 4g..4g+3
+    for (int h = 0; h < 2; ++h) {
+      s2[q][2 * h] = _mm_unpacklo_epi16(s1[2 * q][h], s1[2 * q + 1][h]);
+      s2[q][2 * h + 1] = _mm_unpackhi_epi16(s1[2 * q][h], s1[2 * q + 1][h]);
+    }
+  }
+  for (int u = 0; u < 2; ++u) {  // s3[u][m]: rows 8u..8u+7 for columns 2m, 2m+1
+    for (int g = 0; g < 4; ++g) {
+      s3[u][2 * g] = _mm_unpacklo_epi32(s2[2 * u][g], s2[2 * u + 1][g]);
+      s3[u][2 * g + 1] = _mm_unpackhi_epi32(s2[2 * u][g], s2[2 * u + 1][g]);
+    }
+  }
+  for (int m = 0; m < 8; ++m) {
+    col[2 * m] = _mm_unpacklo_epi64(s3[0][m], s3[1][m]);
+    col[2 * m + 1] = _mm_unpackhi_epi64(s3[0][m], s3[1][m]);
+  }
+}
+
+// 8 bytes at `bytes` (unsigned when Unsigned, else signed) as 8 float32 lanes.
+template <bool Unsigned>
+inline __m256 bytes_to_floats(__m128i bytes) {
+  return _mm256_cvtepi32_ps(Unsigned ? _mm256_cvtepu8_epi32(bytes) : _mm256_cvtepi8_epi32(bytes));
+}
+
+// One group's 16 outputs x 32 inputs into the dense rows at `out` (row stride in_features).
+inline void unpack_group(const Q4_1Group& group, float* out, int64_t in_features) {
+  __m128i col[16];
+  transpose16x16(&group.q[0][0], col);  // col[j]: output j's 16 bytes, inputs (2k, 2k + 1)
+  const __m128i low_nibbles = _mm_set1_epi8(0x0F);
+  for (int j = 0; j < 16; ++j) {
+    const __m128i low = _mm_and_si128(col[j], low_nibbles);
+    const __m128i high = _mm_and_si128(_mm_srli_epi16(col[j], 4), low_nibbles);
+    const __m128i first = _mm_unpacklo_epi8(low, high);  // inputs 0..15
+    const __m128i second = _mm_unpackhi_epi8(low, high);  // inputs 16..31
+    const __m256 d = _mm256_set1_ps(splitserve_cpu::f16_to_float(group.d[j]));
+    const __m256 m = _mm256_set1_ps(splitserve_cpu::f16_to_float(group.m[j]));
+    float* row = out + j * in_features;
+    _mm256_storeu_ps(row, _mm256_fmadd_ps(d, bytes_to_floats<true>(first), m));
+    _mm256_storeu_ps(row + 8, _mm256_fmadd_ps(d, bytes_to_floats<true>(_mm_srli_si128(first, 8)), m));
+    _mm256_storeu_ps(row + 16, _mm256_fmadd_ps(d, bytes_to_floats<true>(second), m));
+    _mm256_storeu_ps(row + 24,
+                     _mm256_fmadd_ps(d, bytes_to_floats<true>(_mm_srli_si128(second, 8)), m));
+  }
+}
+
+inline void unpack_group(const Q8_0Group& group, float* out, int64_t in_features) {
+  __m128i first[16], second[16];
+  transpose16x16(reinterpret_cast<const uint8_t*>(&group.q[0][0]), first);  // inputs 0..15
+  transpose16x16(reinterpret_cast<const uint8_t*>(&group.q[16][0]), second);  // 16..31
+  for (int j = 0; j < 16; ++j) {
+    const __m256 d = _mm256_set1_ps(splitserve_cpu::f16_to_float(group.d[j]));
+    float* row = out + j * in_features;
+    _mm256_storeu_ps(row, _mm256_mul_ps(d, bytes_to_floats<false>(first[j])));
+    _mm256_storeu_ps(row + 8, _mm256_mul_ps(d, bytes_to_floats<false>(_mm_srli_si128(first[j], 8))));
+    _mm256_storeu_ps(row + 16, _mm256_mul_ps(d, bytes_to_floats<false>(second[j])));
+    _mm256_storeu_ps(row + 24,
+                     _mm256_mul_ps(d, bytes_to_floats<false>(_mm_srli_si128(second[j], 8))));
+  }
+}
+#endif
+
 }  // namespace
 
 extern "C" {
@@ -598,6 +672,17 @@ int splitserve_qgemv_unpack(float* out, const void* packed, int type, int64_t ou
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
   for (int64_t ob = 0; ob < out_blocks; ++ob) {
     for (int64_t b = 0; b < blocks; ++b) {
+#if defined(__AVX2__) && defined(__FMA__)
+      float* first_row = out + ob * kOutBlock * in_features + b * kInBlock;
+      if (type == kTypeQ4_1) {
+        unpack_group(static_cast<const Q4_1Group*>(packed)[ob * blocks + b], first_row,
+                     in_features);
+      } else {
+        unpack_group(static_cast<const Q8_0Group*>(packed)[ob * blocks + b], first_row,
+                     in_features);
+      }
+      continue;
+#endif
       for (int64_t j = 0; j < kOutBlock; ++j) {
         float* row = out + (ob * kOutBlock + j) * in_features + b * kInBlock;
         if (type == kTypeQ4_1) {
