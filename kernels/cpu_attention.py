@@ -3,8 +3,9 @@
 ``CpuDecodeAttention`` wraps the compiled library (``cpu_build``) behind a tensor API and
 checks every argument the C side trusts (dtypes, shapes, contiguity, context lengths within the
 block tables), so a wrong call raises ``ValueError`` instead of reading out of bounds.
-``load_cpu_decode_attention`` returns None (logging why) when the library cannot be built, or
-when ``SPLITSERVE_CPU_KERNELS=0``; callers then keep the torch path (``cpu_build.load_library``).
+``load_cpu_decode_attention`` returns None (logging why) when the library is not installed or
+does not load, or when ``SPLITSERVE_CPU_KERNELS=0``; callers then keep the torch path
+(``cpu_build.load_library``).
 """
 
 from __future__ import annotations
@@ -265,6 +266,6 @@ def load_cpu_prefill_attention(
 
 @functools.cache
 def load_cpu_decode_attention(level: str | None = None) -> CpuDecodeAttention | None:
-    """The compiled kernel, or None (logged) if disabled or it cannot be built here."""
+    """The compiled kernel, or None (logged) if disabled or its library does not load here."""
     library = load_library("paged_decode_attention", level)
     return None if library is None else CpuDecodeAttention(library)

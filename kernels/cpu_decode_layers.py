@@ -14,7 +14,7 @@ paged decode call per layer: every row a generated token, at most ``MAX_ROWS`` r
 projection's rows on the quantized kernel, the fused ops loaded. The model checks that
 (``engine/model.py``) and keeps the Python loop for every other step. ``SPLITSERVE_DECODE_LAYERS=0``
 keeps the Python loop always (to compare the two). ``load_cpu_decode_layers`` returns None
-(logged) when the library cannot be built or ``SPLITSERVE_CPU_KERNELS=0``.
+(logged) when the library is not installed or does not load or ``SPLITSERVE_CPU_KERNELS=0``.
 """
 
 from __future__ import annotations
@@ -260,5 +260,5 @@ class CpuDecodeLayers:
 
 @functools.cache
 def load_decode_layers_library(level: str | None = None) -> ctypes.CDLL | None:
-    """The compiled loop, or None (logged) if disabled or it cannot be built here."""
+    """The compiled loop, or None (logged) if disabled or its library does not load here."""
     return load_library("decode_layers", level)

@@ -9,7 +9,8 @@ torch's; the norm is within one bf16 ulp of torch's fused bf16 one, and in float
 formula but for how the squares are summed; the rotary embedding is torch's ops
 (``engine/rotary.py:apply_rotary``) bit for bit; SiLU is torch's formula with an exp within
 about an ulp (torch's own is another such approximation). ``load_cpu_fused_ops``
-returns None (logging why) when the library cannot be built or ``SPLITSERVE_CPU_KERNELS=0``.
+returns None (logging why) when the library is not installed or does not load or
+``SPLITSERVE_CPU_KERNELS=0``.
 """
 
 from __future__ import annotations
@@ -160,6 +161,6 @@ class CpuFusedOps:
 
 @functools.cache
 def load_cpu_fused_ops(level: str | None = None) -> CpuFusedOps | None:
-    """The compiled fused ops, or None (logged) if disabled or they cannot be built here."""
+    """The compiled fused ops, or None (logged) if disabled or their library does not load here."""
     library = load_library("fused_ops", level)
     return None if library is None else CpuFusedOps(library)

@@ -4,8 +4,8 @@
 reads it (``GemvWeight``); ``CpuGemv.__call__(x, packed, bias)`` computes ``x @ weight.T +
 bias`` for ``x`` ``[rows, in]`` with ``rows <= MAX_ROWS``, streaming the weight from memory
 once. It checks the shapes, dtypes and layouts the C side trusts and raises ``ValueError``
-otherwise. ``load_cpu_gemv`` returns None (logging why) when the library cannot be built,
-``SPLITSERVE_CPU_KERNELS=0``, or this CPU has no AVX-512 BF16.
+otherwise. ``load_cpu_gemv`` returns None (logging why) when the library is not installed or
+does not load, ``SPLITSERVE_CPU_KERNELS=0``, or this CPU has no AVX-512 BF16.
 
 Two kernels read the same packed weight. On a CPU with AMX (and a Linux that grants a process
 its tile registers) a weight whose ``in_features`` is a multiple of 32 takes the AMX tiles:

@@ -7,9 +7,11 @@ Q8_0, against 16 in bf16); ``CpuQGemv.__call__(x, weight, bias, float_out)`` com
 ``x @ W.T + bias`` for ``x`` ``[rows, in]`` bf16 or float32, ``rows <= MAX_ROWS``, where ``W``
 holds exactly the float32 values gguf's dequantization gives (``d * q + m``, ``d * q``). It
 checks what the C side trusts and raises ``ValueError`` otherwise. ``load_cpu_qgemv`` returns
-None (logging why) when the library cannot be built, ``SPLITSERVE_CPU_KERNELS=0``, or this
-CPU has no AVX-512; on AVX-512 CPUs without BF16 (Skylake-SP, Cascade Lake) it reads float32
-x only (``CpuQGemv.reads``).
+None (logging why) when the library is not installed or does not load,
+``SPLITSERVE_CPU_KERNELS=0``, or this CPU runs no level (AVX2 + FMA at least); below the
+avx512_bf16 level (AVX2-only EPYCs, Skylake-SP, Cascade Lake) it reads float32 x only
+(``CpuQGemv.reads``). ``CpuQGemv.unpack`` writes a weight's dense float32 values (gguf's
+exactly) for the rows that take a dense product (``engine/linear.py``).
 
 Sums (the C file's header has the details): a row's outputs never depend on the other rows of
 its call. Float32 x: each weight dequantized to its float32 value, then fused multiply-adds,
@@ -43,9 +45,9 @@ OUT_BLOCK = 16
 IN_BLOCK = 32
 """``in_features`` must be a multiple of this (one GGUF block)."""
 UNSUPPORTED = -2
-"""What the kernel returns when built without AVX-512 (F, BW)."""
+"""What the kernel returns when built with neither AVX-512 (F, BW) nor AVX2 + FMA."""
 FLOAT32_ONLY = -3
-"""What it returns for bf16 x or out when built with AVX-512 but without AVX-512 BF16."""
+"""What it returns for bf16 x or out when built without AVX-512 BF16 (avx2, avx512 levels)."""
 Q4_1 = 3
 Q8_0 = 8
 SUPPORTED_TYPES = {Q4_1: "Q4_1", Q8_0: "Q8_0"}
@@ -90,14 +92,14 @@ class CpuQGemv:
             probe.data.data_ptr(), Q8_0, None, OUT_BLOCK, IN_BLOCK, 1,
         )  # fmt: skip
         self.available = status != UNSUPPORTED
-        """False when this CPU build has no AVX-512 path at all."""
+        """False when this build has no row kernel at all (below AVX2 + FMA)."""
         status = self._run(
             out.data_ptr(), 1, torch.zeros(1, IN_BLOCK, dtype=torch.bfloat16).data_ptr(), 0, 1,
             probe.data.data_ptr(), Q8_0, None, OUT_BLOCK, IN_BLOCK, 1,
         )  # fmt: skip
         self.reads_bf16 = status not in (UNSUPPORTED, FLOAT32_ONLY)
-        """Whether bf16 x (and bf16 out) are read: False on AVX-512 CPUs without BF16
-        (Skylake-SP, Cascade Lake), which take float32 x and out only."""
+        """Whether bf16 x (and bf16 out) are read: False below the avx512_bf16 level (AVX2-only
+        EPYCs, Skylake-SP, Cascade Lake), which take float32 x and out only."""
 
     @property
     def address(self) -> int:
@@ -197,15 +199,15 @@ class CpuQGemv:
 
 @functools.cache
 def load_cpu_qgemv(level: str | None = None) -> CpuQGemv | None:
-    """The compiled kernel if it has an AVX-512 path here (float32 x at least: ``reads``),
-    else None."""
+    """The compiled kernel at ``level`` (None: the level this CPU runs) if it has a row
+    kernel there (float32 x at least: ``reads``), else None."""
     library = load_library("qgemv", level)
     if library is None:
         return None
     kernel = CpuQGemv(library)
     if not kernel.available:
-        logger.info("CPU kernel qgemv: this build has no AVX-512")
+        logger.info("CPU kernel qgemv: this build has no row kernel (below AVX2 + FMA)")
         return None
     if not kernel.reads_bf16:
-        logger.info("CPU kernel qgemv: no AVX-512 BF16 here, float32 rows only")
+        logger.info("CPU kernel qgemv: no AVX-512 BF16 at this level, float32 rows only")
     return kernel

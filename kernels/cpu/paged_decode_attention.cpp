@@ -1,10 +1,10 @@
 // Paged decode attention on the CPU: one query token per sequence over its paged KV context,
 // reading the cache blocks in place (no gather), GQA query heads of one KV head together.
 //
-// Built by splitserve/kernels/cpu_build.py (g++ -O3 -march=native -fopenmp) into a small shared
-// library with a C ABI and called through ctypes; no torch headers, so it compiles in about a
-// second. OpenMP: torch's CPU wheel ships libgomp.so.1, the soname this library links, so at run
-// time both share one OpenMP runtime and thread pool.
+// Built at install by setup.py once per instruction-set level (kernels/cpu_levels.py) into a small
+// shared library with a C ABI, loaded through ctypes at the level the CPU runs
+// (kernels/cpu_build.py); no torch headers. OpenMP: torch's CPU wheel ships libgomp.so.1, the
+// soname this library links, so at run time both share one OpenMP runtime and thread pool.
 //
 // Contract of splitserve_paged_decode_attention_{bf16,f32} (all tensors row-major):
 //   out          [num_seqs, num_heads, head_dim]                    written
@@ -19,6 +19,9 @@
 // an exact (two-pass) softmax, the weighted sum of values; bf16 output is rounded to nearest
 // even. Returns 0, or a negative code for unsupported arguments (nothing written then).
 //
+// At the avx2 level (AVX2 + FMA), float32, head_dim 32, 64 or 128, at most 8 query heads per KV
+// head: the 8-lane register kernel (decode_sequence_avx2); bf16 and other shapes: the generic
+// path's portable loops.
 // With AVX-512 (F, BW), head_dim a multiple of 32: float32 rows by 16-lane FMAs (on a CPU
 // without AVX-512 BF16, Skylake-SP or Cascade Lake, bf16 rows keep the generic path).
 // bf16 with AVX-512 BF16, head_dim 32, 64 or 128 and few query heads per KV head (their
