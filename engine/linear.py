@@ -86,8 +86,10 @@ DECODE_GEMV_ENV = "SPLITSERVE_DECODE_GEMV"
 """``auto`` (default): generated tokens' rows take the C++ GEMV up to the row count measured
 at load; ``1``: at every row count; ``0``: never, oneDNN (see above)."""
 PROMPT_BLOCKS_ENV = "SPLITSERVE_PROMPT_BLOCKS"
-"""``0``: a float32 weight read as stored keeps its widened copy for prompt rows (default: the
-rows unpack the blocks per prompt step, ``Linear.dense_from_blocks``)."""
+"""``0``: a float32 weight read as stored keeps its widened copy for prompt rows, and a tied
+embedding read as stored its widened table (default: prompt rows unpack the blocks per prompt
+step, ``Linear.dense_from_blocks``, and tokens are looked up in the LM head's blocks,
+``LlamaModel.embedding_from_blocks``)."""
 GEMV_PROBE_ROWS = (1, 2, 4, 8, 16, 32)
 """Row counts ``measure_gemv_row_limit`` times, in order."""
 GEMV_SLOWER = 1.05
@@ -250,6 +252,11 @@ class Linear:
             self._gemv = load_cpu_gemv()
             if self._gemv is not None:
                 self._gemv_weight = self._gemv.pack(weight)
+        if self.logits and self.has_row_kernel:
+            # every row takes the row kernel: the dense weight (the embedding, when tied) is
+            # never read here, so no prepacked copy is made and none is held
+            self.prepacked = False
+            self.weight = None  # type: ignore[assignment]
         if self.prepacked:
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, None)
         self.pad_rows = weight.device.type == "cpu" and weight.dtype == torch.float32
@@ -259,7 +266,7 @@ class Linear:
             prompt_rows_from_blocks
             and weight.dtype == torch.float32
             and self._quant_weight is not None
-            and not self.logits  # the LM head's weight is the embedding, held anyway
+            and not self.logits  # holds no dense weight already (above)
         )
         """Whether prompt rows unpack the blocks rather than read a kept dense weight."""
         if self.dense_from_blocks:
@@ -304,6 +311,15 @@ class Linear:
         if generated_rows < rows:
             parts.append(self._dense(x[generated_rows:]))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def embedding_rows(self, ids: torch.Tensor) -> torch.Tensor | None:
+        """Rows ``ids`` of the weight read from its blocks, ``[*ids.shape, in]`` float32 (the
+        widened weight's values before its cast to the model's dtype), where the quantized
+        kernel reads them; None otherwise. A tied LM head's weight is the embedding table:
+        the model looks tokens up here instead of holding the table widened."""
+        if self._qgemv is None or self._quant_weight is None:
+            return None
+        return self._qgemv.rows(self._quant_weight, ids)
 
     @property
     def generated_rows_quant_weight(self) -> QuantWeight | None:

@@ -16,6 +16,7 @@ only for the tokens listed in ``logits_indices`` (the last token of each samplin
 from __future__ import annotations
 
 import logging
+import os
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -25,7 +26,12 @@ import torch.nn.functional as F
 
 from splitserve.common.errors import ModelLoadError
 from splitserve.engine.checkpoint import QuantizedTensor
-from splitserve.engine.linear import Linear, decode_gemv_setting, measure_gemv_row_limit
+from splitserve.engine.linear import (
+    PROMPT_BLOCKS_ENV,
+    Linear,
+    decode_gemv_setting,
+    measure_gemv_row_limit,
+)
 from splitserve.engine.model_config import ModelArchConfig
 from splitserve.engine.rotary import apply_rotary, cos_sin_table
 from splitserve.kernels.attention import AttentionBackend, TorchAttentionMetadata
@@ -121,6 +127,16 @@ class LlamaModel:
         self.lm_head = Linear(
             lm_head, logits=True, quantized=blocks.get(head_name)
         )  # hidden -> vocab
+        self.embedding_from_blocks = (
+            config.tie_word_embeddings
+            and self.lm_head.reads_quantized is not None
+            and os.environ.get(PROMPT_BLOCKS_ENV, "1") != "0"
+        )
+        """Whether tokens are looked up in the tied LM head's blocks (``Linear.embedding_rows``,
+        the widened table's values, cast as it was) rather than in a widened table, which is
+        then not held."""
+        if self.embedding_from_blocks:
+            self.embed_tokens = None  # type: ignore[assignment]
         if quantized is not None:
             self._report_quantized(blocks)
         self._limit_decode_gemv()
@@ -295,7 +311,12 @@ class LlamaModel:
         busy gets its core back within about half a layer.
         """
         cfg = self.config
-        hidden = F.embedding(input_ids, self.embed_tokens)  # [tokens, hidden]
+        if self.embedding_from_blocks:
+            rows = self.lm_head.embedding_rows(input_ids)
+            assert rows is not None
+            hidden = rows.to(self.dtype)  # [tokens, hidden]
+        else:
+            hidden = F.embedding(input_ids, self.embed_tokens)  # [tokens, hidden]
         cos, sin = self.cos[positions], self.sin[positions]  # [tokens, head_dim]
         num_tokens = input_ids.shape[0]
         if on_layer_kv_written is None and self._takes_decode_layers(

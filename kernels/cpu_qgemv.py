@@ -82,6 +82,9 @@ class CpuQGemv:
         self._unpack = library.splitserve_qgemv_unpack
         self._unpack.argtypes = [_P, _P, _T, _I, _I, _T]
         self._unpack.restype = ctypes.c_int
+        self._rows = library.splitserve_qgemv_rows
+        self._rows.argtypes = [_P, _P, _T, _I, _I, _P, _I]
+        self._rows.restype = ctypes.c_int
         self._run = library.splitserve_qgemv
         self._run.argtypes = [_P, _T, _P, _T, _I, _P, _T, _P, _I, _I, _T]
         self._run.restype = ctypes.c_int
@@ -157,6 +160,20 @@ class CpuQGemv:
         if status != 0:
             raise ValueError(f"qgemv: unpacking refused the weight (code {status})")
         return dense
+
+    def rows(self, weight: QuantWeight, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` (int64, any shape) of ``weight`` as dense float32 ``[*ids.shape, in]``:
+        the values ``unpack`` gives them (an embedding looked up in its blocks);
+        ``ValueError`` for an id outside ``[0, out)``."""
+        flat = ids.reshape(-1).to(torch.int64).contiguous()
+        out = torch.empty(flat.numel(), weight.in_features)  # [n, in]
+        status = self._rows(
+            out.data_ptr(), weight.data.data_ptr(), weight.ggml_type, weight.out_features,
+            weight.in_features, flat.data_ptr(), flat.numel(),
+        )  # fmt: skip
+        if status != 0:
+            raise ValueError(f"qgemv: rows refused (an id outside [0, {weight.out_features}))")
+        return out.view(*ids.shape, weight.in_features)
 
     def __call__(
         self,

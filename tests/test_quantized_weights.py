@@ -226,6 +226,32 @@ def test_float32_prompt_rows_unpack_the_blocks_with_the_widened_weights_bits() -
     assert not bf16.dense_from_blocks  # bf16 keeps its prepacked copy
 
 
+@pytest.mark.parametrize("ggml_type", [Q4_1, Q8_0])
+def test_a_tied_embedding_is_looked_up_in_the_lm_heads_blocks(ggml_type) -> None:
+    """The LM head reading blocks holds no dense copy (all its rows take the kernel), and a
+    token's embedding comes from the same blocks: the widened table's row, exactly; the
+    default model's engine then holds no widened table either."""
+    _kernel()
+    tensor = _quantized(64, 576, ggml_type, seed=31)
+    dense = _dequantized(tensor)
+    head = Linear(dense, logits=True, quantized=tensor)
+    assert head.weight is None and not head.prepacked
+    ids = torch.tensor([[5, 0], [63, 5]])
+    rows = head.embedding_rows(ids)
+    assert rows is not None and rows.shape == (2, 2, 576)
+    assert torch.equal(rows, dense[ids])
+    with pytest.raises(ValueError, match="outside"):
+        head.embedding_rows(torch.tensor([64]))
+    assert Linear(dense, logits=True).embedding_rows(ids) is None  # dense: no blocks
+
+
+def test_the_default_engine_holds_no_widened_embedding(default_checkpoint_fp32) -> None:
+    _kernel()
+    model = make_llm(default_checkpoint_fp32, quantized_weights="native").engine.runner.model
+    assert model.embedding_from_blocks and model.embed_tokens is None
+    assert model.lm_head.weight is None
+
+
 def test_types_and_shapes_the_kernel_cannot_read_keep_the_dense_path() -> None:
     _kernel()
     q5 = gguf.quants.quantize(np.ones((32, 64), np.float32), Q.Q5_0)

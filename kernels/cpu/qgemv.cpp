@@ -705,6 +705,42 @@ int splitserve_qgemv_unpack(float* out, const void* packed, int type, int64_t ou
   return 0;
 }
 
+// Rows `ids[0..count)` of the packed weight as dense float32, out [count][in_features]: the
+// values splitserve_qgemv_unpack gives those rows (an embedding table read as stored). 0 done;
+// -1 unsupported arguments or a row id outside [0, out_features) (nothing written).
+int splitserve_qgemv_rows(float* out, const void* packed, int type, int64_t out_features,
+                          int64_t in_features, const int64_t* ids, int64_t count) {
+  if (out_features <= 0 || in_features <= 0 || out_features % kOutBlock ||
+      in_features % kInBlock || count < 0 || (type != kTypeQ4_1 && type != kTypeQ8_0)) {
+    return -1;
+  }
+  for (int64_t r = 0; r < count; ++r) {
+    if (ids[r] < 0 || ids[r] >= out_features) return -1;
+  }
+  const int64_t blocks = in_features / kInBlock;
+  for (int64_t r = 0; r < count; ++r) {
+    const int64_t ob = ids[r] / kOutBlock, lane = ids[r] % kOutBlock;
+    for (int64_t b = 0; b < blocks; ++b) {
+      float* row = out + r * in_features + b * kInBlock;
+      if (type == kTypeQ4_1) {
+        const Q4_1Group& group = static_cast<const Q4_1Group*>(packed)[ob * blocks + b];
+        const float d = splitserve_cpu::f16_to_float(group.d[lane]);
+        const float m = splitserve_cpu::f16_to_float(group.m[lane]);
+        for (int k = 0; k < kInBlock / 2; ++k) {
+          const uint8_t pair = group.q[k][lane];
+          row[2 * k] = std::fma(d, static_cast<float>(pair & 0xF), m);
+          row[2 * k + 1] = std::fma(d, static_cast<float>(pair >> 4), m);
+        }
+      } else {
+        const Q8_0Group& group = static_cast<const Q8_0Group*>(packed)[ob * blocks + b];
+        const float d = splitserve_cpu::f16_to_float(group.d[lane]);
+        for (int i = 0; i < kInBlock; ++i) row[i] = d * static_cast<float>(group.q[i][lane]);
+      }
+    }
+  }
+  return 0;
+}
+
 // Bytes of the packed weight (the GGUF tensor's own size); -1 for an unsupported type/shape.
 int64_t splitserve_qgemv_packed_bytes(int type, int64_t out_features, int64_t in_features) {
   if (out_features <= 0 || in_features <= 0 || out_features % kOutBlock ||
