@@ -236,60 +236,84 @@ void q4_1_bf16_rows(Out* out, const uint16_t* x, const float* xsum, const Q4_1Gr
 #endif  // SPLITSERVE_AVX512_BF16
 
 // Q4_1, float32 x: each weight dequantized to its float32 value, then plain products.
-template <int Rows, typename Out>
+// Blocks adjacent output blocks (ob, ob + 1, ...; their groups `blocks` apart) in one pass:
+// each lane's operations are the same in the same order, and one row's 2 FMA chains a block
+// become 2 x Blocks independent ones (one row was bound by the FMA's latency).
+template <int Rows, typename Out, int Blocks = 1>
 void q4_1_f32_rows(Out* out, const float* x, const Q4_1Group* g, const void* bias,
                    bool bias_f32, int64_t out_features, int64_t in_features, int64_t ob) {
   const int64_t blocks = in_features / kInBlock;
   const __m512 table = nibble_f32_table();
-  __m512 even[Rows], odd[Rows];
-  zero_rows<Rows>(even, odd);
+  __m512 even[Blocks][Rows], odd[Blocks][Rows];
+  for (int u = 0; u < Blocks; ++u) zero_rows<Rows>(even[u], odd[u]);
   for (int64_t b = 0; b < blocks; ++b) {
-    const Q4_1Group& group = g[b];
-    for (int line = 0; line < 5; ++line) {
-      _mm_prefetch(reinterpret_cast<const char*>(&group) + kAhead + 64 * line, _MM_HINT_T0);
+    __m512 d[Blocks], m[Blocks];
+    for (int u = 0; u < Blocks; ++u) {
+      const Q4_1Group& group = g[u * blocks + b];
+      for (int line = 0; line < 5; ++line) {
+        _mm_prefetch(reinterpret_cast<const char*>(&group) + kAhead + 64 * line, _MM_HINT_T0);
+      }
+      d[u] = load_f16(group.d);
+      m[u] = load_f16(group.m);
     }
-    const __m512 d = load_f16(group.d), m = load_f16(group.m);
     for (int k = 0; k < kInBlock / 2; ++k) {
-      const __m512i v =
-          _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(group.q[k])));
-      const __m512 w0 = _mm512_fmadd_ps(d, _mm512_permutexvar_ps(v, table), m);
-      const __m512 w1 = _mm512_fmadd_ps(d, _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table), m);
       const int64_t i = b * kInBlock + 2 * k;
-      for (int r = 0; r < Rows; ++r) {
-        even[r] = _mm512_fmadd_ps(w0, _mm512_set1_ps(x[r * in_features + i]), even[r]);
-        odd[r] = _mm512_fmadd_ps(w1, _mm512_set1_ps(x[r * in_features + i + 1]), odd[r]);
+      for (int u = 0; u < Blocks; ++u) {
+        const __m512i v = _mm512_cvtepu8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(g[u * blocks + b].q[k])));
+        const __m512 w0 = _mm512_fmadd_ps(d[u], _mm512_permutexvar_ps(v, table), m[u]);
+        const __m512 w1 =
+            _mm512_fmadd_ps(d[u], _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table), m[u]);
+        for (int r = 0; r < Rows; ++r) {
+          even[u][r] = _mm512_fmadd_ps(w0, _mm512_set1_ps(x[r * in_features + i]), even[u][r]);
+          odd[u][r] = _mm512_fmadd_ps(w1, _mm512_set1_ps(x[r * in_features + i + 1]), odd[u][r]);
+        }
       }
     }
   }
-  store_rows<Rows>(out, even, odd, bias_lanes(bias, bias_f32, ob), out_features, ob);
+  for (int u = 0; u < Blocks; ++u) {
+    store_rows<Rows>(out, even[u], odd[u], bias_lanes(bias, bias_f32, ob + u), out_features,
+                     ob + u);
+  }
 }
 
-// Q8_0, float32 x (bf16 x is widened first): each weight d * q, then plain products.
-template <int Rows, typename Out>
+// Q8_0, float32 x (bf16 x is widened first): each weight d * q, then plain products; Blocks
+// as for Q4_1.
+template <int Rows, typename Out, int Blocks = 1>
 void q8_0_f32_rows(Out* out, const float* x, const Q8_0Group* g, const void* bias,
                    bool bias_f32, int64_t out_features, int64_t in_features, int64_t ob) {
   const int64_t blocks = in_features / kInBlock;
-  __m512 even[Rows], odd[Rows];
-  zero_rows<Rows>(even, odd);
+  __m512 even[Blocks][Rows], odd[Blocks][Rows];
+  for (int u = 0; u < Blocks; ++u) zero_rows<Rows>(even[u], odd[u]);
   for (int64_t b = 0; b < blocks; ++b) {
-    const Q8_0Group& group = g[b];
-    for (int line = 0; line < 9; ++line) {
-      _mm_prefetch(reinterpret_cast<const char*>(&group) + kAhead + 64 * line, _MM_HINT_T0);
+    __m512 d[Blocks];
+    for (int u = 0; u < Blocks; ++u) {
+      const Q8_0Group& group = g[u * blocks + b];
+      for (int line = 0; line < 9; ++line) {
+        _mm_prefetch(reinterpret_cast<const char*>(&group) + kAhead + 64 * line, _MM_HINT_T0);
+      }
+      d[u] = load_f16(group.d);
     }
-    const __m512 d = load_f16(group.d);
     for (int i = 0; i < kInBlock; i += 2) {
-      const __m512 w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                                             _mm_loadu_si128(reinterpret_cast<const __m128i*>(group.q[i])))));
-      const __m512 w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                                             _mm_loadu_si128(reinterpret_cast<const __m128i*>(group.q[i + 1])))));
       const int64_t col = b * kInBlock + i;
-      for (int r = 0; r < Rows; ++r) {
-        even[r] = _mm512_fmadd_ps(w0, _mm512_set1_ps(x[r * in_features + col]), even[r]);
-        odd[r] = _mm512_fmadd_ps(w1, _mm512_set1_ps(x[r * in_features + col + 1]), odd[r]);
+      for (int u = 0; u < Blocks; ++u) {
+        const Q8_0Group& group = g[u * blocks + b];
+        const __m512 w0 = _mm512_mul_ps(d[u], _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                                  _mm_loadu_si128(reinterpret_cast<const __m128i*>(group.q[i])))));
+        const __m512 w1 = _mm512_mul_ps(d[u], _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                                  _mm_loadu_si128(reinterpret_cast<const __m128i*>(group.q[i + 1])))));
+        for (int r = 0; r < Rows; ++r) {
+          even[u][r] = _mm512_fmadd_ps(w0, _mm512_set1_ps(x[r * in_features + col]), even[u][r]);
+          odd[u][r] =
+              _mm512_fmadd_ps(w1, _mm512_set1_ps(x[r * in_features + col + 1]), odd[u][r]);
+        }
       }
     }
   }
-  store_rows<Rows>(out, even, odd, bias_lanes(bias, bias_f32, ob), out_features, ob);
+  for (int u = 0; u < Blocks; ++u) {
+    store_rows<Rows>(out, even[u], odd[u], bias_lanes(bias, bias_f32, ob + u), out_features,
+                     ob + u);
+  }
 }
 
 #ifdef SPLITSERVE_AVX512_BF16
@@ -564,6 +588,24 @@ void block_all_rows(const Call& c, int64_t ob) {
   }
 }
 
+#ifdef SPLITSERVE_AVX512
+// Output blocks ob and ob + 1 for the call's one or two float32 rows, in one pass.
+template <int Rows>
+void pair_rows(const Call& c, int64_t ob) {
+  const int64_t blocks = c.in_features / kInBlock;
+  float* out = static_cast<float*>(c.out);
+  if (c.type == kTypeQ4_1) {
+    q4_1_f32_rows<Rows, float, 2>(out, c.x_f32, static_cast<const Q4_1Group*>(c.packed) +
+                                                    ob * blocks,
+                                  c.bias, c.bias_f32, c.out_features, c.in_features, ob);
+  } else {
+    q8_0_f32_rows<Rows, float, 2>(out, c.x_f32, static_cast<const Q8_0Group*>(c.packed) +
+                                                    ob * blocks,
+                                  c.bias, c.bias_f32, c.out_features, c.in_features, ob);
+  }
+}
+#endif
+
 #endif  // SPLITSERVE_AVX512 || SPLITSERVE_AVX2
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -792,6 +834,22 @@ int splitserve_qgemv(void* out, int out_f32, const void* x, int x_f32, int64_t r
     c.xsum = sums.data();
   }
   const int64_t out_blocks = out_features / kOutBlock;
+#ifdef SPLITSERVE_AVX512
+  if (c.x_f32 != nullptr && c.out_f32 && rows <= 2 && out_blocks >= 2) {
+    // two output blocks a pass (pair_rows): the same bits, 4 or 8 FMA chains rather than 2
+    const int64_t pairs = out_blocks / 2;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int64_t pair = 0; pair < pairs; ++pair) {
+      if (rows == 1) {
+        pair_rows<1>(c, 2 * pair);
+      } else {
+        pair_rows<2>(c, 2 * pair);
+      }
+    }
+    if (out_blocks % 2) block_all_rows<float>(c, out_blocks - 1);
+    return 0;
+  }
+#endif
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
   for (int64_t ob = 0; ob < out_blocks; ++ob) {
     if (c.out_f32) {
