@@ -48,7 +48,7 @@ def kernel_extensions() -> list[Extension]:
                 continue
             extensions.append(
                 Extension(
-                    f"splitserve.kernels._cpu_{name}_{level.name}",
+                    f"splitserve.kernels.{cpu_levels.library_module(name, level)}",
                     sources=[str(source)],
                     depends=headers,
                     language="c++",

@@ -34,7 +34,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-from bench_vs_peers import splitserve_server
+from bench_vs_peers import splitserve_server, wait_until_answering
 from cluster_process import free_port
 from machine_bound import cpu_name
 from timing_stats import Json, emit_report
@@ -64,16 +64,7 @@ def llama_cpp_server(python: str, model: Path, threads: int, log: Path) -> Itera
     process = ChildProcess(argv, name="llama.cpp", log_path=log, new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            if process.returncode is not None:
-                raise RuntimeError(f"llama.cpp exited ({process.returncode}); see {log}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"llama.cpp not ready; see {log}")
-            time.sleep(1)
+        wait_until_answering(process, f"{url}/v1/models", 300, log)
         yield url
     finally:
         process.stop(grace_s=10)

@@ -62,6 +62,21 @@ def splitserve_server(
         yield cluster.http_url
 
 
+def wait_until_answering(process: ChildProcess, url: str, timeout_s: float, log: Path) -> None:
+    """Return once a GET of ``url`` answers 200; ``RuntimeError`` if ``process`` exits first,
+    ``TimeoutError`` after ``timeout_s`` (both naming ``log``)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if process.returncode is not None:
+            raise RuntimeError(f"{process.name} exited ({process.returncode}); see {log}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{process.name} not ready in {timeout_s}s; see {log}")
+        time.sleep(1)
+
+
 @contextlib.contextmanager
 def vllm_server(
     python: str,
@@ -82,16 +97,7 @@ def vllm_server(
     process = ChildProcess(argv, name="vllm", env=env, log_path=log, new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + ready_timeout_s
-        while True:
-            if process.returncode is not None:
-                raise RuntimeError(f"vLLM exited ({process.returncode}); see {log}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"vLLM not ready in {ready_timeout_s}s; see {log}")
-            time.sleep(1)
+        wait_until_answering(process, f"{url}/health", ready_timeout_s, log)
         yield url
     finally:
         process.stop(grace_s=30)

@@ -30,14 +30,21 @@ def cpu_bf16_refusal() -> str | None:
     )
 
 
+def dtype_refusal(name: str, device_type: str, computes: bool = True) -> str | None:
+    """Why an engine cannot compute in dtype ``name`` on ``device_type``, None where it can:
+    bfloat16 on a CPU that cannot compute it (``cpu_bf16_refusal``); an engine that
+    ``computes`` nothing (a simulated one) takes any dtype."""
+    if name == "bfloat16" and device_type == "cpu" and computes:
+        return cpu_bf16_refusal()
+    return None
+
+
 def resolve_dtype(name: str, device: torch.device, computes: bool = True) -> torch.dtype:
     """Map a config dtype name to a torch dtype; "auto" prefers bf16 where it is native.
-    ``InvalidRequestError`` for bfloat16 on a CPU that cannot compute it
-    (``cpu_bf16_refusal``), unless the engine ``computes`` nothing (a simulated one)."""
-    if name == "bfloat16" and device.type == "cpu" and computes:
-        reason = cpu_bf16_refusal()
-        if reason is not None:
-            raise InvalidRequestError(reason, param="dtype")
+    ``InvalidRequestError`` where ``dtype_refusal`` says why it cannot be computed."""
+    reason = dtype_refusal(name, device.type, computes)
+    if reason is not None:
+        raise InvalidRequestError(reason, param="dtype")
     if name != "auto":
         return _DTYPES[name]
     if device.type == "cuda":

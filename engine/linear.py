@@ -108,6 +108,12 @@ def decode_gemv_setting() -> str:
     return value
 
 
+def prompt_blocks_setting() -> bool:
+    """``SPLITSERVE_PROMPT_BLOCKS``: weights read as stored hold no widened copy (on unless
+    ``0``)."""
+    return os.environ.get(PROMPT_BLOCKS_ENV, "1") != "0"
+
+
 def measure_gemv_row_limit(linears: list[Linear], repeats: int = 7) -> int | None:
     """Up to how many generated rows the GEMV is no slower than oneDNN over ``linears``
     (each holding a GEMV copy), on this machine, now: the last of ``GEMV_PROBE_ROWS`` before
@@ -252,25 +258,24 @@ class Linear:
             self._gemv = load_cpu_gemv()
             if self._gemv is not None:
                 self._gemv_weight = self._gemv.pack(weight)
-        if self.logits and self.has_row_kernel:
-            # every row takes the row kernel: the dense weight (the embedding, when tied) is
-            # never read here, so no prepacked copy is made and none is held
+        if prompt_rows_from_blocks is None:
+            prompt_rows_from_blocks = prompt_blocks_setting()
+        self.dense_from_blocks = (
+            prompt_rows_from_blocks
+            and weight.dtype == torch.float32
+            and self._quant_weight is not None
+            and not self.logits
+        )
+        """Whether prompt rows unpack the blocks rather than read a kept dense weight."""
+        if self.dense_from_blocks or (self.logits and self.has_row_kernel):
+            # no row reads a dense weight: prompt rows unpack the blocks, or (the LM head) every
+            # row takes the row kernel; none is held, none prepacked (a tied head's weight is
+            # the embedding table)
             self.prepacked = False
             self.weight = None  # type: ignore[assignment]
         if self.prepacked:
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, None)
         self.pad_rows = weight.device.type == "cpu" and weight.dtype == torch.float32
-        if prompt_rows_from_blocks is None:
-            prompt_rows_from_blocks = os.environ.get(PROMPT_BLOCKS_ENV, "1") != "0"
-        self.dense_from_blocks = (
-            prompt_rows_from_blocks
-            and weight.dtype == torch.float32
-            and self._quant_weight is not None
-            and not self.logits  # holds no dense weight already (above)
-        )
-        """Whether prompt rows unpack the blocks rather than read a kept dense weight."""
-        if self.dense_from_blocks:
-            self.weight = None  # type: ignore[assignment]  # unpacked per prompt step
 
     @property
     def reads_quantized(self) -> str | None:

@@ -16,7 +16,6 @@ only for the tokens listed in ``logits_indices`` (the last token of each samplin
 from __future__ import annotations
 
 import logging
-import os
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -27,10 +26,10 @@ import torch.nn.functional as F
 from splitserve.common.errors import ModelLoadError
 from splitserve.engine.checkpoint import QuantizedTensor
 from splitserve.engine.linear import (
-    PROMPT_BLOCKS_ENV,
     Linear,
     decode_gemv_setting,
     measure_gemv_row_limit,
+    prompt_blocks_setting,
 )
 from splitserve.engine.model_config import ModelArchConfig
 from splitserve.engine.rotary import apply_rotary, cos_sin_table
@@ -130,7 +129,7 @@ class LlamaModel:
         self.embedding_from_blocks = (
             config.tie_word_embeddings
             and self.lm_head.reads_quantized is not None
-            and os.environ.get(PROMPT_BLOCKS_ENV, "1") != "0"
+            and prompt_blocks_setting()
         )
         """Whether tokens are looked up in the tied LM head's blocks (``Linear.embedding_rows``,
         the widened table's values, cast as it was) rather than in a widened table, which is

@@ -34,6 +34,7 @@ from splitserve.kernels.cpu_levels import (
     is_x86_64,
     level_named,
     levels,
+    library_module,
 )
 
 logger = logging.getLogger(__name__)
@@ -62,36 +63,41 @@ def level_cap() -> CpuLevel | None:
     return level_named(value) if value else None
 
 
+def _up_to(top: CpuLevel) -> tuple[CpuLevel, ...]:
+    """The levels from the lowest up to ``top``, lowest first."""
+    ordered = levels()
+    return ordered[: ordered.index(top) + 1]
+
+
 def running_level(flags: frozenset[str] | None = None) -> CpuLevel | None:
     """The highest level this CPU runs, capped by ``SPLITSERVE_CPU_LEVEL``; None when it runs
     none (a CPU without AVX2 and FMA), or the cap is below all it runs."""
     runnable = runnable_levels(flags)
     cap = level_cap()
     if cap is not None:
-        order = [level.name for level in levels()]
-        runnable = tuple(
-            level for level in runnable if order.index(level.name) <= order.index(cap.name)
-        )
+        runnable = tuple(level for level in runnable if level in _up_to(cap))
     return runnable[-1] if runnable else None
+
+
+def _fallbacks(source: str, top: CpuLevel) -> list[CpuLevel]:
+    """The levels that build ``source`` from ``top`` down, highest first: where its library
+    is looked for when the one above is missing."""
+    return [level for level in reversed(_up_to(top)) if level.builds(source)]
 
 
 def level_for(source: str, flags: frozenset[str] | None = None) -> CpuLevel | None:
     """The level ``source``'s library is loaded at here: the highest that builds it among
     those ``running_level`` allows; None when there is none."""
     top = running_level(flags)
-    if top is None:
-        return None
-    order = [level.name for level in levels()]
-    allowed = [level for level in levels() if order.index(level.name) <= order.index(top.name)]
-    built = [level for level in allowed if level.builds(source)]
-    return built[-1] if built else None
+    built = [] if top is None else _fallbacks(source, top)
+    return built[0] if built else None
 
 
 def cpu_has_native_bf16(flags: frozenset[str] | None = None) -> bool:
     """Whether the kernels run a bf16 level here (AVX-512 BF16 or AMX, within the cap): where
     ``--dtype auto`` picks bf16."""
     level = running_level(flags)
-    return level is not None and level.name in ("avx512_bf16", "amx")
+    return level is not None and level.computes_bf16
 
 
 @dataclass(frozen=True)
@@ -112,7 +118,7 @@ _lock = threading.Lock()
 def library_path(name: str, level: CpuLevel) -> Path:
     """Where ``setup.py`` puts ``kernels/cpu/<name>.cpp``'s build for ``level``."""
     suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
-    return LIBRARY_DIR / f"_cpu_{name}_{level.name}{suffix}"
+    return LIBRARY_DIR / f"{library_module(name, level)}{suffix}"
 
 
 def function_address(function: ctypes._CFuncPtr) -> int:
@@ -150,10 +156,8 @@ def load_library(name: str, level: str | None = None) -> ctypes.CDLL | None:
         )  # fmt: skip
         _record(LoadedKernel(name, None, None, "no level runs on this CPU"))
         return None
-    order = [lvl for lvl in levels() if lvl.builds(name)]
-    candidates = list(reversed(order[: order.index(wanted) + 1]))
     failures = []
-    for candidate in candidates:
+    for candidate in _fallbacks(name, wanted):
         try:
             library = _open_runnable(name, candidate)
         except OSError as error:
@@ -226,12 +230,9 @@ def kernel_plan_line() -> str:
         wanted = level_for(name)
         if wanted is None:
             continue
-        order = [lvl for lvl in levels() if lvl.builds(name)]
-        installed = [
-            lvl for lvl in order[: order.index(wanted) + 1] if library_path(name, lvl).exists()
-        ]
-        if not installed or installed[-1] is not wanted:
-            got = installed[-1].name if installed else "torch path"
+        installed = [lvl for lvl in _fallbacks(name, wanted) if library_path(name, lvl).exists()]
+        if not installed or installed[0] is not wanted:
+            got = installed[0].name if installed else "torch path"
             short.append(f"{name} at {got} (its {wanted.name} build is missing)")
     capped = f", capped by {LEVEL_ENV}" if level_cap() is not None else ""
     line = f"CPU kernels: level {top.name} on {cpu_name()}{capped}"

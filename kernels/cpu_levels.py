@@ -54,6 +54,9 @@ class CpuLevel:
     cpu_flags: frozenset[str]
     sources: frozenset[str] | None = None
     """The sources built at this level; None: every source."""
+    computes_bf16: bool = False
+    """Whether its kernels compute bf16 (dot products on bf16 pairs): where ``--dtype auto``
+    serves bf16."""
 
     def builds(self, source: str) -> bool:
         """Whether ``kernels/cpu/<source>.cpp`` is built at this level."""
@@ -67,7 +70,10 @@ X86_LEVELS = (
     CpuLevel("avx2", (*_COMMON_FLAGS, "-march=x86-64-v3"), _V3),
     CpuLevel("avx512", (*_COMMON_FLAGS, "-march=x86-64-v4"), _V4),
     CpuLevel(
-        "avx512_bf16", (*_COMMON_FLAGS, "-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni"), _BF16
+        "avx512_bf16",
+        (*_COMMON_FLAGS, "-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni"),
+        _BF16,
+        computes_bf16=True,
     ),
     CpuLevel(
         "amx",
@@ -81,9 +87,16 @@ X86_LEVELS = (
         ),
         _BF16 | {"amx_tile", "amx_bf16"},
         sources=frozenset({"gemv"}),
+        computes_bf16=True,
     ),
 )
 GENERIC_LEVELS = (CpuLevel("generic", _COMMON_FLAGS, frozenset()),)
+
+
+def library_module(source: str, level: CpuLevel) -> str:
+    """The module name of ``source``'s library at ``level`` in the ``splitserve.kernels``
+    package (``setup.py`` builds it, ``cpu_build.library_path`` finds it)."""
+    return f"_cpu_{source}_{level.name}"
 
 
 def is_x86_64(machine: str | None = None) -> bool:

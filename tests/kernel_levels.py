@@ -24,15 +24,15 @@ def level_params(source: str) -> list:
     return [pytest.param(level.name, id=level.name) for level in levels() if level.builds(source)]
 
 
-def require_level(level: str) -> None:
-    """Skip unless this CPU executes ``level`` (its instructions would kill the process)."""
-    if level not in {runnable.name for runnable in runnable_levels()}:
-        pytest.skip(f"this CPU does not execute the {level} level")
-
-
 def runnable(level: str) -> bool:
     """Whether this CPU executes ``level``."""
     return level in {candidate.name for candidate in runnable_levels()}
+
+
+def require_level(level: str) -> None:
+    """Skip unless this CPU executes ``level`` (its instructions would kill the process)."""
+    if not runnable(level):
+        pytest.skip(f"this CPU does not execute the {level} level")
 
 
 @contextlib.contextmanager

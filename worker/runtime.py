@@ -45,7 +45,7 @@ from splitserve.discovery.flags import etcd_endpoints
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.engine.cli_args import engine_config_from_args
 from splitserve.engine.config import EngineConfig
-from splitserve.engine.device import cpu_bf16_refusal
+from splitserve.engine.device import dtype_refusal
 from splitserve.engine.step_threads import BorrowedCores, StepThreads
 from splitserve.proto.cluster_access import ClusterAccess, access_or_exit
 from splitserve.proto.etcd_client import EtcdClient
@@ -336,10 +336,9 @@ def worker_main(
         transfer_settings_of(args)  # refused here, not after the engine loaded
     except ValueError as error:
         parser.error(str(error))
-    if args.dtype == "bfloat16" and args.device == "cpu" and args.engine != "sim":
-        refusal = cpu_bf16_refusal()  # refused at start, not by oneDNN at the first linear
-        if refusal is not None:
-            parser.error(refusal)
+    refusal = dtype_refusal(args.dtype, args.device, computes=args.engine != "sim")
+    if refusal is not None:  # refused at start, not by oneDNN at the first linear
+        parser.error(refusal)
     if args.host_workers < 1:
         parser.error("--host-workers must be at least 1")
     if args.host_workers > 1 and args.engine != "sim":

@@ -469,6 +469,16 @@ inline Avx2SequenceKernel avx2_sequence_kernel(int64_t head_dim, int64_t group) 
 }
 #endif  // SPLITSERVE_AVX2
 
+// slots[t]: the cache row of a sequence's token t (its block table's block t / block_size).
+inline void fill_slots(std::vector<int64_t>& slots, const int64_t* table, int64_t context,
+                       int64_t block_size) {
+  slots.resize(context);
+  for (int64_t t = 0, block = 0, offset = 0; t < context; ++t) {
+    slots[t] = table[block] * block_size + offset;
+    if (++offset == block_size) offset = 0, ++block;
+  }
+}
+
 template <typename T>
 int paged_decode_attention(T* out, const T* query, int64_t query_stride, const T* key_cache,
                            const T* value_cache, const int64_t* block_tables,
@@ -515,11 +525,7 @@ int paged_decode_attention(T* out, const T* query, int64_t query_stride, const T
       scores.resize(num_heads * context);
 #ifdef SPLITSERVE_AVX512
       if (fast != nullptr) {
-        slots.resize(context);
-        for (int64_t t = 0, block = 0, offset = 0; t < context; ++t) {
-          slots[t] = table[block] * block_size + offset;
-          if (++offset == block_size) offset = 0, ++block;
-        }
+        fill_slots(slots, table, context, block_size);
         fast(out + seq * num_heads * head_dim, seq_query, key_cache, value_cache, slots.data(),
              context, num_kv_heads, scale, scores.data(), totals.data(), accum.data());
         continue;
@@ -528,11 +534,7 @@ int paged_decode_attention(T* out, const T* query, int64_t query_stride, const T
 #ifdef SPLITSERVE_AVX2
       if constexpr (std::is_same_v<T, float>) {
         if (avx2 != nullptr) {
-          slots.resize(context);
-          for (int64_t t = 0, block = 0, offset = 0; t < context; ++t) {
-            slots[t] = table[block] * block_size + offset;
-            if (++offset == block_size) offset = 0, ++block;
-          }
+          fill_slots(slots, table, context, block_size);
           avx2(out + seq * num_heads * head_dim, seq_query, key_cache, value_cache, slots.data(),
                context, num_kv_heads, scale, scores.data(), totals.data());
           continue;

@@ -679,6 +679,43 @@ inline void unpack_group(const Q8_0Group& group, float* out, int64_t in_features
 }
 #endif
 
+// Output `lane` of group `group_index` (Q4_1 or Q8_0 by `type`): its 32 dequantized inputs
+// into row[0..32), each gguf's float32 value (d * q + m by one rounding, d * q exact).
+inline void unpack_lane(float* row, const void* packed, int type, int64_t group_index,
+                        int64_t lane) {
+  if (type == kTypeQ4_1) {
+    const Q4_1Group& group = static_cast<const Q4_1Group*>(packed)[group_index];
+    const float d = splitserve_cpu::f16_to_float(group.d[lane]);
+    const float m = splitserve_cpu::f16_to_float(group.m[lane]);
+    for (int k = 0; k < kInBlock / 2; ++k) {
+      const uint8_t pair = group.q[k][lane];
+      row[2 * k] = std::fma(d, static_cast<float>(pair & 0xF), m);
+      row[2 * k + 1] = std::fma(d, static_cast<float>(pair >> 4), m);
+    }
+  } else {
+    const Q8_0Group& group = static_cast<const Q8_0Group*>(packed)[group_index];
+    const float d = splitserve_cpu::f16_to_float(group.d[lane]);
+    for (int i = 0; i < kInBlock; ++i) row[i] = d * static_cast<float>(group.q[i][lane]);
+  }
+}
+
+// All 16 outputs of group `group_index` into the rows at first_row (row stride in_features):
+// by the byte transpose where the build has AVX2 + FMA, lane by lane elsewhere (same values).
+inline void unpack_group_rows(float* first_row, const void* packed, int type,
+                              int64_t group_index, int64_t in_features) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if (type == kTypeQ4_1) {
+    unpack_group(static_cast<const Q4_1Group*>(packed)[group_index], first_row, in_features);
+  } else {
+    unpack_group(static_cast<const Q8_0Group*>(packed)[group_index], first_row, in_features);
+  }
+#else
+  for (int64_t j = 0; j < kOutBlock; ++j) {
+    unpack_lane(first_row + j * in_features, packed, type, group_index, j);
+  }
+#endif
+}
+
 }  // namespace
 
 extern "C" {
@@ -714,34 +751,8 @@ int splitserve_qgemv_unpack(float* out, const void* packed, int type, int64_t ou
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
   for (int64_t ob = 0; ob < out_blocks; ++ob) {
     for (int64_t b = 0; b < blocks; ++b) {
-#if defined(__AVX2__) && defined(__FMA__)
-      float* first_row = out + ob * kOutBlock * in_features + b * kInBlock;
-      if (type == kTypeQ4_1) {
-        unpack_group(static_cast<const Q4_1Group*>(packed)[ob * blocks + b], first_row,
-                     in_features);
-      } else {
-        unpack_group(static_cast<const Q8_0Group*>(packed)[ob * blocks + b], first_row,
-                     in_features);
-      }
-      continue;
-#endif
-      for (int64_t j = 0; j < kOutBlock; ++j) {
-        float* row = out + (ob * kOutBlock + j) * in_features + b * kInBlock;
-        if (type == kTypeQ4_1) {
-          const Q4_1Group& group = static_cast<const Q4_1Group*>(packed)[ob * blocks + b];
-          const float d = splitserve_cpu::f16_to_float(group.d[j]);
-          const float m = splitserve_cpu::f16_to_float(group.m[j]);
-          for (int k = 0; k < kInBlock / 2; ++k) {
-            const uint8_t pair = group.q[k][j];
-            row[2 * k] = std::fma(d, static_cast<float>(pair & 0xF), m);
-            row[2 * k + 1] = std::fma(d, static_cast<float>(pair >> 4), m);
-          }
-        } else {
-          const Q8_0Group& group = static_cast<const Q8_0Group*>(packed)[ob * blocks + b];
-          const float d = splitserve_cpu::f16_to_float(group.d[j]);
-          for (int i = 0; i < kInBlock; ++i) row[i] = d * static_cast<float>(group.q[i][j]);
-        }
-      }
+      unpack_group_rows(out + ob * kOutBlock * in_features + b * kInBlock, packed, type,
+                        ob * blocks + b, in_features);
     }
   }
   return 0;
@@ -763,21 +774,7 @@ int splitserve_qgemv_rows(float* out, const void* packed, int type, int64_t out_
   for (int64_t r = 0; r < count; ++r) {
     const int64_t ob = ids[r] / kOutBlock, lane = ids[r] % kOutBlock;
     for (int64_t b = 0; b < blocks; ++b) {
-      float* row = out + r * in_features + b * kInBlock;
-      if (type == kTypeQ4_1) {
-        const Q4_1Group& group = static_cast<const Q4_1Group*>(packed)[ob * blocks + b];
-        const float d = splitserve_cpu::f16_to_float(group.d[lane]);
-        const float m = splitserve_cpu::f16_to_float(group.m[lane]);
-        for (int k = 0; k < kInBlock / 2; ++k) {
-          const uint8_t pair = group.q[k][lane];
-          row[2 * k] = std::fma(d, static_cast<float>(pair & 0xF), m);
-          row[2 * k + 1] = std::fma(d, static_cast<float>(pair >> 4), m);
-        }
-      } else {
-        const Q8_0Group& group = static_cast<const Q8_0Group*>(packed)[ob * blocks + b];
-        const float d = splitserve_cpu::f16_to_float(group.d[lane]);
-        for (int i = 0; i < kInBlock; ++i) row[i] = d * static_cast<float>(group.q[i][lane]);
-      }
+      unpack_lane(out + r * in_features + b * kInBlock, packed, type, ob * blocks + b, lane);
     }
   }
   return 0;
