@@ -1,26 +1,19 @@
-"""``splitserve`` command line: the serving roles, offline generation and a local chat.
-
-    splitserve up                        # coordinator + prefill + decode + gateway on localhost
-    splitserve coordinator|prefill|decode|gateway --help   # one role per process
-    splitserve probe --address HOST:PORT # one gRPC health check (Kubernetes exec probes)
-    splitserve top --coordinator HOST:PORT --metrics URL  # a live view of a cluster
+"""The offline subcommands of ``splitserve``: generation and a local chat on an in-process ``LLM``.
 
     splitserve generate "The capital of France is" --max-tokens 32 --temperature 0
     splitserve generate --chat "Write a haiku about the sea" --stream
     splitserve chat                      # interactive; reads one user turn per line
 
-Errors a user can cause (bad flags, a missing model, an over-long prompt) print one clear line
-and exit with status 2; nothing else is lost.
+``launch/cli.py`` (the command table) adds these subcommands with ``add_offline_commands`` and
+runs them with ``run_offline``. Importing this module loads no torch: ``LLM`` is imported when
+a subcommand runs.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
-import logging
 import sys
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from splitserve.common.errors import InvalidRequestError, SplitserveError
@@ -32,16 +25,14 @@ from splitserve.engine.cli_args import (
     sampling_params_from_args,
 )
 
-if TYPE_CHECKING:  # imported when used: the roles and ``probe`` run without loading torch
+if TYPE_CHECKING:  # imported when used: the command table loads this module without torch
     from splitserve.engine.llm import LLM
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="splitserve", description=__doc__.splitlines()[0])
-    commands = parser.add_subparsers(dest="command", required=True)
-    for role in ROLE_COMMANDS:
-        what = COMMAND_HELP.get(role, f"run the {role} role")
-        commands.add_parser(role, help=f"{what} (see `splitserve {role} --help`)")
+def add_offline_commands(commands: argparse._SubParsersAction) -> None:
+    """Add ``generate`` and ``chat``, each with the engine and sampling flags, to ``commands``
+    (a parser's subparsers, whose ``dest`` is ``command``). Raises ``ValueError`` when a
+    ``SPLITSERVE_*`` variable that sets a flag's default does not parse."""
     generate = commands.add_parser("generate", help="complete prompts and print the results")
     generate.add_argument("prompts", nargs="+", help="prompt texts (one request each)")
     generate.add_argument("--chat", action="store_true", help="apply the chat template")
@@ -52,41 +43,12 @@ def build_parser() -> argparse.ArgumentParser:
     for sub in (generate, chat):
         add_engine_args(sub)
         add_sampling_args(sub)
-    return parser
 
 
-ROLE_COMMANDS = {
-    "coordinator": "splitserve.coordinator.main",
-    "prefill": "splitserve.prefill.main",
-    "decode": "splitserve.decode.main",
-    "worker": "splitserve.launch.dual_worker",
-    "gateway": "splitserve.gateway.main",
-    "up": "splitserve.launch.up",
-    "probe": "splitserve.launch.probe",
-    "top": "splitserve.launch.top",
-}
-"""Commands with their own flags (``splitserve <command> --help``): the serving roles, each a
-process, ``up`` (all of them on localhost), ``probe`` (one health check) and ``top`` (a live
-view of a cluster)."""
-COMMAND_HELP = {
-    "worker": "run a worker of several roles, e.g. --roles prefill,decode",
-    "up": "run every role on localhost",
-    "probe": "one gRPC health check, for exec probes",
-    "top": "a live view of a cluster's workers and traffic, from a coordinator",
-}
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ROLE_COMMANDS:
-        return importlib.import_module(ROLE_COMMANDS[argv[0]]).main(argv[1:])
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    try:
-        parser = build_parser()
-    except ValueError as error:  # a SPLITSERVE_* variable that does not parse
-        print(f"splitserve: error: bad SPLITSERVE_* environment value: {error}", file=sys.stderr)
-        return 2
-    args = parser.parse_args(argv)
+def run_offline(args: argparse.Namespace) -> int:
+    """Run ``args.command`` (``generate`` or ``chat``) on an ``LLM`` built from ``args``.
+    Returns the exit status: 0 done, 2 for an error a user can cause (bad flags, a missing
+    model, an over-long prompt; printed as one line), 130 on Ctrl-C."""
     from splitserve.engine.llm import LLM  # torch: only offline generation and chat need it
 
     try:
@@ -160,7 +122,3 @@ def _stream_reply(llm: LLM, messages: list[dict[str, str]], params: SamplingPara
         print(chunk.text, end="", flush=True)
     print(flush=True)
     return "".join(reply)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

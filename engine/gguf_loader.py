@@ -34,7 +34,7 @@ import torch
 from splitserve.common.errors import ModelLoadError
 from splitserve.common.gguf_file import GgufFile, GgufTensor
 from splitserve.common.tokenizer import Tokenizer
-from splitserve.engine.checkpoint import LoadedCheckpoint, QuantizedTensor, check_weights
+from splitserve.engine.loaded_checkpoint import LoadedCheckpoint, QuantizedTensor, check_weights
 from splitserve.engine.model_config import ModelArchConfig, RopeScaling
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")

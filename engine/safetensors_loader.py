@@ -18,7 +18,7 @@ from safetensors import safe_open
 from splitserve.common.errors import ModelLoadError
 from splitserve.common.json_files import read_json_object
 from splitserve.common.tokenizer import Tokenizer
-from splitserve.engine.checkpoint import LoadedCheckpoint, check_weights
+from splitserve.engine.loaded_checkpoint import LoadedCheckpoint, check_weights
 from splitserve.engine.model_config import ModelArchConfig, RopeScaling
 
 logger = logging.getLogger(__name__)

@@ -107,7 +107,7 @@ def test_the_exec_command_of_the_manifests_runs_without_torch() -> None:
 
 def test_splitserve_probe_runs_it() -> None:
     """``splitserve probe`` (the command table) is the same command."""
-    from splitserve.engine import cli
+    from splitserve.launch import cli
 
     assert cli.ROLE_COMMANDS["probe"] == probe.__name__
     assert cli.main(["probe", "--address", "127.0.0.1:1", "--timeout", "1"]) == 1

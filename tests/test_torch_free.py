@@ -34,7 +34,7 @@ TORCH_FREE_MODULES = (
     "splitserve.engine.scheduler",
     "splitserve.engine.request",
     "splitserve.engine.config",
-    "splitserve.engine.cli",  # the `splitserve` command table; torch only for generate / chat
+    "splitserve.launch.cli",  # the `splitserve` command table; torch only for generate / chat
     "splitserve.transfer.plan",
     "splitserve.coordinator.registry",
     "splitserve.coordinator.router",
