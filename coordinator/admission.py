@@ -73,11 +73,14 @@ from dataclasses import dataclass
 from typing import NoReturn
 
 from splitserve.common.errors import OverloadedError
+from splitserve.coordinator.admitted_requests import AdmittedRequest, AdmittedRequests
 from splitserve.coordinator.kv_demand import KvDemand  # callers import it from here too
 from splitserve.coordinator.latency_estimator import KvOutlook, LatencyEstimator, RunningEnd
-from splitserve.coordinator.request_queue import FairRequestQueue, Ticket
+from splitserve.coordinator.request_queue import Ticket
+from splitserve.coordinator.request_record import RequestRecord
 from splitserve.coordinator.tenant_usage import TenantUsage
 from splitserve.coordinator.tenants import TenantLimits, TenantPolicy
+from splitserve.coordinator.wait_queue import Waiter, WaitQueue
 
 RETRY_HINT_MAX_AGE_S = 0.1
 """A full queue's refusals reuse the wait behind the whole queue computed this recently."""
@@ -136,30 +139,6 @@ class WorkerCapacity:
     prefill backlog always lets in one prompt per such worker, whatever its length."""
 
 
-@dataclass
-class _Admitted:
-    demand: KvDemand
-    tenant: str
-    tokens_left: int
-    admitted_at: float
-    last_token_at: float | None = None
-    """None until its first tokens: until then its prompt counts in the prefill backlog."""
-
-
-@dataclass(eq=False)
-class _Waiter:
-    """A request in the queue, under its ticket (the queue keeps the order)."""
-
-    request_id: str
-    demand: KvDemand
-    ticket: Ticket
-    granted: asyncio.Future[None]
-    enqueued_at: float
-    predicted_wait_s: float
-    ttft_deadline: float | None
-    """When (the admission's clock) its first token is due; None: no deadline."""
-
-
 @dataclass(frozen=True)
 class AdmissionOutcome:
     """One request's admission decision, as told to ``KvAdmission.outcome_listeners``."""
@@ -194,10 +173,11 @@ class KvAdmission:
     step times allow (``WorkerCapacity``) for requests of that many context tokens on
     average; both read at every decision, so joining and leaving workers count.
 
-    Invariants: ``_admitted_tokens`` is the sum of the admitted demands, ``_prefill_backlog``
-    the prompt tokens of those without a first token (``_backlog_prompt_count`` their number),
-    ``_admitted_context_sum`` the sum of the admitted ``_context_of``, ``_queued_prompt_tokens``
-    the prompt tokens of the waiters; a request is admitted or waits, never both."""
+    Composed of: the admitted requests and their running sums (``admitted_requests.py``),
+    the waiters in their two lanes (``wait_queue.py``), each tenant's use
+    (``tenant_usage.py``) and the latency estimates (``latency_estimator.py``); what is
+    decided here is only whether, and when, a request enters. Invariant: a request is
+    admitted or waits, never both."""
 
     def __init__(
         self,
@@ -213,23 +193,9 @@ class KvAdmission:
         self._capacity_tokens = capacity_tokens
         self._clock = clock
         self._usage = TenantUsage(clock)
-        self._queue: FairRequestQueue[_Waiter] = FairRequestQueue()
-        """Waiters in admission order (and fair queuing's tags for every ticket)."""
-        self._late: FairRequestQueue[_Waiter] = FairRequestQueue()
-        """Waiters moved from the head of ``_queue`` once they could no longer meet their TTFT
-        deadline, in admission order (``late_waiters_yield``)."""
-        self.late_waiters = 0
-        """Waiters that yielded so, for metrics."""
+        self._waiters = WaitQueue()
         self._latency = LatencyEstimator(config.prior_ttft_s, config.prior_tpot_s)
-        self._admitted: dict[str, _Admitted] = {}
-        self._admitted_tokens = 0
-        self._queued_prompt_tokens = 0
-        self._prefill_backlog = 0
-        """Prompt tokens of admitted requests without a first token yet."""
-        self._backlog_prompt_count = 0
-        """Admitted requests without a first token yet."""
-        self._admitted_context_sum = 0.0
-        """Sum over the admitted of prompt tokens + half their ``max_tokens`` (``_context_of``)."""
+        self._admitted = AdmittedRequests()
         self._ends_cache: tuple[float, tuple[RunningEnd, ...]] | None = None
         """(when, ends) of the last ``_running_ends`` build."""
         self._tail_wait: tuple[float, float] | None = None
@@ -240,75 +206,95 @@ class KvAdmission:
         """Called with every admission and refusal as it is decided (metrics: per tenant,
         the retry hints' spread); on the event loop, so they must be quick."""
 
+    @property
+    def late_waiters(self) -> int:
+        """Waiters that yielded to those still on time (``late_waiters_yield``), ever."""
+        return self._waiters.late_waiters
+
     # ---- decisions ---------------------------------------------------------------------
 
-    async def admit(
-        self,
-        request_id: str,
-        demand: KvDemand,
-        tenant: str = "",
-        priority: int = 0,
-        ttft_deadline: float | None = None,
-    ) -> None:
-        """Return once ``request_id`` is admitted; raises ``OverloadedError`` with a computed
-        retry hint when refused (the KV queue, or the tenant's limits), and
-        ``InvalidRequestError`` for what the tenant may never ask (a priority above its
-        ``max_priority``, more tokens than its minute's budget). Cancelled while waiting: it
-        leaves the queue (granted in the same instant: admitted). Call ``release`` however
-        this ended (a refused request is not admitted: a no-op). ``ttft_deadline``: when, on
-        this admission's clock, the request's first token is due (None: never late)."""
+    async def admit(self, request: RequestRecord, demand: KvDemand) -> None:
+        """Return once ``request`` (its KV ``demand``) is admitted; raises
+        ``OverloadedError`` with a computed retry hint when refused (the KV queue, or the
+        tenant's limits), and ``InvalidRequestError`` for what the tenant may never ask (a
+        priority above its ``max_priority``, more tokens than its minute's budget).
+        Cancelled while waiting: it leaves the queue (granted in the same instant:
+        admitted). Call ``release`` however this ended (a refused request is not admitted: a
+        no-op). Its TTFT deadline (``RequestRecord.ttft_deadline``) is on this admission's
+        clock."""
+        tenant = request.tenant
         limits = self.tenants.limits(tenant)
-        self._check_tenant(tenant, limits, demand, priority)
+        self._check_tenant(tenant, limits, demand, request.priority)
         self._serve()  # capacity may have grown (a worker joined) since the last release
-        ticket = self._queue.ticket(tenant, limits.weight, demand.num_tokens, priority)
-        if not self._waiting() and self._fits(demand):
+        ticket = self._waiters.ticket(tenant, limits.weight, demand.num_tokens, request.priority)
+        if not self._waiters and self._fits(demand):
             self._enter(ticket)
-            self._grant(request_id, demand, ticket)
+            self._grant(request.request_id, demand, ticket)
             return
+        wait_s = self._wait_or_refuse(demand, ticket)
+        self._enter(ticket)
+        granted = asyncio.get_running_loop().create_future()
+        deadline = request.ttft_deadline
+        waiter = Waiter(
+            request.request_id,
+            demand,
+            ticket,
+            granted,
+            self._clock(),
+            wait_s,
+            deadline if math.isfinite(deadline) else None,
+        )
+        self._waiters.add(waiter)
+        try:
+            await self._wait_for_turn(waiter)
+        finally:
+            if not granted.done():  # refused or cancelled: leave the queue
+                granted.cancel()
+                self._waiters.remove(waiter)
+                self._usage.leave(tenant, 0)  # its tokens are taken only when it is granted
+                self._serve()  # the next one may fit now that it is the oldest
+
+    def _wait_or_refuse(self, demand: KvDemand, ticket: Ticket) -> float:
+        """The predicted wait of a request that cannot start now; refuses it
+        (``OverloadedError``) when the queue is full or the wait is beyond
+        ``max_queue_wait_s``."""
         if self._queue_full(demand):
             self._refuse(
-                tenant,
+                ticket.tenant,
                 "queue_full",
-                f"{self._waiting()} requests already wait for KV "
+                f"{len(self._waiters)} requests already wait for KV "
                 f"(limit {self.config.max_queued_requests}, "
-                f"{self._queued_prompt_tokens} prompt tokens)",
+                f"{self._waiters.queued_prompt_tokens} prompt tokens)",
                 self._wait_behind_queue_s(demand),
                 REFUSES_ALL_S if self._queue_full_by_count() else 0.0,
             )
         wait_s = self.predicted_wait_s(demand, ticket.order)
         if wait_s > self.config.max_queue_wait_s:
             self._refuse(
-                tenant,
+                ticket.tenant,
                 "predicted_wait",
                 f"the KV this request needs ({demand.num_tokens} tokens) frees up in about "
                 f"{wait_s:.1f} s, beyond the {self.config.max_queue_wait_s:g} s a request "
                 "may wait",
                 wait_s,
             )
-        self._enter(ticket)
-        granted = asyncio.get_running_loop().create_future()
-        waiter = _Waiter(request_id, demand, ticket, granted, self._clock(), wait_s, ttft_deadline)
-        self._queue.add(ticket, waiter)
-        self._queued_prompt_tokens += demand.num_prompt_tokens
+        return wait_s
+
+    async def _wait_for_turn(self, waiter: Waiter) -> None:
+        """Wait until ``_serve`` grants ``waiter``; refused (``waited_out``) past the
+        backstop, ``WAIT_BACKSTOP_FACTOR`` x ``max_queue_wait_s``."""
+        backstop_s = self.config.max_queue_wait_s * WAIT_BACKSTOP_FACTOR
         try:
-            backstop_s = self.config.max_queue_wait_s * WAIT_BACKSTOP_FACTOR
-            await asyncio.wait_for(asyncio.shield(granted), backstop_s)
+            await asyncio.wait_for(asyncio.shield(waiter.granted), backstop_s)
         except TimeoutError:
-            if granted.done():  # granted as the time ran out: admitted after all
+            if waiter.granted.done():  # granted as the time ran out: admitted after all
                 return
             self._refuse(
-                tenant,
+                waiter.ticket.tenant,
                 "waited_out",
                 f"waited {backstop_s:g} s for KV",
-                self.predicted_wait_s(demand, ticket.order),
+                self.predicted_wait_s(waiter.demand, waiter.ticket.order),
             )
-        finally:
-            if not granted.done():  # refused or cancelled: leave the queue
-                granted.cancel()
-                self._leave_queue(waiter)
-                self._queued_prompt_tokens -= demand.num_prompt_tokens
-                self._usage.leave(tenant, 0)  # its tokens are taken only when it is granted
-                self._serve()  # the next one may fit now that it is the oldest
 
     def _wait_behind_queue_s(self, demand: KvDemand) -> float:
         """The predicted wait behind every waiter, reused for ``RETRY_HINT_MAX_AGE_S``."""
@@ -320,15 +306,11 @@ class KvAdmission:
     def release(self, request_id: str) -> None:
         """The request ended (any way): its KV counts no more, the output it did not
         generate goes back to its tenant's budget, waiters move up. Idempotent."""
-        admitted = self._admitted.pop(request_id, None)
+        admitted = self._admitted.remove(request_id)
         if admitted is None:
             return
-        self._admitted_tokens -= admitted.demand.num_tokens
-        self._admitted_context_sum -= _context_of(admitted.demand)
         if admitted.last_token_at is None:  # ended before its first token
-            self._backlog_prompt_count -= 1
-            self._prefill_backlog -= admitted.demand.num_prompt_tokens
-            self._latency.backlog_changed(self._clock(), self._backlog_prompt_count)
+            self._latency.backlog_changed(self._clock(), self._admitted.backlog_prompts)
         self._usage.leave(admitted.tenant, admitted.tokens_left)
         self._serve()
 
@@ -343,11 +325,11 @@ class KvAdmission:
         now = self._clock()
         previous, admitted.last_token_at = admitted.last_token_at, now
         if previous is None:  # its first tokens: the wait was TTFT, its prompt is done
-            self._backlog_prompt_count -= 1
+            self._admitted.first_tokens(admitted)
             self._latency.first_token(now - admitted.admitted_at)
             num_prompt_tokens = admitted.demand.num_prompt_tokens
-            self._prefill_backlog -= num_prompt_tokens
-            self._latency.prompt_prefilled(num_prompt_tokens, now, self._backlog_prompt_count)
+            backlog_prompts = self._admitted.backlog_prompts
+            self._latency.prompt_prefilled(num_prompt_tokens, now, backlog_prompts)
             self._serve()
         else:
             self._latency.output_tokens(num_new_tokens, now - previous)
@@ -365,12 +347,8 @@ class KvAdmission:
         (``sort_key``: its ``request_queue.py:AdmissionOrder``; None: behind all); 0 when it
         fits now. See ``LatencyEstimator.predicted_wait_s``. Late waiters
         (``late_waiters_yield``) are behind a newcomer, so only behind all are they counted."""
-        ahead = self._queue.ahead_of(sort_key)
-        if sort_key is None:
-            ahead += self._late.ahead_of(None)
-        return self._latency.predicted_wait_s(
-            self._outlook(demand), [*(waiter.demand for waiter in ahead), demand]
-        )
+        ahead = self._waiters.demands_ahead_of(sort_key)
+        return self._latency.predicted_wait_s(self._outlook(demand), [*ahead, demand])
 
     def _running_ends(self) -> tuple[RunningEnd, ...]:
         """Every admitted request's predicted end, sorted: built at most once per
@@ -386,7 +364,7 @@ class KvAdmission:
         ends = tuple(
             sorted(
                 RunningEnd(self._time_left_s(admitted), admitted.demand.num_tokens)
-                for admitted in self._admitted.values()
+                for admitted in self._admitted.all()
             )
         )
         self._ends_cache = (now, ends)
@@ -394,7 +372,7 @@ class KvAdmission:
 
     def _outlook(self, demand: KvDemand) -> KvOutlook:
         """What is admitted now, as the wait prediction for ``demand`` sees it."""
-        free_tokens = self.capacity_tokens - self._admitted_tokens
+        free_tokens = self.capacity_tokens - self._admitted.kv_tokens
         slots = self._max_decoding(demand)
         running = self._running_ends()
         prefill_tokens_per_s = self.prefill_tokens_per_s
@@ -402,12 +380,12 @@ class KvAdmission:
             free_tokens=free_tokens,
             free_slots=math.inf if slots is None else slots - len(self._admitted),
             running=running,
-            backlog_tokens=self._prefill_backlog,
+            backlog_tokens=self._admitted.backlog_tokens,
             backlog_limit_tokens=self._backlog_limit(prefill_tokens_per_s),
             prefill_tokens_per_s=prefill_tokens_per_s,
         )
 
-    def _time_left_s(self, admitted: _Admitted) -> float:
+    def _time_left_s(self, admitted: AdmittedRequest) -> float:
         """When an admitted request is predicted to end."""
         waited_s = None
         if admitted.last_token_at is None:
@@ -424,20 +402,20 @@ class KvAdmission:
         """Requests that may be admitted at once for the decode workers to keep the TPOT
         target, at the average context of what is admitted plus ``demand`` (None: no
         bound known yet). Never below 1."""
-        average = (self._admitted_context_sum + _context_of(demand)) / (len(self._admitted) + 1)
+        average = self._admitted.average_context_with(demand)
         bound = self._worker_capacity(round(average)).max_decoding
         return None if bound is None else max(1, bound)
 
     def snapshot(self) -> AdmissionSnapshot:
         return AdmissionSnapshot(
             capacity_tokens=self.capacity_tokens,
-            admitted_tokens=self._admitted_tokens,
+            admitted_tokens=self._admitted.kv_tokens,
             num_admitted=len(self._admitted),
-            num_queued=self._waiting(),
-            queued_prompt_tokens=self._queued_prompt_tokens,
+            num_queued=len(self._waiters),
+            queued_prompt_tokens=self._waiters.queued_prompt_tokens,
             tpot_s=self._latency.tpot_s,
             ttft_s=self._latency.ttft_s,
-            prefill_backlog_tokens=self._prefill_backlog,
+            prefill_backlog_tokens=self._admitted.backlog_tokens,
             prefill_drain_tokens_per_s=self._latency.drain_tokens_per_s,
         )
 
@@ -462,7 +440,7 @@ class KvAdmission:
         """When the tenant's soonest-ending request is predicted to end."""
         ends = [
             self._time_left_s(admitted)
-            for admitted in self._admitted.values()
+            for admitted in self._admitted.all()
             if admitted.tenant == tenant
         ]
         return min(ends, default=self._latency.run_time_s(demand.max_tokens))
@@ -470,7 +448,7 @@ class KvAdmission:
     def _enter(self, ticket: Ticket) -> None:
         """A request is admitted or waits: it counts in its tenant's requests in flight, and
         the tenant's next request queues behind it."""
-        self._queue.commit(ticket)
+        self._waiters.commit(ticket)
         self._usage.enter(ticket.tenant)
 
     def _refuse(
@@ -494,21 +472,18 @@ class KvAdmission:
     def _fits(self, demand: KvDemand) -> bool:
         """Room in the KV, in the decode batch the TPOT target allows and in the prefill
         backlog (alone, anything the workers accept)."""
-        if not self._admitted:
+        admitted = self._admitted
+        if not len(admitted):
             return True
-        if self._admitted_tokens + demand.num_tokens > self.capacity_tokens:
+        if admitted.kv_tokens + demand.num_tokens > self.capacity_tokens:
             return False
         slots = self._max_decoding(demand)
-        if slots is not None and len(self._admitted) >= slots:
+        if slots is not None and len(admitted) >= slots:
             return False
         return (
-            self._backlog_prompts() < self._worker_capacity(0).prompt_workers
-            or self._prefill_backlog + demand.num_prompt_tokens <= self.prefill_backlog_limit
+            admitted.backlog_prompts < self._worker_capacity(0).prompt_workers
+            or admitted.backlog_tokens + demand.num_prompt_tokens <= self.prefill_backlog_limit
         )
-
-    def _backlog_prompts(self) -> int:
-        """Admitted requests without a first token: the prompts of the prefill backlog."""
-        return self._backlog_prompt_count
 
     @property
     def prefill_backlog_limit(self) -> int:
@@ -521,85 +496,33 @@ class KvAdmission:
     def _queue_full(self, demand: KvDemand) -> bool:
         return (
             self._queue_full_by_count()
-            or self._queued_prompt_tokens + demand.num_prompt_tokens
+            or self._waiters.queued_prompt_tokens + demand.num_prompt_tokens
             > self.config.max_queued_prompt_tokens
         )
 
     def _queue_full_by_count(self) -> bool:
         """The queue refuses any request, whatever its prompt (``REFUSES_ALL_S``)."""
-        return self._waiting() >= self.config.max_queued_requests
+        return len(self._waiters) >= self.config.max_queued_requests
 
     def _grant(self, request_id: str, demand: KvDemand, ticket: Ticket) -> None:
         """Admit: its KV counts, its tenant's tokens are taken, the virtual time moves on."""
-        self._admitted[request_id] = _Admitted(
-            demand, ticket.tenant, demand.max_tokens, self._clock()
-        )
-        self._admitted_tokens += demand.num_tokens
-        self._admitted_context_sum += _context_of(demand)
-        self._backlog_prompt_count += 1
-        self._prefill_backlog += demand.num_prompt_tokens
-        self._latency.backlog_changed(self._clock(), self._backlog_prompt_count)
+        now = self._clock()
+        self._admitted.add(request_id, demand, ticket.tenant, now)
+        self._latency.backlog_changed(now, self._admitted.backlog_prompts)
         self._usage.take(ticket.tenant, demand.num_prompt_tokens + demand.max_tokens)
-        self._queue.started(ticket)
+        self._waiters.started(ticket)
         self._tell(AdmissionOutcome(ticket.tenant))
 
     def _serve(self) -> None:
         """Admit waiters while the next one fits: in admission order, late ones after those
-        of their priority that are not (module docstring)."""
-        while True:
-            queue = self._next_queue()
-            if queue is None:
+        of their priority that are not (``wait_queue.py``)."""
+        late_yield = self.config.late_waiters_yield
+        while self._waiters:
+            waiter = self._waiters.next(self.prefill_tokens_per_s, self._clock(), late_yield)
+            if waiter is None or not self._fits(waiter.demand):
                 return
-            waiter = queue.peek()
-            if not self._fits(waiter.demand):
-                return
-            queue.pop()
-            self._queued_prompt_tokens -= waiter.demand.num_prompt_tokens
+            on_time = self._waiters.pop(waiter)
             self._grant(waiter.request_id, waiter.demand, waiter.ticket)
             waiter.granted.set_result(None)
-            if queue is self._queue:  # a late one's wait is not what the queue model predicts
+            if on_time:  # a late one's wait is not what the queue model predicts
                 self._latency.waited(self._clock() - waiter.enqueued_at, waiter.predicted_wait_s)
-
-    def _next_queue(self) -> FairRequestQueue[_Waiter] | None:
-        """The queue whose head is admitted next (None: nobody waits), after moving the late
-        waiters at ``_queue``'s head to ``_late`` (each moves once: O(1) amortised)."""
-        if self.config.late_waiters_yield and self._queue:
-            self._move_late_heads()
-        if not self._late:
-            return self._queue if self._queue else None
-        if not self._queue:
-            return self._late
-        on_time, late = self._queue.peek().ticket.order, self._late.peek().ticket.order
-        return self._queue if on_time.rank <= late.rank else self._late
-
-    def _move_late_heads(self) -> None:
-        """Move ``_queue``'s head to ``_late`` while it is late: admitted now, its prompt
-        computed at once at the cluster's prefill rate would end past its deadline."""
-        prefill_tokens_per_s = self.prefill_tokens_per_s
-        if prefill_tokens_per_s > 0:
-            now = self._clock()
-            while self._queue:
-                head = self._queue.peek()
-                soonest = now + head.demand.num_prompt_tokens / prefill_tokens_per_s
-                if head.ttft_deadline is None or soonest <= head.ttft_deadline:
-                    break
-                late = self._queue.pop()  # == head
-                self._late.add(late.ticket, late)
-                self.late_waiters += 1
-
-    def _waiting(self) -> int:
-        """Requests that wait, late or not."""
-        return len(self._queue) + len(self._late)
-
-    def _leave_queue(self, waiter: _Waiter) -> None:
-        """Take a refused or cancelled ``waiter`` out of whichever queue holds it."""
-        try:
-            self._queue.remove(waiter)
-        except ValueError:
-            self._late.remove(waiter)
-
-
-def _context_of(demand: KvDemand) -> float:
-    """A request's average context over its life, as the decode batch bound reads it: its
-    prompt plus half its ``max_tokens``."""
-    return demand.num_prompt_tokens + demand.max_tokens / 2

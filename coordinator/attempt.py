@@ -40,13 +40,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import enum
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
+from typing import NoReturn
 
-from splitserve.common import loop_lag
 from splitserve.common.errors import (
     CapacityError,
     InvalidRequestError,
@@ -57,9 +58,17 @@ from splitserve.common.errors import (
 from splitserve.common.membership import Role
 from splitserve.common.output_processor import RequestTracker, StreamChunk
 from splitserve.common.request_update import FinishReason, StepOutput
-from splitserve.common.sampling_params import SamplingParams
 from splitserve.coordinator.registry import WorkerRecord
+from splitserve.coordinator.request_record import RequestRecord
 from splitserve.coordinator.router import DecodeProgress, Route, Router
+from splitserve.coordinator.stall_limits import (
+    PER_STREAM_STALL_FACTOR,
+    TIMER_SLACK_S,
+    AttemptTimeouts,
+    prefill_stall_limit_s,
+    silence_s,
+    stall_limit_s,
+)
 from splitserve.proto.worker_clients import (
     DecodeCall,
     MultiplexedDecodeCall,
@@ -165,96 +174,26 @@ class PrefillStalled(PrefillLost):
     treated as failed and the prompt is computed on a decode worker."""
 
 
-@dataclass(frozen=True)
-class AttemptTimeouts:
-    prefill_s: float = 300.0
-    request_s: float = 3600.0
-    stop_s: float = 2.0
-    stall_factor: float = 10.0
-    """A decoding stream silent for this many times its worker's expected step time is
-    stalled (``stall_limit_s``); 0 turns the watch off."""
-    stall_floor_s: float = 2.0
-    """... and never before this many seconds (GC pauses, a long prompt chunk)."""
-
-
-DEFAULT_STEP_S = 0.1
-"""A decode worker's expected step time before its step-cost model is known."""
-
-
-def stall_limit_s(worker: WorkerRecord, timeouts: AttemptTimeouts) -> float:
-    """How long a decoding stream on ``worker`` may go without a message: ``stall_factor``
-    times the step its latest load report predicts (a decode step of its running requests
-    and their tokens, plus a prompt chunk while prompts wait there), at least
-    ``stall_floor_s``."""
-    load = worker.load
-    cost = load.step_cost
-    expected = DEFAULT_STEP_S
-    if cost.knows_decode:
-        running = max(1, load.num_running_requests)
-        expected = cost.decode_step_s(running, load.num_running_tokens)
-    if load.num_pending_prefill_tokens and cost.knows_prefill:
-        chunk = min(load.num_pending_prefill_tokens, load.prefill_chunk_tokens)
-        expected += cost.prefill_s(chunk)
-    return max(timeouts.stall_floor_s, timeouts.stall_factor * expected)
-
-
-TIMER_SLACK_S = 0.05
-"""A loop timer may fire this much early; a stall check then still counts it due."""
-PER_STREAM_STALL_FACTOR = 10.0
-"""A request silent this many times its limit stalls even while its worker is heard from
-(heartbeats, other streams' messages): one request stuck on a live worker."""
-DEFAULT_PREFILL_TOKEN_S = 0.002
-"""A prefill worker's expected seconds a prompt token before its step-cost model is known."""
-
-
-def prefill_stall_limit_s(
-    worker: WorkerRecord, prompt_tokens: int, timeouts: AttemptTimeouts, queued_tokens: int = 0
-) -> float:
-    """How long a prompt pushed to ``worker`` may take to bring its first token:
-    ``stall_factor`` times what its step-time model predicts for the prompt tokens queued
-    there (its latest load report, or ``queued_tokens``, what routing counted ahead of this
-    prompt, whichever is more: a crowd's prompts arrive faster than reports) plus this
-    one's, at least ``stall_floor_s``."""
-    load, cost = worker.load, worker.load.step_cost
-    tokens = max(load.num_pending_prefill_tokens, queued_tokens) + prompt_tokens
-    if cost.knows_prefill:
-        chunk = max(1, load.prefill_chunk_tokens or tokens)
-        steps = -(-tokens // chunk)
-        expected = steps * cost.prefill_base_s + tokens * cost.per_prefill_token_s
-    else:
-        expected = DEFAULT_STEP_S + tokens * DEFAULT_PREFILL_TOKEN_S
-    return max(timeouts.stall_floor_s, timeouts.stall_factor * expected)
-
-
-def _silence_s(since: float, now: float) -> float:
-    """Seconds from ``since`` to ``now``, less what this process's event loop ran late."""
-    return now - since - loop_lag.lag_since(since)
-
-
 class Attempt:
-    """Runs the request once on ``route``; iterate ``run()`` for its stream chunks.
+    """Runs ``request`` once on ``route``; iterate ``run()`` for its stream chunks.
 
-    ``prompt_token_ids`` is the prompt, ``prior_output_token_ids`` the tokens streamed by
-    earlier attempts (the decode worker goes on after them: budget, penalties and seeded
-    sampling as if the request had never moved), ``params`` the request's (stop strings
-    removed: they are the tracker's)."""
+    ``prior_output_token_ids`` are the tokens streamed by earlier attempts (the decode worker
+    goes on after them: budget, penalties and seeded sampling as if the request had never
+    moved); the workers get the request's params without its stop strings (those are the
+    tracker's)."""
 
     def __init__(
         self,
+        request: RequestRecord,
         tracker: RequestTracker,
         route: Route,
-        prompt_token_ids: Sequence[int],
-        params: SamplingParams,
-        stop_strings: Sequence[str],
         router: Router,
         channels: WorkerChannels,
         timeouts: AttemptTimeouts,
         prior_output_token_ids: Sequence[int] = (),
-        traceparent: str = "",
     ) -> None:
-        """``traceparent``: the request's span, which the workers' spans join."""
         self.tracker = tracker
-        self._traceparent = traceparent
+        self._traceparent = request.traceparent
         self.route = route
         self.state = AttemptState.RESERVING if route.prefill else AttemptState.DECODING
         self.num_cached_tokens = 0
@@ -262,11 +201,12 @@ class Attempt:
         """(stage, seconds) as they completed: reserve, prefill or local_prefill."""
         self.first_token_s: float | None = None
         """Seconds from the attempt's start to its first token, once it came."""
-        self._started = time.monotonic()
-        self._prompt = list(prompt_token_ids)
+        self._started = self._stage_start = time.monotonic()
+        """When the attempt started, and when its current stage did."""
+        self._prompt = list(request.prompt_token_ids)
         self._prior_output = list(prior_output_token_ids)
-        self._params = params
-        self._stop_strings = tuple(stop_strings)
+        self._params = dataclasses.replace(request.params, stop=())
+        self._stop_strings = request.params.stop
         self._router = router
         self._channels = channels
         self._timeouts = timeouts
@@ -274,7 +214,7 @@ class Attempt:
         self._held_event: AttemptEvent | None = None
         """Taken from ``_events`` while merging decoded outputs, not yet handled."""
         self._progress = DecodeProgress(
-            max_tokens=params.max_tokens - len(self._prior_output), tpot_s=route.slo.tpot_s
+            max_tokens=request.tokens_left(len(self._prior_output)), tpot_s=route.slo.tpot_s
         )
         """What the router's placement sees of this request while it decodes."""
         self._local_prompt = contextlib.ExitStack()
@@ -313,80 +253,21 @@ class Attempt:
         if inline is not None and isinstance(call, MultiplexedDecodeCall):
             self._inline = inline
             call.listen(self._take_inline)
-        started = stage_start = self._started = time.monotonic()
+        self._started = self._stage_start = time.monotonic()
         if self.route.prefill is None:  # the decode worker computes the prompt itself
             computed = len(self._prompt) + len(self._prior_output)  # a resume recomputes both
             self._local_prompt.enter_context(self._router.prefilling(decode, computed))
         with self._router.decoding(decode, self._progress), self._local_prompt:
             try:
                 while self.state is not AttemptState.ENDED:
-                    match await self._next_event():
-                        case Reserved(reservation):
-                            stage_start = self._stage("reserve", started)
-                            self.state = AttemptState.PREFILLING
-                            tasks.append(asyncio.create_task(self._prefill(reservation)))
-                            self._prefill_started_at = time.monotonic()
-                            self._watch_for_stalls()
-                        case Prefilled(done):
-                            self.num_cached_tokens = done.num_cached_tokens
-                            if self.route.prefill is not None:
-                                self._router.report_success(self.route.prefill)
-                            if self.state is AttemptState.PREFILLING:  # the rest is decode's
-                                self._prefill_answered_at = time.monotonic()
-                                self._watch_for_stalls()
-                        case PrefillFailed(error) if self.state is AttemptState.PREFILLING:
-                            logger.warning("%s: prefill failed (%s)", self._label, error)
-                            raise PrefillLost(str(error))
-                        case PrefillFailed():
-                            pass  # after the first token: the KV had landed, decoding goes on
-                        case Decoded(output) if self._gave_up_on_kv(output):
-                            logger.warning("%s: the decode worker gave up the KV", self._label)
-                            raise PrefillLost("the decode worker aborted the reservation")
-                        case Decoded(output):
-                            yield self._decoded(output, stage_start)
-                            if self.tracker.finished:
-                                self._router.finished(decode, self._prompt + self.tracker.token_ids)
-                                await self._end_on_worker(decode)
-                        case FinishedInline():
-                            self._router.finished(decode, self._prompt + self.tracker.token_ids)
-                            await self._end_on_worker(decode)
-                        case InlineFailed(error):
-                            raise error
-                        case DecodeClosed(error=InvalidRequestError() | CapacityError() as error):
-                            raise error
-                        case DecodeClosed(error):
-                            logger.warning("%s: decode stream lost (%s)", self._label, error)
-                            raise DecodeLost(str(error or "the stream ended early"))
-                        case AbortRequested():
-                            self.state = AttemptState.ENDED
-                            yield self.tracker.abort()
-                        case StreamStalled(state=state) if state is not self.state:
-                            pass  # armed in an earlier state: its limit no longer applies
-                        case StreamStalled(silent_s, limit_s) if self.route.prefill and (
-                            self.state is AttemptState.PREFILLING
-                            and self._prefill_answered_at is None
-                        ):
-                            prefill = self.route.prefill
-                            logger.warning(
-                                "%s: stalled while %s computed the prompt: no first token for "
-                                "%.1f s (limit %.1f s from its step times); computing it on a "
-                                "decode worker",
-                                self._label,
-                                prefill.worker_id,
-                                silent_s,
-                                limit_s,
-                            )
-                            self._router.report_failure(prefill)
-                            raise PrefillStalled(f"no first token for {silent_s:.1f} s")
-                        case StreamStalled(silent_s, limit_s):
-                            logger.warning(
-                                "%s: stalled while decoding: no token for %.1f s (limit %.1f s "
-                                "from the worker's step times); resuming elsewhere",
-                                self._label,
-                                silent_s,
-                                limit_s,
-                            )
-                            raise DecodeStalled(f"no token for {silent_s:.1f} s")
+                    event = await self._next_event()
+                    chunk = self._handle(event, tasks)
+                    if chunk is not None:
+                        yield chunk
+                    finished = isinstance(event, Decoded) and self.tracker.finished
+                    if finished or isinstance(event, FinishedInline):
+                        self._router.finished(decode, self._prompt + self.tracker.token_ids)
+                        await self._end_on_worker(decode)
             finally:
                 self._inline = None
                 if self._stall_watch is not None:
@@ -394,6 +275,73 @@ class Attempt:
                 for task in tasks:
                     task.cancel()
                 call.cancel()
+
+    def _handle(self, event: AttemptEvent, tasks: list[asyncio.Task[None]]) -> StreamChunk | None:
+        """Apply one event: the chunk to stream, if it makes one; raises how the attempt
+        ends when it does (module docstring: outcomes). A finishing chunk is ended on the
+        worker by ``run``."""
+        match event:
+            case Reserved(reservation):
+                self._stage_start = self._stage("reserve", self._started)
+                self.state = AttemptState.PREFILLING
+                tasks.append(asyncio.create_task(self._prefill(reservation)))
+                self._prefill_started_at = time.monotonic()
+                self._watch_for_stalls()
+            case Prefilled(done):
+                self.num_cached_tokens = done.num_cached_tokens
+                if self.route.prefill is not None:
+                    self._router.report_success(self.route.prefill)
+                if self.state is AttemptState.PREFILLING:  # the rest is decode's
+                    self._prefill_answered_at = time.monotonic()
+                    self._watch_for_stalls()
+            case PrefillFailed(error) if self.state is AttemptState.PREFILLING:
+                logger.warning("%s: prefill failed (%s)", self._label, error)
+                raise PrefillLost(str(error))
+            case Decoded(output) if self._gave_up_on_kv(output):
+                logger.warning("%s: the decode worker gave up the KV", self._label)
+                raise PrefillLost("the decode worker aborted the reservation")
+            case Decoded(output):
+                return self._decoded(output, self._stage_start)
+            case InlineFailed(error):
+                raise error
+            case DecodeClosed(error=InvalidRequestError() | CapacityError() as error):
+                raise error
+            case DecodeClosed(error):
+                logger.warning("%s: decode stream lost (%s)", self._label, error)
+                raise DecodeLost(str(error or "the stream ended early"))
+            case AbortRequested():
+                self.state = AttemptState.ENDED
+                return self.tracker.abort()
+            case StreamStalled() if event.state is self.state:  # else: armed in an earlier
+                self._stalled(event)  # state, whose limit no longer applies
+        # PrefillFailed after the first token: the KV had landed, decoding goes on;
+        # FinishedInline: ``run`` ends it on the worker
+        return None
+
+    def _stalled(self, stall: StreamStalled) -> NoReturn:
+        """Raise the stall's outcome: a pushed prompt without its first token is computed
+        on a decode worker (its prefill worker reported failed); a silent decode stream
+        resumes elsewhere."""
+        prefill = self.route.prefill
+        if prefill and self.state is AttemptState.PREFILLING and self._prefill_answered_at is None:
+            logger.warning(
+                "%s: stalled while %s computed the prompt: no first token for %.1f s (limit "
+                "%.1f s from its step times); computing it on a decode worker",
+                self._label,
+                prefill.worker_id,
+                stall.silent_s,
+                stall.limit_s,
+            )
+            self._router.report_failure(prefill)
+            raise PrefillStalled(f"no first token for {stall.silent_s:.1f} s")
+        logger.warning(
+            "%s: stalled while decoding: no token for %.1f s (limit %.1f s from the worker's "
+            "step times); resuming elsewhere",
+            self._label,
+            stall.silent_s,
+            stall.limit_s,
+        )
+        raise DecodeStalled(f"no token for {stall.silent_s:.1f} s")
 
     async def _next_event(self) -> AttemptEvent:
         """The next event, in order; ``Decoded`` events that queued up while this attempt
@@ -531,8 +479,8 @@ class Attempt:
         watched = self._silence_watched()
         assert watched is not None  # the state it was armed in, which watches
         since, worker = watched
-        silent_s = _silence_s(max(since, worker.last_seen), now)
-        stream_s = _silence_s(since, now)
+        silent_s = silence_s(max(since, worker.last_seen), now)
+        stream_s = silence_s(since, now)
         stream_limit_s = PER_STREAM_STALL_FACTOR * limit_s
         remaining_s = limit_s - silent_s
         if (

@@ -21,9 +21,7 @@ sees one uninterrupted stream:
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import enum
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -31,7 +29,6 @@ from splitserve.common.detokenizer import TokenDecoder
 from splitserve.common.errors import InvalidRequestError, WorkerUnavailableError
 from splitserve.common.output_processor import RequestTracker, StreamChunk
 from splitserve.common.request_update import RequestUpdate
-from splitserve.common.sampling_params import SamplingParams
 from splitserve.coordinator.attempt import (
     Attempt,
     AttemptTimeouts,
@@ -41,7 +38,8 @@ from splitserve.coordinator.attempt import (
     PrefillLost,
     PrefillStalled,
 )
-from splitserve.coordinator.placement import Placement, Slo
+from splitserve.coordinator.placement import Placement
+from splitserve.coordinator.request_record import RequestRecord
 from splitserve.coordinator.router import Router
 from splitserve.proto.worker_clients import WorkerChannels
 
@@ -74,32 +72,24 @@ class RequestFlow:
 
     def __init__(
         self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
+        request: RequestRecord,
         decoder: TokenDecoder,
         router: Router,
         channels: WorkerChannels,
         config: FlowConfig,
-        slo: Slo | None = None,
-        arrived_at: float | None = None,
-        traceparent: str = "",
-        session_id: str = "",
     ) -> None:
-        """``slo``: the request's latency targets for placing its prompt (None: the router's
-        default); ``arrived_at``: when it arrived (``time.monotonic``; None: now), the start
-        of its TTFT target, which placement counts the wait since (admission's queue);
-        ``traceparent``: the request's span here, which every attempt's worker spans join;
-        ``session_id``: its session's, which every attempt routes by (``router.py``)."""
-        self.request_id = request_id
-        self.traceparent = traceparent
-        self.session_id = session_id
-        self.slo = slo
-        self.arrived_at = time.monotonic() if arrived_at is None else arrived_at
-        self.prompt_token_ids = prompt_token_ids
-        self.params = params
+        """``request``: the request's record (``request_record.py``), which every attempt
+        routes and runs by: its targets place its prompt (its TTFT target counts from its
+        arrival, so placement counts the wait since: admission's queue), its span is what
+        every attempt's worker spans join, its session what every attempt routes by."""
+        self.request = request
+        self.request_id = request.request_id
+        self.prompt_token_ids = list(request.prompt_token_ids)
+        self.params = request.params
         self.state = FlowState.ADMITTED
-        self.tracker = RequestTracker(request_id, prompt_token_ids, params, decoder)
+        self.tracker = RequestTracker(
+            request.request_id, self.prompt_token_ids, request.params, decoder
+        )
         self._num_cached_tokens = 0  # of attempts that ended
         self._router = router
         self._channels = channels
@@ -212,29 +202,17 @@ class RequestFlow:
         """The next attempt, from prompt + tokens streamed so far; None when no decode worker
         can take the request."""
         streamed = list(self.tracker.token_ids)
-        remaining = self.params.max_tokens - len(streamed)
         with_prefill = not (local_prefill_only or streamed)
-        route = self._router.route(
-            self.prompt_token_ids + streamed,
-            remaining,
-            excluded,
-            with_prefill,
-            self.slo,
-            time.monotonic() - self.arrived_at,
-            self.session_id,
-        )
+        route = self._router.route(self.request, streamed, excluded, with_prefill)
         if route is None:
             return None
         self._attempt = Attempt(
+            self.request,
             self.tracker,
             route,
-            self.prompt_token_ids,
-            dataclasses.replace(self.params, stop=()),
-            self.params.stop,
             self._router,
             self._channels,
             self._config.timeouts,
             prior_output_token_ids=streamed,
-            traceparent=self.traceparent,
         )
         return self._attempt

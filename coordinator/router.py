@@ -64,6 +64,7 @@ from splitserve.coordinator.placement import (
     place,
 )
 from splitserve.coordinator.registry import WorkerRecord, WorkerRegistry
+from splitserve.coordinator.request_record import RequestRecord
 
 DEFAULT_SLO = Slo(ttft_s=2.0, tpot_s=0.05)
 
@@ -306,48 +307,40 @@ class Router:
 
     def route(
         self,
-        prompt_token_ids: Sequence[int],
-        max_tokens: int,
+        request: RequestRecord,
+        streamed: Sequence[int] = (),
         exclude: Sequence[str] = (),
         with_prefill: bool = True,
-        slo: Slo | None = None,
-        waited_s: float = 0.0,
-        session_id: str = "",
     ) -> Route | None:
-        """A route for the request, or None when no decode worker can take it.
-        ``with_prefill=False``: the decode worker computes the prompt (fallback, resume).
-        ``slo``: the request's targets (the config's default when None); ``waited_s``: how
-        long ago it arrived (its TTFT target counts from then); ``session_id``: its
-        session's, for the decode worker ("" for none; module docstring)."""
-        slo = slo or self.config.slo
+        """A route for ``request`` after ``streamed`` output tokens (a resume goes on after
+        them), or None when no decode worker can take it. ``with_prefill=False``: the decode
+        worker computes the prompt (fallback, resume). Its targets (``request.slo``) place the
+        prompt, counted from its arrival; its session picks the decode worker (module
+        docstring)."""
+        prompt_token_ids = request.context_after(streamed) if streamed else request.prompt_token_ids
         hashes_of = hashes_by_block_size(prompt_token_ids)
         decode = self.pick_decode(
-            len(prompt_token_ids) + max_tokens, exclude, hashes_of, session_id
+            len(prompt_token_ids) + request.tokens_left(len(streamed)),
+            exclude,
+            hashes_of,
+            request.session_id,
         )
         if decode is None:
             return None
         hashes = hashes_of(decode.block_size)
         if not with_prefill:
             self._guess_held(decode, hashes)
-            return Route(decode, None, slo=slo)
+            return Route(decode, None, slo=request.slo)
         candidates = self._prefill_candidates(decode, len(prompt_token_ids))
-        placement = self.place_prompt(
-            decode,
-            candidates,
-            hashes,
-            len(prompt_token_ids),
-            max_tokens,
-            slo,
-            waited_s,
-        )
+        placement = self.place_prompt(decode, candidates, hashes, request)
         self._guess_held(decode, hashes)  # its blocks land there
         if placement.prefill_worker_id is None:
-            return Route(decode, None, placement, slo)
+            return Route(decode, None, placement, request.slo)
         prefill = self.registry.get(placement.prefill_worker_id)
         assert prefill is not None  # a candidate a moment ago, on this event loop
         if prefill.worker_id not in self._known:
             self._memory(prefill.worker_id).remember(hashes)
-        return Route(decode, prefill, placement, slo, self._queued_prefill_tokens(prefill))
+        return Route(decode, prefill, placement, request.slo, self._queued_prefill_tokens(prefill))
 
     def prompt_rates(self, probe_tokens: int) -> list[float]:
         """Prompt tokens per second (read at a prompt of ``probe_tokens``) of each worker that
@@ -452,16 +445,15 @@ class Router:
         decode: WorkerRecord,
         candidates: Sequence[WorkerRecord],
         hashes: Sequence[BlockHash],
-        num_prompt_tokens: int,
-        max_tokens: int,
-        slo: Slo,
-        waited_s: float = 0.0,
+        request: RequestRecord,
     ) -> Placement:
-        """Where the prompt (its block ``hashes``) runs for a request decoding on ``decode``,
-        among the prefill ``candidates`` and ``decode`` itself (``place``), for a request that
-        arrived ``waited_s`` ago. A candidate that
+        """Where ``request``'s prompt (its block ``hashes``; a first attempt's: nothing
+        streamed yet) runs for it decoding on ``decode``, among the prefill ``candidates``
+        and ``decode`` itself (``place``), against its targets counted from its arrival. A
+        candidate that
         decodes too (a dual-role worker: a decode member at its address) is seen with its
         decode batch."""
+        num_prompt_tokens = len(request.prompt_token_ids)
         decoding_at = (
             {w.address for w in self.registry.workers(Role.DECODE)} if candidates else set()
         )
@@ -497,8 +489,16 @@ class Router:
             cached_tokens=decode_cached,
         )
         config = PlacementConfig(self.config.local_prefill_max_tokens, self.config.ttft_at_risk)
+        waited_s = time.monotonic() - request.arrived_at
         return place(
-            num_prompt_tokens, max_tokens, view, prefills, slo, self.config.mode, config, waited_s
+            num_prompt_tokens,
+            request.params.max_tokens,
+            view,
+            prefills,
+            request.slo,
+            self.config.mode,
+            config,
+            waited_s,
         )
 
     @staticmethod

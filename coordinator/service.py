@@ -41,7 +41,6 @@ from splitserve.common.prompt import (
     min_prompt_tokens,
     prompt_chars,
 )
-from splitserve.common.sampling_params import AskedSampling
 from splitserve.common.step_cost import StepCost
 from splitserve.common.tokenizer import Tokenizer
 from splitserve.common.tracing import (
@@ -51,17 +50,12 @@ from splitserve.common.tracing import (
     traceparent_of,
     tracing_enabled,
 )
-from splitserve.coordinator.admission import (
-    AdmissionConfig,
-    KvAdmission,
-    KvDemand,
-    WorkerCapacity,
-)
+from splitserve.coordinator.admission import AdmissionConfig, KvAdmission, WorkerCapacity
 from splitserve.coordinator.flow import FlowConfig, RequestFlow
 from splitserve.coordinator.flow_trace import trace_flow
 from splitserve.coordinator.max_tokens import OutputLimits, fewest_max_tokens, settle_max_tokens
-from splitserve.coordinator.placement import NO_TARGETS, LatencyTargets
 from splitserve.coordinator.registry import WorkerRegistry
+from splitserve.coordinator.request_record import RequestAsk, RequestRecord
 from splitserve.coordinator.router import Router, RoutingConfig
 from splitserve.coordinator.tenants import TenantPolicy
 from splitserve.proto.cluster_access import ClusterAccess
@@ -259,12 +253,12 @@ class Coordinator:
             fill_limit=self.fill_limit,
         )
 
-    def _check_length_before_tokenizing(self, prompt: Prompt, sampling: AskedSampling) -> None:
+    def _check_length_before_tokenizing(self, ask: RequestAsk) -> None:
         """Refuse a prompt whose lower bound on tokens (``min_prompt_tokens``, no tokenizing)
         already leaves no room in the context: a huge prompt costs nothing."""
         limit = self.max_model_len
-        at_least = min_prompt_tokens(self.tokenizer, prompt)
-        wanted = fewest_max_tokens(sampling.max_tokens)
+        at_least = min_prompt_tokens(self.tokenizer, ask.prompt)
+        wanted = fewest_max_tokens(ask.sampling.max_tokens)
         if limit and at_least + wanted > limit:
             raise ContextLengthExceededError(
                 f"this model's context is {limit} tokens; the prompt has at least {at_least}",
@@ -273,36 +267,20 @@ class Coordinator:
 
     def generate(
         self,
-        request_id: str,
-        prompt: Prompt,
-        sampling: AskedSampling,
+        ask: RequestAsk,
         caller: Caller = ANONYMOUS,
-        continue_after: Sequence[int] = (),
-        priority: int = 0,
-        targets: LatencyTargets = NO_TARGETS,
-        traceparent: str = "",
-        session_id: str = "",
         inline: FlowSink | None = None,
         on_admitted: Callable[[], None] | None = None,
     ) -> AsyncIterator[tuple[RequestFlow, StreamChunk]]:
         """Stream a request's chunks (with its flow, for usage figures).
 
-        ``sampling``: as the caller asked; its ``max_tokens`` is settled once the prompt is
-        tokenized (``coordinator/max_tokens.py:settle_max_tokens``), and only then are the
-        request's params made (and their values checked).
-        ``caller``: who asks; the only one ``abort`` lets end the request.
-        ``request_id``: the caller's; ids are scoped by tenant (``scoped_request_id``), so
-        tenants never see each other's. ``priority``: admission order (``admission.py``).
-        ``targets``: the request's own latency targets for placing its prompt
-        (``LatencyTargets.slo``; the routing config's where it gives none).
-        ``continue_after``: completion tokens another coordinator already streamed to the
-        client (``RequestFlow.replay``); the stream carries only what follows them, unless
-        they already finish the request (then one final chunk without text).
-        Every flow, also one that fails, is passed to ``flow_observer`` when it ends.
-        ``traceparent``: the caller's span; the request's span here (``coordinator
-        generate``, from arrival to its end or refusal) joins its trace (``common/tracing.py``).
-        ``session_id``: its session's: the decode worker is the session's home unless that one
-        is saturated (``router.py``); scoped by tenant like request ids.
+        ``ask``: the request as the caller sent it; it becomes the request's
+        ``RequestRecord`` once, here (``_record_of``: tokenized, ``max_tokens`` settled,
+        params made and checked, ids scoped by tenant), which admission, routing and every
+        attempt then read. ``caller``: who asks; the only one ``abort`` lets end the request.
+        Every flow, also one that fails, is passed to ``flow_observer`` when it ends. The
+        request's span here (``coordinator generate``, from arrival to its end or refusal)
+        joins the caller's trace (``ask.traceparent``, ``common/tracing.py``).
         ``inline``: takes, in the stream's order, the chunks the flow's attempts process as
         they arrive (``attempt.py``: the steady decode of a multiplexed decode stream, with no
         task switch per chunk); they are not iterated. Must not block.
@@ -310,23 +288,20 @@ class Coordinator:
         not block or raise.
         """
         arrived_at = time.monotonic()
-        session = scoped_request_id(session_id, caller) if session_id else ""
-        args = (
-            request_id, prompt, sampling, caller, continue_after, priority, targets, session,
-            inline, on_admitted,
-        )  # fmt: skip
         if not tracing_enabled():
-            return self._generate(NO_SPAN, *args, arrived_at)
-        return self._traced(traceparent, *args, arrived_at)
+            return self._generate(NO_SPAN, ask, caller, arrived_at, inline, on_admitted)
+        return self._traced(ask, caller, arrived_at, inline, on_admitted)
 
     async def _traced(
-        self, traceparent: str, request_id: str, *args: Any
+        self, ask: RequestAsk, caller: Caller, *args: Any
     ) -> AsyncIterator[tuple[RequestFlow, StreamChunk]]:
         """``_generate`` under the request's span, ended (with the error, if one) when it
         ends."""
-        span = start_span("coordinator generate", request_id, traceparent, kind=SpanKind.SERVER)
+        span = start_span(
+            "coordinator generate", ask.request_id, ask.traceparent, kind=SpanKind.SERVER
+        )
         try:
-            async with contextlib.aclosing(self._generate(span, request_id, *args)) as stream:
+            async with contextlib.aclosing(self._generate(span, ask, caller, *args)) as stream:
                 async for item in stream:
                     yield item
         except GeneratorExit:  # the caller stopped reading: not this request's error
@@ -338,46 +313,28 @@ class Coordinator:
         finally:
             span.end()
 
-    async def _generate(
-        self,
-        span: Span,
-        request_id: str,
-        prompt: Prompt,
-        sampling: AskedSampling,
-        caller: Caller,
-        continue_after: Sequence[int],
-        priority: int,
-        targets: LatencyTargets,
-        session_id: str,
-        inline: FlowSink | None,
-        on_admitted: Callable[[], None] | None,
-        arrived_at: float,
-    ) -> AsyncIterator[tuple[RequestFlow, StreamChunk]]:
-        """``generate``'s work, under the request's ``span`` (``NO_SPAN``: untraced)."""
-        request_id = scoped_request_id(request_id, caller) or f"req-{uuid.uuid4().hex}"
+    async def _record_of(
+        self, span: Span, ask: RequestAsk, caller: Caller, arrived_at: float
+    ) -> RequestRecord:
+        """The request's record: every check a request passes before admission (its ids,
+        its length before and after tokenizing, a decode worker to serve it, its params and
+        grammar), the prompt tokenized (long ones on a thread), ``max_tokens`` settled."""
+        request_id = scoped_request_id(ask.request_id, caller) or f"req-{uuid.uuid4().hex}"
         span.set_attribute(REQUEST_ID_ATTRIBUTE, request_id)
-        if len(session_id) > MAX_SESSION_ID_CHARS:
+        if len(ask.session_id) > MAX_SESSION_ID_CHARS:
             raise InvalidRequestError(
                 f"session_id must be at most {MAX_SESSION_ID_CHARS} characters", "session_id"
             )
         if request_id in self._running:
             raise InvalidRequestError("this request id is already running", "request_id")
-        sampling.check()
-        self._check_length_before_tokenizing(prompt, sampling)
-        if prompt_chars(prompt) <= INLINE_ENCODE_CHARS:
-            prompt_ids = self.encode(prompt)
+        ask.sampling.check()
+        self._check_length_before_tokenizing(ask)
+        if prompt_chars(ask.prompt) <= INLINE_ENCODE_CHARS:
+            prompt_ids = self.encode(ask.prompt)
         else:  # tokenizing (and chat templating) a long prompt takes a while: not on the loop
-            prompt_ids = await asyncio.to_thread(self.encode, prompt)
-        if not self.ready:
-            if self.registry.workers(Role.DECODE, healthy_only=False):
-                # known but none routable now (a call failed, a stall, a missed heartbeat:
-                # typically overload): a retry soon may find one
-                raise OverloadedError(
-                    "every decode worker is recovering (a call to it failed or it reported "
-                    "no progress); retry shortly",
-                    RECOVERING_RETRY_AFTER_S,
-                )
-            raise WorkerUnavailableError("no decode worker is registered yet")
+            prompt_ids = await asyncio.to_thread(self.encode, ask.prompt)
+        self._check_ready()
+        sampling = ask.sampling
         max_tokens = settle_max_tokens(
             sampling.max_tokens, sampling.min_tokens, len(prompt_ids), self._output_limits()
         )
@@ -385,45 +342,63 @@ class Coordinator:
         params.check_vocab(self.tokenizer.vocab_size)
         if params.grammar is not None:
             await self.check_grammar(params.grammar)
+        return RequestRecord(
+            request_id=request_id,
+            prompt_token_ids=tuple(prompt_ids),
+            params=params,
+            arrived_at=arrived_at,
+            slo=ask.targets.slo(self.config.routing.slo),
+            caller=caller,
+            priority=ask.priority,
+            session_id=scoped_request_id(ask.session_id, caller) if ask.session_id else "",
+            traceparent=traceparent_of(span),
+            continue_after=ask.continue_after,
+        )
+
+    def _check_ready(self) -> None:
+        """Raise unless a decode worker can take a request now: ``OverloadedError`` (retry
+        soon) when every known one is recovering, ``WorkerUnavailableError`` when none is
+        registered."""
+        if self.ready:
+            return
+        if self.registry.workers(Role.DECODE, healthy_only=False):
+            # known but none routable now (a call failed, a stall, a missed heartbeat:
+            # typically overload): a retry soon may find one
+            raise OverloadedError(
+                "every decode worker is recovering (a call to it failed or it reported "
+                "no progress); retry shortly",
+                RECOVERING_RETRY_AFTER_S,
+            )
+        raise WorkerUnavailableError("no decode worker is registered yet")
+
+    async def _generate(
+        self,
+        span: Span,
+        ask: RequestAsk,
+        caller: Caller,
+        arrived_at: float,
+        inline: FlowSink | None,
+        on_admitted: Callable[[], None] | None,
+    ) -> AsyncIterator[tuple[RequestFlow, StreamChunk]]:
+        """``generate``'s work, under the request's ``span`` (``NO_SPAN``: untraced)."""
+        record = await self._record_of(span, ask, caller, arrived_at)
         if len(self._running) >= self.config.max_inflight:
             raise OverloadedError(
                 f"{len(self._running)} requests in flight (limit {self.config.max_inflight})"
             )
-        flow_slo = targets.slo(self.config.routing.slo)
-        flow = RequestFlow(
-            request_id,
-            prompt_ids,
-            params,
-            self.tokenizer,
-            self.router,
-            self.channels,
-            self.config.flow,
-            flow_slo,
-            arrived_at,
-            traceparent_of(span),
-            session_id,
-        )
+        flow = RequestFlow(record, self.tokenizer, self.router, self.channels, self.config.flow)
+        request_id = record.request_id
         self._running[request_id] = _Running(flow, caller)
         try:
-            demand = KvDemand.of(len(prompt_ids), params.max_tokens, self.block_size)
-            await self.admission.admit(
-                request_id, demand, caller.tenant, priority, arrived_at + flow_slo.ttft_s
-            )
+            await self.admission.admit(record, record.kv_demand(self.block_size))
             span.add_event("admitted")
             if on_admitted is not None:
                 on_admitted()
-            if continue_after:
-                replayed = self._replay(flow, continue_after)
+            if record.continue_after:
+                replayed = self._replay(flow, record.continue_after)
                 if replayed is not None:
                     yield flow, replayed
-            flow_inline = None
-            if inline is not None:
-
-                def flow_inline(chunk: StreamChunk) -> None:
-                    self.admission.progress(request_id, len(chunk.new_token_ids))
-                    inline(flow, chunk)
-
-            async with contextlib.aclosing(flow.run(flow_inline)) as chunks:
+            async with contextlib.aclosing(flow.run(self._flow_inline(flow, inline))) as chunks:
                 async for chunk in chunks:
                     self.admission.progress(request_id, len(chunk.new_token_ids))
                     yield flow, chunk
@@ -433,6 +408,22 @@ class Coordinator:
             trace_flow(span, flow)
             if self.flow_observer is not None:
                 self.flow_observer(flow)
+
+    def _flow_inline(
+        self, flow: RequestFlow, inline: FlowSink | None
+    ) -> Callable[[StreamChunk], None] | None:
+        """The flow's inline sink: counts each chunk's tokens for admission, then hands it
+        to ``inline`` with its flow (None without ``inline``)."""
+        if inline is None:
+            return None
+        request_id = flow.request_id
+        progress = self.admission.progress
+
+        def flow_inline(chunk: StreamChunk) -> None:
+            progress(request_id, len(chunk.new_token_ids))
+            inline(flow, chunk)
+
+        return flow_inline
 
     def _replay(self, flow: RequestFlow, token_ids: Sequence[int]) -> StreamChunk | None:
         """Replay tokens another coordinator streamed; the finishing chunk (without the text

@@ -23,6 +23,7 @@ from splitserve.common.prompt import Prompt, check_in_vocab
 from splitserve.coordinator.flow import RequestFlow
 from splitserve.coordinator.metrics import CoordinatorMetrics
 from splitserve.coordinator.placement import LatencyTargets
+from splitserve.coordinator.request_record import RequestAsk
 from splitserve.coordinator.service import Coordinator
 from splitserve.proto import convert
 from splitserve.proto.api_key_auth import caller_of
@@ -156,17 +157,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         try:
             self._coordinator.config.check_model(request.model)
             stream = self._coordinator.generate(
-                request.request_id,
-                _prompt_of(request),
-                convert.asked_sampling_from_proto(request.sampling),
-                caller=caller,
-                continue_after=convert.token_ids(request.continue_after.ids),
-                priority=request.priority,
-                targets=_targets_of(request),
-                traceparent=request.traceparent,
-                session_id=request.session_id,
-                inline=inline,
-                on_admitted=admitted,
+                ask_from_proto(request), caller, inline=inline, on_admitted=admitted
             )
             async with contextlib.aclosing(stream):
                 async for flow, chunk in stream:
@@ -293,6 +284,22 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             eos_token_ids=[] if eos is None else [eos],
             dtype=decode[0].dtype if decode else "",
         )
+
+
+def ask_from_proto(request: coordinator_pb2.GenerateRequest) -> RequestAsk:
+    """The request as its caller asked, parsed from the wire: the one place each field of
+    ``GenerateRequest`` becomes the coordinator's (``request_record.py``). Raises
+    ``InvalidRequestError`` for a field malformed on its own (no prompt, a bad target)."""
+    return RequestAsk(
+        prompt=_prompt_of(request),
+        sampling=convert.asked_sampling_from_proto(request.sampling),
+        request_id=request.request_id,
+        continue_after=tuple(convert.token_ids(request.continue_after.ids)),
+        priority=request.priority,
+        targets=_targets_of(request),
+        traceparent=request.traceparent,
+        session_id=request.session_id,
+    )
 
 
 def _targets_of(request: coordinator_pb2.GenerateRequest) -> LatencyTargets:

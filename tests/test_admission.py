@@ -22,6 +22,7 @@ from splitserve.coordinator.admission import (
     WorkerCapacity,
 )
 from splitserve.coordinator.service import decode_batch_within
+from tests.request_records import admit
 
 T = TypeVar("T")
 BLOCK = 16
@@ -75,8 +76,8 @@ def test_what_fits_is_admitted_at_once_and_release_is_idempotent() -> None:
     gate, _ = admission(capacity=64)
 
     async def scenario() -> None:
-        await gate.admit("a", demand(20, 12))  # 32
-        await gate.admit("b", demand(20, 12))  # 64: full
+        await admit(gate, "a", demand(20, 12))  # 32
+        await admit(gate, "b", demand(20, 12))  # 64: full
         assert gate.snapshot().admitted_tokens == 64
         gate.release("a")
         gate.release("a")
@@ -90,9 +91,9 @@ def test_waiters_are_admitted_in_arrival_order_as_kv_comes_back() -> None:
     gate, _ = admission(capacity=64)
 
     async def scenario() -> None:
-        await gate.admit("running", demand(40, 8))  # 48 of 64
-        big = await started(gate.admit("big", demand(40, 8)))  # 48: waits
-        small = await started(gate.admit("small", demand(8, 8)))  # 16 would fit: no overtaking
+        await admit(gate, "running", demand(40, 8))  # 48 of 64
+        big = await started(admit(gate, "big", demand(40, 8)))  # 48: waits
+        small = await started(admit(gate, "small", demand(8, 8)))  # 16 would fit: no overtaking
         assert not big.done() and not small.done()
         assert gate.snapshot().num_queued == 2
         gate.release("running")  # 48 + 16 = 64: both fit, granted in the same instant
@@ -107,8 +108,8 @@ def test_the_predicted_wait_walks_admitted_requests_by_their_end() -> None:
     gate, _ = admission(capacity=96, clock=clock)
 
     async def scenario() -> None:
-        await gate.admit("short", demand(16, 16))  # 32 tokens, ends in 16 x 0.05 = 0.8 s
-        await gate.admit("long", demand(16, 48))  # 64 tokens, ends in 48 x 0.05 = 2.4 s
+        await admit(gate, "short", demand(16, 16))  # 32 tokens, ends in 16 x 0.05 = 0.8 s
+        await admit(gate, "long", demand(16, 48))  # 64 tokens, ends in 48 x 0.05 = 2.4 s
         assert gate.predicted_wait_s(demand(16, 16)) == pytest.approx(0.8)  # 32 frees: enough
         assert gate.predicted_wait_s(demand(48, 16)) == pytest.approx(2.4)  # needs both gone
         gate.progress("long", 40)  # 8 left: now it ends first, in 0.4 s, and frees enough
@@ -124,9 +125,9 @@ def test_a_request_predicted_to_wait_too_long_is_refused_at_once_with_that_hint(
     gate, _ = admission(capacity=64, max_queue_wait_s=1.0)
 
     async def scenario() -> None:
-        await gate.admit("running", demand(16, 48))  # 64, ends in 2.4 s
+        await admit(gate, "running", demand(16, 48))  # 64, ends in 2.4 s
         with pytest.raises(OverloadedError) as refused:
-            await gate.admit("late", demand(8, 8))
+            await admit(gate, "late", demand(8, 8))
         assert refused.value.retry_after_s == pytest.approx(2.4)
         assert gate.snapshot().num_queued == 0 and gate.refusals["predicted_wait"] == 1
 
@@ -137,15 +138,15 @@ def test_the_queue_is_bounded_by_requests_and_by_prompt_tokens() -> None:
     gate, _ = admission(capacity=64, max_queued_requests=2, max_queued_prompt_tokens=100)
 
     async def scenario() -> None:
-        await gate.admit("running", demand(16, 16))  # 32
-        await gate.admit("running-2", demand(16, 16))  # 64: full, ends in 0.8 s
-        first = await started(gate.admit("w1", demand(60, 4)))
+        await admit(gate, "running", demand(16, 16))  # 32
+        await admit(gate, "running-2", demand(16, 16))  # 64: full, ends in 0.8 s
+        first = await started(admit(gate, "w1", demand(60, 4)))
         with pytest.raises(OverloadedError, match="prompt tokens") as by_tokens:
-            await gate.admit("too-many-tokens", demand(50, 4))  # 60 + 50 > 100
+            await admit(gate, "too-many-tokens", demand(50, 4))  # 60 + 50 > 100
         assert by_tokens.value.refuses_all_s == 0  # a smaller prompt would still fit
-        second = await started(gate.admit("w2", demand(30, 2)))
+        second = await started(admit(gate, "w2", demand(30, 2)))
         with pytest.raises(OverloadedError, match="already wait") as refused:
-            await gate.admit("too-many", demand(1, 1))
+            await admit(gate, "too-many", demand(1, 1))
         assert refused.value.retry_after_s > 0  # computed: the queue ahead must run first
         assert refused.value.refuses_all_s == REFUSES_ALL_S  # full by count: any arrival
         assert gate.refusals["queue_full"] == 2
@@ -163,19 +164,19 @@ def test_a_full_queue_refuses_with_the_wait_behind_it_computed_at_most_that_long
     gate, _ = admission(capacity=64, clock=clock, max_queued_requests=1)
 
     async def scenario() -> None:
-        await gate.admit("running", demand(16, 48))  # 64: full, ends in 2.4 s
-        waiter = await started(gate.admit("waiter", demand(16, 16)))
+        await admit(gate, "running", demand(16, 48))  # 64: full, ends in 2.4 s
+        waiter = await started(admit(gate, "waiter", demand(16, 16)))
         hints = []
         for name in ("crowd-1", "crowd-2"):
             with pytest.raises(OverloadedError, match="already wait") as refused:
-                await gate.admit(name, demand(16, 16))
+                await admit(gate, name, demand(16, 16))
             hints.append(refused.value.retry_after_s)
         assert hints[0] == pytest.approx(gate.predicted_wait_s(demand(16, 16)))
         assert hints[1] == hints[0]  # reused within RETRY_HINT_MAX_AGE_S
         gate.progress("running", 40)  # 8 tokens left: the queue moves sooner
         clock.now += RETRY_HINT_MAX_AGE_S * 2
         with pytest.raises(OverloadedError) as refused:
-            await gate.admit("crowd-3", demand(16, 16))
+            await admit(gate, "crowd-3", demand(16, 16))
         assert refused.value.retry_after_s < hints[0]  # computed again
         gate.release("running")
         assert await ended(waiter)
@@ -198,14 +199,14 @@ def test_the_running_sums_follow_every_way_in_and_out() -> None:
     async def scenario() -> None:
         asked = {"a": demand(100, 20), "b": demand(300, 60), "c": demand(40, 8)}
         for name, need in asked.items():
-            await gate.admit(name, need)
+            await admit(gate, name, need)
         gate.progress("b", 1)
         gate.release("a")
         gate.progress("c", 1)
         gate.release("c")
         gate.progress("c", 1)  # after its release: ignored
-        await gate.admit("d", demand(20, 4))
-        assert gate._backlog_prompt_count == 1  # d (b has its first token)
+        await admit(gate, "d", demand(20, 4))
+        assert gate._admitted.backlog_prompts == 1  # d (b has its first token)
         contexts.clear()
         assert gate._max_decoding(demand(0, 0)) == 100
         # b (300 + 30) and d (20 + 2) admitted, plus the asked (0): their mean
@@ -218,13 +219,13 @@ def test_a_wait_that_outlasts_its_limit_is_refused_and_the_next_moves_up() -> No
     gate, _ = admission(capacity=64, max_queue_wait_s=0.3, prior_tpot_s=0.001)
 
     async def scenario() -> None:
-        await gate.admit("stuck", demand(16, 48))  # predicted to end in 0.05 s; it does not
-        waiting = await started(gate.admit("w", demand(16, 16)))
+        await admit(gate, "stuck", demand(16, 48))  # predicted to end in 0.05 s; it does not
+        waiting = await started(admit(gate, "w", demand(16, 16)))
         with pytest.raises(OverloadedError, match="waited"):
             await waiting
         assert gate.snapshot().num_queued == 0 and gate.refusals["waited_out"] == 1
         gate.release("stuck")
-        await gate.admit("next", demand(16, 16))  # nothing left behind in the queue
+        await admit(gate, "next", demand(16, 16))  # nothing left behind in the queue
 
     run(scenario())
 
@@ -233,9 +234,9 @@ def test_a_cancelled_waiter_leaves_the_queue_and_the_one_behind_it_moves_up() ->
     gate, _ = admission(capacity=64)
 
     async def scenario() -> None:
-        await gate.admit("running", demand(16, 16))  # 32 of 64
-        head = await started(gate.admit("head", demand(40, 8)))  # 48: waits
-        behind = await started(gate.admit("behind", demand(8, 8)))  # 16: waits behind it
+        await admit(gate, "running", demand(16, 16))  # 32 of 64
+        head = await started(admit(gate, "head", demand(40, 8)))  # 48: waits
+        behind = await started(admit(gate, "behind", demand(8, 8)))  # 16: waits behind it
         head.cancel()
         assert await ended(head, behind)  # it fits once it is the oldest
         assert head.cancelled() and not behind.cancelled()
@@ -249,11 +250,11 @@ def test_kv_share_a_joining_worker_and_a_request_larger_than_the_share() -> None
 
     async def scenario() -> None:
         assert gate.snapshot().capacity_tokens == 64
-        await gate.admit("alone", demand(100, 20))  # 128 > 64: may run alone
-        waiting = await started(gate.admit("w", demand(16, 16)))
+        await admit(gate, "alone", demand(100, 20))  # 128 > 64: may run alone
+        waiting = await started(admit(gate, "w", demand(16, 16)))
         assert not waiting.done()
         cap[0] = 512  # a decode worker joined: 256 admitted against
-        await gate.admit("new", demand(16, 16))  # the waiter is served first, then this one
+        await admit(gate, "new", demand(16, 16))  # the waiter is served first, then this one
         assert await ended(waiting)
         assert gate.snapshot().admitted_tokens == 128 + 32 + 32
 
@@ -265,7 +266,7 @@ def test_measured_time_per_token_replaces_the_prior() -> None:
     gate, _ = admission(capacity=1000, clock=clock, prior_tpot_s=0.05)
 
     async def scenario() -> None:
-        await gate.admit("r", demand(16, 100))
+        await admit(gate, "r", demand(16, 100))
         gate.progress("r", 1)  # the first token: its wait was TTFT, not counted
         assert gate.snapshot().tpot_s == pytest.approx(0.05)
         for _ in range(200):
@@ -281,13 +282,13 @@ def test_the_predicted_wait_plays_the_queue_forward() -> None:
     gate, _ = admission(capacity=64, clock=clock, prior_ttft_s=1.0)
 
     async def scenario() -> None:
-        await gate.admit("running", demand(48, 16))  # 64 tokens; no first token yet
+        await admit(gate, "running", demand(48, 16))  # 64 tokens; no first token yet
         assert gate.predicted_wait_s(demand(48, 16)) == pytest.approx(1.0 + 0.8)
         clock.now += 1.0  # its first token comes as predicted: 15 left, it ends in 0.75 s
         gate.progress("running", 1)
-        first = await started(gate.admit("first", demand(48, 16)))  # 0.75 -> 2.55
+        first = await started(admit(gate, "first", demand(48, 16)))  # 0.75 -> 2.55
         assert gate.predicted_wait_s(demand(48, 16)) == pytest.approx(0.75 + 1.0 + 0.8)
-        second = await started(gate.admit("second", demand(48, 16)))  # 2.55 -> 4.35
+        second = await started(admit(gate, "second", demand(48, 16)))  # 2.55 -> 4.35
         assert gate.predicted_wait_s(demand(48, 16)) == pytest.approx(0.75 + 2 * 1.8)
         gate.release("running")
         gate.release("first")
@@ -302,7 +303,7 @@ def test_the_first_token_time_is_measured_from_admission() -> None:
 
     async def scenario() -> None:
         for i in range(100):
-            await gate.admit(f"r{i}", demand(16, 4))
+            await admit(gate, f"r{i}", demand(16, 4))
             clock.now += 0.3
             gate.progress(f"r{i}", 1)
             gate.release(f"r{i}")
@@ -321,9 +322,9 @@ def test_the_prefill_backlog_is_bounded_and_drains_on_first_tokens() -> None:
     )  # 0.2 s of 1000 tokens/s: 200 prompt tokens may be admitted and not yet computed
 
     async def scenario() -> None:
-        await gate.admit("a", demand(120, 8))
-        await gate.admit("b", demand(80, 8))  # 200: the backlog is full, the KV is not
-        waiting = await started(gate.admit("c", demand(50, 8)))
+        await admit(gate, "a", demand(120, 8))
+        await admit(gate, "b", demand(80, 8))  # 200: the backlog is full, the KV is not
+        waiting = await started(admit(gate, "c", demand(50, 8)))
         assert gate.snapshot().prefill_backlog_tokens == 200 and not waiting.done()
         # the backlog drains at 1000 tokens/s: 50 more fit once 50 are done, at 0.05 s
         assert gate.predicted_wait_s(demand(50, 8)) == pytest.approx(0.1)  # behind "c"
@@ -349,13 +350,13 @@ def test_the_prefill_backlog_always_holds_one_prompt_per_worker_that_computes_pr
     )
 
     async def scenario() -> None:
-        await gate.admit("a", demand(1400, 100))
-        await gate.admit("b", demand(1400, 100))
-        waiting = await started(gate.admit("c", demand(1400, 100)))
+        await admit(gate, "a", demand(1400, 100))
+        await admit(gate, "b", demand(1400, 100))
+        waiting = await started(admit(gate, "c", demand(1400, 100)))
         assert gate.snapshot().prefill_backlog_tokens == 2800 and not waiting.done()
         gate.progress("a", 1)  # a's prompt is done: one worker is free
         assert await ended(waiting)
-        late = await started(gate.admit("d", demand(1400, 100)))
+        late = await started(admit(gate, "d", demand(1400, 100)))
         assert not late.done()
         gate.release("b")  # ended before its first token: its worker is free too
         assert await ended(late)
@@ -379,9 +380,9 @@ def test_the_decode_batch_the_tpot_target_allows_bounds_admission() -> None:
     )
 
     async def scenario() -> None:
-        await gate.admit("a", demand(16, 16))  # ends in 0.8 s
-        await gate.admit("b", demand(16, 40))  # ends in 2.0 s
-        waiting = await started(gate.admit("c", demand(16, 16)))  # KV has room; the batch not
+        await admit(gate, "a", demand(16, 16))  # ends in 0.8 s
+        await admit(gate, "b", demand(16, 40))  # ends in 2.0 s
+        waiting = await started(admit(gate, "c", demand(16, 16)))  # KV has room; the batch not
         assert not waiting.done()
         assert 28 in seen_contexts  # prompt + half the output, averaged over a, b and c
         # the second slot frees when b ends: its first-token time (0.5 s), then 40 tokens
@@ -405,12 +406,12 @@ def test_predictions_use_the_measured_backlog_drain_rate() -> None:
     async def scenario() -> None:
         # two 50-token prompts fill the backlog; one is done every 0.05 s and the next takes
         # its place: the loaded backlog drains 1000 tokens/s
-        await gate.admit("r0", demand(50, 4))
-        await gate.admit("r1", demand(50, 4))
+        await admit(gate, "r0", demand(50, 4))
+        await admit(gate, "r1", demand(50, 4))
         for i in range(2, 22):
             clock.now += 0.05
             gate.progress(f"r{i - 2}", 1)
-            await gate.admit(f"r{i}", demand(50, 4))
+            await admit(gate, f"r{i}", demand(50, 4))
         assert gate.snapshot().prefill_drain_tokens_per_s == pytest.approx(1000.0)
         # 50 more tokens wait for 50 to drain: 0.05 s at the measured rate, not 0.005 s
         assert gate.predicted_wait_s(demand(50, 4)) == pytest.approx(0.05, rel=0.05)
@@ -445,8 +446,8 @@ def test_waits_longer_than_predicted_scale_later_predictions() -> None:
     gate, _ = admission(capacity=64, clock=clock, prior_tpot_s=0.05)
 
     async def scenario() -> None:
-        await gate.admit("running", demand(16, 48))  # 64 of 64, ends in 2.4 s
-        waiting = await started(gate.admit("w", demand(16, 48)))
+        await admit(gate, "running", demand(16, 48))  # 64 of 64, ends in 2.4 s
+        waiting = await started(admit(gate, "w", demand(16, 48)))
         assert gate.predicted_wait_s(demand(16, 48), (0, -1.0, -1)) == pytest.approx(2.4)
         clock.now += 7.2  # it took three times as long as predicted
         gate.release("running")
@@ -464,10 +465,10 @@ def test_a_waiter_past_its_ttft_deadline_lets_one_that_can_still_meet_its_own_go
     gate, _ = admission(capacity=64, clock=clock)
 
     async def scenario() -> None:
-        await gate.admit("running", demand(40, 8))  # 48 of 64
-        old = await started(gate.admit("old", demand(40, 8), ttft_deadline=clock.now + 1.0))
+        await admit(gate, "running", demand(40, 8))  # 48 of 64
+        old = await started(admit(gate, "old", demand(40, 8), ttft_deadline=clock.now + 1.0))
         clock.now += 2.0  # "old" is past its deadline now
-        new = await started(gate.admit("new", demand(40, 8), ttft_deadline=clock.now + 2.0))
+        new = await started(admit(gate, "new", demand(40, 8), ttft_deadline=clock.now + 2.0))
         assert gate.snapshot().num_queued == 2
         gate.release("running")  # room for one of them: the one that can still be on time
         assert await ended(new) and not old.done()
@@ -488,10 +489,10 @@ def test_with_late_waiters_not_yielding_arrival_order_holds() -> None:
     gate, _ = admission(capacity=64, clock=clock, late_waiters_yield=False)
 
     async def scenario() -> None:
-        await gate.admit("running", demand(40, 8))
-        old = await started(gate.admit("old", demand(40, 8), ttft_deadline=clock.now + 1.0))
+        await admit(gate, "running", demand(40, 8))
+        old = await started(admit(gate, "old", demand(40, 8), ttft_deadline=clock.now + 1.0))
         clock.now += 2.0
-        new = await started(gate.admit("new", demand(40, 8), ttft_deadline=clock.now + 2.0))
+        new = await started(admit(gate, "new", demand(40, 8), ttft_deadline=clock.now + 2.0))
         gate.release("running")
         assert await ended(old) and not new.done()
         assert gate.late_waiters == 0
@@ -514,9 +515,9 @@ def test_a_waiter_is_late_once_its_prompt_could_not_be_computed_by_its_deadline(
     )
 
     async def scenario() -> None:
-        await gate.admit("running", demand(1000, 8))  # 1008 of 2000
-        long = await started(gate.admit("long", demand(1000, 8), ttft_deadline=clock.now + 0.3))
-        short = await started(gate.admit("short", demand(40, 8), ttft_deadline=clock.now + 0.3))
+        await admit(gate, "running", demand(1000, 8))  # 1008 of 2000
+        long = await started(admit(gate, "long", demand(1000, 8), ttft_deadline=clock.now + 0.3))
+        short = await started(admit(gate, "short", demand(40, 8), ttft_deadline=clock.now + 0.3))
         assert gate.snapshot().num_queued == 2
         gate.release("running")  # the short one, still on time, first; then the backlog is full
         assert await ended(short) and not long.done() and gate.late_waiters == 1

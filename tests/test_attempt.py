@@ -36,6 +36,7 @@ from splitserve.coordinator.router import Route, Router, RoutingConfig
 from splitserve.proto.splitserve.v1 import worker_pb2
 from splitserve.proto.worker_clients import RelayedReservation
 from splitserve.transfer.reservation import PrefillDone
+from tests.request_records import record
 
 PROMPT = [1, 2, 3, 4, 5]
 RESERVATION = RelayedReservation(
@@ -139,14 +140,12 @@ def _attempt(
     tracker = RequestTracker("r", PROMPT, params, _Letters())
     route = Route(decode, prefill if remote else None)
     attempt = Attempt(
+        record(PROMPT, 8, params=params),
         tracker,
         route,
-        PROMPT,
-        params,
-        stop,
         router,
-        workers,
-        timeouts or AttemptTimeouts(),  # type: ignore[arg-type]
+        workers,  # type: ignore[arg-type]
+        timeouts or AttemptTimeouts(),
     )
     return attempt, router
 

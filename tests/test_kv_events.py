@@ -39,6 +39,7 @@ from splitserve.proto.worker_clients import WorkerMonitorClient
 from splitserve.worker.monitor_servicer import MonitorServicer
 from tests.cluster import cluster, metric_total
 from tests.etcd import free_port
+from tests.request_records import record
 from tests.test_router import _router, _worker
 
 H = [hash_block(None, [i]) for i in range(8)]
@@ -92,13 +93,13 @@ def test_a_coordinator_sends_a_turn_where_events_say_its_prefix_is() -> None:
     router = _router(a, b)
     prompt = list(range(100))
     hashes = prompt_block_hashes(prompt, 16)
-    assert router.route(prompt, 16).decode.worker_id == "a"  # no knowledge: a tie
+    assert router.route(record(prompt, 16)).decode.worker_id == "a"  # no knowledge: a tie
     router = _router(a, b)
     log = KvEventLog()
     for block_hash in hashes:
         log.record(block_hash, True)
     router.kv_events("b", log.since(None))
-    assert router.route(prompt, 16).decode.worker_id == "b"
+    assert router.route(record(prompt, 16)).decode.worker_id == "b"
     cursor = log.since(None).seq
     for block_hash in hashes:
         log.record(block_hash, False)

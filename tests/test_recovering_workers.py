@@ -13,6 +13,7 @@ from splitserve.common.errors import OverloadedError, WorkerUnavailableError
 from splitserve.common.membership import Role
 from splitserve.common.model_files import load_tokenizer, resolve_model_path
 from splitserve.common.sampling_params import AskedSampling, SamplingParams
+from splitserve.coordinator.request_record import RequestAsk
 from splitserve.coordinator.service import (
     RECOVERING_RETRY_AFTER_S,
     Coordinator,
@@ -25,7 +26,7 @@ from tests.test_router import _worker
 
 async def _first_chunk(coordinator: Coordinator) -> None:
     sampling = AskedSampling(4, 0, lambda n: SamplingParams(max_tokens=n))
-    stream = coordinator.generate("r1", "Hello there", sampling)
+    stream = coordinator.generate(RequestAsk("Hello there", sampling, request_id="r1"))
     async for _ in stream:
         return
 

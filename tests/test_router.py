@@ -16,6 +16,7 @@ from splitserve.coordinator import router as router_module
 from splitserve.coordinator.placement import PlacementMode, PrefillView, Reason, Slo
 from splitserve.coordinator.registry import WorkerRecord, WorkerRegistry
 from splitserve.coordinator.router import DecodeProgress, Route, Router, RoutingConfig
+from tests.request_records import record
 
 LEARNED_COST = StepCost(
     decode_base_s=0.012,
@@ -102,19 +103,19 @@ def test_prefill_prefers_cached_prefixes_and_matching_layouts() -> None:
     router = _router(decode, warm, cold, other)
     prompt = list(range(1000))
     router._memory("warm").remember(prompt_block_hashes(prompt, 16))
-    route = router.route(prompt, 16)
+    route = router.route(record(prompt, 16))
     assert route is not None and route.decode is decode
     assert route.prefill is warm  # 200 pending - 992 cached beats 100 pending
-    assert router.route(list(range(5000, 5100)), 16).prefill is cold
+    assert router.route(record(list(range(5000, 5100)), 16)).prefill is cold
 
 
 def test_short_prompts_and_missing_prefill_workers_stay_local() -> None:
     router = _router(_worker("d", Role.DECODE), _worker("p", Role.PREFILL), local_max=64)
-    assert router.route(list(range(64)), 8).prefill is None
-    assert router.route(list(range(1000, 1065)), 8).prefill is not None
+    assert router.route(record(list(range(64)), 8)).prefill is None
+    assert router.route(record(list(range(1000, 1065)), 8)).prefill is not None
     # the decode worker holds the 64 tokens routed to it above: it would compute 1 of these 65
-    assert router.route(list(range(65)), 8).prefill is None
-    assert _router(_worker("d", Role.DECODE)).route(list(range(500)), 8).prefill is None
+    assert router.route(record(list(range(65)), 8)).prefill is None
+    assert _router(_worker("d", Role.DECODE)).route(record(list(range(500)), 8)).prefill is None
 
 
 def test_registry_expires_silent_workers_and_marks_failures() -> None:
@@ -131,10 +132,10 @@ def test_registry_expires_silent_workers_and_marks_failures() -> None:
 def test_a_route_without_prefill_remembers_no_prefix_for_a_prefill_worker() -> None:
     router = _router(_worker("d", Role.DECODE), _worker("p", Role.PREFILL))
     prompt = list(range(512))
-    route = router.route(prompt, 16, with_prefill=False)
+    route = router.route(record(prompt, 16), with_prefill=False)
     assert route is not None and route.prefill is None
     assert router._memory("p").overlap_blocks(prompt_block_hashes(prompt, 16)) == 0
-    assert router.route(prompt, 16).prefill is not None
+    assert router.route(record(prompt, 16)).prefill is not None
     assert router._memory("p").overlap_blocks(prompt_block_hashes(prompt, 16)) == 32
     router.forget("p")  # it left the registry
     assert router._memory("p").overlap_blocks(prompt_block_hashes(prompt, 16)) == 0
@@ -164,17 +165,17 @@ def test_adaptive_routing_sees_the_workers_learned_step_costs_and_their_queues()
         return routed(*args, **kwargs)  # type: ignore[arg-type]
 
     router.route = route_unseen  # type: ignore[method-assign]
-    route = router.route(prompt, 96)
+    route = router.route(record(prompt, 96))
     assert route is not None and route.prefill is prefill
     assert route.placement is not None and route.placement.reason is Reason.REMOTE_WITHIN_SLO
     # the worker's 300 may be this coordinator's own 300, sent and not yet answered: counted
     # once (1.25 s predicted, within 0.8 of the target), not twice (1.85 s, at risk)
     with router.prefilling(prefill, 300):
-        route = router.route(prompt, 96)
+        route = router.route(record(prompt, 96))
     assert route is not None and route.prefill is prefill
     assert route.placement is not None and route.placement.reason is Reason.REMOTE_WITHIN_SLO
     with router.prefilling(prefill, 1000):  # sent, not yet in its report: 1000 tokens
-        route = router.route(prompt, 96)
+        route = router.route(record(prompt, 96))
     assert route is not None and route.prefill is None
     assert route.placement is not None and route.placement.reason is Reason.LOCAL_FASTER
     # a prompt placed on the decode worker counts there until its first token: with 1500
@@ -182,12 +183,12 @@ def test_adaptive_routing_sees_the_workers_learned_step_costs_and_their_queues()
     # one 256-token chunk of the decode worker's before the first token)
     decode.load = dataclasses.replace(decode.load, prefill_chunk_tokens=256)
     with router.prefilling(prefill, 1000), router.prefilling(decode, 1500):
-        route = router.route(prompt, 96)
+        route = router.route(record(prompt, 96))
     assert route is not None and route.placement is not None
     assert route.placement.reason is Reason.REMOTE_FASTER
     tight = Slo(ttft_s=2.0, tpot_s=0.013)  # no room in the decode batch's TPOT
     with router.prefilling(prefill, 1000):
-        route = router.route(prompt, 96, slo=tight)
+        route = router.route(record(prompt, 96, slo=tight))
     assert route is not None and route.prefill is prefill
     assert route.placement is not None and route.placement.reason is Reason.TPOT_GUARD
     assert route.slo == tight  # the attempt guards the request's own target while it decodes
@@ -202,11 +203,11 @@ def test_adaptive_routing_sees_the_workers_learned_step_costs_and_their_queues()
     assert running is not None and running.remaining_tokens == 90
     assert running.spare_s == pytest.approx(4.25)
     with router.prefilling(prefill, 1000), router.decoding(decode, progress):
-        route = router.route(prompt, 96)
+        route = router.route(record(prompt, 96))
         assert route is not None and route.placement is not None
         assert route.placement.reason is Reason.LOCAL_FASTER
         progress.first_token_at -= 2.8
-        route = router.route(prompt, 96)
+        route = router.route(record(prompt, 96))
     assert route is not None and route.prefill is prefill
     assert route.placement is not None and route.placement.reason is Reason.RUNNING_TPOT_GUARD
 
@@ -226,7 +227,7 @@ def test_a_dual_role_worker_never_pushes_to_itself_and_is_seen_with_its_decode_b
             members.append(worker)
     router = Router(_registry(*members), RoutingConfig(mode=PlacementMode.REMOTE))
     for _ in range(3):
-        route = router.route(list(range(320)), 96)
+        route = router.route(record(list(range(320)), 96))
         assert route is not None and route.decode.worker_id == "a-decode"
         assert route.prefill is not None and route.prefill.worker_id == "b-prefill"
     decode = router.registry.get("a-decode")
@@ -255,7 +256,7 @@ def _views_of(router: Router, decode: WorkerRecord, candidate: WorkerRecord) -> 
 
     router_module.place = capture
     try:
-        router.place_prompt(decode, [candidate], [], 320, 96, router.config.slo)
+        router.place_prompt(decode, [candidate], [], record(range(320), 96))
     finally:
         router_module.place = original
     return seen
@@ -309,14 +310,14 @@ def test_a_conversations_next_turn_goes_back_to_the_decode_worker_holding_it() -
         worker.load = dataclasses.replace(worker.load, step_cost=cost)
     router = Router(_registry(a, b, prefill), RoutingConfig(mode=PlacementMode.ADAPTIVE))
     turn1 = list(range(200))
-    first = router.route(turn1, 40)
+    first = router.route(record(turn1, 40))
     assert first is not None and first.prefill is prefill  # nothing cached anywhere yet
     holder, other = (a, b) if first.decode is a else (b, a)
     reply = list(range(1000, 1040))
     router.finished(holder, turn1 + reply)
     turn2 = turn1 + reply + list(range(2000, 2030))
     holder.load = dataclasses.replace(holder.load, num_used_blocks=30)  # 30 fewer free blocks
-    route = router.route(turn2, 40)
+    route = router.route(record(turn2, 40))
     assert route is not None and route.decode is holder
     assert route.placement is not None and route.placement.reason is Reason.LOCAL_CACHED
     # 239 of 270 tokens are cached there (14 whole blocks: 224), so only 46 are computed
@@ -325,7 +326,7 @@ def test_a_conversations_next_turn_goes_back_to_the_decode_worker_holding_it() -
     # the holder's batch reads 4,000 tokens a step (250 blocks): its 14 cached blocks do not
     # make up for that, and the other worker computes nothing of it locally
     holder.load = dataclasses.replace(holder.load, num_running_tokens=4000)
-    route = router.route(turn2, 40)
+    route = router.route(record(turn2, 40))
     assert route is not None and route.decode is other
     assert route.placement is not None and route.placement.reason is not Reason.LOCAL_CACHED
     router.forget(holder.worker_id)
@@ -399,10 +400,10 @@ def test_a_prefill_worker_that_pulls_is_credited_with_the_decode_workers_prefix(
     hashes = prompt_block_hashes(prompt, 16)
     router_module.place = capture
     try:
-        router.place_prompt(decode, [pulls, computes], hashes, len(prompt), 96, router.config.slo)
+        router.place_prompt(decode, [pulls, computes], hashes, record(prompt, 96))
         # with only one block more on the decode side, pulling is not worth it
         router._memory("pulls").remember(prompt_block_hashes(history[:384], 16))
-        router.place_prompt(decode, [pulls], hashes, len(prompt), 96, router.config.slo)
+        router.place_prompt(decode, [pulls], hashes, record(prompt, 96))
     finally:
         router_module.place = original
     assert [(view.worker_id, view.cached_tokens, view.pulled_tokens) for view in seen] == [
@@ -440,14 +441,14 @@ def test_a_request_placed_remotely_reads_no_running_request() -> None:
     with contextlib.ExitStack() as stack:
         for progress in progresses:
             stack.enter_context(router.decoding(decode, progress))
-        route = router.route(list(range(320)), 96)
+        route = router.route(record(list(range(320)), 96))
         assert route is not None and route.prefill is prefill
         assert route.placement is not None and route.placement.reason is Reason.REMOTE_WITHIN_SLO
         assert _CountedProgress.reads == 0
         # the prefill worker far behind: local placement is weighed, the guard reads each
         with router.prefilling(prefill, 5000):
             assert router._queued_prefill_tokens(prefill) == 5000
-            route = router.route(list(range(320)), 96)
+            route = router.route(record(list(range(320)), 96))
         assert route is not None and route.placement is not None
         assert route.placement.reason is Reason.LOCAL_FASTER
         assert _CountedProgress.reads == len(progresses)

@@ -20,6 +20,7 @@ from splitserve.coordinator.admission import (
     KvDemand,
 )
 from splitserve.coordinator.tenants import TenantLimits, TenantPolicy, TokenBucket
+from tests.request_records import admit
 
 T = TypeVar("T")
 
@@ -90,7 +91,7 @@ def test_a_flooding_tenant_waits_behind_its_own_requests_not_in_front_of_others(
         order: list[str] = []
 
         async def request(name: str, tenant: str) -> None:
-            await admission.admit(name, demand(), tenant)
+            await admit(admission, name, demand(), tenant)
             order.append(name)
 
         await request("flood-0", "flood")
@@ -118,14 +119,14 @@ def test_weights_share_the_queue_in_proportion() -> None:
 
     async def scenario() -> list[str]:
         order: list[str] = []
-        await admission.admit("first", demand(), "someone-else")
+        await admit(admission, "first", demand(), "someone-else")
         tasks = []
         for i in range(8):
             for tenant in ("light", "heavy"):
                 name = f"{tenant}-{i}"
 
                 async def request(name: str = name, tenant: str = tenant) -> None:
-                    await admission.admit(name, demand(), tenant)
+                    await admit(admission, name, demand(), tenant)
                     order.append(name)
 
                 tasks.append(asyncio.create_task(request()))
@@ -146,10 +147,10 @@ def test_higher_priority_is_admitted_first_within_what_the_tenant_may_ask() -> N
     admission = gate(policy, capacity=32)
 
     async def scenario() -> None:
-        await admission.admit("running", demand(), "ops")
-        low = asyncio.create_task(admission.admit("low", demand(), "user"))
+        await admit(admission, "running", demand(), "ops")
+        low = asyncio.create_task(admit(admission, "low", demand(), "user"))
         await asyncio.sleep(0)
-        urgent = asyncio.create_task(admission.admit("urgent", demand(), "ops", priority=5))
+        urgent = asyncio.create_task(admit(admission, "urgent", demand(), "ops", priority=5))
         await asyncio.sleep(0)
         admission.release("running")
         await asyncio.wait_for(urgent, 1.0)
@@ -157,10 +158,10 @@ def test_higher_priority_is_admitted_first_within_what_the_tenant_may_ask() -> N
         admission.release("urgent")
         await asyncio.wait_for(low, 1.0)
         with pytest.raises(InvalidRequestError, match="priority") as error:
-            await admission.admit("bold", demand(), "user", priority=1)
+            await admit(admission, "bold", demand(), "user", priority=1)
         assert error.value.param == "priority"
         admission.release("low")
-        await admission.admit("humble", demand(), "user", priority=-3)  # lower is always fine
+        await admit(admission, "humble", demand(), "user", priority=-3)  # lower is always fine
 
     run(scenario())
 
@@ -173,17 +174,17 @@ def test_a_late_waiter_yields_only_to_waiters_of_its_priority_or_lower() -> None
     admission = gate(policy, capacity=32, clock=clock)
 
     async def scenario() -> None:
-        await admission.admit("running", demand(), "ops")
+        await admit(admission, "running", demand(), "ops")
         urgent = asyncio.create_task(
-            admission.admit("urgent", demand(), "ops", 5, ttft_deadline=clock.now + 1)
+            admit(admission, "urgent", demand(), "ops", 5, ttft_deadline=clock.now + 1)
         )
         old = asyncio.create_task(
-            admission.admit("old", demand(), "user", ttft_deadline=clock.now + 1)
+            admit(admission, "old", demand(), "user", ttft_deadline=clock.now + 1)
         )
         await asyncio.sleep(0)
         clock.now += 2  # both are late now
         fresh = asyncio.create_task(
-            admission.admit("fresh", demand(), "user", ttft_deadline=clock.now + 2)
+            admit(admission, "fresh", demand(), "user", ttft_deadline=clock.now + 2)
         )
         await asyncio.sleep(0)
         admission.release("running")
@@ -204,14 +205,14 @@ def test_the_in_flight_limit_refuses_with_the_tenants_next_end_as_hint() -> None
     admission.outcome_listeners.append(outcomes.append)
 
     async def scenario() -> None:
-        await admission.admit("a", demand(16, 40), "t")  # ends in 40 x 0.05 = 2 s
-        await admission.admit("b", demand(16, 10), "t")  # ends in 0.5 s
+        await admit(admission, "a", demand(16, 40), "t")  # ends in 40 x 0.05 = 2 s
+        await admit(admission, "b", demand(16, 10), "t")  # ends in 0.5 s
         with pytest.raises(OverloadedError, match="2 requests in flight") as refused:
-            await admission.admit("c", demand(), "t")
+            await admit(admission, "c", demand(), "t")
         assert refused.value.retry_after_s == pytest.approx(0.5)
-        await admission.admit("other", demand(), "u")  # other tenants are not limited by it
+        await admit(admission, "other", demand(), "u")  # other tenants are not limited by it
         admission.release("b")
-        await admission.admit("c", demand(), "t")
+        await admit(admission, "c", demand(), "t")
         assert admission.refusals["tenant_inflight"] == 1
 
     run(scenario())
@@ -229,15 +230,15 @@ def test_tokens_per_minute_refuse_with_the_refill_time_and_unused_output_comes_b
     admission = gate(TenantPolicy(TenantLimits(tokens_per_minute=600)), 1000, clock)
 
     async def scenario() -> None:
-        await admission.admit("a", demand(100, 400), "t")  # 500 of 600
+        await admit(admission, "a", demand(100, 400), "t")  # 500 of 600
         with pytest.raises(OverloadedError, match="per minute") as refused:
-            await admission.admit("b", demand(100, 100), "t")  # 200 > 100 left
+            await admit(admission, "b", demand(100, 100), "t")  # 200 > 100 left
         assert refused.value.retry_after_s == pytest.approx(10.0)  # 100 at 10 per second
         admission.progress("a", 100)
         admission.release("a")  # 300 of its 400 output tokens never came: back in the bucket
-        await admission.admit("b", demand(100, 100), "t")
+        await admit(admission, "b", demand(100, 100), "t")
         with pytest.raises(InvalidRequestError, match="per minute") as error:
-            await admission.admit("huge", demand(100, 600), "t")
+            await admit(admission, "huge", demand(100, 600), "t")
         assert error.value.param == "max_tokens"
 
     run(scenario())
