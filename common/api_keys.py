@@ -23,12 +23,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from splitserve.common.env_flags import (
-    add_env_flag,
     built_or_exit,
     env_default,
     env_name,
     truthy,
 )
+from splitserve.common.settings import add_settings_args, setting
 
 KEYS_ENV = env_name("--api-keys")
 BEARER = "bearer "
@@ -105,26 +105,27 @@ class ApiKeys:
         return cls(tenants)
 
 
+@dataclass(frozen=True)
+class ApiKeySettings:
+    """The API keys a public port asks for (a settings group: ``common/settings.py``)."""
+
+    api_key: tuple[str, ...] = setting(
+        (),
+        "an API key callers must present (visible in the process list: prefer "
+        f"--api-keys-file or {KEYS_ENV}, one '<key> [<tenant>]' per line)",
+        env=False,
+    )
+    api_keys_file: Path | None = setting(
+        None, "file of API keys, one '<key> [<tenant>]' per line; with none, no key is needed"
+    )
+
+
 def add_api_key_args(
     parser: argparse._ActionsContainer, env: Mapping[str, str] = os.environ
 ) -> None:
     """``--api-key`` (repeatable) and ``--api-keys-file`` (env ``SPLITSERVE_API_KEYS_FILE``;
     keys in the file's format also from ``SPLITSERVE_API_KEYS``)."""
-    parser.add_argument(
-        "--api-key",
-        action="append",
-        default=[],
-        help="an API key callers must present (repeatable; visible in the process list: "
-        f"prefer --api-keys-file or {KEYS_ENV}, one '<key> [<tenant>]' per line)",
-    )
-    add_env_flag(
-        parser,
-        "--api-keys-file",
-        None,
-        Path,
-        "file of API keys, one '<key> [<tenant>]' per line; with none, no key is needed",
-        env,
-    )
+    add_settings_args(parser, ApiKeySettings, env)
 
 
 def add_health_needs_key_flag(

@@ -27,13 +27,14 @@ import argparse
 import logging
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Span, SpanKind
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from splitserve.common.env_flags import add_env_flag
+from splitserve.common.settings import add_settings_args, setting
 
 logger = logging.getLogger(__name__)
 
@@ -48,17 +49,21 @@ _propagator = TraceContextTextMapPropagator()
 _enabled = False
 
 
-def add_tracing_args(parser: argparse._ActionsContainer) -> None:
-    """``--otlp-traces-endpoint`` (env twin ``SPLITSERVE_OTLP_TRACES_ENDPOINT``)."""
-    add_env_flag(
-        parser,
-        "--otlp-traces-endpoint",
+@dataclass(frozen=True)
+class TracingSettings:
+    """Where spans go (a settings group: ``common/settings.py``)."""
+
+    otlp_traces_endpoint: str | None = setting(
         None,
-        str,
         "export OpenTelemetry spans over OTLP/gRPC to this endpoint (e.g. "
         "http://collector:4317); default: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or "
         "OTEL_EXPORTER_OTLP_ENDPOINT if set, else no tracing",
     )
+
+
+def add_tracing_args(parser: argparse._ActionsContainer) -> None:
+    """``--otlp-traces-endpoint`` (env twin ``SPLITSERVE_OTLP_TRACES_ENDPOINT``)."""
+    add_settings_args(parser, TracingSettings)
 
 
 def configure_tracing(

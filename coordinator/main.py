@@ -20,46 +20,42 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import logging
-import os
 import sys
 import time
-from collections.abc import Sequence
-from pathlib import Path
+from collections.abc import Callable, Sequence
 
+import grpc
 from prometheus_client import CollectorRegistry
 
-from splitserve.common.api_keys import add_api_key_args, add_health_needs_key_flag, api_keys_or_exit
+from splitserve.common.api_keys import ApiKeys, api_keys_or_exit
 from splitserve.common.cpu_affinity import pin_or_exit
-from splitserve.common.env_flags import add_env_flag, comma_separated, env_default, truthy
+from splitserve.common.env_flags import comma_separated
 from splitserve.common.gc_tuning import tune_gc_for_serving
 from splitserve.common.loop_lag import LoopLag
 from splitserve.common.membership import Role
 from splitserve.common.memory_budget import StreamCap, stream_cap
 from splitserve.common.metrics import serve_metrics
 from splitserve.common.model_files import load_tokenizer, model_name_of, resolve_model_path
-from splitserve.common.tracing import add_tracing_args, configure_tracing, shutdown_tracing
+from splitserve.common.settings import add_settings_args, settings_or_exit
+from splitserve.common.tracing import configure_tracing, shutdown_tracing
 from splitserve.coordinator import INTERNAL_READY, PUBLIC_READY
-from splitserve.coordinator.admission import AdmissionConfig
-from splitserve.coordinator.attempt import AttemptTimeouts
 from splitserve.coordinator.dial_check import DialCheck
-from splitserve.coordinator.flow import FlowConfig
 from splitserve.coordinator.membership_follower import MembershipFollower
 from splitserve.coordinator.membership_servicer import MembershipServicer
 from splitserve.coordinator.metrics import CoordinatorMetrics, LoopLagCollector
-from splitserve.coordinator.placement import PlacementMode, Slo
-from splitserve.coordinator.router import DEFAULT_SLO, RoutingConfig
 from splitserve.coordinator.service import Coordinator, CoordinatorConfig
-from splitserve.coordinator.servicer import SEND_TIMEOUT_S, CoordinatorServicer
+from splitserve.coordinator.servicer import CoordinatorServicer
+from splitserve.coordinator.settings import CoordinatorSettings
 from splitserve.coordinator.tenants import TenantLimits, TenantPolicy
 from splitserve.discovery.etcd_watcher import EtcdMembershipWatcher
-from splitserve.discovery.flags import add_membership_args, etcd_endpoints
+from splitserve.discovery.flags import MembershipSettings
 from splitserve.proto.api_key_auth import ApiKeyInterceptor
-from splitserve.proto.cluster_access import access_or_exit, add_cluster_access_args
+from splitserve.proto.cluster_access import ClusterAccess, access_or_exit
 from splitserve.proto.etcd_client import EtcdClient
-from splitserve.proto.server import add_reflection_flag, serve_forever, start_server
+from splitserve.proto.server import RoleServer, serve_forever, start_server
 from splitserve.proto.splitserve.v1 import coordinator_pb2, coordinator_pb2_grpc
-from splitserve.proto.streams_server import RELAYS
 
 logger = logging.getLogger(__name__)
 CHANNEL_GRACE_S = 120.0
@@ -78,182 +74,9 @@ FALLBACK_MAX_INFLIGHT = 1024
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The parser of ``CoordinatorSettings`` (``settings.py``: every flag is declared there)."""
     parser = argparse.ArgumentParser(prog="splitserve coordinator", description=__doc__)
-
-    def flag(name: str, default: object, convert: type, help_text: str) -> None:
-        add_env_flag(parser, name, default, convert, help_text)
-
-    flag("--host", "127.0.0.1", str, "address the gRPC server binds")
-    flag("--port", 50051, int, "public gRPC port (clients, gateway); 0 picks a free one")
-    flag(
-        "--internal-port",
-        50052,
-        int,
-        "internal gRPC port (worker membership; cluster credential required); 0: any free",
-    )
-    flag(
-        "--model",
-        "default",
-        str,
-        "model whose tokenizer and chat template to use; only workers announcing the same "
-        "checkpoint are routed to (a coordinator serves one model)",
-    )
-    flag(
-        "--served-model-name",
-        "",
-        str,
-        "comma-separated names requests may ask for the model by, the first reported "
-        "(default: the checkpoint's name: a GGUF file's stem or an HF folder's name)",
-    )
-    flag("--cpu-affinity", None, str, "pin the process to these cores, e.g. '0' or '0-3'")
-    flag(
-        "--max-inflight",
-        0,
-        int,
-        "requests admitted at once (then RESOURCE_EXHAUSTED); 0: as many as a quarter of the "
-        "memory available at start holds (common/memory_budget.py), printed at start",
-    )
-    flag(
-        "--local-prefill-max-tokens",
-        0,
-        int,
-        "prompts of at most this many tokens are prefilled on the decode worker",
-    )
-    flag(
-        "--placement",
-        PlacementMode.RULE.value,
-        str,
-        "where prompts are computed: rule (a prefill worker unless short, the default), "
-        "adaptive (per request from the workers' learned step times and the latency targets), "
-        "remote or local (always, where possible)",
-    )
-    flag("--ttft-slo-ms", DEFAULT_SLO.ttft_s * 1000, float, "TTFT target adaptive placement uses")
-    flag("--tpot-slo-ms", DEFAULT_SLO.tpot_s * 1000, float, "TPOT target adaptive placement uses")
-    flag(
-        "--ttft-at-risk",
-        RoutingConfig.ttft_at_risk,
-        float,
-        "adaptive placement computes a prompt on its decode worker only when the prefill "
-        "side's predicted TTFT is above this fraction of the target (0: whenever that is "
-        "faster and the decode batch keeps its TPOT target)",
-    )
-    flag(
-        "--kv-share",
-        AdmissionConfig.kv_share,
-        float,
-        "share of the decode workers' KV this coordinator admits requests against "
-        "(prompt + max_tokens each); 1/N when N coordinators share the workers",
-    )
-    flag(
-        "--max-queued",
-        AdmissionConfig.max_queued_requests,
-        int,
-        "requests that may wait for KV (then RESOURCE_EXHAUSTED)",
-    )
-    flag(
-        "--max-queued-prompt-tokens",
-        AdmissionConfig.max_queued_prompt_tokens,
-        int,
-        "prompt tokens that may wait for KV (then RESOURCE_EXHAUSTED)",
-    )
-    flag(
-        "--max-queue-wait",
-        AdmissionConfig.max_queue_wait_s,
-        float,
-        "seconds a request may wait for KV; one predicted to wait longer is refused at once",
-    )
-    flag(
-        "--default-max-tokens",
-        CoordinatorConfig.default_max_tokens,
-        int,
-        "output tokens of a request without max_tokens (0: up to the context); admission "
-        "reserves KV for them",
-    )
-    flag("--max-tokens-cap", 0, int, "the most max_tokens a request may ask for (0: no cap)")
-    flag(
-        "--prefill-backlog",
-        AdmissionConfig.prefill_backlog_s,
-        float,
-        "seconds of the workers' measured prefill rate that may be admitted and not yet "
-        "computed; more wait in the coordinator's fair queue, not in the workers' FIFO queues",
-    )
-    parser.add_argument(
-        "--admit-within-tpot",
-        action="store_true",
-        default=env_default("--admit-within-tpot", False, truthy, os.environ),
-        help="admit only as many requests as the decode workers' learned step times decode "
-        "within --tpot-slo-ms; the rest wait or get 429 (env SPLITSERVE_ADMIT_WITHIN_TPOT=1)",
-    )
-    parser.add_argument(
-        "--late-waiters-yield",
-        action=argparse.BooleanOptionalAction,
-        default=env_default("--late-waiters-yield", True, truthy, os.environ),
-        help="a request waiting for admission that can no longer have its first token within "
-        "its TTFT target lets those of its priority that still can go first (default on; env "
-        "SPLITSERVE_LATE_WAITERS_YIELD=0 turns it off)",
-    )
-    flag(
-        "--tenant-max-inflight",
-        0,
-        int,
-        "requests each tenant (API key's tenant) may have admitted or waiting; 0: no limit",
-    )
-    flag(
-        "--tenant-tokens-per-minute",
-        0,
-        int,
-        "tokens (prompt + max_tokens) each tenant may start per minute; 0: no limit",
-    )
-    flag(
-        "--tenants-file",
-        None,
-        Path,
-        "TOML file of per-tenant limits, weights and highest priorities "
-        "(coordinator/tenants.py), over the two flags above",
-    )
-    flag(
-        "--client-stall-timeout",
-        SEND_TIMEOUT_S,
-        float,
-        "seconds a stream may wait for a client that reads nothing; then its request is "
-        "aborted and its KV freed",
-    )
-    parser.add_argument(
-        "--relay",
-        choices=RELAYS,
-        default=env_default("--relay", "multiplexed", str, os.environ),
-        help="how decode streams reach this coordinator: 'multiplexed' (many requests' "
-        "tokens per gRPC message, on one GenerateStreams call per decode worker) or "
-        "'per-stream' (a Generate call each) (env SPLITSERVE_RELAY)",
-    )
-    flag("--prefill-timeout", 300.0, float, "seconds a prefill (compute + KV push) may take")
-    flag(
-        "--stall-factor",
-        AttemptTimeouts.stall_factor,
-        float,
-        "a decoding stream silent for this many times its worker's expected step time (from "
-        "the worker's reported step-cost model and load) is stalled: counted, logged and "
-        "resumed on another decode worker; 0: no watch",
-    )
-    flag(
-        "--stall-floor-s",
-        AttemptTimeouts.stall_floor_s,
-        float,
-        "... but never before this many seconds of silence",
-    )
-    flag("--metrics-port", 0, int, "Prometheus /metrics port (0: any free port, -1: off)")
-    flag(
-        "--drain-timeout",
-        30.0,
-        float,
-        "on SIGTERM, seconds running streams may take to finish (new calls are refused)",
-    )
-    add_reflection_flag(parser)
-    add_cluster_access_args(parser)
-    add_api_key_args(parser)
-    add_health_needs_key_flag(parser, "gRPC health checks on the public port")
-    add_membership_args(parser)
-    add_tracing_args(parser)
+    add_settings_args(parser, CoordinatorSettings)
     return parser
 
 
@@ -264,27 +87,19 @@ def inflight_cap(flag_value: int) -> StreamCap:
     return stream_cap(BYTES_PER_STREAM, MEMORY_SHARE, FALLBACK_MAX_INFLIGHT)
 
 
-def placement_mode_or_exit(parser: argparse.ArgumentParser, value: str) -> PlacementMode:
-    """The ``--placement`` mode; exits with a usage error naming the choices."""
-    try:
-        return PlacementMode(value)
-    except ValueError:
-        choices = ", ".join(mode.value for mode in PlacementMode)
-        parser.error(f"--placement must be one of {choices}, not {value!r}")
-
-
 def tenant_policy_or_exit(
-    parser: argparse.ArgumentParser, args: argparse.Namespace
+    parser: argparse.ArgumentParser, settings: CoordinatorSettings
 ) -> TenantPolicy:
     """The tenants' limits from the flags and the tenants file; a usage error (exit 2)
     naming what is wrong."""
     try:
         default = TenantLimits(
-            max_inflight=args.tenant_max_inflight, tokens_per_minute=args.tenant_tokens_per_minute
+            max_inflight=settings.tenant_max_inflight,
+            tokens_per_minute=settings.tenant_tokens_per_minute,
         )
-        if args.tenants_file is None:
+        if settings.tenants_file is None:
             return TenantPolicy(default)
-        return TenantPolicy.from_toml(args.tenants_file, default)
+        return TenantPolicy.from_toml(settings.tenants_file, default)
     except (OSError, ValueError) as error:  # tomllib.TOMLDecodeError is a ValueError
         parser.error(f"tenants: {error}")
 
@@ -292,137 +107,148 @@ def tenant_policy_or_exit(
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    pin_or_exit(parser, args.cpu_affinity)  # before any thread starts
+    settings = settings_or_exit(parser, args, CoordinatorSettings)
+    pin_or_exit(parser, settings.cpu_affinity)  # before any thread starts
     access = access_or_exit(parser, args)
     keys = api_keys_or_exit(parser, args)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s coordinator %(levelname)s %(message)s"
     )
-    configure_tracing("coordinator", args.otlp_traces_endpoint)
-    model_path = resolve_model_path(args.model)
-    slo = Slo(ttft_s=args.ttft_slo_ms / 1000, tpot_s=args.tpot_slo_ms / 1000)
-    if not 0 < args.kv_share <= 1:
-        parser.error(f"--kv-share must be in (0, 1], not {args.kv_share}")
-    if not 0 <= args.ttft_at_risk <= 1:
-        parser.error(f"--ttft-at-risk must be in [0, 1], not {args.ttft_at_risk}")
-    max_inflight = inflight_cap(args.max_inflight)
-    logger.info("at most %s requests in flight", max_inflight.describe())
-    checkpoint = model_name_of(model_path)
-    names = comma_separated(args.served_model_name)
-    config = CoordinatorConfig(
-        tenants=tenant_policy_or_exit(parser, args),
-        model_name=names[0] if names else checkpoint,
-        model_aliases=tuple(names[1:]),
-        checkpoint=checkpoint,
-        max_inflight=max_inflight.streams,
-        default_max_tokens=args.default_max_tokens,
-        max_tokens_cap=args.max_tokens_cap,
-        multiplexed_decode=args.relay == "multiplexed",
-        routing=RoutingConfig(
-            local_prefill_max_tokens=args.local_prefill_max_tokens,
-            mode=placement_mode_or_exit(parser, args.placement),
-            slo=slo,
-            ttft_at_risk=args.ttft_at_risk,
-        ),
-        flow=FlowConfig(
-            timeouts=AttemptTimeouts(
-                prefill_s=args.prefill_timeout,
-                stall_factor=args.stall_factor,
-                stall_floor_s=args.stall_floor_s,
-            )
-        ),
-        admission=AdmissionConfig(
-            kv_share=args.kv_share,
-            max_queued_requests=args.max_queued,
-            max_queued_prompt_tokens=args.max_queued_prompt_tokens,
-            max_queue_wait_s=args.max_queue_wait,
-            prefill_backlog_s=args.prefill_backlog,
-            within_tpot=args.admit_within_tpot,
-            late_waiters_yield=args.late_waiters_yield,
-            prior_tpot_s=slo.tpot_s,
-            prior_ttft_s=slo.ttft_s,
-        ),
-    )
+    configure_tracing("coordinator", settings.tracing.otlp_traces_endpoint)
+    model_path = resolve_model_path(settings.model)
+    config = _config_of(parser, settings, model_name_of(model_path))
     coordinator = Coordinator(config, load_tokenizer(model_path), access)
-    registry = CollectorRegistry()
-    metrics = CoordinatorMetrics(
-        registry, config.model_name, coordinator.registry, coordinator.admission
-    )
-
-    async def run(stop: asyncio.Event) -> None:
-        registry.register(LoopLagCollector(LoopLag.start()))  # stall checks leave it out
-        dial_check = DialCheck(coordinator.registry, coordinator.channels)
-        servicer = CoordinatorServicer(coordinator, metrics, keys, args.client_stall_timeout)
-        server = await start_server(
-            args.host,
-            args.port,
-            lambda s: (
-                coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, s),
-                [SERVICE_NAME],
-            )[1],
-            credential=None,
-            tls=access.tls,
-            with_reflection=args.grpc_reflection,
-            interceptors=(ApiKeyInterceptor(keys, protect_health=args.health_needs_key),),
-        )
-        internal = await start_server(
-            args.host,
-            args.internal_port,
-            lambda s: (
-                coordinator_pb2_grpc.add_MembershipServicer_to_server(
-                    MembershipServicer(
-                        coordinator.registry,
-                        coordinator.router.forget,
-                        dial_check,
-                        coordinator.router.kv_events,
-                    ),
-                    s,
-                ),
-                [MEMBERSHIP_SERVICE_NAME],
-            )[1],
-            credential=access.credential,
-            tls=access.tls,
-            with_reflection=args.grpc_reflection,
-        )
-        await internal.set_serving(True)
-        print(f"{INTERNAL_READY} at {args.host}:{internal.port}", flush=True)
-        if args.metrics_port >= 0:
-            port = serve_metrics(registry, args.host, args.metrics_port)
-            print(f"coordinator metrics at http://{args.host}:{port}/metrics", flush=True)
-        tune_gc_for_serving()
-        print(f"{PUBLIC_READY} at {args.host}:{server.port}", flush=True)
-        watcher = asyncio.create_task(_watch_workers(coordinator, server, stop))
-        follower = _membership_follower(args, coordinator)
-        following = None if follower is None else asyncio.create_task(follower.run())
-        await stop.wait()
-        await server.set_serving(False)
-        servicer.draining = True
-        await server.server.stop(args.drain_timeout)
-        await internal.server.stop(1.0)
-        for task in (watcher, following):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-        await dial_check.close()
-        await coordinator.channels.close()
-
     try:
-        serve_forever(run)
+        serve_forever(functools.partial(_serve, settings, coordinator, access, keys))
     finally:
         shutdown_tracing()
     return 0
 
 
+def _config_of(
+    parser: argparse.ArgumentParser, settings: CoordinatorSettings, checkpoint: str
+) -> CoordinatorConfig:
+    """The coordinator's config from its settings, for ``checkpoint``; a usage error (exit
+    2) for a tenants file it cannot read."""
+    max_inflight = inflight_cap(settings.max_inflight)
+    logger.info("at most %s requests in flight", max_inflight.describe())
+    names = comma_separated(settings.served_model_name)
+    return CoordinatorConfig(
+        tenants=tenant_policy_or_exit(parser, settings),
+        model_name=names[0] if names else checkpoint,
+        model_aliases=tuple(names[1:]),
+        checkpoint=checkpoint,
+        max_inflight=max_inflight.streams,
+        default_max_tokens=settings.default_max_tokens,
+        max_tokens_cap=settings.max_tokens_cap,
+        multiplexed_decode=settings.relay == "multiplexed",
+        routing=settings.routing_config(),
+        flow=settings.flow_config(),
+        admission=settings.admission_config(),
+    )
+
+
+async def _serve(
+    settings: CoordinatorSettings,
+    coordinator: Coordinator,
+    access: ClusterAccess,
+    keys: ApiKeys,
+    stop: asyncio.Event,
+) -> None:
+    """Serve both planes until ``stop``, then drain: health NOT_SERVING, new calls refused,
+    running streams get ``--drain-timeout`` seconds."""
+    registry = CollectorRegistry()
+    metrics = CoordinatorMetrics(
+        registry, coordinator.config.model_name, coordinator.registry, coordinator.admission
+    )
+    registry.register(LoopLagCollector(LoopLag.start()))  # stall checks leave it out
+    dial_check = DialCheck(coordinator.registry, coordinator.channels)
+    servicer = CoordinatorServicer(coordinator, metrics, keys, settings.client_stall_timeout)
+    planes = await _start_planes(settings, coordinator, servicer, dial_check, access, keys)
+    server, internal = planes
+    print(f"{INTERNAL_READY} at {settings.host}:{internal.port}", flush=True)
+    if settings.metrics_port >= 0:
+        port = serve_metrics(registry, settings.host, settings.metrics_port)
+        print(f"coordinator metrics at http://{settings.host}:{port}/metrics", flush=True)
+    tune_gc_for_serving()
+    print(f"{PUBLIC_READY} at {settings.host}:{server.port}", flush=True)
+    watcher = asyncio.create_task(_watch_workers(coordinator, server, stop))
+    follower = _membership_follower(settings.membership, coordinator)
+    following = None if follower is None else asyncio.create_task(follower.run())
+    await stop.wait()
+    await server.set_serving(False)
+    servicer.draining = True
+    await server.server.stop(settings.drain_timeout)
+    await internal.server.stop(1.0)
+    for task in (watcher, following):
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    await dial_check.close()
+    await coordinator.channels.close()
+
+
+async def _start_planes(
+    settings: CoordinatorSettings,
+    coordinator: Coordinator,
+    servicer: CoordinatorServicer,
+    dial_check: DialCheck,
+    access: ClusterAccess,
+    keys: ApiKeys,
+) -> tuple[RoleServer, RoleServer]:
+    """The public plane (the ``Coordinator`` API behind the API keys) and the internal one
+    (``Membership``, every call with the cluster credential; serving once it is up)."""
+    reflection = settings.reflection.grpc_reflection
+    membership = MembershipServicer(
+        coordinator.registry, coordinator.router.forget, dial_check, coordinator.router.kv_events
+    )
+    public = await start_server(
+        settings.host,
+        settings.port,
+        _plane(coordinator_pb2_grpc.add_CoordinatorServicer_to_server, servicer, SERVICE_NAME),
+        credential=None,
+        tls=access.tls,
+        with_reflection=reflection,
+        interceptors=(ApiKeyInterceptor(keys, protect_health=settings.health_needs_key),),
+    )
+    internal = await start_server(
+        settings.host,
+        settings.internal_port,
+        _plane(
+            coordinator_pb2_grpc.add_MembershipServicer_to_server,
+            membership,
+            MEMBERSHIP_SERVICE_NAME,
+        ),
+        credential=access.credential,
+        tls=access.tls,
+        with_reflection=reflection,
+    )
+    await internal.set_serving(True)
+    return public, internal
+
+
+def _plane(
+    add: Callable[[object, grpc.aio.Server], None], servicer: object, service: str
+) -> Callable[[grpc.aio.Server], list[str]]:
+    """Registers ``servicer`` (by its generated ``add`` function) as ``service``."""
+
+    def register(server: grpc.aio.Server) -> list[str]:
+        add(servicer, server)
+        return [service]
+
+    return register
+
+
 def _membership_follower(
-    args: argparse.Namespace, coordinator: Coordinator
+    membership: MembershipSettings, coordinator: Coordinator
 ) -> MembershipFollower | None:
     """With ``--etcd-endpoints``: the follower of the etcd membership (workers may also
     register over gRPC, as without it)."""
-    endpoints = etcd_endpoints(args)
+    endpoints = comma_separated(membership.etcd_endpoints or "")
     if not endpoints:
         return None
-    watcher = EtcdMembershipWatcher(EtcdClient(endpoints), args.cluster_name)
+    watcher = EtcdMembershipWatcher(EtcdClient(endpoints), membership.cluster_name)
     return MembershipFollower(
         watcher,
         coordinator.registry,

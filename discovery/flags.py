@@ -11,24 +11,26 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 
-from splitserve.common.env_flags import add_env_flag, comma_separated
+from splitserve.common.env_flags import comma_separated
+from splitserve.common.settings import add_settings_args, setting
+
+
+@dataclass(frozen=True)
+class MembershipSettings:
+    """Where membership lives (a settings group: ``common/settings.py``)."""
+
+    etcd_endpoints: str | None = setting(
+        None, "etcd v3 client endpoints (host:port, comma-separated): membership in etcd"
+    )
+    cluster_name: str = setting("splitserve", "this cluster's name in etcd's keys")
 
 
 def add_membership_args(
     parser: argparse._ActionsContainer, env: Mapping[str, str] = os.environ
 ) -> None:
-    add_env_flag(
-        parser,
-        "--etcd-endpoints",
-        None,
-        str,
-        "etcd v3 client endpoints (host:port, comma-separated): membership in etcd",
-        env,
-    )
-    add_env_flag(
-        parser, "--cluster-name", "splitserve", str, "this cluster's name in etcd's keys", env
-    )
+    add_settings_args(parser, MembershipSettings, env)
 
 
 def etcd_endpoints(args: argparse.Namespace) -> list[str]:

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import ClassVar
 
-from splitserve.common.env_flags import add_env_flag, env_default, truthy
 from splitserve.common.sampling_params import SamplingParams
+from splitserve.common.settings import add_settings_args, setting
 from splitserve.engine.config import (
     DTYPES,
     ENGINES,
@@ -33,89 +35,71 @@ goodput with drafts was within the spread of the same tree without them (chat at
 req/s: 8 of 12 seed pairs higher; long prompts at 0.5: 2 of 6, medians 0.96x), while repetitive
 prompts decode 1.1-1.6x faster (``bench/bench_speculative.py``). Output is the plain path's
 token for token (greedy, seeded sampling)."""
+_DEFAULTS = EngineConfig()
 
 
-def add_engine_args(parser: argparse.ArgumentParser, env: Mapping[str, str] = os.environ) -> None:
-    """Flags of ``EngineConfig``; defaults come from ``SPLITSERVE_*`` variables when set."""
-    defaults = EngineConfig()
-    group = parser.add_argument_group("engine")
+@dataclass(frozen=True)
+class EngineSettings:
+    """The engine's flags (``EngineConfig``), declared once (``common/settings.py``): the
+    offline commands' and every worker's parser are generated from it."""
 
-    def flag(name: str, default: object, convert: Callable[[str], object], help_text: str) -> None:
-        add_env_flag(group, name, default, convert, help_text, env)
-
-    flag("--model", defaults.model.model, str, "GGUF file, HF folder, or 'default'")
-    group.add_argument(
-        "--dtype",
+    TITLE: ClassVar[str] = "engine"
+    model: str = setting(_DEFAULTS.model.model, "GGUF file, HF folder, or 'default'")
+    dtype: str = setting(
+        _DEFAULTS.model.dtype,
+        "compute dtype; auto = bf16 where the CPU has it",
         choices=DTYPES,
-        default=env_default("--dtype", defaults.model.dtype, str, env),
-        help="compute dtype; auto = bf16 where the CPU has it (env SPLITSERVE_DTYPE)",
     )
-    group.add_argument(
-        "--quantized-weights",
+    quantized_weights: str = setting(
+        _DEFAULTS.model.quantized_weights,
+        "a GGUF's Q4_1/Q8_0 weights: widen to --dtype, or native: decode rows read them as "
+        "stored; auto: native in bf16, widen in float32",
         choices=QUANTIZED_WEIGHTS,
-        default=env_default("--quantized-weights", defaults.model.quantized_weights, str, env),
-        help="a GGUF's Q4_1/Q8_0 weights: widen to --dtype, or native: decode rows read them "
-        "as stored; auto: native in bf16, widen in float32 (env SPLITSERVE_QUANTIZED_WEIGHTS)",
     )
-    flag("--max-model-len", None, int, "context window cap in tokens")
-    flag("--block-size", defaults.cache.block_size, int, "tokens per KV block")
-    flag("--kv-cache-gib", defaults.cache.kv_cache_gib, float, "KV cache size in GiB")
-    flag("--num-blocks", None, int, "KV cache size in blocks (overrides --kv-cache-gib)")
-    group.add_argument(
-        "--no-prefix-caching",
-        action="store_true",
-        default=env_default("--no-prefix-caching", False, truthy, env),
-        help="disable prefix caching (env SPLITSERVE_NO_PREFIX_CACHING=1)",
+    max_model_len: int | None = setting(None, "context window cap in tokens")
+    block_size: int = setting(_DEFAULTS.cache.block_size, "tokens per KV block")
+    kv_cache_gib: float = setting(_DEFAULTS.cache.kv_cache_gib, "KV cache size in GiB")
+    num_blocks: int | None = setting(None, "KV cache size in blocks (overrides --kv-cache-gib)")
+    no_prefix_caching: bool = setting(False, "disable prefix caching")
+    max_num_batched_tokens: int = setting(
+        _DEFAULTS.scheduler.max_num_batched_tokens, "token budget per step (prefill chunk size)"
     )
-    flag(
-        "--max-num-batched-tokens",
-        defaults.scheduler.max_num_batched_tokens,
-        int,
-        "token budget per step (prefill chunk size)",
-    )
-    flag("--max-num-seqs", defaults.scheduler.max_num_seqs, int, "most running requests")
-    flag("--threads", None, int, "torch intra-op threads")
-    flag(
-        "--device",
-        defaults.runner.device,
-        str,
+    max_num_seqs: int = setting(_DEFAULTS.scheduler.max_num_seqs, "most running requests")
+    threads: int | None = setting(None, "torch intra-op threads")
+    device: str = setting(
+        _DEFAULTS.runner.device,
         "torch device of the weights and the KV cache: cpu, or cuda / cuda:N (the Triton "
         "kernels; KV moves between GPUs over UCX)",
     )
-    group.add_argument(
-        "--engine",
+    engine: str = setting(
+        _DEFAULTS.runner.engine,
+        "model: run the model; sim: wait out each step's time from --sim-profile and emit set "
+        "tokens, no weights loaded (for scale tests)",
         choices=ENGINES,
-        default=env_default("--engine", defaults.runner.engine, str, env),
-        help="model: run the model; sim: wait out each step's time from --sim-profile and "
-        "emit set tokens, no weights loaded (for scale tests; env SPLITSERVE_ENGINE)",
     )
-    flag(
-        "--sim-profile",
-        defaults.runner.sim_profile,
-        str,
+    sim_profile: str = setting(
+        _DEFAULTS.runner.sim_profile,
         "a simulated engine's step-time profile (python -m splitserve.engine.sim_calibrate "
         "writes one), or 'default'",
     )
-    flag(
-        "--record-steps",
+    record_steps: str | None = setting(
         None,
-        str,
         "log every engine step's shape and time in this directory (steps-<pid>-*.jsonl), for "
         "python -m splitserve.engine.sim_calibrate --from-steps",
     )
-    flag(
-        "--speculative-tokens",
+    speculative_tokens: int | None = setting(
         None,
-        int,
         "prompt-lookup draft tokens per request and decode step (0: no speculation; default "
         f"{SERVED_SPECULATIVE_TOKENS} on the CPU, 0 on CUDA)",
     )
-    flag(
-        "--speculative-max-rows",
-        defaults.speculative.max_step_rows,
-        int,
-        "no drafts once a decode step holds this many rows",
+    speculative_max_rows: int = setting(
+        _DEFAULTS.speculative.max_step_rows, "no drafts once a decode step holds this many rows"
     )
+
+
+def add_engine_args(parser: argparse.ArgumentParser, env: Mapping[str, str] = os.environ) -> None:
+    """Flags of ``EngineSettings``; defaults come from ``SPLITSERVE_*`` variables when set."""
+    add_settings_args(parser.add_argument_group("engine"), EngineSettings, env)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -38,7 +38,6 @@ highest such rate (bisection: both predictions grow with the rate).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import hashlib
@@ -400,35 +399,6 @@ def load_or_probe(
         return ProbeResult.from_json(json.loads(path.read_text(encoding="utf-8"))), False
     except (OSError, ValueError) as error:
         raise RuntimeError(f"the layout probe wrote no result: {error}") from error
-
-
-def add_layout_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--layout",
-        choices=LAYOUTS,
-        default="auto",
-        help="how the machine's cores serve the two phases: split (a prefill and a decode "
-        "worker, half the cores each), aggregated (one dual-role worker on all cores), hybrid "
-        "(split, each worker borrowing the other's cores while it idles: --core-lending both), "
-        "or auto (the default: hybrid or aggregated, from a measurement of this machine cached "
-        "per configuration). Explicit --prefill/--decode/--dual override it",
-    )
-    parser.add_argument(
-        "--layout-workload",
-        default="320,96,2000,50",
-        help="what auto chooses for: prompt tokens, output tokens, TTFT target ms, ITL target "
-        "ms (default: the chat workload and SLO of bench/bench_goodput.py)",
-    )
-    parser.add_argument(
-        "--layout-recheck-s",
-        type=float,
-        default=RECHECK_INTERVAL_S,
-        help="re-check the running layout every this many seconds from the step times the "
-        "workers learn serving, where a probe of this machine is at hand (auto, or split / "
-        "aggregated with the probe cached); it says what a restart would run and writes the "
-        "served times to the probe's cache for the next start (launch/layout_recheck.py). "
-        "0: off",
-    )
 
 
 def workload_of(text: str) -> Workload:

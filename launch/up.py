@@ -58,29 +58,35 @@ import asyncio
 import contextlib
 import dataclasses
 import os
-import shlex
 import signal
 import sys
 import tempfile
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 
 from splitserve.common.api_keys import (
     KEYS_ENV,
-    add_api_key_args,
-    add_health_needs_key_flag,
     api_keys_or_exit,
 )
 from splitserve.common.env_flags import env_name
-from splitserve.common.membership import hosted_worker_ids, member_id
+from splitserve.common.settings import add_settings_args, settings_or_exit
 from splitserve.coordinator import INTERNAL_READY, PUBLIC_READY
-from splitserve.discovery.flags import add_membership_args, etcd_endpoints
 from splitserve.kernels.cpu_build import kernel_plan_line
 from splitserve.launch.child_process import ReadyError
+from splitserve.launch.commands import (
+    control_cores,
+    coordinator_argv,
+    extra_model_argvs,
+    gateway_argv,
+    lending_pairs,
+    member_ids,
+    membership_flags,
+    worker_argvs,
+    worker_cores,
+)
 from splitserve.launch.layout import (
     MODELLED,
     LayoutChoice,
     Workload,
-    add_layout_args,
     cached_probe,
     choose,
     last_flag,
@@ -92,137 +98,16 @@ from splitserve.launch.layout import (
 from splitserve.launch.layout_recheck import recheck_layout
 from splitserve.launch.members import wait_for_members
 from splitserve.launch.supervisor import READY_TIMEOUT_S, Stopped, Supervisor, say
+from splitserve.launch.up_settings import UpSettings
 from splitserve.proto.cluster_auth import TOKEN_ENV, ClusterCredential
 from splitserve.proto.server import wait_for_health
-from splitserve.proto.tls import TlsConfig, add_tls_args, tls_env, tls_or_exit
-
-CORE_LENDING = ("decode", "both", "off")
-CONTROL_CORES = ("prefill", "any")
+from splitserve.proto.tls import TlsConfig, tls_env, tls_or_exit
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The parser of ``UpSettings`` (``up_settings.py``: every flag is declared there)."""
     parser = argparse.ArgumentParser(prog="splitserve up", description=__doc__.splitlines()[0])
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument(
-        "--port", type=int, default=50051, help="coordinator's public gRPC port (0: any free)"
-    )
-    parser.add_argument(
-        "--internal-port",
-        type=int,
-        default=50052,
-        help="coordinator's internal gRPC port, for workers (0: any free port)",
-    )
-    parser.add_argument("--model", default="default")
-    parser.add_argument(
-        "--extra-model",
-        action="append",
-        default=[],
-        help="another model to serve beside --model (a GGUF file or an HF folder; "
-        "python -m splitserve.engine.random_checkpoint writes one of random weights), on a "
-        "coordinator and a dual-role worker of its own (unpinned); the gateway routes each "
-        "request by its model. Repeatable",
-    )
-    parser.add_argument(
-        "--coordinators",
-        type=int,
-        default=1,
-        help="coordinators (ports 2 apart from --port / --internal-port); every worker "
-        "registers with all, the gateway balances over them and continues a stream whose "
-        "coordinator dies through another",
-    )
-    add_layout_args(parser)
-    parser.add_argument(
-        "--prefill", type=int, default=1, help="prefill workers (overrides --layout)"
-    )
-    parser.add_argument("--decode", type=int, default=1, help="decode workers (overrides --layout)")
-    parser.add_argument(
-        "--dual",
-        type=int,
-        default=0,
-        help="dual-role workers (prefill and decode on one engine: `splitserve worker`), "
-        "started after the others; e.g. --prefill 0 --decode 0 --dual 2 (overrides --layout)",
-    )
-    parser.add_argument(
-        "--workers-per-process",
-        type=int,
-        default=1,
-        help="workers of a role one process hosts (``--host-workers``; above 1 only for "
-        "simulated workers, ``-- --engine sim``, whose processes are then not pinned): e.g. "
-        "--prefill 16 --decode 112 --workers-per-process 16 runs 128 workers in 8 processes",
-    )
-    parser.add_argument(
-        "--decode-worker-args",
-        default="",
-        help="flags for the decode workers only, after those after -- (one string, split as "
-        "a shell would), e.g. '--no-prefix-caching': decode workers that keep no finished "
-        "request's KV, so no conversation's next turn finds its history there",
-    )
-    parser.add_argument("--no-pin", action="store_true", help="do not pin workers to cores")
-    parser.add_argument(
-        "--core-lending",
-        choices=CORE_LENDING,
-        default=None,
-        help="pinned workers lend their cores while their engine idles: 'decode': decode "
-        "worker i also runs its steps on prefill worker i's cores while that one waits for "
-        "prompts, where that measures faster; 'both': prefill worker i borrows decode worker "
-        "i's too; 'off': each keeps to its own. Default: the layout's ('both' for hybrid, "
-        "which auto runs for a worker pair; 'off' otherwise)",
-    )
-    parser.add_argument(
-        "--control-cores",
-        choices=CONTROL_CORES,
-        default="any",
-        help="where the coordinators and the gateway run: 'prefill': on the prefill workers' "
-        "cores (pinned workers, at least one prefill and one decode worker), leaving the decode "
-        "workers' cores to their steps; 'any': unpinned",
-    )
-    parser.add_argument(
-        "--local-prefill-max-tokens", type=int, default=None, help="passed to the coordinator"
-    )
-    parser.add_argument("--max-inflight", type=int, default=None, help="passed to the coordinator")
-    parser.add_argument(
-        "--placement",
-        default=None,
-        help="where prompts are computed (rule, adaptive, remote, local); for the coordinator",
-    )
-    parser.add_argument(
-        "--http-port", type=int, default=8000, help="OpenAI-compatible gateway port (0: any free)"
-    )
-    parser.add_argument("--no-gateway", action="store_true", help="do not start the gateway")
-    parser.add_argument(
-        "--gateways",
-        type=int,
-        default=1,
-        help="gateway processes sharing --http-port (SO_REUSEPORT: the kernel spreads "
-        "connections over them; each also serves its own /metrics on a port it prints)",
-    )
-    parser.add_argument(
-        "--drain-timeout",
-        type=float,
-        default=30.0,
-        help="seconds each child may drain on SIGTERM (passed to coordinator and workers)",
-    )
-    parser.add_argument(
-        "--no-restart",
-        action="store_true",
-        help="stop everything when a child dies (default: restart it with back-off)",
-    )
-    parser.add_argument(
-        "--served-model-name",
-        default=None,
-        help="names --model is served under (comma-separated; the coordinators' flag)",
-    )
-    parser.add_argument(
-        "--metrics-port-base",
-        type=int,
-        default=9400,
-        help="Prometheus /metrics ports: coordinator i at base + i, worker i after them "
-        "(0: any free port each, printed at start; -1: no metrics)",
-    )
-    add_membership_args(parser)
-    add_tls_args(parser)
-    add_api_key_args(parser)
-    add_health_needs_key_flag(parser, "the gateway's /health and /metrics")
+    add_settings_args(parser, UpSettings)
     return parser
 
 
@@ -259,229 +144,6 @@ def layout_summary(args: argparse.Namespace, lending: bool = True) -> str:
         )
         summary += f", {borrowers} borrow their partner's cores while it idles"
     return summary
-
-
-def worker_cores(args: argparse.Namespace) -> list[str | None]:
-    """Each worker's ``--cpu-affinity`` in start order (prefill, decode, dual-role workers);
-    None each with ``--no-pin``, with several workers a process (simulated: nothing to pin)
-    or too few cores (``worker_core_sets``)."""
-    num_processes = len(worker_processes(args))
-    if args.no_pin or args.workers_per_process > 1:
-        return [None] * num_processes
-    return worker_core_sets(num_processes, sorted(os.sched_getaffinity(0)))
-
-
-def worker_processes(args: argparse.Namespace) -> list[tuple[str, int]]:
-    """(role, workers it hosts) of each worker process in start order: prefill, decode,
-    dual-role; each role's workers in groups of ``--workers-per-process``."""
-    per = args.workers_per_process
-    processes = []
-    for role, count in (("prefill", args.prefill), ("decode", args.decode), ("dual", args.dual)):
-        processes += [(role, min(per, count - first)) for first in range(0, count, per)]
-    return processes
-
-
-def control_cores(args: argparse.Namespace) -> str | None:
-    """The ``--cpu-affinity`` of the coordinators and the gateway: with ``--control-cores
-    prefill``, the prefill workers' cores, where every worker is pinned and there are prefill
-    and decode workers (the decode workers' cores then run only their steps: a step's
-    OpenMP loop stalls whenever another process takes its core); None (unpinned) else."""
-    if args.control_cores == "any" or not args.prefill or not args.decode:
-        return None
-    cores = worker_cores(args)
-    if any(core_list is None for core_list in cores):
-        return None
-    return ",".join(core_list for core_list in cores[: args.prefill] if core_list)
-
-
-def lending_pairs(args: argparse.Namespace, cores: Sequence[str | None]) -> int:
-    """How many (prefill worker i, decode worker i) pairs lend cores, given each worker's
-    pinned cores (``worker_cores``): none with ``--core-lending off`` (or unset) or unpinned
-    workers."""
-    if args.core_lending in (None, "off") or any(core_list is None for core_list in cores):
-        return 0
-    return min(args.prefill, args.decode)
-
-
-def membership_flags(args: argparse.Namespace) -> list[str]:
-    """The etcd membership flags every coordinator and worker gets; none by default."""
-    endpoints = etcd_endpoints(args)
-    if not endpoints:
-        return []
-    return [f"--etcd-endpoints={','.join(endpoints)}", f"--cluster-name={args.cluster_name}"]
-
-
-def _metrics_port(base: int, index: int) -> int:
-    """Child ``index``'s metrics port: any free one for base 0, none (-1) for a negative base."""
-    if base < 0:
-        return -1
-    return 0 if base == 0 else base + index
-
-
-def worker_core_sets(num_workers: int, cpus: Sequence[int]) -> list[str | None]:
-    """Disjoint core lists, one per worker, or None each when cores are too few."""
-    if num_workers == 0 or len(cpus) < num_workers:
-        return [None] * num_workers
-    share = len(cpus) // num_workers
-    return [",".join(str(c) for c in cpus[i * share : (i + 1) * share]) for i in range(num_workers)]
-
-
-def coordinator_argv(args: argparse.Namespace, index: int = 0) -> list[str]:
-    """Module and flags of coordinator ``index`` of ``--model``: ports ``2 * index`` above
-    the base ones (any free ones when those are 0)."""
-    argv = _coordinator_argv(args, index, args.model, _metrics_port(args.metrics_port_base, index))
-    if args.served_model_name:
-        argv.append(f"--served-model-name={args.served_model_name}")
-    return argv
-
-
-def _coordinator_argv(
-    args: argparse.Namespace, slot: int, model: str, metrics_port: int
-) -> list[str]:
-    """A coordinator of ``model`` on the ports of ``slot`` (``2 * slot`` above the base ones,
-    any free ones when those are 0)."""
-    port, internal_port = (p + 2 * slot if p else 0 for p in (args.port, args.internal_port))
-    argv = ["splitserve.coordinator.main", f"--host={args.host}", f"--port={port}"]
-    argv += [f"--internal-port={internal_port}", f"--drain-timeout={args.drain_timeout}"]
-    argv += [f"--model={model}", f"--metrics-port={metrics_port}", *membership_flags(args)]
-    if args.max_inflight is not None:
-        argv.append(f"--max-inflight={args.max_inflight}")
-    if args.local_prefill_max_tokens is not None:
-        argv.append(f"--local-prefill-max-tokens={args.local_prefill_max_tokens}")
-    if args.placement is not None:
-        argv.append(f"--placement={args.placement}")
-    return argv + _control_affinity(args)
-
-
-def _control_affinity(args: argparse.Namespace) -> list[str]:
-    """``--cpu-affinity`` for a coordinator or the gateway, where ``control_cores`` pins."""
-    cores = control_cores(args)
-    return [] if cores is None else [f"--cpu-affinity={cores}"]
-
-
-def worker_argvs(
-    args: argparse.Namespace,
-    coordinator: str,
-    worker_args: Sequence[str],
-    busy_dir: str | None = None,
-) -> list[tuple[str, list[str]]]:
-    """(name, module and flags) of each worker in start order: prefill ones, decode ones,
-    then dual-role ones (named ``dual-<index>``); ``coordinator``: the coordinators' internal
-    addresses, comma-separated; ``busy_dir``: a node-local directory for the lending pairs'
-    busy files (``lending_pairs``; no lending without one)."""
-    processes = worker_processes(args)
-    cores = worker_cores(args)
-    lending = _lending_flags(args, cores, busy_dir) if busy_dir else [[] for _ in processes]
-    workers = []
-    first_worker = 0  # the global index of the process's first worker (metrics ports)
-    for index, ((role, hosted), core_list) in enumerate(zip(processes, cores, strict=True)):
-        if role == "dual":
-            argv = [
-                "splitserve.launch.dual_worker",
-                "--roles=prefill,decode",
-                f"--model={args.model}",
-            ]
-        else:
-            argv = [f"splitserve.{role}.main", f"--model={args.model}"]
-        if not membership_flags(args):  # on etcd a worker knows no coordinator
-            argv.append(f"--coordinator={coordinator}")
-        argv += [f"--host={args.host}", f"--worker-id={role}-{index}"]
-        argv += [f"--drain-timeout={args.drain_timeout}", *membership_flags(args)]
-        metrics_port = _metrics_port(args.metrics_port_base, args.coordinators + first_worker)
-        argv.append(f"--metrics-port={metrics_port}")  # a hosted worker i: this + i
-        first_worker += hosted
-        if core_list is not None:
-            argv.append(f"--cpu-affinity={core_list}")
-        if hosted > 1:
-            argv.append(f"--host-workers={hosted}")
-        own = shlex.split(args.decode_worker_args) if role == "decode" else []
-        workers.append((f"{role}-{index}", argv + lending[index] + list(worker_args) + own))
-    return workers
-
-
-def extra_model_argvs(
-    args: argparse.Namespace, index: int, worker_args: Sequence[str]
-) -> tuple[list[str], Callable[[str], tuple[str, list[str]]]]:
-    """The coordinator's module and flags for ``--extra-model`` number ``index``, and, given
-    that coordinator's internal address, its dual-role worker's (name, module and flags).
-    Ports after the ``--model`` coordinators'; metrics ports after every ``--model`` worker."""
-    model = args.extra_model[index]
-    first = args.coordinators + args.prefill + args.decode + args.dual + 2 * index
-    coordinator = _coordinator_argv(
-        args, args.coordinators + index, model, _metrics_port(args.metrics_port_base, first)
-    )
-    name = f"model{index + 1}-dual-0"
-
-    def worker(internal: str) -> tuple[str, list[str]]:
-        argv = ["splitserve.launch.dual_worker", "--roles=prefill,decode", f"--model={model}"]
-        if not membership_flags(args):  # on etcd a worker knows no coordinator
-            argv.append(f"--coordinator={internal}")
-        argv += [f"--host={args.host}", f"--worker-id={name}"]
-        argv += [f"--drain-timeout={args.drain_timeout}", *membership_flags(args)]
-        argv.append(f"--metrics-port={_metrics_port(args.metrics_port_base, first + 1)}")
-        return name, argv + list(worker_args)
-
-    return coordinator, worker
-
-
-def _lending_flags(
-    args: argparse.Namespace, cores: Sequence[str | None], busy_dir: str
-) -> list[list[str]]:
-    """Each worker's lending flags (by start index): prefill worker i publishes its busy
-    file and decode worker i borrows its cores (and, with ``--core-lending both``, the
-    reverse), for each of the ``lending_pairs``."""
-    flags: list[list[str]] = [[] for _ in cores]
-    for pair in range(lending_pairs(args, cores)):
-        prefill, decode = pair, args.prefill + pair
-        directions = [(prefill, decode)]
-        if args.core_lending == "both":
-            directions.append((decode, prefill))
-        for lender, borrower in directions:  # a worker lends at most once
-            busy_file = os.path.join(busy_dir, f"worker-{lender}.busy")
-            flags[lender].append(f"--busy-file={busy_file}")
-            flags[borrower] += [f"--borrow-cores={cores[lender]}"]
-            flags[borrower] += [f"--borrow-while-idle={busy_file}"]
-    return flags
-
-
-def member_ids(worker_argvs: Sequence[Sequence[str]]) -> list[str]:
-    """The membership ids the workers of these command lines (``worker_argvs``' module and
-    flags, user flags included: the last ``--worker-id`` / ``--roles`` wins, as in argparse)
-    register under (``common/membership.py:member_id``)."""
-    ids = []
-    for argv in worker_argvs:
-        worker_id = last_flag(argv, "--worker-id")
-        roles_value = last_flag(argv, "--roles") or argv[0].split(".")[1]  # splitserve.<role>.main
-        roles = [role.strip() for role in roles_value.split(",")]
-        if worker_id is None:
-            raise ValueError(f"a worker started without --worker-id: {argv}")
-        hosted = int(last_flag(argv, "--host-workers") or 1)
-        ids += [
-            member_id(one, role, len(roles))
-            for one in hosted_worker_ids(worker_id, hosted)
-            for role in roles
-        ]
-    return ids
-
-
-def gateway_argv(
-    args: argparse.Namespace,
-    coordinator: str,
-    port: int | str | None = None,
-    extra_models: Sequence[str] = (),
-) -> list[str]:
-    """Module and flags of a gateway listening on ``port`` (default ``--http-port``; shared
-    by every gateway when there are several: ``--reuse-port``) in front of ``--model``'s
-    ``coordinator`` (addresses) and the ``extra_models``' coordinators (one address each)."""
-    argv = ["splitserve.gateway.main", f"--coordinator={coordinator}", f"--host={args.host}"]
-    argv += [f"--coordinator={address}" for address in extra_models]
-    port = args.http_port if port is None else port
-    argv += [f"--port={port}", f"--drain-timeout={args.drain_timeout}"]
-    if args.gateways > 1:
-        argv.append("--reuse-port")
-    if args.health_needs_key:
-        argv.append("--health-needs-key")
-    return argv + _control_affinity(args)
 
 
 def children_env(
@@ -727,10 +389,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv, worker_args = argv[:split], argv[split + 1 :]
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.workers_per_process < 1:
-        parser.error("--workers-per-process must be at least 1")
-    if args.gateways < 1:
-        parser.error("--gateways must be at least 1 (--no-gateway starts none)")
+    settings_or_exit(parser, args, UpSettings)  # checks what no single flag can
     try:
         credential = cluster_credential()
     except ValueError as error:

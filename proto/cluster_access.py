@@ -14,13 +14,10 @@ from dataclasses import dataclass
 
 import grpc
 
-from splitserve.proto.cluster_auth import (
-    ClusterCredential,
-    add_cluster_auth_args,
-    credential_or_exit,
-)
+from splitserve.common.settings import add_settings_args, default_group
+from splitserve.proto.cluster_auth import ClusterAuthSettings, ClusterCredential, credential_or_exit
 from splitserve.proto.server import open_channel
-from splitserve.proto.tls import TlsConfig, add_tls_args, tls_or_exit
+from splitserve.proto.tls import TlsConfig, TlsSettings, tls_or_exit
 
 
 @dataclass(frozen=True)
@@ -38,12 +35,20 @@ class ClusterAccess:
         return open_channel(address, self.tls)
 
 
+@dataclass(frozen=True)
+class ClusterAccessSettings:
+    """The cluster credential and the TLS files of a role's internal calls (a settings
+    group: ``common/settings.py``)."""
+
+    auth: ClusterAuthSettings = default_group(ClusterAuthSettings)
+    tls: TlsSettings = default_group(TlsSettings)
+
+
 def add_cluster_access_args(
     parser: argparse._ActionsContainer, env: Mapping[str, str] = os.environ
 ) -> None:
     """The cluster credential's flags and the TLS flags."""
-    add_cluster_auth_args(parser, env)
-    add_tls_args(parser, env)
+    add_settings_args(parser, ClusterAccessSettings, env)
 
 
 def access_or_exit(parser: argparse.ArgumentParser, args: argparse.Namespace) -> ClusterAccess:

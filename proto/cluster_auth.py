@@ -23,7 +23,8 @@ from pathlib import Path
 
 import grpc
 
-from splitserve.common.env_flags import add_env_flag, built_or_exit
+from splitserve.common.env_flags import built_or_exit
+from splitserve.common.settings import add_settings_args, setting
 
 AUTH_METADATA_KEY = "authorization"
 TOKEN_ENV = "SPLITSERVE_CLUSTER_TOKEN"
@@ -120,20 +121,23 @@ def metadata_value(metadata: Sequence[tuple[str, str | bytes]] | None, key: str)
     return None
 
 
+@dataclass(frozen=True)
+class ClusterAuthSettings:
+    """Where the cluster credential comes from (a settings group: ``common/settings.py``)."""
+
+    cluster_token_file: Path | None = setting(
+        None,
+        "file holding the cluster token (one line); prefer it or the env to --cluster-token, "
+        "which other users of this machine can read in the process list",
+    )
+    cluster_token: str | None = setting(None, "the cluster's shared secret")
+
+
 def add_cluster_auth_args(
     parser: argparse._ActionsContainer, env: Mapping[str, str] = os.environ
 ) -> None:
     """``--cluster-token`` / ``--cluster-token-file`` (and ``SPLITSERVE_*`` twins)."""
-    add_env_flag(
-        parser,
-        "--cluster-token-file",
-        None,
-        Path,
-        "file holding the cluster token (one line); prefer it or the env to --cluster-token, "
-        "which other users of this machine can read in the process list",
-        env,
-    )
-    add_env_flag(parser, "--cluster-token", None, str, "the cluster's shared secret", env)
+    add_settings_args(parser, ClusterAuthSettings, env)
 
 
 def credential_from_args(args: argparse.Namespace) -> ClusterCredential:

@@ -17,6 +17,7 @@ import logging
 import os
 import signal
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 import grpc
 import uvloop
@@ -24,8 +25,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from splitserve.common.env_flags import env_default, truthy
 from splitserve.common.orphan import stop_when_orphaned
+from splitserve.common.settings import add_settings_args, setting
 from splitserve.proto.cluster_auth import ClusterAuthInterceptor, ClusterCredential
 from splitserve.proto.tls import TlsConfig
 
@@ -171,13 +172,15 @@ async def wait_for_health(
                 await asyncio.sleep(0.1)
 
 
+@dataclass(frozen=True)
+class ReflectionSettings:
+    """A settings group (``common/settings.py``)."""
+
+    grpc_reflection: bool = setting(False, "serve gRPC reflection (it lists every method)")
+
+
 def add_reflection_flag(
     parser: argparse._ActionsContainer, env: Mapping[str, str] = os.environ
 ) -> None:
     """``--grpc-reflection``: serve gRPC reflection (off by default; it lists every method)."""
-    parser.add_argument(
-        "--grpc-reflection",
-        action="store_true",
-        default=env_default("--grpc-reflection", False, truthy, env),
-        help="serve gRPC reflection (env SPLITSERVE_GRPC_REFLECTION=1)",
-    )
+    add_settings_args(parser, ReflectionSettings, env)

@@ -25,7 +25,8 @@ from pathlib import Path
 
 import grpc
 
-from splitserve.common.env_flags import add_env_flag, built_or_exit
+from splitserve.common.env_flags import built_or_exit
+from splitserve.common.settings import add_settings_args, setting
 
 
 @dataclass(frozen=True)
@@ -88,18 +89,21 @@ class TlsConfig:
         )
 
 
+@dataclass(frozen=True)
+class TlsSettings:
+    """The TLS files a process serves and checks peers with (a settings group:
+    ``common/settings.py``)."""
+
+    tls_cert: Path | None = setting(None, "PEM certificate chain this process serves")
+    tls_key: Path | None = setting(None, "PEM private key of --tls-cert")
+    tls_ca: Path | None = setting(
+        None, "PEM CA bundle that peers' certificates must chain to (mutual TLS between roles)"
+    )
+
+
 def add_tls_args(parser: argparse._ActionsContainer, env: Mapping[str, str] = os.environ) -> None:
     """``--tls-cert``, ``--tls-key``, ``--tls-ca`` (and ``SPLITSERVE_TLS_*`` twins)."""
-    add_env_flag(parser, "--tls-cert", None, Path, "PEM certificate chain this process serves", env)
-    add_env_flag(parser, "--tls-key", None, Path, "PEM private key of --tls-cert", env)
-    add_env_flag(
-        parser,
-        "--tls-ca",
-        None,
-        Path,
-        "PEM CA bundle that peers' certificates must chain to (mutual TLS between roles)",
-        env,
-    )
+    add_settings_args(parser, TlsSettings, env)
 
 
 def files_of(args: argparse.Namespace) -> TlsFiles:

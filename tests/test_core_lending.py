@@ -389,8 +389,8 @@ def test_up_lets_decode_worker_i_borrow_prefill_worker_is_cores(
     prefill, decode = _lending(monkeypatch, 2, "--core-lending=both")
     assert prefill[0] == "--busy-file=/dev/shm/b/worker-0.busy"
     assert prefill[1:] == ["--borrow-cores=1", "--borrow-while-idle=/dev/shm/b/worker-1.busy"]
-    assert decode[0:2] == ["--borrow-cores=0", "--borrow-while-idle=/dev/shm/b/worker-0.busy"]
-    assert decode[2:] == ["--busy-file=/dev/shm/b/worker-1.busy"]
+    assert decode[0] == "--busy-file=/dev/shm/b/worker-1.busy"
+    assert decode[1:] == ["--borrow-cores=0", "--borrow-while-idle=/dev/shm/b/worker-0.busy"]
     # two prefill, three decode workers on 10 cores (2 each): two pairs; the third decode
     # worker keeps to its own cores
     flags = _lending(monkeypatch, 10, "--prefill=2", "--decode=3", "--core-lending=decode")

@@ -49,7 +49,7 @@ def test_the_startup_line_says_how_prompts_are_placed() -> None:
     args = build_parser().parse_args(["--placement=adaptive", "--decode=2"])
     summary = layout_summary(args)
     assert "1 prefill + 2 decode workers" in summary and "placed by adaptive" in summary
-    assert coordinator_argv(args)[-1] == "--placement=adaptive"
+    assert "--placement=adaptive" in coordinator_argv(args)
 
 
 def test_dual_role_workers_run_the_worker_command_with_both_roles_a_core_each() -> None:

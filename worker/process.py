@@ -14,95 +14,16 @@ import socket
 from collections.abc import Mapping
 
 from splitserve.common.cpu_affinity import check_cores, parse_cpu_list
-from splitserve.common.env_flags import add_env_flag, comma_separated, env_default
-from splitserve.common.env_flags import truthy as _truthy
-from splitserve.common.tracing import add_tracing_args
-from splitserve.discovery.flags import add_membership_args
-from splitserve.engine.cli_args import add_engine_args
-from splitserve.proto.cluster_access import add_cluster_access_args
-from splitserve.proto.server import add_reflection_flag
+from splitserve.common.env_flags import comma_separated
+from splitserve.common.settings import add_settings_args
 from splitserve.transfer.ucx import UcxSettings
-from splitserve.worker.stall_watch import DEFAULT_STALL_TIMEOUT_S
-from splitserve.worker.transfer_settings import DEFAULT_PULL_MIN_BLOCKS, TransferSettings
+from splitserve.worker.settings import WorkerSettings
+from splitserve.worker.transfer_settings import TransferSettings
 
 
 def add_worker_args(parser: argparse.ArgumentParser, env: Mapping[str, str] = os.environ) -> None:
-    """Flags every worker role takes, besides the engine's."""
-    group = parser.add_argument_group("worker")
-
-    def flag(name: str, default: object, convert: type, help_text: str) -> None:
-        add_env_flag(group, name, default, convert, help_text, env)
-
-    flag("--host", "127.0.0.1", str, "address the gRPC server binds")
-    flag("--port", 0, int, "gRPC port; 0 picks a free one (printed when ready)")
-    flag("--advertise-host", None, str, "host the coordinator and peers should dial")
-    flag(
-        "--coordinator",
-        None,
-        str,
-        "the coordinators' internal host:port (their --internal-port), comma-separated: the "
-        "worker registers with each and takes work from all",
-    )
-    flag("--worker-id", None, str, "unique worker name (default: role-host-pid)")
-    flag("--cpu-affinity", None, str, "pin the process to these cores, e.g. '0' or '0-3'")
-    flag(
-        "--busy-file",
-        None,
-        str,
-        "publish in this file (node-local, e.g. under /dev/shm) whether this worker's engine "
-        "has work, so a co-located worker may borrow its cores while it idles",
-    )
-    flag(
-        "--borrow-cores",
-        None,
-        str,
-        "cores of a co-located worker this one may also run its steps on while that worker "
-        "idles (with --borrow-while-idle; needs --cpu-affinity)",
-    )
-    flag("--borrow-while-idle", None, str, "the --busy-file of the worker owning --borrow-cores")
-    flag("--ucx-tls", None, str, "UCX transports (UCX_TLS), e.g. 'sm,self' or 'tcp'")
-    group.add_argument(
-        "--ucx-error-handling",
-        action="store_true",
-        default=env_default("--ucx-error-handling", False, _truthy, env),
-        help="UCX peer-failure detection (forces TCP on one host; env "
-        "SPLITSERVE_UCX_ERROR_HANDLING=1)",
-    )
-    flag("--transfer-timeout", 30.0, float, "seconds a KV transfer may take before it fails")
-    flag(
-        "--pull-cached-kv-min-blocks",
-        DEFAULT_PULL_MIN_BLOCKS,
-        int,
-        "a prefill worker receives a prompt's leading KV from the decode worker that holds "
-        "it (a conversation's history) when it would get at least this many blocks so, and "
-        "computes only the rest; 0: never",
-    )
-    flag(
-        "--drain-timeout",
-        30.0,
-        float,
-        "on SIGTERM, seconds running requests may take to finish before they are handed over",
-    )
-    flag(
-        "--stall-timeout",
-        DEFAULT_STALL_TIMEOUT_S,
-        float,
-        "seconds one engine step may run before the worker reports itself not ready",
-    )
-    flag("--metrics-port", 0, int, "Prometheus /metrics port (0: any free port, -1: off)")
-    flag(
-        "--host-workers",
-        1,
-        int,
-        "workers this process hosts, each with its own port and membership record "
-        "(<worker id>-<i>; --port and --metrics-port count up from the given ones); above 1 "
-        "only with --engine sim, for scale tests",
-    )
-    add_reflection_flag(group, env)
-    add_cluster_access_args(group, env)
-    add_membership_args(group, env)
-    add_tracing_args(group)
-    add_engine_args(parser, env)
+    """The flags of ``WorkerSettings``: the worker's, then the engine's group."""
+    add_settings_args(parser, WorkerSettings, env)
 
 
 def apply_cpu_affinity(args: argparse.Namespace) -> None:
