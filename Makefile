@@ -35,7 +35,7 @@ $(STAMP): pyproject.toml $(KERNEL_SOURCES)
 
 # Coordinator (gRPC :50051) + 1 prefill + 1 decode worker + OpenAI gateway (http :8000) on
 # localhost; ready when it prints its address. Adaptive placement: it served at least the
-# goodput of always-prefill-worker at every rate measured here (bench/README.md, 2026-11-24).
+# goodput of always-prefill-worker at every rate measured here (bench/log/2026-11.md, 2026-11-24).
 serve: $(STAMP)
 	$(BIN)/splitserve up --placement adaptive
 

@@ -663,7 +663,7 @@ def print_summary(document: Json) -> None:
 
 
 def readme_section(document: Json, results_path: str) -> str:
-    """The bench/README.md section of a results document (the figures and how they were
+    """The bench log section (bench/log/) of a results document (the figures and how they were
     measured; what they mean is for the reader to add)."""
     settings = document["settings"]
     out = [
@@ -725,7 +725,7 @@ def readme_section(document: Json, results_path: str) -> str:
 
 
 def wrap(line: str) -> str:
-    """A prose line wrapped as bench/README.md is (tables, code and headings as they are)."""
+    """A prose line wrapped as the bench log (bench/log/) is (tables, code and headings kept)."""
     if line.startswith(("|", "#", "```", ".venv")):
         return line
     return textwrap.fill(line, 96, break_long_words=False, break_on_hyphens=False)
@@ -782,7 +782,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         type=Path,
         default=None,
         metavar="RESULTS",
-        help="only print the bench/README.md section of a results file",
+        help="only print the bench log section (bench/log/) of a results file",
     )
     return parser.parse_args(argv)
 

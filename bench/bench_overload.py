@@ -8,7 +8,7 @@ For each rate, for ``--duration-s`` seconds of arrivals: how many requests were 
 meeting the TPOT target, how long a refusal took to arrive, any other status (a 5xx is a
 bug), and the coordinator's and gateway's resident memory (VmRSS, sampled every 0.5 s: start,
 peak, end). The sustainable rate is an input (``--rate``, default: the chat knee measured in
-bench/README.md); the 1x run is the baseline of the 2x run, in the same cluster.
+bench/log/2026-11.md); the 1x run is the baseline of the 2x run, in the same cluster.
 
 Writes ``bench/results/overload-<date>.json`` and prints a table.
 

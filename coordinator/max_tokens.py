@@ -1,6 +1,6 @@
 """A request's ``max_tokens``, settled in one place: ``settle_max_tokens``.
 
-The rules (README, "OpenAI-compatible gateway"): a request that asks for ``max_tokens`` gets
+The rules (docs/api.md, "OpenAI-compatible gateway"): a request that asks for ``max_tokens`` gets
 it, unless that is above the operator's cap (``--max-tokens-cap``: INVALID_ARGUMENT). One that
 asks for none may grow to fill the context every decode worker can hold
 (``Coordinator.fill_limit``), within the operator's default (``--default-max-tokens``, raised to

@@ -33,7 +33,7 @@ class ModelConfig:
     as stored (``kernels/cpu_qgemv.py``; other types stay widened, logged at load); "auto":
     native in bf16 (where it measured faster: ``bench/bench_quantized.py``) and in the
     float32 that ``dtype="auto"`` picks on a CPU without bf16 (Skylake-SP, Cascade Lake: a
-    decode step 6x faster there, bench/README), widen in a float32 asked for by name, the
+    decode step 6x faster there, bench/log/2026-11.md), widen in a float32 asked for by name, the
     exactness reference, whose rows then keep the dense reference's sums. On a GPU every
     setting widens (the kernel is a CPU one)."""
 

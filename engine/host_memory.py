@@ -67,7 +67,7 @@ def return_freed_heap() -> None:
     Loading a model frees hundreds of MB of temporaries in pieces of a few MB (dequantized
     float32 arrays, the loader's dense weights once the model packed its own), which glibc
     keeps in its heap: the default model's workers held ~230 MB of RSS that way (measured on
-    the AMD EPYC, bench/README.md, quantized weights section)."""
+    the AMD EPYC, bench/log/2026-11.md, quantized weights section)."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         trim = libc.malloc_trim

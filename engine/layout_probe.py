@@ -13,23 +13,21 @@ It builds the real engine from the worker's engine flags (``--model``, ``--dtype
 
 The thread counts take turns: ``ROUNDS`` rounds, each measuring one prompt and both decode
 batches on every thread count, so that a slow spell of a shared machine (its one-core speed
-moved between two levels minutes apart, bench/README) falls on both counts alike. Measured one
-count after the other, a slow spell during the 1-thread half (a prompt at 1.76 s where 0.83 s
-was usual) once made the split layout look unable to meet the TTFT target at any rate, and
-``auto`` started the layout that served less. Each time is the median over the rounds of a
-prompt (fresh random tokens, no prefix hit) or of the median decode step of each round, all
-measured beside a neighbour: a process, not pinned, that keeps
-``NEIGHBOUR_DUTY`` of one core busy in short bursts, ``1 / NEIGHBOUR_PERIOD_S`` a second, as
-the threads that relay a served stream's tokens (the worker's own, the coordinator's, the
-gateway's) wake beside the engine. A step on every core waits, at each of its parallel regions,
-for whichever of its threads the OS set aside for them, while a step on one core loses only
-the time they take. On the 2-core Cascade Lake Xeon of 2026-11-27, served at 0.6 req/s of the
-chat workload, the dual-role engine's 2-thread decode step of one request took 39 ms and the
-split layout's 1-thread one 30 ms; probed quietly, 2 threads measured 1.2-1.4x faster than 1,
-and beside 100-us bursts at 1 kHz 1.2x slower (32 against 27 ms), as served. Bursts of 1 ms at
-100 Hz did not show it. A probe of a quiet machine would choose a layout for a machine ``up``
-never runs on.
-"""
+moved between two levels minutes apart, bench/log/2026-11.md) falls on both counts alike.
+Measured one count after the other, a slow spell during the 1-thread half (a prompt at 1.76 s
+where 0.83 s was usual) once made the split layout look unable to meet the TTFT target at any
+rate, and ``auto`` started the layout that served less. Each time is the median over the rounds
+of a prompt (fresh random tokens, no prefix hit) or of the median decode step of each round,
+all measured beside a neighbour: a process, not pinned, that keeps ``NEIGHBOUR_DUTY`` of one
+core busy in short bursts, ``1 / NEIGHBOUR_PERIOD_S`` a second, as the threads that relay a
+served stream's tokens (the worker's own, the coordinator's, the gateway's) wake beside the
+engine. A step on every core waits, at each of its parallel regions, for whichever of its
+threads the OS set aside for them, while a step on one core loses only the time they take. On
+the 2-core Cascade Lake Xeon of 2026-11-27, served at 0.6 req/s of the chat workload, the dual-
+role engine's 2-thread decode step of one request took 39 ms and the split layout's 1-thread
+one 30 ms; probed quietly, 2 threads measured 1.2-1.4x faster than 1, and beside 100-us bursts
+at 1 kHz 1.2x slower (32 against 27 ms), as served. Bursts of 1 ms at 100 Hz did not show it. A
+probe of a quiet machine would choose a layout for a machine ``up`` never runs on."""
 
 from __future__ import annotations
 
@@ -61,7 +59,7 @@ from splitserve.engine.engine_core import EngineCore
 
 NEIGHBOUR_DUTY = 0.10
 """Share of one core the neighbour keeps busy: the coordinator and the gateway took 5-13% of
-a core in the served runs of bench/README ("Core lending")."""
+a core in the served runs of bench/log/2026-11.md ("Core lending")."""
 NEIGHBOUR_PERIOD_S = 0.001
 """One burst a millisecond: a served stream's tokens wake several threads each."""
 ROUNDS = 3

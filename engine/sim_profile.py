@@ -11,7 +11,7 @@ project (``sim_profiles/default.json``): fitted to the 4,157 steps ``make serve`
 workers logged (``StepLog``) while serving the chat workload at 1, 2 and 3 req/s on the AMD
 EPYC development machine (the default model, bf16 reading its quantized weights, one core
 each), so it carries the interference a served step meets; held-out MAPE 11%. Simulated
-``make serve`` against the real one: bench/README.md, "A simulated worker". Torch-free.
+``make serve`` against the real one: bench/log/2026-11.md, "A simulated worker". Torch-free.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ the other's cores only while that one idles, and keeps taking them only where it
 measure faster on them (``StepThreads``). So ``auto`` runs the worker pair lending: on the
 2-core Cascade Lake Xeon (2026-11-28, 3 seeds each) ``hybrid`` served 3.4-3.6x split's
 goodput on long prompts and the same as split on chat at 0.3-0.6 req/s, within the spread
-between seeds (bench/README, "Hybrid, the layout auto runs for a worker pair"); the model
+between seeds (bench/log/2026-11.md, "Hybrid, the layout auto runs for a worker pair"); the model
 has no term for what lending gains.
 
 The model (``capacity``), for requests of ``prompt_tokens`` in and ``output_tokens`` out
@@ -70,10 +70,10 @@ AGGREGATED_MARGIN = 2.0
 model is kinder to ``aggregated`` than serving was, every time it was checked: on the 2-core
 Cascade Lake Xeon of 2026-11-27 it predicted aggregated at 0.90x of split's rate and
 aggregated served 0.75-0.78x of split's goodput at 0.5 req/s (2 seeds); it predicted
-0.39-0.74x where aggregated served 0.30x and 0 at 0.3 and 0.6 req/s (bench/README, "The
+0.39-0.74x where aggregated served 0.30x and 0 at 0.3 and 0.6 req/s (bench/log/2026-11.md, "The
 layout make serve picks"). Once decode steps ran their layer loop in C (a 2-thread step of 8
 requests 35 ms against 47-56 on one thread) it predicted 1.15-1.6x, and aggregated served
-0.13x of split's goodput at 0.6 req/s and 0.5x at 0.9 (3 seeds each; bench/README, "The
+0.13x of split's goodput at 0.6 req/s and 0.5x at 0.9 (3 seeds each; bench/log/2026-11.md, "The
 decode layer loop in C"). What it leaves out: the other processes on the cores (relaying
 threads, the coordinator, the gateway, the clients) preempting a thread of the engine's
 parallel regions, each of a step's ~240 kernel calls waiting for it, and a prompt step

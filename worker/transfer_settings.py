@@ -11,7 +11,7 @@ worker holds at least one more of its leading blocks than it does. A pull waits 
 engine's step (the decode worker reads held blocks off its engine thread on a host cache; the
 prefill engine takes the KV in with the request's own command), so it costs a gRPC round trip
 and two copies, against about 40 ms of float32 compute per 16-token block on one core of
-the Cascade Lake Xeon it was measured on (bench/README, 2026-11-27: from one block on, turns
+the Cascade Lake Xeon it was measured on (bench/log/2026-11.md, 2026-11-27: from one block on, turns
 2-4 computed 76-81 tokens where from two they computed 83-88, at the same TTFT)."""
 
 
