@@ -256,19 +256,7 @@ class AsyncClient:
             )  # fmt: skip
             for j, choice in enumerate(choice_samplings(base, count))
         ]
-        chunks: list[list[Chunk]] = [[] for _ in streams]
-        finishes: list[Finish | None] = [None] * len(streams)
-        async with contextlib.aclosing(merged(streams, [None] + [0] * (count - 1))) as items:
-            async for index, item in items:
-                if isinstance(item, Finish):
-                    finishes[index] = item
-                else:
-                    chunks[index].append(item)
-        generations = []
-        for index, finish in enumerate(finishes):
-            if finish is None:  # a stream ends with its Finish or raises
-                raise ClientError(grpc.StatusCode.INTERNAL, f"choice {index} ended unfinished")
-            generations.append(Generation.of(chunks[index], finish))
+        generations = await _gather(streams, count)
         if best_of is None:
             return generations
         ranked = sorted(generations, key=lambda g: -sum(entry.logprob for entry in g.logprobs))
@@ -361,3 +349,25 @@ class AsyncClient:
         traceback: TracebackType | None,
     ) -> None:
         await self.close()
+
+
+async def _gather(
+    streams: list[AsyncGenerator[Chunk | Finish, None]], count: int
+) -> list[Generation]:
+    """Each choice's ``Generation`` from its stream, the streams merged as ``generate_choices``
+    forks them (choice 0 first, each other once it has streamed); ``ClientError`` INTERNAL
+    for a stream that ended without its ``Finish``."""
+    chunks: list[list[Chunk]] = [[] for _ in streams]
+    finishes: list[Finish | None] = [None] * len(streams)
+    async with contextlib.aclosing(merged(streams, [None] + [0] * (count - 1))) as items:
+        async for index, item in items:
+            if isinstance(item, Finish):
+                finishes[index] = item
+            else:
+                chunks[index].append(item)
+    generations = []
+    for index, finish in enumerate(finishes):
+        if finish is None:  # a stream ends with its Finish or raises
+            raise ClientError(grpc.StatusCode.INTERNAL, f"choice {index} ended unfinished")
+        generations.append(Generation.of(chunks[index], finish))
+    return generations

@@ -99,6 +99,24 @@ class SamplingParams:
             )
 
     def _validate(self) -> None:
+        """Refuse (``InvalidRequestError`` naming the field) the first value out of range,
+        checking the fields in this order: the numbers, the stops, the seed, the logit
+        bias's entries, the grammar, then a token the logit bias names twice."""
+        self._check_ranges()
+        self._check_stops()
+        if self.seed is not None:
+            _check(0 <= self.seed < 2**63, "seed must be in [0, 2**63)", "seed")
+        self._check_bias_entries()
+        _check(
+            self.grammar is None or isinstance(self.grammar, GrammarSpec),
+            "structured outputs must be a GrammarSpec",
+            "structured_outputs",
+        )
+        ids = [token_id for token_id, _ in self.logit_bias]
+        _check(len(set(ids)) == len(ids), "logit_bias names a token twice", "logit_bias")
+
+    def _check_ranges(self) -> None:
+        """The numeric fields' ranges, and ``min_tokens`` within ``max_tokens``."""
         _check(self.max_tokens >= 1, "max_tokens must be at least 1", "max_tokens")
         _check(0.0 <= self.temperature <= 100.0, "temperature must be in [0, 100]", "temperature")
         _check(0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]", "top_p")
@@ -123,6 +141,9 @@ class SamplingParams:
                 f"logprobs must be in [0, {MAX_LOGPROBS}]",
                 "logprobs",
             )
+
+    def _check_stops(self) -> None:
+        """Stop strings non-empty, stop token ids non-negative integers."""
         _check(
             all(isinstance(s, str) and s for s in self.stop),
             "stop strings must be non-empty",
@@ -133,8 +154,10 @@ class SamplingParams:
             "stop_token_ids must be non-negative integers",
             "stop_token_ids",
         )
-        if self.seed is not None:
-            _check(0 <= self.seed < 2**63, "seed must be in [0, 2**63)", "seed")
+
+    def _check_bias_entries(self) -> None:
+        """At most ``MAX_BIASED_TOKENS`` entries, each a token id in [0, 2^31) with a finite
+        bias within ``MAX_LOGIT_BIAS``."""
         _check(
             len(self.logit_bias) <= MAX_BIASED_TOKENS,
             f"logit_bias may bias at most {MAX_BIASED_TOKENS} tokens",
@@ -153,13 +176,6 @@ class SamplingParams:
                 f"logit_bias values must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
                 "logit_bias",
             )
-        _check(
-            self.grammar is None or isinstance(self.grammar, GrammarSpec),
-            "structured outputs must be a GrammarSpec",
-            "structured_outputs",
-        )
-        ids = [token_id for token_id, _ in self.logit_bias]
-        _check(len(set(ids)) == len(ids), "logit_bias names a token twice", "logit_bias")
 
     def check_vocab(self, vocab_size: int) -> None:
         """Refuse ``logit_bias`` token ids the model does not have."""

@@ -40,7 +40,7 @@ from prometheus_client.registry import Collector
 from splitserve.common.loop_lag import LoopLag
 from splitserve.common.membership import Role
 from splitserve.common.metrics import TIME_TO_FIRST_TOKEN_BUCKETS, RequestMetricFamilies
-from splitserve.coordinator.admission import AdmissionOutcome, KvAdmission
+from splitserve.coordinator.admission import AdmissionOutcome, AdmissionSnapshot, KvAdmission
 from splitserve.coordinator.flow import PlacementOutcome, RequestFlow
 from splitserve.coordinator.registry import WorkerRegistry
 
@@ -64,6 +64,17 @@ class CoordinatorMetrics:
         admission: KvAdmission | None = None,
     ) -> None:
         self.requests = RequestMetricFamilies(registry).for_model(model_name, "coordinator")
+        self._add_path_metrics(registry, model_name)
+        self._add_placement_metrics(registry, model_name)
+        self._add_stream_metrics(registry, model_name)
+        self._model_name = model_name
+        registry.register(_WorkerCollector(worker_registry))
+        if admission is not None:
+            registry.register(_AdmissionCollector(admission))
+            admission.outcome_listeners.append(_AdmissionOutcomes(registry).observe)
+
+    def _add_path_metrics(self, registry: CollectorRegistry, model_name: str) -> None:
+        """Each stage's latency and the recoveries by kind (``record_flow``)."""
         stage = Histogram(
             "splitserve_request_stage_seconds",
             "Latency of each stage of a request's path through the workers.",
@@ -79,6 +90,10 @@ class CoordinatorMetrics:
             registry=registry,
         )
         self._recoveries = {kind: recoveries.labels(model_name, kind) for kind in RECOVERIES}
+
+    def _add_placement_metrics(self, registry: CollectorRegistry, model_name: str) -> None:
+        """Where prompts were computed and why, and how far off the placement's predicted
+        TTFT was (``_record_placement``)."""
         self._placements = Counter(
             "splitserve_placement_decisions",
             "Where requests' prompts were computed, and why.",
@@ -94,6 +109,11 @@ class CoordinatorMetrics:
         )
         for where in PLACEMENT_WHERE:  # both series from the start (dashboards query them)
             self._ttft_ratio.labels(model_name, where)
+
+    def _add_stream_metrics(self, registry: CollectorRegistry, model_name: str) -> None:
+        """Streams that stalled: on a worker, by its role and the phase (resumed elsewhere,
+        ``record_flow``), or at their client (cut); and the items each ``GenerateStreams``
+        write batched."""
         stalls = Counter(
             "splitserve_stream_stalls",
             "Streams that went silent past their stall limit (the worker's expected step time "
@@ -118,11 +138,6 @@ class CoordinatorMetrics:
             buckets=RELAY_BATCH_BUCKETS,
             registry=registry,
         )
-        self._model_name = model_name
-        registry.register(_WorkerCollector(worker_registry))
-        if admission is not None:
-            registry.register(_AdmissionCollector(admission))
-            admission.outcome_listeners.append(_AdmissionOutcomes(registry).observe)
 
     def record_flow(self, flow: RequestFlow) -> None:
         """Observe a finished flow's stages and recoveries (once, at its end)."""
@@ -224,47 +239,7 @@ class _AdmissionCollector(Collector):
         self._admission = admission
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        snapshot = self._admission.snapshot()
-        kv = GaugeMetricFamily(
-            "splitserve_admission_kv_tokens",
-            "Decode KV this coordinator admits against, and what admitted requests may use.",
-            labels=["state"],
-        )
-        kv.add_metric(["capacity"], snapshot.capacity_tokens)
-        kv.add_metric(["admitted"], snapshot.admitted_tokens)
-        yield kv
-        yield GaugeMetricFamily(
-            "splitserve_admission_queued_requests",
-            "Requests waiting for KV.",
-            value=snapshot.num_queued,
-        )
-        yield GaugeMetricFamily(
-            "splitserve_admission_prefill_backlog_tokens",
-            "Prompt tokens admitted and not yet computed (no first token).",
-            value=snapshot.prefill_backlog_tokens,
-        )
-        yield GaugeMetricFamily(
-            "splitserve_admission_queued_prompt_tokens",
-            "Prompt tokens of the requests waiting for KV.",
-            value=snapshot.queued_prompt_tokens,
-        )
-        yield GaugeMetricFamily(
-            "splitserve_admission_tpot_seconds",
-            "Time per output token the wait predictions use (measured, smoothed).",
-            value=snapshot.tpot_s,
-        )
-        yield GaugeMetricFamily(
-            "splitserve_admission_ttft_seconds",
-            "Time from admission to first token the wait predictions use (measured, smoothed).",
-            value=snapshot.ttft_s,
-        )
-        if snapshot.prefill_drain_tokens_per_s is not None:
-            yield GaugeMetricFamily(
-                "splitserve_admission_prefill_drain_tokens_per_second",
-                "Prompt tokens a second the loaded prefill backlog was measured to drain "
-                "(what the wait predictions use; absent until measured).",
-                value=snapshot.prefill_drain_tokens_per_s,
-            )
+        yield from _snapshot_gauges(self._admission.snapshot())
         refusals = CounterMetricFamily(
             "splitserve_admission_refusals",
             "Requests refused by admission, by reason.",
@@ -278,4 +253,49 @@ class _AdmissionCollector(Collector):
             "Waiting requests that could no longer meet their TTFT target and let those that "
             "still could go first.",
             value=self._admission.late_waiters,
+        )
+
+
+def _snapshot_gauges(snapshot: AdmissionSnapshot) -> Iterator[GaugeMetricFamily]:
+    """The gauges of admission's figures now: KV capacity and use, the queue, the prefill
+    backlog and the times and drain rate its wait predictions use."""
+    kv = GaugeMetricFamily(
+        "splitserve_admission_kv_tokens",
+        "Decode KV this coordinator admits against, and what admitted requests may use.",
+        labels=["state"],
+    )
+    kv.add_metric(["capacity"], snapshot.capacity_tokens)
+    kv.add_metric(["admitted"], snapshot.admitted_tokens)
+    yield kv
+    yield GaugeMetricFamily(
+        "splitserve_admission_queued_requests",
+        "Requests waiting for KV.",
+        value=snapshot.num_queued,
+    )
+    yield GaugeMetricFamily(
+        "splitserve_admission_prefill_backlog_tokens",
+        "Prompt tokens admitted and not yet computed (no first token).",
+        value=snapshot.prefill_backlog_tokens,
+    )
+    yield GaugeMetricFamily(
+        "splitserve_admission_queued_prompt_tokens",
+        "Prompt tokens of the requests waiting for KV.",
+        value=snapshot.queued_prompt_tokens,
+    )
+    yield GaugeMetricFamily(
+        "splitserve_admission_tpot_seconds",
+        "Time per output token the wait predictions use (measured, smoothed).",
+        value=snapshot.tpot_s,
+    )
+    yield GaugeMetricFamily(
+        "splitserve_admission_ttft_seconds",
+        "Time from admission to first token the wait predictions use (measured, smoothed).",
+        value=snapshot.ttft_s,
+    )
+    if snapshot.prefill_drain_tokens_per_s is not None:
+        yield GaugeMetricFamily(
+            "splitserve_admission_prefill_drain_tokens_per_second",
+            "Prompt tokens a second the loaded prefill backlog was measured to drain "
+            "(what the wait predictions use; absent until measured).",
+            value=snapshot.prefill_drain_tokens_per_s,
         )

@@ -4,7 +4,8 @@ The model never runs on the event loop: one engine thread owns the core and loop
 schedule -> execute -> update while work exists, and sleeps otherwise. Callers on the loop
 submit and abort through a command queue that the engine thread drains between steps; outputs
 come back through one ``loop.call_soon_threadsafe`` per loop and step into one
-``asyncio.Queue`` per request; a caller that fell behind reads what queued up as one output.
+``asyncio.Queue`` per request; a caller that fell behind reads what queued up as one output
+(``RequestStream``: the callers' side lives in ``request_stream.py``).
 
 Besides plain requests (``generate`` / ``submit``), a decode worker reserves blocks for KV
 computed elsewhere (``submit(..., reserve_remote_prefill=True)``) and later calls
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -42,7 +44,6 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
 from typing import TypeVar
 
 from splitserve.common.blocks import BlockHash, prompt_block_hashes
@@ -62,6 +63,15 @@ from splitserve.engine.engine_face import (
     ReservedBlocks,
 )
 from splitserve.engine.engine_report import EngineReport, RequestPhases, StepTiming
+from splitserve.engine.request_stream import (
+    OutboxEntry,
+    OutputStream,
+    RequestStream,
+    Submission,
+    call_soon,
+    put_each,
+    settle,
+)
 from splitserve.engine.reservation_queue import (
     DEFAULT_MAX_WAITING,
     PendingReservation,
@@ -92,20 +102,6 @@ def stream_interval(open_streams: int) -> int:
     if STREAMS_PER_INTERVAL_STEP <= 0:
         return 1
     return max(1, min(MAX_STREAM_INTERVAL, math.ceil(open_streams / STREAMS_PER_INTERVAL_STEP)))
-
-
-@dataclass
-class _Stream:
-    loop: asyncio.AbstractEventLoop
-    outputs: asyncio.Queue[StepOutput | BaseException]
-    held: StepOutput | None = None
-    """Outputs of the last ``held_steps`` steps, not sent yet (``stream_interval``)."""
-    held_steps: int = 0
-    sent_any: bool = False
-
-
-_OutboxEntry = tuple[str, _Stream, StepOutput | BaseException]
-"""A request id, its stream, and what goes to it with the next report."""
 
 
 class AsyncEngine:
@@ -145,13 +141,13 @@ class AsyncEngine:
         single set operations are atomic)."""
         self._kv_log: KvEventLog | None = None
         core.kv_cache.pool.cache_listener = self._cache_changed
-        self._outbox: list[_OutboxEntry] = []
+        self._outbox: list[OutboxEntry] = []
         """Outputs for callers, posted once the report that shows them is out (engine
         thread only)."""
         self._delivered: set[str] = set()
         """Requests that produced an output since the outbox last went out."""
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, OutputStream] = {}
         self._wakeup = threading.Event()
         self._stopping = False
         self._reservations = ReservationQueue(core, max_waiting_reservations)
@@ -234,48 +230,22 @@ class AsyncEngine:
         if params.grammar is not None:  # compiled here, on a thread: not in an engine step
             await asyncio.to_thread(self._core.prepare_grammar, params.grammar)
         loop = asyncio.get_running_loop()
-        stream = _Stream(loop, asyncio.Queue())
-        accepted: asyncio.Future[ReservedBlocks | None] = loop.create_future()
-        held: list[int] = []  # written by add() on the engine thread
-
-        def granted(reserved: ReservedBlocks) -> None:  # engine thread
-            self._core.hold_blocks(reserved.block_ids)
-            held.extend(reserved.block_ids)
-            self._streams[request_id] = stream
-            # every grant (in a command or in serving the queue) is followed by a refresh
-            self._tell_after_refresh(loop, accepted, None, reserved)
-
-        def dropped(reason: BaseException | None) -> None:  # engine thread
-            if reason is None:  # aborted while waiting: the submitter sees a cancellation
-                _call_soon(loop, accepted.cancel)
-            else:
-                _call_soon(loop, _settle, accepted, reason, None)
+        entry = Submission(request_id, OutputStream(loop, asyncio.Queue()), loop.create_future())
 
         def add() -> None:
-            try:
-                if reserve_remote_prefill:
-                    request = self._core.remote_prefill_request(
-                        request_id, prompt_token_ids, params
-                    )
-                    self._reservations.offer(PendingReservation(request, granted, dropped))
-                    return
-                if pulled_kv is not None:
-                    self._core.adopt_pulled_kv(prompt_token_ids, pulled_kv)
-                self._core.add_request(request_id, prompt_token_ids, params, prior_output_token_ids)
-            except BaseException as error:  # reported to the caller, engine goes on
-                _call_soon(loop, _settle, accepted, error, None)
-                return
-            self._streams[request_id] = stream
-            self._tell_after_refresh(loop, accepted, None, None)
+            if reserve_remote_prefill:
+                self._reserve(entry, prompt_token_ids, params)
+            else:
+                self._add(entry, prompt_token_ids, params, prior_output_token_ids, pulled_kv)
 
         self._submit(add)
         try:
-            reserved = await accepted
+            reserved = await entry.accepted
         except asyncio.CancelledError:
             self.abort(request_id)  # commands run in order: this lands after the add
-            self.release_blocks(held)  # the caller never saw the table: nothing writes there
+            self.release_blocks(entry.held)  # the caller never saw the table: nothing writes there
             raise
-        return RequestStream(self, request_id, stream, reserved)
+        return RequestStream(self, request_id, entry.stream, reserved)
 
     def release_blocks(self, block_ids: Sequence[int]) -> None:
         """Give back a hold ``submit`` took on reserved blocks (queued; blocks with no other
@@ -402,6 +372,51 @@ class AsyncEngine:
         self._commands.put(command)
         self._wakeup.set()
 
+    def _add(
+        self,
+        entry: Submission,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        prior_output_token_ids: Sequence[int],
+        pulled_kv: PulledKv | None,
+    ) -> None:
+        """Engine thread: add a plain request (its ``pulled_kv`` entered first) and open its
+        stream, accepted once the report shows it; a refusal goes to the submitter and the
+        engine goes on."""
+        try:
+            if pulled_kv is not None:
+                self._core.adopt_pulled_kv(prompt_token_ids, pulled_kv)
+            self._core.add_request(
+                entry.request_id, prompt_token_ids, params, prior_output_token_ids
+            )
+        except BaseException as error:  # reported to the caller, engine goes on
+            entry.refuse(error)
+            return
+        self._streams[entry.request_id] = entry.stream
+        self._tell_after_refresh(entry.stream.loop, entry.accepted, None, None)
+
+    def _reserve(
+        self, entry: Submission, prompt_token_ids: Sequence[int], params: SamplingParams
+    ) -> None:
+        """Engine thread: offer a remote-prefill reservation to the queue (granted at once
+        or when blocks free up: ``_grant``; dropped: ``Submission.dropped``); a refusal goes
+        to the submitter and the engine goes on."""
+        try:
+            request = self._core.remote_prefill_request(entry.request_id, prompt_token_ids, params)
+            grant = functools.partial(self._grant, entry)
+            self._reservations.offer(PendingReservation(request, grant, entry.dropped))
+        except BaseException as error:  # reported to the caller, engine goes on
+            entry.refuse(error)
+
+    def _grant(self, entry: Submission, reserved: ReservedBlocks) -> None:
+        """Engine thread: the reservation got its blocks; the caller's hold is taken on them
+        and its stream opens, accepted once the report shows it."""
+        self._core.hold_blocks(reserved.block_ids)
+        entry.held.extend(reserved.block_ids)
+        self._streams[entry.request_id] = entry.stream
+        # every grant (in a command or in serving the queue) is followed by a refresh
+        self._tell_after_refresh(entry.stream.loop, entry.accepted, None, reserved)
+
     def _end(self, request_id: str, reason: FinishReason) -> None:
         """Engine thread: finish a request in the core and close its stream."""
         if self._reservations.drop(request_id):
@@ -476,7 +491,7 @@ class AsyncEngine:
         thread just did (engine thread only; a report follows every command batch and every
         serving of the reservation queue): whoever awaited a command, a submit or a grant and
         then reads the report sees its effect."""
-        self._after_refresh.append(lambda: _call_soon(loop, _settle, future, error, result))
+        self._after_refresh.append(lambda: call_soon(loop, settle, future, error, result))
 
     def _publish(self, step: StepTiming | None = None) -> None:
         """Engine thread: a new ``latest_report`` (reservations waiting for blocks count as
@@ -548,7 +563,9 @@ class AsyncEngine:
                 stream.held, stream.held_steps = None, 0
         self._delivered.clear()
 
-    def _post(self, request_id: str, stream: _Stream, item: StepOutput | BaseException) -> None:
+    def _post(
+        self, request_id: str, stream: OutputStream, item: StepOutput | BaseException
+    ) -> None:
         """Queue an item for the caller's loop; it goes out with the next report."""
         self._outbox.append((request_id, stream, item))
 
@@ -558,12 +575,12 @@ class AsyncEngine:
         is gone loses its request."""
         self._flush_idle_holds()
         outbox, self._outbox = self._outbox, []
-        by_loop: dict[asyncio.AbstractEventLoop, list[_OutboxEntry]] = {}
+        by_loop: dict[asyncio.AbstractEventLoop, list[OutboxEntry]] = {}
         for entry in outbox:
             by_loop.setdefault(entry[1].loop, []).append(entry)
         for loop, entries in by_loop.items():
             try:
-                loop.call_soon_threadsafe(_put_each, entries)
+                loop.call_soon_threadsafe(put_each, entries)
             except RuntimeError:  # the event loop was closed
                 for request_id, _, _ in entries:
                     self._streams.pop(request_id, None)
@@ -576,79 +593,3 @@ class AsyncEngine:
                 self._post(request_id, stream, stream.held)
             self._post(request_id, stream, error)
         self._streams.clear()
-
-
-class RequestStream:
-    """Outputs of one submitted request; iterate until the final output (finish reason set).
-
-    Leaving the iteration early (break, exception, cancellation) aborts the request.
-    ``reserved`` holds the reserved blocks of a remote-prefill request (its cached prefix
-    first), else None; ``block_table`` all of them.
-    """
-
-    def __init__(
-        self,
-        engine: AsyncEngine,
-        request_id: str,
-        stream: _Stream,
-        reserved: ReservedBlocks | None,
-    ) -> None:
-        self.request_id = request_id
-        self.reserved = reserved
-        self.block_table = None if reserved is None else reserved.block_ids
-        self._engine = engine
-        self._stream = stream
-
-    async def __aiter__(self) -> AsyncIterator[StepOutput]:
-        """Each output as it comes; outputs that queued up while the caller was busy come as
-        one (``StepOutput.followed_by``: every token once, in order), so a caller that falls
-        behind catches up with one message per request, never one per step it missed."""
-        finished = False
-        outputs = self._stream.outputs
-        held: StepOutput | BaseException | None = None  # taken from the queue, not yet seen
-        try:
-            while True:
-                item = held if held is not None else await outputs.get()
-                held = None
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                while item.update.finish_reason is None and not outputs.empty():
-                    later = outputs.get_nowait()
-                    if isinstance(later, BaseException):
-                        held = later
-                        break
-                    item = item.followed_by(later)
-                finished = item.update.finish_reason is not None
-                yield item
-                if finished:
-                    return
-        finally:
-            if not finished:
-                self._engine.abort(self.request_id)
-
-
-def _put_each(entries: list[_OutboxEntry]) -> None:
-    """On the caller's loop: each item into its request's queue, in the engine's order."""
-    for _, stream, item in entries:
-        stream.outputs.put_nowait(item)
-
-
-def _call_soon(
-    loop: asyncio.AbstractEventLoop, callback: Callable[..., object], *args: object
-) -> None:
-    """``loop.call_soon_threadsafe`` from the engine thread; a caller whose event loop has
-    closed is waiting for nothing, and must not stop the engine thread."""
-    try:
-        loop.call_soon_threadsafe(callback, *args)
-    except RuntimeError:  # the event loop was closed
-        logger.debug("a result was not delivered: its event loop is closed")
-
-
-def _settle(future: asyncio.Future[T], error: BaseException | None, result: T) -> None:
-    if future.done():
-        return
-    if error is None:
-        future.set_result(result)
-    else:
-        future.set_exception(error)

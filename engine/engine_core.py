@@ -66,16 +66,9 @@ class EngineCore:
         device = torch.device(config.runner.device)
         simulated = config.runner.engine == "sim"
         self.dtype = resolve_dtype(config.model.dtype, device, computes=not simulated)
-        native_quantized = device.type == "cpu" and (  # the kernel is a CPU one
-            config.model.quantized_weights == "native"
-            or (config.model.quantized_weights == "auto" and serving_dtype(config, self.dtype))
-        )
+        native_quantized = _native_quantized(config, device, self.dtype)
         if checkpoint is None:
-            path = resolve_model_path(config.model.model)
-            if simulated:
-                checkpoint = describe_checkpoint(path)
-            else:
-                checkpoint = load_checkpoint(path, self.dtype, native_quantized)
+            checkpoint = self._read_checkpoint(simulated, native_quantized)
         self.checkpoint = replace(checkpoint, weights={}, quantized={})
         """The checkpoint's config and tokenizer; the loader's weights and blocks are dropped
         once the model holds its own copies."""
@@ -85,28 +78,9 @@ class EngineCore:
         if config.model.max_model_len is not None:
             self.max_model_len = min(self.max_model_len, config.model.max_model_len)
         self.num_blocks = self._num_blocks()
-        self.runner: ModelRunner | SimulatedRunner
-        if simulated:
-            self.runner = SimulatedRunner(
-                load_profile(config.runner.sim_profile),
-                word_token_ids(self.tokenizer),
-                self.model_config.num_hidden_layers,
-                self.num_blocks,
-                config.cache.block_size,
-            )
-        else:
-            model = LlamaModel(
-                checkpoint.config,
-                checkpoint.weights,
-                self.dtype,
-                device,
-                self.max_model_len,
-                decode_gemv=config.runner.decodes,
-                quantized=checkpoint.quantized if native_quantized else None,
-                fused_float32=serving_dtype(config, self.dtype),
-            )
-            backend = _backend(config, self.dtype, self.num_blocks)
-            self.runner = ModelRunner(model, self.num_blocks, config.cache.block_size, backend)
+        self.runner: ModelRunner | SimulatedRunner = self._make_runner(
+            checkpoint, device, native_quantized
+        )
         del checkpoint  # the loader's weights and blocks: the model packed its own copies
         return_freed_heap()
         self.kv_cache = KVCacheManager(
@@ -124,31 +98,85 @@ class EngineCore:
         self.paged_kv = PagedKv(self.runner)
         """The KV cache for KV transfer (``engine_face.py``: its threading contract)."""
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
-        self.runner.grammars = GrammarMatchers(
+        self.runner.grammars = self._grammar_matchers()
+        self.step_cost = StepCostLearner()
+        """This engine's step times, learned from every step (``load().step_cost``)."""
+        self.last_step = StepTiming(0.0, 0.0)
+        """The latest step's timing (engine thread)."""
+        self.step_log: StepLog | None = self._step_log()
+        """Every step's shape and time, where ``config.runner.record_steps`` asks for it."""
+        self.prefill_share = DecayingShare(started_at=time.monotonic())
+        """The share of recent wall time its steps spent on prompt tokens."""
+        self._log_ready(device, simulated)
+
+    def _read_checkpoint(self, simulated: bool, native_quantized: bool) -> LoadedCheckpoint:
+        """The configured model's checkpoint: its config and tokenizer only for a simulated
+        engine, else its weights too, in ``self.dtype`` (``native_quantized``: quantized
+        blocks kept as they are)."""
+        path = resolve_model_path(self.config.model.model)
+        if simulated:
+            return describe_checkpoint(path)
+        return load_checkpoint(path, self.dtype, native_quantized)
+
+    def _make_runner(
+        self, checkpoint: LoadedCheckpoint, device: torch.device, native_quantized: bool
+    ) -> ModelRunner | SimulatedRunner:
+        """The step runner: simulated step times for ``engine == "sim"`` (the checkpoint's
+        config and tokenizer only), else the model over the checkpoint's weights on
+        ``device`` (packing its own copies; ``native_quantized``: its quantized blocks as
+        they are) with its attention backend (``_backend``)."""
+        config = self.config
+        if config.runner.engine == "sim":
+            return SimulatedRunner(
+                load_profile(config.runner.sim_profile),
+                word_token_ids(self.tokenizer),
+                self.model_config.num_hidden_layers,
+                self.num_blocks,
+                config.cache.block_size,
+            )
+        model = LlamaModel(
+            checkpoint.config,
+            checkpoint.weights,
+            self.dtype,
+            device,
+            self.max_model_len,
+            decode_gemv=config.runner.decodes,
+            quantized=checkpoint.quantized if native_quantized else None,
+            fused_float32=serving_dtype(config, self.dtype),
+        )
+        backend = _backend(config, self.dtype, self.num_blocks)
+        return ModelRunner(model, self.num_blocks, config.cache.block_size, backend)
+
+    def _grammar_matchers(self) -> GrammarMatchers:
+        """The runner's matchers of constrained requests (their tokenizer is built when a
+        constrained request first arrives, ``prepare_grammar``)."""
+        return GrammarMatchers(
             GrammarCompiler(
                 self.tokenizer,
                 self.model_config.vocab_size,
                 sorted(self.eos_token_ids),
             ),
             self.model_config.vocab_size,
-        )  # the matchers' tokenizer is built when a constrained request first arrives
-        self.step_cost = StepCostLearner()
-        """This engine's step times, learned from every step (``load().step_cost``)."""
-        self.last_step = StepTiming(0.0, 0.0)
-        """The latest step's timing (engine thread)."""
-        self.step_log: StepLog | None = None
-        """Every step's shape and time, where ``config.runner.record_steps`` asks for it."""
-        if config.runner.record_steps is not None:
-            header = {
-                "model": self.model_config.name,
-                "dtype": str(self.dtype).removeprefix("torch."),
-                "threads": torch.get_num_threads(),
-                "cpu": cpu_name(),
-                "engine": config.runner.engine,
-            }
-            self.step_log = StepLog(config.runner.record_steps, header)
-        self.prefill_share = DecayingShare(started_at=time.monotonic())
-        """The share of recent wall time its steps spent on prompt tokens."""
+        )
+
+    def _step_log(self) -> StepLog | None:
+        """A log of every step's shape and time in ``config.runner.record_steps`` (its header
+        names the model, dtype, threads, CPU and engine), or None where not asked for."""
+        runner = self.config.runner
+        if runner.record_steps is None:
+            return None
+        header = {
+            "model": self.model_config.name,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "threads": torch.get_num_threads(),
+            "cpu": cpu_name(),
+            "engine": runner.engine,
+        }
+        return StepLog(runner.record_steps, header)
+
+    def _log_ready(self, device: torch.device, simulated: bool) -> None:
+        """Log what the engine serves, and on a CPU which level each loaded kernel runs."""
+        config = self.config
         logger.info(
             "engine ready: %s%s dtype=%s blocks=%d x %d tokens, max_model_len=%d",
             self.model_config.name,
@@ -421,6 +449,16 @@ def serving_dtype(config: EngineConfig, dtype: torch.dtype) -> bool:
     ``quantized_weights="auto"``, the C++ attention, the fused add + RMSNorm); a float32 named
     by ``dtype="float32"`` keeps HF's ops."""
     return dtype == torch.bfloat16 or config.model.dtype == "auto"
+
+
+def _native_quantized(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the model keeps a quantized checkpoint's blocks as they are, for the CPU's
+    quantized kernel: ``quantized_weights="native"``, or ``"auto"`` at a serving dtype
+    (``serving_dtype``); never off the CPU."""
+    return device.type == "cpu" and (  # the kernel is a CPU one
+        config.model.quantized_weights == "native"
+        or (config.model.quantized_weights == "auto" and serving_dtype(config, dtype))
+    )
 
 
 def _backend(config: EngineConfig, dtype: torch.dtype, num_blocks: int) -> AttentionBackend:

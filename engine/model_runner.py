@@ -97,6 +97,21 @@ class ModelRunner(KvBlockStore):
         chunks = sorted(
             step.chunks, key=lambda chunk: (not _decode_rows(chunk), not chunk.is_decode)
         )
+        sampling_chunks = [chunk for chunk in chunks if chunk.samples]
+        logits = self._forward(chunks, on_layer_kv_written, between_layers)  # [samples, vocab]
+        if not sampling_chunks:
+            return RunnerOutput()
+        return self._sample(sampling_chunks, logits)
+
+    def _forward(
+        self,
+        chunks: list[ScheduledChunk],
+        on_layer_kv_written: Callable[[int], None] | None,
+        between_layers: Callable[[], None] | None,
+    ) -> torch.Tensor:
+        """Run the model over ``chunks`` (in ``execute``'s order: decode rows first, generated
+        tokens first among them), writing their KV; the logits of every sampled row, in
+        chunk order ``[samples, vocab]``."""
         num_decode = sum(chunk.num_tokens for chunk in chunks if _decode_rows(chunk))
         generated_chunks = [chunk for chunk in chunks if chunk.is_decode]
         generated = GeneratedRows(
@@ -106,8 +121,7 @@ class ModelRunner(KvBlockStore):
         input_ids, positions, logits_rows = self._pack(chunks)
         spans = [span for chunk in chunks for span in _spans(chunk)]
         metadata = self.backend.prepare(spans, num_decode, self.block_size, self.device)
-        sampling_chunks = [chunk for chunk in chunks if chunk.samples]
-        logits = self.model.forward(
+        return self.model.forward(
             torch.tensor(input_ids, dtype=torch.int64, device=self.device),
             torch.tensor(positions, dtype=torch.int64, device=self.device),
             self.kv_cache,
@@ -117,15 +131,18 @@ class ModelRunner(KvBlockStore):
             on_layer_kv_written,
             generated,
             between_layers,
-        )  # [samples, vocab]
-        if not sampling_chunks:
-            return RunnerOutput()
-        rows = [row for chunk in sampling_chunks for row in self._sampling_rows(chunk)]
-        rewinds = self._rewind_points(sampling_chunks)
+        )
+
+    def _sample(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> RunnerOutput:
+        """Sample each sampling chunk's rows of ``logits``: its token (and logprobs, when
+        asked), or with drafts the token after each of its tokens (a seeded generator then
+        left as plain decoding would leave it, ``_rewind``)."""
+        rows = [row for chunk in chunks for row in self._sampling_rows(chunk)]
+        rewinds = self._rewind_points(chunks)
         sampled = self.sampler(logits, rows)
         output = RunnerOutput()
         row = 0
-        for chunk in sampling_chunks:
+        for chunk in chunks:
             if chunk.draft_token_ids:  # no logprobs (``Scheduler._speculates``)
                 verdicts = sampled.token_ids[row : row + chunk.num_tokens]
                 output.verified_token_ids[chunk.request_id] = tuple(verdicts)

@@ -38,7 +38,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
-import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -56,22 +55,17 @@ from splitserve.client import (
     Finish,
     LatencyTargets,
     RetryPolicy,
+    Sampling,
 )
 from splitserve.client.choices import choice_samplings, merged
 from splitserve.client.connection import call_metadata
 from splitserve.common.api_keys import ApiKeys
-from splitserve.common.metrics import RequestMetrics, RequestTimer
-from splitserve.common.tracing import NO_SPAN, active_span, start_span, traceparent_of
+from splitserve.common.tracing import active_span, start_span, traceparent_of
 from splitserve.gateway import schemas
 from splitserve.gateway.api_key_check import RequireApiKey, bearer_key
 from splitserve.gateway.body_limit import DEFAULT_MAX_BODY_BYTES, LimitBody
 from splitserve.gateway.choices import Choices
-from splitserve.gateway.disconnect import (
-    CLIENT_STALL_TIMEOUT_S,
-    ClientDisconnected,
-    EventStreamResponse,
-    unless_disconnected,
-)
+from splitserve.gateway.disconnect import CLIENT_STALL_TIMEOUT_S
 from splitserve.gateway.edge_refusal import RefuseAtTheDoor
 from splitserve.gateway.endpoints import CHAT, COMPLETIONS, Body, Endpoint
 from splitserve.gateway.errors import (
@@ -82,7 +76,7 @@ from splitserve.gateway.errors import (
     from_validation_error,
 )
 from splitserve.gateway.model_routes import ModelRoute, ModelRoutes
-from splitserve.gateway.responses import usage_dict
+from splitserve.gateway.reply import respond
 from splitserve.gateway.sampling import (
     MAX_CHOICES,
     PromptArgs,
@@ -95,7 +89,6 @@ from splitserve.gateway.unserved_fields import UnservedFields
 _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     status: {"model": schemas.ErrorResponse} for status in (400, 404, 429, 500, 503, 504)
 }
-_DONE = b"data: [DONE]\n\n"
 try:
     SPLITSERVE_VERSION = importlib.metadata.version("splitserve")
 except importlib.metadata.PackageNotFoundError:  # a checkout run without its install
@@ -137,12 +130,6 @@ def _post(app: FastAPI, endpoint: Endpoint[Any]) -> Callable[[_Handler], _Handle
         response_model=endpoint.response_model,
         responses={**_ERROR_RESPONSES, 200: ok},
     )
-
-
-def _sse(payload: dict[str, Any]) -> bytes:
-    """One SSE frame of ``payload`` (orjson: a tenth of ``json.dumps``'s time a token; UTF-8,
-    not ASCII escapes)."""
-    return b"data: " + orjson.dumps(payload, option=orjson.OPT_NON_STR_KEYS) + b"\n\n"
 
 
 class Gateway:
@@ -259,12 +246,38 @@ def create_app(config: GatewayConfig) -> FastAPI:
         yield
         await gateway.close()
 
+    def current() -> Gateway:
+        return gateway
+
     app = FastAPI(
         title="splitserve OpenAI-compatible API",
         version="1",
         description="Completions and chat completions over splitserve's coordinator.",
         lifespan=lifespan,
     )
+    _answer_errors_openai_style(app)
+    _add_middleware(app, config)
+    _add_service_routes(app, current)
+    _add_token_routes(app, current)
+
+    @app.get("/version", response_model=schemas.VersionResponse)
+    async def version() -> dict[str, str]:
+        return {"version": SPLITSERVE_VERSION}
+
+    @_post(app, COMPLETIONS)
+    async def completions(body: schemas.CompletionRequest, request: Request) -> Response:
+        return await _generate(gateway, request, body, COMPLETIONS)
+
+    @_post(app, CHAT)
+    async def chat_completions(body: schemas.ChatCompletionRequest, request: Request) -> Response:
+        return await _generate(gateway, request, body, CHAT)
+
+    return app
+
+
+def _answer_errors_openai_style(app: FastAPI) -> None:
+    """Every error in OpenAI's shape: ``ApiError``'s own, validation (400), Starlette's
+    (404, 405, ...), and anything unexpected (500, logged)."""
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, error: ApiError) -> JSONResponse:
@@ -285,6 +298,11 @@ def create_app(config: GatewayConfig) -> FastAPI:
     async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
         return from_http_exception(error).response()
 
+
+def _add_middleware(app: FastAPI, config: GatewayConfig) -> None:
+    """The middleware a request passes, in this order: the response count, the API-key check
+    (401), the edge refusal (429, body unread), the body limit (413); added innermost first,
+    as Starlette wraps each added one around the app so far."""
     app.add_middleware(LimitBody, max_bytes=config.max_body_bytes)
     app.add_middleware(
         RefuseAtTheDoor,
@@ -295,6 +313,11 @@ def create_app(config: GatewayConfig) -> FastAPI:
         RequireApiKey, keys=config.api_keys, health_needs_key=config.health_needs_key
     )
     app.add_middleware(_CountRequests)
+
+
+def _add_service_routes(app: FastAPI, current: Callable[[], Gateway]) -> None:
+    """``/health``, ``/metrics`` and ``/v1/models``, over the app's gateway (``current``:
+    made on startup)."""
 
     @app.get(
         "/health",
@@ -307,7 +330,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     async def health(request: Request) -> Response:
         """200 with an empty body once the coordinator has a decode worker, else 503 with
         the OpenAI error body."""
-        if await gateway.ready(request):
+        if await current().ready(request):
             return Response(status_code=200)
         return JSONResponse(
             ApiError(503, "no decode worker is ready", type="service_unavailable").body(),
@@ -316,16 +339,22 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     @app.get("/metrics", response_class=Response)
     async def metrics() -> Response:
-        return Response(generate_latest(gateway.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(current().registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models", response_model=schemas.ModelList, responses=_ERROR_RESPONSES)
     async def models(request: Request) -> dict[str, Any]:
-        return {"object": "list", "data": await gateway.cards(request)}
+        return {"object": "list", "data": await current().cards(request)}
+
+
+def _add_token_routes(app: FastAPI, current: Callable[[], Gateway]) -> None:
+    """vLLM's ``/tokenize`` and ``/detokenize``, through the routed model's coordinators
+    (``current``: the app's gateway, made on startup)."""
 
     @app.post("/tokenize", response_model=schemas.TokenizeResponse, responses=_ERROR_RESPONSES)
     async def tokenize(body: schemas.TokenizeRequest, request: Request) -> dict[str, Any]:
         """vLLM's: the ids the model sees for ``prompt`` or ``messages`` (chat template and
         generation prompt applied), as a generation request would send them."""
+        gateway = current()
         gateway.count_ignored(body)
         route = await gateway.route(body.model, request)
         client = gateway.client_for(request, route)
@@ -340,25 +369,12 @@ def create_app(config: GatewayConfig) -> FastAPI:
     @app.post("/detokenize", response_model=schemas.DetokenizeResponse, responses=_ERROR_RESPONSES)
     async def detokenize(body: schemas.DetokenizeRequest, request: Request) -> dict[str, Any]:
         """vLLM's: the text of ``tokens`` (special tokens kept)."""
+        gateway = current()
         gateway.count_ignored(body)
         check_wire_token_ids(body.tokens, "tokens", "tokens")
         client = gateway.client_for(request, await gateway.route(body.model, request))
         with client_errors_as_api_errors():
             return {"prompt": await client.detokenize(body.tokens)}
-
-    @app.get("/version", response_model=schemas.VersionResponse)
-    async def version() -> dict[str, str]:
-        return {"version": SPLITSERVE_VERSION}
-
-    @_post(app, COMPLETIONS)
-    async def completions(body: schemas.CompletionRequest, request: Request) -> Response:
-        return await _generate(gateway, request, body, COMPLETIONS)
-
-    @_post(app, CHAT)
-    async def chat_completions(body: schemas.ChatCompletionRequest, request: Request) -> Response:
-        return await _generate(gateway, request, body, CHAT)
-
-    return app
 
 
 def _edge_refusal(scope: Scope, authorization: str | None) -> ApiError | None:
@@ -408,7 +424,7 @@ async def _generate(
     """The one generation handler, for both routes: checks the model, names the request, reads
     prompts and sampling from ``body`` the ``endpoint``'s way, starts one stream per choice
     (prompts x ``n``: ``gateway/choices.py``) and answers in the endpoint's shape, whole or
-    streamed (``_respond``)."""
+    streamed (``gateway/reply.py:respond``)."""
     gateway.count_ignored(body)
     route = await gateway.route(body.model, request)
     assert route.info is not None and route.metrics is not None  # known: routed by it
@@ -424,15 +440,7 @@ async def _generate(
         raise ApiError(400, f"at most {MAX_CHOICES} choices (prompts x n)", param="n")
     echoes = await _echo_texts(client, body, prompts)
     response_id = f"{endpoint.id_prefix}-{request_id}"
-    # the request's span: the client's traceparent honoured, ours returned (ended with the
-    # request by its timer, or here when it fails before one starts)
-    span = start_span(
-        f"gateway {endpoint.path}",
-        request_id,
-        request.headers.get("traceparent", ""),
-        parent=active_span(),  # FastAPI's HTTP span (itself under the client's), if any
-        kind=SpanKind.SERVER,
-    )
+    span = _request_span(request, request_id, endpoint)
     traceparent = traceparent_of(span)
     builders, prompt_of, streams, leaders = [], [], [], []
     for p, prompt in enumerate(prompts):
@@ -443,39 +451,77 @@ async def _generate(
             builders.append(endpoint.builder(response_id, model, body, index, echoes[p]))
             prompt_of.append(p)
             leaders.append(None if j == 0 else p * len(samplings))
+            choice_id = (
+                request_id if len(prompts) * len(samplings) == 1 else f"{request_id}-{index}"
+            )
             streams.append(
-                client.stream(  # nothing is sent before the first ``anext``
-                    prompt.prompt,
-                    messages=prompt.messages,
-                    token_ids=prompt.token_ids,
-                    sampling=sampling,
-                    request_id=request_id if len(prompts) * len(samplings) == 1 else (
-                        f"{request_id}-{index}"
-                    ),
-                    priority=-(body.priority or 0),  # vLLM's order (lower first) to gRPC's
-                    targets=LatencyTargets(ttft_ms=body.ttft_slo_ms, tpot_ms=body.tpot_slo_ms),
-                    traceparent=traceparent,
-                    session_id=fork_session,
-                    model=route.info.model,  # the coordinator's name: it checks it serves it
+                _choice_stream(
+                    client, body, prompt, sampling, choice_id, fork_session, traceparent,
+                    route.info.model,
                 )
             )  # fmt: skip
     choices = Choices(builders, prompt_of, None if keep_best is None else body.n or 1)
     try:
-        return await _respond(
-            gateway, route.metrics, request, request_id, merged(streams, leaders), choices,
-            bool(body.stream), body.stream_options, span,
+        return await respond(
+            route.metrics, request, request_id, merged(streams, leaders), choices,
+            bool(body.stream), body.stream_options, gateway.config.client_stall_timeout_s, span,
         )  # fmt: skip
     except BaseException as error:
-        if span.is_recording():  # failed before its timer took it
-            span.set_status(StatusCode.ERROR, type(error).__name__)
-            span.end()
-        if isinstance(error, ApiError) and error.param == "priority":
-            # the coordinator speaks gRPC's order
-            error.message += (
-                f" (gRPC's order, higher first; this request's HTTP priority {body.priority} is "
-                "vLLM's, lower first, sent to the coordinator negated)"
-            )
+        _note_failure(span, error, body.priority)
         raise
+
+
+def _request_span(request: Request, request_id: str, endpoint: Endpoint[Body]) -> Span:
+    """The request's span: the client's ``traceparent`` honoured, under FastAPI's HTTP span
+    (itself under the client's) if any; ended with the request by its timer, or by
+    ``_note_failure`` when it fails before one starts."""
+    return start_span(
+        f"gateway {endpoint.path}",
+        request_id,
+        request.headers.get("traceparent", ""),
+        parent=active_span(),
+        kind=SpanKind.SERVER,
+    )
+
+
+def _choice_stream(
+    client: AsyncClient,
+    body: Body,
+    prompt: PromptArgs,
+    sampling: Sampling,
+    request_id: str,
+    session_id: str,
+    traceparent: str,
+    model: str,
+) -> AsyncGenerator[Chunk | Finish, None]:
+    """One choice's stream of ``prompt`` (nothing is sent before its first ``anext``), with
+    the body's priority (vLLM's order, lower first) negated to gRPC's (higher first) and its
+    latency targets; ``model``: the coordinator's name for it, which it checks it serves."""
+    return client.stream(
+        prompt.prompt,
+        messages=prompt.messages,
+        token_ids=prompt.token_ids,
+        sampling=sampling,
+        request_id=request_id,
+        priority=-(body.priority or 0),
+        targets=LatencyTargets(ttft_ms=body.ttft_slo_ms, tpot_ms=body.tpot_slo_ms),
+        traceparent=traceparent,
+        session_id=session_id,
+        model=model,
+    )
+
+
+def _note_failure(span: Span, error: BaseException, priority: int | None) -> None:
+    """A generation request failed with ``error``: its span ends (unless its timer took it),
+    and a refusal of its priority explains the two orders (the coordinator speaks gRPC's)."""
+    if span.is_recording():  # failed before its timer took it
+        span.set_status(StatusCode.ERROR, type(error).__name__)
+        span.end()
+    if isinstance(error, ApiError) and error.param == "priority":
+        error.message += (
+            f" (gRPC's order, higher first; this request's HTTP priority {priority} is "
+            "vLLM's, lower first, sent to the coordinator negated)"
+        )
 
 
 async def _echo_texts(
@@ -492,117 +538,3 @@ async def _echo_texts(
         with client_errors_as_api_errors():
             texts.append(await client.detokenize(prompt.token_ids or ()))
     return texts
-
-
-async def _respond(
-    gateway: Gateway,
-    metrics: RequestMetrics,
-    request: Request,
-    request_id: str,
-    events: AsyncGenerator[tuple[int, Chunk | Finish], None],
-    choices: Choices,
-    stream: bool,
-    stream_options: schemas.StreamOptions | None,
-    span: Span = NO_SPAN,
-) -> Response:
-    """The response to the merged choice streams ``events``: an error status when one fails
-    before the first item, else SSE frames (``stream``) or the whole body; 499 when the HTTP
-    client went away first. ``span``: the request's, ended with it (its ``traceparent`` is
-    returned); ``metrics``: the model's."""
-    timer = metrics.start(span)
-    headers = {"x-request-id": request_id}
-    if traceparent := traceparent_of(span):
-        headers["traceparent"] = traceparent
-    try:
-        first = await unless_disconnected(request.receive, anext(events))
-    except ClientError as error:
-        timer.finish("error")
-        await events.aclose()
-        raise from_client_error(error) from error
-    except ClientDisconnected:
-        timer.finish("abort")
-        await events.aclose()
-        return Response(status_code=499)
-    except BaseException:
-        timer.finish("error")
-        await events.aclose()
-        raise
-    if stream:
-        frames = _stream_frames(choices, first, events, timer, stream_options)
-        return EventStreamResponse(frames, headers, gateway.config.client_stall_timeout_s)
-    try:
-        await unless_disconnected(request.receive, _fold(choices, first, events, timer))
-    except ClientError as error:
-        timer.finish("error")
-        raise from_client_error(error) from error
-    except ClientDisconnected:
-        timer.finish("abort")
-        return Response(status_code=499)
-    finally:
-        await events.aclose()
-    return JSONResponse(choices.whole(), headers=headers)
-
-
-def _record(timer: RequestTimer, choices: Choices, item: Chunk | Finish) -> None:
-    """Metrics of an item already folded into ``choices``: tokens, and the request's end
-    once every choice finished."""
-    if isinstance(item, Chunk):
-        timer.tokens(len(item.token_ids))
-    elif choices.all_finished:
-        usage = choices.usage()
-        timer.finish(item.finish_reason, usage.prompt_tokens, usage.completion_tokens)
-
-
-async def _fold(
-    choices: Choices,
-    first: tuple[int, Chunk | Finish],
-    events: AsyncIterator[tuple[int, Chunk | Finish]],
-    timer: RequestTimer,
-) -> None:
-    entry: tuple[int, Chunk | Finish] | None = first
-    while entry is not None:
-        index, item = entry
-        choices.add(index, item)
-        _record(timer, choices, item)
-        if choices.all_finished:
-            return
-        entry = await anext(events, None)
-    raise ClientError(grpc.StatusCode.INTERNAL, "the stream ended without a finish message")
-
-
-async def _stream_frames(
-    choices: Choices,
-    first: tuple[int, Chunk | Finish],
-    events: AsyncGenerator[tuple[int, Chunk | Finish], None],
-    timer: RequestTimer,
-    options: schemas.StreamOptions | None,
-) -> AsyncIterator[bytes]:
-    """SSE frames; the choices' chunks in arrival order, the usage chunk if asked, then
-    [DONE]."""
-    continuous = bool(options and options.include_usage and options.continuous_usage_stats)
-    try:
-        for opening in choices.opening_chunks():
-            yield _sse(opening)
-        entry: tuple[int, Chunk | Finish] | None = first
-        while entry is not None:
-            index, item = entry
-            body = choices.add(index, item)
-            _record(timer, choices, item)
-            if body is not None:
-                if continuous:
-                    body["usage"] = usage_dict(choices.usage())
-                yield _sse(body)
-            if choices.all_finished:
-                break
-            entry = await anext(events, None)
-        if options and options.include_usage:
-            yield _sse(choices.usage_chunk())
-    except ClientError as error:
-        timer.finish("error")
-        yield _sse(from_client_error(error).body())
-    except BaseException:
-        timer.finish("abort")  # the client went away (cancelled) mid-stream
-        raise
-    finally:
-        await events.aclose()
-    yield _DONE

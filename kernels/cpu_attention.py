@@ -93,6 +93,41 @@ class CpuDecodeAttention:
         ``kernels/cpu_decode_layers.py``); ``KeyError`` for a dtype it has none for."""
         return self._addresses[dtype]
 
+    def _checked_query(
+        self,
+        out: torch.Tensor,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        tables_checked: bool,
+    ) -> torch.Tensor:
+        """Raise ``ValueError`` unless ``__call__``'s arguments are what the kernel may trust:
+        ``out``, ``query`` and the caches of one dtype and matching shapes (whole KV head
+        groups), ``out`` and the caches contiguous, one block table per query row (the
+        tables checked unless ``tables_checked``). Returns ``query`` with each row's heads
+        contiguous (a copy only where they were not)."""
+        num_seqs, num_heads, head_dim = query.shape
+        num_blocks, block_size, num_kv_heads, cache_dim = key_cache.shape
+        if (
+            out.shape != query.shape
+            or value_cache.shape != key_cache.shape
+            or cache_dim != head_dim
+            or {out.dtype, key_cache.dtype, value_cache.dtype} != {query.dtype}
+            or num_heads % num_kv_heads
+        ):
+            raise ValueError("decode attention: mismatched shapes or dtypes")
+        if not (out.is_contiguous() and key_cache.is_contiguous() and value_cache.is_contiguous()):
+            raise ValueError("decode attention: out and the caches must be contiguous")
+        if query.stride(2) != 1 or query.stride(1) != head_dim:
+            query = query.contiguous()
+        if not tables_checked:
+            self.check_tables(block_tables, context_lens, num_blocks, block_size)
+        if block_tables.shape[0] != num_seqs:
+            raise ValueError("decode attention: one block table per query row")
+        return query
+
     def __call__(
         self,
         out: torch.Tensor,  # [seqs, heads, head_dim]
@@ -112,24 +147,11 @@ class CpuDecodeAttention:
         function = self._functions.get(query.dtype)
         if function is None:
             raise ValueError(f"no CPU decode kernel for {query.dtype}")
+        query = self._checked_query(
+            out, query, key_cache, value_cache, block_tables, context_lens, tables_checked
+        )
         num_seqs, num_heads, head_dim = query.shape
-        num_blocks, block_size, num_kv_heads, cache_dim = key_cache.shape
-        if (
-            out.shape != query.shape
-            or value_cache.shape != key_cache.shape
-            or cache_dim != head_dim
-            or {out.dtype, key_cache.dtype, value_cache.dtype} != {query.dtype}
-            or num_heads % num_kv_heads
-        ):
-            raise ValueError("decode attention: mismatched shapes or dtypes")
-        if not (out.is_contiguous() and key_cache.is_contiguous() and value_cache.is_contiguous()):
-            raise ValueError("decode attention: out and the caches must be contiguous")
-        if query.stride(2) != 1 or query.stride(1) != head_dim:
-            query = query.contiguous()
-        if not tables_checked:
-            self.check_tables(block_tables, context_lens, num_blocks, block_size)
-        if block_tables.shape[0] != num_seqs:
-            raise ValueError("decode attention: one block table per query row")
+        _num_blocks, block_size, num_kv_heads, _ = key_cache.shape
         if num_seqs == 0:
             return out
         status = function(

@@ -151,12 +151,7 @@ class CpuDecodeLayers:
         layers: Sequence[DecodeLayerTensors],
         shape: DecodeShape,
     ) -> None:
-        if dtype not in (torch.float32, torch.bfloat16):
-            raise ValueError(f"decode layers: no loop for {dtype}")
-        for layer in layers:
-            for tensor in (layer.input_norm, layer.post_norm, layer.qkv_bias):
-                if tensor is not None and (tensor.dtype != dtype or not tensor.is_contiguous()):
-                    raise ValueError("decode layers: norms and biases must be contiguous, dtype")
+        _check_layers(dtype, layers)
         self._run = library.splitserve_decode_layers
         self._run.argtypes = [_P, _P, _P]
         self._run.restype = ctypes.c_int
@@ -171,19 +166,7 @@ class CpuDecodeLayers:
         self._kernels = _Kernels(
             kernels.qgemv, kernels.add_rms_norm, kernels.rotary, None, kernels.silu_mul
         )
-        self._layers = (_Layer * len(layers))(
-            *(
-                _Layer(
-                    layer.input_norm.data_ptr(),
-                    layer.post_norm.data_ptr(),
-                    _projection(layer.qkv, layer.qkv_bias),
-                    _projection(layer.o_proj),
-                    _projection(layer.gate_up),
-                    _projection(layer.down),
-                )
-                for layer in layers
-            )
-        )
+        self._layers = _layer_table(layers)
         self._tensors = list(layers)  # the pointers above stay valid while these live
         self._step = _Step(
             f32=int(dtype == torch.float32),
@@ -201,22 +184,22 @@ class CpuDecodeLayers:
     def num_layers(self) -> int:
         return len(self._tensors)
 
-    def __call__(
+    def _check_arguments(
         self,
-        hidden: torch.Tensor,  # [rows, hidden] contiguous, updated in place
-        cos: torch.Tensor,  # [rows, head_dim] contiguous
-        sin: torch.Tensor,  # [rows, head_dim] contiguous
-        slot_mapping: torch.Tensor,  # [rows] int64: each token's cache row
-        block_tables: torch.Tensor,  # [rows, max_blocks] int64, checked against the cache
-        context_lens: torch.Tensor,  # [rows] int64, the new token included
-        kv_cache: torch.Tensor,  # [layers, 2, blocks, block_size, kv_heads, head_dim]
-        attention: int,  # the paged decode kernel of this dtype (CpuDecodeAttention.address)
-    ) -> torch.Tensor:
-        """Run every layer; returns the last layer's delta ``[rows, hidden]`` (``hidden`` then
-        holds the residual stream before it, as the Python loop leaves them)."""
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        kv_cache: torch.Tensor,
+    ) -> None:
+        """Raise ``ValueError`` unless a step's arguments are what the C loop may trust (see
+        ``__call__``): 1 .. ``MAX_ROWS`` rows, this model's shapes, its dtype, int64 tables,
+        every tensor contiguous, every slot in the cache."""
         shape, dtype = self._shape, self.dtype
         rows = hidden.shape[0]
-        layers, two, _blocks, block_size, kv_heads, head_dim = kv_cache.shape
+        layers, two, _blocks, _block_size, kv_heads, head_dim = kv_cache.shape
         if not (
             0 < rows <= MAX_ROWS
             and hidden.shape == (rows, shape.hidden_size)
@@ -237,6 +220,22 @@ class CpuDecodeLayers:
         slots_in_cache = kv_cache[0, 0].numel() // (kv_heads * head_dim)
         if rows and not (int(slot_mapping.min()) >= 0 and int(slot_mapping.max()) < slots_in_cache):
             raise ValueError("decode layers: a slot outside the cache")
+
+    def __call__(
+        self,
+        hidden: torch.Tensor,  # [rows, hidden] contiguous, updated in place
+        cos: torch.Tensor,  # [rows, head_dim] contiguous
+        sin: torch.Tensor,  # [rows, head_dim] contiguous
+        slot_mapping: torch.Tensor,  # [rows] int64: each token's cache row
+        block_tables: torch.Tensor,  # [rows, max_blocks] int64, checked against the cache
+        context_lens: torch.Tensor,  # [rows] int64, the new token included
+        kv_cache: torch.Tensor,  # [layers, 2, blocks, block_size, kv_heads, head_dim]
+        attention: int,  # the paged decode kernel of this dtype (CpuDecodeAttention.address)
+    ) -> torch.Tensor:
+        """Run every layer; returns the last layer's delta ``[rows, hidden]`` (``hidden`` then
+        holds the residual stream before it, as the Python loop leaves them)."""
+        self._check_arguments(hidden, cos, sin, slot_mapping, block_tables, context_lens, kv_cache)
+        rows, block_size = hidden.shape[0], kv_cache.shape[3]
         delta = torch.empty_like(hidden)
         scratch = hidden.new_empty(rows * self._scratch_per_row)
         step = _Step.from_buffer_copy(self._step)  # a step's own arguments, thread-safe
@@ -256,6 +255,34 @@ class CpuDecodeLayers:
         if status != 0:
             raise ValueError(f"decode layers: a kernel refused its arguments (code {status})")
         return delta
+
+
+def _check_layers(dtype: torch.dtype, layers: Sequence[DecodeLayerTensors]) -> None:
+    """Raise ``ValueError`` unless the loop has a path for ``dtype`` and every layer's norms
+    and bias are contiguous, of that dtype."""
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"decode layers: no loop for {dtype}")
+    for layer in layers:
+        for tensor in (layer.input_norm, layer.post_norm, layer.qkv_bias):
+            if tensor is not None and (tensor.dtype != dtype or not tensor.is_contiguous()):
+                raise ValueError("decode layers: norms and biases must be contiguous, dtype")
+
+
+def _layer_table(layers: Sequence[DecodeLayerTensors]) -> ctypes.Array[_Layer]:
+    """The C array of the layers' weight pointers (valid while the tensors live)."""
+    return (_Layer * len(layers))(
+        *(
+            _Layer(
+                layer.input_norm.data_ptr(),
+                layer.post_norm.data_ptr(),
+                _projection(layer.qkv, layer.qkv_bias),
+                _projection(layer.o_proj),
+                _projection(layer.gate_up),
+                _projection(layer.down),
+            )
+            for layer in layers
+        )
+    )
 
 
 @functools.cache

@@ -53,6 +53,7 @@ from splitserve.common.errors import (
     WorkerUnavailableError,
 )
 from splitserve.common.kv_layout import KvLayout
+from splitserve.common.request_update import StepOutput
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.tracing import NO_SPAN, start_span
 from splitserve.engine.async_engine import AsyncEngine
@@ -148,37 +149,16 @@ class PrefillWorker:
         peer = await self._peer(target.decode_address)  # the handshake checks KV layouts
         self._check_target(prompt_token_ids, target)
         pulled = await self._pull_cached_kv(request_id, prompt_token_ids, target, peer, span)
-        loop = asyncio.get_running_loop()
-        sender = LayerSender(
-            peer.endpoint,
-            target.transfer_id,
-            target.transfer_secret,
-            self.layout.num_layers,
-            target.plan,
-            loop,
-        )
-        staging = staging_buffer(self.engine.paged_kv, target.num_blocks)
         engine_id = request_id + self._engine_id_suffix
-        self._outgoing[engine_id] = _Outgoing(sender, target.num_cached_blocks, staging)
-        first_only = dataclasses.replace(
-            params, max_tokens=1, min_tokens=min(params.min_tokens, 1), stop=()
-        )
+        sender = self._expect_push(engine_id, target, peer)
         compute = start_span("prefill compute", request_id, parent=span)
         push = NO_SPAN
         try:
-            last = None
-            prompt = list(prompt_token_ids)
-            async for output in self.engine.generate(engine_id, prompt, first_only, pulled):
-                last = output
-            compute.set_attribute("splitserve.prompt_tokens", len(prompt_token_ids))
-            compute.end()
-            if last is None or not last.update.new_token_ids:
-                raise TransferAbortedError(f"request {request_id!r} was aborted during prefill")
+            last = await self._compute(
+                request_id, engine_id, prompt_token_ids, params, pulled, compute
+            )
             push = start_span("kv push", request_id, parent=span)
-            push.set_attribute("splitserve.kv_blocks", target.num_blocks)
-            push.set_attribute("splitserve.kv_cached_blocks", target.num_cached_blocks)
-            push.set_attribute("splitserve.kv_layers", self.layout.num_layers)
-            push.set_attribute("splitserve.kv_bytes", await self._finish_sends(sender))
+            await self._finish_push(push, sender, target)
             num_cached_tokens = last.update.num_cached_tokens
             first = FirstToken(
                 last.update.new_token_ids[0],
@@ -198,6 +178,56 @@ class PrefillWorker:
                     part.end()
         return PrefillDone(num_cached_tokens)
 
+    def _expect_push(self, engine_id: str, target: KvReservation, peer: _Peer) -> LayerSender:
+        """Register the request's outgoing KV under its engine id: a sender to the decode
+        worker's reservation, and the staging buffer the layer hook gathers each layer into
+        (``_push_layer``). The caller unregisters it and aborts the sender."""
+        loop = asyncio.get_running_loop()
+        sender = LayerSender(
+            peer.endpoint,
+            target.transfer_id,
+            target.transfer_secret,
+            self.layout.num_layers,
+            target.plan,
+            loop,
+        )
+        staging = staging_buffer(self.engine.paged_kv, target.num_blocks)
+        self._outgoing[engine_id] = _Outgoing(sender, target.num_cached_blocks, staging)
+        return sender
+
+    async def _compute(
+        self,
+        request_id: str,
+        engine_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        pulled: PulledKv | None,
+        compute: Span,
+    ) -> StepOutput:
+        """Run the prompt on the engine (as ``engine_id``) for its first token only, with the
+        ``pulled`` KV if any, and end its ``compute`` span; the last output, which has the token.
+        ``TransferAbortedError`` when the request was aborted before it."""
+        first_only = dataclasses.replace(
+            params, max_tokens=1, min_tokens=min(params.min_tokens, 1), stop=()
+        )
+        last = None
+        prompt = list(prompt_token_ids)
+        async for output in self.engine.generate(engine_id, prompt, first_only, pulled):
+            last = output
+        compute.set_attribute("splitserve.prompt_tokens", len(prompt_token_ids))
+        compute.end()
+        if last is None or not last.update.new_token_ids:
+            raise TransferAbortedError(f"request {request_id!r} was aborted during prefill")
+        return last
+
+    async def _finish_push(self, push: Span, sender: LayerSender, target: KvReservation) -> None:
+        """Wait until every layer was sent (``_finish_sends``), the push described on its
+        span: blocks sent and already cached there, layers, bytes."""
+        push.set_attribute("splitserve.kv_blocks", target.num_blocks)
+        push.set_attribute("splitserve.kv_cached_blocks", target.num_cached_blocks)
+        push.set_attribute("splitserve.kv_layers", self.layout.num_layers)
+        push.set_attribute("splitserve.kv_bytes", await self._finish_sends(sender))
+
     async def _pull_cached_kv(
         self,
         request_id: str,
@@ -215,21 +245,10 @@ class PrefillWorker:
         if not self.pulls_cached_kv_min_blocks or wanted - held < self.pulls_cached_kv_min_blocks:
             return None
         staging = staging_buffer(self.engine.paged_kv, wanted - held)
-        plan, destinations = receive_destinations(staging, range(wanted - held))
-        secret = new_transfer_secret()
-        receiver = LayerReceiver(self.transport, secrets.randbits(64), secret, plan, destinations)
-        pull = CachedKvPull(
-            target.transfer_id,
-            request_id,
-            held,
-            self.transport.address,
-            plan,
-            secret,
-            self.layout.compat_hash,
-        )
+        receiver, pull = self._post_pull(request_id, target, held, staging)
         num_bytes = staging.numel() * staging.element_size()
         pulling = start_span("kv pull", request_id, parent=span)
-        pulling.set_attribute("splitserve.kv_blocks", plan.num_blocks)
+        pulling.set_attribute("splitserve.kv_blocks", pull.plan.num_blocks)
         pulling.set_attribute("splitserve.kv_bytes", num_bytes)
         started = time.monotonic()
         try:
@@ -254,8 +273,28 @@ class PrefillWorker:
         finally:
             pulling.end()
         self.transfer_metrics.completed("receive", num_bytes, time.monotonic() - started)
-        self.transfer_metrics.pulled_blocks.inc(plan.num_blocks)
+        self.transfer_metrics.pulled_blocks.inc(pull.plan.num_blocks)
         return PulledKv(held, staging)
+
+    def _post_pull(
+        self, request_id: str, target: KvReservation, held: int, staging: torch.Tensor
+    ) -> tuple[LayerReceiver, CachedKvPull]:
+        """A receiver posted for the reservation's cached blocks after the ``held`` ones into
+        ``staging``, under a secret of its own, and the ask for the decode worker to send
+        them there (``PushCachedKv``)."""
+        plan, destinations = receive_destinations(staging, range(target.num_cached_blocks - held))
+        secret = new_transfer_secret()
+        receiver = LayerReceiver(self.transport, secrets.randbits(64), secret, plan, destinations)
+        pull = CachedKvPull(
+            target.transfer_id,
+            request_id,
+            held,
+            self.transport.address,
+            plan,
+            secret,
+            self.layout.compat_hash,
+        )
+        return receiver, pull
 
     def _keep_until_settled(self, receiver: LayerReceiver, staging: torch.Tensor) -> None:
         """A pull that did not land: stop its receiver, and keep its staging buffer alive

@@ -45,10 +45,12 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from splitserve.common.errors import TransferAbortedError, TransferTimeoutError
+from splitserve.common.load import EngineLoad
 from splitserve.common.metrics import KV_TRANSFER_BUCKETS, REQUEST_LATENCY_BUCKETS
 from splitserve.common.step_cost import StepCost
 from splitserve.engine.async_engine import AsyncEngine
-from splitserve.engine.engine_report import EngineReport
+from splitserve.engine.engine_report import EngineReport, SchedulerStats
+from splitserve.engine.step_threads import StepThreads
 
 _LABELS = ("model_name", "role")
 BLOCK_RUN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -102,6 +104,13 @@ class TransferMetrics:
         for direction in TRANSFER_DIRECTIONS:  # every series from the start, at 0
             for reason in TRANSFER_FAILURE_REASONS:
                 self._failures.labels(*values, direction, reason)
+        self._values = values
+        self._add_block_figures(registry, values)
+
+    def _add_block_figures(self, registry: CollectorRegistry, values: tuple[str, str]) -> None:
+        """The figures of a handoff's blocks, this worker's series only: a pushed prompt's
+        wait for free blocks and their runs, and the blocks reused from the prefix cache or
+        kept out of the pool by unsettled receives (decode); the blocks pulled (prefill)."""
         self.reservation_wait = Histogram(
             "splitserve_kv_reservation_wait_seconds",
             "Time a pushed prompt waited for free KV blocks on the decode worker.",
@@ -137,7 +146,6 @@ class TransferMetrics:
             _LABELS,
             registry=registry,
         ).labels(*values)
-        self._values = values
 
     def completed(self, direction: str, num_bytes: int, seconds: float) -> None:
         self._bytes.labels(*self._values, direction).inc(num_bytes)
@@ -162,87 +170,19 @@ class _EngineCollector(Collector):
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         report = self._engine.latest_report  # one immutable snapshot: load and stats agree
-        load, stats = report.load, report.stats
-        usage = load.num_used_blocks / load.num_total_blocks if load.num_total_blocks else 0.0
-        gauges = (
-            ("num_requests_running", "Requests in the running batch.", load.num_running_requests),
-            (
-                "num_requests_waiting",
-                "Requests waiting to be scheduled.",
-                load.num_waiting_requests,
-            ),
-            (
-                "num_requests_reserved",
-                "Requests holding blocks for KV another worker is pushing.",
-                load.num_reserved_requests,
-            ),
-            ("kv_cache_usage_perc", "KV-cache usage; 1 means 100 percent.", usage),
-            (
-                "prefill_time_share",
-                "Fraction of the ten seconds or so before its last command or step that its "
-                "steps spent on prompt tokens.",
-                load.prefill_share,
-            ),
-        )
-        for name, doc, value in gauges:
+        for name, doc, value in _load_gauges(report.load):
             family = GaugeMetricFamily(f"splitserve_{name}", doc, labels=_LABELS)
             family.add_metric(self._values, value)
             yield family
-        counters = (
-            ("prefix_cache_queries", "Prefix-cache queries, in tokens.", stats.prefix_query_tokens),
-            ("prefix_cache_hits", "Prefix-cache hits, in tokens.", stats.prefix_hit_tokens),
-            ("num_preemptions", "Cumulative preemptions.", stats.num_preemptions),
-            (
-                "prompt_tokens",
-                "Prompt tokens computed on this worker.",
-                stats.num_prompt_tokens_computed,
-            ),
-            ("generation_tokens", "Tokens sampled on this worker.", stats.num_generation_tokens),
-            (
-                "spec_decode_num_draft_tokens",
-                "Speculated (prompt-lookup) tokens verified on this worker.",
-                stats.num_draft_tokens,
-            ),
-            (
-                "spec_decode_num_accepted_tokens",
-                "Speculated tokens the model chose too, kept as output.",
-                stats.num_accepted_draft_tokens,
-            ),
-        )
+        counters = _scheduler_counters(report.stats)
         step_threads = self._engine.step_threads
         if step_threads is not None:  # a worker that lends or borrows cores
-            counters += (
-                ("engine_steps", "Engine steps run.", step_threads.steps),
-                (
-                    "engine_steps_on_borrowed_cores",
-                    "Engine steps that also ran on a co-located worker's cores, lent while "
-                    "its engine idled.",
-                    step_threads.borrowed_steps,
-                ),
-                (
-                    "engine_steps_yielding_borrowed_cores",
-                    "Engine steps on borrowed cores that gave them back part-way, at a layer "
-                    "boundary, their owner's engine having turned busy.",
-                    step_threads.yielded_steps,
-                ),
-                (
-                    "engine_steps_growing_onto_borrowed_cores",
-                    "Engine steps begun on this worker's own cores, their owner busy, that "
-                    "took the borrowed cores part-way, at a layer boundary, once it idled.",
-                    step_threads.grown_steps,
-                ),
-                (
-                    "engine_steps_declining_borrow",
-                    "Engine steps that kept to this worker's own cores while the lender idled "
-                    "(steps on borrowed cores measured no faster here, or a trial of own ones).",
-                    step_threads.declined_steps,
-                ),
-            )
+            counters += _lending_counters(step_threads)
         for name, doc, value in counters:
             family = CounterMetricFamily(f"splitserve_{name}", doc, labels=_LABELS)
             family.add_metric(self._values, value)
             yield family
-        yield from self._step_cost(load.step_cost)
+        yield from self._step_cost(report.load.step_cost)
 
     def _step_cost(self, cost: StepCost) -> Iterator[GaugeMetricFamily]:
         terms = GaugeMetricFamily(
@@ -261,6 +201,92 @@ class _EngineCollector(Collector):
         steps.add_metric([*self._values, "decode"], cost.decode_steps)
         steps.add_metric([*self._values, "prefill"], cost.prefill_steps)
         yield steps
+
+
+_Figure = tuple[str, str, float]
+"""A figure's name (after ``splitserve_``), its help text and its value."""
+
+
+def _load_gauges(load: EngineLoad) -> tuple[_Figure, ...]:
+    """The gauges of an engine report's load figures."""
+    usage = load.num_used_blocks / load.num_total_blocks if load.num_total_blocks else 0.0
+    return (
+        ("num_requests_running", "Requests in the running batch.", load.num_running_requests),
+        (
+            "num_requests_waiting",
+            "Requests waiting to be scheduled.",
+            load.num_waiting_requests,
+        ),
+        (
+            "num_requests_reserved",
+            "Requests holding blocks for KV another worker is pushing.",
+            load.num_reserved_requests,
+        ),
+        ("kv_cache_usage_perc", "KV-cache usage; 1 means 100 percent.", usage),
+        (
+            "prefill_time_share",
+            "Fraction of the ten seconds or so before its last command or step that its "
+            "steps spent on prompt tokens.",
+            load.prefill_share,
+        ),
+    )
+
+
+def _scheduler_counters(stats: SchedulerStats) -> tuple[_Figure, ...]:
+    """The counters of an engine report's scheduler counters."""
+    return (
+        ("prefix_cache_queries", "Prefix-cache queries, in tokens.", stats.prefix_query_tokens),
+        ("prefix_cache_hits", "Prefix-cache hits, in tokens.", stats.prefix_hit_tokens),
+        ("num_preemptions", "Cumulative preemptions.", stats.num_preemptions),
+        (
+            "prompt_tokens",
+            "Prompt tokens computed on this worker.",
+            stats.num_prompt_tokens_computed,
+        ),
+        ("generation_tokens", "Tokens sampled on this worker.", stats.num_generation_tokens),
+        (
+            "spec_decode_num_draft_tokens",
+            "Speculated (prompt-lookup) tokens verified on this worker.",
+            stats.num_draft_tokens,
+        ),
+        (
+            "spec_decode_num_accepted_tokens",
+            "Speculated tokens the model chose too, kept as output.",
+            stats.num_accepted_draft_tokens,
+        ),
+    )
+
+
+def _lending_counters(step_threads: StepThreads) -> tuple[_Figure, ...]:
+    """The counters of a worker that lends or borrows cores: its steps, and how they used
+    the borrowed cores."""
+    return (
+        ("engine_steps", "Engine steps run.", step_threads.steps),
+        (
+            "engine_steps_on_borrowed_cores",
+            "Engine steps that also ran on a co-located worker's cores, lent while "
+            "its engine idled.",
+            step_threads.borrowed_steps,
+        ),
+        (
+            "engine_steps_yielding_borrowed_cores",
+            "Engine steps on borrowed cores that gave them back part-way, at a layer "
+            "boundary, their owner's engine having turned busy.",
+            step_threads.yielded_steps,
+        ),
+        (
+            "engine_steps_growing_onto_borrowed_cores",
+            "Engine steps begun on this worker's own cores, their owner busy, that "
+            "took the borrowed cores part-way, at a layer boundary, once it idled.",
+            step_threads.grown_steps,
+        ),
+        (
+            "engine_steps_declining_borrow",
+            "Engine steps that kept to this worker's own cores while the lender idled "
+            "(steps on borrowed cores measured no faster here, or a trial of own ones).",
+            step_threads.declined_steps,
+        ),
+    )
 
 
 class _RequestPhaseMetrics:

@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -49,7 +49,7 @@ from splitserve.engine.device import dtype_refusal
 from splitserve.engine.step_threads import BorrowedCores, StepThreads
 from splitserve.proto.cluster_access import ClusterAccess, access_or_exit
 from splitserve.proto.etcd_client import EtcdClient
-from splitserve.proto.server import serve_forever, start_server
+from splitserve.proto.server import RoleServer, serve_forever, start_server
 from splitserve.transfer.transport import KvTransport
 from splitserve.transfer.ucx import UcxTransport
 from splitserve.worker.identity import WorkerIdentity
@@ -152,20 +152,7 @@ async def run_worker(
     servicers = [role.make_servicer() for role in roles]
     monitor = MonitorServicer()
     label = "+".join(role.name for role in roles)
-
-    def register(server: grpc.aio.Server) -> list[str]:
-        for role, servicer in zip(roles, servicers, strict=True):
-            role.add_servicer(servicer, server)
-        return [*(role.service_name for role in roles), monitor.add_to(server)]
-
-    server = await start_server(
-        args.host,
-        args.port,
-        register,
-        credential=access.credential,
-        tls=access.tls,
-        with_reflection=args.grpc_reflection,
-    )
+    server = await _start_server(args, roles, servicers, monitor, access)
     base_id, address = worker_id_of(args, _kind(roles)), advertised_address(args, server.port)
     identities = [
         WorkerIdentity(role_worker_id(base_id, role, roles), address, access) for role in roles
@@ -181,30 +168,37 @@ async def run_worker(
     await _warm_up(engine)
     model_name = model_name_of(resolve_model_path(args.model))  # announced, and a metric label
     if args.metrics_port >= 0:
-        registry = CollectorRegistry()
-        install_engine_metrics(registry, engine, model_name, label)
-        transfer_metrics = TransferMetrics(registry, model_name, label)
-        for domain in domains:
-            domain.transfer_metrics = transfer_metrics
-        port = serve_metrics(registry, args.host, args.metrics_port)
-        print(f"{label} metrics at http://{args.host}:{port}/metrics", flush=True)
+        _serve_worker_metrics(args, engine, domains, model_name, label)
     for servicer, domain in zip(servicers, domains, strict=True):
         servicer.bind(domain)
-    stall_watch = StallWatch(engine.step_running_s, args.stall_timeout)
-
-    async def report() -> LoadReport:
-        return LoadReport(engine.latest_load, stall_watch.ready())
-
-    kv_events = KvEventLog()  # every coordinator's heartbeats or load stream carry its changes
-    await engine.record_kv_events(kv_events)
-    monitor.kv_events = kv_events
-    monitor.bind(report)
-    await server.set_serving(True)
-    watching = asyncio.create_task(stall_watch.watch(server.set_serving, stop))
-    tune_gc_for_serving()
+    report, kv_events, watching = await _start_serving(args, engine, server, monitor, stop)
     print(f"splitserve {label} ready at {address}", flush=True)
+    infos = _records(roles, identities, domains, address, engine, model_name)
+    membership = _Membership.join(args, infos, report, access, kv_events, stop)
+    await stop.wait()
+    await watching
+    await server.set_serving(False)
+    await membership.leave()
+    await _drain(servicers, args.drain_timeout, label, base_id)
+    await server.server.stop(SHUTDOWN_GRACE_S)
+    for domain in domains:
+        await domain.close()
+    engine.shutdown()
+    if owns_transport:
+        await transport.close()
 
-    infos = [
+
+def _records(
+    roles: Sequence[WorkerRole],
+    identities: Sequence[WorkerIdentity],
+    domains: Sequence[WorkerDomain],
+    address: str,
+    engine: AsyncEngine,
+    model_name: str,
+) -> list[WorkerInfo]:
+    """Each role's membership record: its id, the worker's ``address``, its domain's KV
+    layout and pull setting, the engine's pool and context window, the model's name."""
+    return [
         WorkerInfo(
             worker_id=identity.worker_id,
             role=role.role,
@@ -217,34 +211,135 @@ async def run_worker(
         )
         for role, identity, domain in zip(roles, identities, domains, strict=True)
     ]
-    links: list[tuple[CoordinatorLink, asyncio.Task[None]]] = []
-    for coordinator in coordinator_addresses(args.coordinator or ""):
-        for info in infos:
-            link = CoordinatorLink(coordinator, info, report, access, kv_events)
-            links.append((link, asyncio.create_task(link.run(stop))))
-    announcers: list[tuple[EtcdAnnouncer, asyncio.Task[None]]] = []
-    if etcd_endpoints(args):
-        for info in infos:
-            announcer = EtcdAnnouncer(EtcdClient(etcd_endpoints(args)), args.cluster_name)
-            announcers.append((announcer, asyncio.create_task(_announce(announcer, info))))
-    await stop.wait()
-    await watching
-    await server.set_serving(False)
-    for _, link_task in links:
-        link_task.cancel()  # no heartbeat may re-register it
-        with contextlib.suppress(BaseException):
-            await link_task
-    await asyncio.gather(*(link.leave() for link, _ in links))
-    for _, announcing in announcers:
-        announcing.cancel()
-        with contextlib.suppress(BaseException):
-            await announcing
-    # every coordinator drops each record at once
-    await asyncio.gather(*(announcer.withdraw() for announcer, _ in announcers))
+
+
+async def _start_server(
+    args: argparse.Namespace,
+    roles: Sequence[WorkerRole],
+    servicers: Sequence[WorkerServicerBase],
+    monitor: MonitorServicer,
+    access: ClusterAccess,
+) -> RoleServer:
+    """The worker's gRPC server, listening (health NOT_SERVING): each role's servicer (not
+    yet bound to its domain) and the monitor, every call checked for the cluster
+    credential."""
+
+    def register(server: grpc.aio.Server) -> list[str]:
+        for role, servicer in zip(roles, servicers, strict=True):
+            role.add_servicer(servicer, server)
+        return [*(role.service_name for role in roles), monitor.add_to(server)]
+
+    return await start_server(
+        args.host,
+        args.port,
+        register,
+        credential=access.credential,
+        tls=access.tls,
+        with_reflection=args.grpc_reflection,
+    )
+
+
+def _serve_worker_metrics(
+    args: argparse.Namespace,
+    engine: AsyncEngine,
+    domains: Sequence[WorkerDomain],
+    model_name: str,
+    label: str,
+) -> None:
+    """Export the engine's figures and the domains' KV transfer figures on
+    ``--metrics-port`` (printing where)."""
+    registry = CollectorRegistry()
+    install_engine_metrics(registry, engine, model_name, label)
+    transfer_metrics = TransferMetrics(registry, model_name, label)
+    for domain in domains:
+        domain.transfer_metrics = transfer_metrics
+    port = serve_metrics(registry, args.host, args.metrics_port)
+    print(f"{label} metrics at http://{args.host}:{port}/metrics", flush=True)
+
+
+async def _start_serving(
+    args: argparse.Namespace,
+    engine: AsyncEngine,
+    server: RoleServer,
+    monitor: MonitorServicer,
+    stop: asyncio.Event,
+) -> tuple[Callable[[], Awaitable[LoadReport]], KvEventLog, asyncio.Task[None]]:
+    """Bind the monitor to the worker's load reports (the engine's load, and the stall
+    watch's readiness) and KV events, turn health SERVING, start the stall watch (until
+    ``stop``) and tune the GC for serving. Returns the report function, the KV event log
+    (the membership records carry both) and the stall watch's task."""
+    stall_watch = StallWatch(engine.step_running_s, args.stall_timeout)
+
+    async def report() -> LoadReport:
+        return LoadReport(engine.latest_load, stall_watch.ready())
+
+    kv_events = KvEventLog()  # every coordinator's heartbeats or load stream carry its changes
+    await engine.record_kv_events(kv_events)
+    monitor.kv_events = kv_events
+    monitor.bind(report)
+    await server.set_serving(True)
+    watching = asyncio.create_task(stall_watch.watch(server.set_serving, stop))
+    tune_gc_for_serving()
+    return report, kv_events, watching
+
+
+@dataclass
+class _Membership:
+    """The worker's records in the cluster: a heartbeating link per coordinator and record
+    (``CoordinatorLink``), and with etcd an announcer per record."""
+
+    links: list[tuple[CoordinatorLink, asyncio.Task[None]]]
+    announcers: list[tuple[EtcdAnnouncer, asyncio.Task[None]]]
+
+    @classmethod
+    def join(
+        cls,
+        args: argparse.Namespace,
+        infos: Sequence[WorkerInfo],
+        report: Callable[[], Awaitable[LoadReport]],
+        access: ClusterAccess,
+        kv_events: KvEventLog,
+        stop: asyncio.Event,
+    ) -> _Membership:
+        """Register ``infos`` with every ``--coordinator`` and, with etcd, announce them
+        there (each in a task of its own, retried until it lands)."""
+        links = []
+        for coordinator in coordinator_addresses(args.coordinator or ""):
+            for info in infos:
+                link = CoordinatorLink(coordinator, info, report, access, kv_events)
+                links.append((link, asyncio.create_task(link.run(stop))))
+        announcers = []
+        if etcd_endpoints(args):
+            for info in infos:
+                announcer = EtcdAnnouncer(EtcdClient(etcd_endpoints(args)), args.cluster_name)
+                announcers.append((announcer, asyncio.create_task(_announce(announcer, info))))
+        return cls(links, announcers)
+
+    async def leave(self) -> None:
+        """No more heartbeats or announcing, then every record leaves at once: each
+        coordinator drops it (``LeaveCluster``), and etcd's leases are revoked."""
+        for _, link_task in self.links:
+            link_task.cancel()  # no heartbeat may re-register it
+            with contextlib.suppress(BaseException):
+                await link_task
+        await asyncio.gather(*(link.leave() for link, _ in self.links))
+        for _, announcing in self.announcers:
+            announcing.cancel()
+            with contextlib.suppress(BaseException):
+                await announcing
+        # every coordinator drops each record at once
+        await asyncio.gather(*(announcer.withdraw() for announcer, _ in self.announcers))
+
+
+async def _drain(
+    servicers: Sequence[WorkerServicerBase], timeout_s: float, label: str, base_id: str
+) -> None:
+    """Give the calls that carry work ``timeout_s`` to end (logged as worker ``label``
+    ``base_id`` drains); whatever still runs after it is the server's stop to cancel."""
     running = sum(servicer.in_flight.count for servicer in servicers)
     logger.info("%s %s draining: %d running", label, base_id, running)
     drained = await asyncio.gather(
-        *(servicer.in_flight.wait_idle(args.drain_timeout) for servicer in servicers)
+        *(servicer.in_flight.wait_idle(timeout_s) for servicer in servicers)
     )
     if all(drained):
         logger.info("%s %s drained", label, base_id)
@@ -254,14 +349,8 @@ async def run_worker(
             label,
             base_id,
             sum(servicer.in_flight.count for servicer in servicers),
-            args.drain_timeout,
+            timeout_s,
         )
-    await server.server.stop(SHUTDOWN_GRACE_S)
-    for domain in domains:
-        await domain.close()
-    engine.shutdown()
-    if owns_transport:
-        await transport.close()
 
 
 async def run_hosted_workers(
