@@ -29,11 +29,15 @@ class LatencyTargets:
 
     ttft_ms: float | None = None
     tpot_ms: float | None = None
+    max_queue_wait_ms: float | None = None
+    """The longest the request may wait for admission before it is refused (429 /
+    RESOURCE_EXHAUSTED with a retry hint); None: the coordinator's ``--max-queue-wait``."""
 
     def to_proto(self) -> coordinator_pb2.LatencyTargets:
         return coordinator_pb2.LatencyTargets(
             ttft_ms=0.0 if self.ttft_ms is None else self.ttft_ms,
             tpot_ms=0.0 if self.tpot_ms is None else self.tpot_ms,
+            max_queue_wait_ms=0.0 if self.max_queue_wait_ms is None else self.max_queue_wait_ms,
         )
 
 

@@ -22,7 +22,8 @@ the decode workers' own ordered reservation queues absorb the overlap.
 Then the KV:
 - nobody waits and the demand fits: admitted at once;
 - the queue is full (requests or prompt tokens), or the predicted wait exceeds
-  ``max_queue_wait_s``: refused at once with ``OverloadedError`` whose ``retry_after_s`` is
+  ``max_queue_wait_s`` (or the request's own bound, ``RequestRecord.max_queue_wait_s``):
+  refused at once with ``OverloadedError`` whose ``retry_after_s`` is
   the predicted wait (for a full queue, the wait behind every waiter as computed at most
   ``RETRY_HINT_MAX_AGE_S`` ago: a crowd past the queue is refused in constant time each);
 - otherwise it waits. Releases admit waiters in admission order while the next one fits
@@ -36,7 +37,7 @@ Then the KV:
   rate goodput came out lower on each of 3 seeds, 0.86x at the median, in one run). One let
   in waits for its turn even when the prediction was short, up
   to ``WAIT_BACKSTOP_FACTOR`` x ``max_queue_wait_s`` (then it is refused: its workers
-  vanished, say).
+  vanished, say); one that set its own bound waits that long at most.
 
 Why late waiters yield: past the knee of the load, a queue served in arrival order makes
 every request wait as long as the queue is, so every request misses its TTFT target once the
@@ -231,7 +232,8 @@ class KvAdmission:
             self._enter(ticket)
             self._grant(request.request_id, demand, ticket)
             return
-        wait_s = self._wait_or_refuse(demand, ticket)
+        limit_s = request.max_queue_wait_s or self.config.max_queue_wait_s
+        wait_s = self._wait_or_refuse(demand, ticket, limit_s)
         self._enter(ticket)
         granted = asyncio.get_running_loop().create_future()
         deadline = request.ttft_deadline
@@ -245,8 +247,9 @@ class KvAdmission:
             deadline if math.isfinite(deadline) else None,
         )
         self._waiters.add(waiter)
-        try:
-            await self._wait_for_turn(waiter)
+        try:  # a bound the request set itself is a bound on its wait, not a prediction's
+            backstop_s = limit_s if request.max_queue_wait_s else limit_s * WAIT_BACKSTOP_FACTOR
+            await self._wait_for_turn(waiter, backstop_s)
         finally:
             if not granted.done():  # refused or cancelled: leave the queue
                 granted.cancel()
@@ -254,10 +257,10 @@ class KvAdmission:
                 self._usage.leave(tenant, 0)  # its tokens are taken only when it is granted
                 self._serve()  # the next one may fit now that it is the oldest
 
-    def _wait_or_refuse(self, demand: KvDemand, ticket: Ticket) -> float:
+    def _wait_or_refuse(self, demand: KvDemand, ticket: Ticket, limit_s: float) -> float:
         """The predicted wait of a request that cannot start now; refuses it
-        (``OverloadedError``) when the queue is full or the wait is beyond
-        ``max_queue_wait_s``."""
+        (``OverloadedError``) when the queue is full or the wait is beyond ``limit_s`` (the
+        request's own bound, else ``max_queue_wait_s``)."""
         if self._queue_full(demand):
             self._refuse(
                 ticket.tenant,
@@ -269,21 +272,19 @@ class KvAdmission:
                 REFUSES_ALL_S if self._queue_full_by_count() else 0.0,
             )
         wait_s = self.predicted_wait_s(demand, ticket.order)
-        if wait_s > self.config.max_queue_wait_s:
+        if wait_s > limit_s:
             self._refuse(
                 ticket.tenant,
                 "predicted_wait",
                 f"the KV this request needs ({demand.num_tokens} tokens) frees up in about "
-                f"{wait_s:.1f} s, beyond the {self.config.max_queue_wait_s:g} s a request "
-                "may wait",
+                f"{wait_s:.1f} s, beyond the {limit_s:g} s it may wait",
                 wait_s,
             )
         return wait_s
 
-    async def _wait_for_turn(self, waiter: Waiter) -> None:
-        """Wait until ``_serve`` grants ``waiter``; refused (``waited_out``) past the
-        backstop, ``WAIT_BACKSTOP_FACTOR`` x ``max_queue_wait_s``."""
-        backstop_s = self.config.max_queue_wait_s * WAIT_BACKSTOP_FACTOR
+    async def _wait_for_turn(self, waiter: Waiter, backstop_s: float) -> None:
+        """Wait until ``_serve`` grants ``waiter``; refused (``waited_out``) after
+        ``backstop_s``."""
         try:
             await asyncio.wait_for(asyncio.shield(waiter.granted), backstop_s)
         except TimeoutError:

@@ -44,6 +44,8 @@ class RequestAsk:
     """The caller's span, which the coordinator's joins (``common/tracing.py``)."""
     session_id: str = ""
     """Its session's, as the caller named it ("": none); scoped by tenant later."""
+    max_queue_wait_s: float | None = None
+    """The longest it may wait for admission (None: the coordinator's)."""
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,9 @@ class RequestRecord:
     traceparent: str = ""
     """The request's span here, which every worker span of its attempts joins."""
     continue_after: tuple[int, ...] = ()
+    max_queue_wait_s: float | None = None
+    """The longest it may wait for admission (None: the coordinator's ``max_queue_wait_s``);
+    read by admission only (``admission.py``)."""
 
     @property
     def tenant(self) -> str:

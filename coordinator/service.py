@@ -353,6 +353,7 @@ class Coordinator:
             session_id=scoped_request_id(ask.session_id, caller) if ask.session_id else "",
             traceparent=traceparent_of(span),
             continue_after=ask.continue_after,
+            max_queue_wait_s=ask.max_queue_wait_s,
         )
 
     def _check_ready(self) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
@@ -299,7 +300,20 @@ def ask_from_proto(request: coordinator_pb2.GenerateRequest) -> RequestAsk:
         targets=_targets_of(request),
         traceparent=request.traceparent,
         session_id=request.session_id,
+        max_queue_wait_s=_positive_ms(
+            request.latency_targets.max_queue_wait_ms, "latency_targets.max_queue_wait_ms"
+        ),
     )
+
+
+def _positive_ms(value: float, param: str) -> float | None:
+    """Seconds of a positive, finite milliseconds field; None for 0 (unset). Raises
+    ``InvalidRequestError`` naming ``param`` otherwise."""
+    if value == 0:
+        return None
+    if not (math.isfinite(value) and value > 0):
+        raise InvalidRequestError(f"{param} must be a positive number of ms, not {value}", param)
+    return value / 1000
 
 
 def _targets_of(request: coordinator_pb2.GenerateRequest) -> LatencyTargets:

@@ -504,7 +504,11 @@ def _choice_stream(
         sampling=sampling,
         request_id=request_id,
         priority=-(body.priority or 0),
-        targets=LatencyTargets(ttft_ms=body.ttft_slo_ms, tpot_ms=body.tpot_slo_ms),
+        targets=LatencyTargets(
+            ttft_ms=body.ttft_slo_ms,
+            tpot_ms=body.tpot_slo_ms,
+            max_queue_wait_ms=body.max_queue_wait_ms,
+        ),
         traceparent=traceparent,
         session_id=session_id,
         model=model,

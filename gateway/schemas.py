@@ -104,6 +104,14 @@ class _SamplingFields(BaseModel):
         description="This request's time-to-first-token target in ms, for where its prompt is "
         "computed (adaptive placement); default: the coordinator's --ttft-slo-ms.",
     )
+    max_queue_wait_ms: float | None = Field(
+        None,
+        gt=0.0,
+        allow_inf_nan=False,
+        description="The longest this request may wait for admission; one predicted to wait "
+        "longer, or that waited that long, gets 429 with Retry-After. Default: the "
+        "coordinator's --max-queue-wait.",
+    )
     tpot_slo_ms: float | None = Field(
         None,
         gt=0.0,

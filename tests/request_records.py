@@ -54,9 +54,11 @@ def admit(
     tenant: str = "",
     priority: int = 0,
     ttft_deadline: float | None = None,
+    max_queue_wait_s: float | None = None,
 ) -> Coroutine[None, None, None]:
     """``admission.admit`` for a request of ``tenant`` whose first token is due at
-    ``ttft_deadline`` on the admission's clock (None: never late)."""
+    ``ttft_deadline`` on the admission's clock (None: never late) and that may wait
+    ``max_queue_wait_s`` (None: the admission's bound)."""
     slo = NEVER_LATE if ttft_deadline is None else Slo(ttft_s=ttft_deadline, tpot_s=math.inf)
     request = RequestRecord(
         request_id=request_id,
@@ -66,5 +68,6 @@ def admit(
         slo=slo,
         caller=Caller(tenant=tenant, key_digest=""),
         priority=priority,
+        max_queue_wait_s=max_queue_wait_s,
     )
     return admission.admit(request, demand)

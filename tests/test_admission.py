@@ -134,6 +134,28 @@ def test_a_request_predicted_to_wait_too_long_is_refused_at_once_with_that_hint(
     run(scenario())
 
 
+def test_a_request_that_bounds_its_own_wait_is_refused_by_that_bound() -> None:
+    """``max_queue_wait_ms`` (a request's own bound): refused at once when its predicted wait
+    is longer, and refused once it waited that long (no backstop factor: the caller said it
+    will not wait longer); a request without one keeps the coordinator's bound."""
+    gate, _ = admission(capacity=64, max_queue_wait_s=30.0, prior_tpot_s=0.001)
+
+    async def scenario() -> None:
+        await admit(gate, "running", demand(16, 48))  # 64 of 64; predicted to end in 0.05 s
+        with pytest.raises(OverloadedError, match="beyond the 0.01 s it may wait"):
+            await admit(gate, "hurried", demand(8, 8), max_queue_wait_s=0.01)
+        assert gate.refusals["predicted_wait"] == 1
+        bounded = await started(admit(gate, "bounded", demand(8, 8), max_queue_wait_s=0.2))
+        patient = await started(admit(gate, "patient", demand(8, 8)))
+        with pytest.raises(OverloadedError, match="waited 0.2 s"):
+            await bounded  # "running" never ends: 0.2 s, not 4 x 0.2
+        assert gate.refusals["waited_out"] == 1 and not patient.done()
+        gate.release("running")
+        await patient  # the coordinator's 30 s bound: still waiting, now admitted
+
+    run(scenario())
+
+
 def test_the_queue_is_bounded_by_requests_and_by_prompt_tokens() -> None:
     gate, _ = admission(capacity=64, max_queued_requests=2, max_queued_prompt_tokens=100)
 

@@ -185,7 +185,7 @@ def test_nulls_defaults_and_vllm_extensions(served: Served, sdk: openai.OpenAI) 
         prompt="Hello",
         max_tokens=4,
         temperature=0,
-        extra_body={"ttft_slo_ms": 500, "tpot_slo_ms": 40.5},
+        extra_body={"ttft_slo_ms": 500, "tpot_slo_ms": 40.5, "max_queue_wait_ms": 5000},
     )
     assert targeted.usage.completion_tokens == 4
     seeded = [
@@ -239,6 +239,7 @@ def test_bad_requests_get_openai_errors(served: Served, sdk: openai.OpenAI) -> N
             ("logit_bias", {str(10**6): 1.0}),  # beyond the vocabulary
             ("ttft_slo_ms", 0),
             ("tpot_slo_ms", -20),
+            ("max_queue_wait_ms", 0),
             ("priority", -1),  # vLLM's order: earlier than the default tenant may ask
         )
         for field, value in refused:
