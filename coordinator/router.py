@@ -450,31 +450,11 @@ class Router:
         """Where ``request``'s prompt (its block ``hashes``; a first attempt's: nothing
         streamed yet) runs for it decoding on ``decode``, among the prefill ``candidates``
         and ``decode`` itself (``place``), against its targets counted from its arrival. A
-        candidate that
-        decodes too (a dual-role worker: a decode member at its address) is seen with its
-        decode batch."""
+        candidate that decodes too (a dual-role worker: a decode member at its address) is
+        seen with its decode batch."""
         num_prompt_tokens = len(request.prompt_token_ids)
-        decoding_at = (
-            {w.address for w in self.registry.workers(Role.DECODE)} if candidates else set()
-        )
         decode_cached = self._decode_cached_tokens(decode, hashes, num_prompt_tokens)
-        prefills = []
-        for w in candidates:
-            own = self._held_blocks(w.worker_id, hashes, self._prefix) * w.block_size
-            pulled = self._pulled_tokens(w, own, decode_cached)
-            prefills.append(
-                PrefillView(
-                    worker_id=w.worker_id,
-                    cost=w.load.step_cost,
-                    queued_tokens=self._queued_prefill_tokens(w),
-                    cached_tokens=own + pulled,
-                    pulled_tokens=pulled,
-                    batch_requests=w.load.num_running_requests if w.address in decoding_at else 0,
-                    batch_tokens=w.load.num_running_tokens if w.address in decoding_at else 0,
-                    chunk_tokens=w.load.chunk_tokens,
-                    prefill_share=w.load.prefill_share,
-                )
-            )
+        prefills = self._prefill_views(candidates, hashes, decode_cached)
         decoding = self._pending[decode.worker_id].decoding
         if self.config.mode is not PlacementMode.ADAPTIVE:  # only adaptive guards them
             decoding = {}
@@ -500,6 +480,37 @@ class Router:
             config,
             waited_s,
         )
+
+    def _prefill_views(
+        self,
+        candidates: Sequence[WorkerRecord],
+        hashes: Sequence[BlockHash],
+        decode_cached: int,
+    ) -> list[PrefillView]:
+        """Each prefill candidate as placement sees it: its queue, what of the prompt it
+        holds or would pull from the decode worker (which holds ``decode_cached`` tokens),
+        and, for one that decodes too, its decode batch."""
+        decoding_at = (
+            {w.address for w in self.registry.workers(Role.DECODE)} if candidates else set()
+        )
+        prefills = []
+        for w in candidates:
+            own = self._held_blocks(w.worker_id, hashes, self._prefix) * w.block_size
+            pulled = self._pulled_tokens(w, own, decode_cached)
+            prefills.append(
+                PrefillView(
+                    worker_id=w.worker_id,
+                    cost=w.load.step_cost,
+                    queued_tokens=self._queued_prefill_tokens(w),
+                    cached_tokens=own + pulled,
+                    pulled_tokens=pulled,
+                    batch_requests=w.load.num_running_requests if w.address in decoding_at else 0,
+                    batch_tokens=w.load.num_running_tokens if w.address in decoding_at else 0,
+                    chunk_tokens=w.load.chunk_tokens,
+                    prefill_share=w.load.prefill_share,
+                )
+            )
+        return prefills
 
     @staticmethod
     def _pulled_tokens(prefill: WorkerRecord, own_cached: int, decode_cached: int) -> int:

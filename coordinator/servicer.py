@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry
 from splitserve.common.api_keys import ApiKeys, Caller
 from splitserve.common.errors import InvalidRequestError, SplitserveError
 from splitserve.common.membership import Role
+from splitserve.common.metrics import RequestTimer
 from splitserve.common.output_processor import StreamChunk
 from splitserve.common.prompt import Prompt, check_in_vocab
 from splitserve.coordinator.flow import RequestFlow
@@ -127,27 +128,14 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         relayed inline, as its decode stream's messages arrive (``Coordinator.generate``), in
         the same order as the rest. ``admitted``: called when admission lets the request in
         (``Outlet.admitted``: the gateway counts what still waits)."""
-        timer = self._metrics.requests.start()
-        sent_any = False
-
-        def respond(
-            flow: RequestFlow, chunk: StreamChunk, new: Callable[[], GenerateResponse]
-        ) -> None:
-            nonlocal sent_any
-            timer.tokens(len(chunk.new_token_ids))
-            if chunk.finish_reason is not None:
-                num_prompt_tokens = len(flow.prompt_token_ids)
-                timer.finish(
-                    chunk.finish_reason.value, num_prompt_tokens, flow.num_completion_tokens
-                )
-            public_id = request.request_id or flow.request_id
-            sent_any = self._fill_responses(new, public_id, flow, chunk) or sent_any
-
+        responder = _Responder(
+            self._fill_responses, self._metrics.requests.start(), request.request_id
+        )
         inline = None
         if fill is not None:
 
             def inline(flow: RequestFlow, chunk: StreamChunk) -> None:
-                respond(flow, chunk, fill)
+                responder.respond(flow, chunk, fill)
 
         made: list[GenerateResponse] = []
 
@@ -163,15 +151,15 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             async with contextlib.aclosing(stream):
                 async for flow, chunk in stream:
                     if fill is not None:
-                        respond(flow, chunk, fill)
+                        responder.respond(flow, chunk, fill)
                         continue
-                    respond(flow, chunk, new_response)
+                    responder.respond(flow, chunk, new_response)
                     for response in made:
                         await send(response)
                     made.clear()
         except SplitserveError as error:  # worker failures arrive as domain errors
-            timer.finish("error")
-            if not sent_any:
+            responder.timer.finish("error")
+            if not responder.sent_any:
                 raise
             code, message, param = status_of(error)
             await send(
@@ -181,7 +169,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 ),
             )
         finally:
-            timer.finish("abort")  # no-op unless the caller cancelled (or stalled)
+            responder.timer.finish("abort")  # no-op unless the caller cancelled (or stalled)
 
     async def _send(self, context: grpc.aio.ServicerContext, response: GenerateResponse) -> None:
         try:
@@ -285,6 +273,37 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             eos_token_ids=[] if eos is None else [eos],
             dtype=decode[0].dtype if decode else "",
         )
+
+
+ResponseFiller = Callable[[Callable[[], GenerateResponse], str, RequestFlow, StreamChunk], bool]
+"""``CoordinatorServicer._fill_responses``: makes a chunk's responses; False: none made."""
+
+
+class _Responder:
+    """One request's responses as ``run_stream`` makes them: counts its tokens and its end
+    in the request metrics, and whether any response was made (``sent_any``: then a later
+    failure is an in-stream error, not the call's status)."""
+
+    def __init__(self, fill: ResponseFiller, timer: RequestTimer, request_id: str) -> None:
+        self._fill = fill
+        self._request_id = request_id
+        """The caller's id for the request ("": the flow's is shown)."""
+        self.timer = timer
+        self.sent_any = False
+
+    def respond(
+        self, flow: RequestFlow, chunk: StreamChunk, new: Callable[[], GenerateResponse]
+    ) -> None:
+        """Make ``chunk``'s responses, each in a message from ``new()``."""
+        self.timer.tokens(len(chunk.new_token_ids))
+        if chunk.finish_reason is not None:
+            num_prompt_tokens = len(flow.prompt_token_ids)
+            self.timer.finish(
+                chunk.finish_reason.value, num_prompt_tokens, flow.num_completion_tokens
+            )
+        public_id = self._request_id or flow.request_id
+        made = self._fill(new, public_id, flow, chunk)
+        self.sent_any = made or self.sent_any
 
 
 def ask_from_proto(request: coordinator_pb2.GenerateRequest) -> RequestAsk:

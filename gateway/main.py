@@ -26,7 +26,7 @@ from pathlib import Path
 import uvicorn
 import uvloop
 
-from splitserve.common.api_keys import api_keys_or_exit
+from splitserve.common.api_keys import ApiKeys, api_keys_or_exit
 from splitserve.common.cpu_affinity import pin_or_exit
 from splitserve.common.env_flags import comma_separated, env_name
 from splitserve.common.gc_tuning import tune_gc_for_serving
@@ -34,9 +34,9 @@ from splitserve.common.orphan import stop_when_orphaned
 from splitserve.common.settings import add_settings_args, settings_or_exit
 from splitserve.common.tracing import configure_tracing, shutdown_tracing
 from splitserve.gateway.app import GatewayConfig, create_app
-from splitserve.gateway.listeners import shared_port_listeners
+from splitserve.gateway.listeners import Listeners, shared_port_listeners
 from splitserve.gateway.settings import DEFAULT_COORDINATOR, GatewaySettings
-from splitserve.proto.tls import tls_or_exit
+from splitserve.proto.tls import TlsConfig, tls_or_exit
 
 LISTEN_BACKLOG = 65535
 """Connections the kernel holds for the gateway before it accepts them; Linux caps it at
@@ -93,6 +93,37 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s gateway %(levelname)s %(message)s")
     warn_if_backlog_capped()
     configure_tracing("gateway", settings.tracing.otlp_traces_endpoint)
+    server = _server(settings, _config_of(parser, settings, keys, tls), tls)
+    listeners = None
+    if settings.reuse_port:
+        try:
+            listeners = shared_port_listeners(settings.host, settings.port, LISTEN_BACKLOG)
+        except OSError as error:
+            parser.exit(1, f"splitserve gateway: cannot listen on port {settings.port}: {error}\n")
+    # uvicorn drains on SIGINT / SIGTERM and then raises the signal again under the handlers
+    # it found installed: with these, a drained gateway returns (status 0) instead of dying of it.
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, _after_drain)
+    stop_when_orphaned()  # up died: SIGTERM ourselves, which uvicorn drains on
+    try:
+        uvloop.run(_serve(server, settings, listeners, _serves_tls(tls)))
+    finally:
+        shutdown_tracing()
+    return 0 if server.started else 1
+
+
+def _serves_tls(tls: TlsConfig | None) -> bool:
+    return tls is not None and tls.can_serve
+
+
+def _config_of(
+    parser: argparse.ArgumentParser,
+    settings: GatewaySettings,
+    keys: ApiKeys,
+    tls: TlsConfig | None,
+) -> GatewayConfig:
+    """The app's config from the settings; a usage error (exit 2) for model names in front
+    of several models."""
     names = tuple(comma_separated(settings.served_model_name))
     targets = coordinator_targets(settings.coordinator)
     if names and len(targets) > 1:
@@ -100,7 +131,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "--served-model-name needs a single --coordinator: in front of several models, "
             "names are the coordinators' (their --served-model-name)"
         )
-    config = GatewayConfig(
+    return GatewayConfig(
         coordinators=targets,
         served_model_names=names,
         request_timeout_s=settings.request_timeout,
@@ -111,8 +142,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         relay=settings.relay,
         client_stall_timeout_s=settings.client_stall_timeout,
     )
-    serves_tls = tls is not None and tls.can_serve
-    server = uvicorn.Server(
+
+
+def _server(
+    settings: GatewaySettings, config: GatewayConfig, tls: TlsConfig | None
+) -> uvicorn.Server:
+    """The uvicorn server of the app (HTTPS where the TLS files can serve)."""
+    serves_tls = _serves_tls(tls)
+    return uvicorn.Server(
         uvicorn.Config(
             create_app(config),
             host=settings.host,
@@ -122,45 +159,35 @@ def main(argv: Sequence[str] | None = None) -> int:
             log_level=settings.log_level,
             timeout_graceful_shutdown=settings.drain_timeout,
             backlog=LISTEN_BACKLOG,
-            ssl_certfile=tls.files.cert if serves_tls else None,
-            ssl_keyfile=tls.files.key if serves_tls else None,
+            ssl_certfile=tls.files.cert if tls is not None and serves_tls else None,
+            ssl_keyfile=tls.files.key if tls is not None and serves_tls else None,
         )
     )
 
-    listeners = None
-    if settings.reuse_port:
-        try:
-            listeners = shared_port_listeners(settings.host, settings.port, LISTEN_BACKLOG)
-        except OSError as error:
-            parser.exit(1, f"splitserve gateway: cannot listen on port {settings.port}: {error}\n")
 
-    async def serve() -> None:
-        sockets = None if listeners is None else listeners.sockets
-        task = asyncio.create_task(server.serve(sockets=sockets))
-        while not server.started:
-            if task.done():
-                await task  # startup failed (port taken): raises or returns
-                return
-            await asyncio.sleep(0.05)
-        port = server.servers[0].sockets[0].getsockname()[1]
-        scheme = "https" if serves_tls else "http"
-        if listeners is not None:  # before the ready line, which launchers wait for
-            own = f"{scheme}://{settings.host}:{listeners.instance_port}"
-            print(f"splitserve gateway instance at {own}", flush=True)
-        tune_gc_for_serving()
-        print(f"splitserve gateway ready at {scheme}://{settings.host}:{port}", flush=True)
-        await task
-
-    # uvicorn drains on SIGINT / SIGTERM and then raises the signal again under the handlers
-    # it found installed: with these, a drained gateway returns (status 0) instead of dying of it.
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, _after_drain)
-    stop_when_orphaned()  # up died: SIGTERM ourselves, which uvicorn drains on
-    try:
-        uvloop.run(serve())
-    finally:
-        shutdown_tracing()
-    return 0 if server.started else 1
+async def _serve(
+    server: uvicorn.Server,
+    settings: GatewaySettings,
+    listeners: Listeners | None,
+    serves_tls: bool,
+) -> None:
+    """Serve until uvicorn's drain ends; print the ready line once listening (and, on a
+    shared port, this instance's own address before it)."""
+    sockets = None if listeners is None else listeners.sockets
+    task = asyncio.create_task(server.serve(sockets=sockets))
+    while not server.started:
+        if task.done():
+            await task  # startup failed (port taken): raises or returns
+            return
+        await asyncio.sleep(0.05)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    scheme = "https" if serves_tls else "http"
+    if listeners is not None:  # before the ready line, which launchers wait for
+        own = f"{scheme}://{settings.host}:{listeners.instance_port}"
+        print(f"splitserve gateway instance at {own}", flush=True)
+    tune_gc_for_serving()
+    print(f"splitserve gateway ready at {scheme}://{settings.host}:{port}", flush=True)
+    await task
 
 
 def _after_drain(signum: int, frame: object) -> None:

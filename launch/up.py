@@ -199,26 +199,10 @@ async def _start_all(
         wait_for_members(internals, members, READY_TIMEOUT_S, credential, tls), stop
     )
     address = ",".join(publics)
-    extra_publics = []
-    for index, model in enumerate(args.extra_model):
-        coordinator_args, worker_of = extra_model_argvs(args, index, worker_args)
-        coordinator = children.start(f"model{index + 1}-coordinator", coordinator_args)
-        extra_publics.append(await children.wait_ready(coordinator, stop, PUBLIC_READY))
-        extra_internal = coordinator.process.announcements()[INTERNAL_READY]
-        coordinator.pin("--port", _port_of(extra_publics[-1]))
-        coordinator.pin("--internal-port", _port_of(extra_internal))
-        name, argv = worker_of(extra_internal)
-        await children.wait_ready(children.start(name, argv), stop)
-        await wait_for_health(extra_publics[-1], READY_TIMEOUT_S, tls=tls)
-        await children.guard(
-            wait_for_members(
-                [extra_internal], member_ids([argv]), READY_TIMEOUT_S, credential, tls
-            ),
-            stop,
-        )
-        say(f"splitserve up: model {index + 1} is {model}")
-        say(f"splitserve model {index + 1} internal ready at {extra_internal}")
-        say(f"splitserve model {index + 1} ready at {extra_publics[-1]}")  # its coordinator
+    extra_publics = [
+        await _start_extra_model(children, args, index, worker_args, stop, credential, tls)
+        for index in range(len(args.extra_model))
+    ]
     if not args.no_gateway:
         port: int | str = args.http_port
         for index in range(args.gateways):  # the first binds the port (0: any), the rest share it
@@ -227,6 +211,36 @@ async def _start_all(
             port = _port_of(await children.wait_ready(gateway, stop))
             gateway.pin("--port", port)
     return address, internals[0]
+
+
+async def _start_extra_model(
+    children: Supervisor,
+    args: argparse.Namespace,
+    index: int,
+    worker_args: list[str],
+    stop: asyncio.Event,
+    credential: ClusterCredential,
+    tls: TlsConfig | None,
+) -> str:
+    """Start ``--extra-model`` number ``index``'s coordinator and dual-role worker, each once
+    the previous is ready; its coordinator's public address once it routes to the worker."""
+    coordinator_args, worker_of = extra_model_argvs(args, index, worker_args)
+    coordinator = children.start(f"model{index + 1}-coordinator", coordinator_args)
+    public = await children.wait_ready(coordinator, stop, PUBLIC_READY)
+    internal = coordinator.process.announcements()[INTERNAL_READY]
+    coordinator.pin("--port", _port_of(public))
+    coordinator.pin("--internal-port", _port_of(internal))
+    name, argv = worker_of(internal)
+    await children.wait_ready(children.start(name, argv), stop)
+    await wait_for_health(public, READY_TIMEOUT_S, tls=tls)
+    members = member_ids([argv])
+    await children.guard(
+        wait_for_members([internal], members, READY_TIMEOUT_S, credential, tls), stop
+    )
+    say(f"splitserve up: model {index + 1} is {args.extra_model[index]}")
+    say(f"splitserve model {index + 1} internal ready at {internal}")
+    say(f"splitserve model {index + 1} ready at {public}")  # its coordinator
+    return public
 
 
 def _port_of(address: str) -> str:
