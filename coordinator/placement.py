@@ -296,50 +296,30 @@ def delays_a_running_request_past_target(
     return False
 
 
-def place(
+def _with_prefill_model(decode_cost: StepCost, known: Sequence[PrefillView]) -> StepCost:
+    """The decode worker's step-time model; one that never prefilled is assumed to compute
+    prompts at the speed of the prefill worker with the most prefill steps learned."""
+    if decode_cost.knows_prefill:
+        return decode_cost
+    lender = max(known, key=lambda p: p.cost.prefill_steps).cost
+    return dataclasses.replace(
+        decode_cost,
+        prefill_base_s=lender.prefill_base_s,
+        per_prefill_token_s=lender.per_prefill_token_s,
+    )
+
+
+def _remote_ttfts(
+    known: Sequence[PrefillView],
     num_prompt_tokens: int,
     max_tokens: int,
-    decode: DecodeView,
-    prefills: Sequence[PrefillView],
+    first_step_s: float,
     slo: Slo,
-    mode: PlacementMode,
-    config: PlacementConfig,
-    waited_s: float = 0.0,
-) -> Placement:
-    """See the module docstring. ``prefills``: compatible candidates (may be empty);
-    ``waited_s``: seconds since the request arrived. Predictions in the result count from
-    now (the attempt's start)."""
-    if not prefills:
-        return Placement(None, Reason.NO_PREFILL_WORKER)
-    by_queue = min(prefills, key=lambda p: p.queued_tokens + num_prompt_tokens - p.cached_tokens)
-    if mode is PlacementMode.LOCAL:
-        return Placement(None, Reason.FORCED)
-    if mode is PlacementMode.REMOTE:
-        return Placement(by_queue.worker_id, Reason.FORCED)
-    if num_prompt_tokens - decode.cached_tokens <= config.local_prefill_max_tokens:
-        # what the decode worker would compute (a prompt a prefill worker has cached is
-        # cheapest there, but one the decode worker holds most of is cheaper still)
-        return Placement(None, Reason.SHORT_PROMPT)
-    if mode is PlacementMode.RULE:
-        return Placement(by_queue.worker_id, Reason.RULE)
-    known = [p for p in prefills if p.cost.knows_prefill]
-    if not known or not decode.cost.knows_decode:
-        return Placement(by_queue.worker_id, Reason.NO_MODEL)
-    decode_cost = decode.cost
-    if not decode_cost.knows_prefill:  # it never prefilled: assume a prefill worker's speed
-        lender = max(known, key=lambda p: p.cost.prefill_steps).cost
-        decode_cost = dataclasses.replace(
-            decode_cost,
-            prefill_base_s=lender.prefill_base_s,
-            per_prefill_token_s=lender.per_prefill_token_s,
-        )
-
-    batch_step_s = decode_cost.decode_step_s(
-        decode.running_requests + 1, decode.running_tokens + num_prompt_tokens
-    )
-    chunk = max(decode.chunk_tokens, 1)
-    # a remote prompt's first token waits for the decode worker's step in progress
-    first_step_s = batch_step_s + decode_cost.prefill_s(min(decode.queued_tokens, chunk))
+) -> dict[str, float]:
+    """The predicted TTFT on each prefill worker whose model is ``known``: its queue and this
+    prompt's uncached tokens, then the decode worker's ``first_step_s``; a worker that
+    decodes too adds its own decode steps, and is left out when its batch would then miss
+    the TPOT target, unless every one would."""
     remote_ttft, remote_tpot = {}, {}
     for p in known:
         uncached = p.queued_tokens + num_prompt_tokens - p.cached_tokens
@@ -355,14 +335,85 @@ def place(
     within_tpot = [w for w in remote_ttft if remote_tpot.get(w, 0.0) <= slo.tpot_s]
     if within_tpot and len(within_tpot) < len(remote_ttft):
         remote_ttft = {w: remote_ttft[w] for w in within_tpot}
-    best_remote = min(remote_ttft, key=remote_ttft.__getitem__)
-    local_uncached = num_prompt_tokens - decode.cached_tokens
-    local_tokens = decode.queued_tokens + local_uncached
+    return remote_ttft
+
+
+def _local_prediction(
+    decode: DecodeView,
+    decode_cost: StepCost,
+    uncached: int,
+    max_tokens: int,
+    batch_step_s: float,
+) -> tuple[float, float]:
+    """(TTFT, TPOT) predicted for the prompt computed on the decode worker: its queue and
+    the ``uncached`` tokens in chunks riding its decode steps; its batch's steady TPOT plus
+    the prompt's time spread over the request's output."""
+    local_tokens = decode.queued_tokens + uncached
     local_prefill_s = decode_cost.prefill_s(local_tokens)
-    steps = math.ceil(local_tokens / chunk)
+    steps = math.ceil(local_tokens / max(decode.chunk_tokens, 1))
     local_ttft = local_prefill_s + steps * batch_step_s
     local_tpot = steady_tpot_s(batch_step_s, decode.prefill_share) + (
         local_prefill_s / max(max_tokens, 1)
+    )
+    return local_ttft, local_tpot
+
+
+def _by_rule(
+    num_prompt_tokens: int,
+    decode: DecodeView,
+    prefills: Sequence[PrefillView],
+    mode: PlacementMode,
+    config: PlacementConfig,
+) -> Placement | None:
+    """The placement that needs no prediction (no prefill worker, a forced mode, a short
+    prompt, the rule, a step-time model not learned yet); None: adaptive decides."""
+    if not prefills:
+        return Placement(None, Reason.NO_PREFILL_WORKER)
+    by_queue = min(prefills, key=lambda p: p.queued_tokens + num_prompt_tokens - p.cached_tokens)
+    if mode is PlacementMode.LOCAL:
+        return Placement(None, Reason.FORCED)
+    if mode is PlacementMode.REMOTE:
+        return Placement(by_queue.worker_id, Reason.FORCED)
+    if num_prompt_tokens - decode.cached_tokens <= config.local_prefill_max_tokens:
+        # what the decode worker would compute (a prompt a prefill worker has cached is
+        # cheapest there, but one the decode worker holds most of is cheaper still)
+        return Placement(None, Reason.SHORT_PROMPT)
+    if mode is PlacementMode.RULE:
+        return Placement(by_queue.worker_id, Reason.RULE)
+    if not any(p.cost.knows_prefill for p in prefills) or not decode.cost.knows_decode:
+        return Placement(by_queue.worker_id, Reason.NO_MODEL)
+    return None
+
+
+def place(
+    num_prompt_tokens: int,
+    max_tokens: int,
+    decode: DecodeView,
+    prefills: Sequence[PrefillView],
+    slo: Slo,
+    mode: PlacementMode,
+    config: PlacementConfig,
+    waited_s: float = 0.0,
+) -> Placement:
+    """See the module docstring. ``prefills``: compatible candidates (may be empty);
+    ``waited_s``: seconds since the request arrived. Predictions in the result count from
+    now (the attempt's start)."""
+    ruled = _by_rule(num_prompt_tokens, decode, prefills, mode, config)
+    if ruled is not None:
+        return ruled
+    known = [p for p in prefills if p.cost.knows_prefill]
+    decode_cost = _with_prefill_model(decode.cost, known)
+    batch_step_s = decode_cost.decode_step_s(
+        decode.running_requests + 1, decode.running_tokens + num_prompt_tokens
+    )
+    # a remote prompt's first token waits for the decode worker's step in progress
+    chunk = max(decode.chunk_tokens, 1)
+    first_step_s = batch_step_s + decode_cost.prefill_s(min(decode.queued_tokens, chunk))
+    remote_ttft = _remote_ttfts(known, num_prompt_tokens, max_tokens, first_step_s, slo)
+    best_remote = min(remote_ttft, key=remote_ttft.__getitem__)
+    local_uncached = num_prompt_tokens - decode.cached_tokens
+    local_ttft, local_tpot = _local_prediction(
+        decode, decode_cost, local_uncached, max_tokens, batch_step_s
     )
     remote = Placement(best_remote, Reason.REMOTE_WITHIN_SLO, remote_ttft[best_remote], local_tpot)
     # what a prefill worker would compute from its own cache: pulling costs a transfer both
