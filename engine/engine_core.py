@@ -94,6 +94,7 @@ class EngineCore:
             vocab_size=self.model_config.vocab_size,
             max_model_len=self.max_model_len,
             num_blocks=self.num_blocks,
+            kv_link=self.runner.link_model() if isinstance(self.runner, SimulatedRunner) else None,
         )
         self.paged_kv = PagedKv(self.runner)
         """The KV cache for KV transfer (``engine_face.py``: its threading contract)."""
@@ -171,6 +172,7 @@ class EngineCore:
             "threads": torch.get_num_threads(),
             "cpu": cpu_name(),
             "engine": runner.engine,
+            "kv_bytes_per_token": self.model_config.kv_bytes_per_token(self.dtype.itemsize),
         }
         return StepLog(runner.record_steps, header)
 

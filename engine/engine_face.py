@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from splitserve.engine.kv_blocks import KvBlockStore
+from splitserve.transfer.paced import LinkModel
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,10 @@ class EngineFacts:
     """Tokens one sequence may hold (prompt and output)."""
     num_blocks: int
     """KV blocks in the pool."""
+    kv_link: LinkModel | None = None
+    """A simulated engine's: the link its KV transfers are paced on, so they take what the
+    real model's KV takes (``transfer/paced.py``); None: a real engine, or a profile
+    without measured transfer figures."""
 
 
 @dataclass(frozen=True)

@@ -59,6 +59,10 @@ class ModelArchConfig:
     eos_token_ids: tuple[int, ...] = ()
     """Every id that ends generation unless ``ignore_eos``."""
 
+    def kv_bytes_per_token(self, element_bytes: int) -> int:
+        """The KV cache bytes one token takes, every layer, at ``element_bytes`` a value."""
+        return self.num_hidden_layers * 2 * self.num_key_value_heads * self.head_dim * element_bytes
+
     def __post_init__(self) -> None:
         positive = {
             "vocab_size": self.vocab_size,

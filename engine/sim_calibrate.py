@@ -144,6 +144,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "cpu": cpu_name(),
         "threads": args.threads,
         "dtype": str(core.dtype).removeprefix("torch."),
+        "kv_bytes_per_token": core.model_config.kv_bytes_per_token(core.dtype.itemsize),
     }
     return _write(args.out, records, f"cores {sorted(cores)}", header)
 
@@ -159,6 +160,7 @@ def _write(out: Path, records: Sequence[StepRecord], where: str, header: dict[st
         dtype=str(header["dtype"]),
         steps=len(records),
         mape=round(error, 4),
+        kv_bytes_per_token=int(str(header.get("kv_bytes_per_token", 0))),
     )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(profile.to_json(), encoding="utf-8")

@@ -27,6 +27,7 @@ from splitserve.common.errors import ModelLoadError
 from splitserve.common.step_cost import MIN_STEPS, StepCost, StepCostLearner, StepShape
 
 DEFAULT_PROFILE = Path(__file__).parent / "sim_profiles" / "default.json"
+PROFILE_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,27 @@ class SimProfile:
     """Real steps the coefficients were fitted on."""
     mape: float
     """Mean absolute percentage error of the model on held-out real steps (0.05 = 5%)."""
+    kv_bytes_per_token: int = 0
+    """The real model's KV cache bytes per token, every layer (0: not recorded)."""
+    transfer_gbps: float = 0.0
+    """Measured KV transfer bandwidth between two worker processes, Gbit/s (0: not
+    measured: a simulated transfer then takes what its stand-in bytes take)."""
+    transfer_latency_s: float = 0.0
+    """Measured one-way time of a small message between them."""
+    startup_s: float = 0.0
+    """Measured time from starting a worker process to its first token (0: not measured)."""
+    version: int = PROFILE_VERSION
+    """The file's format: 1 had the step-time model only; 2 adds the KV, transfer and
+    start-up figures (a version 1 file reads with them 0)."""
+
+    def transfer_s(self, num_tokens: int) -> float:
+        """The time a prompt of ``num_tokens`` tokens' KV takes over the measured link, all
+        layers (0 where the link was not measured)."""
+        if self.transfer_gbps <= 0:
+            return 0.0
+        return self.transfer_latency_s + num_tokens * self.kv_bytes_per_token * 8 / (
+            self.transfer_gbps * 1e9
+        )
 
     def step_s(self, shape: StepShape) -> float:
         """The seconds a real step of this shape takes, by the model."""
@@ -66,9 +88,15 @@ class SimProfile:
         try:
             raw = json.loads(text)
             cost = StepCost(**raw.pop("step_cost"))
+            raw.setdefault("version", 1)  # written before the version was recorded
             profile = cls(step_cost=cost, **raw)
         except (ValueError, TypeError, KeyError, AttributeError) as exc:
             raise ModelLoadError(f"{source} is not a simulation profile: {exc}") from exc
+        if profile.version > PROFILE_VERSION:
+            raise ModelLoadError(
+                f"{source} is a version {profile.version} profile; this splitserve reads "
+                f"up to version {PROFILE_VERSION}"
+            )
         if not (cost.knows_decode and cost.knows_prefill):
             raise ModelLoadError(f"{source}: a profile must be fitted on decode and prefill steps")
         return profile

@@ -40,6 +40,7 @@ from splitserve.engine.kv_blocks import KvBlockStore
 from splitserve.engine.model_runner import RunnerOutput
 from splitserve.engine.scheduler import ScheduledChunk, SchedulerOutput
 from splitserve.engine.sim_profile import SimProfile
+from splitserve.transfer.paced import LinkModel
 
 STAND_IN_HEAD_DIM = 2
 """Values per token, layer, K or V in a simulated engine's cache (one head, bf16: 4 bytes; a
@@ -98,6 +99,18 @@ class SimulatedRunner(KvBlockStore):
         self._clock = clock
         self.grammars: GrammarMatchers | None = None
         """Constrained requests' matchers (set by the engine, as for ``ModelRunner``)."""
+
+    def link_model(self) -> LinkModel | None:
+        """The link this engine's KV transfers are paced on: the profile's measured figures,
+        scaled from the stand-in's bytes a token to the real model's; None where the profile
+        carries none."""
+        profile = self.profile
+        if profile.transfer_gbps <= 0 or profile.kv_bytes_per_token <= 0:
+            return None
+        layers, _, _, _, heads, dim = self.kv_cache.shape
+        stand_in = layers * 2 * heads * dim * self.kv_cache.element_size()  # per token
+        scale = profile.kv_bytes_per_token / stand_in
+        return LinkModel(profile.transfer_gbps, profile.transfer_latency_s, scale)
 
     def execute(
         self,

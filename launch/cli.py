@@ -35,6 +35,7 @@ ROLE_COMMANDS = {
     "up": "splitserve.launch.up",
     "probe": "splitserve.launch.probe",
     "top": "splitserve.launch.top",
+    "profile": "splitserve.launch.profile",
 }
 """Commands with their own flags (``splitserve <command> --help``): the serving roles, each a
 process, ``up`` (all of them on localhost), ``probe`` (one health check) and ``top`` (a live
@@ -44,6 +45,7 @@ COMMAND_HELP = {
     "up": "run every role on localhost",
     "probe": "one gRPC health check, for exec probes",
     "top": "a live view of a cluster's workers and traffic, from a coordinator",
+    "profile": "measure a worker on this machine (step times, KV link, start-up) into a profile",
 }
 
 

@@ -140,6 +140,11 @@ class UcxTransport(KvTransport):
     def address(self) -> bytes:
         return self._address
 
+    @property
+    def active_transports(self) -> str:
+        """The UCX transports this process's context uses (for the record)."""
+        return str(self._ucxx.get_active_transports())
+
     async def connect(self, address: bytes) -> KvEndpoint:
         lock = self._connecting.setdefault(address, asyncio.Lock())
         async with lock:

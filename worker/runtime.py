@@ -50,6 +50,7 @@ from splitserve.engine.step_threads import BorrowedCores, StepThreads
 from splitserve.proto.cluster_access import ClusterAccess, access_or_exit
 from splitserve.proto.etcd_client import EtcdClient
 from splitserve.proto.server import RoleServer, serve_forever, start_server
+from splitserve.transfer.paced import PacedTransport
 from splitserve.transfer.transport import KvTransport
 from splitserve.transfer.ucx import UcxTransport
 from splitserve.worker.identity import WorkerIdentity
@@ -161,8 +162,10 @@ async def run_worker(
     owns_transport = transport is None
     if transport is None:
         transport = UcxTransport(ucx_settings_of(args))
+    link = engine.facts.kv_link  # a simulated engine's: its KV takes the real model's time
+    kv_transport = transport if link is None else PacedTransport(transport, link)
     domains = [
-        role.make_domain(engine, transport, identity, transfer_settings_of(args))
+        role.make_domain(engine, kv_transport, identity, transfer_settings_of(args))
         for role, identity in zip(roles, identities, strict=True)
     ]
     await _warm_up(engine)
