@@ -101,293 +101,48 @@ import asyncio
 import contextlib
 import ctypes
 import datetime
-import functools
 import json
 import math
 import multiprocessing
 import os
-import platform
 import statistics
 import sys
 import time
-import zlib
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from multiprocessing.connection import Connection
 from pathlib import Path
 
 import torch
 import ucxx
+from kv_transfer_peer import (
+    CHECK_CHUNK_BYTES,
+    CONTROL_TIMEOUT_S,
+    ChildOptions,
+    chunk_crc32,
+    crc32,
+    init_cuda,
+    monotonic,
+    receiver_main,
+    recv_within,
+    synchronize,
+)
+from kv_transfer_report import bandwidth, machine_info, table, write_report
+from kv_transfer_workloads import UcxConfig, Workload, ucx_configs, workloads
 from timing_stats import Json, machine_busy_fraction, wait_for_quiet
 
-from splitserve.engine.host_memory import empty_huge_pages, zeros_huge_pages
-from splitserve.transfer import ucx as ucx_module
-from splitserve.transfer.layer_channel import LayerReceiver, LayerSender
-from splitserve.transfer.plan import TransferPlan, new_transfer_secret
+from splitserve.engine.host_memory import empty_huge_pages
+from splitserve.transfer.layer_channel import LayerSender
+from splitserve.transfer.plan import new_transfer_secret
 from splitserve.transfer.ucx import UcxSettings, UcxTransport
-from splitserve.worker.kv_io import receive_destinations
 
 DEVICES = ("cpu", "cuda")
-BLOCK_SIZE = 16
-FRAGMENTED_RUNS = 4
-
-SMOLLM2_LAYERS = 30
-SMOLLM2_HALF_BLOCK_BYTES = 16 * 3 * 64 * 2
-"""K (or V) bytes of one block of the default model in bf16: block_size x kv_heads x dim x 2."""
-PROMPT_TOKENS = (128, 1024, 4096)
-BIG_MESSAGE_BYTES = 64 << 20
-
-LLAMA8B_LAYERS = 32
-LLAMA8B_HALF_BLOCK_BYTES = 16 * 8 * 128 * 2
-"""K (or V) bytes of one Llama-3-8B block in bf16: 32 KiB."""
-GPU_PROMPT_TOKENS = (1024, 8192)
-GPU_BIG_MESSAGE_BYTES = 256 << 20
-"""One message of the cuda mode's big "layer" (it has a K and a V message of this size)."""
-
-CONTROL_TIMEOUT_S = 60.0
-"""Bound on every wait for the other process (a crashed child fails the bench, never hangs)."""
 TRANSFER_TIMEOUT_S = {"cpu": CONTROL_TIMEOUT_S, "cuda": 20.0}
 """Default bound on one transfer (``LayerSender.finish``, ``LayerReceiver.wait``)."""
 CONFIG_BUDGET_S = {"cpu": math.inf, "cuda": 30.0}
 """Default time after which a configuration starts no further workload."""
 DEFAULT_REPS = {"cpu": 7, "cuda": 5}
-CUDA_DEVICE_INDEX = 0
-CHECK_CHUNK_BYTES = 16 << 20
-"""cuda mode's byte check: one CRC32 per chunk of this many bytes."""
-CHILD_FAILED = "receiver failed"
-"""First item of the tuple a failing child sends before it exits (with the error's text)."""
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-
-
-@dataclass(frozen=True)
-class Workload:
-    """One transfer of ``num_layers`` layers into ``block_ids`` of a cache of ``uint8
-    [num_layers, 2, cache_blocks, half_block_bytes]``."""
-
-    name: str
-    num_layers: int
-    half_block_bytes: int
-    block_ids: tuple[int, ...]
-
-    @property
-    def cache_blocks(self) -> int:
-        return max(self.block_ids) + 1
-
-    @property
-    def layer_bytes(self) -> int:
-        return 2 * len(self.block_ids) * self.half_block_bytes
-
-    @property
-    def total_bytes(self) -> int:
-        return self.num_layers * self.layer_bytes
-
-    @property
-    def plan(self) -> TransferPlan:
-        return TransferPlan.for_destination(self.block_ids)
-
-    @property
-    def source_shape(self) -> tuple[int, int, int, int]:
-        """The sender's KV of the prompt: ``[layers, 2, blocks, half_block_bytes]``."""
-        return (self.num_layers, 2, len(self.block_ids), self.half_block_bytes)
-
-
-def fragmented(num_blocks: int, runs: int) -> tuple[int, ...]:
-    """``num_blocks`` ids in ``runs`` runs with a free block between runs, last run first."""
-    per_run = -(-num_blocks // runs)
-    starts = [run * (per_run + 1) for run in range(runs)]
-    chunks = [
-        list(range(start, start + min(per_run, num_blocks - run * per_run)))
-        for run, start in enumerate(starts)
-    ]
-    return tuple(block for chunk in reversed(chunks) for block in chunk)
-
-
-def prompt_workloads(
-    num_layers: int, half_block_bytes: int, prompt_tokens: Sequence[int]
-) -> list[Workload]:
-    """A model's KV of each prompt length, into consecutive blocks; the 1024-token one also in
-    ``FRAGMENTED_RUNS`` runs."""
-    work = []
-    for tokens in prompt_tokens:
-        blocks = -(-tokens // BLOCK_SIZE)
-        work.append(
-            Workload(f"prompt-{tokens}", num_layers, half_block_bytes, tuple(range(blocks)))
-        )
-        if tokens == 1024:
-            work.append(
-                Workload(
-                    f"prompt-{tokens}-{FRAGMENTED_RUNS}runs",
-                    num_layers,
-                    half_block_bytes,
-                    fragmented(blocks, FRAGMENTED_RUNS),
-                )
-            )
-    return work
-
-
-def workloads(device: str = "cpu") -> list[Workload]:
-    """cpu: the default model's KV of each prompt length, a fragmented one, and 64 MiB; cuda:
-    Llama-3-8B's KV of a 1024 and an 8192 token prompt, a fragmented one, and 2 x 256 MiB."""
-    if device == "cuda":
-        work = prompt_workloads(LLAMA8B_LAYERS, LLAMA8B_HALF_BLOCK_BYTES, GPU_PROMPT_TOKENS)
-        return [*work, Workload("layer-2x256MiB", 1, GPU_BIG_MESSAGE_BYTES, (0,))]
-    work = prompt_workloads(SMOLLM2_LAYERS, SMOLLM2_HALF_BLOCK_BYTES, PROMPT_TOKENS)
-    return [*work, Workload("message-64MiB", 1, BIG_MESSAGE_BYTES // 2, (0,))]
-
-
-@dataclass(frozen=True)
-class UcxConfig:
-    name: str
-    settings: UcxSettings
-
-
-def ucx_configs(skip_tcp: bool, device: str = "cpu") -> list[UcxConfig]:
-    if device == "cuda":
-        configs = [
-            UcxConfig("ucx default tls", UcxSettings()),
-            UcxConfig(
-                "ucx tls=cuda_ipc,cuda_copy,sm,self",
-                UcxSettings(tls="cuda_ipc,cuda_copy,sm,self"),
-            ),
-        ]
-        if not skip_tcp:
-            configs.append(UcxConfig("ucx tls=cuda_copy,tcp", UcxSettings(tls="cuda_copy,tcp")))
-        return configs
-    configs = [
-        UcxConfig("ucx error_handling=off", UcxSettings()),
-        UcxConfig("ucx error_handling=on", UcxSettings(error_handling=True)),
-    ]
-    if not skip_tcp:
-        configs.append(UcxConfig("ucx tls=tcp", UcxSettings(tls="tcp")))
-    return configs
-
-
-@dataclass(frozen=True)
-class ChildOptions:
-    """What the receiver child needs besides its UCX configuration."""
-
-    device: str
-    threads: int
-    transfer_timeout_s: float
-
-
-def monotonic() -> float:
-    """The system-wide monotonic clock, comparable between processes of this machine."""
-    return time.clock_gettime(time.CLOCK_MONOTONIC)
-
-
-def crc32(tensor: torch.Tensor) -> int:
-    return zlib.crc32(tensor.numpy().data)
-
-
-@functools.cache
-def _crc_pool() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="crc")
-
-
-def chunk_crc32(host: torch.Tensor) -> tuple[int, ...]:
-    """CRC32 of each ``CHECK_CHUNK_BYTES`` chunk of a contiguous host uint8 tensor's bytes, on
-    a few threads (zlib releases the GIL)."""
-    flat = host.reshape(-1).numpy()
-    chunks = [flat[i : i + CHECK_CHUNK_BYTES] for i in range(0, flat.size, CHECK_CHUNK_BYTES)]
-    return tuple(_crc_pool().map(zlib.crc32, chunks))
-
-
-def init_cuda() -> None:
-    """Make the primary CUDA context of GPU ``CUDA_DEVICE_INDEX`` current in this thread (UCX's
-    CUDA transports need one when ``ucxx.init`` creates the worker): idempotent."""
-    torch.cuda.init()
-    torch.cuda.set_device(CUDA_DEVICE_INDEX)
-    torch.empty(1, device="cuda").zero_()  # the first allocation creates the context
-    torch.cuda.synchronize()
-
-
-def synchronize(device: str) -> None:
-    """Wait for this process's pending CUDA work (UCX is not stream-ordered); no-op on cpu."""
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def recv_within(conn: Connection, timeout_s: float = CONTROL_TIMEOUT_S) -> object:
-    """The next control message from the other process; ``TimeoutError`` if none comes,
-    ``RuntimeError`` with its text if the child reports its failure, ``EOFError`` if it is
-    gone."""
-    if not conn.poll(timeout_s):
-        raise TimeoutError(f"no control message within {timeout_s:.0f}s")
-    try:
-        message = conn.recv()
-    except EOFError:
-        raise EOFError("the other process closed its pipe (it exited or died)") from None
-    if isinstance(message, tuple) and len(message) == 2 and message[0] == CHILD_FAILED:
-        raise RuntimeError(f"{CHILD_FAILED}: {message[1]}")
-    return message
-
-
-# ----------------------------------------------------------------------------- receiver (child)
-
-
-def receiver_main(conn: Connection, config: UcxConfig, options: ChildOptions) -> None:
-    """Child process entry: the decode side, serving transfers until told to stop. A failure
-    is sent to the parent (its text) before the child exits."""
-    torch.set_num_threads(options.threads)
-    try:
-        if options.device == "cuda":
-            init_cuda()  # before ucxx.init
-        asyncio.run(_serve_receives(conn, config, options))
-    except BaseException as error:
-        with contextlib.suppress(Exception):  # the parent may be gone already
-            conn.send((CHILD_FAILED, f"{type(error).__name__}: {error}"))
-        raise
-    finally:
-        conn.close()
-
-
-async def _serve_receives(conn: Connection, config: UcxConfig, options: ChildOptions) -> None:
-    transport = UcxTransport(config.settings)
-    caches: dict[Workload, torch.Tensor] = {}
-    host_copies: dict[Workload, torch.Tensor] = {}  # cuda: pinned room for the byte check
-    conn.send(transport.address)
-    try:
-        while isinstance(command := await asyncio.to_thread(recv_within, conn), tuple):
-            workload, transfer_id, secret = command
-            cache = caches.get(workload)
-            if cache is None:  # [layers, 2, blocks, half_block_bytes], allocated as a KV cache
-                shape = (workload.num_layers, 2, workload.cache_blocks, workload.half_block_bytes)
-                cache = zeros_huge_pages(shape, torch.uint8, options.device)
-                caches[workload] = cache
-            cache.zero_()
-            synchronize(options.device)  # zeroed before any message may land
-            plan, destinations = receive_destinations(cache, workload.block_ids)
-            receiver = LayerReceiver(transport, transfer_id, secret, plan, destinations)
-            await asyncio.sleep(0.005)  # let the receiver post its receives
-            conn.send("ready")
-            await receiver.wait(options.transfer_timeout_s)
-            conn.send(monotonic())
-            if options.device == "cuda":
-                conn.send(_device_checksum(cache, workload, host_copies))
-            else:
-                conn.send(crc32(cache[:, :, list(workload.block_ids)].contiguous()))
-    finally:
-        await transport.close()
-
-
-def _device_checksum(
-    cache: torch.Tensor, workload: Workload, host_copies: dict[Workload, torch.Tensor]
-) -> tuple[int, ...]:
-    """``chunk_crc32`` of the reserved blocks of a CUDA cache, gathered in block-table order on
-    the GPU and copied to host memory (pinned where it can be had, kept per workload)."""
-    index = torch.tensor(workload.block_ids, device=cache.device)
-    gathered = cache.index_select(2, index)
-    host = host_copies.get(workload)
-    if host is None:
-        try:
-            host = torch.empty(gathered.shape, dtype=torch.uint8, pin_memory=True)
-        except RuntimeError:  # no pinned memory to be had: pageable is slower, as exact
-            host = torch.empty(gathered.shape, dtype=torch.uint8)
-        host_copies[workload] = host
-    host.copy_(gathered)  # synchronous
-    return chunk_crc32(host)
 
 
 # ----------------------------------------------------------------------------- sender (parent)
@@ -563,56 +318,7 @@ def size_check_copy_us(samples: int = 200) -> Json:
     }
 
 
-# ----------------------------------------------------------------------------- report
-
-
-def bandwidth(total_bytes: int, seconds: Sequence[float]) -> Json:
-    """Median GB/s (1e9 bytes) and ms over repetitions, and GB/s of each repetition."""
-    median_s = statistics.median(seconds)
-    return {
-        "gbps_median": round(total_bytes / median_s / 1e9, 3),
-        "ms_median": round(median_s * 1e3, 3),
-        "gbps_per_rep": [round(total_bytes / s / 1e9, 3) for s in seconds],
-        "reps": len(seconds),
-    }
-
-
-def machine_info(device: str) -> Json:
-    info: Json = {
-        "cpu": platform.processor() or platform.machine(),
-        "logical_cpus": os.cpu_count(),
-        "torch": torch.__version__,
-        "ucx": ".".join(str(part) for part in ucxx.get_ucx_version()),
-        "ucxx": getattr(ucxx, "__version__", None),
-        "python": platform.python_version(),
-        "splitserve_transfer": str(Path(ucx_module.__file__).resolve().parent),
-        "load_average_start": [round(x, 2) for x in os.getloadavg()],
-        "environment": {  # UCX settings, ucxx's defaults among them (set when it is imported)
-            name: value
-            for name, value in sorted(os.environ.items())
-            if name.startswith(("UCX_", "UCXPY_"))
-            or name in ("PYTORCH_CUDA_ALLOC_CONF", "CUDA_VISIBLE_DEVICES")
-        },
-    }
-    if device == "cuda":
-        properties = torch.cuda.get_device_properties(CUDA_DEVICE_INDEX)
-        info["device"] = torch.cuda.get_device_name(CUDA_DEVICE_INDEX)
-        info["device_memory_gib"] = round(properties.total_memory / 2**30, 1)
-        info["torch_cuda"] = torch.version.cuda
-        info["cuda_driver"] = _driver_version()
-    return info
-
-
-def _driver_version() -> str | None:
-    """The NVIDIA driver's version through NVML (nvidia-ml-py), None where it is unavailable."""
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        version = pynvml.nvmlSystemGetDriverVersion()
-    except Exception:
-        return None
-    return version.decode() if isinstance(version, bytes) else str(version)
+# ----------------------------------------------------------------------------- the run
 
 
 def run(args: argparse.Namespace) -> Json:
@@ -718,48 +424,6 @@ def log(message: str) -> None:
     print(f"[bench] {message}", file=sys.stderr, flush=True)
 
 
-def table(report: Json) -> str:
-    """GB/s medians: one row per workload, one column per UCX configuration, then the
-    baseline (memcpy on cpu, a device copy on cuda) and each ratio to it."""
-    configs = list(report["transfers"])
-    baseline = report["setup"]["baseline"]
-    short = "copy" if baseline == "device_copy" else baseline
-    header = [
-        "workload",
-        "MB",
-        *configs,
-        short,
-        *(f"/{short} {i + 1}" for i in range(len(configs))),
-    ]
-    rows = [header]
-    for name, workload in report["workloads"].items():
-        reference = report[baseline][name]["gbps_median"]
-        cells = [report["transfers"][c].get(name) for c in configs]
-        rows.append(
-            [
-                name,
-                f"{workload['total_bytes'] / 1e6:.1f}",
-                *(
-                    f"{cell['gbps_median']:.2f}{'' if cell['byte_check'] == 'ok' else '!'}"
-                    if cell
-                    else "error"
-                    for cell in cells
-                ),
-                f"{reference:.2f}",
-                *(f"{cell[f'vs_{baseline}']:.3f}" if cell else "-" for cell in cells),
-            ]
-        )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    lines = [
-        "  ".join(cell.rjust(width) for cell, width in zip(row, widths, strict=True))
-        for row in rows
-    ]
-    legend = [f"  /{short} {i + 1}: {name} GB/s / {short} GB/s" for i, name in enumerate(configs)]
-    legend.append("  !: received bytes differed from the sent (see byte_check); error: none")
-    title = f"KV transfer ({report['setup']['device']}), GB/s (median)"
-    return "\n".join([title, *lines, *legend])
-
-
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -828,14 +492,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         infix = "-cuda" if args.device == "cuda" else ""
         args.out = RESULTS_DIR / f"kv-transfer{infix}-{datetime.date.today().isoformat()}.json"
     return args
-
-
-def write_report(path: Path, report: Json) -> None:
-    """Write ``report`` to ``path`` as JSON, replacing the file at once (never half written)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(json.dumps(report, indent=2) + "\n")
-    os.replace(partial, path)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

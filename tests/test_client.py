@@ -1,29 +1,27 @@
-"""``splitserve.client`` against a scripted in-process fake coordinator (real gRPC on loopback).
+"""``splitserve.client`` against a scripted in-process fake coordinator (real gRPC on loopback;
+``fake_coordinator.py``).
 
 The fake server runs on its own event loop thread; each ``Generate`` call plays the next
 script (fail with a status, refuse as overloaded through ``abort_with``, stream then fail,
 stream an in-stream error, hang until cancelled, succeed), so the client's retry, error,
 deadline and cancellation rules are checked exactly, without a model. The retries are gRPC's
 own (the channel's service config), so these tests check what gRPC does with the config the
-client builds: the attempts the server sees, their spacing and their deadlines.
+client builds: the attempts the server sees, their spacing and their deadlines. The requests
+the client builds, without a server: ``test_client_requests.py``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Iterator
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1._async import HealthServicer
 
 from splitserve.client import (
     AsyncClient,
-    ChatMessage,
     Chunk,
     Client,
     ClientError,
@@ -33,155 +31,13 @@ from splitserve.client import (
 )
 from splitserve.client.continuation import MAX_CONTINUATIONS
 from splitserve.client.retry import service_config
-from splitserve.client.wire import COORDINATOR_SERVICE, generate_request
-from splitserve.common.errors import InvalidRequestError, OverloadedError
-from splitserve.common.sampling_params import SamplingParams
-from splitserve.proto import convert
-from splitserve.proto.splitserve.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
-from splitserve.proto.status import PARAM_METADATA_KEY, abort_with
+from splitserve.client.wire import COORDINATOR_SERVICE
+from splitserve.proto.status import PARAM_METADATA_KEY
+from tests.fake_coordinator import FakeServer, error_message, fail, overloaded, succeed
 
 pytestmark = pytest.mark.timeout(60)
 
-Script = Callable[
-    [coordinator_pb2.GenerateRequest, grpc.aio.ServicerContext],
-    AsyncIterator[coordinator_pb2.GenerateResponse],
-]
 FAST_RETRY = RetryPolicy(initial_backoff_s=0.01, max_backoff_s=0.05, jitter=0.0)
-USAGE = common_pb2.Usage(prompt_tokens=3, completion_tokens=1)
-
-
-def _chunk(request_id: str, text: str, token: int = 7) -> coordinator_pb2.GenerateResponse:
-    return coordinator_pb2.GenerateResponse(
-        request_id=request_id,
-        chunk=coordinator_pb2.TokenChunk(token_ids=[token], text=text),
-        usage=USAGE,
-    )
-
-
-def succeed(*texts: str) -> Script:
-    async def script(request, context):
-        for index, text in enumerate(texts):
-            yield _chunk(request.request_id, text, token=index)
-        completion = coordinator_pb2.Completion(
-            finish_reason=common_pb2.FINISH_REASON_STOP, stop_token_id=2
-        )
-        yield coordinator_pb2.GenerateResponse(
-            request_id=request.request_id, completion=completion, usage=USAGE
-        )
-
-    return script
-
-
-def fail(code: grpc.StatusCode, *texts: str, metadata: tuple = (), after_s: float = 0.0) -> Script:
-    """Stream ``texts`` as chunks, wait ``after_s``, then end the call with ``code``."""
-
-    async def script(request, context):
-        for text in texts:
-            yield _chunk(request.request_id, text)
-        await asyncio.sleep(after_s)
-        if metadata:
-            context.set_trailing_metadata(metadata)
-        await context.abort(code, f"scripted {code.name}")
-
-    return script
-
-
-def overloaded(retry_after_s: float) -> Script:
-    """Refuse admission as the coordinator does: ``abort_with`` an ``OverloadedError``."""
-
-    async def script(request, context):
-        await abort_with(context, OverloadedError("too busy", retry_after_s=retry_after_s))
-        yield  # unreachable: makes this an async generator like the other scripts
-
-    return script
-
-
-def error_message(code: grpc.StatusCode, param: str, *texts: str) -> Script:
-    """Stream ``texts``, then an in-stream ``Error`` message (as the coordinator does)."""
-
-    async def script(request, context):
-        for text in texts:
-            yield _chunk(request.request_id, text)
-        error = common_pb2.Error(code=code.value[0], message="worker lost", param=param)
-        yield coordinator_pb2.GenerateResponse(request_id=request.request_id, error=error)
-
-    return script
-
-
-class FakeCoordinator(coordinator_pb2_grpc.CoordinatorServicer):
-    """Plays one script per Generate call (the last one again when they run out)."""
-
-    def __init__(self) -> None:
-        self.scripts: list[Script] = [succeed("Hi")]
-        self.requests: list[coordinator_pb2.GenerateRequest] = []
-        self.call_times: list[float] = []
-        self.time_remaining: list[float | None] = []
-        self.cancelled = threading.Event()
-        self.aborted: list[str] = []
-
-    def hang(self, *texts: str) -> Script:
-        """Stream ``texts``, then wait until the client cancels (recorded in ``cancelled``)."""
-
-        async def script(request, context):
-            for text in texts:
-                yield _chunk(request.request_id, text)
-            try:
-                await asyncio.sleep(3600)
-            except asyncio.CancelledError:
-                self.cancelled.set()
-                raise
-
-        return script
-
-    async def Generate(self, request, context):
-        self.requests.append(request)
-        self.call_times.append(time.monotonic())
-        self.time_remaining.append(context.time_remaining())
-        script = self.scripts[min(len(self.requests), len(self.scripts)) - 1]
-        async for response in script(request, context):
-            yield response
-
-    async def Abort(self, request, context):
-        self.aborted.append(request.request_id)
-        return coordinator_pb2.AbortResponse(aborted=request.request_id == "running")
-
-    async def GetModelInfo(self, request, context):
-        return coordinator_pb2.ModelInfo(
-            model="fake", max_model_len=2048, vocab_size=100, eos_token_ids=[2], dtype="float32"
-        )
-
-
-class FakeServer:
-    """A ``grpc.aio`` server with the fake coordinator and health, on a background loop."""
-
-    def __init__(self) -> None:
-        self.coordinator = FakeCoordinator()
-        self.health = HealthServicer()
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
-        self._thread.start()
-        self.port = self.run(self._start())
-
-    def run(self, coroutine):
-        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(10)
-
-    async def _start(self) -> int:
-        self._server = grpc.aio.server()
-        coordinator_pb2_grpc.add_CoordinatorServicer_to_server(self.coordinator, self._server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
-        port = self._server.add_insecure_port("127.0.0.1:0")
-        await self._server.start()
-        return port
-
-    def set_serving(self, serving: bool) -> None:
-        status = health_pb2.HealthCheckResponse.SERVING if serving else 2  # NOT_SERVING
-        self.run(self.health.set(COORDINATOR_SERVICE, status))
-
-    def stop(self) -> None:
-        self.run(self._server.stop(0))
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
-        self._loop.close()
 
 
 @pytest.fixture
@@ -589,46 +445,3 @@ def test_unary_calls_and_wait_ready(server) -> None:
             assert await client.abort("running") is True
 
     asyncio.run(run())
-
-
-# -- requests ------------------------------------------------------------------------------
-
-
-def test_sampling_to_proto_sets_only_given_fields() -> None:
-    message = Sampling(max_tokens=5, temperature=0.0, stop=("\n",), seed=3).to_proto()
-    assert message.HasField("max_tokens") and message.HasField("temperature")
-    assert not message.HasField("top_p") and not message.HasField("logprobs")
-    assert list(message.stop) == ["\n"] and message.seed == 3
-    with pytest.raises(ClientError) as error:
-        Sampling(max_tokens=-1).to_proto()
-    assert error.value.code == grpc.StatusCode.INVALID_ARGUMENT
-    assert error.value.param == "max_tokens"
-
-
-def test_logit_bias_crosses_the_wire_and_is_validated_on_arrival() -> None:
-    message = Sampling(logit_bias={7: 2.5, 3: -100}).to_proto()
-    assert dict(message.logit_bias) == {7: 2.5, 3: -100.0}
-    params = convert.sampling_from_proto(message)
-    assert params.logit_bias == ((3, -100.0), (7, 2.5))
-    assert dict(convert.sampling_to_proto(params).logit_bias) == {3: -100.0, 7: 2.5}
-    params.check_vocab(8)
-    with pytest.raises(InvalidRequestError, match="vocabulary") as beyond:
-        params.check_vocab(7)
-    assert beyond.value.param == "logit_bias"
-    for bad in ({1: 101.0}, {1: float("nan")}, {-1: 1.0}, [(1, 1.0), (1, 2.0)], [(1,)], 5):
-        with pytest.raises(InvalidRequestError) as error:
-            SamplingParams(logit_bias=bad)  # type: ignore[arg-type]
-        assert error.value.param == "logit_bias", bad
-
-
-def test_generate_request_takes_exactly_one_prompt() -> None:
-    chat = [ChatMessage("system", "be brief"), {"role": "user", "content": "hi"}]
-    request = generate_request(None, chat, None, None, "r")
-    assert request.WhichOneof("prompt") == "chat" and len(request.chat.messages) == 2
-    assert generate_request(None, None, [1, 2], None, "r").token_ids.ids == [1, 2]
-    with pytest.raises(ValueError):
-        generate_request("a", chat, None, None, "r")
-    with pytest.raises(ValueError):
-        generate_request(None, None, None, None, "r")
-    with pytest.raises(TypeError):
-        generate_request(None, [{"content": "no role"}], None, None, "r")

@@ -1,22 +1,19 @@
 """The OpenAI-compatible gateway against a real cluster (the shared ``served_cluster``,
 ``splitserve up``: coordinator, 1 prefill + 1 decode worker, gateway), driven by the official
-``openai`` SDK and raw HTTP."""
+``openai`` SDK and raw HTTP. Structured outputs and tool calls: ``test_gateway_structured.py``."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import re
 from collections.abc import Iterator
 
 import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from pydantic import BaseModel, Field
 
 from splitserve.client import Client, Sampling
-from splitserve.common.errors import InvalidRequestError
 from tests.cluster import (
     SERVED_MAX_INFLIGHT,
     Served,
@@ -24,23 +21,15 @@ from tests.cluster import (
     wait_until_idle,
     worker_loads,
 )
+from tests.gateway_support import (
+    QUESTION,
+    _error,
+    _model,
+    sdk_fixture,  # noqa: F401 - the fixture sdk, found here by pytest
+    served_fixture,  # noqa: F401 - the fixture served, found here by pytest
+)
 
 MAX_INFLIGHT = SERVED_MAX_INFLIGHT
-QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
-
-
-@pytest.fixture(scope="module")
-def served(served_cluster: Served) -> Served:
-    return served_cluster
-
-
-@pytest.fixture(scope="module")
-def sdk(served: Served) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0)
-
-
-def _model(sdk: openai.OpenAI) -> str:
-    return sdk.models.list().data[0].id
 
 
 def _samples(url: str) -> dict[str, float]:
@@ -197,14 +186,6 @@ def test_nulls_defaults_and_vllm_extensions(served: Served, sdk: openai.OpenAI) 
     assert seeded[0] == seeded[1]
 
 
-def _error(response: httpx.Response, status: int) -> dict[str, object]:
-    assert response.status_code == status, response.text
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"}
-    assert isinstance(error["message"], str) and error["message"]
-    return error
-
-
 def test_bad_requests_get_openai_errors(served: Served, sdk: openai.OpenAI) -> None:
     model = _model(sdk)
     url = f"{served.url}/v1"
@@ -349,158 +330,6 @@ def test_several_choices_prompts_and_echo(served: Served, sdk: openai.OpenAI) ->
     assert texts == [whole.choices[0].message.content] * 3 and finished == {0, 1, 2}
     assert usage is not None and usage.prompt_tokens == whole.usage.prompt_tokens
     assert usage.completion_tokens == 3 * whole.usage.completion_tokens
-
-
-class City(BaseModel):
-    city: str = Field(max_length=16)
-    country: str = Field(max_length=16)
-
-
-def test_structured_outputs_parse_on_every_field_that_asks(
-    served: Served, sdk: openai.OpenAI
-) -> None:
-    """OpenAI's response_format (the SDK's parse with a pydantic model, json_object), vLLM's
-    guided_regex / guided_choice and structured_outputs: each output matches; streamed too;
-    a constraint that does not compile, or two at once, is a 400 naming the field."""
-    model = _model(sdk)
-    parsed = sdk.beta.chat.completions.parse(
-        model=model, messages=QUESTION, response_format=City, max_tokens=60, temperature=0
-    )
-    assert isinstance(parsed.choices[0].message.parsed, City)
-    regex = sdk.completions.create(
-        model=model, prompt="A phone number:", max_tokens=20, temperature=0,
-        extra_body={"guided_regex": r"[0-9]{3}-[0-9]{4}"},
-    )  # fmt: skip
-    assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", regex.choices[0].text)
-    assert regex.choices[0].finish_reason == "stop"
-    choice = sdk.chat.completions.create(
-        model=model, messages=QUESTION, max_tokens=10, temperature=0.8, seed=5,
-        extra_body={"guided_choice": ["Paris", "Lyon", "Nice"]},
-    )  # fmt: skip
-    assert choice.choices[0].message.content in {"Paris", "Lyon", "Nice"}
-    stream = sdk.chat.completions.create(
-        model=model, messages=QUESTION, max_tokens=80, temperature=0, stream=True,
-        extra_body={"structured_outputs": {"json": City.model_json_schema()}},
-    )  # fmt: skip
-    text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
-    assert City.model_validate_json(text)
-    ask = [{"role": "user", "content": 'Reply with the JSON object {"ok": true} and nothing else.'}]
-    any_object = sdk.chat.completions.create(
-        model=model, messages=ask, max_tokens=100, temperature=0,
-        response_format={"type": "json_object"},
-    )  # fmt: skip
-    assert isinstance(json.loads(any_object.choices[0].message.content), dict)
-    with httpx.Client(base_url=f"{served.url}/v1", timeout=30) as http:
-        bad = http.post("/completions", json={"prompt": "x", "guided_regex": "(unclosed"})
-        assert _error(bad, 400)["param"] == "structured_outputs"
-        two = http.post(
-            "/completions", json={"prompt": "x", "guided_regex": "a", "guided_choice": ["b"]}
-        )
-        assert _error(two, 400)["param"] == "guided_choice"
-
-
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather in a city.",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "maxLength": 20}},
-            "required": ["city"],
-            "additionalProperties": False,
-        },
-    },
-}
-TIME = {
-    "type": "function",
-    "function": {
-        "name": "get_time",
-        "parameters": {"type": "object", "properties": {}, "additionalProperties": False},
-    },
-}
-
-
-def test_the_python_client_calls_tools_as_the_gateway_does(
-    served: Served, sdk: openai.OpenAI
-) -> None:
-    """``Client.generate(tools=...)`` over gRPC shares the gateway's tool plan
-    (``client/tools.py``): the same forced greedy call, name and arguments, as the openai SDK
-    gets through the gateway; malformed tools are refused before anything is sent."""
-    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
-    over_http = sdk.chat.completions.create(
-        model=_model(sdk), messages=ask, tools=[WEATHER, TIME], tool_choice="required",
-        parallel_tool_calls=False, max_tokens=100, temperature=0,
-    ).choices[0]  # fmt: skip
-    with Client(served.coordinator) as client:
-        over_grpc = client.generate(
-            messages=ask, tools=[WEATHER, TIME], tool_choice="required",
-            parallel_tool_calls=False, sampling=Sampling(max_tokens=100, temperature=0),
-        )  # fmt: skip
-        assert over_grpc.finish_reason == "tool_calls" == over_http.finish_reason
-        assert [(c.name, json.loads(c.arguments)) for c in over_grpc.tool_calls] == [
-            (c.function.name, json.loads(c.function.arguments))
-            for c in over_http.message.tool_calls or []
-        ]
-        free = client.generate(
-            messages=ask, tools=[WEATHER], tool_choice="none",
-            sampling=Sampling(max_tokens=4, temperature=0),
-        )  # fmt: skip
-        assert free.tool_calls == () and free.finish_reason == "length"
-        with pytest.raises(InvalidRequestError) as refused:
-            client.generate(messages=ask, tools=[{"type": "function", "function": {"name": "a b"}}])
-        assert refused.value.param == "tools"
-
-
-def test_tool_calls_forced_by_the_grammar_whole_and_streamed(
-    served: Served, sdk: openai.OpenAI
-) -> None:
-    model = _model(sdk)
-    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
-    forced = sdk.chat.completions.create(
-        model=model, messages=ask, tools=[WEATHER, TIME], tool_choice="required",
-        parallel_tool_calls=False, max_tokens=100, temperature=0,
-    )  # fmt: skip
-    choice = forced.choices[0]
-    assert choice.finish_reason == "tool_calls" and choice.message.content is None
-    calls = choice.message.tool_calls
-    assert calls and {call.function.name for call in calls} <= {"get_weather", "get_time"}
-    for call in calls:
-        arguments = json.loads(call.function.arguments)
-        assert set(arguments) == ({"city"} if call.function.name == "get_weather" else set())
-    named = sdk.chat.completions.create(
-        model=model, messages=ask, tools=[WEATHER, TIME], max_tokens=100, temperature=0,
-        tool_choice={"type": "function", "function": {"name": "get_time"}}, stream=True,
-    )  # fmt: skip
-    streamed: dict[int, dict[str, str]] = {}
-    finish = None
-    for chunk in named:
-        for delta_call in chunk.choices[0].delta.tool_calls or []:
-            entry = streamed.setdefault(delta_call.index, {"name": "", "arguments": ""})
-            entry["name"] += delta_call.function.name or ""
-            entry["arguments"] += delta_call.function.arguments or ""
-        finish = chunk.choices[0].finish_reason or finish
-    assert finish == "tool_calls" and [c["name"] for c in streamed.values()] == ["get_time"]
-    assert json.loads(streamed[0]["arguments"]) == {}
-    # the call and its result go back into the conversation
-    made = {"name": calls[0].function.name, "arguments": calls[0].function.arguments}
-    history = [
-        *ask,
-        {"role": "assistant", "content": None,
-         "tool_calls": [{"id": calls[0].id, "type": "function", "function": made}]},
-        {"role": "tool", "tool_call_id": calls[0].id, "content": "Sunny, 21 C"},
-    ]  # fmt: skip
-    answer = sdk.chat.completions.create(
-        model=model, messages=history, tools=[WEATHER], max_tokens=8, temperature=0
-    )
-    assert answer.choices[0].finish_reason in {"stop", "length", "tool_calls"}
-    with httpx.Client(base_url=f"{served.url}/v1", timeout=30) as http:
-        for field, value in (
-            ("tools", [{"type": "function", "function": {"name": "a b"}}]),
-            ("tool_choice", {"type": "function", "function": {"name": "x"}}),
-        ):
-            body = {"messages": ask, "tools": [WEATHER], field: value}
-            assert _error(http.post("/chat/completions", json=body), 400)["param"] == field
 
 
 def test_tokenize_detokenize_and_version_as_vllm_serves_them(

@@ -26,7 +26,7 @@ from splitserve.transfer.layer_channel import LayerReceiver, LayerSender, Transf
 from splitserve.transfer.plan import TransferPlan, message_tag, new_transfer_secret
 from splitserve.transfer.reservation import KvReservation
 from splitserve.worker.kv_io import receive_destinations
-from tests.test_transfer import WAIT_S, Link, let_late_sends_run, open_link
+from tests.transfer_support import WAIT_S, Link, let_late_sends_run, open_link
 
 pytestmark = pytest.mark.timeout(60)
 
