@@ -37,6 +37,7 @@ from splitserve.engine.sim_profile import (
     fit_step_cost,
     held_out_mape,
     read_step_logs,
+    step_ratio_quantiles,
 )
 
 WARMUP_STEPS = 10
@@ -152,8 +153,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _write(out: Path, records: Sequence[StepRecord], where: str, header: dict[str, object]) -> int:
     """Fit ``records``, print the fit and its held-out error, write the profile."""
     error = held_out_mape(records)
+    cost = fit_step_cost(records)
     profile = SimProfile(
-        step_cost=fit_step_cost(records),
+        step_cost=cost,
         model_name=str(header["model"]),
         cpu=str(header["cpu"]),
         threads=int(str(header["threads"])),
@@ -161,10 +163,11 @@ def _write(out: Path, records: Sequence[StepRecord], where: str, header: dict[st
         steps=len(records),
         mape=round(error, 4),
         kv_bytes_per_token=int(str(header.get("kv_bytes_per_token", 0))),
+        step_ratio_quantiles=step_ratio_quantiles(cost, records),
+        prefill_ratio_quantiles=step_ratio_quantiles(cost, records, computes_prompt=True),
     )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(profile.to_json(), encoding="utf-8")
-    cost = profile.step_cost
     print(
         f"{len(records)} steps ({where}; {profile.cpu}, {profile.dtype}, {profile.threads} "
         f"thread{'s' if profile.threads > 1 else ''}): decode "

@@ -62,9 +62,30 @@ class SimProfile:
     """Measured one-way time of a small message between them."""
     startup_s: float = 0.0
     """Measured time from starting a worker process to its first token (0: not measured)."""
+    step_ratio_quantiles: tuple[float, ...] = ()
+    """The real decode-only steps' times over the model's predictions, at evenly spaced
+    quantiles (the first the smallest, the last the largest): a simulated step lasts the
+    prediction times a ratio drawn from them (``draw_ratio``), so the steps' spread is the
+    real one, not only their mean (a least-squares model predicts the mean; GC pauses and
+    neighbours make real steps' median shorter than it). Empty: every step lasts the
+    prediction."""
+    prefill_ratio_quantiles: tuple[float, ...] = ()
+    """The same for steps that compute prompt tokens."""
     version: int = PROFILE_VERSION
     """The file's format: 1 had the step-time model only; 2 adds the KV, transfer and
     start-up figures (a version 1 file reads with them 0)."""
+
+    def draw_ratio(self, uniform: float, computes_prompt: bool = False) -> float:
+        """The step-time ratio at ``uniform`` (in [0, 1)) of ``step_ratio_quantiles`` (of
+        ``prefill_ratio_quantiles`` for a step that ``computes_prompt``), linearly between
+        the quantiles; 1.0 without them."""
+        quantiles = self.prefill_ratio_quantiles if computes_prompt else self.step_ratio_quantiles
+        if not quantiles:
+            return 1.0
+        position = uniform * (len(quantiles) - 1)
+        low = int(position)
+        high = min(low + 1, len(quantiles) - 1)
+        return quantiles[low] + (quantiles[high] - quantiles[low]) * (position - low)
 
     def transfer_s(self, num_tokens: int) -> float:
         """The time a prompt of ``num_tokens`` tokens' KV takes over the measured link, all
@@ -89,6 +110,8 @@ class SimProfile:
             raw = json.loads(text)
             cost = StepCost(**raw.pop("step_cost"))
             raw.setdefault("version", 1)  # written before the version was recorded
+            for name in ("step_ratio_quantiles", "prefill_ratio_quantiles"):
+                raw[name] = tuple(raw.get(name, ()))
             profile = cls(step_cost=cost, **raw)
         except (ValueError, TypeError, KeyError, AttributeError) as exc:
             raise ModelLoadError(f"{source} is not a simulation profile: {exc}") from exc
@@ -166,6 +189,29 @@ def mape(cost: StepCost, records: Sequence[StepRecord]) -> float:
     return statistics.fmean(
         abs(cost.step_s(record.shape) - record.seconds) / record.seconds for record in records
     )
+
+
+RATIO_QUANTILES = 21
+"""Points ``step_ratio_quantiles`` keeps: every 5%, the extremes included."""
+
+
+def step_ratio_quantiles(
+    cost: StepCost, records: Sequence[StepRecord], computes_prompt: bool = False
+) -> tuple[float, ...]:
+    """``RATIO_QUANTILES`` evenly spaced quantiles of each record's seconds over ``cost``'s
+    prediction for it, over the decode-only records (those computing prompt tokens with
+    ``computes_prompt``; records it cannot predict left out; empty with fewer than two)."""
+    ratios = sorted(
+        record.seconds / predicted
+        for record in records
+        if (record.shape.prefill_tokens > 0) == computes_prompt
+        and cost.predicts(record.shape)
+        and (predicted := cost.step_s(record.shape)) > 0
+    )
+    if len(ratios) < 2:
+        return ()
+    inner = statistics.quantiles(ratios, n=RATIO_QUANTILES - 1, method="inclusive")
+    return tuple(round(ratio, 4) for ratio in (ratios[0], *inner, ratios[-1]))
 
 
 def held_out_mape(records: Sequence[StepRecord]) -> float:

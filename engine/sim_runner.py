@@ -28,6 +28,7 @@ KV transfer over UCX. What it does not do is compute:
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Callable, Sequence
 
@@ -80,6 +81,7 @@ class SimulatedRunner(KvBlockStore):
         block_size: int,
         sleep: Callable[[float], None] = time.sleep,
         clock: Callable[[], float] = time.perf_counter,
+        seed: int = 0,
     ) -> None:
         super().__init__(
             num_layers,
@@ -97,6 +99,8 @@ class SimulatedRunner(KvBlockStore):
         self.num_layers = num_layers
         self._sleep = sleep
         self._clock = clock
+        self._draws = random.Random(seed)
+        """Each step's draw of the profile's step-time ratio (``SimProfile.draw_ratio``)."""
         self.grammars: GrammarMatchers | None = None
         """Constrained requests' matchers (set by the engine, as for ``ModelRunner``)."""
 
@@ -126,7 +130,9 @@ class SimulatedRunner(KvBlockStore):
                 self.grammars.free(request_id)
         if not step.chunks:
             return RunnerOutput()
-        self._wait(self.profile.step_s(step.shape()), on_layer_kv_written)
+        shape = step.shape()
+        ratio = self.profile.draw_ratio(self._draws.random(), shape.prefill_tokens > 0)
+        self._wait(ratio * self.profile.step_s(shape), on_layer_kv_written)
         output = RunnerOutput()
         for chunk in step.chunks:
             if not chunk.samples:

@@ -16,11 +16,15 @@ import pytest
 import torch
 
 from splitserve.common.errors import ModelLoadError
+from splitserve.common.step_cost import StepShape
 from splitserve.engine.sim_profile import (
     DEFAULT_PROFILE,
     PROFILE_VERSION,
     SimProfile,
+    StepRecord,
+    fit_step_cost,
     load_profile,
+    step_ratio_quantiles,
 )
 from splitserve.engine.sim_runner import SimulatedRunner
 from splitserve.transfer.inprocess import InProcessTransport
@@ -156,3 +160,30 @@ def test_splitserve_profile_measures_this_machine(tmp_path: Path) -> None:
     profile = load_profile(out)
     assert profile.kv_bytes_per_token > 0 and profile.transfer_gbps > 0
     assert profile.startup_s > 0 and profile.step_cost.knows_decode
+
+
+def test_a_simulated_step_draws_its_ratio_from_the_real_steps_spread() -> None:
+    """Real decode steps of 10 ms with every tenth at 50 ms: the least-squares model predicts
+    their mean, 14 ms; the ratios' quantiles put the median draw at 10 ms and the top one at
+    50 ms, so simulated steps spread as the real ones did."""
+    shape = StepShape(2, 0, 300)
+    decode = [StepRecord(shape, 0.05 if i % 10 == 9 else 0.01) for i in range(200)]
+    prompts = [
+        StepRecord(StepShape(0, 64 * (1 + i % 8), 0), 0.02 + 0.064 * (1 + i % 8)) for i in range(40)
+    ]
+    records = decode + prompts
+    cost = fit_step_cost(records)
+    quantiles = step_ratio_quantiles(cost, records)
+    assert len(quantiles) == 21 and list(quantiles) == sorted(quantiles)
+    profile = dataclasses.replace(
+        load_profile("default"),
+        step_cost=cost,
+        step_ratio_quantiles=quantiles,
+        prefill_ratio_quantiles=step_ratio_quantiles(cost, records, computes_prompt=True),
+    )
+    assert cost.step_s(shape) == pytest.approx(0.014, rel=0.01)
+    median = profile.draw_ratio(0.5) * cost.step_s(shape)
+    top = profile.draw_ratio(0.999) * cost.step_s(shape)
+    assert median == pytest.approx(0.01, rel=0.15) and top == pytest.approx(0.05, rel=0.15)
+    assert profile.draw_ratio(0.5, computes_prompt=True) == pytest.approx(1.0, rel=0.05)
+    assert load_profile("default").draw_ratio(0.9) == 1.0  # a profile without the spread
