@@ -31,7 +31,9 @@ RATE = 1.5
 PROMPT_TOKENS = (200, 400)
 OUTPUT_TOKENS = 24
 TOLERANCE = 0.15
-WORKER_FLAGS = ("--num-blocks=256", "--threads=1")
+WORKER_FLAGS = ("--num-blocks=256", "--threads=1", "--speculative-tokens=0")
+"""No drafts on either side: a simulated worker's tokens do not repeat as the real model's
+greedy output may, so the drafts each would accept differ (``bench/bench_sim_fidelity.py``)."""
 UP_FLAGS = ("--placement=adaptive", "--max-inflight=64")
 
 
