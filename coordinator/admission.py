@@ -338,6 +338,13 @@ class KvAdmission:
     # ---- figures -----------------------------------------------------------------------
 
     @property
+    def average_context_tokens(self) -> float:
+        """The admitted requests' average context over their lives (prompt + half their
+        ``max_tokens``); 0 with none admitted."""
+        count = len(self._admitted)
+        return self._admitted.context_sum / count if count else 0.0
+
+    @property
     def capacity_tokens(self) -> int:
         return int(self._capacity_tokens() * self.config.kv_share)
 

@@ -158,8 +158,13 @@ async def _serve(
     """Serve both planes until ``stop``, then drain: health NOT_SERVING, new calls refused,
     running streams get ``--drain-timeout`` seconds."""
     registry = CollectorRegistry()
+    targets = settings.capacity_targets()
     metrics = CoordinatorMetrics(
-        registry, coordinator.config.model_name, coordinator.registry, coordinator.admission
+        registry,
+        coordinator.config.model_name,
+        coordinator.registry,
+        coordinator.admission,
+        desired=lambda: coordinator.desired_workers(targets),
     )
     registry.register(LoopLagCollector(LoopLag.start()))  # stall checks leave it out
     dial_check = DialCheck(coordinator.registry, coordinator.channels)

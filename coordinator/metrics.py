@@ -21,6 +21,8 @@ carried), ``splitserve_admission_tpot_seconds`` and
 rate they use; absent until measured), ``splitserve_admission_late_waiters_total`` (waiters
 that could no longer meet their TTFT target and yielded to those that could).
 ``splitserve_stalled_clients_total``: streams cut because their client stopped reading.
+``splitserve_desired_workers{role}`` (prefill | decode): the workers this coordinator's load
+needs now, in worker units (``capacity.py``), which the autoscalers scale on.
 ``splitserve_placement_decisions_total{where, reason}``: where requests' prompts were computed
 (remote | local) and why (``coordinator/placement.py:Reason``);
 ``splitserve_placement_ttft_ratio{where}``: first token time / predicted TTFT, for decisions
@@ -31,7 +33,7 @@ logged at DEBUG with its inputs' outcome.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -41,6 +43,7 @@ from splitserve.common.loop_lag import LoopLag
 from splitserve.common.membership import Role
 from splitserve.common.metrics import TIME_TO_FIRST_TOKEN_BUCKETS, RequestMetricFamilies
 from splitserve.coordinator.admission import AdmissionOutcome, AdmissionSnapshot, KvAdmission
+from splitserve.coordinator.capacity import DesiredWorkers
 from splitserve.coordinator.flow import PlacementOutcome, RequestFlow
 from splitserve.coordinator.registry import WorkerRegistry
 
@@ -62,7 +65,10 @@ class CoordinatorMetrics:
         model_name: str,
         worker_registry: WorkerRegistry,
         admission: KvAdmission | None = None,
+        desired: Callable[[], DesiredWorkers] | None = None,
     ) -> None:
+        """``desired``: the workers the load needs now (``capacity.py``), read at each
+        scrape as ``splitserve_desired_workers{role}``."""
         self.requests = RequestMetricFamilies(registry).for_model(model_name, "coordinator")
         self._add_path_metrics(registry, model_name)
         self._add_placement_metrics(registry, model_name)
@@ -72,6 +78,8 @@ class CoordinatorMetrics:
         if admission is not None:
             registry.register(_AdmissionCollector(admission))
             admission.outcome_listeners.append(_AdmissionOutcomes(registry).observe)
+        if desired is not None:
+            registry.register(_DesiredCollector(desired))
 
     def _add_path_metrics(self, registry: CollectorRegistry, model_name: str) -> None:
         """Each stage's latency and the recoveries by kind (``record_flow``)."""
@@ -229,6 +237,25 @@ class _WorkerCollector(Collector):
         )
         for role in Role:
             family.add_metric([role.name.lower()], len(self._registry.workers(role)))
+        yield family
+
+
+class _DesiredCollector(Collector):
+    """``splitserve_desired_workers{role}``: what the load needs now, in worker units."""
+
+    def __init__(self, desired: Callable[[], DesiredWorkers]) -> None:
+        self._desired = desired
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        desired = self._desired()
+        family = GaugeMetricFamily(
+            "splitserve_desired_workers",
+            "Workers of each role this coordinator's load needs now, in worker units (not "
+            "rounded: the fleet needs the sum over coordinators, rounded up).",
+            labels=["role"],
+        )
+        family.add_metric(["prefill"], desired.prefill)
+        family.add_metric(["decode"], desired.decode)
         yield family
 
 

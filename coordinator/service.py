@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -41,7 +40,6 @@ from splitserve.common.prompt import (
     min_prompt_tokens,
     prompt_chars,
 )
-from splitserve.common.step_cost import StepCost
 from splitserve.common.tokenizer import Tokenizer
 from splitserve.common.tracing import (
     NO_SPAN,
@@ -51,6 +49,14 @@ from splitserve.common.tracing import (
     tracing_enabled,
 )
 from splitserve.coordinator.admission import AdmissionConfig, KvAdmission, WorkerCapacity
+from splitserve.coordinator.capacity import (
+    CapacityTargets,
+    DemandMeter,
+    DesiredWorkers,
+    WorkerView,
+    decode_batch_within,
+    desired_workers,
+)
 from splitserve.coordinator.flow import FlowConfig, RequestFlow
 from splitserve.coordinator.flow_trace import trace_flow
 from splitserve.coordinator.max_tokens import OutputLimits, fewest_max_tokens, settle_max_tokens
@@ -80,17 +86,6 @@ RATE_PROBE_TOKENS = 2048
 TPOT_HEADROOM = 0.8
 """Decode steps are planned to this share of the TPOT target (the rest: hops, local
 prompts, noise)."""
-
-
-def decode_batch_within(cost: StepCost, context_tokens: int, target_s: float) -> int | None:
-    """The most requests of ``context_tokens`` a worker's decode steps serve within
-    ``target_s`` per step (at least 1); None while its decode model is not learned."""
-    if not cost.knows_decode:
-        return None
-    per_request_s = cost.per_decode_seq_s + cost.per_context_token_s * context_tokens
-    if per_request_s <= 0:
-        return None
-    return max(1, math.floor((target_s - cost.decode_base_s) / per_request_s))
 
 
 @dataclass(frozen=True)
@@ -168,6 +163,8 @@ class Coordinator:
             tenants=config.tenants,
             worker_capacity=self._worker_capacity,
         )
+        self.demand = DemandMeter()
+        """Prompt tokens and requests arriving (``capacity.py``: the fleet's sizing)."""
         self.flow_observer: Callable[[RequestFlow], None] | None = None
         """Called with each flow when it ends (metrics); must not raise."""
         eos = tokenizer.eos_token_id
@@ -233,6 +230,25 @@ class Coordinator:
             prefill_tokens_per_s,
             max_decoding=sum(b for b in bounds if b is not None) if known else None,
             prompt_workers=prompt_workers,
+        )
+
+    def desired_workers(self, targets: CapacityTargets) -> DesiredWorkers:
+        """Prefill and decode workers this coordinator's load needs now, in worker units
+        (``capacity.py``), from its demand, admission and the workers' learned step times."""
+
+        def views(role: Role) -> list[WorkerView]:
+            return [
+                WorkerView(w.load.step_cost, w.num_blocks * w.block_size)
+                for w in self.registry.workers(role)
+            ]
+
+        return desired_workers(
+            self.demand.rates(),
+            self.admission.snapshot(),
+            self.admission.average_context_tokens,
+            views(Role.PREFILL),
+            views(Role.DECODE),
+            targets,
         )
 
     @property
@@ -333,6 +349,7 @@ class Coordinator:
             prompt_ids = self.encode(ask.prompt)
         else:  # tokenizing (and chat templating) a long prompt takes a while: not on the loop
             prompt_ids = await asyncio.to_thread(self.encode, ask.prompt)
+        self.demand.arrived(len(prompt_ids))  # at the input: refused ones are demand too
         self._check_ready()
         sampling = ask.sampling
         max_tokens = settle_max_tokens(

@@ -15,6 +15,7 @@ from splitserve.common.api_keys import ApiKeySettings
 from splitserve.common.settings import default_group, setting
 from splitserve.common.tracing import TracingSettings
 from splitserve.coordinator.admission import AdmissionConfig
+from splitserve.coordinator.capacity import CapacityTargets
 from splitserve.coordinator.flow import FlowConfig
 from splitserve.coordinator.placement import PlacementMode, Slo
 from splitserve.coordinator.router import DEFAULT_SLO, RoutingConfig
@@ -140,6 +141,15 @@ class CoordinatorSettings:
     stall_floor_s: float = setting(
         AttemptTimeouts.stall_floor_s, "... but never before this many seconds of silence"
     )
+    scale_wait_budget_s: float = setting(
+        CapacityTargets.wait_budget_s,
+        "splitserve_desired_workers sizes prefill so that queued prompt tokens are computed "
+        "within this many seconds, on top of the arriving ones",
+    )
+    scale_utilization: float = setting(
+        CapacityTargets.utilization,
+        "splitserve_desired_workers sizes each role to this share of a worker's measured capacity",
+    )
     metrics_port: int = setting(0, "Prometheus /metrics port (0: any free port, -1: off)")
     drain_timeout: float = setting(
         30.0, "on SIGTERM, seconds running streams may take to finish (new calls are refused)"
@@ -156,6 +166,12 @@ class CoordinatorSettings:
     tracing: TracingSettings = default_group(TracingSettings)
 
     def __post_init__(self) -> None:
+        if not 0 < self.scale_utilization <= 1:
+            raise ValueError(f"--scale-utilization must be in (0, 1], not {self.scale_utilization}")
+        if self.scale_wait_budget_s <= 0:
+            raise ValueError(
+                f"--scale-wait-budget-s must be positive, not {self.scale_wait_budget_s}"
+            )
         if not 0 < self.kv_share <= 1:
             raise ValueError(f"--kv-share must be in (0, 1], not {self.kv_share}")
         if not 0 <= self.ttft_at_risk <= 1:
@@ -165,6 +181,14 @@ class CoordinatorSettings:
     def slo(self) -> Slo:
         """The latency targets of requests that set none."""
         return Slo(ttft_s=self.ttft_slo_ms / 1000, tpot_s=self.tpot_slo_ms / 1000)
+
+    def capacity_targets(self) -> CapacityTargets:
+        """What ``splitserve_desired_workers`` sizes the fleet for."""
+        return CapacityTargets(
+            tpot_s=self.slo.tpot_s,
+            wait_budget_s=self.scale_wait_budget_s,
+            utilization=self.scale_utilization,
+        )
 
     def routing_config(self) -> RoutingConfig:
         return RoutingConfig(

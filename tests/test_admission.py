@@ -21,7 +21,7 @@ from splitserve.coordinator.admission import (
     KvDemand,
     WorkerCapacity,
 )
-from splitserve.coordinator.service import decode_batch_within
+from splitserve.coordinator.capacity import decode_batch_within
 from tests.request_records import admit
 
 T = TypeVar("T")

@@ -33,6 +33,9 @@ import kubernetes_validate
 import pytest
 from prometheus_client import CollectorRegistry
 
+from splitserve.coordinator.capacity import DesiredWorkers
+from splitserve.coordinator.metrics import CoordinatorMetrics
+from splitserve.coordinator.registry import WorkerRegistry
 from splitserve.engine.engine_report import EngineReport
 from tests.deploy_support import (
     BASE,
@@ -381,7 +384,23 @@ def _exported_worker_series(role: str) -> dict[str, set[str]]:
     return series
 
 
+def _exported_coordinator_series() -> dict[str, set[str]]:
+    """The coordinator's series names and their labels (``splitserve_desired_workers`` has a
+    ``role`` label naming the workers it sizes)."""
+    registry = CollectorRegistry()
+    CoordinatorMetrics(
+        registry, "model", WorkerRegistry(), desired=lambda: DesiredWorkers(1.0, 1.0)
+    )
+    return {
+        sample.name: set(sample.labels)
+        for family in registry.collect()
+        for sample in family.samples
+    }
+
+
 def test_autoscaling_targets_the_worker_deployments_on_metrics_they_export() -> None:
+    """Each trigger reads a series the role's workers export, or the coordinators' sizing of
+    that role (``splitserve_desired_workers{role}``)."""
     namespace = _kustomization()["namespace"]
     targets = set()
     for scaled in _of_kind("ScaledObject"):
@@ -391,7 +410,7 @@ def test_autoscaling_targets_the_worker_deployments_on_metrics_they_export() -> 
         role = deployment["metadata"]["labels"][ROLE_LABEL]
         assert scaled["metadata"]["labels"][ROLE_LABEL] == role
         targets.add(role)
-        exported = _exported_worker_series(role)
+        exported = _exported_worker_series(role) | _exported_coordinator_series()
         for trigger in scaled["spec"]["triggers"]:
             query = trigger["metadata"]["query"]
             selectors = re.findall(r"(splitserve_\w+)\{([^}]*)\}", query)

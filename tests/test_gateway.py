@@ -482,6 +482,9 @@ def test_overload_is_429_with_retry_after_and_metrics_move(
     assert _total(decode_after, "splitserve_kv_cache_usage_perc") == 0.0
     coordinator = _samples(served.metrics_urls["coordinator"])
     assert _total(coordinator, "splitserve_request_stage_seconds_count") > 0
+    # the crowd that just arrived is demand for prefill workers (measured at the input)
+    assert coordinator["splitserve_desired_workers{role=prefill}"] > 0
+    assert coordinator["splitserve_desired_workers{role=decode}"] >= 0
     prefill = _samples(served.metrics_urls["prefill"])
     assert _total(prefill, "splitserve_prompt_tokens_total") > 0
     assert json.dumps(served_ok[0])  # bodies are plain JSON
