@@ -36,6 +36,7 @@ ROLE_COMMANDS = {
     "probe": "splitserve.launch.probe",
     "top": "splitserve.launch.top",
     "profile": "splitserve.launch.profile",
+    "plan": "splitserve.launch.plan",
 }
 """Commands with their own flags (``splitserve <command> --help``): the serving roles, each a
 process, ``up`` (all of them on localhost), ``probe`` (one health check) and ``top`` (a live
@@ -46,6 +47,7 @@ COMMAND_HELP = {
     "probe": "one gRPC health check, for exec probes",
     "top": "a live view of a cluster's workers and traffic, from a coordinator",
     "profile": "measure a worker on this machine (step times, KV link, start-up) into a profile",
+    "plan": "the cheapest fleet (worker counts, placement) meeting an SLO, by simulation",
 }
 
 
