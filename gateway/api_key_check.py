@@ -5,7 +5,8 @@ Bearer <key>`` naming one of them (the OpenAI SDK sends its ``api_key`` that way
 or unknown key gets 401 with the OpenAI error body (``code: invalid_api_key``) and
 ``WWW-Authenticate: Bearer``. ``/health`` and ``/metrics`` stay open for probes and scrapers
 unless ``health_needs_key``. The key itself travels on to the coordinator with the request
-(``Gateway.client_for``), which scopes the request to it.
+(``Gateway.client_for``), which scopes the request to it. A refused request's body is never
+read: its connection closes after the 401 (``Connection: close``).
 """
 
 from __future__ import annotations
@@ -38,7 +39,11 @@ class RequireApiKey:
             if authorization
             else "You didn't provide an API key: send it as 'Authorization: Bearer <key>'."
         )
-        await unauthorized(message).response()(scope, receive, send)
+        response = unauthorized(message).response()
+        # the body is not read for a stranger: the connection closes after the answer, so no
+        # unread body is taken for a next request, nor holds a drain for --drain-timeout
+        response.headers["connection"] = "close"
+        await response(scope, receive, send)
 
 
 def bearer_key(authorization: str | None) -> str | None:

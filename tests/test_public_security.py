@@ -137,6 +137,9 @@ def test_the_sdk_with_a_wrong_key_gets_401_in_openais_shape(served: SecureCluste
     assert body["code"] == "invalid_api_key" and body["type"] == "invalid_request_error"
     assert body["message"] and body["param"] is None
     assert raised.value.response.headers["www-authenticate"] == "Bearer"
+    # its body unread, the connection closes: nothing of it is taken for a next request, and
+    # a drain is not held for it (it held the gateway's for its 30 s drain timeout)
+    assert raised.value.response.headers["connection"] == "close"
 
 
 def test_no_key_gets_401_in_openais_shape(served: SecureCluster) -> None:
