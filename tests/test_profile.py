@@ -20,6 +20,7 @@ from splitserve.common.step_cost import StepShape
 from splitserve.engine.sim_profile import (
     DEFAULT_PROFILE,
     PROFILE_VERSION,
+    RATIO_QUANTILES,
     SimProfile,
     StepRecord,
     fit_step_cost,
@@ -178,7 +179,7 @@ def test_a_simulated_step_draws_its_ratio_from_the_real_steps_spread() -> None:
     records = decode + prompts
     cost = fit_step_cost(records)
     quantiles = step_ratio_quantiles(cost, records)
-    assert len(quantiles) == 21 and list(quantiles) == sorted(quantiles)
+    assert len(quantiles) == RATIO_QUANTILES and list(quantiles) == sorted(quantiles)
     profile = dataclasses.replace(
         load_profile("default"),
         step_cost=cost,
