@@ -77,6 +77,10 @@ class StepCost:
             return 0.0
         return self.prefill_base_s + self.per_prefill_token_s * prefill_tokens
 
+    def prefill_tokens_per_s(self, prefill_tokens: int) -> float:
+        """Prompt tokens a second, read at a step (or steps) of ``prefill_tokens`` of them."""
+        return prefill_tokens / self.prefill_s(prefill_tokens)
+
     def step_s(self, shape: StepShape) -> float:
         return self.decode_step_s(shape.decode_seqs, shape.context_tokens) + self.prefill_s(
             shape.prefill_tokens

@@ -140,7 +140,7 @@ def _prefill_need(
     known = [w.cost for w in workers if w.cost.knows_prefill]
     if not known:
         return float(len(workers))
-    per_worker = sum(RATE_PROBE_TOKENS / c.prefill_s(RATE_PROBE_TOKENS) for c in known) / len(known)
+    per_worker = sum(c.prefill_tokens_per_s(RATE_PROBE_TOKENS) for c in known) / len(known)
     waiting = admission.queued_prompt_tokens + admission.prefill_backlog_tokens
     tokens_per_s = prompt_tokens_per_s + waiting / targets.wait_budget_s
     return tokens_per_s / (per_worker * targets.utilization)

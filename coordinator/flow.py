@@ -29,6 +29,7 @@ from splitserve.common.detokenizer import TokenDecoder
 from splitserve.common.errors import InvalidRequestError, WorkerUnavailableError
 from splitserve.common.output_processor import RequestTracker, StreamChunk
 from splitserve.common.request_update import RequestUpdate
+from splitserve.common.sampling_params import SamplingParams
 from splitserve.coordinator.attempt import (
     Attempt,
     AttemptTimeouts,
@@ -83,12 +84,9 @@ class RequestFlow:
         arrival, so placement counts the wait since: admission's queue), its span is what
         every attempt's worker spans join, its session what every attempt routes by."""
         self.request = request
-        self.request_id = request.request_id
-        self.prompt_token_ids = list(request.prompt_token_ids)
-        self.params = request.params
         self.state = FlowState.ADMITTED
         self.tracker = RequestTracker(
-            request.request_id, self.prompt_token_ids, request.params, decoder
+            request.request_id, request.prompt_token_ids, request.params, decoder
         )
         self._num_cached_tokens = 0  # of attempts that ended
         self._router = router
@@ -111,6 +109,18 @@ class RequestFlow:
         ``decode_resume``), or ("prefill", "no_first_token"), a pushed prompt's first token
         late past its limit (``attempt.prefill_stall_limit_s``; also a
         ``prefill_fallback``)."""
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def prompt_token_ids(self) -> tuple[int, ...]:
+        return self.request.prompt_token_ids
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
 
     def replay(self, streamed_token_ids: list[int]) -> StreamChunk:
         """Take ``streamed_token_ids`` as already streamed (by another coordinator, which the

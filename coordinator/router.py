@@ -353,7 +353,7 @@ class Router:
 
         def rate(worker: WorkerRecord) -> float | None:
             cost = worker.load.step_cost
-            return probe_tokens / cost.prefill_s(probe_tokens) if cost.knows_prefill else None
+            return cost.prefill_tokens_per_s(probe_tokens) if cost.knows_prefill else None
 
         prefill_workers = self.registry.workers(Role.PREFILL)
         prefill_rates = [r for r in map(rate, prefill_workers) if r is not None]

@@ -50,6 +50,7 @@ from splitserve.common.tracing import (
 )
 from splitserve.coordinator.admission import AdmissionConfig, KvAdmission, WorkerCapacity
 from splitserve.coordinator.capacity import (
+    RATE_PROBE_TOKENS,
     CapacityTargets,
     DemandMeter,
     DesiredWorkers,
@@ -81,8 +82,6 @@ RECOVERING_RETRY_AFTER_S = 2.0
 interval, after which a worker that was only late is routable again."""
 GRAMMAR_COMPILE_TIMEOUT_S = 10.0
 """Longest a structured output may take to compile before its request is refused."""
-RATE_PROBE_TOKENS = 2048
-"""Prompt tokens a worker's prefill rate is read at (a step's budget)."""
 TPOT_HEADROOM = 0.8
 """Decode steps are planned to this share of the TPOT target (the rest: hops, local
 prompts, noise)."""

@@ -180,7 +180,7 @@ class FleetParams:
     @property
     def prefill_tokens_per_s(self) -> float:
         """One worker's prompt rate at a full chunk (as admission reads a worker's)."""
-        return self.chunk_tokens / self.cost.prefill_s(self.chunk_tokens)
+        return self.cost.prefill_tokens_per_s(self.chunk_tokens)
 
 
 # ---- the run ----------------------------------------------------------------------------------
