@@ -40,7 +40,7 @@ from splitserve.common.metrics import serve_metrics
 from splitserve.common.model_files import load_tokenizer, model_name_of, resolve_model_path
 from splitserve.common.settings import add_settings_args, settings_or_exit
 from splitserve.common.tracing import configure_tracing, shutdown_tracing
-from splitserve.coordinator import INTERNAL_READY, PUBLIC_READY
+from splitserve.coordinator import COORDINATOR_METRICS, INTERNAL_READY, PUBLIC_READY
 from splitserve.coordinator.dial_check import DialCheck
 from splitserve.coordinator.membership_follower import MembershipFollower
 from splitserve.coordinator.membership_servicer import MembershipServicer
@@ -174,7 +174,7 @@ async def _serve(
     print(f"{INTERNAL_READY} at {settings.host}:{internal.port}", flush=True)
     if settings.metrics_port >= 0:
         port = serve_metrics(registry, settings.host, settings.metrics_port)
-        print(f"coordinator metrics at http://{settings.host}:{port}/metrics", flush=True)
+        print(f"{COORDINATOR_METRICS} at http://{settings.host}:{port}/metrics", flush=True)
     tune_gc_for_serving()
     print(f"{PUBLIC_READY} at {settings.host}:{server.port}", flush=True)
     watcher = asyncio.create_task(_watch_workers(coordinator, server, stop))

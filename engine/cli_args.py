@@ -82,6 +82,11 @@ class EngineSettings:
         "a simulated engine's step-time profile (python -m splitserve.engine.sim_calibrate "
         "writes one), or 'default'",
     )
+    sim_startup_s: float | None = setting(
+        None,
+        "a simulated worker serves this many seconds after its process started, as the real "
+        "one would (default: the profile's measured start-up, startup_s; 0 where unmeasured)",
+    )
     record_steps: str | None = setting(
         None,
         "log every engine step's shape and time in this directory (steps-<pid>-*.jsonl), for "

@@ -79,10 +79,10 @@ def worker_processes(args: argparse.Namespace) -> list[tuple[str, int]]:
 
 def worker_cores(args: argparse.Namespace) -> list[str | None]:
     """Each worker's ``--cpu-affinity`` in start order (prefill, decode, dual-role workers);
-    None each with ``--no-pin``, with several workers a process (simulated: nothing to pin)
-    or too few cores (``worker_core_sets``)."""
+    None each with ``--no-pin``, ``--autoscale`` (the count changes), with several workers a
+    process (simulated: nothing to pin) or too few cores (``worker_core_sets``)."""
     num_processes = len(worker_processes(args))
-    if args.no_pin or args.workers_per_process > 1:
+    if args.no_pin or args.workers_per_process > 1 or args.autoscale:
         return [None] * num_processes
     return worker_core_sets(num_processes, sorted(os.sched_getaffinity(0)))
 
@@ -194,6 +194,24 @@ def worker_argvs(
         own = shlex.split(args.decode_worker_args) if role == "decode" else []
         workers.append((f"{role}-{index}", [*module, *flags, *worker_args, *own]))
     return workers
+
+
+def scaled_worker_argv(
+    args: argparse.Namespace,
+    role: str,
+    serial: int,
+    coordinator: str,
+    worker_args: Sequence[str],
+) -> tuple[str, list[str]]:
+    """(name, module and flags) of a worker ``splitserve up --autoscale`` adds to ``role``
+    (prefill or decode) beyond those it started with: named ``<role>-<serial>`` (``serial``
+    past every start-up worker's index), unpinned (``worker_cores``), its metrics on any free
+    port (printed; none with a negative ``--metrics-port-base``)."""
+    name = f"{role}-{serial}"
+    metrics = -1 if args.metrics_port_base < 0 else 0
+    flags = _worker_argv(args, args.model, name, coordinator, metrics_port=metrics)
+    own = shlex.split(args.decode_worker_args) if role == "decode" else []
+    return name, [f"splitserve.{role}.main", *flags, *worker_args, *own]
 
 
 def extra_model_argvs(

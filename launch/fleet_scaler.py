@@ -1,7 +1,8 @@
 """The deployed autoscaler, modelled for the fleet simulation (``launch/fleet_sim.py``, a
 ``FleetConfig`` with ``autoscale``): what scales a fleet while its rate changes.
 
-As deployed (``deploy/base/autoscaling.yaml``): the configuration's counts are each scaled
+As deployed (``deploy/base/autoscaling.yaml``; the moves are ``launch/scale_policy.py``'s,
+which ``splitserve up --autoscale`` makes too): the configuration's counts are each scaled
 role's most (``maxReplicaCount``; dual-role workers do not scale, the deployment has no
 autoscaler for them). Every ``ScalerSettings.check_interval_s`` the coordinator's own figure,
 ``coordinator/capacity.py:desired_workers`` (demand measured at the input: the
@@ -19,10 +20,7 @@ its caps is the run of any larger caps too (``launch/plan.py:Evaluator`` reuses 
 
 from __future__ import annotations
 
-import collections
-import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from splitserve.coordinator.admission import AdmissionSnapshot
@@ -34,28 +32,13 @@ from splitserve.coordinator.capacity import (
 )
 from splitserve.launch.fleet_engine import Engine
 from splitserve.launch.fleet_workload import SimRequest, WorkloadSpec
+from splitserve.launch.scale_policy import ScalePolicy
 
 if TYPE_CHECKING:
     from splitserve.launch.fleet_sim import FleetConfig, FleetParams
 
 ROLES = ("prefill", "decode", "dual")
 SCALED_ROLES = ("prefill", "decode")
-
-
-@dataclass(frozen=True)
-class ScalerSettings:
-    """The autoscaler's settings (``deploy/base/autoscaling.yaml``'s; module docstring) and
-    the coordinator's wait budget (``--scale-wait-budget-s``)."""
-
-    check_interval_s: float = 15.0
-    """KEDA's ``pollingInterval`` (the HPA syncs as often)."""
-    stabilization_s: float = 300.0
-    """The HPA's scale-down ``stabilizationWindowSeconds``."""
-    scale_down_period_s: float = 60.0
-    """One worker down per this (the scale-down policy's ``periodSeconds``)."""
-    scale_up_pods: int = 4
-    """The HPA's default scale-up: this many workers or doubling, whichever is more."""
-    wait_budget_s: float = CapacityTargets.wait_budget_s
 
 
 class ScalerHost(Protocol):
@@ -89,11 +72,10 @@ class Scaler:
             wait_budget_s=self.settings.wait_budget_s,
             utilization=run.config.scale_utilization,
         )
-        self.asked: dict[str, collections.deque[tuple[float, int]]] = {
-            role: collections.deque() for role in SCALED_ROLES
+        self.policies = {
+            role: ScalePolicy(self.settings, most=max(1, run.config.count(role)))
+            for role in SCALED_ROLES
         }
-        """Per role, (when, workers) the figure asked for, over the stabilization window."""
-        self.last_down = dict.fromkeys(SCALED_ROLES, -math.inf)
 
     def begin(self) -> None:
         """Start at one worker of each scaled role (``minReplicaCount``) and every dual-role
@@ -123,33 +105,22 @@ class Scaler:
             self.targets,
         )
         for role, need in (("prefill", desired.prefill), ("decode", desired.decode)):
-            most = run.config.count(role)
-            if most:
-                self._resize(role, max(1, min(most, math.ceil(need - 1e-9))))
+            if run.config.count(role):
+                self._resize(role, need)
 
-    def _resize(self, role: str, wanted: int) -> None:
-        run, settings = self.run, self.settings
-        asked = self.asked[role]
-        asked.append((run.now, wanted))
-        while asked[0][0] < run.now - settings.stabilization_s:
-            asked.popleft()
+    def _resize(self, role: str, need: float) -> None:
+        run = self.run
         live = [e for e in run.engines if e.role == role and e.left_s is None]
         active = [e for e in live if not e.draining]
-        if wanted > len(active):
-            for _ in range(min(wanted - len(active), max(settings.scale_up_pods, len(active)))):
-                draining = [e for e in live if e.draining]
-                if draining:  # take one back before asking for a new one
-                    draining[0].draining = False
-                    draining[0].start()
-                else:
-                    run.add_engine(role, ready_s=run.now + run.params.startup_s)
-            return
-        stabilized = max(count for _, count in asked)
-        if (
-            stabilized < len(active)
-            and run.now - self.last_down[role] >= settings.scale_down_period_s
-        ):
-            self.last_down[role] = run.now
+        move = self.policies[role].move(run.now, need, len(active))
+        for _ in range(max(move, 0)):
+            draining = [e for e in live if e.draining]
+            if draining:  # take one back before asking for a new one
+                draining[0].draining = False
+                draining[0].start()
+            else:
+                run.add_engine(role, ready_s=run.now + run.params.startup_s)
+        if move < 0:
             self._retire_one(active)
 
     def _retire_one(self, active: list[Engine]) -> None:

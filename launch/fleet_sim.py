@@ -65,8 +65,9 @@ from splitserve.coordinator.router import CACHED_BLOCK_WEIGHT
 from splitserve.engine.sim_profile import SimProfile
 from splitserve.launch.fleet_engine import Engine, Flight, Job
 from splitserve.launch.fleet_results import RequestOutcome, SimResult
-from splitserve.launch.fleet_scaler import ROLES, Scaler, ScalerSettings
+from splitserve.launch.fleet_scaler import ROLES, Scaler
 from splitserve.launch.fleet_workload import SimRequest, WorkloadSpec, requests
+from splitserve.launch.scale_policy import ScalerSettings
 
 SIMPLIFICATIONS = (
     "admission's predicted wait is the prompt tokens queued ahead over the prefill rate (the "

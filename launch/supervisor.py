@@ -8,9 +8,11 @@ ran ``STABLE_AFTER_S`` before it died starts again from the base). The others ke
 meanwhile: a restarted worker registers with the coordinator again; a restarted coordinator
 or gateway binds the ports its first run announced (``pin`` rewrites ``--port=0``). With
 ``restart=False`` the first death ends ``supervise`` instead (the old all-or-nothing mode).
+Children may be started while ``supervise`` runs; ``retire`` drains one for good (SIGTERM, a
+kill only after the drain timeout) and forgets it (``launch/local_autoscaler.py``).
 
-Invariants: ``stop_all`` stops the current process of every child, last started first, and no
-restart begins once ``stop`` is set.
+Invariants: ``stop_all`` stops the current process of every child, last started first; no
+restart begins once ``stop`` is set; a retired child is never restarted.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from splitserve.launch.child_process import (
     ChildExited,
     ChildProcess,
     ReadyError,
+    StopResult,
     python_module_argv,
 )
 
@@ -67,6 +70,8 @@ class Child:
     started_at: float = field(default_factory=time.monotonic)
     quick_deaths: int = 0
     """Deaths in a row, each within ``STABLE_AFTER_S`` of its start."""
+    retired: bool = False
+    """Being drained for good (``Supervisor.retire``): never restarted."""
 
     def pin(self, flag: str, value: str) -> None:
         """Restarts pass ``flag=value`` (e.g. the port the first run was given when asked
@@ -173,7 +178,7 @@ class Supervisor:
             self._exited.clear()
             for child in self.children:
                 status = child.process.returncode
-                if status is None or child.name in self._restarting:
+                if status is None or child.name in self._restarting or child.retired:
                     continue
                 if not self.restart:
                     say(f"splitserve up: {child.name} exited with status {status}; stopping")
@@ -197,6 +202,16 @@ class Supervisor:
         with contextlib.suppress(Stopped, ReadyError):  # a failed start is its next death
             address = await self.wait_ready(child, stop)
             say(f"splitserve up: {child.name} is back, ready at {address}")
+
+    async def retire(self, child: Child) -> StopResult:
+        """Drain ``child`` for good: SIGTERM (a worker finishes every request it holds within
+        its drain timeout), SIGKILL only after ``drain_timeout_s + STOP_MARGIN_S``; then
+        forget it. It is not restarted, whenever its process ends."""
+        child.retired = True
+        result = await asyncio.to_thread(child.process.stop, self._grace_s)
+        with contextlib.suppress(ValueError):  # stop_all may have run meanwhile
+            self.children.remove(child)
+        return result
 
     async def stop_all(self) -> bool:
         """SIGTERM every child (last started first), SIGKILL those still running after the

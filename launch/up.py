@@ -69,7 +69,7 @@ from splitserve.common.api_keys import (
 )
 from splitserve.common.env_flags import env_name
 from splitserve.common.settings import add_settings_args, settings_or_exit
-from splitserve.coordinator import INTERNAL_READY, PUBLIC_READY
+from splitserve.coordinator import COORDINATOR_METRICS, INTERNAL_READY, PUBLIC_READY
 from splitserve.kernels.cpu_build import kernel_plan_line
 from splitserve.launch.child_process import ReadyError
 from splitserve.launch.commands import (
@@ -80,8 +80,10 @@ from splitserve.launch.commands import (
     lending_pairs,
     member_ids,
     membership_flags,
+    scaled_worker_argv,
     worker_argvs,
     worker_cores,
+    worker_processes,
 )
 from splitserve.launch.layout import (
     MODELLED,
@@ -96,7 +98,9 @@ from splitserve.launch.layout import (
     workload_of,
 )
 from splitserve.launch.layout_recheck import recheck_layout
+from splitserve.launch.local_autoscaler import AutoscaleTargets, LocalAutoscaler, scaled_children
 from splitserve.launch.members import wait_for_members
+from splitserve.launch.scale_policy import ScalerSettings
 from splitserve.launch.supervisor import READY_TIMEOUT_S, Stopped, Supervisor, say
 from splitserve.launch.up_settings import UpSettings
 from splitserve.proto.cluster_auth import TOKEN_ENV, ClusterCredential
@@ -173,11 +177,11 @@ async def _start_all(
     credential: ClusterCredential,
     tls: TlsConfig | None,
     busy_dir: str,
-) -> tuple[str, str]:
+) -> tuple[str, list[str]]:
     """Start every child in order, each once the previous ones are ready; the coordinators'
     public addresses, comma-separated, once every coordinator routes to every worker
-    (``launch/members.py``), and the first coordinator's internal address. Ports asked for as 0
-    are pinned to those the first run got, for restarts."""
+    (``launch/members.py``), and their internal addresses. Ports asked for as 0 are pinned to
+    those the first run got, for restarts."""
     publics, internals = [], []
     for index in range(args.coordinators):
         name = "coordinator" if args.coordinators == 1 else f"coordinator-{index}"
@@ -210,7 +214,7 @@ async def _start_all(
             gateway = children.start(name, gateway_argv(args, address, port, extra_publics))
             port = _port_of(await children.wait_ready(gateway, stop))
             gateway.pin("--port", port)
-    return address, internals[0]
+    return address, internals
 
 
 async def _start_extra_model(
@@ -264,13 +268,16 @@ async def _run(
     )
     with _busy_dir(args) as busy_dir:
         try:
-            address, internal = await _start_all(
+            address, internals = await _start_all(
                 children, args, worker_args, stop, credential, tls, busy_dir
             )
             say(f"splitserve up: {layout_summary(args, lending=busy_dir is not None)}")
             say(f"splitserve up: {kernel_plan_line()}")
             say(f"splitserve ready at {address}")
-            async with _layout_recheck(args, internal, credential, tls):
+            async with (
+                _layout_recheck(args, internals[0], credential, tls),
+                _autoscaling(args, children, internals, worker_args, stop),
+            ):
                 await children.supervise(stop)
             status = 0 if stop.is_set() else 1
         except Stopped:
@@ -310,6 +317,47 @@ async def _layout_recheck(
             pass
         except Exception as error:  # an advisory loop that failed must not fail the shutdown
             say(f"splitserve up: the layout re-check had stopped: {error!r}", file=sys.stderr)
+
+
+@contextlib.asynccontextmanager
+async def _autoscaling(
+    args: argparse.Namespace,
+    children: Supervisor,
+    internals: list[str],
+    worker_args: list[str],
+    stop: asyncio.Event,
+) -> AsyncIterator[None]:
+    """With ``--autoscale``, moves the prefill and decode workers while the body runs
+    (``launch/local_autoscaler.py``)."""
+    if not args.autoscale:
+        yield
+        return
+    urls = tuple(
+        child.process.announcements()[COORDINATOR_METRICS]
+        for child in children.children
+        if child.name == "coordinator" or child.name.startswith("coordinator-")
+    )
+    settings = ScalerSettings(
+        check_interval_s=args.autoscale_interval_s,
+        stabilization_s=args.scale_down_window_s,
+        scale_down_period_s=args.scale_down_period_s,
+    )
+    internal = ",".join(internals)
+    autoscaler = LocalAutoscaler(
+        children,
+        scaled_children(children.children),
+        lambda role, serial: scaled_worker_argv(args, role, serial, internal, worker_args),
+        AutoscaleTargets(urls, settings, args.max_workers),
+        say,
+        first_serial=len(worker_processes(args)),
+    )
+    task = asyncio.ensure_future(autoscaler.run(stop))
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
 
 @contextlib.contextmanager

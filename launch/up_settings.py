@@ -47,6 +47,34 @@ class LayoutSettings:
 
 
 @dataclass(frozen=True)
+class AutoscaleSettings:
+    """``--autoscale``: ``up`` adds and drains its own prefill and decode workers
+    (``launch/local_autoscaler.py``; the policy is ``launch/scale_policy.py``'s)."""
+
+    ENV: ClassVar[bool] = False
+    TITLE: ClassVar[str] = "autoscaling"
+    autoscale: bool = setting(
+        False,
+        "add and drain prefill and decode workers as the coordinators' "
+        "splitserve_desired_workers asks (up at once; down one at a time once the figure has "
+        "stayed lower for --scale-down-window-s, always by draining); --prefill/--decode are "
+        "the counts it starts with, at least 1 each; workers are not pinned",
+    )
+    max_workers: int = setting(4, "with --autoscale: the most workers of each role")
+    autoscale_interval_s: float = setting(
+        15.0, "with --autoscale: how often the coordinators' figure is read"
+    )
+    scale_down_window_s: float = setting(
+        300.0,
+        "with --autoscale: a role shrinks only below the most workers its figure asked for "
+        "over this many seconds (the HPA's stabilization window)",
+    )
+    scale_down_period_s: float = setting(
+        60.0, "with --autoscale: at most one worker of a role drained per this many seconds"
+    )
+
+
+@dataclass(frozen=True)
 class UpSettings:
     """Every flag of ``splitserve up`` (``up.py``)."""
 
@@ -133,6 +161,7 @@ class UpSettings:
         "Prometheus /metrics ports: coordinator i at base + i, worker i after them (0: any "
         "free port each, printed at start; -1: no metrics)",
     )
+    autoscaling: AutoscaleSettings = default_group(AutoscaleSettings)
     membership: MembershipSettings = default_group(MembershipSettings)
     tls: TlsSettings = default_group(TlsSettings)
     api_keys: ApiKeySettings = default_group(ApiKeySettings)
@@ -147,3 +176,18 @@ class UpSettings:
             raise ValueError("--workers-per-process must be at least 1")
         if self.gateways < 1:
             raise ValueError("--gateways must be at least 1 (--no-gateway starts none)")
+        scaling = self.autoscaling
+        if scaling.autoscale:
+            if min(self.prefill, self.decode) < 1 or max(self.prefill, self.decode) > (
+                scaling.max_workers
+            ):
+                raise ValueError(
+                    "--autoscale starts with 1 to --max-workers prefill and decode workers "
+                    f"each, not {self.prefill} and {self.decode}"
+                )
+            if self.workers_per_process > 1:
+                raise ValueError("--autoscale moves whole processes: --workers-per-process 1")
+            if self.metrics_port_base < 0:
+                raise ValueError("--autoscale reads the coordinators' metrics: not with -1")
+            if scaling.autoscale_interval_s <= 0:
+                raise ValueError("--autoscale-interval-s must be positive")

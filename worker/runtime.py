@@ -68,6 +68,7 @@ from splitserve.worker.process import (
 )
 from splitserve.worker.registration import CoordinatorLink
 from splitserve.worker.servicer_base import WorkerServicerBase
+from splitserve.worker.sim_startup import wait_out_startup
 from splitserve.worker.stall_watch import StallWatch
 from splitserve.worker.transfer_settings import TransferSettings
 
@@ -169,6 +170,7 @@ async def run_worker(
         for role, identity in zip(roles, identities, strict=True)
     ]
     await _warm_up(engine)
+    await wait_out_startup(args)  # a simulated worker serves when the real one would
     model_name = model_name_of(resolve_model_path(args.model))  # announced, and a metric label
     if args.metrics_port >= 0:
         _serve_worker_metrics(args, engine, domains, model_name, label)
