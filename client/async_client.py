@@ -111,6 +111,7 @@ class AsyncClient:
         traceparent: str = "",
         session_id: str = "",
         model: str = "",
+        add_special_tokens: bool | None = None,
     ) -> AsyncGenerator[Chunk | Finish, None]:
         """Stream a completion of exactly one of ``prompt`` (raw text), ``messages`` (chat,
         rendered with the model's template) or ``token_ids``: ``Chunk``s, then exactly one
@@ -128,10 +129,13 @@ class AsyncClient:
         coordinator sends a session's requests to the same decode worker, where its earlier
         turns' KV is, while that worker has room. ``model``: the model asked for (""
         whatever the coordinator serves; another than it serves is NOT_FOUND).
+        ``add_special_tokens`` (vLLM's): whether the prompt is tokenized with the
+        tokenizer's special tokens (its BOS, where the model adds one); None: yes for
+        ``prompt``, no for ``messages`` (the chat template writes its own).
         """
         request = wire.generate_request(
             prompt, messages, token_ids, sampling, request_id, priority, targets, traceparent,
-            session_id, model,
+            session_id, model, add_special_tokens,
         )  # fmt: skip
         stream = StreamContinuation(request, Deadline(self._timeout(timeout_s)), self._start)
         while stream.needs_call:
@@ -164,6 +168,7 @@ class AsyncClient:
         traceparent: str = "",
         session_id: str = "",
         model: str = "",
+        add_special_tokens: bool | None = None,
         tools: Sequence[Mapping[str, Any]] | None = None,
         tool_choice: str | Mapping[str, Any] | None = None,
         parallel_tool_calls: bool | None = None,
@@ -190,6 +195,7 @@ class AsyncClient:
             model=model,
             targets=targets,
             timeout_s=timeout_s,
+            add_special_tokens=add_special_tokens,
         )
         async with contextlib.aclosing(items):
             async for item in items:
@@ -222,6 +228,7 @@ class AsyncClient:
         traceparent: str = "",
         session_id: str = "",
         model: str = "",
+        add_special_tokens: bool | None = None,
     ) -> list[Generation]:
         """``n`` completions of one prompt, as one prompt computed once and forked
         (``client/choices.py``): choice ``j`` samples with ``sampling.seed + j`` (so it equals
@@ -253,6 +260,7 @@ class AsyncClient:
                 traceparent=traceparent,
                 session_id=session,
                 model=model,
+                add_special_tokens=add_special_tokens,
             )  # fmt: skip
             for j, choice in enumerate(choice_samplings(base, count))
         ]
@@ -274,11 +282,13 @@ class AsyncClient:
         prompt: str | None = None,
         *,
         messages: Sequence[wire.MessageLike] | None = None,
+        add_special_tokens: bool | None = None,
         timeout_s: float | None | EllipsisType = ...,
     ) -> list[int]:
         """The token ids ``stream`` would send the model for exactly one of ``prompt`` or
-        ``messages`` (rendered with the model's chat template, generation prompt appended)."""
-        request = wire.tokenize_request(prompt, messages)
+        ``messages`` (rendered with the model's chat template, generation prompt appended),
+        ``add_special_tokens`` as there."""
+        request = wire.tokenize_request(prompt, messages, add_special_tokens)
         reply = await self._unary(self._stub().Tokenize, request, timeout_s)
         return list(reply.token_ids)
 

@@ -83,6 +83,7 @@ class Client:
         traceparent: str = "",
         session_id: str = "",
         model: str = "",
+        add_special_tokens: bool | None = None,
     ) -> Generator[Chunk | Finish, None, None]:
         """Stream a completion of exactly one of ``prompt``, ``messages`` or ``token_ids``:
         ``Chunk``s, then exactly one ``Finish``; raises ``ClientError``.
@@ -92,7 +93,7 @@ class Client:
         """
         request = wire.generate_request(
             prompt, messages, token_ids, sampling, request_id, priority, targets, traceparent,
-            session_id, model,
+            session_id, model, add_special_tokens,
         )  # fmt: skip
         stream = StreamContinuation(request, Deadline(self._timeout(timeout_s)), self._start)
         while stream.needs_call:
@@ -122,6 +123,7 @@ class Client:
         traceparent: str = "",
         session_id: str = "",
         model: str = "",
+        add_special_tokens: bool | None = None,
         tools: Sequence[Mapping[str, Any]] | None = None,
         tool_choice: str | Mapping[str, Any] | None = None,
         parallel_tool_calls: bool | None = None,
@@ -144,6 +146,7 @@ class Client:
             model=model,
             targets=targets,
             timeout_s=timeout_s,
+            add_special_tokens=add_special_tokens,
         )
         with contextlib.closing(items):
             for item in items:
@@ -168,10 +171,11 @@ class Client:
         prompt: str | None = None,
         *,
         messages: Sequence[wire.MessageLike] | None = None,
+        add_special_tokens: bool | None = None,
         timeout_s: float | None | EllipsisType = ...,
     ) -> list[int]:
         """The token ids ``stream`` would send the model (see ``AsyncClient.tokenize``)."""
-        request = wire.tokenize_request(prompt, messages)
+        request = wire.tokenize_request(prompt, messages, add_special_tokens)
         return list(self._unary(self._coordinator.Tokenize, request, timeout_s).token_ids)
 
     def detokenize(

@@ -15,8 +15,13 @@ Contract, by ``tool_choice``:
   constrained by a JSON schema (``ToolPlan.grammar``: the format above, names limited to the
   tools, or to N, each tool's arguments by its own parameters schema), so a call is
   guaranteed; one call only with a named choice or ``parallel_tool_calls: false``.
-- History: an assistant message's ``tool_calls`` are rendered in the format above, a tool
-  message's content as its text (``render_tool_calls``).
+- A call's ``arguments`` are the JSON text the model wrote for them (``{}`` when it wrote
+  none): what a stream sends in pieces as it is written (``client/tool_call_scanner.py``)
+  is, joined, exactly what the whole answer carries.
+- History: an assistant message's calls (with their ids) and a tool message's
+  ``tool_call_id`` travel as ``ChatMessage`` fields; the coordinator shows them to the chat
+  template, and to one that does not render them itself in this format, ids included
+  (``common/chat_messages.py``).
 Malformed tools or choices raise ``InvalidRequestError`` naming ``tools`` / ``tool_choice``
 (the gateway's 400s). The gateway (``gateway/sampling.py``, ``gateway/responses.py``) and the
 Python client (``AsyncClient.generate``'s ``tools``) share this module: over gRPC a tool call
@@ -31,6 +36,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from splitserve.client.tool_call_scanner import ToolCallScanner
 from splitserve.client.types import ChatMessage, Generation, Sampling, ToolCall
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.grammar import GrammarSpec
@@ -98,24 +104,24 @@ class ToolPlan:
             "additionalProperties": False,
         })  # fmt: skip
 
+    def scanner(self) -> ToolCallScanner:
+        """A scanner of one answer, calls streamed as they are written
+        (``client/tool_call_scanner.py``)."""
+        return ToolCallScanner(frozenset(f.name for f in self.functions))
+
     def parse(self, text: str) -> list[ToolCall] | None:
-        """The calls an answer makes, or None when it is not a call in the format."""
+        """The calls a whole answer makes (each call's arguments as the model wrote them),
+        or None when it is not valid JSON in the format."""
+        scanner = self.scanner()
+        scanner.feed(text)
+        calls = scanner.finish()
+        if calls is None:
+            return None
         try:
-            answer = json.loads(text)
-        except ValueError:
+            json.loads(text)
+        except (ValueError, RecursionError):  # not JSON, or nested deeper than it parses
             return None
-        if not isinstance(answer, dict) or set(answer) != {"tool_calls"}:
-            return None
-        names = {f.name for f in self.functions}
-        calls = answer["tool_calls"]
-        if not isinstance(calls, list) or not calls:
-            return None
-        parsed = []
-        for call in calls:
-            if not isinstance(call, dict) or call.get("name") not in names:
-                return None
-            parsed.append(ToolCall(call["name"], json.dumps(call.get("arguments", {}))))
-        return parsed
+        return calls
 
 
 def tool_plan(
@@ -165,20 +171,6 @@ def _choice(choice: Any, names: list[str]) -> str:
     raise InvalidRequestError(
         "tool_choice must be none, auto, required or a named function", "tool_choice"
     )
-
-
-def render_tool_calls(tool_calls: list[dict[str, Any]]) -> str:
-    """An assistant message's ``tool_calls`` as the model writes them (module docstring)."""
-    calls = []
-    for call in tool_calls:
-        function = call.get("function") or {}
-        arguments = function.get("arguments") or "{}"
-        try:
-            parsed = json.loads(arguments) if isinstance(arguments, str) else arguments
-        except ValueError:
-            raise InvalidRequestError("a tool call's arguments must be JSON", "messages") from None
-        calls.append({"name": function.get("name"), "arguments": parsed})
-    return json.dumps({"tool_calls": calls})
 
 
 def with_tools(messages: Sequence[ChatMessage], plan: ToolPlan | None) -> list[ChatMessage]:

@@ -2,7 +2,8 @@
 
 Frozen dataclasses, independent of the generated proto classes except for
 ``Sampling.to_proto`` and ``LatencyTargets.to_proto``; ``splitserve.client.wire`` converts
-responses into them.
+responses into them. Chat messages and tool calls (``ChatMessage``, ``ToolCall``) are the
+ones every layer carries, ``common/chat_messages.py``'s, exported here.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from dataclasses import dataclass, fields
 import grpc
 
 from splitserve.client.errors import ClientError
+from splitserve.common.chat_messages import ChatMessage as ChatMessage  # the client's too
+from splitserve.common.chat_messages import ToolCall
 from splitserve.common.grammar import GrammarSpec
 from splitserve.proto.splitserve.v1 import common_pb2, coordinator_pb2
 
@@ -100,14 +103,6 @@ class Sampling:
 
 
 @dataclass(frozen=True)
-class ChatMessage:
-    """One chat turn; the API also accepts plain ``{"role": ..., "content": ...}`` dicts."""
-
-    role: str
-    content: str
-
-
-@dataclass(frozen=True)
 class Usage:
     """Token counts of a request so far (cumulative on every chunk)."""
 
@@ -158,15 +153,6 @@ class Finish:
     finish_reason: str
     stop_reason: str | int | None
     usage: Usage
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    """One tool call a chat answer makes (``client/tools.py``)."""
-
-    name: str
-    arguments: str
-    """The arguments as a JSON text (OpenAI's ``function.arguments``)."""
 
 
 @dataclass(frozen=True)

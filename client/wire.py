@@ -20,10 +20,12 @@ from splitserve.client.types import (
     TopLogprob,
     Usage,
 )
+from splitserve.proto import convert
 from splitserve.proto.splitserve.v1 import common_pb2, coordinator_pb2
 
 MessageLike = ChatMessage | Mapping[str, str]
-"""A chat turn: a ``ChatMessage`` or a ``{"role": ..., "content": ...}`` dict."""
+"""A chat turn: a ``ChatMessage`` (tool call ids and calls included) or a
+``{"role": ..., "content": ...}`` dict."""
 
 COORDINATOR_SERVICE = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name
 """The full service name, as the coordinator reports it in ``grpc.health.v1``."""
@@ -44,6 +46,7 @@ def generate_request(
     traceparent: str = "",
     session_id: str = "",
     model: str = "",
+    add_special_tokens: bool | None = None,
 ) -> coordinator_pb2.GenerateRequest:
     """The request for exactly one of ``prompt``, ``messages`` or ``token_ids``
     (``request_id``: None or "" for a fresh one, ``new_request_id``; ``priority``: admission
@@ -51,7 +54,8 @@ def generate_request(
     targets, None for the coordinator's; ``traceparent``: a W3C trace context whose trace
     the request's spans join; ``session_id``: its session's, whose requests every coordinator
     sends to the same decode worker while that one has room; ``model``: the model asked for,
-    "" for the coordinator's).
+    "" for the coordinator's; ``add_special_tokens``: whether the prompt's text gets the
+    tokenizer's special tokens, None for the default: yes for text, no for a chat).
 
     Raises ``ValueError`` unless exactly one is given, ``TypeError`` for a malformed message and
     ``ClientError`` (INVALID_ARGUMENT) for sampling values the wire cannot carry.
@@ -66,6 +70,7 @@ def generate_request(
         traceparent=traceparent,
         session_id=session_id,
         model=model,
+        add_special_tokens=add_special_tokens,
     )
     if sampling is not None:
         request.sampling.CopyFrom(sampling.to_proto())
@@ -95,7 +100,7 @@ def continuation(
 
 def _message(message: MessageLike) -> coordinator_pb2.ChatMessage:
     if isinstance(message, ChatMessage):
-        return coordinator_pb2.ChatMessage(role=message.role, content=message.content)
+        return convert.chat_message_to_proto(message)
     try:
         role, content = message["role"], message.get("content")
     except (KeyError, TypeError, AttributeError) as error:
@@ -166,16 +171,21 @@ def _logprob(message: common_pb2.TokenLogprob) -> TokenLogprob:
 
 
 def tokenize_request(
-    prompt: str | None, messages: Sequence[MessageLike] | None
+    prompt: str | None,
+    messages: Sequence[MessageLike] | None,
+    add_special_tokens: bool | None = None,
 ) -> coordinator_pb2.TokenizeRequest:
-    """The request for exactly one of ``prompt`` or ``messages`` (``ValueError`` else)."""
+    """The request for exactly one of ``prompt`` or ``messages`` (``ValueError`` else);
+    ``add_special_tokens`` as ``generate_request``'s."""
     if (prompt is None) == (messages is None):
         raise ValueError("give exactly one of prompt, messages")
+    request = coordinator_pb2.TokenizeRequest(add_special_tokens=add_special_tokens)
     if prompt is not None:
-        return coordinator_pb2.TokenizeRequest(text=prompt)
-    assert messages is not None
-    chat = coordinator_pb2.ChatPrompt(messages=[_message(m) for m in messages])
-    return coordinator_pb2.TokenizeRequest(chat=chat)
+        request.text = prompt
+    else:
+        assert messages is not None
+        request.chat.CopyFrom(coordinator_pb2.ChatPrompt(messages=[_message(m) for m in messages]))
+    return request
 
 
 def model_info(message: coordinator_pb2.ModelInfo) -> ModelInfo:

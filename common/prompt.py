@@ -9,41 +9,56 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from splitserve.common.chat_messages import ChatMessage, template_messages
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.tokenizer import Tokenizer
 
-ChatMessages = Sequence[Mapping[str, str]]
-"""Chat messages ({"role", "content"}), rendered with the model's chat template."""
+ChatMessages = Sequence[ChatMessage | Mapping[str, str]]
+"""Chat messages (``ChatMessage``, or plain ``{"role", "content"}`` mappings), rendered with
+the model's chat template (``common/chat_messages.py:template_messages``)."""
 TextOrTokens = str | Sequence[int]
 """Text (tokenized with the model's special tokens), or token ids used as they are."""
 Prompt = TextOrTokens | ChatMessages
 
 
-def encode_prompt(tokenizer: Tokenizer, prompt: Prompt) -> list[int]:
+def is_chat(prompt: Prompt) -> bool:
+    """Whether ``prompt`` is chat messages (a non-empty sequence of messages)."""
+    return (
+        not isinstance(prompt, str)
+        and len(prompt) > 0
+        and isinstance(prompt[0], ChatMessage | Mapping)
+    )
+
+
+def encode_prompt(
+    tokenizer: Tokenizer, prompt: Prompt, add_special_tokens: bool | None = None
+) -> list[int]:
     """Token ids of ``prompt``; ``InvalidRequestError`` (param "prompt") when it is empty or
     holds something other than a token id of the vocabulary. Chat messages are rendered with
-    the generation prompt appended."""
+    the generation prompt appended. ``add_special_tokens`` (vLLM's): whether the tokenizer
+    adds its special tokens (BOS, ... where the model asks for them) to text; None: yes for
+    text, no for chat messages, whose template writes its own. Token ids are used as given."""
     if isinstance(prompt, str):
         if not prompt:
             raise InvalidRequestError("prompt must not be empty", "prompt")
-        return tokenizer.encode(prompt)
+        return tokenizer.encode(prompt, add_special_tokens is not False)
     if not prompt:
         raise InvalidRequestError("prompt must not be empty", "prompt")
-    if isinstance(prompt[0], Mapping):
-        messages = [dict(message) for message in prompt]  # type: ignore[arg-type]
-        return tokenizer.encode(tokenizer.apply_chat_template(messages))
+    if is_chat(prompt):
+        messages = template_messages(prompt, tokenizer.chat_template)  # type: ignore[arg-type]
+        return tokenizer.encode(tokenizer.apply_chat_template(messages), bool(add_special_tokens))
     token_ids = list(prompt)
     if any(not isinstance(token, int) or isinstance(token, bool) for token in token_ids):
         raise InvalidRequestError("prompt token ids must be integers", "prompt")
     check_in_vocab(token_ids, tokenizer.vocab_size, "prompt token ids", "prompt")
-    return token_ids
+    return token_ids  # type: ignore[return-value]
 
 
 def min_prompt_tokens(tokenizer: Tokenizer, prompt: Prompt) -> int:
     """A lower bound on ``len(encode_prompt(tokenizer, prompt))`` that costs no tokenizing
     (``Tokenizer.max_chars_per_token``): 0 when the tokenizer gives no bound. Lets a caller
     refuse a prompt far over the context before spending seconds tokenizing it."""
-    if not isinstance(prompt, str) and prompt and not isinstance(prompt[0], Mapping):
+    if not isinstance(prompt, str) and prompt and not is_chat(prompt):
         return len(prompt)  # token ids
     per_token = tokenizer.max_chars_per_token
     if not per_token or not prompt:
@@ -56,9 +71,15 @@ def prompt_chars(prompt: Prompt) -> int:
     contents (the template only adds); 0 for token ids, which are not tokenized."""
     if isinstance(prompt, str):
         return len(prompt)
-    if prompt and isinstance(prompt[0], Mapping):
-        return sum(len(str(m.get("content") or "")) for m in prompt)  # type: ignore[union-attr]
+    if is_chat(prompt):
+        return sum(len(_content(m)) for m in prompt)  # type: ignore[arg-type]
     return 0
+
+
+def _content(message: ChatMessage | Mapping[str, str]) -> str:
+    if isinstance(message, ChatMessage):
+        return message.content
+    return str(message.get("content") or "")
 
 
 def check_in_vocab(token_ids: Sequence[int], vocab: int, what: str, param: str) -> None:

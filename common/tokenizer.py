@@ -149,9 +149,10 @@ class Tokenizer:
         return self._backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+        self, messages: list[dict[str, object]], add_generation_prompt: bool = True
     ) -> str:
-        """Render ``messages`` ({"role", "content"} dicts) with the model's chat template."""
+        """Render ``messages`` ({"role", "content"} dicts, a string each, and whatever else a
+        template may read: ``common/chat_messages.py``) with the model's chat template."""
         if self._chat_template is None:
             raise InvalidRequestError(
                 "this model has no chat template; use a plain completion prompt", "messages"
@@ -297,7 +298,7 @@ def _compile_template(source: str) -> jinja2.Template:
         raise ModelLoadError(f"chat template does not compile: {exc}") from exc
 
 
-def _check_messages(messages: list[dict[str, str]]) -> None:
+def _check_messages(messages: list[dict[str, object]]) -> None:
     if not isinstance(messages, list) or not messages:
         raise InvalidRequestError("messages must be a non-empty list", "messages")
     for index, message in enumerate(messages):

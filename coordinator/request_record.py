@@ -31,6 +31,9 @@ class RequestAsk:
     prompt: Prompt
     sampling: AskedSampling
     """As the caller sent it: ``max_tokens`` unsettled, params not made."""
+    add_special_tokens: bool | None = None
+    """Whether the prompt's text is tokenized with the tokenizer's special tokens (None:
+    ``common/prompt.py:encode_prompt``'s default, yes for text, no for chat)."""
     request_id: str = ""
     """The caller's own id ("": the coordinator picks one); scoped by tenant later."""
     continue_after: tuple[int, ...] = ()

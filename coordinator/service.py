@@ -185,9 +185,10 @@ class Coordinator:
                 "structured_outputs",
             ) from None
 
-    def encode(self, prompt: Prompt) -> list[int]:
-        """Token ids of a prompt; raises ``InvalidRequestError`` for empty or malformed input."""
-        return encode_prompt(self.tokenizer, prompt)
+    def encode(self, prompt: Prompt, add_special_tokens: bool | None = None) -> list[int]:
+        """Token ids of a prompt (``add_special_tokens``: ``encode_prompt``'s); raises
+        ``InvalidRequestError`` for empty or malformed input."""
+        return encode_prompt(self.tokenizer, prompt, add_special_tokens)
 
     @property
     def max_model_len(self) -> int:
@@ -345,9 +346,9 @@ class Coordinator:
         ask.sampling.check()
         self._check_length_before_tokenizing(ask)
         if prompt_chars(ask.prompt) <= INLINE_ENCODE_CHARS:
-            prompt_ids = self.encode(ask.prompt)
+            prompt_ids = self.encode(ask.prompt, ask.add_special_tokens)
         else:  # tokenizing (and chat templating) a long prompt takes a while: not on the loop
-            prompt_ids = await asyncio.to_thread(self.encode, ask.prompt)
+            prompt_ids = await asyncio.to_thread(self.encode, ask.prompt, ask.add_special_tokens)
         self.demand.arrived(len(prompt_ids))  # at the input: refused ones are demand too
         self._check_ready()
         sampling = ask.sampling

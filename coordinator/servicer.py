@@ -238,7 +238,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         """The ids ``Generate`` would see for this prompt (tokenized on a thread, as there)."""
         await caller_of(self._keys, context)
         try:
-            token_ids = await asyncio.to_thread(self._coordinator.encode, _prompt_of(request))
+            token_ids = await asyncio.to_thread(
+                self._coordinator.encode, _prompt_of(request), _add_special_tokens(request)
+            )
         except SplitserveError as error:
             await abort_with(context, error)
         return coordinator_pb2.TokenizeResponse(
@@ -312,6 +314,7 @@ def ask_from_proto(request: coordinator_pb2.GenerateRequest) -> RequestAsk:
     ``InvalidRequestError`` for a field malformed on its own (no prompt, a bad target)."""
     return RequestAsk(
         prompt=_prompt_of(request),
+        add_special_tokens=_add_special_tokens(request),
         sampling=convert.asked_sampling_from_proto(request.sampling),
         request_id=request.request_id,
         continue_after=tuple(convert.token_ids(request.continue_after.ids)),
@@ -342,6 +345,13 @@ def _targets_of(request: coordinator_pb2.GenerateRequest) -> LatencyTargets:
     return LatencyTargets(ttft_ms=targets.ttft_ms or None, tpot_ms=targets.tpot_ms or None)
 
 
+def _add_special_tokens(
+    request: coordinator_pb2.GenerateRequest | coordinator_pb2.TokenizeRequest,
+) -> bool | None:
+    """The request's ``add_special_tokens``; None when unset (``encode_prompt``'s default)."""
+    return request.add_special_tokens if request.HasField("add_special_tokens") else None
+
+
 def _prompt_of(
     request: coordinator_pb2.GenerateRequest | coordinator_pb2.TokenizeRequest,
 ) -> Prompt:
@@ -351,7 +361,7 @@ def _prompt_of(
     if kind == "chat":
         if not request.chat.messages:
             raise InvalidRequestError("messages must not be empty", "messages")
-        return [{"role": m.role, "content": m.content} for m in request.chat.messages]
+        return [convert.chat_message_from_proto(m) for m in request.chat.messages]
     if kind == "token_ids":
         return list(request.token_ids.ids)  # type: ignore[union-attr]  # Generate's only
     raise InvalidRequestError("one of text, chat or token_ids is required", "prompt")

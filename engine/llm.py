@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator, Mapping, Sequence
 
+from splitserve.common.chat_messages import ChatMessage, template_messages
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.output_processor import CompletionOutput, RequestTracker, StreamChunk
 from splitserve.common.prompt import ChatMessages, TextOrTokens, encode_prompt
@@ -78,9 +79,13 @@ class LLM:
         """Prompt texts for one conversation or a list of them (chat template applied)."""
         if not conversations:
             raise InvalidRequestError("messages must not be empty", "messages")
-        if isinstance(conversations[0], Mapping):
+        if isinstance(conversations[0], Mapping | ChatMessage):
             conversations = [conversations]  # type: ignore[list-item]
-        return [self.tokenizer.apply_chat_template(list(c)) for c in conversations]
+        template = self.tokenizer.chat_template
+        return [
+            self.tokenizer.apply_chat_template(template_messages(c, template))  # type: ignore[arg-type]
+            for c in conversations
+        ]
 
     def encode_prompt(self, prompt: Prompt) -> list[int]:
         """Token ids of a prompt (text is tokenized with the model's special tokens)."""

@@ -353,7 +353,8 @@ def _add_token_routes(app: FastAPI, current: Callable[[], Gateway]) -> None:
     @app.post("/tokenize", response_model=schemas.TokenizeResponse, responses=_ERROR_RESPONSES)
     async def tokenize(body: schemas.TokenizeRequest, request: Request) -> dict[str, Any]:
         """vLLM's: the ids the model sees for ``prompt`` or ``messages`` (chat template and
-        generation prompt applied), as a generation request would send them."""
+        generation prompt applied, ``add_special_tokens`` as in a generation request), as a
+        generation request would send them."""
         gateway = current()
         gateway.count_ignored(body)
         route = await gateway.route(body.model, request)
@@ -362,7 +363,9 @@ def _add_token_routes(app: FastAPI, current: Callable[[], Gateway]) -> None:
             raise ApiError(400, "give exactly one of prompt or messages", param="prompt")
         messages = None if body.messages is None else chat_messages(body.messages)
         with client_errors_as_api_errors():
-            ids = await client.tokenize(body.prompt, messages=messages)
+            ids = await client.tokenize(
+                body.prompt, messages=messages, add_special_tokens=body.add_special_tokens
+            )
         assert route.info is not None  # known: routed by it
         return {"count": len(ids), "max_model_len": route.info.max_model_len, "tokens": ids}
 
@@ -495,8 +498,9 @@ def _choice_stream(
     model: str,
 ) -> AsyncGenerator[Chunk | Finish, None]:
     """One choice's stream of ``prompt`` (nothing is sent before its first ``anext``), with
-    the body's priority (vLLM's order, lower first) negated to gRPC's (higher first) and its
-    latency targets; ``model``: the coordinator's name for it, which it checks it serves."""
+    the body's priority (vLLM's order, lower first) negated to gRPC's (higher first), its
+    latency targets and ``add_special_tokens`` (unset: the coordinator's default for the
+    prompt's kind); ``model``: the coordinator's name for it, which it checks it serves."""
     return client.stream(
         prompt.prompt,
         messages=prompt.messages,
@@ -512,6 +516,7 @@ def _choice_stream(
         traceparent=traceparent,
         session_id=session_id,
         model=model,
+        add_special_tokens=body.add_special_tokens,
     )
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from splitserve.client import Chunk, Finish, TokenLogprob, Usage
 from splitserve.client.tools import ToolPlan
-from splitserve.gateway.tools import openai_tool_calls
+from splitserve.gateway.tools import ToolCallDeltas
 
 
 def usage_dict(usage: Usage) -> dict[str, Any]:
@@ -189,16 +189,21 @@ class ChatBuilder(ResponseBuilder):
         index: int = 0,
         tools: ToolPlan | None = None,
     ) -> None:
-        """``tools``: the request's shown tools (``client/tools.py``): content that may be a
-        tool call is held back until it is known not to be one (its first character is not
-        ``{``; with a forced choice, never), and an answer that is a call ends as
-        ``tool_calls`` with finish reason ``tool_calls``."""
+        """``tools``: the request's shown tools (``client/tools.py``): an answer that may be
+        a tool call is held back as content until it is known not to be one (it left the
+        format, ``client/tool_call_scanner.py``; with a forced choice, never); its calls
+        stream as ``delta.tool_calls`` pieces as they are written (``gateway/tools.py``), and
+        an answer that is a call ends as ``tool_calls`` with finish reason ``tool_calls``.
+        One that stops being a call after its calls began streaming (cut by ``max_tokens``,
+        text after the call) ends with its own finish reason and the whole answer as
+        content, as the non-streamed response has it."""
         super().__init__(response_id, model, index)
         self.want_logprobs = want_logprobs
         self.text_parts: list[str] = []
         self.tools = tools if tools is not None and tools.shown else None
         self._held: list[str] = []
         self._streams_content = self.tools is None
+        self._calls = None if self.tools is None else ToolCallDeltas(self.tools)
         self.tool_calls: list[dict[str, Any]] | None = None
         self.content_logprobs: list[dict[str, Any]] = []
 
@@ -228,17 +233,20 @@ class ChatBuilder(ResponseBuilder):
         return [self._envelope(self.chunk_object_name, [choice])]
 
     def add(self, chunk: Chunk) -> dict[str, Any] | None:
-        """The chunk's streamed form, or None while its content is held (it may be a call)."""
+        """The chunk's streamed form: its content, or the pieces of tool calls it makes
+        known; None while its content is held (it may be a call)."""
         self.usage = chunk.usage
         self.text_parts.append(chunk.text)
         text = chunk.text
         if not self._streams_content:
+            assert self.tools is not None and self._calls is not None
             self._held.append(chunk.text)
-            held = "".join(self._held)
-            assert self.tools is not None
-            if self.tools.forced or not held.strip() or held.lstrip().startswith("{"):
+            if entries := self._calls.feed(chunk.text):
+                return self._delta_chunk({"tool_calls": entries})
+            if self.tools.forced or self._calls.started or not self._calls.failed:
                 return None
-            self._streams_content, self._held, text = True, [], held
+            self._streams_content, text = True, "".join(self._held)
+            self._held = []
         choice: dict[str, Any] = {
             "index": self.index,
             "delta": {"content": text},
@@ -256,14 +264,13 @@ class ChatBuilder(ResponseBuilder):
         self.finish_reason, self.stop_reason = end.finish_reason, end.stop_reason
         delta: dict[str, Any] = {}
         if not self._streams_content:
-            assert self.tools is not None
+            assert self.tools is not None and self._calls is not None
             calls = self.tools.parse("".join(self.text_parts))
             if calls and end.finish_reason == "stop":
-                self.tool_calls = openai_tool_calls(calls)
+                if rest := self._calls.rest(calls):
+                    delta["tool_calls"] = rest
+                self.tool_calls = self._calls.whole(calls)
                 self.finish_reason = "tool_calls"
-                delta["tool_calls"] = [
-                    {"index": i, **call} for i, call in enumerate(self.tool_calls)
-                ]
             elif self._held:
                 delta["content"] = "".join(self._held)
         choice = {
@@ -273,6 +280,10 @@ class ChatBuilder(ResponseBuilder):
             "finish_reason": self.finish_reason,
             "stop_reason": end.stop_reason,
         }
+        return self._envelope(self.chunk_object_name, [choice])
+
+    def _delta_chunk(self, delta: dict[str, Any]) -> dict[str, Any]:
+        choice = {"index": self.index, "delta": delta, "logprobs": None, "finish_reason": None}
         return self._envelope(self.chunk_object_name, [choice])
 
     def _message(self) -> dict[str, Any]:

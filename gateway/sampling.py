@@ -7,12 +7,13 @@ field; nothing is dropped silently. Defaults follow vLLM's OpenAI server: a comp
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from splitserve.client import ChatMessage, Sampling
-from splitserve.client.tools import ToolPlan, render_tool_calls, tool_plan, with_tools
+from splitserve.client import ChatMessage, Sampling, ToolCall
+from splitserve.client.tools import ToolPlan, tool_plan, with_tools
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.grammar import GrammarSpec
 from splitserve.gateway import schemas
@@ -97,7 +98,9 @@ def request_tools(body: ChatCompletionRequest) -> ToolPlan | None:
 
 
 def chat_messages(given: Sequence[schemas.ChatMessage]) -> tuple[ChatMessage, ...]:
-    """The client's messages of a request body (text parts joined; other parts: 400)."""
+    """The client's messages of a request body (text parts joined; other parts: 400), with
+    their tool call ids and calls (the coordinator shows them to the chat template:
+    ``common/chat_messages.py``)."""
     messages = []
     for index, message in enumerate(given):
         content = message.content
@@ -110,15 +113,17 @@ def chat_messages(given: Sequence[schemas.ChatMessage]) -> tuple[ChatMessage, ..
                     )
                 texts.append(part["text"])
             content = "".join(texts)
-        if message.tool_calls:
-            if message.role != "assistant":
-                raise invalid("only assistant messages make tool calls", f"messages.{index}")
-            try:
-                content = render_tool_calls(message.tool_calls)
-            except InvalidRequestError as error:
-                raise invalid(error.message, error.param) from None
-        messages.append(ChatMessage(role=message.role, content=content or ""))
+        if message.tool_calls and message.role != "assistant":
+            raise invalid("only assistant messages make tool calls", f"messages.{index}")
+        calls = tuple(_history_call(call) for call in message.tool_calls or ())
+        messages.append(ChatMessage(message.role, content or "", message.tool_call_id or "", calls))
     return tuple(messages)
+
+
+def _history_call(call: schemas.MessageToolCall) -> ToolCall:
+    arguments = call.function.arguments
+    text = arguments if isinstance(arguments, str) else json.dumps(arguments)
+    return ToolCall(call.function.name, text, call.id)
 
 
 def completion_sampling(body: CompletionRequest) -> Sampling:
@@ -126,22 +131,31 @@ def completion_sampling(body: CompletionRequest) -> Sampling:
         raise invalid("echo with logprobs needs the prompt's logprobs: not supported", "echo")
     if body.suffix:
         raise invalid("suffix is not supported", "suffix")
-    if body.best_of is not None:
-        if body.best_of < (body.n or 1):
-            raise invalid("best_of must be at least n", "best_of")
-        if body.stream and body.best_of > (body.n or 1):
-            raise invalid("best_of above n cannot be streamed", "best_of")
     max_tokens = body.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS
-    logprobs = body.logprobs
-    if best_of_asked(body) is not None and logprobs is None:
-        logprobs = 0  # the sampled tokens' logprobs rank the candidates (not returned)
-    return _sampling(body, max_tokens, logprobs)
+    return _sampling(body, max_tokens, _ranking_logprobs(body, body.logprobs))
 
 
 def best_of_asked(body: _SamplingFields) -> int | None:
-    """``best_of`` when it asks for more candidates than ``n`` (completions), else None."""
-    best_of = getattr(body, "best_of", None)
-    return best_of if best_of is not None and best_of > (body.n or 1) else None
+    """``best_of`` when it asks for more candidates than ``n``, else None; 400 naming it
+    when it asks for fewer, or for more while streaming (the best are known at the end)."""
+    best_of, n = body.best_of, body.n or 1
+    if best_of is None:
+        return None
+    if best_of < n:
+        raise invalid("best_of must be at least n", "best_of")
+    if best_of == n:
+        return None
+    if body.stream:
+        raise invalid("best_of above n cannot be streamed", "best_of")
+    return best_of
+
+
+def _ranking_logprobs(body: _SamplingFields, logprobs: int | None) -> int | None:
+    """The logprobs to ask for: with ``best_of``, at least the sampled tokens' (they rank
+    the candidates, ``gateway/choices.py``; returned only when the request asked)."""
+    if best_of_asked(body) is not None and logprobs is None:
+        return 0
+    return logprobs
 
 
 def chat_sampling(body: ChatCompletionRequest) -> Sampling:
@@ -154,7 +168,7 @@ def chat_sampling(body: ChatCompletionRequest) -> Sampling:
         )
     max_tokens = body.max_completion_tokens or body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    sampling = _sampling(body, max_tokens, logprobs)
+    sampling = _sampling(body, max_tokens, _ranking_logprobs(body, logprobs))
     plan = request_tools(body)
     tools_grammar = None if plan is None else plan.grammar()
     if tools_grammar is None:

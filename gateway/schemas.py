@@ -2,7 +2,8 @@
 
 Requests accept the OpenAI fields splitserve implements plus vLLM's common extensions
 (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``min_tokens``,
-``stop_token_ids``, ``skip_special_tokens``; explicit ``null`` means the default). Declared
+``stop_token_ids``, ``skip_special_tokens``, ``add_special_tokens``, chat's ``best_of``;
+explicit ``null`` means the default). Declared
 fields whose meaning is not implemented (``echo`` with ``logprobs``, ``suffix``) are refused
 with a 400 by ``gateway/sampling.py``; undeclared ones (``model_extra``) go through
 ``gateway/unserved_fields.py``: vLLM's other extensions are refused with a 400 naming them
@@ -30,8 +31,9 @@ class StreamOptions(BaseModel):
     """vLLM extension: every chunk also carries the usage so far."""
 
 
-class _SamplingFields(BaseModel):
-    """Fields shared by both endpoints."""
+class _TextBody(BaseModel):
+    """A body whose strings go on to the coordinator (undeclared fields kept for
+    ``gateway/unserved_fields.py``)."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -44,6 +46,10 @@ class _SamplingFields(BaseModel):
         if where is not None:
             raise ValueError(f"{where or 'body'}: a string holds a lone UTF-16 surrogate")
         return data
+
+
+class _SamplingFields(_TextBody):
+    """Fields shared by both endpoints."""
 
     model: str | None = Field(None, description="Served model name (see GET /v1/models).")
     stream: bool | None = False
@@ -64,7 +70,18 @@ class _SamplingFields(BaseModel):
         "before penalties and sampling.",
     )
     user: str | None = None
+    best_of: int | None = Field(
+        None, ge=1, le=128,
+        description="Candidates per prompt; the n with the highest cumulative logprob return "
+        "(not streamed when above n).",
+    )  # fmt: skip
     # vLLM extensions
+    add_special_tokens: bool | None = Field(
+        None,
+        description="Tokenize the prompt with the tokenizer's special tokens (its BOS, where "
+        "the model adds one). Default: true for completions, false for chat (the chat "
+        "template writes its own).",
+    )
     top_k: int | None = Field(None, description="-1 or 0 disables.")
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, gt=0.0)
@@ -154,10 +171,21 @@ class CompletionRequest(_SamplingFields):
     )
     echo: bool | None = Field(False, description="Return the prompt before the completion.")
     suffix: str | None = None
-    best_of: int | None = Field(
-        None, ge=1, le=128,
-        description="Candidates per prompt; the n with the highest cumulative logprob return.",
-    )  # fmt: skip
+
+
+class CalledFunction(BaseModel):
+    name: str
+    arguments: str | dict[str, Any] = Field(
+        "{}", description="JSON text (OpenAI's), or the JSON object itself."
+    )
+
+
+class MessageToolCall(BaseModel):
+    """One call of an assistant message's ``tool_calls``."""
+
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: CalledFunction
 
 
 class ChatMessage(BaseModel):
@@ -167,10 +195,14 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any]] | None = Field(
         None, description="Text, or a list of {'type': 'text', 'text': ...} parts."
     )
-    tool_calls: list[dict[str, Any]] | None = Field(
-        None, description="An assistant message's tool calls (rendered for the model)."
+    tool_calls: list[MessageToolCall] | None = Field(
+        None,
+        description="An assistant message's tool calls, shown to the chat template "
+        "(common/chat_messages.py).",
     )
-    tool_call_id: str | None = Field(None, description="The call a tool message answers.")
+    tool_call_id: str | None = Field(
+        None, description="The call a tool message answers, shown to the chat template."
+    )
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -248,16 +280,29 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None
 
 
+class ResponseFunction(BaseModel):
+    name: str
+    arguments: str
+    """The JSON text the model wrote."""
+
+
+class ResponseToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ResponseFunction
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    tool_calls: list[ResponseToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
     index: int
     message: ChatResponseMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length", "abort"] | None
+    finish_reason: Literal["stop", "length", "abort", "tool_calls"] | None
     stop_reason: str | int | None = None
 
 
@@ -270,16 +315,32 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class DeltaFunction(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """A piece of a streamed tool call: the first of a call has its ``id``, ``type`` and
+    ``function.name``; the later ones only ``index`` and the next ``function.arguments``."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunction
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):
     index: int
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length", "abort"] | None
+    finish_reason: Literal["stop", "length", "abort", "tool_calls"] | None
     stop_reason: str | int | None = None
 
 
@@ -302,14 +363,16 @@ class ModelCard(BaseModel):
     max_model_len: int
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_TextBody):
     """``POST /tokenize`` (vLLM's): exactly one of ``prompt`` or ``messages``."""
-
-    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: bool | None = Field(
+        None,
+        description="As in a generation request: default true for prompt, false for messages.",
+    )
 
 
 class TokenizeResponse(BaseModel):

@@ -1,20 +1,91 @@
-"""Tool calls in OpenAI's response shape (the plan and its format: ``client/tools.py``)."""
+"""Tool calls in OpenAI's response shape, whole and streamed as deltas (the plan and its
+format: ``client/tools.py``; reading an answer as it is written:
+``client/tool_call_scanner.py``).
+
+Contract of ``ToolCallDeltas`` (one answer's):
+- ``feed`` turns each piece of the answer into OpenAI's ``delta.tool_calls`` entries as
+  soon as they are known: a call's first entry has its ``index``, ``id``, ``type:
+  "function"`` and ``function.name`` with the arguments written so far (often ""); each
+  later one only its ``index`` and the next piece of ``function.arguments``, so a client
+  (the openai SDK's stream helpers) appends the pieces;
+- ``whole`` is the answer's ``tool_calls`` with the ids the stream used, each call's
+  arguments the text its pieces join to; ``rest`` the entries a stream still lacks for it
+  (none when every call was written in the order the format gives: name before arguments).
+"""
 
 from __future__ import annotations
 
 import uuid
 from typing import Any
 
-from splitserve.client.tools import ToolCall
+from splitserve.client.tool_call_scanner import CallPiece, ToolCallScanner
+from splitserve.client.tools import ToolPlan
+from splitserve.client.types import ToolCall
 
 
-def openai_tool_calls(calls: list[ToolCall]) -> list[dict[str, Any]]:
-    """OpenAI's ``tool_calls`` list (ids fresh per call)."""
-    return [
-        {
-            "id": f"call_{uuid.uuid4().hex[:24]}",
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+class ToolCallDeltas:
+    """One answer's tool calls, streamed as they are written (module docstring)."""
+
+    def __init__(self, plan: ToolPlan) -> None:
+        self._scanner: ToolCallScanner = plan.scanner()
+        self._ids: list[str] = []
+        self._sent: list[str] = []
+        """Each announced call's arguments text as streamed so far."""
+
+    @property
+    def started(self) -> bool:
+        """Whether some call was announced (the stream carries a tool call)."""
+        return bool(self._sent)
+
+    @property
+    def failed(self) -> bool:
+        """Whether the answer so far cannot be a call in the format (and never will be)."""
+        return self._scanner.failed
+
+    def feed(self, text: str) -> list[dict[str, Any]]:
+        """The ``delta.tool_calls`` entries the answer's next piece ``text`` makes known."""
+        return [self._entry(piece) for piece in self._scanner.feed(text)]
+
+    def _entry(self, piece: CallPiece) -> dict[str, Any]:
+        if piece.name is None:
+            self._sent[piece.index] += piece.arguments
+            return {"index": piece.index, "function": {"arguments": piece.arguments}}
+        self._sent.append(piece.arguments)
+        return {
+            "index": piece.index,
+            "id": self._id(piece.index),
             "type": "function",
-            "function": {"name": call.name, "arguments": call.arguments},
+            "function": {"name": piece.name, "arguments": piece.arguments},
         }
-        for call in calls
-    ]
+
+    def _id(self, index: int) -> str:
+        """Call ``index``'s id, made when first asked for."""
+        while len(self._ids) <= index:
+            self._ids.append(new_call_id())
+        return self._ids[index]
+
+    def whole(self, calls: list[ToolCall]) -> list[dict[str, Any]]:
+        """OpenAI's ``tool_calls`` of the answer's parsed ``calls`` (ids as streamed)."""
+        return [
+            {
+                "id": self._id(index),
+                "type": "function",
+                "function": {"name": call.name, "arguments": call.arguments},
+            }
+            for index, call in enumerate(calls)
+        ]
+
+    def rest(self, calls: list[ToolCall]) -> list[dict[str, Any]]:
+        """The entries a stream of the answer's parsed ``calls`` has not carried yet."""
+        entries = []
+        for index, call in enumerate(calls):
+            if index >= len(self._sent):
+                entries.append(self._entry(CallPiece(index, call.name, call.arguments)))
+            elif call.arguments != self._sent[index]:
+                missing = call.arguments.removeprefix(self._sent[index])
+                entries.append(self._entry(CallPiece(index, None, missing)))
+        return entries

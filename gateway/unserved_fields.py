@@ -76,7 +76,6 @@ REFUSED: dict[str, Refusal] = {
     "spaces_between_special_tokens": Refusal(
         "only spaces_between_special_tokens: true is supported", _is(True)
     ),
-    "add_special_tokens": Refusal("add_special_tokens is not supported"),
     "prompt_embeds": Refusal("prompt_embeds are not supported"),
     "cache_salt": Refusal("cache_salt is not supported: prefix caching is per cluster"),
     "kv_transfer_params": Refusal("kv_transfer_params is not supported"),

@@ -12,6 +12,7 @@ from collections.abc import Iterable, Sequence
 
 from google.protobuf.message import DecodeError
 
+from splitserve.common.chat_messages import ChatMessage, ToolCall
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.grammar import GrammarSpec
 from splitserve.common.kv_events import KvEvents
@@ -22,7 +23,7 @@ from splitserve.common.membership import Role, WorkerInfo
 from splitserve.common.request_update import FinishReason, RequestUpdate, StepOutput
 from splitserve.common.sampling_params import AskedSampling, SamplingParams
 from splitserve.common.step_cost import StepCost
-from splitserve.proto.splitserve.v1 import common_pb2, worker_pb2
+from splitserve.proto.splitserve.v1 import common_pb2, coordinator_pb2, worker_pb2
 from splitserve.transfer.plan import InvalidTransferPlanError, TransferPlan
 from splitserve.transfer.reservation import (
     CachedKvPull,
@@ -113,6 +114,28 @@ def sampling_to_proto(
         if value is not None and value != getattr(defaults, name):
             setattr(message, name, value)
     return message
+
+
+def chat_message_to_proto(message: ChatMessage) -> coordinator_pb2.ChatMessage:
+    """A chat turn, its tool call id and calls included."""
+    return coordinator_pb2.ChatMessage(
+        role=message.role,
+        content=message.content,
+        tool_call_id=message.tool_call_id,
+        tool_calls=[
+            coordinator_pb2.ChatToolCall(id=call.id, name=call.name, arguments=call.arguments)
+            for call in message.tool_calls
+        ],
+    )
+
+
+def chat_message_from_proto(message: coordinator_pb2.ChatMessage) -> ChatMessage:
+    return ChatMessage(
+        role=message.role,
+        content=message.content,
+        tool_call_id=message.tool_call_id,
+        tool_calls=tuple(ToolCall(c.name, c.arguments, c.id) for c in message.tool_calls),
+    )
 
 
 def logprob_to_proto(

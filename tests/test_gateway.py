@@ -352,8 +352,30 @@ def test_tokenize_detokenize_and_version_as_vllm_serves_them(
             assert _error(refused, 400)["param"] == "tokens"
         both = http.post("/tokenize", json={"prompt": "a", "messages": QUESTION})
         assert _error(both, 400)["param"] == "prompt"
-        refused = http.post("/tokenize", json={"prompt": "a", "add_special_tokens": False})
-        assert _error(refused, 400)["param"] == "add_special_tokens"
+        # add_special_tokens: the default model's tokenizer adds none, so either value gives
+        # the same ids here (a tokenizer that adds a BOS: test_prompt_rendering.py), and a
+        # generation request's prompt is what /tokenize says for the same flag
+        for flag in (True, False):
+            plain = http.post(
+                "/tokenize", json={"prompt": "Hello world", "add_special_tokens": flag}
+            )
+            assert plain.json()["tokens"] == text["tokens"]
+            done = sdk.completions.create(
+                model=model,
+                prompt="Hello world",
+                max_tokens=1,
+                extra_body={"add_special_tokens": flag},
+            )
+            assert done.usage.prompt_tokens == len(text["tokens"])
+            asked = http.post("/tokenize", json={"messages": QUESTION, "add_special_tokens": flag})
+            assert asked.json()["tokens"] == chat["tokens"]
+            answered = sdk.chat.completions.create(
+                model=model,
+                messages=QUESTION,
+                max_tokens=1,
+                extra_body={"add_special_tokens": flag},
+            )
+            assert answered.usage.prompt_tokens == chat["count"]
         version = http.get("/version")
         assert version.status_code == 200 and version.json()["version"]
 

@@ -176,3 +176,69 @@ def test_tool_calls_forced_by_the_grammar_whole_and_streamed(
         ):
             body = {"messages": ask, "tools": [WEATHER], field: value}
             assert _error(http.post("/chat/completions", json=body), 400)["param"] == field
+
+
+def test_streamed_tool_calls_arrive_as_deltas_that_join_to_the_whole_call(
+    served: Served, sdk: openai.OpenAI
+) -> None:
+    """A streamed call's first delta carries its index, id, type and name, the later ones
+    only pieces of its arguments, several as the tokens arrive; joined they are exactly the
+    non-streamed call's arguments, and the SDK's stream helper reassembles the same call. The
+    call's id goes back with the history: the prompt the model then reads holds it."""
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    request = {
+        "model": _model(sdk), "messages": ask, "tools": [WEATHER, TIME],
+        "tool_choice": "required", "parallel_tool_calls": False, "max_tokens": 100,
+        "temperature": 0,
+    }  # fmt: skip
+    whole = sdk.chat.completions.create(**request).choices[0].message.tool_calls or []
+    assert len(whole) == 1 and json.loads(whole[0].function.arguments)
+    stream = sdk.chat.completions.create(**request, stream=True)
+    deltas = [call for chunk in stream for c in chunk.choices for call in c.delta.tool_calls or []]
+    first, *later = deltas
+    assert (first.index, first.type, first.function.name) == (0, "function", "get_weather")
+    assert first.id and first.id.startswith("call_")
+    assert later and all(d.index == 0 and d.id is None and d.type is None for d in later)
+    assert all(d.function.name is None for d in later)
+    assert sum(1 for d in deltas if d.function.arguments) >= 2  # in pieces, not whole
+    joined = "".join(d.function.arguments or "" for d in deltas)
+    assert joined == whole[0].function.arguments
+    with sdk.chat.completions.stream(**request) as helper:
+        final = helper.get_final_completion().choices[0]
+    assert final.finish_reason == "tool_calls"
+    assert [(c.function.name, c.function.arguments) for c in final.message.tool_calls or []] == [
+        (whole[0].function.name, whole[0].function.arguments)
+    ]
+    made = {"name": "get_weather", "arguments": joined}
+    history = [
+        *ask,
+        {"role": "assistant", "content": None,
+         "tool_calls": [{"id": first.id, "type": "function", "function": made}]},
+        {"role": "tool", "tool_call_id": first.id, "content": "Sunny, 21 C"},
+    ]  # fmt: skip
+    with httpx.Client(base_url=served.url, timeout=30) as http:
+        ids = http.post("/tokenize", json={"messages": history}).json()["tokens"]
+        prompt = http.post("/detokenize", json={"tokens": ids}).json()["prompt"]
+    assert prompt.count(first.id) == 2  # the call and the result that answers it
+
+
+def test_chat_best_of_returns_the_candidates_with_the_highest_logprob(
+    served: Served, sdk: openai.OpenAI
+) -> None:
+    """Chat's ``best_of`` is served as completions' is: candidate j samples with seed + j,
+    the ``n`` with the highest cumulative logprob return, best first, without logprobs
+    unless asked; it is not streamed above ``n`` and never below it."""
+    model = _model(sdk)
+    sampled = {"model": model, "messages": QUESTION, "max_tokens": 6, "temperature": 1.0}
+    best = sdk.chat.completions.create(**sampled, n=2, seed=11, extra_body={"best_of": 3})
+    candidates = [
+        sdk.chat.completions.create(**sampled, seed=11 + j, logprobs=True).choices[0]
+        for j in range(3)
+    ]
+    ranked = sorted(candidates, key=lambda c: -sum(t.logprob for t in c.logprobs.content))
+    assert [c.message.content for c in best.choices] == [c.message.content for c in ranked[:2]]
+    assert [c.index for c in best.choices] == [0, 1] and best.choices[0].logprobs is None
+    with httpx.Client(base_url=f"{served.url}/v1", timeout=30) as http:
+        for extra in ({"best_of": 2, "stream": True}, {"best_of": 1, "n": 2}):
+            body = {"messages": QUESTION, "max_tokens": 2, **extra}
+            assert _error(http.post("/chat/completions", json=body), 400)["param"] == "best_of"

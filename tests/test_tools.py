@@ -7,9 +7,11 @@ from __future__ import annotations
 import json
 
 import pytest
+from openai.lib.streaming.chat import ChatCompletionStreamState
+from openai.types.chat import ChatCompletionChunk
 
 from splitserve.client import Chunk, Finish, Usage
-from splitserve.client.tools import ToolPlan, render_tool_calls, tool_plan
+from splitserve.client.tools import ToolPlan, tool_plan
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.grammar import GrammarSpec
 from splitserve.gateway.responses import ChatBuilder
@@ -76,8 +78,6 @@ def test_answers_parse_as_calls_only_in_the_format_with_known_names() -> None:
     assert json.loads(calls[0].arguments) == {"a": 1, "b": 2}
     for text in ("Hello", '{"tool_calls": []}', '{"tool_calls": [{"name": "mul"}]}', "{"):
         assert plan.parse(text) is None
-    rendered = render_tool_calls([{"function": {"name": "add", "arguments": '{"a": 1}'}}])
-    assert json.loads(rendered) == {"tool_calls": [{"name": "add", "arguments": {"a": 1}}]}
 
 
 def _stream(builder: ChatBuilder, pieces: list[str]) -> list[dict]:
@@ -86,7 +86,7 @@ def _stream(builder: ChatBuilder, pieces: list[str]) -> list[dict]:
     return [chunk for chunk in chunks if chunk is not None]
 
 
-def test_auto_streams_content_once_it_cannot_be_a_call_and_holds_a_call() -> None:
+def test_auto_streams_content_once_it_cannot_be_a_call_and_streams_a_call() -> None:
     content = _stream(ChatBuilder("c", "m", False, tools=_plan()), [" ", "Hi", " there"])
     deltas = [chunk["choices"][0]["delta"].get("content") for chunk in content]
     assert (
@@ -94,11 +94,107 @@ def test_auto_streams_content_once_it_cannot_be_a_call_and_holds_a_call() -> Non
     )
     builder = ChatBuilder("c", "m", False, tools=_plan())
     call = _stream(builder, ['{"tool_calls": [{"name": "now", ', '"arguments": {}}]}'])
-    assert len(call) == 1  # held until the end
-    final = call[0]["choices"][0]
-    assert final["finish_reason"] == "tool_calls"
-    assert final["delta"]["tool_calls"][0]["function"]["name"] == "now"
+    first, rest, final = (chunk["choices"][0] for chunk in call)
+    made = first["delta"]["tool_calls"][0]
+    assert made["function"] == {"name": "now", "arguments": ""} and made["type"] == "function"
+    assert rest["delta"]["tool_calls"] == [{"index": 0, "function": {"arguments": "{}"}}]
+    assert final["finish_reason"] == "tool_calls" and final["delta"] == {}
     whole = builder.whole()["choices"][0]
     assert whole["message"]["content"] is None and whole["finish_reason"] == "tool_calls"
-    not_a_call = _stream(ChatBuilder("c", "m", False, tools=_plan()), ["{", "oops"])
-    assert not_a_call[-1]["choices"][0]["delta"]["content"] == "{oops"
+    assert whole["message"]["tool_calls"][0]["id"] == made["id"]
+    not_a_call = _stream(ChatBuilder("c", "m", False, tools=_plan()), ["{", "oops", "!"])
+    released = [chunk["choices"][0]["delta"].get("content") for chunk in not_a_call]
+    assert released == ["{oops", "!", None]  # streamed once it left the format
+
+
+TWO_CALLS = (
+    '{"tool_calls": [{"name": "add", "arguments": {"a": 1, "b": "x}\\"]"}},\n'
+    '  {"id": "mine", "arguments": {"b" : [2, {}]}, "name": "add"}, {"name": "now"}]}\n'
+)
+"""Two of the format's liberties: a brace and a quote inside a string, arguments before the
+name (with an extra key), a call without arguments."""
+
+
+def _pieces(text: str, size: int) -> list[str]:
+    return [text[i : i + size] for i in range(0, len(text), size)]
+
+
+def test_the_scanner_hands_out_each_calls_arguments_as_written() -> None:
+    plan = _plan()
+    calls = plan.parse(TWO_CALLS)
+    assert calls is not None
+    assert [(c.name, c.arguments) for c in calls] == [
+        ("add", '{"a": 1, "b": "x}\\"]"}'), ("add", '{"b" : [2, {}]}'), ("now", "{}")
+    ]  # fmt: skip
+    assert [json.loads(c.arguments) for c in calls] == [
+        {"a": 1, "b": 'x}"]'}, {"b": [2, {}]}, {}
+    ]  # fmt: skip
+    for size in (1, 3, 7, len(TWO_CALLS)):
+        scanner = plan.scanner()
+        pieces = [piece for text in _pieces(TWO_CALLS, size) for piece in scanner.feed(text)]
+        joined = ["".join(p.arguments for p in pieces if p.index == i) for i in range(3)]
+        assert joined == [c.arguments for c in calls]
+        assert [p.name for p in pieces if p.name is not None] == ["add", "add", "now"]
+        assert scanner.finish() == calls
+    first = [p for p in plan.scanner().feed(TWO_CALLS[:60]) if p.index == 0]
+    assert first[0].name == "add" and "".join(p.arguments for p in first) == '{"a": 1, "b": "'
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        'Sure: {"tool_calls": []}',
+        '{"tool_calls": [{"name": "mul", "arguments": {}}]}',
+        '{"tool_calls": [{"name": "now"}], "x": 1}',
+        '{"tool_calls": [{"name": "now", "name": "add"}]}',
+        '{"tool_calls": [{"name": "now"}]} and then some',
+        '{"tool_calls": [{"name": "add", "arguments": {"a": 1]}]}',
+    ],
+)
+def test_a_text_that_leaves_the_format_is_no_call_whatever_follows(text: str) -> None:
+    plan = _plan()
+    scanner = plan.scanner()
+    scanner.feed(text)
+    assert scanner.finish() is None and plan.parse(text) is None
+    assert scanner.failed
+    cut = plan.scanner()
+    cut.feed('{"tool_calls": [{"name": "add", "arguments": {"a": 1')  # cut by max_tokens
+    assert not cut.failed and cut.finish() is None
+
+
+def test_streamed_tool_calls_reassemble_in_the_openai_sdk_as_the_whole_answer() -> None:
+    """The chunks a streamed answer of three calls makes, fed to the openai SDK's stream
+    state (what ``client.chat.completions.stream`` accumulates), give the same calls, ids
+    and arguments as the non-streamed response; only a call's first delta names it."""
+    for size in (1, 4, 50):
+        builder = ChatBuilder("c", "m", False, tools=_plan())
+        chunks = builder.opening_chunks() + _stream(builder, _pieces(TWO_CALLS, size))
+        deltas = [d for c in chunks for d in c["choices"][0]["delta"].get("tool_calls") or []]
+        assert [d["index"] for d in deltas if "id" in d] == [0, 1, 2]
+        for delta in deltas:
+            assert set(delta) == ({"index", "id", "type", "function"} if "id" in delta
+                                  else {"index", "function"})  # fmt: skip
+            assert set(delta["function"]) == ({"name", "arguments"} if "id" in delta
+                                              else {"arguments"})  # fmt: skip
+        state = ChatCompletionStreamState()
+        for chunk in chunks:
+            state.handle_chunk(ChatCompletionChunk.model_validate(chunk))
+        final = state.get_final_completion().choices[0]
+        whole = builder.whole()["choices"][0]
+        assert final.finish_reason == whole["finish_reason"] == "tool_calls"
+        fields = {"id": True, "type": True, "function": {"name", "arguments"}}
+        reassembled = [call.model_dump(include=fields) for call in final.message.tool_calls]
+        assert reassembled == whole["message"]["tool_calls"]
+        assert json.loads(whole["message"]["tool_calls"][0]["function"]["arguments"])["a"] == 1
+
+
+def test_a_streamed_call_cut_short_ends_as_the_whole_answer_does() -> None:
+    """A call that began streaming but did not end as one (cut by max_tokens) finishes with
+    its own reason and the whole text as content, as the non-streamed response has it."""
+    builder = ChatBuilder("c", "m", False, tools=_plan())
+    text = '{"tool_calls": [{"name": "add", "arguments": {"a": 1'
+    chunks = [builder.add(Chunk("r", piece, (1,), (), USAGE)) for piece in _pieces(text, 5)]
+    assert any(c is not None and c["choices"][0]["delta"].get("tool_calls") for c in chunks)
+    final = builder.finish(Finish("r", "length", None, USAGE))["choices"][0]
+    assert final["finish_reason"] == "length" and final["delta"] == {"content": text}
+    assert builder.whole()["choices"][0]["message"] == {"role": "assistant", "content": text}

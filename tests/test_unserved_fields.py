@@ -38,7 +38,6 @@ def chat(**extra: Any) -> ChatCompletionRequest:
         ("truncate_prompt_tokens", 10),
         ("cache_salt", "tenant-a"),
         ("request_id", "mine"),
-        ("add_special_tokens", True),
         ("spaces_between_special_tokens", False),
         ("functions", [{"name": "f"}]),
     ],
