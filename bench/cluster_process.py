@@ -123,7 +123,7 @@ class LocalCluster:
         """``up`` and its direct children (the coordinator and the workers)."""
         if self.child is None:
             return []
-        return [self.child.pid, *_children(self.child.pid)]
+        return [self.child.pid, *child_pids(self.child.pid)]
 
     def __enter__(self) -> LocalCluster:
         self.start()
@@ -138,7 +138,7 @@ class LocalCluster:
         self.stop()
 
 
-def _children(pid: int) -> list[int]:
+def child_pids(pid: int) -> list[int]:
     children = []
     for task in Path(f"/proc/{pid}/task").glob("*/children"):
         with contextlib.suppress(OSError):

@@ -184,7 +184,7 @@ def config_from_args(args: argparse.Namespace) -> LoadConfig:
     )
 
 
-def _served_model(base_url: str) -> str:
+def served_model(base_url: str) -> str:
     """The first model an OpenAI-compatible server lists."""
     import httpx
 
@@ -200,7 +200,7 @@ def main(argv: Sequence[str] | None = None) -> Json:
         raise SystemExit(f"loadgen: {error}") from error
     target: Target
     if args.openai_url:
-        model = args.model or _served_model(args.openai_url)
+        model = args.model or served_model(args.openai_url)
         target = OpenAITarget(args.openai_url, model, timeout_s=args.timeout)
     else:
         target = GrpcTarget(args.address, timeout_s=args.timeout)

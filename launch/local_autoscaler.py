@@ -105,9 +105,18 @@ class LocalAutoscaler:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Check every interval until ``stop``; then wait for the drains under way."""
+        targets = self._targets
+        self._say(
+            f"splitserve up: autoscaling prefill and decode workers between 1 and "
+            f"{targets.most} each, on splitserve_desired_workers of "
+            f"{', '.join(targets.metrics_urls)} every {targets.settings.check_interval_s:g} s"
+        )
         try:
             while not await wait_event(stop, self._targets.settings.check_interval_s):
-                await self.check(stop)
+                try:
+                    await self.check(stop)
+                except Exception as error:  # noqa: BLE001 - said, and the next check runs
+                    self._say(f"splitserve up: autoscale check failed: {error!r}")
         finally:
             for task in list(self._tasks):
                 task.cancel()
