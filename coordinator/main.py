@@ -31,7 +31,7 @@ from prometheus_client import CollectorRegistry
 
 from splitserve.common.api_keys import ApiKeys, api_keys_or_exit
 from splitserve.common.cpu_affinity import pin_or_exit
-from splitserve.common.env_flags import comma_separated
+from splitserve.common.env_flags import built_or_exit, comma_separated
 from splitserve.common.gc_tuning import tune_gc_for_serving
 from splitserve.common.loop_lag import LoopLag
 from splitserve.common.membership import Role
@@ -49,11 +49,11 @@ from splitserve.coordinator.service import Coordinator, CoordinatorConfig
 from splitserve.coordinator.servicer import CoordinatorServicer
 from splitserve.coordinator.settings import CoordinatorSettings
 from splitserve.coordinator.tenants import TenantLimits, TenantPolicy
+from splitserve.discovery.etcd_access import etcd_access
 from splitserve.discovery.etcd_watcher import EtcdMembershipWatcher
 from splitserve.discovery.flags import MembershipSettings
 from splitserve.proto.api_key_auth import ApiKeyInterceptor
 from splitserve.proto.cluster_access import ClusterAccess, access_or_exit
-from splitserve.proto.etcd_client import EtcdClient
 from splitserve.proto.server import RoleServer, serve_forever, start_server
 from splitserve.proto.splitserve.v1 import coordinator_pb2, coordinator_pb2_grpc
 
@@ -111,6 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     pin_or_exit(parser, settings.cpu_affinity)  # before any thread starts
     access = access_or_exit(parser, args)
     keys = api_keys_or_exit(parser, args)
+    built_or_exit(parser, lambda: etcd_access(settings.membership))  # refused before serving
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s coordinator %(levelname)s %(message)s"
     )
@@ -249,11 +250,12 @@ def _membership_follower(
     membership: MembershipSettings, coordinator: Coordinator
 ) -> MembershipFollower | None:
     """With ``--etcd-endpoints``: the follower of the etcd membership (workers may also
-    register over gRPC, as without it)."""
-    endpoints = comma_separated(membership.etcd_endpoints or "")
-    if not endpoints:
+    register over gRPC, as without it). ``ValueError`` for an etcd login or TLS files it
+    cannot use."""
+    access = etcd_access(membership)
+    if access is None:
         return None
-    watcher = EtcdMembershipWatcher(EtcdClient(endpoints), membership.cluster_name)
+    watcher = EtcdMembershipWatcher(access.client(), membership.cluster_name)
     return MembershipFollower(
         watcher,
         coordinator.registry,

@@ -21,7 +21,7 @@ from splitserve.common.membership import hosted_worker_ids, member_id
 from splitserve.common.settings import settings_argv
 from splitserve.coordinator.placement import PlacementMode
 from splitserve.coordinator.settings import CoordinatorSettings
-from splitserve.discovery.flags import MembershipSettings
+from splitserve.discovery.flags import MembershipSettings, membership_settings
 from splitserve.engine.cli_args import EngineSettings
 from splitserve.gateway.settings import GatewaySettings
 from splitserve.launch.layout import last_flag
@@ -37,11 +37,12 @@ COORDINATOR_PINNED = (*PINNED, "--model")
 
 
 def membership_of(args: argparse.Namespace) -> MembershipSettings:
-    """The etcd membership every coordinator and worker gets (none by default)."""
-    endpoints = comma_separated(args.etcd_endpoints or "")
-    if not endpoints:
+    """The etcd membership every coordinator and worker gets (none by default): ``up``'s
+    membership flags, files as absolute paths. The etcd password is no flag: the children
+    inherit ``SPLITSERVE_ETCD_PASSWORD`` from ``up``'s environment, or read the file."""
+    if not comma_separated(args.etcd_endpoints or ""):
         return MembershipSettings()
-    return MembershipSettings(",".join(endpoints), args.cluster_name)
+    return membership_settings(args).for_child()
 
 
 def membership_flags(args: argparse.Namespace) -> list[str]:

@@ -5,14 +5,20 @@ wire-compatible subset of etcd's API); callers get plain values: ``KeyValue``, `
 the watch events ``PutEvent``, ``DeleteEvent`` and ``ResetEvent``. Keys and values are bytes.
 
 Failures: a call no endpoint answers in time raises ``EtcdUnavailable`` (retry later);
-``LeaseNotFound`` when etcd no longer knows a lease; ``EtcdError`` for anything else. The
-long-lived operations never raise on unavailability: ``keep_alive`` and ``watch_prefix`` retry
-with a capped backoff, trying the next endpoint each time, until cancelled.
+``LeaseNotFound`` when etcd no longer knows a lease; ``EtcdAuthError`` when etcd refuses the
+client's login or rights (no user where etcd has auth enabled, a wrong password, keys outside
+the user's roles); ``EtcdError`` for anything else. The long-lived operations never raise on
+unavailability: ``keep_alive`` and ``watch_prefix`` retry with a capped backoff, trying the
+next endpoint each time, until cancelled.
 
-Security: ``credentials`` (``grpc.ssl_channel_credentials(...)``) turns on TLS, client
-certificates included. TODO: etcd's user/password auth (an ``Authenticate`` call whose token
-travels as call metadata ``token``) is not implemented; every call already sends
-``self._metadata``, where that token would go.
+Security: ``credentials`` (``grpc.ssl_channel_credentials(...)``) turns on TLS, with a client
+certificate when they hold one (etcd's ``--client-cert-auth``). ``login`` (``EtcdLogin``,
+``proto/etcd_auth.py``) logs in to an etcd with auth enabled: the first call asks
+``Authenticate`` for a token, and every call, streams included, carries it as call metadata
+``token``. When etcd no longer knows the token (it expired, or etcd restarted) the client logs
+in again and retries the call once; a watch cancelled "permission denied" is reopened once
+after a fresh login, which tells a forgotten token from a user without the right. etcd with
+auth off answers ``Authenticate`` "not enabled": the client then calls without a token.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import grpc
 
 from splitserve.common.errors import MembershipStoreError
 from splitserve.proto.etcd import kv_pb2, rpc_pb2, rpc_pb2_grpc
+from splitserve.proto.etcd_auth import EtcdLogin, Refusal, TokenKeeper, refusal_of, token_metadata
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +80,19 @@ class EtcdUnavailable(EtcdError):
 
 class LeaseNotFound(EtcdError):
     """etcd does not know the lease: it expired or was revoked."""
+
+
+class EtcdAuthError(EtcdError):
+    """etcd refused the client's login or rights: a call without a user where etcd has auth
+    enabled, a wrong user name or password, or keys outside the user's roles."""
+
+
+class _StaleToken(EtcdAuthError):
+    """etcd no longer knows the token the call carried; ``_unary`` logs in again and retries."""
+
+
+class _AuthNotEnabled(EtcdError):
+    """``Authenticate`` on an etcd with auth off."""
 
 
 @dataclass(frozen=True)
@@ -143,17 +163,40 @@ class _Backoff:
         self._delay_s = min(self._delay_s * 2, MAX_RETRY_S)
 
 
-def _error_from_rpc(error: grpc.aio.AioRpcError) -> EtcdError:
+def _error_from_rpc(error: grpc.aio.AioRpcError, login: EtcdLogin | None) -> EtcdError:
     details = error.details() or ""
     if error.code() in _TRANSIENT:
         return EtcdUnavailable(f"etcd unavailable: {error.code().name}: {details}")
     if _LEASE_NOT_FOUND in details:
         return LeaseNotFound(details)
+    refusal = refusal_of(error.code(), details)
+    if refusal is not None:
+        return _auth_error(refusal, details, login)
     return EtcdError(f"etcd refused the call: {error.code().name}: {details}")
 
 
+def _auth_error(refusal: Refusal, details: str, login: EtcdLogin | None) -> EtcdError:
+    """The error an auth ``refusal`` of etcd (``details``: its words) raises."""
+    user = None if login is None else login.user
+    if refusal is Refusal.NOT_ENABLED:
+        return _AuthNotEnabled(details)
+    if refusal is Refusal.BAD_LOGIN:
+        return EtcdAuthError(f"etcd auth: login as {user!r} refused ({details})")
+    if refusal is Refusal.DENIED:
+        return EtcdAuthError(
+            f"etcd auth: user {user!r} may not touch these keys ({details}): grant one of its "
+            "roles readwrite on the cluster's prefix"
+        )
+    if refusal is Refusal.NO_USER and login is None:
+        return EtcdAuthError(
+            f"etcd auth: etcd requires a user ({details}): log in with an etcd user and its "
+            "password (--etcd-user and SPLITSERVE_ETCD_PASSWORD or --etcd-password-file)"
+        )
+    return _StaleToken(f"etcd auth: etcd refused the token of user {user!r} ({details})")
+
+
 class _Connection:
-    """One endpoint's channel and the three service stubs on it."""
+    """One endpoint's channel and the four service stubs on it."""
 
     def __init__(self, endpoint: str, credentials: grpc.ChannelCredentials | None) -> None:
         if credentials is None:
@@ -163,14 +206,16 @@ class _Connection:
         self.kv = rpc_pb2_grpc.KVStub(self.channel)
         self.lease = rpc_pb2_grpc.LeaseStub(self.channel)
         self.watch = rpc_pb2_grpc.WatchStub(self.channel)
+        self.auth = rpc_pb2_grpc.AuthStub(self.channel)
 
 
 class EtcdClient:
     """Calls one etcd cluster through ``endpoints`` ("host:port" of its members), using one
     at a time and moving to the next when it stops answering.
 
-    Every unary call is bounded by ``timeout_s`` per endpoint tried. Use from one event loop;
-    ``close()`` at the end (or ``async with``).
+    Every unary call is bounded by ``timeout_s`` per endpoint tried. ``credentials``: TLS
+    (see the module docstring); ``login``: the etcd user to log in as. Use from one event
+    loop; ``close()`` at the end (or ``async with``).
     """
 
     def __init__(
@@ -178,14 +223,16 @@ class EtcdClient:
         endpoints: Sequence[str],
         *,
         credentials: grpc.ChannelCredentials | None = None,
+        login: EtcdLogin | None = None,
         timeout_s: float = 5.0,
     ) -> None:
         if not endpoints:
             raise ValueError("EtcdClient needs at least one endpoint")
         self._endpoints = tuple(endpoints)
         self._credentials = credentials
+        self._login = login
+        self._tokens = None if login is None else TokenKeeper(self._log_in)
         self._timeout_s = timeout_s
-        self._metadata: tuple[tuple[str, str], ...] = ()  # TODO: auth token (module docstring)
         self._connections: dict[str, _Connection] = {}
         self._current = 0
 
@@ -210,25 +257,60 @@ class EtcdClient:
     def _fail_over(self) -> None:
         self._current = (self._current + 1) % len(self._endpoints)
 
+    async def _token(self) -> str | None:
+        """The token calls carry: None without a login (or where etcd has auth off)."""
+        return None if self._tokens is None else await self._tokens.token()
+
+    def _forget(self, token: str | None) -> None:
+        if self._tokens is not None:
+            self._tokens.forget(token)
+
+    async def _log_in(self) -> str | None:
+        """``Authenticate`` as ``login``: its token; None where etcd has auth off."""
+        assert self._login is not None
+        try:
+            reply = await self._call(lambda c: c.auth.Authenticate, self._login.request(), None)
+        except _AuthNotEnabled:
+            logger.warning("etcd has auth off: calling it without logging in")
+            return None
+        logger.info("logged in to etcd as %s", self._login.user)
+        return str(reply.token)
+
     async def _unary(self, method: Callable[[_Connection], Any], request: Any) -> Any:
-        """``method(connection)(request)`` on the current endpoint, then on each other one
-        while they are unavailable. Endpoints that are not connected fail at once, except the
-        last one tried, which may take the whole ``timeout_s`` to (re)connect: a lone etcd
-        coming back within the timeout answers the call."""
+        """``_call`` with the current token; when etcd refuses that token as stale, log in
+        again and make the call once more."""
+        token = await self._token()
+        try:
+            return await self._call(method, request, token)
+        except _StaleToken:
+            if self._tokens is None:
+                raise
+            logger.info("etcd refused the auth token; logging in again")
+            self._forget(token)
+            return await self._call(method, request, await self._token())
+
+    async def _call(
+        self, method: Callable[[_Connection], Any], request: Any, token: str | None
+    ) -> Any:
+        """``method(connection)(request)`` carrying ``token`` on the current endpoint, then on
+        each other one while they are unavailable. Endpoints that are not connected fail at
+        once, except the last one tried, which may take the whole ``timeout_s`` to
+        (re)connect: a lone etcd coming back within the timeout answers the call."""
         error: grpc.aio.AioRpcError | None = None
+        metadata = token_metadata(token)
         for attempt in range(len(self._endpoints)):
             last = attempt == len(self._endpoints) - 1
             try:
                 return await method(self._connection())(
-                    request, timeout=self._timeout_s, metadata=self._metadata, wait_for_ready=last
+                    request, timeout=self._timeout_s, metadata=metadata, wait_for_ready=last
                 )
             except grpc.aio.AioRpcError as rpc_error:
                 if rpc_error.code() not in _TRANSIENT:
-                    raise _error_from_rpc(rpc_error) from rpc_error
+                    raise _error_from_rpc(rpc_error, self._login) from rpc_error
                 error = rpc_error
                 self._fail_over()
         assert error is not None
-        raise _error_from_rpc(error) from error
+        raise _error_from_rpc(error, self._login) from error
 
     async def put(self, key: bytes, value: bytes, lease: Lease | None = None) -> int:
         """Set ``key`` (under ``lease``: deleted with it); returns the new store revision.
@@ -274,14 +356,19 @@ class EtcdClient:
         Runs until cancelled otherwise: a broken stream or an unreachable etcd is retried
         (next endpoint, capped backoff) without returning, since only etcd can tell whether
         the lease outlived the outage (a restarted etcd keeps its leases). A caller that
-        must know the lease is alive watches for this coroutine's return.
+        must know the lease is alive watches for this coroutine's return. Raises
+        ``EtcdAuthError`` when etcd refuses the login.
         """
         interval_s = max(lease.ttl_s / 3, 0.1)
         backoff = _Backoff()
         request = rpc_pb2.LeaseKeepAliveRequest(ID=lease.id)
         while True:
-            call = self._connection().lease.LeaseKeepAlive(metadata=self._metadata + REQUIRE_LEADER)
+            call: grpc.aio.StreamStreamCall | None = None
+            token: str | None = None
             try:
+                token = await self._token()
+                metadata = token_metadata(token) + REQUIRE_LEADER
+                call = self._connection().lease.LeaseKeepAlive(metadata=metadata)
                 while True:
                     await call.write(request)
                     async with asyncio.timeout(interval_s):
@@ -292,11 +379,13 @@ class EtcdClient:
                         return
                     backoff.reset()
                     await asyncio.sleep(interval_s)
-            except _STREAM_BROKE as error:
+            except (*_STREAM_BROKE, EtcdUnavailable) as error:
                 _raise_if_cancelled()
+                self._forget_if_refused(token, error)
                 logger.info("etcd lease keep-alive stream broke (%s); retrying", _brief(error))
             finally:
-                call.cancel()
+                if call is not None:
+                    call.cancel()
             self._fail_over()
             await backoff.wait()
 
@@ -310,13 +399,23 @@ class EtcdClient:
         came back with an empty or older data dir), the watch reads the prefix afresh and
         yields a ``ResetEvent`` with it, then continues after that read. (A replaced store
         that is already past the watch's position cannot be told apart.)
+
+        A watch that etcd refuses ("permission denied": its token was forgotten, say by a
+        restarted etcd) is reopened after logging in again; refused once more right after
+        that login, or refused without a login, it raises ``EtcdAuthError``.
         """
         next_revision = start_revision
         backoff = _Backoff()
+        logged_in_again = False  # the last refusal was answered so: another one raises
         while True:
             resynced = False
-            call = self._connection().watch.Watch(metadata=self._metadata + REQUIRE_LEADER)
+            call: grpc.aio.StreamStreamCall | None = None
+            token: str | None = None
             try:
+                token = await self._token()
+                call = self._connection().watch.Watch(
+                    metadata=token_metadata(token) + REQUIRE_LEADER
+                )
                 create = rpc_pb2.WatchCreateRequest(
                     key=prefix,
                     range_end=prefix_end(prefix),
@@ -327,6 +426,14 @@ class EtcdClient:
                 while True:
                     reply = await call.read()
                     if reply is grpc.aio.EOF:
+                        break
+                    refusal = refusal_of(None, reply.cancel_reason) if reply.canceled else None
+                    if refusal is not None:
+                        if self._tokens is None or logged_in_again:
+                            raise self._watch_refused(refusal, reply.cancel_reason)
+                        logger.info("etcd refused the watch; logging in again")
+                        self._forget(token)
+                        logged_in_again = True
                         break
                     behind = reply.created and reply.header.revision + 1 < next_revision
                     if reply.compact_revision or behind:
@@ -339,6 +446,7 @@ class EtcdClient:
                         logger.info("etcd cancelled the watch: %s", reply.cancel_reason)
                         break
                     backoff.reset()
+                    logged_in_again = False
                     for event in reply.events:
                         yield _watch_event(event)
                     if reply.events:
@@ -347,12 +455,27 @@ class EtcdClient:
                         next_revision = max(next_revision, reply.header.revision + 1)
             except (*_STREAM_BROKE, EtcdUnavailable) as error:
                 _raise_if_cancelled()
+                self._forget_if_refused(token, error)
                 logger.info("etcd watch stream broke (%s); resuming", _brief(error))
             finally:
-                call.cancel()
+                if call is not None:
+                    call.cancel()
             if not resynced:
                 self._fail_over()
                 await backoff.wait()
+
+    def _forget_if_refused(self, token: str | None, error: BaseException) -> None:
+        """A stream that etcd ended for its token: the next one logs in again."""
+        if isinstance(error, grpc.aio.AioRpcError):
+            refusal = refusal_of(error.code(), error.details() or "")
+            if refusal in (Refusal.STALE_TOKEN, Refusal.NO_USER):
+                self._forget(token)
+
+    def _watch_refused(self, refusal: Refusal, reason: str) -> EtcdError:
+        """The error of a watch etcd refused for good (``reason``: its cancel reason)."""
+        if self._login is None:  # etcd says "permission denied" to a watch without a user
+            refusal = Refusal.NO_USER
+        return _auth_error(refusal, f"watch cancelled: {reason}", self._login)
 
 
 def _brief(error: BaseException) -> str:

@@ -6,6 +6,13 @@
 ports and data dir, so keys, leases and revisions survive and clients reconnect to the same
 address (``wipe()`` in between: etcd comes back empty). ``compact(revision)`` drops history.
 ``running_etcd`` is the context manager the ``etcd`` fixture (conftest) uses.
+
+Closed to strangers: ``EtcdServer(tmp_dir, tls=certificates)`` serves TLS and asks every
+client for a certificate the same CA signed (etcd's ``--client-cert-auth``);
+``enable_auth(root_password)`` turns on etcd's user/password auth (a ``root`` user, as etcd
+requires) and ``add_user(name, password, prefix)`` makes a user whose role may read and write
+the keys under ``prefix`` and nothing else. Auth and users live in the data dir: they survive
+a restart (tokens do not: etcd hands out new ones after it).
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import random
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import time
 import urllib.request
@@ -23,6 +31,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from splitserve.discovery.etcd_server import etcd_binary
+from tests.certs import CertificateSet
 
 START_TIMEOUT_S = 15.0
 STOP_TIMEOUT_S = 10.0
@@ -65,11 +74,13 @@ def free_port() -> int:
 class EtcdServer:
     """One etcd process at a time on fixed ports; see the module docstring."""
 
-    def __init__(self, tmp_dir: Path) -> None:
+    def __init__(self, tmp_dir: Path, tls: CertificateSet | None = None) -> None:
         self.client_port = free_port()
         self.peer_port = free_port()
         self.data_dir = tmp_dir / "etcd-data"
         self.log_path = tmp_dir / "etcd.log"
+        self.tls = tls
+        self._root_password: str | None = None
         self._process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -77,9 +88,21 @@ class EtcdServer:
         """host:port of the client (gRPC) listener, as ``EtcdClient`` takes it."""
         return f"127.0.0.1:{self.client_port}"
 
+    @property
+    def _client_url(self) -> str:
+        return f"{'https' if self.tls else 'http'}://{self.endpoint}"
+
     def _argv(self) -> list[str]:
-        client_url = f"http://{self.endpoint}"
+        client_url = self._client_url
         peer_url = f"http://127.0.0.1:{self.peer_port}"
+        tls = []
+        if self.tls is not None:
+            tls = [
+                f"--cert-file={self.tls.cert}",
+                f"--key-file={self.tls.key}",
+                f"--trusted-ca-file={self.tls.ca}",
+                "--client-cert-auth",
+            ]
         return [
             str(etcd_binary()),
             f"--name={_NAME}",
@@ -91,6 +114,7 @@ class EtcdServer:
             f"--initial-cluster={_NAME}={peer_url}",
             "--unsafe-no-fsync",  # test data only: spare the shared disk
             "--log-level=warn",
+            *tls,
         ]
 
     def start(self) -> None:
@@ -116,17 +140,50 @@ class EtcdServer:
         return self._process is not None and self._process.poll() is None
 
     def _healthy(self) -> bool:
+        context = None
+        if self.tls is not None:
+            context = ssl.create_default_context(cafile=self.tls.ca)
+            context.load_cert_chain(self.tls.cert, self.tls.key)
         try:
-            with urllib.request.urlopen(f"http://{self.endpoint}/health", timeout=1) as reply:
+            url = f"{self._client_url}/health"
+            with urllib.request.urlopen(url, timeout=1, context=context) as reply:
                 return bool(json.load(reply).get("health") == "true")
         except OSError:
             return False
 
+    def etcdctl(self, *args: str) -> str:
+        """Run ``etcdctl`` (next to the binary) on this server, as ``root`` once auth is
+        on; its output. Raises ``CalledProcessError`` (with etcdctl's message) on failure."""
+        argv = [str(etcd_binary().with_name("etcdctl")), f"--endpoints={self.endpoint}"]
+        if self.tls is not None:
+            argv += [f"--cacert={self.tls.ca}", f"--cert={self.tls.cert}", f"--key={self.tls.key}"]
+        if self._root_password is not None:
+            argv.append(f"--user=root:{self._root_password}")
+        done = subprocess.run(
+            [*argv, *args], check=True, capture_output=True, text=True, timeout=STOP_TIMEOUT_S
+        )
+        return done.stdout
+
     def compact(self, revision: int) -> None:
-        """Drop the history before ``revision`` (``etcdctl compact``, next to the binary)."""
-        etcdctl = etcd_binary().with_name("etcdctl")
-        argv = [str(etcdctl), f"--endpoints={self.endpoint}", "compact", str(revision)]
-        subprocess.run(argv, check=True, capture_output=True, timeout=STOP_TIMEOUT_S)
+        """Drop the history before ``revision`` (``etcdctl compact``)."""
+        self.etcdctl("compact", str(revision))
+
+    def enable_auth(self, root_password: str) -> None:
+        """Turn on etcd's auth, with a ``root`` user of ``root_password`` (etcd refuses
+        ``auth enable`` without one); later ``etcdctl`` calls log in as it."""
+        self.etcdctl("user", "add", "root", f"--new-user-password={root_password}")
+        self.etcdctl("user", "grant-role", "root", "root")
+        self.etcdctl("auth", "enable")
+        self._root_password = root_password
+
+    def add_user(self, name: str, password: str, prefix: str) -> None:
+        """A user (and its own role, ``<name>-rw``) that may read and write every key under
+        ``prefix``, and no other key."""
+        role = f"{name}-rw"
+        self.etcdctl("role", "add", role)
+        self.etcdctl("role", "grant-permission", role, "--prefix=true", "readwrite", prefix)
+        self.etcdctl("user", "add", name, f"--new-user-password={password}")
+        self.etcdctl("user", "grant-role", name, role)
 
     def wipe(self) -> None:
         """Delete the data dir (stopped server only): the next ``start`` is an empty etcd."""
@@ -147,9 +204,9 @@ class EtcdServer:
 
 
 @contextlib.contextmanager
-def running_etcd(tmp_dir: Path) -> Iterator[EtcdServer]:
+def running_etcd(tmp_dir: Path, tls: CertificateSet | None = None) -> Iterator[EtcdServer]:
     """A started ``EtcdServer`` in ``tmp_dir``, stopped on exit whatever state it is in."""
-    server = EtcdServer(tmp_dir)
+    server = EtcdServer(tmp_dir, tls)
     server.start()
     try:
         yield server

@@ -40,15 +40,15 @@ from splitserve.common.metrics import serve_metrics
 from splitserve.common.model_files import model_name_of, resolve_model_path
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.tracing import configure_tracing, shutdown_tracing
+from splitserve.discovery.etcd_access import etcd_access
 from splitserve.discovery.etcd_announcer import EtcdAnnouncer
-from splitserve.discovery.flags import etcd_endpoints
+from splitserve.discovery.flags import membership_settings
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.engine.cli_args import engine_config_from_args
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.device import dtype_refusal
 from splitserve.engine.step_threads import BorrowedCores, StepThreads
 from splitserve.proto.cluster_access import ClusterAccess, access_or_exit
-from splitserve.proto.etcd_client import EtcdClient
 from splitserve.proto.server import RoleServer, serve_forever, start_server
 from splitserve.transfer.paced import PacedTransport
 from splitserve.transfer.transport import KvTransport
@@ -314,9 +314,10 @@ class _Membership:
                 link = CoordinatorLink(coordinator, info, report, access, kv_events)
                 links.append((link, asyncio.create_task(link.run(stop))))
         announcers = []
-        if etcd_endpoints(args):
+        etcd = etcd_access(membership_settings(args))
+        if etcd is not None:
             for info in infos:
-                announcer = EtcdAnnouncer(EtcdClient(etcd_endpoints(args)), args.cluster_name)
+                announcer = EtcdAnnouncer(etcd.client(), args.cluster_name)
                 announcers.append((announcer, asyncio.create_task(_announce(announcer, info))))
         return cls(links, announcers)
 
@@ -428,6 +429,7 @@ def worker_main(
 
     try:
         transfer_settings_of(args)  # refused here, not after the engine loaded
+        etcd_access(membership_settings(args))  # the etcd login and TLS files too
     except ValueError as error:
         parser.error(str(error))
     refusal = dtype_refusal(args.dtype, args.device, computes=args.engine != "sim")

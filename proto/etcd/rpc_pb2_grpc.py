@@ -413,3 +413,77 @@ class Watch:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class AuthStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Authenticate = channel.unary_unary(
+                '/etcdserverpb.Auth/Authenticate',
+                request_serializer=etcd_dot_rpc__pb2.AuthenticateRequest.SerializeToString,
+                response_deserializer=etcd_dot_rpc__pb2.AuthenticateResponse.FromString,
+                _registered_method=True)
+
+
+class AuthServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def Authenticate(self, request, context):
+        """A token for the user, sent as call metadata `token` on later calls (etcd with auth
+        enabled refuses calls without one). Fails FAILED_PRECONDITION when auth is not enabled.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_AuthServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Authenticate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Authenticate,
+                    request_deserializer=etcd_dot_rpc__pb2.AuthenticateRequest.FromString,
+                    response_serializer=etcd_dot_rpc__pb2.AuthenticateResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'etcdserverpb.Auth', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('etcdserverpb.Auth', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Auth:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Authenticate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/etcdserverpb.Auth/Authenticate',
+            etcd_dot_rpc__pb2.AuthenticateRequest.SerializeToString,
+            etcd_dot_rpc__pb2.AuthenticateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
