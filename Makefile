@@ -31,6 +31,11 @@ $(STAMP): pyproject.toml $(KERNEL_SOURCES)
 	-command -v prometheus >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
 		--no-install-recommends prometheus >/dev/null || (apt-get update -q >/dev/null && \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus >/dev/null)
+	# nftables cuts and thins links between the network lab's hosts (launch/netlab.py); the
+	# lab's tests skip, saying so, where it cannot be installed.
+	-command -v nft >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
+		--no-install-recommends nftables >/dev/null || (apt-get update -q >/dev/null && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends nftables >/dev/null)
 	touch $(STAMP)
 
 # Coordinator (gRPC :50051) + 1 prefill + 1 decode worker + OpenAI gateway (http :8000) on

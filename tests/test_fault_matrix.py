@@ -24,7 +24,8 @@ load, loses nothing either.
 Conversations too: sessions homed on a decode worker that is SIGKILLed between their turns,
 or while their next turn streams, go on exactly on another.
 
-Only the coordinator's kill -9 is in the default suite; the rest is ``slow``.
+The kill -9 of a coordinator and of a decode worker are in the default suite; the rest is
+``slow``.
 """
 
 from __future__ import annotations
@@ -122,11 +123,11 @@ class FaultReport:
 
 FAULTS = [
     pytest.param(Fault("coordinator-0", signal.SIGKILL, MID_STREAM_TOKENS), id="kill-coordinator"),
+    pytest.param(Fault("decode-0", signal.SIGKILL, MID_STREAM_TOKENS), id="kill-decode-worker"),
     *(
         pytest.param(fault, id=fault.name.replace(" ", "-").lower(), marks=pytest.mark.slow)
         for fault in [
             Fault("prefill-0", signal.SIGKILL, 0),
-            Fault("decode-0", signal.SIGKILL, MID_STREAM_TOKENS),
             Fault("coordinator-1", signal.SIGTERM, MID_STREAM_TOKENS),
             Fault("prefill-1", signal.SIGTERM, 0),
             Fault("decode-1", signal.SIGTERM, MID_STREAM_TOKENS),
