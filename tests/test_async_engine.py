@@ -15,10 +15,14 @@ from splitserve.common.request_update import FinishReason
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.engine.checkpoint import LoadedCheckpoint
+from splitserve.engine.llm import LLM
 from tests.conftest import assert_no_leaks, make_llm
+from tests.waiting import suspended_task, until, wait_until
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 LONG_RUN = SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True)
+WAIT_S = 10.0
+"""Bound on the waits for the engine thread (a hang fails the test instead of stalling it)."""
 
 
 @pytest.fixture
@@ -51,7 +55,7 @@ def test_concurrent_streams_match_offline_and_loop_stays_responsive(served) -> N
             nonlocal ticks
             while not done.is_set():
                 ticks += 1
-                await asyncio.sleep(0.005)
+                await asyncio.sleep(0.005)  # the ticker's beat: what is measured, not a wait
 
         ticking = asyncio.create_task(ticker())
         results = await asyncio.gather(
@@ -80,7 +84,7 @@ def test_cancel_and_invalid_request(served) -> None:
         assert await _collect(engine, "after", llm.encode_prompt("Hi"))
 
     asyncio.run(scenario())
-    assert asyncio.run(_wait_idle(llm))
+    _wait_idle(llm)
 
 
 def test_a_grammar_compiles_before_the_request_reaches_a_step(served) -> None:
@@ -108,21 +112,15 @@ def test_a_grammar_compiles_before_the_request_reaches_a_step(served) -> None:
     assert llm.tokenizer.decode(tokens) in {"yes", "no"}
 
 
-async def _wait_idle(llm, timeout: float = 10.0) -> bool:
-    for _ in range(int(timeout / 0.01)):
-        if not llm.engine.has_unfinished:
-            return True
-        await asyncio.sleep(0.01)
-    return False
+def _wait_idle(llm: LLM) -> None:
+    """Wait until the engine has no unfinished request (an abort is a queued command)."""
+    wait_until(lambda: not llm.engine.has_unfinished, WAIT_S, "no unfinished request")
 
 
-async def _wait_all_free(llm, timeout: float = 10.0) -> bool:
+def _wait_all_free(llm: LLM) -> None:
+    """Wait until every KV block is back in the pool."""
     cache = llm.engine.kv_cache
-    for _ in range(int(timeout / 0.01)):
-        if cache.num_free_blocks == cache.num_blocks:
-            return True
-        await asyncio.sleep(0.01)
-    return False
+    wait_until(lambda: cache.num_free_blocks == cache.num_blocks, WAIT_S, "every block free")
 
 
 def test_outside_abort_ends_the_stream_and_a_failed_step_fails_only_running_requests(
@@ -157,8 +155,9 @@ def test_outside_abort_ends_the_stream_and_a_failed_step_fails_only_running_requ
 
 
 async def _cancel_while_being_accepted(submission: Coroutine[Any, Any, Any]) -> None:
-    task = asyncio.create_task(submission)
-    await asyncio.sleep(0)  # the add command is queued, not yet accepted
+    # suspended in submit: the add command is queued, not yet accepted (the acceptance comes
+    # to this loop after the task's first step, so after this coroutine resumes)
+    task = await suspended_task(submission)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
@@ -168,7 +167,7 @@ def test_cancel_while_being_accepted_aborts(served) -> None:
     llm, engine = served
     prompt = llm.encode_prompt("Count to a thousand:")
     asyncio.run(_cancel_while_being_accepted(_collect(engine, "cancelled", prompt)))
-    assert asyncio.run(_wait_idle(llm))
+    _wait_idle(llm)
 
 
 def test_a_reservation_holds_its_blocks_until_released_whatever_ends_the_request(
@@ -199,10 +198,10 @@ def test_a_reservation_cancelled_while_being_accepted_drops_its_hold(served) -> 
     prompt = llm.encode_prompt("The capital of France is")
     submission = engine.submit("remote", prompt, GREEDY, reserve_remote_prefill=True)
     asyncio.run(_cancel_while_being_accepted(submission))
-    assert asyncio.run(_wait_idle(llm))
+    _wait_idle(llm)
     # The hold is given back by a command queued after the cancellation: wait for it to run
     # (on a loaded machine it may come after the request is gone), then the fixture checks.
-    assert asyncio.run(_wait_all_free(llm))
+    _wait_all_free(llm)
 
 
 def test_the_engine_outlives_a_callers_closed_event_loop(served) -> None:
@@ -219,8 +218,8 @@ def test_the_engine_outlives_a_callers_closed_event_loop(served) -> None:
 
     loop = asyncio.new_event_loop()
     task = loop.create_task(engine.call(held))
-    while not started.is_set():
-        loop.run_until_complete(asyncio.sleep(0.01))
+    # the loop runs (the task queues its command) until the engine thread is inside held()
+    assert loop.run_until_complete(asyncio.to_thread(started.wait, 30)), "held() never ran"
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         loop.run_until_complete(task)
@@ -244,9 +243,14 @@ def test_a_caller_that_fell_behind_reads_what_queued_up_as_one_output(served) ->
 
     async def scenario() -> list:
         stream = await engine.submit("late", prompt, GREEDY)
-        while await engine.has_request("late"):  # the engine runs it to the end unread
-            await asyncio.sleep(0.05)
-        await asyncio.sleep(0.05)  # its last outputs reach this loop
+
+        async def ended() -> bool:
+            return not await engine.has_request("late")
+
+        # The engine runs it to the end unread. Its outputs and the answer of has_request
+        # cross to this loop in the engine's order (request_stream.py), the last outputs in
+        # the round the request ended: once it is gone, every output is in the stream.
+        await until(ended, WAIT_S, "the engine to run 'late' to its end")
         return [output async for output in stream]
 
     outputs = asyncio.run(scenario())

@@ -41,11 +41,15 @@ from tests.cluster import (
     internal_address,
     routable_members,
     transfer_figures,
+    worker_loads,
 )
+from tests.waiting import until
 
 PROMPTS = [f"Stream {i} tells of the mill by the river" for i in range(12)]
 MAX_TOKENS = 80
 STALL_ENV = {"SPLITSERVE_STALL_FLOOR_S": "1.0", "SPLITSERVE_STALL_FACTOR": "10"}
+FROZEN_STREAMS = 3
+"""Streams decoding on decode-1 when it is frozen: each of them must stall and resume."""
 
 
 def _expected_texts(tmp_path: Path) -> list[str]:
@@ -88,10 +92,19 @@ def _counter(metrics_url: str, name: str) -> dict[str, float]:
     }
 
 
-async def _serve_and_freeze(url: str, decode_pid: int) -> list[str]:
-    """Send every prompt at once, freeze the decode worker once streams run on it."""
+async def _serve_and_freeze(url: str, coordinator: str, decode_pid: int) -> list[str]:
+    """Send every prompt at once, freeze decode-1 once ``FROZEN_STREAMS`` streams decode on
+    it (as its heartbeat reports them)."""
     requests = asyncio.ensure_future(gateway_completions(url, PROMPTS, MAX_TOKENS))
-    await asyncio.sleep(1.0)  # the first tokens are out: streams decode on both workers
+
+    async def streams_decode_on_decode_1() -> bool:
+        if requests.done():
+            requests.result()  # a failed request raises here
+            raise AssertionError("every stream completed before decode-1 was frozen")
+        loads = await asyncio.to_thread(worker_loads, coordinator, {"decode-1"})
+        return loads["decode-1"].num_running_requests >= FROZEN_STREAMS
+
+    await until(streams_decode_on_decode_1, 60, f"{FROZEN_STREAMS} streams decoding on decode-1")
     os.kill(decode_pid, signal.SIGSTOP)
     return await requests
 
@@ -102,7 +115,8 @@ def _texts_with_a_frozen_worker(
     """The streams' texts, and the workers routable once they completed (still frozen)."""
     decode_pid = child_pid(processes[0].pid, "--worker-id=decode-1")
     try:
-        texts = asyncio.run(_serve_and_freeze(lines["splitserve gateway ready"], decode_pid))
+        url = lines["splitserve gateway ready"]
+        texts = asyncio.run(_serve_and_freeze(url, coordinator, decode_pid))
         return texts, routable_members(coordinator)
     finally:
         os.kill(decode_pid, signal.SIGCONT)  # so that the cluster stops cleanly
@@ -178,7 +192,7 @@ def test_streams_on_a_frozen_decode_worker_resume_and_complete(
     one_block = layers * 2 * 16 * STAND_IN_HEAD_DIM * 2
     assert sent.completed - sent_before.completed == len(PROMPTS) and sent.failures == 0
     assert sent.landed_bytes - sent_before.landed_bytes == len(PROMPTS) * one_block
-    assert stalls["no_token/decode"] >= 3  # the streams that were on the frozen worker
+    assert stalls["no_token/decode"] >= FROZEN_STREAMS  # the streams on the frozen worker
     assert recoveries["decode_resume"] == stalls["no_token/decode"]  # each resumed once
     # routing avoids it (failed, no heartbeat since), the others serve on
     assert routable == {"decode-2", "prefill-0"}

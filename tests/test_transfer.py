@@ -31,6 +31,7 @@ from splitserve.common.errors import (
     TransferError,
     TransferTimeoutError,
 )
+from splitserve.common.event_wait import wait_event
 from splitserve.transfer.layer_channel import (
     LayerReceiver,
     LayerSender,
@@ -56,6 +57,7 @@ from tests.transfer_support import (
     random_kv,
     unreserved,
 )
+from tests.waiting import suspended_task, until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -108,7 +110,7 @@ def offer_from_thread(transfer: Transfer, order: Sequence[int]) -> None:
 
     def engine_thread() -> None:
         for layer in order:
-            time.sleep(0.001)  # the engine computes the next layer
+            time.sleep(0.001)  # the engine computes the next layer (simulated, not a wait)
             transfer.sender.offer(layer, transfer.kv[layer][:, ordered])
 
     thread = threading.Thread(target=engine_thread, name="engine")
@@ -119,13 +121,6 @@ def offer_from_thread(transfer: Transfer, order: Sequence[int]) -> None:
 
 async def offer(transfer: Transfer, order: Sequence[int]) -> None:
     await asyncio.to_thread(offer_from_thread, transfer, order)
-
-
-async def until(condition: object, timeout_s: float = WAIT_S) -> None:
-    """Poll ``condition()`` on the loop until it holds (bounded)."""
-    async with asyncio.timeout(timeout_s):
-        while not condition():  # type: ignore[operator]
-            await asyncio.sleep(0.005)
 
 
 # ----------------------------------------------------------------------------- arrival
@@ -260,7 +255,7 @@ def test_receiver_abort_mid_transfer_settles_and_later_layers_never_land(
             receiver = transfer.receiver
             pending_wait = asyncio.ensure_future(receiver.wait(WAIT_S))
             await offer(transfer, [0, 1, 2])
-            await until(lambda: receiver.layers_received == 3)
+            await until(lambda: receiver.layers_received == 3, WAIT_S, "3 layers received")
 
             await receiver.abort()
             assert receiver.settled  # on return: nothing can land any more
@@ -286,8 +281,7 @@ def test_receiver_abort_before_any_layer(transport_kind: str) -> None:
         async with open_link(transport_kind) as link:
             transfer = make_transfer(link, SCATTERED)
             receiver = transfer.receiver
-            pending_wait = asyncio.ensure_future(receiver.wait(WAIT_S))
-            await asyncio.sleep(0.05)
+            pending_wait = await suspended_task(receiver.wait(WAIT_S))  # waiting
             await receiver.abort()
             with pytest.raises(TransferAbortedError):
                 await pending_wait
@@ -306,8 +300,7 @@ def test_sender_abort_before_all_layers_fails_finish(transport_kind: str) -> Non
             transfer = make_transfer(link, SCATTERED)
             sender = transfer.sender
             await offer(transfer, [0, 1])
-            pending_finish = asyncio.ensure_future(sender.finish(WAIT_S))
-            await asyncio.sleep(0.05)
+            pending_finish = await suspended_task(sender.finish(WAIT_S))  # waiting
             sender.abort()
             with pytest.raises(TransferAbortedError):
                 await pending_finish
@@ -320,15 +313,32 @@ def test_sender_abort_before_all_layers_fails_finish(transport_kind: str) -> Non
     asyncio.run(body())
 
 
+class _SendsInFlight(_StalledEndpoint):
+    """A stalled endpoint that says when its ``sends``-th send is in flight."""
+
+    def __init__(self, sends: int) -> None:
+        self.in_flight = 0
+        self.all_in_flight = asyncio.Event()
+        """Set once ``sends`` sends are in flight (none ever completes)."""
+        self._sends = sends
+
+    async def send(self, tag: int, buffer: torch.Tensor) -> None:
+        self.in_flight += 1
+        if self.in_flight == self._sends:
+            self.all_in_flight.set()
+        await super().send(tag, buffer)
+
+
 def test_sender_abort_with_sends_in_flight_fails_finish() -> None:
     async def body() -> None:
         plan = TransferPlan.for_destination([4, 2])  # two runs: four messages per layer
         loop = asyncio.get_running_loop()
-        sender = LayerSender(_StalledEndpoint(), 1, new_transfer_secret(), NUM_LAYERS, plan, loop)
+        endpoint = _SendsInFlight(NUM_LAYERS * plan.messages_per_layer)
+        sender = LayerSender(endpoint, 1, new_transfer_secret(), NUM_LAYERS, plan, loop)
         for layer in range(NUM_LAYERS):
             sender.offer(layer, torch.zeros(2, 2, 16, dtype=torch.uint8))
-        pending_finish = asyncio.ensure_future(sender.finish(WAIT_S))
-        await asyncio.sleep(0.05)
+        pending_finish = await suspended_task(sender.finish(WAIT_S))
+        assert await wait_event(endpoint.all_in_flight, WAIT_S), "every send in flight"
         assert sender.state is TransferState.ACTIVE and not pending_finish.done()
         assert sender.bytes_sent == NUM_LAYERS * 2 * 2 * 16
         sender.abort()
@@ -358,12 +368,16 @@ def test_sender_finish_times_out_when_sends_stall() -> None:
 
 class _StuckTransport(KvTransport):
     """A transport whose receives never complete and whose ``withdraw`` has no effect: a
-    message matched a receive but its data never came."""
+    message matched a receive but its data never came. ``all_posted`` is set once
+    ``receives`` receives are posted."""
 
     name = "stuck"
 
-    def __init__(self) -> None:
+    def __init__(self, receives: int) -> None:
         self.withdrawn: list[int] = []
+        self.posted: list[int] = []
+        self.all_posted = asyncio.Event()
+        self._receives = receives
 
     @property
     def address(self) -> bytes:
@@ -373,7 +387,13 @@ class _StuckTransport(KvTransport):
         return _StalledEndpoint()
 
     async def recv(self, tag: int, buffer: torch.Tensor) -> None:
+        self._post(tag)
         await asyncio.Event().wait()
+
+    def _post(self, tag: int) -> None:
+        self.posted.append(tag)
+        if len(self.posted) == self._receives:
+            self.all_posted.set()
 
     async def withdraw(self, tag: int) -> None:
         self.withdrawn.append(tag)
@@ -383,11 +403,12 @@ class _LateTransport(_StuckTransport):
     """Receives that complete only when ``release`` is set: data still in flight at the
     settle deadline, landing later."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, receives: int) -> None:
+        super().__init__(receives)
         self.release = asyncio.Event()
 
     async def recv(self, tag: int, buffer: torch.Tensor) -> None:
+        self._post(tag)
         await self.release.wait()
 
 
@@ -397,17 +418,17 @@ def test_receives_in_flight_past_the_deadline_settle_later(
     monkeypatch.setattr(layer_channel, "SETTLE_TIMEOUT_S", 0.2)
 
     async def body() -> None:
-        transport = _LateTransport()
         plan, destinations = receive_destinations(new_cache(), SCATTERED)
+        transport = _LateTransport(NUM_LAYERS * plan.messages_per_layer)
         receiver = LayerReceiver(
             transport, next(_transfer_ids), new_transfer_secret(), plan, destinations
         )
-        await asyncio.sleep(0.02)
+        assert await wait_event(transport.all_posted, WAIT_S), "every receive posted"
         await asyncio.gather(receiver.abort(), receiver.abort())  # concurrent stops share one
         assert not receiver.settled
         assert len(transport.withdrawn) == len(set(transport.withdrawn))  # withdrawn once each
         settling = asyncio.ensure_future(receiver.until_settled())
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.05)  # not a wait: time for a wrong settle to show
         assert not settling.done()
         transport.release.set()  # the data lands
         await asyncio.wait_for(settling, WAIT_S)
@@ -422,11 +443,11 @@ def test_receiver_whose_receives_never_settle_is_not_settled(
     monkeypatch.setattr(layer_channel, "SETTLE_TIMEOUT_S", 0.2)
 
     async def body() -> None:
-        transport = _StuckTransport()
         plan, destinations = receive_destinations(new_cache(), SCATTERED)
+        transport = _StuckTransport(NUM_LAYERS * plan.messages_per_layer)
         secret = new_transfer_secret()
         receiver = LayerReceiver(transport, next(_transfer_ids), secret, plan, destinations)
-        await asyncio.sleep(0.02)
+        assert await wait_event(transport.all_posted, WAIT_S), "every receive posted"
         started = time.monotonic()
         await receiver.abort()
         assert time.monotonic() - started < 2.0  # bounded by SETTLE_TIMEOUT_S
@@ -447,8 +468,8 @@ def test_withdraw_completes_a_posted_receive_without_writing(transport_kind: str
         async with open_link(transport_kind) as link:
             tag = message_tag(new_transfer_secret(), 3)
             buffer = torch.full((4096,), 0xA5, dtype=torch.uint8)
-            receive = asyncio.ensure_future(link.receiver.recv(tag, buffer))
-            await asyncio.sleep(0.05)  # posted
+            # posted: a receive is posted when its coroutine first runs (KvTransport.recv)
+            receive = await suspended_task(link.receiver.recv(tag, buffer))
             assert not receive.done()
             await link.receiver.withdraw(tag)
             await asyncio.wait_for(receive, WAIT_S)
@@ -476,8 +497,7 @@ def test_withdraw_before_the_receive_makes_it_complete_empty(transport_kind: str
 
             # the withdrawal was of that tag only: another receive still gets its message
             message = torch.arange(4096, dtype=torch.int32).to(torch.uint8)
-            receive = asyncio.ensure_future(link.receiver.recv(other_tag, buffer))
-            await asyncio.sleep(0.01)
+            receive = await suspended_task(link.receiver.recv(other_tag, buffer))  # posted
             await asyncio.wait_for(link.endpoint.send(other_tag, message), WAIT_S)
             await asyncio.wait_for(receive, WAIT_S)
             assert torch.equal(buffer, message)
