@@ -85,8 +85,20 @@ from splitserve.worker.transfer_settings import TransferSettings
 
 logger = logging.getLogger(__name__)
 
-PREVIOUS_ATTEMPT_WAIT_S = 5.0
-"""How long a retried request id waits for its previous attempt here to end."""
+PREVIOUS_ATTEMPT_WAIT_S = 1.0
+"""How long a retried request id waits for its previous attempt here to end: the same
+coordinator's cancellation arrives within milliseconds; this stays below the coordinator's
+stall limit (``coordinator/stall_limits.py``, at least 2 s), so a retry superseding a stale
+attempt is not itself called stalled."""
+
+
+@dataclass
+class _Attempt:
+    """One open ``generate`` of a request id: ``ended`` once its iterator closed;
+    ``superseded`` once a newer attempt of the id took its place (``_supersede``)."""
+
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
+    superseded: bool = False
 
 
 @dataclass
@@ -122,7 +134,7 @@ class DecodeWorker:
         self._incoming: dict[int, _Incoming] = {}
         self._transfer_of: dict[str, int] = {}
         self._settling: set[asyncio.Task[None]] = set()  # stopped receivers holding blocks
-        self._open_attempts: dict[str, asyncio.Event] = {}  # request id -> set when it ended
+        self._open_attempts: dict[str, _Attempt] = {}  # request id -> its open attempt
         self.transfer_metrics = TransferMetrics()
 
     async def generate(
@@ -140,34 +152,54 @@ class DecodeWorker:
         Closing the iterator early aborts the request and frees its blocks. A new attempt of a
         request id whose previous attempt is still open here (the coordinator retried before
         the previous attempt's cancellation arrived) waits up to ``PREVIOUS_ATTEMPT_WAIT_S``
-        for it to end, instead of being refused as a duplicate.
+        for it to end; one still open then supersedes it (``_supersede``): its caller can no
+        longer reach this worker (a coordinator cut off from it, whose stream another
+        coordinator took over), so the newest attempt is the one a client is reading.
         """
         await self._previous_attempt_ended(request_id)
-        stream = await self._submit(
-            request_id, prompt_token_ids, params, remote_prefill, prior_output_token_ids
-        )
-        # registered only once accepted: a refused duplicate never hides the open attempt
-        ended = self._open_attempts[request_id] = asyncio.Event()
+        # registered before the submit (no await in between): a concurrent retry of the id
+        # waits for this attempt instead of reaching the engine as a duplicate
+        attempt = self._open_attempts[request_id] = _Attempt()
         try:
+            stream = await self._submit(
+                request_id, prompt_token_ids, params, remote_prefill, prior_output_token_ids
+            )
             try:
                 if stream.reserved is not None:
                     yield self._expect_kv(request_id, stream.reserved, len(prompt_token_ids))
                 async for output in stream:
                     yield output
             finally:
-                self._stop_receiving(request_id)
-                self.engine.abort(request_id)  # no-op when the request already finished
+                if not attempt.superseded:  # else the id is the newer attempt's now
+                    self._stop_receiving(request_id)
+                    self.engine.abort(request_id)  # no-op when the request already finished
         finally:
-            ended.set()  # the abort above is queued: a retry's submit lands after it
-            if self._open_attempts.get(request_id) is ended:
+            attempt.ended.set()  # the abort above is queued: a retry's submit lands after it
+            if self._open_attempts.get(request_id) is attempt:
                 del self._open_attempts[request_id]
 
     async def _previous_attempt_ended(self, request_id: str) -> None:
-        previous = self._open_attempts.get(request_id)
-        if previous is None:
-            return
-        # not ended in time: a true duplicate, which the engine refuses
-        await wait_event(previous, PREVIOUS_ATTEMPT_WAIT_S)
+        """Return once no attempt of ``request_id`` is open here: each open one is waited
+        for up to ``PREVIOUS_ATTEMPT_WAIT_S``, then superseded."""
+        while (previous := self._open_attempts.get(request_id)) is not None:
+            ended = await wait_event(previous.ended, PREVIOUS_ATTEMPT_WAIT_S)
+            if not ended and self._open_attempts.get(request_id) is previous:
+                self._supersede(request_id, previous)
+
+    def _supersede(self, request_id: str, previous: _Attempt) -> None:
+        """End ``previous`` (an attempt its caller never closed) in favour of a new attempt
+        of the same request id: its receive is stopped and the engine's request aborted now
+        (queued before the new attempt's submit), and its iterator, whenever it is closed,
+        leaves the id alone."""
+        logger.warning(
+            "request %s: a new attempt supersedes one whose caller did not close it in %g s",
+            request_id,
+            PREVIOUS_ATTEMPT_WAIT_S,
+        )
+        previous.superseded = True
+        self._stop_receiving(request_id)
+        self.engine.abort(request_id)
+        del self._open_attempts[request_id]
 
     async def _submit(
         self,

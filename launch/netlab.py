@@ -18,7 +18,7 @@ Links (``launch/netlab_rules.py`` holds the commands):
   alive, its loopback untouched);
 - ``lose(host, percent, peers=None)``: drops that share of packets arriving from the peers
   (nft ``numgen random``);
-- ``heal(host)``: removes the host's rules (the shaping stays).
+- ``heal(host)``: removes the host's rules (the shaping stays; ``unshape(host)`` removes it).
 
 There is no added latency: this kernel has no ``netem``, and a tbf's queue delays only past
 its rate. ``missing()`` says why a lab cannot be made here (not root, a tool missing, no
@@ -151,6 +151,16 @@ class Lab:
         for command in tbf_commands("eth0", gbit):
             _run("ip", "netns", "exec", where.netns, *command)
         self._shaped.add(host)
+
+    def unshape(self, host: str) -> None:
+        """Take ``host``'s link back to the bridge's own rate."""
+        where = self.hosts[host]
+        subprocess.run(["tc", "qdisc", "del", "dev", where.bridge_end, "root"], capture_output=True)
+        subprocess.run(
+            ["ip", "netns", "exec", where.netns, "tc", "qdisc", "del", "dev", "eth0", "root"],
+            capture_output=True,
+        )
+        self._shaped.discard(host)
 
     def cut(self, host: str, peers: Iterable[str] | None = None, direction: str = "both") -> None:
         """Drop ``host``'s traffic with ``peers`` (host names; None: everyone)."""

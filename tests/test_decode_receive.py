@@ -15,6 +15,7 @@ import torch
 
 from splitserve.common.request_update import StepOutput
 from splitserve.common.sampling_params import SamplingParams
+from splitserve.decode import worker as decode_worker_module
 from splitserve.decode.worker import DecodeWorker
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.engine.checkpoint import LoadedCheckpoint
@@ -160,6 +161,30 @@ def test_a_retry_that_arrives_before_the_first_attempt_is_cancelled_waits_for_it
             outputs = await asyncio.wait_for(retry, 30)
             assert sum(len(output.update.new_token_ids) for output in outputs) == 4
             assert outputs[-1].update.finish_reason.value == "length"
+            await wait_for_free(worker, NUM_BLOCKS)
+
+    asyncio.run(body())
+
+
+def test_a_retry_supersedes_an_attempt_whose_caller_never_closes_it(
+    default_checkpoint_fp32: LoadedCheckpoint, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A coordinator cut off from this worker never cancels its attempt; another coordinator
+    took the stream over and retries the id here: after the wait the retry runs whole, and
+    the stale attempt's late teardown does not touch it."""
+    monkeypatch.setattr(decode_worker_module, "PREVIOUS_ATTEMPT_WAIT_S", 0.2)
+
+    async def body() -> None:
+        transport = InProcessTransport()
+        async with decode_worker(default_checkpoint_fp32, transport) as worker:
+            stale, _ = await reserve(worker, "r0")  # its caller is gone: never read again
+            retry = worker.generate("r0", PROMPT, GREEDY, remote_prefill=False)
+            first = await asyncio.wait_for(anext(retry), 30)
+            await stale.aclose()  # the stale call's teardown, long after: a no-op now
+            outputs = [first, *[output async for output in retry]]
+            assert all(isinstance(output, StepOutput) for output in outputs)
+            assert sum(len(o.update.new_token_ids) for o in outputs) == 4  # type: ignore[union-attr]
+            assert outputs[-1].update.finish_reason.value == "length"  # type: ignore[union-attr]
             await wait_for_free(worker, NUM_BLOCKS)
 
     asyncio.run(body())
