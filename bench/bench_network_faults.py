@@ -46,14 +46,16 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 @dataclass(frozen=True)
 class Case:
     name: str
-    strike: Callable[[Lab], None]
+    strike: Callable[[Lab, str], None]
+    """Strikes the lab; the second argument is the decode host streaming the most requests
+    at the time (``d1`` for a fault at the start)."""
     heal: Callable[[Lab], None]
     at_start: bool = False
     """Strike right after the streams are sent (else once the first is half done)."""
     long_prompts: bool = False
 
 
-def _lose_quorum(lab: Lab) -> None:
+def _lose_quorum(lab: Lab, _decode: str) -> None:
     lab.cut("e2")
     lab.cut("e3")
 
@@ -65,25 +67,25 @@ def _heal_all(lab: Lab) -> None:
 
 
 CASES = (
-    Case("decode host partitioned", lambda lab: lab.cut("d1"), _heal_all),
+    Case("decode host partitioned", lambda lab, d: lab.cut(d), _heal_all),
     Case(
         "prefill host partitioned pushing KV",
-        lambda lab: lab.cut("p1"),
+        lambda lab, _: lab.cut("p1"),
         _heal_all,
         at_start=True,
         long_prompts=True,
     ),  # fmt: skip
-    Case("coordinator cut from etcd", lambda lab: lab.cut("c1", ["e1", "e2", "e3"]), _heal_all),
+    Case("coordinator cut from etcd", lambda lab, _: lab.cut("c1", ["e1", "e2", "e3"]), _heal_all),
     Case(
         "coordinator cut from workers and gateway",
-        lambda lab: lab.cut("c1", ["p1", "d1", "d2", "g"]),
+        lambda lab, _: lab.cut("c1", ["p1", "d1", "d2", "g"]),
         _heal_all,
     ),  # fmt: skip
-    Case("gateway cut from one coordinator", lambda lab: lab.cut("g", ["c1"]), _heal_all),
-    Case("5% loss to a decode host", lambda lab: lab.lose("d1", 5), _heal_all, at_start=True),
+    Case("gateway cut from one coordinator", lambda lab, _: lab.cut("g", ["c1"]), _heal_all),
+    Case("5% loss to a decode host", lambda lab, d: lab.lose(d, 5), _heal_all, at_start=True),
     Case(
         "100 Mbit/s link to a decode host",
-        lambda lab: lab.shape("d1", 0.1),
+        lambda lab, d: lab.shape(d, 0.1),
         _heal_all,
         at_start=True,
         long_prompts=True,
@@ -103,6 +105,8 @@ class Stream:
 @dataclass(frozen=True)
 class CaseReport:
     case: str
+    decode_host: str
+    """The decode host a decode-host case struck (the busiest then)."""
     sent: int
     completed: int
     failed: int
@@ -117,6 +121,9 @@ class CaseReport:
     wall_s: float
     errors: tuple[str, ...] = ()
     """The failed streams' errors, each once."""
+    short: tuple[str, ...] = ()
+    """Streams that ended without an error but short of their reference: finish reason,
+    characters received of the reference's."""
 
 
 def _prompts(count: int, long: bool) -> list[str]:
@@ -156,6 +163,14 @@ async def _streams(
         await sdk.close()
 
 
+def _write_tails(lab: Lab, path: Path) -> None:
+    """Every process's last output lines, for a case whose streams went wrong."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(
+        "".join(f"==== {p.name}\n{p.tail(400)}\n" for p in lab.processes), encoding="utf-8"
+    )
+
+
 def _run_case(case: Case, args: argparse.Namespace, workdir: Path) -> CaseReport:
     began = time.monotonic()
     with Lab(HOSTS) as lab:
@@ -165,6 +180,8 @@ def _run_case(case: Case, args: argparse.Namespace, workdir: Path) -> CaseReport
         reference = asyncio.run(_streams(cluster.gateway_url, prompts, args.tokens, None))
         recoveries_before = cluster.recoveries()
 
+        victims: list[str] = []
+
         async def struck() -> list[Stream]:
             half = asyncio.Event()
             run = asyncio.ensure_future(_streams(cluster.gateway_url, prompts, args.tokens, half))
@@ -173,7 +190,9 @@ def _run_case(case: Case, args: argparse.Namespace, workdir: Path) -> CaseReport
             else:
                 await asyncio.wait([asyncio.ensure_future(half.wait()), run],
                                    return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
-            case.strike(lab)
+            decode_host = "d1" if case.at_start else await _busiest_decode_host(cluster)
+            victims.append(decode_host)
+            case.strike(lab, decode_host)
             await asyncio.sleep(args.hold_s)
             case.heal(lab)
             return await run
@@ -181,11 +200,16 @@ def _run_case(case: Case, args: argparse.Namespace, workdir: Path) -> CaseReport
         streams = asyncio.run(struck())
         resumed = int(cluster.recoveries() - recoveries_before)
         blocks, same = asyncio.run(_after_heal(cluster))
+        if args.tails is not None and any(
+            s.error is not None or s.text != r.text for s, r in zip(streams, reference, strict=True)
+        ):
+            _write_tails(lab, args.tails / f"{case.name.replace(' ', '-')}.log")
     pairs = list(zip(streams, reference, strict=True))
     exact = [s.error is None and s.text == r.text for s, r in pairs]
     gaps = sorted(s.gap_s for s in streams)
     return CaseReport(
         case=case.name,
+        decode_host=victims[0],
         sent=len(streams),
         completed=sum(exact),
         failed=sum(s.error is not None for s in streams),
@@ -199,7 +223,25 @@ def _run_case(case: Case, args: argparse.Namespace, workdir: Path) -> CaseReport
         stall_max_s=round(gaps[-1], 3),
         wall_s=round(time.monotonic() - began, 1),
         errors=tuple(sorted({s.error[:300] for s in streams if s.error})),
+        short=tuple(
+            f"{s.finish}: {len(s.text)} of {len(r.text)}"
+            for s, r in pairs
+            if s.error is None and len(s.text) < len(r.text)
+        ),
     )  # fmt: skip
+
+
+async def _busiest_decode_host(cluster: LabCluster) -> str:
+    """The decode host running the most requests, as the first coordinator that answers
+    sees it (``d1`` if none answers)."""
+    for view in (await cluster.members()).values():
+        if isinstance(view, str):
+            continue
+        decoding = {m.info.worker_id: m.load.num_running_requests for m in view}
+        decoding = {w: n for w, n in decoding.items() if w.startswith("d")}
+        if decoding:
+            return max(decoding, key=lambda w: decoding[w])
+    return "d1"
 
 
 async def _after_heal(cluster: LabCluster, timeout_s: float = 60.0) -> tuple[int, bool]:
@@ -224,6 +266,7 @@ def main() -> int:
     parser.add_argument("--hold-s", type=float, default=5.0)
     parser.add_argument("--cases", default=None, help="comma-separated case numbers (1-based)")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--tails", type=Path, default=None, help="dump logs of bad cases here")
     args = parser.parse_args()
     reason = missing()
     if reason is not None:

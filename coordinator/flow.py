@@ -14,14 +14,19 @@ sees one uninterrupted stream:
 - ``DecodeLost`` (decode worker gone): the worker is marked failed and the request resumes on
   another decode worker from the prompt and the tokens already streamed, which that worker
   takes as the request's earlier output (budget, penalties, seeded sampling go on exactly);
+- every decode worker failed it (this coordinator cut off from them all, say): it waits up to
+  ``FlowConfig.worker_return_wait_s`` for one to be routable again (a healed partition, a
+  restarted worker) and resumes there, before it fails with ``WorkerUnavailableError``;
 - the request's own errors (``InvalidRequestError``, ``CapacityError``) end it with that error.
 ``RequestTracker`` keeps what was streamed across attempts, so no token is doubled or lost.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import enum
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -66,6 +71,13 @@ class FlowState(enum.Enum):
 class FlowConfig:
     max_attempts: int = 3
     timeouts: AttemptTimeouts = AttemptTimeouts()
+    worker_return_wait_s: float = 15.0
+    """When every decode worker has failed a request (this coordinator cut off from them, a
+    partition that may heal), how long it waits for one to take the request again before the
+    request fails (``RequestFlow.run``)."""
+
+
+WORKER_RETURN_POLL_S = 0.25
 
 
 class RequestFlow:
@@ -173,6 +185,9 @@ class RequestFlow:
                 yield self.tracker.abort()
                 return
             attempt = self._next_attempt(excluded, local_prefill_only)
+            if attempt is None and excluded:  # every worker failed it: a partition may heal
+                attempt = await self._worker_back(local_prefill_only)
+                excluded.clear()
             if attempt is None:
                 break
             self.state = FlowState.RUNNING
@@ -207,6 +222,18 @@ class RequestFlow:
             f"request {self.request_id}: no worker could serve it "
             f"({self.num_completion_tokens} tokens were streamed)"
         )
+
+    async def _worker_back(self, local_prefill_only: bool) -> Attempt | None:
+        """The next attempt once a decode worker takes the request again (the router routes
+        to it: registered, healthy, circuit closed), within ``worker_return_wait_s``; None
+        after, or once the request is aborted."""
+        deadline = time.monotonic() + self._config.worker_return_wait_s
+        while time.monotonic() < deadline and not self._aborted:
+            await asyncio.sleep(WORKER_RETURN_POLL_S)
+            attempt = self._next_attempt([], local_prefill_only)
+            if attempt is not None:
+                return attempt
+        return None
 
     def _next_attempt(self, excluded: list[str], local_prefill_only: bool) -> Attempt | None:
         """The next attempt, from prompt + tokens streamed so far; None when no decode worker

@@ -12,12 +12,12 @@ Links (``launch/netlab_rules.py`` holds the commands):
 
 - ``shape(host, gbit)``: ``tc`` token bucket (tbf) on both directions of the host's link,
   so traffic between two shaped hosts crosses two buckets of its rate;
-- ``cut(host, peers=None, direction="both")``: ``nft`` drops inside the host's namespace:
-  packets from (``in``), to (``out``) or both ways with each peer's address (every other
-  address, this namespace's included, when ``peers`` is None: partitioned from everything,
-  alive, its loopback untouched);
-- ``lose(host, percent, peers=None)``: drops that share of packets arriving from the peers
-  (nft ``numgen random``);
+- ``cut(host, peers=None, direction="both")``: ``nft`` drops in the bridge (so neither end
+  learns of it but by silence, as in a real partition): frames to (``in``), from (``out``)
+  or both ways between the host and each peer (everyone, this namespace included, when
+  ``peers`` is None: partitioned from everything, alive, its loopback untouched);
+- ``lose(host, percent, peers=None)``: drops that share of the frames arriving at the host
+  from the peers (nft ``numgen random``);
 - ``heal(host)``: removes the host's rules (the shaping stays; ``unshape(host)`` removes it).
 
 There is no added latency: this kernel has no ``netem``, and a tbf's queue delays only past
@@ -27,6 +27,7 @@ namespaces), for tests to skip with.
 
 from __future__ import annotations
 
+import collections
 import os
 import secrets
 import shutil
@@ -36,7 +37,13 @@ from dataclasses import dataclass
 from types import TracebackType
 
 from splitserve.launch.child_process import ChildProcess
-from splitserve.launch.netlab_rules import cut_rules, loss_rules, tbf_commands
+from splitserve.launch.netlab_rules import (
+    Drop,
+    bridge_ruleset,
+    cut_drops,
+    loss_drops,
+    tbf_commands,
+)
 
 SUBNET = "10.77.0"
 ROOT = "root"
@@ -92,6 +99,9 @@ class Lab:
         }
         self.processes: list[ChildProcess] = []
         self._shaped: set[str] = set()
+        self.table = f"sl{self.id}"
+        """The bridge's nft table of drops (``launch/netlab_rules.py``)."""
+        self._drops: collections.defaultdict[str, list[Drop]] = collections.defaultdict(list)
 
     def __enter__(self) -> Lab:
         try:
@@ -163,37 +173,38 @@ class Lab:
         self._shaped.discard(host)
 
     def cut(self, host: str, peers: Iterable[str] | None = None, direction: str = "both") -> None:
-        """Drop ``host``'s traffic with ``peers`` (host names; None: everyone)."""
-        self._nft(host, cut_rules(self._addresses(peers), direction))
+        """Drop ``host``'s traffic with ``peers`` (host names, ``ROOT`` for this namespace;
+        None: everyone), in the bridge: silent for both ends."""
+        address = self.hosts[host].address
+        self._drops[host] += cut_drops(address, self._addresses(peers), direction)
+        self._apply()
 
     def lose(self, host: str, percent: int, peers: Iterable[str] | None = None) -> None:
-        """Drop ``percent`` of the packets ``host`` receives from ``peers`` (None: anyone)."""
-        self._nft(host, loss_rules(self._addresses(peers), percent))
+        """Drop ``percent`` of the frames ``host`` receives from ``peers`` (None: anyone)."""
+        address = self.hosts[host].address
+        self._drops[host] += loss_drops(address, self._addresses(peers), percent)
+        self._apply()
 
     def heal(self, host: str) -> None:
-        """Remove ``host``'s cuts and losses."""
-        subprocess.run(
-            ["ip", "netns", "exec", self.hosts[host].netns, "nft", "delete", "table", "inet",
-             "netlab"], capture_output=True,
-        )  # fmt: skip
+        """Remove ``host``'s cuts and losses (the shaping stays)."""
+        if self._drops.pop(host, None):
+            self._apply()
 
     def _addresses(self, peers: Iterable[str] | None) -> list[str] | None:
-        """The peers' addresses (None: everyone; "root" is this namespace's)."""
+        """The peers' addresses (None: everyone)."""
         if peers is None:
             return None
         return [
             self.gateway_address if peer == ROOT else self.hosts[peer].address for peer in peers
         ]
 
-    def _nft(self, host: str, ruleset: str) -> None:
-        self.heal(host)
-        netns = self.hosts[host].netns
-        done = subprocess.run(
-            ["ip", "netns", "exec", netns, "nft", "-f", "-"],
-            input=ruleset, capture_output=True, text=True,
-        )  # fmt: skip
+    def _apply(self) -> None:
+        """Replace the bridge's drop table with every host's drops, in one transaction."""
+        drops = [drop for host_drops in self._drops.values() for drop in host_drops]
+        ruleset = bridge_ruleset(self.table, drops)
+        done = subprocess.run(["nft", "-f", "-"], input=ruleset, capture_output=True, text=True)
         if done.returncode != 0:
-            raise RuntimeError(f"nft in {netns}: {done.stderr.strip()}\n{ruleset}")
+            raise RuntimeError(f"nft: {done.stderr.strip()}\n{ruleset}")
 
     def close(self) -> None:
         """Stop every process (SIGTERM, then SIGKILL), delete every namespace and link."""
@@ -204,3 +215,4 @@ class Lab:
             subprocess.run(["ip", "netns", "del", host.netns], capture_output=True)
             subprocess.run(["ip", "link", "del", host.bridge_end], capture_output=True)
         subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
+        subprocess.run(["nft", "delete", "table", "bridge", self.table], capture_output=True)

@@ -1,12 +1,19 @@
-"""The commands behind ``launch/netlab.py``'s links: ``nft`` rulesets that cut or thin a
-host's traffic and ``tc`` token buckets that set a link's bandwidth. Pure text; the lab runs
-them inside the host's namespace (``eth0`` is the host's end of its link)."""
+"""The commands behind ``launch/netlab.py``'s links: an ``nft`` ruleset on the lab's bridge
+that drops frames between hosts (cuts, losses), and ``tc`` token buckets that set a link's
+bandwidth. Pure text and argv lists; the lab runs them.
+
+Drops happen in the bridge, between the hosts, as a failed switch or cable would: neither end
+learns of it from its own stack (a drop in a host's own output hook would fail its sends at
+once with EPERM, which no real partition does). Frames a host sends are matched in the
+bridge's ``prerouting`` hook; frames this (the root) namespace sends to a host, in its
+``output`` hook.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
-TABLE = "netlab"
 DIRECTIONS = ("in", "out", "both")
 BUCKET_S = 0.01
 """A token bucket holds this long a burst at its rate (at least ``MIN_BURST_BYTES``): the
@@ -16,47 +23,62 @@ MIN_BURST_BYTES = 256 * 1024
 QUEUE_LATENCY_MS = 50
 
 
-def _matches(peers: Sequence[str] | None) -> tuple[str, str]:
-    """(input match, output match): the peers' addresses, or everything on ``eth0``."""
-    if peers is None:
-        return 'iifname "eth0"', 'oifname "eth0"'
-    if not peers:
-        raise ValueError("no peers to cut (None means everyone)")
-    listed = ", ".join(peers)
-    return f"ip saddr {{ {listed} }}", f"ip daddr {{ {listed} }}"
+@dataclass(frozen=True)
+class Drop:
+    """Frames from ``source`` to ``destination`` (addresses; None: any) are dropped, all of
+    them or ``percent`` of them."""
+
+    source: str | None
+    destination: str | None
+    percent: int = 100
+
+    def rule(self) -> str:
+        match = []
+        if self.source is not None:
+            match.append(f"ip saddr {self.source}")
+        if self.destination is not None:
+            match.append(f"ip daddr {self.destination}")
+        if not match:
+            raise ValueError("a drop names a source or a destination")
+        if self.percent < 100:
+            match.append(f"numgen random mod 100 < {self.percent}")
+        return " ".join([*match, "drop"])
 
 
-def _table(input_rules: Sequence[str], output_rules: Sequence[str]) -> str:
-    def chain(name: str, rules: Sequence[str]) -> str:
-        body = "".join(f"    {rule}\n" for rule in rules)
-        return (
-            f"  chain {name} {{\n    type filter hook {name} priority 0; policy accept;\n"
-            f"{body}  }}\n"
-        )
-
-    return (
-        f"table inet {TABLE} {{\n{chain('input', input_rules)}{chain('output', output_rules)}}}\n"
-    )
-
-
-def cut_rules(peers: Sequence[str] | None, direction: str) -> str:
-    """A ruleset dropping packets from (``in``), to (``out``) or both ways with ``peers``
-    (addresses; None: every packet on ``eth0``)."""
+def cut_drops(host: str, peers: Sequence[str] | None, direction: str) -> list[Drop]:
+    """The drops that cut ``host`` (an address) from ``peers`` (addresses; None: everyone,
+    this namespace included): what it receives (``in``), what it sends (``out``) or both."""
     if direction not in DIRECTIONS:
         raise ValueError(f"direction is one of {DIRECTIONS}, not {direction!r}")
-    match_in, match_out = _matches(peers)
-    input_rules = [f"{match_in} drop"] if direction in ("in", "both") else []
-    output_rules = [f"{match_out} drop"] if direction in ("out", "both") else []
-    return _table(input_rules, output_rules)
+    others: Sequence[str | None] = [None] if peers is None else peers
+    if not others:
+        raise ValueError("no peers to cut (None means everyone)")
+    drops = []
+    for other in others:
+        if direction in ("in", "both"):
+            drops.append(Drop(other, host))
+        if direction in ("out", "both"):
+            drops.append(Drop(host, other))
+    return drops
 
 
-def loss_rules(peers: Sequence[str] | None, percent: int) -> str:
-    """A ruleset dropping ``percent`` of the packets arriving from ``peers`` (None: all on
-    ``eth0``), each drawn independently (``numgen random``)."""
+def loss_drops(host: str, peers: Sequence[str] | None, percent: int) -> list[Drop]:
+    """Drop ``percent`` of the frames ``host`` receives from ``peers`` (None: anyone), each
+    drawn independently (``numgen random``)."""
     if not 0 < percent < 100:
         raise ValueError(f"a loss is between 0 and 100 percent, not {percent}")
-    match_in, _ = _matches(peers)
-    return _table([f"{match_in} numgen random mod 100 < {percent} drop"], [])
+    return [Drop(other, host, percent) for other in ([None] if peers is None else peers)]
+
+
+def bridge_ruleset(table: str, drops: Sequence[Drop]) -> str:
+    """The whole bridge table holding ``drops`` (replacing the table's earlier content)."""
+    rules = "".join(f"    {drop.rule()}\n" for drop in drops)
+    chains = "".join(
+        f"  chain {hook} {{\n    type filter hook {hook} priority 0; policy accept;\n{rules}  }}\n"
+        for hook in ("prerouting", "output")
+    )
+    emptied = f"table bridge {table} {{}}\ndelete table bridge {table}\n"  # made, then dropped
+    return f"{emptied}table bridge {table} {{\n{chains}}}\n"
 
 
 def tbf_commands(device: str, gbit: float) -> list[list[str]]:

@@ -1,5 +1,6 @@
 """A decode host partitioned from everything mid-stream (alive, unreachable: ``nft`` drops
-every packet on its link, ``launch/netlab.py``), then healed: every stream completes whole
+every frame to or from it in the bridge, ``launch/netlab.py``), then healed (and, slow, the
+coordinator cut off from both decode hosts for 5 s): every stream completes whole
 and exact (a simulated worker's tokens are the same on every path, so each stream is
 compared with the same request served before the cut), the coordinator resumes the cut
 host's streams on the other decode host within a bounded stall, and after the heal every
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -99,7 +101,33 @@ async def _streams(address: str, prompts: list[str], cut: asyncio.Event | None) 
         return list(await asyncio.gather(*(one(client, p) for p in prompts)))
 
 
-def test_a_decode_host_cut_off_mid_stream_loses_no_stream(
+def _cut_decode_host(lab: Lab) -> None:
+    lab.cut("d1")  # alive, unreachable: every frame to or from it dropped in the bridge
+
+
+def _cut_coordinator_from_workers(lab: Lab) -> None:
+    lab.cut("front", ["d1", "d2"])  # the client still reaches it; no worker does
+
+
+@pytest.mark.parametrize(
+    ("strike", "hold_s", "min_stall_s"),
+    [
+        pytest.param(_cut_decode_host, 0.0, 1.0, id="decode-host"),
+        # every worker fails the coordinator's attempts; it waits for one to come back
+        # (coordinator/flow.py: FlowConfig.worker_return_wait_s) and resumes after the heal
+        pytest.param(
+            _cut_coordinator_from_workers,
+            5.0,
+            4.0,
+            id="coordinator-from-workers",
+            marks=pytest.mark.slow,
+        ),  # fmt: skip
+    ],
+)
+def test_a_host_cut_off_mid_stream_loses_no_stream(
+    strike: Callable[[Lab], None],
+    hold_s: float,
+    min_stall_s: float,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     prompts = [f"Partition {i}: tell me about rivers, mills and bridges." for i in range(STREAMS)]
@@ -111,11 +139,16 @@ def test_a_decode_host_cut_off_mid_stream_loses_no_stream(
             cut = asyncio.Event()
             run = asyncio.ensure_future(_streams(address, prompts, cut))
             await cut.wait()
-            lab.cut("d1")  # alive, unreachable: every packet on its link dropped
+            strike(lab)
             try:
+                if hold_s:
+                    await asyncio.sleep(hold_s)
+                    lab.heal("d1")
+                    lab.heal("front")
                 return await run
             finally:
                 lab.heal("d1")
+                lab.heal("front")
 
         cut_streams = asyncio.run(cut_run())
         for index, (seen, expected) in enumerate(zip(cut_streams, reference, strict=True)):
@@ -125,5 +158,5 @@ def test_a_decode_host_cut_off_mid_stream_loses_no_stream(
         with capsys.disabled():
             print(f"\nstreams' longest gaps under the cut: {[round(g, 2) for g in stalls]} s")
         assert stalls[-1] < STALL_BOUND_S, stalls
-        assert stalls[-1] > 1.0, stalls  # some stream was on the cut host and waited
+        assert stalls[-1] > min_stall_s, stalls  # some stream was cut off and waited
         assert_all_free(wait_until_idle(address, 2, timeout_s=30), 2)
