@@ -388,6 +388,7 @@ def main() -> int:
         "requests": len(records),
         "served_whole": served,
         "failed": failed,
+        "errors": sorted({(r.error or "")[:200] for r in records if r.error}),
         "cut": cut,
         "within_slo": within,
         "attainment": round(within / max(len(records), 1), 4),
