@@ -22,7 +22,13 @@ from splitserve.launch.child_process import python_module_argv
 from splitserve.launch.members import wait_for_members
 from splitserve.launch.netlab import Lab, missing
 from splitserve.proto.cluster_auth import TOKEN_ENV
-from tests.cluster import CREDENTIAL, assert_all_free, remember_internal, wait_until_idle
+from tests.cluster import (
+    CREDENTIAL,
+    assert_all_free,
+    remember_internal,
+    wait_until_idle,
+    worker_loads,
+)
 
 REASON = missing()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"no network lab: {REASON}")
@@ -101,12 +107,18 @@ async def _streams(address: str, prompts: list[str], cut: asyncio.Event | None) 
         return list(await asyncio.gather(*(one(client, p) for p in prompts)))
 
 
-def _cut_decode_host(lab: Lab) -> None:
-    lab.cut("d1")  # alive, unreachable: every frame to or from it dropped in the bridge
+def _cut_decode_host(lab: Lab, busiest: str) -> None:
+    lab.cut(busiest)  # alive, unreachable: every frame to or from it dropped in the bridge
 
 
-def _cut_coordinator_from_workers(lab: Lab) -> None:
+def _cut_coordinator_from_workers(lab: Lab, _busiest: str) -> None:
     lab.cut("front", ["d1", "d2"])  # the client still reaches it; no worker does
+
+
+def _busiest(address: str) -> str:
+    """The decode host running the most of the streams now (so the cut strikes some)."""
+    loads = worker_loads(address)
+    return max(loads, key=lambda worker: loads[worker].num_running_requests)
 
 
 @pytest.mark.parametrize(
@@ -125,7 +137,7 @@ def _cut_coordinator_from_workers(lab: Lab) -> None:
     ],
 )
 def test_a_host_cut_off_mid_stream_loses_no_stream(
-    strike: Callable[[Lab], None],
+    strike: Callable[[Lab, str], None],
     hold_s: float,
     min_stall_s: float,
     capsys: pytest.CaptureFixture[str],
@@ -139,16 +151,16 @@ def test_a_host_cut_off_mid_stream_loses_no_stream(
             cut = asyncio.Event()
             run = asyncio.ensure_future(_streams(address, prompts, cut))
             await cut.wait()
-            strike(lab)
+            strike(lab, await asyncio.to_thread(_busiest, address))
             try:
                 if hold_s:
                     await asyncio.sleep(hold_s)
-                    lab.heal("d1")
-                    lab.heal("front")
+                    for host in lab.hosts:
+                        lab.heal(host)
                 return await run
             finally:
-                lab.heal("d1")
-                lab.heal("front")
+                for host in lab.hosts:
+                    lab.heal(host)
 
         cut_streams = asyncio.run(cut_run())
         for index, (seen, expected) in enumerate(zip(cut_streams, reference, strict=True)):
