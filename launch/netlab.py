@@ -74,6 +74,17 @@ def missing() -> str | None:
     if made.returncode != 0:
         return f"cannot create a network namespace: {made.stderr.strip()}"
     subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    bridge = subprocess.run(
+        ["ip", "link", "add", probe, "type", "bridge"], capture_output=True, text=True
+    )
+    if bridge.returncode != 0:
+        return f"cannot create a bridge: {bridge.stderr.strip()}"
+    subprocess.run(["ip", "link", "del", probe], capture_output=True)
+    checked = subprocess.run(
+        ["nft", "-c", "-f", "-"], input=bridge_ruleset(probe, []), capture_output=True, text=True
+    )
+    if checked.returncode != 0:
+        return f"nft cannot filter bridged frames: {checked.stderr.strip()}"
     return None
 
 
