@@ -221,6 +221,8 @@ class RequestMetrics:
 
 class RequestTimer:
     """Timestamps of one request; call ``tokens`` for every streamed chunk, then ``finish``.
+    Every token after the first gets one inter-token observation, whichever chunk it came in
+    (a chunk's tokens share its gap; those with the first token have none).
     ``span``: the request's span here (``common/tracing.py``), ended by ``finish``."""
 
     def __init__(self, metrics: RequestMetrics, span: Span = NO_SPAN) -> None:
@@ -240,6 +242,8 @@ class RequestTimer:
         if self.first_token is None:
             self.first_token = now
             self._metrics.ttft.observe(now - self.received)
+            for _ in range(count - 1):  # tokens that came with the first: no time between
+                self._metrics.itl.observe(0.0)
         elif self.last_token is not None:
             gap = (now - self.last_token) / count
             for _ in range(count):

@@ -61,3 +61,20 @@ def test_request_timers_feed_the_histograms_of_their_model() -> None:
     assert sample("splitserve_inter_token_latency_seconds_count", labels) == 3
     assert sample("splitserve_request_prompt_tokens_sum", labels) == 5
     assert sample("splitserve_request_success_total", {**labels, "finished_reason": "stop"}) == 1
+
+
+def test_every_token_after_the_first_is_one_inter_token_observation() -> None:
+    """However the tokens are chunked, ``n`` tokens give ``n - 1`` inter-token observations
+    (a first chunk of two tokens once gave one fewer: a gateway test's count was off by one
+    whenever the first token and the next reached it in one message)."""
+    registry = CollectorRegistry()
+    metrics = RequestMetricFamilies(registry).for_model("m", "gateway")
+    labels = {"model_name": "m", "role": "gateway"}
+    for chunks in ((2, 1, 1, 1), (1, 1, 1, 1, 1), (3, 2), (5,)):
+        before = registry.get_sample_value("splitserve_inter_token_latency_seconds_count", labels)
+        timer = metrics.start()
+        for count in chunks:
+            timer.tokens(count)
+        timer.finish("length", 10, sum(chunks))
+        after = registry.get_sample_value("splitserve_inter_token_latency_seconds_count", labels)
+        assert after - (before or 0) == sum(chunks) - 1, chunks
