@@ -42,7 +42,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from cluster_process import LocalCluster, child_pids
-from loadgen import run_requests, served_model
+from loadgen import run_requests_against, served_model
 from serving_stats import RequestRecord
 from targets import OpenAITarget
 from timeline_svg import Panel, Series, timeline_svg
@@ -349,15 +349,7 @@ def main() -> int:
         model = served_model(cluster.http_url)
         sampler = Sampler(cluster, metrics_url, args.sample_s)
         target = OpenAITarget(cluster.http_url, model, timeout_s=900)
-
-        async def load() -> list[RequestRecord]:
-            await target.open()
-            try:
-                return await run_requests(target, specs)
-            finally:
-                await target.close()
-
-        records = asyncio.run(load())
+        records = asyncio.run(run_requests_against(target, specs))
         samples = sampler.stop()
         moves = cluster.log_lines("splitserve up: autoscale")
     served = sum(r.completed and r.num_output_tokens == r.output_len for r in records)

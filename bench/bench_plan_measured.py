@@ -27,8 +27,7 @@ from pathlib import Path
 
 from bench_autoscale import with_prompts, within_slo
 from cluster_process import LocalCluster
-from loadgen import run_requests, served_model
-from serving_stats import RequestRecord
+from loadgen import run_requests_against, served_model
 from targets import OpenAITarget
 
 from splitserve.common.cpu_info import cpu_name
@@ -59,15 +58,7 @@ def _measure(config: FleetConfig, workload: WorkloadSpec, seed: int, log: Path) 
     splitserve = Path(os.environ.get("SPLITSERVE_BIN", ROOT / ".venv" / "bin" / "splitserve"))
     with LocalCluster(splitserve, _up_flags(config), log) as cluster:
         target = OpenAITarget(cluster.http_url, served_model(cluster.http_url), timeout_s=900)
-
-        async def load() -> list[RequestRecord]:
-            await target.open()
-            try:
-                return await run_requests(target, specs)
-            finally:
-                await target.close()
-
-        records = asyncio.run(load())
+        records = asyncio.run(run_requests_against(target, specs))
     within = sum(within_slo(r, workload) for r in records)
     return {
         "requests": len(records),

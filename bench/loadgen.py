@@ -97,6 +97,17 @@ async def run_requests(
     return list(await asyncio.gather(*tasks))
 
 
+async def run_requests_against(
+    target: Target, requests: Sequence[RequestSpec], max_concurrency: int | None = None
+) -> list[RequestRecord]:
+    """``run_requests`` with the target opened before and closed after."""
+    await target.open()
+    try:
+        return await run_requests(target, requests, max_concurrency)
+    finally:
+        await target.close()
+
+
 async def run_load(target: Target, config: LoadConfig) -> LoadResult:
     """Warm up, run the workload against an opened target, and summarize."""
     if config.warmup_requests:
