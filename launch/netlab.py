@@ -109,7 +109,6 @@ class Lab:
             for i, name in enumerate(hosts)
         }
         self.processes: list[ChildProcess] = []
-        self._shaped: set[str] = set()
         self.table = f"sl{self.id}"
         """The bridge's nft table of drops (``launch/netlab_rules.py``)."""
         self._drops: collections.defaultdict[str, list[Drop]] = collections.defaultdict(list)
@@ -171,7 +170,6 @@ class Lab:
             _run(*command)
         for command in tbf_commands("eth0", gbit):
             _run("ip", "netns", "exec", where.netns, *command)
-        self._shaped.add(host)
 
     def unshape(self, host: str) -> None:
         """Take ``host``'s link back to the bridge's own rate."""
@@ -181,7 +179,6 @@ class Lab:
             ["ip", "netns", "exec", where.netns, "tc", "qdisc", "del", "dev", "eth0", "root"],
             capture_output=True,
         )
-        self._shaped.discard(host)
 
     def cut(self, host: str, peers: Iterable[str] | None = None, direction: str = "both") -> None:
         """Drop ``host``'s traffic with ``peers`` (host names, ``ROOT`` for this namespace;
