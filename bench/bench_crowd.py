@@ -5,10 +5,12 @@ client's event loop is the bottleneck.
 Starts ``splitserve up --placement adaptive`` (``cluster_process.LocalCluster``) unless
 ``--url`` names a running gateway; with ``--baseline-tree`` it also runs that checkout's
 cluster, a fresh cluster per tree and repetition, the trees alternating (a change's before
-and after in one run). Every client process opens its share of the streams over
-its own connection (HTTP/1.1 written by hand on asyncio streams, uvloop: a few hundred
-microseconds of client CPU a request), all at one wall-clock instant agreed in advance, and
-times each request from the moment its bytes went to the socket:
+and after in one run); ``--tree`` runs "this" from a checkout too (e.g. a worktree of a
+commit, so that uncommitted edits in the working tree stay out of the figures). Every client
+process opens its share of the streams over its own connection (HTTP/1.1 written by hand on
+asyncio streams, uvloop: a few hundred microseconds of client CPU a request), all at one
+wall-clock instant agreed in advance, and times each request from the moment its bytes went
+to the socket:
 
 - ``status_s``: until the response's status line arrived (a 429's whole answer),
 - ``first_token_s`` / ``last_token_s``: until the first and the last streamed token,
@@ -26,7 +28,9 @@ the coordinator's own share of a crowd's wait.
 While the crowd runs, the parent process sends ``GET /health`` every second and one short
 completion every two seconds from a separate connection, timing each (a server that holds its
 crowd still answers newcomers). Reports counts per outcome, percentiles of each time per
-outcome, the probes' latencies and, from the cluster's log, any line that names an error.
+outcome, the probes' latencies, each process's CPU in cores (``process_cpu.py``: the cluster's
+roles with their niceness, and the client processes) over the crowd's first ``--door-s``
+seconds and over the rest of it, and, from the cluster's log, any line that names an error.
 Prints rows to stderr and the JSON report to stdout (``--out`` writes it too). Nothing
 asserted.
 
@@ -54,6 +58,7 @@ import httpx
 from bench_security import UP_MODULE, tree_env
 from cluster_process import LocalCluster
 from machine_bound import cpu_name
+from process_cpu import ProcessCpu
 from timing_stats import Json, emit_report, log_row, wait_for_quiet
 
 from splitserve.proto.splitserve.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
@@ -313,7 +318,9 @@ def _served_model(url: str) -> str:
     return httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
 
 
-async def _run_crowd(url: str, grpc_address: str | None, args: argparse.Namespace) -> Json:
+async def _run_crowd(
+    url: str, grpc_address: str | None, args: argparse.Namespace, cluster: LocalCluster | None
+) -> Json:
     model = _served_model(url)
     grpc_address = grpc_address if args.via == "grpc" else None
     context = multiprocessing.get_context("spawn")
@@ -329,9 +336,14 @@ async def _run_crowd(url: str, grpc_address: str | None, args: argparse.Namespac
     processes = [context.Process(target=_client_process, args=(plan, results)) for plan in plans]
     for process in processes:
         process.start()
+    clients = {p.pid: f"client-{i}" for i, p in enumerate(processes) if p.pid is not None}
+    cluster_pids = cluster.pids if cluster is not None else list
+    meter = ProcessCpu(lambda: [*cluster_pids(), *clients], names=dict(clients))
     probe_log = ProbeLog([], [], Counter())
     stop = asyncio.Event()
     await asyncio.sleep(max(0.0, start_at - time.time()))
+    meter.mark("start")
+    door = asyncio.get_running_loop().call_later(args.door_s, meter.mark, f"+{args.door_s:g} s")
     probe = asyncio.create_task(_probe(url, model, stop, probe_log))
     loop = asyncio.get_running_loop()
     records: list[CrowdRecord] = []
@@ -339,6 +351,8 @@ async def _run_crowd(url: str, grpc_address: str | None, args: argparse.Namespac
         chunk = await loop.run_in_executor(None, results.get)
         records.extend(CrowdRecord(**fields) for fields in chunk)
     wall_s = time.time() - start_at
+    door.cancel()
+    meter.mark("end")
     if args.records is not None:
         args.records.write_text("\n".join(json.dumps(asdict(r)) for r in records) + "\n")
     stop.set()
@@ -353,6 +367,7 @@ async def _run_crowd(url: str, grpc_address: str | None, args: argparse.Namespac
             "completion_s": percentiles(probe_log.completion_s),
             "statuses": dict(probe_log.statuses),
         },
+        "cpu": meter.windows(),
     }
 
 
@@ -373,6 +388,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--baseline-tree", type=Path, default=None,
         help="also run this checkout (e.g. a git worktree of an earlier commit), alternating",
+    )  # fmt: skip
+    parser.add_argument(
+        "--tree", type=Path, default=None,
+        help="run 'this' from this checkout instead of the editable install's",
+    )  # fmt: skip
+    parser.add_argument(
+        "--door-s", type=float, default=2.0,
+        help="the first CPU window: this long from the crowd's send (the 429s' goal is 1 s)",
     )  # fmt: skip
     parser.add_argument("--up-flags", default="--placement adaptive")
     parser.add_argument("--out", type=Path, default=None)
@@ -407,7 +430,9 @@ def main(argv: Sequence[str] | None = None) -> Json:
             _one_run(report, "given", rep, args.url, args.grpc_address, args)
         emit_report(report, args.out)
         return report
-    trees: list[tuple[str, Path | None]] = [("this", None)]
+    trees: list[tuple[str, Path | None]] = [("this", args.tree)]
+    if args.tree is not None:
+        report["tree"] = str(args.tree)
     if args.baseline_tree is not None:
         trees.insert(0, ("baseline", args.baseline_tree))
         report["baseline_tree"] = str(args.baseline_tree)
@@ -417,7 +442,7 @@ def main(argv: Sequence[str] | None = None) -> Json:
             cluster = _cluster(tree, log_dir / f"{name}-{rep}.log", args.up_flags.split())
             cluster.start()
             try:
-                run = _one_run(report, name, rep, cluster.http_url, cluster.address, args)
+                run = _one_run(report, name, rep, cluster.http_url, cluster.address, args, cluster)
                 run["cluster_error_lines"] = _error_lines(cluster)
             finally:
                 cluster.stop()
@@ -427,11 +452,11 @@ def main(argv: Sequence[str] | None = None) -> Json:
 
 def _one_run(
     report: Json, tree: str, rep: int, url: str, grpc_address: str | None,
-    args: argparse.Namespace,
+    args: argparse.Namespace, cluster: LocalCluster | None = None,
 ) -> Json:  # fmt: skip
     wait_for_quiet(30.0)
     run = {"tree": tree, "rep": rep, "via": args.via,
-           **asyncio.run(_run_crowd(url, grpc_address, args))}  # fmt: skip
+           **asyncio.run(_run_crowd(url, grpc_address, args, cluster))}  # fmt: skip
     report["runs"].append(run)
     crowd = run["crowd"]
     log_row({
@@ -440,6 +465,8 @@ def _one_run(
         "served_last_token_s": crowd.get("served", {}).get("last_token_s", {}),
         "probe_health_s": run["probe"]["health_s"],
         "probe_completion_s": run["probe"]["completion_s"],
+        "cores": {window["window"]: {name: cpu["cores"] for name, cpu in
+                                     window["processes"].items()} for window in run["cpu"]},
     })  # fmt: skip
     return run
 

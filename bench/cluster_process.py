@@ -155,7 +155,7 @@ def process_ticks(pid: int) -> int:
     return int(fields[11]) + int(fields[12])
 
 
-def _machine_ticks() -> tuple[int, int]:
+def machine_ticks() -> tuple[int, int]:
     """(busy, total) clock ticks of all CPUs since boot."""
     values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
     total = sum(values)
@@ -172,7 +172,7 @@ class CpuMeter:
         self._ticks0 = {pid: process_ticks(pid) for pid in self.cluster.pids()}
         self._final: dict[int, int] = {}
         self._self0 = process_ticks(os.getpid())
-        self._busy0, self._total0 = _machine_ticks()
+        self._busy0, self._total0 = machine_ticks()
 
     def last_reading(self, pid: int) -> None:
         """Count ``pid``'s CPU time up to now: call it just before killing one of the
@@ -180,7 +180,7 @@ class CpuMeter:
         self._final[pid] = process_ticks(pid)
 
     def stop(self) -> Json:
-        busy1, total1 = _machine_ticks()
+        busy1, total1 = machine_ticks()
         total = max(total1 - self._total0, 1)
         busy = busy1 - self._busy0
         ticks = {pid: process_ticks(pid) for pid in self.cluster.pids()} | self._final

@@ -149,7 +149,7 @@ class LocalAutoscaler:
     def _add(self, role: str, stop: asyncio.Event) -> None:
         name, argv = self._new_worker(role, self._serial)
         self._serial += 1
-        child = self._children.start(name, argv)
+        child = self._children.start(name, argv, engine=True)
         self.workers[role].append(child)
         self._spawn(self._announce_ready(child, stop))
 

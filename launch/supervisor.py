@@ -9,7 +9,9 @@ meanwhile: a restarted worker registers with the coordinator again; a restarted 
 or gateway binds the ports its first run announced (``pin`` rewrites ``--port=0``). With
 ``restart=False`` the first death ends ``supervise`` instead (the old all-or-nothing mode).
 Children may be started while ``supervise`` runs; ``retire`` drains one for good (SIGTERM, a
-kill only after the drain timeout) and forgets it (``launch/local_autoscaler.py``).
+kill only after the drain timeout) and forgets it (``launch/local_autoscaler.py``). A child
+started as an ``engine`` (a worker) runs, every time it is started, at ``engine_nice``
+(``launch/cpu_priority.py``), below the front end's default priority.
 
 Invariants: ``stop_all`` stops the current process of every child, last started first; no
 restart begins once ``stop`` is set; a retired child is never restarted.
@@ -36,6 +38,7 @@ from splitserve.launch.child_process import (
     StopResult,
     python_module_argv,
 )
+from splitserve.launch.cpu_priority import lower_priority
 
 STOP_MARGIN_S = 10.0
 """How long a child may take to stop after SIGTERM beyond its drain timeout before it is
@@ -72,6 +75,8 @@ class Child:
     """Deaths in a row, each within ``STABLE_AFTER_S`` of its start."""
     retired: bool = False
     """Being drained for good (``Supervisor.retire``): never restarted."""
+    engine: bool = False
+    """Runs an engine (a worker): started at the supervisor's ``engine_nice``."""
 
     def pin(self, flag: str, value: str) -> None:
         """Restarts pass ``flag=value`` (e.g. the port the first run was given when asked
@@ -94,10 +99,13 @@ class Supervisor:
         env: Mapping[str, str],
         restart: bool = True,
         drain_timeout_s: float = 30.0,
+        engine_nice: int = 0,
     ) -> None:
         """``env``: added to every child's environment; ``restart``: see the module doc;
         ``drain_timeout_s``: the children's ``--drain-timeout``, which ``stop_all`` waits
-        out (plus ``STOP_MARGIN_S``) before it kills one."""
+        out (plus ``STOP_MARGIN_S``) before it kills one; ``engine_nice``: the niceness of
+        the children started as engines (0: the default priority, like the others)."""
+        self.engine_nice = engine_nice
         self._grace_s = drain_timeout_s + STOP_MARGIN_S
         self.children: list[Child] = []
         self.restart = restart
@@ -107,13 +115,16 @@ class Supervisor:
         self._restarting: set[str] = set()
         self.restarts = 0
 
-    def start(self, name: str, module_argv: list[str]) -> Child:
-        child = Child(name, list(module_argv), self._spawn(name, module_argv))
+    def start(self, name: str, module_argv: list[str], *, engine: bool = False) -> Child:
+        """Start ``python -m <module_argv>`` as child ``name``; an ``engine`` (a worker)
+        at ``engine_nice``."""
+        process = self._spawn(name, module_argv, engine)
+        child = Child(name, list(module_argv), process, engine=engine)
         self.children.append(child)
         return child
 
-    def _spawn(self, name: str, module_argv: list[str]) -> ChildProcess:
-        return ChildProcess(
+    def _spawn(self, name: str, module_argv: list[str], engine: bool) -> ChildProcess:
+        process = ChildProcess(
             python_module_argv(*module_argv),
             name=name,
             env=self._env,
@@ -121,6 +132,10 @@ class Supervisor:
             on_line=lambda line: say(f"[{name}] {line}"),
             on_exit=self._note_exit,
         )
+        if engine:
+            for problem in lower_priority(process.pid, self.engine_nice):
+                say(f"splitserve up: {name} keeps the default CPU priority: {problem}")
+        return process
 
     def _note_exit(self) -> None:
         with contextlib.suppress(RuntimeError):  # the loop is gone: nobody is waiting
@@ -195,7 +210,7 @@ class Supervisor:
         if await wait_event(stop, delay_s):
             self._restarting.discard(child.name)
             return
-        child.process = self._spawn(child.name, child.module_argv)
+        child.process = self._spawn(child.name, child.module_argv, child.engine)
         child.started_at = time.monotonic()
         self.restarts += 1
         self._restarting.discard(child.name)  # from now on its death is seen as a new one

@@ -47,8 +47,9 @@ lends its cores back the same way. The layout sets it unless the flag is given: 
 ``hybrid`` (``auto``'s worker pair), ``off`` otherwise. The busy files live in a directory
 under ``/dev/shm`` for the run. With ``--control-cores
 prefill`` the coordinators and the gateway are pinned to the prefill workers' cores, so a
-decode worker's cores run its steps and nothing else (``control_cores``). Flags after ``--``
-go to every worker (e.g. ``-- --dtype float32``).
+decode worker's cores run its steps and nothing else (``control_cores``). Workers run at
+``--worker-nice`` (default 10), below the coordinators and gateways (``launch/cpu_priority.py``).
+Flags after ``--`` go to every worker (e.g. ``-- --dtype float32``).
 """
 
 from __future__ import annotations
@@ -142,6 +143,8 @@ def layout_summary(args: argparse.Namespace, lending: bool = True) -> str:
         summary += f", {args.gateways} gateways sharing the HTTP port"
     if control_cores(args) is not None:
         summary += ", coordinator and gateway on the prefill workers' cores"
+    if args.worker_nice:
+        summary += f", workers at nice {args.worker_nice}"
     if lending and lending_pairs(args, worker_cores(args)):
         borrowers = (
             "decode and prefill workers" if args.core_lending == "both" else "decode workers"
@@ -193,7 +196,7 @@ async def _start_all(
         coordinator.pin("--internal-port", _port_of(internals[-1]))
     internal = ",".join(internals)
     worker_specs = worker_argvs(args, internal, worker_args, busy_dir)
-    workers = [children.start(name, argv) for name, argv in worker_specs]
+    workers = [children.start(name, argv, engine=True) for name, argv in worker_specs]
     for worker in workers:
         await children.wait_ready(worker, stop)
     for public in publics:
@@ -235,7 +238,7 @@ async def _start_extra_model(
     coordinator.pin("--port", _port_of(public))
     coordinator.pin("--internal-port", _port_of(internal))
     name, argv = worker_of(internal)
-    await children.wait_ready(children.start(name, argv), stop)
+    await children.wait_ready(children.start(name, argv, engine=True), stop)
     await wait_for_health(public, READY_TIMEOUT_S, tls=tls)
     members = member_ids([argv])
     await children.guard(
@@ -264,7 +267,11 @@ async def _run(
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     children = Supervisor(
-        loop, env, restart=not args.no_restart, drain_timeout_s=args.drain_timeout
+        loop,
+        env,
+        restart=not args.no_restart,
+        drain_timeout_s=args.drain_timeout,
+        engine_nice=args.worker_nice,
     )
     with _busy_dir(args) as busy_dir:
         try:

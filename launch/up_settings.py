@@ -11,11 +11,15 @@ from typing import ClassVar
 from splitserve.common.api_keys import ApiKeySettings
 from splitserve.common.settings import default_group, setting
 from splitserve.discovery.flags import MembershipSettings
+from splitserve.launch.cpu_priority import MAX_NICE
 from splitserve.launch.layout import LAYOUTS, RECHECK_INTERVAL_S
 from splitserve.proto.tls import TlsSettings
 
 CORE_LENDING = ("decode", "both", "off")
 CONTROL_CORES = ("prefill", "any")
+WORKER_NICE = 10
+"""The workers' default niceness: CFS weighs a nice-10 thread at about a ninth of a nice-0 one
+(110 against 1024), so the front end gets ~90% of a core the engines also want."""
 
 
 @dataclass(frozen=True)
@@ -135,6 +139,13 @@ class UpSettings:
         "workers' cores to their steps; 'any': unpinned",
         choices=CONTROL_CORES,
     )
+    worker_nice: int = setting(
+        WORKER_NICE,
+        "niceness of the worker processes (0-19; 0: the default priority, as the coordinators "
+        "and gateways keep), so the front end takes a core whenever it has work however busy "
+        "the engines keep every core: a crowd's 429s do not wait behind engine steps "
+        "(launch/cpu_priority.py)",
+    )
     local_prefill_max_tokens: int | None = setting(None, "passed to the coordinator")
     max_inflight: int | None = setting(None, "passed to the coordinator")
     placement: str | None = setting(
@@ -174,6 +185,8 @@ class UpSettings:
     def __post_init__(self) -> None:
         if self.workers_per_process < 1:
             raise ValueError("--workers-per-process must be at least 1")
+        if not 0 <= self.worker_nice <= MAX_NICE:
+            raise ValueError(f"--worker-nice must be from 0 to {MAX_NICE}")
         if self.gateways < 1:
             raise ValueError("--gateways must be at least 1 (--no-gateway starts none)")
         scaling = self.autoscaling
