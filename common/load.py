@@ -1,10 +1,12 @@
-"""A worker's load figures (torch-free): what an engine reports and the coordinator routes on."""
+"""A worker's load figures (torch-free): what an engine reports and the coordinator routes on,
+with what the worker's prefill role learned of its KV pushes."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from splitserve.common.kv_events import KvEvents
+from splitserve.common.kv_push_cost import NO_PUSH_COSTS, KvPushCosts
 from splitserve.common.step_cost import StepCost
 
 DEFAULT_PREFILL_CHUNK_TOKENS = 2048
@@ -14,7 +16,8 @@ coordinator assumes for a worker whose load does not report its own (an older wo
 
 @dataclass(frozen=True)
 class EngineLoad:
-    """A snapshot of one engine's load (taken on the engine thread)."""
+    """A snapshot of one engine's load (taken on the engine thread), as the worker reports it
+    (``kv_push`` is its prefill role's, added to the engine's snapshot by the report)."""
 
     num_total_blocks: int = 0
     num_used_blocks: int = 0
@@ -35,6 +38,10 @@ class EngineLoad:
     prefill_chunk_tokens: int = 0
     """Prompt tokens it computes per step at most (its ``--max-num-batched-tokens``); 0:
     not reported."""
+    kv_push: KvPushCosts = NO_PUSH_COSTS
+    """The exposed KV transfer its prefill role learned from its pushes, per decode worker
+    (``common/kv_push_cost.py``); empty in the engine's own snapshot and for a worker that
+    pushes nothing."""
 
     @property
     def chunk_tokens(self) -> int:

@@ -6,10 +6,12 @@ to the decode worker ("remote"), or on the decode worker itself, chunked into it
 ``place`` predicts, from plain figures (``DecodeView``, ``PrefillView``):
 
 - remote TTFT on prefill worker p: ``p.cost.prefill_s(p.queued_tokens + uncached)`` (its
-  queue first, then this prompt, less what p likely has cached) plus one decode step of the
-  decode worker (the KV handoff and the first token's trip),
-  plus, while the decode worker computes prompts of its own, one of its prompt chunks (the
-  first token waits for the step in progress);
+  queue first, then this prompt, less what p likely has cached) plus the KV push's exposed
+  part, ``p.push_cost.exposed_s(pushed)`` (the transfer that outlasts the compute, for the
+  prompt's tokens after the decode worker's cached ones, as p learned it on its link to this
+  decode worker; 0 until learned) plus one decode step of the decode worker (the handoff and
+  the first token's trip), plus, while the decode worker computes prompts of its own, one of
+  its prompt chunks (the first token waits for the step in progress);
 - local TTFT: ``d.cost.prefill_s(d.queued_tokens + prompt)`` plus one decode step of its batch
   per ``d.chunk_tokens`` of prompt (the batch's steps carry the chunks);
 - the TPOT that local prefill gives the decode batch, in steady state: its decode step with
@@ -80,6 +82,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from splitserve.common.errors import InvalidRequestError
+from splitserve.common.kv_push_cost import NO_PUSH_COST, KvPushCost
 from splitserve.common.load import DEFAULT_PREFILL_CHUNK_TOKENS
 from splitserve.common.step_cost import StepCost
 
@@ -229,6 +232,10 @@ class PrefillView:
     """Prompt tokens it computes per step at most."""
     prefill_share: float = 0.0
     """The fraction of its recent wall time spent on prompt tokens (counts for its batch)."""
+    push_cost: KvPushCost = NO_PUSH_COST
+    """What pushing the prompt's KV to the decode worker adds to its TTFT beyond the compute,
+    as this worker learned it from its pushes (``common/kv_push_cost.py``; its link to that
+    decode worker, else its pushes to any); not known: 0 (the push assumed hidden)."""
 
     @property
     def decodes(self) -> bool:
@@ -312,19 +319,22 @@ def _with_prefill_model(decode_cost: StepCost, known: Sequence[PrefillView]) -> 
 def _remote_ttfts(
     known: Sequence[PrefillView],
     num_prompt_tokens: int,
+    pushed_tokens: int,
     max_tokens: int,
     first_step_s: float,
     slo: Slo,
 ) -> dict[str, float]:
     """The predicted TTFT on each prefill worker whose model is ``known``: its queue and this
-    prompt's uncached tokens, then the decode worker's ``first_step_s``; a worker that
-    decodes too adds its own decode steps, and is left out when its batch would then miss
-    the TPOT target, unless every one would."""
+    prompt's uncached tokens, the exposed part of pushing ``pushed_tokens`` tokens' KV (its
+    ``push_cost``; 0 where not learned), then the decode worker's ``first_step_s``; a worker
+    that decodes too adds its own decode steps, and is left out when its batch would then
+    miss the TPOT target, unless every one would."""
     remote_ttft, remote_tpot = {}, {}
     for p in known:
         uncached = p.queued_tokens + num_prompt_tokens - p.cached_tokens
         prefill_s = p.cost.prefill_s(uncached)
-        remote_ttft[p.worker_id] = prefill_s + first_step_s
+        push_s = p.push_cost.exposed_s(pushed_tokens)
+        remote_ttft[p.worker_id] = prefill_s + push_s + first_step_s
         if p.decodes:  # its chunks ride its own decode batch's steps
             hosted_step_s = p.cost.decode_step_s(p.batch_requests, p.batch_tokens)
             hosted_chunks = math.ceil(uncached / max(p.chunk_tokens, 1))
@@ -409,9 +419,11 @@ def place(
     # a remote prompt's first token waits for the decode worker's step in progress
     chunk = max(decode.chunk_tokens, 1)
     first_step_s = batch_step_s + decode_cost.prefill_s(min(decode.queued_tokens, chunk))
-    remote_ttft = _remote_ttfts(known, num_prompt_tokens, max_tokens, first_step_s, slo)
+    local_uncached = num_prompt_tokens - decode.cached_tokens  # also what a push carries
+    remote_ttft = _remote_ttfts(
+        known, num_prompt_tokens, local_uncached, max_tokens, first_step_s, slo
+    )
     best_remote = min(remote_ttft, key=remote_ttft.__getitem__)
-    local_uncached = num_prompt_tokens - decode.cached_tokens
     local_ttft, local_tpot = _local_prediction(
         decode, decode_cost, local_uncached, max_tokens, batch_step_s
     )

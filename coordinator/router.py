@@ -454,7 +454,7 @@ class Router:
         seen with its decode batch."""
         num_prompt_tokens = len(request.prompt_token_ids)
         decode_cached = self._decode_cached_tokens(decode, hashes, num_prompt_tokens)
-        prefills = self._prefill_views(candidates, hashes, decode_cached)
+        prefills = self._prefill_views(candidates, hashes, decode, decode_cached)
         decoding = self._pending[decode.worker_id].decoding
         if self.config.mode is not PlacementMode.ADAPTIVE:  # only adaptive guards them
             decoding = {}
@@ -485,11 +485,13 @@ class Router:
         self,
         candidates: Sequence[WorkerRecord],
         hashes: Sequence[BlockHash],
+        decode: WorkerRecord,
         decode_cached: int,
     ) -> list[PrefillView]:
         """Each prefill candidate as placement sees it: its queue, what of the prompt it
-        holds or would pull from the decode worker (which holds ``decode_cached`` tokens),
-        and, for one that decodes too, its decode batch."""
+        holds or would pull from the ``decode`` worker (which holds ``decode_cached``
+        tokens), what its KV push to that worker exposes (its reported figure for the link,
+        ``KvPushCosts.to``), and, for one that decodes too, its decode batch."""
         decoding_at = (
             {w.address for w in self.registry.workers(Role.DECODE)} if candidates else set()
         )
@@ -508,6 +510,7 @@ class Router:
                     batch_tokens=w.load.num_running_tokens if w.address in decoding_at else 0,
                     chunk_tokens=w.load.chunk_tokens,
                     prefill_share=w.load.prefill_share,
+                    push_cost=w.load.kv_push.to(decode.address),
                 )
             )
         return prefills

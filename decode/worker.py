@@ -65,6 +65,7 @@ from splitserve.common.errors import (
 )
 from splitserve.common.event_wait import wait_event
 from splitserve.common.kv_layout import KvLayout
+from splitserve.common.kv_push_cost import NO_PUSH_COSTS, KvPushCosts
 from splitserve.common.request_update import StepOutput
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.async_engine import AsyncEngine, RequestStream
@@ -413,6 +414,10 @@ class DecodeWorker:
         """Remove and return the request's transfer: its taker gives back the hold."""
         transfer_id = self._transfer_of.pop(request_id, None)
         return None if transfer_id is None else self._incoming.pop(transfer_id, None)
+
+    def kv_push_costs(self) -> KvPushCosts:
+        """None: a decode worker pushes no prompt's KV (it is pushed to)."""
+        return NO_PUSH_COSTS
 
     def handshake(self, peer: KvLayout) -> KvLayout:
         """Raise ``IncompatibleKvLayoutError`` unless ``peer`` may push KV here."""

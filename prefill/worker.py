@@ -13,6 +13,13 @@ for the sends and calls the decode worker's ``CompleteKv`` with the first token 
 worker streams it); once that returns (the KV landed) the staging buffer is dropped and
 ``PrefillDone`` is returned. Calls to decode workers go through ``proto.worker_clients``.
 
+Each completed push teaches the worker its links (``common/kv_push_cost.py:KvPushLearner``):
+the exposed transfer, from the prompt's compute end (this worker's event loop has its first
+token) to the last layer's sends completing, against the tokens whose KV travelled, per
+decode worker address and over all pushes. A link's fit lives as long as the link (dropped
+with an idle peer, kept across a failed transfer's re-handshake); ``kv_push_costs`` is what
+the worker's load reports, for placement's remote TTFT.
+
 The engine's own blocks go back to its pool (and prefix cache) when the request finishes:
 only the staging buffer waits for the decode worker's confirmation.
 
@@ -53,6 +60,7 @@ from splitserve.common.errors import (
     WorkerUnavailableError,
 )
 from splitserve.common.kv_layout import KvLayout
+from splitserve.common.kv_push_cost import KvPushCosts, KvPushLearner
 from splitserve.common.request_update import StepOutput
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.tracing import NO_SPAN, start_span
@@ -134,6 +142,7 @@ class PrefillWorker:
         self._peer_locks: dict[str, asyncio.Lock] = {}
         self._settling: set[asyncio.Task[None]] = set()  # failed pulls' receives settling
         self.transfer_metrics = TransferMetrics()
+        self._push_costs = KvPushLearner()
 
     async def prefill(
         self,
@@ -222,11 +231,20 @@ class PrefillWorker:
 
     async def _finish_push(self, push: Span, sender: LayerSender, target: KvReservation) -> None:
         """Wait until every layer was sent (``_finish_sends``), the push described on its
-        span: blocks sent and already cached there, layers, bytes."""
+        span: blocks sent and already cached there, layers, bytes, exposed seconds."""
         push.set_attribute("splitserve.kv_blocks", target.num_blocks)
         push.set_attribute("splitserve.kv_cached_blocks", target.num_cached_blocks)
         push.set_attribute("splitserve.kv_layers", self.layout.num_layers)
-        push.set_attribute("splitserve.kv_bytes", await self._finish_sends(sender))
+        bytes_sent, exposed_s = await self._finish_sends(sender)
+        push.set_attribute("splitserve.kv_bytes", bytes_sent)
+        push.set_attribute("splitserve.kv_exposed_s", exposed_s)
+        pushed_tokens = target.num_tokens - target.num_cached_blocks * self.layout.block_size
+        self._push_costs.observe(target.decode_address, pushed_tokens, exposed_s)
+
+    def kv_push_costs(self) -> KvPushCosts:
+        """What this worker learned of its pushes' exposed transfer (the module docstring),
+        for its load reports."""
+        return self._push_costs.estimate()
 
     async def _pull_cached_kv(
         self,
@@ -312,17 +330,18 @@ class PrefillWorker:
         await receiver.abort()
         await receiver.until_settled()
 
-    async def _finish_sends(self, sender: LayerSender) -> int:
-        """Wait until every layer was sent (the prompt is computed); record the transfer;
-        the bytes sent."""
+    async def _finish_sends(self, sender: LayerSender) -> tuple[int, float]:
+        """Wait until every layer was sent (called once the prompt is computed); record the
+        transfer; the bytes sent and the seconds the wait took (the exposed transfer)."""
         computed = time.perf_counter()
         try:
             bytes_sent = await sender.finish(self.transfer_timeout_s)
         except BaseException as error:
             self.transfer_metrics.failed("send", error)
             raise
-        self.transfer_metrics.completed("send", bytes_sent, time.perf_counter() - computed)
-        return bytes_sent
+        exposed_s = time.perf_counter() - computed
+        self.transfer_metrics.completed("send", bytes_sent, exposed_s)
+        return bytes_sent, exposed_s
 
     def _check_target(self, prompt_token_ids: Sequence[int], target: KvReservation) -> None:
         if target.compat_hash != self.layout.compat_hash:
@@ -390,6 +409,7 @@ class PrefillWorker:
         idle = [a for a, peer in self._peers.items() if now - peer.last_used > PEER_IDLE_S]
         for address in idle:
             self._forget_peer(address)
+            self._push_costs.forget(address)
         if idle:
             await self._channels.retain(set(self._peers), grace_s=60.0, now=now)
 

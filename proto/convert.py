@@ -8,6 +8,7 @@ raises ``InvalidRequestError`` naming the field).
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Iterable, Sequence
 
 from google.protobuf.message import DecodeError
@@ -17,6 +18,7 @@ from splitserve.common.errors import InvalidRequestError
 from splitserve.common.grammar import GrammarSpec
 from splitserve.common.kv_events import KvEvents
 from splitserve.common.kv_layout import KvLayout
+from splitserve.common.kv_push_cost import KvPushCost, KvPushCosts
 from splitserve.common.load import EngineLoad, LoadReport
 from splitserve.common.logprobs import TokenLogprob
 from splitserve.common.membership import Role, WorkerInfo
@@ -192,7 +194,9 @@ def layout_from_proto(message: worker_pb2.KvLayout) -> KvLayout:
     )
 
 
-_LOAD_FIELDS = tuple(name for name in EngineLoad.__dataclass_fields__ if name != "step_cost")
+_LOAD_FIELDS = tuple(
+    name for name in EngineLoad.__dataclass_fields__ if name not in ("step_cost", "kv_push")
+)
 _STEP_COST_FIELDS = tuple(StepCost.__dataclass_fields__)
 
 
@@ -212,8 +216,41 @@ def load_to_proto(load: EngineLoad, ready: bool = True) -> worker_pb2.WorkerLoad
         step_cost=worker_pb2.StepCost(
             **{name: getattr(load.step_cost, name) for name in _STEP_COST_FIELDS}
         ),
+        kv_push_costs=push_costs_to_proto(load.kv_push),
         **{name: getattr(load, name) for name in _LOAD_FIELDS},
     )
+
+
+def push_costs_to_proto(costs: KvPushCosts) -> list[worker_pb2.KvPushCost]:
+    """The overall fit (address "") where it saw a push, then each link's."""
+    entries = [("", costs.overall)] if costs.overall.pushes else []
+    return [
+        worker_pb2.KvPushCost(
+            decode_address=address,
+            base_s=cost.base_s,
+            per_token_s=cost.per_token_s,
+            pushes=cost.pushes,
+        )
+        for address, cost in [*entries, *costs.peers]
+    ]
+
+
+def push_costs_from_proto(messages: Iterable[worker_pb2.KvPushCost]) -> KvPushCosts:
+    """A worker's reported push figures; a coefficient that is not a finite non-negative
+    number counts as 0."""
+    overall = KvPushCost()
+    peers: dict[str, KvPushCost] = {}
+    for message in messages:
+        cost = KvPushCost(_seconds(message.base_s), _seconds(message.per_token_s), message.pushes)
+        if message.decode_address:
+            peers[message.decode_address] = cost
+        else:
+            overall = cost
+    return KvPushCosts(overall, tuple(peers.items()))
+
+
+def _seconds(value: float) -> float:
+    return value if math.isfinite(value) and value > 0.0 else 0.0
 
 
 def report_from_proto(message: worker_pb2.WorkerLoad) -> LoadReport:
@@ -225,6 +262,7 @@ def load_from_proto(message: worker_pb2.WorkerLoad) -> EngineLoad:
     cost = message.step_cost
     return EngineLoad(
         step_cost=StepCost(**{name: getattr(cost, name) for name in _STEP_COST_FIELDS}),
+        kv_push=push_costs_from_proto(message.kv_push_costs),
         **{name: getattr(message, name) for name in _LOAD_FIELDS},
     )
 

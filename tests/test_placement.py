@@ -9,6 +9,7 @@ import dataclasses
 import pytest
 
 from splitserve.common.errors import InvalidRequestError
+from splitserve.common.kv_push_cost import MIN_PUSHES, KvPushCost
 from splitserve.common.step_cost import MIN_STEPS, StepCost
 from splitserve.coordinator.placement import (
     NO_TARGETS,
@@ -329,3 +330,46 @@ def test_a_cached_prompt_stays_local_only_while_the_batch_keeps_tpot_headroom() 
     pulling = dataclasses.replace(_prefill("p"), cached_tokens=300, pulled_tokens=300)
     assert _place(cached(8), [pulling]).reason is Reason.LOCAL_CACHED
     assert _place(cached(20), [pulling]).where == "remote"
+
+
+NARROW_LINK = KvPushCost(base_s=0.02, per_token_s=0.001, pushes=MIN_PUSHES)
+"""A prefill worker's learned push over a narrow link: 20 ms + 1 ms a token beyond the
+compute (``common/kv_push_cost.py``)."""
+
+
+def test_the_learned_push_makes_remote_miss_the_ttft_target_so_the_prompt_stays_local() -> None:
+    """600 tokens: computed remotely in ~1.2 s, within 0.8 x 2 s, so remote; over a link that
+    exposes 0.62 s of their push, ~1.85 s: at risk, and local (~1.24 s) is faster and keeps
+    the batch's TPOT. A figure fitted on too few pushes counts as 0 (today's prediction)."""
+    decode = _decode(running=2)
+    wide = _place(decode, [_prefill("p")], prompt=600)
+    assert (wide.where, wide.reason) == ("remote", Reason.REMOTE_WITHIN_SLO)
+    narrow = dataclasses.replace(_prefill("p"), push_cost=NARROW_LINK)
+    placement = _place(decode, [narrow], prompt=600)
+    assert (placement.where, placement.reason) == ("local", Reason.LOCAL_FASTER)
+    assert placement.predicted_ttft_s is not None and wide.predicted_ttft_s is not None
+    local_s, remote_s = placement.predicted_ttft_s, wide.predicted_ttft_s
+    assert local_s < remote_s + NARROW_LINK.exposed_s(600)
+    assert remote_s <= 0.8 * SLO.ttft_s < remote_s + NARROW_LINK.exposed_s(600)
+    unlearned = dataclasses.replace(narrow, push_cost=dataclasses.replace(NARROW_LINK, pushes=1))
+    assert _place(decode, [unlearned], prompt=600) == wide
+
+
+def test_the_push_term_counts_only_the_tokens_that_travel() -> None:
+    """Remote TTFT adds the link's exposed transfer for the prompt's tokens after the decode
+    worker's cached prefix (those never travel), and the faster link wins."""
+    narrow = dataclasses.replace(_prefill("narrow"), push_cost=NARROW_LINK)
+    wide = _place(_decode(), [_prefill("p")]).predicted_ttft_s
+    assert wide is not None
+    remote = _place(_decode(), [narrow]).predicted_ttft_s
+    assert remote == pytest.approx(wide + NARROW_LINK.exposed_s(320))
+    cached = dataclasses.replace(_decode(), cached_tokens=256)
+    rule = PlacementConfig(local_prefill_max_tokens=0, cached_tpot_share=0.0)  # not kept local
+    adaptive = place(320, 96, cached, [narrow], SLO, PlacementMode.ADAPTIVE, rule)
+    plain = place(320, 96, cached, [_prefill("p")], SLO, PlacementMode.ADAPTIVE, rule)
+    assert adaptive.predicted_ttft_s is not None and plain.predicted_ttft_s is not None
+    assert adaptive.predicted_ttft_s == pytest.approx(
+        plain.predicted_ttft_s + NARROW_LINK.exposed_s(320 - 256)
+    )
+    both = _place(_decode(), [narrow, _prefill("queued", queued=100)])
+    assert both.prefill_worker_id == "queued"  # 0.2 s of queue beats 0.34 s of exposed push

@@ -8,7 +8,8 @@ colocated engine's (float32). With the workers' domain objects on an in-process 
 (``PrefillWorker``, ``DecodeWorker``; the decode worker's gRPC calls made as direct calls, the
 gRPC and UCX path being ``tests/test_serving_integration.py``'s): the whole handoff with a
 pull, a pull refused by the decode worker for each bad field, and a pull that fails, after
-which the prompt is computed as without it. Every block of both engines ends free.
+which the prompt is computed as without it; the push teaches the prefill worker its link to
+that decode worker (the figure its load reports). Every block of both engines ends free.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from splitserve.common.errors import (
     InvalidRequestError,
     WorkerUnavailableError,
 )
+from splitserve.common.kv_push_cost import KvPushCosts
+from splitserve.common.load import EngineLoad
 from splitserve.common.request_update import StepOutput
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.decode.worker import DecodeWorker
@@ -42,6 +45,7 @@ from splitserve.transfer.inprocess import InProcessTransport
 from splitserve.transfer.plan import TransferPlan, new_transfer_secret
 from splitserve.transfer.reservation import CachedKvPull, FirstToken, KvReservation
 from splitserve.worker.identity import WorkerIdentity
+from splitserve.worker.runtime import reported_load
 from splitserve.worker.transfer_settings import TransferSettings
 from tests.conftest import assert_no_leaks, make_llm
 
@@ -264,6 +268,15 @@ def test_the_workers_hand_a_turn_over_with_a_pull_or_without_one(
         async with _workers(default_checkpoint_fp32, conversation, refuse_pulls) as pair:
             tokens, cached = await _serve_turn(pair, conversation.turn2)
             assert tokens == conversation.expected
+            # the push taught the prefill worker its link to this decode worker (one push)
+            push = pair.prefill.kv_push_costs()
+            assert push.overall.pushes == 1
+            assert [(address, cost.pushes) for address, cost in push.peers] == [
+                (pair.decode.identity.address, 1)
+            ]
+            # ... and the worker's load report carries it (a decode domain has none)
+            assert reported_load(EngineLoad(), [pair.decode, pair.prefill]).kv_push == push
+            assert reported_load(EngineLoad(), [pair.decode]).kv_push == KvPushCosts()
             metrics = pair.prefill.transfer_metrics
             if refuse_pulls:  # computed as without the pull
                 assert cached == own * BLOCK

@@ -9,6 +9,7 @@ import time
 import pytest
 
 from splitserve.common.blocks import prompt_block_hashes
+from splitserve.common.kv_push_cost import MIN_PUSHES, KvPushCost, KvPushCosts
 from splitserve.common.load import EngineLoad
 from splitserve.common.membership import Role
 from splitserve.common.step_cost import MIN_STEPS, StepCost
@@ -410,6 +411,38 @@ def test_a_prefill_worker_that_pulls_is_credited_with_the_decode_workers_prefix(
         ("pulls", 400, 80),
         ("computes", 0, 0),
         ("pulls", 384, 0),
+    ]
+
+
+def test_placement_sees_the_push_figure_a_prefill_worker_reported_for_the_decode_worker(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A prefill worker's load carries its learned push figures per decode worker address
+    (``common/kv_push_cost.py``): placement gets the link's to this request's decode worker,
+    the figure over all its pushes for a decode worker it never pushed to."""
+    links = KvPushCosts(
+        KvPushCost(0.0, 1e-5, MIN_PUSHES),
+        (("d:1", KvPushCost(0.02, 1e-3, MIN_PUSHES)), ("e:1", KvPushCost(0.0, 0.0, MIN_PUSHES))),
+    )
+    prefill = _worker("p", Role.PREFILL)
+    prefill = dataclasses.replace(prefill, load=dataclasses.replace(prefill.load, kv_push=links))
+    decodes = [_worker(name, Role.DECODE) for name in ("d", "e", "f")]
+    router = _router(*decodes, prefill)
+    seen: list[PrefillView] = []
+    original = router_module.place
+
+    def capture(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        seen.extend(args[3])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(router_module, "place", capture)
+    prompt = list(range(320))
+    for decode in decodes:
+        router.place_prompt(decode, [prefill], prompt_block_hashes(prompt, 16), record(prompt, 96))
+    assert [view.push_cost for view in seen] == [
+        links.peers[0][1],
+        links.peers[1][1],
+        links.overall,
     ]
 
 

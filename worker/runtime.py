@@ -34,7 +34,8 @@ from splitserve.common.errors import MembershipStoreError
 from splitserve.common.gc_tuning import tune_gc_for_serving
 from splitserve.common.kv_events import KvEventLog
 from splitserve.common.kv_layout import KvLayout
-from splitserve.common.load import LoadReport
+from splitserve.common.kv_push_cost import KvPushCosts
+from splitserve.common.load import EngineLoad, LoadReport
 from splitserve.common.membership import Role, WorkerInfo, hosted_worker_ids, member_id
 from splitserve.common.metrics import serve_metrics
 from splitserve.common.model_files import model_name_of, resolve_model_path
@@ -87,6 +88,11 @@ class WorkerDomain(Protocol):
     pulls_cached_kv_min_blocks: int
     """What its membership record says of pulling cached KV (``WorkerInfo``): 0 unless the
     domain is a prefill worker that pulls."""
+
+    def kv_push_costs(self) -> KvPushCosts:
+        """What it learned of its KV pushes (``common/kv_push_cost.py``), for the load
+        reports; empty unless the domain is a prefill worker."""
+        ...
 
     async def close(self) -> None: ...
 
@@ -176,7 +182,7 @@ async def run_worker(
         _serve_worker_metrics(args, engine, domains, model_name, label)
     for servicer, domain in zip(servicers, domains, strict=True):
         servicer.bind(domain)
-    report, kv_events, watching = await _start_serving(args, engine, server, monitor, stop)
+    report, kv_events, watching = await _start_serving(args, engine, domains, server, monitor, stop)
     print(f"splitserve {label} ready at {address}", flush=True)
     infos = _records(roles, identities, domains, address, engine, model_name)
     membership = _Membership.join(args, infos, report, access, kv_events, stop)
@@ -262,21 +268,33 @@ def _serve_worker_metrics(
     print(f"{label} metrics at http://{args.host}:{port}/metrics", flush=True)
 
 
+def reported_load(load: EngineLoad, domains: Sequence[WorkerDomain]) -> EngineLoad:
+    """The engine's ``load`` with what the worker's prefill domain (at most one) learned of
+    its KV pushes, where it pushed any."""
+    for domain in domains:
+        push = domain.kv_push_costs()
+        if push.overall.pushes:
+            return dataclasses.replace(load, kv_push=push)
+    return load
+
+
 async def _start_serving(
     args: argparse.Namespace,
     engine: AsyncEngine,
+    domains: Sequence[WorkerDomain],
     server: RoleServer,
     monitor: MonitorServicer,
     stop: asyncio.Event,
 ) -> tuple[Callable[[], Awaitable[LoadReport]], KvEventLog, asyncio.Task[None]]:
-    """Bind the monitor to the worker's load reports (the engine's load, and the stall
-    watch's readiness) and KV events, turn health SERVING, start the stall watch (until
-    ``stop``) and tune the GC for serving. Returns the report function, the KV event log
-    (the membership records carry both) and the stall watch's task."""
+    """Bind the monitor to the worker's load reports (the engine's load with what its
+    prefill domain learned of its KV pushes, and the stall watch's readiness) and KV events,
+    turn health SERVING, start the stall watch (until ``stop``) and tune the GC for serving.
+    Returns the report function, the KV event log (the membership records carry both) and
+    the stall watch's task."""
     stall_watch = StallWatch(engine.step_running_s, args.stall_timeout)
 
     async def report() -> LoadReport:
-        return LoadReport(engine.latest_load, stall_watch.ready())
+        return LoadReport(reported_load(engine.latest_load, domains), stall_watch.ready())
 
     kv_events = KvEventLog()  # every coordinator's heartbeats or load stream carry its changes
     await engine.record_kv_events(kv_events)

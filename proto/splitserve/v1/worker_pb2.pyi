@@ -70,7 +70,7 @@ class WorkerInfo(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., address: _Optional[str] = ..., kv_layout: _Optional[_Union[KvLayout, _Mapping]] = ..., num_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., model: _Optional[str] = ..., pulls_cached_kv_min_blocks: _Optional[int] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("num_total_blocks", "num_used_blocks", "num_running_requests", "num_waiting_requests", "num_reserved_requests", "num_running_tokens", "num_pending_prefill_tokens", "ready", "num_finished_requests", "step_cost", "prefill_share", "prefill_chunk_tokens", "kv_events")
+    __slots__ = ("num_total_blocks", "num_used_blocks", "num_running_requests", "num_waiting_requests", "num_reserved_requests", "num_running_tokens", "num_pending_prefill_tokens", "ready", "num_finished_requests", "step_cost", "prefill_share", "prefill_chunk_tokens", "kv_events", "kv_push_costs")
     NUM_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +84,7 @@ class WorkerLoad(_message.Message):
     PREFILL_SHARE_FIELD_NUMBER: _ClassVar[int]
     PREFILL_CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    KV_PUSH_COSTS_FIELD_NUMBER: _ClassVar[int]
     num_total_blocks: int
     num_used_blocks: int
     num_running_requests: int
@@ -97,7 +98,20 @@ class WorkerLoad(_message.Message):
     prefill_share: float
     prefill_chunk_tokens: int
     kv_events: KvEvents
-    def __init__(self, num_total_blocks: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., num_reserved_requests: _Optional[int] = ..., num_running_tokens: _Optional[int] = ..., num_pending_prefill_tokens: _Optional[int] = ..., ready: _Optional[bool] = ..., num_finished_requests: _Optional[int] = ..., step_cost: _Optional[_Union[StepCost, _Mapping]] = ..., prefill_share: _Optional[float] = ..., prefill_chunk_tokens: _Optional[int] = ..., kv_events: _Optional[_Union[KvEvents, _Mapping]] = ...) -> None: ...
+    kv_push_costs: _containers.RepeatedCompositeFieldContainer[KvPushCost]
+    def __init__(self, num_total_blocks: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., num_reserved_requests: _Optional[int] = ..., num_running_tokens: _Optional[int] = ..., num_pending_prefill_tokens: _Optional[int] = ..., ready: _Optional[bool] = ..., num_finished_requests: _Optional[int] = ..., step_cost: _Optional[_Union[StepCost, _Mapping]] = ..., prefill_share: _Optional[float] = ..., prefill_chunk_tokens: _Optional[int] = ..., kv_events: _Optional[_Union[KvEvents, _Mapping]] = ..., kv_push_costs: _Optional[_Iterable[_Union[KvPushCost, _Mapping]]] = ...) -> None: ...
+
+class KvPushCost(_message.Message):
+    __slots__ = ("decode_address", "base_s", "per_token_s", "pushes")
+    DECODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    BASE_S_FIELD_NUMBER: _ClassVar[int]
+    PER_TOKEN_S_FIELD_NUMBER: _ClassVar[int]
+    PUSHES_FIELD_NUMBER: _ClassVar[int]
+    decode_address: str
+    base_s: float
+    per_token_s: float
+    pushes: int
+    def __init__(self, decode_address: _Optional[str] = ..., base_s: _Optional[float] = ..., per_token_s: _Optional[float] = ..., pushes: _Optional[int] = ...) -> None: ...
 
 class StepCost(_message.Message):
     __slots__ = ("decode_base_s", "per_decode_seq_s", "per_context_token_s", "prefill_base_s", "per_prefill_token_s", "decode_steps", "prefill_steps")
