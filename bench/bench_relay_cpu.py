@@ -1,24 +1,30 @@
-"""CPU time per streamed token of each process of ``make serve`` (issue 31's relay cost).
+"""CPU time per streamed token of each process of ``make serve`` (issue 31's relay cost,
+issue 60's front end).
 
-Per repetition and per gateway relay of ``--relays`` (``multiplexed``: many streams on each
-``GenerateStreams`` call, the default; ``per-stream``: a ``Generate`` call each), alternated,
-starts ``splitserve up --placement adaptive`` (``make serve``'s cluster, ``cluster_process.
-LocalCluster``) afresh, then sends ``--streams`` streamed completions at once through
-the gateway (``/v1/completions``, one asyncio httpx client, short prompts, ``--max-tokens``
-tokens each with EOS ignored, ``stream_options.include_usage`` for the token count) and reads
-every cluster process's utime + stime from ``/proc`` before and after. Each process is named by
-its role (``coordinator``, ``gateway``, ``prefill``, ``decode``, ``up``) from its command line.
+Per repetition and per variant of ``--variants`` (alternated; ``variants_of``: ``merged``,
+``up``'s default, the gateway inside the coordinator's process; ``apart``, each its own
+process; ``per-stream``, apart with a ``Generate`` call per stream; ``baseline``, the tree of
+``--baseline-tree`` as its ``up`` starts it), starts ``splitserve up`` (``cluster_process.
+LocalCluster``) afresh, then sends ``--streams`` streamed completions at once through the
+gateway (``/v1/completions``, short prompts, ``--max-tokens`` tokens each with EOS ignored,
+``stream_options.include_usage`` for the token count) and reads every cluster process's
+utime + stime from ``/proc`` before and after. Each process is named by its role
+(``coordinator``, ``gateway``, ``frontend``, ``prefill``, ``decode``, ``up``) from its
+command line. The client is ``--client light`` (``sse_burst.py``: a few microseconds of CPU
+a token, so thousands of streams do not starve the server on a small machine) or ``httpx``.
 
 ``--up-flags`` replaces ``make serve``'s flags, e.g. a cluster of simulated workers hosted
 several to a process: ``--up-flags "--placement adaptive --prefill 2 --decode 8
---workers-per-process 8 --max-inflight 4096 -- --engine sim"`` (a role's CPU is then the sum
-over its processes).
+--workers-per-process 8 --max-inflight 16384 -- --engine sim --sim-profile
+bench/profiles/relay-stand-in.json --max-num-seqs 1024 --num-blocks 16384 --sim-startup-s 0"
+--env SPLITSERVE_MAX_QUEUED=16384`` (a role's CPU is then the sum over its processes).
 
-Reported per role: CPU microseconds per streamed token (the burst's CPU ticks over the tokens
-the client received), the median over ``--reps`` repetitions, and what one core of that role
-could relay at that cost (1e6 / us). Also the client's own CPU per token and the machine's
-other load during the run (``CpuMeter``). Prints rows to stderr and the JSON report to stdout
-(``--out`` writes it too). Nothing asserted.
+Reported per role and variant: CPU microseconds per streamed token (the burst's CPU ticks over
+the tokens the client received), ``front_end`` (coordinator + gateway + frontend), the median
+over ``--reps`` repetitions, and what one core of that role could relay at that cost (1e6 /
+us). Also the client's own CPU per token and the machine's other load during the run
+(``CpuMeter``). Prints rows to stderr and the JSON report to stdout (``--out`` writes it
+too). Nothing asserted.
 
     .venv/bin/python bench/bench_relay_cpu.py --out bench/results/relay-cpu-<date>.json
 """
@@ -40,8 +46,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+from bench_security import UP_MODULE, tree_env
 from cluster_process import CLK_TCK, CpuMeter, LocalCluster, process_ticks
 from machine_bound import cpu_name
+from sse_burst import run_burst
 from timing_stats import Json, emit_report, log_row, wait_for_quiet
 
 SPLITSERVE = Path(sys.executable).with_name("splitserve")
@@ -132,63 +140,123 @@ def burst_report(args: argparse.Namespace) -> Json:
     return {"machine": {"cpu": cpu_name()}, "setup": setup, "reps": []}
 
 
+FRONT_END_ROLES = ("coordinator", "gateway", "frontend")
+"""The processes whose CPU per token is the front end's (``frontend``: both in one)."""
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One cluster the burst runs against: ``up``'s flags added, the tree it runs from (None:
+    this checkout), the gateway's relay."""
+
+    name: str
+    up_flags: tuple[str, ...] = ()
+    tree: Path | None = None
+    relay: str = "multiplexed"
+
+
+def variants_of(args: argparse.Namespace) -> list[Variant]:
+    """``--variants``: ``merged`` (this tree, ``up``'s default: gateway and coordinator in one
+    process), ``apart`` (this tree, ``up --apart``), ``per-stream`` (apart, a gRPC call per
+    stream), ``baseline`` (``--baseline-tree``, as ``up`` starts it there)."""
+    known = {
+        "merged": Variant("merged"),
+        "apart": Variant("apart", ("--apart",)),
+        "per-stream": Variant("per-stream", ("--apart",), relay="per-stream"),
+        "baseline": Variant("baseline", (), args.baseline_tree),
+    }
+    chosen = [name.strip() for name in args.variants.split(",") if name.strip()]
+    unknown = [name for name in chosen if name not in known]
+    if unknown:
+        raise SystemExit(f"unknown variants {unknown}; known: {sorted(known)}")
+    if "baseline" in chosen and args.baseline_tree is None:
+        raise SystemExit("the baseline variant needs --baseline-tree")
+    return [known[name] for name in chosen]
+
+
 def run(args: argparse.Namespace) -> Json:
-    relays = [relay.strip() for relay in args.relays.split(",") if relay.strip()]
+    variants = variants_of(args)
     report = burst_report(args)
-    report["setup"]["relays"] = relays
-    for rep in range(args.reps):  # the relays alternate, a fresh cluster each
-        for relay in relays:
-            row = measure(args, relay)
+    report["setup"]["variants"] = [variant.name for variant in variants]
+    report["setup"]["client"] = args.client
+    if args.baseline_tree is not None:
+        report["setup"]["baseline_tree"] = str(args.baseline_tree)
+    for rep in range(args.reps):  # the variants alternate, a fresh cluster each
+        for variant in variants:
+            row = measure(args, variant)
             row["rep"] = rep
             report["reps"].append(row)
             log_row(row)
     report["median_us_per_token"] = {}
     report["tokens_per_core_s"] = {}
-    for relay in relays:
-        rows = [row for row in report["reps"] if row["relay"] == relay]
+    for variant in variants:
+        rows = [row for row in report["reps"] if row["variant"] == variant.name]
         roles = sorted({role for row in rows for role in row["us_per_token"]})
         medians = {
             role: statistics.median(row["us_per_token"].get(role, 0.0) for row in rows)
-            for role in roles
+            for role in [*roles, "front_end"]
         }
-        report["median_us_per_token"][relay] = medians
-        report["tokens_per_core_s"][relay] = {
+        report["median_us_per_token"][variant.name] = medians
+        report["tokens_per_core_s"][variant.name] = {
             role: round(1e6 / us) for role, us in medians.items() if us > 0
         }
     log_row({"median_us_per_token": report["median_us_per_token"]})
     return report
 
 
-def measure(args: argparse.Namespace, relay: str) -> Json:
-    """One burst through a fresh cluster whose gateway relays by ``relay``."""
+def _cluster(args: argparse.Namespace, variant: Variant, log_path: Path) -> LocalCluster:
+    """``variant``'s cluster: this checkout's ``splitserve up``, or the tree's
+    (``bench_security.tree_env``: its ``splitserve`` ahead of the editable install)."""
+    flags = [*shlex.split(args.up_flags)]
+    if variant.up_flags:  # before a "--" that starts the workers' flags
+        cut = flags.index("--") if "--" in flags else len(flags)
+        flags[cut:cut] = variant.up_flags
+    env = {"SPLITSERVE_RELAY": variant.relay, **dict(args.env)}
+    if variant.tree is None:
+        return LocalCluster(SPLITSERVE, flags, log_path, env=env)
+    env |= tree_env(variant.tree.resolve(), log_path.parent)
+    up_command = [sys.executable, "-m", UP_MODULE]
+    return LocalCluster(SPLITSERVE, flags, log_path, env=env, up_command=up_command)
+
+
+def _burst(args: argparse.Namespace, url: str, model: str, streams: int, tokens: int) -> list:
+    """The burst by ``--client``: ``light`` (``sse_burst.py``) or ``httpx``."""
+    if args.client == "light":
+        return run_burst(url, model, streams, tokens)
+    return asyncio.run(burst(url, model, streams, tokens))
+
+
+def measure(args: argparse.Namespace, variant: Variant) -> Json:
+    """One burst through a fresh cluster of ``variant``."""
     log_path = Path(tempfile.mkdtemp(prefix="relay-cpu-")) / "up.log"
-    env = {"SPLITSERVE_RELAY": relay}
-    with LocalCluster(SPLITSERVE, shlex.split(args.up_flags), log_path, env=env) as cluster:
+    with _cluster(args, variant, log_path) as cluster:
         model = httpx.get(f"{cluster.http_url}/v1/models", timeout=30).json()["data"][0]["id"]
-        asyncio.run(burst(cluster.http_url, model, 4, 8))  # warm-up
+        _burst(args, cluster.http_url, model, 4, 8)  # warm-up
         wait_for_quiet(args.wait_quiet_s)
         pids = cluster.pids()
         meter = CpuMeter(cluster)
         meter.start()
         before, own_before = ticks_by_role(pids), process_ticks(os.getpid())
         started = time.perf_counter()
-        ended = asyncio.run(burst(cluster.http_url, model, args.streams, args.max_tokens))
-        used = [stream.tokens for stream in ended]
+        ended = _burst(args, cluster.http_url, model, args.streams, args.max_tokens)
         wall_s = time.perf_counter() - started
         after, own_after = ticks_by_role(pids), process_ticks(os.getpid())
+    used = [stream.tokens for stream in ended]
     tokens = sum(used)
+    us_per_token = {
+        role: round((after[role] - before.get(role, 0)) / CLK_TCK / tokens * 1e6, 1)
+        for role in after
+        if tokens
+    }
+    front = sum(us_per_token.get(role, 0.0) for role in FRONT_END_ROLES)
     return {
-        "relay": relay,
+        "variant": variant.name,
         "tokens": tokens,
         "streams_whole": sum(n == args.max_tokens for n in used),
         "ends": dict(collections.Counter(stream.how for stream in ended)),
         "wall_s": round(wall_s, 2),
         "tokens_per_s": round(tokens / wall_s, 1),
-        "us_per_token": {
-            role: round((after[role] - before.get(role, 0)) / CLK_TCK / tokens * 1e6, 1)
-            for role in after
-            if tokens
-        },
+        "us_per_token": {**us_per_token, "front_end": round(front, 1)},
         "client_us_per_token": round((own_after - own_before) / CLK_TCK / max(tokens, 1) * 1e6, 1),
         "cpu": meter.stop(),
     }
@@ -208,12 +276,27 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_burst_args(parser, streams=64, max_tokens=128)
     parser.add_argument(
-        "--relays",
-        default="multiplexed,per-stream",
-        help="the gateway's --relay values to compare, alternated per repetition",
+        "--variants",
+        default="apart,merged",
+        help="clusters to compare, alternated per repetition: merged, apart, per-stream, "
+        "baseline (variants_of)",
     )
+    parser.add_argument("--baseline-tree", type=Path, help="the tree before the change")
     parser.add_argument(
         "--up-flags", default="--placement adaptive", help="splitserve up's flags (make serve's)"
+    )
+    parser.add_argument(
+        "--client",
+        choices=("light", "httpx"),
+        default="light",
+        help="light: sse_burst.py (a few us of CPU a token); httpx: one asyncio httpx client",
+    )
+    parser.add_argument(
+        "--env",
+        type=lambda pair: tuple(pair.split("=", 1)),
+        action="append",
+        default=[],
+        help="NAME=VALUE in every cluster process's environment (repeat)",
     )
     return parser.parse_args(argv)
 

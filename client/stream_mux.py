@@ -47,9 +47,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import itertools
 import random
 import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import grpc
 
@@ -61,6 +64,9 @@ IDLE_CLOSE_S = 300.0
 """A call that carried no stream this long is half-closed (a fresh one opens on demand)."""
 IDLE_SWEEP_S = 30.0
 """How often ``StreamMultiplexer`` looks for idle calls (on a stream's start)."""
+OpenStreams = Callable[[AsyncIterator[Any], Metadata | None], Any]
+"""Opens a ``GenerateStreams`` call: ``(requests, metadata)`` -> the call (a gRPC
+``StreamStreamCall``, or ``proto/local_streams.py:LocalStreamsCall``)."""
 DNS_RELAY_WIDTH = 4
 """Calls per API key to a DNS target, which may resolve to several coordinators."""
 
@@ -78,8 +84,22 @@ class StreamMultiplexer:
     """The open ``GenerateStreams`` calls of one channel, ``width`` per API key; its streams
     are retried by ``retry`` (the policy the channel was built with, for its other calls)."""
 
-    def __init__(self, channel: grpc.aio.Channel, retry: RetryPolicy, width: int = 1) -> None:
-        self._stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+    def __init__(
+        self,
+        channel: grpc.aio.Channel,
+        retry: RetryPolicy,
+        width: int = 1,
+        open_streams: OpenStreams | None = None,
+    ) -> None:
+        """``open_streams``: opens each ``GenerateStreams`` call instead of the channel's stub
+        (``proto/local_streams.py``: the coordinator of this process, without gRPC)."""
+        if open_streams is None:
+            stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+
+            def open_streams(requests: AsyncIterator[Any], metadata: Metadata | None) -> Any:
+                return stub.GenerateStreams(requests, metadata=metadata)
+
+        self._open_streams = open_streams
         self._retry = retry
         self._width = max(1, width)
         self._calls: dict[Metadata | None, list[StreamsClientCall | None]] = {}
@@ -111,7 +131,7 @@ class StreamMultiplexer:
             call = slots[index]
             if call is None or not call.accepting:
                 call = slots[index] = StreamsClientCall(
-                    lambda requests: self._stub.GenerateStreams(requests, metadata=metadata),
+                    functools.partial(self._open_streams, metadata=metadata),
                     coordinator_pb2.StreamsRequest,
                     coordinator_pb2.StreamStart,
                 )

@@ -24,7 +24,8 @@ import functools
 import logging
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 
 import grpc
 from prometheus_client import CollectorRegistry
@@ -104,23 +105,40 @@ def tenant_policy_or_exit(
         parser.error(f"tenants: {error}")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+@dataclass(frozen=True)
+class PreparedCoordinator:
+    """A coordinator built from its flags, ready to serve (``serve``)."""
+
+    settings: CoordinatorSettings
+    coordinator: Coordinator
+    access: ClusterAccess
+    keys: ApiKeys
+
+
+def prepare(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, role: str = "coordinator"
+) -> PreparedCoordinator:
+    """Everything before serving: the settings, the process pinned (before any thread
+    starts), the credential, keys and etcd login checked, logging and tracing as ``role``,
+    the tokenizer loaded; a usage error (exit 2) for what is wrong."""
     settings = settings_or_exit(parser, args, CoordinatorSettings)
-    pin_or_exit(parser, settings.cpu_affinity)  # before any thread starts
+    pin_or_exit(parser, settings.cpu_affinity)
     access = access_or_exit(parser, args)
     keys = api_keys_or_exit(parser, args)
     built_or_exit(parser, lambda: etcd_access(settings.membership))  # refused before serving
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s coordinator %(levelname)s %(message)s"
-    )
-    configure_tracing("coordinator", settings.tracing.otlp_traces_endpoint)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role} %(levelname)s %(message)s")
+    configure_tracing(role, settings.tracing.otlp_traces_endpoint)
     model_path = resolve_model_path(settings.model)
     config = _config_of(parser, settings, model_name_of(model_path))
     coordinator = Coordinator(config, load_tokenizer(model_path), access)
+    return PreparedCoordinator(settings, coordinator, access, keys)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    prepared = prepare(parser, parser.parse_args(argv))
     try:
-        serve_forever(functools.partial(_serve, settings, coordinator, access, keys))
+        serve_forever(functools.partial(serve, prepared))
     finally:
         shutdown_tracing()
     return 0
@@ -149,15 +167,23 @@ def _config_of(
     )
 
 
-async def _serve(
-    settings: CoordinatorSettings,
-    coordinator: Coordinator,
-    access: ClusterAccess,
-    keys: ApiKeys,
+Serving = Callable[[CoordinatorServicer, str], None]
+"""Told the public servicer and its address ("host:port") once both planes serve."""
+
+
+async def serve(
+    prepared: PreparedCoordinator,
     stop: asyncio.Event,
+    serving: Serving | None = None,
+    before_close: Callable[[], Awaitable[None]] | None = None,
 ) -> None:
     """Serve both planes until ``stop``, then drain: health NOT_SERVING, new calls refused,
-    running streams get ``--drain-timeout`` seconds."""
+    running streams get ``--drain-timeout`` seconds. ``serving``: told the servicer once the
+    planes serve (an in-process gateway's streams go to it); ``before_close``: awaited after
+    the gRPC drain, before the workers' channels close (the in-process gateway's own drain,
+    whose streams still use them)."""
+    settings, coordinator = prepared.settings, prepared.coordinator
+    access, keys = prepared.access, prepared.keys
     registry = CollectorRegistry()
     targets = settings.capacity_targets()
     metrics = CoordinatorMetrics(
@@ -178,6 +204,8 @@ async def _serve(
         print(f"{COORDINATOR_METRICS} at http://{settings.host}:{port}/metrics", flush=True)
     tune_gc_for_serving()
     print(f"{PUBLIC_READY} at {settings.host}:{server.port}", flush=True)
+    if serving is not None:
+        serving(servicer, f"{settings.host}:{server.port}")
     watcher = asyncio.create_task(_watch_workers(coordinator, server, stop))
     follower = _membership_follower(settings.membership, coordinator)
     following = None if follower is None else asyncio.create_task(follower.run())
@@ -185,6 +213,8 @@ async def _serve(
     await server.set_serving(False)
     servicer.draining = True
     await server.server.stop(settings.drain_timeout)
+    if before_close is not None:
+        await before_close()
     await internal.server.stop(1.0)
     for task in (watcher, following):
         if task is not None:

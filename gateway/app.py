@@ -59,6 +59,7 @@ from splitserve.client import (
 )
 from splitserve.client.choices import choice_samplings, merged
 from splitserve.client.connection import call_metadata
+from splitserve.client.stream_mux import OpenStreams
 from splitserve.common.api_keys import ApiKeys
 from splitserve.common.tracing import active_span, start_span, traceparent_of
 from splitserve.gateway import schemas
@@ -119,6 +120,9 @@ class GatewayConfig:
     call, ``client/stream_mux.py``) or ``per-stream`` (a ``Generate`` call each)."""
     client_stall_timeout_s: float = CLIENT_STALL_TIMEOUT_S
     """An SSE write an HTTP client leaves unread this long ends its stream (and request)."""
+    local_streams: OpenStreams | None = None
+    """The single coordinator runs in this process (``splitserve frontend``): streams reach
+    it through this, without gRPC (``proto/local_streams.py``)."""
 
 
 def _post(app: FastAPI, endpoint: Endpoint[Any]) -> Callable[[_Handler], _Handler]:
@@ -147,6 +151,7 @@ class Gateway:
             config.relay == "multiplexed",
             self.registry,
             config.served_model_names,
+            config.local_streams,
         )
         self.http_requests = Counter(
             "splitserve_http_requests",

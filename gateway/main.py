@@ -26,6 +26,7 @@ from pathlib import Path
 import uvicorn
 import uvloop
 
+from splitserve.client.stream_mux import OpenStreams
 from splitserve.common.api_keys import ApiKeys, api_keys_or_exit
 from splitserve.common.cpu_affinity import pin_or_exit
 from splitserve.common.env_flags import comma_separated, env_name
@@ -33,6 +34,7 @@ from splitserve.common.gc_tuning import tune_gc_for_serving
 from splitserve.common.orphan import stop_when_orphaned
 from splitserve.common.settings import add_settings_args, settings_or_exit
 from splitserve.common.tracing import configure_tracing, shutdown_tracing
+from splitserve.gateway import GATEWAY_READY
 from splitserve.gateway.app import GatewayConfig, create_app
 from splitserve.gateway.listeners import Listeners, shared_port_listeners
 from splitserve.gateway.settings import DEFAULT_COORDINATOR, GatewaySettings
@@ -93,7 +95,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s gateway %(levelname)s %(message)s")
     warn_if_backlog_capped()
     configure_tracing("gateway", settings.tracing.otlp_traces_endpoint)
-    server = _server(settings, _config_of(parser, settings, keys, tls), tls)
+    server = http_server(settings, config_of(parser, settings, keys, tls), tls)
     listeners = None
     if settings.reuse_port:
         try:
@@ -106,24 +108,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         signal.signal(signum, _after_drain)
     stop_when_orphaned()  # up died: SIGTERM ourselves, which uvicorn drains on
     try:
-        uvloop.run(_serve(server, settings, listeners, _serves_tls(tls)))
+        uvloop.run(serve_http(server, settings, listeners, serves_tls(tls)))
     finally:
         shutdown_tracing()
     return 0 if server.started else 1
 
 
-def _serves_tls(tls: TlsConfig | None) -> bool:
+def serves_tls(tls: TlsConfig | None) -> bool:
     return tls is not None and tls.can_serve
 
 
-def _config_of(
+def config_of(
     parser: argparse.ArgumentParser,
     settings: GatewaySettings,
     keys: ApiKeys,
     tls: TlsConfig | None,
+    local_streams: OpenStreams | None = None,
 ) -> GatewayConfig:
     """The app's config from the settings; a usage error (exit 2) for model names in front
-    of several models."""
+    of several models. ``local_streams``: the coordinator runs in this process
+    (``GatewayConfig.local_streams``)."""
     names = tuple(comma_separated(settings.served_model_name))
     targets = coordinator_targets(settings.coordinator)
     if names and len(targets) > 1:
@@ -141,14 +145,15 @@ def _config_of(
         max_body_bytes=settings.max_body_bytes,
         relay=settings.relay,
         client_stall_timeout_s=settings.client_stall_timeout,
+        local_streams=local_streams,
     )
 
 
-def _server(
+def http_server(
     settings: GatewaySettings, config: GatewayConfig, tls: TlsConfig | None
 ) -> uvicorn.Server:
     """The uvicorn server of the app (HTTPS where the TLS files can serve)."""
-    serves_tls = _serves_tls(tls)
+    https = serves_tls(tls)
     return uvicorn.Server(
         uvicorn.Config(
             create_app(config),
@@ -159,17 +164,17 @@ def _server(
             log_level=settings.log_level,
             timeout_graceful_shutdown=settings.drain_timeout,
             backlog=LISTEN_BACKLOG,
-            ssl_certfile=tls.files.cert if tls is not None and serves_tls else None,
-            ssl_keyfile=tls.files.key if tls is not None and serves_tls else None,
+            ssl_certfile=tls.files.cert if tls is not None and https else None,
+            ssl_keyfile=tls.files.key if tls is not None and https else None,
         )
     )
 
 
-async def _serve(
+async def serve_http(
     server: uvicorn.Server,
     settings: GatewaySettings,
     listeners: Listeners | None,
-    serves_tls: bool,
+    https: bool,
 ) -> None:
     """Serve until uvicorn's drain ends; print the ready line once listening (and, on a
     shared port, this instance's own address before it)."""
@@ -181,12 +186,12 @@ async def _serve(
             return
         await asyncio.sleep(0.05)
     port = server.servers[0].sockets[0].getsockname()[1]
-    scheme = "https" if serves_tls else "http"
+    scheme = "https" if https else "http"
     if listeners is not None:  # before the ready line, which launchers wait for
         own = f"{scheme}://{settings.host}:{listeners.instance_port}"
         print(f"splitserve gateway instance at {own}", flush=True)
     tune_gc_for_serving()
-    print(f"splitserve gateway ready at {scheme}://{settings.host}:{port}", flush=True)
+    print(f"{GATEWAY_READY} at {scheme}://{settings.host}:{port}", flush=True)
     await task
 
 

@@ -29,7 +29,7 @@ from prometheus_client import CollectorRegistry
 
 from splitserve.client import AsyncClient, ClientError, ModelInfo, RetryPolicy
 from splitserve.client.connection import aio_channel
-from splitserve.client.stream_mux import StreamMultiplexer, relay_width
+from splitserve.client.stream_mux import OpenStreams, StreamMultiplexer, relay_width
 from splitserve.common.metrics import RequestMetricFamilies, RequestMetrics
 from splitserve.gateway.errors import ApiError, from_client_error
 
@@ -71,9 +71,13 @@ class ModelRoutes:
         multiplexed: bool,
         registry: CollectorRegistry,
         name_override: tuple[str, ...] = (),
+        local_streams: OpenStreams | None = None,
     ) -> ModelRoutes:
         """A route per target, each with its own channel (``retry``) and, ``multiplexed``,
-        its stream multiplexer. ``name_override`` needs exactly one target."""
+        its stream multiplexer. ``name_override`` needs exactly one target.
+        ``local_streams``: the single target's coordinator runs in this process and this
+        opens its streams calls (``proto/local_streams.py``); its other calls go over the
+        channel. Needs one single-address target and ``multiplexed``."""
         if not targets:
             raise ValueError("at least one coordinator target")
         if name_override and len(targets) > 1:
@@ -81,11 +85,17 @@ class ModelRoutes:
                 "served model names are the coordinators' (their --served-model-name) when a "
                 "gateway routes to several models"
             )
+        if local_streams is not None and (
+            len(targets) > 1 or relay_width(targets[0]) > 1 or not multiplexed
+        ):
+            raise ValueError("an in-process coordinator is the gateway's only one, multiplexed")
         routes = []
         for target in targets:
             channel = aio_channel(target, credentials, retry)
             multiplexer = (
-                StreamMultiplexer(channel, retry, relay_width(target)) if multiplexed else None
+                StreamMultiplexer(channel, retry, relay_width(target), local_streams)
+                if multiplexed
+                else None
             )
             routes.append(ModelRoute(target, channel, multiplexer))
         return cls(routes, registry, name_override)

@@ -2,6 +2,7 @@
 
     splitserve up                        # coordinator + prefill + decode + gateway on localhost
     splitserve coordinator|prefill|decode|gateway --help   # one role per process
+    splitserve frontend --help           # coordinator + gateway in one process
     splitserve probe --address HOST:PORT # one gRPC health check (Kubernetes exec probes)
     splitserve top --coordinator HOST:PORT --metrics URL  # a live view of a cluster
 
@@ -32,6 +33,7 @@ ROLE_COMMANDS = {
     "decode": "splitserve.decode.main",
     "worker": "splitserve.launch.dual_worker",
     "gateway": "splitserve.gateway.main",
+    "frontend": "splitserve.frontend.main",
     "up": "splitserve.launch.up",
     "probe": "splitserve.launch.probe",
     "top": "splitserve.launch.top",
@@ -43,6 +45,7 @@ process, ``up`` (all of them on localhost), ``probe`` (one health check) and ``t
 view of a cluster). Each maps to the module whose ``main(argv) -> int`` runs it."""
 COMMAND_HELP = {
     "worker": "run a worker of several roles, e.g. --roles prefill,decode",
+    "frontend": "run a coordinator and the OpenAI-compatible gateway in one process",
     "up": "run every role on localhost",
     "probe": "one gRPC health check, for exec probes",
     "top": "a live view of a cluster's workers and traffic, from a coordinator",

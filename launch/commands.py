@@ -23,11 +23,13 @@ from splitserve.coordinator.placement import PlacementMode
 from splitserve.coordinator.settings import CoordinatorSettings
 from splitserve.discovery.flags import MembershipSettings, membership_settings
 from splitserve.engine.cli_args import EngineSettings
+from splitserve.frontend.settings import FrontendSettings, HttpSettings
 from splitserve.gateway.settings import GatewaySettings
 from splitserve.launch.layout import last_flag
 from splitserve.worker.settings import WorkerSettings
 
 COORDINATOR_MODULE = "splitserve.coordinator.main"
+FRONTEND_MODULE = "splitserve.frontend.main"
 GATEWAY_MODULE = "splitserve.gateway.main"
 DUAL_WORKER = ["splitserve.launch.dual_worker", "--roles=prefill,decode"]
 PINNED = ("--host", "--port", "--internal-port", "--drain-timeout", "--metrics-port")
@@ -110,18 +112,40 @@ def lending_pairs(args: argparse.Namespace, cores: Sequence[str | None]) -> int:
     return min(args.prefill, args.decode)
 
 
+def merged_frontend(args: argparse.Namespace) -> bool:
+    """Whether the gateway runs inside the coordinator's process (``splitserve frontend``):
+    one coordinator, one gateway, one model, and not ``--apart``."""
+    one_each = args.coordinators == 1 and args.gateways == 1 and not args.extra_model
+    return one_each and not args.no_gateway and not args.apart
+
+
 def coordinator_argv(args: argparse.Namespace, index: int = 0) -> list[str]:
     """Module and flags of coordinator ``index`` of ``--model``: ports ``2 * index`` above
-    the base ones (any free ones when those are 0)."""
+    the base ones (any free ones when those are 0); with ``merged_frontend``, the
+    ``splitserve frontend`` serving the gateway on ``--http-port`` too."""
     port = metrics_port(args.metrics_port_base, index)
-    return _coordinator_argv(args, index, args.model, port, args.served_model_name or "")
+    names = args.served_model_name or ""
+    settings, always = _coordinator_settings(args, index, args.model, port, names)
+    if not merged_frontend(args):
+        return [COORDINATOR_MODULE, *settings_argv(settings, always)]
+    frontend = FrontendSettings(settings, HttpSettings(http_port=args.http_port))
+    return [FRONTEND_MODULE, *settings_argv(frontend, (*always, "--http-port"))]
 
 
 def _coordinator_argv(
     args: argparse.Namespace, slot: int, model: str, metrics: int, served_names: str = ""
 ) -> list[str]:
+    """A coordinator of ``model`` on the ports of ``slot`` (``_coordinator_settings``)."""
+    settings, always = _coordinator_settings(args, slot, model, metrics, served_names)
+    return [COORDINATOR_MODULE, *settings_argv(settings, always)]
+
+
+def _coordinator_settings(
+    args: argparse.Namespace, slot: int, model: str, metrics: int, served_names: str = ""
+) -> tuple[CoordinatorSettings, tuple[str, ...]]:
     """A coordinator of ``model`` on the ports of ``slot`` (``2 * slot`` above the base ones,
-    any free ones when those are 0); ``up``'s coordinator flags where given."""
+    any free ones when those are 0); ``up``'s coordinator flags where given; and the flags
+    it is always passed."""
     port, internal_port = (p + 2 * slot if p else 0 for p in (args.port, args.internal_port))
     given = {
         "max_inflight": args.max_inflight,
@@ -141,7 +165,7 @@ def _coordinator_argv(
         **{name: value for name, value in given.items() if value is not None},
     )
     always = [f"--{name.replace('_', '-')}" for name, value in given.items() if value is not None]
-    return [COORDINATOR_MODULE, *settings_argv(settings, (*COORDINATOR_PINNED, *always))]
+    return settings, (*COORDINATOR_PINNED, *always)
 
 
 def _worker_argv(

@@ -71,6 +71,7 @@ from splitserve.common.api_keys import (
 from splitserve.common.env_flags import env_name
 from splitserve.common.settings import add_settings_args, settings_or_exit
 from splitserve.coordinator import COORDINATOR_METRICS, INTERNAL_READY, PUBLIC_READY
+from splitserve.gateway import GATEWAY_READY
 from splitserve.kernels.cpu_build import kernel_plan_line
 from splitserve.launch.child_process import ReadyError
 from splitserve.launch.commands import (
@@ -81,6 +82,7 @@ from splitserve.launch.commands import (
     lending_pairs,
     member_ids,
     membership_flags,
+    merged_frontend,
     scaled_worker_argv,
     worker_argvs,
     worker_cores,
@@ -186,9 +188,10 @@ async def _start_all(
     (``launch/members.py``), and their internal addresses. Ports asked for as 0 are pinned to
     those the first run got, for restarts."""
     publics, internals = [], []
+    merged = merged_frontend(args)
     for index in range(args.coordinators):
         name = "coordinator" if args.coordinators == 1 else f"coordinator-{index}"
-        coordinator = children.start(name, coordinator_argv(args, index))
+        coordinator = children.start("frontend" if merged else name, coordinator_argv(args, index))
         # the real ports when 0; the internal one is announced first
         publics.append(await children.wait_ready(coordinator, stop, PUBLIC_READY))
         internals.append(coordinator.process.announcements()[INTERNAL_READY])
@@ -210,7 +213,10 @@ async def _start_all(
         await _start_extra_model(children, args, index, worker_args, stop, credential, tls)
         for index in range(len(args.extra_model))
     ]
-    if not args.no_gateway:
+    if merged:  # the gateway is the coordinator's (it served as soon as the coordinator did)
+        port = _port_of(await children.wait_ready(coordinator, stop, GATEWAY_READY))
+        coordinator.pin("--http-port", port)
+    elif not args.no_gateway:
         port: int | str = args.http_port
         for index in range(args.gateways):  # the first binds the port (0: any), the rest share it
             name = "gateway" if args.gateways == 1 else f"gateway-{index}"

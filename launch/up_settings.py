@@ -153,6 +153,12 @@ class UpSettings:
     )
     http_port: int = setting(8000, "OpenAI-compatible gateway port (0: any free)")
     no_gateway: bool = setting(False, "do not start the gateway")
+    apart: bool = setting(
+        False,
+        "run the gateway and the coordinator as processes of their own (by default, with one "
+        "coordinator, one gateway and one model, they share one: splitserve frontend, whose "
+        "gateway hands streams to the coordinator without gRPC)",
+    )
     gateways: int = setting(
         1,
         "gateway processes sharing --http-port (SO_REUSEPORT: the kernel spreads connections "

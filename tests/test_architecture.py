@@ -28,7 +28,7 @@ WALK_STEP = re.compile(r"^(?P<number>\d+)\. \*\*", re.MULTILINE)
 WIRE_MODULES = ("splitserve.proto.splitserve.v1", "splitserve.proto.etcd")
 """Generated modules: splitserve's own API and the subset of etcd's that the etcd client calls."""
 PACKAGES = ("common", "engine", "kernels", "transfer", "worker", "prefill", "decode")
-PACKAGES += ("coordinator", "gateway", "client", "launch", "proto", "discovery")
+PACKAGES += ("coordinator", "gateway", "frontend", "client", "launch", "proto", "discovery")
 
 
 def _references() -> list[tuple[str, str]]:
@@ -152,6 +152,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("coordinator",),
     ("client",),
     ("gateway",),
+    ("frontend",),
     ("launch",),
 )
 """The package folders, lowest first. A module imports its own folder and lower layers only:
