@@ -9,7 +9,8 @@ gateway in a process of its own at every N (``APART``), and ``SPLITSERVE_MAX_QUE
 so the burst is not refused for the admission queue. After a warm-up it sends one burst of
 ``--streams`` streamed completions at once through the gateway (``sse_burst.run_burst``,
 ``--max-tokens`` each, EOS ignored; the same burst at every N, so each coordinator relays
-1/N of it) and reads, before and after the burst:
+1/N of it, or with ``--per-coordinator`` N times ``--streams``, so each relays as many at
+every N and its batches keep their size) and reads, before and after the burst:
 
 - each coordinator's utime + stime from ``/proc`` (its process found by ``role_of`` and named
   by its ``--port``, which ``up``'s log ties to the ``coordinator metrics at`` address it
@@ -239,7 +240,8 @@ def measure(
         meter.start()
         before = {pid: process_ticks(pid) for pid in roles}
         started = time.perf_counter()
-        ended = run_burst(cluster.http_url, model, args.streams, args.max_tokens)
+        streams = args.streams * count if args.per_coordinator else args.streams
+        ended = run_burst(cluster.http_url, model, streams, args.max_tokens)
         wall_s = time.perf_counter() - started
         after = {pid: process_ticks(pid) for pid in roles}
         cpu = meter.stop()
@@ -307,6 +309,7 @@ def run(args: argparse.Namespace) -> Json:
     report = burst_report(args)
     apart = [APART] if up_knows(APART) else []
     report["setup"] |= {"coordinators": counts, "env": ENV, "extra_up_flags": apart}
+    report["setup"]["per_coordinator"] = args.per_coordinator
     report["method"] = (
         f"pinned: {split.describe()}"
         if split is not None
@@ -338,6 +341,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="cores besides one per coordinator needed to pin (workers, gateway, client)",
     )
     parser.add_argument("--no-pin", action="store_true", help="never pin; count CPU time only")
+    parser.add_argument(
+        "--per-coordinator",
+        action="store_true",
+        help="--streams per coordinator (the burst grows with N, each coordinator relaying as "
+        "many streams at every N, so its batches stay the same size) instead of in all",
+    )
     args = parser.parse_args(argv)
     emit_report(run(args), args.out)
 

@@ -61,7 +61,9 @@ A demand larger than the whole capacity (only possible with ``kv_share`` < 1) is
 when it would run alone. Single event loop; nothing here blocks. What a decision reads of
 the admitted requests (their demand, average context, prompts in the backlog) is kept as
 running sums, so admitting or refusing costs O(1) in them; only the predicted wait of a
-request that may queue plays the queue and the admitted requests forward (O(N log N)).
+request that may queue plays the queue and the admitted requests forward (O(N log N)), and
+for one joining the queue's tail (a crowd of equals) the queue played forward is kept while
+it only grows at its tail (``_tail_play``: O(log N) an arrival).
 """
 
 from __future__ import annotations
@@ -76,12 +78,17 @@ from typing import NoReturn
 from splitserve.common.errors import OverloadedError
 from splitserve.coordinator.admitted_requests import AdmittedRequest, AdmittedRequests
 from splitserve.coordinator.kv_demand import KvDemand  # callers import it from here too
-from splitserve.coordinator.latency_estimator import KvOutlook, LatencyEstimator, RunningEnd
+from splitserve.coordinator.latency_estimator import (
+    KvOutlook,
+    LatencyEstimator,
+    QueuePlay,
+    RunningEnd,
+)
 from splitserve.coordinator.request_queue import Ticket
 from splitserve.coordinator.request_record import RequestRecord
 from splitserve.coordinator.tenant_usage import TenantUsage
 from splitserve.coordinator.tenants import TenantLimits, TenantPolicy
-from splitserve.coordinator.wait_queue import Waiter, WaitQueue
+from splitserve.coordinator.wait_queue import AT_TAIL, Waiter, WaitQueue
 
 RETRY_HINT_MAX_AGE_S = 0.1
 """A full queue's refusals reuse the wait behind the whole queue computed this recently."""
@@ -200,6 +207,9 @@ class KvAdmission:
         self._ends_cache: tuple[float, tuple[RunningEnd, ...]] | None = None
         """(when, ends) of the last ``_running_ends`` build."""
         self._tail_wait: tuple[float, float] | None = None
+        self._play_cache: tuple[float, int, QueuePlay] | None = None
+        """When the kept tail play was made, the wait queue's ``changes`` it holds, and it
+        (``_tail_play``)."""
         """(when, seconds): the wait behind the whole queue last computed for a refusal."""
         self.refusals: dict[str, int] = dict.fromkeys(REFUSAL_REASONS, 0)
         """Refusals by reason, for metrics."""
@@ -247,6 +257,7 @@ class KvAdmission:
             deadline if math.isfinite(deadline) else None,
         )
         self._waiters.add(waiter)
+        self._joined(demand)
         try:  # a bound the request set itself is a bound on its wait, not a prediction's
             backstop_s = limit_s if request.max_queue_wait_s else limit_s * WAIT_BACKSTOP_FACTOR
             await self._wait_for_turn(waiter, backstop_s)
@@ -355,8 +366,36 @@ class KvAdmission:
         (``sort_key``: its ``request_queue.py:AdmissionOrder``; None: behind all); 0 when it
         fits now. See ``LatencyEstimator.predicted_wait_s``. Late waiters
         (``late_waiters_yield``) are behind a newcomer, so only behind all are they counted."""
+        if sort_key is not None and self._waiters.at_tail(sort_key):
+            return self._tail_play(demand).start_s(demand)
         ahead = self._waiters.demands_ahead_of(sort_key)
         return self._latency.predicted_wait_s(self._outlook(demand), [*ahead, demand])
+
+    def _tail_play(self, demand: KvDemand) -> QueuePlay:
+        """The on-time waiters played forward (``latency_estimator.py:QueuePlay``), for a
+        newcomer that joins behind them all: kept while the lane changes only by waiters
+        joining at its tail (each played as it joins, ``_joined``), for at most
+        ``RETRY_HINT_MAX_AGE_S`` (the admitted requests' ends in it are as old as
+        ``_running_ends``' may be); with ``within_tpot`` (decode slots that depend on the
+        demand) it is made for each newcomer. A crowd that queues then costs O(log queue)
+        an arrival, not O(queue)."""
+        now = self._clock()
+        cached = self._play_cache
+        changes = self._waiters.changes
+        if cached is not None and now - cached[0] <= RETRY_HINT_MAX_AGE_S and cached[1] == changes:
+            return cached[2]
+        play = self._latency.play(self._outlook(demand))
+        for ahead in self._waiters.demands_ahead_of(AT_TAIL):
+            play.append(ahead)
+        self._play_cache = None if self.config.within_tpot else (now, changes, play)
+        return play
+
+    def _joined(self, demand: KvDemand) -> None:
+        """A waiter of ``demand`` joined the on-time lane: the kept tail play takes it where
+        it joined at the tail (the lane's ``changes`` did not move)."""
+        cached = self._play_cache
+        if cached is not None and cached[1] == self._waiters.changes:
+            cached[2].append(demand)
 
     def _running_ends(self) -> tuple[RunningEnd, ...]:
         """Every admitted request's predicted end, sorted: built at most once per

@@ -90,6 +90,10 @@ class RequestQueue(ABC, Generic[T]):
         """Those that come before ``order``, in admission order (None: all of them)."""
 
     @abstractmethod
+    def count_ahead_of(self, order: tuple[int, float, int]) -> int:
+        """How many come before ``order`` (without listing them)."""
+
+    @abstractmethod
     def __len__(self) -> int:
         """How many wait."""
 
@@ -151,6 +155,10 @@ class FairRequestQueue(RequestQueue[T]):
                 del self._entries[index]
                 return
         raise ValueError("not in the queue")
+
+    def count_ahead_of(self, order: tuple[int, float, int]) -> int:
+        """How many entries come before ``order``. O(log entries)."""
+        return bisect.bisect_left(self._entries, order, key=_order_of)
 
     def ahead_of(self, order: tuple[int, float, int] | None) -> list[T]:
         end = len(self._entries)

@@ -14,10 +14,14 @@ The on-time lane's queue also draws every arrival's ticket and keeps fair queuin
 from __future__ import annotations
 
 import asyncio
+import math
 from dataclasses import dataclass
 
 from splitserve.coordinator.kv_demand import KvDemand
 from splitserve.coordinator.request_queue import FairRequestQueue, Ticket
+
+AT_TAIL = (math.inf, math.inf, math.inf)
+"""An order behind every waiter's (``demands_ahead_of``: all the on-time ones)."""
 
 
 @dataclass(eq=False)
@@ -44,6 +48,9 @@ class WaitQueue:
         self.queued_prompt_tokens = 0
         self.late_waiters = 0
         """Waiters that moved to the late lane, ever (metrics)."""
+        self.changes = 0
+        """Counts every change of the on-time lane other than a waiter joining behind every
+        other: what played the lane forward still holds while it stays the same."""
 
     def __len__(self) -> int:
         """Requests that wait, late or not."""
@@ -59,11 +66,14 @@ class WaitQueue:
         self._on_time.started(ticket)
 
     def add(self, waiter: Waiter) -> None:
+        if not self.at_tail(waiter.ticket.order):
+            self.changes += 1
         self._on_time.add(waiter.ticket, waiter)
         self.queued_prompt_tokens += waiter.demand.num_prompt_tokens
 
     def remove(self, waiter: Waiter) -> None:
         """Take a refused or cancelled ``waiter`` out of whichever lane holds it."""
+        self.changes += 1
         try:
             self._on_time.remove(waiter)
         except ValueError:
@@ -72,11 +82,17 @@ class WaitQueue:
 
     def demands_ahead_of(self, order: tuple[int, float, int] | None) -> list[KvDemand]:
         """The demands of the on-time waiters before ``order``, in admission order (None:
-        all waiters, the late ones last: they are behind a newcomer)."""
+        all waiters, the late ones last: they are behind a newcomer; ``AT_TAIL``: every
+        on-time waiter)."""
         ahead = self._on_time.ahead_of(order)
         if order is None:
             ahead += self._late.ahead_of(None)
         return [waiter.demand for waiter in ahead]
+
+    def at_tail(self, order: tuple[int, float, int]) -> bool:
+        """Whether a waiter of ``order`` would join behind every on-time waiter (the late
+        ones are behind a newcomer anyway). O(log waiters)."""
+        return self._on_time.count_ahead_of(order) == len(self._on_time)
 
     def next(self, prefill_tokens_per_s: float, now: float, late_yield: bool) -> Waiter | None:
         """The waiter admitted next (None: nobody waits), after moving the late heads of the
@@ -95,6 +111,7 @@ class WaitQueue:
         time (its wait is what the queue model predicted)."""
         on_time = bool(self._on_time) and self._on_time.peek() is waiter
         (self._on_time if on_time else self._late).pop()
+        self.changes += on_time
         self.queued_prompt_tokens -= waiter.demand.num_prompt_tokens
         return on_time
 
@@ -108,3 +125,4 @@ class WaitQueue:
                 return
             self._late.add(head.ticket, self._on_time.pop())
             self.late_waiters += 1
+            self.changes += 1

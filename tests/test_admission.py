@@ -548,3 +548,30 @@ def test_a_waiter_is_late_once_its_prompt_could_not_be_computed_by_its_deadline(
         assert gate.snapshot().num_queued == 0
 
     run(scenario())
+
+
+def test_a_crowd_queueing_one_by_one_is_predicted_as_the_whole_queue_played_again() -> None:
+    """Arrivals joining the tail reuse the queue played forward (``_tail_play``); each one's
+    prediction equals playing every waiter ahead of it afresh, also after the queue changed
+    elsewhere (a waiter left) and with mixed demands."""
+    gate, _ = admission(capacity=256, max_queued_requests=64)
+
+    async def scenario() -> None:
+        await admit(gate, "running", demand(120, 100))
+        waiters = []
+        for index in range(12):
+            newcomer = demand(16 + 8 * (index % 3), 40 + 16 * (index % 4))
+            tail_order = (0, 1e9, 10**9)
+            assert gate.predicted_wait_s(newcomer, tail_order) == gate.predicted_wait_s(newcomer)
+            waiters.append(await started(admit(gate, f"w{index}", newcomer)))
+            if index == 6:  # one leaves from the middle: the played queue is made again
+                waiters.pop(3).cancel()
+                await asyncio.sleep(0)
+        final = demand(64, 64)
+        assert gate.predicted_wait_s(final, (0, 1e9, 10**9)) == gate.predicted_wait_s(final)
+        assert gate.predicted_wait_s(final) > 0
+        for waiter in waiters:
+            waiter.cancel()
+        await asyncio.gather(*waiters, return_exceptions=True)
+
+    run(scenario())
