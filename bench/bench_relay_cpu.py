@@ -254,6 +254,11 @@ def measure(args: argparse.Namespace, variant: Variant) -> Json:
         "tokens": tokens,
         "streams_whole": sum(n == args.max_tokens for n in used),
         "ends": dict(collections.Counter(stream.how for stream in ended)),
+        "refusals": dict(
+            collections.Counter(
+                getattr(s, "detail", "")[:160] for s in ended if getattr(s, "detail", "")
+            )
+        ),
         "wall_s": round(wall_s, 2),
         "tokens_per_s": round(tokens / wall_s, 1),
         "us_per_token": {**us_per_token, "front_end": round(front, 1)},

@@ -4,7 +4,8 @@ An httpx client spends 100-300 us of CPU per streamed token (its own figure in
 ``bench_relay_cpu.py``), as much as the front end it measures, so at thousands of streams on
 a 2-core machine the client, not the server, sets the pace. ``sse_burst`` speaks just enough
 HTTP/1.1 over ``asyncio`` protocols (uvloop where installed) to send ``streams`` streamed
-completions at once (``Connection: close``, so a stream ends when the server closes it) and
+completions at once (``Connection: close``, so a stream ends when the server closes it;
+at most ``CONNECTING_AT_ONCE`` connections being opened at a time) and
 reads each response without parsing its frames: it keeps the status line, counts the SSE
 events (``data: `` at the start of a line), notes when the first event came, and takes the
 completion tokens from the usage chunk (``stream_options.include_usage``) at the end.
@@ -127,14 +128,23 @@ def completion_request(url: str, body: dict) -> bytes:
     return head.encode() + payload
 
 
-async def one_stream(url: str, request: bytes, timeout_s: float) -> BurstStream:
+CONNECTING_AT_ONCE = 1024
+"""Connections a burst opens at once at most (each stream's own, kept once open): the
+kernel's accept queue (``net.core.somaxconn``, often 4,096) drops what overflows it, and
+the client then waits a second for its SYN to be sent again."""
+
+
+async def one_stream(
+    url: str, request: bytes, timeout_s: float, connecting: asyncio.Semaphore
+) -> BurstStream:
     parts = urlsplit(url)
     loop = asyncio.get_running_loop()
     done: asyncio.Future[BurstStream] = loop.create_future()
     try:
-        transport, _ = await loop.create_connection(
-            lambda: _StreamProtocol(request, done), parts.hostname, parts.port
-        )
+        async with connecting:
+            transport, _ = await loop.create_connection(
+                lambda: _StreamProtocol(request, done), parts.hostname, parts.port
+            )
     except OSError as error:
         return BurstStream(0, type(error).__name__, 0, None, None, False)
     try:
@@ -166,7 +176,10 @@ async def sse_burst(
     requests = [
         completion_request(url, stream_body(model, index, max_tokens)) for index in range(streams)
     ]
-    return await asyncio.gather(*(one_stream(url, request, timeout_s) for request in requests))
+    connecting = asyncio.Semaphore(CONNECTING_AT_ONCE)
+    return await asyncio.gather(
+        *(one_stream(url, request, timeout_s, connecting) for request in requests)
+    )
 
 
 def run_burst(

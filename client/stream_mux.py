@@ -192,7 +192,9 @@ class MultiplexedStream:
         self._metadata = metadata
         self._retry = retry
         self._responses: collections.deque[coordinator_pb2.GenerateResponse] = collections.deque()
-        self._arrived = asyncio.Event()
+        self._waiting: asyncio.Future[None] | None = None
+        """What ``__anext__`` awaits while nothing arrived (a bare future: an
+        ``asyncio.Event`` made and dropped one a token)."""
         self._outcome: StreamError | None = None
         """How the current attempt ended (code OK: completed); None while it runs."""
         self._responded = False
@@ -214,7 +216,7 @@ class MultiplexedStream:
         if isinstance(chosen, StreamError):  # refused for the coordinators, at once
             self._call = None
             self._outcome = chosen
-            self._arrived.set()
+            self._wake()
             return
         self._call = chosen
         self._key = chosen.open(self, self._request)
@@ -235,12 +237,12 @@ class MultiplexedStream:
                 self._call.retire()  # a draining coordinator: retries go out on a new call
             if self._outcome.refuses_all_ms > 0:
                 self._call.refuse_all(self._outcome)
-        self._arrived.set()
+        self._wake()
 
     def fail(self, error: StreamError) -> None:
         if self._outcome is None:
             self._outcome = error
-            self._arrived.set()
+            self._wake()
 
     def _expire(self) -> None:
         """The deadline passed: a running attempt is cancelled; the stream fails."""
@@ -249,7 +251,7 @@ class MultiplexedStream:
             self._outcome = StreamError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
             self._responses.clear()
             self._responded = True  # not retried
-            self._arrived.set()
+            self._wake()
 
     def __aiter__(self) -> MultiplexedStream:
         return self
@@ -270,8 +272,17 @@ class MultiplexedStream:
                     self._stop_expiry()
                     raise
                 continue
-            self._arrived.clear()
-            await self._arrived.wait()
+            self._waiting = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiting
+            finally:
+                self._waiting = None
+
+    def _wake(self) -> None:
+        """Something arrived (a response, the outcome): a waiting ``__anext__`` looks."""
+        waiting = self._waiting
+        if waiting is not None and not waiting.done():
+            waiting.set_result(None)
 
     def _stop_expiry(self) -> None:
         if self._expiry is not None:

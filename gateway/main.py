@@ -36,6 +36,7 @@ from splitserve.common.settings import add_settings_args, settings_or_exit
 from splitserve.common.tracing import configure_tracing, shutdown_tracing
 from splitserve.gateway import GATEWAY_READY
 from splitserve.gateway.app import GatewayConfig, create_app
+from splitserve.gateway.disconnect import exposing_raw_send
 from splitserve.gateway.listeners import Listeners, shared_port_listeners
 from splitserve.gateway.settings import DEFAULT_COORDINATOR, GatewaySettings
 from splitserve.proto.tls import TlsConfig, tls_or_exit
@@ -156,7 +157,7 @@ def http_server(
     https = serves_tls(tls)
     return uvicorn.Server(
         uvicorn.Config(
-            create_app(config),
+            exposing_raw_send(create_app(config)),
             host=settings.host,
             port=settings.port,
             loop="uvloop",

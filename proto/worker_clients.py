@@ -187,7 +187,7 @@ class DecodeWorkerClient:
         then starts its streams on (None: a ``Generate`` call each)."""
         self._stub = worker_pb2_grpc.DecodeWorkerStub(channel)
         self._metadata = credential.metadata
-        self._streams = streams
+        self.streams = streams
 
     def generate(
         self,
@@ -210,8 +210,8 @@ class DecodeWorkerClient:
             prior_output_token_ids=prior_output_token_ids,
             traceparent=traceparent,
         )
-        if self._streams is not None:
-            return MultiplexedDecodeCall(self._streams, request, timeout_s)
+        if self.streams is not None:
+            return MultiplexedDecodeCall(self.streams, request, timeout_s)
         return DecodeCall(
             self._stub.Generate(request, timeout=timeout_s, metadata=self._metadata), request_id
         )
@@ -313,6 +313,8 @@ class WorkerChannels:
         self._multiplexed = multiplexed
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._decode_streams: dict[str, StreamsClientCall] = {}
+        self._decode_clients: dict[str, DecodeWorkerClient] = {}
+        self._prefill_clients: dict[str, PrefillWorkerClient] = {}
         self._unlisted_since: dict[str, float] = {}
 
     def _channel(self, address: str) -> grpc.aio.Channel:
@@ -338,25 +340,37 @@ class WorkerChannels:
                 del self._unlisted_since[address]
                 if (streams := self._decode_streams.pop(address, None)) is not None:
                     streams.close()
+                self._decode_clients.pop(address, None)
+                self._prefill_clients.pop(address, None)
                 await self._channels.pop(address).close()
 
     def decode(self, address: str) -> DecodeWorkerClient:
+        """The decode worker's client: kept while its channel and (multiplexed) its streams
+        call are (a client is only its stub, credential and call: making one a request cost
+        more than relaying one of its tokens)."""
+        kept = self._decode_clients.get(address)
+        if kept is not None and (kept.streams is None or kept.streams.accepting):
+            return kept
         channel = self._channel(address)
         credential = self._access.credential
-        if not self._multiplexed:
-            return DecodeWorkerClient(channel, credential)
-        streams = self._decode_streams.get(address)
-        if streams is None or not streams.accepting:
+        streams = None
+        if self._multiplexed:
             stub = worker_pb2_grpc.DecodeWorkerStub(channel)
             streams = self._decode_streams[address] = StreamsClientCall(
                 lambda requests: stub.GenerateStreams(requests, metadata=credential.metadata),
                 worker_pb2.WorkerStreamsRequest,
                 worker_pb2.WorkerStreamStart,
             )
-        return DecodeWorkerClient(channel, credential, streams)
+        client = self._decode_clients[address] = DecodeWorkerClient(channel, credential, streams)
+        return client
 
     def prefill(self, address: str) -> PrefillWorkerClient:
-        return PrefillWorkerClient(self._channel(address), self._access.credential)
+        """The prefill worker's client, kept while its channel is."""
+        client = self._prefill_clients.get(address)
+        if client is None:
+            client = PrefillWorkerClient(self._channel(address), self._access.credential)
+            self._prefill_clients[address] = client
+        return client
 
     def monitor(self, address: str) -> WorkerMonitorClient:
         return WorkerMonitorClient(self._channel(address), self._access.credential)
@@ -365,6 +379,8 @@ class WorkerChannels:
         for streams in self._decode_streams.values():
             streams.close()
         self._decode_streams.clear()
+        self._decode_clients.clear()
+        self._prefill_clients.clear()
         for channel in self._channels.values():
             await channel.close()
         self._channels.clear()
