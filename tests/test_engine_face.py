@@ -38,7 +38,7 @@ from tests.conftest import assert_no_leaks, make_llm
 
 ROOT = Path(__file__).resolve().parent.parent
 SCANNED = ("common", "transfer", "kernels", "proto", "discovery", "worker", "prefill", "decode")
-SCANNED += ("coordinator", "gateway", "client", "launch", "bench")
+SCANNED += ("coordinator", "gateway", "frontend", "client", "launch", "bench")
 """Every folder of code outside ``engine/`` (``tests/`` may look inside the engine)."""
 ENGINE_INTERNALS = frozenset(
     f"splitserve.engine.{name}"

@@ -150,9 +150,15 @@ def _wait_for(receiver: Receiver, trace_id: str, names: set[str]) -> list[Receiv
     return receiver.trace(trace_id)
 
 
+@pytest.mark.parametrize("layout", ["merged", pytest.param("apart", marks=pytest.mark.slow)])
 def test_each_request_is_one_connected_trace_across_every_process(
-    receiver: tuple[Receiver, int],
+    receiver: tuple[Receiver, int], layout: str
 ) -> None:
+    """``merged``: up's default, the gateway and the coordinator one ``splitserve frontend``
+    process (one service); ``apart``: each its own."""
+    gateway_service = "splitserve-frontend" if layout == "merged" else "splitserve-gateway"
+    coordinator_service = "splitserve-frontend" if layout == "merged" else "splitserve-coordinator"
+    up_flags = ("--apart",) if layout == "apart" else ()
     spans_in, port = receiver
     env = {
         "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"http://127.0.0.1:{port}",
@@ -160,7 +166,7 @@ def test_each_request_is_one_connected_trace_across_every_process(
         "SPLITSERVE_LOCAL_PREFILL_MAX_TOKENS": str(LOCAL_PREFILL_MAX_TOKENS),
     }
     lines: dict[str, str] = {}
-    with cluster(1, 1, "--engine=sim", ready_lines=lines, env=env):
+    with cluster(1, 1, "--engine=sim", ready_lines=lines, env=env, up_flags=up_flags):
         responses = asyncio.run(_chats(lines["splitserve gateway ready"]))
         paths = {
             CLIENT_TRACE_IDS[0]: {
@@ -178,22 +184,25 @@ def test_each_request_is_one_connected_trace_across_every_process(
         returned = response.headers["traceparent"].split("-")
         assert returned[1] == trace_id  # the client's trace, continued and returned
         by_id = {span.span_id: span for span in spans}
-        assert returned[2] in by_id and by_id[returned[2]].service == "splitserve-gateway"
+        assert returned[2] in by_id and by_id[returned[2]].service == gateway_service
         names = {span.name for span in spans}
         # exactly the path it took beyond the gateway (which has FastAPI's HTTP spans too)
         ours = paths[trace_id]
         assert ours <= names
-        beyond = {span.name for span in spans if span.service != "splitserve-gateway"}
-        assert beyond == ours - {"gateway /v1/chat/completions"}
+        beyond = {span.name for span in spans if span.service != gateway_service}
+        in_front = {"gateway /v1/chat/completions"}
+        if layout == "merged":
+            in_front.add("coordinator generate")
+        assert beyond == ours - in_front
         for span in spans:
             assert span.parent_span_id in by_id or span.parent_span_id == CLIENT_SPAN_ID, span
             if span.name in ours:
                 assert span.attributes["splitserve.request_id"] == response.headers["x-request-id"]
         services = {span.name: span.service for span in spans}
-        assert services["coordinator generate"] == "splitserve-coordinator"
+        assert services["coordinator generate"] == coordinator_service
         assert services["decode"] == "splitserve-decode"
         (root,) = [span for span in spans if span.parent_span_id == CLIENT_SPAN_ID]
-        assert root.service == "splitserve-gateway"
+        assert root.service == gateway_service
         (gateway,) = [span for span in spans if span.name == "gateway /v1/chat/completions"]
         (coordinator,) = [span for span in spans if span.name == "coordinator generate"]
         assert coordinator.parent_span_id == gateway.span_id
