@@ -25,12 +25,15 @@ coordinator's public port and makes its share of ``Generate`` calls at once (``s
 the first response or the error; a refusal is RESOURCE_EXHAUSTED, any other code is named):
 the coordinator's own share of a crowd's wait.
 
-While the crowd runs, the parent process sends ``GET /health`` every second and one short
+With ``--busy N``, N long streams start ``--busy-lead-s`` before the crowd, so that it meets
+engines already busy (a serving cluster's case); their outcomes are reported apart. While the
+crowd runs, the parent process sends ``GET /health`` every second and one short
 completion every two seconds from a separate connection, timing each (a server that holds its
 crowd still answers newcomers). Reports counts per outcome, percentiles of each time per
 outcome, the probes' latencies, each process's CPU in cores (``process_cpu.py``: the cluster's
-roles with their niceness, and the client processes) over the crowd's first ``--door-s``
-seconds and over the rest of it, and, from the cluster's log, any line that names an error.
+roles with their niceness, and the client processes) over the ``--door-s`` seconds from the
+first request's send ("door") and from then to the crowd's end ("rest"), and, from the
+cluster's log, any line that names an error.
 Prints rows to stderr and the JSON report to stdout (``--out`` writes it too). Nothing
 asserted.
 
@@ -44,6 +47,7 @@ import asyncio
 import contextlib
 import json
 import multiprocessing
+import os
 import sys
 import tempfile
 import time
@@ -64,6 +68,8 @@ from timing_stats import Json, emit_report, log_row, wait_for_quiet
 from splitserve.proto.splitserve.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 SPLITSERVE = Path(sys.executable).with_name("splitserve")
+CPU_SAMPLE_S = 0.1
+"""How often each process's CPU time is read while the crowd runs."""
 PROMPT = "Tell me a story about a lighthouse keeper and the sea. "
 
 
@@ -325,7 +331,8 @@ async def _run_crowd(
     grpc_address = grpc_address if args.via == "grpc" else None
     context = multiprocessing.get_context("spawn")
     results: multiprocessing.Queue = context.Queue()
-    start_at = time.time() + args.lead_s
+    busy_at = time.time() + args.lead_s
+    start_at = busy_at + (args.busy_lead_s if args.busy else 0.0)
     base, extra = divmod(args.streams, args.clients)
     plans = [
         ClientPlan(
@@ -334,16 +341,21 @@ async def _run_crowd(
         for i in range(args.clients)
     ]
     processes = [context.Process(target=_client_process, args=(plan, results)) for plan in plans]
-    for process in processes:
+    busy_results: multiprocessing.Queue = context.Queue()
+    busy_plan = ClientPlan(url, model, None, args.busy, args.busy_tokens, busy_at, args.timeout_s)
+    busy = context.Process(target=_client_process, args=(busy_plan, busy_results))
+    for process in [*processes, busy] if args.busy else processes:
         process.start()
     clients = {p.pid: f"client-{i}" for i, p in enumerate(processes) if p.pid is not None}
+    if busy.pid is not None:
+        clients[busy.pid] = "busy-client"
+    clients[os.getpid()] = "bench"  # the probes and these readings
     cluster_pids = cluster.pids if cluster is not None else list
     meter = ProcessCpu(lambda: [*cluster_pids(), *clients], names=dict(clients))
     probe_log = ProbeLog([], [], Counter())
     stop = asyncio.Event()
     await asyncio.sleep(max(0.0, start_at - time.time()))
-    meter.mark("start")
-    door = asyncio.get_running_loop().call_later(args.door_s, meter.mark, f"+{args.door_s:g} s")
+    sampling = asyncio.create_task(meter.sample(CPU_SAMPLE_S))
     probe = asyncio.create_task(_probe(url, model, stop, probe_log))
     loop = asyncio.get_running_loop()
     records: list[CrowdRecord] = []
@@ -351,23 +363,32 @@ async def _run_crowd(
         chunk = await loop.run_in_executor(None, results.get)
         records.extend(CrowdRecord(**fields) for fields in chunk)
     wall_s = time.time() - start_at
-    door.cancel()
-    meter.mark("end")
+    sampling.cancel()
+    meter.mark()
+    first_send = min((r.sent_at for r in records if r.sent_at), default=start_at)
+    door_end, ended = first_send + args.door_s, time.time()
+    cpu = [meter.window("door", first_send, door_end), meter.window("rest", door_end, ended)]
     if args.records is not None:
         args.records.write_text("\n".join(json.dumps(asdict(r)) for r in records) + "\n")
     stop.set()
     await probe
     for process in processes:
         process.join()
+    report: Json = {}
+    if args.busy:
+        busy_records = await loop.run_in_executor(None, busy_results.get)
+        report["busy"] = summarize([CrowdRecord(**fields) for fields in busy_records])
+        busy.join()
     return {
         "wall_s": round(wall_s, 1),
+        **report,
         "crowd": summarize(records),
         "probe": {
             "health_s": percentiles(probe_log.health_s),
             "completion_s": percentiles(probe_log.completion_s),
             "statuses": dict(probe_log.statuses),
         },
-        "cpu": meter.windows(),
+        "cpu": cpu,
     }
 
 
@@ -397,6 +418,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--door-s", type=float, default=2.0,
         help="the first CPU window: this long from the crowd's send (the 429s' goal is 1 s)",
     )  # fmt: skip
+    parser.add_argument(
+        "--busy", type=int, default=0,
+        help="streams of --busy-tokens started --busy-lead-s before the crowd, from a client "
+        "process of their own, so the engines are busy when it comes (reported as 'busy')",
+    )  # fmt: skip
+    parser.add_argument("--busy-tokens", type=int, default=1500)
+    parser.add_argument("--busy-lead-s", type=float, default=5.0)
     parser.add_argument("--up-flags", default="--placement adaptive")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--records", type=Path, default=None, help="every request, JSON lines")
@@ -467,6 +495,9 @@ def _one_run(
         "probe_completion_s": run["probe"]["completion_s"],
         "cores": {window["window"]: {name: cpu["cores"] for name, cpu in
                                      window["processes"].items()} for window in run["cpu"]},
+        "main_thread_waited_s": {window["window"]: {
+            name: cpu["main_thread_waited_s"] for name, cpu in window["processes"].items()
+            if not name.startswith("client")} for window in run["cpu"]},
     })  # fmt: skip
     return run
 

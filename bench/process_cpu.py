@@ -1,19 +1,24 @@
-"""Who had the CPUs in each window of a run, process by process: ``ProcessCpu(pids_of)``
-takes a reading at each ``mark(label)`` (``pids_of()``: the processes to read then, e.g. a
-``cluster_process.LocalCluster``'s ``pids``) and ``windows()`` reports, for each pair of
-consecutive marks, every process's CPU as a number of cores (CPU seconds over the window's
-wall seconds, all threads: 1.0 is one core kept busy), with its niceness and its autogroup's
-(``launch/cpu_priority.py``) as read at its first mark, and the machine's busy cores. A
-process is named by its role (``coordinator``, ``gateway``, the worker's ``--worker-id``,
-``up``; else its command's first word). One that appears later counts from its first
-reading; one gone before a mark counts up to its last.
+"""Who had the CPUs in a window of a run, process by process: ``ProcessCpu(pids_of)`` takes
+a reading at each ``mark()`` (``pids_of()``: the processes to read then, e.g. a
+``cluster_process.LocalCluster``'s ``pids``; ``sample`` marks every ``interval_s`` until
+cancelled), and ``window(name, start, end)`` reports, between the last reading at or before
+wall time ``start`` and the first at or after ``end``, every process's CPU as a number of
+cores (CPU seconds over the window's wall seconds, all threads: 1.0 is one core kept busy)
+and the seconds its main thread (a role's event loop) was ready to run but waited for a core
+(``/proc/<pid>/schedstat``: what a lower priority for the others should shorten), with its
+niceness and its autogroup's (``launch/cpu_priority.py``) as read at its first
+reading, and the machine's busy cores. A process is named by its role (``coordinator``,
+``gateway``, the worker's ``--worker-id``, ``up``; else its command's first word) unless
+``names`` names it. One that appears later counts from its first reading; one gone before a
+reading counts up to its last.
 
-Used by ``bench_crowd.py`` to show that the engines kept their cores busy while a crowd was
-being refused (issue 60: the front end must not starve behind saturated engines).
+Used by ``bench_crowd.py`` to show whether the engines kept their cores busy while a crowd
+was being refused (issue 60: the front end must not starve behind saturated engines).
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -58,53 +63,75 @@ def nice_of(pid: int) -> int | None:
         return None
 
 
+def main_thread_wait_ns(pid: int) -> int:
+    """Nanoseconds ``pid``'s main thread has spent runnable on a run queue, not running
+    (field 2 of ``/proc/<pid>/schedstat``); 0 once it is gone."""
+    try:
+        return int(Path(f"/proc/{pid}/schedstat").read_text().split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
 @dataclass
 class Reading:
-    label: str
     at: float
+    """Wall-clock time (``time.time()``)."""
     machine: tuple[int, int]
     ticks: dict[int, int]
+    waits: dict[int, int]
 
 
 @dataclass
 class ProcessCpu:
-    """Readings at marks; see the module docstring."""
+    """Readings; see the module docstring."""
 
     pids_of: Callable[[], Sequence[int]]
-    readings: list[Reading] = field(default_factory=list)
     names: dict[int, str] = field(default_factory=dict)
+    readings: list[Reading] = field(default_factory=list)
     nices: dict[int, dict[str, int | None]] = field(default_factory=dict)
 
-    def mark(self, label: str) -> None:
-        ticks = {}
+    def mark(self) -> None:
+        ticks, waits = {}, {}
         for pid in self.pids_of():
-            if pid not in self.names:
-                self.names[pid] = process_name(pid)
+            if pid not in self.nices:
+                self.names.setdefault(pid, process_name(pid))
                 self.nices[pid] = {"nice": nice_of(pid), "autogroup_nice": autogroup_nice(pid)}
-            ticks[pid] = process_ticks(pid)
-        last = self.readings[-1].ticks if self.readings else {}
-        gone = {pid: t for pid, t in last.items() if pid not in ticks or ticks[pid] == 0}
-        self.readings.append(Reading(label, time.monotonic(), machine_ticks(), ticks | gone))
+            ticks[pid], waits[pid] = process_ticks(pid), main_thread_wait_ns(pid)
+        if self.readings:  # a process gone since keeps its last figures
+            last = self.readings[-1]
+            ticks |= {pid: t for pid, t in last.ticks.items() if ticks.get(pid, 0) == 0}
+            waits |= {pid: w for pid, w in last.waits.items() if waits.get(pid, 0) == 0}
+        self.readings.append(Reading(time.time(), machine_ticks(), ticks, waits))
 
-    def windows(self) -> list[Json]:
-        """One entry per pair of consecutive marks; see the module docstring."""
-        cpus = os.cpu_count() or 1
-        entries = []
-        for before, after in zip(self.readings, self.readings[1:], strict=False):
-            wall_s = max(after.at - before.at, 1e-9)
-            busy = after.machine[0] - before.machine[0]
-            total = max(after.machine[1] - before.machine[1], 1)
-            processes: Json = {}
-            for pid, ticks in after.ticks.items():
-                cpu_s = max(ticks - before.ticks.get(pid, 0), 0) / CLK_TCK
-                name = self.names[pid]
-                if name in processes:
-                    name = f"{name} (pid {pid})"
-                processes[name] = {"cores": round(cpu_s / wall_s, 2), **self.nices[pid]}
-            entries.append({
-                "window": f"{before.label} to {after.label}",
-                "wall_s": round(wall_s, 2),
-                "machine_busy_cores": round(busy / total * cpus, 2),
-                "processes": processes,
-            })  # fmt: skip
-        return entries
+    async def sample(self, interval_s: float) -> None:
+        """``mark`` every ``interval_s`` until cancelled."""
+        while True:
+            self.mark()
+            await asyncio.sleep(interval_s)
+
+    def window(self, name: str, start: float, end: float) -> Json:
+        """CPU per process over [``start``, ``end``] (wall-clock times, widened to the
+        readings around them); see the module docstring."""
+        before = next((r for r in reversed(self.readings) if r.at <= start), self.readings[0])
+        after = next((r for r in self.readings if r.at >= end), self.readings[-1])
+        wall_s = max(after.at - before.at, 1e-9)
+        busy = after.machine[0] - before.machine[0]
+        total = max(after.machine[1] - before.machine[1], 1)
+        processes: Json = {}
+        for pid, ticks in after.ticks.items():
+            cpu_s = max(ticks - before.ticks.get(pid, 0), 0) / CLK_TCK
+            waited_s = max(after.waits[pid] - before.waits.get(pid, 0), 0) / 1e9
+            label = self.names[pid]
+            label = f"{label} (pid {pid})" if label in processes else label
+            processes[label] = {
+                "cores": round(cpu_s / wall_s, 2),
+                "main_thread_waited_s": round(waited_s, 3),
+                **self.nices[pid],
+            }
+        return {
+            "window": name,
+            "from_s": round(before.at - start, 2),
+            "wall_s": round(wall_s, 2),
+            "machine_busy_cores": round(busy / total * (os.cpu_count() or 1), 2),
+            "processes": processes,
+        }
