@@ -2,15 +2,16 @@
 
 Per repetition and per coordinator count N of ``--coordinators`` (default 1,2,3,4),
 alternated, starts ``splitserve up --coordinators N`` afresh (``cluster_process.
-LocalCluster``) with simulated workers (``--up-flags``, default ``SIM_FLAGS``: 2 prefill and 8
-decode workers hosted 8 to a process; every worker registers with every coordinator, and the
-gateway spreads its streams round robin over the coordinators, ``client/stream_mux.py``), the
-gateway in a process of its own at every N (``APART``), and ``SPLITSERVE_MAX_QUEUED`` raised
-so the burst is not refused for the admission queue. After a warm-up it sends one burst of
-``--streams`` streamed completions at once through the gateway (``sse_burst.run_burst``,
-``--max-tokens`` each, EOS ignored; the same burst at every N, so each coordinator relays
-1/N of it, or with ``--per-coordinator`` N times ``--streams``, so each relays as many at
-every N and its batches keep their size) and reads, before and after the burst:
+LocalCluster``) with simulated workers (``--up-flags``, default ``SIM_FLAGS``: 2 prefill and
+8 decode workers hosted 8 to a process; every worker registers with every coordinator, and
+the gateway spreads its streams round robin over the coordinators,
+``client/stream_mux.py``), the gateway in a process of its own at every N (``APART``), and
+``SPLITSERVE_MAX_QUEUED`` and ``SPLITSERVE_MAX_QUEUE_WAIT`` raised so the burst is not
+refused for the admission queue. After a warm-up it sends one burst of ``--streams``
+streamed completions at once through the gateway (``sse_burst.run_burst``, ``--max-tokens``
+each, EOS ignored; the same burst at every N, so each coordinator relays 1/N of it, or with
+``--per-coordinator`` N times ``--streams``, so each relays as many at every N and its
+batches keep their size) and reads, before and after the burst:
 
 - each coordinator's utime + stime from ``/proc`` (its process found by ``role_of`` and named
   by its ``--port``, which ``up``'s log ties to the ``coordinator metrics at`` address it
@@ -75,7 +76,7 @@ SIM_FLAGS = (
     f"-- --engine sim --sim-profile {PROFILE} --max-num-seqs 1024 --num-blocks 16384 "
     "--sim-startup-s 0"
 )
-ENV = {"SPLITSERVE_MAX_QUEUED": "16384"}
+ENV = {"SPLITSERVE_MAX_QUEUED": "16384", "SPLITSERVE_MAX_QUEUE_WAIT": "600"}
 APART = "--apart"
 """``up``'s flag that keeps the gateway out of a lone coordinator's process, where ``up`` has
 it (without it one coordinator and one gateway share a ``splitserve frontend`` process, whose
