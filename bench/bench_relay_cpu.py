@@ -19,12 +19,13 @@ several to a process: ``--up-flags "--placement adaptive --prefill 2 --decode 8
 bench/profiles/relay-stand-in.json --max-num-seqs 1024 --num-blocks 16384 --sim-startup-s 0"
 --env SPLITSERVE_MAX_QUEUED=16384`` (a role's CPU is then the sum over its processes).
 
-Reported per role and variant: CPU microseconds per streamed token (the burst's CPU ticks over
-the tokens the client received), ``front_end`` (coordinator + gateway + frontend), the median
-over ``--reps`` repetitions, and what one core of that role could relay at that cost (1e6 /
-us). Also the client's own CPU per token and the machine's other load during the run
-(``CpuMeter``). Prints rows to stderr and the JSON report to stdout (``--out`` writes it
-too). Nothing asserted.
+Also the machine's floor: the CPU one SSE frame's send costs the kernel over loopback TCP
+(``send_floor_us``). Reported per role and variant: CPU microseconds per streamed token (the
+burst's CPU ticks over the tokens the client received), ``front_end`` (coordinator + gateway
++ frontend), the median over ``--reps`` repetitions, and what one core of that role could
+relay at that cost (1e6 / us). Also the client's own CPU per token and the machine's other
+load during the run (``CpuMeter``). Prints rows to stderr and the JSON report to stdout
+(``--out`` writes it too). Nothing asserted.
 
     .venv/bin/python bench/bench_relay_cpu.py --out bench/results/relay-cpu-<date>.json
 """
@@ -37,9 +38,11 @@ import collections
 import json
 import os
 import shlex
+import socket
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -174,9 +177,42 @@ def variants_of(args: argparse.Namespace) -> list[Variant]:
     return [known[name] for name in chosen]
 
 
+SSE_FRAME_BYTES = 230
+"""About one streamed completion chunk's SSE frame."""
+
+
+def send_floor_us(frames: int = 50_000) -> float:
+    """CPU microseconds the sending thread spends on one ``SSE_FRAME_BYTES`` send over a
+    loopback TCP connection (a thread drains the other end): the kernel's part of writing a
+    token's frame, the floor under any front end's CPU per streamed token here."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        sender = socket.create_connection(listener.getsockname())
+        receiver, _ = listener.accept()
+    sender.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def drain() -> None:
+        while receiver.recv(1 << 20):
+            pass
+
+    reader = threading.Thread(target=drain)
+    reader.start()
+    frame = b"x" * SSE_FRAME_BYTES
+    started = time.thread_time()
+    for _ in range(frames):
+        sender.sendall(frame)
+    used_s = time.thread_time() - started
+    sender.close()
+    reader.join()
+    receiver.close()
+    return round(used_s / frames * 1e6, 2)
+
+
 def run(args: argparse.Namespace) -> Json:
     variants = variants_of(args)
     report = burst_report(args)
+    report["machine"]["send_floor_us"] = send_floor_us()
     report["setup"]["variants"] = [variant.name for variant in variants]
     report["setup"]["client"] = args.client
     if args.baseline_tree is not None:
