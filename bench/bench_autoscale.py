@@ -41,7 +41,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from cluster_process import LocalCluster, child_pids
+from cluster_process import LocalCluster
 from loadgen import run_requests_against, served_model
 from serving_stats import RequestRecord
 from targets import OpenAITarget
@@ -52,6 +52,7 @@ from workload import PROMPT_TOKEN_RANGE, RequestSpec
 from splitserve.common.cpu_info import cpu_name
 from splitserve.coordinator.placement import PlacementMode
 from splitserve.engine.sim_profile import load_profile
+from splitserve.launch.child_process import children_by_role
 from splitserve.launch.fleet_sim import FleetConfig, FleetParams, simulate
 from splitserve.launch.fleet_workload import SimRequest, WorkloadSpec, requests, scenario
 from splitserve.launch.local_autoscaler import desired_of
@@ -118,16 +119,8 @@ def with_prompts(stream: Sequence[SimRequest], seed: int) -> list[RequestSpec]:
 
 def _live_workers(up_pid: int) -> dict[str, int]:
     """``up``'s worker processes now, per role (from their command lines)."""
-    live = dict.fromkeys(ROLES, 0)
-    for pid in child_pids(up_pid):
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
-        except OSError:
-            continue
-        for role in ROLES:
-            if f"splitserve.{role}.main" in cmdline:
-                live[role] += 1
-    return live
+    running = children_by_role(up_pid)
+    return {role: running[role] for role in ROLES}
 
 
 class Sampler:

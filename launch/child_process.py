@@ -33,7 +33,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,6 +99,29 @@ class NotReady(ReadyError, TimeoutError):
 def python_module_argv(module: str, *args: str) -> list[str]:
     """``python -m module args`` with this interpreter."""
     return [sys.executable, "-m", module, *args]
+
+
+def children_by_role(pid: int) -> Counter[str]:
+    """How many live child processes of ``pid`` (started by any of its threads) run each
+    role: those whose command line names ``splitserve.<role>.main`` (``python_module_argv``
+    of a role's module), read from /proc. A child that ends while it is read is not counted."""
+    counts: Counter[str] = Counter()
+    for task in Path(f"/proc/{pid}/task").glob("*/children"):
+        try:
+            children = task.read_text().split()
+        except OSError:
+            continue
+        for child in children:
+            try:
+                argv = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            for word in argv:
+                parts = word.split(b".")
+                if len(parts) == 3 and parts[0] == b"splitserve" and parts[2] == b"main":
+                    counts[parts[1].decode(errors="replace")] += 1
+                    break
+    return counts
 
 
 class ChildProcess:

@@ -9,11 +9,11 @@ import asyncio
 import concurrent.futures
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 
 from splitserve.client import AsyncClient, Sampling
+from splitserve.launch.child_process import children_by_role
 from tests.cluster import cluster
 
 pytestmark = pytest.mark.slow
@@ -26,19 +26,12 @@ SCALING = (
     "--scale-down-window-s=4",
     "--scale-down-period-s=1",
 )
-BURST, PROMPT_WORDS, OUTPUT_TOKENS = 24, 1200, 32
+BURST, PROMPT_WORDS, OUTPUT_TOKENS = 24, 1000, 32
 
 
 def _workers(up_pid: int, role: str) -> int:
     """``up``'s live worker processes of ``role``."""
-    count = 0
-    for pid in Path(f"/proc/{up_pid}/task/{up_pid}/children").read_text().split():
-        try:
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            continue
-        count += f"splitserve.{role}.main".encode() in argv
-    return count
+    return children_by_role(up_pid)[role]
 
 
 async def _burst(address: str) -> list[int]:
