@@ -30,7 +30,6 @@ import argparse
 import asyncio
 import json
 import statistics
-import sys
 import tempfile
 import time
 import urllib.request
@@ -38,14 +37,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
-from bench_security import UP_MODULE, tree_env
+from bench_security import tree_cluster
 from cluster_process import LocalCluster
 from machine_bound import cpu_name
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 from timing_stats import Json, emit_report, log_row, wait_for_quiet
 
-SPLITSERVE = Path(sys.executable).with_name("splitserve")
 SYSTEM = (
     "You are a patient assistant for a small bookshop in a harbour town. You answer questions "
     "about books, opening hours, orders and events. Keep answers friendly and short, suggest "
@@ -179,12 +177,7 @@ def metrics_urls(cluster: LocalCluster) -> dict[str, str]:
 
 def run_tree(args: argparse.Namespace, name: str, tree: Path | None, rep: int) -> Json:
     log_path = Path(tempfile.mkdtemp(prefix=f"conversation-{name}-")) / "up.log"
-    env, up_command = {}, None
-    if tree is not None:
-        env = tree_env(tree.resolve(), log_path.parent)
-        up_command = [sys.executable, "-m", UP_MODULE]
-    flags = args.up_flags.split()
-    with LocalCluster(SPLITSERVE, flags, log_path, env=env, up_command=up_command) as cluster:
+    with tree_cluster(args.up_flags.split(), log_path, tree) as cluster:
         wait_for_quiet(args.wait_quiet_s)
         rows = asyncio.run(conversations(args, cluster.http_url, metrics_urls(cluster)))
     for row in rows:

@@ -48,7 +48,6 @@ import contextlib
 import json
 import multiprocessing
 import os
-import sys
 import tempfile
 import time
 from collections import Counter
@@ -59,7 +58,7 @@ from typing import Any
 
 import grpc
 import httpx
-from bench_security import UP_MODULE, tree_env
+from bench_security import tree_cluster
 from cluster_process import LocalCluster
 from machine_bound import cpu_name
 from process_cpu import ProcessCpu
@@ -67,7 +66,6 @@ from timing_stats import Json, emit_report, log_row, wait_for_quiet
 
 from splitserve.proto.splitserve.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
-SPLITSERVE = Path(sys.executable).with_name("splitserve")
 CPU_SAMPLE_S = 0.1
 """How often each process's CPU time is read while the crowd runs."""
 PROMPT = "Tell me a story about a lighthouse keeper and the sea. "
@@ -442,11 +440,7 @@ def _error_lines(cluster: LocalCluster) -> list[str]:
 def _cluster(tree: Path | None, log_path: Path, up_flags: list[str]) -> LocalCluster:
     """``make serve``'s cluster from this checkout, or from ``tree`` (``bench_security.
     tree_env``: its ``splitserve`` ahead of the editable install)."""
-    if tree is None:
-        return LocalCluster(SPLITSERVE, up_flags, log_path)
-    env = tree_env(tree.resolve(), log_path.parent)
-    return LocalCluster(SPLITSERVE, up_flags, log_path, env=env,
-                        up_command=[sys.executable, "-m", UP_MODULE])  # fmt: skip
+    return tree_cluster(up_flags, log_path, tree)
 
 
 def main(argv: Sequence[str] | None = None) -> Json:

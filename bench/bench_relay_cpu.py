@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-from bench_security import UP_MODULE, tree_env
+from bench_security import tree_cluster
 from cluster_process import CLK_TCK, CpuMeter, LocalCluster, process_ticks
 from machine_bound import cpu_name
 from sse_burst import run_burst
@@ -242,17 +242,13 @@ def run(args: argparse.Namespace) -> Json:
 
 def _cluster(args: argparse.Namespace, variant: Variant, log_path: Path) -> LocalCluster:
     """``variant``'s cluster: this checkout's ``splitserve up``, or the tree's
-    (``bench_security.tree_env``: its ``splitserve`` ahead of the editable install)."""
+    (``bench_security.tree_cluster``)."""
     flags = [*shlex.split(args.up_flags)]
     if variant.up_flags:  # before a "--" that starts the workers' flags
         cut = flags.index("--") if "--" in flags else len(flags)
         flags[cut:cut] = variant.up_flags
     env = {"SPLITSERVE_RELAY": variant.relay, **dict(args.env)}
-    if variant.tree is None:
-        return LocalCluster(SPLITSERVE, flags, log_path, env=env)
-    env |= tree_env(variant.tree.resolve(), log_path.parent)
-    up_command = [sys.executable, "-m", UP_MODULE]
-    return LocalCluster(SPLITSERVE, flags, log_path, env=env, up_command=up_command)
+    return tree_cluster(flags, log_path, variant.tree, env)
 
 
 def _burst(args: argparse.Namespace, url: str, model: str, streams: int, tokens: int) -> list:

@@ -39,7 +39,6 @@ import asyncio
 import json
 import os
 import shlex
-import sys
 import tempfile
 import threading
 import time
@@ -48,12 +47,11 @@ from pathlib import Path
 
 from bench_crowd import CrowdRecord, _run_crowd, percentiles
 from bench_relay_cpu import role_of, ticks_by_role
-from bench_security import UP_MODULE, tree_env
-from cluster_process import CLK_TCK, LocalCluster
+from bench_security import tree_cluster
+from cluster_process import CLK_TCK
 from machine_bound import cpu_name
 from timing_stats import Json, emit_report, log_row, wait_for_quiet
 
-SPLITSERVE = Path(sys.executable).with_name("splitserve")
 PROFILE = Path(__file__).resolve().parent / "profiles" / "relay-stand-in.json"
 RELAY_ROLES = ("coordinator", "gateway")
 
@@ -127,14 +125,8 @@ def one_run(args: argparse.Namespace, coordinators: int, workers: int, streams: 
     flags = up_flags(args, coordinators, workers)
     log_path = Path(tempfile.mkdtemp(prefix="scale-")) / "up.log"
     env = {"SPLITSERVE_MAX_QUEUED": str(args.max_queued)}
-    up_command = None
-    if args.tree is not None:  # that checkout's splitserve, ahead of the editable install
-        env |= tree_env(args.tree.resolve(), log_path.parent)
-        up_command = [sys.executable, "-m", UP_MODULE]
     row: Json = {"coordinators": coordinators, "workers": workers, "streams": streams}
-    with LocalCluster(
-        SPLITSERVE, flags, log_path, env=env, ready_timeout_s=600, up_command=up_command
-    ) as cluster:
+    with tree_cluster(flags, log_path, args.tree, env, ready_timeout_s=600) as cluster:
         wait_for_quiet(args.wait_quiet_s)
         pids = cluster.pids()
         crowd_args = argparse.Namespace(

@@ -72,6 +72,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 from cluster_process import CpuMeter, LocalCluster
@@ -138,6 +139,28 @@ def tree_env(tree: Path, directory: Path) -> dict[str, str]:
         (path_dir / "splitserve").symlink_to(tree, target_is_directory=True)
     paths = [str(path_dir), os.environ.get("PYTHONPATH")]
     return {"PYTHONPATH": os.pathsep.join(p for p in paths if p)}
+
+
+def tree_cluster(
+    up_flags: Sequence[str],
+    log_path: Path,
+    tree: Path | None = None,
+    env: dict[str, str] | None = None,
+    **options: Any,
+) -> LocalCluster:
+    """``splitserve up`` with ``up_flags``, from this checkout or, given ``tree``, from that
+    checkout (``tree_env``: its ``splitserve`` ahead of the editable install, run as ``python
+    -m splitserve.launch.up``); ``env``: more environment for ``up`` and its children;
+    ``options``: ``LocalCluster``'s other arguments."""
+    env = dict(env or {})
+    up_command = None
+    if tree is not None:
+        env |= tree_env(tree.resolve(), log_path.parent)
+        up_command = [sys.executable, "-m", UP_MODULE]
+    splitserve = Path(sys.executable).with_name("splitserve")
+    return LocalCluster(
+        splitserve, list(up_flags), log_path, env=env, up_command=up_command, **options
+    )
 
 
 def secured_config(tree: Path, commit: str, directory: Path) -> ServerConfig:
