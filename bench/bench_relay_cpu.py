@@ -55,22 +55,23 @@ from machine_bound import cpu_name
 from sse_burst import run_burst
 from timing_stats import Json, emit_report, log_row, wait_for_quiet
 
+from splitserve.launch.child_process import role_of_process
+
 SPLITSERVE = Path(sys.executable).with_name("splitserve")
 
 
 def role_of(pid: int) -> str:
     """The role a cluster process runs, from its command line: ``python -m
-    splitserve.<role>.main`` for the children, ``splitserve up`` for the launcher."""
+    splitserve.<role>.main`` for the children (``launch/child_process.py:role_of_process``),
+    ``splitserve up`` for the launcher."""
+    role = role_of_process(pid)
+    if role is not None:
+        return role
     try:
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except OSError:
         return "gone"
-    words = [word.decode(errors="replace") for word in argv]
-    for word in words:
-        parts = word.split(".")
-        if len(parts) == 3 and parts[0] == "splitserve" and parts[2] == "main":
-            return parts[1]
-    return "up" if "up" in words else "other"
+    return "up" if b"up" in argv else "other"
 
 
 def ticks_by_role(pids: list[int]) -> dict[str, int]:

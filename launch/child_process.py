@@ -101,10 +101,24 @@ def python_module_argv(module: str, *args: str) -> list[str]:
     return [sys.executable, "-m", module, *args]
 
 
+def role_of_process(pid: int) -> str | None:
+    """The role a process runs: the ``<role>`` of the ``splitserve.<role>.main`` its command
+    line names (``python_module_argv`` of a role's module), read from /proc; None for any
+    other process, or one that is gone."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    for word in argv:
+        parts = word.split(b".")
+        if len(parts) == 3 and parts[0] == b"splitserve" and parts[2] == b"main":
+            return parts[1].decode(errors="replace")
+    return None
+
+
 def children_by_role(pid: int) -> Counter[str]:
     """How many live child processes of ``pid`` (started by any of its threads) run each
-    role: those whose command line names ``splitserve.<role>.main`` (``python_module_argv``
-    of a role's module), read from /proc. A child that ends while it is read is not counted."""
+    role (``role_of_process``). A child that ends while it is read is not counted."""
     counts: Counter[str] = Counter()
     for task in Path(f"/proc/{pid}/task").glob("*/children"):
         try:
@@ -112,15 +126,9 @@ def children_by_role(pid: int) -> Counter[str]:
         except OSError:
             continue
         for child in children:
-            try:
-                argv = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            for word in argv:
-                parts = word.split(b".")
-                if len(parts) == 3 and parts[0] == b"splitserve" and parts[2] == b"main":
-                    counts[parts[1].decode(errors="replace")] += 1
-                    break
+            role = role_of_process(int(child))
+            if role is not None:
+                counts[role] += 1
     return counts
 
 
