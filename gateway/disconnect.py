@@ -34,8 +34,8 @@ def exposing_raw_send(app: ASGIApp) -> ASGIApp:
     """``app`` with the server's own ``send`` in every HTTP scope (``RAW_SEND``), so an event
     stream's frames skip the middleware wrappers around it: each wrapper only watches a
     response's start (the request counter, the error middleware, the exception handlers),
-    and passing every frame through three of them was a tenth of the gateway's CPU per
-    streamed token. Give the server the returned app."""
+    and passing every frame through the three of them was 3-4% of the frontend process's CPU
+    per streamed token (py-spy, 1,024 simulated streams). Give the server the returned app."""
 
     async def with_raw_send(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":

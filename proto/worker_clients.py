@@ -361,8 +361,8 @@ class WorkerChannels:
                 worker_pb2.WorkerStreamsRequest,
                 worker_pb2.WorkerStreamStart,
             )
-        client = self._decode_clients[address] = DecodeWorkerClient(channel, credential, streams)
-        return client
+        self._decode_clients[address] = DecodeWorkerClient(channel, credential, streams)
+        return self._decode_clients[address]
 
     def prefill(self, address: str) -> PrefillWorkerClient:
         """The prefill worker's client, kept while its channel is."""
