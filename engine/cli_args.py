@@ -92,6 +92,11 @@ class EngineSettings:
         "log every engine step's shape and time in this directory (steps-<pid>-*.jsonl), for "
         "python -m splitserve.engine.sim_calibrate --from-steps",
     )
+    no_cuda_graphs: bool = setting(
+        False,
+        "on CUDA, run decode steps eagerly instead of replaying CUDA graphs captured per "
+        "batch size",
+    )
     speculative_tokens: int | None = setting(
         None,
         "prompt-lookup draft tokens per request and decode step (0: no speculation; default "
@@ -131,6 +136,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             engine=args.engine,
             sim_profile=args.sim_profile,
             record_steps=args.record_steps,
+            cuda_graphs=not args.no_cuda_graphs,
         ),
         speculative=SpeculativeConfig(
             num_tokens=served_speculative_tokens(args.speculative_tokens, args.device),

@@ -145,10 +145,20 @@ class RunnerConfig:
     record_steps: str | None = None
     """A directory where the engine logs every step's shape and time
     (``sim_profile.StepLog``), to fit a simulation profile to a serving worker's steps."""
+    cuda_graphs: bool = True
+    """On CUDA with the Triton backend, decode-only steps replay CUDA graphs captured at start
+    per batch-size bucket (``engine/decode_graphs.py``); False runs every step eagerly."""
+    cuda_graph_max_rows: int = 256
+    """The largest decode step captured (also capped by ``max_num_seqs`` rows and their
+    drafts); larger steps run eagerly."""
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
             raise InvalidRequestError(f"engine must be one of {ENGINES}", param="engine")
+        if self.cuda_graph_max_rows < 1:
+            raise InvalidRequestError(
+                "cuda_graph_max_rows must be positive", param="cuda_graph_max_rows"
+            )
         if self.num_threads is not None and self.num_threads <= 0:
             raise InvalidRequestError("num_threads must be positive", param="num_threads")
         if self.attention_backend not in ("auto", "torch", "cpu", "triton"):

@@ -31,6 +31,7 @@ from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.step_cost import StepCostLearner
 from splitserve.engine.checkpoint import LoadedCheckpoint, describe_checkpoint, load_checkpoint
 from splitserve.engine.config import EngineConfig
+from splitserve.engine.decode_graphs import CudaGraphCapture
 from splitserve.engine.device import resolve_dtype
 from splitserve.engine.engine_face import (
     CompletedPrompt,
@@ -83,6 +84,7 @@ class EngineCore:
         )
         del checkpoint  # the loader's weights and blocks: the model packed its own copies
         return_freed_heap()
+        self._capture_decode_graphs(device)
         self.kv_cache = KVCacheManager(
             self.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
         )
@@ -147,6 +149,35 @@ class EngineCore:
         )
         backend = _backend(config, self.dtype, self.num_blocks)
         return ModelRunner(model, self.num_blocks, config.cache.block_size, backend)
+
+    def _capture_decode_graphs(self, device: torch.device) -> None:
+        """Capture the decode steps' CUDA graphs (``engine/decode_graphs.py``) where
+        ``config.runner.cuda_graphs`` asks and they apply: a model on CUDA whose attention
+        backend captures graphs, in an engine that decodes (not a prefill-only one). Steps of
+        up to ``cuda_graph_max_rows`` rows, and no more than ``max_num_seqs`` requests with
+        their drafts make."""
+        runner, config = self.runner, self.config
+        if not (
+            config.runner.cuda_graphs
+            and config.runner.decodes
+            and device.type == "cuda"
+            and isinstance(runner, ModelRunner)
+            and runner.backend.captures_graphs
+        ):
+            return
+        max_rows = min(
+            config.runner.cuda_graph_max_rows,
+            config.scheduler.max_num_seqs * (1 + config.speculative.num_tokens),
+        )
+        graphs = runner.capture_decode_graphs(
+            max_rows, self.max_model_len, CudaGraphCapture(device)
+        )
+        logger.info(
+            "decode CUDA graphs: %d buckets of 1-%d rows, captured in %.1f s",
+            len(graphs.buckets),
+            max_rows,
+            graphs.capture_s,
+        )
 
     def _grammar_matchers(self) -> GrammarMatchers:
         """The runner's matchers of constrained requests (their tokenizer is built when a

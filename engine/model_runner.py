@@ -9,6 +9,10 @@ the plain decode step at its position would compute them. The runner owns the KV
 ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]`` and the per-request random
 generators; it never decides which blocks a request uses (the scheduler's block tables do).
 It is not thread-safe: one thread (the engine thread) calls it, never the asyncio loop.
+
+Decode-only steps replay a CUDA graph of their batch-size bucket once ``capture_decode_graphs``
+captured them (``engine/decode_graphs.py``); every other step, and any step ``DecodeGraphs.run``
+turns down, runs eagerly.
 """
 
 from __future__ import annotations
@@ -19,7 +23,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from splitserve.common.blocks import blocks_for_tokens
 from splitserve.common.logprobs import TokenLogprob
+from splitserve.engine.decode_graphs import (
+    DecodeBatch,
+    DecodeGraphs,
+    GraphCapture,
+    StaticDecodeInputs,
+    graph_buckets,
+)
 from splitserve.engine.grammar_matchers import GrammarMatchers
 from splitserve.engine.kv_blocks import KvBlockStore
 from splitserve.engine.model import GeneratedRows, LlamaModel
@@ -74,6 +86,44 @@ class ModelRunner(KvBlockStore):
         self._generators: dict[str, torch.Generator] = {}
         self.grammars: GrammarMatchers | None = None
         """Constrained requests' matchers (set by the engine when it can build them)."""
+        self.decode_graphs: DecodeGraphs | None = None
+        """Captured decode steps (``capture_decode_graphs``); None runs every step eagerly."""
+
+    def capture_decode_graphs(
+        self, max_rows: int, max_model_len: int, capture: GraphCapture
+    ) -> DecodeGraphs:
+        """Capture the decode steps of up to ``max_rows`` rows (``graph_buckets``) with
+        contexts of up to ``max_model_len`` tokens, and replay them from now on. Needs a
+        backend that ``captures_graphs``; ``capture`` is ``CudaGraphCapture`` on CUDA
+        (``record_step`` off it, for tests). Writes nothing into the KV cache."""
+        if not self.backend.captures_graphs:
+            raise ValueError(f"the {self.backend.name} attention backend captures no graphs")
+        inputs = StaticDecodeInputs(
+            max_rows, blocks_for_tokens(max_model_len, self.block_size), self.block_size,
+            self.device,
+        )  # fmt: skip
+
+        def forward(bucket: int) -> torch.Tensor:  # [bucket, vocab] float32
+            metadata = self.backend.graph_decode_metadata(
+                inputs.slot_mapping[:bucket],
+                inputs.block_tables[:bucket],
+                inputs.seq_lens[:bucket],
+                self.block_size,
+            )
+            return self.model.forward(
+                inputs.token_ids[:bucket],
+                inputs.positions[:bucket],
+                self.kv_cache,
+                self.backend,
+                metadata,
+                inputs.logits_rows[:bucket],
+                generated=GeneratedRows(tokens=bucket, samples=bucket),
+            )
+
+        self.decode_graphs = None  # captures run eagerly
+        graphs = DecodeGraphs(forward, inputs, graph_buckets(max_rows), capture)
+        self.decode_graphs = graphs
+        return graphs
 
     def execute(
         self,
@@ -120,6 +170,12 @@ class ModelRunner(KvBlockStore):
         )
         input_ids, positions, logits_rows = self._pack(chunks)
         spans = [span for chunk in chunks for span in _spans(chunk)]
+        graphs = self.decode_graphs
+        if graphs is not None and on_layer_kv_written is None and num_decode == len(input_ids):
+            # decode rows only, and no layer callback: its bucket's graph, where it has one
+            logits = graphs.run(DecodeBatch(input_ids, positions, spans, logits_rows))
+            if logits is not None:
+                return logits
         metadata = self.backend.prepare(spans, num_decode, self.block_size, self.device)
         return self.model.forward(
             torch.tensor(input_ids, dtype=torch.int64, device=self.device),

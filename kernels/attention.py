@@ -51,6 +51,20 @@ class AttentionBackend(abc.ABC):
     """Computes attention for one layer and writes the new KV into the paged cache."""
 
     name: str
+    captures_graphs: bool = False
+    """Whether ``graph_decode_metadata`` builds metadata a CUDA graph can capture
+    (``engine/decode_graphs.py``)."""
+
+    def graph_decode_metadata(
+        self,
+        slot_mapping: torch.Tensor,  # [rows] int64, -1 for a padding row
+        block_tables: torch.Tensor,  # [rows, max_blocks] int32
+        seq_lens: torch.Tensor,  # [rows], 0 for a padding row
+        block_size: int,
+    ) -> object:
+        """Metadata of a decode-only batch over fixed buffers whose launches do not depend on
+        the buffers' values (where ``captures_graphs``)."""
+        raise NotImplementedError(f"the {self.name} backend does not capture graphs")
 
     @abc.abstractmethod
     def prepare(

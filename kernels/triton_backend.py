@@ -6,9 +6,13 @@ single-token sequences at the front of the packed batch, and ``context_attention
 chunks after them, reading cached prefixes straight from the paged cache. All per-step index
 tensors are built once in ``prepare`` and shared by every layer; ``forward`` never syncs.
 
-With ``batch_invariant`` the decode kernel runs unsplit, so a sequence's result does not
-depend on the batch around it (the split count otherwise follows batch size and the longest
-context).
+With ``batch_invariant`` the decode kernel runs unsplit and with a fixed key tile
+(``INVARIANT_DECODE_BLOCK_N``), so a sequence's result does not depend on the batch around it
+(the split count and tile otherwise follow batch size and the longest context).
+
+CUDA graphs (``engine/decode_graphs.py``) take ``graph_decode_metadata``: the same fields over
+fixed buffers, with the tables' whole width as the longest context, so a captured step's grid
+and split length never depend on the contexts a replay sees.
 """
 
 from collections.abc import Sequence
@@ -23,6 +27,10 @@ from splitserve.kernels.prefill_attention import context_attention
 from splitserve.kernels.store_kv import store_kv
 from splitserve.kernels.triton_utils import require_triton
 
+INVARIANT_DECODE_BLOCK_N = 64
+"""Keys per loop step of the batch-invariant decode kernel: fixed, where the default follows
+the batch's longest context (its split length)."""
+
 
 @dataclass
 class TritonAttentionMetadata:
@@ -35,13 +43,24 @@ class TritonAttentionMetadata:
     decode_max_seq_len: int
     decode_num_splits: int | None
     """Split-K ranges per decode sequence; None: ``default_num_splits`` (same for every layer)."""
+    decode_block_n: int | None
+    """Keys per loop step of the decode kernel; None: chosen from the split length."""
     prefill_block_tables: torch.Tensor  # [num_prefill, max_prefill_blocks] int32, 0-padded
     prefill_query_start: torch.Tensor  # [num_prefill + 1] int32, offsets after the decodes
     prefill_context_lens: torch.Tensor  # [num_prefill] int32
     prefill_max_query_len: int
 
 
-def _padded_tables(
+def span_slots(span: SequenceSpan, block_size: int) -> list[int]:
+    """The cache slot of each of the span's new tokens (the last ``query_len`` positions)."""
+    table = span.block_table
+    return [
+        table[pos // block_size] * block_size + pos % block_size
+        for pos in range(span.context_len - span.query_len, span.context_len)
+    ]
+
+
+def padded_tables(
     spans: Sequence[SequenceSpan], block_size: int, device: torch.device
 ) -> torch.Tensor:
     """Block tables cut to each context and 0-padded: ``[len(spans), max_blocks]`` int32."""
@@ -55,6 +74,7 @@ class TritonAttentionBackend(AttentionBackend):
     """Paged attention with Triton kernels (CUDA, or CPU under Triton's interpreter)."""
 
     name = "triton"
+    captures_graphs = True
 
     def __init__(self, batch_invariant: bool = False) -> None:
         require_triton()
@@ -63,13 +83,7 @@ class TritonAttentionBackend(AttentionBackend):
     def prepare(
         self, spans: Sequence[SequenceSpan], num_decode: int, block_size: int, device: torch.device
     ) -> TritonAttentionMetadata:
-        slots: list[int] = []
-        for span in spans:
-            table = span.block_table
-            slots.extend(
-                table[pos // block_size] * block_size + pos % block_size
-                for pos in range(span.context_len - span.query_len, span.context_len)
-            )
+        slots = [slot for span in spans for slot in span_slots(span, block_size)]
         decodes, prefills = spans[:num_decode], spans[num_decode:]
         decode_lens = [s.context_len for s in decodes]
         query_start = [0]
@@ -83,14 +97,44 @@ class TritonAttentionBackend(AttentionBackend):
         return TritonAttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64).to(device),
             num_decode=num_decode,
-            decode_block_tables=_padded_tables(decodes, block_size, device),
+            decode_block_tables=padded_tables(decodes, block_size, device),
             decode_seq_lens=ints(decode_lens),
             decode_max_seq_len=max(decode_lens, default=0),
             decode_num_splits=1 if self.batch_invariant else None,
-            prefill_block_tables=_padded_tables(prefills, block_size, device),
+            decode_block_n=INVARIANT_DECODE_BLOCK_N if self.batch_invariant else None,
+            prefill_block_tables=padded_tables(prefills, block_size, device),
             prefill_query_start=ints(query_start),
             prefill_context_lens=ints([s.context_len for s in prefills]),
             prefill_max_query_len=max((s.query_len for s in prefills), default=0),
+        )
+
+    def graph_decode_metadata(
+        self,
+        slot_mapping: torch.Tensor,  # [rows] int64, -1 for a padding row
+        block_tables: torch.Tensor,  # [rows, max_blocks] int32
+        seq_lens: torch.Tensor,  # [rows] int32/int64, 0 for a padding row
+        block_size: int,
+    ) -> TritonAttentionMetadata:
+        """Metadata of a decode-only batch of ``rows`` over fixed buffers (a CUDA graph's
+        inputs): every row one decode, the tables' whole width ``max_blocks * block_size`` as
+        the longest context. The split count then follows the batch size and that capacity
+        only (one split where ``batch_invariant``), so whatever the buffers hold at a replay
+        (contexts up to the capacity), the captured launches compute it; a row of length 0
+        stores nothing and attends to nothing. Nothing here reads the buffers' values."""
+        device = seq_lens.device
+        empty_tables = torch.zeros(0, 0, dtype=torch.int32, device=device)
+        return TritonAttentionMetadata(
+            slot_mapping=slot_mapping,
+            num_decode=seq_lens.shape[0],
+            decode_block_tables=block_tables,
+            decode_seq_lens=seq_lens,
+            decode_max_seq_len=block_tables.shape[1] * block_size,
+            decode_num_splits=1 if self.batch_invariant else None,
+            decode_block_n=INVARIANT_DECODE_BLOCK_N if self.batch_invariant else None,
+            prefill_block_tables=empty_tables,
+            prefill_query_start=torch.zeros(1, dtype=torch.int32, device=device),
+            prefill_context_lens=torch.zeros(0, dtype=torch.int32, device=device),
+            prefill_max_query_len=0,
         )
 
     def forward(
@@ -118,6 +162,7 @@ class TritonAttentionBackend(AttentionBackend):
                 scale,
                 max_seq_len=metadata.decode_max_seq_len,
                 num_splits=metadata.decode_num_splits,
+                block_n=metadata.decode_block_n,
                 out=output[:decodes],
             )
         if num_tokens > decodes:

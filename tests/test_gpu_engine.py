@@ -39,7 +39,7 @@ def _prompts(vocab: int) -> list[list[int]]:
     ]
 
 
-def _llm(device: str, dtype: str, attention_backend: str = "auto") -> LLM:
+def _llm(device: str, dtype: str, attention_backend: str = "auto", cuda_graphs: bool = True) -> LLM:
     torch_dtype = getattr(torch, dtype)
     checkpoint = random_checkpoint(
         SHAPES["tiny"], torch_dtype, "cpu", seed=WEIGHT_SEED, std=WEIGHT_STD
@@ -47,7 +47,9 @@ def _llm(device: str, dtype: str, attention_backend: str = "auto") -> LLM:
     config = EngineConfig(
         model=ModelConfig(dtype=dtype),
         cache=CacheConfig(num_blocks=256),
-        runner=RunnerConfig(device=device, attention_backend=attention_backend),
+        runner=RunnerConfig(
+            device=device, attention_backend=attention_backend, cuda_graphs=cuda_graphs
+        ),
     )
     return LLM(config=config, checkpoint=checkpoint)
 
@@ -57,15 +59,23 @@ def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     return [output.token_ids for output in llm.generate(prompts, params)]
 
 
-@pytest.mark.parametrize("attention_backend", ["auto", "torch"])
-def test_float32_greedy_equals_the_cpu_engine(attention_backend: str) -> None:
-    """ "auto" on CUDA is the Triton backend; "torch" isolates the rest of the model on CUDA."""
+@pytest.mark.parametrize(
+    ("attention_backend", "cuda_graphs"), [("auto", True), ("auto", False), ("torch", False)]
+)
+def test_float32_greedy_equals_the_cpu_engine(attention_backend: str, cuda_graphs: bool) -> None:
+    """ "auto" on CUDA is the Triton backend, its decode steps replayed from CUDA graphs or run
+    eagerly; "torch" isolates the rest of the model on CUDA."""
     prompts = _prompts(SHAPES["tiny"].vocab_size)
     expected = _greedy(_llm("cpu", "float32"), prompts)
-    gpu = _llm("cuda", "float32", attention_backend)
+    gpu = _llm("cuda", "float32", attention_backend, cuda_graphs)
     if attention_backend == "auto":
         assert gpu.engine.runner.backend.name == "triton"
     got = _greedy(gpu, prompts)
+    graphs = gpu.engine.runner.decode_graphs
+    if cuda_graphs:  # six prompts decode together: the 8-row graph, padded
+        assert graphs is not None and graphs.replays[8] >= NEW_TOKENS - 2, graphs.replays
+    else:
+        assert graphs is None
     assert [len(tokens) for tokens in got] == [NEW_TOKENS] * len(prompts)
     for index, (got_tokens, expected_tokens) in enumerate(zip(got, expected, strict=True)):
         assert got_tokens == expected_tokens, f"prompt {index} ({PROMPT_LENGTHS[index]} tokens)"
@@ -91,3 +101,40 @@ def test_bfloat16_serves_a_mixed_batch() -> None:
     assert [len(tokens) for tokens in outputs] == [NEW_TOKENS] * len(prompts)
     agreeing = sum(got[0] == want[0] for got, want in zip(outputs, reference, strict=True))
     assert agreeing >= len(prompts) - 1, (outputs, reference)
+
+
+def test_a_replayed_step_equals_the_eager_step() -> None:
+    """One decode step of 5 rows (the 8-row graph) on the same cache: the CUDA graph's float32
+    logits against the eager forward's, and a replay after the buffers changed (other rows,
+    other contexts) against eager again, so the graph reads its inputs, not what it saw at
+    capture."""
+    from splitserve.engine.decode_graphs import DecodeBatch
+    from splitserve.kernels.attention import SequenceSpan
+
+    gpu = _llm("cuda", "float32")
+    runner = gpu.engine.runner
+    graphs = runner.decode_graphs
+    assert graphs is not None
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    runner.kv_cache.copy_(torch.randn(runner.kv_cache.shape, generator=generator, device="cuda"))
+    block = runner.block_size
+    for rows, base in ((5, 0), (3, 17)):
+        spans = [
+            SequenceSpan(1, base + 9 * i + 1, list(range(40 * i, 40 * i + 20))) for i in range(rows)
+        ]
+        positions = [span.context_len - 1 for span in spans]
+        batch = DecodeBatch(list(range(3, 3 + rows)), positions, spans, list(range(rows)))
+        replayed = graphs.run(batch)
+        assert replayed is not None
+        replayed = replayed.clone()
+        metadata = runner.backend.prepare(spans, rows, block, torch.device("cuda"))
+        eager = runner.model.forward(
+            torch.tensor(batch.token_ids, device="cuda"),
+            torch.tensor(positions, device="cuda"),
+            runner.kv_cache,
+            runner.backend,
+            metadata,
+            torch.arange(rows, device="cuda"),
+        )
+        torch.testing.assert_close(replayed, eager, rtol=1e-4, atol=1e-4)
+    assert graphs.replays[8] == 1 and graphs.replays[4] == 1
