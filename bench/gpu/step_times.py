@@ -10,13 +10,16 @@ Measured here, in this order:
 - ``copy``: a device-to-device copy of 4 GiB (``bench_kernels_gpu.copy_gbps``: median of CUDA
   event timings); GB/s counts bytes read plus written, the traffic a step's reads compete with;
 - ``matmul``: an 8192 x 8192 x 8192 bf16 product, median of 10: the compute bound;
-- ``decode`` at each batch: that many requests with 512-token prompts are prefilled, then
-  ``--steps`` decode steps of ``EngineCore.step`` are timed (wall clock; the step returns
-  sampled ids to the host, so it includes every GPU kernel) after 3 untimed ones. Beside each,
-  ``forward_ms`` (CUDA events around ``model.forward`` only: the GPU's span, launch gaps
-  included) shows what the step's Python part (schedule, pack, sample) costs. Bound: the bytes
-  a step must read (every weight but the embedding table, plus each request's KV so far) at
-  the copy's rate;
+- ``decode`` at each batch, twice: with the decode steps replayed from the engine's CUDA
+  graphs (``engine/decode_graphs.py``, captured at the engine's start) and run eagerly (the
+  runner's graphs set aside), ``cuda_graphs`` saying which. That many requests with 512-token
+  prompts are prefilled, then ``--steps`` decode steps of ``EngineCore.step`` are timed (wall
+  clock; the step returns sampled ids to the host, so it includes every GPU kernel) after 3
+  untimed ones. Beside each, ``forward_ms`` (CUDA events around the runner's forward, graph
+  replay or eager: the GPU's span, launch gaps included) shows what the step's Python part
+  (schedule, pack, sample) costs. Bound: the bytes a step must read (every weight but the
+  embedding table, plus each request's KV so far) at the copy's rate; ``hbm_fraction`` is
+  that bound over the step's time;
 - ``prefill``: one step computing a whole ``--prefill-tokens`` prompt (fresh prompts each
   time, median of 5 after one warm-up): model FLOPs (2 x parameters x tokens, plus causal
   attention) per second against the matmul peak.
@@ -52,12 +55,13 @@ def matmul_tflops(size: int = 8192) -> float:
 
 
 class ForwardTimer:
-    """Wraps ``model.forward`` with CUDA events; ``last_ms`` after the step has synced."""
+    """Wraps the runner's ``_forward`` (a graph's replay or the eager forward) with CUDA
+    events; ``last_ms`` after the step has synced."""
 
-    def __init__(self, model: object) -> None:
-        self._forward = model.forward
+    def __init__(self, runner: object) -> None:
+        self._forward = runner._forward
         self._events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
-        model.forward = self  # type: ignore[method-assign]
+        runner._forward = self  # type: ignore[method-assign]
 
     def __call__(self, *args: object, **kwargs: object) -> torch.Tensor:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -77,7 +81,26 @@ def _prompt(vocab: int, length: int, generator: torch.Generator) -> list[int]:
     return torch.randint(2, vocab, (length,), generator=generator).tolist()
 
 
-def bench_decode(engine, timer: ForwardTimer, batch: int, steps: int, bound: Callable) -> dict:
+def bench_decode(
+    engine, timer: ForwardTimer, batch: int, steps: int, bound: Callable, graphs: bool
+) -> dict:
+    """One batch's decode steps, replayed from the CUDA graphs (``graphs``) or eager."""
+
+    runner = engine.runner
+    captured = runner.decode_graphs
+    if graphs and captured is None:
+        return {"batch": batch, "cuda_graphs": True, "skipped": "the engine captured no graphs"}
+    runner.decode_graphs = captured if graphs else None
+    replays_before = captured.replays.total() if captured is not None else 0
+    try:
+        result = _decode_steps(engine, timer, batch, steps, bound)
+    finally:
+        runner.decode_graphs = captured
+    replayed = (captured.replays.total() if captured is not None else 0) - replays_before
+    return {"batch": batch, "cuda_graphs": graphs, "steps_replayed": replayed, **result}
+
+
+def _decode_steps(engine, timer: ForwardTimer, batch: int, steps: int, bound: Callable) -> dict:
     from splitserve.common.sampling_params import SamplingParams
 
     generator = torch.Generator().manual_seed(batch)
@@ -106,14 +129,13 @@ def bench_decode(engine, timer: ForwardTimer, batch: int, steps: int, bound: Cal
     step_ms = statistics.median(wall)
     bound_ms, bytes_read = bound(batch, context)
     return {
-        "batch": batch,
         "context_tokens": context,
         "step_ms": round(step_ms, 3),
         "forward_ms": round(statistics.median(forward), 3),
         "tokens_per_s": round(batch / step_ms * 1e3, 1),
         "bytes_read_per_step": bytes_read,
         "hbm_bound_ms": round(bound_ms, 3),
-        "fraction_of_bound": round(bound_ms / step_ms, 3),
+        "hbm_fraction": round(bound_ms / step_ms, 3),
     }
 
 
@@ -185,7 +207,13 @@ def run(args: argparse.Namespace) -> dict:
     del checkpoint
     report["load_s"] = round(time.perf_counter() - started, 1)
     report["attention_backend"] = engine.runner.backend.name
-    timer = ForwardTimer(engine.runner.model)
+    graphs = engine.runner.decode_graphs
+    report["cuda_graphs"] = (
+        {"buckets": list(graphs.buckets), "capture_s": round(graphs.capture_s, 2)}
+        if graphs is not None
+        else None
+    )
+    timer = ForwardTimer(engine.runner)
     report["parameters"] = params_total
     weight_bytes = 2 * (params_total - embedding)  # the embedding is gathered, not read whole
     kv_bytes_per_token = 2 * shape.num_hidden_layers * shape.kv_size * 2  # K and V, bf16
@@ -202,9 +230,10 @@ def run(args: argparse.Namespace) -> dict:
 
     report["decode"] = []
     for batch in args.batches:
-        result = bench_decode(engine, timer, batch, args.steps, bound)
-        log(f"decode {result}")
-        report["decode"].append(result)
+        for with_graphs in (True, False):
+            result = bench_decode(engine, timer, batch, args.steps, bound, with_graphs)
+            log(f"decode {result}")
+            report["decode"].append(result)
     report["prefill"] = bench_prefill(
         engine, timer, args.prefill_tokens, flops, report["matmul_bf16_tflops"]
     )
