@@ -38,7 +38,6 @@ from splitserve.common.loop_lag import LoopLag
 from splitserve.common.membership import Role
 from splitserve.common.memory_budget import StreamCap, stream_cap
 from splitserve.common.metrics import serve_metrics
-from splitserve.common.model_files import load_tokenizer, model_name_of, resolve_model_path
 from splitserve.common.settings import add_settings_args, settings_or_exit
 from splitserve.common.tracing import configure_tracing, shutdown_tracing
 from splitserve.coordinator import COORDINATOR_METRICS, INTERNAL_READY, PUBLIC_READY
@@ -53,6 +52,7 @@ from splitserve.coordinator.tenants import TenantLimits, TenantPolicy
 from splitserve.discovery.etcd_access import etcd_access
 from splitserve.discovery.etcd_watcher import EtcdMembershipWatcher
 from splitserve.discovery.flags import MembershipSettings
+from splitserve.engine.model_spec import model_tokenizer, served_model_name
 from splitserve.proto.api_key_auth import ApiKeyInterceptor
 from splitserve.proto.cluster_access import ClusterAccess, access_or_exit
 from splitserve.proto.server import RoleServer, serve_forever, start_server
@@ -128,9 +128,8 @@ def prepare(
     built_or_exit(parser, lambda: etcd_access(settings.membership))  # refused before serving
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role} %(levelname)s %(message)s")
     configure_tracing(role, settings.tracing.otlp_traces_endpoint)
-    model_path = resolve_model_path(settings.model)
-    config = _config_of(parser, settings, model_name_of(model_path))
-    coordinator = Coordinator(config, load_tokenizer(model_path), access)
+    config = _config_of(parser, settings, served_model_name(settings.model))
+    coordinator = Coordinator(config, model_tokenizer(settings.model), access)
     return PreparedCoordinator(settings, coordinator, access, keys)
 
 

@@ -39,13 +39,15 @@ class CoordinatorSettings:
     )
     model: str = setting(
         "default",
-        "model whose tokenizer and chat template to use; only workers announcing the same "
-        "checkpoint are routed to (a coordinator serves one model)",
+        "model whose tokenizer and chat template to use (a GGUF file, an HF folder, 'default' "
+        "or random:SHAPE[:SEED]); only workers announcing the same checkpoint are routed to (a "
+        "coordinator serves one model)",
     )
     served_model_name: str = setting(
         "",
         "comma-separated names requests may ask for the model by, the first reported "
-        "(default: the checkpoint's name: a GGUF file's stem or an HF folder's name)",
+        "(default: the checkpoint's name: a GGUF file's stem, an HF folder's name, "
+        "random-SHAPE for random:SHAPE)",
     )
     cpu_affinity: str | None = setting(None, "pin the process to these cores, e.g. '0' or '0-3'")
     max_inflight: int = setting(

@@ -44,7 +44,11 @@ class EngineSettings:
     offline commands' and every worker's parser are generated from it."""
 
     TITLE: ClassVar[str] = "engine"
-    model: str = setting(_DEFAULTS.model.model, "GGUF file, HF folder, or 'default'")
+    model: str = setting(
+        _DEFAULTS.model.model,
+        "GGUF file, HF folder, 'default', or random:SHAPE[:SEED] (random weights drawn on "
+        "--device at start: llama-8b, llama-1b, tiny; engine/random_shapes.py)",
+    )
     dtype: str = setting(
         _DEFAULTS.model.dtype,
         "compute dtype; auto = bf16 where the CPU has it",

@@ -24,7 +24,6 @@ from splitserve.common.errors import InvalidRequestError
 from splitserve.common.grammar import GrammarCompiler, GrammarSpec
 from splitserve.common.load import EngineLoad
 from splitserve.common.logprobs import TokenLogprob
-from splitserve.common.model_files import resolve_model_path
 from splitserve.common.prompt import check_in_vocab
 from splitserve.common.request_update import StepOutput
 from splitserve.common.sampling_params import SamplingParams
@@ -69,7 +68,7 @@ class EngineCore:
         self.dtype = resolve_dtype(config.model.dtype, device, computes=not simulated)
         native_quantized = _native_quantized(config, device, self.dtype)
         if checkpoint is None:
-            checkpoint = self._read_checkpoint(simulated, native_quantized)
+            checkpoint = self._read_checkpoint(simulated, native_quantized, device)
         self.checkpoint = replace(checkpoint, weights={}, quantized={})
         """The checkpoint's config and tokenizer; the loader's weights and blocks are dropped
         once the model holds its own copies."""
@@ -112,14 +111,16 @@ class EngineCore:
         """The share of recent wall time its steps spent on prompt tokens."""
         self._log_ready(device, simulated)
 
-    def _read_checkpoint(self, simulated: bool, native_quantized: bool) -> LoadedCheckpoint:
+    def _read_checkpoint(
+        self, simulated: bool, native_quantized: bool, device: torch.device
+    ) -> LoadedCheckpoint:
         """The configured model's checkpoint: its config and tokenizer only for a simulated
         engine, else its weights too, in ``self.dtype`` (``native_quantized``: quantized
-        blocks kept as they are)."""
-        path = resolve_model_path(self.config.model.model)
+        blocks kept as they are; a random model's drawn on ``device``)."""
+        model = self.config.model.model
         if simulated:
-            return describe_checkpoint(path)
-        return load_checkpoint(path, self.dtype, native_quantized)
+            return describe_checkpoint(model)
+        return load_checkpoint(model, self.dtype, native_quantized, device)
 
     def _make_runner(
         self, checkpoint: LoadedCheckpoint, device: torch.device, native_quantized: bool

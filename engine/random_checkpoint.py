@@ -5,17 +5,19 @@ A machine that cannot hold or fetch a real checkpoint (the lent GPU machines car
 ``expected_weight_shapes`` is drawn from a normal distribution (norm weights are ones), on the
 device asked for, from one seed. The same seed, shape and dtype give the same weights on every
 device when drawn on the CPU (``device="cpu"``; move them after), so a CPU engine and a CUDA
-engine can be compared on identical weights. The tokenizer is a word-level one over the
-vocabulary (``t0``, ``t1``, ...): engines see token ids only.
+engine can be compared on identical weights. The shapes (``SHAPES``: ``llama-8b``,
+``llama-1b``, ``tiny``) and the word tokenizer live in ``engine/random_shapes.py`` (torch-free)
+and are re-exported here.
 
-Presets (``SHAPES``): ``llama-8b`` (Llama 3 8B's shape), ``llama-1b`` (Llama 3.2 1B's,
-untied) and ``tiny`` (2 layers, hidden 256,
-GQA 8/2, vocab 512) for fast correctness checks.
+Two ways to serve one without fetching anything:
 
-``save_random_model`` writes such a checkpoint as an HF folder (``config.json``,
-``model.safetensors``, ``tokenizer.json`` with a plain chat template) that every role loads
-like any other model (``--model DIR``): a second, differently shaped model for a cluster that
-serves several (``splitserve up --extra-model DIR``), without fetching one::
+- ``--model random:SHAPE[:SEED]`` (``engine/random_shapes.py:RandomModelSpec``): nothing on
+  disk; each worker draws the weights at its start on its own device
+  (``random_model_checkpoint``; Llama-8B's 16 GB in about a second on a GPU);
+- ``save_random_model`` writes the checkpoint as an HF folder (``config.json``,
+  ``model.safetensors``, ``tokenizer.json`` with a plain chat template) that every role loads
+  like any other model (``--model DIR``): e.g. a second, differently shaped model for a
+  cluster that serves several (``splitserve up --extra-model DIR``)::
 
     python -m splitserve.engine.random_checkpoint --shape tiny --out /tmp/random-tiny
 """
@@ -29,83 +31,31 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
-import tokenizers
 import torch
 from safetensors.torch import save_file
 
-from splitserve.common.tokenizer import Tokenizer
-from splitserve.engine.checkpoint import LoadedCheckpoint, expected_weight_shapes
+from splitserve.engine.loaded_checkpoint import LoadedCheckpoint, expected_weight_shapes
 from splitserve.engine.model_config import ModelArchConfig
-
-SHAPES: dict[str, ModelArchConfig] = {
-    "llama-8b": ModelArchConfig(
-        name="random-llama-8b",
-        architecture="llama",
-        vocab_size=128256,
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        rms_norm_eps=1e-5,
-        rope_theta=500000.0,
-        max_position_embeddings=8192,
-        tie_word_embeddings=False,
-        eos_token_ids=(128001,),
-    ),
-    "llama-1b": ModelArchConfig(
-        name="random-llama-1b",
-        architecture="llama",
-        vocab_size=128256,
-        hidden_size=2048,
-        intermediate_size=8192,
-        num_hidden_layers=16,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=64,
-        rms_norm_eps=1e-5,
-        rope_theta=500000.0,
-        max_position_embeddings=8192,
-        tie_word_embeddings=False,
-        eos_token_ids=(128001,),
-    ),
-    "tiny": ModelArchConfig(
-        name="random-tiny",
-        architecture="llama",
-        vocab_size=512,
-        hidden_size=256,
-        intermediate_size=768,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=32,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        max_position_embeddings=2048,
-        tie_word_embeddings=False,
-        eos_token_ids=(1,),
-    ),
-}
-
-
-WORD_CHAT_TEMPLATE = (
-    "{% for message in messages %}{{ message['role'] }} {{ message['content'] }} {% endfor %}"
-    "{% if add_generation_prompt %}assistant {% endif %}"
+from splitserve.engine.random_shapes import (
+    SHAPES,
+    WORD_CHAT_TEMPLATE,
+    RandomModelSpec,
+    word_tokenizer,
 )
-"""The saved random models' chat template: each message as its role and content words."""
 
+__all__ = [
+    "SHAPES",
+    "WORD_CHAT_TEMPLATE",
+    "hf_config",
+    "random_checkpoint",
+    "random_model_checkpoint",
+    "save_random_model",
+    "word_tokenizer",
+]
 
-def word_tokenizer(
-    vocab_size: int, eos_token_id: int | None = None, chat_template: str | None = None
-) -> Tokenizer:
-    """A word-level tokenizer whose token ``i`` is the word ``t{i}`` (unknown words: ``t0``);
-    ``eos_token_id``: the word that ends generation, if any."""
-    vocab = {f"t{i}": i for i in range(vocab_size)}
-    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="t0"))
-    backend.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
-    eos = None if eos_token_id is None else f"t{eos_token_id}"
-    return Tokenizer(backend, eos_token=eos, chat_template=chat_template)
+STORED_DTYPE = torch.bfloat16
+"""The dtype a random model's weights are drawn in, as a checkpoint stores them: the same
+weights whatever dtype an engine then computes in (``random_model_checkpoint``)."""
 
 
 def random_checkpoint(
@@ -129,6 +79,18 @@ def random_checkpoint(
     return LoadedCheckpoint(
         config=config, weights=weights, tokenizer=word_tokenizer(config.vocab_size)
     )
+
+
+def random_model_checkpoint(
+    spec: RandomModelSpec, dtype: torch.dtype, device: torch.device | str = "cpu"
+) -> LoadedCheckpoint:
+    """The model ``spec`` names, drawn on ``device`` as a ``STORED_DTYPE`` checkpoint and cast
+    to ``dtype``, with the spec's tokenizer (``RandomModelSpec.tokenizer``). On the CPU its
+    weights equal those ``save_random_model(spec.shape, DIR, seed=spec.seed)`` writes, loaded
+    in ``dtype``; a CUDA device draws its own (the same for every run on CUDA)."""
+    drawn = random_checkpoint(spec.config, STORED_DTYPE, device, seed=spec.seed)
+    weights = {name: tensor.to(dtype) for name, tensor in drawn.weights.items()}
+    return LoadedCheckpoint(config=spec.config, weights=weights, tokenizer=spec.tokenizer())
 
 
 def hf_config(config: ModelArchConfig) -> dict[str, object]:
@@ -165,7 +127,7 @@ def save_random_model(
         config = replace(config, max_position_embeddings=max_model_len)
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    checkpoint = random_checkpoint(config, torch.bfloat16, seed=seed)
+    checkpoint = random_checkpoint(config, STORED_DTYPE, seed=seed)
     weights = {name: tensor.contiguous() for name, tensor in checkpoint.weights.items()}
     save_file(weights, str(folder / "model.safetensors"))
     (folder / "config.json").write_text(json.dumps(hf_config(config), indent=2) + "\n")

@@ -88,7 +88,11 @@ class UpSettings:
     internal_port: int = setting(
         50052, "coordinator's internal gRPC port, for workers (0: any free port)"
     )
-    model: str = setting("default", "GGUF file, HF folder, or 'default'")
+    model: str = setting(
+        "default",
+        "GGUF file, HF folder, 'default', or random:SHAPE[:SEED] (random weights each worker "
+        "draws on its device at start, no file: llama-8b, llama-1b, tiny)",
+    )
     extra_model: tuple[str, ...] = setting(
         (),
         "another model to serve beside --model (a GGUF file or an HF folder; python -m "

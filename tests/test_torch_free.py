@@ -34,6 +34,8 @@ TORCH_FREE_MODULES = (
     "splitserve.engine.scheduler",
     "splitserve.engine.request",
     "splitserve.engine.config",
+    "splitserve.engine.model_spec",  # the coordinator names a model through it
+    "splitserve.engine.random_shapes",
     "splitserve.launch.cli",  # the `splitserve` command table; torch only for generate / chat
     "splitserve.transfer.plan",
     "splitserve.coordinator.registry",

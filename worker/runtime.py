@@ -38,7 +38,6 @@ from splitserve.common.kv_push_cost import KvPushCosts
 from splitserve.common.load import EngineLoad, LoadReport
 from splitserve.common.membership import Role, WorkerInfo, hosted_worker_ids, member_id
 from splitserve.common.metrics import serve_metrics
-from splitserve.common.model_files import model_name_of, resolve_model_path
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.tracing import configure_tracing, shutdown_tracing
 from splitserve.discovery.etcd_access import etcd_access
@@ -48,6 +47,7 @@ from splitserve.engine.async_engine import AsyncEngine
 from splitserve.engine.cli_args import engine_config_from_args
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.device import dtype_refusal
+from splitserve.engine.model_spec import served_model_name
 from splitserve.engine.step_threads import BorrowedCores, StepThreads
 from splitserve.proto.cluster_access import ClusterAccess, access_or_exit
 from splitserve.proto.server import RoleServer, serve_forever, start_server
@@ -177,7 +177,7 @@ async def run_worker(
     ]
     await _warm_up(engine)
     await wait_out_startup(args)  # a simulated worker serves when the real one would
-    model_name = model_name_of(resolve_model_path(args.model))  # announced, and a metric label
+    model_name = served_model_name(args.model)  # announced, and a metric label
     if args.metrics_port >= 0:
         _serve_worker_metrics(args, engine, domains, model_name, label)
     for servicer, domain in zip(servicers, domains, strict=True):
