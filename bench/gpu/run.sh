@@ -3,7 +3,8 @@
 #
 #   bench/gpu/run.sh OUT_DIR [--dry]
 #
-# 1. installs the carried UCX wheels (.whl/, made here by `make gpu-wheels`) into /tmp/site;
+# 1. unpacks the carried packages (.gpu-site.tar.xz, made here by `make gpu-site`: UCX and the
+#    serving stack) into /tmp/site;
 # 2. runs every `gpu`-marked test (Triton kernels against their torch references on CUDA,
 #    bf16 and float32; the engine on CUDA, float32 greedy equal to the CPU engine);
 # 3. moves KV between two processes on the GPU over UCX (bench/bench_kv_transfer.py
@@ -87,13 +88,15 @@ if command -v nvidia-smi >/dev/null; then
     nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv >>"$log" 2>&1
 fi
 
-if [ $dry -eq 1 ]; then
-    skip wheels "dry mode"
-elif ls .whl/*.whl >/dev/null 2>&1; then
-    step wheels 45 "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-        --upgrade --target "$site" .whl/*.whl
+# The packages the image lacks: .gpu-site.tar.xz (make gpu-site), else .whl/ and .whl-serve/.
+if [ $dry -eq 1 ] && [ -f .gpu-site.tar.xz ]; then  # lists and unpacks it into a temporary folder
+    step site 45 "$py" bench/gpu/site.py check .gpu-site.tar.xz
+elif [ $dry -eq 1 ]; then
+    skip site "dry mode, no .gpu-site.tar.xz"
+elif [ -f .gpu-site.tar.xz ] || compgen -G ".whl*/*.whl" >/dev/null; then
+    step site 45 "$py" bench/gpu/site.py install "$site"
 else
-    skip wheels "no .whl/ folder: run make gpu-wheels before the call"
+    skip site "no .gpu-site.tar.xz: run make gpu-site before the call"
 fi
 step gpu-tests 150 "$py" -m pytest --noconftest -p no:cacheprovider -q -rfEs -m gpu \
     --junitxml="$out/gpu-tests.xml" tests/test_gpu_kernels.py tests/test_gpu_engine.py

@@ -3,11 +3,11 @@
 #
 #   bench/gpu/serve.sh OUT_DIR [DEVICE]
 #
-# installs the wheels that travelled into /tmp/site (.whl: UCX, `make gpu-wheels`; .whl-serve:
-# the serving stack's packages the GPU image lacks or has too old, `make gpu-serve-wheels`;
-# the two together exceed what one call carries, so a first call installs .whl and a second,
-# on the machine still warm, .whl-serve), links the repo as the package and runs
-# bench/gpu/serve_check.py on DEVICE (default cuda): OUT_DIR/serve_check.json, serve.log.
+# unpacks the packages that travelled into /tmp/site (.gpu-site.tar.xz, `make gpu-site`: UCX and
+# the serving stack's packages the GPU image lacks or has too old; bench/gpu/site.py, which
+# falls back to the wheels of .whl/ and .whl-serve/ and skips an archive run.sh already
+# unpacked), links the repo as the package and runs bench/gpu/serve_check.py on DEVICE
+# (default cuda): OUT_DIR/serve_check.json, serve.log.
 # DEVICE cpu installs nothing and runs in the caller's environment. SERVE_SHAPE: the random
 # model's shape (engine/random_checkpoint.py's SHAPES; default tiny).
 set -u -o pipefail
@@ -23,12 +23,7 @@ py=${PYTHON:-python3}
 site=/tmp/site
 path="$repo/bench${PYTHONPATH:+:$PYTHONPATH}"
 if [ "$device" != cpu ]; then  # a CPU machine runs with its own environment
-    for wheels in .whl .whl-serve; do
-        if ls "$repo/$wheels"/*.whl >/dev/null 2>&1; then
-            "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-                --target "$site" "$repo/$wheels"/*.whl || exit 2
-        fi
-    done
+    "$py" "$repo/bench/gpu/site.py" install "$site" --repo "$repo" || exit 2
     path="$site:$path"
 fi
 source "$repo/bench/gpu/stage.sh"
