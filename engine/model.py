@@ -5,7 +5,8 @@ a handful of large matmuls. Numerics mirror HF ``transformers``: RMSNorm in floa
 RoPE tables in the model dtype, logits cast to float32. In bf16 on CPU (and in the float32
 that ``--dtype auto`` picks) the residual add and the RMSNorm after it, the rotary embedding
 and SiLU * up run as C++ kernels (``kernels/cpu_fused_ops.py``); a float32 named by
-``--dtype float32`` keeps HF's ops. Where every projection reads its GGUF blocks, a
+``--dtype float32`` keeps HF's ops. On CUDA in bf16/fp16 those three steps are one Triton
+kernel each (``kernels/triton_fused_ops.py``). Where every projection reads its GGUF blocks, a
 decode-only step runs the whole layer loop in C (``kernels/cpu_decode_layers.py``, the same
 kernels and bits as the loop here).
 
@@ -15,10 +16,12 @@ only for the tokens listed in ``logits_indices`` (the last token of each samplin
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +48,9 @@ from splitserve.kernels.cpu_decode_layers import (
 )
 from splitserve.kernels.cpu_fused_ops import CpuFusedOps, load_cpu_fused_ops
 from splitserve.kernels.cpu_qgemv import MAX_ROWS, load_cpu_qgemv
+
+if TYPE_CHECKING:  # imported when used: the Triton kernels load on CUDA only
+    from splitserve.kernels.triton_fused_ops import TritonFusedOps
 
 
 @dataclass
@@ -144,6 +150,9 @@ class LlamaModel:
         )  # [positions, head_dim] each
         self.scale = config.head_dim**-0.5
         self._fused_ops = _fused_ops_for(dtype, device, fused_float32)
+        self._gpu_ops = _gpu_ops_for(dtype, device, config.num_attention_heads)
+        """On CUDA in bf16/fp16: the add + RMSNorm, rotary and SiLU * up as one Triton kernel
+        each (``kernels/triton_fused_ops.py``); None elsewhere."""
         self._decode_layers = self._decode_layers_for()
         self._decode_layers_max_rows = min(
             [MAX_ROWS, *(p.gemv_max_rows or MAX_ROWS for p in self._layer_projections())]
@@ -344,7 +353,7 @@ class LlamaModel:
             query_key = qkv[:, : cfg.q_size + cfg.kv_size].view(
                 num_tokens, q_heads + kv_heads, head_dim
             )
-            query_key = self._rotary(query_key, cos, sin)  # [tokens, q_heads + kv_heads, dim]
+            query_key = self._rotary(query_key, cos, sin, positions)  # [tokens, q + kv heads, dim]
             value = qkv[:, cfg.q_size + cfg.kv_size :].view(num_tokens, kv_heads, head_dim)
             attn = backend.forward(
                 query_key[:, :q_heads],
@@ -408,6 +417,8 @@ class LlamaModel:
     def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:  # [tokens, 2 * intermediate]
         """``silu(gate) * up`` ``[tokens, intermediate]``: the fused kernel where the fused ops
         are loaded (the C layer loop calls it too, so both give the same bits), else torch."""
+        if self._gpu_ops is not None:
+            return self._gpu_ops.silu_mul(gate_up)
         if self._fused_ops is not None:
             return self._fused_ops.silu_mul(gate_up.contiguous())
         gate, up = gate_up.chunk(2, dim=-1)
@@ -418,9 +429,13 @@ class LlamaModel:
         query_key: torch.Tensor,  # [tokens, heads, head_dim], a view of the qkv rows
         cos: torch.Tensor,  # [tokens, head_dim]
         sin: torch.Tensor,  # [tokens, head_dim]
+        positions: torch.Tensor,  # [tokens] int64
     ) -> torch.Tensor:
         """``apply_rotary``, in one call of the fused CPU kernel where it is loaded (bit for
-        bit the same result, ``kernels/cpu_fused_ops.py``)."""
+        bit the same result, ``kernels/cpu_fused_ops.py``), or of the Triton kernel on CUDA
+        in bf16/fp16 (in place, over the whole tables at ``positions``)."""
+        if self._gpu_ops is not None:
+            return self._gpu_ops.rotary(query_key, self.cos, self.sin, positions)
         if self._fused_ops is not None:
             return self._fused_ops.rotary(query_key, cos, sin)
         return apply_rotary(query_key, cos, sin)
@@ -433,6 +448,8 @@ class LlamaModel:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(hidden + delta, rms_norm(hidden + delta) * weight)``; no add when ``delta`` is
         None. With the fused CPU kernel ``hidden`` is updated in place."""
+        if self._gpu_ops is not None:
+            return self._gpu_ops.add_rms_norm(hidden, delta, weight, self.config.rms_norm_eps)
         if self._fused_ops is not None:
             normed = self._fused_ops.add_rms_norm(hidden, delta, weight, self.config.rms_norm_eps)
             return hidden, normed
@@ -450,6 +467,15 @@ def _fused_ops_for(
     if device.type != "cpu" or not takes:
         return None
     return load_cpu_fused_ops()
+
+
+def _gpu_ops_for(dtype: torch.dtype, device: torch.device, q_heads: int) -> TritonFusedOps | None:
+    """``TritonFusedOps`` on CUDA in bf16/fp16 where Triton is installed, else None."""
+    if device.type != "cuda" or importlib.util.find_spec("triton") is None:
+        return None
+    from splitserve.kernels.triton_fused_ops import FUSED_DTYPES, TritonFusedOps
+
+    return TritonFusedOps(q_heads) if dtype in FUSED_DTYPES else None
 
 
 class _WeightTaker:
