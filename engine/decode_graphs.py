@@ -204,7 +204,9 @@ class CudaGraphCapture:
                 run()
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: another thread's CUDA calls meanwhile (UCX's progress thread moving KV
+        # on its own streams) do not invalidate the capture; only this thread's would.
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             output = run()
         return graph, output
 
