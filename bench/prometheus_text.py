@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 
@@ -29,7 +28,10 @@ def metric_total(text: str, name: str, labels: Mapping[str, str] | None = None) 
 
 def scrape(url: str, timeout_s: float = 10.0) -> str:
     """The text served at a ``/metrics`` ``url`` (raises ``httpx.HTTPError`` when the scrape
-    fails: a figure that could not be read is not 0)."""
+    fails: a figure that could not be read is not 0). httpx is imported here, so
+    ``metric_total`` serves where only the serving stack is installed (a GPU image)."""
+    import httpx
+
     reply = httpx.get(url, timeout=timeout_s)
     reply.raise_for_status()
     return reply.text

@@ -91,8 +91,12 @@ class WorkloadConfig:
     poisson: bool = True
     """Exponential gaps (Poisson arrivals); False: evenly spaced gaps."""
     seed: int = 0
+    token_range: tuple[int, int] = PROMPT_TOKEN_RANGE
+    """Prompt token ids are drawn from ``[low, high)`` (a small model's vocabulary: lower)."""
 
     def __post_init__(self) -> None:
+        if not 0 <= self.token_range[0] < self.token_range[1]:
+            raise ValueError(f"token_range must be [low, high) with 0 <= low < high: {self}")
         if self.num_requests <= 0:
             raise ValueError("num_requests must be positive")
         if not self.rate > 0:
@@ -130,7 +134,7 @@ def build_workload(config: WorkloadConfig) -> list[RequestSpec]:
     arrivals_rng = random.Random(f"arrivals-{config.seed}")
     rng = random.Random(f"requests-{config.seed}")
     offsets = arrival_offsets(config.num_requests, config.rate, config.poisson, arrivals_rng)
-    low, high = PROMPT_TOKEN_RANGE
+    low, high = config.token_range
     requests = []
     for index, arrival in enumerate(offsets):
         input_len = config.input_len.sample(rng)

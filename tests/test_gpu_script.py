@@ -22,7 +22,7 @@ def test_dry_run_writes_every_step_and_skips_what_needs_cuda(tmp_path: Path) -> 
     env = {**os.environ, "PYTHON": sys.executable}
     result = subprocess.run(
         ["bash", str(REPO / "bench/gpu/run.sh"), str(out), "--dry"],
-        env=env, capture_output=True, text=True, timeout=120,
+        env=env, capture_output=True, text=True, timeout=240,
     )  # fmt: skip
     log = (out / "run.log").read_text()
     assert result.returncode == 0, log
@@ -37,6 +37,7 @@ def test_dry_run_writes_every_step_and_skips_what_needs_cuda(tmp_path: Path) -> 
         "kv-transfer": "passed",
         "kernel-bench": "skipped: dry mode",
         "step-times": "passed",
+        "serve-goodput": "passed",  # its CPU variant (tests/test_serve_goodput.py checks it)
     }
     tests = summary["gpu_tests"]
     # Every gpu-marked test was collected (none failed to import) and skipped for want of CUDA.
@@ -46,6 +47,7 @@ def test_dry_run_writes_every_step_and_skips_what_needs_cuda(tmp_path: Path) -> 
     assert summary["kv_transfer"] == {"skipped": "no CUDA device"}
     assert summary["step_times"] == {"skipped": "no CUDA device"}
     assert summary["kernel_bench"] == {"missing": "kernel_bench.json"}
+    assert summary["serve_goodput"]["model"] == "random:tiny"
     assert "splitserve from" in log
     assert ("every link resolves" in log) is carried
 

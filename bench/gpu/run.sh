@@ -13,12 +13,18 @@
 #    (bench/bench_kernels_gpu.py);
 # 5. times a Llama-8B-shaped decode step at batch 1/8/64 against the HBM bound and a prefill
 #    chunk against the bf16 matmul peak (bench/gpu/step_times.py);
-# 6. writes OUT_DIR/gpu-run.json (every step's status, seconds and results) beside
+# 6. serves: `splitserve up` (a coordinator, a prefill and a decode worker on the GPU) on random
+#    Llama-8B-shaped weights drawn at each worker's start (--model random:llama-8b), driven at
+#    three Poisson rates of a chat and a long-prompt workload: TTFT, ITL, output tok/s and
+#    goodput under an SLO, decode steps against the HBM bound (bench/gpu/serve_goodput.py;
+#    SERVE_GOODPUT_SHAPE=llama-1b where time is short);
+# 7. writes OUT_DIR/gpu-run.json (every step's status, seconds and results) beside
 #    OUT_DIR/run.log.
 #
-# Each step has its own time limit (together under 8 minutes) and a failed step does not stop
-# the next. --dry (or no CUDA device) skips what needs CUDA and runs the rest; `make test` runs
-# it so (tests/test_gpu_script.py). The exit status is 0 when every step that ran passed.
+# Each step has its own time limit (a whole run takes about 6 minutes on an H200, 4 of them
+# serving) and a failed step does not stop the next. --dry (or no CUDA device) skips what needs
+# CUDA and runs the rest; `make test` runs it so (tests/test_gpu_script.py). The exit status
+# is 0 when every step that ran passed.
 # PYTHON names the interpreter (default python3: the GPU image's, which holds torch).
 set -u -o pipefail
 
@@ -108,6 +114,14 @@ else
     step kernel-bench 45 bash -c '"$0" bench/bench_kernels_gpu.py >"$1"' "$py" "$out/kernel_bench.json"
 fi
 step step-times 130 "$py" bench/gpu/step_times.py --out "$out/step_times.json"
+# Serving goodput; dry: its CPU variant (the tiny shape on the CPU, about 20 s).
+if [ $dry -eq 1 ]; then
+    step serve-goodput 120 "$py" bench/gpu/serve_goodput.py --cpu-tiny \
+        --out "$out/serve_goodput.json"
+else
+    step serve-goodput 260 "$py" bench/gpu/serve_goodput.py \
+        --shape "${SERVE_GOODPUT_SHAPE:-llama-8b}" --out "$out/serve_goodput.json"
+fi
 rm -rf "$stage"
 
 "$py" bench/gpu/summarize.py "$out" --dry "$dry" >>"$log" 2>&1

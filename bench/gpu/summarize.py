@@ -2,8 +2,9 @@
 
 Reads what the run's steps left in ``OUT_DIR``: ``steps.tsv`` (name, status, seconds per
 step), ``gpu-tests.xml`` (pytest's JUnit report of the ``gpu``-marked tests),
-``kv_transfer.json``, ``kernel_bench.json`` and ``step_times.json`` (the benchmarks'
-reports); a missing file is recorded as missing, never guessed. Prints the summary JSON too.
+``kv_transfer.json``, ``kernel_bench.json``, ``step_times.json`` and ``serve_goodput.json``
+(the benchmarks' reports); a missing file is recorded as missing, never guessed. Prints the
+summary JSON too.
 
     python bench/gpu/summarize.py OUT_DIR --dry 0
 """
@@ -67,6 +68,7 @@ def summarize(out: Path, dry: bool) -> dict[str, object]:
         "kv_transfer": read_json(out / "kv_transfer.json"),
         "kernel_bench": read_json(out / "kernel_bench.json"),
         "step_times": read_json(out / "step_times.json"),
+        "serve_goodput": read_json(out / "serve_goodput.json"),
     }
 
 
