@@ -43,8 +43,8 @@ class FakeClient:
 
 
 def test_a_window_accounts_for_every_request(bench_modules: None) -> None:
+    from goodput_report import failure_reasons
     from rate_window import UNFINISHED, run_window
-    from serve_goodput import failure_reasons
     from workload import RequestSpec
 
     requests = [RequestSpec(i, 0.01 * i, (first, 9), 1) for i, first in enumerate((1, 2, 3, 1))]
