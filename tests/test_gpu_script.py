@@ -12,12 +12,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.test_serve_goodput import assert_cpu_variant_report
+
 REPO = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.slow  # the serving check of the same script runs by default
+@pytest.mark.timeout(300)
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the dry run is for machines without CUDA")
 def test_dry_run_writes_every_step_and_skips_what_needs_cuda(tmp_path: Path) -> None:
+    """The whole script as a lent machine runs it, minus what needs CUDA; its serving goodput
+    step runs its CPU variant (``assert_cpu_variant_report``)."""
     out = tmp_path / "gpu"
     env = {**os.environ, "PYTHON": sys.executable}
     result = subprocess.run(
@@ -47,7 +51,7 @@ def test_dry_run_writes_every_step_and_skips_what_needs_cuda(tmp_path: Path) -> 
     assert summary["kv_transfer"] == {"skipped": "no CUDA device"}
     assert summary["step_times"] == {"skipped": "no CUDA device"}
     assert summary["kernel_bench"] == {"missing": "kernel_bench.json"}
-    assert summary["serve_goodput"]["model"] == "random:tiny"
+    assert_cpu_variant_report(summary["serve_goodput"])
     assert "splitserve from" in log
     assert ("every link resolves" in log) is carried
 
@@ -67,3 +71,25 @@ def test_the_serving_check_passes_on_the_cpu(tmp_path: Path) -> None:
     assert report["equal_to_in_process"] == [True, True, True]
     assert report["cluster_stopped_cleanly"] is True
     assert report["kv_bytes_received"] > 0  # every prompt's KV crossed processes
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the dry run is for machines without CUDA")
+def test_steps_past_the_budget_are_skipped_saying_so(tmp_path: Path) -> None:
+    """With no time left in RUN_BUDGET_S every step is skipped, named, and the summary still
+    written: a lent machine's call ends with its results, not killed mid-step."""
+    out = tmp_path / "gpu"
+    env = {**os.environ, "PYTHON": sys.executable, "RUN_BUDGET_S": "25"}
+    result = subprocess.run(
+        ["bash", str(REPO / "bench/gpu/run.sh"), str(out), "--dry"],
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, (out / "run.log").read_text()
+    summary = json.loads((out / "gpu-run.json").read_text())
+    ran = [step for step in summary["steps"] if step["name"] != "site"]
+    assert [step["name"] for step in ran] == [
+        "gpu-tests", "kv-transfer", "kernel-bench", "step-times", "serve-goodput",
+    ]  # fmt: skip
+    for step in ran:
+        assert step["status"].startswith("skipped: out of time") or (
+            step["name"] == "kernel-bench" and step["status"] == "skipped: dry mode"
+        ), step

@@ -68,19 +68,10 @@ def test_decode_steps_against_the_hbm_bound(bench_modules: None) -> None:
     assert DecodeVsBound.of(window, None).fraction_of_hbm_bound is None
 
 
-@pytest.mark.timeout(150)
-def test_the_cpu_variant_runs_every_rate_and_loses_no_request(tmp_path: Path) -> None:
-    out = tmp_path / "serve_goodput.json"
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(BENCH), os.environ.get("PYTHONPATH", "")]),
-    }
-    result = subprocess.run(
-        [sys.executable, str(BENCH / "gpu/serve_goodput.py"), "--cpu-tiny", "--out", str(out)],
-        env=env, capture_output=True, text=True, timeout=140,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-4000:]
-    report = json.loads(out.read_text())
+def assert_cpu_variant_report(report: dict) -> None:
+    """What ``serve_goodput.py --cpu-tiny`` must report: every rate of both workloads run, each
+    request completed or counted failed with its reason, the SLO stated, the cluster stopped
+    cleanly (also checked on the dry run's summary, ``tests/test_gpu_script.py``)."""
     assert report["model"] == "random:tiny" and report["device"] == "cpu"
     assert report["slo"]["ttft_ms"] == 1000.0 and report["slo"]["mean_itl_ms"] == 30.0
     assert report["bounds"] == {"skipped": "no CUDA device asked for (--device cpu)"}
@@ -98,4 +89,20 @@ def test_the_cpu_variant_runs_every_rate_and_loses_no_request(tmp_path: Path) ->
             assert rate["goodput_req_per_s"] <= rate["request_per_s"]
             assert rate["engine"]["decode_steps"] > 0 or not rate["completed"]
         assert workload["rates"][0]["completed"] > 0
+
+
+@pytest.mark.slow  # the default suite's dry run of bench/gpu/run.sh runs the same variant
+@pytest.mark.timeout(150)
+def test_the_cpu_variant_runs_every_rate_and_loses_no_request(tmp_path: Path) -> None:
+    out = tmp_path / "serve_goodput.json"
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(BENCH), os.environ.get("PYTHONPATH", "")]),
+    }
+    result = subprocess.run(
+        [sys.executable, str(BENCH / "gpu/serve_goodput.py"), "--cpu-tiny", "--out", str(out)],
+        env=env, capture_output=True, text=True, timeout=140,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert_cpu_variant_report(json.loads(out.read_text()))
     assert (tmp_path / "serve_goodput.cluster.log").exists()

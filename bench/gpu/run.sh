@@ -22,7 +22,9 @@
 #    OUT_DIR/run.log.
 #
 # Each step has its own time limit (a whole run takes about 6 minutes on an H200, 4 of them
-# serving) and a failed step does not stop the next. --dry (or no CUDA device) skips what needs
+# serving), cut to what is left of RUN_BUDGET_S (default 570: one 10-minute device call, with
+# the summary's time kept back); a step that no longer fits is skipped, saying so. A failed
+# step does not stop the next. --dry (or no CUDA device) skips what needs
 # CUDA and runs the rest; `make test` runs it so (tests/test_gpu_script.py). The exit status
 # is 0 when every step that ran passed.
 # PYTHON names the interpreter (default python3: the GPU image's, which holds torch).
@@ -45,10 +47,20 @@ cd "$repo" || exit 2
 
 say() { echo "[gpu-run $(date +%T)] $*" | tee -a "$log" >&2; }
 
+budget=${RUN_BUDGET_S:-570}
+reserve=20  # kept back for the summary and a killed step's grace
+
 # step NAME LIMIT_S COMMAND...: runs it with its output in the log; records name, status, s.
+# The limit is cut to the budget left (less the reserve); under 10 s left, the step is skipped.
 step() {
     local name=$1 limit=$2
     shift 2
+    local left=$((budget - reserve - SECONDS))
+    if [ "$left" -lt 10 ]; then
+        skip "$name" "out of time (${SECONDS}s of the ${budget}s budget used)"
+        return
+    fi
+    [ "$limit" -gt "$left" ] && limit=$left
     say "step $name (limit ${limit}s): $*"
     local started=$SECONDS rc
     timeout --kill-after=10 "$limit" "$@" >>"$log" 2>&1
