@@ -1,13 +1,15 @@
 """KV transfer benchmark: bandwidth of a layer-wise KV push between two processes over UCX.
 
 Two processes on this machine, each with its own asyncio loop and its own ``UcxTransport``
-(same ``UcxSettings`` on both): this one plays the prefill worker (``LayerSender``), a child
-started with multiprocessing "spawn" plays the decode worker (``LayerReceiver``, the production
-receive path: every message received straight into its place in a KV cache tensor allocated as
-the decode worker allocates its own (``zeros_huge_pages``), as it receives into its reserved
-blocks; the regions come from ``kv_io.receive_destinations``). The child's UCX worker address
-and all control messages go through a ``multiprocessing.Pipe``; the control traffic is outside
-the timed part.
+(same ``UcxSettings`` on both): this one plays the prefill worker (``LayerSender``: one
+message per layer), a child started with multiprocessing "spawn" plays the decode worker
+(``LayerReceiver``, the production receive path: each layer's message received into the
+receiver's staging ring and copied into the reserved blocks of a KV cache tensor allocated as
+the decode worker allocates its own (``zeros_huge_pages``); the destination is a
+``transfer/destination.py:KvDestination`` of those blocks, as the decode worker makes it). The
+child's UCX worker address and all control messages go through a ``multiprocessing.Pipe``; the
+control traffic is outside the timed part. Every row reports the messages per transfer the
+sender counted (``LayerSender.messages_sent``): the number of layers.
 
 Devices (``--device``): ``cpu`` (the default) moves host memory, as the CPU workers do; ``cuda``
 moves GPU memory on one GPU (see "CUDA mode" below): the child's KV cache and the sender's
@@ -16,15 +18,15 @@ staging buffer are CUDA tensors, so UCX moves them with its CUDA transports, thr
 
 Workloads, cpu: the KV of a 128, 1024 and 4096 token prompt of the default model (SmolLM2-135M:
 30 layers, 3 KV heads, head_dim 64, block_size 16, bf16: 6 KiB per block for K and as much for
-V) received into consecutive blocks (one run: per layer one K and one V message), the
-1024-token prompt received into blocks in 4 runs (a fragmented cache: 8 messages per layer),
-and a 64 MiB "layer" (one 32 MiB K and one 32 MiB V message). Workloads, cuda: the KV of
-Llama-3-8B (32 layers, 8 KV heads, head_dim 128, block_size 16, bf16: 32 KiB per block for K
-and as much for V) of a 1024 and an 8192 token prompt (128 MiB and 1 GiB, one K and one V
-message per layer), the 1024-token prompt in 4 runs (256 messages of 512 KiB), and one "layer"
-of a 256 MiB K and a 256 MiB V message (512 MiB). The sender's source is already in the plan's
-block order, gathered layer by layer into a staging buffer as the prefill worker's engine
-thread does (``kv_io.staging_buffer``: huge pages on cpu), outside the transfer.
+V) received into consecutive blocks (one run), the 1024-token prompt received into blocks in 4
+runs (a fragmented cache: four copies out of staging per layer, still one message), and a 64 MiB
+"layer" (one message). Workloads, cuda: the KV of Llama-3-8B (32 layers, 8 KV heads, head_dim
+128, block_size 16, bf16: 32 KiB per block for K and as much for V) of a 1024 and an 8192 token
+prompt (128 MiB and 1 GiB, one message of 4 or 32 MiB per layer), the 1024-token prompt in 4
+runs (the same 32 messages, one indexed copy out of staging each), and one "layer" of a 256 MiB
+K and a 256 MiB V (one 512 MiB message). The sender's source is already in the plan's block
+order, gathered layer by layer into a staging buffer as the prefill worker's engine thread does
+(``kv_io.staging_buffer``: huge pages on cpu), outside the transfer.
 
 One repetition: the child zeroes its cache, posts its receiver and answers "ready". The sender
 then reads ``CLOCK_MONOTONIC`` (start), offers every layer at once (the transport's bandwidth,
@@ -62,12 +64,9 @@ GPUDirect do; skipped with ``--skip-tcp``). The checksum: the child gathers the 
 on the GPU, copies them to pinned host memory and sends the CRC32 of every 16 MiB chunk
 (computed on up to 8 threads: zlib releases the GIL). Baseline, in the same run in this
 process: torch ``copy_`` device-to-device of the same total bytes, timed between
-``torch.cuda.synchronize()`` calls, median of ``--reps`` after one warm-up; its GB/s counts
-the bytes copied once, as the transfer's does (not read + written). Also measured here: what
-the transport's size check costs per CUDA message (``size_check_copies``: the synchronous
-8-byte copy that writes a receive's canary before it is posted, and the one that reads it back
-when the receive completed, inside the timed part). No CPU-idle wait on cuda (a 0.25 s busy
-sample is recorded instead). Bounds: every wait for a transfer has
+``torch.cuda.synchronize()`` calls, median of ``--reps`` after one warm-up; its GB/s counts the
+bytes copied once, as the transfer's does (not read + written). No CPU-idle wait on cuda (a 0.25
+s busy sample is recorded instead). Bounds: every wait for a transfer has
 ``--transfer-timeout-s`` (default 20 s on cuda, 60 s on cpu), every other wait for the other
 process 60 s, so a hung or dead peer fails its configuration, never the bench; a configuration
 that fails (exception, timeout, a dead child) is recorded with its error text and the
@@ -89,9 +88,9 @@ and 15-25 s for the TCP one, 40-60 s in all; the budget caps a configuration tha
 slower than that.
 
 Usage: ``python bench/bench_kv_transfer.py [--device cpu|cuda] [--reps N] [--out [PATH]]
-[--skip-tcp]``; prints a table to stderr and the JSON report to stdout; ``--out`` also writes
-the report (default ``bench/results/kv-transfer-<date>.json``, ``kv-transfer-cuda-<date>.json``
-on cuda).
+[--skip-tcp] [--workloads NAME ...] [--configs NAME ...]``; prints a table to stderr and the
+JSON report to stdout; ``--out`` also writes the report (default
+``bench/results/kv-transfer-<date>.json``, ``kv-transfer-cuda-<date>.json`` on cuda).
 """
 
 from __future__ import annotations
@@ -134,6 +133,7 @@ from timing_stats import Json, machine_busy_fraction, wait_for_quiet
 from splitserve.engine.host_memory import empty_huge_pages
 from splitserve.transfer.layer_channel import LayerSender
 from splitserve.transfer.plan import new_transfer_secret
+from splitserve.transfer.staging import ring_depth
 from splitserve.transfer.ucx import UcxSettings, UcxTransport
 
 DEVICES = ("cpu", "cuda")
@@ -192,7 +192,12 @@ async def _time_transfers(
             synchronize(device)  # the staging buffer is written before UCX reads it
             seconds: list[float] = []
             mismatched_reps: list[int] = []
-            measured[workload.name] = {"seconds": seconds, "mismatched_reps": mismatched_reps}
+            messages: list[int] = []  # per rep, as the sender counted them
+            measured[workload.name] = {
+                "seconds": seconds,
+                "mismatched_reps": mismatched_reps,
+                "messages": messages,
+            }
             for rep in range(1 + args.reps):
                 transfer_id, secret = next(transfer_ids), new_transfer_secret()
                 conn.send((workload, transfer_id, secret))  # in production: the reservation
@@ -204,6 +209,7 @@ async def _time_transfers(
                 for layer in range(workload.num_layers):
                     sender.offer(layer, ordered[layer])
                 await sender.finish(args.transfer_timeout_s)
+                messages.append(sender.messages_sent)
                 end = await asyncio.to_thread(recv_within, conn)
                 if not isinstance(end, float):
                     raise RuntimeError(f"expected the child's end time, got {end!r}")
@@ -298,26 +304,6 @@ def device_copy_seconds(total_bytes: int, reps: int) -> list[float]:
     return seconds
 
 
-def size_check_copy_us(samples: int = 200) -> Json:
-    """What the UCX transport's size check costs per CUDA message, measured as it copies
-    (``ucx._TailCanary``): one synchronous 8-byte host-to-device ``copy_`` (before the receive
-    is posted, untimed in a transfer) and one 8-byte ``.cpu()`` (after it completed, inside the
-    timed part); median microseconds of each."""
-    tail = torch.zeros(64, dtype=torch.uint8, device="cuda")[-8:]
-    writes, reads = [], []
-    for _ in range(samples):
-        start = time.perf_counter()
-        tail.copy_(torch.frombuffer(bytearray(8), dtype=torch.uint8))
-        middle = time.perf_counter()
-        tail.cpu().numpy().tobytes()
-        writes.append(middle - start)
-        reads.append(time.perf_counter() - middle)
-    return {
-        "write_us_median": round(statistics.median(writes) * 1e6, 1),
-        "read_us_median": round(statistics.median(reads) * 1e6, 1),
-    }
-
-
 # ----------------------------------------------------------------------------- the run
 
 
@@ -326,7 +312,7 @@ def run(args: argparse.Namespace) -> Json:
     cuda = args.device == "cuda"
     if cuda:
         init_cuda()
-    work = workloads(args.device)
+    work = [w for w in workloads(args.device) if not args.workloads or w.name in args.workloads]
     baseline = "device_copy" if cuda else "memcpy"
     report: Json = {"device": args.device, "machine": machine_info(args.device)}
     if cuda:
@@ -336,7 +322,8 @@ def run(args: argparse.Namespace) -> Json:
     report["setup"] = {
         "device": args.device,
         "torch_threads_per_process": args.threads,
-        "receive": "straight into the reserved blocks of a cache tensor (no staging copy)"
+        "receive": "LayerReceiver: each layer's one message into a staging ring of "
+        "staging_depth layers (per workload), copied into the reserved blocks of a cache tensor"
         + (", on the GPU (torch, CUDA, zeros)" if cuda else ""),
         "baseline": baseline,
         baseline: "torch copy_ device to device, timed between torch.cuda.synchronize() calls; "
@@ -344,7 +331,7 @@ def run(args: argparse.Namespace) -> Json:
         if cuda
         else "libc memcpy, one thread",
         "timing": "sender CLOCK_MONOTONIC before the first offer -> receiver CLOCK_MONOTONIC "
-        "when LayerReceiver.wait returns (every message landed in the cache)",
+        "when LayerReceiver.wait returns (every layer landed in the cache, size-checked)",
         "byte_check": (
             f"CRC32 of each {CHECK_CHUNK_BYTES >> 20} MiB chunk of the reserved blocks "
             "(gathered on the GPU in block-table order, copied to host) against the source's"
@@ -367,8 +354,9 @@ def run(args: argparse.Namespace) -> Json:
             "num_layers": w.num_layers,
             "num_blocks": len(w.block_ids),
             "runs": w.plan.num_runs,
-            "messages": w.num_layers * w.plan.messages_per_layer,
-            "message_bytes": w.half_block_bytes * len(w.block_ids) // w.plan.num_runs,
+            "messages": w.num_layers,  # planned: one per layer (rows: as the sender counted)
+            "message_bytes": w.layer_bytes,
+            "staging_depth": ring_depth(w.num_layers, w.layer_bytes),
             "total_bytes": w.total_bytes,
         }
         for w in work
@@ -378,14 +366,13 @@ def run(args: argparse.Namespace) -> Json:
         w.name: bandwidth(w.total_bytes, copy_seconds(w.total_bytes, args.reps)) for w in work
     }
     report[baseline] = baselines
-    if cuda:
-        report["size_check_copies"] = size_check_copy_us()
     log(
         f"{baseline}: "
         + ", ".join(f"{name} {row['gbps_median']:.1f} GB/s" for name, row in baselines.items())
     )
     report["transfers"] = {}
-    for config in ucx_configs(args.skip_tcp, args.device):
+    configs = ucx_configs(args.skip_tcp, args.device)
+    for config in [c for c in configs if not args.configs or c.name in args.configs]:
         log(f"{config.name} ...")
         entry: Json = {"settings": asdict(config.settings)}
         if cuda:
@@ -410,6 +397,7 @@ def run(args: argparse.Namespace) -> Json:
             row = bandwidth(w.total_bytes, measured["seconds"])
             row[f"{baseline}_gbps"] = baselines[w.name]["gbps_median"]
             row[f"vs_{baseline}"] = round(row["gbps_median"] / baselines[w.name]["gbps_median"], 3)
+            row["messages_per_transfer"] = _one_count(measured["messages"])
             mismatched = measured["mismatched_reps"]
             row["byte_check"] = f"MISMATCH in reps {mismatched}" if mismatched else "ok"
             entry[w.name] = row
@@ -418,6 +406,11 @@ def run(args: argparse.Namespace) -> Json:
             write_report(args.out, report | {"complete": False})
     report["machine"]["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
     return report
+
+
+def _one_count(counts: Sequence[int]) -> int | list[int]:
+    """The messages every rep sent, or each rep's count where they differed."""
+    return counts[0] if len(set(counts)) == 1 else list(counts)
 
 
 def log(message: str) -> None:
@@ -443,6 +436,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--skip-tcp",
         action="store_true",
         help="skip the TCP configuration (UCX_TLS=tcp on cpu, cuda_copy,tcp on cuda)",
+    )
+    parser.add_argument(
+        "--workloads",
+        nargs="+",
+        metavar="NAME",
+        help="only these workloads (e.g. prompt-1024 prompt-1024-4runs); default: all",
+    )
+    parser.add_argument(
+        "--configs",
+        nargs="+",
+        metavar="NAME",
+        help="only these UCX configurations (e.g. 'ucx error_handling=off'); default: all",
     )
     parser.add_argument(
         "--wait-quiet-s",

@@ -1,7 +1,8 @@
 """The receiving process of ``bench_kv_transfer.py`` (the decode side: a child started with
-multiprocessing "spawn", receiving every transfer straight into a KV cache with
-``LayerReceiver``), and what the two processes share: the control pipe and its bounds, the
-system-wide clock both read, the byte check (CRC32), and the CUDA context UCX needs.
+multiprocessing "spawn", receiving every transfer into the reserved blocks of a KV cache with
+``LayerReceiver``, as the decode worker does), and what the two processes share: the control
+pipe and its bounds, the system-wide clock both read, the byte check (CRC32), and the CUDA
+context UCX needs.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ import torch
 from kv_transfer_workloads import UcxConfig, Workload
 
 from splitserve.engine.host_memory import zeros_huge_pages
+from splitserve.transfer.destination import KvDestination
 from splitserve.transfer.layer_channel import LayerReceiver
 from splitserve.transfer.ucx import UcxTransport
-from splitserve.worker.kv_io import receive_destinations
 
 CONTROL_TIMEOUT_S = 60.0
 """Bound on every wait for the other process (a crashed child fails the bench, never hangs)."""
@@ -128,8 +129,8 @@ async def _serve_receives(conn: Connection, config: UcxConfig, options: ChildOpt
                 caches[workload] = cache
             cache.zero_()
             synchronize(options.device)  # zeroed before any message may land
-            plan, destinations = receive_destinations(cache, workload.block_ids)
-            receiver = LayerReceiver(transport, transfer_id, secret, plan, destinations)
+            destination = KvDestination(cache, workload.block_ids)
+            receiver = LayerReceiver(transport, transfer_id, secret, destination)
             await asyncio.sleep(0.005)  # let the receiver post its receives
             conn.send("ready")
             await receiver.wait(options.transfer_timeout_s)

@@ -69,14 +69,17 @@ def _driver_version() -> str | None:
 
 
 def table(report: Json) -> str:
-    """GB/s medians: one row per workload, one column per UCX configuration, then the
-    baseline (memcpy on cpu, a device copy on cuda) and each ratio to it."""
+    """GB/s medians: one row per workload, its messages per transfer (as the sender counted
+    them in the first configuration that measured it, else as planned), one column per UCX
+    configuration, then the baseline (memcpy on cpu, a device copy on cuda) and each ratio to
+    it."""
     configs = list(report["transfers"])
     baseline = report["setup"]["baseline"]
     short = "copy" if baseline == "device_copy" else baseline
     header = [
         "workload",
         "MB",
+        "msgs",
         *configs,
         short,
         *(f"/{short} {i + 1}" for i in range(len(configs))),
@@ -85,10 +88,12 @@ def table(report: Json) -> str:
     for name, workload in report["workloads"].items():
         reference = report[baseline][name]["gbps_median"]
         cells = [report["transfers"][c].get(name) for c in configs]
+        counted = [cell["messages_per_transfer"] for cell in cells if cell]
         rows.append(
             [
                 name,
                 f"{workload['total_bytes'] / 1e6:.1f}",
+                str(counted[0] if counted else workload["messages"]),
                 *(
                     f"{cell['gbps_median']:.2f}{'' if cell['byte_check'] == 'ok' else '!'}"
                     if cell

@@ -13,6 +13,10 @@ from splitserve.transfer.ucx import UcxSettings
 
 BLOCK_SIZE = 16
 FRAGMENTED_RUNS = 4
+SPARE_BLOCKS = 16
+"""Blocks of the receiver's cache after the reserved ones (other requests' blocks): a decode
+worker's reservation is never all of its cache, so every workload is received as in
+production (through the receiver's staging ring, never straight into the cache)."""
 
 SMOLLM2_LAYERS = 30
 SMOLLM2_HALF_BLOCK_BYTES = 16 * 3 * 64 * 2
@@ -40,7 +44,7 @@ class Workload:
 
     @property
     def cache_blocks(self) -> int:
-        return max(self.block_ids) + 1
+        return max(self.block_ids) + 1 + SPARE_BLOCKS
 
     @property
     def layer_bytes(self) -> int:

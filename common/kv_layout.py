@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 from splitserve.common.errors import IncompatibleKvLayoutError
 
-LAYER_UNIT_LAYOUT = "K runs, V runs per layer; run=blocks,block_size,kv_heads,head_dim"
-"""What a message holds (``TransferPlan`` in ``transfer/plan.py``): the K or the V of one run
-of blocks of one layer, blocks in memory order. Peers built with another message format are
-refused."""
+LAYER_UNIT_LAYOUT = "one message per layer: K then V; block=block_size,kv_heads,head_dim"
+"""What a message holds (``transfer/plan.py``): one layer's K of every block that travels, then
+its V, blocks in the plan's order. Peers built with another message format (before it, one
+message per K or V of each run of blocks) are refused at the handshake, naming ``layout``."""
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,8 @@ token. The prefill worker pushes the layers and calls ``complete_kv`` with the f
 which waits until the last layer landed and lets the request join the running batch; the
 first token then opens the request's output stream like any other token.
 
-The KV lands straight in the reserved blocks (``kv_io.receive_destinations``). A reservation
+The KV lands in the reserved blocks: one message per layer, received into a small staging
+ring and copied into them (``transfer/layer_channel.py``, ``KvDestination``). A reservation
 starts with the longest prefix of the prompt this worker's prefix cache holds (a
 conversation's earlier turns, decoded here; ``Scheduler.reserve_for_remote_prefill``): those
 blocks are shared, not written, and the reservation tells the prefill worker to send only the
@@ -16,8 +17,9 @@ blocks after them (``KvReservation.num_cached_blocks``).
 Transfers nobody else can write into: each reservation gets a random 64-bit transfer id (names
 it in ``CompleteKv`` and logs) and a 128-bit secret from the CSPRNG (``new_transfer_secret``),
 sent only in the reservation; every UCX tag of the transfer derives from the secret
-(``plan.message_tag``), and the transport checks each message's size against its planned
-region, so a forged, stale or short message never counts as landed KV.
+(``plan.message_tag``), and the receiver checks each message's size against its planned
+layer (a canary, ``transfer/canary.py``), so a forged, stale or short message never counts as
+landed KV.
 
 Peer input: ``complete_kv`` accepts a first token only for the open transfer of that request
 (transfer id and request id both match) and only within bounds (``FirstToken.check``: token id
@@ -40,12 +42,12 @@ buffer and sent over the transport into the prefill worker's buffer, by its plan
 tags of its secret. Only the cached blocks of an open transfer, of the request it names,
 ever leave this way.
 
-Invariant: a reserved block goes back to the pool only once its receiver settled (no message
-can land in blocks that were handed to another request), on every exit path: stream closed by
-the caller, ``abort``, transfer failure, a failed engine step. The engine takes a *hold* (an
-extra reference) on the reserved blocks in the same command that reserves them; the request
-may end at any time, and the transfer gives the hold back once its receiver settled. Blocks
-of receives that never settle never return to the pool.
+Invariant: a reserved block goes back to the pool only once its receiver settled (nothing of
+the transfer can write into blocks that were handed to another request), on every exit path:
+stream closed by the caller, ``abort``, transfer failure, a failed engine step. The engine
+takes a *hold* (an extra reference) on the reserved blocks in the same command that reserves
+them; the request may end at any time, and the transfer gives the hold back once its receiver
+settled. Blocks of receives that never settle never return to the pool.
 """
 
 from __future__ import annotations
@@ -70,17 +72,13 @@ from splitserve.common.request_update import StepOutput
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.async_engine import AsyncEngine, RequestStream
 from splitserve.engine.engine_face import ReservedBlocks
+from splitserve.transfer.destination import KvDestination
 from splitserve.transfer.layer_channel import LayerReceiver, LayerSender
 from splitserve.transfer.plan import new_transfer_secret
 from splitserve.transfer.reservation import CachedKvPull, FirstToken, KvReservation
 from splitserve.transfer.transport import KvTransport
 from splitserve.worker.identity import WorkerIdentity
-from splitserve.worker.kv_io import (
-    gather_layer,
-    kv_layout_of,
-    receive_destinations,
-    staging_buffer,
-)
+from splitserve.worker.kv_io import gather_layer, kv_layout_of, staging_buffer
 from splitserve.worker.metrics import TransferMetrics
 from splitserve.worker.transfer_settings import TransferSettings
 
@@ -236,8 +234,9 @@ class DecodeWorker:
         try:
             # the new blocks: no step touches them until the prefill completes (PagedKv)
             cache = self.engine.paged_kv.cache
-            plan, destinations = receive_destinations(cache, reserved.receiving)
-            receiver = LayerReceiver(self.transport, transfer_id, secret, plan, destinations)
+            destination = KvDestination(cache, reserved.receiving)
+            plan = destination.plan
+            receiver = LayerReceiver(self.transport, transfer_id, secret, destination)
         except BaseException:
             self.engine.release_blocks(block_ids)  # no receive was posted
             raise

@@ -67,17 +67,13 @@ from splitserve.common.tracing import NO_SPAN, start_span
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.engine.engine_face import CompletedPrompt, PulledKv
 from splitserve.proto.worker_clients import DecodeWorkerClient, WorkerChannels
+from splitserve.transfer.destination import KvDestination
 from splitserve.transfer.layer_channel import LayerReceiver, LayerSender
 from splitserve.transfer.plan import new_transfer_secret
 from splitserve.transfer.reservation import CachedKvPull, FirstToken, KvReservation, PrefillDone
 from splitserve.transfer.transport import KvEndpoint, KvTransport
 from splitserve.worker.identity import WorkerIdentity
-from splitserve.worker.kv_io import (
-    gather_layer,
-    kv_layout_of,
-    receive_destinations,
-    staging_buffer,
-)
+from splitserve.worker.kv_io import gather_layer, kv_layout_of, staging_buffer
 from splitserve.worker.metrics import TransferMetrics
 from splitserve.worker.transfer_settings import TransferSettings
 
@@ -300,9 +296,10 @@ class PrefillWorker:
         """A receiver posted for the reservation's cached blocks after the ``held`` ones into
         ``staging``, under a secret of its own, and the ask for the decode worker to send
         them there (``PushCachedKv``)."""
-        plan, destinations = receive_destinations(staging, range(target.num_cached_blocks - held))
+        destination = KvDestination(staging, range(target.num_cached_blocks - held))  # straight
+        plan = destination.plan
         secret = new_transfer_secret()
-        receiver = LayerReceiver(self.transport, secrets.randbits(64), secret, plan, destinations)
+        receiver = LayerReceiver(self.transport, secrets.randbits(64), secret, destination)
         pull = CachedKvPull(
             target.transfer_id,
             request_id,

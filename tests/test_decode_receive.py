@@ -83,8 +83,8 @@ def test_aborted_reservation_frees_its_blocks_and_a_late_message_never_lands(
             # A message of the stale transfer arriving now is never received into the cache.
             cache = worker.engine.paged_kv.cache
             before = cache.clone()
-            k_bytes = reservation.num_blocks * 16 * 3 * 64 * 4  # float32 K of one run
-            message = torch.full((k_bytes,), 255, dtype=torch.uint8)
+            layer_bytes = 2 * reservation.num_blocks * 16 * 3 * 64 * 4  # float32 K and V
+            message = torch.full((layer_bytes,), 255, dtype=torch.uint8)  # layer 0's size
             endpoint = await transport.connect(transport.address)
             await endpoint.send(message_tag(reservation.transfer_secret, 0), message)
             assert torch.equal(cache.view(torch.uint8), before.view(torch.uint8))

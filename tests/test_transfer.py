@@ -1,7 +1,8 @@
-"""KV transfer: layer-wise sender/receiver over the in-process and the UCX transport, straight
-into the receiver's KV-cache blocks; the transports' ``withdraw``. How a layer is cut into
-messages, messages of the wrong size and the KV layout check: ``test_transfer_messages.py``;
-the fake cache and the link both use: ``transfer_support.py``.
+"""KV transfer: layer-wise sender/receiver over the in-process and the UCX transport, one
+message per layer into the receiver's KV-cache blocks (through the staging ring, or straight
+into a destination that is one region); the transports' ``withdraw``. A layer's message,
+destinations, messages of the wrong size and the KV layout check:
+``test_transfer_messages.py``; the fake cache and the link both use: ``transfer_support.py``.
 
 Every transport test runs for both backends. UCX runs inside this one process: the transport
 sends to its own worker address. ``ucxx`` allows one application context per process, so the
@@ -32,6 +33,8 @@ from splitserve.common.errors import (
     TransferTimeoutError,
 )
 from splitserve.common.event_wait import wait_event
+from splitserve.transfer import staging
+from splitserve.transfer.destination import KvDestination
 from splitserve.transfer.layer_channel import (
     LayerReceiver,
     LayerSender,
@@ -39,18 +42,20 @@ from splitserve.transfer.layer_channel import (
 )
 from splitserve.transfer.plan import TransferPlan, message_tag, new_transfer_secret
 from splitserve.transfer.transport import KvEndpoint, KvTransport
-from splitserve.worker.kv_io import receive_destinations
 from tests.transfer_support import (
+    CACHE_BLOCKS,
     LATE_S,
     NUM_LAYERS,
     SCATTERED,
     SMOLLM2_BF16,
     WAIT_S,
+    ForwardingTransport,
     Link,
     _StalledEndpoint,
     _transfer_ids,
     as_bytes,
     assert_zero,
+    counting_link,
     let_late_sends_run,
     new_cache,
     open_link,
@@ -60,6 +65,21 @@ from tests.transfer_support import (
 from tests.waiting import suspended_task, until
 
 pytestmark = pytest.mark.timeout(60)
+
+RING_DEPTH = 4
+"""Slots of a receiver's staging ring in these tests: fewer than ``NUM_LAYERS``, so that a
+transfer wraps around its ring (by default a ring holds every layer of these small ones)."""
+
+
+@pytest.fixture(autouse=True)
+def _small_rings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rings of ``RING_DEPTH`` slots, all made at once whatever earlier tests left made."""
+
+    def depth(num_layers: int, message_bytes: int) -> int:
+        return min(num_layers, RING_DEPTH)
+
+    monkeypatch.setattr(layer_channel, "ring_depth", depth)
+    monkeypatch.setattr(staging, "EAGER_BYTES", 1 << 62)
 
 
 def assert_bit_equal(actual: torch.Tensor, expected: torch.Tensor) -> None:
@@ -76,6 +96,7 @@ class Transfer:
     cache: torch.Tensor
     kv: torch.Tensor
     plan: TransferPlan
+    secret: bytes
     sender: LayerSender
     receiver: LayerReceiver
 
@@ -94,13 +115,14 @@ def make_transfer(
     worker reserves before the push."""
     block_ids = list(block_ids)
     cache = new_cache() if cache is None else cache
-    plan, destinations = receive_destinations(cache, block_ids)
+    destination = KvDestination(cache, block_ids)
+    plan = destination.plan
     transfer_id, secret = next(_transfer_ids), new_transfer_secret()
-    receiver = LayerReceiver(link.receiver, transfer_id, secret, plan, destinations)
+    receiver = LayerReceiver(link.receiver, transfer_id, secret, destination)
     loop = asyncio.get_running_loop()
     sender = LayerSender(link.endpoint, transfer_id, secret, NUM_LAYERS, plan, loop)
     kv = random_kv(len(block_ids))
-    return Transfer(block_ids, cache, kv, plan, sender, receiver)
+    return Transfer(block_ids, cache, kv, plan, secret, sender, receiver)
 
 
 def offer_from_thread(transfer: Transfer, order: Sequence[int]) -> None:
@@ -126,10 +148,15 @@ async def offer(transfer: Transfer, order: Sequence[int]) -> None:
 # ----------------------------------------------------------------------------- arrival
 
 
+EVERY_BLOCK = list(reversed(range(CACHE_BLOCKS)))
+"""A block table of all of the cache's blocks: each layer's destination is one region, so its
+message is received straight into the cache (no staging)."""
+
+
 @pytest.mark.parametrize(
     "block_ids",
-    [[5], list(range(8)), SCATTERED],
-    ids=["one-block", "contiguous", "scattered"],
+    [[5], list(range(8)), SCATTERED, EVERY_BLOCK],
+    ids=["one-block", "contiguous", "scattered", "every-block"],
 )
 def test_layers_offered_from_engine_thread_land_bit_exact_in_the_reserved_blocks(
     transport_kind: str, block_ids: list[int]
@@ -151,6 +178,62 @@ def test_layers_offered_from_engine_thread_land_bit_exact_in_the_reserved_blocks
             assert receiver.layers_received == NUM_LAYERS and receiver.settled
             await receiver.abort()  # a terminal transfer stays as it is
             assert receiver.state is TransferState.DONE and receiver.settled
+
+    asyncio.run(body())
+
+
+@pytest.mark.parametrize(
+    "block_ids", [list(range(8)), SCATTERED, EVERY_BLOCK], ids=["one-run", "4-runs", "straight"]
+)
+def test_a_transfer_is_one_message_per_layer_whatever_its_runs(
+    transport_kind: str, block_ids: list[int]
+) -> None:
+    """As many messages as layers, sent and received, whatever the destination's runs; through
+    staging at most ``RING_DEPTH`` receives are posted at a time (the ring), straight every
+    layer's at once."""
+
+    async def body() -> None:
+        async with counting_link(transport_kind) as (link, endpoint, receiver_side):
+            transfer = make_transfer(link, block_ids)
+            await offer(transfer, range(NUM_LAYERS))
+            await transfer.sender.finish(WAIT_S)
+            await transfer.receiver.wait(WAIT_S)
+
+            assert_bit_equal(transfer.landed(), transfer.kv)
+            transfer.assert_untouched_elsewhere()
+            assert transfer.sender.messages_sent == endpoint.sent == NUM_LAYERS
+            assert transfer.receiver.receives_posted == receiver_side.posted == NUM_LAYERS
+            straight = block_ids is EVERY_BLOCK
+            assert receiver_side.most_at_once <= (NUM_LAYERS if straight else RING_DEPTH)
+
+    asyncio.run(body())
+
+
+def test_a_ring_past_the_eager_budget_grows_once_its_first_layer_landed(
+    transport_kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A receiver made when the process's rings hold their budget already (queued
+    reservations): two receives posted until the first layer landed, then the rest of its
+    ring; the transfer lands bit-exact all the same, and its ring is released once DONE."""
+    monkeypatch.setattr(staging, "EAGER_BYTES", 0)
+
+    async def body() -> None:
+        async with counting_link(transport_kind) as (link, _, receiver_side):
+            before = staging.made_bytes()
+            transfer = make_transfer(link, SCATTERED)
+            receiver = transfer.receiver
+            await until(lambda: receiver_side.posted == staging.MIN_DEPTH, WAIT_S, "posted")
+            await asyncio.sleep(0.05)  # not a wait: time for a wrong post to show
+            assert receiver.receives_posted == staging.MIN_DEPTH
+            await offer(transfer, [0])
+            await until(lambda: receiver.layers_received == 1, WAIT_S, "layer 0")
+            assert receiver.receives_posted == RING_DEPTH + 1  # grown, and layer 4 into slot 0
+            await offer(transfer, range(1, NUM_LAYERS))
+            await transfer.sender.finish(WAIT_S)
+            await receiver.wait(WAIT_S)
+            assert_bit_equal(transfer.landed(), transfer.kv)
+            transfer.assert_untouched_elsewhere()
+            assert staging.made_bytes() == before  # released once settled
 
     asyncio.run(body())
 
@@ -182,7 +265,7 @@ def test_concurrent_transfers_into_one_cache_land_in_their_own_blocks(
             cache = new_cache()
             first = make_transfer(link, [7, 1, 2, 14, 20], cache)
             second = make_transfer(link, [3, 0, 15, 16, 8], cache)
-            assert first.plan.messages_per_layer == second.plan.messages_per_layer  # same tags
+            assert first.plan.num_blocks == second.plan.num_blocks  # same sizes, other tags
             await asyncio.gather(offer(second, [0, 1, 2]), offer(first, range(NUM_LAYERS)))
             await offer(second, [3, 4, 5])
             await asyncio.gather(first.sender.finish(WAIT_S), second.sender.finish(WAIT_S))
@@ -276,6 +359,49 @@ def test_receiver_abort_mid_transfer_settles_and_later_layers_never_land(
     asyncio.run(body())
 
 
+class _GatedTransport(ForwardingTransport):
+    """``inner``'s receive side, whose receives return only once ``gate`` is set: a message
+    has landed in its buffer (``landed`` counts them) but the receiver does not know yet."""
+
+    def __init__(self, inner: KvTransport) -> None:
+        super().__init__(inner)
+        self.landed = 0
+        self.gate = asyncio.Event()
+
+    async def recv(self, tag: int, buffer: torch.Tensor) -> None:
+        await self.inner.recv(tag, buffer)
+        self.landed += 1
+        await self.gate.wait()
+
+
+def test_receiver_abort_with_layers_in_staging_never_scatters_them(transport_kind: str) -> None:
+    """Messages that landed in the staging ring but were not copied into the blocks when the
+    receiver stops are never copied there, not even when their receives return after the stop:
+    the blocks stay zero, then and after the sender's other layers came."""
+
+    async def body() -> None:
+        async with open_link(transport_kind) as link:
+            gated = _GatedTransport(link.receiver)
+            transfer = make_transfer(Link(gated, link.endpoint), SCATTERED)
+            receiver = transfer.receiver
+            await offer(transfer, [0, 1])
+            await until(lambda: gated.landed == 2, WAIT_S, "layers 0 and 1 in staging")
+            stopping = asyncio.ensure_future(receiver.abort())
+            await asyncio.sleep(0.05)  # the stop has begun: withdrawn, waiting to settle
+            gated.gate.set()  # the receives of layers 0 and 1 return now, after the stop
+            await asyncio.wait_for(stopping, WAIT_S)
+            assert receiver.state is TransferState.ABORTED and receiver.settled
+            assert receiver.layers_received == 0
+            assert_zero(transfer.cache)
+
+            await offer(transfer, range(2, NUM_LAYERS))  # the sender did not hear of the abort
+            await let_late_sends_run(transfer.sender)
+            assert_zero(transfer.cache)
+            assert receiver.layers_received == 0
+
+    asyncio.run(body())
+
+
 def test_receiver_abort_before_any_layer(transport_kind: str) -> None:
     async def body() -> None:
         async with open_link(transport_kind) as link:
@@ -331,9 +457,9 @@ class _SendsInFlight(_StalledEndpoint):
 
 def test_sender_abort_with_sends_in_flight_fails_finish() -> None:
     async def body() -> None:
-        plan = TransferPlan.for_destination([4, 2])  # two runs: four messages per layer
+        plan = TransferPlan.for_destination([4, 2])  # two runs: still one message per layer
         loop = asyncio.get_running_loop()
-        endpoint = _SendsInFlight(NUM_LAYERS * plan.messages_per_layer)
+        endpoint = _SendsInFlight(NUM_LAYERS)
         sender = LayerSender(endpoint, 1, new_transfer_secret(), NUM_LAYERS, plan, loop)
         for layer in range(NUM_LAYERS):
             sender.offer(layer, torch.zeros(2, 2, 16, dtype=torch.uint8))
@@ -418,11 +544,9 @@ def test_receives_in_flight_past_the_deadline_settle_later(
     monkeypatch.setattr(layer_channel, "SETTLE_TIMEOUT_S", 0.2)
 
     async def body() -> None:
-        plan, destinations = receive_destinations(new_cache(), SCATTERED)
-        transport = _LateTransport(NUM_LAYERS * plan.messages_per_layer)
-        receiver = LayerReceiver(
-            transport, next(_transfer_ids), new_transfer_secret(), plan, destinations
-        )
+        transport = _LateTransport(RING_DEPTH)  # the ring's receives
+        destination = KvDestination(new_cache(), SCATTERED)
+        receiver = LayerReceiver(transport, next(_transfer_ids), new_transfer_secret(), destination)
         assert await wait_event(transport.all_posted, WAIT_S), "every receive posted"
         await asyncio.gather(receiver.abort(), receiver.abort())  # concurrent stops share one
         assert not receiver.settled
@@ -443,20 +567,21 @@ def test_receiver_whose_receives_never_settle_is_not_settled(
     monkeypatch.setattr(layer_channel, "SETTLE_TIMEOUT_S", 0.2)
 
     async def body() -> None:
-        plan, destinations = receive_destinations(new_cache(), SCATTERED)
-        transport = _StuckTransport(NUM_LAYERS * plan.messages_per_layer)
+        transport = _StuckTransport(RING_DEPTH)  # the ring's receives
         secret = new_transfer_secret()
-        receiver = LayerReceiver(transport, next(_transfer_ids), secret, plan, destinations)
+        destination = KvDestination(new_cache(), SCATTERED)
+        receiver = LayerReceiver(transport, next(_transfer_ids), secret, destination)
         assert await wait_event(transport.all_posted, WAIT_S), "every receive posted"
         started = time.monotonic()
+        made = staging.made_bytes()
         await receiver.abort()
         assert time.monotonic() - started < 2.0  # bounded by SETTLE_TIMEOUT_S
         assert receiver.state is TransferState.ABORTED
         assert not receiver.settled  # the owner must quarantine the blocks
-        expected = {
-            message_tag(secret, index) for index in range(NUM_LAYERS * plan.messages_per_layer)
-        }
-        assert set(transport.withdrawn) == expected  # every receive was withdrawn
+        assert staging.made_bytes() == made  # and its ring is never reused
+        expected = {message_tag(secret, layer) for layer in range(RING_DEPTH)}
+        assert set(transport.withdrawn) == expected  # every posted receive was withdrawn
+        assert len(transport.posted) == RING_DEPTH  # and no later layer was posted
         assert "must not be reused until they settle" in caplog.text
         # asyncio.run cancels the stuck receives
 

@@ -1,6 +1,6 @@
-"""``TransferPlan``: how one request's KV is cut into tagged messages that land straight in
-the decode worker's reserved blocks (runs of consecutive block ids, K runs then V runs per
-layer), and the tag packing. Pure: the module is torch-free."""
+"""``TransferPlan``: in which order one request's blocks travel (one message per layer, blocks
+in ascending destination id) and their runs of consecutive block ids, and the message tags.
+Pure: the module is torch-free."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def test_contiguous_blocks_are_one_run_in_table_order() -> None:
     plan = TransferPlan.for_destination(range(4, 12))
     assert plan.block_order == tuple(range(8))
     assert plan.run_lengths == (8,)
-    assert (plan.num_blocks, plan.num_runs, plan.messages_per_layer) == (8, 1, 2)
+    assert (plan.num_blocks, plan.num_runs) == (8, 1)
     assert plan.run_offsets() == [0]
 
 
@@ -52,7 +52,7 @@ def test_reversed_blocks_are_one_run_carried_in_ascending_block_order() -> None:
 
 def test_one_block() -> None:
     plan = TransferPlan.for_destination([13])
-    assert (plan.block_order, plan.run_lengths, plan.messages_per_layer) == ((0,), (1,), 2)
+    assert (plan.block_order, plan.run_lengths) == ((0,), (1,))
 
 
 def test_scattered_blocks_are_cut_into_maximal_runs_of_consecutive_ids() -> None:
@@ -62,7 +62,7 @@ def test_scattered_blocks_are_cut_into_maximal_runs_of_consecutive_ids() -> None
     assert plan.block_order == (7, 3, 4, 0, 1, 2, 6, 5)
     assert runs_of(block_ids, plan) == [[0], [3, 4], [9, 10, 11], [19, 20]]
     assert plan.run_offsets() == [0, 1, 3, 6]
-    assert (plan.num_blocks, plan.num_runs, plan.messages_per_layer) == (8, 4, 8)
+    assert (plan.num_blocks, plan.num_runs) == (8, 4)
 
 
 def test_ids_one_apart_in_the_table_but_not_in_value_are_separate_runs() -> None:
@@ -125,23 +125,7 @@ def test_constructor_accepts_a_valid_plan() -> None:
     assert plan == TransferPlan((2, 0, 1), (1, 2))  # a value: compared by content
 
 
-# ----------------------------------------------------------------------------- messages
-
-
-def test_message_indices_are_layer_major_k_runs_then_v_runs() -> None:
-    plan = TransferPlan((0, 1, 2, 3, 4), (2, 1, 2))  # three runs: six messages per layer
-    assert plan.message_index(0, 0, 0) == 0
-    assert [plan.message_index(0, 0, run) for run in range(3)] == [0, 1, 2]  # K of each run
-    assert [plan.message_index(0, 1, run) for run in range(3)] == [3, 4, 5]  # then V
-    assert plan.message_index(1, 0, 0) == 6  # the next layer follows
-    num_layers = 4
-    indices = [
-        plan.message_index(layer, kv, run)
-        for layer in range(num_layers)
-        for kv in range(2)
-        for run in range(plan.num_runs)
-    ]
-    assert indices == list(range(num_layers * plan.messages_per_layer))  # dense, in order
+# ----------------------------------------------------------------------------- tags
 
 
 def test_the_same_secret_and_index_give_the_same_tag() -> None:
@@ -160,17 +144,14 @@ def test_different_secrets_give_different_tags() -> None:
     assert message_tag(one_bit_off, 0) != message_tag(secrets[0], 0)
 
 
-def test_message_tags_are_unique_across_transfers_and_messages() -> None:
-    plan = TransferPlan.for_destination([9, 10, 11, 3, 4, 20, 19, 0])
+def test_message_tags_are_unique_across_transfers_and_layers() -> None:
     num_layers = 30
     tags = [
-        message_tag(secret, plan.message_index(layer, kv, run))
+        message_tag(secret, layer)  # message index = layer
         for secret in (new_transfer_secret() for _ in range(4))
         for layer in range(num_layers)
-        for kv in range(2)
-        for run in range(plan.num_runs)
     ]
-    assert len(set(tags)) == len(tags) == 4 * num_layers * plan.messages_per_layer
+    assert len(set(tags)) == len(tags) == 4 * num_layers
 
 
 def test_tags_are_not_the_old_packed_transfer_id_and_index() -> None:

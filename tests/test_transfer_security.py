@@ -1,6 +1,6 @@
 """KV transfers nobody can forge: a message aimed at reserved blocks with a guessed tag never
-lands there, a message shorter than its planned region fails the transfer, and the transfer
-still completes bit for bit with the real sender's KV. Both transports (UCX in this one
+lands there, a layer's message shorter than planned fails the transfer naming the layer, and
+the transfer still completes bit for bit with the real sender's KV. Both transports (UCX in this one
 process, see ``test_transfer.py``), a float32 KV cache compared byte for byte.
 
 The secret crosses the wire intact, only at its size, and never shows in a repr; the
@@ -22,10 +22,10 @@ import torch
 from splitserve.common.errors import InvalidRequestError, TransferError
 from splitserve.proto import convert
 from splitserve.proto.worker_clients import RelayedReservation
+from splitserve.transfer.destination import KvDestination
 from splitserve.transfer.layer_channel import LayerReceiver, LayerSender, TransferState
 from splitserve.transfer.plan import TransferPlan, message_tag, new_transfer_secret
 from splitserve.transfer.reservation import KvReservation
-from splitserve.worker.kv_io import receive_destinations
 from tests.transfer_support import WAIT_S, Link, let_late_sends_run, open_link
 
 pytestmark = pytest.mark.timeout(60)
@@ -35,7 +35,7 @@ CACHE_BLOCKS = 16
 BLOCK_SHAPE = (4, 2, 8)
 """block_size, kv_heads, head_dim: small, so every message goes eagerly (no rendezvous)."""
 RESERVED = [9, 10, 2, 3, 4, 13]
-"""Three runs (2-4; 9-10; 13): six messages per layer."""
+"""Three runs (2-4; 9-10; 13): still one message per layer."""
 OLD_MESSAGE_BITS = 20
 """The old tag packing this guards against: ``transfer_id << 20 | message index``."""
 
@@ -53,18 +53,13 @@ class Reservation:
 
     @property
     def num_messages(self) -> int:
-        return NUM_LAYERS * self.plan.messages_per_layer
+        return NUM_LAYERS  # one per layer
 
     def message_bytes(self) -> list[int]:
-        """Planned size of each message, by index: the K or V of one run."""
+        """Planned size of each message, by index (the layer): K and V of every block."""
         block_size, kv_heads, head_dim = BLOCK_SHAPE
         block_bytes = block_size * kv_heads * head_dim * 4  # float32
-        return [
-            length * block_bytes
-            for _layer in range(NUM_LAYERS)
-            for _half in range(2)
-            for length in self.plan.run_lengths
-        ]
+        return [2 * self.plan.num_blocks * block_bytes] * NUM_LAYERS
 
     def sender(self, link: Link) -> LayerSender:
         """The legitimate prefill side's sender of this transfer."""
@@ -76,11 +71,11 @@ class Reservation:
 
 def reserve(link: Link) -> Reservation:
     cache = torch.zeros(NUM_LAYERS, 2, CACHE_BLOCKS, *BLOCK_SHAPE, dtype=torch.float32)
-    plan, destinations = receive_destinations(cache, RESERVED)
+    destination = KvDestination(cache, RESERVED)
     transfer_id = secrets.randbelow((1 << (64 - OLD_MESSAGE_BITS)) - 2) + 1
     secret = new_transfer_secret()
-    receiver = LayerReceiver(link.receiver, transfer_id, secret, plan, destinations)
-    return Reservation(cache, plan, transfer_id, secret, receiver)
+    receiver = LayerReceiver(link.receiver, transfer_id, secret, destination)
+    return Reservation(cache, destination.plan, transfer_id, secret, receiver)
 
 
 def real_kv() -> torch.Tensor:
@@ -114,14 +109,9 @@ async def forge(link: Link, tags: Sequence[int], sizes: Sequence[int]) -> None:
 
 
 def assert_nothing_landed(reservation: Reservation) -> None:
-    """The cache is still zero, but for the last 8 bytes of each posted receive's region,
-    where the UCX transport keeps that receive's random canary (``ucx.py``, Sizes)."""
-    cache = reservation.cache.clone()
-    _, regions = receive_destinations(cache, RESERVED)  # views of the copy
-    for layer in regions:
-        for region in layer:
-            region[-8:] = 0
-    assert not cache.view(torch.uint8).any()
+    """The cache is still all zero (the receives and their canaries are in the receiver's
+    staging, never in the cache)."""
+    assert not reservation.cache.view(torch.uint8).any()
 
 
 def assert_landed_exactly(reservation: Reservation, kv: torch.Tensor) -> None:
@@ -152,25 +142,29 @@ def test_messages_with_guessed_tags_never_land_and_the_real_kv_does(transport_ki
     asyncio.run(body())
 
 
-def test_a_message_shorter_than_planned_fails_the_transfer(transport_kind: str) -> None:
-    """The holder of the secret sends message 4 (layer 0: the V of the second run) two floats
-    short, before any other: the transfer fails at once naming it, never completing as if the
-    region were filled. (Two floats: UCX's canary sees a message at least 8 bytes short, see
-    ``ucx.py``; the in-process transport any shortfall, see ``test_transfer.py``.)"""
+@pytest.mark.parametrize("layer", [0, 1])
+def test_a_message_shorter_than_planned_fails_the_transfer(transport_kind: str, layer: int) -> None:
+    """The holder of the secret sends layer ``layer``'s message two floats short (after a
+    full layer 0 for layer 1): the transfer fails naming that layer, never completing as if
+    its blocks were filled. (Two floats: the receiver's canary sees a message at least 8 bytes
+    short, see ``canary.py``; the in-process transport any shortfall.)"""
 
     async def body() -> None:
         async with open_link(transport_kind) as link:
             reservation = reserve(link)
             sizes = reservation.message_bytes()
-            index = 4
-            short = torch.ones(sizes[index] // 4 - 2, dtype=torch.float32).view(torch.uint8)
-            tag = message_tag(reservation.secret, index)
+            if layer == 1:
+                full = torch.ones(sizes[0] // 4, dtype=torch.float32).view(torch.uint8)
+                await link.endpoint.send(message_tag(reservation.secret, 0), full)
+            short = torch.ones(sizes[layer] // 4 - 2, dtype=torch.float32).view(torch.uint8)
+            tag = message_tag(reservation.secret, layer)
             sending = asyncio.ensure_future(link.endpoint.send(tag, short))
-            expected = rf"message {index} \(layer 0\): .*has (at most )?{short.numel()} bytes"
+            expected = rf"layer {layer}: .*has (at most )?{short.numel()} bytes"
             with pytest.raises(TransferError, match=expected):
                 await reservation.receiver.wait(WAIT_S)
             assert reservation.receiver.state is TransferState.FAILED
             assert reservation.receiver.settled  # the other receives were withdrawn
+            assert reservation.receiver.layers_received == layer  # never the short one
             await asyncio.wait_for(sending, WAIT_S)
             others = [block for block in range(CACHE_BLOCKS) if block not in RESERVED]
             assert not reservation.cache[:, :, others].view(torch.uint8).any()
@@ -179,8 +173,8 @@ def test_a_message_shorter_than_planned_fails_the_transfer(transport_kind: str) 
             before = reservation.cache.clone()
             late = reservation.sender(link)
             kv = real_kv()
-            for layer in range(NUM_LAYERS):
-                late.offer(layer, kv[layer][:, list(reservation.plan.block_order)])
+            for late_layer in range(NUM_LAYERS):
+                late.offer(late_layer, kv[late_layer][:, list(reservation.plan.block_order)])
             await let_late_sends_run(late)
             assert torch.equal(reservation.cache.view(torch.uint8), before.view(torch.uint8))
             assert reservation.receiver.state is TransferState.FAILED

@@ -1,6 +1,7 @@
 """What the KV transfer tests share (``test_transfer.py``, ``test_transfer_messages.py``, and
 ``test_transfer_security.py`` through ``test_transfer.py``): the fake decode-side KV cache and
-its layout, a one-way link over either transport, and the bounds every wait keeps.
+its layout, a one-way link over either transport, a link that counts its messages, and the
+bounds every wait keeps.
 
 The receiving side is a fake paged KV cache ``[layers, 2, blocks, block_size, kv_heads,
 head_dim]`` of zeros; the sending side random bf16 bytes of the same shape.
@@ -112,6 +113,69 @@ async def let_late_sends_run(sender: LayerSender) -> None:
     sender.abort()
     with contextlib.suppress(TransferError):
         await finish
+
+
+class CountingEndpoint(KvEndpoint):
+    """``inner``, counting the messages sent through it."""
+
+    def __init__(self, inner: KvEndpoint) -> None:
+        self.sent = 0
+        self._inner = inner
+
+    async def send(self, tag: int, buffer: torch.Tensor) -> None:
+        self.sent += 1
+        await self._inner.send(tag, buffer)
+
+
+class ForwardingTransport(KvTransport):
+    """``inner`` as it is; subclasses watch or hold up its receives."""
+
+    def __init__(self, inner: KvTransport) -> None:
+        self.name = inner.name
+        self.inner = inner
+
+    @property
+    def address(self) -> bytes:
+        return self.inner.address
+
+    async def connect(self, address: bytes) -> KvEndpoint:
+        return await self.inner.connect(address)
+
+    async def recv(self, tag: int, buffer: torch.Tensor) -> None:
+        await self.inner.recv(tag, buffer)
+
+    async def withdraw(self, tag: int) -> None:
+        await self.inner.withdraw(tag)
+
+
+class CountingTransport(ForwardingTransport):
+    """``inner``'s receive side, counting the receives posted and the most of them posted and
+    not yet returned at once."""
+
+    def __init__(self, inner: KvTransport) -> None:
+        super().__init__(inner)
+        self.posted = 0
+        self.most_at_once = 0
+        self._open = 0
+
+    async def recv(self, tag: int, buffer: torch.Tensor) -> None:
+        self.posted += 1
+        self._open += 1
+        self.most_at_once = max(self.most_at_once, self._open)
+        try:
+            await self.inner.recv(tag, buffer)
+        finally:
+            self._open -= 1
+
+
+@contextlib.asynccontextmanager
+async def counting_link(
+    kind: str,
+) -> AsyncIterator[tuple[Link, CountingEndpoint, CountingTransport]]:
+    """``open_link(kind)`` with its endpoint and its receiving side counted."""
+    async with open_link(kind) as link:
+        endpoint, receiver = CountingEndpoint(link.endpoint), CountingTransport(link.receiver)
+        yield Link(receiver, endpoint), endpoint, receiver
 
 
 class _StalledEndpoint(KvEndpoint):

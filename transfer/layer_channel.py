@@ -1,36 +1,65 @@
-"""One request's KV, pushed layer by layer: ``LayerSender`` (prefill) and ``LayerReceiver``
-(decode), on top of a ``KvTransport``.
+"""One request's KV, pushed layer by layer as one tagged message per layer: ``LayerSender``
+(prefill) and ``LayerReceiver`` (decode), on top of a ``KvTransport``.
 
-The receiver posts every receive up front, straight into the destination memory (the decode
-worker's reserved KV blocks): no staging buffer, no scatter copy. A ``TransferPlan`` cuts each
-layer into messages that are contiguous there (K or V of a run of consecutive blocks); the
-sender gets the prompt's blocks of one layer as ``[2, num_blocks, ...]`` in the plan's
-``block_order`` and sends each message as a slice of it.
+The sender gets the prompt's blocks of one layer as ``[2, num_blocks, ...]`` in the plan's
+``block_order`` (one contiguous tensor, ``kv_io.gather_layer``) and sends it as it is, tag
+``message_tag(secret, layer)`` (``plan.py``): a transfer is ``layers`` messages whatever the
+number of runs its destination has.
+
+The receiver lands each layer in its ``KvDestination``: straight, when the destination is one
+contiguous region (``KvDestination.whole``: every layer's receive is posted at once), else
+through a *staging ring* (``staging.py``): layer ``n`` is received into slot ``n % depth``; once
+its receive completed, the receiver copies the slot into the layer's blocks
+(``KvDestination.scatter``) and posts the receive of layer ``n + depth`` into the same slot, in
+the receive's own task. A message sent before its receive is posted waits: at the sender (UCX
+rendezvous moves no data before the receive is posted) or, below UCX's eager threshold, as a
+copy in UCX's unexpected-message queue.
+
+Staging memory, per receiving transfer: its ring, at most ``max(staging.STAGING_BYTES, 2
+layers)`` (32 MiB: all 30 layers of a 1,024-token prompt of the default model, 8 of a
+1,024-token Llama-8B prompt's 32), made with the receiver, or only two layers of it while the
+process's rings hold ``staging.EAGER_BYTES`` already (the rest once its first layer landed);
+released once settled (host slots are kept for reuse, ``staging.KEEP_BYTES`` per process). None
+for a straight destination. On CUDA it is device memory, and the copy out of it a device copy
+queued on the transfer stream (``device_order.py``).
+
+Sizes: a message must fill its buffer exactly. A longer one fails its receive in the transport;
+a shorter one UCX completes silently (``ucx.py``, Sizes), so the receiver checks every layer
+with a canary (``canary.py``), armed in the tail of the layer's buffer before its receive is
+posted and read back once it completed. Guarantee: no layer counts as received, and the
+transfer never ends DONE, when a message stopped at least 8 bytes short of its layer's size (an
+empty one included): it fails the transfer with a ``TransferError`` naming the layer ("layer
+n: ... has at most m bytes") as soon as that layer's receive completed, whatever layer the
+receiver is waiting for. A message 1 to 7 bytes short passes (``canary.py``, Limits). A
+receive the transport fails (a longer message), whatever its layer, fails the transfer at once,
+naming the layer. A short layer may have been copied into its blocks before its check: a
+failed transfer's blocks hold no KV anyone may use (the decode worker gives them back without a
+prefix hash), as a short message received straight into them did.
+
+No synchronous device round trip per message: on CUDA the canary copies and the copy out of
+staging are queued on the transfer stream, and a layer's receive task waits, off the event
+loop, for the one fence it needs anyway before it reuses the slot (``device_order.Fence``).
 
 State machine of both sides (``TransferState``): PENDING -> ACTIVE -> DONE, or FAILED
-(transport error, timeout) / ABORTED (cancelled locally) from PENDING or ACTIVE. Terminal
-states never change. No wait is unbounded: ``LayerSender.finish`` and ``LayerReceiver.wait``
-take a timeout, so a dead peer turns into ``TransferTimeoutError``.
+(transport error, size error, timeout) / ABORTED (cancelled locally) from PENDING or ACTIVE.
+Terminal states never change. No wait is unbounded: ``LayerSender.finish`` and
+``LayerReceiver.wait`` take a timeout, so a dead peer turns into ``TransferTimeoutError``.
 
-Tags: message ``i`` of a transfer travels under ``plan.message_tag(transfer_secret, i)``; the
-``transfer_id`` only names the transfer in errors and logs.
-
-Sizes: every message must fill its destination exactly. The transport checks each received
-message's size (``KvTransport.recv``; UCX misses only a message 1 to 7 bytes short, see
-``ucx.py``); a receive that fails, whatever its layer, fails the whole transfer at once with a
-``TransferError`` naming the message (index and layer), so a short message never counts as
-landed.
+Tags: message ``layer`` of a transfer travels under ``plan.message_tag(transfer_secret,
+layer)``; the ``transfer_id`` only names the transfer in errors and logs.
 
 Thread contract: ``LayerSender.offer`` may be called from the engine thread (it copies nothing
 and hands the tensor to the loop); everything else runs on the transport's event loop.
 
-Destination invariant: once a ``LayerReceiver`` is terminal and ``settled`` is True, no message
-can land in its destinations any more, so their owner may reuse them. A receive cannot be
-cancelled, so a stopping receiver *withdraws* each receive no message matched yet (see
-``KvTransport.withdraw``) and waits, bounded by ``SETTLE_TIMEOUT_S``, until all of them
-settled. ``settled`` stays False only if some receive is still in flight then (a message
-matched but its data has not come): the owner must not reuse that memory before
-``until_settled`` returns, which may be never.
+Destination invariant: once a ``LayerReceiver`` is terminal and ``settled`` is True, nothing
+of its transfer writes into its destination (nor its staging) any more: no receive is still
+posted and no scatter is queued or running, so the owner may reuse that memory. A stopped
+receiver scatters and posts nothing more. A receive cannot be cancelled, so a stopping
+receiver *withdraws* each posted receive no message matched yet (``KvTransport.withdraw``) and
+waits, bounded by ``SETTLE_TIMEOUT_S``, until all of them settled and its last scatter ran.
+``settled`` stays False only if some receive is still in flight then (a message matched but
+its data has not come): the owner must not reuse that memory before ``until_settled``
+returns, which may be never.
 """
 
 from __future__ import annotations
@@ -38,7 +67,6 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-from collections.abc import Sequence
 
 import torch
 
@@ -47,7 +75,11 @@ from splitserve.common.errors import (
     TransferError,
     TransferTimeoutError,
 )
+from splitserve.transfer.canary import LayerCanaries
+from splitserve.transfer.destination import KvDestination
+from splitserve.transfer.device_order import Fence, follow_current, on_stream, transfer_stream
 from splitserve.transfer.plan import TransferPlan, message_tag
+from splitserve.transfer.staging import StagingRing, ring_depth
 from splitserve.transfer.transport import KvEndpoint, KvTransport
 
 logger = logging.getLogger(__name__)
@@ -73,22 +105,17 @@ def as_transfer_bytes(kv: torch.Tensor) -> torch.Tensor:
     return kv.contiguous().view(-1).view(torch.uint8)
 
 
-def layer_messages(plan: TransferPlan, kv: torch.Tensor) -> list[torch.Tensor]:
-    """One layer's messages in plan order: ``kv`` is ``[2, num_blocks, ...]`` with its blocks
-    in ``plan.block_order``; message ``kv * num_runs + run`` is the K (kv=0) or V (kv=1) of one
-    run, a contiguous uint8 view (no copy when ``kv`` is contiguous)."""
+def layer_message(plan: TransferPlan, kv: torch.Tensor) -> torch.Tensor:
+    """One layer's message: ``kv`` is ``[2, num_blocks, ...]`` with its blocks in
+    ``plan.block_order``; a contiguous uint8 view of it (no copy when ``kv`` is contiguous)."""
     if kv.dim() < 2 or kv.shape[0] != 2 or kv.shape[1] != plan.num_blocks:
         raise ValueError(f"expected [2, {plan.num_blocks}, ...] KV, got {tuple(kv.shape)}")
-    kv = kv.contiguous()
-    return [
-        as_transfer_bytes(kv[half, offset : offset + length])
-        for half in range(2)
-        for offset, length in zip(plan.run_offsets(), plan.run_lengths, strict=True)
-    ]
+    return as_transfer_bytes(kv)
 
 
 class LayerSender:
-    """Sends the layers of one request to one peer as the engine produces them."""
+    """Sends the layers of one request to one peer as the engine produces them: one message
+    per layer."""
 
     def __init__(
         self,
@@ -105,30 +132,27 @@ class LayerSender:
         self.plan = plan
         self.state = TransferState.PENDING
         self.bytes_sent = 0
+        self.messages_sent = 0
+        """Messages handed to the endpoint (one per layer offered in time)."""
         self._endpoint = endpoint
         self._loop = loop
-        self._sends: dict[int, asyncio.Future[list[None]]] = {}  # layer -> its messages' sends
+        self._sends: dict[int, asyncio.Future[None]] = {}  # layer -> its message's send
         self._all_offered = asyncio.Event()
 
     def offer(self, layer: int, kv: torch.Tensor) -> None:
         """Thread-safe: start sending ``kv`` (``[2, num_blocks, ...]``: this request's blocks of
         ``layer`` in ``plan.block_order``)."""
-        self._loop.call_soon_threadsafe(self._start_send, layer, layer_messages(self.plan, kv))
+        self._loop.call_soon_threadsafe(self._start_send, layer, layer_message(self.plan, kv))
 
-    def _start_send(self, layer: int, messages: list[torch.Tensor]) -> None:
+    def _start_send(self, layer: int, message: torch.Tensor) -> None:
         if self.state.is_terminal or layer in self._sends:
             return
         self.state = TransferState.ACTIVE
-        first = self.plan.message_index(layer, 0, 0)
-        sends = asyncio.gather(
-            *(
-                self._endpoint.send(message_tag(self._secret, first + index), message)
-                for index, message in enumerate(messages)
-            )
-        )
-        sends.add_done_callback(_retrieve)  # stopped sends nobody awaits log nothing
-        self._sends[layer] = sends
-        self.bytes_sent += sum(message.numel() for message in messages)
+        send = asyncio.ensure_future(self._endpoint.send(message_tag(self._secret, layer), message))
+        send.add_done_callback(_retrieve)  # stopped sends nobody awaits log nothing
+        self._sends[layer] = send
+        self.messages_sent += 1
+        self.bytes_sent += message.numel()
         if len(self._sends) == self.num_layers:
             self._all_offered.set()
 
@@ -176,21 +200,23 @@ class LayerSender:
         self._all_offered.set()
 
 
-def _retrieve(sends: asyncio.Future[list[None]]) -> None:
-    """Mark a layer's sends' failure as seen: ``finish`` raises what matters, and a transfer
+def _retrieve(send: asyncio.Future[None]) -> None:
+    """Mark a layer's send's failure as seen: ``finish`` raises what matters, and a transfer
     stopped before ``finish`` awaited every layer would otherwise leave asyncio's "exception
     was never retrieved" in the log for each of them."""
-    if not sends.cancelled():
-        sends.exception()
+    if not send.cancelled():
+        send.exception()
 
 
 class LayerReceiver:
-    """Receives the layers of one request straight into their destinations.
+    """Receives the layers of one request into ``destination``, one message per layer (see
+    the module docstring: straight or through the staging ring, canaries, settling).
 
-    ``destinations[layer][i]`` is where message ``i`` of ``layer`` lands (plan order: K of each
-    run, then V of each run; contiguous uint8, exactly the message's size). Every receive is
-    posted at construction. A layer counts as received when all its messages landed; the
-    transfer is DONE when every layer did.
+    The first receives (every layer's when straight, one per slot made of the ring through
+    staging) are posted when the receiver's task first runs, after the fence that orders their
+    canaries (at once on the CPU); each later one when the layer before it in its slot landed.
+    A layer counts as received once its message landed in its blocks and passed its size
+    check; the transfer is DONE when every layer did.
     """
 
     def __init__(
@@ -198,58 +224,111 @@ class LayerReceiver:
         transport: KvTransport,
         transfer_id: int,
         transfer_secret: bytes,
-        plan: TransferPlan,
-        destinations: Sequence[Sequence[torch.Tensor]],
+        destination: KvDestination,
     ) -> None:
-        for layer, buffers in enumerate(destinations):
-            if len(buffers) != plan.messages_per_layer:
-                raise ValueError(
-                    f"layer {layer} has {len(buffers)} destinations, the plan "
-                    f"{plan.messages_per_layer} messages"
-                )
         self.transfer_id = transfer_id
-        self.num_layers = len(destinations)
+        self.num_layers = destination.num_layers
         self.state = TransferState.PENDING
         self.settled = False
-        """True once no receive of this transfer can write into its destinations any more."""
+        """True once nothing of this transfer can write into its destination any more."""
         self._transport = transport
+        self._secret = transfer_secret
+        self._destination = destination
         self._layers_received = 0
         loop = asyncio.get_running_loop()
         self._first_failure: asyncio.Future[asyncio.Future[None]] = loop.create_future()
         """Set to the first receive that failed: the transfer fails at once, whatever layer."""
-        # layer -> its messages' receives, posted now (each task posts when it first runs)
-        self._receives: list[list[tuple[int, asyncio.Future[None]]]] = []
-        for layer, buffers in enumerate(destinations):
-            first = plan.message_index(layer, 0, 0)
-            posted = []
-            for index, buffer in enumerate(buffers):
-                tag = message_tag(transfer_secret, first + index)
-                receive = asyncio.ensure_future(self._receive(first + index, layer, tag, buffer))
-                receive.add_done_callback(self._note_failure)
-                posted.append((tag, receive))
-            self._receives.append(posted)
+        self._receives: dict[int, tuple[int, asyncio.Future[None]]] = {}
+        """Layer -> its tag and receive, for each layer posted so far."""
+        device, size = destination.device, destination.message_bytes
+        self._canaries = LayerCanaries(self.num_layers, size, device)
+        self._straight = self.num_layers == 0 or destination.whole(0) is not None
+        self._depth = self.num_layers if self._straight else ring_depth(self.num_layers, size)
+        self._ring: StagingRing | None = None  # through staging, until settled
+        if not self._straight:
+            self._ring = StagingRing(self._depth, size, device)
+        self._first_posted = self._depth if self._ring is None else self._ring.made
+        self._stream = transfer_stream(device)
+        follow_current(self._stream, device)  # staging, destination and canaries made there
+        with on_stream(self._stream):
+            for layer in range(self._first_posted):
+                self._canaries.arm(layer, self._buffer(layer))
+            self._fence = Fence(self._stream)
+            """The transfer's device work so far (canaries, scatters) on its stream."""
         self._task = loop.create_task(self._run())
         self._settle_task: asyncio.Task[None] | None = None
 
     @property
     def layers_received(self) -> int:
-        """Layers 0..n-1 whose every message landed, counted in layer order (all of them once
-        DONE)."""
+        """Layers 0..n-1 that landed in their blocks and passed their size check, counted in
+        layer order (all of them once DONE)."""
         return self._layers_received
 
-    async def _receive(self, index: int, layer: int, tag: int, buffer: torch.Tensor) -> None:
-        """One message's receive; a transport failure (a message of another size among them)
-        becomes a ``TransferError`` naming the message."""
+    @property
+    def receives_posted(self) -> int:
+        """Receives posted so far: at most one per layer."""
+        return len(self._receives)
+
+    def _buffer(self, layer: int) -> torch.Tensor:
+        """Where ``layer``'s message is received: its destination, or its slot of the ring
+        (while the receiver holds it: until settled)."""
+        if self._ring is not None:
+            return self._ring.slot(layer)
+        whole = self._destination.whole(layer)
+        assert whole is not None, "a receiver through staging has no buffer once settled"
+        return whole
+
+    def _post(self, layer: int) -> None:
+        tag = message_tag(self._secret, layer)
+        receive = asyncio.ensure_future(self._receive(layer, tag, self._buffer(layer)))
+        receive.add_done_callback(self._note_failure)
+        self._receives[layer] = (tag, receive)
+
+    async def _receive(self, layer: int, tag: int, buffer: torch.Tensor) -> None:
+        """One layer's receive, then its landing (``_land``); a transport failure (a longer
+        message among them) or a short message becomes a ``TransferError`` naming the layer."""
         try:
             await self._transport.recv(tag, buffer)
         except TransferError as error:
-            message = f"transfer {self.transfer_id}: message {index} (layer {layer}): {error}"
+            message = f"transfer {self.transfer_id}: layer {layer}: {error}"
         else:
-            return
+            short = await self._land(layer, buffer)
+            if short is None:
+                return
+            message = short
         raise TransferError(message)  # outside the except: no chained UCX error keeps frames
 
+    async def _land(self, layer: int, buffer: torch.Tensor) -> str | None:
+        """After ``layer``'s message came into ``buffer``, unless the receiver stopped: read
+        its canary, copy it into its blocks (through staging), arm the canary of the layer that
+        takes the slot next, wait for that work's fence, check the size and post that next
+        layer's receive. Returns the failure's text for a short message, else None.
+
+        Here, in the receive's own task, so that the next receive into the slot is posted
+        without another trip through the event loop; a stopped receiver copies and posts
+        nothing more, and its settling waits for this task (so for its fence)."""
+        if self.state.is_terminal:
+            return None
+        following = layer + self._depth  # the next layer into this buffer, if any
+        grown = self._ring.grow() if self._ring is not None else range(0)
+        with on_stream(self._stream):
+            self._canaries.read(layer, buffer)
+            if not self._straight:
+                self._destination.scatter(layer, buffer)
+            for later in [*grown, following]:
+                if later < self.num_layers:
+                    self._canaries.arm(later, self._buffer(later))
+            self._fence = fence = Fence(self._stream)  # covers every earlier one (one stream)
+        await fence.wait()
+        if self._canaries.short(layer):
+            return self._short_message(layer)
+        for later in [*grown, following]:
+            if later < self.num_layers and not self.state.is_terminal:
+                self._post(later)
+        return None
+
     def _all_receives(self) -> list[asyncio.Future[None]]:
-        return [receive for layer in self._receives for _, receive in layer]
+        return [receive for _, receive in self._receives.values()]
 
     def _note_failure(self, receive: asyncio.Future[None]) -> None:
         if receive.cancelled() or receive.exception() is None or self._first_failure.done():
@@ -257,20 +336,35 @@ class LayerReceiver:
         self._first_failure.set_result(receive)
 
     async def _run(self) -> None:
-        for layer, posted in enumerate(self._receives):
-            for _, receive in posted:
-                if not receive.done():
-                    # asyncio.wait cancels nothing: a stop cancelling _run leaves receives posted
-                    await asyncio.wait(
-                        (receive, self._first_failure), return_when=asyncio.FIRST_COMPLETED
-                    )
-                if self._first_failure.done():
-                    self._first_failure.result().result()  # raises that receive's error
-                receive.result()
+        await self._fence.wait()  # the first buffers' canaries are in place
+        for layer in range(self._first_posted):
+            self._post(layer)
+        for layer in range(self.num_layers):
+            await self._landed(layer)  # posted when layer - depth landed, before it returned
             self._layers_received = layer + 1
             self.state = TransferState.ACTIVE
-        self.settled = True
+        self._note_settled()  # every receive returned, the last copy ran: True
         self.state = TransferState.DONE
+
+    async def _landed(self, layer: int) -> None:
+        """Return once ``layer``'s receive landed (``_land``); raise the first failed
+        receive's error (whatever its layer) as soon as there is one."""
+        _, receive = self._receives[layer]
+        if not receive.done():
+            # asyncio.wait cancels nothing: a stop cancelling _run leaves receives posted
+            await asyncio.wait((receive, self._first_failure), return_when=asyncio.FIRST_COMPLETED)
+        if self._first_failure.done():
+            self._first_failure.result().result()  # raises that receive's error
+        receive.result()
+
+    def _short_message(self, layer: int) -> str:
+        tag, _ = self._receives[layer]
+        size, canary = self._destination.message_bytes, self._canaries.size
+        return (
+            f"transfer {self.transfer_id}: layer {layer}: message tagged {tag:#x} has at most "
+            f"{size - canary} bytes, receive buffer {size} (its last {canary} bytes were not "
+            "written)"
+        )
 
     async def wait(self, timeout_s: float) -> None:
         """Wait until every layer landed; ``TransferTimeoutError`` (FAILED) after the timeout."""
@@ -298,14 +392,14 @@ class LayerReceiver:
             raise TransferError(f"transfer {self.transfer_id} failed: {error}") from error
 
     async def abort(self) -> None:
-        """Stop receiving; on return the receiver is terminal and, if ``settled``, no message
-        can land in its destinations any more."""
+        """Stop receiving; on return the receiver is terminal and, if ``settled``, nothing of
+        its transfer can write into its destination any more."""
         await self._stop(TransferState.ABORTED)
 
     async def _stop(self, state: TransferState) -> None:
         if not self.state.is_terminal:
             self.state = state
-        self._task.cancel()
+        self._task.cancel()  # no scatter nor post after this: _run is the only one to do them
         await asyncio.gather(self._task, return_exceptions=True)
         if self.settled:
             return
@@ -314,9 +408,9 @@ class LayerReceiver:
         await asyncio.shield(self._settle_task)
 
     async def _settle(self) -> None:
-        """Withdraw every receive no message completed yet, then wait until all settled; both
-        within ``SETTLE_TIMEOUT_S``."""
-        pending = [(tag, receive) for layer in self._receives for tag, receive in layer]
+        """Withdraw every receive no message completed yet, then wait until all settled and the
+        last scatter ran; all within ``SETTLE_TIMEOUT_S``."""
+        pending = [(tag, receive) for tag, receive in self._receives.values()]
         pending = [(tag, receive) for tag, receive in pending if not receive.done()]
         try:
             async with asyncio.timeout(SETTLE_TIMEOUT_S):
@@ -331,6 +425,7 @@ class LayerReceiver:
                         )
                 if pending:
                     await asyncio.wait([receive for _, receive in pending])
+                await self._fence.wait()
         except TimeoutError:
             pass
         self._note_settled()
@@ -348,15 +443,20 @@ class LayerReceiver:
             if receive.done() and not receive.cancelled():
                 receive.exception()  # retrieved: the failure was reported (or is moot)
         # a receive cancelled under us (a loop shut down) may still be posted: not settled
-        self.settled = all(receive.done() and not receive.cancelled() for receive in receives)
+        landed = all(receive.done() and not receive.cancelled() for receive in receives)
+        self.settled = landed and self._fence.passed()
+        if self.settled and self._ring is not None:
+            self._ring.release()  # nothing writes or reads it any more
+            self._ring = None
 
     async def until_settled(self) -> None:
         """After a stop that left receives in flight: wait, unbounded, until each settled (a
-        cancelled one never counts); then ``settled`` is True."""
+        cancelled one never counts) and the last scatter ran; then ``settled`` is True."""
         while not self.settled:
             receives = [receive for receive in self._all_receives() if not receive.done()]
             if receives:
                 await asyncio.wait(receives)
+            await self._fence.wait()
             self._note_settled()
             if not self.settled:  # only cancelled receives are left: they never settle
                 await asyncio.Event().wait()

@@ -1,15 +1,17 @@
 """Which bytes of one request's KV travel in which tagged message (torch-free).
 
-The decode worker receives straight into the blocks it reserved, so a message must cover a
-region that is contiguous in its KV cache ``[layers, 2, blocks, block_size, kv_heads,
-head_dim]``: the K (or V) of a *run* of consecutive block ids of one layer. The decode worker
-makes the plan from its reserved block ids and sends it in the reservation; the prefill worker
-gathers the prompt's blocks in the plan's ``block_order`` and cuts each layer into the same
-messages.
+One message per layer. Message ``layer`` of a transfer carries that layer's K and V of every
+block that travels, ``[2, num_blocks, block_size, kv_heads, head_dim]`` with the blocks in the
+plan's ``block_order`` (ascending destination block id): the K of every block, then the V of
+every block, as the prefill worker's gather of one layer (``kv_io.gather_layer``) lays them
+out, so the sender sends that tensor as it is. Its tag is ``message_tag(secret, layer)``. The
+decode worker makes the plan from its reserved block ids and sends it in the reservation.
 
-Messages of one layer, in order: K of run 0, K of run 1, ..., V of run 0, V of run 1, ...; the
-message of ``(layer, kv, run)`` has index ``layer * messages_per_layer + kv * num_runs + run``
-and tag ``message_tag(secret, index)``.
+Runs: ``run_lengths`` cut the blocks, in ``block_order``, into stretches of consecutive
+destination block ids. The K (or V) of a run is contiguous in the receiver's cache ``[layers,
+2, blocks, ...]``, so a received layer lands in its blocks with two copies per run, or one
+indexed copy (``transfer/destination.py``); a message's size and the runs do not depend on
+each other.
 
 Tags are unguessable: ``secret`` is the transfer's 128-bit secret, drawn from a CSPRNG by the
 decode worker for each reservation (``new_transfer_secret``) and handed only to the prefill
@@ -42,7 +44,8 @@ def new_transfer_secret() -> bytes:
 
 
 def message_tag(secret: bytes, index: int) -> int:
-    """The 64-bit tag of message ``index`` of the transfer whose secret is ``secret``.
+    """The 64-bit tag of message ``index`` (the layer it carries) of the transfer whose secret
+    is ``secret``.
 
     ``BLAKE2b-64(key=secret, person="splitserve-kvtag", data=index as 8 bytes big-endian)``:
     the same secret and index give the same tag on both sides; without the secret a tag is
@@ -64,11 +67,11 @@ class InvalidTransferPlanError(ValueError):
 
 @dataclass(frozen=True)
 class TransferPlan:
-    """How one request's blocks are cut into messages (see the module docstring)."""
+    """In which order one request's blocks travel, and their runs (see the module docstring)."""
 
     block_order: tuple[int, ...]
-    """Positions of the prompt's blocks (0 = its first block) in the order messages carry
-    them: ascending destination block id."""
+    """Positions of the prompt's blocks (0 = its first block) in the order a layer's message
+    carries them: ascending destination block id."""
     run_lengths: tuple[int, ...]
     """Blocks per run; a run is a stretch of consecutive destination block ids."""
 
@@ -108,11 +111,6 @@ class TransferPlan:
     def num_runs(self) -> int:
         return len(self.run_lengths)
 
-    @property
-    def messages_per_layer(self) -> int:
-        """K and V of every run."""
-        return 2 * len(self.run_lengths)
-
     def run_offsets(self) -> list[int]:
         """Index (in ``block_order``) of each run's first block."""
         offsets, offset = [], 0
@@ -120,6 +118,3 @@ class TransferPlan:
             offsets.append(offset)
             offset += length
         return offsets
-
-    def message_index(self, layer: int, kv: int, run: int) -> int:
-        return layer * self.messages_per_layer + kv * self.num_runs + run

@@ -13,13 +13,16 @@ per-transfer 128-bit secret, so concurrent transfers never match each other's me
 party without the secret cannot aim a message at a posted receive. Tags are never reused.
 Transports authenticate nothing themselves (see ``ucx.py``): the tag is the capability.
 
-Sizes: a message must fill its receive buffer exactly. ``recv`` raises ``TransferError`` for a
-longer message, and for a shorter one (UCX itself completes a receive with a shorter message
-without a word): the in-process transport for any other size, UCX for a message that stops at
-least 8 bytes short of the buffer's end, found by a random canary it writes there before
-posting (``ucx.py``, Sizes: a message 1 to 7 bytes short passes it). So an empty or truncated
-message never passes for a landed one. While a receive is posted its buffer's last bytes may
-hold that canary; a withdrawn receive gets them back.
+Sizes: a message longer than its receive buffer fails the receive (``TransferError``). A
+shorter one may complete it: UCX reports no received length and completes a receive with a
+shorter message, an empty one included, as a success (``ucx.py``, Sizes); the in-process
+transport fails any other size. So a completed receive does not say that the buffer was
+filled: whoever must know checks it (``layer_channel.LayerReceiver`` with a canary per layer,
+``canary.py``).
+
+CUDA memory: UCX reads and writes it outside stream order; a send waits for the work queued on
+the default stream first (``ucx.py``), a receive does not: its caller posts it only once the
+work queued on its buffer has run.
 
 A receive posted into memory cannot be taken back (UCX has no per-request cancel in ucxx), so a
 receiver that gives up *withdraws* its receives: ``withdraw(tag)`` completes a still-unmatched
@@ -63,24 +66,24 @@ class KvTransport(ABC):
     async def recv(self, tag: int, buffer: torch.Tensor) -> None:
         """Receive the message tagged ``tag`` into ``buffer``.
 
-        Returns once the message filled ``buffer`` or the receive was withdrawn; raises
-        ``TransferError`` (naming the tag and both sizes) when the message's size differs from
-        ``buffer``'s (UCX: see the module docstring, Sizes), or on a transport failure. A
-        message of the wrong size may have written part of ``buffer``. The receive is posted
-        when the coroutine first runs; cancelling the awaiting task does not withdraw it (use
-        ``withdraw``), and may leave the UCX canary in ``buffer``."""
+        Returns once a message of at most ``buffer``'s size landed at its start (a shorter one
+        may pass: see the module docstring, Sizes) or the receive was withdrawn; raises
+        ``TransferError`` (naming the tag) for a longer message (or, in-process, any other
+        size), or on a transport failure. A message of the wrong size may have written part
+        of ``buffer``. The receive is posted when the coroutine first runs; cancelling the
+        awaiting task does not withdraw it (use ``withdraw``)."""
 
     @abstractmethod
     async def withdraw(self, tag: int) -> None:
         """Make this transport's receive of ``tag`` complete without writing into its buffer,
         unless a message already matched it (that receive then completes or fails on its own).
 
-        A peer's message cannot pass for a withdrawal (a peer's empty message is a size
-        error): UCX records the tag as withdrawn on this side and completes the receive with an
-        empty message from this transport to itself; the in-process transport uses a marker no
-        send produces. If no receive of ``tag`` is posted yet, the next one posted completes
-        without writing. A real message of ``tag`` arriving after the withdrawal is never
-        received (tags are not reused)."""
+        UCX completes the receive with an empty message from this transport to itself; the
+        in-process transport uses a marker no send produces. Only the receiver withdraws, and
+        it looks at no receive it withdrew (a peer's empty message under a tag is no
+        withdrawal to it: ``LayerReceiver`` finds it short by its canary). If no receive of
+        ``tag`` is posted yet, the next one posted completes without writing. A real message
+        of ``tag`` arriving after the withdrawal is never received (tags are not reused)."""
 
     def forget(self, address: bytes) -> None:  # noqa: B027 - optional hook
         """Drop the cached endpoint to ``address`` (after a failure): the next ``connect``

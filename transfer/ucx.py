@@ -15,52 +15,26 @@ Sizes: UCX completes a tag receive with a *shorter* message as a success and ucx
 nothing about it: ``ucxx``'s ``recv`` returns None, its request has no received length
 (ucxx's C++ tag-receive callback ignores ``ucp_tag_recv_info_t.length``), and only a *longer*
 message fails, with ``UCXXMessageTruncatedError`` (ucxx then keeps the failed request and its
-error). So ``recv`` checks what actually arrived, with a *canary*, and no message besides the
-data: before posting the receive it saves the buffer's last 8 bytes and writes there the
-receive's canary, its tag XOR a random 64-bit key drawn once per transport (``secrets``): new
-for every receive (tags are never reused), uniformly random, unknown to the sender. When the
-receive completes and those 8 bytes still hold the canary, the message stopped at least 8 bytes
-short of the buffer's end (or was empty): ``TransferError`` naming the tag and both sizes ("has
-at most n - 8 bytes, receive buffer n"), unless this transport withdrew the receive:
-``withdraw`` records the tag (before it sends its empty self-message) until the receive
-returns, and a withdrawn receive gets its saved 8 bytes back, so it writes nothing. Only that
-local record says "withdrawn": a peer's empty message is a size error. A legitimate message
-whose last 8 bytes happen to equal the canary fails spuriously, with probability 2**-64.
-
-Limits: a message 1 to 7 bytes short overwrites part of the canary and passes (its last bytes
-then hold canary bytes): without a received length, a check of content cannot tell it from a
-full message at better odds than 2**-8 per unwritten byte. A holder of the transfer secret can
-do no more with it than write any bytes at the planned size, which it can anyway; a sender that
-cuts the KV otherwise than planned (a bug, a version skew) is off by whole blocks. A buffer
-shorter than 8 bytes takes a canary of its own size (a spurious failure 2**-8 per byte; plans
-never make one, a message being the K or V of whole blocks); an empty buffer has nothing to
-check. While a receive is posted (and after a failed or cancelled one) the buffer's last bytes
-may hold its canary. Host memory is read and written through a memoryview (about 1 us a
-receive); CUDA memory with synchronous 8-byte copies (torch ``copy_`` / ``.cpu()`` on the event
-loop thread's current stream, the default one), one each way per receive and one more on a
-withdrawal.
+error). ``recv`` passes that on: a longer message is a ``TransferError``, a shorter one (an
+empty one included) completes the receive, and whoever must know that a buffer was filled
+checks it (``layer_channel.LayerReceiver``: a canary per layer, ``canary.py``). A withdrawal
+is this transport's empty message to itself under the tag (``withdraw``): it completes the
+receive without writing.
 
 CUDA memory: UCX reads and writes it outside CUDA stream order (its own streams, or a peer
-process's), so the transport orders it against torch's work itself. A send first waits,
-without blocking the event loop, until the work queued so far on the buffer's device's
+process's), so the work queued on a buffer must have run before UCX touches it. A send first
+waits, without blocking the event loop, until the work queued so far on the buffer's device's
 default stream has run (a buffer still being written by a kernel, e.g. the engine thread's
 gather of a layer queued just before ``LayerSender.offer``, would otherwise go out stale): at
-once when that stream is idle, else through an event awaited on a worker thread. Work on other
-streams is not covered: whoever writes a send buffer there synchronizes it first. A receive's
-canary copy synchronizes the default stream before the receive is posted, so work queued there
-on its buffer ran before UCX may write it. On a busy GPU that copy blocks the event loop until
-the queued work has run (once each way per receive); copies on a side stream after an awaited
-fence, as for sends, would not. None of this has run on a GPU yet (the development VM has none);
-``bench/bench_kv_transfer.py --device cuda`` exercises it, byte-checked.
+once when that stream is idle, else through an event awaited on a worker thread
+(``device_order.Fence``). Work on other streams is not covered: whoever writes a send buffer
+there synchronizes it first. A receive waits for nothing: its caller posts it only once the
+work on its buffer has run (``LayerReceiver`` waits for its fence first).
+``bench/bench_kv_transfer.py --device cuda`` exercises this, byte-checked.
 
-Cost, measured with ``bench/bench_kv_transfer.py`` (2-core VM, error handling off, median GB/s
-over 10 runs x 9 repetitions per version, run round-robin in one session: no size check /
-8-byte size receipt per message (the previous design: one more message per message) /
-canary): prompt-128 1.08 / 0.86 / 1.16, prompt-1024 6.14 / 5.11 / 6.05, prompt-1024 in 4 runs
-(240 messages) 2.86 / 1.83 / 2.77, prompt-4096 10.02 / 9.34 / 9.81, one 64 MiB layer 13.99 /
-13.18 / 13.49: the canary is within noise of no check (0.96-1.07) and 1.02-1.51x the receipt.
-Over TCP (error handling on) the canary is within noise of no check (0.97-1.00); the receipt
-cost up to 14% there (prompt-128).
+Before the layer channel checked sizes, this transport put a canary in every receive's tail:
+on host memory it cost nothing measurable, on an H200 its two synchronous 8-byte copies per
+message took 9-11 us each (``bench/results/gpu-h200-2026-11-26.json``, ``size_check_copies``).
 
 Authentication: none in UCX. Any process that holds this worker's address (or can list its
 TCP ports) and can reach one of the interfaces in it may open an endpoint and send tagged
@@ -90,7 +64,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
@@ -98,6 +71,7 @@ from types import ModuleType
 import torch
 
 from splitserve.common.errors import TransferError
+from splitserve.transfer.device_order import Fence
 from splitserve.transfer.transport import KvEndpoint, KvTransport
 
 logger = logging.getLogger(__name__)
@@ -131,9 +105,6 @@ class UcxTransport(KvTransport):
         self._address = ucxx.get_worker_address().tobytes()
         self._endpoints: dict[bytes, _UcxEndpoint] = {}
         self._connecting: dict[bytes, asyncio.Lock] = {}
-        self._withdrawn: set[int] = set()
-        """Tags ``withdraw`` was called for whose receive has not returned yet."""
-        self._canary_key = secrets.randbits(8 * _CANARY_BYTES)
         logger.info("UCX transport ready: %s, %s", settings, ucxx.get_active_transports())
 
     @property
@@ -170,34 +141,12 @@ class UcxTransport(KvTransport):
             del self._connecting[address]
 
     async def recv(self, tag: int, buffer: torch.Tensor) -> None:
-        """See ``KvTransport.recv``; a message shorter than ``buffer`` is found by the canary in
-        its last bytes (module docstring: Sizes), so one 1 to 7 bytes short passes."""
-        destination = _ucx_buffer(buffer)
-        canary = _TailCanary(buffer, destination, self._canary(tag))
-        try:
-            error = await self._receive_one(tag, destination)
-        finally:  # returned, failed or cancelled: a withdrawal of it is moot from now on
-            withdrawn = tag in self._withdrawn
-            self._withdrawn.discard(tag)
+        """See ``KvTransport.recv``: a longer message fails, a shorter one completes the
+        receive (module docstring: Sizes)."""
+        error = await self._receive_one(tag, _ucx_buffer(buffer))
         if error is not None:
             failure = f"UCX receive of tag {tag:#x} ({buffer.numel()} bytes) failed: {error}"
-        elif not canary.intact():
-            return  # the message reached the buffer's end
-        elif withdrawn:  # completed by our own empty message (or moot: we gave up on it)
-            canary.restore()
-            return
-        else:
-            failure = (
-                f"message tagged {tag:#x} has at most {buffer.numel() - canary.size} bytes, "
-                f"receive buffer {buffer.numel()} (its last {canary.size} bytes were not written)"
-            )
-        raise TransferError(failure)  # with no UCX error chained (it pins ucxx frames)
-
-    def _canary(self, tag: int) -> bytes:
-        """The canary of the receive of ``tag``: the tag XOR this transport's secret key, so
-        uniformly random, new for every receive (tags are never reused) and unknown to the
-        sender (who knows the tag, not the key)."""
-        return (tag ^ self._canary_key).to_bytes(_CANARY_BYTES, "little")
+            raise TransferError(failure)  # with no UCX error chained (it pins ucxx frames)
 
     async def _receive_one(self, tag: int, buffer: object) -> str | None:
         """One tag receive into ``buffer`` (what ucxx takes); its error as text (the
@@ -215,11 +164,9 @@ class UcxTransport(KvTransport):
         return None
 
     async def withdraw(self, tag: int) -> None:
-        """See ``KvTransport.withdraw``: the tag is recorded as withdrawn (before any wait), then
-        an empty message goes from this transport to itself under ``tag``. The record lasts
-        until a receive of ``tag`` returns; one for a tag whose receive already returned stays,
-        like the empty message UCX then keeps unreceived."""
-        self._withdrawn.add(tag)
+        """See ``KvTransport.withdraw``: an empty message from this transport to itself under
+        ``tag``, which completes the receive without writing (or, with no receive posted yet,
+        the next one posted)."""
         own = await self.connect(self._address)  # cached like any peer's endpoint
         await own.send(tag, _EMPTY)
 
@@ -247,53 +194,6 @@ def _wake_notifier(ucxx: ModuleType) -> None:
 
 _EMPTY = torch.empty(0, dtype=torch.uint8)
 """The zero-byte message that withdraws a receive (UCX completes it without writing)."""
-_CANARY_BYTES = 8
-"""Bytes of a receive buffer's canary (fewer in a shorter buffer)."""
-
-
-class _TailCanary:
-    """A canary in the last ``size`` bytes of a receive buffer, written when this is made
-    (before the receive is posted), with the bytes it replaced (module docstring: Sizes).
-
-    Host memory is read and written through a memoryview of the array ucxx receives into; CUDA
-    memory with synchronous copies on the current stream (torch ``copy_`` from host memory and
-    ``.cpu()`` wait for the copy): the canary is in device memory before UCX may write there,
-    and it is read back only after UCX reported the receive complete, when its data is in
-    device memory."""
-
-    def __init__(self, buffer: torch.Tensor, destination: object, canary: bytes) -> None:
-        """``destination`` is ``_ucx_buffer(buffer)``; ``canary`` has ``_CANARY_BYTES``."""
-        numel = buffer.numel()
-        self.size = min(len(canary), numel)
-        """Bytes the canary covers: all of it, or all of a shorter buffer."""
-        self._tail: memoryview | torch.Tensor
-        if isinstance(destination, torch.Tensor):  # device memory
-            self._tail = buffer.view(-1)[numel - self.size :]
-        else:  # a numpy array over host memory
-            self._tail = memoryview(destination).cast("B")[numel - self.size :]
-        self._value = canary[: self.size]
-        self._saved = self._read()
-        self._write(self._value)
-
-    def intact(self) -> bool:
-        """Whether the tail still holds the canary (nothing wrote there since); never for an
-        empty buffer, which every receive fills."""
-        return self.size > 0 and self._read() == self._value
-
-    def restore(self) -> None:
-        """Put back the bytes the canary replaced."""
-        self._write(self._saved)
-
-    def _read(self) -> bytes:
-        if isinstance(self._tail, memoryview):
-            return self._tail.tobytes()
-        return self._tail.cpu().numpy().tobytes()
-
-    def _write(self, value: bytes) -> None:
-        if isinstance(self._tail, memoryview):
-            self._tail[:] = value
-        elif value:
-            self._tail.copy_(torch.frombuffer(bytearray(value), dtype=torch.uint8))
 
 
 class _UcxEndpoint(KvEndpoint):
@@ -306,7 +206,7 @@ class _UcxEndpoint(KvEndpoint):
         try:
             source = _ucx_buffer(buffer)
             if buffer.device.type == "cuda":
-                await _default_stream_done(buffer.device)  # module docstring: CUDA memory
+                await Fence(torch.cuda.default_stream(buffer.device)).wait()  # docstring: CUDA
             await self._raw.send(source, tag=tag, force_tag=True)
         except asyncio.CancelledError:
             raise
@@ -328,8 +228,9 @@ def _futures_pool_filler(ucxx) -> Callable[[], None]:  # noqa: ANN001 - the ucxx
     """A function to call before each request: tops up ucxx's pool of Python futures.
 
     Every request takes a future from the worker's pool (100, refilled below 50 by ucxx's
-    notifier thread). A transfer posts 60 and more requests at once, which empties the pool
-    between refills; ucxx then refills it inline and logs "No Futures available" for every
+    notifier thread). A sender offered every layer at once starts one request per layer (30
+    and more), and a process moves several transfers at a time, which empties the pool between
+    refills; ucxx then refills it inline and logs "No Futures available" for every
     such burst. Refilling before each request (a no-op while 50 or more are left) keeps
     worker logs clean. The worker object is reached through ucxx's private application
     context; where that is missing, this does nothing and ucxx's own refill remains.
@@ -350,16 +251,3 @@ def _ucx_buffer(buffer: torch.Tensor) -> object:
     if buffer.device.type != "cuda":  # ucxx takes host buffers and CUDA arrays only
         raise TypeError(f"transfer buffers live in host or CUDA memory, not {buffer.device}")
     return buffer
-
-
-async def _default_stream_done(device: torch.device) -> None:
-    """Return once the CUDA work queued so far on ``device``'s default stream has run, without
-    blocking the event loop (module docstring: CUDA memory): at once when the stream is idle,
-    else when an event recorded on it now completes, waited for on a worker thread (a blocking
-    event: the thread sleeps instead of spinning)."""
-    stream = torch.cuda.default_stream(device)
-    if stream.query():
-        return
-    event = torch.cuda.Event(blocking=True)
-    event.record(stream)
-    await asyncio.to_thread(event.synchronize)

@@ -1,5 +1,6 @@
-"""Where one request's KV comes from and lands in an engine's paged cache
-``[layers, 2, blocks, block_size, kv_heads, head_dim]``, cut as a ``TransferPlan`` says.
+"""Where one request's KV comes from in an engine's paged cache ``[layers, 2, blocks,
+block_size, kv_heads, head_dim]``, in the order a ``TransferPlan`` says; where it lands is
+``transfer/destination.py:KvDestination``.
 
 The cache is the engine's ``PagedKv`` (``AsyncEngine.paged_kv``), under its threading
 contract: ``gather_layer`` runs on the engine thread (the layer hook), and receives land only
@@ -53,29 +54,3 @@ def gather_layer(
     written into ``out`` (e.g. ``staging_buffer(...)[layer]``) when given. On the engine
     thread, or for held full cached blocks where ``PagedKv.reads_held_blocks_anywhere``."""
     return kv.read_blocks(layer, [block_ids[position] for position in plan.block_order], out)
-
-
-def receive_destinations(
-    cache: torch.Tensor, block_ids: Sequence[int]
-) -> tuple[TransferPlan, list[list[torch.Tensor]]]:
-    """The plan for receiving into ``block_ids`` (reserved blocks, block-table order) of
-    ``cache`` (``[layers, 2, blocks, block, kv_heads, dim]``, contiguous) and, per layer, the
-    cache regions its messages land in (uint8 views, plan order).
-
-    The engine neither reads nor writes reserved blocks until the request's remote prefill
-    completes, so receiving into them off the engine thread is safe.
-    """
-    if not cache.is_contiguous():
-        raise ValueError("the KV cache must be contiguous to receive into it")
-    plan = TransferPlan.for_destination(block_ids)
-    first_blocks = [block_ids[plan.block_order[offset]] for offset in plan.run_offsets()]
-    runs = list(zip(first_blocks, plan.run_lengths, strict=True))
-    destinations = [
-        [
-            cache[layer, half, first : first + length].view(-1).view(torch.uint8)
-            for half in range(2)
-            for first, length in runs
-        ]
-        for layer in range(cache.shape[0])
-    ]
-    return plan, destinations
