@@ -40,6 +40,18 @@ No synchronous device round trip per message: on CUDA the canary copies and the 
 staging are queued on the transfer stream, and a layer's receive task waits, off the event
 loop, for the one fence it needs anyway before it reuses the slot (``device_order.Fence``).
 
+Cost on the CPU (``bench/bench_kv_transfer.py``, 2-core Zen 5 VM, shared memory, medians of 5
+interleaved runs against the previous format, which received the K and the V of each run
+straight into the cache, ``bench/results/kv-transfer-2026-11-29-one-message.json``): the copy
+out of staging is a second memcpy of every byte on the receiver, so big contiguous layers lost
+(a 1,024-token prompt of the default model 5.51 -> 4.49 GB/s, 4,096 tokens 9.93 -> 6.72, one
+64 MiB layer 12.94 -> 6.78) and fragmented or small ones gained (the 1,024-token prompt in 4
+runs 2.67 -> 4.47 GB/s, 240 -> 30 messages; 128 tokens 0.94 -> 1.11). In serving the push
+overlaps the prefill's compute layer by layer, and what is exposed is one layer's transfer and
+copy. On a GPU that copy runs at device bandwidth; what this format removes there is the
+per-message cost (36-56 us a message on the H200 before, two synchronous canary copies among
+it).
+
 State machine of both sides (``TransferState``): PENDING -> ACTIVE -> DONE, or FAILED
 (transport error, size error, timeout) / ABORTED (cancelled locally) from PENDING or ACTIVE.
 Terminal states never change. No wait is unbounded: ``LayerSender.finish`` and
