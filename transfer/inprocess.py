@@ -1,10 +1,11 @@
 """In-process KV transport for unit tests: same contract as UCX, memory copies underneath.
 
-All transports must live on one asyncio loop. A send to a tag nobody receives yet is kept as
-an unexpected message (copied) until a matching receive is posted, like UCX's eager protocol.
-A message must fill its receive buffer exactly: any other size, an empty message included, is a
-``TransferError`` of that receive. A withdrawal is no message at all (``None`` in the mailbox),
-so a peer cannot pass one off.
+All transports must live on one asyncio loop. A send to a tag nobody receives yet is kept as an
+unexpected message (copied) until a matching receive is posted, like UCX's eager protocol. A
+message must fill its receive buffer exactly: any other size, an empty message included, is a
+``TransferError`` of that receive. A receive into CUDA memory completes once the copy ran (as a
+UCX receive completes once the data is in device memory). A withdrawal is no message at all
+(``None`` in the mailbox), so a peer cannot pass one off.
 """
 
 from __future__ import annotations
@@ -109,3 +110,5 @@ def _copy_message(message: torch.Tensor | None, buffer: torch.Tensor, tag: int) 
             f"message tagged {tag:#x} has {message.numel()} bytes, receive buffer {buffer.numel()}"
         )
     buffer.copy_(message)
+    if buffer.is_cuda:  # complete once the data is in device memory, as a UCX receive is
+        torch.cuda.current_stream(buffer.device).synchronize()
