@@ -117,7 +117,8 @@ else
     skip site "no .gpu-site.tar.xz: run make gpu-site before the call"
 fi
 step gpu-tests 150 "$py" -m pytest --noconftest -p no:cacheprovider -q -rfEs -m gpu \
-    --junitxml="$out/gpu-tests.xml" tests/test_gpu_kernels.py tests/test_gpu_engine.py
+    --junitxml="$out/gpu-tests.xml" tests/test_gpu_kernels.py tests/test_gpu_engine.py \
+    tests/test_gpu_transfer.py
 step kv-transfer 110 "$py" bench/bench_kv_transfer.py --device cuda --reps 5 --ucx-proto-info \
     --out "$out/kv_transfer.json"
 if [ $dry -eq 1 ]; then
