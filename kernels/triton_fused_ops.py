@@ -3,7 +3,7 @@
 ``LlamaModel`` on CUDA in bf16 or fp16 takes these instead of torch's ops (``engine/model.py``):
 the residual add with the RMSNorm after it (``kernels/rms_norm.py``), the rotary embedding of
 queries and keys together, in place (``kernels/rotary.py``), and SiLU times up
-(``kernels/activation.py``): three launches where torch's ops take about eight, which matters
+(``kernels/activation.py``): three launches where torch's ops take at least nine, which matters
 where a decode step's kernels are launched back to back (a CUDA graph replays them all; each
 costs its launch and a pass over a few KB). Each computes in float32 and rounds once, so its
 bits differ from HF's op-by-op rounding in bf16; float32 keeps HF's ops (the exactness
