@@ -19,7 +19,10 @@ Contract:
   ``rows`` fills their first ``rows`` and pads the bucket's rest as empty sequences (token 0,
   position 0, slot -1: stores nothing; length 0: attends to nothing, its output row is
   ignored). A table row's columns past its context keep what they held: the kernels read a
-  row's table only below its length.
+  row's table only below its length. The block tables are built on the host from a mirror of
+  each request's table (``BlockTableMirror``) that copies only the blocks appended since the
+  last step, so a step costs a memcpy a row, not a Python int per block (256 rows of 8,192-token
+  contexts: 131,072 ints a step).
 - What a graph holds: the forward over the bucket's leading rows of the buffers, with
   attention metadata that depends on the bucket only (``graph_decode_metadata`` of the
   backend): float32 logits of every row of the bucket ``[bucket, vocab]`` in a tensor the
@@ -47,6 +50,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from splitserve.common.blocks import blocks_for_tokens
@@ -101,6 +105,63 @@ class DecodeBatch:
         return len(self.token_ids)
 
 
+class _MirroredTable:
+    """One request's table as an int32 array: ``blocks[:copied]`` equal ``source[:copied]``."""
+
+    __slots__ = ("source", "blocks", "copied")
+
+    def __init__(self, source: Sequence[int], capacity: int) -> None:
+        self.source = source  # held, so its id is not reused while mirrored
+        self.blocks = np.zeros(capacity, dtype=np.int32)
+        self.copied = 0
+
+
+class BlockTableMirror:
+    """The host side of the decode steps' block tables, rebuilt each step from per-request
+    mirrors (module docstring: Static buffers).
+
+    Invariant it relies on (``KVCacheManager``): a request's table is one list object for as
+    long as the request holds blocks, and only ever grows at its end (``allocate`` extends it;
+    ``free`` drops the list, and a later allocation makes a new one). So the blocks below a
+    mirror's ``copied`` never change while its list lives, and each step copies only the ones
+    appended since. As a guard, a list that got shorter or whose last mirrored block changed is
+    mirrored afresh (a rewrite elsewhere in the list would not be seen: the invariant is what
+    makes the mirror right). Mirrors of tables the latest ``fill`` did not use are dropped."""
+
+    def __init__(self, max_rows: int, max_blocks: int) -> None:
+        self.max_blocks = max_blocks
+        self.tables = np.zeros((max_rows, max_blocks), dtype=np.int32)
+        self._mirrors: dict[int, _MirroredTable] = {}
+
+    def fill(self, tables: Sequence[Sequence[int]], widths: Sequence[int]) -> int:
+        """Rows ``0..len(tables)`` of ``self.tables`` hold each table's first ``widths[i]``
+        blocks; returns the widest width (the columns a step's copy must carry)."""
+        mirrors: dict[int, _MirroredTable] = {}
+        for row, (table, width) in enumerate(zip(tables, widths, strict=True)):
+            mirror = mirrors.get(id(table)) or self._mirror(table)
+            mirrors[id(table)] = mirror
+            self.tables[row, :width] = mirror.blocks[:width]
+        self._mirrors = mirrors
+        return max(widths, default=0)
+
+    def _mirror(self, table: Sequence[int]) -> _MirroredTable:
+        """The table's mirror, brought up to its current length."""
+        mirror = self._mirrors.get(id(table))
+        copied = mirror.copied if mirror is not None else 0
+        if (
+            mirror is None
+            or mirror.source is not table
+            or len(table) < copied
+            or (copied and table[copied - 1] != mirror.blocks[copied - 1])
+        ):
+            mirror, copied = _MirroredTable(table, self.max_blocks), 0
+        length = min(len(table), self.max_blocks)
+        if length > copied:
+            mirror.blocks[copied:length] = table[copied:length]
+            mirror.copied = length
+        return mirror
+
+
 class StaticDecodeInputs:
     """The buffers every captured graph reads (module docstring: Static buffers)."""
 
@@ -114,6 +175,7 @@ class StaticDecodeInputs:
         self._rows = torch.zeros(4, max_rows, dtype=torch.int64, device=device)
         """[4, max_rows]: token ids, positions, KV slots, context lengths (one copy fills all)."""
         self.block_tables = torch.zeros(max_rows, max_blocks, dtype=torch.int32, device=device)
+        self._host_tables = BlockTableMirror(max_rows, max_blocks)
         self.logits_rows = torch.arange(max_rows, dtype=torch.int64, device=device)
 
     @property
@@ -160,14 +222,12 @@ class StaticDecodeInputs:
             dtype=torch.int64,
         )  # [4, bucket]
         self._rows[:, :bucket].copy_(host)
-        tables = [
-            list(span.block_table[: blocks_for_tokens(span.context_len, size)])
-            for span in batch.spans
-        ]
-        width = max((len(table) for table in tables), default=0)
+        widths = [blocks_for_tokens(length, size) for length in lengths]
+        host = self._host_tables
+        width = host.fill([span.block_table for span in batch.spans], widths)
         if width:
-            rows = [table + [0] * (width - len(table)) for table in tables]
-            self.block_tables[: batch.rows, :width].copy_(torch.tensor(rows, dtype=torch.int32))
+            tables = torch.from_numpy(host.tables[: batch.rows, :width])  # [rows, width]
+            self.block_tables[: batch.rows, :width].copy_(tables)
 
     def pad(self, bucket: int) -> None:
         """Every row up to ``bucket`` a padding row (the state graphs are captured in)."""

@@ -15,6 +15,7 @@ import torch
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.config import CacheConfig, EngineConfig, ModelConfig, RunnerConfig
 from splitserve.engine.decode_graphs import (
+    BlockTableMirror,
     DecodeBatch,
     StaticDecodeInputs,
     bucket_for,
@@ -87,6 +88,26 @@ def test_fill_writes_rows_and_pads_the_bucket() -> None:
     inputs.pad(8)
     assert inputs.slot_mapping.tolist() == [-1] * 8
     assert inputs.seq_lens.tolist() == [0] * 8
+
+
+def test_the_table_mirror_copies_appended_blocks_and_follows_every_table() -> None:
+    """Rows come from per-request mirrors: blocks appended to a table between steps reach its
+    row; two rows of one table (a request's drafts) take their own widths; a table rewritten in
+    place is copied afresh; a new table is mirrored from scratch; mirrors of tables a step did
+    not use are dropped."""
+    mirror = BlockTableMirror(max_rows=4, max_blocks=6)
+    first, second = [7, 3], [9]
+    assert mirror.fill([first, second, first], [1, 1, 2]) == 2
+    assert mirror.tables[:3, :2].tolist() == [[7, 0], [9, 0], [7, 3]]
+    first.extend([11, 12])  # the request grew (KVCacheManager.allocate extends its list)
+    assert mirror.fill([second, first], [1, 4]) == 4
+    assert mirror.tables[:2, :4].tolist() == [[9, 0, 0, 0], [7, 3, 11, 12]]
+    first[3] = 40  # its last block rewritten (not what the cache manager does): caught
+    mirror.fill([first], [4])
+    assert mirror.tables[0, :4].tolist() == [7, 3, 11, 40]
+    assert mirror.fill([[5, 6, 8]], [3]) == 3  # another request's new list
+    assert mirror.tables[0, :3].tolist() == [5, 6, 8]
+    assert len(mirror._mirrors) == 1
 
 
 def test_fits_only_decodes_within_the_tables() -> None:
