@@ -208,25 +208,25 @@ class StaticDecodeInputs:
         size, pad = self.block_size, bucket - batch.rows
         slots, lengths = [], []
         for span in batch.spans:
-            position = span.context_len - 1
-            slots.append(span.block_table[position // size] * size + position % size)
+            last = span.context_len - 1  # the new token's position
+            slots.append(span.block_table[last // size] * size + last % size)
             lengths.append(span.context_len)
-        token, position, slot, length = PADDING_ROW
-        host = torch.tensor(
+        pad_token, pad_position, pad_slot, pad_length = PADDING_ROW
+        rows = torch.tensor(
             [
-                [*batch.token_ids, *[token] * pad],
-                [*batch.positions, *[position] * pad],
-                [*slots, *[slot] * pad],
-                [*lengths, *[length] * pad],
+                [*batch.token_ids, *[pad_token] * pad],
+                [*batch.positions, *[pad_position] * pad],
+                [*slots, *[pad_slot] * pad],
+                [*lengths, *[pad_length] * pad],
             ],
             dtype=torch.int64,
         )  # [4, bucket]
-        self._rows[:, :bucket].copy_(host)
+        self._rows[:, :bucket].copy_(rows)  # a blocking copy: the host buffers are reused
         widths = [blocks_for_tokens(length, size) for length in lengths]
-        host = self._host_tables
-        width = host.fill([span.block_table for span in batch.spans], widths)
+        mirror = self._host_tables
+        width = mirror.fill([span.block_table for span in batch.spans], widths)
         if width:
-            tables = torch.from_numpy(host.tables[: batch.rows, :width])  # [rows, width]
+            tables = torch.from_numpy(mirror.tables[: batch.rows, :width])  # [rows, width]
             self.block_tables[: batch.rows, :width].copy_(tables)
 
     def pad(self, bucket: int) -> None:
