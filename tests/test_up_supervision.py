@@ -107,15 +107,22 @@ def _registered_seconds(address: str, worker_id: str, old_address: str, since: f
 
 
 @pytest.mark.slow  # the default suite's kills of single processes are the fault matrix's
-def test_children_stop_when_up_itself_is_killed() -> None:
+@pytest.mark.parametrize(
+    ("up_flags", "roles"),
+    [((), 2), (("--apart",), 3)],
+    ids=["frontend", "apart"],
+)
+def test_children_stop_when_up_itself_is_killed(up_flags: tuple[str, ...], roles: int) -> None:
     """``up`` SIGKILLed (it cannot stop anyone): each child notices it was orphaned and
-    drains itself (``common/orphan.py``); no process is left."""
+    drains itself (``common/orphan.py``); no process is left. With the gateway, every kind of
+    child: the merged frontend and a decode worker, or apart a coordinator, a decode worker
+    and a gateway."""
     processes: list[subprocess.Popen[str]] = []
-    lines: dict[str, str] = {}  # with the gateway: every kind of child
-    with cluster(0, 1, *WORKER_FLAGS, ready_lines=lines, processes=processes):
+    lines: dict[str, str] = {}
+    with cluster(0, 1, *WORKER_FLAGS, ready_lines=lines, processes=processes, up_flags=up_flags):
         up = processes[0]
         children = [int(pid) for pid in _children_of(up.pid)]
-        assert len(children) == 3  # coordinator, decode worker, gateway
+        assert len(children) == roles
         up.send_signal(signal.SIGKILL)
         up.wait(timeout=10)
         deadline = time.monotonic() + 60
