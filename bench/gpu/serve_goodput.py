@@ -19,13 +19,15 @@ steps against the HBM bound measured in the same run.
 
 Workloads (``--shape llama-8b`` defaults; ``llama-1b`` has its own rates, ``DEFAULT_RATES``):
 
-- ``chat``: ~200-token prompts (160-240), 200 output tokens, at 4, 16 and 32 req/s;
+- ``chat``: ~200-token prompts (160-240), 200 output tokens, at 8, 24 and 48 req/s;
 - ``long``: ~4,000-token prompts (3,200-4,800), 100 output tokens, at 1, 3 and 6 req/s.
 
 On an H200 (bench/results/gpu-h200-2026-11-26.json: a Llama-8B decode step ~12-16 ms at batch
-1-64, a 4,096-token prefill ~120 ms) the lowest rates sit well under what one prefill and one
-decode worker sharing the GPU can serve, the middle ones near it and the highest past it
-(chat: 32 x 200 = 6,400 output tok/s; long: 6 x 4,000 = 24,000 prompt tok/s).
+1-64 eager, a 4,096-token prefill ~120 ms) the lowest rates sit well under what one prefill and
+one decode worker sharing the GPU can serve, the middle ones near it and the highest past it
+(chat: 48 x 200 = 9,600 output tok/s, past the ~5,500 of the eager step at batch 64 and near
+what CUDA graphs should give, ``engine/decode_graphs.py``; long: 6 x 4,000 = 24,000 prompt
+tok/s against ~34,000 of the prefill step alone).
 
 SLO (flags): TTFT <= 1 s and mean ITL (a request's TPOT: (e2e - TTFT) / (tokens - 1)) <=
 30 ms. Per rate: requests, completed, failed by reason, TTFT p50/p90/p99, ITL (per-token gap,
@@ -88,7 +90,7 @@ from splitserve.launch.child_process import ChildProcess, python_module_argv
 from splitserve.proto.cluster_auth import TOKEN_ENV, ClusterCredential
 
 DEFAULT_RATES: dict[str, tuple[tuple[float, ...], tuple[float, ...]]] = {
-    "llama-8b": ((4.0, 16.0, 32.0), (1.0, 3.0, 6.0)),
+    "llama-8b": ((8.0, 24.0, 48.0), (1.0, 3.0, 6.0)),
     "llama-1b": ((8.0, 32.0, 64.0), (2.0, 6.0, 12.0)),
     "tiny": ((2.0, 4.0, 8.0), (1.0, 2.0, 4.0)),
 }
@@ -340,7 +342,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     parser.add_argument("--placement", default="remote", help="the coordinator's placement")
-    parser.add_argument("--chat-rates", type=rates, default=None, help="req/s, e.g. 4,16,32")
+    parser.add_argument("--chat-rates", type=rates, default=None, help="req/s, e.g. 8,24,48")
     parser.add_argument("--long-rates", type=rates, default=None, help="req/s, e.g. 1,3,6")
     parser.add_argument("--chat-input", type=int, default=200, help="mean prompt tokens")
     parser.add_argument("--chat-output", type=int, default=200, help="output tokens")
