@@ -206,11 +206,8 @@ class StaticDecodeInputs:
         if not batch.rows <= bucket <= self.max_rows:
             raise ValueError(f"a batch of {batch.rows} rows does not fill a bucket of {bucket}")
         size, pad = self.block_size, bucket - batch.rows
-        slots, lengths = [], []
-        for span in batch.spans:
-            last = span.context_len - 1  # the new token's position
-            slots.append(span.block_table[last // size] * size + last % size)
-            lengths.append(span.context_len)
+        slots = [slot for span in batch.spans for slot in span.new_slots(size)]  # one a row
+        lengths = [span.context_len for span in batch.spans]
         pad_token, pad_position, pad_slot, pad_length = PADDING_ROW
         rows = torch.tensor(
             [

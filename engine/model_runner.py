@@ -120,10 +120,8 @@ class ModelRunner(KvBlockStore):
                 generated=GeneratedRows(tokens=bucket, samples=bucket),
             )
 
-        self.decode_graphs = None  # captures run eagerly
-        graphs = DecodeGraphs(forward, inputs, graph_buckets(max_rows), capture)
-        self.decode_graphs = graphs
-        return graphs
+        self.decode_graphs = DecodeGraphs(forward, inputs, graph_buckets(max_rows), capture)
+        return self.decode_graphs
 
     def execute(
         self,

@@ -33,6 +33,15 @@ class SequenceSpan:
     """Tokens in the cache after this step's tokens are written (>= query_len)."""
     block_table: Sequence[int]
 
+    def new_slots(self, block_size: int) -> list[int]:
+        """The cache slot of each of this step's tokens (the last ``query_len`` positions):
+        position ``p`` is block ``block_table[p // block_size]``, offset ``p % block_size``."""
+        table = self.block_table
+        return [
+            table[pos // block_size] * block_size + pos % block_size
+            for pos in range(self.context_len - self.query_len, self.context_len)
+        ]
+
 
 @dataclass
 class TorchAttentionMetadata:
@@ -126,14 +135,7 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> TorchAttentionMetadata:
         if self.batch_invariant:
             num_decode = 0
-        slots: list[int] = []
-        for span in spans:
-            start = span.context_len - span.query_len
-            table = span.block_table
-            slots.extend(
-                table[pos // block_size] * block_size + pos % block_size
-                for pos in range(start, span.context_len)
-            )
+        slots = [slot for span in spans for slot in span.new_slots(block_size)]
         decode_spans = spans[:num_decode]
         max_blocks = max(
             (blocks_for_tokens(s.context_len, block_size) for s in decode_spans), default=0

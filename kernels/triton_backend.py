@@ -51,15 +51,6 @@ class TritonAttentionMetadata:
     prefill_max_query_len: int
 
 
-def span_slots(span: SequenceSpan, block_size: int) -> list[int]:
-    """The cache slot of each of the span's new tokens (the last ``query_len`` positions)."""
-    table = span.block_table
-    return [
-        table[pos // block_size] * block_size + pos % block_size
-        for pos in range(span.context_len - span.query_len, span.context_len)
-    ]
-
-
 def padded_tables(
     spans: Sequence[SequenceSpan], block_size: int, device: torch.device
 ) -> torch.Tensor:
@@ -83,7 +74,7 @@ class TritonAttentionBackend(AttentionBackend):
     def prepare(
         self, spans: Sequence[SequenceSpan], num_decode: int, block_size: int, device: torch.device
     ) -> TritonAttentionMetadata:
-        slots = [slot for span in spans for slot in span_slots(span, block_size)]
+        slots = [slot for span in spans for slot in span.new_slots(block_size)]
         decodes, prefills = spans[:num_decode], spans[num_decode:]
         decode_lens = [s.context_len for s in decodes]
         query_start = [0]
