@@ -30,7 +30,7 @@ from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.step_cost import StepCostLearner
 from splitserve.engine.checkpoint import LoadedCheckpoint, describe_checkpoint, load_checkpoint
 from splitserve.engine.config import EngineConfig
-from splitserve.engine.decode_graphs import CudaGraphCapture
+from splitserve.engine.decode_graphs import CudaGraphCapture, GraphCapture
 from splitserve.engine.device import resolve_dtype
 from splitserve.engine.engine_face import (
     CompletedPrompt,
@@ -78,6 +78,9 @@ class EngineCore:
         if config.model.max_model_len is not None:
             self.max_model_len = min(self.max_model_len, config.model.max_model_len)
         self.num_blocks = self._num_blocks()
+        self.graph_capture_error: str | None = None
+        """Why the decode CUDA graphs failed to capture (the engine then runs every step
+        eagerly, ``_capture_decode_graphs``); None where they were captured or not asked."""
         self.runner: ModelRunner | SimulatedRunner = self._make_runner(
             checkpoint, device, native_quantized
         )
@@ -156,7 +159,9 @@ class EngineCore:
         ``config.runner.cuda_graphs`` asks and they apply: a model on CUDA whose attention
         backend captures graphs, in an engine that decodes (not a prefill-only one). Steps of
         up to ``cuda_graph_max_rows`` rows, and no more than ``max_num_seqs`` requests with
-        their drafts make."""
+        their drafts make. A capture that fails is logged with its traceback and kept in
+        ``graph_capture_error``, and the engine serves with every step eager: slower, never
+        down (a GPU whose driver or library refuses a capture still serves)."""
         runner, config = self.runner, self.config
         if not (
             config.runner.cuda_graphs
@@ -170,9 +175,27 @@ class EngineCore:
             config.runner.cuda_graph_max_rows,
             config.scheduler.max_num_seqs * (1 + config.speculative.num_tokens),
         )
-        graphs = runner.capture_decode_graphs(
-            max_rows, self.max_model_len, CudaGraphCapture(device)
-        )
+        self._capture_or_serve_eagerly(max_rows, CudaGraphCapture(device))
+
+    def _capture_or_serve_eagerly(self, max_rows: int, capture: GraphCapture) -> None:
+        """Capture the runner's decode steps of up to ``max_rows`` rows with ``capture``; on
+        any failure, log it with its traceback, keep it in ``graph_capture_error`` and leave
+        every step eager (``runner.decode_graphs`` None: no graph of a failed capture is
+        replayed, not even the buckets captured before it failed)."""
+        runner = self.runner
+        assert isinstance(runner, ModelRunner)
+        try:
+            graphs = runner.capture_decode_graphs(max_rows, self.max_model_len, capture)
+        except Exception as error:  # noqa: BLE001 - any failure: serve, eagerly, and say so
+            runner.decode_graphs = None
+            self.graph_capture_error = f"{type(error).__name__}: {error}"
+            logger.exception(
+                "decode CUDA graphs failed to capture; every step runs eagerly "
+                "(--no-cuda-graphs skips the capture)"
+            )
+            if runner.device.type == "cuda":
+                torch.cuda.synchronize(runner.device)  # a fault that broke the device shows here
+            return
         logger.info(
             "decode CUDA graphs: %d buckets of 1-%d rows, captured in %.1f s",
             len(graphs.buckets),

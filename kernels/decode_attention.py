@@ -2,9 +2,14 @@
 
 GQA-aware: a program owns one KV head of one sequence and computes all ``heads // kv_heads``
 query heads that share it, so each key and value is read from the cache once per program.
-Split-K ("flash-decoding"): a sequence's context is cut into ``num_splits`` ranges, one program
-each, whose partial results (output and log-sum-exp) a second kernel merges; this keeps the GPU
-busy at small batch and long context.
+Split-K ("flash-decoding"): a sequence's context is cut into at most ``num_splits`` ranges, one
+program each, whose partial results (output and log-sum-exp) a second kernel merges; this keeps
+the GPU busy at small batch and long context. Each sequence splits its *own* length
+(``split_tokens``): ranges of ``ceil(len / num_splits)`` tokens, at least ``min_split_tokens``,
+rounded up to whole key tiles; the programs past its last range find nothing to do. So a row's
+ranges never depend on the other rows' lengths, and a launch sized for a long context (a CUDA
+graph's, which is sized for the tables' whole width) still spreads a short context over
+several programs.
 
 Cache layout (the engine's, one layer): ``[num_blocks, block_size, kv_heads, head_dim]``; token
 ``t`` of a sequence is at block ``block_tables[seq, t // block_size]``, offset
@@ -48,7 +53,7 @@ def _decode_kernel(
     out_ptr,  # [batch, heads, head_dim], or partials [batch, heads, splits, head_dim] f32
     lse_ptr,  # [batch, heads, splits] float32 (log2 domain), with SPLIT only
     qk_scale,  # softmax scale * log2(e)
-    tokens_per_split,
+    min_split_tokens,
     stride_query_seq,
     stride_query_head,
     stride_cache_block,
@@ -73,6 +78,8 @@ def _decode_kernel(
     split = tl.program_id(2)
     num_splits = tl.num_programs(2)
     seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
+    tokens_per_split = tl.maximum(tl.cdiv(seq_len, num_splits), min_split_tokens)
+    tokens_per_split = tl.cdiv(tokens_per_split, BLOCK_N) * BLOCK_N  # split_tokens, in-kernel
     split_start = split * tokens_per_split
     split_end = tl.minimum(split_start + tokens_per_split, seq_len)
 
@@ -159,8 +166,17 @@ def _merge_kernel(
     tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
 
 
+def split_tokens(seq_len: int, num_splits: int, min_split_tokens: int, block_n: int) -> int:
+    """Tokens per split-K range of a sequence of ``seq_len`` tokens (the kernel's formula):
+    ``ceil(seq_len / num_splits)``, at least ``min_split_tokens``, rounded up to a multiple of
+    ``block_n``. ``num_splits`` such ranges always cover the sequence."""
+    tokens = max(cdiv(seq_len, num_splits), min_split_tokens)
+    return cdiv(tokens, block_n) * block_n
+
+
 def default_num_splits(batch: int, kv_heads: int, max_seq_len: int, device: torch.device) -> int:
-    """Enough splits to give every SM about two programs, each over >= 256 tokens."""
+    """Enough splits to give every SM about two programs, each over >= 256 tokens of the
+    longest context (``MIN_TOKENS_PER_SPLIT``)."""
     if device.type != "cuda":
         return 1
     programs = max(batch * kv_heads, 1)
@@ -212,6 +228,7 @@ def paged_decode_attention(
     *,
     max_seq_len: int | None = None,
     num_splits: int | None = None,
+    min_split_tokens: int | None = None,
     block_n: int | None = None,
     out: torch.Tensor | None = None,  # [batch, heads, head_dim], query's dtype
 ) -> torch.Tensor:
@@ -219,9 +236,13 @@ def paged_decode_attention(
 
     Returns ``[batch, heads, head_dim]`` in the query's dtype (``out`` if given). The caller
     guarantees ``seq_lens[i] <= max_blocks * block_size`` and valid block ids; ``max_seq_len``
-    (an upper bound of ``seq_lens``) avoids a device sync, ``num_splits`` overrides
-    ``default_num_splits``, ``block_n`` (keys per loop step, a power of two >= 16) the tile
-    chosen from the split length.
+    (an upper bound of ``seq_lens``) avoids a device sync and sizes the launch. ``num_splits``
+    overrides ``default_num_splits`` (the most ranges a sequence is cut into), and
+    ``min_split_tokens`` the least tokens of a range (default: ``MIN_TOKENS_PER_SPLIT`` with
+    the default split count, else 1); ``block_n`` (keys per loop step, a power of two >= 16)
+    the tile chosen from the longest context's split length. A sequence's result depends on
+    its own length, ``num_splits``, ``min_split_tokens`` and ``block_n`` only (module
+    docstring), never on the other rows'.
     """
     _check_inputs(query, key_cache, value_cache, block_tables, seq_lens)
     batch, heads, head_dim = query.shape
@@ -242,13 +263,19 @@ def paged_decode_attention(
         raise ValueError(f"max_seq_len {max_seq_len} exceeds the block tables' {capacity} slots")
     if num_splits is None:
         num_splits = default_num_splits(batch, kv_heads, max_seq_len, query.device)
+        if min_split_tokens is None:
+            min_split_tokens = MIN_TOKENS_PER_SPLIT
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-    tokens_per_split = cdiv(max(max_seq_len, 1), num_splits)
-    num_splits = cdiv(max(max_seq_len, 1), tokens_per_split)  # none empty for the longest
+    min_split_tokens = 1 if min_split_tokens is None else min_split_tokens
+    if min_split_tokens < 1:
+        raise ValueError(f"min_split_tokens must be >= 1, got {min_split_tokens}")
+    longest = max(max_seq_len, 1)
     if block_n is None:
-        block_n = min(64, max(16, next_power_of_2(tokens_per_split)))
+        block_n = min(64, max(16, next_power_of_2(cdiv(longest, num_splits))))
     _check_tile("block_n", block_n)
+    # None empty for the longest: fewer splits cover every row too (split_tokens' contract).
+    num_splits = cdiv(longest, split_tokens(longest, num_splits, min_split_tokens, block_n))
     split = num_splits > 1
     if split:
         partial = query.new_empty(batch, heads, num_splits, head_dim, dtype=torch.float32)
@@ -261,7 +288,7 @@ def paged_decode_attention(
     launch(
         _decode_kernel, (batch, kv_heads, num_splits),
         query, key_cache, value_cache, block_tables, seq_lens, target, lse,
-        scale * LOG2E, tokens_per_split,
+        scale * LOG2E, min_split_tokens,
         query.stride(0), query.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         block_tables.stride(0),

@@ -209,3 +209,31 @@ def test_replayed_logits_equal_eager_logits() -> None:
     picked = graphs.run(DecodeBatch(batch.token_ids, batch.positions, spans, [2, 0]))
     assert picked is not None
     torch.testing.assert_close(picked, eager[[2, 0]], rtol=1e-5, atol=1e-5)
+
+
+def test_a_failed_capture_leaves_the_engine_serving_eagerly(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A capture that fails after its first bucket (the largest) is captured: the engine logs
+    it, keeps the error, replays nothing (not even the bucket captured) and its output is the
+    eager engine's."""
+    prompts = _prompts(3)
+    expected = _greedy(_llm(), prompts)
+    llm = _llm()
+    captured: list[int] = []
+
+    def capture_once(run):  # GraphCapture: the first capture works, the next one raises
+        if captured:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        captured.append(1)
+        return record_step(run)
+
+    with caplog.at_level("ERROR", logger="splitserve.engine.engine_core"):
+        llm.engine._capture_or_serve_eagerly(4, capture_once)
+    assert captured == [1]
+    assert llm.engine.runner.decode_graphs is None
+    assert llm.engine.graph_capture_error == (
+        "RuntimeError: operation not permitted when stream is capturing"
+    )
+    assert "failed to capture; every step runs eagerly" in caplog.text
+    assert _greedy(llm, prompts) == expected

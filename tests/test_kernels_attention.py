@@ -94,6 +94,40 @@ def test_decode_single_split_of_each_sequence_is_independent_of_batch() -> None:
     assert torch.equal(batched[1:2], alone)
 
 
+def test_split_tokens_cover_the_sequence_in_whole_tiles() -> None:
+    for seq_len in (0, 1, 7, 45, 200, 4096, 4097):
+        for num_splits in (1, 3, 33):
+            for min_tokens, block_n in ((1, 16), (16, 16), (256, 64)):
+                tokens = decode_attention.split_tokens(seq_len, num_splits, min_tokens, block_n)
+                assert tokens % block_n == 0 and tokens >= min_tokens
+                assert tokens * num_splits >= seq_len, (seq_len, num_splits, min_tokens)
+
+
+def test_decode_row_splits_follow_its_own_length() -> None:
+    """A launch sized for the tables' whole width (a CUDA graph's) cuts each row by its own
+    length: every row equals the row run alone at its own length (its ranges the same, the
+    launch's extra programs empty), and the reference."""
+    torch.manual_seed(4)
+    key_cache, value_cache = _cache(4, 2, 16, torch.float32)
+    tables = _tables(4, 32)  # capacity 128 tokens
+    query = torch.randn(4, 4, 16)
+    lens = torch.tensor([120, 7, 45, 0], dtype=torch.int32)
+    options = {"num_splits": 4, "min_split_tokens": 16, "block_n": 16}
+    batched = decode_attention.paged_decode_attention(
+        query, key_cache, value_cache, tables, lens, 0.25, max_seq_len=128, **options
+    )
+    for row, length in enumerate(lens.tolist()):
+        alone = decode_attention.paged_decode_attention(
+            query[row : row + 1], key_cache, value_cache, tables[row : row + 1],
+            lens[row : row + 1], 0.25, max_seq_len=length, **options,
+        )  # fmt: skip
+        assert torch.equal(batched[row : row + 1], alone), row
+    expected = decode_attention.paged_decode_attention_ref(
+        query, key_cache, value_cache, tables, lens, 0.25
+    )
+    torch.testing.assert_close(batched, expected, **TOLERANCES[torch.float32])
+
+
 def _packed_batch(shapes: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
     """``query_start [seqs + 1]`` and ``context_lens [seqs]`` int32 of (query_len, context_len)."""
     query_lens = torch.tensor([query_len for query_len, _ in shapes])

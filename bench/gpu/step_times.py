@@ -11,8 +11,10 @@ Measured here, in this order:
   event timings); GB/s counts bytes read plus written, the traffic a step's reads compete with;
 - ``matmul``: an 8192 x 8192 x 8192 bf16 product, median of 10: the compute bound;
 - ``decode`` at each batch, twice: with the decode steps replayed from the engine's CUDA
-  graphs (``engine/decode_graphs.py``, captured at the engine's start) and run eagerly (the
-  runner's graphs set aside), ``cuda_graphs`` saying which. That many requests with 512-token
+  graphs (``engine/decode_graphs.py``, captured at the engine's start; the report's
+  ``cuda_graphs`` holds the buckets and the capture's time, or the capture's error, the graph
+  entries then skipped) and run eagerly (the runner's graphs set aside), ``cuda_graphs``
+  saying which. That many requests with 512-token
   prompts are prefilled, then ``--steps`` decode steps of ``EngineCore.step`` are timed (wall
   clock; the step returns sampled ids to the host, so it includes every GPU kernel) after 3
   untimed ones. Beside each, ``forward_ms`` (CUDA events around the runner's forward, graph
@@ -211,7 +213,7 @@ def run(args: argparse.Namespace) -> dict:
     report["cuda_graphs"] = (
         {"buckets": list(graphs.buckets), "capture_s": round(graphs.capture_s, 2)}
         if graphs is not None
-        else None
+        else {"capture_error": engine.graph_capture_error}
     )
     timer = ForwardTimer(engine.runner)
     report["parameters"] = params_total
