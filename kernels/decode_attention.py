@@ -175,12 +175,17 @@ def split_tokens(seq_len: int, num_splits: int, min_split_tokens: int, block_n: 
 
 
 def default_num_splits(batch: int, kv_heads: int, max_seq_len: int, device: torch.device) -> int:
-    """Enough splits to give every SM about two programs, each over >= 256 tokens of the
-    longest context (``MIN_TOKENS_PER_SPLIT``)."""
+    """``splits_for_sms`` with the device's SM count; 1 off CUDA."""
     if device.type != "cuda":
         return 1
-    programs = max(batch * kv_heads, 1)
     sm_count = torch.cuda.get_device_properties(device).multi_processor_count
+    return splits_for_sms(batch, kv_heads, max_seq_len, sm_count)
+
+
+def splits_for_sms(batch: int, kv_heads: int, max_seq_len: int, sm_count: int) -> int:
+    """Enough splits to give each of ``sm_count`` SMs about two programs, each over >= 256
+    tokens of the longest context (``MIN_TOKENS_PER_SPLIT``)."""
+    programs = max(batch * kv_heads, 1)
     wanted = cdiv(2 * sm_count, programs)
     return max(1, min(wanted, cdiv(max_seq_len, MIN_TOKENS_PER_SPLIT)))
 
