@@ -17,7 +17,9 @@ Measured here, in this order:
   saying which. That many requests with 512-token
   prompts are prefilled, then ``--steps`` decode steps of ``EngineCore.step`` are timed (wall
   clock; the step returns sampled ids to the host, so it includes every GPU kernel) after 3
-  untimed ones. Beside each, ``forward_ms`` (CUDA events around the runner's forward, graph
+  untimed ones, then ``PROFILED_STEPS`` more under the profiler: ``kernels``, their device
+  time per step by kind (cuBLAS products, each Triton kernel, the rest) and the top kernels
+  (``kernel_times.py``). Beside each, ``forward_ms`` (CUDA events around the runner's forward, graph
   replay or eager: the GPU's span, launch gaps included) shows what the step's Python part
   (schedule, pack, sample) costs. Bound: the bytes a step must read (every weight but the
   embedding table, plus each request's KV so far) at the copy's rate; ``hbm_fraction`` is
@@ -44,10 +46,14 @@ from pathlib import Path
 
 import torch
 from bench_kernels_gpu import copy_gbps, time_ms
+from kernel_times import profile_steps
 
 PROMPT_TOKENS = 512
 BATCHES = (1, 8, 64)
 WARMUP_STEPS = 3
+PROFILED_STEPS = 3
+"""Decode steps (after the timed ones) and prefill steps run under the profiler
+(``kernel_times.py``) for the kernel breakdown."""
 
 
 def matmul_tflops(size: int = 8192) -> float:
@@ -106,7 +112,8 @@ def _decode_steps(engine, timer: ForwardTimer, batch: int, steps: int, bound: Ca
     from splitserve.common.sampling_params import SamplingParams
 
     generator = torch.Generator().manual_seed(batch)
-    params = SamplingParams(max_tokens=WARMUP_STEPS + steps + 8, temperature=0.0, ignore_eos=True)
+    max_tokens = WARMUP_STEPS + steps + PROFILED_STEPS + 8
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     ids = [f"decode-{batch}-{i}" for i in range(batch)]
     for request_id in ids:
         engine.add_request(
@@ -124,6 +131,7 @@ def _decode_steps(engine, timer: ForwardTimer, batch: int, steps: int, bound: Ca
         if index >= WARMUP_STEPS:
             wall.append(elapsed * 1e3)
             forward.append(timer.last_ms())
+    kernels = profile_steps(engine.step, PROFILED_STEPS)
     for request_id in ids:
         engine.abort_request(request_id)
     engine.step()  # lets the scheduler release the aborted requests' blocks
@@ -138,6 +146,7 @@ def _decode_steps(engine, timer: ForwardTimer, batch: int, steps: int, bound: Ca
         "bytes_read_per_step": bytes_read,
         "hbm_bound_ms": round(bound_ms, 3),
         "hbm_fraction": round(bound_ms / step_ms, 3),
+        "kernels": kernels,
     }
 
 
@@ -162,12 +171,22 @@ def bench_prefill(engine, timer: ForwardTimer, tokens: int, flops: Callable, pea
             forward.append(timer.last_ms())
     step_ms = statistics.median(wall)
     achieved = flops(tokens) / step_ms / 1e9
+    prompts = iter(_prompt(engine.facts.vocab_size, tokens, generator) for _ in range(99))
+
+    def one_prefill() -> None:  # a fresh prompt's prefill step (its decode runs after)
+        engine.add_request(f"prefill-profiled-{time.monotonic_ns()}", next(prompts), params)
+        engine.step()
+
+    kernels = profile_steps(one_prefill, PROFILED_STEPS)
+    while engine.has_unfinished:
+        engine.step()
     return {
         "tokens": tokens,
         "step_ms": round(step_ms, 2),
         "forward_ms": round(statistics.median(forward), 2),
         "tflops": round(achieved, 1),
         "fraction_of_matmul_peak": round(achieved / peak, 3),
+        "kernels": kernels,
     }
 
 
