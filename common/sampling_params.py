@@ -244,3 +244,34 @@ def _bias_pairs(bias: object) -> tuple[tuple[int, float], ...]:
         raise InvalidRequestError(
             "logit_bias must map token ids to numbers", "logit_bias"
         ) from None
+
+
+def changes_logits(
+    params: SamplingParams, num_output_tokens: int, eos_token_ids: frozenset[int]
+) -> bool:
+    """True when the sampler's ``apply_penalties`` (``engine/sampler.py``) would change the
+    logits of a row with ``params`` after ``num_output_tokens`` generated tokens, a grammar's
+    mask aside: a penalty, a logit bias, or EOS / stop tokens still suppressed by
+    ``min_tokens``."""
+    return (
+        params.repetition_penalty != 1.0
+        or params.frequency_penalty != 0.0
+        or params.presence_penalty != 0.0
+        or bool(params.logit_bias)
+        or (num_output_tokens < params.min_tokens and bool(eos_token_ids or params.stop_token_ids))
+    )
+
+
+def argmax_decides(
+    params: SamplingParams, num_output_tokens: int, eos_token_ids: frozenset[int]
+) -> bool:
+    """True when the engine's sampler picks a row's token as the argmax of its raw logits and
+    reads nothing else of them: greedy, no grammar, no logprobs, nothing that
+    ``changes_logits``. Such a row's token can be chosen on the device and fed to the next
+    step without the host seeing it first (``ModelRunner.launch_decode``)."""
+    return (
+        params.greedy
+        and params.grammar is None
+        and params.logprobs is None
+        and not changes_logits(params, num_output_tokens, eos_token_ids)
+    )

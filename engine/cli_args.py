@@ -101,6 +101,11 @@ class EngineSettings:
         "on CUDA, run decode steps eagerly instead of replaying CUDA graphs captured per "
         "batch size",
     )
+    no_steps_ahead: bool = setting(
+        False,
+        "on CUDA graphs, read each decode step's tokens before launching the next (by "
+        "default the next plain greedy decode step is launched first)",
+    )
     speculative_tokens: int | None = setting(
         None,
         "prompt-lookup draft tokens per request and decode step (0: no speculation; default "
@@ -141,6 +146,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             sim_profile=args.sim_profile,
             record_steps=args.record_steps,
             cuda_graphs=not args.no_cuda_graphs,
+            steps_ahead=not args.no_steps_ahead,
         ),
         speculative=SpeculativeConfig(
             num_tokens=served_speculative_tokens(args.speculative_tokens, args.device),

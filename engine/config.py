@@ -151,6 +151,10 @@ class RunnerConfig:
     cuda_graph_max_rows: int = 256
     """The largest decode step captured (also capped by ``max_num_seqs`` rows and their
     drafts); larger steps run eagerly."""
+    steps_ahead: bool = True
+    """Where decode steps replay CUDA graphs, launch the next plain decode step before the
+    host reads the current one's tokens (``EngineCore.steps_ahead``); False reads every
+    step's tokens before planning the next."""
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:

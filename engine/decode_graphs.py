@@ -171,7 +171,7 @@ class StaticDecodeInputs:
         self.max_rows = max_rows
         self.max_blocks = max_blocks
         self.block_size = block_size
-        self.device = device
+        self.device = torch.device(device)
         self._rows = torch.zeros(4, max_rows, dtype=torch.int64, device=device)
         """[4, max_rows]: token ids, positions, KV slots, context lengths (one copy fills all)."""
         self.block_tables = torch.zeros(max_rows, max_blocks, dtype=torch.int32, device=device)
@@ -201,8 +201,12 @@ class StaticDecodeInputs:
             span.query_len == 1 and span.context_len <= capacity for span in batch.spans
         )
 
-    def fill(self, batch: DecodeBatch, bucket: int) -> None:
-        """Write ``batch`` into the first rows and padding rows up to ``bucket``."""
+    def fill(self, batch: DecodeBatch, bucket: int, token_ids: torch.Tensor | None = None) -> None:
+        """Write ``batch`` into the first rows and padding rows up to ``bucket``;
+        ``token_ids`` (``[rows]`` int64 on the device, a step's choices not yet read by the
+        host) replace ``batch.token_ids``. Queued on the current stream without waiting for
+        the device (host values staged in pinned memory on CUDA, which the copies may still
+        read after this returns), so it may run while an earlier replay does."""
         if not batch.rows <= bucket <= self.max_rows:
             raise ValueError(f"a batch of {batch.rows} rows does not fill a bucket of {bucket}")
         size, pad = self.block_size, bucket - batch.rows
@@ -218,13 +222,21 @@ class StaticDecodeInputs:
             ],
             dtype=torch.int64,
         )  # [4, bucket]
-        self._rows[:, :bucket].copy_(rows)  # a blocking copy: the host buffers are reused
+        self._rows[:, :bucket].copy_(self.staged(rows), non_blocking=True)
+        if token_ids is not None:
+            self._rows[0, : batch.rows].copy_(token_ids)  # after the rows' copy, on the stream
         widths = [blocks_for_tokens(length, size) for length in lengths]
         mirror = self._host_tables
         width = mirror.fill([span.block_table for span in batch.spans], widths)
         if width:
             tables = torch.from_numpy(mirror.tables[: batch.rows, :width])  # [rows, width]
-            self.block_tables[: batch.rows, :width].copy_(tables)
+            self.block_tables[: batch.rows, :width].copy_(self.staged(tables), non_blocking=True)
+
+    def staged(self, host: torch.Tensor) -> torch.Tensor:
+        """``host`` as a copy may read it after the host moves on: a pinned copy on CUDA (the
+        caching host allocator keeps it until the copy reading it ran); itself elsewhere,
+        where copies finish before they return."""
+        return host.pin_memory() if self.device.type == "cuda" else host
 
     def pad(self, bucket: int) -> None:
         """Every row up to ``bucket`` a padding row (the state graphs are captured in)."""
@@ -250,7 +262,7 @@ class CudaGraphCapture:
     WARMUP_RUNS = 2
 
     def __init__(self, device: torch.device) -> None:
-        self.device = device
+        self.device = torch.device(device)
         self._pool = torch.cuda.graph_pool_handle()
 
     def __call__(self, run: Callable[[], torch.Tensor]) -> tuple[StepGraph, torch.Tensor]:
@@ -322,19 +334,21 @@ class DecodeGraphs:
             self._graphs[bucket] = _Captured(graph, logits)
         self.capture_s = time.perf_counter() - started
 
-    def run(self, batch: DecodeBatch) -> torch.Tensor | None:
+    def run(self, batch: DecodeBatch, token_ids: torch.Tensor | None = None) -> torch.Tensor | None:
         """Float32 logits ``[len(batch.logits_rows), vocab]`` of a decode-only step replayed
         from its bucket's graph, valid until the next replay; None where the step is not
-        eligible (the caller runs it eagerly)."""
+        eligible (the caller runs it eagerly). ``token_ids``: as ``StaticDecodeInputs.fill``
+        takes them. Nothing here waits for the device."""
         bucket = bucket_for(batch.rows, self.buckets)
         if bucket is None or not self.inputs.fits(batch):
             self.eager_steps += 1
             return None
-        self.inputs.fill(batch, bucket)
+        self.inputs.fill(batch, bucket, token_ids)
         captured = self._graphs[bucket]
         captured.graph.replay()
         self.replays[bucket] += 1
         rows = list(batch.logits_rows)
         if rows == list(range(len(rows))):
             return captured.logits[: len(rows)]
-        return captured.logits[torch.tensor(rows, dtype=torch.int64, device=self.inputs.device)]
+        index = self.inputs.staged(torch.tensor(rows, dtype=torch.int64))
+        return captured.logits[index.to(self.inputs.device, non_blocking=True)]

@@ -44,10 +44,11 @@ from splitserve.engine.engine_report import SchedulerStats, StepTiming
 from splitserve.engine.grammar_matchers import GrammarMatchers
 from splitserve.engine.host_memory import return_freed_heap
 from splitserve.engine.kv_cache_manager import KVCacheManager
+from splitserve.engine.launched_step import LaunchedDecode
 from splitserve.engine.model import LlamaModel
-from splitserve.engine.model_runner import ModelRunner, kv_cache_bytes_per_block
+from splitserve.engine.model_runner import ModelRunner, RunnerOutput, kv_cache_bytes_per_block
 from splitserve.engine.request import Request, RequestStatus
-from splitserve.engine.scheduler import Scheduler
+from splitserve.engine.scheduler import Scheduler, SchedulerOutput
 from splitserve.engine.sim_profile import StepLog, load_profile
 from splitserve.engine.sim_runner import SimulatedRunner, word_token_ids
 from splitserve.kernels.attention import AttentionBackend, TorchAttentionBackend
@@ -78,6 +79,15 @@ class EngineCore:
         if config.model.max_model_len is not None:
             self.max_model_len = min(self.max_model_len, config.model.max_model_len)
         self.num_blocks = self._num_blocks()
+        self.steps_ahead = config.runner.steps_ahead
+        """Launch the decode step after a replayed one before reading the replayed one's
+        tokens (``step``; ``Scheduler.schedule_ahead``), so the host's part of a step runs
+        while the device computes the next. Only steps a captured graph replays and whose
+        tokens the argmax alone decides go ahead; off CUDA graphs nothing does."""
+        self._ahead: tuple[SchedulerOutput, LaunchedDecode] | None = None
+        """The decode step launched ahead by the last ``step``, which the next one reads."""
+        self.steps_launched_ahead = 0
+        """Decode steps launched before the step before them was read (``_launch_ahead``)."""
         self.graph_capture_error: str | None = None
         """Why the decode CUDA graphs failed to capture (the engine then runs every step
         eagerly, ``_capture_decode_graphs``); None where they were captured or not asked."""
@@ -324,7 +334,7 @@ class EngineCore:
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished
+        return self.scheduler.has_unfinished or self._ahead is not None
 
     @property
     def stats(self) -> SchedulerStats:
@@ -460,26 +470,30 @@ class EngineCore:
     ) -> list[StepOutput]:
         """Schedule -> execute -> update; returns the progress of every request that sampled.
 
+        With ``steps_ahead``, a replayed decode step is launched unread and the step after it
+        launched behind it before this one's tokens are applied; the next call reads that one
+        instead of scheduling (module docstring of ``engine/scheduler.py``: Steps ahead).
+        Either way each call applies exactly one step.
+
         ``on_layer_kv_written(layer, completed)`` fires as each layer's KV is written, in
         steps that complete some prompt, with those prompts (their block tables say where
         the KV is). ``between_layers()`` fires between the layers of steps with prompt rows
         (``Model.forward``).
         """
         started = time.perf_counter()
-        scheduled = self.scheduler.schedule()
-        hook = None
-        if on_layer_kv_written is not None:  # only a KV-pushing worker looks for them
-            completed = [
-                CompletedPrompt(chunk.request_id, chunk.block_table)
-                for chunk in scheduled.chunks
-                if chunk.completes_prompt
-            ]
-            if completed:
-
-                def hook(layer: int) -> None:
-                    on_layer_kv_written(layer, completed)
-
-        executed = self.runner.execute(scheduled, hook, between_layers)
+        if self._ahead is not None:  # launched by the step before (``_launch_ahead``)
+            scheduled, launched = self._ahead
+            self._ahead = None
+        else:
+            scheduled = self.scheduler.schedule()
+            launched = self._launch(scheduled) if self.steps_ahead else None
+        if launched is None:
+            executed = self.runner.execute(
+                scheduled, self._layer_hook(scheduled, on_layer_kv_written), between_layers
+            )
+        else:
+            self._ahead = self._launch_ahead(scheduled, launched)
+            executed = self._finish_launched(launched)
         updates = self.scheduler.update(
             scheduled, executed.sampled_token_ids, executed.verified_token_ids
         )
@@ -492,7 +506,79 @@ class EngineCore:
         prefill_s = self.step_cost.observe(shape, seconds)
         self.scheduler.step_cost = self.step_cost.estimate()  # weighs the next step's drafts
         self.prefill_share.observe(time.monotonic(), prefill_s)
+        self._drop_idle_ahead()
         return [StepOutput(u, _logprobs_of(executed.logprobs.get(u.request_id))) for u in updates]
+
+    @staticmethod
+    def _layer_hook(
+        scheduled: SchedulerOutput, on_layer_kv_written: LayerHook | None
+    ) -> Callable[[int], None] | None:
+        """``on_layer_kv_written`` bound to the prompts ``scheduled`` completes; None where
+        none is (only a KV-pushing worker passes a hook)."""
+        if on_layer_kv_written is None:
+            return None
+        completed = [
+            CompletedPrompt(chunk.request_id, chunk.block_table)
+            for chunk in scheduled.chunks
+            if chunk.completes_prompt
+        ]
+        if not completed:
+            return None
+
+        def hook(layer: int) -> None:
+            on_layer_kv_written(layer, completed)
+
+        return hook
+
+    # ---- steps ahead (``steps_ahead``) ---------------------------------------------------------
+
+    def _launch(
+        self, scheduled: SchedulerOutput, after: LaunchedDecode | None = None
+    ) -> LaunchedDecode | None:
+        """``scheduled`` launched unread where the runner can (``launch_decode``), marked in
+        flight with the scheduler; else None."""
+        runner = self.runner
+        if not isinstance(runner, ModelRunner):
+            return None
+        launched = runner.launch_decode(scheduled, after)
+        if launched is not None:
+            self.scheduler.launched(launched.serial, scheduled)
+        return launched
+
+    def _launch_ahead(
+        self, scheduled: SchedulerOutput, launched: LaunchedDecode
+    ) -> tuple[SchedulerOutput, LaunchedDecode] | None:
+        """The step after ``launched``, planned and launched behind it before its tokens are
+        read (``Scheduler.schedule_ahead``), for the next ``step`` to read; None where it
+        cannot be."""
+        ahead = self.scheduler.schedule_ahead(scheduled)
+        if ahead is None:
+            return None
+        next_launched = self._launch(ahead, after=launched)
+        if next_launched is None:
+            return None
+        self.steps_launched_ahead += 1
+        return ahead, next_launched
+
+    def _finish_launched(self, launched: LaunchedDecode) -> RunnerOutput:
+        """The launched step's tokens; its requests' ended blocks go back to the pool."""
+        try:
+            return ModelRunner.finish_decode(launched)
+        finally:
+            self.scheduler.settle(launched.serial)
+
+    def _drop_idle_ahead(self) -> None:
+        """A step launched ahead none of whose requests still runs (all ended with the step
+        before it, or were aborted) is waited for and dropped now, so that an engine with
+        nothing to do holds no block (module invariant)."""
+        if self._ahead is None:
+            return
+        ahead, launched = self._ahead
+        running = {request.request_id for request in self.scheduler.running}
+        if any(chunk.request_id in running for chunk in ahead.chunks):
+            return
+        self._ahead = None
+        self._finish_launched(launched)
 
 
 def _logprobs_of(logprob: TokenLogprob | None) -> tuple[TokenLogprob, ...]:

@@ -119,6 +119,15 @@ class KVCacheManager:
 
     def free(self, request_id: str) -> None:
         """Release every block of the request (tail first, so its prefix is evicted last)."""
-        table = self._tables.pop(request_id, [])
+        self.free_blocks(self.detach(request_id))
+
+    def detach(self, request_id: str) -> list[int]:
+        """Take the request's table away from it, its blocks still held: the id is free for
+        another request, the blocks stay out of the pool until ``free_blocks`` (a step still
+        running on the device may write them: ``Scheduler.settle``)."""
         self._hashes.pop(request_id, None)
-        self.pool.free(table[::-1])
+        return self._tables.pop(request_id, [])
+
+    def free_blocks(self, table: Sequence[int]) -> None:
+        """Release the blocks of a table ``detach`` returned (tail first)."""
+        self.pool.free(list(table)[::-1])

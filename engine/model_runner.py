@@ -12,7 +12,10 @@ It is not thread-safe: one thread (the engine thread) calls it, never the asynci
 
 Decode-only steps replay a CUDA graph of their batch-size bucket once ``capture_decode_graphs``
 captured them (``engine/decode_graphs.py``); every other step, and any step ``DecodeGraphs.run``
-turns down, runs eagerly.
+turns down, runs eagerly. A replayed decode step whose tokens the argmax alone decides may be
+launched without being read (``launch_decode``, ``finish_decode``; ``engine/launched_step.py``),
+and the step after it launched behind it with those tokens fed on the device
+(``EngineCore.step``).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import torch
 
 from splitserve.common.blocks import blocks_for_tokens
 from splitserve.common.logprobs import TokenLogprob
+from splitserve.common.sampling_params import argmax_decides
 from splitserve.engine.decode_graphs import (
     DecodeBatch,
     DecodeGraphs,
@@ -34,6 +38,7 @@ from splitserve.engine.decode_graphs import (
 )
 from splitserve.engine.grammar_matchers import GrammarMatchers
 from splitserve.engine.kv_blocks import KvBlockStore
+from splitserve.engine.launched_step import LaunchedDecode
 from splitserve.engine.model import GeneratedRows, LlamaModel
 from splitserve.engine.sampler import Sampler, SamplingRow, advance
 from splitserve.engine.scheduler import ScheduledChunk, SchedulerOutput
@@ -88,6 +93,8 @@ class ModelRunner(KvBlockStore):
         """Constrained requests' matchers (set by the engine when it can build them)."""
         self.decode_graphs: DecodeGraphs | None = None
         """Captured decode steps (``capture_decode_graphs``); None runs every step eagerly."""
+        self._launches = 0
+        """Steps ``launch_decode`` launched (their serials)."""
 
     def capture_decode_graphs(
         self, max_rows: int, max_model_len: int, capture: GraphCapture
@@ -134,10 +141,7 @@ class ModelRunner(KvBlockStore):
         ``on_layer_kv_written(layer)`` fires once per layer as soon as its KV is written;
         ``between_layers()`` between the layers of a step with prompt rows (``Model.forward``).
         """
-        for request_id in step.finished_request_ids:
-            self._generators.pop(request_id, None)
-            if self.grammars is not None:
-                self.grammars.free(request_id)
+        self._drop_finished(step)
         if not step.chunks:
             return RunnerOutput()
         # Decode rows first (the attention backend batches single-token sequences as decodes),
@@ -150,6 +154,75 @@ class ModelRunner(KvBlockStore):
         if not sampling_chunks:
             return RunnerOutput()
         return self._sample(sampling_chunks, logits)
+
+    def _drop_finished(self, step: SchedulerOutput) -> None:
+        """Forget the per-request state of the requests that ended before ``step``."""
+        for request_id in step.finished_request_ids:
+            self._generators.pop(request_id, None)
+            if self.grammars is not None:
+                self.grammars.free(request_id)
+
+    def launch_decode(
+        self, step: SchedulerOutput, after: LaunchedDecode | None = None
+    ) -> LaunchedDecode | None:
+        """Launch ``step`` without reading its tokens (``engine/launched_step.py``), where it
+        is a decode step whose every row's token the argmax alone decides
+        (``argmax_decides``: what ``execute`` would sample) and a captured graph replays it;
+        else None, nothing launched (``execute`` runs it). ``finish_decode`` reads the
+        tokens. ``after``: the launched step whose tokens are this step's inputs (``step``
+        from ``Scheduler.schedule_ahead``: its requests are some of ``after``'s, its token
+        ids placeholders); its tokens are fed on the device, in this step's row order."""
+        graphs = self.decode_graphs
+        if graphs is None or not step.chunks:
+            return None
+        known = 0 if after is None else 1  # the token ``after`` adds to each output
+        if not all(
+            chunk.num_tokens == 1
+            and chunk.is_decode
+            and chunk.samples
+            and argmax_decides(
+                chunk.params, len(chunk.output_token_ids) + known, chunk.eos_token_ids
+            )
+            for chunk in step.chunks
+        ):
+            return None
+        chunks = step.chunks  # all decode rows: ``execute``'s order is theirs
+        input_ids, positions, logits_rows = self._pack(list(chunks))
+        spans = [span for chunk in chunks for span in _spans(chunk)]
+        feed = None
+        if after is not None:
+            rows_of = after.row_of
+            rows = [rows_of[chunk.request_id] for chunk in chunks]
+            feed = after.token_ids
+            if rows != list(range(len(after.chunks))):
+                index = graphs.inputs.staged(torch.tensor(rows, dtype=torch.int64))
+                feed = feed[index.to(self.device, non_blocking=True)]  # [rows] int64
+        logits = graphs.run(DecodeBatch(input_ids, positions, spans, logits_rows), feed)
+        if logits is None:
+            return None
+        self._drop_finished(step)
+        token_ids = logits.argmax(dim=-1)  # [rows] int64: what the sampler's greedy path picks
+        ready = None
+        if self.device.type == "cuda":  # pinned, so the copy waits for nothing on the host
+            host_token_ids = torch.empty(token_ids.shape, dtype=torch.int64, pin_memory=True)
+            host_token_ids.copy_(token_ids, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        else:
+            host_token_ids = token_ids.clone()
+        self._launches += 1
+        return LaunchedDecode(self._launches, tuple(chunks), token_ids, host_token_ids, ready)
+
+    @staticmethod
+    def finish_decode(launched: LaunchedDecode) -> RunnerOutput:
+        """The tokens of a ``launch_decode`` step, once the device has made them."""
+        tokens = launched.wait()
+        return RunnerOutput(
+            sampled_token_ids={
+                chunk.request_id: token
+                for chunk, token in zip(launched.chunks, tokens, strict=True)
+            }
+        )
 
     def _forward(
         self,

@@ -55,7 +55,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from splitserve.common.logprobs import TokenLogprob
-from splitserve.common.sampling_params import SamplingParams
+from splitserve.common.sampling_params import SamplingParams, changes_logits
 
 _NEG_INF = float("-inf")
 DRAWS_PER_TOKEN = 1
@@ -136,17 +136,8 @@ def _sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
 
 def _needs_penalties(row: SamplingRow) -> bool:
     """True when ``apply_penalties`` would change this row's logits."""
-    params = row.params
-    return (
-        params.repetition_penalty != 1.0
-        or params.frequency_penalty != 0.0
-        or params.presence_penalty != 0.0
-        or bool(params.logit_bias)
-        or row.allowed_token_mask is not None
-        or (
-            len(row.output_token_ids) < params.min_tokens
-            and bool(row.eos_token_ids or params.stop_token_ids)
-        )
+    return row.allowed_token_mask is not None or changes_logits(
+        row.params, len(row.output_token_ids), row.eos_token_ids
     )
 
 

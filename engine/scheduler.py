@@ -29,6 +29,15 @@ kept one: exactly the tokens plain decoding would have produced one step at a ti
 each row's logits are computed as a plain decode step's are (one decode row per token,
 ``engine/model_runner.py``). Rejected drafts leave KV in slots past the request's context,
 which the next steps overwrite; their blocks stay with the request until it ends.
+
+Steps ahead (``schedule_ahead``, used by ``EngineCore.step`` where decode steps replay CUDA
+graphs): the decode step after a launched one is planned before the launched step's tokens
+are known, for the requests whose next token the device decides alone (``argmax_decides``)
+and that cannot end by length with it; its chunks' token ids are placeholders the runner
+replaces with the launched step's choices on the device. A request that ends while such a
+step may still write its KV (``launched`` .. ``settle``) gives up its table at once but its
+blocks only once that step has run (``KVCacheManager.detach``), so no block another request
+or a KV transfer may take is written by a step still on the device.
 """
 
 from __future__ import annotations
@@ -45,7 +54,7 @@ from splitserve.common.errors import (
     InvalidRequestError,
 )
 from splitserve.common.request_update import RequestUpdate
-from splitserve.common.sampling_params import SamplingParams
+from splitserve.common.sampling_params import SamplingParams, argmax_decides
 from splitserve.common.step_cost import StepCost, StepShape
 from splitserve.engine.config import SchedulerConfig, SpeculativeConfig
 from splitserve.engine.engine_report import RequestPhases, SchedulerStats
@@ -156,6 +165,10 @@ class Scheduler:
         """Called with each request that ended, as it ends (``AsyncEngine`` collects them for
         its reports); must not raise."""
         self._finished_since_last_step: set[str] = set()
+        self._in_flight: dict[int, frozenset[str]] = {}
+        """Steps launched and not yet settled (by serial): the requests each may write."""
+        self._deferred_tables: list[tuple[int, list[int]]] = []
+        """Tables of ended requests whose blocks wait for the step of that serial to settle."""
         self._drafters: dict[str, Drafter] = {}
         """Each speculating request's proposer (module docstring)."""
         self.step_cost: StepCost | None = None
@@ -400,6 +413,89 @@ class Scheduler:
         self._count(num_preemptions=1)
         self.waiting.appendleft(request)
 
+    # ---- steps ahead (module docstring) -----------------------------------------------------
+
+    def schedule_ahead(self, step: SchedulerOutput, placeholder: int = 0) -> SchedulerOutput | None:
+        """The decode step after ``step`` (launched; its tokens not yet applied by ``update``),
+        planned now: one chunk per request of ``step`` that still runs and does not end by
+        length with ``step``'s token (``_stop_status``), in ``step``'s order, its token
+        ``placeholder`` (the runner feeds it the token ``step`` chooses), one position
+        further, its blocks allocated. None (nothing changed but blocks allocated, which the
+        next step needs anyway) unless: no request waits for admission, no draft is ever
+        proposed, every running request is in ``step`` as a plain decode chunk, every next
+        token is the argmax alone (``argmax_decides``), the pool holds every next block, and
+        some request is left."""
+        if self.waiting or self.speculative.num_tokens or not step.chunks:
+            return None
+        in_step = {chunk.request_id: chunk for chunk in step.chunks}
+        if any(request.request_id not in in_step for request in self.running):
+            return None  # a request joined (a remote prefill completed): no token of it here
+        running = {request.request_id: request for request in self.running}
+        requests = []
+        for chunk in step.chunks:
+            request = running.get(chunk.request_id)
+            if request is None:
+                continue  # ended with the step before ``step``
+            if not chunk.is_decode or chunk.draft_token_ids or not chunk.samples:
+                return None
+            outputs_after = request.num_output_tokens + 1
+            if (
+                outputs_after >= request.params.max_tokens
+                or request.num_tokens + 1 >= self.max_model_len
+            ):
+                continue  # ends by length with ``step``'s token (``_stop_status``)
+            if not argmax_decides(request.params, outputs_after, request.eos_token_ids):
+                return None
+            requests.append(request)
+        for request in requests:
+            if not self.kv_cache.allocate(request.request_id, request.num_computed_tokens + 2):
+                return None
+        chunks = [
+            ScheduledChunk(
+                request_id=request.request_id,
+                token_ids=(placeholder,),
+                start_position=request.num_computed_tokens + 1,
+                block_table=self.kv_cache.block_table(request.request_id),
+                samples=True,
+                completes_prompt=False,
+                params=request.params,
+                prompt_token_ids=request.prompt_token_ids,
+                output_token_ids=request.output_token_ids,
+                eos_token_ids=request.eos_token_ids,
+            )
+            for request in requests
+        ]
+        return SchedulerOutput(tuple(chunks)) if chunks else None
+
+    def launched(self, serial: int, step: SchedulerOutput) -> None:
+        """``step`` was launched as step ``serial``: until ``settle(serial)`` the device may
+        still write its requests' KV."""
+        self._in_flight[serial] = frozenset(chunk.request_id for chunk in step.chunks)
+
+    def settle(self, serial: int) -> None:
+        """Step ``serial`` (and every step before it) has run on the device: the blocks that
+        waited for it go back to the pool."""
+        for done in [s for s in self._in_flight if s <= serial]:
+            del self._in_flight[done]
+        waiting = []
+        for waits_for, table in self._deferred_tables:
+            if waits_for <= serial:
+                self.kv_cache.free_blocks(table)
+            else:
+                waiting.append((waits_for, table))
+        self._deferred_tables = waiting
+
+    def _free_blocks_of(self, request_id: str) -> None:
+        """Free the request's blocks, or, while a launched step may write them, its table
+        at once and its blocks when that step settles."""
+        waits_for = max(
+            (serial for serial, ids in self._in_flight.items() if request_id in ids), default=None
+        )
+        if waits_for is None:
+            self.kv_cache.free(request_id)
+        else:
+            self._deferred_tables.append((waits_for, self.kv_cache.detach(request_id)))
+
     # ---- update ----------------------------------------------------------------------------
 
     def update(
@@ -503,7 +599,7 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         request.status = status
-        self.kv_cache.free(request.request_id)
+        self._free_blocks_of(request.request_id)
         del self.requests[request.request_id]
         self._drafters.pop(request.request_id, None)
         self._finished_since_last_step.add(request.request_id)

@@ -16,6 +16,7 @@ from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.config import CacheConfig, EngineConfig, ModelConfig, RunnerConfig
 from splitserve.engine.llm import LLM
 from splitserve.engine.random_checkpoint import SHAPES, random_checkpoint
+from tests.engine_driver import drive, greedy, mixed_arrivals
 
 pytestmark = [
     pytest.mark.gpu,
@@ -39,7 +40,13 @@ def _prompts(vocab: int) -> list[list[int]]:
     ]
 
 
-def _llm(device: str, dtype: str, attention_backend: str = "auto", cuda_graphs: bool = True) -> LLM:
+def _llm(
+    device: str,
+    dtype: str,
+    attention_backend: str = "auto",
+    cuda_graphs: bool = True,
+    steps_ahead: bool = True,
+) -> LLM:
     torch_dtype = getattr(torch, dtype)
     checkpoint = random_checkpoint(
         SHAPES["tiny"], torch_dtype, "cpu", seed=WEIGHT_SEED, std=WEIGHT_STD
@@ -48,7 +55,10 @@ def _llm(device: str, dtype: str, attention_backend: str = "auto", cuda_graphs: 
         model=ModelConfig(dtype=dtype),
         cache=CacheConfig(num_blocks=256),
         runner=RunnerConfig(
-            device=device, attention_backend=attention_backend, cuda_graphs=cuda_graphs
+            device=device,
+            attention_backend=attention_backend,
+            cuda_graphs=cuda_graphs,
+            steps_ahead=steps_ahead,
         ),
     )
     return LLM(config=config, checkpoint=checkpoint)
@@ -60,14 +70,18 @@ def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
 
 
 @pytest.mark.parametrize(
-    ("attention_backend", "cuda_graphs"), [("auto", True), ("auto", False), ("torch", False)]
+    ("attention_backend", "cuda_graphs", "steps_ahead"),
+    [("auto", True, True), ("auto", True, False), ("auto", False, False), ("torch", False, False)],
 )
-def test_float32_greedy_equals_the_cpu_engine(attention_backend: str, cuda_graphs: bool) -> None:
-    """ "auto" on CUDA is the Triton backend, its decode steps replayed from CUDA graphs or run
-    eagerly; "torch" isolates the rest of the model on CUDA."""
+def test_float32_greedy_equals_the_cpu_engine(
+    attention_backend: str, cuda_graphs: bool, steps_ahead: bool
+) -> None:
+    """ "auto" on CUDA is the Triton backend, its decode steps replayed from CUDA graphs (each
+    launched before the one before it is read, or not) or run eagerly; "torch" isolates the
+    rest of the model on CUDA."""
     prompts = _prompts(SHAPES["tiny"].vocab_size)
     expected = _greedy(_llm("cpu", "float32"), prompts)
-    gpu = _llm("cuda", "float32", attention_backend, cuda_graphs)
+    gpu = _llm("cuda", "float32", attention_backend, cuda_graphs, steps_ahead)
     if attention_backend == "auto":
         assert gpu.engine.runner.backend.name == "triton"
     got = _greedy(gpu, prompts)
@@ -79,6 +93,24 @@ def test_float32_greedy_equals_the_cpu_engine(attention_backend: str, cuda_graph
     assert [len(tokens) for tokens in got] == [NEW_TOKENS] * len(prompts)
     for index, (got_tokens, expected_tokens) in enumerate(zip(got, expected, strict=True)):
         assert got_tokens == expected_tokens, f"prompt {index} ({PROMPT_LENGTHS[index]} tokens)"
+    launched_ahead = gpu.engine.steps_launched_ahead
+    assert launched_ahead >= NEW_TOKENS - 3 if steps_ahead else launched_ahead == 0
+
+
+def test_steps_ahead_with_arrivals_stops_and_aborts_equal_steps_read_one_by_one() -> None:
+    """On the device the step ahead really runs behind the one being read: its tokens fed on
+    the GPU, the ended requests' rows dropped, their blocks held until it ran. Every request's
+    float32 greedy tokens equal the engine's that reads each step first
+    (``tests/engine_driver.py``'s scenario; ``tests/test_steps_ahead.py`` on the CPU)."""
+    prompts = _prompts(SHAPES["tiny"].vocab_size)
+    probe, _ = drive(
+        _llm("cuda", "float32", steps_ahead=False).engine, {0: [("c", prompts[2], greedy(10))]}, {}
+    )
+    arrivals, aborts = mixed_arrivals(prompts, probe["c"][4])
+    expected = drive(_llm("cuda", "float32", steps_ahead=False).engine, arrivals, aborts)
+    ahead = _llm("cuda", "float32").engine
+    assert drive(ahead, arrivals, aborts) == expected
+    assert ahead.steps_launched_ahead >= 6
 
 
 def test_float32_greedy_alone_equals_batched() -> None:

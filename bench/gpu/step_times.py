@@ -13,8 +13,10 @@ Measured here, in this order:
 - ``decode`` at each batch, twice: with the decode steps replayed from the engine's CUDA
   graphs (``engine/decode_graphs.py``, captured at the engine's start; the report's
   ``cuda_graphs`` holds the buckets and the capture's time, or the capture's error, the graph
-  entries then skipped) and run eagerly (the runner's graphs set aside), ``cuda_graphs``
-  saying which. That many requests with 512-token
+  entries then skipped) with each step launched before the one before it is read
+  (``steps_ahead``: the host's part of a step hidden behind the device's) and without, and run
+  eagerly (the runner's graphs set aside); ``cuda_graphs`` and ``steps_ahead`` say which
+  (``DECODE_MODES``). That many requests with 512-token
   prompts are prefilled, then ``--steps`` decode steps of ``EngineCore.step`` are timed (wall
   clock; the step returns sampled ids to the host, so it includes every GPU kernel) after 3
   untimed ones, then ``PROFILED_STEPS`` more under the profiler: ``kernels``, their device
@@ -89,26 +91,45 @@ def _prompt(vocab: int, length: int, generator: torch.Generator) -> list[int]:
     return torch.randint(2, vocab, (length,), generator=generator).tolist()
 
 
+DECODE_MODES = ((True, True), (True, False), (False, False))
+"""(cuda_graphs, steps_ahead) of each decode batch's runs: graphs with each step launched
+before the one before it is read, graphs read step by step, eager."""
+
+
 def bench_decode(
-    engine, timer: ForwardTimer, batch: int, steps: int, bound: Callable, graphs: bool
+    engine,
+    timer: ForwardTimer,
+    batch: int,
+    steps: int,
+    bound: Callable,
+    graphs: bool,
+    ahead: bool = False,
 ) -> dict:
-    """One batch's decode steps, replayed from the CUDA graphs (``graphs``) or eager."""
+    """One batch's decode steps, replayed from the CUDA graphs (``graphs``; launched ahead
+    with ``ahead``) or eager."""
 
     runner = engine.runner
     captured = runner.decode_graphs
+    mode = {"batch": batch, "cuda_graphs": graphs, "steps_ahead": ahead}
     if graphs and captured is None:
-        return {"batch": batch, "cuda_graphs": True, "skipped": "the engine captured no graphs"}
+        return {**mode, "skipped": "the engine captured no graphs"}
     runner.decode_graphs = captured if graphs else None
+    engine.steps_ahead = ahead
     replays_before = captured.replays.total() if captured is not None else 0
+    ahead_before = engine.steps_launched_ahead
     try:
-        result = _decode_steps(engine, timer, batch, steps, bound)
+        result = _decode_steps(engine, timer, batch, steps, bound, timed_forward=not ahead)
     finally:
         runner.decode_graphs = captured
+        engine.steps_ahead = False
     replayed = (captured.replays.total() if captured is not None else 0) - replays_before
-    return {"batch": batch, "cuda_graphs": graphs, "steps_replayed": replayed, **result}
+    launched_ahead = engine.steps_launched_ahead - ahead_before
+    return {**mode, "steps_replayed": replayed, "steps_launched_ahead": launched_ahead, **result}
 
 
-def _decode_steps(engine, timer: ForwardTimer, batch: int, steps: int, bound: Callable) -> dict:
+def _decode_steps(
+    engine, timer: ForwardTimer, batch: int, steps: int, bound: Callable, timed_forward: bool
+) -> dict:
     from splitserve.common.sampling_params import SamplingParams
 
     generator = torch.Generator().manual_seed(batch)
@@ -130,7 +151,8 @@ def _decode_steps(engine, timer: ForwardTimer, batch: int, steps: int, bound: Ca
         assert len(outputs) == batch, f"a decode step of {batch} sampled {len(outputs)}"
         if index >= WARMUP_STEPS:
             wall.append(elapsed * 1e3)
-            forward.append(timer.last_ms())
+            if timed_forward:  # a step launched ahead runs no ``_forward`` of its own
+                forward.append(timer.last_ms())
     kernels = profile_steps(engine.step, PROFILED_STEPS)
     for request_id in ids:
         engine.abort_request(request_id)
@@ -141,7 +163,7 @@ def _decode_steps(engine, timer: ForwardTimer, batch: int, steps: int, bound: Ca
     return {
         "context_tokens": context,
         "step_ms": round(step_ms, 3),
-        "forward_ms": round(statistics.median(forward), 3),
+        "forward_ms": round(statistics.median(forward), 3) if forward else None,
         "tokens_per_s": round(batch / step_ms * 1e3, 1),
         "bytes_read_per_step": bytes_read,
         "hbm_bound_ms": round(bound_ms, 3),
@@ -251,8 +273,8 @@ def run(args: argparse.Namespace) -> dict:
 
     report["decode"] = []
     for batch in args.batches:
-        for with_graphs in (True, False):
-            result = bench_decode(engine, timer, batch, args.steps, bound, with_graphs)
+        for with_graphs, ahead in DECODE_MODES:
+            result = bench_decode(engine, timer, batch, args.steps, bound, with_graphs, ahead)
             log(f"decode {result}")
             report["decode"].append(result)
     report["prefill"] = bench_prefill(

@@ -1,0 +1,63 @@
+"""Drives an ``EngineCore`` step by step with requests arriving and aborted at given steps,
+collecting each request's tokens: how the steps-ahead tests compare an engine that launches
+decode steps ahead with one that reads every step first (``tests/test_steps_ahead.py`` on the
+CPU, ``tests/test_gpu_engine.py`` on CUDA). Imports no Triton (the GPU tests must not load
+the kernels in interpreter mode)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from splitserve.common.sampling_params import SamplingParams
+from splitserve.engine.engine_core import EngineCore
+
+Arrivals = dict[int, list[tuple[str, list[int], SamplingParams]]]
+"""Requests (id, prompt, params) added before the ``step`` call of each index."""
+MAX_CALLS = 200
+
+
+def greedy(max_tokens: int, **extra: object) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, **extra)  # type: ignore[arg-type]
+
+
+def drive(
+    engine: EngineCore, arrivals: Arrivals, aborts: dict[int, list[str]]
+) -> tuple[dict[str, list[int]], dict[str, str]]:
+    """Each request's tokens and finish reason (aborted ones have none), stepping until every
+    arrival came and nothing is left; then every KV block must be back in the pool."""
+    tokens: dict[str, list[int]] = defaultdict(list)
+    finish: dict[str, str] = {}
+    call = 0
+    while call <= max(arrivals) or engine.has_unfinished:
+        for request_id, prompt, params in arrivals.get(call, []):
+            engine.add_request(request_id, prompt, params)
+        for request_id in aborts.get(call, []):
+            engine.abort_request(request_id)
+        for output in engine.step():
+            tokens[output.update.request_id].extend(output.update.new_token_ids)
+            if output.update.finish_reason is not None:
+                finish[output.update.request_id] = output.update.finish_reason.value
+        call += 1
+        assert call < MAX_CALLS, "the engine did not drain"
+    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
+    return dict(tokens), finish
+
+
+def mixed_arrivals(
+    prompts: list[list[int]], stop_token: int
+) -> tuple[Arrivals, dict[int, list[str]]]:
+    """Six requests over 14 steps: lengths ending at different steps, "c" ending on
+    ``stop_token`` (a token it makes mid-way: only the device's choice says where), "d" and
+    "f" arriving while steps run ahead, "e" asking logprobs (its steps read on the host), "a"
+    aborted at step 9."""
+    arrivals: Arrivals = {
+        0: [
+            ("a", prompts[0], greedy(14)),
+            ("b", prompts[1], greedy(5)),
+            ("c", prompts[2], greedy(10, stop_token_ids=(stop_token,))),
+        ],
+        4: [("d", prompts[3], greedy(9))],
+        6: [("e", prompts[4], greedy(8, logprobs=1))],
+        13: [("f", prompts[5], greedy(6))],
+    }
+    return arrivals, {9: ["a"]}

@@ -1,0 +1,163 @@
+"""Decode steps launched ahead (``EngineCore.steps_ahead``): the step after a replayed decode
+step is planned (``Scheduler.schedule_ahead``) and launched with the replayed step's tokens
+fed on the device (``ModelRunner.launch_decode``) before the host reads them.
+
+The engine tests run the Triton backend under the interpreter with ``record_step`` standing in
+for the CUDA graphs (as ``test_decode_graphs.py``); there everything runs before a launch
+returns, so what they check is the bookkeeping: every request's float32 greedy tokens equal
+the engine's that reads each step before the next (arrivals, data-dependent stops, lengths,
+aborts and a request the argmax alone does not decide included), steps did go ahead, and no
+block is left held. The scheduler tests check the block quarantine: a request that ends while
+a launched step may still write its KV gives its blocks back only once that step settled.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from splitserve.engine.decode_graphs import record_step
+from splitserve.engine.engine_core import EngineCore
+from tests.engine_driver import Arrivals, drive, greedy, mixed_arrivals
+from tests.factories import make_request, make_scheduler
+from tests.test_decode_graphs import _llm, _prompts
+
+
+def _engine(steps_ahead: bool) -> EngineCore:
+    engine = _llm().engine
+    engine.steps_ahead = steps_ahead
+    engine.runner.capture_decode_graphs(8, engine.max_model_len, record_step)
+    return engine
+
+
+def test_steps_ahead_give_every_request_the_tokens_of_steps_read_one_by_one() -> None:
+    prompts = _prompts(6)
+    # A first run without stops finds a token request "c" makes mid-way: as its stop token
+    # it ends "c" where only the device's choice says so (the step after is already out).
+    probe, _ = drive(_engine(False), {0: [("c", prompts[2], greedy(10))]}, {})
+    stop_token = probe["c"][4]
+    arrivals, aborts = mixed_arrivals(prompts, stop_token)
+    expected = drive(_engine(False), arrivals, aborts)
+    engine = _engine(True)
+    got = drive(engine, arrivals, aborts)
+    assert got == expected
+    tokens, finish = got
+    assert finish["c"] == "stop" and tokens["c"][-1] == stop_token
+    assert "a" not in finish and 0 < len(tokens["a"]) < 14  # aborted mid-way, no update
+    assert finish["b"] == "length" and len(tokens["b"]) == 5
+    assert engine.steps_launched_ahead >= 6, engine.steps_launched_ahead
+    assert not engine.has_unfinished
+
+
+def test_no_step_goes_ahead_of_one_the_host_must_read() -> None:
+    """A request with logprobs (or any the argmax alone does not decide) keeps every step
+    read before the next; the tokens are the same either way."""
+    prompts = _prompts(2)
+    arrivals: Arrivals = {
+        0: [("a", prompts[0], greedy(6)), ("b", prompts[1], greedy(6, logprobs=0))]
+    }
+    engine = _engine(True)
+    assert drive(engine, arrivals, {}) == drive(_engine(False), arrivals, {})
+    assert engine.steps_launched_ahead == 0
+
+
+def test_an_engine_without_graphs_never_goes_ahead() -> None:
+    engine = _llm().engine
+    assert engine.steps_ahead and engine.runner.decode_graphs is None
+    tokens, _ = drive(engine, {0: [("a", _prompts(1)[0], greedy(5))]}, {})
+    assert len(tokens["a"]) == 5 and engine.steps_launched_ahead == 0
+
+
+# --------------------------------------------------------------------------- the scheduler
+
+
+def _running(scheduler, *requests):
+    """The requests admitted, prefilled (token 7 sampled) and due a decode step."""
+    for request in requests:
+        scheduler.add_request(request)
+    step = scheduler.schedule()
+    scheduler.update(step, {chunk.request_id: 7 for chunk in step.chunks})
+    return scheduler.schedule()
+
+
+def test_schedule_ahead_plans_the_next_decode_one_position_on() -> None:
+    scheduler = make_scheduler(block_size=4)
+    step = _running(scheduler, make_request("a", prompt_len=3, max_tokens=5))
+    [chunk] = step.chunks
+    assert (chunk.start_position, list(chunk.token_ids)) == (3, [7])
+    free = scheduler.kv_cache.num_free_blocks
+    ahead = scheduler.schedule_ahead(step, placeholder=0)
+    assert ahead is not None
+    [next_chunk] = ahead.chunks
+    assert (next_chunk.start_position, next_chunk.token_ids) == (4, (0,))
+    assert next_chunk.context_length == 5 and next_chunk.samples
+    assert len(next_chunk.block_table) == 2  # position 4 opens the second block of 4
+    assert scheduler.kv_cache.num_free_blocks == free - 1
+    # Applying both in order leaves the request where two read steps would have.
+    scheduler.update(step, {"a": 8})
+    scheduler.update(ahead, {"a": 9})
+    request = scheduler.requests["a"]
+    assert request.output_token_ids == [7, 8, 9] and request.num_computed_tokens == 5
+
+
+@pytest.mark.parametrize(
+    ("params", "why"),
+    [
+        ({"max_tokens": 2}, "ends by length with the launched step's token: no one is left"),
+        ({"logprobs": 1}, "its logprobs are read on the host"),
+        ({"repetition_penalty": 1.2}, "a penalty reads its outputs"),
+        ({"min_tokens": 5}, "EOS is still suppressed"),
+    ],
+)
+def test_schedule_ahead_refuses_what_the_device_cannot_decide(params, why) -> None:
+    scheduler = make_scheduler()
+    max_tokens = params.pop("max_tokens", 8)
+    step = _running(scheduler, make_request("a", max_tokens=max_tokens, **params))
+    assert scheduler.schedule_ahead(step) is None, why
+
+
+def test_a_request_ending_by_length_is_left_out_of_the_step_ahead() -> None:
+    scheduler = make_scheduler()
+    step = _running(scheduler, make_request("a", max_tokens=2), make_request("b", first_token=40))
+    ahead = scheduler.schedule_ahead(step)
+    assert ahead is not None and [chunk.request_id for chunk in ahead.chunks] == ["b"]
+
+
+def test_schedule_ahead_waits_for_admissions_and_joined_requests() -> None:
+    scheduler = make_scheduler()
+    step = _running(scheduler, make_request("a", max_tokens=8))
+    scheduler.add_request(make_request("b", max_tokens=8))  # waits for a prefill
+    assert scheduler.schedule_ahead(step) is None
+
+
+def test_a_request_ended_under_a_launched_step_frees_its_blocks_when_it_settles() -> None:
+    scheduler = make_scheduler(block_size=4)
+    kv = scheduler.kv_cache
+    step = _running(scheduler, make_request("a", max_tokens=8), make_request("b", max_tokens=8))
+    ahead = scheduler.schedule_ahead(step)
+    assert ahead is not None
+    scheduler.launched(1, step)
+    scheduler.launched(2, ahead)
+    scheduler.update(step, {"a": 8, "b": 9})
+    scheduler.settle(1)
+    held = len(kv.block_table("a"))
+    free = kv.num_free_blocks
+    scheduler.abort_request("a")  # step 2 may still write a's next slot
+    assert kv.block_table("a") == [] and kv.num_free_blocks == free
+    scheduler.add_request(make_request("a", max_tokens=2))  # the id is free again at once
+    scheduler.settle(2)
+    assert kv.num_free_blocks == free + held
+    scheduler.abort_request("b")  # nothing in flight: freed at once
+    assert kv.num_free_blocks > free + held
+    scheduler.abort_request("a")
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_launched_token_ids_reach_the_host_in_row_order() -> None:
+    """``LaunchedDecode.wait`` off CUDA: the rows' tokens as launched."""
+    from splitserve.engine.launched_step import LaunchedDecode
+
+    step = _running(make_scheduler(), make_request("a"), make_request("b", first_token=40))
+    ids = torch.tensor([5, 6])
+    launched = LaunchedDecode(1, step.chunks, ids, ids.clone(), None)
+    assert launched.wait() == [5, 6] and launched.row_of == {"a": 0, "b": 1}
