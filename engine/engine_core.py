@@ -83,7 +83,8 @@ class EngineCore:
         """Launch the decode step after a replayed one before reading the replayed one's
         tokens (``step``; ``Scheduler.schedule_ahead``), so the host's part of a step runs
         while the device computes the next. Only steps a captured graph replays and whose
-        tokens the argmax alone decides go ahead; off CUDA graphs nothing does."""
+        tokens the sampler chooses on the device alone (``decided_on_device``) go ahead; off
+        CUDA graphs nothing does."""
         self._ahead: tuple[SchedulerOutput, LaunchedDecode] | None = None
         """The decode step launched ahead by the last ``step``, which the next one reads."""
         self.steps_launched_ahead = 0

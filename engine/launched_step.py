@@ -1,12 +1,12 @@
 """A decode step launched on the device whose tokens the host has not read yet.
 
-``ModelRunner.launch_decode`` replays a plain decode step (every token the argmax alone
-decides) and queues, behind it on the same stream: the argmax of each logits row
-(``token_ids``, on the device, where the next step launched ahead reads its inputs) and their
-copy to host memory, then an event. ``wait`` blocks on that event only, not on the stream, so
-a step launched after this one keeps the device busy while the host reads these tokens and
-plans the next step (``EngineCore.step``). Off CUDA everything ran before ``launch_decode``
-returned and ``wait`` returns at once.
+``ModelRunner.launch_decode`` replays a decode step whose every token the sampler chooses on
+the device alone (``decided_on_device``) and queues, behind it on the same stream: each row's
+choice (``Sampler.choose``; ``token_ids``, on the device, where the next step launched ahead
+reads its inputs) and their copy to host memory, then an event. ``wait`` blocks on that event
+only, not on the stream, so a step launched after this one keeps the device busy while the host
+reads these tokens and plans the next step (``EngineCore.step``). Off CUDA everything ran
+before ``launch_decode`` returned and ``wait`` returns at once.
 
 Invariant: rows are the step's chunks in order, one token each; ``row_of`` maps each chunk's
 request to its row, for the step launched ahead, whose rows are a subsequence of these.
@@ -28,7 +28,7 @@ class LaunchedDecode:
     serial: int
     """Launches of the runner so far, this one included (``Scheduler.launched``/``settle``)."""
     chunks: tuple[ScheduledChunk, ...]
-    token_ids: torch.Tensor  # [rows] int64 on the device: each row's argmax
+    token_ids: torch.Tensor  # [rows] int64 on the device: each row's chosen token
     host_token_ids: torch.Tensor  # [rows] int64 on the host: valid once ``ready`` passed
     ready: torch.cuda.Event | None
     """Recorded after the copy to the host; None off CUDA (nothing to wait for)."""

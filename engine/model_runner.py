@@ -12,10 +12,10 @@ It is not thread-safe: one thread (the engine thread) calls it, never the asynci
 
 Decode-only steps replay a CUDA graph of their batch-size bucket once ``capture_decode_graphs``
 captured them (``engine/decode_graphs.py``); every other step, and any step ``DecodeGraphs.run``
-turns down, runs eagerly. A replayed decode step whose tokens the argmax alone decides may be
-launched without being read (``launch_decode``, ``finish_decode``; ``engine/launched_step.py``),
-and the step after it launched behind it with those tokens fed on the device
-(``EngineCore.step``).
+turns down, runs eagerly. A replayed decode step whose tokens the sampler chooses on the
+device alone may be launched without being read (``launch_decode``, ``finish_decode``;
+``engine/launched_step.py``), and the step after it launched behind it with those tokens fed
+on the device (``EngineCore.step``).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch
 
 from splitserve.common.blocks import blocks_for_tokens
 from splitserve.common.logprobs import TokenLogprob
-from splitserve.common.sampling_params import argmax_decides
+from splitserve.common.sampling_params import decided_on_device
 from splitserve.engine.decode_graphs import (
     DecodeBatch,
     DecodeGraphs,
@@ -166,12 +166,13 @@ class ModelRunner(KvBlockStore):
         self, step: SchedulerOutput, after: LaunchedDecode | None = None
     ) -> LaunchedDecode | None:
         """Launch ``step`` without reading its tokens (``engine/launched_step.py``), where it
-        is a decode step whose every row's token the argmax alone decides
-        (``argmax_decides``: what ``execute`` would sample) and a captured graph replays it;
-        else None, nothing launched (``execute`` runs it). ``finish_decode`` reads the
-        tokens. ``after``: the launched step whose tokens are this step's inputs (``step``
-        from ``Scheduler.schedule_ahead``: its requests are some of ``after``'s, its token
-        ids placeholders); its tokens are fed on the device, in this step's row order."""
+        is a decode step whose every row's token the sampler chooses on the device alone
+        (``decided_on_device``; ``Sampler.choose``, the tokens ``execute`` would sample) and a
+        captured graph replays it; else None, nothing launched (``execute`` runs it).
+        ``finish_decode`` reads the tokens. ``after``: the launched step whose tokens are this
+        step's inputs (``step`` from ``Scheduler.schedule_ahead``: its requests are some of
+        ``after``'s, its token ids placeholders); its tokens are fed on the device, in this
+        step's row order."""
         graphs = self.decode_graphs
         if graphs is None or not step.chunks:
             return None
@@ -180,7 +181,7 @@ class ModelRunner(KvBlockStore):
             chunk.num_tokens == 1
             and chunk.is_decode
             and chunk.samples
-            and argmax_decides(
+            and decided_on_device(
                 chunk.params, len(chunk.output_token_ids) + known, chunk.eos_token_ids
             )
             for chunk in step.chunks
@@ -201,7 +202,8 @@ class ModelRunner(KvBlockStore):
         if logits is None:
             return None
         self._drop_finished(step)
-        token_ids = logits.argmax(dim=-1)  # [rows] int64: what the sampler's greedy path picks
+        sampling_rows = [self._sampling_row(chunk) for chunk in chunks]  # seeded: its generator
+        token_ids = self.sampler.choose(logits, sampling_rows)  # [rows] int64, on the device
         ready = None
         if self.device.type == "cuda":  # pinned, so the copy waits for nothing on the host
             host_token_ids = torch.empty(token_ids.shape, dtype=torch.int64, pin_memory=True)

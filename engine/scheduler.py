@@ -32,7 +32,7 @@ which the next steps overwrite; their blocks stay with the request until it ends
 
 Steps ahead (``schedule_ahead``, used by ``EngineCore.step`` where decode steps replay CUDA
 graphs): the decode step after a launched one is planned before the launched step's tokens
-are known, for the requests whose next token the device decides alone (``argmax_decides``)
+are known, for the requests whose next token the device decides alone (``decided_on_device``)
 and that cannot end by length with it; its chunks' token ids are placeholders the runner
 replaces with the launched step's choices on the device. A request that ends while such a
 step may still write its KV (``launched`` .. ``settle``) gives up its table at once but its
@@ -54,7 +54,7 @@ from splitserve.common.errors import (
     InvalidRequestError,
 )
 from splitserve.common.request_update import RequestUpdate
-from splitserve.common.sampling_params import SamplingParams, argmax_decides
+from splitserve.common.sampling_params import SamplingParams, decided_on_device
 from splitserve.common.step_cost import StepCost, StepShape
 from splitserve.engine.config import SchedulerConfig, SpeculativeConfig
 from splitserve.engine.engine_report import RequestPhases, SchedulerStats
@@ -423,8 +423,8 @@ class Scheduler:
         further, its blocks allocated. None (nothing changed but blocks allocated, which the
         next step needs anyway) unless: no request waits for admission, no draft is ever
         proposed, every running request is in ``step`` as a plain decode chunk, every next
-        token is the argmax alone (``argmax_decides``), the pool holds every next block, and
-        some request is left."""
+        token is chosen on the device alone (``decided_on_device``), the pool holds every next
+        block, and some request is left."""
         if self.waiting or self.speculative.num_tokens or not step.chunks:
             return None
         in_step = {chunk.request_id: chunk for chunk in step.chunks}
@@ -444,7 +444,7 @@ class Scheduler:
                 or request.num_tokens + 1 >= self.max_model_len
             ):
                 continue  # ends by length with ``step``'s token (``_stop_status``)
-            if not argmax_decides(request.params, outputs_after, request.eos_token_ids):
+            if not decided_on_device(request.params, outputs_after, request.eos_token_ids):
                 return None
             requests.append(request)
         for request in requests:

@@ -4,14 +4,16 @@ fed on the device (``ModelRunner.launch_decode``) before the host reads them.
 
 The engine tests run the Triton backend under the interpreter with ``record_step`` standing in
 for the CUDA graphs (as ``test_decode_graphs.py``); there everything runs before a launch
-returns, so what they check is the bookkeeping: every request's float32 greedy tokens equal
-the engine's that reads each step before the next (arrivals, data-dependent stops, lengths,
-aborts and a request the argmax alone does not decide included), steps did go ahead, and no
-block is left held. The scheduler tests check the block quarantine: a request that ends while
-a launched step may still write its KV gives its blocks back only once that step settled.
+returns, so what they check is the bookkeeping: every request's float32 greedy tokens equal the
+engine's that reads each step before the next (arrivals, data-dependent stops, lengths, aborts,
+a seeded sampled request and one the device cannot decide alone included), steps did go ahead,
+and no block is left held. The scheduler tests check the block quarantine: a request that ends
+while a launched step may still write its KV gives its blocks back only once that step settled.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -45,12 +47,13 @@ def test_steps_ahead_give_every_request_the_tokens_of_steps_read_one_by_one() ->
     assert finish["c"] == "stop" and tokens["c"][-1] == stop_token
     assert "a" not in finish and 0 < len(tokens["a"]) < 14  # aborted mid-way, no update
     assert finish["b"] == "length" and len(tokens["b"]) == 5
+    assert finish["g"] == "length" and len(tokens["g"]) == 12  # sampled, seeded
     assert engine.steps_launched_ahead >= 6, engine.steps_launched_ahead
     assert not engine.has_unfinished
 
 
 def test_no_step_goes_ahead_of_one_the_host_must_read() -> None:
-    """A request with logprobs (or any the argmax alone does not decide) keeps every step
+    """A request with logprobs (or any the device cannot decide alone) keeps every step
     read before the next; the tokens are the same either way."""
     prompts = _prompts(2)
     arrivals: Arrivals = {
@@ -121,6 +124,24 @@ def test_a_request_ending_by_length_is_left_out_of_the_step_ahead() -> None:
     step = _running(scheduler, make_request("a", max_tokens=2), make_request("b", first_token=40))
     ahead = scheduler.schedule_ahead(step)
     assert ahead is not None and [chunk.request_id for chunk in ahead.chunks] == ["b"]
+
+
+@pytest.mark.parametrize(
+    ("sampling", "goes_ahead"),
+    [
+        ({"temperature": 0.7, "min_p": 0.05}, True),
+        ({"temperature": 0.0, "top_p": 0.9}, True),  # greedy: the cut-off is not used
+        ({"temperature": 0.7, "top_p": 0.9}, False),  # its cut-off is checked on the host
+        ({"temperature": 0.7, "top_k": 40}, False),
+    ],
+)
+def test_sampled_requests_go_ahead_without_a_cut_off(sampling, goes_ahead) -> None:
+    scheduler = make_scheduler()
+    step = _running(scheduler, make_request("a", max_tokens=8), make_request("b", seed=3))
+    request = scheduler.requests["b"]
+    request.params = dataclasses.replace(request.params, **sampling)
+    ahead = scheduler.schedule_ahead(step)
+    assert (ahead is not None and len(ahead.chunks) == 2) is goes_ahead
 
 
 def test_schedule_ahead_waits_for_admissions_and_joined_requests() -> None:
