@@ -202,9 +202,9 @@ class StaticDecodeInputs:
         )
 
     def fill(self, batch: DecodeBatch, bucket: int, token_ids: torch.Tensor | None = None) -> None:
-        """Write ``batch`` into the first rows and padding rows up to ``bucket``;
-        ``token_ids`` (``[rows]`` int64 on the device, a step's choices not yet read by the
-        host) replace ``batch.token_ids``. Queued on the current stream without waiting for
+        """Write ``batch`` into the first rows and padding rows up to ``bucket``; ``token_ids``
+        (``[k]`` int64 on the device, a step's choices not yet read by the host) replace the
+        first ``k`` of ``batch.token_ids``. Queued on the current stream without waiting for
         the device (host values staged in pinned memory on CUDA, which the copies may still
         read after this returns), so it may run while an earlier replay does."""
         if not batch.rows <= bucket <= self.max_rows:
@@ -223,8 +223,8 @@ class StaticDecodeInputs:
             dtype=torch.int64,
         )  # [4, bucket]
         self._rows[:, :bucket].copy_(self.staged(rows), non_blocking=True)
-        if token_ids is not None:
-            self._rows[0, : batch.rows].copy_(token_ids)  # after the rows' copy, on the stream
+        if token_ids is not None:  # after the rows' copy, on the stream
+            self._rows[0, : token_ids.shape[0]].copy_(token_ids)
         widths = [blocks_for_tokens(length, size) for length in lengths]
         mirror = self._host_tables
         width = mirror.fill([span.block_table for span in batch.spans], widths)

@@ -169,20 +169,23 @@ class ModelRunner(KvBlockStore):
         is a decode step whose every row's token the sampler chooses on the device alone
         (``decided_on_device``; ``Sampler.choose``, the tokens ``execute`` would sample) and a
         captured graph replays it; else None, nothing launched (``execute`` runs it).
-        ``finish_decode`` reads the tokens. ``after``: the launched step whose tokens are this
-        step's inputs (``step`` from ``Scheduler.schedule_ahead``: its requests are some of
-        ``after``'s, its token ids placeholders); its tokens are fed on the device, in this
-        step's row order."""
+        ``finish_decode`` reads the tokens. ``after``: the launched step whose tokens are the
+        inputs of this step's leading rows (``step`` from ``Scheduler.schedule_ahead``: those
+        rows' requests are some of ``after``'s, their token ids placeholders; the rows after
+        them, requests that joined since, carry their own tokens); they are fed on the device,
+        in this step's row order."""
         graphs = self.decode_graphs
         if graphs is None or not step.chunks:
             return None
-        known = 0 if after is None else 1  # the token ``after`` adds to each output
+        rows_of = {} if after is None else after.row_of
         if not all(
             chunk.num_tokens == 1
             and chunk.is_decode
             and chunk.samples
             and decided_on_device(
-                chunk.params, len(chunk.output_token_ids) + known, chunk.eos_token_ids
+                chunk.params,
+                len(chunk.output_token_ids) + (chunk.request_id in rows_of),  # + after's token
+                chunk.eos_token_ids,
             )
             for chunk in step.chunks
         ):
@@ -190,14 +193,15 @@ class ModelRunner(KvBlockStore):
         chunks = step.chunks  # all decode rows: ``execute``'s order is theirs
         input_ids, positions, logits_rows = self._pack(list(chunks))
         spans = [span for chunk in chunks for span in _spans(chunk)]
-        feed = None
+        feed = None  # [fed rows] int64 on the device: the leading rows' tokens, from ``after``
         if after is not None:
-            rows_of = after.row_of
-            rows = [rows_of[chunk.request_id] for chunk in chunks]
+            rows = [rows_of[chunk.request_id] for chunk in chunks if chunk.request_id in rows_of]
+            if any(chunk.request_id not in rows_of for chunk in chunks[: len(rows)]):
+                raise ValueError("the rows fed from the step before must lead the step")
             feed = after.token_ids
             if rows != list(range(len(after.chunks))):
                 index = graphs.inputs.staged(torch.tensor(rows, dtype=torch.int64))
-                feed = feed[index.to(self.device, non_blocking=True)]  # [rows] int64
+                feed = feed[index.to(self.device, non_blocking=True)]
         logits = graphs.run(DecodeBatch(input_ids, positions, spans, logits_rows), feed)
         if logits is None:
             return None

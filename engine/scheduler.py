@@ -31,13 +31,14 @@ each row's logits are computed as a plain decode step's are (one decode row per 
 which the next steps overwrite; their blocks stay with the request until it ends.
 
 Steps ahead (``schedule_ahead``, used by ``EngineCore.step`` where decode steps replay CUDA
-graphs): the decode step after a launched one is planned before the launched step's tokens
-are known, for the requests whose next token the device decides alone (``decided_on_device``)
-and that cannot end by length with it; its chunks' token ids are placeholders the runner
-replaces with the launched step's choices on the device. A request that ends while such a
-step may still write its KV (``launched`` .. ``settle``) gives up its table at once but its
-blocks only once that step has run (``KVCacheManager.detach``), so no block another request
-or a KV transfer may take is written by a step still on the device.
+graphs): the decode step after a launched one is planned before the launched step's tokens are
+known, for the requests whose next token the device decides alone (``decided_on_device``) and
+that cannot end by length with it; their chunks' token ids are placeholders the runner replaces
+with the launched step's choices on the device. Requests that joined the batch meanwhile
+(remote prefills completed) come after them with their own last token. A request that ends
+while such a step may still write its KV (``launched`` .. ``settle``) gives up its table at
+once but its blocks only once that step has run (``KVCacheManager.detach``), so no block
+another request or a KV transfer may take is written by a step still on the device.
 """
 
 from __future__ import annotations
@@ -417,21 +418,20 @@ class Scheduler:
 
     def schedule_ahead(self, step: SchedulerOutput, placeholder: int = 0) -> SchedulerOutput | None:
         """The decode step after ``step`` (launched; its tokens not yet applied by ``update``),
-        planned now: one chunk per request of ``step`` that still runs and does not end by
-        length with ``step``'s token (``_stop_status``), in ``step``'s order, its token
+        planned now. First one chunk per request of ``step`` that still runs and does not end
+        by length with ``step``'s token (``_stop_status``), in ``step``'s order: its token
         ``placeholder`` (the runner feeds it the token ``step`` chooses), one position
-        further, its blocks allocated. None (nothing changed but blocks allocated, which the
-        next step needs anyway) unless: no request waits for admission, no draft is ever
-        proposed, every running request is in ``step`` as a plain decode chunk, every next
-        token is chosen on the device alone (``decided_on_device``), the pool holds every next
-        block, and some request is left."""
+        further. Then one per request that joined the running batch since ``step`` was
+        planned (a remote prefill completed): its last token, known here, as any decode step
+        would take it. Blocks allocated for each. None (nothing changed but blocks allocated,
+        which the next steps need anyway) unless: no request waits for admission, no draft is
+        ever proposed, ``step``'s requests are plain decode chunks, every joined request has
+        just its last token to compute, every next token is chosen on the device alone
+        (``decided_on_device``), the pool holds every next block, and some request is left."""
         if self.waiting or self.speculative.num_tokens or not step.chunks:
             return None
-        in_step = {chunk.request_id: chunk for chunk in step.chunks}
-        if any(request.request_id not in in_step for request in self.running):
-            return None  # a request joined (a remote prefill completed): no token of it here
         running = {request.request_id: request for request in self.running}
-        requests = []
+        fed = []  # requests of ``step``: their token is ``step``'s choice
         for chunk in step.chunks:
             request = running.get(chunk.request_id)
             if request is None:
@@ -446,26 +446,46 @@ class Scheduler:
                 continue  # ends by length with ``step``'s token (``_stop_status``)
             if not decided_on_device(request.params, outputs_after, request.eos_token_ids):
                 return None
-            requests.append(request)
-        for request in requests:
+            fed.append(request)
+        in_step = {chunk.request_id for chunk in step.chunks}
+        joined = [request for request in self.running if request.request_id not in in_step]
+        for request in joined:
+            if request.num_tokens - request.num_computed_tokens != 1:
+                return None
+            if not decided_on_device(
+                request.params, request.num_output_tokens, request.eos_token_ids
+            ):
+                return None
+        for request in fed:
             if not self.kv_cache.allocate(request.request_id, request.num_computed_tokens + 2):
                 return None
+        for request in joined:
+            if not self.kv_cache.allocate(request.request_id, request.num_computed_tokens + 1):
+                return None
         chunks = [
-            ScheduledChunk(
-                request_id=request.request_id,
-                token_ids=(placeholder,),
-                start_position=request.num_computed_tokens + 1,
-                block_table=self.kv_cache.block_table(request.request_id),
-                samples=True,
-                completes_prompt=False,
-                params=request.params,
-                prompt_token_ids=request.prompt_token_ids,
-                output_token_ids=request.output_token_ids,
-                eos_token_ids=request.eos_token_ids,
-            )
-            for request in requests
+            self._decode_chunk(request, request.num_computed_tokens + 1, placeholder)
+            for request in fed
+        ]
+        chunks += [
+            self._decode_chunk(request, request.num_computed_tokens, request.all_token_ids[-1])
+            for request in joined
         ]
         return SchedulerOutput(tuple(chunks)) if chunks else None
+
+    def _decode_chunk(self, request: Request, position: int, token_id: int) -> ScheduledChunk:
+        """A one-token decode chunk of ``request``: ``token_id`` at ``position``."""
+        return ScheduledChunk(
+            request_id=request.request_id,
+            token_ids=(token_id,),
+            start_position=position,
+            block_table=self.kv_cache.block_table(request.request_id),
+            samples=True,
+            completes_prompt=False,
+            params=request.params,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=request.output_token_ids,
+            eos_token_ids=request.eos_token_ids,
+        )
 
     def launched(self, serial: int, step: SchedulerOutput) -> None:
         """``step`` was launched as step ``serial``: until ``settle(serial)`` the device may

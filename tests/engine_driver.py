@@ -6,10 +6,14 @@ the kernels in interpreter mode)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
+from collections.abc import Sequence
 
+from splitserve.common.blocks import blocks_for_tokens
+from splitserve.common.request_update import StepOutput
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.engine.engine_core import EngineCore
+from splitserve.engine.engine_core import CompletedPrompt, EngineCore
 
 Arrivals = dict[int, list[tuple[str, list[int], SamplingParams]]]
 """Requests (id, prompt, params) added before the ``step`` call of each index."""
@@ -20,17 +24,55 @@ def greedy(max_tokens: int, **extra: object) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, **extra)  # type: ignore[arg-type]
 
 
+def join_remote(
+    decode: EngineCore,
+    prefill: EngineCore,
+    request_id: str,
+    prompt: list[int],
+    params: SamplingParams,
+) -> StepOutput:
+    """A remote prefill as the workers do it, in one process: ``decode`` reserves blocks,
+    ``prefill`` computes the prompt and pushes each layer's KV into them as it is written,
+    then ``decode`` takes the request with the first token ``prefill`` sampled."""
+    table = decode.reserve_remote_prefill(request_id, prompt, params)
+    blocks = blocks_for_tokens(len(prompt), decode.kv_cache.block_size)
+
+    def push_layer(layer: int, completed: Sequence[CompletedPrompt]) -> None:
+        for done in completed:
+            kv = prefill.runner.read_kv_blocks(layer, done.block_table[:blocks])
+            decode.runner.write_kv_blocks(layer, table[:blocks], kv)
+
+    prefill.add_request(request_id, prompt, dataclasses.replace(params, max_tokens=1))
+    first: int | None = None
+    while prefill.has_unfinished:
+        for output in prefill.step(on_layer_kv_written=push_layer):
+            first = output.update.new_token_ids[0]
+    assert first is not None
+    return decode.complete_remote_prefill(request_id, first)
+
+
 def drive(
-    engine: EngineCore, arrivals: Arrivals, aborts: dict[int, list[str]]
+    engine: EngineCore,
+    arrivals: Arrivals,
+    aborts: dict[int, list[str]],
+    joins: Arrivals | None = None,
+    prefill: EngineCore | None = None,
 ) -> tuple[dict[str, list[int]], dict[str, str]]:
     """Each request's tokens and finish reason (aborted ones have none), stepping until every
-    arrival came and nothing is left; then every KV block must be back in the pool."""
+    arrival came and nothing is left; then every KV block must be back in the pool.
+    ``joins``: requests prefilled on ``prefill`` and joining ``engine`` before the call of
+    their index (``join_remote``)."""
+    joins = joins or {}
     tokens: dict[str, list[int]] = defaultdict(list)
     finish: dict[str, str] = {}
     call = 0
-    while call <= max(arrivals) or engine.has_unfinished:
+    while call <= max([*arrivals, *joins]) or engine.has_unfinished:
         for request_id, prompt, params in arrivals.get(call, []):
             engine.add_request(request_id, prompt, params)
+        for request_id, prompt, params in joins.get(call, []):
+            assert prefill is not None
+            first = join_remote(engine, prefill, request_id, prompt, params)
+            tokens[request_id].extend(first.update.new_token_ids)
         for request_id in aborts.get(call, []):
             engine.abort_request(request_id)
         for output in engine.step():

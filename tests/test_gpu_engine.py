@@ -113,6 +113,25 @@ def test_steps_ahead_with_arrivals_stops_and_aborts_equal_steps_read_one_by_one(
     assert ahead.steps_launched_ahead >= 6
 
 
+def test_remote_prefills_join_the_steps_ahead() -> None:
+    """A disaggregated pair on the GPU: requests prefilled by another engine join a decode
+    engine whose steps run ahead; tokens equal a decode engine reading each step first."""
+    prompts = _prompts(SHAPES["tiny"].vocab_size)
+    joins = {
+        0: [("a", prompts[0], greedy(12)), ("b", prompts[1], greedy(4))],
+        3: [("c", prompts[2], greedy(8))],
+        5: [("d", prompts[4], greedy(6)), ("e", prompts[5], greedy(7))],
+    }
+    prefill = _llm("cuda", "float32", cuda_graphs=False).engine
+    read_first = _llm("cuda", "float32", steps_ahead=False).engine
+    expected = drive(read_first, {}, {}, joins, prefill)
+    ahead = _llm("cuda", "float32").engine
+    assert drive(ahead, {}, {}, joins, _llm("cuda", "float32", cuda_graphs=False).engine) == (
+        expected
+    )
+    assert ahead.steps_launched_ahead >= 10
+
+
 def test_float32_greedy_alone_equals_batched() -> None:
     """Batch invariance on CUDA: each prompt alone gives what it gave in the batch (the
     second time round from the prefix cache)."""

@@ -52,6 +52,34 @@ def test_steps_ahead_give_every_request_the_tokens_of_steps_read_one_by_one() ->
     assert not engine.has_unfinished
 
 
+def test_requests_joining_from_remote_prefills_ride_the_steps_ahead() -> None:
+    """A decode engine of a disaggregated pair: requests arrive prefilled elsewhere (their KV
+    pushed into reserved blocks, their first token sampled there) while steps run ahead; the
+    step ahead takes them with their own first token after the fed rows. Every request's
+    tokens equal those of a decode engine reading each step first."""
+    prompts = _prompts(6)
+    joins: Arrivals = {
+        0: [("a", prompts[0], greedy(12)), ("b", prompts[1], greedy(4))],
+        3: [("c", prompts[2], greedy(8))],
+        5: [("d", prompts[4], greedy(6)), ("e", prompts[5], greedy(7))],
+    }
+    expected = drive(_engine(False), {}, {}, joins, prefill=_llm().engine)
+    engine = _engine(True)
+    assert drive(engine, {}, {}, joins, prefill=_llm().engine) == expected
+    tokens, finish = expected
+    assert {request_id: len(t) for request_id, t in tokens.items()} == {
+        "a": 12,
+        "b": 4,
+        "c": 8,
+        "d": 6,
+        "e": 7,
+    }
+    assert set(finish.values()) == {"length"}
+    # No step stopped for the joins: every decode step after the first went ahead.
+    graphs = engine.runner.decode_graphs
+    assert engine.steps_launched_ahead == graphs.replays.total() - 1, graphs.replays
+
+
 def test_no_step_goes_ahead_of_one_the_host_must_read() -> None:
     """A request with logprobs (or any the device cannot decide alone) keeps every step
     read before the next; the tokens are the same either way."""
