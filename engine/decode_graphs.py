@@ -334,15 +334,21 @@ class DecodeGraphs:
             self._graphs[bucket] = _Captured(graph, logits)
         self.capture_s = time.perf_counter() - started
 
+    def accepts(self, batch: DecodeBatch) -> bool:
+        """Whether ``run`` replays ``batch``: a bucket holds its rows and the buffers its
+        contexts."""
+        return bucket_for(batch.rows, self.buckets) is not None and self.inputs.fits(batch)
+
     def run(self, batch: DecodeBatch, token_ids: torch.Tensor | None = None) -> torch.Tensor | None:
         """Float32 logits ``[len(batch.logits_rows), vocab]`` of a decode-only step replayed
         from its bucket's graph, valid until the next replay; None where the step is not
         eligible (the caller runs it eagerly). ``token_ids``: as ``StaticDecodeInputs.fill``
         takes them. Nothing here waits for the device."""
-        bucket = bucket_for(batch.rows, self.buckets)
-        if bucket is None or not self.inputs.fits(batch):
+        if not self.accepts(batch):
             self.eager_steps += 1
             return None
+        bucket = bucket_for(batch.rows, self.buckets)
+        assert bucket is not None
         self.inputs.fill(batch, bucket, token_ids)
         captured = self._graphs[bucket]
         captured.graph.replay()

@@ -552,6 +552,8 @@ class EngineCore:
         """The step after ``launched``, planned and launched behind it before its tokens are
         read (``Scheduler.schedule_ahead``), for the next ``step`` to read; None where it
         cannot be."""
+        if not self.steps_ahead:
+            return None
         ahead = self.scheduler.schedule_ahead(scheduled)
         if ahead is None:
             return None

@@ -193,6 +193,9 @@ class ModelRunner(KvBlockStore):
         chunks = step.chunks  # all decode rows: ``execute``'s order is theirs
         input_ids, positions, logits_rows = self._pack(list(chunks))
         spans = [span for chunk in chunks for span in _spans(chunk)]
+        batch = DecodeBatch(input_ids, positions, spans, logits_rows)
+        if not graphs.accepts(batch):
+            return None  # ``execute`` runs it (and counts it as eager)
         feed = None  # [fed rows] int64 on the device: the leading rows' tokens, from ``after``
         if after is not None:
             rows = [rows_of[chunk.request_id] for chunk in chunks if chunk.request_id in rows_of]
@@ -202,9 +205,8 @@ class ModelRunner(KvBlockStore):
             if rows != list(range(len(after.chunks))):
                 index = graphs.inputs.staged(torch.tensor(rows, dtype=torch.int64))
                 feed = feed[index.to(self.device, non_blocking=True)]
-        logits = graphs.run(DecodeBatch(input_ids, positions, spans, logits_rows), feed)
-        if logits is None:
-            return None
+        logits = graphs.run(batch, feed)
+        assert logits is not None
         self._drop_finished(step)
         sampling_rows = [self._sampling_row(chunk) for chunk in chunks]  # seeded: its generator
         token_ids = self.sampler.choose(logits, sampling_rows)  # [rows] int64, on the device
