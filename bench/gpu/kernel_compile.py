@@ -9,17 +9,16 @@ installed here and (``make gpu-preflight``) with the GPU image's. Two phases, ea
 process (the interpreter is a per-process choice made at import: ``kernels/interpret.py``):
 
 - ``record``: the GPU's code paths run on CPU tensors under the interpreter, at the layer
-  dimensions of the shapes the GPU script serves (``SHAPES``' ``llama-8b`` and ``llama-1b``, one
-  layer each, a 512-token vocabulary), in bf16 (the serving dtype, with the fused steps of
-  ``kernels/triton_fused_ops.py``) and float32 (the batch-invariant backend the GPU tests
-  compare): an eager step of two decodes and two prompt chunks (5 tokens, and 100 after a
-  30-token prefix), one of a decode and a 5-token prompt, and the decode steps of CUDA graphs
-  (``ModelRunner.capture_decode_graphs`` with ``record_step``: the graphs' buffers and
-  ``graph_decode_metadata``), with the split
-  counts a 132-SM GPU picks (``splits_for_sms``). Every launch goes through a kernel module's
-  ``launch``; each distinct kernel, argument types (Triton's own specialization: an integer
-  argument equal to 1 becomes a constant, as at a launch) and constexprs is kept
-  (``KernelLaunch``).
+  dimensions of the shapes the GPU script serves (``SHAPES``' ``llama-8b`` and ``llama-1b``:
+  one layer each, a 512-token vocabulary, the MLP one SiLU tile wide), in bf16 (the serving
+  dtype, with the fused steps of ``kernels/triton_fused_ops.py``) and float32 (the
+  batch-invariant backend the GPU tests compare): an eager step of two decodes and two prompt
+  chunks (5 tokens, and 100 after a 30-token prefix), one of a decode and a 5-token prompt, and
+  the decode steps of CUDA graphs (``ModelRunner.capture_decode_graphs`` with ``record_step``:
+  the graphs' buffers and ``graph_decode_metadata``), with the split counts a 132-SM GPU picks
+  (``splits_for_sms``). Every launch goes through a kernel module's ``launch``; each distinct
+  kernel, argument types (Triton's own specialization: an integer argument equal to 1 becomes a
+  constant, as at a launch) and constexprs is kept (``KernelLaunch``).
 - ``compile``: each through ``triton.compile`` for ``GPUTarget("cuda", 90, 32)``, ptxas
   included. A compile error, or more shared memory than an sm_90 block may have (227 KiB),
   fails the check.
@@ -181,12 +180,18 @@ def _run_gpu_paths(shape_name: str, dtype_name: str) -> None:
     from splitserve.engine.model import LlamaModel
     from splitserve.engine.model_runner import ModelRunner
     from splitserve.engine.random_checkpoint import SHAPES, random_checkpoint
+    from splitserve.kernels.activation import MAX_TILE
     from splitserve.kernels.attention import SequenceSpan
     from splitserve.kernels.triton_backend import TritonAttentionBackend
     from splitserve.kernels.triton_fused_ops import FUSED_DTYPES, TritonFusedOps
 
     dtype = getattr(torch, dtype_name)
-    config = replace(SHAPES[shape_name], num_hidden_layers=1, vocab_size=512)
+    shape = SHAPES[shape_name]
+    # One layer, a small vocabulary and an MLP no wider than one SiLU tile: the kernels see
+    # the shape's constexprs (the MLP width is a runtime argument, its tile the same), and
+    # the CPU's matmuls, which launch nothing, cost a fraction.
+    intermediate = min(shape.intermediate_size, MAX_TILE)
+    config = replace(shape, num_hidden_layers=1, vocab_size=512, intermediate_size=intermediate)
     cpu = torch.device("cpu")
     weights = random_checkpoint(config, dtype, cpu, seed=0).weights
     max_len = NUM_BLOCKS * BLOCK_SIZE
