@@ -482,6 +482,7 @@ class EngineCore:
         (``Model.forward``).
         """
         started = time.perf_counter()
+        ran_ahead = self._ahead is not None
         if self._ahead is not None:  # launched by the step before (``_launch_ahead``)
             scheduled, launched = self._ahead
             self._ahead = None
@@ -501,7 +502,7 @@ class EngineCore:
         shape, seconds = scheduled.shape(), time.perf_counter() - started
         estimate = self.step_cost.estimate()  # what the model said before this step taught it
         predicted_s = estimate.step_s(shape) if estimate.predicts(shape) else 0.0
-        self.last_step = StepTiming(seconds, predicted_s, shape)
+        self.last_step = StepTiming(seconds, predicted_s, shape, ran_ahead)
         if self.step_log is not None:
             self.step_log.write(shape, seconds)
         prefill_s = self.step_cost.observe(shape, seconds)

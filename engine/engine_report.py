@@ -28,6 +28,8 @@ class StepTiming:
     """0 where the model had not yet seen enough steps of this step's kinds."""
     shape: StepShape = StepShape(0, 0, 0)
     """What the step computed (the step-cost model's features)."""
+    ran_ahead: bool = False
+    """The step was launched before the step before it was read (``EngineCore.steps_ahead``)."""
 
 
 @dataclass(frozen=True)

@@ -58,13 +58,14 @@ def test_a_window_accounts_for_every_request(bench_modules: None) -> None:
 def test_decode_steps_against_the_hbm_bound(bench_modules: None) -> None:
     from decode_steps import DecodeVsBound, StepCounters
 
-    window = StepCounters(steps=110, rows=900, seconds=2.5).minus(StepCounters(10, 100, 0.5))
+    window = StepCounters(110, 900, 2.5, ahead=90).minus(StepCounters(10, 100, 0.5, ahead=10))
     figures = DecodeVsBound.of(window, bound_step_ms=4.0)
     assert (figures.decode_steps, figures.decode_batch_mean) == (100, 8.0)
     assert figures.decode_step_ms_mean == 20.0
     assert figures.decode_tok_per_s_in_steps == 400.0
     assert figures.hbm_bound_tok_per_s == 2000.0  # 8 rows per 4 ms
     assert figures.fraction_of_hbm_bound == 0.2
+    assert figures.steps_ahead_fraction == 0.8  # 80 of the window's 100 steps went ahead
     assert DecodeVsBound.of(window, None).fraction_of_hbm_bound is None
 
 

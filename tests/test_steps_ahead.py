@@ -80,6 +80,19 @@ def test_requests_joining_from_remote_prefills_ride_the_steps_ahead() -> None:
     assert engine.steps_launched_ahead == graphs.replays.total() - 1, graphs.replays
 
 
+def test_each_step_says_whether_it_ran_ahead() -> None:
+    """``last_step.ran_ahead`` (the worker's ``splitserve_engine_steps_ahead_total``): the
+    prefill and the first decode step were read in turn; the decode steps after went ahead."""
+    engine = _engine(True)
+    for request_id, prompt in zip("ab", _prompts(2), strict=True):
+        engine.add_request(request_id, prompt, greedy(6))
+    ran_ahead = []
+    while engine.has_unfinished:
+        engine.step()
+        ran_ahead.append(engine.last_step.ran_ahead)
+    assert ran_ahead == [False, False, True, True, True, True], ran_ahead
+
+
 def test_no_step_goes_ahead_of_one_the_host_must_read() -> None:
     """A request with logprobs (or any the device cannot decide alone) keeps every step
     read before the next; the tokens are the same either way."""

@@ -23,12 +23,15 @@ def test_each_step_counts_once_under_its_kind_with_its_decode_batch() -> None:
     for shape, seconds in shapes:
         metrics.observe(EngineReport(step=StepTiming(seconds, 0.0, shape)))
     metrics.observe(EngineReport())  # after a command batch: no step
+    ahead = StepTiming(0.02, 0.0, StepShape(8, 0, 808), ran_ahead=True)
+    metrics.observe(EngineReport(step=ahead))  # launched before the step before was read
 
     def value(name: str, **labels: str) -> float | None:
         return registry.get_sample_value(name, {"model_name": "m", "role": "decode", **labels})
 
-    for kind, seconds in (("decode", 0.030), ("prefill", 0.120), ("mixed", 0.050)):
-        assert value("splitserve_engine_step_seconds_count", kind=kind) == 1
+    for kind, seconds, count in (("decode", 0.050, 2), ("prefill", 0.120, 1), ("mixed", 0.050, 1)):
+        assert value("splitserve_engine_step_seconds_count", kind=kind) == count
         assert value("splitserve_engine_step_seconds_sum", kind=kind) == seconds
-    assert value("splitserve_engine_step_decode_requests_count") == 2
-    assert value("splitserve_engine_step_decode_requests_sum") == 11
+    assert value("splitserve_engine_step_decode_requests_count") == 3
+    assert value("splitserve_engine_step_decode_requests_sum") == 19
+    assert value("splitserve_engine_steps_ahead_total") == 1

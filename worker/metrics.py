@@ -349,11 +349,20 @@ class StepMetrics:
             buckets=DECODE_BATCH_BUCKETS,
             registry=registry,
         ).labels(model_name, role)
+        self._ran_ahead = Counter(
+            "splitserve_engine_steps_ahead",
+            "Engine steps launched before the step before them was read (steps ahead: the "
+            "host's part of a step done while the device computed the next).",
+            _LABELS,
+            registry=registry,
+        ).labels(model_name, role)
 
     def observe(self, report: EngineReport) -> None:
         """A report listener (engine thread): the step the report follows, if one ran."""
         if report.step is None:
             return
+        if report.step.ran_ahead:
+            self._ran_ahead.inc()
         shape = report.step.shape
         if shape.decode_seqs and shape.prefill_tokens:
             kind = "mixed"

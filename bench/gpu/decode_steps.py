@@ -28,6 +28,8 @@ class StepCounters:
     steps: float
     rows: float
     seconds: float
+    ahead: float = 0.0
+    """Steps launched before the step before them was read (``splitserve_engine_steps_ahead``)."""
 
     @classmethod
     def read(cls, metrics_url: str, timeout_s: float = 10.0) -> StepCounters:
@@ -42,11 +44,15 @@ class StepCounters:
             steps=metric_total(text, "splitserve_engine_step_decode_requests_count"),
             rows=metric_total(text, "splitserve_engine_step_decode_requests_sum"),
             seconds=seconds,
+            ahead=metric_total(text, "splitserve_engine_steps_ahead_total"),
         )
 
     def minus(self, earlier: StepCounters) -> StepCounters:
         return StepCounters(
-            self.steps - earlier.steps, self.rows - earlier.rows, self.seconds - earlier.seconds
+            self.steps - earlier.steps,
+            self.rows - earlier.rows,
+            self.seconds - earlier.seconds,
+            self.ahead - earlier.ahead,
         )
 
 
@@ -67,6 +73,8 @@ class DecodeVsBound:
     """``decode_batch_mean`` rows per ``hbm_bound_step_ms``."""
     fraction_of_hbm_bound: float | None
     """``hbm_bound_step_ms / decode_step_ms_mean``."""
+    steps_ahead_fraction: float
+    """Of the steps that decoded, those launched before the step before them was read."""
 
     @classmethod
     def of(cls, window: StepCounters, bound_step_ms: float | None) -> DecodeVsBound:
@@ -84,4 +92,5 @@ class DecodeVsBound:
             hbm_bound_step_ms=None if bound_step_ms is None else round(bound_step_ms, 3),
             hbm_bound_tok_per_s=None if bound_tok is None else round(bound_tok, 1),
             fraction_of_hbm_bound=None if fraction is None else round(fraction, 3),
+            steps_ahead_fraction=round(window.ahead / steps, 3),
         )
