@@ -94,7 +94,7 @@ def test_float32_greedy_equals_the_cpu_engine(
     for index, (got_tokens, expected_tokens) in enumerate(zip(got, expected, strict=True)):
         assert got_tokens == expected_tokens, f"prompt {index} ({PROMPT_LENGTHS[index]} tokens)"
     launched_ahead = gpu.engine.steps_launched_ahead
-    assert launched_ahead >= NEW_TOKENS - 3 if steps_ahead else launched_ahead == 0
+    assert launched_ahead >= NEW_TOKENS // 2 if steps_ahead else launched_ahead == 0
 
 
 def test_steps_ahead_with_arrivals_stops_and_aborts_equal_steps_read_one_by_one() -> None:
