@@ -4,7 +4,9 @@
   8 KV heads, head_dim 128, bf16, block size 16): time, achieved KV read bandwidth, and the
   same against a device-to-device copy measured in the same run; speed vs the torch backend's
   path (gather the blocks, then SDPA);
-- KV pack/unpack of one 4096-token request over 32 layers vs a device copy of the same bytes.
+- KV pack/unpack of one 4096-token request over 32 layers vs a device copy of the same bytes;
+- the decode kernel at each split count for the step shapes ``step_times.py`` times
+  (``bench_decode_splits``), beside the count the default picks.
 
 Times are medians of CUDA-event timings after warm-up. Without CUDA it exits at once with a
 message (the module imports without CUDA or Triton).
@@ -14,6 +16,7 @@ message (the module imports without CUDA or Triton).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import statistics
@@ -101,6 +104,59 @@ def bench_decode(
     }
 
 
+SPLIT_SWEEP_SHAPES = ((1, 525), (8, 525), (64, 525), (64, 4096))
+"""(batch, context) of the decode steps ``step_times.py`` times, and the long-context case."""
+SPLIT_SWEEP_COUNTS = (1, 2, 4, 8, 16, 32)
+
+
+def bench_decode_splits(
+    kv_heads: int = 8, heads: int = 32, head_dim: int = 128, block_size: int = 16
+) -> list[dict[str, object]]:
+    """The decode kernel's time at each split count (``SPLIT_SWEEP_COUNTS``) for Llama-8B's
+    heads at each ``SPLIT_SWEEP_SHAPES`` (bf16), beside the count the default picks: whether
+    ``splits_for_sms``'s two programs per SM leave the memory idle. ``effective_splits``: the
+    ranges a row is cut into (``split_tokens``; a count asked beyond the context's tiles gives
+    fewer)."""
+    from splitserve.kernels.decode_attention import (
+        default_block_n,
+        default_num_splits,
+        paged_decode_attention,
+        split_tokens,
+    )
+
+    results: list[dict[str, object]] = []
+    for batch, context in SPLIT_SWEEP_SHAPES:
+        blocks_per_seq = -(-context // block_size)
+        num_blocks = batch * blocks_per_seq
+        shape = (num_blocks, block_size, kv_heads, head_dim)
+        key_cache = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
+        value_cache = torch.randn_like(key_cache)
+        tables = torch.randperm(num_blocks, device="cuda").view(batch, blocks_per_seq).int()
+        seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+        query = torch.randn(batch, heads, head_dim, dtype=torch.bfloat16, device="cuda")
+        kv_bytes = 2 * batch * context * kv_heads * head_dim * key_cache.element_size()
+        default = default_num_splits(batch, kv_heads, context, query.device)
+        for splits in sorted({*SPLIT_SWEEP_COUNTS, default}):
+            run = functools.partial(
+                paged_decode_attention, query, key_cache, value_cache, tables, seq_lens,
+                head_dim**-0.5, max_seq_len=context, num_splits=splits,
+            )  # fmt: skip
+            milliseconds = time_ms(run)
+            tokens = split_tokens(context, splits, 1, default_block_n(context, splits))
+            results.append(
+                {
+                    "batch": batch,
+                    "context": context,
+                    "num_splits": splits,
+                    "effective_splits": -(-context // tokens),
+                    "default": splits == default,
+                    "ms": round(milliseconds, 4),
+                    "kv_read_gbps": round(kv_bytes / milliseconds / 1e6, 1),
+                }
+            )
+    return results
+
+
 def bench_pack(
     layers: int = 32,
     tokens: int = 4096,
@@ -148,6 +204,10 @@ def main() -> None:
         "decode_attention": bench_decode(),
         "kv_pack": bench_pack(),
     }
+    try:
+        result["decode_attention_splits"] = bench_decode_splits()
+    except Exception as error:  # noqa: BLE001 - the sweep is an extra; the rest stands
+        result["decode_attention_splits"] = {"error": f"{type(error).__name__}: {error}"}
     print(json.dumps(result, indent=2))
 
 

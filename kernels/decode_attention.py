@@ -174,6 +174,12 @@ def split_tokens(seq_len: int, num_splits: int, min_split_tokens: int, block_n: 
     return cdiv(tokens, block_n) * block_n
 
 
+def default_block_n(max_seq_len: int, num_splits: int) -> int:
+    """Keys per loop step for a launch whose longest context is ``max_seq_len``: the split
+    length's next power of two, from 16 to 64."""
+    return min(64, max(16, next_power_of_2(cdiv(max(max_seq_len, 1), num_splits))))
+
+
 def default_num_splits(batch: int, kv_heads: int, max_seq_len: int, device: torch.device) -> int:
     """``splits_for_sms`` with the device's SM count; 1 off CUDA."""
     if device.type != "cuda":
@@ -277,7 +283,7 @@ def paged_decode_attention(
         raise ValueError(f"min_split_tokens must be >= 1, got {min_split_tokens}")
     longest = max(max_seq_len, 1)
     if block_n is None:
-        block_n = min(64, max(16, next_power_of_2(cdiv(longest, num_splits))))
+        block_n = default_block_n(longest, num_splits)
     _check_tile("block_n", block_n)
     # None empty for the longest: fewer splits cover every row too (split_tokens' contract).
     num_splits = cdiv(longest, split_tokens(longest, num_splits, min_split_tokens, block_n))
