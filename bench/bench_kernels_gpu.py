@@ -22,6 +22,7 @@ import os
 import statistics
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -51,6 +52,44 @@ def copy_gbps(num_bytes: int) -> float:
     return 2 * num_bytes / time_ms(lambda: target.copy_(source)) / 1e6
 
 
+@dataclass(frozen=True)
+class DecodeInputs:
+    """A decode attention call's random inputs on CUDA: every sequence ``context`` tokens
+    long, its blocks a random permutation of the caches'."""
+
+    query: torch.Tensor  # [batch, heads, head_dim]
+    key_cache: torch.Tensor  # [num_blocks, block_size, kv_heads, head_dim]
+    value_cache: torch.Tensor  # same shape
+    tables: torch.Tensor  # [batch, blocks per sequence] int64
+    seq_lens: torch.Tensor  # [batch] int32, all ``context``
+    kv_bytes: int
+    """Bytes of keys and values the sequences hold (what one call must read)."""
+
+    @classmethod
+    def random(
+        cls,
+        batch: int,
+        context: int,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        dtype: torch.dtype,
+    ) -> DecodeInputs:
+        blocks_per_seq = -(-context // block_size)
+        num_blocks = batch * blocks_per_seq
+        cache_shape = (num_blocks, block_size, kv_heads, head_dim)
+        key_cache = torch.randn(cache_shape, dtype=dtype, device="cuda")
+        return cls(
+            query=torch.randn(batch, heads, head_dim, dtype=dtype, device="cuda"),
+            key_cache=key_cache,
+            value_cache=torch.randn_like(key_cache),
+            tables=torch.randperm(num_blocks, device="cuda").view(batch, blocks_per_seq),
+            seq_lens=torch.full((batch,), context, dtype=torch.int32, device="cuda"),
+            kv_bytes=2 * batch * context * kv_heads * head_dim * key_cache.element_size(),
+        )
+
+
 def bench_decode(
     batch: int = 64,
     context: int = 4096,
@@ -63,29 +102,23 @@ def bench_decode(
     from splitserve.kernels.attention import decode_attention as torch_decode_attention
     from splitserve.kernels.decode_attention import default_num_splits, paged_decode_attention
 
-    blocks_per_seq = context // block_size
-    num_blocks = batch * blocks_per_seq
-    cache_shape = (num_blocks, block_size, kv_heads, head_dim)
-    key_cache = torch.randn(cache_shape, dtype=dtype, device="cuda")
-    value_cache = torch.randn(cache_shape, dtype=dtype, device="cuda")
-    tables = torch.randperm(num_blocks, device="cuda").view(batch, blocks_per_seq)  # [batch, mb]
-    tables32 = tables.int()
-    seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
-    query = torch.randn(batch, heads, head_dim, dtype=dtype, device="cuda")
+    inputs = DecodeInputs.random(batch, context, heads, kv_heads, head_dim, block_size, dtype)
+    query, key_cache, value_cache = inputs.query, inputs.key_cache, inputs.value_cache
+    tables32 = inputs.tables.int()
     scale = head_dim**-0.5
     mask = torch.ones(batch, 1, 1, context, dtype=torch.bool, device="cuda")
 
     def triton_run() -> torch.Tensor:
         return paged_decode_attention(
-            query, key_cache, value_cache, tables32, seq_lens, scale, max_seq_len=context
+            query, key_cache, value_cache, tables32, inputs.seq_lens, scale, max_seq_len=context
         )
 
     def torch_run() -> torch.Tensor:
-        return torch_decode_attention(query, key_cache, value_cache, tables, mask, scale)
+        return torch_decode_attention(query, key_cache, value_cache, inputs.tables, mask, scale)
 
     max_error = (triton_run().float() - torch_run().float()).abs().max().item()
     triton_ms, torch_ms = time_ms(triton_run), time_ms(torch_run)
-    kv_bytes = 2 * batch * context * kv_heads * head_dim * key_cache.element_size()
+    kv_bytes = inputs.kv_bytes
     achieved = kv_bytes / triton_ms / 1e6
     copy = copy_gbps(kv_bytes)
     return {
@@ -126,20 +159,15 @@ def bench_decode_splits(
 
     results: list[dict[str, object]] = []
     for batch, context in SPLIT_SWEEP_SHAPES:
-        blocks_per_seq = -(-context // block_size)
-        num_blocks = batch * blocks_per_seq
-        shape = (num_blocks, block_size, kv_heads, head_dim)
-        key_cache = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
-        value_cache = torch.randn_like(key_cache)
-        tables = torch.randperm(num_blocks, device="cuda").view(batch, blocks_per_seq).int()
-        seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
-        query = torch.randn(batch, heads, head_dim, dtype=torch.bfloat16, device="cuda")
-        kv_bytes = 2 * batch * context * kv_heads * head_dim * key_cache.element_size()
-        default = default_num_splits(batch, kv_heads, context, query.device)
+        inputs = DecodeInputs.random(
+            batch, context, heads, kv_heads, head_dim, block_size, torch.bfloat16
+        )
+        tables = inputs.tables.int()
+        default = default_num_splits(batch, kv_heads, context, inputs.query.device)
         for splits in sorted({*SPLIT_SWEEP_COUNTS, default}):
             run = functools.partial(
-                paged_decode_attention, query, key_cache, value_cache, tables, seq_lens,
-                head_dim**-0.5, max_seq_len=context, num_splits=splits,
+                paged_decode_attention, inputs.query, inputs.key_cache, inputs.value_cache,
+                tables, inputs.seq_lens, head_dim**-0.5, max_seq_len=context, num_splits=splits,
             )  # fmt: skip
             milliseconds = time_ms(run)
             tokens = split_tokens(context, splits, 1, default_block_n(context, splits))
@@ -151,7 +179,7 @@ def bench_decode_splits(
                     "effective_splits": -(-context // tokens),
                     "default": splits == default,
                     "ms": round(milliseconds, 4),
-                    "kv_read_gbps": round(kv_bytes / milliseconds / 1e6, 1),
+                    "kv_read_gbps": round(inputs.kv_bytes / milliseconds / 1e6, 1),
                 }
             )
     return results

@@ -54,6 +54,7 @@ import numpy as np
 import torch
 
 from splitserve.common.blocks import blocks_for_tokens
+from splitserve.engine.host_copies import staged, to_device
 from splitserve.kernels.attention import SequenceSpan
 
 GRAPH_BUCKET_STRIDES = ((64, 8), (128, 16), (256, 32))
@@ -205,8 +206,8 @@ class StaticDecodeInputs:
         """Write ``batch`` into the first rows and padding rows up to ``bucket``; ``token_ids``
         (``[k]`` int64 on the device, a step's choices not yet read by the host) replace the
         first ``k`` of ``batch.token_ids``. Queued on the current stream without waiting for
-        the device (host values staged in pinned memory on CUDA, which the copies may still
-        read after this returns), so it may run while an earlier replay does."""
+        the device (host values staged in pinned memory, ``engine/host_copies.py``), so it
+        may run while an earlier replay does."""
         if not batch.rows <= bucket <= self.max_rows:
             raise ValueError(f"a batch of {batch.rows} rows does not fill a bucket of {bucket}")
         size, pad = self.block_size, bucket - batch.rows
@@ -222,7 +223,7 @@ class StaticDecodeInputs:
             ],
             dtype=torch.int64,
         )  # [4, bucket]
-        self._rows[:, :bucket].copy_(self.staged(rows), non_blocking=True)
+        self._rows[:, :bucket].copy_(staged(rows, self.device), non_blocking=True)
         if token_ids is not None:  # after the rows' copy, on the stream
             self._rows[0, : token_ids.shape[0]].copy_(token_ids)
         widths = [blocks_for_tokens(length, size) for length in lengths]
@@ -230,13 +231,8 @@ class StaticDecodeInputs:
         width = mirror.fill([span.block_table for span in batch.spans], widths)
         if width:
             tables = torch.from_numpy(mirror.tables[: batch.rows, :width])  # [rows, width]
-            self.block_tables[: batch.rows, :width].copy_(self.staged(tables), non_blocking=True)
-
-    def staged(self, host: torch.Tensor) -> torch.Tensor:
-        """``host`` as a copy may read it after the host moves on: a pinned copy on CUDA (the
-        caching host allocator keeps it until the copy reading it ran); itself elsewhere,
-        where copies finish before they return."""
-        return host.pin_memory() if self.device.type == "cuda" else host
+            tables = staged(tables, self.device)
+            self.block_tables[: batch.rows, :width].copy_(tables, non_blocking=True)
 
     def pad(self, bucket: int) -> None:
         """Every row up to ``bucket`` a padding row (the state graphs are captured in)."""
@@ -334,21 +330,27 @@ class DecodeGraphs:
             self._graphs[bucket] = _Captured(graph, logits)
         self.capture_s = time.perf_counter() - started
 
-    def accepts(self, batch: DecodeBatch) -> bool:
-        """Whether ``run`` replays ``batch``: a bucket holds its rows and the buffers its
-        contexts."""
-        return bucket_for(batch.rows, self.buckets) is not None and self.inputs.fits(batch)
+    def bucket_of(self, batch: DecodeBatch) -> int | None:
+        """The bucket whose graph replays ``batch``: the smallest holding its rows, where the
+        buffers hold its contexts; None where no graph does."""
+        bucket = bucket_for(batch.rows, self.buckets)
+        return bucket if bucket is not None and self.inputs.fits(batch) else None
 
-    def run(self, batch: DecodeBatch, token_ids: torch.Tensor | None = None) -> torch.Tensor | None:
-        """Float32 logits ``[len(batch.logits_rows), vocab]`` of a decode-only step replayed
-        from its bucket's graph, valid until the next replay; None where the step is not
-        eligible (the caller runs it eagerly). ``token_ids``: as ``StaticDecodeInputs.fill``
-        takes them. Nothing here waits for the device."""
-        if not self.accepts(batch):
+    def run(self, batch: DecodeBatch) -> torch.Tensor | None:
+        """``replay`` in ``batch``'s bucket; None where no graph replays it (``bucket_of``:
+        counted in ``eager_steps``, the caller runs it eagerly)."""
+        bucket = self.bucket_of(batch)
+        if bucket is None:
             self.eager_steps += 1
             return None
-        bucket = bucket_for(batch.rows, self.buckets)
-        assert bucket is not None
+        return self.replay(batch, bucket)
+
+    def replay(
+        self, batch: DecodeBatch, bucket: int, token_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Float32 logits ``[len(batch.logits_rows), vocab]`` of ``batch`` replayed from the
+        graph of ``bucket`` (its ``bucket_of``), valid until the next replay. ``token_ids``:
+        as ``StaticDecodeInputs.fill`` takes them. Nothing here waits for the device."""
         self.inputs.fill(batch, bucket, token_ids)
         captured = self._graphs[bucket]
         captured.graph.replay()
@@ -356,5 +358,4 @@ class DecodeGraphs:
         rows = list(batch.logits_rows)
         if rows == list(range(len(rows))):
             return captured.logits[: len(rows)]
-        index = self.inputs.staged(torch.tensor(rows, dtype=torch.int64))
-        return captured.logits[index.to(self.inputs.device, non_blocking=True)]
+        return captured.logits[to_device(rows, torch.int64, self.inputs.device)]

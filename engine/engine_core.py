@@ -483,7 +483,7 @@ class EngineCore:
         """
         started = time.perf_counter()
         ran_ahead = self._ahead is not None
-        if self._ahead is not None:  # launched by the step before (``_launch_ahead``)
+        if ran_ahead:  # launched by the step before (``_launch_ahead``)
             scheduled, launched = self._ahead
             self._ahead = None
         else:

@@ -37,6 +37,7 @@ from splitserve.engine.decode_graphs import (
     graph_buckets,
 )
 from splitserve.engine.grammar_matchers import GrammarMatchers
+from splitserve.engine.host_copies import to_device
 from splitserve.engine.kv_blocks import KvBlockStore
 from splitserve.engine.launched_step import LaunchedDecode
 from splitserve.engine.model import GeneratedRows, LlamaModel
@@ -194,7 +195,8 @@ class ModelRunner(KvBlockStore):
         input_ids, positions, logits_rows = self._pack(list(chunks))
         spans = [span for chunk in chunks for span in _spans(chunk)]
         batch = DecodeBatch(input_ids, positions, spans, logits_rows)
-        if not graphs.accepts(batch):
+        bucket = graphs.bucket_of(batch)
+        if bucket is None:
             return None  # ``execute`` runs it (and counts it as eager)
         feed = None  # [fed rows] int64 on the device: the leading rows' tokens, from ``after``
         if after is not None:
@@ -203,10 +205,8 @@ class ModelRunner(KvBlockStore):
                 raise ValueError("the rows fed from the step before must lead the step")
             feed = after.token_ids
             if rows != list(range(len(after.chunks))):
-                index = graphs.inputs.staged(torch.tensor(rows, dtype=torch.int64))
-                feed = feed[index.to(self.device, non_blocking=True)]
-        logits = graphs.run(batch, feed)
-        assert logits is not None
+                feed = feed[to_device(rows, torch.int64, self.device)]
+        logits = graphs.replay(batch, bucket, feed)
         self._drop_finished(step)
         sampling_rows = [self._sampling_row(chunk) for chunk in chunks]  # seeded: its generator
         token_ids = self.sampler.choose(logits, sampling_rows)  # [rows] int64, on the device

@@ -56,6 +56,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from splitserve.common.logprobs import TokenLogprob
 from splitserve.common.sampling_params import SamplingParams, changes_logits
+from splitserve.engine.host_copies import to_device
 
 _NEG_INF = float("-inf")
 DRAWS_PER_TOKEN = 1
@@ -96,9 +97,12 @@ class Sampler:
         """Each row's token, ``[batch]`` int64 on the logits' device, not read on the host:
         what ``__call__`` returns as a list. Where every row is ``decided_on_device`` (no
         grammar, nothing that ``changes_logits``, no top-k or top-p cut-off on a sampled row),
-        nothing here waits for the device (host values reach it through pinned memory), so it
-        can queue a step's choice behind its forward (``ModelRunner.launch_decode``)."""
-        return _choose(logits, rows)
+        nothing here waits for the device (host values reach it through pinned memory,
+        ``engine/host_copies.py``), so it can queue a step's choice behind its forward
+        (``ModelRunner.launch_decode``)."""
+        if all(row.params.greedy and not _needs_penalties(row) for row in rows):
+            return logits.argmax(dim=-1)  # [batch]
+        return _sample(logits, rows)  # [batch]
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         """Pick one token per row of ``logits`` ``[batch, vocab]`` (``len(rows) == batch``)."""
@@ -115,13 +119,6 @@ class Sampler:
         )
 
 
-def _choose(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """``Sampler.choose``."""
-    if all(row.params.greedy and not _needs_penalties(row) for row in rows):
-        return logits.argmax(dim=-1)  # [batch]
-    return _sample(logits, rows)  # [batch]
-
-
 def _sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     """General path: penalties, then argmax for greedy rows and filtered sampling for others."""
     processed = apply_penalties(logits, rows)  # [batch, vocab] float32
@@ -132,7 +129,7 @@ def _sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     sampled_params = [rows[i].params for i in sampled]
     temperatures = _row_values(sampled_params, "temperature", torch.float32, device)  # [n]
     # Every row samples: work in place on `processed` (a private copy); else on its rows.
-    index = None if len(sampled) == len(rows) else _on_device(sampled, torch.int64, device)  # [n]
+    index = None if len(sampled) == len(rows) else to_device(sampled, torch.int64, device)  # [n]
     scores = processed if index is None else processed[index]  # [n, vocab]
     scores.div_(temperatures[:, None])
     _filter_in_place(scores, sampled_params)
@@ -165,7 +162,7 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
         if row.allowed_token_mask is not None:
             processed[i].masked_fill_(~row.allowed_token_mask.to(processed.device), _NEG_INF)
             masked.append(i)
-    before = processed[_on_device(masked, torch.int64, logits.device)] if masked else None
+    before = processed[to_device(masked, torch.int64, logits.device)] if masked else None
     # [masked, vocab]: a copy (index tensors copy)
     _suppress_stop_tokens(processed, rows)
     for k, i in enumerate(masked):  # a complete grammar allows only EOS: it beats min_tokens
@@ -208,7 +205,7 @@ def _apply_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None
                 token_index.append(token_id)
                 biases.append(bias)
     if row_index:
-        logits[row_index, token_index] += _on_device(biases, torch.float32, logits.device)
+        logits[row_index, token_index] += to_device(biases, torch.float32, logits.device)
 
 
 def _apply_repetition_penalty(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
@@ -219,7 +216,7 @@ def _apply_repetition_penalty(logits: torch.Tensor, rows: Sequence[SamplingRow])
     device = logits.device
     seen_ids = [[*rows[i].prompt_token_ids, *rows[i].output_token_ids] for i in selected]
     seen = _token_counts(seen_ids, logits.shape[1], device) > 0  # [n, vocab]
-    index = _on_device(selected, torch.int64, device)  # [n]
+    index = to_device(selected, torch.int64, device)  # [n]
     penalty = _row_values(
         [rows[i].params for i in selected], "repetition_penalty", torch.float32, device
     )[:, None]  # [n, 1]
@@ -243,7 +240,7 @@ def _apply_frequency_presence_penalties(logits: torch.Tensor, rows: Sequence[Sam
     params = [rows[i].params for i in selected]
     frequency = _row_values(params, "frequency_penalty", torch.float32, device)[:, None]
     presence = _row_values(params, "presence_penalty", torch.float32, device)[:, None]
-    index = _on_device(selected, torch.int64, device)  # [n]
+    index = to_device(selected, torch.int64, device)  # [n]
     logits[index] -= frequency * counts + presence * (counts > 0).to(torch.float32)
 
 
@@ -260,20 +257,7 @@ def _row_values(
     params: Sequence[SamplingParams], field: str, dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
     """One parameter per row as a tensor ``[n]``."""
-    return _on_device([getattr(p, field) for p in params], dtype, device)
-
-
-def _on_device(
-    values: Sequence[int] | Sequence[float], dtype: torch.dtype, device: torch.device
-) -> torch.Tensor:
-    """``values`` as a tensor on ``device``, copied without waiting for the device: through
-    pinned host memory on CUDA (a plain ``torch.tensor(..., device=cuda)`` copies from pageable
-    memory and waits for every kernel queued before it, which would make the host wait for a
-    step launched ahead: ``ModelRunner.launch_decode``)."""
-    host = torch.tensor(values, dtype=dtype)
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
+    return to_device([getattr(p, field) for p in params], dtype, device)
 
 
 # --------------------------------------------------------------------------- filters
@@ -319,7 +303,7 @@ def _on_rows(
     if len(selected) == logits.shape[0]:
         logits.copy_(transform(logits, params))
         return
-    index = _on_device(selected, torch.int64, logits.device)  # [m]
+    index = to_device(selected, torch.int64, logits.device)  # [m]
     logits[index] = transform(logits[index], [params[i] for i in selected])
 
 
@@ -327,7 +311,7 @@ def _top_k_top_p(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torc
     """Top-k then top-p on ``[m, vocab]`` logits, without sorting the vocabulary if possible."""
     device = logits.device
     vocab = logits.shape[1]
-    top_k = _on_device(
+    top_k = to_device(
         [p.top_k if 0 < p.top_k < vocab else vocab for p in params], torch.long, device
     )  # [m], vocab = disabled
     top_p = _row_values(params, "top_p", torch.float32, device)  # [m]
@@ -400,7 +384,7 @@ def _uniforms(generators: Sequence[torch.Generator | None], device: torch.device
         if len(unseeded) == len(generators):
             uniform.copy_(drawn)
         else:
-            uniform[_on_device(unseeded, torch.int64, device)] = drawn
+            uniform[to_device(unseeded, torch.int64, device)] = drawn
     for i, generator in enumerate(generators):
         if generator is not None:
             row = torch.rand(DRAWS_PER_TOKEN, generator=generator, device=generator.device)
@@ -445,7 +429,7 @@ def compute_logprobs(
     result: list[TokenLogprob | None] = [None] * len(rows)
     if not wanted:
         return result
-    index = _on_device(wanted, torch.int64, logits.device)  # [n]
+    index = to_device(wanted, torch.int64, logits.device)  # [n]
     logprobs = torch.log_softmax(logits[index].to(torch.float32), dim=-1)  # [n, vocab]
     chosen = token_ids[index].to(torch.long)  # [n]
     chosen_logprobs = logprobs.gather(1, chosen[:, None])  # [n, 1]
