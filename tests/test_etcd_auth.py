@@ -95,7 +95,10 @@ def test_a_logged_in_client_puts_reads_leases_and_watches(
             got = await client.get(f"{PREFIX}a".encode())
             assert got is not None and got.value == b"1"
             events = client.watch_prefix(PREFIX.encode(), revision + 1)
-            lease = await client.grant_lease(60)
+            # A short lease: the keeper refreshes every ttl/3 and learns of the revoke at
+            # its next refresh, which falls inside the wait below even when its first
+            # refresh raced ahead of the revoke.
+            lease = await client.grant_lease(3)
             await client.put(f"{PREFIX}leased".encode(), b"2", lease)
             keeper = asyncio.create_task(client.keep_alive(lease))
             await client.revoke(lease)
