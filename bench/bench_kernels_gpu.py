@@ -6,7 +6,9 @@
   path (gather the blocks, then SDPA);
 - KV pack/unpack of one 4096-token request over 32 layers vs a device copy of the same bytes;
 - the decode kernel at each split count for the step shapes ``step_times.py`` times
-  (``bench_decode_splits``), beside the count the default picks.
+  (``bench_decode_splits``), beside the count the default picks;
+- the sampler's choice for top-p rows read on the host against the wait-free one a step
+  launched ahead runs (``bench_top_p_choice``).
 
 Times are medians of CUDA-event timings after warm-up. Without CUDA it exits at once with a
 message (the module imports without CUDA or Triton).
@@ -185,6 +187,57 @@ def bench_decode_splits(
     return results
 
 
+CHOICE_BATCHES = (1, 8, 64)
+CHOICE_VOCAB = 128_256
+"""Llama-3's vocabulary: what the 8B-shaped engine samples over."""
+
+
+def bench_top_p_choice(
+    device: str = "cuda",
+    vocab: int = CHOICE_VOCAB,
+    batches: tuple[int, ...] = CHOICE_BATCHES,
+    timer: Callable[[Callable[[], object]], float] = time_ms,
+) -> list[dict[str, object]]:
+    """A step's choice for sampled rows at temperature 0.7, top-p 0.9, each row seeded: read on
+    the host (``Sampler.choose``: the rows whose nucleus lies beyond the candidates found on
+    the host, then sorted) against ``wait_free`` (every top-p row sorted, nothing read: what a
+    step launched ahead runs), beside greedy's argmax, for peaked logits (the nucleus within
+    the candidates, as a trained model's usually is) and flat ones (beyond them). ``same``:
+    both gave every row the same token (each run from generators seeded alike)."""
+    from splitserve.common.sampling_params import SamplingParams
+    from splitserve.engine.sampler import Sampler, SamplingRow
+
+    params = SamplingParams(temperature=0.7, top_p=0.9)
+
+    def rows(batch: int) -> list[SamplingRow]:
+        return [
+            SamplingRow(params, torch.Generator(device).manual_seed(i), (), (), frozenset())
+            for i in range(batch)
+        ]
+
+    results: list[dict[str, object]] = []
+    for batch in batches:
+        for shape, scale in (("peaked", 6.0), ("flat", 0.3)):
+            logits = torch.randn(batch, vocab, device=device) * scale  # [batch, vocab]
+            same = torch.equal(
+                Sampler.choose(logits, rows(batch)),
+                Sampler.choose(logits, rows(batch), wait_free=True),
+            )
+            choose = functools.partial(Sampler.choose, logits, rows(batch))
+            results.append(
+                {
+                    "batch": batch,
+                    "vocab": vocab,
+                    "logits": shape,
+                    "same": same,
+                    "greedy_ms": round(timer(functools.partial(logits.argmax, dim=-1)), 4),
+                    "read_ms": round(timer(choose), 4),
+                    "wait_free_ms": round(timer(functools.partial(choose, wait_free=True)), 4),
+                }
+            )
+    return results
+
+
 def bench_pack(
     layers: int = 32,
     tokens: int = 4096,
@@ -232,10 +285,12 @@ def main() -> None:
         "decode_attention": bench_decode(),
         "kv_pack": bench_pack(),
     }
-    try:
-        result["decode_attention_splits"] = bench_decode_splits()
-    except Exception as error:  # noqa: BLE001 - the sweep is an extra; the rest stands
-        result["decode_attention_splits"] = {"error": f"{type(error).__name__}: {error}"}
+    extras = {"decode_attention_splits": bench_decode_splits, "top_p_choice": bench_top_p_choice}
+    for name, bench in extras.items():
+        try:
+            result[name] = bench()
+        except Exception as error:  # noqa: BLE001 - an extra; the rest stands
+            result[name] = {"error": f"{type(error).__name__}: {error}"}
     print(json.dumps(result, indent=2))
 
 

@@ -265,16 +265,15 @@ def changes_logits(
 def decided_on_device(
     params: SamplingParams, num_output_tokens: int, eos_token_ids: frozenset[int]
 ) -> bool:
-    """True when the engine's sampler (``engine/sampler.py``) chooses a row's token from its
-    logits, ``params`` and the row's generator alone, on the device, with nothing waited for
-    or read on the host: greedy, or sampled without a top-k or top-p cut-off (whose search
-    the sampler checks on the host; a greedy row ignores them); no grammar, no logprobs,
-    nothing that ``changes_logits`` after ``num_output_tokens`` generated tokens. Such a row's
-    token can be fed to the next step before the host sees it
+    """True when the engine's sampler (``engine/sampler.py``, ``Sampler.choose`` with
+    ``wait_free``) chooses a row's token from its logits, ``params`` and the row's generator
+    alone, on the device, with nothing waited for or read on the host: greedy or sampled
+    (temperature, top-k, top-p, min-p, seeded or not), with no grammar, no logprobs, and
+    nothing that ``changes_logits`` after ``num_output_tokens`` generated tokens. Such a
+    row's token can be fed to the next step before the host sees it
     (``ModelRunner.launch_decode``)."""
     return (
         params.grammar is None
         and params.logprobs is None
-        and (params.greedy or not (params.top_k > 0 or params.top_p < 1.0))
         and not changes_logits(params, num_output_tokens, eos_token_ids)
     )

@@ -168,8 +168,9 @@ class ModelRunner(KvBlockStore):
     ) -> LaunchedDecode | None:
         """Launch ``step`` without reading its tokens (``engine/launched_step.py``), where it
         is a decode step whose every row's token the sampler chooses on the device alone
-        (``decided_on_device``; ``Sampler.choose``, the tokens ``execute`` would sample) and a
-        captured graph replays it; else None, nothing launched (``execute`` runs it).
+        (``decided_on_device``; ``Sampler.choose`` with ``wait_free``, the tokens ``execute``
+        would sample) and a captured graph replays it; else None, nothing launched
+        (``execute`` runs it).
         ``finish_decode`` reads the tokens. ``after``: the launched step whose tokens are the
         inputs of this step's leading rows (``step`` from ``Scheduler.schedule_ahead``: those
         rows' requests are some of ``after``'s, their token ids placeholders; the rows after
@@ -209,7 +210,7 @@ class ModelRunner(KvBlockStore):
         logits = graphs.replay(batch, bucket, feed)
         self._drop_finished(step)
         sampling_rows = [self._sampling_row(chunk) for chunk in chunks]  # seeded: its generator
-        token_ids = self.sampler.choose(logits, sampling_rows)  # [rows] int64, on the device
+        token_ids = self.sampler.choose(logits, sampling_rows, wait_free=True)  # [rows] int64
         ready = None
         if self.device.type == "cuda":  # pinned, so the copy waits for nothing on the host
             host_token_ids = torch.empty(token_ids.shape, dtype=torch.int64, pin_memory=True)

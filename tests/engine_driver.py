@@ -88,18 +88,22 @@ def drive(
 def mixed_arrivals(
     prompts: list[list[int]], stop_token: int
 ) -> tuple[Arrivals, dict[int, list[str]]]:
-    """Seven requests over 14 steps: lengths ending at different steps, "c" ending on
+    """Eight requests over 14 steps: lengths ending at different steps, "c" ending on
     ``stop_token`` (a token it makes mid-way: only the device's choice says where), "g"
     sampled at temperature 0.8 with a seed (its draws from its own generator, in the same
-    order either way), "d" and "f" arriving while steps run ahead, "e" asking logprobs (its
-    steps read on the host), "a" aborted at step 9."""
+    order either way), "h" sampled with a seed under a top-k and a top-p cut-off (its nucleus
+    found on the device when launched ahead), "d" and "f" arriving while steps run ahead, "e"
+    asking logprobs (its steps read on the host), "a" aborted at step 9."""
     sampled = SamplingParams(max_tokens=12, temperature=0.8, seed=5)
+    # Hot enough that its nucleus (about 360-410 of 512 tokens) lies beyond 256 candidates.
+    nucleus = SamplingParams(max_tokens=11, temperature=3.0, top_k=450, top_p=0.99, seed=7)
     arrivals: Arrivals = {
         0: [
             ("a", prompts[0], greedy(14)),
             ("b", prompts[1], greedy(5)),
             ("c", prompts[2], greedy(10, stop_token_ids=(stop_token,))),
             ("g", prompts[1], sampled),
+            ("h", prompts[3], nucleus),
         ],
         4: [("d", prompts[3], greedy(9))],
         6: [("e", prompts[4], greedy(8, logprobs=1))],

@@ -113,6 +113,40 @@ def test_steps_ahead_with_arrivals_stops_and_aborts_equal_steps_read_one_by_one(
     assert ahead.steps_launched_ahead >= 6
 
 
+def test_a_decode_step_is_launched_without_waiting_for_the_device() -> None:
+    """Every launch of a step ahead, greedy and sampled rows (seeded, top-k, top-p beyond the
+    candidates, min-p) together, runs under CUDA's sync debug mode set to fail: a copy to
+    pageable memory, an ``item``, a ``nonzero`` would each raise. Such a wait would keep the
+    host from planning the next step while this one runs, which is what steps ahead are for."""
+    prompts = _prompts(SHAPES["tiny"].vocab_size)
+    sampled = [
+        SamplingParams(max_tokens=12, temperature=0.8, seed=5),
+        SamplingParams(max_tokens=12, temperature=3.0, top_k=450, top_p=0.99, seed=7),
+        SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, min_p=0.02),
+        SamplingParams(max_tokens=12, temperature=0.7, top_k=20),
+    ]
+    arrivals = {0: [("greedy", prompts[0], greedy(12))]}
+    arrivals[0] += [(f"sampled-{i}", prompts[1 + i], p) for i, p in enumerate(sampled)]
+    engine = _llm("cuda", "float32").engine
+    launch = engine.runner.launch_decode
+    launches = 0
+
+    def launch_failing_on_a_wait(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        nonlocal launches
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            launched = launch(*args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        launches += launched is not None
+        return launched
+
+    engine.runner.launch_decode = launch_failing_on_a_wait
+    tokens, finish = drive(engine, arrivals, {})
+    assert all(len(tokens[request_id]) == 12 for request_id, *_ in arrivals[0]), tokens
+    assert launches >= 10 and engine.steps_launched_ahead >= 9
+
+
 def test_remote_prefills_join_the_steps_ahead() -> None:
     """A disaggregated pair on the GPU: requests prefilled by another engine join a decode
     engine whose steps run ahead; tokens equal a decode engine reading each step first."""

@@ -16,6 +16,7 @@ from splitserve.engine.sampler import (
     apply_filters,
     apply_penalties,
 )
+from tests.host_reads import HostReads
 
 PROBS = [0.5, 0.3, 0.15, 0.05]
 """A hand-made distribution for top-p / min-p checks."""
@@ -255,6 +256,59 @@ def test_same_seed_same_tokens_in_any_batch() -> None:
     at_end = _run_seeded(lambda target: ([*neighbours, target], 4))
     in_middle = _run_seeded(lambda target: ([neighbours[1], target, neighbours[0]], 1))
     assert alone == at_end == in_middle
+
+
+WAIT_FREE_SETTINGS = [
+    SamplingParams(temperature=0.0),
+    SamplingParams(temperature=0.8),
+    SamplingParams(temperature=1.0, top_p=0.9),
+    SamplingParams(temperature=1.2, top_p=0.97),
+    SamplingParams(temperature=0.7, top_k=40),
+    SamplingParams(temperature=1.0, top_k=300),
+    SamplingParams(temperature=1.0, top_k=40, top_p=0.8),
+    SamplingParams(temperature=0.9, top_p=0.95, min_p=0.02),
+]
+"""Greedy, plain, top-p, top-k within and beyond 256 candidates, both, and min-p after them."""
+
+
+def _wait_free_batch(step: int) -> tuple[torch.Tensor, list[SamplingRow]]:
+    """One batch of ``WAIT_FREE_SETTINGS`` rows twice over, peaked and flat logits
+    ``[16, 2000]`` (a flat row's 0.9 nucleus lies beyond 256 candidates), each row seeded by
+    ``step`` and its index."""
+    generator = torch.Generator().manual_seed(step)
+    logits = torch.randn(16, 2000, generator=generator)  # [rows, vocab]
+    logits[:8] *= 6.0  # peaked: the nucleus within the candidates
+    logits[8:] *= 0.2  # flat: beyond them
+    params = WAIT_FREE_SETTINGS * 2
+    rows = [make_row(p, seed=1000 * step + i) for i, p in enumerate(params)]
+    return logits, rows
+
+
+@pytest.mark.parametrize("num_candidates", [256, 8])
+def test_a_wait_free_choice_is_the_choice_read_on_the_host(
+    monkeypatch: pytest.MonkeyPatch, num_candidates: int
+) -> None:
+    # 8 candidates: most rows' cut-offs lie beyond them, on peaked rows too.
+    monkeypatch.setattr(sampler_module, "_NUCLEUS_CANDIDATES", num_candidates)
+    for step in range(30):
+        read = Sampler.choose(*_wait_free_batch(step))
+        wait_free = Sampler.choose(*_wait_free_batch(step), wait_free=True)
+        assert wait_free.tolist() == read.tolist(), step
+    # The flat top-p rows' cut-offs do lie beyond their candidates: the sort decides them.
+    logits, rows = _wait_free_batch(0)
+    params = [row.params for row in rows]
+    scaled = logits / torch.tensor([max(p.temperature, 1e-5) for p in params])[:, None]
+    nucleus = sampler_module._NucleusRows.of(scaled, params)
+    assert not nucleus.complete[[10, 11, 13, 15]].any()  # top-p 0.9, 0.97, 0.95; top-k 300
+
+
+def test_a_wait_free_choice_reads_nothing_on_the_host() -> None:
+    logits, rows = _wait_free_batch(0)
+    with HostReads():
+        Sampler.choose(logits, rows, wait_free=True)
+    # The guard sees the read that the other path makes for the flat top-p rows.
+    with pytest.raises(AssertionError, match="read on the host"), HostReads():
+        Sampler.choose(logits, rows)
 
 
 def test_different_seeds_differ() -> None:

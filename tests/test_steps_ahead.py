@@ -18,10 +18,12 @@ import dataclasses
 import pytest
 import torch
 
+from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.decode_graphs import record_step
 from splitserve.engine.engine_core import EngineCore
 from tests.engine_driver import Arrivals, drive, greedy, mixed_arrivals
 from tests.factories import make_request, make_scheduler
+from tests.host_reads import HostReads, guarded
 from tests.test_decode_graphs import _llm, _prompts
 
 
@@ -48,6 +50,7 @@ def test_steps_ahead_give_every_request_the_tokens_of_steps_read_one_by_one() ->
     assert "a" not in finish and 0 < len(tokens["a"]) < 14  # aborted mid-way, no update
     assert finish["b"] == "length" and len(tokens["b"]) == 5
     assert finish["g"] == "length" and len(tokens["g"]) == 12  # sampled, seeded
+    assert finish["h"] == "length" and len(tokens["h"]) == 11  # and cut off by top-k/top-p
     assert engine.steps_launched_ahead >= 6, engine.steps_launched_ahead
     assert not engine.has_unfinished
 
@@ -103,6 +106,35 @@ def test_no_step_goes_ahead_of_one_the_host_must_read() -> None:
     engine = _engine(True)
     assert drive(engine, arrivals, {}) == drive(_engine(False), arrivals, {})
     assert engine.steps_launched_ahead == 0
+
+
+def test_a_launched_step_reads_nothing_on_the_host() -> None:
+    """Every ``launch_decode`` (the buffers' fill, the feed of the step before's tokens, the
+    sampler's choice for greedy, seeded, top-k, top-p and min-p rows, the tokens' copy) runs
+    under a guard that fails on any read of a tensor's value on the host (``tests/
+    host_reads.py``), the replay aside: on a GPU such a read would wait for the step before
+    and the step ahead would gain nothing (``test_gpu_engine.py`` checks the same with CUDA's
+    sync debug mode)."""
+    guard = HostReads()
+    engine = _llm().engine
+    engine.runner.capture_decode_graphs(
+        8, engine.max_model_len, lambda run: record_step(guard.outside(run))
+    )
+    launched = []  # each launch_decode's step, None where it launched nothing
+    launch = guarded(guard, engine.runner.launch_decode)
+    engine.runner.launch_decode = lambda *args: launched.append(launch(*args)) or launched[-1]
+    prompts = _prompts(5)
+    sampled = [
+        SamplingParams(max_tokens=8, temperature=0.8, seed=5),
+        SamplingParams(max_tokens=8, temperature=3.0, top_k=450, top_p=0.99, seed=7),
+        SamplingParams(max_tokens=8, temperature=1.0, top_p=0.9, min_p=0.02),
+        SamplingParams(max_tokens=8, temperature=0.7, top_k=20),
+    ]
+    arrivals: Arrivals = {0: [("greedy", prompts[0], greedy(8))]}
+    arrivals[0] += [(f"sampled-{i}", prompts[1 + i], p) for i, p in enumerate(sampled)]
+    tokens, _ = drive(engine, arrivals, {})
+    assert all(len(tokens[request_id]) == 8 for request_id, *_ in arrivals[0]), tokens
+    assert sum(step is not None for step in launched) == 7 and engine.steps_launched_ahead == 6
 
 
 def test_an_engine_without_graphs_never_goes_ahead() -> None:
@@ -168,21 +200,22 @@ def test_a_request_ending_by_length_is_left_out_of_the_step_ahead() -> None:
 
 
 @pytest.mark.parametrize(
-    ("sampling", "goes_ahead"),
+    "sampling",
     [
-        ({"temperature": 0.7, "min_p": 0.05}, True),
-        ({"temperature": 0.0, "top_p": 0.9}, True),  # greedy: the cut-off is not used
-        ({"temperature": 0.7, "top_p": 0.9}, False),  # its cut-off is checked on the host
-        ({"temperature": 0.7, "top_k": 40}, False),
+        {"temperature": 0.7, "min_p": 0.05},
+        {"temperature": 0.0, "top_p": 0.9},
+        {"temperature": 0.7, "top_p": 0.9},  # its nucleus found on the device
+        {"temperature": 0.7, "top_k": 40},
+        {"temperature": 1.0, "top_k": 4000, "top_p": 0.95},
     ],
 )
-def test_sampled_requests_go_ahead_without_a_cut_off(sampling, goes_ahead) -> None:
+def test_sampled_requests_go_ahead_with_any_cut_off(sampling) -> None:
     scheduler = make_scheduler()
     step = _running(scheduler, make_request("a", max_tokens=8), make_request("b", seed=3))
     request = scheduler.requests["b"]
     request.params = dataclasses.replace(request.params, **sampling)
     ahead = scheduler.schedule_ahead(step)
-    assert (ahead is not None and len(ahead.chunks) == 2) is goes_ahead
+    assert ahead is not None and len(ahead.chunks) == 2
 
 
 def test_schedule_ahead_waits_for_admissions_and_joined_requests() -> None:

@@ -124,7 +124,7 @@ step kv-transfer 110 "$py" bench/bench_kv_transfer.py --device cuda --reps 5 --u
 if [ $dry -eq 1 ]; then
     skip kernel-bench "dry mode"
 else
-    step kernel-bench 45 bash -c '"$0" bench/bench_kernels_gpu.py >"$1"' "$py" "$out/kernel_bench.json"
+    step kernel-bench 50 bash -c '"$0" bench/bench_kernels_gpu.py >"$1"' "$py" "$out/kernel_bench.json"
 fi
 step step-times 130 "$py" bench/gpu/step_times.py --out "$out/step_times.json"
 # Serving goodput; dry: its CPU variant (the tiny shape on the CPU, about 20 s).
