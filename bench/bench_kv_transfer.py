@@ -22,11 +22,13 @@ V) received into consecutive blocks (one run), the 1024-token prompt received in
 runs (a fragmented cache: four copies out of staging per layer, still one message), and a 64 MiB
 "layer" (one message). Workloads, cuda: the KV of Llama-3-8B (32 layers, 8 KV heads, head_dim
 128, block_size 16, bf16: 32 KiB per block for K and as much for V) of a 1024 and an 8192 token
-prompt (128 MiB and 1 GiB, one message of 4 or 32 MiB per layer), the 1024-token prompt in 4
-runs (the same 32 messages, one indexed copy out of staging each), and one "layer" of a 256 MiB
-K and a 256 MiB V (one 512 MiB message). The sender's source is already in the plan's block
-order, gathered layer by layer into a staging buffer as the prefill worker's engine thread does
-(``kv_io.staging_buffer``: huge pages on cpu), outside the transfer.
+prompt (128 MiB and 1 GiB, one message of 4 or 32 MiB per layer), the 1024-token prompt's
+bytes as 8 messages of 16 MiB (4 layers' worth each: what grouping layers would gain where the
+cost is per message), the 1024-token prompt in 4 runs (the same 32 messages, one indexed copy
+out of staging each), and one "layer" of a 256 MiB K and a 256 MiB V (one 512 MiB message).
+The sender's source is already in the plan's block order, gathered layer by layer into a
+staging buffer as the prefill worker's engine thread does (``kv_io.staging_buffer``: huge pages
+on cpu), outside the transfer.
 
 One repetition: the child zeroes its cache, posts its receiver and answers "ready". The sender
 then reads ``CLOCK_MONOTONIC`` (start), offers every layer at once (the transport's bandwidth,

@@ -30,6 +30,10 @@ LLAMA8B_HALF_BLOCK_BYTES = 16 * 8 * 128 * 2
 GPU_PROMPT_TOKENS = (1024, 8192)
 GPU_BIG_MESSAGE_BYTES = 256 << 20
 """One message of the cuda mode's big "layer" (it has a K and a V message of this size)."""
+GROUPED_MESSAGES = 8
+"""The cuda mode's 1,024-token prompt also moved as this many messages of 4 layers each (16
+MiB: the same bytes as its 32 one-layer messages, into the same 64 blocks): what sending
+layers in groups would gain, where the cost is per message."""
 
 
 @dataclass(frozen=True)
@@ -100,10 +104,22 @@ def prompt_workloads(
 
 def workloads(device: str = "cpu") -> list[Workload]:
     """cpu: the default model's KV of each prompt length, a fragmented one, and 64 MiB; cuda:
-    Llama-3-8B's KV of a 1024 and an 8192 token prompt, a fragmented one, and 2 x 256 MiB."""
+    Llama-3-8B's KV of a 1024 and an 8192 token prompt, the 1024-token one also in
+    ``GROUPED_MESSAGES`` messages and fragmented, and 2 x 256 MiB."""
     if device == "cuda":
         work = prompt_workloads(LLAMA8B_LAYERS, LLAMA8B_HALF_BLOCK_BYTES, GPU_PROMPT_TOKENS)
-        return [*work, Workload("layer-2x256MiB", 1, GPU_BIG_MESSAGE_BYTES, (0,))]
+        grouped = Workload(
+            f"prompt-1024-in-{GROUPED_MESSAGES}-messages",
+            GROUPED_MESSAGES,
+            LLAMA8B_HALF_BLOCK_BYTES * LLAMA8B_LAYERS // GROUPED_MESSAGES,
+            tuple(range(1024 // BLOCK_SIZE)),
+        )
+        return [
+            work[0],
+            grouped,
+            *work[1:],
+            Workload("layer-2x256MiB", 1, GPU_BIG_MESSAGE_BYTES, (0,)),
+        ]
     work = prompt_workloads(SMOLLM2_LAYERS, SMOLLM2_HALF_BLOCK_BYTES, PROMPT_TOKENS)
     return [*work, Workload("message-64MiB", 1, BIG_MESSAGE_BYTES // 2, (0,))]
 
