@@ -2,14 +2,18 @@
 
 Two processes on this machine, each with its own asyncio loop and its own ``UcxTransport``
 (same ``UcxSettings`` on both): this one plays the prefill worker (``LayerSender``: one
-message per layer), a child started with multiprocessing "spawn" plays the decode worker
-(``LayerReceiver``, the production receive path: each layer's message received into the
+message per group of layers, as the workload's plan says), a child started with multiprocessing
+"spawn" plays the decode worker (``LayerReceiver``, the production receive path: each message
+received into the
 receiver's staging ring and copied into the reserved blocks of a KV cache tensor allocated as
 the decode worker allocates its own (``zeros_huge_pages``); the destination is a
 ``transfer/destination.py:KvDestination`` of those blocks, as the decode worker makes it). The
 child's UCX worker address and all control messages go through a ``multiprocessing.Pipe``; the
 control traffic is outside the timed part. Every row reports the messages per transfer the
-sender counted (``LayerSender.messages_sent``): the number of layers.
+sender counted (``LayerSender.messages_sent``): layers / the plan's ``layers_per_message``.
+Each prompt moves in the groups the device's workers use (``destination.MIN_MESSAGE_BYTES``);
+the 128- and 1,024-token ones (and the fragmented one) also one layer a message
+(``-per-layer``), in the same run.
 
 Devices (``--device``): ``cpu`` (the default) moves host memory, as the CPU workers do; ``cuda``
 moves GPU memory on one GPU (see "CUDA mode" below): the child's KV cache and the sender's
@@ -18,14 +22,14 @@ staging buffer are CUDA tensors, so UCX moves them with its CUDA transports, thr
 
 Workloads, cpu: the KV of a 128, 1024 and 4096 token prompt of the default model (SmolLM2-135M:
 30 layers, 3 KV heads, head_dim 64, block_size 16, bf16: 6 KiB per block for K and as much for
-V) received into consecutive blocks (one run), the 1024-token prompt received into blocks in 4
-runs (a fragmented cache: four copies out of staging per layer, still one message), and a 64 MiB
+V) received into consecutive blocks (one run; 1 MiB groups: 15 layers a message for 128
+tokens, 2 for 1,024, one layer for 4,096), the 1024-token prompt received into blocks in 4 runs
+(a fragmented cache: four copies out of staging per message, still one message), and a 64 MiB
 "layer" (one message). Workloads, cuda: the KV of Llama-3-8B (32 layers, 8 KV heads, head_dim
 128, block_size 16, bf16: 32 KiB per block for K and as much for V) of a 1024 and an 8192 token
-prompt (128 MiB and 1 GiB, one message of 4 or 32 MiB per layer), the 1024-token prompt's
-bytes as 8 messages of 16 MiB (4 layers' worth each: what grouping layers would gain where the
-cost is per message), the 1024-token prompt in 4 runs (the same 32 messages, one indexed copy
-out of staging each), and one "layer" of a 256 MiB K and a 256 MiB V (one 512 MiB message).
+prompt (128 MiB and 1 GiB; 16 MiB groups: 8 messages of 4 layers, and 32 of one 32 MiB layer),
+the 1024-token prompt in 4 runs (one indexed copy out of staging per message), and one "layer"
+of a 256 MiB K and a 256 MiB V (one 512 MiB message).
 The sender's source is already in the plan's block order, gathered layer by layer into a
 staging buffer as the prefill worker's engine thread does (``kv_io.staging_buffer``: huge pages
 on cpu), outside the transfer.
@@ -324,9 +328,9 @@ def run(args: argparse.Namespace) -> Json:
     report["setup"] = {
         "device": args.device,
         "torch_threads_per_process": args.threads,
-        "receive": "LayerReceiver: each layer's one message into a staging ring of "
-        "staging_depth layers (per workload), copied into the reserved blocks of a cache tensor"
-        + (", on the GPU (torch, CUDA, zeros)" if cuda else ""),
+        "receive": "LayerReceiver: each message (layers_per_message layers) into a staging ring "
+        "of staging_depth messages (per workload), copied into the reserved blocks of a cache "
+        "tensor" + (", on the GPU (torch, CUDA, zeros)" if cuda else ""),
         "baseline": baseline,
         baseline: "torch copy_ device to device, timed between torch.cuda.synchronize() calls; "
         "GB/s = bytes copied (once) / s"
@@ -356,9 +360,12 @@ def run(args: argparse.Namespace) -> Json:
             "num_layers": w.num_layers,
             "num_blocks": len(w.block_ids),
             "runs": w.plan.num_runs,
-            "messages": w.num_layers,  # planned: one per layer (rows: as the sender counted)
-            "message_bytes": w.layer_bytes,
-            "staging_depth": ring_depth(w.num_layers, w.layer_bytes),
+            "layers_per_message": w.plan.layers_per_message,
+            "messages": w.plan.messages_for(w.num_layers),  # planned (rows: the sender's count)
+            "message_bytes": w.plan.layers_per_message * w.layer_bytes,
+            "staging_depth": ring_depth(
+                w.plan.messages_for(w.num_layers), w.plan.layers_per_message * w.layer_bytes, cuda
+            ),
             "total_bytes": w.total_bytes,
         }
         for w in work

@@ -129,7 +129,7 @@ async def _serve_receives(conn: Connection, config: UcxConfig, options: ChildOpt
                 caches[workload] = cache
             cache.zero_()
             synchronize(options.device)  # zeroed before any message may land
-            destination = KvDestination(cache, workload.block_ids)
+            destination = KvDestination(cache, workload.block_ids, workload.min_message_bytes)
             receiver = LayerReceiver(transport, transfer_id, secret, destination)
             await asyncio.sleep(0.005)  # let the receiver post its receives
             conn.send("ready")

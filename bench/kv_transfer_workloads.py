@@ -8,7 +8,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from splitserve.transfer.plan import TransferPlan
+import torch
+
+from splitserve.transfer.destination import min_message_bytes
+from splitserve.transfer.plan import TransferPlan, group_layers
 from splitserve.transfer.ucx import UcxSettings
 
 BLOCK_SIZE = 16
@@ -30,21 +33,19 @@ LLAMA8B_HALF_BLOCK_BYTES = 16 * 8 * 128 * 2
 GPU_PROMPT_TOKENS = (1024, 8192)
 GPU_BIG_MESSAGE_BYTES = 256 << 20
 """One message of the cuda mode's big "layer" (it has a K and a V message of this size)."""
-GROUPED_MESSAGES = 8
-"""The cuda mode's 1,024-token prompt also moved as this many messages of 4 layers each (16
-MiB: the same bytes as its 32 one-layer messages, into the same 64 blocks): what sending
-layers in groups would gain, where the cost is per message."""
 
 
 @dataclass(frozen=True)
 class Workload:
     """One transfer of ``num_layers`` layers into ``block_ids`` of a cache of ``uint8
-    [num_layers, 2, cache_blocks, half_block_bytes]``."""
+    [num_layers, 2, cache_blocks, half_block_bytes]``, in messages of at least
+    ``min_message_bytes`` (``KvDestination``: 0, one layer a message)."""
 
     name: str
     num_layers: int
     half_block_bytes: int
     block_ids: tuple[int, ...]
+    min_message_bytes: int = 0
 
     @property
     def cache_blocks(self) -> int:
@@ -60,7 +61,10 @@ class Workload:
 
     @property
     def plan(self) -> TransferPlan:
-        return TransferPlan.for_destination(self.block_ids)
+        """The plan the receiver's ``KvDestination(cache, block_ids, min_message_bytes)``
+        makes (the bench's sender takes it from here, as a worker from the reservation)."""
+        group = group_layers(self.num_layers, self.layer_bytes, self.min_message_bytes)
+        return TransferPlan.for_destination(self.block_ids, group)
 
     @property
     def source_shape(self) -> tuple[int, int, int, int]:
@@ -80,47 +84,53 @@ def fragmented(num_blocks: int, runs: int) -> tuple[int, ...]:
 
 
 def prompt_workloads(
-    num_layers: int, half_block_bytes: int, prompt_tokens: Sequence[int]
+    num_layers: int,
+    half_block_bytes: int,
+    prompt_tokens: Sequence[int],
+    group_bytes: int,
+    variant_bytes: int,
+    variant: str,
 ) -> list[Workload]:
-    """A model's KV of each prompt length, into consecutive blocks; the 1024-token one also in
-    ``FRAGMENTED_RUNS`` runs."""
+    """A model's KV of each prompt length, into consecutive blocks, in messages of at least
+    ``group_bytes`` (what the device's workers send); the 1024-token one also in
+    ``FRAGMENTED_RUNS`` runs, and both of those also in messages of at least ``variant_bytes``
+    (named with ``-variant``)."""
     work = []
     for tokens in prompt_tokens:
         blocks = -(-tokens // BLOCK_SIZE)
-        work.append(
-            Workload(f"prompt-{tokens}", num_layers, half_block_bytes, tuple(range(blocks)))
-        )
+        layouts = [(f"prompt-{tokens}", tuple(range(blocks)))]
         if tokens == 1024:
-            work.append(
-                Workload(
-                    f"prompt-{tokens}-{FRAGMENTED_RUNS}runs",
-                    num_layers,
-                    half_block_bytes,
-                    fragmented(blocks, FRAGMENTED_RUNS),
-                )
+            layouts.append(
+                (f"prompt-{tokens}-{FRAGMENTED_RUNS}runs", fragmented(blocks, FRAGMENTED_RUNS))
             )
+        for name, block_ids in layouts:
+            work.append(Workload(name, num_layers, half_block_bytes, block_ids, group_bytes))
+            if tokens in (128, 1024):
+                work.append(
+                    Workload(
+                        f"{name}-{variant}", num_layers, half_block_bytes, block_ids, variant_bytes
+                    )
+                )
     return work
 
 
 def workloads(device: str = "cpu") -> list[Workload]:
-    """cpu: the default model's KV of each prompt length, a fragmented one, and 64 MiB; cuda:
-    Llama-3-8B's KV of a 1024 and an 8192 token prompt, the 1024-token one also in
-    ``GROUPED_MESSAGES`` messages and fragmented, and 2 x 256 MiB."""
+    """In the groups of layers the device's workers send (``destination.MIN_MESSAGE_BYTES``),
+    the 128- and 1024-token prompts (and the fragmented one) also one layer a message
+    (``-per-layer``, the format before groups), in the same run. cpu: the default model's KV
+    of each prompt length (1 MiB groups: 15 layers a message for 128 tokens, 2 for 1,024), a
+    fragmented one, and 64 MiB; cuda: Llama-3-8B's KV of a 1024 and an 8192 token prompt (16 MiB
+    groups: 8 messages of 4 layers for 1,024 tokens, one layer a message for 8,192), a
+    fragmented one, and 2 x 256 MiB."""
+    group = min_message_bytes(torch.device(device))
     if device == "cuda":
-        work = prompt_workloads(LLAMA8B_LAYERS, LLAMA8B_HALF_BLOCK_BYTES, GPU_PROMPT_TOKENS)
-        grouped = Workload(
-            f"prompt-1024-in-{GROUPED_MESSAGES}-messages",
-            GROUPED_MESSAGES,
-            LLAMA8B_HALF_BLOCK_BYTES * LLAMA8B_LAYERS // GROUPED_MESSAGES,
-            tuple(range(1024 // BLOCK_SIZE)),
+        work = prompt_workloads(
+            LLAMA8B_LAYERS, LLAMA8B_HALF_BLOCK_BYTES, GPU_PROMPT_TOKENS, group, 0, "per-layer"
         )
-        return [
-            work[0],
-            grouped,
-            *work[1:],
-            Workload("layer-2x256MiB", 1, GPU_BIG_MESSAGE_BYTES, (0,)),
-        ]
-    work = prompt_workloads(SMOLLM2_LAYERS, SMOLLM2_HALF_BLOCK_BYTES, PROMPT_TOKENS)
+        return [*work, Workload("layer-2x256MiB", 1, GPU_BIG_MESSAGE_BYTES, (0,))]
+    work = prompt_workloads(
+        SMOLLM2_LAYERS, SMOLLM2_HALF_BLOCK_BYTES, PROMPT_TOKENS, group, 0, "per-layer"
+    )
     return [*work, Workload("message-64MiB", 1, BIG_MESSAGE_BYTES // 2, (0,))]
 
 

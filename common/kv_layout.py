@@ -14,9 +14,13 @@ from dataclasses import dataclass
 
 from splitserve.common.errors import IncompatibleKvLayoutError
 
-LAYER_UNIT_LAYOUT = "one message per layer: K then V; block=block_size,kv_heads,head_dim"
-"""What a message holds (``transfer/plan.py``): one layer's K of every block that travels, then
-its V, blocks in the plan's order. Peers built with another message format (before it, one
+LAYER_UNIT_LAYOUT = (
+    "one message per group of the plan's layers_per_message layers, each K then V; "
+    "block=block_size,kv_heads,head_dim"
+)
+"""What a message holds (``transfer/plan.py``): for each layer of its group, in order, that
+layer's K of every block that travels, then its V, blocks in the plan's order. Peers built with
+another message format (before it, one message per layer, whatever the plan; before that, one
 message per K or V of each run of blocks) are refused at the handshake, naming ``layout``."""
 
 

@@ -7,8 +7,10 @@ token. The prefill worker pushes the layers and calls ``complete_kv`` with the f
 which waits until the last layer landed and lets the request join the running batch; the
 first token then opens the request's output stream like any other token.
 
-The KV lands in the reserved blocks: one message per layer, received into a small staging
-ring and copied into them (``transfer/layer_channel.py``, ``KvDestination``). A reservation
+The KV lands in the reserved blocks: one message per group of layers (at least
+``destination.MIN_MESSAGE_BYTES`` for this worker's device, the plan it sends says how many),
+received into a small staging ring and copied into them (``transfer/layer_channel.py``,
+``KvDestination``). A reservation
 starts with the longest prefix of the prompt this worker's prefix cache holds (a
 conversation's earlier turns, decoded here; ``Scheduler.reserve_for_remote_prefill``): those
 blocks are shared, not written, and the reservation tells the prefill worker to send only the
@@ -72,7 +74,7 @@ from splitserve.common.request_update import StepOutput
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.async_engine import AsyncEngine, RequestStream
 from splitserve.engine.engine_face import ReservedBlocks
-from splitserve.transfer.destination import KvDestination
+from splitserve.transfer.destination import KvDestination, min_message_bytes
 from splitserve.transfer.layer_channel import LayerReceiver, LayerSender
 from splitserve.transfer.plan import new_transfer_secret
 from splitserve.transfer.reservation import CachedKvPull, FirstToken, KvReservation
@@ -234,7 +236,7 @@ class DecodeWorker:
         try:
             # the new blocks: no step touches them until the prefill completes (PagedKv)
             cache = self.engine.paged_kv.cache
-            destination = KvDestination(cache, reserved.receiving)
+            destination = KvDestination(cache, reserved.receiving, min_message_bytes(cache.device))
             plan = destination.plan
             receiver = LayerReceiver(self.transport, transfer_id, secret, destination)
         except BaseException:
@@ -314,6 +316,7 @@ class DecodeWorker:
                 "the prefill worker's KV layout hash differs from this decode worker's "
                 f"({pull.compat_hash} != {self.layout.compat_hash})"
             )
+        pull.plan.check_groups(self.layout.num_layers, "layers_per_message")
         endpoint = await self.transport.connect(pull.transport_address)
         # From here to the gather (or its engine command), nothing awaits: a stop of the transfer
         # (``_stop_receiving``) queues the hold's release after the gather.

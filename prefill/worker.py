@@ -67,7 +67,7 @@ from splitserve.common.tracing import NO_SPAN, start_span
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.engine.engine_face import CompletedPrompt, PulledKv
 from splitserve.proto.worker_clients import DecodeWorkerClient, WorkerChannels
-from splitserve.transfer.destination import KvDestination
+from splitserve.transfer.destination import KvDestination, min_message_bytes
 from splitserve.transfer.layer_channel import LayerReceiver, LayerSender
 from splitserve.transfer.plan import new_transfer_secret
 from splitserve.transfer.reservation import CachedKvPull, FirstToken, KvReservation, PrefillDone
@@ -296,7 +296,9 @@ class PrefillWorker:
         """A receiver posted for the reservation's cached blocks after the ``held`` ones into
         ``staging``, under a secret of its own, and the ask for the decode worker to send
         them there (``PushCachedKv``)."""
-        destination = KvDestination(staging, range(target.num_cached_blocks - held))  # straight
+        destination = KvDestination(  # straight
+            staging, range(target.num_cached_blocks - held), min_message_bytes(staging.device)
+        )
         plan = destination.plan
         secret = new_transfer_secret()
         receiver = LayerReceiver(self.transport, secrets.randbits(64), secret, destination)
@@ -346,6 +348,7 @@ class PrefillWorker:
                 "the decode worker's KV layout hash differs from this prefill worker's "
                 f"({target.compat_hash} != {self.layout.compat_hash})"
             )
+        target.plan.check_groups(self.layout.num_layers, "target")
         expected = blocks_for_tokens(len(prompt_token_ids), self.layout.block_size)
         sent, cached = target.num_blocks, target.num_cached_blocks
         if target.num_tokens != len(prompt_token_ids) or sent < 1 or cached + sent != expected:

@@ -280,18 +280,19 @@ def reservation_to_proto(reservation: KvReservation) -> worker_pb2.KvReservation
         compat_hash=reservation.compat_hash,
         block_order=reservation.plan.block_order,
         run_lengths=reservation.plan.run_lengths,
+        layers_per_message=reservation.plan.layers_per_message,
         transfer_secret=reservation.transfer_secret,
         num_cached_blocks=reservation.num_cached_blocks,
     )
 
 
 def _plan_from_proto(
-    block_order: Sequence[int], run_lengths: Sequence[int], param: str
+    block_order: Sequence[int], run_lengths: Sequence[int], layers_per_message: int, param: str
 ) -> TransferPlan:
-    """A peer's transfer plan; ``InvalidRequestError`` naming ``param`` for one that
-    describes no set of blocks."""
+    """A peer's transfer plan (``layers_per_message`` 0, a peer that predates it: 1);
+    ``InvalidRequestError`` naming ``param`` for one that describes no set of blocks."""
     try:
-        return TransferPlan(tuple(block_order), tuple(run_lengths))
+        return TransferPlan(tuple(block_order), tuple(run_lengths), layers_per_message or 1)
     except InvalidTransferPlanError as error:
         raise InvalidRequestError(f"bad transfer plan: {error}", param) from None
 
@@ -301,7 +302,9 @@ def reservation_from_proto(message: worker_pb2.KvReservation) -> KvReservation:
     the message unread: ``worker_clients.RelayedReservation``); ``InvalidRequestError`` (param
     "target") if its plan does not describe the reserved blocks or its transfer secret has the
     wrong size."""
-    plan = _plan_from_proto(message.block_order, message.run_lengths, "target")
+    plan = _plan_from_proto(
+        message.block_order, message.run_lengths, message.layers_per_message, "target"
+    )
     return KvReservation(
         transfer_id=message.transfer_id,
         decode_address=message.decode_address,
@@ -321,6 +324,7 @@ def pull_to_proto(pull: CachedKvPull) -> worker_pb2.PushCachedKvRequest:
         transport_address=pull.transport_address,
         block_order=pull.plan.block_order,
         run_lengths=pull.plan.run_lengths,
+        layers_per_message=pull.plan.layers_per_message,
         transfer_secret=pull.transfer_secret,
         compat_hash=pull.compat_hash,
     )
@@ -329,7 +333,9 @@ def pull_to_proto(pull: CachedKvPull) -> worker_pb2.PushCachedKvRequest:
 def pull_from_proto(message: worker_pb2.PushCachedKvRequest) -> CachedKvPull:
     """The pull, on the decode worker that serves it; ``InvalidRequestError`` naming the
     field for a plan that describes no blocks or a secret of the wrong size."""
-    plan = _plan_from_proto(message.block_order, message.run_lengths, "block_order")
+    plan = _plan_from_proto(
+        message.block_order, message.run_lengths, message.layers_per_message, "block_order"
+    )
     return CachedKvPull(
         transfer_id=message.transfer_id,
         request_id=message.request_id,

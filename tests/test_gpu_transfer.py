@@ -1,7 +1,9 @@
-"""The layer channel on a CUDA GPU: one message per layer into a KV cache in device memory,
-through the staging ring (copies out of it queued on the transfer stream, canaries armed and
-read back by queued copies, one fence a layer), over the in-process transport (its receives
-complete once the copy ran, as UCX's do) and over UCX inside this process.
+"""The layer channel on a CUDA GPU: one message per layer, or per group of 3 layers sent from
+one staging buffer as it lies, into a KV cache in device memory, through the staging ring
+(copies out of it queued on the transfer stream, one ``index_copy_`` of a group over several
+runs, canaries armed and read back by queued copies, one fence a message), over the
+in-process transport (its receives complete once the copy ran, as UCX's do) and over UCX
+inside this process.
 
 Marked ``gpu``: deselected by default and skipped without CUDA; run it on a GPU machine with
 ``pytest --noconftest -m gpu tests/test_gpu_transfer.py`` (no conftest fixtures are used).
@@ -59,28 +61,34 @@ class _Reserved:
         return LayerSender(link.endpoint, 1, self.secret, NUM_LAYERS, plan, loop)
 
 
-def reserve(link: Link, block_ids: list[int]) -> _Reserved:
+def reserve(link: Link, block_ids: list[int], group: int = 1) -> _Reserved:
     cache = support.new_cache().to(CUDA)
-    destination = KvDestination(cache, block_ids)
+    layer_bytes = support.SMOLLM2_BF16.layer_bytes(len(block_ids))
+    destination = KvDestination(cache, block_ids, (group - 1) * layer_bytes + 1)
+    assert destination.plan.layers_per_message == group
     secret = new_transfer_secret()
     receiver = LayerReceiver(link.receiver, 1, secret, destination)
     return _Reserved(cache, destination, secret, receiver)
 
 
+@pytest.mark.parametrize("group", [1, 3])
 @pytest.mark.parametrize("block_ids", [list(range(3, 11)), SCATTERED], ids=["1-run", "4-runs"])
-def test_layers_land_bit_exact_in_device_memory(kind: str, block_ids: list[int]) -> None:
+def test_layers_land_bit_exact_in_device_memory(
+    kind: str, block_ids: list[int], group: int
+) -> None:
     async def body() -> None:
         async with support.open_link(kind) as link:
-            reserved = reserve(link, block_ids)
+            reserved = reserve(link, block_ids, group)
             sender = reserved.sender(link)
             kv = support.random_kv(len(block_ids)).to(CUDA)
             order = torch.tensor(reserved.destination.plan.block_order, device=CUDA)
+            staging = kv.index_select(2, order)  # queued: sends wait; the layers adjacent
             for layer in range(NUM_LAYERS):
-                sender.offer(layer, kv[layer].index_select(1, order))  # queued: sends wait
+                sender.offer(layer, staging[layer])
             await sender.finish(WAIT_S)
             await reserved.receiver.wait(WAIT_S)
             assert reserved.receiver.state is TransferState.DONE and reserved.receiver.settled
-            assert sender.messages_sent == NUM_LAYERS
+            assert sender.messages_sent == NUM_LAYERS // group
             landed = reserved.cache[:, :, block_ids].cpu()
             assert torch.equal(support.as_bytes(landed), support.as_bytes(kv.cpu()))
             assert_zero(reserved.cache[:, :, support.unreserved(block_ids)].cpu())

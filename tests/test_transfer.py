@@ -75,7 +75,7 @@ transfer wraps around its ring (by default a ring holds every layer of these sma
 def _small_rings(monkeypatch: pytest.MonkeyPatch) -> None:
     """Rings of ``RING_DEPTH`` slots, all made at once whatever earlier tests left made."""
 
-    def depth(num_layers: int, message_bytes: int) -> int:
+    def depth(num_layers: int, message_bytes: int, on_gpu: bool = False) -> int:
         return min(num_layers, RING_DEPTH)
 
     monkeypatch.setattr(layer_channel, "ring_depth", depth)

@@ -230,43 +230,49 @@ def test_canaries_are_fresh_for_each_transfer_and_layer() -> None:
 
 
 async def receive_with_mismatched_sender(
-    link: Link, cache: torch.Tensor, block_ids: list[int], sender_blocks: int
+    link: Link, cache: torch.Tensor, block_ids: list[int], sender_blocks: int, group: int = 1
 ) -> tuple[LayerSender, LayerReceiver]:
-    """A receiver into ``block_ids`` and a sender of the same transfer whose plan has
-    ``sender_blocks`` blocks (a message per layer of another size); layer 0 offered."""
-    destination = KvDestination(cache, block_ids)
+    """A receiver into ``block_ids``, ``group`` layers a message, and a sender of the same
+    transfer whose plan has ``sender_blocks`` blocks (messages of another size); the first
+    group's layers offered."""
+    layer_bytes = SMOLLM2_BF16.layer_bytes(len(block_ids))
+    destination = KvDestination(cache, block_ids, (group - 1) * layer_bytes + 1)
+    assert destination.plan.layers_per_message == group
     transfer_id, secret = next(_transfer_ids), new_transfer_secret()
     receiver = LayerReceiver(link.receiver, transfer_id, secret, destination)
-    other = TransferPlan.for_destination(range(sender_blocks))
+    other = TransferPlan.for_destination(range(sender_blocks), group)
     loop = asyncio.get_running_loop()
     sender = LayerSender(link.endpoint, transfer_id, secret, NUM_LAYERS, other, loop)
-    sender.offer(0, random_kv(sender_blocks)[0])
+    kv = random_kv(sender_blocks)
+    for layer in range(group):
+        sender.offer(layer, kv[layer])
     return sender, receiver
 
 
+@pytest.mark.parametrize(("group", "named"), [(1, "layer 0"), (2, "layers 0-1")])
 @pytest.mark.parametrize(
     ("block_ids", "sender_blocks"), [([6, 7], 1), ([6], 2)], ids=["shorter", "longer"]
 )
 def test_a_size_mismatch_fails_the_layer_receiver_naming_the_layer(
-    transport_kind: str, block_ids: list[int], sender_blocks: int
+    transport_kind: str, block_ids: list[int], sender_blocks: int, group: int, named: str
 ) -> None:
-    """A sender whose plan has another block count: layer 0's message fails the transfer,
-    shorter (the canary, or the in-process transport) or longer (the transport). Nothing lands
-    outside the reserved blocks."""
+    """A sender whose plan has another block count: the first message (of one layer, or a
+    group of two) fails the transfer, shorter (the canary, or the in-process transport) or
+    longer (the transport), naming its layers. Nothing lands outside the reserved blocks."""
 
     async def body() -> None:
         async with open_link(transport_kind) as link:
             cache = new_cache()
             sender, receiver = await receive_with_mismatched_sender(
-                link, cache, block_ids, sender_blocks
+                link, cache, block_ids, sender_blocks, group
             )
-            with pytest.raises(TransferError, match=r"layer 0: .*") as failed:
+            with pytest.raises(TransferError, match=rf"{named}: .*") as failed:
                 await receiver.wait(WAIT_S)
             assert "receive buffer" in str(failed.value) or "truncated" in str(failed.value)
             assert receiver.state is TransferState.FAILED and receiver.settled
             assert receiver.layers_received == 0
             assert_zero(cache[:, :, unreserved(block_ids)])
-            assert_zero(cache[1:])  # no later layer was scattered
+            assert_zero(cache[group:])  # no later message was scattered
             await let_late_sends_run(sender)
 
     asyncio.run(body())

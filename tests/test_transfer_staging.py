@@ -35,6 +35,8 @@ def test_a_ring_holds_what_fits_in_its_bytes_at_least_two_layers_at_most_all() -
     assert ring_depth(32, 32 * MiB) == MIN_DEPTH == 2  # Llama-8B, 8,192: two layers
     assert ring_depth(1, 64 * MiB) == 1  # a single layer
     assert ring_depth(0, 1) == 0
+    assert ring_depth(8, 16 * MiB, on_gpu=True) == 8  # Llama-8B, 1,024 tokens in 8 groups
+    assert ring_depth(8, 16 * MiB) == MIN_DEPTH  # the same in host memory: two
 
 
 def test_layer_n_goes_into_slot_n_mod_depth() -> None:

@@ -1,4 +1,5 @@
-"""The size check of a transfer's messages: a random canary per layer, armed and read back
+"""The size check of a transfer's messages: a random canary per message (one layer, or a
+group of layers: ``plan.py``; "layer" below is the message's index), armed and read back
 without a synchronous device round trip per message.
 
 Why: UCX completes a tag receive with a *shorter* message as a success and ucxx reports no

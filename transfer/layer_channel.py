@@ -1,40 +1,44 @@
-"""One request's KV, pushed layer by layer as one tagged message per layer: ``LayerSender``
+"""One request's KV, pushed layer by layer as one tagged message per group of layers (one
+layer unless the receiver's plan asks for more, ``plan.py``: Groups): ``LayerSender``
 (prefill) and ``LayerReceiver`` (decode), on top of a ``KvTransport``.
 
 The sender gets the prompt's blocks of one layer as ``[2, num_blocks, ...]`` in the plan's
-``block_order`` (one contiguous tensor, ``kv_io.gather_layer``) and sends it as it is, tag
-``message_tag(secret, layer)`` (``plan.py``): a transfer is ``layers`` messages whatever the
-number of runs its destination has.
+``block_order`` (one contiguous tensor, ``kv_io.gather_layer``, into the layer's row of a
+staging buffer) and, once every layer of its group came, sends the group as it lies, tag
+``message_tag(secret, m)`` for group ``m`` (``plan.py``): a transfer is ``layers /
+layers_per_message`` messages whatever the number of runs its destination has.
 
-The receiver lands each layer in its ``KvDestination``: straight, when the destination is one
-contiguous region (``KvDestination.whole``: every layer's receive is posted at once), else
-through a *staging ring* (``staging.py``): layer ``n`` is received into slot ``n % depth``; once
-its receive completed, the receiver copies the slot into the layer's blocks
-(``KvDestination.scatter``) and posts the receive of layer ``n + depth`` into the same slot, in
-the receive's own task. A message sent before its receive is posted waits: at the sender (UCX
+The receiver lands each message in its ``KvDestination``: straight, when the destination is
+one contiguous region (``KvDestination.whole``: every message's receive is posted at once),
+else through a *staging ring* (``staging.py``): message ``n`` is received into slot ``n %
+depth``; once its receive completed, the receiver copies the slot into its layers' blocks
+(``KvDestination.scatter``) and posts the receive of message ``n + depth`` into the same slot,
+in the receive's own task. A message sent before its receive is posted waits: at the sender (UCX
 rendezvous moves no data before the receive is posted) or, below UCX's eager threshold, as a
 copy in UCX's unexpected-message queue.
 
 Staging memory, per receiving transfer: its ring, at most ``max(staging.STAGING_BYTES, 2
-layers)`` (32 MiB: all 30 layers of a 1,024-token prompt of the default model, 8 of a
-1,024-token Llama-8B prompt's 32), made with the receiver, or only two layers of it while the
-process's rings hold ``staging.EAGER_BYTES`` already (the rest once its first layer landed);
-released once settled (host slots are kept for reuse, ``staging.KEEP_BYTES`` per process). None
-for a straight destination. On CUDA it is device memory, and the copy out of it a device copy
+messages)`` (32 MiB: all 30 layers of a 1,024-token prompt of the default model; on a GPU
+``staging.DEVICE_STAGING_BYTES``, 128 MiB: all 8 messages of 16 MiB of a 1,024-token Llama-8B
+prompt), made with the receiver, or only two messages of it while the process's rings hold
+``staging.EAGER_BYTES`` already (the rest once its first message landed); released once
+settled (host slots are kept for reuse, ``staging.KEEP_BYTES`` per process). None for a
+straight destination. On CUDA it is device memory, and the copy out of it a device copy
 queued on the transfer stream (``device_order.py``).
 
 Sizes: a message must fill its buffer exactly. A longer one fails its receive in the transport;
-a shorter one UCX completes silently (``ucx.py``, Sizes), so the receiver checks every layer
-with a canary (``canary.py``), armed in the tail of the layer's buffer before its receive is
+a shorter one UCX completes silently (``ucx.py``, Sizes), so the receiver checks every message
+with a canary (``canary.py``), armed in the tail of the message's buffer before its receive is
 posted and read back once it completed. Guarantee: no layer counts as received, and the
-transfer never ends DONE, when a message stopped at least 8 bytes short of its layer's size (an
-empty one included): it fails the transfer with a ``TransferError`` naming the layer ("layer
-n: ... has at most m bytes") as soon as that layer's receive completed, whatever layer the
-receiver is waiting for. A message 1 to 7 bytes short passes (``canary.py``, Limits). A
-receive the transport fails (a longer message), whatever its layer, fails the transfer at once,
-naming the layer. A short layer may have been copied into its blocks before its check: a
-failed transfer's blocks hold no KV anyone may use (the decode worker gives them back without a
-prefix hash), as a short message received straight into them did.
+transfer never ends DONE, when a message stopped at least 8 bytes short of its size (an empty
+one included): it fails the transfer with a ``TransferError`` naming the message's layers
+("layer n: ... has at most m bytes", "layers 4-7: ...") as soon as that receive completed,
+whatever message the receiver is waiting for. A message 1 to 7 bytes short passes
+(``canary.py``, Limits). A receive the transport fails (a longer message), whatever its
+message, fails the transfer at once, naming its layers. A short message may have been copied
+into its blocks before its check: a failed transfer's blocks hold no KV anyone may use (the
+decode worker gives them back without a prefix hash), as a short message received straight
+into them did.
 
 No synchronous device round trip per message: on CUDA the canary copies and the copy out of
 staging are queued on the transfer stream, and a layer's receive task waits, off the event
@@ -57,8 +61,8 @@ State machine of both sides (``TransferState``): PENDING -> ACTIVE -> DONE, or F
 Terminal states never change. No wait is unbounded: ``LayerSender.finish`` and
 ``LayerReceiver.wait`` take a timeout, so a dead peer turns into ``TransferTimeoutError``.
 
-Tags: message ``layer`` of a transfer travels under ``plan.message_tag(transfer_secret,
-layer)``; the ``transfer_id`` only names the transfer in errors and logs.
+Tags: message ``m`` of a transfer travels under ``plan.message_tag(transfer_secret, m)``; the
+``transfer_id`` only names the transfer in errors and logs.
 
 Thread contract: ``LayerSender.offer`` may be called from the engine thread (it copies nothing
 and hands the tensor to the loop); everything else runs on the transport's event loop.
@@ -127,7 +131,11 @@ def layer_message(plan: TransferPlan, kv: torch.Tensor) -> torch.Tensor:
 
 class LayerSender:
     """Sends the layers of one request to one peer as the engine produces them: one message
-    per layer."""
+    per group of ``plan.layers_per_message`` layers, sent once its last layer was offered.
+
+    A group's parts go as they lie when they are adjacent in memory (the views of one staging
+    buffer ``[layers, 2, num_blocks, ...]`` that the workers gather into), else joined by a
+    copy."""
 
     def __init__(
         self,
@@ -142,30 +150,43 @@ class LayerSender:
         self._secret = transfer_secret
         self.num_layers = num_layers
         self.plan = plan
+        self.num_messages = plan.messages_for(num_layers)
         self.state = TransferState.PENDING
         self.bytes_sent = 0
         self.messages_sent = 0
-        """Messages handed to the endpoint (one per layer offered in time)."""
+        """Messages handed to the endpoint (one per group whose layers were offered in time)."""
         self._endpoint = endpoint
         self._loop = loop
-        self._sends: dict[int, asyncio.Future[None]] = {}  # layer -> its message's send
+        self._offered: set[int] = set()  # layers offered
+        self._parts: dict[int, torch.Tensor] = {}  # layer -> its part, until its group leaves
+        self._sends: dict[int, asyncio.Future[None]] = {}  # message -> its send
         self._all_offered = asyncio.Event()
 
     def offer(self, layer: int, kv: torch.Tensor) -> None:
         """Thread-safe: start sending ``kv`` (``[2, num_blocks, ...]``: this request's blocks of
-        ``layer`` in ``plan.block_order``)."""
+        ``layer`` in ``plan.block_order``). Its message leaves once every layer of its group
+        was offered; a layer offered again is ignored."""
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer {layer} of a transfer of {self.num_layers} layers")
         self._loop.call_soon_threadsafe(self._start_send, layer, layer_message(self.plan, kv))
 
-    def _start_send(self, layer: int, message: torch.Tensor) -> None:
-        if self.state.is_terminal or layer in self._sends:
+    def _start_send(self, layer: int, part: torch.Tensor) -> None:
+        if self.state.is_terminal or layer in self._offered:
             return
         self.state = TransferState.ACTIVE
-        send = asyncio.ensure_future(self._endpoint.send(message_tag(self._secret, layer), message))
+        self._offered.add(layer)
+        self._parts[layer] = part
+        index = layer // self.plan.layers_per_message
+        layers = self.plan.layers_of(index)
+        if any(other not in self._parts for other in layers):
+            return  # the group's message leaves with its last layer
+        message = _joined([self._parts.pop(other) for other in layers])
+        send = asyncio.ensure_future(self._endpoint.send(message_tag(self._secret, index), message))
         send.add_done_callback(_retrieve)  # stopped sends nobody awaits log nothing
-        self._sends[layer] = send
+        self._sends[index] = send
         self.messages_sent += 1
         self.bytes_sent += message.numel()
-        if len(self._sends) == self.num_layers:
+        if len(self._sends) == self.num_messages:
             self._all_offered.set()
 
     async def finish(self, timeout_s: float) -> int:
@@ -183,7 +204,7 @@ class LayerSender:
         except TimeoutError:
             self._stop(TransferState.FAILED)
             raise TransferTimeoutError(
-                f"transfer {self.transfer_id}: {len(self._sends)}/{self.num_layers} layers "
+                f"transfer {self.transfer_id}: {len(self._offered)}/{self.num_layers} layers "
                 f"offered, sends not complete after {timeout_s:.1f}s (peer gone?)"
             ) from None
         except TransferError:
@@ -212,6 +233,24 @@ class LayerSender:
         self._all_offered.set()
 
 
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """One contiguous uint8 tensor of ``parts`` (each contiguous uint8) in their order: a view
+    of their memory where each starts where the one before ends in one storage, else a copy
+    (on CUDA queued on the current stream, which the send waits for)."""
+    first = parts[0]
+    if len(parts) == 1:
+        return first
+    storage = first.untyped_storage().data_ptr()
+    adjacent = all(
+        part.untyped_storage().data_ptr() == storage
+        and part.data_ptr() == before.data_ptr() + before.numel()
+        for before, part in zip(parts, parts[1:], strict=False)
+    )
+    if not adjacent:
+        return torch.cat(parts)
+    return first.as_strided((sum(part.numel() for part in parts),), (1,))
+
+
 def _retrieve(send: asyncio.Future[None]) -> None:
     """Mark a layer's send's failure as seen: ``finish`` raises what matters, and a transfer
     stopped before ``finish`` awaited every layer would otherwise leave asyncio's "exception
@@ -221,14 +260,15 @@ def _retrieve(send: asyncio.Future[None]) -> None:
 
 
 class LayerReceiver:
-    """Receives the layers of one request into ``destination``, one message per layer (see
-    the module docstring: straight or through the staging ring, canaries, settling).
+    """Receives the layers of one request into ``destination``, one message per group of
+    ``destination.plan.layers_per_message`` layers (see the module docstring: straight or
+    through the staging ring, canaries, settling).
 
-    The first receives (every layer's when straight, one per slot made of the ring through
+    The first receives (every message's when straight, one per slot made of the ring through
     staging) are posted when the receiver's task first runs, after the fence that orders their
-    canaries (at once on the CPU); each later one when the layer before it in its slot landed.
-    A layer counts as received once its message landed in its blocks and passed its size
-    check; the transfer is DONE when every layer did.
+    canaries (at once on the CPU); each later one when the message before it in its slot
+    landed. A message's layers count as received once it landed in their blocks and passed its
+    size check; the transfer is DONE when every message did.
     """
 
     def __init__(
@@ -240,6 +280,7 @@ class LayerReceiver:
     ) -> None:
         self.transfer_id = transfer_id
         self.num_layers = destination.num_layers
+        self.num_messages = destination.num_messages
         self.state = TransferState.PENDING
         self.settled = False
         """True once nothing of this transfer can write into its destination any more."""
@@ -251,11 +292,13 @@ class LayerReceiver:
         self._first_failure: asyncio.Future[asyncio.Future[None]] = loop.create_future()
         """Set to the first receive that failed: the transfer fails at once, whatever layer."""
         self._receives: dict[int, tuple[int, asyncio.Future[None]]] = {}
-        """Layer -> its tag and receive, for each layer posted so far."""
+        """Message -> its tag and receive, for each message posted so far."""
         device, size = destination.device, destination.message_bytes
-        self._canaries = LayerCanaries(self.num_layers, size, device)
-        self._straight = self.num_layers == 0 or destination.whole(0) is not None
-        self._depth = self.num_layers if self._straight else ring_depth(self.num_layers, size)
+        self._canaries = LayerCanaries(self.num_messages, size, device)
+        self._straight = self.num_messages == 0 or destination.whole(0) is not None
+        on_gpu = device.type == "cuda"
+        depth = ring_depth(self.num_messages, size, on_gpu)
+        self._depth = self.num_messages if self._straight else depth
         self._ring: StagingRing | None = None  # through staging, until settled
         if not self._straight:
             self._ring = StagingRing(self._depth, size, device)
@@ -263,8 +306,8 @@ class LayerReceiver:
         self._stream = transfer_stream(device)
         follow_current(self._stream, device)  # staging, destination and canaries made there
         with on_stream(self._stream):
-            for layer in range(self._first_posted):
-                self._canaries.arm(layer, self._buffer(layer))
+            for message in range(self._first_posted):
+                self._canaries.arm(message, self._buffer(message))
             self._fence = Fence(self._stream)
             """The transfer's device work so far (canaries, scatters) on its stream."""
         self._task = loop.create_task(self._run())
@@ -278,64 +321,72 @@ class LayerReceiver:
 
     @property
     def receives_posted(self) -> int:
-        """Receives posted so far: at most one per layer."""
+        """Receives posted so far: at most one per message."""
         return len(self._receives)
 
-    def _buffer(self, layer: int) -> torch.Tensor:
-        """Where ``layer``'s message is received: its destination, or its slot of the ring
-        (while the receiver holds it: until settled)."""
+    def _buffer(self, message: int) -> torch.Tensor:
+        """Where ``message`` is received: its destination, or its slot of the ring (while the
+        receiver holds it: until settled)."""
         if self._ring is not None:
-            return self._ring.slot(layer)
-        whole = self._destination.whole(layer)
+            return self._ring.slot(message)
+        whole = self._destination.whole(message)
         assert whole is not None, "a receiver through staging has no buffer once settled"
         return whole
 
-    def _post(self, layer: int) -> None:
-        tag = message_tag(self._secret, layer)
-        receive = asyncio.ensure_future(self._receive(layer, tag, self._buffer(layer)))
-        receive.add_done_callback(self._note_failure)
-        self._receives[layer] = (tag, receive)
+    def _named(self, message: int) -> str:
+        """The layers ``message`` carries, as errors name them ("layer 3", "layers 4-7")."""
+        layers = self._destination.plan.layers_of(message)
+        if len(layers) == 1:
+            return f"layer {layers.start}"
+        return f"layers {layers.start}-{layers.stop - 1}"
 
-    async def _receive(self, layer: int, tag: int, buffer: torch.Tensor) -> None:
-        """One layer's receive, then its landing (``_land``); a transport failure (a longer
-        message among them) or a short message becomes a ``TransferError`` naming the layer."""
+    def _post(self, message: int) -> None:
+        tag = message_tag(self._secret, message)
+        receive = asyncio.ensure_future(self._receive(message, tag, self._buffer(message)))
+        receive.add_done_callback(self._note_failure)
+        self._receives[message] = (tag, receive)
+
+    async def _receive(self, message: int, tag: int, buffer: torch.Tensor) -> None:
+        """One message's receive, then its landing (``_land``); a transport failure (a longer
+        message among them) or a short message becomes a ``TransferError`` naming its
+        layers."""
         try:
             await self._transport.recv(tag, buffer)
         except TransferError as error:
-            message = f"transfer {self.transfer_id}: layer {layer}: {error}"
+            failure = f"transfer {self.transfer_id}: {self._named(message)}: {error}"
         else:
-            short = await self._land(layer, buffer)
+            short = await self._land(message, buffer)
             if short is None:
                 return
-            message = short
-        raise TransferError(message)  # outside the except: no chained UCX error keeps frames
+            failure = short
+        raise TransferError(failure)  # outside the except: no chained UCX error keeps frames
 
-    async def _land(self, layer: int, buffer: torch.Tensor) -> str | None:
-        """After ``layer``'s message came into ``buffer``, unless the receiver stopped: read
-        its canary, copy it into its blocks (through staging), arm the canary of the layer that
+    async def _land(self, message: int, buffer: torch.Tensor) -> str | None:
+        """After ``message`` came into ``buffer``, unless the receiver stopped: read its
+        canary, copy it into its blocks (through staging), arm the canary of the message that
         takes the slot next, wait for that work's fence, check the size and post that next
-        layer's receive. Returns the failure's text for a short message, else None.
+        message's receive. Returns the failure's text for a short message, else None.
 
         Here, in the receive's own task, so that the next receive into the slot is posted
         without another trip through the event loop; a stopped receiver copies and posts
         nothing more, and its settling waits for this task (so for its fence)."""
         if self.state.is_terminal:
             return None
-        following = layer + self._depth  # the next layer into this buffer, if any
+        following = message + self._depth  # the next message into this buffer, if any
         grown = self._ring.grow() if self._ring is not None else range(0)
         with on_stream(self._stream):
-            self._canaries.read(layer, buffer)
+            self._canaries.read(message, buffer)
             if not self._straight:
-                self._destination.scatter(layer, buffer)
+                self._destination.scatter(message, buffer)
             for later in [*grown, following]:
-                if later < self.num_layers:
+                if later < self.num_messages:
                     self._canaries.arm(later, self._buffer(later))
             self._fence = fence = Fence(self._stream)  # covers every earlier one (one stream)
         await fence.wait()
-        if self._canaries.short(layer):
-            return self._short_message(layer)
+        if self._canaries.short(message):
+            return self._short_message(message)
         for later in [*grown, following]:
-            if later < self.num_layers and not self.state.is_terminal:
+            if later < self.num_messages and not self.state.is_terminal:
                 self._post(later)
         return None
 
@@ -349,19 +400,19 @@ class LayerReceiver:
 
     async def _run(self) -> None:
         await self._fence.wait()  # the first buffers' canaries are in place
-        for layer in range(self._first_posted):
-            self._post(layer)
-        for layer in range(self.num_layers):
-            await self._landed(layer)  # posted when layer - depth landed, before it returned
-            self._layers_received = layer + 1
+        for message in range(self._first_posted):
+            self._post(message)
+        for message in range(self.num_messages):
+            await self._landed(message)  # posted when message - depth landed, before it returned
+            self._layers_received = self._destination.plan.layers_of(message).stop
             self.state = TransferState.ACTIVE
         self._note_settled()  # every receive returned, the last copy ran: True
         self.state = TransferState.DONE
 
-    async def _landed(self, layer: int) -> None:
-        """Return once ``layer``'s receive landed (``_land``); raise the first failed
-        receive's error (whatever its layer) as soon as there is one."""
-        _, receive = self._receives[layer]
+    async def _landed(self, message: int) -> None:
+        """Return once ``message``'s receive landed (``_land``); raise the first failed
+        receive's error (whatever its message) as soon as there is one."""
+        _, receive = self._receives[message]
         if not receive.done():
             # asyncio.wait cancels nothing: a stop cancelling _run leaves receives posted
             await asyncio.wait((receive, self._first_failure), return_when=asyncio.FIRST_COMPLETED)
@@ -369,13 +420,13 @@ class LayerReceiver:
             self._first_failure.result().result()  # raises that receive's error
         receive.result()
 
-    def _short_message(self, layer: int) -> str:
-        tag, _ = self._receives[layer]
+    def _short_message(self, message: int) -> str:
+        tag, _ = self._receives[message]
         size, canary = self._destination.message_bytes, self._canaries.size
         return (
-            f"transfer {self.transfer_id}: layer {layer}: message tagged {tag:#x} has at most "
-            f"{size - canary} bytes, receive buffer {size} (its last {canary} bytes were not "
-            "written)"
+            f"transfer {self.transfer_id}: {self._named(message)}: message tagged {tag:#x} has "
+            f"at most {size - canary} bytes, receive buffer {size} (its last {canary} bytes "
+            "were not written)"
         )
 
     async def wait(self, timeout_s: float) -> None:

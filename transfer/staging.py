@@ -1,14 +1,15 @@
 """The staging ring of a receiver whose destination is not one region: how deep it is, when
 its slots are made, and host memory kept for reuse.
 
-A ring has ``depth`` slots of one layer's message each (``ring_depth``): layer ``n`` is received
-into slot ``n % depth``, and every slot has a receive posted from the start. Its slots are all
+A ring has ``depth`` slots of one message each (a layer, or a group of layers: ``plan.py``;
+``ring_depth``): message ``n`` is received into slot ``n % depth``, and every slot has a
+receive posted from the start. Its slots are all
 made with it while this process's rings hold less than ``EAGER_BYTES``; past that a new ring
 starts with ``MIN_DEPTH`` slots and makes the others when its transfer's first layer landed
 (``grow``), so that reservations whose prefill has not started (queued ones) cannot pile up
-staging. Bound: a ring holds at most ``max(STAGING_BYTES, MIN_DEPTH layers)``; the rings of a
-process, at most ``EAGER_BYTES`` plus ``MIN_DEPTH`` layers a ring plus what the rings of
-started transfers grew by.
+staging. Bound: a ring holds at most ``max(STAGING_BYTES, MIN_DEPTH messages)``
+(``DEVICE_STAGING_BYTES`` on a GPU); the rings of a process, at most ``EAGER_BYTES`` plus
+``MIN_DEPTH`` messages a ring plus what the rings of started transfers grew by.
 
 Why deep, and why made at once: the receive of layer ``n + depth`` is posted only once layer
 ``n`` was copied out of its slot, one trip through UCX's completion notice and the event loop:
@@ -40,7 +41,11 @@ from dataclasses import dataclass
 import torch
 
 STAGING_BYTES = 32 << 20
-"""A ring has as many slots as layers' messages fit in this (at least ``MIN_DEPTH``)."""
+"""A ring in host memory has as many slots as messages fit in this (at least ``MIN_DEPTH``)."""
+DEVICE_STAGING_BYTES = 128 << 20
+"""The same for a ring in GPU memory: a 1,024-token Llama-8B prompt's 8 messages of 16 MiB
+(``destination.MIN_MESSAGE_BYTES``) all posted at once, as its 32 layers of 4 MiB were 8 at a
+time in 32 MiB; a sliver of a GPU's KV cache."""
 MIN_DEPTH = 2
 """Slots of a ring at least (one copied out while the next one is received), and those a
 ring made past ``EAGER_BYTES`` starts with."""
@@ -51,11 +56,13 @@ KEEP_BYTES = 256 << 20
 """Host memory of released slots a process keeps for reuse, at most."""
 
 
-def ring_depth(num_layers: int, message_bytes: int) -> int:
-    """Slots of a ring for ``num_layers`` messages of ``message_bytes``: as many as fit in
-    ``STAGING_BYTES``, at least ``MIN_DEPTH``, never more than ``num_layers``."""
-    fitting = STAGING_BYTES // max(message_bytes, 1)
-    return min(num_layers, max(MIN_DEPTH, fitting))
+def ring_depth(num_messages: int, message_bytes: int, on_gpu: bool = False) -> int:
+    """Slots of a ring for ``num_messages`` messages of ``message_bytes``: as many as fit in
+    ``STAGING_BYTES`` (``DEVICE_STAGING_BYTES`` ``on_gpu``), at least ``MIN_DEPTH``, never
+    more than ``num_messages``."""
+    room = DEVICE_STAGING_BYTES if on_gpu else STAGING_BYTES
+    fitting = room // max(message_bytes, 1)
+    return min(num_messages, max(MIN_DEPTH, fitting))
 
 
 class StagingRing:

@@ -154,7 +154,7 @@ class WorkerGenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., remote_prefill: _Optional[bool] = ..., prior_output_token_ids: _Optional[_Iterable[int]] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class KvReservation(_message.Message):
-    __slots__ = ("transfer_id", "decode_address", "num_tokens", "compat_hash", "block_order", "run_lengths", "transfer_secret", "num_cached_blocks")
+    __slots__ = ("transfer_id", "decode_address", "num_tokens", "compat_hash", "block_order", "run_lengths", "transfer_secret", "num_cached_blocks", "layers_per_message")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     DECODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -163,6 +163,7 @@ class KvReservation(_message.Message):
     RUN_LENGTHS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_SECRET_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_PER_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     transfer_id: int
     decode_address: str
     num_tokens: int
@@ -171,7 +172,8 @@ class KvReservation(_message.Message):
     run_lengths: _containers.RepeatedScalarFieldContainer[int]
     transfer_secret: bytes
     num_cached_blocks: int
-    def __init__(self, transfer_id: _Optional[int] = ..., decode_address: _Optional[str] = ..., num_tokens: _Optional[int] = ..., compat_hash: _Optional[str] = ..., block_order: _Optional[_Iterable[int]] = ..., run_lengths: _Optional[_Iterable[int]] = ..., transfer_secret: _Optional[bytes] = ..., num_cached_blocks: _Optional[int] = ...) -> None: ...
+    layers_per_message: int
+    def __init__(self, transfer_id: _Optional[int] = ..., decode_address: _Optional[str] = ..., num_tokens: _Optional[int] = ..., compat_hash: _Optional[str] = ..., block_order: _Optional[_Iterable[int]] = ..., run_lengths: _Optional[_Iterable[int]] = ..., transfer_secret: _Optional[bytes] = ..., num_cached_blocks: _Optional[int] = ..., layers_per_message: _Optional[int] = ...) -> None: ...
 
 class WorkerTokens(_message.Message):
     __slots__ = ("token_ids", "logprobs", "finish_reason", "stop_token_id", "usage")
@@ -244,7 +246,7 @@ class CompleteKvResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class PushCachedKvRequest(_message.Message):
-    __slots__ = ("transfer_id", "request_id", "first_block", "transport_address", "block_order", "run_lengths", "transfer_secret", "compat_hash")
+    __slots__ = ("transfer_id", "request_id", "first_block", "transport_address", "block_order", "run_lengths", "transfer_secret", "compat_hash", "layers_per_message")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
@@ -253,6 +255,7 @@ class PushCachedKvRequest(_message.Message):
     RUN_LENGTHS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_SECRET_FIELD_NUMBER: _ClassVar[int]
     COMPAT_HASH_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_PER_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     transfer_id: int
     request_id: str
     first_block: int
@@ -261,7 +264,8 @@ class PushCachedKvRequest(_message.Message):
     run_lengths: _containers.RepeatedScalarFieldContainer[int]
     transfer_secret: bytes
     compat_hash: str
-    def __init__(self, transfer_id: _Optional[int] = ..., request_id: _Optional[str] = ..., first_block: _Optional[int] = ..., transport_address: _Optional[bytes] = ..., block_order: _Optional[_Iterable[int]] = ..., run_lengths: _Optional[_Iterable[int]] = ..., transfer_secret: _Optional[bytes] = ..., compat_hash: _Optional[str] = ...) -> None: ...
+    layers_per_message: int
+    def __init__(self, transfer_id: _Optional[int] = ..., request_id: _Optional[str] = ..., first_block: _Optional[int] = ..., transport_address: _Optional[bytes] = ..., block_order: _Optional[_Iterable[int]] = ..., run_lengths: _Optional[_Iterable[int]] = ..., transfer_secret: _Optional[bytes] = ..., compat_hash: _Optional[str] = ..., layers_per_message: _Optional[int] = ...) -> None: ...
 
 class PushCachedKvResponse(_message.Message):
     __slots__ = ("bytes_sent",)
