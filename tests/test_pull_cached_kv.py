@@ -315,13 +315,25 @@ def test_the_decode_worker_sends_only_cached_blocks_of_an_open_transfer(
                 "transfer_id": dataclasses.replace(good, transfer_id=good.transfer_id ^ 1),
                 "request_id": dataclasses.replace(good, request_id="t3"),
                 "first_block": dataclasses.replace(good, first_block=1),
+                # groups of 7 layers: they do not divide the model's 30
+                "layers_per_message": dataclasses.replace(
+                    good, plan=TransferPlan.for_destination(range(held), 7)
+                ),
             }
             for field, pull in bad.items():
                 with pytest.raises(InvalidRequestError) as error:
                     await decode.push_cached_kv(pull)
-                assert error.value.param == ("transfer_id" if field != "first_block" else field)
+                named = field if field in ("first_block", "layers_per_message") else "transfer_id"
+                assert error.value.param == named
             with pytest.raises(IncompatibleKvLayoutError):
                 await decode.push_cached_kv(dataclasses.replace(good, compat_hash="other"))
+            # the prefill side refuses a reservation grouping layers that do not divide 30
+            plan = reservation.plan
+            ungrouped = TransferPlan(plan.block_order, plan.run_lengths, layers_per_message=7)
+            forged = dataclasses.replace(reservation, plan=ungrouped)
+            with pytest.raises(InvalidRequestError, match="do not divide 30") as error:
+                await pair.prefill.prefill("t2", conversation.turn2, NEXT, forged)
+            assert error.value.param == "target"
             await stream.aclose()  # its reservation closes: nothing of it is sent any more
             with pytest.raises(InvalidRequestError):
                 await decode.push_cached_kv(good)
