@@ -2,7 +2,10 @@
 
 Configurations, each a ``splitserve up`` cluster on this machine:
 - colocated: 1 decode worker pinned to one core, prefilling locally;
-- disaggregated: 1 prefill + 1 decode worker, one core each, KV pushed layer by layer over UCX.
+- disaggregated: 1 prefill + 1 decode worker, one core each, KV pushed layer by layer over UCX
+  in the groups of layers the decode worker asks for (``--kv-message-bytes``' default);
+- disaggregated-per-layer: the same with one layer a message (``--kv-message-bytes=0``), what
+  the groups change in the handoff.
 The compute for the prompt is one core in both, so the difference is the handoff: the push
 of the last layers that do not overlap compute, ``CompleteKv`` and the decode worker's pickup.
 
@@ -32,6 +35,10 @@ REPO = Path(__file__).resolve().parent.parent
 CONFIGS = {
     "colocated": ["--prefill", "0", "--decode", "1", "--no-pin", "--", "--cpu-affinity", "1"],
     "disaggregated": ["--prefill", "1", "--decode", "1", "--local-prefill-max-tokens", "0"],
+    "disaggregated-per-layer": [
+        *("--prefill", "1", "--decode", "1", "--local-prefill-max-tokens", "0"),
+        *("--", "--kv-message-bytes", "0"),
+    ],
 }
 
 
@@ -84,12 +91,15 @@ def main() -> int:
     for length in map(str, lengths):
         colocated = statistics.median(raw["colocated"][length])
         disaggregated = statistics.median(raw["disaggregated"][length])
+        per_layer = statistics.median(raw["disaggregated-per-layer"][length])
         report["summary"].append(
             {
                 "prompt_tokens": int(length),
                 "colocated_ttft_ms_p50": round(colocated, 1),
                 "disaggregated_ttft_ms_p50": round(disaggregated, 1),
+                "disaggregated_per_layer_ttft_ms_p50": round(per_layer, 1),
                 "ratio": round(disaggregated / colocated, 3),
+                "per_layer_ratio": round(per_layer / colocated, 3),
             }
         )
     text = json.dumps(report, indent=2)

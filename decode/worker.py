@@ -131,6 +131,7 @@ class DecodeWorker:
         self.transport = transport
         self.layout: KvLayout = kv_layout_of(engine.facts, engine.paged_kv)
         self.transfer_timeout_s = transfer.timeout_s
+        self.kv_message_bytes = transfer.min_message_bytes  # None: by the cache's device
         self.pulls_cached_kv_min_blocks = 0  # it is the one pulled from
         self._incoming: dict[int, _Incoming] = {}
         self._transfer_of: dict[str, int] = {}
@@ -236,7 +237,8 @@ class DecodeWorker:
         try:
             # the new blocks: no step touches them until the prefill completes (PagedKv)
             cache = self.engine.paged_kv.cache
-            destination = KvDestination(cache, reserved.receiving, min_message_bytes(cache.device))
+            group_bytes = min_message_bytes(cache.device, self.kv_message_bytes)
+            destination = KvDestination(cache, reserved.receiving, group_bytes)
             plan = destination.plan
             receiver = LayerReceiver(self.transport, transfer_id, secret, destination)
         except BaseException:

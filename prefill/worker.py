@@ -129,6 +129,7 @@ class PrefillWorker:
         self.transport = transport
         self.layout: KvLayout = kv_layout_of(engine.facts, engine.paged_kv)
         self.transfer_timeout_s = transfer.timeout_s
+        self.kv_message_bytes = transfer.min_message_bytes  # None: by the cache's device
         self.pulls_cached_kv_min_blocks = transfer.pull_min_blocks
         self._outgoing: dict[str, _Outgoing] = {}
         self._peers: dict[str, _Peer] = {}
@@ -296,9 +297,9 @@ class PrefillWorker:
         """A receiver posted for the reservation's cached blocks after the ``held`` ones into
         ``staging``, under a secret of its own, and the ask for the decode worker to send
         them there (``PushCachedKv``)."""
-        destination = KvDestination(  # straight
-            staging, range(target.num_cached_blocks - held), min_message_bytes(staging.device)
-        )
+        group_bytes = min_message_bytes(staging.device, self.kv_message_bytes)
+        blocks = range(target.num_cached_blocks - held)  # every block of staging: straight
+        destination = KvDestination(staging, blocks, group_bytes)
         plan = destination.plan
         secret = new_transfer_secret()
         receiver = LayerReceiver(self.transport, secrets.randbits(64), secret, destination)

@@ -15,6 +15,7 @@ each carries, and both sides of the layer channel follow it over both transports
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 
 import pytest
@@ -32,6 +33,7 @@ from splitserve.transfer.plan import (
     new_transfer_secret,
 )
 from splitserve.transfer.reservation import KvReservation
+from splitserve.worker.process import add_worker_args, transfer_settings_of
 from tests.transfer_support import (
     CACHE_BLOCKS,
     NUM_LAYERS,
@@ -206,3 +208,17 @@ def test_a_ring_of_groups_wraps_around(
             assert receiver_side.most_at_once <= 2 and receiver_side.posted == 3
 
     asyncio.run(body())
+
+
+def test_an_operator_sets_the_message_size_on_the_worker_command_line() -> None:
+    """``--kv-message-bytes``: the size a worker's receivers group layers to (0: one layer a
+    message), the device's default without it; a negative one is refused at start."""
+    parser = argparse.ArgumentParser()
+    add_worker_args(parser, env={})
+    default = transfer_settings_of(parser.parse_args([]))
+    assert default.min_message_bytes is None
+    assert min_message_bytes(torch.device("cpu"), default.min_message_bytes) == 1 << 20
+    off = transfer_settings_of(parser.parse_args(["--kv-message-bytes=0"]))
+    assert min_message_bytes(torch.device("cuda"), off.min_message_bytes) == 0
+    with pytest.raises(ValueError, match="--kv-message-bytes must be >= 0, not -1"):
+        transfer_settings_of(parser.parse_args(["--kv-message-bytes=-1"]))

@@ -41,8 +41,11 @@ after the prefill grows from one layer's transfer to one group's: at most about 
 CPU (~0.3 ms), 16 MiB on a GPU (~50 us)."""
 
 
-def min_message_bytes(device: torch.device) -> int:
-    """``MIN_MESSAGE_BYTES`` of ``device``'s kind (0, one layer a message, for any other)."""
+def min_message_bytes(device: torch.device, chosen: int | None = None) -> int:
+    """``chosen`` (an operator's ``--kv-message-bytes``) when given, else ``MIN_MESSAGE_BYTES``
+    of ``device``'s kind (0, one layer a message, for any other)."""
+    if chosen is not None:
+        return chosen
     return MIN_MESSAGE_BYTES.get(device.type, 0)
 
 

@@ -70,7 +70,9 @@ def advertised_address(args: argparse.Namespace, port: int) -> str:
 
 def transfer_settings_of(args: argparse.Namespace) -> TransferSettings:
     """The KV transfer flags; ValueError for values out of range."""
-    return TransferSettings(args.transfer_timeout, args.pull_cached_kv_min_blocks)
+    return TransferSettings(
+        args.transfer_timeout, args.pull_cached_kv_min_blocks, args.kv_message_bytes
+    )
 
 
 def ucx_settings_of(args: argparse.Namespace) -> UcxSettings:

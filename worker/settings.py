@@ -55,6 +55,12 @@ class WorkerSettings:
         "it (a conversation's history) when it would get at least this many blocks so, and "
         "computes only the rest; 0: never",
     )
+    kv_message_bytes: int | None = setting(
+        None,
+        "smallest KV message this worker asks its senders for: consecutive layers are grouped "
+        "into messages of at least this many bytes (0: one layer a message; default by the "
+        "cache's device: 1 MiB on the CPU, 16 MiB on a GPU)",
+    )
     drain_timeout: float = setting(
         30.0,
         "on SIGTERM, seconds running requests may take to finish before they are handed over",

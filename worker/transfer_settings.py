@@ -1,5 +1,5 @@
 """How a worker moves KV: the operator's settings its domain objects share (``--transfer-timeout``,
-``--pull-cached-kv-min-blocks``)."""
+``--pull-cached-kv-min-blocks``, ``--kv-message-bytes``)."""
 
 from __future__ import annotations
 
@@ -23,6 +23,10 @@ class TransferSettings:
     """A prefill worker pulls a decode worker's cached prefix of a prompt (the reverse
     transfer, ``prefill/worker.py``) when it would receive at least this many blocks; 0:
     never (it computes whatever its own prefix cache lacks)."""
+    min_message_bytes: int | None = None
+    """The smallest message this worker's receivers ask for (``transfer/plan.py``: Groups;
+    0: one layer a message); None: ``transfer/destination.py:MIN_MESSAGE_BYTES`` of the
+    cache's device."""
 
     def __post_init__(self) -> None:
         if self.timeout_s <= 0:
@@ -31,3 +35,5 @@ class TransferSettings:
             raise ValueError(
                 f"--pull-cached-kv-min-blocks must be >= 0, not {self.pull_min_blocks}"
             )
+        if self.min_message_bytes is not None and self.min_message_bytes < 0:
+            raise ValueError(f"--kv-message-bytes must be >= 0, not {self.min_message_bytes}")
