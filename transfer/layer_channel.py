@@ -65,7 +65,8 @@ Tags: message ``m`` of a transfer travels under ``plan.message_tag(transfer_secr
 ``transfer_id`` only names the transfer in errors and logs.
 
 Thread contract: ``LayerSender.offer`` may be called from the engine thread (it copies nothing
-and hands the tensor to the loop); everything else runs on the transport's event loop.
+and hands the tensor to the loop; a group whose parts are not adjacent is joined there, on the
+loop); everything else runs on the transport's event loop.
 
 Destination invariant: once a ``LayerReceiver`` is terminal and ``settled`` is True, nothing
 of its transfer writes into its destination (nor its staging) any more: no receive is still
