@@ -35,10 +35,12 @@ graphs): the decode step after a launched one is planned before the launched ste
 known, for the requests whose next token the device decides alone (``decided_on_device``) and
 that cannot end by length with it; their chunks' token ids are placeholders the runner replaces
 with the launched step's choices on the device. Requests that joined the batch meanwhile
-(remote prefills completed) come after them with their own last token. A request that ends
-while such a step may still write its KV (``launched`` .. ``settle``) gives up its table at
-once but its blocks only once that step has run (``KVCacheManager.detach``), so no block
-another request or a KV transfer may take is written by a step still on the device.
+(remote prefills completed) come after them with their own last token. A request that ends,
+or is preempted, while such a step may still write its KV (``launched`` .. ``settle``) gives up
+its table at once but its blocks only once that step has run (``KVCacheManager.detach``), so
+no block another request or a KV transfer may take is written by a step still on the device.
+(``EngineCore.step`` calls ``schedule`` only once no step is in flight; the preemption case
+holds all the same.)
 """
 
 from __future__ import annotations
@@ -407,7 +409,7 @@ class Scheduler:
         )
 
     def _preempt(self, request: Request) -> None:
-        self.kv_cache.free(request.request_id)
+        self._free_blocks_of(request.request_id)  # held while a launched step may write them
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         request.status = RequestStatus.PREEMPTED

@@ -248,6 +248,24 @@ def test_a_request_ended_under_a_launched_step_frees_its_blocks_when_it_settles(
     assert kv.num_free_blocks == kv.num_blocks
 
 
+def test_a_request_preempted_under_a_launched_step_frees_its_blocks_when_it_settles() -> None:
+    """The engine plans with ``schedule`` only once no step is in flight, but the scheduler
+    does not rely on it: a request preempted while a launched step may still write its KV
+    keeps its blocks out of the pool until that step settles, as an ended one does."""
+    scheduler = make_scheduler(num_blocks=3, block_size=4, enable_prefix_caching=False)
+    kv = scheduler.kv_cache
+    for request_id, first in (("a", 10), ("b", 40)):
+        scheduler.add_request(make_request(request_id, prompt_len=4, first_token=first))
+    prefill = scheduler.schedule()  # a block each, one left
+    scheduler.launched(1, prefill)  # still writing both requests' KV
+    scheduler.update(prefill, {"a": 7, "b": 7})
+    decode = scheduler.schedule()  # both need a second block: "a" takes the last, "b" yields
+    assert [chunk.request_id for chunk in decode.chunks] == ["a"]
+    assert kv.block_table("b") == [] and kv.num_free_blocks == 0  # b's block waits
+    scheduler.settle(1)
+    assert kv.num_free_blocks == 1
+
+
 def test_launched_token_ids_reach_the_host_in_row_order() -> None:
     """``LaunchedDecode.wait`` off CUDA: the rows' tokens as launched."""
     from splitserve.engine.launched_step import LaunchedDecode
