@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
+from splitserve.engine.host_copies import to_device
 from splitserve.engine.host_memory import zeros_huge_pages
 
 
@@ -40,13 +41,15 @@ class KvBlockStore:
         self, layer: int, block_ids: Sequence[int], out: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Copy of one layer's K and V in these blocks: ``[2, blocks, block, kv_heads, dim]``
-        (into ``out`` when given: that shape, the cache's dtype and device, contiguous)."""
-        index = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        (into ``out`` when given: that shape, the cache's dtype and device, contiguous). On CUDA
+        queued, with nothing waited for (the prefill worker's layer hook calls it between
+        layers: a wait would stall the forward's launches)."""
+        index = to_device(block_ids, torch.int64, self.device)  # [blocks]
         if out is None:
             return self.kv_cache[layer].index_select(1, index)
         return torch.index_select(self.kv_cache[layer], 1, index, out=out)
 
     def write_kv_blocks(self, layer: int, block_ids: Sequence[int], kv: torch.Tensor) -> None:
         """Store ``kv`` (as ``read_kv_blocks`` returns it) into these blocks of one layer."""
-        index = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        index = to_device(block_ids, torch.int64, self.device)  # [blocks]
         self.kv_cache[layer].index_copy_(1, index, kv.to(self.kv_cache.dtype))

@@ -258,12 +258,12 @@ class ModelRunner(KvBlockStore):
                 return logits
         metadata = self.backend.prepare(spans, num_decode, self.block_size, self.device)
         return self.model.forward(
-            torch.tensor(input_ids, dtype=torch.int64, device=self.device),
-            torch.tensor(positions, dtype=torch.int64, device=self.device),
+            to_device(input_ids, torch.int64, self.device),
+            to_device(positions, torch.int64, self.device),
             self.kv_cache,
             self.backend,
             metadata,
-            torch.tensor(logits_rows, dtype=torch.int64, device=self.device),
+            to_device(logits_rows, torch.int64, self.device),
             on_layer_kv_written,
             generated,
             between_layers,

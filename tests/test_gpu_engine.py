@@ -147,6 +147,24 @@ def test_a_decode_step_is_launched_without_waiting_for_the_device() -> None:
     assert launches >= 10 and engine.steps_launched_ahead >= 9
 
 
+def test_a_layer_is_gathered_without_waiting_for_the_device() -> None:
+    """The prefill worker's layer hook gathers each layer's blocks between layers of the
+    forward (``KvBlockStore.read_kv_blocks``): under CUDA's sync debug mode set to fail, so the
+    gather never stalls the forward's launches; it copies what the blocks hold."""
+    runner = _llm("cuda", "float32").engine.runner
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    runner.kv_cache.copy_(torch.randn(runner.kv_cache.shape, generator=generator, device="cuda"))
+    block_ids = [5, 2, 9]
+    out = torch.empty_like(runner.kv_cache[0, :, : len(block_ids)])  # [2, blocks, ...]
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        gathered = runner.read_kv_blocks(1, block_ids, out)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert gathered is out
+    assert torch.equal(out, runner.kv_cache[1][:, block_ids])
+
+
 def test_remote_prefills_join_the_steps_ahead() -> None:
     """A disaggregated pair on the GPU: requests prefilled by another engine join a decode
     engine whose steps run ahead; tokens equal a decode engine reading each step first."""

@@ -96,6 +96,32 @@ def test_layers_land_bit_exact_in_device_memory(
     asyncio.run(body())
 
 
+def test_a_receiver_is_posted_without_waiting_for_the_device(kind: str) -> None:
+    """A decode worker posts a receiver on its event loop for every reservation: its
+    destination (the scatter's index), canaries and ring are made under CUDA's sync debug mode
+    set to fail, so none of it waits for the engine's queued steps; the transfer then lands."""
+
+    async def body() -> None:
+        async with support.open_link(kind) as link:
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                reserved = reserve(link, SCATTERED, group=3)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            sender = reserved.sender(link)
+            kv = support.random_kv(len(SCATTERED)).to(CUDA)
+            order = torch.tensor(reserved.destination.plan.block_order, device=CUDA)
+            staging = kv.index_select(2, order)
+            for layer in range(NUM_LAYERS):
+                sender.offer(layer, staging[layer])
+            await sender.finish(WAIT_S)
+            await reserved.receiver.wait(WAIT_S)
+            landed = reserved.cache[:, :, SCATTERED].cpu()
+            assert torch.equal(support.as_bytes(landed), support.as_bytes(kv.cpu()))
+
+    asyncio.run(body())
+
+
 def test_a_short_layer_fails_the_transfer_naming_it(kind: str) -> None:
     async def body() -> None:
         async with support.open_link(kind) as link:

@@ -58,7 +58,9 @@ class LayerCanaries:
         table = torch.frombuffer(bytearray(self._values) or bytearray(1), dtype=torch.uint8)
         host = table[: num_layers * self.size].view(num_layers, self.size)  # [layers, size]
         self._cuda = device.type == "cuda"
-        self._table = host.to(device) if self._cuda else host  # [layers, size]
+        # pinned and queued, not a pageable copy that waits for the device (the receiver makes
+        # these on its event loop; its transfer stream follows this stream)
+        self._table = host.pin_memory().to(device, non_blocking=True) if self._cuda else host
         self._seen = torch.empty(  # [layers, size]: what each buffer's tail held when read
             (num_layers, self.size), dtype=torch.uint8, pin_memory=self._cuda
         )

@@ -87,7 +87,13 @@ class KvDestination:
         if indexed is None:
             indexed = cache.device.type == "cuda" and len(self._runs) > 1
         if indexed:
-            self._index = torch.tensor(ordered, dtype=torch.long, device=cache.device)
+            # through pinned memory, queued: a decode worker makes a destination on its event
+            # loop for every reservation, and a pageable copy would wait for the engine's step
+            # (the receiver's transfer stream follows this stream: ``LayerReceiver``)
+            index = torch.tensor(ordered, dtype=torch.long)  # [num_blocks]
+            if cache.device.type == "cuda":
+                index = index.pin_memory()
+            self._index = index.to(cache.device, non_blocking=True)
         self._straight = len(ordered) == cache.shape[2]  # every block, ascending: one region
 
     @property
