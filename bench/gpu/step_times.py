@@ -28,7 +28,10 @@ Measured here, in this order:
   that bound over the step's time;
 - ``prefill``: one step computing a whole ``--prefill-tokens`` prompt (fresh prompts each
   time, median of 5 after one warm-up): model FLOPs (2 x parameters x tokens, plus causal
-  attention) per second against the matmul peak.
+  attention) per second against the matmul peak; alternating with it, the same step under
+  the layer hook a prefill worker runs to push the prompt's KV (``LayerGather``: each layer
+  gathered into a staging buffer as it is written), ``step_ms_gathering_each_layer`` and
+  ``gather_overhead`` (what the hook costs the prompt's compute).
 
 Writes one JSON object to ``--out`` and stdout. Without CUDA it writes
 ``{"skipped": "no CUDA device"}`` and exits 0 (``bench/gpu/run.sh --dry``).
@@ -172,25 +175,67 @@ def _decode_steps(
     }
 
 
+class LayerGather:
+    """The prefill worker's layer hook without the send: as each layer of a completed prompt is
+    written, its KV of the prompt's blocks is copied into that layer's row of a staging buffer
+    (``worker/kv_io.py``: ``gather_layer`` into ``staging_buffer``), queued on the device."""
+
+    def __init__(self, runner, tokens: int) -> None:
+        from splitserve.common.blocks import blocks_for_tokens
+
+        self._runner = runner
+        self._blocks = blocks_for_tokens(tokens, runner.block_size)
+        cache = runner.kv_cache  # [layers, 2, blocks, block_size, kv_heads, head_dim]
+        shape = (cache.shape[0], 2, self._blocks, *cache.shape[3:])
+        self.staging = torch.empty(shape, dtype=cache.dtype, device=cache.device)
+        self.gathered = 0
+        """Layers gathered so far, over every prompt."""
+        self.blocks: list[int] = []
+        """The blocks of the prompt gathered last, in position order."""
+
+    def __call__(self, layer: int, completed: Sequence) -> None:
+        for prompt in completed:
+            self.blocks = list(prompt.block_table[: self._blocks])
+            self._runner.read_kv_blocks(layer, self.blocks, self.staging[layer])
+            self.gathered += 1
+
+
+def prefill_step_ms(engine, prompt: list[int], hook: LayerGather | None = None) -> float:
+    """Wall milliseconds of the step computing all of ``prompt`` (one step), with ``hook`` as
+    its layer hook where given; the request's decode then runs to its end, untimed."""
+    from splitserve.common.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    engine.add_request(f"prefill-{time.monotonic_ns()}", prompt, params)
+    started = time.perf_counter()
+    outputs = engine.step(on_layer_kv_written=hook)
+    elapsed = time.perf_counter() - started
+    assert len(outputs) == 1, "the whole prompt is one step"
+    while engine.has_unfinished:
+        engine.step()
+    return elapsed * 1e3
+
+
 def bench_prefill(engine, timer: ForwardTimer, tokens: int, flops: Callable, peak: float) -> dict:
+    """The prefill step, and in the same run, alternating with it, the step with the layer
+    hook a prefill worker runs (``LayerGather``): what gathering each layer for the push costs
+    the prompt's compute (``gather_overhead``)."""
     from splitserve.common.sampling_params import SamplingParams
 
     generator = torch.Generator().manual_seed(7)
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    wall, forward = [], []
+    gather = LayerGather(engine.runner, tokens)
+    wall, forward, gathering = [], [], []
     for rep in range(6):
-        engine.add_request(
-            f"prefill-{rep}", _prompt(engine.facts.vocab_size, tokens, generator), params
+        plain = prefill_step_ms(engine, _prompt(engine.facts.vocab_size, tokens, generator))
+        plain_forward = timer.last_ms()
+        hooked = prefill_step_ms(
+            engine, _prompt(engine.facts.vocab_size, tokens, generator), gather
         )
-        started = time.perf_counter()
-        outputs = engine.step()
-        elapsed = time.perf_counter() - started
-        assert len(outputs) == 1, "the whole prompt is one step"
-        while engine.has_unfinished:
-            engine.step()
         if rep:  # the first is warm-up (kernels compiled for these shapes)
-            wall.append(elapsed * 1e3)
-            forward.append(timer.last_ms())
+            wall.append(plain)
+            forward.append(plain_forward)
+            gathering.append(hooked)
     step_ms = statistics.median(wall)
     achieved = flops(tokens) / step_ms / 1e9
     prompts = iter(_prompt(engine.facts.vocab_size, tokens, generator) for _ in range(99))
@@ -205,6 +250,8 @@ def bench_prefill(engine, timer: ForwardTimer, tokens: int, flops: Callable, pea
     return {
         "tokens": tokens,
         "step_ms": round(step_ms, 2),
+        "step_ms_gathering_each_layer": round(statistics.median(gathering), 2),
+        "gather_overhead": round(statistics.median(gathering) / step_ms - 1, 3),
         "forward_ms": round(statistics.median(forward), 2),
         "tflops": round(achieved, 1),
         "fraction_of_matmul_peak": round(achieved / peak, 3),
