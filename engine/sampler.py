@@ -378,8 +378,11 @@ def _top_k_top_p_wait_free(logits: torch.Tensor, params: Sequence[SamplingParams
     sorting those rows whether they need it or not."""
     nucleus = _NucleusRows.of(logits, params)
     threshold = nucleus.threshold  # [m]
-    candidates = min(_NUCLEUS_CANDIDATES, logits.shape[1])
-    unsure = [i for i, p in enumerate(params) if p.top_p < 1.0 or p.top_k > candidates]
+    vocab = logits.shape[1]
+    candidates = min(_NUCLEUS_CANDIDATES, vocab)
+    unsure = [  # a top-p, or an active top-k beyond the candidates
+        i for i, p in enumerate(params) if p.top_p < 1.0 or candidates < p.top_k < vocab
+    ]
     if unsure:
         redo = to_device(unsure, torch.int64, logits.device)  # [r]
         threshold[redo] = torch.where(

@@ -267,18 +267,21 @@ WAIT_FREE_SETTINGS = [
     SamplingParams(temperature=1.0, top_k=300),
     SamplingParams(temperature=1.0, top_k=40, top_p=0.8),
     SamplingParams(temperature=0.9, top_p=0.95, min_p=0.02),
+    SamplingParams(temperature=1.0, top_k=5000),
 ]
-"""Greedy, plain, top-p, top-k within and beyond 256 candidates, both, and min-p after them."""
+"""Greedy, plain, top-p, top-k within and beyond 256 candidates, both, min-p after them, and a
+top-k past the vocabulary (off)."""
+ROWS = 2 * len(WAIT_FREE_SETTINGS)
 
 
 def _wait_free_batch(step: int) -> tuple[torch.Tensor, list[SamplingRow]]:
     """One batch of ``WAIT_FREE_SETTINGS`` rows twice over, peaked and flat logits
-    ``[16, 2000]`` (a flat row's 0.9 nucleus lies beyond 256 candidates), each row seeded by
+    ``[ROWS, 2000]`` (a flat row's 0.9 nucleus lies beyond 256 candidates), each row seeded by
     ``step`` and its index."""
     generator = torch.Generator().manual_seed(step)
-    logits = torch.randn(16, 2000, generator=generator)  # [rows, vocab]
-    logits[:8] *= 6.0  # peaked: the nucleus within the candidates
-    logits[8:] *= 0.2  # flat: beyond them
+    logits = torch.randn(ROWS, 2000, generator=generator)  # [rows, vocab]
+    logits[: ROWS // 2] *= 6.0  # peaked: the nucleus within the candidates
+    logits[ROWS // 2 :] *= 0.2  # flat: beyond them
     params = WAIT_FREE_SETTINGS * 2
     rows = [make_row(p, seed=1000 * step + i) for i, p in enumerate(params)]
     return logits, rows
@@ -299,7 +302,9 @@ def test_a_wait_free_choice_is_the_choice_read_on_the_host(
     params = [row.params for row in rows]
     scaled = logits / torch.tensor([max(p.temperature, 1e-5) for p in params])[:, None]
     nucleus = sampler_module._NucleusRows.of(scaled, params)
-    assert not nucleus.complete[[10, 11, 13, 15]].any()  # top-p 0.9, 0.97, 0.95; top-k 300
+    flat = ROWS // 2
+    beyond = [flat + 2, flat + 3, flat + 5, flat + 7]  # top-p 0.9, 0.97, 0.95; top-k 300
+    assert not nucleus.complete[beyond].any()
 
 
 def test_a_wait_free_choice_reads_nothing_on_the_host() -> None:
