@@ -361,11 +361,9 @@ def run(args: argparse.Namespace) -> Json:
             "num_blocks": len(w.block_ids),
             "runs": w.plan.num_runs,
             "layers_per_message": w.plan.layers_per_message,
-            "messages": w.plan.messages_for(w.num_layers),  # planned (rows: the sender's count)
-            "message_bytes": w.plan.layers_per_message * w.layer_bytes,
-            "staging_depth": ring_depth(
-                w.plan.messages_for(w.num_layers), w.plan.layers_per_message * w.layer_bytes, cuda
-            ),
+            "messages": w.num_messages,  # planned (rows: the sender's count)
+            "message_bytes": w.message_bytes,
+            "staging_depth": ring_depth(w.num_messages, w.message_bytes, cuda),
             "total_bytes": w.total_bytes,
         }
         for w in work

@@ -56,6 +56,14 @@ class Workload:
         return 2 * len(self.block_ids) * self.half_block_bytes
 
     @property
+    def num_messages(self) -> int:
+        return self.plan.messages_for(self.num_layers)
+
+    @property
+    def message_bytes(self) -> int:
+        return self.plan.layers_per_message * self.layer_bytes
+
+    @property
     def total_bytes(self) -> int:
         return self.num_layers * self.layer_bytes
 

@@ -421,7 +421,7 @@ class Scheduler:
     def schedule_ahead(self, step: SchedulerOutput, placeholder: int = 0) -> SchedulerOutput | None:
         """The decode step after ``step`` (launched; its tokens not yet applied by ``update``),
         planned now. First one chunk per request of ``step`` that still runs and does not end
-        by length with ``step``'s token (``_stop_status``), in ``step``'s order: its token
+        by length with ``step``'s token (``_ends_by_length``), in ``step``'s order: its token
         ``placeholder`` (the runner feeds it the token ``step`` chooses), one position
         further. Then one per request that joined the running batch since ``step`` was
         planned (a remote prefill completed): its last token, known here, as any decode step
@@ -440,12 +440,9 @@ class Scheduler:
                 continue  # ended with the step before ``step``
             if not chunk.is_decode or chunk.draft_token_ids or not chunk.samples:
                 return None
+            if self._ends_by_length(request, new_tokens=1):
+                continue  # ends by length with ``step``'s token
             outputs_after = request.num_output_tokens + 1
-            if (
-                outputs_after >= request.params.max_tokens
-                or request.num_tokens + 1 >= self.max_model_len
-            ):
-                continue  # ends by length with ``step``'s token (``_stop_status``)
             if not decided_on_device(request.params, outputs_after, request.eos_token_ids):
                 return None
             fed.append(request)
@@ -595,11 +592,17 @@ class Scheduler:
             if is_eos or token_id in params.stop_token_ids:
                 request.stop_token_id = token_id
                 return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= params.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        if request.num_tokens >= self.max_model_len:
+        if self._ends_by_length(request):
             return RequestStatus.FINISHED_LENGTH
         return None
+
+    def _ends_by_length(self, request: Request, new_tokens: int = 0) -> bool:
+        """Whether ``request`` has reached its ``max_tokens`` or the model's length once
+        ``new_tokens`` more tokens are appended to it."""
+        return (
+            request.num_output_tokens + new_tokens >= request.params.max_tokens
+            or request.num_tokens + new_tokens >= self.max_model_len
+        )
 
     @staticmethod
     def _update_of(request: Request, new_token_ids: tuple[int, ...]) -> RequestUpdate:
