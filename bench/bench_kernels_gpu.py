@@ -200,9 +200,10 @@ def bench_top_p_choice(
 ) -> list[dict[str, object]]:
     """A step's choice for sampled rows at temperature 0.7, top-p 0.9, each row seeded: read on
     the host (``Sampler.choose``: the rows whose nucleus lies beyond the candidates found on
-    the host, then sorted) against ``wait_free`` (every top-p row sorted, nothing read: what a
-    step launched ahead runs), beside greedy's argmax, for peaked logits (the nucleus within
-    the candidates, as a trained model's usually is) and flat ones (beyond them). ``same``:
+    the host, looked for among 4,096, then sorted) against ``wait_free`` (every top-p row
+    sorted, nothing read: what a step launched ahead runs), beside greedy's argmax, for
+    peaked logits (the nucleus within the candidates, as a trained model's usually is) and
+    flat ones (beyond them). ``same``:
     both gave every row the same token (each run from generators seeded alike)."""
     from splitserve.common.sampling_params import SamplingParams
     from splitserve.engine.sampler import Sampler, SamplingRow

@@ -47,9 +47,10 @@ logits as given, with no per-row tensor work.
 
 Wait-free choice (``Sampler.choose(..., wait_free=True)``, what a decode step launched ahead
 runs): the same tokens, with nothing read on the host. Top-k/top-p first look at
-``_NUCLEUS_CANDIDATES`` tokens per row; whether they held a top-p row's cut-off is known on
+``_NUCLEUS_TIERS[0]`` tokens per row; whether they held a top-p row's cut-off is known on
 the device only, so instead of reading it, every row whose cut-off may lie beyond them is
-sorted as well and keeps the sorted cut-off only where it needs it. On one core of the AMD
+sorted as well and keeps the cut-off of the first tier that held it (the sorted prefix stands
+for the later tiers). On one core of the AMD
 EPYC (Zen 5) that sort makes a peaked 8-row choice over 49,152 tokens 18 ms instead of 1.5;
 flat rows, sorted either way, cost the same (``bench/bench_kernels_gpu.py:bench_top_p_choice``
 times it on a GPU, where only steps launched ahead use it).
@@ -281,10 +282,14 @@ def _row_values(
 # --------------------------------------------------------------------------- filters
 
 
-_NUCLEUS_CANDIDATES = 256
-"""Top-k/top-p first look only at this many most likely tokens per row. A row whose cut-off
-lies beyond them (top_k larger than this, or a very flat distribution) is redone over its fully
-sorted vocabulary; which path a row takes depends on that row alone."""
+_NUCLEUS_TIERS = (256, 4096)
+"""Top-k/top-p look first at each row's 256 most likely tokens, then, for a row whose cut-off
+lies beyond them (a top-k above 256, or a flat distribution), at its 4,096 most likely, and
+only for a row whose cut-off lies beyond those too at its fully sorted vocabulary. A tier's
+values are the sorted vocabulary's first ones, so every tier that holds a row's cut-off finds
+the same one; which tier decides a row depends on that row alone. At temperature 1 and top-p
+0.95, a quarter of SmolLM2's steps have a nucleus beyond 256 tokens and nearly none beyond
+4,096 (bench/README.md, "Top-p choice"): the second tier spares them a sort of the vocabulary."""
 
 
 def apply_filters(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
@@ -331,16 +336,16 @@ def _on_rows(
 
 @dataclass(frozen=True)
 class _NucleusRows:
-    """Top-k/top-p rows' settings on the device, and their cut-off within the candidates."""
+    """Top-k/top-p rows' settings on the device, and their cut-off within the first tier."""
 
     top_k: torch.Tensor  # [m] int64, vocab = disabled
     top_p: torch.Tensor  # [m] float32
-    threshold: torch.Tensor  # [m]: the lowest logit kept, as far as the candidates tell
-    complete: torch.Tensor  # [m] bool: the candidates held the row's cut-off
+    threshold: torch.Tensor  # [m]: the lowest logit kept, as far as the first tier tells
+    complete: torch.Tensor  # [m] bool: the first tier held the row's cut-off
 
     @staticmethod
     def of(logits: torch.Tensor, params: Sequence[SamplingParams]) -> _NucleusRows:
-        """Each row's cut-off among its ``_NUCLEUS_CANDIDATES`` most likely tokens, from
+        """Each row's cut-off among its ``_NUCLEUS_TIERS[0]`` most likely tokens, from
         ``logits`` ``[m, vocab]``; nothing read on the host."""
         device = logits.device
         vocab = logits.shape[1]
@@ -348,46 +353,69 @@ class _NucleusRows:
             [p.top_k if 0 < p.top_k < vocab else vocab for p in params], torch.long, device
         )  # [m]
         top_p = _row_values(params, "top_p", torch.float32, device)  # [m]
-        candidates = logits.topk(min(_NUCLEUS_CANDIDATES, vocab), dim=-1).values  # [m, c]
+        candidates = logits.topk(min(_NUCLEUS_TIERS[0], vocab), dim=-1).values  # [m, c]
         k_active = any(0 < p.top_k < vocab for p in params)
         threshold, complete = _cutoff(logits, candidates, top_k, top_p, k_active)
         return _NucleusRows(top_k, top_p, threshold, complete)
 
-    def sorted_cutoff(self, logits: torch.Tensor, redo: torch.Tensor) -> torch.Tensor:
-        """The cut-off of rows ``redo`` ``[r]`` over their fully sorted vocabulary, ``[r]``."""
-        rows = logits[redo]  # [r, vocab]
-        everything = rows.sort(dim=-1, descending=True).values  # [r, vocab]
-        return _cutoff(rows, everything, self.top_k[redo], self.top_p[redo], k_active=True)[0]
+    def cutoff_among(
+        self, rows: torch.Tensor, redo: torch.Tensor, values: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cut-off of rows ``redo`` ``[r]`` (their logits ``rows`` ``[r, vocab]``) among
+        ``values`` ``[r, c]``, their c largest logits in descending order, and whether those
+        held it; each ``[r]``."""
+        return _cutoff(rows, values, self.top_k[redo], self.top_p[redo], k_active=True)
+
+
+def _later_tiers(vocab: int) -> list[int]:
+    """The tiers after the first that are narrower than ``vocab`` (then the sort)."""
+    return [width for width in _NUCLEUS_TIERS[1:] if width < vocab]
 
 
 def _top_k_top_p(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """Top-k then top-p on ``[m, vocab]`` logits, without sorting the vocabulary if possible:
-    only the rows whose cut-off the candidates did not hold are sorted (found on the host)."""
+    """Top-k then top-p on ``[m, vocab]`` logits, each row decided by the first tier that
+    holds its cut-off (``_NUCLEUS_TIERS``, then the sorted vocabulary); which rows a tier did
+    not decide is read on the host, so only those go on to the next."""
     nucleus = _NucleusRows.of(logits, params)
     threshold = nucleus.threshold  # [m]
-    if not bool(nucleus.complete.all()):
-        redo = torch.nonzero(~nucleus.complete).flatten()  # [r]
-        threshold[redo] = nucleus.sorted_cutoff(logits, redo)
+    pending = torch.nonzero(~nucleus.complete).flatten()  # [r]: a read on the host
+    for width in _later_tiers(logits.shape[1]):
+        if pending.numel() == 0:
+            break
+        rows = logits[pending]  # [r, vocab]
+        values = rows.topk(width, dim=-1).values  # [r, width]
+        threshold[pending], held = nucleus.cutoff_among(rows, pending, values)
+        pending = pending[~held]  # a read on the host
+    if pending.numel() > 0:
+        rows = logits[pending]  # [r, vocab]
+        everything = rows.sort(dim=-1, descending=True).values  # [r, vocab]
+        threshold[pending] = nucleus.cutoff_among(rows, pending, everything)[0]
     return logits.masked_fill(logits < threshold[:, None], _NEG_INF)
 
 
 def _top_k_top_p_wait_free(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """``_top_k_top_p`` with nothing read on the host: every row whose cut-off may lie beyond
-    its candidates (a top-p, or a top-k larger than them) is sorted, and keeps the sorted
-    cut-off only where the candidates did not hold its own. The same result, at the cost of
+    the first tier (a top-p, or a top-k larger than it) is sorted, each later tier's cut-off
+    is taken from the sorted values' prefix (the same values ``topk`` gives), and the device
+    keeps, per row, the cut-off of the first tier that held it. The same result, at the cost of
     sorting those rows whether they need it or not."""
     nucleus = _NucleusRows.of(logits, params)
     threshold = nucleus.threshold  # [m]
     vocab = logits.shape[1]
-    candidates = min(_NUCLEUS_CANDIDATES, vocab)
-    unsure = [  # a top-p, or an active top-k beyond the candidates
-        i for i, p in enumerate(params) if p.top_p < 1.0 or candidates < p.top_k < vocab
+    first = min(_NUCLEUS_TIERS[0], vocab)
+    unsure = [  # a top-p, or an active top-k beyond the first tier
+        i for i, p in enumerate(params) if p.top_p < 1.0 or first < p.top_k < vocab
     ]
     if unsure:
         redo = to_device(unsure, torch.int64, logits.device)  # [r]
-        threshold[redo] = torch.where(
-            nucleus.complete[redo], threshold[redo], nucleus.sorted_cutoff(logits, redo)
-        )
+        rows = logits[redo]  # [r, vocab]
+        everything = rows.sort(dim=-1, descending=True).values  # [r, vocab]
+        chosen = nucleus.cutoff_among(rows, redo, everything)[0]  # [r]
+        for width in reversed(_later_tiers(vocab)):
+            prefix = everything[:, :width].contiguous()  # [r, width]: what topk(width) gives
+            within, held = nucleus.cutoff_among(rows, redo, prefix)
+            chosen = torch.where(held, within, chosen)
+        threshold[redo] = torch.where(nucleus.complete[redo], threshold[redo], chosen)
     return logits.masked_fill(logits < threshold[:, None], _NEG_INF)
 
 

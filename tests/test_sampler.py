@@ -133,12 +133,17 @@ def reference_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> set
     return set(nucleus)
 
 
-@pytest.mark.parametrize("num_candidates", [256, 8])
+TIERS = [(256, 4096), (8, 64), (8,)]
+"""The default tiers, narrow ones that send most rows of a 1,000- or 2,000-token vocabulary
+to the second tier and some to the sort, and one tier then the sort."""
+
+
+@pytest.mark.parametrize("tiers", TIERS)
 def test_top_k_top_p_matches_full_sort_reference(
-    monkeypatch: pytest.MonkeyPatch, num_candidates: int
+    monkeypatch: pytest.MonkeyPatch, tiers: tuple[int, ...]
 ) -> None:
-    # 8 candidates forces the full-sort fallback for most rows; results must not change.
-    monkeypatch.setattr(sampler_module, "_NUCLEUS_CANDIDATES", num_candidates)
+    # Narrow tiers send most rows to the later tiers and the sort; results must not change.
+    monkeypatch.setattr(sampler_module, "_NUCLEUS_TIERS", tiers)
     generator = torch.Generator().manual_seed(11)
     settings = [(0, 0.9), (5, 1.0), (50, 0.8), (300, 0.95), (0, 0.3), (20, 0.999), (0, 0.99)]
     logits = torch.randn(len(settings), 1000, generator=generator) * 3  # [rows, vocab]
@@ -287,12 +292,12 @@ def _wait_free_batch(step: int) -> tuple[torch.Tensor, list[SamplingRow]]:
     return logits, rows
 
 
-@pytest.mark.parametrize("num_candidates", [256, 8])
+@pytest.mark.parametrize("tiers", TIERS)
 def test_a_wait_free_choice_is_the_choice_read_on_the_host(
-    monkeypatch: pytest.MonkeyPatch, num_candidates: int
+    monkeypatch: pytest.MonkeyPatch, tiers: tuple[int, ...]
 ) -> None:
-    # 8 candidates: most rows' cut-offs lie beyond them, on peaked rows too.
-    monkeypatch.setattr(sampler_module, "_NUCLEUS_CANDIDATES", num_candidates)
+    # Narrow tiers: most rows' cut-offs lie beyond the first, on peaked rows too.
+    monkeypatch.setattr(sampler_module, "_NUCLEUS_TIERS", tiers)
     for step in range(30):
         read = Sampler.choose(*_wait_free_batch(step))
         wait_free = Sampler.choose(*_wait_free_batch(step), wait_free=True)
@@ -305,6 +310,23 @@ def test_a_wait_free_choice_is_the_choice_read_on_the_host(
     flat = ROWS // 2
     beyond = [flat + 2, flat + 3, flat + 5, flat + 7]  # top-p 0.9, 0.97, 0.95; top-k 300
     assert not nucleus.complete[beyond].any()
+
+
+def test_narrow_tiers_decide_rows_at_every_tier(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With tiers (8, 64), the batches above have rows decided by each tier and by the sort,
+    so the equality tests cover every way a row's cut-off is found."""
+    monkeypatch.setattr(sampler_module, "_NUCLEUS_TIERS", (8, 64))
+    logits, rows = _wait_free_batch(0)
+    params = [row.params for row in rows]
+    scaled = logits / torch.tensor([max(p.temperature, 1e-5) for p in params])[:, None]
+    nucleus = sampler_module._NucleusRows.of(scaled, params)
+    beyond_first = torch.nonzero(~nucleus.complete).flatten()  # [r]
+    within_second = nucleus.cutoff_among(
+        scaled[beyond_first], beyond_first, scaled[beyond_first].topk(64, dim=-1).values
+    )[1]
+    top_p_rows = torch.tensor([p.top_p < 1.0 for p in params])  # [rows]
+    assert (nucleus.complete & top_p_rows).any()
+    assert within_second.any() and not within_second.all()
 
 
 def test_a_wait_free_choice_reads_nothing_on_the_host() -> None:
