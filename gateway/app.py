@@ -1,9 +1,10 @@
 """The OpenAI-compatible ASGI app over the coordinators' gRPC API: each request goes to the
 coordinators of the model it names (``gateway/model_routes.py``).
 
-Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (one handler, ``_generate``,
-by what differs between them: ``gateway/endpoints.py``; streamed as SSE
-``data: {json}\\n\\n`` ... ``data: [DONE]`` when ``stream`` is true), ``GET /v1/models`` (every
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/responses`` (one
+handler, ``_generate``, by what differs between them: ``gateway/endpoints.py``; streamed when
+``stream`` is true as SSE ``data: {json}\\n\\n`` ... ``data: [DONE]``, the Responses API as
+typed events), ``GET /v1/models`` (every
 model of every route), ``GET /health`` (200 once some model's coordinators are SERVING, i.e.
 have a decode worker; else 503),
 ``GET /metrics`` (Prometheus text), and vLLM's ``POST /tokenize`` (the ids a prompt or chat
@@ -68,7 +69,7 @@ from splitserve.gateway.body_limit import DEFAULT_MAX_BODY_BYTES, LimitBody
 from splitserve.gateway.choices import Choices
 from splitserve.gateway.disconnect import CLIENT_STALL_TIMEOUT_S
 from splitserve.gateway.edge_refusal import RefuseAtTheDoor
-from splitserve.gateway.endpoints import CHAT, COMPLETIONS, Body, Endpoint
+from splitserve.gateway.endpoints import CHAT, COMPLETIONS, RESPONSES, Body, Endpoint
 from splitserve.gateway.errors import (
     ApiError,
     client_errors_as_api_errors,
@@ -78,6 +79,7 @@ from splitserve.gateway.errors import (
 )
 from splitserve.gateway.model_routes import ModelRoute, ModelRoutes
 from splitserve.gateway.reply import respond
+from splitserve.gateway.responses_schemas import ResponsesRequest
 from splitserve.gateway.sampling import (
     MAX_CHOICES,
     PromptArgs,
@@ -277,6 +279,10 @@ def create_app(config: GatewayConfig) -> FastAPI:
     async def chat_completions(body: schemas.ChatCompletionRequest, request: Request) -> Response:
         return await _generate(gateway, request, body, CHAT)
 
+    @_post(app, RESPONSES)
+    async def responses(body: ResponsesRequest, request: Request) -> Response:
+        return await _generate(gateway, request, body, RESPONSES)
+
     return app
 
 
@@ -470,9 +476,11 @@ async def _generate(
             )  # fmt: skip
     choices = Choices(builders, prompt_of, None if keep_best is None else body.n or 1)
     try:
+        usage_options = body.stream_options if endpoint.usage_chunks else None
         return await respond(
             route.metrics, request, request_id, merged(streams, leaders), choices,
-            bool(body.stream), body.stream_options, gateway.config.client_stall_timeout_s, span,
+            bool(body.stream), usage_options, gateway.config.client_stall_timeout_s, span,
+            endpoint.framing,
         )  # fmt: skip
     except BaseException as error:
         _note_failure(span, error, body.priority)

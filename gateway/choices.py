@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from splitserve.client import Chunk, Finish, Usage
+from splitserve.gateway.errors import ApiError
 from splitserve.gateway.responses import ResponseBuilder, usage_dict
 
 Item = Chunk | Finish
@@ -63,8 +64,8 @@ class Choices:
     def opening_chunks(self) -> list[dict[str, Any]]:
         return [chunk for builder in self.builders for chunk in builder.opening_chunks()]
 
-    def add(self, index: int, item: Item) -> dict[str, Any] | None:
-        """Fold choice ``index``'s item in; its streamed chunk (None: nothing to send yet)."""
+    def add(self, index: int, item: Item) -> list[dict[str, Any]]:
+        """Fold choice ``index``'s item in; its streamed events (none: nothing to send yet)."""
         builder = self.builders[index]
         if isinstance(item, Chunk):
             self.cumulative_logprob[index] += sum(entry.logprob for entry in item.logprobs)
@@ -88,8 +89,15 @@ class Choices:
             cached_tokens=sum(u.cached_tokens for u in prompts.values()),
         )
 
+    def error_events(self, error: ApiError) -> list[dict[str, Any]]:
+        """What ends the stream when it fails after it began (the first builder's shape)."""
+        return self.builders[0].error_events(error)
+
     def whole(self) -> dict[str, Any]:
-        """The non-streamed response: every choice, in index order, and the request's usage."""
+        """The non-streamed response: every choice, in index order, and the request's usage
+        (one choice: its builder's own response, whatever its shape)."""
+        if len(self.builders) == 1:
+            return self.builders[0].whole()
         wholes = [builder.whole() for builder in self.builders]
         body = wholes[0]
         choices = [whole["choices"][0] for whole in wholes]

@@ -1,5 +1,6 @@
-"""The two generation routes as data: what differs between ``POST /v1/completions`` and
-``POST /v1/chat/completions``, so that one handler (``gateway/app.py:_generate``) serves both.
+"""The generation routes as data: what differs between ``POST /v1/completions``,
+``POST /v1/chat/completions`` and ``POST /v1/responses``, so that one handler
+(``gateway/app.py:_generate``) serves all three.
 
 An ``Endpoint`` says how a request body becomes the client's prompt and sampling
 (``gateway/sampling.py``: everything asked is honoured or refused with a 400 naming the field)
@@ -17,7 +18,15 @@ from typing import Generic, TypeVar
 from pydantic import BaseModel
 
 from splitserve.client import Sampling
+from splitserve.gateway.reply import DATA_FRAMING, TYPED_FRAMING, SseFraming
 from splitserve.gateway.responses import ChatBuilder, CompletionBuilder, ResponseBuilder
+from splitserve.gateway.responses_events import ResponsesBuilder
+from splitserve.gateway.responses_input import (
+    responses_prompts,
+    responses_sampling,
+    responses_tools,
+)
+from splitserve.gateway.responses_schemas import ResponseObject, ResponsesRequest
 from splitserve.gateway.sampling import (
     PromptArgs,
     chat_prompts,
@@ -56,6 +65,10 @@ class Endpoint(Generic[Body]):
     builder: Callable[[str, str, Body, int, str], ResponseBuilder]
     """(response id, model, body, choice index, echoed prompt text) -> that choice's response
     builder (``gateway/choices.py`` keeps one per choice)."""
+    framing: SseFraming = DATA_FRAMING
+    """How its stream writes events (``gateway/reply.py``)."""
+    usage_chunks: bool = True
+    """Whether ``stream_options`` asks for usage chunks (chat's and completions' shape)."""
 
 
 def _completion_builder(
@@ -94,3 +107,27 @@ CHAT = Endpoint[ChatCompletionRequest](
 )
 """``POST /v1/chat/completions``: messages, ``chat.completion`` objects (without
 ``max_tokens`` up to the coordinator's ``--default-max-tokens``)."""
+
+
+def _responses_builder(
+    response_id: str, model: str, body: ResponsesRequest, index: int, echo_text: str
+) -> ResponseBuilder:
+    return ResponsesBuilder(response_id, model, body, responses_tools(body))
+
+
+RESPONSES = Endpoint[ResponsesRequest](
+    "/v1/responses",
+    ResponseObject,
+    "A response, or with `stream` an SSE stream of typed events (`event: response.created`, "
+    "..., `response.output_text.delta`, ..., `response.completed`), each `data:` an object "
+    "with its `type` and `sequence_number`.",
+    "resp",
+    responses_prompts,
+    responses_sampling,
+    _responses_builder,
+    TYPED_FRAMING,
+    usage_chunks=False,
+)
+"""``POST /v1/responses``: OpenAI's Responses API as the chat completion it amounts to
+(``gateway/responses_input.py``), answered as a ``response`` object or its events
+(``gateway/responses_events.py``)."""

@@ -1,15 +1,19 @@
 """The answer to a generation request from its merged choice streams: an error status when
-the first item fails, else the whole body as JSON or, streamed, SSE frames
-(``data: {json}\n\n`` ... ``data: [DONE]``); 499 when the HTTP client went away first. The
-request's metrics are recorded as its items arrive (``common/metrics.py:RequestTimer``).
+the first item fails, else the whole body as JSON or, streamed, SSE frames in the endpoint's
+framing (``SseFraming``: chat and completions ``data: {json}\n\n`` ... ``data: [DONE]``;
+the Responses API ``event: <type>\ndata: {json}\n\n``, no end marker); 499 when the HTTP
+client went away first. The request's metrics are recorded as its items arrive
+(``common/metrics.py:RequestTimer``). Every event an item makes goes out in one write.
 
-A failure after tokens were streamed ends the stream with a ``data: {"error": ...}`` event and
-``data: [DONE]``; a client that goes away mid-stream ends it (its request aborted).
+A failure after tokens were streamed ends the stream with the builders' error events (chat and
+completions: ``data: {"error": ...}`` and ``data: [DONE]``); a client that goes away
+mid-stream ends it (its request aborted).
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -31,13 +35,33 @@ from splitserve.gateway.disconnect import (
 from splitserve.gateway.errors import from_client_error
 from splitserve.gateway.responses import usage_dict
 
-_DONE = b"data: [DONE]\n\n"
-
 
 def _sse(payload: dict[str, Any]) -> bytes:
     """One SSE frame of ``payload`` (orjson: a tenth of ``json.dumps``'s time a token; UTF-8,
     not ASCII escapes)."""
     return b"data: " + orjson.dumps(payload, option=orjson.OPT_NON_STR_KEYS) + b"\n\n"
+
+
+def _typed_sse(payload: dict[str, Any]) -> bytes:
+    """One SSE frame named by the payload's ``type`` (the Responses API's events)."""
+    name = str(payload["type"]).encode()
+    data = orjson.dumps(payload, option=orjson.OPT_NON_STR_KEYS)
+    return b"event: " + name + b"\ndata: " + data + b"\n\n"
+
+
+@dataclass(frozen=True)
+class SseFraming:
+    """How one endpoint's stream writes its events: each as ``frame`` gives it, then ``done``
+    after the last."""
+
+    frame: Callable[[dict[str, Any]], bytes]
+    done: bytes
+
+
+DATA_FRAMING = SseFraming(_sse, b"data: [DONE]\n\n")
+"""Chat and completions: unnamed ``data:`` events, then ``data: [DONE]``."""
+TYPED_FRAMING = SseFraming(_typed_sse, b"")
+"""The Responses API: each event named by its ``type``; the stream ends with its last event."""
 
 
 async def respond(
@@ -50,12 +74,13 @@ async def respond(
     stream_options: schemas.StreamOptions | None,
     stall_timeout_s: float,
     span: Span = NO_SPAN,
+    framing: SseFraming = DATA_FRAMING,
 ) -> Response:
     """The response to the merged choice streams ``events``: an error status when one fails
     before the first item, else SSE frames (``stream``) or the whole body; 499 when the HTTP
     client went away first; an SSE frame the client leaves unread ``stall_timeout_s`` ends
-    the stream. ``span``: the request's, ended with it (its ``traceparent`` is
-    returned); ``metrics``: the model's."""
+    the stream; ``framing``: the endpoint's. ``span``: the request's, ended with it (its
+    ``traceparent`` is returned); ``metrics``: the model's."""
     timer = metrics.start(span)
     headers = {"x-request-id": request_id}
     if traceparent := traceparent_of(span):
@@ -75,7 +100,7 @@ async def respond(
         await events.aclose()
         raise
     if stream:
-        frames = _stream_frames(choices, first, events, timer, stream_options)
+        frames = _stream_frames(choices, first, events, timer, stream_options, framing)
         return EventStreamResponse(frames, headers, stall_timeout_s)
     try:
         await unless_disconnected(request.receive, _fold(choices, first, events, timer))
@@ -123,33 +148,37 @@ async def _stream_frames(
     events: AsyncGenerator[tuple[int, Chunk | Finish], None],
     timer: RequestTimer,
     options: schemas.StreamOptions | None,
+    framing: SseFraming,
 ) -> AsyncIterator[bytes]:
-    """SSE frames; the choices' chunks in arrival order, the usage chunk if asked, then
-    [DONE]."""
+    """SSE frames; the choices' events in arrival order, the usage chunk if asked, then
+    ``framing.done``."""
     continuous = bool(options and options.include_usage and options.continuous_usage_stats)
+    frame = framing.frame
     try:
-        for opening in choices.opening_chunks():
-            yield _sse(opening)
+        if opening := choices.opening_chunks():
+            yield b"".join(frame(event) for event in opening)
         entry: tuple[int, Chunk | Finish] | None = first
         while entry is not None:
             index, item = entry
-            body = choices.add(index, item)
+            bodies = choices.add(index, item)
             _record(timer, choices, item)
-            if body is not None:
+            if bodies:
                 if continuous:
-                    body["usage"] = usage_dict(choices.usage())
-                yield _sse(body)
+                    for body in bodies:
+                        body["usage"] = usage_dict(choices.usage())
+                yield b"".join(frame(body) for body in bodies)
             if choices.all_finished:
                 break
             entry = await anext(events, None)
         if options and options.include_usage:
-            yield _sse(choices.usage_chunk())
+            yield frame(choices.usage_chunk())
     except ClientError as error:
         timer.finish("error")
-        yield _sse(from_client_error(error).body())
+        yield b"".join(frame(body) for body in choices.error_events(from_client_error(error)))
     except BaseException:
         timer.finish("abort")  # the client went away (cancelled) mid-stream
         raise
     finally:
         await events.aclose()
-    yield _DONE
+    if framing.done:
+        yield framing.done

@@ -17,6 +17,7 @@ from typing import Any
 
 from splitserve.client import Chunk, Finish, TokenLogprob, Usage
 from splitserve.client.tools import ToolPlan
+from splitserve.gateway.errors import ApiError
 from splitserve.gateway.tools import ToolCallDeltas
 
 
@@ -40,9 +41,10 @@ def _empty_completion_logprobs() -> dict[str, list[Any]]:
 
 class ResponseBuilder(abc.ABC):
     """One request's response in one endpoint's shape. Streamed: ``opening_chunks``, then
-    ``add`` for each chunk and ``finish`` for the end (each returns that item's streamed form
-    and folds it in), then ``usage_chunk`` if asked; not streamed: ``whole`` after the same
-    ``add`` and ``finish`` calls."""
+    ``add`` for each chunk and ``finish`` for the end (each folds the item in and returns the
+    events that stream it, in order; none while it holds the item back), then ``usage_chunk``
+    if asked; a failure after events were sent ends the stream with ``error_events``; not
+    streamed: ``whole`` after the same ``add`` and ``finish`` calls."""
 
     object_name: str
     chunk_object_name: str
@@ -71,12 +73,16 @@ class ResponseBuilder(abc.ABC):
         return []
 
     @abc.abstractmethod
-    def add(self, chunk: Chunk) -> dict[str, Any] | None:
-        """Fold a chunk in; returns its streamed form (None: nothing to send for it yet)."""
+    def add(self, chunk: Chunk) -> list[dict[str, Any]]:
+        """Fold a chunk in; returns its streamed events (none: nothing to send for it yet)."""
 
     @abc.abstractmethod
-    def finish(self, end: Finish) -> dict[str, Any]:
-        """Fold the end in; returns the streamed chunk that carries the finish reason."""
+    def finish(self, end: Finish) -> list[dict[str, Any]]:
+        """Fold the end in; returns the streamed events that carry the finish reason."""
+
+    def error_events(self, error: ApiError) -> list[dict[str, Any]]:
+        """What ends a stream that failed after it began: OpenAI's error body."""
+        return [error.body()]
 
     @abc.abstractmethod
     def whole(self) -> dict[str, Any]:
@@ -128,7 +134,7 @@ class CompletionBuilder(ResponseBuilder):
             offset += len(entry.text)
         return out
 
-    def add(self, chunk: Chunk) -> dict[str, Any]:
+    def add(self, chunk: Chunk) -> list[dict[str, Any]]:
         self.usage = chunk.usage
         choice: dict[str, Any] = {
             "index": self.index,
@@ -144,9 +150,9 @@ class CompletionBuilder(ResponseBuilder):
             choice["logprobs"] = part
         self.text_parts.append(chunk.text)
         self.text_length += len(chunk.text)
-        return self._envelope(self.chunk_object_name, [choice])
+        return [self._envelope(self.chunk_object_name, [choice])]
 
-    def finish(self, end: Finish) -> dict[str, Any]:
+    def finish(self, end: Finish) -> list[dict[str, Any]]:
         self.usage = end.usage
         choice = {
             "index": self.index,
@@ -156,7 +162,7 @@ class CompletionBuilder(ResponseBuilder):
             "stop_reason": end.stop_reason,
         }
         self.finish_reason, self.stop_reason = end.finish_reason, end.stop_reason
-        return self._envelope(self.chunk_object_name, [choice])
+        return [self._envelope(self.chunk_object_name, [choice])]
 
     def whole(self) -> dict[str, Any]:
         body = self._envelope(
@@ -232,9 +238,9 @@ class ChatBuilder(ResponseBuilder):
         }
         return [self._envelope(self.chunk_object_name, [choice])]
 
-    def add(self, chunk: Chunk) -> dict[str, Any] | None:
+    def add(self, chunk: Chunk) -> list[dict[str, Any]]:
         """The chunk's streamed form: its content, or the pieces of tool calls it makes
-        known; None while its content is held (it may be a call)."""
+        known; none while its content is held (it may be a call)."""
         self.usage = chunk.usage
         self.text_parts.append(chunk.text)
         text = chunk.text
@@ -242,9 +248,9 @@ class ChatBuilder(ResponseBuilder):
             assert self.tools is not None and self._calls is not None
             self._held.append(chunk.text)
             if entries := self._calls.feed(chunk.text):
-                return self._delta_chunk({"tool_calls": entries})
+                return [self._delta_chunk({"tool_calls": entries})]
             if self.tools.forced or self._calls.started or not self._calls.failed:
-                return None
+                return []
             self._streams_content, text = True, "".join(self._held)
             self._held = []
         choice: dict[str, Any] = {
@@ -257,9 +263,9 @@ class ChatBuilder(ResponseBuilder):
             part = self._content_logprobs(chunk.logprobs)
             self.content_logprobs.extend(part)
             choice["logprobs"] = {"content": part}
-        return self._envelope(self.chunk_object_name, [choice])
+        return [self._envelope(self.chunk_object_name, [choice])]
 
-    def finish(self, end: Finish) -> dict[str, Any]:
+    def finish(self, end: Finish) -> list[dict[str, Any]]:
         self.usage = end.usage
         self.finish_reason, self.stop_reason = end.finish_reason, end.stop_reason
         delta: dict[str, Any] = {}
@@ -280,7 +286,7 @@ class ChatBuilder(ResponseBuilder):
             "finish_reason": self.finish_reason,
             "stop_reason": end.stop_reason,
         }
-        return self._envelope(self.chunk_object_name, [choice])
+        return [self._envelope(self.chunk_object_name, [choice])]
 
     def _delta_chunk(self, delta: dict[str, Any]) -> dict[str, Any]:
         choice = {"index": self.index, "delta": delta, "logprobs": None, "finish_reason": None}

@@ -5,6 +5,8 @@ them there), the served model, a chat question, and the check of an OpenAI error
 
 from __future__ import annotations
 
+from typing import Any
+
 import httpx
 import openai
 import pytest
@@ -34,3 +36,13 @@ def _error(response: httpx.Response, status: int) -> dict[str, object]:
     assert set(error) == {"message", "type", "param", "code"}
     assert isinstance(error["message"], str) and error["message"]
     return error
+
+
+def assert_route_schema(schema: dict[str, Any], path: str, request: str, response: str) -> None:
+    """The OpenAPI ``schema`` documents ``POST path`` with body model ``request`` and 200
+    model ``response``."""
+    route = schema["paths"][path]["post"]
+    body_ref = route["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+    assert body_ref.endswith(f"/{request}")
+    ok_ref = route["responses"]["200"]["content"]["application/json"]["schema"]["$ref"]
+    assert ok_ref.endswith(f"/{response}")

@@ -98,6 +98,11 @@ CLIENT_ERRORS = frozenset(
 """The gRPC statuses that blame the request (HTTP's 4xx); anything else but OK is a bug."""
 CLIENT_ERROR_TYPES = frozenset({"invalid_request_error", "rate_limit_error"})
 """OpenAI error types of the gateway's 4xx; an SSE error event of another type is a 5xx."""
+CLIENT_ERROR_CODES = frozenset({
+    "invalid_request_error", "rate_limit_exceeded", "not_found", "request_too_large",
+})  # fmt: skip
+"""The codes of a Responses stream's ``error`` event for a client's error (its 4xx's code,
+else its type)."""
 STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
 SCHEMA_CHECKS = [status_code_conformance, content_type_conformance, response_schema_conformance]
 
@@ -198,13 +203,12 @@ class HttpTally:
         return counts
 
 
-def _anchored(
-    cases: st.SearchStrategy[Case], model: str, completions: bool
-) -> st.SearchStrategy[Case]:
+def _anchored(cases: st.SearchStrategy[Case], model: str, path: str) -> st.SearchStrategy[Case]:
     """Schema-valid cases steered toward generation: the served model's name; for
     completions, often a short text or token-id prompt, or token ids up to a few past the
-    context's end; often an ``x-request-id`` (printable latin-1, up to 300 characters: over
-    256 is a 400; leading whitespace is not sent)."""
+    context's end; for responses, often a short text input; often an ``x-request-id``
+    (printable latin-1, up to 300 characters: over 256 is a 400; leading whitespace is not
+    sent)."""
     prompts = st.one_of(
         st.text(min_size=1, max_size=60),
         st.lists(st.integers(0, 999), min_size=1, max_size=24),
@@ -220,8 +224,10 @@ def _anchored(
         case = draw(cases)
         if isinstance(case.body, dict):
             body = {**case.body, "model": model}
-            if completions and draw(st.booleans()):
+            if path == "/v1/completions" and draw(st.booleans()):
                 body["prompt"] = draw(prompts)
+            if path == "/v1/responses" and draw(st.booleans()):
+                body["input"] = draw(st.text(min_size=1, max_size=60))
             case.body = body
         if draw(st.booleans()):
             headers = CaseInsensitiveDict(case.headers or {})
@@ -242,8 +248,7 @@ def _operation_strategies(
     if operation.body or any(True for _ in operation.iter_parameters()):
         kinds.append(("negative", operation.as_strategy(generation_mode=GenerationMode.NEGATIVE)))
     if operation.method == "post":
-        completions = operation.path == "/v1/completions"
-        kinds.append(("anchored", _anchored(positive, model, completions)))
+        kinds.append(("anchored", _anchored(positive, model, operation.path)))
     return kinds
 
 
@@ -260,6 +265,22 @@ def _assert_openai_error(response: schemathesis.Response) -> str | None:
     assert error["param"] is None or isinstance(error["param"], str), error
     assert error["code"] is None or isinstance(error["code"], str), error
     return error["param"]
+
+
+def _assert_typed_event_stream(text: str) -> None:
+    """A Responses API SSE body: ``event: <type>`` / ``data: {json}`` pairs whose data names
+    the same type, numbered from 0, ending with the response's last event; an ``error``
+    event only of a client-error kind."""
+    events = [event for event in text.split("\n\n") if event.strip()]
+    assert events, "an empty stream"
+    for number, event in enumerate(events):
+        name, data = event.split("\n", 1)
+        payload = json.loads(data.removeprefix("data: "))
+        assert name == f"event: {payload['type']}" and payload["sequence_number"] == number
+        if payload["type"] == "error":
+            assert payload["code"] in CLIENT_ERROR_CODES, f"server error mid-stream: {payload}"
+    last = json.loads(events[-1].split("\n", 1)[1].removeprefix("data: "))["type"]
+    assert last in ("response.completed", "response.incomplete", "response.failed"), last
 
 
 def _assert_event_stream(text: str) -> None:
@@ -290,7 +311,10 @@ def _check_http(case: Case, url: str, kind: str, tally: HttpTally) -> None:
     content_type = response.headers.get("content-type", [""])[0]
     if status == 200 and content_type.startswith("text/event-stream"):
         assert not response.stream_cut_short, "the stream ran past the request timeout"
-        _assert_event_stream(response.text)
+        if case.operation.path == "/v1/responses":
+            _assert_typed_event_stream(response.text)
+        else:
+            _assert_event_stream(response.text)
     case.validate_response(response, checks=SCHEMA_CHECKS)
 
 

@@ -25,6 +25,7 @@ from tests.gateway_support import (
     QUESTION,
     _error,
     _model,
+    assert_route_schema,
     sdk_fixture,  # noqa: F401 - the fixture sdk, found here by pytest
     served_fixture,  # noqa: F401 - the fixture served, found here by pytest
 )
@@ -52,12 +53,8 @@ def test_models_health_and_openapi(served: Served, sdk: openai.OpenAI) -> None:
     assert len(models) == 1 and models[0].id.lower().startswith("smollm2")
     assert httpx.get(f"{served.url}/health", timeout=10).status_code == 200
     schema = httpx.get(f"{served.url}/openapi.json", timeout=10).json()
-    completions = schema["paths"]["/v1/completions"]["post"]
-    body_ref = completions["requestBody"]["content"]["application/json"]["schema"]["$ref"]
-    assert body_ref.endswith("/CompletionRequest")
-    ok_ref = completions["responses"]["200"]["content"]["application/json"]["schema"]["$ref"]
-    assert ok_ref.endswith("/CompletionResponse")
-    assert "429" in completions["responses"]
+    assert_route_schema(schema, "/v1/completions", "CompletionRequest", "CompletionResponse")
+    assert "429" in schema["paths"]["/v1/completions"]["post"]["responses"]
     chat_fields = schema["components"]["schemas"]["ChatCompletionRequest"]["properties"]
     assert {"messages", "max_completion_tokens", "stream_options", "logprobs"} <= set(chat_fields)
 

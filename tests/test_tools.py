@@ -81,9 +81,10 @@ def test_answers_parse_as_calls_only_in_the_format_with_known_names() -> None:
 
 
 def _stream(builder: ChatBuilder, pieces: list[str]) -> list[dict]:
-    chunks = [builder.add(Chunk("r", piece, (1,), (), USAGE)) for piece in pieces]
-    chunks.append(builder.finish(Finish("r", "stop", None, USAGE)))
-    return [chunk for chunk in chunks if chunk is not None]
+    chunks = [
+        event for piece in pieces for event in builder.add(Chunk("r", piece, (1,), (), USAGE))
+    ]
+    return chunks + builder.finish(Finish("r", "stop", None, USAGE))
 
 
 def test_auto_streams_content_once_it_cannot_be_a_call_and_streams_a_call() -> None:
@@ -193,8 +194,9 @@ def test_a_streamed_call_cut_short_ends_as_the_whole_answer_does() -> None:
     its own reason and the whole text as content, as the non-streamed response has it."""
     builder = ChatBuilder("c", "m", False, tools=_plan())
     text = '{"tool_calls": [{"name": "add", "arguments": {"a": 1'
-    chunks = [builder.add(Chunk("r", piece, (1,), (), USAGE)) for piece in _pieces(text, 5)]
-    assert any(c is not None and c["choices"][0]["delta"].get("tool_calls") for c in chunks)
-    final = builder.finish(Finish("r", "length", None, USAGE))["choices"][0]
+    pieces = _pieces(text, 5)
+    chunks = [c for piece in pieces for c in builder.add(Chunk("r", piece, (1,), (), USAGE))]
+    assert any(c["choices"][0]["delta"].get("tool_calls") for c in chunks)
+    (final,) = (c["choices"][0] for c in builder.finish(Finish("r", "length", None, USAGE)))
     assert final["finish_reason"] == "length" and final["delta"] == {"content": text}
     assert builder.whole()["choices"][0]["message"] == {"role": "assistant", "content": text}

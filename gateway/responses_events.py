@@ -1,0 +1,261 @@
+"""Client chunks -> the Responses API's response object and its stream of typed events.
+
+``ResponsesBuilder`` folds a request's chunks through a ``ChatBuilder`` (so text and tool
+calls are told apart exactly as chat completions tell them: a possible call is held back until
+it is known, ``gateway/responses.py``) and turns each chat delta into Responses events.
+
+Contract of a stream (each event has ``type`` and a ``sequence_number`` counting from 0):
+- ``response.created`` and ``response.in_progress`` (the response, ``status: in_progress``);
+- text: ``response.output_item.added`` (a ``message`` item), ``response.content_part.added``
+  (an ``output_text`` part), one ``response.output_text.delta`` per piece of text, and at the
+  end ``response.output_text.done``, ``response.content_part.done`` and
+  ``response.output_item.done`` with the whole text;
+- each tool call: ``response.output_item.added`` (a ``function_call`` item with its
+  ``call_id`` and name), ``response.function_call_arguments.delta`` per piece of its
+  arguments, and at the end ``response.function_call_arguments.done`` and
+  ``response.output_item.done``;
+- last, ``response.completed`` (finished by a stop or a call), ``response.incomplete``
+  (``max_output_tokens`` reached: ``incomplete_details.reason``) or ``response.failed``
+  (cancelled), each with the whole response and its ``usage``;
+- a failure after the stream began ends it with an ``error`` event.
+The non-streamed response is the object the last event carries. A response has at least one
+output item: an answer of no text is a message with empty text.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from splitserve.client import Chunk, Finish, Usage
+from splitserve.client.tools import ToolPlan
+from splitserve.gateway.errors import ApiError
+from splitserve.gateway.responses import ChatBuilder, ResponseBuilder
+from splitserve.gateway.responses_schemas import ResponsesRequest
+
+_FINAL = {"stop": "completed", "tool_calls": "completed", "length": "incomplete"}
+"""Chat's finish reason -> the response's status ("cancelled" otherwise)."""
+_FINAL_EVENT = {"completed": "response.completed", "incomplete": "response.incomplete"}
+
+
+def _item_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+class ResponsesBuilder(ResponseBuilder):
+    """One request's response object and events (module docstring)."""
+
+    object_name = chunk_object_name = "response"
+
+    def __init__(
+        self, response_id: str, model: str, body: ResponsesRequest, tools: ToolPlan | None
+    ) -> None:
+        super().__init__(response_id, model)
+        self.body = body
+        self.tools = tools
+        self.chat = ChatBuilder(response_id, model, False, 0, tools)
+        self.sequence = 0
+        self.status = "in_progress"
+        self.completed_at: int | None = None
+        self.output: list[dict[str, Any]] = []
+        """Output items in order, as the stream has them so far."""
+        self.message: dict[str, Any] | None = None
+        """The message item text goes to (None until text arrives)."""
+        self.calls: list[dict[str, Any]] = []
+        """Function call items by the chat stream's call index."""
+        self.index_of: dict[str, int] = {}
+        """Each output item's index in ``output``, by its id."""
+
+    # ---- events ---------------------------------------------------------------------------
+
+    def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        event = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return event
+
+    def opening_chunks(self) -> list[dict[str, Any]]:
+        return [
+            self._event("response.created", response=self.whole()),
+            self._event("response.in_progress", response=self.whole()),
+        ]
+
+    def add(self, chunk: Chunk) -> list[dict[str, Any]]:
+        events: list[dict[str, Any]] = []
+        for chat_chunk in self.chat.add(chunk):
+            events += self._from_delta(chat_chunk["choices"][0]["delta"])
+        self.usage = chunk.usage
+        return events
+
+    def finish(self, end: Finish) -> list[dict[str, Any]]:
+        events: list[dict[str, Any]] = []
+        for chat_chunk in self.chat.finish(end):
+            events += self._from_delta(chat_chunk["choices"][0]["delta"])
+        self.usage = end.usage
+        self.status = _FINAL.get(self.chat.finish_reason or "", "cancelled")
+        if not self.output:
+            events += self._open_message()
+        item_status = "completed" if self.status == "completed" else "incomplete"
+        for index, item in enumerate(self.output):
+            events += self._close(index, item, item_status)
+        self.completed_at = int(time.time())
+        final = _FINAL_EVENT.get(self.status, "response.failed")
+        events.append(self._event(final, response=self.whole()))
+        return events
+
+    def error_events(self, error: ApiError) -> list[dict[str, Any]]:
+        """An ``error`` event; its ``code`` the error's, else its type."""
+        code = error.code or error.type
+        return [self._event("error", code=code, message=error.message, param=error.param)]
+
+    def _from_delta(self, delta: dict[str, Any]) -> list[dict[str, Any]]:
+        events: list[dict[str, Any]] = []
+        if text := delta.get("content"):
+            if self.message is None:
+                events += self._open_message()
+            assert self.message is not None
+            self.message["content"][0]["text"] += text
+            delta_event = "response.output_text.delta"
+            events.append(self._part_event(delta_event, self.message, delta=text, logprobs=[]))
+        for entry in delta.get("tool_calls") or ():
+            events += self._call_piece(entry)
+        return events
+
+    def _open_message(self) -> list[dict[str, Any]]:
+        part = {"type": "output_text", "text": "", "annotations": []}
+        self.message = {
+            "type": "message",
+            "id": _item_id("msg"),
+            "status": "in_progress",
+            "role": "assistant",
+            "content": [],
+        }
+        index = self._append(self.message)
+        added = self._event(
+            "response.output_item.added", output_index=index, item=_copy(self.message)
+        )
+        self.message["content"].append(part)
+        return [
+            added,
+            self._part_event("response.content_part.added", self.message, part=dict(part)),
+        ]
+
+    def _append(self, item: dict[str, Any]) -> int:
+        """Add an output item; its index."""
+        self.index_of[item["id"]] = len(self.output)
+        self.output.append(item)
+        return len(self.output) - 1
+
+    def _call_piece(self, entry: dict[str, Any]) -> list[dict[str, Any]]:
+        """A chat ``delta.tool_calls`` entry: a new call's item, or the next piece of a
+        call's arguments."""
+        function = entry.get("function") or {}
+        events = []
+        if "id" in entry:
+            item = {
+                "type": "function_call",
+                "id": _item_id("fc"),
+                "call_id": entry["id"],
+                "name": function.get("name", ""),
+                "arguments": "",
+                "status": "in_progress",
+            }
+            self.calls.append(item)
+            index = self._append(item)
+            events.append(
+                self._event("response.output_item.added", output_index=index, item=dict(item))
+            )
+        item = self.calls[entry["index"]]
+        if pieces := function.get("arguments"):
+            item["arguments"] += pieces
+            events.append(
+                self._event(
+                    "response.function_call_arguments.delta",
+                    item_id=item["id"],
+                    output_index=self.index_of[item["id"]],
+                    delta=pieces,
+                )
+            )
+        return events
+
+    def _part_event(self, kind: str, item: dict[str, Any], **fields: Any) -> dict[str, Any]:
+        """An event about message ``item``'s one content part."""
+        return self._event(kind, item_id=item["id"], output_index=self.index_of[item["id"]],
+                           content_index=0, **fields)  # fmt: skip
+
+    def _close(self, index: int, item: dict[str, Any], status: str) -> list[dict[str, Any]]:
+        """The events that end output item ``index``, now with its final ``status``."""
+        item["status"] = status
+        events = []
+        if item["type"] == "message":
+            part = item["content"][0]
+            events.append(
+                self._part_event("response.output_text.done", item, text=part["text"], logprobs=[])
+            )
+            events.append(self._part_event("response.content_part.done", item, part=dict(part)))
+        else:
+            events.append(
+                self._event(
+                    "response.function_call_arguments.done",
+                    item_id=item["id"],
+                    output_index=index,
+                    arguments=item["arguments"],
+                )
+            )
+        events.append(
+            self._event("response.output_item.done", output_index=index, item=_copy(item))
+        )
+        return events
+
+    # ---- the object -----------------------------------------------------------------------
+
+    def whole(self) -> dict[str, Any]:
+        body = self.body
+        cancelled = self.status == "cancelled"
+        return {
+            "id": self.response_id,
+            "object": "response",
+            "created_at": self.created,
+            "status": self.status,
+            "completed_at": self.completed_at,
+            "error": {"code": "cancelled", "message": "the request was cancelled"}
+            if cancelled
+            else None,
+            "incomplete_details": {"reason": "max_output_tokens"}
+            if self.status == "incomplete"
+            else None,
+            "instructions": body.instructions,
+            "max_output_tokens": body.max_output_tokens or body.max_tokens,
+            "model": self.model,
+            "output": [_copy(item) for item in self.output],
+            "parallel_tool_calls": body.parallel_tool_calls is not False,
+            "previous_response_id": None,
+            "store": False,
+            "temperature": body.temperature,
+            "top_p": body.top_p,
+            "text": body.text or {"format": {"type": "text"}},
+            "tool_choice": body.tool_choice or ("auto" if body.tools else "none"),
+            "tools": body.tools or [],
+            "truncation": "disabled",
+            "usage": None
+            if self.usage is None or self.status == "in_progress"
+            else _usage(self.usage),
+        }
+
+
+def _usage(usage: Usage) -> dict[str, Any]:
+    return {
+        "input_tokens": usage.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": usage.cached_tokens},
+        "output_tokens": usage.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+    }
+
+
+def _copy(item: dict[str, Any]) -> dict[str, Any]:
+    """An item as it is now (its content parts copied: the builder goes on adding to them)."""
+    copied = dict(item)
+    if "content" in copied:
+        copied["content"] = [dict(part) for part in copied["content"]]
+    return copied

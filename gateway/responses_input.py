@@ -1,0 +1,232 @@
+"""A Responses API request (``POST /v1/responses``) as the chat completion it amounts to, so
+that the chat path's prompt, sampling, tools and structured outputs serve it unchanged
+(``gateway/sampling.py``).
+
+Contract of ``as_chat``:
+- ``instructions`` becomes a system message before the input; ``input`` text one user
+  message; a list of items becomes messages in order: a message item (``role`` user, system,
+  developer or assistant; ``content`` text or ``input_text`` / ``output_text`` parts) as that
+  message, consecutive ``function_call`` items as one assistant message's tool calls, a
+  ``function_call_output`` item as the tool message answering its ``call_id``;
+- function ``tools`` and ``tool_choice`` in the Responses shape (name at the top level) become
+  chat's (under ``function``); ``text.format`` becomes ``response_format``;
+  ``max_output_tokens`` is ``max_tokens`` (400 when both are sent and differ);
+- every other sampling field is the chat body's as sent;
+- anything it cannot serve is a 400 naming the field or item (``input.2.content.0``): other
+  item or part types (images, files, reasoning, references to stored items), other tool types,
+  and the declared fields that ask for stored state or features splitserve lacks
+  (``previous_response_id``, ``conversation``, ``include``, ``reasoning``, ``background``,
+  ``truncation: auto``, ``top_logprobs``, ``max_tool_calls``, ``prompt``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from splitserve.client import Sampling
+from splitserve.client.tools import ToolPlan
+from splitserve.gateway.errors import ApiError, invalid
+from splitserve.gateway.responses_schemas import ResponsesRequest
+from splitserve.gateway.sampling import PromptArgs, chat_prompts, chat_sampling, request_tools
+from splitserve.gateway.schemas import (
+    CalledFunction,
+    ChatCompletionRequest,
+    ChatMessage,
+    MessageToolCall,
+    _SamplingFields,
+)
+
+_MESSAGE_ROLES = ("user", "system", "developer", "assistant")
+_TEXT_PARTS = ("input_text", "output_text", "text")
+_NOT_STORED = "responses are not stored here: send the conversation as input"
+_SHARED_FIELDS = frozenset(_SamplingFields.model_fields) - {"n", "best_of", "stream_options"}
+"""The sampling fields a Responses body passes on to the chat body as they are."""
+
+
+def responses_prompts(body: ResponsesRequest) -> list[PromptArgs]:
+    return chat_prompts(as_chat(body))
+
+
+def responses_sampling(body: ResponsesRequest) -> Sampling:
+    return chat_sampling(as_chat(body))
+
+
+def responses_tools(body: ResponsesRequest) -> ToolPlan | None:
+    return request_tools(as_chat(body))
+
+
+def as_chat(body: ResponsesRequest) -> ChatCompletionRequest:
+    """The chat completion ``body`` amounts to (module docstring); ``ApiError`` 400 for what
+    cannot be served."""
+    _refuse_unserved(body)
+    messages = [] if body.instructions is None else [_message("system", body.instructions)]
+    messages += _input_messages(body.input)
+    if not messages:
+        raise invalid("input must hold at least one message", "input")
+    if body.max_tokens and body.max_output_tokens and body.max_tokens != body.max_output_tokens:
+        raise invalid("max_tokens and max_output_tokens differ; send one", "max_output_tokens")
+    fields = {name: getattr(body, name) for name in _SHARED_FIELDS}
+    fields["max_tokens"] = body.max_output_tokens or body.max_tokens
+    response_format = _response_format(body.text)
+    if response_format is not None:
+        if body.response_format is not None:
+            raise invalid("send the structured output once, as text.format", "response_format")
+        fields["response_format"] = response_format
+    return ChatCompletionRequest.model_construct(
+        **fields,
+        messages=messages,
+        tools=_tools(body.tools),
+        tool_choice=_tool_choice(body.tool_choice),
+        parallel_tool_calls=body.parallel_tool_calls,
+    )
+
+
+def _refuse_unserved(body: ResponsesRequest) -> None:
+    refusals: list[tuple[str, bool, str]] = [
+        ("previous_response_id", body.previous_response_id is not None, _NOT_STORED),
+        ("conversation", body.conversation is not None, _NOT_STORED),
+        ("include", bool(body.include), "include is not supported"),
+        (
+            "reasoning",
+            any(value is not None for value in (body.reasoning or {}).values()),
+            "reasoning is not supported: no reasoning model",
+        ),
+        ("background", bool(body.background), "background responses are not supported"),
+        (
+            "truncation",
+            body.truncation not in (None, "disabled"),
+            "only truncation: disabled is supported (a prompt too long is refused)",
+        ),
+        ("top_logprobs", bool(body.top_logprobs), "logprobs are not returned by /v1/responses"),
+        ("max_tool_calls", body.max_tool_calls is not None, "max_tool_calls is not supported"),
+        ("prompt", body.prompt is not None, "stored prompts are not supported"),
+    ]
+    for field, asked, reason in refusals:
+        if asked:
+            raise invalid(f"{reason} ({field})", field)
+
+
+def _message(role: str, content: str) -> ChatMessage:
+    return ChatMessage(role=role, content=content)  # type: ignore[arg-type]
+
+
+def _input_messages(given: str | list[dict[str, Any]]) -> list[ChatMessage]:
+    if isinstance(given, str):
+        return [_message("user", given)]
+    messages: list[ChatMessage] = []
+    for index, item in enumerate(given):
+        where = f"input.{index}"
+        kind = item.get("type", "message" if "role" in item else None)
+        if kind == "message":
+            messages.append(_message_item(item, where))
+        elif kind == "function_call":
+            call = _function_call(item, where)
+            last = messages[-1] if messages else None
+            if last is not None and last.role == "assistant" and last.tool_calls:
+                last.tool_calls.append(call)
+            else:
+                messages.append(ChatMessage(role="assistant", content="", tool_calls=[call]))
+        elif kind == "function_call_output":
+            call_id = _string(item, "call_id", where)
+            output = _text_of(item.get("output"), f"{where}.output")
+            messages.append(ChatMessage(role="tool", content=output, tool_call_id=call_id))
+        else:
+            raise invalid(f"input items of type {kind!r} are not supported", f"{where}.type")
+    return messages
+
+
+def _message_item(item: dict[str, Any], where: str) -> ChatMessage:
+    role = item.get("role")
+    if role not in _MESSAGE_ROLES:
+        raise invalid(
+            f"a message's role must be one of {', '.join(_MESSAGE_ROLES)}", f"{where}.role"
+        )
+    return _message(role, _text_of(item.get("content"), f"{where}.content"))
+
+
+def _text_of(content: Any, where: str) -> str:
+    """Text, or text parts joined; 400 naming the part for any other."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise invalid("content must be text or a list of text parts", where)
+    texts = []
+    for index, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS:
+            raise invalid("only text content parts are supported", f"{where}.{index}")
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise invalid("a text part needs its text", f"{where}.{index}.text")
+        texts.append(text)
+    return "".join(texts)
+
+
+def _string(item: dict[str, Any], key: str, where: str) -> str:
+    value = item.get(key)
+    if not isinstance(value, str) or not value:
+        raise invalid(f"{key} must be a non-empty string", f"{where}.{key}")
+    return value
+
+
+def _function_call(item: dict[str, Any], where: str) -> MessageToolCall:
+    arguments = item.get("arguments", "{}")
+    if not isinstance(arguments, str):
+        raise invalid("arguments must be the call's JSON text", f"{where}.arguments")
+    return MessageToolCall(
+        id=_string(item, "call_id", where),
+        function=CalledFunction(name=_string(item, "name", where), arguments=arguments),
+    )
+
+
+def _tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """Responses' function tools in chat's shape; 400 naming any other tool."""
+    if tools is None:
+        return None
+    converted = []
+    for index, tool in enumerate(tools):
+        if tool.get("type") != "function":
+            raise invalid(
+                f"only function tools are supported, not {tool.get('type')!r}",
+                f"tools.{index}.type",
+            )
+        function = {key: value for key, value in tool.items() if key != "type"}
+        converted.append({"type": "function", "function": function})
+    return converted
+
+
+def _tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+    if choice is None or isinstance(choice, str):
+        return choice
+    if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+        raise invalid(
+            "tool_choice must be none, auto, required or {'type': 'function', 'name': ...}",
+            "tool_choice",
+        )
+    return {"type": "function", "function": {"name": choice["name"]}}
+
+
+def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``text.format`` as chat's ``response_format`` (None: plain text)."""
+    if not text:
+        return None
+    if text.get("verbosity") not in (None, "medium"):
+        raise invalid("only verbosity: medium is supported", "text.verbosity")
+    unknown = set(text) - {"format", "verbosity"}
+    if unknown:
+        raise invalid(f"text.{sorted(unknown)[0]} is not supported", f"text.{sorted(unknown)[0]}")
+    form = text.get("format")
+    if form is None:
+        return None
+    if not isinstance(form, dict):
+        raise invalid("text.format must be an object", "text.format")
+    kind = form.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind == "json_schema":
+        schema = form.get("schema")
+        if not isinstance(schema, dict):
+            raise invalid("a json_schema format needs its schema, an object", "text.format.schema")
+        return {"type": "json_schema", "json_schema": {"name": form.get("name"), "schema": schema}}
+    raise ApiError(400, f"unknown text.format type {kind!r}", param="text.format.type")

@@ -1,0 +1,152 @@
+"""OpenAI's Responses API bodies (``POST /v1/responses``) as pydantic models: the request, and
+the response object for the OpenAPI schema (the gateway builds it as a plain dict:
+``gateway/responses_events.py``; tests check the dicts against these models).
+
+The request takes the Responses fields splitserve serves (``input`` as text or a list of
+messages and function-call items, ``instructions``, ``max_output_tokens``, ``temperature``,
+``top_p``, function ``tools``, ``tool_choice``, ``parallel_tool_calls``, ``text.format``,
+``stream``) and, as vLLM does, the sampling extensions every generation request has
+(``gateway/schemas.py:_SamplingFields``: ``top_k``, ``min_p``, ``seed``, penalties, ``stop``,
+latency targets, ...). Declared fields that ask for what splitserve does not do (a stored
+previous response, a conversation, reasoning, background runs, ``include``d extras, automatic
+truncation) are refused with a 400 naming them by ``gateway/responses_input.py``; ``n`` and
+``best_of`` above 1 fail validation (a response has one output).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+from splitserve.gateway.schemas import _SamplingFields
+
+# ---- request ------------------------------------------------------------------------------
+
+
+class ResponsesRequest(_SamplingFields):
+    """``POST /v1/responses``."""
+
+    input: str | list[dict[str, Any]] = Field(
+        ...,
+        description="Text (one user message), or a list of items: messages ({'role': 'user' | "
+        "'system' | 'developer' | 'assistant', 'content': text or input_text / output_text "
+        "parts}), and a tool round's 'function_call' and 'function_call_output' items.",
+    )
+    instructions: str | None = Field(None, description="A system message before the input.")
+    max_output_tokens: int | None = Field(None, ge=1)
+    tools: list[dict[str, Any]] | None = Field(
+        None,
+        description="Function tools ({'type': 'function', 'name', 'description', "
+        "'parameters'}), described to the model (client/tools.py).",
+    )
+    tool_choice: str | dict[str, Any] | None = Field(
+        None, description="none, auto (default with tools), required or {'type': 'function', "
+        "'name': ...}."
+    )  # fmt: skip
+    parallel_tool_calls: bool | None = Field(
+        None, description="With tool_choice required: several calls in one answer (default)."
+    )
+    text: dict[str, Any] | None = Field(
+        None,
+        description="{'format': {'type': 'text' | 'json_object'}} or {'format': {'type': "
+        "'json_schema', 'name': ..., 'schema': {...}}}: a structured output.",
+    )
+    store: bool | None = Field(
+        None, description="Responses are not stored: the response says store: false."
+    )
+    stream_options: dict[str, Any] | None = Field(
+        None, description="Accepted; no obfuscation padding is sent either way."
+    )
+    n: int | None = Field(1, ge=1, le=1, description="A response has one output.")
+    best_of: int | None = Field(None, ge=1, le=1, description="A response has one output.")
+    # refused unless they ask for nothing (gateway/responses_input.py)
+    previous_response_id: str | None = None
+    conversation: str | dict[str, Any] | None = None
+    include: list[str] | None = None
+    reasoning: dict[str, Any] | None = None
+    background: bool | None = None
+    truncation: str | None = None
+    top_logprobs: int | None = None
+    max_tool_calls: int | None = None
+    prompt: dict[str, Any] | None = None
+
+
+# ---- response -----------------------------------------------------------------------------
+
+
+class OutputText(BaseModel):
+    type: Literal["output_text"] = "output_text"
+    text: str
+    annotations: list[Any]
+
+
+class OutputMessage(BaseModel):
+    type: Literal["message"] = "message"
+    id: str
+    status: Literal["in_progress", "completed", "incomplete"]
+    role: Literal["assistant"] = "assistant"
+    content: list[OutputText]
+
+
+class FunctionCallItem(BaseModel):
+    type: Literal["function_call"] = "function_call"
+    id: str
+    call_id: str
+    name: str
+    arguments: str
+    """The JSON text the model wrote."""
+    status: Literal["in_progress", "completed", "incomplete"]
+
+
+class InputTokensDetails(BaseModel):
+    cached_tokens: int
+
+
+class OutputTokensDetails(BaseModel):
+    reasoning_tokens: int
+
+
+class ResponseUsage(BaseModel):
+    input_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails
+    total_tokens: int
+
+
+class IncompleteDetails(BaseModel):
+    reason: Literal["max_output_tokens"]
+
+
+class ResponseError(BaseModel):
+    code: str
+    message: str
+
+
+class ResponseObject(BaseModel):
+    """A response; streamed as typed SSE events (``event: response.created``, ...,
+    ``response.output_text.delta``, ..., ``response.completed``), each with a
+    ``sequence_number``."""
+
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int
+    status: Literal["in_progress", "completed", "incomplete", "failed", "cancelled"]
+    completed_at: int | None
+    error: ResponseError | None
+    incomplete_details: IncompleteDetails | None
+    instructions: str | None
+    max_output_tokens: int | None
+    model: str
+    output: list[OutputMessage | FunctionCallItem]
+    parallel_tool_calls: bool
+    previous_response_id: None
+    store: Literal[False]
+    temperature: float | None
+    top_p: float | None
+    text: dict[str, Any]
+    tool_choice: str | dict[str, Any]
+    tools: list[dict[str, Any]]
+    truncation: Literal["disabled"]
+    usage: ResponseUsage | None
