@@ -24,6 +24,7 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow  # `make gpu-preflight`, run before every GPU call, compiles the same kernels
 def test_every_gpu_kernel_compiles_for_sm90(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
