@@ -317,7 +317,7 @@ def _add_middleware(app: FastAPI, config: GatewayConfig) -> None:
     app.add_middleware(LimitBody, max_bytes=config.max_body_bytes)
     app.add_middleware(
         RefuseAtTheDoor,
-        paths=frozenset({COMPLETIONS.path, CHAT.path}),
+        paths=frozenset({COMPLETIONS.path, CHAT.path, RESPONSES.path}),
         refusal=_edge_refusal,
     )
     app.add_middleware(
