@@ -32,6 +32,7 @@ from splitserve.client import Chunk, Finish, Usage
 from splitserve.client.tools import ToolPlan
 from splitserve.gateway.errors import ApiError
 from splitserve.gateway.responses import ChatBuilder, ResponseBuilder
+from splitserve.gateway.responses_input import wants_logprobs
 from splitserve.gateway.responses_schemas import ResponsesRequest
 
 _FINAL = {"stop": "completed", "tool_calls": "completed", "length": "incomplete"}
@@ -54,7 +55,8 @@ class ResponsesBuilder(ResponseBuilder):
         super().__init__(response_id, model)
         self.body = body
         self.tools = tools
-        self.chat = ChatBuilder(response_id, model, False, 0, tools)
+        self.want_logprobs = wants_logprobs(body)
+        self.chat = ChatBuilder(response_id, model, self.want_logprobs, 0, tools)
         self.sequence = 0
         self.status = "in_progress"
         self.completed_at: int | None = None
@@ -83,14 +85,14 @@ class ResponsesBuilder(ResponseBuilder):
     def add(self, chunk: Chunk) -> list[dict[str, Any]]:
         events: list[dict[str, Any]] = []
         for chat_chunk in self.chat.add(chunk):
-            events += self._from_delta(chat_chunk["choices"][0]["delta"])
+            events += self._from_choice(chat_chunk["choices"][0])
         self.usage = chunk.usage
         return events
 
     def finish(self, end: Finish) -> list[dict[str, Any]]:
         events: list[dict[str, Any]] = []
         for chat_chunk in self.chat.finish(end):
-            events += self._from_delta(chat_chunk["choices"][0]["delta"])
+            events += self._from_choice(chat_chunk["choices"][0])
         self.usage = end.usage
         self.status = _FINAL.get(self.chat.finish_reason or "", "cancelled")
         if not self.output:
@@ -108,21 +110,32 @@ class ResponsesBuilder(ResponseBuilder):
         code = error.code or error.type
         return [self._event("error", code=code, message=error.message, param=error.param)]
 
-    def _from_delta(self, delta: dict[str, Any]) -> list[dict[str, Any]]:
+    def _from_choice(self, choice: dict[str, Any]) -> list[dict[str, Any]]:
+        """The events of one chat chunk's choice: its text, its tool call pieces."""
         events: list[dict[str, Any]] = []
-        if text := delta.get("content"):
+        delta = choice["delta"]
+        text = delta.get("content") or ""
+        logprobs = (choice.get("logprobs") or {}).get("content") or []
+        if text or logprobs:  # a token of no text (the stop token) may still have a logprob
             if self.message is None:
                 events += self._open_message()
             assert self.message is not None
-            self.message["content"][0]["text"] += text
+            part = self.message["content"][0]
+            part["text"] += text
+            if self.want_logprobs:
+                part["logprobs"] += logprobs
             delta_event = "response.output_text.delta"
-            events.append(self._part_event(delta_event, self.message, delta=text, logprobs=[]))
+            events.append(
+                self._part_event(delta_event, self.message, delta=text, logprobs=logprobs)
+            )
         for entry in delta.get("tool_calls") or ():
             events += self._call_piece(entry)
         return events
 
     def _open_message(self) -> list[dict[str, Any]]:
-        part = {"type": "output_text", "text": "", "annotations": []}
+        part: dict[str, Any] = {"type": "output_text", "text": "", "annotations": []}
+        if self.want_logprobs:
+            part["logprobs"] = []
         self.message = {
             "type": "message",
             "id": _item_id("msg"),
@@ -137,7 +150,7 @@ class ResponsesBuilder(ResponseBuilder):
         self.message["content"].append(part)
         return [
             added,
-            self._part_event("response.content_part.added", self.message, part=dict(part)),
+            self._part_event("response.content_part.added", self.message, part=_copy_part(part)),
         ]
 
     def _append(self, item: dict[str, Any]) -> int:
@@ -190,9 +203,16 @@ class ResponsesBuilder(ResponseBuilder):
         if item["type"] == "message":
             part = item["content"][0]
             events.append(
-                self._part_event("response.output_text.done", item, text=part["text"], logprobs=[])
+                self._part_event(
+                    "response.output_text.done",
+                    item,
+                    text=part["text"],
+                    logprobs=list(part.get("logprobs", ())),
+                )
             )
-            events.append(self._part_event("response.content_part.done", item, part=dict(part)))
+            events.append(
+                self._part_event("response.content_part.done", item, part=_copy_part(part))
+            )
         else:
             events.append(
                 self._event(
@@ -257,5 +277,12 @@ def _copy(item: dict[str, Any]) -> dict[str, Any]:
     """An item as it is now (its content parts copied: the builder goes on adding to them)."""
     copied = dict(item)
     if "content" in copied:
-        copied["content"] = [dict(part) for part in copied["content"]]
+        copied["content"] = [_copy_part(part) for part in copied["content"]]
+    return copied
+
+
+def _copy_part(part: dict[str, Any]) -> dict[str, Any]:
+    copied = dict(part)
+    if "logprobs" in copied:
+        copied["logprobs"] = list(copied["logprobs"])
     return copied

@@ -11,12 +11,14 @@ Contract of ``as_chat``:
 - function ``tools`` and ``tool_choice`` in the Responses shape (name at the top level) become
   chat's (under ``function``); ``text.format`` becomes ``response_format``;
   ``max_output_tokens`` is ``max_tokens`` (400 when both are sent and differ);
-- every other sampling field is the chat body's as sent;
+- every other sampling field is the chat body's as sent; ``include``'s
+  ``message.output_text.logprobs`` is chat's ``logprobs`` (``top_logprobs`` alternatives);
 - anything it cannot serve is a 400 naming the field or item (``input.2.content.0``): other
   item or part types (images, files, reasoning, references to stored items), other tool types,
   and the declared fields that ask for stored state or features splitserve lacks
-  (``previous_response_id``, ``conversation``, ``include``, ``reasoning``, ``background``,
-  ``truncation: auto``, ``top_logprobs``, ``max_tool_calls``, ``prompt``).
+  (``previous_response_id``, ``conversation``, any other ``include``, ``reasoning``,
+  ``background``, ``truncation: auto``, ``top_logprobs`` without the logprobs ``include``,
+  ``max_tool_calls``, ``prompt``).
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ from splitserve.gateway.schemas import (
 _MESSAGE_ROLES = ("user", "system", "developer", "assistant")
 _TEXT_PARTS = ("input_text", "output_text", "text")
 _NOT_STORED = "responses are not stored here: send the conversation as input"
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+"""The one ``include`` served: each output token's logprob (and ``top_logprobs`` others)."""
 _SHARED_FIELDS = frozenset(_SamplingFields.model_fields) - {"n", "best_of", "stream_options"}
 """The sampling fields a Responses body passes on to the chat body as they are."""
 
@@ -67,6 +71,8 @@ def as_chat(body: ResponsesRequest) -> ChatCompletionRequest:
         raise invalid("max_tokens and max_output_tokens differ; send one", "max_output_tokens")
     fields = {name: getattr(body, name) for name in _SHARED_FIELDS}
     fields["max_tokens"] = body.max_output_tokens or body.max_tokens
+    if wants_logprobs(body):
+        fields["logprobs"], fields["top_logprobs"] = True, body.top_logprobs or 0
     response_format = _response_format(body.text)
     if response_format is not None:
         if body.response_format is not None:
@@ -81,11 +87,20 @@ def as_chat(body: ResponsesRequest) -> ChatCompletionRequest:
     )
 
 
+def wants_logprobs(body: ResponsesRequest) -> bool:
+    """Whether the output text's logprobs are asked for (``include``)."""
+    return LOGPROBS_INCLUDE in (body.include or ())
+
+
 def _refuse_unserved(body: ResponsesRequest) -> None:
     refusals: list[tuple[str, bool, str]] = [
         ("previous_response_id", body.previous_response_id is not None, _NOT_STORED),
         ("conversation", body.conversation is not None, _NOT_STORED),
-        ("include", bool(body.include), "include is not supported"),
+        (
+            "include",
+            any(name != LOGPROBS_INCLUDE for name in body.include or ()),
+            f"of include, only {LOGPROBS_INCLUDE!r} is supported",
+        ),
         (
             "reasoning",
             any(value is not None for value in (body.reasoning or {}).values()),
@@ -97,7 +112,11 @@ def _refuse_unserved(body: ResponsesRequest) -> None:
             body.truncation not in (None, "disabled"),
             "only truncation: disabled is supported (a prompt too long is refused)",
         ),
-        ("top_logprobs", bool(body.top_logprobs), "logprobs are not returned by /v1/responses"),
+        (
+            "top_logprobs",
+            body.top_logprobs is not None and not wants_logprobs(body),
+            f"top_logprobs needs include: [{LOGPROBS_INCLUDE!r}]",
+        ),
         ("max_tool_calls", body.max_tool_calls is not None, "max_tool_calls is not supported"),
         ("prompt", body.prompt is not None, "stored prompts are not supported"),
     ]

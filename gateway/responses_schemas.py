@@ -9,7 +9,8 @@ messages and function-call items, ``instructions``, ``max_output_tokens``, ``tem
 (``gateway/schemas.py:_SamplingFields``: ``top_k``, ``min_p``, ``seed``, penalties, ``stop``,
 latency targets, ...). Declared fields that ask for what splitserve does not do (a stored
 previous response, a conversation, reasoning, background runs, ``include``d extras, automatic
-truncation) are refused with a 400 naming them by ``gateway/responses_input.py``; ``n`` and
+truncation) are refused with a 400 naming them by ``gateway/responses_input.py``; of
+``include`` only the output text's logprobs are served; ``n`` and
 ``best_of`` above 1 fail validation (a response has one output).
 """
 
@@ -63,11 +64,15 @@ class ResponsesRequest(_SamplingFields):
     # refused unless they ask for nothing (gateway/responses_input.py)
     previous_response_id: str | None = None
     conversation: str | dict[str, Any] | None = None
-    include: list[str] | None = None
+    include: list[str] | None = Field(
+        None, description="Only 'message.output_text.logprobs': each output token's logprob."
+    )
+    top_logprobs: int | None = Field(
+        None, ge=0, le=20, description="With that include: this many alternatives per token."
+    )
     reasoning: dict[str, Any] | None = None
     background: bool | None = None
     truncation: str | None = None
-    top_logprobs: int | None = None
     max_tool_calls: int | None = None
     prompt: dict[str, Any] | None = None
 
@@ -75,10 +80,23 @@ class ResponsesRequest(_SamplingFields):
 # ---- response -----------------------------------------------------------------------------
 
 
+class TokenAlternative(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TokenAlternative):
+    top_logprobs: list[TokenAlternative]
+
+
 class OutputText(BaseModel):
     type: Literal["output_text"] = "output_text"
     text: str
     annotations: list[Any]
+    logprobs: list[TokenLogprob] | None = Field(
+        None, description="Each token's, when include asks for 'message.output_text.logprobs'."
+    )
 
 
 class OutputMessage(BaseModel):

@@ -124,6 +124,28 @@ def test_instructions_history_and_parts_are_the_chat_messages(
     assert response.output_text == expected and response.instructions is not None
 
 
+def test_the_output_texts_logprobs_are_chats(served: Served, sdk: openai.OpenAI) -> None:
+    model = _model(sdk)
+    chat = sdk.chat.completions.create(
+        model=model, messages=QUESTION, max_tokens=12, temperature=0, logprobs=True,
+        top_logprobs=2,
+    ).choices[0].logprobs.content  # fmt: skip
+    expected = [(entry.token, entry.logprob, len(entry.top_logprobs)) for entry in chat]
+    asked = {"model": model, "input": QUESTION, "max_output_tokens": 12, "temperature": 0,
+             "include": ["message.output_text.logprobs"], "top_logprobs": 2}  # fmt: skip
+    whole = httpx.post(f"{served.url}/v1/responses", json=asked, timeout=60).json()
+    (part,) = whole["output"][0]["content"]
+    assert [
+        (e["token"], e["logprob"], len(e["top_logprobs"])) for e in part["logprobs"]
+    ] == expected
+    assert "".join(entry["token"] for entry in part["logprobs"]).startswith(part["text"])
+    events = _events(served, {**asked, "stream": True})
+    streamed = [e for n, d in events if n == "response.output_text.delta" for e in d["logprobs"]]
+    assert [(e["token"], e["logprob"], len(e["top_logprobs"])) for e in streamed] == expected
+    plain = sdk.responses.create(model=model, input="Hi", max_output_tokens=2)
+    assert plain.output[0].content[0].logprobs is None  # only when asked
+
+
 def test_a_response_cut_by_max_output_tokens_is_incomplete(
     served: Served, sdk: openai.OpenAI
 ) -> None:
@@ -222,7 +244,8 @@ def test_a_tool_round_whole_and_streamed(served: Served, sdk: openai.OpenAI) -> 
     [
         ({"previous_response_id": "resp_1"}, "previous_response_id"),
         ({"reasoning": {"effort": "high"}}, "reasoning"),
-        ({"include": ["message.output_text.logprobs"]}, "include"),
+        ({"include": ["reasoning.encrypted_content"]}, "include"),
+        ({"top_logprobs": 2}, "top_logprobs"),
         ({"background": True}, "background"),
         ({"truncation": "auto"}, "truncation"),
         (
