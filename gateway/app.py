@@ -435,7 +435,7 @@ def _request_id(request: Request) -> str:
 async def _generate(
     gateway: Gateway, request: Request, body: Body, endpoint: Endpoint[Body]
 ) -> Response:
-    """The one generation handler, for both routes: checks the model, names the request, reads
+    """The one generation handler, for every route: checks the model, names the request, reads
     prompts and sampling from ``body`` the ``endpoint``'s way, starts one stream per choice
     (prompts x ``n``: ``gateway/choices.py``) and answers in the endpoint's shape, whole or
     streamed (``gateway/reply.py:respond``)."""

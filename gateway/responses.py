@@ -6,7 +6,8 @@ same shapes for the OpenAPI schema; tests validate these dicts against those mod
 
 Each builder is per request: it accumulates text, logprobs and usage as chunks arrive, so a
 non-streamed response is the fold of the streamed chunks. ``ResponseBuilder`` is what the one
-generation handler (``gateway/app.py``) needs of either endpoint's shape.
+generation handler (``gateway/app.py``) needs of each endpoint's shape (the Responses API's:
+``gateway/responses_events.py``).
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ class _TextBody(BaseModel):
 
 
 class _SamplingFields(_TextBody):
-    """Fields shared by both endpoints."""
+    """Fields shared by every generation endpoint (the Responses API overrides a few)."""
 
     model: str | None = Field(None, description="Served model name (see GET /v1/models).")
     stream: bool | None = False

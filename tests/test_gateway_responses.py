@@ -200,6 +200,16 @@ def test_a_tool_round_whole_and_streamed(served: Served, sdk: openai.OpenAI) -> 
     pieces = [d["delta"] for n, d in events if n == "response.function_call_arguments.delta"]
     (done,) = [d for n, d in events if n == "response.function_call_arguments.done"]
     assert "".join(pieces) == done["arguments"] == call.arguments
+    with sdk.responses.stream(
+        model=model,
+        input=ask,
+        tools=[WEATHER],
+        tool_choice=forced,
+        max_output_tokens=60,
+        temperature=0,
+    ) as stream:  # the SDK's own accumulation of the streamed call
+        (streamed,) = stream.get_final_response().output
+    assert (streamed.name, streamed.arguments) == (call.name, call.arguments)
 
     # the next turn: the call and its output, as chat's assistant tool call and tool message
     answer = sdk.responses.create(
