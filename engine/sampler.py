@@ -289,7 +289,8 @@ only for a row whose cut-off lies beyond those too at its fully sorted vocabular
 values are the sorted vocabulary's first ones, so every tier that holds a row's cut-off finds
 the same one; which tier decides a row depends on that row alone. At temperature 1 and top-p
 0.95, a quarter of SmolLM2's steps have a nucleus beyond 256 tokens and nearly none beyond
-4,096 (bench/README.md, "Top-p choice"): the second tier spares them a sort of the vocabulary."""
+4,096 (bench/log/2026-11.md, "Top-p at temperature 1 without sorting the vocabulary"): the
+second tier spares them a sort of the vocabulary."""
 
 
 def apply_filters(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:

@@ -164,8 +164,9 @@ async def _stream_frames(
             _record(timer, choices, item)
             if bodies:
                 if continuous:
+                    usage = usage_dict(choices.usage())  # the item's usage, on each of its events
                     for body in bodies:
-                        body["usage"] = usage_dict(choices.usage())
+                        body["usage"] = usage
                 yield b"".join(frame(body) for body in bodies)
             if choices.all_finished:
                 break

@@ -54,7 +54,6 @@ class ResponsesBuilder(ResponseBuilder):
     ) -> None:
         super().__init__(response_id, model)
         self.body = body
-        self.tools = tools
         self.want_logprobs = wants_logprobs(body)
         self.chat = ChatBuilder(response_id, model, self.want_logprobs, 0, tools)
         self.sequence = 0
@@ -77,9 +76,10 @@ class ResponsesBuilder(ResponseBuilder):
         return event
 
     def opening_chunks(self) -> list[dict[str, Any]]:
+        snapshot = self.whole()  # both events carry the response as it starts
         return [
-            self._event("response.created", response=self.whole()),
-            self._event("response.in_progress", response=self.whole()),
+            self._event("response.created", response=snapshot),
+            self._event("response.in_progress", response=snapshot),
         ]
 
     def add(self, chunk: Chunk) -> list[dict[str, Any]]:

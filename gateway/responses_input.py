@@ -27,7 +27,7 @@ from typing import Any
 
 from splitserve.client import Sampling
 from splitserve.client.tools import ToolPlan
-from splitserve.gateway.errors import ApiError, invalid
+from splitserve.gateway.errors import invalid
 from splitserve.gateway.responses_schemas import ResponsesRequest
 from splitserve.gateway.sampling import PromptArgs, chat_prompts, chat_sampling, request_tools
 from splitserve.gateway.schemas import (
@@ -60,8 +60,14 @@ def responses_tools(body: ResponsesRequest) -> ToolPlan | None:
 
 
 def as_chat(body: ResponsesRequest) -> ChatCompletionRequest:
-    """The chat completion ``body`` amounts to (module docstring); ``ApiError`` 400 for what
-    cannot be served."""
+    """The chat completion ``body`` amounts to (module docstring), made once per request and
+    kept on it; ``ApiError`` 400 for what cannot be served."""
+    if body._chat is None:
+        body._chat = _chat_of(body)
+    return body._chat
+
+
+def _chat_of(body: ResponsesRequest) -> ChatCompletionRequest:
     _refuse_unserved(body)
     messages = [] if body.instructions is None else [_message("system", body.instructions)]
     messages += _input_messages(body.input)
@@ -230,9 +236,8 @@ def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
         return None
     if text.get("verbosity") not in (None, "medium"):
         raise invalid("only verbosity: medium is supported", "text.verbosity")
-    unknown = set(text) - {"format", "verbosity"}
-    if unknown:
-        raise invalid(f"text.{sorted(unknown)[0]} is not supported", f"text.{sorted(unknown)[0]}")
+    if unknown := sorted(set(text) - {"format", "verbosity"}):
+        raise invalid(f"text.{unknown[0]} is not supported", f"text.{unknown[0]}")
     form = text.get("format")
     if form is None:
         return None
@@ -248,4 +253,4 @@ def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
         if not isinstance(schema, dict):
             raise invalid("a json_schema format needs its schema, an object", "text.format.schema")
         return {"type": "json_schema", "json_schema": {"name": form.get("name"), "schema": schema}}
-    raise ApiError(400, f"unknown text.format type {kind!r}", param="text.format.type")
+    raise invalid(f"unknown text.format type {kind!r}", "text.format.type")

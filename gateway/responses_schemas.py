@@ -18,9 +18,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, PrivateAttr
 
-from splitserve.gateway.schemas import _SamplingFields
+from splitserve.gateway.schemas import ChatCompletionRequest, _SamplingFields
 
 # ---- request ------------------------------------------------------------------------------
 
@@ -75,6 +75,9 @@ class ResponsesRequest(_SamplingFields):
     truncation: str | None = None
     max_tool_calls: int | None = None
     prompt: dict[str, Any] | None = None
+    _chat: ChatCompletionRequest | None = PrivateAttr(None)
+    """The chat completion this request amounts to, once ``gateway/responses_input.py:as_chat``
+    made it (its prompt, sampling and builder each ask for it)."""
 
 
 # ---- response -----------------------------------------------------------------------------
