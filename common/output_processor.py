@@ -33,6 +33,8 @@ class StreamChunk:
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     """The stop string or stop token id that ended the request, if any."""
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
+    """On the chunk of the first token, when asked: the prompt's (``StepOutput``)."""
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,8 @@ class CompletionOutput:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     num_cached_tokens: int = 0
     """Prompt tokens served from the prefix cache."""
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    """When asked: one record per prompt token after the first (``StepOutput``)."""
 
 
 class RequestTracker:
@@ -68,6 +72,7 @@ class RequestTracker:
         self.min_tokens = params.min_tokens
         self.token_ids: list[int] = []
         self.logprobs: list[TokenLogprob] = []
+        self.prompt_logprobs: tuple[TokenLogprob, ...] = ()
         self.finish_reason: FinishReason | None = None
         self.stop_reason: str | int | None = None
         self.num_cached_tokens = 0
@@ -76,10 +81,20 @@ class RequestTracker:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def process(self, update: RequestUpdate, logprobs: Sequence[TokenLogprob] = ()) -> StreamChunk:
-        """Fold one engine update in; a stop-string match finishes the request here."""
+    def process(
+        self,
+        update: RequestUpdate,
+        logprobs: Sequence[TokenLogprob] = (),
+        prompt_logprobs: Sequence[TokenLogprob] = (),
+    ) -> StreamChunk:
+        """Fold one engine update in; a stop-string match finishes the request here.
+        ``prompt_logprobs`` are kept from the first update carrying them, and passed on in
+        its chunk only (a request resumed elsewhere computes none again)."""
         if self.finished:
             raise RuntimeError(f"request {self.request_id} already finished")
+        new_prompt_logprobs: tuple[TokenLogprob, ...] = ()
+        if prompt_logprobs and not self.prompt_logprobs:
+            self.prompt_logprobs = new_prompt_logprobs = tuple(prompt_logprobs)
         self.num_cached_tokens = update.num_cached_tokens
         new_ids = update.new_token_ids
         renderable = new_ids
@@ -100,7 +115,13 @@ class RequestTracker:
             text += self.detokenizer.finish()
         self.finish_reason = finish_reason
         return StreamChunk(
-            self.request_id, tuple(new_ids), text, tuple(logprobs), finish_reason, self.stop_reason
+            self.request_id,
+            tuple(new_ids),
+            text,
+            tuple(logprobs),
+            finish_reason,
+            self.stop_reason,
+            new_prompt_logprobs,
         )
 
     def abort(self) -> StreamChunk:
@@ -121,4 +142,5 @@ class RequestTracker:
             stop_reason=self.stop_reason,
             logprobs=list(self.logprobs),
             num_cached_tokens=self.num_cached_tokens,
+            prompt_logprobs=list(self.prompt_logprobs),
         )

@@ -42,10 +42,15 @@ class StepOutput:
 
     update: RequestUpdate
     logprobs: tuple[TokenLogprob, ...] = ()
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
+    """On the output with a request's first token, when its params asked for
+    ``prompt_logprobs``: one record per prompt token after the first, in order (record ``i``
+    describes prompt token ``i + 1``); empty on every other output."""
 
     def followed_by(self, later: StepOutput) -> StepOutput:
         """This output and the same request's next one as one output: both steps' tokens and
-        logprobs in order, the later one's cumulative counts, finish and stop token. What a
+        logprobs in order (the prompt's logprobs from the one carrying them), the later one's
+        cumulative counts, finish and stop token. What a
         relay that fell behind sends instead of the two (one message for both). Raises
         ``ValueError`` when ``later`` is another request's or this one already finished."""
         if later.update.request_id != self.update.request_id:
@@ -54,4 +59,5 @@ class StepOutput:
             raise ValueError("followed_by: nothing follows a finished request's last output")
         tokens = self.update.new_token_ids + later.update.new_token_ids
         update = replace(later.update, new_token_ids=tokens)
-        return StepOutput(update, self.logprobs + later.logprobs)
+        prompt_logprobs = self.prompt_logprobs or later.prompt_logprobs
+        return StepOutput(update, self.logprobs + later.logprobs, prompt_logprobs)

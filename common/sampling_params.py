@@ -59,6 +59,10 @@ class SamplingParams:
     """EOS and stop token ids are suppressed until this many tokens were generated."""
     logprobs: int | None = None
     """Return the sampled token's logprob and this many top alternatives (0..MAX_LOGPROBS)."""
+    prompt_logprobs: int | None = None
+    """Return each prompt token's logprob after the first (under the model's logits at the
+    position before it) and this many top alternatives (0..MAX_LOGPROBS). A request asking
+    for them computes its whole prompt: no prefix-cache hit, no pulled KV."""
     skip_special_tokens: bool = True
     """Leave special tokens out of the detokenized text."""
     grammar: GrammarSpec | None = None
@@ -135,11 +139,12 @@ class SamplingParams:
             "min_tokens must not exceed max_tokens",
             "min_tokens",
         )
-        if self.logprobs is not None:
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
             _check(
-                0 <= self.logprobs <= MAX_LOGPROBS,
-                f"logprobs must be in [0, {MAX_LOGPROBS}]",
-                "logprobs",
+                value is None or 0 <= value <= MAX_LOGPROBS,
+                f"{name} must be in [0, {MAX_LOGPROBS}]",
+                name,
             )
 
     def _check_stops(self) -> None:
@@ -214,7 +219,7 @@ class AskedSampling:
 
 
 _INT_FIELDS = ("max_tokens", "top_k", "min_tokens")
-_OPTIONAL_INT_FIELDS = ("seed", "logprobs")
+_OPTIONAL_INT_FIELDS = ("seed", "logprobs", "prompt_logprobs")
 _FLOAT_FIELDS = (
     "temperature",
     "top_p",

@@ -88,6 +88,9 @@ class EngineCore:
         self._ahead: tuple[SchedulerOutput, LaunchedDecode] | None = None
         """The decode step launched ahead by the last ``step``, which the next one reads."""
         self.steps_launched_ahead = 0
+        self._prompt_logprobs: dict[str, list[TokenLogprob]] = {}
+        """Prompt logprobs of requests still computing their prompt, by request id
+        (``ScheduledChunk.num_prompt_logprobs``): delivered with the first token."""
         """Decode steps launched before the step before them was read (``_launch_ahead``)."""
         self.graph_capture_error: str | None = None
         """Why the decode CUDA graphs failed to capture (the engine then runs every step
@@ -327,10 +330,12 @@ class EngineCore:
 
     def abort_request(self, request_id: str) -> bool:
         """Abort and free a request; False if it was unknown or already finished."""
+        self._prompt_logprobs.pop(request_id, None)
         return self.scheduler.abort_request(request_id) is not None
 
     def finish_request(self, request_id: str) -> None:
         """End a request as stopped (a stop string matched downstream) and free its blocks."""
+        self._prompt_logprobs.pop(request_id, None)
         self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED)
 
     @property
@@ -509,7 +514,17 @@ class EngineCore:
         self.scheduler.step_cost = self.step_cost.estimate()  # weighs the next step's drafts
         self.prefill_share.observe(time.monotonic(), prefill_s)
         self._drop_idle_ahead()
-        return [StepOutput(u, _logprobs_of(executed.logprobs.get(u.request_id))) for u in updates]
+        for request_id, (first, records) in executed.prompt_logprobs.items():
+            kept = self._prompt_logprobs.setdefault(request_id, [])
+            kept[first - 1 :] = records  # a chunk computed again (after a preemption) replaces
+        return [
+            StepOutput(
+                u,
+                _logprobs_of(executed.logprobs.get(u.request_id)),
+                tuple(self._prompt_logprobs.pop(u.request_id, ())),  # the prompt is done
+            )
+            for u in updates
+        ]
 
     @staticmethod
     def _layer_hook(

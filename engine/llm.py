@@ -120,7 +120,9 @@ class LLM:
             while any(not tracker.finished for tracker in trackers):
                 for step_output in self.engine.step():
                     tracker = by_id[step_output.update.request_id]
-                    chunk = tracker.process(step_output.update, step_output.logprobs)
+                    chunk = tracker.process(
+                        step_output.update, step_output.logprobs, step_output.prompt_logprobs
+                    )
                     if chunk.finish_reason is not None and step_output.update.finish_reason is None:
                         self.engine.finish_request(tracker.request_id)  # stop string matched
                     yield chunk

@@ -41,7 +41,7 @@ from splitserve.engine.host_copies import to_device
 from splitserve.engine.kv_blocks import KvBlockStore
 from splitserve.engine.launched_step import LaunchedDecode
 from splitserve.engine.model import GeneratedRows, LlamaModel
-from splitserve.engine.sampler import Sampler, SamplingRow, advance
+from splitserve.engine.sampler import Sampler, SamplingRow, advance, token_logprobs
 from splitserve.engine.scheduler import ScheduledChunk, SchedulerOutput
 from splitserve.kernels.attention import AttentionBackend, SequenceSpan
 
@@ -56,6 +56,9 @@ class RunnerOutput:
     """Chunks with drafts: the token sampled after each of the chunk's tokens."""
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
     """Only for requests that asked for logprobs."""
+    prompt_logprobs: dict[str, tuple[int, tuple[TokenLogprob, ...]]] = field(default_factory=dict)
+    """Chunks computing prompt logprobs (``ScheduledChunk.num_prompt_logprobs``): the index
+    of the first prompt token described, and one record per prompt token from it on."""
 
 
 def kv_cache_bytes_per_block(
@@ -151,10 +154,13 @@ class ModelRunner(KvBlockStore):
             step.chunks, key=lambda chunk: (not _decode_rows(chunk), not chunk.is_decode)
         )
         sampling_chunks = [chunk for chunk in chunks if chunk.samples]
-        logits = self._forward(chunks, on_layer_kv_written, between_layers)  # [samples, vocab]
+        logits = self._forward(chunks, on_layer_kv_written, between_layers)  # [rows, vocab]
+        prompt_logprobs, logits = _prompt_logprobs(chunks, logits)  # logits: [samples, vocab]
         if not sampling_chunks:
-            return RunnerOutput()
-        return self._sample(sampling_chunks, logits)
+            return RunnerOutput(prompt_logprobs=prompt_logprobs)
+        return dataclasses.replace(
+            self._sample(sampling_chunks, logits), prompt_logprobs=prompt_logprobs
+        )
 
     def _drop_finished(self, step: SchedulerOutput) -> None:
         """Forget the per-request state of the requests that ended before ``step``."""
@@ -240,8 +246,8 @@ class ModelRunner(KvBlockStore):
         between_layers: Callable[[], None] | None,
     ) -> torch.Tensor:
         """Run the model over ``chunks`` (in ``execute``'s order: decode rows first, generated
-        tokens first among them), writing their KV; the logits of every sampled row, in
-        chunk order ``[samples, vocab]``."""
+        tokens first among them), writing their KV; the logits of each chunk's prompt-logprob
+        rows and sampled rows, in chunk order ``[rows, vocab]`` (``_pack``)."""
         num_decode = sum(chunk.num_tokens for chunk in chunks if _decode_rows(chunk))
         generated_chunks = [chunk for chunk in chunks if chunk.is_decode]
         generated = GeneratedRows(
@@ -251,7 +257,12 @@ class ModelRunner(KvBlockStore):
         input_ids, positions, logits_rows = self._pack(chunks)
         spans = [span for chunk in chunks for span in _spans(chunk)]
         graphs = self.decode_graphs
-        if graphs is not None and on_layer_kv_written is None and num_decode == len(input_ids):
+        if (
+            graphs is not None
+            and on_layer_kv_written is None
+            and num_decode == len(input_ids)
+            and not any(chunk.num_prompt_logprobs for chunk in chunks)
+        ):
             # decode rows only, and no layer callback: its bucket's graph, where it has one
             logits = graphs.run(DecodeBatch(input_ids, positions, spans, logits_rows))
             if logits is not None:
@@ -294,13 +305,17 @@ class ModelRunner(KvBlockStore):
 
     @staticmethod
     def _pack(chunks: list[ScheduledChunk]) -> tuple[list[int], list[int], list[int]]:
-        """Concatenate token ids and positions; index of each sampling chunk's last token."""
+        """Concatenate token ids and positions; the rows whose logits are computed: per chunk,
+        its prompt-logprob rows (its first ``num_prompt_logprobs``), then its sampled rows
+        (its last token's, or with drafts every token's)."""
         input_ids: list[int] = []
         positions: list[int] = []
         logits_rows: list[int] = []
         for chunk in chunks:
+            first_row = len(input_ids)
             input_ids.extend(chunk.token_ids)
             positions.extend(range(chunk.start_position, chunk.context_length))
+            logits_rows.extend(range(first_row, first_row + chunk.num_prompt_logprobs))
             if chunk.samples:
                 first = len(input_ids) - _samples(chunk)
                 logits_rows.extend(range(first, len(input_ids)))
@@ -377,6 +392,42 @@ class ModelRunner(KvBlockStore):
             eos_token_ids=chunk.eos_token_ids,
             allowed_token_mask=allowed,
         )
+
+
+_PROMPT_LOGPROB_SLICE = 512
+"""Prompt rows whose logprobs are computed together (bounds the float32 temporaries)."""
+
+
+def _prompt_logprobs(
+    chunks: Sequence[ScheduledChunk], logits: torch.Tensor
+) -> tuple[dict[str, tuple[int, tuple[TokenLogprob, ...]]], torch.Tensor]:
+    """Split ``_forward``'s logits ``[rows, vocab]`` (``_pack``'s rows): each prompt-logprob
+    chunk's records (``RunnerOutput.prompt_logprobs``), and the sampled rows' logits
+    ``[samples, vocab]`` in chunk order."""
+    if not any(chunk.num_prompt_logprobs for chunk in chunks):
+        return {}, logits
+    records: dict[str, tuple[int, tuple[TokenLogprob, ...]]] = {}
+    sampled_rows: list[int] = []
+    row = 0
+    for chunk in chunks:
+        count = chunk.num_prompt_logprobs
+        if count:
+            first = chunk.start_position + 1
+            described: list[TokenLogprob] = []
+            for start in range(0, count, _PROMPT_LOGPROB_SLICE):
+                end = min(count, start + _PROMPT_LOGPROB_SLICE)
+                targets = chunk.prompt_token_ids[first + start : first + end]
+                described += token_logprobs(
+                    logits[row + start : row + end],  # [end - start, vocab]
+                    to_device(list(targets), torch.int64, logits.device),
+                    [chunk.params.prompt_logprobs or 0] * (end - start),
+                )
+            records[chunk.request_id] = (first, tuple(described))
+            row += count
+        samples = _samples(chunk)
+        sampled_rows.extend(range(row, row + samples))
+        row += samples
+    return records, logits[to_device(sampled_rows, torch.int64, logits.device)]
 
 
 def _decode_rows(chunk: ScheduledChunk) -> bool:

@@ -530,23 +530,38 @@ def compute_logprobs(
     if not wanted:
         return result
     index = to_device(wanted, torch.int64, logits.device)  # [n]
-    logprobs = torch.log_softmax(logits[index].to(torch.float32), dim=-1)  # [n, vocab]
-    chosen = token_ids[index].to(torch.long)  # [n]
+    records = token_logprobs(
+        logits[index], token_ids[index], [rows[i].params.logprobs or 0 for i in wanted]
+    )
+    for i, record in zip(wanted, records, strict=True):
+        result[i] = record
+    return result
+
+
+def token_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, counts: Sequence[int]
+) -> list[TokenLogprob]:
+    """One record per row of ``logits`` ``[n, vocab]`` (raw, any float dtype): token
+    ``token_ids[i]`` (``[n]`` int64)'s logprob under ``log_softmax`` in float32, its rank and
+    the ``counts[i]`` most likely tokens. The one formula of every logprob the engine
+    reports, a generated token's and a prompt token's."""
+    logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1)  # [n, vocab]
+    chosen = token_ids.to(torch.long)  # [n]
     chosen_logprobs = logprobs.gather(1, chosen[:, None])  # [n, 1]
     ranks = (logprobs > chosen_logprobs).sum(dim=-1) + 1  # [n]
-    num_top = min(max(rows[i].params.logprobs or 0 for i in wanted), logprobs.shape[1])
+    num_top = min(max(counts, default=0), logprobs.shape[1])
     top_logprobs, top_ids = logprobs.topk(num_top, dim=-1)  # [n, num_top] each
     chosen_list = chosen.tolist()
     chosen_lp_list = chosen_logprobs[:, 0].tolist()
     rank_list = ranks.tolist()
     top_lp_list = top_logprobs.tolist()
     top_id_list = top_ids.tolist()
-    for j, i in enumerate(wanted):
-        count = rows[i].params.logprobs or 0
-        result[i] = TokenLogprob(
+    return [
+        TokenLogprob(
             token_id=chosen_list[j],
             logprob=chosen_lp_list[j],
             rank=rank_list[j],
             top=tuple(zip(top_id_list[j][:count], top_lp_list[j][:count], strict=True)),
         )
-    return result
+        for j, count in enumerate(counts)
+    ]

@@ -8,7 +8,9 @@ Torch-free. Each ``schedule()`` call fills one step's token budget:
    request is preempted (blocks freed, put back at the front of the waiting queue, recomputed
    later from prompt + output) until the request fits or is itself preempted.
 2. If nothing was preempted, waiting requests (FCFS) are admitted while budget, sequence slots
-   and blocks last, starting from their longest cached prefix. Long prompts are chunked.
+   and blocks last, starting from their longest cached prefix (none for a request that asked
+   for ``prompt_logprobs`` and has no token yet: each prompt row's logits are needed). Long
+   prompts are chunked.
 
 ``update()`` applies the runner's sampled tokens, advances the computed-token counts, registers
 full blocks in the prefix cache and finishes requests that hit a stop condition; every
@@ -107,6 +109,17 @@ class ScheduledChunk:
         while kept < len(self.draft_token_ids) and verdicts[kept] == self.draft_token_ids[kept]:
             kept += 1
         return kept
+
+    @property
+    def num_prompt_logprobs(self) -> int:
+        """Rows of this chunk whose logits give a prompt token's logprob (``prompt_logprobs``,
+        asked and not yet delivered: no output token yet): every row whose next token is a
+        prompt token. Row ``i``'s describes prompt token ``start_position + i + 1``."""
+        if self.params.prompt_logprobs is None or self.output_token_ids:
+            return 0
+        return max(
+            0, min(self.context_length, len(self.prompt_token_ids) - 1) - self.start_position
+        )
 
     @property
     def is_decode(self) -> bool:
@@ -329,7 +342,9 @@ class Scheduler:
     def _admit_waiting(self, budget: int, chunks: list[ScheduledChunk]) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            cached = self.kv_cache.find_cached_prefix(request.all_token_ids)
+            cached: Sequence[int] = []
+            if not _computes_prompt_logprobs(request):
+                cached = self.kv_cache.find_cached_prefix(request.all_token_ids)
             num_computed = len(cached) * self.kv_cache.block_size
             num_new = min(request.num_tokens - num_computed, budget)
             if not self.kv_cache.allocate(request.request_id, num_computed + num_new, cached):
@@ -648,3 +663,9 @@ class Scheduler:
         self.stats = dataclasses.replace(
             stats, **{name: getattr(stats, name) + value for name, value in added.items()}
         )
+
+
+def _computes_prompt_logprobs(request: Request) -> bool:
+    """Whether ``request`` must compute its whole prompt for its ``prompt_logprobs``: asked,
+    and not yet delivered with a first token (a cached prefix's logits were never kept)."""
+    return request.params.prompt_logprobs is not None and not request.output_token_ids
