@@ -324,7 +324,8 @@ def _merge_chunks(
 ) -> coordinator_pb2.GenerateResponse:
     """The next response, with the token chunks queued right behind it folded in (a reader
     that fell behind gets one chunk of everything it missed: one SSE frame, not one each):
-    token ids, text and logprobs concatenated in order, the last one's usage."""
+    token ids, text and logprobs concatenated in order, the prompt's logprobs from the one
+    carrying them, the last one's usage."""
     first = responses.popleft()
     if first.WhichOneof("payload") != "chunk":
         return first
@@ -333,6 +334,9 @@ def _merge_chunks(
         first.chunk.token_ids.extend(following.chunk.token_ids)
         first.chunk.text += following.chunk.text
         first.chunk.logprobs.extend(following.chunk.logprobs)
+        if following.chunk.prompt_logprobs:  # only the first token's chunk has them
+            first.chunk.prompt_logprobs.extend(following.chunk.prompt_logprobs)
+            first.chunk.prompt_first_token.CopyFrom(following.chunk.prompt_first_token)
         first.usage.CopyFrom(following.usage)
     return first
 

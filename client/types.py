@@ -72,6 +72,10 @@ class Sampling:
     """Token id -> bias in [-100, 100], added to that token's logit before sampling."""
     grammar: GrammarSpec | None = None
     """Structured output: the tokens must match this JSON schema, regex, choice or grammar."""
+    prompt_logprobs: int | None = None
+    """Return each prompt token's logprob after the first and this many top alternatives
+    (0..20), on the first chunk (``Chunk.prompt_logprobs``). The whole prompt is computed:
+    no prefix-cache hit."""
 
     def to_proto(self) -> common_pb2.SamplingParams:
         """The wire message, unset fields left unset.
@@ -132,6 +136,14 @@ class TokenLogprob:
 
 
 @dataclass(frozen=True)
+class PromptToken:
+    """A prompt token without a logprob: the prompt's first (nothing comes before it)."""
+
+    token_id: int
+    text: str
+
+
+@dataclass(frozen=True)
 class Chunk:
     """A piece of the stream: new tokens and their text delta (never broken UTF-8, never a
     partial stop string; ``text`` may be empty while tokens are held back)."""
@@ -141,6 +153,11 @@ class Chunk:
     token_ids: tuple[int, ...]
     logprobs: tuple[TokenLogprob, ...]
     usage: Usage
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
+    """On the first chunk, when asked: one record per prompt token after the first (record
+    ``i`` describes prompt token ``i + 1``; its ``text`` is that token's)."""
+    prompt_first_token: PromptToken | None = None
+    """Beside ``prompt_logprobs``: the prompt's first token."""
 
 
 @dataclass(frozen=True)
@@ -169,6 +186,9 @@ class Generation:
     tool_calls: tuple[ToolCall, ...] = ()
     """The calls the answer makes, when it was asked with ``tools`` (finish reason
     ``tool_calls``)."""
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
+    """When asked: one record per prompt token after the first (``Chunk.prompt_logprobs``)."""
+    prompt_first_token: PromptToken | None = None
 
     @classmethod
     def of(cls, chunks: Sequence[Chunk], finish: Finish) -> Generation:
@@ -180,6 +200,12 @@ class Generation:
             finish_reason=finish.finish_reason,
             stop_reason=finish.stop_reason,
             usage=finish.usage,
+            prompt_logprobs=next(
+                (chunk.prompt_logprobs for chunk in chunks if chunk.prompt_logprobs), ()
+            ),
+            prompt_first_token=next(
+                (chunk.prompt_first_token for chunk in chunks if chunk.prompt_first_token), None
+            ),
         )
 
 

@@ -15,6 +15,7 @@ from splitserve.client.types import (
     Finish,
     LatencyTargets,
     ModelInfo,
+    PromptToken,
     Sampling,
     TokenLogprob,
     TopLogprob,
@@ -124,6 +125,12 @@ def stream_item(response: coordinator_pb2.GenerateResponse, request_id: str) -> 
             token_ids=tuple(chunk.token_ids),
             logprobs=tuple(_logprob(lp) for lp in chunk.logprobs),
             usage=usage(response.usage),
+            prompt_logprobs=tuple(_logprob(lp) for lp in chunk.prompt_logprobs),
+            prompt_first_token=(
+                PromptToken(chunk.prompt_first_token.token_id, chunk.prompt_first_token.text)
+                if chunk.HasField("prompt_first_token")
+                else None
+            ),
         )
     if kind == "completion":
         completion = response.completion

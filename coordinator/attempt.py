@@ -205,7 +205,12 @@ class Attempt:
         """When the attempt started, and when its current stage did."""
         self._prompt = list(request.prompt_token_ids)
         self._prior_output = list(prior_output_token_ids)
-        self._params = dataclasses.replace(request.params, stop=())
+        self._params = dataclasses.replace(
+            request.params,
+            stop=(),
+            # a resumed request's prompt logprobs came with its first token, before
+            prompt_logprobs=None if self._prior_output else request.params.prompt_logprobs,
+        )
         self._stop_strings = request.params.stop
         self._router = router
         self._channels = channels
@@ -394,7 +399,7 @@ class Attempt:
             self._watch_for_stalls()
         self._progress.num_tokens += len(output.update.new_token_ids)
         self.num_cached_tokens = max(self.num_cached_tokens, output.update.num_cached_tokens)
-        return self.tracker.process(output.update, output.logprobs)
+        return self.tracker.process(output.update, output.logprobs, output.prompt_logprobs)
 
     def _take_inline(self, output: StepOutput) -> bool:
         """The decode call's listener: process ``output`` now and hand its chunk to the inline

@@ -189,15 +189,22 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         usage so far), then its completion when it finishes the request. ``request_id``: the
         caller's id for the request (the flow's is scoped by tenant). False: none made."""
         made = False
-        if chunk.new_token_ids or chunk.text:
+        if chunk.new_token_ids or chunk.text or chunk.prompt_logprobs:
             response = new()
             response.request_id = request_id
             tokens = response.chunk
             tokens.token_ids.extend(chunk.new_token_ids)
             tokens.text = chunk.text
-            if chunk.logprobs:
+            if chunk.logprobs or chunk.prompt_logprobs:
                 texts = self._token_texts(chunk)
                 tokens.logprobs.extend(convert.logprob_to_proto(lp, texts) for lp in chunk.logprobs)
+                if chunk.prompt_logprobs:
+                    tokens.prompt_logprobs.extend(
+                        convert.logprob_to_proto(lp, texts) for lp in chunk.prompt_logprobs
+                    )
+                    first = flow.prompt_token_ids[0]
+                    tokens.prompt_first_token.token_id = first
+                    tokens.prompt_first_token.text = self._token_text(first)
             self._fill_usage(response.usage, flow)
             made = True
         if chunk.finish_reason is not None:
@@ -220,10 +227,14 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         usage.cached_tokens = flow.num_cached_tokens
 
     def _token_texts(self, chunk: StreamChunk) -> dict[int, str]:
-        ids = {lp.token_id for lp in chunk.logprobs}
-        ids.update(token for lp in chunk.logprobs for token, _ in lp.top)
-        decode = self._coordinator.tokenizer.decode
-        return {token: decode([token], skip_special_tokens=False) for token in ids}
+        """The text of each token the chunk's logprobs name (the prompt's included)."""
+        records = (*chunk.logprobs, *chunk.prompt_logprobs)
+        ids = {lp.token_id for lp in records}
+        ids.update(token for lp in records for token, _ in lp.top)
+        return {token: self._token_text(token) for token in ids}
+
+    def _token_text(self, token: int) -> str:
+        return self._coordinator.tokenizer.decode([token], skip_special_tokens=False)
 
     async def Abort(
         self, request: coordinator_pb2.AbortRequest, context: grpc.aio.ServicerContext

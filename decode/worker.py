@@ -301,7 +301,11 @@ class DecodeWorker:
         if self._take(request_id) is incoming:  # else a concurrent stop released the hold
             self.engine.release_blocks(incoming.block_ids)  # every receive settled: DONE
         await self.engine.complete_remote_prefill(
-            request_id, first.token_id, first.logprob, first.num_cached_tokens
+            request_id,
+            first.token_id,
+            first.logprob,
+            first.num_cached_tokens,
+            first.prompt_logprobs,
         )
 
     async def push_cached_kv(self, pull: CachedKvPull) -> int:

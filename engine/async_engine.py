@@ -309,13 +309,15 @@ class AsyncEngine:
         first_token_id: int,
         first_logprob: TokenLogprob | None = None,
         num_cached_tokens: int = 0,
+        prompt_logprobs: Sequence[TokenLogprob] = (),
     ) -> None:
         """The reserved request's KV landed; it joins the batch and its stream gets the token
-        (with its logprobs, sampled by the prefill worker, when given)."""
+        (with its logprobs, sampled by the prefill worker, and the prompt's logprobs, when
+        given)."""
 
         def complete() -> None:
             output = self._core.complete_remote_prefill(
-                request_id, first_token_id, first_logprob, num_cached_tokens
+                request_id, first_token_id, first_logprob, num_cached_tokens, prompt_logprobs
             )
             self._deliver(output)
 

@@ -413,9 +413,11 @@ class EngineCore:
         first_token_id: int,
         first_logprob: TokenLogprob | None = None,
         num_cached_tokens: int = 0,
+        prompt_logprobs: Sequence[TokenLogprob] = (),
     ) -> StepOutput:
         """The reserved request's KV has landed; it decodes from the next step on.
-        ``num_cached_tokens``: prompt tokens the prefilling worker had in its prefix cache.
+        ``num_cached_tokens``: prompt tokens the prefilling worker had in its prefix cache;
+        ``prompt_logprobs``: the prompt's, computed there (delivered with the token).
 
         Raises ``InvalidRequestError``, changing nothing, for a token outside the vocabulary
         (it would fail the whole batch's embedding lookup)."""
@@ -427,7 +429,7 @@ class EngineCore:
         update = self.scheduler.complete_remote_prefill(
             request_id, first_token_id, num_cached_tokens
         )
-        return StepOutput(update, _logprobs_of(first_logprob))
+        return StepOutput(update, _logprobs_of(first_logprob), tuple(prompt_logprobs))
 
     def hold_blocks(self, block_ids: Sequence[int]) -> None:
         """Take one extra reference on each block: it stays out of the pool, whatever ends

@@ -34,6 +34,7 @@ from splitserve.gateway.sampling import (
     completion_prompts,
     completion_sampling,
     request_tools,
+    wants_echo_logprobs,
 )
 from splitserve.gateway.schemas import (
     ChatCompletionRequest,
@@ -74,13 +75,26 @@ class Endpoint(Generic[Body]):
 def _completion_builder(
     response_id: str, model: str, body: CompletionRequest, index: int, echo_text: str
 ) -> ResponseBuilder:
-    return CompletionBuilder(response_id, model, body.logprobs is not None, index, echo_text)
+    echo_top = body.logprobs if wants_echo_logprobs(body) else None
+    want_logprobs = body.logprobs is not None
+    return CompletionBuilder(
+        response_id,
+        model,
+        want_logprobs,
+        index,
+        echo_text,
+        echo_top,
+        body.prompt_logprobs is not None,
+    )
 
 
 def _chat_builder(
     response_id: str, model: str, body: ChatCompletionRequest, index: int, echo_text: str
 ) -> ResponseBuilder:
-    return ChatBuilder(response_id, model, bool(body.logprobs), index, request_tools(body))
+    return ChatBuilder(
+        response_id, model, bool(body.logprobs), index, request_tools(body),
+        want_prompt_logprobs=body.prompt_logprobs is not None,
+    )  # fmt: skip
 
 
 COMPLETIONS = Endpoint[CompletionRequest](

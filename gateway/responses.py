@@ -16,7 +16,7 @@ import abc
 import time
 from typing import Any
 
-from splitserve.client import Chunk, Finish, TokenLogprob, Usage
+from splitserve.client import Chunk, Finish, PromptToken, TokenLogprob, Usage
 from splitserve.client.tools import ToolPlan
 from splitserve.gateway.errors import ApiError
 from splitserve.gateway.tools import ToolCallDeltas
@@ -38,6 +38,48 @@ def _token_bytes(text: str) -> list[int]:
 def _empty_completion_logprobs() -> dict[str, list[Any]]:
     """The legacy completions logprobs object, with no tokens yet."""
     return {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+
+
+def prompt_logprobs_dict(chunk: Chunk) -> list[dict[str, Any] | None]:
+    """vLLM's ``prompt_logprobs`` of a chunk carrying them: null for the first prompt token,
+    then per prompt token its own entry and its top alternatives, by token id (a string)."""
+    positions: list[dict[str, Any] | None] = [None]
+    for entry in chunk.prompt_logprobs:
+        position = {
+            str(entry.token_id): {
+                "logprob": entry.logprob, "rank": entry.rank, "decoded_token": entry.text,
+            }
+        }  # fmt: skip
+        for rank, top in enumerate(entry.top, start=1):
+            position.setdefault(
+                str(top.token_id),
+                {"logprob": top.logprob, "rank": rank, "decoded_token": top.text},
+            )
+        positions.append(position)
+    return positions
+
+
+def _echo_logprobs(
+    first: PromptToken | None, prompt: tuple[TokenLogprob, ...], top: int
+) -> dict[str, list[Any]]:
+    """The prompt's tokens in the legacy completions logprobs shape (``echo`` with
+    ``logprobs``): the first with null logprob and alternatives, then each with its own and
+    its ``top`` alternatives; offsets into the echoed prompt from 0."""
+    out = _empty_completion_logprobs()
+    if first is None:
+        return out
+    out["tokens"].append(first.text)
+    out["token_logprobs"].append(None)
+    out["top_logprobs"].append(None)
+    out["text_offset"].append(0)
+    offset = len(first.text)
+    for entry in prompt:
+        out["tokens"].append(entry.text)
+        out["token_logprobs"].append(entry.logprob)
+        out["top_logprobs"].append({alt.text: alt.logprob for alt in entry.top[:top]})
+        out["text_offset"].append(offset)
+        offset += len(entry.text)
+    return out
 
 
 class ResponseBuilder(abc.ABC):
@@ -108,22 +150,35 @@ class CompletionBuilder(ResponseBuilder):
         want_logprobs: bool,
         index: int = 0,
         echo_text: str = "",
+        echo_top: int | None = None,
+        want_prompt_logprobs: bool = False,
     ) -> None:
-        """``echo_text``: the prompt, returned before the completion (``echo``)."""
+        """``echo_text``: the prompt, returned before the completion (``echo``);
+        ``echo_top``: with ``echo`` and ``logprobs``, the alternatives each prompt token's
+        logprobs show (the prompt's tokens lead the logprobs; its text then waits for the
+        first chunk, which carries them); ``want_prompt_logprobs``: the choice has vLLM's
+        ``prompt_logprobs`` (whole responses only)."""
         super().__init__(response_id, model, index)
         self.want_logprobs = want_logprobs
         self.echo_text = echo_text
+        self.echo_top = echo_top
+        self._echo_pending = echo_top is not None
+        self.want_prompt_logprobs = want_prompt_logprobs
+        self.prompt_logprobs: list[dict[str, Any] | None] | None = None
         self.text_parts: list[str] = [echo_text]
         self.text_length = len(echo_text)
         self.logprobs = _empty_completion_logprobs()
 
     def opening_chunks(self) -> list[dict[str, Any]]:
-        """With ``echo``, the prompt's text comes first."""
-        if not self.echo_text:
+        """With ``echo``, the prompt's text comes first (with ``logprobs``, in ``add``)."""
+        if not self.echo_text or self._echo_pending:
             return []
-        choice = {"index": self.index, "text": self.echo_text, "logprobs": None,
+        return [self._echo_chunk(None)]
+
+    def _echo_chunk(self, logprobs: dict[str, list[Any]] | None) -> dict[str, Any]:
+        choice = {"index": self.index, "text": self.echo_text, "logprobs": logprobs,
                   "finish_reason": None, "stop_reason": None}  # fmt: skip
-        return [self._envelope(self.chunk_object_name, [choice])]
+        return self._envelope(self.chunk_object_name, [choice])
 
     def _logprobs_of(self, logprobs: tuple[TokenLogprob, ...], offset: int) -> dict[str, Any]:
         out = _empty_completion_logprobs()
@@ -137,6 +192,16 @@ class CompletionBuilder(ResponseBuilder):
 
     def add(self, chunk: Chunk) -> list[dict[str, Any]]:
         self.usage = chunk.usage
+        events = []
+        if chunk.prompt_logprobs and self.want_prompt_logprobs:
+            self.prompt_logprobs = prompt_logprobs_dict(chunk)
+        if self._echo_pending:  # the first chunk: the prompt's tokens lead the logprobs
+            self._echo_pending = False
+            assert self.echo_top is not None
+            prompt = _echo_logprobs(chunk.prompt_first_token, chunk.prompt_logprobs, self.echo_top)
+            for key, values in prompt.items():
+                self.logprobs[key].extend(values)
+            events.append(self._echo_chunk(prompt))
         choice: dict[str, Any] = {
             "index": self.index,
             "text": chunk.text,
@@ -151,7 +216,8 @@ class CompletionBuilder(ResponseBuilder):
             choice["logprobs"] = part
         self.text_parts.append(chunk.text)
         self.text_length += len(chunk.text)
-        return [self._envelope(self.chunk_object_name, [choice])]
+        events.append(self._envelope(self.chunk_object_name, [choice]))
+        return events
 
     def finish(self, end: Finish) -> list[dict[str, Any]]:
         self.usage = end.usage
@@ -166,18 +232,16 @@ class CompletionBuilder(ResponseBuilder):
         return [self._envelope(self.chunk_object_name, [choice])]
 
     def whole(self) -> dict[str, Any]:
-        body = self._envelope(
-            self.object_name,
-            [
-                {
-                    "index": self.index,
-                    "text": "".join(self.text_parts),
-                    "logprobs": self.logprobs if self.want_logprobs else None,
-                    "finish_reason": self.finish_reason,
-                    "stop_reason": self.stop_reason,
-                }
-            ],
-        )
+        choice = {
+            "index": self.index,
+            "text": "".join(self.text_parts),
+            "logprobs": self.logprobs if self.want_logprobs else None,
+            "finish_reason": self.finish_reason,
+            "stop_reason": self.stop_reason,
+        }
+        if self.want_prompt_logprobs:
+            choice["prompt_logprobs"] = self.prompt_logprobs
+        body = self._envelope(self.object_name, [choice])
         body["usage"] = usage_dict(self.usage or Usage(0, 0, 0))
         return body
 
@@ -195,6 +259,7 @@ class ChatBuilder(ResponseBuilder):
         want_logprobs: bool,
         index: int = 0,
         tools: ToolPlan | None = None,
+        want_prompt_logprobs: bool = False,
     ) -> None:
         """``tools``: the request's shown tools (``client/tools.py``): an answer that may be
         a tool call is held back as content until it is known not to be one (it left the
@@ -203,9 +268,12 @@ class ChatBuilder(ResponseBuilder):
         an answer that is a call ends as ``tool_calls`` with finish reason ``tool_calls``.
         One that stops being a call after its calls began streaming (cut by ``max_tokens``,
         text after the call) ends with its own finish reason and the whole answer as
-        content, as the non-streamed response has it."""
+        content, as the non-streamed response has it. ``want_prompt_logprobs``: the response
+        has vLLM's ``prompt_logprobs`` (whole responses only)."""
         super().__init__(response_id, model, index)
         self.want_logprobs = want_logprobs
+        self.want_prompt_logprobs = want_prompt_logprobs
+        self.prompt_logprobs: list[dict[str, Any] | None] | None = None
         self.text_parts: list[str] = []
         self.tools = tools if tools is not None and tools.shown else None
         self._held: list[str] = []
@@ -243,6 +311,8 @@ class ChatBuilder(ResponseBuilder):
         """The chunk's streamed form: its content, or the pieces of tool calls it makes
         known; none while its content is held (it may be a call)."""
         self.usage = chunk.usage
+        if chunk.prompt_logprobs and self.want_prompt_logprobs:
+            self.prompt_logprobs = prompt_logprobs_dict(chunk)
         self.text_parts.append(chunk.text)
         text = chunk.text
         if not self._streams_content:
@@ -312,4 +382,6 @@ class ChatBuilder(ResponseBuilder):
             ],
         )
         body["usage"] = usage_dict(self.usage or Usage(0, 0, 0))
+        if self.want_prompt_logprobs:
+            body["prompt_logprobs"] = self.prompt_logprobs
         return body

@@ -125,6 +125,11 @@ def _refuse_unserved(body: ResponsesRequest) -> None:
         ),
         ("max_tool_calls", body.max_tool_calls is not None, "max_tool_calls is not supported"),
         ("prompt", body.prompt is not None, "stored prompts are not supported"),
+        (
+            "prompt_logprobs",
+            body.prompt_logprobs is not None,
+            "a response has no place for prompt_logprobs: send them to chat completions",
+        ),
     ]
     for field, asked, reason in refusals:
         if asked:

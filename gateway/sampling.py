@@ -127,12 +127,20 @@ def _history_call(call: schemas.MessageToolCall) -> ToolCall:
 
 
 def completion_sampling(body: CompletionRequest) -> Sampling:
-    if body.echo and body.logprobs is not None:
-        raise invalid("echo with logprobs needs the prompt's logprobs: not supported", "echo")
     if body.suffix:
         raise invalid("suffix is not supported", "suffix")
     max_tokens = body.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS
-    return _sampling(body, max_tokens, _ranking_logprobs(body, body.logprobs))
+    sampling = _sampling(body, max_tokens, _ranking_logprobs(body, body.logprobs))
+    if wants_echo_logprobs(body):  # the prompt's tokens lead the logprobs
+        asked = max(body.logprobs, sampling.prompt_logprobs or 0)
+        sampling = replace(sampling, prompt_logprobs=asked)
+    return sampling
+
+
+def wants_echo_logprobs(body: CompletionRequest) -> bool:
+    """Whether a completions body asks for the prompt's tokens in its logprobs (``echo``
+    with ``logprobs``)."""
+    return bool(body.echo) and body.logprobs is not None
 
 
 def best_of_asked(body: _SamplingFields) -> int | None:
@@ -180,6 +188,8 @@ def chat_sampling(body: ChatCompletionRequest) -> Sampling:
 
 
 def _sampling(body: _SamplingFields, max_tokens: int | None, logprobs: int | None) -> Sampling:
+    if body.prompt_logprobs is not None and body.stream:
+        raise invalid("prompt_logprobs are not available when streaming", "prompt_logprobs")
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     top_k = body.top_k
     if top_k is not None and top_k <= 0:  # vLLM: -1 (or 0) disables top-k
@@ -202,6 +212,7 @@ def _sampling(body: _SamplingFields, max_tokens: int | None, logprobs: int | Non
         skip_special_tokens=body.skip_special_tokens,
         logit_bias=_logit_bias(body.logit_bias),
         grammar=grammar_of(body),
+        prompt_logprobs=body.prompt_logprobs,
     )
 
 

@@ -3,8 +3,8 @@
 Requests accept the OpenAI fields splitserve implements plus vLLM's common extensions
 (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``min_tokens``,
 ``stop_token_ids``, ``skip_special_tokens``, ``add_special_tokens``, chat's ``best_of``;
-explicit ``null`` means the default). Declared
-fields whose meaning is not implemented (``echo`` with ``logprobs``, ``suffix``) are refused
+``prompt_logprobs``; explicit ``null`` means the default). Declared
+fields whose meaning is not implemented (``suffix``) are refused
 with a 400 by ``gateway/sampling.py``; undeclared ones (``model_extra``) go through
 ``gateway/unserved_fields.py``: vLLM's other extensions are refused with a 400 naming them
 unless they ask for nothing, anything else is ignored with a warning and a counter, as vLLM
@@ -89,6 +89,14 @@ class _SamplingFields(_TextBody):
     min_tokens: int | None = Field(None, ge=0)
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
+    prompt_logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=20,
+        description="Return each prompt token's logprob after the first and this many top "
+        "alternatives (vLLM's form; not streamed). The whole prompt is computed: no "
+        "prefix-cache hit.",
+    )
     priority: int | None = Field(
         None,
         ge=-(2**31) + 1,
@@ -169,7 +177,11 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = Field(
         None, ge=0, le=20, description="Return this many top alternatives per token."
     )
-    echo: bool | None = Field(False, description="Return the prompt before the completion.")
+    echo: bool | None = Field(
+        False,
+        description="Return the prompt before the completion; with logprobs, the prompt's "
+        "tokens lead the logprobs (the first with null logprob and top_logprobs).",
+    )
     suffix: str | None = None
 
 
@@ -239,9 +251,22 @@ class Usage(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]] | None
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None] | None
     text_offset: list[int]
+
+
+class PromptLogprob(BaseModel):
+    """One token of a prompt position (vLLM's ``prompt_logprobs`` entries)."""
+
+    logprob: float
+    rank: int = Field(description="1 + the number of tokens more likely here.")
+    decoded_token: str
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+"""vLLM's ``prompt_logprobs``: null for the first prompt token, then per prompt token its
+own entry and the top alternatives, keyed by token id (a string)."""
 
 
 class CompletionChoice(BaseModel):
@@ -252,6 +277,7 @@ class CompletionChoice(BaseModel):
     stop_reason: str | int | None = Field(
         None, description="The stop string or token id that ended the text (vLLM extension)."
     )
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -313,6 +339,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaFunction(BaseModel):

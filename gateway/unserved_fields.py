@@ -64,7 +64,6 @@ REFUSED: dict[str, Refusal] = {
     "include_stop_str_in_output": Refusal(
         "include_stop_str_in_output is not supported", _is(False)
     ),
-    "prompt_logprobs": Refusal("prompt_logprobs is not supported"),
     "allowed_token_ids": Refusal("allowed_token_ids is not supported"),
     "bad_words": Refusal("bad_words is not supported"),
     "truncate_prompt_tokens": Refusal("truncate_prompt_tokens is not supported"),

@@ -154,7 +154,9 @@ class PrefillWorker:
         end of the push are spans of their own (``common/tracing.py``)."""
         peer = await self._peer(target.decode_address)  # the handshake checks KV layouts
         self._check_target(prompt_token_ids, target)
-        pulled = await self._pull_cached_kv(request_id, prompt_token_ids, target, peer, span)
+        pulled = None
+        if params.prompt_logprobs is None:  # else the whole prompt is computed: nothing to take
+            pulled = await self._pull_cached_kv(request_id, prompt_token_ids, target, peer, span)
         engine_id = request_id + self._engine_id_suffix
         sender = self._expect_push(engine_id, target, peer)
         compute = start_span("prefill compute", request_id, parent=span)
@@ -170,6 +172,7 @@ class PrefillWorker:
                 last.update.new_token_ids[0],
                 last.logprobs[0] if last.logprobs else None,
                 num_cached_tokens,
+                last.prompt_logprobs,
             )
             await peer.client.complete_kv(target, request_id, first, self.transfer_timeout_s)
         except (TransferError, WorkerUnavailableError, WorkerCallError) as error:

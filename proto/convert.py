@@ -48,6 +48,7 @@ _OPTIONAL_SAMPLING_FIELDS = (
     "min_tokens",
     "logprobs",
     "skip_special_tokens",
+    "prompt_logprobs",
 )
 
 FINISH_REASON_TO_PROTO = {
@@ -354,6 +355,8 @@ def fill_step_output(message: worker_pb2.WorkerTokens, output: StepOutput) -> No
     message.token_ids.extend(update.new_token_ids)
     if output.logprobs:
         message.logprobs.extend(logprob_to_proto(logprob) for logprob in output.logprobs)
+    if output.prompt_logprobs:
+        message.prompt_logprobs.extend(logprob_to_proto(lp) for lp in output.prompt_logprobs)
     message.finish_reason = FINISH_REASON_TO_PROTO[update.finish_reason]
     usage = message.usage
     usage.prompt_tokens = update.num_prompt_tokens
@@ -373,7 +376,9 @@ def step_output_from_proto(request_id: str, message: worker_pb2.WorkerTokens) ->
         num_output_tokens=message.usage.completion_tokens,
         stop_token_id=message.stop_token_id if message.HasField("stop_token_id") else None,
     )
-    return StepOutput(update, logprobs_from_proto(message.logprobs))
+    return StepOutput(
+        update, logprobs_from_proto(message.logprobs), logprobs_from_proto(message.prompt_logprobs)
+    )
 
 
 def first_token_to_proto(
@@ -387,6 +392,7 @@ def first_token_to_proto(
     )
     if first.logprob is not None:
         message.first_logprob.CopyFrom(logprob_to_proto(first.logprob))
+    message.prompt_logprobs.extend(logprob_to_proto(lp) for lp in first.prompt_logprobs)
     return message
 
 
@@ -394,7 +400,12 @@ def first_token_from_proto(message: worker_pb2.CompleteKvRequest) -> FirstToken:
     logprob = None
     if message.HasField("first_logprob"):
         (logprob,) = logprobs_from_proto([message.first_logprob])
-    return FirstToken(message.first_token_id, logprob, message.num_cached_tokens)
+    return FirstToken(
+        message.first_token_id,
+        logprob,
+        message.num_cached_tokens,
+        logprobs_from_proto(message.prompt_logprobs),
+    )
 
 
 def handshake_to_proto(handshake: KvHandshake) -> worker_pb2.KvHandshakeResponse:

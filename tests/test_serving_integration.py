@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import grpc
+import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -200,6 +201,12 @@ def test_disaggregated_equals_colocated_and_frees_every_block(
             held - turn1_tokens // 16
         )
         assert last.usage.cached_tokens == held * 16
+        # the same prompt's logprobs: computed whole on the prefill worker (nothing pulled,
+        # nothing from its cache), carried to the decode worker with the first token, equal
+        # to the in-process engine's over gRPC and through the gateway (lm-eval's payload)
+        _assert_served_prompt_logprobs(disaggregated, lines["splitserve gateway ready"], llm, turn2)
+        reversed_again = transfer_figures(lines["prefill metrics"])
+        assert reversed_again.pulled_blocks == pulled.pulled_blocks
 
         streams = [
             coordinator_pb2.GenerateRequest(
@@ -222,6 +229,58 @@ def test_disaggregated_equals_colocated_and_frees_every_block(
         workers = [lines["prefill metrics"], lines["decode metrics"]]
         assert_n_choices_fork(lines["splitserve gateway ready"], workers, disaggregated)
         assert_all_free(wait_until_idle(disaggregated, 2), 2)
+
+
+def _assert_served_prompt_logprobs(
+    address: str, gateway_url: str, llm: LLM, prompt: list[int]
+) -> None:
+    """``prompt_logprobs`` over gRPC and ``echo`` with ``logprobs`` over HTTP (the payload
+    lm-evaluation-harness sends for a loglikelihood) equal the in-process float32 engine's
+    records, the prompt's whole (no cached token)."""
+    (reference,) = llm.generate(
+        [prompt], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=2)
+    )
+    expected = reference.prompt_logprobs
+    assert [record.token_id for record in expected] == prompt[1:]
+    request = coordinator_pb2.GenerateRequest(
+        token_ids=coordinator_pb2.TokenIds(ids=prompt), sampling=_greedy(1, prompt_logprobs=2)
+    )
+
+    async def served() -> tuple[list[common_pb2.TokenLogprob], coordinator_pb2.PromptToken, int]:
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+            records, first, cached = [], None, -1
+            async for response in stub.Generate(request, timeout=300):
+                if response.HasField("chunk") and response.chunk.prompt_logprobs:
+                    records += response.chunk.prompt_logprobs
+                    first = response.chunk.prompt_first_token
+                cached = response.usage.cached_tokens
+            return records, first, cached
+
+    records, first, cached = asyncio.run(served())
+    assert cached == 0
+    assert first.token_id == prompt[0] and first.text == llm.tokenizer.decode(
+        prompt[:1], skip_special_tokens=False
+    )
+    assert [r.token_id for r in records] == prompt[1:]
+    assert [r.rank for r in records] == [r.rank for r in expected]
+    for got, want in zip(records, expected, strict=True):
+        assert got.logprob == pytest.approx(want.logprob, abs=1e-4)
+        assert [t.token_id for t in got.top] == [t for t, _ in want.top]
+        assert got.text == llm.tokenizer.decode([want.token_id], skip_special_tokens=False)
+
+    sdk = openai.OpenAI(base_url=f"{gateway_url}/v1", api_key="unused", max_retries=0)
+    model = sdk.models.list().data[0].id
+    completion = sdk.completions.create(
+        model=model, prompt=prompt, echo=True, logprobs=1, max_tokens=1, temperature=0.0
+    )
+    logprobs = completion.choices[0].logprobs
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert len(logprobs.tokens) == len(prompt) + 1  # the prompt's, then the generated one
+    assert logprobs.token_logprobs[1 : len(prompt)] == pytest.approx(
+        [record.logprob for record in expected], abs=1e-4
+    )
+    assert completion.choices[0].text.startswith("".join(logprobs.tokens[: len(prompt)]))
 
 
 async def _cancel_mid_stream(address: str) -> None:

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.kv_layout import KvLayout
 from splitserve.common.logprobs import TokenLogprob
+from splitserve.common.sampling_params import MAX_LOGPROBS
 from splitserve.transfer.plan import TRANSFER_SECRET_BYTES, TransferPlan
 
 
@@ -133,16 +134,19 @@ class KvHandshake:
 @dataclass(frozen=True)
 class FirstToken:
     """What a prefill worker hands the decode worker with ``CompleteKv``: the token it sampled
-    after the prompt, that token's logprobs when the request asked for them, and how much of
-    the prompt its prefix cache served (the decode stream reports it in its usage)."""
+    after the prompt, that token's logprobs when the request asked for them, how much of
+    the prompt its prefix cache served (the decode stream reports it in its usage), and the
+    prompt's logprobs when the request asked for them (``StepOutput.prompt_logprobs``)."""
 
     token_id: int
     logprob: TokenLogprob | None = None
     num_cached_tokens: int = 0
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
     def check(self, vocab_size: int, num_prompt_tokens: int) -> None:
         """Raise ``InvalidRequestError`` naming the field unless every id is a token of a
-        ``vocab_size`` vocabulary and the cached count lies in ``[0, num_prompt_tokens]``."""
+        ``vocab_size`` vocabulary, the cached count lies in ``[0, num_prompt_tokens]`` and
+        prompt logprobs, if any, are one per prompt token after the first."""
         if not 0 <= self.token_id < vocab_size:
             raise InvalidRequestError(
                 f"first token id {self.token_id} is outside [0, {vocab_size})", "first_token_id"
@@ -154,6 +158,15 @@ class FirstToken:
             )
         if self.logprob is not None:
             _check_logprob(self.logprob, self.token_id, vocab_size)
+        if self.prompt_logprobs:
+            if len(self.prompt_logprobs) != num_prompt_tokens - 1:
+                raise InvalidRequestError(
+                    f"{len(self.prompt_logprobs)} prompt logprobs for a "
+                    f"{num_prompt_tokens}-token prompt",
+                    "prompt_logprobs",
+                )
+            for record in self.prompt_logprobs:
+                _check_logprob(record, record.token_id, vocab_size, "prompt_logprobs")
 
 
 def _check_secret(secret: bytes, param: str) -> None:
@@ -164,14 +177,18 @@ def _check_secret(secret: bytes, param: str) -> None:
         )
 
 
-def _check_logprob(logprob: TokenLogprob, token_id: int, vocab_size: int) -> None:
-    """The first token's logprob record must describe that token, with top ids in the vocab
-    and a rank of at least 1."""
+def _check_logprob(
+    logprob: TokenLogprob, token_id: int, vocab_size: int, param: str = "first_logprob"
+) -> None:
+    """A logprob record must describe ``token_id``, a token of the vocab, with at most
+    ``MAX_LOGPROBS`` top ids in the vocab and a rank of at least 1."""
     top_ids = [top_id for top_id, _ in logprob.top]
-    if logprob.token_id != token_id or logprob.rank < 1:
+    if logprob.token_id != token_id or logprob.rank < 1 or not 0 <= token_id < vocab_size:
         raise InvalidRequestError(
-            f"logprob of token {logprob.token_id} (rank {logprob.rank}) for first token {token_id}",
-            "first_logprob",
+            f"logprob of token {logprob.token_id} (rank {logprob.rank}) for token {token_id}",
+            param,
         )
-    if any(not 0 <= top_id < vocab_size for top_id in top_ids):
-        raise InvalidRequestError(f"top logprob ids outside [0, {vocab_size})", "first_logprob")
+    if len(top_ids) > MAX_LOGPROBS or any(not 0 <= top_id < vocab_size for top_id in top_ids):
+        raise InvalidRequestError(
+            f"more than {MAX_LOGPROBS} top logprobs, or ids outside [0, {vocab_size})", param
+        )

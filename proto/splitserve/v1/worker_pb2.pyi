@@ -176,18 +176,20 @@ class KvReservation(_message.Message):
     def __init__(self, transfer_id: _Optional[int] = ..., decode_address: _Optional[str] = ..., num_tokens: _Optional[int] = ..., compat_hash: _Optional[str] = ..., block_order: _Optional[_Iterable[int]] = ..., run_lengths: _Optional[_Iterable[int]] = ..., transfer_secret: _Optional[bytes] = ..., num_cached_blocks: _Optional[int] = ..., layers_per_message: _Optional[int] = ...) -> None: ...
 
 class WorkerTokens(_message.Message):
-    __slots__ = ("token_ids", "logprobs", "finish_reason", "stop_token_id", "usage")
+    __slots__ = ("token_ids", "logprobs", "finish_reason", "stop_token_id", "usage", "prompt_logprobs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
     finish_reason: _common_pb2.FinishReason
     stop_token_id: int
     usage: _common_pb2.Usage
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class WorkerGenerateResponse(_message.Message):
     __slots__ = ("reservation", "tokens")
@@ -228,18 +230,20 @@ class KvHandshakeResponse(_message.Message):
     def __init__(self, layout: _Optional[_Union[KvLayout, _Mapping]] = ..., ucx_address: _Optional[bytes] = ..., transport: _Optional[str] = ...) -> None: ...
 
 class CompleteKvRequest(_message.Message):
-    __slots__ = ("transfer_id", "request_id", "first_token_id", "first_logprob", "num_cached_tokens")
+    __slots__ = ("transfer_id", "request_id", "first_token_id", "first_logprob", "num_cached_tokens", "prompt_logprobs")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     transfer_id: int
     request_id: str
     first_token_id: int
     first_logprob: _common_pb2.TokenLogprob
     num_cached_tokens: int
-    def __init__(self, transfer_id: _Optional[int] = ..., request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    def __init__(self, transfer_id: _Optional[int] = ..., request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class CompleteKvResponse(_message.Message):
     __slots__ = ()
