@@ -23,7 +23,9 @@ KV transfer over UCX. What it does not do is compute:
   (readable text, never an end-of-sequence token: a request runs to ``max_tokens``, as with
   ``ignore_eos``). Sampling parameters do not change it; a constrained request takes the
   grammar's allowed token nearest to it (so grammars still bind and end); a request asking
-  for logprobs gets the token at logprob 0 (rank 1) and the next words at ``-30``.
+  for logprobs gets the token at logprob 0 (rank 1) and the next words at ``-30``; its
+  ``prompt_logprobs`` give each prompt token 0 (rank 1) where it is the token the simulation
+  would have chosen there, else ``-30`` (rank 2), with that token's alternatives.
 """
 
 from __future__ import annotations
@@ -135,6 +137,8 @@ class SimulatedRunner(KvBlockStore):
         self._wait(ratio * self.profile.step_s(shape), on_layer_kv_written)
         output = RunnerOutput()
         for chunk in step.chunks:
+            if chunk.num_prompt_logprobs:
+                output.prompt_logprobs[chunk.request_id] = self._prompt_logprobs(chunk)
             if not chunk.samples:
                 continue
             if chunk.draft_token_ids:  # no grammar, no logprobs (``Scheduler._speculates``)
@@ -174,6 +178,18 @@ class SimulatedRunner(KvBlockStore):
         if allowed_ids.numel() == 0:  # never: a matcher allows end-of-sequence at least
             raise RuntimeError(f"request {chunk.request_id}: the grammar allows no token")
         return int(allowed_ids[token % allowed_ids.numel()])
+
+    def _prompt_logprobs(self, chunk: ScheduledChunk) -> tuple[int, tuple[TokenLogprob, ...]]:
+        """The chunk's prompt records (``RunnerOutput.prompt_logprobs``; module docstring)."""
+        first, prompt = chunk.start_position + 1, chunk.prompt_token_ids
+        records = []
+        for position in range(first, first + chunk.num_prompt_logprobs):
+            chosen = sim_token(self.words, prompt[position - 1], position)
+            top = self._logprob(chosen, chunk.params.prompt_logprobs or 0).top
+            token = prompt[position]
+            hit = token == chosen
+            records.append(TokenLogprob(token, 0.0 if hit else OTHER_LOGPROB, 1 if hit else 2, top))
+        return first, tuple(records)
 
     def _logprob(self, token: int, num_top: int) -> TokenLogprob:
         others = [(word, OTHER_LOGPROB) for word in self.words if word != token]

@@ -308,8 +308,6 @@ def test_several_choices_prompts_and_echo(served: Served, sdk: openai.OpenAI) ->
     )
     assert echoed.choices[0].text.startswith("Hello")
     assert echoed_ids.choices[0].text == "Hello" + plain.choices[0].text
-    with pytest.raises(openai.BadRequestError):
-        sdk.completions.create(model=model, prompt="Hello", echo=True, logprobs=1)
     stream = sdk.chat.completions.create(
         model=model, messages=QUESTION, n=3, max_tokens=5, temperature=0, stream=True,
         stream_options={"include_usage": True},

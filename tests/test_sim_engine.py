@@ -205,6 +205,15 @@ def test_a_grammar_binds_a_simulated_engine_and_logprobs_are_reported(tmp_path: 
     assert len(logprobs) == 2
     assert all(lp.logprob == 0.0 and lp.rank == 1 and len(lp.top) == 3 for lp in logprobs)
     assert all(lp.top[0] == (lp.token_id, 0.0) for lp in logprobs)
+    # prompt logprobs: 0 where the prompt holds the simulation's own next token, else -30
+    words = core.runner.words  # type: ignore[union-attr]
+    echoing = [*prompt, sim_token(words, prompt[-1], len(prompt))]
+    core.add_request("p", echoing, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=2))
+    (out,) = [out for _ in range(3) for out in core.step() if out.update.request_id == "p"]
+    assert [lp.token_id for lp in out.prompt_logprobs] == echoing[1:]
+    assert out.prompt_logprobs[-1].logprob == 0.0 and out.prompt_logprobs[-1].rank == 1
+    assert all(lp.logprob in (0.0, -30.0) and len(lp.top) == 2 for lp in out.prompt_logprobs)
+    assert any(lp.logprob == -30.0 and lp.rank == 2 for lp in out.prompt_logprobs)
 
 
 def test_a_serving_engine_logs_its_steps_for_a_profile_to_be_fitted_to(tmp_path: Path) -> None:

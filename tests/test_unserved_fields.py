@@ -32,7 +32,6 @@ def chat(**extra: Any) -> ChatCompletionRequest:
         ("use_beam_search", True),
         ("length_penalty", 0.5),
         ("include_stop_str_in_output", True),
-        ("prompt_logprobs", 1),
         ("allowed_token_ids", [1, 2]),
         ("bad_words", ["x"]),
         ("truncate_prompt_tokens", 10),
