@@ -538,6 +538,11 @@ def compute_logprobs(
     return result
 
 
+_RANKED_AMONG_TOP = 32
+"""A chosen token among a row's this many most likely has its rank counted among them, not
+over the vocabulary (``token_logprobs``; the same count)."""
+
+
 def token_logprobs(
     logits: torch.Tensor, token_ids: torch.Tensor, counts: Sequence[int]
 ) -> list[TokenLogprob]:
@@ -548,9 +553,18 @@ def token_logprobs(
     logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1)  # [n, vocab]
     chosen = token_ids.to(torch.long)  # [n]
     chosen_logprobs = logprobs.gather(1, chosen[:, None])  # [n, 1]
-    ranks = (logprobs > chosen_logprobs).sum(dim=-1) + 1  # [n]
     num_top = min(max(counts, default=0), logprobs.shape[1])
-    top_logprobs, top_ids = logprobs.topk(num_top, dim=-1)  # [n, num_top] each
+    width = min(max(num_top, _RANKED_AMONG_TOP), logprobs.shape[1])
+    top_logprobs, top_ids = logprobs.topk(width, dim=-1)  # [n, width] each
+    # Every token more likely than a chosen one at least as likely as the top's last is in
+    # the top: its rank is read there; the other rows compare against the whole vocabulary.
+    ranks = (top_logprobs > chosen_logprobs).sum(dim=-1, dtype=torch.int32) + 1  # [n]
+    beyond = chosen_logprobs[:, 0] < top_logprobs[:, -1]  # [n]
+    if bool(beyond.any()):
+        rows = beyond.nonzero()[:, 0]  # [beyond]
+        wide = logprobs[rows] > chosen_logprobs[rows]  # [beyond, vocab]
+        ranks[rows] = wide.sum(dim=-1, dtype=torch.int32) + 1
+    top_logprobs, top_ids = top_logprobs[:, :num_top], top_ids[:, :num_top]
     chosen_list = chosen.tolist()
     chosen_lp_list = chosen_logprobs[:, 0].tolist()
     rank_list = ranks.tolist()

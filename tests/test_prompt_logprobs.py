@@ -15,6 +15,7 @@ import torch
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.sampling_params import MAX_LOGPROBS, SamplingParams
 from splitserve.engine.request import Request
+from splitserve.engine.sampler import token_logprobs
 from splitserve.engine.scheduler import Scheduler
 from tests.conftest import assert_no_leaks, make_llm
 
@@ -102,3 +103,22 @@ def test_prompt_logprobs_are_bounded() -> None:
     assert raised.value.param == "prompt_logprobs"
     with pytest.raises(InvalidRequestError):
         SamplingParams(prompt_logprobs=-1)
+
+
+def test_ranks_read_among_the_top_equal_the_full_count() -> None:
+    """``token_logprobs`` reads a rank among the row's 32 most likely tokens where the chosen
+    one is among them, else counts over the vocabulary: the same rank either way, ties
+    included (equal logits are not "more likely")."""
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randn(8, 1000, generator=generator)  # [rows, vocab]
+    logits[6, :40] = 5.0  # forty tied tokens lead row 6
+    order = logits.argsort(dim=-1, descending=True)  # [rows, vocab]
+    places = [0, 4, 31, 32, 33, 500, 10, 39]  # 0-based place of each row's chosen token
+    chosen = torch.tensor([order[row, place] for row, place in enumerate(places)])
+    records = token_logprobs(logits, chosen, [2] * 8)
+    logprobs = torch.log_softmax(logits, dim=-1)
+    for row, record in enumerate(records):
+        want = int((logprobs[row] > logprobs[row, chosen[row]]).sum()) + 1
+        assert record.rank == want, (row, places[row])
+        assert record.token_id == int(chosen[row]) and len(record.top) == 2
+    assert records[6].rank == 1  # tied with the 39 others before it
