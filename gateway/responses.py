@@ -277,6 +277,8 @@ class ChatBuilder(ResponseBuilder):
         self.text_parts: list[str] = []
         self.tools = tools if tools is not None and tools.shown else None
         self._held: list[str] = []
+        self._held_logprobs: list[TokenLogprob] = []
+        """The held content's logprobs: they go out with it."""
         self._streams_content = self.tools is None
         self._calls = None if self.tools is None else ToolCallDeltas(self.tools)
         self.tool_calls: list[dict[str, Any]] | None = None
@@ -314,32 +316,40 @@ class ChatBuilder(ResponseBuilder):
         if chunk.prompt_logprobs and self.want_prompt_logprobs:
             self.prompt_logprobs = prompt_logprobs_dict(chunk)
         self.text_parts.append(chunk.text)
-        text = chunk.text
+        text, logprobs = chunk.text, chunk.logprobs
         if not self._streams_content:
             assert self.tools is not None and self._calls is not None
             self._held.append(chunk.text)
+            self._held_logprobs.extend(chunk.logprobs)
             if entries := self._calls.feed(chunk.text):
                 return [self._delta_chunk({"tool_calls": entries})]
             if self.tools.forced or self._calls.started or not self._calls.failed:
                 return []
             self._streams_content, text = True, "".join(self._held)
-            self._held = []
+            logprobs = tuple(self._held_logprobs)
+            self._held, self._held_logprobs = [], []
         choice: dict[str, Any] = {
             "index": self.index,
             "delta": {"content": text},
-            "logprobs": None,
+            "logprobs": self._logprobs_part(logprobs),
             "finish_reason": None,
         }
-        if self.want_logprobs:
-            part = self._content_logprobs(chunk.logprobs)
-            self.content_logprobs.extend(part)
-            choice["logprobs"] = {"content": part}
         return [self._envelope(self.chunk_object_name, [choice])]
+
+    def _logprobs_part(self, logprobs: tuple[TokenLogprob, ...]) -> dict[str, Any] | None:
+        """Content's logprobs as a chunk carries them (folded into the whole response's),
+        or None where they were not asked for."""
+        if not self.want_logprobs:
+            return None
+        part = self._content_logprobs(logprobs)
+        self.content_logprobs.extend(part)
+        return {"content": part}
 
     def finish(self, end: Finish) -> list[dict[str, Any]]:
         self.usage = end.usage
         self.finish_reason, self.stop_reason = end.finish_reason, end.stop_reason
         delta: dict[str, Any] = {}
+        logprobs = None
         if not self._streams_content:
             assert self.tools is not None and self._calls is not None
             calls = self.tools.parse("".join(self.text_parts))
@@ -350,10 +360,11 @@ class ChatBuilder(ResponseBuilder):
                 self.finish_reason = "tool_calls"
             elif self._held:
                 delta["content"] = "".join(self._held)
+                logprobs = self._logprobs_part(tuple(self._held_logprobs))
         choice = {
             "index": self.index,
             "delta": delta,
-            "logprobs": None,
+            "logprobs": logprobs,
             "finish_reason": self.finish_reason,
             "stop_reason": end.stop_reason,
         }

@@ -10,7 +10,7 @@ import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletionChunk
 
-from splitserve.client import Chunk, Finish, Usage
+from splitserve.client import Chunk, Finish, TokenLogprob, Usage
 from splitserve.client.tools import ToolPlan, tool_plan
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.grammar import GrammarSpec
@@ -200,3 +200,30 @@ def test_a_streamed_call_cut_short_ends_as_the_whole_answer_does() -> None:
     (final,) = (c["choices"][0] for c in builder.finish(Finish("r", "length", None, USAGE)))
     assert final["finish_reason"] == "length" and final["delta"] == {"content": text}
     assert builder.whole()["choices"][0]["message"] == {"role": "assistant", "content": text}
+
+
+def test_held_content_keeps_its_logprobs_whole_and_streamed() -> None:
+    """Content held while it might be a call goes out with its tokens' logprobs, when it
+    leaves the format and when the answer ends still held (cut by length)."""
+
+    def logprob(token: int) -> TokenLogprob:
+        return TokenLogprob(token, -0.5 * token, token, f"t{token}", ())
+
+    for pieces, reason in ((["{", "oops", "!"], "stop"), (['{"tool_calls": [', "{"], "length")):
+        builder = ChatBuilder("c", "m", True, tools=_plan())
+        events = []
+        for token, piece in enumerate(pieces, start=1):
+            events += builder.add(Chunk("r", piece, (token,), (logprob(token),), USAGE))
+        events += builder.finish(Finish("r", reason, None, USAGE))
+        streamed = [
+            entry["logprob"]
+            for event in events
+            for choice in event["choices"]
+            if choice["logprobs"]
+            for entry in choice["logprobs"]["content"]
+        ]
+        expected = [-0.5 * token for token in range(1, len(pieces) + 1)]
+        assert streamed == expected, pieces
+        whole = builder.whole()["choices"][0]
+        assert [entry["logprob"] for entry in whole["logprobs"]["content"]] == expected
+        assert whole["message"]["content"] == "".join(pieces)
