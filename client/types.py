@@ -64,6 +64,8 @@ class Sampling:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    """A stop string that ends the text stays at its end."""
     min_tokens: int | None = None
     logprobs: int | None = None
     """Return each sampled token's logprob and this many top alternatives (0..20)."""
@@ -83,10 +85,13 @@ class Sampling:
         Raises ``ClientError`` (INVALID_ARGUMENT, ``param`` = the field) for a value the wire
         cannot carry (e.g. a negative ``max_tokens`` or ``seed``, which are unsigned there).
         """
-        message = common_pb2.SamplingParams(ignore_eos=self.ignore_eos)
+        message = common_pb2.SamplingParams(
+            ignore_eos=self.ignore_eos,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+        )
         for field in fields(self):
             value = getattr(self, field.name)
-            if value is None or field.name == "ignore_eos":
+            if value is None or field.name in ("ignore_eos", "include_stop_str_in_output"):
                 continue
             try:
                 if field.name in _REPEATED_SAMPLING_FIELDS:

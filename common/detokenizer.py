@@ -16,7 +16,8 @@ deltas that are safe to stream:
 - **Stop strings.** Emitted text never contains a stop string nor ends with a proper prefix of
   one: such a tail (at most ``len(longest stop) - 1`` characters) is held back until it can no
   longer start a stop string, or released by ``finish()``. When a stop string completes (it may
-  span tokens), only the text before it is emitted and ``stop_string`` names it; the match that
+  span tokens), only the text before it is emitted (up to its end with ``include_stop``) and
+  ``stop_string`` names it; the match that
   completes first wins, and among those completing at the same character the one starting
   first, so the result does not depend on how tokens were grouped into calls. After a stop
   (or after ``finish()``), ``add_tokens`` raises ``RuntimeError``.
@@ -99,8 +100,12 @@ class IncrementalDetokenizer:
         prompt_token_ids: Sequence[int],
         stop: Sequence[str] = (),
         skip_special_tokens: bool = True,
+        include_stop: bool = False,
     ) -> None:
+        """``include_stop``: the stop string that matched ends the text (else the text ends
+        before it)."""
         self._decoder = decoder
+        self._include_stop = include_stop
         self._skip_special_tokens = skip_special_tokens
         self._stops = tuple(stop)
         self._max_held_chars = max((len(s) for s in self._stops), default=1) - 1
@@ -238,7 +243,8 @@ class IncrementalDetokenizer:
             start, stop_string = match
             self._done = True
             self._held_text = ""
-            return DetokenizedDelta(text=text[:start], stop_string=stop_string)
+            end = start + len(stop_string) if self._include_stop else start
+            return DetokenizedDelta(text=text[:end], stop_string=stop_string)
         held = _partial_stop_suffix_len(text, self._stops, self._max_held_chars)
         self._held_text = text[len(text) - held :] if held else ""
         return DetokenizedDelta(text=text[: len(text) - held], stop_string=None)

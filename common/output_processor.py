@@ -67,7 +67,11 @@ class RequestTracker:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.detokenizer = IncrementalDetokenizer(
-            decoder, prompt_token_ids, params.stop, params.skip_special_tokens
+            decoder,
+            prompt_token_ids,
+            params.stop,
+            params.skip_special_tokens,
+            params.include_stop_str_in_output,
         )
         self.min_tokens = params.min_tokens
         self.token_ids: list[int] = []

@@ -48,12 +48,15 @@ class SamplingParams:
     presence_penalty: float = 0.0
     """Subtracted once if the token occurred in the output, in [-2, 2]."""
     stop: tuple[str, ...] = ()
-    """Stop strings: generation ends before the first occurrence; it is not in the text.
+    """Stop strings: generation ends at the first occurrence; it is not in the text unless
+    ``include_stop_str_in_output``.
 
     A single string or a list is accepted and stored as a tuple."""
     stop_token_ids: tuple[int, ...] = ()
     """Extra token ids that end generation (the token is not emitted as text)."""
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    """A stop string that ends the text is kept at its end (the text after it is not)."""
     """Keep generating past the model's end-of-sequence tokens."""
     min_tokens: int = 0
     """EOS and stop token ids are suppressed until this many tokens were generated."""

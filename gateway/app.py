@@ -87,6 +87,7 @@ from splitserve.gateway.sampling import (
     chat_messages,
     check_wire_token_ids,
 )
+from splitserve.gateway.token_names import named_by_id_stream
 from splitserve.gateway.unserved_fields import UnservedFields
 
 _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
@@ -513,8 +514,10 @@ def _choice_stream(
     """One choice's stream of ``prompt`` (nothing is sent before its first ``anext``), with
     the body's priority (vLLM's order, lower first) negated to gRPC's (higher first), its
     latency targets and ``add_special_tokens`` (unset: the coordinator's default for the
-    prompt's kind); ``model``: the coordinator's name for it, which it checks it serves."""
-    return client.stream(
+    prompt's kind); ``model``: the coordinator's name for it, which it checks it serves.
+    With ``return_tokens_as_token_ids``, its logprobs name tokens by id
+    (``gateway/token_names.py``)."""
+    stream = client.stream(
         prompt.prompt,
         messages=prompt.messages,
         token_ids=prompt.token_ids,
@@ -531,6 +534,7 @@ def _choice_stream(
         model=model,
         add_special_tokens=body.add_special_tokens,
     )
+    return named_by_id_stream(stream) if body.return_tokens_as_token_ids else stream
 
 
 def _note_failure(span: Span, error: BaseException, priority: int | None) -> None:

@@ -207,6 +207,7 @@ def _sampling(body: _SamplingFields, max_tokens: int | None, logprobs: int | Non
         stop=tuple(s for s in stop if s),
         stop_token_ids=tuple(body.stop_token_ids or ()),
         ignore_eos=bool(body.ignore_eos),
+        include_stop_str_in_output=bool(body.include_stop_str_in_output),
         min_tokens=body.min_tokens,
         logprobs=logprobs,
         skip_special_tokens=body.skip_special_tokens,

@@ -86,6 +86,12 @@ class _SamplingFields(_TextBody):
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, gt=0.0)
     ignore_eos: bool | None = False
+    include_stop_str_in_output: bool | None = Field(
+        False, description="A stop string that ends the text stays at its end."
+    )
+    return_tokens_as_token_ids: bool | None = Field(
+        False, description="Name each token in the logprobs `token_id:<id>`, not by its text."
+    )
     min_tokens: int | None = Field(None, ge=0)
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None

@@ -61,16 +61,10 @@ REFUSED: dict[str, Refusal] = {
     # sampling and output options of vLLM
     "use_beam_search": Refusal("beam search is not supported", _is(False)),
     "length_penalty": Refusal("length_penalty is only used by beam search", _is(1, 1.0)),
-    "include_stop_str_in_output": Refusal(
-        "include_stop_str_in_output is not supported", _is(False)
-    ),
     "allowed_token_ids": Refusal("allowed_token_ids is not supported"),
     "bad_words": Refusal("bad_words is not supported"),
     "truncate_prompt_tokens": Refusal("truncate_prompt_tokens is not supported"),
     "logits_processors": Refusal("logits_processors are not supported"),
-    "return_tokens_as_token_ids": Refusal(
-        "return_tokens_as_token_ids is not supported", _is(False)
-    ),
     "return_token_ids": Refusal("return_token_ids is not supported", _is(False)),
     "spaces_between_special_tokens": Refusal(
         "only spaces_between_special_tokens: true is supported", _is(True)

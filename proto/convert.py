@@ -78,6 +78,7 @@ def sampling_from_proto(
         stop=tuple(message.stop),
         stop_token_ids=tuple(message.stop_token_ids),
         ignore_eos=message.ignore_eos,
+        include_stop_str_in_output=message.include_stop_str_in_output,
         logit_bias=tuple(message.logit_bias.items()),
         grammar=(
             GrammarSpec(message.grammar.kind, message.grammar.text)
@@ -106,6 +107,7 @@ def sampling_to_proto(
         stop=list(params.stop) if include_stop else [],
         stop_token_ids=list(params.stop_token_ids),
         ignore_eos=params.ignore_eos,
+        include_stop_str_in_output=params.include_stop_str_in_output,
         logit_bias=dict(params.logit_bias),
     )
     if params.grammar is not None:

@@ -151,6 +151,18 @@ def test_stop_string_spanning_tokens() -> None:
         detok.add_tokens([3])
 
 
+def test_an_included_stop_string_ends_the_text() -> None:
+    """``include_stop``: the text runs to the stop string's end, across tokens, and nothing
+    of the token that completed it after it ("wor" of " world")."""
+    detok = IncrementalDetokenizer(ByteDecoder(), [], stop=["o wo"], include_stop=True)
+    first, second = stream(detok, [[1], [2]])
+    assert first == DetokenizedDelta(text="Hell", stop_string=None)
+    assert second == DetokenizedDelta(text="o wo", stop_string="o wo")
+    assert detok.text == "Hello wo" and detok.finish() == ""
+    excluded = IncrementalDetokenizer(ByteDecoder(), [], stop=["o wo"])
+    assert [delta.text for delta in stream(excluded, [[1], [2]])] == ["Hell", ""]
+
+
 def test_stop_string_at_the_very_first_token() -> None:
     detok = IncrementalDetokenizer(ByteDecoder(), [0], stop=["Hello"])
     assert detok.add_tokens([1, 2]) == DetokenizedDelta(text="", stop_string="Hello")
