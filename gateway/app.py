@@ -79,6 +79,7 @@ from splitserve.gateway.errors import (
 )
 from splitserve.gateway.model_routes import ModelRoute, ModelRoutes
 from splitserve.gateway.reply import respond
+from splitserve.gateway.responses import PromptShown
 from splitserve.gateway.responses_schemas import ResponsesRequest
 from splitserve.gateway.sampling import (
     MAX_CHOICES,
@@ -453,7 +454,7 @@ async def _generate(
     samplings = choice_samplings(endpoint.sampling(body), keep_best or body.n)
     if len(prompts) * len(samplings) > MAX_CHOICES:
         raise ApiError(400, f"at most {MAX_CHOICES} choices (prompts x n)", param="n")
-    echoes = await _echo_texts(client, body, prompts)
+    shown = await _prompts_shown(client, body, prompts)
     response_id = f"{endpoint.id_prefix}-{request_id}"
     span = _request_span(request, request_id, endpoint)
     traceparent = traceparent_of(span)
@@ -463,7 +464,7 @@ async def _generate(
         fork_session = session_id or (f"{response_id}-{p}" if len(samplings) > 1 else "")
         for j, sampling in enumerate(samplings):
             index = p * len(samplings) + j
-            builders.append(endpoint.builder(response_id, model, body, index, echoes[p]))
+            builders.append(endpoint.builder(response_id, model, body, index, shown[p]))
             prompt_of.append(p)
             leaders.append(None if j == 0 else p * len(samplings))
             choice_id = (
@@ -550,17 +551,29 @@ def _note_failure(span: Span, error: BaseException, priority: int | None) -> Non
         )
 
 
-async def _echo_texts(
+async def _prompts_shown(
     client: AsyncClient, body: Body, prompts: list[PromptArgs]
-) -> list[str]:  # fmt: skip
-    """Each prompt's text where the request asks for ``echo`` (completions), else ""."""
-    if not getattr(body, "echo", False):
-        return [""] * len(prompts)
-    texts = []
+) -> list[PromptShown]:  # fmt: skip
+    """What the response shows of each prompt: its text where the request asks for ``echo``
+    (completions), its token ids where it asks for ``return_token_ids`` (those the
+    coordinator's ``Tokenize`` gives, which are ``Generate``'s; a token-id prompt's own)."""
+    echo = bool(getattr(body, "echo", False))
+    want_ids = bool(getattr(body, "return_token_ids", False))
+    shown = []
     for prompt in prompts:
-        if prompt.prompt is not None:
-            texts.append(prompt.prompt)
-            continue
+        text, ids = "", prompt.token_ids if want_ids else None
         with client_errors_as_api_errors():
-            texts.append(await client.detokenize(prompt.token_ids or ()))
-    return texts
+            if echo:
+                text = prompt.prompt
+                if text is None:
+                    text = await client.detokenize(prompt.token_ids or ())
+            if want_ids and ids is None:
+                ids = tuple(
+                    await client.tokenize(
+                        prompt.prompt,
+                        messages=prompt.messages,
+                        add_special_tokens=body.add_special_tokens,
+                    )
+                )
+        shown.append(PromptShown(text, ids))
+    return shown

@@ -19,7 +19,13 @@ from pydantic import BaseModel
 
 from splitserve.client import Sampling
 from splitserve.gateway.reply import DATA_FRAMING, TYPED_FRAMING, SseFraming
-from splitserve.gateway.responses import ChatBuilder, CompletionBuilder, ResponseBuilder
+from splitserve.gateway.responses import (
+    ChatBuilder,
+    CompletionBuilder,
+    Extras,
+    PromptShown,
+    ResponseBuilder,
+)
 from splitserve.gateway.responses_events import ResponsesBuilder
 from splitserve.gateway.responses_input import (
     responses_prompts,
@@ -63,37 +69,36 @@ class Endpoint(Generic[Body]):
     prompts: Callable[[Body], list[PromptArgs]]
     """The request's prompts (several only for completions' list of prompts)."""
     sampling: Callable[[Body], Sampling]
-    builder: Callable[[str, str, Body, int, str], ResponseBuilder]
-    """(response id, model, body, choice index, echoed prompt text) -> that choice's response
-    builder (``gateway/choices.py`` keeps one per choice)."""
+    builder: Callable[[str, str, Body, int, PromptShown], ResponseBuilder]
+    """(response id, model, body, choice index, what it shows of its prompt) -> that choice's
+    response builder (``gateway/choices.py`` keeps one per choice)."""
     framing: SseFraming = DATA_FRAMING
     """How its stream writes events (``gateway/reply.py``)."""
     usage_chunks: bool = True
     """Whether ``stream_options`` asks for usage chunks (chat's and completions' shape)."""
 
 
+def _extras(body: CompletionRequest | ChatCompletionRequest, prompt: PromptShown) -> Extras:
+    return Extras(body.prompt_logprobs is not None, prompt.token_ids)
+
+
 def _completion_builder(
-    response_id: str, model: str, body: CompletionRequest, index: int, echo_text: str
+    response_id: str, model: str, body: CompletionRequest, index: int, prompt: PromptShown
 ) -> ResponseBuilder:
     echo_top = body.logprobs if wants_echo_logprobs(body) else None
     want_logprobs = body.logprobs is not None
     return CompletionBuilder(
-        response_id,
-        model,
-        want_logprobs,
-        index,
-        echo_text,
-        echo_top,
-        body.prompt_logprobs is not None,
-    )
+        response_id, model, want_logprobs, index, prompt.echo_text, echo_top,
+        _extras(body, prompt),
+    )  # fmt: skip
 
 
 def _chat_builder(
-    response_id: str, model: str, body: ChatCompletionRequest, index: int, echo_text: str
+    response_id: str, model: str, body: ChatCompletionRequest, index: int, prompt: PromptShown
 ) -> ResponseBuilder:
     return ChatBuilder(
         response_id, model, bool(body.logprobs), index, request_tools(body),
-        want_prompt_logprobs=body.prompt_logprobs is not None,
+        _extras(body, prompt),
     )  # fmt: skip
 
 
@@ -124,7 +129,7 @@ CHAT = Endpoint[ChatCompletionRequest](
 
 
 def _responses_builder(
-    response_id: str, model: str, body: ResponsesRequest, index: int, echo_text: str
+    response_id: str, model: str, body: ResponsesRequest, index: int, prompt: PromptShown
 ) -> ResponseBuilder:
     return ResponsesBuilder(response_id, model, body, responses_tools(body))
 

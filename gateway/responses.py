@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import abc
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from splitserve.client import Chunk, Finish, PromptToken, TokenLogprob, Usage
@@ -82,6 +83,32 @@ def _echo_logprobs(
     return out
 
 
+@dataclass(frozen=True)
+class Extras:
+    """What a choice shows beside its text and logprobs, as its request asked (vLLM's
+    fields)."""
+
+    prompt_logprobs: bool = False
+    """``prompt_logprobs``: the prompt's, in vLLM's form (whole responses only)."""
+    prompt_token_ids: tuple[int, ...] | None = None
+    """``return_token_ids``: the prompt's ids (shown once: in the whole response, on the
+    stream's first event), and each choice's generated ids (``token_ids``: in the whole
+    response all of them; streamed, each event those since the last, so that they join to
+    the whole's). None: not asked."""
+
+
+NO_EXTRAS = Extras()
+
+
+@dataclass(frozen=True)
+class PromptShown:
+    """What a response may show of one prompt, fetched once per prompt where its request asks
+    (``gateway/app.py``): its text (``echo``) and its token ids (``return_token_ids``)."""
+
+    echo_text: str = ""
+    token_ids: tuple[int, ...] | None = None
+
+
 class ResponseBuilder(abc.ABC):
     """One request's response in one endpoint's shape. Streamed: ``opening_chunks``, then
     ``add`` for each chunk and ``finish`` for the end (each folds the item in and returns the
@@ -92,7 +119,9 @@ class ResponseBuilder(abc.ABC):
     object_name: str
     chunk_object_name: str
 
-    def __init__(self, response_id: str, model: str, index: int = 0) -> None:
+    def __init__(
+        self, response_id: str, model: str, index: int = 0, extras: Extras = NO_EXTRAS
+    ) -> None:
         self.response_id = response_id
         self.model = model
         self.index = index
@@ -101,6 +130,43 @@ class ResponseBuilder(abc.ABC):
         self.usage: Usage | None = None
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
+        self.extras = extras
+        self._has_extras = extras != NO_EXTRAS
+        """Whether any extra is asked (most requests: none, and nothing here runs per token)."""
+        self.prompt_logprobs: list[dict[str, Any] | None] | None = None
+        self.token_ids: list[int] = []
+        self._unsent_token_ids: list[int] = []
+        self._prompt_ids_sent = False
+
+    def _fold_extras(self, chunk: Chunk) -> None:
+        """Keep what ``extras`` shows of ``chunk``."""
+        if not self._has_extras:
+            return
+        if chunk.prompt_logprobs and self.extras.prompt_logprobs:
+            self.prompt_logprobs = prompt_logprobs_dict(chunk)
+        if self.extras.prompt_token_ids is not None:
+            self.token_ids += chunk.token_ids
+            self._unsent_token_ids += chunk.token_ids
+
+    def _send_token_ids(self, where: dict[str, Any], choice: dict[str, Any]) -> None:
+        """With ``return_token_ids``, an event's ids: the prompt's in ``where`` (the choice,
+        or for chat the event) on the stream's first event, the ids since the last event in
+        ``choice``."""
+        if not self._has_extras or self.extras.prompt_token_ids is None:
+            return
+        if not self._prompt_ids_sent:
+            where["prompt_token_ids"] = list(self.extras.prompt_token_ids)
+            self._prompt_ids_sent = True
+        choice["token_ids"], self._unsent_token_ids = self._unsent_token_ids, []
+
+    def _whole_extras(self, where: dict[str, Any], choice: dict[str, Any]) -> None:
+        """The whole response's extras: the prompt's logprobs and ids in ``where``, the
+        generated ids in ``choice``."""
+        if self.extras.prompt_logprobs:
+            where["prompt_logprobs"] = self.prompt_logprobs
+        if self.extras.prompt_token_ids is not None:
+            where["prompt_token_ids"] = list(self.extras.prompt_token_ids)
+            choice["token_ids"] = list(self.token_ids)
 
     def _envelope(self, object_name: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {
@@ -151,20 +217,17 @@ class CompletionBuilder(ResponseBuilder):
         index: int = 0,
         echo_text: str = "",
         echo_top: int | None = None,
-        want_prompt_logprobs: bool = False,
+        extras: Extras = NO_EXTRAS,
     ) -> None:
         """``echo_text``: the prompt, returned before the completion (``echo``);
         ``echo_top``: with ``echo`` and ``logprobs``, the alternatives each prompt token's
         logprobs show (the prompt's tokens lead the logprobs; its text then waits for the
-        first chunk, which carries them); ``want_prompt_logprobs``: the choice has vLLM's
-        ``prompt_logprobs`` (whole responses only)."""
-        super().__init__(response_id, model, index)
+        first chunk, which carries them); ``extras``: on the choice."""
+        super().__init__(response_id, model, index, extras)
         self.want_logprobs = want_logprobs
         self.echo_text = echo_text
         self.echo_top = echo_top
         self._echo_pending = echo_top is not None
-        self.want_prompt_logprobs = want_prompt_logprobs
-        self.prompt_logprobs: list[dict[str, Any] | None] | None = None
         self.text_parts: list[str] = [echo_text]
         self.text_length = len(echo_text)
         self.logprobs = _empty_completion_logprobs()
@@ -178,6 +241,7 @@ class CompletionBuilder(ResponseBuilder):
     def _echo_chunk(self, logprobs: dict[str, list[Any]] | None) -> dict[str, Any]:
         choice = {"index": self.index, "text": self.echo_text, "logprobs": logprobs,
                   "finish_reason": None, "stop_reason": None}  # fmt: skip
+        self._send_token_ids(choice, choice)
         return self._envelope(self.chunk_object_name, [choice])
 
     def _logprobs_of(self, logprobs: tuple[TokenLogprob, ...], offset: int) -> dict[str, Any]:
@@ -193,8 +257,6 @@ class CompletionBuilder(ResponseBuilder):
     def add(self, chunk: Chunk) -> list[dict[str, Any]]:
         self.usage = chunk.usage
         events = []
-        if chunk.prompt_logprobs and self.want_prompt_logprobs:
-            self.prompt_logprobs = prompt_logprobs_dict(chunk)
         if self._echo_pending:  # the first chunk: the prompt's tokens lead the logprobs
             self._echo_pending = False
             assert self.echo_top is not None
@@ -202,6 +264,7 @@ class CompletionBuilder(ResponseBuilder):
             for key, values in prompt.items():
                 self.logprobs[key].extend(values)
             events.append(self._echo_chunk(prompt))
+        self._fold_extras(chunk)
         choice: dict[str, Any] = {
             "index": self.index,
             "text": chunk.text,
@@ -216,6 +279,7 @@ class CompletionBuilder(ResponseBuilder):
             choice["logprobs"] = part
         self.text_parts.append(chunk.text)
         self.text_length += len(chunk.text)
+        self._send_token_ids(choice, choice)
         events.append(self._envelope(self.chunk_object_name, [choice]))
         return events
 
@@ -239,8 +303,7 @@ class CompletionBuilder(ResponseBuilder):
             "finish_reason": self.finish_reason,
             "stop_reason": self.stop_reason,
         }
-        if self.want_prompt_logprobs:
-            choice["prompt_logprobs"] = self.prompt_logprobs
+        self._whole_extras(choice, choice)
         body = self._envelope(self.object_name, [choice])
         body["usage"] = usage_dict(self.usage or Usage(0, 0, 0))
         return body
@@ -259,7 +322,7 @@ class ChatBuilder(ResponseBuilder):
         want_logprobs: bool,
         index: int = 0,
         tools: ToolPlan | None = None,
-        want_prompt_logprobs: bool = False,
+        extras: Extras = NO_EXTRAS,
     ) -> None:
         """``tools``: the request's shown tools (``client/tools.py``): an answer that may be
         a tool call is held back as content until it is known not to be one (it left the
@@ -268,12 +331,10 @@ class ChatBuilder(ResponseBuilder):
         an answer that is a call ends as ``tool_calls`` with finish reason ``tool_calls``.
         One that stops being a call after its calls began streaming (cut by ``max_tokens``,
         text after the call) ends with its own finish reason and the whole answer as
-        content, as the non-streamed response has it. ``want_prompt_logprobs``: the response
-        has vLLM's ``prompt_logprobs`` (whole responses only)."""
-        super().__init__(response_id, model, index)
+        content, as the non-streamed response has it. ``extras``: the prompt's on the
+        response, the generated ids on the choice."""
+        super().__init__(response_id, model, index, extras)
         self.want_logprobs = want_logprobs
-        self.want_prompt_logprobs = want_prompt_logprobs
-        self.prompt_logprobs: list[dict[str, Any] | None] | None = None
         self.text_parts: list[str] = []
         self.tools = tools if tools is not None and tools.shown else None
         self._held: list[str] = []
@@ -307,14 +368,13 @@ class ChatBuilder(ResponseBuilder):
             "logprobs": None,
             "finish_reason": None,
         }
-        return [self._envelope(self.chunk_object_name, [choice])]
+        return [self._chunk_event(choice)]
 
     def add(self, chunk: Chunk) -> list[dict[str, Any]]:
         """The chunk's streamed form: its content, or the pieces of tool calls it makes
         known; none while its content is held (it may be a call)."""
         self.usage = chunk.usage
-        if chunk.prompt_logprobs and self.want_prompt_logprobs:
-            self.prompt_logprobs = prompt_logprobs_dict(chunk)
+        self._fold_extras(chunk)
         self.text_parts.append(chunk.text)
         text, logprobs = chunk.text, chunk.logprobs
         if not self._streams_content:
@@ -334,7 +394,7 @@ class ChatBuilder(ResponseBuilder):
             "logprobs": self._logprobs_part(logprobs),
             "finish_reason": None,
         }
-        return [self._envelope(self.chunk_object_name, [choice])]
+        return [self._chunk_event(choice)]
 
     def _logprobs_part(self, logprobs: tuple[TokenLogprob, ...]) -> dict[str, Any] | None:
         """Content's logprobs as a chunk carries them (folded into the whole response's),
@@ -368,11 +428,17 @@ class ChatBuilder(ResponseBuilder):
             "finish_reason": self.finish_reason,
             "stop_reason": end.stop_reason,
         }
-        return [self._envelope(self.chunk_object_name, [choice])]
+        return [self._chunk_event(choice)]
 
     def _delta_chunk(self, delta: dict[str, Any]) -> dict[str, Any]:
         choice = {"index": self.index, "delta": delta, "logprobs": None, "finish_reason": None}
-        return self._envelope(self.chunk_object_name, [choice])
+        return self._chunk_event(choice)
+
+    def _chunk_event(self, choice: dict[str, Any]) -> dict[str, Any]:
+        """A streamed chunk of ``choice``, with the token ids it carries (``extras``)."""
+        event = self._envelope(self.chunk_object_name, [choice])
+        self._send_token_ids(event, choice)
+        return event
 
     def _message(self) -> dict[str, Any]:
         if self.tool_calls:
@@ -380,19 +446,14 @@ class ChatBuilder(ResponseBuilder):
         return {"role": "assistant", "content": "".join(self.text_parts)}
 
     def whole(self) -> dict[str, Any]:
-        body = self._envelope(
-            self.object_name,
-            [
-                {
-                    "index": self.index,
-                    "message": self._message(),
-                    "logprobs": {"content": self.content_logprobs} if self.want_logprobs else None,
-                    "finish_reason": self.finish_reason,
-                    "stop_reason": self.stop_reason,
-                }
-            ],
-        )
+        choice = {
+            "index": self.index,
+            "message": self._message(),
+            "logprobs": {"content": self.content_logprobs} if self.want_logprobs else None,
+            "finish_reason": self.finish_reason,
+            "stop_reason": self.stop_reason,
+        }
+        body = self._envelope(self.object_name, [choice])
         body["usage"] = usage_dict(self.usage or Usage(0, 0, 0))
-        if self.want_prompt_logprobs:
-            body["prompt_logprobs"] = self.prompt_logprobs
+        self._whole_extras(body, choice)
         return body

@@ -130,6 +130,11 @@ def _refuse_unserved(body: ResponsesRequest) -> None:
             body.prompt_logprobs is not None,
             "a response has no place for prompt_logprobs: send them to chat completions",
         ),
+        (
+            "return_token_ids",
+            bool(body.return_token_ids),
+            "a response has no place for token ids: send return_token_ids to chat completions",
+        ),
     ]
     for field, asked, reason in refusals:
         if asked:

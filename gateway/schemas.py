@@ -92,6 +92,11 @@ class _SamplingFields(_TextBody):
     return_tokens_as_token_ids: bool | None = Field(
         False, description="Name each token in the logprobs `token_id:<id>`, not by its text."
     )
+    return_token_ids: bool | None = Field(
+        False,
+        description="Return the prompt's token ids (`prompt_token_ids`) and each choice's "
+        "(`token_ids`; streamed, each chunk those since the last).",
+    )
     min_tokens: int | None = Field(None, ge=0)
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
@@ -284,6 +289,10 @@ class CompletionChoice(BaseModel):
         None, description="The stop string or token id that ended the text (vLLM extension)."
     )
     prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = Field(None, description="With `return_token_ids`.")
+    token_ids: list[int] | None = Field(
+        None, description="With `return_token_ids`; streamed, those since the last chunk."
+    )
 
 
 class CompletionResponse(BaseModel):
@@ -336,6 +345,7 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: Literal["stop", "length", "abort", "tool_calls"] | None
     stop_reason: str | int | None = None
+    token_ids: list[int] | None = Field(None, description="With `return_token_ids`.")
 
 
 class ChatCompletionResponse(BaseModel):
@@ -346,6 +356,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = Field(None, description="With `return_token_ids`.")
 
 
 class DeltaFunction(BaseModel):
@@ -375,6 +386,9 @@ class ChatChunkChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: Literal["stop", "length", "abort", "tool_calls"] | None
     stop_reason: str | int | None = None
+    token_ids: list[int] | None = Field(
+        None, description="With `return_token_ids`: those since the last chunk."
+    )
 
 
 class ChatCompletionChunk(BaseModel):
@@ -386,6 +400,9 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    prompt_token_ids: list[int] | None = Field(
+        None, description="With `return_token_ids`, on the first chunk."
+    )
 
 
 class ModelCard(BaseModel):

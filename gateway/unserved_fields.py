@@ -65,7 +65,6 @@ REFUSED: dict[str, Refusal] = {
     "bad_words": Refusal("bad_words is not supported"),
     "truncate_prompt_tokens": Refusal("truncate_prompt_tokens is not supported"),
     "logits_processors": Refusal("logits_processors are not supported"),
-    "return_token_ids": Refusal("return_token_ids is not supported", _is(False)),
     "spaces_between_special_tokens": Refusal(
         "only spaces_between_special_tokens: true is supported", _is(True)
     ),

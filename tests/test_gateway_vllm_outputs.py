@@ -69,3 +69,65 @@ def test_logprobs_name_tokens_by_id_when_asked(served: Served, sdk: openai.OpenA
     assert len(entries) == 3
     assert all(e.token.startswith("token_id:") and e.bytes == list(e.token.encode())
                for e in entries)  # fmt: skip
+
+
+def _tokenize(served: Served, body: dict) -> list[int]:
+    return httpx.post(f"{served.url}/tokenize", json=body, timeout=30).json()["tokens"]
+
+
+def test_token_ids_are_returned_whole_and_streamed(served: Served, sdk: openai.OpenAI) -> None:
+    """``return_token_ids``: the prompt's ids (those ``/tokenize`` gives) and each choice's
+    generated ids; streamed, the first event carries the prompt's and the events' ids join
+    to the whole response's."""
+    model = _model(sdk)
+    ids_of = {text: _tokenize(served, {"prompt": text}) for text in (PROMPT, "Hello")}
+    asked = {"model": model, "prompt": [PROMPT, "Hello"], "max_tokens": 5, "temperature": 0,
+             "return_token_ids": True}  # fmt: skip
+    whole = httpx.post(f"{served.url}/v1/completions", json=asked, timeout=60).json()
+    for choice, text in zip(whole["choices"], (PROMPT, "Hello"), strict=True):
+        assert choice["prompt_token_ids"] == ids_of[text]
+        assert len(choice["token_ids"]) == 5
+        decoded = httpx.post(
+            f"{served.url}/detokenize", json={"tokens": choice["token_ids"]}, timeout=30
+        ).json()["prompt"]
+        assert decoded == choice["text"]
+    streamed = sdk.completions.create(
+        **{k: v for k, v in asked.items() if k != "return_token_ids"}, stream=True,
+        extra_body={"return_token_ids": True},
+    )  # fmt: skip
+    joined: dict[int, list[int]] = {0: [], 1: []}
+    prompts_seen: dict[int, list[int]] = {}
+    for event in streamed:
+        for choice in event.model_dump()["choices"]:
+            joined[choice["index"]] += choice.get("token_ids") or []
+            if choice.get("prompt_token_ids") is not None:
+                assert choice["index"] not in prompts_seen  # once per choice
+                prompts_seen[choice["index"]] = choice["prompt_token_ids"]
+    assert joined == {i: c["token_ids"] for i, c in enumerate(whole["choices"])}
+    assert prompts_seen == {0: ids_of[PROMPT], 1: ids_of["Hello"]}
+
+    chat_ids = _tokenize(served, {"messages": QUESTION})
+    chat = {"model": model, "messages": QUESTION, "max_tokens": 4, "temperature": 0, "n": 2,
+            "return_token_ids": True}  # fmt: skip
+    answer = httpx.post(f"{served.url}/v1/chat/completions", json=chat, timeout=60).json()
+    assert answer["prompt_token_ids"] == chat_ids
+    assert [len(c["token_ids"]) for c in answer["choices"]] == [4, 4]
+    events = list(sdk.chat.completions.create(
+        **{k: v for k, v in chat.items() if k != "return_token_ids"}, stream=True,
+        extra_body={"return_token_ids": True},
+    ))  # fmt: skip
+    dumped = [event.model_dump() for event in events]
+    assert [e.get("prompt_token_ids") for e in dumped if e.get("prompt_token_ids")] == [
+        chat_ids,
+        chat_ids,  # the first event of each choice
+    ]
+    for index in (0, 1):
+        streamed_ids = [t for e in dumped for c in e["choices"] if c["index"] == index
+                        for t in c.get("token_ids") or []]  # fmt: skip
+        assert streamed_ids == answer["choices"][index]["token_ids"]
+    refused = httpx.post(
+        f"{served.url}/v1/responses",
+        json={"model": model, "input": "hi", "return_token_ids": True},
+        timeout=30,
+    )
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "return_token_ids"
