@@ -12,6 +12,7 @@ from splitserve.client.errors import ClientError, RetryPolicy
 from splitserve.client.sync_client import Client
 from splitserve.client.types import (
     ChatMessage,
+    ChatTemplate,
     Chunk,
     Finish,
     Generation,
@@ -29,6 +30,7 @@ from splitserve.common.grammar import GrammarSpec
 __all__ = [
     "AsyncClient",
     "ChatMessage",
+    "ChatTemplate",
     "Chunk",
     "Client",
     "ClientError",

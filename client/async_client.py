@@ -52,7 +52,15 @@ from splitserve.client.errors import DEFAULT_RETRY, ClientError, RetryPolicy
 from splitserve.client.retry import Deadline, resolve_timeout
 from splitserve.client.stream_mux import MultiplexedStream, StreamMultiplexer
 from splitserve.client.tools import tool_request, with_tool_calls
-from splitserve.client.types import Chunk, Finish, Generation, LatencyTargets, ModelInfo, Sampling
+from splitserve.client.types import (
+    ChatTemplate,
+    Chunk,
+    Finish,
+    Generation,
+    LatencyTargets,
+    ModelInfo,
+    Sampling,
+)
 from splitserve.proto.splitserve.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 Reply = TypeVar("Reply")
@@ -112,6 +120,7 @@ class AsyncClient:
         session_id: str = "",
         model: str = "",
         add_special_tokens: bool | None = None,
+        chat_template: ChatTemplate | None = None,
     ) -> AsyncGenerator[Chunk | Finish, None]:
         """Stream a completion of exactly one of ``prompt`` (raw text), ``messages`` (chat,
         rendered with the model's template) or ``token_ids``: ``Chunk``s, then exactly one
@@ -132,10 +141,12 @@ class AsyncClient:
         ``add_special_tokens`` (vLLM's): whether the prompt is tokenized with the
         tokenizer's special tokens (its BOS, where the model adds one); None: yes for
         ``prompt``, no for ``messages`` (the chat template writes its own).
+        ``chat_template``: how ``messages`` are rendered (its variables, whether the
+        generation prompt closes them or the final assistant message is continued).
         """
         request = wire.generate_request(
             prompt, messages, token_ids, sampling, request_id, priority, targets, traceparent,
-            session_id, model, add_special_tokens,
+            session_id, model, add_special_tokens, chat_template,
         )  # fmt: skip
         stream = StreamContinuation(request, Deadline(self._timeout(timeout_s)), self._start)
         while stream.needs_call:
@@ -172,6 +183,7 @@ class AsyncClient:
         tools: Sequence[Mapping[str, Any]] | None = None,
         tool_choice: str | Mapping[str, Any] | None = None,
         parallel_tool_calls: bool | None = None,
+        chat_template: ChatTemplate | None = None,
     ) -> Generation:
         """The whole completion of ``stream()`` with the same arguments, joined. With
         ``tools`` (OpenAI's function tools; ``tool_choice`` none / auto / required / a named
@@ -196,6 +208,7 @@ class AsyncClient:
             targets=targets,
             timeout_s=timeout_s,
             add_special_tokens=add_special_tokens,
+            chat_template=chat_template,
         )
         async with contextlib.aclosing(items):
             async for item in items:
@@ -284,11 +297,12 @@ class AsyncClient:
         messages: Sequence[wire.MessageLike] | None = None,
         add_special_tokens: bool | None = None,
         timeout_s: float | None | EllipsisType = ...,
+        chat_template: ChatTemplate | None = None,
     ) -> list[int]:
         """The token ids ``stream`` would send the model for exactly one of ``prompt`` or
         ``messages`` (rendered with the model's chat template, generation prompt appended),
         ``add_special_tokens`` as there."""
-        request = wire.tokenize_request(prompt, messages, add_special_tokens)
+        request = wire.tokenize_request(prompt, messages, add_special_tokens, chat_template)
         reply = await self._unary(self._stub().Tokenize, request, timeout_s)
         return list(reply.token_ids)
 

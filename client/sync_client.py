@@ -35,7 +35,15 @@ from splitserve.client.continuation import StreamContinuation
 from splitserve.client.errors import DEFAULT_RETRY, ClientError, RetryPolicy
 from splitserve.client.retry import Deadline, resolve_timeout
 from splitserve.client.tools import tool_request, with_tool_calls
-from splitserve.client.types import Chunk, Finish, Generation, LatencyTargets, ModelInfo, Sampling
+from splitserve.client.types import (
+    ChatTemplate,
+    Chunk,
+    Finish,
+    Generation,
+    LatencyTargets,
+    ModelInfo,
+    Sampling,
+)
 from splitserve.proto.splitserve.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 Reply = TypeVar("Reply")
@@ -84,6 +92,7 @@ class Client:
         session_id: str = "",
         model: str = "",
         add_special_tokens: bool | None = None,
+        chat_template: ChatTemplate | None = None,
     ) -> Generator[Chunk | Finish, None, None]:
         """Stream a completion of exactly one of ``prompt``, ``messages`` or ``token_ids``:
         ``Chunk``s, then exactly one ``Finish``; raises ``ClientError``.
@@ -93,7 +102,7 @@ class Client:
         """
         request = wire.generate_request(
             prompt, messages, token_ids, sampling, request_id, priority, targets, traceparent,
-            session_id, model, add_special_tokens,
+            session_id, model, add_special_tokens, chat_template,
         )  # fmt: skip
         stream = StreamContinuation(request, Deadline(self._timeout(timeout_s)), self._start)
         while stream.needs_call:
@@ -127,6 +136,7 @@ class Client:
         tools: Sequence[Mapping[str, Any]] | None = None,
         tool_choice: str | Mapping[str, Any] | None = None,
         parallel_tool_calls: bool | None = None,
+        chat_template: ChatTemplate | None = None,
     ) -> Generation:
         """The whole completion of ``stream()`` with the same arguments, joined; ``tools``
         as ``AsyncClient.generate``."""
@@ -147,6 +157,7 @@ class Client:
             targets=targets,
             timeout_s=timeout_s,
             add_special_tokens=add_special_tokens,
+            chat_template=chat_template,
         )
         with contextlib.closing(items):
             for item in items:
@@ -173,9 +184,10 @@ class Client:
         messages: Sequence[wire.MessageLike] | None = None,
         add_special_tokens: bool | None = None,
         timeout_s: float | None | EllipsisType = ...,
+        chat_template: ChatTemplate | None = None,
     ) -> list[int]:
         """The token ids ``stream`` would send the model (see ``AsyncClient.tokenize``)."""
-        request = wire.tokenize_request(prompt, messages, add_special_tokens)
+        request = wire.tokenize_request(prompt, messages, add_special_tokens, chat_template)
         return list(self._unary(self._coordinator.Tokenize, request, timeout_s).token_ids)
 
     def detokenize(

@@ -8,8 +8,11 @@ ones every layer carries, ``common/chat_messages.py``'s, exported here.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
+from dataclasses import field as dataclass_field
+from typing import Any
 
 import grpc
 
@@ -41,6 +44,29 @@ class LatencyTargets:
             ttft_ms=0.0 if self.ttft_ms is None else self.ttft_ms,
             tpot_ms=0.0 if self.tpot_ms is None else self.tpot_ms,
             max_queue_wait_ms=0.0 if self.max_queue_wait_ms is None else self.max_queue_wait_ms,
+        )
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    """How the model's chat template renders a request's messages (vLLM's fields).
+
+    ``kwargs``: more variables the template sees (JSON values, e.g. ``{"enable_thinking":
+    False}``); ``add_generation_prompt``: the template's generation prompt closes the text;
+    ``continue_final_message``: the text ends with the final message's content, an
+    assistant's, for the model to go on (``add_generation_prompt`` must then be False)."""
+
+    kwargs: Mapping[str, Any] = dataclass_field(default_factory=dict)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    def to_proto(self, messages: list[coordinator_pb2.ChatMessage]) -> coordinator_pb2.ChatPrompt:
+        """The chat prompt of ``messages`` rendered so."""
+        return coordinator_pb2.ChatPrompt(
+            messages=messages,
+            template_kwargs_json=json.dumps(dict(self.kwargs)) if self.kwargs else "",
+            add_generation_prompt=self.add_generation_prompt,
+            continue_final_message=self.continue_final_message,
         )
 
 

@@ -11,6 +11,7 @@ import grpc
 from splitserve.client.errors import ClientError
 from splitserve.client.types import (
     ChatMessage,
+    ChatTemplate,
     Chunk,
     Finish,
     LatencyTargets,
@@ -48,6 +49,7 @@ def generate_request(
     session_id: str = "",
     model: str = "",
     add_special_tokens: bool | None = None,
+    chat_template: ChatTemplate | None = None,
 ) -> coordinator_pb2.GenerateRequest:
     """The request for exactly one of ``prompt``, ``messages`` or ``token_ids``
     (``request_id``: None or "" for a fresh one, ``new_request_id``; ``priority``: admission
@@ -56,7 +58,8 @@ def generate_request(
     the request's spans join; ``session_id``: its session's, whose requests every coordinator
     sends to the same decode worker while that one has room; ``model``: the model asked for,
     "" for the coordinator's; ``add_special_tokens``: whether the prompt's text gets the
-    tokenizer's special tokens, None for the default: yes for text, no for a chat).
+    tokenizer's special tokens, None for the default: yes for text, no for a chat;
+    ``chat_template``: how ``messages`` are rendered, None for the template's defaults).
 
     Raises ``ValueError`` unless exactly one is given, ``TypeError`` for a malformed message and
     ``ClientError`` (INVALID_ARGUMENT) for sampling values the wire cannot carry.
@@ -77,10 +80,12 @@ def generate_request(
         request.sampling.CopyFrom(sampling.to_proto())
     if targets is not None:
         request.latency_targets.CopyFrom(targets.to_proto())
+    if chat_template is not None and messages is None:
+        raise ValueError("chat_template applies to messages only")
     if prompt is not None:
         request.text = prompt
     elif messages is not None:
-        request.chat.CopyFrom(coordinator_pb2.ChatPrompt(messages=[_message(m) for m in messages]))
+        request.chat.CopyFrom(_chat(messages, chat_template))
     else:
         assert token_ids is not None
         request.token_ids.CopyFrom(coordinator_pb2.TokenIds(ids=list(token_ids)))
@@ -181,18 +186,30 @@ def tokenize_request(
     prompt: str | None,
     messages: Sequence[MessageLike] | None,
     add_special_tokens: bool | None = None,
+    chat_template: ChatTemplate | None = None,
 ) -> coordinator_pb2.TokenizeRequest:
     """The request for exactly one of ``prompt`` or ``messages`` (``ValueError`` else);
-    ``add_special_tokens`` as ``generate_request``'s."""
+    ``add_special_tokens`` and ``chat_template`` as ``generate_request``'s."""
     if (prompt is None) == (messages is None):
         raise ValueError("give exactly one of prompt, messages")
+    if chat_template is not None and messages is None:
+        raise ValueError("chat_template applies to messages only")
     request = coordinator_pb2.TokenizeRequest(add_special_tokens=add_special_tokens)
     if prompt is not None:
         request.text = prompt
     else:
         assert messages is not None
-        request.chat.CopyFrom(coordinator_pb2.ChatPrompt(messages=[_message(m) for m in messages]))
+        request.chat.CopyFrom(_chat(messages, chat_template))
     return request
+
+
+def _chat(
+    messages: Sequence[MessageLike], template: ChatTemplate | None
+) -> coordinator_pb2.ChatPrompt:
+    converted = [_message(m) for m in messages]
+    if template is None:
+        return coordinator_pb2.ChatPrompt(messages=converted)
+    return template.to_proto(converted)
 
 
 def model_info(message: coordinator_pb2.ModelInfo) -> ModelInfo:

@@ -8,6 +8,7 @@ through ``LLM.chat``). ``encode_prompt`` is the one place prompts are validated 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 from splitserve.common.chat_messages import ChatMessage, template_messages
 from splitserve.common.errors import InvalidRequestError
@@ -18,11 +19,27 @@ ChatMessages = Sequence[ChatMessage | Mapping[str, str]]
 the model's chat template (``common/chat_messages.py:template_messages``)."""
 TextOrTokens = str | Sequence[int]
 """Text (tokenized with the model's special tokens), or token ids used as they are."""
-Prompt = TextOrTokens | ChatMessages
+
+
+@dataclass(frozen=True)
+class Chat:
+    """Chat messages with how the chat template renders them (``Tokenizer.apply_chat_template``;
+    plain ``ChatMessages`` are this with the defaults)."""
+
+    messages: ChatMessages
+    template_kwargs: Mapping[str, object] = field(default_factory=dict)
+    """More variables for the template (vLLM's ``chat_template_kwargs``, JSON values)."""
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+
+Prompt = TextOrTokens | ChatMessages | Chat
 
 
 def is_chat(prompt: Prompt) -> bool:
-    """Whether ``prompt`` is chat messages (a non-empty sequence of messages)."""
+    """Whether ``prompt`` is chat messages (a ``Chat``, or a non-empty sequence of messages)."""
+    if isinstance(prompt, Chat):
+        return True
     return (
         not isinstance(prompt, str)
         and len(prompt) > 0
@@ -42,11 +59,21 @@ def encode_prompt(
         if not prompt:
             raise InvalidRequestError("prompt must not be empty", "prompt")
         return tokenizer.encode(prompt, add_special_tokens is not False)
+    if isinstance(prompt, Chat):
+        if not prompt.messages:
+            raise InvalidRequestError("messages must not be empty", "messages")
+        messages = template_messages(prompt.messages, tokenizer.chat_template)
+        text = tokenizer.apply_chat_template(
+            messages,  # type: ignore[arg-type]
+            prompt.add_generation_prompt,
+            prompt.continue_final_message,
+            prompt.template_kwargs,
+        )
+        return tokenizer.encode(text, bool(add_special_tokens))
     if not prompt:
         raise InvalidRequestError("prompt must not be empty", "prompt")
     if is_chat(prompt):
-        messages = template_messages(prompt, tokenizer.chat_template)  # type: ignore[arg-type]
-        return tokenizer.encode(tokenizer.apply_chat_template(messages), bool(add_special_tokens))
+        return encode_prompt(tokenizer, Chat(prompt), add_special_tokens)  # type: ignore[arg-type]
     token_ids = list(prompt)
     if any(not isinstance(token, int) or isinstance(token, bool) for token in token_ids):
         raise InvalidRequestError("prompt token ids must be integers", "prompt")
@@ -58,7 +85,7 @@ def min_prompt_tokens(tokenizer: Tokenizer, prompt: Prompt) -> int:
     """A lower bound on ``len(encode_prompt(tokenizer, prompt))`` that costs no tokenizing
     (``Tokenizer.max_chars_per_token``): 0 when the tokenizer gives no bound. Lets a caller
     refuse a prompt far over the context before spending seconds tokenizing it."""
-    if not isinstance(prompt, str) and prompt and not is_chat(prompt):
+    if not isinstance(prompt, str | Chat) and prompt and not is_chat(prompt):
         return len(prompt)  # token ids
     per_token = tokenizer.max_chars_per_token
     if not per_token or not prompt:
@@ -71,6 +98,8 @@ def prompt_chars(prompt: Prompt) -> int:
     contents (the template only adds); 0 for token ids, which are not tokenized."""
     if isinstance(prompt, str):
         return len(prompt)
+    if isinstance(prompt, Chat):
+        return prompt_chars(prompt.messages)
     if is_chat(prompt):
         return sum(len(_content(m)) for m in prompt)  # type: ignore[arg-type]
     return 0

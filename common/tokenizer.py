@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
@@ -149,17 +149,40 @@ class Tokenizer:
         return self._backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(
-        self, messages: list[dict[str, object]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, object]],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        template_kwargs: Mapping[str, object] | None = None,
     ) -> str:
         """Render ``messages`` ({"role", "content"} dicts, a string each, and whatever else a
-        template may read: ``common/chat_messages.py``) with the model's chat template."""
+        template may read: ``common/chat_messages.py``) with the model's chat template.
+
+        ``template_kwargs``: more variables the template sees (e.g. ``enable_thinking``);
+        none may be one it is given here (``RESERVED_TEMPLATE_NAMES``). ``continue_final_message``:
+        the text ends with the last message's content, an assistant's, left open for the
+        model to go on (rendered without the generation prompt and cut after that content;
+        ``add_generation_prompt`` must then be false). ``InvalidRequestError`` naming the
+        field for what cannot be rendered so."""
         if self._chat_template is None:
             raise InvalidRequestError(
                 "this model has no chat template; use a plain completion prompt", "messages"
             )
         _check_messages(messages)
+        kwargs = dict(template_kwargs or {})
+        if reserved := sorted(RESERVED_TEMPLATE_NAMES & set(kwargs)):
+            raise InvalidRequestError(
+                f"chat_template_kwargs may not set {', '.join(reserved)}", "chat_template_kwargs"
+            )
+        final = _final_content(messages) if continue_final_message else None
+        if continue_final_message and add_generation_prompt:
+            raise InvalidRequestError(
+                "continue_final_message needs add_generation_prompt: false",
+                "continue_final_message",
+            )
         try:
-            return self._chat_template.render(
+            text = self._chat_template.render(
+                **kwargs,
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self._bos_token or "",
@@ -168,6 +191,15 @@ class Tokenizer:
         except jinja2.TemplateError as exc:
             message = f"chat template rejected the messages: {exc}"
             raise InvalidRequestError(message, "messages") from exc
+        if final is None:
+            return text
+        end = text.rfind(final)  # stripped: templates may trim contents
+        if end < 0:
+            raise InvalidRequestError(
+                "the chat template does not write the final message's content as given",
+                "continue_final_message",
+            )
+        return text[: end + len(final)]
 
     @property
     def backend(self) -> tokenizers.Tokenizer:
@@ -282,6 +314,25 @@ def _raise_exception(message: str) -> NoReturn:
 
 def _tojson(value: object, indent: int | None = None) -> str:
     return json.dumps(value, indent=indent, ensure_ascii=False)
+
+
+RESERVED_TEMPLATE_NAMES = frozenset(
+    {"messages", "add_generation_prompt", "bos_token", "eos_token", "continue_final_message"}
+)
+"""Template variables ``apply_chat_template`` sets itself."""
+
+
+def _final_content(messages: list[dict[str, object]]) -> str:
+    """The last message's content, stripped, which ``continue_final_message`` continues: an
+    assistant's, not blank (``InvalidRequestError`` naming the field otherwise)."""
+    last = messages[-1] if messages else {}
+    content = last.get("content")
+    if last.get("role") != "assistant" or not isinstance(content, str) or not content.strip():
+        raise InvalidRequestError(
+            "continue_final_message continues a final assistant message with content",
+            "continue_final_message",
+        )
+    return content.strip()
 
 
 def _compile_template(source: str) -> jinja2.Template:

@@ -370,9 +370,7 @@ def _prompt_of(
     if kind == "text":
         return request.text
     if kind == "chat":
-        if not request.chat.messages:
-            raise InvalidRequestError("messages must not be empty", "messages")
-        return [convert.chat_message_from_proto(m) for m in request.chat.messages]
+        return convert.chat_from_proto(request.chat)
     if kind == "token_ids":
         return list(request.token_ids.ids)  # type: ignore[union-attr]  # Generate's only
     raise InvalidRequestError("one of text, chat or token_ids is required", "prompt")

@@ -86,6 +86,7 @@ from splitserve.gateway.sampling import (
     PromptArgs,
     best_of_asked,
     chat_messages,
+    chat_template_of,
     check_wire_token_ids,
 )
 from splitserve.gateway.token_names import named_by_id_stream
@@ -375,9 +376,13 @@ def _add_token_routes(app: FastAPI, current: Callable[[], Gateway]) -> None:
         if (body.prompt is None) == (body.messages is None):
             raise ApiError(400, "give exactly one of prompt or messages", param="prompt")
         messages = None if body.messages is None else chat_messages(body.messages)
+        template = None if messages is None else chat_template_of(body)
         with client_errors_as_api_errors():
             ids = await client.tokenize(
-                body.prompt, messages=messages, add_special_tokens=body.add_special_tokens
+                body.prompt,
+                messages=messages,
+                add_special_tokens=body.add_special_tokens,
+                chat_template=template,
             )
         assert route.info is not None  # known: routed by it
         return {"count": len(ids), "max_model_len": route.info.max_model_len, "tokens": ids}
@@ -534,6 +539,7 @@ def _choice_stream(
         session_id=session_id,
         model=model,
         add_special_tokens=body.add_special_tokens,
+        chat_template=prompt.chat_template,
     )
     return named_by_id_stream(stream) if body.return_tokens_as_token_ids else stream
 
@@ -573,6 +579,7 @@ async def _prompts_shown(
                         prompt.prompt,
                         messages=prompt.messages,
                         add_special_tokens=body.add_special_tokens,
+                        chat_template=prompt.chat_template,
                     )
                 )
         shown.append(PromptShown(text, ids))

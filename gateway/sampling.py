@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from splitserve.client import ChatMessage, Sampling, ToolCall
+from splitserve.client import ChatMessage, ChatTemplate, Sampling, ToolCall
 from splitserve.client.tools import ToolPlan, tool_plan, with_tools
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.grammar import GrammarSpec
@@ -21,6 +21,7 @@ from splitserve.gateway.errors import invalid
 from splitserve.gateway.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
+    _ChatTemplateFields,
     _SamplingFields,
 )
 
@@ -34,6 +35,8 @@ class PromptArgs:
     prompt: str | None = None
     messages: tuple[ChatMessage, ...] | None = None
     token_ids: tuple[int, ...] | None = None
+    chat_template: ChatTemplate | None = None
+    """How ``messages`` are rendered; None: the template's defaults."""
 
 
 def check_wire_token_ids(token_ids: Iterable[int], what: str, param: str) -> None:
@@ -85,7 +88,18 @@ def chat_prompts(body: ChatCompletionRequest) -> list[PromptArgs]:
     """The messages, with the request's tools described in the system message when they are
     shown (``client/tools.py``)."""
     messages = with_tools(chat_messages(body.messages), request_tools(body))
-    return [PromptArgs(messages=tuple(messages))]
+    return [PromptArgs(messages=tuple(messages), chat_template=chat_template_of(body))]
+
+
+def chat_template_of(body: _ChatTemplateFields) -> ChatTemplate | None:
+    """How the body asks its messages to be rendered; None for the template's defaults. The
+    coordinator refuses what cannot be rendered so (a 400 naming the field)."""
+    template = ChatTemplate(
+        body.chat_template_kwargs or {},
+        body.add_generation_prompt is not False,
+        bool(body.continue_final_message),
+    )
+    return None if template == ChatTemplate() else template
 
 
 def request_tools(body: ChatCompletionRequest) -> ToolPlan | None:

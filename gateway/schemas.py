@@ -228,7 +228,25 @@ class ChatMessage(BaseModel):
     )
 
 
-class ChatCompletionRequest(_SamplingFields):
+class _ChatTemplateFields(BaseModel):
+    """How the model's chat template renders the messages (vLLM's fields)."""
+
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None,
+        description="More variables for the chat template, e.g. {'enable_thinking': false}; "
+        "none the template is given anyway (messages, add_generation_prompt, ...).",
+    )
+    add_generation_prompt: bool | None = Field(
+        True, description="The template's generation prompt closes the text (default true)."
+    )
+    continue_final_message: bool | None = Field(
+        False,
+        description="The text ends with the final message's content, an assistant's, for the "
+        "model to go on (needs add_generation_prompt: false).",
+    )
+
+
+class ChatCompletionRequest(_ChatTemplateFields, _SamplingFields):
     """``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage] = Field(..., min_length=1)
@@ -413,7 +431,7 @@ class ModelCard(BaseModel):
     max_model_len: int
 
 
-class TokenizeRequest(_TextBody):
+class TokenizeRequest(_ChatTemplateFields, _TextBody):
     """``POST /tokenize`` (vLLM's): exactly one of ``prompt`` or ``messages``."""
 
     model: str | None = None

@@ -76,12 +76,7 @@ REFUSED: dict[str, Refusal] = {
     "reasoning_effort": Refusal("reasoning_effort is not supported: no reasoning model"),
     # chat rendering
     "echo": Refusal("echo is not supported for chat completions", _is(False)),
-    "add_generation_prompt": Refusal(
-        "the generation prompt is always appended (add_generation_prompt: true)", _is(True)
-    ),
-    "continue_final_message": Refusal("continue_final_message is not supported", _is(False)),
     "chat_template": Refusal("a request's own chat_template is not supported"),
-    "chat_template_kwargs": Refusal("chat_template_kwargs are not supported"),
     "documents": Refusal("documents are not supported"),
     "mm_processor_kwargs": Refusal("multimodal inputs are not supported"),
     "audio": Refusal("audio output is not supported"),

@@ -8,6 +8,7 @@ raises ``InvalidRequestError`` naming the field).
 from __future__ import annotations
 
 import functools
+import json
 import math
 from collections.abc import Iterable, Sequence
 
@@ -22,6 +23,7 @@ from splitserve.common.kv_push_cost import KvPushCost, KvPushCosts
 from splitserve.common.load import EngineLoad, LoadReport
 from splitserve.common.logprobs import TokenLogprob
 from splitserve.common.membership import Role, WorkerInfo
+from splitserve.common.prompt import Chat
 from splitserve.common.request_update import FinishReason, RequestUpdate, StepOutput
 from splitserve.common.sampling_params import AskedSampling, SamplingParams
 from splitserve.common.step_cost import StepCost
@@ -131,6 +133,31 @@ def chat_message_to_proto(message: ChatMessage) -> coordinator_pb2.ChatMessage:
             coordinator_pb2.ChatToolCall(id=call.id, name=call.name, arguments=call.arguments)
             for call in message.tool_calls
         ],
+    )
+
+
+def chat_from_proto(message: coordinator_pb2.ChatPrompt) -> Chat:
+    """The chat prompt: its messages and how they are rendered. ``InvalidRequestError``
+    naming the field for no messages, or template variables that are not a JSON object."""
+    if not message.messages:
+        raise InvalidRequestError("messages must not be empty", "messages")
+    kwargs: object = {}
+    if message.template_kwargs_json:
+        try:
+            kwargs = json.loads(message.template_kwargs_json)
+        except ValueError:
+            kwargs = None
+    if not isinstance(kwargs, dict):
+        raise InvalidRequestError(
+            "chat_template_kwargs must be a JSON object", "chat_template_kwargs"
+        )
+    return Chat(
+        messages=[chat_message_from_proto(m) for m in message.messages],
+        template_kwargs=kwargs,
+        add_generation_prompt=(
+            message.add_generation_prompt if message.HasField("add_generation_prompt") else True
+        ),
+        continue_final_message=message.continue_final_message,
     )
 
 

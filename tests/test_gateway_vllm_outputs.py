@@ -131,3 +131,36 @@ def test_token_ids_are_returned_whole_and_streamed(served: Served, sdk: openai.O
         timeout=30,
     )
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "return_token_ids"
+
+
+def test_chat_template_fields_render_the_prompt(served: Served, sdk: openai.OpenAI) -> None:
+    """``continue_final_message`` continues a prefilled assistant answer (the chat completion
+    equals the completion of the ids ``/tokenize`` renders for it); ``add_generation_prompt:
+    false`` drops the generation prompt; ``chat_template_kwargs`` reach the template, never
+    over a name it is given."""
+    model = _model(sdk)
+    prefilled = [*QUESTION, {"role": "assistant", "content": "The capital of France is"}]
+    fields = {"add_generation_prompt": False, "continue_final_message": True}
+    ids = _tokenize(served, {"messages": prefilled, **fields})
+    closed = _tokenize(served, {"messages": prefilled, "add_generation_prompt": False})
+    with_prompt = _tokenize(served, {"messages": QUESTION})
+    without = _tokenize(served, {"messages": QUESTION, "add_generation_prompt": False})
+    assert closed[: len(ids)] == ids and len(closed) > len(ids)  # open: no end of turn
+    assert with_prompt[: len(without)] == without and len(with_prompt) > len(without)
+    answer = sdk.chat.completions.create(
+        model=model, messages=prefilled, max_tokens=6, temperature=0,
+        extra_body={**fields, "chat_template_kwargs": {"enable_thinking": False}},
+    )  # fmt: skip
+    plain = sdk.completions.create(model=model, prompt=ids, max_tokens=6, temperature=0)
+    assert answer.choices[0].message.content == plain.choices[0].text
+    assert answer.usage.prompt_tokens == len(ids)
+    for body, param in (
+        ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+        ({"continue_final_message": True}, "continue_final_message"),  # generation prompt on
+    ):
+        refused = httpx.post(
+            f"{served.url}/v1/chat/completions",
+            json={"model": model, "messages": prefilled, **body},
+            timeout=30,
+        )
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == param

@@ -333,3 +333,37 @@ def test_min_prompt_tokens_is_a_lower_bound_without_tokenizing() -> None:
     assert 1 <= min_prompt_tokens(tokenizer, chat) <= len(rendered)
     assert min_prompt_tokens(tokenizer, [5, 6, 7]) == 3
     assert min_prompt_tokens(tokenizer, "x" * (per_token * 10_000)) == 10_000
+
+
+def test_chat_template_variables_and_a_continued_final_message(
+    ours: Tokenizer, saved_folder: Path, tmp_path: Path
+) -> None:
+    """vLLM's ``chat_template_kwargs`` reach the template (never over the names it is given);
+    ``continue_final_message`` ends the text with the assistant's content, open (SmolLM2's
+    template would close it with ``<|im_end|>``)."""
+    folder = _copy(saved_folder, tmp_path / "kwargs")
+    _edit_config(
+        folder,
+        chat_template="{% if enable_thinking %}<think>{% endif %}"
+        "{% for m in messages %}{{ m.content }}{% endfor %}",
+    )
+    templated = Tokenizer.from_tokenizer_json(folder)
+    messages = [{"role": "user", "content": "Hi"}]
+    assert templated.apply_chat_template(messages) == "Hi"
+    assert templated.apply_chat_template(messages, template_kwargs={"enable_thinking": True}) == (
+        "<think>Hi"
+    )
+    for reserved in ("messages", "bos_token", "add_generation_prompt"):
+        with pytest.raises(InvalidRequestError) as refused:
+            templated.apply_chat_template(messages, template_kwargs={reserved: 1})
+        assert refused.value.param == "chat_template_kwargs" and reserved in refused.value.message
+
+    prefilled = [*messages, {"role": "assistant", "content": "The answer is "}]
+    closed = ours.apply_chat_template(prefilled, add_generation_prompt=False)
+    assert closed.endswith("The answer is <|im_end|>\n")
+    opened = ours.apply_chat_template(prefilled, False, continue_final_message=True)
+    assert opened == closed[: closed.rindex("The answer is") + len("The answer is")]
+    for bad_messages, generation_prompt in ((prefilled, True), (messages, False)):
+        with pytest.raises(InvalidRequestError) as refused:
+            ours.apply_chat_template(bad_messages, generation_prompt, continue_final_message=True)
+        assert refused.value.param == "continue_final_message"

@@ -51,9 +51,7 @@ def test_chat_only_fields_and_a_message_function_call_are_refused_by_name() -> N
     fields = UnservedFields()
     for field, value in (
         ("echo", True),
-        ("add_generation_prompt", False),
         ("chat_template", "{{ x }}"),
-        ("chat_template_kwargs", {"enable_thinking": True}),
         ("function_call", "auto"),
         ("modalities", ["text", "audio"]),
     ):
@@ -73,8 +71,6 @@ def test_values_that_ask_for_nothing_pass() -> None:
         "use_beam_search": False,
         "length_penalty": 1.0,
         "bad_words": [],
-        "chat_template_kwargs": {},
-        "add_generation_prompt": True,
         "function_call": "none",
         "modalities": ["text"],
     }
