@@ -159,7 +159,9 @@ class Tokenizer:
         template may read: ``common/chat_messages.py``) with the model's chat template.
 
         ``template_kwargs``: more variables the template sees (e.g. ``enable_thinking``);
-        none may be one it is given here (``RESERVED_TEMPLATE_NAMES``). ``continue_final_message``:
+        none may be one it is given here (``RESERVED_TEMPLATE_NAMES``) or a global of its
+        environment (``raise_exception``, ``range``, ...), and a value the template cannot
+        use is refused naming them. ``continue_final_message``:
         the text ends with the last message's content, an assistant's, left open for the
         model to go on (rendered without the generation prompt and cut after that content;
         ``add_generation_prompt`` must then be false). ``InvalidRequestError`` naming the
@@ -170,7 +172,8 @@ class Tokenizer:
             )
         _check_messages(messages)
         kwargs = dict(template_kwargs or {})
-        if reserved := sorted(RESERVED_TEMPLATE_NAMES & set(kwargs)):
+        given = RESERVED_TEMPLATE_NAMES | set(self._chat_template.environment.globals)
+        if reserved := sorted(given & set(kwargs)):
             raise InvalidRequestError(
                 f"chat_template_kwargs may not set {', '.join(reserved)}", "chat_template_kwargs"
             )
@@ -191,6 +194,9 @@ class Tokenizer:
         except jinja2.TemplateError as exc:
             message = f"chat template rejected the messages: {exc}"
             raise InvalidRequestError(message, "messages") from exc
+        except (TypeError, ValueError, LookupError, AttributeError) as exc:  # a variable's value
+            message = f"chat template failed on chat_template_kwargs: {exc!r}"
+            raise InvalidRequestError(message, "chat_template_kwargs") from exc
         if final is None:
             return text
         end = text.rfind(final)  # stripped: templates may trim contents

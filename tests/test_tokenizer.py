@@ -345,7 +345,7 @@ def test_chat_template_variables_and_a_continued_final_message(
     _edit_config(
         folder,
         chat_template="{% if enable_thinking %}<think>{% endif %}"
-        "{% for m in messages %}{{ m.content }}{% endfor %}",
+        "{% for m in messages %}{{ m.content }}{% endfor %}{{ '-' * (depth or 0) }}",
     )
     templated = Tokenizer.from_tokenizer_json(folder)
     messages = [{"role": "user", "content": "Hi"}]
@@ -353,10 +353,14 @@ def test_chat_template_variables_and_a_continued_final_message(
     assert templated.apply_chat_template(messages, template_kwargs={"enable_thinking": True}) == (
         "<think>Hi"
     )
-    for reserved in ("messages", "bos_token", "add_generation_prompt"):
+    for reserved in ("messages", "bos_token", "add_generation_prompt", "raise_exception", "range"):
         with pytest.raises(InvalidRequestError) as refused:
             templated.apply_chat_template(messages, template_kwargs={reserved: 1})
         assert refused.value.param == "chat_template_kwargs" and reserved in refused.value.message
+    with pytest.raises(InvalidRequestError) as refused:  # a value the template cannot use
+        templated.apply_chat_template(messages, template_kwargs={"depth": "deep"})
+    assert refused.value.param == "chat_template_kwargs"
+    assert templated.apply_chat_template(messages, template_kwargs={"depth": 2}) == "Hi--"
 
     prefilled = [*messages, {"role": "assistant", "content": "The answer is "}]
     closed = ours.apply_chat_template(prefilled, add_generation_prompt=False)
