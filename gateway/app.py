@@ -84,6 +84,7 @@ from splitserve.gateway.responses_schemas import ResponsesRequest
 from splitserve.gateway.sampling import (
     MAX_CHOICES,
     PromptArgs,
+    asked_template_fields,
     best_of_asked,
     chat_messages,
     chat_template_of,
@@ -376,7 +377,10 @@ def _add_token_routes(app: FastAPI, current: Callable[[], Gateway]) -> None:
         if (body.prompt is None) == (body.messages is None):
             raise ApiError(400, "give exactly one of prompt or messages", param="prompt")
         messages = None if body.messages is None else chat_messages(body.messages)
-        template = None if messages is None else chat_template_of(body)
+        template = chat_template_of(body)
+        if template is not None and messages is None:
+            asked = [name for name, value in asked_template_fields(body) if value]
+            raise ApiError(400, "the chat template renders messages, not a prompt", param=asked[0])
         with client_errors_as_api_errors():
             ids = await client.tokenize(
                 body.prompt,

@@ -91,6 +91,16 @@ def chat_prompts(body: ChatCompletionRequest) -> list[PromptArgs]:
     return [PromptArgs(messages=tuple(messages), chat_template=chat_template_of(body))]
 
 
+def asked_template_fields(body: _ChatTemplateFields) -> list[tuple[str, bool]]:
+    """Each field that says how messages are rendered, and whether it asks for anything
+    other than the template's default."""
+    return [
+        ("chat_template_kwargs", bool(body.chat_template_kwargs)),
+        ("add_generation_prompt", body.add_generation_prompt is False),
+        ("continue_final_message", bool(body.continue_final_message)),
+    ]
+
+
 def chat_template_of(body: _ChatTemplateFields) -> ChatTemplate | None:
     """How the body asks its messages to be rendered; None for the template's defaults. The
     coordinator refuses what cannot be rendered so (a 400 naming the field)."""

@@ -164,3 +164,10 @@ def test_chat_template_fields_render_the_prompt(served: Served, sdk: openai.Open
             timeout=30,
         )
         assert refused.status_code == 400 and refused.json()["error"]["param"] == param
+    prompt_too = httpx.post(  # the template renders messages: with a prompt it says so
+        f"{served.url}/tokenize",
+        json={"prompt": "Hi", "chat_template_kwargs": {}, "continue_final_message": True},
+        timeout=30,
+    )
+    assert prompt_too.status_code == 400
+    assert prompt_too.json()["error"]["param"] == "continue_final_message"
