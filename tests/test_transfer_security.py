@@ -156,6 +156,12 @@ def test_a_message_shorter_than_planned_fails_the_transfer(transport_kind: str, 
             if layer == 1:
                 full = torch.ones(sizes[0] // 4, dtype=torch.float32).view(torch.uint8)
                 await link.endpoint.send(message_tag(reservation.secret, 0), full)
+                # landed and counted before the short one is sent: a failure ends the wait for
+                # a message still being copied (the receiver fails fast), so over UCX the
+                # short one could otherwise win the race (seen once in a full suite run)
+                async with asyncio.timeout(WAIT_S):
+                    while reservation.receiver.layers_received < 1:
+                        await asyncio.sleep(0.001)
             short = torch.ones(sizes[layer] // 4 - 2, dtype=torch.float32).view(torch.uint8)
             tag = message_tag(reservation.secret, layer)
             sending = asyncio.ensure_future(link.endpoint.send(tag, short))
