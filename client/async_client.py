@@ -121,6 +121,7 @@ class AsyncClient:
         model: str = "",
         add_special_tokens: bool | None = None,
         chat_template: ChatTemplate | None = None,
+        truncate_prompt_tokens: int | None = None,
     ) -> AsyncGenerator[Chunk | Finish, None]:
         """Stream a completion of exactly one of ``prompt`` (raw text), ``messages`` (chat,
         rendered with the model's template) or ``token_ids``: ``Chunk``s, then exactly one
@@ -143,10 +144,12 @@ class AsyncClient:
         ``prompt``, no for ``messages`` (the chat template writes its own).
         ``chat_template``: how ``messages`` are rendered (its variables, whether the
         generation prompt closes them or the final assistant message is continued).
+        ``truncate_prompt_tokens``: keep only the prompt's last N tokens (-1: as many as the
+        context takes); a prompt over the context is refused without it.
         """
         request = wire.generate_request(
             prompt, messages, token_ids, sampling, request_id, priority, targets, traceparent,
-            session_id, model, add_special_tokens, chat_template,
+            session_id, model, add_special_tokens, chat_template, truncate_prompt_tokens,
         )  # fmt: skip
         stream = StreamContinuation(request, Deadline(self._timeout(timeout_s)), self._start)
         while stream.needs_call:
@@ -184,6 +187,7 @@ class AsyncClient:
         tool_choice: str | Mapping[str, Any] | None = None,
         parallel_tool_calls: bool | None = None,
         chat_template: ChatTemplate | None = None,
+        truncate_prompt_tokens: int | None = None,
     ) -> Generation:
         """The whole completion of ``stream()`` with the same arguments, joined. With
         ``tools`` (OpenAI's function tools; ``tool_choice`` none / auto / required / a named
@@ -209,6 +213,7 @@ class AsyncClient:
             timeout_s=timeout_s,
             add_special_tokens=add_special_tokens,
             chat_template=chat_template,
+            truncate_prompt_tokens=truncate_prompt_tokens,
         )
         async with contextlib.aclosing(items):
             async for item in items:

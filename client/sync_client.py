@@ -93,6 +93,7 @@ class Client:
         model: str = "",
         add_special_tokens: bool | None = None,
         chat_template: ChatTemplate | None = None,
+        truncate_prompt_tokens: int | None = None,
     ) -> Generator[Chunk | Finish, None, None]:
         """Stream a completion of exactly one of ``prompt``, ``messages`` or ``token_ids``:
         ``Chunk``s, then exactly one ``Finish``; raises ``ClientError``.
@@ -102,7 +103,7 @@ class Client:
         """
         request = wire.generate_request(
             prompt, messages, token_ids, sampling, request_id, priority, targets, traceparent,
-            session_id, model, add_special_tokens, chat_template,
+            session_id, model, add_special_tokens, chat_template, truncate_prompt_tokens,
         )  # fmt: skip
         stream = StreamContinuation(request, Deadline(self._timeout(timeout_s)), self._start)
         while stream.needs_call:
@@ -137,6 +138,7 @@ class Client:
         tool_choice: str | Mapping[str, Any] | None = None,
         parallel_tool_calls: bool | None = None,
         chat_template: ChatTemplate | None = None,
+        truncate_prompt_tokens: int | None = None,
     ) -> Generation:
         """The whole completion of ``stream()`` with the same arguments, joined; ``tools``
         as ``AsyncClient.generate``."""
@@ -158,6 +160,7 @@ class Client:
             timeout_s=timeout_s,
             add_special_tokens=add_special_tokens,
             chat_template=chat_template,
+            truncate_prompt_tokens=truncate_prompt_tokens,
         )
         with contextlib.closing(items):
             for item in items:

@@ -50,6 +50,7 @@ def generate_request(
     model: str = "",
     add_special_tokens: bool | None = None,
     chat_template: ChatTemplate | None = None,
+    truncate_prompt_tokens: int | None = None,
 ) -> coordinator_pb2.GenerateRequest:
     """The request for exactly one of ``prompt``, ``messages`` or ``token_ids``
     (``request_id``: None or "" for a fresh one, ``new_request_id``; ``priority``: admission
@@ -59,7 +60,9 @@ def generate_request(
     sends to the same decode worker while that one has room; ``model``: the model asked for,
     "" for the coordinator's; ``add_special_tokens``: whether the prompt's text gets the
     tokenizer's special tokens, None for the default: yes for text, no for a chat;
-    ``chat_template``: how ``messages`` are rendered, None for the template's defaults).
+    ``chat_template``: how ``messages`` are rendered, None for the template's defaults;
+    ``truncate_prompt_tokens``: keep only the prompt's last N tokens, -1 as many as the
+    context takes, None all).
 
     Raises ``ValueError`` unless exactly one is given, ``TypeError`` for a malformed message and
     ``ClientError`` (INVALID_ARGUMENT) for sampling values the wire cannot carry.
@@ -75,6 +78,7 @@ def generate_request(
         session_id=session_id,
         model=model,
         add_special_tokens=add_special_tokens,
+        truncate_prompt_tokens=truncate_prompt_tokens,
     )
     if sampling is not None:
         request.sampling.CopyFrom(sampling.to_proto())

@@ -81,6 +81,26 @@ def encode_prompt(
     return token_ids  # type: ignore[return-value]
 
 
+TRUNCATE_TO_CONTEXT = -1
+"""``truncate_prompt_tokens`` asking for as much of the prompt as the context takes."""
+
+
+def truncated(token_ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """The prompt's last ``keep`` tokens (vLLM's ``truncate_prompt_tokens``): all of them for
+    None, the last ``max_model_len - 1`` for ``TRUNCATE_TO_CONTEXT`` (one token left to
+    generate). ``InvalidRequestError`` naming the field for another value below 1."""
+    if keep is None:
+        return token_ids
+    if keep == TRUNCATE_TO_CONTEXT:
+        keep = max(1, max_model_len - 1)
+    if keep < 1:
+        raise InvalidRequestError(
+            "truncate_prompt_tokens must be at least 1, or -1 for the context's length",
+            "truncate_prompt_tokens",
+        )
+    return token_ids[-keep:]
+
+
 def min_prompt_tokens(tokenizer: Tokenizer, prompt: Prompt) -> int:
     """A lower bound on ``len(encode_prompt(tokenizer, prompt))`` that costs no tokenizing
     (``Tokenizer.max_chars_per_token``): 0 when the tokenizer gives no bound. Lets a caller

@@ -34,6 +34,8 @@ class RequestAsk:
     add_special_tokens: bool | None = None
     """Whether the prompt's text is tokenized with the tokenizer's special tokens (None:
     ``common/prompt.py:encode_prompt``'s default, yes for text, no for chat)."""
+    truncate_prompt_tokens: int | None = None
+    """Keep only the prompt's last this many tokens (``common/prompt.py:truncated``)."""
     request_id: str = ""
     """The caller's own id ("": the coordinator picks one); scoped by tenant later."""
     continue_after: tuple[int, ...] = ()

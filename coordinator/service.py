@@ -39,6 +39,7 @@ from splitserve.common.prompt import (
     encode_prompt,
     min_prompt_tokens,
     prompt_chars,
+    truncated,
 )
 from splitserve.common.tokenizer import Tokenizer
 from splitserve.common.tracing import (
@@ -274,6 +275,8 @@ class Coordinator:
         already leaves no room in the context: a huge prompt costs nothing."""
         limit = self.max_model_len
         at_least = min_prompt_tokens(self.tokenizer, ask.prompt)
+        if ask.truncate_prompt_tokens is not None:  # what truncation keeps, at most
+            at_least = min(at_least, max(1, ask.truncate_prompt_tokens))
         wanted = fewest_max_tokens(ask.sampling.max_tokens)
         if limit and at_least + wanted > limit:
             raise ContextLengthExceededError(
@@ -349,6 +352,7 @@ class Coordinator:
             prompt_ids = self.encode(ask.prompt, ask.add_special_tokens)
         else:  # tokenizing (and chat templating) a long prompt takes a while: not on the loop
             prompt_ids = await asyncio.to_thread(self.encode, ask.prompt, ask.add_special_tokens)
+        prompt_ids = truncated(prompt_ids, ask.truncate_prompt_tokens, self.max_model_len)
         self.demand.arrived(len(prompt_ids))  # at the input: refused ones are demand too
         self._check_ready()
         sampling = ask.sampling

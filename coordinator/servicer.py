@@ -326,6 +326,9 @@ def ask_from_proto(request: coordinator_pb2.GenerateRequest) -> RequestAsk:
     return RequestAsk(
         prompt=_prompt_of(request),
         add_special_tokens=_add_special_tokens(request),
+        truncate_prompt_tokens=(
+            request.truncate_prompt_tokens if request.HasField("truncate_prompt_tokens") else None
+        ),
         sampling=convert.asked_sampling_from_proto(request.sampling),
         request_id=request.request_id,
         continue_after=tuple(convert.token_ids(request.continue_after.ids)),

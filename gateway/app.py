@@ -62,6 +62,7 @@ from splitserve.client.choices import choice_samplings, merged
 from splitserve.client.connection import call_metadata
 from splitserve.client.stream_mux import OpenStreams
 from splitserve.common.api_keys import ApiKeys
+from splitserve.common.prompt import truncated
 from splitserve.common.tracing import active_span, start_span, traceparent_of
 from splitserve.gateway import schemas
 from splitserve.gateway.api_key_check import RequireApiKey, bearer_key
@@ -463,7 +464,7 @@ async def _generate(
     samplings = choice_samplings(endpoint.sampling(body), keep_best or body.n)
     if len(prompts) * len(samplings) > MAX_CHOICES:
         raise ApiError(400, f"at most {MAX_CHOICES} choices (prompts x n)", param="n")
-    shown = await _prompts_shown(client, body, prompts)
+    shown = await _prompts_shown(client, body, prompts, route.info.max_model_len)
     response_id = f"{endpoint.id_prefix}-{request_id}"
     span = _request_span(request, request_id, endpoint)
     traceparent = traceparent_of(span)
@@ -544,6 +545,7 @@ def _choice_stream(
         model=model,
         add_special_tokens=body.add_special_tokens,
         chat_template=prompt.chat_template,
+        truncate_prompt_tokens=body.truncate_prompt_tokens,
     )
     return named_by_id_stream(stream) if body.return_tokens_as_token_ids else stream
 
@@ -562,22 +564,21 @@ def _note_failure(span: Span, error: BaseException, priority: int | None) -> Non
 
 
 async def _prompts_shown(
-    client: AsyncClient, body: Body, prompts: list[PromptArgs]
-) -> list[PromptShown]:  # fmt: skip
+    client: AsyncClient, body: Body, prompts: list[PromptArgs], max_model_len: int
+) -> list[PromptShown]:
     """What the response shows of each prompt: its text where the request asks for ``echo``
     (completions), its token ids where it asks for ``return_token_ids`` (those the
-    coordinator's ``Tokenize`` gives, which are ``Generate``'s; a token-id prompt's own)."""
+    coordinator's ``Tokenize`` gives, which are ``Generate``'s; a token-id prompt's own),
+    both of the prompt as ``truncate_prompt_tokens`` leaves it (``common/prompt.py:truncated``,
+    the coordinator's rule: the echoed text is then its kept tokens' text)."""
     echo = bool(getattr(body, "echo", False))
     want_ids = bool(getattr(body, "return_token_ids", False))
+    keep = body.truncate_prompt_tokens
     shown = []
     for prompt in prompts:
-        text, ids = "", prompt.token_ids if want_ids else None
+        ids, text = prompt.token_ids, ""
         with client_errors_as_api_errors():
-            if echo:
-                text = prompt.prompt
-                if text is None:
-                    text = await client.detokenize(prompt.token_ids or ())
-            if want_ids and ids is None:
+            if ids is None and (want_ids or (echo and keep is not None)):
                 ids = tuple(
                     await client.tokenize(
                         prompt.prompt,
@@ -586,5 +587,11 @@ async def _prompts_shown(
                         chat_template=prompt.chat_template,
                     )
                 )
-        shown.append(PromptShown(text, ids))
+            if ids is not None and keep is not None:
+                ids = tuple(truncated(list(ids), keep, max_model_len))
+            if echo:
+                text = prompt.prompt if prompt.prompt is not None and keep is None else ""
+                if not text:
+                    text = await client.detokenize(ids or ())
+        shown.append(PromptShown(text, ids if want_ids else None))
     return shown

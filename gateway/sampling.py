@@ -214,6 +214,11 @@ def chat_sampling(body: ChatCompletionRequest) -> Sampling:
 def _sampling(body: _SamplingFields, max_tokens: int | None, logprobs: int | None) -> Sampling:
     if body.prompt_logprobs is not None and body.stream:
         raise invalid("prompt_logprobs are not available when streaming", "prompt_logprobs")
+    if body.truncate_prompt_tokens == 0:  # the schema bounds it below by -1
+        raise invalid(
+            "truncate_prompt_tokens must be at least 1, or -1 for the context's length",
+            "truncate_prompt_tokens",
+        )
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     top_k = body.top_k
     if top_k is not None and top_k <= 0:  # vLLM: -1 (or 0) disables top-k

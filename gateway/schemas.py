@@ -92,6 +92,12 @@ class _SamplingFields(_TextBody):
     return_tokens_as_token_ids: bool | None = Field(
         False, description="Name each token in the logprobs `token_id:<id>`, not by its text."
     )
+    truncate_prompt_tokens: int | None = Field(
+        None,
+        ge=-1,
+        description="Keep only the prompt's last N tokens (-1: as many as the context takes); "
+        "without it a prompt over the context is refused.",
+    )
     return_token_ids: bool | None = Field(
         False,
         description="Return the prompt's token ids (`prompt_token_ids`) and each choice's "

@@ -171,3 +171,40 @@ def test_chat_template_fields_render_the_prompt(served: Served, sdk: openai.Open
     )
     assert prompt_too.status_code == 400
     assert prompt_too.json()["error"]["param"] == "continue_final_message"
+
+
+def test_a_truncated_prompt_is_its_last_tokens(served: Served, sdk: openai.OpenAI) -> None:
+    """``truncate_prompt_tokens``: the coordinator keeps the prompt's last N tokens; what the
+    response shows of the prompt (its ids, the echoed text) is those; a prompt over the
+    context is served once truncated (refused without)."""
+    model = _model(sdk)
+    ids = _tokenize(served, {"prompt": PROMPT})
+    kept = ids[-8:]
+    answer = httpx.post(
+        f"{served.url}/v1/completions",
+        json={"model": model, "prompt": PROMPT, "max_tokens": 4, "temperature": 0,
+              "truncate_prompt_tokens": 8, "return_token_ids": True, "echo": True},
+        timeout=60,
+    ).json()  # fmt: skip
+    choice = answer["choices"][0]
+    assert choice["prompt_token_ids"] == kept and answer["usage"]["prompt_tokens"] == 8
+    plain = sdk.completions.create(model=model, prompt=kept, max_tokens=4, temperature=0)
+    text = httpx.post(f"{served.url}/detokenize", json={"tokens": kept}, timeout=30).json()
+    assert choice["text"] == text["prompt"] + plain.choices[0].text
+    huge = "word " * 9000  # over the 8,192-token context
+    refused = httpx.post(
+        f"{served.url}/v1/completions",
+        json={"model": model, "prompt": huge, "max_tokens": 2},
+        timeout=60,
+    )
+    assert refused.status_code == 400
+    served_huge = sdk.completions.create(
+        model=model, prompt=huge, max_tokens=2, extra_body={"truncate_prompt_tokens": 16}
+    )
+    assert served_huge.usage.prompt_tokens == 16
+    zero = httpx.post(
+        f"{served.url}/v1/chat/completions",
+        json={"model": model, "messages": QUESTION, "truncate_prompt_tokens": 0},
+        timeout=30,
+    )
+    assert zero.status_code == 400 and zero.json()["error"]["param"] == "truncate_prompt_tokens"

@@ -21,7 +21,7 @@ from splitserve.client import AsyncClient, ChatMessage, ToolCall
 from splitserve.common.chat_messages import template_messages
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.model_files import load_tokenizer
-from splitserve.common.prompt import encode_prompt
+from splitserve.common.prompt import TRUNCATE_TO_CONTEXT, encode_prompt, truncated
 from splitserve.common.tokenizer import Tokenizer
 from splitserve.coordinator.service import Coordinator, CoordinatorConfig
 from splitserve.coordinator.servicer import CoordinatorServicer
@@ -193,3 +193,17 @@ def test_the_gateway_tokenizes_with_add_special_tokens_and_tool_fields(
             assert "messages.0.tool_call_id" in refused.json()["error"]["message"]
 
     asyncio.run(scenario())
+
+
+def test_truncation_keeps_the_prompts_last_tokens() -> None:
+    """vLLM's ``truncate_prompt_tokens``: the last N tokens; -1 as many as the context takes
+    with one left to generate; another value below 1 is refused naming the field."""
+    ids = list(range(10))
+    assert truncated(ids, None, 8) == ids
+    assert truncated(ids, 3, 8) == [7, 8, 9]
+    assert truncated(ids, 20, 8) == ids  # longer than the prompt: all of it
+    assert truncated(ids, TRUNCATE_TO_CONTEXT, 8) == ids[-7:]
+    for bad in (0, -2):
+        with pytest.raises(InvalidRequestError) as refused:
+            truncated(ids, bad, 8)
+        assert refused.value.param == "truncate_prompt_tokens"

@@ -33,7 +33,6 @@ def chat(**extra: Any) -> ChatCompletionRequest:
         ("length_penalty", 0.5),
         ("allowed_token_ids", [1, 2]),
         ("bad_words", ["x"]),
-        ("truncate_prompt_tokens", 10),
         ("cache_salt", "tenant-a"),
         ("request_id", "mine"),
         ("spaces_between_special_tokens", False),
