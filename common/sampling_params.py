@@ -55,9 +55,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     """Extra token ids that end generation (the token is not emitted as text)."""
     ignore_eos: bool = False
+    """Keep generating past the model's end-of-sequence tokens."""
     include_stop_str_in_output: bool = False
     """A stop string that ends the text is kept at its end (the text after it is not)."""
-    """Keep generating past the model's end-of-sequence tokens."""
     min_tokens: int = 0
     """EOS and stop token ids are suppressed until this many tokens were generated."""
     logprobs: int | None = None

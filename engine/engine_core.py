@@ -88,10 +88,10 @@ class EngineCore:
         self._ahead: tuple[SchedulerOutput, LaunchedDecode] | None = None
         """The decode step launched ahead by the last ``step``, which the next one reads."""
         self.steps_launched_ahead = 0
+        """Decode steps launched before the step before them was read (``_launch_ahead``)."""
         self._prompt_logprobs: dict[str, list[TokenLogprob]] = {}
         """Prompt logprobs of requests still computing their prompt, by request id
         (``ScheduledChunk.num_prompt_logprobs``): delivered with the first token."""
-        """Decode steps launched before the step before them was read (``_launch_ahead``)."""
         self.graph_capture_error: str | None = None
         """Why the decode CUDA graphs failed to capture (the engine then runs every step
         eagerly, ``_capture_decode_graphs``); None where they were captured or not asked."""

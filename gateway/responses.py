@@ -60,26 +60,33 @@ def prompt_logprobs_dict(chunk: Chunk) -> list[dict[str, Any] | None]:
     return positions
 
 
+def _legacy_logprobs(
+    entries: tuple[TokenLogprob, ...], offset: int, top: int | None = None
+) -> dict[str, list[Any]]:
+    """``entries`` in the legacy completions logprobs shape, their text offsets counted from
+    ``offset``, each with its first ``top`` alternatives (None: all it has)."""
+    out = _empty_completion_logprobs()
+    for entry in entries:
+        out["tokens"].append(entry.text)
+        out["token_logprobs"].append(entry.logprob)
+        out["top_logprobs"].append({alt.text: alt.logprob for alt in entry.top[:top]})
+        out["text_offset"].append(offset)
+        offset += len(entry.text)
+    return out
+
+
 def _echo_logprobs(
     first: PromptToken | None, prompt: tuple[TokenLogprob, ...], top: int
 ) -> dict[str, list[Any]]:
     """The prompt's tokens in the legacy completions logprobs shape (``echo`` with
     ``logprobs``): the first with null logprob and alternatives, then each with its own and
     its ``top`` alternatives; offsets into the echoed prompt from 0."""
-    out = _empty_completion_logprobs()
     if first is None:
-        return out
-    out["tokens"].append(first.text)
-    out["token_logprobs"].append(None)
-    out["top_logprobs"].append(None)
-    out["text_offset"].append(0)
-    offset = len(first.text)
-    for entry in prompt:
-        out["tokens"].append(entry.text)
-        out["token_logprobs"].append(entry.logprob)
-        out["top_logprobs"].append({alt.text: alt.logprob for alt in entry.top[:top]})
-        out["text_offset"].append(offset)
-        offset += len(entry.text)
+        return _empty_completion_logprobs()
+    out = _legacy_logprobs(prompt, len(first.text), top)
+    for key, value in (("tokens", first.text), ("token_logprobs", None),
+                       ("top_logprobs", None), ("text_offset", 0)):  # fmt: skip
+        out[key].insert(0, value)
     return out
 
 
@@ -244,16 +251,6 @@ class CompletionBuilder(ResponseBuilder):
         self._send_token_ids(choice, choice)
         return self._envelope(self.chunk_object_name, [choice])
 
-    def _logprobs_of(self, logprobs: tuple[TokenLogprob, ...], offset: int) -> dict[str, Any]:
-        out = _empty_completion_logprobs()
-        for entry in logprobs:
-            out["tokens"].append(entry.text)
-            out["token_logprobs"].append(entry.logprob)
-            out["top_logprobs"].append({top.text: top.logprob for top in entry.top})
-            out["text_offset"].append(offset)
-            offset += len(entry.text)
-        return out
-
     def add(self, chunk: Chunk) -> list[dict[str, Any]]:
         self.usage = chunk.usage
         events = []
@@ -273,7 +270,7 @@ class CompletionBuilder(ResponseBuilder):
             "stop_reason": None,
         }
         if self.want_logprobs:
-            part = self._logprobs_of(chunk.logprobs, self.text_length)
+            part = _legacy_logprobs(chunk.logprobs, self.text_length)
             for key, values in part.items():
                 self.logprobs[key].extend(values)
             choice["logprobs"] = part

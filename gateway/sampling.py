@@ -102,14 +102,16 @@ def asked_template_fields(body: _ChatTemplateFields) -> list[tuple[str, bool]]:
 
 
 def chat_template_of(body: _ChatTemplateFields) -> ChatTemplate | None:
-    """How the body asks its messages to be rendered; None for the template's defaults. The
-    coordinator refuses what cannot be rendered so (a 400 naming the field)."""
-    template = ChatTemplate(
+    """How the body asks its messages to be rendered; None for the template's defaults
+    (``asked_template_fields`` asks nothing). The coordinator refuses what cannot be rendered
+    so (a 400 naming the field)."""
+    if not any(asked for _, asked in asked_template_fields(body)):
+        return None
+    return ChatTemplate(
         body.chat_template_kwargs or {},
         body.add_generation_prompt is not False,
         bool(body.continue_final_message),
     )
-    return None if template == ChatTemplate() else template
 
 
 def request_tools(body: ChatCompletionRequest) -> ToolPlan | None:
