@@ -221,10 +221,10 @@ def bench_top_p_choice(
         for shape, scale in (("peaked", 6.0), ("flat", 0.3)):
             logits = torch.randn(batch, vocab, device=device) * scale  # [batch, vocab]
             same = torch.equal(
-                Sampler.choose(logits, rows(batch)),
-                Sampler.choose(logits, rows(batch), wait_free=True),
+                Sampler().choose(logits, rows(batch)),
+                Sampler().choose(logits, rows(batch), wait_free=True),
             )
-            choose = functools.partial(Sampler.choose, logits, rows(batch))
+            choose = functools.partial(Sampler().choose, logits, rows(batch))
             results.append(
                 {
                     "batch": batch,

@@ -44,6 +44,7 @@ from splitserve.engine.model import GeneratedRows, LlamaModel
 from splitserve.engine.sampler import Sampler, SamplingRow, advance, token_logprobs
 from splitserve.engine.scheduler import ScheduledChunk, SchedulerOutput
 from splitserve.kernels.attention import AttentionBackend, SequenceSpan
+from splitserve.kernels.cpu_sampling import CpuSampling, load_cpu_sampling
 
 
 @dataclass(frozen=True)
@@ -91,7 +92,7 @@ class ModelRunner(KvBlockStore):
         )
         self.model = model
         self.backend = backend
-        self.sampler = Sampler()
+        self.sampler = Sampler(load_cpu_sampling() if model.device.type == "cpu" else None)
         self._generators: dict[str, torch.Generator] = {}
         self.grammars: GrammarMatchers | None = None
         """Constrained requests' matchers (set by the engine when it can build them)."""
@@ -155,7 +156,8 @@ class ModelRunner(KvBlockStore):
         )
         sampling_chunks = [chunk for chunk in chunks if chunk.samples]
         logits = self._forward(chunks, on_layer_kv_written, between_layers)  # [rows, vocab]
-        prompt_logprobs, logits = _prompt_logprobs(chunks, logits)  # logits: [samples, vocab]
+        # logits: [samples, vocab] from here
+        prompt_logprobs, logits = _prompt_logprobs(chunks, logits, self.sampler.kernels)
         if not sampling_chunks:
             return RunnerOutput(prompt_logprobs=prompt_logprobs)
         return dataclasses.replace(
@@ -399,11 +401,11 @@ _PROMPT_LOGPROB_SLICE = 512
 
 
 def _prompt_logprobs(
-    chunks: Sequence[ScheduledChunk], logits: torch.Tensor
+    chunks: Sequence[ScheduledChunk], logits: torch.Tensor, kernels: CpuSampling | None
 ) -> tuple[dict[str, tuple[int, tuple[TokenLogprob, ...]]], torch.Tensor]:
     """Split ``_forward``'s logits ``[rows, vocab]`` (``_pack``'s rows): each prompt-logprob
-    chunk's records (``RunnerOutput.prompt_logprobs``), and the sampled rows' logits
-    ``[samples, vocab]`` in chunk order."""
+    chunk's records (``RunnerOutput.prompt_logprobs``; ``kernels`` as in ``token_logprobs``),
+    and the sampled rows' logits ``[samples, vocab]`` in chunk order."""
     if not any(chunk.num_prompt_logprobs for chunk in chunks):
         return {}, logits
     records: dict[str, tuple[int, tuple[TokenLogprob, ...]]] = {}
@@ -421,6 +423,7 @@ def _prompt_logprobs(
                     logits[row + start : row + end],  # [end - start, vocab]
                     to_device(list(targets), torch.int64, logits.device),
                     [chunk.params.prompt_logprobs or 0] * (end - start),
+                    kernels,
                 )
             records[chunk.request_id] = (first, tuple(described))
             row += count

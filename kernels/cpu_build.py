@@ -129,6 +129,15 @@ def function_address(function: ctypes._CFuncPtr) -> int:
     return address
 
 
+def bind_functions(library: ctypes.CDLL, signatures: dict[str, list[type]]) -> None:
+    """Declare each ``symbol: argument types`` of ``signatures`` on ``library``, every one
+    returning a C ``int`` status (0: done)."""
+    for symbol, argtypes in signatures.items():
+        function = getattr(library, symbol)
+        function.argtypes = argtypes
+        function.restype = ctypes.c_int
+
+
 def _open(name: str, level: CpuLevel) -> ctypes.CDLL:
     """The library of ``name`` at ``level``; ``OSError`` when it is missing or unloadable."""
     path = library_path(name, level)

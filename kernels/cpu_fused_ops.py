@@ -20,7 +20,7 @@ import functools
 
 import torch
 
-from splitserve.kernels.cpu_build import function_address, load_library
+from splitserve.kernels.cpu_build import bind_functions, function_address, load_library
 
 _P, _I, _F, _T = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {
@@ -58,10 +58,7 @@ class CpuFusedOps:
     count)."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
-        for symbol, argtypes in _SIGNATURES.items():
-            function = getattr(library, symbol)
-            function.argtypes = argtypes
-            function.restype = ctypes.c_int
+        bind_functions(library, _SIGNATURES)
         self._library = library
 
     def address(self, op: str, dtype: torch.dtype) -> int:

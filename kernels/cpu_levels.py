@@ -38,6 +38,7 @@ SOURCE_NAMES = (
     "paged_decode_attention",
     "prefill_attention",
     "qgemv",
+    "sampling",
 )
 """The kernel sources, ``kernels/cpu/<name>.cpp``: each is one library per level."""
 

@@ -17,6 +17,7 @@ from splitserve.kernels.cpu_fused_ops import load_cpu_fused_ops
 from splitserve.kernels.cpu_gemv import load_cpu_gemv
 from splitserve.kernels.cpu_levels import LEVEL_ENV, levels
 from splitserve.kernels.cpu_qgemv import load_cpu_qgemv
+from splitserve.kernels.cpu_sampling import load_cpu_sampling
 
 
 def level_params(source: str) -> list:
@@ -62,5 +63,6 @@ def _clear_loaders() -> None:
         load_cpu_decode_attention,
         load_cpu_prefill_attention,
         load_decode_layers_library,
+        load_cpu_sampling,
     ):
         loader.cache_clear()

@@ -16,6 +16,8 @@ from splitserve.engine.sampler import (
     apply_filters,
     apply_penalties,
 )
+from splitserve.kernels.cpu_build import running_level
+from splitserve.kernels.cpu_sampling import load_cpu_sampling
 from tests.host_reads import HostReads
 
 PROBS = [0.5, 0.3, 0.15, 0.05]
@@ -41,6 +43,19 @@ def make_row(
     )
 
 
+@pytest.fixture(params=["torch", "native"])
+def sampler(request: pytest.FixtureRequest) -> Sampler:
+    """The sampler on torch's ops, and on the C++ kernels (``kernels/cpu_sampling.py``, at the
+    level chosen for this CPU): every semantic test below holds for both."""
+    if request.param == "torch":
+        return Sampler()
+    if running_level() is None:
+        pytest.skip("this CPU runs no level of the C++ kernels")
+    kernels = load_cpu_sampling()
+    assert kernels is not None, "the sampling kernels are installed with the package"
+    return Sampler(kernels)
+
+
 def log_probs_row(probs: Sequence[float]) -> torch.Tensor:
     return torch.tensor([[math.log(p) for p in probs]])  # [1, vocab]
 
@@ -54,46 +69,45 @@ def token_frequencies(tokens: list[int], vocab: int) -> torch.Tensor:
     return counts / len(tokens)  # [vocab]
 
 
-def test_greedy_is_argmax_for_any_dtype() -> None:
+def test_greedy_is_argmax_for_any_dtype(sampler: Sampler) -> None:
     logits = torch.randn(6, 33, generator=torch.Generator().manual_seed(0))  # [batch, vocab]
     rows = [make_row(SamplingParams(temperature=0.0)) for _ in range(6)]
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        out = Sampler()(logits.to(dtype), rows)
+        out = sampler(logits.to(dtype), rows)
         assert out.token_ids == logits.to(dtype).float().argmax(dim=-1).tolist()
         assert out.logprobs == [None] * 6
 
 
-def test_greedy_with_penalty_uses_penalized_logits() -> None:
+def test_greedy_with_penalty_uses_penalized_logits(sampler: Sampler) -> None:
     logits = torch.tensor([[3.0, 2.9, 0.0]])
     row = make_row(SamplingParams(temperature=0.0, repetition_penalty=2.0), output=[0])
-    assert Sampler()(logits, [row]).token_ids == [1]
+    assert sampler(logits, [row]).token_ids == [1]
 
 
-def test_temperature_sampling_matches_softmax() -> None:
+def test_temperature_sampling_matches_softmax(sampler: Sampler) -> None:
     vocab_logits = torch.tensor([1.0, 0.5, 0.0, -1.0])
     num_draws = 20_000
     logits = vocab_logits.expand(num_draws, 4)  # [draws, vocab]
     rows = [make_row(SamplingParams(temperature=0.7)) for _ in range(num_draws)]
-    frequencies = token_frequencies(Sampler()(logits, rows).token_ids, 4)
+    frequencies = token_frequencies(sampler(logits, rows).token_ids, 4)
     expected = torch.softmax(vocab_logits / 0.7, dim=-1)
     # Binomial std is at most 0.0036 here; 0.02 is more than 5 sigma.
     torch.testing.assert_close(frequencies, expected, atol=0.02, rtol=0)
 
 
-def test_seeded_sampling_over_steps_matches_softmax() -> None:
+def test_seeded_sampling_over_steps_matches_softmax(sampler: Sampler) -> None:
     vocab_logits = torch.tensor([[0.0, 1.0, 2.0]])
     row = make_row(SamplingParams(temperature=1.0), seed=7)
-    sampler = Sampler()
     tokens = [sampler(vocab_logits, [row]).token_ids[0] for _ in range(3000)]
     expected = torch.softmax(vocab_logits[0], dim=-1)
     torch.testing.assert_close(token_frequencies(tokens, 3), expected, atol=0.04, rtol=0)
 
 
-def test_top_k_only_yields_the_k_best() -> None:
+def test_top_k_only_yields_the_k_best(sampler: Sampler) -> None:
     vocab_logits = torch.tensor([0.1, 2.0, -1.0, 1.5, 0.0, 1.9, -3.0, 0.5])
     logits = vocab_logits.expand(4000, 8)  # [draws, vocab]
     rows = [make_row(SamplingParams(temperature=1.5, top_k=3)) for _ in range(4000)]
-    assert set(Sampler()(logits, rows).token_ids) == {1, 3, 5}
+    assert set(sampler(logits, rows).token_ids) == {1, 3, 5}
 
 
 @pytest.mark.parametrize(
@@ -105,10 +119,10 @@ def test_top_p_keeps_smallest_nucleus(top_p: float, expected: set[int]) -> None:
     assert kept_tokens(filtered) == expected
 
 
-def test_top_p_sampling_renormalizes_nucleus() -> None:
+def test_top_p_sampling_renormalizes_nucleus(sampler: Sampler) -> None:
     logits = log_probs_row(PROBS).expand(20_000, 4)  # [draws, vocab]
     rows = [make_row(SamplingParams(top_p=0.75)) for _ in range(20_000)]
-    frequencies = token_frequencies(Sampler()(logits, rows).token_ids, 4)
+    frequencies = token_frequencies(sampler(logits, rows).token_ids, 4)
     expected = torch.tensor([0.5 / 0.8, 0.3 / 0.8, 0.0, 0.0])
     torch.testing.assert_close(frequencies, expected, atol=0.02, rtol=0)
 
@@ -190,7 +204,7 @@ def test_penalties_exact_values() -> None:
     assert torch.equal(logits, original)
 
 
-def test_logit_bias_is_added_after_min_tokens_and_before_penalties() -> None:
+def test_logit_bias_is_added_after_min_tokens_and_before_penalties(sampler: Sampler) -> None:
     logits = torch.tensor([[2.0, -1.0, 0.5, 3.0]])
     params = SamplingParams(
         temperature=0.0, logit_bias={0: 1.5, 3: -4.0}, repetition_penalty=2.0, min_tokens=1
@@ -199,14 +213,13 @@ def test_logit_bias_is_added_after_min_tokens_and_before_penalties() -> None:
     # eos 2 suppressed; biases 2+1.5, 3-4; then the repetition penalty on token 0: 3.5 / 2
     expected = torch.tensor([[1.75, -1.0, float("-inf"), -1.0]])
     assert torch.equal(apply_penalties(logits, [row]), expected)
-    assert Sampler()(logits, [row]).token_ids == [0]
-    assert Sampler()(logits, [make_row(SamplingParams(temperature=0.0))]).token_ids == [3]
+    assert sampler(logits, [row]).token_ids == [0]
+    assert sampler(logits, [make_row(SamplingParams(temperature=0.0))]).token_ids == [3]
 
 
-def test_logit_bias_in_seeded_sampling_is_the_biased_distribution() -> None:
+def test_logit_bias_in_seeded_sampling_is_the_biased_distribution(sampler: Sampler) -> None:
     logits = torch.zeros(1, 4)
     biased = SamplingParams(temperature=1.0, logit_bias={1: math.log(7.0)})  # p = 0.7 for 1
-    sampler = Sampler()
     row = make_row(biased, seed=3)
     tokens = [sampler(logits, [row]).token_ids[0] for _ in range(4000)]
     expected = torch.tensor([0.1, 0.7, 0.1, 0.1])
@@ -221,10 +234,9 @@ def test_presence_and_frequency_ignore_prompt_tokens() -> None:
     assert apply_penalties(logits, [row]).tolist() == [[0.0, 0.0, -2.0, 0.0]]
 
 
-def test_min_tokens_suppresses_eos_and_stop_token_ids() -> None:
+def test_min_tokens_suppresses_eos_and_stop_token_ids(sampler: Sampler) -> None:
     logits = torch.tensor([[0.0, 1.0, 9.0, 8.0]])  # eos=2, stop token 3
     params = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=(3,))
-    sampler = Sampler()
     for output, expected in (([], 1), ([1], 1), ([1, 1], 2)):
         row = make_row(params, output=output, eos=[2])
         assert sampler(logits, [row]).token_ids == [expected]
@@ -233,12 +245,11 @@ def test_min_tokens_suppresses_eos_and_stop_token_ids() -> None:
     assert set(sampler(logits.expand(500, 4), rows).token_ids) <= {0, 1}
 
 
-def _run_seeded(batch_builder, steps: int = 25) -> list[int]:
+def _run_seeded(sampler: Sampler, batch_builder, steps: int = 25) -> list[int]:
     """Sample ``steps`` tokens for a seed-1234 target row placed by ``batch_builder``."""
     target = make_row(SamplingParams(temperature=0.9, top_p=0.95, seed=1234), seed=1234)
     step_generator = torch.Generator().manual_seed(99)
     tokens = []
-    sampler = Sampler()
     for _ in range(steps):
         target_logits = torch.randn(64, generator=step_generator)  # [vocab]
         rows, position = batch_builder(target)
@@ -250,16 +261,16 @@ def _run_seeded(batch_builder, steps: int = 25) -> list[int]:
     return tokens
 
 
-def test_same_seed_same_tokens_in_any_batch() -> None:
-    alone = _run_seeded(lambda target: ([target], 0))
+def test_same_seed_same_tokens_in_any_batch(sampler: Sampler) -> None:
+    alone = _run_seeded(sampler, lambda target: ([target], 0))
     neighbours = [
         make_row(SamplingParams(temperature=1.0, seed=5), seed=5),
         make_row(SamplingParams(temperature=0.5, top_k=3)),
         make_row(SamplingParams(temperature=0.0, repetition_penalty=1.3), output=[1, 2]),
         make_row(SamplingParams(min_p=0.1, frequency_penalty=0.5, logprobs=2), output=[3]),
     ]
-    at_end = _run_seeded(lambda target: ([*neighbours, target], 4))
-    in_middle = _run_seeded(lambda target: ([neighbours[1], target, neighbours[0]], 1))
+    at_end = _run_seeded(sampler, lambda target: ([*neighbours, target], 4))
+    in_middle = _run_seeded(sampler, lambda target: ([neighbours[1], target, neighbours[0]], 1))
     assert alone == at_end == in_middle
 
 
@@ -299,8 +310,8 @@ def test_a_wait_free_choice_is_the_choice_read_on_the_host(
     # Narrow tiers: most rows' cut-offs lie beyond the first, on peaked rows too.
     monkeypatch.setattr(sampler_module, "_NUCLEUS_TIERS", tiers)
     for step in range(30):
-        read = Sampler.choose(*_wait_free_batch(step))
-        wait_free = Sampler.choose(*_wait_free_batch(step), wait_free=True)
+        read = Sampler().choose(*_wait_free_batch(step))
+        wait_free = Sampler().choose(*_wait_free_batch(step), wait_free=True)
         assert wait_free.tolist() == read.tolist(), step
     # The flat top-p rows' cut-offs do lie beyond their candidates: the sort decides them.
     logits, rows = _wait_free_batch(0)
@@ -332,15 +343,14 @@ def test_narrow_tiers_decide_rows_at_every_tier(monkeypatch: pytest.MonkeyPatch)
 def test_a_wait_free_choice_reads_nothing_on_the_host() -> None:
     logits, rows = _wait_free_batch(0)
     with HostReads():
-        Sampler.choose(logits, rows, wait_free=True)
+        Sampler().choose(logits, rows, wait_free=True)
     # The guard sees the read that the other path makes for the flat top-p rows.
     with pytest.raises(AssertionError, match="read on the host"), HostReads():
-        Sampler.choose(logits, rows)
+        Sampler().choose(logits, rows)
 
 
-def test_different_seeds_differ() -> None:
+def test_different_seeds_differ(sampler: Sampler) -> None:
     logits = torch.zeros(1, 1000)  # uniform: two seeds agree 20 times with odds 1e-60
-    sampler = Sampler()
 
     def draw(seed: int) -> list[int]:
         row = make_row(SamplingParams(seed=seed), seed=seed)
@@ -350,7 +360,7 @@ def test_different_seeds_differ() -> None:
     assert draw(1) != draw(2)
 
 
-def test_logprobs_from_raw_logits() -> None:
+def test_logprobs_from_raw_logits(sampler: Sampler) -> None:
     logits = torch.randn(4, 30, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     rows = [
         make_row(SamplingParams(temperature=0.0, logprobs=5)),
@@ -360,7 +370,7 @@ def test_logprobs_from_raw_logits() -> None:
             SamplingParams(temperature=0.8, logprobs=20, repetition_penalty=1.5), output=[0, 1]
         ),
     ]
-    out = Sampler()(logits, rows)
+    out = sampler(logits, rows)
     reference = torch.log_softmax(logits.float(), dim=-1)  # [batch, vocab]
     assert out.logprobs[2] is None
     for i, count in ((0, 5), (1, 0), (3, 20)):
