@@ -44,7 +44,7 @@ CONFIGS = {
 
 async def _ttft_ms(stub: coordinator_pb2_grpc.CoordinatorStub, prompt: list[int]) -> float:
     request = coordinator_pb2.GenerateRequest(
-        token_ids=coordinator_pb2.TokenIds(ids=prompt),
+        token_ids=common_pb2.TokenIds(ids=prompt),
         sampling=common_pb2.SamplingParams(max_tokens=2, temperature=0, ignore_eos=True),
     )
     started = time.perf_counter()

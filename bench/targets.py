@@ -93,7 +93,7 @@ class GrpcTarget:
         assert self._stub is not None, "open() the target first"
         message = coordinator_pb2.GenerateRequest(
             request_id=f"loadgen-{request.index}",
-            token_ids=coordinator_pb2.TokenIds(ids=request.prompt_token_ids),
+            token_ids=common_pb2.TokenIds(ids=request.prompt_token_ids),
             sampling=common_pb2.SamplingParams(
                 max_tokens=request.output_len,
                 min_tokens=request.output_len,

@@ -22,7 +22,7 @@ from splitserve.common.chat_messages import ToolCall
 from splitserve.common.grammar import GrammarSpec
 from splitserve.proto.splitserve.v1 import common_pb2, coordinator_pb2
 
-_REPEATED_SAMPLING_FIELDS = ("stop", "stop_token_ids")
+_REPEATED_SAMPLING_FIELDS = ("stop", "stop_token_ids", "bad_words")
 
 
 @dataclass(frozen=True)
@@ -104,6 +104,10 @@ class Sampling:
     """Return each prompt token's logprob after the first and this many top alternatives
     (0..20), on the first chunk (``Chunk.prompt_logprobs``). The whole prompt is computed:
     no prefix-cache hit."""
+    allowed_token_ids: tuple[int, ...] | None = None
+    """The only tokens that may be generated (at least one; no grammar beside them)."""
+    bad_words: tuple[str, ...] = ()
+    """Words never generated (as written at the text's start and after a space)."""
 
     def to_proto(self) -> common_pb2.SamplingParams:
         """The wire message, unset fields left unset.
@@ -124,6 +128,8 @@ class Sampling:
                     getattr(message, field.name).extend(value)
                 elif field.name == "logit_bias":
                     message.logit_bias.update(value)
+                elif field.name == "allowed_token_ids":
+                    message.allowed_token_ids.ids.extend(value)
                 elif field.name == "grammar":
                     message.grammar.kind, message.grammar.text = value.kind, value.text
                 else:

@@ -92,7 +92,7 @@ def generate_request(
         request.chat.CopyFrom(_chat(messages, chat_template))
     else:
         assert token_ids is not None
-        request.token_ids.CopyFrom(coordinator_pb2.TokenIds(ids=list(token_ids)))
+        request.token_ids.CopyFrom(common_pb2.TokenIds(ids=list(token_ids)))
     return request
 
 
@@ -104,7 +104,7 @@ def continuation(
     goes on: ``continuation.StreamContinuation``)."""
     again = coordinator_pb2.GenerateRequest()
     again.CopyFrom(request)
-    again.continue_after.CopyFrom(coordinator_pb2.TokenIds(ids=list(streamed_token_ids)))
+    again.continue_after.CopyFrom(common_pb2.TokenIds(ids=list(streamed_token_ids)))
     return again
 
 

@@ -23,6 +23,10 @@ MAX_LOGIT_BIAS = 100.0
 """OpenAI's bound on a ``logit_bias`` value (either sign)."""
 MAX_BIASED_TOKENS = 1024
 """Most tokens one request may bias (OpenAI's limit is 300; vLLM has none)."""
+MAX_BAD_WORDS = 1024
+"""Most ``bad_words`` one request may name."""
+MAX_ALLOWED_TOKENS = 1 << 20
+"""Most ``allowed_token_ids`` one request may name (more than any vocabulary has)."""
 
 
 @dataclass(frozen=True)
@@ -74,9 +78,24 @@ class SamplingParams:
     """(token id, bias) pairs added to those tokens' logits; a mapping is accepted and stored
     as pairs sorted by token id. Ids must be below the vocabulary size, which only the
     tokenizer knows: the coordinator checks that (``check_vocab``)."""
+    allowed_token_ids: tuple[int, ...] | None = None
+    """The only tokens that may be generated (vLLM's); None: any. Not empty, ids below the
+    vocabulary size (``check_vocab``); EOS is not among them unless named. Excludes a
+    ``grammar``."""
+    bad_words: tuple[str, ...] = ()
+    """Words never generated (vLLM's): each word is tokenized as written at the text's start
+    and after a space (``common/bad_words.py``), and the last token of either is set to -inf
+    whenever the output so far ends with the tokens before it (a one-token word: always)."""
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    """``bad_words`` tokenized, filled in by the engine that serves the request
+    (``EngineCore``, from its own tokenizer); never sent on the wire."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+        if self.allowed_token_ids is not None and isinstance(self.allowed_token_ids, list):
+            object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+        bad_words = (self.bad_words,) if isinstance(self.bad_words, str) else self.bad_words
+        object.__setattr__(self, "bad_words", tuple(bad_words))
         self._check_types()
         # OpenAI clients send a single stop string as a plain string, and lists for sequences.
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
@@ -119,6 +138,7 @@ class SamplingParams:
             "structured outputs must be a GrammarSpec",
             "structured_outputs",
         )
+        self._check_allowed_and_bad_words()
         ids = [token_id for token_id, _ in self.logit_bias]
         _check(len(set(ids)) == len(ids), "logit_bias names a token twice", "logit_bias")
 
@@ -185,12 +205,43 @@ class SamplingParams:
                 "logit_bias",
             )
 
+    def _check_allowed_and_bad_words(self) -> None:
+        """``allowed_token_ids``: a non-empty tuple of token ids in [0, 2^31), at most
+        ``MAX_ALLOWED_TOKENS``, and no grammar beside it; ``bad_words``: at most
+        ``MAX_BAD_WORDS`` strings, each with a character other than whitespace."""
+        allowed = self.allowed_token_ids
+        if allowed is not None:
+            _check(
+                isinstance(allowed, tuple)
+                and 0 < len(allowed) <= MAX_ALLOWED_TOKENS
+                and all(_is_int(t) and 0 <= t < 2**31 for t in allowed),
+                "allowed_token_ids must be a non-empty list of token ids (integers in [0, 2^31))",
+                "allowed_token_ids",
+            )
+            _check(
+                self.grammar is None,
+                "allowed_token_ids and a structured output (or a forced tool call) exclude "
+                "each other",
+                "allowed_token_ids",
+            )
+        _check(
+            len(self.bad_words) <= MAX_BAD_WORDS
+            and all(isinstance(word, str) and word.strip() for word in self.bad_words),
+            f"bad_words must be at most {MAX_BAD_WORDS} strings, none empty",
+            "bad_words",
+        )
+
     def check_vocab(self, vocab_size: int) -> None:
-        """Refuse ``logit_bias`` token ids the model does not have."""
+        """Refuse ``logit_bias`` and ``allowed_token_ids`` token ids the model does not have."""
         _check(
             all(token_id < vocab_size for token_id, _ in self.logit_bias),
             f"logit_bias names a token id beyond the vocabulary ({vocab_size} tokens)",
             "logit_bias",
+        )
+        _check(
+            all(token_id < vocab_size for token_id in self.allowed_token_ids or ()),
+            f"allowed_token_ids names a token id beyond the vocabulary ({vocab_size} tokens)",
+            "allowed_token_ids",
         )
 
     @property
@@ -259,13 +310,15 @@ def changes_logits(
 ) -> bool:
     """True when the sampler's ``apply_penalties`` (``engine/sampler.py``) would change the
     logits of a row with ``params`` after ``num_output_tokens`` generated tokens, a grammar's
-    mask aside: a penalty, a logit bias, or EOS / stop tokens still suppressed by
-    ``min_tokens``."""
+    mask aside: a penalty, a logit bias, allowed tokens, bad words, or EOS / stop tokens still
+    suppressed by ``min_tokens``."""
     return (
         params.repetition_penalty != 1.0
         or params.frequency_penalty != 0.0
         or params.presence_penalty != 0.0
         or bool(params.logit_bias)
+        or params.allowed_token_ids is not None
+        or bool(params.bad_words)
         or (num_output_tokens < params.min_tokens and bool(eos_token_ids or params.stop_token_ids))
     )
 

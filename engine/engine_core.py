@@ -18,6 +18,7 @@ from dataclasses import replace
 
 import torch
 
+from splitserve.common.bad_words import bad_word_sequences
 from splitserve.common.busy_share import DecayingShare
 from splitserve.common.cpu_info import cpu_name
 from splitserve.common.errors import InvalidRequestError
@@ -282,6 +283,7 @@ class EngineCore:
         if any(not (isinstance(t, int) and not isinstance(t, bool)) for t in prompt_token_ids):
             raise InvalidRequestError("prompt token ids must be integers", "prompt")
         check_in_vocab(prompt_token_ids, vocab, "prompt token ids", "prompt")
+        params.check_vocab(vocab)
         self.scheduler.check_fits(len(prompt_token_ids), params)
 
     def prepare_grammar(self, spec: GrammarSpec) -> None:
@@ -326,6 +328,11 @@ class EngineCore:
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
     ) -> Request:
         self.validate_request(prompt_token_ids, params)
+        if params.bad_words and not params.bad_words_token_ids:
+            sequences = bad_word_sequences(
+                params.bad_words, lambda text: self.tokenizer.encode(text, False)
+            )
+            params = replace(params, bad_words_token_ids=sequences)
         return Request(request_id, list(prompt_token_ids), params, self.eos_token_ids)
 
     def abort_request(self, request_id: str) -> bool:

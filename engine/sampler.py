@@ -6,9 +6,12 @@ One ``Sampler.__call__`` turns a step's logits ``[batch, vocab]`` (any float dty
 Order of operations (vLLM / OpenAI semantics), all in float32:
 
 0. **grammar**: a row with an ``allowed_token_mask`` (its structured output's next tokens)
-   has every other token set to ``-inf``; where step 1 would then leave it no token (the
-   grammar is complete and allows only EOS, which ``min_tokens`` suppresses), the grammar
-   wins and step 1 is skipped for that row.
+   or ``params.allowed_token_ids`` (which exclude a grammar) has every other token set to
+   ``-inf``; then **bad words**: the tokens that would complete one of
+   ``params.bad_words_token_ids`` after the row's output (``common/bad_words.py``) are set to
+   ``-inf``. Where step 1 would then leave a masked row no token (the grammar is complete and
+   allows only EOS, which ``min_tokens`` suppresses), the mask wins and step 1 is skipped for
+   that row.
 1. **min_tokens**: while a row has generated fewer than ``params.min_tokens`` tokens, its
    ``eos_token_ids`` and ``params.stop_token_ids`` are set to ``-inf``; then **logit_bias**:
    each (token, bias) of ``params.logit_bias`` is added to that token's logit.
@@ -74,6 +77,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
+from splitserve.common.bad_words import banned_tokens
 from splitserve.common.logprobs import TokenLogprob
 from splitserve.common.sampling_params import SamplingParams, changes_logits
 from splitserve.engine.host_copies import to_device
@@ -228,9 +232,11 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
     processed = logits.to(torch.float32, copy=True)  # [batch, vocab]
     masked: list[int] = []
     for i, row in enumerate(rows):
-        if row.allowed_token_mask is not None:
-            processed[i].masked_fill_(~row.allowed_token_mask.to(processed.device), _NEG_INF)
+        allowed = _allowed_mask(row, processed.shape[1], processed.device)  # [vocab] bool
+        if allowed is not None:
+            processed[i].masked_fill_(~allowed, _NEG_INF)
             masked.append(i)
+    _ban_bad_words(processed, rows)
     before = processed[to_device(masked, torch.int64, logits.device)] if masked else None
     # [masked, vocab]: a copy (index tensors copy)
     _suppress_stop_tokens(processed, rows)
@@ -242,6 +248,37 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
     _apply_repetition_penalty(processed, rows)
     _apply_frequency_presence_penalties(processed, rows)
     return processed
+
+
+def _allowed_mask(row: SamplingRow, vocab: int, device: torch.device) -> torch.Tensor | None:
+    """``[vocab]`` bool: the tokens a row may take (its grammar's, or its
+    ``allowed_token_ids``), None when it may take any."""
+    if row.allowed_token_mask is not None:
+        return row.allowed_token_mask.to(device)
+    ids = row.params.allowed_token_ids
+    if ids is None:
+        return None
+    allowed = torch.zeros(vocab, dtype=torch.bool)
+    allowed[[token_id for token_id in ids if token_id < vocab]] = True
+    return allowed.to(device)
+
+
+def _ban_bad_words(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    """Set (in place) to -inf each row's tokens that would complete a bad word after its
+    output (``common/bad_words.py:banned_tokens``)."""
+    vocab = logits.shape[1]
+    row_index: list[int] = []
+    token_index: list[int] = []
+    for i, row in enumerate(rows):
+        sequences = row.params.bad_words_token_ids
+        if not sequences:
+            continue
+        for token_id in banned_tokens(sequences, row.output_token_ids):
+            if token_id < vocab:
+                row_index.append(i)
+                token_index.append(token_id)
+    if row_index:
+        logits[row_index, token_index] = _NEG_INF
 
 
 def _suppress_stop_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:

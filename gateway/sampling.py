@@ -243,6 +243,8 @@ def _sampling(body: _SamplingFields, max_tokens: int | None, logprobs: int | Non
         logprobs=logprobs,
         skip_special_tokens=body.skip_special_tokens,
         logit_bias=_logit_bias(body.logit_bias),
+        allowed_token_ids=None if body.allowed_token_ids is None else tuple(body.allowed_token_ids),
+        bad_words=tuple(body.bad_words or ()),
         grammar=grammar_of(body),
         prompt_logprobs=body.prompt_logprobs,
     )

@@ -3,8 +3,8 @@
 Requests accept the OpenAI fields splitserve implements plus vLLM's common extensions
 (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``min_tokens``,
 ``stop_token_ids``, ``skip_special_tokens``, ``add_special_tokens``, chat's ``best_of``;
-``prompt_logprobs``; explicit ``null`` means the default). Declared
-fields whose meaning is not implemented (``suffix``) are refused
+``prompt_logprobs``, ``allowed_token_ids``, ``bad_words``; explicit ``null`` means the
+default). Declared fields whose meaning is not implemented (``suffix``) are refused
 with a 400 by ``gateway/sampling.py``; undeclared ones (``model_extra``) go through
 ``gateway/unserved_fields.py``: vLLM's other extensions are refused with a 400 naming them
 unless they ask for nothing, anything else is ignored with a warning and a counter, as vLLM
@@ -105,6 +105,16 @@ class _SamplingFields(_TextBody):
     )
     min_tokens: int | None = Field(None, ge=0)
     stop_token_ids: list[int] | None = None
+    allowed_token_ids: list[int] | None = Field(
+        None,
+        description="The only token ids that may be generated (at least one); not with a "
+        "structured output or a forced tool call.",
+    )
+    bad_words: list[str] | None = Field(
+        None,
+        description="Words never generated: each, as written at the text's start and after a "
+        "space, is never completed (its last token is never sampled after the others).",
+    )
     skip_special_tokens: bool | None = None
     prompt_logprobs: int | None = Field(
         None,

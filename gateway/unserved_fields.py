@@ -61,8 +61,6 @@ REFUSED: dict[str, Refusal] = {
     # sampling and output options of vLLM
     "use_beam_search": Refusal("beam search is not supported", _is(False)),
     "length_penalty": Refusal("length_penalty is only used by beam search", _is(1, 1.0)),
-    "allowed_token_ids": Refusal("allowed_token_ids is not supported"),
-    "bad_words": Refusal("bad_words is not supported"),
     "logits_processors": Refusal("logits_processors are not supported"),
     "spaces_between_special_tokens": Refusal(
         "only spaces_between_special_tokens: true is supported", _is(True)

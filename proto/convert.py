@@ -82,6 +82,10 @@ def sampling_from_proto(
         ignore_eos=message.ignore_eos,
         include_stop_str_in_output=message.include_stop_str_in_output,
         logit_bias=tuple(message.logit_bias.items()),
+        allowed_token_ids=(
+            tuple(message.allowed_token_ids.ids) if message.HasField("allowed_token_ids") else None
+        ),
+        bad_words=tuple(message.bad_words),
         grammar=(
             GrammarSpec(message.grammar.kind, message.grammar.text)
             if message.HasField("grammar")
@@ -111,7 +115,10 @@ def sampling_to_proto(
         ignore_eos=params.ignore_eos,
         include_stop_str_in_output=params.include_stop_str_in_output,
         logit_bias=dict(params.logit_bias),
+        bad_words=list(params.bad_words),
     )
+    if params.allowed_token_ids is not None:
+        message.allowed_token_ids.ids.extend(params.allowed_token_ids)
     if params.grammar is not None:
         message.grammar.kind = params.grammar.kind
         message.grammar.text = params.grammar.text

@@ -208,3 +208,49 @@ def test_a_truncated_prompt_is_its_last_tokens(served: Served, sdk: openai.OpenA
         timeout=30,
     )
     assert zero.status_code == 400 and zero.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
+def test_bad_words_and_allowed_token_ids_hold_on_every_token(
+    served: Served, sdk: openai.OpenAI
+) -> None:
+    """``bad_words`` keep a word out of what greedy decoding would write, whole and streamed;
+    ``allowed_token_ids`` keep a sampled answer to its tokens; bad values are 400s naming the
+    field."""
+    model = _model(sdk)
+    plain = sdk.chat.completions.create(model=model, messages=QUESTION, max_tokens=12,
+                                        temperature=0)  # fmt: skip
+    assert "Paris" in plain.choices[0].message.content
+    banned = sdk.chat.completions.create(
+        model=model, messages=QUESTION, max_tokens=12, temperature=0,
+        extra_body={"bad_words": ["Paris"]},
+    )  # fmt: skip
+    assert "Paris" not in banned.choices[0].message.content
+    streamed = sdk.completions.create(
+        model=model, prompt="The capital of France is", max_tokens=8, temperature=0,
+        stream=True, extra_body={"bad_words": [" Paris"]},
+    )  # fmt: skip
+    assert "Paris" not in "".join(chunk.choices[0].text for chunk in streamed if chunk.choices)
+    allowed = _tokenize(served, {"prompt": " yes no maybe"})
+    answer = httpx.post(
+        f"{served.url}/v1/completions",
+        json={"model": model, "prompt": "Is the sky blue? Answer:", "max_tokens": 6,
+              "temperature": 1.0, "seed": 5, "n": 3, "ignore_eos": True,
+              "allowed_token_ids": allowed, "return_token_ids": True},
+        timeout=60,
+    ).json()  # fmt: skip
+    for choice in answer["choices"]:
+        assert len(choice["token_ids"]) == 6 and set(choice["token_ids"]) <= set(allowed)
+    for body in (
+        {"allowed_token_ids": []},
+        {"allowed_token_ids": [10**7]},
+        {"allowed_token_ids": allowed, "response_format": {"type": "json_object"}},
+        {"bad_words": [""]},
+    ):
+        refused = httpx.post(
+            f"{served.url}/v1/chat/completions",
+            json={"model": model, "messages": QUESTION, "max_tokens": 2, **body},
+            timeout=30,
+        )
+        field = next(iter(body))
+        assert refused.status_code == 400, body
+        assert refused.json()["error"]["param"] == field, refused.json()

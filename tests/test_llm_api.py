@@ -165,3 +165,19 @@ def test_stop_strings_wait_for_min_tokens(llm: LLM) -> None:
     [result] = llm.generate([prompt], params)
     assert len(result.token_ids) >= 6
     assert result.text.startswith(free_run.text.split(word)[0] + word)  # not stopped early
+
+
+def test_bad_words_keep_a_word_out_and_allowed_tokens_keep_to_themselves(llm: LLM) -> None:
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    [plain] = llm.chat(question, GREEDY)
+    [banned] = llm.chat(question, SamplingParams(max_tokens=24, temperature=0.0,
+                                                bad_words=("Paris",)))  # fmt: skip
+    assert "Paris" in plain.text and "Paris" not in banned.text
+    tokenizer = llm.engine.tokenizer
+    allowed = {*tokenizer.encode(" yes no maybe", False), *llm.engine.eos_token_ids}
+    [kept] = llm.generate(
+        ["Is the sky blue? Answer:"],
+        SamplingParams(max_tokens=8, temperature=1.0, seed=3, allowed_token_ids=tuple(allowed)),
+    )
+    assert kept.token_ids and set(kept.token_ids) <= allowed
+    assert_no_leaks(llm)

@@ -394,3 +394,28 @@ def test_rejects_mismatched_batch_and_handles_empty() -> None:
     with pytest.raises(ValueError):
         Sampler()(torch.zeros(2, 5), [make_row()])
     assert Sampler()(torch.zeros(0, 5), []).token_ids == []
+
+
+def test_allowed_token_ids_are_the_only_tokens(sampler: Sampler) -> None:
+    logits = torch.tensor([[5.0, 4.0, 3.0, 2.0, 1.0]]).expand(2000, 5)  # [draws, vocab]
+    rows = [make_row(SamplingParams(allowed_token_ids=(1, 3))) for _ in range(2000)]
+    assert set(sampler(logits, rows).token_ids) == {1, 3}
+    greedy = make_row(SamplingParams(temperature=0.0, allowed_token_ids=(2, 4)))
+    assert sampler(logits[:1], [greedy]).token_ids == [2]
+    # the mask beats min_tokens, as a grammar's: EOS only allowed is still chosen
+    ending = make_row(
+        SamplingParams(temperature=0.0, min_tokens=3, allowed_token_ids=(4,)), eos=[4]
+    )
+    assert sampler(logits[:1], [ending]).token_ids == [4]
+
+
+def test_a_bad_word_s_last_token_is_banned_after_its_others(sampler: Sampler) -> None:
+    logits = torch.tensor([[1.0, 9.0, 8.0, 0.0]])
+    words = ((1,), (3, 2))  # token 1 always; token 2 right after 3
+    fresh = SamplingParams(temperature=0.0, bad_words=("w",), bad_words_token_ids=words)
+    assert sampler(logits, [make_row(fresh, output=[0])]).token_ids == [2]
+    assert sampler(logits, [make_row(fresh, output=[3])]).token_ids == [0]
+    assert sampler(logits, [make_row(fresh, prompt=[3], output=[])]).token_ids == [2]
+    sampled = SamplingParams(bad_words=("w",), bad_words_token_ids=words)
+    rows = [make_row(sampled, output=[3]) for _ in range(500)]
+    assert set(sampler(logits.expand(500, 4), rows).token_ids) <= {0, 3}

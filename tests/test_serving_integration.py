@@ -182,7 +182,7 @@ def test_disaggregated_equals_colocated_and_frees_every_block(
         before = transfer_figures(lines["decode metrics"])
         pulled_before = transfer_figures(lines["prefill metrics"])
         conversation = coordinator_pb2.GenerateRequest(
-            token_ids=coordinator_pb2.TokenIds(ids=turn2), sampling=_greedy(24)
+            token_ids=common_pb2.TokenIds(ids=turn2), sampling=_greedy(24)
         )
         ((tokens, last),) = asyncio.run(_generate_all(disaggregated, [conversation]))
         assert tokens == turn2_expected
@@ -243,7 +243,7 @@ def _assert_served_prompt_logprobs(
     expected = reference.prompt_logprobs
     assert [record.token_id for record in expected] == prompt[1:]
     request = coordinator_pb2.GenerateRequest(
-        token_ids=coordinator_pb2.TokenIds(ids=prompt), sampling=_greedy(1, prompt_logprobs=2)
+        token_ids=common_pb2.TokenIds(ids=prompt), sampling=_greedy(1, prompt_logprobs=2)
     )
 
     async def served() -> tuple[list[common_pb2.TokenLogprob], coordinator_pb2.PromptToken, int]:
@@ -316,7 +316,7 @@ async def _bad_requests_do_not_disturb_others(address: str) -> None:
             coordinator_pb2.GenerateRequest(text="", sampling=_greedy(4)),
             coordinator_pb2.GenerateRequest(text="hi", sampling=_greedy(10**6)),
             coordinator_pb2.GenerateRequest(
-                token_ids=coordinator_pb2.TokenIds(ids=[10**7]), sampling=_greedy(4)
+                token_ids=common_pb2.TokenIds(ids=[10**7]), sampling=_greedy(4)
             ),
             coordinator_pb2.GenerateRequest(
                 text="hi", sampling=common_pb2.SamplingParams(temperature=-1.0)

@@ -31,8 +31,6 @@ def chat(**extra: Any) -> ChatCompletionRequest:
         ("structural_tag", {"structures": []}),
         ("use_beam_search", True),
         ("length_penalty", 0.5),
-        ("allowed_token_ids", [1, 2]),
-        ("bad_words", ["x"]),
         ("cache_salt", "tenant-a"),
         ("request_id", "mine"),
         ("spaces_between_special_tokens", False),
@@ -69,7 +67,6 @@ def test_values_that_ask_for_nothing_pass() -> None:
         "guided_whitespace_pattern": None,
         "use_beam_search": False,
         "length_penalty": 1.0,
-        "bad_words": [],
         "function_call": "none",
         "modalities": ["text"],
     }

@@ -42,12 +42,6 @@ class ChatPrompt(_message.Message):
     continue_final_message: bool
     def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., template_kwargs_json: _Optional[str] = ..., add_generation_prompt: _Optional[bool] = ..., continue_final_message: _Optional[bool] = ...) -> None: ...
 
-class TokenIds(_message.Message):
-    __slots__ = ("ids",)
-    IDS_FIELD_NUMBER: _ClassVar[int]
-    ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
-
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "text", "chat", "token_ids", "sampling", "continue_after", "priority", "latency_targets", "traceparent", "session_id", "model", "add_special_tokens", "truncate_prompt_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -66,9 +60,9 @@ class GenerateRequest(_message.Message):
     request_id: str
     text: str
     chat: ChatPrompt
-    token_ids: TokenIds
+    token_ids: _common_pb2.TokenIds
     sampling: _common_pb2.SamplingParams
-    continue_after: TokenIds
+    continue_after: _common_pb2.TokenIds
     priority: int
     latency_targets: LatencyTargets
     traceparent: str
@@ -76,7 +70,7 @@ class GenerateRequest(_message.Message):
     model: str
     add_special_tokens: bool
     truncate_prompt_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[ChatPrompt, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., continue_after: _Optional[_Union[TokenIds, _Mapping]] = ..., priority: _Optional[int] = ..., latency_targets: _Optional[_Union[LatencyTargets, _Mapping]] = ..., traceparent: _Optional[str] = ..., session_id: _Optional[str] = ..., model: _Optional[str] = ..., add_special_tokens: _Optional[bool] = ..., truncate_prompt_tokens: _Optional[int] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[ChatPrompt, _Mapping]] = ..., token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., continue_after: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., priority: _Optional[int] = ..., latency_targets: _Optional[_Union[LatencyTargets, _Mapping]] = ..., traceparent: _Optional[str] = ..., session_id: _Optional[str] = ..., model: _Optional[str] = ..., add_special_tokens: _Optional[bool] = ..., truncate_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class LatencyTargets(_message.Message):
     __slots__ = ("ttft_ms", "tpot_ms", "max_queue_wait_ms")
