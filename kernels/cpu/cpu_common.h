@@ -61,7 +61,10 @@ inline void store_row(const float* src, float* dst, int64_t n) {
 // exp(x) for x <= 0 (softmax arguments after subtracting the max); relative error below 1e-7.
 // x = k*ln2 + r with k = round(x/ln2), |r| <= ln2/2; exp(r) by its degree-7 Taylor polynomial
 // in f = r/ln2 (2^f, truncation error ~5e-9); 2^k built in the exponent bits. Branch-free, so
-// loops over it vectorize.
+// loops over it vectorize with AVX-512. With AVX2 only GCC turns the clamp below kExpFloor into
+// a branch (it threads the clamped case through the polynomial), so a loop over
+// exp_nonpositive stays scalar there; a loop that clamps first and then calls
+// exp_of_clamped (the same arithmetic, so the same bits) vectorizes at every level.
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kExpFloor = -87.0f;  // keeps 2^k normal; exp(-87) ~ 1.6e-38
 // 2^f = sum_i kExp2Taylor[i] * f^(7-i): (ln 2)^n / n!, highest degree first.
@@ -70,9 +73,9 @@ constexpr float kExp2Taylor[8] = {1.525273380405984e-05f,  1.5403530393381608e-0
                                   5.5504108664821580e-02f, 2.4022650695910071e-01f,
                                   6.9314718055994531e-01f, 1.0f};
 
-inline float exp_nonpositive(float x) {
+// exp(x) for x in [kExpFloor, 0], by exp_nonpositive's arithmetic without its clamp.
+inline float exp_of_clamped(float x) {
   constexpr float kRoundMagic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  x = x < kExpFloor ? kExpFloor : x;
   float t = x * kLog2e;
   float shifted = t + kRoundMagic;
   float k = shifted - kRoundMagic;
@@ -87,5 +90,7 @@ inline float exp_nonpositive(float x) {
   std::memcpy(&scale, &scale_bits, sizeof(scale));
   return p * scale;
 }
+
+inline float exp_nonpositive(float x) { return exp_of_clamped(x < kExpFloor ? kExpFloor : x); }
 
 }  // namespace splitserve_cpu
