@@ -82,10 +82,14 @@ inline float sum_of_squares(const float* x, int64_t n) {
 
 // exp(x) for any float x, within about one ulp: x clamped to [-87.3, 88.3] (2^k stays a normal
 // float), x = k ln2 + r with ln2 split in two parts (Cody and Waite), e^r by the classic
-// degree-6 minimax polynomial on |r| <= ln2 / 2. Branch-free, so loops over it vectorize.
-inline float exp_any(float x) {
+// degree-6 minimax polynomial on |r| <= ln2 / 2. Branch-free; but with AVX2 only GCC turns
+// the clamp into a branch through the polynomial (as cpu_common.h's exp_nonpositive), so a
+// loop that must vectorize at every level clamps first (clamp_exp_any) and then calls
+// exp_of_clamped_any: exp_any's bits, in two loops.
+inline float clamp_exp_any(float x) { return x < -87.3f ? -87.3f : (x > 88.3f ? 88.3f : x); }
+
+inline float exp_of_clamped_any(float x) {
   constexpr float kRoundMagic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  x = x < -87.3f ? -87.3f : (x > 88.3f ? 88.3f : x);
   const float shifted = x * kLog2e + kRoundMagic;
   const float k = shifted - kRoundMagic;
   int32_t k_int;
@@ -106,6 +110,10 @@ inline float exp_any(float x) {
   return e_r * scale;
 }
 
+inline float exp_any(float x) { return exp_of_clamped_any(clamp_exp_any(x)); }
+
+constexpr int64_t kSiluSpan = 256;  // columns whose exp silu_mul computes together
+
 template <typename T>
 int silu_mul(T* out, const T* gate_up, int64_t rows, int64_t cols, int threads) {
   if (rows < 0 || cols <= 0) return -1;
@@ -114,10 +122,16 @@ int silu_mul(T* out, const T* gate_up, int64_t rows, int64_t cols, int threads) 
     const T* gate = gate_up + r * 2 * cols;
     const T* up = gate + cols;
     T* o = out + r * cols;
-    for (int64_t c = 0; c < cols; ++c) {
-      const float g = to_float(gate[c]);
-      const float silu = round_to<T>(g / (1.0f + exp_any(-g)));
-      o[c] = from_float<T>(silu * to_float(up[c]));
+    float e[kSiluSpan];  // exp(-gate) of a span of columns: exp_any in two loops (above)
+    for (int64_t start = 0; start < cols; start += kSiluSpan) {
+      const int64_t span = std::min(kSiluSpan, cols - start);
+      for (int64_t j = 0; j < span; ++j) e[j] = clamp_exp_any(-to_float(gate[start + j]));
+      for (int64_t j = 0; j < span; ++j) e[j] = exp_of_clamped_any(e[j]);
+      for (int64_t j = 0; j < span; ++j) {
+        const float g = to_float(gate[start + j]);
+        const float silu = round_to<T>(g / (1.0f + e[j]));
+        o[start + j] = from_float<T>(silu * to_float(up[start + j]));
+      }
     }
   }
   return 0;
