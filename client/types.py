@@ -108,6 +108,9 @@ class Sampling:
     """The only tokens that may be generated (at least one; no grammar beside them)."""
     bad_words: tuple[str, ...] = ()
     """Words never generated (as written at the text's start and after a space)."""
+    cache_salt: str | None = None
+    """The request's prefix-cache namespace: it shares cached prefixes only with requests of
+    the same salt."""
 
     def to_proto(self) -> common_pb2.SamplingParams:
         """The wire message, unset fields left unset.

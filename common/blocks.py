@@ -4,6 +4,11 @@ A block that is full of tokens is identified by a chained digest
 ``hash_i = H(hash_{i-1}, tokens of block i)``, so equal digests mean equal whole prefixes: a
 worker's prefix cache keys its blocks so, and the coordinator's router estimates a prompt's
 cached prefix on a worker with the same digests.
+
+A request's ``cache_salt`` (``SamplingParams.cache_salt``) starts its chain at a root of its
+own (``prefix_root``): its blocks' digests are other than any unsalted or otherwise salted
+prompt's, so only requests with the same salt share cached blocks (vLLM's per-tenant
+isolation of the prefix cache: no timing tells a tenant what another's prompts hold).
 """
 
 from __future__ import annotations
@@ -23,17 +28,30 @@ def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+def prefix_root(cache_salt: str) -> BlockHash | None:
+    """The parent of a salted prompt's first block (None, the common root, for no salt)."""
+    if not cache_salt:
+        return None
+    digest = hashlib.blake2b(b"splitserve-cache-salt", digest_size=16)
+    digest.update(cache_salt.encode("utf-8", "surrogatepass"))
+    return digest.digest()
+
+
 def hash_block(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
-    """Digest of a full block chained with the digest of everything before it."""
+    """Digest of a full block chained with the digest of everything before it (``parent``
+    None: the first block of an unsalted prompt; ``prefix_root`` for a salted one's)."""
     digest = hashlib.blake2b(parent or _ROOT_HASH, digest_size=16)
     digest.update(array("q", token_ids).tobytes())
     return digest.digest()
 
 
-def prompt_block_hashes(token_ids: Sequence[int], block_size: int) -> list[BlockHash]:
-    """Chained hashes of the prompt's full blocks (as the workers' prefix caches key them)."""
+def prompt_block_hashes(
+    token_ids: Sequence[int], block_size: int, root: BlockHash | None = None
+) -> list[BlockHash]:
+    """Chained hashes of the prompt's full blocks (as the workers' prefix caches key them),
+    from ``root`` (``prefix_root`` of the request's salt)."""
     hashes: list[BlockHash] = []
-    parent = None
+    parent = root
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         parent = hash_block(parent, token_ids[start : start + block_size])
         hashes.append(parent)

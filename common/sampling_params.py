@@ -25,6 +25,8 @@ MAX_BIASED_TOKENS = 1024
 """Most tokens one request may bias (OpenAI's limit is 300; vLLM has none)."""
 MAX_BAD_WORDS = 1024
 """Most ``bad_words`` one request may name."""
+MAX_CACHE_SALT_CHARS = 1024
+"""Longest ``cache_salt``."""
 MAX_ALLOWED_TOKENS = 1 << 20
 """Most ``allowed_token_ids`` one request may name (more than any vocabulary has)."""
 
@@ -89,6 +91,11 @@ class SamplingParams:
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     """``bad_words`` tokenized, filled in by the engine that serves the request
     (``EngineCore``, from its own tokenizer); never sent on the wire."""
+    cache_salt: str = ""
+    """The request's prefix-cache namespace (vLLM's ``cache_salt``): its KV blocks are cached
+    and found only under this salt (``common/blocks.py:prefix_root``), so requests share
+    cached prefixes only with requests of the same salt; "" is the common namespace. Not a
+    sampling setting, but carried with them to every worker that caches the request's KV."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
@@ -207,8 +214,9 @@ class SamplingParams:
 
     def _check_allowed_and_bad_words(self) -> None:
         """``allowed_token_ids``: a non-empty tuple of token ids in [0, 2^31), at most
-        ``MAX_ALLOWED_TOKENS``, and no grammar beside it; ``bad_words``: at most
-        ``MAX_BAD_WORDS`` strings, each with a character other than whitespace."""
+        ``MAX_ALLOWED_TOKENS``, and no grammar beside it; ``cache_salt``: a string of at most
+        ``MAX_CACHE_SALT_CHARS``; ``bad_words``: at most ``MAX_BAD_WORDS`` strings, each with a
+        character other than whitespace."""
         allowed = self.allowed_token_ids
         if allowed is not None:
             _check(
@@ -224,6 +232,11 @@ class SamplingParams:
                 "each other",
                 "allowed_token_ids",
             )
+        _check(
+            isinstance(self.cache_salt, str) and len(self.cache_salt) <= MAX_CACHE_SALT_CHARS,
+            f"cache_salt must be a string of at most {MAX_CACHE_SALT_CHARS} characters",
+            "cache_salt",
+        )
         _check(
             len(self.bad_words) <= MAX_BAD_WORDS
             and all(isinstance(word, str) and word.strip() for word in self.bad_words),

@@ -271,7 +271,11 @@ class Attempt:
                         yield chunk
                     finished = isinstance(event, Decoded) and self.tracker.finished
                     if finished or isinstance(event, FinishedInline):
-                        self._router.finished(decode, self._prompt + self.tracker.token_ids)
+                        self._router.finished(
+                            decode,
+                            self._prompt + self.tracker.token_ids,
+                            self._params.cache_salt,
+                        )
                         await self._end_on_worker(decode)
             finally:
                 self._inline = None

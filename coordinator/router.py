@@ -49,7 +49,7 @@ import time
 from collections.abc import Callable, Collection, Container, Iterator, Sequence
 from dataclasses import dataclass
 
-from splitserve.common.blocks import BlockHash, prompt_block_hashes
+from splitserve.common.blocks import BlockHash, prefix_root, prompt_block_hashes
 from splitserve.common.kv_events import KvEvents
 from splitserve.common.membership import Role
 from splitserve.coordinator.placement import (
@@ -225,13 +225,15 @@ HashesOf = Callable[[int], Sequence[BlockHash]]
 """A prompt's chained block hashes at a block size."""
 
 
-def hashes_by_block_size(token_ids: Sequence[int]) -> HashesOf:
-    """``token_ids``' block hashes at any block size, each size computed once."""
+def hashes_by_block_size(token_ids: Sequence[int], cache_salt: str = "") -> HashesOf:
+    """``token_ids``' block hashes at any block size (under ``cache_salt``, as the workers
+    key them), each size computed once."""
     computed: dict[int, list[BlockHash]] = {}
+    root = prefix_root(cache_salt)
 
     def hashes_of(block_size: int) -> Sequence[BlockHash]:
         if block_size not in computed:
-            computed[block_size] = prompt_block_hashes(token_ids, block_size)
+            computed[block_size] = prompt_block_hashes(token_ids, block_size, root)
         return computed[block_size]
 
     return hashes_of
@@ -318,7 +320,7 @@ class Router:
         prompt, counted from its arrival; its session picks the decode worker (module
         docstring)."""
         prompt_token_ids = request.context_after(streamed) if streamed else request.prompt_token_ids
-        hashes_of = hashes_by_block_size(prompt_token_ids)
+        hashes_of = hashes_by_block_size(prompt_token_ids, request.params.cache_salt)
         decode = self.pick_decode(
             len(prompt_token_ids) + request.tokens_left(len(streamed)),
             exclude,
@@ -374,12 +376,16 @@ class Router:
         ]
         return prefill_rates + [r for r in decode_rates if r is not None]
 
-    def finished(self, decode: WorkerRecord, token_ids: Sequence[int]) -> None:
-        """A request finished on ``decode`` with ``token_ids`` (prompt and output): the KV of
-        all but the last is in its prefix cache now, for a conversation's next turn (a worker
-        that sends KV events says so itself: nothing to hash)."""
+    def finished(
+        self, decode: WorkerRecord, token_ids: Sequence[int], cache_salt: str = ""
+    ) -> None:
+        """A request finished on ``decode`` with ``token_ids`` (prompt and output) under
+        ``cache_salt``: the KV of all but the last is in its prefix cache now, for a
+        conversation's next turn (a worker that sends KV events says so itself: nothing to
+        hash)."""
         if decode.worker_id not in self._known:
-            self._guess_held(decode, prompt_block_hashes(token_ids[:-1], decode.block_size))
+            root = prefix_root(cache_salt)
+            self._guess_held(decode, prompt_block_hashes(token_ids[:-1], decode.block_size, root))
 
     def pick_decode(
         self,

@@ -46,7 +46,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TypeVar
 
-from splitserve.common.blocks import BlockHash, prompt_block_hashes
+from splitserve.common.blocks import BlockHash, prefix_root, prompt_block_hashes
 from splitserve.common.errors import EngineStoppedError
 from splitserve.common.kv_events import KvEventLog
 from splitserve.common.load import EngineLoad
@@ -273,14 +273,15 @@ class AsyncEngine:
         if self._kv_log is not None:
             self._kv_log.record(block_hash, stored)
 
-    def cached_prefix_blocks(self, token_ids: Sequence[int]) -> int:
-        """Any thread: how many leading full blocks of the prompt ``token_ids`` the prefix
-        cache holds, never its last token's (as of the latest change; a step may evict or add
+    def cached_prefix_blocks(self, token_ids: Sequence[int], root: BlockHash | None = None) -> int:
+        """Any thread: how many leading full blocks of the prompt ``token_ids`` (its hashes
+        chained from ``root``, ``prefix_root`` of its salt) the prefix cache holds, never its
+        last token's (as of the latest change; a step may evict or add
         some before a request submitted now is scheduled)."""
         block_size = self.paged_kv.block_size
         usable = token_ids[: len(token_ids) - 1]
         held = 0
-        for block_hash in prompt_block_hashes(usable, block_size):
+        for block_hash in prompt_block_hashes(usable, block_size, root):
             if block_hash not in self._cached_hashes:
                 break
             held += 1
@@ -387,7 +388,8 @@ class AsyncEngine:
         engine goes on."""
         try:
             if pulled_kv is not None:
-                self._core.adopt_pulled_kv(prompt_token_ids, pulled_kv)
+                root = prefix_root(params.cache_salt)
+                self._core.adopt_pulled_kv(prompt_token_ids, pulled_kv, root)
             self._core.add_request(
                 entry.request_id, prompt_token_ids, params, prior_output_token_ids
             )

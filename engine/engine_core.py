@@ -19,6 +19,7 @@ from dataclasses import replace
 import torch
 
 from splitserve.common.bad_words import bad_word_sequences
+from splitserve.common.blocks import BlockHash
 from splitserve.common.busy_share import DecayingShare
 from splitserve.common.cpu_info import cpu_name
 from splitserve.common.errors import InvalidRequestError
@@ -447,20 +448,23 @@ class EngineCore:
         """Give back references ``hold_blocks`` took; blocks with no other go to the pool."""
         self.kv_cache.pool.free(list(reversed(block_ids)))
 
-    def adopt_pulled_kv(self, token_ids: Sequence[int], pulled: PulledKv) -> int:
+    def adopt_pulled_kv(
+        self, token_ids: Sequence[int], pulled: PulledKv, root: BlockHash | None = None
+    ) -> int:
         """Enter KV another worker sent for the prompt ``token_ids`` (its blocks
-        ``pulled.first_block ..``) into the prefix cache, after the prompt's blocks this
-        engine holds: new blocks get the pulled KV this engine lacks and their prefix hashes,
-        then go back to the pool as cached (freed last, so a request added in the same
-        command finds them). Returns the blocks adopted: 0 when prefix caching is off, when
-        this engine already holds them all, when it lacks blocks before ``first_block`` (the
-        pulled KV would not follow a cached prefix: the prompt is computed instead), when the
-        blocks would reach the prompt's last token, or when the pool is short now."""
+        ``pulled.first_block ..``; its hashes chained from ``root``, the request's salt) into
+        the prefix cache, after the prompt's blocks this engine holds: new blocks get the
+        pulled KV this engine lacks and their prefix hashes, then go back to the pool as
+        cached (freed last, so a request added in the same command finds them). Returns the
+        blocks adopted: 0 when prefix caching is off, when this engine already holds them
+        all, when it lacks blocks before ``first_block`` (the pulled KV would not follow a
+        cached prefix: the prompt is computed instead), when the blocks would reach the
+        prompt's last token, or when the pool is short now."""
         kv = self.kv_cache
         end = pulled.first_block + pulled.num_blocks
         if not kv.enable_prefix_caching or end * kv.block_size >= len(token_ids):
             return 0
-        cached = kv.find_cached_prefix(token_ids)[:end]
+        cached = kv.find_cached_prefix(token_ids, root)[:end]
         if len(cached) < pulled.first_block or len(cached) == end:
             return 0
         key = "\x00pulled"  # a table of its own for this command only (no request id has NUL)
@@ -470,7 +474,7 @@ class EngineCore:
         fresh = pulled.kv[:, :, len(cached) - pulled.first_block :]  # [layers, 2, new, ...]
         for layer in range(fresh.shape[0]):
             self.runner.write_kv_blocks(layer, new_blocks, fresh[layer])
-        kv.cache_full_blocks(key, token_ids, end * kv.block_size)
+        kv.cache_full_blocks(key, token_ids, end * kv.block_size, root)
         kv.free(key)
         return len(new_blocks)
 

@@ -48,8 +48,11 @@ class KVCacheManager:
         """Blocks a request of ``num_tokens`` positions holds."""
         return blocks_for_tokens(num_tokens, self.block_size)
 
-    def find_cached_prefix(self, token_ids: Sequence[int]) -> list[int]:
-        """Blocks holding the longest cached prefix of ``token_ids`` (not yet referenced).
+    def find_cached_prefix(
+        self, token_ids: Sequence[int], root: BlockHash | None = None
+    ) -> list[int]:
+        """Blocks holding the longest cached prefix of ``token_ids`` (not yet referenced), its
+        hashes chained from ``root`` (``Request.hash_root``: the request's salt).
 
         At most ``(len(token_ids) - 1) // block_size`` blocks, so one token is left to compute.
         """
@@ -57,7 +60,7 @@ class KVCacheManager:
             return []
         max_blocks = (len(token_ids) - 1) // self.block_size
         blocks: list[int] = []
-        parent: BlockHash | None = None
+        parent = root
         for index in range(max_blocks):
             start = index * self.block_size
             parent = hash_block(parent, token_ids[start : start + self.block_size])
@@ -102,9 +105,14 @@ class KVCacheManager:
         return True
 
     def cache_full_blocks(
-        self, request_id: str, token_ids: Sequence[int], num_computed: int
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        num_computed: int,
+        root: BlockHash | None = None,
     ) -> None:
-        """Register the request's blocks that are now full of computed tokens."""
+        """Register the request's blocks that are now full of computed tokens, their hashes
+        chained from ``root`` (the request's, as ``find_cached_prefix``)."""
         if not self.enable_prefix_caching:
             return
         table = self._tables.get(request_id, [])
@@ -112,7 +120,7 @@ class KVCacheManager:
         num_full = min(num_computed // self.block_size, len(table))
         for index in range(len(hashes), num_full):
             start = index * self.block_size
-            parent = hashes[-1] if hashes else None
+            parent = hashes[-1] if hashes else root
             block_hash = hash_block(parent, token_ids[start : start + self.block_size])
             hashes.append(block_hash)
             self.pool.register(table[index], block_hash)

@@ -23,6 +23,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from splitserve.common.blocks import BlockHash, prefix_root
 from splitserve.common.request_update import FinishReason
 from splitserve.common.sampling_params import SamplingParams
 
@@ -80,9 +81,12 @@ class Request:
     first_token_time: float | None = None
     """When its first output token was sampled (end of prefill)."""
     finished_time: float | None = None
+    hash_root: BlockHash | None = field(init=False)
+    """Where its blocks' prefix hashes start: ``prefix_root`` of ``params.cache_salt``."""
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
+        self.hash_root = prefix_root(self.params.cache_salt)
 
     @property
     def num_prompt_tokens(self) -> int:

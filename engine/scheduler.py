@@ -256,7 +256,7 @@ class Scheduler:
         cannot take the prompt now.
         """
         self.check_new(request)
-        cached = self.kv_cache.find_cached_prefix(request.prompt_token_ids)
+        cached = self.kv_cache.find_cached_prefix(request.prompt_token_ids, request.hash_root)
         # few runs of consecutive blocks: the transfer sends one message per run and layer
         if not self.kv_cache.allocate(
             request.request_id, request.num_prompt_tokens, cached_blocks=cached, contiguous=True
@@ -288,7 +288,9 @@ class Scheduler:
         request.num_computed_tokens = request.num_prompt_tokens
         request.num_cached_tokens = num_cached_tokens
         request.first_scheduled_time = time.monotonic()
-        self.kv_cache.cache_full_blocks(request_id, request.all_token_ids, request.num_tokens)
+        self.kv_cache.cache_full_blocks(
+            request_id, request.all_token_ids, request.num_tokens, request.hash_root
+        )
         request.append_output_token(first_token_id)
         status = self._stop_status(request, first_token_id)
         if status is None:
@@ -344,7 +346,7 @@ class Scheduler:
             request = self.waiting[0]
             cached: Sequence[int] = []
             if not _computes_prompt_logprobs(request):
-                cached = self.kv_cache.find_cached_prefix(request.all_token_ids)
+                cached = self.kv_cache.find_cached_prefix(request.all_token_ids, request.hash_root)
             num_computed = len(cached) * self.kv_cache.block_size
             num_new = min(request.num_tokens - num_computed, budget)
             if not self.kv_cache.allocate(request.request_id, num_computed + num_new, cached):
@@ -558,7 +560,10 @@ class Scheduler:
             prompt_tokens += min(prompt_left, chunk.num_tokens)
             request.num_computed_tokens += chunk.num_tokens
             self.kv_cache.cache_full_blocks(
-                request.request_id, request.all_token_ids, request.num_computed_tokens
+                request.request_id,
+                request.all_token_ids,
+                request.num_computed_tokens,
+                request.hash_root,
             )
             if not chunk.samples:
                 continue
@@ -595,7 +600,9 @@ class Scheduler:
         # (as plain decoding's last step caches them): a stop on a kept draft leaves every
         # token of the sequence with its KV, and kept drafts past it are not the sequence.
         computed = min(request.num_computed_tokens, len(request.all_token_ids))
-        self.kv_cache.cache_full_blocks(request.request_id, request.all_token_ids, computed)
+        self.kv_cache.cache_full_blocks(
+            request.request_id, request.all_token_ids, computed, request.hash_root
+        )
         if status is not None:
             self._finish(request, status)
         return self._update_of(request, tuple(new_tokens))

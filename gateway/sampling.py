@@ -245,6 +245,7 @@ def _sampling(body: _SamplingFields, max_tokens: int | None, logprobs: int | Non
         logit_bias=_logit_bias(body.logit_bias),
         allowed_token_ids=None if body.allowed_token_ids is None else tuple(body.allowed_token_ids),
         bad_words=tuple(body.bad_words or ()),
+        cache_salt=body.cache_salt or None,
         grammar=grammar_of(body),
         prompt_logprobs=body.prompt_logprobs,
     )

@@ -3,8 +3,8 @@
 Requests accept the OpenAI fields splitserve implements plus vLLM's common extensions
 (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``min_tokens``,
 ``stop_token_ids``, ``skip_special_tokens``, ``add_special_tokens``, chat's ``best_of``;
-``prompt_logprobs``, ``allowed_token_ids``, ``bad_words``; explicit ``null`` means the
-default). Declared fields whose meaning is not implemented (``suffix``) are refused
+``prompt_logprobs``, ``allowed_token_ids``, ``bad_words``, ``cache_salt``; explicit ``null``
+means the default). Declared fields whose meaning is not implemented (``suffix``) are refused
 with a 400 by ``gateway/sampling.py``; undeclared ones (``model_extra``) go through
 ``gateway/unserved_fields.py``: vLLM's other extensions are refused with a 400 naming them
 unless they ask for nothing, anything else is ignored with a warning and a counter, as vLLM
@@ -116,6 +116,12 @@ class _SamplingFields(_TextBody):
         "space, is never completed (its last token is never sampled after the others).",
     )
     skip_special_tokens: bool | None = None
+    cache_salt: str | None = Field(
+        None,
+        max_length=1024,
+        description="The request's prefix-cache namespace: its prompt shares cached KV only "
+        "with requests of the same salt (e.g. one per tenant).",
+    )
     prompt_logprobs: int | None = Field(
         None,
         ge=0,

@@ -66,7 +66,6 @@ REFUSED: dict[str, Refusal] = {
         "only spaces_between_special_tokens: true is supported", _is(True)
     ),
     "prompt_embeds": Refusal("prompt_embeds are not supported"),
-    "cache_salt": Refusal("cache_salt is not supported: prefix caching is per cluster"),
     "kv_transfer_params": Refusal("kv_transfer_params is not supported"),
     "vllm_xargs": Refusal("vllm_xargs is not supported"),
     "request_id": Refusal("send the request id as the x-request-id header"),

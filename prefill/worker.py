@@ -50,7 +50,7 @@ from dataclasses import dataclass
 import torch
 from opentelemetry.trace import Span, StatusCode
 
-from splitserve.common.blocks import blocks_for_tokens
+from splitserve.common.blocks import BlockHash, blocks_for_tokens, prefix_root
 from splitserve.common.errors import (
     IncompatibleKvLayoutError,
     InvalidRequestError,
@@ -156,7 +156,9 @@ class PrefillWorker:
         self._check_target(prompt_token_ids, target)
         pulled = None
         if params.prompt_logprobs is None:  # else the whole prompt is computed: nothing to take
-            pulled = await self._pull_cached_kv(request_id, prompt_token_ids, target, peer, span)
+            pulled = await self._pull_cached_kv(
+                request_id, prompt_token_ids, prefix_root(params.cache_salt), target, peer, span
+            )
         engine_id = request_id + self._engine_id_suffix
         sender = self._expect_push(engine_id, target, peer)
         compute = start_span("prefill compute", request_id, parent=span)
@@ -250,6 +252,7 @@ class PrefillWorker:
         self,
         request_id: str,
         prompt_token_ids: Sequence[int],
+        root: BlockHash | None,
         target: KvReservation,
         peer: _Peer,
         span: Span,
@@ -257,9 +260,9 @@ class PrefillWorker:
         """Receive the decode worker's cached blocks of the prompt that this engine's prefix
         cache lacks (module docstring), for the prompt's request to take in. None when
         nothing is pulled: too little to gain, or the pull failed (the prompt is then
-        computed as without it)."""
+        computed as without it). ``root``: where the prompt's block hashes start (its salt)."""
         wanted = target.num_cached_blocks
-        held = min(self.engine.cached_prefix_blocks(prompt_token_ids), wanted)
+        held = min(self.engine.cached_prefix_blocks(prompt_token_ids, root), wanted)
         if not self.pulls_cached_kv_min_blocks or wanted - held < self.pulls_cached_kv_min_blocks:
             return None
         staging = staging_buffer(self.engine.paged_kv, wanted - held)

@@ -86,6 +86,7 @@ def sampling_from_proto(
             tuple(message.allowed_token_ids.ids) if message.HasField("allowed_token_ids") else None
         ),
         bad_words=tuple(message.bad_words),
+        cache_salt=message.cache_salt,
         grammar=(
             GrammarSpec(message.grammar.kind, message.grammar.text)
             if message.HasField("grammar")
@@ -116,6 +117,7 @@ def sampling_to_proto(
         include_stop_str_in_output=params.include_stop_str_in_output,
         logit_bias=dict(params.logit_bias),
         bad_words=list(params.bad_words),
+        cache_salt=params.cache_salt,
     )
     if params.allowed_token_ids is not None:
         message.allowed_token_ids.ids.extend(params.allowed_token_ids)

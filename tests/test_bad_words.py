@@ -28,10 +28,11 @@ def test_a_word_is_tokenized_at_the_start_and_after_a_space() -> None:
 
 
 def test_the_fields_are_validated_and_cross_the_wire() -> None:
-    params = SamplingParams(allowed_token_ids=[5, 6], bad_words="Paris")
+    params = SamplingParams(allowed_token_ids=[5, 6], bad_words="Paris", cache_salt="t")
     assert params.allowed_token_ids == (5, 6) and params.bad_words == ("Paris",)
     back = sampling_from_proto(sampling_to_proto(params))
     assert back.allowed_token_ids == (5, 6) and back.bad_words == ("Paris",)
+    assert back.cache_salt == "t"
     assert sampling_from_proto(sampling_to_proto(SamplingParams())).allowed_token_ids is None
     for kwargs, param in (
         ({"allowed_token_ids": ()}, "allowed_token_ids"),

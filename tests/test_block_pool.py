@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from splitserve.common.blocks import hash_block
+from splitserve.common.blocks import hash_block, prefix_root, prompt_block_hashes
 from splitserve.engine.block_pool import BlockPool, NoFreeBlocksError
 from splitserve.engine.kv_cache_manager import KVCacheManager
 from splitserve.transfer.plan import TransferPlan
@@ -185,3 +185,13 @@ def test_remote_prefill_reservations_are_contiguous_in_a_fragmented_pool() -> No
     manager = fragmented_manager()
     assert manager.allocate("remote", 4 * 4, contiguous=True)
     assert runs(manager.block_table("remote")) == 1
+
+
+def test_a_cache_salt_roots_a_chain_of_its_own() -> None:
+    prompt = list(range(40))
+    plain = prompt_block_hashes(prompt, 16)
+    assert prefix_root("") is None and prompt_block_hashes(prompt, 16, prefix_root("")) == plain
+    salted = prompt_block_hashes(prompt, 16, prefix_root("tenant-a"))
+    assert salted == prompt_block_hashes(prompt, 16, prefix_root("tenant-a"))
+    other = prompt_block_hashes(prompt, 16, prefix_root("tenant-b"))
+    assert not set(salted) & set(plain) and not set(salted) & set(other)

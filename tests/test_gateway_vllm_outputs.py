@@ -254,3 +254,28 @@ def test_bad_words_and_allowed_token_ids_hold_on_every_token(
         field = next(iter(body))
         assert refused.status_code == 400, body
         assert refused.json()["error"]["param"] == field, refused.json()
+
+
+def test_a_cache_salt_keeps_cached_prefixes_apart(served: Served, sdk: openai.OpenAI) -> None:
+    """``cache_salt``: a prompt's cached KV serves a later request only under the same salt
+    (the workers' prefix caches and the router key blocks by salted hashes)."""
+    model = _model(sdk)
+    prompt = "A tenant's private notes, line after line. " * 40  # some 400 tokens
+
+    def cached(salt: str | None) -> int:
+        extra = {} if salt is None else {"cache_salt": salt}
+        answer = sdk.completions.create(
+            model=model, prompt=prompt, max_tokens=2, temperature=0, extra_body=extra
+        )
+        return answer.usage.prompt_tokens_details.cached_tokens
+
+    assert cached("tenant-a") == 0
+    assert cached("tenant-b") == 0
+    assert cached(None) == 0
+    assert cached("tenant-a") > 0
+    too_long = httpx.post(
+        f"{served.url}/v1/completions",
+        json={"model": model, "prompt": "x", "cache_salt": "s" * 1025},
+        timeout=30,
+    )
+    assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "cache_salt"

@@ -181,3 +181,30 @@ def test_bad_words_keep_a_word_out_and_allowed_tokens_keep_to_themselves(llm: LL
     )
     assert kept.token_ids and set(kept.token_ids) <= allowed
     assert_no_leaks(llm)
+
+
+def _cached_tokens(llm: LLM, request_id: str, prompt: list[int], params: SamplingParams) -> int:
+    """Run one request on the engine alone; the prompt tokens its prefix cache served."""
+    engine = llm.engine
+    engine.add_request(request_id, prompt, params)
+    cached = None
+    while engine.has_unfinished:
+        for output in engine.step():
+            if cached is None:
+                cached = output.update.num_cached_tokens
+    assert cached is not None
+    return cached
+
+
+def test_a_cache_salt_shares_cached_prefixes_only_under_the_same_salt(llm: LLM) -> None:
+    prompt = llm.engine.tokenizer.encode("Salted prefixes stay apart. " * 12, False)  # > 4 blocks
+    params = SamplingParams(max_tokens=2, temperature=0.0)
+    tenant_a = SamplingParams(max_tokens=2, temperature=0.0, cache_salt="tenant-a")
+    tenant_b = SamplingParams(max_tokens=2, temperature=0.0, cache_salt="tenant-b")
+    assert _cached_tokens(llm, "salt-a1", prompt, tenant_a) == 0
+    assert _cached_tokens(llm, "salt-b1", prompt, tenant_b) == 0  # another tenant's: not shared
+    assert _cached_tokens(llm, "salt-plain", prompt, params) == 0  # unsalted: not shared either
+    full_blocks = (len(prompt) - 1) // 16 * 16
+    assert _cached_tokens(llm, "salt-a2", prompt, tenant_a) == full_blocks
+    assert _cached_tokens(llm, "salt-plain2", prompt, params) == full_blocks
+    assert_no_leaks(llm)
