@@ -65,7 +65,7 @@ from splitserve.coordinator.max_tokens import OutputLimits, fewest_max_tokens, s
 from splitserve.coordinator.registry import WorkerRegistry
 from splitserve.coordinator.request_record import RequestAsk, RequestRecord
 from splitserve.coordinator.router import Router, RoutingConfig
-from splitserve.coordinator.tenants import TenantPolicy
+from splitserve.coordinator.tenants import TenantPolicy, check_public_salt, tenant_cache_salt
 from splitserve.proto.cluster_access import ClusterAccess
 from splitserve.proto.worker_clients import WorkerChannels
 
@@ -361,6 +361,10 @@ class Coordinator:
         )
         params = sampling.params_with(max_tokens)
         params.check_vocab(self.tokenizer.vocab_size)
+        check_public_salt(params.cache_salt)
+        if self.config.tenants.limits(caller.tenant).private_prefix_cache:
+            salt = tenant_cache_salt(caller.tenant, params.cache_salt)
+            params = dataclasses.replace(params, cache_salt=salt)
         if params.grammar is not None:
             await self.check_grammar(params.grammar)
         return RequestRecord(

@@ -1,6 +1,6 @@
 """What each tenant (an API key's tenant: ``common/api_keys.py``) may use: its share of the
-admission queue (weight), its concurrent requests, its tokens per minute and the highest
-priority its requests may ask for.
+admission queue (weight), its concurrent requests, its tokens per minute, the highest
+priority its requests may ask for, and whether its prompts' cached KV is its own.
 
 Every tenant gets ``TenantPolicy.default``; a tenants file (TOML, ``--tenants-file``) may
 override it per tenant::
@@ -10,6 +10,7 @@ override it per tenant::
     tokens_per_minute = 0      # prompt + max_tokens, refunded what was not generated; 0: none
     weight = 1.0               # share of the queue when tenants compete
     max_priority = 0           # the highest priority a request may ask for
+    private_prefix_cache = false   # true: cached KV shared only among the tenant's requests
 
     [tenants.acme]
     weight = 4.0
@@ -29,7 +30,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-LIMIT_FIELDS = ("max_inflight", "tokens_per_minute", "weight", "max_priority")
+from splitserve.common.errors import InvalidRequestError
+
+LIMIT_FIELDS = (
+    "max_inflight",
+    "tokens_per_minute",
+    "weight",
+    "max_priority",
+    "private_prefix_cache",
+)
 
 
 @dataclass(frozen=True)
@@ -42,8 +51,15 @@ class TenantLimits:
     """Share of admission when tenants compete (weighted fair queuing)."""
     max_priority: int = 0
     """The highest priority a request may ask for (higher: admitted sooner)."""
+    private_prefix_cache: bool = False
+    """Whether the tenant's requests share cached KV only among themselves: the coordinator
+    salts each with the tenant's name (``tenant_cache_salt``), under the request's own
+    ``cache_salt``, so no other tenant's request is ever served (or timed) from its
+    prompts' blocks."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.private_prefix_cache, bool):
+            raise ValueError("private_prefix_cache must be true or false")
         if self.max_inflight < 0 or self.tokens_per_minute < 0:
             raise ValueError("max_inflight and tokens_per_minute must be >= 0")
         if not (self.weight > 0 and math.isfinite(self.weight)):
@@ -111,3 +127,21 @@ class TokenBucket:
     def give_back(self, tokens: int) -> None:
         self._refill()
         self._level = min(self.capacity, self._level + tokens)
+
+
+TENANT_SALT_MARK = "\x00"
+"""What starts every tenant's salt and no salt a caller may send (``check_public_salt``)."""
+
+
+def check_public_salt(cache_salt: str) -> None:
+    """Refuse (``InvalidRequestError`` naming ``cache_salt``) a caller's salt holding
+    ``TENANT_SALT_MARK``: it could name a tenant's private namespace."""
+    if TENANT_SALT_MARK in cache_salt:
+        raise InvalidRequestError("cache_salt must not hold NUL characters", "cache_salt")
+
+
+def tenant_cache_salt(tenant: str, cache_salt: str) -> str:
+    """The salt of a request of ``tenant`` (with a private prefix cache) that asked for
+    ``cache_salt`` (checked by ``check_public_salt``): one no caller's salt can equal, and no
+    other tenant's (the tenant's name ends at the second mark)."""
+    return f"{TENANT_SALT_MARK}{tenant}{TENANT_SALT_MARK}{cache_salt}"

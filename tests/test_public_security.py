@@ -78,9 +78,12 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureCluster]:
     certs = make_certificates(directory / "cluster")
     keys_file = directory / "api-keys"
     keys_file.write_text(f"# key tenant\n{ALICE_KEY} alice\n{BOB_KEY} bob\n")
+    tenants_file = directory / "tenants.toml"
+    tenants_file.write_text("[tenants.alice]\nprivate_prefix_cache = true\n")
     lines: dict[str, str] = {}
     flags = (*certs.flags(), f"--api-keys-file={keys_file}")
-    with cluster(1, 1, *WORKER_FLAGS, ready_lines=lines, up_flags=flags) as coordinator:
+    env = {"SPLITSERVE_TENANTS_FILE": str(tenants_file)}  # up's coordinator reads it
+    with cluster(1, 1, *WORKER_FLAGS, ready_lines=lines, up_flags=flags, env=env) as coordinator:
         yield SecureCluster(coordinator, lines["splitserve gateway ready"], certs)
 
 
@@ -318,3 +321,30 @@ def test_request_ids_are_scoped_per_tenant(served: SecureCluster) -> None:
     assert "already running" in duplicate.message
     assert too_high.code == grpc.StatusCode.INVALID_ARGUMENT and too_high.param == "priority"
     assert_all_free(wait_until_idle(served.coordinator, 2, tls=served.grpc_tls(served.certs)), 2)
+
+
+def test_a_private_prefix_cache_serves_its_tenant_alone(served: SecureCluster) -> None:
+    """Alice's tenant has ``private_prefix_cache``: her prompt's cached KV serves her next
+    request, never Bob's (whose tenant shares the common namespace), whatever salt Bob sends;
+    a salt that could name a tenant's namespace is refused."""
+    prompt = "Alice's quarterly figures, not for anyone else. " * 30  # some 300 tokens
+
+    def cached(key: str, salt: str | None = None) -> int:
+        extra = {} if salt is None else {"cache_salt": salt}
+        sdk = _sdk(served, key)
+        answer = sdk.completions.create(
+            model=sdk.models.list().data[0].id,
+            prompt=prompt,
+            max_tokens=2,
+            temperature=0,
+            extra_body=extra,
+        )
+        return answer.usage.prompt_tokens_details.cached_tokens
+
+    assert cached(ALICE_KEY) == 0
+    assert cached(BOB_KEY) == 0  # her blocks are under her tenant's salt
+    assert cached(ALICE_KEY) > 0
+    assert cached(BOB_KEY) > 0  # his own first request's, in the common namespace
+    with pytest.raises(openai.BadRequestError) as refused:
+        cached(BOB_KEY, "\x00alice\x00")
+    assert refused.value.body["param"] == "cache_salt"
