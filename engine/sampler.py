@@ -53,7 +53,7 @@ sums in double: a token equals the torch path's except where a uniform or a top-
 within float rounding of a boundary between two tokens' cumulative masses (torch sums in
 float32, in its own order; ``tests/test_cpu_sampling.py`` checks both against float64). On
 the default model's real logits on one core of the AMD EPYC (Zen 5) a top-p 0.95 row takes
-about 45 us instead of 530 (bench/log/2026-11.md, "Sampling in C++").
+about 44 us instead of 411 (bench/log/2026-11.md, "Sampling in C++").
 
 Hot path: when every row is greedy and needs no penalty, the batch is one ``argmax`` on the
 logits as given, with no per-row tensor work.
