@@ -440,8 +440,11 @@ def _id_header(request: Request, name: str) -> str:
     return given
 
 
-def _request_id(request: Request) -> str:
-    return _id_header(request, "x-request-id") or uuid.uuid4().hex
+def _request_id(request: Request, body: Body) -> str:
+    """The request's id: the ``x-request-id`` header's, else the body's ``request_id``
+    (vLLM's field; the header wins, as in vLLM), else a new one."""
+    asked = getattr(body, "request_id", None)
+    return _id_header(request, "x-request-id") or (asked or "").strip() or uuid.uuid4().hex
 
 
 async def _generate(
@@ -456,7 +459,7 @@ async def _generate(
     assert route.info is not None and route.metrics is not None  # known: routed by it
     client = gateway.client_for(request, route)
     model = body.model or route.names[0]
-    request_id = _request_id(request)
+    request_id = _request_id(request, body)
     # a conversation's requests that carry one go to one decode worker (coordinator/router.py)
     session_id = _id_header(request, "x-session-id")
     prompts = endpoint.prompts(body)

@@ -116,6 +116,12 @@ class _SamplingFields(_TextBody):
         "space, is never completed (its last token is never sampled after the others).",
     )
     skip_special_tokens: bool | None = None
+    request_id: str | None = Field(
+        None,
+        max_length=256,
+        description="Names the request on every worker and in the response's x-request-id "
+        "header (the x-request-id request header wins when both are sent).",
+    )
     cache_salt: str | None = Field(
         None,
         max_length=1024,

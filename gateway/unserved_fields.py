@@ -68,7 +68,6 @@ REFUSED: dict[str, Refusal] = {
     "prompt_embeds": Refusal("prompt_embeds are not supported"),
     "kv_transfer_params": Refusal("kv_transfer_params is not supported"),
     "vllm_xargs": Refusal("vllm_xargs is not supported"),
-    "request_id": Refusal("send the request id as the x-request-id header"),
     "reasoning_effort": Refusal("reasoning_effort is not supported: no reasoning model"),
     # chat rendering
     "echo": Refusal("echo is not supported for chat completions", _is(False)),

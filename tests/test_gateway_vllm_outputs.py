@@ -279,3 +279,18 @@ def test_a_cache_salt_keeps_cached_prefixes_apart(served: Served, sdk: openai.Op
         timeout=30,
     )
     assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "cache_salt"
+
+
+def test_the_body_s_request_id_names_the_request(served: Served, sdk: openai.OpenAI) -> None:
+    """vLLM's body ``request_id`` names the request as the ``x-request-id`` header does; the
+    header wins when both are sent."""
+    body = {"model": _model(sdk), "prompt": PROMPT, "max_tokens": 2, "request_id": "body-id-1"}
+    named = httpx.post(f"{served.url}/v1/completions", json=body, timeout=60)
+    assert named.status_code == 200 and named.headers["x-request-id"] == "body-id-1"
+    both = httpx.post(
+        f"{served.url}/v1/completions",
+        json={**body, "request_id": "body-id-2"},
+        headers={"x-request-id": "header-id-2"},
+        timeout=60,
+    )
+    assert both.status_code == 200 and both.headers["x-request-id"] == "header-id-2"

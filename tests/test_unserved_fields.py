@@ -31,7 +31,6 @@ def chat(**extra: Any) -> ChatCompletionRequest:
         ("structural_tag", {"structures": []}),
         ("use_beam_search", True),
         ("length_penalty", 0.5),
-        ("request_id", "mine"),
         ("spaces_between_special_tokens", False),
         ("functions", [{"name": "f"}]),
     ],
