@@ -45,6 +45,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from splitserve.client import wire
+from splitserve.client.beam_search import BeamResult, BeamSearchParams, served_beams
 from splitserve.client.choices import choice_samplings, merged
 from splitserve.client.connection import aio_channel, call_metadata
 from splitserve.client.continuation import StreamContinuation
@@ -287,6 +288,37 @@ class AsyncClient:
             return generations
         ranked = sorted(generations, key=lambda g: -sum(entry.logprob for entry in g.logprobs))
         return ranked[:n]
+
+    async def beam_search(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: Sequence[wire.MessageLike] | None = None,
+        token_ids: Sequence[int] | None = None,
+        params: BeamSearchParams,
+        request_id: str | None = None,
+        model: str = "",
+        add_special_tokens: bool | None = None,
+        skip_special_tokens: bool = True,
+    ) -> list[BeamResult]:
+        """The ``params.width`` best beams after exactly one of ``prompt``, ``messages`` or
+        ``token_ids`` (``client/beam_search.py``), best first, each with its text. Its step
+        requests are ``<request_id>-beam-<k>``, in one session; raises ``ClientError`` as
+        ``generate`` does."""
+        request_id = request_id or wire.new_request_id()
+        if token_ids is None:
+            token_ids = await self.tokenize(
+                prompt, messages=messages, add_special_tokens=add_special_tokens
+            )
+        beams = await served_beams(
+            self, token_ids, params, request_id=request_id, model=model,
+            session_id=f"{request_id}-beams",
+        )  # fmt: skip
+        texts = [
+            await self.detokenize(beam.token_ids, skip_special_tokens=skip_special_tokens)
+            for beam in beams
+        ]
+        return [BeamResult(beam, text) for beam, text in zip(beams, texts, strict=True)]
 
     async def model_info(self, *, timeout_s: float | None | EllipsisType = ...) -> ModelInfo:
         """The served model: name, context window, vocabulary, EOS ids, dtype."""

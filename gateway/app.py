@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import importlib.metadata
 import logging
 import uuid
@@ -58,6 +59,7 @@ from splitserve.client import (
     RetryPolicy,
     Sampling,
 )
+from splitserve.client.beam_search import served_beams
 from splitserve.client.choices import choice_samplings, merged
 from splitserve.client.connection import call_metadata
 from splitserve.client.stream_mux import OpenStreams
@@ -66,6 +68,7 @@ from splitserve.common.prompt import truncated
 from splitserve.common.tracing import active_span, start_span, traceparent_of
 from splitserve.gateway import schemas
 from splitserve.gateway.api_key_check import RequireApiKey, bearer_key
+from splitserve.gateway.beam_choices import PromptBeams, beam_search_params
 from splitserve.gateway.body_limit import DEFAULT_MAX_BODY_BYTES, LimitBody
 from splitserve.gateway.choices import Choices
 from splitserve.gateway.disconnect import CLIENT_STALL_TIMEOUT_S
@@ -467,12 +470,35 @@ async def _generate(
     samplings = choice_samplings(endpoint.sampling(body), keep_best or body.n)
     if len(prompts) * len(samplings) > MAX_CHOICES:
         raise ApiError(400, f"at most {MAX_CHOICES} choices (prompts x n)", param="n")
+    beam_params = beam_search_params(body, samplings[0]) if body.use_beam_search else None
+    if beam_params is None and body.length_penalty not in (None, 1.0):
+        raise ApiError(400, "length_penalty is only used by beam search", param="length_penalty")
     shown = await _prompts_shown(client, body, prompts, route.info.max_model_len)
     response_id = f"{endpoint.id_prefix}-{request_id}"
     span = _request_span(request, request_id, endpoint)
     traceparent = traceparent_of(span)
     builders, prompt_of, streams, leaders = [], [], [], []
-    for p, prompt in enumerate(prompts):
+    if beam_params is not None:
+        keep_best = None  # the search keeps its n best beams itself
+        for p, prompt in enumerate(prompts):
+            ids = await _prompt_token_ids(client, body, prompt, route.info.max_model_len)
+            beams = PromptBeams(
+                functools.partial(
+                    served_beams, client, ids, beam_params,
+                    request_id=f"{request_id}-{p}", model=route.info.model,
+                    session_id=session_id or f"{response_id}-{p}",
+                    priority=-(body.priority or 0), traceparent=traceparent,
+                    cache_salt=samplings[0].cache_salt,
+                ),
+                client, len(ids), samplings[0].skip_special_tokens is not False,
+            )  # fmt: skip
+            for j in range(beam_params.width):
+                index = p * beam_params.width + j
+                builders.append(endpoint.builder(response_id, model, body, index, shown[p]))
+                prompt_of.append(p)
+                leaders.append(None)
+                streams.append(beams.choice(j, f"{request_id}-{index}"))
+    for p, prompt in enumerate(prompts if beam_params is None else ()):
         # a prompt's choices fork from its first: one session, so one decode worker
         fork_session = session_id or (f"{response_id}-{p}" if len(samplings) > 1 else "")
         for j, sampling in enumerate(samplings):
@@ -580,21 +606,33 @@ async def _prompts_shown(
     shown = []
     for prompt in prompts:
         ids, text = prompt.token_ids, ""
+        if ids is not None or want_ids or (echo and keep is not None):
+            ids = await _prompt_token_ids(client, body, prompt, max_model_len)
         with client_errors_as_api_errors():
-            if ids is None and (want_ids or (echo and keep is not None)):
-                ids = tuple(
-                    await client.tokenize(
-                        prompt.prompt,
-                        messages=prompt.messages,
-                        add_special_tokens=body.add_special_tokens,
-                        chat_template=prompt.chat_template,
-                    )
-                )
-            if ids is not None and keep is not None:
-                ids = tuple(truncated(list(ids), keep, max_model_len))
             if echo:
                 text = prompt.prompt if prompt.prompt is not None and keep is None else ""
                 if not text:
                     text = await client.detokenize(ids or ())
         shown.append(PromptShown(text, ids if want_ids else None))
     return shown
+
+
+async def _prompt_token_ids(
+    client: AsyncClient, body: Body, prompt: PromptArgs, max_model_len: int
+) -> tuple[int, ...]:
+    """The ids the model is given for ``prompt``: a token-id prompt's own, else those the
+    coordinator's ``Tokenize`` gives (``Generate``'s); as ``truncate_prompt_tokens`` leaves
+    them (``common/prompt.py:truncated``, the coordinator's rule)."""
+    ids = prompt.token_ids
+    with client_errors_as_api_errors():
+        if ids is None:
+            ids = tuple(
+                await client.tokenize(
+                    prompt.prompt,
+                    messages=prompt.messages,
+                    add_special_tokens=body.add_special_tokens,
+                    chat_template=prompt.chat_template,
+                )
+            )
+    keep = body.truncate_prompt_tokens
+    return ids if keep is None else tuple(truncated(list(ids), keep, max_model_len))

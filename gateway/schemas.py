@@ -116,6 +116,14 @@ class _SamplingFields(_TextBody):
         "space, is never completed (its last token is never sampled after the others).",
     )
     skip_special_tokens: bool | None = None
+    use_beam_search: bool | None = Field(
+        False,
+        description="Beam search: the n best of n beams (n: the beam width, at most 10), "
+        "ranked by log-probability over length ** length_penalty; no sampling fields.",
+    )
+    length_penalty: float | None = Field(
+        None, description="Beam search's length exponent (default 1.0)."
+    )
     request_id: str | None = Field(
         None,
         max_length=256,

@@ -59,8 +59,6 @@ REFUSED: dict[str, Refusal] = {
     "functions": _TOOLS,
     "function_call": Refusal(_TOOLS.reason, _is("none")),
     # sampling and output options of vLLM
-    "use_beam_search": Refusal("beam search is not supported", _is(False)),
-    "length_penalty": Refusal("length_penalty is only used by beam search", _is(1, 1.0)),
     "logits_processors": Refusal("logits_processors are not supported"),
     "spaces_between_special_tokens": Refusal(
         "only spaces_between_special_tokens: true is supported", _is(True)

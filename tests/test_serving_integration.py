@@ -46,6 +46,7 @@ from tests.cluster import (
     wait_until_idle,
 )
 from tests.conftest import make_llm
+from tests.test_beam_search import assert_beam_search_served
 from tests.test_fork import assert_n_choices_fork
 
 # every pull of cached KV (the reverse transfer) that saves a block: the conversation below
@@ -228,6 +229,9 @@ def test_disaggregated_equals_colocated_and_frees_every_block(
         # n > 1 through the gateway: one prompt forked (tests/test_fork.py)
         workers = [lines["prefill metrics"], lines["decode metrics"]]
         assert_n_choices_fork(lines["splitserve gateway ready"], workers, disaggregated)
+        assert_all_free(wait_until_idle(disaggregated, 2), 2)
+        # beam search through the gateway: the in-process engine's beams (tests/test_beam_search.py)
+        assert_beam_search_served(lines["splitserve gateway ready"], llm)
         assert_all_free(wait_until_idle(disaggregated, 2), 2)
 
 

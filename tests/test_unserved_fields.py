@@ -29,8 +29,6 @@ def chat(**extra: Any) -> ChatCompletionRequest:
     [
         ("guided_whitespace_pattern", "[ ]*"),
         ("structural_tag", {"structures": []}),
-        ("use_beam_search", True),
-        ("length_penalty", 0.5),
         ("spaces_between_special_tokens", False),
         ("functions", [{"name": "f"}]),
     ],
@@ -63,8 +61,6 @@ def test_values_that_ask_for_nothing_pass() -> None:
     fields = UnservedFields()
     quiet = {
         "guided_whitespace_pattern": None,
-        "use_beam_search": False,
-        "length_penalty": 1.0,
         "function_call": "none",
         "modalities": ["text"],
     }
