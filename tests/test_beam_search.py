@@ -136,7 +136,11 @@ def assert_beam_search_served(gateway_url: str, llm: LLM) -> None:
     beams the search gives over the in-process float32 engine, token for token, best first,
     whole and streamed; chat too."""
     prompt = "The three primary colors are"
-    sdk = openai.OpenAI(base_url=f"{gateway_url}/v1", api_key="unused", max_retries=0)
+    with openai.OpenAI(base_url=f"{gateway_url}/v1", api_key="unused", max_retries=0) as sdk:
+        _assert_beams_served(gateway_url, sdk, llm, prompt)
+
+
+def _assert_beams_served(gateway_url: str, sdk: openai.OpenAI, llm: LLM, prompt: str) -> None:
     model = sdk.models.list().data[0].id
     ids = llm.engine.tokenizer.encode(prompt, False)
     params = BeamSearchParams(width=3, max_tokens=6, length_penalty=0.5)

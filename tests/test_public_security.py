@@ -328,23 +328,20 @@ def test_a_private_prefix_cache_serves_its_tenant_alone(served: SecureCluster) -
     request, never Bob's (whose tenant shares the common namespace), whatever salt Bob sends;
     a salt that could name a tenant's namespace is refused."""
     prompt = "Alice's quarterly figures, not for anyone else. " * 30  # some 300 tokens
+    with _sdk(served, ALICE_KEY) as alice, _sdk(served, BOB_KEY) as bob:  # closed: no idle
+        model = alice.models.list().data[0].id  # connection keeps the gateway from stopping
 
-    def cached(key: str, salt: str | None = None) -> int:
-        extra = {} if salt is None else {"cache_salt": salt}
-        sdk = _sdk(served, key)
-        answer = sdk.completions.create(
-            model=sdk.models.list().data[0].id,
-            prompt=prompt,
-            max_tokens=2,
-            temperature=0,
-            extra_body=extra,
-        )
-        return answer.usage.prompt_tokens_details.cached_tokens
+        def cached(sdk: openai.OpenAI, salt: str | None = None) -> int:
+            extra = {} if salt is None else {"cache_salt": salt}
+            answer = sdk.completions.create(
+                model=model, prompt=prompt, max_tokens=2, temperature=0, extra_body=extra
+            )
+            return answer.usage.prompt_tokens_details.cached_tokens
 
-    assert cached(ALICE_KEY) == 0
-    assert cached(BOB_KEY) == 0  # her blocks are under her tenant's salt
-    assert cached(ALICE_KEY) > 0
-    assert cached(BOB_KEY) > 0  # his own first request's, in the common namespace
-    with pytest.raises(openai.BadRequestError) as refused:
-        cached(BOB_KEY, "\x00alice\x00")
-    assert refused.value.body["param"] == "cache_salt"
+        assert cached(alice) == 0
+        assert cached(bob) == 0  # her blocks are under her tenant's salt
+        assert cached(alice) > 0
+        assert cached(bob) > 0  # his own first request's, in the common namespace
+        with pytest.raises(openai.BadRequestError) as refused:
+            cached(bob, "\x00alice\x00")
+        assert refused.value.body["param"] == "cache_salt"
