@@ -84,6 +84,7 @@ SPLITSERVE_FLAGS = {
     "splitserve-lend-both": ["--placement=adaptive", "--core-lending=both"],
     "splitserve-eager": ["--placement=adaptive"],
     "splitserve-no-gemv": ["--placement=adaptive"],
+    "splitserve-torch-sampler": ["--placement=adaptive"],
     "splitserve-control-prefill": ["--placement=adaptive", "--control-cores=prefill"],
     "splitserve-widen": ["--placement=adaptive"],
     "splitserve-sim": ["--placement=adaptive"],
@@ -135,6 +136,7 @@ SPLITSERVE_ENV = {
     "splitserve-pull-2": {"SPLITSERVE_PULL_CACHED_KV_MIN_BLOCKS": "2"},
     "splitserve-arrival-order": {"SPLITSERVE_LATE_WAITERS_YIELD": "0"},
     "splitserve-no-spec": {"SPLITSERVE_SPECULATIVE_TOKENS": "0"},
+    "splitserve-torch-sampler": {"SPLITSERVE_NATIVE_SAMPLER": "0"},
 }
 """Coordinator and worker flags ``up`` does not take, through their environment twins."""
 BASELINE = "splitserve-baseline"
@@ -191,7 +193,8 @@ def aiperf_run(
         "--endpoint-type", "completions", "--streaming", "--tokenizer", str(args.hf_model),
         "--isl", str(workload.isl), "--isl-stddev", str(workload.isl_stddev),
         "--osl", str(workload.osl), "--osl-stddev", str(workload.osl_stddev),
-        "--extra-inputs", "ignore_eos:true", "--request-rate", str(rate),
+        "--extra-inputs", "ignore_eos:true", *(pair for pair in args.sampling.split(",") if pair),
+        "--request-rate", str(rate),
         "--request-count", str(count), "--random-seed", str(seed),
         "--goodput", f"time_to_first_token:{workload.ttft_ms:g} "
         f"inter_token_latency:{workload.itl_ms:g}",
@@ -405,6 +408,12 @@ def main() -> Json:
     parser.add_argument("--aiperf", default="/tmp/aiperf-venv/bin/aiperf")
     parser.add_argument("--hf-model", type=Path, default=Path(".cache/smollm2-hf"))
     parser.add_argument("--seed", type=int, default=1000)
+    parser.add_argument(
+        "--sampling",
+        default="",
+        help="sampling fields every request sends, e.g. temperature:1.0,top_p:0.95 "
+        "(default: none, each server's defaults)",
+    )
     parser.add_argument("--run-timeout-s", type=float, default=900)
     parser.add_argument("--wait-quiet-s", type=float, default=60)
     parser.add_argument("--date", default=time.strftime("%Y-%m-%d"))

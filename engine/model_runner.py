@@ -21,6 +21,7 @@ on the device (``EngineCore.step``).
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -92,7 +93,8 @@ class ModelRunner(KvBlockStore):
         )
         self.model = model
         self.backend = backend
-        self.sampler = Sampler(load_cpu_sampling() if model.device.type == "cpu" else None)
+        native = model.device.type == "cpu" and os.environ.get(NATIVE_SAMPLER_ENV, "1") != "0"
+        self.sampler = Sampler(load_cpu_sampling() if native else None)
         self._generators: dict[str, torch.Generator] = {}
         self.grammars: GrammarMatchers | None = None
         """Constrained requests' matchers (set by the engine when it can build them)."""
@@ -395,6 +397,10 @@ class ModelRunner(KvBlockStore):
             allowed_token_mask=allowed,
         )
 
+
+NATIVE_SAMPLER_ENV = "SPLITSERVE_NATIVE_SAMPLER"
+"""``0``: the sampler keeps torch's ops on the CPU too (default: the C++ kernels,
+``kernels/cpu_sampling.py``), for comparison."""
 
 _PROMPT_LOGPROB_SLICE = 512
 """Prompt rows whose logprobs are computed together (bounds the float32 temporaries)."""
