@@ -93,4 +93,14 @@ inline float exp_of_clamped(float x) {
 
 inline float exp_nonpositive(float x) { return exp_of_clamped(x < kExpFloor ? kExpFloor : x); }
 
+// out[i] = exp_nonpositive(in[i] - shift) for i < n (shift >= every in[i]; out may be in), in
+// the two loops that vectorize at every level (clamp, then exp_of_clamped): the same bits.
+inline void exp_nonpositive_shifted(const float* in, float shift, float* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float shifted = in[i] - shift;
+    out[i] = shifted < kExpFloor ? kExpFloor : shifted;
+  }
+  for (int64_t i = 0; i < n; ++i) out[i] = exp_of_clamped(out[i]);
+}
+
 }  // namespace splitserve_cpu

@@ -77,12 +77,7 @@ inline float softmax_weights(float* scores, int64_t n) {
   float max_score = scores[0];
   for (; i < n; ++i) max_score = scores[i] > max_score ? scores[i] : max_score;
   for (int j = 0; j < kLanes; ++j) max_score = lanes[j] > max_score ? lanes[j] : max_score;
-  // exp_nonpositive's clamp, then its arithmetic: two loops, so that AVX2 vectorizes them too
-  for (i = 0; i < n; ++i) {
-    const float shifted = scores[i] - max_score;
-    scores[i] = shifted < kExpFloor ? kExpFloor : shifted;
-  }
-  for (i = 0; i < n; ++i) scores[i] = exp_of_clamped(scores[i]);
+  exp_nonpositive_shifted(scores, max_score, scores, n);
   for (int j = 0; j < kLanes; ++j) lanes[j] = 0.0f;
   for (i = 0; i + kLanes <= n; i += kLanes) {
     for (int j = 0; j < kLanes; ++j) lanes[j] += scores[i + j];

@@ -134,15 +134,8 @@ float scale_row(const float* logits, float temperature, float* scaled, float* bl
 
 // mass[i] = exp(x[i] - top), 0 where x[i] - top is below the exp floor (and at -inf); returns
 // their sum.
-// (Three loops, each of which vectorizes with AVX2 too: see exp_of_clamped.)
 double fill_mass(const float* x, float top, float* mass, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) {
-    const float shifted = x[i] - top;
-    mass[i] = shifted < kExpFloor ? kExpFloor : shifted;
-  }
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) mass[i] = exp_of_clamped(mass[i]);
+  exp_nonpositive_shifted(x, top, mass, n);
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) mass[i] = x[i] - top >= kExpFloor ? mass[i] : 0.0f;
   double total = 0.0;
