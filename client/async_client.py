@@ -310,8 +310,9 @@ class AsyncClient:
             token_ids = await self.tokenize(
                 prompt, messages=messages, add_special_tokens=add_special_tokens
             )
+        eos_token_ids = (await self.model_info()).eos_token_ids
         beams = await served_beams(
-            self, token_ids, params, request_id=request_id, model=model,
+            self, token_ids, params, eos_token_ids, request_id=request_id, model=model,
             session_id=f"{request_id}-beams",
         )  # fmt: skip
         texts = [

@@ -31,12 +31,13 @@ from typing import TYPE_CHECKING
 
 from splitserve.client.types import Sampling
 from splitserve.common.errors import InvalidRequestError
+from splitserve.common.sampling_params import MAX_LOGPROBS
 
 if TYPE_CHECKING:  # the client imports this module
     from splitserve.client.async_client import AsyncClient
 
-MAX_BEAM_WIDTH = 10
-"""Widest beam: a step asks for ``2 x width`` candidates, and a request's logprobs stop at 20."""
+MAX_BEAM_WIDTH = MAX_LOGPROBS // 2
+"""Widest beam: a step asks for ``2 x width`` candidates, within a request's logprobs."""
 
 NextTokens = Callable[[Sequence[int], int], Awaitable[Sequence[tuple[int, float]]]]
 """``(token ids, count)`` -> the ``count`` most likely next tokens after those ids (the prompt
@@ -133,6 +134,7 @@ async def served_beams(
     client: AsyncClient,
     prompt_ids: Sequence[int],
     params: BeamSearchParams,
+    eos_token_ids: Sequence[int],
     *,
     request_id: str,
     model: str = "",
@@ -141,10 +143,10 @@ async def served_beams(
     traceparent: str = "",
     cache_salt: str | None = None,
 ) -> list[Beam]:
-    """``search`` over the cluster ``client`` reaches: each step's requests are named
+    """``search`` over the cluster ``client`` reaches (``eos_token_ids``: its model's, from
+    ``ModelInfo``, which the caller holds): each step's requests are named
     ``<request_id>-beam-<k>`` and share ``session_id`` (one decode worker, whose prefix cache
     then holds each beam's tokens for its next step) and ``cache_salt``."""
-    eos_token_ids = (await client.model_info()).eos_token_ids
     steps = itertools.count()
 
     async def next_tokens(token_ids: Sequence[int], count: int) -> list[tuple[int, float]]:

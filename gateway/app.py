@@ -484,7 +484,7 @@ async def _generate(
             ids = await _prompt_token_ids(client, body, prompt, route.info.max_model_len)
             beams = PromptBeams(
                 functools.partial(
-                    served_beams, client, ids, beam_params,
+                    served_beams, client, ids, beam_params, route.info.eos_token_ids,
                     request_id=f"{request_id}-{p}", model=route.info.model,
                     session_id=session_id or f"{response_id}-{p}",
                     priority=-(body.priority or 0), traceparent=traceparent,

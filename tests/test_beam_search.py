@@ -16,7 +16,8 @@ import httpx
 import openai
 import pytest
 
-from splitserve.client.beam_search import Beam, BeamSearchParams, search
+from splitserve.client import AsyncClient
+from splitserve.client.beam_search import Beam, BeamResult, BeamSearchParams, search
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.llm import LLM
@@ -198,3 +199,21 @@ def test_beam_search_refuses_what_it_does_not_take(
         timeout=30,
     )
     assert lone.status_code == 400 and lone.json()["error"]["param"] == "length_penalty"
+
+
+def test_the_python_client_searches_beams_over_grpc(served: Served) -> None:
+    """``AsyncClient.beam_search``: ``n`` beams, best first by score, each with its text."""
+
+    async def body() -> tuple[list[BeamResult], str]:
+        async with AsyncClient(served.coordinator) as client:
+            params = BeamSearchParams(width=3, max_tokens=5)
+            results = await client.beam_search("The capital of France is", params=params)
+            return results, await client.detokenize(results[0].beam.token_ids,
+                                                    skip_special_tokens=True)  # fmt: skip
+
+    results, first_text = asyncio.run(body())
+    assert len(results) == 3 and len({r.beam.token_ids for r in results}) == 3
+    scores = [r.beam.score(1.0) for r in results]
+    assert scores == sorted(scores, reverse=True)
+    assert results[0].text == first_text and all(r.text for r in results)
+    assert all(r.beam.finish_reason in ("stop", "length") for r in results)
