@@ -15,7 +15,7 @@ import functools
 
 import torch
 
-from splitserve.kernels.cpu_build import function_address, load_library
+from splitserve.kernels.cpu_build import bind_functions, function_address, load_library
 
 _ARGTYPES = [
     ctypes.c_void_p,  # out
@@ -47,12 +47,8 @@ class CpuDecodeAttention:
     """
 
     def __init__(self, library: ctypes.CDLL) -> None:
-        self._functions = {}
-        for dtype, symbol in _SYMBOLS.items():
-            function = getattr(library, symbol)
-            function.argtypes = _ARGTYPES
-            function.restype = ctypes.c_int
-            self._functions[dtype] = function
+        bind_functions(library, {symbol: _ARGTYPES for symbol in _SYMBOLS.values()})
+        self._functions = {dtype: getattr(library, symbol) for dtype, symbol in _SYMBOLS.items()}
         self._addresses = {dtype: function_address(f) for dtype, f in self._functions.items()}
 
     @staticmethod
