@@ -47,7 +47,7 @@ _UNSET_SAMPLING = {
     "include_stop_str_in_output": (False,),
 }
 """The sampling fields beam search refuses unless they ask for nothing (one of these)."""
-_FIELD_OF = {"grammar": "response_format", "logprobs": "logprobs"}
+_FIELD_OF = {"grammar": "response_format"}
 """The request field to name where a sampling field is not one."""
 
 
