@@ -129,6 +129,13 @@ def function_address(function: ctypes._CFuncPtr) -> int:
     return address
 
 
+def require(condition: bool, message: str) -> None:
+    """A kernel wrapper's argument check: ``ValueError(message)`` unless ``condition`` (what
+    the C side trusts is checked before the call)."""
+    if not condition:
+        raise ValueError(message)
+
+
 def bind_functions(library: ctypes.CDLL, signatures: dict[str, list[type]]) -> None:
     """Declare each ``symbol: argument types`` of ``signatures`` on ``library``, every one
     returning a C ``int`` status (0: done)."""

@@ -20,7 +20,7 @@ import functools
 
 import torch
 
-from splitserve.kernels.cpu_build import bind_functions, function_address, load_library
+from splitserve.kernels.cpu_build import bind_functions, function_address, load_library, require
 
 _P, _I, _F, _T = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {
@@ -42,11 +42,6 @@ _SILU_MUL_OF = {
 }
 _SYMBOLS_OF = {"add_rms_norm": _ADD_RMS_NORM_OF, "rotary": _ROTARY_OF, "silu_mul": _SILU_MUL_OF}
 """Each op's kernel for each dtype it takes."""
-
-
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise ValueError(message)
 
 
 def _is_matrix(tensor: torch.Tensor, dtype: torch.dtype) -> bool:
@@ -75,16 +70,16 @@ class CpuFusedOps:
     ) -> torch.Tensor:
         """``hidden += delta`` (in place), then return ``rms_norm(hidden) * weight``."""
         dtype = hidden.dtype
-        _require(
+        require(
             dtype in _ADD_RMS_NORM_OF and _is_matrix(hidden, dtype),
             "add_rms_norm: hidden must be contiguous 2-d bf16 or float32",
         )
         rows, cols = hidden.shape
-        _require(
+        require(
             delta is None or (_is_matrix(delta, dtype) and delta.shape == hidden.shape),
             "add_rms_norm: delta must match hidden",
         )
-        _require(
+        require(
             weight.dtype == dtype and weight.shape == (cols,) and weight.is_contiguous(),
             "add_rms_norm: weight must be contiguous [hidden] of hidden's dtype",
         )
@@ -99,7 +94,7 @@ class CpuFusedOps:
             eps,
             torch.get_num_threads(),
         )
-        _require(status == 0, f"add_rms_norm kernel refused its arguments ({status})")
+        require(status == 0, f"add_rms_norm kernel refused its arguments ({status})")
         return out
 
     def rotary(
@@ -110,14 +105,14 @@ class CpuFusedOps:
     ) -> torch.Tensor:
         """``x * cos + rotate_half(x) * sin`` as a new contiguous ``[tokens, heads, head_dim]``
         tensor, equal bit for bit to ``engine/rotary.py:apply_rotary``."""
-        _require(x.dim() == 3 and x.dtype in _ROTARY_OF, "rotary: x must be 3-d bf16 or float32")
+        require(x.dim() == 3 and x.dtype in _ROTARY_OF, "rotary: x must be 3-d bf16 or float32")
         tokens, heads, head_dim = x.shape
-        _require(
+        require(
             x.stride(2) == 1 and x.stride(1) == head_dim and head_dim % 2 == 0,
             "rotary: each token's heads must be contiguous, head_dim even",
         )
         for table in (cos, sin):
-            _require(
+            require(
                 _is_matrix(table, x.dtype) and table.shape == (tokens, head_dim),
                 "rotary: cos and sin must be contiguous [tokens, head_dim] of x's dtype",
             )
@@ -133,7 +128,7 @@ class CpuFusedOps:
             head_dim,
             torch.get_num_threads(),
         )
-        _require(status == 0, f"rotary kernel refused its arguments ({status})")
+        require(status == 0, f"rotary kernel refused its arguments ({status})")
         return out
 
     def silu_mul(
@@ -143,7 +138,7 @@ class CpuFusedOps:
         """``silu(gate) * up`` ``[tokens, intermediate]`` where ``gate, up =
         gate_up.chunk(2, -1)``; bf16 rounds the SiLU and the product, as torch's two ops."""
         dtype = gate_up.dtype
-        _require(
+        require(
             dtype in _SILU_MUL_OF and _is_matrix(gate_up, dtype) and gate_up.shape[1] % 2 == 0,
             "silu_mul: gate_up must be contiguous 2-d bf16 or float32 of even width",
         )
@@ -152,7 +147,7 @@ class CpuFusedOps:
         status = getattr(self._library, _SILU_MUL_OF[dtype])(
             out.data_ptr(), gate_up.data_ptr(), rows, cols, torch.get_num_threads()
         )
-        _require(status == 0, f"silu_mul kernel refused its arguments ({status})")
+        require(status == 0, f"silu_mul kernel refused its arguments ({status})")
         return out
 
 

@@ -20,18 +20,13 @@ from dataclasses import dataclass
 
 import torch
 
-from splitserve.kernels.cpu_build import bind_functions, load_library
+from splitserve.kernels.cpu_build import bind_functions, load_library, require
 
 _P, _I, _T = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
     "splitserve_sample_f32": [_P, _I, _I, _P, _P, _P, _P, _P, _P, _T],
     "splitserve_token_logprobs_f32": [_P, _I, _I, _P, _I, _P, _P, _P, _P, _T],
 }
-
-
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise ValueError(message)
 
 
 def _is_row_values(tensor: torch.Tensor, rows: int, dtype: torch.dtype) -> bool:
@@ -80,7 +75,7 @@ class CpuSampling:
         uniform: torch.Tensor,  # [rows] float32 in [0, 1)
     ) -> torch.Tensor:
         """One token per row, ``[rows]`` int64 (the contract in the module docstring)."""
-        _require(_is_logits(logits), "sample: logits must be contiguous 2-d float32 on the CPU")
+        require(_is_logits(logits), "sample: logits must be contiguous 2-d float32 on the CPU")
         rows, vocab = logits.shape
         for name, values, dtype in (
             ("temperature", temperature, torch.float32),
@@ -89,7 +84,7 @@ class CpuSampling:
             ("min_p", min_p, torch.float32),
             ("uniform", uniform, torch.float32),
         ):
-            _require(
+            require(
                 _is_row_values(values, rows, dtype),
                 f"sample: {name} must be contiguous [{rows}] {dtype} on the CPU",
             )
@@ -106,7 +101,7 @@ class CpuSampling:
             out.data_ptr(),
             torch.get_num_threads(),
         )
-        _require(
+        require(
             status == 0,
             "sample: a row's temperature, top-k, top-p, min-p or uniform is out of range",
         )
@@ -120,15 +115,15 @@ class CpuSampling:
     ) -> RowLogprobs:
         """Each row's ``chosen`` token's logprob under ``log_softmax``, its rank and the
         ``num_top`` most likely tokens (ties: the lower id first)."""
-        _require(
+        require(
             _is_logits(logits), "token_logprobs: logits must be contiguous 2-d float32 on the CPU"
         )
         rows, vocab = logits.shape
-        _require(
+        require(
             _is_row_values(chosen, rows, torch.int64),
             f"token_logprobs: chosen must be contiguous [{rows}] int64 on the CPU",
         )
-        _require(0 <= num_top <= vocab, f"token_logprobs: num_top must be in [0, {vocab}]")
+        require(0 <= num_top <= vocab, f"token_logprobs: num_top must be in [0, {vocab}]")
         result = RowLogprobs(
             logprob=torch.empty(rows, dtype=torch.float32),
             rank=torch.empty(rows, dtype=torch.int64),
@@ -147,7 +142,7 @@ class CpuSampling:
             result.top_logprobs.data_ptr(),
             torch.get_num_threads(),
         )
-        _require(status == 0, "token_logprobs: a chosen token id is outside the vocabulary")
+        require(status == 0, "token_logprobs: a chosen token id is outside the vocabulary")
         return result
 
 
