@@ -262,3 +262,6 @@ class ModelInfo:
     """Other names requests may ask for ``model`` by."""
     checkpoint: str = ""
     """The checkpoint's name, which its workers announce."""
+    adapters: tuple[str, ...] = ()
+    """The LoRA adapters its workers serve now: names a request may use as its model (the
+    base model's tokenizer and context; each adapter's own weights)."""

@@ -225,4 +225,5 @@ def model_info(message: coordinator_pb2.ModelInfo) -> ModelInfo:
         dtype=message.dtype,
         aliases=tuple(message.aliases),
         checkpoint=message.checkpoint,
+        adapters=tuple(message.adapters),
     )

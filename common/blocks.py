@@ -28,12 +28,16 @@ def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
-def prefix_root(cache_salt: str) -> BlockHash | None:
-    """The parent of a salted prompt's first block (None, the common root, for no salt)."""
-    if not cache_salt:
+def prefix_root(cache_salt: str, adapter: str = "") -> BlockHash | None:
+    """The parent of a prompt's first block under ``cache_salt`` and LoRA ``adapter`` (None,
+    the common root, for neither): a request of an adapter computes other KV than the base
+    model's for the same tokens, so its blocks are found only by requests of that adapter."""
+    if not cache_salt and not adapter:
         return None
     digest = hashlib.blake2b(b"splitserve-cache-salt", digest_size=16)
     digest.update(cache_salt.encode("utf-8", "surrogatepass"))
+    if adapter:
+        digest.update(b"\x00lora\x00" + adapter.encode("utf-8", "surrogatepass"))
     return digest.digest()
 
 

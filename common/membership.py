@@ -22,6 +22,16 @@ class Role(enum.Enum):
 
 
 @dataclass(frozen=True)
+class AdapterId:
+    """A LoRA adapter a worker serves (``engine/lora.py``): the name requests use for it, and
+    a digest of its files. Requests of an adapter go only to workers that hold it under one
+    digest: a prompt's KV computed by one is decoded by another."""
+
+    name: str
+    digest: str
+
+
+@dataclass(frozen=True)
 class WorkerInfo:
     """A worker's identity, place and capacity; fixed for the life of its process."""
 
@@ -42,6 +52,8 @@ class WorkerInfo:
     """A prefill worker that pulls a decode worker's cached prefix of a prompt (the reverse
     transfer, ``transfer/reservation.py:CachedKvPull``) when that worker holds at least this
     many more of its leading blocks; 0: it computes whatever its own prefix cache lacks."""
+    adapters: tuple[AdapterId, ...] = ()
+    """The LoRA adapters it serves (``--lora-modules``)."""
 
 
 @dataclass(frozen=True)

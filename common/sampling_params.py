@@ -27,6 +27,8 @@ MAX_BAD_WORDS = 1024
 """Most ``bad_words`` one request may name."""
 MAX_CACHE_SALT_CHARS = 1024
 """Longest ``cache_salt``."""
+MAX_ADAPTER_NAME_CHARS = 256
+"""Longest LoRA adapter name (``adapter``)."""
 MAX_ALLOWED_TOKENS = 1 << 20
 """Most ``allowed_token_ids`` one request may name (more than any vocabulary has)."""
 
@@ -96,6 +98,12 @@ class SamplingParams:
     and found only under this salt (``common/blocks.py:prefix_root``), so requests share
     cached prefixes only with requests of the same salt; "" is the common namespace. Not a
     sampling setting, but carried with them to every worker that caches the request's KV."""
+    adapter: str = ""
+    """The LoRA adapter whose terms the request's tokens are computed with
+    (``engine/lora.py``), by the name its workers load it under; "" for the base model. A
+    served request names it as its ``model``; the coordinator sets this. Its KV is cached
+    under the adapter's own prefix root (``common/blocks.py:prefix_root``). Not a sampling
+    setting, but carried with them to every worker that computes the request's tokens."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
@@ -232,6 +240,11 @@ class SamplingParams:
                 "each other",
                 "allowed_token_ids",
             )
+        _check(
+            isinstance(self.adapter, str) and len(self.adapter) <= MAX_ADAPTER_NAME_CHARS,
+            f"an adapter's name is a string of at most {MAX_ADAPTER_NAME_CHARS} characters",
+            "model",
+        )
         _check(
             isinstance(self.cache_salt, str) and len(self.cache_salt) <= MAX_CACHE_SALT_CHARS,
             f"cache_salt must be a string of at most {MAX_CACHE_SALT_CHARS} characters",

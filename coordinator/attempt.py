@@ -275,6 +275,7 @@ class Attempt:
                             decode,
                             self._prompt + self.tracker.token_ids,
                             self._params.cache_salt,
+                            self._params.adapter,
                         )
                         await self._end_on_worker(decode)
             finally:

@@ -80,8 +80,9 @@ class MembershipFollower:
             await self.close()
 
     def _join(self, info: WorkerInfo) -> None:
-        if not self._registry.accepts(info):  # a member of the cluster serving another model
-            logger.info("worker %s serves %s: not routed to here", info.worker_id, info.model)
+        refusal = self._registry.refusal(info)  # a member serving another model, say
+        if refusal is not None:
+            logger.info("worker %s: not routed to here: %s", info.worker_id, refusal)
             self._leave(info.worker_id)  # should it have served this model before
             return
         logger.info("worker %s (%s) joined", info.worker_id, info.address)

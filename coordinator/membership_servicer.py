@@ -47,16 +47,10 @@ class MembershipServicer(coordinator_pb2_grpc.MembershipServicer):
             info = convert.worker_info_from_proto(request.worker)
         except InvalidRequestError as error:
             await abort_with(context, error)
-        if not self._registry.accepts(info):
-            logger.warning(
-                "refused worker %s (%s): it serves %s, this coordinator %s",
-                info.worker_id, info.address, info.model, self._registry.model,
-            )  # fmt: skip
-            await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"this coordinator serves the model {self._registry.model!r}, not "
-                f"{info.model!r}: register with that model's coordinators",
-            )
+        refusal = self._registry.refusal(info)
+        if refusal is not None:
+            logger.warning("refused worker %s (%s): %s", info.worker_id, info.address, refusal)
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, refusal)
         self._registry.register(record_of(info, dialled=self._dial_check is None))
         if self._dial_check is not None:
             self._dial_check.verify(info.worker_id, info.address)

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 from splitserve.common.load import EngineLoad
-from splitserve.common.membership import Role, WorkerInfo
+from splitserve.common.membership import AdapterId, Role, WorkerInfo
 from splitserve.coordinator.circuit_breaker import CircuitBreaker
 
 
@@ -33,6 +33,8 @@ class WorkerRecord:
     pulls_cached_kv_min_blocks: int = 0
     """A prefill worker that pulls a decode worker's cached prefix when it would get at
     least this many blocks so (``WorkerInfo``); 0: it does not."""
+    adapters: frozenset[AdapterId] = frozenset()
+    """The LoRA adapters it serves (``WorkerInfo.adapters``)."""
     load: EngineLoad = field(default_factory=EngineLoad)
     last_heartbeat: float = field(default_factory=time.monotonic)
     """When ``load`` was last reported (registration or heartbeat)."""
@@ -74,6 +76,7 @@ def record_of(info: WorkerInfo, dialled: bool = True) -> WorkerRecord:
         num_blocks=info.num_blocks,
         max_model_len=info.max_model_len,
         pulls_cached_kv_min_blocks=info.pulls_cached_kv_min_blocks,
+        adapters=frozenset(info.adapters),
         load=EngineLoad(num_total_blocks=info.num_blocks),
     )
 
@@ -88,10 +91,37 @@ class WorkerRegistry:
         self._workers: dict[str, WorkerRecord] = {}
 
     def accepts(self, info: WorkerInfo) -> bool:
-        """Whether ``info``'s worker serves this registry's model (a worker or a registry
-        that names none is taken to). Callers check before ``register``: a coordinator
-        routes within one model (``proto/.../worker.proto``: ``WorkerInfo.model``)."""
-        return not info.model or not self.model or info.model == self.model
+        """Whether ``info``'s worker may join (``refusal`` says why not)."""
+        return self.refusal(info) is None
+
+    def refusal(self, info: WorkerInfo) -> str | None:
+        """Why ``info``'s worker may not join, None when it may: it serves another model than
+        this registry's (a worker or a registry that names none is taken to), or a LoRA
+        adapter under a name another registered worker serves with other files (its digest).
+        Callers check before ``register``: a coordinator routes within one model
+        (``proto/.../worker.proto``: ``WorkerInfo.model``), and a request of an adapter may
+        have its prompt computed by one worker and decoded by another."""
+        if info.model and self.model and info.model != self.model:
+            return (
+                f"this coordinator serves the model {self.model!r}, not {info.model!r}: "
+                "register with that model's coordinators"
+            )
+        for adapter in info.adapters:
+            for worker in self._workers.values():
+                if worker.worker_id == info.worker_id:
+                    continue
+                theirs = {a.digest for a in worker.adapters if a.name == adapter.name}
+                if theirs and adapter.digest not in theirs:
+                    return (
+                        f"its LoRA adapter {adapter.name!r} differs from the one worker "
+                        f"{worker.worker_id} serves under that name (other files): give each "
+                        "adapter one name across the cluster"
+                    )
+        return None
+
+    def adapter_names(self) -> set[str]:
+        """The LoRA adapters the routable workers serve, by name."""
+        return {adapter.name for worker in self.workers() for adapter in worker.adapters}
 
     def register(self, record: WorkerRecord) -> None:
         """Add or replace a worker (a restarted worker registers again under its id)."""

@@ -38,6 +38,9 @@ class RequestAsk:
     """Keep only the prompt's last this many tokens (``common/prompt.py:truncated``)."""
     request_id: str = ""
     """The caller's own id ("": the coordinator picks one); scoped by tenant later."""
+    model: str = ""
+    """The model it names: the served model, an alias, or a LoRA adapter its workers serve
+    ("": the served model)."""
     continue_after: tuple[int, ...] = ()
     """Completion tokens another coordinator already streamed to the client
     (``RequestFlow.replay``)."""

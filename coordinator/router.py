@@ -51,7 +51,7 @@ from dataclasses import dataclass
 
 from splitserve.common.blocks import BlockHash, prefix_root, prompt_block_hashes
 from splitserve.common.kv_events import KvEvents
-from splitserve.common.membership import Role
+from splitserve.common.membership import AdapterId, Role
 from splitserve.coordinator.placement import (
     AT_RISK,
     DecodeView,
@@ -67,6 +67,11 @@ from splitserve.coordinator.registry import WorkerRecord, WorkerRegistry
 from splitserve.coordinator.request_record import RequestRecord
 
 DEFAULT_SLO = Slo(ttft_s=2.0, tpot_s=0.05)
+
+
+def _adapter_id(worker: WorkerRecord, name: str) -> AdapterId | None:
+    """``worker``'s LoRA adapter of that name, None where it serves none."""
+    return next((adapter for adapter in worker.adapters if adapter.name == name), None)
 
 
 def session_home(session_id: str, candidates: Sequence[WorkerRecord]) -> WorkerRecord:
@@ -225,11 +230,13 @@ HashesOf = Callable[[int], Sequence[BlockHash]]
 """A prompt's chained block hashes at a block size."""
 
 
-def hashes_by_block_size(token_ids: Sequence[int], cache_salt: str = "") -> HashesOf:
-    """``token_ids``' block hashes at any block size (under ``cache_salt``, as the workers
-    key them), each size computed once."""
+def hashes_by_block_size(
+    token_ids: Sequence[int], cache_salt: str = "", adapter: str = ""
+) -> HashesOf:
+    """``token_ids``' block hashes at any block size (under ``cache_salt`` and LoRA
+    ``adapter``, as the workers key them), each size computed once."""
     computed: dict[int, list[BlockHash]] = {}
-    root = prefix_root(cache_salt)
+    root = prefix_root(cache_salt, adapter)
 
     def hashes_of(block_size: int) -> Sequence[BlockHash]:
         if block_size not in computed:
@@ -320,12 +327,16 @@ class Router:
         prompt, counted from its arrival; its session picks the decode worker (module
         docstring)."""
         prompt_token_ids = request.context_after(streamed) if streamed else request.prompt_token_ids
-        hashes_of = hashes_by_block_size(prompt_token_ids, request.params.cache_salt)
+        hashes_of = hashes_by_block_size(
+            prompt_token_ids, request.params.cache_salt, request.params.adapter
+        )
+        adapter = request.params.adapter
         decode = self.pick_decode(
             len(prompt_token_ids) + request.tokens_left(len(streamed)),
             exclude,
             hashes_of,
             request.session_id,
+            adapter,
         )
         if decode is None:
             return None
@@ -333,7 +344,7 @@ class Router:
         if not with_prefill:
             self._guess_held(decode, hashes)
             return Route(decode, None, slo=request.slo)
-        candidates = self._prefill_candidates(decode, len(prompt_token_ids))
+        candidates = self._prefill_candidates(decode, len(prompt_token_ids), adapter)
         placement = self.place_prompt(decode, candidates, hashes, request)
         self._guess_held(decode, hashes)  # its blocks land there
         if placement.prefill_worker_id is None:
@@ -377,14 +388,18 @@ class Router:
         return prefill_rates + [r for r in decode_rates if r is not None]
 
     def finished(
-        self, decode: WorkerRecord, token_ids: Sequence[int], cache_salt: str = ""
+        self,
+        decode: WorkerRecord,
+        token_ids: Sequence[int],
+        cache_salt: str = "",
+        adapter: str = "",
     ) -> None:
         """A request finished on ``decode`` with ``token_ids`` (prompt and output) under
-        ``cache_salt``: the KV of all but the last is in its prefix cache now, for a
+        ``cache_salt`` and ``adapter``: the KV of all but the last is in its prefix cache now, for a
         conversation's next turn (a worker that sends KV events says so itself: nothing to
         hash)."""
         if decode.worker_id not in self._known:
-            root = prefix_root(cache_salt)
+            root = prefix_root(cache_salt, adapter)
             self._guess_held(decode, prompt_block_hashes(token_ids[:-1], decode.block_size, root))
 
     def pick_decode(
@@ -393,14 +408,18 @@ class Router:
         exclude: Sequence[str] = (),
         hashes_of: HashesOf | None = None,
         session_id: str = "",
+        adapter: str = "",
     ) -> WorkerRecord | None:
         """The decode worker for a request of ``num_tokens`` (prompt and ``max_tokens``)
         whose prompt's block hashes ``hashes_of`` gives, of session ``session_id`` ("" for
-        none) (module docstring)."""
+        none), of LoRA ``adapter`` ("" for none: only workers serving it) (module
+        docstring)."""
         candidates = [
             w
             for w in self.registry.workers(Role.DECODE)
-            if w.worker_id not in exclude and w.max_model_len >= num_tokens
+            if w.worker_id not in exclude
+            and w.max_model_len >= num_tokens
+            and (not adapter or _adapter_id(w, adapter) is not None)
         ]
         if not candidates:
             return None
@@ -434,16 +453,21 @@ class Router:
         likely holds (leading ones)."""
         return self._held_blocks(worker.worker_id, hashes, self._decode_prefix)
 
-    def _prefill_candidates(self, decode: WorkerRecord, num_tokens: int) -> list[WorkerRecord]:
-        """Prefill workers that may push a prompt of ``num_tokens`` to ``decode``; never the
+    def _prefill_candidates(
+        self, decode: WorkerRecord, num_tokens: int, adapter: str = ""
+    ) -> list[WorkerRecord]:
+        """Prefill workers that may push a prompt of ``num_tokens`` of LoRA ``adapter`` ("":
+        none) to ``decode``: serving the adapter as ``decode`` does (its digest); never the
         prefill role of ``decode``'s own process (a dual-role worker): computing the prompt
         there is local prefill, with no transfer."""
+        wanted = _adapter_id(decode, adapter) if adapter else None
         return [
             w
             for w in self.registry.workers(Role.PREFILL)
             if w.compat_hash == decode.compat_hash
             and w.max_model_len >= num_tokens
             and w.address != decode.address
+            and (wanted is None or wanted in w.adapters)
         ]
 
     def place_prompt(

@@ -16,7 +16,7 @@ import contextlib
 import dataclasses
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +41,7 @@ from splitserve.common.prompt import (
     prompt_chars,
     truncated,
 )
+from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.tokenizer import Tokenizer
 from splitserve.common.tracing import (
     NO_SPAN,
@@ -112,13 +113,18 @@ class CoordinatorConfig:
     """Decode streams travel many to a ``DecodeWorker.GenerateStreams`` call per worker
     (else a ``Generate`` call each)."""
 
-    def check_model(self, model: str) -> None:
-        """Raise ``ModelNotFoundError`` unless ``model`` is "" (whatever is served here), the
-        served name or an alias."""
-        if model and model != self.model_name and model not in self.model_aliases:
-            names = ", ".join(repr(name) for name in (self.model_name, *self.model_aliases))
+    def names_base_model(self, model: str) -> bool:
+        """Whether ``model`` is "" (whatever is served here), the served name or an alias."""
+        return not model or model == self.model_name or model in self.model_aliases
+
+    def check_model(self, model: str, adapters: Collection[str] = ()) -> None:
+        """Raise ``ModelNotFoundError`` unless ``model`` names the base model
+        (``names_base_model``) or one of the LoRA ``adapters`` served now."""
+        if not self.names_base_model(model) and model not in adapters:
+            names = (self.model_name, *self.model_aliases, *sorted(adapters))
             raise ModelNotFoundError(
-                f"The model `{model}` does not exist here (this coordinator serves {names})."
+                f"The model `{model}` does not exist here (this coordinator serves "
+                f"{', '.join(repr(name) for name in names)})."
             )
 
 
@@ -359,7 +365,7 @@ class Coordinator:
         max_tokens = settle_max_tokens(
             sampling.max_tokens, sampling.min_tokens, len(prompt_ids), self._output_limits()
         )
-        params = sampling.params_with(max_tokens)
+        params = self._with_adapter(ask.model, sampling.params_with(max_tokens))
         params.check_vocab(self.tokenizer.vocab_size)
         check_public_salt(params.cache_salt)
         if self.config.tenants.limits(caller.tenant).private_prefix_cache:
@@ -380,6 +386,29 @@ class Coordinator:
             continue_after=ask.continue_after,
             max_queue_wait_s=ask.max_queue_wait_s,
         )
+
+    def _with_adapter(self, model: str, params: SamplingParams) -> SamplingParams:
+        """``params`` for the model the request names: the served model or an alias (no
+        adapter, unless the caller set ``params.adapter`` itself), or a LoRA adapter a
+        routable worker serves (``params.adapter`` becomes its name). ``ModelNotFoundError``
+        for any other name, or an adapter no routable worker serves; ``InvalidRequestError``
+        when ``params.adapter`` and ``model`` name two adapters."""
+        adapters = self.registry.adapter_names()
+        self.config.check_model(model, adapters)
+        if not self.config.names_base_model(model):
+            if params.adapter and params.adapter != model:
+                raise InvalidRequestError(
+                    f"the request names the model {model!r} and the adapter "
+                    f"{params.adapter!r}: name one",
+                    "adapter",
+                )
+            return dataclasses.replace(params, adapter=model)
+        if params.adapter and params.adapter not in adapters:
+            raise ModelNotFoundError(
+                f"The model `{params.adapter}` does not exist: no worker serves a LoRA adapter "
+                "of that name now."
+            )
+        return params
 
     def _check_ready(self) -> None:
         """Raise unless a decode worker can take a request now: ``OverloadedError`` (retry

@@ -144,7 +144,6 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             return made[-1]
 
         try:
-            self._coordinator.config.check_model(request.model)
             stream = self._coordinator.generate(
                 ask_from_proto(request), caller, inline=inline, on_admitted=admitted
             )
@@ -281,6 +280,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             model=coordinator.config.model_name,
             aliases=coordinator.config.model_aliases,
             checkpoint=coordinator.config.checkpoint,
+            adapters=sorted(coordinator.registry.adapter_names()),
             max_model_len=coordinator.max_model_len,
             vocab_size=coordinator.tokenizer.vocab_size,
             eos_token_ids=[] if eos is None else [eos],
@@ -331,6 +331,7 @@ def ask_from_proto(request: coordinator_pb2.GenerateRequest) -> RequestAsk:
         ),
         sampling=convert.asked_sampling_from_proto(request.sampling),
         request_id=request.request_id,
+        model=request.model,
         continue_after=tuple(convert.token_ids(request.continue_after.ids)),
         priority=request.priority,
         targets=_targets_of(request),

@@ -388,7 +388,7 @@ class AsyncEngine:
         engine goes on."""
         try:
             if pulled_kv is not None:
-                root = prefix_root(params.cache_salt)
+                root = prefix_root(params.cache_salt, params.adapter)
                 self._core.adopt_pulled_kv(prompt_token_ids, pulled_kv, root)
             self._core.add_request(
                 entry.request_id, prompt_token_ids, params, prior_output_token_ids

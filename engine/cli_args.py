@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
+from splitserve.common.env_flags import comma_separated
+from splitserve.common.errors import InvalidRequestError
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.settings import add_settings_args, setting
 from splitserve.engine.config import (
@@ -59,6 +61,12 @@ class EngineSettings:
         "a GGUF's Q4_1/Q8_0 weights: widen to --dtype, or native: decode rows read them as "
         "stored; auto: native in bf16, widen in float32",
         choices=QUANTIZED_WEIGHTS,
+    )
+    lora_modules: str = setting(
+        "",
+        "LoRA adapters served beside the model, name=folder[,name=folder...]: PEFT's saved "
+        "adapters (adapter_config.json, adapter_model.safetensors); a request names one as "
+        "its model",
     )
     max_model_len: int | None = setting(None, "context window cap in tokens")
     block_size: int = setting(_DEFAULTS.cache.block_size, "tokens per KV block")
@@ -129,6 +137,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             dtype=args.dtype,
             max_model_len=args.max_model_len,
             quantized_weights=args.quantized_weights,
+            lora_modules=parse_lora_modules(args.lora_modules),
         ),
         cache=CacheConfig(
             block_size=args.block_size,
@@ -153,6 +162,20 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             max_step_rows=args.speculative_max_rows,
         ),
     )
+
+
+def parse_lora_modules(raw: str) -> tuple[tuple[str, str], ...]:
+    """``--lora-modules``' (name, folder) pairs from ``name=folder[,name=folder...]``;
+    ``InvalidRequestError`` (param ``lora_modules``) for an item without a name and a folder."""
+    modules = []
+    for item in comma_separated(raw):
+        name, equals, folder = item.partition("=")
+        if not equals or not name.strip() or not folder.strip():
+            raise InvalidRequestError(
+                f"--lora-modules takes name=folder items, not {item!r}", param="lora_modules"
+            )
+        modules.append((name.strip(), folder.strip()))
+    return tuple(modules)
 
 
 def served_speculative_tokens(asked: int | None, device: str) -> int:

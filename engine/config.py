@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.load import DEFAULT_PREFILL_CHUNK_TOKENS
+from splitserve.common.sampling_params import MAX_ADAPTER_NAME_CHARS
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZED_WEIGHTS = ("auto", "widen", "native")
@@ -36,6 +37,9 @@ class ModelConfig:
     decode step 6x faster there, bench/log/2026-11.md), widen in a float32 asked for by name, the
     exactness reference, whose rows then keep the dense reference's sums. On a GPU every
     setting widens (the kernel is a CPU one)."""
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    """LoRA adapters to serve beside the base model, as (name, folder) pairs: PEFT's saved
+    adapters (``engine/lora.py``); a request names one by its name."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -43,6 +47,15 @@ class ModelConfig:
         if self.quantized_weights not in QUANTIZED_WEIGHTS:
             raise InvalidRequestError(
                 f"quantized_weights must be one of {QUANTIZED_WEIGHTS}", param="quantized_weights"
+            )
+        names = [name for name, _ in self.lora_modules]
+        if len(set(names)) != len(names) or not all(
+            name and len(name) <= MAX_ADAPTER_NAME_CHARS for name in names
+        ):
+            raise InvalidRequestError(
+                "lora_modules' names must be distinct, non-empty and at most "
+                f"{MAX_ADAPTER_NAME_CHARS} characters",
+                param="lora_modules",
             )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise InvalidRequestError("max_model_len must be at least 2", param="max_model_len")

@@ -15,6 +15,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
@@ -22,10 +23,11 @@ from splitserve.common.bad_words import bad_word_sequences
 from splitserve.common.blocks import BlockHash
 from splitserve.common.busy_share import DecayingShare
 from splitserve.common.cpu_info import cpu_name
-from splitserve.common.errors import InvalidRequestError
+from splitserve.common.errors import InvalidRequestError, ModelNotFoundError
 from splitserve.common.grammar import GrammarCompiler, GrammarSpec
 from splitserve.common.load import EngineLoad
 from splitserve.common.logprobs import TokenLogprob
+from splitserve.common.membership import AdapterId
 from splitserve.common.prompt import check_in_vocab
 from splitserve.common.request_update import StepOutput
 from splitserve.common.sampling_params import SamplingParams
@@ -47,6 +49,7 @@ from splitserve.engine.grammar_matchers import GrammarMatchers
 from splitserve.engine.host_memory import return_freed_heap
 from splitserve.engine.kv_cache_manager import KVCacheManager
 from splitserve.engine.launched_step import LaunchedDecode
+from splitserve.engine.lora import adapter_digest, load_lora_adapter, read_adapter_config
 from splitserve.engine.model import LlamaModel
 from splitserve.engine.model_runner import ModelRunner, RunnerOutput, kv_cache_bytes_per_block
 from splitserve.engine.request import Request, RequestStatus
@@ -100,6 +103,8 @@ class EngineCore:
         self.runner: ModelRunner | SimulatedRunner = self._make_runner(
             checkpoint, device, native_quantized
         )
+        self.adapters = self._load_adapters(device)
+        """The LoRA adapters served (``ModelConfig.lora_modules``), by name."""
         del checkpoint  # the loader's weights and blocks: the model packed its own copies
         return_freed_heap()
         self._capture_decode_graphs(device)
@@ -115,6 +120,7 @@ class EngineCore:
             max_model_len=self.max_model_len,
             num_blocks=self.num_blocks,
             kv_link=self.runner.link_model() if isinstance(self.runner, SimulatedRunner) else None,
+            adapters=tuple(self.adapters.values()),
         )
         self.paged_kv = PagedKv(self.runner)
         """The KV cache for KV transfer (``engine_face.py``: its threading contract)."""
@@ -169,6 +175,24 @@ class EngineCore:
         )
         backend = _backend(config, self.dtype, self.num_blocks)
         return ModelRunner(model, self.num_blocks, config.cache.block_size, backend)
+
+    def _load_adapters(self, device: torch.device) -> dict[str, AdapterId]:
+        """Load ``config.model.lora_modules`` into the model (``engine/lora.py``; a simulated
+        engine only checks their config and hashes their files: it computes no terms); their
+        ids by name. ``ModelLoadError`` for an adapter that cannot be served as trained."""
+        adapters: dict[str, AdapterId] = {}
+        for name, path in self.config.model.lora_modules:
+            runner = self.runner
+            if isinstance(runner, ModelRunner):
+                adapter = load_lora_adapter(name, path, self.model_config, self.dtype, device)
+                runner.model.adapters[name] = adapter
+                adapters[name] = AdapterId(name, adapter.digest)
+            else:
+                folder = Path(path)
+                read_adapter_config(folder)
+                adapters[name] = AdapterId(name, adapter_digest(folder))
+            logger.info("LoRA adapter %r served from %s", name, path)
+        return adapters
 
     def _capture_decode_graphs(self, device: torch.device) -> None:
         """Capture the decode steps' CUDA graphs (``engine/decode_graphs.py``) where
@@ -279,12 +303,18 @@ class EngineCore:
     # ---- requests --------------------------------------------------------------------------
 
     def validate_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
-        """Raise ``InvalidRequestError`` if this request could never be served; changes nothing."""
+        """Raise ``InvalidRequestError`` if this request could never be served
+        (``ModelNotFoundError`` for a LoRA adapter not loaded here); changes nothing."""
         vocab = self.model_config.vocab_size
         if any(not (isinstance(t, int) and not isinstance(t, bool)) for t in prompt_token_ids):
             raise InvalidRequestError("prompt token ids must be integers", "prompt")
         check_in_vocab(prompt_token_ids, vocab, "prompt token ids", "prompt")
         params.check_vocab(vocab)
+        if params.adapter and params.adapter not in self.adapters:
+            raise ModelNotFoundError(
+                f"The model `{params.adapter}` does not exist: no LoRA adapter of that name is "
+                f"loaded here (loaded: {', '.join(self.adapters) or 'none'})"
+            )
         self.scheduler.check_fits(len(prompt_token_ids), params)
 
     def prepare_grammar(self, spec: GrammarSpec) -> None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from splitserve.common.membership import AdapterId
 from splitserve.engine.kv_blocks import KvBlockStore
 from splitserve.transfer.paced import LinkModel
 
@@ -32,6 +33,8 @@ class EngineFacts:
     """A simulated engine's: the link its KV transfers are paced on, so they take what the
     real model's KV takes (``transfer/paced.py``); None: a real engine, or a profile
     without measured transfer figures."""
+    adapters: tuple[AdapterId, ...] = ()
+    """The LoRA adapters it loaded (``ModelConfig.lora_modules``)."""
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ from splitserve.engine.linear import (
     measure_gemv_row_limit,
     prompt_blocks_setting,
 )
+from splitserve.engine.lora import LoraAdapter, StepAdapters
 from splitserve.engine.model_config import ModelArchConfig
 from splitserve.engine.rotary import apply_rotary, cos_sin_table
 from splitserve.kernels.attention import AttentionBackend, TorchAttentionMetadata
@@ -154,6 +155,9 @@ class LlamaModel:
         """On CUDA in bf16/fp16: the add + RMSNorm, rotary and SiLU * up as one Triton kernel
         each (``kernels/triton_fused_ops.py``); None elsewhere."""
         self._decode_layers = self._decode_layers_for()
+        self.adapters: dict[str, LoraAdapter] = {}
+        """LoRA adapters by name (``engine/lora.py``), loaded by the engine; a step's rows
+        name theirs in ``forward``'s ``adapters``."""
         self._decode_layers_max_rows = min(
             [MAX_ROWS, *(p.gemv_max_rows or MAX_ROWS for p in self._layer_projections())]
         )
@@ -303,8 +307,12 @@ class LlamaModel:
         on_layer_kv_written: Callable[[int], None] | None = None,
         generated: GeneratedRows = GeneratedRows(),
         between_layers: Callable[[], None] | None = None,
+        adapters: StepAdapters | None = None,
     ) -> torch.Tensor:
         """Run the packed batch; returns float32 logits ``[samples, vocab]``.
+
+        ``adapters``: the rows that take a LoRA adapter's terms (``engine/lora.py``); such a
+        step runs the Python layer loop.
 
         ``generated`` names the batch's leading rows that are generated tokens (and of the
         logits rows, their samples); the rest are prompt rows.
@@ -327,8 +335,10 @@ class LlamaModel:
             hidden = F.embedding(input_ids, self.embed_tokens)  # [tokens, hidden]
         cos, sin = self.cos[positions], self.sin[positions]  # [tokens, head_dim]
         num_tokens = input_ids.shape[0]
-        if on_layer_kv_written is None and self._takes_decode_layers(
-            num_tokens, generated, backend, attn_metadata, kv_cache
+        if (
+            adapters is None
+            and on_layer_kv_written is None
+            and self._takes_decode_layers(num_tokens, generated, backend, attn_metadata, kv_cache)
         ):
             assert self._decode_layers is not None and isinstance(backend, CpuAttentionBackend)
             assert isinstance(attn_metadata, TorchAttentionMetadata)
@@ -350,6 +360,8 @@ class LlamaModel:
                 between_layers()
             hidden, normed = self._add_and_norm(hidden, delta, layer.input_norm)
             qkv = layer.qkv(normed, generated.tokens)  # [tokens, q + 2 kv]
+            if adapters is not None:
+                qkv = adapters.add_to(qkv, normed, index, "qkv")
             query_key = qkv[:, : cfg.q_size + cfg.kv_size].view(
                 num_tokens, q_heads + kv_heads, head_dim
             )
@@ -366,14 +378,19 @@ class LlamaModel:
             )  # [tokens, q_size]
             if on_layer_kv_written is not None:
                 on_layer_kv_written(index)
-            hidden, normed = self._add_and_norm(
-                hidden, layer.o_proj(attn, generated.tokens), layer.post_norm
-            )
+            attn_out = layer.o_proj(attn, generated.tokens)  # [tokens, hidden]
+            if adapters is not None:
+                attn_out = adapters.add_to(attn_out, attn, index, "o_proj")
+            hidden, normed = self._add_and_norm(hidden, attn_out, layer.post_norm)
             if between_layers is not None:
                 between_layers()
-            delta = layer.down(
-                self._silu_mul(layer.gate_up(normed, generated.tokens)), generated.tokens
-            )
+            gate_up = layer.gate_up(normed, generated.tokens)  # [tokens, 2 * intermediate]
+            if adapters is not None:
+                gate_up = adapters.add_to(gate_up, normed, index, "gate_up")
+            activated = self._silu_mul(gate_up)  # [tokens, intermediate]
+            delta = layer.down(activated, generated.tokens)  # [tokens, hidden]
+            if adapters is not None:
+                delta = adapters.add_to(delta, activated, index, "down")
         if delta is not None:
             hidden = hidden + delta
         return self._logits(hidden, logits_indices, generated)

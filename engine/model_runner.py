@@ -41,6 +41,7 @@ from splitserve.engine.grammar_matchers import GrammarMatchers
 from splitserve.engine.host_copies import to_device
 from splitserve.engine.kv_blocks import KvBlockStore
 from splitserve.engine.launched_step import LaunchedDecode
+from splitserve.engine.lora import StepAdapters
 from splitserve.engine.model import GeneratedRows, LlamaModel
 from splitserve.engine.sampler import Sampler, SamplingRow, advance, token_logprobs
 from splitserve.engine.scheduler import ScheduledChunk, SchedulerOutput
@@ -192,6 +193,7 @@ class ModelRunner(KvBlockStore):
         rows_of = {} if after is None else after.row_of
         if not all(
             chunk.num_tokens == 1
+            and not chunk.params.adapter  # graphs hold no adapter's terms
             and chunk.is_decode
             and chunk.samples
             and decided_on_device(
@@ -260,9 +262,11 @@ class ModelRunner(KvBlockStore):
         )
         input_ids, positions, logits_rows = self._pack(chunks)
         spans = [span for chunk in chunks for span in _spans(chunk)]
+        adapters = self._step_adapters(chunks)
         graphs = self.decode_graphs
         if (
             graphs is not None
+            and adapters is None
             and on_layer_kv_written is None
             and num_decode == len(input_ids)
             and not any(chunk.num_prompt_logprobs for chunk in chunks)
@@ -282,7 +286,23 @@ class ModelRunner(KvBlockStore):
             on_layer_kv_written,
             generated,
             between_layers,
+            adapters,
         )
+
+    def _step_adapters(self, chunks: Sequence[ScheduledChunk]) -> StepAdapters | None:
+        """The LoRA adapter of each of the step's rows (its chunk's request's,
+        ``SamplingParams.adapter``), in ``_pack``'s row order; None when no row takes one.
+        A request whose adapter this model does not hold was refused when it was added
+        (``EngineCore``)."""
+        if not any(chunk.params.adapter for chunk in chunks):
+            return None
+        loaded = self.model.adapters
+        row_adapters = [
+            loaded[chunk.params.adapter] if chunk.params.adapter else None
+            for chunk in chunks
+            for _ in range(chunk.num_tokens)
+        ]
+        return StepAdapters.of_rows(row_adapters, self.device)
 
     def _sample(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> RunnerOutput:
         """Sample each sampling chunk's rows of ``logits``: its token (and logprobs, when

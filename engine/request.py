@@ -82,11 +82,12 @@ class Request:
     """When its first output token was sampled (end of prefill)."""
     finished_time: float | None = None
     hash_root: BlockHash | None = field(init=False)
-    """Where its blocks' prefix hashes start: ``prefix_root`` of ``params.cache_salt``."""
+    """Where its blocks' prefix hashes start: ``prefix_root`` of ``params.cache_salt`` and
+    ``params.adapter``."""
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
-        self.hash_root = prefix_root(self.params.cache_salt)
+        self.hash_root = prefix_root(self.params.cache_salt, self.params.adapter)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -226,19 +226,27 @@ class Gateway:
         await self.models.close()
 
     async def cards(self, request: Request) -> list[dict[str, Any]]:
-        """``/v1/models``' entries: every name of every model whose coordinators answered."""
-        known = await self.models.known(lambda route: self.client_for(request, route))
-        return [
-            {
-                "id": name,
-                "object": "model",
-                "created": 0,
-                "owned_by": "splitserve",
-                "max_model_len": route.info.max_model_len if route.info else 0,
-            }
-            for route in known
-            for name in route.names
-        ]
+        """``/v1/models``' entries: every name of every model whose coordinators answered,
+        then each LoRA adapter they serve now, naming its base model as ``parent``."""
+        client_of = lambda route: self.client_for(request, route)  # noqa: E731
+        known = await self.models.known(client_of)
+        await self.models.refresh_adapters(client_of)
+        cards = []
+        for route in known:
+            window = route.info.max_model_len if route.info else 0
+            card = {"object": "model", "created": 0, "owned_by": "splitserve"}
+            cards.extend({**card, "id": name, "max_model_len": window} for name in route.names)
+            cards.extend(
+                {
+                    **card,
+                    "id": name,
+                    "max_model_len": window,
+                    "root": name,
+                    "parent": route.names[0],
+                }
+                for name in route.adapters
+            )
+        return cards
 
 
 async def _serving(channel: grpc.aio.Channel, metadata: Any) -> bool:  # noqa: ANN401
@@ -462,6 +470,9 @@ async def _generate(
     assert route.info is not None and route.metrics is not None  # known: routed by it
     client = gateway.client_for(request, route)
     model = body.model or route.names[0]
+    # the coordinator's name for it: its served name, or the LoRA adapter asked for
+    asked_adapter = body.model in route.adapters and body.model not in route.names
+    coordinator_model = body.model if asked_adapter else route.info.model
     request_id = _request_id(request, body)
     # a conversation's requests that carry one go to one decode worker (coordinator/router.py)
     session_id = _id_header(request, "x-session-id")
@@ -485,7 +496,7 @@ async def _generate(
             beams = PromptBeams(
                 functools.partial(
                     served_beams, client, ids, beam_params, route.info.eos_token_ids,
-                    request_id=f"{request_id}-{p}", model=route.info.model,
+                    request_id=f"{request_id}-{p}", model=coordinator_model,
                     session_id=session_id or f"{response_id}-{p}",
                     priority=-(body.priority or 0), traceparent=traceparent,
                     cache_salt=samplings[0].cache_salt,
@@ -512,7 +523,7 @@ async def _generate(
             streams.append(
                 _choice_stream(
                     client, body, prompt, sampling, choice_id, fork_session, traceparent,
-                    route.info.model,
+                    coordinator_model,
                 )
             )  # fmt: skip
     choices = Choices(builders, prompt_of, None if keep_best is None else body.n or 1)

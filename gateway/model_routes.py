@@ -16,11 +16,16 @@ Contracts:
   serves, but 503 while some route has not answered yet (its model is unknown, so the name
   may be its).
 - A request without ``model`` goes to the first route (the only one, usually).
+- LoRA adapters come and go with the workers that serve them: a route's adapters are asked
+  again (at most every ``ADAPTERS_FRESH_S``) when a request names a model no route serves,
+  and for ``/v1/models``. A request of an adapter goes to the route that serves it, with the
+  adapter as its model; the coordinator settles it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -32,6 +37,9 @@ from splitserve.client.connection import aio_channel
 from splitserve.client.stream_mux import OpenStreams, StreamMultiplexer, relay_width
 from splitserve.common.metrics import RequestMetricFamilies, RequestMetrics
 from splitserve.gateway.errors import ApiError, from_client_error
+
+ADAPTERS_FRESH_S = 1.0
+"""A route's LoRA adapters are asked again after this long, when needed."""
 
 
 @dataclass
@@ -49,6 +57,10 @@ class ModelRoute:
     """The names requests may use (the served name first); set with ``info``."""
     metrics: RequestMetrics | None = None
     """This model's request metrics at the gateway; set with ``info``."""
+    adapters: tuple[str, ...] = ()
+    """The LoRA adapters its workers serve, as last asked."""
+    adapters_asked_at: float = float("-inf")
+    """``time.monotonic()`` of that answer."""
 
 
 @dataclass
@@ -121,8 +133,29 @@ class ModelRoutes:
             self._learn(route, answer)
         return [route for route in self.routes if route.info is not None]
 
+    async def refresh_adapters(
+        self, client_of: Callable[[ModelRoute], AsyncClient], now: float | None = None
+    ) -> None:
+        """Ask again the known routes whose adapters are older than ``ADAPTERS_FRESH_S``
+        (concurrently); a route that does not answer keeps what it said last."""
+        now = time.monotonic() if now is None else now
+        stale = [
+            route
+            for route in self.routes
+            if route.info is not None and now - route.adapters_asked_at >= ADAPTERS_FRESH_S
+        ]
+        answers = await asyncio.gather(
+            *(client_of(route).model_info() for route in stale), return_exceptions=True
+        )
+        for route, answer in zip(stale, answers, strict=True):
+            if isinstance(answer, ModelInfo):
+                route.adapters = answer.adapters
+                route.adapters_asked_at = now
+
     def _learn(self, route: ModelRoute, info: ModelInfo) -> None:
         route.info = info
+        route.adapters = info.adapters
+        route.adapters_asked_at = time.monotonic()
         route.names = self.name_override or (info.model, *info.aliases)
         if self._families is None:  # token buckets by the first model's window
             self._families = RequestMetricFamilies(self.registry, info.max_model_len or 8192)
@@ -141,6 +174,12 @@ class ModelRoutes:
         for route in known:
             if model in route.names:
                 return route
+        for asked_again in (False, True):
+            for route in known:
+                if model in route.adapters:
+                    return route
+            if not asked_again:
+                await self.refresh_adapters(client_of)
         if len(known) < len(self.routes):
             raise _unreachable([route for route in self.routes if route.info is None])
         raise ApiError(

@@ -465,6 +465,10 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "splitserve"
     max_model_len: int
+    root: str | None = Field(None, description="A LoRA adapter's own name (vLLM's).")
+    parent: str | None = Field(
+        None, description="A LoRA adapter's base model (vLLM's); null for a base model."
+    )
 
 
 class TokenizeRequest(_ChatTemplateFields, _TextBody):

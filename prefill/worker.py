@@ -156,8 +156,9 @@ class PrefillWorker:
         self._check_target(prompt_token_ids, target)
         pulled = None
         if params.prompt_logprobs is None:  # else the whole prompt is computed: nothing to take
+            root = prefix_root(params.cache_salt, params.adapter)
             pulled = await self._pull_cached_kv(
-                request_id, prompt_token_ids, prefix_root(params.cache_salt), target, peer, span
+                request_id, prompt_token_ids, root, target, peer, span
             )
         engine_id = request_id + self._engine_id_suffix
         sender = self._expect_push(engine_id, target, peer)

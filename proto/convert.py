@@ -22,7 +22,7 @@ from splitserve.common.kv_layout import KvLayout
 from splitserve.common.kv_push_cost import KvPushCost, KvPushCosts
 from splitserve.common.load import EngineLoad, LoadReport
 from splitserve.common.logprobs import TokenLogprob
-from splitserve.common.membership import Role, WorkerInfo
+from splitserve.common.membership import AdapterId, Role, WorkerInfo
 from splitserve.common.prompt import Chat
 from splitserve.common.request_update import FinishReason, RequestUpdate, StepOutput
 from splitserve.common.sampling_params import AskedSampling, SamplingParams
@@ -87,6 +87,7 @@ def sampling_from_proto(
         ),
         bad_words=tuple(message.bad_words),
         cache_salt=message.cache_salt,
+        adapter=message.adapter,
         grammar=(
             GrammarSpec(message.grammar.kind, message.grammar.text)
             if message.HasField("grammar")
@@ -118,6 +119,7 @@ def sampling_to_proto(
         logit_bias=dict(params.logit_bias),
         bad_words=list(params.bad_words),
         cache_salt=params.cache_salt,
+        adapter=params.adapter,
     )
     if params.allowed_token_ids is not None:
         message.allowed_token_ids.ids.extend(params.allowed_token_ids)
@@ -487,6 +489,10 @@ def worker_info_to_proto(info: WorkerInfo) -> worker_pb2.WorkerInfo:
         max_model_len=info.max_model_len,
         model=info.model,
         pulls_cached_kv_min_blocks=info.pulls_cached_kv_min_blocks,
+        adapters=[
+            worker_pb2.LoraAdapter(name=adapter.name, digest=adapter.digest)
+            for adapter in info.adapters
+        ],
     )
 
 
@@ -504,6 +510,7 @@ def worker_info_from_proto(message: worker_pb2.WorkerInfo) -> WorkerInfo:
         max_model_len=message.max_model_len,
         model=message.model,
         pulls_cached_kv_min_blocks=message.pulls_cached_kv_min_blocks,
+        adapters=tuple(AdapterId(adapter.name, adapter.digest) for adapter in message.adapters),
     )
 
 

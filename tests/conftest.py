@@ -27,6 +27,7 @@ from tests.cluster import served_cluster as start_served_cluster
 from tests.etcd import EtcdServer, running_etcd
 from tests.fault_cluster import FaultCluster
 from tests.fault_cluster import ha_cluster as start_ha_cluster
+from tests.lora_adapters import SavedAdapter, saved_adapters
 from tests.shared import Shared, group_users, last_users, stop_all
 
 SHARED_CLUSTERS: dict[str, Shared[object]] = {
@@ -101,6 +102,13 @@ def hf_default_model_fp32() -> torch.nn.Module:
     return model.eval()
 
 
+@pytest.fixture(scope="session")
+def lora_adapters(tmp_path_factory, hf_default_model_fp32) -> dict[str, SavedAdapter]:
+    """Two LoRA adapters PEFT made over the default model and saved
+    (``tests/lora_adapters.py:saved_adapters``), by name, with their PEFT models."""
+    return saved_adapters(hf_default_model_fp32, tmp_path_factory.mktemp("lora"))
+
+
 @pytest.fixture(params=["inprocess", "ucx"])
 def transport_kind(request: pytest.FixtureRequest) -> Iterator[str]:
     """The KV transport backend under test; after a UCX test the process-wide ucxx context is
@@ -134,12 +142,16 @@ def make_llm(
     attention_backend: str = "auto",
     speculative_tokens: int = 0,
     quantized_weights: str = "auto",
+    lora_modules: tuple[tuple[str, str], ...] = (),
 ) -> LLM:
     """An offline engine over an already loaded checkpoint, float32 by default
     (``speculative_tokens``: prompt-lookup drafts per step, 0 = none; ``quantized_weights``
-    as ``ModelConfig``'s, whose "auto" reads the checkpoint's kept GGUF blocks in bf16)."""
+    as ``ModelConfig``'s, whose "auto" reads the checkpoint's kept GGUF blocks in bf16;
+    ``lora_modules``: LoRA adapters served, (name, folder) pairs)."""
     config = EngineConfig(
-        model=ModelConfig(dtype=dtype, quantized_weights=quantized_weights),
+        model=ModelConfig(
+            dtype=dtype, quantized_weights=quantized_weights, lora_modules=lora_modules
+        ),
         cache=CacheConfig(
             block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=prefix_caching
         ),

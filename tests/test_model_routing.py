@@ -24,11 +24,11 @@ import pytest
 
 from splitserve.client import AsyncClient, ClientError, Sampling
 from splitserve.common.kv_layout import KvLayout
-from splitserve.common.membership import Role, WorkerInfo
+from splitserve.common.membership import AdapterId, Role, WorkerInfo
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.coordinator.membership_follower import MembershipFollower
 from splitserve.coordinator.membership_servicer import MembershipServicer
-from splitserve.coordinator.registry import WorkerRegistry
+from splitserve.coordinator.registry import WorkerRegistry, record_of
 from splitserve.coordinator.service import CoordinatorConfig
 from splitserve.discovery.etcd_announcer import EtcdAnnouncer
 from splitserve.discovery.etcd_watcher import EtcdMembershipWatcher
@@ -241,3 +241,23 @@ def test_on_etcd_a_coordinator_passes_over_other_models_members(etcd: EtcdServer
             await announcer.withdraw()
 
     asyncio.run(scenario())
+
+
+def test_a_registry_refuses_an_adapter_name_with_other_files() -> None:
+    """Two workers may serve an adapter under one name only with the same files (digest)."""
+
+    def info(worker_id: str, *adapters: AdapterId) -> WorkerInfo:
+        return WorkerInfo(
+            worker_id, Role.DECODE, f"127.0.0.1:{len(worker_id)}", LAYOUT, 64, 512, "m",
+            adapters=adapters,
+        )  # fmt: skip
+
+    registry = WorkerRegistry(model="m")
+    registry.register(record_of(info("w1", AdapterId("a", "d1"), AdapterId("b", "d3"))))
+    assert registry.accepts(info("w2", AdapterId("a", "d1")))
+    assert registry.accepts(info("w1", AdapterId("a", "d2")))  # itself, registering again
+    refusal = registry.refusal(info("w2", AdapterId("a", "d2")))
+    assert refusal is not None and "'a'" in refusal and "w1" in refusal
+    assert registry.adapter_names() == {"a", "b"}
+    stranger = WorkerInfo("w3", Role.DECODE, "h:1", LAYOUT, 64, 512, "x")
+    assert "model 'm'" in (registry.refusal(stranger) or "")

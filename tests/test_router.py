@@ -11,7 +11,8 @@ import pytest
 from splitserve.common.blocks import prompt_block_hashes
 from splitserve.common.kv_push_cost import MIN_PUSHES, KvPushCost, KvPushCosts
 from splitserve.common.load import EngineLoad
-from splitserve.common.membership import Role
+from splitserve.common.membership import AdapterId, Role
+from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.step_cost import MIN_STEPS, StepCost
 from splitserve.coordinator import router as router_module
 from splitserve.coordinator.placement import PlacementMode, PrefillView, Reason, Slo
@@ -487,3 +488,27 @@ def test_a_request_placed_remotely_reads_no_running_request() -> None:
         assert _CountedProgress.reads == len(progresses)
     assert router._queued_prefill_tokens(prefill) == 0
     assert not router._prefill_sent  # every block's tokens left with it
+
+
+def test_a_request_of_a_lora_adapter_goes_only_to_workers_serving_it() -> None:
+    """Its decode worker serves the adapter; its prefill worker serves it with the same files
+    (digest), since the prompt's KV it pushes is decoded there."""
+    adapter, other_files = AdapterId("a", "d1"), AdapterId("a", "d2")
+
+    def serving(worker: WorkerRecord, *adapters: AdapterId) -> WorkerRecord:
+        return dataclasses.replace(worker, adapters=frozenset(adapters))
+
+    router = _router(
+        _worker("plain", Role.DECODE, free_blocks=100),
+        serving(_worker("lora", Role.DECODE, free_blocks=10), adapter),
+        _worker("p-plain", Role.PREFILL),
+        serving(_worker("p-other", Role.PREFILL), other_files),
+        serving(_worker("p-lora", Role.PREFILL, pending_prefill=5000), adapter),
+    )
+    asked = record(range(200), params=SamplingParams(adapter="a"))
+    route = router.route(asked)
+    assert route is not None and route.decode.worker_id == "lora"
+    assert route.prefill is None or route.prefill.worker_id == "p-lora"
+    assert [w.worker_id for w in router._prefill_candidates(route.decode, 200, "a")] == ["p-lora"]
+    assert router.pick_decode(100).worker_id == "plain"  # the base model: the roomier one
+    assert router.pick_decode(100, adapter="b") is None  # nobody serves it

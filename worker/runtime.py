@@ -208,7 +208,8 @@ def _records(
     model_name: str,
 ) -> list[WorkerInfo]:
     """Each role's membership record: its id, the worker's ``address``, its domain's KV
-    layout and pull setting, the engine's pool and context window, the model's name."""
+    layout and pull setting, the engine's pool, context window and LoRA adapters, the model's
+    name."""
     return [
         WorkerInfo(
             worker_id=identity.worker_id,
@@ -219,6 +220,7 @@ def _records(
             max_model_len=engine.facts.max_model_len,
             model=model_name,
             pulls_cached_kv_min_blocks=domain.pulls_cached_kv_min_blocks,
+            adapters=engine.facts.adapters,
         )
         for role, identity, domain in zip(roles, identities, domains, strict=True)
     ]

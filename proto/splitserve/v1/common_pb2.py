@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1asplitserve/v1/common.proto\x12\rsplitserve.v1\"\x8c\x07\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\t \x01(\x02H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x17\n\nmin_tokens\x18\r \x01(\rH\t\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\n\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x0f \x01(\x08H\x0b\x88\x01\x01\x12@\n\nlogit_bias\x18\x10 \x03(\x0b\x32,.splitserve.v1.SamplingParams.LogitBiasEntry\x12+\n\x07grammar\x18\x11 \x01(\x0b\x32\x1a.splitserve.v1.GrammarSpec\x12\x1c\n\x0fprompt_logprobs\x18\x12 \x01(\rH\x0c\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x13 \x01(\x08\x12\x32\n\x11\x61llowed_token_ids\x18\x14 \x01(\x0b\x32\x17.splitserve.v1.TokenIds\x12\x11\n\tbad_words\x18\x15 \x03(\t\x12\x12\n\ncache_salt\x18\x16 \x01(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x14\n\x12_frequency_penaltyB\x13\n\x11_presence_penaltyB\r\n\x0b_min_tokensB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokensB\x12\n\x10_prompt_logprobs\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\")\n\x0bGrammarSpec\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\"=\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04text\x18\x03 \x01(\t\"u\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12&\n\x03top\x18\x04 \x03(\x0b\x32\x19.splitserve.v1.TopLogprob\x12\x0c\n\x04text\x18\x05 \x01(\t\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"5\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\r\n\x05param\x18\x03 \x01(\t\"i\n\tStreamEnd\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\r\n\x05param\x18\x03 \x01(\t\x12\x16\n\x0eretry_after_ms\x18\x04 \x01(\x03\x12\x16\n\x0erefuses_all_ms\x18\x05 \x01(\r*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1asplitserve/v1/common.proto\x12\rsplitserve.v1\"\x9d\x07\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\t \x01(\x02H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x17\n\nmin_tokens\x18\r \x01(\rH\t\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\n\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x0f \x01(\x08H\x0b\x88\x01\x01\x12@\n\nlogit_bias\x18\x10 \x03(\x0b\x32,.splitserve.v1.SamplingParams.LogitBiasEntry\x12+\n\x07grammar\x18\x11 \x01(\x0b\x32\x1a.splitserve.v1.GrammarSpec\x12\x1c\n\x0fprompt_logprobs\x18\x12 \x01(\rH\x0c\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x13 \x01(\x08\x12\x32\n\x11\x61llowed_token_ids\x18\x14 \x01(\x0b\x32\x17.splitserve.v1.TokenIds\x12\x11\n\tbad_words\x18\x15 \x03(\t\x12\x12\n\ncache_salt\x18\x16 \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\x17 \x01(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x14\n\x12_frequency_penaltyB\x13\n\x11_presence_penaltyB\r\n\x0b_min_tokensB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokensB\x12\n\x10_prompt_logprobs\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\")\n\x0bGrammarSpec\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\"=\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04text\x18\x03 \x01(\t\"u\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12&\n\x03top\x18\x04 \x03(\x0b\x32\x19.splitserve.v1.TopLogprob\x12\x0c\n\x04text\x18\x05 \x01(\t\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"5\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\r\n\x05param\x18\x03 \x01(\t\"i\n\tStreamEnd\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\r\n\x05param\x18\x03 \x01(\t\x12\x16\n\x0eretry_after_ms\x18\x04 \x01(\x03\x12\x16\n\x0erefuses_all_ms\x18\x05 \x01(\r*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,24 +33,24 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=1450
-  _globals['_FINISHREASON']._serialized_end=1570
+  _globals['_FINISHREASON']._serialized_start=1467
+  _globals['_FINISHREASON']._serialized_end=1587
   _globals['_SAMPLINGPARAMS']._serialized_start=46
-  _globals['_SAMPLINGPARAMS']._serialized_end=954
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=698
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=746
-  _globals['_TOKENIDS']._serialized_start=956
-  _globals['_TOKENIDS']._serialized_end=979
-  _globals['_GRAMMARSPEC']._serialized_start=981
-  _globals['_GRAMMARSPEC']._serialized_end=1022
-  _globals['_TOPLOGPROB']._serialized_start=1024
-  _globals['_TOPLOGPROB']._serialized_end=1085
-  _globals['_TOKENLOGPROB']._serialized_start=1087
-  _globals['_TOKENLOGPROB']._serialized_end=1204
-  _globals['_USAGE']._serialized_start=1206
-  _globals['_USAGE']._serialized_end=1286
-  _globals['_ERROR']._serialized_start=1288
-  _globals['_ERROR']._serialized_end=1341
-  _globals['_STREAMEND']._serialized_start=1343
-  _globals['_STREAMEND']._serialized_end=1448
+  _globals['_SAMPLINGPARAMS']._serialized_end=971
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=715
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=763
+  _globals['_TOKENIDS']._serialized_start=973
+  _globals['_TOKENIDS']._serialized_end=996
+  _globals['_GRAMMARSPEC']._serialized_start=998
+  _globals['_GRAMMARSPEC']._serialized_end=1039
+  _globals['_TOPLOGPROB']._serialized_start=1041
+  _globals['_TOPLOGPROB']._serialized_end=1102
+  _globals['_TOKENLOGPROB']._serialized_start=1104
+  _globals['_TOKENLOGPROB']._serialized_end=1221
+  _globals['_USAGE']._serialized_start=1223
+  _globals['_USAGE']._serialized_end=1303
+  _globals['_ERROR']._serialized_start=1305
+  _globals['_ERROR']._serialized_end=1358
+  _globals['_STREAMEND']._serialized_start=1360
+  _globals['_STREAMEND']._serialized_end=1465
 # @@protoc_insertion_point(module_scope)

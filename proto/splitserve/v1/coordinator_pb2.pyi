@@ -217,7 +217,7 @@ class DetokenizeResponse(_message.Message):
     def __init__(self, text: _Optional[str] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "max_model_len", "vocab_size", "eos_token_ids", "dtype", "aliases", "checkpoint")
+    __slots__ = ("model", "max_model_len", "vocab_size", "eos_token_ids", "dtype", "aliases", "checkpoint", "adapters")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -225,6 +225,7 @@ class ModelInfo(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     ALIASES_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     model: str
     max_model_len: int
     vocab_size: int
@@ -232,7 +233,8 @@ class ModelInfo(_message.Message):
     dtype: str
     aliases: _containers.RepeatedScalarFieldContainer[str]
     checkpoint: str
-    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., aliases: _Optional[_Iterable[str]] = ..., checkpoint: _Optional[str] = ...) -> None: ...
+    adapters: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., aliases: _Optional[_Iterable[str]] = ..., checkpoint: _Optional[str] = ..., adapters: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RegisterWorkerRequest(_message.Message):
     __slots__ = ("worker",)

@@ -50,7 +50,7 @@ class KvEvents(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., reset: _Optional[bool] = ..., stored: _Optional[_Iterable[bytes]] = ..., evicted: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "role", "address", "kv_layout", "num_blocks", "max_model_len", "model", "pulls_cached_kv_min_blocks")
+    __slots__ = ("worker_id", "role", "address", "kv_layout", "num_blocks", "max_model_len", "model", "pulls_cached_kv_min_blocks", "adapters")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -59,6 +59,7 @@ class WorkerInfo(_message.Message):
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PULLS_CACHED_KV_MIN_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: WorkerRole
     address: str
@@ -67,7 +68,16 @@ class WorkerInfo(_message.Message):
     max_model_len: int
     model: str
     pulls_cached_kv_min_blocks: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., address: _Optional[str] = ..., kv_layout: _Optional[_Union[KvLayout, _Mapping]] = ..., num_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., model: _Optional[str] = ..., pulls_cached_kv_min_blocks: _Optional[int] = ...) -> None: ...
+    adapters: _containers.RepeatedCompositeFieldContainer[LoraAdapter]
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., address: _Optional[str] = ..., kv_layout: _Optional[_Union[KvLayout, _Mapping]] = ..., num_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., model: _Optional[str] = ..., pulls_cached_kv_min_blocks: _Optional[int] = ..., adapters: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ...) -> None: ...
+
+class LoraAdapter(_message.Message):
+    __slots__ = ("name", "digest")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    digest: str
+    def __init__(self, name: _Optional[str] = ..., digest: _Optional[str] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
     __slots__ = ("num_total_blocks", "num_used_blocks", "num_running_requests", "num_waiting_requests", "num_reserved_requests", "num_running_tokens", "num_pending_prefill_tokens", "ready", "num_finished_requests", "step_cost", "prefill_share", "prefill_chunk_tokens", "kv_events", "kv_push_costs")

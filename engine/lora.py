@@ -1,0 +1,282 @@
+"""LoRA adapters in PEFT's saved format, applied per request within a mixed batch.
+
+A LoRA adapter adds a low-rank term to some of the decoder's projections: for a target
+projection ``W`` ``[out, in]`` with factors ``A`` ``[rank, in]`` and ``B`` ``[out, rank]``,
+``y = x @ W.T + scaling * ((x @ A.T) @ B.T)``, where ``scaling = lora_alpha / rank``
+(``lora_alpha / sqrt(rank)`` with ``use_rslora``). This is PEFT's unmerged forward, term for
+term, so a request served with an adapter gets the tokens that HF ``transformers`` with PEFT
+computes on the same base weights.
+
+Contract:
+- ``load_lora_adapter`` reads a folder as ``PeftModel.save_pretrained`` writes it
+  (``adapter_config.json``, ``adapter_model.safetensors``) whose targets are among the
+  decoder layers' seven projections (q, k, v, o, gate, up, down). Anything whose forward is
+  not the plain term above is refused with ``ModelLoadError`` naming it (DoRA, LoRA biases,
+  ``modules_to_save``, embedding or LM-head targets, ``alpha_pattern``, ``fan_in_fan_out``,
+  a pickled ``adapter_model.bin``, shapes that do not fit the model): a request is never
+  served with an adapter that computes something else than the user trained.
+- The model keeps its base weights; each adapter's factors are held apart, in the model's
+  dtype, on its device. A step's rows take their own request's adapter or none
+  (``StepAdapters``): requests of several adapters and of the base model share one step.
+- A row's term depends only on its own input row: rows are gathered per adapter and, in
+  float32 on the CPU, padded to ``MIN_GEMM_ROWS`` as the base projections are
+  (``engine/linear.py``), so a request's output does not depend on what shares its step.
+- ``digest``: a hash of the adapter's two files. Workers announce their adapters by name and
+  digest; a coordinator routes a request of an adapter only to workers that hold that name
+  with one digest, since the prompt's KV computed by one worker is decoded by another.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from splitserve.common.errors import ModelLoadError
+from splitserve.engine.linear import MIN_GEMM_ROWS
+from splitserve.engine.model_config import ModelArchConfig
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+
+PROJECTIONS = ("qkv", "o_proj", "gate_up", "down")
+"""The model's (fused) projections, as ``engine/model.py:DecoderLayerWeights`` names them."""
+_TARGET_KEY = re.compile(
+    r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\."
+    r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.lora_([AB])\.weight$"
+)
+_REFUSED_SETTINGS = {
+    "use_dora": "DoRA",
+    "lora_bias": "LoRA biases",
+    "fan_in_fan_out": "fan_in_fan_out (Conv1D-style weights)",
+    "alpha_pattern": "per-module alpha (alpha_pattern)",
+    "modules_to_save": "modules_to_save (fully trained modules)",
+    "layer_replication": "layer_replication",
+    "layers_to_transform": "layers_to_transform",
+}
+
+
+@dataclass(frozen=True)
+class LoraPair:
+    """One target projection's factors within its (fused) projection's output."""
+
+    a: torch.Tensor  # [rank, in]
+    b: torch.Tensor  # [part_out, rank]
+    scaling: float
+    columns: slice
+    """Where the target's outputs lie in the fused projection's ``[tokens, out]``."""
+
+
+@dataclass(frozen=True)
+class LoraAdapter:
+    """A loaded adapter: per decoder layer, per fused projection, its target pairs."""
+
+    name: str
+    digest: str
+    path: str
+    layers: tuple[Mapping[str, tuple[LoraPair, ...]], ...]
+    """``layers[i][projection]``: the pairs adding to layer ``i``'s ``projection``
+    (``PROJECTIONS``); a projection the adapter does not target is absent."""
+
+
+def _target_columns(config: ModelArchConfig) -> dict[str, tuple[str, slice]]:
+    """Each target projection's fused projection and its output columns there."""
+    q, kv, inter = config.q_size, config.kv_size, config.intermediate_size
+    return {
+        "q_proj": ("qkv", slice(0, q)),
+        "k_proj": ("qkv", slice(q, q + kv)),
+        "v_proj": ("qkv", slice(q + kv, q + 2 * kv)),
+        "o_proj": ("o_proj", slice(0, config.hidden_size)),
+        "gate_proj": ("gate_up", slice(0, inter)),
+        "up_proj": ("gate_up", slice(inter, 2 * inter)),
+        "down_proj": ("down", slice(0, config.hidden_size)),
+    }
+
+
+def _in_features(config: ModelArchConfig, target: str) -> int:
+    """The input width of a target projection."""
+    if target == "o_proj":
+        return config.q_size
+    if target == "down_proj":
+        return config.intermediate_size
+    return config.hidden_size
+
+
+def adapter_digest(path: Path) -> str:
+    """A hash of the adapter folder's config and weights (hex, 32 characters)."""
+    digest = hashlib.blake2b(b"splitserve-lora", digest_size=16)
+    for name in (CONFIG_FILE, WEIGHTS_FILE):
+        digest.update(name.encode())
+        with open(path / name, "rb") as file:
+            for piece in iter(lambda: file.read(1 << 20), b""):
+                digest.update(piece)
+    return digest.hexdigest()
+
+
+def read_adapter_config(path: Path) -> dict[str, object]:
+    """The adapter's ``adapter_config.json``, checked to describe a plain LoRA adapter whose
+    files are here; ``ModelLoadError`` otherwise."""
+    if not (path / CONFIG_FILE).is_file():
+        raise ModelLoadError(f"LoRA adapter {str(path)!r} has no {CONFIG_FILE}")
+    if not (path / WEIGHTS_FILE).is_file():
+        raise ModelLoadError(
+            f"LoRA adapter {str(path)!r} has no {WEIGHTS_FILE} (a pickled adapter_model.bin "
+            "is not read: save it with safe_serialization=True)"
+        )
+    try:
+        config = json.loads((path / CONFIG_FILE).read_text())
+    except (OSError, ValueError) as error:
+        raise ModelLoadError(
+            f"LoRA adapter {str(path)!r}: unreadable {CONFIG_FILE}: {error}"
+        ) from error
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"LoRA adapter {str(path)!r}: {CONFIG_FILE} is not an object")
+    peft_type = config.get("peft_type", "LORA")
+    if peft_type != "LORA":
+        raise ModelLoadError(f"LoRA adapter {str(path)!r} is a {peft_type} adapter, not LoRA")
+    for key, what in _REFUSED_SETTINGS.items():
+        if config.get(key):
+            raise ModelLoadError(f"LoRA adapter {str(path)!r} uses {what}, which is not served")
+    if config.get("bias", "none") != "none":
+        raise ModelLoadError(f"LoRA adapter {str(path)!r} trains biases, which is not served")
+    alpha = config.get("lora_alpha")
+    if not isinstance(alpha, int | float) or isinstance(alpha, bool):
+        raise ModelLoadError(f"LoRA adapter {str(path)!r}: lora_alpha must be a number")
+    return config
+
+
+def load_lora_adapter(
+    name: str,
+    path: str | Path,
+    config: ModelArchConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> LoraAdapter:
+    """The adapter saved in folder ``path``, for a model of ``config``, its factors in
+    ``dtype`` on ``device``, served as ``name`` (see the module docstring for what is
+    refused)."""
+    from safetensors.torch import load_file
+
+    folder = Path(path)
+    settings = read_adapter_config(folder)
+    alpha = float(settings["lora_alpha"])  # type: ignore[arg-type]
+    rslora = bool(settings.get("use_rslora", False))
+    tensors = load_file(str(folder / WEIGHTS_FILE))
+    factors: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        match = _TARGET_KEY.search(key)
+        if match is None:
+            raise ModelLoadError(
+                f"LoRA adapter {str(folder)!r}: tensor {key!r} is not a decoder projection's "
+                "lora_A/lora_B (only q, k, v, o, gate, up and down projections are served)"
+            )
+        layer, target, which = int(match[1]), match[2], match[3]
+        if layer >= config.num_hidden_layers:
+            raise ModelLoadError(
+                f"LoRA adapter {str(folder)!r}: {key!r} names layer {layer}; the model has "
+                f"{config.num_hidden_layers}"
+            )
+        factors.setdefault((layer, target), {})[which] = tensor
+    if not factors:
+        raise ModelLoadError(f"LoRA adapter {str(folder)!r} holds no LoRA factors")
+    columns = _target_columns(config)
+    layers: list[dict[str, list[LoraPair]]] = [{} for _ in range(config.num_hidden_layers)]
+    for (layer, target), pair in sorted(factors.items()):
+        a, b = pair.get("A"), pair.get("B")
+        projection, where = columns[target]
+        if a is None or b is None:
+            raise ModelLoadError(
+                f"LoRA adapter {str(folder)!r}: layer {layer}'s {target} lacks lora_A or lora_B"
+            )
+        rank = a.shape[0]
+        expected_a = (rank, _in_features(config, target))
+        expected_b = (where.stop - where.start, rank)
+        if tuple(a.shape) != expected_a or tuple(b.shape) != expected_b or rank == 0:
+            raise ModelLoadError(
+                f"LoRA adapter {str(folder)!r}: layer {layer}'s {target} has factors "
+                f"{tuple(a.shape)} and {tuple(b.shape)}; this model needs {expected_a} and "
+                f"{expected_b} (an adapter of another model?)"
+            )
+        scaling = alpha / math.sqrt(rank) if rslora else alpha / rank
+        layers[layer].setdefault(projection, []).append(
+            LoraPair(
+                a=a.to(device=device, dtype=dtype).contiguous(),
+                b=b.to(device=device, dtype=dtype).contiguous(),
+                scaling=scaling,
+                columns=where,
+            )
+        )
+    return LoraAdapter(
+        name=name,
+        digest=adapter_digest(folder),
+        path=str(folder),
+        layers=tuple(
+            {projection: tuple(pairs) for projection, pairs in layer.items()} for layer in layers
+        ),
+    )
+
+
+def _padded_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` ``[rows, out]``; float32 rows on the CPU padded to ``MIN_GEMM_ROWS``,
+    so the BLAS takes one kernel whatever the row count (``engine/linear.py``)."""
+    rows = x.shape[0]
+    if x.device.type == "cpu" and x.dtype == torch.float32 and rows < MIN_GEMM_ROWS:
+        padded = x.new_zeros(MIN_GEMM_ROWS, x.shape[1])  # [MIN_GEMM_ROWS, in]
+        padded[:rows] = x
+        return F.linear(padded, weight)[:rows]
+    return F.linear(x, weight)
+
+
+@dataclass(frozen=True)
+class StepAdapters:
+    """Which rows of a packed step take which adapter (rows of no adapter take none)."""
+
+    groups: tuple[tuple[LoraAdapter, torch.Tensor], ...]
+    """Each adapter of the step with its rows (``[rows]`` int64, on the model's device)."""
+
+    @staticmethod
+    def of_rows(
+        row_adapters: Sequence[LoraAdapter | None], device: torch.device
+    ) -> StepAdapters | None:
+        """The step whose row ``i`` takes ``row_adapters[i]``; None when no row takes one."""
+        rows: dict[str, list[int]] = {}
+        adapters: dict[str, LoraAdapter] = {}
+        for row, adapter in enumerate(row_adapters):
+            if adapter is not None:
+                rows.setdefault(adapter.name, []).append(row)
+                adapters[adapter.name] = adapter
+        if not rows:
+            return None
+        return StepAdapters(
+            tuple(
+                (adapters[name], torch.tensor(indices, dtype=torch.int64, device=device))
+                for name, indices in rows.items()
+            )
+        )
+
+    def add_to(
+        self,
+        out: torch.Tensor,  # [tokens, out]: the base projection of ``x``, updated in place
+        x: torch.Tensor,  # [tokens, in]
+        layer: int,
+        projection: str,
+    ) -> torch.Tensor:
+        """``out`` with each adapter's term of ``projection`` in decoder layer ``layer``
+        added to its rows (PEFT's ``base + B(A(x)) * scaling``)."""
+        for adapter, rows in self.groups:
+            pairs = adapter.layers[layer].get(projection)
+            if not pairs:
+                continue
+            inputs = x.index_select(0, rows)  # [rows, in]
+            for pair in pairs:
+                term = _padded_linear(_padded_linear(inputs, pair.a), pair.b) * pair.scaling
+                part = out[:, pair.columns]  # [tokens, part_out], a view
+                part.index_copy_(0, rows, part.index_select(0, rows) + term)
+        return out
