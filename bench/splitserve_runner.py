@@ -49,16 +49,21 @@ class TimedBurst:
 
 
 def timed_burst(
-    core: EngineCore, prompts: list[list[int]], params: SamplingParams, tag: str
+    core: EngineCore,
+    prompts: list[list[int]],
+    params: SamplingParams | list[SamplingParams],
+    tag: str,
 ) -> TimedBurst:
     """Submit every prompt at once (ids ``<tag>-<index>``) and step until all finish, each
-    token stamped when the step that produced it returns."""
+    token stamped when the step that produced it returns; ``params`` for all, or each
+    prompt's."""
+    each = params if isinstance(params, list) else [params] * len(prompts)
     timings: dict[str, RequestTiming] = {}
     cached_tokens = 0
     cpu_start, start = time.process_time(), time.perf_counter()
     for index, prompt in enumerate(prompts):
         timings[f"{tag}-{index}"] = RequestTiming(submit_time=time.perf_counter())
-        core.add_request(f"{tag}-{index}", prompt, params)
+        core.add_request(f"{tag}-{index}", prompt, each[index])
     while core.has_unfinished:
         outputs = core.step()
         now = time.perf_counter()

@@ -64,10 +64,11 @@ _REFUSED_SETTINGS = {
 
 
 @dataclass(frozen=True)
-class LoraPair:
-    """One target projection's factors within its (fused) projection's output."""
+class LoraPart:
+    """One target projection's share of its (fused) projection's adapter term."""
 
-    a: torch.Tensor  # [rank, in]
+    ranks: slice
+    """Its rows in the projection's stacked ``a`` (its rank's)."""
     b: torch.Tensor  # [part_out, rank]
     scaling: float
     columns: slice
@@ -75,14 +76,23 @@ class LoraPair:
 
 
 @dataclass(frozen=True)
+class LoraProjection:
+    """An adapter's factors on one (fused) projection: the targets' A stacked, so a step
+    multiplies its rows by them once, then each target's B."""
+
+    a: torch.Tensor  # [sum of the targets' ranks, in]
+    parts: tuple[LoraPart, ...]
+
+
+@dataclass(frozen=True)
 class LoraAdapter:
-    """A loaded adapter: per decoder layer, per fused projection, its target pairs."""
+    """A loaded adapter: per decoder layer, per fused projection, its factors."""
 
     name: str
     digest: str
     path: str
-    layers: tuple[Mapping[str, tuple[LoraPair, ...]], ...]
-    """``layers[i][projection]``: the pairs adding to layer ``i``'s ``projection``
+    layers: tuple[Mapping[str, LoraProjection], ...]
+    """``layers[i][projection]``: what adds to layer ``i``'s ``projection``
     (``PROJECTIONS``); a projection the adapter does not target is absent."""
 
 
@@ -187,7 +197,9 @@ def load_lora_adapter(
     if not factors:
         raise ModelLoadError(f"LoRA adapter {str(folder)!r} holds no LoRA factors")
     columns = _target_columns(config)
-    layers: list[dict[str, list[LoraPair]]] = [{} for _ in range(config.num_hidden_layers)]
+    stacked: list[dict[str, list[tuple[torch.Tensor, LoraPart]]]] = [
+        {} for _ in range(config.num_hidden_layers)
+    ]
     for (layer, target), pair in sorted(factors.items()):
         a, b = pair.get("A"), pair.get("B")
         projection, where = columns[target]
@@ -204,23 +216,22 @@ def load_lora_adapter(
                 f"{tuple(a.shape)} and {tuple(b.shape)}; this model needs {expected_a} and "
                 f"{expected_b} (an adapter of another model?)"
             )
+        parts = stacked[layer].setdefault(projection, [])
+        first = sum(part.ranks.stop - part.ranks.start for _, part in parts)
         scaling = alpha / math.sqrt(rank) if rslora else alpha / rank
-        layers[layer].setdefault(projection, []).append(
-            LoraPair(
-                a=a.to(device=device, dtype=dtype).contiguous(),
-                b=b.to(device=device, dtype=dtype).contiguous(),
-                scaling=scaling,
-                columns=where,
+        b_factor = b.to(device=device, dtype=dtype).contiguous()
+        parts.append((a, LoraPart(slice(first, first + rank), b_factor, scaling, where)))
+    layers = tuple(
+        {
+            projection: LoraProjection(
+                a=torch.cat([a for a, _ in parts]).to(device=device, dtype=dtype).contiguous(),
+                parts=tuple(part for _, part in parts),
             )
-        )
-    return LoraAdapter(
-        name=name,
-        digest=adapter_digest(folder),
-        path=str(folder),
-        layers=tuple(
-            {projection: tuple(pairs) for projection, pairs in layer.items()} for layer in layers
-        ),
+            for projection, parts in layer.items()
+        }
+        for layer in stacked
     )
+    return LoraAdapter(name=name, digest=adapter_digest(folder), path=str(folder), layers=layers)
 
 
 def _padded_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -238,8 +249,9 @@ def _padded_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 class StepAdapters:
     """Which rows of a packed step take which adapter (rows of no adapter take none)."""
 
-    groups: tuple[tuple[LoraAdapter, torch.Tensor], ...]
-    """Each adapter of the step with its rows (``[rows]`` int64, on the model's device)."""
+    groups: tuple[tuple[LoraAdapter, torch.Tensor | None], ...]
+    """Each adapter of the step with its rows (``[rows]`` int64, on the model's device);
+    None: every row of the step."""
 
     @staticmethod
     def of_rows(
@@ -254,6 +266,8 @@ class StepAdapters:
                 adapters[adapter.name] = adapter
         if not rows:
             return None
+        if len(rows) == 1 and len(next(iter(rows.values()))) == len(row_adapters):
+            return StepAdapters(((next(iter(adapters.values())), None),))
         return StepAdapters(
             tuple(
                 (adapters[name], torch.tensor(indices, dtype=torch.int64, device=device))
@@ -269,14 +283,18 @@ class StepAdapters:
         projection: str,
     ) -> torch.Tensor:
         """``out`` with each adapter's term of ``projection`` in decoder layer ``layer``
-        added to its rows (PEFT's ``base + B(A(x)) * scaling``)."""
+        added to its rows (PEFT's ``base + B(A(x)) * scaling`` per target)."""
         for adapter, rows in self.groups:
-            pairs = adapter.layers[layer].get(projection)
-            if not pairs:
+            factors = adapter.layers[layer].get(projection)
+            if factors is None:
                 continue
-            inputs = x.index_select(0, rows)  # [rows, in]
-            for pair in pairs:
-                term = _padded_linear(_padded_linear(inputs, pair.a), pair.b) * pair.scaling
-                part = out[:, pair.columns]  # [tokens, part_out], a view
-                part.index_copy_(0, rows, part.index_select(0, rows) + term)
+            inputs = x if rows is None else x.index_select(0, rows)  # [rows, in]
+            low = _padded_linear(inputs, factors.a)  # [rows, sum of ranks]
+            for part in factors.parts:
+                term = _padded_linear(low[:, part.ranks], part.b) * part.scaling
+                target = out[:, part.columns]  # [tokens, part_out], a view
+                if rows is None:
+                    target += term
+                else:
+                    target.index_copy_(0, rows, target.index_select(0, rows) + term)
         return out

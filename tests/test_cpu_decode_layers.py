@@ -11,9 +11,21 @@ import pytest
 import torch
 
 from splitserve.common.sampling_params import SamplingParams
+from splitserve.engine.linear import DECODE_GEMV_ENV
 from splitserve.engine.model import LlamaModel
 from splitserve.kernels.cpu_decode_layers import DECODE_LAYERS_ENV
 from tests.conftest import make_llm
+
+
+@pytest.fixture(autouse=True)
+def _generated_rows_always_take_the_row_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``SPLITSERVE_DECODE_GEMV=1``: every decode-only step of up to 32 rows takes the loop,
+    whatever the load-time probe would measure. Under ``auto`` the probe times the row kernel
+    against oneDNN, and where oneDNN has AMX (an Intel Xeon, family 6 model 207) it found the
+    row kernel slower from 8 rows on: the 10-row steps these tests ask about took the Python
+    loop, and two engines made one after the other could get different limits, so different
+    kernels (and bf16 bits) for the same step."""
+    monkeypatch.setenv(DECODE_GEMV_ENV, "1")
 
 
 def _looping_llm(checkpoint, **kwargs):
@@ -33,15 +45,18 @@ def _compare_each_step(model: LlamaModel, monkeypatch: pytest.MonkeyPatch) -> li
     compared: list[int] = []
 
     def both(
-        input_ids, positions, kv_cache, backend, metadata, logits_indices, on_kv, generated, hook
-    ):
+        input_ids, positions, kv_cache, backend, metadata, logits_indices, on_kv, generated, hook,
+        adapters=None,
+    ):  # fmt: skip
         args = (
             input_ids, positions, kv_cache, backend, metadata, logits_indices, on_kv, generated,
-            hook,
+            hook, adapters,
         )  # fmt: skip
         num_tokens = input_ids.shape[0]
-        if on_kv is not None or not model._takes_decode_layers(
-            num_tokens, generated, backend, metadata, kv_cache
+        if (
+            on_kv is not None
+            or adapters is not None
+            or not model._takes_decode_layers(num_tokens, generated, backend, metadata, kv_cache)
         ):
             return forward(*args)
         before = kv_cache.clone()

@@ -68,6 +68,8 @@ ALLOWED: dict[str, str] = {
     "the sampler's nucleus tiers and without: no AsyncEngine, no worker, no other thread",
     "bench/bench_prompt_logprobs.py": "times the synchronous EngineCore's prompts with and "
     "without prompt logprobs: no AsyncEngine, no worker, no other thread",
+    "bench/bench_lora.py": "times the synchronous EngineCore's decode steps with LoRA "
+    "adapters' rows and without: no AsyncEngine, no worker, no other thread",
     "bench/gpu/kernel_compile.py": "runs a ModelRunner's graph capture on the CPU under the "
     "Triton interpreter to record the kernels' launches: no engine, no request, no thread",
 }

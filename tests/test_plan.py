@@ -174,6 +174,7 @@ def comparisons() -> dict[str, tuple[plan.Plan, SimResult | None]]:
     return found
 
 
+@pytest.mark.slow  # the brute force over five scenarios (18 s); the planner's rules stay tested
 def test_the_plan_is_the_cheapest_configuration_meeting_the_slo(comparisons) -> None:
     """The issue's criterion: the cheapest configuration meeting the SLO in at least 4 of
     the 5 scenarios, within 10% of it in all."""
@@ -188,6 +189,7 @@ def test_the_plan_is_the_cheapest_configuration_meeting_the_slo(comparisons) -> 
     assert cheapest >= 4
 
 
+@pytest.mark.slow  # shares the brute force above
 def test_the_plan_searches_within_the_brute_forces_space(comparisons) -> None:
     for chosen, _ in comparisons.values():
         assert chosen.evaluated

@@ -135,6 +135,7 @@ def _profile(out: Path, *flags: str, timeout_s: float = 120) -> subprocess.Compl
     return done
 
 
+@pytest.mark.slow  # a real engine's start-up and steps (11 s); the profile's format is tested above
 def test_splitserve_profile_writes_a_versioned_profile(tmp_path: Path) -> None:
     """The command end to end, on a served worker's step logs (fitting a real engine is the
     slow test below) and a link given as measured elsewhere."""

@@ -34,6 +34,7 @@ def _engine(steps_ahead: bool) -> EngineCore:
     return engine
 
 
+@pytest.mark.slow  # three engines over a mixed workload (15 s); the rules are tested below
 def test_steps_ahead_give_every_request_the_tokens_of_steps_read_one_by_one() -> None:
     prompts = _prompts(6)
     # A first run without stops finds a token request "c" makes mid-way: as its stop token
@@ -55,6 +56,7 @@ def test_steps_ahead_give_every_request_the_tokens_of_steps_read_one_by_one() ->
     assert not engine.has_unfinished
 
 
+@pytest.mark.slow  # two engines of a disaggregated pair (11 s)
 def test_requests_joining_from_remote_prefills_ride_the_steps_ahead() -> None:
     """A decode engine of a disaggregated pair: requests arrive prefilled elsewhere (their KV
     pushed into reserved blocks, their first token sampled there) while steps run ahead; the

@@ -1,0 +1,181 @@
+"""What LoRA adapters cost a decode step on the CPU, against the base model in the same run.
+
+One engine (the default model, the serving dtype, one core unless ``--threads``) loads four
+adapters of rank ``--rank`` on all seven projections, written in PEFT's saved format with
+random factors (what a step costs does not depend on the factors' values). Bursts of the same
+chat requests, greedy, ``--tokens`` tokens each, alternate round by round between:
+
+- ``base``: no request names an adapter (the C decode loop where it applies);
+- ``one``: every request names adapter 0;
+- ``half``: every other request names adapter 0, the rest the base model;
+- ``four``: requests spread over the four adapters.
+
+Per variant: the median over rounds of the burst's TPOT p50 and its ratio to ``base``.
+Nothing is asserted: the bench only measures.
+
+    .venv/bin/python bench/bench_lora.py --batches 8,32 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+from datetime import date
+from pathlib import Path
+from typing import Any
+
+import torch
+from bench_sampling import chat_prompts
+from safetensors.torch import save_file
+from splitserve_runner import timed_burst
+from timing_stats import run_metrics
+
+from splitserve.common.cpu_info import cpu_name
+from splitserve.common.sampling_params import SamplingParams
+from splitserve.engine.checkpoint import describe_checkpoint
+from splitserve.engine.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    RunnerConfig,
+    SchedulerConfig,
+)
+from splitserve.engine.engine_core import EngineCore
+from splitserve.engine.model_config import ModelArchConfig
+
+Json = dict[str, Any]
+RESULTS = Path(__file__).resolve().parent / "results"
+VARIANTS = ("base", "one", "half", "four")
+ADAPTERS = 4
+TARGETS = {
+    "self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
+    "mlp": ("gate_proj", "up_proj", "down_proj"),
+}
+
+
+def _shapes(config: ModelArchConfig) -> dict[str, tuple[int, int]]:
+    """(out, in) of each target projection."""
+    hidden, inter = config.hidden_size, config.intermediate_size
+    return {
+        "q_proj": (config.q_size, hidden),
+        "k_proj": (config.kv_size, hidden),
+        "v_proj": (config.kv_size, hidden),
+        "o_proj": (hidden, config.q_size),
+        "gate_proj": (inter, hidden),
+        "up_proj": (inter, hidden),
+        "down_proj": (hidden, inter),
+    }
+
+
+def write_adapter(folder: Path, config: ModelArchConfig, rank: int, seed: int) -> None:
+    """A rank-``rank`` adapter on every projection, in PEFT's saved format."""
+    folder.mkdir(parents=True)
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(config.num_hidden_layers):
+        for module, targets in TARGETS.items():
+            for target in targets:
+                out, inp = _shapes(config)[target]
+                key = f"base_model.model.model.layers.{layer}.{module}.{target}"
+                tensors[f"{key}.lora_A.weight"] = torch.randn(rank, inp, generator=generator)
+                tensors[f"{key}.lora_B.weight"] = 0.01 * torch.randn(out, rank, generator=generator)
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    settings = {
+        "peft_type": "LORA",
+        "r": rank,
+        "lora_alpha": 2 * rank,
+        "target_modules": [t for targets in TARGETS.values() for t in targets],
+        "bias": "none",
+    }
+    (folder / "adapter_config.json").write_text(json.dumps(settings))
+
+
+def _adapters_of(variant: str, batch: int) -> list[str]:
+    """Each request's adapter name ("" for the base model) in ``variant``."""
+    if variant == "base":
+        return [""] * batch
+    if variant == "one":
+        return ["a0"] * batch
+    if variant == "half":
+        return ["a0" if i % 2 == 0 else "" for i in range(batch)]
+    return [f"a{i % ADAPTERS}" for i in range(batch)]
+
+
+def one_burst(
+    core: EngineCore, prompts: list[list[int]], variant: str, tokens: int, tag: str
+) -> float:
+    """TPOT p50 (ms) of one burst of ``variant``."""
+    params = [
+        SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0.0, adapter=name)
+        for name in _adapters_of(variant, len(prompts))
+    ]
+    burst = timed_burst(core, prompts, params, tag)
+    return run_metrics(burst.requests, burst.start, burst.end, burst.cpu_seconds).tpot_p50_ms
+
+
+def measure(core: EngineCore, batch: int, rounds: int, tokens: int) -> Json:
+    prompts = chat_prompts(core, batch)
+    for variant in VARIANTS:
+        one_burst(core, prompts, variant, 4, f"warm-{variant}-{batch}")
+    tpot: dict[str, list[float]] = {name: [] for name in VARIANTS}
+    for round_index in range(rounds):
+        order = VARIANTS if round_index % 2 == 0 else tuple(reversed(VARIANTS))
+        for variant in order:
+            tag = f"{variant}-{batch}-{round_index}"
+            tpot[variant].append(one_burst(core, prompts, variant, tokens, tag))
+    p50 = {name: round(statistics.median(v), 2) for name, v in tpot.items()}
+    return {
+        "batch": batch,
+        "tpot_p50_ms": p50,
+        "ratio_to_base": {name: round(p50[name] / p50["base"], 3) for name in VARIANTS},
+        "tpot_runs_ms": {name: [round(x, 2) for x in v] for name, v in tpot.items()},
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", default="8,32", help="comma-separated batch sizes")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=48, help="tokens per request")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    config = describe_checkpoint("default").config
+    with tempfile.TemporaryDirectory() as folder:
+        modules = []
+        for index in range(ADAPTERS):
+            path = Path(folder) / f"a{index}"
+            write_adapter(path, config, args.rank, seed=index)
+            modules.append((f"a{index}", str(path)))
+        core = EngineCore(
+            EngineConfig(
+                model=ModelConfig(model="default", dtype="auto", lora_modules=tuple(modules)),
+                runner=RunnerConfig(num_threads=args.threads),
+                cache=CacheConfig(num_blocks=2048),
+                scheduler=SchedulerConfig(max_num_seqs=256),
+            )
+        )
+    report: Json = {
+        "cpu": cpu_name(),
+        "threads": args.threads,
+        "dtype": str(core.dtype),
+        "rank": args.rank,
+        "adapters": ADAPTERS,
+        "tokens": args.tokens,
+        "batches": [],
+    }
+    for batch in (int(b) for b in args.batches.split(",")):
+        row = measure(core, batch, args.rounds, args.tokens)
+        print(json.dumps(row), flush=True)
+        report["batches"].append(row)
+    out = args.out or RESULTS / f"lora-{date.today().isoformat()}.json"
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
