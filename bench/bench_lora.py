@@ -6,6 +6,8 @@ random factors (what a step costs does not depend on the factors' values). Burst
 chat requests, greedy, ``--tokens`` tokens each, alternate round by round between:
 
 - ``base``: no request names an adapter (the C decode loop where it applies);
+- ``base_python``: the same with the C decode loop off, the Python layer loop that every
+  step with an adapter's rows runs (what of an adapter's cost is the loop's);
 - ``one``: every request names adapter 0;
 - ``half``: every other request names adapter 0, the rest the base model;
 - ``four``: requests spread over the four adapters.
@@ -47,7 +49,7 @@ from splitserve.engine.model_config import ModelArchConfig
 
 Json = dict[str, Any]
 RESULTS = Path(__file__).resolve().parent / "results"
-VARIANTS = ("base", "one", "half", "four")
+VARIANTS = ("base", "base_python", "one", "half", "four")
 ADAPTERS = 4
 TARGETS = {
     "self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
@@ -94,7 +96,7 @@ def write_adapter(folder: Path, config: ModelArchConfig, rank: int, seed: int) -
 
 def _adapters_of(variant: str, batch: int) -> list[str]:
     """Each request's adapter name ("" for the base model) in ``variant``."""
-    if variant == "base":
+    if variant in ("base", "base_python"):
         return [""] * batch
     if variant == "one":
         return ["a0"] * batch
@@ -111,7 +113,14 @@ def one_burst(
         SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0.0, adapter=name)
         for name in _adapters_of(variant, len(prompts))
     ]
-    burst = timed_burst(core, prompts, params, tag)
+    model = core.runner.model
+    loop = model._decode_layers
+    if variant == "base_python":
+        model._decode_layers = None
+    try:
+        burst = timed_burst(core, prompts, params, tag)
+    finally:
+        model._decode_layers = loop
     return run_metrics(burst.requests, burst.start, burst.end, burst.cpu_seconds).tpot_p50_ms
 
 
@@ -160,6 +169,7 @@ def main() -> int:
         )
     report: Json = {
         "cpu": cpu_name(),
+        "c_decode_loop": core.runner.model._decode_layers is not None,
         "threads": args.threads,
         "dtype": str(core.dtype),
         "rank": args.rank,

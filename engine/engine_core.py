@@ -181,17 +181,20 @@ class EngineCore:
         engine only checks their config and hashes their files: it computes no terms); their
         ids by name. ``ModelLoadError`` for an adapter that cannot be served as trained."""
         adapters: dict[str, AdapterId] = {}
+        loaded = []
         for name, path in self.config.model.lora_modules:
-            runner = self.runner
-            if isinstance(runner, ModelRunner):
+            if isinstance(self.runner, ModelRunner):
                 adapter = load_lora_adapter(name, path, self.model_config, self.dtype, device)
-                runner.model.adapters[name] = adapter
+                loaded.append(adapter)
                 adapters[name] = AdapterId(name, adapter.digest)
             else:
                 folder = Path(path)
                 read_adapter_config(folder)
                 adapters[name] = AdapterId(name, adapter_digest(folder))
             logger.info("LoRA adapter %r served from %s", name, path)
+        if loaded:
+            assert isinstance(self.runner, ModelRunner)
+            self.runner.model.load_adapters(loaded)
         return adapters
 
     def _capture_decode_graphs(self, device: torch.device) -> None:

@@ -246,34 +246,87 @@ def _padded_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class StepAdapters:
-    """Which rows of a packed step take which adapter (rows of no adapter take none)."""
+class _BankedProjection:
+    """Every loaded adapter's factors on one projection of one layer, side by side."""
 
-    groups: tuple[tuple[LoraAdapter, torch.Tensor | None], ...]
-    """Each adapter of the step with its rows (``[rows]`` int64, on the model's device);
-    None: every row of the step."""
+    a: torch.Tensor  # [adapters * width, in]: adapter k's stacked A in rows k * width on
+    b: torch.Tensor  # [out, adapters * width]: adapter k's B, times its scaling, under those
+
+
+class AdapterBank:
+    """The loaded adapters' factors laid side by side per projection, so that a step's rows,
+    whatever adapters they take, cost each projection two products: ``x`` by every adapter's
+    A at once, the columns of other adapters than the row's zeroed (``StepAdapters``), then
+    by every adapter's B. Adapter ``k`` of ``names`` owns columns ``k * width`` on (a
+    projection's ``width``: its largest stacked rank over adapters and layers; zero-padded).
+
+    A row's term is computed the same way whatever shares its step (the products' shapes
+    depend on the adapters loaded, not on the step), and a row of the base model gets exact
+    zeros. Against PEFT's unmerged ``(x @ A.T @ B.T) * scaling`` per target, the scaling is
+    folded into B and the products run over the zero-padded columns: the same terms summed
+    in another grouping (float32 greedy output equal to PEFT's, tested)."""
+
+    def __init__(self, adapters: Sequence[LoraAdapter], num_layers: int) -> None:
+        self.names = tuple(adapter.name for adapter in adapters)
+        self.slot = {name: index for index, name in enumerate(self.names)}
+        widths: dict[str, int] = {}
+        for adapter in adapters:
+            for layer in adapter.layers:
+                for projection, factors in layer.items():
+                    widths[projection] = max(widths.get(projection, 0), factors.a.shape[0])
+        self.widths = widths
+        self.layers: list[dict[str, _BankedProjection]] = [
+            {projection: self._bank(adapters, layer, projection, width)
+             for projection, width in widths.items()}
+            for layer in range(num_layers)
+        ]  # fmt: skip
 
     @staticmethod
-    def of_rows(
-        row_adapters: Sequence[LoraAdapter | None], device: torch.device
-    ) -> StepAdapters | None:
-        """The step whose row ``i`` takes ``row_adapters[i]``; None when no row takes one."""
-        rows: dict[str, list[int]] = {}
-        adapters: dict[str, LoraAdapter] = {}
-        for row, adapter in enumerate(row_adapters):
-            if adapter is not None:
-                rows.setdefault(adapter.name, []).append(row)
-                adapters[adapter.name] = adapter
-        if not rows:
+    def _bank(
+        adapters: Sequence[LoraAdapter], layer: int, projection: str, width: int
+    ) -> _BankedProjection:
+        """One projection of one layer: each adapter's stacked A and scaled, block-placed B
+        (zeros where the adapter does not target it)."""
+        some = next(a.layers[layer][projection] for a in adapters if projection in a.layers[layer])
+        in_features, dtype, device = some.a.shape[1], some.a.dtype, some.a.device
+        out_features = max(part.columns.stop for part in some.parts)
+        a = torch.zeros(len(adapters) * width, in_features, dtype=dtype, device=device)
+        b = torch.zeros(out_features, len(adapters) * width, dtype=torch.float32, device=device)
+        for index, adapter in enumerate(adapters):
+            factors = adapter.layers[layer].get(projection)
+            if factors is None:
+                continue
+            first = index * width
+            a[first : first + factors.a.shape[0]] = factors.a
+            for part in factors.parts:
+                ranks = slice(first + part.ranks.start, first + part.ranks.stop)
+                b[part.columns, ranks] = part.b.float() * part.scaling
+        return _BankedProjection(a=a, b=b.to(dtype))
+
+    def step(self, row_adapters: Sequence[str], device: torch.device) -> StepAdapters | None:
+        """The step whose row ``i`` takes adapter ``row_adapters[i]`` ("" for none); None
+        when no row takes one."""
+        if not any(row_adapters):
             return None
-        if len(rows) == 1 and len(next(iter(rows.values()))) == len(row_adapters):
-            return StepAdapters(((next(iter(adapters.values())), None),))
-        return StepAdapters(
-            tuple(
-                (adapters[name], torch.tensor(indices, dtype=torch.int64, device=device))
-                for name, indices in rows.items()
-            )
-        )
+        dtype = self.layers[0][next(iter(self.widths))].a.dtype
+        owner = torch.zeros(len(row_adapters), len(self.names), dtype=dtype)  # [rows, adapters]
+        for row, name in enumerate(row_adapters):
+            if name:
+                owner[row, self.slot[name]] = 1
+        masks = {
+            projection: owner.repeat_interleave(width, dim=1).to(device)  # [rows, adapters * w]
+            for projection, width in self.widths.items()
+        }
+        return StepAdapters(self, masks)
+
+
+@dataclass(frozen=True)
+class StepAdapters:
+    """Which rows of a packed step take which adapter: per projection, a mask of the bank's
+    columns each row keeps (its adapter's; none for a row of the base model)."""
+
+    bank: AdapterBank
+    masks: Mapping[str, torch.Tensor]  # projection -> [tokens, adapters * width]
 
     def add_to(
         self,
@@ -282,19 +335,11 @@ class StepAdapters:
         layer: int,
         projection: str,
     ) -> torch.Tensor:
-        """``out`` with each adapter's term of ``projection`` in decoder layer ``layer``
-        added to its rows (PEFT's ``base + B(A(x)) * scaling`` per target)."""
-        for adapter, rows in self.groups:
-            factors = adapter.layers[layer].get(projection)
-            if factors is None:
-                continue
-            inputs = x if rows is None else x.index_select(0, rows)  # [rows, in]
-            low = _padded_linear(inputs, factors.a)  # [rows, sum of ranks]
-            for part in factors.parts:
-                term = _padded_linear(low[:, part.ranks], part.b) * part.scaling
-                target = out[:, part.columns]  # [tokens, part_out], a view
-                if rows is None:
-                    target += term
-                else:
-                    target.index_copy_(0, rows, target.index_select(0, rows) + term)
+        """``out`` with each row's adapter's term of ``projection`` in decoder layer ``layer``
+        added (``AdapterBank``)."""
+        banked = self.bank.layers[layer].get(projection)
+        if banked is None:
+            return out
+        low = _padded_linear(x, banked.a) * self.masks[projection]  # [tokens, adapters * w]
+        out += _padded_linear(low, banked.b)
         return out

@@ -19,7 +19,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -34,7 +34,7 @@ from splitserve.engine.linear import (
     measure_gemv_row_limit,
     prompt_blocks_setting,
 )
-from splitserve.engine.lora import LoraAdapter, StepAdapters
+from splitserve.engine.lora import AdapterBank, LoraAdapter, StepAdapters
 from splitserve.engine.model_config import ModelArchConfig
 from splitserve.engine.rotary import apply_rotary, cos_sin_table
 from splitserve.kernels.attention import AttentionBackend, TorchAttentionMetadata
@@ -155,13 +155,17 @@ class LlamaModel:
         """On CUDA in bf16/fp16: the add + RMSNorm, rotary and SiLU * up as one Triton kernel
         each (``kernels/triton_fused_ops.py``); None elsewhere."""
         self._decode_layers = self._decode_layers_for()
-        self.adapters: dict[str, LoraAdapter] = {}
-        """LoRA adapters by name (``engine/lora.py``), loaded by the engine; a step's rows
-        name theirs in ``forward``'s ``adapters``."""
+        self.adapters: AdapterBank | None = None
+        """The LoRA adapters served (``engine/lora.py``), set once by ``load_adapters``; a
+        step's rows name theirs in ``forward``'s ``adapters``."""
         self._decode_layers_max_rows = min(
             [MAX_ROWS, *(p.gemv_max_rows or MAX_ROWS for p in self._layer_projections())]
         )
         """Decode-only steps of up to this many rows take ``_decode_layers``."""
+
+    def load_adapters(self, adapters: Sequence[LoraAdapter]) -> None:
+        """Serve ``adapters`` (loaded for this model's shapes, dtype and device) from now on."""
+        self.adapters = AdapterBank(adapters, self.config.num_hidden_layers)
 
     def _decode_layers_for(self) -> CpuDecodeLayers | None:
         """The C layer loop of decode-only steps (``kernels/cpu_decode_layers.py``) where it

@@ -294,15 +294,11 @@ class ModelRunner(KvBlockStore):
         ``SamplingParams.adapter``), in ``_pack``'s row order; None when no row takes one.
         A request whose adapter this model does not hold was refused when it was added
         (``EngineCore``)."""
-        if not any(chunk.params.adapter for chunk in chunks):
+        bank = self.model.adapters
+        if bank is None or not any(chunk.params.adapter for chunk in chunks):
             return None
-        loaded = self.model.adapters
-        row_adapters = [
-            loaded[chunk.params.adapter] if chunk.params.adapter else None
-            for chunk in chunks
-            for _ in range(chunk.num_tokens)
-        ]
-        return StepAdapters.of_rows(row_adapters, self.device)
+        rows = [chunk.params.adapter for chunk in chunks for _ in range(chunk.num_tokens)]
+        return bank.step(rows, self.device)
 
     def _sample(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> RunnerOutput:
         """Sample each sampling chunk's rows of ``logits``: its token (and logprobs, when
