@@ -20,7 +20,8 @@ from splitserve.common.errors import InvalidRequestError, ModelLoadError, ModelN
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.checkpoint import LoadedCheckpoint
 from splitserve.engine.cli_args import parse_lora_modules
-from splitserve.engine.config import ModelConfig
+from splitserve.engine.config import CacheConfig, EngineConfig, ModelConfig, RunnerConfig
+from splitserve.engine.engine_core import EngineCore
 from splitserve.engine.lora import load_lora_adapter
 from tests.conftest import assert_no_leaks, make_llm
 
@@ -172,3 +173,25 @@ def test_lora_modules_flag() -> None:
         parse_lora_modules("a")
     with pytest.raises(InvalidRequestError, match="distinct"):
         ModelConfig(lora_modules=(("a", "/x"), ("a", "/y")))
+
+
+def test_a_simulated_engine_announces_the_adapters_a_real_one_would(
+    default_checkpoint_fp32: LoadedCheckpoint, adapters
+) -> None:
+    """A simulated worker (no weights) checks each adapter's config and announces it with
+    the real engine's digest, so a scale test's coordinator routes its requests as it would
+    a real fleet's; a request naming it is served, one naming another is refused."""
+    folder = str(adapters["qv"][0])
+    real = make_llm(default_checkpoint_fp32, lora_modules=(("qv", folder),))
+    config = EngineConfig(
+        model=ModelConfig(dtype="bfloat16", lora_modules=(("qv", folder),)),
+        cache=CacheConfig(num_blocks=64),
+        runner=RunnerConfig(engine="sim"),
+    )
+    simulated = EngineCore(config)
+    assert simulated.facts.adapters == real.engine.facts.adapters
+    simulated.add_request("r", [1, 2, 3], SamplingParams(max_tokens=3, adapter="qv"))
+    while simulated.has_unfinished:
+        simulated.step()
+    with pytest.raises(ModelNotFoundError):
+        simulated.add_request("s", [1, 2, 3], SamplingParams(max_tokens=3, adapter="every"))
