@@ -37,10 +37,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from splitserve.common.errors import ModelLoadError
-from splitserve.engine.linear import MIN_GEMM_ROWS
+from splitserve.engine.linear import Linear
 from splitserve.engine.model_config import ModelArchConfig
 
 CONFIG_FILE = "adapter_config.json"
@@ -234,23 +233,14 @@ def load_lora_adapter(
     return LoraAdapter(name=name, digest=adapter_digest(folder), path=str(folder), layers=layers)
 
 
-def _padded_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x @ weight.T`` ``[rows, out]``; float32 rows on the CPU padded to ``MIN_GEMM_ROWS``,
-    so the BLAS takes one kernel whatever the row count (``engine/linear.py``)."""
-    rows = x.shape[0]
-    if x.device.type == "cpu" and x.dtype == torch.float32 and rows < MIN_GEMM_ROWS:
-        padded = x.new_zeros(MIN_GEMM_ROWS, x.shape[1])  # [MIN_GEMM_ROWS, in]
-        padded[:rows] = x
-        return F.linear(padded, weight)[:rows]
-    return F.linear(x, weight)
-
-
 @dataclass(frozen=True)
 class _BankedProjection:
-    """Every loaded adapter's factors on one projection of one layer, side by side."""
+    """Every loaded adapter's factors on one projection of one layer, side by side, as
+    ``engine/linear.py:Linear`` products (prepacked for oneDNN in bf16 on the CPU; float32
+    rows padded as the base projections' are, so a row's bits do not depend on its step)."""
 
-    a: torch.Tensor  # [adapters * width, in]: adapter k's stacked A in rows k * width on
-    b: torch.Tensor  # [out, adapters * width]: adapter k's B, times its scaling, under those
+    a: Linear  # in -> adapters * width: adapter k's stacked A in rows k * width on
+    b: Linear  # adapters * width -> out: adapter k's B, times its scaling, under those
 
 
 class AdapterBank:
@@ -275,6 +265,13 @@ class AdapterBank:
                 for projection, factors in layer.items():
                     widths[projection] = max(widths.get(projection, 0), factors.a.shape[0])
         self.widths = widths
+        self.dtype = next(
+            factors.a.dtype
+            for adapter in adapters
+            for layer in adapter.layers
+            for factors in layer.values()
+        )
+        """The model's dtype, the factors' (at least one adapter is banked)."""
         self.layers: list[dict[str, _BankedProjection]] = [
             {projection: self._bank(adapters, layer, projection, width)
              for projection, width in widths.items()}
@@ -301,14 +298,16 @@ class AdapterBank:
             for part in factors.parts:
                 ranks = slice(first + part.ranks.start, first + part.ranks.stop)
                 b[part.columns, ranks] = part.b.float() * part.scaling
-        return _BankedProjection(a=a, b=b.to(dtype))
+        return _BankedProjection(
+            a=Linear(a, decode_gemv=False), b=Linear(b.to(dtype), decode_gemv=False)
+        )
 
     def step(self, row_adapters: Sequence[str], device: torch.device) -> StepAdapters | None:
         """The step whose row ``i`` takes adapter ``row_adapters[i]`` ("" for none); None
         when no row takes one."""
         if not any(row_adapters):
             return None
-        dtype = self.layers[0][next(iter(self.widths))].a.dtype
+        dtype = self.dtype
         owner = torch.zeros(len(row_adapters), len(self.names), dtype=dtype)  # [rows, adapters]
         for row, name in enumerate(row_adapters):
             if name:
@@ -340,6 +339,6 @@ class StepAdapters:
         banked = self.bank.layers[layer].get(projection)
         if banked is None:
             return out
-        low = _padded_linear(x, banked.a) * self.masks[projection]  # [tokens, adapters * w]
-        out += _padded_linear(low, banked.b)
+        low = banked.a(x) * self.masks[projection]  # [tokens, adapters * width]
+        out += banked.b(low)
         return out
