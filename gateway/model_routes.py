@@ -137,7 +137,9 @@ class ModelRoutes:
         self, client_of: Callable[[ModelRoute], AsyncClient], now: float | None = None
     ) -> None:
         """Ask again the known routes whose adapters are older than ``ADAPTERS_FRESH_S``
-        (concurrently); a route that does not answer keeps what it said last."""
+        (concurrently), keeping their answers whole: the adapters served and the context
+        window (0 from a coordinator asked before its first worker registered) change as
+        workers come and go; a route that does not answer keeps what it said last."""
         now = time.monotonic() if now is None else now
         stale = [
             route
@@ -149,6 +151,7 @@ class ModelRoutes:
         )
         for route, answer in zip(stale, answers, strict=True):
             if isinstance(answer, ModelInfo):
+                route.info = answer
                 route.adapters = answer.adapters
                 route.adapters_asked_at = now
 

@@ -261,3 +261,38 @@ def test_a_registry_refuses_an_adapter_name_with_other_files() -> None:
     assert registry.adapter_names() == {"a", "b"}
     stranger = WorkerInfo("w3", Role.DECODE, "h:1", LAYOUT, 64, 512, "x")
     assert "model 'm'" in (registry.refusal(stranger) or "")
+
+
+def test_the_gateway_learns_adapters_as_workers_bring_them() -> None:
+    """A route asked before its workers registered (no adapters, a window of 0) is asked
+    again when a request names a model it does not know, at most once per
+    ``ADAPTERS_FRESH_S``; a name still unknown then is a 404."""
+    from prometheus_client import CollectorRegistry
+
+    from splitserve.client import ModelInfo
+    from splitserve.gateway.errors import ApiError
+    from splitserve.gateway.model_routes import ADAPTERS_FRESH_S, ModelRoute, ModelRoutes
+
+    answers = [
+        ModelInfo("base", 0, 100, (2,), ""),
+        ModelInfo("base", 2048, 100, (2,), "bfloat16", adapters=("sql",)),
+    ]
+    asked: list[ModelInfo] = []
+
+    class Client:
+        async def model_info(self) -> ModelInfo:
+            asked.append(answers[min(len(asked), 1)])
+            return asked[-1]
+
+    async def scenario() -> None:
+        routes = ModelRoutes([ModelRoute("t", None, None)], CollectorRegistry())  # type: ignore[arg-type]
+        route = await routes.route("base", lambda _: Client())  # type: ignore[arg-type,return-value]
+        assert route.adapters == () and route.info is not None and route.info.max_model_len == 0
+        route.adapters_asked_at -= ADAPTERS_FRESH_S  # a second later
+        assert await routes.route("sql", lambda _: Client()) is route  # type: ignore[arg-type,return-value]
+        assert route.info.max_model_len == 2048 and len(asked) == 2
+        with pytest.raises(ApiError) as refused:
+            await routes.route("nope", lambda _: Client())  # type: ignore[arg-type,return-value]
+        assert refused.value.status == 404 and len(asked) == 2  # asked less than 1 s ago
+
+    asyncio.run(scenario())
