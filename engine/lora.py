@@ -3,9 +3,9 @@
 A LoRA adapter adds a low-rank term to some of the decoder's projections: for a target
 projection ``W`` ``[out, in]`` with factors ``A`` ``[rank, in]`` and ``B`` ``[out, rank]``,
 ``y = x @ W.T + scaling * ((x @ A.T) @ B.T)``, where ``scaling = lora_alpha / rank``
-(``lora_alpha / sqrt(rank)`` with ``use_rslora``). This is PEFT's unmerged forward, term for
-term, so a request served with an adapter gets the tokens that HF ``transformers`` with PEFT
-computes on the same base weights.
+(``lora_alpha / sqrt(rank)`` with ``use_rslora``). This is PEFT's unmerged forward (computed
+in another grouping, ``AdapterBank``), so a request served with an adapter gets the tokens
+that HF ``transformers`` with PEFT computes on the same base weights (float32 greedy, tested).
 
 Contract:
 - ``load_lora_adapter`` reads a folder as ``PeftModel.save_pretrained`` writes it
@@ -18,9 +18,10 @@ Contract:
 - The model keeps its base weights; each adapter's factors are held apart, in the model's
   dtype, on its device. A step's rows take their own request's adapter or none
   (``StepAdapters``): requests of several adapters and of the base model share one step.
-- A row's term depends only on its own input row: rows are gathered per adapter and, in
-  float32 on the CPU, padded to ``MIN_GEMM_ROWS`` as the base projections are
-  (``engine/linear.py``), so a request's output does not depend on what shares its step.
+- A row's term depends only on its own input row and the adapters loaded: every step's
+  products have the bank's shapes (``AdapterBank``), and float32 rows on the CPU are padded
+  as the base projections' are (``engine/linear.py``), so a request's output does not depend
+  on what shares its step.
 - ``digest``: a hash of the adapter's two files. Workers announce their adapters by name and
   digest; a coordinator routes a request of an adapter only to workers that hold that name
   with one digest, since the prompt's KV computed by one worker is decoded by another.
