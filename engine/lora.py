@@ -18,10 +18,11 @@ Contract:
 - The model keeps its base weights; each adapter's factors are held apart, in the model's
   dtype, on its device. A step's rows take their own request's adapter or none
   (``StepAdapters``): requests of several adapters and of the base model share one step.
-- A row's term depends only on its own input row and the adapters loaded: every step's
-  products have the bank's shapes (``AdapterBank``), and float32 rows on the CPU are padded
-  as the base projections' are (``engine/linear.py``), so a request's output does not depend
-  on what shares its step.
+- A row's term depends only on its own input row and the adapters loaded, where the base
+  projections' rows do (``engine/linear.py``: float32 on the CPU, its rows padded alike; bf16
+  where oneDNN's sums do not change with the row count, not on AMX for calls of fewer than
+  about 37 rows): every step's products have the bank's widths (``AdapterBank``), whatever
+  adapters the step's rows take.
 - ``digest``: a hash of the adapter's two files. Workers announce their adapters by name and
   digest; a coordinator routes a request of an adapter only to workers that hold that name
   with one digest, since the prompt's KV computed by one worker is decoded by another.
@@ -251,11 +252,11 @@ class AdapterBank:
     by every adapter's B. Adapter ``k`` of ``names`` owns columns ``k * width`` on (a
     projection's ``width``: its largest stacked rank over adapters and layers; zero-padded).
 
-    A row's term is computed the same way whatever shares its step (the products' shapes
-    depend on the adapters loaded, not on the step), and a row of the base model gets exact
-    zeros. Against PEFT's unmerged ``(x @ A.T @ B.T) * scaling`` per target, the scaling is
-    folded into B and the products run over the zero-padded columns: the same terms summed
-    in another grouping (float32 greedy output equal to PEFT's, tested)."""
+    A row's term is computed over the same columns whatever adapters share its step (the
+    products' widths depend on the adapters loaded, not on the step), and a row of the base
+    model gets exact zeros. Against PEFT's unmerged ``(x @ A.T @ B.T) * scaling`` per target,
+    the scaling is folded into B and the products run over the zero-padded columns: the same
+    terms summed in another grouping (float32 greedy output equal to PEFT's, tested)."""
 
     def __init__(self, adapters: Sequence[LoraAdapter], num_layers: int) -> None:
         self.names = tuple(adapter.name for adapter in adapters)
