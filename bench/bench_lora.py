@@ -24,14 +24,13 @@ import argparse
 import json
 import statistics
 import tempfile
-from datetime import date
 from pathlib import Path
 from typing import Any
 
 import torch
 from bench_sampling import chat_prompts
 from safetensors.torch import save_file
-from splitserve_runner import timed_burst
+from splitserve_runner import alternated_rounds, timed_burst, write_report
 from timing_stats import run_metrics
 
 from splitserve.common.cpu_info import cpu_name
@@ -48,7 +47,6 @@ from splitserve.engine.engine_core import EngineCore
 from splitserve.engine.model_config import ModelArchConfig
 
 Json = dict[str, Any]
-RESULTS = Path(__file__).resolve().parent / "results"
 VARIANTS = ("base", "base_python", "one", "half", "four")
 ADAPTERS = 4
 TARGETS = {
@@ -128,12 +126,13 @@ def measure(core: EngineCore, batch: int, rounds: int, tokens: int) -> Json:
     prompts = chat_prompts(core, batch)
     for variant in VARIANTS:
         one_burst(core, prompts, variant, 4, f"warm-{variant}-{batch}")
-    tpot: dict[str, list[float]] = {name: [] for name in VARIANTS}
-    for round_index in range(rounds):
-        order = VARIANTS if round_index % 2 == 0 else tuple(reversed(VARIANTS))
-        for variant in order:
-            tag = f"{variant}-{batch}-{round_index}"
-            tpot[variant].append(one_burst(core, prompts, variant, tokens, tag))
+    tpot = alternated_rounds(
+        VARIANTS,
+        rounds,
+        lambda variant, index: one_burst(
+            core, prompts, variant, tokens, f"{variant}-{batch}-{index}"
+        ),
+    )
     p50 = {name: round(statistics.median(v), 2) for name, v in tpot.items()}
     return {
         "batch": batch,
@@ -181,9 +180,7 @@ def main() -> int:
         row = measure(core, batch, args.rounds, args.tokens)
         print(json.dumps(row), flush=True)
         report["batches"].append(row)
-    out = args.out or RESULTS / f"lora-{date.today().isoformat()}.json"
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_report(report, args.out, "lora")
     return 0
 
 

@@ -27,11 +27,11 @@ import json
 import statistics
 import time
 from dataclasses import asdict
-from datetime import date
 from pathlib import Path
 from typing import Any
 
 from machine_bound import default_model_figures, measure
+from splitserve_runner import alternated_rounds, write_report
 
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.config import (
@@ -44,7 +44,6 @@ from splitserve.engine.config import (
 from splitserve.engine.engine_core import EngineCore
 
 Json = dict[str, Any]
-RESULTS = Path(__file__).resolve().parent / "results"
 VARIANTS: dict[str, int | None] = {
     "plain": None,
     "prompt_logprobs=1": 1,
@@ -87,13 +86,13 @@ def seconds_per_prompt(
 def measure_length(core: EngineCore, length: int, batch: int, rounds: int, flops: Json) -> Json:
     prompts = prompts_of(core, length, batch)
     seconds_per_prompt(core, prompts, 1, f"warm-{length}")
-    runs: dict[str, list[float]] = {name: [] for name in VARIANTS}
-    for round_index in range(rounds):
-        order = list(VARIANTS) if round_index % 2 == 0 else list(reversed(VARIANTS))
-        for name in order:
-            runs[name].append(
-                seconds_per_prompt(core, prompts, VARIANTS[name], f"{name}-{length}-{round_index}")
-            )
+    runs = alternated_rounds(
+        tuple(VARIANTS),
+        rounds,
+        lambda name, index: seconds_per_prompt(
+            core, prompts, VARIANTS[name], f"{name}-{length}-{index}"
+        ),
+    )
     medians = {name: statistics.median(values) for name, values in runs.items()}
     layer, head = flops["layer_params"], flops["head_params"]
     needed = {
@@ -151,9 +150,7 @@ def main() -> int:
         row = measure_length(core, length, args.batch, args.rounds, flops)
         print(json.dumps(row), flush=True)
         report["lengths"].append(row)
-    out = args.out or RESULTS / f"prompt-logprobs-{date.today().isoformat()}.json"
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_report(report, args.out, "prompt-logprobs")
     return 0
 
 

@@ -29,13 +29,12 @@ import argparse
 import json
 import statistics
 import time
-from datetime import date
 from pathlib import Path
 from typing import Any
 
 import torch
 from bench_speculative import QUESTIONS
-from splitserve_runner import timed_burst
+from splitserve_runner import alternated_rounds, timed_burst, write_report
 from timing_stats import run_metrics
 
 from splitserve.common.cpu_info import cpu_name
@@ -53,7 +52,6 @@ from splitserve.kernels.cpu_build import runnable_levels
 from splitserve.kernels.cpu_sampling import load_cpu_sampling
 
 Json = dict[str, Any]
-RESULTS = Path(__file__).resolve().parent / "results"
 VARIANTS = ("native", "torch", "greedy")
 TOPICS = ("a dragon", "the sea", "a city at night", "a robot", "an old library", "autumn")
 
@@ -100,19 +98,22 @@ def measure(core: EngineCore, batch: int, rounds: int, tokens: int) -> Json:
     prompts = chat_prompts(core, batch)
     for variant in VARIANTS:
         one_burst(core, prompts, variant, 4, f"warm-{variant}")
-    tpot: dict[str, list[float]] = {name: [] for name in VARIANTS}
-    rate: dict[str, list[float]] = {name: [] for name in VARIANTS}
-    same = [True] * batch
-    for round_index in range(rounds):
-        outputs: dict[str, list[list[int]]] = {}
-        order = VARIANTS if round_index % 2 == 0 else tuple(reversed(VARIANTS))
-        for variant in order:
-            tag = f"{variant}-{batch}-{round_index}"
-            step_ms, per_s, outputs[variant] = one_burst(core, prompts, variant, tokens, tag)
-            tpot[variant].append(step_ms)
-            rate[variant].append(per_s)
-        for i, (native, plain) in enumerate(zip(outputs["native"], outputs["torch"], strict=True)):
-            same[i] = same[i] and native == plain
+    runs = alternated_rounds(
+        VARIANTS,
+        rounds,
+        lambda variant, index: one_burst(
+            core, prompts, variant, tokens, f"{variant}-{batch}-{index}"
+        ),
+    )
+    tpot = {name: [step_ms for step_ms, _, _ in v] for name, v in runs.items()}
+    rate = {name: [per_s for _, per_s, _ in v] for name, v in runs.items()}
+    same = [
+        all(
+            native[2][i] == plain[2][i]
+            for native, plain in zip(runs["native"], runs["torch"], strict=True)
+        )
+        for i in range(batch)
+    ]
     tpot_p50 = {name: round(statistics.median(v), 2) for name, v in tpot.items()}
     return {
         "batch": batch,
@@ -244,9 +245,7 @@ def main() -> int:
         row = measure(core, batch, args.rounds, args.tokens)
         print(json.dumps(row), flush=True)
         report["batches"].append(row)
-    out = args.out or RESULTS / f"sampling-{date.today().isoformat()}.json"
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_report(report, args.out, "sampling")
     return 0
 
 

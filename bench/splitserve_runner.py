@@ -9,8 +9,13 @@ is wrong; ``num_preemptions`` reads the scheduler's preemption count.
 
 from __future__ import annotations
 
+import json
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from datetime import date
+from pathlib import Path
+from typing import Any, TypeVar
 
 from timing_stats import RequestTiming, RunResult, run_metrics
 
@@ -23,6 +28,32 @@ from splitserve.engine.config import (
     SchedulerConfig,
 )
 from splitserve.engine.engine_core import EngineCore
+
+T = TypeVar("T")
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def alternated_rounds(
+    variants: Sequence[str], rounds: int, run: Callable[[str, int], T]
+) -> dict[str, list[T]]:
+    """Each variant's ``run(variant, round_index)`` over ``rounds`` rounds, in order: the
+    variants run in their order in even rounds and in reverse in odd ones, so that none
+    always runs right after the same other one (a shared machine's drift falls on all)."""
+    results: dict[str, list[T]] = {variant: [] for variant in variants}
+    for round_index in range(rounds):
+        order = variants if round_index % 2 == 0 else tuple(reversed(variants))
+        for variant in order:
+            results[variant].append(run(variant, round_index))
+    return results
+
+
+def write_report(report: dict[str, Any], out: Path | None, name: str) -> Path:
+    """``report`` as indented JSON in ``out``, by default ``results/<name>-<today>.json``;
+    says where."""
+    path = out or RESULTS / f"{name}-{date.today().isoformat()}.json"
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {path}")
+    return path
 
 
 def build_engine(threads: int, kv_cache_gib: float) -> EngineCore:
