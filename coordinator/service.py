@@ -393,6 +393,8 @@ class Coordinator:
         routable worker serves (``params.adapter`` becomes its name). ``ModelNotFoundError``
         for any other name, or an adapter no routable worker serves; ``InvalidRequestError``
         when ``params.adapter`` and ``model`` name two adapters."""
+        if self.config.names_base_model(model) and not params.adapter:
+            return params  # most requests: nothing to look up
         adapters = self.registry.adapter_names()
         self.config.check_model(model, adapters)
         if not self.config.names_base_model(model):

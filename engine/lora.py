@@ -91,7 +91,6 @@ class LoraAdapter:
 
     name: str
     digest: str
-    path: str
     layers: tuple[Mapping[str, LoraProjection], ...]
     """``layers[i][projection]``: what adds to layer ``i``'s ``projection``
     (``PROJECTIONS``); a projection the adapter does not target is absent."""
@@ -232,7 +231,7 @@ def load_lora_adapter(
         }
         for layer in stacked
     )
-    return LoraAdapter(name=name, digest=adapter_digest(folder), path=str(folder), layers=layers)
+    return LoraAdapter(name=name, digest=adapter_digest(folder), layers=layers)
 
 
 @dataclass(frozen=True)
@@ -314,10 +313,11 @@ class AdapterBank:
         for row, name in enumerate(row_adapters):
             if name:
                 owner[row, self.slot[name]] = 1
-        masks = {
-            projection: owner.repeat_interleave(width, dim=1).to(device)  # [rows, adapters * w]
-            for projection, width in self.widths.items()
+        by_width = {
+            width: owner.repeat_interleave(width, dim=1).to(device)  # [rows, adapters * width]
+            for width in set(self.widths.values())
         }
+        masks = {projection: by_width[width] for projection, width in self.widths.items()}
         return StepAdapters(self, masks)
 
 
