@@ -53,7 +53,7 @@ def prompt_block_hashes(
     token_ids: Sequence[int], block_size: int, root: BlockHash | None = None
 ) -> list[BlockHash]:
     """Chained hashes of the prompt's full blocks (as the workers' prefix caches key them),
-    from ``root`` (``prefix_root`` of the request's salt)."""
+    from ``root`` (``prefix_root`` of the request's salt and adapter)."""
     hashes: list[BlockHash] = []
     parent = root
     for start in range(0, len(token_ids) - block_size + 1, block_size):

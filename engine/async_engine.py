@@ -275,8 +275,8 @@ class AsyncEngine:
 
     def cached_prefix_blocks(self, token_ids: Sequence[int], root: BlockHash | None = None) -> int:
         """Any thread: how many leading full blocks of the prompt ``token_ids`` (its hashes
-        chained from ``root``, ``prefix_root`` of its salt) the prefix cache holds, never its
-        last token's (as of the latest change; a step may evict or add
+        chained from ``root``, ``prefix_root`` of its salt and adapter) the prefix cache
+        holds, never its last token's (as of the latest change; a step may evict or add
         some before a request submitted now is scheduled)."""
         block_size = self.paged_kv.block_size
         usable = token_ids[: len(token_ids) - 1]

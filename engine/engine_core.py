@@ -485,11 +485,11 @@ class EngineCore:
         self, token_ids: Sequence[int], pulled: PulledKv, root: BlockHash | None = None
     ) -> int:
         """Enter KV another worker sent for the prompt ``token_ids`` (its blocks
-        ``pulled.first_block ..``; its hashes chained from ``root``, the request's salt) into
-        the prefix cache, after the prompt's blocks this engine holds: new blocks get the
-        pulled KV this engine lacks and their prefix hashes, then go back to the pool as
-        cached (freed last, so a request added in the same command finds them). Returns the
-        blocks adopted: 0 when prefix caching is off, when this engine already holds them
+        ``pulled.first_block ..``; its hashes chained from ``root``, the request's salt and
+        adapter) into the prefix cache, after the prompt's blocks this engine holds: new blocks
+        get the pulled KV this engine lacks and their prefix hashes, then go back to the pool
+        as cached (freed last, so a request added in the same command finds them). Returns
+        the blocks adopted: 0 when prefix caching is off, when this engine already holds them
         all, when it lacks blocks before ``first_block`` (the pulled KV would not follow a
         cached prefix: the prompt is computed instead), when the blocks would reach the
         prompt's last token, or when the pool is short now."""

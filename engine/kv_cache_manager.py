@@ -52,7 +52,7 @@ class KVCacheManager:
         self, token_ids: Sequence[int], root: BlockHash | None = None
     ) -> list[int]:
         """Blocks holding the longest cached prefix of ``token_ids`` (not yet referenced), its
-        hashes chained from ``root`` (``Request.hash_root``: the request's salt).
+        hashes chained from ``root`` (``Request.hash_root``: the request's salt and adapter).
 
         At most ``(len(token_ids) - 1) // block_size`` blocks, so one token is left to compute.
         """

@@ -261,7 +261,8 @@ class PrefillWorker:
         """Receive the decode worker's cached blocks of the prompt that this engine's prefix
         cache lacks (module docstring), for the prompt's request to take in. None when
         nothing is pulled: too little to gain, or the pull failed (the prompt is then
-        computed as without it). ``root``: where the prompt's block hashes start (its salt)."""
+        computed as without it). ``root``: where the prompt's block hashes start (its salt
+        and adapter)."""
         wanted = target.num_cached_blocks
         held = min(self.engine.cached_prefix_blocks(prompt_token_ids, root), wanted)
         if not self.pulls_cached_kv_min_blocks or wanted - held < self.pulls_cached_kv_min_blocks:
