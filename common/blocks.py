@@ -28,16 +28,18 @@ def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
-def prefix_root(cache_salt: str, adapter: str = "") -> BlockHash | None:
-    """The parent of a prompt's first block under ``cache_salt`` and LoRA ``adapter`` (None,
-    the common root, for neither): a request of an adapter computes other KV than the base
-    model's for the same tokens, so its blocks are found only by requests of that adapter."""
-    if not cache_salt and not adapter:
+def prefix_root(cache_salt: str, adapter_digest: str = "") -> BlockHash | None:
+    """The parent of a prompt's first block under ``cache_salt`` and the LoRA adapter whose
+    files hash to ``adapter_digest`` (``common/adapter_id.py``; None, the common root, for
+    neither): a request of an adapter computes other KV than the base model's for the same
+    tokens, so its blocks are found only by requests of that adapter, and of its files (an
+    adapter loaded again under its name with other files finds none of the old one's)."""
+    if not cache_salt and not adapter_digest:
         return None
     digest = hashlib.blake2b(b"splitserve-cache-salt", digest_size=16)
     digest.update(cache_salt.encode("utf-8", "surrogatepass"))
-    if adapter:
-        digest.update(b"\x00lora\x00" + adapter.encode("utf-8", "surrogatepass"))
+    if adapter_digest:
+        digest.update(b"\x00lora\x00" + adapter_digest.encode("utf-8", "surrogatepass"))
     return digest.digest()
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from splitserve.common.adapter_id import AdapterId
 from splitserve.common.kv_layout import KvLayout
 from splitserve.common.load import EngineLoad
 
@@ -19,16 +20,6 @@ class Role(enum.Enum):
 
     PREFILL = "prefill"
     DECODE = "decode"
-
-
-@dataclass(frozen=True)
-class AdapterId:
-    """A LoRA adapter a worker serves (``engine/lora.py``): the name requests use for it, and
-    a digest of its files. Requests of an adapter go only to workers that hold it under one
-    digest: a prompt's KV computed by one is decoded by another."""
-
-    name: str
-    digest: str
 
 
 @dataclass(frozen=True)

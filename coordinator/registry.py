@@ -15,8 +15,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from splitserve.common.adapter_id import AdapterId
 from splitserve.common.load import EngineLoad
-from splitserve.common.membership import AdapterId, Role, WorkerInfo
+from splitserve.common.membership import Role, WorkerInfo
 from splitserve.coordinator.circuit_breaker import CircuitBreaker
 
 

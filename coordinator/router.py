@@ -49,9 +49,10 @@ import time
 from collections.abc import Callable, Collection, Container, Iterator, Sequence
 from dataclasses import dataclass
 
+from splitserve.common.adapter_id import AdapterId
 from splitserve.common.blocks import BlockHash, prefix_root, prompt_block_hashes
 from splitserve.common.kv_events import KvEvents
-from splitserve.common.membership import AdapterId, Role
+from splitserve.common.membership import Role
 from splitserve.coordinator.placement import (
     AT_RISK,
     DecodeView,
@@ -231,12 +232,12 @@ HashesOf = Callable[[int], Sequence[BlockHash]]
 
 
 def hashes_by_block_size(
-    token_ids: Sequence[int], cache_salt: str = "", adapter: str = ""
+    token_ids: Sequence[int], cache_salt: str = "", adapter_digest: str = ""
 ) -> HashesOf:
-    """``token_ids``' block hashes at any block size (under ``cache_salt`` and LoRA
-    ``adapter``, as the workers key them), each size computed once."""
+    """``token_ids``' block hashes at any block size (under ``cache_salt`` and the LoRA
+    adapter of ``adapter_digest``, as the workers key them), each size computed once."""
     computed: dict[int, list[BlockHash]] = {}
-    root = prefix_root(cache_salt, adapter)
+    root = prefix_root(cache_salt, adapter_digest)
 
     def hashes_of(block_size: int) -> Sequence[BlockHash]:
         if block_size not in computed:
@@ -327,10 +328,12 @@ class Router:
         prompt, counted from its arrival; its session picks the decode worker (module
         docstring)."""
         prompt_token_ids = request.context_after(streamed) if streamed else request.prompt_token_ids
+        adapter = self.served_adapter(request.params.adapter)
+        if request.params.adapter and adapter is None:
+            return None  # no routable decode worker serves it (now)
         hashes_of = hashes_by_block_size(
-            prompt_token_ids, request.params.cache_salt, request.params.adapter
+            prompt_token_ids, request.params.cache_salt, adapter.digest if adapter else ""
         )
-        adapter = request.params.adapter
         decode = self.pick_decode(
             len(prompt_token_ids) + request.tokens_left(len(streamed)),
             exclude,
@@ -399,7 +402,8 @@ class Router:
         conversation's next turn (a worker that sends KV events says so itself: nothing to
         hash)."""
         if decode.worker_id not in self._known:
-            root = prefix_root(cache_salt, adapter)
+            served = _adapter_id(decode, adapter) if adapter else None
+            root = prefix_root(cache_salt, served.digest if served else "")
             self._guess_held(decode, prompt_block_hashes(token_ids[:-1], decode.block_size, root))
 
     def pick_decode(
@@ -408,18 +412,18 @@ class Router:
         exclude: Sequence[str] = (),
         hashes_of: HashesOf | None = None,
         session_id: str = "",
-        adapter: str = "",
+        adapter: AdapterId | None = None,
     ) -> WorkerRecord | None:
         """The decode worker for a request of ``num_tokens`` (prompt and ``max_tokens``)
         whose prompt's block hashes ``hashes_of`` gives, of session ``session_id`` ("" for
-        none), of LoRA ``adapter`` ("" for none: only workers serving it) (module
-        docstring)."""
+        none), of LoRA ``adapter`` (None for none: only workers serving it, with its files)
+        (module docstring)."""
         candidates = [
             w
             for w in self.registry.workers(Role.DECODE)
             if w.worker_id not in exclude
             and w.max_model_len >= num_tokens
-            and (not adapter or _adapter_id(w, adapter) is not None)
+            and (adapter is None or adapter in w.adapters)
         ]
         if not candidates:
             return None
@@ -454,21 +458,38 @@ class Router:
         return self._held_blocks(worker.worker_id, hashes, self._decode_prefix)
 
     def _prefill_candidates(
-        self, decode: WorkerRecord, num_tokens: int, adapter: str = ""
+        self, decode: WorkerRecord, num_tokens: int, adapter: AdapterId | None = None
     ) -> list[WorkerRecord]:
-        """Prefill workers that may push a prompt of ``num_tokens`` of LoRA ``adapter`` ("":
-        none) to ``decode``: serving the adapter as ``decode`` does (its digest); never the
+        """Prefill workers that may push a prompt of ``num_tokens`` of LoRA ``adapter`` (None:
+        none) to ``decode``: serving the adapter with the same files (its digest); never the
         prefill role of ``decode``'s own process (a dual-role worker): computing the prompt
         there is local prefill, with no transfer."""
-        wanted = _adapter_id(decode, adapter) if adapter else None
         return [
             w
             for w in self.registry.workers(Role.PREFILL)
             if w.compat_hash == decode.compat_hash
             and w.max_model_len >= num_tokens
             and w.address != decode.address
-            and (wanted is None or wanted in w.adapters)
+            and (adapter is None or adapter in w.adapters)
         ]
+
+    def served_adapter(self, name: str) -> AdapterId | None:
+        """The LoRA adapter requests naming ``name`` are routed to ("": none, None): of the
+        digests routable decode workers serve under that name (one, but for the moment a
+        runtime load or unload reaches the workers one after the other), the one most of
+        them serve (ties: the smallest digest). None also where no routable worker serves it
+        (no route then)."""
+        if not name:
+            return None
+        counts = collections.Counter(
+            adapter
+            for worker in self.registry.workers(Role.DECODE)
+            for adapter in worker.adapters
+            if adapter.name == name
+        )
+        if not counts:
+            return None
+        return min(counts, key=lambda adapter: (-counts[adapter], adapter.digest))
 
     def place_prompt(
         self,

@@ -44,8 +44,10 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from pathlib import Path
 from typing import TypeVar
 
+from splitserve.common.adapter_id import AdapterId
 from splitserve.common.blocks import BlockHash, prefix_root, prompt_block_hashes
 from splitserve.common.errors import EngineStoppedError
 from splitserve.common.kv_events import KvEventLog
@@ -287,6 +289,30 @@ class AsyncEngine:
             held += 1
         return held
 
+    @property
+    def served_adapters(self) -> tuple[AdapterId, ...]:
+        """The LoRA adapters served now (``EngineCore.adapters``); any thread."""
+        return tuple(self._core.adapters.values())
+
+    def adapter_digest(self, name: str) -> str:
+        """The digest of the adapter served as ``name`` now ("" for ""; ``ModelNotFoundError``
+        where none is: ``EngineCore.adapter_digest``); any thread."""
+        return self._core.adapter_digest(name)
+
+    async def load_adapter(self, name: str, folder: Path) -> tuple[AdapterId, bool]:
+        """Read the LoRA adapter in ``folder`` on a thread of its own (the engine steps on
+        meanwhile), then serve it as ``name`` between two steps (``EngineCore.serve_adapter``:
+        its refusals). Returns its id and whether it is newly served (False: ``name`` served
+        these very files already)."""
+        adapter = await asyncio.to_thread(self._core.read_adapter, name, folder)
+        served = await self.call(lambda: self._core.serve_adapter(name, adapter))
+        return AdapterId(name, adapter.digest), served
+
+    async def unload_adapter(self, name: str) -> None:
+        """Stop serving the adapter ``name`` (``EngineCore.unserve_adapter``: requests of it
+        already running finish with it)."""
+        await self.call(lambda: self._core.unserve_adapter(name))
+
     async def call(self, function: Callable[[], T]) -> T:
         """Run ``function()`` on the engine thread between steps, in order with the other
         commands; returns its result once ``latest_report`` shows every command before it."""
@@ -388,7 +414,7 @@ class AsyncEngine:
         engine goes on."""
         try:
             if pulled_kv is not None:
-                root = prefix_root(params.cache_salt, params.adapter)
+                root = prefix_root(params.cache_salt, self._core.adapter_digest(params.adapter))
                 self._core.adopt_pulled_kv(prompt_token_ids, pulled_kv, root)
             self._core.add_request(
                 entry.request_id, prompt_token_ids, params, prior_output_token_ids

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from splitserve.common.adapter_id import AdapterId
 from splitserve.common.bad_words import bad_word_sequences
 from splitserve.common.blocks import BlockHash
 from splitserve.common.busy_share import DecayingShare
@@ -27,7 +28,6 @@ from splitserve.common.errors import InvalidRequestError, ModelNotFoundError
 from splitserve.common.grammar import GrammarCompiler, GrammarSpec
 from splitserve.common.load import EngineLoad
 from splitserve.common.logprobs import TokenLogprob
-from splitserve.common.membership import AdapterId
 from splitserve.common.prompt import check_in_vocab
 from splitserve.common.request_update import StepOutput
 from splitserve.common.sampling_params import SamplingParams
@@ -49,7 +49,12 @@ from splitserve.engine.grammar_matchers import GrammarMatchers
 from splitserve.engine.host_memory import return_freed_heap
 from splitserve.engine.kv_cache_manager import KVCacheManager
 from splitserve.engine.launched_step import LaunchedDecode
-from splitserve.engine.lora import adapter_digest, load_lora_adapter, read_adapter_config
+from splitserve.engine.lora import (
+    LoraAdapter,
+    adapter_digest,
+    load_lora_adapter,
+    read_adapter_config,
+)
 from splitserve.engine.model import LlamaModel
 from splitserve.engine.model_runner import ModelRunner, RunnerOutput, kv_cache_bytes_per_block
 from splitserve.engine.request import Request, RequestStatus
@@ -103,8 +108,16 @@ class EngineCore:
         self.runner: ModelRunner | SimulatedRunner = self._make_runner(
             checkpoint, device, native_quantized
         )
-        self.adapters = self._load_adapters(device)
-        """The LoRA adapters served (``ModelConfig.lora_modules``), by name."""
+        self._device = device
+        self._banked: dict[str, LoraAdapter] = {}
+        """The loaded adapters whose factors the model's bank holds, by digest: those served
+        and those unloaded while requests of theirs still run (``_retire_adapters``)."""
+        self._adapters_retiring = False
+        """The bank holds an adapter no longer served, for requests of it still here."""
+        self.adapters: dict[str, AdapterId] = self._load_adapters()
+        """The LoRA adapters served, by name: ``ModelConfig.lora_modules``, then as loaded
+        and unloaded at runtime (``serve_adapter``, ``unserve_adapter``). Replaced, never
+        changed in place, so other threads read a whole one (``served_adapters``)."""
         del checkpoint  # the loader's weights and blocks: the model packed its own copies
         return_freed_heap()
         self._capture_decode_graphs(device)
@@ -176,26 +189,97 @@ class EngineCore:
         backend = _backend(config, self.dtype, self.num_blocks)
         return ModelRunner(model, self.num_blocks, config.cache.block_size, backend)
 
-    def _load_adapters(self, device: torch.device) -> dict[str, AdapterId]:
-        """Load ``config.model.lora_modules`` into the model (``engine/lora.py``; a simulated
-        engine only checks their config and hashes their files: it computes no terms); their
-        ids by name. ``ModelLoadError`` for an adapter that cannot be served as trained."""
+    def _load_adapters(self) -> dict[str, AdapterId]:
+        """Load ``config.model.lora_modules`` into the model (``read_adapter``); their ids by
+        name. ``ModelLoadError`` for an adapter that cannot be served as trained."""
         adapters: dict[str, AdapterId] = {}
-        loaded = []
         for name, path in self.config.model.lora_modules:
-            if isinstance(self.runner, ModelRunner):
-                adapter = load_lora_adapter(name, path, self.model_config, self.dtype, device)
-                loaded.append(adapter)
+            adapter = self.read_adapter(name, Path(path))
+            if isinstance(adapter, LoraAdapter):
+                self._banked.setdefault(adapter.digest, adapter)
                 adapters[name] = AdapterId(name, adapter.digest)
             else:
-                folder = Path(path)
-                read_adapter_config(folder)
-                adapters[name] = AdapterId(name, adapter_digest(folder))
+                adapters[name] = adapter
             logger.info("LoRA adapter %r served from %s", name, path)
-        if loaded:
-            assert isinstance(self.runner, ModelRunner)
-            self.runner.model.load_adapters(loaded)
+        self._bank_adapters()
         return adapters
+
+    # ---- LoRA adapters at runtime ----------------------------------------------------------
+
+    def read_adapter(self, name: str, folder: Path) -> LoraAdapter | AdapterId:
+        """The adapter saved in ``folder``, read for this engine as ``name``: its factors in
+        the model's dtype on its device, or for a simulated engine (which computes no terms)
+        its checked config's id. ``ModelLoadError`` for one that cannot be served as
+        trained. Touches no engine state: any thread (``AsyncEngine.load_adapter`` reads
+        off the engine thread)."""
+        if isinstance(self.runner, ModelRunner):
+            return load_lora_adapter(name, folder, self.model_config, self.dtype, self._device)
+        read_adapter_config(folder)
+        return AdapterId(name, adapter_digest(folder))
+
+    def serve_adapter(self, name: str, adapter: LoraAdapter | AdapterId) -> bool:
+        """Serve ``adapter`` (``read_adapter``'s) under ``name`` from the next step on; False
+        where that name already serves these very files (nothing changes),
+        ``InvalidRequestError`` where it serves other files (unload it first: requests
+        under one name must not meet two adapters). Engine thread."""
+        digest = adapter.digest
+        served = self.adapters.get(name)
+        if served is not None:
+            if served.digest == digest:
+                return False
+            raise InvalidRequestError(
+                f"a LoRA adapter named {name!r} is loaded here with other files: unload it "
+                "first, or load these under another name",
+                "lora_name",
+            )
+        if isinstance(adapter, LoraAdapter) and digest not in self._banked:
+            self._banked[digest] = adapter
+            self._bank_adapters()
+        self.adapters = {**self.adapters, name: AdapterId(name, digest)}
+        logger.info("LoRA adapter %r loaded (digest %s)", name, digest)
+        return True
+
+    def unserve_adapter(self, name: str) -> None:
+        """Stop serving the adapter ``name``: requests naming it are refused from now on
+        (``ModelNotFoundError``, also where it was not served); its requests already
+        running finish with it, and its factors leave the bank once the last has ended
+        (``_retire_adapters``). Engine thread."""
+        self.adapter_digest(name)  # ModelNotFoundError where not served
+        self.adapters = {key: value for key, value in self.adapters.items() if key != name}
+        logger.info("LoRA adapter %r unloaded", name)
+        self._retire_adapters()
+
+    def adapter_digest(self, name: str) -> str:
+        """The digest of the files served under ``name`` ("" for "", the base model);
+        ``ModelNotFoundError`` where no adapter of that name is served."""
+        if not name:
+            return ""
+        served = self.adapters.get(name)
+        if served is None:
+            raise ModelNotFoundError(
+                f"The model `{name}` does not exist: no LoRA adapter of that name is loaded "
+                f"here (loaded: {', '.join(self.adapters) or 'none'})"
+            )
+        return served.digest
+
+    def _retire_adapters(self) -> None:
+        """Drop from the bank the adapters no longer served that no request here takes any
+        more (a request keeps its adapter to its end: ``Request.adapter_digest``)."""
+        served = {adapter.digest for adapter in self.adapters.values()}
+        retired = set(self._banked) - served
+        taken = {request.adapter_digest for request in self.scheduler.requests.values()}
+        gone = retired - taken
+        self._adapters_retiring = bool(retired - gone)
+        if gone:
+            for digest in gone:
+                del self._banked[digest]
+            self._bank_adapters()
+
+    def _bank_adapters(self) -> None:
+        """Lay the banked adapters' factors out for the model's steps
+        (``engine/lora.py:AdapterBank``)."""
+        if isinstance(self.runner, ModelRunner):
+            self.runner.model.set_adapters(list(self._banked.values()))
 
     def _capture_decode_graphs(self, device: torch.device) -> None:
         """Capture the decode steps' CUDA graphs (``engine/decode_graphs.py``) where
@@ -313,11 +397,7 @@ class EngineCore:
             raise InvalidRequestError("prompt token ids must be integers", "prompt")
         check_in_vocab(prompt_token_ids, vocab, "prompt token ids", "prompt")
         params.check_vocab(vocab)
-        if params.adapter and params.adapter not in self.adapters:
-            raise ModelNotFoundError(
-                f"The model `{params.adapter}` does not exist: no LoRA adapter of that name is "
-                f"loaded here (loaded: {', '.join(self.adapters) or 'none'})"
-            )
+        self.adapter_digest(params.adapter)  # ModelNotFoundError for one not served
         self.scheduler.check_fits(len(prompt_token_ids), params)
 
     def prepare_grammar(self, spec: GrammarSpec) -> None:
@@ -367,7 +447,13 @@ class EngineCore:
                 params.bad_words, lambda text: self.tokenizer.encode(text, False)
             )
             params = replace(params, bad_words_token_ids=sequences)
-        return Request(request_id, list(prompt_token_ids), params, self.eos_token_ids)
+        return Request(
+            request_id,
+            list(prompt_token_ids),
+            params,
+            self.eos_token_ids,
+            self.adapter_digest(params.adapter),
+        )
 
     def abort_request(self, request_id: str) -> bool:
         """Abort and free a request; False if it was unknown or already finished."""
@@ -560,6 +646,8 @@ class EngineCore:
         self.scheduler.step_cost = self.step_cost.estimate()  # weighs the next step's drafts
         self.prefill_share.observe(time.monotonic(), prefill_s)
         self._drop_idle_ahead()
+        if self._adapters_retiring:  # an unloaded adapter's last requests may be done
+            self._retire_adapters()
         for request_id, (first, records) in executed.prompt_logprobs.items():
             kept = self._prompt_logprobs.setdefault(request_id, [])
             kept[first - 1 :] = records  # a chunk computed again (after a preemption) replaces

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from splitserve.common.membership import AdapterId
+from splitserve.common.adapter_id import AdapterId
 from splitserve.engine.kv_blocks import KvBlockStore
 from splitserve.transfer.paced import LinkModel
 

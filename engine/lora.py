@@ -251,15 +251,17 @@ class AdapterBank:
     by every adapter's B. Adapter ``k`` of ``names`` owns columns ``k * width`` on (a
     projection's ``width``: its largest stacked rank over adapters and layers; zero-padded).
 
-    A row's term is computed over the same columns whatever adapters share its step (the
-    products' widths depend on the adapters loaded, not on the step), and a row of the base
-    model gets exact zeros. Against PEFT's unmerged ``(x @ A.T @ B.T) * scaling`` per target,
+    Adapters are banked by digest (``LoraAdapter.digest``; one slot per distinct files,
+    however many names serve them): a step's rows name theirs by digest. A row's term is
+    computed over the same columns whatever adapters share its step (the products' widths
+    depend on the adapters banked, not on the step), and a row of the base model gets exact
+    zeros. Against PEFT's unmerged ``(x @ A.T @ B.T) * scaling`` per target,
     the scaling is folded into B and the products run over the zero-padded columns: the same
     terms summed in another grouping (float32 greedy output equal to PEFT's, tested)."""
 
     def __init__(self, adapters: Sequence[LoraAdapter], num_layers: int) -> None:
-        self.names = tuple(adapter.name for adapter in adapters)
-        self.slot = {name: index for index, name in enumerate(self.names)}
+        self.digests = tuple(adapter.digest for adapter in adapters)
+        self.slot = {digest: index for index, digest in enumerate(self.digests)}
         widths: dict[str, int] = {}
         for adapter in adapters:
             for layer in adapter.layers:
@@ -304,15 +306,15 @@ class AdapterBank:
         )
 
     def step(self, row_adapters: Sequence[str], device: torch.device) -> StepAdapters | None:
-        """The step whose row ``i`` takes adapter ``row_adapters[i]`` ("" for none); None
-        when no row takes one."""
+        """The step whose row ``i`` takes the adapter of digest ``row_adapters[i]`` ("" for
+        none); None when no row takes one."""
         if not any(row_adapters):
             return None
         dtype = self.dtype
-        owner = torch.zeros(len(row_adapters), len(self.names), dtype=dtype)  # [rows, adapters]
-        for row, name in enumerate(row_adapters):
-            if name:
-                owner[row, self.slot[name]] = 1
+        owner = torch.zeros(len(row_adapters), len(self.digests), dtype=dtype)  # [rows, adapters]
+        for row, digest in enumerate(row_adapters):
+            if digest:
+                owner[row, self.slot[digest]] = 1
         by_width = {
             width: owner.repeat_interleave(width, dim=1).to(device)  # [rows, adapters * width]
             for width in set(self.widths.values())

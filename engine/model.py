@@ -156,16 +156,18 @@ class LlamaModel:
         each (``kernels/triton_fused_ops.py``); None elsewhere."""
         self._decode_layers = self._decode_layers_for()
         self.adapters: AdapterBank | None = None
-        """The LoRA adapters served (``engine/lora.py``), set once by ``load_adapters``; a
-        step's rows name theirs in ``forward``'s ``adapters``."""
+        """The LoRA adapters' factors (``engine/lora.py``), laid out by ``set_adapters``; a
+        step's rows name theirs (by digest) in ``forward``'s ``adapters``."""
         self._decode_layers_max_rows = min(
             [MAX_ROWS, *(p.gemv_max_rows or MAX_ROWS for p in self._layer_projections())]
         )
         """Decode-only steps of up to this many rows take ``_decode_layers``."""
 
-    def load_adapters(self, adapters: Sequence[LoraAdapter]) -> None:
-        """Serve ``adapters`` (loaded for this model's shapes, dtype and device) from now on."""
-        self.adapters = AdapterBank(adapters, self.config.num_hidden_layers)
+    def set_adapters(self, adapters: Sequence[LoraAdapter]) -> None:
+        """Hold ``adapters`` (loaded for this model's shapes, dtype and device; one per
+        digest) from the next step on, in a new bank (a step launched before keeps the
+        bank it was given); none: no bank."""
+        self.adapters = AdapterBank(adapters, self.config.num_hidden_layers) if adapters else None
 
     def _decode_layers_for(self) -> CpuDecodeLayers | None:
         """The C layer loop of decode-only steps (``kernels/cpu_decode_layers.py``) where it

@@ -193,7 +193,7 @@ class ModelRunner(KvBlockStore):
         rows_of = {} if after is None else after.row_of
         if not all(
             chunk.num_tokens == 1
-            and not chunk.params.adapter  # graphs hold no adapter's terms
+            and not chunk.adapter  # graphs hold no adapter's terms
             and chunk.is_decode
             and chunk.samples
             and decided_on_device(
@@ -290,14 +290,15 @@ class ModelRunner(KvBlockStore):
         )
 
     def _step_adapters(self, chunks: Sequence[ScheduledChunk]) -> StepAdapters | None:
-        """The LoRA adapter of each of the step's rows (its chunk's request's,
-        ``SamplingParams.adapter``), in ``_pack``'s row order; None when no row takes one.
-        A request whose adapter this model does not hold was refused when it was added
-        (``EngineCore``)."""
+        """The LoRA adapter of each of the step's rows (its chunk's request's, by digest:
+        ``ScheduledChunk.adapter``), in ``_pack``'s row order; None when no row takes one.
+        The bank holds every adapter a running request takes (``EngineCore`` refuses a
+        request of one it does not serve, and keeps an unloaded one banked until its
+        requests end)."""
         bank = self.model.adapters
-        if bank is None or not any(chunk.params.adapter for chunk in chunks):
+        if bank is None or not any(chunk.adapter for chunk in chunks):
             return None
-        rows = [chunk.params.adapter for chunk in chunks for _ in range(chunk.num_tokens)]
+        rows = [chunk.adapter for chunk in chunks for _ in range(chunk.num_tokens)]
         return bank.step(rows, self.device)
 
     def _sample(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> RunnerOutput:

@@ -66,6 +66,11 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     eos_token_ids: frozenset[int] = frozenset()
+    adapter_digest: str = ""
+    """The digest of ``params.adapter``'s files as the engine served them when the request
+    came (``common/adapter_id.py``); "" for the base model. Its steps take that adapter's
+    terms, and its prefix hashes start from it, even should the name be loaded again with
+    other files while it runs."""
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(init=False)
@@ -83,11 +88,11 @@ class Request:
     finished_time: float | None = None
     hash_root: BlockHash | None = field(init=False)
     """Where its blocks' prefix hashes start: ``prefix_root`` of ``params.cache_salt`` and
-    ``params.adapter``."""
+    ``adapter_digest``."""
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
-        self.hash_root = prefix_root(self.params.cache_salt, self.params.adapter)
+        self.hash_root = prefix_root(self.params.cache_salt, self.adapter_digest)
 
     @property
     def num_prompt_tokens(self) -> int:

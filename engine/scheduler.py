@@ -92,6 +92,9 @@ class ScheduledChunk:
     draft_token_ids: tuple[int, ...] = ()
     """Speculated tokens, the tail of ``token_ids`` after the request's last known token:
     the runner samples after each of ``token_ids`` (module docstring)."""
+    adapter: str = ""
+    """The digest of the LoRA adapter whose terms its rows take (``Request.adapter_digest``;
+    "" for the base model)."""
 
     @property
     def num_tokens(self) -> int:
@@ -423,6 +426,7 @@ class Scheduler:
             output_token_ids=request.output_token_ids,
             eos_token_ids=request.eos_token_ids,
             draft_token_ids=drafts,
+            adapter=request.adapter_digest,
         )
 
     def _preempt(self, request: Request) -> None:
@@ -501,6 +505,7 @@ class Scheduler:
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids,
             eos_token_ids=request.eos_token_ids,
+            adapter=request.adapter_digest,
         )
 
     def launched(self, serial: int, step: SchedulerOutput) -> None:

@@ -156,7 +156,7 @@ class PrefillWorker:
         self._check_target(prompt_token_ids, target)
         pulled = None
         if params.prompt_logprobs is None:  # else the whole prompt is computed: nothing to take
-            root = prefix_root(params.cache_salt, params.adapter)
+            root = prefix_root(params.cache_salt, self.engine.adapter_digest(params.adapter))
             pulled = await self._pull_cached_kv(
                 request_id, prompt_token_ids, root, target, peer, span
             )

@@ -14,6 +14,7 @@ from collections.abc import Iterable, Sequence
 
 from google.protobuf.message import DecodeError
 
+from splitserve.common.adapter_id import AdapterId
 from splitserve.common.chat_messages import ChatMessage, ToolCall
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.grammar import GrammarSpec
@@ -22,7 +23,7 @@ from splitserve.common.kv_layout import KvLayout
 from splitserve.common.kv_push_cost import KvPushCost, KvPushCosts
 from splitserve.common.load import EngineLoad, LoadReport
 from splitserve.common.logprobs import TokenLogprob
-from splitserve.common.membership import AdapterId, Role, WorkerInfo
+from splitserve.common.membership import Role, WorkerInfo
 from splitserve.common.prompt import Chat
 from splitserve.common.request_update import FinishReason, RequestUpdate, StepOutput
 from splitserve.common.sampling_params import AskedSampling, SamplingParams

@@ -23,8 +23,9 @@ import openai
 import pytest
 
 from splitserve.client import AsyncClient, ClientError, Sampling
+from splitserve.common.adapter_id import AdapterId
 from splitserve.common.kv_layout import KvLayout
-from splitserve.common.membership import AdapterId, Role, WorkerInfo
+from splitserve.common.membership import Role, WorkerInfo
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.coordinator.membership_follower import MembershipFollower
 from splitserve.coordinator.membership_servicer import MembershipServicer

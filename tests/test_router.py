@@ -8,10 +8,11 @@ import time
 
 import pytest
 
+from splitserve.common.adapter_id import AdapterId
 from splitserve.common.blocks import prompt_block_hashes
 from splitserve.common.kv_push_cost import MIN_PUSHES, KvPushCost, KvPushCosts
 from splitserve.common.load import EngineLoad
-from splitserve.common.membership import AdapterId, Role
+from splitserve.common.membership import Role
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.step_cost import MIN_STEPS, StepCost
 from splitserve.coordinator import router as router_module
@@ -509,6 +510,8 @@ def test_a_request_of_a_lora_adapter_goes_only_to_workers_serving_it() -> None:
     route = router.route(asked)
     assert route is not None and route.decode.worker_id == "lora"
     assert route.prefill is None or route.prefill.worker_id == "p-lora"
-    assert [w.worker_id for w in router._prefill_candidates(route.decode, 200, "a")] == ["p-lora"]
+    candidates = router._prefill_candidates(route.decode, 200, adapter)
+    assert [w.worker_id for w in candidates] == ["p-lora"]
     assert router.pick_decode(100).worker_id == "plain"  # the base model: the roomier one
-    assert router.pick_decode(100, adapter="b") is None  # nobody serves it
+    assert router.pick_decode(100, adapter=AdapterId("b", "0" * 32)) is None  # nobody serves it
+    assert router.route(record(range(200), params=SamplingParams(adapter="b"))) is None

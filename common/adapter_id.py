@@ -1,0 +1,22 @@
+"""How a LoRA adapter is named across the cluster (torch-free).
+
+A worker serves each adapter under a name that requests use (their ``model``) and announces
+it with a digest of its files (``engine/lora.py:adapter_digest``). The digest, not the name,
+is the adapter's identity wherever KV is kept or moved: a prompt's prefix hashes start at a
+root of the digest (``common/blocks.py:prefix_root``), so KV computed with one version of an
+adapter is never served to a request of another version loaded later under the same name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class AdapterId:
+    """A LoRA adapter a worker serves (``engine/lora.py``): the name requests use for it, and
+    a digest of its files. Requests of an adapter go only to workers that hold it under one
+    digest: a prompt's KV computed by one is decoded by another."""
+
+    name: str
+    digest: str

@@ -1,0 +1,130 @@
+"""LoRA adapters loaded and unloaded while the engine serves (``EngineCore.serve_adapter``,
+``unserve_adapter``): float32 greedy output equal to PEFT's, as for adapters loaded at start.
+
+An engine started with no adapter serves one loaded at runtime; an unloaded adapter's
+requests already running finish with it (their tokens still PEFT's) while new ones are
+refused; a name loaded again with other files never meets the old files' cached KV.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from splitserve.common.errors import InvalidRequestError, ModelLoadError, ModelNotFoundError
+from splitserve.common.sampling_params import SamplingParams
+from splitserve.engine.checkpoint import LoadedCheckpoint
+from tests.conftest import assert_no_leaks, make_llm
+
+NEW_TOKENS = 12
+PROMPT = "The capital of France is"
+
+
+def _greedy(model: torch.nn.Module, prompt: list[int]) -> list[int]:
+    with torch.inference_mode():
+        generated = model.generate(
+            input_ids=torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.int64),
+            max_new_tokens=NEW_TOKENS,
+            min_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return generated[0, len(prompt) :].tolist()
+
+
+def _params(adapter: str) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, temperature=0.0, adapter=adapter
+    )
+
+
+def test_an_adapter_loaded_at_runtime_equals_peft_until_unloaded(
+    default_checkpoint_fp32: LoadedCheckpoint, lora_adapters
+) -> None:
+    every = lora_adapters["every"]
+    prompt = default_checkpoint_fp32.tokenizer.encode(PROMPT)
+    expected = _greedy(every.model, prompt)
+    llm = make_llm(default_checkpoint_fp32)
+    engine = llm.engine
+    assert engine.runner.model.adapters is None
+    with pytest.raises(ModelNotFoundError):
+        llm.generate([prompt], _params("every"))
+
+    adapter = engine.read_adapter("every", every.folder)
+    assert engine.serve_adapter("every", adapter) is True
+    assert engine.serve_adapter("every", adapter) is False  # the same files: nothing changes
+    assert llm.generate([prompt], _params("every"))[0].token_ids == expected
+    # the same files under a second name share one slot of the bank
+    assert engine.serve_adapter("every-too", adapter) is True
+    assert llm.generate([prompt], _params("every-too"))[0].token_ids == expected
+    assert engine.runner.model.adapters.digests == (adapter.digest,)
+
+    other = engine.read_adapter("every", lora_adapters["qv"].folder)
+    with pytest.raises(InvalidRequestError, match="other files"):
+        engine.serve_adapter("every", other)
+    with pytest.raises(ModelLoadError, match="adapter_config.json"):
+        engine.read_adapter("broken", Path(every.folder).parent / "missing")
+
+    engine.unserve_adapter("every")
+    with pytest.raises(ModelNotFoundError):
+        llm.generate([prompt], _params("every"))
+    with pytest.raises(ModelNotFoundError):
+        engine.unserve_adapter("every")
+    assert llm.generate([prompt], _params("every-too"))[0].token_ids == expected
+    engine.unserve_adapter("every-too")
+    assert engine.runner.model.adapters is None  # nothing served, nothing running
+    assert_no_leaks(llm)
+
+
+def test_an_unloaded_adapters_running_requests_finish_with_it(
+    default_checkpoint_fp32: LoadedCheckpoint, lora_adapters
+) -> None:
+    every = lora_adapters["every"]
+    prompt = default_checkpoint_fp32.tokenizer.encode(PROMPT)
+    expected = _greedy(every.model, prompt)
+    llm = make_llm(default_checkpoint_fp32)
+    engine = llm.engine
+    engine.serve_adapter("every", engine.read_adapter("every", every.folder))
+    tokens: list[int] = []
+    for chunk in llm.stream([prompt], _params("every")):
+        if not tokens:  # after its first token: unloaded mid-request
+            engine.unserve_adapter("every")
+            assert engine.runner.model.adapters is not None  # kept for the running request
+            with pytest.raises(ModelNotFoundError):
+                engine.validate_request(prompt, _params("every"))
+        tokens.extend(chunk.new_token_ids)
+    assert tokens == expected
+    assert engine.runner.model.adapters is None  # its last request ended: the bank let it go
+    assert_no_leaks(llm)
+
+
+def test_a_name_loaded_again_with_other_files_meets_none_of_the_old_kv(
+    default_checkpoint_fp32: LoadedCheckpoint, lora_adapters
+) -> None:
+    """The prefix cache is keyed by the adapter's digest, not its name: a long prompt cached
+    under ``tuned`` (one version) is not found under ``tuned`` loaded from other files, whose
+    tokens are then the other adapter's (PEFT's), not a mix."""
+    tokenizer = default_checkpoint_fp32.tokenizer
+    prompt = tokenizer.encode(" ".join([PROMPT] * 14))
+    assert len(prompt) > 64
+    llm = make_llm(default_checkpoint_fp32)
+    engine = llm.engine
+
+    def run() -> tuple[list[int], int]:
+        before = engine.scheduler.stats.prefix_hit_tokens
+        tokens = llm.generate([prompt], _params("tuned"))[0].token_ids
+        return tokens, engine.scheduler.stats.prefix_hit_tokens - before
+
+    engine.serve_adapter("tuned", engine.read_adapter("tuned", lora_adapters["every"].folder))
+    first, _ = run()
+    again, hits = run()
+    assert again == first and hits >= 64  # cached under this version
+    engine.unserve_adapter("tuned")
+    engine.serve_adapter("tuned", engine.read_adapter("tuned", lora_adapters["qv"].folder))
+    tokens, hits = run()
+    assert hits == 0
+    assert tokens == _greedy(lora_adapters["qv"].model, prompt) != first
+    assert_no_leaks(llm)
