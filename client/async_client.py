@@ -59,6 +59,7 @@ from splitserve.client.types import (
     Finish,
     Generation,
     LatencyTargets,
+    LoadedAdapter,
     ModelInfo,
     Sampling,
 )
@@ -327,6 +328,26 @@ class AsyncClient:
             self._stub().GetModelInfo, coordinator_pb2.GetModelInfoRequest(), timeout_s
         )
         return wire.model_info(reply)
+
+    async def load_lora_adapter(
+        self, name: str, path: str, *, timeout_s: float | None | EllipsisType = ...
+    ) -> LoadedAdapter:
+        """Serve the LoRA adapter in folder ``path`` (on the workers, under their
+        ``--lora-dir``) as ``name`` on every worker of the model, or on none
+        (``coordinator/runtime_adapters.py``); requests name it as their model from then
+        on. PERMISSION_DENIED unless the key's tenant is among the coordinator's
+        ``--lora-admin-tenants`` (where keys are required)."""
+        request = coordinator_pb2.LoadLoraAdapterRequest(lora_name=name, lora_path=path)
+        reply = await self._unary(self._stub().LoadLoraAdapter, request, timeout_s)
+        return LoadedAdapter(reply.adapter.name, reply.adapter.digest, reply.workers)
+
+    async def unload_lora_adapter(
+        self, name: str, *, timeout_s: float | None | EllipsisType = ...
+    ) -> int:
+        """Stop serving the LoRA adapter ``name`` on every worker (requests of it already
+        running finish); how many worker processes served it. NOT_FOUND where none did."""
+        request = coordinator_pb2.UnloadLoraAdapterRequest(lora_name=name)
+        return (await self._unary(self._stub().UnloadLoraAdapter, request, timeout_s)).workers
 
     async def tokenize(
         self,

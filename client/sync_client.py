@@ -41,6 +41,7 @@ from splitserve.client.types import (
     Finish,
     Generation,
     LatencyTargets,
+    LoadedAdapter,
     ModelInfo,
     Sampling,
 )
@@ -179,6 +180,21 @@ class Client:
         """The served model: name, context window, vocabulary, EOS ids, dtype."""
         request = coordinator_pb2.GetModelInfoRequest()
         return wire.model_info(self._unary(self._coordinator.GetModelInfo, request, timeout_s))
+
+    def load_lora_adapter(
+        self, name: str, path: str, *, timeout_s: float | None | EllipsisType = ...
+    ) -> LoadedAdapter:
+        """Serve the LoRA adapter in ``path`` as ``name`` (``AsyncClient.load_lora_adapter``)."""
+        request = coordinator_pb2.LoadLoraAdapterRequest(lora_name=name, lora_path=path)
+        reply = self._unary(self._coordinator.LoadLoraAdapter, request, timeout_s)
+        return LoadedAdapter(reply.adapter.name, reply.adapter.digest, reply.workers)
+
+    def unload_lora_adapter(
+        self, name: str, *, timeout_s: float | None | EllipsisType = ...
+    ) -> int:
+        """Stop serving ``name`` (``AsyncClient.unload_lora_adapter``)."""
+        request = coordinator_pb2.UnloadLoraAdapterRequest(lora_name=name)
+        return self._unary(self._coordinator.UnloadLoraAdapter, request, timeout_s).workers
 
     def tokenize(
         self,

@@ -265,3 +265,13 @@ class ModelInfo:
     adapters: tuple[str, ...] = ()
     """The LoRA adapters its workers serve now: names a request may use as its model (the
     base model's tokenizer and context; each adapter's own weights)."""
+
+
+@dataclass(frozen=True)
+class LoadedAdapter:
+    """A LoRA adapter loaded at runtime (``load_lora_adapter``): its name, the digest of its
+    files as the workers read them, and how many worker processes serve it now."""
+
+    name: str
+    digest: str
+    workers: int

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from splitserve.common.errors import InvalidRequestError
+from splitserve.common.sampling_params import MAX_ADAPTER_NAME_CHARS
+
 
 @dataclass(frozen=True)
 class AdapterId:
@@ -20,3 +23,11 @@ class AdapterId:
 
     name: str
     digest: str
+
+
+def check_adapter_name(name: str) -> None:
+    """``InvalidRequestError`` (param ``lora_name``) for a name no request could use."""
+    if not name or len(name) > MAX_ADAPTER_NAME_CHARS:
+        raise InvalidRequestError(
+            f"lora_name must be 1 to {MAX_ADAPTER_NAME_CHARS} characters", "lora_name"
+        )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from splitserve.common.adapter_id import AdapterId
 from splitserve.common.kv_events import KvEvents
 from splitserve.common.kv_push_cost import NO_PUSH_COSTS, KvPushCosts
 from splitserve.common.step_cost import StepCost
@@ -63,3 +64,6 @@ class LoadReport:
     kv_events: KvEvents | None = None
     """The prefix cache's changes since the previous report of the same stream (a load
     stream's; None: not sent)."""
+    adapters: tuple[AdapterId, ...] | None = None
+    """The LoRA adapters the worker serves now (runtime loads and unloads included); None:
+    not reported (the coordinator keeps what it knew)."""

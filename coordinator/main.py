@@ -160,6 +160,7 @@ def _config_of(
         default_max_tokens=settings.default_max_tokens,
         max_tokens_cap=settings.max_tokens_cap,
         multiplexed_decode=settings.relay == "multiplexed",
+        lora_admin_tenants=comma_separated(settings.lora_admin_tenants),
         routing=settings.routing_config(),
         flow=settings.flow_config(),
         admission=settings.admission_config(),
@@ -221,6 +222,7 @@ async def serve(
             with contextlib.suppress(asyncio.CancelledError):
                 await task
     await dial_check.close()
+    await coordinator.runtime_adapters.close()
     await coordinator.channels.close()
 
 

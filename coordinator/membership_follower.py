@@ -109,9 +109,10 @@ class MembershipFollower:
             try:
                 watching = self._channels.monitor(info.address).watch_load(LOAD_INTERVAL_S)
                 async for report in watching:
-                    if not self._registry.heartbeat(info.worker_id, report.load, report.ready):
+                    heard = (info.worker_id, report.load, report.ready, report.adapters)
+                    if not self._registry.heartbeat(*heard):
                         self._registry.register(record_of(info))  # expired while silent
-                        self._registry.heartbeat(info.worker_id, report.load, report.ready)
+                        self._registry.heartbeat(*heard)
                     self._registry.mark_dialled(info.worker_id, info.address)
                     if report.kv_events is not None:
                         self._on_kv_events(info.worker_id, report.kv_events)

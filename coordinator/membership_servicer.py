@@ -60,7 +60,9 @@ class MembershipServicer(coordinator_pb2_grpc.MembershipServicer):
         self, request: coordinator_pb2.HeartbeatRequest, context: grpc.aio.ServicerContext
     ) -> coordinator_pb2.HeartbeatResponse:
         report = convert.report_from_proto(request.load)
-        known = self._registry.heartbeat(request.worker_id, report.load, report.ready)
+        known = self._registry.heartbeat(
+            request.worker_id, report.load, report.ready, report.adapters
+        )
         if known and request.HasField("kv_events"):
             self._on_kv_events(request.worker_id, convert.kv_events_from_proto(request.kv_events))
         return coordinator_pb2.HeartbeatResponse(known=known)

@@ -13,6 +13,7 @@ the work this coordinator dispatched and that no report reflects yet is the rout
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from splitserve.common.adapter_id import AdapterId
@@ -128,14 +129,23 @@ class WorkerRegistry:
         """Add or replace a worker (a restarted worker registers again under its id)."""
         self._workers[record.worker_id] = record
 
-    def heartbeat(self, worker_id: str, load: EngineLoad, ready: bool = True) -> bool:
+    def heartbeat(
+        self,
+        worker_id: str,
+        load: EngineLoad,
+        ready: bool = True,
+        adapters: Iterable[AdapterId] | None = None,
+    ) -> bool:
         """Record a heartbeat; False when the worker is unknown (it must register again).
         ``ready``: the worker makes progress; a worker that reports it stalled is kept (it
-        may recover) but not routed to."""
+        may recover) but not routed to. ``adapters``: the LoRA adapters it serves now
+        (``LoadReport.adapters``; None: unchanged)."""
         record = self._workers.get(worker_id)
         if record is None:
             return False
         record.load = load
+        if adapters is not None:
+            record.adapters = frozenset(adapters)
         record.last_heartbeat = record.last_seen = time.monotonic()
         record.healthy = ready
         return True

@@ -66,6 +66,7 @@ from splitserve.coordinator.max_tokens import OutputLimits, fewest_max_tokens, s
 from splitserve.coordinator.registry import WorkerRegistry
 from splitserve.coordinator.request_record import RequestAsk, RequestRecord
 from splitserve.coordinator.router import Router, RoutingConfig
+from splitserve.coordinator.runtime_adapters import RuntimeAdapters
 from splitserve.coordinator.tenants import TenantPolicy, check_public_salt, tenant_cache_salt
 from splitserve.proto.cluster_access import ClusterAccess
 from splitserve.proto.worker_clients import WorkerChannels
@@ -112,6 +113,10 @@ class CoordinatorConfig:
     multiplexed_decode: bool = True
     """Decode streams travel many to a ``DecodeWorker.GenerateStreams`` call per worker
     (else a ``Generate`` call each)."""
+    lora_admin_tenants: tuple[str, ...] = ()
+    """Where API keys are required: the tenants whose callers may load and unload LoRA
+    adapters at runtime (``LoadLoraAdapter``); none: nobody may. Without keys anyone may
+    (the workers' ``--lora-dir`` still bounds what they read)."""
 
     def names_base_model(self, model: str) -> bool:
         """Whether ``model`` is "" (whatever is served here), the served name or an alias."""
@@ -162,6 +167,8 @@ class Coordinator:
         self.registry = WorkerRegistry(model=config.checkpoint)
         self.router = Router(self.registry, config.routing)
         self.channels = WorkerChannels(access, multiplexed=config.multiplexed_decode)
+        self.runtime_adapters = RuntimeAdapters(self.registry, self.channels)
+        """LoRA adapters loaded and unloaded across the workers while they serve."""
         self._running: dict[str, _Running] = {}
         self.admission = KvAdmission(
             config.admission,

@@ -270,6 +270,44 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         text = tokenizer.decode(ids, skip_special_tokens=request.skip_special_tokens)
         return coordinator_pb2.DetokenizeResponse(text=text)
 
+    async def LoadLoraAdapter(
+        self, request: coordinator_pb2.LoadLoraAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> coordinator_pb2.LoadLoraAdapterResponse:
+        await self._check_lora_admin(context)
+        try:
+            loaded = await self._coordinator.runtime_adapters.load(
+                request.lora_name, request.lora_path
+            )
+        except SplitserveError as error:
+            await abort_with(context, error)
+        return coordinator_pb2.LoadLoraAdapterResponse(
+            adapter=convert.adapters_to_proto([loaded.adapter])[0], workers=loaded.workers
+        )
+
+    async def UnloadLoraAdapter(
+        self,
+        request: coordinator_pb2.UnloadLoraAdapterRequest,
+        context: grpc.aio.ServicerContext,
+    ) -> coordinator_pb2.UnloadLoraAdapterResponse:
+        await self._check_lora_admin(context)
+        try:
+            workers = await self._coordinator.runtime_adapters.unload(request.lora_name)
+        except SplitserveError as error:
+            await abort_with(context, error)
+        return coordinator_pb2.UnloadLoraAdapterResponse(workers=workers)
+
+    async def _check_lora_admin(self, context: grpc.aio.ServicerContext) -> None:
+        """End the call PERMISSION_DENIED unless its caller may change the served LoRA
+        adapters (``CoordinatorConfig.lora_admin_tenants``; anyone where no key is needed)."""
+        caller = await caller_of(self._keys, context)
+        admins = self._coordinator.config.lora_admin_tenants
+        if self._keys.required and caller.tenant not in admins:
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                "this API key may not load or unload LoRA adapters: the coordinator's "
+                "--lora-admin-tenants names the tenants that may",
+            )
+
     async def GetModelInfo(
         self, request: coordinator_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> coordinator_pb2.ModelInfo:

@@ -121,6 +121,11 @@ class CoordinatorSettings:
         "TOML file of per-tenant limits, weights and highest priorities "
         "(coordinator/tenants.py), over the two flags above",
     )
+    lora_admin_tenants: str = setting(
+        "",
+        "with API keys: the tenants (comma-separated) whose callers may load and unload LoRA "
+        "adapters at runtime (/v1/load_lora_adapter); none by default. Without keys, anyone",
+    )
     client_stall_timeout: float = setting(
         SEND_TIMEOUT_S,
         "seconds a stream may wait for a client that reads nothing; then its request is "

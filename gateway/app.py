@@ -67,6 +67,7 @@ from splitserve.common.api_keys import ApiKeys
 from splitserve.common.prompt import truncated
 from splitserve.common.tracing import active_span, start_span, traceparent_of
 from splitserve.gateway import schemas
+from splitserve.gateway.adapter_routes import add_adapter_routes
 from splitserve.gateway.api_key_check import RequireApiKey, bearer_key
 from splitserve.gateway.beam_choices import PromptBeams, beam_search_params
 from splitserve.gateway.body_limit import DEFAULT_MAX_BODY_BYTES, LimitBody
@@ -282,6 +283,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     _add_middleware(app, config)
     _add_service_routes(app, current)
     _add_token_routes(app, current)
+    add_adapter_routes(app, current, _ERROR_RESPONSES)
 
     @app.get("/version", response_model=schemas.VersionResponse)
     async def version() -> dict[str, str]:

@@ -1,9 +1,10 @@
 """HTTP errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
 
 ``ApiError`` is what handlers raise; ``from_client_error`` maps a coordinator status to the
-HTTP status a user of the OpenAI API expects (INVALID_ARGUMENT -> 400, UNAUTHENTICATED -> 401,
-RESOURCE_EXHAUSTED -> 429 with ``Retry-After`` (but 413 for gRPC's message size limit),
-UNAVAILABLE -> 503, DEADLINE_EXCEEDED -> 504, anything else 500).
+HTTP status a user of the OpenAI API expects (INVALID_ARGUMENT and FAILED_PRECONDITION -> 400,
+UNAUTHENTICATED -> 401, PERMISSION_DENIED -> 403, NOT_FOUND -> 404, RESOURCE_EXHAUSTED -> 429
+with ``Retry-After`` (but 413 for gRPC's message size limit), UNAVAILABLE -> 503,
+DEADLINE_EXCEEDED -> 504, anything else 500).
 """
 
 from __future__ import annotations
@@ -81,6 +82,10 @@ def from_client_error(error: ClientError) -> ApiError:
         return unauthorized(message)
     if code is grpc.StatusCode.NOT_FOUND:
         return ApiError(404, message, param=param, code="not_found")
+    if code is grpc.StatusCode.PERMISSION_DENIED:
+        return ApiError(403, message, type="permission_error", code="permission_denied")
+    if code is grpc.StatusCode.FAILED_PRECONDITION:
+        return ApiError(400, message, param=param, code="failed_precondition")
     if code is grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in message:
         # gRPC's message size limit, not overload: retrying can never succeed
         return ApiError(413, message, code="request_too_large")

@@ -521,3 +521,33 @@ class ErrorBody(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorBody
+
+
+class LoadLoraAdapterRequest(BaseModel):
+    """``POST /v1/load_lora_adapter`` (vLLM's): serve the adapter in ``lora_path`` as
+    ``lora_name`` on every worker of the model."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lora_name: str = Field(..., description="The name requests will use as their `model`.")
+    lora_path: str = Field(
+        ...,
+        description="The adapter's folder (PEFT's saved format) on the workers: relative to "
+        "their --lora-dir, or absolute within it.",
+    )
+    model: str | None = Field(
+        None,
+        description="splitserve's: the base model whose workers load it, where the gateway "
+        "serves several (default: its first).",
+    )
+
+
+class UnloadLoraAdapterRequest(BaseModel):
+    """``POST /v1/unload_lora_adapter`` (vLLM's): stop serving ``lora_name``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lora_name: str
+    lora_int_id: int | None = Field(
+        None, description="vLLM's; accepted and unused (adapters are named, not numbered)."
+    )

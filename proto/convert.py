@@ -295,9 +295,32 @@ def _seconds(value: float) -> float:
     return value if math.isfinite(value) and value > 0.0 else 0.0
 
 
+def report_to_proto(report: LoadReport) -> worker_pb2.WorkerLoad:
+    """A worker's report: its load and readiness, and its adapters where it reports them
+    (its KV events travel beside: heartbeats and load streams each send their own)."""
+    message = load_to_proto(report.load, report.ready)
+    if report.adapters is not None:
+        message.served_adapters.adapters.extend(adapters_to_proto(report.adapters))
+        message.served_adapters.SetInParent()  # set, even where it serves none
+    return message
+
+
 def report_from_proto(message: worker_pb2.WorkerLoad) -> LoadReport:
     events = kv_events_from_proto(message.kv_events) if message.HasField("kv_events") else None
-    return LoadReport(load_from_proto(message), message.ready, events)
+    adapters = None
+    if message.HasField("served_adapters"):
+        adapters = adapters_from_proto(message.served_adapters.adapters)
+    return LoadReport(load_from_proto(message), message.ready, events, adapters)
+
+
+def adapters_to_proto(adapters: Iterable[AdapterId]) -> list[worker_pb2.LoraAdapter]:
+    return [
+        worker_pb2.LoraAdapter(name=adapter.name, digest=adapter.digest) for adapter in adapters
+    ]
+
+
+def adapters_from_proto(messages: Iterable[worker_pb2.LoraAdapter]) -> tuple[AdapterId, ...]:
+    return tuple(AdapterId(adapter.name, adapter.digest) for adapter in messages)
 
 
 def load_from_proto(message: worker_pb2.WorkerLoad) -> EngineLoad:
@@ -490,10 +513,7 @@ def worker_info_to_proto(info: WorkerInfo) -> worker_pb2.WorkerInfo:
         max_model_len=info.max_model_len,
         model=info.model,
         pulls_cached_kv_min_blocks=info.pulls_cached_kv_min_blocks,
-        adapters=[
-            worker_pb2.LoraAdapter(name=adapter.name, digest=adapter.digest)
-            for adapter in info.adapters
-        ],
+        adapters=adapters_to_proto(info.adapters),
     )
 
 
@@ -511,7 +531,7 @@ def worker_info_from_proto(message: worker_pb2.WorkerInfo) -> WorkerInfo:
         max_model_len=message.max_model_len,
         model=message.model,
         pulls_cached_kv_min_blocks=message.pulls_cached_kv_min_blocks,
-        adapters=tuple(AdapterId(adapter.name, adapter.digest) for adapter in message.adapters),
+        adapters=adapters_from_proto(message.adapters),
     )
 
 

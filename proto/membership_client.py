@@ -43,7 +43,7 @@ class MembershipClient:
         (``kv_events``, None: none sent); False when the coordinator does not know the worker
         (it restarted): register again."""
         request = coordinator_pb2.HeartbeatRequest(
-            worker_id=worker_id, load=convert.load_to_proto(report.load, report.ready)
+            worker_id=worker_id, load=convert.report_to_proto(report)
         )
         if kv_events is not None:
             request.kv_events.CopyFrom(convert.kv_events_to_proto(kv_events))

@@ -18,11 +18,14 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence, Set
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence, Set
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import grpc
 
+from splitserve.common.adapter_id import AdapterId
+from splitserve.common.errors import ModelLoadError, ModelNotFoundError
 from splitserve.common.kv_layout import KvLayout
 from splitserve.common.load import LoadReport
 from splitserve.common.request_update import StepOutput
@@ -42,6 +45,8 @@ from splitserve.transfer.reservation import (
 )
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -302,6 +307,44 @@ class WorkerMonitorClient:
             call.cancel()
 
 
+class WorkerAdaptersClient:
+    """A worker's ``WorkerAdapters`` calls (``worker/adapters_servicer.py``), each with a
+    deadline; errors as domain errors: NOT_FOUND ``ModelNotFoundError``,
+    FAILED_PRECONDITION ``ModelLoadError`` (runtime changes off there), INVALID_ARGUMENT
+    ``InvalidRequestError`` with the worker's ``param``; others as ``error_from_rpc``."""
+
+    def __init__(self, channel: grpc.aio.Channel, credential: ClusterCredential) -> None:
+        self._stub = worker_pb2_grpc.WorkerAdaptersStub(channel)
+        self._metadata = credential.metadata
+
+    async def load(self, name: str, path: str, timeout_s: float) -> tuple[AdapterId, bool]:
+        """Serve the adapter in ``path`` as ``name`` there: its id, and whether it is newly
+        served (False: the same files were served under that name already)."""
+        request = worker_pb2.LoadAdapterRequest(name=name, path=path)
+        reply = await _adapter_call(
+            self._stub.LoadAdapter(request, timeout=timeout_s, metadata=self._metadata)
+        )
+        return convert.adapters_from_proto([reply.adapter])[0], reply.newly_loaded
+
+    async def unload(self, name: str, timeout_s: float) -> None:
+        request = worker_pb2.UnloadAdapterRequest(name=name)
+        await _adapter_call(
+            self._stub.UnloadAdapter(request, timeout=timeout_s, metadata=self._metadata)
+        )
+
+
+async def _adapter_call(call: Awaitable[T]) -> T:
+    try:
+        return await call
+    except grpc.aio.AioRpcError as error:
+        code, details = error.code(), error.details() or ""
+        if code is grpc.StatusCode.NOT_FOUND:
+            raise ModelNotFoundError(details) from None
+        if code is grpc.StatusCode.FAILED_PRECONDITION:
+            raise ModelLoadError(details) from None
+        raise error_from_rpc(error) from None
+
+
 class WorkerChannels:
     """One channel per worker address, created on first use (TLS when ``access`` has it);
     calls carry the cluster credential. With ``multiplexed``, decode streams to an address
@@ -374,6 +417,9 @@ class WorkerChannels:
 
     def monitor(self, address: str) -> WorkerMonitorClient:
         return WorkerMonitorClient(self._channel(address), self._access.credential)
+
+    def adapters(self, address: str) -> WorkerAdaptersClient:
+        return WorkerAdaptersClient(self._channel(address), self._access.credential)
 
     async def close(self) -> None:
         for streams in self._decode_streams.values():

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -72,3 +73,40 @@ def saved_adapters(hf_model: torch.nn.Module, root: Path) -> dict[str, SavedAdap
         b_scale=1.0,
     )
     return {"every": SavedAdapter(root / "every", every), "qv": SavedAdapter(root / "qv", qv)}
+
+
+def peft_greedy(model: torch.nn.Module, prompt: list[int], new_tokens: int) -> list[int]:
+    """``model``'s (HF's, or PEFT's over it) greedy ``new_tokens`` after ``prompt``: the
+    reference a served adapter's tokens must equal."""
+    with torch.inference_mode():
+        generated = model.generate(
+            input_ids=torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.int64),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return generated[0, len(prompt) :].tolist()
+
+
+async def completion_token_ids(
+    client: Any, model: str, prompt: str, tokens: int, stream: bool = False
+) -> list[int]:
+    """The token ids of a greedy completion of exactly ``tokens`` tokens under ``model`` (an
+    adapter's name, or the base model's), through the gateway with the openai SDK's async
+    ``client``, whole or streamed (vLLM's ``return_token_ids``)."""
+    body = {"return_token_ids": True, "min_tokens": tokens}
+    if not stream:
+        response = await client.completions.create(
+            model=model, prompt=prompt, max_tokens=tokens, temperature=0, extra_body=body
+        )
+        return list(response.choices[0].model_extra["token_ids"])
+    got: list[int] = []
+    async for chunk in await client.completions.create(
+        model=model, prompt=prompt, max_tokens=tokens, temperature=0, stream=True,
+        extra_body=body,
+    ):  # fmt: skip
+        for choice in chunk.choices:
+            got.extend((choice.model_extra or {}).get("token_ids") or ())
+    return got

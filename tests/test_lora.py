@@ -24,6 +24,7 @@ from splitserve.engine.config import CacheConfig, EngineConfig, ModelConfig, Run
 from splitserve.engine.engine_core import EngineCore
 from splitserve.engine.lora import load_lora_adapter
 from tests.conftest import assert_no_leaks, make_llm
+from tests.lora_adapters import peft_greedy
 
 NEW_TOKENS = 16
 CPU = torch.device("cpu")
@@ -39,19 +40,6 @@ def adapters(lora_adapters) -> dict[str, tuple[Path, torch.nn.Module]]:
     return {name: (saved.folder, saved.model) for name, saved in lora_adapters.items()}
 
 
-def _greedy(model: torch.nn.Module, prompt: list[int]) -> list[int]:
-    with torch.inference_mode():
-        generated = model.generate(
-            input_ids=torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.int64),
-            max_new_tokens=NEW_TOKENS,
-            min_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            pad_token_id=0,
-        )
-    return generated[0, len(prompt) :].tolist()
-
-
 def test_adapters_equal_peft_in_one_batch(
     default_checkpoint_fp32: LoadedCheckpoint, hf_default_model_fp32, adapters
 ) -> None:
@@ -62,7 +50,8 @@ def test_adapters_equal_peft_in_one_batch(
         **{name: model for name, (_, model) in adapters.items()},
     }
     expected = {
-        name: [_greedy(model, prompt) for prompt in prompts] for name, model in references.items()
+        name: [peft_greedy(model, prompt, NEW_TOKENS) for prompt in prompts]
+        for name, model in references.items()
     }
     assert expected["every"] != expected[""] and expected["qv"] != expected[""], (
         "an adapter that changes no answer tests nothing"

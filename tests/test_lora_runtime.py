@@ -11,28 +11,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from splitserve.common.errors import InvalidRequestError, ModelLoadError, ModelNotFoundError
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.checkpoint import LoadedCheckpoint
 from tests.conftest import assert_no_leaks, make_llm
+from tests.lora_adapters import peft_greedy
 
 NEW_TOKENS = 12
 PROMPT = "The capital of France is"
-
-
-def _greedy(model: torch.nn.Module, prompt: list[int]) -> list[int]:
-    with torch.inference_mode():
-        generated = model.generate(
-            input_ids=torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.int64),
-            max_new_tokens=NEW_TOKENS,
-            min_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            pad_token_id=0,
-        )
-    return generated[0, len(prompt) :].tolist()
 
 
 def _params(adapter: str) -> SamplingParams:
@@ -46,7 +33,7 @@ def test_an_adapter_loaded_at_runtime_equals_peft_until_unloaded(
 ) -> None:
     every = lora_adapters["every"]
     prompt = default_checkpoint_fp32.tokenizer.encode(PROMPT)
-    expected = _greedy(every.model, prompt)
+    expected = peft_greedy(every.model, prompt, NEW_TOKENS)
     llm = make_llm(default_checkpoint_fp32)
     engine = llm.engine
     assert engine.runner.model.adapters is None
@@ -84,7 +71,7 @@ def test_an_unloaded_adapters_running_requests_finish_with_it(
 ) -> None:
     every = lora_adapters["every"]
     prompt = default_checkpoint_fp32.tokenizer.encode(PROMPT)
-    expected = _greedy(every.model, prompt)
+    expected = peft_greedy(every.model, prompt, NEW_TOKENS)
     llm = make_llm(default_checkpoint_fp32)
     engine = llm.engine
     engine.serve_adapter("every", engine.read_adapter("every", every.folder))
@@ -126,5 +113,5 @@ def test_a_name_loaded_again_with_other_files_meets_none_of_the_old_kv(
     engine.serve_adapter("tuned", engine.read_adapter("tuned", lora_adapters["qv"].folder))
     tokens, hits = run()
     assert hits == 0
-    assert tokens == _greedy(lora_adapters["qv"].model, prompt) != first
+    assert tokens == peft_greedy(lora_adapters["qv"].model, prompt, NEW_TOKENS) != first
     assert_no_leaks(llm)

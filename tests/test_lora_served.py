@@ -25,6 +25,7 @@ from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.checkpoint import LoadedCheckpoint
 from tests.cluster import cluster
 from tests.conftest import make_llm
+from tests.lora_adapters import completion_token_ids
 
 openai = pytest.importorskip("openai")
 
@@ -73,23 +74,6 @@ async def _check_served(client, url: str, expected: dict[tuple[str, str], list[i
         base = next(name for name, model in models.items() if model.model_extra["parent"] is None)
         assert {models["every"].model_extra["parent"], models["qv"].model_extra["parent"]} == {base}
 
-        async def complete(model: str, prompt: str, stream: bool) -> list[int]:
-            body = {"return_token_ids": True, "min_tokens": TOKENS}
-            if not stream:
-                response = await client.completions.create(
-                    model=model, prompt=prompt, max_tokens=TOKENS, temperature=0,
-                    extra_body=body,
-                )  # fmt: skip
-                return list(response.choices[0].model_extra["token_ids"])
-            tokens: list[int] = []
-            async for chunk in await client.completions.create(
-                model=model, prompt=prompt, max_tokens=TOKENS, temperature=0, stream=True,
-                extra_body=body,
-            ):  # fmt: skip
-                for choice in chunk.choices:
-                    tokens.extend((choice.model_extra or {}).get("token_ids") or ())
-            return tokens
-
         asks = [
             (adapter, prompt, stream)
             for adapter in ("", "every", "qv")
@@ -97,7 +81,10 @@ async def _check_served(client, url: str, expected: dict[tuple[str, str], list[i
             for stream in (False, True)
         ]
         got = await asyncio.gather(
-            *(complete(adapter or base, prompt, stream) for adapter, prompt, stream in asks)
+            *(
+                completion_token_ids(client, adapter or base, prompt, TOKENS, stream)
+                for adapter, prompt, stream in asks
+            )
         )
         for (adapter, prompt, stream), tokens in zip(asks, got, strict=True):
             assert tokens == expected[(adapter, prompt)], (adapter, prompt, stream)

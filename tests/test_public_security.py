@@ -82,7 +82,10 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureCluster]:
     tenants_file.write_text("[tenants.alice]\nprivate_prefix_cache = true\n")
     lines: dict[str, str] = {}
     flags = (*certs.flags(), f"--api-keys-file={keys_file}")
-    env = {"SPLITSERVE_TENANTS_FILE": str(tenants_file)}  # up's coordinator reads it
+    env = {  # up's coordinator reads them
+        "SPLITSERVE_TENANTS_FILE": str(tenants_file),
+        "SPLITSERVE_LORA_ADMIN_TENANTS": "alice",
+    }
     with cluster(1, 1, *WORKER_FLAGS, ready_lines=lines, up_flags=flags, env=env) as coordinator:
         yield SecureCluster(coordinator, lines["splitserve gateway ready"], certs)
 
@@ -345,3 +348,27 @@ def test_a_private_prefix_cache_serves_its_tenant_alone(served: SecureCluster) -
         with pytest.raises(openai.BadRequestError) as refused:
             cached(bob, "\x00alice\x00")
         assert refused.value.body["param"] == "cache_salt"
+
+
+def test_only_lora_admin_tenants_may_load_adapters(served: SecureCluster) -> None:
+    """With keys, ``/v1/load_lora_adapter`` is refused 403 to a tenant not among the
+    coordinator's ``--lora-admin-tenants`` before any worker is asked; an admin's call
+    reaches the workers, which refuse it 400 here (started without ``--lora-dir``)."""
+    with httpx.Client(base_url=served.gateway_url, verify=served.verify()) as http:
+
+        def load(key: str) -> httpx.Response:
+            body = {"lora_name": "tuned", "lora_path": "every"}
+            headers = {"Authorization": f"Bearer {key}"}
+            return http.post("/v1/load_lora_adapter", json=body, headers=headers)
+
+        bob, alice = load(BOB_KEY), load(ALICE_KEY)
+        unload = http.post(
+            "/v1/unload_lora_adapter",
+            json={"lora_name": "tuned"},
+            headers={"Authorization": f"Bearer {BOB_KEY}"},
+        )
+    assert bob.status_code == 403, bob.text
+    assert bob.json()["error"]["code"] == "permission_denied"
+    assert unload.status_code == 403, unload.text
+    assert alice.status_code == 400, alice.text
+    assert "--lora-dir" in alice.json()["error"]["message"]

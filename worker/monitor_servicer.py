@@ -43,7 +43,7 @@ class MonitorServicer(WorkerServicerBase[LoadSource], worker_pb2_grpc.WorkerMoni
         cursor: int | None = None
         while True:
             report = await load()
-            message = convert.load_to_proto(report.load, ready=report.ready)
+            message = convert.report_to_proto(report)
             if self.kv_events is not None:
                 events = self.kv_events.since(cursor)
                 message.kv_events.CopyFrom(convert.kv_events_to_proto(events))

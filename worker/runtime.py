@@ -54,6 +54,7 @@ from splitserve.proto.server import RoleServer, serve_forever, start_server
 from splitserve.transfer.paced import PacedTransport
 from splitserve.transfer.transport import KvTransport
 from splitserve.transfer.ucx import UcxTransport
+from splitserve.worker.adapters_servicer import AdaptersServicer
 from splitserve.worker.identity import WorkerIdentity
 from splitserve.worker.metrics import TransferMetrics, install_engine_metrics
 from splitserve.worker.monitor_servicer import MonitorServicer
@@ -159,8 +160,9 @@ async def run_worker(
     worker makes its own and closes it when it stops."""
     servicers = [role.make_servicer() for role in roles]
     monitor = MonitorServicer()
+    adapters = AdaptersServicer(Path(args.lora_dir) if args.lora_dir else None)
     label = "+".join(role.name for role in roles)
-    server = await _start_server(args, roles, servicers, monitor, access)
+    server = await _start_server(args, roles, servicers, (monitor, adapters), access)
     base_id, address = worker_id_of(args, _kind(roles)), advertised_address(args, server.port)
     identities = [
         WorkerIdentity(role_worker_id(base_id, role, roles), address, access) for role in roles
@@ -182,6 +184,7 @@ async def run_worker(
         _serve_worker_metrics(args, engine, domains, model_name, label)
     for servicer, domain in zip(servicers, domains, strict=True):
         servicer.bind(domain)
+    adapters.bind(engine)
     report, kv_events, watching = await _start_serving(args, engine, domains, server, monitor, stop)
     print(f"splitserve {label} ready at {address}", flush=True)
     infos = _records(roles, identities, domains, address, engine, model_name)
@@ -230,17 +233,20 @@ async def _start_server(
     args: argparse.Namespace,
     roles: Sequence[WorkerRole],
     servicers: Sequence[WorkerServicerBase],
-    monitor: MonitorServicer,
+    process_servicers: Sequence[MonitorServicer | AdaptersServicer],
     access: ClusterAccess,
 ) -> RoleServer:
     """The worker's gRPC server, listening (health NOT_SERVING): each role's servicer (not
-    yet bound to its domain) and the monitor, every call checked for the cluster
-    credential."""
+    yet bound to its domain) and the process's own (its load monitor and its adapters),
+    every call checked for the cluster credential."""
 
     def register(server: grpc.aio.Server) -> list[str]:
         for role, servicer in zip(roles, servicers, strict=True):
             role.add_servicer(servicer, server)
-        return [*(role.service_name for role in roles), monitor.add_to(server)]
+        return [
+            *(role.service_name for role in roles),
+            *(servicer.add_to(server) for servicer in process_servicers),
+        ]
 
     return await start_server(
         args.host,
@@ -296,7 +302,11 @@ async def _start_serving(
     stall_watch = StallWatch(engine.step_running_s, args.stall_timeout)
 
     async def report() -> LoadReport:
-        return LoadReport(reported_load(engine.latest_load, domains), stall_watch.ready())
+        return LoadReport(
+            reported_load(engine.latest_load, domains),
+            stall_watch.ready(),
+            adapters=engine.served_adapters,
+        )
 
     kv_events = KvEventLog()  # every coordinator's heartbeats or load stream carry its changes
     await engine.record_kv_events(kv_events)

@@ -69,6 +69,11 @@ class WorkerSettings:
         DEFAULT_STALL_TIMEOUT_S,
         "seconds one engine step may run before the worker reports itself not ready",
     )
+    lora_dir: str | None = setting(
+        None,
+        "LoRA adapters may be loaded and unloaded while the worker serves (the gateway's "
+        "/v1/load_lora_adapter), read only from folders under this one; unset: never",
+    )
     metrics_port: int = setting(0, "Prometheus /metrics port (0: any free port, -1: off)")
     host_workers: int = setting(
         1,

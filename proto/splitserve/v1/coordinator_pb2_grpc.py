@@ -64,6 +64,16 @@ class CoordinatorStub:
                 request_serializer=splitserve_dot_v1_dot_coordinator__pb2.DetokenizeRequest.SerializeToString,
                 response_deserializer=splitserve_dot_v1_dot_coordinator__pb2.DetokenizeResponse.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/splitserve.v1.Coordinator/LoadLoraAdapter',
+                request_serializer=splitserve_dot_v1_dot_coordinator__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_coordinator__pb2.LoadLoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/splitserve.v1.Coordinator/UnloadLoraAdapter',
+                request_serializer=splitserve_dot_v1_dot_coordinator__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_coordinator__pb2.UnloadLoraAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -118,6 +128,26 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """Serve the LoRA adapter in `lora_path` as `lora_name` on every worker of this model
+        (vLLM's /v1/load_lora_adapter): all of them or none (a worker that fails unloads it
+        again everywhere). With API keys, only the coordinator's --lora-admin-tenants may call
+        (PERMISSION_DENIED); workers read adapters only under their --lora-dir
+        (FAILED_PRECONDITION without one). INVALID_ARGUMENT for an adapter not servable, a
+        name served with other files, or workers whose files under that path differ.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """Stop serving `lora_name` on every worker (requests of it already running finish).
+        NOT_FOUND where no worker serves it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -150,6 +180,16 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Detokenize,
                     request_deserializer=splitserve_dot_v1_dot_coordinator__pb2.DetokenizeRequest.FromString,
                     response_serializer=splitserve_dot_v1_dot_coordinator__pb2.DetokenizeResponse.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=splitserve_dot_v1_dot_coordinator__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_coordinator__pb2.LoadLoraAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=splitserve_dot_v1_dot_coordinator__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_coordinator__pb2.UnloadLoraAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -314,6 +354,60 @@ class Coordinator:
             '/splitserve.v1.Coordinator/Detokenize',
             splitserve_dot_v1_dot_coordinator__pb2.DetokenizeRequest.SerializeToString,
             splitserve_dot_v1_dot_coordinator__pb2.DetokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.Coordinator/LoadLoraAdapter',
+            splitserve_dot_v1_dot_coordinator__pb2.LoadLoraAdapterRequest.SerializeToString,
+            splitserve_dot_v1_dot_coordinator__pb2.LoadLoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.Coordinator/UnloadLoraAdapter',
+            splitserve_dot_v1_dot_coordinator__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            splitserve_dot_v1_dot_coordinator__pb2.UnloadLoraAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -80,7 +80,7 @@ class LoraAdapter(_message.Message):
     def __init__(self, name: _Optional[str] = ..., digest: _Optional[str] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("num_total_blocks", "num_used_blocks", "num_running_requests", "num_waiting_requests", "num_reserved_requests", "num_running_tokens", "num_pending_prefill_tokens", "ready", "num_finished_requests", "step_cost", "prefill_share", "prefill_chunk_tokens", "kv_events", "kv_push_costs")
+    __slots__ = ("num_total_blocks", "num_used_blocks", "num_running_requests", "num_waiting_requests", "num_reserved_requests", "num_running_tokens", "num_pending_prefill_tokens", "ready", "num_finished_requests", "step_cost", "prefill_share", "prefill_chunk_tokens", "kv_events", "kv_push_costs", "served_adapters")
     NUM_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -95,6 +95,7 @@ class WorkerLoad(_message.Message):
     PREFILL_CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_EVENTS_FIELD_NUMBER: _ClassVar[int]
     KV_PUSH_COSTS_FIELD_NUMBER: _ClassVar[int]
+    SERVED_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     num_total_blocks: int
     num_used_blocks: int
     num_running_requests: int
@@ -109,7 +110,14 @@ class WorkerLoad(_message.Message):
     prefill_chunk_tokens: int
     kv_events: KvEvents
     kv_push_costs: _containers.RepeatedCompositeFieldContainer[KvPushCost]
-    def __init__(self, num_total_blocks: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., num_reserved_requests: _Optional[int] = ..., num_running_tokens: _Optional[int] = ..., num_pending_prefill_tokens: _Optional[int] = ..., ready: _Optional[bool] = ..., num_finished_requests: _Optional[int] = ..., step_cost: _Optional[_Union[StepCost, _Mapping]] = ..., prefill_share: _Optional[float] = ..., prefill_chunk_tokens: _Optional[int] = ..., kv_events: _Optional[_Union[KvEvents, _Mapping]] = ..., kv_push_costs: _Optional[_Iterable[_Union[KvPushCost, _Mapping]]] = ...) -> None: ...
+    served_adapters: ServedAdapters
+    def __init__(self, num_total_blocks: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., num_reserved_requests: _Optional[int] = ..., num_running_tokens: _Optional[int] = ..., num_pending_prefill_tokens: _Optional[int] = ..., ready: _Optional[bool] = ..., num_finished_requests: _Optional[int] = ..., step_cost: _Optional[_Union[StepCost, _Mapping]] = ..., prefill_share: _Optional[float] = ..., prefill_chunk_tokens: _Optional[int] = ..., kv_events: _Optional[_Union[KvEvents, _Mapping]] = ..., kv_push_costs: _Optional[_Iterable[_Union[KvPushCost, _Mapping]]] = ..., served_adapters: _Optional[_Union[ServedAdapters, _Mapping]] = ...) -> None: ...
+
+class ServedAdapters(_message.Message):
+    __slots__ = ("adapters",)
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    adapters: _containers.RepeatedCompositeFieldContainer[LoraAdapter]
+    def __init__(self, adapters: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ...) -> None: ...
 
 class KvPushCost(_message.Message):
     __slots__ = ("decode_address", "base_s", "per_token_s", "pushes")
@@ -146,6 +154,32 @@ class WatchLoadRequest(_message.Message):
     INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
     interval_ms: int
     def __init__(self, interval_ms: _Optional[int] = ...) -> None: ...
+
+class LoadAdapterRequest(_message.Message):
+    __slots__ = ("name", "path")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+
+class LoadAdapterResponse(_message.Message):
+    __slots__ = ("adapter", "newly_loaded")
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    NEWLY_LOADED_FIELD_NUMBER: _ClassVar[int]
+    adapter: LoraAdapter
+    newly_loaded: bool
+    def __init__(self, adapter: _Optional[_Union[LoraAdapter, _Mapping]] = ..., newly_loaded: _Optional[bool] = ...) -> None: ...
+
+class UnloadAdapterRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class UnloadAdapterResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class WorkerGenerateRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "remote_prefill", "prior_output_token_ids", "traceparent")

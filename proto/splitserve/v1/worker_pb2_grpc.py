@@ -413,6 +413,138 @@ class WorkerMonitor:
             _registered_method=True)
 
 
+class WorkerAdaptersStub:
+    """Served by every worker, whatever its role: LoRA adapters loaded and unloaded while it
+    serves (the coordinator's LoadLoraAdapter and UnloadLoraAdapter reach every worker of its
+    model with these). Refused with FAILED_PRECONDITION on a worker started without
+    --lora-dir; a path outside that folder is INVALID_ARGUMENT.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.LoadAdapter = channel.unary_unary(
+                '/splitserve.v1.WorkerAdapters/LoadAdapter',
+                request_serializer=splitserve_dot_v1_dot_worker__pb2.LoadAdapterRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_worker__pb2.LoadAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadAdapter = channel.unary_unary(
+                '/splitserve.v1.WorkerAdapters/UnloadAdapter',
+                request_serializer=splitserve_dot_v1_dot_worker__pb2.UnloadAdapterRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_worker__pb2.UnloadAdapterResponse.FromString,
+                _registered_method=True)
+
+
+class WorkerAdaptersServicer:
+    """Served by every worker, whatever its role: LoRA adapters loaded and unloaded while it
+    serves (the coordinator's LoadLoraAdapter and UnloadLoraAdapter reach every worker of its
+    model with these). Refused with FAILED_PRECONDITION on a worker started without
+    --lora-dir; a path outside that folder is INVALID_ARGUMENT.
+    """
+
+    def LoadAdapter(self, request, context):
+        """Read the adapter in `path` (absolute, or relative to --lora-dir) and serve it as `name`
+        from the next engine step on. INVALID_ARGUMENT for an adapter that cannot be served as
+        trained (engine/lora.py), or a name served here with other files.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadAdapter(self, request, context):
+        """Stop serving `name`: new requests of it are refused; those running finish with it.
+        NOT_FOUND where it is not served here.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_WorkerAdaptersServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'LoadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadAdapter,
+                    request_deserializer=splitserve_dot_v1_dot_worker__pb2.LoadAdapterRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_worker__pb2.LoadAdapterResponse.SerializeToString,
+            ),
+            'UnloadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadAdapter,
+                    request_deserializer=splitserve_dot_v1_dot_worker__pb2.UnloadAdapterRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_worker__pb2.UnloadAdapterResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'splitserve.v1.WorkerAdapters', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('splitserve.v1.WorkerAdapters', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class WorkerAdapters:
+    """Served by every worker, whatever its role: LoRA adapters loaded and unloaded while it
+    serves (the coordinator's LoadLoraAdapter and UnloadLoraAdapter reach every worker of its
+    model with these). Refused with FAILED_PRECONDITION on a worker started without
+    --lora-dir; a path outside that folder is INVALID_ARGUMENT.
+    """
+
+    @staticmethod
+    def LoadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.WorkerAdapters/LoadAdapter',
+            splitserve_dot_v1_dot_worker__pb2.LoadAdapterRequest.SerializeToString,
+            splitserve_dot_v1_dot_worker__pb2.LoadAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.WorkerAdapters/UnloadAdapter',
+            splitserve_dot_v1_dot_worker__pb2.UnloadAdapterRequest.SerializeToString,
+            splitserve_dot_v1_dot_worker__pb2.UnloadAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
 class PrefillWorkerStub:
     """Missing associated documentation comment in .proto file."""
 

@@ -1,0 +1,219 @@
+"""LoRA adapters loaded and unloaded across a coordinator's workers while they serve (the
+gateway's ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``, the ``Coordinator``
+service's ``LoadLoraAdapter`` and ``UnloadLoraAdapter``).
+
+Contract:
+- ``load`` asks every registered worker of the model (each process once, whatever its
+  roles) to serve the adapter (``worker/adapters_servicer.py``). All or none: where one
+  worker refuses or fails, or the workers read files of different digests under the path,
+  the workers that newly loaded it unload it again and the caller gets the first worker's
+  error, naming that worker. A prompt of an adapter may be computed on one worker and
+  decoded on another, so a request of it must find the same files on both.
+- On success the registry's records list the adapter at once (a request right after the
+  answer is routed to it); the workers' load reports carry it from then on for every other
+  coordinator following them.
+- The adapters loaded here are kept (name and path) and loaded onto workers that join later
+  or come back without them (``_reconcile``, once a second; a worker that refused is asked
+  again after ``RECONCILE_RETRY_S``), so a fleet that scales out serves them too. Another
+  coordinator of the same workers routes to them (it learns them from the load reports) but
+  does not load them onto newcomers; neither does this one after a restart. Adapters every
+  worker must always serve belong in the workers' ``--lora-modules``.
+- ``unload`` asks every worker serving the name to stop (requests of it already running
+  finish there); ``ModelNotFoundError`` where none serves it.
+- One change at a time (a lock): a load and an unload of one name never interleave.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from splitserve.common.adapter_id import AdapterId, check_adapter_name
+from splitserve.common.errors import (
+    InvalidRequestError,
+    ModelLoadError,
+    ModelNotFoundError,
+    SplitserveError,
+    WorkerCallError,
+    WorkerUnavailableError,
+)
+from splitserve.coordinator.registry import WorkerRecord, WorkerRegistry
+from splitserve.proto.worker_clients import WorkerChannels
+
+logger = logging.getLogger(__name__)
+
+LOAD_TIMEOUT_S = 120.0
+"""Deadline of one worker's load: reading, checking and banking the adapter's factors."""
+UNLOAD_TIMEOUT_S = 10.0
+RECONCILE_INTERVAL_S = 1.0
+"""How often the workers are checked for adapters loaded here that they lack."""
+RECONCILE_RETRY_S = 30.0
+"""After a worker refused or failed to load an adapter on its own: when it is asked again."""
+
+
+@dataclass(frozen=True)
+class AdapterLoaded:
+    """The answer to a load: the adapter (its files' digest) and the workers serving it."""
+
+    adapter: AdapterId
+    workers: int
+
+
+class RuntimeAdapters:
+    """The LoRA adapters this coordinator loaded onto its workers (module docstring)."""
+
+    def __init__(self, registry: WorkerRegistry, channels: WorkerChannels) -> None:
+        self._registry = registry
+        self._channels = channels
+        self.loaded: dict[str, str] = {}
+        """Adapters loaded through this coordinator: name -> the path the workers read."""
+        self._lock = asyncio.Lock()
+        self._reconciling: asyncio.Task[None] | None = None
+        self._refused_at: dict[tuple[str, str], float] = {}
+        """(worker address, adapter name) -> when that worker last refused it on its own."""
+
+    async def load(self, name: str, path: str) -> AdapterLoaded:
+        """Serve the adapter in ``path`` (as each worker's ``--lora-dir`` resolves it) as
+        ``name`` on every worker of the model, or on none (module docstring)."""
+        check_adapter_name(name)
+        if not path:
+            raise InvalidRequestError("lora_path is required", "lora_path")
+        async with self._lock:
+            addresses = _addresses(self._registry.workers(healthy_only=False))
+            if not addresses:
+                raise WorkerUnavailableError("no worker is registered to load the adapter on")
+            results = await asyncio.gather(
+                *(self._channels.adapters(a).load(name, path, LOAD_TIMEOUT_S) for a in addresses),
+                return_exceptions=True,
+            )
+            loaded: dict[str, tuple[AdapterId, bool]] = {}
+            failures: list[tuple[str, BaseException]] = []
+            for address, result in zip(addresses, results, strict=True):
+                if isinstance(result, BaseException):
+                    failures.append((address, result))
+                else:
+                    loaded[address] = result
+            digests = {adapter.digest for adapter, _ in loaded.values()}
+            if failures or len(digests) > 1:
+                newly = [address for address, (_, fresh) in loaded.items() if fresh]
+                await asyncio.gather(*(self._unload_at(address, name) for address in newly))
+                if failures:
+                    raise _at_worker(*failures[0])
+                raise InvalidRequestError(
+                    f"the workers read different files under {path!r} (digests "
+                    f"{', '.join(sorted(digests))}): give every worker the same adapter there",
+                    "lora_path",
+                )
+            adapter = next(iter(loaded.values()))[0]
+            self._record(adapter, set(loaded))
+            self.loaded[name] = path
+            logger.info("LoRA adapter %r loaded from %s on %d workers", name, path, len(loaded))
+            if self._reconciling is None or self._reconciling.done():
+                self._reconciling = asyncio.create_task(self._reconcile(), name="lora-reconcile")
+            return AdapterLoaded(adapter, len(loaded))
+
+    async def unload(self, name: str) -> int:
+        """Stop serving ``name`` on every worker serving it; how many did. Requests of it
+        running there finish with it."""
+        async with self._lock:
+            self.loaded.pop(name, None)
+            holders = _addresses(
+                w
+                for w in self._registry.workers(healthy_only=False)
+                if any(adapter.name == name for adapter in w.adapters)
+            )
+            if not holders:
+                raise ModelNotFoundError(f"no worker serves a LoRA adapter named {name!r}")
+            results = await asyncio.gather(
+                *(self._channels.adapters(a).unload(name, UNLOAD_TIMEOUT_S) for a in holders),
+                return_exceptions=True,
+            )
+            gone = {
+                address
+                for address, result in zip(holders, results, strict=True)
+                if result is None or isinstance(result, ModelNotFoundError)
+            }
+            for record in self._registry.workers(healthy_only=False):
+                if record.address in gone:
+                    record.adapters = frozenset(a for a in record.adapters if a.name != name)
+            for address, result in zip(holders, results, strict=True):
+                if address not in gone and isinstance(result, BaseException):
+                    raise _at_worker(address, result)
+            logger.info("LoRA adapter %r unloaded from %d workers", name, len(gone))
+            return len(gone)
+
+    async def close(self) -> None:
+        """Stop loading adapters onto newcomers."""
+        if self._reconciling is not None:
+            self._reconciling.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reconciling
+
+    def _record(self, adapter: AdapterId, addresses: set[str]) -> None:
+        """The workers at ``addresses`` serve ``adapter`` now (in place of any other adapter
+        of its name)."""
+        for record in self._registry.workers(healthy_only=False):
+            if record.address in addresses:
+                kept = {a for a in record.adapters if a.name != adapter.name}
+                record.adapters = frozenset({*kept, adapter})
+
+    async def _unload_at(self, address: str, name: str) -> None:
+        """Undo a load at one worker (best effort: logged when it fails)."""
+        try:
+            await self._channels.adapters(address).unload(name, UNLOAD_TIMEOUT_S)
+        except SplitserveError as error:
+            logger.warning("worker at %s kept LoRA adapter %r: %s", address, name, error)
+
+    async def _reconcile(self) -> None:
+        """While adapters are loaded here: load each onto the routable workers that lack it."""
+        while self.loaded:
+            await asyncio.sleep(RECONCILE_INTERVAL_S)
+            async with self._lock:
+                await self._load_missing()
+
+    async def _load_missing(self) -> None:
+        now = time.monotonic()
+        done: set[tuple[str, str]] = set()
+        for record in self._registry.workers():
+            served = {adapter.name for adapter in record.adapters}
+            for name, path in list(self.loaded.items()):
+                key = (record.address, name)
+                if name in served or key in done:
+                    continue
+                if now - self._refused_at.get(key, -RECONCILE_RETRY_S) < RECONCILE_RETRY_S:
+                    continue
+                done.add(key)
+                try:
+                    adapter, _ = await self._channels.adapters(record.address).load(
+                        name, path, LOAD_TIMEOUT_S
+                    )
+                except SplitserveError as error:
+                    self._refused_at[key] = now
+                    logger.warning(
+                        "worker at %s did not load LoRA adapter %r: %s", record.address, name, error
+                    )
+                    continue
+                self._record(adapter, {record.address})
+                logger.info("LoRA adapter %r loaded on newcomer %s", name, record.worker_id)
+
+
+def _addresses(records: Iterable[WorkerRecord]) -> list[str]:
+    """The distinct worker processes' addresses among ``records`` (a worker of two roles
+    registers twice at one address), sorted."""
+    return sorted({record.address for record in records})
+
+
+def _at_worker(address: str, error: BaseException) -> SplitserveError:
+    """``error`` of the worker at ``address`` as the caller's error, naming the worker."""
+    prefix = f"worker at {address}: "
+    if isinstance(error, InvalidRequestError):
+        return InvalidRequestError(prefix + error.message, error.param)
+    if isinstance(error, ModelNotFoundError | ModelLoadError | WorkerUnavailableError):
+        return type(error)(prefix + str(error))
+    if isinstance(error, SplitserveError):
+        return WorkerCallError(prefix + str(error))
+    raise error

@@ -1,0 +1,120 @@
+"""LoRA adapters loaded and unloaded while a cluster serves, through the gateway's vLLM routes
+(``/v1/load_lora_adapter``, ``/v1/unload_lora_adapter``): ``splitserve up`` with a prefill
+and a decode worker started with ``--lora-dir`` and no adapter, float32, every prompt
+computed on the prefill worker and its KV pushed to the decode worker
+(``--placement=remote``), so both workers must have loaded the adapter.
+
+A request naming an adapter loaded at runtime gets the in-process float32 engine's tokens
+with that adapter (equal to PEFT's, ``tests/test_lora.py``), at once after the load's answer;
+after the unload it is a 404, and the name loaded again from other files gives the other
+adapter's tokens (none of the old files' KV). Refusals are 4xx in OpenAI's shape naming the
+field: a path outside ``--lora-dir``, a folder without an adapter, a name served with other
+files, an unknown field, an unknown adapter to unload.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import httpx
+import pytest
+
+from splitserve.client import AsyncClient, ClientError
+from splitserve.common.sampling_params import SamplingParams
+from splitserve.engine.checkpoint import LoadedCheckpoint
+from tests.cluster import cluster
+from tests.conftest import make_llm
+from tests.lora_adapters import completion_token_ids
+
+openai = pytest.importorskip("openai")
+
+TOKENS = 10
+PROMPT = "Once upon a time, in a small village by the sea,"
+
+
+@pytest.fixture(scope="module")
+def expected(default_checkpoint_fp32: LoadedCheckpoint, lora_adapters) -> dict[str, list[int]]:
+    """The in-process float32 engine's greedy tokens of ``PROMPT`` by adapter ("": none)."""
+    llm = make_llm(
+        default_checkpoint_fp32,
+        lora_modules=tuple((name, str(saved.folder)) for name, saved in lora_adapters.items()),
+    )
+    names = ("", *lora_adapters)
+    params = [
+        SamplingParams(max_tokens=TOKENS, min_tokens=TOKENS, temperature=0.0, adapter=name)
+        for name in names
+    ]
+    prompt = default_checkpoint_fp32.tokenizer.encode(PROMPT)
+    results = llm.generate([prompt] * len(names), params)
+    return {name: result.token_ids for name, result in zip(names, results, strict=True)}
+
+
+def test_adapters_loaded_and_unloaded_while_serving(lora_adapters, expected) -> None:
+    assert expected["every"] != expected[""] != expected["qv"]
+    root = Path(lora_adapters["every"].folder).parent
+    lines: dict[str, str] = {}
+    flags = ("--dtype=float32", "--num-blocks=256", "--threads=1", f"--lora-dir={root}")
+    with cluster(1, 1, *flags, ready_lines=lines, up_flags=("--placement=remote",)) as address:
+        url = lines["splitserve gateway ready"]
+        asyncio.run(_check(url, address, expected, root))
+
+
+async def _check(url: str, address: str, expected: dict[str, list[int]], root: Path) -> None:
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    async with client, httpx.AsyncClient(base_url=url, timeout=120) as http:
+
+        async def tokens(model: str, stream: bool = False) -> list[int]:
+            return await completion_token_ids(client, model, PROMPT, TOKENS, stream)
+
+        async def load(name: str, path: str, **extra: object) -> httpx.Response:
+            body = {"lora_name": name, "lora_path": path, **extra}
+            return await http.post("/v1/load_lora_adapter", json=body)
+
+        async def unload(name: str) -> httpx.Response:
+            return await http.post("/v1/unload_lora_adapter", json={"lora_name": name})
+
+        with pytest.raises(openai.NotFoundError):
+            await tokens("tuned")
+        loaded = await load("tuned", "every")  # relative to --lora-dir
+        assert loaded.status_code == 200, loaded.text
+        assert loaded.text == "Success: LoRA adapter 'tuned' added successfully."
+        # routed at once, on both workers (the prompt is computed on the prefill worker)
+        got = await asyncio.gather(tokens("tuned"), tokens("tuned", stream=True))
+        assert got == [expected["every"]] * 2
+        models = {model.id: model for model in (await client.models.list()).data}
+        assert "tuned" in models and models["tuned"].model_extra["parent"] is not None
+        base = models["tuned"].model_extra["parent"]
+        assert await tokens(base) == expected[""]
+
+        refusals = {
+            "outside": (await load("x", "/etc"), 400, "lora_path"),
+            "not an adapter": (await load("x", str(root)), 400, "lora_path"),
+            "other files": (await load("tuned", str(root / "qv")), 400, "lora_name"),
+            "unknown field": (await load("x", "every", load_inplace=True), 400, None),
+            "unknown adapter": (await unload("nope"), 404, None),
+        }
+        for what, (response, status, param) in refusals.items():
+            assert response.status_code == status, (what, response.text)
+            error = response.json()["error"]
+            assert error["message"], what
+            if param is not None:
+                assert error["param"] == param, (what, error)
+        assert await tokens("tuned") == expected["every"]  # the refusals changed nothing
+
+        removed = await unload("tuned")
+        assert removed.status_code == 200, removed.text
+        with pytest.raises(openai.NotFoundError):
+            await tokens("tuned")
+        # the name again, other files: the other adapter's tokens, none of the old KV
+        assert (await load("tuned", str(root / "qv"))).status_code == 200
+        assert await tokens("tuned") == expected["qv"]
+
+    async with AsyncClient(address, timeout_s=120) as grpc_client:
+        assert "tuned" in (await grpc_client.model_info()).adapters
+        assert await grpc_client.unload_lora_adapter("tuned") == 2  # both worker processes
+        loaded_again = await grpc_client.load_lora_adapter("again", "every")
+        assert loaded_again.name == "again" and loaded_again.workers == 2
+        with pytest.raises(ClientError) as refused:
+            await grpc_client.load_lora_adapter("bad", "../escape")
+        assert refused.value.param == "lora_path"
