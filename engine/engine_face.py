@@ -34,7 +34,8 @@ class EngineFacts:
     real model's KV takes (``transfer/paced.py``); None: a real engine, or a profile
     without measured transfer figures."""
     adapters: tuple[AdapterId, ...] = ()
-    """The LoRA adapters it loaded (``ModelConfig.lora_modules``)."""
+    """The LoRA adapters it loaded at start (``ModelConfig.lora_modules``); those it serves
+    now, runtime loads and unloads included: ``AsyncEngine.served_adapters``."""
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,7 @@ def test_every_proto_has_its_committed_modules(package_dir: Path) -> None:
     [
         ("common", []),
         ("coordinator", ["Coordinator", "Membership"]),
-        ("worker", ["DecodeWorker", "PrefillWorker"]),
+        ("worker", ["DecodeWorker", "PrefillWorker", "WorkerMonitor", "WorkerAdapters"]),
     ],
 )
 def test_generated_modules_import_with_their_services(module: str, services: list[str]) -> None:

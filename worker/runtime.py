@@ -223,7 +223,7 @@ def _records(
             max_model_len=engine.facts.max_model_len,
             model=model_name,
             pulls_cached_kv_min_blocks=domain.pulls_cached_kv_min_blocks,
-            adapters=engine.facts.adapters,
+            adapters=engine.served_adapters,
         )
         for role, identity, domain in zip(roles, identities, domains, strict=True)
     ]
