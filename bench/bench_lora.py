@@ -1,7 +1,7 @@
 """What LoRA adapters cost a decode step on the CPU, against the base model in the same run.
 
-One engine (the default model, the serving dtype, one core unless ``--threads``) loads four
-adapters of rank ``--rank`` on all seven projections, written in PEFT's saved format with
+One engine (the default model, the serving dtype, one core unless ``--threads``) loads
+``--loaded`` adapters (four unless told) of rank ``--rank`` on all seven projections, written in PEFT's saved format with
 random factors (what a step costs does not depend on the factors' values). Bursts of the same
 chat requests, greedy, ``--tokens`` tokens each, alternate round by round between:
 
@@ -12,7 +12,9 @@ chat requests, greedy, ``--tokens`` tokens each, alternate round by round betwee
 - ``half``: every other request names adapter 0, the rest the base model;
 - ``four``: requests spread over the four adapters.
 
-Per variant: the median over rounds of the burst's TPOT p50 and its ratio to ``base``.
+Per variant (``--variants`` picks some; ``base`` always runs): the median over rounds of
+the burst's TPOT p50 and its ratio to ``base``. ``--loaded 16`` with ``--variants one`` says
+what the adapters loaded but not in the step cost a step (the bank multiplies by them all).
 Nothing is asserted: the bench only measures.
 
     .venv/bin/python bench/bench_lora.py --batches 8,32 --rounds 3
@@ -122,12 +124,14 @@ def one_burst(
     return run_metrics(burst.requests, burst.start, burst.end, burst.cpu_seconds).tpot_p50_ms
 
 
-def measure(core: EngineCore, batch: int, rounds: int, tokens: int) -> Json:
+def measure(
+    core: EngineCore, batch: int, rounds: int, tokens: int, variants: tuple[str, ...]
+) -> Json:
     prompts = chat_prompts(core, batch)
-    for variant in VARIANTS:
+    for variant in variants:
         one_burst(core, prompts, variant, 4, f"warm-{variant}-{batch}")
     tpot = alternated_rounds(
-        VARIANTS,
+        variants,
         rounds,
         lambda variant, index: one_burst(
             core, prompts, variant, tokens, f"{variant}-{batch}-{index}"
@@ -137,7 +141,7 @@ def measure(core: EngineCore, batch: int, rounds: int, tokens: int) -> Json:
     return {
         "batch": batch,
         "tpot_p50_ms": p50,
-        "ratio_to_base": {name: round(p50[name] / p50["base"], 3) for name in VARIANTS},
+        "ratio_to_base": {name: round(p50[name] / p50["base"], 3) for name in variants},
         "tpot_runs_ms": {name: [round(x, 2) for x in v] for name, v in tpot.items()},
     }
 
@@ -149,18 +153,28 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=48, help="tokens per request")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--loaded", type=int, default=ADAPTERS, help="adapters loaded (>= 4)")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"of {VARIANTS}")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    variants = tuple(dict.fromkeys(("base", *args.variants.split(","))))
+    if args.loaded < ADAPTERS or not set(variants) <= set(VARIANTS):
+        parser.error(f"--loaded must be at least {ADAPTERS}; variants are {VARIANTS}")
     config = describe_checkpoint("default").config
     with tempfile.TemporaryDirectory() as folder:
         modules = []
-        for index in range(ADAPTERS):
+        for index in range(args.loaded):
             path = Path(folder) / f"a{index}"
             write_adapter(path, config, args.rank, seed=index)
             modules.append((f"a{index}", str(path)))
         core = EngineCore(
             EngineConfig(
-                model=ModelConfig(model="default", dtype="auto", lora_modules=tuple(modules)),
+                model=ModelConfig(
+                    model="default",
+                    dtype="auto",
+                    lora_modules=tuple(modules),
+                    max_lora_adapters=args.loaded,
+                ),
                 runner=RunnerConfig(num_threads=args.threads),
                 cache=CacheConfig(num_blocks=2048),
                 scheduler=SchedulerConfig(max_num_seqs=256),
@@ -172,12 +186,12 @@ def main() -> int:
         "threads": args.threads,
         "dtype": str(core.dtype),
         "rank": args.rank,
-        "adapters": ADAPTERS,
+        "adapters": args.loaded,
         "tokens": args.tokens,
         "batches": [],
     }
     for batch in (int(b) for b in args.batches.split(",")):
-        row = measure(core, batch, args.rounds, args.tokens)
+        row = measure(core, batch, args.rounds, args.tokens, variants)
         print(json.dumps(row), flush=True)
         report["batches"].append(row)
     write_report(report, args.out, "lora")

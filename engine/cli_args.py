@@ -68,6 +68,11 @@ class EngineSettings:
         "adapters (adapter_config.json, adapter_model.safetensors); a request names one as "
         "its model",
     )
+    max_lora_adapters: int = setting(
+        _DEFAULTS.model.max_lora_adapters,
+        "the most LoRA adapters served at once (--lora-modules and runtime loads): a step "
+        "with an adapter's rows multiplies by every loaded adapter's factors",
+    )
     max_model_len: int | None = setting(None, "context window cap in tokens")
     block_size: int = setting(_DEFAULTS.cache.block_size, "tokens per KV block")
     kv_cache_gib: float = setting(_DEFAULTS.cache.kv_cache_gib, "KV cache size in GiB")
@@ -138,6 +143,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             max_model_len=args.max_model_len,
             quantized_weights=args.quantized_weights,
             lora_modules=parse_lora_modules(args.lora_modules),
+            max_lora_adapters=args.max_lora_adapters,
         ),
         cache=CacheConfig(
             block_size=args.block_size,

@@ -40,6 +40,11 @@ class ModelConfig:
     lora_modules: tuple[tuple[str, str], ...] = ()
     """LoRA adapters to serve beside the base model, as (name, folder) pairs: PEFT's saved
     adapters (``engine/lora.py``); a request names one by its name."""
+    max_lora_adapters: int = 16
+    """The most LoRA adapters (distinct files) served at once, loaded at start and at runtime:
+    every step with an adapter's rows multiplies by all of their factors
+    (``engine/lora.py:AdapterBank``), so each one loaded costs such steps time; a runtime load
+    beyond it is refused (unload one first)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -55,6 +60,16 @@ class ModelConfig:
             raise InvalidRequestError(
                 "lora_modules' names must be distinct, non-empty and at most "
                 f"{MAX_ADAPTER_NAME_CHARS} characters",
+                param="lora_modules",
+            )
+        if self.max_lora_adapters < 1:
+            raise InvalidRequestError(
+                "max_lora_adapters must be at least 1", param="max_lora_adapters"
+            )
+        if len(self.lora_modules) > self.max_lora_adapters:
+            raise InvalidRequestError(
+                f"{len(self.lora_modules)} lora_modules are more than max_lora_adapters "
+                f"({self.max_lora_adapters})",
                 param="lora_modules",
             )
         if self.max_model_len is not None and self.max_model_len < 2:

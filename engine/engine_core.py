@@ -221,7 +221,8 @@ class EngineCore:
         """Serve ``adapter`` (``read_adapter``'s) under ``name`` from the next step on; False
         where that name already serves these very files (nothing changes),
         ``InvalidRequestError`` where it serves other files (unload it first: requests
-        under one name must not meet two adapters). Engine thread."""
+        under one name must not meet two adapters) or where these would be one more than
+        ``ModelConfig.max_lora_adapters``. Engine thread."""
         digest = adapter.digest
         served = self.adapters.get(name)
         if served is not None:
@@ -230,6 +231,14 @@ class EngineCore:
             raise InvalidRequestError(
                 f"a LoRA adapter named {name!r} is loaded here with other files: unload it "
                 "first, or load these under another name",
+                "lora_name",
+            )
+        served_digests = {served.digest for served in self.adapters.values()}
+        limit = self.config.model.max_lora_adapters
+        if digest not in served_digests and len(served_digests) >= limit:
+            raise InvalidRequestError(
+                f"this worker serves {limit} LoRA adapters, its most (--max-lora-adapters): "
+                "unload one first",
                 "lora_name",
             )
         if isinstance(adapter, LoraAdapter) and digest not in self._banked:

@@ -143,14 +143,19 @@ def make_llm(
     speculative_tokens: int = 0,
     quantized_weights: str = "auto",
     lora_modules: tuple[tuple[str, str], ...] = (),
+    max_lora_adapters: int = 16,
 ) -> LLM:
     """An offline engine over an already loaded checkpoint, float32 by default
     (``speculative_tokens``: prompt-lookup drafts per step, 0 = none; ``quantized_weights``
     as ``ModelConfig``'s, whose "auto" reads the checkpoint's kept GGUF blocks in bf16;
-    ``lora_modules``: LoRA adapters served, (name, folder) pairs)."""
+    ``lora_modules``: LoRA adapters served, (name, folder) pairs, at most
+    ``max_lora_adapters``)."""
     config = EngineConfig(
         model=ModelConfig(
-            dtype=dtype, quantized_weights=quantized_weights, lora_modules=lora_modules
+            dtype=dtype,
+            quantized_weights=quantized_weights,
+            lora_modules=lora_modules,
+            max_lora_adapters=max_lora_adapters,
         ),
         cache=CacheConfig(
             block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=prefix_caching

@@ -15,6 +15,7 @@ import pytest
 from splitserve.common.errors import InvalidRequestError, ModelLoadError, ModelNotFoundError
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.checkpoint import LoadedCheckpoint
+from splitserve.engine.config import ModelConfig
 from tests.conftest import assert_no_leaks, make_llm
 from tests.lora_adapters import peft_greedy
 
@@ -115,3 +116,21 @@ def test_a_name_loaded_again_with_other_files_meets_none_of_the_old_kv(
     assert hits == 0
     assert tokens == peft_greedy(lora_adapters["qv"].model, prompt, NEW_TOKENS) != first
     assert_no_leaks(llm)
+
+
+def test_a_worker_serves_at_most_max_lora_adapters(
+    default_checkpoint_fp32: LoadedCheckpoint, lora_adapters
+) -> None:
+    """Distinct files count, not names; an unload makes room."""
+    every, qv = lora_adapters["every"].folder, lora_adapters["qv"].folder
+    with pytest.raises(InvalidRequestError, match="max_lora_adapters"):
+        ModelConfig(lora_modules=(("a", str(every)), ("b", str(qv))), max_lora_adapters=1)
+    llm = make_llm(default_checkpoint_fp32, max_lora_adapters=1)
+    engine = llm.engine
+    assert engine.serve_adapter("every", engine.read_adapter("every", every))
+    assert engine.serve_adapter("same-files", engine.read_adapter("same-files", every))
+    with pytest.raises(InvalidRequestError, match="--max-lora-adapters"):
+        engine.serve_adapter("qv", engine.read_adapter("qv", qv))
+    engine.unserve_adapter("every")
+    engine.unserve_adapter("same-files")
+    assert engine.serve_adapter("qv", engine.read_adapter("qv", qv))
