@@ -1,9 +1,10 @@
 """What LoRA adapters cost a decode step on the CPU, against the base model in the same run.
 
 One engine (the default model, the serving dtype, one core unless ``--threads``) loads
-``--loaded`` adapters (four unless told) of rank ``--rank`` on all seven projections, written in PEFT's saved format with
-random factors (what a step costs does not depend on the factors' values). Bursts of the same
-chat requests, greedy, ``--tokens`` tokens each, alternate round by round between:
+``--loaded`` adapters (four unless told) of rank ``--rank`` on all seven projections,
+written in PEFT's saved format with random factors (what a step costs does not depend on the
+factors' values). Bursts of the same chat requests, greedy, ``--tokens`` tokens each,
+alternate round by round between:
 
 - ``base``: no request names an adapter (the C decode loop where it applies);
 - ``base_python``: the same with the C decode loop off, the Python layer loop that every
