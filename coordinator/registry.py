@@ -36,7 +36,9 @@ class WorkerRecord:
     """A prefill worker that pulls a decode worker's cached prefix when it would get at
     least this many blocks so (``WorkerInfo``); 0: it does not."""
     adapters: frozenset[AdapterId] = frozenset()
-    """The LoRA adapters it serves (``WorkerInfo.adapters``)."""
+    """The LoRA adapters it serves: ``WorkerInfo.adapters`` at registration, then as its load
+    reports say (``heartbeat``) and as this coordinator's runtime loads and unloads leave
+    them (``coordinator/runtime_adapters.py``)."""
     load: EngineLoad = field(default_factory=EngineLoad)
     last_heartbeat: float = field(default_factory=time.monotonic)
     """When ``load`` was last reported (registration or heartbeat)."""
