@@ -40,7 +40,7 @@ class ModelConfig:
     lora_modules: tuple[tuple[str, str], ...] = ()
     """LoRA adapters to serve beside the base model, as (name, folder) pairs: PEFT's saved
     adapters (``engine/lora.py``); a request names one by its name."""
-    max_lora_adapters: int = 16
+    max_lora_adapters: int = 8
     """The most LoRA adapters (distinct files) served at once, loaded at start and at runtime:
     every step with an adapter's rows multiplies by all of their factors
     (``engine/lora.py:AdapterBank``), so each one loaded costs such steps time; a runtime load
