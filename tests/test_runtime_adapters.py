@@ -3,7 +3,8 @@ registry, the workers' calls answered by a stand-in per worker address: all or n
 refusal or differing files unload it again where it was newly loaded), the registry's
 records updated at once, newcomers given the adapters loaded here, unloads.
 
-The calls themselves, the workers' refusals and the engines' loads run for real in
+Last, the worker's own check of the folder a load names (``--lora-dir``). The calls themselves,
+the workers' refusals and the engines' loads run for real in
 ``tests/test_lora_runtime_served.py``; here the coordinator's bookkeeping is checked on
 cases a real cluster makes hard to stage (one worker of three refusing, files differing per
 host, a worker joining later).
@@ -22,6 +23,7 @@ from splitserve.common.membership import Role
 from splitserve.coordinator import runtime_adapters
 from splitserve.coordinator.registry import WorkerRecord, WorkerRegistry
 from splitserve.coordinator.runtime_adapters import RuntimeAdapters
+from splitserve.worker.adapters_servicer import adapter_folder
 
 
 @dataclass
@@ -156,3 +158,16 @@ def test_a_worker_joining_later_is_given_the_adapters_loaded_here(monkeypatch) -
         await adapters.close()
 
     asyncio.run(run())
+
+
+def test_a_worker_reads_adapters_only_under_its_lora_dir(tmp_path) -> None:
+    root = tmp_path / "adapters"
+    (root / "tuned").mkdir(parents=True)
+    (tmp_path / "secret").mkdir()
+    (root / "escape").symlink_to(tmp_path / "secret")
+    assert adapter_folder(root, "tuned") == (root / "tuned").resolve()
+    assert adapter_folder(root, str(root / "tuned")) == (root / "tuned").resolve()
+    for outside in ("../secret", str(tmp_path / "secret"), "escape", "/etc", "a\x00b", ""):
+        with pytest.raises(InvalidRequestError) as refused:
+            adapter_folder(root, outside)
+        assert refused.value.param == "lora_path", outside

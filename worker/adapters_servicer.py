@@ -44,7 +44,10 @@ def adapter_folder(lora_dir: Path, path: str) -> Path:
     if not path:
         raise InvalidRequestError("lora_path is required", "lora_path")
     root = lora_dir.resolve()
-    folder = (root / path).resolve()
+    try:
+        folder = (root / path).resolve()
+    except (OSError, ValueError) as error:  # a NUL byte, a link loop
+        raise InvalidRequestError(f"lora_path {path!r}: {error}", "lora_path") from None
     if folder != root and root not in folder.parents:
         raise InvalidRequestError(
             f"lora_path {path!r} lies outside the workers' --lora-dir {str(root)!r}: runtime "
