@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, Response
 from fastapi.responses import PlainTextResponse
 
 from splitserve.client import AsyncClient
@@ -39,9 +39,17 @@ def add_adapter_routes(
     error_responses: dict[int | str, dict[str, Any]],
 ) -> None:
     """Add the two routes to ``app`` (``current``: the app's gateway, made on startup)."""
-    responses = {**error_responses, 403: {"model": schemas.ErrorResponse}}
+    responses: dict[int | str, dict[str, Any]] = {
+        200: {
+            "description": "`Success: ...` (plain text, as vLLM answers).",
+            "content": {"text/plain": {"schema": {"type": "string"}}},
+        },
+        **error_responses,
+        403: {"model": schemas.ErrorResponse},
+    }
+    # the route's class is plain Response: its errors are documented (and sent) as JSON
 
-    @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse, responses=responses)
+    @app.post("/v1/load_lora_adapter", response_class=Response, responses=responses)
     async def load_lora_adapter(
         body: schemas.LoadLoraAdapterRequest, request: Request
     ) -> PlainTextResponse:
@@ -55,7 +63,7 @@ def add_adapter_routes(
         route.adapters = (*(a for a in route.adapters if a != body.lora_name), body.lora_name)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
-    @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse, responses=responses)
+    @app.post("/v1/unload_lora_adapter", response_class=Response, responses=responses)
     async def unload_lora_adapter(
         body: schemas.UnloadLoraAdapterRequest, request: Request
     ) -> PlainTextResponse:

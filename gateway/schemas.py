@@ -95,6 +95,7 @@ class _SamplingFields(_TextBody):
     truncate_prompt_tokens: int | None = Field(
         None,
         ge=-1,
+        le=2**31 - 1,
         description="Keep only the prompt's last N tokens (-1: as many as the context takes); "
         "without it a prompt over the context is refused.",
     )

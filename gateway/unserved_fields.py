@@ -100,7 +100,10 @@ class UnservedFields:
         """Raise ``ApiError`` 400 for a refused field (module docstring); return the
         counter labels of the ignored ones, in the body's order."""
         ignored = self._extras(body.model_extra or {}, REFUSED, "")
-        messages = getattr(body, "messages", None)
+        # a body's own messages field (chat's); a completion's stray "messages" is an extra
+        messages = (
+            getattr(body, "messages", None) if "messages" in type(body).model_fields else None
+        )
         if messages:
             for index, message in enumerate(messages):
                 where = f"messages.{index}."

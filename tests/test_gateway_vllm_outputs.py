@@ -208,6 +208,18 @@ def test_a_truncated_prompt_is_its_last_tokens(served: Served, sdk: openai.OpenA
         timeout=30,
     )
     assert zero.status_code == 400 and zero.json()["error"]["param"] == "truncate_prompt_tokens"
+    for path, body in (
+        ("/v1/chat/completions", {"messages": QUESTION}),
+        ("/v1/completions", {"prompt": "hi"}),
+        ("/v1/responses", {"input": "hi"}),
+    ):
+        beyond = httpx.post(  # past int32 (the wire's field): refused here, not a 500
+            f"{served.url}{path}",
+            json={"model": model, **body, "truncate_prompt_tokens": 2**32},
+            timeout=30,
+        )
+        assert beyond.status_code == 400, (path, beyond.text)
+        assert beyond.json()["error"]["param"] == "truncate_prompt_tokens"
 
 
 def test_bad_words_and_allowed_token_ids_hold_on_every_token(

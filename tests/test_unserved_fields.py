@@ -80,3 +80,9 @@ def test_other_fields_are_ignored_with_one_warning_per_name_and_a_bounded_label(
     warned = [record.getMessage() for record in caplog.records]
     assert sum("made_up_1" in message for message in warned) == 1
     assert len(warned) == 4  # store, made_up_1, service_tier, name
+
+
+def test_a_completions_stray_messages_field_is_ignored_not_read_as_chat() -> None:
+    """``messages`` on a completion is an undeclared field like any other (it was read as
+    chat's messages and failed with a 500)."""
+    assert UnservedFields().check(completion(messages=CHAT["messages"])) == [OTHER]
