@@ -38,6 +38,7 @@ from timing_stats import run_metrics
 
 from splitserve.common.cpu_info import cpu_name
 from splitserve.common.sampling_params import SamplingParams
+from splitserve.engine import lora
 from splitserve.engine.checkpoint import describe_checkpoint
 from splitserve.engine.config import (
     CacheConfig,
@@ -156,8 +157,16 @@ def main() -> int:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--loaded", type=int, default=ADAPTERS, help="adapters loaded (>= 4)")
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"of {VARIANTS}")
+    parser.add_argument(
+        "--bank-max",
+        type=int,
+        default=lora.BANK_MAX_ADAPTERS,
+        help="the most adapters laid side by side (engine/lora.py:BANK_MAX_ADAPTERS); more "
+        "loaded: each apart. 0: always apart",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    lora.BANK_MAX_ADAPTERS = args.bank_max
     variants = tuple(dict.fromkeys(("base", *args.variants.split(","))))
     if args.loaded < ADAPTERS or not set(variants) <= set(VARIANTS):
         parser.error(f"--loaded must be at least {ADAPTERS}; variants are {VARIANTS}")
@@ -188,6 +197,7 @@ def main() -> int:
         "dtype": str(core.dtype),
         "rank": args.rank,
         "adapters": args.loaded,
+        "layout": type(core.runner.model.adapters).__name__,
         "tokens": args.tokens,
         "batches": [],
     }

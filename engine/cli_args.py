@@ -70,8 +70,8 @@ class EngineSettings:
     )
     max_lora_adapters: int = setting(
         _DEFAULTS.model.max_lora_adapters,
-        "the most LoRA adapters served at once (--lora-modules and runtime loads): a step "
-        "with an adapter's rows multiplies by every loaded adapter's factors",
+        "the most LoRA adapters served at once (--lora-modules and runtime loads); up to 8 "
+        "loaded, a step with an adapter's rows multiplies by all of them",
     )
     max_model_len: int | None = setting(None, "context window cap in tokens")
     block_size: int = setting(_DEFAULTS.cache.block_size, "tokens per KV block")

@@ -40,11 +40,11 @@ class ModelConfig:
     lora_modules: tuple[tuple[str, str], ...] = ()
     """LoRA adapters to serve beside the base model, as (name, folder) pairs: PEFT's saved
     adapters (``engine/lora.py``); a request names one by its name."""
-    max_lora_adapters: int = 8
-    """The most LoRA adapters (distinct files) served at once, loaded at start and at runtime:
-    every step with an adapter's rows multiplies by all of their factors
-    (``engine/lora.py:AdapterBank``), so each one loaded costs such steps time; a runtime load
-    beyond it is refused (unload one first)."""
+    max_lora_adapters: int = 16
+    """The most LoRA adapters (distinct files) served at once, loaded at start and at runtime;
+    a runtime load beyond it is refused (unload one first). Each costs its factors' memory,
+    and up to ``engine/lora.py:BANK_MAX_ADAPTERS`` loaded each costs every step with an
+    adapter's rows time (beyond, a step pays for the adapters its rows take)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -18,6 +18,11 @@ Contract:
 - The model keeps its base weights; each adapter's factors are held apart, in the model's
   dtype, on its device. A step's rows take their own request's adapter or none
   (``StepAdapters``): requests of several adapters and of the base model share one step.
+- Two layouts of the loaded factors (``adapter_layout``): up to ``BANK_MAX_ADAPTERS``
+  loaded, every adapter side by side (``AdapterBank``: two products a projection, whatever
+  adapters the step takes); beyond, each adapter apart (``AdapterGroups``: a step multiplies
+  each row only by its own adapter's factors), so that many loaded adapters cost a step only
+  those its rows take.
 - A row's term depends only on its own input row and the adapters loaded, where the base
   projections' rows do (``engine/linear.py``: float32 on the CPU, its rows padded alike; bf16
   where oneDNN's sums do not change with the row count, not on AMX for calls of fewer than
@@ -47,6 +52,14 @@ from splitserve.engine.model_config import ModelArchConfig
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 
+BANK_MAX_ADAPTERS = 8
+"""The most adapters laid side by side (``AdapterBank``); more loaded: ``AdapterGroups``.
+Measured on the AMX Xeon (6/207), batch 8, bf16, one core, ratio of a step to the base
+step's (``bench/bench_lora.py --loaded N --bank-max M``): the bank costs the same whatever
+the step takes and grows with the adapters loaded (4: 1.13x; 8: 1.48x; 16: 1.7-2.5x across
+runs); apart, a step costs about 0.2-0.3x more per distinct adapter its rows take, whatever
+is loaded (16 loaded: 1.15x for one, 2.24x for four). Past 8 loaded the bank's cost has no
+bound but the loaded count; apart it is bounded by the step's own adapters."""
 PROJECTIONS = ("qkv", "o_proj", "gate_up", "down")
 """The model's (fused) projections, as ``engine/model.py:DecoderLayerWeights`` names them."""
 _TARGET_KEY = re.compile(
@@ -346,3 +359,100 @@ class StepAdapters:
         low = banked.a(x) * self.masks[projection]  # [tokens, adapters * width]
         out += banked.b(low)
         return out
+
+
+class AdapterGroups:
+    """The loaded adapters' factors each apart, per projection: a step's rows are grouped by
+    adapter, and each group multiplied by its own adapter's A then scaled B (four ops a
+    projection per adapter the step takes: gather, two products, scatter-add; none for an
+    adapter no row takes). The cost follows the adapters in the step, not those loaded.
+
+    Each adapter's products have its own widths (its stacked rank per projection), whatever
+    else is loaded or in the step, through ``engine/linear.py:Linear`` as the bank's are; a
+    row's term is PEFT's, in the bank's grouping (float32 greedy output equal to PEFT's,
+    tested). Rows of the base model get nothing added."""
+
+    def __init__(self, adapters: Sequence[LoraAdapter], num_layers: int) -> None:
+        self.digests = tuple(adapter.digest for adapter in adapters)
+        self.slot = {digest: index for index, digest in enumerate(self.digests)}
+        self.layers: list[dict[str, tuple[_BankedProjection | None, ...]]] = [
+            {
+                projection: tuple(_apart(adapter, layer, projection) for adapter in adapters)
+                for projection in PROJECTIONS
+            }
+            for layer in range(num_layers)
+        ]
+
+    def step(self, row_adapters: Sequence[str], device: torch.device) -> StepGroups | None:
+        """The step whose row ``i`` takes the adapter of digest ``row_adapters[i]`` ("" for
+        none); None when no row takes one."""
+        rows: dict[int, list[int]] = {}
+        for row, digest in enumerate(row_adapters):
+            if digest:
+                rows.setdefault(self.slot[digest], []).append(row)
+        if not rows:
+            return None
+        everyone = len(row_adapters)
+        return StepGroups(
+            self,
+            {
+                slot: None if len(taken) == everyone else torch.tensor(taken, device=device)
+                for slot, taken in rows.items()
+            },
+        )
+
+
+def _apart(adapter: LoraAdapter, layer: int, projection: str) -> _BankedProjection | None:
+    """One adapter's factors on one projection of one layer, at its own width (None where it
+    does not target the projection)."""
+    factors = adapter.layers[layer].get(projection)
+    if factors is None:
+        return None
+    return AdapterBank._bank([adapter], layer, projection, factors.a.shape[0])
+
+
+@dataclass(frozen=True)
+class StepGroups:
+    """Which rows of a packed step take which adapter, by the adapter's slot in
+    ``AdapterGroups``: their row indices (None: every row of the step)."""
+
+    groups: AdapterGroups
+    rows: Mapping[int, torch.Tensor | None]  # slot -> [rows taking it] or None
+
+    def add_to(
+        self,
+        out: torch.Tensor,  # [tokens, out]: the base projection of ``x``, updated in place
+        x: torch.Tensor,  # [tokens, in]
+        layer: int,
+        projection: str,
+    ) -> torch.Tensor:
+        """``out`` with each row's adapter's term of ``projection`` in decoder layer ``layer``
+        added (``AdapterGroups``)."""
+        factors = self.groups.layers[layer][projection]
+        for slot, rows in self.rows.items():
+            own = factors[slot]
+            if own is None:
+                continue
+            if rows is None:
+                out += own.b(own.a(x))
+            else:
+                out.index_add_(0, rows, own.b(own.a(x.index_select(0, rows))))
+        return out
+
+
+AdapterLayout = AdapterBank | AdapterGroups
+"""How the loaded adapters' factors are laid out for steps (``adapter_layout``)."""
+StepTerms = StepAdapters | StepGroups
+"""A step's adapters, as its layout hands them to ``engine/model.py``'s layers."""
+
+
+def adapter_layout(adapters: Sequence[LoraAdapter], num_layers: int) -> AdapterLayout | None:
+    """The layout of ``adapters`` (one per digest) for a model of ``num_layers`` layers: the
+    bank up to ``BANK_MAX_ADAPTERS`` of them (read when called), else each apart; None for
+    none. Which one depends only on what is loaded, so a row's term never depends on what
+    shares its step."""
+    if not adapters:
+        return None
+    if len(adapters) <= BANK_MAX_ADAPTERS:
+        return AdapterBank(adapters, num_layers)
+    return AdapterGroups(adapters, num_layers)

@@ -34,7 +34,7 @@ from splitserve.engine.linear import (
     measure_gemv_row_limit,
     prompt_blocks_setting,
 )
-from splitserve.engine.lora import AdapterBank, LoraAdapter, StepAdapters
+from splitserve.engine.lora import AdapterLayout, LoraAdapter, StepTerms, adapter_layout
 from splitserve.engine.model_config import ModelArchConfig
 from splitserve.engine.rotary import apply_rotary, cos_sin_table
 from splitserve.kernels.attention import AttentionBackend, TorchAttentionMetadata
@@ -155,7 +155,7 @@ class LlamaModel:
         """On CUDA in bf16/fp16: the add + RMSNorm, rotary and SiLU * up as one Triton kernel
         each (``kernels/triton_fused_ops.py``); None elsewhere."""
         self._decode_layers = self._decode_layers_for()
-        self.adapters: AdapterBank | None = None
+        self.adapters: AdapterLayout | None = None
         """The LoRA adapters' factors (``engine/lora.py``), laid out by ``set_adapters``; a
         step's rows name theirs (by digest) in ``forward``'s ``adapters``."""
         self._decode_layers_max_rows = min(
@@ -167,7 +167,7 @@ class LlamaModel:
         """Hold ``adapters`` (loaded for this model's shapes, dtype and device; one per
         digest) from the next step on, in a new bank (a step launched before keeps the
         bank it was given); none: no bank."""
-        self.adapters = AdapterBank(adapters, self.config.num_hidden_layers) if adapters else None
+        self.adapters = adapter_layout(adapters, self.config.num_hidden_layers)
 
     def _decode_layers_for(self) -> CpuDecodeLayers | None:
         """The C layer loop of decode-only steps (``kernels/cpu_decode_layers.py``) where it
@@ -313,7 +313,7 @@ class LlamaModel:
         on_layer_kv_written: Callable[[int], None] | None = None,
         generated: GeneratedRows = GeneratedRows(),
         between_layers: Callable[[], None] | None = None,
-        adapters: StepAdapters | None = None,
+        adapters: StepTerms | None = None,
     ) -> torch.Tensor:
         """Run the packed batch; returns float32 logits ``[samples, vocab]``.
 

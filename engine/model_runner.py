@@ -41,7 +41,7 @@ from splitserve.engine.grammar_matchers import GrammarMatchers
 from splitserve.engine.host_copies import to_device
 from splitserve.engine.kv_blocks import KvBlockStore
 from splitserve.engine.launched_step import LaunchedDecode
-from splitserve.engine.lora import StepAdapters
+from splitserve.engine.lora import StepTerms
 from splitserve.engine.model import GeneratedRows, LlamaModel
 from splitserve.engine.sampler import Sampler, SamplingRow, advance, token_logprobs
 from splitserve.engine.scheduler import ScheduledChunk, SchedulerOutput
@@ -289,7 +289,7 @@ class ModelRunner(KvBlockStore):
             adapters,
         )
 
-    def _step_adapters(self, chunks: Sequence[ScheduledChunk]) -> StepAdapters | None:
+    def _step_adapters(self, chunks: Sequence[ScheduledChunk]) -> StepTerms | None:
         """The LoRA adapter of each of the step's rows (its chunk's request's, by digest:
         ``ScheduledChunk.adapter``), in ``_pack``'s row order; None when no row takes one.
         The bank holds every adapter a running request takes (``EngineCore`` refuses a

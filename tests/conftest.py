@@ -143,7 +143,7 @@ def make_llm(
     speculative_tokens: int = 0,
     quantized_weights: str = "auto",
     lora_modules: tuple[tuple[str, str], ...] = (),
-    max_lora_adapters: int = 8,
+    max_lora_adapters: int = 16,
 ) -> LLM:
     """An offline engine over an already loaded checkpoint, float32 by default
     (``speculative_tokens``: prompt-lookup drafts per step, 0 = none; ``quantized_weights``

@@ -18,6 +18,7 @@ import torch
 
 from splitserve.common.errors import InvalidRequestError, ModelLoadError, ModelNotFoundError
 from splitserve.common.sampling_params import SamplingParams
+from splitserve.engine import lora
 from splitserve.engine.checkpoint import LoadedCheckpoint
 from splitserve.engine.cli_args import parse_lora_modules
 from splitserve.engine.config import CacheConfig, EngineConfig, ModelConfig, RunnerConfig
@@ -40,9 +41,13 @@ def adapters(lora_adapters) -> dict[str, tuple[Path, torch.nn.Module]]:
     return {name: (saved.folder, saved.model) for name, saved in lora_adapters.items()}
 
 
+@pytest.mark.parametrize("layout", ["bank", "apart"])
 def test_adapters_equal_peft_in_one_batch(
-    default_checkpoint_fp32: LoadedCheckpoint, hf_default_model_fp32, adapters
+    default_checkpoint_fp32: LoadedCheckpoint, hf_default_model_fp32, adapters, layout, monkeypatch
 ) -> None:
+    """In either layout of the loaded factors (``engine/lora.py:adapter_layout``): side by
+    side, or each adapter apart (its rows gathered, multiplied, added back)."""
+    monkeypatch.setattr(lora, "BANK_MAX_ADAPTERS", 4 if layout == "bank" else 0)
     tokenizer = default_checkpoint_fp32.tokenizer
     prompts = [tokenizer.encode(text) for text in PROMPTS]
     references = {
@@ -61,6 +66,8 @@ def test_adapters_equal_peft_in_one_batch(
         lora_modules=tuple((name, str(folder)) for name, (folder, _) in adapters.items()),
     )
     assert {adapter.name for adapter in llm.engine.facts.adapters} == {"every", "qv"}
+    kind = lora.AdapterBank if layout == "bank" else lora.AdapterGroups
+    assert isinstance(llm.engine.runner.model.adapters, kind)
     names = list(references)
     batch = [prompt for _ in names for prompt in prompts]
     params = [

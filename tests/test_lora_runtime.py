@@ -14,6 +14,7 @@ import pytest
 
 from splitserve.common.errors import InvalidRequestError, ModelLoadError, ModelNotFoundError
 from splitserve.common.sampling_params import SamplingParams
+from splitserve.engine import lora
 from splitserve.engine.checkpoint import LoadedCheckpoint
 from splitserve.engine.config import ModelConfig
 from tests.conftest import assert_no_leaks, make_llm
@@ -134,3 +135,26 @@ def test_a_worker_serves_at_most_max_lora_adapters(
     engine.unserve_adapter("every")
     engine.unserve_adapter("same-files")
     assert engine.serve_adapter("qv", engine.read_adapter("qv", qv))
+
+
+def test_each_adapter_apart_when_more_are_loaded_than_the_bank_takes(
+    default_checkpoint_fp32: LoadedCheckpoint, lora_adapters, monkeypatch
+) -> None:
+    """Past ``BANK_MAX_ADAPTERS`` loaded, each adapter's factors are apart: a request whose
+    rows are the whole step (no gather) still gets PEFT's tokens, and unloading back to the
+    bank's size lays them side by side again."""
+    monkeypatch.setattr(lora, "BANK_MAX_ADAPTERS", 1)
+    every, qv = lora_adapters["every"], lora_adapters["qv"]
+    prompt = default_checkpoint_fp32.tokenizer.encode(PROMPT)
+    llm = make_llm(default_checkpoint_fp32)
+    engine = llm.engine
+    engine.serve_adapter("every", engine.read_adapter("every", every.folder))
+    assert isinstance(engine.runner.model.adapters, lora.AdapterBank)
+    engine.serve_adapter("qv", engine.read_adapter("qv", qv.folder))
+    assert isinstance(engine.runner.model.adapters, lora.AdapterGroups)
+    assert llm.generate([prompt], _params("qv"))[0].token_ids == peft_greedy(
+        qv.model, prompt, NEW_TOKENS
+    )
+    engine.unserve_adapter("every")
+    assert isinstance(engine.runner.model.adapters, lora.AdapterBank)
+    assert_no_leaks(llm)
