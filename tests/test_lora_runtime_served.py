@@ -50,6 +50,8 @@ def expected(default_checkpoint_fp32: LoadedCheckpoint, lora_adapters) -> dict[s
     return {name: result.token_ids for name, result in zip(names, results, strict=True)}
 
 
+@pytest.mark.slow  # 35 s; the routes, the admin check and the workers' refusal also run in
+# tests/test_public_security.py, the engine's runtime changes in tests/test_lora_runtime.py
 def test_adapters_loaded_and_unloaded_while_serving(lora_adapters, expected) -> None:
     assert expected["every"] != expected[""] != expected["qv"]
     root = Path(lora_adapters["every"].folder).parent
