@@ -372,12 +372,27 @@ class AdapterGroups:
     row's term is PEFT's, in the bank's grouping (float32 greedy output equal to PEFT's,
     tested). Rows of the base model get nothing added."""
 
-    def __init__(self, adapters: Sequence[LoraAdapter], num_layers: int) -> None:
+    def __init__(
+        self,
+        adapters: Sequence[LoraAdapter],
+        num_layers: int,
+        previous: AdapterGroups | None = None,
+    ) -> None:
+        """``previous``: the layout these adapters replace; the products of the adapters it
+        holds are taken from it as they are (prepacking every adapter's again held the
+        engine thread 0.7-0.9 s a runtime load with 9-12 loaded, AMX Xeon 6/207, one
+        core), so a load prepacks only the new adapter's."""
         self.digests = tuple(adapter.digest for adapter in adapters)
         self.slot = {digest: index for index, digest in enumerate(self.digests)}
+
+        def products(adapter: LoraAdapter, layer: int, projection: str) -> _BankedProjection | None:
+            if previous is not None and adapter.digest in previous.slot:
+                return previous.layers[layer][projection][previous.slot[adapter.digest]]
+            return _apart(adapter, layer, projection)
+
         self.layers: list[dict[str, tuple[_BankedProjection | None, ...]]] = [
             {
-                projection: tuple(_apart(adapter, layer, projection) for adapter in adapters)
+                projection: tuple(products(adapter, layer, projection) for adapter in adapters)
                 for projection in PROJECTIONS
             }
             for layer in range(num_layers)
@@ -446,13 +461,17 @@ StepTerms = StepAdapters | StepGroups
 """A step's adapters, as its layout hands them to ``engine/model.py``'s layers."""
 
 
-def adapter_layout(adapters: Sequence[LoraAdapter], num_layers: int) -> AdapterLayout | None:
+def adapter_layout(
+    adapters: Sequence[LoraAdapter], num_layers: int, previous: AdapterLayout | None = None
+) -> AdapterLayout | None:
     """The layout of ``adapters`` (one per digest) for a model of ``num_layers`` layers: the
-    bank up to ``BANK_MAX_ADAPTERS`` of them (read when called), else each apart; None for
-    none. Which one depends only on what is loaded, so a row's term never depends on what
-    shares its step."""
+    bank up to ``BANK_MAX_ADAPTERS`` of them (read when called), else each apart (reusing
+    ``previous``'s products where it lays them apart too); None for none. Which one depends
+    only on what is loaded, so a row's term never depends on what shares its step."""
     if not adapters:
         return None
     if len(adapters) <= BANK_MAX_ADAPTERS:
         return AdapterBank(adapters, num_layers)
-    return AdapterGroups(adapters, num_layers)
+    return AdapterGroups(
+        adapters, num_layers, previous if isinstance(previous, AdapterGroups) else None
+    )

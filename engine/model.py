@@ -167,7 +167,7 @@ class LlamaModel:
         """Hold ``adapters`` (loaded for this model's shapes, dtype and device; one per
         digest) from the next step on, in a new bank (a step launched before keeps the
         bank it was given); none: no bank."""
-        self.adapters = adapter_layout(adapters, self.config.num_hidden_layers)
+        self.adapters = adapter_layout(adapters, self.config.num_hidden_layers, self.adapters)
 
     def _decode_layers_for(self) -> CpuDecodeLayers | None:
         """The C layer loop of decode-only steps (``kernels/cpu_decode_layers.py``) where it

@@ -158,3 +158,28 @@ def test_each_adapter_apart_when_more_are_loaded_than_the_bank_takes(
     engine.unserve_adapter("every")
     assert isinstance(engine.runner.model.adapters, lora.AdapterBank)
     assert_no_leaks(llm)
+
+
+def test_a_load_apart_keeps_the_loaded_adapters_products(
+    default_checkpoint_fp32: LoadedCheckpoint, lora_adapters, monkeypatch
+) -> None:
+    """Each adapter apart, a runtime load prepacks only the new adapter's products: those
+    of the adapters already loaded are the same objects in the new layout, and still give
+    PEFT's tokens."""
+    monkeypatch.setattr(lora, "BANK_MAX_ADAPTERS", 0)
+    every, qv = lora_adapters["every"], lora_adapters["qv"]
+    prompt = default_checkpoint_fp32.tokenizer.encode(PROMPT)
+    llm = make_llm(default_checkpoint_fp32)
+    engine = llm.engine
+    engine.serve_adapter("every", engine.read_adapter("every", every.folder))
+    first = engine.runner.model.adapters
+    engine.serve_adapter("qv", engine.read_adapter("qv", qv.folder))
+    second = engine.runner.model.adapters
+    assert isinstance(first, lora.AdapterGroups) and isinstance(second, lora.AdapterGroups)
+    digest = engine.adapter_digest("every")
+    kept = second.layers[0]["qkv"][second.slot[digest]]
+    assert kept is not None and kept is first.layers[0]["qkv"][first.slot[digest]]
+    assert llm.generate([prompt], _params("every"))[0].token_ids == peft_greedy(
+        every.model, prompt, NEW_TOKENS
+    )
+    assert_no_leaks(llm)
