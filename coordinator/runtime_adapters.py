@@ -109,7 +109,7 @@ class RuntimeAdapters:
                     "lora_path",
                 )
             adapter = next(iter(loaded.values()))[0]
-            self._record(adapter, set(loaded))
+            self._record(name, adapter, set(loaded))
             self.loaded[name] = path
             logger.info("LoRA adapter %r loaded from %s on %d workers", name, path, len(loaded))
             if self._reconciling is None or self._reconciling.done():
@@ -137,9 +137,7 @@ class RuntimeAdapters:
                 for address, result in zip(holders, results, strict=True)
                 if result is None or isinstance(result, ModelNotFoundError)
             }
-            for record in self._registry.workers(healthy_only=False):
-                if record.address in gone:
-                    record.adapters = frozenset(a for a in record.adapters if a.name != name)
+            self._record(name, None, gone)
             for address, result in zip(holders, results, strict=True):
                 if address not in gone and isinstance(result, BaseException):
                     raise _at_worker(address, result)
@@ -153,13 +151,13 @@ class RuntimeAdapters:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reconciling
 
-    def _record(self, adapter: AdapterId, addresses: set[str]) -> None:
-        """The workers at ``addresses`` serve ``adapter`` now (in place of any other adapter
-        of its name)."""
+    def _record(self, name: str, adapter: AdapterId | None, addresses: set[str]) -> None:
+        """The workers at ``addresses`` serve ``adapter`` under ``name`` now, in place of what
+        they served under it (None: nothing)."""
         for record in self._registry.workers(healthy_only=False):
             if record.address in addresses:
-                kept = {a for a in record.adapters if a.name != adapter.name}
-                record.adapters = frozenset({*kept, adapter})
+                kept = {a for a in record.adapters if a.name != name}
+                record.adapters = frozenset(kept if adapter is None else {*kept, adapter})
 
     async def _unload_at(self, address: str, name: str) -> None:
         """Undo a load at one worker (best effort: logged when it fails)."""
@@ -197,7 +195,7 @@ class RuntimeAdapters:
                         "worker at %s did not load LoRA adapter %r: %s", record.address, name, error
                     )
                     continue
-                self._record(adapter, {record.address})
+                self._record(name, adapter, {record.address})
                 logger.info("LoRA adapter %r loaded on newcomer %s", name, record.worker_id)
 
 

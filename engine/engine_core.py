@@ -197,9 +197,7 @@ class EngineCore:
             adapter = self.read_adapter(name, Path(path))
             if isinstance(adapter, LoraAdapter):
                 self._banked.setdefault(adapter.digest, adapter)
-                adapters[name] = AdapterId(name, adapter.digest)
-            else:
-                adapters[name] = adapter
+            adapters[name] = AdapterId(name, adapter.digest)
             logger.info("LoRA adapter %r served from %s", name, path)
         self._bank_adapters()
         return adapters
@@ -233,7 +231,7 @@ class EngineCore:
                 "first, or load these under another name",
                 "lora_name",
             )
-        served_digests = {served.digest for served in self.adapters.values()}
+        served_digests = self._served_digests()
         limit = self.config.model.max_lora_adapters
         if digest not in served_digests and len(served_digests) >= limit:
             raise InvalidRequestError(
@@ -271,11 +269,14 @@ class EngineCore:
             )
         return served.digest
 
+    def _served_digests(self) -> set[str]:
+        """The digests of the adapters served (several names may serve one)."""
+        return {adapter.digest for adapter in self.adapters.values()}
+
     def _retire_adapters(self) -> None:
         """Drop from the bank the adapters no longer served that no request here takes any
         more (a request keeps its adapter to its end: ``Request.adapter_digest``)."""
-        served = {adapter.digest for adapter in self.adapters.values()}
-        retired = set(self._banked) - served
+        retired = set(self._banked) - self._served_digests()
         taken = {request.adapter_digest for request in self.scheduler.requests.values()}
         gone = retired - taken
         self._adapters_retiring = bool(retired - gone)
