@@ -25,6 +25,17 @@ class AdapterId:
     digest: str
 
 
+@dataclass(frozen=True)
+class WantedAdapter:
+    """A LoRA adapter loaded at runtime that every worker of the model is to serve
+    (``coordinator/runtime_adapters.py``): what the workers served when it was loaded, and
+    the path each worker's ``--lora-dir`` resolves, so a worker that joins later reads the
+    same files (it must find the same ``adapter.digest`` there)."""
+
+    adapter: AdapterId
+    path: str
+
+
 def check_adapter_name(name: str) -> None:
     """``InvalidRequestError`` (param ``lora_name``) for a name no request could use."""
     if not name or len(name) > MAX_ADAPTER_NAME_CHARS:

@@ -49,7 +49,9 @@ from splitserve.coordinator.service import Coordinator, CoordinatorConfig
 from splitserve.coordinator.servicer import CoordinatorServicer
 from splitserve.coordinator.settings import CoordinatorSettings
 from splitserve.coordinator.tenants import TenantLimits, TenantPolicy
+from splitserve.discovery.adapter_catalog import AdapterCatalog
 from splitserve.discovery.etcd_access import etcd_access
+from splitserve.discovery.etcd_adapter_catalog import EtcdAdapterCatalog
 from splitserve.discovery.etcd_watcher import EtcdMembershipWatcher
 from splitserve.discovery.flags import MembershipSettings
 from splitserve.engine.model_spec import model_tokenizer, served_model_name
@@ -129,7 +131,8 @@ def prepare(
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role} %(levelname)s %(message)s")
     configure_tracing(role, settings.tracing.otlp_traces_endpoint)
     config = _config_of(parser, settings, served_model_name(settings.model))
-    coordinator = Coordinator(config, model_tokenizer(settings.model), access)
+    catalog = _adapter_catalog(settings.membership, config.checkpoint or config.model_name)
+    coordinator = Coordinator(config, model_tokenizer(settings.model), access, catalog)
     return PreparedCoordinator(settings, coordinator, access, keys)
 
 
@@ -206,6 +209,7 @@ async def serve(
     print(f"{PUBLIC_READY} at {settings.host}:{server.port}", flush=True)
     if serving is not None:
         serving(servicer, f"{settings.host}:{server.port}")
+    await coordinator.runtime_adapters.start()
     watcher = asyncio.create_task(_watch_workers(coordinator, server, stop))
     follower = _membership_follower(settings.membership, coordinator)
     following = None if follower is None else asyncio.create_task(follower.run())
@@ -275,6 +279,15 @@ def _plane(
         return [service]
 
     return register
+
+
+def _adapter_catalog(membership: MembershipSettings, model: str) -> AdapterCatalog | None:
+    """With ``--etcd-endpoints``: the model's runtime LoRA adapters in etcd, shared by every
+    coordinator of the model (else None: this coordinator's memory)."""
+    access = etcd_access(membership)
+    if access is None:
+        return None
+    return EtcdAdapterCatalog(access.client(), membership.cluster_name, model)
 
 
 def _membership_follower(

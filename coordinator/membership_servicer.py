@@ -92,6 +92,7 @@ def _status(record: WorkerRecord, now: float) -> coordinator_pb2.WorkerStatus:
             address=record.address,
             num_blocks=record.num_blocks,
             max_model_len=record.max_model_len,
+            adapters=convert.adapters_to_proto(sorted(record.adapters, key=lambda a: a.name)),
         ),
         load=convert.load_to_proto(record.load, ready=record.healthy),
         ms_since_heartbeat=int((now - record.last_heartbeat) * 1000),

@@ -12,14 +12,23 @@ Contract:
 - On success the registry's records list the adapter at once (a request right after the
   answer is routed to it); the workers' load reports carry it from then on for every other
   coordinator following them.
-- The adapters loaded here are kept (name and path) and loaded onto workers that join later
-  or come back without them (``_reconcile``, once a second; a worker that refused is asked
-  again after ``RECONCILE_RETRY_S``), so a fleet that scales out serves them too. Another
-  coordinator of the same workers routes to them (it learns them from the load reports) but
-  does not load them onto newcomers; neither does this one after a restart. Adapters every
-  worker must always serve belong in the workers' ``--lora-modules``.
-- ``unload`` asks every worker serving the name to stop (requests of it already running
-  finish there); ``ModelNotFoundError`` where none serves it.
+- On success it is recorded in the model's ``AdapterCatalog`` (``discovery/adapter_catalog.py``:
+  with ``--etcd-endpoints`` a key in etcd that every coordinator of the model reads, else
+  this coordinator's memory); where it cannot be recorded (etcd unreachable) the load is
+  undone like a refusal (``MembershipStoreError``: UNAVAILABLE).
+- Every adapter recorded there is loaded onto the routable workers that lack it (``_reconcile``,
+  once a second from ``start``: a worker that joined later or came back; one that refused is
+  asked again after ``RECONCILE_RETRY_S``), by every coordinator of the model that reads the
+  record: on etcd an adapter outlives the coordinator that loaded it and is given to the
+  newcomers of a fleet that scales out whichever coordinators run. A newcomer that reads
+  other files under the path (another digest) is made to unload them again. An adapter this
+  coordinator gave a newcomer and that is no longer recorded when it looks next (another
+  coordinator unloaded it meanwhile) it unloads there again (``_withdraw_unwanted``).
+  Adapters every worker must always serve belong in the workers' ``--lora-modules``.
+- ``unload`` removes the record first (no coordinator gives it out again; etcd unreachable:
+  UNAVAILABLE, nothing changed), then asks every worker serving the name to stop (requests of
+  it already running finish there); ``ModelNotFoundError`` where it was neither recorded nor
+  served.
 - One change at a time (a lock): a load and an unload of one name never interleave.
 """
 
@@ -32,9 +41,10 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from splitserve.common.adapter_id import AdapterId, check_adapter_name
+from splitserve.common.adapter_id import AdapterId, WantedAdapter, check_adapter_name
 from splitserve.common.errors import (
     InvalidRequestError,
+    MembershipStoreError,
     ModelLoadError,
     ModelNotFoundError,
     SplitserveError,
@@ -42,6 +52,7 @@ from splitserve.common.errors import (
     WorkerUnavailableError,
 )
 from splitserve.coordinator.registry import WorkerRecord, WorkerRegistry
+from splitserve.discovery.adapter_catalog import AdapterCatalog, LocalAdapterCatalog
 from splitserve.proto.worker_clients import WorkerChannels
 
 logger = logging.getLogger(__name__)
@@ -50,7 +61,7 @@ LOAD_TIMEOUT_S = 120.0
 """Deadline of one worker's load: reading, checking and banking the adapter's factors."""
 UNLOAD_TIMEOUT_S = 10.0
 RECONCILE_INTERVAL_S = 1.0
-"""How often the workers are checked for adapters loaded here that they lack."""
+"""How often the workers are checked for recorded adapters that they lack."""
 RECONCILE_RETRY_S = 30.0
 """After a worker refused or failed to load an adapter on its own: when it is asked again."""
 
@@ -66,15 +77,31 @@ class AdapterLoaded:
 class RuntimeAdapters:
     """The LoRA adapters this coordinator loaded onto its workers (module docstring)."""
 
-    def __init__(self, registry: WorkerRegistry, channels: WorkerChannels) -> None:
+    def __init__(
+        self,
+        registry: WorkerRegistry,
+        channels: WorkerChannels,
+        catalog: AdapterCatalog | None = None,
+    ) -> None:
         self._registry = registry
         self._channels = channels
-        self.loaded: dict[str, str] = {}
-        """Adapters loaded through this coordinator: name -> the path the workers read."""
+        self.catalog: AdapterCatalog = LocalAdapterCatalog() if catalog is None else catalog
+        """The adapters every worker of the model is to serve (module docstring)."""
         self._lock = asyncio.Lock()
         self._reconciling: asyncio.Task[None] | None = None
         self._refused_at: dict[tuple[str, str], float] = {}
         """(worker address, adapter name) -> when that worker last refused it on its own."""
+        self._given: dict[tuple[str, str], str] = {}
+        """(worker address, adapter name) -> the digest ``_reconcile`` loaded there."""
+
+    async def start(self) -> None:
+        """Follow the catalog and give its adapters to the workers that lack them."""
+        await self.catalog.start()
+        self._keep_reconciling()
+
+    def _keep_reconciling(self) -> None:
+        if self._reconciling is None or self._reconciling.done():
+            self._reconciling = asyncio.create_task(self._reconcile(), name="lora-reconcile")
 
     async def load(self, name: str, path: str) -> AdapterLoaded:
         """Serve the adapter in ``path`` (as each worker's ``--lora-dir`` resolves it) as
@@ -109,24 +136,34 @@ class RuntimeAdapters:
                     "lora_path",
                 )
             adapter = next(iter(loaded.values()))[0]
+            try:
+                await self.catalog.put(WantedAdapter(adapter, path))
+            except MembershipStoreError as error:
+                newly = [address for address, (_, fresh) in loaded.items() if fresh]
+                await asyncio.gather(*(self._unload_at(address, name) for address in newly))
+                raise MembershipStoreError(
+                    f"LoRA adapter {name!r} not loaded: it could not be recorded for the other "
+                    f"coordinators ({error})"
+                ) from error
             self._record(name, adapter, set(loaded))
-            self.loaded[name] = path
             logger.info("LoRA adapter %r loaded from %s on %d workers", name, path, len(loaded))
-            if self._reconciling is None or self._reconciling.done():
-                self._reconciling = asyncio.create_task(self._reconcile(), name="lora-reconcile")
+            self._keep_reconciling()
             return AdapterLoaded(adapter, len(loaded))
 
     async def unload(self, name: str) -> int:
         """Stop serving ``name`` on every worker serving it; how many did. Requests of it
         running there finish with it."""
         async with self._lock:
-            self.loaded.pop(name, None)
+            recorded = await self.catalog.remove(name)
+            self._given = {key: digest for key, digest in self._given.items() if key[1] != name}
             holders = _addresses(
                 w
                 for w in self._registry.workers(healthy_only=False)
                 if any(adapter.name == name for adapter in w.adapters)
             )
             if not holders:
+                if recorded:
+                    return 0
                 raise ModelNotFoundError(f"no worker serves a LoRA adapter named {name!r}")
             results = await asyncio.gather(
                 *(self._channels.adapters(a).unload(name, UNLOAD_TIMEOUT_S) for a in holders),
@@ -145,11 +182,12 @@ class RuntimeAdapters:
             return len(gone)
 
     async def close(self) -> None:
-        """Stop loading adapters onto newcomers."""
+        """Stop loading adapters onto newcomers and following the catalog."""
         if self._reconciling is not None:
             self._reconciling.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reconciling
+        await self.catalog.close()
 
     def _record(self, name: str, adapter: AdapterId | None, addresses: set[str]) -> None:
         """The workers at ``addresses`` serve ``adapter`` under ``name`` now, in place of what
@@ -167,36 +205,83 @@ class RuntimeAdapters:
             logger.warning("worker at %s kept LoRA adapter %r: %s", address, name, error)
 
     async def _reconcile(self) -> None:
-        """While adapters are loaded here: load each onto the routable workers that lack it."""
-        while self.loaded:
+        """Until closed: load each recorded adapter onto the routable workers that lack it,
+        and take back what was given out here and is no longer recorded."""
+        while True:
             await asyncio.sleep(RECONCILE_INTERVAL_S)
-            async with self._lock:
-                await self._load_missing()
+            try:
+                async with self._lock:
+                    wanted = self.catalog.wanted()
+                    await self._withdraw_unwanted(wanted)
+                    await self._load_missing(wanted)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a bug must not end the reconciling for good
+                logger.exception("giving LoRA adapters to newcomers failed; going on")
 
-    async def _load_missing(self) -> None:
+    async def _withdraw_unwanted(self, wanted: dict[str, WantedAdapter]) -> None:
+        """Forget what was given to workers that no longer serve it; unload what was given
+        and is no longer recorded with that digest."""
+        records = {record.address: record for record in self._registry.workers(healthy_only=False)}
+        withdrawn: list[tuple[str, str]] = []
+        for (address, name), digest in list(self._given.items()):
+            record = records.get(address)
+            recorded = wanted.get(name)
+            if record is not None and AdapterId(name, digest) in record.adapters:
+                if recorded is not None and recorded.adapter.digest == digest:
+                    continue
+                logger.info(
+                    "LoRA adapter %r is no longer wanted: unloading it at %s", name, address
+                )
+                self._record(name, None, {address})
+                withdrawn.append((address, name))
+            del self._given[(address, name)]  # withdrawn, or it left, or its adapter went
+        await asyncio.gather(*(self._unload_at(address, name) for address, name in withdrawn))
+
+    async def _load_missing(self, wanted: dict[str, WantedAdapter]) -> None:
         now = time.monotonic()
         done: set[tuple[str, str]] = set()
         for record in self._registry.workers():
             served = {adapter.name for adapter in record.adapters}
-            for name, path in list(self.loaded.items()):
+            for name, recorded in wanted.items():
                 key = (record.address, name)
                 if name in served or key in done:
                     continue
                 if now - self._refused_at.get(key, -RECONCILE_RETRY_S) < RECONCILE_RETRY_S:
                     continue
                 done.add(key)
-                try:
-                    adapter, _ = await self._channels.adapters(record.address).load(
-                        name, path, LOAD_TIMEOUT_S
-                    )
-                except SplitserveError as error:
-                    self._refused_at[key] = now
-                    logger.warning(
-                        "worker at %s did not load LoRA adapter %r: %s", record.address, name, error
-                    )
-                    continue
-                self._record(name, adapter, {record.address})
-                logger.info("LoRA adapter %r loaded on newcomer %s", name, record.worker_id)
+                await self._give(record, recorded, now)
+
+    async def _give(self, record: WorkerRecord, wanted: WantedAdapter, now: float) -> None:
+        """Load ``wanted`` onto the worker of ``record``; where it refuses, or reads other
+        files (undone there), it is not asked again within ``RECONCILE_RETRY_S``."""
+        name, address = wanted.adapter.name, record.address
+        try:
+            adapter, fresh = await self._channels.adapters(address).load(
+                name, wanted.path, LOAD_TIMEOUT_S
+            )
+        except SplitserveError as error:
+            self._refused_at[(address, name)] = now
+            logger.warning("worker at %s did not load LoRA adapter %r: %s", address, name, error)
+            return
+        if adapter.digest != wanted.adapter.digest:
+            self._refused_at[(address, name)] = now
+            logger.warning(
+                "worker at %s read other files for LoRA adapter %r under %s (digest %s, the "
+                "others' %s): not serving it there",
+                address,
+                name,
+                wanted.path,
+                adapter.digest,
+                wanted.adapter.digest,
+            )
+            if fresh:
+                await self._unload_at(address, name)
+            return
+        self._record(name, adapter, {address})
+        if fresh:
+            self._given[(address, name)] = adapter.digest
+            logger.info("LoRA adapter %r loaded on newcomer %s", name, record.worker_id)
 
 
 def _addresses(records: Iterable[WorkerRecord]) -> list[str]:

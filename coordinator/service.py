@@ -68,6 +68,7 @@ from splitserve.coordinator.request_record import RequestAsk, RequestRecord
 from splitserve.coordinator.router import Router, RoutingConfig
 from splitserve.coordinator.runtime_adapters import RuntimeAdapters
 from splitserve.coordinator.tenants import TenantPolicy, check_public_salt, tenant_cache_salt
+from splitserve.discovery.adapter_catalog import AdapterCatalog
 from splitserve.proto.cluster_access import ClusterAccess
 from splitserve.proto.worker_clients import WorkerChannels
 
@@ -156,9 +157,15 @@ class _Running:
 
 class Coordinator:
     def __init__(
-        self, config: CoordinatorConfig, tokenizer: Tokenizer, access: ClusterAccess
+        self,
+        config: CoordinatorConfig,
+        tokenizer: Tokenizer,
+        access: ClusterAccess,
+        adapter_catalog: AdapterCatalog | None = None,
     ) -> None:
-        """``access``: how the coordinator's calls to workers reach them (credential, TLS)."""
+        """``access``: how the coordinator's calls to workers reach them (credential, TLS);
+        ``adapter_catalog``: where the runtime LoRA adapters are recorded (None: in memory,
+        ``coordinator/runtime_adapters.py``)."""
         self.config = config
         self.tokenizer = tokenizer
         # the bound every request's length check reads walks the vocabulary once (~0.1 s on
@@ -167,7 +174,7 @@ class Coordinator:
         self.registry = WorkerRegistry(model=config.checkpoint)
         self.router = Router(self.registry, config.routing)
         self.channels = WorkerChannels(access, multiplexed=config.multiplexed_decode)
-        self.runtime_adapters = RuntimeAdapters(self.registry, self.channels)
+        self.runtime_adapters = RuntimeAdapters(self.registry, self.channels, adapter_catalog)
         """LoRA adapters loaded and unloaded across the workers while they serve."""
         self._running: dict[str, _Running] = {}
         self.admission = KvAdmission(

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 
 from google.protobuf.message import DecodeError
 
-from splitserve.common.adapter_id import AdapterId
+from splitserve.common.adapter_id import AdapterId, WantedAdapter
 from splitserve.common.chat_messages import ChatMessage, ToolCall
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.grammar import GrammarSpec
@@ -321,6 +321,29 @@ def adapters_to_proto(adapters: Iterable[AdapterId]) -> list[worker_pb2.LoraAdap
 
 def adapters_from_proto(messages: Iterable[worker_pb2.LoraAdapter]) -> tuple[AdapterId, ...]:
     return tuple(AdapterId(adapter.name, adapter.digest) for adapter in messages)
+
+
+def wanted_adapter_to_bytes(wanted: WantedAdapter) -> bytes:
+    """The adapter as a serialized ``coordinator_pb2.WantedLoraAdapter``: the value of its
+    key in the coordinators' catalog (``discovery/etcd_adapter_catalog.py``)."""
+    adapter = worker_pb2.LoraAdapter(name=wanted.adapter.name, digest=wanted.adapter.digest)
+    return coordinator_pb2.WantedLoraAdapter(adapter=adapter, path=wanted.path).SerializeToString()
+
+
+def wanted_adapter_from_bytes(data: bytes) -> WantedAdapter:
+    """What ``wanted_adapter_to_bytes`` serialized; ``InvalidRequestError`` (param
+    "lora_name") for bytes that do not parse or lack a name, a digest or a path."""
+    try:
+        message = coordinator_pb2.WantedLoraAdapter.FromString(data)
+    except DecodeError as error:
+        raise InvalidRequestError(
+            f"not a serialized WantedLoraAdapter: {error}", "lora_name"
+        ) from error
+    if not (message.adapter.name and message.adapter.digest and message.path):
+        raise InvalidRequestError(
+            "a wanted LoRA adapter needs a name, a digest and a path", "lora_name"
+        )
+    return WantedAdapter(AdapterId(message.adapter.name, message.adapter.digest), message.path)
 
 
 def load_from_proto(message: worker_pb2.WorkerLoad) -> EngineLoad:

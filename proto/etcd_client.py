@@ -331,10 +331,10 @@ class EtcdClient:
         reply = await self._unary(lambda c: c.kv.Range, rpc_pb2.RangeRequest(key=key))
         return _key_value(reply.kvs[0]) if reply.kvs else None
 
-    async def delete(self, key: bytes) -> bool:
-        """Delete ``key``; False when it was absent."""
+    async def delete(self, key: bytes) -> int:
+        """Delete ``key``; the store revision of the deletion, 0 (false) when it was absent."""
         reply = await self._unary(lambda c: c.kv.DeleteRange, rpc_pb2.DeleteRangeRequest(key=key))
-        return bool(reply.deleted)
+        return int(reply.header.revision) if reply.deleted else 0
 
     async def grant_lease(self, ttl_s: int) -> Lease:
         """A new lease that expires ``ttl_s`` seconds after its last keep-alive."""

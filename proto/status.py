@@ -18,6 +18,7 @@ from splitserve.common.errors import (
     CapacityError,
     IncompatibleKvLayoutError,
     InvalidRequestError,
+    MembershipStoreError,
     ModelLoadError,
     ModelNotFoundError,
     OverloadedError,
@@ -45,7 +46,9 @@ def status_of(error: BaseException) -> tuple[grpc.StatusCode, str, str]:
         return grpc.StatusCode.NOT_FOUND, str(error), error.param
     if isinstance(error, IncompatibleKvLayoutError | ModelLoadError):
         return grpc.StatusCode.FAILED_PRECONDITION, str(error), ""
-    if isinstance(error, TransferError | WorkerUnavailableError | WorkerCallError):
+    if isinstance(
+        error, TransferError | WorkerUnavailableError | WorkerCallError | MembershipStoreError
+    ):
         return grpc.StatusCode.UNAVAILABLE, str(error), ""
     return grpc.StatusCode.INTERNAL, f"{type(error).__name__}: {error}", ""
 

@@ -278,6 +278,19 @@ def worker_loads(
             time.sleep(0.05)
 
 
+def served_adapters(coordinator_address: str) -> dict[str, set[str]]:
+    """The names of the LoRA adapters each registered worker serves as the coordinator knows
+    them now (``ListWorkers``: what it routes by), by worker id."""
+    with internal_channel(internal_address(coordinator_address), None) as channel:
+        listing = coordinator_pb2_grpc.MembershipStub(channel).ListWorkers(
+            coordinator_pb2.ListWorkersRequest(), timeout=10, metadata=CREDENTIAL.metadata
+        )
+    return {
+        status.worker.worker_id: {adapter.name for adapter in status.worker.adapters}
+        for status in listing.workers
+    }
+
+
 def routable_members(
     coordinator_address: str, tls: grpc.ChannelCredentials | None = None
 ) -> set[str]:

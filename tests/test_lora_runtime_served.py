@@ -10,21 +10,32 @@ after the unload it is a 404, and the name loaded again from other files gives t
 adapter's tokens (none of the old files' KV). Refusals are 4xx in OpenAI's shape naming the
 field: a path outside ``--lora-dir``, a folder without an adapter, a name served with other
 files, an unknown field, an unknown adapter to unload.
+
+On etcd (``tests/fault_cluster.py``: etcd, two coordinators, a prefill and a decode worker,
+each process through its role's entry point): an adapter loaded through one coordinator
+outlives it. That coordinator killed and the decode worker killed and started again without
+the adapter, the other coordinator gives it the adapter (it read the record in etcd) and
+serves its requests with the engine's tokens; the first, started again, unloads it, and a
+decode worker started again after that is given nothing.
 """
 
 from __future__ import annotations
 
 import asyncio
+import signal
+import time
 from pathlib import Path
 
+import grpc
 import httpx
 import pytest
 
-from splitserve.client import AsyncClient, ClientError
+from splitserve.client import AsyncClient, ClientError, Sampling
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.checkpoint import LoadedCheckpoint
-from tests.cluster import cluster
+from tests.cluster import cluster, served_adapters, worker_loads
 from tests.conftest import make_llm
+from tests.fault_cluster import FaultCluster
 from tests.lora_adapters import completion_token_ids
 
 openai = pytest.importorskip("openai")
@@ -120,3 +131,74 @@ async def _check(url: str, address: str, expected: dict[str, list[int]], root: P
         with pytest.raises(ClientError) as refused:
             await grpc_client.load_lora_adapter("bad", "../escape")
         assert refused.value.param == "lora_path"
+
+
+def _served_by(coordinator: str, worker_id: str) -> set[str]:
+    """The adapters' names ``coordinator`` knows the worker to serve (none: not registered)."""
+    return served_adapters(coordinator).get(worker_id, set())
+
+
+def _wait_for(predicate, what: str, timeout_s: float = 60.0) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+async def _grpc_tokens(address: str, model: str, prompt: list[int]) -> list[int]:
+    sampling = Sampling(max_tokens=TOKENS, min_tokens=TOKENS, temperature=0.0)
+    async with AsyncClient(address, timeout_s=120) as client:
+        generation = await client.generate(token_ids=prompt, sampling=sampling, model=model)
+    return list(generation.token_ids)
+
+
+async def _load(address: str, name: str, path: str) -> int:
+    async with AsyncClient(address, timeout_s=120) as client:
+        return (await client.load_lora_adapter(name, path)).workers
+
+
+async def _unload(address: str, name: str) -> int:
+    async with AsyncClient(address, timeout_s=120) as client:
+        return await client.unload_lora_adapter(name)
+
+
+def _restart(process) -> None:  # noqa: ANN001
+    process.send(signal.SIGKILL)
+    process.wait_exit(10)
+    process.start()
+
+
+@pytest.mark.slow  # a cluster of its own on etcd, three restarts
+@pytest.mark.timeout(600)
+def test_an_adapter_loaded_on_etcd_outlives_the_coordinator_that_loaded_it(
+    lora_adapters, expected, default_checkpoint_fp32: LoadedCheckpoint, tmp_path: Path
+) -> None:
+    root = Path(lora_adapters["every"].folder).parent
+    prompt = default_checkpoint_fp32.tokenizer.encode(PROMPT)
+    flags = ("--dtype=float32", "--num-blocks=256", "--threads=1", "--metrics-port=-1")
+    with FaultCluster.start(tmp_path, 2, 1, 1, (*flags, f"--lora-dir={root}")) as fleet:
+        first, second = fleet.coordinators
+        decode = fleet.named("decode-0")
+        assert asyncio.run(_load(first.address, "tuned", "every")) == 2
+
+        first.send(signal.SIGKILL)  # the coordinator that loaded it dies ...
+        first.wait_exit(10)
+        _restart(decode)  # ... and a worker comes back without the adapter
+        _wait_for(lambda: "tuned" in _served_by(second.address, "decode-0"), "the reload")
+        assert asyncio.run(_grpc_tokens(second.address, "tuned", prompt)) == expected["every"]
+
+        first.start()  # reads the record: it knows the adapter, and unloads it everywhere
+        _wait_for(lambda: "tuned" in _served_by(first.address, "decode-0"), "the first's view")
+        _wait_for(lambda: "tuned" in _served_by(first.address, "prefill-0"), "the first's view")
+        assert asyncio.run(_unload(first.address, "tuned")) == 2
+        _wait_for(lambda: not _served_by(second.address, "decode-0"), "the unload's report")
+        with pytest.raises(ClientError) as refused:
+            asyncio.run(_grpc_tokens(second.address, "tuned", prompt))
+        assert refused.value.code == grpc.StatusCode.NOT_FOUND
+
+        _restart(decode)  # nobody gives it the unloaded adapter
+        _wait_for(lambda: "decode-0" in worker_loads(second.address), "the decode worker")
+        time.sleep(3.0)  # three of the coordinators' rounds of giving newcomers adapters
+        assert not _served_by(second.address, "decode-0")
+        assert not _served_by(first.address, "decode-0")
+        assert asyncio.run(_grpc_tokens(second.address, "", prompt)) == expected[""]

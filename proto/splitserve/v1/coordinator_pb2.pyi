@@ -36,6 +36,14 @@ class UnloadLoraAdapterResponse(_message.Message):
     workers: int
     def __init__(self, workers: _Optional[int] = ...) -> None: ...
 
+class WantedLoraAdapter(_message.Message):
+    __slots__ = ("adapter", "path")
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    adapter: _worker_pb2.LoraAdapter
+    path: str
+    def __init__(self, adapter: _Optional[_Union[_worker_pb2.LoraAdapter, _Mapping]] = ..., path: _Optional[str] = ...) -> None: ...
+
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content", "tool_call_id", "tool_calls")
     ROLE_FIELD_NUMBER: _ClassVar[int]
