@@ -330,14 +330,23 @@ class AsyncClient:
         return wire.model_info(reply)
 
     async def load_lora_adapter(
-        self, name: str, path: str, *, timeout_s: float | None | EllipsisType = ...
+        self,
+        name: str,
+        path: str,
+        *,
+        load_inplace: bool = False,
+        timeout_s: float | None | EllipsisType = ...,
     ) -> LoadedAdapter:
         """Serve the LoRA adapter in folder ``path`` (on the workers, under their
         ``--lora-dir``) as ``name`` on every worker of the model, or on none
         (``coordinator/runtime_adapters.py``); requests name it as their model from then
-        on. PERMISSION_DENIED unless the key's tenant is among the coordinator's
+        on. ``load_inplace``: where ``name`` is served with other files, these replace them
+        (checked on every worker first; requests running finish with the old files).
+        PERMISSION_DENIED unless the key's tenant is among the coordinator's
         ``--lora-admin-tenants`` (where keys are required)."""
-        request = coordinator_pb2.LoadLoraAdapterRequest(lora_name=name, lora_path=path)
+        request = coordinator_pb2.LoadLoraAdapterRequest(
+            lora_name=name, lora_path=path, load_inplace=load_inplace
+        )
         reply = await self._unary(self._stub().LoadLoraAdapter, request, timeout_s)
         return LoadedAdapter(reply.adapter.name, reply.adapter.digest, reply.workers)
 

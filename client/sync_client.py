@@ -182,10 +182,17 @@ class Client:
         return wire.model_info(self._unary(self._coordinator.GetModelInfo, request, timeout_s))
 
     def load_lora_adapter(
-        self, name: str, path: str, *, timeout_s: float | None | EllipsisType = ...
+        self,
+        name: str,
+        path: str,
+        *,
+        load_inplace: bool = False,
+        timeout_s: float | None | EllipsisType = ...,
     ) -> LoadedAdapter:
         """Serve the LoRA adapter in ``path`` as ``name`` (``AsyncClient.load_lora_adapter``)."""
-        request = coordinator_pb2.LoadLoraAdapterRequest(lora_name=name, lora_path=path)
+        request = coordinator_pb2.LoadLoraAdapterRequest(
+            lora_name=name, lora_path=path, load_inplace=load_inplace
+        )
         reply = self._unary(self._coordinator.LoadLoraAdapter, request, timeout_s)
         return LoadedAdapter(reply.adapter.name, reply.adapter.digest, reply.workers)
 

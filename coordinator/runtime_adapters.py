@@ -9,6 +9,11 @@ Contract:
   the workers that newly loaded it unload it again and the caller gets the first worker's
   error, naming that worker. A prompt of an adapter may be computed on one worker and
   decoded on another, so a request of it must find the same files on both.
+- ``replace`` (vLLM's ``load_inplace``) serves the files in place of other files served
+  under the name, in two phases (``_load_in_place``): every worker reads and checks them
+  (``check_only``; a refusal or differing files change nothing anywhere), the adapter is
+  recorded, then every worker serves them to the requests that come next (those running
+  finish with the old files).
 - On success the registry's records list the adapter at once (a request right after the
   answer is routed to it); the workers' load reports carry it from then on for every other
   coordinator following them.
@@ -18,7 +23,8 @@ Contract:
   undone like a refusal (``MembershipStoreError``: UNAVAILABLE).
 - Every adapter recorded there is loaded onto the routable workers that lack it (``_reconcile``,
   once a second from ``start``: a worker that joined later or came back; one that refused is
-  asked again after ``RECONCILE_RETRY_S``), by every coordinator of the model that reads the
+  asked again after ``RECONCILE_RETRY_S``), and in place onto those serving other files under
+  its name (checked there first), by every coordinator of the model that reads the
   record: on etcd an adapter outlives the coordinator that loaded it and is given to the
   newcomers of a fleet that scales out whichever coordinators run. A newcomer that reads
   other files under the path (another digest) is made to unload them again. An adapter this
@@ -29,7 +35,8 @@ Contract:
   UNAVAILABLE, nothing changed), then asks every worker serving the name to stop (requests of
   it already running finish there); ``ModelNotFoundError`` where it was neither recorded nor
   served.
-- One change at a time (a lock): a load and an unload of one name never interleave.
+- One change at a time per coordinator (a lock): a load and an unload of one name through
+  one coordinator never interleave.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import NoReturn
 
 from splitserve.common.adapter_id import AdapterId, WantedAdapter, check_adapter_name
 from splitserve.common.errors import (
@@ -103,9 +111,10 @@ class RuntimeAdapters:
         if self._reconciling is None or self._reconciling.done():
             self._reconciling = asyncio.create_task(self._reconcile(), name="lora-reconcile")
 
-    async def load(self, name: str, path: str) -> AdapterLoaded:
+    async def load(self, name: str, path: str, *, replace: bool = False) -> AdapterLoaded:
         """Serve the adapter in ``path`` (as each worker's ``--lora-dir`` resolves it) as
-        ``name`` on every worker of the model, or on none (module docstring)."""
+        ``name`` on every worker of the model, or on none (module docstring); ``replace``:
+        in place of other files served under ``name`` (``_load_in_place``)."""
         check_adapter_name(name)
         if not path:
             raise InvalidRequestError("lora_path is required", "lora_path")
@@ -113,28 +122,14 @@ class RuntimeAdapters:
             addresses = _addresses(self._registry.workers(healthy_only=False))
             if not addresses:
                 raise WorkerUnavailableError("no worker is registered to load the adapter on")
-            results = await asyncio.gather(
-                *(self._channels.adapters(a).load(name, path, LOAD_TIMEOUT_S) for a in addresses),
-                return_exceptions=True,
-            )
-            loaded: dict[str, tuple[AdapterId, bool]] = {}
-            failures: list[tuple[str, BaseException]] = []
-            for address, result in zip(addresses, results, strict=True):
-                if isinstance(result, BaseException):
-                    failures.append((address, result))
-                else:
-                    loaded[address] = result
+            if replace:
+                return await self._load_in_place(name, path, addresses)
+            loaded, failures = await self._call_load(addresses, name, path)
             digests = {adapter.digest for adapter, _ in loaded.values()}
             if failures or len(digests) > 1:
                 newly = [address for address, (_, fresh) in loaded.items() if fresh]
                 await asyncio.gather(*(self._unload_at(address, name) for address in newly))
-                if failures:
-                    raise _at_worker(*failures[0])
-                raise InvalidRequestError(
-                    f"the workers read different files under {path!r} (digests "
-                    f"{', '.join(sorted(digests))}): give every worker the same adapter there",
-                    "lora_path",
-                )
+                _raise_refusal(failures, digests, path)
             adapter = next(iter(loaded.values()))[0]
             try:
                 await self.catalog.put(WantedAdapter(adapter, path))
@@ -149,6 +144,69 @@ class RuntimeAdapters:
             logger.info("LoRA adapter %r loaded from %s on %d workers", name, path, len(loaded))
             self._keep_reconciling()
             return AdapterLoaded(adapter, len(loaded))
+
+    async def _load_in_place(self, name: str, path: str, addresses: list[str]) -> AdapterLoaded:
+        """Two phases: every worker reads and checks the files (``check_only``; a refusal or
+        differing files change nothing anywhere), the adapter is recorded, then every worker
+        serves them under ``name`` in place of what it served (requests running there finish
+        with the old files). A worker that fails the second phase (gone since the first)
+        keeps what it had until it answers again: the record gives it the new files then
+        (``_load_missing``); the caller gets UNAVAILABLE naming it."""
+        checked, failures = await self._call_load(
+            addresses, name, path, replace=True, check_only=True
+        )
+        digests = {adapter.digest for adapter, _ in checked.values()}
+        if failures or len(digests) > 1:
+            _raise_refusal(failures, digests, path)
+        adapter = next(iter(checked.values()))[0]
+        try:
+            await self.catalog.put(WantedAdapter(adapter, path))
+        except MembershipStoreError as error:
+            raise MembershipStoreError(
+                f"LoRA adapter {name!r} not replaced: it could not be recorded for the other "
+                f"coordinators ({error})"
+            ) from error
+        served, failures = await self._call_load(addresses, name, path, replace=True)
+        self._record(name, adapter, {a for a, (got, _) in served.items() if got == adapter})
+        stray = [(a, got) for a, (got, _) in served.items() if got != adapter]
+        if failures or stray:
+            address, error = failures[0] if failures else (stray[0][0], f"read {stray[0][1]}")
+            raise WorkerCallError(
+                f"worker at {address}: {error}; the other workers serve the files checked "
+                f"(digest {adapter.digest}) and it is given them once it answers again"
+            )
+        logger.info("LoRA adapter %r replaced from %s on %d workers", name, path, len(served))
+        self._keep_reconciling()
+        return AdapterLoaded(adapter, len(served))
+
+    async def _call_load(
+        self,
+        addresses: list[str],
+        name: str,
+        path: str,
+        *,
+        replace: bool = False,
+        check_only: bool = False,
+    ) -> tuple[dict[str, tuple[AdapterId, bool]], list[tuple[str, BaseException]]]:
+        """Load (``check_only``: check) at every address at once: each worker's (id, newly)
+        answer, and the failures in address order."""
+        results = await asyncio.gather(
+            *(
+                self._channels.adapters(a).load(
+                    name, path, LOAD_TIMEOUT_S, replace=replace, check_only=check_only
+                )
+                for a in addresses
+            ),
+            return_exceptions=True,
+        )
+        loaded: dict[str, tuple[AdapterId, bool]] = {}
+        failures: list[tuple[str, BaseException]] = []
+        for address, result in zip(addresses, results, strict=True):
+            if isinstance(result, BaseException):
+                failures.append((address, result))
+            else:
+                loaded[address] = result
+        return loaded, failures
 
     async def unload(self, name: str) -> int:
         """Stop serving ``name`` on every worker serving it; how many did. Requests of it
@@ -221,15 +279,15 @@ class RuntimeAdapters:
 
     async def _withdraw_unwanted(self, wanted: dict[str, WantedAdapter]) -> None:
         """Forget what was given to workers that no longer serve it; unload what was given
-        and is no longer recorded with that digest."""
+        and is no longer recorded."""
         records = {record.address: record for record in self._registry.workers(healthy_only=False)}
         withdrawn: list[tuple[str, str]] = []
         for (address, name), digest in list(self._given.items()):
             record = records.get(address)
             recorded = wanted.get(name)
             if record is not None and AdapterId(name, digest) in record.adapters:
-                if recorded is not None and recorded.adapter.digest == digest:
-                    continue
+                if recorded is not None:
+                    continue  # still wanted (other files recorded: _load_missing replaces)
                 logger.info(
                     "LoRA adapter %r is no longer wanted: unloading it at %s", name, address
                 )
@@ -242,52 +300,82 @@ class RuntimeAdapters:
         now = time.monotonic()
         done: set[tuple[str, str]] = set()
         for record in self._registry.workers():
-            served = {adapter.name for adapter in record.adapters}
+            served = {adapter.name: adapter.digest for adapter in record.adapters}
             for name, recorded in wanted.items():
                 key = (record.address, name)
-                if name in served or key in done:
+                if served.get(name) == recorded.adapter.digest or key in done:
                     continue
                 if now - self._refused_at.get(key, -RECONCILE_RETRY_S) < RECONCILE_RETRY_S:
                     continue
                 done.add(key)
-                await self._give(record, recorded, now)
+                await self._give(record, recorded, now, replace=name in served)
 
-    async def _give(self, record: WorkerRecord, wanted: WantedAdapter, now: float) -> None:
-        """Load ``wanted`` onto the worker of ``record``; where it refuses, or reads other
-        files (undone there), it is not asked again within ``RECONCILE_RETRY_S``."""
+    async def _give(
+        self, record: WorkerRecord, wanted: WantedAdapter, now: float, *, replace: bool
+    ) -> None:
+        """Load ``wanted`` onto the worker of ``record`` (``replace``: in place of the other
+        files it serves under the name, checked there first); where it refuses, or reads
+        other files (undone there, or with ``replace`` never served), it is not asked again
+        within ``RECONCILE_RETRY_S``."""
         name, address = wanted.adapter.name, record.address
+        client = self._channels.adapters(address)
         try:
-            adapter, fresh = await self._channels.adapters(address).load(
-                name, wanted.path, LOAD_TIMEOUT_S
-            )
+            if replace:
+                checked, _ = await client.load(
+                    name, wanted.path, LOAD_TIMEOUT_S, replace=True, check_only=True
+                )
+                if checked.digest != wanted.adapter.digest:
+                    self._refuse_other_files(address, wanted, checked.digest, now)
+                    return
+            adapter, fresh = await client.load(name, wanted.path, LOAD_TIMEOUT_S, replace=replace)
         except SplitserveError as error:
             self._refused_at[(address, name)] = now
             logger.warning("worker at %s did not load LoRA adapter %r: %s", address, name, error)
             return
         if adapter.digest != wanted.adapter.digest:
-            self._refused_at[(address, name)] = now
-            logger.warning(
-                "worker at %s read other files for LoRA adapter %r under %s (digest %s, the "
-                "others' %s): not serving it there",
-                address,
-                name,
-                wanted.path,
-                adapter.digest,
-                wanted.adapter.digest,
-            )
-            if fresh:
+            self._refuse_other_files(address, wanted, adapter.digest, now)
+            if fresh and not replace:
                 await self._unload_at(address, name)
             return
         self._record(name, adapter, {address})
         if fresh:
             self._given[(address, name)] = adapter.digest
-            logger.info("LoRA adapter %r loaded on newcomer %s", name, record.worker_id)
+            verb = "replaced on" if replace else "loaded on newcomer"
+            logger.info("LoRA adapter %r %s %s", name, verb, record.worker_id)
+
+    def _refuse_other_files(
+        self, address: str, wanted: WantedAdapter, digest: str, now: float
+    ) -> None:
+        self._refused_at[(address, wanted.adapter.name)] = now
+        logger.warning(
+            "worker at %s read other files for LoRA adapter %r under %s (digest %s, the "
+            "others' %s): not serving them there",
+            address,
+            wanted.adapter.name,
+            wanted.path,
+            digest,
+            wanted.adapter.digest,
+        )
 
 
 def _addresses(records: Iterable[WorkerRecord]) -> list[str]:
     """The distinct worker processes' addresses among ``records`` (a worker of two roles
     registers twice at one address), sorted."""
     return sorted({record.address for record in records})
+
+
+def _raise_refusal(
+    failures: list[tuple[str, BaseException]], digests: set[str], path: str
+) -> NoReturn:
+    """The answer to a load the workers did not all take: the first failure, naming its
+    worker, else the workers' differing files."""
+    if failures:
+        raise _at_worker(*failures[0])
+    raise InvalidRequestError(
+        f"the workers read different files under {path!r} (digests "
+        f"{', '.join(sorted(digests))}): give every worker the same adapter there",
+        "lora_path",
+    )
 
 
 def _at_worker(address: str, error: BaseException) -> SplitserveError:

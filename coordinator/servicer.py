@@ -276,7 +276,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         await self._check_lora_admin(context)
         try:
             loaded = await self._coordinator.runtime_adapters.load(
-                request.lora_name, request.lora_path
+                request.lora_name, request.lora_path, replace=request.load_inplace
             )
         except SplitserveError as error:
             await abort_with(context, error)

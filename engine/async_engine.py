@@ -65,6 +65,7 @@ from splitserve.engine.engine_face import (
     ReservedBlocks,
 )
 from splitserve.engine.engine_report import EngineReport, RequestPhases, StepTiming
+from splitserve.engine.lora import LoraAdapter
 from splitserve.engine.request_stream import (
     OutboxEntry,
     OutputStream,
@@ -299,14 +300,35 @@ class AsyncEngine:
         where none is: ``EngineCore.adapter_digest``); any thread."""
         return self._core.adapter_digest(name)
 
-    async def load_adapter(self, name: str, folder: Path) -> tuple[AdapterId, bool]:
-        """Read the LoRA adapter in ``folder`` on a thread of its own (the engine steps on
-        meanwhile), then serve it as ``name`` between two steps (``EngineCore.serve_adapter``:
-        its refusals). Returns its id and whether it is newly served (False: ``name`` served
-        these very files already)."""
-        adapter = await asyncio.to_thread(self._core.read_adapter, name, folder)
-        served = await self.call(lambda: self._core.serve_adapter(name, adapter))
-        return AdapterId(name, adapter.digest), served
+    async def load_adapter(
+        self, name: str, folder: Path, *, replace: bool = False
+    ) -> tuple[AdapterId, bool]:
+        """Read the LoRA adapter in ``folder`` (``read_adapter``), then serve it as ``name``
+        (``serve_adapter``). Returns its id and whether it is newly served (False: ``name``
+        served these very files already)."""
+        adapter = await self.read_adapter(name, folder)
+        return AdapterId(name, adapter.digest), await self.serve_adapter(
+            name, adapter, replace=replace
+        )
+
+    async def read_adapter(self, name: str, folder: Path) -> LoraAdapter | AdapterId:
+        """The adapter in ``folder`` read for this engine (``EngineCore.read_adapter``), on a
+        thread of its own: the engine steps on meanwhile."""
+        return await asyncio.to_thread(self._core.read_adapter, name, folder)
+
+    async def serve_adapter(
+        self,
+        name: str,
+        adapter: LoraAdapter | AdapterId,
+        *,
+        replace: bool = False,
+        check_only: bool = False,
+    ) -> bool:
+        """Serve ``adapter`` as ``name`` between two steps, or with ``check_only`` only say
+        whether it would be (``EngineCore.serve_adapter``: its answer and refusals)."""
+        return await self.call(
+            lambda: self._core.serve_adapter(name, adapter, replace=replace, check_only=check_only)
+        )
 
     async def unload_adapter(self, name: str) -> None:
         """Stop serving the adapter ``name`` (``EngineCore.unserve_adapter``: requests of it

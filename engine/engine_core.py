@@ -215,35 +215,53 @@ class EngineCore:
         read_adapter_config(folder)
         return AdapterId(name, adapter_digest(folder))
 
-    def serve_adapter(self, name: str, adapter: LoraAdapter | AdapterId) -> bool:
+    def serve_adapter(
+        self,
+        name: str,
+        adapter: LoraAdapter | AdapterId,
+        *,
+        replace: bool = False,
+        check_only: bool = False,
+    ) -> bool:
         """Serve ``adapter`` (``read_adapter``'s) under ``name`` from the next step on; False
-        where that name already serves these very files (nothing changes),
-        ``InvalidRequestError`` where it serves other files (unload it first: requests
-        under one name must not meet two adapters) or where these would be one more than
-        ``ModelConfig.max_lora_adapters``. Engine thread."""
+        where that name already serves these very files (nothing changes). Where it serves
+        other files: with ``replace``, these take their place for the requests that come
+        next (those running keep the old files to their end, ``_retire_adapters``), else
+        ``InvalidRequestError`` (requests under one name must not meet two adapters by
+        accident). ``InvalidRequestError`` too where these would be one more than
+        ``ModelConfig.max_lora_adapters``. ``check_only``: the same answer and refusals,
+        nothing changed. Engine thread."""
         digest = adapter.digest
         served = self.adapters.get(name)
-        if served is not None:
-            if served.digest == digest:
-                return False
+        if served is not None and served.digest == digest:
+            return False
+        if served is not None and not replace:
             raise InvalidRequestError(
                 f"a LoRA adapter named {name!r} is loaded here with other files: unload it "
-                "first, or load these under another name",
+                "first, load these under another name, or load them in place (load_inplace)",
                 "lora_name",
             )
-        served_digests = self._served_digests()
+        kept = {a.digest for other, a in self.adapters.items() if other != name}
         limit = self.config.model.max_lora_adapters
-        if digest not in served_digests and len(served_digests) >= limit:
+        if digest not in kept and len(kept) >= limit:
             raise InvalidRequestError(
                 f"this worker serves {limit} LoRA adapters, its most (--max-lora-adapters): "
                 "unload one first",
                 "lora_name",
             )
+        if check_only:
+            return True
         if isinstance(adapter, LoraAdapter) and digest not in self._banked:
             self._banked[digest] = adapter
             self._bank_adapters()
         self.adapters = {**self.adapters, name: AdapterId(name, digest)}
-        logger.info("LoRA adapter %r loaded (digest %s)", name, digest)
+        if served is None:
+            logger.info("LoRA adapter %r loaded (digest %s)", name, digest)
+        else:
+            logger.info(
+                "LoRA adapter %r replaced in place (digest %s, was %s)", name, digest, served.digest
+            )
+            self._retire_adapters()
         return True
 
     def unserve_adapter(self, name: str) -> None:

@@ -58,7 +58,7 @@ def add_adapter_routes(
         route = await gateway.route(body.model, request)
         with client_errors_as_api_errors():
             await gateway.client_for(request, route).load_lora_adapter(
-                body.lora_name, body.lora_path
+                body.lora_name, body.lora_path, load_inplace=body.load_inplace
             )
         route.adapters = (*(a for a in route.adapters if a != body.lora_name), body.lora_name)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")

@@ -536,6 +536,12 @@ class LoadLoraAdapterRequest(BaseModel):
         description="The adapter's folder (PEFT's saved format) on the workers: relative to "
         "their --lora-dir, or absolute within it.",
     )
+    load_inplace: bool = Field(
+        False,
+        description="Where `lora_name` is served with other files, replace them: every worker "
+        "checks the new files first, then all serve them to the requests that come next "
+        "(requests running finish with the old files). Without it, that is a 400.",
+    )
     model: str | None = Field(
         None,
         description="splitserve's: the base model whose workers load it, where the gateway "

@@ -317,10 +317,22 @@ class WorkerAdaptersClient:
         self._stub = worker_pb2_grpc.WorkerAdaptersStub(channel)
         self._metadata = credential.metadata
 
-    async def load(self, name: str, path: str, timeout_s: float) -> tuple[AdapterId, bool]:
-        """Serve the adapter in ``path`` as ``name`` there: its id, and whether it is newly
-        served (False: the same files were served under that name already)."""
-        request = worker_pb2.LoadAdapterRequest(name=name, path=path)
+    async def load(
+        self,
+        name: str,
+        path: str,
+        timeout_s: float,
+        *,
+        replace: bool = False,
+        check_only: bool = False,
+    ) -> tuple[AdapterId, bool]:
+        """Serve the adapter in ``path`` as ``name`` there (``replace``: in place of other
+        files under that name; ``check_only``: only read and check it, as the first phase
+        of an in-place load): its id, and whether it is (or would be) newly served (False:
+        the same files were served under that name already)."""
+        request = worker_pb2.LoadAdapterRequest(
+            name=name, path=path, replace=replace, check_only=check_only
+        )
         reply = await _adapter_call(
             self._stub.LoadAdapter(request, timeout=timeout_s, metadata=self._metadata)
         )

@@ -3,7 +3,9 @@
 
 An engine started with no adapter serves one loaded at runtime; an unloaded adapter's
 requests already running finish with it (their tokens still PEFT's) while new ones are
-refused; a name loaded again with other files never meets the old files' cached KV.
+refused; a name loaded again with other files never meets the old files' cached KV; other
+files loaded in place under a served name (``replace``) serve the requests that come next
+while those running finish with the old files.
 """
 
 from __future__ import annotations
@@ -116,6 +118,45 @@ def test_a_name_loaded_again_with_other_files_meets_none_of_the_old_kv(
     tokens, hits = run()
     assert hits == 0
     assert tokens == peft_greedy(lora_adapters["qv"].model, prompt, NEW_TOKENS) != first
+    assert_no_leaks(llm)
+
+
+def test_files_replaced_in_place_serve_new_requests_and_running_ones_keep_theirs(
+    default_checkpoint_fp32: LoadedCheckpoint, lora_adapters
+) -> None:
+    """vLLM's ``load_inplace``, as RL trainers use it to swap a policy's adapter each
+    step: a request running when ``tuned`` is replaced finishes with the old files (PEFT's
+    tokens of ``every``), one that starts after gets the new ones' (PEFT's of ``qv``); a
+    check (``check_only``) refuses as the load would and changes nothing; the old files
+    leave the bank once their last request ended."""
+    every, qv = lora_adapters["every"], lora_adapters["qv"]
+    prompt = default_checkpoint_fp32.tokenizer.encode(PROMPT)
+    old, new = (
+        peft_greedy(every.model, prompt, NEW_TOKENS),
+        peft_greedy(qv.model, prompt, NEW_TOKENS),
+    )
+    llm = make_llm(default_checkpoint_fp32, max_lora_adapters=1)
+    engine = llm.engine
+    engine.serve_adapter("tuned", engine.read_adapter("tuned", every.folder))
+    replacement = engine.read_adapter("tuned", qv.folder)
+    assert engine.serve_adapter("tuned", replacement, replace=True, check_only=True) is True
+    assert engine.adapter_digest("tuned") != replacement.digest  # a check changes nothing
+    with pytest.raises(InvalidRequestError, match="load_inplace"):
+        engine.serve_adapter("tuned", replacement, check_only=True)
+    with pytest.raises(InvalidRequestError, match="--max-lora-adapters"):  # a second name
+        engine.serve_adapter("other", replacement, check_only=True)
+
+    tokens: list[int] = []
+    for chunk in llm.stream([prompt], _params("tuned")):
+        if not tokens:  # after its first token: replaced mid-request
+            assert engine.serve_adapter("tuned", replacement, replace=True) is True
+            assert engine.adapter_digest("tuned") == replacement.digest
+            assert len(engine.runner.model.adapters.digests) == 2  # the old kept for it
+        tokens.extend(chunk.new_token_ids)
+    assert tokens == old
+    assert engine.runner.model.adapters.digests == (replacement.digest,)  # the old let go
+    assert llm.generate([prompt], _params("tuned"))[0].token_ids == new != old
+    assert engine.serve_adapter("tuned", replacement, replace=True) is False  # same files
     assert_no_leaks(llm)
 
 

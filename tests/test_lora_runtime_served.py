@@ -7,7 +7,8 @@ computed on the prefill worker and its KV pushed to the decode worker
 A request naming an adapter loaded at runtime gets the in-process float32 engine's tokens
 with that adapter (equal to PEFT's, ``tests/test_lora.py``), at once after the load's answer;
 after the unload it is a 404, and the name loaded again from other files gives the other
-adapter's tokens (none of the old files' KV). Refusals are 4xx in OpenAI's shape naming the
+adapter's tokens (none of the old files' KV), as do other files loaded in place
+(``load_inplace``). Refusals are 4xx in OpenAI's shape naming the
 field: a path outside ``--lora-dir``, a folder without an adapter, a name served with other
 files, an unknown field, an unknown adapter to unload.
 
@@ -104,7 +105,7 @@ async def _check(url: str, address: str, expected: dict[str, list[int]], root: P
             "outside": (await load("x", "/etc"), 400, "lora_path"),
             "not an adapter": (await load("x", str(root)), 400, "lora_path"),
             "other files": (await load("tuned", str(root / "qv")), 400, "lora_name"),
-            "unknown field": (await load("x", "every", load_inplace=True), 400, None),
+            "unknown field": (await load("x", "every", lora_rank=8), 400, None),
             "unknown adapter": (await unload("nope"), 404, None),
         }
         for what, (response, status, param) in refusals.items():
@@ -114,6 +115,14 @@ async def _check(url: str, address: str, expected: dict[str, list[int]], root: P
             if param is not None:
                 assert error["param"] == param, (what, error)
         assert await tokens("tuned") == expected["every"]  # the refusals changed nothing
+
+        # vLLM's load_inplace (RL trainers swap a policy's adapter so): the other files
+        # serve the next request on both workers, and back again
+        swapped = await load("tuned", str(root / "qv"), load_inplace=True)
+        assert swapped.status_code == 200, swapped.text
+        assert await tokens("tuned") == expected["qv"]
+        assert (await load("tuned", "every", load_inplace=True)).status_code == 200
+        assert await tokens("tuned", stream=True) == expected["every"]
 
         removed = await unload("tuned")
         assert removed.status_code == 200, removed.text

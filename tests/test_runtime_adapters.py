@@ -47,17 +47,32 @@ class _Worker:
     """A worker's adapter calls: what it serves, and how it answers a load."""
 
     digest: str = "d1"
+    """The digest of the files it reads under any path not in ``files``."""
     refusal: Exception | None = None
     served: dict[str, str] = field(default_factory=dict)
     calls: list[str] = field(default_factory=list)
+    files: dict[str, str] = field(default_factory=dict)
+    """path -> the digest of the files it reads there."""
 
-    async def load(self, name: str, path: str, timeout_s: float) -> tuple[AdapterId, bool]:
-        self.calls.append(f"load {name}")
+    async def load(
+        self,
+        name: str,
+        path: str,
+        timeout_s: float,
+        *,
+        replace: bool = False,
+        check_only: bool = False,
+    ) -> tuple[AdapterId, bool]:
+        self.calls.append(f"{'check' if check_only else 'load'} {name}")
         if self.refusal is not None:
             raise self.refusal
-        newly = name not in self.served
-        self.served[name] = self.digest
-        return AdapterId(name, self.digest), newly
+        digest = self.files.get(path, self.digest)
+        if self.served.get(name, digest) != digest and not replace:
+            raise InvalidRequestError("other files", "lora_name")
+        newly = self.served.get(name) != digest
+        if not check_only:
+            self.served[name] = digest
+        return AdapterId(name, digest), newly
 
     async def unload(self, name: str, timeout_s: float) -> None:
         self.calls.append(f"unload {name}")
@@ -175,6 +190,51 @@ def test_a_worker_joining_later_is_given_the_adapters_loaded_here(monkeypatch) -
         await adapters.unload("tuned")
         await asyncio.sleep(0.05)
         assert workers["n:1"].calls == ["load tuned", "unload tuned"]  # not loaded back
+        await adapters.close()
+
+    asyncio.run(run())
+
+
+def test_a_load_in_place_checks_every_worker_before_any_serves_the_new_files(
+    monkeypatch,
+) -> None:
+    monkeypatch.setattr(runtime_adapters, "RECONCILE_INTERVAL_S", 0.01)
+
+    async def run() -> None:
+        registry, workers = _cluster("a:1", "b:1", "c:1")
+        for worker in workers.values():
+            worker.files["v2"] = "d2"
+        adapters = RuntimeAdapters(registry, _Channels(workers))  # type: ignore[arg-type]
+        await adapters.load("tuned", "v1")
+        with pytest.raises(InvalidRequestError, match="other files") as refused:
+            await adapters.load("tuned", "v2")  # without load_inplace
+        assert refused.value.param == "lora_name"
+
+        workers["c:1"].files["v2"] = "d3"  # c reads other files under v2: nobody changes
+        with pytest.raises(InvalidRequestError, match="different files"):
+            await adapters.load("tuned", "v2", replace=True)
+        workers["c:1"].files["v2"] = "d2"
+        workers["b:1"].refusal = InvalidRequestError("no such folder", "lora_path")
+        with pytest.raises(InvalidRequestError, match="worker at b:1"):
+            await adapters.load("tuned", "v2", replace=True)
+        assert all(w.served == {"tuned": "d1"} for w in workers.values())
+        assert adapters.catalog.wanted()["tuned"].adapter.digest == "d1"
+        assert workers["a:1"].calls == ["load tuned", "load tuned", "check tuned", "check tuned"]
+
+        workers["b:1"].refusal = None
+        loaded = await adapters.load("tuned", "v2", replace=True)
+        assert loaded.adapter == AdapterId("tuned", "d2") and loaded.workers == 3
+        assert all(w.served == {"tuned": "d2"} for w in workers.values())
+        assert all(ids == {loaded.adapter} for ids in _served(registry).values())
+        assert adapters.catalog.wanted()["tuned"].path == "v2"
+
+        # a worker that came back serving the old files is given the new ones in place
+        workers["n:1"] = _Worker(served={"tuned": "d1"}, files={"v2": "d2"})
+        registry.register(_record("late", Role.DECODE, "n:1"))
+        registry.get("late").adapters = frozenset({AdapterId("tuned", "d1")})  # type: ignore[union-attr]
+        await _until(lambda: workers["n:1"].served == {"tuned": "d2"}, "the in-place reload")
+        assert workers["n:1"].calls == ["check tuned", "load tuned"]
+        await _until(lambda: _adapters_of(registry, "late") == {loaded.adapter}, "its record")
         await adapters.close()
 
     asyncio.run(run())

@@ -11,6 +11,12 @@ Contract:
 - A load reads the folder off the engine thread and serves it between two steps
   (``AsyncEngine.load_adapter``): INVALID_ARGUMENT (param ``lora_path``) for an adapter that
   cannot be served as trained, (``lora_name``) for a name served here with other files.
+- ``replace`` serves the files in place of other files served under the name (requests
+  running finish with the old ones). ``check_only`` reads and checks them and answers as the
+  load would, serving nothing, and keeps what it read (``StagedAdapters``, one per name, for
+  ``STAGED_TTL_S``) for the load of the same name and path that follows: the coordinator's
+  in-place load checks on every worker first, then serves on all, and each serves exactly
+  the files it checked.
 - An unload (NOT_FOUND where the name is not served) refuses new requests of the adapter at
   once; those running finish with it (``EngineCore.unserve_adapter``).
 - The worker's load reports carry its adapters from then on (``LoadReport.adapters``), so
@@ -20,13 +26,16 @@ Contract:
 from __future__ import annotations
 
 import logging
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 
-from splitserve.common.adapter_id import check_adapter_name
+from splitserve.common.adapter_id import AdapterId, check_adapter_name
 from splitserve.common.errors import InvalidRequestError, ModelLoadError, ModelNotFoundError
 from splitserve.engine.async_engine import AsyncEngine
+from splitserve.engine.lora import LoraAdapter
 from splitserve.proto import convert
 from splitserve.proto.splitserve.v1 import worker_pb2, worker_pb2_grpc
 from splitserve.proto.status import abort_with
@@ -35,6 +44,35 @@ from splitserve.worker.servicer_base import WorkerServicerBase
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["WorkerAdapters"].full_name
+STAGED_TTL_S = 300.0
+"""How long a checked adapter (``check_only``) is kept for the load that follows."""
+
+
+@dataclass(frozen=True)
+class _Staged:
+    folder: Path
+    adapter: LoraAdapter | AdapterId
+    at: float
+
+
+class StagedAdapters:
+    """Adapters read and checked for a load that follows (``check_only``): at most one per
+    name, each kept ``STAGED_TTL_S``; a load of the same name and folder takes it."""
+
+    def __init__(self) -> None:
+        self._staged: dict[str, _Staged] = {}
+
+    def keep(self, name: str, folder: Path, adapter: LoraAdapter | AdapterId) -> None:
+        now = time.monotonic()
+        self._staged = {n: s for n, s in self._staged.items() if now - s.at < STAGED_TTL_S}
+        self._staged[name] = _Staged(folder, adapter, now)
+
+    def take(self, name: str, folder: Path) -> LoraAdapter | AdapterId | None:
+        """What was kept for ``name`` from ``folder`` (and is no older than the TTL), once."""
+        staged = self._staged.pop(name, None)
+        if staged is None or staged.folder != folder:
+            return None
+        return staged.adapter if time.monotonic() - staged.at < STAGED_TTL_S else None
 
 
 def adapter_folder(lora_dir: Path, path: str) -> Path:
@@ -64,6 +102,7 @@ class AdaptersServicer(WorkerServicerBase[AsyncEngine], worker_pb2_grpc.WorkerAd
     def __init__(self, lora_dir: Path | None) -> None:
         super().__init__()
         self._lora_dir = lora_dir
+        self._staged = StagedAdapters()
 
     def add_to(self, server: grpc.aio.Server) -> str:
         """Register on ``server``; the service's full name (for health and reflection)."""
@@ -75,18 +114,27 @@ class AdaptersServicer(WorkerServicerBase[AsyncEngine], worker_pb2_grpc.WorkerAd
     ) -> worker_pb2.LoadAdapterResponse:
         engine = await self._runtime_changes(context)
         assert self._lora_dir is not None
+        name, replace = request.name, request.replace
         try:
-            check_adapter_name(request.name)
+            check_adapter_name(name)
             folder = adapter_folder(self._lora_dir, request.path)
-            adapter, newly = await engine.load_adapter(request.name, folder)
+            adapter = None if request.check_only else self._staged.take(name, folder)
+            if adapter is None:
+                adapter = await engine.read_adapter(name, folder)
+            newly = await engine.serve_adapter(
+                name, adapter, replace=replace, check_only=request.check_only
+            )
         except ModelLoadError as error:
             await abort_with(context, InvalidRequestError(str(error), "lora_path"))
         except InvalidRequestError as error:
             await abort_with(context, error)
-        if newly:
-            logger.info("LoRA adapter %r loaded from %s", request.name, folder)
+        if request.check_only:
+            self._staged.keep(name, folder, adapter)
+        elif newly:
+            logger.info("LoRA adapter %r loaded from %s", name, folder)
+        loaded = AdapterId(name, adapter.digest)
         return worker_pb2.LoadAdapterResponse(
-            adapter=convert.adapters_to_proto([adapter])[0], newly_loaded=newly
+            adapter=convert.adapters_to_proto([loaded])[0], newly_loaded=newly
         )
 
     async def UnloadAdapter(

@@ -156,12 +156,16 @@ class WatchLoadRequest(_message.Message):
     def __init__(self, interval_ms: _Optional[int] = ...) -> None: ...
 
 class LoadAdapterRequest(_message.Message):
-    __slots__ = ("name", "path")
+    __slots__ = ("name", "path", "replace", "check_only")
     NAME_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
+    REPLACE_FIELD_NUMBER: _ClassVar[int]
+    CHECK_ONLY_FIELD_NUMBER: _ClassVar[int]
     name: str
     path: str
-    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+    replace: bool
+    check_only: bool
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., replace: _Optional[bool] = ..., check_only: _Optional[bool] = ...) -> None: ...
 
 class LoadAdapterResponse(_message.Message):
     __slots__ = ("adapter", "newly_loaded")

@@ -448,7 +448,7 @@ class WorkerAdaptersServicer:
     def LoadAdapter(self, request, context):
         """Read the adapter in `path` (absolute, or relative to --lora-dir) and serve it as `name`
         from the next engine step on. INVALID_ARGUMENT for an adapter that cannot be served as
-        trained (engine/lora.py), or a name served here with other files.
+        trained (engine/lora.py), or a name served here with other files (unless `replace`).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
