@@ -16,6 +16,13 @@ alternate round by round between:
 Per variant (``--variants`` picks some; ``base`` always runs): the median over rounds of
 the burst's TPOT p50 and its ratio to ``base``. ``--loaded 16`` with ``--variants one`` says
 what the adapters loaded but not in the step cost a step (the bank multiplies by them all).
+
+``--max-loras 0,2,4`` instead compares bounds on the adapters among the running requests
+(``SchedulerConfig.max_loras``, vLLM's ``--max-loras``; 0: none) on one burst whose requests
+spread over ``--spread`` adapters (8 unless told; ``--loaded`` at least that), alternated
+round by round: per bound, the medians of output tokens/s, TPOT p50 and p99 and TTFT p50
+and p99, and their ratios to no bound. A bound makes each step pay for fewer adapters and
+makes the requests of the others wait.
 Nothing is asserted: the bench only measures.
 
     .venv/bin/python bench/bench_lora.py --batches 8,32 --rounds 3
@@ -24,9 +31,11 @@ Nothing is asserted: the bench only measures.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import tempfile
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -148,6 +157,48 @@ def measure(
     }
 
 
+def measure_max_loras(
+    core: EngineCore, batch: int, rounds: int, tokens: int, bounds: list[int], spread: int
+) -> Json:
+    """One burst of ``batch`` requests over ``spread`` adapters under each bound on the
+    running requests' adapters, alternated round by round (module docstring)."""
+    prompts = chat_prompts(core, batch)
+    params = [
+        SamplingParams(
+            max_tokens=tokens, ignore_eos=True, temperature=0.0, adapter=f"a{i % spread}"
+        )
+        for i in range(batch)
+    ]
+    config = core.scheduler.config
+
+    def burst(bound: str, index: int) -> Json:
+        core.scheduler.config = dataclasses.replace(config, max_loras=int(bound))
+        try:
+            timed = timed_burst(core, prompts, params, f"bound{bound}-{batch}-{index}")
+        finally:
+            core.scheduler.config = config
+        return asdict(run_metrics(timed.requests, timed.start, timed.end, timed.cpu_seconds))
+
+    names = [str(bound) for bound in bounds]
+    burst(names[0], -1)  # warm-up
+    runs = alternated_rounds(names, rounds, burst)
+    fields = ("output_tokens_per_s", "tpot_p50_ms", "tpot_p99_ms", "ttft_p50_ms", "ttft_p99_ms")
+    medians = {
+        name: {f: round(statistics.median(r[f] for r in rows), 2) for f in fields}
+        for name, rows in runs.items()
+    }
+    base = medians.get("0", medians[names[0]])
+    return {
+        "batch": batch,
+        "spread": spread,
+        "medians_by_max_loras": medians,
+        "ratio_to_unbounded": {
+            name: {f: round(m[f] / base[f], 3) for f in fields} for name, m in medians.items()
+        },
+        "runs": runs,
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", default="8,32", help="comma-separated batch sizes")
@@ -164,9 +215,18 @@ def main() -> int:
         help="the most adapters laid side by side (engine/lora.py:BANK_MAX_ADAPTERS); more "
         "loaded: each apart. 0: always apart",
     )
+    parser.add_argument(
+        "--max-loras",
+        default="",
+        help="comma-separated bounds on the running requests' adapters (0: none) to compare "
+        "on a burst spread over --spread adapters, instead of the variants",
+    )
+    parser.add_argument("--spread", type=int, default=8, help="adapters of a --max-loras burst")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     lora.BANK_MAX_ADAPTERS = args.bank_max
+    if args.max_loras and args.loaded < args.spread:
+        parser.error("--loaded must be at least --spread")
     variants = tuple(dict.fromkeys(("base", *args.variants.split(","))))
     if args.loaded < ADAPTERS or not set(variants) <= set(VARIANTS):
         parser.error(f"--loaded must be at least {ADAPTERS}; variants are {VARIANTS}")
@@ -201,11 +261,16 @@ def main() -> int:
         "tokens": args.tokens,
         "batches": [],
     }
+    bounds = [int(b) for b in args.max_loras.split(",")] if args.max_loras else []
     for batch in (int(b) for b in args.batches.split(",")):
-        row = measure(core, batch, args.rounds, args.tokens, variants)
-        print(json.dumps(row), flush=True)
+        if bounds:
+            row = measure_max_loras(core, batch, args.rounds, args.tokens, bounds, args.spread)
+            print(json.dumps({k: v for k, v in row.items() if k != "runs"}), flush=True)
+        else:
+            row = measure(core, batch, args.rounds, args.tokens, variants)
+            print(json.dumps(row), flush=True)
         report["batches"].append(row)
-    write_report(report, args.out, "lora")
+    write_report(report, args.out, "lora-max-loras" if bounds else "lora")
     return 0
 
 

@@ -9,6 +9,8 @@ Contract:
   the workers that newly loaded it unload it again and the caller gets the first worker's
   error, naming that worker. A prompt of an adapter may be computed on one worker and
   decoded on another, so a request of it must find the same files on both.
+- Without ``replace``, a name recorded (below) from another path is refused (INVALID_ARGUMENT
+  ``lora_name``), as a worker refuses a name it serves with other files.
 - ``replace`` (vLLM's ``load_inplace``) serves the files in place of other files served
   under the name, in two phases (``_load_in_place``): every worker reads and checks them
   (``check_only``; a refusal or differing files change nothing anywhere), the adapter is
@@ -124,6 +126,13 @@ class RuntimeAdapters:
                 raise WorkerUnavailableError("no worker is registered to load the adapter on")
             if replace:
                 return await self._load_in_place(name, path, addresses)
+            recorded = self.catalog.wanted().get(name)
+            if recorded is not None and recorded.path != path:
+                raise InvalidRequestError(
+                    f"LoRA adapter {name!r} is loaded from other files ({recorded.path!r}): "
+                    "unload it first, or load these in place (load_inplace)",
+                    "lora_name",
+                )
             loaded, failures = await self._call_load(addresses, name, path)
             digests = {adapter.digest for adapter, _ in loaded.values()}
             if failures or len(digests) > 1:

@@ -73,6 +73,22 @@ class EngineSettings:
         "the most LoRA adapters served at once (--lora-modules and runtime loads); up to 8 "
         "loaded, a step with an adapter's rows multiplies by all of them",
     )
+    max_lora_rank: int = setting(
+        _DEFAULTS.model.max_lora_rank,
+        "the largest rank of a LoRA adapter served (vLLM's flag): one above it is refused at "
+        "start or load; 0: any",
+    )
+    max_loras: int = setting(
+        _DEFAULTS.scheduler.max_loras,
+        "the most distinct LoRA adapters among the running requests (vLLM's flag): a request "
+        "of another adapter waits until one of those has no request left, so a step "
+        "multiplies by no more adapters; 0: no bound",
+    )
+    enable_lora: bool = setting(
+        False,
+        "accepted for vLLM's command lines: LoRA adapters are always served here (with "
+        "--lora-modules, or loaded at runtime with --lora-dir)",
+    )
     max_model_len: int | None = setting(None, "context window cap in tokens")
     block_size: int = setting(_DEFAULTS.cache.block_size, "tokens per KV block")
     kv_cache_gib: float = setting(_DEFAULTS.cache.kv_cache_gib, "KV cache size in GiB")
@@ -144,6 +160,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             quantized_weights=args.quantized_weights,
             lora_modules=parse_lora_modules(args.lora_modules),
             max_lora_adapters=args.max_lora_adapters,
+            max_lora_rank=args.max_lora_rank,
         ),
         cache=CacheConfig(
             block_size=args.block_size,
@@ -152,7 +169,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             enable_prefix_caching=not args.no_prefix_caching,
         ),
         scheduler=SchedulerConfig(
-            max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_seqs=args.max_num_seqs,
+            max_loras=args.max_loras,
         ),
         runner=RunnerConfig(
             num_threads=args.threads,

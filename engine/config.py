@@ -45,8 +45,13 @@ class ModelConfig:
     a runtime load beyond it is refused (unload one first). Each costs its factors' memory,
     and up to ``engine/lora.py:BANK_MAX_ADAPTERS`` loaded each costs every step with an
     adapter's rows time (beyond, a step pays for the adapters its rows take)."""
+    max_lora_rank: int = 0
+    """The largest rank of an adapter's factors served (vLLM's ``--max-lora-rank``): one
+    above it is refused at start or at a runtime load. 0: any rank."""
 
     def __post_init__(self) -> None:
+        if self.max_lora_rank < 0:
+            raise InvalidRequestError("max_lora_rank must be >= 0", param="max_lora_rank")
         if self.dtype not in DTYPES:
             raise InvalidRequestError(f"dtype must be one of {DTYPES}", param="dtype")
         if self.quantized_weights not in QUANTIZED_WEIGHTS:
@@ -106,8 +111,14 @@ class SchedulerConfig:
     """Token budget of one step: decode tokens plus prefill chunk tokens."""
     max_num_seqs: int = 256
     """Most requests in the running batch."""
+    max_loras: int = 0
+    """Most distinct LoRA adapters among the running requests (vLLM's ``--max-loras``): a
+    request of another adapter waits, before its prompt or, its KV pushed by a prefill
+    worker, after it, until one of those adapters' requests have all finished. 0: no bound."""
 
     def __post_init__(self) -> None:
+        if self.max_loras < 0:
+            raise InvalidRequestError("max_loras must be >= 0", param="max_loras")
         if self.max_num_batched_tokens <= 0:
             raise InvalidRequestError(
                 "max_num_batched_tokens must be positive", param="max_num_batched_tokens"

@@ -52,6 +52,8 @@ from splitserve.engine.launched_step import LaunchedDecode
 from splitserve.engine.lora import (
     LoraAdapter,
     adapter_digest,
+    check_rank,
+    config_rank,
     load_lora_adapter,
     read_adapter_config,
 )
@@ -210,9 +212,12 @@ class EngineCore:
         its checked config's id. ``ModelLoadError`` for one that cannot be served as
         trained. Touches no engine state: any thread (``AsyncEngine.load_adapter`` reads
         off the engine thread)."""
+        max_rank = self.config.model.max_lora_rank
         if isinstance(self.runner, ModelRunner):
-            return load_lora_adapter(name, folder, self.model_config, self.dtype, self._device)
-        read_adapter_config(folder)
+            return load_lora_adapter(
+                name, folder, self.model_config, self.dtype, self._device, max_rank
+            )
+        check_rank(folder, config_rank(read_adapter_config(folder)), max_rank)
         return AdapterId(name, adapter_digest(folder))
 
     def serve_adapter(
@@ -513,7 +518,7 @@ class EngineCore:
             num_total_blocks=self.num_blocks,
             num_used_blocks=self.num_blocks - self.kv_cache.num_free_blocks,
             num_running_requests=len(scheduler.running),
-            num_waiting_requests=len(scheduler.waiting),
+            num_waiting_requests=len(scheduler.waiting) + len(scheduler.parked),
             num_reserved_requests=sum(
                 r.status is RequestStatus.WAITING_FOR_REMOTE_KV for r in scheduler.requests.values()
             ),

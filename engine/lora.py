@@ -175,16 +175,35 @@ def read_adapter_config(path: Path) -> dict[str, object]:
     return config
 
 
+def check_rank(path: Path, rank: int, max_rank: int) -> None:
+    """``ModelLoadError`` where ``rank`` exceeds ``max_rank`` (0: any rank)."""
+    if max_rank and rank > max_rank:
+        raise ModelLoadError(
+            f"LoRA adapter {str(path)!r} has rank {rank}, above this worker's --max-lora-rank "
+            f"({max_rank})"
+        )
+
+
+def config_rank(settings: dict[str, object]) -> int:
+    """The largest rank an adapter's config declares (``r``, ``rank_pattern``'s values)."""
+    ranks = [settings.get("r", 0)]
+    pattern = settings.get("rank_pattern")
+    if isinstance(pattern, dict):
+        ranks.extend(pattern.values())
+    return max((r for r in ranks if isinstance(r, int) and not isinstance(r, bool)), default=0)
+
+
 def load_lora_adapter(
     name: str,
     path: str | Path,
     config: ModelArchConfig,
     dtype: torch.dtype,
     device: torch.device,
+    max_rank: int = 0,
 ) -> LoraAdapter:
     """The adapter saved in folder ``path``, for a model of ``config``, its factors in
     ``dtype`` on ``device``, served as ``name`` (see the module docstring for what is
-    refused)."""
+    refused; ``max_rank``: a factor of a larger rank is refused too, 0: any)."""
     from safetensors.torch import load_file
 
     folder = Path(path)
@@ -221,6 +240,7 @@ def load_lora_adapter(
                 f"LoRA adapter {str(folder)!r}: layer {layer}'s {target} lacks lora_A or lora_B"
             )
         rank = a.shape[0]
+        check_rank(folder, rank, max_rank)
         expected_a = (rank, _in_features(config, target))
         expected_b = (where.stop - where.start, rank)
         if tuple(a.shape) != expected_a or tuple(b.shape) != expected_b or rank == 0:

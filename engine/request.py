@@ -7,10 +7,13 @@ Lifecycle (``RequestStatus``)::
        +----- PREEMPTED <----+   (blocks ran out: KV freed, recomputed from prompt + output)
 
 A request whose prompt KV another worker computes (disaggregated prefill) instead starts in
-WAITING_FOR_REMOTE_KV holding reserved blocks, and joins RUNNING when its KV has landed.
+WAITING_FOR_REMOTE_KV holding reserved blocks, and joins RUNNING when its KV has landed, or
+first WAITING_FOR_ADAPTER (KV held) while the running requests take as many LoRA adapters as
+``SchedulerConfig.max_loras`` allows and not its own.
 
-Queues: the scheduler keeps ``waiting`` (WAITING and PREEMPTED, preempted ones in front) and
-``running`` (RUNNING, oldest first). A finished request is in neither and holds no block.
+Queues: the scheduler keeps ``waiting`` (WAITING and PREEMPTED, preempted ones in front),
+``running`` (RUNNING, oldest first) and ``parked`` (WAITING_FOR_ADAPTER, in arrival order). A
+finished request is in none and holds no block.
 
 Invariant: ``all_token_ids == prompt_token_ids + output_token_ids`` and
 ``0 <= num_computed_tokens <= len(all_token_ids)``; the KV of the first
@@ -35,6 +38,7 @@ class RequestStatus(enum.Enum):
     RUNNING = "running"
     PREEMPTED = "preempted"
     WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"
+    WAITING_FOR_ADAPTER = "waiting_for_adapter"
     FINISHED_STOPPED = "finished_stopped"
     FINISHED_LENGTH = "finished_length"
     FINISHED_ABORTED = "finished_aborted"

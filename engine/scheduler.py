@@ -12,6 +12,14 @@ Torch-free. Each ``schedule()`` call fills one step's token budget:
    for ``prompt_logprobs`` and has no token yet: each prompt row's logits are needed). Long
    prompts are chunked.
 
+LoRA adapters (``SchedulerConfig.max_loras``, 0: no bound): the running requests take at most
+that many distinct adapters, so a step multiplies by no more adapters' factors
+(``engine/lora.py``). A waiting request of another adapter is passed over (it keeps its place;
+the base model's and the running adapters' requests behind it go ahead); a remote prefill
+completed for one is parked with its KV (``parked``) and joins the running batch, oldest
+first, at the first schedule where its adapter fits: once every running request of some
+adapter has ended. Running requests are never held back for it.
+
 ``update()`` applies the runner's sampled tokens, advances the computed-token counts, registers
 full blocks in the prefix cache and finishes requests that hit a stop condition; every
 finished request has freed all its blocks before ``update`` returns.
@@ -177,6 +185,9 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.parked: deque[Request] = deque()
+        """Remote prefills completed whose adapter the running requests leave no room for
+        (``SchedulerConfig.max_loras``; module docstring)."""
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
         """Counters for metrics; immutable, replaced as they count (``_count``)."""
@@ -244,7 +255,7 @@ class Scheduler:
     @property
     def has_unfinished(self) -> bool:
         """True while some request has work to schedule (reserved ones wait for their KV)."""
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.parked)
 
     # ---- remote prefill (disaggregation) ----------------------------------------------------
 
@@ -283,7 +294,8 @@ class Scheduler:
         """The prompt's KV landed in the reserved blocks and ``first_token_id`` was sampled
         (by a worker that served ``num_cached_tokens`` of the prompt from its prefix cache).
 
-        The request joins the running batch (or finishes at once if that token ends it).
+        The request joins the running batch (or finishes at once if that token ends it), or
+        is parked with its KV until its LoRA adapter fits (``SchedulerConfig.max_loras``).
         """
         request = self.requests.get(request_id)
         if request is None or request.status is not RequestStatus.WAITING_FOR_REMOTE_KV:
@@ -296,11 +308,14 @@ class Scheduler:
         )
         request.append_output_token(first_token_id)
         status = self._stop_status(request, first_token_id)
-        if status is None:
+        if status is not None:
+            self._finish(request, status)
+        elif self.parked or not self._adapter_fits(request, self._running_adapters()):
+            request.status = RequestStatus.WAITING_FOR_ADAPTER
+            self.parked.append(request)
+        else:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-        else:
-            self._finish(request, status)
         return self._update_of(request, (first_token_id,))
 
     # ---- schedule --------------------------------------------------------------------------
@@ -315,6 +330,8 @@ class Scheduler:
             decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
             draft_rows = self.speculative.max_step_rows - len(decoding)
             min_chance = self._draft_bar(decoding)
+        if self.parked:
+            self._unpark()
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
@@ -344,9 +361,38 @@ class Scheduler:
                 return False
         return True
 
+    def _running_adapters(self) -> set[str]:
+        """The distinct LoRA adapters (digests) the running requests take."""
+        return {r.adapter_digest for r in self.running if r.adapter_digest}
+
+    def _adapter_fits(self, request: Request, adapters: set[str]) -> bool:
+        """Whether ``request`` may run beside requests taking ``adapters``
+        (``SchedulerConfig.max_loras``)."""
+        limit = self.config.max_loras
+        digest = request.adapter_digest
+        return not limit or not digest or digest in adapters or len(adapters) < limit
+
+    def _unpark(self) -> None:
+        """Parked requests whose adapter fits now join the running batch, oldest first."""
+        adapters = self._running_adapters()
+        kept: deque[Request] = deque()
+        for request in self.parked:
+            if self._adapter_fits(request, adapters):
+                request.status = RequestStatus.RUNNING
+                self.running.append(request)
+                adapters.add(request.adapter_digest)
+            else:
+                kept.append(request)
+        self.parked = kept
+
     def _admit_waiting(self, budget: int, chunks: list[ScheduledChunk]) -> None:
+        adapters = self._running_adapters() if self.config.max_loras else set()
+        passed: list[Request] = []  # of adapters with no room: they keep their places
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if not self._adapter_fits(request, adapters):
+                passed.append(self.waiting.popleft())
+                continue
             cached: Sequence[int] = []
             if not _computes_prompt_logprobs(request):
                 cached = self.kv_cache.find_cached_prefix(request.all_token_ids, request.hash_root)
@@ -364,6 +410,9 @@ class Scheduler:
             self.running.append(request)
             chunks.append(self._chunk(request, num_new))
             budget -= num_new
+            if request.adapter_digest:
+                adapters.add(request.adapter_digest)
+        self.waiting.extendleft(reversed(passed))
 
     def _speculates(self, request: Request) -> bool:
         """Whether a draft's verdict is the token plain decoding would sample there: every
@@ -451,7 +500,7 @@ class Scheduler:
         ever proposed, ``step``'s requests are plain decode chunks, every joined request has
         just its last token to compute, every next token is chosen on the device alone
         (``decided_on_device``), the pool holds every next block, and some request is left."""
-        if self.waiting or self.speculative.num_tokens or not step.chunks:
+        if self.waiting or self.parked or self.speculative.num_tokens or not step.chunks:
             return None
         running = {request.request_id: request for request in self.running}
         fed = []  # requests of ``step``: their token is ``step``'s choice
@@ -648,6 +697,8 @@ class Scheduler:
             return
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
+        elif request.status is RequestStatus.WAITING_FOR_ADAPTER:
+            self.parked.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
         request.status = status

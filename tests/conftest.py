@@ -144,24 +144,30 @@ def make_llm(
     quantized_weights: str = "auto",
     lora_modules: tuple[tuple[str, str], ...] = (),
     max_lora_adapters: int = 16,
+    max_lora_rank: int = 0,
+    max_loras: int = 0,
 ) -> LLM:
     """An offline engine over an already loaded checkpoint, float32 by default
     (``speculative_tokens``: prompt-lookup drafts per step, 0 = none; ``quantized_weights``
     as ``ModelConfig``'s, whose "auto" reads the checkpoint's kept GGUF blocks in bf16;
     ``lora_modules``: LoRA adapters served, (name, folder) pairs, at most
-    ``max_lora_adapters``)."""
+    ``max_lora_adapters``, of rank at most ``max_lora_rank``; ``max_loras``: the most
+    adapters among the running requests; 0: no bound)."""
     config = EngineConfig(
         model=ModelConfig(
             dtype=dtype,
             quantized_weights=quantized_weights,
             lora_modules=lora_modules,
             max_lora_adapters=max_lora_adapters,
+            max_lora_rank=max_lora_rank,
         ),
         cache=CacheConfig(
             block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=prefix_caching
         ),
         scheduler=SchedulerConfig(
-            max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+            max_loras=max_loras,
         ),
         runner=RunnerConfig(num_threads=2, attention_backend=attention_backend),
         speculative=SpeculativeConfig(num_tokens=speculative_tokens),

@@ -12,12 +12,18 @@ EOS = 2
 
 
 def make_request(
-    request_id: str, prompt_len: int = 8, max_tokens: int = 4, first_token: int = 10, **params
+    request_id: str,
+    prompt_len: int = 8,
+    max_tokens: int = 4,
+    first_token: int = 10,
+    adapter_digest: str = "",
+    **params,
 ) -> Request:
-    """A request whose prompt is ``first_token, first_token + 1, ...``."""
+    """A request whose prompt is ``first_token, first_token + 1, ...`` (of the LoRA adapter
+    of ``adapter_digest``, "": the base model)."""
     prompt = list(range(first_token, first_token + prompt_len))
     sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, **params)
-    return Request(request_id, prompt, sampling, frozenset({EOS}))
+    return Request(request_id, prompt, sampling, frozenset({EOS}), adapter_digest)
 
 
 def make_scheduler(
@@ -28,10 +34,13 @@ def make_scheduler(
     max_model_len: int = 256,
     enable_prefix_caching: bool = True,
     speculative: SpeculativeConfig | None = None,
+    max_loras: int = 0,
 ) -> Scheduler:
     kv_cache = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
     config = SchedulerConfig(
-        max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=max_num_seqs,
+        max_loras=max_loras,
     )
     return Scheduler(config, kv_cache, max_model_len, speculative)
 

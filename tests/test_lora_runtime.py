@@ -178,6 +178,44 @@ def test_a_worker_serves_at_most_max_lora_adapters(
     assert engine.serve_adapter("qv", engine.read_adapter("qv", qv))
 
 
+def test_max_lora_rank_refuses_larger_adapters_and_max_loras_keeps_peft_tokens(
+    default_checkpoint_fp32: LoadedCheckpoint, lora_adapters
+) -> None:
+    """vLLM's ``--max-lora-rank`` (``every`` is rank 8, ``qv`` rank 4) and ``--max-loras``:
+    with one adapter among the running requests at a time, requests of two adapters and of
+    the base model sent together each still get their own tokens (PEFT's; the base model's
+    alone; the order they run in: ``tests/test_scheduler.py``)."""
+    every, qv = lora_adapters["every"], lora_adapters["qv"]
+    with pytest.raises(ModelLoadError, match="--max-lora-rank"):
+        make_llm(
+            default_checkpoint_fp32, lora_modules=(("every", str(every.folder)),), max_lora_rank=4
+        )
+    llm = make_llm(
+        default_checkpoint_fp32,
+        lora_modules=(("qv", str(qv.folder)),),
+        max_lora_rank=4,
+        max_loras=1,
+    )
+    with pytest.raises(ModelLoadError, match="rank 8, above"):
+        llm.engine.read_adapter("every", every.folder)
+    bounded = make_llm(
+        default_checkpoint_fp32,
+        lora_modules=(("every", str(every.folder)), ("qv", str(qv.folder))),
+        max_loras=1,
+    )
+    prompt = default_checkpoint_fp32.tokenizer.encode(PROMPT)
+    names = ["every", "qv", "", "every", "qv"]
+    results = bounded.generate([prompt] * len(names), [_params(name) for name in names])
+    expected = {
+        "every": peft_greedy(every.model, prompt, NEW_TOKENS),
+        "qv": peft_greedy(qv.model, prompt, NEW_TOKENS),
+        "": make_llm(default_checkpoint_fp32).generate([prompt], _params(""))[0].token_ids,
+    }
+    assert [r.token_ids for r in results] == [expected[name] for name in names]
+    assert bounded.engine.scheduler.kv_cache.num_free_blocks == bounded.engine.num_blocks
+    assert_no_leaks(bounded)
+
+
 def test_each_adapter_apart_when_more_are_loaded_than_the_bank_takes(
     default_checkpoint_fp32: LoadedCheckpoint, lora_adapters, monkeypatch
 ) -> None:

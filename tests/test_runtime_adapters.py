@@ -207,7 +207,7 @@ def test_a_load_in_place_checks_every_worker_before_any_serves_the_new_files(
         adapters = RuntimeAdapters(registry, _Channels(workers))  # type: ignore[arg-type]
         await adapters.load("tuned", "v1")
         with pytest.raises(InvalidRequestError, match="other files") as refused:
-            await adapters.load("tuned", "v2")  # without load_inplace
+            await adapters.load("tuned", "v2")  # without load_inplace: the record refuses
         assert refused.value.param == "lora_name"
 
         workers["c:1"].files["v2"] = "d3"  # c reads other files under v2: nobody changes
@@ -219,7 +219,7 @@ def test_a_load_in_place_checks_every_worker_before_any_serves_the_new_files(
             await adapters.load("tuned", "v2", replace=True)
         assert all(w.served == {"tuned": "d1"} for w in workers.values())
         assert adapters.catalog.wanted()["tuned"].adapter.digest == "d1"
-        assert workers["a:1"].calls == ["load tuned", "load tuned", "check tuned", "check tuned"]
+        assert workers["a:1"].calls == ["load tuned", "check tuned", "check tuned"]
 
         workers["b:1"].refusal = None
         loaded = await adapters.load("tuned", "v2", replace=True)

@@ -206,3 +206,64 @@ def test_remote_prefill_abort_eos_and_capacity() -> None:
     assert scheduler.kv_cache.num_free_blocks == 4
     with pytest.raises(InvalidRequestError):
         scheduler.complete_remote_prefill("eos", 5)
+
+
+def _adapters_in(output) -> set[str]:  # noqa: ANN001
+    return {c.adapter for c in output.chunks if c.adapter}
+
+
+def test_max_loras_bounds_the_adapters_of_the_running_requests() -> None:
+    """vLLM's ``--max-loras``: with 2, requests of a third adapter wait (keeping their
+    place) while the base model's and the running adapters' requests go ahead; they start
+    once every request of one running adapter has ended. Nothing is lost or leaked."""
+    scheduler = make_scheduler(max_loras=2, max_num_batched_tokens=256)
+    plan = [("a1", "A", 6), ("b1", "B", 2), ("c1", "C", 2), ("base", "", 2), ("a2", "A", 2)]
+    for index, (name, digest, tokens) in enumerate(plan):
+        scheduler.add_request(
+            make_request(
+                name, max_tokens=tokens, first_token=10 + 20 * index, adapter_digest=digest
+            )
+        )
+    output, _ = run_step(scheduler)
+    assert [c.request_id for c in output.chunks] == ["a1", "b1", "base", "a2"]
+    assert [r.request_id for r in scheduler.waiting] == ["c1"]
+    seen: list[set[str]] = []
+    started_c = None
+    for step in range(1, 20):
+        if not scheduler.has_unfinished:
+            break
+        output, _ = run_step(scheduler)
+        seen.append(_adapters_in(output))
+        if started_c is None and "C" in _adapters_in(output):
+            started_c = step
+    assert all(len(adapters) <= 2 for adapters in seen)
+    assert started_c is not None and started_c >= 2  # after b1 ended (2 tokens)
+    assert not scheduler.has_unfinished
+    assert scheduler.kv_cache.num_free_blocks == scheduler.kv_cache.num_blocks
+
+
+def test_max_loras_parks_a_remote_prefill_with_its_kv_until_its_adapter_fits() -> None:
+    """On a decode worker a request's KV arrives from a prefill worker: one of an adapter
+    with no room waits parked, its blocks held, and joins with its next token (no
+    recompute) once the running requests leave room; an abort frees a parked one."""
+    scheduler = make_scheduler(max_loras=1, num_blocks=32, block_size=4)
+    scheduler.add_request(make_request("a", prompt_len=8, max_tokens=3, adapter_digest="A"))
+    run_step(scheduler)
+    for name, digest in (("b", "B"), ("gone", "B"), ("base", "")):
+        request = make_request(name, max_tokens=3, first_token=50, adapter_digest=digest)
+        scheduler.reserve_for_remote_prefill(request)
+        update = scheduler.complete_remote_prefill(name, 100)
+        assert update.new_token_ids == (100,) and update.finish_reason is None
+    assert [r.request_id for r in scheduler.parked] == ["b", "gone", "base"]
+    assert scheduler.requests["b"].status is RequestStatus.WAITING_FOR_ADAPTER
+    assert scheduler.abort_request("gone") is not None
+    output, _ = run_step(scheduler)  # the base model's request joins; b waits for a's end
+    assert [c.request_id for c in output.chunks] == ["a", "base"]
+    assert [r.request_id for r in scheduler.parked] == ["b"]
+    output, _ = run_step(scheduler)  # a ends with this step (3 tokens)
+    assert "b" not in {c.request_id for c in output.chunks}
+    output, _ = run_step(scheduler)
+    [chunk] = [c for c in output.chunks if c.request_id == "b"]
+    assert (chunk.start_position, chunk.num_tokens) == (8, 1)  # its next token, KV kept
+    assert drain(scheduler) == {"b": FinishReason.LENGTH}  # base ended meanwhile
+    assert scheduler.kv_cache.num_free_blocks == 32
