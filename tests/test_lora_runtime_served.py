@@ -10,7 +10,8 @@ after the unload it is a 404, and the name loaded again from other files gives t
 adapter's tokens (none of the old files' KV), as do other files loaded in place
 (``load_inplace``). Refusals are 4xx in OpenAI's shape naming the
 field: a path outside ``--lora-dir``, a folder without an adapter, a name served with other
-files, an unknown field, an unknown adapter to unload.
+files, an unknown field, an unknown adapter to unload. The workers run with ``--max-loras=1``:
+requests of two adapters sent together still get their own tokens.
 
 On etcd (``tests/fault_cluster.py``: etcd, two coordinators, a prefill and a decode worker,
 each process through its role's entry point): an adapter loaded through one coordinator
@@ -69,6 +70,7 @@ def test_adapters_loaded_and_unloaded_while_serving(lora_adapters, expected) -> 
     root = Path(lora_adapters["every"].folder).parent
     lines: dict[str, str] = {}
     flags = ("--dtype=float32", "--num-blocks=256", "--threads=1", f"--lora-dir={root}")
+    flags += ("--max-loras=1",)  # requests of a second adapter wait, parked with their KV
     with cluster(1, 1, *flags, ready_lines=lines, up_flags=("--placement=remote",)) as address:
         url = lines["splitserve gateway ready"]
         asyncio.run(_check(url, address, expected, root))
@@ -131,6 +133,14 @@ async def _check(url: str, address: str, expected: dict[str, list[int]], root: P
         # the name again, other files: the other adapter's tokens, none of the old KV
         assert (await load("tuned", str(root / "qv"))).status_code == 200
         assert await tokens("tuned") == expected["qv"]
+
+        # --max-loras=1: requests of two adapters and of the base model sent together each
+        # get their own tokens (the decode worker parks the second adapter's, KV pushed)
+        assert (await load("every-too", "every")).status_code == 200
+        models = ["tuned", "every-too", base, "every-too", "tuned"]
+        got = await asyncio.gather(*(tokens(m, stream=i % 2 == 1) for i, m in enumerate(models)))
+        answers = {"tuned": expected["qv"], "every-too": expected["every"], base: expected[""]}
+        assert got == [answers[m] for m in models]
 
     async with AsyncClient(address, timeout_s=120) as grpc_client:
         assert "tuned" in (await grpc_client.model_info()).adapters
