@@ -555,7 +555,9 @@ class AsyncEngine:
             load = dataclasses.replace(load, num_waiting_requests=waiting)
         finished = tuple(self._finished)
         self._finished.clear()
-        report = self._report = EngineReport(load, self._core.stats, finished, step)
+        report = self._report = EngineReport(
+            load, self._core.stats, finished, step, self._core.lora_requests()
+        )
         for listener in self._report_listeners:
             try:
                 listener(report)

@@ -44,7 +44,7 @@ from splitserve.engine.engine_face import (
     PulledKv,
     ReservedBlocks,
 )
-from splitserve.engine.engine_report import SchedulerStats, StepTiming
+from splitserve.engine.engine_report import AdapterRequests, SchedulerStats, StepTiming
 from splitserve.engine.grammar_matchers import GrammarMatchers
 from splitserve.engine.host_memory import return_freed_heap
 from splitserve.engine.kv_cache_manager import KVCacheManager
@@ -528,6 +528,25 @@ class EngineCore:
             step_cost=self.step_cost.estimate(),
             prefill_share=self.prefill_share.share(time.monotonic()),
             prefill_chunk_tokens=self.config.scheduler.max_num_batched_tokens,
+        )
+
+    def lora_requests(self) -> tuple[AdapterRequests, ...]:
+        """Each LoRA adapter served (or taken by a request still here) with its requests
+        running and waiting (queued, parked), by the name requests use; () where none is
+        served and none taken. Engine thread."""
+        if not self.adapters and not self._banked:
+            return ()
+        counts = {name: [0, 0] for name in self.adapters}
+        scheduler = self.scheduler
+        for request in scheduler.running:
+            if request.params.adapter:
+                counts.setdefault(request.params.adapter, [0, 0])[0] += 1
+        for request in (*scheduler.waiting, *scheduler.parked):
+            if request.params.adapter:
+                counts.setdefault(request.params.adapter, [0, 0])[1] += 1
+        return tuple(
+            AdapterRequests(name, running, waiting)
+            for name, (running, waiting) in sorted(counts.items())
         )
 
     # ---- the step --------------------------------------------------------------------------

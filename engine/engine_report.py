@@ -78,3 +78,17 @@ class EngineReport:
     step: StepTiming | None = None
     """The engine step this report follows (each step that ran is in exactly one report);
     None after a command batch or a reservation grant."""
+    lora_requests: tuple[AdapterRequests, ...] = ()
+    """Per LoRA adapter served or still taken by a request: its requests running and
+    waiting (``EngineCore.lora_requests``), by name."""
+
+
+@dataclass(frozen=True)
+class AdapterRequests:
+    """One LoRA adapter's requests on an engine: ``running`` in the batch, ``waiting`` for a
+    place (queued, or parked with their KV while ``--max-loras`` leaves their adapter no
+    room: ``engine/scheduler.py``)."""
+
+    adapter: str
+    running: int
+    waiting: int

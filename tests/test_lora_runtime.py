@@ -205,6 +205,20 @@ def test_max_lora_rank_refuses_larger_adapters_and_max_loras_keeps_peft_tokens(
     )
     prompt = default_checkpoint_fp32.tokenizer.encode(PROMPT)
     names = ["every", "qv", "", "every", "qv"]
+    engine = bounded.engine
+    assert [(a.adapter, a.running, a.waiting) for a in engine.lora_requests()] == [
+        ("every", 0, 0),
+        ("qv", 0, 0),
+    ]
+    for index, name in enumerate(names):
+        engine.add_request(f"counted-{index}", prompt, _params(name))
+    engine.step()  # every's two run, qv's two wait for room (the base model's runs)
+    assert [(a.adapter, a.running, a.waiting) for a in engine.lora_requests()] == [
+        ("every", 2, 0),
+        ("qv", 0, 2),
+    ]
+    for index in range(len(names)):
+        engine.abort_request(f"counted-{index}")
     results = bounded.generate([prompt] * len(names), [_params(name) for name in names])
     expected = {
         "every": peft_greedy(every.model, prompt, NEW_TOKENS),

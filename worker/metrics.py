@@ -32,7 +32,11 @@ Names (prefix ``splitserve_``; labels ``model_name``, ``role``):
   from each report that follows a step (steps that ran nothing are left out);
 - ``step_cost_seconds`` (gauge, label ``term``: the engine's learned step-time model,
   ``common/step_cost.py``: decode_base, per_decode_seq, per_context_token, prefill_base,
-  per_prefill_token) and ``step_cost_steps`` (label ``part``: decode | prefill, steps fitted).
+  per_prefill_token) and ``step_cost_steps`` (label ``part``: decode | prefill, steps fitted);
+- ``lora_requests`` (gauge, labels ``adapter`` and ``state``: running | waiting): each LoRA
+  adapter served here (or still taken by a running request after an unload) and its
+  requests, waiting ones queued or parked by ``--max-loras`` (vLLM's
+  ``lora_requests_info`` says the same in one label string).
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ from splitserve.common.load import EngineLoad
 from splitserve.common.metrics import KV_TRANSFER_BUCKETS, REQUEST_LATENCY_BUCKETS
 from splitserve.common.step_cost import StepCost
 from splitserve.engine.async_engine import AsyncEngine
-from splitserve.engine.engine_report import EngineReport, SchedulerStats
+from splitserve.engine.engine_report import AdapterRequests, EngineReport, SchedulerStats
 from splitserve.engine.step_threads import StepThreads
 
 _LABELS = ("model_name", "role")
@@ -183,6 +187,19 @@ class _EngineCollector(Collector):
             family.add_metric(self._values, value)
             yield family
         yield from self._step_cost(report.load.step_cost)
+        yield self._lora_requests(report.lora_requests)
+
+    def _lora_requests(self, adapters: tuple[AdapterRequests, ...]) -> GaugeMetricFamily:
+        family = GaugeMetricFamily(
+            "splitserve_lora_requests",
+            "Requests of each LoRA adapter served here, running in the batch or waiting "
+            "(queued, or parked while --max-loras leaves their adapter no room).",
+            labels=[*_LABELS, "adapter", "state"],
+        )
+        for adapter in adapters:
+            family.add_metric([*self._values, adapter.adapter, "running"], adapter.running)
+            family.add_metric([*self._values, adapter.adapter, "waiting"], adapter.waiting)
+        return family
 
     def _step_cost(self, cost: StepCost) -> Iterator[GaugeMetricFamily]:
         terms = GaugeMetricFamily(
