@@ -14,9 +14,11 @@ another, and a swapper, every ``--every-s`` seconds:
 - ``reload``: unloads ``policy``, then loads it from the other folder.
 
 Per round: requests finished and failed (by status), output tokens a second over the round
-(and its ratio to ``none``'s median), each finished request's seconds a token after its first,
-and the swap calls' seconds. A request that fails in ``reload`` is one that arrived while no
-worker served ``policy`` (NOT_FOUND); ``inplace`` should lose none. Nothing is asserted.
+(and its ratio to ``none``'s median), each finished request's seconds a token after its
+first, the gaps between a stream's chunks (p50, p99, max: what a swap's hold of the engine
+thread adds to the other requests' inter-token latency), and the swap calls' seconds. A
+request that fails in ``reload`` is one that arrived while no worker served ``policy``
+(NOT_FOUND); ``inplace`` should lose none. Nothing is asserted.
 
     .venv/bin/python bench/bench_lora_swap.py --rounds 3 --round-s 20
 """
@@ -38,7 +40,7 @@ from bench_relay_cpu import SPLITSERVE
 from cluster_process import LocalCluster
 from splitserve_runner import alternated_rounds, write_report
 
-from splitserve.client import AsyncClient, ClientError, Sampling
+from splitserve.client import AsyncClient, Chunk, ClientError, Sampling
 from splitserve.common.cpu_info import cpu_name
 from splitserve.engine.checkpoint import describe_checkpoint
 
@@ -49,22 +51,37 @@ PROMPT = "Write a short story about a lighthouse keeper and the storm that chang
 
 
 async def _client_loop(
-    address: str, tokens: int, until: float, finished: list[float], failed: list[str]
+    address: str,
+    tokens: int,
+    until: float,
+    finished: list[float],
+    failed: list[str],
+    gaps: list[float],
 ) -> int:
-    """Requests of ``NAME`` one after another until ``until``; their output tokens."""
+    """Streamed requests of ``NAME`` one after another until ``until``; their output
+    tokens. Each finished request's seconds a token after its first go to ``finished``, the
+    gaps between its chunks to ``gaps``."""
     sampling = Sampling(max_tokens=tokens, min_tokens=tokens, temperature=0.0)
     produced = 0
     async with AsyncClient(address, timeout_s=120) as client:
         while time.monotonic() < until:
-            started = time.monotonic()
+            arrivals: list[float] = []
+            count = 0
             try:
-                generation = await client.generate(PROMPT, sampling=sampling, model=NAME)
+                async for item in client.stream(PROMPT, sampling=sampling, model=NAME):
+                    if isinstance(item, Chunk) and item.token_ids:
+                        arrivals.append(time.monotonic())
+                        count += len(item.token_ids)
             except ClientError as error:
                 failed.append(error.code.name)
                 await asyncio.sleep(0.05)
                 continue
-            produced += len(generation.token_ids)
-            finished.append((time.monotonic() - started) / max(len(generation.token_ids), 1))
+            produced += count
+            if count > 1:
+                finished.append((arrivals[-1] - arrivals[0]) / (count - 1))
+            gaps.extend(
+                later - earlier for earlier, later in zip(arrivals, arrivals[1:], strict=False)
+            )
     return produced
 
 
@@ -93,10 +110,12 @@ async def one_round(
 ) -> Json:
     finished: list[float] = []
     failed: list[str] = []
+    gaps: list[float] = []
     started = time.monotonic()
     until = started + args.round_s
     clients = [
-        _client_loop(address, args.tokens, until, finished, failed) for _ in range(args.streams)
+        _client_loop(address, args.tokens, until, finished, failed, gaps)
+        for _ in range(args.streams)
     ]
     swaps = (
         _swapper(address, mode, folders, args.every_s, until, state)
@@ -112,9 +131,19 @@ async def one_round(
         "failed_by_status": {code: failed.count(code) for code in sorted(set(failed))},
         "tokens_per_s": sum(produced) / elapsed,
         "s_per_token_p50": statistics.median(finished) if finished else None,
+        "gap_s_p50": _quantile(gaps, 0.50),
+        "gap_s_p99": _quantile(gaps, 0.99),
+        "gap_s_max": max(gaps, default=None),
         "swaps": len(swap_seconds),
         "swap_s": swap_seconds,
     }
+
+
+def _quantile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def main() -> int:
@@ -125,9 +154,12 @@ def main() -> int:
     parser.add_argument("--streams", type=int, default=8, help="concurrent clients")
     parser.add_argument("--tokens", type=int, default=32, help="tokens per request")
     parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--modes", default=",".join(MODES), help=f"some of {MODES}")
     parser.add_argument("--up-flags", default="", help="more flags of splitserve up")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    if "none" not in args.modes.split(",") or not set(args.modes.split(",")) <= set(MODES):
+        parser.error(f"--modes: some of {MODES}, none among them (the baseline)")
     config = describe_checkpoint("default").config
     with tempfile.TemporaryDirectory() as lora_dir:
         folders = []
@@ -151,12 +183,14 @@ def main() -> int:
                 print(json.dumps(row), flush=True)
                 return row
 
-            rounds = alternated_rounds(MODES, args.rounds, run)
+            rounds = alternated_rounds(tuple(args.modes.split(",")), args.rounds, run)
     base = statistics.median(r["tokens_per_s"] for r in rounds["none"])
     summary = {
         mode: {
             "tokens_per_s_median": statistics.median(r["tokens_per_s"] for r in rows),
             "ratio_to_none": statistics.median(r["tokens_per_s"] for r in rows) / base,
+            "gap_s_p99_median": statistics.median(r["gap_s_p99"] for r in rows),
+            "gap_s_max_median": statistics.median(r["gap_s_max"] for r in rows),
             "finished": sum(r["finished"] for r in rows),
             "failed": sum(r["failed"] for r in rows),
             "swaps": sum(r["swaps"] for r in rows),

@@ -35,6 +35,7 @@ thread. After ``shutdown`` every open stream receives ``EngineStoppedError``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -155,6 +156,9 @@ class AsyncEngine:
         self._stopping = False
         self._reservations = ReservationQueue(core, max_waiting_reservations)
         """Remote-prefill reservations waiting for blocks (engine thread only)."""
+        core.defer_layouts = True
+        self._relayout = False
+        """A thread is laying the adapters out again for the engine (``_relayout_off_thread``)."""
         self._after_refresh: list[Callable[[], None]] = []
         """Results of commands, submits and grants to tell their callers once
         ``latest_report`` shows them (engine thread only): a caller that reads the report
@@ -325,9 +329,16 @@ class AsyncEngine:
         check_only: bool = False,
     ) -> bool:
         """Serve ``adapter`` as ``name`` between two steps, or with ``check_only`` only say
-        whether it would be (``EngineCore.serve_adapter``: its answer and refusals)."""
+        whether it would be (``EngineCore.serve_adapter``: its answer and refusals). The
+        layout with it is built first on a thread of its own (``EngineCore.prepare_layout``),
+        so the engine thread only swaps it in."""
+        prepared = None
+        if not check_only:
+            prepared = await asyncio.to_thread(self._core.prepare_layout, adapter)
         return await self.call(
-            lambda: self._core.serve_adapter(name, adapter, replace=replace, check_only=check_only)
+            lambda: self._core.serve_adapter(
+                name, adapter, replace=replace, check_only=check_only, prepared=prepared
+            )
         )
 
     async def unload_adapter(self, name: str) -> None:
@@ -498,6 +509,8 @@ class AsyncEngine:
             self.step_threads.start()
         while not self._stopping:
             self._drain_commands()
+            if self._core.layout_stale and not self._relayout:
+                self._relayout_off_thread()
             if self._serve_reservations():
                 self._publish()
             if not self._core.has_unfinished:
@@ -525,6 +538,30 @@ class AsyncEngine:
                 self._deliver(output)
             self._serve_reservations()
             self._publish(timing)
+
+    def _relayout_off_thread(self) -> None:
+        """Engine thread: lay the banked adapters out again on a thread of its own (an
+        adapter retired: ``EngineCore.layout_stale``), then take the layout between two
+        steps where the adapters banked are still the same (else the next loop tries
+        again). Steps meanwhile keep the old layout, the retired adapter in it unused."""
+        self._relayout = True
+
+        def build() -> None:
+            try:
+                prepared = self._core.prepare_layout()
+            except Exception:  # the old layout keeps serving; a later change tries again
+                logger.exception("laying the LoRA adapters out again failed")
+                prepared = None
+
+            def install() -> None:
+                self._relayout = False
+                if prepared is not None:
+                    self._core.install_layout(prepared)
+
+            with contextlib.suppress(EngineStoppedError):  # shut down meanwhile
+                self._submit(install)
+
+        threading.Thread(target=build, name="lora-layout", daemon=True).start()
 
     def _serve_reservations(self) -> bool:
         """Grant waiting reservations the pool can take now (blocks come back only in

@@ -51,7 +51,9 @@ from splitserve.engine.kv_cache_manager import KVCacheManager
 from splitserve.engine.launched_step import LaunchedDecode
 from splitserve.engine.lora import (
     LoraAdapter,
+    PreparedLayout,
     adapter_digest,
+    adapter_layout,
     check_rank,
     config_rank,
     load_lora_adapter,
@@ -116,6 +118,14 @@ class EngineCore:
         and those unloaded while requests of theirs still run (``_retire_adapters``)."""
         self._adapters_retiring = False
         """The bank holds an adapter no longer served, for requests of it still here."""
+        self.defer_layouts = False
+        """Whether a layout change the engine must make on its own (an adapter retired) is
+        left to ``prepare_layout`` off the engine thread and ``install_layout`` (set by
+        ``AsyncEngine``); else it is built at once, on the engine thread."""
+        self.layout_stale = False
+        """The model's adapter layout holds adapters ``_banked`` no longer does (retired,
+        awaiting ``install_layout``); a layout with more adapters than needed serves the
+        same requests (their rows never take the extra ones)."""
         self.adapters: dict[str, AdapterId] = self._load_adapters()
         """The LoRA adapters served, by name: ``ModelConfig.lora_modules``, then as loaded
         and unloaded at runtime (``serve_adapter``, ``unserve_adapter``). Replaced, never
@@ -227,6 +237,7 @@ class EngineCore:
         *,
         replace: bool = False,
         check_only: bool = False,
+        prepared: PreparedLayout | None = None,
     ) -> bool:
         """Serve ``adapter`` (``read_adapter``'s) under ``name`` from the next step on; False
         where that name already serves these very files (nothing changes). Where it serves
@@ -235,7 +246,9 @@ class EngineCore:
         ``InvalidRequestError`` (requests under one name must not meet two adapters by
         accident). ``InvalidRequestError`` too where these would be one more than
         ``ModelConfig.max_lora_adapters``. ``check_only``: the same answer and refusals,
-        nothing changed. Engine thread."""
+        nothing changed. ``prepared``: the layout with it, built off the engine thread
+        (``prepare_layout``), taken where it still holds exactly the adapters banked then.
+        Engine thread."""
         digest = adapter.digest
         served = self.adapters.get(name)
         if served is not None and served.digest == digest:
@@ -258,7 +271,7 @@ class EngineCore:
             return True
         if isinstance(adapter, LoraAdapter) and digest not in self._banked:
             self._banked[digest] = adapter
-            self._bank_adapters()
+            self._bank_adapters(prepared)
         self.adapters = {**self.adapters, name: AdapterId(name, digest)}
         if served is None:
             logger.info("LoRA adapter %r loaded (digest %s)", name, digest)
@@ -306,13 +319,51 @@ class EngineCore:
         if gone:
             for digest in gone:
                 del self._banked[digest]
-            self._bank_adapters()
+            if self.defer_layouts and isinstance(self.runner, ModelRunner):
+                self.layout_stale = True  # AsyncEngine lays them out again off this thread
+            else:
+                self._bank_adapters()
 
-    def _bank_adapters(self) -> None:
+    def _bank_adapters(self, prepared: PreparedLayout | None = None) -> None:
         """Lay the banked adapters' factors out for the model's steps
-        (``engine/lora.py:AdapterBank``)."""
-        if isinstance(self.runner, ModelRunner):
+        (``engine/lora.py:adapter_layout``): ``prepared``'s where it holds exactly them."""
+        if not isinstance(self.runner, ModelRunner):
+            return
+        if prepared is not None and prepared.digests == tuple(self._banked):
+            self.runner.model.adapters = prepared.layout
+        else:
             self.runner.model.set_adapters(list(self._banked.values()))
+        self.layout_stale = False
+
+    def prepare_layout(
+        self, adding: LoraAdapter | AdapterId | None = None
+    ) -> PreparedLayout | None:
+        """The layout of the adapters banked now, with ``adding`` (``read_adapter``'s), for
+        ``serve_adapter`` or ``install_layout`` to take on the engine thread: built here, on
+        any thread, while the engine steps on (reusing the current layout's products where
+        ``adapter_layout`` does). None where there is nothing to build: a simulated engine,
+        or ``adding`` banked already."""
+        if not isinstance(self.runner, ModelRunner) or isinstance(adding, AdapterId):
+            return None
+        banked = self._banked.copy()  # one call: whole under the GIL
+        if adding is not None:
+            if adding.digest in banked:
+                return None
+            banked[adding.digest] = adding
+        model = self.runner.model
+        layout = adapter_layout(
+            list(banked.values()), model.config.num_hidden_layers, model.adapters
+        )
+        return PreparedLayout(tuple(banked), layout)
+
+    def install_layout(self, prepared: PreparedLayout) -> bool:
+        """Take ``prepared`` (``prepare_layout``'s) where it holds exactly the adapters banked
+        now; whether it did (else the layout stays as it was, stale or not). Engine
+        thread."""
+        if prepared.digests != tuple(self._banked):
+            return False
+        self._bank_adapters(prepared)
+        return True
 
     def _capture_decode_graphs(self, device: torch.device) -> None:
         """Capture the decode steps' CUDA graphs (``engine/decode_graphs.py``) where

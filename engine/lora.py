@@ -481,6 +481,15 @@ StepTerms = StepAdapters | StepGroups
 """A step's adapters, as its layout hands them to ``engine/model.py``'s layers."""
 
 
+@dataclass(frozen=True)
+class PreparedLayout:
+    """A layout built ahead for the adapters of ``digests``, in the engine's banking order
+    (``EngineCore.prepare_layout``)."""
+
+    digests: tuple[str, ...]
+    layout: AdapterLayout | None
+
+
 def adapter_layout(
     adapters: Sequence[LoraAdapter], num_layers: int, previous: AdapterLayout | None = None
 ) -> AdapterLayout | None:

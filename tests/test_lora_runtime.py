@@ -10,6 +10,8 @@ while those running finish with the old files.
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,7 @@ import pytest
 from splitserve.common.errors import InvalidRequestError, ModelLoadError, ModelNotFoundError
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine import lora
+from splitserve.engine.async_engine import AsyncEngine
 from splitserve.engine.checkpoint import LoadedCheckpoint
 from splitserve.engine.config import ModelConfig
 from tests.conftest import assert_no_leaks, make_llm
@@ -275,4 +278,60 @@ def test_a_load_apart_keeps_the_loaded_adapters_products(
     assert llm.generate([prompt], _params("every"))[0].token_ids == peft_greedy(
         every.model, prompt, NEW_TOKENS
     )
+    assert_no_leaks(llm)
+
+
+def test_a_served_engine_lays_adapters_out_off_its_thread(
+    default_checkpoint_fp32: LoadedCheckpoint, lora_adapters, monkeypatch
+) -> None:
+    """``AsyncEngine``: a load's layout is built on the reading thread and only swapped in
+    on the engine thread (the model's ``set_adapters`` never runs there); after an unload
+    the engine keeps the old layout until a thread of its own has built the new one; the
+    tokens are PEFT's throughout."""
+    every, qv = lora_adapters["every"], lora_adapters["qv"]
+    llm = make_llm(default_checkpoint_fp32)
+    engine = AsyncEngine(llm.engine)
+    model = llm.engine.runner.model
+    engine_thread_layouts: list[str] = []
+    set_adapters = model.set_adapters
+
+    def counted(adapters) -> None:  # noqa: ANN001
+        engine_thread_layouts.append(threading.current_thread().name)
+        set_adapters(adapters)
+
+    monkeypatch.setattr(model, "set_adapters", counted)
+    prompt = default_checkpoint_fp32.tokenizer.encode(PROMPT)
+
+    async def run() -> None:
+        await engine.load_adapter("every", Path(every.folder))
+        await engine.load_adapter("qv", Path(qv.folder))
+        assert model.adapters is not None and len(model.adapters.digests) == 2
+        got = {}
+        for name in ("every", "qv"):
+            tokens: list[int] = []
+            async for output in engine.generate(f"r-{name}", prompt, _params(name)):
+                tokens.extend(output.update.new_token_ids)
+            got[name] = tokens
+        assert got == {
+            "every": peft_greedy(every.model, prompt, NEW_TOKENS),
+            "qv": peft_greedy(qv.model, prompt, NEW_TOKENS),
+        }
+        await engine.unload_adapter("every")
+        for _ in range(500):  # laid out again off the engine thread, then swapped in
+            if len(model.adapters.digests) == 1:
+                break
+            await asyncio.sleep(0.01)
+        assert model.adapters.digests == (engine.adapter_digest("qv"),)
+        await engine.unload_adapter("qv")
+        for _ in range(500):
+            if model.adapters is None:
+                break
+            await asyncio.sleep(0.01)
+        assert model.adapters is None
+
+    try:
+        asyncio.run(run())
+    finally:
+        engine.shutdown()
+    assert engine_thread_layouts == []  # every layout was prepared, none built in place
     assert_no_leaks(llm)
