@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 import jinja2
 import tokenizers
+from jinja2 import meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import processors
 
@@ -177,6 +178,11 @@ class Tokenizer:
             raise InvalidRequestError(
                 f"chat_template_kwargs may not set {', '.join(reserved)}", "chat_template_kwargs"
             )
+        if "documents" in kwargs and "documents" not in self._template_variables:
+            raise InvalidRequestError(
+                "this model's chat template reads no documents: give them in the messages",
+                "documents",
+            )
         final = _final_content(messages) if continue_final_message else None
         if continue_final_message and add_generation_prompt:
             raise InvalidRequestError(
@@ -211,6 +217,16 @@ class Tokenizer:
     def backend(self) -> tokenizers.Tokenizer:
         """The wrapped ``tokenizers.Tokenizer``; ``decode`` is its ``decode``, unchanged."""
         return self._backend
+
+    @functools.cached_property
+    def _template_variables(self) -> frozenset[str]:
+        """The variables the chat template reads that it does not set itself."""
+        if self._chat_template is None or self._chat_template_source is None:
+            return frozenset()
+        environment = self._chat_template.environment
+        return frozenset(
+            meta.find_undeclared_variables(environment.parse(self._chat_template_source))
+        )
 
     @functools.cached_property
     def max_chars_per_token(self) -> int | None:

@@ -85,7 +85,9 @@ class AdapterLoaded:
 
 
 class RuntimeAdapters:
-    """The LoRA adapters this coordinator loaded onto its workers (module docstring)."""
+    """LoRA adapters loaded at runtime onto the model's workers: the changes asked of this
+    coordinator, and the record of them every coordinator of the model follows (module
+    docstring)."""
 
     def __init__(
         self,

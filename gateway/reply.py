@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import quote
 
 import grpc
 import orjson
@@ -64,6 +65,18 @@ TYPED_FRAMING = SseFraming(_typed_sse, b"")
 """The Responses API: each event named by its ``type``; the stream ends with its last event."""
 
 
+_HEADER_SAFE = "".join(chr(code) for code in range(0x21, 0x7F) if chr(code) != "%")
+
+
+def header_value(text: str) -> str:
+    """``text`` as an HTTP header's value: as it is where it is visible ASCII (spaces
+    between), else percent-encoded as UTF-8 (a body's ``request_id`` may hold any
+    character; a header holds neither line breaks nor, portably, non-ASCII)."""
+    if all(" " <= char <= "~" for char in text) and text == text.strip():
+        return text
+    return quote(text, safe=_HEADER_SAFE)
+
+
 async def respond(
     metrics: RequestMetrics,
     request: Request,
@@ -82,7 +95,7 @@ async def respond(
     the stream; ``framing``: the endpoint's. ``span``: the request's, ended with it (its
     ``traceparent`` is returned); ``metrics``: the model's."""
     timer = metrics.start(span)
-    headers = {"x-request-id": request_id}
+    headers = {"x-request-id": header_value(request_id)}
     if traceparent := traceparent_of(span):
         headers["traceparent"] = traceparent
     try:

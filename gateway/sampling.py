@@ -98,6 +98,7 @@ def asked_template_fields(body: _ChatTemplateFields) -> list[tuple[str, bool]]:
         ("chat_template_kwargs", bool(body.chat_template_kwargs)),
         ("add_generation_prompt", body.add_generation_prompt is False),
         ("continue_final_message", bool(body.continue_final_message)),
+        ("documents", bool(body.documents)),
     ]
 
 
@@ -107,10 +108,15 @@ def chat_template_of(body: _ChatTemplateFields) -> ChatTemplate | None:
     so (a 400 naming the field)."""
     if not any(asked for _, asked in asked_template_fields(body)):
         return None
+    kwargs = dict(body.chat_template_kwargs or {})
+    if body.documents:
+        if "documents" in kwargs:
+            raise invalid(
+                "documents are given twice: as documents and in chat_template_kwargs", "documents"
+            )
+        kwargs["documents"] = body.documents
     return ChatTemplate(
-        body.chat_template_kwargs or {},
-        body.add_generation_prompt is not False,
-        bool(body.continue_final_message),
+        kwargs, body.add_generation_prompt is not False, bool(body.continue_final_message)
     )
 
 

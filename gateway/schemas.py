@@ -281,6 +281,12 @@ class _ChatTemplateFields(BaseModel):
         description="The text ends with the final message's content, an assistant's, for the "
         "model to go on (needs add_generation_prompt: false).",
     )
+    documents: list[dict[str, str]] | None = Field(
+        None,
+        description="Documents for a retrieval-augmented chat template (vLLM's; e.g. Command "
+        "R's or Granite's), each a mapping of strings such as {'title', 'text'}, given to the "
+        "template as `documents`. A 400 where the model's template reads none.",
+    )
 
 
 class ChatCompletionRequest(_ChatTemplateFields, _SamplingFields):

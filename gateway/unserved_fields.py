@@ -70,7 +70,6 @@ REFUSED: dict[str, Refusal] = {
     # chat rendering
     "echo": Refusal("echo is not supported for chat completions", _is(False)),
     "chat_template": Refusal("a request's own chat_template is not supported"),
-    "documents": Refusal("documents are not supported"),
     "mm_processor_kwargs": Refusal("multimodal inputs are not supported"),
     "audio": Refusal("audio output is not supported"),
     "modalities": Refusal("only the text modality is supported", lambda v: v in (None, ["text"])),

@@ -137,7 +137,7 @@ def test_chat_template_fields_render_the_prompt(served: Served, sdk: openai.Open
     """``continue_final_message`` continues a prefilled assistant answer (the chat completion
     equals the completion of the ids ``/tokenize`` renders for it); ``add_generation_prompt:
     false`` drops the generation prompt; ``chat_template_kwargs`` reach the template, never
-    over a name it is given."""
+    over a name it is given; ``documents`` are refused where the template reads none."""
     model = _model(sdk)
     prefilled = [*QUESTION, {"role": "assistant", "content": "The capital of France is"}]
     fields = {"add_generation_prompt": False, "continue_final_message": True}
@@ -157,6 +157,11 @@ def test_chat_template_fields_render_the_prompt(served: Served, sdk: openai.Open
     for body, param in (
         ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
         ({"continue_final_message": True}, "continue_final_message"),  # generation prompt on
+        ({"documents": [{"title": "t", "text": "x"}]}, "documents"),  # SmolLM2's reads none
+        (
+            {"documents": [{"text": "x"}], "chat_template_kwargs": {"documents": []}},
+            "documents",
+        ),
     ):
         refused = httpx.post(
             f"{served.url}/v1/chat/completions",
@@ -295,7 +300,7 @@ def test_a_cache_salt_keeps_cached_prefixes_apart(served: Served, sdk: openai.Op
 
 def test_the_body_s_request_id_names_the_request(served: Served, sdk: openai.OpenAI) -> None:
     """vLLM's body ``request_id`` names the request as the ``x-request-id`` header does; the
-    header wins when both are sent."""
+    header wins when both are sent; an id a header cannot hold is echoed percent-encoded."""
     body = {"model": _model(sdk), "prompt": PROMPT, "max_tokens": 2, "request_id": "body-id-1"}
     named = httpx.post(f"{served.url}/v1/completions", json=body, timeout=60)
     assert named.status_code == 200 and named.headers["x-request-id"] == "body-id-1"
@@ -306,3 +311,8 @@ def test_the_body_s_request_id_names_the_request(served: Served, sdk: openai.Ope
         timeout=60,
     )
     assert both.status_code == 200 and both.headers["x-request-id"] == "header-id-2"
+    for asked, echoed in (("Ā-ü 1", "%C4%80-%C3%BC%201"), ("line\nbreak", "line%0Abreak")):
+        other = httpx.post(  # any character: echoed percent-encoded (a 500 before)
+            f"{served.url}/v1/completions", json={**body, "request_id": asked}, timeout=60
+        )
+        assert other.status_code == 200 and other.headers["x-request-id"] == echoed

@@ -338,7 +338,8 @@ def test_min_prompt_tokens_is_a_lower_bound_without_tokenizing() -> None:
 def test_chat_template_variables_and_a_continued_final_message(
     ours: Tokenizer, saved_folder: Path, tmp_path: Path
 ) -> None:
-    """vLLM's ``chat_template_kwargs`` reach the template (never over the names it is given);
+    """vLLM's ``chat_template_kwargs`` reach the template (never over the names it is given),
+    and its ``documents`` where the template reads them (refused where it does not);
     ``continue_final_message`` ends the text with the assistant's content, open (SmolLM2's
     template would close it with ``<|im_end|>``)."""
     folder = _copy(saved_folder, tmp_path / "kwargs")
@@ -361,6 +362,23 @@ def test_chat_template_variables_and_a_continued_final_message(
         templated.apply_chat_template(messages, template_kwargs={"depth": "deep"})
     assert refused.value.param == "chat_template_kwargs"
     assert templated.apply_chat_template(messages, template_kwargs={"depth": 2}) == "Hi--"
+
+    with pytest.raises(InvalidRequestError) as refused:  # this template reads no documents
+        templated.apply_chat_template(messages, template_kwargs={"documents": [{"text": "x"}]})
+    assert refused.value.param == "documents"
+    grounded = _copy(saved_folder, tmp_path / "documents")
+    _edit_config(  # as retrieval-augmented templates (Command R's, Granite's) read them
+        grounded,
+        chat_template="{% for d in documents %}[{{ d.title }}: {{ d.text }}]{% endfor %}"
+        "{% for m in messages %}{{ m.content }}{% endfor %}",
+    )
+    documents = [{"title": "Paris", "text": "capital of France"}, {"title": "Rome", "text": "?"}]
+    assert (
+        Tokenizer.from_tokenizer_json(grounded).apply_chat_template(
+            messages, template_kwargs={"documents": documents}
+        )
+        == "[Paris: capital of France][Rome: ?]Hi"
+    )
 
     prefilled = [*messages, {"role": "assistant", "content": "The answer is "}]
     closed = ours.apply_chat_template(prefilled, add_generation_prompt=False)
