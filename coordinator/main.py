@@ -49,11 +49,9 @@ from splitserve.coordinator.service import Coordinator, CoordinatorConfig
 from splitserve.coordinator.servicer import CoordinatorServicer
 from splitserve.coordinator.settings import CoordinatorSettings
 from splitserve.coordinator.tenants import TenantLimits, TenantPolicy
-from splitserve.discovery.adapter_catalog import AdapterCatalog
-from splitserve.discovery.etcd_access import etcd_access
+from splitserve.discovery.etcd_access import EtcdAccess, etcd_access
 from splitserve.discovery.etcd_adapter_catalog import EtcdAdapterCatalog
 from splitserve.discovery.etcd_watcher import EtcdMembershipWatcher
-from splitserve.discovery.flags import MembershipSettings
 from splitserve.engine.model_spec import model_tokenizer, served_model_name
 from splitserve.proto.api_key_auth import ApiKeyInterceptor
 from splitserve.proto.cluster_access import ClusterAccess, access_or_exit
@@ -115,6 +113,9 @@ class PreparedCoordinator:
     coordinator: Coordinator
     access: ClusterAccess
     keys: ApiKeys
+    etcd: EtcdAccess | None = None
+    """How the coordinator reaches etcd (``--etcd-endpoints``; None: it does not), read
+    and checked once in ``prepare``."""
 
 
 def prepare(
@@ -127,13 +128,16 @@ def prepare(
     pin_or_exit(parser, settings.cpu_affinity)
     access = access_or_exit(parser, args)
     keys = api_keys_or_exit(parser, args)
-    built_or_exit(parser, lambda: etcd_access(settings.membership))  # refused before serving
+    etcd = built_or_exit(parser, lambda: etcd_access(settings.membership))  # refused first
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role} %(levelname)s %(message)s")
     configure_tracing(role, settings.tracing.otlp_traces_endpoint)
     config = _config_of(parser, settings, served_model_name(settings.model))
-    catalog = _adapter_catalog(settings.membership, config.checkpoint or config.model_name)
+    catalog = None  # without etcd: the coordinator's memory
+    if etcd is not None:  # the model's runtime LoRA adapters, shared by its coordinators
+        model = config.checkpoint or config.model_name
+        catalog = EtcdAdapterCatalog(etcd.client(), settings.membership.cluster_name, model)
     coordinator = Coordinator(config, model_tokenizer(settings.model), access, catalog)
-    return PreparedCoordinator(settings, coordinator, access, keys)
+    return PreparedCoordinator(settings, coordinator, access, keys, etcd)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -211,7 +215,7 @@ async def serve(
         serving(servicer, f"{settings.host}:{server.port}")
     await coordinator.runtime_adapters.start()
     watcher = asyncio.create_task(_watch_workers(coordinator, server, stop))
-    follower = _membership_follower(settings.membership, coordinator)
+    follower = _membership_follower(prepared.etcd, settings.membership.cluster_name, coordinator)
     following = None if follower is None else asyncio.create_task(follower.run())
     await stop.wait()
     await server.set_serving(False)
@@ -281,25 +285,14 @@ def _plane(
     return register
 
 
-def _adapter_catalog(membership: MembershipSettings, model: str) -> AdapterCatalog | None:
-    """With ``--etcd-endpoints``: the model's runtime LoRA adapters in etcd, shared by every
-    coordinator of the model (else None: this coordinator's memory)."""
-    access = etcd_access(membership)
-    if access is None:
-        return None
-    return EtcdAdapterCatalog(access.client(), membership.cluster_name, model)
-
-
 def _membership_follower(
-    membership: MembershipSettings, coordinator: Coordinator
+    etcd: EtcdAccess | None, cluster_name: str, coordinator: Coordinator
 ) -> MembershipFollower | None:
-    """With ``--etcd-endpoints``: the follower of the etcd membership (workers may also
-    register over gRPC, as without it). ``ValueError`` for an etcd login or TLS files it
-    cannot use."""
-    access = etcd_access(membership)
-    if access is None:
+    """With ``--etcd-endpoints`` (``etcd``): the follower of the etcd membership (workers
+    may also register over gRPC, as without it)."""
+    if etcd is None:
         return None
-    watcher = EtcdMembershipWatcher(access.client(), membership.cluster_name)
+    watcher = EtcdMembershipWatcher(etcd.client(), cluster_name)
     return MembershipFollower(
         watcher,
         coordinator.registry,

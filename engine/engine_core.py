@@ -53,7 +53,6 @@ from splitserve.engine.lora import (
     LoraAdapter,
     PreparedLayout,
     adapter_digest,
-    adapter_layout,
     check_rank,
     config_rank,
     load_lora_adapter,
@@ -259,7 +258,7 @@ class EngineCore:
                 "first, load these under another name, or load them in place (load_inplace)",
                 "lora_name",
             )
-        kept = {a.digest for other, a in self.adapters.items() if other != name}
+        kept = self._served_digests(besides=name)
         limit = self.config.model.max_lora_adapters
         if digest not in kept and len(kept) >= limit:
             raise InvalidRequestError(
@@ -305,9 +304,10 @@ class EngineCore:
             )
         return served.digest
 
-    def _served_digests(self) -> set[str]:
-        """The digests of the adapters served (several names may serve one)."""
-        return {adapter.digest for adapter in self.adapters.values()}
+    def _served_digests(self, besides: str = "") -> set[str]:
+        """The digests of the adapters served (several names may serve one), under another
+        name than ``besides``."""
+        return {adapter.digest for other, adapter in self.adapters.items() if other != besides}
 
     def _retire_adapters(self) -> None:
         """Drop from the bank the adapters no longer served that no request here takes any
@@ -350,10 +350,7 @@ class EngineCore:
             if adding.digest in banked:
                 return None
             banked[adding.digest] = adding
-        model = self.runner.model
-        layout = adapter_layout(
-            list(banked.values()), model.config.num_hidden_layers, model.adapters
-        )
+        layout = self.runner.model.layout_for(list(banked.values()))
         return PreparedLayout(tuple(banked), layout)
 
     def install_layout(self, prepared: PreparedLayout) -> bool:

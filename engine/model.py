@@ -167,7 +167,13 @@ class LlamaModel:
         """Hold ``adapters`` (loaded for this model's shapes, dtype and device; one per
         digest) from the next step on, in a new bank (a step launched before keeps the
         bank it was given); none: no bank."""
-        self.adapters = adapter_layout(adapters, self.config.num_hidden_layers, self.adapters)
+        self.adapters = self.layout_for(adapters)
+
+    def layout_for(self, adapters: Sequence[LoraAdapter]) -> AdapterLayout | None:
+        """The layout ``adapters`` would take in this model (``engine/lora.py:adapter_layout``,
+        reusing the current layout's products where it can), built without taking it: any
+        thread (``EngineCore.prepare_layout``)."""
+        return adapter_layout(adapters, self.config.num_hidden_layers, self.adapters)
 
     def _decode_layers_for(self) -> CpuDecodeLayers | None:
         """The C layer loop of decode-only steps (``kernels/cpu_decode_layers.py``) where it

@@ -310,7 +310,7 @@ class Scheduler:
         status = self._stop_status(request, first_token_id)
         if status is not None:
             self._finish(request, status)
-        elif self.parked or not self._adapter_fits(request, self._running_adapters()):
+        elif self.parked or not self._adapter_fits(request):
             request.status = RequestStatus.WAITING_FOR_ADAPTER
             self.parked.append(request)
         else:
@@ -365,12 +365,16 @@ class Scheduler:
         """The distinct LoRA adapters (digests) the running requests take."""
         return {r.adapter_digest for r in self.running if r.adapter_digest}
 
-    def _adapter_fits(self, request: Request, adapters: set[str]) -> bool:
-        """Whether ``request`` may run beside requests taking ``adapters``
-        (``SchedulerConfig.max_loras``)."""
+    def _adapter_fits(self, request: Request, adapters: set[str] | None = None) -> bool:
+        """Whether ``request`` may run beside requests taking ``adapters`` (None: the running
+        requests', read only where a bound applies) (``SchedulerConfig.max_loras``)."""
         limit = self.config.max_loras
         digest = request.adapter_digest
-        return not limit or not digest or digest in adapters or len(adapters) < limit
+        if not limit or not digest:
+            return True
+        if adapters is None:
+            adapters = self._running_adapters()
+        return digest in adapters or len(adapters) < limit
 
     def _unpark(self) -> None:
         """Parked requests whose adapter fits now join the running batch, oldest first."""
