@@ -54,11 +54,14 @@ class ChatTemplate:
     ``kwargs``: more variables the template sees (JSON values, e.g. ``{"enable_thinking":
     False}``); ``add_generation_prompt``: the template's generation prompt closes the text;
     ``continue_final_message``: the text ends with the final message's content, an
-    assistant's, for the model to go on (``add_generation_prompt`` must then be False)."""
+    assistant's, for the model to go on (``add_generation_prompt`` must then be False);
+    ``source``: a template of the request's own (Jinja text) used instead of the model's, taken
+    only by a coordinator run with ``--trust-request-chat-template``."""
 
     kwargs: Mapping[str, Any] = dataclass_field(default_factory=dict)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    source: str | None = None
 
     def to_proto(self, messages: list[coordinator_pb2.ChatMessage]) -> coordinator_pb2.ChatPrompt:
         """The chat prompt of ``messages`` rendered so."""
@@ -67,6 +70,7 @@ class ChatTemplate:
             template_kwargs_json=json.dumps(dict(self.kwargs)) if self.kwargs else "",
             add_generation_prompt=self.add_generation_prompt,
             continue_final_message=self.continue_final_message,
+            template=self.source or "",
         )
 
 
@@ -99,7 +103,8 @@ class Sampling:
     logit_bias: Mapping[int, float] | None = None
     """Token id -> bias in [-100, 100], added to that token's logit before sampling."""
     grammar: GrammarSpec | None = None
-    """Structured output: the tokens must match this JSON schema, regex, choice or grammar."""
+    """Structured output: the tokens must match this JSON schema, regex, choice, grammar or
+    structural tag."""
     prompt_logprobs: int | None = None
     """Return each prompt token's logprob after the first and this many top alternatives
     (0..20), on the first chunk (``Chunk.prompt_logprobs``). The whole prompt is computed:

@@ -2,7 +2,8 @@
 
 ``GrammarSpec`` is the request's constraint as asked (torch-free, llguidance-free: the gateway
 and clients build it): a JSON schema, any JSON object, a regular expression, a choice among
-strings, or a grammar (Lark or GBNF). ``compile_grammar`` turns it into llguidance's grammar
+strings, a grammar (Lark or GBNF), or a structural tag (free text and tagged regions, as
+xgrammar describes them). ``compile_grammar`` turns it into llguidance's grammar
 text and checks it against a tokenizer; ``GrammarCompiler`` does that once per spec (an LRU
 cache) for a coordinator, which refuses a bad constraint with a 400 before any worker sees it.
 
@@ -24,13 +25,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from splitserve.common.errors import InvalidRequestError
+from splitserve.common.structural_tag import parse_structural_tag, structural_tag_grammar
 
 if TYPE_CHECKING:
     from splitserve.common.tokenizer import Tokenizer
 
-GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "structural_tag")
 """What a constraint is: a JSON schema (its JSON text), any JSON object (no text), a regular
-expression, a JSON list of strings to choose from, a Lark or GBNF grammar."""
+expression, a JSON list of strings to choose from, a Lark or GBNF grammar, a structural tag
+(its JSON text, ``common/structural_tag.py``)."""
 MAX_GRAMMAR_CHARS = 1 << 20
 """Longest constraint text accepted (a schema of a megabyte is already far past useful)."""
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -64,6 +67,12 @@ class GrammarSpec:
         return cls("json_schema", schema if isinstance(schema, str) else json.dumps(schema))
 
     @classmethod
+    def structural_tag(cls, tag: dict[str, Any] | str) -> GrammarSpec:
+        """A structural tag as asked (an object or its JSON text), checked for its form."""
+        parse_structural_tag(tag)
+        return cls("structural_tag", tag if isinstance(tag, str) else json.dumps(tag))
+
+    @classmethod
     def choice(cls, options: list[str]) -> GrammarSpec:
         if not options or not all(isinstance(option, str) for option in options):
             raise InvalidRequestError("a choice needs a non-empty list of strings", PARAM)
@@ -84,6 +93,8 @@ def llguidance_grammar(spec: GrammarSpec) -> str:
             options = json.loads(spec.text)
             GrammarSpec.choice(options)  # checks the options
             return grammar_from("choice", spec.text)
+        if spec.kind == "structural_tag":
+            return structural_tag_grammar(parse_structural_tag(spec.text), JSON_LAYOUT)
         return grammar_from("regex" if spec.kind == "regex" else "grammar", spec.text)
     except (ValueError, TypeError) as error:
         raise InvalidRequestError(f"invalid {spec.kind}: {error}", PARAM) from None

@@ -31,6 +31,8 @@ class Chat:
     """More variables for the template (vLLM's ``chat_template_kwargs``, JSON values)."""
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    template: str | None = None
+    """The request's own chat template (vLLM's ``chat_template``), instead of the model's."""
 
 
 Prompt = TextOrTokens | ChatMessages | Chat
@@ -62,12 +64,14 @@ def encode_prompt(
     if isinstance(prompt, Chat):
         if not prompt.messages:
             raise InvalidRequestError("messages must not be empty", "messages")
-        messages = template_messages(prompt.messages, tokenizer.chat_template)
+        template = prompt.template or tokenizer.chat_template
+        messages = template_messages(prompt.messages, template)
         text = tokenizer.apply_chat_template(
             messages,  # type: ignore[arg-type]
             prompt.add_generation_prompt,
             prompt.continue_final_message,
             prompt.template_kwargs,
+            prompt.template,
         )
         return tokenizer.encode(text, bool(add_special_tokens))
     if not prompt:

@@ -12,7 +12,11 @@ Contracts:
   always encodes to its single id (chat templates rely on this).
 - ``decode(skip_special_tokens=True)`` drops exactly the ids in ``all_special_ids``.
 - ``apply_chat_template`` raises ``InvalidRequestError`` for malformed messages, for a model
-  without a template and for errors the template itself raises.
+  without a template and for errors the template itself raises. A request's own template
+  (``template``, vLLM's ``chat_template``) is compiled as the model's is (sandboxed), once per
+  text (``request_template``'s cache), and refused naming ``chat_template`` where it does not
+  compile or is over ``MAX_TEMPLATE_CHARS``; whether requests may bring one is the caller's
+  decision (the coordinator's ``--trust-request-chat-template``).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
@@ -75,7 +80,11 @@ class Tokenizer:
         special.update(i for i in (self._bos_id, self._eos_id) if i is not None)
         self._special_ids = frozenset(special)
         self._chat_template_source = chat_template
-        self._chat_template = _compile_template(chat_template) if chat_template else None
+        self._chat_template = (
+            ChatTemplateText(chat_template, _compile_template(chat_template))
+            if chat_template
+            else None
+        )
 
     # ----------------------------------------------------------------------------------------
     # constructors
@@ -155,6 +164,7 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         template_kwargs: Mapping[str, object] | None = None,
+        template: str | None = None,
     ) -> str:
         """Render ``messages`` ({"role", "content"} dicts, a string each, and whatever else a
         template may read: ``common/chat_messages.py``) with the model's chat template.
@@ -166,21 +176,23 @@ class Tokenizer:
         the text ends with the last message's content, an assistant's, left open for the
         model to go on (rendered without the generation prompt and cut after that content;
         ``add_generation_prompt`` must then be false). ``InvalidRequestError`` naming the
-        field for what cannot be rendered so."""
-        if self._chat_template is None:
+        field for what cannot be rendered so. ``template``: the request's own template text,
+        used instead of the model's (module docstring)."""
+        chat_template = request_template(template) if template else self._chat_template
+        if chat_template is None:
             raise InvalidRequestError(
                 "this model has no chat template; use a plain completion prompt", "messages"
             )
         _check_messages(messages)
         kwargs = dict(template_kwargs or {})
-        given = RESERVED_TEMPLATE_NAMES | set(self._chat_template.environment.globals)
+        given = RESERVED_TEMPLATE_NAMES | set(chat_template.compiled.environment.globals)
         if reserved := sorted(given & set(kwargs)):
             raise InvalidRequestError(
                 f"chat_template_kwargs may not set {', '.join(reserved)}", "chat_template_kwargs"
             )
-        if "documents" in kwargs and "documents" not in self._template_variables:
+        if "documents" in kwargs and "documents" not in chat_template.variables:
             raise InvalidRequestError(
-                "this model's chat template reads no documents: give them in the messages",
+                "the chat template reads no documents: give them in the messages",
                 "documents",
             )
         final = _final_content(messages) if continue_final_message else None
@@ -190,7 +202,7 @@ class Tokenizer:
                 "continue_final_message",
             )
         try:
-            text = self._chat_template.render(
+            text = chat_template.compiled.render(
                 **kwargs,
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
@@ -217,16 +229,6 @@ class Tokenizer:
     def backend(self) -> tokenizers.Tokenizer:
         """The wrapped ``tokenizers.Tokenizer``; ``decode`` is its ``decode``, unchanged."""
         return self._backend
-
-    @functools.cached_property
-    def _template_variables(self) -> frozenset[str]:
-        """The variables the chat template reads that it does not set itself."""
-        if self._chat_template is None or self._chat_template_source is None:
-            return frozenset()
-        environment = self._chat_template.environment
-        return frozenset(
-            meta.find_undeclared_variables(environment.parse(self._chat_template_source))
-        )
 
     @functools.cached_property
     def max_chars_per_token(self) -> int | None:
@@ -355,6 +357,38 @@ def _final_content(messages: list[dict[str, object]]) -> str:
             "continue_final_message",
         )
     return content.strip()
+
+
+@dataclass(frozen=True)
+class ChatTemplateText:
+    """A chat template: its text and its compiled form."""
+
+    source: str
+    compiled: jinja2.Template
+
+    @functools.cached_property
+    def variables(self) -> frozenset[str]:
+        """The variables the template reads that it does not set itself."""
+        environment = self.compiled.environment
+        return frozenset(meta.find_undeclared_variables(environment.parse(self.source)))
+
+
+MAX_TEMPLATE_CHARS = 1 << 18
+"""Longest chat template a request may bring (the largest models' templates are ~20 KB)."""
+
+
+@functools.lru_cache(maxsize=64)
+def request_template(source: str) -> ChatTemplateText:
+    """A request's own chat template, compiled once per text; ``InvalidRequestError`` naming
+    ``chat_template`` where it is too long or does not compile."""
+    if len(source) > MAX_TEMPLATE_CHARS:
+        raise InvalidRequestError(
+            f"chat_template is over {MAX_TEMPLATE_CHARS} characters", "chat_template"
+        )
+    try:
+        return ChatTemplateText(source, _compile_template(source))
+    except ModelLoadError as error:
+        raise InvalidRequestError(str(error), "chat_template") from None
 
 
 def _compile_template(source: str) -> jinja2.Template:

@@ -168,6 +168,7 @@ def _config_of(
         max_tokens_cap=settings.max_tokens_cap,
         multiplexed_decode=settings.relay == "multiplexed",
         lora_admin_tenants=comma_separated(settings.lora_admin_tenants),
+        trust_request_chat_template=settings.trust_request_chat_template,
         routing=settings.routing_config(),
         flow=settings.flow_config(),
         admission=settings.admission_config(),

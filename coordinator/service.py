@@ -34,6 +34,7 @@ from splitserve.common.grammar import GrammarCompiler, GrammarSpec
 from splitserve.common.membership import Role
 from splitserve.common.output_processor import StreamChunk
 from splitserve.common.prompt import (
+    Chat,
     Prompt,
     check_in_vocab,
     encode_prompt,
@@ -114,6 +115,9 @@ class CoordinatorConfig:
     multiplexed_decode: bool = True
     """Decode streams travel many to a ``DecodeWorker.GenerateStreams`` call per worker
     (else a ``Generate`` call each)."""
+    trust_request_chat_template: bool = False
+    """Whether a request may bring its own chat template (vLLM's flag of the same name); else
+    one is refused naming ``chat_template``."""
     lora_admin_tenants: tuple[str, ...] = ()
     """Where API keys are required: the tenants whose callers may load and unload LoRA
     adapters at runtime (``LoadLoraAdapter``); none: nobody may. Without keys anyone may
@@ -208,7 +212,15 @@ class Coordinator:
 
     def encode(self, prompt: Prompt, add_special_tokens: bool | None = None) -> list[int]:
         """Token ids of a prompt (``add_special_tokens``: ``encode_prompt``'s); raises
-        ``InvalidRequestError`` for empty or malformed input."""
+        ``InvalidRequestError`` for empty or malformed input, and for a chat template of the
+        request's own where ``CoordinatorConfig.trust_request_chat_template`` is off."""
+        trusted = self.config.trust_request_chat_template
+        if isinstance(prompt, Chat) and prompt.template and not trusted:
+            raise InvalidRequestError(
+                "this server takes no chat_template of a request's own (its coordinator runs "
+                "without --trust-request-chat-template)",
+                "chat_template",
+            )
         return encode_prompt(self.tokenizer, prompt, add_special_tokens)
 
     @property

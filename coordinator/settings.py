@@ -121,6 +121,11 @@ class CoordinatorSettings:
         "TOML file of per-tenant limits, weights and highest priorities "
         "(coordinator/tenants.py), over the two flags above",
     )
+    trust_request_chat_template: bool = setting(
+        False,
+        "let requests bring their own chat template (chat_template, Jinja, rendered sandboxed "
+        "here); off by default, as in vLLM: a template is code the coordinator runs",
+    )
     lora_admin_tenants: str = setting(
         "",
         "with API keys: the tenants (comma-separated) whose callers may load and unload LoRA "

@@ -35,6 +35,7 @@ from splitserve.gateway.responses_input import (
 from splitserve.gateway.responses_schemas import ResponseObject, ResponsesRequest
 from splitserve.gateway.sampling import (
     PromptArgs,
+    chat_echo,
     chat_prompts,
     chat_sampling,
     completion_prompts,
@@ -98,7 +99,7 @@ def _chat_builder(
 ) -> ResponseBuilder:
     return ChatBuilder(
         response_id, model, bool(body.logprobs), index, request_tools(body),
-        _extras(body, prompt),
+        _extras(body, prompt), chat_echo(body),
     )  # fmt: skip
 
 

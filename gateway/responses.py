@@ -320,10 +320,13 @@ class ChatBuilder(ResponseBuilder):
         index: int = 0,
         tools: ToolPlan | None = None,
         extras: Extras = NO_EXTRAS,
+        echo: str = "",
     ) -> None:
-        """``tools``: the request's shown tools (``client/tools.py``): an answer that may be
-        a tool call is held back as content until it is known not to be one (it left the
-        format, ``client/tool_call_scanner.py``; with a forced choice, never); its calls
+        """``echo``: the text the content begins with (``gateway/sampling.py:chat_echo``),
+        sent with the opening chunk. ``tools``: the request's shown tools
+        (``client/tools.py``): an answer that may be a tool call is held back as content until
+        it is known not to be one (it left the format, ``client/tool_call_scanner.py``; with a
+        forced choice, never); its calls
         stream as ``delta.tool_calls`` pieces as they are written (``gateway/tools.py``), and
         an answer that is a call ends as ``tool_calls`` with finish reason ``tool_calls``.
         One that stops being a call after its calls began streaming (cut by ``max_tokens``,
@@ -341,6 +344,7 @@ class ChatBuilder(ResponseBuilder):
         self._calls = None if self.tools is None else ToolCallDeltas(self.tools)
         self.tool_calls: list[dict[str, Any]] | None = None
         self.content_logprobs: list[dict[str, Any]] = []
+        self.echo = echo
 
     @staticmethod
     def _content_logprobs(logprobs: tuple[TokenLogprob, ...]) -> list[dict[str, Any]]:
@@ -358,10 +362,10 @@ class ChatBuilder(ResponseBuilder):
         ]
 
     def opening_chunks(self) -> list[dict[str, Any]]:
-        """The first streamed chunk: the assistant role, empty content."""
+        """The first streamed chunk: the assistant role, the echoed content (or none)."""
         choice = {
             "index": self.index,
-            "delta": {"role": "assistant", "content": ""},
+            "delta": {"role": "assistant", "content": self.echo},
             "logprobs": None,
             "finish_reason": None,
         }
@@ -440,7 +444,7 @@ class ChatBuilder(ResponseBuilder):
     def _message(self) -> dict[str, Any]:
         if self.tool_calls:
             return {"role": "assistant", "content": None, "tool_calls": self.tool_calls}
-        return {"role": "assistant", "content": "".join(self.text_parts)}
+        return {"role": "assistant", "content": self.echo + "".join(self.text_parts)}
 
     def whole(self) -> dict[str, Any]:
         choice = {

@@ -99,6 +99,7 @@ def asked_template_fields(body: _ChatTemplateFields) -> list[tuple[str, bool]]:
         ("add_generation_prompt", body.add_generation_prompt is False),
         ("continue_final_message", bool(body.continue_final_message)),
         ("documents", bool(body.documents)),
+        ("chat_template", bool(body.chat_template)),
     ]
 
 
@@ -116,7 +117,10 @@ def chat_template_of(body: _ChatTemplateFields) -> ChatTemplate | None:
             )
         kwargs["documents"] = body.documents
     return ChatTemplate(
-        kwargs, body.add_generation_prompt is not False, bool(body.continue_final_message)
+        kwargs,
+        body.add_generation_prompt is not False,
+        bool(body.continue_final_message),
+        body.chat_template or None,
     )
 
 
@@ -150,6 +154,18 @@ def chat_messages(given: Sequence[schemas.ChatMessage]) -> tuple[ChatMessage, ..
         calls = tuple(_history_call(call) for call in message.tool_calls or ())
         messages.append(ChatMessage(message.role, content or "", message.tool_call_id or "", calls))
     return tuple(messages)
+
+
+def chat_echo(body: ChatCompletionRequest) -> str:
+    """What a chat answer's content begins with (vLLM's ``echo``): the last message's content
+    where it is the answer's role (an assistant's; without the generation prompt the answer
+    continues the last message, whatever its role); else nothing."""
+    if not body.echo:
+        return ""
+    (last,) = chat_messages(body.messages[-1:])
+    if body.add_generation_prompt is not False and last.role != "assistant":
+        return ""
+    return last.content
 
 
 def _history_call(call: schemas.MessageToolCall) -> ToolCall:
@@ -305,6 +321,8 @@ def _response_format(value: dict[str, Any]) -> GrammarSpec | None:
             raise invalid("response_format json_schema needs json_schema.schema, an object",
                           "response_format")  # fmt: skip
         return GrammarSpec.json_schema(schema)
+    if kind == "structural_tag":
+        return _spec("response_format", GrammarSpec.structural_tag, value)
     raise invalid(f"unknown response_format type {kind!r}", "response_format")
 
 
@@ -314,7 +332,7 @@ def _structured_outputs(value: dict[str, Any]) -> GrammarSpec:
     given.pop("disable_any_whitespace", None)
     if len(given) != 1:
         raise invalid("structured_outputs takes exactly one of json, regex, choice, grammar, "
-                      "json_object", "structured_outputs")  # fmt: skip
+                      "json_object, structural_tag", "structured_outputs")  # fmt: skip
     ((key, item),) = given.items()
     if key == "json" and isinstance(item, dict | str):
         return GrammarSpec.json_schema(item)
@@ -326,6 +344,8 @@ def _structured_outputs(value: dict[str, Any]) -> GrammarSpec:
         return GrammarSpec("grammar", item)
     if key == "json_object" and item is True:
         return GrammarSpec("json_object")
+    if key == "structural_tag" and isinstance(item, str | dict):
+        return _spec("structured_outputs", GrammarSpec.structural_tag, item)
     raise invalid(f"structured_outputs.{key} is not supported in this form", "structured_outputs")
 
 

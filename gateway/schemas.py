@@ -157,8 +157,9 @@ class _SamplingFields(_TextBody):
     # structured_outputs (at most one of them per request)
     response_format: dict[str, Any] | None = Field(
         None,
-        description="{'type': 'text' | 'json_object'} or {'type': 'json_schema', "
-        "'json_schema': {'name': ..., 'schema': {...}}}.",
+        description="{'type': 'text' | 'json_object'}, {'type': 'json_schema', "
+        "'json_schema': {'name': ..., 'schema': {...}}} or {'type': 'structural_tag', "
+        "'format': {...}} (xgrammar's structural tag; vLLM's structures and triggers too).",
     )
     guided_json: dict[str, Any] | str | None = Field(None, description="A JSON schema.")
     guided_regex: str | None = Field(None, description="A regular expression.")
@@ -167,7 +168,7 @@ class _SamplingFields(_TextBody):
     structured_outputs: dict[str, Any] | None = Field(
         None,
         description="vLLM's: exactly one of json (a schema), regex, choice, grammar, "
-        "json_object (true).",
+        "json_object (true), structural_tag (its JSON text).",
     )
     # splitserve extensions
     ttft_slo_ms: float | None = Field(
@@ -287,6 +288,12 @@ class _ChatTemplateFields(BaseModel):
         "R's or Granite's), each a mapping of strings such as {'title', 'text'}, given to the "
         "template as `documents`. A 400 where the model's template reads none.",
     )
+    chat_template: str | None = Field(
+        None,
+        description="A chat template of the request's own (Jinja), used instead of the "
+        "model's (vLLM's); a 400 unless the coordinator runs with "
+        "--trust-request-chat-template.",
+    )
 
 
 class ChatCompletionRequest(_ChatTemplateFields, _SamplingFields):
@@ -304,6 +311,12 @@ class ChatCompletionRequest(_ChatTemplateFields, _SamplingFields):
     )
     parallel_tool_calls: bool | None = Field(
         None, description="With tool_choice required: several calls in one answer (default)."
+    )
+    echo: bool | None = Field(
+        False,
+        description="vLLM's: the answer's content begins with the last message's content where "
+        "that message is the answer's own role (an assistant's; with add_generation_prompt: "
+        "false, whichever), as continue_final_message continues it.",
     )
 
 

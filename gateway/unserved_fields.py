@@ -54,7 +54,10 @@ _TOOLS = Refusal("OpenAI's deprecated function calling is not supported: send to
 REFUSED: dict[str, Refusal] = {
     # structured outputs beyond what gateway/sampling.py:grammar_of serves
     "guided_whitespace_pattern": _STRUCTURED,
-    "structural_tag": _STRUCTURED,
+    "structural_tag": Refusal(
+        "send a structural tag as response_format {'type': 'structural_tag', ...} or "
+        "structured_outputs.structural_tag"
+    ),
     # tools (OpenAI's deprecated function calling)
     "functions": _TOOLS,
     "function_call": Refusal(_TOOLS.reason, _is("none")),
@@ -68,8 +71,6 @@ REFUSED: dict[str, Refusal] = {
     "vllm_xargs": Refusal("vllm_xargs is not supported"),
     "reasoning_effort": Refusal("reasoning_effort is not supported: no reasoning model"),
     # chat rendering
-    "echo": Refusal("echo is not supported for chat completions", _is(False)),
-    "chat_template": Refusal("a request's own chat_template is not supported"),
     "mm_processor_kwargs": Refusal("multimodal inputs are not supported"),
     "audio": Refusal("audio output is not supported"),
     "modalities": Refusal("only the text modality is supported", lambda v: v in (None, ["text"])),

@@ -170,6 +170,7 @@ def chat_from_proto(message: coordinator_pb2.ChatPrompt) -> Chat:
             message.add_generation_prompt if message.HasField("add_generation_prompt") else True
         ),
         continue_final_message=message.continue_final_message,
+        template=message.template or None,
     )
 
 

@@ -242,3 +242,63 @@ def test_chat_best_of_returns_the_candidates_with_the_highest_logprob(
         for extra in ({"best_of": 2, "stream": True}, {"best_of": 1, "n": 2}):
             body = {"messages": QUESTION, "max_tokens": 2, **extra}
             assert _error(http.post("/chat/completions", json=body), 400)["param"] == "best_of"
+
+
+STRUCTURAL_TAG = {
+    "type": "structural_tag",
+    "format": {
+        "type": "sequence",
+        "elements": [
+            {"type": "const_string", "value": "Weather: "},
+            {
+                "type": "tag",
+                "begin": "<call>",
+                "content": {"type": "json_schema", "json_schema": City.model_json_schema()},
+                "end": "</call>",
+            },
+        ],
+    },
+}
+
+
+def test_structural_tags_constrain_whole_and_streamed_outputs(
+    served: Served, sdk: openai.OpenAI
+) -> None:
+    """A structural tag as OpenAI's response_format (xgrammar's form) and as vLLM's
+    structured_outputs.structural_tag (its JSON text, vLLM's structures and triggers): the
+    output has the form, whole and streamed alike; a form not served is a 400 naming the
+    field it came in."""
+    model = _model(sdk)
+    shape = re.compile(r"Weather: <call>(\{.*\})</call>")
+    whole = sdk.chat.completions.create(
+        model=model, messages=QUESTION, max_tokens=60, temperature=0,
+        response_format=STRUCTURAL_TAG,  # type: ignore[arg-type]
+    )  # fmt: skip
+    text = whole.choices[0].message.content or ""
+    assert whole.choices[0].finish_reason == "stop" and shape.fullmatch(text), text
+    City.model_validate_json(shape.fullmatch(text).group(1))  # type: ignore[union-attr]
+    stream = sdk.chat.completions.create(
+        model=model, messages=QUESTION, max_tokens=60, temperature=0, stream=True,
+        response_format=STRUCTURAL_TAG,  # type: ignore[arg-type]
+    )  # fmt: skip
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == text
+    legacy = {
+        "type": "structural_tag",
+        "structures": [{"begin": "<call>", "schema": City.model_json_schema(), "end": "</call>"}],
+        "triggers": ["<call>"],
+    }
+    with httpx.Client(base_url=f"{served.url}/v1", timeout=60) as http:
+        answered = http.post("/completions", json={
+            "model": model, "prompt": "Call the weather tool for Rome: <call>", "max_tokens": 40,
+            "temperature": 0, "structured_outputs": {"structural_tag": json.dumps(legacy)},
+        })  # fmt: skip
+        assert answered.status_code == 200, answered.text
+        completion = answered.json()["choices"][0]["text"]
+        for call in re.findall(r"<call>(.*?)</call>", completion):
+            City.model_validate_json(call)
+        token = {"type": "structural_tag", "format": {"type": "token", "token": "<x>"}}
+        refused = http.post("/completions", json={"prompt": "x", "response_format": token})
+        assert _error(refused, 400)["param"] == "response_format"
+        assert "token format is not supported" in refused.json()["error"]["message"]
+        top_level = http.post("/completions", json={"prompt": "x", "structural_tag": "{}"})
+        assert _error(top_level, 400)["param"] == "structural_tag"

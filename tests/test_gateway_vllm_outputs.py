@@ -136,7 +136,8 @@ def test_token_ids_are_returned_whole_and_streamed(served: Served, sdk: openai.O
 def test_chat_template_fields_render_the_prompt(served: Served, sdk: openai.OpenAI) -> None:
     """``continue_final_message`` continues a prefilled assistant answer (the chat completion
     equals the completion of the ids ``/tokenize`` renders for it); ``add_generation_prompt:
-    false`` drops the generation prompt; ``chat_template_kwargs`` reach the template, never
+    false`` drops the generation prompt; ``echo`` leads the answer with the continued
+    message's content; ``chat_template_kwargs`` reach the template, never
     over a name it is given; ``documents`` are refused where the template reads none."""
     model = _model(sdk)
     prefilled = [*QUESTION, {"role": "assistant", "content": "The capital of France is"}]
@@ -154,10 +155,30 @@ def test_chat_template_fields_render_the_prompt(served: Served, sdk: openai.Open
     plain = sdk.completions.create(model=model, prompt=ids, max_tokens=6, temperature=0)
     assert answer.choices[0].message.content == plain.choices[0].text
     assert answer.usage.prompt_tokens == len(ids)
+    # vLLM's chat echo: the continued message's content leads the answer, whole and streamed
+    echoed = sdk.chat.completions.create(
+        model=model, messages=prefilled, max_tokens=6, temperature=0,
+        extra_body={**fields, "echo": True},
+    )  # fmt: skip
+    continued = "The capital of France is" + plain.choices[0].text
+    assert echoed.choices[0].message.content == continued
+    stream = sdk.chat.completions.create(
+        model=model, messages=prefilled, max_tokens=6, temperature=0, stream=True,
+        extra_body={**fields, "echo": True},
+    )  # fmt: skip
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == continued
+    not_its_role = sdk.chat.completions.create(  # the last message is the user's: no echo
+        model=model, messages=QUESTION, max_tokens=6, temperature=0, extra_body={"echo": True}
+    )
+    plain_chat = sdk.chat.completions.create(
+        model=model, messages=QUESTION, max_tokens=6, temperature=0
+    )
+    assert not_its_role.choices[0].message.content == plain_chat.choices[0].message.content
     for body, param in (
         ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
         ({"continue_final_message": True}, "continue_final_message"),  # generation prompt on
         ({"documents": [{"title": "t", "text": "x"}]}, "documents"),  # SmolLM2's reads none
+        ({"chat_template": "{{ messages }}"}, "chat_template"),  # not trusted here
         (
             {"documents": [{"text": "x"}], "chat_template_kwargs": {"documents": []}},
             "documents",

@@ -17,11 +17,11 @@ import httpx
 import pytest
 import tokenizers
 
-from splitserve.client import AsyncClient, ChatMessage, ToolCall
+from splitserve.client import AsyncClient, ChatMessage, ChatTemplate, ToolCall
 from splitserve.common.chat_messages import template_messages
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.model_files import load_tokenizer
-from splitserve.common.prompt import TRUNCATE_TO_CONTEXT, encode_prompt, truncated
+from splitserve.common.prompt import TRUNCATE_TO_CONTEXT, Chat, encode_prompt, truncated
 from splitserve.common.tokenizer import Tokenizer
 from splitserve.coordinator.service import Coordinator, CoordinatorConfig
 from splitserve.coordinator.servicer import CoordinatorServicer
@@ -121,12 +121,14 @@ def test_a_template_without_tool_fields_gets_them_in_the_contents() -> None:
 
 
 @contextlib.asynccontextmanager
-async def _gateway(tokenizer: Tokenizer) -> AsyncIterator[tuple[httpx.AsyncClient, str]]:
+async def _gateway(
+    tokenizer: Tokenizer, config: CoordinatorConfig | None = None
+) -> AsyncIterator[tuple[httpx.AsyncClient, str]]:
     """The real gateway app (in process, over ASGI) in front of a real coordinator of
-    ``tokenizer`` served on a free port; yields an HTTP client of the gateway and the
-    coordinator's address."""
+    ``tokenizer`` (``config``, default: a model "m" with the defaults) served on a free port;
+    yields an HTTP client of the gateway and the coordinator's address."""
     coordinator = Coordinator(
-        CoordinatorConfig(model_name="m"), tokenizer, ClusterAccess(CREDENTIAL)
+        config or CoordinatorConfig(model_name="m"), tokenizer, ClusterAccess(CREDENTIAL)
     )
     server = grpc.aio.server()
     coordinator_pb2_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(coordinator), server)
@@ -191,6 +193,63 @@ def test_the_gateway_tokenizes_with_add_special_tokens_and_tool_fields(
             )
             assert refused.status_code == 400, refused.text  # was a 500: protobuf's UTF-8
             assert "messages.0.tool_call_id" in refused.json()["error"]["message"]
+
+    asyncio.run(scenario())
+
+
+OWN_TEMPLATE = (
+    "{% for d in documents or [] %}<doc>{{ d.text }}</doc>{% endfor %}"
+    "{% for m in messages %}[{{ m.role | upper }}] {{ m.content }}\n{% endfor %}"
+    "{% if add_generation_prompt %}[ASSISTANT] {% endif %}"
+)
+"""A template of a request's own: its own markers, reading documents."""
+
+
+def test_a_requests_own_chat_template_only_where_the_coordinator_trusts_them(
+    printing: Tokenizer,
+) -> None:
+    """vLLM's ``chat_template``: refused naming it by a coordinator without
+    ``--trust-request-chat-template`` (the default); with it, the request's template renders
+    the messages (and the documents it reads) instead of the model's, through the gateway and
+    the gRPC client alike; one that does not compile is a 400 naming it."""
+    messages = [{"role": "user", "content": "Hi"}]
+    own = encode_prompt(printing, Chat([ChatMessage("user", "Hi")], template=OWN_TEMPLATE))
+    assert printing.decode(own) == "[USER] Hi\n[ASSISTANT] "
+    assert own != encode_prompt(printing, [ChatMessage("user", "Hi")])
+
+    async def scenario() -> None:
+        async with _gateway(printing) as (http, _):
+            refused = await http.post(
+                "/tokenize", json={"messages": messages, "chat_template": OWN_TEMPLATE}
+            )
+            assert refused.status_code == 400 and refused.json()["error"]["param"] == (
+                "chat_template"
+            ), refused.text
+            assert "--trust-request-chat-template" in refused.json()["error"]["message"]
+        trusting = CoordinatorConfig(model_name="m", trust_request_chat_template=True)
+        async with _gateway(printing, trusting) as (http, address):
+            answer = await http.post(
+                "/tokenize", json={"messages": messages, "chat_template": OWN_TEMPLATE}
+            )
+            assert answer.status_code == 200 and answer.json()["tokens"] == own, answer.text
+            grounded = await http.post("/tokenize", json={
+                "messages": messages, "chat_template": OWN_TEMPLATE,
+                "documents": [{"text": "Paris is in France"}],
+            })  # fmt: skip
+            assert printing.decode(grounded.json()["tokens"]).startswith(
+                "<doc>Paris is in France</doc>[USER] Hi"
+            ), grounded.text
+            broken = await http.post(
+                "/tokenize", json={"messages": messages, "chat_template": "{% for %}"}
+            )
+            assert broken.status_code == 400, broken.text
+            assert broken.json()["error"]["param"] == "chat_template"
+            async with AsyncClient(address) as client:
+                ids = await client.tokenize(
+                    messages=[ChatMessage("user", "Hi")],
+                    chat_template=ChatTemplate(source=OWN_TEMPLATE),
+                )
+                assert ids == own
 
     asyncio.run(scenario())
 

@@ -43,8 +43,6 @@ def test_a_vllm_field_with_an_effect_is_refused_by_name(field: str, value: Any) 
 def test_chat_only_fields_and_a_message_function_call_are_refused_by_name() -> None:
     fields = UnservedFields()
     for field, value in (
-        ("echo", True),
-        ("chat_template", "{{ x }}"),
         ("function_call", "auto"),
         ("modalities", ["text", "audio"]),
     ):
