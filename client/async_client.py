@@ -52,7 +52,7 @@ from splitserve.client.continuation import StreamContinuation
 from splitserve.client.errors import DEFAULT_RETRY, ClientError, RetryPolicy
 from splitserve.client.retry import Deadline, resolve_timeout
 from splitserve.client.stream_mux import MultiplexedStream, StreamMultiplexer
-from splitserve.client.tools import tool_request, with_tool_calls
+from splitserve.client.tools import JSON_FORMAT, tool_request, with_tool_calls
 from splitserve.client.types import (
     ChatTemplate,
     Chunk,
@@ -197,15 +197,16 @@ class AsyncClient:
         and a forced choice constrains its answer, as the gateway does (``client/tools.py``);
         the calls it makes come back as ``Generation.tool_calls`` with finish reason
         ``tool_calls``. Malformed tools raise ``InvalidRequestError`` (a ``ValueError``)."""
-        messages, sampling, plan = tool_request(
-            messages, sampling, tools, tool_choice, parallel_tool_calls
+        tool_format = (await self.model_info()).tool_call_format if tools else JSON_FORMAT
+        asked = tool_request(
+            messages, sampling, tools, tool_choice, parallel_tool_calls, tool_format, chat_template
         )
         chunks: list[Chunk] = []
         items = self.stream(
             prompt,
-            messages=messages,
+            messages=asked.messages,
             token_ids=token_ids,
-            sampling=sampling,
+            sampling=asked.sampling,
             request_id=request_id,
             priority=priority,
             traceparent=traceparent,
@@ -214,13 +215,13 @@ class AsyncClient:
             targets=targets,
             timeout_s=timeout_s,
             add_special_tokens=add_special_tokens,
-            chat_template=chat_template,
+            chat_template=asked.chat_template,
             truncate_prompt_tokens=truncate_prompt_tokens,
         )
         async with contextlib.aclosing(items):
             async for item in items:
                 if isinstance(item, Finish):
-                    return with_tool_calls(Generation.of(chunks, item), plan)
+                    return with_tool_calls(Generation.of(chunks, item), asked.plan)
                 chunks.append(item)
         raise AssertionError("unreachable: stream() ends with a Finish or raises")
 

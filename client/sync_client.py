@@ -34,7 +34,7 @@ from splitserve.client.connection import call_metadata, sync_channel
 from splitserve.client.continuation import StreamContinuation
 from splitserve.client.errors import DEFAULT_RETRY, ClientError, RetryPolicy
 from splitserve.client.retry import Deadline, resolve_timeout
-from splitserve.client.tools import tool_request, with_tool_calls
+from splitserve.client.tools import JSON_FORMAT, tool_request, with_tool_calls
 from splitserve.client.types import (
     ChatTemplate,
     Chunk,
@@ -143,15 +143,16 @@ class Client:
     ) -> Generation:
         """The whole completion of ``stream()`` with the same arguments, joined; ``tools``
         as ``AsyncClient.generate``."""
-        messages, sampling, plan = tool_request(
-            messages, sampling, tools, tool_choice, parallel_tool_calls
+        tool_format = (self.model_info()).tool_call_format if tools else JSON_FORMAT
+        asked = tool_request(
+            messages, sampling, tools, tool_choice, parallel_tool_calls, tool_format, chat_template
         )
         chunks: list[Chunk] = []
         items = self.stream(
             prompt,
-            messages=messages,
+            messages=asked.messages,
             token_ids=token_ids,
-            sampling=sampling,
+            sampling=asked.sampling,
             request_id=request_id,
             priority=priority,
             traceparent=traceparent,
@@ -160,13 +161,13 @@ class Client:
             targets=targets,
             timeout_s=timeout_s,
             add_special_tokens=add_special_tokens,
-            chat_template=chat_template,
+            chat_template=asked.chat_template,
             truncate_prompt_tokens=truncate_prompt_tokens,
         )
         with contextlib.closing(items):
             for item in items:
                 if isinstance(item, Finish):
-                    return with_tool_calls(Generation.of(chunks, item), plan)
+                    return with_tool_calls(Generation.of(chunks, item), asked.plan)
                 chunks.append(item)
         raise AssertionError("unreachable: stream() ends with a Finish or raises")
 

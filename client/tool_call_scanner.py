@@ -11,7 +11,9 @@ Contract:
 - The format read: a JSON object whose one key is ``tool_calls``, an array of at least one
   call object, each with one ``name`` (a string naming a tool), at most one ``arguments``
   (any JSON value) and any other keys (skipped), whitespace anywhere JSON allows it, and
-  nothing but whitespace after the object.
+  nothing but whitespace after the object. With ``single``, one call object alone (the body
+  of a Hermes-style ``<tool_call>`` block, ``client/hermes_tools.py``), its arguments also
+  under ``parameters`` (as Llama-style models write them).
 - ``failed`` turns true as soon as the text read cannot begin an answer in that form, and
   stays true: a failed text never becomes a call, whatever follows.
 - ``finish`` (the end of the answer) returns the calls when the whole text has the form;
@@ -65,8 +67,9 @@ class _Call:
 class ToolCallScanner:
     """One answer's scan (module docstring); ``names``: the tools it may call."""
 
-    def __init__(self, names: frozenset[str]) -> None:
+    def __init__(self, names: frozenset[str], single: bool = False) -> None:
         self._names = names
+        self._single = single
         self._calls: list[_Call] = []
         self.failed = False
         self._complete = False
@@ -115,6 +118,12 @@ class ToolCallScanner:
 
     def _answer(self) -> Generator[None, str, None]:
         char = yield from _skip_whitespace((yield))
+        if self._single:
+            char = yield from _skip_whitespace((yield from self._call(char)))
+            _expect(char, _END)
+            self._complete = True
+            yield
+            return
         _expect(char, "{")
         char = yield from _skip_whitespace((yield))
         if (yield from _string(char)) != "tool_calls":
@@ -154,7 +163,7 @@ class ToolCallScanner:
                     raise _NotACall
                 call.name = name
                 char = yield
-            elif key == "arguments":
+            elif key == "arguments" or (key == "parameters" and self._single):
                 if call.arguments is not None:
                     raise _NotACall
                 call.arguments = []

@@ -1,7 +1,11 @@
-"""Tool calling in a documented JSON format (the default model's chat template has none).
+"""Tool calling: in a documented JSON format (``json``, the default: the default model's chat
+template has none), or in the model's own format where its chat template shows the tools
+(``hermes``: ``client/hermes_tools.py``), as the coordinator's ``--tool-call-parser`` says
+(``TOOL_FORMATS``; the gateway and the Python client read it from ``ModelInfo``).
 
-The request's tools are described to the model in a system message (``ToolPlan.system_text``:
-``TOOLS_PREAMBLE``, then each tool's name, description and JSON-schema parameters); the model
+With ``json``, the request's tools are described to the model in a system message
+(``ToolPlan.system_text``: ``TOOLS_PREAMBLE``, then each tool's name, description and
+JSON-schema parameters); the model
 calls tools by answering with exactly one JSON object::
 
     {"tool_calls": [{"name": "<tool name>", "arguments": {<the tool's parameters>}}]}
@@ -22,6 +26,10 @@ Contract, by ``tool_choice``:
   ``tool_call_id`` travel as ``ChatMessage`` fields; the coordinator shows them to the chat
   template, and to one that does not render them itself in this format, ids included
   (``common/chat_messages.py``).
+With ``hermes``, the tools are given to the chat template as its ``tools`` variable (OpenAI's
+function tools as the request sent them; ``ToolPlan.template_kwargs``), the answer may hold text
+before its calls (its content), a forced choice is a structural tag of the blocks, and the
+rest holds as above.
 Malformed tools or choices raise ``InvalidRequestError`` naming ``tools`` / ``tool_choice``
 (the gateway's 400s). The gateway (``gateway/sampling.py``, ``gateway/responses.py``) and the
 Python client (``AsyncClient.generate``'s ``tools``) share this module: over gRPC a tool call
@@ -36,8 +44,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from splitserve.client.hermes_tools import (
+    TaggedAnswer,
+    TaggedCallStream,
+    parse_tagged,
+    tagged_grammar,
+)
 from splitserve.client.tool_call_scanner import ToolCallScanner
-from splitserve.client.types import ChatMessage, Generation, Sampling, ToolCall
+from splitserve.client.types import ChatMessage, ChatTemplate, Generation, Sampling, ToolCall
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.grammar import GrammarSpec
 
@@ -47,6 +61,10 @@ TOOLS_PREAMBLE = (
     "Otherwise answer normally. The tools:"
 )
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+JSON_FORMAT = "json"
+HERMES_FORMAT = "hermes"
+TOOL_FORMATS = (JSON_FORMAT, HERMES_FORMAT)
+"""The tool-call formats: splitserve's JSON (in a system message) or Hermes-style blocks."""
 
 
 @dataclass(frozen=True)
@@ -64,6 +82,28 @@ class ToolPlan:
     choice: str
     """"none", "auto", "required", or the one function's name that must be called."""
     parallel: bool
+    format: str = JSON_FORMAT
+    """One of ``TOOL_FORMATS``."""
+
+    @property
+    def in_template(self) -> bool:
+        """Whether the chat template shows the tools (else a system message does)."""
+        return self.format != JSON_FORMAT and self.shown
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """The chat template's variables for the tools (none unless ``in_template``)."""
+        if not self.in_template:
+            return {}
+        tools = [
+            {
+                "type": "function",
+                "function": {
+                    "name": f.name, "description": f.description, "parameters": f.parameters
+                },
+            }
+            for f in self.functions
+        ]  # fmt: skip
+        return {"tools": tools}
 
     @property
     def shown(self) -> bool:
@@ -85,6 +125,7 @@ class ToolPlan:
         if not self.forced:
             return None
         allowed = [f for f in self.functions if self.choice in ("required", f.name)]
+        one = not self.parallel or self.choice != "required"
         call_schemas = [
             {
                 "type": "object",
@@ -94,8 +135,10 @@ class ToolPlan:
             }
             for f in allowed
         ]
+        if self.format == HERMES_FORMAT:
+            return tagged_grammar(call_schemas, one)
         calls: dict[str, Any] = {"type": "array", "items": {"anyOf": call_schemas}, "minItems": 1}
-        if not self.parallel or self.choice != "required":
+        if one:
             calls["maxItems"] = 1
         return GrammarSpec.json_schema({
             "type": "object",
@@ -104,14 +147,30 @@ class ToolPlan:
             "additionalProperties": False,
         })  # fmt: skip
 
+    @property
+    def names(self) -> frozenset[str]:
+        return frozenset(f.name for f in self.functions)
+
     def scanner(self) -> ToolCallScanner:
-        """A scanner of one answer, calls streamed as they are written
+        """A scanner of one ``json`` answer, calls streamed as they are written
         (``client/tool_call_scanner.py``)."""
-        return ToolCallScanner(frozenset(f.name for f in self.functions))
+        return ToolCallScanner(self.names)
+
+    def stream(self) -> TaggedCallStream:
+        """A reader of one ``hermes`` answer as it is written (``client/hermes_tools.py``)."""
+        return TaggedCallStream(self.names)
+
+    def answer(self, text: str) -> TaggedAnswer | None:
+        """What a whole answer makes: its calls and its content beside them (None: none in
+        ``json``), or None when it makes no calls."""
+        if self.format == HERMES_FORMAT:
+            return parse_tagged(text, self.names)
+        calls = self.parse(text)
+        return None if not calls else TaggedAnswer(None, calls)
 
     def parse(self, text: str) -> list[ToolCall] | None:
-        """The calls a whole answer makes (each call's arguments as the model wrote them),
-        or None when it is not valid JSON in the format."""
+        """The calls a whole ``json`` answer makes (each call's arguments as the model wrote
+        them), or None when it is not valid JSON in the format."""
         scanner = self.scanner()
         scanner.feed(text)
         calls = scanner.finish()
@@ -125,10 +184,13 @@ class ToolPlan:
 
 
 def tool_plan(
-    tools: list[dict[str, Any]] | None, choice: Any, parallel: bool | None
+    tools: list[dict[str, Any]] | None,
+    choice: Any,
+    parallel: bool | None,
+    tool_format: str = JSON_FORMAT,
 ) -> ToolPlan | None:
-    """The request's ``ToolPlan`` (None without tools); ``InvalidRequestError`` for malformed
-    tools or choices."""
+    """The request's ``ToolPlan`` in ``tool_format`` (None without tools);
+    ``InvalidRequestError`` for malformed tools or choices."""
     if not tools:
         if choice not in (None, "none", "auto"):
             raise InvalidRequestError("tool_choice needs tools", "tool_choice")
@@ -153,7 +215,9 @@ def tool_plan(
     names = [f.name for f in functions]
     if len(set(names)) != len(names):
         raise InvalidRequestError("tool names must be unique", "tools")
-    return ToolPlan(tuple(functions), _choice(choice, names), parallel is not False)
+    if tool_format not in TOOL_FORMATS:
+        raise ValueError(f"unknown tool-call format {tool_format!r} (one of {TOOL_FORMATS})")
+    return ToolPlan(tuple(functions), _choice(choice, names), parallel is not False, tool_format)
 
 
 def _choice(choice: Any, names: list[str]) -> str:
@@ -175,9 +239,9 @@ def _choice(choice: Any, names: list[str]) -> str:
 
 def with_tools(messages: Sequence[ChatMessage], plan: ToolPlan | None) -> list[ChatMessage]:
     """``messages`` with ``plan``'s tools described in the system message when they are shown
-    (appended to a first system message, else one put first)."""
+    there (``json``: appended to a first system message, else one put first)."""
     messages = list(messages)
-    if plan is None or not plan.shown:
+    if plan is None or not plan.shown or plan.in_template:
         return messages
     if messages and messages[0].role == "system":
         first = messages[0]
@@ -187,43 +251,78 @@ def with_tools(messages: Sequence[ChatMessage], plan: ToolPlan | None) -> list[C
     return messages
 
 
+def with_template_tools(
+    template: ChatTemplate | None, plan: ToolPlan | None
+) -> ChatTemplate | None:
+    """``template`` with ``plan``'s tools among its variables where the chat template shows
+    them (``hermes``); ``InvalidRequestError`` naming ``chat_template_kwargs`` where those set
+    ``tools`` too."""
+    tools = {} if plan is None else plan.template_kwargs()
+    if not tools:
+        return template
+    template = template or ChatTemplate()
+    if "tools" in template.kwargs:
+        raise InvalidRequestError(
+            "tools are given twice: as tools and in chat_template_kwargs", "chat_template_kwargs"
+        )
+    return replace(template, kwargs={**template.kwargs, **tools})
+
+
+@dataclass(frozen=True)
+class ToolRequest:
+    """A chat request with its tools applied: its messages, sampling, template and plan."""
+
+    messages: list[ChatMessage] | None
+    sampling: Sampling | None
+    chat_template: ChatTemplate | None
+    plan: ToolPlan | None
+
+
 def tool_request(
     messages: Sequence[ChatMessage | Mapping[str, str]] | None,
     sampling: Sampling | None,
     tools: Sequence[Mapping[str, Any]] | None,
     tool_choice: str | Mapping[str, Any] | None,
     parallel_tool_calls: bool | None,
-) -> tuple[list[ChatMessage] | None, Sampling | None, ToolPlan | None]:
-    """A chat request's messages and sampling with its tools applied (the Python clients'
-    ``generate``), and its plan (None without tools): the tools described in the system
-    message, a forced choice's grammar as the sampling's. ``InvalidRequestError`` for
-    malformed tools or choices, tools without messages, or a forced choice beside another
-    grammar."""
+    tool_format: str = JSON_FORMAT,
+    chat_template: ChatTemplate | None = None,
+) -> ToolRequest:
+    """A chat request with its tools applied (the Python clients' ``generate``), its plan
+    None without tools: the tools shown as ``tool_format`` shows them (a system message, or
+    the chat template's variables), a forced choice's grammar as the sampling's.
+    ``InvalidRequestError`` for malformed tools or choices, tools without messages, or a
+    forced choice beside another grammar."""
     plan = tool_plan(
-        None if tools is None else [dict(tool) for tool in tools], tool_choice, parallel_tool_calls
+        None if tools is None else [dict(tool) for tool in tools],
+        tool_choice,
+        parallel_tool_calls,
+        tool_format,
     )
     if plan is None:
-        return None if messages is None else [_chat(m) for m in messages], sampling, None
+        chats = None if messages is None else [_chat(m) for m in messages]
+        return ToolRequest(chats, sampling, chat_template, None)
     if messages is None:
         raise InvalidRequestError("tools need a chat (messages)", "tools")
     given = with_tools([_chat(m) for m in messages], plan)
+    template = with_template_tools(chat_template, plan)
     grammar = plan.grammar()
     if grammar is None:
-        return given, sampling, plan
+        return ToolRequest(given, sampling, template, plan)
     if sampling is not None and sampling.grammar is not None:
         raise InvalidRequestError(
             "a forced tool call and a structured output exclude each other", "tool_choice"
         )
-    return given, replace(sampling or Sampling(), grammar=grammar), plan
+    return ToolRequest(given, replace(sampling or Sampling(), grammar=grammar), template, plan)
 
 
 def with_tool_calls(generation: Generation, plan: ToolPlan | None) -> Generation:
-    """``generation`` with the calls its text makes (``ToolPlan.parse``) as ``tool_calls``
-    and finish reason ``tool_calls``; unchanged when it makes none."""
-    calls = None if plan is None or not plan.shown else plan.parse(generation.text)
-    if not calls:
+    """``generation`` with the calls its text makes (``ToolPlan.answer``) as ``tool_calls``
+    and finish reason ``tool_calls`` (its text stays the whole answer as written); unchanged
+    when it makes none."""
+    answer = None if plan is None or not plan.shown else plan.answer(generation.text)
+    if answer is None:
         return generation
-    return replace(generation, tool_calls=tuple(calls), finish_reason="tool_calls")
+    return replace(generation, tool_calls=tuple(answer.calls), finish_reason="tool_calls")
 
 
 def _chat(message: ChatMessage | Mapping[str, str]) -> ChatMessage:

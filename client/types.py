@@ -270,6 +270,8 @@ class ModelInfo:
     adapters: tuple[str, ...] = ()
     """The LoRA adapters its workers serve now: names a request may use as its model (the
     base model's tokenizer and context; each adapter's own weights)."""
+    tool_call_format: str = "json"
+    """How its chat answers call tools (``client/tools.py:TOOL_FORMATS``)."""
 
 
 @dataclass(frozen=True)

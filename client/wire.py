@@ -226,4 +226,5 @@ def model_info(message: coordinator_pb2.ModelInfo) -> ModelInfo:
         aliases=tuple(message.aliases),
         checkpoint=message.checkpoint,
         adapters=tuple(message.adapters),
+        tool_call_format=message.tool_call_format or "json",
     )

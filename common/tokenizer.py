@@ -21,6 +21,7 @@ Contracts:
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 from collections.abc import Mapping, Sequence
@@ -224,6 +225,20 @@ class Tokenizer:
                 "continue_final_message",
             )
         return text[: end + len(final)]
+
+    def with_chat_template(self, source: str) -> Tokenizer:
+        """This tokenizer with ``source`` as its chat template (``ModelLoadError`` where it
+        does not compile)."""
+        changed = copy.copy(self)
+        changed._chat_template_source = source
+        changed._chat_template = ChatTemplateText(source, _compile_template(source))
+        return changed
+
+    @property
+    def chat_template_variables(self) -> frozenset[str]:
+        """The variables the chat template reads that it does not set itself (none without
+        a template)."""
+        return frozenset() if self._chat_template is None else self._chat_template.variables
 
     @property
     def backend(self) -> tokenizers.Tokenizer:

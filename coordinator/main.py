@@ -33,12 +33,14 @@ from prometheus_client import CollectorRegistry
 from splitserve.common.api_keys import ApiKeys, api_keys_or_exit
 from splitserve.common.cpu_affinity import pin_or_exit
 from splitserve.common.env_flags import built_or_exit, comma_separated
+from splitserve.common.errors import ModelLoadError
 from splitserve.common.gc_tuning import tune_gc_for_serving
 from splitserve.common.loop_lag import LoopLag
 from splitserve.common.membership import Role
 from splitserve.common.memory_budget import StreamCap, stream_cap
 from splitserve.common.metrics import serve_metrics
 from splitserve.common.settings import add_settings_args, settings_or_exit
+from splitserve.common.tokenizer import Tokenizer
 from splitserve.common.tracing import configure_tracing, shutdown_tracing
 from splitserve.coordinator import COORDINATOR_METRICS, INTERNAL_READY, PUBLIC_READY
 from splitserve.coordinator.dial_check import DialCheck
@@ -136,8 +138,27 @@ def prepare(
     if etcd is not None:  # the model's runtime LoRA adapters, shared by its coordinators
         model = config.checkpoint or config.model_name
         catalog = EtcdAdapterCatalog(etcd.client(), settings.membership.cluster_name, model)
-    coordinator = Coordinator(config, model_tokenizer(settings.model), access, catalog)
+    coordinator = Coordinator(config, _tokenizer_or_exit(parser, settings), access, catalog)
     return PreparedCoordinator(settings, coordinator, access, keys, etcd)
+
+
+def _tokenizer_or_exit(parser: argparse.ArgumentParser, settings: CoordinatorSettings) -> Tokenizer:
+    """The model's tokenizer, with ``--chat-template``'s template where given; a usage error
+    (exit 2) for a template file that cannot be read or compiled, or one that does not show
+    the tools where ``--tool-call-parser`` says the template shows them."""
+    tokenizer = model_tokenizer(settings.model)
+    if settings.chat_template is not None:
+        try:
+            source = settings.chat_template.read_text(encoding="utf-8")
+            tokenizer = tokenizer.with_chat_template(source)
+        except (OSError, UnicodeDecodeError, ModelLoadError) as error:
+            parser.error(f"--chat-template {settings.chat_template}: {error}")
+    if settings.tool_call_parser != "json" and "tools" not in tokenizer.chat_template_variables:
+        parser.error(
+            f"--tool-call-parser {settings.tool_call_parser} needs a chat template that shows "
+            "the tools (reads tools); the model's does not: give one with --chat-template"
+        )
+    return tokenizer
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -169,6 +190,7 @@ def _config_of(
         multiplexed_decode=settings.relay == "multiplexed",
         lora_admin_tenants=comma_separated(settings.lora_admin_tenants),
         trust_request_chat_template=settings.trust_request_chat_template,
+        tool_call_format=settings.tool_call_parser,
         routing=settings.routing_config(),
         flow=settings.flow_config(),
         admission=settings.admission_config(),

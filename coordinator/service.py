@@ -115,6 +115,9 @@ class CoordinatorConfig:
     multiplexed_decode: bool = True
     """Decode streams travel many to a ``DecodeWorker.GenerateStreams`` call per worker
     (else a ``Generate`` call each)."""
+    tool_call_format: str = "json"
+    """How chat answers call tools (``client/tools.py:TOOL_FORMATS``, ``--tool-call-parser``),
+    reported in ``ModelInfo`` for the gateway and the clients that parse the answers."""
     trust_request_chat_template: bool = False
     """Whether a request may bring its own chat template (vLLM's flag of the same name); else
     one is refused naming ``chat_template``."""

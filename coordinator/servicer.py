@@ -323,6 +323,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             vocab_size=coordinator.tokenizer.vocab_size,
             eos_token_ids=[] if eos is None else [eos],
             dtype=decode[0].dtype if decode else "",
+            tool_call_format=coordinator.config.tool_call_format,
         )
 
 

@@ -121,6 +121,22 @@ class CoordinatorSettings:
         "TOML file of per-tenant limits, weights and highest priorities "
         "(coordinator/tenants.py), over the two flags above",
     )
+    tool_call_parser: str = setting(
+        "json",
+        "how chat answers call tools (vLLM's flag): json (splitserve's format, the tools "
+        "described in a system message; for models without a tool format of their own) or "
+        "hermes (Qwen2.5, Qwen3, Hermes: the chat template shows the tools, the model answers "
+        "<tool_call> blocks; the template must read tools)",
+        choices=("json", "hermes"),
+    )
+    enable_auto_tool_choice: bool = setting(
+        False, "accepted for vLLM's command lines: tool_choice auto is always served here"
+    )
+    chat_template: Path | None = setting(
+        None,
+        "a chat template file (Jinja) used instead of the model's (vLLM's flag), for a model "
+        "without one or whose own does not render what is needed",
+    )
     trust_request_chat_template: bool = setting(
         False,
         "let requests bring their own chat template (chat_template, Jinja, rendered sandboxed "

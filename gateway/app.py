@@ -90,6 +90,7 @@ from splitserve.gateway.sampling import (
     MAX_CHOICES,
     PromptArgs,
     asked_template_fields,
+    serve_tools_as,
     best_of_asked,
     chat_messages,
     chat_template_of,
@@ -478,6 +479,7 @@ async def _generate(
     request_id = _request_id(request, body)
     # a conversation's requests that carry one go to one decode worker (coordinator/router.py)
     session_id = _id_header(request, "x-session-id")
+    serve_tools_as(body, route.info.tool_call_format)
     prompts = endpoint.prompts(body)
     keep_best = best_of_asked(body)  # then best_of candidates per prompt, n of them kept
     samplings = choice_samplings(endpoint.sampling(body), keep_best or body.n)

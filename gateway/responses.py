@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from splitserve.client import Chunk, Finish, PromptToken, TokenLogprob, Usage
-from splitserve.client.tools import ToolPlan
+from splitserve.client.hermes_tools import TaggedCallStream
+from splitserve.client.tools import HERMES_FORMAT, ToolPlan
 from splitserve.gateway.errors import ApiError
 from splitserve.gateway.tools import ToolCallDeltas
 
@@ -331,8 +332,12 @@ class ChatBuilder(ResponseBuilder):
         an answer that is a call ends as ``tool_calls`` with finish reason ``tool_calls``.
         One that stops being a call after its calls began streaming (cut by ``max_tokens``,
         text after the call) ends with its own finish reason and the whole answer as
-        content, as the non-streamed response has it. ``extras``: the prompt's on the
-        response, the generated ids on the choice."""
+        content, as the non-streamed response has it. In the ``hermes`` format the answer's
+        text before its first ``<tool_call>`` streams as content as it comes (the end that
+        could begin the tag held back), its calls as deltas, and the whole message holds that
+        content beside the calls (``client/hermes_tools.py``); content logprobs then go with
+        the chunks whose text reached the content. ``extras``: the prompt's on the response,
+        the generated ids on the choice."""
         super().__init__(response_id, model, index, extras)
         self.want_logprobs = want_logprobs
         self.text_parts: list[str] = []
@@ -340,9 +345,14 @@ class ChatBuilder(ResponseBuilder):
         self._held: list[str] = []
         self._held_logprobs: list[TokenLogprob] = []
         """The held content's logprobs: they go out with it."""
-        self._streams_content = self.tools is None
+        self._tagged = None if self.tools is None else self._tagged_stream(self.tools)
+        self._streams_content = self.tools is None or self._tagged is not None
         self._calls = None if self.tools is None else ToolCallDeltas(self.tools)
+        self._content_sent = ""
+        """A ``hermes`` answer's content streamed so far."""
         self.tool_calls: list[dict[str, Any]] | None = None
+        self.tool_content: str | None = None
+        """The content beside the calls (``hermes``; None: none)."""
         self.content_logprobs: list[dict[str, Any]] = []
         self.echo = echo
 
@@ -361,6 +371,10 @@ class ChatBuilder(ResponseBuilder):
             for entry in logprobs
         ]
 
+    @staticmethod
+    def _tagged_stream(plan: ToolPlan) -> TaggedCallStream | None:
+        return plan.stream() if plan.format == HERMES_FORMAT else None
+
     def opening_chunks(self) -> list[dict[str, Any]]:
         """The first streamed chunk: the assistant role, the echoed content (or none)."""
         choice = {
@@ -378,6 +392,8 @@ class ChatBuilder(ResponseBuilder):
         self._fold_extras(chunk)
         self.text_parts.append(chunk.text)
         text, logprobs = chunk.text, chunk.logprobs
+        if self._tagged is not None:
+            return self._add_tagged(text, logprobs)
         if not self._streams_content:
             assert self.tools is not None and self._calls is not None
             self._held.append(chunk.text)
@@ -397,6 +413,42 @@ class ChatBuilder(ResponseBuilder):
         }
         return [self._chunk_event(choice)]
 
+    def _add_tagged(self, text: str, logprobs: tuple[TokenLogprob, ...]) -> list[dict[str, Any]]:
+        """A ``hermes`` answer's next piece: its content and the call deltas it makes known."""
+        assert self._tagged is not None and self._calls is not None
+        content, pieces = self._tagged.feed(text)
+        events = []
+        if content:
+            self._content_sent += content
+            choice = {
+                "index": self.index,
+                "delta": {"content": content},
+                "logprobs": self._logprobs_part(logprobs),
+                "finish_reason": None,
+            }
+            events.append(self._chunk_event(choice))
+        if entries := self._calls.entries(pieces):
+            events.append(self._delta_chunk({"tool_calls": entries}))
+        return events
+
+    def _finish_tagged(self, end: Finish) -> dict[str, Any]:
+        """A ``hermes`` answer's last delta: the calls a stream still lacks, or, where it makes
+        none, the content not streamed yet (held back, or read as a call that was not one)."""
+        assert self.tools is not None and self._tagged is not None and self._calls is not None
+        text = "".join(self.text_parts)
+        answer = self.tools.answer(text)
+        self._tagged.finish()
+        delta: dict[str, Any] = {}
+        if answer is not None and end.finish_reason == "stop":
+            if rest := self._calls.rest(answer.calls):
+                delta["tool_calls"] = rest
+            self.tool_calls = self._calls.whole(answer.calls)
+            self.tool_content = answer.content
+            self.finish_reason = "tool_calls"
+        elif len(text) > len(self._content_sent):
+            delta["content"] = text[len(self._content_sent) :]
+        return delta
+
     def _logprobs_part(self, logprobs: tuple[TokenLogprob, ...]) -> dict[str, Any] | None:
         """Content's logprobs as a chunk carries them (folded into the whole response's),
         or None where they were not asked for."""
@@ -411,7 +463,9 @@ class ChatBuilder(ResponseBuilder):
         self.finish_reason, self.stop_reason = end.finish_reason, end.stop_reason
         delta: dict[str, Any] = {}
         logprobs = None
-        if not self._streams_content:
+        if self._tagged is not None:
+            delta = self._finish_tagged(end)
+        elif not self._streams_content:
             assert self.tools is not None and self._calls is not None
             calls = self.tools.parse("".join(self.text_parts))
             if calls and end.finish_reason == "stop":
@@ -443,7 +497,8 @@ class ChatBuilder(ResponseBuilder):
 
     def _message(self) -> dict[str, Any]:
         if self.tool_calls:
-            return {"role": "assistant", "content": None, "tool_calls": self.tool_calls}
+            content = None if self.tool_content is None else self.echo + self.tool_content
+            return {"role": "assistant", "content": content, "tool_calls": self.tool_calls}
         return {"role": "assistant", "content": self.echo + "".join(self.text_parts)}
 
     def whole(self) -> dict[str, Any]:

@@ -84,13 +84,15 @@ def _chat_of(body: ResponsesRequest) -> ChatCompletionRequest:
         if body.response_format is not None:
             raise invalid("send the structured output once, as text.format", "response_format")
         fields["response_format"] = response_format
-    return ChatCompletionRequest.model_construct(
+    chat = ChatCompletionRequest.model_construct(
         **fields,
         messages=messages,
         tools=_tools(body.tools),
         tool_choice=_tool_choice(body.tool_choice),
         parallel_tool_calls=body.parallel_tool_calls,
     )
+    chat._tool_format = body._tool_format
+    return chat
 
 
 def wants_logprobs(body: ResponsesRequest) -> bool:

@@ -12,12 +12,15 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from pydantic import BaseModel
+
 from splitserve.client import ChatMessage, ChatTemplate, Sampling, ToolCall
-from splitserve.client.tools import ToolPlan, tool_plan, with_tools
+from splitserve.client.tools import ToolPlan, tool_plan, with_template_tools, with_tools
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.grammar import GrammarSpec
 from splitserve.gateway import schemas
 from splitserve.gateway.errors import invalid
+from splitserve.gateway.responses_schemas import ResponsesRequest
 from splitserve.gateway.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -84,11 +87,27 @@ def _token_ids_in(prompt: str | list[str] | list[int] | list[list[int]]) -> list
     return ids
 
 
+def serve_tools_as(body: BaseModel, tool_format: str) -> None:
+    """Tell a chat or Responses ``body`` how its model calls tools (``ModelInfo``'s
+    ``tool_call_format``), before its prompts, sampling and builders are read from it."""
+    if isinstance(body, ChatCompletionRequest):
+        body._tool_format = tool_format
+    elif isinstance(body, ResponsesRequest):
+        body._tool_format = tool_format
+        if body._chat is not None:
+            body._chat._tool_format = tool_format
+
+
 def chat_prompts(body: ChatCompletionRequest) -> list[PromptArgs]:
-    """The messages, with the request's tools described in the system message when they are
-    shown (``client/tools.py``)."""
-    messages = with_tools(chat_messages(body.messages), request_tools(body))
-    return [PromptArgs(messages=tuple(messages), chat_template=chat_template_of(body))]
+    """The messages, with the request's tools shown as its model's format shows them: in
+    the system message, or among the chat template's variables (``client/tools.py``)."""
+    plan = request_tools(body)
+    messages = with_tools(chat_messages(body.messages), plan)
+    try:
+        template = with_template_tools(chat_template_of(body), plan)
+    except InvalidRequestError as error:
+        raise invalid(error.message, error.param) from None
+    return [PromptArgs(messages=tuple(messages), chat_template=template)]
 
 
 def asked_template_fields(body: _ChatTemplateFields) -> list[tuple[str, bool]]:
@@ -128,7 +147,7 @@ def request_tools(body: ChatCompletionRequest) -> ToolPlan | None:
     """The body's ``ToolPlan`` (``client/tools.py``); 400 naming the field for malformed
     tools or choices."""
     try:
-        return tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls)
+        return tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls, body._tool_format)
     except InvalidRequestError as error:
         raise invalid(error.message, error.param) from None
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 # ---- requests -----------------------------------------------------------------------------
 
@@ -312,6 +312,9 @@ class ChatCompletionRequest(_ChatTemplateFields, _SamplingFields):
     parallel_tool_calls: bool | None = Field(
         None, description="With tool_choice required: several calls in one answer (default)."
     )
+    _tool_format: str = PrivateAttr("json")
+    """How the served model calls tools (its ``ModelInfo.tool_call_format``), set by the route
+    once it knows the model (``gateway/sampling.py:serve_tools_as``)."""
     echo: bool | None = Field(
         False,
         description="vLLM's: the answer's content begins with the last message's content where "

@@ -48,7 +48,12 @@ class ToolCallDeltas:
 
     def feed(self, text: str) -> list[dict[str, Any]]:
         """The ``delta.tool_calls`` entries the answer's next piece ``text`` makes known."""
-        return [self._entry(piece) for piece in self._scanner.feed(text)]
+        return self.entries(self._scanner.feed(text))
+
+    def entries(self, pieces: list[CallPiece]) -> list[dict[str, Any]]:
+        """The ``delta.tool_calls`` entries of ``pieces`` read elsewhere (a ``hermes``
+        answer's: ``client/hermes_tools.py:TaggedCallStream``)."""
+        return [self._entry(piece) for piece in pieces]
 
     def _entry(self, piece: CallPiece) -> dict[str, Any]:
         if piece.name is None:
