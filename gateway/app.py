@@ -90,11 +90,11 @@ from splitserve.gateway.sampling import (
     MAX_CHOICES,
     PromptArgs,
     asked_template_fields,
-    serve_tools_as,
     best_of_asked,
     chat_messages,
     chat_template_of,
     check_wire_token_ids,
+    serve_tools_as,
 )
 from splitserve.gateway.token_names import named_by_id_stream
 from splitserve.gateway.unserved_fields import UnservedFields

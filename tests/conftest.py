@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from splitserve.common.grammar import GrammarCompiler
 from splitserve.common.model_files import default_model_path
 from splitserve.engine.checkpoint import LoadedCheckpoint, load_checkpoint
 from splitserve.engine.config import (
@@ -87,6 +88,15 @@ def default_checkpoint_fp32() -> LoadedCheckpoint:
     """SmolLM2-135M-Instruct (the GGUF of the default model package) dequantized to float32,
     with its quantized blocks kept (for engines made with ``quantized_weights="native"``)."""
     return load_checkpoint(default_model_path(), torch.float32, keep_quantized=True)
+
+
+@pytest.fixture(scope="session")
+def compiler(default_checkpoint_fp32: LoadedCheckpoint) -> GrammarCompiler:
+    """Structured outputs' compiler over the default model's tokenizer (its llguidance
+    tokenizer built once, at the first constraint)."""
+    checkpoint = default_checkpoint_fp32
+    eos = sorted(checkpoint.config.eos_token_ids)
+    return GrammarCompiler(checkpoint.tokenizer, checkpoint.config.vocab_size, eos)
 
 
 @pytest.fixture(scope="session")

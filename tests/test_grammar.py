@@ -27,13 +27,6 @@ SCHEMA = {
 }
 
 
-@pytest.fixture(scope="module")
-def compiler(default_checkpoint_fp32: LoadedCheckpoint) -> GrammarCompiler:
-    checkpoint = default_checkpoint_fp32
-    eos = sorted(checkpoint.config.eos_token_ids)
-    return GrammarCompiler(checkpoint.tokenizer, checkpoint.config.vocab_size, eos)
-
-
 @pytest.mark.parametrize(
     "spec",
     [

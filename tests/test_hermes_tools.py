@@ -20,7 +20,6 @@ from splitserve.client.hermes_tools import TaggedCallStream, parse_tagged
 from splitserve.client.tools import HERMES_FORMAT, ToolPlan, tool_plan, tool_request
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.grammar import GrammarCompiler
-from splitserve.engine.checkpoint import LoadedCheckpoint
 from splitserve.gateway.responses import ChatBuilder
 from splitserve.proto.cluster_auth import TOKEN_ENV
 from tests.cluster import CREDENTIAL
@@ -151,13 +150,6 @@ def test_the_tools_go_to_the_chat_template_not_a_system_message() -> None:
             ChatTemplate(kwargs={"tools": []}),
         )  # fmt: skip
     assert refused.value.param == "chat_template_kwargs"
-
-
-@pytest.fixture(scope="module")
-def compiler(default_checkpoint_fp32: LoadedCheckpoint) -> GrammarCompiler:
-    checkpoint = default_checkpoint_fp32
-    eos = sorted(checkpoint.config.eos_token_ids)
-    return GrammarCompiler(checkpoint.tokenizer, checkpoint.config.vocab_size, eos)
 
 
 def test_a_forced_choice_takes_only_blocks_of_its_tools(compiler: GrammarCompiler) -> None:

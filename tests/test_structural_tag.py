@@ -153,13 +153,6 @@ CASES: list[tuple[dict[str, Any], str, bool]] = [
 ]
 
 
-@pytest.fixture(scope="module")
-def compiler(default_checkpoint_fp32: LoadedCheckpoint) -> GrammarCompiler:
-    checkpoint = default_checkpoint_fp32
-    eos = sorted(checkpoint.config.eos_token_ids)
-    return GrammarCompiler(checkpoint.tokenizer, checkpoint.config.vocab_size, eos)
-
-
 def _matches(compiler: GrammarCompiler, spec: GrammarSpec, text: str) -> bool:
     """Whether ``text``'s tokens, fed one by one, take the constraint to an accepting state."""
     from llguidance import LLMatcher
