@@ -67,7 +67,10 @@ async def _stream_and_terminate(
         # slow: the same walk as the hand-over case up to the timeout; the fault matrix's
         # SIGTERM of a decode worker (slow too) drains within the default timeout as well
         pytest.param(120.0, False, marks=pytest.mark.slow),
-        (0.05, True),  # well within one stream's remaining tokens on a fast core
+        # slow too (31 s, to keep the default suite within 10 minutes): the default suite
+        # drains a frontend under load (tests/test_frontend.py); the fault matrix's SIGTERMs
+        # of a coordinator and a prefill worker (slow) drain with streams in flight
+        pytest.param(0.05, True, marks=pytest.mark.slow),  # within one stream's remaining tokens
     ],
 )
 def test_a_terminated_decode_worker_drains_and_exits_0(

@@ -41,7 +41,9 @@ def adapters(lora_adapters) -> dict[str, tuple[Path, torch.nn.Module]]:
     return {name: (saved.folder, saved.model) for name, saved in lora_adapters.items()}
 
 
-@pytest.mark.parametrize("layout", ["bank", "apart"])
+@pytest.mark.parametrize(
+    "layout", ["bank", pytest.param("apart", marks=pytest.mark.slow)]
+)  # apart: 10 s; tests/test_lora_runtime.py lays adapters apart and checks PEFT's tokens
 def test_adapters_equal_peft_in_one_batch(
     default_checkpoint_fp32: LoadedCheckpoint, hf_default_model_fp32, adapters, layout, monkeypatch
 ) -> None:

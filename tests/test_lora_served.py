@@ -57,6 +57,7 @@ def expected(
     return {key: result.token_ids for key, result in zip(keys, results, strict=True)}
 
 
+@pytest.mark.slow  # 15 s; tests/test_lora_runtime_served.py (slow) serves adapters the same way
 def test_adapters_served_through_the_gateway(adapter_folders, expected) -> None:
     modules = ",".join(f"{name}={folder}" for name, folder in adapter_folders.items())
     lines: dict[str, str] = {}

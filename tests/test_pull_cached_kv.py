@@ -135,6 +135,7 @@ def test_a_pulled_prefix_is_computed_no_more_and_the_tokens_are_the_same(
     assert_no_leaks(decode)
 
 
+@pytest.mark.slow  # 4 s
 def test_pulled_kv_that_does_not_follow_the_cached_prefix_is_not_taken(
     default_checkpoint_fp32: LoadedCheckpoint, conversation: Conversation
 ) -> None:
@@ -257,7 +258,11 @@ async def _until_free(engine: AsyncEngine) -> None:
     raise AssertionError(f"{engine.latest_load.num_free_blocks} blocks free")
 
 
-@pytest.mark.parametrize("refuse_pulls", [False, True], ids=["pulled", "pull-failed"])
+@pytest.mark.parametrize(
+    "refuse_pulls",
+    [False, pytest.param(True, marks=pytest.mark.slow)],  # slow: 5 s, the fallback's walk
+    ids=["pulled", "pull-failed"],
+)
 def test_the_workers_hand_a_turn_over_with_a_pull_or_without_one(
     default_checkpoint_fp32: LoadedCheckpoint, conversation: Conversation, refuse_pulls: bool
 ) -> None:

@@ -342,6 +342,7 @@ async def _bad_requests_do_not_disturb_others(address: str) -> None:
         assert len(tokens) == 16
 
 
+@pytest.mark.slow  # 7 s: two workers started for a refusal at the handshake
 def test_mismatched_kv_layout_is_refused_at_handshake() -> None:
     decode_argv = ["splitserve.decode.main", "--port=0", *WORKER_FLAGS, "--block-size=16"]
     prefill_argv = ["splitserve.prefill.main", "--port=0", "--num-blocks=100", "--threads=1"]
