@@ -52,7 +52,7 @@ from splitserve.client.continuation import StreamContinuation
 from splitserve.client.errors import DEFAULT_RETRY, ClientError, RetryPolicy
 from splitserve.client.retry import Deadline, resolve_timeout
 from splitserve.client.stream_mux import MultiplexedStream, StreamMultiplexer
-from splitserve.client.tools import JSON_FORMAT, tool_request, with_tool_calls
+from splitserve.client.tools import tool_request, with_tool_calls
 from splitserve.client.types import (
     ChatTemplate,
     Chunk,
@@ -90,6 +90,7 @@ class AsyncClient:
         self.target = target
         self._multiplexer = multiplexer
         self._metadata = call_metadata(api_key)
+        self._formats: tuple[str, str] | None = None
         self._credentials = credentials
         self.timeout_s = timeout_s
         self.retry = retry
@@ -197,10 +198,11 @@ class AsyncClient:
         and a forced choice constrains its answer, as the gateway does (``client/tools.py``);
         the calls it makes come back as ``Generation.tool_calls`` with finish reason
         ``tool_calls``. Malformed tools raise ``InvalidRequestError`` (a ``ValueError``)."""
-        tool_format = (await self.model_info()).tool_call_format if tools else JSON_FORMAT
+        tool_format, reasoning_format = await self._served_formats()
         asked = tool_request(
-            messages, sampling, tools, tool_choice, parallel_tool_calls, tool_format, chat_template
-        )
+            messages, sampling, tools, tool_choice, parallel_tool_calls, tool_format,
+            chat_template, reasoning_format,
+        )  # fmt: skip
         chunks: list[Chunk] = []
         items = self.stream(
             prompt,
@@ -221,7 +223,9 @@ class AsyncClient:
         async with contextlib.aclosing(items):
             async for item in items:
                 if isinstance(item, Finish):
-                    return with_tool_calls(Generation.of(chunks, item), asked.plan)
+                    return with_tool_calls(
+                        Generation.of(chunks, item), asked.plan, reasoning_format
+                    )
                 chunks.append(item)
         raise AssertionError("unreachable: stream() ends with a Finish or raises")
 
@@ -322,6 +326,14 @@ class AsyncClient:
             for beam in beams
         ]
         return [BeamResult(beam, text) for beam, text in zip(beams, texts, strict=True)]
+
+    async def _served_formats(self) -> tuple[str, str]:
+        """The served model's tool-call and reasoning formats (``ModelInfo``), asked once:
+        they hold for the coordinator's life."""
+        if self._formats is None:
+            info = await self.model_info()
+            self._formats = (info.tool_call_format, info.reasoning_format)
+        return self._formats
 
     async def model_info(self, *, timeout_s: float | None | EllipsisType = ...) -> ModelInfo:
         """The served model: name, context window, vocabulary, EOS ids, dtype."""

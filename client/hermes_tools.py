@@ -18,7 +18,8 @@ Contract:
   (the end of the text that could still be the start of ``<tool_call>`` is held back), then
   each call is announced once its name is read and its arguments follow piece by piece
   (``client/tool_call_scanner.py``, call indexes counted across blocks). What it streamed of
-  content, joined, is what ``parse_tagged`` gives as content, whenever the answer makes calls.
+  content, joined, is what ``parse_tagged`` gives as content, whenever the answer makes calls
+  (but for content of whitespace alone, streamed as it came and null in the whole answer).
 - ``tagged_grammar``: the structural tag a forced choice's answer must match: one block per
   call (only the allowed tools, each one's arguments by its own schema), blocks separated by a
   line break, at least one, only one where parallel calls are off.

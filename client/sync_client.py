@@ -34,7 +34,7 @@ from splitserve.client.connection import call_metadata, sync_channel
 from splitserve.client.continuation import StreamContinuation
 from splitserve.client.errors import DEFAULT_RETRY, ClientError, RetryPolicy
 from splitserve.client.retry import Deadline, resolve_timeout
-from splitserve.client.tools import JSON_FORMAT, tool_request, with_tool_calls
+from splitserve.client.tools import tool_request, with_tool_calls
 from splitserve.client.types import (
     ChatTemplate,
     Chunk,
@@ -72,6 +72,7 @@ class Client:
     ) -> None:
         self.target = target
         self._metadata = call_metadata(api_key)
+        self._formats: tuple[str, str] | None = None
         self.timeout_s = timeout_s
         self.retry = retry
         self._owns_channel = channel is None
@@ -143,10 +144,11 @@ class Client:
     ) -> Generation:
         """The whole completion of ``stream()`` with the same arguments, joined; ``tools``
         as ``AsyncClient.generate``."""
-        tool_format = (self.model_info()).tool_call_format if tools else JSON_FORMAT
+        tool_format, reasoning_format = self._served_formats()
         asked = tool_request(
-            messages, sampling, tools, tool_choice, parallel_tool_calls, tool_format, chat_template
-        )
+            messages, sampling, tools, tool_choice, parallel_tool_calls, tool_format,
+            chat_template, reasoning_format,
+        )  # fmt: skip
         chunks: list[Chunk] = []
         items = self.stream(
             prompt,
@@ -167,7 +169,9 @@ class Client:
         with contextlib.closing(items):
             for item in items:
                 if isinstance(item, Finish):
-                    return with_tool_calls(Generation.of(chunks, item), asked.plan)
+                    return with_tool_calls(
+                        Generation.of(chunks, item), asked.plan, reasoning_format
+                    )
                 chunks.append(item)
         raise AssertionError("unreachable: stream() ends with a Finish or raises")
 
@@ -176,6 +180,14 @@ class Client:
         "abort". False when no such request is running."""
         request = coordinator_pb2.AbortRequest(request_id=request_id)
         return self._unary(self._coordinator.Abort, request, timeout_s).aborted
+
+    def _served_formats(self) -> tuple[str, str]:
+        """The served model's tool-call and reasoning formats (``ModelInfo``), asked once:
+        they hold for the coordinator's life."""
+        if self._formats is None:
+            info = self.model_info()
+            self._formats = (info.tool_call_format, info.reasoning_format)
+        return self._formats
 
     def model_info(self, *, timeout_s: float | None | EllipsisType = ...) -> ModelInfo:
         """The served model: name, context window, vocabulary, EOS ids, dtype."""

@@ -50,6 +50,7 @@ from splitserve.client.hermes_tools import (
     parse_tagged,
     tagged_grammar,
 )
+from splitserve.client.reasoning import after_reasoning, split_reasoning
 from splitserve.client.tool_call_scanner import ToolCallScanner
 from splitserve.client.types import ChatMessage, ChatTemplate, Generation, Sampling, ToolCall
 from splitserve.common.errors import InvalidRequestError
@@ -286,6 +287,7 @@ def tool_request(
     parallel_tool_calls: bool | None,
     tool_format: str = JSON_FORMAT,
     chat_template: ChatTemplate | None = None,
+    reasoning_format: str = "",
 ) -> ToolRequest:
     """A chat request with its tools applied (the Python clients' ``generate``), its plan
     None without tools: the tools shown as ``tool_format`` shows them (a system message, or
@@ -308,6 +310,8 @@ def tool_request(
     grammar = plan.grammar()
     if grammar is None:
         return ToolRequest(given, sampling, template, plan)
+    if reasoning_format:  # a reasoning model thinks first, then calls
+        grammar = after_reasoning(grammar, reasoning_format)
     if sampling is not None and sampling.grammar is not None:
         raise InvalidRequestError(
             "a forced tool call and a structured output exclude each other", "tool_choice"
@@ -315,11 +319,18 @@ def tool_request(
     return ToolRequest(given, replace(sampling or Sampling(), grammar=grammar), template, plan)
 
 
-def with_tool_calls(generation: Generation, plan: ToolPlan | None) -> Generation:
-    """``generation`` with the calls its text makes (``ToolPlan.answer``) as ``tool_calls``
-    and finish reason ``tool_calls`` (its text stays the whole answer as written); unchanged
-    when it makes none."""
-    answer = None if plan is None or not plan.shown else plan.answer(generation.text)
+def with_tool_calls(
+    generation: Generation, plan: ToolPlan | None, reasoning_format: str = ""
+) -> Generation:
+    """``generation`` with its reasoning split off (a reasoning model's:
+    ``client/reasoning.py``) and the calls its content makes (``ToolPlan.answer``) as
+    ``tool_calls`` with finish reason ``tool_calls`` (its text stays the whole answer as
+    written)."""
+    content = generation.text
+    if reasoning_format:
+        split = split_reasoning(generation.text, reasoning_format)
+        generation, content = replace(generation, reasoning=split.reasoning), split.content
+    answer = None if plan is None or not plan.shown else plan.answer(content)
     if answer is None:
         return generation
     return replace(generation, tool_calls=tuple(answer.calls), finish_reason="tool_calls")

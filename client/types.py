@@ -234,6 +234,10 @@ class Generation:
     prompt_logprobs: tuple[TokenLogprob, ...] = ()
     """When asked: one record per prompt token after the first (``Chunk.prompt_logprobs``)."""
     prompt_first_token: PromptToken | None = None
+    reasoning: str | None = None
+    """A reasoning model's reasoning (``ModelInfo.reasoning_format``): the part of ``text``
+    before ``</think>``, tags left out; None where it wrote none or the model has none.
+    ``text`` stays the whole answer as written."""
 
     @classmethod
     def of(cls, chunks: Sequence[Chunk], finish: Finish) -> Generation:
@@ -272,6 +276,8 @@ class ModelInfo:
     base model's tokenizer and context; each adapter's own weights)."""
     tool_call_format: str = "json"
     """How its chat answers call tools (``client/tools.py:TOOL_FORMATS``)."""
+    reasoning_format: str = ""
+    """How its answers hold their reasoning ("": none; ``client/reasoning.py``)."""
 
 
 @dataclass(frozen=True)

@@ -227,4 +227,5 @@ def model_info(message: coordinator_pb2.ModelInfo) -> ModelInfo:
         checkpoint=message.checkpoint,
         adapters=tuple(message.adapters),
         tool_call_format=message.tool_call_format or "json",
+        reasoning_format=message.reasoning_format,
     )

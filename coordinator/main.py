@@ -191,6 +191,7 @@ def _config_of(
         lora_admin_tenants=comma_separated(settings.lora_admin_tenants),
         trust_request_chat_template=settings.trust_request_chat_template,
         tool_call_format=settings.tool_call_parser,
+        reasoning_format=settings.reasoning_parser,
         routing=settings.routing_config(),
         flow=settings.flow_config(),
         admission=settings.admission_config(),

@@ -118,6 +118,9 @@ class CoordinatorConfig:
     tool_call_format: str = "json"
     """How chat answers call tools (``client/tools.py:TOOL_FORMATS``, ``--tool-call-parser``),
     reported in ``ModelInfo`` for the gateway and the clients that parse the answers."""
+    reasoning_format: str = ""
+    """How answers hold their reasoning (``client/reasoning.py``, ``--reasoning-parser``; ""
+    none), reported in ``ModelInfo``: the gateway splits it off the content."""
     trust_request_chat_template: bool = False
     """Whether a request may bring its own chat template (vLLM's flag of the same name); else
     one is refused naming ``chat_template``."""

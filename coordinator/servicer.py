@@ -324,6 +324,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             eos_token_ids=[] if eos is None else [eos],
             dtype=decode[0].dtype if decode else "",
             tool_call_format=coordinator.config.tool_call_format,
+            reasoning_format=coordinator.config.reasoning_format,
         )
 
 

@@ -129,6 +129,14 @@ class CoordinatorSettings:
         "<tool_call> blocks; the template must read tools)",
         choices=("json", "hermes"),
     )
+    reasoning_parser: str = setting(
+        "",
+        "how answers hold their reasoning (vLLM's flag): deepseek_r1 (DeepSeek-R1 and its "
+        "distills: the answer begins inside <think>) or qwen3 (Qwen3, QwQ: an answer that "
+        "opens <think>); the gateway returns it as reasoning_content and constrains a "
+        "structured output or a forced tool call only after it. Default: none",
+        choices=("", "deepseek_r1", "qwen3"),
+    )
     enable_auto_tool_choice: bool = setting(
         False, "accepted for vLLM's command lines: tool_choice auto is always served here"
     )

@@ -94,7 +94,7 @@ from splitserve.gateway.sampling import (
     chat_messages,
     chat_template_of,
     check_wire_token_ids,
-    serve_tools_as,
+    serve_model_formats,
 )
 from splitserve.gateway.token_names import named_by_id_stream
 from splitserve.gateway.unserved_fields import UnservedFields
@@ -479,7 +479,7 @@ async def _generate(
     request_id = _request_id(request, body)
     # a conversation's requests that carry one go to one decode worker (coordinator/router.py)
     session_id = _id_header(request, "x-session-id")
-    serve_tools_as(body, route.info.tool_call_format)
+    serve_model_formats(body, route.info)
     prompts = endpoint.prompts(body)
     keep_best = best_of_asked(body)  # then best_of candidates per prompt, n of them kept
     samplings = choice_samplings(endpoint.sampling(body), keep_best or body.n)

@@ -99,7 +99,8 @@ def _chat_builder(
 ) -> ResponseBuilder:
     return ChatBuilder(
         response_id, model, bool(body.logprobs), index, request_tools(body),
-        _extras(body, prompt), chat_echo(body),
+        _extras(body, prompt), chat_echo(body), body._reasoning_format,
+        body.include_reasoning is not False,
     )  # fmt: skip
 
 

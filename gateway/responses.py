@@ -19,6 +19,7 @@ from typing import Any
 
 from splitserve.client import Chunk, Finish, PromptToken, TokenLogprob, Usage
 from splitserve.client.hermes_tools import TaggedCallStream
+from splitserve.client.reasoning import ReasoningStream
 from splitserve.client.tools import HERMES_FORMAT, ToolPlan
 from splitserve.gateway.errors import ApiError
 from splitserve.gateway.tools import ToolCallDeltas
@@ -322,8 +323,14 @@ class ChatBuilder(ResponseBuilder):
         tools: ToolPlan | None = None,
         extras: Extras = NO_EXTRAS,
         echo: str = "",
+        reasoning: str = "",
+        show_reasoning: bool = True,
     ) -> None:
-        """``echo``: the text the content begins with (``gateway/sampling.py:chat_echo``),
+        """``reasoning``: the model's reasoning format (``client/reasoning.py``; "" none):
+        its reasoning streams as ``delta.reasoning_content`` and the message holds it as
+        ``reasoning_content`` (unless ``show_reasoning`` is false), the rest goes on as
+        content (tool calls are read in it; content logprobs are its tokens'). ``echo``: the
+        text the content begins with (``gateway/sampling.py:chat_echo``),
         sent with the opening chunk. ``tools``: the request's shown tools
         (``client/tools.py``): an answer that may be a tool call is held back as content until
         it is known not to be one (it left the format, ``client/tool_call_scanner.py``; with a
@@ -355,6 +362,9 @@ class ChatBuilder(ResponseBuilder):
         """The content beside the calls (``hermes``; None: none)."""
         self.content_logprobs: list[dict[str, Any]] = []
         self.echo = echo
+        self._reasoning = ReasoningStream(reasoning) if reasoning else None
+        self._show_reasoning = show_reasoning
+        self.reasoning_parts: list[str] = []
 
     @staticmethod
     def _content_logprobs(logprobs: tuple[TokenLogprob, ...]) -> list[dict[str, Any]]:
@@ -386,19 +396,35 @@ class ChatBuilder(ResponseBuilder):
         return [self._chunk_event(choice)]
 
     def add(self, chunk: Chunk) -> list[dict[str, Any]]:
-        """The chunk's streamed form: its content, or the pieces of tool calls it makes
-        known; none while its content is held (it may be a call)."""
+        """The chunk's streamed form: its reasoning (a reasoning model's), its content, or
+        the pieces of tool calls it makes known; none while its content is held (it may be a
+        call)."""
         self.usage = chunk.usage
         self._fold_extras(chunk)
-        self.text_parts.append(chunk.text)
-        text, logprobs = chunk.text, chunk.logprobs
+        if self._reasoning is None:
+            return self._add_content(chunk.text, chunk.logprobs)
+        thought, text = self._reasoning.feed(chunk.text)
+        events = self._thought_events(thought)
+        return events + (self._add_content(text, chunk.logprobs) if text else [])
+
+    def _thought_events(self, thought: str) -> list[dict[str, Any]]:
+        """A piece of the reasoning as ``delta.reasoning_content`` (none where it is not
+        shown, ``include_reasoning: false``)."""
+        self.reasoning_parts.append(thought)
+        if not thought or not self._show_reasoning:
+            return []
+        return [self._delta_chunk({"reasoning_content": thought})]
+
+    def _add_content(self, text: str, logprobs: tuple[TokenLogprob, ...]) -> list[dict[str, Any]]:
+        """The answer's next piece of content: streamed, held, or read as tool calls."""
+        self.text_parts.append(text)
         if self._tagged is not None:
             return self._add_tagged(text, logprobs)
         if not self._streams_content:
             assert self.tools is not None and self._calls is not None
-            self._held.append(chunk.text)
-            self._held_logprobs.extend(chunk.logprobs)
-            if entries := self._calls.feed(chunk.text):
+            self._held.append(text)
+            self._held_logprobs.extend(logprobs)
+            if entries := self._calls.feed(text):
                 return [self._delta_chunk({"tool_calls": entries})]
             if self.tools.forced or self._calls.started or not self._calls.failed:
                 return []
@@ -459,6 +485,15 @@ class ChatBuilder(ResponseBuilder):
         return {"content": part}
 
     def finish(self, end: Finish) -> list[dict[str, Any]]:
+        events = []
+        if self._reasoning is not None:  # what it held back, as the part it belonged to
+            thought, text = self._reasoning.finish()
+            events = self._thought_events(thought)
+            if text:
+                events += self._add_content(text, ())
+        return events + self._finish_content(end)
+
+    def _finish_content(self, end: Finish) -> list[dict[str, Any]]:
         self.usage = end.usage
         self.finish_reason, self.stop_reason = end.finish_reason, end.stop_reason
         delta: dict[str, Any] = {}
@@ -496,10 +531,13 @@ class ChatBuilder(ResponseBuilder):
         return event
 
     def _message(self) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant"}
+        if self._reasoning is not None and self._reasoning.reasoned and self._show_reasoning:
+            message["reasoning_content"] = "".join(self.reasoning_parts)
         if self.tool_calls:
             content = None if self.tool_content is None else self.echo + self.tool_content
-            return {"role": "assistant", "content": content, "tool_calls": self.tool_calls}
-        return {"role": "assistant", "content": self.echo + "".join(self.text_parts)}
+            return {**message, "content": content, "tool_calls": self.tool_calls}
+        return {**message, "content": self.echo + "".join(self.text_parts)}
 
     def whole(self) -> dict[str, Any]:
         choice = {

@@ -92,6 +92,7 @@ def _chat_of(body: ResponsesRequest) -> ChatCompletionRequest:
         parallel_tool_calls=body.parallel_tool_calls,
     )
     chat._tool_format = body._tool_format
+    chat._reasoning_format = body._reasoning_format
     return chat
 
 

@@ -77,6 +77,8 @@ class ResponsesRequest(_SamplingFields):
     prompt: dict[str, Any] | None = None
     _tool_format: str = PrivateAttr("json")
     """As ``ChatCompletionRequest``'s: passed on to the chat it amounts to."""
+    _reasoning_format: str = PrivateAttr("")
+    """As ``ChatCompletionRequest``'s: passed on to the chat it amounts to."""
     _chat: ChatCompletionRequest | None = PrivateAttr(None)
     """The chat completion this request amounts to, once ``gateway/responses_input.py:as_chat``
     made it (its prompt, sampling and builder each ask for it)."""

@@ -14,7 +14,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from splitserve.client import ChatMessage, ChatTemplate, Sampling, ToolCall
+from splitserve.client import ChatMessage, ChatTemplate, ModelInfo, Sampling, ToolCall
+from splitserve.client.reasoning import after_reasoning
 from splitserve.client.tools import ToolPlan, tool_plan, with_template_tools, with_tools
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.grammar import GrammarSpec
@@ -87,15 +88,20 @@ def _token_ids_in(prompt: str | list[str] | list[int] | list[list[int]]) -> list
     return ids
 
 
-def serve_tools_as(body: BaseModel, tool_format: str) -> None:
-    """Tell a chat or Responses ``body`` how its model calls tools (``ModelInfo``'s
-    ``tool_call_format``), before its prompts, sampling and builders are read from it."""
+def serve_model_formats(body: BaseModel, info: ModelInfo) -> None:
+    """Tell a chat or Responses ``body`` how its model calls tools and holds its reasoning
+    (``ModelInfo``'s ``tool_call_format`` and ``reasoning_format``), before its prompts,
+    sampling and builders are read from it."""
+    bodies: list[ChatCompletionRequest | ResponsesRequest] = []
     if isinstance(body, ChatCompletionRequest):
-        body._tool_format = tool_format
+        bodies.append(body)
     elif isinstance(body, ResponsesRequest):
-        body._tool_format = tool_format
+        bodies.append(body)
         if body._chat is not None:
-            body._chat._tool_format = tool_format
+            bodies.append(body._chat)
+    for each in bodies:
+        each._tool_format = info.tool_call_format
+        each._reasoning_format = info.reasoning_format
 
 
 def chat_prompts(body: ChatCompletionRequest) -> list[PromptArgs]:
@@ -234,6 +240,19 @@ def _ranking_logprobs(body: _SamplingFields, logprobs: int | None) -> int | None
 
 
 def chat_sampling(body: ChatCompletionRequest) -> Sampling:
+    """The chat body's sampling, a forced tool call's grammar included; with a reasoning
+    model, its constraint applies after the reasoning (``client/reasoning.py``)."""
+    sampling = _chat_sampling(body)
+    if body._reasoning_format and sampling.grammar is not None:
+        try:
+            grammar = after_reasoning(sampling.grammar, body._reasoning_format)
+        except InvalidRequestError as error:
+            raise invalid(error.message, error.param) from None
+        return replace(sampling, grammar=grammar)
+    return sampling
+
+
+def _chat_sampling(body: ChatCompletionRequest) -> Sampling:
     if body.top_logprobs and not body.logprobs:
         raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
     both = body.max_tokens and body.max_completion_tokens

@@ -314,7 +314,14 @@ class ChatCompletionRequest(_ChatTemplateFields, _SamplingFields):
     )
     _tool_format: str = PrivateAttr("json")
     """How the served model calls tools (its ``ModelInfo.tool_call_format``), set by the route
-    once it knows the model (``gateway/sampling.py:serve_tools_as``)."""
+    once it knows the model (``gateway/sampling.py:serve_model_formats``)."""
+    _reasoning_format: str = PrivateAttr("")
+    """How its answers hold their reasoning (``ModelInfo.reasoning_format``; "" none), set so."""
+    include_reasoning: bool | None = Field(
+        True,
+        description="vLLM's: with a reasoning model (the coordinator's --reasoning-parser), "
+        "return its reasoning as reasoning_content (default true; false leaves it out).",
+    )
     echo: bool | None = Field(
         False,
         description="vLLM's: the answer's content begins with the last message's content where "
@@ -413,6 +420,9 @@ class ResponseToolCall(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    reasoning_content: str | None = Field(
+        None, description="A reasoning model's reasoning (the coordinator's --reasoning-parser)."
+    )
     tool_calls: list[ResponseToolCall] | None = None
 
 

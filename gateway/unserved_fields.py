@@ -78,7 +78,7 @@ REFUSED: dict[str, Refusal] = {
 """Fields with an effect splitserve does not implement, by name."""
 
 KNOWN_IGNORED = frozenset({
-    "include_reasoning", "metadata", "store", "service_tier",
+    "metadata", "store", "service_tier",
     "guided_decoding_backend",
     "prediction", "web_search_options", "verbosity", "safety_identifier", "prompt_cache_key",
     "name",

@@ -212,11 +212,12 @@ Call one by writing its name and arguments as JSON in <tool_call></tool_call> ta
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_cluster_serving_the_hermes_format(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """``--tool-call-parser hermes`` with ``--chat-template``: the gateway reads the format
-    from the model's info; a required choice answers one ``<tool_call>`` block that comes back
-    as the call, whole and streamed alike (the openai SDK); a named choice calls that tool;
-    the tools reach the template (the prompt holds their signatures); the Python client does
-    the same over gRPC."""
+    """``--tool-call-parser hermes`` with ``--chat-template`` (and ``--reasoning-parser
+    qwen3``, whose optional reasoning comes before a forced call): the gateway reads the
+    formats from the model's info; a required choice answers one ``<tool_call>`` block that
+    comes back as the call, whole and streamed alike (the openai SDK); a named choice calls
+    that tool; the tools reach the template (the prompt holds their signatures); the Python
+    client does the same over gRPC."""
     import openai
 
     from splitserve.client import Client, Sampling
@@ -224,7 +225,11 @@ def test_a_cluster_serving_the_hermes_format(tmp_path) -> None:  # type: ignore[
 
     template = tmp_path / "hermes.jinja"
     template.write_text(HERMES_TEMPLATE)
-    env = {"SPLITSERVE_TOOL_CALL_PARSER": "hermes", "SPLITSERVE_CHAT_TEMPLATE": str(template)}
+    env = {  # Qwen3's configuration: its tool calls, its reasoning (the tiny model writes none)
+        "SPLITSERVE_TOOL_CALL_PARSER": "hermes",
+        "SPLITSERVE_REASONING_PARSER": "qwen3",
+        "SPLITSERVE_CHAT_TEMPLATE": str(template),
+    }
     lines: dict[str, str] = {}
     flags = ("--num-blocks=256", "--threads=1", "--max-model-len=2048")
     with cluster(0, 1, *flags, ready_lines=lines, env=env) as address:
@@ -265,7 +270,8 @@ def test_a_cluster_serving_the_hermes_format(tmp_path) -> None:  # type: ignore[
         )  # fmt: skip
         assert isinstance(tokenized, dict) and tokenized["count"] > 0
         with Client(address) as client:
-            assert client.model_info().tool_call_format == "hermes"
+            info = client.model_info()
+            assert (info.tool_call_format, info.reasoning_format) == ("hermes", "qwen3")
             generation = client.generate(
                 messages=[ChatMessage("user", "What time is it?")],
                 tools=[ADD, NOW], tool_choice={"type": "function", "function": {"name": "now"}},

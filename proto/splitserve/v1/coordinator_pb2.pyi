@@ -257,7 +257,7 @@ class DetokenizeResponse(_message.Message):
     def __init__(self, text: _Optional[str] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "max_model_len", "vocab_size", "eos_token_ids", "dtype", "aliases", "checkpoint", "adapters", "tool_call_format")
+    __slots__ = ("model", "max_model_len", "vocab_size", "eos_token_ids", "dtype", "aliases", "checkpoint", "adapters", "tool_call_format", "reasoning_format")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -267,6 +267,7 @@ class ModelInfo(_message.Message):
     CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALL_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    REASONING_FORMAT_FIELD_NUMBER: _ClassVar[int]
     model: str
     max_model_len: int
     vocab_size: int
@@ -276,7 +277,8 @@ class ModelInfo(_message.Message):
     checkpoint: str
     adapters: _containers.RepeatedScalarFieldContainer[str]
     tool_call_format: str
-    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., aliases: _Optional[_Iterable[str]] = ..., checkpoint: _Optional[str] = ..., adapters: _Optional[_Iterable[str]] = ..., tool_call_format: _Optional[str] = ...) -> None: ...
+    reasoning_format: str
+    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., aliases: _Optional[_Iterable[str]] = ..., checkpoint: _Optional[str] = ..., adapters: _Optional[_Iterable[str]] = ..., tool_call_format: _Optional[str] = ..., reasoning_format: _Optional[str] = ...) -> None: ...
 
 class RegisterWorkerRequest(_message.Message):
     __slots__ = ("worker",)
