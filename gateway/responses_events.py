@@ -10,6 +10,11 @@ Contract of a stream (each event has ``type`` and a ``sequence_number`` counting
   (an ``output_text`` part), one ``response.output_text.delta`` per piece of text, and at the
   end ``response.output_text.done``, ``response.content_part.done`` and
   ``response.output_item.done`` with the whole text;
+- a reasoning model's reasoning (``--reasoning-parser``: ``client/reasoning.py``), first:
+  ``response.output_item.added`` (a ``reasoning`` item), one
+  ``response.reasoning_text.delta`` per piece, and at the end
+  ``response.reasoning_text.done`` and ``response.output_item.done``; the usage's
+  ``reasoning_tokens`` counts the tokens of the chunks that carried reasoning;
 - each tool call: ``response.output_item.added`` (a ``function_call`` item with its
   ``call_id`` and name), ``response.function_call_arguments.delta`` per piece of its
   arguments, and at the end ``response.function_call_arguments.done`` and
@@ -55,7 +60,9 @@ class ResponsesBuilder(ResponseBuilder):
         super().__init__(response_id, model)
         self.body = body
         self.want_logprobs = wants_logprobs(body)
-        self.chat = ChatBuilder(response_id, model, self.want_logprobs, 0, tools)
+        self.chat = ChatBuilder(
+            response_id, model, self.want_logprobs, 0, tools, reasoning=body._reasoning_format
+        )
         self.sequence = 0
         self.status = "in_progress"
         self.completed_at: int | None = None
@@ -63,6 +70,9 @@ class ResponsesBuilder(ResponseBuilder):
         """Output items in order, as the stream has them so far."""
         self.message: dict[str, Any] | None = None
         """The message item text goes to (None until text arrives)."""
+        self.reasoning: dict[str, Any] | None = None
+        """The reasoning item (None until reasoning arrives)."""
+        self.reasoning_tokens = 0
         self.calls: list[dict[str, Any]] = []
         """Function call items by the chat stream's call index."""
         self.index_of: dict[str, int] = {}
@@ -84,8 +94,12 @@ class ResponsesBuilder(ResponseBuilder):
 
     def add(self, chunk: Chunk) -> list[dict[str, Any]]:
         events: list[dict[str, Any]] = []
+        reasoned = False
         for chat_chunk in self.chat.add(chunk):
-            events += self._from_choice(chat_chunk["choices"][0])
+            choice = chat_chunk["choices"][0]
+            reasoned = reasoned or bool(choice["delta"].get("reasoning_content"))
+            events += self._from_choice(choice)
+        self.reasoning_tokens += len(chunk.token_ids) if reasoned else 0
         self.usage = chunk.usage
         return events
 
@@ -114,6 +128,8 @@ class ResponsesBuilder(ResponseBuilder):
         """The events of one chat chunk's choice: its text, its tool call pieces."""
         events: list[dict[str, Any]] = []
         delta = choice["delta"]
+        if thought := delta.get("reasoning_content"):
+            events += self._reasoning_piece(thought)
         text = delta.get("content") or ""
         logprobs = (choice.get("logprobs") or {}).get("content") or []
         if text or logprobs:  # a token of no text (the stop token) may still have a logprob
@@ -130,6 +146,29 @@ class ResponsesBuilder(ResponseBuilder):
             )
         for entry in delta.get("tool_calls") or ():
             events += self._call_piece(entry)
+        return events
+
+    def _reasoning_piece(self, thought: str) -> list[dict[str, Any]]:
+        """A piece of the reasoning: the reasoning item opened at the first."""
+        events = []
+        if self.reasoning is None:
+            self.reasoning = {
+                "type": "reasoning",
+                "id": _item_id("rs"),
+                "summary": [],
+                "content": [{"type": "reasoning_text", "text": ""}],
+                "status": "in_progress",
+            }
+            index = self._append(self.reasoning)
+            events.append(
+                self._event(
+                    "response.output_item.added", output_index=index, item=_copy(self.reasoning)
+                )
+            )
+        self.reasoning["content"][0]["text"] += thought
+        events.append(
+            self._part_event("response.reasoning_text.delta", self.reasoning, delta=thought)
+        )
         return events
 
     def _open_message(self) -> list[dict[str, Any]]:
@@ -200,7 +239,10 @@ class ResponsesBuilder(ResponseBuilder):
         """The events that end output item ``index``, now with its final ``status``."""
         item["status"] = status
         events = []
-        if item["type"] == "message":
+        if item["type"] == "reasoning":
+            text = item["content"][0]["text"]
+            events.append(self._part_event("response.reasoning_text.done", item, text=text))
+        elif item["type"] == "message":
             part = item["content"][0]
             events.append(
                 self._part_event(
@@ -259,16 +301,16 @@ class ResponsesBuilder(ResponseBuilder):
             "truncation": "disabled",
             "usage": None
             if self.usage is None or self.status == "in_progress"
-            else _usage(self.usage),
+            else _usage(self.usage, self.reasoning_tokens),
         }
 
 
-def _usage(usage: Usage) -> dict[str, Any]:
+def _usage(usage: Usage, reasoning_tokens: int) -> dict[str, Any]:
     return {
         "input_tokens": usage.prompt_tokens,
         "input_tokens_details": {"cached_tokens": usage.cached_tokens},
         "output_tokens": usage.completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
     }
 

@@ -124,6 +124,21 @@ class FunctionCallItem(BaseModel):
     status: Literal["in_progress", "completed", "incomplete"]
 
 
+class ReasoningText(BaseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class ReasoningItem(BaseModel):
+    """A reasoning model's reasoning (the coordinator's ``--reasoning-parser``)."""
+
+    type: Literal["reasoning"] = "reasoning"
+    id: str
+    summary: list[Any]
+    content: list[ReasoningText]
+    status: Literal["in_progress", "completed", "incomplete"]
+
+
 class InputTokensDetails(BaseModel):
     cached_tokens: int
 
@@ -164,7 +179,7 @@ class ResponseObject(BaseModel):
     instructions: str | None
     max_output_tokens: int | None
     model: str
-    output: list[OutputMessage | FunctionCallItem]
+    output: list[ReasoningItem | OutputMessage | FunctionCallItem]
     parallel_tool_calls: bool
     previous_response_id: None
     store: Literal[False]

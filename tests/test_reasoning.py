@@ -148,3 +148,30 @@ def test_the_engine_answers_in_the_form_after_its_reasoning(
         assert re.fullmatch(r"\s*\{.*\}", content, re.DOTALL), result.text
         assert isinstance(json.loads(content)["a"], int)
     assert_no_leaks(llm)
+
+
+def test_the_responses_api_gives_the_reasoning_its_own_item() -> None:
+    """Through the Responses builder: a ``reasoning`` item first (its text deltas joined are
+    its text), then the message of the content; the usage counts the reasoning's tokens."""
+    from splitserve.gateway.responses_events import ResponsesBuilder
+    from splitserve.gateway.responses_schemas import ResponseObject, ResponsesRequest
+
+    body = ResponsesRequest.model_validate({"input": "Hi"})
+    body._reasoning_format = "qwen3"
+    builder = ResponsesBuilder("resp_1", "m", body, None)
+    pieces = ["<think>", "Greet", " back.", "</think>", "Hello", "!"]
+    events = builder.opening_chunks()
+    for piece in pieces:
+        events += builder.add(Chunk("r", piece, (1,), (), USAGE))
+    events += builder.finish(Finish("r", "stop", None, Usage(3, 6, 0)))
+    whole = events[-1]["response"]
+    ResponseObject.model_validate(whole)
+    reasoning, message = whole["output"]
+    assert reasoning["type"] == "reasoning" and message["type"] == "message"
+    assert reasoning["content"][0]["text"] == "Greet back."
+    assert message["content"][0]["text"] == "Hello!"
+    deltas = [e["delta"] for e in events if e["type"] == "response.reasoning_text.delta"]
+    assert "".join(deltas) == "Greet back."
+    done = [e for e in events if e["type"] == "response.reasoning_text.done"]
+    assert [e["text"] for e in done] == ["Greet back."]
+    assert whole["usage"]["output_tokens_details"]["reasoning_tokens"] == 2

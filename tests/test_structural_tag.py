@@ -255,13 +255,13 @@ def test_the_engine_output_follows_a_structural_tag(
     """Greedy and sampled (float32, in process): a reasoning region, then an answer forced
     into a tag of a JSON schema; the output parses as the format says and the request ends."""
     llm = make_llm(default_checkpoint_fp32)
-    bounded_think = {**THINK, "content": {"type": "any_text", "max_chars": 40}}
+    bounded_think = {**THINK, "content": {"type": "any_text", "max_chars": 16}}
     fmt = {
         "type": "sequence",
         "elements": [bounded_think, {**WEATHER_TAG, "begin": "<answer>", "end": "</answer>"}],
     }
     spec = GrammarSpec.structural_tag({"type": "structural_tag", "format": fmt})
-    shape = re.compile(r"<think>(?s:(.{0,40}?))</think><answer>(\{.*\})</answer>")
+    shape = re.compile(r"<think>(?s:(.{0,16}?))</think><answer>(\{.*\})</answer>")
     for temperature in (0.0, 0.8):
         params = SamplingParams(max_tokens=80, temperature=temperature, seed=7, grammar=spec)
         (result,) = llm.generate(["What is the weather in Paris?"], params)
