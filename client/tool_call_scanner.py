@@ -13,7 +13,9 @@ Contract:
   (any JSON value) and any other keys (skipped), whitespace anywhere JSON allows it, and
   nothing but whitespace after the object. With ``single``, one call object alone (the body
   of a Hermes-style ``<tool_call>`` block, ``client/hermes_tools.py``), its arguments also
-  under ``parameters`` (as Llama-style models write them).
+  under ``parameters`` (as Llama-style models write them). With ``sequence`` (Llama 3's
+  JSON tool calls, ``llama3_json``): after an optional ``<|python_tag|>``, one or more call
+  objects separated by ``;``, arguments under ``parameters`` or ``arguments``.
 - ``failed`` turns true as soon as the text read cannot begin an answer in that form, and
   stays true: a failed text never becomes a call, whatever follows.
 - ``finish`` (the end of the answer) returns the calls when the whole text has the form;
@@ -35,6 +37,8 @@ _SCALAR = frozenset("0123456789+-.eEtruefalsn")
 _CLOSING = {"{": "}", "[": "]"}
 _END = ""
 """What the parser receives once the answer has ended."""
+PYTHON_TAG = "<|python_tag|>"
+"""Llama 3's tag before a call (kept in the text only where special tokens are)."""
 
 _Parser = Generator[None, str, str]
 """A step of the parser: receives characters (``yield``), returns the first one it did not
@@ -67,9 +71,10 @@ class _Call:
 class ToolCallScanner:
     """One answer's scan (module docstring); ``names``: the tools it may call."""
 
-    def __init__(self, names: frozenset[str], single: bool = False) -> None:
+    def __init__(self, names: frozenset[str], single: bool = False, sequence: bool = False) -> None:
         self._names = names
         self._single = single
+        self._sequence = sequence
         self._calls: list[_Call] = []
         self.failed = False
         self._complete = False
@@ -118,6 +123,21 @@ class ToolCallScanner:
 
     def _answer(self) -> Generator[None, str, None]:
         char = yield from _skip_whitespace((yield))
+        if self._sequence:
+            if char == PYTHON_TAG[0]:
+                for wanted in PYTHON_TAG:
+                    _expect(char, wanted)
+                    char = yield
+                char = yield from _skip_whitespace(char)
+            while True:
+                char = yield from _skip_whitespace((yield from self._call(char)))
+                if char != ";":
+                    break
+                char = yield from _skip_whitespace((yield))
+            _expect(char, _END)
+            self._complete = True
+            yield
+            return
         if self._single:
             char = yield from _skip_whitespace((yield from self._call(char)))
             _expect(char, _END)
@@ -163,7 +183,7 @@ class ToolCallScanner:
                     raise _NotACall
                 call.name = name
                 char = yield
-            elif key == "arguments" or (key == "parameters" and self._single):
+            elif key == "arguments" or (key == "parameters" and (self._single or self._sequence)):
                 if call.arguments is not None:
                     raise _NotACall
                 call.arguments = []

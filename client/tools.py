@@ -26,6 +26,10 @@ Contract, by ``tool_choice``:
   ``tool_call_id`` travel as ``ChatMessage`` fields; the coordinator shows them to the chat
   template, and to one that does not render them itself in this format, ids included
   (``common/chat_messages.py``).
+With ``llama3_json`` (Llama 3.1, 3.2, 3.3), the tools are given to the chat template as its
+``tools`` variable; an answer that is call objects alone (``{"name": ..., "parameters":
+{...}}``, several joined by ``;``) is its calls, anything else content; a forced choice is a
+JSON schema of one call, or of calls joined by ``; ``.
 With ``hermes``, the tools are given to the chat template as its ``tools`` variable (OpenAI's
 function tools as the request sent them; ``ToolPlan.template_kwargs``), the answer may hold text
 before its calls (its content), a forced choice is a structural tag of the blocks, and the
@@ -51,7 +55,7 @@ from splitserve.client.hermes_tools import (
     tagged_grammar,
 )
 from splitserve.client.reasoning import after_reasoning, split_reasoning
-from splitserve.client.tool_call_scanner import ToolCallScanner
+from splitserve.client.tool_call_scanner import PYTHON_TAG, ToolCallScanner
 from splitserve.client.types import ChatMessage, ChatTemplate, Generation, Sampling, ToolCall
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.grammar import GrammarSpec
@@ -64,8 +68,11 @@ TOOLS_PREAMBLE = (
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 JSON_FORMAT = "json"
 HERMES_FORMAT = "hermes"
-TOOL_FORMATS = (JSON_FORMAT, HERMES_FORMAT)
-"""The tool-call formats: splitserve's JSON (in a system message) or Hermes-style blocks."""
+LLAMA3_JSON_FORMAT = "llama3_json"
+TOOL_FORMATS = (JSON_FORMAT, HERMES_FORMAT, LLAMA3_JSON_FORMAT)
+"""The tool-call formats: splitserve's JSON (in a system message), Hermes-style blocks, or
+Llama 3's JSON calls (the answer is ``{"name": ..., "parameters": {...}}``, several joined by
+``;``, after an optional ``<|python_tag|>``)."""
 
 
 @dataclass(frozen=True)
@@ -95,15 +102,12 @@ class ToolPlan:
         """The chat template's variables for the tools (none unless ``in_template``)."""
         if not self.in_template:
             return {}
-        tools = [
-            {
-                "type": "function",
-                "function": {
-                    "name": f.name, "description": f.description, "parameters": f.parameters
-                },
-            }
-            for f in self.functions
-        ]  # fmt: skip
+        tools = []
+        for f in self.functions:
+            function: dict[str, Any] = {"name": f.name}
+            if f.description:  # as sent: none where the request gave none
+                function["description"] = f.description
+            tools.append({"type": "function", "function": {**function, "parameters": f.parameters}})
         return {"tools": tools}
 
     @property
@@ -138,6 +142,8 @@ class ToolPlan:
         ]
         if self.format == HERMES_FORMAT:
             return tagged_grammar(call_schemas, one)
+        if self.format == LLAMA3_JSON_FORMAT:
+            return _llama3_grammar(allowed, one)
         calls: dict[str, Any] = {"type": "array", "items": {"anyOf": call_schemas}, "minItems": 1}
         if one:
             calls["maxItems"] = 1
@@ -153,9 +159,9 @@ class ToolPlan:
         return frozenset(f.name for f in self.functions)
 
     def scanner(self) -> ToolCallScanner:
-        """A scanner of one ``json`` answer, calls streamed as they are written
-        (``client/tool_call_scanner.py``)."""
-        return ToolCallScanner(self.names)
+        """A scanner of one ``json`` or ``llama3_json`` answer, calls streamed as they are
+        written (``client/tool_call_scanner.py``)."""
+        return ToolCallScanner(self.names, sequence=self.format == LLAMA3_JSON_FORMAT)
 
     def stream(self) -> TaggedCallStream:
         """A reader of one ``hermes`` answer as it is written (``client/hermes_tools.py``)."""
@@ -178,10 +184,52 @@ class ToolPlan:
         if calls is None:
             return None
         try:
-            json.loads(text)
+            if self.format == LLAMA3_JSON_FORMAT:
+                _each_object(text)
+            else:
+                json.loads(text)
         except (ValueError, RecursionError):  # not JSON, or nested deeper than it parses
             return None
         return calls
+
+
+def _llama3_grammar(allowed: list[ToolFunction], one: bool) -> GrammarSpec:
+    """A forced ``llama3_json`` answer: one call object of an allowed tool, or (parallel)
+    several joined by ``; ``."""
+    call = {
+        "anyOf": [
+            {
+                "type": "object",
+                "properties": {"name": {"const": f.name}, "parameters": f.parameters},
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
+            for f in allowed
+        ]
+    }
+    if one:
+        return GrammarSpec.json_schema(call)
+    each = {"type": "json_schema", "json_schema": call}
+    more = {"type": "sequence", "elements": [{"type": "const_string", "value": "; "}, each]}
+    fmt = {"type": "sequence", "elements": [each, {"type": "star", "content": more}]}
+    return GrammarSpec.structural_tag({"type": "structural_tag", "format": fmt})
+
+
+def _each_object(text: str) -> None:
+    """Check ``text`` holds JSON objects joined by ``;`` (after an optional
+    ``<|python_tag|>``); ``ValueError`` where it does not."""
+    decoder = json.JSONDecoder()
+    text = text.strip().removeprefix(PYTHON_TAG).lstrip()
+    at = 0
+    while True:
+        _, at = decoder.raw_decode(text, at)
+        rest = text[at:].lstrip()
+        if not rest:
+            return
+        if not rest.startswith(";"):
+            raise ValueError("text after a call")
+        at = len(text) - len(rest) + 1
+        at += len(text[at:]) - len(text[at:].lstrip())
 
 
 def tool_plan(

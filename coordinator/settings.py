@@ -126,8 +126,9 @@ class CoordinatorSettings:
         "how chat answers call tools (vLLM's flag): json (splitserve's format, the tools "
         "described in a system message; for models without a tool format of their own) or "
         "hermes (Qwen2.5, Qwen3, Hermes: the chat template shows the tools, the model answers "
-        "<tool_call> blocks; the template must read tools)",
-        choices=("json", "hermes"),
+        "<tool_call> blocks; the template must read tools) or llama3_json (Llama 3.1-3.3: "
+        "the template shows the tools, the model answers call objects)",
+        choices=("json", "hermes", "llama3_json"),
     )
     reasoning_parser: str = setting(
         "",
