@@ -9,7 +9,8 @@ import contextlib
 import grpc
 import pytest
 
-from splitserve.client import AsyncClient, Chunk, Client, ClientError, Finish, Sampling
+from splitserve.client import AsyncClient, Chunk, Client, ClientError, Finish, Sampling, wire
+from splitserve.proto.splitserve.v1 import coordinator_pb2_grpc
 from tests.cluster import Served, assert_all_free, wait_until_idle
 
 pytestmark = pytest.mark.timeout(300)
@@ -84,3 +85,34 @@ async def _async_checks(address: str) -> None:
                 if received >= 3:
                     break
         assert received >= 3
+
+
+CONTINUED_MAX_TOKENS = 36
+
+
+@pytest.mark.parametrize(
+    ("continue_after", "complaint"),
+    [([10**6], "token ids must be in"), ([5] * CONTINUED_MAX_TOKENS, "nothing left to generate")],
+)
+def test_a_bad_continuation_is_invalid_argument(
+    address: str, continue_after: list[int], complaint: str
+) -> None:
+    """A stream's continuation (``wire.continuation``, what a client sends another
+    coordinator after its own died) naming tokens out of the vocabulary, or as many as the
+    request may generate, is refused naming ``continue_after``."""
+
+    async def body() -> ClientError:
+        sampling = Sampling(max_tokens=CONTINUED_MAX_TOKENS)
+        request = wire.generate_request("Hello", None, None, sampling, "bad-continuation")
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+            try:
+                async for _ in stub.Generate(wire.continuation(request, continue_after)):
+                    pass
+            except grpc.aio.AioRpcError as error:
+                return ClientError.from_call(error)
+        raise AssertionError("the continuation was accepted")
+
+    error = asyncio.run(body())
+    assert error.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert complaint in error.message and error.param == "continue_after"

@@ -19,12 +19,10 @@ import asyncio
 import signal
 import time
 
-import grpc
 import openai
 import pytest
 
-from splitserve.client import AsyncClient, ClientError, Sampling, wire
-from splitserve.proto.splitserve.v1 import coordinator_pb2_grpc
+from splitserve.client import AsyncClient, Sampling
 from tests.cluster import assert_all_free, wait_until_idle
 from tests.fault_cluster import FaultCluster, RoleProcess
 from tests.streaming import ConcurrentStreams, Streamed
@@ -160,30 +158,3 @@ def test_seeded_streams_survive_their_coordinator_then_their_decode_worker(
     workers = len(served.workers)  # the restarted ones included
     for address in served.coordinator_addresses:
         assert_all_free(wait_until_idle(address, workers), workers)
-
-
-@pytest.mark.parametrize(
-    ("continue_after", "complaint"),
-    [([10**6], "token ids must be in"), ([5] * MAX_TOKENS, "nothing left to generate")],
-)
-def test_a_bad_continuation_is_invalid_argument(
-    served: FaultCluster, continue_after: list[int], complaint: str
-) -> None:
-    async def body() -> ClientError:
-        first = served.coordinator_addresses[0]
-        sampling = Sampling(max_tokens=MAX_TOKENS)
-        request = wire.generate_request("Hello", None, None, sampling, "bad-continuation")
-        async with AsyncClient(first) as client:
-            await client.wait_ready(60)  # it may have been restarted by an earlier test
-        async with grpc.aio.insecure_channel(first) as channel:
-            stub = coordinator_pb2_grpc.CoordinatorStub(channel)
-            try:
-                async for _ in stub.Generate(wire.continuation(request, continue_after)):
-                    pass
-            except grpc.aio.AioRpcError as error:
-                return ClientError.from_call(error)
-        raise AssertionError("the continuation was accepted")
-
-    error = asyncio.run(body())
-    assert error.code == grpc.StatusCode.INVALID_ARGUMENT
-    assert complaint in error.message and error.param == "continue_after"
