@@ -191,11 +191,9 @@ class Tokenizer:
             raise InvalidRequestError(
                 f"chat_template_kwargs may not set {', '.join(reserved)}", "chat_template_kwargs"
             )
-        if "documents" in kwargs and "documents" not in chat_template.variables:
-            raise InvalidRequestError(
-                "the chat template reads no documents: give them in the messages",
-                "documents",
-            )
+        for name, hint in _READ_OR_REFUSED.items():
+            if name in kwargs and name not in chat_template.variables:
+                raise InvalidRequestError(f"the chat template reads no {name}: {hint}", name)
         final = _final_content(messages) if continue_final_message else None
         if continue_final_message and add_generation_prompt:
             raise InvalidRequestError(
@@ -387,6 +385,13 @@ class ChatTemplateText:
         environment = self.compiled.environment
         return frozenset(meta.find_undeclared_variables(environment.parse(self.source)))
 
+
+_READ_OR_REFUSED = {
+    "documents": "give them in the messages",
+    "reasoning_effort": "this model's template takes no reasoning effort",
+}
+"""Request fields that reach the template as variables of their name, refused (naming the
+field) where it reads no such variable: they would change nothing."""
 
 MAX_TEMPLATE_CHARS = 1 << 18
 """Longest chat template a request may bring (the largest models' templates are ~20 KB)."""

@@ -124,6 +124,7 @@ def asked_template_fields(body: _ChatTemplateFields) -> list[tuple[str, bool]]:
         ("add_generation_prompt", body.add_generation_prompt is False),
         ("continue_final_message", bool(body.continue_final_message)),
         ("documents", bool(body.documents)),
+        ("reasoning_effort", body.reasoning_effort is not None),
         ("chat_template", bool(body.chat_template)),
     ]
 
@@ -141,6 +142,13 @@ def chat_template_of(body: _ChatTemplateFields) -> ChatTemplate | None:
                 "documents are given twice: as documents and in chat_template_kwargs", "documents"
             )
         kwargs["documents"] = body.documents
+    if body.reasoning_effort is not None:
+        if "reasoning_effort" in kwargs:
+            raise invalid(
+                "reasoning_effort is given twice: as reasoning_effort and in chat_template_kwargs",
+                "reasoning_effort",
+            )
+        kwargs["reasoning_effort"] = body.reasoning_effort
     return ChatTemplate(
         kwargs,
         body.add_generation_prompt is not False,

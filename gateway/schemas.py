@@ -288,6 +288,12 @@ class _ChatTemplateFields(BaseModel):
         "R's or Granite's), each a mapping of strings such as {'title', 'text'}, given to the "
         "template as `documents`. A 400 where the model's template reads none.",
     )
+    reasoning_effort: Literal["low", "medium", "high"] | None = Field(
+        None,
+        description="How much a reasoning model reasons (OpenAI's; as vLLM, given to the "
+        "chat template as `reasoning_effort`, e.g. gpt-oss's). A 400 where the model's "
+        "template reads none.",
+    )
     chat_template: str | None = Field(
         None,
         description="A chat template of the request's own (Jinja), used instead of the "

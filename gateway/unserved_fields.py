@@ -69,7 +69,6 @@ REFUSED: dict[str, Refusal] = {
     "prompt_embeds": Refusal("prompt_embeds are not supported"),
     "kv_transfer_params": Refusal("kv_transfer_params is not supported"),
     "vllm_xargs": Refusal("vllm_xargs is not supported"),
-    "reasoning_effort": Refusal("reasoning_effort is not supported: no reasoning model"),
     # chat rendering
     "mm_processor_kwargs": Refusal("multimodal inputs are not supported"),
     "audio": Refusal("audio output is not supported"),

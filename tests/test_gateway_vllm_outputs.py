@@ -179,6 +179,7 @@ def test_chat_template_fields_render_the_prompt(served: Served, sdk: openai.Open
         ({"continue_final_message": True}, "continue_final_message"),  # generation prompt on
         ({"documents": [{"title": "t", "text": "x"}]}, "documents"),  # SmolLM2's reads none
         ({"chat_template": "{{ messages }}"}, "chat_template"),  # not trusted here
+        ({"reasoning_effort": "low"}, "reasoning_effort"),  # SmolLM2's template reads none
         (
             {"documents": [{"text": "x"}], "chat_template_kwargs": {"documents": []}},
             "documents",

@@ -379,6 +379,15 @@ def test_chat_template_variables_and_a_continued_final_message(
         )
         == "[Paris: capital of France][Rome: ?]Hi"
     )
+    with pytest.raises(InvalidRequestError) as refused:  # nor a reasoning effort
+        templated.apply_chat_template(messages, template_kwargs={"reasoning_effort": "low"})
+    assert refused.value.param == "reasoning_effort"
+    effort = Tokenizer.from_tokenizer_json(grounded).with_chat_template(
+        "Reasoning: {{ reasoning_effort }}|{% for m in messages %}{{ m.content }}{% endfor %}"
+    )  # as gpt-oss's template reads it
+    assert effort.apply_chat_template(messages, template_kwargs={"reasoning_effort": "high"}) == (
+        "Reasoning: high|Hi"
+    )
 
     prefilled = [*messages, {"role": "assistant", "content": "The answer is "}]
     closed = ours.apply_chat_template(prefilled, add_generation_prompt=False)
