@@ -95,6 +95,7 @@ from splitserve.gateway.sampling import (
     chat_template_of,
     check_wire_token_ids,
     serve_model_formats,
+    tokenized_tools,
 )
 from splitserve.gateway.token_names import named_by_id_stream
 from splitserve.gateway.unserved_fields import UnservedFields
@@ -396,6 +397,13 @@ def _add_token_routes(app: FastAPI, current: Callable[[], Gateway]) -> None:
         if template is not None and messages is None:
             asked = [name for name, value in asked_template_fields(body) if value]
             raise ApiError(400, "the chat template renders messages, not a prompt", param=asked[0])
+        if body.tools:
+            if messages is None:
+                raise ApiError(400, "tools are shown in a chat: give messages", param="tools")
+            assert route.info is not None  # known: routed by it
+            messages, template = tokenized_tools(
+                messages, template, body.tools, route.info.tool_call_format
+            )
         with client_errors_as_api_errors():
             ids = await client.tokenize(
                 body.prompt,

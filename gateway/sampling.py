@@ -104,6 +104,22 @@ def serve_model_formats(body: BaseModel, info: ModelInfo) -> None:
         each._reasoning_format = info.reasoning_format
 
 
+def tokenized_tools(
+    messages: tuple[ChatMessage, ...],
+    template: ChatTemplate | None,
+    tools: list[dict[str, Any]],
+    tool_format: str,
+) -> tuple[tuple[ChatMessage, ...], ChatTemplate | None]:
+    """A ``/tokenize`` chat's messages and template with its ``tools`` shown as a chat
+    completion of the model would show them (``tool_choice`` auto); 400 naming the field for
+    malformed tools, or tools set in ``chat_template_kwargs`` too."""
+    try:
+        plan = tool_plan(tools, None, None, tool_format)
+        return tuple(with_tools(messages, plan)), with_template_tools(template, plan)
+    except InvalidRequestError as error:
+        raise invalid(error.message, error.param) from None
+
+
 def chat_prompts(body: ChatCompletionRequest) -> list[PromptArgs]:
     """The messages, with the request's tools shown as its model's format shows them: in
     the system message, or among the chat template's variables (``client/tools.py``)."""

@@ -520,6 +520,11 @@ class TokenizeRequest(_ChatTemplateFields, _TextBody):
         None,
         description="As in a generation request: default true for prompt, false for messages.",
     )
+    tools: list[dict[str, Any]] | None = Field(
+        None,
+        description="With messages: the tools shown as a chat completion shows them (the "
+        "served model's format), so the count holds them.",
+    )
 
 
 class TokenizeResponse(BaseModel):

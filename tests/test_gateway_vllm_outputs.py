@@ -338,3 +338,22 @@ def test_the_body_s_request_id_names_the_request(served: Served, sdk: openai.Ope
             f"{served.url}/v1/completions", json={**body, "request_id": asked}, timeout=60
         )
         assert other.status_code == 200 and other.headers["x-request-id"] == echoed
+
+
+def test_tokenize_counts_the_tools_a_chat_shows(served: Served, sdk: openai.OpenAI) -> None:
+    """``/tokenize`` with ``tools`` counts what a chat completion of them is prompted with
+    (its usage's prompt tokens); tools without messages are a 400 naming them."""
+    tool = {
+        "type": "function",
+        "function": {"name": "add", "parameters": {"type": "object", "properties": {}}},
+    }
+    with_tools = _tokenize(served, {"messages": QUESTION, "tools": [tool]})
+    assert len(with_tools) > len(_tokenize(served, {"messages": QUESTION}))
+    answer = sdk.chat.completions.create(
+        model=_model(sdk), messages=QUESTION, tools=[tool], max_tokens=1, temperature=0
+    )
+    assert answer.usage.prompt_tokens == len(with_tools)
+    refused = httpx.post(
+        f"{served.url}/tokenize", json={"prompt": "Hi", "tools": [tool]}, timeout=30
+    )
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "tools"
