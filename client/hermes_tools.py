@@ -31,6 +31,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from splitserve.client.markers import held_back
 from splitserve.client.tool_call_scanner import CallPiece, ToolCallScanner
 from splitserve.client.types import ToolCall
 from splitserve.common.grammar import GrammarSpec
@@ -108,14 +109,6 @@ class _ObjectEnd:
             self.closed = self.depth <= 0
 
 
-def _held_back(text: str, marker: str) -> int:
-    """How many characters at the end of ``text`` could begin ``marker``."""
-    for size in range(min(len(text), len(marker) - 1), 0, -1):
-        if marker.startswith(text[-size:]):
-            return size
-    return 0
-
-
 @dataclass
 class TaggedCallStream:
     """One answer read as it is written (module docstring); ``names``: the tools it may
@@ -147,7 +140,7 @@ class TaggedCallStream:
             if self._scanner is None:
                 start = self._pending.find(START)
                 if start < 0:
-                    keep = _held_back(self._pending, START)
+                    keep = held_back(self._pending, START)
                     if not self._in_calls:
                         content += self._pending[: len(self._pending) - keep]
                     self._pending = self._pending[len(self._pending) - keep :]

@@ -26,7 +26,9 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from splitserve.client.markers import held_back
 from splitserve.common.grammar import GrammarSpec
+from splitserve.common.structural_tag import structural_tag_format
 
 DEEPSEEK_R1 = "deepseek_r1"
 QWEN3 = "qwen3"
@@ -84,8 +86,8 @@ class ReasoningStream:
         if self._state == "reasoning":
             end = self._pending.find(END)
             if end < 0:
-                keep = _held_back(self._pending, END)
-                reasoning, self._pending = _split(self._pending, len(self._pending) - keep)
+                at = len(self._pending) - held_back(self._pending, END)
+                reasoning, self._pending = self._pending[:at], self._pending[at:]
                 return reasoning, ""
             reasoning = self._pending[:end]
             self._pending = self._pending[end + len(END) :]
@@ -104,18 +106,6 @@ class ReasoningStream:
         return (held, "") if self._state == "reasoning" else ("", held)
 
 
-def _held_back(text: str, marker: str) -> int:
-    """How many characters at the end of ``text`` could begin ``marker``."""
-    for size in range(min(len(text), len(marker) - 1), 0, -1):
-        if marker.startswith(text[-size:]):
-            return size
-    return 0
-
-
-def _split(text: str, at: int) -> tuple[str, str]:
-    return text[:at], text[at:]
-
-
 def _format_of(spec: GrammarSpec) -> dict[str, Any]:
     """``spec`` as a structural tag's format (``common/structural_tag.py``)."""
     if spec.kind == "json_schema":
@@ -129,16 +119,7 @@ def _format_of(spec: GrammarSpec) -> dict[str, Any]:
     if spec.kind == "choice":
         options = json.loads(spec.text)
         return {"type": "or", "elements": [{"type": "const_string", "value": o} for o in options]}
-    tag = json.loads(spec.text)  # a structural tag: its format, or vLLM's older form's
-    if "format" in tag:
-        return tag["format"]
-    tags = [
-        {"type": "tag", "begin": s["begin"], "end": s["end"],
-         "content": {"type": "json_schema", "json_schema": s.get("schema", s.get(
-             "structural_tag_schema"))}}
-        for s in tag.get("structures", [])
-    ]  # fmt: skip
-    return {"type": "triggered_tags", "triggers": tag.get("triggers", []), "tags": tags}
+    return structural_tag_format(spec.text)  # a structural tag: its format
 
 
 def after_reasoning(spec: GrammarSpec, reasoning_format: str) -> GrammarSpec:

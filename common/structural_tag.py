@@ -136,6 +136,13 @@ _TOKEN_LEVEL = ("token", "exclude_token", "any_tokens", "token_triggered_tags", 
 def parse_structural_tag(value: Any) -> Format:
     """The request's structural tag (a JSON object, or its JSON text) as typed formats;
     ``InvalidRequestError`` for anything this module's docstring does not accept."""
+    return _Reader().format(structural_tag_format(value), "format", 0)
+
+
+def structural_tag_format(value: Any) -> dict[str, Any]:
+    """The request's structural tag's format object (vLLM's older form as the
+    ``triggered_tags`` it means), not yet read; ``InvalidRequestError`` for a tag of neither
+    form."""
     if isinstance(value, str):
         try:
             value = json.loads(value)
@@ -146,14 +153,37 @@ def parse_structural_tag(value: Any) -> Format:
     kind = value.get("type", "structural_tag")
     if kind != "structural_tag":
         raise _refuse(f"type must be 'structural_tag', not {kind!r}")
-    reader = _Reader()
     if "format" in value:
         _fields(value, {"type", "format"}, "structural_tag")
-        return reader.format(value["format"], "format", 0)
+        return value["format"]
     if "structures" in value:
         _fields(value, {"type", "structures", "triggers"}, "structural_tag")
-        return reader.legacy(value)
+        return _legacy_format(value)
     raise _refuse("give format (or structures and triggers)")
+
+
+def _legacy_format(value: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's ``structures`` and ``triggers`` as the ``triggered_tags`` format they mean."""
+    structures = value["structures"]
+    if not isinstance(structures, list) or not structures:
+        raise _refuse("structures must be a non-empty list")
+    tags = []
+    for index, item in enumerate(structures):
+        where = f"structures[{index}]"
+        if not isinstance(item, dict):
+            raise _refuse(f"{where} must be an object")
+        _fields(item, {"begin", "schema", "structural_tag_schema", "end"}, where)
+        schema = item.get("schema", item.get("structural_tag_schema"))
+        if not isinstance(schema, dict | bool):
+            raise _refuse(f"{where}.schema must be a JSON schema")
+        tags.append({
+            "type": "tag",
+            "begin": _string(item.get("begin"), f"{where}.begin"),
+            "content": {"type": "json_schema", "json_schema": schema},
+            "end": _string(item.get("end"), f"{where}.end"),
+        })  # fmt: skip
+    triggers = _strings(value.get("triggers"), "triggers")
+    return {"type": "triggered_tags", "triggers": list(triggers), "tags": tags}
 
 
 def _fields(value: dict[str, Any], allowed: set[str], where: str) -> None:
@@ -191,29 +221,6 @@ class _Reader:
     """Reads formats, counting them against ``MAX_FORMATS``."""
 
     formats: int = 0
-
-    def legacy(self, value: dict[str, Any]) -> Format:
-        structures = value["structures"]
-        if not isinstance(structures, list) or not structures:
-            raise _refuse("structures must be a non-empty list")
-        tags = []
-        for index, item in enumerate(structures):
-            where = f"structures[{index}]"
-            if not isinstance(item, dict):
-                raise _refuse(f"{where} must be an object")
-            _fields(item, {"begin", "schema", "structural_tag_schema", "end"}, where)
-            schema = item.get("schema", item.get("structural_tag_schema"))
-            if not isinstance(schema, dict | bool):
-                raise _refuse(f"{where}.schema must be a JSON schema")
-            tags.append(
-                Tag(
-                    _string(item.get("begin"), f"{where}.begin"),
-                    self._counted(JsonSchema(schema)),
-                    (_string(item.get("end"), f"{where}.end"),),
-                )
-            )
-        triggers = _strings(value.get("triggers"), "triggers")
-        return self._triggered(triggers, tuple(tags), False, False, (), "structural_tag")
 
     def _counted(self, made: Format) -> Format:
         self.formats += 1

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from splitserve.common.grammar import GrammarCompiler
+from splitserve.common.grammar import GrammarCompiler, GrammarSpec
 from splitserve.common.model_files import default_model_path
 from splitserve.engine.checkpoint import LoadedCheckpoint, load_checkpoint
 from splitserve.engine.config import (
@@ -97,6 +97,18 @@ def compiler(default_checkpoint_fp32: LoadedCheckpoint) -> GrammarCompiler:
     checkpoint = default_checkpoint_fp32
     eos = sorted(checkpoint.config.eos_token_ids)
     return GrammarCompiler(checkpoint.tokenizer, checkpoint.config.vocab_size, eos)
+
+
+def constraint_takes(compiler: GrammarCompiler, spec: GrammarSpec, text: str) -> bool:
+    """Whether ``text``'s tokens, fed one by one to llguidance's matcher of ``spec``, take it
+    to an accepting state (every token allowed on the way)."""
+    from llguidance import LLMatcher
+
+    matcher = LLMatcher(compiler.tokenizer, compiler.compile(spec))
+    for token in compiler.tokenizer.tokenize_str(text):
+        if not matcher.consume_token(token):
+            return False
+    return not matcher.is_error() and matcher.is_accepting()
 
 
 @pytest.fixture(scope="session")

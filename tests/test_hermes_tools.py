@@ -23,6 +23,7 @@ from splitserve.common.grammar import GrammarCompiler
 from splitserve.gateway.responses import ChatBuilder
 from splitserve.proto.cluster_auth import TOKEN_ENV
 from tests.cluster import CREDENTIAL
+from tests.conftest import constraint_takes
 
 ADD = {
     "type": "function",
@@ -153,14 +154,10 @@ def test_the_tools_go_to_the_chat_template_not_a_system_message() -> None:
 
 
 def test_a_forced_choice_takes_only_blocks_of_its_tools(compiler: GrammarCompiler) -> None:
-    from llguidance import LLMatcher
-
     def takes(plan: ToolPlan, text: str) -> bool:
         grammar = plan.grammar()
         assert grammar is not None
-        matcher = LLMatcher(compiler.tokenizer, compiler.compile(grammar))
-        tokens = compiler.tokenizer.tokenize_str(text)
-        return all(matcher.consume_token(t) for t in tokens) and matcher.is_accepting()
+        return constraint_takes(compiler, grammar, text)
 
     add = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
     now = '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>'

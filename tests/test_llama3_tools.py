@@ -16,6 +16,7 @@ from splitserve.client import ChatMessage, Chunk, Finish, Usage
 from splitserve.client.tools import LLAMA3_JSON_FORMAT, ToolPlan, tool_plan, tool_request
 from splitserve.common.grammar import GrammarCompiler
 from splitserve.gateway.responses import ChatBuilder
+from tests.conftest import constraint_takes
 
 ADD = {
     "type": "function",
@@ -89,8 +90,6 @@ def test_the_builder_streams_the_calls_the_whole_response_holds() -> None:
 
 
 def test_the_tools_go_to_the_chat_template(compiler: GrammarCompiler) -> None:
-    from llguidance import LLMatcher
-
     asked = tool_request(
         [ChatMessage("user", "1 + 2?")], None, [ADD, NOW], "required", None, LLAMA3_JSON_FORMAT
     )
@@ -100,9 +99,7 @@ def test_the_tools_go_to_the_chat_template(compiler: GrammarCompiler) -> None:
     def takes(plan: ToolPlan, text: str) -> bool:
         grammar = plan.grammar()
         assert grammar is not None
-        matcher = LLMatcher(compiler.tokenizer, compiler.compile(grammar))
-        tokens = compiler.tokenizer.tokenize_str(text)
-        return all(matcher.consume_token(t) for t in tokens) and matcher.is_accepting()
+        return constraint_takes(compiler, grammar, text)
 
     add = '{"name": "add", "parameters": {"a": 1, "b": 2}}'
     now = '{"name": "now", "parameters": {}}'

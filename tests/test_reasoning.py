@@ -18,7 +18,7 @@ from splitserve.common.grammar import GrammarCompiler, GrammarSpec
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.checkpoint import LoadedCheckpoint
 from splitserve.gateway.responses import ChatBuilder
-from tests.conftest import assert_no_leaks, make_llm
+from tests.conftest import assert_no_leaks, constraint_takes, make_llm
 
 USAGE = Usage(3, 1, 0)
 # (format, answer, reasoning, content)
@@ -102,25 +102,17 @@ def test_tool_calls_are_read_in_the_content_after_the_reasoning() -> None:
     assert [c.name for c in parsed.tool_calls] == ["add"] and parsed.text == text
 
 
-def _takes(compiler: GrammarCompiler, spec: GrammarSpec, text: str) -> bool:
-    from llguidance import LLMatcher
-
-    matcher = LLMatcher(compiler.tokenizer, compiler.compile(spec))
-    tokens = compiler.tokenizer.tokenize_str(text)
-    return all(matcher.consume_token(t) for t in tokens) and matcher.is_accepting()
-
-
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 
 
 def test_a_constraint_applies_after_the_reasoning(compiler: GrammarCompiler) -> None:
     qwen = after_reasoning(GrammarSpec.json_schema(SCHEMA), "qwen3")
-    assert _takes(compiler, qwen, '<think>Let me see {not json}.</think>\n\n{"a": 1}')
-    assert _takes(compiler, qwen, '{"a": 1}')  # thinking off: no reasoning block
-    assert not _takes(compiler, qwen, 'Sure: {"a": 1}')
+    assert constraint_takes(compiler, qwen, '<think>Let me see {not json}.</think>\n\n{"a": 1}')
+    assert constraint_takes(compiler, qwen, '{"a": 1}')  # thinking off: no reasoning block
+    assert not constraint_takes(compiler, qwen, 'Sure: {"a": 1}')
     r1 = after_reasoning(GrammarSpec.json_schema(SCHEMA), "deepseek_r1")
-    assert _takes(compiler, r1, 'Let me see.</think>\n{"a": 1}')
-    assert not _takes(compiler, r1, '{"a": 1}')  # its reasoning is open from the prompt
+    assert constraint_takes(compiler, r1, 'Let me see.</think>\n{"a": 1}')
+    assert not constraint_takes(compiler, r1, '{"a": 1}')  # its reasoning is open from the prompt
     for spec, answer in (
         (GrammarSpec.choice(["yes", "no"]), "no"),
         (GrammarSpec("regex", "[0-9]{3}"), "123"),
@@ -129,8 +121,8 @@ def test_a_constraint_applies_after_the_reasoning(compiler: GrammarCompiler) -> 
         (GrammarSpec.structural_tag({"format": {"type": "const_string", "value": "hi"}}), "hi"),
     ):
         wrapped = after_reasoning(spec, "qwen3")
-        assert _takes(compiler, wrapped, f"<think>hmm</think> {answer}"), spec.kind
-        assert not _takes(compiler, wrapped, f"<think>hmm</think> x{answer}"), spec.kind
+        assert constraint_takes(compiler, wrapped, f"<think>hmm</think> {answer}"), spec.kind
+        assert not constraint_takes(compiler, wrapped, f"<think>hmm</think> x{answer}"), spec.kind
 
 
 def test_the_engine_answers_in_the_form_after_its_reasoning(

@@ -15,7 +15,7 @@ from splitserve.common.errors import InvalidRequestError
 from splitserve.common.grammar import GrammarCompiler, GrammarSpec
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.checkpoint import LoadedCheckpoint
-from tests.conftest import assert_no_leaks, make_llm
+from tests.conftest import assert_no_leaks, constraint_takes, make_llm
 
 CITY = {
     "type": "object",
@@ -153,23 +153,12 @@ CASES: list[tuple[dict[str, Any], str, bool]] = [
 ]
 
 
-def _matches(compiler: GrammarCompiler, spec: GrammarSpec, text: str) -> bool:
-    """Whether ``text``'s tokens, fed one by one, take the constraint to an accepting state."""
-    from llguidance import LLMatcher
-
-    matcher = LLMatcher(compiler.tokenizer, compiler.compile(spec))
-    for token in compiler.tokenizer.tokenize_str(text):
-        if not matcher.consume_token(token):
-            return False
-    return not matcher.is_error() and matcher.is_accepting()
-
-
 @pytest.mark.parametrize(("fmt", "text", "holds"), CASES)
 def test_each_format_matches_what_it_describes(
     compiler: GrammarCompiler, fmt: dict[str, Any], text: str, holds: bool
 ) -> None:
     spec = GrammarSpec.structural_tag({"type": "structural_tag", "format": fmt})
-    assert _matches(compiler, spec, text) is holds
+    assert constraint_takes(compiler, spec, text) is holds
 
 
 def test_vllms_structures_and_triggers_read_as_triggered_tags(compiler: GrammarCompiler) -> None:
@@ -179,8 +168,8 @@ def test_vllms_structures_and_triggers_read_as_triggered_tags(compiler: GrammarC
         "triggers": ["<function="],
     }
     spec = GrammarSpec.structural_tag(json.dumps(legacy))  # vLLM sends it as JSON text
-    assert _matches(compiler, spec, f"Sure. {CALL} Done.")
-    assert not _matches(compiler, spec, "<function=get_time>{}</function>")
+    assert constraint_takes(compiler, spec, f"Sure. {CALL} Done.")
+    assert not constraint_takes(compiler, spec, "<function=get_time>{}</function>")
 
 
 @pytest.mark.parametrize(
