@@ -5,6 +5,9 @@
 - LoRA adapters loaded at runtime, per model: ``/splitserve/<cluster>/adapters/<model>/<name>``
   with the model and the adapter's name percent-encoded (either may hold a "/"), the value
   the serialized ``WantedAdapter`` (``proto/convert.py:wanted_adapter_to_bytes``).
+- Stored Responses API responses: ``/splitserve/<cluster>/responses/<response id>``
+  (percent-encoded), the value ``gateway/stored_responses.py``'s record, under a lease that
+  ends it.
 
 One cluster's keys never lie under another's prefix (cluster names hold no "/"), so several
 clusters can share one etcd; one model's adapters never under another's.
@@ -59,3 +62,11 @@ def adapter_key(cluster: str, model: str, name: str) -> bytes:
 def adapter_name_of(prefix: bytes, key: bytes) -> str:
     """The adapter's name of ``key`` under ``prefix`` (as ``adapters_prefix`` made it)."""
     return unquote(key[len(prefix) :].decode(errors="replace"))
+
+
+def response_key(cluster: str, response_id: str) -> bytes:
+    """The key of one stored Responses API response (``discovery/etcd_response_store.py``);
+    ``ValueError`` for an empty id."""
+    if not response_id:
+        raise ValueError("the response id must be non-empty")
+    return f"{_cluster_root(cluster)}/responses/{quote(response_id, safe='')}".encode()

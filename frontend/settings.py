@@ -1,7 +1,8 @@
 """``splitserve frontend``'s flags: every coordinator flag (``coordinator/settings.py``) and
-the few the in-process gateway adds (``HttpSettings``). The gateway's other settings are the
-coordinator's (host, TLS, API keys, drain and stall timeouts, tracing): one process, one
-answer to each (``gateway_settings``)."""
+the few the in-process gateway adds (``HttpSettings``, and the gateway's own
+``ResponseStoreSettings``). The gateway's other settings are the coordinator's (host, TLS,
+API keys, drain and stall timeouts, tracing, etcd): one process, one answer to each
+(``gateway_settings``)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import ClassVar
 from splitserve.common.settings import default_group, setting
 from splitserve.coordinator.settings import CoordinatorSettings
 from splitserve.gateway.body_limit import DEFAULT_MAX_BODY_BYTES
-from splitserve.gateway.settings import GatewaySettings
+from splitserve.gateway.settings import GatewaySettings, ResponseStoreSettings
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,7 @@ class FrontendSettings:
 
     coordinator: CoordinatorSettings = default_group(CoordinatorSettings)
     http: HttpSettings = default_group(HttpSettings)
+    responses: ResponseStoreSettings = default_group(ResponseStoreSettings)
 
 
 def gateway_settings(settings: FrontendSettings, coordinator_address: str) -> GatewaySettings:
@@ -52,4 +54,6 @@ def gateway_settings(settings: FrontendSettings, coordinator_address: str) -> Ga
         api_keys=own.api_keys,
         health_needs_key=own.health_needs_key,
         tracing=own.tracing,
+        responses=settings.responses,
+        etcd=own.membership,
     )

@@ -8,7 +8,9 @@ typed events), ``GET /v1/models`` (every
 model of every route), ``GET /health`` (200 once some model's coordinators are SERVING, i.e.
 have a decode worker; else 503),
 ``GET /metrics`` (Prometheus text), and vLLM's ``POST /tokenize`` (the ids a prompt or chat
-becomes, through the coordinator's ``Tokenize``), ``POST /detokenize`` and ``GET /version``.
+becomes, through the coordinator's ``Tokenize``), ``POST /detokenize`` and ``GET /version``;
+the stored responses' ``GET``/``DELETE /v1/responses/{id}`` and its ``input_items``
+(``gateway/response_routes.py``).
 
 Contracts:
 - Errors are OpenAI-shaped JSON with the matching status (``gateway/errors.py``). A request
@@ -36,7 +38,7 @@ import importlib.metadata
 import logging
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -65,6 +67,7 @@ from splitserve.client.connection import call_metadata
 from splitserve.client.stream_mux import OpenStreams
 from splitserve.common.api_keys import ApiKeys
 from splitserve.common.prompt import truncated
+from splitserve.common.response_store import MemoryResponseStore, ResponseStore
 from splitserve.common.tracing import active_span, start_span, traceparent_of
 from splitserve.gateway import schemas
 from splitserve.gateway.adapter_routes import add_adapter_routes
@@ -84,7 +87,14 @@ from splitserve.gateway.errors import (
 )
 from splitserve.gateway.model_routes import ModelRoute, ModelRoutes
 from splitserve.gateway.reply import respond
+from splitserve.gateway.response_routes import (
+    add_response_routes,
+    conversation_session,
+    read_previous,
+    storing,
+)
 from splitserve.gateway.responses import PromptShown
+from splitserve.gateway.responses_events import ResponsesBuilder
 from splitserve.gateway.responses_schemas import ResponsesRequest
 from splitserve.gateway.sampling import (
     MAX_CHOICES,
@@ -96,6 +106,11 @@ from splitserve.gateway.sampling import (
     check_wire_token_ids,
     serve_model_formats,
     tokenized_tools,
+)
+from splitserve.gateway.stored_responses import (
+    DEFAULT_MEMORY_BYTES,
+    DEFAULT_TTL_S,
+    StoredResponses,
 )
 from splitserve.gateway.token_names import named_by_id_stream
 from splitserve.gateway.unserved_fields import UnservedFields
@@ -136,6 +151,13 @@ class GatewayConfig:
     local_streams: OpenStreams | None = None
     """The single coordinator runs in this process (``splitserve frontend``): streams reach
     it through this, without gRPC (``proto/local_streams.py``)."""
+    response_store: ResponseStore | None = field(
+        default_factory=lambda: MemoryResponseStore(DEFAULT_MEMORY_BYTES)
+    )
+    """Where the Responses API's stored responses live (None: none are stored;
+    ``gateway/stored_responses.py``); closed with the gateway."""
+    response_ttl_s: float = DEFAULT_TTL_S
+    """How long a stored response is kept."""
 
 
 def _post(app: FastAPI, endpoint: Endpoint[Any]) -> Callable[[_Handler], _Handler]:
@@ -180,6 +202,12 @@ class Gateway:
             registry=self.registry,
         )
         self.unserved_fields = UnservedFields()
+        self.stored_responses = StoredResponses(config.response_store, config.response_ttl_s)
+
+    def tenant_of(self, request: Request) -> str:
+        """The tenant of the HTTP caller's key ("" for anonymous callers: no keys)."""
+        caller = self.config.api_keys.caller_of(request.headers.get("authorization"))
+        return "" if caller is None else caller.tenant
 
     def client_for(self, request: Request, route: ModelRoute) -> AsyncClient:
         """A client of ``route``'s shared channel whose calls carry the HTTP caller's bearer
@@ -227,6 +255,7 @@ class Gateway:
 
     async def close(self) -> None:
         await self.models.close()
+        await self.stored_responses.close()
 
     async def cards(self, request: Request) -> list[dict[str, Any]]:
         """``/v1/models``' entries: every name of every model whose coordinators answered,
@@ -286,6 +315,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     _add_service_routes(app, current)
     _add_token_routes(app, current)
     add_adapter_routes(app, current, _ERROR_RESPONSES)
+    add_response_routes(app, current, _ERROR_RESPONSES)
 
     @app.get("/version", response_model=schemas.VersionResponse)
     async def version() -> dict[str, str]:
@@ -488,6 +518,10 @@ async def _generate(
     # a conversation's requests that carry one go to one decode worker (coordinator/router.py)
     session_id = _id_header(request, "x-session-id")
     serve_model_formats(body, route.info)
+    tenant = gateway.tenant_of(request)
+    responses_body = body if isinstance(body, ResponsesRequest) else None
+    if responses_body is not None:
+        await read_previous(gateway.stored_responses, responses_body, tenant)
     prompts = endpoint.prompts(body)
     keep_best = best_of_asked(body)  # then best_of candidates per prompt, n of them kept
     samplings = choice_samplings(endpoint.sampling(body), keep_best or body.n)
@@ -498,6 +532,8 @@ async def _generate(
         raise ApiError(400, "length_penalty is only used by beam search", param="length_penalty")
     shown = await _prompts_shown(client, body, prompts, route.info.max_model_len)
     response_id = f"{endpoint.id_prefix}-{request_id}"
+    if responses_body is not None:  # a stored conversation's turns go to one decode worker
+        session_id = conversation_session(responses_body, session_id, response_id)
     span = _request_span(request, request_id, endpoint)
     traceparent = traceparent_of(span)
     builders, prompt_of, streams, leaders = [], [], [], []
@@ -539,16 +575,28 @@ async def _generate(
                 )
             )  # fmt: skip
     choices = Choices(builders, prompt_of, None if keep_best is None else body.n or 1)
+    finished = None
+    if responses_body is not None:
+        assert isinstance(builders[0], ResponsesBuilder)  # a response has one output
+        finished = storing(
+            gateway.stored_responses, responses_body, builders[0], tenant, session_id
+        )
     try:
         usage_options = body.stream_options if endpoint.usage_chunks else None
         return await respond(
             route.metrics, request, request_id, merged(streams, leaders), choices,
             bool(body.stream), usage_options, gateway.config.client_stall_timeout_s, span,
-            endpoint.framing,
+            endpoint.framing, finished,
         )  # fmt: skip
     except BaseException as error:
         _note_failure(span, error, body.priority)
+        if responses_body is not None and isinstance(error, ApiError):
+            error.param = RESPONSES_PARAMS.get(error.param or "", error.param)
         raise
+
+
+RESPONSES_PARAMS = {"reasoning_effort": "reasoning.effort", "max_tokens": "max_output_tokens"}
+"""The Responses API's names of the chat fields a coordinator's refusal may name."""
 
 
 def _request_span(request: Request, request_id: str, endpoint: Endpoint[Body]) -> Span:

@@ -9,7 +9,8 @@ exits 0, as every role does after a drain.
 TLS (``proto/tls.py``'s flags): ``--tls-cert``/``--tls-key`` serve HTTPS; ``--tls-ca`` (or
 the system's roots) verifies the coordinator, which is then dialled over TLS. API keys:
 ``--api-key`` / ``--api-keys-file`` (``common/api_keys.py``); ``/health`` and ``/metrics``
-stay open unless ``--health-needs-key``.
+stay open unless ``--health-needs-key``. Stored responses: ``--response-store``
+(``response_store_of``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import asyncio
 import logging
 import os
 import signal
+import sqlite3
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -32,8 +34,15 @@ from splitserve.common.cpu_affinity import pin_or_exit
 from splitserve.common.env_flags import comma_separated, env_name
 from splitserve.common.gc_tuning import tune_gc_for_serving
 from splitserve.common.orphan import stop_when_orphaned
+from splitserve.common.response_store import (
+    MemoryResponseStore,
+    ResponseStore,
+    SqliteResponseStore,
+)
 from splitserve.common.settings import add_settings_args, settings_or_exit
 from splitserve.common.tracing import configure_tracing, shutdown_tracing
+from splitserve.discovery.etcd_access import etcd_access
+from splitserve.discovery.etcd_response_store import EtcdResponseStore
 from splitserve.gateway import GATEWAY_READY
 from splitserve.gateway.app import GatewayConfig, create_app
 from splitserve.gateway.disconnect import exposing_raw_send
@@ -147,6 +156,40 @@ def config_of(
         relay=settings.relay,
         client_stall_timeout_s=settings.client_stall_timeout,
         local_streams=local_streams,
+        response_store=response_store_of(parser, settings),
+        response_ttl_s=settings.responses.response_store_ttl,
+    )
+
+
+def response_store_of(
+    parser: argparse.ArgumentParser, settings: GatewaySettings
+) -> ResponseStore | None:
+    """The store ``--response-store`` names (None: ``none``); a usage error (exit 2) for
+    another value, ``etcd`` without ``--etcd-endpoints`` or a SQLite file that cannot be
+    opened."""
+    chosen = settings.responses
+    kind, _, path = chosen.response_store.partition(":")
+    if chosen.response_store_ttl <= 0:
+        parser.error("--response-store-ttl must be positive")
+    if kind == "memory" and not path:
+        return MemoryResponseStore(chosen.response_store_bytes)
+    if kind == "none" and not path:
+        return None
+    if kind == "sqlite" and path:
+        try:
+            return SqliteResponseStore(Path(path))
+        except sqlite3.Error as error:
+            parser.error(f"--response-store {chosen.response_store}: {error}")
+    if kind == "etcd" and not path:
+        try:
+            access = etcd_access(settings.etcd)
+        except ValueError as error:
+            parser.error(str(error))
+        if access is None:
+            parser.error("--response-store etcd needs --etcd-endpoints")
+        return EtcdResponseStore(access.client(), settings.etcd.cluster_name)
+    parser.error(
+        f"--response-store must be memory, sqlite:PATH, etcd or none, not {chosen.response_store!r}"
     )
 
 

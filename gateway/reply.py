@@ -12,7 +12,7 @@ mid-stream ends it (its request aborted).
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
@@ -88,12 +88,15 @@ async def respond(
     stall_timeout_s: float,
     span: Span = NO_SPAN,
     framing: SseFraming = DATA_FRAMING,
+    finished: Callable[[], Awaitable[None]] | None = None,
 ) -> Response:
     """The response to the merged choice streams ``events``: an error status when one fails
     before the first item, else SSE frames (``stream``) or the whole body; 499 when the HTTP
     client went away first; an SSE frame the client leaves unread ``stall_timeout_s`` ends
     the stream; ``framing``: the endpoint's. ``span``: the request's, ended with it (its
-    ``traceparent`` is returned); ``metrics``: the model's."""
+    ``traceparent`` is returned); ``metrics``: the model's. ``finished`` is awaited once
+    every choice has finished, before the last events or the body go out (the Responses
+    API stores the response there: ``gateway/stored_responses.py``)."""
     timer = metrics.start(span)
     headers = {"x-request-id": header_value(request_id)}
     if traceparent := traceparent_of(span):
@@ -113,7 +116,7 @@ async def respond(
         await events.aclose()
         raise
     if stream:
-        frames = _stream_frames(choices, first, events, timer, stream_options, framing)
+        frames = _stream_frames(choices, first, events, timer, stream_options, framing, finished)
         return EventStreamResponse(frames, headers, stall_timeout_s)
     try:
         await unless_disconnected(request.receive, _fold(choices, first, events, timer))
@@ -125,6 +128,8 @@ async def respond(
         return Response(status_code=499)
     finally:
         await events.aclose()
+    if finished is not None:
+        await finished()
     return JSONResponse(choices.whole(), headers=headers)
 
 
@@ -162,9 +167,10 @@ async def _stream_frames(
     timer: RequestTimer,
     options: schemas.StreamOptions | None,
     framing: SseFraming,
+    finished: Callable[[], Awaitable[None]] | None,
 ) -> AsyncIterator[bytes]:
     """SSE frames; the choices' events in arrival order, the usage chunk if asked, then
-    ``framing.done``."""
+    ``framing.done``; ``finished`` awaited before the events of the last choice's end."""
     continuous = bool(options and options.include_usage and options.continuous_usage_stats)
     frame = framing.frame
     try:
@@ -175,6 +181,8 @@ async def _stream_frames(
             index, item = entry
             bodies = choices.add(index, item)
             _record(timer, choices, item)
+            if finished is not None and choices.all_finished:
+                await finished()
             if bodies:
                 if continuous:
                     usage = usage_dict(choices.usage())  # the item's usage, on each of its events

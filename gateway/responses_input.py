@@ -3,8 +3,10 @@ that the chat path's prompt, sampling, tools and structured outputs serve it unc
 (``gateway/sampling.py``).
 
 Contract of ``as_chat``:
-- ``instructions`` becomes a system message before the input; ``input`` text one user
-  message; a list of items becomes messages in order: a message item (``role`` user, system,
+- ``instructions`` becomes a system message before the input; a ``previous_response_id``'s
+  conversation (its stored input and output items: ``gateway/stored_responses.py``, read
+  onto the body as ``_previous`` before) comes next; ``input`` text is one user message; a
+  list of items becomes messages in order: a message item (``role`` user, system,
   developer or assistant; ``content`` text or ``input_text`` / ``output_text`` parts) as that
   message, consecutive ``function_call`` items as one assistant message's tool calls, a
   ``function_call_output`` item as the tool message answering its ``call_id``;
@@ -13,10 +15,11 @@ Contract of ``as_chat``:
   ``max_output_tokens`` is ``max_tokens`` (400 when both are sent and differ);
 - every other sampling field is the chat body's as sent; ``include``'s
   ``message.output_text.logprobs`` is chat's ``logprobs`` (``top_logprobs`` alternatives);
+  ``reasoning.effort`` chat's ``reasoning_effort`` (low, medium, high);
 - anything it cannot serve is a 400 naming the field or item (``input.2.content.0``): other
   item or part types (images, files, reasoning, references to stored items), other tool types,
   and the declared fields that ask for stored state or features splitserve lacks
-  (``previous_response_id``, ``conversation``, any other ``include``, ``reasoning``,
+  (``conversation``, any other ``include``, reasoning ``summary`` and other efforts,
   ``background``, ``truncation: auto``, ``top_logprobs`` without the logprobs ``include``,
   ``max_tool_calls``, ``prompt``).
 """
@@ -37,10 +40,11 @@ from splitserve.gateway.schemas import (
     MessageToolCall,
     _SamplingFields,
 )
+from splitserve.gateway.stored_responses import conversation
 
 _MESSAGE_ROLES = ("user", "system", "developer", "assistant")
 _TEXT_PARTS = ("input_text", "output_text", "text")
-_NOT_STORED = "responses are not stored here: send the conversation as input"
+_EFFORTS = ("low", "medium", "high")
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 """The one ``include`` served: each output token's logprob (and ``top_logprobs`` others)."""
 _SHARED_FIELDS = frozenset(_SamplingFields.model_fields) - {"n", "best_of", "stream_options"}
@@ -70,7 +74,9 @@ def as_chat(body: ResponsesRequest) -> ChatCompletionRequest:
 def _chat_of(body: ResponsesRequest) -> ChatCompletionRequest:
     _refuse_unserved(body)
     messages = [] if body.instructions is None else [_message("system", body.instructions)]
-    messages += _input_messages(body.input)
+    if body._previous is not None:
+        _add_messages(messages, conversation(body._previous), "previous_response_id")
+    _add_messages(messages, body.input, "input")
     if not messages:
         raise invalid("input must hold at least one message", "input")
     if body.max_tokens and body.max_output_tokens and body.max_tokens != body.max_output_tokens:
@@ -90,6 +96,7 @@ def _chat_of(body: ResponsesRequest) -> ChatCompletionRequest:
         tools=_tools(body.tools),
         tool_choice=_tool_choice(body.tool_choice),
         parallel_tool_calls=body.parallel_tool_calls,
+        reasoning_effort=_effort(body.reasoning),
     )
     chat._tool_format = body._tool_format
     chat._reasoning_format = body._reasoning_format
@@ -103,8 +110,12 @@ def wants_logprobs(body: ResponsesRequest) -> bool:
 
 def _refuse_unserved(body: ResponsesRequest) -> None:
     refusals: list[tuple[str, bool, str]] = [
-        ("previous_response_id", body.previous_response_id is not None, _NOT_STORED),
-        ("conversation", body.conversation is not None, _NOT_STORED),
+        (
+            "conversation",
+            body.conversation is not None,
+            "conversation objects are not served: continue with previous_response_id, or "
+            "send the conversation as input",
+        ),
         (
             "include",
             any(name != LOGPROBS_INCLUDE for name in body.include or ()),
@@ -112,8 +123,12 @@ def _refuse_unserved(body: ResponsesRequest) -> None:
         ),
         (
             "reasoning",
-            any(value is not None for value in (body.reasoning or {}).values()),
-            "reasoning is not supported: no reasoning model",
+            any(
+                value is not None
+                for key, value in (body.reasoning or {}).items()
+                if key != "effort"
+            ),
+            "of reasoning, only effort is served (summaries are not)",
         ),
         ("background", bool(body.background), "background responses are not supported"),
         (
@@ -148,12 +163,24 @@ def _message(role: str, content: str) -> ChatMessage:
     return ChatMessage(role=role, content=content)  # type: ignore[arg-type]
 
 
-def _input_messages(given: str | list[dict[str, Any]]) -> list[ChatMessage]:
+def _effort(reasoning: dict[str, Any] | None) -> str | None:
+    """``reasoning.effort`` as chat's ``reasoning_effort``; 400 naming it for another."""
+    effort = (reasoning or {}).get("effort")
+    if effort is not None and effort not in _EFFORTS:
+        raise invalid(f"reasoning.effort must be one of {', '.join(_EFFORTS)}", "reasoning.effort")
+    return effort
+
+
+def _add_messages(
+    messages: list[ChatMessage], given: str | list[dict[str, Any]], field: str
+) -> None:
+    """Append ``given``'s messages (a text, or items) to ``messages``; errors name items
+    as ``{field}.{index}``."""
     if isinstance(given, str):
-        return [_message("user", given)]
-    messages: list[ChatMessage] = []
+        messages.append(_message("user", given))
+        return
     for index, item in enumerate(given):
-        where = f"input.{index}"
+        where = f"{field}.{index}"
         kind = item.get("type", "message" if "role" in item else None)
         if kind == "message":
             messages.append(_message_item(item, where))
@@ -170,7 +197,6 @@ def _input_messages(given: str | list[dict[str, Any]]) -> list[ChatMessage]:
             messages.append(ChatMessage(role="tool", content=output, tool_call_id=call_id))
         else:
             raise invalid(f"input items of type {kind!r} are not supported", f"{where}.type")
-    return messages
 
 
 def _message_item(item: dict[str, Any], where: str) -> ChatMessage:

@@ -5,10 +5,11 @@ the response object for the OpenAPI schema (the gateway builds it as a plain dic
 The request takes the Responses fields splitserve serves (``input`` as text or a list of
 messages and function-call items, ``instructions``, ``max_output_tokens``, ``temperature``,
 ``top_p``, function ``tools``, ``tool_choice``, ``parallel_tool_calls``, ``text.format``,
-``stream``) and, as vLLM does, the sampling extensions every generation request has
+``stream``, ``store`` and ``previous_response_id``: ``gateway/stored_responses.py``,
+``reasoning.effort``) and, as vLLM does, the sampling extensions every generation request has
 (``gateway/schemas.py:_SamplingFields``: ``top_k``, ``min_p``, ``seed``, penalties, ``stop``,
-latency targets, ...). Declared fields that ask for what splitserve does not do (a stored
-previous response, a conversation, reasoning, background runs, ``include``d extras, automatic
+latency targets, ...). Declared fields that ask for what splitserve does not do (a
+conversation object, reasoning summaries, background runs, ``include``d extras, automatic
 truncation) are refused with a 400 naming them by ``gateway/responses_input.py``; of
 ``include`` only the output text's logprobs are served; ``n`` and
 ``best_of`` above 1 fail validation (a response has one output).
@@ -21,6 +22,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, PrivateAttr
 
 from splitserve.gateway.schemas import ChatCompletionRequest, _SamplingFields
+from splitserve.gateway.stored_responses import StoredResponse
 
 # ---- request ------------------------------------------------------------------------------
 
@@ -54,7 +56,15 @@ class ResponsesRequest(_SamplingFields):
         "'json_schema', 'name': ..., 'schema': {...}}}: a structured output.",
     )
     store: bool | None = Field(
-        None, description="Responses are not stored: the response says store: false."
+        None,
+        description="Keep the response (default: yes, unless the gateway runs with "
+        "--response-store none) for previous_response_id, GET /v1/responses/{id} and its "
+        "input_items, for --response-store-ttl seconds.",
+    )
+    previous_response_id: str | None = Field(
+        None,
+        description="Continue that stored response's conversation: its input and output "
+        "come before this input (its instructions do not).",
     )
     stream_options: dict[str, Any] | None = Field(
         None, description="Accepted; no obfuscation padding is sent either way."
@@ -62,7 +72,6 @@ class ResponsesRequest(_SamplingFields):
     n: int | None = Field(1, ge=1, le=1, description="A response has one output.")
     best_of: int | None = Field(None, ge=1, le=1, description="A response has one output.")
     # refused unless they ask for nothing (gateway/responses_input.py)
-    previous_response_id: str | None = None
     conversation: str | dict[str, Any] | None = None
     include: list[str] | None = Field(
         None, description="Only 'message.output_text.logprobs': each output token's logprob."
@@ -70,7 +79,11 @@ class ResponsesRequest(_SamplingFields):
     top_logprobs: int | None = Field(
         None, ge=0, le=20, description="With that include: this many alternatives per token."
     )
-    reasoning: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = Field(
+        None,
+        description="{'effort': 'low' | 'medium' | 'high'}: the chat template's "
+        "reasoning_effort (a 400 where the template reads none); summaries are not served.",
+    )
     background: bool | None = None
     truncation: str | None = None
     max_tool_calls: int | None = None
@@ -79,6 +92,11 @@ class ResponsesRequest(_SamplingFields):
     """As ``ChatCompletionRequest``'s: passed on to the chat it amounts to."""
     _reasoning_format: str = PrivateAttr("")
     """As ``ChatCompletionRequest``'s: passed on to the chat it amounts to."""
+    _previous: StoredResponse | None = PrivateAttr(None)
+    """The stored response ``previous_response_id`` names, read before the prompt
+    (``gateway/app.py:_generate``)."""
+    _stored: bool = PrivateAttr(False)
+    """Whether this response is stored (``gateway/stored_responses.py:StoredResponses.stores``)."""
     _chat: ChatCompletionRequest | None = PrivateAttr(None)
     """The chat completion this request amounts to, once ``gateway/responses_input.py:as_chat``
     made it (its prompt, sampling and builder each ask for it)."""
@@ -181,8 +199,8 @@ class ResponseObject(BaseModel):
     model: str
     output: list[ReasoningItem | OutputMessage | FunctionCallItem]
     parallel_tool_calls: bool
-    previous_response_id: None
-    store: Literal[False]
+    previous_response_id: str | None
+    store: bool
     temperature: float | None
     top_p: float | None
     text: dict[str, Any]
@@ -190,3 +208,22 @@ class ResponseObject(BaseModel):
     tools: list[dict[str, Any]]
     truncation: Literal["disabled"]
     usage: ResponseUsage | None
+
+
+class ResponseDeleted(BaseModel):
+    """``DELETE /v1/responses/{response_id}``."""
+
+    id: str
+    object: Literal["response"] = "response"
+    deleted: bool
+
+
+class InputItemList(BaseModel):
+    """``GET /v1/responses/{response_id}/input_items``: a page of the items the response
+    answered (its conversation's, a ``previous_response_id``'s included), each with an id."""
+
+    object: Literal["list"] = "list"
+    data: list[dict[str, Any]]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool

@@ -5,17 +5,41 @@ object (``settings_argv``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from splitserve.common.api_keys import ApiKeySettings
 from splitserve.common.env_flags import env_name
 from splitserve.common.settings import default_group, setting
 from splitserve.common.tracing import TracingSettings
+from splitserve.discovery.flags import MembershipSettings
 from splitserve.gateway.body_limit import DEFAULT_MAX_BODY_BYTES
 from splitserve.gateway.disconnect import CLIENT_STALL_TIMEOUT_S
+from splitserve.gateway.stored_responses import DEFAULT_MEMORY_BYTES, DEFAULT_TTL_S
 from splitserve.proto.streams_server import RELAYS
 from splitserve.proto.tls import TlsSettings
 
 DEFAULT_COORDINATOR = "127.0.0.1:50051"
+
+
+@dataclass(frozen=True)
+class ResponseStoreSettings:
+    """Where the Responses API's stored responses live (``gateway/stored_responses.py``)."""
+
+    TITLE: ClassVar[str] = "stored responses (the Responses API)"
+
+    response_store: str = setting(
+        "memory",
+        "where the Responses API's stored responses live (previous_response_id, GET "
+        "/v1/responses/{id}): 'memory' (this process), 'sqlite:PATH' (a file the gateway "
+        "processes of a machine share), 'etcd' (every gateway of the cluster: --etcd-endpoints "
+        "and --cluster-name) or 'none' (nothing stored)",
+    )
+    response_store_ttl: float = setting(DEFAULT_TTL_S, "seconds a stored response is kept")
+    response_store_bytes: int = setting(
+        DEFAULT_MEMORY_BYTES,
+        "with --response-store memory: at most this many bytes, the least recently used "
+        "dropped first",
+    )
 
 
 @dataclass(frozen=True)
@@ -66,3 +90,6 @@ class GatewaySettings:
         False, "with API keys, /health and /metrics need a key too (default: open, for probes)"
     )
     tracing: TracingSettings = default_group(TracingSettings)
+    responses: ResponseStoreSettings = default_group(ResponseStoreSettings)
+    etcd: MembershipSettings = default_group(MembershipSettings)
+    """Reached only by ``--response-store etcd``."""

@@ -12,6 +12,7 @@ argparse). Pure functions of ``up``'s parsed flags (``args``) and the machine's 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shlex
 from collections.abc import Callable, Sequence
@@ -24,7 +25,7 @@ from splitserve.coordinator.settings import CoordinatorSettings
 from splitserve.discovery.flags import MembershipSettings, membership_settings
 from splitserve.engine.cli_args import EngineSettings
 from splitserve.frontend.settings import FrontendSettings, HttpSettings
-from splitserve.gateway.settings import GatewaySettings
+from splitserve.gateway.settings import GatewaySettings, ResponseStoreSettings
 from splitserve.launch.layout import last_flag
 from splitserve.worker.settings import WorkerSettings
 
@@ -53,6 +54,31 @@ def membership_flags(args: argparse.Namespace) -> list[str]:
     if membership.etcd_endpoints is None:
         return []
     return settings_argv(membership, ("--etcd-endpoints", "--cluster-name"))
+
+
+def response_store_of(
+    args: argparse.Namespace, shared_dir: str | None = None
+) -> ResponseStoreSettings:
+    """Where ``up``'s gateways keep stored responses: ``up``'s ``--response-store``, except
+    that several gateway processes, which answer any connection, do not each keep their own
+    in memory: they share etcd where membership is on etcd, else a SQLite file in
+    ``shared_dir`` (``up``'s, for its lifetime: ``launch/up.py:_responses_dir``)."""
+    chosen = ResponseStoreSettings(
+        args.response_store, args.response_store_ttl, args.response_store_bytes
+    )
+    if chosen.response_store != "memory" or args.gateways == 1 or args.no_gateway:
+        return chosen
+    if membership_of(args).etcd_endpoints is not None:
+        return dataclasses.replace(chosen, response_store="etcd")
+    assert shared_dir is not None  # up made one for several gateways (shares_response_file)
+    return dataclasses.replace(chosen, response_store=f"sqlite:{shared_dir}/responses.db")
+
+
+def shares_response_file(args: argparse.Namespace) -> bool:
+    """Whether ``up``'s gateways share a SQLite file of stored responses
+    (``response_store_of``)."""
+    several = args.gateways > 1 and not args.no_gateway and args.response_store == "memory"
+    return several and membership_of(args).etcd_endpoints is None
 
 
 def metrics_port(base: int, index: int) -> int:
@@ -128,7 +154,9 @@ def coordinator_argv(args: argparse.Namespace, index: int = 0) -> list[str]:
     settings, always = _coordinator_settings(args, index, args.model, port, names)
     if not merged_frontend(args):
         return [COORDINATOR_MODULE, *settings_argv(settings, always)]
-    frontend = FrontendSettings(settings, HttpSettings(http_port=args.http_port))
+    frontend = FrontendSettings(
+        settings, HttpSettings(http_port=args.http_port), response_store_of(args)
+    )
     return [FRONTEND_MODULE, *settings_argv(frontend, (*always, "--http-port"))]
 
 
@@ -304,10 +332,13 @@ def gateway_argv(
     coordinator: str,
     port: int | str | None = None,
     extra_models: Sequence[str] = (),
+    shared_dir: str | None = None,
 ) -> list[str]:
     """Module and flags of a gateway listening on ``port`` (default ``--http-port``; shared
     by every gateway when there are several: ``--reuse-port``) in front of ``--model``'s
-    ``coordinator`` (addresses) and the ``extra_models``' coordinators (one address each)."""
+    ``coordinator`` (addresses) and the ``extra_models``' coordinators (one address each);
+    its stored responses as ``response_store_of`` says (``shared_dir``: its file's folder)."""
+    responses = response_store_of(args, shared_dir)
     settings = GatewaySettings(
         host=args.host,
         port=int(args.http_port if port is None else port),
@@ -316,5 +347,7 @@ def gateway_argv(
         drain_timeout=args.drain_timeout,
         health_needs_key=args.health_needs_key,
         cpu_affinity=control_cores(args),
+        responses=responses,
+        etcd=membership_of(args) if responses.response_store == "etcd" else MembershipSettings(),
     )
     return [GATEWAY_MODULE, *settings_argv(settings, ("--host", "--port", "--drain-timeout"))]

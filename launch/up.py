@@ -84,6 +84,7 @@ from splitserve.launch.commands import (
     membership_flags,
     merged_frontend,
     scaled_worker_argv,
+    shares_response_file,
     worker_argvs,
     worker_cores,
     worker_processes,
@@ -182,6 +183,7 @@ async def _start_all(
     credential: ClusterCredential,
     tls: TlsConfig | None,
     busy_dir: str,
+    responses_dir: str | None,
 ) -> tuple[str, list[str]]:
     """Start every child in order, each once the previous ones are ready; the coordinators'
     public addresses, comma-separated, once every coordinator routes to every worker
@@ -220,7 +222,8 @@ async def _start_all(
         port: int | str = args.http_port
         for index in range(args.gateways):  # the first binds the port (0: any), the rest share it
             name = "gateway" if args.gateways == 1 else f"gateway-{index}"
-            gateway = children.start(name, gateway_argv(args, address, port, extra_publics))
+            argv = gateway_argv(args, address, port, extra_publics, responses_dir)
+            gateway = children.start(name, argv)
             port = _port_of(await children.wait_ready(gateway, stop))
             gateway.pin("--port", port)
     return address, internals
@@ -279,10 +282,10 @@ async def _run(
         drain_timeout_s=args.drain_timeout,
         engine_nice=args.worker_nice,
     )
-    with _busy_dir(args) as busy_dir:
+    with _busy_dir(args) as busy_dir, _responses_dir(args) as responses_dir:
         try:
             address, internals = await _start_all(
-                children, args, worker_args, stop, credential, tls, busy_dir
+                children, args, worker_args, stop, credential, tls, busy_dir, responses_dir
             )
             say(f"splitserve up: {layout_summary(args, lending=busy_dir is not None)}")
             say(f"splitserve up: {kernel_plan_line()}")
@@ -391,6 +394,18 @@ def _busy_dir(args: argparse.Namespace) -> Iterator[str | None]:
         yield None
         return
     with directory as path:
+        yield path
+
+
+@contextlib.contextmanager
+def _responses_dir(args: argparse.Namespace) -> Iterator[str | None]:
+    """The folder of the SQLite file several gateways share their stored responses in while
+    ``up`` runs (removed after; ``launch/commands.py:response_store_of``); None where they
+    need none."""
+    if not shares_response_file(args):
+        yield None
+        return
+    with tempfile.TemporaryDirectory(prefix="splitserve-responses-") as path:
         yield path
 
 

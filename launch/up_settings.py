@@ -11,6 +11,7 @@ from typing import ClassVar
 from splitserve.common.api_keys import ApiKeySettings
 from splitserve.common.settings import default_group, setting
 from splitserve.discovery.flags import MembershipSettings
+from splitserve.gateway.settings import ResponseStoreSettings
 from splitserve.launch.cpu_priority import MAX_NICE
 from splitserve.launch.layout import LAYOUTS, RECHECK_INTERVAL_S
 from splitserve.proto.tls import TlsSettings
@@ -184,6 +185,7 @@ class UpSettings:
     )
     autoscaling: AutoscaleSettings = default_group(AutoscaleSettings)
     membership: MembershipSettings = default_group(MembershipSettings)
+    responses: ResponseStoreSettings = default_group(ResponseStoreSettings)
     tls: TlsSettings = default_group(TlsSettings)
     api_keys: ApiKeySettings = default_group(ApiKeySettings)
     health_needs_key: bool = setting(

@@ -247,8 +247,12 @@ def test_a_tool_round_whole_and_streamed(served: Served, sdk: openai.OpenAI) -> 
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
-        ({"previous_response_id": "resp_1"}, "previous_response_id"),
-        ({"reasoning": {"effort": "high"}}, "reasoning"),
+        ({"conversation": "conv_1"}, "conversation"),
+        ({"reasoning": {"summary": "auto"}}, "reasoning"),
+        ({"reasoning": {"effort": "minimal"}}, "reasoning.effort"),
+        # the default model's template reads no reasoning_effort: the coordinator's refusal,
+        # named as the Responses API names it
+        ({"reasoning": {"effort": "high"}}, "reasoning.effort"),
         ({"include": ["reasoning.encrypted_content"]}, "include"),
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"background": True}, "background"),

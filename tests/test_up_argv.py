@@ -1,5 +1,6 @@
 """``splitserve up``'s children's command lines: membership flags go to the coordinators and
-workers exactly when ``--etcd-endpoints`` is given, never to the gateway."""
+workers exactly when ``--etcd-endpoints`` is given, to a gateway only where its stored
+responses live in etcd (several gateways with etcd membership)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from splitserve.launch.up import (
     gateway_argv,
     layout_summary,
     member_ids,
+    shares_response_file,
     worker_argvs,
 )
 from splitserve.worker.process import add_worker_args
@@ -36,6 +38,28 @@ def test_etcd_membership_reaches_every_coordinator_and_worker() -> None:
     for argv in workers:  # they learn of no coordinator: the coordinators watch etcd
         assert not any(flag.startswith("--coordinator") for flag in argv), argv
     assert not any(flag.startswith("--etcd") for flag in gateway)
+
+
+def test_several_gateways_share_their_stored_responses() -> None:
+    """One gateway keeps them in memory; several answer any connection, so they share a
+    SQLite file of up's, or etcd where membership is there; a store asked for is kept."""
+    one = build_parser().parse_args([])
+    assert not any(flag.startswith("--response-store") for flag in gateway_argv(one, "a:1"))
+    several = build_parser().parse_args(["--gateways=2", "--apart"])
+    assert shares_response_file(several)
+    argv = gateway_argv(several, "a:1", shared_dir="/tmp/up-x")
+    assert "--response-store=sqlite:/tmp/up-x/responses.db" in argv, argv
+    assert not any(flag.startswith("--etcd") for flag in argv), argv
+    on_etcd = build_parser().parse_args(["--gateways=2", "--etcd-endpoints=10.0.0.1:2379"])
+    assert not shares_response_file(on_etcd)
+    argv = gateway_argv(on_etcd, "a:1")
+    assert "--response-store=etcd" in argv and "--etcd-endpoints=10.0.0.1:2379" in argv, argv
+    asked = build_parser().parse_args(["--gateways=2", "--response-store=none"])
+    assert not shares_response_file(asked)
+    assert "--response-store=none" in gateway_argv(asked, "a:1")
+    merged = build_parser().parse_args(["--response-store=none", "--response-store-ttl=60"])
+    frontend = coordinator_argv(merged)
+    assert "--response-store=none" in frontend and "--response-store-ttl=60.0" in frontend
 
 
 def test_without_etcd_no_membership_flag_is_passed() -> None:
@@ -122,6 +146,6 @@ def test_several_gateways_share_the_http_port() -> None:
     _, _, alone = _children()
     assert "--reuse-port" not in alone and "--port=8000" in alone
     args = build_parser().parse_args(["--gateways=3", "--http-port=9000"])
-    shared = gateway_argv(args, "127.0.0.1:50051")
+    shared = gateway_argv(args, "127.0.0.1:50051", shared_dir="/tmp/up-x")
     assert "--reuse-port" in shared and "--port=9000" in shared
     assert "3 gateways sharing the HTTP port" in layout_summary(args)
