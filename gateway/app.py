@@ -202,7 +202,9 @@ class Gateway:
             registry=self.registry,
         )
         self.unserved_fields = UnservedFields()
-        self.stored_responses = StoredResponses(config.response_store, config.response_ttl_s)
+        self.stored_responses = StoredResponses(
+            config.response_store, config.response_ttl_s, self.registry
+        )
 
     def tenant_of(self, request: Request) -> str:
         """The tenant of the HTTP caller's key ("" for anonymous callers: no keys)."""

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
+from prometheus_client import CollectorRegistry, Counter
 
 from splitserve.common.response_store import ResponseStore, StoreFailed
 from splitserve.gateway.errors import ApiError, invalid
@@ -90,11 +91,26 @@ def store_unavailable(error: StoreFailed) -> ApiError:
 class StoredResponses:
     """The gateway's stored responses over ``store`` (None: ``--response-store none``)."""
 
-    def __init__(self, store: ResponseStore | None, ttl_s: float = DEFAULT_TTL_S) -> None:
+    def __init__(
+        self,
+        store: ResponseStore | None,
+        ttl_s: float = DEFAULT_TTL_S,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
         self.store = store
         self.ttl_s = ttl_s
         self.failed_puts = 0
         """Responses that were to be stored and were not (the backend refused: logged)."""
+        self._failures = (
+            None
+            if registry is None
+            else Counter(
+                "splitserve_response_store_failures",
+                "Responses that were to be stored and were not (the store refused them or "
+                "could not be reached; gateway/stored_responses.py).",
+                registry=registry,
+            )
+        )
 
     def stores(self, asked: bool | None) -> bool:
         """Whether a response whose request said ``store: asked`` is stored; 400 naming
@@ -135,6 +151,8 @@ class StoredResponses:
             await self.store.put(stored.response["id"], stored.to_bytes(), self.ttl_s)
         except StoreFailed as error:
             self.failed_puts += 1
+            if self._failures is not None:
+                self._failures.inc()
             log.warning("response %s was not stored: %s", stored.response["id"], error)
 
     async def delete(self, response_id: str, tenant: str) -> None:

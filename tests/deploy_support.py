@@ -176,8 +176,8 @@ def _secret_value(name: str, key: str) -> str:
 
 
 def _container_env(container: Doc) -> dict[str, str]:
-    """The environment Kubernetes would give ``container``: ConfigMaps (envFrom), literal
-    values with ``$(VAR)`` expanded, downward-API fields as stand-ins, a Secret's key as a
+    """The environment Kubernetes would give ``container``: ConfigMaps (envFrom, or a key
+    each), literal values with ``$(VAR)`` expanded, downward-API fields as stand-ins, a Secret's key as a
     valid token (the manifests' placeholders are refused on purpose: see the secrets tests)
     once the key is known to exist."""
     env: dict[str, str] = {}
@@ -192,6 +192,9 @@ def _container_env(container: Doc) -> dict[str, str]:
             ref = source["secretKeyRef"]
             _secret_value(ref["name"], ref["key"])  # fails the test when it does not exist
             env[var["name"]] = VALID_TOKEN
+        elif "configMapKeyRef" in source:
+            ref = source["configMapKeyRef"]
+            env[var["name"]] = _named("ConfigMap", ref["name"])["data"][ref["key"]]
         elif "fieldRef" in source:
             env[var["name"]] = {"status.podIP": "10.1.2.3"}.get(
                 source["fieldRef"]["fieldPath"], "pod-0"

@@ -159,6 +159,20 @@ def test_etcd_members_are_named_by_their_headless_service() -> None:
     assert env["ETCD_INITIAL_ADVERTISE_PEER_URLS"] == f"http://$(ETCD_NAME).{governing}:{peer}"
 
 
+def test_the_gateway_replicas_share_their_stored_responses_in_the_clusters_etcd() -> None:
+    """Several replicas behind one Service: a follow-up (previous_response_id) may reach any,
+    so none keeps stored responses in its own memory; they use the etcd and cluster name the
+    coordinators' membership uses."""
+    deployment = _named("Deployment", "splitserve-gateway")
+    assert deployment["spec"]["replicas"] > 1
+    [container] = deployment["spec"]["template"]["spec"]["containers"]
+    args = _parsed_args(container)
+    assert args.response_store == "etcd"
+    config = _named("ConfigMap", "splitserve-config")["data"]
+    assert args.etcd_endpoints == config["SPLITSERVE_ETCD_ENDPOINTS"]
+    assert args.cluster_name == config["SPLITSERVE_CLUSTER_NAME"]
+
+
 def test_the_gateway_reaches_every_ready_coordinator_by_dns() -> None:
     [container] = _named("Deployment", "splitserve-gateway")["spec"]["template"]["spec"][
         "containers"

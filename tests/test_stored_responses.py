@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from prometheus_client import CollectorRegistry
 
 from splitserve.common.response_store import (
     MemoryResponseStore,
@@ -165,9 +166,14 @@ def test_with_no_store_store_true_is_a_400_and_false_stores_nothing() -> None:
 
 def test_a_failed_put_is_counted_not_raised() -> None:
     async def run() -> None:
-        stored = StoredResponses(MemoryResponseStore(8))
+        registry = CollectorRegistry()
+        stored = StoredResponses(MemoryResponseStore(8), registry=registry)
         await stored.put(_record("resp-1", "", []))
         assert stored.failed_puts == 1
+        assert registry.get_sample_value("splitserve_response_store_failures_total") == 1
+        with pytest.raises(ApiError) as missing:
+            await stored.get("resp-1", "")
+        assert missing.value.status == 404
 
     asyncio.run(run())
 
