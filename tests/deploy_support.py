@@ -177,9 +177,9 @@ def _secret_value(name: str, key: str) -> str:
 
 def _container_env(container: Doc) -> dict[str, str]:
     """The environment Kubernetes would give ``container``: ConfigMaps (envFrom, or a key
-    each), literal values with ``$(VAR)`` expanded, downward-API fields as stand-ins, a Secret's key as a
-    valid token (the manifests' placeholders are refused on purpose: see the secrets tests)
-    once the key is known to exist."""
+    each), literal values with ``$(VAR)`` expanded, downward-API fields as stand-ins, a
+    Secret's key as a valid token (the manifests' placeholders are refused on purpose: see
+    the secrets tests) once the key is known to exist."""
     env: dict[str, str] = {}
     for source in container.get("envFrom", []):
         env.update(_named("ConfigMap", source["configMapRef"]["name"])["data"])
