@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -204,6 +205,13 @@ def test_input_items_get_ids_and_parts_and_a_follow_up_drops_reasoning() -> None
 # ---- through the served cluster's gateway ----------------------------------------------------
 
 
+def _fresh() -> dict[str, Any]:
+    """A ``cache_salt`` of its own: the request shares no cached KV, so two compared requests
+    both compute their whole prompt (a prefix computed in another split of steps may differ
+    in the last bits, and a near tie of greedy tokens with it)."""
+    return {"extra_body": {"cache_salt": uuid.uuid4().hex}}
+
+
 def _create(sdk: openai.OpenAI, **fields: Any) -> Any:  # noqa: ANN401 - the SDK's Response
     fields.setdefault("max_output_tokens", 12)
     return sdk.responses.create(model=_model(sdk), temperature=0, **fields)
@@ -223,15 +231,24 @@ def test_a_follow_up_answers_as_the_whole_conversation_does(
         {"role": "assistant", "content": first.output_text},
         {"role": "user", "content": "And of Italy?"},
     ]
-    whole = _create(sdk, input=conversation_items, instructions="Be brief.", store=False)
-    assert follow.output_text == whole.output_text
-    assert follow.usage.input_tokens == whole.usage.input_tokens
     # the conversation's turns go to one decode worker, which holds the first turn's KV
     assert follow.usage.input_tokens_details.cached_tokens > 0
+    fresh = _create(
+        sdk, input="And of Italy?", previous_response_id=first.id, instructions="Be brief.",
+        store=False, **_fresh(),
+    )  # fmt: skip
+    whole = _create(
+        sdk, input=conversation_items, instructions="Be brief.", store=False, **_fresh()
+    )
+    assert fresh.output_text == whole.output_text
+    assert fresh.usage.input_tokens_details.cached_tokens == 0  # the salt: nothing shared
+    assert follow.usage.input_tokens == fresh.usage.input_tokens == whole.usage.input_tokens
     # the first's instructions are not carried over: a follow-up without them is the
     # conversation without them
-    bare = _create(sdk, input="And of Italy?", previous_response_id=first.id, store=False)
-    whole_bare = _create(sdk, input=conversation_items, store=False)
+    bare = _create(
+        sdk, input="And of Italy?", previous_response_id=first.id, store=False, **_fresh()
+    )
+    whole_bare = _create(sdk, input=conversation_items, store=False, **_fresh())
     assert bare.usage.input_tokens == whole_bare.usage.input_tokens != follow.usage.input_tokens
     assert bare.output_text == whole_bare.output_text
 
@@ -271,7 +288,7 @@ def test_a_tool_round_continues_from_the_stored_call(served: Served, sdk: openai
     called = [item for item in call.output if item.type == "function_call"]
     assert called and called[0].name == "get_weather"
     answer = {"type": "function_call_output", "call_id": called[0].call_id, "output": "sunny"}
-    follow = _create(sdk, input=[answer], previous_response_id=call.id, tools=[WEATHER])
+    follow = _create(sdk, input=[answer], previous_response_id=call.id, tools=[WEATHER], **_fresh())
     whole = _create(
         sdk,
         input=[
@@ -281,6 +298,7 @@ def test_a_tool_round_continues_from_the_stored_call(served: Served, sdk: openai
         ],
         tools=[WEATHER],
         store=False,
+        **_fresh(),
     )
     assert follow.output_text == whole.output_text
     assert follow.usage.input_tokens == whole.usage.input_tokens
