@@ -13,7 +13,6 @@ import sys
 
 import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
-from openai.types.chat import ChatCompletionChunk
 
 from splitserve.client import ChatMessage, ChatTemplate, Chunk, Finish, Usage
 from splitserve.client.hermes_tools import TaggedCallStream, parse_tagged
@@ -24,6 +23,7 @@ from splitserve.gateway.responses import ChatBuilder
 from splitserve.proto.cluster_auth import TOKEN_ENV
 from tests.cluster import CREDENTIAL
 from tests.conftest import constraint_takes
+from tests.sdk_stream import calls_stream_as_whole
 
 ADD = {
     "type": "function",
@@ -112,17 +112,9 @@ def test_the_builder_streams_what_the_whole_response_holds() -> None:
         for piece in _pieces(ANSWER, size):
             chunks += builder.add(Chunk("r", piece, (1,), (), USAGE))
         chunks += builder.finish(Finish("r", "stop", None, USAGE))
-        state = ChatCompletionStreamState()
-        for chunk in chunks:
-            state.handle_chunk(ChatCompletionChunk.model_validate(chunk))
-        final = state.get_final_completion().choices[0]
-        whole = builder.whole()["choices"][0]
-        assert final.finish_reason == whole["finish_reason"] == "tool_calls"
+        final, whole = calls_stream_as_whole(builder, chunks)
         assert final.message.content == whole["message"]["content"] == "Let me add them <first>.\n"
-        fields = {"id": True, "type": True, "function": {"name", "arguments"}}
-        reassembled = [call.model_dump(include=fields) for call in final.message.tool_calls]
-        assert reassembled == whole["message"]["tool_calls"]
-        assert [c["function"]["name"] for c in reassembled] == ["add", "now"]
+        assert [c["function"]["name"] for c in whole["message"]["tool_calls"]] == ["add", "now"]
     for text in ("No tools needed <here>.", 'Sure: <tool_call>\n{"name": "add", "argu'):
         builder = ChatBuilder("c", "m", False, tools=_plan())
         streamed = ""

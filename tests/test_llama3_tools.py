@@ -9,14 +9,13 @@ from __future__ import annotations
 import json
 
 import pytest
-from openai.lib.streaming.chat import ChatCompletionStreamState
-from openai.types.chat import ChatCompletionChunk
 
 from splitserve.client import ChatMessage, Chunk, Finish, Usage
 from splitserve.client.tools import LLAMA3_JSON_FORMAT, ToolPlan, tool_plan, tool_request
 from splitserve.common.grammar import GrammarCompiler
 from splitserve.gateway.responses import ChatBuilder
 from tests.conftest import constraint_takes
+from tests.sdk_stream import calls_stream_as_whole
 
 ADD = {
     "type": "function",
@@ -72,16 +71,9 @@ def test_the_builder_streams_the_calls_the_whole_response_holds() -> None:
             piece = TWO_CALLS[start : start + size]
             chunks += builder.add(Chunk("r", piece, (1,), (), USAGE))
         chunks += builder.finish(Finish("r", "stop", None, USAGE))
-        state = ChatCompletionStreamState()
-        for chunk in chunks:
-            state.handle_chunk(ChatCompletionChunk.model_validate(chunk))
-        final = state.get_final_completion().choices[0]
-        whole = builder.whole()["choices"][0]
-        assert final.finish_reason == whole["finish_reason"] == "tool_calls"
-        fields = {"id": True, "type": True, "function": {"name", "arguments"}}
-        reassembled = [call.model_dump(include=fields) for call in final.message.tool_calls]
-        assert reassembled == whole["message"]["tool_calls"]
-        assert [c["function"]["arguments"] for c in reassembled] == ['{"a": 1, "b": 2}', "{}"]
+        _, whole = calls_stream_as_whole(builder, chunks)
+        calls = whole["message"]["tool_calls"]
+        assert [c["function"]["arguments"] for c in calls] == ['{"a": 1, "b": 2}', "{}"]
     plain = ChatBuilder("c", "m", False, tools=_plan())
     said = [plain.add(Chunk("r", piece, (1,), (), USAGE)) for piece in ("It is ", "3.")]
     assert "".join(c["choices"][0]["delta"].get("content") or "" for e in said for c in e) == (

@@ -7,14 +7,13 @@ from __future__ import annotations
 import json
 
 import pytest
-from openai.lib.streaming.chat import ChatCompletionStreamState
-from openai.types.chat import ChatCompletionChunk
 
 from splitserve.client import Chunk, Finish, TokenLogprob, Usage
 from splitserve.client.tools import ToolPlan, tool_plan
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.grammar import GrammarSpec
 from splitserve.gateway.responses import ChatBuilder
+from tests.sdk_stream import calls_stream_as_whole
 
 ADD = {
     "type": "function",
@@ -177,15 +176,7 @@ def test_streamed_tool_calls_reassemble_in_the_openai_sdk_as_the_whole_answer() 
                                   else {"index", "function"})  # fmt: skip
             assert set(delta["function"]) == ({"name", "arguments"} if "id" in delta
                                               else {"arguments"})  # fmt: skip
-        state = ChatCompletionStreamState()
-        for chunk in chunks:
-            state.handle_chunk(ChatCompletionChunk.model_validate(chunk))
-        final = state.get_final_completion().choices[0]
-        whole = builder.whole()["choices"][0]
-        assert final.finish_reason == whole["finish_reason"] == "tool_calls"
-        fields = {"id": True, "type": True, "function": {"name", "arguments"}}
-        reassembled = [call.model_dump(include=fields) for call in final.message.tool_calls]
-        assert reassembled == whole["message"]["tool_calls"]
+        _, whole = calls_stream_as_whole(builder, chunks)
         assert json.loads(whole["message"]["tool_calls"][0]["function"]["arguments"])["a"] == 1
 
 
