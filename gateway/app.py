@@ -520,9 +520,10 @@ async def _generate(
     # a conversation's requests that carry one go to one decode worker (coordinator/router.py)
     session_id = _id_header(request, "x-session-id")
     serve_model_formats(body, route.info)
-    tenant = gateway.tenant_of(request)
     responses_body = body if isinstance(body, ResponsesRequest) else None
+    tenant = ""  # whose stored responses a Responses request reads and adds to
     if responses_body is not None:
+        tenant = gateway.tenant_of(request)
         await read_previous(gateway.stored_responses, responses_body, tenant)
     prompts = endpoint.prompts(body)
     keep_best = best_of_asked(body)  # then best_of candidates per prompt, n of them kept

@@ -31,7 +31,7 @@ import uvloop
 from splitserve.client.stream_mux import OpenStreams
 from splitserve.common.api_keys import ApiKeys, api_keys_or_exit
 from splitserve.common.cpu_affinity import pin_or_exit
-from splitserve.common.env_flags import comma_separated, env_name
+from splitserve.common.env_flags import built_or_exit, comma_separated, env_name
 from splitserve.common.gc_tuning import tune_gc_for_serving
 from splitserve.common.orphan import stop_when_orphaned
 from splitserve.common.response_store import (
@@ -181,10 +181,7 @@ def response_store_of(
         except sqlite3.Error as error:
             parser.error(f"--response-store {chosen.response_store}: {error}")
     if kind == "etcd" and not path:
-        try:
-            access = etcd_access(settings.etcd)
-        except ValueError as error:
-            parser.error(str(error))
+        access = built_or_exit(parser, lambda: etcd_access(settings.etcd))
         if access is None:
             parser.error("--response-store etcd needs --etcd-endpoints")
         return EtcdResponseStore(access.client(), settings.etcd.cluster_name)

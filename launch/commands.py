@@ -66,19 +66,23 @@ def response_store_of(
     chosen = ResponseStoreSettings(
         args.response_store, args.response_store_ttl, args.response_store_bytes
     )
-    if chosen.response_store != "memory" or args.gateways == 1 or args.no_gateway:
+    if not _several_in_memory(args):
         return chosen
-    if membership_of(args).etcd_endpoints is not None:
+    if not shares_response_file(args):  # membership is on etcd
         return dataclasses.replace(chosen, response_store="etcd")
     assert shared_dir is not None  # up made one for several gateways (shares_response_file)
     return dataclasses.replace(chosen, response_store=f"sqlite:{shared_dir}/responses.db")
 
 
+def _several_in_memory(args: argparse.Namespace) -> bool:
+    """Whether ``up`` starts several gateways and is asked for the one-process store."""
+    return args.gateways > 1 and not args.no_gateway and args.response_store == "memory"
+
+
 def shares_response_file(args: argparse.Namespace) -> bool:
     """Whether ``up``'s gateways share a SQLite file of stored responses
-    (``response_store_of``)."""
-    several = args.gateways > 1 and not args.no_gateway and args.response_store == "memory"
-    return several and membership_of(args).etcd_endpoints is None
+    (``response_store_of``): several, with no etcd to share."""
+    return _several_in_memory(args) and membership_of(args).etcd_endpoints is None
 
 
 def metrics_port(base: int, index: int) -> int:
