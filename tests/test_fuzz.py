@@ -242,10 +242,11 @@ def _operation_strategies(
     operation: schemathesis.APIOperation, model: str
 ) -> list[tuple[str, st.SearchStrategy[Case]]]:
     """(kind, strategy) pairs for one operation: positive; for one with a body or parameters
-    also negative; for a POST also anchored."""
+    outside its path also negative (a path segment of text, such as a response id, has no
+    invalid value for schemathesis to make); for a POST also anchored."""
     positive = operation.as_strategy(generation_mode=GenerationMode.POSITIVE)
     kinds = [("positive", positive)]
-    if operation.body or any(True for _ in operation.iter_parameters()):
+    if operation.body or any(p.location != "path" for p in operation.iter_parameters()):
         kinds.append(("negative", operation.as_strategy(generation_mode=GenerationMode.NEGATIVE)))
     if operation.method == "post":
         kinds.append(("anchored", _anchored(positive, model, operation.path)))
