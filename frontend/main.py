@@ -36,6 +36,7 @@ from splitserve.common.tracing import shutdown_tracing
 from splitserve.coordinator.main import PreparedCoordinator, prepare, serve
 from splitserve.coordinator.servicer import CoordinatorServicer
 from splitserve.frontend.settings import FrontendSettings, gateway_settings
+from splitserve.gateway.app import create_app
 from splitserve.gateway.main import (
     config_of,
     http_server,
@@ -111,10 +112,11 @@ async def _serve(
     gateway = gateway_settings(settings, dial_address(address))
     tls = prepared.access.tls
     config = config_of(parser, gateway, prepared.keys, tls, local_opener(servicer.GenerateStreams))
-    server = http_server(gateway, config, tls)
+    app = create_app(config)
+    server = http_server(gateway, app, tls)
     watcher = asyncio.create_task(_stop_on_signal(server, stop))
     try:
-        await serve_http(server, gateway, None, serves_tls(tls))
+        await serve_http(server, app, gateway, None, serves_tls(tls))
     finally:
         http_drained.set()
         stop.set()

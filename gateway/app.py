@@ -72,6 +72,7 @@ from splitserve.common.tracing import active_span, start_span, traceparent_of
 from splitserve.gateway import schemas
 from splitserve.gateway.adapter_routes import add_adapter_routes
 from splitserve.gateway.api_key_check import RequireApiKey, bearer_key
+from splitserve.gateway.background import BackgroundRuns
 from splitserve.gateway.beam_choices import PromptBeams, beam_search_params
 from splitserve.gateway.body_limit import DEFAULT_MAX_BODY_BYTES, LimitBody
 from splitserve.gateway.choices import Choices
@@ -91,6 +92,8 @@ from splitserve.gateway.response_routes import (
     add_response_routes,
     conversation_session,
     read_previous,
+    record_of,
+    run_in_background,
     storing,
 )
 from splitserve.gateway.responses import PromptShown
@@ -158,6 +161,9 @@ class GatewayConfig:
     ``gateway/stored_responses.py``); closed with the gateway."""
     response_ttl_s: float = DEFAULT_TTL_S
     """How long a stored response is kept."""
+    drain_timeout_s: float = 30.0
+    """On shutdown, how long background responses may take to end before they are cancelled
+    (``gateway/background.py``)."""
 
 
 def _post(app: FastAPI, endpoint: Endpoint[Any]) -> Callable[[_Handler], _Handler]:
@@ -205,6 +211,7 @@ class Gateway:
         self.stored_responses = StoredResponses(
             config.response_store, config.response_ttl_s, self.registry
         )
+        self.background = BackgroundRuns(self.stored_responses)
 
     def tenant_of(self, request: Request) -> str:
         """The tenant of the HTTP caller's key ("" for anonymous callers: no keys)."""
@@ -256,6 +263,7 @@ class Gateway:
         return any(answers)
 
     async def close(self) -> None:
+        await self.background.drain(self.config.drain_timeout_s)
         await self.models.close()
         await self.stored_responses.close()
 
@@ -581,6 +589,12 @@ async def _generate(
     finished = None
     if responses_body is not None:
         assert isinstance(builders[0], ResponsesBuilder)  # a response has one output
+        if responses_body.background:
+            record = record_of(responses_body, builders[0], tenant, session_id)
+            return await run_in_background(
+                gateway.background, builders[0], record, merged(streams, leaders), choices,
+                route.metrics, span, request_id, gateway.config.client_stall_timeout_s,
+            )  # fmt: skip
         finished = storing(
             gateway.stored_responses, responses_body, builders[0], tenant, session_id
         )

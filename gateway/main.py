@@ -27,6 +27,7 @@ from pathlib import Path
 
 import uvicorn
 import uvloop
+from fastapi import FastAPI
 
 from splitserve.client.stream_mux import OpenStreams
 from splitserve.common.api_keys import ApiKeys, api_keys_or_exit
@@ -105,7 +106,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s gateway %(levelname)s %(message)s")
     warn_if_backlog_capped()
     configure_tracing("gateway", settings.tracing.otlp_traces_endpoint)
-    server = http_server(settings, config_of(parser, settings, keys, tls), tls)
+    app = create_app(config_of(parser, settings, keys, tls))
+    server = http_server(settings, app, tls)
     listeners = None
     if settings.reuse_port:
         try:
@@ -118,7 +120,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         signal.signal(signum, _after_drain)
     stop_when_orphaned()  # up died: SIGTERM ourselves, which uvicorn drains on
     try:
-        uvloop.run(serve_http(server, settings, listeners, serves_tls(tls)))
+        uvloop.run(serve_http(server, app, settings, listeners, serves_tls(tls)))
     finally:
         shutdown_tracing()
     return 0 if server.started else 1
@@ -158,6 +160,7 @@ def config_of(
         local_streams=local_streams,
         response_store=response_store_of(parser, settings),
         response_ttl_s=settings.responses.response_store_ttl,
+        drain_timeout_s=settings.drain_timeout,
     )
 
 
@@ -190,14 +193,13 @@ def response_store_of(
     )
 
 
-def http_server(
-    settings: GatewaySettings, config: GatewayConfig, tls: TlsConfig | None
-) -> uvicorn.Server:
-    """The uvicorn server of the app (HTTPS where the TLS files can serve)."""
+def http_server(settings: GatewaySettings, app: FastAPI, tls: TlsConfig | None) -> uvicorn.Server:
+    """The uvicorn server of ``app`` (``gateway/app.py:create_app``'s; HTTPS where the TLS
+    files can serve)."""
     https = serves_tls(tls)
     return uvicorn.Server(
         uvicorn.Config(
-            exposing_raw_send(create_app(config)),
+            exposing_raw_send(app),
             host=settings.host,
             port=settings.port,
             loop="uvloop",
@@ -213,12 +215,14 @@ def http_server(
 
 async def serve_http(
     server: uvicorn.Server,
+    app: FastAPI,
     settings: GatewaySettings,
     listeners: Listeners | None,
     https: bool,
 ) -> None:
     """Serve until uvicorn's drain ends; print the ready line once listening (and, on a
-    shared port, this instance's own address before it)."""
+    shared port, this instance's own address before it). Once told to stop, the app's
+    background responses get the same ``--drain-timeout`` as its open streams, from then."""
     sockets = None if listeners is None else listeners.sockets
     task = asyncio.create_task(server.serve(sockets=sockets))
     while not server.started:
@@ -233,7 +237,19 @@ async def serve_http(
         print(f"splitserve gateway instance at {own}", flush=True)
     tune_gc_for_serving()
     print(f"{GATEWAY_READY} at {scheme}://{settings.host}:{port}", flush=True)
-    await task
+    stopping = asyncio.create_task(_drain_background(server, app, settings.drain_timeout))
+    try:
+        await task
+    finally:
+        stopping.cancel()
+
+
+async def _drain_background(server: uvicorn.Server, app: FastAPI, timeout_s: float) -> None:
+    """Once ``server`` is told to stop: ``app``'s background responses end within
+    ``timeout_s`` (``gateway/background.py:BackgroundRuns.drain``), beside uvicorn's drain."""
+    while not server.should_exit:
+        await asyncio.sleep(0.1)
+    await app.state.gateway.background.drain(timeout_s)
 
 
 def _after_drain(signum: int, frame: object) -> None:

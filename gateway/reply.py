@@ -133,7 +133,7 @@ async def respond(
     return JSONResponse(choices.whole(), headers=headers)
 
 
-def _record(timer: RequestTimer, choices: Choices, item: Chunk | Finish) -> None:
+def record_item(timer: RequestTimer, choices: Choices, item: Chunk | Finish) -> None:
     """Metrics of an item already folded into ``choices``: tokens, and the request's end
     once every choice finished."""
     if isinstance(item, Chunk):
@@ -153,7 +153,7 @@ async def _fold(
     while entry is not None:
         index, item = entry
         choices.add(index, item)
-        _record(timer, choices, item)
+        record_item(timer, choices, item)
         if choices.all_finished:
             return
         entry = await anext(events, None)
@@ -180,7 +180,7 @@ async def _stream_frames(
         while entry is not None:
             index, item = entry
             bodies = choices.add(index, item)
-            _record(timer, choices, item)
+            record_item(timer, choices, item)
             if finished is not None and choices.all_finished:
                 await finished()
             if bodies:

@@ -2,8 +2,10 @@
 with them (``gateway/stored_responses.py`` holds the contract):
 
 - ``GET /v1/responses/{response_id}``: the stored response object (404 for an unknown,
-  expired, deleted or another tenant's id); ``stream`` and ``include`` other than the
-  logprobs one are 400s (background responses are not served; the object is as answered);
+  expired, deleted or another tenant's id; ``include`` other than the logprobs one is a
+  400); a background response's as it is now, or with ``stream`` its events after
+  ``starting_after`` (``gateway/background.py``);
+- ``POST /v1/responses/{response_id}/cancel``: a background response cancelled;
 - ``DELETE /v1/responses/{response_id}``: ``{"id", "object": "response", "deleted": true}``;
 - ``GET /v1/responses/{response_id}/input_items``: its input items a page at a time
   (``limit`` 1-100, default 20; ``order`` ``desc`` (default) or ``asc``; ``after`` an item
@@ -11,17 +13,26 @@ with them (``gateway/stored_responses.py`` holds the contract):
 
 A ``POST /v1/responses`` reads the stored response its ``previous_response_id`` names before
 its prompt is made (``read_previous``), goes to its conversation's session
-(``conversation_session``) and is stored before its last event goes out (``storing``).
+(``conversation_session``) and is stored before its last event goes out (``storing``), or,
+``background``, is run apart from its HTTP request (``run_in_background``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Annotated, Any, Literal, Protocol
 
 from fastapi import FastAPI, Query, Request
+from opentelemetry.trace import Span
+from starlette.responses import JSONResponse, Response
 
+from splitserve.client import Chunk, Finish
+from splitserve.common.metrics import RequestMetrics
+from splitserve.gateway.background import BackgroundRuns, answered
+from splitserve.gateway.choices import Choices
+from splitserve.gateway.disconnect import EventStreamResponse
 from splitserve.gateway.errors import invalid
+from splitserve.gateway.reply import TYPED_FRAMING, header_value
 from splitserve.gateway.responses_events import ResponsesBuilder
 from splitserve.gateway.responses_input import LOGPROBS_INCLUDE
 from splitserve.gateway.responses_schemas import (
@@ -38,21 +49,45 @@ from splitserve.gateway.stored_responses import (
 )
 
 
+class StallTimeout(Protocol):
+    """Of the gateway's config: how long an SSE frame may stay unread."""
+
+    client_stall_timeout_s: float
+
+
 class ResponseGateway(Protocol):
     """What these routes need of the gateway (``gateway/app.py:Gateway``)."""
 
     stored_responses: StoredResponses
+    background: BackgroundRuns
+
+    @property
+    def config(self) -> StallTimeout: ...
 
     def tenant_of(self, request: Request) -> str: ...
 
 
 async def read_previous(stored: StoredResponses, body: ResponsesRequest, tenant: str) -> None:
     """Whether ``body``'s response is stored (``body._stored``; 400 for ``store: true`` where
-    nothing is) and the response its ``previous_response_id`` names (``body._previous``; 404
-    naming it when ``tenant`` has none such)."""
+    nothing is, and for ``background`` where it is not stored) and the response its
+    ``previous_response_id`` names (``body._previous``; 404 naming it when ``tenant`` has none
+    such, 400 while it is a background response still running)."""
     body._stored = stored.stores(body.store)
+    if body.background and not body._stored:
+        raise invalid(
+            "a background response is stored: send store: true (or leave it out), to a "
+            "gateway with a response store",
+            "background",
+        )
     if body.previous_response_id is not None:
-        body._previous = await stored.get(body.previous_response_id, tenant, "previous_response_id")
+        previous = await stored.get(body.previous_response_id, tenant, "previous_response_id")
+        if previous.running:
+            raise invalid(
+                f"response {body.previous_response_id!r} is still running in the background: "
+                "continue it once it has ended",
+                "previous_response_id",
+            )
+        body._previous = previous
 
 
 def conversation_session(body: ResponsesRequest, asked: str, response_id: str) -> str:
@@ -66,6 +101,15 @@ def conversation_session(body: ResponsesRequest, asked: str, response_id: str) -
     return response_id if body._stored else ""
 
 
+def record_of(
+    body: ResponsesRequest, builder: ResponsesBuilder, tenant: str, session_id: str
+) -> Callable[[], StoredResponse]:
+    """``builder``'s response's record as it is when called."""
+    earlier = [] if body._previous is None else conversation(body._previous)
+    items = earlier + input_items(body.input)
+    return lambda: StoredResponse(builder.whole(), items, tenant, session_id)
+
+
 def storing(
     stored: StoredResponses,
     body: ResponsesRequest,
@@ -76,13 +120,39 @@ def storing(
     """What stores ``builder``'s response once it has ended (None where it is not stored)."""
     if not body._stored:
         return None
-    earlier = [] if body._previous is None else conversation(body._previous)
-    items = earlier + input_items(body.input)
+    record = record_of(body, builder, tenant, session_id)
 
     async def store() -> None:
-        await stored.put(StoredResponse(builder.whole(), items, tenant, session_id))
+        await stored.put(record())
 
     return store
+
+
+async def run_in_background(
+    runs: BackgroundRuns,
+    builder: ResponsesBuilder,
+    record: Callable[[], StoredResponse],
+    events: AsyncGenerator[tuple[int, Chunk | Finish], None],
+    choices: Choices,
+    metrics: RequestMetrics,
+    span: Span,
+    request_id: str,
+    stall_timeout_s: float,
+) -> Response:
+    """Start ``builder``'s response in the background (``gateway/background.py``) and answer
+    its POST: the response ``queued``, or with ``stream`` its events as they come."""
+    stream = bool(builder.body.stream)
+    run = await runs.start(builder, record, events, choices, metrics, stream, span)
+    headers = {"x-request-id": header_value(request_id)}
+    if not stream:
+        return JSONResponse(run.snapshot(), headers=headers)
+    return EventStreamResponse(_frames(run.follow(-1)), headers, stall_timeout_s)
+
+
+async def _frames(batches: AsyncIterator[list[dict[str, Any]]]) -> AsyncIterator[bytes]:
+    """Each batch of events as SSE frames in one write."""
+    async for batch in batches:
+        yield b"".join(TYPED_FRAMING.frame(event) for event in batch)
 
 
 def add_response_routes(
@@ -100,15 +170,34 @@ def add_response_routes(
         request: Request,
         include: Annotated[list[str] | None, Query()] = None,
         stream: bool = False,
-    ) -> dict[str, Any]:
-        """A stored response, as it was answered."""
-        if stream:
-            raise invalid("a stored response is returned whole (no background runs)", "stream")
+        starting_after: Annotated[int | None, Query(ge=-1)] = None,
+    ) -> Any:  # noqa: ANN401 (the response, or its stream)
+        """A stored response, as it was answered; a background one as it is now, or with
+        ``stream`` its events after ``starting_after``."""
         if any(name != LOGPROBS_INCLUDE for name in include or ()):
             raise invalid(f"of include, only {LOGPROBS_INCLUDE!r} is supported", "include")
         gateway = current()
-        found = await gateway.stored_responses.get(response_id, gateway.tenant_of(request))
-        return found.response
+        tenant = gateway.tenant_of(request)
+        if stream:
+            after = -1 if starting_after is None else starting_after
+            batches = await gateway.background.follow(response_id, tenant, after)
+            return EventStreamResponse(_frames(batches), {}, gateway.config.client_stall_timeout_s)
+        if starting_after is not None:
+            raise invalid("starting_after is for a stream (stream=true)", "starting_after")
+        run = gateway.background.local(response_id, tenant)
+        if run is not None:
+            return run.snapshot()
+        return answered(await gateway.stored_responses.get(response_id, tenant))
+
+    @app.post(
+        "/v1/responses/{response_id}/cancel",
+        response_model=ResponseObject,
+        responses=error_responses,
+    )
+    async def cancel_response(response_id: str, request: Request) -> dict[str, Any]:
+        """Cancel a background response; the response once it has ended."""
+        gateway = current()
+        return await gateway.background.cancel(response_id, gateway.tenant_of(request))
 
     @app.delete(
         "/v1/responses/{response_id}", response_model=ResponseDeleted, responses=error_responses

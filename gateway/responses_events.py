@@ -65,6 +65,8 @@ class ResponsesBuilder(ResponseBuilder):
         )
         self.sequence = 0
         self.status = "in_progress"
+        self.error: dict[str, Any] | None = None
+        """The response's ``error`` once it failed or was cancelled."""
         self.completed_at: int | None = None
         self.output: list[dict[str, Any]] = []
         """Output items in order, as the stream has them so far."""
@@ -92,6 +94,19 @@ class ResponsesBuilder(ResponseBuilder):
             self._event("response.in_progress", response=snapshot),
         ]
 
+    def queued_events(self) -> list[dict[str, Any]]:
+        """A background response's opening (``gateway/background.py``), before it runs:
+        ``response.created`` and ``response.queued``, the response ``queued``."""
+        snapshot = {**self.whole(), "status": "queued"}
+        return [
+            self._event("response.created", response=snapshot),
+            self._event("response.queued", response=snapshot),
+        ]
+
+    def in_progress_events(self) -> list[dict[str, Any]]:
+        """A background response's ``response.in_progress``, once it runs."""
+        return [self._event("response.in_progress", response=self.whole())]
+
     def add(self, chunk: Chunk) -> list[dict[str, Any]]:
         events: list[dict[str, Any]] = []
         reasoned = False
@@ -109,6 +124,8 @@ class ResponsesBuilder(ResponseBuilder):
             events += self._from_choice(chat_chunk["choices"][0])
         self.usage = end.usage
         self.status = _FINAL.get(self.chat.finish_reason or "", "cancelled")
+        if self.status == "cancelled":
+            self.error = {"code": "cancelled", "message": "the request was cancelled"}
         if not self.output:
             events += self._open_message()
         item_status = "completed" if self.status == "completed" else "incomplete"
@@ -123,6 +140,20 @@ class ResponsesBuilder(ResponseBuilder):
         """An ``error`` event; its ``code`` the error's, else its type."""
         code = error.code or error.type
         return [self._event("error", code=code, message=error.message, param=error.param)]
+
+    def fail(self, error: ApiError) -> list[dict[str, Any]]:
+        """End the response ``failed`` with ``error`` (a background run's failure, which no
+        HTTP status can carry: ``gateway/background.py``): the ``error`` event, then
+        ``response.failed`` with the response, its ``error`` the same."""
+        events = self.error_events(error)
+        self.status = "failed"
+        self.error = {"code": error.code or error.type, "message": error.message}
+        for index, item in enumerate(self.output):
+            if item["status"] == "in_progress":
+                events += self._close(index, item, "incomplete")
+        self.completed_at = int(time.time())
+        events.append(self._event("response.failed", response=self.whole()))
+        return events
 
     def _from_choice(self, choice: dict[str, Any]) -> list[dict[str, Any]]:
         """The events of one chat chunk's choice: its text, its tool call pieces."""
@@ -273,16 +304,13 @@ class ResponsesBuilder(ResponseBuilder):
 
     def whole(self) -> dict[str, Any]:
         body = self.body
-        cancelled = self.status == "cancelled"
         return {
             "id": self.response_id,
             "object": "response",
             "created_at": self.created,
             "status": self.status,
             "completed_at": self.completed_at,
-            "error": {"code": "cancelled", "message": "the request was cancelled"}
-            if cancelled
-            else None,
+            "error": self.error,
             "incomplete_details": {"reason": "max_output_tokens"}
             if self.status == "incomplete"
             else None,
@@ -292,6 +320,7 @@ class ResponsesBuilder(ResponseBuilder):
             "output": [_copy(item) for item in self.output],
             "parallel_tool_calls": body.parallel_tool_calls is not False,
             "previous_response_id": body.previous_response_id,
+            "background": bool(body.background),
             "store": body._stored,
             "temperature": body.temperature,
             "top_p": body.top_p,

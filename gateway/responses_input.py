@@ -20,7 +20,7 @@ Contract of ``as_chat``:
   item or part types (images, files, reasoning, references to stored items), other tool types,
   and the declared fields that ask for stored state or features splitserve lacks
   (``conversation``, any other ``include``, reasoning ``summary`` and other efforts,
-  ``background``, ``truncation: auto``, ``top_logprobs`` without the logprobs ``include``,
+  ``truncation: auto``, ``top_logprobs`` without the logprobs ``include``,
   ``max_tool_calls``, ``prompt``).
 """
 
@@ -130,7 +130,6 @@ def _refuse_unserved(body: ResponsesRequest) -> None:
             ),
             "of reasoning, only effort is served (summaries are not)",
         ),
-        ("background", bool(body.background), "background responses are not supported"),
         (
             "truncation",
             body.truncation not in (None, "disabled"),

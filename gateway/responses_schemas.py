@@ -6,13 +6,13 @@ The request takes the Responses fields splitserve serves (``input`` as text or a
 messages and function-call items, ``instructions``, ``max_output_tokens``, ``temperature``,
 ``top_p``, function ``tools``, ``tool_choice``, ``parallel_tool_calls``, ``text.format``,
 ``stream``, ``store`` and ``previous_response_id``: ``gateway/stored_responses.py``,
-``reasoning.effort``) and, as vLLM does, the sampling extensions every generation request has
-(``gateway/schemas.py:_SamplingFields``: ``top_k``, ``min_p``, ``seed``, penalties, ``stop``,
-latency targets, ...). Declared fields that ask for what splitserve does not do (a
-conversation object, reasoning summaries, background runs, ``include``d extras, automatic
-truncation) are refused with a 400 naming them by ``gateway/responses_input.py``; of
-``include`` only the output text's logprobs are served; ``n`` and
-``best_of`` above 1 fail validation (a response has one output).
+``background``: ``gateway/background.py``, ``reasoning.effort``) and, as vLLM does, the
+sampling extensions every generation request has (``gateway/schemas.py:_SamplingFields``:
+``top_k``, ``min_p``, ``seed``, penalties, ``stop``, latency targets, ...). Declared fields
+that ask for what splitserve does not do (a conversation object, reasoning summaries,
+``include``d extras, automatic truncation) are refused with a 400 naming them by
+``gateway/responses_input.py``; of ``include`` only the output text's logprobs are served;
+``n`` and ``best_of`` above 1 fail validation (a response has one output).
 """
 
 from __future__ import annotations
@@ -84,7 +84,12 @@ class ResponsesRequest(_SamplingFields):
         description="{'effort': 'low' | 'medium' | 'high'}: the chat template's "
         "reasoning_effort (a 400 where the template reads none); summaries are not served.",
     )
-    background: bool | None = None
+    background: bool | None = Field(
+        None,
+        description="Run it apart from this request: answered at once 'queued' (or streamed "
+        "as it runs), polled with GET /v1/responses/{id}, cancelled with POST "
+        "/v1/responses/{id}/cancel; must be stored.",
+    )
     truncation: str | None = None
     max_tool_calls: int | None = None
     prompt: dict[str, Any] | None = None
@@ -190,7 +195,7 @@ class ResponseObject(BaseModel):
     id: str
     object: Literal["response"] = "response"
     created_at: int
-    status: Literal["in_progress", "completed", "incomplete", "failed", "cancelled"]
+    status: Literal["queued", "in_progress", "completed", "incomplete", "failed", "cancelled"]
     completed_at: int | None
     error: ResponseError | None
     incomplete_details: IncompleteDetails | None
@@ -200,6 +205,7 @@ class ResponseObject(BaseModel):
     output: list[ReasoningItem | OutputMessage | FunctionCallItem]
     parallel_tool_calls: bool
     previous_response_id: str | None
+    background: bool
     store: bool
     temperature: float | None
     top_p: float | None

@@ -23,7 +23,9 @@ Contract:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -50,6 +52,11 @@ class StoredResponse:
     input_items: list[dict[str, Any]]
     tenant: str
     session_id: str
+    events: list[dict[str, Any]] | None = None
+    """A background response created with ``stream: true``: its events so far, for a stream
+    resumed on another gateway (``gateway/background.py``); None otherwise."""
+    updated_at: float = 0.0
+    """When the record was put (seconds since the epoch): a background run's heartbeat."""
 
     def to_bytes(self) -> bytes:
         return orjson.dumps(
@@ -58,6 +65,8 @@ class StoredResponse:
                 "input_items": self.input_items,
                 "tenant": self.tenant,
                 "session_id": self.session_id,
+                "events": self.events,
+                "updated_at": self.updated_at,
             }
         )
 
@@ -65,8 +74,18 @@ class StoredResponse:
     def from_bytes(cls, data: bytes) -> StoredResponse:
         record = orjson.loads(data)
         return cls(
-            record["response"], record["input_items"], record["tenant"], record["session_id"]
+            record["response"],
+            record["input_items"],
+            record["tenant"],
+            record["session_id"],
+            record.get("events"),
+            record.get("updated_at", 0.0),
         )
+
+    @property
+    def running(self) -> bool:
+        """Whether it is a background response that has not ended (as last put)."""
+        return self.response["status"] in ("queued", "in_progress")
 
 
 def not_found(response_id: str, param: str) -> ApiError:
@@ -147,8 +166,9 @@ class StoredResponses:
         """Keep ``stored``; a backend's refusal is logged and counted, never raised (the
         response was answered; a follow-up naming it gets the 404)."""
         assert self.store is not None
+        stamped = dataclasses.replace(stored, updated_at=time.time())
         try:
-            await self.store.put(stored.response["id"], stored.to_bytes(), self.ttl_s)
+            await self.store.put(stored.response["id"], stamped.to_bytes(), self.ttl_s)
         except StoreFailed as error:
             self.failed_puts += 1
             if self._failures is not None:
@@ -164,9 +184,31 @@ class StoredResponses:
         except StoreFailed as error:
             raise store_unavailable(error) from error
 
+    async def ask_cancel(self, response_id: str) -> None:
+        """Put the mark that asks the gateway running ``response_id`` in the background to
+        cancel it (``gateway/background.py``); 503 where the store cannot keep it."""
+        assert self.store is not None
+        try:
+            await self.store.put(_cancel_key(response_id), b"1", self.ttl_s)
+        except StoreFailed as error:
+            raise store_unavailable(error) from error
+
+    async def cancel_asked(self, response_id: str) -> bool:
+        """Whether a cancel mark was put for ``response_id`` (False where the store cannot be
+        read: the next look may see it)."""
+        assert self.store is not None
+        try:
+            return await self.store.get(_cancel_key(response_id)) is not None
+        except StoreFailed:
+            return False
+
     async def close(self) -> None:
         if self.store is not None:
             await self.store.close()
+
+
+def _cancel_key(response_id: str) -> str:
+    return f"{response_id}.cancel"
 
 
 def input_items(given: str | list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -255,7 +255,7 @@ def test_a_tool_round_whole_and_streamed(served: Served, sdk: openai.OpenAI) -> 
         ({"reasoning": {"effort": "high"}}, "reasoning.effort"),
         ({"include": ["reasoning.encrypted_content"]}, "include"),
         ({"top_logprobs": 2}, "top_logprobs"),
-        ({"background": True}, "background"),
+        ({"background": True, "store": False}, "background"),
         ({"truncation": "auto"}, "truncation"),
         (
             {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
