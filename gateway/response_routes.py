@@ -28,7 +28,7 @@ from starlette.responses import JSONResponse, Response
 
 from splitserve.client import Chunk, Finish
 from splitserve.common.metrics import RequestMetrics
-from splitserve.gateway.background import BackgroundRuns, answered
+from splitserve.gateway.background import BackgroundRuns, answered, stale
 from splitserve.gateway.choices import Choices
 from splitserve.gateway.disconnect import EventStreamResponse
 from splitserve.gateway.errors import invalid
@@ -71,7 +71,7 @@ async def read_previous(stored: StoredResponses, body: ResponsesRequest, tenant:
     """Whether ``body``'s response is stored (``body._stored``; 400 for ``store: true`` where
     nothing is, and for ``background`` where it is not stored) and the response its
     ``previous_response_id`` names (``body._previous``; 404 naming it when ``tenant`` has none
-    such, 400 while it is a background response still running)."""
+    such, 400 while it is a background response still running on a gateway that lives)."""
     body._stored = stored.stores(body.store)
     if body.background and not body._stored:
         raise invalid(
@@ -81,7 +81,7 @@ async def read_previous(stored: StoredResponses, body: ResponsesRequest, tenant:
         )
     if body.previous_response_id is not None:
         previous = await stored.get(body.previous_response_id, tenant, "previous_response_id")
-        if previous.running:
+        if previous.running and not stale(previous):
             raise invalid(
                 f"response {body.previous_response_id!r} is still running in the background: "
                 "continue it once it has ended",

@@ -38,6 +38,13 @@ def _figures(urls: list[str]) -> dict[str, float]:
     return {name: sum(metric_total(url, name) for url in urls) for name in names}
 
 
+async def _singles(url: str) -> list[str]:
+    """The ``N`` single-choice requests of seeds ``SEED + j``, sent together (batched, as
+    the forked choices are)."""
+    answers = await asyncio.gather(*(_completions(url, 1, SEED + j) for j in range(N)))
+    return [texts[0] for texts, _ in answers]
+
+
 async def _completions(url: str, n: int, seed: int) -> tuple[list[str], int]:
     """The choices' texts (in index order) and the usage's prompt tokens."""
     async with httpx.AsyncClient(base_url=url, timeout=120) as client:
@@ -84,10 +91,12 @@ async def _grpc_choices(coordinator: str, worker_metrics: list[str]) -> None:
         forked = await client.generate_choices(prompt, sampling=sampling, n=N)
         after = _figures(worker_metrics)
         _assert_forked(before, after, forked[0].usage.prompt_tokens)
-        singles = [
-            await client.generate(prompt, sampling=dataclasses.replace(sampling, seed=SEED + j))
-            for j in range(N)
-        ]
+        singles = await asyncio.gather(
+            *(
+                client.generate(prompt, sampling=dataclasses.replace(sampling, seed=SEED + j))
+                for j in range(N)
+            )
+        )
         assert [g.token_ids for g in forked] == [g.token_ids for g in singles]
         assert len({g.token_ids for g in forked}) > 1
         best = await client.generate_choices(prompt, sampling=sampling, n=2, best_of=N)
@@ -107,7 +116,7 @@ def assert_n_choices_fork(url: str, worker_metrics: list[str], coordinator: str 
     before = _figures(worker_metrics)
     forked, prompt_tokens = asyncio.run(_completions(url, N, SEED))
     after = _figures(worker_metrics)
-    singles = [asyncio.run(_completions(url, 1, SEED + j))[0][0] for j in range(N)]
+    singles = asyncio.run(_singles(url))
     assert forked == singles  # each choice is the single request with its seed
     assert len(set(forked)) > 1  # seeded sampling: the choices differ
     _assert_forked(before, after, prompt_tokens)
