@@ -5,7 +5,10 @@ Contract of every ``ResponseStore``:
   ``ttl_s`` seconds, unless a later ``delete`` or, for ``MemoryResponseStore`` only, its byte
   budget (oldest first) drops it sooner; ``StoreFailed`` where the backend refused it;
 - ``get(key)`` is the value while kept, else None (never an expired value);
-- ``delete(key)`` drops it; whether it was kept.
+- ``delete(key)`` drops it; whether it was kept;
+- ``replace(key, value, ttl_s, expected)`` is ``put`` made only if ``key`` holds ``expected``
+  now (None: holds nothing), atomically (against every process sharing the store); whether
+  it was made. A read-modify-write that retries on False loses no concurrent write.
 Keys are the gateway's response ids (``resp-...``); values the serialized records of
 ``gateway/stored_responses.py``, which are opaque here.
 
@@ -37,6 +40,10 @@ class ResponseStore(Protocol):
     async def get(self, key: str) -> bytes | None: ...
 
     async def delete(self, key: str) -> bool: ...
+
+    async def replace(
+        self, key: str, value: bytes, ttl_s: float, expected: bytes | None
+    ) -> bool: ...
 
     async def close(self) -> None: ...
 
@@ -79,6 +86,13 @@ class MemoryResponseStore:
         self._drop(key)
         return kept is not None and kept[0] > time.monotonic()
 
+    async def replace(self, key: str, value: bytes, ttl_s: float, expected: bytes | None) -> bool:
+        # no await between the read and the put: nothing else runs in between
+        if await self.get(key) != expected:
+            return False
+        await self.put(key, value, ttl_s)
+        return True
+
     async def close(self) -> None:
         self._values.clear()
         self.bytes = 0
@@ -119,6 +133,10 @@ class SqliteResponseStore:
     async def delete(self, key: str) -> bool:
         return await asyncio.to_thread(self._delete, key, time.time())
 
+    async def replace(self, key: str, value: bytes, ttl_s: float, expected: bytes | None) -> bool:
+        expires = time.time() + ttl_s
+        return await asyncio.to_thread(self._replace, key, value, expires, expected)
+
     async def close(self) -> None:
         with self._lock:
             self._connection.close()
@@ -133,6 +151,31 @@ class SqliteResponseStore:
                     self._connection.execute(
                         "DELETE FROM responses WHERE expires <= ?", (time.time(),)
                     )
+        except sqlite3.Error as error:
+            raise StoreFailed(f"{self.path}: {error}") from error
+
+    def _replace(self, key: str, value: bytes, expires: float, expected: bytes | None) -> bool:
+        """In one write transaction (``BEGIN IMMEDIATE``: other processes' writes wait)."""
+        connection = self._connection
+        try:
+            with self._lock:
+                connection.execute("BEGIN IMMEDIATE")
+                try:
+                    row = connection.execute(
+                        "SELECT value FROM responses WHERE key = ? AND expires > ?",
+                        (key, time.time()),
+                    ).fetchone()
+                    if (None if row is None else bytes(row[0])) != expected:
+                        connection.rollback()
+                        return False
+                    connection.execute(
+                        "INSERT OR REPLACE INTO responses VALUES (?, ?, ?)", (key, expires, value)
+                    )
+                    connection.commit()
+                    return True
+                except BaseException:
+                    connection.rollback()
+                    raise
         except sqlite3.Error as error:
             raise StoreFailed(f"{self.path}: {error}") from error
 

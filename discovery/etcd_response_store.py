@@ -14,10 +14,14 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from splitserve.common.response_store import StoreFailed
 from splitserve.discovery.etcd_keys import response_key
 from splitserve.proto.etcd_client import EtcdClient, EtcdError, Lease, LeaseNotFound
+
+T = TypeVar("T")
 
 LEASE_REUSE_S = 60.0
 """How long one lease takes new values."""
@@ -33,14 +37,25 @@ class EtcdResponseStore:
         self._granting = asyncio.Lock()
 
     async def put(self, key: str, value: bytes, ttl_s: float) -> None:
+        etcd_key = response_key(self.cluster, key)
+        await self._leased(ttl_s, lambda lease: self.client.put(etcd_key, value, lease))
+
+    async def replace(self, key: str, value: bytes, ttl_s: float, expected: bytes | None) -> bool:
+        etcd_key = response_key(self.cluster, key)
+        return await self._leased(
+            ttl_s, lambda lease: self.client.put_if(etcd_key, value, expected, lease)
+        )
+
+    async def _leased(self, ttl_s: float, write: Callable[[Lease], Awaitable[T]]) -> T:
+        """``write`` under the current lease (once more under a new one where the lease is
+        gone); ``StoreFailed`` for etcd's errors."""
         try:
             lease = await self._current_lease(ttl_s)
             try:
-                await self.client.put(response_key(self.cluster, key), value, lease)
+                return await write(lease)
             except LeaseNotFound:  # revoked or expired under us: once more on a new one
                 self._lease = None
-                lease = await self._current_lease(ttl_s)
-                await self.client.put(response_key(self.cluster, key), value, lease)
+                return await write(await self._current_lease(ttl_s))
         except EtcdError as error:
             raise StoreFailed(f"etcd: {error}") from error
 

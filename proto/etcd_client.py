@@ -319,6 +319,29 @@ class EtcdClient:
         reply = await self._unary(lambda c: c.kv.Put, request)
         return int(reply.header.revision)
 
+    async def put_if(
+        self, key: bytes, value: bytes, expected: bytes | None, lease: Lease | None = None
+    ) -> bool:
+        """Set ``key`` (as ``put``) only if it holds ``expected`` now (None: it does not
+        exist), in one transaction; whether it was set. ``LeaseNotFound`` as ``put``."""
+        if expected is None:  # absent: no create revision yet
+            compare = rpc_pb2.Compare(
+                result=rpc_pb2.Compare.EQUAL,
+                target=rpc_pb2.Compare.CREATE,
+                key=key,
+                create_revision=0,
+            )
+        else:
+            compare = rpc_pb2.Compare(
+                result=rpc_pb2.Compare.EQUAL, target=rpc_pb2.Compare.VALUE, key=key, value=expected
+            )
+        put = rpc_pb2.PutRequest(key=key, value=value, lease=lease.id if lease else 0)
+        request = rpc_pb2.TxnRequest(
+            compare=[compare], success=[rpc_pb2.RequestOp(request_put=put)]
+        )
+        reply = await self._unary(lambda c: c.kv.Txn, request)
+        return bool(reply.succeeded)
+
     async def get_prefix(self, prefix: bytes) -> tuple[list[KeyValue], int]:
         """Every key starting with ``prefix`` in key order, and the store revision they were
         read at (watch from revision + 1 to miss nothing after)."""

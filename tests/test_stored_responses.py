@@ -62,6 +62,33 @@ async def _contract(store: Any, ttl_s: float = 60.0) -> None:  # noqa: ANN401 - 
     assert await store.get("resp-a") is None
     assert await store.delete("resp-a") is False
     assert await store.get("resp-b") == b"two"
+    # replace: only over the value expected (None: none)
+    assert await store.replace("resp-b", b"three", ttl_s, b"one") is False
+    assert await store.replace("resp-b", b"three", ttl_s, None) is False
+    assert await store.get("resp-b") == b"two"
+    assert await store.replace("resp-b", b"three", ttl_s, b"two") is True
+    assert await store.get("resp-b") == b"three"
+    assert await store.replace("resp-c", b"new", ttl_s, b"x") is False
+    assert await store.get("resp-c") is None
+    assert await store.replace("resp-c", b"new", ttl_s, None) is True
+    assert await store.replace("resp-c", b"newer", ttl_s, None) is False
+    assert await store.get("resp-c") == b"new"
+    assert await store.delete("resp-c") is True
+
+
+async def _replaces_lose_no_write(first: Any, second: Any) -> None:  # noqa: ANN401
+    """Two handles (two gateways) adding to one value at once, each a read then a
+    ``replace`` retried until it holds: every addition is kept."""
+
+    async def add(store: Any, mark: bytes) -> None:  # noqa: ANN401
+        while True:
+            seen = await store.get("counted")
+            if await store.replace("counted", (seen or b"") + mark, 60, seen):
+                return
+
+    marks = [bytes([ord("a") + i]) for i in range(12)]
+    await asyncio.gather(*(add((first, second)[i % 2], mark) for i, mark in enumerate(marks)))
+    assert sorted(await second.get("counted")) == sorted(b"".join(marks))
 
 
 def test_memory_store_keeps_expires_and_drops_the_least_recently_used() -> None:
@@ -71,12 +98,12 @@ def test_memory_store_keeps_expires_and_drops_the_least_recently_used() -> None:
         await store.put("short", b"x", 0.05)
         await asyncio.sleep(0.1)
         assert await store.get("short") is None and await store.delete("short") is False
-        await store.put("c", b"cccc", 60)  # resp-b (3) + c (4) + d (4) > 10: b goes
+        await store.put("c", b"cccc", 60)  # resp-b (5) + c (4) + d (4) > 10: c goes
         await store.get("resp-b")  # read: now the most recently used
         await store.put("d", b"dddd", 60)
         assert await store.get("c") is None
-        assert await store.get("resp-b") == b"two" and await store.get("d") == b"dddd"
-        assert store.bytes == 7
+        assert await store.get("resp-b") == b"three" and await store.get("d") == b"dddd"
+        assert store.bytes == 9
         with pytest.raises(StoreFailed, match="--response-store-bytes"):
             await store.put("big", b"x" * 11, 60)
 
@@ -91,7 +118,8 @@ def test_sqlite_store_is_shared_by_two_handles_of_one_file(tmp_path: Path) -> No
         first = SqliteResponseStore(tmp_path / "responses.db")
         second = SqliteResponseStore(tmp_path / "responses.db")
         await _contract(first)
-        assert await second.get("resp-b") == b"two"
+        assert await second.get("resp-b") == b"three"
+        await _replaces_lose_no_write(first, second)
         await second.put("resp-c", b"three", 0.05)
         assert await first.get("resp-c") == b"three"
         await asyncio.sleep(0.1)
@@ -111,6 +139,7 @@ def test_etcd_store_on_a_real_etcd(etcd: EtcdServer) -> None:
         await _contract(store)
         await store.put("resp-x", b"x", 60)
         other = EtcdResponseStore(EtcdClient((etcd.endpoint,)), "blue")
+        await _replaces_lose_no_write(store, other)
         assert await other.get("resp-x") == b"x"
         elsewhere = EtcdResponseStore(EtcdClient((etcd.endpoint,)), "green")
         assert await elsewhere.get("resp-x") is None

@@ -1,5 +1,6 @@
 from splitserve.proto.etcd import kv_pb2 as _kv_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
@@ -80,6 +81,88 @@ class DeleteRangeResponse(_message.Message):
     header: ResponseHeader
     deleted: int
     def __init__(self, header: _Optional[_Union[ResponseHeader, _Mapping]] = ..., deleted: _Optional[int] = ...) -> None: ...
+
+class RequestOp(_message.Message):
+    __slots__ = ("request_range", "request_put", "request_delete_range")
+    REQUEST_RANGE_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_PUT_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_DELETE_RANGE_FIELD_NUMBER: _ClassVar[int]
+    request_range: RangeRequest
+    request_put: PutRequest
+    request_delete_range: DeleteRangeRequest
+    def __init__(self, request_range: _Optional[_Union[RangeRequest, _Mapping]] = ..., request_put: _Optional[_Union[PutRequest, _Mapping]] = ..., request_delete_range: _Optional[_Union[DeleteRangeRequest, _Mapping]] = ...) -> None: ...
+
+class ResponseOp(_message.Message):
+    __slots__ = ("response_range", "response_put", "response_delete_range")
+    RESPONSE_RANGE_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_PUT_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_DELETE_RANGE_FIELD_NUMBER: _ClassVar[int]
+    response_range: RangeResponse
+    response_put: PutResponse
+    response_delete_range: DeleteRangeResponse
+    def __init__(self, response_range: _Optional[_Union[RangeResponse, _Mapping]] = ..., response_put: _Optional[_Union[PutResponse, _Mapping]] = ..., response_delete_range: _Optional[_Union[DeleteRangeResponse, _Mapping]] = ...) -> None: ...
+
+class Compare(_message.Message):
+    __slots__ = ("result", "target", "key", "version", "create_revision", "mod_revision", "value", "lease")
+    class CompareResult(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        EQUAL: _ClassVar[Compare.CompareResult]
+        GREATER: _ClassVar[Compare.CompareResult]
+        LESS: _ClassVar[Compare.CompareResult]
+        NOT_EQUAL: _ClassVar[Compare.CompareResult]
+    EQUAL: Compare.CompareResult
+    GREATER: Compare.CompareResult
+    LESS: Compare.CompareResult
+    NOT_EQUAL: Compare.CompareResult
+    class CompareTarget(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        VERSION: _ClassVar[Compare.CompareTarget]
+        CREATE: _ClassVar[Compare.CompareTarget]
+        MOD: _ClassVar[Compare.CompareTarget]
+        VALUE: _ClassVar[Compare.CompareTarget]
+        LEASE: _ClassVar[Compare.CompareTarget]
+    VERSION: Compare.CompareTarget
+    CREATE: Compare.CompareTarget
+    MOD: Compare.CompareTarget
+    VALUE: Compare.CompareTarget
+    LEASE: Compare.CompareTarget
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    CREATE_REVISION_FIELD_NUMBER: _ClassVar[int]
+    MOD_REVISION_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    LEASE_FIELD_NUMBER: _ClassVar[int]
+    result: Compare.CompareResult
+    target: Compare.CompareTarget
+    key: bytes
+    version: int
+    create_revision: int
+    mod_revision: int
+    value: bytes
+    lease: int
+    def __init__(self, result: _Optional[_Union[Compare.CompareResult, str]] = ..., target: _Optional[_Union[Compare.CompareTarget, str]] = ..., key: _Optional[bytes] = ..., version: _Optional[int] = ..., create_revision: _Optional[int] = ..., mod_revision: _Optional[int] = ..., value: _Optional[bytes] = ..., lease: _Optional[int] = ...) -> None: ...
+
+class TxnRequest(_message.Message):
+    __slots__ = ("compare", "success", "failure")
+    COMPARE_FIELD_NUMBER: _ClassVar[int]
+    SUCCESS_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_FIELD_NUMBER: _ClassVar[int]
+    compare: _containers.RepeatedCompositeFieldContainer[Compare]
+    success: _containers.RepeatedCompositeFieldContainer[RequestOp]
+    failure: _containers.RepeatedCompositeFieldContainer[RequestOp]
+    def __init__(self, compare: _Optional[_Iterable[_Union[Compare, _Mapping]]] = ..., success: _Optional[_Iterable[_Union[RequestOp, _Mapping]]] = ..., failure: _Optional[_Iterable[_Union[RequestOp, _Mapping]]] = ...) -> None: ...
+
+class TxnResponse(_message.Message):
+    __slots__ = ("header", "succeeded", "responses")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    SUCCEEDED_FIELD_NUMBER: _ClassVar[int]
+    RESPONSES_FIELD_NUMBER: _ClassVar[int]
+    header: ResponseHeader
+    succeeded: bool
+    responses: _containers.RepeatedCompositeFieldContainer[ResponseOp]
+    def __init__(self, header: _Optional[_Union[ResponseHeader, _Mapping]] = ..., succeeded: _Optional[bool] = ..., responses: _Optional[_Iterable[_Union[ResponseOp, _Mapping]]] = ...) -> None: ...
 
 class WatchRequest(_message.Message):
     __slots__ = ("create_request", "cancel_request", "progress_request")

@@ -49,6 +49,11 @@ class KVStub:
                 request_serializer=etcd_dot_rpc__pb2.DeleteRangeRequest.SerializeToString,
                 response_deserializer=etcd_dot_rpc__pb2.DeleteRangeResponse.FromString,
                 _registered_method=True)
+        self.Txn = channel.unary_unary(
+                '/etcdserverpb.KV/Txn',
+                request_serializer=etcd_dot_rpc__pb2.TxnRequest.SerializeToString,
+                response_deserializer=etcd_dot_rpc__pb2.TxnResponse.FromString,
+                _registered_method=True)
 
 
 class KVServicer:
@@ -72,6 +77,12 @@ class KVServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Txn(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -89,6 +100,11 @@ def add_KVServicer_to_server(servicer, server):
                     servicer.DeleteRange,
                     request_deserializer=etcd_dot_rpc__pb2.DeleteRangeRequest.FromString,
                     response_serializer=etcd_dot_rpc__pb2.DeleteRangeResponse.SerializeToString,
+            ),
+            'Txn': grpc.unary_unary_rpc_method_handler(
+                    servicer.Txn,
+                    request_deserializer=etcd_dot_rpc__pb2.TxnRequest.FromString,
+                    response_serializer=etcd_dot_rpc__pb2.TxnResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -172,6 +188,33 @@ class KV:
             '/etcdserverpb.KV/DeleteRange',
             etcd_dot_rpc__pb2.DeleteRangeRequest.SerializeToString,
             etcd_dot_rpc__pb2.DeleteRangeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Txn(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/etcdserverpb.KV/Txn',
+            etcd_dot_rpc__pb2.TxnRequest.SerializeToString,
+            etcd_dot_rpc__pb2.TxnResponse.FromString,
             options,
             channel_credentials,
             insecure,
