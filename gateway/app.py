@@ -76,6 +76,8 @@ from splitserve.gateway.background import BackgroundRuns
 from splitserve.gateway.beam_choices import PromptBeams, beam_search_params
 from splitserve.gateway.body_limit import DEFAULT_MAX_BODY_BYTES, LimitBody
 from splitserve.gateway.choices import Choices
+from splitserve.gateway.conversation_routes import add_conversation_routes
+from splitserve.gateway.conversations import Conversations
 from splitserve.gateway.disconnect import CLIENT_STALL_TIMEOUT_S
 from splitserve.gateway.edge_refusal import RefuseAtTheDoor
 from splitserve.gateway.endpoints import CHAT, COMPLETIONS, RESPONSES, Body, Endpoint
@@ -92,10 +94,9 @@ from splitserve.gateway.response_routes import (
     add_response_routes,
     conversation_session,
     read_previous,
-    record_of,
     run_in_background,
-    storing,
 )
+from splitserve.gateway.response_turn import ResponseTurn
 from splitserve.gateway.responses import PromptShown
 from splitserve.gateway.responses_events import ResponsesBuilder
 from splitserve.gateway.responses_schemas import ResponsesRequest
@@ -212,6 +213,7 @@ class Gateway:
             config.response_store, config.response_ttl_s, self.registry
         )
         self.background = BackgroundRuns(self.stored_responses)
+        self.conversations = Conversations(self.stored_responses)
 
     def tenant_of(self, request: Request) -> str:
         """The tenant of the HTTP caller's key ("" for anonymous callers: no keys)."""
@@ -326,6 +328,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     _add_token_routes(app, current)
     add_adapter_routes(app, current, _ERROR_RESPONSES)
     add_response_routes(app, current, _ERROR_RESPONSES)
+    add_conversation_routes(app, current, _ERROR_RESPONSES)
 
     @app.get("/version", response_model=schemas.VersionResponse)
     async def version() -> dict[str, str]:
@@ -532,7 +535,7 @@ async def _generate(
     tenant = ""  # whose stored responses a Responses request reads and adds to
     if responses_body is not None:
         tenant = gateway.tenant_of(request)
-        await read_previous(gateway.stored_responses, responses_body, tenant)
+        await read_previous(gateway.stored_responses, gateway.conversations, responses_body, tenant)
     prompts = endpoint.prompts(body)
     keep_best = best_of_asked(body)  # then best_of candidates per prompt, n of them kept
     samplings = choice_samplings(endpoint.sampling(body), keep_best or body.n)
@@ -589,15 +592,16 @@ async def _generate(
     finished = None
     if responses_body is not None:
         assert isinstance(builders[0], ResponsesBuilder)  # a response has one output
+        turn = ResponseTurn(
+            gateway.stored_responses, gateway.conversations, responses_body, builders[0],
+            tenant, session_id,
+        )  # fmt: skip
         if responses_body.background:
-            record = record_of(responses_body, builders[0], tenant, session_id)
             return await run_in_background(
-                gateway.background, builders[0], record, merged(streams, leaders), choices,
-                route.metrics, span, request_id, gateway.config.client_stall_timeout_s,
+                gateway.background, turn, merged(streams, leaders), choices, route.metrics,
+                span, request_id, gateway.config.client_stall_timeout_s,
             )  # fmt: skip
-        finished = storing(
-            gateway.stored_responses, responses_body, builders[0], tenant, session_id
-        )
+        finished = turn.ending()
     try:
         usage_options = body.stream_options if endpoint.usage_chunks else None
         return await respond(

@@ -36,7 +36,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import grpc
@@ -48,7 +48,7 @@ from splitserve.common.tracing import NO_SPAN
 from splitserve.gateway.choices import Choices
 from splitserve.gateway.errors import ApiError, from_client_error, invalid
 from splitserve.gateway.reply import record_item
-from splitserve.gateway.responses_events import ResponsesBuilder
+from splitserve.gateway.response_turn import ResponseTurn
 from splitserve.gateway.stored_responses import StoredResponse, StoredResponses
 
 log = logging.getLogger(__name__)
@@ -88,18 +88,14 @@ class BackgroundRun:
     """One background response this gateway runs. ``events``: every event of its stream so
     far, in sequence order (``events[i]["sequence_number"] == i``)."""
 
-    def __init__(
-        self,
-        builder: ResponsesBuilder,
-        record: Callable[[], StoredResponse],
-        keeps_events: bool,
-    ) -> None:
-        """``record``: its stored record's fields (the response and events are this run's);
-        ``keeps_events``: created with ``stream: true``, so its record keeps its events."""
-        self.builder = builder
-        self.response_id = builder.response_id
-        self._record = record
-        self.tenant = record().tenant
+    def __init__(self, turn: ResponseTurn, keeps_events: bool) -> None:
+        """``turn``: its request's response and what it keeps (the record's response and
+        events are this run's); ``keeps_events``: created with ``stream: true``, so its
+        record keeps its events."""
+        self.turn = turn
+        self.builder = turn.builder
+        self.response_id = turn.builder.response_id
+        self.tenant = turn.tenant
         self.keeps_events = keeps_events
         self.events: list[dict[str, Any]] = []
         self.started = False
@@ -122,7 +118,7 @@ class BackgroundRun:
     def record(self) -> StoredResponse:
         """Its record as it is now."""
         events = list(self.events) if self.keeps_events else None
-        return dataclasses.replace(self._record(), response=self.snapshot(), events=events)
+        return dataclasses.replace(self.turn.record(), response=self.snapshot(), events=events)
 
     def add(self, events: list[dict[str, Any]], wake: bool = True) -> None:
         """Append ``events``; ``wake``: send them to the streams following it now."""
@@ -169,8 +165,7 @@ class BackgroundRuns:
 
     async def start(
         self,
-        builder: ResponsesBuilder,
-        record: Callable[[], StoredResponse],
+        turn: ResponseTurn,
         events: AsyncGenerator[Item, None],
         choices: Choices,
         metrics: RequestMetrics,
@@ -178,9 +173,10 @@ class BackgroundRuns:
         span: Span = NO_SPAN,
     ) -> BackgroundRun:
         """Put the queued response and start running it (``events``: its merged streams,
-        nothing sent before the run reads them)."""
-        run = BackgroundRun(builder, record, keeps_events)
-        run.add(builder.queued_events())
+        nothing sent before the run reads them); once it ended, its turn is added to its
+        conversation, if any (``ResponseTurn.add_to_conversation``)."""
+        run = BackgroundRun(turn, keeps_events)
+        run.add(turn.builder.queued_events())
         await self.stored.put(run.record())
         self.runs[run.response_id] = run
         run.task = asyncio.create_task(self._run(run, events, choices, metrics, span))
@@ -236,6 +232,7 @@ class BackgroundRuns:
         await self._put(run, last=True)
         run.wake()
         self.runs.pop(run.response_id, None)
+        await run.turn.add_to_conversation()
 
     async def _put(self, run: BackgroundRun, last: bool = False) -> None:
         """Put ``run``'s record (none after its last: a late heartbeat overtakes nothing)."""

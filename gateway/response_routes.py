@@ -13,16 +13,17 @@ with them (``gateway/stored_responses.py`` holds the contract):
 
 A ``POST /v1/responses`` reads the stored response its ``previous_response_id`` names before
 its prompt is made (``read_previous``), goes to its conversation's session
-(``conversation_session``) and is stored before its last event goes out (``storing``), or,
+(``conversation_session``) and is stored (and added to its conversation) before its last
+event goes out (``gateway/response_turn.py:ResponseTurn.keep``), or,
 ``background``, is run apart from its HTTP request (``run_in_background``).
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from typing import Annotated, Any, Literal, Protocol
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from typing import Annotated, Any, Protocol
 
-from fastapi import FastAPI, Query, Request
+from fastapi import Depends, FastAPI, Query, Request
 from opentelemetry.trace import Span
 from starlette.responses import JSONResponse, Response
 
@@ -30,10 +31,12 @@ from splitserve.client import Chunk, Finish
 from splitserve.common.metrics import RequestMetrics
 from splitserve.gateway.background import BackgroundRuns, answered, stale
 from splitserve.gateway.choices import Choices
+from splitserve.gateway.conversations import Conversations
 from splitserve.gateway.disconnect import EventStreamResponse
 from splitserve.gateway.errors import invalid
+from splitserve.gateway.item_pages import PageQuery, asked_page
 from splitserve.gateway.reply import TYPED_FRAMING, header_value
-from splitserve.gateway.responses_events import ResponsesBuilder
+from splitserve.gateway.response_turn import ResponseTurn
 from splitserve.gateway.responses_input import LOGPROBS_INCLUDE
 from splitserve.gateway.responses_schemas import (
     InputItemList,
@@ -42,10 +45,7 @@ from splitserve.gateway.responses_schemas import (
     ResponsesRequest,
 )
 from splitserve.gateway.stored_responses import (
-    StoredResponse,
     StoredResponses,
-    conversation,
-    input_items,
 )
 
 
@@ -67,11 +67,18 @@ class ResponseGateway(Protocol):
     def tenant_of(self, request: Request) -> str: ...
 
 
-async def read_previous(stored: StoredResponses, body: ResponsesRequest, tenant: str) -> None:
+async def read_previous(
+    stored: StoredResponses,
+    conversations: Conversations,
+    body: ResponsesRequest,
+    tenant: str,
+) -> None:
     """Whether ``body``'s response is stored (``body._stored``; 400 for ``store: true`` where
-    nothing is, and for ``background`` where it is not stored) and the response its
+    nothing is, and for ``background`` where it is not stored), the response its
     ``previous_response_id`` names (``body._previous``; 404 naming it when ``tenant`` has none
-    such, 400 while it is a background response still running on a gateway that lives)."""
+    such, 400 while it is a background response still running on a gateway that lives) and
+    the conversation its ``conversation`` names (``body._conversation``; 404 naming it; 400
+    beside a ``previous_response_id``)."""
     body._stored = stored.stores(body.store)
     if body.background and not body._stored:
         raise invalid(
@@ -88,50 +95,43 @@ async def read_previous(stored: StoredResponses, body: ResponsesRequest, tenant:
                 "previous_response_id",
             )
         body._previous = previous
+    if body.conversation is not None:
+        if body.previous_response_id is not None:
+            raise invalid(
+                "send either conversation or previous_response_id: a conversation holds the "
+                "turns before",
+                "conversation",
+            )
+        body._conversation = await conversations.get(
+            _conversation_id(body.conversation), tenant, "conversation"
+        )
+
+
+def _conversation_id(given: str | dict[str, Any]) -> str:
+    """``conversation`` as sent: its id, or an object with it."""
+    if isinstance(given, str):
+        return given
+    if isinstance(given.get("id"), str):
+        return given["id"]
+    raise invalid("conversation is an id, or an object with its id", "conversation")
 
 
 def conversation_session(body: ResponsesRequest, asked: str, response_id: str) -> str:
     """The session ``body``'s request goes to: the ``x-session-id`` ``asked``, else its
-    previous response's, else its own id where it is stored (its follow-ups will name it),
-    else none."""
+    previous response's, else its conversation's id, else its own id where it is stored (its
+    follow-ups will name it), else none."""
     if asked:
         return asked
     if body._previous is not None:
         return body._previous.session_id
+    if body._conversation is not None:
+        return body._conversation.conversation_id
     return response_id if body._stored else ""
-
-
-def record_of(
-    body: ResponsesRequest, builder: ResponsesBuilder, tenant: str, session_id: str
-) -> Callable[[], StoredResponse]:
-    """``builder``'s response's record as it is when called."""
-    earlier = [] if body._previous is None else conversation(body._previous)
-    items = earlier + input_items(body.input)
-    return lambda: StoredResponse(builder.whole(), items, tenant, session_id)
-
-
-def storing(
-    stored: StoredResponses,
-    body: ResponsesRequest,
-    builder: ResponsesBuilder,
-    tenant: str,
-    session_id: str,
-) -> Callable[[], Awaitable[None]] | None:
-    """What stores ``builder``'s response once it has ended (None where it is not stored)."""
-    if not body._stored:
-        return None
-    record = record_of(body, builder, tenant, session_id)
-
-    async def store() -> None:
-        await stored.put(record())
-
-    return store
 
 
 async def run_in_background(
     runs: BackgroundRuns,
-    builder: ResponsesBuilder,
-    record: Callable[[], StoredResponse],
+    turn: ResponseTurn,
     events: AsyncGenerator[tuple[int, Chunk | Finish], None],
     choices: Choices,
     metrics: RequestMetrics,
@@ -139,10 +139,10 @@ async def run_in_background(
     request_id: str,
     stall_timeout_s: float,
 ) -> Response:
-    """Start ``builder``'s response in the background (``gateway/background.py``) and answer
+    """Start ``turn``'s response in the background (``gateway/background.py``) and answer
     its POST: the response ``queued``, or with ``stream`` its events as they come."""
-    stream = bool(builder.body.stream)
-    run = await runs.start(builder, record, events, choices, metrics, stream, span)
+    stream = bool(turn.body.stream)
+    run = await runs.start(turn, events, choices, metrics, stream, span)
     headers = {"x-request-id": header_value(request_id)}
     if not stream:
         return JSONResponse(run.snapshot(), headers=headers)
@@ -214,30 +214,9 @@ def add_response_routes(
         responses=error_responses,
     )
     async def list_input_items(
-        response_id: str,
-        request: Request,
-        limit: Annotated[int, Query(ge=1, le=100)] = 20,
-        order: Literal["asc", "desc"] = "desc",
-        after: str | None = None,
-        include: Annotated[list[str] | None, Query()] = None,
+        response_id: str, request: Request, query: Annotated[PageQuery, Depends()]
     ) -> dict[str, Any]:
         """A stored response's input items, a page at a time."""
-        if include:
-            raise invalid("no include is served for input items", "include")
         gateway = current()
         found = await gateway.stored_responses.get(response_id, gateway.tenant_of(request))
-        items = found.input_items if order == "asc" else found.input_items[::-1]
-        start = 0
-        if after is not None:
-            ids = [item["id"] for item in items]
-            if after not in ids:
-                raise invalid(f"no input item {after!r} in this response", "after")
-            start = ids.index(after) + 1
-        page = items[start : start + limit]
-        return {
-            "object": "list",
-            "data": page,
-            "first_id": page[0]["id"] if page else None,
-            "last_id": page[-1]["id"] if page else None,
-            "has_more": start + limit < len(items),
-        }
+        return asked_page(found.input_items, query)

@@ -5,8 +5,9 @@ that the chat path's prompt, sampling, tools and structured outputs serve it unc
 Contract of ``as_chat``:
 - ``instructions`` becomes a system message before the input; a ``previous_response_id``'s
   conversation (its stored input and output items: ``gateway/stored_responses.py``, read
-  onto the body as ``_previous`` before) comes next; ``input`` text is one user message; a
-  list of items becomes messages in order: a message item (``role`` user, system,
+  onto the body as ``_previous`` before) or a ``conversation``'s items
+  (``gateway/conversations.py``, read as ``_conversation``) come next; ``input`` text is one
+  user message; a list of items becomes messages in order: a message item (``role`` user, system,
   developer or assistant; ``content`` text or ``input_text`` / ``output_text`` parts) as that
   message, consecutive ``function_call`` items as one assistant message's tool calls, a
   ``function_call_output`` item as the tool message answering its ``call_id``;
@@ -19,7 +20,7 @@ Contract of ``as_chat``:
 - anything it cannot serve is a 400 naming the field or item (``input.2.content.0``): other
   item or part types (images, files, reasoning, references to stored items), other tool types,
   and the declared fields that ask for stored state or features splitserve lacks
-  (``conversation``, any other ``include``, reasoning ``summary`` and other efforts,
+  (any other ``include``, reasoning ``summary`` and other efforts,
   ``truncation: auto``, ``top_logprobs`` without the logprobs ``include``,
   ``max_tool_calls``, ``prompt``).
 """
@@ -76,6 +77,8 @@ def _chat_of(body: ResponsesRequest) -> ChatCompletionRequest:
     messages = [] if body.instructions is None else [_message("system", body.instructions)]
     if body._previous is not None:
         _add_messages(messages, conversation(body._previous), "previous_response_id")
+    if body._conversation is not None:
+        _add_messages(messages, body._conversation.context(), "conversation")
     _add_messages(messages, body.input, "input")
     if not messages:
         raise invalid("input must hold at least one message", "input")
@@ -110,12 +113,6 @@ def wants_logprobs(body: ResponsesRequest) -> bool:
 
 def _refuse_unserved(body: ResponsesRequest) -> None:
     refusals: list[tuple[str, bool, str]] = [
-        (
-            "conversation",
-            body.conversation is not None,
-            "conversation objects are not served: continue with previous_response_id, or "
-            "send the conversation as input",
-        ),
         (
             "include",
             any(name != LOGPROBS_INCLUDE for name in body.include or ()),
@@ -168,6 +165,12 @@ def _effort(reasoning: dict[str, Any] | None) -> str | None:
     if effort is not None and effort not in _EFFORTS:
         raise invalid(f"reasoning.effort must be one of {', '.join(_EFFORTS)}", "reasoning.effort")
     return effort
+
+
+def check_items(items: list[dict[str, Any]], field: str) -> None:
+    """400 naming the item (``{field}.{index}...``) for an item a response's input could not
+    take (a conversation's items are checked so when they are added)."""
+    _add_messages([], items, field)
 
 
 def _add_messages(

@@ -8,8 +8,9 @@ messages and function-call items, ``instructions``, ``max_output_tokens``, ``tem
 ``stream``, ``store`` and ``previous_response_id``: ``gateway/stored_responses.py``,
 ``background``: ``gateway/background.py``, ``reasoning.effort``) and, as vLLM does, the
 sampling extensions every generation request has (``gateway/schemas.py:_SamplingFields``:
-``top_k``, ``min_p``, ``seed``, penalties, ``stop``, latency targets, ...). Declared fields
-that ask for what splitserve does not do (a conversation object, reasoning summaries,
+``top_k``, ``min_p``, ``seed``, penalties, ``stop``, latency targets, ...). A
+``conversation`` is ``gateway/conversations.py``'s. Declared fields
+that ask for what splitserve does not do (reasoning summaries,
 ``include``d extras, automatic truncation) are refused with a 400 naming them by
 ``gateway/responses_input.py``; of ``include`` only the output text's logprobs are served;
 ``n`` and ``best_of`` above 1 fail validation (a response has one output).
@@ -21,6 +22,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, PrivateAttr
 
+from splitserve.gateway.conversations import StoredConversation
 from splitserve.gateway.schemas import ChatCompletionRequest, _SamplingFields
 from splitserve.gateway.stored_responses import StoredResponse
 
@@ -71,8 +73,13 @@ class ResponsesRequest(_SamplingFields):
     )
     n: int | None = Field(1, ge=1, le=1, description="A response has one output.")
     best_of: int | None = Field(None, ge=1, le=1, description="A response has one output.")
+    conversation: str | dict[str, Any] | None = Field(
+        None,
+        description="A conversation's id (or {'id': ...}, gateway/conversations.py): its items "
+        "come before this input, and this input and the output are added to it once the "
+        "response ended (completed or incomplete). Not with previous_response_id.",
+    )
     # refused unless they ask for nothing (gateway/responses_input.py)
-    conversation: str | dict[str, Any] | None = None
     include: list[str] | None = Field(
         None, description="Only 'message.output_text.logprobs': each output token's logprob."
     )
@@ -100,6 +107,8 @@ class ResponsesRequest(_SamplingFields):
     _previous: StoredResponse | None = PrivateAttr(None)
     """The stored response ``previous_response_id`` names, read before the prompt
     (``gateway/app.py:_generate``)."""
+    _conversation: StoredConversation | None = PrivateAttr(None)
+    """The conversation ``conversation`` names, read before the prompt."""
     _stored: bool = PrivateAttr(False)
     """Whether this response is stored (``gateway/stored_responses.py:StoredResponses.stores``)."""
     _chat: ChatCompletionRequest | None = PrivateAttr(None)

@@ -170,10 +170,14 @@ class StoredResponses:
         try:
             await self.store.put(stored.response["id"], stamped.to_bytes(), self.ttl_s)
         except StoreFailed as error:
-            self.failed_puts += 1
-            if self._failures is not None:
-                self._failures.inc()
+            self.count_failed_put()
             log.warning("response %s was not stored: %s", stored.response["id"], error)
+
+    def count_failed_put(self) -> None:
+        """Count something that was to be kept and was not (logged by the caller)."""
+        self.failed_puts += 1
+        if self._failures is not None:
+            self._failures.inc()
 
     async def delete(self, response_id: str, tenant: str) -> None:
         """Delete ``tenant``'s ``response_id``; 404 as ``get``."""

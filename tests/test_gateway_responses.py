@@ -247,7 +247,7 @@ def test_a_tool_round_whole_and_streamed(served: Served, sdk: openai.OpenAI) -> 
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
-        ({"conversation": "conv_1"}, "conversation"),
+        ({"conversation": {"name": "no id"}}, "conversation"),
         ({"reasoning": {"summary": "auto"}}, "reasoning"),
         ({"reasoning": {"effort": "minimal"}}, "reasoning.effort"),
         # the default model's template reads no reasoning_effort: the coordinator's refusal,
