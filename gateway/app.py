@@ -212,7 +212,7 @@ class Gateway:
         self.stored_responses = StoredResponses(
             config.response_store, config.response_ttl_s, self.registry
         )
-        self.background = BackgroundRuns(self.stored_responses)
+        self.background = BackgroundRuns(self.stored_responses, self.registry)
         self.conversations = Conversations(self.stored_responses)
 
     def tenant_of(self, request: Request) -> str:
@@ -596,10 +596,18 @@ async def _generate(
             gateway.stored_responses, gateway.conversations, responses_body, builders[0],
             tenant, session_id,
         )  # fmt: skip
-        if responses_body.background:
+        if responses_body.background:  # one prompt, one choice: its stream made anew each try
+
+            def open_events() -> AsyncGenerator[tuple[int, Chunk | Finish], None]:
+                stream = _choice_stream(
+                    client, body, prompts[0], samplings[0], request_id, session_id,
+                    traceparent, coordinator_model,
+                )  # fmt: skip
+                return merged([stream], [None])
+
             return await run_in_background(
-                gateway.background, turn, merged(streams, leaders), choices, route.metrics,
-                span, request_id, gateway.config.client_stall_timeout_s,
+                gateway.background, turn, open_events, choices, route.metrics, span,
+                request_id, gateway.config.client_stall_timeout_s,
             )  # fmt: skip
         finished = turn.ending()
     try:

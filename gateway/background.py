@@ -26,6 +26,12 @@ Contract:
   ``GET /v1/responses/{id}?stream=true&starting_after=N`` sends those after sequence number N
   and then the rest as they come (on the gateway running it, at once; elsewhere as its
   record's puts bring them); on another response ``stream`` is a 400.
+- A response the cluster refuses for now (RESOURCE_EXHAUSTED before its first token: the
+  coordinator's in-flight limit, a tenant's share) stays ``queued`` and is sent again after
+  the refusal's ``retry-after-ms`` or a back-off (``QUEUED_BACKOFF_S`` doubling to
+  ``QUEUED_BACKOFF_MAX_S``), as often as it takes, counted in
+  ``splitserve_background_requeued_total``; ``splitserve_background_responses`` is how many
+  this gateway runs.
 - A draining gateway lets its runs end for up to its drain time, then cancels the rest.
 """
 
@@ -36,14 +42,15 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 import grpc
 from opentelemetry.trace import Span
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from splitserve.client import Chunk, ClientError, Finish, Usage
-from splitserve.common.metrics import RequestMetrics
+from splitserve.common.metrics import RequestMetrics, RequestTimer
 from splitserve.common.tracing import NO_SPAN
 from splitserve.gateway.choices import Choices
 from splitserve.gateway.errors import ApiError, from_client_error, invalid
@@ -61,10 +68,25 @@ CANCEL_POLL_S = 1.0
 """How often the gateway running a background response looks for a cancel mark."""
 CANCEL_WAIT_S = 10.0
 """How long a cancel waits for the response to end before answering it as it is."""
+QUEUED_BACKOFF_S = 0.25
+QUEUED_BACKOFF_MAX_S = 5.0
+"""A background response the cluster refuses for now (overloaded) stays queued and is sent
+again after this back-off (or the cluster's ``retry-after-ms``)."""
 FOLLOW_POLL_S = 0.5
 """How often a stream followed from another gateway's record reads it again."""
 
 Item = tuple[int, Chunk | Finish]
+
+
+def _queued_wait_s(run: BackgroundRun, error: ClientError, waits: int) -> float | None:
+    """How long ``run`` waits before it is sent again, where ``error`` is the cluster's
+    admission refusing it before it started (RESOURCE_EXHAUSTED: its ``retry-after-ms``,
+    else a back-off from ``QUEUED_BACKOFF_S`` doubling to ``QUEUED_BACKOFF_MAX_S``); None
+    where it fails."""
+    refused = error.code is grpc.StatusCode.RESOURCE_EXHAUSTED and not run.started
+    if not refused or run.closing or "larger than max" in error.message:
+        return None
+    return error.retry_after_s or min(QUEUED_BACKOFF_MAX_S, QUEUED_BACKOFF_S * 2**waits)
 
 
 def stale(stored: StoredResponse) -> bool:
@@ -153,10 +175,26 @@ class BackgroundRun:
 class BackgroundRuns:
     """The background responses this gateway runs, over its stored responses."""
 
-    def __init__(self, stored: StoredResponses) -> None:
+    def __init__(self, stored: StoredResponses, registry: CollectorRegistry | None = None) -> None:
         self.stored = stored
         self.runs: dict[str, BackgroundRun] = {}
         self._watchers: set[asyncio.Task[None]] = set()
+        self.requeued = 0
+        """Times a run the cluster refused for now was sent again."""
+        self._requeued: Counter | None = None
+        if registry is not None:
+            Gauge(
+                "splitserve_background_responses",
+                "Background responses this gateway runs now (queued or in progress; "
+                "gateway/background.py).",
+                registry=registry,
+            ).set_function(lambda: len(self.runs))
+            self._requeued = Counter(
+                "splitserve_background_requeued",
+                "Times a background response the cluster refused for now (overloaded) was "
+                "kept queued and sent again.",
+                registry=registry,
+            )
 
     def local(self, response_id: str, tenant: str) -> BackgroundRun | None:
         """The run of ``response_id`` here, if this gateway runs it for ``tenant``."""
@@ -166,20 +204,21 @@ class BackgroundRuns:
     async def start(
         self,
         turn: ResponseTurn,
-        events: AsyncGenerator[Item, None],
+        open_events: Callable[[], AsyncGenerator[Item, None]],
         choices: Choices,
         metrics: RequestMetrics,
         keeps_events: bool,
         span: Span = NO_SPAN,
     ) -> BackgroundRun:
-        """Put the queued response and start running it (``events``: its merged streams,
-        nothing sent before the run reads them); once it ended, its turn is added to its
-        conversation, if any (``ResponseTurn.add_to_conversation``)."""
+        """Put the queued response and start running it (``open_events``: its merged
+        streams, made again each time it is sent; nothing is sent before the run reads
+        them); once it ended, its turn is added to its conversation, if any
+        (``ResponseTurn.add_to_conversation``)."""
         run = BackgroundRun(turn, keeps_events)
         run.add(turn.builder.queued_events())
         await self.stored.put(run.record())
         self.runs[run.response_id] = run
-        run.task = asyncio.create_task(self._run(run, events, choices, metrics, span))
+        run.task = asyncio.create_task(self._run(run, open_events, choices, metrics, span))
         watcher = asyncio.create_task(self._watch(run))
         self._watchers.add(watcher)
         watcher.add_done_callback(self._watchers.discard)
@@ -188,51 +227,84 @@ class BackgroundRuns:
     async def _run(
         self,
         run: BackgroundRun,
-        events: AsyncGenerator[Item, None],
+        open_events: Callable[[], AsyncGenerator[Item, None]],
         choices: Choices,
         metrics: RequestMetrics,
         span: Span,
     ) -> None:
         timer = metrics.start(span)
-        try:
-            async for index, item in events:
-                if not run.started:
-                    run.started = True
-                    run.add(run.builder.in_progress_events())
-                    await self._put(run)
-                bodies = choices.add(index, item)
-                record_item(timer, choices, item)
-                if choices.all_finished:
+        waits = 0
+        while True:
+            events = open_events()
+            wait_s = None
+            try:
+                await self._fold(run, events, choices, timer)
+            except asyncio.CancelledError:
+                self._cancelled(run, choices, timer)
+            except ClientError as error:
+                wait_s = _queued_wait_s(run, error, waits)
+                if wait_s is None:
                     run.closing = True
-                run.add(bodies, wake=not choices.all_finished)
-                if choices.all_finished:
-                    break
-            else:
-                raise ClientError(grpc.StatusCode.INTERNAL, "the stream ended without its end")
-        except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if task is not None:
-                task.uncancel()
-            usage = run.builder.usage or Usage(0, 0, 0)
-            finish = Finish(run.response_id, "abort", None, usage)
-            run.add(choices.add(0, finish), wake=False)
-            record_item(timer, choices, finish)
-        except ClientError as error:
-            run.closing = True
-            timer.finish("error")
-            run.add(run.builder.fail(from_client_error(error)), wake=False)
-        except Exception as error:  # a bug: the response fails, the gateway goes on
-            log.exception("background response %s failed", run.response_id)
-            run.closing = True
-            timer.finish("error")
-            failure = ApiError(500, f"the gateway failed: {error}", type="server_error")
-            run.add(run.builder.fail(failure), wake=False)
-        finally:
-            await events.aclose()
+                    timer.finish("error")
+                    run.add(run.builder.fail(from_client_error(error)), wake=False)
+            except Exception as error:  # a bug: the response fails, the gateway goes on
+                log.exception("background response %s failed", run.response_id)
+                run.closing = True
+                timer.finish("error")
+                failure = ApiError(500, f"the gateway failed: {error}", type="server_error")
+                run.add(run.builder.fail(failure), wake=False)
+            finally:
+                await events.aclose()
+            if wait_s is None:
+                break
+            waits += 1
+            self.requeued += 1
+            if self._requeued is not None:
+                self._requeued.inc()
+            try:  # still queued: the cluster admits it later
+                await asyncio.sleep(wait_s)
+            except asyncio.CancelledError:
+                self._cancelled(run, choices, timer)
+                break
         await self._put(run, last=True)
         run.wake()
         self.runs.pop(run.response_id, None)
         await run.turn.add_to_conversation()
+
+    async def _fold(
+        self,
+        run: BackgroundRun,
+        events: AsyncGenerator[Item, None],
+        choices: Choices,
+        timer: RequestTimer,
+    ) -> None:
+        """Fold ``events`` into ``run`` until every choice finished (its last events kept
+        back for after its last put)."""
+        async for index, item in events:
+            if not run.started:
+                run.started = True
+                run.add(run.builder.in_progress_events())
+                await self._put(run)
+            bodies = choices.add(index, item)
+            record_item(timer, choices, item)
+            if choices.all_finished:
+                run.closing = True
+            run.add(bodies, wake=not choices.all_finished)
+            if choices.all_finished:
+                return
+        raise ClientError(grpc.StatusCode.INTERNAL, "the stream ended without its end")
+
+    @staticmethod
+    def _cancelled(run: BackgroundRun, choices: Choices, timer: RequestTimer) -> None:
+        """End ``run`` ``cancelled`` (its task's cancel taken back: the run goes on to its
+        last put)."""
+        task = asyncio.current_task()
+        if task is not None:
+            task.uncancel()
+        usage = run.builder.usage or Usage(0, 0, 0)
+        finish = Finish(run.response_id, "abort", None, usage)
+        run.add(choices.add(0, finish), wake=False)
+        record_item(timer, choices, finish)
 
     async def _put(self, run: BackgroundRun, last: bool = False) -> None:
         """Put ``run``'s record (none after its last: a late heartbeat overtakes nothing)."""

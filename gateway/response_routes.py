@@ -132,7 +132,7 @@ def conversation_session(body: ResponsesRequest, asked: str, response_id: str) -
 async def run_in_background(
     runs: BackgroundRuns,
     turn: ResponseTurn,
-    events: AsyncGenerator[tuple[int, Chunk | Finish], None],
+    open_events: Callable[[], AsyncGenerator[tuple[int, Chunk | Finish], None]],
     choices: Choices,
     metrics: RequestMetrics,
     span: Span,
@@ -142,7 +142,7 @@ async def run_in_background(
     """Start ``turn``'s response in the background (``gateway/background.py``) and answer
     its POST: the response ``queued``, or with ``stream`` its events as they come."""
     stream = bool(turn.body.stream)
-    run = await runs.start(turn, events, choices, metrics, stream, span)
+    run = await runs.start(turn, open_events, choices, metrics, stream, span)
     headers = {"x-request-id": header_value(request_id)}
     if not stream:
         return JSONResponse(run.snapshot(), headers=headers)

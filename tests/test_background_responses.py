@@ -20,12 +20,13 @@ import httpx
 import openai
 import orjson
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from splitserve.common.response_store import MemoryResponseStore, SqliteResponseStore
 from splitserve.gateway.background import STALE_S, BackgroundRuns
 from splitserve.gateway.errors import ApiError
 from splitserve.gateway.stored_responses import StoredResponse, StoredResponses
-from tests.cluster import Served, assert_all_free, wait_until_idle
+from tests.cluster import SERVED_MAX_INFLIGHT, Served, assert_all_free, wait_until_idle
 from tests.gateway_support import (
     _error,
     _model,
@@ -147,6 +148,42 @@ def test_cancel_ends_a_running_background_response_and_frees_the_workers(
     assert sdk.responses.retrieve(started.id).model_dump() == cancelled.model_dump()
     assert sdk.responses.cancel(started.id).status == "cancelled"  # again: as it is
     assert cancelled.usage.output_tokens < 400
+    assert_all_free(wait_until_idle(served.coordinator, 2), 2)
+
+
+def _requeued(gateway_url: str) -> float:
+    """The gateway's background responses sent again after the cluster refused them."""
+    text = httpx.get(f"{gateway_url}/metrics", timeout=10).text
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "splitserve_background_requeued_total"
+    )
+
+
+def test_background_responses_past_the_clusters_admission_wait_queued(
+    served: Served, sdk: openai.OpenAI
+) -> None:
+    """More background responses at once than the cluster admits (``SERVED_MAX_INFLIGHT``):
+    the coordinator refuses some, and they stay queued and are sent again later (the gateway
+    counts it); none fails."""
+    model = _model(sdk)
+    requeued_before = _requeued(served.url)
+    started = [
+        sdk.responses.create(
+            model=model,
+            input=f"Tell me about the number {i}.",
+            background=True,
+            max_output_tokens=24,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        for i in range(SERVED_MAX_INFLIGHT + 8)
+    ]
+    ended = [_ended(sdk, response.id) for response in started]
+    assert [response.status for response in ended] == ["incomplete"] * len(started)
+    assert all(response.usage.output_tokens == 24 for response in ended)
+    assert _requeued(served.url) > requeued_before
     assert_all_free(wait_until_idle(served.coordinator, 2), 2)
 
 
