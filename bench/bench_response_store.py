@@ -1,6 +1,9 @@
 """What storing a Responses API response costs the request, per store, same run: the time of
 one ``StoredResponses.put`` (what a stored response waits for before its last event goes out)
-and of one ``get`` (what a ``previous_response_id`` waits for before its prompt is made), for
+and of one ``get`` (what a ``previous_response_id`` waits for before its prompt is made), and
+of adding one exchange to a conversation of as many turns (``Conversations.add_turn``: a read
+and a ``replace`` over it, what a response naming a ``conversation`` waits for before its last
+event), for
 records of a short exchange and of a long conversation, against the ``memory`` store (the
 baseline) in the same run. The stores: this process's memory, a SQLite file (``up
 --gateways N``'s), and a real etcd on localhost (``tests/etcd.py``'s, as the suite runs it).
@@ -30,6 +33,7 @@ from splitserve.common.response_store import (
     SqliteResponseStore,
 )
 from splitserve.discovery.etcd_response_store import EtcdResponseStore
+from splitserve.gateway.conversations import Conversations
 from splitserve.gateway.stored_responses import StoredResponse, StoredResponses, input_items
 from splitserve.proto.etcd_client import EtcdClient
 
@@ -53,7 +57,8 @@ def _record(response_id: str, turns: int) -> StoredResponse:
 
 
 async def _time(stored: StoredResponses, turns: int, reps: int, warmup: int) -> Json:
-    puts, gets = [], []
+    puts, gets, adds = [], [], []
+    conversations = Conversations(stored)
     for index in range(warmup + reps):
         record = _record(f"resp-{turns}-{index}", turns)
         started = time.perf_counter()
@@ -62,9 +67,14 @@ async def _time(stored: StoredResponses, turns: int, reps: int, warmup: int) -> 
         started = time.perf_counter()
         await stored.get(f"resp-{turns}-{index}", "team-a")
         get_s = time.perf_counter() - started
+        made = await conversations.create("team-a", record.input_items, {})
+        started = time.perf_counter()
+        await conversations.add_turn(made.conversation_id, "team-a", _turn())
+        add_s = time.perf_counter() - started
         if index >= warmup:
             puts.append(put_s * 1e6)
             gets.append(get_s * 1e6)
+            adds.append(add_s * 1e6)
     return {
         "record_bytes": len(_record("resp-x", turns).to_bytes()),
         "failed_puts": stored.failed_puts,
@@ -72,7 +82,16 @@ async def _time(stored: StoredResponses, turns: int, reps: int, warmup: int) -> 
         "put_us_p99": percentile(puts, 99),
         "get_us_p50": statistics.median(gets),
         "get_us_p99": percentile(gets, 99),
+        "turn_added_us_p50": statistics.median(adds),
+        "turn_added_us_p99": percentile(adds, 99),
     }
+
+
+def _turn() -> list[dict[str, object]]:
+    """One exchange, as a response adds it to its conversation."""
+    return input_items([{"role": "user", "content": f"Again: {SAID}"}]) + input_items(
+        [{"role": "assistant", "content": SAID}]
+    )
 
 
 async def _measure(args: argparse.Namespace, etcd_endpoint: str, folder: Path) -> list[Json]:
@@ -90,6 +109,7 @@ async def _measure(args: argparse.Namespace, etcd_endpoint: str, folder: Path) -
             base = base or row
             row["put_vs_memory"] = row["put_us_p50"] / base["put_us_p50"]
             row["get_vs_memory"] = row["get_us_p50"] / base["get_us_p50"]
+            row["turn_added_vs_memory"] = row["turn_added_us_p50"] / base["turn_added_us_p50"]
             log_row(row)
             rows.append(row)
     for _, store in stores:
