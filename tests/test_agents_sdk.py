@@ -2,7 +2,8 @@
 agent application runs it: a ``Runner`` over an ``OpenAIResponsesModel`` whose client is the
 gateway, keeping its history in an ``OpenAIConversationsSession`` (the Conversations API:
 ``gateway/conversation_routes.py``) or in a server-side conversation (``conversation_id``:
-``responses.create(conversation=...)``), whole and streamed. Each run's items are where the
+``responses.create(conversation=...)``), whole and streamed, or chained by
+``previous_response_id``. Each run's items are where the
 SDK and the API say they go, in order."""
 
 from __future__ import annotations
@@ -42,8 +43,12 @@ def test_an_agent_keeps_its_turns_in_a_conversation(served: Served, sdk: openai.
             name="assistant",
             instructions="Be brief.",
             model=OpenAIResponsesModel(model=_model(sdk), openai_client=client),
-            # room to end on its own: the SDK takes an incomplete response for a failure
-            model_settings=ModelSettings(max_tokens=300, temperature=0),
+            # each answer one sentence (``stop``, which the gateway serves): the SDK takes an
+            # incomplete response (max_tokens reached) for a failure, and the default model
+            # repeats itself on one line for some prompts
+            model_settings=ModelSettings(
+                max_tokens=300, temperature=0, extra_body={"stop": [".", "\n"]}
+            ),
         )
         session = OpenAIConversationsSession(openai_client=client)
         first = await Runner.run(agent, "My name is Ada.", session=session)
@@ -68,6 +73,17 @@ def test_an_agent_keeps_its_turns_in_a_conversation(served: Served, sdk: openai.
         third = await Runner.run(agent, "Hello there.", conversation_id=conversation.id)
         items = [i async for i in client.conversations.items.list(conversation.id, order="asc")]
         assert [_text(item) for item in items] == ["Hello there.", third.final_output]
+        # chained by the server: the SDK sends previous_response_id
+        opened = await Runner.run(agent, "My name is Grace.")  # one sentence: see the settings
+        chained = await Runner.run(
+            agent, "What is my name?", previous_response_id=opened.last_response_id
+        )
+        assert chained.last_response_id
+        sent = await client.responses.input_items.list(chained.last_response_id, order="asc")
+        assert [_text(item) for item in sent.data] == [
+            "My name is Grace.", opened.final_output, "What is my name?",
+        ]  # fmt: skip
+
         kept_in = await session._get_session_id()  # the conversation the session made
         await session.clear_session()  # deletes it
         with pytest.raises(openai.NotFoundError):
