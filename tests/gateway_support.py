@@ -1,10 +1,16 @@
 """What the gateway tests against the shared cluster (``test_gateway.py``,
 ``test_gateway_structured.py``) share: the cluster and an ``openai`` SDK client of its gateway
 as module fixtures ``served`` and ``sdk`` (each test module imports them, so that pytest finds
-them there), the served model, a chat question, and the check of an OpenAI error body."""
+them there), the served model, a chat question, the check of an OpenAI error body, and real
+gateway processes in front of the cluster's coordinator (``gateway_process``; the fixture
+``gateway_pair``: two sharing one store)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -46,3 +52,37 @@ def assert_route_schema(schema: dict[str, Any], path: str, request: str, respons
     assert body_ref.endswith(f"/{request}")
     ok_ref = route["responses"]["200"]["content"]["application/json"]["schema"]["$ref"]
     assert ok_ref.endswith(f"/{response}")
+
+
+def gateway_process(coordinator: str, *flags: str) -> tuple[subprocess.Popen[str], str]:
+    """A real gateway process in front of ``coordinator``; its base URL once ready."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "splitserve.gateway.main", "--port=0",
+         f"--coordinator={coordinator}", *flags],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    assert process.stdout is not None
+    for line in process.stdout:
+        if line.startswith("splitserve gateway ready at "):
+            return process, line.split()[-1]
+    raise AssertionError(f"the gateway exited ({process.wait()}) before it was ready")
+
+
+@pytest.fixture(name="gateway_pair")
+def gateway_pair_fixture(
+    request: pytest.FixtureRequest, served: Served, tmp_path: Path
+) -> Iterator[tuple[str, str]]:
+    """Two gateway processes sharing one store: a SQLite file, or a real etcd."""
+    if request.param == "sqlite":
+        flags: tuple[str, ...] = (f"--response-store=sqlite:{tmp_path / 'responses.db'}",)
+    else:
+        etcd = request.getfixturevalue("etcd")
+        flags = ("--response-store=etcd", f"--etcd-endpoints={etcd.endpoint}")
+    started = [gateway_process(served.coordinator, *flags) for _ in range(2)]
+    try:
+        yield started[0][1], started[1][1]
+    finally:
+        for process, _ in started:
+            process.terminate()
+        for process, _ in started:
+            process.wait(timeout=30)

@@ -30,10 +30,11 @@ from tests.cluster import SERVED_MAX_INFLIGHT, Served, assert_all_free, wait_unt
 from tests.gateway_support import (
     _error,
     _model,
+    gateway_process,
     sdk_fixture,  # noqa: F401 - the fixture sdk, found here by pytest
     served_fixture,  # noqa: F401 - the fixture served, found here by pytest
 )
-from tests.test_stored_responses import _fresh, _gateway
+from tests.test_stored_responses import _fresh
 
 ENDED = ("completed", "incomplete", "failed", "cancelled")
 LONG = {"max_output_tokens": 400, "extra_body": {"ignore_eos": True}}
@@ -193,7 +194,7 @@ def test_gateways_sharing_a_store_answer_for_each_others_background_responses(
     """Gateway B sees A's background responses run, cancels one (B puts the mark, A reads it
     and closes the run) and resumes one's stream."""
     flags = (f"--response-store=sqlite:{tmp_path / 'responses.db'}",)
-    started = [_gateway(served.coordinator, *flags) for _ in range(2)]
+    started = [gateway_process(served.coordinator, *flags) for _ in range(2)]
     try:
         first, second = (
             openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
@@ -228,7 +229,7 @@ def test_a_draining_gateway_cancels_what_outlives_its_drain(
     """SIGTERM with a background response running longer than ``--drain-timeout``: the
     gateway exits 0, and the store says the response was cancelled."""
     path = tmp_path / "responses.db"
-    process, url = _gateway(served.coordinator, f"--response-store=sqlite:{path}",
+    process, url = gateway_process(served.coordinator, f"--response-store=sqlite:{path}",
                             "--drain-timeout=1")  # fmt: skip
     try:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -26,6 +27,7 @@ from tests.cluster import Served
 from tests.gateway_support import (
     _error,
     _model,
+    gateway_pair_fixture,  # noqa: F401 - the fixture gateway_pair, found here by pytest
     sdk_fixture,  # noqa: F401 - the fixture sdk, found here by pytest
     served_fixture,  # noqa: F401 - the fixture served, found here by pytest
 )
@@ -194,3 +196,25 @@ def test_a_background_response_adds_its_turn_once_it_ended(
         assert time.monotonic() < deadline
         time.sleep(0.1)
     assert _texts(sdk, made.id) == ["Name a color.", ended.output_text]
+
+
+@pytest.mark.parametrize("gateway_pair", ["etcd"], indirect=True)
+def test_two_gateway_processes_on_etcd_adding_at_once_lose_no_item(
+    gateway_pair: tuple[str, str], sdk: openai.OpenAI
+) -> None:
+    """Two real gateway processes sharing a real etcd: items added to one conversation through
+    both at once are all kept, once each (etcd's transactions under every change)."""
+    clients = [
+        openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) for url in gateway_pair
+    ]
+    made = clients[0].conversations.create()
+    texts = [f"item {i}" for i in range(16)]
+
+    def add(index: int) -> None:
+        clients[index % 2].conversations.items.create(
+            made.id, items=[{"type": "message", "role": "user", "content": texts[index]}]
+        )
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(add, range(len(texts))))
+    assert sorted(_texts(clients[1], made.id)) == sorted(texts)

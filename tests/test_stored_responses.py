@@ -10,10 +10,7 @@ the other's responses."""
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import sys
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +38,8 @@ from tests.etcd import EtcdServer
 from tests.gateway_support import (
     _error,
     _model,
+    gateway_pair_fixture,  # noqa: F401 - the fixture gateway_pair, found here by pytest
+    gateway_process,
     sdk_fixture,  # noqa: F401 - the fixture sdk, found here by pytest
     served_fixture,  # noqa: F401 - the fixture served, found here by pytest
 )
@@ -362,40 +361,6 @@ def test_unstored_deleted_and_unknown_responses_are_404s(
 # ---- gateways that share a store ------------------------------------------------------------
 
 
-def _gateway(coordinator: str, *flags: str) -> tuple[subprocess.Popen[str], str]:
-    """A real gateway process in front of ``coordinator``; its base URL once ready."""
-    process = subprocess.Popen(
-        [sys.executable, "-m", "splitserve.gateway.main", "--port=0",
-         f"--coordinator={coordinator}", *flags],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-    )  # fmt: skip
-    assert process.stdout is not None
-    for line in process.stdout:
-        if line.startswith("splitserve gateway ready at "):
-            return process, line.split()[-1]
-    raise AssertionError(f"the gateway exited ({process.wait()}) before it was ready")
-
-
-@pytest.fixture
-def gateway_pair(
-    request: pytest.FixtureRequest, served: Served, tmp_path: Path
-) -> Iterator[tuple[str, str]]:
-    """Two gateway processes sharing one store: a SQLite file, or a real etcd."""
-    if request.param == "sqlite":
-        flags: tuple[str, ...] = (f"--response-store=sqlite:{tmp_path / 'responses.db'}",)
-    else:
-        etcd = request.getfixturevalue("etcd")
-        flags = ("--response-store=etcd", f"--etcd-endpoints={etcd.endpoint}")
-    started = [_gateway(served.coordinator, *flags) for _ in range(2)]
-    try:
-        yield started[0][1], started[1][1]
-    finally:
-        for process, _ in started:
-            process.terminate()
-        for process, _ in started:
-            process.wait(timeout=30)
-
-
 @pytest.mark.parametrize("gateway_pair", ["sqlite", "etcd"], indirect=True)
 def test_gateways_sharing_a_store_continue_each_others_responses(
     gateway_pair: tuple[str, str], sdk: openai.OpenAI
@@ -426,7 +391,7 @@ def test_a_tenant_reads_only_its_own_through_a_keyed_gateway(
     tenant's to read."""
     keys = tmp_path / "keys"
     keys.write_text("sk-a-1 team-a\nsk-a-2 team-a\nsk-b team-b\n")
-    process, url = _gateway(served.coordinator, f"--api-keys-file={keys}")
+    process, url = gateway_process(served.coordinator, f"--api-keys-file={keys}")
     try:
         owner, colleague, stranger = (
             openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0)
