@@ -107,8 +107,9 @@ def answered(stored: StoredResponse) -> dict[str, Any]:
 
 
 class BackgroundRun:
-    """One background response this gateway runs. ``events``: every event of its stream so
-    far, in sequence order (``events[i]["sequence_number"] == i``)."""
+    """One background response this gateway runs. ``events``: where it keeps its events,
+    every event of its stream so far, in sequence order (``events[i]["sequence_number"] ==
+    i``); else none."""
 
     def __init__(self, turn: ResponseTurn, keeps_events: bool) -> None:
         """``turn``: its request's response and what it keeps (the record's response and
@@ -143,8 +144,10 @@ class BackgroundRun:
         return dataclasses.replace(self.turn.record(), response=self.snapshot(), events=events)
 
     def add(self, events: list[dict[str, Any]], wake: bool = True) -> None:
-        """Append ``events``; ``wake``: send them to the streams following it now."""
-        self.events += events
+        """Append ``events`` (kept only where it keeps its events: nothing follows the
+        others); ``wake``: send them to the streams following it now."""
+        if self.keeps_events:
+            self.events += events
         if wake:
             self.wake()
 
