@@ -30,13 +30,10 @@ from splitserve.gateway.conversation_schemas import (
     ConversationUpdate,
     ItemsAdded,
 )
-from splitserve.gateway.conversations import (
-    Conversations,
-    StoredConversation,
-    checked_metadata,
-)
+from splitserve.gateway.conversations import Conversations, StoredConversation
 from splitserve.gateway.errors import ApiError, invalid
 from splitserve.gateway.item_pages import PageQuery, asked_page, page
+from splitserve.gateway.metadata import checked_metadata
 from splitserve.gateway.responses_input import check_items
 from splitserve.gateway.stored_responses import input_items
 

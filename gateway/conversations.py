@@ -3,8 +3,8 @@ response store (``common/response_store.py``) beside its stored responses, so ev
 sharing the store serves them.
 
 Contract:
-- A conversation has an id (``conv_<hex>``), ``created_at``, ``metadata`` (at most 16 pairs
-  of strings, keys at most 64 characters, values at most 512) and its items in order, each
+- A conversation has an id (``conv_<hex>``), ``created_at``, ``metadata``
+  (``gateway/metadata.py``) and its items in order, each
   with an id (``gateway/stored_responses.py:input_items`` gives those that lack one). It
   belongs to the tenant whose key made it (``common/api_keys.py``): any other tenant's ask,
   an unknown, expired or deleted id alike, is a 404 naming the parameter.
@@ -35,9 +35,6 @@ from splitserve.gateway.stored_responses import StoredResponses, store_unavailab
 
 log = logging.getLogger(__name__)
 
-MAX_METADATA_PAIRS = 16
-MAX_KEY_CHARS = 64
-MAX_VALUE_CHARS = 512
 MAX_ITEMS_ADDED = 20
 """Items one create or add call takes (OpenAI's limit)."""
 MAX_ATTEMPTS = 64
@@ -85,21 +82,6 @@ class StoredConversation:
     def context(self) -> list[dict[str, Any]]:
         """The items a response naming it continues from (module docstring)."""
         return [item for item in self.items if item.get("type") != "reasoning"]
-
-
-def checked_metadata(metadata: dict[str, Any] | None) -> dict[str, str]:
-    """``metadata`` within the limits (module docstring); 400 naming ``metadata``."""
-    metadata = metadata or {}
-    if len(metadata) > MAX_METADATA_PAIRS:
-        raise invalid(f"metadata holds at most {MAX_METADATA_PAIRS} pairs", "metadata")
-    for key, value in metadata.items():
-        if not isinstance(value, str) or len(key) > MAX_KEY_CHARS or len(value) > MAX_VALUE_CHARS:
-            raise invalid(
-                f"metadata's keys are strings of at most {MAX_KEY_CHARS} characters and its "
-                f"values strings of at most {MAX_VALUE_CHARS}",
-                f"metadata.{key}",
-            )
-    return dict(metadata)
 
 
 def not_found(conversation_id: str, param: str) -> ApiError:

@@ -321,6 +321,7 @@ class ResponsesBuilder(ResponseBuilder):
             "parallel_tool_calls": body.parallel_tool_calls is not False,
             "previous_response_id": body.previous_response_id,
             "background": bool(body.background),
+            "metadata": body.metadata or {},
             "store": body._stored,
             "temperature": body.temperature,
             "top_p": body.top_p,

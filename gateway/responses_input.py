@@ -32,6 +32,7 @@ from typing import Any
 from splitserve.client import Sampling
 from splitserve.client.tools import ToolPlan
 from splitserve.gateway.errors import invalid
+from splitserve.gateway.metadata import checked_metadata
 from splitserve.gateway.responses_schemas import ResponsesRequest
 from splitserve.gateway.sampling import PromptArgs, chat_prompts, chat_sampling, request_tools
 from splitserve.gateway.schemas import (
@@ -74,6 +75,7 @@ def as_chat(body: ResponsesRequest) -> ChatCompletionRequest:
 
 def _chat_of(body: ResponsesRequest) -> ChatCompletionRequest:
     _refuse_unserved(body)
+    checked_metadata(body.metadata)  # kept with the response (400 past OpenAI's bounds)
     messages = [] if body.instructions is None else [_message("system", body.instructions)]
     if body._previous is not None:
         _add_messages(messages, conversation(body._previous), "previous_response_id")

@@ -73,6 +73,11 @@ class ResponsesRequest(_SamplingFields):
     )
     n: int | None = Field(1, ge=1, le=1, description="A response has one output.")
     best_of: int | None = Field(None, ge=1, le=1, description="A response has one output.")
+    metadata: dict[str, Any] | None = Field(
+        None,
+        description="Kept with the response and returned in it (at most 16 pairs of strings, "
+        "keys up to 64 characters, values 512).",
+    )
     conversation: str | dict[str, Any] | None = Field(
         None,
         description="A conversation's id (or {'id': ...}, gateway/conversations.py): its items "
@@ -214,6 +219,7 @@ class ResponseObject(BaseModel):
     output: list[ReasoningItem | OutputMessage | FunctionCallItem]
     parallel_tool_calls: bool
     previous_response_id: str | None
+    metadata: dict[str, str]
     background: bool
     store: bool
     temperature: float | None

@@ -70,7 +70,7 @@ def test_a_background_response_is_queued_and_ends_as_in_the_foreground(
 ) -> None:
     model = _model(sdk)
     asked = {"model": model, "input": "What is the capital of France?", "temperature": 0,
-             "max_output_tokens": 12}  # fmt: skip
+             "max_output_tokens": 12, "metadata": {"job": "capitals"}}  # fmt: skip
     queued = sdk.responses.create(**asked, background=True, **_fresh())
     assert queued.background is True and queued.status in ("queued", "in_progress")
     assert queued.store is True and queued.usage is None
@@ -78,6 +78,7 @@ def test_a_background_response_is_queued_and_ends_as_in_the_foreground(
     foreground = sdk.responses.create(**asked, store=False, **_fresh())
     assert ended.status == foreground.status
     assert ended.output_text == foreground.output_text and ended.output_text
+    assert ended.metadata == foreground.metadata == queued.metadata == {"job": "capitals"}
     assert ended.usage.input_tokens == foreground.usage.input_tokens
     assert ended.usage.output_tokens == foreground.usage.output_tokens
     items = sdk.responses.input_items.list(ended.id)

@@ -20,8 +20,9 @@ import openai
 import pytest
 
 from splitserve.common.response_store import MemoryResponseStore, SqliteResponseStore
-from splitserve.gateway.conversations import Conversations, checked_metadata
+from splitserve.gateway.conversations import Conversations
 from splitserve.gateway.errors import ApiError
+from splitserve.gateway.metadata import checked_metadata
 from splitserve.gateway.stored_responses import StoredResponses, input_items
 from tests.cluster import Served
 from tests.gateway_support import (

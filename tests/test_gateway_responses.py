@@ -257,6 +257,7 @@ def test_a_tool_round_whole_and_streamed(served: Served, sdk: openai.OpenAI) -> 
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"background": True, "store": False}, "background"),
         ({"truncation": "auto"}, "truncation"),
+        ({"metadata": {"note": "v" * 513}}, "metadata.note"),
         (
             {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
             "input.0.content.0",
