@@ -141,7 +141,7 @@ class BackgroundRun:
     def record(self) -> StoredResponse:
         """Its record as it is now."""
         events = list(self.events) if self.keeps_events else None
-        return dataclasses.replace(self.turn.record(), response=self.snapshot(), events=events)
+        return dataclasses.replace(self.turn.record(self.snapshot()), events=events)
 
     def add(self, events: list[dict[str, Any]], wake: bool = True) -> None:
         """Append ``events`` (kept only where it keeps its events: nothing follows the
@@ -182,8 +182,6 @@ class BackgroundRuns:
         self.stored = stored
         self.runs: dict[str, BackgroundRun] = {}
         self._watchers: set[asyncio.Task[None]] = set()
-        self.requeued = 0
-        """Times a run the cluster refused for now was sent again."""
         self._requeued: Counter | None = None
         if registry is not None:
             Gauge(
@@ -261,7 +259,6 @@ class BackgroundRuns:
             if wait_s is None:
                 break
             waits += 1
-            self.requeued += 1
             if self._requeued is not None:
                 self._requeued.inc()
             try:  # still queued: the cluster admits it later

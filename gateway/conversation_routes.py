@@ -31,8 +31,8 @@ from splitserve.gateway.conversation_schemas import (
     ItemsAdded,
 )
 from splitserve.gateway.conversations import Conversations, StoredConversation
-from splitserve.gateway.errors import ApiError, invalid
-from splitserve.gateway.item_pages import PageQuery, asked_page, page
+from splitserve.gateway.errors import ApiError
+from splitserve.gateway.item_pages import PageQuery, asked_page, page, refuse_include
 from splitserve.gateway.metadata import checked_metadata
 from splitserve.gateway.responses_input import check_items
 from splitserve.gateway.stored_responses import input_items
@@ -44,11 +44,6 @@ class ConversationGateway(Protocol):
     conversations: Conversations
 
     def tenant_of(self, request: Request) -> str: ...
-
-
-def _no_include(include: list[str] | None) -> None:
-    if include:
-        raise invalid("no include is served for conversation items", "include")
 
 
 def _item(found: StoredConversation, item_id: str) -> dict[str, Any]:
@@ -121,7 +116,7 @@ def add_conversation_routes(
         include: Annotated[list[str] | None, Query()] = None,
     ) -> dict[str, Any]:
         """Items added at its end; the list of them as added."""
-        _no_include(include)
+        refuse_include(include)
         check_items(body.items, "items")
         added = input_items(body.items)
         gateway = current()
@@ -147,7 +142,7 @@ def add_conversation_routes(
         request: Request,
         include: Annotated[list[str] | None, Query()] = None,
     ) -> dict[str, Any]:
-        _no_include(include)
+        refuse_include(include)
         gateway = current()
         found = await gateway.conversations.get(conversation_id, gateway.tenant_of(request))
         return _item(found, item_id)

@@ -29,7 +29,7 @@ from typing import Any
 
 import orjson
 
-from splitserve.common.response_store import StoreFailed
+from splitserve.common.response_store import ResponseStore, StoreFailed
 from splitserve.gateway.errors import ApiError, invalid
 from splitserve.gateway.stored_responses import StoredResponses, store_unavailable
 
@@ -99,7 +99,7 @@ class Conversations:
     def __init__(self, stored: StoredResponses) -> None:
         self.stored = stored
 
-    def _store(self, param: str) -> Any:  # noqa: ANN401 - a ResponseStore
+    def _store(self, param: str) -> ResponseStore:
         if self.stored.store is None:
             raise invalid(
                 "conversations are kept in the response store, and this gateway has none "

@@ -48,8 +48,13 @@ def page(
     }
 
 
+def refuse_include(include: list[str] | None) -> None:
+    """400 naming ``include`` where one is asked (no extras are served for items)."""
+    if include:
+        raise invalid("no include is served for these items", "include")
+
+
 def asked_page(items: list[dict[str, Any]], query: PageQuery) -> dict[str, Any]:
     """The page ``query`` asks for."""
-    if query.include:
-        raise invalid("no include is served for these items", "include")
+    refuse_include(query.include)
     return page(items, query.limit, query.order, query.after)

@@ -44,9 +44,7 @@ from splitserve.gateway.responses_schemas import (
     ResponseObject,
     ResponsesRequest,
 )
-from splitserve.gateway.stored_responses import (
-    StoredResponses,
-)
+from splitserve.gateway.stored_responses import StoredResponses
 
 
 class StallTimeout(Protocol):
@@ -160,7 +158,7 @@ def add_response_routes(
     current: Callable[[], ResponseGateway],
     error_responses: dict[int | str, dict[str, Any]],
 ) -> None:
-    """Add the three routes to ``app`` (``current``: the app's gateway, made on startup)."""
+    """Add the four routes to ``app`` (``current``: the app's gateway, made on startup)."""
 
     @app.get(
         "/v1/responses/{response_id}", response_model=ResponseObject, responses=error_responses

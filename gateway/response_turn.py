@@ -3,7 +3,8 @@
 it (``gateway/conversations.py``).
 
 Contract of ``ResponseTurn``:
-- ``record()``: the response's record as it is when called: the response, and its input
+- ``record()``: the response's record as it is when called: the response (or the one
+  given), and its input
   items (those before it: a ``previous_response_id``'s conversation or the conversation's
   items, then its own input, each with an id made once per request);
 - ``keep()``, awaited once the response ended (before its last event or its body goes out,
@@ -58,9 +59,11 @@ class ResponseTurn:
             return self.body._conversation.context()
         return []
 
-    def record(self) -> StoredResponse:
+    def record(self, response: dict[str, Any] | None = None) -> StoredResponse:
+        """``response``: the response object to keep (None: the builder's as it is now)."""
         items = self._earlier() + self.new_items
-        return StoredResponse(self.builder.whole(), items, self.tenant, self.session_id)
+        kept = self.builder.whole() if response is None else response
+        return StoredResponse(kept, items, self.tenant, self.session_id)
 
     async def keep(self) -> None:
         if self.body._stored:
