@@ -11,7 +11,7 @@ from typing import ClassVar
 
 from splitserve.common.settings import default_group, setting
 from splitserve.coordinator.settings import CoordinatorSettings
-from splitserve.gateway.body_limit import DEFAULT_MAX_BODY_BYTES
+from splitserve.gateway.defaults import DEFAULT_MAX_BODY_BYTES
 from splitserve.gateway.settings import GatewaySettings, ResponseStoreSettings
 
 

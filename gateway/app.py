@@ -74,11 +74,16 @@ from splitserve.gateway.adapter_routes import add_adapter_routes
 from splitserve.gateway.api_key_check import RequireApiKey, bearer_key
 from splitserve.gateway.background import BackgroundRuns
 from splitserve.gateway.beam_choices import PromptBeams, beam_search_params
-from splitserve.gateway.body_limit import DEFAULT_MAX_BODY_BYTES, LimitBody
+from splitserve.gateway.body_limit import LimitBody
 from splitserve.gateway.choices import Choices
 from splitserve.gateway.conversation_routes import add_conversation_routes
 from splitserve.gateway.conversations import Conversations
-from splitserve.gateway.disconnect import CLIENT_STALL_TIMEOUT_S
+from splitserve.gateway.defaults import (
+    CLIENT_STALL_TIMEOUT_S,
+    DEFAULT_MAX_BODY_BYTES,
+    STORED_RESPONSES_MEMORY_BYTES,
+    STORED_RESPONSES_TTL_S,
+)
 from splitserve.gateway.edge_refusal import RefuseAtTheDoor
 from splitserve.gateway.endpoints import CHAT, COMPLETIONS, RESPONSES, Body, Endpoint
 from splitserve.gateway.errors import (
@@ -112,8 +117,6 @@ from splitserve.gateway.sampling import (
     tokenized_tools,
 )
 from splitserve.gateway.stored_responses import (
-    DEFAULT_MEMORY_BYTES,
-    DEFAULT_TTL_S,
     StoredResponses,
 )
 from splitserve.gateway.token_names import named_by_id_stream
@@ -156,11 +159,11 @@ class GatewayConfig:
     """The single coordinator runs in this process (``splitserve frontend``): streams reach
     it through this, without gRPC (``proto/local_streams.py``)."""
     response_store: ResponseStore | None = field(
-        default_factory=lambda: MemoryResponseStore(DEFAULT_MEMORY_BYTES)
+        default_factory=lambda: MemoryResponseStore(STORED_RESPONSES_MEMORY_BYTES)
     )
     """Where the Responses API's stored responses live (None: none are stored;
     ``gateway/stored_responses.py``); closed with the gateway."""
-    response_ttl_s: float = DEFAULT_TTL_S
+    response_ttl_s: float = STORED_RESPONSES_TTL_S
     """How long a stored response is kept."""
     drain_timeout_s: float = 30.0
     """On shutdown, how long background responses may take to end before they are cancelled

@@ -10,10 +10,8 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from splitserve.gateway.defaults import DEFAULT_MAX_BODY_BYTES
 from splitserve.gateway.errors import from_http_exception
-
-DEFAULT_MAX_BODY_BYTES = 16 << 20
-"""16 MiB: far more than a full context of text, well under gRPC's 64 MiB message limit."""
 
 
 class BodyTooLarge(HTTPException):

@@ -17,10 +17,9 @@ from typing import TypeVar
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from splitserve.gateway.defaults import CLIENT_STALL_TIMEOUT_S
+
 T = TypeVar("T")
-CLIENT_STALL_TIMEOUT_S = 30.0
-"""How long an SSE frame may wait for a client that reads nothing (the coordinator's own
-``--client-stall-timeout`` for the gRPC clients it streams to)."""
 STALL_CHECKS = 4
 """A stalled frame is noticed within ``send_timeout_s`` x (1 + 1 / STALL_CHECKS): the stream's
 one watchdog looks every ``send_timeout_s / STALL_CHECKS`` (not a timeout armed per frame:

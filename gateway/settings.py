@@ -12,9 +12,12 @@ from splitserve.common.env_flags import env_name
 from splitserve.common.settings import default_group, setting
 from splitserve.common.tracing import TracingSettings
 from splitserve.discovery.flags import MembershipSettings
-from splitserve.gateway.body_limit import DEFAULT_MAX_BODY_BYTES
-from splitserve.gateway.disconnect import CLIENT_STALL_TIMEOUT_S
-from splitserve.gateway.stored_responses import DEFAULT_MEMORY_BYTES, DEFAULT_TTL_S
+from splitserve.gateway.defaults import (
+    CLIENT_STALL_TIMEOUT_S,
+    DEFAULT_MAX_BODY_BYTES,
+    STORED_RESPONSES_MEMORY_BYTES,
+    STORED_RESPONSES_TTL_S,
+)
 from splitserve.proto.streams_server import RELAYS
 from splitserve.proto.tls import TlsSettings
 
@@ -34,9 +37,9 @@ class ResponseStoreSettings:
         "processes of a machine share), 'etcd' (every gateway of the cluster: --etcd-endpoints "
         "and --cluster-name) or 'none' (nothing stored)",
     )
-    response_store_ttl: float = setting(DEFAULT_TTL_S, "seconds a stored response is kept")
+    response_store_ttl: float = setting(STORED_RESPONSES_TTL_S, "seconds a stored response is kept")
     response_store_bytes: int = setting(
-        DEFAULT_MEMORY_BYTES,
+        STORED_RESPONSES_MEMORY_BYTES,
         "with --response-store memory: at most this many bytes, the least recently used "
         "dropped first",
     )

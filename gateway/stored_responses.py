@@ -34,12 +34,11 @@ import orjson
 from prometheus_client import CollectorRegistry, Counter
 
 from splitserve.common.response_store import ResponseStore, StoreFailed
+from splitserve.gateway.defaults import STORED_RESPONSES_TTL_S
 from splitserve.gateway.errors import ApiError, invalid
 
 log = logging.getLogger(__name__)
 
-DEFAULT_TTL_S = 24 * 3600.0
-DEFAULT_MEMORY_BYTES = 512 << 20
 _ITEM_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
 
 
@@ -113,7 +112,7 @@ class StoredResponses:
     def __init__(
         self,
         store: ResponseStore | None,
-        ttl_s: float = DEFAULT_TTL_S,
+        ttl_s: float = STORED_RESPONSES_TTL_S,
         registry: CollectorRegistry | None = None,
     ) -> None:
         self.store = store

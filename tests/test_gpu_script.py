@@ -15,15 +15,19 @@ import torch
 from tests.test_serve_goodput import assert_cpu_variant_report
 
 REPO = Path(__file__).resolve().parent.parent
+GPU_IMAGE_SITE = Path(__file__).resolve().parent / "gpu_image"
+"""Its sitecustomize makes the interpreters of the dry run lack what the GPU image lacks."""
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the dry run is for machines without CUDA")
 def test_dry_run_writes_every_step_and_skips_what_needs_cuda(tmp_path: Path) -> None:
-    """The whole script as a lent machine runs it, minus what needs CUDA; its serving goodput
-    step runs its CPU variant (``assert_cpu_variant_report``)."""
+    """The whole script as a lent machine runs it, minus what needs CUDA, in interpreters that
+    lack what the GPU image lacks (``tests/gpu_image``); its serving goodput step runs its CPU
+    variant (``assert_cpu_variant_report``)."""
     out = tmp_path / "gpu"
-    env = {**os.environ, "PYTHON": sys.executable}
+    path = os.pathsep.join(filter(None, [str(GPU_IMAGE_SITE), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": path}
     result = subprocess.run(
         ["bash", str(REPO / "bench/gpu/run.sh"), str(out), "--dry"],
         env=env, capture_output=True, text=True, timeout=240,

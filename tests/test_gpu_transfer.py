@@ -61,8 +61,12 @@ class _Reserved:
         return LayerSender(link.endpoint, 1, self.secret, NUM_LAYERS, plan, loop)
 
 
-def reserve(link: Link, block_ids: list[int], group: int = 1) -> _Reserved:
-    cache = support.new_cache().to(CUDA)
+def reserve(
+    link: Link, block_ids: list[int], group: int = 1, cache: torch.Tensor | None = None
+) -> _Reserved:
+    """Posts a receiver into ``block_ids`` of ``cache`` (a new zero cache on the device when
+    None: its host-to-device copy synchronizes, so a caller checking for syncs passes one)."""
+    cache = support.new_cache().to(CUDA) if cache is None else cache
     layer_bytes = support.SMOLLM2_BF16.layer_bytes(len(block_ids))
     destination = KvDestination(cache, block_ids, (group - 1) * layer_bytes + 1)
     assert destination.plan.layers_per_message == group
@@ -103,9 +107,11 @@ def test_a_receiver_is_posted_without_waiting_for_the_device(kind: str) -> None:
 
     async def body() -> None:
         async with support.open_link(kind) as link:
+            cache = support.new_cache().to(CUDA)
+            torch.cuda.synchronize()
             torch.cuda.set_sync_debug_mode("error")
             try:
-                reserved = reserve(link, SCATTERED, group=3)
+                reserved = reserve(link, SCATTERED, group=3, cache=cache)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
             sender = reserved.sender(link)
