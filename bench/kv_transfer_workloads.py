@@ -156,6 +156,10 @@ def ucx_configs(skip_tcp: bool, device: str = "cpu") -> list[UcxConfig]:
                 "ucx tls=cuda_ipc,cuda_copy,sm,self",
                 UcxSettings(tls="cuda_ipc,cuda_copy,sm,self"),
             ),
+            UcxConfig(
+                "ucx default tls, progress thread-polling",
+                UcxSettings(progress_mode="thread-polling"),
+            ),
         ]
         if not skip_tcp:
             configs.append(UcxConfig("ucx tls=cuda_copy,tcp", UcxSettings(tls="cuda_copy,tcp")))
@@ -163,6 +167,7 @@ def ucx_configs(skip_tcp: bool, device: str = "cpu") -> list[UcxConfig]:
     configs = [
         UcxConfig("ucx error_handling=off", UcxSettings()),
         UcxConfig("ucx error_handling=on", UcxSettings(error_handling=True)),
+        UcxConfig("ucx progress thread-polling", UcxSettings(progress_mode="thread-polling")),
     ]
     if not skip_tcp:
         configs.append(UcxConfig("ucx tls=tcp", UcxSettings(tls="tcp")))

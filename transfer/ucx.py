@@ -85,6 +85,21 @@ class UcxSettings:
     """UCX_TLS value, e.g. "sm,self" or "tcp"; None lets UCX choose."""
     error_handling: bool = False
     """Peer-failure detection on endpoints (forces failure-capable transports)."""
+    progress_mode: str | None = None
+    """How ucxx drives UCX's progress (``PROGRESS_MODES``): "thread" (ucxx's default: a
+    thread that sleeps on the worker's events between requests), "thread-polling" (that
+    thread spins: a core busy for the process's life, completions seen without a wake-up);
+    None: ucxx's default, or ``UCXPY_PROGRESS_MODE`` from the environment."""
+
+    def __post_init__(self) -> None:
+        if self.progress_mode is not None and self.progress_mode not in PROGRESS_MODES:
+            modes = ", ".join(PROGRESS_MODES)
+            raise ValueError(f"UCX progress mode {self.progress_mode!r}: one of {modes}")
+
+
+PROGRESS_MODES = ("thread", "thread-polling")
+"""ucxx's progress modes that run off the event loop (its "blocking" and "polling" modes
+progress on the loop, which the transport's Python futures do not use)."""
 
 
 class UcxTransport(KvTransport):
@@ -98,7 +113,7 @@ class UcxTransport(KvTransport):
         options = {"TLS": settings.tls} if settings.tls else {}
         # Python futures: a pending receive then waits on an event instead of busy-polling the
         # event loop (which took a whole core from a decode worker while KV was awaited).
-        ucxx.init(options=options, enable_python_future=True)
+        ucxx.init(options=options, progress_mode=settings.progress_mode, enable_python_future=True)
         self._ucxx = ucxx
         self._futures_pool = _futures_pool_filler(ucxx)
         self._settings = settings

@@ -76,4 +76,6 @@ def transfer_settings_of(args: argparse.Namespace) -> TransferSettings:
 
 
 def ucx_settings_of(args: argparse.Namespace) -> UcxSettings:
-    return UcxSettings(tls=args.ucx_tls, error_handling=args.ucx_error_handling)
+    return UcxSettings(
+        tls=args.ucx_tls, error_handling=args.ucx_error_handling, progress_mode=args.ucx_progress
+    )

@@ -13,6 +13,7 @@ from splitserve.discovery.flags import MembershipSettings
 from splitserve.engine.cli_args import EngineSettings
 from splitserve.proto.cluster_access import ClusterAccessSettings
 from splitserve.proto.server import ReflectionSettings
+from splitserve.transfer.ucx import PROGRESS_MODES
 from splitserve.worker.stall_watch import DEFAULT_STALL_TIMEOUT_S
 from splitserve.worker.transfer_settings import DEFAULT_PULL_MIN_BLOCKS
 
@@ -48,6 +49,12 @@ class WorkerSettings:
     )
     ucx_tls: str | None = setting(None, "UCX transports (UCX_TLS), e.g. 'sm,self' or 'tcp'")
     ucx_error_handling: bool = setting(False, "UCX peer-failure detection (forces TCP on one host)")
+    ucx_progress: str | None = setting(
+        None,
+        "how ucxx drives UCX: 'thread' (its default: a thread sleeping between requests) or "
+        "'thread-polling' (that thread spins on a core of its own)",
+        choices=PROGRESS_MODES,
+    )
     transfer_timeout: float = setting(30.0, "seconds a KV transfer may take before it fails")
     pull_cached_kv_min_blocks: int = setting(
         DEFAULT_PULL_MIN_BLOCKS,
