@@ -338,6 +338,23 @@ def changes_logits(
     logits of a row with ``params`` after ``num_output_tokens`` generated tokens, a grammar's
     mask aside: a penalty, a logit bias, allowed tokens, bad words, or EOS / stop tokens still
     suppressed by ``min_tokens``."""
+    return _changes_logits_beyond_counts(params) or suppresses_stops(
+        params, num_output_tokens, eos_token_ids
+    )
+
+
+def suppresses_stops(
+    params: SamplingParams, num_output_tokens: int, eos_token_ids: frozenset[int]
+) -> bool:
+    """True when ``min_tokens`` still masks EOS and the stop tokens of a row with ``params``
+    after ``num_output_tokens`` generated tokens (as vLLM's, ``ignore_eos`` or not)."""
+    return num_output_tokens < params.min_tokens and bool(eos_token_ids or params.stop_token_ids)
+
+
+def _changes_logits_beyond_counts(params: SamplingParams) -> bool:
+    """A logit change that ``changes_logits`` names other than ``min_tokens``' mask: each
+    reads the row's output tokens (penalties, bad words) or host-built tables (bias, allowed
+    tokens)."""
     return (
         params.repetition_penalty != 1.0
         or params.frequency_penalty != 0.0
@@ -345,22 +362,21 @@ def changes_logits(
         or bool(params.logit_bias)
         or params.allowed_token_ids is not None
         or bool(params.bad_words)
-        or (num_output_tokens < params.min_tokens and bool(eos_token_ids or params.stop_token_ids))
     )
 
 
-def decided_on_device(
-    params: SamplingParams, num_output_tokens: int, eos_token_ids: frozenset[int]
-) -> bool:
+def decided_on_device(params: SamplingParams) -> bool:
     """True when the engine's sampler (``engine/sampler.py``, ``Sampler.choose`` with
-    ``wait_free``) chooses a row's token from its logits, ``params`` and the row's generator
-    alone, on the device, with nothing waited for or read on the host: greedy or sampled
-    (temperature, top-k, top-p, min-p, seeded or not), with no grammar, no logprobs, and
-    nothing that ``changes_logits`` after ``num_output_tokens`` generated tokens. Such a
-    row's token can be fed to the next step before the host sees it
-    (``ModelRunner.launch_decode``)."""
+    ``wait_free``) chooses a row's token from its logits, ``params``, the row's generator and
+    how many tokens it has generated alone, on the device, with nothing waited for or read on
+    the host: greedy or sampled (temperature, top-k, top-p, min-p, seeded or not), with
+    ``min_tokens`` (its mask of EOS and the stop tokens needs only the count, which the host
+    knows for a step launched ahead: ``SamplingRow.pending_outputs``), with no grammar, no
+    logprobs, and no other logit change (``changes_logits``: penalties and bad words read the
+    output tokens themselves). Such a row's token can be fed to the next step before the host
+    sees it (``ModelRunner.launch_decode``)."""
     return (
         params.grammar is None
         and params.logprobs is None
-        and not changes_logits(params, num_output_tokens, eos_token_ids)
+        and not _changes_logits_beyond_counts(params)
     )

@@ -196,11 +196,7 @@ class ModelRunner(KvBlockStore):
             and not chunk.adapter  # graphs hold no adapter's terms
             and chunk.is_decode
             and chunk.samples
-            and decided_on_device(
-                chunk.params,
-                len(chunk.output_token_ids) + (chunk.request_id in rows_of),  # + after's token
-                chunk.eos_token_ids,
-            )
+            and decided_on_device(chunk.params)
             for chunk in step.chunks
         ):
             return None
@@ -221,7 +217,12 @@ class ModelRunner(KvBlockStore):
                 feed = feed[to_device(rows, torch.int64, self.device)]
         logits = graphs.replay(batch, bucket, feed)
         self._drop_finished(step)
-        sampling_rows = [self._sampling_row(chunk) for chunk in chunks]  # seeded: its generator
+        sampling_rows = [  # seeded: its generator; a fed row: after's token not read yet
+            dataclasses.replace(self._sampling_row(chunk), pending_outputs=1)
+            if chunk.request_id in rows_of
+            else self._sampling_row(chunk)
+            for chunk in chunks
+        ]
         token_ids = self.sampler.choose(logits, sampling_rows, wait_free=True)  # [rows] int64
         ready = None
         if self.device.type == "cuda":  # pinned, so the copy waits for nothing on the host

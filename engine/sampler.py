@@ -104,6 +104,16 @@ class SamplingRow:
     """Suppressed (with ``params.stop_token_ids``) until ``params.min_tokens`` are generated."""
     allowed_token_mask: torch.Tensor | None = None
     """bool ``[vocab]``: the only tokens this row may take (its grammar's), or None."""
+    pending_outputs: int = 0
+    """Tokens the row generated before this step that ``output_token_ids`` does not hold yet:
+    1 for a row of a step launched ahead whose input is the step before's token, still on the
+    device (``ModelRunner.launch_decode``). Only counts read them (``min_tokens``): such a row
+    is ``decided_on_device``, so nothing here reads its outputs' values."""
+
+    @property
+    def num_outputs(self) -> int:
+        """Tokens the row generated before this step."""
+        return len(self.output_token_ids) + self.pending_outputs
 
 
 @dataclass(frozen=True)
@@ -220,7 +230,7 @@ def _sample_native(
 def _needs_penalties(row: SamplingRow) -> bool:
     """True when ``apply_penalties`` would change this row's logits."""
     return row.allowed_token_mask is not None or changes_logits(
-        row.params, len(row.output_token_ids), row.eos_token_ids
+        row.params, row.num_outputs, row.eos_token_ids
     )
 
 
@@ -282,19 +292,22 @@ def _ban_bad_words(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
 
 
 def _suppress_stop_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
-    """Set eos and stop token ids to -inf (in place) for rows still below ``min_tokens``."""
+    """Set eos and stop token ids to -inf (in place) for rows still below ``min_tokens``;
+    the indices reach the device without waiting for it (a step launched ahead runs this)."""
     vocab = logits.shape[1]
     row_index: list[int] = []
     token_index: list[int] = []
     for i, row in enumerate(rows):
-        if len(row.output_token_ids) >= row.params.min_tokens:
+        if row.num_outputs >= row.params.min_tokens:
             continue
         for token_id in row.eos_token_ids.union(row.params.stop_token_ids):
             if token_id < vocab:
                 row_index.append(i)
                 token_index.append(token_id)
     if row_index:
-        logits[row_index, token_index] = _NEG_INF
+        rows_at = to_device(row_index, torch.int64, logits.device)  # [n]
+        tokens_at = to_device(token_index, torch.int64, logits.device)  # [n]
+        logits[rows_at, tokens_at] = _NEG_INF
 
 
 def _apply_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:

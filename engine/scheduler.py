@@ -516,8 +516,7 @@ class Scheduler:
                 return None
             if self._ends_by_length(request, new_tokens=1):
                 continue  # ends by length with ``step``'s token
-            outputs_after = request.num_output_tokens + 1
-            if not decided_on_device(request.params, outputs_after, request.eos_token_ids):
+            if not decided_on_device(request.params):
                 return None
             fed.append(request)
         in_step = {chunk.request_id for chunk in step.chunks}
@@ -525,9 +524,7 @@ class Scheduler:
         for request in joined:
             if request.num_tokens - request.num_computed_tokens != 1:
                 return None
-            if not decided_on_device(
-                request.params, request.num_output_tokens, request.eos_token_ids
-            ):
+            if not decided_on_device(request.params):
                 return None
         for request in fed:
             if not self.kv_cache.allocate(request.request_id, request.num_computed_tokens + 2):

@@ -112,7 +112,8 @@ def test_no_step_goes_ahead_of_one_the_host_must_read() -> None:
 
 def test_a_launched_step_reads_nothing_on_the_host() -> None:
     """Every ``launch_decode`` (the buffers' fill, the feed of the step before's tokens, the
-    sampler's choice for greedy, seeded, top-k, top-p and min-p rows, the tokens' copy) runs
+    sampler's choice for greedy, seeded, top-k, top-p and min-p rows, ``min_tokens``' mask of
+    EOS and the stop tokens, the tokens' copy) runs
     under a guard that fails on any read of a tensor's value on the host (``tests/
     host_reads.py``), the replay aside: on a GPU such a read would wait for the step before
     and the step ahead would gain nothing (``test_gpu_engine.py`` checks the same with CUDA's
@@ -125,18 +126,54 @@ def test_a_launched_step_reads_nothing_on_the_host() -> None:
     launched = []  # each launch_decode's step, None where it launched nothing
     launch = guarded(guard, engine.runner.launch_decode)
     engine.runner.launch_decode = lambda *args: launched.append(launch(*args)) or launched[-1]
-    prompts = _prompts(5)
+    prompts = _prompts(6)
     sampled = [
-        SamplingParams(max_tokens=8, temperature=0.8, seed=5),
+        SamplingParams(max_tokens=8, temperature=0.8, seed=5, min_tokens=8, stop_token_ids=(9,)),
         SamplingParams(max_tokens=8, temperature=3.0, top_k=450, top_p=0.99, seed=7),
         SamplingParams(max_tokens=8, temperature=1.0, top_p=0.9, min_p=0.02),
         SamplingParams(max_tokens=8, temperature=0.7, top_k=20),
     ]
-    arrivals: Arrivals = {0: [("greedy", prompts[0], greedy(8))]}
+    arrivals: Arrivals = {
+        0: [("greedy", prompts[0], greedy(8)), ("min", prompts[5], greedy(8, min_tokens=8))]
+    }
     arrivals[0] += [(f"sampled-{i}", prompts[1 + i], p) for i, p in enumerate(sampled)]
     tokens, _ = drive(engine, arrivals, {})
     assert all(len(tokens[request_id]) == 8 for request_id, *_ in arrivals[0]), tokens
     assert sum(step is not None for step in launched) == 7 and engine.steps_launched_ahead == 6
+
+
+def test_min_tokens_rows_go_ahead_with_their_stops_masked_as_steps_read_one_by_one() -> None:
+    """``min_tokens`` masks EOS and the stop tokens by a count the host knows ahead (a fed
+    row has one more output than the host has read: ``SamplingRow.pending_outputs``), so its
+    rows go ahead. Each request's stop token is one the model picks on its own before
+    ``min_tokens``: the mask changes what it generates, and a mask off by one step would
+    change it again. Tokens equal to an engine reading each step first; steps went ahead."""
+    prompts = _prompts(3)
+    probe, _ = drive(_engine(False), {0: [("p", prompts[0], greedy(10))]}, {})
+    seeded = SamplingParams(max_tokens=10, temperature=0.8, seed=3)
+    sampled_probe, _ = drive(_engine(False), {0: [("s", prompts[1], seeded)]}, {})
+    arrivals: Arrivals = {
+        0: [
+            # its own 4th token (index 3) as a stop, masked until 4 outputs: first allowed
+            # exactly where the model first picked it, at the mask's boundary
+            ("edge", prompts[0], greedy(10, min_tokens=3, stop_token_ids=(probe["p"][3],))),
+            ("late", prompts[0], greedy(10, min_tokens=6, stop_token_ids=(probe["p"][2],))),
+            (
+                "seeded",
+                prompts[1],
+                dataclasses.replace(seeded, min_tokens=5, stop_token_ids=(sampled_probe["s"][1],)),
+            ),
+            ("plain", prompts[2], greedy(8)),
+        ]
+    }
+    expected = drive(_engine(False), arrivals, {})
+    engine = _engine(True)
+    assert drive(engine, arrivals, {}) == expected
+    tokens, finish = expected
+    assert tokens["edge"] == probe["p"][:4] and finish["edge"] == "stop"  # stopped at the edge
+    assert tokens["late"][:2] == probe["p"][:2] and tokens["late"][2] != probe["p"][2]
+    assert engine.steps_launched_ahead >= 4, engine.steps_launched_ahead
+    assert not engine.has_unfinished
 
 
 def test_an_engine_without_graphs_never_goes_ahead() -> None:
@@ -184,7 +221,7 @@ def test_schedule_ahead_plans_the_next_decode_one_position_on() -> None:
         ({"max_tokens": 2}, "ends by length with the launched step's token: no one is left"),
         ({"logprobs": 1}, "its logprobs are read on the host"),
         ({"repetition_penalty": 1.2}, "a penalty reads its outputs"),
-        ({"min_tokens": 5}, "EOS is still suppressed"),
+        ({"bad_words": ("x",)}, "bad words read its outputs"),
     ],
 )
 def test_schedule_ahead_refuses_what_the_device_cannot_decide(params, why) -> None:

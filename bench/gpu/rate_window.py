@@ -2,7 +2,7 @@
 
 ``run_window`` sends each request of a window at its arrival time (``workload.py``'s
 ``RequestSpec``: Poisson arrivals, all before the window's end) as a stream of exactly its
-output length (``max_tokens``, greedy, ``ignore_eos``, prompt as token ids),
+output length (``max_tokens = min_tokens``, greedy, ``ignore_eos``, prompt as token ids),
 stamping every streamed token on arrival (``serving_stats.RequestRecord``: a chunk of ``k``
 tokens is ``k`` arrivals at one time). At ``deadline_s`` after the start every stream still
 open is cancelled (the coordinator then aborts it on every worker).
@@ -28,12 +28,17 @@ UNFINISHED = "unfinished at the deadline (window + drain): cancelled"
 
 
 def sampling_of(request: RequestSpec) -> Sampling:
-    """Exactly ``output_len`` tokens, greedy: ``ignore_eos`` and no stop, so only
-    ``max_tokens`` ends it. No ``min_tokens``: it would say nothing more here, and it keeps
-    EOS masked until then (as vLLM's does, ``ignore_eos`` or not), a logit change the decode
-    worker's steps launched ahead do not make on the device (``decided_on_device``): with it
-    the served H200 run of 2026-11-30 launched no step ahead (``steps_ahead_fraction`` 0)."""
-    return Sampling(max_tokens=request.output_len, temperature=0.0, ignore_eos=True)
+    """Exactly ``output_len`` tokens, greedy, as load generators ask for them (aiperf's
+    ``min_tokens`` and ``ignore_eos``). ``min_tokens`` keeps EOS masked until then (as vLLM's
+    does, ``ignore_eos`` or not); the served H200 run of 2026-11-30 launched no decode step
+    ahead because of it (``steps_ahead_fraction`` 0), which steps launched ahead now mask on
+    the device (``decided_on_device``)."""
+    return Sampling(
+        max_tokens=request.output_len,
+        min_tokens=request.output_len,
+        temperature=0.0,
+        ignore_eos=True,
+    )
 
 
 async def send(client: AsyncClient, request: RequestSpec, record: RequestRecord) -> None:
