@@ -140,7 +140,8 @@ from splitserve.engine.host_memory import empty_huge_pages
 from splitserve.transfer.layer_channel import LayerSender
 from splitserve.transfer.plan import new_transfer_secret
 from splitserve.transfer.staging import ring_depth
-from splitserve.transfer.ucx import UcxSettings, UcxTransport
+from splitserve.transfer.ucx import UcxTransport
+from splitserve.transfer.ucx_settings import UcxSettings
 
 DEVICES = ("cpu", "cuda")
 TRANSFER_TIMEOUT_S = {"cpu": CONTROL_TIMEOUT_S, "cuda": 20.0}

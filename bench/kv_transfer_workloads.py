@@ -12,7 +12,7 @@ import torch
 
 from splitserve.transfer.destination import min_message_bytes
 from splitserve.transfer.plan import TransferPlan, group_layers
-from splitserve.transfer.ucx import UcxSettings
+from splitserve.transfer.ucx_settings import UcxSettings
 
 BLOCK_SIZE = 16
 FRAGMENTED_RUNS = 4

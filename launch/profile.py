@@ -35,7 +35,7 @@ from pathlib import Path
 
 from splitserve.engine.sim_profile import load_profile
 from splitserve.transfer.link_probe import measure_link
-from splitserve.transfer.ucx import UcxSettings
+from splitserve.transfer.ucx_settings import UcxSettings
 
 STARTUP_TIMEOUT_S = 600.0
 

@@ -10,7 +10,7 @@ import asyncio
 import pytest
 import torch
 
-from splitserve.transfer.ucx import PROGRESS_MODES, UcxSettings
+from splitserve.transfer.ucx_settings import PROGRESS_MODES, UcxSettings
 from splitserve.worker.process import add_worker_args, ucx_settings_of
 
 

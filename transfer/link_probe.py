@@ -27,7 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
-from splitserve.transfer.ucx import UcxSettings, UcxTransport
+from splitserve.transfer.ucx import UcxTransport
+from splitserve.transfer.ucx_settings import UcxSettings
 
 PING_TAG = 1 << 40
 PONG_TAG = 2 << 40

@@ -65,7 +65,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from types import ModuleType
 
 import torch
@@ -73,33 +72,9 @@ import torch
 from splitserve.common.errors import TransferError
 from splitserve.transfer.device_order import Fence
 from splitserve.transfer.transport import KvEndpoint, KvTransport
+from splitserve.transfer.ucx_settings import UcxSettings
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class UcxSettings:
-    """How this process's UCX context is configured."""
-
-    tls: str | None = None
-    """UCX_TLS value, e.g. "sm,self" or "tcp"; None lets UCX choose."""
-    error_handling: bool = False
-    """Peer-failure detection on endpoints (forces failure-capable transports)."""
-    progress_mode: str | None = None
-    """How ucxx drives UCX's progress (``PROGRESS_MODES``): "thread" (ucxx's default: a
-    thread that sleeps on the worker's events between requests), "thread-polling" (that
-    thread spins: a core busy for the process's life, completions seen without a wake-up);
-    None: ucxx's default, or ``UCXPY_PROGRESS_MODE`` from the environment."""
-
-    def __post_init__(self) -> None:
-        if self.progress_mode is not None and self.progress_mode not in PROGRESS_MODES:
-            modes = ", ".join(PROGRESS_MODES)
-            raise ValueError(f"UCX progress mode {self.progress_mode!r}: one of {modes}")
-
-
-PROGRESS_MODES = ("thread", "thread-polling")
-"""ucxx's progress modes that run off the event loop (its "blocking" and "polling" modes
-progress on the loop, which the transport's Python futures do not use)."""
 
 
 class UcxTransport(KvTransport):
@@ -107,9 +82,10 @@ class UcxTransport(KvTransport):
 
     name = "ucx"
 
-    def __init__(self, settings: UcxSettings = UcxSettings()) -> None:
+    def __init__(self, settings: UcxSettings | None = None) -> None:
         import ucxx
 
+        settings = UcxSettings() if settings is None else settings
         options = {"TLS": settings.tls} if settings.tls else {}
         # Python futures: a pending receive then waits on an event instead of busy-polling the
         # event loop (which took a whole core from a decode worker while KV was awaited).

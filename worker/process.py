@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from splitserve.common.cpu_affinity import check_cores, parse_cpu_list
 from splitserve.common.env_flags import comma_separated
 from splitserve.common.settings import add_settings_args
-from splitserve.transfer.ucx import UcxSettings
+from splitserve.transfer.ucx_settings import UcxSettings
 from splitserve.worker.settings import WorkerSettings
 from splitserve.worker.transfer_settings import TransferSettings
 

@@ -13,7 +13,7 @@ from splitserve.discovery.flags import MembershipSettings
 from splitserve.engine.cli_args import EngineSettings
 from splitserve.proto.cluster_access import ClusterAccessSettings
 from splitserve.proto.server import ReflectionSettings
-from splitserve.transfer.ucx import PROGRESS_MODES
+from splitserve.transfer.ucx_settings import PROGRESS_MODES
 from splitserve.worker.stall_watch import DEFAULT_STALL_TIMEOUT_S
 from splitserve.worker.transfer_settings import DEFAULT_PULL_MIN_BLOCKS
 
