@@ -133,7 +133,9 @@ gpu-site: gpu-wheels gpu-serve-wheels
 
 # Every Triton kernel of the GPU paths compiled for sm_90 (H100/H200) on this CPU
 # (bench/gpu/kernel_compile.py), with this venv's Triton and with the GPU image's
-# (../shared/gpu.md), installed apart in .cache/; run it before a GPU call.
+# (../shared/gpu.md), installed apart in .cache/, then bench/gpu/run.sh's dry run in
+# interpreters lacking what the GPU image lacks (tests/test_gpu_script.py, also in the default
+# suite: a rotted script costs a device call); run it before a GPU call.
 GPU_IMAGE_TRITON := 3.6.0
 GPU_TRITON_SITE := .cache/triton-$(GPU_IMAGE_TRITON)
 $(GPU_TRITON_SITE)/triton/__init__.py:
@@ -143,10 +145,12 @@ gpu-preflight: $(STAMP) $(GPU_TRITON_SITE)/triton/__init__.py
 	$(BIN)/python bench/gpu/kernel_compile.py --out .cache/kernel-compile.json
 	$(BIN)/python bench/gpu/kernel_compile.py --triton-site $(GPU_TRITON_SITE) \
 		--out .cache/kernel-compile-gpu-image.json
+	$(BIN)/pytest -q tests/test_gpu_script.py -k dry_run
 
-# bench/gpu/run.sh with everything that needs CUDA skipped (the slow suite runs it too).
+# bench/gpu/run.sh with everything that needs CUDA skipped, lacking what the GPU image lacks
+# (the slow suite and gpu-preflight run it too).
 gpu-dry: $(STAMP)
-	PYTHON=$(BIN)/python bench/gpu/run.sh .cache/gpu-dry --dry
+	PYTHONPATH=tests/gpu_image PYTHON=$(BIN)/python bench/gpu/run.sh .cache/gpu-dry --dry
 
 # deploy/Dockerfile's two stages without Docker: the builder's wheel (every kernel level
 # compiled in), then a fresh venv installing it as the runtime stage does (no compile step),
