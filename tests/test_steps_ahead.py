@@ -149,9 +149,10 @@ def test_min_tokens_rows_go_ahead_with_their_stops_masked_as_steps_read_one_by_o
     ``min_tokens``: the mask changes what it generates, and a mask off by one step would
     change it again. Tokens equal to an engine reading each step first; steps went ahead."""
     prompts = _prompts(3)
-    probe, _ = drive(_engine(False), {0: [("p", prompts[0], greedy(10))]}, {})
     seeded = SamplingParams(max_tokens=10, temperature=0.8, seed=3)
-    sampled_probe, _ = drive(_engine(False), {0: [("s", prompts[1], seeded)]}, {})
+    probe, _ = drive(
+        _engine(False), {0: [("p", prompts[0], greedy(10)), ("s", prompts[1], seeded)]}, {}
+    )
     arrivals: Arrivals = {
         0: [
             # its own 4th token (index 3) as a stop, masked until 4 outputs: first allowed
@@ -161,7 +162,7 @@ def test_min_tokens_rows_go_ahead_with_their_stops_masked_as_steps_read_one_by_o
             (
                 "seeded",
                 prompts[1],
-                dataclasses.replace(seeded, min_tokens=5, stop_token_ids=(sampled_probe["s"][1],)),
+                dataclasses.replace(seeded, min_tokens=5, stop_token_ids=(probe["s"][1],)),
             ),
             ("plain", prompts[2], greedy(8)),
         ]
