@@ -15,7 +15,9 @@ Contract:
   of a Hermes-style ``<tool_call>`` block, ``client/hermes_tools.py``), its arguments also
   under ``parameters`` (as Llama-style models write them). With ``sequence`` (Llama 3's
   JSON tool calls, ``llama3_json``): after an optional ``<|python_tag|>``, one or more call
-  objects separated by ``;``, arguments under ``parameters`` or ``arguments``.
+  objects separated by ``;``, arguments under ``parameters`` or ``arguments``. With ``array``
+  (Mistral's tool calls, ``mistral``): after an optional ``[TOOL_CALLS]``, a JSON array of at
+  least one call object, arguments under ``arguments``.
 - ``failed`` turns true as soon as the text read cannot begin an answer in that form, and
   stays true: a failed text never becomes a call, whatever follows.
 - ``finish`` (the end of the answer) returns the calls when the whole text has the form;
@@ -39,6 +41,8 @@ _END = ""
 """What the parser receives once the answer has ended."""
 PYTHON_TAG = "<|python_tag|>"
 """Llama 3's tag before a call (kept in the text only where special tokens are)."""
+TOOL_CALLS_TAG = "[TOOL_CALLS]"
+"""Mistral's token before its calls (kept in the text only where special tokens are)."""
 
 _Parser = Generator[None, str, str]
 """A step of the parser: receives characters (``yield``), returns the first one it did not
@@ -71,10 +75,17 @@ class _Call:
 class ToolCallScanner:
     """One answer's scan (module docstring); ``names``: the tools it may call."""
 
-    def __init__(self, names: frozenset[str], single: bool = False, sequence: bool = False) -> None:
+    def __init__(
+        self,
+        names: frozenset[str],
+        single: bool = False,
+        sequence: bool = False,
+        array: bool = False,
+    ) -> None:
         self._names = names
         self._single = single
         self._sequence = sequence
+        self._array = array
         self._calls: list[_Call] = []
         self.failed = False
         self._complete = False
@@ -144,6 +155,18 @@ class ToolCallScanner:
             self._complete = True
             yield
             return
+        if self._array:
+            _expect(char, "[")  # the array's, or the tag's: the next character tells
+            char = yield
+            if char == TOOL_CALLS_TAG[1]:
+                for wanted in TOOL_CALLS_TAG[1:]:
+                    _expect(char, wanted)
+                    char = yield
+                char = yield from _skip_whitespace(char)
+                _expect(char, "[")
+                char = yield
+            yield from self._calls_until(char, "]")
+            return
         _expect(char, "{")
         char = yield from _skip_whitespace((yield))
         if (yield from _string(char)) != "tool_calls":
@@ -152,16 +175,20 @@ class ToolCallScanner:
         _expect(char, ":")
         char = yield from _skip_whitespace((yield))
         _expect(char, "[")
-        char = yield from _skip_whitespace((yield))
+        yield from self._calls_until((yield), "]", "}")
+
+    def _calls_until(self, char: str, *closing: str) -> Generator[None, str, None]:
+        """Call objects separated by ``,`` from ``char`` (after an array's ``[``), then the
+        ``closing`` characters, then the end of the answer; whitespace between any two."""
+        char = yield from _skip_whitespace(char)
         while True:
             char = yield from _skip_whitespace((yield from self._call(char)))
             if char != ",":
                 break
             char = yield from _skip_whitespace((yield))
-        _expect(char, "]")
-        char = yield from _skip_whitespace((yield))
-        _expect(char, "}")
-        char = yield from _skip_whitespace((yield))
+        for wanted in closing:
+            _expect(char, wanted)
+            char = yield from _skip_whitespace((yield))
         _expect(char, _END)
         self._complete = True
         yield

@@ -30,6 +30,11 @@ With ``llama3_json`` (Llama 3.1, 3.2, 3.3), the tools are given to the chat temp
 ``tools`` variable; an answer that is call objects alone (``{"name": ..., "parameters":
 {...}}``, several joined by ``;``) is its calls, anything else content; a forced choice is a
 JSON schema of one call, or of calls joined by ``; ``.
+With ``mistral`` (Mistral's instruct models, v3 tokenizers and later: Mistral 7B v0.3, Nemo,
+Small, Large), the tools go to the chat template as with ``llama3_json``; an answer that is a
+JSON array of call objects (``[{"name": ..., "arguments": {...}}, ...]``, after an optional
+``[TOOL_CALLS]``) is its calls, anything else content; a forced choice is a JSON schema of
+such an array (of one call with a named choice or ``parallel_tool_calls: false``).
 With ``hermes``, the tools are given to the chat template as its ``tools`` variable (OpenAI's
 function tools as the request sent them; ``ToolPlan.template_kwargs``), the answer may hold text
 before its calls (its content), a forced choice is a structural tag of the blocks, and the
@@ -55,7 +60,7 @@ from splitserve.client.hermes_tools import (
     tagged_grammar,
 )
 from splitserve.client.reasoning import after_reasoning, split_reasoning
-from splitserve.client.tool_call_scanner import PYTHON_TAG, ToolCallScanner
+from splitserve.client.tool_call_scanner import PYTHON_TAG, TOOL_CALLS_TAG, ToolCallScanner
 from splitserve.client.types import ChatMessage, ChatTemplate, Generation, Sampling, ToolCall
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.grammar import GrammarSpec
@@ -69,10 +74,12 @@ _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 JSON_FORMAT = "json"
 HERMES_FORMAT = "hermes"
 LLAMA3_JSON_FORMAT = "llama3_json"
-TOOL_FORMATS = (JSON_FORMAT, HERMES_FORMAT, LLAMA3_JSON_FORMAT)
-"""The tool-call formats: splitserve's JSON (in a system message), Hermes-style blocks, or
+MISTRAL_FORMAT = "mistral"
+TOOL_FORMATS = (JSON_FORMAT, HERMES_FORMAT, LLAMA3_JSON_FORMAT, MISTRAL_FORMAT)
+"""The tool-call formats: splitserve's JSON (in a system message), Hermes-style blocks,
 Llama 3's JSON calls (the answer is ``{"name": ..., "parameters": {...}}``, several joined by
-``;``, after an optional ``<|python_tag|>``)."""
+``;``, after an optional ``<|python_tag|>``), or Mistral's (a JSON array of call objects after
+an optional ``[TOOL_CALLS]``)."""
 
 
 @dataclass(frozen=True)
@@ -147,6 +154,8 @@ class ToolPlan:
         calls: dict[str, Any] = {"type": "array", "items": {"anyOf": call_schemas}, "minItems": 1}
         if one:
             calls["maxItems"] = 1
+        if self.format == MISTRAL_FORMAT:
+            return GrammarSpec.json_schema(calls)
         return GrammarSpec.json_schema({
             "type": "object",
             "properties": {"tool_calls": calls},
@@ -159,9 +168,13 @@ class ToolPlan:
         return frozenset(f.name for f in self.functions)
 
     def scanner(self) -> ToolCallScanner:
-        """A scanner of one ``json`` or ``llama3_json`` answer, calls streamed as they are
-        written (``client/tool_call_scanner.py``)."""
-        return ToolCallScanner(self.names, sequence=self.format == LLAMA3_JSON_FORMAT)
+        """A scanner of one ``json``, ``llama3_json`` or ``mistral`` answer, calls streamed as
+        they are written (``client/tool_call_scanner.py``)."""
+        return ToolCallScanner(
+            self.names,
+            sequence=self.format == LLAMA3_JSON_FORMAT,
+            array=self.format == MISTRAL_FORMAT,
+        )
 
     def stream(self) -> TaggedCallStream:
         """A reader of one ``hermes`` answer as it is written (``client/hermes_tools.py``)."""
@@ -176,8 +189,8 @@ class ToolPlan:
         return None if not calls else TaggedAnswer(None, calls)
 
     def parse(self, text: str) -> list[ToolCall] | None:
-        """The calls a whole ``json`` answer makes (each call's arguments as the model wrote
-        them), or None when it is not valid JSON in the format."""
+        """The calls a whole ``json``, ``llama3_json`` or ``mistral`` answer makes (each call's
+        arguments as the model wrote them), or None when it is not valid JSON in the format."""
         scanner = self.scanner()
         scanner.feed(text)
         calls = scanner.finish()
@@ -186,6 +199,8 @@ class ToolPlan:
         try:
             if self.format == LLAMA3_JSON_FORMAT:
                 _each_object(text)
+            elif self.format == MISTRAL_FORMAT:
+                json.loads(text.strip().removeprefix(TOOL_CALLS_TAG))
             else:
                 json.loads(text)
         except (ValueError, RecursionError):  # not JSON, or nested deeper than it parses

@@ -127,8 +127,10 @@ class CoordinatorSettings:
         "described in a system message; for models without a tool format of their own) or "
         "hermes (Qwen2.5, Qwen3, Hermes: the chat template shows the tools, the model answers "
         "<tool_call> blocks; the template must read tools) or llama3_json (Llama 3.1-3.3: "
-        "the template shows the tools, the model answers call objects)",
-        choices=("json", "hermes", "llama3_json"),
+        "the template shows the tools, the model answers call objects) or mistral (Mistral "
+        "7B v0.3, Nemo, Small, Large: the template shows the tools, the model answers "
+        "[TOOL_CALLS] and an array of calls)",
+        choices=("json", "hermes", "llama3_json", "mistral"),
     )
     reasoning_parser: str = setting(
         "",

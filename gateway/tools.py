@@ -15,15 +15,25 @@ Contract of ``ToolCallDeltas`` (one answer's):
 
 from __future__ import annotations
 
+import secrets
+import string
 import uuid
 from typing import Any
 
 from splitserve.client.tool_call_scanner import CallPiece, ToolCallScanner
-from splitserve.client.tools import ToolPlan
+from splitserve.client.tools import JSON_FORMAT, MISTRAL_FORMAT, ToolPlan
 from splitserve.client.types import ToolCall
 
+_ALPHANUMERIC = string.ascii_letters + string.digits
+MISTRAL_CALL_ID_CHARS = 9
+"""Mistral's chat templates refuse a history whose call ids are not 9 letters or digits."""
 
-def new_call_id() -> str:
+
+def new_call_id(tool_format: str = JSON_FORMAT) -> str:
+    """A new call's id: ``call_`` and 24 hex digits, or for ``mistral`` 9 random letters and
+    digits (what its chat templates take back in the next turn's history)."""
+    if tool_format == MISTRAL_FORMAT:
+        return "".join(secrets.choice(_ALPHANUMERIC) for _ in range(MISTRAL_CALL_ID_CHARS))
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
@@ -32,6 +42,7 @@ class ToolCallDeltas:
 
     def __init__(self, plan: ToolPlan) -> None:
         self._scanner: ToolCallScanner = plan.scanner()
+        self._format = plan.format
         self._ids: list[str] = []
         self._sent: list[str] = []
         """Each announced call's arguments text as streamed so far."""
@@ -70,7 +81,7 @@ class ToolCallDeltas:
     def _id(self, index: int) -> str:
         """Call ``index``'s id, made when first asked for."""
         while len(self._ids) <= index:
-            self._ids.append(new_call_id())
+            self._ids.append(new_call_id(self._format))
         return self._ids[index]
 
     def whole(self, calls: list[ToolCall]) -> list[dict[str, Any]]:

@@ -10,7 +10,11 @@ from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletionChunk
 from openai.types.chat.parsed_chat_completion import ParsedChoice
 
+from splitserve.client import Chunk, Finish, Usage
+from splitserve.client.tools import ToolPlan
 from splitserve.gateway.responses import ChatBuilder
+
+USAGE = Usage(3, 1, 0)
 
 _CALL_FIELDS = {"id": True, "type": True, "function": {"name", "arguments"}}
 
@@ -32,3 +36,23 @@ def calls_stream_as_whole(
     reassembled = [call.model_dump(include=_CALL_FIELDS) for call in calls]
     assert reassembled == whole["message"]["tool_calls"]
     return final, whole
+
+
+def streamed_whole_calls(plan: ToolPlan, answer: str, size: int) -> list[dict[str, Any]]:
+    """``answer`` streamed in pieces of ``size`` characters through a chat builder of
+    ``plan``: its calls as the whole response holds them, once checked to be what the SDK
+    reassembles from the stream (``calls_stream_as_whole``)."""
+    builder = ChatBuilder("c", "m", False, tools=plan)
+    chunks = builder.opening_chunks()
+    for start in range(0, len(answer), size):
+        chunks += builder.add(Chunk("r", answer[start : start + size], (1,), (), USAGE))
+    chunks += builder.finish(Finish("r", "stop", None, USAGE))
+    _, whole = calls_stream_as_whole(builder, chunks)
+    return whole["message"]["tool_calls"]
+
+
+def streamed_content(plan: ToolPlan, pieces: list[str]) -> str:
+    """The content a chat builder of ``plan`` streams for an answer of ``pieces``."""
+    builder = ChatBuilder("c", "m", False, tools=plan)
+    said = [builder.add(Chunk("r", piece, (1,), (), USAGE)) for piece in pieces]
+    return "".join(c["choices"][0]["delta"].get("content") or "" for e in said for c in e)

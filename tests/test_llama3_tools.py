@@ -6,16 +6,12 @@ takes exactly such calls."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from splitserve.client import ChatMessage, Chunk, Finish, Usage
-from splitserve.client.tools import LLAMA3_JSON_FORMAT, ToolPlan, tool_plan, tool_request
+from splitserve.client.tools import LLAMA3_JSON_FORMAT, ToolPlan, tool_plan
 from splitserve.common.grammar import GrammarCompiler
-from splitserve.gateway.responses import ChatBuilder
-from tests.conftest import constraint_takes
-from tests.sdk_stream import calls_stream_as_whole
+from tests.sdk_stream import streamed_content, streamed_whole_calls
+from tests.tool_formats import assert_parses_to, assert_tools_reach_the_template, forced_takes
 
 ADD = {
     "type": "function",
@@ -30,7 +26,6 @@ ADD = {
     },
 }
 NOW = {"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}}
-USAGE = Usage(3, 1, 0)
 TWO_CALLS = '{"name": "add", "parameters": {"a": 1, "b": 2}}; {"name": "now", "arguments": {}}'
 
 
@@ -56,42 +51,21 @@ def _plan(choice: object = None, parallel: bool | None = None) -> ToolPlan:
 def test_answers_are_calls_only_when_they_are_call_objects(
     text: str, calls: list[tuple[str, dict]] | None
 ) -> None:
-    parsed = _plan().parse(text)
-    if calls is None:
-        assert parsed is None
-    else:
-        assert [(c.name, json.loads(c.arguments)) for c in parsed or []] == calls
+    assert_parses_to(_plan(), text, calls)
 
 
 def test_the_builder_streams_the_calls_the_whole_response_holds() -> None:
     for size in (1, 6, 200):
-        builder = ChatBuilder("c", "m", False, tools=_plan())
-        chunks = builder.opening_chunks()
-        for start in range(0, len(TWO_CALLS), size):
-            piece = TWO_CALLS[start : start + size]
-            chunks += builder.add(Chunk("r", piece, (1,), (), USAGE))
-        chunks += builder.finish(Finish("r", "stop", None, USAGE))
-        _, whole = calls_stream_as_whole(builder, chunks)
-        calls = whole["message"]["tool_calls"]
+        calls = streamed_whole_calls(_plan(), TWO_CALLS, size)
         assert [c["function"]["arguments"] for c in calls] == ['{"a": 1, "b": 2}', "{}"]
-    plain = ChatBuilder("c", "m", False, tools=_plan())
-    said = [plain.add(Chunk("r", piece, (1,), (), USAGE)) for piece in ("It is ", "3.")]
-    assert "".join(c["choices"][0]["delta"].get("content") or "" for e in said for c in e) == (
-        "It is 3."
-    )
+    assert streamed_content(_plan(), ["It is ", "3."]) == "It is 3."
 
 
 def test_the_tools_go_to_the_chat_template(compiler: GrammarCompiler) -> None:
-    asked = tool_request(
-        [ChatMessage("user", "1 + 2?")], None, [ADD, NOW], "required", None, LLAMA3_JSON_FORMAT
-    )
-    assert [m.role for m in asked.messages or []] == ["user"]
-    assert asked.chat_template is not None and asked.chat_template.kwargs == {"tools": [ADD, NOW]}
+    assert_tools_reach_the_template([ADD, NOW], LLAMA3_JSON_FORMAT)
 
     def takes(plan: ToolPlan, text: str) -> bool:
-        grammar = plan.grammar()
-        assert grammar is not None
-        return constraint_takes(compiler, grammar, text)
+        return forced_takes(compiler, plan, text)
 
     add = '{"name": "add", "parameters": {"a": 1, "b": 2}}'
     now = '{"name": "now", "parameters": {}}'
