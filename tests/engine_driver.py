@@ -88,8 +88,9 @@ def drive(
 def mixed_arrivals(
     prompts: list[list[int]], stop_token: int
 ) -> tuple[Arrivals, dict[int, list[str]]]:
-    """Eight requests over 14 steps: lengths ending at different steps, "c" ending on
-    ``stop_token`` (a token it makes mid-way: only the device's choice says where), "g"
+    """Nine requests over 14 steps: lengths ending at different steps, "c" ending on
+    ``stop_token`` (a token it makes mid-way: only the device's choice says where), "m" on
+    the same prompt with that stop masked by ``min_tokens`` past where "c" makes it, "g"
     sampled at temperature 0.8 with a seed (its draws from its own generator, in the same
     order either way), "h" sampled with a seed under a top-k and a top-p cut-off (its nucleus
     found on the device when launched ahead), "d" and "f" arriving while steps run ahead, "e"
@@ -102,6 +103,7 @@ def mixed_arrivals(
             ("a", prompts[0], greedy(14)),
             ("b", prompts[1], greedy(5)),
             ("c", prompts[2], greedy(10, stop_token_ids=(stop_token,))),
+            ("m", prompts[2], greedy(10, min_tokens=6, stop_token_ids=(stop_token,))),
             ("g", prompts[1], sampled),
             ("h", prompts[3], nucleus),
         ],

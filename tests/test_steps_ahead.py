@@ -48,6 +48,7 @@ def test_steps_ahead_give_every_request_the_tokens_of_steps_read_one_by_one() ->
     assert got == expected
     tokens, finish = got
     assert finish["c"] == "stop" and tokens["c"][-1] == stop_token
+    assert tokens["m"][:4] == tokens["c"][:4] and tokens["m"][4] != stop_token  # masked there
     assert "a" not in finish and 0 < len(tokens["a"]) < 14  # aborted mid-way, no update
     assert finish["b"] == "length" and len(tokens["b"]) == 5
     assert finish["g"] == "length" and len(tokens["g"]) == 12  # sampled, seeded
