@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
+from typing import Protocol
 
 from splitserve.client.types import ToolCall
 
@@ -61,6 +62,17 @@ class CallPiece:
     index: int
     name: str | None
     arguments: str
+
+
+class CallScanner(Protocol):
+    """What reads an answer's calls as it is written: this module's ``ToolCallScanner`` and
+    ``client/pythonic_tools.py:PythonicScanner`` (the contract above)."""
+
+    failed: bool
+
+    def feed(self, text: str) -> list[CallPiece]: ...
+
+    def finish(self) -> list[ToolCall] | None: ...
 
 
 @dataclass

@@ -35,6 +35,11 @@ Small, Large), the tools go to the chat template as with ``llama3_json``; an ans
 JSON array of call objects (``[{"name": ..., "arguments": {...}}, ...]``, after an optional
 ``[TOOL_CALLS]``) is its calls, anything else content; a forced choice is a JSON schema of
 such an array (of one call with a named choice or ``parallel_tool_calls: false``).
+With ``pythonic`` (Llama 3.2, Llama 4), the tools go to the chat template as with
+``llama3_json``; an answer that is a Python list of calls with literal keyword arguments
+(``[add(a=1, b=2), now()]``, between optional ``<|python_start|>`` and ``<|python_end|>``) is
+its calls, each call's arguments the JSON object of its keywords, anything else content; a
+forced choice is a Lark grammar of such a list (``client/pythonic_tools.py``).
 With ``hermes``, the tools are given to the chat template as its ``tools`` variable (OpenAI's
 function tools as the request sent them; ``ToolPlan.template_kwargs``), the answer may hold text
 before its calls (its content), a forced choice is a structural tag of the blocks, and the
@@ -59,8 +64,14 @@ from splitserve.client.hermes_tools import (
     parse_tagged,
     tagged_grammar,
 )
+from splitserve.client.pythonic_tools import PythonicScanner, pythonic_grammar
 from splitserve.client.reasoning import after_reasoning, split_reasoning
-from splitserve.client.tool_call_scanner import PYTHON_TAG, TOOL_CALLS_TAG, ToolCallScanner
+from splitserve.client.tool_call_scanner import (
+    PYTHON_TAG,
+    TOOL_CALLS_TAG,
+    CallScanner,
+    ToolCallScanner,
+)
 from splitserve.client.types import ChatMessage, ChatTemplate, Generation, Sampling, ToolCall
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.grammar import GrammarSpec
@@ -75,11 +86,13 @@ JSON_FORMAT = "json"
 HERMES_FORMAT = "hermes"
 LLAMA3_JSON_FORMAT = "llama3_json"
 MISTRAL_FORMAT = "mistral"
-TOOL_FORMATS = (JSON_FORMAT, HERMES_FORMAT, LLAMA3_JSON_FORMAT, MISTRAL_FORMAT)
+PYTHONIC_FORMAT = "pythonic"
+TOOL_FORMATS = (JSON_FORMAT, HERMES_FORMAT, LLAMA3_JSON_FORMAT, MISTRAL_FORMAT, PYTHONIC_FORMAT)
 """The tool-call formats: splitserve's JSON (in a system message), Hermes-style blocks,
 Llama 3's JSON calls (the answer is ``{"name": ..., "parameters": {...}}``, several joined by
 ``;``, after an optional ``<|python_tag|>``), or Mistral's (a JSON array of call objects after
-an optional ``[TOOL_CALLS]``)."""
+an optional ``[TOOL_CALLS]``), or a Python list of calls with keyword arguments
+(``client/pythonic_tools.py``)."""
 
 
 @dataclass(frozen=True)
@@ -151,6 +164,8 @@ class ToolPlan:
             return tagged_grammar(call_schemas, one)
         if self.format == LLAMA3_JSON_FORMAT:
             return _llama3_grammar(allowed, one)
+        if self.format == PYTHONIC_FORMAT:
+            return pythonic_grammar([(f.name, f.parameters) for f in allowed], one)
         calls: dict[str, Any] = {"type": "array", "items": {"anyOf": call_schemas}, "minItems": 1}
         if one:
             calls["maxItems"] = 1
@@ -167,9 +182,12 @@ class ToolPlan:
     def names(self) -> frozenset[str]:
         return frozenset(f.name for f in self.functions)
 
-    def scanner(self) -> ToolCallScanner:
-        """A scanner of one ``json``, ``llama3_json`` or ``mistral`` answer, calls streamed as
-        they are written (``client/tool_call_scanner.py``)."""
+    def scanner(self) -> CallScanner:
+        """A scanner of one ``json``, ``llama3_json``, ``mistral`` or ``pythonic`` answer, calls
+        streamed as they are written (``client/tool_call_scanner.py``,
+        ``client/pythonic_tools.py``)."""
+        if self.format == PYTHONIC_FORMAT:
+            return PythonicScanner(self.names)
         return ToolCallScanner(
             self.names,
             sequence=self.format == LLAMA3_JSON_FORMAT,
@@ -197,7 +215,9 @@ class ToolPlan:
         if calls is None:
             return None
         try:
-            if self.format == LLAMA3_JSON_FORMAT:
+            if self.format == PYTHONIC_FORMAT:
+                pass  # each call was parsed whole (``client/pythonic_tools.py``)
+            elif self.format == LLAMA3_JSON_FORMAT:
                 _each_object(text)
             elif self.format == MISTRAL_FORMAT:
                 json.loads(text.strip().removeprefix(TOOL_CALLS_TAG))

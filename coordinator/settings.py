@@ -129,8 +129,9 @@ class CoordinatorSettings:
         "<tool_call> blocks; the template must read tools) or llama3_json (Llama 3.1-3.3: "
         "the template shows the tools, the model answers call objects) or mistral (Mistral "
         "7B v0.3, Nemo, Small, Large: the template shows the tools, the model answers "
-        "[TOOL_CALLS] and an array of calls)",
-        choices=("json", "hermes", "llama3_json", "mistral"),
+        "[TOOL_CALLS] and an array of calls) or pythonic (Llama 3.2, Llama 4: the template "
+        "shows the tools, the model answers a Python list of calls)",
+        choices=("json", "hermes", "llama3_json", "mistral", "pythonic"),
     )
     reasoning_parser: str = setting(
         "",

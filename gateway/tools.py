@@ -20,7 +20,7 @@ import string
 import uuid
 from typing import Any
 
-from splitserve.client.tool_call_scanner import CallPiece, ToolCallScanner
+from splitserve.client.tool_call_scanner import CallPiece, CallScanner
 from splitserve.client.tools import JSON_FORMAT, MISTRAL_FORMAT, ToolPlan
 from splitserve.client.types import ToolCall
 
@@ -41,7 +41,7 @@ class ToolCallDeltas:
     """One answer's tool calls, streamed as they are written (module docstring)."""
 
     def __init__(self, plan: ToolPlan) -> None:
-        self._scanner: ToolCallScanner = plan.scanner()
+        self._scanner: CallScanner = plan.scanner()
         self._format = plan.format
         self._ids: list[str] = []
         self._sent: list[str] = []

@@ -10,13 +10,18 @@ from __future__ import annotations
 import re
 
 import pytest
-from openai.lib.streaming.chat import ChatCompletionStreamState
 
 from splitserve.client.tools import MISTRAL_FORMAT, ToolPlan, tool_plan
 from splitserve.common.grammar import GrammarCompiler
 from tests.sdk_stream import streamed_content, streamed_whole_calls
 from tests.test_llama3_tools import ADD, NOW
-from tests.tool_formats import assert_parses_to, assert_tools_reach_the_template, forced_takes
+from tests.tool_formats import (
+    assert_parses_to,
+    assert_tools_reach_the_template,
+    forced_takes,
+    serving_tool_format,
+    streamed_choice,
+)
 
 TWO_CALLS = (
     '[TOOL_CALLS] [{"name": "add", "arguments": {"a": 1, "b": 2}}, '
@@ -123,17 +128,7 @@ def test_a_cluster_serving_the_mistral_format(tmp_path) -> None:  # type: ignore
     refuses other ids: a 400 for one)."""
     import openai
 
-    from tests.cluster import cluster
-
-    template = tmp_path / "mistral.jinja"
-    template.write_text(MISTRAL_LIKE_TEMPLATE)
-    env = {"SPLITSERVE_TOOL_CALL_PARSER": "mistral", "SPLITSERVE_CHAT_TEMPLATE": str(template)}
-    lines: dict[str, str] = {}
-    flags = ("--num-blocks=256", "--threads=1", "--max-model-len=2048")
-    with cluster(0, 1, *flags, ready_lines=lines, env=env) as _:
-        sdk = openai.OpenAI(
-            base_url=f"{lines['splitserve gateway ready']}/v1", api_key="x", max_retries=0
-        )
+    with serving_tool_format(tmp_path, "mistral", MISTRAL_LIKE_TEMPLATE) as sdk:
         model = sdk.models.list().data[0].id
         ask = [{"role": "user", "content": "What is 2 + 3? Use the tool."}]
         asked = {"model": model, "tools": [ADD, NOW], "max_tokens": 60, "temperature": 0}
@@ -144,13 +139,9 @@ def test_a_cluster_serving_the_mistral_format(tmp_path) -> None:  # type: ignore
         assert choice.finish_reason == "tool_calls", choice
         (call,) = choice.message.tool_calls or []
         assert call.function.name in ("add", "now") and CALL_ID.fullmatch(call.id), call
-        stream = sdk.chat.completions.create(
-            messages=ask, tool_choice="required", parallel_tool_calls=False, stream=True, **asked
+        streamed = streamed_choice(
+            sdk, messages=ask, tool_choice="required", parallel_tool_calls=False, **asked
         )
-        state = ChatCompletionStreamState()
-        for chunk in stream:
-            state.handle_chunk(chunk)
-        streamed = state.get_final_completion().choices[0]
         assert [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls] == [
             (call.function.name, call.function.arguments)
         ]
