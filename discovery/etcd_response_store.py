@@ -5,7 +5,8 @@ Expiry is etcd's: each value lives under a lease granted for ``ttl_s`` plus
 ``LEASE_REUSE_S``, and a lease takes the puts of its first ``LEASE_REUSE_S`` seconds (one
 lease a minute however many responses, not one each), so a value lives between ``ttl_s`` and
 ``ttl_s + LEASE_REUSE_S`` seconds, never refreshed. A value over etcd's request limit
-(``--max-request-bytes``, 1.5 MiB by default) or an unreachable etcd is ``StoreFailed``.
+(``--max-request-bytes``, 1.5 MiB by default) or an unreachable etcd is ``StoreFailed``: the
+gateway keeps its values through ``common/chunked_store.py``, in parts of ``PART_BYTES``.
 Contract: ``common/response_store.py``.
 """
 
@@ -25,6 +26,9 @@ T = TypeVar("T")
 
 LEASE_REUSE_S = 60.0
 """How long one lease takes new values."""
+PART_BYTES = 1 << 20
+"""The most one key takes from ``common/chunked_store.py``, which keeps larger values in
+parts: under etcd's default request limit (1.5 MiB) with room for the key and the request."""
 
 
 class EtcdResponseStore:

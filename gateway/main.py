@@ -31,6 +31,7 @@ from fastapi import FastAPI
 
 from splitserve.client.stream_mux import OpenStreams
 from splitserve.common.api_keys import ApiKeys, api_keys_or_exit
+from splitserve.common.chunked_store import ChunkedStore
 from splitserve.common.cpu_affinity import pin_or_exit
 from splitserve.common.env_flags import built_or_exit, comma_separated, env_name
 from splitserve.common.gc_tuning import tune_gc_for_serving
@@ -43,6 +44,7 @@ from splitserve.common.response_store import (
 from splitserve.common.settings import add_settings_args, settings_or_exit
 from splitserve.common.tracing import configure_tracing, shutdown_tracing
 from splitserve.discovery.etcd_access import etcd_access
+from splitserve.discovery.etcd_response_store import PART_BYTES as ETCD_PART_BYTES
 from splitserve.discovery.etcd_response_store import EtcdResponseStore
 from splitserve.gateway import GATEWAY_READY
 from splitserve.gateway.app import GatewayConfig, create_app
@@ -187,7 +189,8 @@ def response_store_of(
         access = built_or_exit(parser, lambda: etcd_access(settings.etcd))
         if access is None:
             parser.error("--response-store etcd needs --etcd-endpoints")
-        return EtcdResponseStore(access.client(), settings.etcd.cluster_name)
+        etcd_store = EtcdResponseStore(access.client(), settings.etcd.cluster_name)
+        return ChunkedStore(etcd_store, ETCD_PART_BYTES)
     parser.error(
         f"--response-store must be memory, sqlite:PATH, etcd or none, not {chosen.response_store!r}"
     )
