@@ -29,12 +29,17 @@ import asyncio
 import hashlib
 import json
 import secrets
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from splitserve.common.response_store import ResponseStore
 
 HEAD_MARK = b"\x00parts\x00"
 READ_ATTEMPTS = 4
+HEADS_KEPT = 4096
+"""Heads of values in parts this process remembers (the most recently read or written): a
+replace over one it forgot reads the value again; an overwrite of one it forgot leaves the
+old parts to expire."""
 
 
 @dataclass(frozen=True)
@@ -69,7 +74,7 @@ class ChunkedStore:
             raise ValueError(f"parts of {part_bytes} bytes: at least 1024")
         self.store = store
         self.part_bytes = part_bytes
-        self._seen: dict[str, tuple[bytes, bytes]] = {}
+        self._seen: OrderedDict[str, tuple[bytes, bytes]] = OrderedDict()
         """key -> (the raw head last read or written here, its value's SHA-256), for keys
         kept in parts."""
 
@@ -112,7 +117,7 @@ class ChunkedStore:
                 value = b"".join(part for part in parts if part is not None)
                 digest = hashlib.sha256(value).hexdigest()
                 if len(value) == head.size and digest == head.sha256:
-                    self._seen[key] = (raw, digest.encode())
+                    self._remember(key, raw, digest.encode())
                     return value
         return None
 
@@ -155,7 +160,13 @@ class ChunkedStore:
         if raw is value:
             self._seen.pop(key, None)
         else:
-            self._seen[key] = (raw, hashlib.sha256(value).hexdigest().encode())
+            self._remember(key, raw, hashlib.sha256(value).hexdigest().encode())
+
+    def _remember(self, key: str, raw: bytes, digest: bytes) -> None:
+        self._seen[key] = (raw, digest)
+        self._seen.move_to_end(key)
+        while len(self._seen) > HEADS_KEPT:
+            self._seen.popitem(last=False)
 
     async def _head_of(self, key: str, expected: bytes) -> bytes | None:
         """The raw head ``key`` holds where its value is ``expected`` (read here before, or
