@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from splitserve.client.markers import held_back
 from splitserve.client.tool_call_scanner import CallPiece, ToolCallScanner
@@ -83,6 +83,30 @@ def _one_call(body: str, names: frozenset[str]) -> ToolCall | None:
     return calls[0] if calls else None
 
 
+class TaggedStream(Protocol):
+    """A reader of one answer whose calls come in ``<tool_call>`` blocks after its content:
+    ``TaggedCallStream`` here, ``client/xml_tools.py:XmlCallStream`` (the contract above)."""
+
+    @property
+    def started(self) -> bool: ...
+
+    def feed(self, text: str) -> tuple[str, list[CallPiece]]: ...
+
+    def finish(self) -> str: ...
+
+
+def before_block(pending: str, in_calls: bool) -> tuple[str, str, bool]:
+    """Read ``pending`` up to the next ``<tool_call>``: the content it lets out (none once
+    ``in_calls``; the end that could begin the tag held back), the text left, and whether a
+    block opened (the text left then starts inside it)."""
+    start = pending.find(START)
+    if start < 0:
+        keep = held_back(pending, START)
+        content = "" if in_calls else pending[: len(pending) - keep]
+        return content, pending[len(pending) - keep :], False
+    return ("" if in_calls else pending[:start]), pending[start + len(START) :], True
+
+
 class _ObjectEnd:
     """Follows a JSON object's text character by character to where it closes (strings and
     escapes followed, so a brace or a tag inside a string closes nothing)."""
@@ -109,27 +133,39 @@ class _ObjectEnd:
             self.closed = self.depth <= 0
 
 
-@dataclass
-class TaggedCallStream:
-    """One answer read as it is written (module docstring); ``names``: the tools it may
-    call. Outside a block it looks for ``<tool_call>``; inside, it hands the object's
-    characters to the block's scanner until the object closes, then looks for the end tag."""
+class BlockStream:
+    """What the tagged streams share: the text read but not yet handed out (a possible start
+    of a marker, or the open block's), whether a block was opened, and the end."""
 
-    names: frozenset[str]
-    _pending: str = ""
-    """Text read but not yet handed out (a possible start of a marker)."""
-    _scanner: ToolCallScanner | None = None
-    """The open block's scanner (None outside a block)."""
-    _object: _ObjectEnd | None = None
-    """Where the open block's object stands (None once it closed: its end tag is next)."""
-    _blocks: int = 0
-    """Calls announced before the open block (its pieces' index offset)."""
-    _in_calls: bool = False
+    def __init__(self) -> None:
+        self._pending = ""
+        self._in_calls = False
 
     @property
     def started(self) -> bool:
         """Whether a block was opened (the answer now makes calls, or none at all)."""
         return self._in_calls
+
+    def finish(self) -> str:
+        """The end of the answer: the content still held back (before any block)."""
+        held, self._pending = ("" if self._in_calls else self._pending), ""
+        return held
+
+
+class TaggedCallStream(BlockStream):
+    """One answer read as it is written (module docstring); ``names``: the tools it may
+    call. Outside a block it looks for ``<tool_call>``; inside, it hands the object's
+    characters to the block's scanner until the object closes, then looks for the end tag."""
+
+    def __init__(self, names: frozenset[str]) -> None:
+        super().__init__()
+        self.names = names
+        self._scanner: ToolCallScanner | None = None
+        """The open block's scanner (None outside a block)."""
+        self._object: _ObjectEnd | None = None
+        """Where the open block's object stands (None once it closed: its end tag is next)."""
+        self._blocks = 0
+        """Calls announced before the open block (its pieces' index offset)."""
 
     def feed(self, text: str) -> tuple[str, list[CallPiece]]:
         """The next piece of the answer: the content it lets out and what it makes known of
@@ -138,17 +174,11 @@ class TaggedCallStream:
         content, pieces = "", []
         while True:
             if self._scanner is None:
-                start = self._pending.find(START)
-                if start < 0:
-                    keep = held_back(self._pending, START)
-                    if not self._in_calls:
-                        content += self._pending[: len(self._pending) - keep]
-                    self._pending = self._pending[len(self._pending) - keep :]
+                let_out, self._pending, opened = before_block(self._pending, self._in_calls)
+                content += let_out
+                if not opened:
                     return content, pieces
-                if not self._in_calls:
-                    content += self._pending[:start]
                 self._in_calls = True
-                self._pending = self._pending[start + len(START) :]
                 self._scanner = ToolCallScanner(self.names, single=True)
                 self._object = _ObjectEnd()
                 continue
@@ -171,11 +201,6 @@ class TaggedCallStream:
             self._pending = self._pending[end + len(END) :]
             self._blocks += 1
             self._scanner = None
-
-    def finish(self) -> str:
-        """The end of the answer: the content still held back (before any block)."""
-        held, self._pending = ("" if self._in_calls else self._pending), ""
-        return held
 
     def _scan(self, text: str) -> list[CallPiece]:
         assert self._scanner is not None

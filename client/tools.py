@@ -40,6 +40,10 @@ With ``pythonic`` (Llama 3.2, Llama 4), the tools go to the chat template as wit
 (``[add(a=1, b=2), now()]``, between optional ``<|python_start|>`` and ``<|python_end|>``) is
 its calls, each call's arguments the JSON object of its keywords, anything else content; a
 forced choice is a Lark grammar of such a list (``client/pythonic_tools.py``).
+With ``qwen3_coder`` (Qwen3-Coder), the tools go to the chat template, the answer may hold text
+before its ``<tool_call>`` blocks of ``<function=NAME>`` and ``<parameter=KEY>`` elements (its
+content, as ``hermes``), each value read by its parameter's schema type into the call's JSON
+arguments; a forced choice is a structural tag of such blocks (``client/xml_tools.py``).
 With ``hermes``, the tools are given to the chat template as its ``tools`` variable (OpenAI's
 function tools as the request sent them; ``ToolPlan.template_kwargs``), the answer may hold text
 before its calls (its content), a forced choice is a structural tag of the blocks, and the
@@ -61,6 +65,7 @@ from typing import Any
 from splitserve.client.hermes_tools import (
     TaggedAnswer,
     TaggedCallStream,
+    TaggedStream,
     parse_tagged,
     tagged_grammar,
 )
@@ -73,6 +78,7 @@ from splitserve.client.tool_call_scanner import (
     ToolCallScanner,
 )
 from splitserve.client.types import ChatMessage, ChatTemplate, Generation, Sampling, ToolCall
+from splitserve.client.xml_tools import XmlCallStream, parse_xml_calls, xml_grammar
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.grammar import GrammarSpec
 
@@ -87,12 +93,23 @@ HERMES_FORMAT = "hermes"
 LLAMA3_JSON_FORMAT = "llama3_json"
 MISTRAL_FORMAT = "mistral"
 PYTHONIC_FORMAT = "pythonic"
-TOOL_FORMATS = (JSON_FORMAT, HERMES_FORMAT, LLAMA3_JSON_FORMAT, MISTRAL_FORMAT, PYTHONIC_FORMAT)
+QWEN3_CODER_FORMAT = "qwen3_coder"
+TOOL_FORMATS = (
+    JSON_FORMAT,
+    HERMES_FORMAT,
+    LLAMA3_JSON_FORMAT,
+    MISTRAL_FORMAT,
+    PYTHONIC_FORMAT,
+    QWEN3_CODER_FORMAT,
+)
+TAGGED_FORMATS = (HERMES_FORMAT, QWEN3_CODER_FORMAT)
+"""The formats whose calls come in ``<tool_call>`` blocks after the answer's content."""
 """The tool-call formats: splitserve's JSON (in a system message), Hermes-style blocks,
 Llama 3's JSON calls (the answer is ``{"name": ..., "parameters": {...}}``, several joined by
 ``;``, after an optional ``<|python_tag|>``), or Mistral's (a JSON array of call objects after
 an optional ``[TOOL_CALLS]``), or a Python list of calls with keyword arguments
-(``client/pythonic_tools.py``)."""
+(``client/pythonic_tools.py``), or Qwen3-Coder's ``<tool_call>`` blocks of XML-like
+parameters (``client/xml_tools.py``)."""
 
 
 @dataclass(frozen=True)
@@ -162,6 +179,8 @@ class ToolPlan:
         ]
         if self.format == HERMES_FORMAT:
             return tagged_grammar(call_schemas, one)
+        if self.format == QWEN3_CODER_FORMAT:
+            return xml_grammar({f.name: f.parameters for f in allowed}, one)
         if self.format == LLAMA3_JSON_FORMAT:
             return _llama3_grammar(allowed, one)
         if self.format == PYTHONIC_FORMAT:
@@ -194,15 +213,28 @@ class ToolPlan:
             array=self.format == MISTRAL_FORMAT,
         )
 
-    def stream(self) -> TaggedCallStream:
-        """A reader of one ``hermes`` answer as it is written (``client/hermes_tools.py``)."""
+    @property
+    def tagged(self) -> bool:
+        """Whether calls come in ``<tool_call>`` blocks after content (``TAGGED_FORMATS``)."""
+        return self.format in TAGGED_FORMATS
+
+    def stream(self) -> TaggedStream:
+        """A reader of one ``hermes`` or ``qwen3_coder`` answer as it is written
+        (``client/hermes_tools.py``, ``client/xml_tools.py``)."""
+        if self.format == QWEN3_CODER_FORMAT:
+            return XmlCallStream(self._schemas())
         return TaggedCallStream(self.names)
+
+    def _schemas(self) -> dict[str, dict[str, Any]]:
+        return {f.name: f.parameters for f in self.functions}
 
     def answer(self, text: str) -> TaggedAnswer | None:
         """What a whole answer makes: its calls and its content beside them (None: none in
         ``json``), or None when it makes no calls."""
         if self.format == HERMES_FORMAT:
             return parse_tagged(text, self.names)
+        if self.format == QWEN3_CODER_FORMAT:
+            return parse_xml_calls(text, self._schemas())
         calls = self.parse(text)
         return None if not calls else TaggedAnswer(None, calls)
 

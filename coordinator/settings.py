@@ -130,8 +130,10 @@ class CoordinatorSettings:
         "the template shows the tools, the model answers call objects) or mistral (Mistral "
         "7B v0.3, Nemo, Small, Large: the template shows the tools, the model answers "
         "[TOOL_CALLS] and an array of calls) or pythonic (Llama 3.2, Llama 4: the template "
-        "shows the tools, the model answers a Python list of calls)",
-        choices=("json", "hermes", "llama3_json", "mistral", "pythonic"),
+        "shows the tools, the model answers a Python list of calls) or qwen3_coder "
+        "(Qwen3-Coder: the template shows the tools, the model answers <tool_call> blocks of "
+        "<function=...> and <parameter=...>)",
+        choices=("json", "hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder"),
     )
     reasoning_parser: str = setting(
         "",

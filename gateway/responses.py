@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from splitserve.client import Chunk, Finish, PromptToken, TokenLogprob, Usage
-from splitserve.client.hermes_tools import TaggedCallStream
+from splitserve.client.hermes_tools import TaggedStream
 from splitserve.client.reasoning import ReasoningStream
-from splitserve.client.tools import HERMES_FORMAT, ToolPlan
+from splitserve.client.tools import ToolPlan
 from splitserve.gateway.errors import ApiError
 from splitserve.gateway.tools import ToolCallDeltas
 
@@ -382,8 +382,8 @@ class ChatBuilder(ResponseBuilder):
         ]
 
     @staticmethod
-    def _tagged_stream(plan: ToolPlan) -> TaggedCallStream | None:
-        return plan.stream() if plan.format == HERMES_FORMAT else None
+    def _tagged_stream(plan: ToolPlan) -> TaggedStream | None:
+        return plan.stream() if plan.tagged else None
 
     def opening_chunks(self) -> list[dict[str, Any]]:
         """The first streamed chunk: the assistant role, the echoed content (or none)."""
@@ -440,7 +440,8 @@ class ChatBuilder(ResponseBuilder):
         return [self._chunk_event(choice)]
 
     def _add_tagged(self, text: str, logprobs: tuple[TokenLogprob, ...]) -> list[dict[str, Any]]:
-        """A ``hermes`` answer's next piece: its content and the call deltas it makes known."""
+        """A tagged answer's next piece (``hermes``, ``qwen3_coder``): its content and the
+        call deltas it makes known."""
         assert self._tagged is not None and self._calls is not None
         content, pieces = self._tagged.feed(text)
         events = []
@@ -458,7 +459,7 @@ class ChatBuilder(ResponseBuilder):
         return events
 
     def _finish_tagged(self, end: Finish) -> dict[str, Any]:
-        """A ``hermes`` answer's last delta: the calls a stream still lacks, or, where it makes
+        """A tagged answer's last delta: the calls a stream still lacks, or, where it makes
         none, the content not streamed yet (held back, or read as a call that was not one)."""
         assert self.tools is not None and self._tagged is not None and self._calls is not None
         text = "".join(self.text_parts)
