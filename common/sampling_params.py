@@ -338,12 +338,12 @@ def changes_logits(
     logits of a row with ``params`` after ``num_output_tokens`` generated tokens, a grammar's
     mask aside: a penalty, a logit bias, allowed tokens, bad words, or EOS / stop tokens still
     suppressed by ``min_tokens``."""
-    return _changes_logits_beyond_counts(params) or suppresses_stops(
+    return _changes_logits_beyond_counts(params) or _suppresses_stops(
         params, num_output_tokens, eos_token_ids
     )
 
 
-def suppresses_stops(
+def _suppresses_stops(
     params: SamplingParams, num_output_tokens: int, eos_token_ids: frozenset[int]
 ) -> bool:
     """True when ``min_tokens`` still masks EOS and the stop tokens of a row with ``params``
