@@ -10,9 +10,14 @@ Contract:
   ``response.in_progress`` when its first token comes, then a foreground stream's). The
   client going away cancels nothing.
 - The run folds its stream as a foreground response does. Its record is put when it starts
-  (``in_progress``), every ``HEARTBEAT_S`` while it runs (the put's time is its heartbeat)
-  and once it ended (completed, incomplete, failed with the error no HTTP status could carry,
-  or cancelled), before its last events go out. Puts of one run never overtake each other.
+  (``in_progress``), while it runs and once it ended (completed, incomplete, failed with the
+  error no HTTP status could carry, or cancelled), before its last events go out. Puts of one
+  run never overtake each other. Every ``HEARTBEAT_S`` it shows it lives: by putting its
+  record, or, where the record is large, by a small sign of life beside it
+  (``StoredResponses.put_alive``), the record then put at most once per its size over
+  ``SNAPSHOT_BYTES_PER_S`` seconds: a store shared by many running responses (etcd, whose
+  history keeps every write until compacted) is written at a bounded rate, not a long
+  stream's whole record every 5 s.
 - ``GET /v1/responses/{id}``: on the gateway running it, the response as it is now;
   elsewhere its last record. A record still running whose heartbeat is older than
   ``STALE_S`` is answered ``failed`` (``code: gateway_stopped``): the gateway that ran it
@@ -61,7 +66,11 @@ from splitserve.gateway.stored_responses import StoredResponse, StoredResponses
 log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 5.0
-"""How often a running background response's record is put again."""
+"""How often a running background response shows it lives (module docstring)."""
+SNAPSHOT_BYTES_PER_S = 16 << 10
+"""Bytes a second a running background response's record puts write at most, past its first
+put and its last: a record of up to 80 KiB is put every ``HEARTBEAT_S``, one of 1 MiB every
+64 s (its sign of life every ``HEARTBEAT_S`` meanwhile)."""
 STALE_S = 30.0
 """A running record not put again for this long belongs to a gateway that stopped."""
 CANCEL_POLL_S = 1.0
@@ -128,6 +137,8 @@ class BackgroundRun:
         self.ended = asyncio.Event()
         self.put_lock = asyncio.Lock()
         """Held across each put of its record (their order is the runs')."""
+        self.record_bytes = 0
+        """The size of its record as last put."""
         self.task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
 
@@ -311,13 +322,14 @@ class BackgroundRuns:
         async with run.put_lock:
             if run.ended.is_set():
                 return
-            await self.stored.put(run.record())
+            run.record_bytes = await self.stored.put(run.record())
             if last:
                 run.ended.set()
 
     async def _watch(self, run: BackgroundRun) -> None:
-        """Until ``run`` ended: its heartbeat, and the cancel mark another gateway may put."""
-        last_put = time.monotonic()
+        """Until ``run`` ended: its heartbeat (module docstring), and the cancel mark another
+        gateway may put."""
+        last_put = last_beat = time.monotonic()
         while not run.ended.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(run.ended.wait(), CANCEL_POLL_S)
@@ -325,9 +337,15 @@ class BackgroundRuns:
                 return
             if await self.stored.cancel_asked(run.response_id):
                 run.cancel()
-            if time.monotonic() - last_put >= HEARTBEAT_S:
+            now = time.monotonic()
+            if now - last_beat < HEARTBEAT_S:
+                continue
+            if now - last_put >= max(HEARTBEAT_S, run.record_bytes / SNAPSHOT_BYTES_PER_S):
                 await self._put(run)
                 last_put = time.monotonic()
+            else:
+                await self.stored.put_alive(run.response_id)
+            last_beat = time.monotonic()
 
     async def cancel(self, response_id: str, tenant: str) -> dict[str, Any]:
         """Cancel ``tenant``'s background response ``response_id`` (module docstring); the

@@ -84,7 +84,7 @@ class StoredResponse:
     @property
     def running(self) -> bool:
         """Whether it is a background response that has not ended (as last put)."""
-        return self.response["status"] in ("queued", "in_progress")
+        return self.response.get("status") in ("queued", "in_progress")
 
 
 def not_found(response_id: str, param: str) -> ApiError:
@@ -159,18 +159,48 @@ class StoredResponses:
         stored = None if data is None else StoredResponse.from_bytes(data)
         if stored is None or stored.tenant != tenant:
             raise not_found(response_id, param)
+        if stored.running:  # its gateway's latest sign of life may be newer than the record
+            alive = await self._alive_at(response_id)
+            if alive > stored.updated_at:
+                stored = dataclasses.replace(stored, updated_at=alive)
         return stored
 
-    async def put(self, stored: StoredResponse) -> None:
+    async def put(self, stored: StoredResponse) -> int:
         """Keep ``stored``; a backend's refusal is logged and counted, never raised (the
-        response was answered; a follow-up naming it gets the 404)."""
+        response was answered; a follow-up naming it gets the 404). Returns the record's
+        size in bytes."""
         assert self.store is not None
         stamped = dataclasses.replace(stored, updated_at=time.time())
+        data = stamped.to_bytes()
         try:
-            await self.store.put(stored.response["id"], stamped.to_bytes(), self.ttl_s)
+            await self.store.put(stored.response["id"], data, self.ttl_s)
         except StoreFailed as error:
             self.count_failed_put()
             log.warning("response %s was not stored: %s", stored.response["id"], error)
+        return len(data)
+
+    async def put_alive(self, response_id: str) -> None:
+        """Put the sign of life of a running response whose record is put less often (a
+        large background response's: ``gateway/background.py``); ``get`` reads it as the
+        record's ``updated_at``. A refusal is logged: the next one may pass."""
+        assert self.store is not None
+        try:
+            await self.store.put(_alive_key(response_id), repr(time.time()).encode(), self.ttl_s)
+        except StoreFailed as error:
+            log.warning("response %s: its sign of life was not put: %s", response_id, error)
+
+    async def _alive_at(self, response_id: str) -> float:
+        """When ``put_alive`` last put ``response_id``'s sign of life (0: never, or the store
+        cannot say)."""
+        assert self.store is not None
+        try:
+            data = await self.store.get(_alive_key(response_id))
+        except StoreFailed:
+            return 0.0
+        try:
+            return 0.0 if data is None else float(data)
+        except ValueError:
+            return 0.0
 
     def count_failed_put(self) -> None:
         """Count something that was to be kept and was not (logged by the caller)."""
@@ -212,6 +242,10 @@ class StoredResponses:
 
 def _cancel_key(response_id: str) -> str:
     return f"{response_id}.cancel"
+
+
+def _alive_key(response_id: str) -> str:
+    return f"{response_id}.alive"
 
 
 def input_items(given: str | list[dict[str, Any]]) -> list[dict[str, Any]]:

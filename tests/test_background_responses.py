@@ -23,7 +23,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from splitserve.common.response_store import MemoryResponseStore, SqliteResponseStore
-from splitserve.gateway.background import STALE_S, BackgroundRuns
+from splitserve.gateway import background
+from splitserve.gateway.background import STALE_S, BackgroundRuns, answered
 from splitserve.gateway.errors import ApiError
 from splitserve.gateway.stored_responses import StoredResponse, StoredResponses
 from tests.cluster import SERVED_MAX_INFLIGHT, Served, assert_all_free, wait_until_idle
@@ -276,11 +277,81 @@ def test_a_record_its_gateway_stopped_putting_is_answered_failed() -> None:
         batches = [batch async for batch in await runs.follow("resp-x", "", -1)]
         assert batches[0] == events
         assert batches[-1][0]["type"] == "error" and batches[-1][0]["sequence_number"] == 1
+        await stored.put_alive("resp-x")  # a sign of life beside the old record: running
+        alive = await stored.get("resp-x", "")
+        assert alive.running and answered(alive)["status"] == "in_progress"
         fresh = StoredResponse(response, [], "", "", None, time.time())
         await store.put("resp-y", fresh.to_bytes(), 60)
         assert (await stored.get("resp-y", "")).running
         with pytest.raises(ApiError) as refused:
             await runs.follow("resp-y", "", -1)  # kept no events: not created streamed
         assert refused.value.param == "stream"
+
+    asyncio.run(run())
+
+
+class _CountingStore(MemoryResponseStore):
+    """Memory that counts the puts under each key."""
+
+    def __init__(self) -> None:
+        super().__init__(1 << 30)
+        self.puts: dict[str, int] = {}
+
+    async def put(self, key: str, value: bytes, ttl_s: float) -> None:
+        self.puts[key] = self.puts.get(key, 0) + 1
+        await super().put(key, value, ttl_s)
+
+
+class _Run:
+    """What ``BackgroundRuns`` reads of a run while it watches it: a record of ``size``."""
+
+    def __init__(self, response_id: str, size: int) -> None:
+        self.response_id = response_id
+        self.ended = asyncio.Event()
+        self.put_lock = asyncio.Lock()
+        self.record_bytes = 0
+        response = {"id": response_id, "status": "in_progress", "background": True,
+                    "error": None, "output": [{"text": "x" * size}]}  # fmt: skip
+        self._record = StoredResponse(response, [], "", "", None)
+
+    def record(self) -> StoredResponse:
+        return self._record
+
+    def cancel(self) -> None:
+        raise AssertionError("nothing asked to cancel it")
+
+
+def test_a_large_running_record_is_put_at_a_bounded_rate_with_signs_of_life_between(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each heartbeat puts a small record whole; a large one's record is put once per its
+    size over ``SNAPSHOT_BYTES_PER_S`` seconds, a sign of life beside it on the other
+    heartbeats, which keeps it from reading as stopped."""
+    monkeypatch.setattr(background, "HEARTBEAT_S", 0.05)
+    monkeypatch.setattr(background, "CANCEL_POLL_S", 0.01)
+    monkeypatch.setattr(background, "SNAPSHOT_BYTES_PER_S", 10_000)  # 4 KB: every 0.4 s
+
+    async def run() -> None:
+        store = _CountingStore()
+        stored = StoredResponses(store)
+        runs = BackgroundRuns(stored)
+        small, large = _Run("resp-small", 100), _Run("resp-large", 4_000)
+        for each in (small, large):
+            await runs._put(each)  # as a run's first put (in progress)
+        watchers = [asyncio.create_task(runs._watch(each)) for each in (small, large)]
+        await asyncio.sleep(1.6)
+        for each in (small, large):
+            each.ended.set()
+        await asyncio.gather(*watchers)
+        puts = store.puts
+        assert puts.get("resp-small.alive", 0) == 0 and puts["resp-small"] >= 6, puts
+        assert puts["resp-large.alive"] >= 2 * puts["resp-large"], puts
+        assert 2 <= puts["resp-large"] <= 6, puts  # its first put, then one each 0.4 s
+        monkeypatch.setattr(background, "STALE_S", 0.3)
+        await stored.put_alive("resp-large")
+        await asyncio.sleep(0.35)  # the record older than STALE_S, its sign of life too
+        assert background.stale(await stored.get("resp-large", ""))
+        await stored.put_alive("resp-large")
+        assert not background.stale(await stored.get("resp-large", ""))
 
     asyncio.run(run())
