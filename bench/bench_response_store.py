@@ -4,9 +4,12 @@ and of one ``get`` (what a ``previous_response_id`` waits for before its prompt 
 of adding one exchange to a conversation of as many turns (``Conversations.add_turn``: a read
 and a ``replace`` over it, what a response naming a ``conversation`` waits for before its last
 event), for
-records of a short exchange and of a long conversation, against the ``memory`` store (the
+records of a short exchange, of a conversation of 20 turns and of one of 4,000 (about 2.6 MB:
+past etcd's 1.5 MiB request limit, so kept in parts there), against the ``memory`` store (the
 baseline) in the same run. The stores: this process's memory, a SQLite file (``up
---gateways N``'s), and a real etcd on localhost (``tests/etcd.py``'s, as the suite runs it).
+--gateways N``'s), and a real etcd on localhost (``tests/etcd.py``'s, as the suite runs it)
+as the gateway keeps it: values over 1 MiB in parts (``common/chunked_store.py``). The long
+conversation takes a tenth of ``--reps`` (at least 20).
 
 Median and p99 over ``--reps`` puts and gets each, after ``--warmup``. Prints rows to stderr
 and the JSON report to stdout (``--out`` writes it too). Nothing asserted.
@@ -27,12 +30,13 @@ from pathlib import Path
 from machine_bound import cpu_name
 from timing_stats import Json, emit_report, log_row, percentile, wait_for_quiet
 
+from splitserve.common.chunked_store import ChunkedStore
 from splitserve.common.response_store import (
     MemoryResponseStore,
     ResponseStore,
     SqliteResponseStore,
 )
-from splitserve.discovery.etcd_response_store import EtcdResponseStore
+from splitserve.discovery.etcd_response_store import PART_BYTES, EtcdResponseStore
 from splitserve.gateway.conversations import Conversations
 from splitserve.gateway.stored_responses import StoredResponse, StoredResponses, input_items
 from splitserve.proto.etcd_client import EtcdClient
@@ -42,6 +46,8 @@ from tests.etcd import running_etcd  # noqa: E402 - the suite's real etcd
 
 SAID = "The weather in Paris is sunny with a light breeze and 21 degrees. " * 3
 """One message of the conversations (~200 characters)."""
+LONG_TURNS = 4000
+"""The long conversation's exchanges: a record of about 2.6 MB."""
 
 
 def _record(response_id: str, turns: int) -> StoredResponse:
@@ -95,17 +101,20 @@ def _turn() -> list[dict[str, object]]:
 
 
 async def _measure(args: argparse.Namespace, etcd_endpoint: str, folder: Path) -> list[Json]:
+    etcd = EtcdResponseStore(EtcdClient((etcd_endpoint,)), "bench")
     stores: list[tuple[str, ResponseStore]] = [
         ("memory", MemoryResponseStore(1 << 30)),
         ("sqlite", SqliteResponseStore(folder / "responses.db")),
-        ("etcd", EtcdResponseStore(EtcdClient((etcd_endpoint,)), "bench")),
+        ("etcd", ChunkedStore(etcd, PART_BYTES)),  # as the gateway keeps it
     ]
     rows = []
-    for turns in (1, 20):
+    for turns in (1, 20, LONG_TURNS):
         base: Json | None = None
+        reps = args.reps if turns < LONG_TURNS else max(20, args.reps // 10)
+        warmup = args.warmup if turns < LONG_TURNS else max(3, args.warmup // 10)
         for name, store in stores:
-            timed = await _time(StoredResponses(store), turns, args.reps, args.warmup)
-            row = {"store": name, "turns": turns, **timed}
+            timed = await _time(StoredResponses(store), turns, reps, warmup)
+            row = {"store": name, "turns": turns, "reps": reps, **timed}
             base = base or row
             row["put_vs_memory"] = row["put_us_p50"] / base["put_us_p50"]
             row["get_vs_memory"] = row["get_us_p50"] / base["get_us_p50"]
