@@ -239,17 +239,16 @@ class ToolPlan:
         return None if not calls else TaggedAnswer(None, calls)
 
     def parse(self, text: str) -> list[ToolCall] | None:
-        """The calls a whole ``json``, ``llama3_json`` or ``mistral`` answer makes (each call's
-        arguments as the model wrote them), or None when it is not valid JSON in the format."""
+        """The calls a whole ``json``, ``llama3_json``, ``mistral`` or ``pythonic`` answer makes
+        (each call's arguments as the model wrote them, a pythonic call's as the JSON of its
+        keywords), or None when it is not valid in the format."""
         scanner = self.scanner()
         scanner.feed(text)
         calls = scanner.finish()
-        if calls is None:
-            return None
+        if calls is None or self.format == PYTHONIC_FORMAT:
+            return calls  # a pythonic scan parsed each call whole (client/pythonic_tools.py)
         try:
-            if self.format == PYTHONIC_FORMAT:
-                pass  # each call was parsed whole (``client/pythonic_tools.py``)
-            elif self.format == LLAMA3_JSON_FORMAT:
+            if self.format == LLAMA3_JSON_FORMAT:
                 _each_object(text)
             elif self.format == MISTRAL_FORMAT:
                 json.loads(text.strip().removeprefix(TOOL_CALLS_TAG))

@@ -85,7 +85,7 @@ class ChunkedStore:
         except BaseException:
             await self._drop_parts(key, raw)
             raise
-        await self._wrote(key, raw, value)
+        await self._wrote(key, raw)
 
     async def replace(self, key: str, value: bytes, ttl_s: float, expected: bytes | None) -> bool:
         expected_raw = expected
@@ -102,7 +102,7 @@ class ChunkedStore:
         if not replaced:
             await self._drop_parts(key, raw)
             return False
-        await self._wrote(key, raw, value, previous=expected_raw)
+        await self._wrote(key, raw, previous=expected_raw)
         return True
 
     async def get(self, key: str) -> bytes | None:
@@ -149,18 +149,18 @@ class ChunkedStore:
             raise
         return head.to_bytes()
 
-    async def _wrote(
-        self, key: str, raw: bytes, value: bytes, previous: bytes | None = None
-    ) -> None:
-        """After ``raw`` became ``key``'s: the parts of the head it replaced go."""
+    async def _wrote(self, key: str, raw: bytes, previous: bytes | None = None) -> None:
+        """After ``raw`` became ``key``'s: the parts of the head it replaced go, and a head is
+        remembered with the SHA-256 it names."""
         known = self._seen.get(key)
         stale = previous if previous is not None else (known[0] if known else None)
         if stale is not None and stale != raw:
             await self._drop_parts(key, stale)
-        if raw is value:
+        head = _Head.parse(raw)
+        if head is None:
             self._seen.pop(key, None)
         else:
-            self._remember(key, raw, hashlib.sha256(value).hexdigest().encode())
+            self._remember(key, raw, head.sha256.encode())
 
     def _remember(self, key: str, raw: bytes, digest: bytes) -> None:
         self._seen[key] = (raw, digest)

@@ -6,6 +6,8 @@ takes exactly such calls."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 from splitserve.client.tools import LLAMA3_JSON_FORMAT, ToolPlan, tool_plan
@@ -64,8 +66,7 @@ def test_the_builder_streams_the_calls_the_whole_response_holds() -> None:
 def test_the_tools_go_to_the_chat_template(compiler: GrammarCompiler) -> None:
     assert_tools_reach_the_template([ADD, NOW], LLAMA3_JSON_FORMAT)
 
-    def takes(plan: ToolPlan, text: str) -> bool:
-        return forced_takes(compiler, plan, text)
+    takes = functools.partial(forced_takes, compiler)
 
     add = '{"name": "add", "parameters": {"a": 1, "b": 2}}'
     now = '{"name": "now", "parameters": {}}'

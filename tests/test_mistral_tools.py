@@ -7,6 +7,7 @@ the format answers a forced call and takes it back in the next turn's history.""
 
 from __future__ import annotations
 
+import functools
 import re
 
 import pytest
@@ -73,8 +74,7 @@ def test_the_tools_go_to_the_chat_template_and_a_forced_choice_is_an_array(
 ) -> None:
     assert_tools_reach_the_template([ADD, NOW], MISTRAL_FORMAT)
 
-    def takes(plan: ToolPlan, text: str) -> bool:
-        return forced_takes(compiler, plan, text)
+    takes = functools.partial(forced_takes, compiler)
 
     add = '{"name": "add", "arguments": {"a": 1, "b": 2}}'
     now = '{"name": "now", "arguments": {}}'

@@ -6,6 +6,8 @@ forced choice's grammar takes exactly such lists of the allowed tools."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 from splitserve.client.tools import PYTHONIC_FORMAT, ToolPlan, tool_plan
@@ -87,8 +89,7 @@ def test_the_tools_go_to_the_chat_template_and_a_forced_choice_takes_only_such_l
 ) -> None:
     assert_tools_reach_the_template([ADD, NOW], PYTHONIC_FORMAT)
 
-    def takes(plan: ToolPlan, text: str) -> bool:
-        return forced_takes(compiler, plan, text)
+    takes = functools.partial(forced_takes, compiler)
 
     add, now = "add(a=1, b=-2)", "now()"
     weather = 'get_weather(city="Paris", metric=False)'

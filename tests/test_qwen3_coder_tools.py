@@ -6,6 +6,7 @@ forced choice's structural tag takes exactly such blocks."""
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -104,8 +105,7 @@ def test_the_tools_go_to_the_chat_template_and_a_forced_choice_takes_only_blocks
 ) -> None:
     assert_tools_reach_the_template([WRITE, NOW], QWEN3_CODER_FORMAT)
 
-    def takes(plan: ToolPlan, text: str) -> bool:
-        return forced_takes(compiler, plan, text)
+    takes = functools.partial(forced_takes, compiler)
 
     def block(function: str, *parameters: tuple[str, str]) -> str:
         inner = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in parameters)
